@@ -1,0 +1,1 @@
+"""Benchmarks: latency and throughput against diffusers."""

@@ -1,0 +1,105 @@
+"""Command line: wiring only (argparse -> engine).
+
+    diffgraph generate "PROMPT" -o out.png [--model --width --height --steps --guidance --sampler --schedule --seed -n]
+    diffgraph models
+
+Bad input exits with code 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .models.presets import available_presets
+from .sampling.schedules import SAMPLERS, SCHEDULES
+
+DEFAULT_MODEL = os.environ.get("DIFFGRAPH_MODEL") or "digits"
+
+
+def default_model() -> str:
+    from .models.presets import shipped_preset_folder
+    if DEFAULT_MODEL == "digits" and shipped_preset_folder("digits") is None:
+        return "random:tiny"
+    return DEFAULT_MODEL
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="diffgraph", description="Generate images with SD-family models on CUDA graphs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate images from a prompt")
+    g.add_argument("prompt", help="the text prompt")
+    g.add_argument("-o", "--output", default="out.png",
+                   help="output file (.png/.jpg/.webp); with -n > 1 files are numbered: out-0.png, out-1.png, ...")
+    g.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
+    g.add_argument("--negative-prompt", default=None, help="negative prompt")
+    g.add_argument("--width", type=int, default=None, help="image width, multiple of 8 (default: the model's native size)")
+    g.add_argument("--height", type=int, default=None, help="image height, multiple of 8 (default: native size)")
+    g.add_argument("--steps", type=int, default=20, help="denoising steps, 1-200 (default 20)")
+    g.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale >= 0 (default: 7.5 SD, 5.0 SDXL)")
+    g.add_argument("--sampler", default="euler", help=f"one of {', '.join(SAMPLERS)} (default euler)")
+    g.add_argument("--schedule", default="default", help=f"one of {', '.join(SCHEDULES)} (default: the model's)")
+    g.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
+    g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
+
+    sub.add_parser("models", help="list the presets")
+    return p
+
+
+class _ArgError(Exception):
+    pass
+
+
+def _output_paths(output: str, n: int) -> list[str]:
+    root, ext = os.path.splitext(output)
+    if ext.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+        raise _ArgError(f"output {output!r} must end in .png, .jpg, .jpeg or .webp")
+    return [output] if n == 1 else [f"{root}-{i}{ext}" for i in range(n)]
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.engine import Engine
+
+    from .request import GenerationRequest
+
+    paths = _output_paths(args.output, args.num_images if args.num_images > 0 else 1)
+    # Validate before loading the model: bad input fails fast, with one line, whatever the model's size.
+    GenerationRequest.create(
+        args.prompt, negative_prompt=args.negative_prompt, width=args.width or 512, height=args.height or 512,
+        num_inference_steps=args.steps, guidance_scale=7.5 if args.guidance is None else args.guidance,
+        sampler=args.sampler, schedule=args.schedule, seed=args.seed, num_images=args.num_images)
+    engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype)
+    result = engine.generate(
+        args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
+        num_inference_steps=args.steps, guidance_scale=args.guidance, sampler=args.sampler,
+        schedule=args.schedule, seed=args.seed, num_images=args.num_images)
+    for image, path in zip(result.images, paths):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        image.save(path)
+        print(path)
+    print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            for name, desc in available_presets().items():
+                print(f"{name:16s} {desc}")
+            print("or a local diffusers folder (StableDiffusionPipeline / StableDiffusionXLPipeline)")
+            return 0
+        return _generate(args)
+    except (_ArgError, ValueError) as e:
+        print(f"diffgraph: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine: worker (device), engine facade."""

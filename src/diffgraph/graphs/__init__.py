@@ -1,0 +1,1 @@
+"""The captured denoising step and CUDA-graph machinery."""

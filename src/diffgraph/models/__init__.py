@@ -1,0 +1,1 @@
+"""Model loading (local diffusers folders, presets) and prompt conditioning."""

@@ -1,0 +1,118 @@
+"""Generation requests (validated parameters) and their results.
+
+`GenerationRequest.create(...)` is the single place where user parameters are checked: every error
+is a ValueError that names the parameter, the value and what is allowed. The engine, CLI and server
+all build requests through it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .sampling.schedules import SAMPLERS, SCHEDULES
+
+MIN_SIZE = 64
+MAX_SIZE = 2048
+MAX_STEPS = 200
+MAX_IMAGES = 16
+MAX_SEED = 2**63 - 1
+
+_ids = itertools.count()
+
+
+def _nearest_multiples(value: int, base: int = 8) -> str:
+    low = (value // base) * base
+    return f"{low} or {low + base}" if low >= base else f"{base}"
+
+
+def _check_size(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer number of pixels, got {value!r}")
+    value = int(value)
+    if value % 8:
+        raise ValueError(f"{name} {value} is not a multiple of 8; use {_nearest_multiples(value)}")
+    if not MIN_SIZE <= value <= MAX_SIZE:
+        raise ValueError(f"{name} {value} is outside the supported range {MIN_SIZE}..{MAX_SIZE} (multiples of 8)")
+    return value
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    if not low <= int(value) <= high:
+        raise ValueError(f"{name} {value} is out of range; allowed: {low}..{high}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator."""
+
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    sampler: str
+    schedule: str
+    seed: int
+    num_images: int
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+    @classmethod
+    def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any, height: Any,
+               num_inference_steps: Any, guidance_scale: Any, sampler: Any, schedule: Any,
+               seed: Any = None, num_images: Any = 1, request_id: str | None = None) -> "GenerationRequest":
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise ValueError(f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}")
+        width = _check_size("width", width)
+        height = _check_size("height", height)
+        steps = _check_int("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
+        if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
+            raise ValueError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
+        guidance = float(guidance_scale)
+        if not (guidance >= 0 and np.isfinite(guidance)):
+            raise ValueError(f"guidance_scale {guidance_scale} is out of range; allowed: a finite number >= 0")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler {sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule {schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
+        if seed is None:
+            seed = secrets.randbelow(2**31)
+        seed = _check_int("seed", seed, 0, MAX_SEED)
+        num_images = _check_int("num_images", num_images, 1, MAX_IMAGES)
+        kwargs = {} if request_id is None else {"request_id": str(request_id)}
+        return cls(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
+                   num_inference_steps=steps, guidance_scale=guidance, sampler=sampler, schedule=schedule,
+                   seed=seed, num_images=num_images, **kwargs)
+
+
+@dataclass
+class GenerationResult:
+    """What a request gets back: PIL images, their float pixels in [0, 1] (n, H, W, 3), the seed, timings (ms)."""
+
+    request_id: str
+    images: list[Any]
+    arrays: np.ndarray
+    seed: int
+    timings: dict[str, float]
+    request: GenerationRequest
+
+    # A result reads as the list of its images: `images = engine.generate(...)`, `images[0].save(...)`.
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __iter__(self):
+        return iter(self.images)
+
+    def __getitem__(self, index: int):
+        return self.images[index]
+

@@ -1,0 +1,223 @@
+"""Per-request sampler plans: a table of per-step coefficients, so rows at different steps share one batch.
+
+diffusers' schedulers keep a hidden step index, so one instance cannot serve rows at different steps. Here
+each request gets a `SamplerPlan` (computed once, on the CPU, in float64) whose row `i` holds every number
+step `i` needs. The step function (graphs/) then does, per batch row, with `out` the guided model output:
+
+    model_input = c_in * x                      # fed to the UNet with timestep t
+    D           = p * x + q * out               # denoised prediction x0 (epsilon or v_prediction)
+    x_next      = a * x + b * D + c * D_prev + d * noise
+
+`D_prev` is the row's D of its previous step (zero at step 0); `noise` is standard normal, drawn only when
+`plan.draws_noise`. `apply_step` below is that update for numpy arrays or torch tensors.
+
+Each sampler works in the state space of its diffusers counterpart (Euler: VE latents x0 + sigma*eps;
+DDIM, DPM-Solver++: VP latents), so every intermediate x equals diffusers' latents within float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from .schedules import (
+    SAMPLERS,
+    SCHEDULES,
+    NoiseSchedule,
+    interp_sigmas,
+    karras_sigmas,
+    sigma_to_t,
+    spaced_timesteps,
+    to_f32,
+)
+
+MAX_STEPS = 1000
+
+
+class Coef(IntEnum):
+    """Columns of `SamplerPlan.coefs`."""
+
+    C_IN = 0
+    T = 1
+    P = 2
+    Q = 3
+    A = 4
+    B = 5
+    C = 6
+    D = 7
+
+
+NUM_COEFS = len(Coef)
+
+
+@dataclass(frozen=True)
+class SamplerPlan:
+    sampler: str
+    schedule: str
+    num_steps: int
+    coefs: np.ndarray  # float64 [num_steps, NUM_COEFS]
+    init_noise_sigma: float  # initial latents = randn * init_noise_sigma
+    draws_noise: bool  # True: one noise tensor per step, every step (euler_a, as diffusers)
+    timesteps: np.ndarray  # UNet timestep per step, == coefs[:, Coef.T]
+    sigmas: np.ndarray  # VE sigma per state, num_steps + 1 entries (the last is where x ends)
+
+
+def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int) -> SamplerPlan:
+    """The coefficient table of `sampler` on `schedule` for `num_steps` steps of `noise`."""
+    check_sampler(sampler, schedule)
+    max_steps = min(MAX_STEPS, noise.num_train_timesteps)
+    if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or not 1 <= num_steps <= max_steps:
+        raise ValueError(f"num_steps {num_steps!r} is out of range; use an integer in 1..{max_steps}")
+    num_steps = int(num_steps)
+    karras = schedule == "karras"
+    if sampler in ("euler", "euler_a"):
+        plan = _euler_plan(noise, num_steps, karras, ancestral=sampler == "euler_a")
+    elif sampler == "dpmpp_2m":
+        plan = _dpmpp_2m_plan(noise, num_steps, karras)
+    else:
+        plan = _ddim_plan(noise, num_steps)
+    timesteps, sigmas, coefs, init_noise_sigma = plan
+    if not np.all(np.isfinite(coefs)):
+        raise ValueError(
+            f"num_steps {num_steps} gives a degenerate {sampler} schedule with timestep_spacing "
+            f"{noise.timestep_spacing!r} (repeated timesteps); use fewer steps"
+        )
+    return SamplerPlan(
+        sampler=sampler,
+        schedule=schedule,
+        num_steps=num_steps,
+        coefs=coefs,
+        init_noise_sigma=float(init_noise_sigma),
+        draws_noise=sampler == "euler_a",
+        timesteps=timesteps,
+        sigmas=sigmas,
+    )
+
+
+def check_sampler(sampler: str, schedule: str) -> None:
+    """ValueError unless (sampler, schedule) is a pair we implement."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler {sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
+    if sampler == "ddim" and schedule != "default":
+        # diffusers' DDIMScheduler has no Karras sigmas, so there is no reference to match.
+        raise ValueError(f"schedule {schedule!r} is not supported by sampler 'ddim'; use schedule 'default'")
+
+
+def apply_step(coefs: Any, x: Any, out: Any, d_prev: Any, noise: Any = None) -> tuple[Any, Any]:
+    """One update for a batch: coefs [B, NUM_COEFS] (one row per batch row), x/out/d_prev [B, ...].
+
+    Works on numpy arrays and torch tensors alike; returns (x_next, D). The reference for the graphed step.
+    """
+    shape = (-1,) + (1,) * (x.ndim - 1)
+
+    def col(k: Coef) -> Any:
+        return coefs[:, int(k)].reshape(shape)
+
+    denoised = col(Coef.P) * x + col(Coef.Q) * out
+    x_next = col(Coef.A) * x + col(Coef.B) * denoised + col(Coef.C) * d_prev
+    if noise is not None:
+        x_next = x_next + col(Coef.D) * noise
+    return x_next, denoised
+
+
+def _denoiser(prediction_type: str, alpha: np.ndarray, sigma_vp: np.ndarray, ve: bool) -> tuple:
+    """(p, q) with D = p * x + q * out, for x = alpha * x0 + sigma_vp * eps (VP), or that over alpha (VE)."""
+    if prediction_type == "epsilon":
+        p, q = 1 / alpha, -sigma_vp / alpha
+    else:  # v_prediction: v = alpha * eps - sigma_vp * x0  (Salimans & Ho 2022)
+        p, q = alpha, -sigma_vp
+    return (p * alpha if ve else p), q
+
+
+def _table(t, c_in, p, q, a, b, c=0.0, d=0.0) -> np.ndarray:
+    coefs = np.zeros((len(t), NUM_COEFS), dtype=np.float64)
+    for k, v in ((Coef.C_IN, c_in), (Coef.T, t), (Coef.P, p), (Coef.Q, q), (Coef.A, a), (Coef.B, b),
+                 (Coef.C, c), (Coef.D, d)):
+        coefs[:, int(k)] = v
+    return coefs
+
+
+def _euler_plan(noise: NoiseSchedule, n: int, karras: bool, ancestral: bool):
+    """Euler (Karras et al. 2022, Alg. 2 without churn) / Euler ancestral (k-diffusion), on VE latents."""
+    train = noise.train_sigmas()
+    t = to_f32(spaced_timesteps(noise, n, points=n, round_linspace=False))
+    s = interp_sigmas(t, train)
+    if karras:
+        # EulerDiscreteScheduler: the Karras range is the spaced schedule's own ends; fractional timesteps.
+        s = karras_sigmas(float(s[-1]), float(s[0]), n)
+        t = to_f32(sigma_to_t(s, train))
+    sig = to_f32(np.append(s, 0.0))
+    sigma, sigma_next = sig[:-1], sig[1:]
+    alpha = 1 / np.sqrt(sigma**2 + 1)
+    p, q = _denoiser(noise.prediction_type, alpha, sigma * alpha, ve=True)
+    if ancestral:
+        sigma_down = sigma_next**2 / sigma  # == sqrt(sigma_next^2 - sigma_up^2)
+        sigma_up = sigma_next * np.sqrt(1 - (sigma_next / sigma) ** 2)
+        a = sigma_down / sigma
+        coefs = _table(t, alpha, p, q, a, 1 - a, d=sigma_up)
+    else:
+        a = sigma_next / sigma
+        coefs = _table(t, alpha, p, q, a, 1 - a)
+    # diffusers computes init_noise_sigma on a float32 tensor.
+    smax = np.float32(sig.max())
+    init = smax if noise.timestep_spacing in ("linspace", "trailing") else np.sqrt(smax * smax + np.float32(1))
+    return t, sig, coefs, float(init)
+
+
+def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, karras: bool):
+    """DPM-Solver++(2M), Lu et al. 2022; first order at the first and last step (diffusers' defaults)."""
+    train = noise.train_sigmas()
+    if karras:
+        # DPMSolverMultistepScheduler: the Karras range is the whole training range; rounded timesteps.
+        s = karras_sigmas(float(train[0]), float(train[-1]), n)
+        t = sigma_to_t(s, train)
+        if noise.beta_schedule != "squaredcos_cap_v2":
+            t = t.round()
+    else:
+        t = spaced_timesteps(noise, n, points=n + 1, round_linspace=True)
+        s = interp_sigmas(t, train)
+    sig = to_f32(np.append(s, 0.0))
+    sigma, sigma_next = sig[:-1], sig[1:]
+    alpha = 1 / np.sqrt(sigma**2 + 1)
+    alpha_next = 1 / np.sqrt(sigma_next**2 + 1)
+    p, q = _denoiser(noise.prediction_type, alpha, sigma * alpha, ve=False)
+    # First order (DPM-Solver++ 1 == DDIM): with lambda = -log(sigma), exp(-h) = sigma_next / sigma.
+    a = (sigma_next * alpha_next) / (sigma * alpha)
+    b1 = alpha_next * (1 - sigma_next / sigma)
+    b, c = b1.copy(), np.zeros(n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for i in range(1, n - 1):  # second order between the first and the last step
+            r0 = np.log(sig[i - 1] / sig[i]) / np.log(sig[i] / sig[i + 1])  # h_prev / h
+            b[i] = b1[i] * (1 + 0.5 / r0)
+            c[i] = -b1[i] * 0.5 / r0
+    return t, sig, _table(t, np.ones(n), p, q, a, b, c), 1.0
+
+
+def _ddim_plan(noise: NoiseSchedule, n: int):
+    """DDIM with eta=0, Song et al. 2021, on VP latents."""
+    n_train = noise.num_train_timesteps
+    t = spaced_timesteps(noise, n, points=n, round_linspace=True)
+    if t.max() >= n_train or t.min() < 0:
+        raise ValueError(
+            f"num_steps {n} with timestep_spacing {noise.timestep_spacing!r} and steps_offset "
+            f"{noise.steps_offset} reaches timestep {int(t.max())} >= num_train_timesteps; use fewer steps"
+        )
+    ac = noise.alphas_cumprod()
+    final = 1.0 if noise.set_alpha_to_one else ac[0]
+    # diffusers steps back by num_train_timesteps // n whatever the spacing, not to the next timestep.
+    t_prev = t.astype(np.int64) - n_train // n
+    ac_t = ac[t.astype(np.int64)]
+    ac_prev = np.where(t_prev >= 0, ac[np.maximum(t_prev, 0)], final)
+    alpha, sigma_vp = np.sqrt(ac_t), np.sqrt(1 - ac_t)
+    alpha_prev, sigma_vp_prev = np.sqrt(ac_prev), np.sqrt(1 - ac_prev)
+    p, q = _denoiser(noise.prediction_type, alpha, sigma_vp, ve=False)
+    # x_prev = alpha_prev * D + sigma_prev * eps, with eps = (x - alpha * D) / sigma
+    a = sigma_vp_prev / sigma_vp
+    b = alpha_prev - a * alpha
+    sig = np.append(sigma_vp / alpha, sigma_vp_prev[-1] / alpha_prev[-1])
+    return t, sig, _table(t, np.ones(n), p, q, a, b), 1.0

@@ -1,0 +1,61 @@
+"""diffusers is the oracle: our images equal engine.diffusers_pipeline()'s within 1e-4 (fp32, CPU)."""
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph.sampling.schedules import SAMPLERS, SCHEDULES
+
+PROMPT = "a photo of a red fox in the snow"
+SIZES = [(64, 64), (64, 96)]  # (width, height): square and non-square
+
+
+def _reference(engine, sampler, schedule, negative, width, height, steps, seed, n=1, guidance=None):
+    pipe = engine.diffusers_pipeline(sampler, schedule)
+    return pipe(PROMPT, negative_prompt=negative, width=width, height=height, num_inference_steps=steps,
+                guidance_scale=engine.model.default_guidance if guidance is None else guidance,
+                num_images_per_prompt=n, generator=torch.Generator("cpu").manual_seed(seed),
+                output_type="np").images
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_xl"])
+@pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("negative", [None, "blurry, low quality"])
+@pytest.mark.parametrize("size", SIZES, ids=["64x64", "64x96"])
+def test_images_match_diffusers(request, model, sampler, schedule, negative, size):
+    engine = request.getfixturevalue(f"{model}_engine")
+    width, height = size
+    seed = 1234
+    ours = engine.generate(PROMPT, negative_prompt=negative, width=width, height=height, num_inference_steps=8,
+                           sampler=sampler, schedule=schedule, seed=seed)
+    ref = _reference(engine, sampler, schedule, negative, width, height, 8, seed)
+    assert ours.arrays.shape == ref.shape == (1, height, width, 3)
+    assert ours.images[0].size == (width, height)
+    # the comparison means something only if the image is not flat or saturated
+    assert ours.arrays.std() > 1e-3 and 0.0 < ours.arrays.mean() < 1.0
+    np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_xl"])
+def test_several_images_and_low_guidance_match_diffusers(request, model):
+    """num_images > 1 (one generator for the batch, as diffusers) and guidance <= 1 (diffusers skips CFG)."""
+    engine = request.getfixturevalue(f"{model}_engine")
+    for guidance in (0.5, 3.0):
+        ours = engine.generate(PROMPT, num_inference_steps=5, sampler="euler_a", seed=99, num_images=3,
+                               guidance_scale=guidance)
+        ref = _reference(engine, "euler_a", "default", None, 64, 64, 5, 99, n=3, guidance=guidance)
+        np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+        assert np.abs(ours.arrays[0] - ours.arrays[1]).max() > 1e-3  # the rows differ
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_xl"])
+def test_conditioning_reaches_the_image(request, model):
+    """Guards the parity tests against an insensitive model: prompt, negative prompt and seed all change the image."""
+    engine = request.getfixturevalue(f"{model}_engine")
+    base = engine.generate(PROMPT, seed=5, num_inference_steps=4).arrays
+    assert np.abs(base - engine.generate(PROMPT, seed=5, num_inference_steps=4).arrays).max() == 0
+    for other in (engine.generate("a blue car on a road", seed=5, num_inference_steps=4),
+                  engine.generate(PROMPT, negative_prompt="dog", seed=5, num_inference_steps=4),
+                  engine.generate(PROMPT, seed=6, num_inference_steps=4)):
+        assert np.abs(base - other.arrays).max() > 1e-3

@@ -1,0 +1,237 @@
+"""Sampler plans against diffusers' schedulers: every intermediate latent, every timestep."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph.sampling import NUM_COEFS, SAMPLERS, SCHEDULES, Coef, NoiseSchedule, apply_step, make_plan
+from diffgraph.sampling.oracle import diffusers_scheduler
+
+logging.getLogger("diffusers").setLevel(logging.ERROR)
+
+SD15 = {  # runwayml/stable-diffusion-v1-5 scheduler_config.json, as the PNDM scheduler exposes it
+    "_class_name": "PNDMScheduler",
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "num_train_timesteps": 1000,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "clip_sample": False,
+    "trained_betas": None,
+    "timestep_spacing": "leading",
+    "prediction_type": "epsilon",
+}
+SDXL = {  # stable-diffusion-xl-base-1.0 scheduler_config.json
+    "_class_name": "EulerDiscreteScheduler",
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "num_train_timesteps": 1000,
+    "interpolation_type": "linear",
+    "use_karras_sigmas": False,
+    "sample_max_value": 1.0,
+    "set_alpha_to_one": False,
+    "skip_prk_steps": True,
+    "steps_offset": 1,
+    "clip_sample": False,
+    "trained_betas": None,
+    "timestep_spacing": "leading",
+    "prediction_type": "epsilon",
+}
+CONFIGS = {
+    "sd15": SD15,
+    "sdxl": SDXL,
+    "trailing": SD15 | {"timestep_spacing": "trailing", "steps_offset": 0},
+    "linspace": {"beta_schedule": "linear", "timestep_spacing": "linspace"},  # diffusers' defaults otherwise
+}
+STEPS = (1, 2, 10, 20, 50)
+SHAPE = (2, 4, 8, 8)
+TOL = 1e-5
+
+
+def fake_model(x: torch.Tensor, t: float) -> torch.Tensor:
+    k = torch.linspace(0.5, 2.0, x[0].numel()).reshape(x.shape[1:])
+    # Noise-predictor-like (out ~ the unit-variance input), so x0 and the final latents stay O(1) as with a
+    # real UNet; plus a nonlinear term so that every step depends on the exact x and t it is fed.
+    return 0.9 * x + 0.3 * torch.sin(x * k + float(t) / 100)
+
+
+def run_diffusers(config, sampler, schedule, n, seed=0):
+    sched = diffusers_scheduler(config, sampler, schedule)
+    sched.set_timesteps(n)
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * sched.init_noise_sigma
+    gen = torch.Generator().manual_seed(seed + 1)
+    kwargs = {"generator": gen} if sampler == "euler_a" else {}
+    xs = []
+    for t in sched.timesteps:
+        out = fake_model(sched.scale_model_input(x, t), t)
+        x = sched.step(out, t, x, **kwargs).prev_sample
+        xs.append(x)
+    return sched, xs
+
+
+def run_plan(plan, seed=0):
+    """Our batch-form update; the same draws as diffusers' (initial latents, then one per step)."""
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * plan.init_noise_sigma
+    gen = torch.Generator().manual_seed(seed + 1)
+    d_prev = torch.zeros(SHAPE)
+    coefs = torch.from_numpy(plan.coefs).float()
+    xs = []
+    for i in range(plan.num_steps):
+        row = coefs[i : i + 1].expand(SHAPE[0], NUM_COEFS)
+        out = fake_model(row[:, Coef.C_IN].reshape(-1, 1, 1, 1) * x, plan.timesteps[i])
+        noise = torch.randn(SHAPE, generator=gen) if plan.draws_noise else None
+        x, d_prev = apply_step(row, x, out, d_prev, noise)
+        xs.append(x)
+    return xs
+
+
+def _cases():
+    for name in CONFIGS:
+        for sampler in SAMPLERS:
+            for schedule in SCHEDULES:
+                if sampler == "ddim" and schedule == "karras":
+                    continue
+                for pred in ("epsilon", "v_prediction"):
+                    yield name, sampler, schedule, pred
+
+
+@pytest.mark.parametrize("name,sampler,schedule,pred", list(_cases()))
+def test_matches_diffusers(name, sampler, schedule, pred):
+    config = CONFIGS[name] | {"prediction_type": pred}
+    noise = NoiseSchedule.from_config(config)
+    for n in STEPS:
+        plan = make_plan(noise, sampler, schedule, n)
+        sched, ref = run_diffusers(config, sampler, schedule, n)
+        np.testing.assert_array_equal(plan.timesteps, sched.timesteps.numpy().astype(np.float64))
+        np.testing.assert_array_equal(plan.timesteps, plan.coefs[:, Coef.T])
+        assert plan.init_noise_sigma == float(sched.init_noise_sigma)
+        if sampler != "ddim":
+            np.testing.assert_array_equal(plan.sigmas, sched.sigmas.numpy().astype(np.float64))
+        ours = run_plan(plan)
+        assert len(ours) == len(ref) == n
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            err = (a - b).abs().max().item()
+            assert err <= TOL, f"{sampler}/{schedule}/{pred}/{name} n={n}: step {i} differs by {err:.2e}"
+
+
+def test_alphas_cumprod_matches_diffusers():
+    for config in CONFIGS.values():
+        sched = diffusers_scheduler(config, "ddim", "default")
+        ours = NoiseSchedule.from_config(config).alphas_cumprod()
+        assert ours.dtype == np.float64
+        np.testing.assert_array_equal(ours, sched.alphas_cumprod.numpy().astype(np.float64))
+
+
+def test_cosine_schedule_matches_diffusers():
+    config = {"beta_schedule": "squaredcos_cap_v2", "timestep_spacing": "trailing"}
+    for sampler, schedule in (("dpmpp_2m", "karras"), ("euler", "default")):
+        plan = make_plan(NoiseSchedule.from_config(config), sampler, schedule, 10)
+        sched, ref = run_diffusers(config, sampler, schedule, 10)
+        np.testing.assert_array_equal(plan.timesteps, sched.timesteps.numpy().astype(np.float64))
+        assert max((a - b).abs().max().item() for a, b in zip(run_plan(plan), ref)) <= TOL
+
+
+@pytest.mark.parametrize("spacing", ["leading", "linspace", "trailing"])
+def test_coefficients_finite(spacing):
+    noise = NoiseSchedule.from_config(SD15 | {"timestep_spacing": spacing})
+    for sampler in SAMPLERS:
+        for schedule in SCHEDULES:
+            if sampler == "ddim" and schedule == "karras":
+                continue
+            for n in list(range(1, 31)) + [49, 50, 75, 100, 150, 250, 500, 999, 1000]:
+                try:
+                    plan = make_plan(noise, sampler, schedule, n)
+                except ValueError:
+                    continue  # degenerate combinations are refused, never returned
+                assert plan.coefs.shape == (n, NUM_COEFS) and plan.coefs.dtype == np.float64
+                assert np.all(np.isfinite(plan.coefs)), (sampler, schedule, n)
+                assert plan.draws_noise == (sampler == "euler_a")
+
+
+def test_final_step_lands_on_denoised():
+    # Sigma reaches zero at the last step: x_next is exactly D there (not DDIM, which stops at abar[0]).
+    noise = NoiseSchedule.from_config(SD15)
+    for sampler in ("euler", "euler_a", "dpmpp_2m"):
+        last = make_plan(noise, sampler, "karras", 20).coefs[-1]
+        assert (last[Coef.A], last[Coef.B], last[Coef.C], last[Coef.D]) == (0.0, 1.0, 0.0, 0.0)
+
+
+def test_rows_of_different_plans_batch_like_alone():
+    noise = NoiseSchedule.from_config(SD15)
+    plans = [make_plan(noise, "dpmpp_2m", "karras", 7), make_plan(noise, "euler_a", "default", 12)]
+    shape = (1,) + SHAPE[1:]
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(shape, generator=g) * p.init_noise_sigma for p in plans]
+    d_prevs = [torch.zeros(shape) for _ in plans]
+    steps = [0, 0]
+    while any(s < p.num_steps for s, p in zip(steps, plans)):
+        live = [r for r, p in enumerate(plans) if steps[r] < p.num_steps]
+        coefs = torch.from_numpy(np.stack([plans[r].coefs[steps[r]] for r in live])).float()
+        x = torch.cat([xs[r] for r in live])
+        out = torch.cat([fake_model(plans[r].coefs[steps[r], Coef.C_IN] * xs[r], plans[r].timesteps[steps[r]])
+                         for r in live])
+        noise_draw = torch.randn(x.shape, generator=g)
+        batched_x, batched_d = apply_step(coefs, x, out, torch.cat([d_prevs[r] for r in live]), noise_draw)
+        for j, r in enumerate(live):
+            alone_x, alone_d = apply_step(coefs[j : j + 1], xs[r], out[j : j + 1], d_prevs[r], noise_draw[j : j + 1])
+            assert torch.equal(batched_x[j : j + 1], alone_x) and torch.equal(batched_d[j : j + 1], alone_d)
+            xs[r], d_prevs[r] = alone_x, alone_d
+            steps[r] += 1
+    assert steps == [7, 12]
+
+
+@pytest.mark.parametrize(
+    "sampler,schedule,steps,words",
+    [
+        ("heun", "default", 10, ["sampler 'heun'", "euler, euler_a, dpmpp_2m, ddim"]),
+        ("euler", "exponential", 10, ["schedule 'exponential'", "default, karras"]),
+        ("ddim", "karras", 10, ["'karras'", "'ddim'", "'default'"]),
+        ("euler", "default", 0, ["num_steps 0", "1..1000"]),
+        ("euler", "default", 1001, ["num_steps 1001", "1..1000"]),
+        ("euler", "default", 2.5, ["num_steps 2.5", "1..1000"]),
+    ],
+)
+def test_bad_arguments_name_the_allowed_values(sampler, schedule, steps, words):
+    with pytest.raises(ValueError) as info:
+        make_plan(NoiseSchedule.from_config(SD15), sampler, schedule, steps)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ({"clip_sample": True}, ["clip_sample", "clip_sample=False"]),
+        ({"thresholding": True}, ["thresholding"]),
+        ({"prediction_type": "sample"}, ["'sample'", "'epsilon', 'v_prediction'"]),
+        ({"trained_betas": [0.1] * 1000}, ["trained_betas"]),
+        ({"rescale_betas_zero_snr": True}, ["rescale_betas_zero_snr"]),
+        ({"timestep_spacing": "uniform"}, ["'uniform'", "'leading', 'linspace', 'trailing'"]),
+        ({"beta_schedule": "sigmoid"}, ["'sigmoid'", "'scaled_linear'"]),
+    ],
+)
+def test_unsupported_config_raises(override, words):
+    with pytest.raises(ValueError) as info:
+        NoiseSchedule.from_config(SD15 | override)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_from_config_defaults_follow_the_scheduler_family():
+    assert NoiseSchedule.from_config({"_class_name": "DDIMScheduler"}).timestep_spacing == "leading"
+    assert NoiseSchedule.from_config({"_class_name": "EulerDiscreteScheduler"}).timestep_spacing == "linspace"
+    noise = NoiseSchedule.from_config({"unrelated_key": 3})
+    assert (noise.beta_schedule, noise.steps_offset, noise.prediction_type) == ("linear", 0, "epsilon")
+
+
+def test_trailing_step_counts_diffusers_gets_wrong_are_refused():
+    noise = NoiseSchedule.from_config(CONFIGS["trailing"])
+    with pytest.raises(ValueError, match="use 60 or 62"):
+        make_plan(noise, "euler", "default", 61)
