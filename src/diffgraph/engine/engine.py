@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..config import GraphConfig
 from ..models.loader import DiffusionModel, load_model
 from ..request import GenerationRequest, GenerationResult
 from ..sampling.samplers import SamplerPlan, make_plan
@@ -41,11 +42,26 @@ class Engine:
     """
 
     def __init__(self, model: str = "random:tiny", device: str | None = None, dtype: str | None = None,
-                 max_rows: int = 16):
+                 mode: str | None = None, graphs: GraphConfig | None = None, max_rows: int = 16):
         device = device or default_device()
-        dtype = dtype or ("fp16" if torch.device(device).type == "cuda" else "fp32")
+        cuda = torch.device(device).type == "cuda"
+        dtype = dtype or ("fp16" if cuda else "fp32")
+        mode = mode or ("graph" if cuda else "eager")
+        if mode not in ("graph", "eager"):
+            raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
+        if mode == "graph" and not cuda:
+            raise ValueError("mode 'graph' needs a CUDA device; use mode='eager' on the CPU")
+        t0 = time.perf_counter()
         self.model: DiffusionModel = load_model(model, device=device, dtype=dtype)
-        self.worker = Worker(self.model, max_rows=max_rows)
+        self.mode = mode
+        self.worker = Worker(self.model, max_rows=max_rows, mode=mode, graphs=graphs)
+        if mode == "graph" and self.worker.graph_config.prewarm:
+            self.worker.prewarm()
+        self.ready_s = time.perf_counter() - t0  # load to ready (prewarm graphs captured)
+
+    def graph_table(self) -> list[dict[str, Any]]:
+        """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""
+        return [] if self.worker.runner is None else self.worker.runner.table()
 
     # -- requests ------------------------------------------------------------------------------
     def make_request(self, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
@@ -75,8 +91,8 @@ class Engine:
             raise ValueError(f"num_images {n} exceeds this engine's max_rows {worker.max_rows}")
         plan: SamplerPlan = make_plan(worker.noise_schedule, request.sampler, request.schedule,
                                       request.num_inference_steps)
-        cond = worker.encoder.encode([request.prompt])
-        uncond = worker.encoder.encode_negative([request.negative_prompt])
+        cond = worker.encode([request.prompt])
+        uncond = worker.encode_negative([request.negative_prompt])
         t_encode = time.perf_counter()
 
         generator = torch.Generator("cpu").manual_seed(request.seed)
@@ -85,13 +101,13 @@ class Engine:
         latents = torch.randn(shape, generator=generator, dtype=model.dtype).float() * plan.init_noise_sigma
         worker.write_rows(key, 0, latents, cond, uncond, request.guidance_scale)
         for i in range(plan.num_steps):
-            noise = torch.randn(shape, generator=generator, dtype=model.dtype) if plan.draws_noise else None
+            noise = [(0, torch.randn(shape, generator=generator, dtype=model.dtype))] if plan.draws_noise else None
             worker.step(key, n, np.broadcast_to(plan.coefs[i], (n, plan.coefs.shape[1])), noise)
         final = worker.read_latents(key, 0, n)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         t_denoise = time.perf_counter()
-        arrays = worker.decode(final)
+        arrays = worker.decode(key, final)
         t_decode = time.perf_counter()
         timings = {"encode_ms": (t_encode - t0) * 1e3, "denoise_ms": (t_denoise - t_encode) * 1e3,
                    "decode_ms": (t_decode - t_denoise) * 1e3, "total_ms": (t_decode - t0) * 1e3}

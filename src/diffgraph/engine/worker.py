@@ -1,34 +1,70 @@
 """The worker owns the model on its device: prompt encoding, per-group row buffers, steps, VAE decode.
 
-The engine (and later the scheduler) decides which rows run; the worker only executes: it writes a
-request's rows into a group's static buffers, runs one whole step for rows [0, n) of a group (as a
-CUDA-graph replay when a runner is attached and covers the shape, eagerly otherwise) and decodes
-finished latents to float pixels. Nothing here knows about requests' lifetimes.
+The engine (later the scheduler) decides which rows run; the worker only executes: it writes a
+request's rows into a group's static buffers, runs one whole step for rows [0, n) of a group and
+decodes finished latents to float pixels. In graph mode each of these is a CUDA-graph replay when
+the runner covers the shape (rows padded to the bucket), and eager otherwise, with identical results.
+Per step the host fills one pinned coefficient table (double-buffered, guarded by an event) and
+issues async copies: no allocation on the device and no synchronisation on the replay path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from ..config import GraphConfig
+from ..graphs.graphables import StepGraph, TextGraph, VaeGraph
+from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
 from ..models.conditioning import PromptEmbeddings, PromptEncoder, add_time_ids
 from ..models.loader import DiffusionModel
+from ..sampling.samplers import NUM_COEFS
 from ..sampling.schedules import NoiseSchedule
 
 GroupKey = tuple[int, int]  # (height, width) in pixels
+VAE_BUCKETS = (1, 2, 4)     # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
+
+
+@dataclass
+class _Staging:
+    """One pinned host slot: coefficient table and noise rows, with the event of its last copy."""
+
+    coefs: torch.Tensor
+    noise: torch.Tensor
+    event: torch.cuda.Event | None = None
 
 
 class Worker:
-    def __init__(self, model: DiffusionModel, max_rows: int = 16):
+    def __init__(self, model: DiffusionModel, max_rows: int = 16, mode: str = "eager",
+                 graphs: GraphConfig | None = None):
         self.model = model
-        self.max_rows = max_rows
         self.encoder = PromptEncoder(model)
         self.noise_schedule = NoiseSchedule.from_config(model.scheduler_config)
         self.groups: dict[GroupKey, StepBuffers] = {}
-        self.runner = None  # a GraphRunner, attached by the engine in graph mode
+        self._staging: dict[GroupKey, list[_Staging]] = {}
+        self._staging_turn: dict[GroupKey, int] = {}
+        self.cuda = model.device.type == "cuda"
+        self.runner: GraphRunner | None = None
+        self.graph_config = graphs or GraphConfig()
+        self.max_rows = max(max_rows, self.graph_config.max_bucket) if mode == "graph" else max_rows
+        if mode == "graph":
+            cfg = self.graph_config
+            resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
+            self.runner = GraphRunner(cfg, model.device)
+            self.runner.register(StepGraph(self, resolutions, cfg.batch_buckets))
+            if cfg.capture_text_encoder and not self.encoder.needs_attention_mask:
+                self.text_graph = TextGraph(self, cfg.batch_buckets)
+                self.runner.register(self.text_graph)
+            if cfg.capture_vae:
+                self.vae_graph = VaeGraph(self, resolutions, tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
+                self.runner.register(self.vae_graph)
+        elif mode != "eager":
+            raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
 
-    # -- shapes --------------------------------------------------------------------------------
+    # -- shapes and buffers --------------------------------------------------------------------
     def latent_shape(self, key: GroupKey) -> tuple[int, int, int]:
         f = self.model.vae_scale_factor
         return (self.model.latent_channels, key[0] // f, key[1] // f)
@@ -37,13 +73,63 @@ class Worker:
         """The static buffers of a resolution group, allocated once at max_rows."""
         buf = self.groups.get(key)
         if buf is None:
-            unet_cfg = self.model.unet.config
             pooled = self.model.text_encoders[-1].config.projection_dim if self.model.family == "sdxl" else None
             seq = self.model.tokenizers[0].model_max_length
-            buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), (seq, int(unet_cfg.cross_attention_dim)),
+            buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key),
+                                       (seq, int(self.model.unet.config.cross_attention_dim)),
                                        pooled, self.model.dtype, self.model.device)
             self.groups[key] = buf
         return buf
+
+    def _next_staging(self, key: GroupKey) -> _Staging:
+        slots = self._staging.get(key)
+        if slots is None:
+            pin = self.cuda
+            slots = [_Staging(torch.zeros((self.max_rows, NUM_COEFS), pin_memory=pin),
+                              torch.zeros((self.max_rows, *self.latent_shape(key)), pin_memory=pin))
+                     for _ in range(2)]
+            self._staging[key] = slots
+            self._staging_turn[key] = 0
+        turn = self._staging_turn[key]
+        self._staging_turn[key] = 1 - turn
+        slot = slots[turn]
+        if slot.event is not None:
+            slot.event.synchronize()  # the copy issued from this slot two steps ago has been consumed
+        return slot
+
+    def prewarm(self) -> None:
+        if self.runner is not None:
+            for key in self.runner.kinds["step"].resolutions():
+                self.buffers(key)
+            self.runner.prewarm()
+
+    # -- encode --------------------------------------------------------------------------------
+    def encode(self, prompts: list[str]) -> PromptEmbeddings:
+        """Encodes prompts, through the text-encoder graphs where they cover the batch."""
+        runner = self.runner
+        if runner is None or "text" not in runner.kinds:
+            return self.encoder.encode(prompts)
+        ids = self.encoder.tokenize(prompts)
+        chunk = max(self.graph_config.batch_buckets)
+        parts = []
+        for start in range(0, len(prompts), chunk):
+            part = [i[start:start + chunk].to(self.model.device, non_blocking=True) for i in ids]
+            n = part[0].shape[0]
+            bucket = runner.bucket("text", 0, 0, n)
+            if bucket is None:
+                parts.append(self.encoder.encode_ids(part))
+                continue
+            self.text_graph.write(part, bucket)
+            embeds, pooled = runner.replay("text", 0, 0, bucket)
+            parts.append(PromptEmbeddings(embeds[:n].clone(), None if pooled is None else pooled[:n].clone()))
+        if len(parts) == 1:
+            return parts[0]
+        pooled = None if parts[0].pooled is None else torch.cat([p.pooled for p in parts])
+        return PromptEmbeddings(torch.cat([p.embeds for p in parts]), pooled)
+
+    def encode_negative(self, negative_prompts: list[str | None]) -> PromptEmbeddings:
+        out = self.encode(["" if p is None else p for p in negative_prompts])
+        return self.encoder.zero_missing(out, negative_prompts)
 
     # -- rows ----------------------------------------------------------------------------------
     def write_rows(self, key: GroupKey, start: int, latents: torch.Tensor, cond: PromptEmbeddings,
@@ -65,33 +151,45 @@ class Worker:
             buf.pooled_uncond[rows] = uncond.pooled
             buf.time_ids[rows] = torch.tensor(add_time_ids(*key), dtype=buf.time_ids.dtype)
 
-    def step(self, key: GroupKey, n: int, coefs: np.ndarray, noise: torch.Tensor | None,
-             noise_rows: np.ndarray | None = None) -> None:
-        """Runs one step for rows [0, n). coefs: [n, NUM_COEFS]; noise: [m, C, h, w] for rows noise_rows (or all)."""
+    def step(self, key: GroupKey, n: int, coefs: np.ndarray,
+             noise: list[tuple[int, torch.Tensor]] | None = None) -> bool:
+        """Runs one step for rows [0, n). coefs: [n, NUM_COEFS]; noise: (first row, [k, C, h, w]) chunks
+        for the rows that draw ancestral noise this step. Returns True when it ran as a graph replay."""
         buf = self.buffers(key)
-        buf.coefs[:n] = torch.from_numpy(np.ascontiguousarray(coefs, dtype=np.float32)).to(buf.coefs.device)
-        if noise is not None:
-            if noise_rows is None:
-                buf.noise[:n] = noise.to(buf.noise.device, torch.float32)
-            else:
-                buf.noise[torch.as_tensor(noise_rows, device=buf.noise.device)] = noise.to(buf.noise.device, torch.float32)
+        bucket = self.runner.bucket("step", key[0], key[1], n) if self.runner is not None else None
+        rows = bucket or n
+        slot = self._next_staging(key)
+        slot.coefs[:n].numpy()[:] = coefs
+        if rows > n:  # padding rows: zero state and all-zero coefficients keep them at x = 0, finite
+            slot.coefs[n:rows] = 0
+            buf.x[n:rows].zero_()
+            buf.d_prev[n:rows].zero_()
+        buf.coefs[:rows].copy_(slot.coefs[:rows], non_blocking=True)
+        for first, rows_noise in noise or ():
+            k = rows_noise.shape[0]
+            slot.noise[first:first + k].copy_(rows_noise)
+            buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
+        if self.cuda:
+            slot.event = torch.cuda.Event()
+            slot.event.record()
+        if bucket is not None:
+            self.runner.replay("step", key[0], key[1], bucket)
+            return True
         with torch.no_grad():
-            if self.runner is not None and self.runner.can_run(key, n):
-                self.runner.replay(key, n)
-            else:
-                if self.runner is not None:
-                    self.runner.record_eager(key, n)
-                whole_step(self.model.unet, buf, n)
+            whole_step(self.model.unet, buf, n)
+        return False
 
     def read_latents(self, key: GroupKey, start: int, count: int) -> torch.Tensor:
         return self.buffers(key).x[start:start + count].clone()
 
+    def move_rows(self, key: GroupKey, src: int, dst: int, count: int) -> None:
+        self.buffers(key).move_rows(src, dst, count)
+
     # -- decode --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Latents -> float pixels in [0, 1], [n, H, W, 3], as diffusers' VaeImageProcessor with output_type='np'."""
+    def decode_tensor(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> pixels [n, 3, H, W] in [0, 1] on the device (diffusers' VAE scaling and denormalisation)."""
         vae = self.model.vae
-        latents = latents.to(self.model.device, self.model.vae_dtype)
+        latents = latents.to(self.model.vae_dtype)
         mean = getattr(vae.config, "latents_mean", None)
         std = getattr(vae.config, "latents_std", None)
         if mean is not None and std is not None:
@@ -102,5 +200,23 @@ class Worker:
         else:
             latents = latents / vae.config.scaling_factor
         image = vae.decode(latents, return_dict=False)[0]
-        image = (image * 0.5 + 0.5).clamp(0, 1)
-        return image.cpu().permute(0, 2, 3, 1).float().numpy()
+        return (image * 0.5 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def decode(self, key: GroupKey, latents: torch.Tensor) -> np.ndarray:
+        """Latents -> float pixels [n, H, W, 3] in [0, 1], as diffusers' VaeImageProcessor (output_type='np')."""
+        latents = latents.to(self.model.device)
+        runner = self.runner
+        chunk = max(VAE_BUCKETS) if runner is not None else latents.shape[0]
+        parts = []
+        for start in range(0, latents.shape[0], chunk):
+            part = latents[start:start + chunk]
+            n = part.shape[0]
+            bucket = runner.bucket("vae", key[0], key[1], n) if runner is not None and "vae" in runner.kinds else None
+            if bucket is None:
+                image = self.decode_tensor(part)
+            else:
+                self.vae_graph.write(key[0], key[1], part, bucket)
+                image = runner.replay("vae", key[0], key[1], bucket)[:n]
+            parts.append(image.permute(0, 2, 3, 1).float().cpu().numpy())
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]

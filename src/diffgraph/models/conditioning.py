@@ -43,13 +43,10 @@ class PromptEncoder:
     def __init__(self, model: DiffusionModel):
         self.model = model
 
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> PromptEmbeddings:
-        """One row per prompt, in the model's dtype, on its device."""
-        model = self.model
-        embeds_list: list[torch.Tensor] = []
-        pooled = None
-        for tokenizer, encoder in zip(model.tokenizers, model.text_encoders):
+    def tokenize(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Token ids per tokenizer, [n, 77] int64 on the CPU; warns when a prompt is truncated."""
+        ids = []
+        for tokenizer in self.model.tokenizers:
             for prompt in prompts:
                 dropped = truncated_token_count(tokenizer, prompt)
                 if dropped:
@@ -57,27 +54,54 @@ class PromptEncoder:
                                    tokenizer.model_max_length, dropped, prompt[:60])
             tokens = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
                                truncation=True, return_tensors="pt")
-            ids = tokens.input_ids.to(model.device)
+            ids.append(tokens.input_ids)
+        return ids
+
+    @property
+    def needs_attention_mask(self) -> bool:
+        return any(getattr(e.config, "use_attention_mask", False) for e in self.model.text_encoders)
+
+    @torch.no_grad()
+    def encode_ids(self, ids: list[torch.Tensor]) -> PromptEmbeddings:
+        """The encoders on token ids (on the model's device): a pure tensor function, so it can be captured."""
+        model = self.model
+        embeds_list: list[torch.Tensor] = []
+        pooled = None
+        for token_ids, encoder in zip(ids, model.text_encoders):
             if model.family == "sdxl":
-                out = encoder(ids, output_hidden_states=True)
+                out = encoder(token_ids, output_hidden_states=True)
                 if out[0].ndim == 2:  # CLIPTextModelWithProjection: the pooled projection comes first
                     pooled = out[0]
                 embeds_list.append(out.hidden_states[-2])
-            else:
-                mask = tokens.attention_mask.to(model.device) if getattr(encoder.config, "use_attention_mask", False) else None
-                embeds_list.append(encoder(ids, attention_mask=mask)[0])
+            else:  # encoders that need the attention mask go through _encode_with_mask
+                embeds_list.append(encoder(token_ids)[0])
         embeds = torch.cat(embeds_list, dim=-1) if len(embeds_list) > 1 else embeds_list[0]
-        embeds = embeds.to(model.dtype)
-        if model.family == "sdxl":
-            pooled = pooled.to(model.dtype)
-        return PromptEmbeddings(embeds, pooled)
+        return PromptEmbeddings(embeds.to(model.dtype), None if pooled is None else pooled.to(model.dtype))
+
+    def encode(self, prompts: list[str]) -> PromptEmbeddings:
+        """One row per prompt, in the model's dtype, on its device (eager)."""
+        if self.needs_attention_mask:
+            return self._encode_with_mask(prompts)
+        return self.encode_ids([i.to(self.model.device) for i in self.tokenize(prompts)])
+
+    @torch.no_grad()
+    def _encode_with_mask(self, prompts: list[str]) -> PromptEmbeddings:
+        # SD encoders whose config sets use_attention_mask get the tokenizer's own mask, as diffusers does
+        tokenizer, encoder = self.model.tokenizers[0], self.model.text_encoders[0]
+        tokens = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
+                           truncation=True, return_tensors="pt")
+        out = encoder(tokens.input_ids.to(self.model.device), attention_mask=tokens.attention_mask.to(self.model.device))
+        return PromptEmbeddings(out[0].to(self.model.dtype), None)
 
     def encode_negative(self, negative_prompts: list[str | None]) -> PromptEmbeddings:
         """Negative prompts; None means "no negative prompt" (diffusers' `negative_prompt=None`)."""
-        zeros = self.model.family == "sdxl" and self.model.force_zeros_for_empty_prompt
         texts = ["" if p is None else p for p in negative_prompts]
         out = self.encode(texts)
-        if zeros:
+        return self.zero_missing(out, negative_prompts)
+
+    def zero_missing(self, out: PromptEmbeddings, negative_prompts: list[str | None]) -> PromptEmbeddings:
+        """SDXL with force_zeros_for_empty_prompt: a missing negative prompt is all zeros (embeds and pooled)."""
+        if self.model.family == "sdxl" and self.model.force_zeros_for_empty_prompt:
             keep = torch.tensor([p is not None for p in negative_prompts], device=out.embeds.device)
             out.embeds = torch.where(keep[:, None, None], out.embeds, torch.zeros_like(out.embeds))
             out.pooled = torch.where(keep[:, None], out.pooled, torch.zeros_like(out.pooled))

@@ -176,8 +176,12 @@ def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, karras: bool):
         # DPMSolverMultistepScheduler: the Karras range is the whole training range; rounded timesteps.
         s = karras_sigmas(float(train[0]), float(train[-1]), n)
         t = sigma_to_t(s, train)
-        if noise.beta_schedule != "squaredcos_cap_v2":
-            t = t.round()
+        # Rounded, except for the cosine schedule, where diffusers truncates them on the cast to int64.
+        t = np.floor(t) if noise.beta_schedule == "squaredcos_cap_v2" else t.round()
+        if n > 1 and t[0] == t[1]:
+            # diffusers finds its first step by timestep and would start at step 1 of a repeated one.
+            raise ValueError(f"dpmpp_2m with karras sigmas on this schedule repeats its first timestep at "
+                             f"num_steps {n}; use fewer steps or schedule 'default'")
     else:
         t = spaced_timesteps(noise, n, points=n + 1, round_linspace=True)
         s = interp_sigmas(t, train)

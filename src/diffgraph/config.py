@@ -1,0 +1,79 @@
+"""Frozen configuration dataclasses, read in one place.
+
+`GraphConfig` says which CUDA graphs exist (batch buckets, resolutions, prewarm list, verification);
+`EngineConfig` says which model runs where and how. Environment variables are read only here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+
+
+def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): positive, unique, sorted."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        values = sorted({int(v) for v in items if str(v).strip()})
+    except ValueError:
+        raise ValueError(f"batch buckets {text!r} must be comma-separated positive integers, e.g. 1,2,4,8,16") from None
+    if not values or values[0] < 1:
+        raise ValueError(f"batch buckets {text!r} must be positive integers, e.g. 1,2,4,8,16")
+    return tuple(values)
+
+
+def parse_resolutions(text: str | list) -> tuple[tuple[int, int], ...]:
+    """'512x512,768x512' (WxH) -> ((512, 512), (512, 768)) as (height, width) pairs."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        if isinstance(item, tuple):
+            out.append((int(item[0]), int(item[1])))
+            continue
+        item = str(item).strip().lower()
+        if not item:
+            continue
+        try:
+            w, h = (int(v) for v in item.split("x"))
+        except ValueError:
+            raise ValueError(f"resolution {item!r} must look like WIDTHxHEIGHT, e.g. 512x512") from None
+        if w % 8 or h % 8 or w <= 0 or h <= 0:
+            raise ValueError(f"resolution {item!r}: width and height must be positive multiples of 8")
+        out.append((h, w))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Which CUDA graphs exist. resolutions are (height, width); empty means the model's native size."""
+
+    batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    resolutions: tuple[tuple[int, int], ...] = ()
+    prewarm: bool = True            # capture every (resolution, bucket) at start-up, largest bucket first
+    capture_text_encoder: bool = True
+    capture_vae: bool = True
+    verify: bool = False            # replay vs eager max abs difference at capture, kept in the table
+    warmup_iters: int = 3
+    backend: str = "cuda"           # "emulated": replays re-run the function eagerly (CPU tests of the runner)
+
+    @property
+    def max_bucket(self) -> int:
+        return max(self.batch_buckets)
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest bucket >= n, or None when n exceeds the largest."""
+        for b in self.batch_buckets:
+            if b >= n:
+                return b
+        return None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = field(default_factory=lambda: os.environ.get("DIFFGRAPH_MODEL", "random:tiny"))
+    device: str | None = None
+    dtype: str | None = None
+    mode: str | None = None  # "graph" | "eager"; None: graph on CUDA, eager on CPU
+    graphs: GraphConfig = field(default_factory=GraphConfig)

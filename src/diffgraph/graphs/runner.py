@@ -1,0 +1,234 @@
+"""GraphRunner: capture and replay of bucketed CUDA graphs, one shared memory pool per device.
+
+Keys are (kind, height, width, bucket): kind "step" is the whole denoising step of a resolution
+group, "text" the text encoder(s) at 77 tokens (height = width = 0), "vae" the VAE decoder. Each kind
+is a `Graphable`: a function over static buffers that the owner (the worker) fills before a replay
+and reads after it. The runner is the single source of truth for which keys exist:
+
+    bucket = runner.bucket(kind, h, w, n)   # None -> run eagerly (uncovered, too large, or failed)
+    runner.replay(kind, h, w, bucket)       # captures on first use
+
+Capture rules: all graphs share one pool (torch.cuda.graph_pool_handle); warm-up iterations run on a
+side stream before each capture; the prewarm list captures the largest bucket first. A capture
+failure is logged with its key, the error and a hint, and that key runs eagerly from then on.
+Optional verification compares one replay with one eager run on the same inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..config import GraphConfig
+
+logger = logging.getLogger(__name__)
+
+GraphKey = tuple[str, int, int, int]  # (kind, height, width, bucket)
+
+_HINT = ("the engine keeps serving this shape eagerly; to capture it, free device memory (fewer or smaller "
+         "batch buckets / resolutions) or report the operation that is not allowed during capture")
+
+
+class Graphable(Protocol):
+    """One kind of graph: a deterministic function over static buffers owned by the caller."""
+
+    kind: str
+
+    def buckets(self) -> tuple[int, ...]: ...
+
+    def resolutions(self) -> tuple[tuple[int, int], ...]: ...
+
+    def run(self, height: int, width: int, bucket: int) -> Any:
+        """Runs once on the static buffers (eagerly, or while being captured); returns the outputs."""
+
+    def snapshot(self, height: int, width: int, bucket: int) -> Any:
+        """Copies of the state that `run` mutates in place, so warm-up and verification leave no trace."""
+
+    def restore(self, height: int, width: int, bucket: int, snap: Any) -> None: ...
+
+    def output(self, height: int, width: int, bucket: int, result: Any) -> torch.Tensor:
+        """The tensor compared by verification."""
+
+
+@dataclass
+class GraphStats:
+    kind: str
+    height: int
+    width: int
+    bucket: int
+    status: str = "pending"  # pending | captured | failed
+    capture_ms: float = 0.0
+    pool_mib_added: float = 0.0
+    replays: int = 0
+    eager_fallbacks: int = 0
+    verify_max_abs: float | None = None
+    error: str | None = None
+
+
+class EmulatedGraph:
+    """Stands in for torch.cuda.CUDAGraph where there is no GPU (GraphConfig.backend='emulated'):
+    a replay re-runs the captured function and writes its results into the captured outputs, so the
+    dispatch, padding, fallback and bookkeeping paths run, and are tested, on the CPU."""
+
+    def __init__(self, fn, outputs: Any):
+        self.fn = fn
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        _copy_into(self.outputs, self.fn())
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+class GraphRunner:
+    def __init__(self, config: GraphConfig, device: torch.device):
+        self.emulated = config.backend == "emulated"
+        if config.backend not in ("cuda", "emulated"):
+            raise ValueError(f"graph backend {config.backend!r} is unknown; allowed: cuda, emulated")
+        if not self.emulated and torch.device(device).type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use mode='eager' on the CPU")
+        self.config = config
+        self.device = torch.device(device)
+        self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
+        self.kinds: dict[str, Graphable] = {}
+        self.graphs: dict[GraphKey, Any] = {}  # torch.cuda.CUDAGraph (or EmulatedGraph)
+        self.outputs: dict[GraphKey, Any] = {}
+        self.stats: dict[GraphKey, GraphStats] = {}
+        # eager runs of shapes no graph covers (too many rows, another resolution), per (kind, h, w)
+        self.uncovered: dict[tuple[str, int, int], int] = {}
+
+    def register(self, graphable: Graphable) -> None:
+        self.kinds[graphable.kind] = graphable
+        for (h, w) in graphable.resolutions():
+            for b in graphable.buckets():
+                key = (graphable.kind, h, w, b)
+                self.stats.setdefault(key, GraphStats(graphable.kind, h, w, b))
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def bucket(self, kind: str, height: int, width: int, n: int) -> int | None:
+        """The bucket whose graph runs n rows, or None: run eagerly (and that is counted)."""
+        g = self.kinds.get(kind)
+        bucket = None
+        if g is not None and (height, width) in g.resolutions():
+            bucket = next((b for b in g.buckets() if b >= n), None)
+        if bucket is None:
+            self.uncovered[(kind, height, width)] = self.uncovered.get((kind, height, width), 0) + 1
+            return None
+        key = (kind, height, width, bucket)
+        stats = self.stats[key]
+        if stats.status == "pending":
+            self.capture(key)
+        if stats.status != "captured":
+            stats.eager_fallbacks += 1
+            return None
+        return bucket
+
+    def replay(self, kind: str, height: int, width: int, bucket: int) -> Any:
+        """Replays a captured graph; returns its static outputs (valid until the next replay of any graph)."""
+        key = (kind, height, width, bucket)
+        self.graphs[key].replay()
+        self.stats[key].replays += 1
+        return self.outputs[key]
+
+    # -- capture -------------------------------------------------------------------------------
+    def prewarm(self) -> None:
+        """Captures every registered key, largest bucket first within each kind and resolution."""
+        for kind, g in self.kinds.items():
+            for (h, w) in g.resolutions():
+                for b in sorted(g.buckets(), reverse=True):
+                    if self.stats[(kind, h, w, b)].status == "pending":
+                        self.capture((kind, h, w, b))
+
+    def capture(self, key: GraphKey) -> bool:
+        kind, h, w, b = key
+        g = self.kinds[kind]
+        stats = self.stats[key]
+        snap = None
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                snap = g.snapshot(h, w, b)
+                graph, out = (self._capture_emulated if self.emulated else self._capture_cuda)(g, key, stats)
+            self.graphs[key] = graph
+            self.outputs[key] = out
+            stats.status = "captured"
+            stats.capture_ms = (time.perf_counter() - t0) * 1e3
+            if self.config.verify:
+                stats.verify_max_abs = self._verify(key)
+            g.restore(h, w, b, snap)
+            logger.info("captured graph %s in %.0f ms, pool +%.1f MiB%s", key, stats.capture_ms,
+                        stats.pool_mib_added,
+                        "" if stats.verify_max_abs is None else f", replay vs eager max abs {stats.verify_max_abs:.3g}")
+            return True
+        except Exception as e:  # any failure: this key runs eagerly from now on, the engine keeps serving
+            stats.status = "failed"
+            stats.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            self.graphs.pop(key, None)
+            self.outputs.pop(key, None)
+            if not self.emulated:
+                try:
+                    torch.cuda.synchronize(self.device)
+                except Exception:  # a broken capture can leave an error to collect
+                    pass
+            if snap is not None:
+                g.restore(h, w, b, snap)
+            logger.warning("graph capture failed for %s: %s; %s", key, stats.error, _HINT)
+            return False
+
+    def _capture_cuda(self, g: Graphable, key: GraphKey, stats: GraphStats) -> tuple[Any, Any]:
+        kind, h, w, b = key
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        snap = g.snapshot(h, w, b)
+        with torch.cuda.stream(stream):  # warm-up on a side stream: lazy inits and autotuning happen here
+            for _ in range(self.config.warmup_iters):
+                g.run(h, w, b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        g.restore(h, w, b, snap)
+        reserved = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = g.run(h, w, b)
+        torch.cuda.synchronize(self.device)
+        stats.pool_mib_added = (torch.cuda.memory_reserved(self.device) - reserved) / 2**20
+        return graph, out
+
+    def _capture_emulated(self, g: Graphable, key: GraphKey, stats: GraphStats) -> tuple[Any, Any]:
+        kind, h, w, b = key
+        snap = g.snapshot(h, w, b)
+        out = g.run(h, w, b)
+        g.restore(h, w, b, snap)
+        return EmulatedGraph(lambda: g.run(h, w, b), out), out
+
+    def _verify(self, key: GraphKey) -> float:
+        kind, h, w, b = key
+        g = self.kinds[kind]
+        with torch.no_grad():
+            snap = g.snapshot(h, w, b)
+            eager = g.output(h, w, b, g.run(h, w, b)).float().clone()
+            g.restore(h, w, b, snap)
+            self.graphs[key].replay()
+            graphed = g.output(h, w, b, self.outputs[key]).float().clone()
+            g.restore(h, w, b, snap)
+        return float((eager - graphed).abs().max())
+
+    # -- introspection -------------------------------------------------------------------------
+    def table(self) -> list[dict[str, Any]]:
+        rows = [asdict(s) for s in self.stats.values()]
+        for (kind, h, w), count in self.uncovered.items():
+            rows.append(asdict(GraphStats(kind, h, w, 0, status="uncovered", eager_fallbacks=count)))
+        return rows
+
+    def pool_mib(self) -> float:
+        return sum(s.pool_mib_added for s in self.stats.values())

@@ -1,0 +1,125 @@
+"""Graph dispatch on the CPU with the emulated backend: buckets, padding, fallback, the table, GraphedUNet."""
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import Engine
+from diffgraph.config import GraphConfig, parse_buckets, parse_resolutions
+from diffgraph.engine.worker import Worker
+from diffgraph.graphs.graphed_unet import GraphedUNet
+from diffgraph.graphs.runner import GraphRunner
+
+
+def test_bucket_choice():
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8, 16))
+    assert [cfg.bucket_for(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, None]
+    assert parse_buckets("16, 4,1,4") == (1, 4, 16)
+    assert parse_resolutions("512x768,64x64") == ((768, 512), (64, 64))
+    with pytest.raises(ValueError, match="positive integers"):
+        parse_buckets("0,2")
+    with pytest.raises(ValueError, match="multiples of 8"):
+        parse_resolutions("500x512")
+
+
+@pytest.fixture()
+def emulated_worker(tiny_engine):
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    return Worker(tiny_engine.model, mode="graph", graphs=cfg)
+
+
+def _fill(worker, key, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    lat = torch.randn((n, *worker.latent_shape(key)), generator=g)
+    cond = worker.encode(["a cat"] * n)
+    uncond = worker.encode_negative([None] * n)
+    for i in range(n):
+        worker.write_rows(key, i, lat[i:i + 1], cond.select(i), uncond.select(i), 7.5)
+    return lat
+
+
+def _coefs(worker, n, step=3):
+    from diffgraph.sampling.samplers import make_plan
+    plan = make_plan(worker.noise_schedule, "dpmpp_2m", "karras", 10)
+    return np.repeat(plan.coefs[step][None], n, 0)
+
+
+def test_padding_rows_never_change_live_rows(emulated_worker, tiny_engine):
+    """3 live rows run in bucket 4; row 3 holds a finished row's leftovers; live rows equal an eager run of 3 rows."""
+    key = (64, 64)
+    _fill(emulated_worker, key, 3, seed=0)
+    buf = emulated_worker.buffers(key)
+    buf.x[3] = 1e6
+    buf.d_prev[3] = -1e6
+    buf.cond[3] = buf.cond[0] * 3
+    eager = Worker(tiny_engine.model, mode="eager")
+    _fill(eager, key, 3, seed=0)
+    assert emulated_worker.step(key, 3, _coefs(emulated_worker, 3), None) is True
+    assert eager.step(key, 3, _coefs(eager, 3), None) is False
+    # batch 4 vs 3 changes CPU matmul blocking: equal up to float rounding
+    torch.testing.assert_close(emulated_worker.buffers(key).x[:3], eager.buffers(key).x[:3], atol=1e-5, rtol=0)
+    assert torch.isfinite(buf.x[3]).all() and float(buf.x[3].abs().max()) == 0.0
+    table = {(r["kind"], r["bucket"]): r for r in emulated_worker.runner.table()}
+    assert table[("step", 4)]["replays"] == 1 and table[("step", 4)]["status"] == "captured"
+    assert table[("step", 1)]["status"] == "pending"  # captured on first use only
+
+
+def test_uncovered_shapes_run_eagerly_and_are_counted(emulated_worker):
+    key = (64, 96)  # not a configured resolution
+    _fill(emulated_worker, key, 2, seed=1)
+    assert emulated_worker.step(key, 2, _coefs(emulated_worker, 2), None) is False
+    _fill(emulated_worker, (64, 64), 5, seed=1)  # more rows than the largest bucket
+    assert emulated_worker.step((64, 64), 5, _coefs(emulated_worker, 5), None) is False
+    rows = [r for r in emulated_worker.runner.table() if r["status"] == "uncovered"]
+    assert {(r["height"], r["width"], r["eager_fallbacks"]) for r in rows} == {(64, 96, 1), (64, 64, 1)}
+
+
+def test_capture_failure_falls_back_and_keeps_serving(emulated_worker, monkeypatch, tiny_engine):
+    runner = emulated_worker.runner
+    real = runner._capture_emulated
+
+    def failing(g, key, stats):
+        if key == ("step", 64, 64, 2):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(g, key, stats)
+
+    monkeypatch.setattr(runner, "_capture_emulated", failing)
+    key = (64, 64)
+    _fill(emulated_worker, key, 2, seed=2)
+    eager = Worker(tiny_engine.model, mode="eager")
+    _fill(eager, key, 2, seed=2)
+    for _ in range(2):
+        assert emulated_worker.step(key, 2, _coefs(emulated_worker, 2), None) is False
+        eager.step(key, 2, _coefs(eager, 2), None)
+    torch.testing.assert_close(emulated_worker.buffers(key).x[:2], eager.buffers(key).x[:2], atol=0, rtol=0)
+    row = next(r for r in runner.table() if r["kind"] == "step" and r["bucket"] == 2)
+    assert row["status"] == "failed" and "not permitted" in row["error"] and row["eager_fallbacks"] == 2
+    # other keys still capture and replay
+    _fill(emulated_worker, key, 1, seed=3)
+    assert emulated_worker.step(key, 1, _coefs(emulated_worker, 1), None) is True
+
+
+def test_verify_records_difference(tiny_engine):
+    cfg = GraphConfig(batch_buckets=(2,), resolutions=((64, 64),), backend="emulated", verify=True)
+    w = Worker(tiny_engine.model, mode="graph", graphs=cfg)
+    w.prewarm()
+    rows = {(r["kind"], r["bucket"]): r for r in w.runner.table()}
+    assert rows[("step", 2)]["verify_max_abs"] == 0.0
+    assert rows[("text", 2)]["status"] == "captured" and rows[("vae", 2)]["status"] == "captured"
+
+
+def test_graphed_unet_in_stock_pipeline_equals_plain(tiny_engine):
+    pipe = tiny_engine.diffusers_pipeline("euler", "default")
+    kwargs = dict(num_inference_steps=4, guidance_scale=7.5, output_type="np", width=64, height=64)
+    ref = pipe("a cat", num_images_per_prompt=3, generator=torch.Generator().manual_seed(3), **kwargs).images
+    plain = pipe.unet
+    try:
+        pipe.unet = GraphedUNet(plain, batch_buckets=(2, 8), resolutions=[(64, 64)],
+                                config=GraphConfig(batch_buckets=(2, 8), backend="emulated"))
+        out = pipe("a cat", num_images_per_prompt=3, generator=torch.Generator().manual_seed(3), **kwargs).images
+        table = pipe.unet.graph_table()
+    finally:
+        pipe.unet = plain
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    row = next(r for r in table if r["bucket"] == 8)
+    assert row["replays"] == 4  # batch 6 (3 images x CFG) padded to 8, every step replayed
