@@ -111,8 +111,6 @@ def _cases():
     for name in CONFIGS:
         for sampler in SAMPLERS:
             for schedule in SCHEDULES:
-                if sampler == "ddim" and schedule == "karras":
-                    continue
                 for pred in ("epsilon", "v_prediction"):
                     yield name, sampler, schedule, pred
 
@@ -143,7 +141,8 @@ def test_alphas_cumprod_matches_diffusers():
 
 def test_cosine_schedule_matches_diffusers():
     config = {"beta_schedule": "squaredcos_cap_v2", "timestep_spacing": "trailing"}
-    for sampler, schedule in (("dpmpp_2m", "default"), ("euler", "karras"), ("ddim", "default")):
+    # ddim/karras: diffusers' truncated timesteps start 999, 999, ...; DDIM steps through the repeat.
+    for sampler, schedule in (("dpmpp_2m", "default"), ("euler", "karras"), ("ddim", "default"), ("ddim", "karras")):
         plan = make_plan(NoiseSchedule.from_config(config), sampler, schedule, 10)
         sched, ref = run_diffusers(config, sampler, schedule, 10)
         np.testing.assert_array_equal(plan.timesteps, sched.timesteps.numpy().astype(np.float64))
@@ -158,8 +157,6 @@ def test_coefficients_finite(spacing):
     noise = NoiseSchedule.from_config(SD15 | {"timestep_spacing": spacing})
     for sampler in SAMPLERS:
         for schedule in SCHEDULES:
-            if sampler == "ddim" and schedule == "karras":
-                continue
             for n in list(range(1, 31)) + [49, 50, 75, 100, 150, 250, 500, 999, 1000]:
                 try:
                     plan = make_plan(noise, sampler, schedule, n)
@@ -176,6 +173,28 @@ def test_final_step_lands_on_denoised():
     for sampler in ("euler", "euler_a", "dpmpp_2m"):
         last = make_plan(noise, sampler, "karras", 20).coefs[-1]
         assert (last[Coef.A], last[Coef.B], last[Coef.C], last[Coef.D]) == (0.0, 1.0, 0.0, 0.0)
+
+
+def test_ddim_karras_walks_dpm_solvers_karras_timesteps():
+    """The Karras DDIM oracle takes DPM-Solver's timesteps, steps to the next one, and survives from_config."""
+    for config in (SD15, SD15 | {"set_alpha_to_one": True}):
+        noise = NoiseSchedule.from_config(config)
+        sched = diffusers_scheduler(config, "ddim", "karras")
+        copy = type(sched).from_config(sched.config)
+        dpm = diffusers_scheduler(config, "dpmpp_2m", "karras")
+        for s in (sched, copy, dpm):
+            s.set_timesteps(10)
+        assert torch.equal(sched.timesteps, dpm.timesteps) and torch.equal(copy.timesteps, dpm.timesteps)
+        plan = make_plan(noise, "ddim", "karras", 10)
+        ac = noise.alphas_cumprod()
+        t = plan.timesteps.astype(int)
+        # sigmas are VE: sqrt((1 - abar) / abar) at each timestep, then at the final alpha.
+        final = 1.0 if noise.set_alpha_to_one else ac[0]
+        abar = np.append(ac[t], final)
+        np.testing.assert_allclose(plan.sigmas, np.sqrt((1 - abar) / abar), rtol=1e-12)
+        # x_next = sqrt(abar_next) D + sqrt(1 - abar_next) eps: B + A * alpha == sqrt(abar_next).
+        last = plan.coefs[-1]
+        assert last[Coef.B] + last[Coef.A] * np.sqrt(ac[t[-1]]) == pytest.approx(np.sqrt(final), rel=1e-12)
 
 
 def test_rows_of_different_plans_batch_like_alone():
@@ -207,7 +226,6 @@ def test_rows_of_different_plans_batch_like_alone():
     [
         ("heun", "default", 10, ["sampler 'heun'", "euler, euler_a, dpmpp_2m, ddim"]),
         ("euler", "exponential", 10, ["schedule 'exponential'", "default, karras"]),
-        ("ddim", "karras", 10, ["'karras'", "'ddim'", "'default'"]),
         ("euler", "default", 0, ["num_steps 0", "1..1000"]),
         ("euler", "default", 1001, ["num_steps 1001", "1..1000"]),
         ("euler", "default", 2.5, ["num_steps 2.5", "1..1000"]),

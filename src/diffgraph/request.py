@@ -21,6 +21,7 @@ MAX_SIZE = 2048
 MAX_STEPS = 200
 MAX_IMAGES = 16
 MAX_SEED = 2**63 - 1
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
 
 _ids = itertools.count()
 
@@ -63,12 +64,14 @@ class GenerationRequest:
     schedule: str
     seed: int
     num_images: int
+    output_format: str | None = None  # "png" | "jpeg" | "webp": also return encoded bytes
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
     @classmethod
     def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any, height: Any,
                num_inference_steps: Any, guidance_scale: Any, sampler: Any, schedule: Any,
-               seed: Any = None, num_images: Any = 1, request_id: str | None = None) -> "GenerationRequest":
+               seed: Any = None, num_images: Any = 1, output_format: Any = None,
+               request_id: str | None = None) -> "GenerationRequest":
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if negative_prompt is not None and not isinstance(negative_prompt, str):
@@ -89,10 +92,12 @@ class GenerationRequest:
             seed = secrets.randbelow(2**31)
         seed = _check_int("seed", seed, 0, MAX_SEED)
         num_images = _check_int("num_images", num_images, 1, MAX_IMAGES)
+        if output_format is not None and output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format {output_format!r} is unknown; allowed: {', '.join(OUTPUT_FORMATS)}")
         kwargs = {} if request_id is None else {"request_id": str(request_id)}
         return cls(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
                    num_inference_steps=steps, guidance_scale=guidance, sampler=sampler, schedule=schedule,
-                   seed=seed, num_images=num_images, **kwargs)
+                   seed=seed, num_images=num_images, output_format=output_format, **kwargs)
 
 
 @dataclass
@@ -105,6 +110,7 @@ class GenerationResult:
     seed: int
     timings: dict[str, float]
     request: GenerationRequest
+    encoded: list[bytes] | None = None  # the images in request.output_format, when one was asked for
 
     # A result reads as the list of its images: `images = engine.generate(...)`, `images[0].save(...)`.
     def __len__(self) -> int:

@@ -1,28 +1,47 @@
-"""`Engine`: the public facade. Validates requests, runs them on the worker, returns images.
+"""`Engine`: the public facade and the engine loop.
 
-One request's rows share the step loop here: per step the host builds the rows' coefficient table
-from the request's precomputed SamplerPlan, draws ancestral noise from the request's own CPU
-generator (in diffusers' order), and the worker runs one whole step. Finished latents are decoded
-and turned into PIL images.
+Requests are validated (request.py), queued in the scheduler and served by one loop thread:
+
+    plan = scheduler.schedule()      # which group, who joins, this step's coefficient table
+    self._execute(plan)              # worker: row moves, admission (encode, initial noise), one step
+    finished = scheduler.update(plan)
+
+Admission encodes prompts in one batch through an LRU cache of embeddings; each request draws its
+initial and ancestral noise from its own CPU generator in diffusers' order, so its images do not
+depend on what shares its batch. Finished rows are decoded in one batch; pixels reach the host and
+are turned into PIL images (and PNG/JPEG/WebP bytes) on a thread pool, so the loop never waits.
+An exception inside a step fails only that batch's requests; the loop keeps running.
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import threading
 import time
-from typing import Any
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ..config import GraphConfig
+from ..models.conditioning import PromptEmbeddings
 from ..models.loader import DiffusionModel, load_model
 from ..request import GenerationRequest, GenerationResult
-from ..sampling.samplers import SamplerPlan, make_plan
+from ..sampling.samplers import make_plan
+from .scheduler import QueueFullError, RequestAborted, RequestState, Scheduler, SchedulerConfig, StepPlan
 from .worker import Worker
 
 logger = logging.getLogger(__name__)
+
+ProgressCallback = Callable[[str, int, int], None]  # (request_id, step done, total steps)
+
+
+class EngineStepError(RuntimeError):
+    """A denoising step failed; every request of that batch gets this error."""
 
 
 def to_pil(arrays: np.ndarray) -> list[Image.Image]:
@@ -30,89 +49,288 @@ def to_pil(arrays: np.ndarray) -> list[Image.Image]:
     return [Image.fromarray(a) for a in (arrays * 255).round().astype("uint8")]
 
 
+def encode_image(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format={"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}[fmt],
+               **({"quality": 95} if fmt in ("jpeg", "webp") else {}))
+    return buf.getvalue()
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+class _Payload:
+    """Engine-side state of a request: its future, generator, embeddings and timestamps."""
+
+    __slots__ = ("request", "future", "on_progress", "generator", "cond", "uncond", "admitted_at")
+
+    def __init__(self, request: GenerationRequest, on_progress: ProgressCallback | None):
+        self.request = request
+        self.future: Future = Future()
+        self.on_progress = on_progress
+        self.generator: torch.Generator | None = None
+        self.cond: PromptEmbeddings | None = None
+        self.uncond: PromptEmbeddings | None = None
+        self.admitted_at = 0.0
+
+
 class Engine:
-    """Generates images with an SD1.x/SD2.x/SDXL model.
+    """Generates images with an SD1.x/SD2.x/SDXL model; thread-safe; requests share steps.
 
     >>> engine = Engine(model="random:tiny", device="cpu")
     >>> images = engine.generate("a red fox", seed=1)
     """
 
     def __init__(self, model: str = "random:tiny", device: str | None = None, dtype: str | None = None,
-                 mode: str | None = None, graphs: GraphConfig | None = None, max_rows: int = 16):
+                 mode: str | None = None, graphs: GraphConfig | None = None, batching: str = "step",
+                 max_wait_ms: float = 0.0, max_queue: int = 256, max_rows: int = 16,
+                 prompt_cache_size: int = 512, image_threads: int = 2):
         device = device or default_device()
         cuda = torch.device(device).type == "cuda"
         dtype = dtype or ("fp16" if cuda else "fp32")
         mode = mode or ("graph" if cuda else "eager")
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
-        if mode == "graph" and not cuda:
+        if mode == "graph" and not cuda and (graphs is None or graphs.backend != "emulated"):
             raise ValueError("mode 'graph' needs a CUDA device; use mode='eager' on the CPU")
         t0 = time.perf_counter()
         self.model: DiffusionModel = load_model(model, device=device, dtype=dtype)
         self.mode = mode
         self.worker = Worker(self.model, max_rows=max_rows, mode=mode, graphs=graphs)
+        self.scheduler = Scheduler(SchedulerConfig(batching=batching, max_rows=self.worker.max_rows,
+                                                   max_wait_ms=max_wait_ms, max_queue=max_queue))
+        self._cache: OrderedDict[tuple[str, Any], PromptEmbeddings] = OrderedDict()
+        self._cache_size = prompt_cache_size
+        self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
+        self._cv = threading.Condition()
+        self._stop = False
+        self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0, "prompt_cache_hits": 0,
+                      "prompt_cache_misses": 0}
+        self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
+        self.ready = False
         if mode == "graph" and self.worker.graph_config.prewarm:
             self.worker.prewarm()
         self.ready_s = time.perf_counter() - t0  # load to ready (prewarm graphs captured)
+        self.ready = True
+        self._thread = threading.Thread(target=self._loop, name="diffgraph-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------------
+    def make_request(self, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
+                     num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = "euler",
+                     schedule: Any = "default", seed: Any = None, num_images: Any = 1,
+                     output_format: Any = None, request_id: str | None = None) -> GenerationRequest:
+        size = self.model.native_size
+        request = GenerationRequest.create(
+            prompt, negative_prompt=negative_prompt,
+            width=size if width is None else width, height=size if height is None else height,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=self.model.default_guidance if guidance_scale is None else guidance_scale,
+            sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
+            output_format=output_format, request_id=request_id)
+        if request.num_images > self.worker.max_rows:
+            raise ValueError(f"num_images {request.num_images} exceeds this engine's largest batch bucket "
+                             f"{self.worker.max_rows}")
+        return request
+
+    def generate(self, prompt: Any, **params: Any) -> GenerationResult:
+        """Generates `num_images` images for one prompt and waits for them. The result is a list-like of
+        PIL images with `.seed`, `.timings` and `.arrays` (float pixels). Bad parameters raise ValueError."""
+        return self.submit(self.make_request(prompt, **params)).result()
+
+    def run(self, request: GenerationRequest) -> GenerationResult:
+        return self.submit(request).result()
+
+    def submit(self, request: GenerationRequest, on_progress: ProgressCallback | None = None) -> Future:
+        """Queues a request; the future gives its GenerationResult. Raises QueueFullError when the queue is full."""
+        plan = make_plan(self.worker.noise_schedule, request.sampler, request.schedule, request.num_inference_steps)
+        payload = _Payload(request, on_progress)
+        state = RequestState(request_id=request.request_id, key=(request.height, request.width),
+                             rows=request.num_images, plan=plan, arrival=time.monotonic(), payload=payload)
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("the engine is closed")
+            self.scheduler.add(state)
+            self._cv.notify()
+        return payload.future
+
+    def abort(self, request_id: str) -> bool:
+        """Frees the request's rows at the next step boundary; its future fails with RequestAborted."""
+        with self._cv:
+            found = self.scheduler.abort(request_id)
+            self._cv.notify()
+        return found
 
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""
         return [] if self.worker.runner is None else self.worker.runner.table()
 
-    # -- requests ------------------------------------------------------------------------------
-    def make_request(self, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
-                     num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = "euler",
-                     schedule: Any = "default", seed: Any = None, num_images: Any = 1,
-                     request_id: str | None = None) -> GenerationRequest:
-        size = self.model.native_size
-        return GenerationRequest.create(
-            prompt, negative_prompt=negative_prompt,
-            width=size if width is None else width, height=size if height is None else height,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=self.model.default_guidance if guidance_scale is None else guidance_scale,
-            sampler=sampler, schedule=schedule, seed=seed, num_images=num_images, request_id=request_id)
+    def queue_depth(self) -> int:
+        return self.scheduler.num_waiting
 
-    def generate(self, prompt: Any, **params: Any) -> GenerationResult:
-        """Generates `num_images` images for one prompt. The result is a list-like of PIL images
-        with `.seed`, `.timings` and `.arrays` (float pixels) attached. Invalid parameters raise ValueError."""
-        return self.run(self.make_request(prompt, **params))
+    def live_rows(self) -> dict[tuple[int, int], int]:
+        with self._cv:
+            return {k: g.live_rows for k, g in self.scheduler.groups.items()}
 
-    def run(self, request: GenerationRequest) -> GenerationResult:
-        t0 = time.perf_counter()
-        worker = self.worker
-        model = self.model
-        key = (request.height, request.width)
-        n = request.num_images
-        if n > worker.max_rows:
-            raise ValueError(f"num_images {n} exceeds this engine's max_rows {worker.max_rows}")
-        plan: SamplerPlan = make_plan(worker.noise_schedule, request.sampler, request.schedule,
-                                      request.num_inference_steps)
-        cond = worker.encode([request.prompt])
-        uncond = worker.encode_negative([request.negative_prompt])
-        t_encode = time.perf_counter()
+    def close(self, timeout: float | None = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        self._images.shutdown(wait=True)
 
-        generator = torch.Generator("cpu").manual_seed(request.seed)
-        shape = (n, *worker.latent_shape(key))
-        # diffusers draws the initial latents in the model dtype on the CPU generator, then scales them
-        latents = torch.randn(shape, generator=generator, dtype=model.dtype).float() * plan.init_noise_sigma
-        worker.write_rows(key, 0, latents, cond, uncond, request.guidance_scale)
-        for i in range(plan.num_steps):
-            noise = [(0, torch.randn(shape, generator=generator, dtype=model.dtype))] if plan.draws_noise else None
-            worker.step(key, n, np.broadcast_to(plan.coefs[i], (n, plan.coefs.shape[1])), noise)
-        final = worker.read_latents(key, 0, n)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        t_denoise = time.perf_counter()
-        arrays = worker.decode(key, final)
-        t_decode = time.perf_counter()
-        timings = {"encode_ms": (t_encode - t0) * 1e3, "denoise_ms": (t_denoise - t_encode) * 1e3,
-                   "decode_ms": (t_decode - t_denoise) * 1e3, "total_ms": (t_decode - t0) * 1e3}
-        return GenerationResult(request_id=request.request_id, images=to_pil(arrays), arrays=arrays,
-                                seed=request.seed, timings=timings, request=request)
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _next_plan(self) -> tuple[StepPlan | None, list[RequestState]]:
+        with self._cv:
+            while not self._stop:
+                plan = self.scheduler.schedule()
+                aborted = self.scheduler.take_aborted()
+                if plan is not None or aborted:
+                    return plan, aborted
+                self._cv.wait(timeout=self.scheduler.next_deadline())
+            return None, self.scheduler.take_aborted()
+
+    def _loop(self) -> None:
+        while True:
+            plan, aborted = self._next_plan()
+            for s in aborted:
+                _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
+            if plan is None:
+                if self._stop:
+                    break
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._execute(plan)
+            except Exception as e:  # only this batch fails; the loop keeps serving
+                logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
+                self.stats["failed_steps"] += 1
+                with self._cv:
+                    failed = self.scheduler.fail(plan)
+                err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
+                for s in failed:
+                    _fail(s, err)
+                continue
+            with self._cv:
+                finished = self.scheduler.update(plan)
+            self.stats["steps"] += 1
+            self.stats["rows_stepped"] += plan.n_rows
+            for listener in self.step_listeners:
+                listener(plan, time.perf_counter() - t0)
+            for s in plan.live:
+                if s.payload.on_progress is not None:
+                    try:
+                        s.payload.on_progress(s.request_id, s.step, s.steps)
+                    except Exception:
+                        logger.exception("progress callback failed for %s", s.request_id)
+            if finished:
+                self._retire(plan.key, finished)
+        self._fail_everything(RuntimeError("the engine was closed"))
+
+    def _execute(self, plan: StepPlan) -> None:
+        w = self.worker
+        for src, dst, count in plan.moves:
+            w.move_rows(plan.key, src, dst, count)
+        if plan.admitted:
+            self._admit(plan.key, plan.admitted)
+        noise = []
+        for s in plan.noise_requests:
+            p = s.payload
+            noise.append((s.first_row, torch.randn((s.rows, *w.latent_shape(plan.key)), generator=p.generator,
+                                                   dtype=self.model.dtype)))
+        w.step(plan.key, plan.n_rows, plan.coefs, noise)
+
+    def _admit(self, key: tuple[int, int], states: list[RequestState]) -> None:
+        """Batched, cached prompt encoding; initial latents from each request's own generator."""
+        w = self.worker
+        self._embed([("+", s.payload.request.prompt) for s in states]
+                    + [("-", s.payload.request.negative_prompt) for s in states])
+        now = time.monotonic()
+        for s in states:
+            p = s.payload
+            r = p.request
+            p.generator = torch.Generator("cpu").manual_seed(r.seed)
+            latents = torch.randn((s.rows, *w.latent_shape(key)), generator=p.generator, dtype=self.model.dtype)
+            latents = latents.float() * s.plan.init_noise_sigma
+            w.write_rows(key, s.first_row, latents, self._cache[("+", r.prompt)],
+                         self._cache[("-", r.negative_prompt)], r.guidance_scale)
+            p.admitted_at = now
+
+    def _embed(self, keys: list[tuple[str, Any]]) -> None:
+        """Makes sure every (sign, text) is in the LRU cache, encoding the missing ones in one batch each."""
+        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        hits = len(keys) - len(missing)
+        self.stats["prompt_cache_hits"] += hits
+        self.stats["prompt_cache_misses"] += len(missing)
+        for k in keys:
+            if k in self._cache:
+                self._cache.move_to_end(k)
+        pos = [t for sign, t in missing if sign == "+"]
+        neg = [t for sign, t in missing if sign == "-"]
+        if pos:
+            out = self.worker.encode(pos)
+            for i, t in enumerate(pos):
+                self._cache[("+", t)] = out.select(i)
+        if neg:
+            out = self.worker.encode_negative(neg)
+            for i, t in enumerate(neg):
+                self._cache[("-", t)] = out.select(i)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def _retire(self, key: tuple[int, int], finished: list[RequestState]) -> None:
+        latents = torch.cat([self.worker.read_latents(key, s.first_row, s.rows) for s in finished])
+        try:
+            wait = self.worker.decode_async(key, latents)
+        except Exception as e:
+            logger.exception("decode failed for group %s", key)
+            for s in finished:
+                _fail(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        done_at = time.monotonic()
+        self._images.submit(self._deliver, finished, wait, done_at)
+
+    def _deliver(self, finished: list[RequestState], wait: Callable[[], np.ndarray], done_at: float) -> None:
+        try:
+            arrays = wait()
+        except Exception as e:
+            for s in finished:
+                _fail(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        row = 0
+        for s in finished:
+            p = s.payload
+            r = p.request
+            try:
+                part = arrays[row:row + s.rows]
+                images = to_pil(part)
+                encoded = [encode_image(im, r.output_format) for im in images] if r.output_format else None
+                now = time.monotonic()
+                timings = {"queue_ms": (p.admitted_at - s.arrival) * 1e3,
+                           "denoise_ms": (done_at - p.admitted_at) * 1e3,
+                           "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
+                result = GenerationResult(request_id=r.request_id, images=images, arrays=part, seed=r.seed,
+                                          timings=timings, request=r, encoded=encoded)
+                if not p.future.done():
+                    p.future.set_result(result)
+            except Exception as e:
+                _fail(s, e)
+            row += s.rows
+
+    def _fail_everything(self, error: Exception) -> None:
+        with self._cv:
+            for g in self.scheduler.groups.values():
+                for s in list(g.waiting) + list(g.live):
+                    _fail(s, error)
+                g.waiting.clear()
+                g.live.clear()
 
     # -- diffusers interop ---------------------------------------------------------------------
     def diffusers_pipeline(self, sampler: str | None = None, schedule: str = "default"):
@@ -139,3 +357,12 @@ class Engine:
                 scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+
+def _fail(state: RequestState, error: BaseException) -> None:
+    fut = state.payload.future
+    if not fut.done():
+        fut.set_exception(error)
+
+
+__all__ = ["Engine", "EngineStepError", "QueueFullError", "RequestAborted"]

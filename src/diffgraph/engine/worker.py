@@ -11,6 +11,7 @@ issues async copies: no allocation on the device and no synchronisation on the r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -203,13 +204,16 @@ class Worker:
         return (image * 0.5 + 0.5).clamp(0, 1)
 
     @torch.no_grad()
-    def decode(self, key: GroupKey, latents: torch.Tensor) -> np.ndarray:
-        """Latents -> float pixels [n, H, W, 3] in [0, 1], as diffusers' VaeImageProcessor (output_type='np')."""
+    def decode_async(self, key: GroupKey, latents: torch.Tensor) -> Callable[[], np.ndarray]:
+        """Enqueues the decode and a copy of the pixels to pinned host memory; returns a waiter that
+        gives float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np').
+        The engine loop does not wait: the waiter runs on the image thread pool."""
         latents = latents.to(self.model.device)
         runner = self.runner
         chunk = max(VAE_BUCKETS) if runner is not None else latents.shape[0]
-        parts = []
-        for start in range(0, latents.shape[0], chunk):
+        n_total = latents.shape[0]
+        host = None
+        for start in range(0, n_total, chunk):
             part = latents[start:start + chunk]
             n = part.shape[0]
             bucket = runner.bucket("vae", key[0], key[1], n) if runner is not None and "vae" in runner.kinds else None
@@ -218,5 +222,21 @@ class Worker:
             else:
                 self.vae_graph.write(key[0], key[1], part, bucket)
                 image = runner.replay("vae", key[0], key[1], bucket)[:n]
-            parts.append(image.permute(0, 2, 3, 1).float().cpu().numpy())
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+            image = image.permute(0, 2, 3, 1)
+            if host is None:
+                host = torch.empty((n_total, *image.shape[1:]), dtype=image.dtype, pin_memory=self.cuda)
+            host[start:start + n].copy_(image, non_blocking=self.cuda)  # consumed before any later replay
+        if not self.cuda:
+            arrays = host.float().numpy()
+            return lambda: arrays
+        event = torch.cuda.Event()
+        event.record()
+
+        def wait() -> np.ndarray:
+            event.synchronize()
+            return host.float().numpy()
+        return wait
+
+    def decode(self, key: GroupKey, latents: torch.Tensor) -> np.ndarray:
+        """Latents -> float pixels [n, H, W, 3] in [0, 1], waiting for them."""
+        return self.decode_async(key, latents)()

@@ -18,6 +18,7 @@ from diffusers import (
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
 )
+from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 
 from .samplers import check_sampler
 from .schedules import NoiseSchedule
@@ -38,6 +39,66 @@ class KarrasEulerAncestralDiscreteScheduler(EulerAncestralDiscreteScheduler):
         self.timesteps = euler.timesteps
         self._step_index = None
         self._begin_index = None
+
+
+class KarrasDDIMScheduler(DDIMScheduler):
+    """DDIM (eta=0) on the Karras timesteps DPMSolverMultistepScheduler(use_karras_sigmas=True) would use.
+
+    diffusers' DDIMScheduler has no Karras option, and its step goes back a fixed num_train_timesteps // n;
+    this one takes DPM-Solver's rounded Karras timesteps and steps from each to the next in that list (the
+    last to `final_alpha_cumprod`). Rounding can repeat a timestep, so the step is found by counting steps
+    (like diffusers' `_step_index`), not by looking the timestep up.
+    """
+
+    def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
+        dpm = DPMSolverMultistepScheduler.from_config(self.config, **(_DPM_DEFAULTS | {"use_karras_sigmas": True}))
+        dpm.set_timesteps(num_inference_steps, device=device)
+        self.num_inference_steps = len(dpm.timesteps)
+        self.timesteps = dpm.timesteps
+        self._step_index = None
+
+    def step(
+        self,
+        model_output: torch.Tensor,
+        timestep: int | torch.Tensor,
+        sample: torch.Tensor,
+        eta: float = 0.0,
+        use_clipped_model_output: bool = False,
+        generator: torch.Generator | None = None,
+        variance_noise: torch.Tensor | None = None,
+        return_dict: bool = True,
+    ) -> DDIMSchedulerOutput | tuple:
+        if self.num_inference_steps is None:
+            raise ValueError("call set_timesteps before step")
+        if eta != 0.0:
+            raise ValueError(f"KarrasDDIMScheduler implements eta=0 only, got eta={eta}; pass eta=0.0")
+        if self._step_index is None:
+            # First occurrence: a pipeline starts at the first of repeated timesteps.
+            matches = (self.timesteps == timestep).nonzero()
+            if len(matches) == 0:
+                raise ValueError(f"timestep {timestep} is not one of this scheduler's timesteps")
+            self._step_index = int(matches[0])
+        i = self._step_index
+        prev_timestep = int(self.timesteps[i + 1]) if i + 1 < len(self.timesteps) else -1
+
+        # The same float32 arithmetic as DDIMScheduler.step with eta=0.
+        alpha_prod_t = self.alphas_cumprod[int(timestep)]
+        alpha_prod_t_prev = self.alphas_cumprod[prev_timestep] if prev_timestep >= 0 else self.final_alpha_cumprod
+        beta_prod_t = 1 - alpha_prod_t
+        if self.config.prediction_type == "epsilon":
+            pred_original_sample = (sample - beta_prod_t ** (0.5) * model_output) / alpha_prod_t ** (0.5)
+            pred_epsilon = model_output
+        elif self.config.prediction_type == "v_prediction":
+            pred_original_sample = (alpha_prod_t**0.5) * sample - (beta_prod_t**0.5) * model_output
+            pred_epsilon = (alpha_prod_t**0.5) * model_output + (beta_prod_t**0.5) * sample
+        else:
+            raise ValueError(f"prediction_type {self.config.prediction_type!r} is not supported; "
+                             "use 'epsilon' or 'v_prediction'")
+        prev_sample = alpha_prod_t_prev ** (0.5) * pred_original_sample + (1 - alpha_prod_t_prev) ** (0.5) * pred_epsilon
+        self._step_index += 1
+        if not return_dict:
+            return (prev_sample, pred_original_sample)
+        return DDIMSchedulerOutput(prev_sample=prev_sample, pred_original_sample=pred_original_sample)
 
 
 _EULER_DEFAULTS: dict[str, Any] = {
@@ -85,6 +146,7 @@ def diffusers_scheduler(config: Mapping[str, Any], sampler: str, schedule: str):
         return cls.from_config(config, **common)
     if sampler == "dpmpp_2m":
         return DPMSolverMultistepScheduler.from_config(config, **common, **(_DPM_DEFAULTS | {"use_karras_sigmas": karras}))
-    return DDIMScheduler.from_config(
+    cls = KarrasDDIMScheduler if karras else DDIMScheduler
+    return cls.from_config(
         config, **common, set_alpha_to_one=noise.set_alpha_to_one, clip_sample=False, thresholding=False
     )

@@ -78,7 +78,7 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int)
     elif sampler == "dpmpp_2m":
         plan = _dpmpp_2m_plan(noise, num_steps, karras)
     else:
-        plan = _ddim_plan(noise, num_steps)
+        plan = _ddim_plan(noise, num_steps, karras)
     timesteps, sigmas, coefs, init_noise_sigma = plan
     if not np.all(np.isfinite(coefs)):
         raise ValueError(
@@ -103,9 +103,6 @@ def check_sampler(sampler: str, schedule: str) -> None:
         raise ValueError(f"sampler {sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
-    if sampler == "ddim" and schedule != "default":
-        # diffusers' DDIMScheduler has no Karras sigmas, so there is no reference to match.
-        raise ValueError(f"schedule {schedule!r} is not supported by sampler 'ddim'; use schedule 'default'")
 
 
 def apply_step(coefs: Any, x: Any, out: Any, d_prev: Any, noise: Any = None) -> tuple[Any, Any]:
@@ -173,11 +170,7 @@ def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, karras: bool):
     """DPM-Solver++(2M), Lu et al. 2022; first order at the first and last step (diffusers' defaults)."""
     train = noise.train_sigmas()
     if karras:
-        # DPMSolverMultistepScheduler: the Karras range is the whole training range; rounded timesteps.
-        s = karras_sigmas(float(train[0]), float(train[-1]), n)
-        t = sigma_to_t(s, train)
-        # Rounded, except for the cosine schedule, where diffusers truncates them on the cast to int64.
-        t = np.floor(t) if noise.beta_schedule == "squaredcos_cap_v2" else t.round()
+        t, s = _karras_vp_timesteps(noise, n)
         if n > 1 and t[0] == t[1]:
             # diffusers finds its first step by timestep and would start at step 1 of a repeated one.
             raise ValueError(f"dpmpp_2m with karras sigmas on this schedule repeats its first timestep at "
@@ -202,19 +195,35 @@ def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, karras: bool):
     return t, sig, _table(t, np.ones(n), p, q, a, b, c), 1.0
 
 
-def _ddim_plan(noise: NoiseSchedule, n: int):
+def _karras_vp_timesteps(noise: NoiseSchedule, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(integer timesteps, sigmas) of DPMSolverMultistepScheduler(use_karras_sigmas=True): the Karras
+    sigmas span the whole training range and their timesteps are rounded (DDIM on Karras reuses them)."""
+    train = noise.train_sigmas()
+    s = karras_sigmas(float(train[0]), float(train[-1]), n)
+    t = sigma_to_t(s, train)
+    # Rounded, except for the cosine schedule, where diffusers truncates them on the cast to int64.
+    t = np.floor(t) if noise.beta_schedule == "squaredcos_cap_v2" else t.round()
+    return t, s
+
+
+def _ddim_plan(noise: NoiseSchedule, n: int, karras: bool):
     """DDIM with eta=0, Song et al. 2021, on VP latents."""
     n_train = noise.num_train_timesteps
-    t = spaced_timesteps(noise, n, points=n, round_linspace=True)
-    if t.max() >= n_train or t.min() < 0:
-        raise ValueError(
-            f"num_steps {n} with timestep_spacing {noise.timestep_spacing!r} and steps_offset "
-            f"{noise.steps_offset} reaches timestep {int(t.max())} >= num_train_timesteps; use fewer steps"
-        )
+    if karras:
+        # oracle.KarrasDDIMScheduler: DPM-Solver's Karras timesteps, each step going to the next of them.
+        t, _ = _karras_vp_timesteps(noise, n)
+        t_prev = np.append(t[1:], -1).astype(np.int64)
+    else:
+        t = spaced_timesteps(noise, n, points=n, round_linspace=True)
+        if t.max() >= n_train or t.min() < 0:
+            raise ValueError(
+                f"num_steps {n} with timestep_spacing {noise.timestep_spacing!r} and steps_offset "
+                f"{noise.steps_offset} reaches timestep {int(t.max())} >= num_train_timesteps; use fewer steps"
+            )
+        # diffusers steps back by num_train_timesteps // n whatever the spacing, not to the next timestep.
+        t_prev = t.astype(np.int64) - n_train // n
     ac = noise.alphas_cumprod()
     final = 1.0 if noise.set_alpha_to_one else ac[0]
-    # diffusers steps back by num_train_timesteps // n whatever the spacing, not to the next timestep.
-    t_prev = t.astype(np.int64) - n_train // n
     ac_t = ac[t.astype(np.int64)]
     ac_prev = np.where(t_prev >= 0, ac[np.maximum(t_prev, 0)], final)
     alpha, sigma_vp = np.sqrt(ac_t), np.sqrt(1 - ac_t)

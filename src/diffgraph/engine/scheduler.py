@@ -1,0 +1,281 @@
+"""The scheduler: which rows run next. CPU only (numpy, no torch), so it is tested with a fake worker.
+
+Requests wait in one queue per resolution group. Each iteration `schedule()` picks one group, admits
+waiting requests of that group into free rows at the step boundary (FIFO), and hands the worker a
+`StepPlan`: row moves that keep live rows contiguous, the admitted requests and their first rows, and
+the coefficient table of every live row for this step. `update()` advances the rows and retires the
+finished requests. Live rows of a group never exceed `max_rows` (the largest batch bucket).
+
+Batching modes, on the same path:
+  step     requests join between steps and leave when done (continuous batching);
+  request  a group admits only when empty: requests with the same step count, up to max_rows or
+           until max_wait_ms after the first arrived, run to the end together (the seed design);
+  off      one request at a time in the whole engine.
+
+Across groups the least recently served group with work goes first (a new group counts from the
+arrival of its oldest request), so no group waits more than one turn of the others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..sampling.samplers import NUM_COEFS, SamplerPlan
+
+GroupKey = tuple[int, int]
+BATCHING_MODES = ("step", "request", "off")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queue requests; the caller should retry later (HTTP 429)."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before it finished."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    batching: str = "step"
+    max_rows: int = 16          # rows live per group: the largest batch bucket
+    max_wait_ms: float = 0.0    # admission into an EMPTY group waits this long for company
+    max_queue: int = 256        # waiting requests, all groups together
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching {self.batching!r} is unknown; allowed: {', '.join(BATCHING_MODES)}")
+        if self.max_rows < 1 or self.max_queue < 1 or self.max_wait_ms < 0:
+            raise ValueError("max_rows and max_queue must be >= 1 and max_wait_ms >= 0")
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request inside the engine. `payload` carries what the engine needs (generator, embeddings)."""
+
+    request_id: str
+    key: GroupKey
+    rows: int
+    plan: SamplerPlan
+    arrival: float
+    step: int = 0
+    first_row: int = -1
+    aborted: bool = False
+    payload: Any = None
+
+    @property
+    def steps(self) -> int:
+        return self.plan.num_steps
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.plan.num_steps
+
+
+@dataclass
+class StepPlan:
+    """What the worker does this iteration, for one group."""
+
+    key: GroupKey
+    moves: list[tuple[int, int, int]]     # (src, dst, count) row copies, in order, before admission
+    admitted: list[RequestState]          # new requests: write their rows at state.first_row
+    live: list[RequestState]              # every live request in row order (admitted included)
+    coefs: np.ndarray                     # [n_rows, NUM_COEFS] this step's coefficients, row order
+
+    @property
+    def n_rows(self) -> int:
+        return self.coefs.shape[0]
+
+    @property
+    def noise_requests(self) -> list[RequestState]:
+        return [s for s in self.live if s.plan.draws_noise]
+
+
+@dataclass
+class _Group:
+    key: GroupKey
+    waiting: deque = field(default_factory=deque)
+    live: list[RequestState] = field(default_factory=list)
+    last_served: float = -1.0
+    dirty: bool = False  # rows were freed: compact before the next step
+
+    @property
+    def live_rows(self) -> int:
+        return sum(s.rows for s in self.live)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.groups: dict[GroupKey, _Group] = {}
+        self._aborted: list[RequestState] = []
+        self.steps_run = 0
+
+    # -- intake --------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(g.waiting) for g in self.groups.values())
+
+    @property
+    def num_live_rows(self) -> int:
+        return sum(g.live_rows for g in self.groups.values())
+
+    def has_work(self) -> bool:
+        return any(g.waiting or g.live for g in self.groups.values())
+
+    def add(self, state: RequestState) -> None:
+        if state.rows > self.config.max_rows:
+            raise ValueError(f"num_images {state.rows} exceeds the largest batch bucket {self.config.max_rows}")
+        if self.num_waiting >= self.config.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests); retry later "
+                                 "or raise max_queue")
+        self.groups.setdefault(state.key, _Group(state.key)).waiting.append(state)
+
+    def abort(self, request_id: str) -> bool:
+        """Marks a request aborted; its rows are freed at the next step boundary. False if unknown."""
+        for g in self.groups.values():
+            for s in list(g.waiting):
+                if s.request_id == request_id:
+                    g.waiting.remove(s)
+                    s.aborted = True
+                    self._aborted.append(s)
+                    return True
+            for s in g.live:
+                if s.request_id == request_id and not s.aborted:
+                    s.aborted = True
+                    return True
+        return False
+
+    def take_aborted(self) -> list[RequestState]:
+        """Requests aborted since the last call (their rows are already free)."""
+        out, self._aborted = self._aborted, []
+        return out
+
+    # -- one iteration -------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """Picks a group, admits into it, and returns its step; None when nothing can run now."""
+        now = self.clock()
+        for g in self.groups.values():
+            self._drop_aborted(g)
+        best, best_since = None, None
+        for g in self.groups.values():
+            since = self._ready_since(g, now)
+            if since is not None and (best_since is None or since < best_since):
+                best, best_since = g, since
+        if best is None:
+            return None
+        moves = self._compact(best)
+        admitted = self._admit(best, now)
+        if not best.live:
+            return None
+        best.last_served = now
+        coefs = np.concatenate([np.broadcast_to(s.plan.coefs[s.step], (s.rows, NUM_COEFS)) for s in best.live])
+        return StepPlan(best.key, moves, admitted, list(best.live), coefs)
+
+    def update(self, plan: StepPlan) -> list[RequestState]:
+        """After a successful step: advances every live row; returns the finished requests (rows freed)."""
+        self.steps_run += 1
+        g = self.groups[plan.key]
+        finished = []
+        for s in plan.live:
+            s.step += 1
+            if s.done:
+                finished.append(s)
+        if finished:
+            g.live = [s for s in g.live if not s.done]
+            g.dirty = True
+        return finished
+
+    def fail(self, plan: StepPlan) -> list[RequestState]:
+        """After a failed step: every request of that batch leaves; the group starts empty."""
+        g = self.groups[plan.key]
+        failed, g.live = g.live, []
+        g.dirty = False
+        return failed
+
+    def next_deadline(self) -> float | None:
+        """Seconds until a waiting request becomes admissible (for the engine loop's wait), or None."""
+        now = self.clock()
+        waits = []
+        for g in self.groups.values():
+            if g.waiting and not g.live:
+                waits.append(max(0.0, g.waiting[0].arrival + self.config.max_wait_ms / 1e3 - now))
+        return min(waits) if waits else None
+
+    # -- policy --------------------------------------------------------------------------------
+    def _ready_since(self, g: _Group, now: float) -> float | None:
+        if g.live:
+            return g.last_served
+        if not g.waiting or not self._may_start(g, now):
+            return None
+        return g.waiting[0].arrival
+
+    def _may_start(self, g: _Group, now: float) -> bool:
+        """Whether an empty group may admit now."""
+        mode = self.config.batching
+        if mode == "off" and any(o.live for o in self.groups.values()):
+            return False
+        if mode == "off":
+            return True
+        head = g.waiting[0]
+        if now >= head.arrival + self.config.max_wait_ms / 1e3:
+            return True
+        # the batch is already full: no reason to wait longer
+        return sum(s.rows for s in self._compatible(g, head)) >= self.config.max_rows
+
+    def _compatible(self, g: _Group, head: RequestState) -> list[RequestState]:
+        if self.config.batching == "request":
+            return [s for s in g.waiting if s.steps == head.steps]
+        return list(g.waiting)
+
+    def _admit(self, g: _Group, now: float) -> list[RequestState]:
+        mode = self.config.batching
+        if mode in ("request", "off") and g.live:
+            return []
+        if not g.waiting:
+            return []
+        if not g.live and not self._may_start(g, now):
+            return []
+        free = self.config.max_rows - g.live_rows
+        admitted = []
+        head_steps = g.waiting[0].steps
+        for s in list(g.waiting):
+            if mode == "off" and admitted:
+                break
+            if mode == "request" and s.steps != head_steps:
+                continue
+            if s.rows > free:
+                if mode == "step":
+                    break  # FIFO: a large request is not overtaken by smaller ones behind it
+                continue
+            g.waiting.remove(s)
+            s.first_row = g.live_rows
+            g.live.append(s)
+            admitted.append(s)
+            free -= s.rows
+        return admitted
+
+    def _drop_aborted(self, g: _Group) -> None:
+        gone = [s for s in g.live if s.aborted]
+        if gone:
+            g.live = [s for s in g.live if not s.aborted]
+            g.dirty = True
+            self._aborted.extend(gone)
+
+    def _compact(self, g: _Group) -> list[tuple[int, int, int]]:
+        """Row moves that pack the live requests at rows [0, n) in their current order."""
+        if not g.dirty:
+            return []
+        g.dirty = False
+        moves, row = [], 0
+        for s in g.live:
+            if s.first_row != row:
+                moves.append((s.first_row, row, s.rows))
+                s.first_row = row
+            row += s.rows
+        return moves

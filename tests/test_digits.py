@@ -1,0 +1,124 @@
+"""The shipped `digits` / `digits-xl` presets draw the digit the prompt asks for.
+
+An oracle (an SVC trained here on scikit-learn's 8x8 digits, passed through the same upscale and
+augmentation as tools/train_digits.py, so the same white-on-black polarity) reads each generated
+64x64 image, area-downsampled to 8x8. For each model and sampler, 50 images (5 per digit) at 20 steps
+must be at least 90% the asked digit, and classifier-free guidance 5.0 must beat 1.0.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import lru_cache
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph.models import presets
+
+MODELS = ("digits", "digits-xl")
+_missing = [name for name in MODELS if presets.shipped_preset_folder(name) is None]
+if _missing:
+    pytest.skip(f"trained assets missing: {', '.join(os.path.join(presets.ASSETS, m) for m in _missing)} "
+                "(make them with tools/train_digits.py)", allow_module_level=True)
+
+from sklearn.svm import SVC  # noqa: E402
+
+from diffgraph import Engine  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = {"digits": "a handwritten digit {w}", "digits-xl": "the number {d}"}
+WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+PER_DIGIT = 5
+
+
+def _training_script():
+    spec = importlib.util.spec_from_file_location("train_digits", os.path.join(ROOT, "tools", "train_digits.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def features(arrays: np.ndarray) -> np.ndarray:
+    """[n, 64, 64, 3] in 0..1 -> [n, 64]: grey, 8x8 block means, on the 0..16 scale of load_digits."""
+    grey = np.asarray(arrays, dtype=np.float64).mean(axis=-1)
+    n = grey.shape[0]
+    return grey.reshape(n, 8, 8, 8, 8).mean(axis=(2, 4)).reshape(n, 64) * 16.0
+
+
+@lru_cache(maxsize=1)
+def oracle_and_heldout() -> tuple[SVC, float]:
+    train = _training_script()
+    images, labels = train.load_digits_arrays(None)
+    x64 = train.upscale(torch.from_numpy(images))
+    gen = torch.Generator().manual_seed(0)
+    copies = [x64] + [train.augment(x64, gen) for _ in range(3)]
+
+    def feats(x):
+        return features(x[:, 0, :, :, None].numpy())
+
+    order = np.random.default_rng(0).permutation(len(labels))
+    train_idx, test_idx = order[:1500], order[1500:]
+    X = np.concatenate([feats(c[train_idx]) for c in copies])
+    y = np.concatenate([labels[train_idx]] * len(copies))
+    clf = SVC(gamma=0.001, C=10.0).fit(X, y)
+    heldout = float((clf.predict(feats(copies[1][test_idx])) == labels[test_idx]).mean())
+    return clf, heldout
+
+
+@lru_cache(maxsize=2)
+def engine(model: str) -> Engine:
+    return Engine(model=model, device="cpu")
+
+
+@lru_cache(maxsize=None)
+def generated(model: str, sampler: str, guidance: float) -> tuple[np.ndarray, np.ndarray]:
+    """(asked digits [50], images [50, 64, 64, 3]); 5 per digit, each digit its own seed."""
+    asked, images = [], []
+    for d in range(10):
+        prompt = PROMPTS[model].format(w=WORDS[d], d=d)
+        result = engine(model).generate(prompt, num_inference_steps=20, guidance_scale=guidance, sampler=sampler,
+                                        seed=1000 + d, num_images=PER_DIGIT, width=64, height=64)
+        images.append(np.asarray(result.arrays))
+        asked += [d] * PER_DIGIT
+    return np.array(asked), np.concatenate(images)
+
+
+def recognition(model: str, sampler: str, guidance: float) -> tuple[float, float, np.ndarray]:
+    """(fraction read as the asked digit, mean decision margin of the asked digit, predictions)."""
+    clf, _ = oracle_and_heldout()
+    asked, images = generated(model, sampler, guidance)
+    x = features(images)
+    pred = clf.predict(x)
+    scores = clf.decision_function(x)  # [n, 10], one-vs-rest shaped
+    own = scores[np.arange(len(asked)), asked]
+    others = np.where(np.eye(10, dtype=bool)[asked], -np.inf, scores).max(axis=1)
+    return float((pred == asked).mean()), float((own - others).mean()), pred
+
+
+def test_oracle_reads_training_style_digits():
+    _, heldout = oracle_and_heldout()
+    assert heldout >= 0.97, f"oracle accuracy on held-out augmented digits is only {heldout:.3f}"
+
+
+@pytest.mark.parametrize("sampler", ["euler", "dpmpp_2m"])
+@pytest.mark.parametrize("model", MODELS)
+def test_draws_the_asked_digit(model, sampler):
+    rate, _, pred = recognition(model, sampler, 5.0)
+    asked, images = generated(model, sampler, 5.0)
+    assert images.shape == (50, 64, 64, 3) and images.min() >= 0.0 and images.max() <= 1.0
+    # Real drawings, not blank or saturated: a digit covers part of the square.
+    ink = images.mean(axis=(1, 2, 3))
+    assert 0.05 < ink.mean() < 0.6, f"mean brightness {ink.mean():.3f}: images are not white digits on black"
+    wrong = {int(a): int(p) for a, p in zip(asked, pred) if a != p}
+    assert rate >= 0.9, f"{model}/{sampler}: {rate:.0%} recognised as the asked digit; misread (asked: read) {wrong}"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_guidance_makes_the_digit_clearer(model):
+    rate1, margin1, _ = recognition(model, "euler", 1.0)
+    rate5, margin5, _ = recognition(model, "euler", 5.0)
+    assert rate5 >= rate1 and margin5 > margin1 + 0.1, (
+        f"{model}: guidance 1.0 -> {rate1:.0%} (margin {margin1:.2f}), 5.0 -> {rate5:.0%} (margin {margin5:.2f})")
