@@ -1,0 +1,118 @@
+"""The engine loop on the CPU: concurrent mixed requests equal their solo images; abort; failures; queue."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from diffgraph import Engine
+from diffgraph.engine.engine import EngineStepError
+from diffgraph.engine.scheduler import QueueFullError, RequestAborted
+
+SAMPLERS = ["euler", "euler_a", "dpmpp_2m", "ddim"]
+
+
+def _mix(engine, count=20):
+    """Requests that differ in steps, sampler, schedule, guidance, seed, prompt, negative, num_images and size."""
+    reqs = []
+    for i in range(count):
+        reqs.append(engine.make_request(
+            ["a red fox", "a blue car", "a castle at night", "a bowl of fruit"][i % 4],
+            negative_prompt=[None, "blurry"][i % 2],
+            width=64, height=[64, 96][(i // 2) % 2],
+            num_inference_steps=[3, 5, 8, 4][i % 4],
+            sampler=SAMPLERS[i % 4], schedule=["default", "karras"][(i // 4) % 2],
+            guidance_scale=[1.0, 4.0, 7.5][i % 3], seed=1000 + i, num_images=[1, 2, 1, 3][(i // 3) % 4],
+            request_id=f"mix-{id(engine)}-{i}"))
+    return reqs
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_xl"])
+def test_concurrent_mix_equals_alone(request, model):
+    engine = request.getfixturevalue(f"{model}_engine")
+    reqs = _mix(engine)
+    alone = [engine.run(r).arrays for r in reqs]
+    steps_before = engine.stats["steps"]
+    futures = [engine.submit(r) for r in reqs]
+    results = [f.result(timeout=300) for f in futures]
+    for r, res, ref in zip(reqs, results, alone):
+        assert res.request_id == r.request_id and res.arrays.shape == (r.num_images, r.height, r.width, 3)
+        np.testing.assert_allclose(res.arrays, ref, atol=1e-4, rtol=0)
+    # they really shared steps: fewer steps than running them one after another
+    assert engine.stats["steps"] - steps_before < sum(r.num_inference_steps for r in reqs)
+
+
+def test_modes_give_the_same_images(tiny_engine):
+    reqs = _mix(tiny_engine, 6)
+    ref = [tiny_engine.run(r).arrays for r in reqs]
+    for batching in ("request", "off"):
+        with Engine(model="random:tiny", device="cpu", batching=batching, max_wait_ms=5) as e:
+            futures = [e.submit(r) for r in reqs]
+            for f, a in zip(futures, ref):
+                np.testing.assert_allclose(f.result(timeout=300).arrays, a, atol=1e-4, rtol=0)
+
+
+def test_abort_frees_rows():
+    with Engine(model="random:tiny", device="cpu") as e:
+        started = threading.Event()
+        req = e.make_request("long", num_inference_steps=200, num_images=3, seed=1)
+        fut = e.submit(req, on_progress=lambda rid, step, total: started.set())
+        assert started.wait(60)
+        assert e.live_rows()[(64, 64)] == 3
+        assert e.abort(req.request_id)
+        with pytest.raises(RequestAborted):
+            fut.result(timeout=60)
+        deadline = time.time() + 10
+        while e.live_rows()[(64, 64)] != 0 and time.time() < deadline:
+            time.sleep(0.01)
+        assert e.live_rows()[(64, 64)] == 0
+        assert e.generate("after", num_inference_steps=2, seed=3).arrays.shape == (1, 64, 64, 3)
+
+
+def test_failing_step_fails_only_its_batch():
+    with Engine(model="random:tiny", device="cpu", max_wait_ms=50) as e:
+        real = e.worker.step
+        calls = {"n": 0}
+
+        def flaky(key, n, coefs, noise=None):
+            if key == (96, 64) and calls["n"] == 0:
+                calls["n"] += 1
+                raise RuntimeError("simulated CUDA error")
+            return real(key, n, coefs, noise)
+
+        e.worker.step = flaky
+        bad = [e.submit(e.make_request("x", height=96, num_inference_steps=3, seed=i)) for i in range(2)]
+        good = [e.submit(e.make_request("y", num_inference_steps=3, seed=i)) for i in range(2)]
+        for f in bad:
+            with pytest.raises(EngineStepError, match="simulated CUDA error"):
+                f.result(timeout=60)
+        for f in good:
+            assert f.result(timeout=60).arrays.shape == (1, 64, 64, 3)
+        # the loop keeps serving the same group afterwards
+        assert e.generate("x", height=96, num_inference_steps=2, seed=5).arrays.shape == (1, 96, 64, 3)
+
+
+def test_full_queue_rejects_and_nothing_is_lost():
+    with Engine(model="random:tiny", device="cpu", max_queue=3, batching="off") as e:
+        futures, rejected = [], 0
+        for i in range(12):
+            try:
+                futures.append(e.submit(e.make_request("q", num_inference_steps=20, seed=i)))
+            except QueueFullError as err:
+                assert "queue is full" in str(err)
+                rejected += 1
+        assert rejected > 0
+        results = [f.result(timeout=120) for f in futures]
+        assert len({r.request_id for r in results}) == len(futures)
+
+
+def test_prompt_cache_and_output_formats(tiny_engine):
+    hits = tiny_engine.stats["prompt_cache_hits"]
+    r = tiny_engine.generate("cached prompt", num_inference_steps=2, seed=1, output_format="png")
+    r2 = tiny_engine.generate("cached prompt", num_inference_steps=2, seed=1, output_format="webp")
+    assert tiny_engine.stats["prompt_cache_hits"] >= hits + 2  # prompt and empty negative
+    assert r.encoded[0][:8] == b"\x89PNG\r\n\x1a\n" and r2.encoded[0][:4] == b"RIFF"
+    np.testing.assert_array_equal(r.arrays, r2.arrays)
+    with pytest.raises(ValueError, match="output_format 'gif' is unknown"):
+        tiny_engine.make_request("x", output_format="gif")

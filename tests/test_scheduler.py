@@ -1,0 +1,220 @@
+"""The scheduler alone, with a fake worker that tracks which request owns each row."""
+
+import numpy as np
+import pytest
+
+from diffgraph.engine.scheduler import QueueFullError, RequestState, Scheduler, SchedulerConfig
+from diffgraph.sampling.samplers import make_plan
+from diffgraph.sampling.schedules import NoiseSchedule
+
+NOISE = NoiseSchedule.from_config({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
+                                   "timestep_spacing": "leading", "steps_offset": 1})
+PLANS = {}
+
+
+def plan(steps, sampler="euler"):
+    if (steps, sampler) not in PLANS:
+        PLANS[(steps, sampler)] = make_plan(NOISE, sampler, "default", steps)
+    return PLANS[(steps, sampler)]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeWorker:
+    """Rows hold the id of the request that owns them; moves copy them like the real buffers."""
+
+    def __init__(self, rows=16):
+        self.rows = {}
+
+    def execute(self, plan):
+        rows = self.rows.setdefault(plan.key, [None] * 16)
+        for src, dst, count in plan.moves:
+            rows[dst:dst + count] = rows[src:src + count]
+        for s in plan.admitted:
+            rows[s.first_row:s.first_row + s.rows] = [s.request_id] * s.rows
+        # the live rows are contiguous, in order, and each row's coefficients belong to its owner's step
+        expected = [s.request_id for s in plan.live for _ in range(s.rows)]
+        assert rows[:plan.n_rows] == expected
+        i = 0
+        for s in plan.live:
+            np.testing.assert_array_equal(plan.coefs[i:i + s.rows], np.broadcast_to(s.plan.coefs[s.step], (s.rows, 8)))
+            i += s.rows
+
+
+def state(rid, steps=4, rows=1, key=(64, 64), arrival=0.0, sampler="euler"):
+    return RequestState(request_id=rid, key=key, rows=rows, plan=plan(steps, sampler), arrival=arrival)
+
+
+def run(sched, worker, max_iters=1000):
+    order, finished = [], []
+    for _ in range(max_iters):
+        p = sched.schedule()
+        if p is None:
+            if not sched.has_work():
+                break
+            continue
+        worker.execute(p)
+        order.append((p.key, p.n_rows))
+        finished += [s.request_id for s in sched.update(p)]
+    return order, finished
+
+
+def test_rows_stay_contiguous_and_requests_join_and_leave():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(max_rows=8), clock)
+    w = FakeWorker()
+    sched.add(state("a", steps=3, rows=2))
+    sched.add(state("b", steps=6, rows=3))
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["a", "b"] and p.n_rows == 5
+    w.execute(p)
+    sched.update(p)
+    sched.add(state("c", steps=2, rows=4))  # does not fit: 5 + 4 > 8, waits
+    p = sched.schedule()
+    assert p.admitted == [] and p.n_rows == 5
+    w.execute(p)
+    sched.update(p)
+    p = sched.schedule()
+    w.execute(p)
+    assert [s.request_id for s in sched.update(p)] == ["a"]  # a leaves after 3 steps
+    p = sched.schedule()  # b is compacted to rows 0..2, c joins at row 3
+    assert p.moves == [(2, 0, 3)] and [(s.request_id, s.first_row) for s in p.live] == [("b", 0), ("c", 3)]
+    w.execute(p)
+    sched.update(p)
+    order, finished = run(sched, w)
+    assert finished == ["c", "b"]
+
+
+def test_fifo_within_group_and_bucket_limit():
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    for i in range(6):
+        sched.add(state(f"r{i}", steps=2, rows=1))
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["r0", "r1", "r2", "r3"] and p.n_rows == 4
+    w = FakeWorker()
+    w.execute(p)
+    sched.update(p)
+    order, finished = run(sched, w)
+    assert max(n for _, n in order) <= 4
+    assert finished[:4] == ["r0", "r1", "r2", "r3"] and sorted(finished[4:]) == ["r4", "r5"]
+
+
+def test_no_group_starves():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(max_rows=4), clock)
+    w = FakeWorker()
+    # group A is kept full with a stream of long requests; group B's single request must still run
+    for i in range(4):
+        sched.add(state(f"a{i}", steps=50, key=(64, 64), arrival=0.0))
+    sched.add(state("b", steps=3, key=(64, 96), arrival=0.1))
+    served = []
+    for it in range(20):
+        clock.t = 1.0 + it
+        p = sched.schedule()
+        w.execute(p)
+        served.append(p.key)
+        sched.update(p)
+        if it % 2 == 0:
+            sched.add(state(f"a-late{it}", steps=50, key=(64, 64), arrival=clock.t))
+    assert served.count((64, 96)) == 3  # b ran all of its steps
+    # alternation: never more than one step of A in a row while B has work
+    first_b, last_b = served.index((64, 96)), len(served) - 1 - served[::-1].index((64, 96))
+    assert first_b <= 1 and last_b <= 6
+
+
+def test_queue_full_rejects():
+    sched = Scheduler(SchedulerConfig(max_queue=2), Clock())
+    sched.add(state("a"))
+    sched.add(state("b"))
+    with pytest.raises(QueueFullError, match="queue is full"):
+        sched.add(state("c"))
+
+
+def test_abort_waiting_and_live():
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    w = FakeWorker()
+    sched.add(state("a", steps=5, rows=2))
+    sched.add(state("b", steps=5, rows=2))
+    sched.add(state("c", steps=5, rows=1))  # waits: no room
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    assert sched.abort("c") and [s.request_id for s in sched.take_aborted()] == ["c"]
+    assert sched.abort("a")
+    p = sched.schedule()  # a's rows are freed at this boundary, b moves down
+    assert [s.request_id for s in sched.take_aborted()] == ["a"]
+    assert p.moves == [(2, 0, 2)] and p.n_rows == 2
+    w.execute(p)
+    assert not sched.abort("zzz")
+
+
+def test_request_mode_batches_same_steps_and_runs_to_end():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(batching="request", max_rows=4, max_wait_ms=10), clock)
+    w = FakeWorker()
+    sched.add(state("a", steps=3, arrival=0.0))
+    assert sched.schedule() is None  # waits for company up to max_wait_ms
+    sched.add(state("b", steps=5, arrival=0.001))
+    sched.add(state("c", steps=3, arrival=0.002))
+    clock.t = 0.011
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["a", "c"]  # b has another step count
+    w.execute(p)
+    sched.update(p)
+    sched.add(state("d", steps=3, arrival=clock.t))
+    for _ in range(2):
+        p = sched.schedule()
+        assert p.admitted == []  # nobody joins a running batch
+        w.execute(p)
+        sched.update(p)
+    clock.t = 1.0
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["b"]  # oldest first; d (3 steps) waits
+    assert [s.request_id for s in p.live] == ["b"]
+
+
+def test_full_batch_starts_without_waiting():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(batching="request", max_rows=2, max_wait_ms=1000), clock)
+    sched.add(state("a", steps=3))
+    assert sched.schedule() is None
+    sched.add(state("b", steps=3))
+    assert sched.schedule().n_rows == 2
+
+
+def test_off_mode_runs_one_request_at_a_time():
+    sched = Scheduler(SchedulerConfig(batching="off", max_rows=8), Clock())
+    w = FakeWorker()
+    sched.add(state("a", steps=2, key=(64, 64), arrival=0.0))
+    sched.add(state("b", steps=2, key=(64, 96), arrival=0.1))
+    sched.add(state("c", steps=2, key=(64, 64), arrival=0.2))
+    order, finished = run(sched, w)
+    assert finished == ["a", "b", "c"] and all(n == 1 for _, n in order)
+
+
+def test_fail_empties_the_batch_only():
+    sched = Scheduler(SchedulerConfig(max_rows=2), Clock())
+    sched.add(state("a"))
+    sched.add(state("b"))
+    sched.add(state("c"))
+    p = sched.schedule()
+    assert sorted(s.request_id for s in sched.fail(p)) == ["a", "b"]
+    p = sched.schedule()
+    assert [s.request_id for s in p.live] == ["c"] and p.moves == []
+
+
+def test_scheduler_does_not_import_torch_cuda():
+    import ast
+    import inspect
+
+    import diffgraph.engine.scheduler as mod
+    tree = ast.parse(inspect.getsource(mod))
+    names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "torch" not in names and not any(m and m.startswith("torch") for m in mods)
