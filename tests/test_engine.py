@@ -116,3 +116,21 @@ def test_prompt_cache_and_output_formats(tiny_engine):
     np.testing.assert_array_equal(r.arrays, r2.arrays)
     with pytest.raises(ValueError, match="output_format 'gif' is unknown"):
         tiny_engine.make_request("x", output_format="gif")
+
+
+def test_async_engine_stream_and_generate(tiny_engine):
+    import asyncio
+
+    from diffgraph import AsyncEngine, ProgressEvent
+
+    async def main():
+        ae = AsyncEngine(tiny_engine)
+        req = ae.make_request("a fox", num_inference_steps=4, seed=2)
+        events = [e async for e in ae.stream(req)]
+        res = await ae.generate("a fox", num_inference_steps=4, seed=2)
+        return events, res
+
+    events, res = asyncio.run(main())
+    steps = [e.step for e in events if isinstance(e, ProgressEvent)]
+    assert steps == [1, 2, 3, 4]
+    np.testing.assert_array_equal(events[-1].arrays, res.arrays)

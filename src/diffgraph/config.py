@@ -1,13 +1,12 @@
 """Frozen configuration dataclasses, read in one place.
 
 `GraphConfig` says which CUDA graphs exist (batch buckets, resolutions, prewarm list, verification);
-`EngineConfig` says which model runs where and how. Environment variables are read only here.
+
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 
@@ -68,12 +67,3 @@ class GraphConfig:
             if b >= n:
                 return b
         return None
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = field(default_factory=lambda: os.environ.get("DIFFGRAPH_MODEL", "random:tiny"))
-    device: str | None = None
-    dtype: str | None = None
-    mode: str | None = None  # "graph" | "eager"; None: graph on CUDA, eager on CPU
-    graphs: GraphConfig = field(default_factory=GraphConfig)

@@ -82,10 +82,12 @@ class Engine:
     >>> images = engine.generate("a red fox", seed=1)
     """
 
-    def __init__(self, model: str = "random:tiny", device: str | None = None, dtype: str | None = None,
+    def __init__(self, model: "str | DiffusionModel" = "random:tiny", device: str | None = None, dtype: str | None = None,
                  mode: str | None = None, graphs: GraphConfig | None = None, batching: str = "step",
                  max_wait_ms: float = 0.0, max_queue: int = 256, max_rows: int = 16,
                  prompt_cache_size: int = 512, image_threads: int = 2):
+        if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
+            device, dtype = str(model.device), model.dtype
         device = device or default_device()
         cuda = torch.device(device).type == "cuda"
         dtype = dtype or ("fp16" if cuda else "fp32")
@@ -95,7 +97,7 @@ class Engine:
         if mode == "graph" and not cuda and (graphs is None or graphs.backend != "emulated"):
             raise ValueError("mode 'graph' needs a CUDA device; use mode='eager' on the CPU")
         t0 = time.perf_counter()
-        self.model: DiffusionModel = load_model(model, device=device, dtype=dtype)
+        self.model: DiffusionModel = model if isinstance(model, DiffusionModel) else load_model(model, device, dtype)
         self.mode = mode
         self.worker = Worker(self.model, max_rows=max_rows, mode=mode, graphs=graphs)
         self.scheduler = Scheduler(SchedulerConfig(batching=batching, max_rows=self.worker.max_rows,
@@ -108,6 +110,7 @@ class Engine:
         self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0, "prompt_cache_hits": 0,
                       "prompt_cache_misses": 0}
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
+        self.step_events: list[tuple[Any, Any]] | None = None  # set to [] to record (start, end) CUDA events per step
         self.ready = False
         if mode == "graph" and self.worker.graph_config.prewarm:
             self.worker.prewarm()
@@ -162,6 +165,18 @@ class Engine:
             self._cv.notify()
         return found
 
+    def reconfigure(self, batching: str | None = None, max_wait_ms: float | None = None,
+                    max_queue: int | None = None) -> None:
+        """Changes the batching policy of an idle engine (benchmarks compare modes on one set of graphs)."""
+        with self._cv:
+            if self.scheduler.has_work():
+                raise RuntimeError("reconfigure needs an idle engine; wait for running requests to finish")
+            old = self.scheduler.config
+            self.scheduler = Scheduler(SchedulerConfig(
+                batching=old.batching if batching is None else batching, max_rows=old.max_rows,
+                max_wait_ms=old.max_wait_ms if max_wait_ms is None else max_wait_ms,
+                max_queue=old.max_queue if max_queue is None else max_queue))
+
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""
         return [] if self.worker.runner is None else self.worker.runner.table()
@@ -207,8 +222,16 @@ class Engine:
                     break
                 continue
             t0 = time.perf_counter()
+            events = self.step_events
+            if events is not None and self.worker.cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
             try:
                 self._execute(plan)
+                if events is not None and self.worker.cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    events.append((start, end))
             except Exception as e:  # only this batch fails; the loop keeps serving
                 logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
                 self.stats["failed_steps"] += 1

@@ -37,12 +37,24 @@ class StepGraph:
 
     def snapshot(self, h: int, w: int, b: int) -> Any:
         buf = self.worker.buffers((h, w))
-        return buf.x[:b].clone(), buf.d_prev[:b].clone()
+        return {name: t[:b].clone() for name, t in buf.tensors().items()}
 
     def restore(self, h: int, w: int, b: int, snap: Any) -> None:
         buf = self.worker.buffers((h, w))
-        buf.x[:b].copy_(snap[0])
-        buf.d_prev[:b].copy_(snap[1])
+        for name, t in buf.tensors().items():
+            t[:b].copy_(snap[name])
+
+    def verify_inputs(self, h: int, w: int, b: int) -> None:
+        """Representative inputs for verification: noisy latents at a mid-schedule Euler step, CFG 7.5."""
+        from ..sampling.samplers import make_plan
+
+        buf = self.worker.buffers((h, w))
+        plan = make_plan(self.worker.noise_schedule, "dpmpp_2m", "karras", 10)
+        gen = torch.Generator(device=buf.x.device).manual_seed(0)
+        buf.x[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device) * float(plan.sigmas[3])
+        buf.d_prev[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device)
+        buf.coefs[:b] = torch.as_tensor(plan.coefs[3], dtype=torch.float32, device=buf.x.device)
+        buf.guidance[:b] = 7.5
 
     def output(self, h: int, w: int, b: int, result: Any) -> torch.Tensor:
         return self.worker.buffers((h, w)).x[:b]
@@ -111,6 +123,11 @@ class VaeGraph:
                             device=model.device)
             self.latents[(h, w)] = t
         return t
+
+    def verify_inputs(self, h: int, w: int, b: int) -> None:
+        gen = torch.Generator(device=self.worker.model.device).manual_seed(0)
+        static = self.static_latents(h, w)
+        static[:b] = torch.randn(static[:b].shape, generator=gen, device=static.device).to(static.dtype)
 
     def write(self, h: int, w: int, latents: torch.Tensor, bucket: int) -> None:
         static = self.static_latents(h, w)

@@ -1,0 +1,213 @@
+"""`diffgraph bench latency`: one process, the same weights and seeds for every contender.
+
+Contenders: diffusers' pipeline eager; diffusers with torch.compile(unet, mode="reduce-overhead");
+diffgraph eager; diffgraph graph. For each model/resolution and image count it reports per-step ms
+(from end-to-end runs at two step counts: (t(N) - t(N/2)) / (N/2), so fixed costs cancel),
+end-to-end ms (prompt to decoded pixels), ratios to diffusers eager, cold start (load to ready; first
+call of the compiled contender), graph pool memory and the summed GPU kernel time of one step
+(torch.profiler over one eager step). Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+CONTENDERS = ("diffusers", "diffusers_compile", "diffgraph_eager", "diffgraph_graph")
+DEFAULT_CASES = ("random:sd15@512", "random:sdxl@1024")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_ms_of_one_step(engine, size: int, images: int) -> float:
+    """Summed CUDA kernel time of one eager whole step (torch.profiler), in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..graphs.step import whole_step
+    from ..sampling.samplers import make_plan
+
+    w = engine.worker
+    key = (size, size)
+    buf = w.buffers(key)
+    plan = make_plan(w.noise_schedule, "euler", "default", 20)
+    buf.coefs[:images] = torch.as_tensor(plan.coefs[5], dtype=torch.float32, device=buf.x.device)
+    with torch.no_grad():
+        for _ in range(2):
+            whole_step(w.model.unet, buf, images)
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            whole_step(w.model.unet, buf, images)
+            _sync()
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return total_us / 1e3
+
+
+def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
+             repeats: int, buckets: tuple[int, ...]) -> dict[str, Any]:
+    from ..config import GraphConfig
+    from ..engine.engine import Engine
+    from ..models.loader import load_model
+
+    out: dict[str, Any] = {"model": model_name, "size": size, "steps": steps, "results": {}}
+    _sync()
+    t0 = time.perf_counter()
+    model = load_model(model_name, device="cuda", dtype="fp16")
+    _sync()
+    out["load_s"] = time.perf_counter() - t0
+    prompt, seed = "a photograph of an astronaut riding a horse", 0
+    half = max(1, steps // 2)
+
+    eager = Engine(model, mode="eager")
+    t0 = time.perf_counter()
+    graph = Engine(model, mode="graph", graphs=GraphConfig(batch_buckets=buckets, resolutions=((size, size),)))
+    out["graph_capture_s"] = time.perf_counter() - t0
+    out["cold_start_graph_s"] = out["load_s"] + out["graph_capture_s"]
+    runner = graph.worker.runner
+    step_stats = [s for k, s in runner.stats.items() if k[0] == "step"]
+    largest = max(step_stats, key=lambda s: s.bucket)
+    out["pool_mib_total"] = runner.pool_mib()
+    out["pool_mib_step_graphs"] = sum(s.pool_mib_added for s in step_stats)
+    out["pool_mib_largest_step_alone"] = largest.pool_mib_added
+    out["graph_failures"] = [r for r in graph.graph_table() if r["status"] == "failed"]
+
+    def diffgraph_fn(engine, n, k):
+        return lambda: engine.generate(prompt, width=size, height=size, num_inference_steps=k, num_images=n,
+                                       seed=seed, sampler="euler")
+
+    pipe = eager.diffusers_pipeline("euler", "default")
+
+    def diffusers_fn(n, k):
+        return lambda: pipe(prompt, width=size, height=size, num_inference_steps=k, num_images_per_prompt=n,
+                            generator=torch.Generator().manual_seed(seed), output_type="np")
+
+    for n in image_counts:
+        res: dict[str, Any] = {"kernel_ms_per_step": kernel_ms_of_one_step(eager, size, n)}
+        for c in contenders:
+            if c == "diffusers_compile":
+                continue
+            f_full = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, steps) if c != "diffusers" \
+                else diffusers_fn(n, steps)
+            f_half = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, half) if c != "diffusers" \
+                else diffusers_fn(n, half)
+            f_full()  # warm
+            e2e = _timed(f_full, repeats)
+            e2e_half = _timed(f_half, repeats)
+            res[c] = {"e2e_ms": e2e, "step_ms": (e2e - e2e_half) / (steps - half)}
+        out["results"][n] = res
+
+    if "diffusers_compile" in contenders:
+        plain = pipe.unet
+        pipe.unet = torch.compile(plain, mode="reduce-overhead")
+        try:
+            for n in image_counts:
+                _sync()
+                t0 = time.perf_counter()
+                diffusers_fn(n, steps)()
+                _sync()
+                first = time.perf_counter() - t0
+                diffusers_fn(n, steps)()
+                e2e = _timed(diffusers_fn(n, steps), repeats)
+                diffusers_fn(n, half)()
+                e2e_half = _timed(diffusers_fn(n, half), repeats)
+                out["results"][n]["diffusers_compile"] = {"e2e_ms": e2e, "step_ms": (e2e - e2e_half) / (steps - half),
+                                                          "first_call_s": first}
+        except Exception as e:  # report, do not lose the other contenders' numbers
+            out["compile_error"] = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            pipe.unet = plain
+    for n, res in out["results"].items():
+        base = res.get("diffusers", {}).get("e2e_ms")
+        base_step = res.get("diffusers", {}).get("step_ms")
+        for c in contenders:
+            if c in res and base:
+                res[c]["e2e_ratio"] = res[c]["e2e_ms"] / base
+                res[c]["step_ratio"] = res[c]["step_ms"] / base_step
+    out["graph_table"] = graph.graph_table()
+    graph.close()
+    eager.close()
+    del pipe, graph, eager, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def format_table(report: list[dict[str, Any]]) -> str:
+    lines = []
+    for case in report:
+        lines.append(f"{case['model']} {case['size']}x{case['size']}, {case['steps']} steps, fp16 | load {case['load_s']:.1f}s, "
+                     f"graph capture {case['graph_capture_s']:.1f}s, cold start {case['cold_start_graph_s']:.1f}s | "
+                     f"pool {case['pool_mib_total']:.0f} MiB (step graphs {case['pool_mib_step_graphs']:.0f}, "
+                     f"largest bucket alone {case['pool_mib_largest_step_alone']:.0f})")
+        lines.append(f"  {'images':>6} {'contender':<18} {'step ms':>8} {'e2e ms':>9} {'e2e/diffusers':>13} {'step/kernel':>11}")
+        for n, res in case["results"].items():
+            for c in CONTENDERS:
+                if c not in res:
+                    continue
+                r = res[c]
+                lines.append(f"  {n:>6} {c:<18} {r['step_ms']:8.2f} {r['e2e_ms']:9.1f} {r.get('e2e_ratio', float('nan')):13.3f} "
+                             f"{r['step_ms'] / res['kernel_ms_per_step']:11.3f}"
+                             + (f"  first call {r['first_call_s']:.1f}s" if "first_call_s" in r else ""))
+            lines.append(f"  {n:>6} {'(GPU kernels)':<18} {res['kernel_ms_per_step']:8.2f}")
+        if case.get("compile_error"):
+            lines.append(f"  compile error: {case['compile_error']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="diffgraph bench latency", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(DEFAULT_CASES), help="MODEL@SIZE list (default: %(default)s)")
+    p.add_argument("--images", default="1,4", help="image counts (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--buckets", default="1,2,4,8,16")
+    p.add_argument("--json", default="bench_latency.json", help="output JSON path")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("diffgraph: error: bench latency needs a CUDA device")
+        return 2
+    from ..config import parse_buckets
+
+    report = []
+    for case in args.cases.split(","):
+        name, size = case.split("@")
+        contenders = [c for c in args.contenders.split(",") if c]
+        report.append(run_case(name, int(size), [int(v) for v in args.images.split(",")], args.steps, contenders,
+                               args.repeats, parse_buckets(args.buckets)))
+        print(format_table(report[-1:]), flush=True)
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        import diffusers
+        env["diffusers"] = diffusers.__version__
+    except ImportError:
+        pass
+    with open(args.json, "w") as f:
+        json.dump({"env": env, "cases": report}, f, indent=1, default=str)
+    print(json.dumps(env))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

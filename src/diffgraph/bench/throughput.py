@@ -1,0 +1,181 @@
+"""`diffgraph bench throughput`: open-loop Poisson arrivals against the engine, all batching modes.
+
+A seeded trace of requests (default mix: 20/30/50 steps, two resolutions, samplers euler and
+dpmpp_2m) arrives at a fixed rate; for each batching mode (step, request, off) and each rate the
+same trace is replayed in process. Reported: throughput (images/s over the arrival window and drain),
+p50/p90/p99 latency, mean live rows per step, and the GPU idle time between consecutive steps (the
+host time per step that does not overlap GPU work, from CUDA events). The compute-bound rate is
+measured separately: the largest bucket, every row full, steady state, for the same mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+MODES = ("step", "request", "off")
+
+
+@dataclass(frozen=True)
+class TraceItem:
+    at: float
+    steps: int
+    size: tuple[int, int]  # (height, width)
+    sampler: str
+    seed: int
+
+
+def make_trace(rate: float, duration: float, seed: int, steps=(20, 30, 50), sizes=((512, 512), (768, 512)),
+               samplers=("euler", "dpmpp_2m")) -> list[TraceItem]:
+    rng = np.random.default_rng(seed)
+    t, items = 0.0, []
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t > duration:
+            return items
+        items.append(TraceItem(t, int(rng.choice(steps)), tuple(sizes[rng.integers(len(sizes))]),
+                               str(rng.choice(samplers)), int(rng.integers(2**31))))
+
+
+def replay(engine, trace: list[TraceItem], timeout: float) -> dict[str, Any]:
+    """Submits the trace open-loop (arrivals do not wait for completions) and collects latencies."""
+    lat: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    engine.step_events = []
+    rows0, steps0 = engine.stats["rows_stepped"], engine.stats["steps"]
+    t0 = time.perf_counter()
+    futures = []
+    for item in trace:
+        delay = t0 + item.at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        sent = time.perf_counter()
+        req = engine.make_request("a photo of a cat", width=item.size[1], height=item.size[0],
+                                  num_inference_steps=item.steps, sampler=item.sampler, seed=item.seed)
+
+        def done(f, sent=sent):
+            with lock:
+                if f.exception() is None:
+                    lat.append(time.perf_counter() - sent)
+                else:
+                    errors.append(type(f.exception()).__name__)
+        try:
+            fut = engine.submit(req)
+        except Exception as e:
+            errors.append(type(e).__name__)
+            continue
+        fut.add_done_callback(done)
+        futures.append((fut, req))
+    deadline = t0 + trace[-1].at + timeout
+    unfinished = 0
+    for fut, req in futures:
+        try:
+            fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+        except Exception:
+            if not fut.done():
+                unfinished += 1
+                engine.abort(req.request_id)
+    elapsed = time.perf_counter() - t0
+    for fut, _ in futures:  # aborted ones finish at the next boundary
+        try:
+            fut.result(timeout=60)
+        except Exception:
+            pass
+    events = engine.step_events
+    engine.step_events = None
+    torch.cuda.synchronize()
+    gaps = [max(0.0, prev[1].elapsed_time(cur[0])) for prev, cur in zip(events, events[1:])]
+    steps = engine.stats["steps"] - steps0
+    lat_ms = np.array(sorted(lat)) * 1e3
+    pct = (lambda q: float(np.percentile(lat_ms, q))) if len(lat_ms) else (lambda q: float("nan"))
+    return {"requests": len(trace), "completed": len(lat), "unfinished": unfinished, "errors": errors[:5],
+            "images_per_s": len(lat) / elapsed, "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99),
+            "mean_live_rows": (engine.stats["rows_stepped"] - rows0) / max(1, steps),
+            "gpu_idle_between_steps_ms": float(np.mean(gaps)) if gaps else float("nan"),
+            "gpu_idle_p99_ms": float(np.percentile(gaps, 99)) if gaps else float("nan")}
+
+
+def compute_bound_rate(engine, sizes, steps=(20, 30, 50), iters: int = 30) -> tuple[float, dict]:
+    """Images/s with the largest bucket full at every step, for the mix's mean steps and sizes."""
+    from ..sampling.samplers import make_plan
+
+    w = engine.worker
+    b = w.max_rows
+    plan = make_plan(w.noise_schedule, "euler", "default", 20)
+    per_size = {}
+    for key in sizes:
+        buf = w.buffers(key)
+        buf.x[:b] = 0
+        coefs = np.repeat(plan.coefs[5][None], b, 0)
+        for _ in range(3):
+            w.step(key, b, coefs, None)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            w.step(key, b, coefs, None)
+        torch.cuda.synchronize()
+        per_size[f"{key[1]}x{key[0]}"] = (time.perf_counter() - t0) / iters * 1e3
+    mean_steps = float(np.mean(steps))
+    ms_per_image = np.mean([ms / b * mean_steps for ms in per_size.values()])
+    return 1e3 / ms_per_image, per_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="diffgraph bench throughput", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:sd15")
+    p.add_argument("--sizes", default="512x512,512x768", help="WxH list (default: %(default)s)")
+    p.add_argument("--steps", default="20,30,50")
+    p.add_argument("--samplers", default="euler,dpmpp_2m")
+    p.add_argument("--rates", default="", help="arrival rates in requests/s; default: 0.5x and 1.5x the compute-bound rate")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--max-wait-ms", type=float, default=50.0, help="request mode's batching window")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="bench_throughput.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("diffgraph: error: bench throughput needs a CUDA device")
+        return 2
+    from ..config import GraphConfig, parse_resolutions
+    from ..engine.engine import Engine
+
+    sizes = parse_resolutions(args.sizes)
+    steps = tuple(int(s) for s in args.steps.split(","))
+    samplers = tuple(args.samplers.split(","))
+    engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000)
+    rate_cb, step_ms = compute_bound_rate(engine, sizes, steps)
+    rates = [float(r) for r in args.rates.split(",") if r] or [round(0.5 * rate_cb, 2), round(1.5 * rate_cb, 2)]
+    report: dict[str, Any] = {"model": args.model, "sizes": args.sizes, "steps": steps, "samplers": samplers,
+                              "compute_bound_images_per_s": rate_cb, "full_bucket_step_ms": step_ms, "runs": []}
+    print(f"compute-bound rate {rate_cb:.2f} images/s (bucket {engine.worker.max_rows} step ms: {step_ms})", flush=True)
+    # warm every graph the mix touches before timing
+    for size in sizes:
+        engine.generate("warm", width=size[1], height=size[0], num_inference_steps=2)
+    for rate in rates:
+        trace = make_trace(rate, args.duration, args.seed, steps, sizes, samplers)
+        for mode in args.modes.split(","):
+            engine.reconfigure(batching=mode, max_wait_ms=args.max_wait_ms if mode == "request" else 0.0)
+            r = replay(engine, trace, timeout=args.duration * 3)
+            r.update(mode=mode, rate=rate)
+            report["runs"].append(r)
+            print(f"rate {rate:6.2f}/s {mode:8s} {r['images_per_s']:6.2f} img/s  p50 {r['p50_ms']:8.0f} ms  "
+                  f"p90 {r['p90_ms']:8.0f}  p99 {r['p99_ms']:8.0f}  live rows {r['mean_live_rows']:5.2f}  "
+                  f"GPU idle/step {r['gpu_idle_between_steps_ms']:.3f} ms  done {r['completed']}/{r['requests']}",
+                  flush=True)
+    engine.close()
+    report["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""GPU tests (marker `gpu`, skipped without CUDA): graph replays against eager, isolation of rows,
+padding, capture failure, GraphedUNet in a stock pipeline, memory over 1000 replays."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import Engine, GraphConfig, GraphedUNet
+
+pytestmark = pytest.mark.gpu
+
+REPORT = {}
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), resolutions=((512, 512), (768, 512)), prewarm=False)
+    engine = Engine(model="random:sd15", device="cuda", dtype="fp16", mode="graph", graphs=cfg)
+    yield engine
+    engine.close()
+
+
+def test_replay_equals_eager_every_bucket_two_resolutions(sd15):
+    runner = sd15.worker.runner
+    for (h, w) in ((512, 512), (768, 512)):
+        sd15.worker.buffers((h, w))
+        for b in (16, 8, 4, 2, 1):
+            key = ("step", h, w, b)
+            runner.config = GraphConfig(**{**runner.config.__dict__, "verify": True})
+            assert runner.capture(key), runner.stats[key].error
+    diffs = {k: s.verify_max_abs for k, s in runner.stats.items() if k[0] == "step"}
+    REPORT["step replay vs eager max abs (latent, fp16)"] = max(diffs.values())
+    print("replay vs eager:", diffs)
+    assert all(d is not None and np.isfinite(d) and d <= 1e-2 for d in diffs.values()), diffs
+
+
+def test_text_and_vae_graphs_match_eager(sd15):
+    w = sd15.worker
+    prompts = ["a red fox", "a blue car", ""]
+    graphed = w.encode(prompts)
+    eager = w.encoder.encode(prompts)
+    text_diff = float((graphed.embeds.float() - eager.embeds.float()).abs().max())
+    lat = torch.randn((3, 4, 64, 64), device="cuda")
+    img_graph = w.decode((512, 512), lat)
+    img_eager = w.decode_tensor(lat.to(w.model.vae_dtype)).permute(0, 2, 3, 1).float().cpu().numpy()
+    vae_diff = float(np.abs(img_graph - img_eager).max())
+    REPORT["text graph max abs"] = text_diff
+    REPORT["vae graph max abs"] = vae_diff
+    assert text_diff <= 1e-2 and vae_diff <= 1e-2
+    kinds = {r["kind"] for r in sd15.graph_table() if r["replays"] > 0}
+    assert {"text", "vae"} <= kinds
+
+
+def _mix(engine, n=20):
+    reqs = []
+    for i in range(n):
+        reqs.append(engine.make_request(
+            ["a red fox", "a blue car", "a castle", "fruit"][i % 4], negative_prompt=[None, "blurry"][i % 2],
+            width=512, height=[512, 768][(i // 2) % 2], num_inference_steps=[4, 6, 8, 5][i % 4],
+            sampler=["euler", "euler_a", "dpmpp_2m", "ddim"][i % 4], schedule=["default", "karras"][(i // 4) % 2],
+            guidance_scale=[1.0, 4.0, 7.5][i % 3], seed=100 + i, num_images=[1, 2, 1, 3][(i // 3) % 4]))
+    return reqs
+
+
+def test_mixed_rows_equal_alone_under_graphs(sd15):
+    """Rows at different steps, samplers, guidance, seeds and sizes share replays; each equals its solo run."""
+    reqs = _mix(sd15)
+    alone = [sd15.run(r).arrays for r in reqs]
+    replays_before = sum(r["replays"] for r in sd15.graph_table() if r["kind"] == "step")
+    # staggered arrivals: half now, the rest once the first ones are mid-way
+    started = threading.Event()
+    futures = [sd15.submit(r, on_progress=lambda *a: started.set()) for r in reqs[:10]]
+    started.wait(60)
+    futures += [sd15.submit(r) for r in reqs[10:]]
+    results = [f.result(timeout=300) for f in futures]
+    worst = max(float(np.abs(res.arrays - ref).max()) for res, ref in zip(results, alone))
+    REPORT["mixed batch vs alone, max abs (pixels, fp16)"] = worst
+    replays = sum(r["replays"] for r in sd15.graph_table() if r["kind"] == "step") - replays_before
+    assert replays > 0
+    assert worst <= 2e-2, worst
+
+
+def test_padding_rows_never_change_live_rows(sd15):
+    w = sd15.worker
+    key = (512, 512)
+    buf = w.buffers(key)
+    from diffgraph.sampling.samplers import make_plan
+    plan = make_plan(w.noise_schedule, "euler", "default", 10)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    start = torch.randn(buf.x[:3].shape, generator=gen, device="cuda") * 10
+    outs = []
+    for garbage in (0.0, 1e4):
+        buf.x[:3] = start
+        buf.d_prev[:3] = 0
+        buf.guidance[:3] = 7.5
+        buf.x[3] = garbage
+        buf.cond[3] = garbage / 1e3
+        assert w.step(key, 3, np.repeat(plan.coefs[2][None], 3, 0), None)  # bucket 4, replayed
+        torch.cuda.synchronize()
+        outs.append(buf.x[:4].clone())
+        assert torch.isfinite(buf.x[3]).all()
+    assert torch.equal(outs[0][:3], outs[1][:3])
+
+
+def test_capture_failure_falls_back_and_keeps_serving():
+    class SyncingUNet(torch.nn.Module):
+        """Calls synchronize while being captured at batch 4 (bucket 2 with CFG): not allowed under capture."""
+
+        def __init__(self, unet):
+            super().__init__()
+            self.unet = unet
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["unet"], name)
+
+        def forward(self, sample, *args, **kwargs):
+            if sample.shape[0] == 4 and torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()
+            return self.unet(sample, *args, **kwargs)
+
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), prewarm=False)
+    with Engine(model="random:tiny", device="cuda", mode="graph", graphs=cfg) as graphed, \
+            Engine(model="random:tiny", device="cuda", mode="eager") as eager:
+        graphed.model.unet = SyncingUNet(graphed.model.unet)
+        for n in (2, 1, 2):
+            a = graphed.generate("x", num_images=n, num_inference_steps=4, seed=3).arrays
+            b = eager.generate("x", num_images=n, num_inference_steps=4, seed=3).arrays
+            assert np.abs(a - b).max() <= 2e-2
+        rows = {(r["kind"], r["bucket"]): r for r in graphed.graph_table()}
+        assert rows[("step", 2)]["status"] == "failed" and rows[("step", 2)]["eager_fallbacks"] >= 8
+        assert rows[("step", 1)]["status"] == "captured" and rows[("step", 1)]["replays"] >= 4
+
+
+def test_graphed_unet_in_stock_pipeline_equals_plain(sd15):
+    pipe = sd15.diffusers_pipeline("euler", "default")
+    kwargs = dict(num_inference_steps=4, guidance_scale=7.5, output_type="np", width=512, height=512)
+    ref = pipe("a cat", num_images_per_prompt=3, generator=torch.Generator().manual_seed(3), **kwargs).images
+    plain = pipe.unet
+    try:
+        pipe.unet = GraphedUNet(plain, batch_buckets=(2, 4, 8), resolutions=[(512, 512)])
+        out = pipe("a cat", num_images_per_prompt=3, generator=torch.Generator().manual_seed(3), **kwargs).images
+        out2 = pipe("a cat", num_images_per_prompt=3, generator=torch.Generator().manual_seed(3), **kwargs).images
+        table = pipe.unet.graph_table()
+    finally:
+        pipe.unet = plain
+    diff = float(np.abs(out - ref).max())
+    REPORT["GraphedUNet pipeline vs plain max abs (pixels)"] = diff
+    assert diff <= 2e-2
+    np.testing.assert_array_equal(out, out2)
+    assert next(r for r in table if r["bucket"] == 8)["replays"] == 8
+
+
+def test_memory_flat_over_1000_replays(sd15):
+    w = sd15.worker
+    key = (512, 512)
+    from diffgraph.sampling.samplers import make_plan
+    plan = make_plan(w.noise_schedule, "euler_a", "default", 10)
+    coefs = np.repeat(plan.coefs[5][None], 2, 0)
+    noise = [(0, torch.randn((2, 4, 64, 64)))]
+    w.buffers(key).x[:2] = 0
+    for _ in range(10):
+        w.step(key, 2, coefs, noise)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(1000):
+        w.step(key, 2, coefs, noise)
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    REPORT["allocated bytes growth over 1000 replays"] = after - before
+    assert after == before
+
+
+def test_zz_report():
+    print("\nGPU REPORT")
+    for k, v in REPORT.items():
+        print(f"  {k}: {v}")
