@@ -65,7 +65,7 @@ def kernel_ms_of_one_step(engine, size: int, images: int) -> float:
 
 
 def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
-             repeats: int, buckets: tuple[int, ...]) -> dict[str, Any]:
+             repeats: int, buckets: tuple[int, ...], device: str = "cuda") -> dict[str, Any]:
     from ..config import GraphConfig
     from ..engine.engine import Engine
     from ..models.loader import load_model
@@ -73,7 +73,8 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     out: dict[str, Any] = {"model": model_name, "size": size, "steps": steps, "results": {}}
     _sync()
     t0 = time.perf_counter()
-    model = load_model(model_name, device="cuda", dtype="fp16")
+    cuda = device == "cuda"
+    model = load_model(model_name, device=device, dtype="fp16" if cuda else "fp32")
     _sync()
     out["load_s"] = time.perf_counter() - t0
     prompt, seed = "a photograph of an astronaut riding a horse", 0
@@ -81,7 +82,9 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
 
     eager = Engine(model, mode="eager")
     t0 = time.perf_counter()
-    graph = Engine(model, mode="graph", graphs=GraphConfig(batch_buckets=buckets, resolutions=((size, size),)))
+    # on the CPU (smoke tests of this script) the graphs are emulated
+    graph = Engine(model, mode="graph", graphs=GraphConfig(batch_buckets=buckets, resolutions=((size, size),),
+                                                           backend="cuda" if cuda else "emulated"))
     out["graph_capture_s"] = time.perf_counter() - t0
     out["cold_start_graph_s"] = out["load_s"] + out["graph_capture_s"]
     runner = graph.worker.runner
@@ -103,7 +106,7 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
                             generator=torch.Generator().manual_seed(seed), output_type="np")
 
     for n in image_counts:
-        res: dict[str, Any] = {"kernel_ms_per_step": kernel_ms_of_one_step(eager, size, n)}
+        res: dict[str, Any] = {"kernel_ms_per_step": kernel_ms_of_one_step(eager, size, n) if cuda else float("nan")}
         for c in contenders:
             if c == "diffusers_compile":
                 continue
@@ -149,7 +152,8 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     eager.close()
     del pipe, graph, eager, model
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return out
 
 
@@ -184,9 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--buckets", default="1,2,4,8,16")
     p.add_argument("--json", default="bench_latency.json", help="output JSON path")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script (emulated graphs)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("diffgraph: error: bench latency needs a CUDA device")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("diffgraph: error: bench latency needs a CUDA device (or --device cpu for a smoke test)")
         return 2
     from ..config import parse_buckets
 
@@ -195,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         name, size = case.split("@")
         contenders = [c for c in args.contenders.split(",") if c]
         report.append(run_case(name, int(size), [int(v) for v in args.images.split(",")], args.steps, contenders,
-                               args.repeats, parse_buckets(args.buckets)))
+                               args.repeats, parse_buckets(args.buckets), args.device))
         print(format_table(report[-1:]), flush=True)
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    env = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
     try:
         import diffusers
         env["diffusers"] = diffusers.__version__

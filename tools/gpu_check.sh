@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs on the GPU host (the `device` tool): GPU tests, then the benchmarks. Logs and JSON go to $OUT.
+#   bash tools/gpu_check.sh [tests] [latency] [compile] [throughput]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, diffusers, transformers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, 'transformers', transformers.__version__)"
+for what in "$@"; do
+  case $what in
+    tests) python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning ;;
+    latency) python3 -m diffgraph.bench.latency --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
+    compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --contenders diffusers,diffusers_compile,diffgraph_graph --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
+    throughput) python3 -m diffgraph.bench.throughput --duration 15 --json "$OUT/bench_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_throughput.log" ;;
+  esac
+done
