@@ -16,7 +16,8 @@ whichever is further along, so a slower machine still finishes its cosine decay.
 The result is a diffusers folder per model (save_pretrained, fp16 safetensors) with a training.json.
 
     python tools/train_digits.py --model both --device cuda --out src/diffgraph/assets
-    python tools/train_digits.py --model digits --device cpu --max-steps 20 --aug-copies 1 --out /tmp/d
+    python tools/train_digits.py --model both --device cpu --max-steps 20 --vae-batch 8 --unet-batch 32 \
+        --aug-copies 1 --out /tmp/digits-smoke      # CPU smoke test, about a minute
 
 On the H200 each model takes about 4 minutes (see training.json); the two can run as two processes
 side by side on one GPU, since models this small leave it mostly idle.
@@ -29,6 +30,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -77,7 +79,7 @@ ARCH = {
             norm_num_groups=16, cross_attention_dim=96, attention_head_dim=(2, 4),
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            transformer_layers_per_block=(1, 2), use_linear_projection=True,
+            transformer_layers_per_block=(1, 1), use_linear_projection=True,
             addition_embed_type="text_time", addition_time_embed_dim=16,
             projection_class_embeddings_input_dim=48 + 6 * 16,
         ),
@@ -176,7 +178,7 @@ def train_vae(images: torch.Tensor, args, device: torch.device, gen: torch.Gener
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(**VAE_CONFIG, **extra).to(device)
-    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0, fused=device.type == "cuda")
     for g in opt.param_groups:
         g["peak_lr"] = args.vae_lr
     prog = Progress(args.vae_steps if args.max_steps is None else args.max_steps, args.vae_budget)
@@ -274,7 +276,7 @@ def train_unet(kind: str, latents: torch.Tensor, labels: torch.Tensor, args, dev
     opt = torch.optim.AdamW([
         dict(params=list(unet.parameters()), peak_lr=args.unet_lr),
         dict(params=[p for e in encoders for p in e.parameters()], peak_lr=args.text_lr),
-    ], lr=args.unet_lr, weight_decay=1e-2)
+    ], lr=args.unet_lr, weight_decay=1e-2, fused=device.type == "cuda")
     ema = [p.detach().clone() for p in params]
     acp = alphas_cumprod().to(device)
     snr = acp / (1 - acp)
@@ -346,8 +348,9 @@ def save_pipeline(kind: str, folder: str, unet, vae, encoders, tokenizers) -> No
                                          scheduler=scheduler, force_zeros_for_empty_prompt=True,
                                          add_watermarker=False)
     pipe.save_pretrained(folder, safe_serialization=True)
-    # The deterministic tokenizer files, byte for byte what the presets use.
+    # The deterministic tokenizer files, byte for byte what the presets use (and no tokenizer.json).
     for sub, pad in zip(("tokenizer", "tokenizer_2"), ARCH[kind]["pads"]):
+        shutil.rmtree(os.path.join(folder, sub))
         tok.write_tokenizer(os.path.join(folder, sub), pad)
 
 

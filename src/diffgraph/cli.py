@@ -48,6 +48,25 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
 
     sub.add_parser("models", help="list the presets")
+
+    i = sub.add_parser("info", help="load a model, capture its graphs and print the graph table")
+    i.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
+    i.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    i.add_argument("--batch-buckets", default="1,2,4,8,16", help="graph batch buckets (default: %(default)s)")
+    i.add_argument("--resolutions", default="", help="WxH list to capture (default: the model's native size)")
+    i.add_argument("--verify", action="store_true", help="compare each replay with an eager run at capture")
+
+    b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve (each has --help)")
+    b.add_argument("which", choices=["latency", "throughput", "serve"])
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+
+    try:
+        from .server.cli import add_serve_arguments
+    except ImportError:  # the server's extra dependencies are not installed
+        add_serve_arguments = None
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (images API, SSE progress, /metrics)")
+    if add_serve_arguments is not None:
+        add_serve_arguments(sv)
     return p
 
 
@@ -86,10 +105,60 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(which: str, argv: list[str]) -> int:
+    if which == "latency":
+        from .bench.latency import main as bench_main
+    elif which == "throughput":
+        from .bench.throughput import main as bench_main
+    else:
+        from .bench.serve import main as bench_main
+    return bench_main(argv)
+
+
+def _info(args: argparse.Namespace) -> int:
+    import torch
+
+    from .config import GraphConfig, parse_buckets, parse_resolutions
+    from .engine.engine import Engine
+
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    logging.getLogger("diffgraph").setLevel(logging.INFO)  # one line per captured graph
+    graphs = GraphConfig(batch_buckets=parse_buckets(args.batch_buckets),
+                         resolutions=parse_resolutions(args.resolutions) if args.resolutions else (),
+                         verify=args.verify)
+    with Engine(model=args.model or default_model(), device=args.device, mode="graph" if cuda else "eager",
+                graphs=graphs) as engine:
+        m = engine.model
+        print(f"model {m.name}: family {m.family}, native {m.native_size}px, {m.dtype}, device {m.device}, "
+              f"UNet {sum(p.numel() for p in m.unet.parameters()) / 1e6:.1f}M parameters")
+        print(f"ready in {engine.ready_s:.1f} s (load and prewarm captures)")
+        table = engine.graph_table()
+        if not table:
+            print("mode eager: CUDA graphs need a CUDA device")
+            return 0
+        print(f"{'kind':5} {'size':>9} {'bucket':>6} {'status':9} {'capture ms':>10} {'pool MiB':>9} {'replays':>7} "
+              f"{'eager':>5} {'verify':>9}")
+        for r in table:
+            size = f"{r['width']}x{r['height']}" if r["height"] else "-"
+            verify = "" if r["verify_max_abs"] is None else f"{r['verify_max_abs']:.2e}"
+            print(f"{r['kind']:5} {size:>9} {r['bucket']:>6} {r['status']:9} {r['capture_ms']:10.0f} "
+                  f"{r['pool_mib_added']:9.1f} {r['replays']:7d} {r['eager_fallbacks']:5d} {verify:>9}"
+                  + (f"  {r['error']}" if r["error"] else ""))
+        print(f"graph pool: {engine.worker.runner.pool_mib():.0f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            return _bench(args.which, args.args)
+        if args.command == "serve":
+            from .server.cli import run_serve
+            return run_serve(args)
+        if args.command == "info":
+            return _info(args)
         if args.command == "models":
             for name, desc in available_presets().items():
                 print(f"{name:16s} {desc}")

@@ -23,6 +23,26 @@ def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(values)
 
 
+def parse_prewarm(text: str) -> bool | tuple[tuple[int, int, int], ...]:
+    """'all' | 'none' | 'WxH[@b1/b2...],...' -> GraphConfig.prewarm ('512x512@1/2/4' = those buckets; no @ = all
+    buckets, returned with bucket 0 meaning "every bucket")."""
+    text = text.strip().lower()
+    if text in ("all", "true", ""):
+        return True
+    if text in ("none", "false"):
+        return False
+    keys = []
+    for item in text.split(","):
+        res, _, buckets = item.partition("@")
+        (h, w), = parse_resolutions(res)
+        for b in (buckets.split("/") if buckets else ["0"]):
+            try:
+                keys.append((h, w, int(b)))
+            except ValueError:
+                raise ValueError(f"prewarm item {item!r} must look like WxH or WxH@1/2/4") from None
+    return tuple(keys)
+
+
 def parse_resolutions(text: str | list) -> tuple[tuple[int, int], ...]:
     """'512x512,768x512' (WxH) -> ((512, 512), (512, 768)) as (height, width) pairs."""
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -50,7 +70,9 @@ class GraphConfig:
 
     batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     resolutions: tuple[tuple[int, int], ...] = ()
-    prewarm: bool = True            # capture every (resolution, bucket) at start-up, largest bucket first
+    # start-up captures: True = every (resolution, bucket); False = none; or (height, width, bucket) keys.
+    # Keys not prewarmed are captured on first use.
+    prewarm: bool | tuple[tuple[int, int, int], ...] = True
     capture_text_encoder: bool = True
     capture_vae: bool = True
     verify: bool = False            # replay vs eager max abs difference at capture, kept in the table

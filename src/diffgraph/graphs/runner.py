@@ -142,10 +142,18 @@ class GraphRunner:
 
     # -- capture -------------------------------------------------------------------------------
     def prewarm(self) -> None:
-        """Captures every registered key, largest bucket first within each kind and resolution."""
+        """Captures the prewarm list, largest bucket first. `config.prewarm` True means every key; a list of
+        (height, width, bucket) step keys (bucket 0: all buckets) also brings the text and VAE graphs of
+        those buckets (the VAE's at that resolution)."""
+        wanted = self.config.prewarm
+        if wanted is False:
+            return
         for kind, g in self.kinds.items():
             for (h, w) in g.resolutions():
                 for b in sorted(g.buckets(), reverse=True):
+                    if wanted is not True and not any(
+                            (kind == "text" or (wh, ww) == (h, w)) and wb in (0, b) for wh, ww, wb in wanted):
+                        continue
                     if self.stats[(kind, h, w, b)].status == "pending":
                         self.capture((kind, h, w, b))
 
