@@ -16,13 +16,8 @@ import sys
 from .models.presets import available_presets
 from .sampling.schedules import SAMPLERS, SCHEDULES
 
-DEFAULT_MODEL = os.environ.get("DIFFGRAPH_MODEL") or "digits"
-
-
 def default_model() -> str:
-    from .models.presets import shipped_preset_folder
-    if DEFAULT_MODEL == "digits" and shipped_preset_folder("digits") is None:
-        return "random:tiny"
+    from .models.presets import DEFAULT_MODEL
     return DEFAULT_MODEL
 
 

@@ -30,6 +30,7 @@ from PIL import Image
 from ..config import GraphConfig
 from ..models.conditioning import PromptEmbeddings
 from ..models.loader import DiffusionModel, load_model
+from ..models.presets import DEFAULT_MODEL
 from ..request import GenerationRequest, GenerationResult
 from ..sampling.samplers import make_plan
 from .scheduler import QueueFullError, RequestAborted, RequestState, Scheduler, SchedulerConfig, StepPlan
@@ -78,11 +79,11 @@ class _Payload:
 class Engine:
     """Generates images with an SD1.x/SD2.x/SDXL model; thread-safe; requests share steps.
 
-    >>> engine = Engine(model="random:tiny", device="cpu")
-    >>> images = engine.generate("a red fox", seed=1)
+    >>> engine = Engine(device="cpu")                      # the shipped `digits` model
+    >>> images = engine.generate("a handwritten digit seven", seed=1)
     """
 
-    def __init__(self, model: "str | DiffusionModel" = "random:tiny", device: str | None = None, dtype: str | None = None,
+    def __init__(self, model: "str | DiffusionModel" = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
                  mode: str | None = None, graphs: GraphConfig | None = None, batching: str = "step",
                  max_wait_ms: float = 0.0, max_queue: int = 256, max_rows: int = 16,
                  prompt_cache_size: int = 512, image_threads: int = 2):
@@ -110,7 +111,9 @@ class Engine:
         self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0, "prompt_cache_hits": 0,
                       "prompt_cache_misses": 0}
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
-        self.step_events: list[tuple[Any, Any]] | None = None  # set to [] to record (start, end) CUDA events per step
+        # set to [] to record (start event, end event, loop waited for work before it) per step (benchmarks)
+        self.step_events: list[tuple[Any, Any, bool]] | None = None
+        self._idle = False
         self.ready = False
         if mode == "graph" and self.worker.graph_config.prewarm:
             self.worker.prewarm()
@@ -204,11 +207,13 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
     def _next_plan(self) -> tuple[StepPlan | None, list[RequestState]]:
         with self._cv:
+            self._idle = False  # whether the loop had to wait for work (the GPU idles then, by design)
             while not self._stop:
                 plan = self.scheduler.schedule()
                 aborted = self.scheduler.take_aborted()
                 if plan is not None or aborted:
                     return plan, aborted
+                self._idle = True
                 self._cv.wait(timeout=self.scheduler.next_deadline())
             return None, self.scheduler.take_aborted()
 
@@ -231,7 +236,7 @@ class Engine:
                 if events is not None and self.worker.cuda:
                     end = torch.cuda.Event(enable_timing=True)
                     end.record()
-                    events.append((start, end))
+                    events.append((start, end, self._idle))
             except Exception as e:  # only this batch fails; the loop keeps serving
                 logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
                 self.stats["failed_steps"] += 1

@@ -10,6 +10,7 @@ issues async copies: no allocation on the device and no synchronisation on the r
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,11 +43,14 @@ class Worker:
     def __init__(self, model: DiffusionModel, max_rows: int = 16, mode: str = "eager",
                  graphs: GraphConfig | None = None):
         self.model = model
+        # the VAE that decodes: the model's own, or an fp32 copy where diffusers upcasts (SDXL in fp16)
+        self.vae = model.vae if model.vae_dtype == model.dtype else copy.deepcopy(model.vae).to(model.vae_dtype)
         self.encoder = PromptEncoder(model)
         self.noise_schedule = NoiseSchedule.from_config(model.scheduler_config)
         self.groups: dict[GroupKey, StepBuffers] = {}
         self._staging: dict[GroupKey, list[_Staging]] = {}
         self._staging_turn: dict[GroupKey, int] = {}
+        self._time_ids_cache: dict[GroupKey, torch.Tensor] = {}
         self.cuda = model.device.type == "cuda"
         self.runner: GraphRunner | None = None
         self.graph_config = graphs or GraphConfig()
@@ -114,7 +118,7 @@ class Worker:
         chunk = max(self.graph_config.batch_buckets)
         parts = []
         for start in range(0, len(prompts), chunk):
-            part = [i[start:start + chunk].to(self.model.device, non_blocking=True) for i in ids]
+            part = [self._to_device(i[start:start + chunk]) for i in ids]
             n = part[0].shape[0]
             bucket = runner.bucket("text", 0, 0, n)
             if bucket is None:
@@ -139,7 +143,7 @@ class Worker:
         buf = self.buffers(key)
         k = latents.shape[0]
         rows = slice(start, start + k)
-        buf.x[rows] = latents.to(buf.x.device, torch.float32)
+        buf.x[rows] = self._to_device(latents.float())
         buf.d_prev[rows] = 0
         buf.noise[rows] = 0
         buf.coefs[rows] = 0
@@ -150,7 +154,21 @@ class Worker:
         if buf.pooled_cond is not None:
             buf.pooled_cond[rows] = cond.pooled
             buf.pooled_uncond[rows] = uncond.pooled
-            buf.time_ids[rows] = torch.tensor(add_time_ids(*key), dtype=buf.time_ids.dtype)
+            buf.time_ids[rows] = self._time_ids(key)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device without blocking the host: from pinned memory, asynchronously (a pageable copy
+        would wait for the GPU queue to drain and leave it idle while the host catches up)."""
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.model.device, non_blocking=True)
+
+    def _time_ids(self, key: GroupKey) -> torch.Tensor:
+        cached = self._time_ids_cache.get(key)
+        if cached is None:
+            cached = torch.tensor(add_time_ids(*key), dtype=self.model.dtype, device=self.model.device)
+            self._time_ids_cache[key] = cached
+        return cached
 
     def step(self, key: GroupKey, n: int, coefs: np.ndarray,
              noise: list[tuple[int, torch.Tensor]] | None = None) -> bool:
@@ -189,7 +207,7 @@ class Worker:
     # -- decode --------------------------------------------------------------------------------
     def decode_tensor(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents -> pixels [n, 3, H, W] in [0, 1] on the device (diffusers' VAE scaling and denormalisation)."""
-        vae = self.model.vae
+        vae = self.vae
         latents = latents.to(self.model.vae_dtype)
         mean = getattr(vae.config, "latents_mean", None)
         std = getattr(vae.config, "latents_std", None)

@@ -184,10 +184,7 @@ class GraphRunner:
             self.graphs.pop(key, None)
             self.outputs.pop(key, None)
             if not self.emulated:
-                try:
-                    torch.cuda.synchronize(self.device)
-                except Exception:  # a broken capture can leave an error to collect
-                    pass
+                self._recover_after_failed_capture()
             if snap is not None:
                 g.restore(h, w, b, snap)
             logger.warning("graph capture failed for %s: %s; %s", key, stats.error, _HINT)
@@ -204,6 +201,8 @@ class GraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         g.restore(h, w, b, snap)
+        # torch.cuda.graph empties the cache on entry: empty it first so the baseline is comparable
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
@@ -211,6 +210,18 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         stats.pool_mib_added = (torch.cuda.memory_reserved(self.device) - reserved) / 2**20
         return graph, out
+
+    def _recover_after_failed_capture(self) -> None:
+        # A capture that breaks inside cudaStreamEndCapture leaves the allocator recording into our pool
+        # ("beginAllocateToPool: already recording"): end that, so later captures can use the pool.
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # a broken capture can leave an error to collect
+            pass
+        try:
+            torch._C._cuda_endAllocateToPool(self.device.index or 0, self.pool)
+        except Exception:  # it was not recording (the failure came before or after): nothing to end
+            pass
 
     def _capture_emulated(self, g: Graphable, key: GraphKey, stats: GraphStats) -> tuple[Any, Any]:
         kind, h, w, b = key

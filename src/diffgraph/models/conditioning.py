@@ -82,7 +82,7 @@ class PromptEncoder:
         """One row per prompt, in the model's dtype, on its device (eager)."""
         if self.needs_attention_mask:
             return self._encode_with_mask(prompts)
-        return self.encode_ids([i.to(self.model.device) for i in self.tokenize(prompts)])
+        return self.encode_ids([i.to(self.model.device) for i in self.tokenize(prompts)])  # eager path
 
     @torch.no_grad()
     def _encode_with_mask(self, prompts: list[str]) -> PromptEmbeddings:
@@ -102,9 +102,10 @@ class PromptEncoder:
     def zero_missing(self, out: PromptEmbeddings, negative_prompts: list[str | None]) -> PromptEmbeddings:
         """SDXL with force_zeros_for_empty_prompt: a missing negative prompt is all zeros (embeds and pooled)."""
         if self.model.family == "sdxl" and self.model.force_zeros_for_empty_prompt:
-            keep = torch.tensor([p is not None for p in negative_prompts], device=out.embeds.device)
-            out.embeds = torch.where(keep[:, None, None], out.embeds, torch.zeros_like(out.embeds))
-            out.pooled = torch.where(keep[:, None], out.pooled, torch.zeros_like(out.pooled))
+            for i, p in enumerate(negative_prompts):  # per-row fills: no host-to-device copy, no sync
+                if p is None:
+                    out.embeds[i].zero_()
+                    out.pooled[i].zero_()
         return out
 
 

@@ -55,8 +55,10 @@ class DiffusionModel:
 
     @property
     def vae_dtype(self) -> torch.dtype:
-        """SDXL's VAE overflows in fp16: diffusers upcasts it to fp32 (config.force_upcast); so do we."""
-        if self.dtype == torch.float16 and getattr(self.vae.config, "force_upcast", False):
+        """The dtype the VAE decodes in. SDXL's VAE overflows in fp16: StableDiffusionXLPipeline upcasts it
+        to fp32 (config.force_upcast), and so does the worker (with its own fp32 copy; `vae` itself stays
+        in the model dtype, as diffusers keeps it). SD1.x/2.x pipelines decode in the model dtype."""
+        if self.family == "sdxl" and self.dtype == torch.float16 and getattr(self.vae.config, "force_upcast", False):
             return torch.float32
         return self.dtype
 
@@ -145,7 +147,7 @@ def _place(module: Any, device: torch.device, dtype: torch.dtype) -> None:
 
 def _finish(model: DiffusionModel) -> DiffusionModel:
     _place(model.unet, model.device, model.dtype)
-    _place(model.vae, model.device, model.vae_dtype)
+    _place(model.vae, model.device, model.dtype)
     for enc in model.text_encoders:
         _place(enc, model.device, model.dtype)
     return model

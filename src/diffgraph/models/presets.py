@@ -142,6 +142,10 @@ SHIPPED_PRESETS: dict[str, str] = {
 }
 
 
+def _default_model() -> str:
+    return "digits" if shipped_preset_folder("digits") is not None else "random:tiny"
+
+
 def shipped_preset_folder(name: str) -> str | None:
     """The package folder of a shipped preset, or None when this install does not carry it."""
     folder = os.path.join(ASSETS, name)
@@ -155,3 +159,7 @@ def available_presets() -> dict[str, str]:
         if shipped_preset_folder(name) is not None:
             out[name] = desc
     return out
+
+
+# The default model of the CLI, the Engine and the server: the trained digits model when shipped.
+DEFAULT_MODEL = _default_model()

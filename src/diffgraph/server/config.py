@@ -1,0 +1,140 @@
+"""`ServerConfig`: every setting of `diffgraph serve`, from defaults, a TOML file and flags (in that order).
+
+A TOML file holds the same settings as the flags, named like them (`batch-buckets` or `batch_buckets`):
+
+    model = "digits"
+    port = 8000
+    batch-buckets = [1, 2, 4, 8]        # or "1,2,4,8"
+    resolutions = ["512x512", "768x512"] # WxH
+    prewarm = "all"                      # "none" | "512x512@1/2/4,..."
+    request-timeout = 120
+
+`ServerConfig.engine_kwargs()` is what the app hands to `Engine(...)`; nothing else reads the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..config import DEFAULT_BUCKETS, GraphConfig, parse_buckets, parse_prewarm, parse_resolutions
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as tomllib
+    except ImportError:
+        tomllib = None
+
+
+def default_model() -> str:
+    """The shipped `digits` preset when this install carries it, else `random:tiny` (noise, but no files)."""
+    from ..models.presets import shipped_preset_folder
+    return "digits" if shipped_preset_folder("digits") else "random:tiny"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = field(default_factory=default_model)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str | None = None            # None: cuda when available
+    dtype: str | None = None             # None: fp16 on cuda, fp32 on cpu
+    mode: str | None = None              # None: graph on cuda, eager on cpu
+    batching: str = "step"
+    batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    resolutions: tuple[tuple[int, int], ...] = ()   # (height, width); empty: the model's native size
+    prewarm: bool | tuple[tuple[int, int, int], ...] = True
+    max_queue: int = 256
+    max_wait_ms: float = 0.0
+    request_timeout: float = 600.0       # seconds a request may take, queue included; then 504 and abort
+    max_prompt_bytes: int = 4096         # UTF-8 bytes of prompt / negative_prompt
+    drain_timeout: float = 30.0          # after SIGTERM: seconds in-flight requests may still take
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a preset name or a local diffusers folder")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is out of range; allowed: 0..65535")
+        for name in ("max_queue", "max_prompt_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        for name in ("request_timeout", "drain_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be > 0 seconds")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms {self.max_wait_ms} must be >= 0")
+        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: critical, error, warning, info, debug")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ServerConfig":
+        """Builds a config from raw values (TOML or flags): names with '-' or '_', lists or comma strings."""
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for raw_key, value in values.items():
+            key = raw_key.replace("-", "_")
+            if key not in known:
+                raise ValueError(f"unknown setting {raw_key!r}; allowed: {', '.join(n.replace('_', '-') for n in known)}")
+            kwargs[key] = _parse(key, value)
+        return cls(**kwargs)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `Engine(...)`: live rows never exceed the largest batch bucket."""
+        return dict(model=self.model, device=self.device, dtype=self.dtype, mode=self.mode,
+                    graphs=GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions,
+                                       prewarm=self.prewarm),
+                    batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
+                    max_rows=max(self.batch_buckets))
+
+
+def _parse(key: str, value: Any) -> Any:
+    if key == "batch_buckets":
+        return parse_buckets(value)
+    if key == "resolutions":
+        return parse_resolutions(value)
+    if key == "prewarm":
+        return value if isinstance(value, bool) else parse_prewarm(value)
+    if key in ("port", "max_queue", "max_prompt_bytes"):
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
+    if key in ("max_wait_ms", "request_timeout", "drain_timeout"):
+        if isinstance(value, bool):
+            raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}") from None
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{key.replace('_', '-')} must be a string, got {value!r}")
+    return value
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """The settings of a TOML file (top-level keys, or the keys of its [serve] table)."""
+    if tomllib is None:
+        raise ValueError("reading a TOML config on Python 3.10 needs the 'tomli' package: pip install tomli")
+    if not os.path.isfile(path):
+        raise ValueError(f"config file {path!r} does not exist")
+    with open(path, "rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+    return dict(data.get("serve", data))
+
+
+def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None) -> ServerConfig:
+    """Defaults, then the file's settings, then `overrides` (flags given on the command line; None = not given)."""
+    values: dict[str, Any] = load_toml(path) if path else {}
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return ServerConfig.from_mapping(values)

@@ -1,0 +1,106 @@
+"""Prometheus metrics of one server: its own `CollectorRegistry` (no global state, so apps and tests do
+not share counters).
+
+Two kinds of metric:
+  * events, counted as they happen: requests by outcome and their latency (event loop), and per step
+    the batch bucket and the step time (engine thread, through `engine.step_listeners`);
+  * state, read from the engine at scrape time (`_EngineCollector`): queue depth, live rows per
+    resolution group, graph captures / replays / eager fallbacks, device memory.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# What happened to a generation request; every request ends in exactly one.
+OUTCOMES = ("success", "bad_request", "queue_full", "unavailable", "timeout", "aborted", "error")
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+def device_memory_bytes(engine: Any) -> int:
+    """torch.cuda.memory_allocated on a CUDA engine, else this process's resident set size (0 if unknown)."""
+    if engine is not None and engine.worker.cuda:
+        import torch
+        return int(torch.cuda.memory_allocated(engine.model.device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _EngineCollector:
+    """Reads the engine's state at each scrape; before the engine exists it reports what it can."""
+
+    def __init__(self, get_engine: Callable[[], Any]):
+        self._get_engine = get_engine
+
+    def collect(self):
+        engine = self._get_engine()
+        queue = GaugeMetricFamily("diffgraph_queue_depth", "Requests waiting for rows")
+        rows = GaugeMetricFamily("diffgraph_live_rows", "Rows being denoised, per resolution group (WxH)",
+                                 labels=["group"])
+        memory = GaugeMetricFamily("diffgraph_device_memory_bytes",
+                                   "torch.cuda.memory_allocated on CUDA, else the process RSS")
+        memory.add_metric([], device_memory_bytes(engine))
+        graph = {name: CounterMetricFamily(f"diffgraph_graph_{name}", help_, labels=["kind"])
+                 for name, help_ in (("captures", "CUDA graphs captured"),
+                                     ("replays", "CUDA graph replays"),
+                                     ("eager_fallbacks", "Calls that ran eagerly for want of a graph"))}
+        if engine is not None:
+            queue.add_metric([], engine.queue_depth())
+            for (h, w), n in sorted(engine.live_rows().items()):
+                rows.add_metric([f"{w}x{h}"], n)
+            totals: dict[str, list[int]] = {}
+            for row in engine.graph_table():
+                t = totals.setdefault(row["kind"], [0, 0, 0])
+                t[0] += row["status"] == "captured"
+                t[1] += row["replays"]
+                t[2] += row["eager_fallbacks"]
+            for kind, (captured, replays, fallbacks) in sorted(totals.items()):
+                graph["captures"].add_metric([kind], captured)
+                graph["replays"].add_metric([kind], replays)
+                graph["eager_fallbacks"].add_metric([kind], fallbacks)
+            steps = CounterMetricFamily("diffgraph_engine_steps", "Denoising steps run")
+            steps.add_metric([], engine.stats["steps"])
+            yield steps
+        yield from (queue, rows, memory, *graph.values())
+
+
+class ServerMetrics:
+    def __init__(self, get_engine: Callable[[], Any], batch_buckets: tuple[int, ...]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("diffgraph_requests", "Generation requests by outcome", ["outcome"], registry=r)
+        for outcome in OUTCOMES:  # every outcome shows, at 0, from the first scrape
+            self.requests.labels(outcome)
+        self.latency = Histogram("diffgraph_request_latency_seconds", "Latency of successful generation requests",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.bucket = Histogram("diffgraph_step_batch_bucket", "Batch bucket of each denoising step",
+                                buckets=tuple(float(b) for b in batch_buckets), registry=r)
+        self.step_time = Histogram("diffgraph_step_seconds", "Wall time of each denoising step (host view)",
+                                   buckets=STEP_BUCKETS, registry=r)
+        self.inflight = Gauge("diffgraph_inflight_requests", "Generation requests being served", registry=r)
+        self.ready = Gauge("diffgraph_ready", "1 when the engine is built and accepting requests", registry=r)
+        r.register(_EngineCollector(get_engine))
+        self._buckets = tuple(sorted(batch_buckets))
+
+    def observe_request(self, outcome: str, seconds: float | None = None) -> None:
+        self.requests.labels(outcome).inc()
+        if outcome == "success" and seconds is not None:
+            self.latency.observe(seconds)
+
+    def on_step(self, plan: Any, seconds: float) -> None:
+        """An engine step listener (engine thread): the bucket the step ran in, and its time."""
+        n = plan.n_rows
+        self.bucket.observe(next((b for b in self._buckets if b >= n), n))
+        self.step_time.observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,141 @@
+"""The HTTP wire format: pydantic models for the OpenAI-shaped images API, and its errors.
+
+Only the HTTP edge uses pydantic. Types are checked here (strictly: "2" is not a number); ranges and
+allowed values are checked once, by `GenerationRequest.create`, whose ValueErrors `error_from_value_error`
+turns into OpenAI-shaped errors with the parameter named as the client spelled it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
+
+# GenerationRequest parameter -> the body field that carries it
+_ENGINE_TO_API = {"num_images": "n", "width": "size", "height": "size"}
+
+
+class ImageGenerationRequest(BaseModel):
+    """POST /v1/images/generations: OpenAI's fields, then diffgraph's extensions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: StrictStr
+    n: StrictInt = 1
+    size: StrictStr | None = None               # "WxH"; default: the model's native size
+    response_format: StrictStr = "b64_json"     # "url" is refused: images are not stored
+    model: StrictStr | None = None
+    user: StrictStr | None = None
+    # extensions
+    negative_prompt: StrictStr | None = None
+    num_inference_steps: StrictInt = 20
+    guidance_scale: StrictFloat | None = None    # ints are accepted as numbers
+    seed: StrictInt | None = None
+    sampler: StrictStr = "euler"
+    schedule: StrictStr = "default"
+    output_format: StrictStr = "png"
+    stream: StrictBool = False
+
+    def width_height(self) -> tuple[int | None, int | None]:
+        """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""
+        if self.size is None or self.size == "auto":
+            return None, None
+        m = _SIZE.match(self.size)
+        if m is None:
+            raise APIError(400, f"size {self.size!r} must look like WIDTHxHEIGHT, e.g. 512x512", param="size")
+        return int(m.group(1)), int(m.group(2))
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+
+
+class ImageGenerationResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    id: str
+    seed: int                                   # one generator per request: all its images come from this seed
+    output_format: str
+    timings: dict[str, float]                   # ms: queue, denoise, decode, total
+
+
+class ProgressEventBody(BaseModel):
+    type: Literal["progress"] = "progress"
+    id: str
+    step: int
+    total: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffgraph"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# -- errors ---------------------------------------------------------------------------------------
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+          504: "timeout_error"}
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def error_from_validation(err: ValidationError) -> APIError:
+    """The first pydantic error, as one sentence naming the field, what it must be and what came."""
+    e = err.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in e["loc"]) or None
+    if e["type"] == "extra_forbidden":
+        allowed = ", ".join(ImageGenerationRequest.model_fields)
+        return APIError(400, f"unknown parameter {param!r}; accepted: {allowed}", param=param)
+    if e["type"] == "missing":
+        return APIError(400, f"{param} is required", param=param)
+    if e["type"] == "model_type":
+        return APIError(400, "the body must be a JSON object, e.g. {\"prompt\": \"a red fox\"}")
+    got = e.get("input")
+    shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+    return APIError(400, f"{param}: {_expected(e['type'], e['msg'])}, got {shown}", param=param)
+
+
+def _expected(kind: str, msg: str) -> str:
+    if kind.startswith("string"):
+        return "must be a string"
+    if kind.startswith("int"):
+        return "must be an integer"
+    if kind.startswith("float"):
+        return "must be a number"
+    if kind.startswith("bool"):
+        return "must be true or false"
+    return msg[0].lower() + msg[1:]
+
+
+def error_from_value_error(err: ValueError) -> APIError:
+    """A GenerationRequest ValueError ("num_images 17 is out of range; ...") -> 400 naming the body field."""
+    message = str(err)
+    first = message.split(" ", 1)[0]
+    param = _ENGINE_TO_API.get(first, first if first in ImageGenerationRequest.model_fields else None)
+    if first == "num_images":
+        message = "n" + message[len("num_images"):]
+    return APIError(400, message, param=param)

@@ -1,0 +1,373 @@
+"""The HTTP server, end to end: a real `python -m diffgraph.server.cli` process on a free port (random:tiny, CPU).
+
+One module-scoped server answers most tests; the queue-full / SIGTERM test starts its own, since it ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+MODEL = "random:tiny"
+TIMEOUT_S = 4        # the module server's --request-timeout
+MAX_PROMPT = 256     # the module server's --max-prompt-bytes
+
+
+class ServerProcess:
+    def __init__(self, *flags: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": "2"}
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "diffgraph.server.cli", "--model", MODEL, "--device", "cpu", "--port",
+             str(self.port), "--log-level", "warning", *flags], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.first_ready_status: int | None = None
+        self.first_ready_body: dict | None = None
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                r = httpx.get(self.url + "/ready", timeout=2)
+            except httpx.TransportError:
+                time.sleep(0.02)
+                continue
+            if self.first_ready_status is None:
+                self.first_ready_status, self.first_ready_body = r.status_code, r.json()
+            if r.status_code == 200:
+                return
+            time.sleep(0.02)
+        raise RuntimeError(f"the server was not ready within {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--request-timeout", str(TIMEOUT_S), "--max-prompt-bytes", str(MAX_PROMPT),
+                      "--max-queue", "64")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def generate(url: str, timeout: float = 60, **body) -> httpx.Response:
+    body.setdefault("prompt", "a red fox")
+    return httpx.post(url + "/v1/images/generations", json=body, timeout=timeout)
+
+
+def png(b64: str) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(b64)))
+    assert image.format == "PNG"
+    image.load()
+    return image
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (the labels as printed)."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def live_rows(url: str, group: str) -> float:
+    return metrics(url).get(f'diffgraph_live_rows{{group="{group}"}}', 0.0)
+
+
+def outcome(url: str, name: str) -> float:
+    return metrics(url)[f'diffgraph_requests_total{{outcome="{name}"}}']
+
+
+# -- the happy path ---------------------------------------------------------------------------------------------
+def test_png_of_the_asked_size(server):
+    r = generate(server.url, size="96x64", num_inference_steps=2, seed=11, n=2)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["seed"] == 11
+    assert len(body["data"]) == 2
+    for item in body["data"]:
+        assert png(item["b64_json"]).size == (96, 64)  # WxH
+    assert set(body["timings"]) == {"queue_ms", "denoise_ms", "decode_ms", "total_ms"}
+
+
+def test_same_seed_same_bytes(server):
+    a, b, c = (generate(server.url, num_inference_steps=3, seed=s).json()["data"][0]["b64_json"] for s in (5, 5, 6))
+    assert a == b
+    assert a != c
+
+
+def test_jpeg_output_format(server):
+    r = generate(server.url, num_inference_steps=1, output_format="jpeg", seed=1)
+    assert r.status_code == 200, r.text
+    assert Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).format == "JPEG"
+
+
+def test_32_concurrent_requests_share_steps(server):
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/images/generations", json={
+                "prompt": f"prompt {i % 4}", "num_inference_steps": 2, "seed": i}) for i in range(32)))
+
+    before = metrics(server.url)
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 32
+    assert [r.json()["seed"] for r in responses] == list(range(32))
+    assert len({r.json()["data"][0]["b64_json"] for r in responses}) == 32
+    after = metrics(server.url)
+    steps = after["diffgraph_step_batch_bucket_count"] - before["diffgraph_step_batch_bucket_count"]
+    single = after['diffgraph_step_batch_bucket_bucket{le="1.0"}'] - before['diffgraph_step_batch_bucket_bucket{le="1.0"}']
+    assert steps < 32 * 2   # rows of different requests ran in one step
+    assert single < steps   # some steps ran in a bucket above 1
+
+
+def test_streaming_yields_one_progress_event_per_step(server):
+    steps = 5
+    events = []
+    with httpx.stream("POST", server.url + "/v1/images/generations", timeout=60,
+                      json={"prompt": "a red fox", "num_inference_steps": steps, "seed": 9, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = "".join(r.iter_text())
+    for block in text.strip().split("\n\n"):
+        event = re.search(r"^event: (\w+)$", block, re.M).group(1)
+        data = json.loads(re.search(r"^data: (.*)$", block, re.M).group(1))
+        events.append((event, data))
+    progress = [d for e, d in events if e == "progress"]
+    assert [(d["step"], d["total"]) for d in progress] == [(i, steps) for i in range(1, steps + 1)]
+    assert [e for e, _ in events] == ["progress"] * steps + ["completed"]
+    final = events[-1][1]
+    assert png(final["data"][0]["b64_json"]).size == (64, 64)
+    plain = generate(server.url, num_inference_steps=steps, seed=9).json()
+    assert final["data"][0]["b64_json"] == plain["data"][0]["b64_json"]  # streaming does not change the image
+
+
+def test_models_health_ready(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert httpx.get(server.url + "/ready").json()["model"] == MODEL
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    result = client.images.generate(model=MODEL, prompt="a red fox", size="64x64", response_format="b64_json", n=2,
+                                    extra_body={"num_inference_steps": 2, "seed": 4, "sampler": "dpmpp_2m"})
+    assert len(result.data) == 2
+    assert all(png(d.b64_json).size == (64, 64) for d in result.data)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.generate(model=MODEL, prompt="a red fox", size="64x60", extra_body={"num_inference_steps": 1})
+    assert "multiple of 8" in str(info.value)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+BAD = [
+    # (body or raw bytes, status, param, words the message must hold)
+    (b'{"prompt": "a fox", ', 400, None, "not valid JSON"),
+    (b'["a fox"]', 400, None, "JSON object"),
+    ({}, 400, "prompt", "prompt is required"),
+    ({"prompt": 7}, 400, "prompt", "must be a string"),
+    ({"prompt": ""}, 400, "prompt", "prompt is empty"),
+    ({"prompt": "   "}, 400, "prompt", "prompt is empty"),
+    ({"prompt": "é" * MAX_PROMPT}, 400, "prompt", f"the limit is {MAX_PROMPT}"),
+    ({"prompt": "a", "negative_prompt": "x" * (MAX_PROMPT + 1)}, 400, "negative_prompt", "the limit is"),
+    ({"prompt": "a", "negative_prompt": 3}, 400, "negative_prompt", "must be a string"),
+    ({"prompt": "a", "n": 0}, 400, "n", "n 0 is out of range; allowed: 1..16"),
+    ({"prompt": "a", "n": 17}, 400, "n", "n 17 is out of range"),
+    ({"prompt": "a", "n": "2"}, 400, "n", "must be an integer"),
+    ({"prompt": "a", "n": 10**40}, 400, "n", "out of range"),
+    ({"prompt": "a", "size": "64x60"}, 400, "size", "height 60 is not a multiple of 8; use 56 or 64"),
+    ({"prompt": "a", "size": "big"}, 400, "size", "WIDTHxHEIGHT"),
+    ({"prompt": "a", "size": "4096x4096"}, 400, "size", "outside the supported range 64..2048"),
+    ({"prompt": "a", "size": "32x32"}, 400, "size", "outside the supported range"),
+    ({"prompt": "a", "size": 64}, 400, "size", "must be a string"),
+    ({"prompt": "a", "num_inference_steps": 0}, 400, "num_inference_steps", "allowed: 1..200"),
+    ({"prompt": "a", "num_inference_steps": 201}, 400, "num_inference_steps", "allowed: 1..200"),
+    ({"prompt": "a", "num_inference_steps": 2.5}, 400, "num_inference_steps", "must be an integer"),
+    ({"prompt": "a", "guidance_scale": -1}, 400, "guidance_scale", "finite number >= 0"),
+    ({"prompt": "a", "guidance_scale": "high"}, 400, "guidance_scale", "must be"),
+    ({"prompt": "a", "sampler": "heun"}, 400, "sampler", "sampler 'heun' is unknown; allowed: euler"),
+    ({"prompt": "a", "schedule": "cosine"}, 400, "schedule", "schedule 'cosine' is unknown"),
+    ({"prompt": "a", "seed": -1}, 400, "seed", "seed -1 is out of range"),
+    ({"prompt": "a", "model": "dall-e-3"}, 400, "model", f"this server serves '{MODEL}'"),
+    ({"prompt": "a", "response_format": "url"}, 400, "response_format", "does not store images; use 'b64_json'"),
+    ({"prompt": "a", "output_format": "gif"}, 400, "output_format", "output_format 'gif' is unknown"),
+    ({"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
+    ({"prompt": "a", "steps": 10}, 400, "steps", "unknown parameter 'steps'; accepted: prompt"),
+    (b"{" * 100_000, 413, None, "limit"),
+]
+
+
+def test_bad_input_gets_a_clear_error(server):
+    before = outcome(server.url, "bad_request")
+    for body, status, param, words in BAD:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(server.url + "/v1/images/generations", timeout=30, **kwargs)
+        where = f"{body!r:.60}"
+        assert r.status_code == status, (where, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, where
+        assert error["type"] == "invalid_request_error", where
+        assert error["param"] == param, (where, error)
+        assert words in error["message"], (where, error["message"])
+    assert outcome(server.url, "bad_request") - before == len(BAD)
+    # not a generation request, still the OpenAI error shape
+    r = httpx.get(server.url + "/v1/images/generations")
+    assert r.status_code == 405 and "error" in r.json()
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
+    # and the server still serves
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = generate(server.url, num_inference_steps=1, seed=1)
+    assert r.status_code == 200 and png(r.json()["data"][0]["b64_json"]).size == (64, 64)
+
+
+# -- requests that end early --------------------------------------------------------------------------------------
+def test_timeout_answers_504_and_frees_rows(server):
+    before = outcome(server.url, "timeout")
+    t0 = time.monotonic()
+    r = generate(server.url, size="512x512", num_inference_steps=200, seed=1)  # far longer than the timeout
+    assert r.status_code == 504, r.text
+    assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 10
+    assert "request timeout" in r.json()["error"]["message"]
+    wait_for(lambda: live_rows(server.url, "512x512") == 0, what="rows of the timed-out request freed")
+    assert outcome(server.url, "timeout") - before == 1
+
+
+def test_disconnect_aborts_and_frees_rows(server):
+    before = outcome(server.url, "aborted")
+    body = json.dumps({"prompt": "a red fox", "size": "256x256", "num_inference_steps": 200}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(lambda: live_rows(server.url, "256x256") == 1, what="the request to be running")
+    sock.close()
+    wait_for(lambda: live_rows(server.url, "256x256") == 0, timeout=TIMEOUT_S - 1, what="rows freed after disconnect")
+    wait_for(lambda: outcome(server.url, "aborted") - before == 1, what="an aborted outcome")
+    m = metrics(server.url)
+    assert m["diffgraph_queue_depth"] == 0
+    assert m["diffgraph_inflight_requests"] == 0
+
+
+def test_bench_serve(server, tmp_path, capsys):
+    from diffgraph.bench.serve import main
+
+    out = tmp_path / "bench.json"
+    assert main(["--url", server.url, "--rate", "8", "--duration", "1", "--mix", "64x64/2:3,96x64/1",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report == json.loads(capsys.readouterr().out)
+    assert report["sent"] > 0 and report["ok"] == report["sent"] and report["errors"] == {}
+    assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p99"]
+    assert report["images_per_s"] > 0
+
+
+# -- a server of its own: queue full, then SIGTERM ------------------------------------------------------------
+def test_queue_full_then_sigterm_drains():
+    # One row per group and one waiting request: A runs, B waits, C finds the queue full.
+    s = ServerProcess("--batch-buckets", "1", "--max-queue", "1", "--drain-timeout", "60")
+    try:
+        s.wait_ready()
+        # the server listened before the engine was built, and said so
+        assert s.first_ready_status == 503 and s.first_ready_body["error"]["code"] == "not_ready"
+        results: dict[str, httpx.Response] = {}
+
+        def send(name, **body):
+            results[name] = generate(s.url, timeout=120, size="128x128", **body)
+
+        a = threading.Thread(target=send, args=("A",), kwargs=dict(num_inference_steps=120, seed=1))
+        a.start()
+        wait_for(lambda: live_rows(s.url, "128x128") == 1, what="A running")
+        b = threading.Thread(target=send, args=("B",), kwargs=dict(num_inference_steps=2, seed=2))
+        b.start()
+        wait_for(lambda: metrics(s.url)["diffgraph_queue_depth"] == 1, what="B waiting")
+        c = generate(s.url, size="128x128", num_inference_steps=2)
+        assert c.status_code == 429, c.text
+        assert c.json()["error"]["type"] == "rate_limit_error" and "queue is full" in c.json()["error"]["message"]
+
+        s.proc.send_signal(signal.SIGTERM)
+        d = wait_for(lambda: (lambda r: r if r.status_code == 503 else None)(generate(s.url, num_inference_steps=1)),
+                     what="new requests refused while draining")
+        assert d.json()["error"]["code"] == "draining"
+        assert httpx.get(s.url + "/ready").status_code == 503
+        assert httpx.get(s.url + "/health").status_code == 200
+        a.join(120)
+        b.join(120)
+        for name in "AB":
+            assert results[name].status_code == 200, results[name].text
+            assert png(results[name].json()["data"][0]["b64_json"]).size == (128, 128)
+        assert s.proc.wait(30) == 0, s.output()
+    finally:
+        s.stop()
+
+
+# -- configuration (in process) -----------------------------------------------------------------------------------
+def test_config_file_and_flags(tmp_path):
+    import argparse
+
+    from diffgraph.server.cli import add_serve_arguments, config_from_args, main
+
+    path = tmp_path / "serve.toml"
+    path.write_text('model = "random:tiny"\nport = 9001\nbatch-buckets = [1, 2, 4]\nresolutions = ["96x64"]\n'
+                    'prewarm = "none"\nrequest_timeout = 30\n')
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    config = config_from_args(p.parse_args(["--config", str(path), "--port", "9002", "--max-queue", "8"]))
+    assert (config.model, config.port, config.max_queue, config.request_timeout) == (MODEL, 9002, 8, 30.0)
+    assert config.batch_buckets == (1, 2, 4) and config.resolutions == ((64, 96),) and config.prewarm is False
+    assert config.engine_kwargs()["max_rows"] == 4
+
+    path.write_text('port = 9001\nbatch_size = 4\n')
+    with pytest.raises(ValueError, match="unknown setting 'batch_size'; allowed: model"):
+        config_from_args(p.parse_args(["--config", str(path)]))
+    assert main(["--model", "no-such-model"]) == 2
+    assert main(["--model", MODEL, "--request-timeout", "0"]) == 2
