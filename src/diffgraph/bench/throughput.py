@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = make_trace(rate, args.duration, args.seed, steps, sizes, samplers)
         for mode in args.modes.split(","):
             engine.reconfigure(batching=mode, max_wait_ms=args.max_wait_ms if mode == "request" else 0.0)
-            r = replay(engine, trace, timeout=args.duration * 3)
+            r = replay(engine, trace, timeout=args.duration)
             r.update(mode=mode, rate=rate)
             report["runs"].append(r)
             print(f"rate {rate:6.2f}/s {mode:8s} {r['images_per_s']:6.2f} img/s (steady {r['steady_images_per_s']:5.2f})  p50 {r['p50_ms']:8.0f} ms  "

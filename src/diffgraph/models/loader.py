@@ -177,7 +177,13 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
         plain = any(f.endswith((".safetensors", ".bin")) and f.count(".") == 1 for f in files)
         return None if plain or not any(".fp16." in f for f in files) else "fp16"
 
-    common = dict(local_files_only=True, torch_dtype=dtype)
+    import importlib.util
+
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # no per-file progress bars on every load
+    common = dict(local_files_only=True, torch_dtype=dtype,
+                  low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
     unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant("unet"), **common)
     vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant("vae"), **common)
     tcommon = dict(local_files_only=True, dtype=dtype)

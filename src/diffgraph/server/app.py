@@ -3,8 +3,8 @@
     POST /v1/images/generations   JSON answer, or server-sent events with "stream": true
     GET  /v1/models               the served model
     GET  /health                  200 while the process is alive
-    GET  /ready                   200 once the engine is built and its prewarm graphs captured; 503 before
-                                  and while draining
+    GET  /ready                   200 once the engine is built, its prewarm graphs captured and one warm-up
+                                  image made; 503 before, and while draining
     GET  /metrics                 Prometheus text (metrics.py)
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
@@ -81,6 +81,9 @@ class ServerState:
         t0 = time.perf_counter()
         try:
             engine = self._factory()
+            # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
+            # allocator growth) and a broken model should fail here, not on a client's request.
+            engine.generate("warm-up", num_inference_steps=1, seed=0)
         except Exception as e:
             logger.exception("the engine could not be built")
             self.error = f"{type(e).__name__}: {e}"
