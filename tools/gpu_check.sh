@@ -11,7 +11,7 @@ for what in "$@"; do
   case $what in
     info) python3 -m diffgraph.cli info --model random:sd15 --verify 2>&1 | grep -v Warning | tee "$OUT/info.log" ;;
     tests) python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning ;;
-    latency) python3 -m diffgraph.bench.latency --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
+    latency) python3 -m diffgraph.bench.latency --repeats 2 --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
     compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --contenders diffusers,diffusers_compile,diffgraph_graph --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
     throughput) python3 -m diffgraph.bench.throughput --duration 15 --json "$OUT/bench_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_throughput.log" ;;
   esac

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="512x512,512x768", help="WxH list (default: %(default)s)")
     p.add_argument("--steps", default="20,30,50")
     p.add_argument("--samplers", default="euler,dpmpp_2m")
-    p.add_argument("--rates", default="", help="arrival rates in requests/s; default: 0.5x and 1.5x the compute-bound rate")
+    p.add_argument("--rates", default="", help="arrival rates in requests/s; default: 0.8x the compute-bound rate "
+                   "(latency under load) and 3x (saturation)")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--max-wait-ms", type=float, default=50.0, help="request mode's batching window")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     samplers = tuple(args.samplers.split(","))
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000)
     rate_cb, step_ms = compute_bound_rate(engine, sizes, steps)
-    rates = [float(r) for r in args.rates.split(",") if r] or [round(0.5 * rate_cb, 2), round(1.5 * rate_cb, 2)]
+    rates = [float(r) for r in args.rates.split(",") if r] or [round(0.8 * rate_cb, 2), round(3.0 * rate_cb, 2)]
     report: dict[str, Any] = {"model": args.model, "sizes": args.sizes, "steps": steps, "samplers": samplers,
                               "compute_bound_images_per_s": rate_cb, "full_bucket_step_ms": step_ms, "runs": []}
     print(f"compute-bound rate {rate_cb:.2f} images/s (bucket {engine.worker.max_rows} step ms: {step_ms})", flush=True)

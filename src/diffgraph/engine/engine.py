@@ -233,10 +233,6 @@ class Engine:
                 start.record()
             try:
                 self._execute(plan)
-                if events is not None and self.worker.cuda:
-                    end = torch.cuda.Event(enable_timing=True)
-                    end.record()
-                    events.append((start, end, self._idle))
             except Exception as e:  # only this batch fails; the loop keeps serving
                 logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
                 self.stats["failed_steps"] += 1
@@ -248,6 +244,12 @@ class Engine:
                 continue
             with self._cv:
                 finished = self.scheduler.update(plan)
+            if finished:
+                self._retire(plan.key, finished)
+            if events is not None and self.worker.cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                events.append((start, end, self._idle))
             self.stats["steps"] += 1
             self.stats["rows_stepped"] += plan.n_rows
             for listener in self.step_listeners:
@@ -258,8 +260,6 @@ class Engine:
                         s.payload.on_progress(s.request_id, s.step, s.steps)
                     except Exception:
                         logger.exception("progress callback failed for %s", s.request_id)
-            if finished:
-                self._retire(plan.key, finished)
         self._fail_everything(RuntimeError("the engine was closed"))
 
     def _execute(self, plan: StepPlan) -> None:

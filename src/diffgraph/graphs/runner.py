@@ -100,6 +100,9 @@ class GraphRunner:
         self.config = config
         self.device = torch.device(device)
         self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
+        # One capture stream for every graph: the allocator reuses a pool's free blocks only on the stream
+        # that freed them, so a stream per capture would give each graph memory of its own.
+        self.stream = None if self.emulated else torch.cuda.Stream(self.device)
         self.kinds: dict[str, Graphable] = {}
         self.graphs: dict[GraphKey, Any] = {}  # torch.cuda.CUDAGraph (or EmulatedGraph)
         self.outputs: dict[GraphKey, Any] = {}
@@ -192,7 +195,7 @@ class GraphRunner:
 
     def _capture_cuda(self, g: Graphable, key: GraphKey, stats: GraphStats) -> tuple[Any, Any]:
         kind, h, w, b = key
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         snap = g.snapshot(h, w, b)
         with torch.cuda.stream(stream):  # warm-up on a side stream: lazy inits and autotuning happen here
@@ -222,6 +225,10 @@ class GraphRunner:
             torch._C._cuda_endAllocateToPool(self.device.index or 0, self.pool)
         except Exception:  # it was not recording (the failure came before or after): nothing to end
             pass
+        # Later graphs go to a fresh pool (shared among them): the broken capture may have left the old
+        # one marked as recording, which would fail every later capture. Graphs already captured keep theirs.
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
 
     def _capture_emulated(self, g: Graphable, key: GraphKey, stats: GraphStats) -> tuple[Any, Any]:
         kind, h, w, b = key

@@ -79,6 +79,7 @@ class ServerState:
 
     def _build(self) -> None:
         t0 = time.perf_counter()
+        engine = None
         try:
             engine = self._factory()
             # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
@@ -87,6 +88,8 @@ class ServerState:
         except Exception as e:
             logger.exception("the engine could not be built")
             self.error = f"{type(e).__name__}: {e}"
+            if engine is not None:
+                engine.close()
             return
         engine.step_listeners.append(self.metrics.on_step)
         self.engine = engine
@@ -117,8 +120,7 @@ class ServerState:
             self.engine.abort(rid)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
+        # An engine still being built is left to its daemon thread: a drain must not wait for graph capture.
         if self.engine is not None:
             self.engine.close()
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from .config import ServerConfig, load_config
 
-# flag dest -> ServerConfig field (the same name unless listed)
+# the ServerConfig fields a flag can set (flag --batch-buckets -> batch_buckets)
 _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
            "prewarm", "max_queue", "max_wait_ms", "request_timeout", "max_prompt_bytes", "drain_timeout", "log_level")
 
@@ -150,6 +150,12 @@ def run_serve(args: argparse.Namespace) -> int:
         _check_model(config.model)
     except ValueError as e:
         print(f"diffgraph: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        import fastapi, prometheus_client, uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"diffgraph: error: serving needs fastapi, uvicorn and prometheus_client ({e}); "
+              "pip install fastapi uvicorn prometheus_client", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return serve(config)

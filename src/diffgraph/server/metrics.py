@@ -25,7 +25,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.
 
 def device_memory_bytes(engine: Any) -> int:
     """torch.cuda.memory_allocated on a CUDA engine, else this process's resident set size (0 if unknown)."""
-    if engine is not None and engine.worker.cuda:
+    if engine is not None and engine.model.device.type == "cuda":
         import torch
         return int(torch.cuda.memory_allocated(engine.model.device))
     try:
