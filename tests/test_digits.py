@@ -122,3 +122,25 @@ def test_guidance_makes_the_digit_clearer(model):
     rate5, margin5, _ = recognition(model, "euler", 5.0)
     assert rate5 >= rate1 and margin5 > margin1 + 0.1, (
         f"{model}: guidance 1.0 -> {rate1:.0%} (margin {margin1:.2f}), 5.0 -> {rate5:.0%} (margin {margin5:.2f})")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_concurrent_mixed_requests_each_get_their_digit(model):
+    """50 requests in flight together (one image each, its own seed), mixed samplers and step counts, sharing
+    steps in the step-level engine: a row mix-up would hand a request another request's digit."""
+    eng = engine(model)
+    clf, _ = oracle_and_heldout()
+    steps_before = eng.stats["steps"]
+    asked, futures = [], []
+    for i in range(50):
+        d = i % 10
+        req = eng.make_request(PROMPTS[model].format(w=WORDS[d], d=d), num_inference_steps=(15, 20, 25)[i % 3],
+                               guidance_scale=5.0, sampler=("euler", "dpmpp_2m")[(i // 3) % 2], seed=5000 + i,
+                               width=64, height=64)
+        futures.append(eng.submit(req))
+        asked.append(d)
+    images = np.concatenate([f.result(timeout=600).arrays for f in futures])
+    pred = clf.predict(features(images))
+    rate = float((pred == np.array(asked)).mean())
+    assert eng.stats["steps"] - steps_before < sum((15, 20, 25)[i % 3] for i in range(50))  # they shared steps
+    assert rate >= 0.9, f"{model}: {rate:.0%} of concurrent requests got their digit"

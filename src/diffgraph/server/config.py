@@ -33,8 +33,8 @@ else:  # pragma: no cover - Python 3.10
 
 def default_model() -> str:
     """The shipped `digits` preset when this install carries it, else `random:tiny` (noise, but no files)."""
-    from ..models.presets import shipped_preset_folder
-    return "digits" if shipped_preset_folder("digits") else "random:tiny"
+    from ..models.presets import DEFAULT_MODEL
+    return DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
