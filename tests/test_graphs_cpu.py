@@ -4,11 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from diffgraph import Engine
 from diffgraph.config import GraphConfig, parse_buckets, parse_resolutions
 from diffgraph.engine.worker import Worker
 from diffgraph.graphs.graphed_unet import GraphedUNet
-from diffgraph.graphs.runner import GraphRunner
 
 
 def test_bucket_choice():

@@ -17,7 +17,6 @@ import statistics
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 CONTENDERS = ("diffusers", "diffusers_compile", "diffgraph_eager", "diffgraph_graph")
@@ -95,11 +94,11 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     out["pool_mib_largest_step_alone"] = largest.pool_mib_added
     out["graph_failures"] = [r for r in graph.graph_table() if r["status"] == "failed"]
 
+    pipe = eager.diffusers_pipeline("euler", "default")
+
     def diffgraph_fn(engine, n, k):
         return lambda: engine.generate(prompt, width=size, height=size, num_inference_steps=k, num_images=n,
                                        seed=seed, sampler="euler")
-
-    pipe = eager.diffusers_pipeline("euler", "default")
 
     def diffusers_fn(n, k):
         return lambda: pipe(prompt, width=size, height=size, num_inference_steps=k, num_images_per_prompt=n,
@@ -152,10 +151,6 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     out["graph_table"] = graph.graph_table()
     graph.close()
     eager.close()
-    del pipe, graph, eager, model
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return out
 
 
@@ -204,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         report.append(run_case(name, int(size), [int(v) for v in args.images.split(",")], args.steps, contenders,
                                args.repeats, parse_buckets(args.buckets), args.device))
         print(format_table(report[-1:]), flush=True)
+        gc.collect()  # the case's engines and model are gone: give their memory back before the next one
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     env = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
     try:
         import diffusers

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .runner import StatelessGraphable
 from .step import whole_step
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class StepGraph:
         return self.worker.buffers((h, w)).x[:b]
 
 
-class TextGraph:
+class TextGraph(StatelessGraphable):
     """Text encoder(s) at the tokenizers' length: static token ids in, (embeds, pooled) out."""
 
     kind = "text"
@@ -88,17 +89,9 @@ class TextGraph:
         out = self.worker.encoder.encode_ids([ids[:b] for ids in self.ids])
         return out.embeds, out.pooled
 
-    def snapshot(self, h: int, w: int, b: int) -> Any:
-        return None
-
-    def restore(self, h: int, w: int, b: int, snap: Any) -> None:
-        pass
-
-    def output(self, h: int, w: int, b: int, result: Any) -> torch.Tensor:
-        return result[0]
 
 
-class VaeGraph:
+class VaeGraph(StatelessGraphable):
     """VAE decoder per (resolution, bucket): static latents in, float pixels [b, 3, H, W] in [0, 1] out."""
 
     kind = "vae"
@@ -138,11 +131,3 @@ class VaeGraph:
     def run(self, h: int, w: int, b: int) -> Any:
         return self.worker.decode_tensor(self.static_latents(h, w)[:b])
 
-    def snapshot(self, h: int, w: int, b: int) -> Any:
-        return None
-
-    def restore(self, h: int, w: int, b: int, snap: Any) -> None:
-        pass
-
-    def output(self, h: int, w: int, b: int, result: Any) -> torch.Tensor:
-        return result

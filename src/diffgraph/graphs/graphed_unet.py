@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from ..config import DEFAULT_BUCKETS, GraphConfig
-from .runner import GraphRunner
+from .runner import GraphRunner, StatelessGraphable
 
 _PLAIN_KWARGS = ("class_labels", "timestep_cond", "attention_mask", "cross_attention_kwargs",
                  "down_block_additional_residuals", "mid_block_additional_residual",
                  "down_intrablock_additional_residuals", "encoder_attention_mask")
 
 
-class _UNetGraph:
+class _UNetGraph(StatelessGraphable):
     kind = "unet"
 
     def __init__(self, unet: torch.nn.Module, resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...]):
@@ -54,14 +54,6 @@ class _UNetGraph:
         return self.unet(s["sample"][:b], s["timestep"][:b], encoder_hidden_states=s["encoder_hidden_states"][:b],
                          added_cond_kwargs=added, return_dict=False)[0]
 
-    def snapshot(self, h: int, w: int, b: int) -> Any:
-        return None
-
-    def restore(self, h: int, w: int, b: int, snap: Any) -> None:
-        pass
-
-    def output(self, h: int, w: int, b: int, result: Any) -> torch.Tensor:
-        return result
 
 
 class GraphedUNet(torch.nn.Module):

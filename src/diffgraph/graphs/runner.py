@@ -54,6 +54,19 @@ class Graphable(Protocol):
         """The tensor compared by verification."""
 
 
+class StatelessGraphable:
+    """Base for graphables whose run only writes outputs it returns: nothing to snapshot or restore."""
+
+    def snapshot(self, height: int, width: int, bucket: int) -> Any:
+        return None
+
+    def restore(self, height: int, width: int, bucket: int, snap: Any) -> None:
+        pass
+
+    def output(self, height: int, width: int, bucket: int, result: Any) -> torch.Tensor:
+        return result[0] if isinstance(result, tuple) else result
+
+
 @dataclass
 class GraphStats:
     kind: str
