@@ -134,3 +134,55 @@ def test_async_engine_stream_and_generate(tiny_engine):
     steps = [e.step for e in events if isinstance(e, ProgressEvent)]
     assert steps == [1, 2, 3, 4]
     np.testing.assert_array_equal(events[-1].arrays, res.arrays)
+
+
+def test_bad_input_is_rejected_before_it_reaches_a_batch(tiny_engine):
+    with pytest.raises(ValueError, match="guidance_scale 1e\\+300 is out of range; allowed: 0..100"):
+        tiny_engine.make_request("x", guidance_scale=1e300)
+    with pytest.raises(ValueError, match="prompt is not valid text: it holds an unpaired surrogate"):
+        tiny_engine.make_request("seven \ud800")
+    with pytest.raises(ValueError, match="negative_prompt is not valid text"):
+        tiny_engine.make_request("seven", negative_prompt="\udfff")
+    with pytest.raises(ValueError, match="width 2050 is not a multiple of 8; use 2048$"):
+        tiny_engine.make_request("x", width=2050)
+    with pytest.raises(ValueError, match="device 'tpu' is not understood"):
+        Engine(model="random:tiny", device="tpu")
+
+
+def test_failed_admission_fails_only_that_request():
+    with Engine(model="random:tiny", device="cpu", max_wait_ms=100) as e:
+        real = e.worker.encode
+
+        def picky(prompts):
+            if "poison" in prompts:
+                raise RuntimeError("tokenizer rejected the text")
+            return real(prompts)
+
+        e.worker.encode = picky
+        good = e.submit(e.make_request("fine", num_inference_steps=3, seed=1))
+        bad = e.submit(e.make_request("poison", num_inference_steps=3, seed=2))
+        with pytest.raises(ValueError, match="could not be admitted: RuntimeError: tokenizer rejected"):
+            bad.result(timeout=60)
+        ref = Engine(model="random:tiny", device="cpu").generate("fine", num_inference_steps=3, seed=1).arrays
+        np.testing.assert_allclose(good.result(timeout=60).arrays, ref, atol=1e-4, rtol=0)
+        assert e.generate("fine again", num_inference_steps=2, seed=3).arrays.shape == (1, 64, 64, 3)
+
+
+def test_broken_callbacks_do_not_stop_the_loop():
+    with Engine(model="random:tiny", device="cpu") as e:
+        e.step_listeners.append(lambda plan, seconds: 1 / 0)
+        fut = e.submit(e.make_request("x", num_inference_steps=2, seed=1),
+                       on_progress=lambda *a: (_ for _ in ()).throw(RuntimeError("client gone")))
+        assert fut.result(timeout=60).arrays.shape == (1, 64, 64, 3)
+        assert e.generate("y", num_inference_steps=2, seed=2).arrays.shape == (1, 64, 64, 3)
+
+
+def test_tiny_prompt_cache_and_released_sizes():
+    with Engine(model="random:tiny", device="cpu", prompt_cache_size=0) as e:
+        futures = [e.submit(e.make_request(f"p{i}", num_inference_steps=2, seed=i, width=64 + 8 * (i % 3)))
+                   for i in range(6)]
+        assert all(f.result(timeout=60).arrays.shape[0] == 1 for f in futures)
+        deadline = time.time() + 10
+        while e.worker.groups and time.time() < deadline:  # idle groups give their buffers back
+            time.sleep(0.01)
+        assert e.worker.groups == {}

@@ -218,3 +218,11 @@ def test_scheduler_does_not_import_torch_cuda():
     names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "torch" not in names and not any(m and m.startswith("torch") for m in mods)
+
+
+def test_pending_abort_counts_as_work():
+    """reconfigure() swaps schedulers only when idle: an abort not yet answered must count as work."""
+    sched = Scheduler(SchedulerConfig(), Clock())
+    sched.add(state("a"))
+    assert sched.abort("a") and sched.has_work()
+    assert [s.request_id for s in sched.take_aborted()] == ["a"] and not sched.has_work()

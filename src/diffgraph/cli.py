@@ -111,12 +111,12 @@ def _bench(which: str, argv: list[str]) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    import torch
-
     from .config import GraphConfig, parse_buckets, parse_resolutions
     from .engine.engine import Engine
 
-    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    from .engine.engine import default_device, parse_device
+
+    cuda = parse_device(args.device or default_device()).type == "cuda"
     logging.getLogger("diffgraph").setLevel(logging.INFO)  # one line per captured graph
     graphs = GraphConfig(batch_buckets=parse_buckets(args.batch_buckets),
                          resolutions=parse_resolutions(args.resolutions) if args.resolutions else (),
@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return _bench(args.which, args.args)
         if args.command == "serve":
+            if not hasattr(args, "port"):  # the server's parser could not be imported
+                raise _ArgError("serving needs the serve extras: pip install 'diffgraph[serve]'")
             from .server.cli import run_serve
             return run_serve(args)
         if args.command == "info":

@@ -21,14 +21,17 @@ MAX_SIZE = 2048
 MAX_STEPS = 200
 MAX_IMAGES = 16
 MAX_SEED = 2**63 - 1
+MAX_GUIDANCE = 100.0
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 
 _ids = itertools.count()
 
 
 def _nearest_multiples(value: int, base: int = 8) -> str:
-    low = (value // base) * base
-    return f"{low} or {low + base}" if low >= base else f"{base}"
+    """The valid sizes next to `value`: multiples of `base` inside MIN_SIZE..MAX_SIZE."""
+    low = min(max((value // base) * base, MIN_SIZE), MAX_SIZE)
+    high = min(low + base, MAX_SIZE)
+    return f"{low} or {high}" if MIN_SIZE <= value <= MAX_SIZE and high != low else f"{low}"
 
 
 def _check_size(name: str, value: Any) -> int:
@@ -76,14 +79,20 @@ class GenerationRequest:
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if negative_prompt is not None and not isinstance(negative_prompt, str):
             raise ValueError(f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}")
+        for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt or "")):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{name} is not valid text: it holds an unpaired surrogate at character {e.start}; "
+                                 "send UTF-8 text") from None
         width = _check_size("width", width)
         height = _check_size("height", height)
         steps = _check_int("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
             raise ValueError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
         guidance = float(guidance_scale)
-        if not (guidance >= 0 and np.isfinite(guidance)):
-            raise ValueError(f"guidance_scale {guidance_scale} is out of range; allowed: a finite number >= 0")
+        if not (0 <= guidance <= MAX_GUIDANCE):
+            raise ValueError(f"guidance_scale {guidance_scale} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler {sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
         if schedule not in SCHEDULES:

@@ -57,6 +57,16 @@ def encode_image(image: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
+def parse_device(device: str) -> torch.device:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not understood; use cpu, cuda or cuda:N") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use cpu, cuda or cuda:N")
+    return parsed
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,7 +100,7 @@ class Engine:
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
-        cuda = torch.device(device).type == "cuda"
+        cuda = parse_device(device).type == "cuda"
         dtype = dtype or ("fp16" if cuda else "fp32")
         mode = mode or ("graph" if cuda else "eager")
         if mode not in ("graph", "eager"):
@@ -104,6 +114,8 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(batching=batching, max_rows=self.worker.max_rows,
                                                    max_wait_ms=max_wait_ms, max_queue=max_queue))
         self._cache: OrderedDict[tuple[str, Any], PromptEmbeddings] = OrderedDict()
+        if prompt_cache_size < 0:
+            raise ValueError(f"prompt_cache_size {prompt_cache_size} must be >= 0")
         self._cache_size = prompt_cache_size
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self._cv = threading.Condition()
@@ -155,8 +167,8 @@ class Engine:
         state = RequestState(request_id=request.request_id, key=(request.height, request.width),
                              rows=request.num_images, plan=plan, arrival=time.monotonic(), payload=payload)
         with self._cv:
-            if self._stop:
-                raise RuntimeError("the engine is closed")
+            if self._stop or not self._thread.is_alive():
+                raise RuntimeError("the engine is closed (or its loop stopped after an internal error; see the log)")
             self.scheduler.add(state)
             self._cv.notify()
         return payload.future
@@ -185,7 +197,8 @@ class Engine:
         return [] if self.worker.runner is None else self.worker.runner.table()
 
     def queue_depth(self) -> int:
-        return self.scheduler.num_waiting
+        with self._cv:
+            return self.scheduler.num_waiting
 
     def live_rows(self) -> dict[tuple[int, int], int]:
         with self._cv:
@@ -218,56 +231,70 @@ class Engine:
             return None, self.scheduler.take_aborted()
 
     def _loop(self) -> None:
-        while True:
-            plan, aborted = self._next_plan()
-            for s in aborted:
-                _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
-            if plan is None:
-                if self._stop:
-                    break
-                continue
-            t0 = time.perf_counter()
-            events = self.step_events
-            if events is not None and self.worker.cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-            try:
-                self._execute(plan)
-            except Exception as e:  # only this batch fails; the loop keeps serving
-                logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
-                self.stats["failed_steps"] += 1
-                with self._cv:
-                    failed = self.scheduler.fail(plan)
-                err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
-                for s in failed:
-                    _fail(s, err)
-                continue
+        try:
+            while self._iteration():
+                pass
+        except BaseException:  # a bug in the loop itself: answer everyone, refuse new work, keep the process
+            logger.exception("the engine loop stopped after an internal error")
             with self._cv:
-                finished = self.scheduler.update(plan)
-            if finished:
-                self._retire(plan.key, finished)
-            if events is not None and self.worker.cuda:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                events.append((start, end, self._idle))
-            self.stats["steps"] += 1
-            self.stats["rows_stepped"] += plan.n_rows
-            for listener in self.step_listeners:
-                listener(plan, time.perf_counter() - t0)
-            for s in plan.live:
-                if s.payload.on_progress is not None:
-                    try:
-                        s.payload.on_progress(s.request_id, s.step, s.steps)
-                    except Exception:
-                        logger.exception("progress callback failed for %s", s.request_id)
+                self._stop = True
         self._fail_everything(RuntimeError("the engine was closed"))
+
+    def _iteration(self) -> bool:
+        """One pass: plan, execute, advance, report, retire. False once the engine is closed."""
+        plan, aborted = self._next_plan()
+        for s in aborted:
+            _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
+        if plan is None:
+            return not self._stop
+        t0 = time.perf_counter()
+        events = self.step_events
+        if events is not None and self.worker.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        try:
+            for src, dst, count in plan.moves:  # compaction first: admitted rows go after the packed ones
+                self.worker.move_rows(plan.key, src, dst, count)
+            if plan.admitted and not self._admit(plan.key, plan.admitted):
+                return True  # some admissions failed and left: plan again without them
+            self._execute(plan)
+        except Exception as e:  # only this batch fails; the loop keeps serving
+            logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
+            self.stats["failed_steps"] += 1
+            with self._cv:
+                failed = self.scheduler.fail(plan)
+            err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
+            for s in failed:
+                _fail(s, err)
+            return True
+        with self._cv:
+            finished = self.scheduler.update(plan)
+        for s in plan.live:  # progress first: a request's last progress event comes before its result
+            if s.payload.on_progress is not None:
+                _call_safely(s.payload.on_progress, s.request_id, s.step, s.steps)
+        if finished:
+            self._retire(plan.key, finished)
+        if events is not None and self.worker.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            events.append((start, end, self._idle))
+        self.stats["steps"] += 1
+        self.stats["rows_stepped"] += plan.n_rows
+        for listener in self.step_listeners:
+            _call_safely(listener, plan, time.perf_counter() - t0)
+        self._release_if_idle(plan.key)
+        return True
+
+    def _release_if_idle(self, key: tuple[int, int]) -> None:
+        """Frees the buffers of a resolution that has no work and no graphs (any multiple of 8 is a valid size,
+        so keeping every size's buffers would let clients exhaust device memory)."""
+        with self._cv:
+            idle = self.scheduler.is_idle(key)
+        if idle:
+            self.worker.release_group(key)
 
     def _execute(self, plan: StepPlan) -> None:
         w = self.worker
-        for src, dst, count in plan.moves:
-            w.move_rows(plan.key, src, dst, count)
-        if plan.admitted:
-            self._admit(plan.key, plan.admitted)
         noise = []
         for s in plan.noise_requests:
             p = s.payload
@@ -275,43 +302,61 @@ class Engine:
                                                    dtype=self.model.dtype)))
         w.step(plan.key, plan.n_rows, plan.coefs, noise)
 
-    def _admit(self, key: tuple[int, int], states: list[RequestState]) -> None:
-        """Batched, cached prompt encoding; initial latents from each request's own generator."""
+    def _admit(self, key: tuple[int, int], states: list[RequestState]) -> bool:
+        """Batched, cached prompt encoding and initial latents from each request's own
+        generator. A request whose admission fails (e.g. a prompt its tokenizer rejects) fails alone and
+        leaves the group; returns False when that happened (the plan is then stale)."""
         w = self.worker
-        self._embed([("+", s.payload.request.prompt) for s in states]
-                    + [("-", s.payload.request.negative_prompt) for s in states])
+        try:
+            embeds = self._embed([k for s in states for k in _prompt_keys(s)])
+        except Exception:  # find the culprit(s): encode each request alone
+            embeds = {}
+        ok = True
         now = time.monotonic()
         for s in states:
             p = s.payload
             r = p.request
-            p.generator = torch.Generator("cpu").manual_seed(r.seed)
-            latents = torch.randn((s.rows, *w.latent_shape(key)), generator=p.generator, dtype=self.model.dtype)
-            latents = latents.float() * s.plan.init_noise_sigma
-            w.write_rows(key, s.first_row, latents, self._cache[("+", r.prompt)],
-                         self._cache[("-", r.negative_prompt)], r.guidance_scale)
-            p.admitted_at = now
+            try:
+                mine = {k: embeds[k] if k in embeds else self._embed([k])[k] for k in _prompt_keys(s)}
+                p.generator = torch.Generator("cpu").manual_seed(r.seed)
+                latents = torch.randn((s.rows, *w.latent_shape(key)), generator=p.generator, dtype=self.model.dtype)
+                latents = latents.float() * s.plan.init_noise_sigma
+                w.write_rows(key, s.first_row, latents, mine[("+", r.prompt)], mine[("-", r.negative_prompt)],
+                             r.guidance_scale)
+                p.admitted_at = now
+            except Exception as e:
+                logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)
+                with self._cv:
+                    self.scheduler.remove(s)
+                _fail(s, ValueError(f"request {s.request_id} could not be admitted: {type(e).__name__}: {e}"))
+                ok = False
+        return ok
 
-    def _embed(self, keys: list[tuple[str, Any]]) -> None:
-        """Makes sure every (sign, text) is in the LRU cache, encoding the missing ones in one batch each."""
-        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
-        hits = len(keys) - len(missing)
-        self.stats["prompt_cache_hits"] += hits
-        self.stats["prompt_cache_misses"] += len(missing)
-        for k in keys:
+    def _embed(self, keys: list[tuple[str, Any]]) -> dict[tuple[str, Any], PromptEmbeddings]:
+        """Embeddings of every (sign, text), from the LRU cache or encoded (one batch per sign) and cached."""
+        out = {}
+        missing = []
+        for k in dict.fromkeys(keys):
             if k in self._cache:
                 self._cache.move_to_end(k)
+                out[k] = self._cache[k]
+            else:
+                missing.append(k)
+        self.stats["prompt_cache_hits"] += len(keys) - len(missing)
+        self.stats["prompt_cache_misses"] += len(missing)
         pos = [t for sign, t in missing if sign == "+"]
         neg = [t for sign, t in missing if sign == "-"]
         if pos:
-            out = self.worker.encode(pos)
-            for i, t in enumerate(pos):
-                self._cache[("+", t)] = out.select(i)
+            enc = self.worker.encode(pos)
+            out.update({("+", t): enc.select(i) for i, t in enumerate(pos)})
         if neg:
-            out = self.worker.encode_negative(neg)
-            for i, t in enumerate(neg):
-                self._cache[("-", t)] = out.select(i)
+            enc = self.worker.encode_negative(neg)
+            out.update({("-", t): enc.select(i) for i, t in enumerate(neg)})
+        for k in missing:
+            self._cache[k] = out[k]
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
+        return out
 
     def _retire(self, key: tuple[int, int], finished: list[RequestState]) -> None:
         latents = torch.cat([self.worker.read_latents(key, s.first_row, s.rows) for s in finished])
@@ -323,7 +368,10 @@ class Engine:
                 _fail(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
             return
         done_at = time.monotonic()
-        self._images.submit(self._deliver, finished, wait, done_at)
+        try:
+            self._images.submit(self._deliver, finished, wait, done_at)
+        except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
+            self._deliver(finished, wait, done_at)
 
     def _deliver(self, finished: list[RequestState], wait: Callable[[], np.ndarray], done_at: float) -> None:
         try:
@@ -385,6 +433,18 @@ class Engine:
                 scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+
+def _prompt_keys(state: RequestState) -> tuple[tuple[str, Any], tuple[str, Any]]:
+    r = state.payload.request
+    return ("+", r.prompt), ("-", r.negative_prompt)
+
+
+def _call_safely(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # a caller's callback must not stop the engine
+        logger.exception("callback %r failed", fn)
 
 
 def _fail(state: RequestState, error: BaseException) -> None:

@@ -126,7 +126,12 @@ class Scheduler:
         return sum(g.live_rows for g in self.groups.values())
 
     def has_work(self) -> bool:
-        return any(g.waiting or g.live for g in self.groups.values())
+        return bool(self._aborted) or any(g.waiting or g.live for g in self.groups.values())
+
+    def is_idle(self, key: GroupKey) -> bool:
+        """No live or waiting request in this group."""
+        g = self.groups.get(key)
+        return g is None or not (g.live or g.waiting)
 
     def add(self, state: RequestState) -> None:
         if state.rows > self.config.max_rows:
@@ -190,6 +195,13 @@ class Scheduler:
             g.live = [s for s in g.live if not s.done]
             g.dirty = True
         return finished
+
+    def remove(self, state: RequestState) -> None:
+        """Takes one live request out (its admission failed); its rows are freed at the next step."""
+        g = self.groups[state.key]
+        if state in g.live:
+            g.live.remove(state)
+            g.dirty = True
 
     def fail(self, plan: StepPlan) -> list[RequestState]:
         """After a failed step: every request of that batch leaves; the group starts empty."""

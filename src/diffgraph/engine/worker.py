@@ -86,6 +86,15 @@ class Worker:
             self.groups[key] = buf
         return buf
 
+    def release_group(self, key: GroupKey) -> None:
+        """Frees an idle group's buffers, unless graphs were captured over them (covered resolutions)."""
+        if self.runner is not None and key in self.runner.kinds["step"].resolutions():
+            return
+        self.groups.pop(key, None)
+        self._staging.pop(key, None)
+        self._staging_turn.pop(key, None)
+        self._time_ids_cache.pop(key, None)
+
     def _next_staging(self, key: GroupKey) -> _Staging:
         slots = self._staging.get(key)
         if slots is None:

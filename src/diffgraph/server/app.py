@@ -227,9 +227,16 @@ def _generation_request(engine: Any, config: ServerConfig, body: Any) -> tuple[I
                        param="response_format")
     for name in ("prompt", "negative_prompt"):
         text = getattr(params, name)
-        if text is not None and len(text.encode("utf-8")) > config.max_prompt_bytes:
-            raise APIError(400, f"{name} has {len(text.encode('utf-8'))} bytes (UTF-8); the limit is "
-                                f"{config.max_prompt_bytes}", param=name)
+        if text is None:
+            continue
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:  # a lone surrogate from a JSON \ud800-style escape
+            raise APIError(400, f"{name} is not valid text: it holds an unpaired surrogate at character {e.start}; "
+                                "send UTF-8 text", param=name) from None
+        if size > config.max_prompt_bytes:
+            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
+                           param=name)
     if not params.prompt.strip():
         raise APIError(400, "prompt is empty; describe the image to generate", param="prompt")
     width, height = params.width_height()
@@ -258,6 +265,20 @@ def _error_response(e: APIError) -> JSONResponse:
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the response ends (sent, cancelled, or never started)."""
+
+    def __init__(self, content: Any, on_close: Any, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
@@ -327,8 +348,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             job = Job(state, request, t0 + config.request_timeout, progress=params.stream)
             if params.stream:
                 streaming = True  # the stream ends the request's accounting
-                return StreamingResponse(_stream(job, http, t0), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
+                end = _StreamEnd(job, t0)
+                return _ClosingStream(_stream(job, http, end), end.close, media_type="text/event-stream",
+                                      headers={"Cache-Control": "no-cache"})
             while True:
                 item = await job.next(http)
                 if isinstance(item, GenerationResult):
@@ -346,8 +368,23 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             if not streaming:
                 _leave()
 
-    async def _stream(job: Job, http: Request, t0: float) -> AsyncIterator[bytes]:
-        outcome = "aborted"  # unless it ends otherwise: the client went away mid-stream
+    class _StreamEnd:
+        """A stream's accounting, closed exactly once: by the generator, or by the response when the client
+        left before the generator ever ran (then no `finally` of the generator would run)."""
+
+        def __init__(self, job: Job, t0: float):
+            self.job, self.t0, self.outcome, self.closed = job, t0, "aborted", False
+
+        def close(self) -> None:
+            if self.closed:
+                return
+            self.closed = True
+            if self.outcome == "aborted" and self.job.request.request_id in state.jobs:
+                self.job.abort()  # the client went away: free the rows
+            state.metrics.observe_request(self.outcome, time.monotonic() - self.t0)
+            _leave()
+
+    async def _stream(job: Job, http: Request, end: "_StreamEnd") -> AsyncIterator[bytes]:
         try:
             while True:
                 item = await job.next(http)
@@ -356,19 +393,16 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                                              total=item.total).model_dump())
                     continue
                 body = await asyncio.to_thread(_response, item)
-                outcome = "success"
+                end.outcome = "success"
                 yield _sse("completed", {"type": "completed", **body})
                 return
         except APIError as e:
-            outcome = _OUTCOME.get(e.status, "error")
+            end.outcome = _OUTCOME.get(e.status, "error")
             yield _sse("error", {"type": "error", "status": e.status, **e.body()})
         except ClientGone:
             pass
         finally:
-            if outcome == "aborted" and job.request.request_id in state.jobs:
-                job.abort()  # cancelled by the server on disconnect: free the rows
-            state.metrics.observe_request(outcome, time.monotonic() - t0)
-            _leave()
+            end.close()
 
     def _leave() -> None:
         state.inflight -= 1
