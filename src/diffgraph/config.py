@@ -1,7 +1,6 @@
-"""Frozen configuration dataclasses, read in one place.
-
-`GraphConfig` says which CUDA graphs exist (batch buckets, resolutions, prewarm list, verification);
-
+"""Graph configuration: `GraphConfig` (which CUDA graphs exist: batch buckets, resolutions, prewarm
+list, verification) and the parsers for its command-line / TOML forms. The scheduler's and the server's
+configurations live beside the code that reads them (engine/scheduler.py, server/config.py).
 """
 
 from __future__ import annotations
