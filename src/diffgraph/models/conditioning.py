@@ -93,14 +93,9 @@ class PromptEncoder:
         out = encoder(tokens.input_ids.to(self.model.device), attention_mask=tokens.attention_mask.to(self.model.device))
         return PromptEmbeddings(out[0].to(self.model.dtype), None)
 
-    def encode_negative(self, negative_prompts: list[str | None]) -> PromptEmbeddings:
-        """Negative prompts; None means "no negative prompt" (diffusers' `negative_prompt=None`)."""
-        texts = ["" if p is None else p for p in negative_prompts]
-        out = self.encode(texts)
-        return self.zero_missing(out, negative_prompts)
-
     def zero_missing(self, out: PromptEmbeddings, negative_prompts: list[str | None]) -> PromptEmbeddings:
-        """SDXL with force_zeros_for_empty_prompt: a missing negative prompt is all zeros (embeds and pooled)."""
+        """Negative prompts' embeddings (encoded with "" for None) as diffusers uses them: with SDXL's
+        force_zeros_for_empty_prompt a missing negative prompt (None) is all zeros, embeds and pooled."""
         if self.model.family == "sdxl" and self.model.force_zeros_for_empty_prompt:
             for i, p in enumerate(negative_prompts):  # per-row fills: no host-to-device copy, no sync
                 if p is None:
