@@ -186,3 +186,26 @@ def test_tiny_prompt_cache_and_released_sizes():
         while e.worker.groups and time.time() < deadline:  # idle groups give their buffers back
             time.sleep(0.01)
         assert e.worker.groups == {}
+
+
+def test_bucket_growth_policy_keeps_every_image(tiny_engine):
+    """Graph mode (emulated on the CPU) hands the buckets to the scheduler; holding growth into a larger
+    bucket changes who shares a batch, never an image."""
+    from diffgraph.config import GraphConfig
+
+    reqs = _mix(tiny_engine, 10)
+    ref = [tiny_engine.run(r).arrays for r in reqs]
+    graphs = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64), (96, 64)), backend="emulated",
+                         prewarm=False)
+    with Engine(model=tiny_engine.model, mode="graph", graphs=graphs, grow_fill=1.0, grow_hold_ms=30) as e:
+        assert e.scheduler.config.buckets == (1, 2, 4, 8) and e.scheduler.config.grow_fill == 1.0
+        futures = []
+        for r in reqs:
+            futures.append(e.submit(r))
+            time.sleep(0.01)
+        for f, a in zip(futures, ref):
+            np.testing.assert_allclose(f.result(timeout=300).arrays, a, atol=1e-4, rtol=0)
+        e.reconfigure(grow_fill=0.0)
+        assert e.scheduler.config.grow_fill == 0.0 and e.scheduler.config.buckets == (1, 2, 4, 8)
+        with pytest.raises(ValueError, match="cannot change"):
+            e.reconfigure(max_rows=3)

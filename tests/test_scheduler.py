@@ -243,3 +243,69 @@ def test_pending_abort_counts_as_work():
     sched.add(state("a"))
     assert sched.abort("a") and sched.has_work()
     assert [s.request_id for s in sched.take_aborted()] == ["a"] and not sched.has_work()
+
+
+def test_growth_into_a_larger_bucket_waits_for_fill_or_hold():
+    clock = Clock()
+    cfg = SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0.75, grow_hold_ms=500)
+    assert [cfg.bucket_for(n) for n in (1, 3, 5, 9, 16, 17)] == [1, 4, 8, 16, 16, 17]
+    sched = Scheduler(cfg, clock)
+    w = FakeWorker()
+    for i in range(7):  # an empty group admits everyone: 7 rows on bucket 8
+        sched.add(state(f"a{i}", steps=50))
+    p = sched.schedule()
+    assert p.n_rows == 7
+    w.execute(p)
+    sched.update(p)
+    for i in range(3):  # 10 rows would pay bucket 16 at 62% fill: only the free row of bucket 8 is taken
+        sched.add(state(f"b{i}", steps=50, arrival=clock.t))
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["b0"] and p.n_rows == 8
+    w.execute(p)
+    sched.update(p)
+    for i in range(3, 6):  # 8 live + 5 waiting = 13 of 16 (81%): the group grows, FIFO order kept
+        sched.add(state(f"b{i}", steps=50, arrival=clock.t))
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["b1", "b2", "b3", "b4", "b5"] and p.n_rows == 13
+    w.execute(p)
+    sched.update(p)
+
+
+def test_growth_hold_is_bounded_by_grow_hold_ms():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0.75, grow_hold_ms=500), clock)
+    w = FakeWorker()
+    for i in range(8):
+        sched.add(state(f"a{i}", steps=50))
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    sched.add(state("late", steps=50, arrival=clock.t))
+    for _ in range(3):  # held while younger than 500 ms
+        clock.t += 0.1
+        p = sched.schedule()
+        assert p.admitted == [] and p.n_rows == 8
+        w.execute(p)
+        sched.update(p)
+    clock.t += 0.25  # 550 ms: admitted, the group grows to bucket 16 with 9 rows
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["late"] and p.n_rows == 9
+
+
+def test_growth_policy_off_without_buckets_or_fill():
+    for cfg in (SchedulerConfig(max_rows=16), SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0)):
+        sched = Scheduler(cfg, Clock())
+        w = FakeWorker()
+        for i in range(8):
+            sched.add(state(f"a{i}", steps=5))
+        p = sched.schedule()
+        w.execute(p)
+        sched.update(p)
+        sched.add(state("late", steps=5))
+        assert [s.request_id for s in sched.schedule().admitted] == ["late"]
+
+
+@pytest.mark.parametrize("kw", [{"grow_fill": 1.5}, {"grow_hold_ms": -1}, {"buckets": (4, 2)}, {"buckets": (0, 2)}])
+def test_growth_config_is_validated(kw):
+    with pytest.raises(ValueError, match="grow_fill|buckets"):
+        SchedulerConfig(**kw)

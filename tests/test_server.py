@@ -367,9 +367,13 @@ def test_config_file_and_flags(tmp_path):
     assert (config.model, config.port, config.max_queue, config.request_timeout) == (MODEL, 9002, 8, 30.0)
     assert config.batch_buckets == (1, 2, 4) and config.resolutions == ((64, 96),) and config.prewarm is False
     assert config.engine_kwargs()["max_rows"] == 4
+    assert (config.grow_fill, config.grow_hold_ms) == (0.85, 2000.0)
+    config = config_from_args(p.parse_args(["--config", str(path), "--grow-fill", "0.5", "--grow-hold-ms", "200"]))
+    assert (config.engine_kwargs()["grow_fill"], config.engine_kwargs()["grow_hold_ms"]) == (0.5, 200.0)
 
     path.write_text('port = 9001\nbatch_size = 4\n')
     with pytest.raises(ValueError, match="unknown setting 'batch_size'; allowed: model"):
         config_from_args(p.parse_args(["--config", str(path)]))
     assert main(["--model", "no-such-model"]) == 2
     assert main(["--model", MODEL, "--request-timeout", "0"]) == 2
+    assert main(["--model", MODEL, "--grow-fill", "2"]) == 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (the `device` tool): GPU tests, then the benchmarks. Logs and JSON go to $OUT.
-#   bash tools/gpu_check.sh [tests] [latency] [compile] [throughput]
+#   bash tools/gpu_check.sh [tests] [latency] [compile] [throughput] [info] [probe]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -10,8 +10,9 @@ python3 -c "import torch, diffusers, transformers; print('torch', torch.__versio
 for what in "$@"; do
   case $what in
     info) python3 -m diffgraph.cli info --model random:sd15 --verify 2>&1 | grep -v Warning | tee "$OUT/info.log" ;;
+    probe) python3 tools/probe_layout.py 2>&1 | grep -v Warning | tee "$OUT/probe.log" ;;
     tests) python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning ;;
-    latency) python3 -m diffgraph.bench.latency --repeats 2 --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
+    latency) python3 -m diffgraph.bench.latency --repeats 3 --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
     compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --contenders diffusers,diffusers_compile,diffgraph_graph --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
     throughput) python3 -m diffgraph.bench.throughput --duration 15 --json "$OUT/bench_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_throughput.log" ;;
   esac

@@ -39,8 +39,9 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def kernel_ms_of_one_step(engine, size: int, images: int) -> float:
-    """Summed CUDA kernel time of one eager whole step (torch.profiler), in ms."""
+def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profiled: int = 3) -> float:
+    """Summed CUDA kernel time of one eager whole step (torch.profiler), in ms: the mean over `profiled`
+    consecutive steps after `warm` steps, so the GPU runs at the clocks a 20-step generation sees."""
     from torch.profiler import ProfilerActivity, profile
 
     from ..graphs.step import whole_step
@@ -52,15 +53,16 @@ def kernel_ms_of_one_step(engine, size: int, images: int) -> float:
     plan = make_plan(w.noise_schedule, "euler", "default", 20)
     buf.coefs[:images] = torch.as_tensor(plan.coefs[5], dtype=torch.float32, device=buf.x.device)
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(warm):
             whole_step(w.model.unet, buf, images)
         _sync()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            whole_step(w.model.unet, buf, images)
+            for _ in range(profiled):
+                whole_step(w.model.unet, buf, images)
             _sync()
     total_us = sum(e.time_range.elapsed_us() for e in prof.events()
                    if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    return total_us / 1e3
+    return total_us / 1e3 / profiled
 
 
 def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
@@ -73,9 +75,16 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     _sync()
     t0 = time.perf_counter()
     cuda = device == "cuda"
+    import diffusers  # noqa: F401  (the first case pays the imports and CUDA start-up: part of its cold start)
+    import transformers  # noqa: F401
+    out["import_s"] = time.perf_counter() - t0
+    if cuda:
+        torch.zeros(1, device=device)
+    out["cuda_init_s"] = time.perf_counter() - t0 - out["import_s"]
     model = load_model(model_name, device=device, dtype="fp16" if cuda else "fp32")
     _sync()
     out["load_s"] = time.perf_counter() - t0
+    out["dtype"] = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model.dtype, "fp32")
     prompt, seed = "a photograph of an astronaut riding a horse", 0
     half = max(1, steps // 2)
 
@@ -85,6 +94,10 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     graph = Engine(model, mode="graph", graphs=GraphConfig(batch_buckets=buckets, resolutions=((size, size),),
                                                            backend="cuda" if cuda else "emulated"))
     out["graph_capture_s"] = time.perf_counter() - t0
+    table = graph.graph_table()
+    out["graph_warmup_s"] = sum(r.get("warmup_ms", 0.0) for r in table) / 1e3
+    out["graph_capture_by_kind_s"] = {k: sum(r["capture_ms"] for r in table if r["kind"] == k) / 1e3
+                                      for k in {r["kind"] for r in table}}
     out["cold_start_graph_s"] = out["load_s"] + out["graph_capture_s"]
     runner = graph.worker.runner
     step_stats = [s for k, s in runner.stats.items() if k[0] == "step"]
@@ -157,10 +170,14 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
 def format_table(report: list[dict[str, Any]]) -> str:
     lines = []
     for case in report:
-        lines.append(f"{case['model']} {case['size']}x{case['size']}, {case['steps']} steps, fp16 | load {case['load_s']:.1f}s, "
+        lines.append(f"{case['model']} {case['size']}x{case['size']}, {case['steps']} steps, {case.get('dtype', 'fp16')} | load {case['load_s']:.1f}s, "
                      f"graph capture {case['graph_capture_s']:.1f}s, cold start {case['cold_start_graph_s']:.1f}s | "
                      f"pool {case['pool_mib_total']:.0f} MiB (step graphs {case['pool_mib_step_graphs']:.0f}, "
                      f"largest bucket alone {case['pool_mib_largest_step_alone']:.0f})")
+        lines.append(f"  cold start: imports {case['import_s']:.1f}s, CUDA init {case['cuda_init_s']:.1f}s, "
+                     f"model build {case['load_s'] - case['import_s'] - case['cuda_init_s']:.1f}s, captures by kind "
+                     + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(case["graph_capture_by_kind_s"].items()))
+                     + f" (warm-up iterations {case['graph_warmup_s']:.1f}s of it)")
         lines.append(f"  {'images':>6} {'contender':<18} {'step ms':>8} {'e2e ms':>9} {'e2e/diffusers':>13} {'step/kernel':>11}")
         for n, res in case["results"].items():
             for c in CONTENDERS:

@@ -15,6 +15,7 @@ An exception inside a step fails only that batch's requests; the loop keeps runn
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import threading
@@ -96,7 +97,8 @@ class Engine:
     def __init__(self, model: "str | DiffusionModel" = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
                  mode: str | None = None, graphs: GraphConfig | None = None, batching: str = "step",
                  max_wait_ms: float = 0.0, max_queue: int = 256, max_rows: int = 16,
-                 prompt_cache_size: int = 512, image_threads: int = 2):
+                 prompt_cache_size: int = 512, image_threads: int = 2, grow_fill: float = 0.85,
+                 grow_hold_ms: float = 2000.0):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -111,8 +113,12 @@ class Engine:
         self.model: DiffusionModel = model if isinstance(model, DiffusionModel) else load_model(model, device, dtype)
         self.mode = mode
         self.worker = Worker(self.model, max_rows=max_rows, mode=mode, graphs=graphs)
+        # in graph mode a step costs its bucket: the scheduler grows a group into a larger bucket only when it
+        # fills it (grow_fill) or its queue head has waited grow_hold_ms
+        buckets = self.worker.graph_config.batch_buckets if mode == "graph" else ()
         self.scheduler = Scheduler(SchedulerConfig(batching=batching, max_rows=self.worker.max_rows,
-                                                   max_wait_ms=max_wait_ms, max_queue=max_queue))
+                                                   max_wait_ms=max_wait_ms, max_queue=max_queue, buckets=buckets,
+                                                   grow_fill=grow_fill, grow_hold_ms=grow_hold_ms))
         self._cache: OrderedDict[tuple[str, Any], PromptEmbeddings] = OrderedDict()
         if prompt_cache_size < 0:
             raise ValueError(f"prompt_cache_size {prompt_cache_size} must be >= 0")
@@ -180,17 +186,16 @@ class Engine:
             self._cv.notify()
         return found
 
-    def reconfigure(self, batching: str | None = None, max_wait_ms: float | None = None,
-                    max_queue: int | None = None) -> None:
-        """Changes the batching policy of an idle engine (benchmarks compare modes on one set of graphs)."""
+    def reconfigure(self, **changes: Any) -> None:
+        """Changes scheduler settings (batching, max_wait_ms, max_queue, grow_fill, grow_hold_ms, max_skips) of
+        an idle engine (benchmarks compare modes on one set of graphs)."""
+        allowed = {"batching", "max_wait_ms", "max_queue", "grow_fill", "grow_hold_ms", "max_skips"}
+        if set(changes) - allowed:
+            raise ValueError(f"reconfigure cannot change {sorted(set(changes) - allowed)}; allowed: {sorted(allowed)}")
         with self._cv:
             if self.scheduler.has_work():
                 raise RuntimeError("reconfigure needs an idle engine; wait for running requests to finish")
-            old = self.scheduler.config
-            self.scheduler = Scheduler(SchedulerConfig(
-                batching=old.batching if batching is None else batching, max_rows=old.max_rows,
-                max_wait_ms=old.max_wait_ms if max_wait_ms is None else max_wait_ms,
-                max_queue=old.max_queue if max_queue is None else max_queue))
+            self.scheduler = Scheduler(dataclasses.replace(self.scheduler.config, **changes))
 
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""

@@ -12,6 +12,11 @@ Batching modes, on the same path:
            until max_wait_ms after the first arrived, run to the end together (the seed design);
   off      one request at a time in the whole engine.
 
+Growth into a larger bucket (step mode, graphs): the step costs what its bucket costs, so 9 live rows
+on bucket 16 pay nearly what 16 rows pay. A live group admits freely up to its current bucket; it grows
+into a larger one only when the admitted rows fill at least `grow_fill` of it, or when the head of the
+queue has waited `grow_hold_ms` (the bound: no request waits longer than that for this reason).
+
 Across groups the oldest request goes first: the group holding the earliest-arrived live or admissible
 request runs, which finishes old requests sooner than round-robin would (lower tail latency when
 several resolutions are busy). The bound: a group with work that has been passed over `max_skips`
@@ -48,12 +53,24 @@ class SchedulerConfig:
     max_wait_ms: float = 0.0    # admission into an EMPTY group waits this long for company
     max_queue: int = 256        # waiting requests, all groups together
     max_skips: int = 4          # a group with work is passed over at most this many iterations in a row
+    buckets: tuple[int, ...] = ()   # batch buckets the worker pads to (graphs); () = a step costs its rows
+    grow_fill: float = 0.85     # step mode: grow into a larger bucket only when filling this fraction of it...
+    grow_hold_ms: float = 2000.0  # ...or when the head of the queue has waited this long
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching {self.batching!r} is unknown; allowed: {', '.join(BATCHING_MODES)}")
         if self.max_rows < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.max_skips < 0:
             raise ValueError("max_rows and max_queue must be >= 1, max_wait_ms and max_skips >= 0")
+        if not 0.0 <= self.grow_fill <= 1.0 or self.grow_hold_ms < 0:
+            raise ValueError(f"grow_fill must be in [0, 1] (got {self.grow_fill}) and grow_hold_ms >= 0 "
+                             f"(got {self.grow_hold_ms}); grow_fill 0 turns the growth policy off")
+        if list(self.buckets) != sorted(set(self.buckets)) or any(b < 1 for b in self.buckets):
+            raise ValueError(f"buckets {self.buckets} must be distinct positive integers in increasing order")
+
+    def bucket_for(self, rows: int) -> int:
+        """The rows a step of `rows` live rows costs: the smallest bucket >= rows, else rows (eager)."""
+        return next((b for b in self.buckets if b >= rows), rows)
 
 
 @dataclass(eq=False)
@@ -257,6 +274,8 @@ class Scheduler:
         if not g.live and not self._may_start(g, now):
             return []
         free = self.config.max_rows - g.live_rows
+        if mode == "step" and g.live and self._hold_growth(g, now, free):
+            free = self.config.bucket_for(g.live_rows) - g.live_rows
         admitted = []
         head_steps = g.waiting[0].steps
         for s in list(g.waiting):
@@ -274,6 +293,23 @@ class Scheduler:
             admitted.append(s)
             free -= s.rows
         return admitted
+
+    def _hold_growth(self, g: _Group, now: float, free: int) -> bool:
+        """Whether FIFO admission would move a live group into a larger bucket that it fills poorly, while
+        its queue head has not yet waited grow_hold_ms: then only the current bucket's free rows are used."""
+        cfg = self.config
+        if cfg.grow_fill <= 0 or not cfg.buckets:
+            return False
+        if (now - g.waiting[0].arrival) * 1e3 >= cfg.grow_hold_ms:
+            return False
+        live = g.live_rows
+        rows = live
+        for s in g.waiting:  # what FIFO admission would take
+            if rows - live + s.rows > free:
+                break
+            rows += s.rows
+        grown = cfg.bucket_for(rows)
+        return grown > cfg.bucket_for(live) and rows < cfg.grow_fill * grown
 
     def _drop_aborted(self, g: _Group) -> None:
         gone = [s for s in g.live if s.aborted]

@@ -74,7 +74,8 @@ class GraphStats:
     width: int
     bucket: int
     status: str = "pending"  # pending | captured | failed
-    capture_ms: float = 0.0
+    capture_ms: float = 0.0      # all of it: warm-up, capture, instantiation
+    warmup_ms: float = 0.0       # of which the warm-up iterations
     pool_mib_added: float = 0.0
     replays: int = 0
     eager_fallbacks: int = 0
@@ -211,11 +212,13 @@ class GraphRunner:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         snap = g.snapshot(h, w, b)
+        t0 = time.perf_counter()
         with torch.cuda.stream(stream):  # warm-up on a side stream: lazy inits and autotuning happen here
             for _ in range(self.config.warmup_iters):
                 g.run(h, w, b)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        stats.warmup_ms = (time.perf_counter() - t0) * 1e3
         g.restore(h, w, b, snap)
         # torch.cuda.graph empties the cache on entry: empty it first so the baseline is comparable
         torch.cuda.empty_cache()

@@ -19,7 +19,7 @@ from .config import ServerConfig, load_config
 
 # the ServerConfig fields a flag can set (flag --batch-buckets -> batch_buckets)
 _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
-           "prewarm", "max_queue", "max_wait_ms", "request_timeout", "max_prompt_bytes", "drain_timeout", "log_level")
+           "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes", "drain_timeout", "log_level")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"waiting requests before new ones get 429 (default: {default('max_queue')})")
     p.add_argument("--max-wait-ms", type=float, default=None, metavar="MS",
                    help="request batching: how long an empty batch waits for company (default: 0)")
+    p.add_argument("--grow-fill", type=float, default=None, metavar="F",
+                   help="step batching with graphs: a resolution group grows into a larger batch bucket only when "
+                        f"the rows fill at least this fraction of it; 0 turns this off (default: {default('grow_fill')})")
+    p.add_argument("--grow-hold-ms", type=float, default=None, metavar="MS",
+                   help="...or once the oldest waiting request has waited this long "
+                        f"(default: {default('grow_hold_ms'):g})")
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help=f"seconds a request may take, queueing included, before it is aborted with 504 "
                         f"(default: {default('request_timeout'):g})")

@@ -51,6 +51,8 @@ class ServerConfig:
     prewarm: bool | tuple[tuple[int, int, int], ...] = True
     max_queue: int = 256
     max_wait_ms: float = 0.0
+    grow_fill: float = 0.85              # step batching: grow into a larger bucket only when filling this much of it
+    grow_hold_ms: float = 2000.0         # ... or once the queue head has waited this long
     request_timeout: float = 600.0       # seconds a request may take, queue included; then 504 and abort
     max_prompt_bytes: int = 4096         # UTF-8 bytes of prompt / negative_prompt
     drain_timeout: float = 30.0          # after SIGTERM: seconds in-flight requests may still take
@@ -69,6 +71,10 @@ class ServerConfig:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0 seconds")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms {self.max_wait_ms} must be >= 0")
+        if not 0 <= self.grow_fill <= 1:
+            raise ValueError(f"grow_fill {self.grow_fill} must be in [0, 1] (0 turns the growth policy off)")
+        if self.grow_hold_ms < 0:
+            raise ValueError(f"grow_hold_ms {self.grow_hold_ms} must be >= 0")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: critical, error, warning, info, debug")
 
@@ -90,7 +96,7 @@ class ServerConfig:
                     graphs=GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions,
                                        prewarm=self.prewarm),
                     batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
-                    max_rows=max(self.batch_buckets))
+                    max_rows=max(self.batch_buckets), grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms)
 
 
 def _parse(key: str, value: Any) -> Any:
@@ -107,7 +113,7 @@ def _parse(key: str, value: Any) -> Any:
             return int(value)
         except ValueError:
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
-    if key in ("max_wait_ms", "request_timeout", "drain_timeout"):
+    if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout"):
         if isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
         try:
