@@ -39,11 +39,29 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profiled: int = 3) -> float:
-    """Summed CUDA kernel time of one eager whole step (torch.profiler), in ms: the mean over `profiled`
-    consecutive steps after `warm` steps, so the GPU runs at the clocks a 20-step generation sees."""
+def _profiled_kernel_ms(run_step: Callable[[], None], warm: int, profiled: int) -> float:
+    """Mean summed CUDA kernel time (torch.profiler) of `profiled` consecutive calls after `warm` calls."""
     from torch.profiler import ProfilerActivity, profile
 
+    with torch.no_grad():
+        for _ in range(warm):
+            run_step()
+        _sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(profiled):
+                run_step()
+            _sync()
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return total_us / 1e3 / profiled if total_us else float("nan")
+
+
+def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profiled: int = 3,
+                          replayed: bool = False) -> float:
+    """Summed CUDA kernel time of one whole step, in ms: the mean over `profiled` consecutive steps after
+    `warm` steps (the clocks a 20-step generation sees). Eager by default; with `replayed`, the kernels of
+    the step's graph replays (the same kernels at the duty cycle of a replay: at large batches the GPU
+    then runs at lower clocks than between eager launches). NaN where nothing was recorded."""
     from ..graphs.step import whole_step
     from ..sampling.samplers import make_plan
 
@@ -52,17 +70,13 @@ def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profile
     buf = w.buffers(key)
     plan = make_plan(w.noise_schedule, "euler", "default", 20)
     buf.coefs[:images] = torch.as_tensor(plan.coefs[5], dtype=torch.float32, device=buf.x.device)
-    with torch.no_grad():
-        for _ in range(warm):
-            whole_step(w.model.unet, buf, images)
-        _sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(profiled):
-                whole_step(w.model.unet, buf, images)
-            _sync()
-    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
-                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    return total_us / 1e3 / profiled
+    if not replayed:
+        return _profiled_kernel_ms(lambda: whole_step(w.model.unet, buf, images), warm, profiled)
+    runner = w.runner
+    bucket = runner.bucket("step", size, size, images) if runner is not None else None
+    if bucket != images:
+        return float("nan")
+    return _profiled_kernel_ms(lambda: runner.replay("step", size, size, bucket), warm, profiled)
 
 
 def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
@@ -118,7 +132,9 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
                             generator=torch.Generator().manual_seed(seed), output_type="pil")  # PIL, as ours
 
     for n in image_counts:
-        res: dict[str, Any] = {"kernel_ms_per_step": kernel_ms_of_one_step(eager, size, n) if cuda else float("nan")}
+        res: dict[str, Any] = {"kernel_ms_per_step": kernel_ms_of_one_step(eager, size, n) if cuda else float("nan"),
+                               "replay_kernel_ms_per_step": kernel_ms_of_one_step(graph, size, n, replayed=True)
+                               if cuda else float("nan")}
         for c in contenders:
             if c == "diffusers_compile":
                 continue
@@ -187,7 +203,11 @@ def format_table(report: list[dict[str, Any]]) -> str:
                 lines.append(f"  {n:>6} {c:<18} {r['step_ms']:8.2f} {r['e2e_ms']:9.1f} {r.get('e2e_ratio', float('nan')):13.3f} "
                              f"{r['step_ms'] / res['kernel_ms_per_step']:11.3f}"
                              + (f"  first call {r['first_call_s']:.1f}s" if "first_call_s" in r else ""))
-            lines.append(f"  {n:>6} {'(GPU kernels)':<18} {res['kernel_ms_per_step']:8.2f}")
+            lines.append(f"  {n:>6} {'(GPU kernels)':<18} {res['kernel_ms_per_step']:8.2f}   eager step's kernels")
+            rk = res.get("replay_kernel_ms_per_step", float("nan"))
+            g = res.get("diffgraph_graph")
+            lines.append(f"  {n:>6} {'(GPU kernels)':<18} {rk:8.2f}   kernels inside one graph replay"
+                         + (f"; graph step / these {g['step_ms'] / rk:.3f}" if g else ""))
         if case.get("compile_error"):
             lines.append(f"  compile error: {case['compile_error']}")
     return "\n".join(lines)
