@@ -199,6 +199,7 @@ def test_bucket_growth_policy_keeps_every_image(tiny_engine):
                          prewarm=False)
     with Engine(model=tiny_engine.model, mode="graph", graphs=graphs, grow_fill=1.0, grow_hold_ms=30) as e:
         assert e.scheduler.config.buckets == (1, 2, 4, 8) and e.scheduler.config.grow_fill == 1.0
+        assert e.scheduler.config.padded == ((64, 64), (96, 64))
         futures = []
         for r in reqs:
             futures.append(e.submit(r))

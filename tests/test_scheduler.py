@@ -309,3 +309,27 @@ def test_growth_policy_off_without_buckets_or_fill():
 def test_growth_config_is_validated(kw):
     with pytest.raises(ValueError, match="grow_fill|buckets"):
         SchedulerConfig(**kw)
+
+
+def test_growth_policy_only_where_steps_pad_to_buckets():
+    """A resolution without graphs runs its live rows eagerly: nothing is wasted by growing, so nobody waits."""
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), padded=((64, 64),), grow_fill=1.0,
+                                      grow_hold_ms=10_000), clock)
+    w = FakeWorker()
+    for key in ((64, 64), (96, 64)):
+        for i in range(8):
+            sched.add(state(f"{key}-a{i}", steps=50, key=key))
+    while not all(sched.groups[k].live for k in ((64, 64), (96, 64))):  # both groups hold 8 live rows
+        p = sched.schedule()
+        w.execute(p)
+        sched.update(p)
+    for key in ((64, 64), (96, 64)):
+        sched.add(state(f"{key}-late", steps=50, key=key))
+    admitted = {(64, 64): [], (96, 64): []}
+    for _ in range(8):  # both groups run within the skip bound
+        p = sched.schedule()
+        admitted[p.key] += [s.request_id for s in p.admitted if s.request_id.endswith("late")]
+        w.execute(p)
+        sched.update(p)
+    assert admitted == {(64, 64): [], (96, 64): ["(96, 64)-late"]}

@@ -115,10 +115,12 @@ class Engine:
         self.worker = Worker(self.model, max_rows=max_rows, mode=mode, graphs=graphs)
         # in graph mode a step costs its bucket: the scheduler grows a group into a larger bucket only when it
         # fills it (grow_fill) or its queue head has waited grow_hold_ms
-        buckets = self.worker.graph_config.batch_buckets if mode == "graph" else ()
-        self.scheduler = Scheduler(SchedulerConfig(batching=batching, max_rows=self.worker.max_rows,
-                                                   max_wait_ms=max_wait_ms, max_queue=max_queue, buckets=buckets,
-                                                   grow_fill=grow_fill, grow_hold_ms=grow_hold_ms))
+        runner = self.worker.runner
+        self.scheduler = Scheduler(SchedulerConfig(
+            batching=batching, max_rows=self.worker.max_rows, max_wait_ms=max_wait_ms, max_queue=max_queue,
+            buckets=self.worker.graph_config.batch_buckets if runner is not None else (),
+            padded=tuple(runner.kinds["step"].resolutions()) if runner is not None else (),
+            grow_fill=grow_fill, grow_hold_ms=grow_hold_ms))
         self._cache: OrderedDict[tuple[str, Any], PromptEmbeddings] = OrderedDict()
         if prompt_cache_size < 0:
             raise ValueError(f"prompt_cache_size {prompt_cache_size} must be >= 0")

@@ -54,6 +54,7 @@ class SchedulerConfig:
     max_queue: int = 256        # waiting requests, all groups together
     max_skips: int = 4          # a group with work is passed over at most this many iterations in a row
     buckets: tuple[int, ...] = ()   # batch buckets the worker pads to (graphs); () = a step costs its rows
+    padded: tuple[GroupKey, ...] = ()  # the resolutions whose steps pad to `buckets` (graphed); () = all
     grow_fill: float = 0.85     # step mode: grow into a larger bucket only when filling this fraction of it...
     grow_hold_ms: float = 2000.0  # ...or when the head of the queue has waited this long
 
@@ -298,8 +299,8 @@ class Scheduler:
         """Whether FIFO admission would move a live group into a larger bucket that it fills poorly, while
         its queue head has not yet waited grow_hold_ms: then only the current bucket's free rows are used."""
         cfg = self.config
-        if cfg.grow_fill <= 0 or not cfg.buckets:
-            return False
+        if cfg.grow_fill <= 0 or not cfg.buckets or (cfg.padded and g.key not in cfg.padded):
+            return False  # no buckets here: an eager step costs its live rows, growing wastes nothing
         if (now - g.waiting[0].arrival) * 1e3 >= cfg.grow_hold_ms:
             return False
         live = g.live_rows
