@@ -46,8 +46,32 @@ def make_trace(rate: float, duration: float, seed: int, steps=(20, 30, 50), size
                                str(rng.choice(samplers)), int(rng.integers(2**31))))
 
 
-def replay(engine, trace: list[TraceItem], timeout: float) -> dict[str, Any]:
-    """Submits the trace open-loop (arrivals do not wait for completions) and collects latencies."""
+def work_fraction(steps: list[tuple[float, tuple[int, int], int]], row_step_ms: dict[tuple[int, int], float],
+                  lo: float, hi: float) -> float:
+    """The share of the window [lo, hi] (seconds) that the denoising work done in it would take at the full
+    bucket: every step's live rows times its resolution's per-row cost at the full bucket, over the window.
+    Times the steps-only compute-bound rate, it is the window's throughput; unlike counting completions it
+    does not depend on when waves of rows happen to finish."""
+    work_ms = sum(rows * row_step_ms[key] for t, key, rows in steps if lo <= t <= hi)
+    return work_ms / ((hi - lo) * 1e3) if hi > lo else float("nan")
+
+
+def replay(engine, trace: list[TraceItem], timeout: float,
+           row_step_ms: dict[tuple[int, int], float] | None = None) -> dict[str, Any]:
+    """Submits the trace open-loop (arrivals do not wait for completions) and collects latencies. With
+    `row_step_ms` (per resolution, the full bucket's step ms / rows), also the work fraction of the window."""
+    steps_done: list[tuple[float, tuple[int, int], int]] = []
+
+    def on_step(plan, seconds):
+        steps_done.append((time.perf_counter(), plan.key, plan.n_rows))
+    engine.step_listeners.append(on_step)
+    try:
+        return _replay(engine, trace, timeout, row_step_ms, steps_done)
+    finally:
+        engine.step_listeners.remove(on_step)
+
+
+def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
     lat: list[float] = []
     done_at: list[tuple[float, int]] = []
     errors: list[str] = []
@@ -109,10 +133,11 @@ def replay(engine, trace: list[TraceItem], timeout: float) -> dict[str, Any]:
     # images/s over the last two thirds of the arrival window (at saturation the queue never empties there)
     lo_t, hi_t = t0 + trace[-1].at / 3, t0 + trace[-1].at
     window = sum(n for t, n in done_at if lo_t <= t <= hi_t) / max(1e-9, hi_t - lo_t)
+    work = work_fraction(steps_done, row_step_ms, lo_t, hi_t) if row_step_ms else float("nan")
     pct = (lambda q: float(np.percentile(lat_ms, q))) if len(lat_ms) else (lambda q: float("nan"))
     return {"requests": len(trace), "completed": len(lat), "unfinished": unfinished, "errors": errors[:5],
             "images_per_s": len(lat) / elapsed, "steady_images_per_s": steady,
-            "window_images_per_s": window, "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99),
+            "window_images_per_s": window, "window_work_fraction": work, "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99),
             "mean_live_rows": (engine.stats["rows_stepped"] - rows0) / max(1, steps),
             "gpu_idle_between_steps_ms": float(np.mean(gaps)) if gaps else float("nan"),
             "gpu_idle_p99_ms": float(np.percentile(gaps, 99)) if gaps else float("nan")}
@@ -192,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(bucket {engine.worker.max_rows} step ms: {cb['full_bucket_step_ms']}, decode ms per image: "
           f"{cb['decode_ms_per_image']})", flush=True)
     defaults = engine.scheduler.config
+    row_step_ms = {key: cb["full_bucket_step_ms"][f"{key[1]}x{key[0]}"] / engine.worker.max_rows for key in sizes}
     # warm every graph the mix touches before timing
     for size in sizes:
         engine.generate("warm", width=size[1], height=size[0], num_inference_steps=2)
@@ -205,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"grow_fill": float(fill), "grow_hold_ms": float(hold)}
             engine.reconfigure(batching=batching, max_wait_ms=args.max_wait_ms if batching == "request" else 0.0,
                                **{"grow_fill": defaults.grow_fill, "grow_hold_ms": defaults.grow_hold_ms, **extra})
-            r = replay(engine, trace, timeout=args.duration)
+            r = replay(engine, trace, timeout=args.duration, row_step_ms=row_step_ms)
             r.update(mode=mode, rate=rate)
             report["runs"].append(r)
-            print(f"rate {rate:6.2f}/s {mode:14s} {r['images_per_s']:6.2f} img/s (steady {r['steady_images_per_s']:5.2f}, window {r['window_images_per_s']:5.2f})  p50 {r['p50_ms']:8.0f} ms  "
+            print(f"rate {rate:6.2f}/s {mode:14s} {r['images_per_s']:6.2f} img/s (steady {r['steady_images_per_s']:5.2f}, window {r['window_images_per_s']:5.2f}, work {r['window_work_fraction'] * cb['steps_only_images_per_s']:5.2f})  p50 {r['p50_ms']:8.0f} ms  "
                   f"p90 {r['p90_ms']:8.0f}  p99 {r['p99_ms']:8.0f}  live rows {r['mean_live_rows']:5.2f}  "
                   f"GPU idle/step {r['gpu_idle_between_steps_ms']:.3f} ms  done {r['completed']}/{r['requests']}",
                   flush=True)
@@ -224,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{st['p99_ms'] / rq['p99_ms']:.2f}x  images/s {st['images_per_s']:.2f} vs {rq['images_per_s']:.2f}  "
                       f"steady {st['steady_images_per_s'] / rate_cb:.2f} (window {st['window_images_per_s'] / rate_cb:.2f}) "
                       f"of compute-bound with decode, {st['steady_images_per_s'] / cb['steps_only_images_per_s']:.2f} "
-                      f"(window {st['window_images_per_s'] / cb['steps_only_images_per_s']:.2f}) steps only")
+                      f"(window {st['window_images_per_s'] / cb['steps_only_images_per_s']:.2f}) steps only; "
+                      f"work done in the window: {st['window_work_fraction'] * cb['steps_only_images_per_s'] / rate_cb:.2f} "
+                      f"of compute-bound with decode ({st['window_work_fraction']:.2f} of the GPU's time at full buckets)")
     report["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
