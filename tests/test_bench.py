@@ -22,3 +22,17 @@ def test_work_fraction_weighs_rows_by_their_full_bucket_cost():
     # back-to-back full steps fill the window exactly
     full = [(0.093 * i, (512, 512), 16) for i in range(1, 101)]
     assert work_fraction(full, cost, 0.0, 9.3) == pytest.approx(1.0)
+
+
+def test_replay_answers_every_request_of_the_trace(tiny_engine):
+    """The open-loop replay on the CPU: every request completes once, latencies and the work measure come out."""
+    from diffgraph.bench.throughput import replay
+
+    trace = make_trace(20.0, 0.5, 3, steps=(2, 3), sizes=((64, 64),), samplers=("euler", "dpmpp_2m"))
+    assert len(trace) >= 3
+    listeners = list(tiny_engine.step_listeners)
+    r = replay(tiny_engine, trace, timeout=120, row_step_ms={(64, 64): 1.0})
+    assert tiny_engine.step_listeners == listeners  # the replay's own listener is gone
+    assert (r["requests"], r["completed"], r["unfinished"], r["errors"]) == (len(trace), len(trace), 0, [])
+    assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] and r["mean_live_rows"] >= 1
+    assert r["window_work_fraction"] >= 0 and r["images_per_s"] > 0

@@ -120,7 +120,8 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
             pass
     events = engine.step_events
     engine.step_events = None
-    torch.cuda.synchronize()
+    if engine.worker.cuda:
+        torch.cuda.synchronize()
     # GPU idle between consecutive steps while work was waiting (not when the engine had nothing to do)
     gaps = [max(0.0, prev[1].elapsed_time(cur[0])) for prev, cur in zip(events, events[1:]) if not cur[2]]
     steps = engine.stats["steps"] - steps0
