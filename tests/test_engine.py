@@ -210,3 +210,23 @@ def test_bucket_growth_policy_keeps_every_image(tiny_engine):
         assert e.scheduler.config.grow_fill == 0.0 and e.scheduler.config.buckets == (1, 2, 4, 8)
         with pytest.raises(ValueError, match="cannot change"):
             e.reconfigure(max_rows=3)
+
+
+def test_growth_hold_happens_and_changes_no_image(tiny_engine):
+    """One request live on bucket 1; two more arrive: the first joins (bucket 2, full), the second would grow the
+    batch to 3 rows on bucket 4 and waits (grow_fill 1.0) until grow_hold_ms or a free row; images as alone."""
+    from diffgraph.config import GraphConfig
+
+    long = tiny_engine.make_request("a long one", num_inference_steps=40, seed=5, request_id="hold-long")
+    short = [tiny_engine.make_request(p, num_inference_steps=6, seed=s, request_id=f"hold-{s}")
+             for p, s in (("first", 6), ("second", 7))]
+    ref = [tiny_engine.run(r).arrays for r in [long, *short]]
+    graphs = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated", prewarm=False)
+    with Engine(model=tiny_engine.model, mode="graph", graphs=graphs, grow_fill=1.0, grow_hold_ms=300) as e:
+        started = threading.Event()
+        futures = [e.submit(long, on_progress=lambda *a: started.set())]
+        assert started.wait(60)
+        futures += [e.submit(r) for r in short]
+        for f, a in zip(futures, ref):
+            np.testing.assert_allclose(f.result(timeout=300).arrays, a, atol=1e-4, rtol=0)
+        assert e.scheduler.growth_holds >= 1

@@ -305,9 +305,33 @@ def test_growth_policy_off_without_buckets_or_fill():
         assert [s.request_id for s in sched.schedule().admitted] == ["late"]
 
 
-@pytest.mark.parametrize("kw", [{"grow_fill": 1.5}, {"grow_hold_ms": -1}, {"buckets": (4, 2)}, {"buckets": (0, 2)}])
+def test_growth_admits_the_longest_fifo_prefix_that_fills_its_bucket():
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0.85, grow_hold_ms=2000), clock)
+    w = FakeWorker()
+    for i in range(4):
+        sched.add(state(f"a{i}", steps=50))
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    for i in range(5):  # 4 live: taking all 5 gives 9 rows on bucket 16 (56%); the first 4 fill bucket 8 exactly
+        sched.add(state(f"b{i}", steps=50, arrival=clock.t))
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["b0", "b1", "b2", "b3"] and p.n_rows == 8
+    assert sched.growth_holds == 1
+    w.execute(p)
+    sched.update(p)
+    sched.add(state("c", steps=50, rows=4, arrival=clock.t))  # multi-row requests count their rows, FIFO kept
+    sched.add(state("d", steps=50, rows=2, arrival=clock.t))
+    p = sched.schedule()  # 8 live + b4 + c + d = 15 of 16 (94%): all join
+    assert [s.request_id for s in p.admitted] == ["b4", "c", "d"] and p.n_rows == 15
+
+
+@pytest.mark.parametrize("kw", [{"grow_fill": 1.5}, {"grow_fill": float("nan")}, {"grow_hold_ms": -1},
+                                {"grow_hold_ms": float("nan")}, {"grow_hold_ms": float("inf")},
+                                {"max_wait_ms": float("nan")}, {"buckets": (4, 2)}, {"buckets": (0, 2)}])
 def test_growth_config_is_validated(kw):
-    with pytest.raises(ValueError, match="grow_fill|buckets"):
+    with pytest.raises(ValueError, match="grow_fill|buckets|max_wait_ms"):
         SchedulerConfig(**kw)
 
 

@@ -298,6 +298,7 @@ def test_disconnect_aborts_and_frees_rows(server):
     m = metrics(server.url)
     assert m["diffgraph_queue_depth"] == 0
     assert m["diffgraph_inflight_requests"] == 0
+    assert m["diffgraph_growth_holds_total"] == 0  # eager on the CPU: no buckets, nothing held
 
 
 def test_bench_serve(server, tmp_path, capsys):
@@ -377,3 +378,5 @@ def test_config_file_and_flags(tmp_path):
     assert main(["--model", "no-such-model"]) == 2
     assert main(["--model", MODEL, "--request-timeout", "0"]) == 2
     assert main(["--model", MODEL, "--grow-fill", "2"]) == 2
+    assert main(["--model", MODEL, "--grow-hold-ms", "nan"]) == 2
+    assert main(["--model", MODEL, "--max-wait-ms", "nan"]) == 2

@@ -174,7 +174,7 @@ def compute_bound_rate(engine, sizes, steps=(20, 30, 50), iters: int = 30) -> di
         t0 = time.perf_counter()
         for _ in range(5):
             w.decode(key, latents)
-        decode_ms[name] = (time.perf_counter() - t0) / 5 / vb * 1e3
+        decode_ms[name] = (time.perf_counter() - t0) / 5 / latents.shape[0] * 1e3
     mean_steps = float(np.mean(steps))
     steps_only = np.mean([ms / b * mean_steps for ms in step_ms.values()])
     with_decode = np.mean([step_ms[k] / b * mean_steps + decode_ms[k] for k in step_ms])

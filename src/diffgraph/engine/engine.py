@@ -197,7 +197,9 @@ class Engine:
         with self._cv:
             if self.scheduler.has_work():
                 raise RuntimeError("reconfigure needs an idle engine; wait for running requests to finish")
-            self.scheduler = Scheduler(dataclasses.replace(self.scheduler.config, **changes))
+            old = self.scheduler
+            self.scheduler = Scheduler(dataclasses.replace(old.config, **changes))
+            self.scheduler.growth_holds = old.growth_holds  # a counter: it never goes back
 
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""

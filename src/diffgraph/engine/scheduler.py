@@ -13,9 +13,10 @@ Batching modes, on the same path:
   off      one request at a time in the whole engine.
 
 Growth into a larger bucket (step mode, graphs): the step costs what its bucket costs, so 9 live rows
-on bucket 16 pay nearly what 16 rows pay. A live group admits freely up to its current bucket; it grows
-into a larger one only when the admitted rows fill at least `grow_fill` of it, or when the head of the
-queue has waited `grow_hold_ms` (the bound: no request waits longer than that for this reason).
+on bucket 16 pay nearly what 16 rows pay. A live group admits the longest FIFO prefix of its queue that
+stays within its current bucket or fills at least `grow_fill` of the larger bucket it grows into; once the
+head of the queue has waited `grow_hold_ms`, everything that fits (the bound: no request waits longer than
+that for this reason). Only resolutions whose steps pad to buckets (`padded`) apply it.
 
 Across groups the oldest request goes first: the group holding the earliest-arrived live or admissible
 request runs, which finishes old requests sooner than round-robin would (lower tail latency when
@@ -25,6 +26,7 @@ times in a row runs next, so no group starves whatever arrives elsewhere.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -61,9 +63,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching {self.batching!r} is unknown; allowed: {', '.join(BATCHING_MODES)}")
-        if self.max_rows < 1 or self.max_queue < 1 or self.max_wait_ms < 0 or self.max_skips < 0:
-            raise ValueError("max_rows and max_queue must be >= 1, max_wait_ms and max_skips >= 0")
-        if not 0.0 <= self.grow_fill <= 1.0 or self.grow_hold_ms < 0:
+        if self.max_rows < 1 or self.max_queue < 1 or not math.isfinite(self.max_wait_ms) or self.max_wait_ms < 0 \
+                or self.max_skips < 0:
+            raise ValueError("max_rows and max_queue must be >= 1, max_wait_ms (finite) and max_skips >= 0")
+        if not (0.0 <= self.grow_fill <= 1.0 and math.isfinite(self.grow_hold_ms) and self.grow_hold_ms >= 0):
             raise ValueError(f"grow_fill must be in [0, 1] (got {self.grow_fill}) and grow_hold_ms >= 0 "
                              f"(got {self.grow_hold_ms}); grow_fill 0 turns the growth policy off")
         if list(self.buckets) != sorted(set(self.buckets)) or any(b < 1 for b in self.buckets):
@@ -136,6 +139,7 @@ class Scheduler:
         self.groups: dict[GroupKey, _Group] = {}
         self._aborted: list[RequestState] = []
         self.steps_run = 0
+        self.growth_holds = 0  # admissions cut short by the bucket growth policy (requests left waiting)
 
     # -- intake --------------------------------------------------------------------------------
     @property
@@ -275,8 +279,8 @@ class Scheduler:
         if not g.live and not self._may_start(g, now):
             return []
         free = self.config.max_rows - g.live_rows
-        if mode == "step" and g.live and self._hold_growth(g, now, free):
-            free = self.config.bucket_for(g.live_rows) - g.live_rows
+        if mode == "step" and g.live:
+            free = self._growth_limit(g, now, free)
         admitted = []
         head_steps = g.waiting[0].steps
         for s in list(g.waiting):
@@ -295,22 +299,27 @@ class Scheduler:
             free -= s.rows
         return admitted
 
-    def _hold_growth(self, g: _Group, now: float, free: int) -> bool:
-        """Whether FIFO admission would move a live group into a larger bucket that it fills poorly, while
-        its queue head has not yet waited grow_hold_ms: then only the current bucket's free rows are used."""
+    def _growth_limit(self, g: _Group, now: float, free: int) -> int:
+        """Rows a live group may admit now: the longest FIFO prefix of its queue that either stays within the
+        current bucket or fills at least grow_fill of the bucket it grows into; everything that fits once the
+        queue head has waited grow_hold_ms (or where steps do not pad to buckets)."""
         cfg = self.config
         if cfg.grow_fill <= 0 or not cfg.buckets or (cfg.padded and g.key not in cfg.padded):
-            return False  # no buckets here: an eager step costs its live rows, growing wastes nothing
+            return free  # no buckets here: an eager step costs its live rows, growing wastes nothing
         if (now - g.waiting[0].arrival) * 1e3 >= cfg.grow_hold_ms:
-            return False
+            return free
         live = g.live_rows
-        rows = live
-        for s in g.waiting:  # what FIFO admission would take
+        current = cfg.bucket_for(live)
+        rows, best = live, live
+        for s in g.waiting:  # the prefixes FIFO admission could take
             if rows - live + s.rows > free:
                 break
             rows += s.rows
-        grown = cfg.bucket_for(rows)
-        return grown > cfg.bucket_for(live) and rows < cfg.grow_fill * grown
+            if rows <= current or rows >= cfg.grow_fill * cfg.bucket_for(rows):
+                best = rows
+        if best < rows:
+            self.growth_holds += 1
+        return best - live
 
     def _drop_aborted(self, g: _Group) -> None:
         gone = [s for s in g.live if s.aborted]

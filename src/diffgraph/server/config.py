@@ -15,6 +15,7 @@ A TOML file holds the same settings as the flags, named like them (`batch-bucket
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -69,12 +70,12 @@ class ServerConfig:
         for name in ("request_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0 seconds")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms {self.max_wait_ms} must be >= 0")
-        if not 0 <= self.grow_fill <= 1:
+        if not (math.isfinite(self.max_wait_ms) and self.max_wait_ms >= 0):
+            raise ValueError(f"max_wait_ms {self.max_wait_ms} must be a finite number >= 0")
+        if not 0 <= self.grow_fill <= 1:  # NaN fails this too
             raise ValueError(f"grow_fill {self.grow_fill} must be in [0, 1] (0 turns the growth policy off)")
-        if self.grow_hold_ms < 0:
-            raise ValueError(f"grow_hold_ms {self.grow_hold_ms} must be >= 0")
+        if not (math.isfinite(self.grow_hold_ms) and self.grow_hold_ms >= 0):
+            raise ValueError(f"grow_hold_ms {self.grow_hold_ms} must be a finite number >= 0")
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: critical, error, warning, info, debug")
 

@@ -70,6 +70,10 @@ class _EngineCollector:
             steps = CounterMetricFamily("diffgraph_engine_steps", "Denoising steps run")
             steps.add_metric([], engine.stats["steps"])
             yield steps
+            holds = CounterMetricFamily("diffgraph_growth_holds",
+                                        "Admissions the bucket growth policy cut short (requests left waiting)")
+            holds.add_metric([], engine.scheduler.growth_holds)
+            yield holds
         yield from (queue, rows, memory, *graph.values())
 
 
