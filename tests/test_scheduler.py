@@ -271,15 +271,21 @@ def test_growth_into_a_larger_bucket_waits_for_fill_or_hold():
     sched.update(p)
 
 
+def start_group(sched, worker, n, steps=50):
+    """n one-row requests admitted together and stepped once; returns that step's plan."""
+    for i in range(n):
+        sched.add(state(f"a{i}", steps=steps))
+    p = sched.schedule()
+    worker.execute(p)
+    sched.update(p)
+    return p
+
+
 def test_growth_hold_is_bounded_by_grow_hold_ms():
     clock = Clock()
     sched = Scheduler(SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0.75, grow_hold_ms=500), clock)
     w = FakeWorker()
-    for i in range(8):
-        sched.add(state(f"a{i}", steps=50))
-    p = sched.schedule()
-    w.execute(p)
-    sched.update(p)
+    start_group(sched, w, 8)
     sched.add(state("late", steps=50, arrival=clock.t))
     for _ in range(3):  # held while younger than 500 ms
         clock.t += 0.1
@@ -295,12 +301,7 @@ def test_growth_hold_is_bounded_by_grow_hold_ms():
 def test_growth_policy_off_without_buckets_or_fill():
     for cfg in (SchedulerConfig(max_rows=16), SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0)):
         sched = Scheduler(cfg, Clock())
-        w = FakeWorker()
-        for i in range(8):
-            sched.add(state(f"a{i}", steps=5))
-        p = sched.schedule()
-        w.execute(p)
-        sched.update(p)
+        start_group(sched, FakeWorker(), 8, steps=5)
         sched.add(state("late", steps=5))
         assert [s.request_id for s in sched.schedule().admitted] == ["late"]
 
@@ -309,11 +310,7 @@ def test_growth_admits_the_longest_fifo_prefix_that_fills_its_bucket():
     clock = Clock()
     sched = Scheduler(SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0.85, grow_hold_ms=2000), clock)
     w = FakeWorker()
-    for i in range(4):
-        sched.add(state(f"a{i}", steps=50))
-    p = sched.schedule()
-    w.execute(p)
-    sched.update(p)
+    start_group(sched, w, 4)
     for i in range(5):  # 4 live: taking all 5 gives 9 rows on bucket 16 (56%); the first 4 fill bucket 8 exactly
         sched.add(state(f"b{i}", steps=50, arrival=clock.t))
     p = sched.schedule()
