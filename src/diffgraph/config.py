@@ -10,6 +10,11 @@ from dataclasses import dataclass
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 
 
+def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:
+    """The smallest of the (increasing) buckets that holds n rows, or None when n exceeds the largest."""
+    return next((b for b in buckets if b >= n), None)
+
+
 def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """'1,2,4' -> (1, 2, 4): positive, unique, sorted."""
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -84,7 +89,4 @@ class GraphConfig:
 
     def bucket_for(self, n: int) -> int | None:
         """The smallest bucket >= n, or None when n exceeds the largest."""
-        for b in self.batch_buckets:
-            if b >= n:
-                return b
-        return None
+        return smallest_bucket(self.batch_buckets, n)

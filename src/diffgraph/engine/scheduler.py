@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import smallest_bucket
 from ..sampling.samplers import NUM_COEFS, SamplerPlan
 
 GroupKey = tuple[int, int]
@@ -74,7 +75,7 @@ class SchedulerConfig:
 
     def bucket_for(self, rows: int) -> int:
         """The rows a step of `rows` live rows costs: the smallest bucket >= rows, else rows (eager)."""
-        return next((b for b in self.buckets if b >= rows), rows)
+        return smallest_bucket(self.buckets, rows) or rows
 
 
 @dataclass(eq=False)

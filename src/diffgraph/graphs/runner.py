@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import GraphConfig
+from ..config import GraphConfig, smallest_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class GraphRunner:
         g = self.kinds.get(kind)
         bucket = None
         if g is not None and (height, width) in g.resolutions():
-            bucket = next((b for b in g.buckets() if b >= n), None)
+            bucket = smallest_bucket(g.buckets(), n)
         if bucket is None:
             self.uncovered[(kind, height, width)] = self.uncovered.get((kind, height, width), 0) + 1
             return None

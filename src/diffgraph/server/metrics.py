@@ -16,6 +16,8 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..config import smallest_bucket
+
 # What happened to a generation request; every request ends in exactly one.
 OUTCOMES = ("success", "bad_request", "queue_full", "unavailable", "timeout", "aborted", "error")
 
@@ -103,7 +105,7 @@ class ServerMetrics:
     def on_step(self, plan: Any, seconds: float) -> None:
         """An engine step listener (engine thread): the bucket the step ran in, and its time."""
         n = plan.n_rows
-        self.bucket.observe(next((b for b in self._buckets if b >= n), n))
+        self.bucket.observe(smallest_bucket(self._buckets, n) or n)
         self.step_time.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
