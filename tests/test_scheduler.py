@@ -328,7 +328,7 @@ def test_growth_admits_the_longest_fifo_prefix_that_fills_its_bucket():
                                 {"grow_hold_ms": float("nan")}, {"grow_hold_ms": float("inf")},
                                 {"max_wait_ms": float("nan")}, {"buckets": (4, 2)}, {"buckets": (0, 2)}])
 def test_growth_config_is_validated(kw):
-    with pytest.raises(ValueError, match="grow_fill|buckets|max_wait_ms"):
+    with pytest.raises(ValueError, match=next(iter(kw))):  # the message names the setting
         SchedulerConfig(**kw)
 
 

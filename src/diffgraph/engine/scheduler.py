@@ -64,12 +64,14 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching {self.batching!r} is unknown; allowed: {', '.join(BATCHING_MODES)}")
-        if self.max_rows < 1 or self.max_queue < 1 or not math.isfinite(self.max_wait_ms) or self.max_wait_ms < 0 \
-                or self.max_skips < 0:
-            raise ValueError("max_rows and max_queue must be >= 1, max_wait_ms (finite) and max_skips >= 0")
-        if not (0.0 <= self.grow_fill <= 1.0 and math.isfinite(self.grow_hold_ms) and self.grow_hold_ms >= 0):
-            raise ValueError(f"grow_fill must be in [0, 1] (got {self.grow_fill}) and grow_hold_ms >= 0 "
-                             f"(got {self.grow_hold_ms}); grow_fill 0 turns the growth policy off")
+        for name in ("max_rows", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        for name in ("max_wait_ms", "grow_hold_ms", "max_skips"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} {getattr(self, name)} must be a finite number >= 0")
+        if not 0.0 <= self.grow_fill <= 1.0:  # NaN fails this too
+            raise ValueError(f"grow_fill {self.grow_fill} must be in [0, 1] (0 turns the growth policy off)")
         if list(self.buckets) != sorted(set(self.buckets)) or any(b < 1 for b in self.buckets):
             raise ValueError(f"buckets {self.buckets} must be distinct positive integers in increasing order")
 

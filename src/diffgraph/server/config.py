@@ -15,13 +15,13 @@ A TOML file holds the same settings as the flags, named like them (`batch-bucket
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..config import DEFAULT_BUCKETS, GraphConfig, parse_buckets, parse_prewarm, parse_resolutions
+from ..engine.scheduler import SchedulerConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,18 +64,14 @@ class ServerConfig:
             raise ValueError("model must be a preset name or a local diffusers folder")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is out of range; allowed: 0..65535")
-        for name in ("max_queue", "max_prompt_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        if self.max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes {self.max_prompt_bytes} must be >= 1")
         for name in ("request_timeout", "drain_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be > 0 seconds")
-        if not (math.isfinite(self.max_wait_ms) and self.max_wait_ms >= 0):
-            raise ValueError(f"max_wait_ms {self.max_wait_ms} must be a finite number >= 0")
-        if not 0 <= self.grow_fill <= 1:  # NaN fails this too
-            raise ValueError(f"grow_fill {self.grow_fill} must be in [0, 1] (0 turns the growth policy off)")
-        if not (math.isfinite(self.grow_hold_ms) and self.grow_hold_ms >= 0):
-            raise ValueError(f"grow_hold_ms {self.grow_hold_ms} must be a finite number >= 0")
+        # the scheduler's settings, checked by the scheduler's own config before anything loads
+        SchedulerConfig(batching=self.batching, max_queue=self.max_queue, max_wait_ms=self.max_wait_ms,
+                        grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms)
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: critical, error, warning, info, debug")
 
