@@ -46,6 +46,11 @@ def make_trace(rate: float, duration: float, seed: int, steps=(20, 30, 50), size
                                str(rng.choice(samplers)), int(rng.integers(2**31))))
 
 
+def size_name(key: tuple[int, int]) -> str:
+    """(height, width) -> 'WxH', the JSON key of a resolution."""
+    return f"{key[1]}x{key[0]}"
+
+
 def work_fraction(steps: list[tuple[float, tuple[int, int], int]], row_step_ms: dict[tuple[int, int], float],
                   lo: float, hi: float) -> float:
     """The share of the window [lo, hi] (seconds) that the denoising work done in it would take at the full
@@ -165,7 +170,7 @@ def compute_bound_rate(engine, sizes, steps=(20, 30, 50), iters: int = 30) -> di
         for _ in range(iters):
             w.step(key, b, coefs, None)
         torch.cuda.synchronize()
-        name = f"{key[1]}x{key[0]}"
+        name = size_name(key)
         step_ms[name] = (time.perf_counter() - t0) / iters * 1e3
         vb = max(VAE_BUCKETS)
         latents = buf.x[:vb].clone()
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(bucket {engine.worker.max_rows} step ms: {cb['full_bucket_step_ms']}, decode ms per image: "
           f"{cb['decode_ms_per_image']})", flush=True)
     defaults = engine.scheduler.config
-    row_step_ms = {key: cb["full_bucket_step_ms"][f"{key[1]}x{key[0]}"] / engine.worker.max_rows for key in sizes}
+    row_step_ms = {key: cb["full_bucket_step_ms"][size_name(key)] / engine.worker.max_rows for key in sizes}
     # warm every graph the mix touches before timing
     for size in sizes:
         engine.generate("warm", width=size[1], height=size[0], num_inference_steps=2)
