@@ -36,3 +36,21 @@ def test_replay_answers_every_request_of_the_trace(tiny_engine):
     assert (r["requests"], r["completed"], r["unfinished"], r["errors"]) == (len(trace), len(trace), 0, [])
     assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] and r["mean_live_rows"] >= 1
     assert r["window_work_fraction"] >= 0 and r["images_per_s"] > 0
+
+
+def test_latency_case_reports_cold_start_parts_and_every_graph():
+    """`bench latency` on the CPU (emulated graphs): the cold-start parts add up and the per-graph line names
+    every captured key."""
+    from diffgraph.bench.latency import format_table, run_case
+
+    case = run_case("random:tiny", 64, [1], steps=2, contenders=["diffgraph_eager", "diffgraph_graph"], repeats=1,
+                    buckets=(1, 2), device="cpu")
+    assert case["cold_start_graph_s"] == pytest.approx(case["load_s"] + case["graph_capture_s"])
+    assert case["import_s"] <= case["load_s"] and case["graph_warmup_first_s"] <= case["graph_warmup_s"]
+    captured = [r for r in case["graph_table"] if r["status"] == "captured"]
+    assert {(r["kind"], r["bucket"]) for r in captured} >= {("step", 1), ("step", 2), ("text", 1), ("vae", 1)}
+    text = format_table([case])
+    line = next(x for x in text.splitlines() if "per graph (capture / first warm-up ms): " in x)
+    assert all(f"{r['kind']}{r['bucket']} " in line + " " for r in captured)
+    res = case["results"][1]
+    assert res["diffgraph_graph"]["e2e_ms"] > 0 and res["diffgraph_eager"]["step_ms"] > 0

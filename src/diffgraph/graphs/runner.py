@@ -76,6 +76,7 @@ class GraphStats:
     status: str = "pending"  # pending | captured | failed
     capture_ms: float = 0.0      # all of it: warm-up, capture, instantiation
     warmup_ms: float = 0.0       # of which the warm-up iterations
+    warmup_first_ms: float = 0.0  # of which the first (per-shape first-use costs: cuDNN plans, kernel loading)
     pool_mib_added: float = 0.0
     replays: int = 0
     eager_fallbacks: int = 0
@@ -214,8 +215,11 @@ class GraphRunner:
         snap = g.snapshot(h, w, b)
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):  # warm-up on a side stream: lazy inits and autotuning happen here
-            for _ in range(self.config.warmup_iters):
+            for i in range(self.config.warmup_iters):
                 g.run(h, w, b)
+                if i == 0:
+                    stream.synchronize()
+                    stats.warmup_first_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         stats.warmup_ms = (time.perf_counter() - t0) * 1e3
