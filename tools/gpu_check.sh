@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (the `device` tool): GPU tests, then the benchmarks. Logs and JSON go to $OUT.
-#   bash tools/gpu_check.sh [tests] [latency] [compile] [throughput] [info] [probe] [regime] [saturation]
+#   bash tools/gpu_check.sh [tests] [latency] [compile] [throughput] [info] [probe] [firstuse] [imports] [regime] [saturation]
 # regime: step vs request mode between their capacities, long traces (p99 target); saturation: step mode at 3x
 # for 30 s with the window work measure (the 0.9 target).
 set -uo pipefail
@@ -16,6 +16,9 @@ for what in "$@"; do
   case $what in
     info) python3 -m diffgraph.cli info --model random:sd15 --verify 2>&1 | grep -v Warning | tee "$OUT/info.log" ;;
     probe) python3 tools/probe_layout.py 2>&1 | grep -v Warning | tee "$OUT/probe.log" ;;
+    firstuse) python3 tools/probe_first_use.py 2>&1 | grep -v Warning | tee "$OUT/first_use.log" ;;
+    imports) python3 -X importtime -c "from diffusers import AutoencoderKL, UNet2DConditionModel; from transformers import CLIPTextModel" 2> "$OUT/importtime.log"
+             sort -t'|' -k2 -n -r "$OUT/importtime.log" | head -25 ;;
     tests) python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning ;;
     latency) python3 -m diffgraph.bench.latency --repeats 3 --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
     compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --contenders diffusers,diffusers_compile,diffgraph_graph --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
