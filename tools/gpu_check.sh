@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (the `device` tool): GPU tests, then the benchmarks. Logs and JSON go to $OUT.
 #   bash tools/gpu_check.sh [tests] [latency] [compile] [throughput] [info] [probe] [firstuse] [imports] [regime] [saturation]
-# regime: step vs request mode between their capacities, long traces (p99 target); saturation: step mode at 3x
+# regime: step vs request mode between their capacities, long traces (p99 target; REGIME_RATE, REGIME_SEED); saturation: step mode at 3x
 # for 30 s with the window work measure (the 0.9 target).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,7 +22,7 @@ for what in "$@"; do
     tests) python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning ;;
     latency) python3 -m diffgraph.bench.latency --repeats 3 --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
     compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --contenders diffusers,diffusers_compile,diffgraph_graph --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
-    regime) python3 -m diffgraph.bench.throughput --duration 60 --rates 3.0 --modes step,request --json "$OUT/bench_regime.json" 2>&1 | grep -v Warning | tee "$OUT/bench_regime.log" ;;
+    regime) python3 -m diffgraph.bench.throughput --duration 60 --rates ${REGIME_RATE:-3.0} --seed ${REGIME_SEED:-0} --modes step,request --json "$OUT/bench_regime.json" 2>&1 | grep -v Warning | tee "$OUT/bench_regime.log" ;;
     saturation) python3 -m diffgraph.bench.throughput --duration 30 --rates 11.1 --modes step,step:0/0 --json "$OUT/bench_saturation.json" 2>&1 | grep -v Warning | tee "$OUT/bench_saturation.log" ;;
     throughput) python3 -m diffgraph.bench.throughput --duration 15 --json "$OUT/bench_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_throughput.log" ;;
   esac
