@@ -54,3 +54,15 @@ def test_latency_case_reports_cold_start_parts_and_every_graph():
     assert all(f"{r['kind']}{r['bucket']} " in line + " " for r in captured)
     res = case["results"][1]
     assert res["diffgraph_graph"]["e2e_ms"] > 0 and res["diffgraph_eager"]["step_ms"] > 0
+
+
+def test_replay_counts_each_request_once_when_the_drain_ends(tiny_engine):
+    """Requests still running at the deadline are aborted; one that finishes at that boundary counts as done,
+    never as both done and unfinished."""
+    from diffgraph.bench.throughput import replay
+
+    trace = make_trace(40.0, 0.3, 5, steps=(40, 60), sizes=((64, 64),), samplers=("euler",))
+    r = replay(tiny_engine, trace, timeout=0.0, row_step_ms={(64, 64): 1.0})
+    assert r["unfinished"] > 0
+    assert r["completed"] + r["unfinished"] == r["requests"] == len(trace)
+    assert set(r["errors"]) <= {"RequestAborted"}
