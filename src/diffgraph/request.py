@@ -1,13 +1,14 @@
 """Generation requests (validated parameters) and their results.
 
-`GenerationRequest.create(...)` is the single place where user parameters are checked: every error
-is a ValueError that names the parameter, the value and what is allowed. The engine, CLI and server
-all build requests through it.
+A `GenerationRequest` checks its parameters whenever one is made (`create(...)`, the constructor,
+`dataclasses.replace`): every error is a ValueError that names the parameter, the value and what is
+allowed. The engine, CLI and server build requests through `create`, which also draws a seed.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,11 +71,10 @@ class GenerationRequest:
     output_format: str | None = None  # "png" | "jpeg" | "webp": also return encoded bytes
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
 
-    @classmethod
-    def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any, height: Any,
-               num_inference_steps: Any, guidance_scale: Any, sampler: Any, schedule: Any,
-               seed: Any = None, num_images: Any = 1, output_format: Any = None,
-               request_id: str | None = None) -> "GenerationRequest":
+    def __post_init__(self) -> None:
+        """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are
+        stored as plain Python ints and floats."""
+        prompt, negative_prompt = self.prompt, self.negative_prompt
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         if negative_prompt is not None and not isinstance(negative_prompt, str):
@@ -85,28 +85,43 @@ class GenerationRequest:
             except UnicodeEncodeError as e:
                 raise ValueError(f"{name} is not valid text: it holds an unpaired surrogate at character {e.start}; "
                                  "send UTF-8 text") from None
-        width = _check_size("width", width)
-        height = _check_size("height", height)
-        steps = _check_int("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
+        guidance_scale = self.guidance_scale
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
             raise ValueError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
-        guidance = float(guidance_scale)
-        if not (0 <= guidance <= MAX_GUIDANCE):
-            raise ValueError(f"guidance_scale {guidance_scale} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
-        if sampler not in SAMPLERS:
-            raise ValueError(f"sampler {sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule {schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
+        try:
+            guidance = float(guidance_scale)
+        except OverflowError:  # an int too large for a float
+            guidance = math.inf
+        if not (0 <= guidance <= MAX_GUIDANCE):  # NaN fails this too
+            shown = str(guidance_scale) if len(str(guidance_scale)) <= 24 else f"{str(guidance_scale)[:20]}..."
+            raise ValueError(f"guidance_scale {shown} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler {self.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
+        if self.output_format is not None and self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format {self.output_format!r} is unknown; allowed: {', '.join(OUTPUT_FORMATS)}")
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        checked = {"width": _check_size("width", self.width), "height": _check_size("height", self.height),
+                   "num_inference_steps": _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS),
+                   "guidance_scale": guidance, "seed": _check_int("seed", self.seed, 0, MAX_SEED),
+                   "num_images": _check_int("num_images", self.num_images, 1, MAX_IMAGES)}
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any, height: Any,
+               num_inference_steps: Any, guidance_scale: Any, sampler: Any, schedule: Any,
+               seed: Any = None, num_images: Any = 1, output_format: Any = None,
+               request_id: str | None = None) -> "GenerationRequest":
+        """A request from user parameters: a random seed when none is given, every value checked."""
         if seed is None:
             seed = secrets.randbelow(2**31)
-        seed = _check_int("seed", seed, 0, MAX_SEED)
-        num_images = _check_int("num_images", num_images, 1, MAX_IMAGES)
-        if output_format is not None and output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"output_format {output_format!r} is unknown; allowed: {', '.join(OUTPUT_FORMATS)}")
         kwargs = {} if request_id is None else {"request_id": str(request_id)}
         return cls(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
-                   num_inference_steps=steps, guidance_scale=guidance, sampler=sampler, schedule=schedule,
-                   seed=seed, num_images=num_images, output_format=output_format, **kwargs)
+                   num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, sampler=sampler,
+                   schedule=schedule, seed=seed, num_images=num_images, output_format=output_format, **kwargs)
 
 
 @dataclass
