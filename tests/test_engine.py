@@ -1,5 +1,6 @@
 """The engine loop on the CPU: concurrent mixed requests equal their solo images; abort; failures; queue."""
 
+import re
 import threading
 import time
 
@@ -147,6 +148,67 @@ def test_bad_input_is_rejected_before_it_reaches_a_batch(tiny_engine):
         tiny_engine.make_request("x", width=2050)
     with pytest.raises(ValueError, match="device 'tpu' is not understood"):
         Engine(model="random:tiny", device="tpu")
+
+
+def test_requests_made_any_way_are_checked(tiny_engine):
+    """`dataclasses.replace` and the constructor check what `create` checks: nothing unchecked reaches a batch."""
+    import dataclasses
+
+    ok = tiny_engine.make_request("x", num_inference_steps=2, seed=1)
+    for change, needle in [({"guidance_scale": -50}, "guidance_scale -50 is out of range"),
+                           ({"guidance_scale": float("nan")}, "guidance_scale nan is out of range"),
+                           ({"guidance_scale": 10**400}, "guidance_scale 10000000000000000000... is out of range"),
+                           ({"seed": -1}, "seed -1 is out of range"), ({"width": 60}, "width 60 is not a multiple of 8"),
+                           ({"width": 0}, "width 0 is outside the supported range"),
+                           ({"num_images": 0}, "num_images 0 is out of range"),
+                           ({"output_format": "gif"}, "output_format 'gif' is unknown"),
+                           ({"request_id": ""}, "request_id must be a non-empty string")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            dataclasses.replace(ok, **change)
+    with pytest.raises(ValueError, match=re.escape("guidance_scale 10000000000000000000... is out of range")):
+        tiny_engine.make_request("x", guidance_scale=10**400)
+
+
+def test_step_count_the_model_schedule_cannot_take_is_bad_input():
+    """Trailing spacing (Turbo/Lightning-style schedulers) degenerates at some step counts: a ValueError naming
+    num_inference_steps at make_request and at submit, and the engine keeps serving."""
+    import dataclasses
+
+    from diffgraph.models.loader import load_model
+
+    m = load_model("random:tiny", device="cpu")
+    m = dataclasses.replace(m, scheduler_config={**m.scheduler_config, "timestep_spacing": "trailing"})
+    with Engine(model=m) as e:
+        with pytest.raises(ValueError, match="^num_inference_steps 61 does not work with sampler 'euler'"):
+            e.make_request("x", num_inference_steps=61)
+        ok = e.make_request("x", num_inference_steps=2, seed=1)
+        with pytest.raises(ValueError, match="^num_inference_steps 61 "):
+            e.submit(dataclasses.replace(ok, num_inference_steps=61))
+        assert e.run(ok).arrays.shape == (1, 64, 64, 3)
+
+
+def test_request_id_in_flight_is_refused_and_free_again_after():
+    with Engine(model="random:tiny", device="cpu") as e:
+        first = e.submit(e.make_request("one", num_inference_steps=30, seed=1, request_id="job-1"))
+        with pytest.raises(ValueError, match="request_id 'job-1' is already in flight; give each request its own"):
+            e.submit(e.make_request("two", num_inference_steps=2, seed=2, request_id="job-1"))
+        first.result(timeout=120)  # the first is untouched by the refused one
+        assert e.run(e.make_request("two", num_inference_steps=2, seed=2, request_id="job-1")).request_id == "job-1"
+
+
+def test_a_dead_loop_is_not_ready_and_refuses_work(monkeypatch):
+    """A bug in the loop itself: everyone waiting is answered, `ready` turns False, submits are refused."""
+    e = Engine(model="random:tiny", device="cpu")
+    assert e.ready
+    monkeypatch.setattr(e.scheduler, "schedule", lambda: 1 / 0)
+    fut = e.submit(e.make_request("x", num_inference_steps=2, seed=1))
+    with pytest.raises(RuntimeError, match="the engine was closed"):
+        fut.result(timeout=60)
+    e._thread.join(timeout=60)
+    assert not e.ready
+    with pytest.raises(RuntimeError, match="loop stopped after an internal error"):
+        e.submit(e.make_request("y", num_inference_steps=2, seed=2))
+    e.close()
 
 
 def test_failed_admission_fails_only_that_request():

@@ -153,6 +153,17 @@ def test_queue_full_rejects():
         sched.add(state("c"))
 
 
+def test_a_request_id_in_flight_is_refused_waiting_or_live():
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    sched.add(state("a", key=(64, 64)))
+    with pytest.raises(ValueError, match="request_id 'a' is already in flight"):
+        sched.add(state("a", key=(96, 64)))  # another group: ids are unique across groups
+    assert sched.schedule().admitted[0].request_id == "a"  # now live
+    with pytest.raises(ValueError, match="request_id 'a' is already in flight"):
+        sched.add(state("a"))
+    assert sched.num_waiting == 0
+
+
 def test_abort_waiting_and_live():
     sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
     w = FakeWorker()
@@ -326,7 +337,8 @@ def test_growth_admits_the_longest_fifo_prefix_that_fills_its_bucket():
 
 @pytest.mark.parametrize("kw", [{"grow_fill": 1.5}, {"grow_fill": float("nan")}, {"grow_hold_ms": -1},
                                 {"grow_hold_ms": float("nan")}, {"grow_hold_ms": float("inf")},
-                                {"max_wait_ms": float("nan")}, {"buckets": (4, 2)}, {"buckets": (0, 2)}])
+                                {"max_wait_ms": float("nan")}, {"buckets": (4, 2)}, {"buckets": (0, 2)},
+                                {"max_wait_ms": 1e13}, {"grow_hold_ms": 60_001}])
 def test_growth_config_is_validated(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):  # the message names the setting
         SchedulerConfig(**kw)

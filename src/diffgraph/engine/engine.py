@@ -134,13 +134,13 @@ class Engine:
         # set to [] to record (start event, end event, loop waited for work before it) per step (benchmarks)
         self.step_events: list[tuple[Any, Any, bool]] | None = None
         self._idle = False
-        self.ready = False
+        self._ready = False
         if mode == "graph" and self.worker.graph_config.prewarm:
             self.worker.prewarm()
         self.ready_s = time.perf_counter() - t0  # load to ready (prewarm graphs captured)
-        self.ready = True
         self._thread = threading.Thread(target=self._loop, name="diffgraph-engine", daemon=True)
         self._thread.start()
+        self._ready = True
 
     # -- public API ----------------------------------------------------------------------------
     def make_request(self, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
@@ -158,6 +158,7 @@ class Engine:
         if request.num_images > self.worker.max_rows:
             raise ValueError(f"num_images {request.num_images} exceeds this engine's largest batch bucket "
                              f"{self.worker.max_rows}")
+        self._plan(request)  # a step count this model's schedule cannot take fails here, as bad input
         return request
 
     def generate(self, prompt: Any, **params: Any) -> GenerationResult:
@@ -170,7 +171,7 @@ class Engine:
 
     def submit(self, request: GenerationRequest, on_progress: ProgressCallback | None = None) -> Future:
         """Queues a request; the future gives its GenerationResult. Raises QueueFullError when the queue is full."""
-        plan = make_plan(self.worker.noise_schedule, request.sampler, request.schedule, request.num_inference_steps)
+        plan = self._plan(request)
         payload = _Payload(request, on_progress)
         state = RequestState(request_id=request.request_id, key=(request.height, request.width),
                              rows=request.num_images, plan=plan, arrival=time.monotonic(), payload=payload)
@@ -180,6 +181,19 @@ class Engine:
             self.scheduler.add(state)
             self._cv.notify()
         return payload.future
+
+    def _plan(self, request: GenerationRequest):
+        try:
+            return make_plan(self.worker.noise_schedule, request.sampler, request.schedule,
+                             request.num_inference_steps)
+        except ValueError as e:
+            raise ValueError(f"num_inference_steps {request.num_inference_steps} does not work with sampler "
+                             f"{request.sampler!r} and schedule {request.schedule!r} on this model: {e}") from None
+
+    @property
+    def ready(self) -> bool:
+        """Built (prewarm graphs captured) and its loop running: False once closed or after a loop failure."""
+        return self._ready and not self._stop and self._thread.is_alive()
 
     def abort(self, request_id: str) -> bool:
         """Frees the request's rows at the next step boundary; its future fails with RequestAborted."""

@@ -39,6 +39,7 @@ from ..sampling.samplers import NUM_COEFS, SamplerPlan
 
 GroupKey = tuple[int, int]
 BATCHING_MODES = ("step", "request", "off")
+MAX_HOLD_MS = 60_000.0  # the longest max_wait_ms / grow_hold_ms: how long a request may wait for company
 
 
 class QueueFullError(RuntimeError):
@@ -70,6 +71,10 @@ class SchedulerConfig:
         for name in ("max_wait_ms", "grow_hold_ms", "max_skips"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} {getattr(self, name)} must be a finite number >= 0")
+        for name in ("max_wait_ms", "grow_hold_ms"):  # a request may be held this long: keep it bounded
+            if getattr(self, name) > MAX_HOLD_MS:
+                raise ValueError(f"{name} {getattr(self, name)} is above {MAX_HOLD_MS:g} (a minute): requests would "
+                                 f"wait that long for company; use a smaller value")
         if not 0.0 <= self.grow_fill <= 1.0:  # NaN fails this too
             raise ValueError(f"grow_fill {self.grow_fill} must be in [0, 1] (0 turns the growth policy off)")
         if list(self.buckets) != sorted(set(self.buckets)) or any(b < 1 for b in self.buckets):
@@ -164,6 +169,9 @@ class Scheduler:
     def add(self, state: RequestState) -> None:
         if state.rows > self.config.max_rows:
             raise ValueError(f"num_images {state.rows} exceeds the largest batch bucket {self.config.max_rows}")
+        if any(s.request_id == state.request_id for g in self.groups.values() for s in (*g.waiting, *g.live)):
+            raise ValueError(f"request_id {state.request_id!r} is already in flight; give each request its own id "
+                             "(or leave request_id unset)")
         if self.num_waiting >= self.config.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests); retry later "
                                  "or raise max_queue")

@@ -148,6 +148,8 @@ class Job:
             self.future: Future = state.engine.submit(request, on_progress=on_progress)
         except QueueFullError as e:
             raise APIError(429, str(e), code="queue_full") from None
+        except ValueError as e:  # the engine refused the request itself (e.g. its step count on this model)
+            raise error_from_value_error(e) from None
         except RuntimeError as e:  # the engine was closed under us
             raise APIError(503, str(e), code="draining") from None
         state.jobs[request.request_id] = self
