@@ -60,3 +60,13 @@ def test_console_script_runs_as_module(tmp_path):
                            "--steps", "1", "-o", str(out)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert out.exists()
+
+
+def test_unwritable_output_fails_before_the_model_loads(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    rc = main(["generate", "a cat", "--model", "random:nope", "-o", str(blocker / "x.png")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "cannot be created" in err and "choose another -o" in err  # not the model error: first
+    assert len(err.splitlines()) == 1
+

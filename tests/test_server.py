@@ -380,3 +380,42 @@ def test_config_file_and_flags(tmp_path):
     assert main(["--model", MODEL, "--grow-fill", "2"]) == 2
     assert main(["--model", MODEL, "--grow-hold-ms", "nan"]) == 2
     assert main(["--model", MODEL, "--max-wait-ms", "nan"]) == 2
+    assert main(["--model", MODEL, "--max-wait-ms", "1e13"]) == 2
+
+
+@pytest.mark.parametrize("toml, needle", [
+    ("batch-buckets = 5", "batch buckets 5 must be a comma-separated string or a list"),
+    ("batch-buckets = [1.5]", "must be positive integers"),
+    ("batch-buckets = [true]", "must be positive integers"),
+    ("batch-buckets = [1, 4096]", "batch bucket 4096 is above 256"),
+    ("resolutions = 512", "resolutions 512 must be a comma-separated string or a list"),
+    ('resolutions = ["8x8"]', "resolution '8x8': width and height must be multiples of 8 in 64..2048"),
+    ('resolutions = ["100000x64"]', "must be multiples of 8 in 64..2048"),
+    ("prewarm = 5", "prewarm 5 must be 'all', 'none' or a list"),
+    ('batch-buckets = [1, 2, 4]\nprewarm = "64x64@3"', "prewarm 64x64@3: bucket 3 is not a batch bucket (1,2,4)"),
+    ('resolutions = ["64x64"]\nprewarm = "96x96"', "prewarm 96x96 is not among the graphed resolutions (64x64)"),
+    ("serve = 5", "'serve' must be a table"),
+    ('log-level = "trace"', "log_level 'trace' is unknown"),
+    ('device = "tpu"', "device 'tpu' is not understood"),
+    ('dtype = "fp64"', "dtype 'fp64' is unknown"),
+    ('mode = "fast"', "mode 'fast' is unknown"),
+    ("request-timeout = 1e-9", "request_timeout 1e-09 must be >= 1 second"),
+])
+def test_config_file_nonsense_is_refused_before_loading(tmp_path, toml, needle):
+    from diffgraph.server.config import load_config
+
+    path = tmp_path / "serve.toml"
+    path.write_text(f'model = "{MODEL}"\n{toml}\n')
+    with pytest.raises(ValueError) as info:
+        load_config(str(path))
+    assert needle in str(info.value)
+
+
+def test_config_file_prewarm_list_and_trailing_comma(tmp_path):
+    from diffgraph.server.config import load_config
+
+    path = tmp_path / "serve.toml"
+    path.write_text(f'model = "{MODEL}"\nresolutions = ["64x64", "96x64"]\nprewarm = ["64x64@1/2", "96x64"]\n')
+    assert load_config(str(path)).prewarm == ((64, 64, 1), (64, 64, 2), (64, 96, 0))
+    path.write_text(f'model = "{MODEL}"\nresolutions = ["64x64"]\nprewarm = "64x64,"\n')
+    assert load_config(str(path)).prewarm == ((64, 64, 0),)

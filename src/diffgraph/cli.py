@@ -73,6 +73,13 @@ def _output_paths(output: str, n: int) -> list[str]:
     root, ext = os.path.splitext(output)
     if ext.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
         raise _ArgError(f"output {output!r} must end in .png, .jpg, .jpeg or .webp")
+    folder = os.path.dirname(os.path.abspath(output))
+    try:  # fail before the model loads, not after the images are made
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise _ArgError(f"output folder {folder!r} cannot be created ({e.strerror}); choose another -o") from None
+    if not os.access(folder, os.W_OK):
+        raise _ArgError(f"output folder {folder!r} is not writable; choose another -o")
     return [output] if n == 1 else [f"{root}-{i}{ext}" for i in range(n)]
 
 
@@ -93,8 +100,10 @@ def _generate(args: argparse.Namespace) -> int:
         num_inference_steps=args.steps, guidance_scale=args.guidance, sampler=args.sampler,
         schedule=args.schedule, seed=args.seed, num_images=args.num_images)
     for image, path in zip(result.images, paths):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        image.save(path)
+        try:
+            image.save(path)
+        except OSError as e:
+            raise _ArgError(f"could not write {path!r}: {e.strerror or e}; choose another -o") from None
         print(path)
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
     return 0

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .request import MAX_SIZE, MIN_SIZE
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+MAX_BUCKET = 256  # rows of the largest batch bucket (the worker's buffers are sized for it)
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:
@@ -15,28 +18,51 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def _items(name: str, value: object, example: str) -> list:
+    """A comma string or a list/tuple, as a list of items; anything else is refused."""
+    if isinstance(value, str):
+        return [v for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{name} {value!r} must be a comma-separated string or a list, e.g. {example}")
+
+
 def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4): positive, unique, sorted."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    try:
-        values = sorted({int(v) for v in items if str(v).strip()})
-    except ValueError:
-        raise ValueError(f"batch buckets {text!r} must be comma-separated positive integers, e.g. 1,2,4,8,16") from None
+    """'1,2,4' -> (1, 2, 4): positive, unique, sorted, at most MAX_BUCKET."""
+    values = set()
+    for v in _items("batch buckets", text, "1,2,4,8,16"):
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise ValueError(f"batch buckets {text!r} must be positive integers, e.g. 1,2,4,8,16; got {v!r}")
+        try:
+            values.add(int(v))
+        except ValueError:
+            raise ValueError(f"batch buckets {text!r} must be comma-separated positive integers, "
+                             "e.g. 1,2,4,8,16") from None
+    values = sorted(values)
     if not values or values[0] < 1:
         raise ValueError(f"batch buckets {text!r} must be positive integers, e.g. 1,2,4,8,16")
+    if values[-1] > MAX_BUCKET:
+        raise ValueError(f"batch bucket {values[-1]} is above {MAX_BUCKET}: every row's buffers are allocated for "
+                         "the largest bucket; use smaller buckets")
     return tuple(values)
 
 
 def parse_prewarm(text: str) -> bool | tuple[tuple[int, int, int], ...]:
     """'all' | 'none' | 'WxH[@b1/b2...],...' -> GraphConfig.prewarm ('512x512@1/2/4' = those buckets; no @ = all
     buckets, returned with bucket 0 meaning "every bucket")."""
+    if isinstance(text, (list, tuple)) and all(isinstance(v, str) for v in text):
+        text = ",".join(text)  # TOML: prewarm = ["512x512@1/2", "768x512"]
+    if not isinstance(text, str):
+        raise ValueError(f"prewarm {text!r} must be 'all', 'none' or a list like '512x512@1/2/4,768x512'")
     text = text.strip().lower()
     if text in ("all", "true", ""):
         return True
     if text in ("none", "false"):
         return False
     keys = []
-    for item in text.split(","):
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
         res, _, buckets = item.partition("@")
         (h, w), = parse_resolutions(res)
         for b in (buckets.split("/") if buckets else ["0"]):
@@ -49,21 +75,21 @@ def parse_prewarm(text: str) -> bool | tuple[tuple[int, int, int], ...]:
 
 def parse_resolutions(text: str | list) -> tuple[tuple[int, int], ...]:
     """'512x512,768x512' (WxH) -> ((512, 512), (512, 768)) as (height, width) pairs."""
-    items = text.split(",") if isinstance(text, str) else list(text)
     out = []
-    for item in items:
-        if isinstance(item, tuple):
-            out.append((int(item[0]), int(item[1])))
-            continue
-        item = str(item).strip().lower()
-        if not item:
-            continue
-        try:
-            w, h = (int(v) for v in item.split("x"))
-        except ValueError:
-            raise ValueError(f"resolution {item!r} must look like WIDTHxHEIGHT, e.g. 512x512") from None
-        if w % 8 or h % 8 or w <= 0 or h <= 0:
-            raise ValueError(f"resolution {item!r}: width and height must be positive multiples of 8")
+    for item in _items("resolutions", text, "512x512,768x512"):
+        if isinstance(item, tuple) and len(item) == 2 and all(isinstance(v, int) for v in item):
+            h, w = item
+            name = f"{w}x{h}"
+        elif isinstance(item, str):
+            name = item.strip().lower()
+            try:
+                w, h = (int(v) for v in name.split("x"))
+            except ValueError:
+                raise ValueError(f"resolution {name!r} must look like WIDTHxHEIGHT, e.g. 512x512") from None
+        else:
+            raise ValueError(f"resolution {item!r} must look like WIDTHxHEIGHT, e.g. 512x512")
+        if w % 8 or h % 8 or not (MIN_SIZE <= w <= MAX_SIZE and MIN_SIZE <= h <= MAX_SIZE):
+            raise ValueError(f"resolution {name!r}: width and height must be multiples of 8 in {MIN_SIZE}..{MAX_SIZE}")
         out.append((h, w))
     return tuple(out)
 
@@ -82,6 +108,25 @@ class GraphConfig:
     verify: bool = False            # replay vs eager max abs difference at capture, kept in the table
     warmup_iters: int = 3
     backend: str = "cuda"           # "emulated": replays re-run the function eagerly (CPU tests of the runner)
+
+    def __post_init__(self) -> None:
+        if self.prewarm is True or self.prewarm is False:
+            return
+        for h, w, b in self.prewarm:
+            if b and b not in self.batch_buckets:
+                raise ValueError(f"prewarm {w}x{h}@{b}: bucket {b} is not a batch bucket "
+                                 f"({','.join(map(str, self.batch_buckets))}); use one of those")
+        if self.resolutions:
+            self.check_prewarm(self.resolutions)
+
+    def check_prewarm(self, resolutions: tuple[tuple[int, int], ...]) -> None:
+        """Every prewarm key must be at one of the graphed resolutions (the model's native size when
+        `resolutions` is empty: the worker checks then)."""
+        if self.prewarm is not True and self.prewarm is not False:
+            for h, w, _ in self.prewarm:
+                if (h, w) not in resolutions:
+                    raise ValueError(f"prewarm {w}x{h} is not among the graphed resolutions "
+                                     f"({','.join(f'{rw}x{rh}' for rh, rw in resolutions)}); add it to resolutions")
 
     @property
     def max_bucket(self) -> int:

@@ -58,6 +58,7 @@ class Worker:
         if mode == "graph":
             cfg = self.graph_config
             resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
+            cfg.check_prewarm(resolutions)
             self.runner = GraphRunner(cfg, model.device)
             self.runner.register(StepGraph(self, resolutions, cfg.batch_buckets))
             if cfg.capture_text_encoder and not self.encoder.needs_attention_mask:

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..config import DEFAULT_BUCKETS, GraphConfig, parse_buckets, parse_prewarm, parse_resolutions
 from ..engine.scheduler import SchedulerConfig
+
+DTYPE_NAMES = ("fp16", "float16", "bf16", "bfloat16", "fp32", "float32")  # models/loader.py's DTYPES
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # those logging and uvicorn both know
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -66,14 +70,22 @@ class ServerConfig:
             raise ValueError(f"port {self.port} is out of range; allowed: 0..65535")
         if self.max_prompt_bytes < 1:
             raise ValueError(f"max_prompt_bytes {self.max_prompt_bytes} must be >= 1")
-        for name in ("request_timeout", "drain_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} {getattr(self, name)} must be > 0 seconds")
-        # the scheduler's settings, checked by the scheduler's own config before anything loads
+        if not self.request_timeout >= 1:  # NaN fails this too
+            raise ValueError(f"request_timeout {self.request_timeout} must be >= 1 second")
+        if not self.drain_timeout > 0:
+            raise ValueError(f"drain_timeout {self.drain_timeout} must be > 0 seconds")
+        if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device {self.device!r} is not understood; use cpu, cuda or cuda:N")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {self.dtype!r} is unknown; allowed: {', '.join(DTYPE_NAMES)}")
+        if self.mode is not None and self.mode not in ("graph", "eager"):
+            raise ValueError(f"mode {self.mode!r} is unknown; allowed: graph, eager")
+        # the scheduler's and the graphs' settings, checked by their own configs before anything loads
         SchedulerConfig(batching=self.batching, max_queue=self.max_queue, max_wait_ms=self.max_wait_ms,
                         grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms)
-        if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-            raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: critical, error, warning, info, debug")
+        self.graph_config()
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: {', '.join(LOG_LEVELS)}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ServerConfig":
@@ -87,11 +99,13 @@ class ServerConfig:
             kwargs[key] = _parse(key, value)
         return cls(**kwargs)
 
+    def graph_config(self) -> GraphConfig:
+        return GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions, prewarm=self.prewarm)
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `Engine(...)`: live rows never exceed the largest batch bucket."""
         return dict(model=self.model, device=self.device, dtype=self.dtype, mode=self.mode,
-                    graphs=GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions,
-                                       prewarm=self.prewarm),
+                    graphs=self.graph_config(),
                     batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
                     max_rows=max(self.batch_buckets), grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms)
 
@@ -133,7 +147,10 @@ def load_toml(path: str) -> dict[str, Any]:
             data = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
-    return dict(data.get("serve", data))
+    table = data.get("serve", data)
+    if not isinstance(table, dict):
+        raise ValueError(f"config file {path!r}: 'serve' must be a table ([serve]) of settings, got {table!r}")
+    return dict(table)
 
 
 def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None) -> ServerConfig:
