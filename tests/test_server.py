@@ -419,3 +419,31 @@ def test_config_file_prewarm_list_and_trailing_comma(tmp_path):
     assert load_config(str(path)).prewarm == ((64, 64, 1), (64, 64, 2), (64, 96, 0))
     path.write_text(f'model = "{MODEL}"\nresolutions = ["64x64"]\nprewarm = "64x64,"\n')
     assert load_config(str(path)).prewarm == ((64, 64, 0),)
+
+
+def test_a_dead_engine_loop_is_not_ready():
+    """A bug in the engine loop itself: /ready and the diffgraph_ready gauge say so at once, and new requests get a
+    503 that says what happened instead of being queued to a loop that will never run them."""
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+    from diffgraph.server.config import ServerConfig
+
+    app = create_app(ServerConfig(model=MODEL, device="cpu"))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/ready").text
+            time.sleep(0.2)
+        assert "diffgraph_ready 1.0" in client.get("/metrics").text
+        engine = app.state.server.engine
+        engine.scheduler.schedule = lambda: 1 / 0  # the loop's next pass raises
+        r = client.post("/v1/images/generations", json={"prompt": "x", "size": "64x64", "num_inference_steps": 1})
+        assert r.status_code >= 500 and "error" in r.json()
+        engine._thread.join(timeout=60)
+        r = client.get("/ready")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+        assert "diffgraph_ready 0.0" in client.get("/metrics").text
+        assert client.get("/health").json()["ready"] is False
+        r = client.post("/v1/images/generations", json={"prompt": "x", "size": "64x64", "num_inference_steps": 1})
+        assert r.status_code == 503 and "internal error" in r.json()["error"]["message"]

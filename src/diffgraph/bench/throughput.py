@@ -80,6 +80,7 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
     lat: list[float] = []
     done_at: list[tuple[float, int]] = []
     errors: list[str] = []
+    called: list[int] = []  # done-callbacks that ran (they run after result() waiters wake)
     lock = threading.Lock()
     engine.step_events = []
     rows0, steps0 = engine.stats["rows_stepped"], engine.stats["steps"]
@@ -95,6 +96,7 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
 
         def done(f, sent=sent):
             with lock:
+                called.append(1)
                 if f.exception() is None:
                     now = time.perf_counter()
                     lat.append(now - sent)
@@ -125,6 +127,10 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
             pass
     # a request aborted at the deadline may still have finished at that step boundary: it counts as done
     unfinished = sum(1 for fut in aborted if not fut.done() or fut.exception() is not None)
+    settled = sum(1 for fut, _ in futures if fut.done())
+    wait_until = time.perf_counter() + 5.0
+    while len(called) < settled and time.perf_counter() < wait_until:  # the last callbacks may still be running
+        time.sleep(0.001)
     events = engine.step_events
     engine.step_events = None
     if engine.worker.cuda:

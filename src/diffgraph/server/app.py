@@ -65,7 +65,7 @@ class ServerState:
         self.inflight = 0
         self.jobs: dict[str, Job] = {}
         self.created = int(time.time())
-        self.metrics = ServerMetrics(lambda: self.engine, config.batch_buckets)
+        self.metrics = ServerMetrics(lambda: self.engine, config.batch_buckets, lambda: self.ready)
         self._factory = engine_factory
         self._thread: threading.Thread | None = None
 
@@ -93,7 +93,6 @@ class ServerState:
             return
         engine.step_listeners.append(self.metrics.on_step)
         self.engine = engine
-        self.metrics.ready.set(1)
         logger.info("engine ready in %.1f s: model %s, mode %s", time.perf_counter() - t0, engine.model.name,
                     engine.mode)
 
@@ -105,6 +104,9 @@ class ServerState:
             why = (f"the engine failed to start: {self.error}" if self.error
                    else "the model is loading and graphs are being captured; retry when GET /ready answers 200")
             raise APIError(503, why, code="not_ready")
+        if not self.engine.ready:
+            raise APIError(503, "the engine stopped after an internal error (see the server log); restart the "
+                                "server, and retry on another replica meanwhile", code="engine_failed")
         return self.engine
 
     def begin_drain(self) -> None:
@@ -112,7 +114,6 @@ class ServerState:
         if not self.draining:
             logger.info("draining: %d request(s) in flight", self.inflight)
         self.draining = True
-        self.metrics.ready.set(0)
 
     def abort_all(self) -> None:
         """Aborts every request in flight (the drain timeout passed)."""
@@ -150,8 +151,8 @@ class Job:
             raise APIError(429, str(e), code="queue_full") from None
         except ValueError as e:  # the engine refused the request itself (e.g. its step count on this model)
             raise error_from_value_error(e) from None
-        except RuntimeError as e:  # the engine was closed under us
-            raise APIError(503, str(e), code="draining") from None
+        except RuntimeError as e:  # the engine was closed under us (a drain) or its loop stopped
+            raise APIError(503, str(e), code="draining" if state.draining else "engine_failed") from None
         state.jobs[request.request_id] = self
         self.future.add_done_callback(put)  # after every progress event of the request
 

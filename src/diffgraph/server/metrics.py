@@ -80,7 +80,8 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, get_engine: Callable[[], Any], batch_buckets: tuple[int, ...]):
+    def __init__(self, get_engine: Callable[[], Any], batch_buckets: tuple[int, ...],
+                 is_ready: Callable[[], bool] = lambda: False):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("diffgraph_requests", "Generation requests by outcome", ["outcome"], registry=r)
@@ -94,6 +95,7 @@ class ServerMetrics:
                                    buckets=STEP_BUCKETS, registry=r)
         self.inflight = Gauge("diffgraph_inflight_requests", "Generation requests being served", registry=r)
         self.ready = Gauge("diffgraph_ready", "1 when the engine is built and accepting requests", registry=r)
+        self.ready.set_function(lambda: float(is_ready()))  # read at scrape time: a dead engine loop shows at once
         r.register(_EngineCollector(get_engine))
         self._buckets = tuple(sorted(batch_buckets))
 
