@@ -67,6 +67,9 @@ def test_unwritable_output_fails_before_the_model_loads(tmp_path, capsys):
     blocker.write_text("")
     rc = main(["generate", "a cat", "--model", "random:nope", "-o", str(blocker / "x.png")])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "cannot be created" in err and "choose another -o" in err  # not the model error: first
     assert len(err.splitlines()) == 1
-
+    assert rc == 2 and "cannot be created or written" in err and "choose another -o" in err  # before the model
+    assert not (tmp_path / "new").exists()
+    rc = main(["generate", "a cat", "--model", "random:tiny", "--steps", "0", "-o", str(tmp_path / "new" / "x.png")])
+    assert rc == 2 and not (tmp_path / "new").exists()  # a bad argument leaves no empty folder behind
+    capsys.readouterr()

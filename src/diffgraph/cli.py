@@ -73,13 +73,15 @@ def _output_paths(output: str, n: int) -> list[str]:
     root, ext = os.path.splitext(output)
     if ext.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
         raise _ArgError(f"output {output!r} must end in .png, .jpg, .jpeg or .webp")
+    # fail before the model loads, not after the images are made: the folder, or the nearest existing folder
+    # above it (where the missing ones will be made), must be a writable folder
     folder = os.path.dirname(os.path.abspath(output))
-    try:  # fail before the model loads, not after the images are made
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise _ArgError(f"output folder {folder!r} cannot be created ({e.strerror}); choose another -o") from None
-    if not os.access(folder, os.W_OK):
-        raise _ArgError(f"output folder {folder!r} is not writable; choose another -o")
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise _ArgError(f"output folder {folder!r} cannot be created or written ({existing!r} is not a writable "
+                        "folder); choose another -o")
     return [output] if n == 1 else [f"{root}-{i}{ext}" for i in range(n)]
 
 
@@ -101,6 +103,7 @@ def _generate(args: argparse.Namespace) -> int:
         schedule=args.schedule, seed=args.seed, num_images=args.num_images)
     for image, path in zip(result.images, paths):
         try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             image.save(path)
         except OSError as e:
             raise _ArgError(f"could not write {path!r}: {e.strerror or e}; choose another -o") from None

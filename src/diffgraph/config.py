@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from .request import MAX_SIZE, MIN_SIZE
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")  # models/loader.py maps them to torch
 MAX_BUCKET = 256  # rows of the largest batch bucket (the worker's buffers are sized for it)
 
 
@@ -51,6 +52,8 @@ def parse_prewarm(text: str) -> bool | tuple[tuple[int, int, int], ...]:
     """'all' | 'none' | 'WxH[@b1/b2...],...' -> GraphConfig.prewarm ('512x512@1/2/4' = those buckets; no @ = all
     buckets, returned with bucket 0 meaning "every bucket")."""
     if isinstance(text, (list, tuple)) and all(isinstance(v, str) for v in text):
+        if not text:
+            return False  # an empty list of keys: nothing to prewarm
         text = ",".join(text)  # TOML: prewarm = ["512x512@1/2", "768x512"]
     if not isinstance(text, str):
         raise ValueError(f"prewarm {text!r} must be 'all', 'none' or a list like '512x512@1/2/4,768x512'")
@@ -110,8 +113,16 @@ class GraphConfig:
     backend: str = "cuda"           # "emulated": replays re-run the function eagerly (CPU tests of the runner)
 
     def __post_init__(self) -> None:
+        if isinstance(self.prewarm, str):  # "all" | "none" | "512x512@1/2,..." as on the command line
+            object.__setattr__(self, "prewarm", parse_prewarm(self.prewarm))
         if self.prewarm is True or self.prewarm is False:
             return
+        if not isinstance(self.prewarm, (tuple, list)) or not all(
+                isinstance(k, (tuple, list)) and len(k) == 3 and all(isinstance(v, int) for v in k)
+                for k in self.prewarm):
+            raise ValueError(f"prewarm {self.prewarm!r} must be True, False, a string like '512x512@1/2' or "
+                             "(height, width, bucket) keys (bucket 0: every bucket)")
+        object.__setattr__(self, "prewarm", tuple(tuple(k) for k in self.prewarm))
         for h, w, b in self.prewarm:
             if b and b not in self.batch_buckets:
                 raise ValueError(f"prewarm {w}x{h}@{b}: bucket {b} is not a batch bucket "

@@ -35,10 +35,22 @@ def _nearest_multiples(value: int, base: int = 8) -> str:
     return f"{low} or {high}" if MIN_SIZE <= value <= MAX_SIZE and high != low else f"{low}"
 
 
+def _show(value: Any) -> str:
+    """A value for an error message: short, and safe for integers too long for str()."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and abs(int(value)).bit_length() > 80:
+        digits = int(abs(int(value)).bit_length() * math.log10(2)) + 1
+        return f"{'-' if value < 0 else ''}(an integer of about {digits} digits)"
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:20]}..."
+
+
 def _check_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer number of pixels, got {value!r}")
+        raise ValueError(f"{name} must be an integer number of pixels, got {_show(value)}")
     value = int(value)
+    if not MIN_SIZE - 8 < value < MAX_SIZE + 8:
+        raise ValueError(f"{name} {_show(value)} is outside the supported range {MIN_SIZE}..{MAX_SIZE} "
+                         "(multiples of 8)")
     if value % 8:
         raise ValueError(f"{name} {value} is not a multiple of 8; use {_nearest_multiples(value)}")
     if not MIN_SIZE <= value <= MAX_SIZE:
@@ -48,9 +60,9 @@ def _check_size(name: str, value: Any) -> int:
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+        raise ValueError(f"{name} must be an integer in {low}..{high}, got {_show(value)}")
     if not low <= int(value) <= high:
-        raise ValueError(f"{name} {value} is out of range; allowed: {low}..{high}")
+        raise ValueError(f"{name} {_show(value)} is out of range; allowed: {low}..{high}")
     return int(value)
 
 
@@ -87,14 +99,13 @@ class GenerationRequest:
                                  "send UTF-8 text") from None
         guidance_scale = self.guidance_scale
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
-            raise ValueError(f"guidance_scale must be a number >= 0, got {guidance_scale!r}")
+            raise ValueError(f"guidance_scale must be a number >= 0, got {_show(guidance_scale)}")
         try:
             guidance = float(guidance_scale)
         except OverflowError:  # an int too large for a float
             guidance = math.inf
         if not (0 <= guidance <= MAX_GUIDANCE):  # NaN fails this too
-            shown = str(guidance_scale) if len(str(guidance_scale)) <= 24 else f"{str(guidance_scale)[:20]}..."
-            raise ValueError(f"guidance_scale {shown} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
+            raise ValueError(f"guidance_scale {_show(guidance_scale)} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler {self.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
         if self.schedule not in SCHEDULES:

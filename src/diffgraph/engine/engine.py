@@ -128,6 +128,7 @@ class Engine:
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self._cv = threading.Condition()
         self._stop = False
+        self._closing = False  # close() was called (as opposed to the loop stopping on its own)
         self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0, "prompt_cache_hits": 0,
                       "prompt_cache_misses": 0}
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
@@ -229,6 +230,7 @@ class Engine:
 
     def close(self, timeout: float | None = 10.0) -> None:
         with self._cv:
+            self._closing = True
             self._stop = True
             self._cv.notify_all()
         self._thread.join(timeout)
@@ -261,7 +263,8 @@ class Engine:
             logger.exception("the engine loop stopped after an internal error")
             with self._cv:
                 self._stop = True
-        self._fail_everything(RuntimeError("the engine was closed"))
+        self._fail_everything(RuntimeError("the engine was closed" if self._closing else
+                                           "the engine loop stopped after an internal error (see the log)"))
 
     def _iteration(self) -> bool:
         """One pass: plan, execute, advance, report, retire. False once the engine is closed."""

@@ -169,7 +169,8 @@ class Scheduler:
     def add(self, state: RequestState) -> None:
         if state.rows > self.config.max_rows:
             raise ValueError(f"num_images {state.rows} exceeds the largest batch bucket {self.config.max_rows}")
-        if any(s.request_id == state.request_id for g in self.groups.values() for s in (*g.waiting, *g.live)):
+        if any(s.request_id == state.request_id and not s.aborted
+               for g in self.groups.values() for s in (*g.waiting, *g.live)):
             raise ValueError(f"request_id {state.request_id!r} is already in flight; give each request its own id "
                              "(or leave request_id unset)")
         if self.num_waiting >= self.config.max_queue:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..config import DTYPE_NAMES
 from . import presets as P
 
 logger = logging.getLogger(__name__)
@@ -23,8 +24,8 @@ SUPPORTED_PIPELINES = {
     "StableDiffusionPipeline": "sd",
     "StableDiffusionXLPipeline": "sdxl",
 }
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.float16, torch.float16, torch.bfloat16,
+                                torch.bfloat16)))
 
 
 @dataclass

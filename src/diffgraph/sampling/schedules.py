@@ -10,6 +10,7 @@ drives the latents through the same values diffusers does, not merely values clo
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -152,14 +153,21 @@ def spaced_timesteps(noise: NoiseSchedule, num_steps: int, *, points: int, round
         step_ratio = n_train // points
         t = (np.arange(0, points) * step_ratio).round()[::-1][:num_steps] + noise.steps_offset
     else:  # trailing
-        t = np.arange(n_train, 0, -n_train / num_steps).round() - 1
+        t = _trailing(n_train, num_steps)
         if len(t) != num_steps:
             # diffusers' float arange yields one extra timestep (-1) here; refuse rather than diverge.
+            near = list(itertools.islice((k for d in range(1, n_train) for k in (num_steps - d, num_steps + d)
+                                          if 1 <= k <= n_train and len(_trailing(n_train, k)) == k), 2))
             raise ValueError(
                 f"num_steps {num_steps} with timestep_spacing 'trailing' gives diffusers {len(t)} timesteps "
-                f"(float rounding in its arange); use {num_steps - 1} or {num_steps + 1}"
+                f"(float rounding in its arange); use {' or '.join(map(str, sorted(near)))}"
             )
     return np.ascontiguousarray(t, dtype=np.float64)
+
+
+def _trailing(n_train: int, num_steps: int) -> np.ndarray:
+    """diffusers' trailing timesteps, float arange and all."""
+    return np.arange(n_train, 0, -n_train / num_steps).round() - 1
 
 
 def karras_sigmas(sigma_min: float, sigma_max: float, num_steps: int, rho: float = 7.0) -> np.ndarray:

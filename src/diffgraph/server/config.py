@@ -21,10 +21,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import DEFAULT_BUCKETS, GraphConfig, parse_buckets, parse_prewarm, parse_resolutions
+from ..config import DEFAULT_BUCKETS, DTYPE_NAMES, GraphConfig, parse_buckets, parse_prewarm, parse_resolutions
 from ..engine.scheduler import SchedulerConfig
 
-DTYPE_NAMES = ("fp16", "float16", "bf16", "bfloat16", "fp32", "float32")  # models/loader.py's DTYPES
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # those logging and uvicorn both know
 
 if sys.version_info >= (3, 11):
@@ -76,7 +75,7 @@ class ServerConfig:
             raise ValueError(f"drain_timeout {self.drain_timeout} must be > 0 seconds")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device {self.device!r} is not understood; use cpu, cuda or cuda:N")
-        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+        if self.dtype is not None and self.dtype.lower() not in DTYPE_NAMES:
             raise ValueError(f"dtype {self.dtype!r} is unknown; allowed: {', '.join(DTYPE_NAMES)}")
         if self.mode is not None and self.mode not in ("graph", "eager"):
             raise ValueError(f"mode {self.mode!r} is unknown; allowed: graph, eager")
