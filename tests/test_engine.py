@@ -234,6 +234,28 @@ def test_failed_admission_fails_only_that_request():
         assert e.generate("fine again", num_inference_steps=2, seed=3).arrays.shape == (1, 64, 64, 3)
 
 
+def test_failing_readback_fails_only_the_finished_requests(monkeypatch):
+    """Reading a finished request's latents back (or decoding them) fails: that request gets an EngineStepError,
+    the requests still denoising go on, and the loop keeps serving."""
+    with Engine(model="random:tiny", device="cpu") as e:
+        real = e.worker.read_latents
+        calls = []
+
+        def read_once_broken(*args):
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return real(*args)
+
+        monkeypatch.setattr(e.worker, "read_latents", read_once_broken)
+        long = e.submit(e.make_request("long", num_inference_steps=40, seed=2))
+        short = e.submit(e.make_request("short", num_inference_steps=3, seed=1))
+        with pytest.raises(EngineStepError, match="decoding failed: RuntimeError: CUDA out of memory"):
+            short.result(timeout=120)
+        assert long.result(timeout=120).arrays.shape == (1, 64, 64, 3)
+        assert e.ready and e.generate("again", num_inference_steps=2, seed=3).arrays.shape == (1, 64, 64, 3)
+
+
 def test_broken_callbacks_do_not_stop_the_loop():
     with Engine(model="random:tiny", device="cpu") as e:
         e.step_listeners.append(lambda plan, seconds: 1 / 0)

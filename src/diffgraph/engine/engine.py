@@ -385,8 +385,9 @@ class Engine:
         return out
 
     def _retire(self, key: tuple[int, int], finished: list[RequestState]) -> None:
-        latents = torch.cat([self.worker.read_latents(key, s.first_row, s.rows) for s in finished])
+        # the finished requests have left the scheduler: whatever fails here must answer them, here
         try:
+            latents = torch.cat([self.worker.read_latents(key, s.first_row, s.rows) for s in finished])
             wait = self.worker.decode_async(key, latents)
         except Exception as e:
             logger.exception("decode failed for group %s", key)
