@@ -137,6 +137,39 @@ def test_async_engine_stream_and_generate(tiny_engine):
     np.testing.assert_array_equal(events[-1].arrays, res.arrays)
 
 
+def test_async_cancel_and_early_close_abort_quietly(caplog):
+    """Cancelling `generate` and closing a stream early both free the rows, and nothing is logged as a
+    never-retrieved exception."""
+    import asyncio
+    import contextlib
+    import gc
+
+    from diffgraph import AsyncEngine
+
+    async def main(ae):
+        tasks = [asyncio.create_task(ae.generate("x", num_inference_steps=60, seed=i)) for i in range(3)]
+        await asyncio.sleep(0.3)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        async with contextlib.aclosing(ae.stream(ae.make_request("y", num_inference_steps=60, seed=9))) as events:
+            async for _ in events:
+                break
+        for _ in range(200):  # rows are freed at the next step boundary
+            if not any(ae.engine.live_rows().values()) and not ae.engine.queue_depth():
+                break
+            await asyncio.sleep(0.05)
+        return dict(ae.engine.live_rows()), ae.engine.queue_depth()
+
+    with Engine(model="random:tiny", device="cpu") as e:
+        with caplog.at_level("ERROR", logger="asyncio"):
+            live, waiting = asyncio.run(main(AsyncEngine(e)))
+            gc.collect()
+        assert not any(live.values()) and waiting == 0
+        assert "never retrieved" not in caplog.text
+        assert e.generate("z", num_inference_steps=2, seed=1).arrays.shape == (1, 64, 64, 3)
+
+
 def test_bad_input_is_rejected_before_it_reaches_a_batch(tiny_engine):
     with pytest.raises(ValueError, match="guidance_scale 1e\\+300 is out of range; allowed: 0..100"):
         tiny_engine.make_request("x", guidance_scale=1e300)

@@ -1,8 +1,10 @@
 """`AsyncEngine`: the engine for asyncio code (the HTTP server).
 
-`await engine.generate(...)` waits without blocking the event loop; `engine.stream(...)` is an async
-iterator of `ProgressEvent`s (one per step) ending with the `GenerationResult`. Leaving the iterator
-early (a client that disconnected) aborts the request, which frees its rows at the next step.
+`await engine.generate(...)` waits without blocking the event loop (cancelling it aborts the request);
+`engine.stream(...)` is an async iterator of `ProgressEvent`s (one per step) ending with the
+`GenerationResult`. Closing the iterator early aborts the request, which frees its rows at the next step:
+`async with contextlib.aclosing(engine.stream(request)) as events:` closes it when the block is left; an
+iterator left unclosed is closed only when it is garbage-collected (Python's rule for async generators).
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ class AsyncEngine:
         return await self.run(self.make_request(prompt, **params))
 
     async def run(self, request: GenerationRequest) -> GenerationResult:
-        future = self.engine.submit(request)
+        wrapped = asyncio.wrap_future(self.engine.submit(request))
         try:
-            return await asyncio.shield(asyncio.wrap_future(future))
+            return await asyncio.shield(wrapped)
         except asyncio.CancelledError:
+            # the abort fails the request with RequestAborted, which nobody awaits any more: retrieve it, or
+            # asyncio logs "Future exception was never retrieved" for every cancelled call
+            wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.engine.abort(request.request_id)
             raise
 
