@@ -353,6 +353,62 @@ def test_queue_full_then_sigterm_drains():
         s.stop()
 
 
+def _partial_post(url: str, sent: bytes = b'{"prompt": ') -> socket.socket:
+    """A POST whose body stops after `sent` (Content-Length promises 100 bytes)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n" + sent)
+    return sock
+
+
+def test_a_body_that_stops_arriving_times_out_or_counts_as_aborted(server):
+    timeouts, aborted = outcome(server.url, "timeout"), outcome(server.url, "aborted")
+    sock = _partial_post(server.url)
+    t0 = time.monotonic()
+    answer = b""
+    while b"body_timeout" not in answer and (chunk := sock.recv(65536)):  # headers and body may come apart
+        answer += chunk
+    answer = answer.decode()
+    sock.close()
+    assert answer.startswith("HTTP/1.1 408") and "body_timeout" in answer, answer
+    assert TIMEOUT_S - 0.5 < time.monotonic() - t0 < TIMEOUT_S + 5  # the request timeout, not forever
+    assert outcome(server.url, "timeout") - timeouts == 1
+    sock = _partial_post(server.url)
+    time.sleep(0.3)
+    sock.close()  # the client leaves while sending: aborted, not an unhandled error
+    wait_for(lambda: outcome(server.url, "aborted") - aborted == 1, what="the disconnect counted as aborted")
+    assert "unhandled error" not in server.output()
+    assert generate(server.url, num_inference_steps=1, seed=1).status_code == 200
+
+
+def test_drain_ends_even_when_a_body_never_arrives():
+    """SIGTERM with a client stuck sending its body (request timeout 600 s): the process exits soon after the
+    drain timeout and its grace period."""
+    s = ServerProcess("--drain-timeout", "1", "--request-timeout", "600")
+    try:
+        s.wait_ready()
+        sock = _partial_post(s.url)
+        wait_for(lambda: metrics(s.url)["diffgraph_inflight_requests"] == 1, what="the stuck request in flight")
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0, s.output()
+        assert time.monotonic() - t0 < 20
+        assert "still open" in s.output()
+        sock.close()
+    finally:
+        s.stop()
+
+
+def test_drain_aborts_count_as_aborted():
+    from diffgraph.server.app import _outcome
+    from diffgraph.server.protocol import APIError
+
+    assert _outcome(APIError(503, "the server shut down before this request finished", code="aborted")) == "aborted"
+    assert _outcome(APIError(503, "draining", code="draining")) == "unavailable"
+    assert _outcome(APIError(408, "body", code="body_timeout")) == "timeout"
+
+
 # -- configuration (in process) -----------------------------------------------------------------------------------
 def test_config_file_and_flags(tmp_path):
     import argparse

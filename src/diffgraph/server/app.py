@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..engine.async_engine import ProgressEvent
 from ..engine.engine import EngineStepError
@@ -46,8 +47,13 @@ logger = logging.getLogger("diffgraph.server")
 
 POLL_S = 0.1  # how often a waiting handler checks for a disconnected client
 
-_OUTCOME = {400: "bad_request", 404: "bad_request", 405: "bad_request", 413: "bad_request", 429: "queue_full",
-            499: "aborted", 503: "unavailable", 504: "timeout"}
+_OUTCOME = {400: "bad_request", 404: "bad_request", 405: "bad_request", 408: "timeout", 413: "bad_request",
+            429: "queue_full", 499: "aborted", 503: "unavailable", 504: "timeout"}
+
+
+def _outcome(e: APIError) -> str:
+    """The metrics outcome of an error answer: aborted requests (the drain timeout) count as aborted."""
+    return "aborted" if e.code == "aborted" else _OUTCOME.get(e.status, "error")
 
 
 class ClientGone(Exception):
@@ -200,11 +206,14 @@ async def _read_json(http: Request, limit: int) -> Any:
     if length.isdigit() and int(length) > limit:
         raise APIError(413, f"the body has {length} bytes; the limit is {limit}", code="body_too_large")
     chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the body exceeds {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left while sending its body
+        raise ClientGone() from None
     try:
         return json.loads(b"".join(chunks))
     except (ValueError, RecursionError) as e:
@@ -347,7 +356,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         streaming = False
         try:
             engine = state.require_engine()
-            params, request = _generation_request(engine, config, await _read_json(http, body_limit))
+            try:  # a body that never finishes arriving must not hold the request (or a drain) forever
+                body = await asyncio.wait_for(_read_json(http, body_limit), config.request_timeout)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within the {config.request_timeout:g} s "
+                                    "request timeout; send the whole body at once", code="body_timeout") from None
+            params, request = _generation_request(engine, config, body)
             job = Job(state, request, t0 + config.request_timeout, progress=params.stream)
             if params.stream:
                 streaming = True  # the stream ends the request's accounting
@@ -362,7 +376,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             state.metrics.observe_request("success", time.monotonic() - t0)
             return JSONResponse(body)
         except APIError as e:
-            state.metrics.observe_request(_OUTCOME.get(e.status, "error"))
+            state.metrics.observe_request(_outcome(e))
             return _error_response(e)
         except ClientGone:
             state.metrics.observe_request("aborted")
@@ -400,7 +414,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 yield _sse("completed", {"type": "completed", **body})
                 return
         except APIError as e:
-            end.outcome = _OUTCOME.get(e.status, "error")
+            end.outcome = _outcome(e)
             yield _sse("error", {"type": "error", "status": e.status, **e.body()})
         except ClientGone:
             pass

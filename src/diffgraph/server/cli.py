@@ -17,6 +17,8 @@ from typing import Any
 
 from .config import ServerConfig, load_config
 
+DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may take to end before the process exits
+
 # the ServerConfig fields a flag can set (flag --batch-buckets -> batch_buckets)
 _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
            "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes", "drain_timeout", "log_level")
@@ -114,6 +116,11 @@ def _server_class():
                         "drain timeout: aborting %d request(s) in flight", s.inflight)
                     self.aborted = True
                     s.abort_all()
+                elif time.monotonic() - self.drain_started > s.config.drain_timeout + DRAIN_GRACE_S:
+                    # what the aborts did not end (a client still sending its body, say) ends with the process
+                    logging.getLogger("diffgraph.server").warning(
+                        "%d request(s) still open %g s after the drain timeout; exiting", s.inflight, DRAIN_GRACE_S)
+                    self.should_exit = True
             return await super().on_tick(counter)
 
     return DrainingServer

@@ -84,8 +84,8 @@ class ModelList(BaseModel):
 
 # -- errors ---------------------------------------------------------------------------------------
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
-          504: "timeout_error"}
+          408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+          503: "service_unavailable", 504: "timeout_error"}
 
 
 class APIError(Exception):
