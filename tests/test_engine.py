@@ -65,9 +65,9 @@ def test_abort_frees_rows():
         with pytest.raises(RequestAborted):
             fut.result(timeout=60)
         deadline = time.time() + 10
-        while e.live_rows()[(64, 64)] != 0 and time.time() < deadline:
+        while e.live_rows().get((64, 64), 0) != 0 and time.time() < deadline:
             time.sleep(0.01)
-        assert e.live_rows()[(64, 64)] == 0
+        assert e.live_rows().get((64, 64), 0) == 0
         assert e.generate("after", num_inference_steps=2, seed=3).arrays.shape == (1, 64, 64, 3)
 
 
@@ -327,6 +327,10 @@ def test_bucket_growth_policy_keeps_every_image(tiny_engine):
             time.sleep(0.01)
         for f, a in zip(futures, ref):
             np.testing.assert_allclose(f.result(timeout=300).arrays, a, atol=1e-4, rtol=0)
+        deadline = time.time() + 10
+        while any(e.live_rows().values()) and time.time() < deadline:
+            time.sleep(0.01)
+        assert e.live_rows() == {(64, 64): 0, (96, 64): 0}  # graphed sizes always listed, at 0 when idle
         e.reconfigure(grow_fill=0.0)
         assert e.scheduler.config.grow_fill == 0.0 and e.scheduler.config.buckets == (1, 2, 4, 8)
         with pytest.raises(ValueError, match="cannot change"):

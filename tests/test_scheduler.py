@@ -164,6 +164,19 @@ def test_a_request_id_in_flight_is_refused_waiting_or_live():
     assert sched.num_waiting == 0
 
 
+def test_groups_without_work_are_forgotten():
+    """Every size a client asks for makes a group; once it has no work it is dropped (made again on demand)."""
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    w = FakeWorker()
+    for i in range(12):
+        sched.add(state(f"r{i}", key=(64, 64 + 8 * i), steps=2))
+    run(sched, w)
+    assert sched.schedule() is None and sched.groups == {}
+    sched.add(state("again", key=(64, 72), steps=2))
+    _, finished = run(sched, w)
+    assert finished == ["again"] and sched.schedule() is None and sched.groups == {}
+
+
 def test_abort_waiting_and_live():
     sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
     w = FakeWorker()

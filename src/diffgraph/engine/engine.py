@@ -171,7 +171,9 @@ class Engine:
         return self.submit(request).result()
 
     def submit(self, request: GenerationRequest, on_progress: ProgressCallback | None = None) -> Future:
-        """Queues a request; the future gives its GenerationResult. Raises QueueFullError when the queue is full."""
+        """Queues a request; the future gives its GenerationResult. Raises QueueFullError when the queue is full.
+        `on_progress(request_id, step, total)` runs on the engine's loop thread after each step: keep it short
+        (hand anything slow to another thread), since every request waits for it."""
         plan = self._plan(request)
         payload = _Payload(request, on_progress)
         state = RequestState(request_id=request.request_id, key=(request.height, request.width),
@@ -197,7 +199,8 @@ class Engine:
         return self._ready and not self._stop and self._thread.is_alive()
 
     def abort(self, request_id: str) -> bool:
-        """Frees the request's rows at the next step boundary; its future fails with RequestAborted."""
+        """Frees the request's rows at the next step boundary; its future fails with RequestAborted. True when
+        the request was waiting or running; one that is in its last step then still completes with its result."""
         with self._cv:
             found = self.scheduler.abort(request_id)
             self._cv.notify()
@@ -225,8 +228,12 @@ class Engine:
             return self.scheduler.num_waiting
 
     def live_rows(self) -> dict[tuple[int, int], int]:
+        """Live rows per (height, width): every graphed resolution (0 when idle), other sizes while they run."""
+        runner = self.worker.runner
+        rows = dict.fromkeys(runner.kinds["step"].resolutions(), 0) if runner is not None else {}
         with self._cv:
-            return {k: g.live_rows for k, g in self.scheduler.groups.items()}
+            rows.update({k: g.live_rows for k, g in self.scheduler.groups.items()})
+        return rows
 
     def close(self, timeout: float | None = 10.0) -> None:
         with self._cv:

@@ -204,6 +204,9 @@ class Scheduler:
         now = self.clock()
         for g in self.groups.values():
             self._drop_aborted(g)
+        # a group without work is forgotten (it is made again on demand): any multiple of 8 is a valid size,
+        # so keeping every size ever asked for would grow this dict, the per-step scan and the metrics labels
+        self.groups = {k: g for k, g in self.groups.items() if g.waiting or g.live}
         ready = [(since, g) for g in self.groups.values() if (since := self._ready_since(g, now)) is not None]
         if not ready:
             return None
