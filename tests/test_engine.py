@@ -193,6 +193,7 @@ def test_requests_made_any_way_are_checked(tiny_engine):
                            ({"guidance_scale": 10**400}, "guidance_scale (an integer of about 401 digits) is out of range"),
                            ({"seed": -1}, "seed -1 is out of range"), ({"width": 60}, "width 60 is not a multiple of 8"),
                            ({"width": 0}, "width 0 is outside the supported range"),
+                           ({"width": "512"}, "width must be an integer number of pixels, got '512'"),
                            ({"num_images": 0}, "num_images 0 is out of range"),
                            ({"output_format": "gif"}, "output_format 'gif' is unknown"),
                            ({"request_id": ""}, "request_id must be a non-empty string")]:

@@ -400,6 +400,31 @@ def test_drain_ends_even_when_a_body_never_arrives():
         s.stop()
 
 
+def test_a_body_finished_after_the_drain_timeout_is_refused_cleanly():
+    """A request still sending its body when the drain timeout aborts everything is refused with a JSON 503 when
+    the body arrives, not run and then cut off by the exit."""
+    s = ServerProcess("--drain-timeout", "1", "--request-timeout", "600")
+    try:
+        s.wait_ready()
+        body = b'{"prompt": "a red fox", "num_inference_steps": 2}'.ljust(100)
+        sock = _partial_post(s.url, body[:10])
+        wait_for(lambda: metrics(s.url)["diffgraph_inflight_requests"] == 1, what="the request in flight")
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)  # past the drain timeout: its aborts have run
+        sock.sendall(body[10:])
+        answer = b""
+        while b"}}" not in answer and (chunk := sock.recv(65536)):
+            answer += chunk
+        sock.close()
+        head, _, payload = answer.decode().partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 503"), answer
+        assert json.loads(payload)["error"]["code"] == "aborted"
+        assert s.proc.wait(30) == 0, s.output()
+        assert "Exception in ASGI application" not in s.output()
+    finally:
+        s.stop()
+
+
 def test_drain_aborts_count_as_aborted():
     from diffgraph.server.app import _outcome
     from diffgraph.server.protocol import APIError

@@ -40,7 +40,7 @@ def _show(value: Any) -> str:
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and abs(int(value)).bit_length() > 80:
         digits = int(abs(int(value)).bit_length() * math.log10(2)) + 1
         return f"{'-' if value < 0 else ''}(an integer of about {digits} digits)"
-    text = str(value)
+    text = str(value) if isinstance(value, (int, float, np.integer, np.floating)) else repr(value)
     return text if len(text) <= 24 else f"{text[:20]}..."
 
 

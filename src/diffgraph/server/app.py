@@ -68,6 +68,7 @@ class ServerState:
         self.engine: Any = None
         self.error: str | None = None      # why the engine could not be built
         self.draining = False
+        self.drain_aborted = False  # the drain timeout passed: in-flight requests were aborted
         self.inflight = 0
         self.jobs: dict[str, Job] = {}
         self.created = int(time.time())
@@ -122,7 +123,8 @@ class ServerState:
         self.draining = True
 
     def abort_all(self) -> None:
-        """Aborts every request in flight (the drain timeout passed)."""
+        """Aborts every request in flight (the drain timeout passed); any submitted later is refused."""
+        self.drain_aborted = True
         for rid in list(self.jobs):
             self.engine.abort(rid)
 
@@ -151,6 +153,9 @@ class Job:
                 pass
 
         on_progress = (lambda rid, step, total: put(ProgressEvent(rid, step, total))) if progress else None
+        if state.drain_aborted:  # its body finished arriving after the drain timeout's aborts
+            raise APIError(503, "the server shut down before this request started; retry on another replica",
+                           code="aborted")
         try:
             self.future: Future = state.engine.submit(request, on_progress=on_progress)
         except QueueFullError as e:
@@ -381,6 +386,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         except ClientGone:
             state.metrics.observe_request("aborted")
             return Response(status_code=499)
+        except asyncio.CancelledError:  # the process is exiting under this request: it still gets one outcome
+            state.metrics.observe_request("aborted")
+            raise
         finally:
             if not streaming:
                 _leave()
