@@ -115,7 +115,7 @@ class GraphConfig:
     def __post_init__(self) -> None:
         if isinstance(self.prewarm, str):  # "all" | "none" | "512x512@1/2,..." as on the command line
             object.__setattr__(self, "prewarm", parse_prewarm(self.prewarm))
-        if self.prewarm is True or self.prewarm is False:
+        if isinstance(self.prewarm, bool):
             return
         if not isinstance(self.prewarm, (tuple, list)) or not all(
                 isinstance(k, (tuple, list)) and len(k) == 3 and all(isinstance(v, int) for v in k)
@@ -133,11 +133,10 @@ class GraphConfig:
     def check_prewarm(self, resolutions: tuple[tuple[int, int], ...]) -> None:
         """Every prewarm key must be at one of the graphed resolutions (the model's native size when
         `resolutions` is empty: the worker checks then)."""
-        if self.prewarm is not True and self.prewarm is not False:
-            for h, w, _ in self.prewarm:
-                if (h, w) not in resolutions:
-                    raise ValueError(f"prewarm {w}x{h} is not among the graphed resolutions "
-                                     f"({','.join(f'{rw}x{rh}' for rh, rw in resolutions)}); add it to resolutions")
+        for h, w, _ in () if isinstance(self.prewarm, bool) else self.prewarm:
+            if (h, w) not in resolutions:
+                raise ValueError(f"prewarm {w}x{h} is not among the graphed resolutions "
+                                 f"({','.join(f'{rw}x{rh}' for rh, rw in resolutions)}); add it to resolutions")
 
     @property
     def max_bucket(self) -> int:
