@@ -36,12 +36,13 @@ def test_models_lists_presets(capsys):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--width", "100"], "width 100 is not a multiple of 8; use 96 or 104"),
-    (["--steps", "0"], "num_inference_steps 0 is out of range"),
-    (["--sampler", "plms"], "sampler 'plms' is unknown; allowed: euler, euler_a, dpmpp_2m, ddim"),
-    (["--schedule", "cosine"], "schedule 'cosine' is unknown"),
-    (["--guidance", "-1"], "guidance_scale -1.0 is out of range"),
-    (["-n", "17"], "num_images 17 is out of range"),
+    (["--width", "100"], "--width 100 is not a multiple of 8; use 96 or 104"),
+    (["--steps", "0"], "--steps 0 is out of range"),
+    (["--sampler", "plms"], "--sampler 'plms' is unknown; allowed: euler, euler_a, dpmpp_2m, ddim"),
+    (["--schedule", "cosine"], "--schedule 'cosine' is unknown"),
+    (["--guidance", "-1"], "--guidance -1.0 is out of range"),
+    (["-n", "17"], "-n/--num-images 17 is out of range"),
+    (["--device", "tpu"], "--device 'tpu' is not understood; use cpu, cuda or cuda:N"),
     (["--model", "random:nope"], "neither a local folder nor a known preset; supported:"),
     (["-o", "out.gif"], "must end in .png"),
 ])
@@ -52,6 +53,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     assert rc == 2
     assert needle in err
     assert len(err.splitlines()) == 1
+
+
+def test_empty_prompt_is_refused_as_the_server_refuses_it(tmp_path, capsys):
+    assert main(["generate", "  ", "--model", "random:tiny", "-o", str(tmp_path / "x.png")]) == 2
+    assert "the prompt is empty; describe the image to generate" in capsys.readouterr().err
 
 
 def test_console_script_runs_as_module(tmp_path):

@@ -73,7 +73,7 @@ def test_abort_frees_rows():
 
 def test_failing_step_fails_only_its_batch():
     with Engine(model="random:tiny", device="cpu", max_wait_ms=50) as e:
-        real = e.worker.step
+        real = e.runner.step
         calls = {"n": 0}
 
         def flaky(key, n, coefs, noise=None):
@@ -82,7 +82,7 @@ def test_failing_step_fails_only_its_batch():
                 raise RuntimeError("simulated CUDA error")
             return real(key, n, coefs, noise)
 
-        e.worker.step = flaky
+        e.runner.step = flaky
         bad = [e.submit(e.make_request("x", height=96, num_inference_steps=3, seed=i)) for i in range(2)]
         good = [e.submit(e.make_request("y", num_inference_steps=3, seed=i)) for i in range(2)]
         for f in bad:
@@ -242,7 +242,7 @@ def test_a_dead_loop_is_not_ready_and_refuses_work(monkeypatch):
     fut = e.submit(e.make_request("x", num_inference_steps=2, seed=1))
     with pytest.raises(RuntimeError, match=re.escape("the engine loop stopped after an internal error (see the log)")):
         fut.result(timeout=60)
-    e._thread.join(timeout=60)
+    e.core._thread.join(timeout=60)
     assert not e.ready
     with pytest.raises(RuntimeError, match="loop stopped after an internal error"):
         e.submit(e.make_request("y", num_inference_steps=2, seed=2))
@@ -251,14 +251,14 @@ def test_a_dead_loop_is_not_ready_and_refuses_work(monkeypatch):
 
 def test_failed_admission_fails_only_that_request():
     with Engine(model="random:tiny", device="cpu", max_wait_ms=100) as e:
-        real = e.worker.encode
+        real = e.runner.encode
 
         def picky(prompts):
             if "poison" in prompts:
                 raise RuntimeError("tokenizer rejected the text")
             return real(prompts)
 
-        e.worker.encode = picky
+        e.runner.encode = picky
         good = e.submit(e.make_request("fine", num_inference_steps=3, seed=1))
         bad = e.submit(e.make_request("poison", num_inference_steps=3, seed=2))
         with pytest.raises(ValueError, match="could not be admitted: RuntimeError: tokenizer rejected"):
@@ -272,7 +272,7 @@ def test_failing_readback_fails_only_the_finished_requests(monkeypatch):
     """Reading a finished request's latents back (or decoding them) fails: that request gets an EngineStepError,
     the requests still denoising go on, and the loop keeps serving."""
     with Engine(model="random:tiny", device="cpu") as e:
-        real = e.worker.read_latents
+        real = e.runner.read_latents
         calls = []
 
         def read_once_broken(*args):
@@ -281,7 +281,7 @@ def test_failing_readback_fails_only_the_finished_requests(monkeypatch):
                 raise RuntimeError("CUDA out of memory (simulated)")
             return real(*args)
 
-        monkeypatch.setattr(e.worker, "read_latents", read_once_broken)
+        monkeypatch.setattr(e.runner, "read_latents", read_once_broken)
         long = e.submit(e.make_request("long", num_inference_steps=40, seed=2))
         short = e.submit(e.make_request("short", num_inference_steps=3, seed=1))
         with pytest.raises(EngineStepError, match="decoding failed: RuntimeError: CUDA out of memory"):
@@ -305,9 +305,9 @@ def test_tiny_prompt_cache_and_released_sizes():
                    for i in range(6)]
         assert all(f.result(timeout=60).arrays.shape[0] == 1 for f in futures)
         deadline = time.time() + 10
-        while e.worker.groups and time.time() < deadline:  # idle groups give their buffers back
+        while e.runner.groups and time.time() < deadline:  # idle groups give their buffers back
             time.sleep(0.01)
-        assert e.worker.groups == {}
+        assert e.runner.groups == {}
 
 
 def test_bucket_growth_policy_keeps_every_image(tiny_engine):

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from diffgraph.config import GraphConfig, parse_buckets, parse_resolutions
-from diffgraph.engine.worker import Worker
+from diffgraph.engine.model_runner import ModelRunner
+from diffgraph.models.families.base import select_row
 from diffgraph.graphs.graphed_unet import GraphedUNet
 
 
@@ -23,22 +24,21 @@ def test_bucket_choice():
 @pytest.fixture()
 def emulated_worker(tiny_engine):
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
-    return Worker(tiny_engine.model, mode="graph", graphs=cfg)
+    return ModelRunner(tiny_engine.model, mode="graph", graphs=cfg)
 
 
 def _fill(worker, key, n, seed):
     g = torch.Generator().manual_seed(seed)
     lat = torch.randn((n, *worker.latent_shape(key)), generator=g)
     cond = worker.encode(["a cat"] * n)
-    uncond = worker.encode_negative([None] * n)
+    uncond = worker.adapter.negative(worker.model, worker.encode([""] * n), [None] * n)
     for i in range(n):
-        worker.write_rows(key, i, lat[i:i + 1], cond.select(i), uncond.select(i), 7.5)
+        worker.write_rows(key, i, lat[i:i + 1], select_row(cond, i), select_row(uncond, i), 7.5)
     return lat
 
 
 def _coefs(worker, n, step=3):
-    from diffgraph.sampling.samplers import make_plan
-    plan = make_plan(worker.noise_schedule, "dpmpp_2m", "karras", 10)
+    plan = worker.plan_for("dpmpp_2m", "karras", 10)
     return np.repeat(plan.coefs[step][None], n, 0)
 
 
@@ -49,15 +49,15 @@ def test_padding_rows_never_change_live_rows(emulated_worker, tiny_engine):
     buf = emulated_worker.buffers(key)
     buf.x[3] = 1e6
     buf.d_prev[3] = -1e6
-    buf.cond[3] = buf.cond[0] * 3
-    eager = Worker(tiny_engine.model, mode="eager")
+    buf.cond["embeds"][3] = buf.cond["embeds"][0] * 3
+    eager = ModelRunner(tiny_engine.model, mode="eager")
     _fill(eager, key, 3, seed=0)
     assert emulated_worker.step(key, 3, _coefs(emulated_worker, 3), None) is True
     assert eager.step(key, 3, _coefs(eager, 3), None) is False
     # batch 4 vs 3 changes CPU matmul blocking: equal up to float rounding
     torch.testing.assert_close(emulated_worker.buffers(key).x[:3], eager.buffers(key).x[:3], atol=1e-5, rtol=0)
     assert torch.isfinite(buf.x[3]).all() and float(buf.x[3].abs().max()) == 0.0
-    table = {(r["kind"], r["bucket"]): r for r in emulated_worker.runner.table()}
+    table = {(r["kind"], r["bucket"]): r for r in emulated_worker.graph_runner.table()}
     assert table[("step", 4)]["replays"] == 1 and table[("step", 4)]["status"] == "captured"
     assert table[("step", 1)]["status"] == "pending"  # captured on first use only
 
@@ -66,14 +66,35 @@ def test_uncovered_shapes_run_eagerly_and_are_counted(emulated_worker):
     key = (64, 96)  # not a configured resolution
     _fill(emulated_worker, key, 2, seed=1)
     assert emulated_worker.step(key, 2, _coefs(emulated_worker, 2), None) is False
-    _fill(emulated_worker, (64, 64), 5, seed=1)  # more rows than the largest bucket
-    assert emulated_worker.step((64, 64), 5, _coefs(emulated_worker, 5), None) is False
-    rows = [r for r in emulated_worker.runner.table() if r["status"] == "uncovered"]
-    assert {(r["height"], r["width"], r["eager_fallbacks"]) for r in rows} == {(64, 96, 1), (64, 64, 1)}
+    rows = [r for r in emulated_worker.graph_runner.table() if r["status"] == "uncovered"]
+    assert {(r["height"], r["width"], r["eager_fallbacks"]) for r in rows} == {(64, 96, 1)}
+    # more rows than the largest bucket cannot happen in graph mode: the runner holds at most that many rows
+    assert emulated_worker.max_rows == 4 and emulated_worker.buffers((64, 64)).num_rows == 4
+
+
+def test_max_rows_is_the_largest_bucket_and_never_more(tiny_engine):
+    """Engine(graphs=GraphConfig(batch_buckets=(1, 2, 4))) never runs more than 4 rows in a step (it used to admit
+    16 and run 9 of them eagerly)."""
+    from diffgraph import Engine
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated", prewarm=False)
+    with pytest.raises(ValueError, match="above the largest batch bucket 4"):
+        ModelRunner(tiny_engine.model, mode="graph", graphs=cfg, max_rows=16)
+    with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as e:
+        sizes = []
+        e.step_listeners.append(lambda plan, seconds: sizes.append(plan.n_rows))
+        futures = [e.submit(e.make_request("a cat", num_images=n, num_inference_steps=3, seed=i))
+                   for i, n in enumerate((3, 2, 4, 1, 1))]
+        results = [f.result() for f in futures]
+        with pytest.raises(ValueError, match="num_images 5 exceeds this engine's largest batch bucket 4"):
+            e.make_request("a cat", num_images=5)
+    assert [len(r) for r in results] == [3, 2, 4, 1, 1]
+    assert sizes and max(sizes) <= 4 and sum(sizes) == 3 * 11
+    table = {(r["kind"], r["bucket"]): r for r in e.graph_table()}
+    assert sum(r["replays"] for k, r in table.items() if k[0] == "step") == len(sizes)  # every step a replay
 
 
 def test_capture_failure_falls_back_and_keeps_serving(emulated_worker, monkeypatch, tiny_engine):
-    runner = emulated_worker.runner
+    runner = emulated_worker.graph_runner
     real = runner._capture_emulated
 
     def failing(g, key, stats):
@@ -84,7 +105,7 @@ def test_capture_failure_falls_back_and_keeps_serving(emulated_worker, monkeypat
     monkeypatch.setattr(runner, "_capture_emulated", failing)
     key = (64, 64)
     _fill(emulated_worker, key, 2, seed=2)
-    eager = Worker(tiny_engine.model, mode="eager")
+    eager = ModelRunner(tiny_engine.model, mode="eager")
     _fill(eager, key, 2, seed=2)
     for _ in range(2):
         assert emulated_worker.step(key, 2, _coefs(emulated_worker, 2), None) is False
@@ -99,9 +120,9 @@ def test_capture_failure_falls_back_and_keeps_serving(emulated_worker, monkeypat
 
 def test_verify_records_difference(tiny_engine):
     cfg = GraphConfig(batch_buckets=(2,), resolutions=((64, 64),), backend="emulated", verify=True)
-    w = Worker(tiny_engine.model, mode="graph", graphs=cfg)
+    w = ModelRunner(tiny_engine.model, mode="graph", graphs=cfg)
     w.prewarm()
-    rows = {(r["kind"], r["bucket"]): r for r in w.runner.table()}
+    rows = {(r["kind"], r["bucket"]): r for r in w.graph_runner.table()}
     assert rows[("step", 2)]["verify_max_abs"] == 0.0
     assert rows[("text", 2)]["status"] == "captured" and rows[("vae", 2)]["status"] == "captured"
 

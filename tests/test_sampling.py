@@ -49,7 +49,10 @@ CONFIGS = {
 STEPS = (1, 2, 10, 20, 50)
 SHAPE = (2, 4, 8, 8)
 TOL = 1e-5
-ULPS = 4  # allowed float32 rounding, in units of the largest latent's last place, where that exceeds TOL
+# allowed float32 rounding, in units of the largest latent's last place, where that exceeds TOL. 8, not 4: with
+# torch 2.13 on this CPU, ddim/karras/linspace at one step differs by 5.7e-5 at a largest value of ~82 (6 ulps; also
+# at ff9cc93, before any change of ours): diffusers divides by sqrt(alpha) in a different order than our coefficients
+ULPS = 8
 
 
 def fake_model(x: torch.Tensor, t: float) -> torch.Tensor:
@@ -226,9 +229,9 @@ def test_rows_of_different_plans_batch_like_alone():
     [
         ("heun", "default", 10, ["sampler 'heun'", "euler, euler_a, dpmpp_2m, ddim"]),
         ("euler", "exponential", 10, ["schedule 'exponential'", "default, karras"]),
-        ("euler", "default", 0, ["num_steps 0", "1..1000"]),
-        ("euler", "default", 1001, ["num_steps 1001", "1..1000"]),
-        ("euler", "default", 2.5, ["num_steps 2.5", "1..1000"]),
+        ("euler", "default", 0, ["num_steps 0", "1..200"]),
+        ("euler", "default", 201, ["num_steps 201", "1..200"]),  # MAX_STEPS, the one bound (request.py too)
+        ("euler", "default", 2.5, ["num_steps 2.5", "1..200"]),
     ],
 )
 def test_bad_arguments_name_the_allowed_values(sampler, schedule, steps, words):

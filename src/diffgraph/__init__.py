@@ -6,13 +6,15 @@ UNet graphs for stock diffusers pipelines), `load_model` (presets and local diff
 """
 
 from .config import GraphConfig
-from .engine.async_engine import AsyncEngine, ProgressEvent
-from .engine.engine import Engine, EngineStepError
-from .engine.scheduler import QueueFullError, RequestAborted
+from .engine.async_engine import AsyncEngine
+from .engine.client import EngineClient
+from .engine.engine import Engine
 from .graphs.graphed_unet import GraphedUNet
 from .models.loader import load_model
-from .request import GenerationRequest, GenerationResult
+from .request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ParamError, ProgressEvent,
+                      QueueFullError, RequestAborted)
 
-__all__ = ["AsyncEngine", "Engine", "EngineStepError", "GenerationRequest", "GenerationResult",
-           "GraphConfig", "GraphedUNet", "ProgressEvent", "QueueFullError", "RequestAborted", "load_model"]
+__all__ = ["AsyncEngine", "Engine", "EngineClient", "EngineClosed", "EngineStepError", "GenerationRequest",
+           "GenerationResult", "GraphConfig", "GraphedUNet", "ParamError", "ProgressEvent", "QueueFullError",
+           "RequestAborted", "load_model"]
 __version__ = "0.1.0"

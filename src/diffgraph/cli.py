@@ -85,22 +85,38 @@ def _output_paths(output: str, n: int) -> list[str]:
     return [output] if n == 1 else [f"{root}-{i}{ext}" for i in range(n)]
 
 
+# GenerationRequest parameter -> the flag that sets it: errors name what the user typed
+FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width": "--width", "height": "--height",
+         "num_inference_steps": "--steps", "guidance_scale": "--guidance", "sampler": "--sampler",
+         "schedule": "--schedule", "seed": "--seed", "num_images": "-n/--num-images", "device": "--device",
+         "mode": "--mode"}
+
+
+def _flag_error(e: ValueError) -> _ArgError:
+    """A ParamError in the words of the command line: the parameter's name becomes its flag."""
+    message, param = str(e), getattr(e, "param", None)
+    if param in FLAGS and message.startswith(param):
+        message = FLAGS[param] + message[len(param):]
+    return _ArgError(message)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine.engine import Engine
-
-    from .request import GenerationRequest
+    from .request import GenerationRequest, ParamError
 
     paths = _output_paths(args.output, args.num_images if args.num_images > 0 else 1)
-    # Validate before loading the model: bad input fails fast, with one line, whatever the model's size.
-    GenerationRequest.create(
-        args.prompt, negative_prompt=args.negative_prompt, width=args.width or 512, height=args.height or 512,
-        num_inference_steps=args.steps, guidance_scale=7.5 if args.guidance is None else args.guidance,
-        sampler=args.sampler, schedule=args.schedule, seed=args.seed, num_images=args.num_images)
-    engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype)
-    result = engine.generate(
-        args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
-        num_inference_steps=args.steps, guidance_scale=args.guidance, sampler=args.sampler,
-        schedule=args.schedule, seed=args.seed, num_images=args.num_images)
+    params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
+                  schedule=args.schedule, seed=args.seed, num_images=args.num_images)
+    try:
+        # the one validation, before loading the model: bad input fails fast, whatever the model's size
+        GenerationRequest.create(args.prompt, width=args.width or 512, height=args.height or 512,
+                                 guidance_scale=7.5 if args.guidance is None else args.guidance, **params)
+        engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype)
+        request = engine.make_request(args.prompt, width=args.width, height=args.height,
+                                      guidance_scale=args.guidance, **params)
+    except ParamError as e:
+        raise _flag_error(e) from None
+    result = engine.run(request)
     for image, path in zip(result.images, paths):
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -151,7 +167,7 @@ def _info(args: argparse.Namespace) -> int:
             print(f"{r['kind']:5} {size:>9} {r['bucket']:>6} {r['status']:9} {r['capture_ms']:10.0f} "
                   f"{r['pool_mib_added']:9.1f} {r['replays']:7d} {r['eager_fallbacks']:5d} {verify:>9}"
                   + (f"  {r['error']}" if r["error"] else ""))
-        print(f"graph pool: {engine.worker.runner.pool_mib():.0f} MiB")
+        print(f"graph pool: {sum(r['pool_mib_added'] for r in table):.0f} MiB")
     return 0
 
 

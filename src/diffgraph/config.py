@@ -11,7 +11,7 @@ from .request import MAX_SIZE, MIN_SIZE
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")  # models/loader.py maps them to torch
-MAX_BUCKET = 256  # rows of the largest batch bucket (the worker's buffers are sized for it)
+MAX_BUCKET = 256  # rows of the largest batch bucket (the model runner's buffers are sized for it)
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:
@@ -132,7 +132,7 @@ class GraphConfig:
 
     def check_prewarm(self, resolutions: tuple[tuple[int, int], ...]) -> None:
         """Every prewarm key must be at one of the graphed resolutions (the model's native size when
-        `resolutions` is empty: the worker checks then)."""
+        `resolutions` is empty: the model runner checks then)."""
         for h, w, _ in () if isinstance(self.prewarm, bool) else self.prewarm:
             if (h, w) not in resolutions:
                 raise ValueError(f"prewarm {w}x{h} is not among the graphed resolutions "

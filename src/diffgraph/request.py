@@ -1,13 +1,16 @@
-"""Generation requests (validated parameters) and their results.
+"""Generation requests (validated once), progress events, results, and the errors an engine answers with.
 
-A `GenerationRequest` checks its parameters whenever one is made (`create(...)`, the constructor,
-`dataclasses.replace`): every error is a ValueError that names the parameter, the value and what is
-allowed. The engine, CLI and server build requests through `create`, which also draws a seed.
+This is the one request object from validation to delivery: the HTTP edge, the CLI and the Python facade
+build a `GenerationRequest` (`create(...)` draws a seed and applies the model's defaults; every construction,
+`dataclasses.replace` included, is checked), the scheduler wraps it in its per-request state, and the result
+carries it back. Every parameter error is a `ParamError(ValueError)` whose `param` names the parameter as
+spelled here, so the HTTP layer maps it to its body field and the CLI to its flag without re-checking.
+Everything here is plain picklable data (no tensors, no futures), so requests, events and results can cross
+a process boundary unchanged. Sizes are (height, width) inside; "WxH" strings exist only at the edges.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import secrets
 from dataclasses import dataclass, field
@@ -15,17 +18,47 @@ from typing import Any
 
 import numpy as np
 
-from .sampling.schedules import SAMPLERS, SCHEDULES
+from .sampling.schedules import MAX_STEPS, SAMPLERS, SCHEDULES
 
+GroupKey = tuple[int, int]  # (height, width) in pixels: the resolution group a request's rows run in
 MIN_SIZE = 64
 MAX_SIZE = 2048
-MAX_STEPS = 200
 MAX_IMAGES = 16
 MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 
-_ids = itertools.count()
+
+class ParamError(ValueError):
+    """A request parameter is invalid. `param` names it as GenerationRequest spells it (num_images, width, ...);
+    the message names the value and what is allowed."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # picklable with both arguments (across a replica process boundary)
+        return (type(self), (self.param, str(self)))
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_queue requests; the caller should retry later (HTTP 429)."""
+
+
+class RequestAborted(RuntimeError):
+    """The request was aborted before it finished."""
+
+
+class EngineStepError(RuntimeError):
+    """A denoising step (or the decode) failed; every request of that batch gets this error."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is closed, or its loop stopped after an internal error: it takes no new requests."""
+
+
+def _new_id() -> str:
+    return f"req-{secrets.token_hex(8)}"
 
 
 def _nearest_multiples(value: int, base: int = 8) -> str:
@@ -46,23 +79,24 @@ def _show(value: Any) -> str:
 
 def _check_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer number of pixels, got {_show(value)}")
+        raise ParamError(name, f"{name} must be an integer number of pixels, got {_show(value)}")
     value = int(value)
     if not MIN_SIZE - 8 < value < MAX_SIZE + 8:
-        raise ValueError(f"{name} {_show(value)} is outside the supported range {MIN_SIZE}..{MAX_SIZE} "
-                         "(multiples of 8)")
+        raise ParamError(name, f"{name} {_show(value)} is outside the supported range {MIN_SIZE}..{MAX_SIZE} "
+                               "(multiples of 8)")
     if value % 8:
-        raise ValueError(f"{name} {value} is not a multiple of 8; use {_nearest_multiples(value)}")
+        raise ParamError(name, f"{name} {value} is not a multiple of 8; use {_nearest_multiples(value)}")
     if not MIN_SIZE <= value <= MAX_SIZE:
-        raise ValueError(f"{name} {value} is outside the supported range {MIN_SIZE}..{MAX_SIZE} (multiples of 8)")
+        raise ParamError(name, f"{name} {value} is outside the supported range {MIN_SIZE}..{MAX_SIZE} "
+                               "(multiples of 8)")
     return value
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer in {low}..{high}, got {_show(value)}")
+        raise ParamError(name, f"{name} must be an integer in {low}..{high}, got {_show(value)}")
     if not low <= int(value) <= high:
-        raise ValueError(f"{name} {_show(value)} is out of range; allowed: {low}..{high}")
+        raise ParamError(name, f"{name} {_show(value)} is out of range; allowed: {low}..{high}")
     return int(value)
 
 
@@ -81,39 +115,45 @@ class GenerationRequest:
     seed: int
     num_images: int
     output_format: str | None = None  # "png" | "jpeg" | "webp": also return encoded bytes
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    request_id: str = field(default_factory=_new_id)
 
     def __post_init__(self) -> None:
         """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are
         stored as plain Python ints and floats."""
         prompt, negative_prompt = self.prompt, self.negative_prompt
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            raise ParamError("prompt", f"prompt must be a string, got {type(prompt).__name__}")
         if negative_prompt is not None and not isinstance(negative_prompt, str):
-            raise ValueError(f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}")
+            raise ParamError("negative_prompt",
+                             f"negative_prompt must be a string or None, got {type(negative_prompt).__name__}")
         for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt or "")):
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"{name} is not valid text: it holds an unpaired surrogate at character {e.start}; "
-                                 "send UTF-8 text") from None
+                raise ParamError(name, f"{name} is not valid text: it holds an unpaired surrogate at character "
+                                       f"{e.start}; send UTF-8 text") from None
+        if not prompt.strip():
+            raise ParamError("prompt", "prompt is empty; describe the image to generate")
         guidance_scale = self.guidance_scale
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
-            raise ValueError(f"guidance_scale must be a number >= 0, got {_show(guidance_scale)}")
+            raise ParamError("guidance_scale", f"guidance_scale must be a number >= 0, got {_show(guidance_scale)}")
         try:
             guidance = float(guidance_scale)
         except OverflowError:  # an int too large for a float
             guidance = math.inf
         if not (0 <= guidance <= MAX_GUIDANCE):  # NaN fails this too
-            raise ValueError(f"guidance_scale {_show(guidance_scale)} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
+            raise ParamError("guidance_scale",
+                             f"guidance_scale {_show(guidance_scale)} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
         if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler {self.sampler!r} is unknown; allowed: {', '.join(SAMPLERS)}")
+            raise ParamError("sampler", f"sampler {_show(self.sampler)} is unknown; allowed: {', '.join(SAMPLERS)}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule {self.schedule!r} is unknown; allowed: {', '.join(SCHEDULES)}")
+            raise ParamError("schedule",
+                             f"schedule {_show(self.schedule)} is unknown; allowed: {', '.join(SCHEDULES)}")
         if self.output_format is not None and self.output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"output_format {self.output_format!r} is unknown; allowed: {', '.join(OUTPUT_FORMATS)}")
+            raise ParamError("output_format", f"output_format {_show(self.output_format)} is unknown; allowed: "
+                                              f"{', '.join(OUTPUT_FORMATS)}")
         if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+            raise ParamError("request_id", f"request_id must be a non-empty string, got {self.request_id!r}")
         checked = {"width": _check_size("width", self.width), "height": _check_size("height", self.height),
                    "num_inference_steps": _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS),
                    "guidance_scale": guidance, "seed": _check_int("seed", self.seed, 0, MAX_SEED),
@@ -122,38 +162,84 @@ class GenerationRequest:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any, height: Any,
-               num_inference_steps: Any, guidance_scale: Any, sampler: Any, schedule: Any,
-               seed: Any = None, num_images: Any = 1, output_format: Any = None,
-               request_id: str | None = None) -> "GenerationRequest":
-        """A request from user parameters: a random seed when none is given, every value checked."""
+    def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
+               num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = "euler",
+               schedule: Any = "default", seed: Any = None, num_images: Any = 1, output_format: Any = None,
+               request_id: str | None = None, model: "ModelInfo | None" = None) -> "GenerationRequest":
+        """A request from user parameters: a random seed when none is given, the model's native size and
+        guidance where those are not given, every value checked (and `num_images` against the engine's rows)."""
+        if model is None and (width is None or height is None or guidance_scale is None):
+            raise ParamError(None, "width, height and guidance_scale are needed when no model gives defaults")
         if seed is None:
             seed = secrets.randbelow(2**31)
         kwargs = {} if request_id is None else {"request_id": str(request_id)}
-        return cls(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
-                   num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, sampler=sampler,
-                   schedule=schedule, seed=seed, num_images=num_images, output_format=output_format, **kwargs)
+        request = cls(prompt=prompt, negative_prompt=negative_prompt,
+                      width=model.native_size if width is None else width,
+                      height=model.native_size if height is None else height,
+                      num_inference_steps=num_inference_steps,
+                      guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
+                      sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
+                      output_format=output_format, **kwargs)
+        if model is not None and request.num_images > model.max_rows:
+            raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest batch "
+                                           f"bucket {model.max_rows}")
+        return request
+
+    @property
+    def key(self) -> GroupKey:
+        """The resolution group of the request's rows: (height, width)."""
+        return (self.height, self.width)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an engine client tells about the model it serves (the defaults requests are built with)."""
+
+    name: str
+    family: str
+    native_size: int
+    default_guidance: float
+    max_rows: int        # the largest batch bucket: the most images one request may ask for
+    mode: str            # "graph" | "eager"
+    device: str
+    ready_s: float = 0.0  # load to ready (prewarm graphs captured), seconds
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One denoising step of a request done: `step` of `total`."""
+
+    request_id: str
+    step: int
+    total: int
 
 
 @dataclass
 class GenerationResult:
-    """What a request gets back: PIL images, their float pixels in [0, 1] (n, H, W, 3), the seed, timings (ms)."""
+    """What a request gets back: float pixels in [0, 1] (n, H, W, 3), the images encoded in the request's
+    output_format (when it has one), the seed and timings (ms). Reads as the list of its PIL images
+    (`images[0].save(...)`), which are made from the pixels on first use, as diffusers' numpy_to_pil rounds."""
 
     request_id: str
-    images: list[Any]
     arrays: np.ndarray
     seed: int
     timings: dict[str, float]
     request: GenerationRequest
-    encoded: list[bytes] | None = None  # the images in request.output_format, when one was asked for
+    encoded: list[bytes] | None = None
+    _images: list[Any] | None = field(default=None, repr=False, compare=False)
 
-    # A result reads as the list of its images: `images = engine.generate(...)`, `images[0].save(...)`.
+    @property
+    def images(self) -> list[Any]:
+        if self._images is None:
+            from PIL import Image
+            self._images = [Image.fromarray(a) for a in (self.arrays * 255).round().astype("uint8")]
+        return self._images
+
     def __len__(self) -> int:
-        return len(self.images)
+        return len(self.arrays)
 
     def __iter__(self):
         return iter(self.images)
 
     def __getitem__(self, index: int):
         return self.images[index]
-

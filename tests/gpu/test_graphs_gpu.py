@@ -1,6 +1,7 @@
 """GPU tests (marker `gpu`, skipped without CUDA): graph replays against eager, isolation of rows,
 padding, capture failure, GraphedUNet in a stock pipeline, memory over 1000 replays."""
 
+import os
 import threading
 
 import numpy as np
@@ -10,6 +11,9 @@ import torch
 from diffgraph import Engine, GraphConfig, GraphedUNet
 
 pytestmark = pytest.mark.gpu
+# the device every engine and tensor of this module uses: DIFFGRAPH_TEST_DEVICE=cuda:1 runs it all on the second
+# GPU (tests/gpu/test_device_affinity.py checks that nothing then touches the first)
+DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
 
 REPORT = {}
 
@@ -17,15 +21,15 @@ REPORT = {}
 @pytest.fixture(scope="module")
 def sd15():
     cfg = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), resolutions=((512, 512), (768, 512)), prewarm=False)
-    engine = Engine(model="random:sd15", device="cuda", dtype="fp16", mode="graph", graphs=cfg)
+    engine = Engine(model="random:sd15", device=DEVICE, dtype="fp16", mode="graph", graphs=cfg)
     yield engine
     engine.close()
 
 
 def test_replay_equals_eager_every_bucket_two_resolutions(sd15):
-    runner = sd15.worker.runner
+    runner = sd15.runner.graph_runner
     for (h, w) in ((512, 512), (768, 512)):
-        sd15.worker.buffers((h, w))
+        sd15.runner.buffers((h, w))
         for b in (16, 8, 4, 2, 1):
             key = ("step", h, w, b)
             runner.config = GraphConfig(**{**runner.config.__dict__, "verify": True})
@@ -37,14 +41,14 @@ def test_replay_equals_eager_every_bucket_two_resolutions(sd15):
 
 
 def test_text_and_vae_graphs_match_eager(sd15):
-    w = sd15.worker
+    w = sd15.runner
     prompts = ["a red fox", "a blue car", ""]
     graphed = w.encode(prompts)
-    eager = w.encoder.encode(prompts)
-    text_diff = float((graphed.embeds.float() - eager.embeds.float()).abs().max())
-    lat = torch.randn((3, 4, 64, 64), device="cuda")
+    eager = w.adapter.encode(w.model, prompts)
+    text_diff = float((graphed["embeds"].float() - eager["embeds"].float()).abs().max())
+    lat = torch.randn((3, 4, 64, 64), device=DEVICE)
     img_graph = w.decode((512, 512), lat)
-    img_eager = w.decode_tensor(lat.to(w.model.vae_dtype)).permute(0, 2, 3, 1).float().cpu().numpy()
+    img_eager = w._decode_pixels(lat.to(w.model.vae_dtype)).permute(0, 2, 3, 1).float().cpu().numpy()
     vae_diff = float(np.abs(img_graph - img_eager).max())
     REPORT["text graph max abs"] = text_diff
     REPORT["vae graph max abs"] = vae_diff
@@ -83,22 +87,21 @@ def test_mixed_rows_equal_alone_under_graphs(sd15):
 
 
 def test_padding_rows_never_change_live_rows(sd15):
-    w = sd15.worker
+    w = sd15.runner
     key = (512, 512)
     buf = w.buffers(key)
-    from diffgraph.sampling.samplers import make_plan
-    plan = make_plan(w.noise_schedule, "euler", "default", 10)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    start = torch.randn(buf.x[:3].shape, generator=gen, device="cuda") * 10
+    plan = w.plan_for("euler", "default", 10)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    start = torch.randn(buf.x[:3].shape, generator=gen, device=DEVICE) * 10
     outs = []
     for garbage in (0.0, 1e4):
         buf.x[:3] = start
         buf.d_prev[:3] = 0
         buf.guidance[:3] = 7.5
         buf.x[3] = garbage
-        buf.cond[3] = garbage / 1e3
+        buf.cond["embeds"][3] = garbage / 1e3
         assert w.step(key, 3, np.repeat(plan.coefs[2][None], 3, 0), None)  # bucket 4, replayed
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(DEVICE)
         outs.append(buf.x[:4].clone())
         assert torch.isfinite(buf.x[3]).all()
     assert torch.equal(outs[0][:3], outs[1][:3])
@@ -120,12 +123,12 @@ def test_capture_failure_falls_back_and_keeps_serving():
 
         def forward(self, sample, *args, **kwargs):
             if sample.shape[0] == 4 and torch.cuda.is_current_stream_capturing():
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(DEVICE)
             return self.unet(sample, *args, **kwargs)
 
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), prewarm=False)
-    with Engine(model="random:tiny", device="cuda", mode="graph", graphs=cfg) as graphed, \
-            Engine(model="random:tiny", device="cuda", mode="eager") as eager:
+    with Engine(model="random:tiny", device=DEVICE, mode="graph", graphs=cfg) as graphed, \
+            Engine(model="random:tiny", device=DEVICE, mode="eager") as eager:
         graphed.model.unet = SyncingUNet(graphed.model.unet)
         for n in (2, 1, 2):
             a = graphed.generate("x", num_images=n, num_inference_steps=4, seed=3).arrays
@@ -156,26 +159,57 @@ def test_graphed_unet_in_stock_pipeline_equals_plain(sd15):
 
 
 def test_memory_flat_over_1000_replays(sd15):
-    w = sd15.worker
+    w = sd15.runner
     key = (512, 512)
-    from diffgraph.sampling.samplers import make_plan
-    plan = make_plan(w.noise_schedule, "euler_a", "default", 10)
+    plan = w.plan_for("euler_a", "default", 10)
     coefs = np.repeat(plan.coefs[5][None], 2, 0)
-    noise = [(0, torch.randn((2, 4, 64, 64)))]
+    noise = [(0, 2, torch.Generator().manual_seed(0))]
     w.buffers(key).x[:2] = 0
     for _ in range(10):
         w.step(key, 2, coefs, noise)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(DEVICE)
+    before = torch.cuda.memory_allocated(DEVICE)
     for _ in range(1000):
         w.step(key, 2, coefs, noise)
-    torch.cuda.synchronize()
-    after = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(DEVICE)
+    after = torch.cuda.memory_allocated(DEVICE)
     REPORT["allocated bytes growth over 1000 replays"] = after - before
     assert after == before
 
 
-def test_zz_report():
-    print("\nGPU REPORT")
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    """Prints the measured differences once the module's tests have run (a fixture: it asserts nothing)."""
+    yield
+    print(f"\nGPU REPORT (device {DEVICE})")
     for k, v in REPORT.items():
         print(f"  {k}: {v}")
+
+
+def test_replaced_weights_take_effect_after_invalidate():
+    """A graph holds the weight tensors it was captured with: a module whose parameter is replaced by a new tensor
+    keeps replaying the old one until `invalidate` drops the graphs; in-place copies need nothing."""
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),))
+    with Engine(model="random:tiny", device=DEVICE, mode="graph", graphs=cfg) as graphed, \
+            Engine(model="random:tiny", device=DEVICE, mode="eager") as eager:
+        def both():
+            kw = dict(num_inference_steps=4, seed=5)
+            return graphed.generate("a cat", **kw).arrays, eager.generate("a cat", **kw).arrays
+        a, b = both()
+        assert np.abs(a - b).max() <= 2e-2
+        with torch.no_grad():  # in place, in both engines: the same pointers, the graphs see it at once
+            for e in (graphed, eager):
+                e.model.unet.conv_out.weight.mul_(-1.0)
+        a2, b2 = both()
+        assert np.abs(a2 - b2).max() <= 2e-2 and np.abs(a2 - a).max() > 0.05
+        new = graphed.model.unet.conv_out.weight.detach() * 0.5
+        for e in (graphed, eager):  # a new tensor: the captured graph still reads the old one
+            e.model.unet.conv_out.weight = torch.nn.Parameter(new.clone().to(e.model.device), requires_grad=False)
+        stale, b3 = both()
+        assert np.abs(stale - a2).max() <= 2e-2 and np.abs(b3 - b2).max() > 0.05
+        graphed.invalidate("step")
+        a3, _ = both()
+        assert np.abs(a3 - b3).max() <= 2e-2
+        rows = [r for r in graphed.graph_table() if r["kind"] == "step"]
+        assert all(r["invalidations"] == 1 for r in rows) and sum(r["on_demand"] for r in rows) == 1
+        REPORT["replaced weights after invalidate, graph vs eager max abs"] = float(np.abs(a3 - b3).max())

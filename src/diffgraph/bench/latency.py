@@ -63,16 +63,15 @@ def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profile
     the step's graph replays (the same kernels at the duty cycle of a replay: at large batches the GPU
     then runs at lower clocks than between eager launches). NaN where nothing was recorded."""
     from ..graphs.step import whole_step
-    from ..sampling.samplers import make_plan
 
-    w = engine.worker
+    w = engine.runner
     key = (size, size)
     buf = w.buffers(key)
-    plan = make_plan(w.noise_schedule, "euler", "default", 20)
+    plan = w.plan_for("euler", "default", 20)
     buf.coefs[:images] = torch.as_tensor(plan.coefs[5], dtype=torch.float32, device=buf.x.device)
     if not replayed:
-        return _profiled_kernel_ms(lambda: whole_step(w.model.unet, buf, images), warm, profiled)
-    runner = w.runner
+        return _profiled_kernel_ms(lambda: whole_step(w.denoise_eager, buf, images), warm, profiled)
+    runner = w.graph_runner
     bucket = runner.bucket("step", size, size, images) if runner is not None else None
     if bucket != images:
         return float("nan")
@@ -116,7 +115,7 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     out["graph_capture_by_kind_s"] = {k: sum(r["capture_ms"] for r in table if r["kind"] == k) / 1e3
                                       for k in {r["kind"] for r in table}}
     out["cold_start_graph_s"] = out["load_s"] + out["graph_capture_s"]
-    runner = graph.worker.runner
+    runner = graph.runner.graph_runner
     step_stats = [s for k, s in runner.stats.items() if k[0] == "step"]
     largest = max(step_stats, key=lambda s: s.bucket)
     out["pool_mib_total"] = runner.pool_mib()

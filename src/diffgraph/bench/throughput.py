@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.worker import VAE_BUCKETS
+from ..engine.model_runner import VAE_BUCKETS
 
 MODES = ("step", "request", "off")
 
@@ -82,7 +82,7 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
     errors: list[str] = []
     called: list[int] = []  # done-callbacks that ran (they run after result() waiters wake)
     lock = threading.Lock()
-    engine.step_events = []
+    engine.core.step_events = []
     rows0, steps0 = engine.stats["rows_stepped"], engine.stats["steps"]
     t0 = time.perf_counter()
     futures = []
@@ -131,9 +131,9 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
     wait_until = time.perf_counter() + 5.0
     while len(called) < settled and time.perf_counter() < wait_until:  # the last callbacks may still be running
         time.sleep(0.001)
-    events = engine.step_events
-    engine.step_events = None
-    if engine.worker.cuda:
+    events = engine.core.step_events
+    engine.core.step_events = None
+    if engine.runner.cuda:
         torch.cuda.synchronize()
     # GPU idle between consecutive steps while work was waiting (not when the engine had nothing to do)
     gaps = [max(0.0, prev[1].elapsed_time(cur[0])) for prev, cur in zip(events, events[1:]) if not cur[2]]
@@ -161,11 +161,10 @@ def compute_bound_rate(engine, sizes, steps=(20, 30, 50), iters: int = 30) -> di
     """Images/s with the largest bucket full at every step, for the mix's mean steps and sizes: of the
     denoising steps alone, and with every image also decoded in full VAE batches (an image is not done
     before its decode: that is the rate an engine can at best deliver)."""
-    from ..sampling.samplers import make_plan
 
-    w = engine.worker
+    w = engine.runner
     b = w.max_rows
-    plan = make_plan(w.noise_schedule, "euler", "default", 20)
+    plan = w.plan_for("euler", "default", 20)
     step_ms, decode_ms = {}, {}
     for key in sizes:
         buf = w.buffers(key)
@@ -228,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"model": args.model, "sizes": args.sizes, "steps": steps, "samplers": samplers,
                               "compute_bound_images_per_s": rate_cb, "compute_bound": cb, "runs": []}
     print(f"compute-bound rate {rate_cb:.2f} images/s with decode, {cb['steps_only_images_per_s']:.2f} steps only "
-          f"(bucket {engine.worker.max_rows} step ms: {cb['full_bucket_step_ms']}, decode ms per image: "
+          f"(bucket {engine.runner.max_rows} step ms: {cb['full_bucket_step_ms']}, decode ms per image: "
           f"{cb['decode_ms_per_image']})", flush=True)
     defaults = engine.scheduler.config
-    row_step_ms = {key: cb["full_bucket_step_ms"][size_name(key)] / engine.worker.max_rows for key in sizes}
+    row_step_ms = {key: cb["full_bucket_step_ms"][size_name(key)] / engine.runner.max_rows for key in sizes}
     # warm every graph the mix touches before timing
     for size in sizes:
         engine.generate("warm", width=size[1], height=size[0], num_inference_steps=2)

@@ -1,1 +1,1 @@
-"""The engine: worker (device), engine facade."""
+"""The engine: core (the loop), scheduler (CPU), model runner (the device), client protocol, facades."""

@@ -1,75 +1,171 @@
-"""`AsyncEngine`: the engine for asyncio code (the HTTP server).
+"""`AsyncEngine`: the engine for asyncio code, and the in-process `EngineClient` the HTTP server uses.
 
 `await engine.generate(...)` waits without blocking the event loop (cancelling it aborts the request);
 `engine.stream(...)` is an async iterator of `ProgressEvent`s (one per step) ending with the
 `GenerationResult`. Closing the iterator early aborts the request, which frees its rows at the next step:
 `async with contextlib.aclosing(engine.stream(request)) as events:` closes it when the block is left; an
 iterator left unclosed is closed only when it is garbage-collected (Python's rule for async generators).
+`submit` returns a `RequestHandle` (client.py); answers travel from the engine's threads to the event loop
+through one queue per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any, AsyncIterator
+import os
+import threading
+from typing import Any, AsyncIterator, Callable
 
-from ..request import GenerationRequest, GenerationResult
+from ..config import smallest_bucket
+from ..request import GenerationRequest, GenerationResult, ProgressEvent
+from .client import EngineStats, StepEvent
 from .engine import Engine
+from .scheduler import StepPlan
+
+__all__ = ["AsyncEngine", "ProgressEvent"]
+
+_DONE = object()
 
 
-@dataclass(frozen=True)
-class ProgressEvent:
-    request_id: str
-    step: int
-    total: int
+class _Handle:
+    """One request's answers on the event loop: progress events, then ("done", result, error)."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, progress: bool):
+        self.request_id = request.request_id
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._progress = progress
+        self._lock = threading.Lock()
+        self._finished = False
+        self._done = False  # the result or error was taken by the reader
+
+    # RequestSink: called on the engine's threads
+    def progress(self, event: ProgressEvent) -> None:
+        if self._progress:
+            self._put(event)
+
+    def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        self._put((_DONE, result, error))
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    async def next(self) -> ProgressEvent | GenerationResult:
+        """The next progress event, or the result (raising the request's error)."""
+        item = await self._queue.get()
+        if isinstance(item, ProgressEvent):
+            return item
+        _, result, error = item
+        self._done = True
+        if error is not None:
+            raise error
+        return result
+
+    async def events(self) -> AsyncIterator[ProgressEvent | GenerationResult]:
+        try:
+            while True:
+                item = await self.next()
+                yield item
+                if not isinstance(item, ProgressEvent):
+                    return
+        finally:
+            if not self._done:
+                self.abort()
+
+    async def result(self) -> GenerationResult:
+        try:
+            while True:
+                item = await self.next()
+                if not isinstance(item, ProgressEvent):
+                    return item
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+
+    def abort(self) -> bool:
+        return self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
+    """An `Engine` behind the `EngineClient` protocol (client.py)."""
+
     def __init__(self, engine: Engine | None = None, **engine_kwargs: Any):
         self.engine = engine or Engine(**engine_kwargs)
+        self.info = self.engine.info
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready
+
+    @property
+    def ready_s(self) -> float:
+        return self.engine.ready_s
 
     def make_request(self, prompt: Any, **params: Any) -> GenerationRequest:
         return self.engine.make_request(prompt, **params)
+
+    async def submit(self, request: GenerationRequest, progress: bool = False) -> _Handle:
+        handle = _Handle(self.engine, request, progress)
+        self.engine.core.submit(request, handle)
+        return handle
 
     async def generate(self, prompt: Any, **params: Any) -> GenerationResult:
         return await self.run(self.make_request(prompt, **params))
 
     async def run(self, request: GenerationRequest) -> GenerationResult:
-        wrapped = asyncio.wrap_future(self.engine.submit(request))
-        try:
-            return await asyncio.shield(wrapped)
-        except asyncio.CancelledError:
-            # the abort fails the request with RequestAborted, which nobody awaits any more: retrieve it, or
-            # asyncio logs "Future exception was never retrieved" for every cancelled call
-            wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self.engine.abort(request.request_id)
-            raise
+        handle = await self.submit(request)
+        return await handle.result()
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[ProgressEvent | GenerationResult]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def on_progress(rid: str, step: int, total: int) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ProgressEvent(rid, step, total))
-
-        future = self.engine.submit(request, on_progress=on_progress)
-        future.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, f))
-        finished = False
+        handle = await self.submit(request, progress=True)
+        events = handle.events()
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, ProgressEvent):
-                    yield item
-                    continue
-                finished = True
-                yield item.result()  # raises the request's error, if any
-                return
+            async for item in events:
+                yield item
         finally:
-            if not finished:
-                self.engine.abort(request.request_id)
+            await events.aclose()
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
+    def stats(self) -> EngineStats:
+        e = self.engine
+        s = e.stats
+        return EngineStats(ready=e.ready, queue_depth=e.queue_depth(), live_rows=e.live_rows(), steps=s["steps"],
+                           failed_steps=s["failed_steps"], growth_holds=e.core.scheduler.growth_holds,
+                           prompt_cache_hits=s["prompt_cache_hits"], prompt_cache_misses=s["prompt_cache_misses"],
+                           device_memory_bytes=_device_memory_bytes(e), graphs=e.graph_table())
+
+    def graph_table(self) -> list[dict[str, Any]]:
+        return self.engine.graph_table()
+
+    def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
+        buckets = self.engine.runner.graph_config.batch_buckets
+
+        def on_step(plan: StepPlan, seconds: float) -> None:
+            n = plan.n_rows
+            listener(StepEvent(plan.key, n, smallest_bucket(buckets, n) or n, seconds))
+        self.engine.step_listeners.append(on_step)
+
     def close(self) -> None:
         self.engine.close()
+
+
+def _device_memory_bytes(engine: Engine) -> int:
+    """torch.cuda.memory_allocated on a CUDA engine, else this process's resident set size (0 if unknown)."""
+    if engine.runner.cuda:
+        import torch
+        return int(torch.cuda.memory_allocated(engine.runner.device))
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

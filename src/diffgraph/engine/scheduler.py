@@ -1,7 +1,7 @@
-"""The scheduler: which rows run next. CPU only (numpy, no torch), so it is tested with a fake worker.
+"""The scheduler: which rows run next. CPU only (numpy, no torch), so it is tested with a fake runner.
 
 Requests wait in one queue per resolution group. Each iteration `schedule()` picks one group, admits
-waiting requests of that group into free rows at the step boundary (FIFO), and hands the worker a
+waiting requests of that group into free rows at the step boundary (FIFO), and hands the model runner a
 `StepPlan`: row moves that keep live rows contiguous, the admitted requests and their first rows, and
 the coefficient table of every live row for this step. `update()` advances the rows and retires the
 finished requests. Live rows of a group never exceed `max_rows` (the largest batch bucket).
@@ -35,19 +35,14 @@ from typing import Any
 import numpy as np
 
 from ..config import smallest_bucket
+from ..request import GenerationRequest, GroupKey, ParamError, QueueFullError, RequestAborted
 from ..sampling.samplers import NUM_COEFS, SamplerPlan
 
-GroupKey = tuple[int, int]
+__all__ = ["BATCHING_MODES", "MAX_HOLD_MS", "QueueFullError", "RequestAborted", "RequestState", "Scheduler",
+           "SchedulerConfig", "StepPlan"]
+
 BATCHING_MODES = ("step", "request", "off")
 MAX_HOLD_MS = 60_000.0  # the longest max_wait_ms / grow_hold_ms: how long a request may wait for company
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue holds max_queue requests; the caller should retry later (HTTP 429)."""
-
-
-class RequestAborted(RuntimeError):
-    """The request was aborted before it finished."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ class SchedulerConfig:
     max_wait_ms: float = 0.0    # admission into an EMPTY group waits this long for company
     max_queue: int = 256        # waiting requests, all groups together
     max_skips: int = 4          # a group with work is passed over at most this many iterations in a row
-    buckets: tuple[int, ...] = ()   # batch buckets the worker pads to (graphs); () = a step costs its rows
+    buckets: tuple[int, ...] = ()   # batch buckets the model runner pads to (graphs); () = a step costs its rows
     padded: tuple[GroupKey, ...] = ()  # the resolutions whose steps pad to `buckets` (graphed); () = all
     grow_fill: float = 0.85     # step mode: grow into a larger bucket only when filling this fraction of it...
     grow_hold_ms: float = 2000.0  # ...or when the head of the queue has waited this long
@@ -87,7 +82,8 @@ class SchedulerConfig:
 
 @dataclass(eq=False)
 class RequestState:
-    """One request inside the engine. `payload` carries what the engine needs (generator, embeddings)."""
+    """One request inside the engine: the scheduler's bookkeeping around the user's `GenerationRequest`, and
+    the engine's opaque handles for it (where its answer goes, its noise generator once admitted)."""
 
     request_id: str
     key: GroupKey
@@ -97,7 +93,15 @@ class RequestState:
     step: int = 0
     first_row: int = -1
     aborted: bool = False
-    payload: Any = None
+    request: GenerationRequest | None = None
+    sink: Any = None           # the engine core's answer channel (progress, result, error)
+    generator: Any = None      # the request's own noise generator, made at admission
+    admitted_at: float = 0.0
+
+    @classmethod
+    def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None) -> "RequestState":
+        return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
+                   arrival=arrival, request=request, sink=sink)
 
     @property
     def steps(self) -> int:
@@ -110,7 +114,7 @@ class RequestState:
 
 @dataclass
 class StepPlan:
-    """What the worker does this iteration, for one group."""
+    """What the model runner does this iteration, for one group."""
 
     key: GroupKey
     moves: list[tuple[int, int, int]]     # (src, dst, count) row copies, in order, before admission
@@ -168,10 +172,11 @@ class Scheduler:
 
     def add(self, state: RequestState) -> None:
         if state.rows > self.config.max_rows:
-            raise ValueError(f"num_images {state.rows} exceeds the largest batch bucket {self.config.max_rows}")
+            raise ParamError("num_images", f"num_images {state.rows} exceeds the largest batch bucket "
+                                           f"{self.config.max_rows}")
         if any(s.request_id == state.request_id and not s.aborted
                for g in self.groups.values() for s in (*g.waiting, *g.live)):
-            raise ValueError(f"request_id {state.request_id!r} is already in flight; give each request its own id "
+            raise ParamError("request_id", f"request_id {state.request_id!r} is already in flight; give each request its own id "
                              "(or leave request_id unset)")
         if self.num_waiting >= self.config.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests); retry later "

@@ -1,29 +1,34 @@
-"""The three kinds of graphs a worker captures: the whole step, the text encoder(s), the VAE decoder.
+"""The three kinds of graphs a model runner captures: the whole step, the text encoder(s), the VAE decoder.
 
-Each is a function over static buffers (see runner.Graphable). The step graph reads and writes the
-worker's per-group StepBuffers; the text and VAE graphs own their static inputs, allocated once at
-their largest bucket, and return outputs that live in the shared pool, which the worker copies out
-right after the replay (the next replay of any graph may overwrite them).
+Each is a function over static buffers (see runner.Graphable). They import nothing from the engine: the model
+runner hands each one the functions and shapes it needs. The step graph reads and writes the runner's
+per-group StepBuffers; the text and VAE graphs own their static inputs, allocated once at their largest
+bucket, and return outputs that live in the shared pool, which the runner copies out right after the replay
+(the next replay of any graph may overwrite them). `fn` is the callable that is captured: the eager path of
+the runner calls its own eager callable, never this one, so a compiled callable put here (the compile tier)
+can never be triggered by an eager fallback.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 
+from ..sampling.samplers import SamplerPlan
 from .runner import StatelessGraphable
-from .step import whole_step
-
-if TYPE_CHECKING:
-    from ..engine.worker import Worker
+from .step import Denoiser, StepBuffers, whole_step
 
 
 class StepGraph:
     kind = "step"
 
-    def __init__(self, worker: "Worker", resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...]):
-        self.worker = worker
+    def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], denoise: Denoiser,
+                 verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
+                 buckets: tuple[int, ...]):
+        self._buffers = buffers
+        self.fn = denoise
+        self._verify_plan = verify_plan
         self._resolutions = resolutions
         self._buckets = buckets
 
@@ -34,23 +39,19 @@ class StepGraph:
         return self._resolutions
 
     def run(self, h: int, w: int, b: int) -> None:
-        whole_step(self.worker.model.unet, self.worker.buffers((h, w)), b)
+        whole_step(self.fn, self._buffers((h, w)), b)
 
     def snapshot(self, h: int, w: int, b: int) -> Any:
-        buf = self.worker.buffers((h, w))
-        return {name: t[:b].clone() for name, t in buf.tensors().items()}
+        return {name: t[:b].clone() for name, t in self._buffers((h, w)).tensors().items()}
 
     def restore(self, h: int, w: int, b: int, snap: Any) -> None:
-        buf = self.worker.buffers((h, w))
-        for name, t in buf.tensors().items():
+        for name, t in self._buffers((h, w)).tensors().items():
             t[:b].copy_(snap[name])
 
     def verify_inputs(self, h: int, w: int, b: int) -> None:
-        """Representative inputs for verification: noisy latents at a mid-schedule Euler step, CFG 7.5."""
-        from ..sampling.samplers import make_plan
-
-        buf = self.worker.buffers((h, w))
-        plan = make_plan(self.worker.noise_schedule, "dpmpp_2m", "karras", 10)
+        """Representative inputs for verification: noisy latents at a mid-schedule step, CFG 7.5."""
+        buf = self._buffers((h, w))
+        plan = self._verify_plan()
         gen = torch.Generator(device=buf.x.device).manual_seed(0)
         buf.x[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device) * float(plan.sigmas[3])
         buf.d_prev[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device)
@@ -58,20 +59,19 @@ class StepGraph:
         buf.guidance[:b] = 7.5
 
     def output(self, h: int, w: int, b: int, result: Any) -> torch.Tensor:
-        return self.worker.buffers((h, w)).x[:b]
+        return self._buffers((h, w)).x[:b]
 
 
 class TextGraph(StatelessGraphable):
-    """Text encoder(s) at the tokenizers' length: static token ids in, (embeds, pooled) out."""
+    """Text encoder(s) at the tokenizers' length: static token ids in, the conditioning fields out."""
 
     kind = "text"
 
-    def __init__(self, worker: "Worker", buckets: tuple[int, ...]):
-        self.worker = worker
+    def __init__(self, encode_ids: Callable[[list[torch.Tensor]], dict[str, torch.Tensor]],
+                 token_lengths: list[int], device: torch.device, buckets: tuple[int, ...]):
+        self.fn = encode_ids
         self._buckets = buckets
-        model = worker.model
-        self.ids = [torch.zeros((max(buckets), t.model_max_length), dtype=torch.long, device=model.device)
-                    for t in model.tokenizers]
+        self.ids = [torch.zeros((max(buckets), n), dtype=torch.long, device=device) for n in token_lengths]
 
     def buckets(self) -> tuple[int, ...]:
         return self._buckets
@@ -86,9 +86,7 @@ class TextGraph(StatelessGraphable):
             static[n:bucket] = static[0]  # padding rows: a copy of a real row, always a valid input
 
     def run(self, h: int, w: int, b: int) -> Any:
-        out = self.worker.encoder.encode_ids([ids[:b] for ids in self.ids])
-        return out.embeds, out.pooled
-
+        return self.fn([ids[:b] for ids in self.ids])
 
 
 class VaeGraph(StatelessGraphable):
@@ -96,8 +94,13 @@ class VaeGraph(StatelessGraphable):
 
     kind = "vae"
 
-    def __init__(self, worker: "Worker", resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...]):
-        self.worker = worker
+    def __init__(self, decode: Callable[[torch.Tensor], torch.Tensor],
+                 latent_shape: Callable[[tuple[int, int]], tuple[int, ...]], dtype: torch.dtype,
+                 device: torch.device, resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...]):
+        self.fn = decode
+        self._latent_shape = latent_shape
+        self._dtype = dtype
+        self._device = device
         self._resolutions = resolutions
         self._buckets = buckets
         self.latents: dict[tuple[int, int], torch.Tensor] = {}
@@ -111,14 +114,12 @@ class VaeGraph(StatelessGraphable):
     def static_latents(self, h: int, w: int) -> torch.Tensor:
         t = self.latents.get((h, w))
         if t is None:
-            model = self.worker.model
-            t = torch.zeros((max(self._buckets), *self.worker.latent_shape((h, w))), dtype=model.vae_dtype,
-                            device=model.device)
+            t = torch.zeros((max(self._buckets), *self._latent_shape((h, w))), dtype=self._dtype, device=self._device)
             self.latents[(h, w)] = t
         return t
 
     def verify_inputs(self, h: int, w: int, b: int) -> None:
-        gen = torch.Generator(device=self.worker.model.device).manual_seed(0)
+        gen = torch.Generator(device=self._device).manual_seed(0)
         static = self.static_latents(h, w)
         static[:b] = torch.randn(static[:b].shape, generator=gen, device=static.device).to(static.dtype)
 
@@ -129,5 +130,4 @@ class VaeGraph(StatelessGraphable):
         static[n:bucket] = 0
 
     def run(self, h: int, w: int, b: int) -> Any:
-        return self.worker.decode_tensor(self.static_latents(h, w)[:b])
-
+        return self.fn(self.static_latents(h, w)[:b])

@@ -2,7 +2,7 @@
 
 Keys are (kind, height, width, bucket): kind "step" is the whole denoising step of a resolution
 group, "text" the text encoder(s) at 77 tokens (height = width = 0), "vae" the VAE decoder. Each kind
-is a `Graphable`: a function over static buffers that the owner (the worker) fills before a replay
+is a `Graphable`: a function over static buffers that the owner (the model runner) fills before a replay
 and reads after it. The runner is the single source of truth for which keys exist:
 
     bucket = runner.bucket(kind, h, w, n)   # None -> run eagerly (uncovered, too large, or failed)
@@ -12,6 +12,12 @@ Capture rules: all graphs share one pool (torch.cuda.graph_pool_handle); warm-up
 side stream before each capture; the prewarm list captures the largest bucket first. A capture
 failure is logged with its key, the error and a hint, and that key runs eagerly from then on.
 Optional verification compares one replay with one eager run on the same inputs.
+
+Lifetime: a graph is bound to the tensors (weights included) that existed when it was captured. The owner
+calls `invalidate(kind)` (between steps, never during a replay) when a kind's weights or modules were
+replaced: its graphs are dropped (all of them: the pool too) and recaptured on next use. A key captured on
+first use rather than at start-up stalls the step that needed it: that is logged with the stall and counted
+(`on_demand` in the table). All CUDA work happens on the runner's own device.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class StatelessGraphable:
         pass
 
     def output(self, height: int, width: int, bucket: int, result: Any) -> torch.Tensor:
+        if isinstance(result, dict):
+            return next(iter(result.values()))
         return result[0] if isinstance(result, tuple) else result
 
 
@@ -82,6 +90,8 @@ class GraphStats:
     eager_fallbacks: int = 0
     verify_max_abs: float | None = None
     error: str | None = None
+    on_demand: int = 0           # captures made on first use (a step waited for them), not at start-up
+    invalidations: int = 0       # times this key's graph was dropped because its weights or modules changed
 
 
 class EmulatedGraph:
@@ -100,9 +110,18 @@ class EmulatedGraph:
 def _copy_into(dst: Any, src: Any) -> None:
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
+    elif isinstance(dst, dict):
+        for k, d in dst.items():
+            _copy_into(d, src[k])
     elif isinstance(dst, (tuple, list)):
         for d, s in zip(dst, src):
             _copy_into(d, s)
+
+
+def _on_device(device: torch.device, emulated: bool):
+    """The device's context (so nothing touches another GPU), or nothing on the CPU."""
+    import contextlib
+    return contextlib.nullcontext() if emulated else torch.cuda.device(device)
 
 
 class GraphRunner:
@@ -114,7 +133,8 @@ class GraphRunner:
             raise ValueError("CUDA graphs need a CUDA device; use mode='eager' on the CPU")
         self.config = config
         self.device = torch.device(device)
-        self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
+        with _on_device(self.device, self.emulated):
+            self.pool = None if self.emulated else torch.cuda.graph_pool_handle()
         # One capture stream for every graph: the allocator reuses a pool's free blocks only on the stream
         # that freed them, so a stream per capture would give each graph memory of its own.
         self.stream = None if self.emulated else torch.cuda.Stream(self.device)
@@ -145,7 +165,11 @@ class GraphRunner:
         key = (kind, height, width, bucket)
         stats = self.stats[key]
         if stats.status == "pending":
+            t0 = time.perf_counter()
             self.capture(key)
+            stats.on_demand += 1
+            logger.warning("graph %s captured on first use: that step waited %.0f ms (add it to the prewarm list "
+                           "to capture it at start-up)", key, (time.perf_counter() - t0) * 1e3)
         if stats.status != "captured":
             stats.eager_fallbacks += 1
             return None
@@ -157,6 +181,28 @@ class GraphRunner:
         self.graphs[key].replay()
         self.stats[key].replays += 1
         return self.outputs[key]
+
+    def invalidate(self, kind: str | None = None) -> int:
+        """Drops the graphs of `kind` (every kind when None): they are recaptured on next use. Call between
+        steps only. Returns how many graphs were dropped. Dropping every graph also starts a new pool."""
+        dropped = 0
+        for key in [k for k in self.graphs if kind is None or k[0] == kind]:
+            del self.graphs[key]
+            self.outputs.pop(key, None)
+            stats = self.stats[key]
+            stats.status = "pending"
+            stats.invalidations += 1
+            dropped += 1
+        for key, stats in self.stats.items():  # a failed capture may succeed with new modules: try again
+            if (kind is None or key[0] == kind) and stats.status == "failed":
+                stats.status, stats.error = "pending", None
+        if not self.emulated and not self.graphs:
+            with torch.cuda.device(self.device):
+                torch.cuda.synchronize(self.device)
+                self.pool = torch.cuda.graph_pool_handle()
+        if dropped:
+            logger.info("dropped %d graph(s) of %s: recaptured on next use", dropped, kind or "every kind")
+        return dropped
 
     # -- capture -------------------------------------------------------------------------------
     def prewarm(self) -> None:
@@ -182,7 +228,7 @@ class GraphRunner:
         snap = None
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _on_device(self.device, self.emulated):
                 snap = g.snapshot(h, w, b)
                 graph, out = (self._capture_emulated if self.emulated else self._capture_cuda)(g, key, stats)
             self.graphs[key] = graph

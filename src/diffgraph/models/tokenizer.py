@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from functools import lru_cache
 
 from transformers import CLIPTokenizer
 
@@ -99,14 +98,9 @@ def write_tokenizer(folder: str, pad_token: str = EOS) -> None:
         json.dump({k: config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")}, f, indent=2)
 
 
-@lru_cache(maxsize=4)
-def _tokenizer_folder(pad_token: str) -> str:
-    # Written once per process into a private temp folder; the files are pure functions of this module.
-    folder = tempfile.mkdtemp(prefix="diffgraph-tokenizer-")
-    write_tokenizer(folder, pad_token)
-    return folder
-
-
 def preset_tokenizer(pad_token: str = EOS) -> CLIPTokenizer:
-    """A fresh CLIPTokenizer over the deterministic preset vocabulary."""
-    return CLIPTokenizer.from_pretrained(_tokenizer_folder(pad_token), local_files_only=True)
+    """A fresh CLIPTokenizer over the deterministic preset vocabulary. Its files are written to a temporary
+    folder that is removed once the tokenizer has read them (it keeps everything in memory)."""
+    with tempfile.TemporaryDirectory(prefix="diffgraph-tokenizer-") as folder:
+        write_tokenizer(folder, pad_token)
+        return CLIPTokenizer.from_pretrained(folder, local_files_only=True)

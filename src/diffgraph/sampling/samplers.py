@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .schedules import (
+    MAX_STEPS,
     SAMPLERS,
     SCHEDULES,
     NoiseSchedule,
@@ -34,7 +35,6 @@ from .schedules import (
     to_f32,
 )
 
-MAX_STEPS = 1000
 
 
 class Coef(IntEnum):

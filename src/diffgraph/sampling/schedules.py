@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim")
+MAX_STEPS = 200  # the most denoising steps a request may ask for (the one bound; request.py and make_plan use it)
 SCHEDULES = ("default", "karras")
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")

@@ -9,10 +9,12 @@
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
 server listens (and answers /health, /ready with 503) while the model loads and graphs are captured.
-A generation request is validated (protocol.py types, then `engine.make_request`), submitted to the
-engine (the engine thread does the work; the event loop only waits), and watched: a client that
-disconnects or a request that outlives `request_timeout` is aborted, which frees its rows at the next
-step boundary. Every request ends in one outcome counted in the metrics.
+The app talks to the engine only through the `EngineClient` protocol (engine/client.py). A generation
+request is type-checked (protocol.py), validated once (`GenerationRequest.create` with the model's defaults;
+its ParamError becomes a 400 naming the body field), submitted (the engine's threads do the work; the event
+loop only waits on the request's handle), and watched: a client that disconnects or a request that outlives
+`request_timeout` is aborted, which frees its rows at the next step boundary. Every request ends in one
+outcome counted in the metrics.
 """
 
 from __future__ import annotations
@@ -20,11 +22,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import logging
 import secrets
-import threading
 import time
-from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
@@ -34,175 +33,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine.async_engine import ProgressEvent
-from ..engine.engine import EngineStepError
-from ..engine.scheduler import QueueFullError, RequestAborted
-from ..request import GenerationRequest, GenerationResult
+from ..engine.client import EngineClient, RequestHandle
+from ..request import GenerationRequest, GenerationResult, ParamError, ProgressEvent
 from .config import ServerConfig
-from .metrics import ServerMetrics
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
-                       ProgressEventBody, error_from_validation, error_from_value_error)
-
-logger = logging.getLogger("diffgraph.server")
-
-POLL_S = 0.1  # how often a waiting handler checks for a disconnected client
-
-_OUTCOME = {400: "bad_request", 404: "bad_request", 405: "bad_request", 408: "timeout", 413: "bad_request",
-            429: "queue_full", 499: "aborted", 503: "unavailable", 504: "timeout"}
-
-
-def _outcome(e: APIError) -> str:
-    """The metrics outcome of an error answer: aborted requests (the drain timeout) count as aborted."""
-    return "aborted" if e.code == "aborted" else _OUTCOME.get(e.status, "error")
-
-
-class ClientGone(Exception):
-    """The client closed the connection; its request was aborted."""
-
-
-class ServerState:
-    """The engine (None until built), the drain flag and the requests in flight."""
-
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]):
-        self.config = config
-        self.engine: Any = None
-        self.error: str | None = None      # why the engine could not be built
-        self.draining = False
-        self.drain_aborted = False  # the drain timeout passed: in-flight requests were aborted
-        self.inflight = 0
-        self.jobs: dict[str, Job] = {}
-        self.created = int(time.time())
-        self.metrics = ServerMetrics(lambda: self.engine, config.batch_buckets, lambda: self.ready)
-        self._factory = engine_factory
-        self._thread: threading.Thread | None = None
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None and self.engine.ready and not self.draining
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._build, name="diffgraph-build", daemon=True)
-        self._thread.start()
-
-    def _build(self) -> None:
-        t0 = time.perf_counter()
-        engine = None
-        try:
-            engine = self._factory()
-            # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
-            # allocator growth) and a broken model should fail here, not on a client's request.
-            engine.generate("warm-up", num_inference_steps=1, seed=0)
-        except Exception as e:
-            logger.exception("the engine could not be built")
-            self.error = f"{type(e).__name__}: {e}"
-            if engine is not None:
-                engine.close()
-            return
-        engine.step_listeners.append(self.metrics.on_step)
-        self.engine = engine
-        logger.info("engine ready in %.1f s: model %s, mode %s", time.perf_counter() - t0, engine.model.name,
-                    engine.mode)
-
-    def require_engine(self) -> Any:
-        if self.draining:
-            raise APIError(503, "the server is shutting down and accepts no new requests; retry on another "
-                                "replica", code="draining")
-        if self.engine is None:
-            why = (f"the engine failed to start: {self.error}" if self.error
-                   else "the model is loading and graphs are being captured; retry when GET /ready answers 200")
-            raise APIError(503, why, code="not_ready")
-        if not self.engine.ready:
-            raise APIError(503, "the engine stopped after an internal error (see the server log); restart the "
-                                "server, and retry on another replica meanwhile", code="engine_failed")
-        return self.engine
-
-    def begin_drain(self) -> None:
-        """Stops accepting generation requests; those in flight go on (SIGTERM)."""
-        if not self.draining:
-            logger.info("draining: %d request(s) in flight", self.inflight)
-        self.draining = True
-
-    def abort_all(self) -> None:
-        """Aborts every request in flight (the drain timeout passed); any submitted later is refused."""
-        self.drain_aborted = True
-        for rid in list(self.jobs):
-            self.engine.abort(rid)
-
-    def close(self) -> None:
-        # An engine still being built is left to its daemon thread: a drain must not wait for graph capture.
-        if self.engine is not None:
-            self.engine.close()
-
-
-class Job:
-    """One submitted request as seen from the event loop: its progress events and its end, in one queue.
-
-    Submitting happens here, before any response starts, so a full queue is a plain 429 even when streaming."""
-
-    def __init__(self, state: ServerState, request: GenerationRequest, deadline: float, progress: bool):
-        loop = asyncio.get_running_loop()
-        self.state = state
-        self.request = request
-        self.deadline = deadline
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-        def put(item: Any) -> None:  # engine / image threads -> event loop
-            try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                pass
-
-        on_progress = (lambda rid, step, total: put(ProgressEvent(rid, step, total))) if progress else None
-        if state.drain_aborted:  # its body finished arriving after the drain timeout's aborts
-            raise APIError(503, "the server shut down before this request started; retry on another replica",
-                           code="aborted")
-        try:
-            self.future: Future = state.engine.submit(request, on_progress=on_progress)
-        except QueueFullError as e:
-            raise APIError(429, str(e), code="queue_full") from None
-        except ValueError as e:  # the engine refused the request itself (e.g. its step count on this model)
-            raise error_from_value_error(e) from None
-        except RuntimeError as e:  # the engine was closed under us (a drain) or its loop stopped
-            raise APIError(503, str(e), code="draining" if state.draining else "engine_failed") from None
-        state.jobs[request.request_id] = self
-        self.future.add_done_callback(put)  # after every progress event of the request
-
-    async def next(self, http: Request) -> ProgressEvent | GenerationResult:
-        """The next progress event or the result. Aborts the request and raises on timeout or disconnect."""
-        while True:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                self.abort()
-                timeout = self.state.config.request_timeout
-                raise APIError(504, f"the request did not finish within the {timeout:g} s request timeout and was "
-                                    "aborted; ask for fewer steps or images, or raise --request-timeout",
-                               code="timeout")
-            try:
-                item = await asyncio.wait_for(self.queue.get(), min(POLL_S, remaining))
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    self.abort()
-                    raise ClientGone() from None
-                continue
-            if isinstance(item, ProgressEvent):
-                return item
-            return self._result(item)
-
-    def _result(self, future: Future) -> GenerationResult:
-        self.state.jobs.pop(self.request.request_id, None)
-        try:
-            return future.result()
-        except RequestAborted:
-            raise APIError(503, "the server shut down before this request finished", code="aborted") from None
-        except EngineStepError as e:
-            raise APIError(500, str(e), code="engine_error") from None
-        except Exception as e:
-            logger.exception("request %s failed", self.request.request_id)
-            raise APIError(500, f"generation failed: {type(e).__name__}: {e}", code="engine_error") from None
-
-    def abort(self) -> None:
-        self.state.jobs.pop(self.request.request_id, None)
-        self.state.engine.abort(self.request.request_id)
+                       ProgressEventBody, error_from_param_error, error_from_validation)
+from .requests import ClientGone, ServerState, abort, logger, next_item, outcome, submit
 
 
 # -- request handling ----------------------------------------------------------------------------------
@@ -226,15 +62,15 @@ async def _read_json(http: Request, limit: int) -> Any:
                             "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
 
 
-def _generation_request(engine: Any, config: ServerConfig, body: Any) -> tuple[ImageGenerationRequest,
-                                                                               GenerationRequest]:
-    """Checks the body, top to bottom, and returns it with the engine request it asks for."""
+def _generation_request(engine: EngineClient, config: ServerConfig, body: Any) -> tuple[ImageGenerationRequest,
+                                                                                        GenerationRequest]:
+    """Checks the body's types and the HTTP-only fields, then builds the request (the one validation)."""
     try:
         params = ImageGenerationRequest.model_validate(body)
     except ValidationError as e:
         raise error_from_validation(e) from None
-    if params.model is not None and params.model != engine.model.name:
-        raise APIError(400, f"model {params.model!r} is not served here; this server serves {engine.model.name!r} "
+    if params.model is not None and params.model != engine.info.name:
+        raise APIError(400, f"model {params.model!r} is not served here; this server serves {engine.info.name!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
     if params.response_format == "url":
         raise APIError(400, "response_format 'url' is not supported: this server does not store images; use "
@@ -242,29 +78,20 @@ def _generation_request(engine: Any, config: ServerConfig, body: Any) -> tuple[I
     if params.response_format != "b64_json":
         raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json",
                        param="response_format")
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(params, name)
-        if text is None:
-            continue
-        try:
-            size = len(text.encode("utf-8"))
-        except UnicodeEncodeError as e:  # a lone surrogate from a JSON \ud800-style escape
-            raise APIError(400, f"{name} is not valid text: it holds an unpaired surrogate at character {e.start}; "
-                                "send UTF-8 text", param=name) from None
-        if size > config.max_prompt_bytes:
-            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
-                           param=name)
-    if not params.prompt.strip():
-        raise APIError(400, "prompt is empty; describe the image to generate", param="prompt")
     width, height = params.width_height()
     try:
-        request = engine.make_request(
+        request = GenerationRequest.create(
             params.prompt, negative_prompt=params.negative_prompt, width=width, height=height,
             num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
             sampler=params.sampler, schedule=params.schedule, seed=params.seed, num_images=params.n,
-            output_format=params.output_format, request_id=f"img-{secrets.token_hex(8)}")
-    except ValueError as e:
-        raise error_from_value_error(e) from None
+            output_format=params.output_format, request_id=f"img-{secrets.token_hex(8)}", model=engine.info)
+    except ParamError as e:
+        raise error_from_param_error(e) from None
+    for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
+        size = len((getattr(request, name) or "").encode("utf-8"))
+        if size > config.max_prompt_bytes:
+            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
+                           param=name)
     return params, request
 
 
@@ -337,12 +164,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             engine = state.require_engine()
         except APIError as e:
             return _error_response(e)
-        return JSONResponse({"status": "ready", "model": engine.model.name, "mode": engine.mode,
-                             "ready_s": round(engine.ready_s, 3)})
+        return JSONResponse({"status": "ready", "model": engine.info.name, "mode": engine.info.mode,
+                             "ready_s": round(engine.info.ready_s, 3)})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        name = state.engine.model.name if state.engine is not None else config.model
+        name = state.engine.info.name if state.engine is not None else config.model
         return ModelList(data=[ModelCard(id=name, created=state.created)]).model_dump()
 
     @app.get("/metrics")
@@ -367,21 +194,26 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 raise APIError(408, f"the request body did not arrive within the {config.request_timeout:g} s "
                                     "request timeout; send the whole body at once", code="body_timeout") from None
             params, request = _generation_request(engine, config, body)
-            job = Job(state, request, t0 + config.request_timeout, progress=params.stream)
+            handle = await submit(state, engine, request, progress=params.stream)
+            events = handle.events()
+            deadline = t0 + config.request_timeout
             if params.stream:
                 streaming = True  # the stream ends the request's accounting
-                end = _StreamEnd(job, t0)
-                return _ClosingStream(_stream(job, http, end), end.close, media_type="text/event-stream",
-                                      headers={"Cache-Control": "no-cache"})
-            while True:
-                item = await job.next(http)
-                if isinstance(item, GenerationResult):
-                    break
+                end = _StreamEnd(handle, events, t0)
+                return _ClosingStream(_stream(handle, events, deadline, http, end), end.close,
+                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                while True:
+                    item = await next_item(state, handle, events.__anext__, deadline, http)
+                    if isinstance(item, GenerationResult):
+                        break
+            finally:
+                await events.aclose()
             body = await asyncio.to_thread(_response, item)
             state.metrics.observe_request("success", time.monotonic() - t0)
             return JSONResponse(body)
         except APIError as e:
-            state.metrics.observe_request(_outcome(e))
+            state.metrics.observe_request(outcome(e))
             return _error_response(e)
         except ClientGone:
             state.metrics.observe_request("aborted")
@@ -397,22 +229,23 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         """A stream's accounting, closed exactly once: by the generator, or by the response when the client
         left before the generator ever ran (then no `finally` of the generator would run)."""
 
-        def __init__(self, job: Job, t0: float):
-            self.job, self.t0, self.outcome, self.closed = job, t0, "aborted", False
+        def __init__(self, handle: RequestHandle, events: Any, t0: float):
+            self.handle, self.events, self.t0, self.outcome, self.closed = handle, events, t0, "aborted", False
 
         def close(self) -> None:
             if self.closed:
                 return
             self.closed = True
-            if self.outcome == "aborted" and self.job.request.request_id in state.jobs:
-                self.job.abort()  # the client went away: free the rows
+            if self.outcome == "aborted" and self.handle.request_id in state.handles:
+                abort(state, self.handle)  # the client went away: free the rows
             state.metrics.observe_request(self.outcome, time.monotonic() - self.t0)
             _leave()
 
-    async def _stream(job: Job, http: Request, end: "_StreamEnd") -> AsyncIterator[bytes]:
+    async def _stream(handle: RequestHandle, events: Any, deadline: float, http: Request,
+                      end: "_StreamEnd") -> AsyncIterator[bytes]:
         try:
             while True:
-                item = await job.next(http)
+                item = await next_item(state, handle, events.__anext__, deadline, http)
                 if isinstance(item, ProgressEvent):
                     yield _sse("progress", ProgressEventBody(id=item.request_id, step=item.step,
                                                              total=item.total).model_dump())
@@ -422,11 +255,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 yield _sse("completed", {"type": "completed", **body})
                 return
         except APIError as e:
-            end.outcome = _outcome(e)
+            end.outcome = outcome(e)
             yield _sse("error", {"type": "error", "status": e.status, **e.body()})
         except ClientGone:
             pass
         finally:
+            await events.aclose()
             end.close()
 
     def _leave() -> None:

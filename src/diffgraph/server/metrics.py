@@ -10,31 +10,19 @@ Two kinds of metric:
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..config import smallest_bucket
+from ..engine.client import StepEvent
+
 
 # What happened to a generation request; every request ends in exactly one.
 OUTCOMES = ("success", "bad_request", "queue_full", "unavailable", "timeout", "aborted", "error")
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
-
-
-def device_memory_bytes(engine: Any) -> int:
-    """torch.cuda.memory_allocated on a CUDA engine, else this process's resident set size (0 if unknown)."""
-    if engine is not None and engine.model.device.type == "cuda":
-        import torch
-        return int(torch.cuda.memory_allocated(engine.model.device))
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class _EngineCollector:
@@ -45,38 +33,53 @@ class _EngineCollector:
 
     def collect(self):
         engine = self._get_engine()
+        stats = engine.stats() if engine is not None else None
         queue = GaugeMetricFamily("diffgraph_queue_depth", "Requests waiting for rows")
         rows = GaugeMetricFamily("diffgraph_live_rows", "Rows being denoised, per resolution group (WxH)",
                                  labels=["group"])
         memory = GaugeMetricFamily("diffgraph_device_memory_bytes",
                                    "torch.cuda.memory_allocated on CUDA, else the process RSS")
-        memory.add_metric([], device_memory_bytes(engine))
+        memory.add_metric([], stats.device_memory_bytes if stats is not None else _process_rss())
         graph = {name: CounterMetricFamily(f"diffgraph_graph_{name}", help_, labels=["kind"])
                  for name, help_ in (("captures", "CUDA graphs captured"),
                                      ("replays", "CUDA graph replays"),
-                                     ("eager_fallbacks", "Calls that ran eagerly for want of a graph"))}
-        if engine is not None:
-            queue.add_metric([], engine.queue_depth())
-            for (h, w), n in sorted(engine.live_rows().items()):
+                                     ("eager_fallbacks", "Calls that ran eagerly for want of a graph"),
+                                     ("captures_on_first_use",
+                                      "Graphs captured on first use (the step waited) instead of at start-up"))}
+        if stats is not None:
+            queue.add_metric([], stats.queue_depth)
+            for (h, w), n in sorted(stats.live_rows.items()):
                 rows.add_metric([f"{w}x{h}"], n)
             totals: dict[str, list[int]] = {}
-            for row in engine.graph_table():
-                t = totals.setdefault(row["kind"], [0, 0, 0])
+            for row in stats.graphs:
+                t = totals.setdefault(row["kind"], [0, 0, 0, 0])
                 t[0] += row["status"] == "captured"
                 t[1] += row["replays"]
                 t[2] += row["eager_fallbacks"]
-            for kind, (captured, replays, fallbacks) in sorted(totals.items()):
+                t[3] += row["on_demand"]
+            for kind, (captured, replays, fallbacks, on_demand) in sorted(totals.items()):
                 graph["captures"].add_metric([kind], captured)
                 graph["replays"].add_metric([kind], replays)
                 graph["eager_fallbacks"].add_metric([kind], fallbacks)
+                graph["captures_on_first_use"].add_metric([kind], on_demand)
             steps = CounterMetricFamily("diffgraph_engine_steps", "Denoising steps run")
-            steps.add_metric([], engine.stats["steps"])
+            steps.add_metric([], stats.steps)
             yield steps
             holds = CounterMetricFamily("diffgraph_growth_holds",
                                         "Admissions the bucket growth policy cut short (requests left waiting)")
-            holds.add_metric([], engine.scheduler.growth_holds)
+            holds.add_metric([], stats.growth_holds)
             yield holds
         yield from (queue, rows, memory, *graph.values())
+
+
+def _process_rss() -> int:
+    """This process's resident set size (0 if unknown): the memory figure before an engine exists."""
+    import os
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class ServerMetrics:
@@ -104,11 +107,10 @@ class ServerMetrics:
         if outcome == "success" and seconds is not None:
             self.latency.observe(seconds)
 
-    def on_step(self, plan: Any, seconds: float) -> None:
+    def on_step(self, event: StepEvent) -> None:
         """An engine step listener (engine thread): the bucket the step ran in, and its time."""
-        n = plan.n_rows
-        self.bucket.observe(smallest_bucket(self._buckets, n) or n)
-        self.step_time.observe(seconds)
+        self.bucket.observe(event.bucket)
+        self.step_time.observe(event.seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,7 +1,7 @@
 """The HTTP wire format: pydantic models for the OpenAI-shaped images API, and its errors.
 
 Only the HTTP edge uses pydantic. Types are checked here (strictly: "2" is not a number); ranges and
-allowed values are checked once, by `GenerationRequest.create`, whose ValueErrors `error_from_value_error`
+allowed values are checked once, by `GenerationRequest.create`, whose ParamErrors `error_from_param_error`
 turns into OpenAI-shaped errors with the parameter named as the client spelled it.
 """
 
@@ -131,11 +131,12 @@ def _expected(kind: str, msg: str) -> str:
     return msg[0].lower() + msg[1:]
 
 
-def error_from_value_error(err: ValueError) -> APIError:
-    """A GenerationRequest ValueError ("num_images 17 is out of range; ...") -> 400 naming the body field."""
+def error_from_param_error(err: ValueError) -> APIError:
+    """A request's ParamError ("num_images 17 is out of range; ...") -> 400 naming the body field that carries it
+    (n, size, ...), with the message in the client's words."""
     message = str(err)
-    first = message.split(" ", 1)[0]
-    param = _ENGINE_TO_API.get(first, first if first in ImageGenerationRequest.model_fields else None)
-    if first == "num_images":
+    name = getattr(err, "param", None)
+    param = _ENGINE_TO_API.get(name, name if name in ImageGenerationRequest.model_fields else None)
+    if name == "num_images" and message.startswith("num_images"):
         message = "n" + message[len("num_images"):]
     return APIError(400, message, param=param)

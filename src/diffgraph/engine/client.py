@@ -1,0 +1,79 @@
+"""The engine client protocol: what the server, the metrics and the async wrapper use to talk to an engine.
+
+One engine in this process (`AsyncEngine`, async_engine.py) implements it today; a replica process per GPU,
+or a router over several, can implement the same protocol, since everything that crosses it is plain
+picklable data: `GenerationRequest` in; `ProgressEvent`s and one `GenerationResult` (with the encoded image
+bytes) or an error out (ParamError, QueueFullError, RequestAborted, EngineStepError, EngineClosed, all in
+request.py); `EngineStats`, `StepEvent` and graph-table rows for monitoring. Nobody outside the engine package
+reaches into an engine's scheduler, runner or graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
+
+from ..request import GenerationRequest, GenerationResult, GroupKey, ModelInfo, ProgressEvent
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One denoising step: its group, live rows, the rows it cost (its batch bucket, or the rows when eager)
+    and its host-side wall time."""
+
+    key: GroupKey
+    rows: int
+    bucket: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's state, read when asked (e.g. at each metrics scrape)."""
+
+    ready: bool
+    queue_depth: int
+    live_rows: dict[GroupKey, int]      # every graphed resolution (0 when idle), other sizes while they run
+    steps: int
+    failed_steps: int
+    growth_holds: int
+    prompt_cache_hits: int
+    prompt_cache_misses: int
+    device_memory_bytes: int
+    graphs: list[dict[str, Any]] = field(default_factory=list)  # the graph table (runner.GraphStats rows)
+
+
+class RequestHandle(Protocol):
+    """A submitted request. `events()` yields its ProgressEvents (when asked for) and ends with its
+    GenerationResult, or raises its error; leaving the iteration early aborts the request."""
+
+    request_id: str
+
+    def events(self) -> AsyncIterator[ProgressEvent | GenerationResult]: ...
+
+    async def result(self) -> GenerationResult: ...
+
+    def abort(self) -> bool: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    info: ModelInfo
+
+    @property
+    def ready(self) -> bool:
+        """Built and able to take requests (False while loading, after a loop failure, once closed)."""
+
+    async def submit(self, request: GenerationRequest, progress: bool = False) -> RequestHandle:
+        """Queues a request. Raises ParamError (bad for this model), QueueFullError (retry later), EngineClosed."""
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def graph_table(self) -> list[dict[str, Any]]: ...
+
+    def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
+        """`listener(event)` after every step, on the engine's thread: keep it short."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,315 @@
+"""`EngineCore`: the engine loop and its bookkeeping. It owns the scheduler and the loop thread.
+
+    plan = scheduler.schedule()        # CPU: which group runs, who joins, this step's coefficient table
+    runner.execute(...)                # device: row moves, admission (encode, initial noise), one step
+    finished = scheduler.update(plan)  # CPU: advance rows, retire finished requests
+
+Owns: admission and retirement bookkeeping, abort, progress events, the per-request answer channels
+(`RequestSink`), weight invalidations (run between steps on the loop thread), step listeners and counters.
+It touches the device only through its `ModelRunner`, and only from the loop thread (bound to the runner's
+device); the image thread pool turns finished pixels into results (PNG/JPEG/WebP bytes), so the loop never
+waits for the GPU to finish a decode. An exception inside a step fails only that batch's requests; the loop
+keeps running. A bug in the loop itself fails every request and turns `ready` False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ProgressEvent,
+                       RequestAborted)
+from .model_runner import ModelRunner
+from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
+
+logger = logging.getLogger(__name__)
+
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+class RequestSink(Protocol):
+    """Where one request's answer goes. Called from the engine's threads: keep both calls short."""
+
+    def progress(self, event: ProgressEvent) -> None: ...
+
+    def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        """Exactly one of the two; later calls (after the first) are ignored by the sink."""
+
+
+def encode_image(pixels: np.ndarray, fmt: str) -> bytes:
+    """Float pixels [H, W, 3] in [0, 1] -> PNG / JPEG / WebP bytes (rounded as diffusers' numpy_to_pil)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((pixels * 255).round().astype("uint8")).save(
+        buf, format=IMAGE_FORMATS[fmt], **({"quality": 95} if fmt in ("jpeg", "webp") else {}))
+    return buf.getvalue()
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2):
+        self.runner = runner
+        self.scheduler = Scheduler(config)
+        self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
+        self._cv = threading.Condition()
+        self._stop = False
+        self._closing = False  # close() was called (as opposed to the loop stopping on its own)
+        self._pending: list[tuple[Callable[[], Any], Future]] = []  # work for the loop thread between steps
+        self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0}
+        self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
+        # set to [] to record (start event, end event, loop waited for work before it) per step (benchmarks)
+        self.step_events: list[tuple[Any, Any, bool]] | None = None
+        self._idle = False
+        self._thread = threading.Thread(target=self._loop, name="diffgraph-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, sink: RequestSink) -> None:
+        """Queues a request. Raises ParamError (its step count on this model), QueueFullError, EngineClosed."""
+        state = RequestState.of(request, self.runner.plan(request.sampler, request.schedule,
+                                                          request.num_inference_steps), time.monotonic(), sink)
+        with self._cv:
+            if self._stop or not self._thread.is_alive():
+                raise EngineClosed("the engine is closed (or its loop stopped after an internal error; see the log)")
+            self.scheduler.add(state)
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> bool:
+        """Frees the request's rows at the next step boundary; it fails with RequestAborted. True when the request
+        was waiting or running; one that is in its last step then still completes with its result."""
+        with self._cv:
+            found = self.scheduler.abort(request_id)
+            self._cv.notify()
+        return found
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Runs `fn` on the loop thread between two steps (e.g. `runner.invalidate`); the future gives its result."""
+        future: Future = Future()
+        with self._cv:
+            if self._stop or not self._thread.is_alive():
+                raise EngineClosed("the engine is closed")
+            self._pending.append((fn, future))
+            self._cv.notify()
+        return future
+
+    @property
+    def ready(self) -> bool:
+        return not self._stop and self._thread.is_alive()
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Changes scheduler settings of an idle engine (benchmarks compare modes on one set of graphs)."""
+        allowed = {"batching", "max_wait_ms", "max_queue", "grow_fill", "grow_hold_ms", "max_skips"}
+        if set(changes) - allowed:
+            raise ValueError(f"reconfigure cannot change {sorted(set(changes) - allowed)}; allowed: {sorted(allowed)}")
+        with self._cv:
+            if self.scheduler.has_work():
+                raise RuntimeError("reconfigure needs an idle engine; wait for running requests to finish")
+            old = self.scheduler
+            self.scheduler = Scheduler(dataclasses.replace(old.config, **changes))
+            self.scheduler.growth_holds = old.growth_holds  # a counter: it never goes back
+
+    def queue_depth(self) -> int:
+        with self._cv:
+            return self.scheduler.num_waiting
+
+    def live_rows(self) -> dict[GroupKey, int]:
+        """Live rows per (height, width): every graphed resolution (0 when idle), other sizes while they run."""
+        rows = dict.fromkeys(self.runner.graphed_resolutions(), 0)
+        with self._cv:
+            rows.update({k: g.live_rows for k, g in self.scheduler.groups.items()})
+        return rows
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        with self._cv:
+            self._closing = True
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._images.shutdown(wait=True)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _next_plan(self) -> tuple[StepPlan | None, list[RequestState], list]:
+        with self._cv:
+            self._idle = False  # whether the loop had to wait for work (the GPU idles then, by design)
+            while not self._stop:
+                pending, self._pending = self._pending, []
+                plan = self.scheduler.schedule()
+                aborted = self.scheduler.take_aborted()
+                if plan is not None or aborted or pending:
+                    return plan, aborted, pending
+                self._idle = True
+                self._cv.wait(timeout=self.scheduler.next_deadline())
+            pending, self._pending = self._pending, []
+            return None, self.scheduler.take_aborted(), pending
+
+    def _loop(self) -> None:
+        try:
+            self.runner.bind_thread()
+            while self._iteration():
+                pass
+        except BaseException:  # a bug in the loop itself: answer everyone, refuse new work, keep the process
+            logger.exception("the engine loop stopped after an internal error")
+            with self._cv:
+                self._stop = True
+        self._fail_everything(EngineClosed("the engine was closed" if self._closing else
+                                           "the engine loop stopped after an internal error (see the log)"))
+
+    def _iteration(self) -> bool:
+        """One pass: between-step work, plan, execute, advance, report, retire. False once the engine is closed."""
+        plan, aborted, pending = self._next_plan()
+        for fn, future in pending:  # before the plan runs: nothing of the old weights is in flight on the host
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+        for s in aborted:
+            _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
+        if plan is None:
+            return not self._stop
+        t0 = time.perf_counter()
+        cuda_events = self.step_events is not None and self.runner.cuda
+        if cuda_events:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.runner.device))
+        try:
+            for src, dst, count in plan.moves:  # compaction first: admitted rows go after the packed ones
+                self.runner.move_rows(plan.key, src, dst, count)
+            if plan.admitted and not self._admit(plan.key, plan.admitted):
+                return True  # some admissions failed and left: plan again without them
+            self.runner.step(plan.key, plan.n_rows, plan.coefs,
+                             [(s.first_row, s.rows, s.generator) for s in plan.noise_requests])
+        except Exception as e:  # only this batch fails; the loop keeps serving
+            logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
+            self.stats["failed_steps"] += 1
+            with self._cv:
+                failed = self.scheduler.fail(plan)
+            err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
+            for s in failed:
+                _fail(s, err)
+            return True
+        with self._cv:
+            finished = self.scheduler.update(plan)
+        for s in plan.live:  # progress first: a request's last progress event comes before its result
+            _call_safely(s.sink.progress, ProgressEvent(s.request_id, s.step, s.steps))
+        if finished:
+            self._retire(plan.key, finished)
+        if cuda_events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.runner.device))
+            self.step_events.append((start, end, self._idle))
+        self.stats["steps"] += 1
+        self.stats["rows_stepped"] += plan.n_rows
+        for listener in self.step_listeners:
+            _call_safely(listener, plan, time.perf_counter() - t0)
+        with self._cv:  # free the buffers of a size that has no work and no graphs (any multiple of 8 is valid)
+            idle = self.scheduler.is_idle(plan.key)
+        if idle:
+            self.runner.release_group(plan.key)
+        return True
+
+    def _admit(self, key: GroupKey, states: list[RequestState]) -> bool:
+        """Batched, cached prompt encoding and initial latents from each request's own generator. A request whose
+        admission fails (e.g. a prompt its tokenizer rejects) fails alone and leaves the group; returns False when
+        that happened (the plan is then stale)."""
+        runner = self.runner
+        keys = [k for s in states for k in _prompt_keys(s)]
+        try:
+            embeds = runner.embed(keys)
+        except Exception:  # find the culprit(s): encode each request alone
+            embeds = {}
+        ok = True
+        now = time.monotonic()
+        for s in states:
+            r = s.request
+            try:
+                mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
+                s.generator = torch.Generator("cpu").manual_seed(r.seed)
+                latents = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma)
+                runner.write_rows(key, s.first_row, latents, mine[("+", r.prompt)], mine[("-", r.negative_prompt)],
+                                  r.guidance_scale)
+                s.admitted_at = now
+            except Exception as e:
+                logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)
+                with self._cv:
+                    self.scheduler.remove(s)
+                _fail(s, ValueError(f"request {s.request_id} could not be admitted: {type(e).__name__}: {e}"))
+                ok = False
+        return ok
+
+    def _retire(self, key: GroupKey, finished: list[RequestState]) -> None:
+        # the finished requests have left the scheduler: whatever fails here must answer them, here
+        try:
+            latents = torch.cat([self.runner.read_latents(key, s.first_row, s.rows) for s in finished])
+            wait = self.runner.decode_async(key, latents)
+        except Exception as e:
+            logger.exception("decode failed for group %s", key)
+            for s in finished:
+                _fail(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        done_at = time.monotonic()
+        try:
+            self._images.submit(self._deliver, finished, wait, done_at)
+        except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
+            self._deliver(finished, wait, done_at)
+
+    def _deliver(self, finished: list[RequestState], wait: Callable[[], np.ndarray], done_at: float) -> None:
+        try:
+            arrays = wait()
+        except Exception as e:
+            for s in finished:
+                _fail(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        row = 0
+        for s in finished:
+            r = s.request
+            try:
+                part = arrays[row:row + s.rows]
+                encoded = [encode_image(a, r.output_format) for a in part] if r.output_format else None
+                now = time.monotonic()
+                timings = {"queue_ms": (s.admitted_at - s.arrival) * 1e3,
+                           "denoise_ms": (done_at - s.admitted_at) * 1e3,
+                           "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
+                result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
+                                          request=r, encoded=encoded)
+                _call_safely(s.sink.finish, result, None)
+            except Exception as e:
+                _fail(s, e)
+            row += s.rows
+
+    def _fail_everything(self, error: Exception) -> None:
+        with self._cv:
+            for g in self.scheduler.groups.values():
+                for s in list(g.waiting) + list(g.live):
+                    _fail(s, error)
+                g.waiting.clear()
+                g.live.clear()
+            pending, self._pending = self._pending, []
+        for _, future in pending:
+            future.set_exception(error)
+
+
+def _prompt_keys(state: RequestState) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+    r = state.request
+    return ("+", r.prompt), ("-", r.negative_prompt)
+
+
+def _call_safely(fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # a caller's callback must not stop the engine
+        logger.exception("callback %r failed", fn)
+
+
+def _fail(state: RequestState, error: BaseException) -> None:
+    _call_safely(state.sink.finish, None, error)

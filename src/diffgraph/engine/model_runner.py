@@ -1,0 +1,353 @@
+"""`ModelRunner`: everything one engine does on its device. The engine core decides; the runner executes.
+
+Owns, for one model on one device: the per-group static row buffers, the pinned staging slots, the prompt
+embedding cache, the graph runner and its graphs, and the weights versions. It encodes prompts (batched,
+cached under (sign, text, text-encoder weights version)), draws each request's initial and ancestral noise from
+the request's own CPU generator in diffusers' order (so its images do not depend on its batch companions),
+writes admitted rows, runs one whole step for rows [0, n) of a group, and decodes finished rows to float pixels
+without making the caller wait (a waiter for the image thread pool). What a model means (conditioning fields,
+denoiser call, latent shape, decode, sampler plan) comes from its family adapter; the runner knows no family.
+
+All CUDA work runs on the runner's device: the engine core's loop thread calls `bind_thread()` first, start-up
+work runs under `on_device()`, and events are recorded on that device's current stream. Per step the host
+fills one pinned coefficient table (double-buffered, guarded by an event) and issues async copies: no
+allocation on the device and no synchronisation on the replay path. In graph mode each kind (step, text,
+vae) replays a CUDA graph where the runner covers the shape (rows padded to the bucket), eagerly otherwise,
+with identical results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..config import GraphConfig
+from ..graphs.graphables import StepGraph, TextGraph, VaeGraph
+from ..graphs.runner import GraphRunner
+from ..graphs.step import StepBuffers, whole_step
+from ..models.families.base import Conditioning, concat, select_row
+from ..models.model import DiffusionModel
+from ..request import GroupKey, ParamError
+from ..sampling.samplers import NUM_COEFS, SamplerPlan
+
+VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
+WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
+
+
+@dataclass
+class _Staging:
+    """One pinned host slot: coefficient table and noise rows, with the event of its last copy."""
+
+    coefs: torch.Tensor
+    noise: torch.Tensor
+    event: torch.cuda.Event | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: DiffusionModel, mode: str = "eager", graphs: GraphConfig | None = None,
+                 max_rows: int | None = None, prompt_cache_size: int = 512):
+        if mode not in ("graph", "eager"):
+            raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
+        if prompt_cache_size < 0:
+            raise ValueError(f"prompt_cache_size {prompt_cache_size} must be >= 0")
+        self.model = model
+        self.adapter = model.adapter
+        self.device = model.device
+        self.cuda = self.device.type == "cuda"
+        self.graph_config = graphs or GraphConfig()
+        # the most live rows of a group: the largest batch bucket in graph mode (never more, so a step always
+        # fits a graph), max_rows (default: the same) in eager mode
+        if mode == "graph" and max_rows is not None and max_rows > self.graph_config.max_bucket:
+            raise ValueError(f"max_rows {max_rows} is above the largest batch bucket {self.graph_config.max_bucket}; "
+                             "add a larger bucket to batch_buckets instead")
+        self.max_rows = max_rows or self.graph_config.max_bucket
+        self.plan_for: Callable[[str, str, int], SamplerPlan] = self.adapter.planner(model)
+        # eager callables, and the callables captured in graphs: separate objects (a compiled callable may be put
+        # in the graphs' place; an eager fallback never runs it)
+        self.denoise_eager = partial(self.adapter.denoise, model)
+        self.weights_version = dict.fromkeys(WEIGHT_KINDS, 0)
+        self.groups: dict[GroupKey, StepBuffers] = {}
+        self._staging: dict[GroupKey, list[_Staging]] = {}
+        self._staging_turn: dict[GroupKey, int] = {}
+        self._cache: OrderedDict[tuple[str, str, int], Conditioning] = OrderedDict()
+        self._cache_size = prompt_cache_size
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self.graph_runner: GraphRunner | None = None
+        self.text_graph: TextGraph | None = None
+        self.vae_graph: VaeGraph | None = None
+        with self.on_device():
+            self.decoder = self.adapter.decoder(model)
+            if mode == "graph":
+                self._make_graphs()
+
+    def _make_graphs(self) -> None:
+        cfg, model = self.graph_config, self.model
+        resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
+        cfg.check_prewarm(resolutions)
+        self.graph_runner = GraphRunner(cfg, self.device)
+        self.graph_runner.register(StepGraph(self.buffers, partial(self.adapter.denoise, model),
+                                       lambda: self.plan_for("dpmpp_2m", "karras", 10), resolutions,
+                                       cfg.batch_buckets))
+        if cfg.capture_text_encoder and not self.adapter.needs_attention_mask(model):
+            self.text_graph = TextGraph(partial(self.adapter.encode_ids, model), self.adapter.token_lengths(model),
+                                        self.device, cfg.batch_buckets)
+            self.graph_runner.register(self.text_graph)
+        if cfg.capture_vae:
+            self.vae_graph = VaeGraph(self._decode_pixels, self.latent_shape, model.vae_dtype, self.device,
+                                      resolutions, tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
+            self.graph_runner.register(self.vae_graph)
+
+    # -- device, lifetime ------------------------------------------------------------------------
+    def on_device(self):
+        """A context in which CUDA calls go to this runner's device (nothing happens on the CPU)."""
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
+
+    def bind_thread(self) -> None:
+        """Makes the runner's device the calling thread's current device (the engine loop calls it once)."""
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def prewarm(self) -> None:
+        if self.graph_runner is not None:
+            with self.on_device():
+                for key in self.graph_runner.kinds["step"].resolutions():
+                    self.buffers(key)
+                self.graph_runner.prewarm()
+
+    def invalidate(self, kind: str | None = None) -> None:
+        """The weights (or modules) of `kind` ("step" = the denoiser, "text", "vae"; None = all) were changed:
+        bump their version (text: old prompt embeddings are no longer used) and drop their graphs. Between
+        steps only (the engine core runs it on its loop thread)."""
+        kinds = WEIGHT_KINDS if kind is None else (kind,)
+        for k in kinds:
+            if k not in self.weights_version:
+                raise ValueError(f"weights kind {k!r} is unknown; allowed: {', '.join(WEIGHT_KINDS)}")
+            self.weights_version[k] += 1
+        if "vae" in kinds:
+            with self.on_device():
+                self.decoder = self.adapter.decoder(self.model)
+        if self.graph_runner is not None:
+            for k in kinds:
+                self.graph_runner.invalidate(k)
+
+    def graph_table(self) -> list[dict[str, Any]]:
+        return [] if self.graph_runner is None else self.graph_runner.table()
+
+    def graphed_resolutions(self) -> tuple[GroupKey, ...]:
+        return tuple(self.graph_runner.kinds["step"].resolutions()) if self.graph_runner is not None else ()
+
+    # -- shapes and buffers --------------------------------------------------------------------
+    def latent_shape(self, key: GroupKey) -> tuple[int, ...]:
+        return self.adapter.latent_shape(self.model, key)
+
+    def plan(self, sampler: str, schedule: str, steps: int) -> SamplerPlan:
+        """The sampler plan of a request; a step count or sampler the model cannot take is a ParamError."""
+        try:
+            return self.plan_for(sampler, schedule, steps)
+        except ParamError:  # the family named the parameter itself
+            raise
+        except ValueError as e:
+            raise ParamError("num_inference_steps", f"num_inference_steps {steps} does not work with sampler "
+                                                    f"{sampler!r} and schedule {schedule!r} on this model: {e}") from None
+
+    def buffers(self, key: GroupKey) -> StepBuffers:
+        """The static buffers of a resolution group, allocated once at max_rows."""
+        buf = self.groups.get(key)
+        if buf is None:
+            m = self.model
+            buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.adapter.cond_spec(m),
+                                       self.adapter.row_spec(m, key), m.dtype, self.device)
+            self.groups[key] = buf
+        return buf
+
+    def release_group(self, key: GroupKey) -> None:
+        """Frees an idle group's buffers, unless graphs were captured over them (covered resolutions)."""
+        if key in self.graphed_resolutions():
+            return
+        self.groups.pop(key, None)
+        self._staging.pop(key, None)
+        self._staging_turn.pop(key, None)
+
+    def _next_staging(self, key: GroupKey) -> _Staging:
+        slots = self._staging.get(key)
+        if slots is None:
+            pin = self.cuda
+            slots = [_Staging(torch.zeros((self.max_rows, NUM_COEFS), pin_memory=pin),
+                              torch.zeros((self.max_rows, *self.latent_shape(key)), pin_memory=pin))
+                     for _ in range(2)]
+            self._staging[key] = slots
+            self._staging_turn[key] = 0
+        turn = self._staging_turn[key]
+        self._staging_turn[key] = 1 - turn
+        slot = slots[turn]
+        if slot.event is not None:
+            slot.event.synchronize()  # the copy issued from this slot two steps ago has been consumed
+        return slot
+
+    def _record_event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device without blocking the host: from pinned memory, asynchronously (a pageable copy
+        would wait for the GPU queue to drain and leave it idle while the host catches up)."""
+        if not self.cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # -- encode --------------------------------------------------------------------------------
+    def encode(self, prompts: list[str]) -> Conditioning:
+        """Encodes prompts, through the text-encoder graphs where they cover the batch."""
+        runner = self.graph_runner
+        if runner is None or self.text_graph is None:
+            return self.adapter.encode(self.model, prompts)
+        ids = self.adapter.tokenize(self.model, prompts)
+        chunk = max(self.graph_config.batch_buckets)
+        parts = []
+        for start in range(0, len(prompts), chunk):
+            part = [self._to_device(i[start:start + chunk]) for i in ids]
+            n = part[0].shape[0]
+            bucket = runner.bucket("text", 0, 0, n)
+            if bucket is None:
+                parts.append(self.adapter.encode_ids(self.model, part))
+                continue
+            self.text_graph.write(part, bucket)
+            out = runner.replay("text", 0, 0, bucket)
+            parts.append({k: v[:n].clone() for k, v in out.items()})
+        return concat(parts)
+
+    def embed(self, keys: list[tuple[str, str | None]]) -> dict[tuple[str, str | None], Conditioning]:
+        """Conditioning of every (sign, text), sign "+" (prompt) or "-" (negative prompt, None = none): from the
+        LRU cache or encoded (one batch per sign) and cached, under the text encoders' weights version."""
+        version = self.weights_version["text"]
+        out: dict[tuple[str, str | None], Conditioning] = {}
+        missing = []
+        for k in dict.fromkeys(keys):
+            ck = (k[0], k[1], version)
+            if ck in self._cache:
+                self._cache.move_to_end(ck)
+                out[k] = self._cache[ck]
+            else:
+                missing.append(k)
+        self.cache_hits += len(keys) - len(missing)
+        self.cache_misses += len(missing)
+        pos = [t for sign, t in missing if sign == "+"]
+        neg = [t for sign, t in missing if sign == "-"]
+        if pos:
+            enc = self.encode(pos)
+            out.update({("+", t): select_row(enc, i) for i, t in enumerate(pos)})
+        if neg:
+            enc = self.adapter.negative(self.model, self.encode(["" if p is None else p for p in neg]), neg)
+            out.update({("-", t): select_row(enc, i) for i, t in enumerate(neg)})
+        for k in missing:
+            self._cache[(k[0], k[1], version)] = out[k]
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return out
+
+    # -- rows ----------------------------------------------------------------------------------
+    def initial_latents(self, rows: int, key: GroupKey, generator: torch.Generator, sigma: float) -> torch.Tensor:
+        """The first draw from a request's generator (diffusers' order), scaled to the plan's first sigma."""
+        latents = torch.randn((rows, *self.latent_shape(key)), generator=generator, dtype=self.model.dtype)
+        return latents.float() * sigma
+
+    def write_rows(self, key: GroupKey, start: int, latents: torch.Tensor, cond: Conditioning,
+                   uncond: Conditioning, guidance: float) -> None:
+        """Fills rows [start, start+k) with initial latents and one prompt's conditioning (broadcast)."""
+        buf = self.buffers(key)
+        k = latents.shape[0]
+        rows = slice(start, start + k)
+        buf.x[rows] = self._to_device(latents.float())
+        buf.d_prev[rows] = 0
+        buf.noise[rows] = 0
+        buf.coefs[rows] = 0
+        # diffusers skips CFG when guidance <= 1 (only the text branch runs): scale 1 selects it.
+        buf.guidance[rows] = guidance if guidance > 1 else 1.0
+        for name in buf.cond:
+            buf.cond[name][rows] = cond[name]
+            buf.uncond[name][rows] = uncond[name]
+        for name, value in self.adapter.row_spec(self.model, key).items():
+            buf.rows[name][rows] = value
+
+    def step(self, key: GroupKey, n: int, coefs: np.ndarray,
+             noise: list[tuple[int, int, torch.Generator]] | None = None) -> bool:
+        """Runs one step for rows [0, n). coefs: [n, NUM_COEFS]; noise: (first row, rows, generator) of the
+        requests that draw ancestral noise this step. Returns True when it ran as a graph replay."""
+        buf = self.buffers(key)
+        bucket = self.graph_runner.bucket("step", key[0], key[1], n) if self.graph_runner is not None else None
+        rows = bucket or n
+        slot = self._next_staging(key)
+        slot.coefs[:n].numpy()[:] = coefs
+        if rows > n:  # padding rows: zero state and all-zero coefficients keep them at x = 0, finite
+            slot.coefs[n:rows] = 0
+            buf.x[n:rows].zero_()
+            buf.d_prev[n:rows].zero_()
+        buf.coefs[:rows].copy_(slot.coefs[:rows], non_blocking=True)
+        shape = self.latent_shape(key)
+        for first, k, generator in noise or ():
+            slot.noise[first:first + k].copy_(torch.randn((k, *shape), generator=generator, dtype=self.model.dtype))
+            buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
+        if self.cuda:
+            slot.event = self._record_event()
+        if bucket is not None:
+            self.graph_runner.replay("step", key[0], key[1], bucket)
+            return True
+        with torch.no_grad():
+            whole_step(self.denoise_eager, buf, n)
+        return False
+
+    def read_latents(self, key: GroupKey, start: int, count: int) -> torch.Tensor:
+        return self.buffers(key).x[start:start + count].clone()
+
+    def move_rows(self, key: GroupKey, src: int, dst: int, count: int) -> None:
+        self.buffers(key).move_rows(src, dst, count)
+
+    # -- decode --------------------------------------------------------------------------------
+    def _decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.adapter.decode(self.model, self.decoder, latents)
+
+    @torch.no_grad()
+    def decode_async(self, key: GroupKey, latents: torch.Tensor) -> Callable[[], np.ndarray]:
+        """Enqueues the decode and a copy of the pixels to pinned host memory; returns a waiter that gives
+        float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np'). The engine
+        loop does not wait: the waiter runs on the image thread pool."""
+        latents = latents.to(self.device)
+        runner = self.graph_runner
+        chunk = max(VAE_BUCKETS) if runner is not None else latents.shape[0]
+        n_total = latents.shape[0]
+        host = None
+        for start in range(0, n_total, chunk):
+            part = latents[start:start + chunk]
+            n = part.shape[0]
+            bucket = runner.bucket("vae", key[0], key[1], n) if self.vae_graph is not None else None
+            if bucket is None:
+                image = self._decode_pixels(part)
+            else:
+                self.vae_graph.write(key[0], key[1], part, bucket)
+                image = runner.replay("vae", key[0], key[1], bucket)[:n]
+            image = image.permute(0, 2, 3, 1)
+            if host is None:
+                host = torch.empty((n_total, *image.shape[1:]), dtype=image.dtype, pin_memory=self.cuda)
+            host[start:start + n].copy_(image, non_blocking=self.cuda)  # consumed before any later replay
+        if not self.cuda:
+            arrays = host.float().numpy()
+            return lambda: arrays
+        event = self._record_event()
+
+        def wait() -> np.ndarray:  # on an image thread: make the runner's device current there, not GPU 0
+            with self.on_device():
+                event.synchronize()
+            return host.float().numpy()
+        return wait
+
+    def decode(self, key: GroupKey, latents: torch.Tensor) -> np.ndarray:
+        """Latents -> float pixels [n, H, W, 3] in [0, 1], waiting for them."""
+        return self.decode_async(key, latents)()

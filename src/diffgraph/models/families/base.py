@@ -1,0 +1,225 @@
+"""Model-family adapters: what the models of one family mean to the engine, behind one interface.
+
+An adapter owns, for its family (one module per family: sd.py, sdxl.py):
+  * loading: the diffusers pipeline classes it reads (`pipeline_classes`), its subfolders and module classes;
+  * conditioning: tokenization, the capturable text-encoder call (`encode_ids`), the per-row conditioning
+    fields kept in the step buffers for both CFG branches (`cond_spec`), per-row resolution conditioning
+    (`row_spec`: SDXL's time ids) and how a missing negative prompt is conditioned (`negative`);
+  * the denoiser call inside the whole step (`denoise`: tensors in, tensor out, capturable);
+  * the sampler plan (`planner`): (sampler, schedule, steps) -> per-step coefficients, which also say how the
+    model output becomes the denoised prediction (epsilon, v, or a flow velocity: D = x - sigma * v);
+  * the latent shape, the decoder and its dtype, the decode to pixels;
+  * defaults (guidance) and the equivalent diffusers pipeline (the test oracle).
+
+What a new family implements: subclass `FamilyAdapter`, set `name` and `pipeline_classes`, implement
+`load_folder` (if its folder is not UNet + VAE + CLIP encoders), `cond_spec`, `encode_ids`, `denoise`, and
+`planner` when it is not trained on the SD noise schedule (a flow-matching model is not); override
+`latent_shape` / `decode` if they differ. Register it in a `FamilyRegistry` and pass that to `load_model` /
+`Engine(families=...)`: the engine core, scheduler, model runner and server need no edit (tests/test_families.py
+does exactly this with a toy flow-matching family). Adapters hold no state: every method takes the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+
+from ...request import GroupKey
+from ...sampling.samplers import SamplerPlan, make_plan
+from ...sampling.schedules import NoiseSchedule
+from ..model import DiffusionModel
+
+logger = logging.getLogger(__name__)
+
+Conditioning = dict[str, torch.Tensor]        # field name -> [rows, ...] (one row per prompt)
+CondSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # field name -> (per-row shape, dtype)
+Planner = Callable[[str, str, int], SamplerPlan]  # (sampler, schedule, steps) -> plan
+
+
+def select_row(cond: Conditioning, index: int) -> Conditioning:
+    return {k: v[index:index + 1] for k, v in cond.items()}
+
+
+def concat(parts: list[Conditioning]) -> Conditioning:
+    return parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def truncated_token_count(tokenizer: Any, prompt: str) -> int:
+    """How many tokens CLIP drops from `prompt` (beyond max length, start/end tokens excluded)."""
+    ids = tokenizer(prompt, padding=False, truncation=False).input_ids
+    return max(0, len(ids) - tokenizer.model_max_length)
+
+
+class FamilyAdapter:
+    """The interface, with the behaviour SD-style (UNet + VAE + CLIP) families share."""
+
+    name: str = ""
+    pipeline_classes: tuple[str, ...] = ()
+    default_guidance: float = 7.5
+    # (encoder subfolder, tokenizer subfolder, transformers class) per text encoder, in order
+    text_parts: tuple[tuple[str, str, str], ...] = (("text_encoder", "tokenizer", "CLIPTextModel"),)
+    force_zeros_default: bool = False  # SDXL: a missing negative prompt is all zeros (unless the index says no)
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                    name: str) -> DiffusionModel:
+        """A diffusers pipeline folder of this family (local files only)."""
+        import importlib.util
+
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        for sub in ("unet", "vae", "scheduler", *(p for part in self.text_parts for p in part[:2])):
+            if not os.path.isdir(os.path.join(folder, sub)):
+                raise ValueError(f"{folder!r} is a {index.get('_class_name')} folder but lacks its '{sub}' subfolder; "
+                                 "point diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
+
+        def variant(sub: str) -> str | None:
+            files = os.listdir(os.path.join(folder, sub))
+            plain = any(f.endswith((".safetensors", ".bin")) and f.count(".") == 1 for f in files)
+            return None if plain or not any(".fp16." in f for f in files) else "fp16"
+
+        transformers_logging.disable_progress_bar()  # no per-file progress bars on every load
+        common = dict(local_files_only=True, torch_dtype=dtype,
+                      low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
+        unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant("unet"), **common)
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant("vae"), **common)
+        encoders, tokenizers = [], []
+        classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
+        for enc_sub, tok_sub, cls_name in self.text_parts:
+            cls = classes[cls_name]
+            encoders.append(cls.from_pretrained(os.path.join(folder, enc_sub), local_files_only=True, dtype=dtype))
+            tokenizers.append(CLIPTokenizer.from_pretrained(os.path.join(folder, tok_sub), local_files_only=True))
+        with open(os.path.join(folder, "scheduler", "scheduler_config.json"), encoding="utf-8") as f:
+            scheduler_config = json.load(f)
+        native = int(unet.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1)
+        return DiffusionModel(
+            name=name, family=self.name, adapter=self, unet=unet, vae=vae, text_encoders=encoders,
+            tokenizers=tokenizers, scheduler_config=scheduler_config, device=device, dtype=dtype,
+            native_size=native,
+            force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", self.force_zeros_default)))
+
+    # -- shapes and sampling -----------------------------------------------------------------------
+    def vae_scale_factor(self, model: DiffusionModel) -> int:
+        return 2 ** (len(model.vae.config.block_out_channels) - 1)
+
+    def latent_channels(self, model: DiffusionModel) -> int:
+        return int(model.unet.config.in_channels)
+
+    def latent_shape(self, model: DiffusionModel, key: GroupKey) -> tuple[int, int, int]:
+        f = model.vae_scale_factor
+        return (model.latent_channels, key[0] // f, key[1] // f)
+
+    def planner(self, model: DiffusionModel) -> Planner:
+        """The SD noise schedule of the model's scheduler config, walked by our samplers (sampling/)."""
+        noise = NoiseSchedule.from_config(model.scheduler_config)
+        return lambda sampler, schedule, steps: make_plan(noise, sampler, schedule, steps)
+
+    # -- conditioning ------------------------------------------------------------------------------
+    def cond_spec(self, model: DiffusionModel) -> CondSpec:
+        raise NotImplementedError
+
+    def row_spec(self, model: DiffusionModel, key: GroupKey) -> dict[str, torch.Tensor]:
+        """Per-row conditioning that depends only on the resolution (same for both CFG branches)."""
+        return {}
+
+    def tokenize(self, model: DiffusionModel, prompts: list[str]) -> list[torch.Tensor]:
+        """Token ids per tokenizer, [n, max_length] int64 on the CPU; warns when a prompt is truncated."""
+        ids = []
+        for tokenizer in model.tokenizers:
+            for prompt in prompts:
+                dropped = truncated_token_count(tokenizer, prompt)
+                if dropped:
+                    logger.warning("prompt truncated: CLIP reads %d tokens, %d token(s) dropped from %r",
+                                   tokenizer.model_max_length, dropped, prompt[:60])
+            tokens = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
+                               truncation=True, return_tensors="pt")
+            ids.append(tokens.input_ids)
+        return ids
+
+    def token_lengths(self, model: DiffusionModel) -> list[int]:
+        return [t.model_max_length for t in model.tokenizers]
+
+    def needs_attention_mask(self, model: DiffusionModel) -> bool:
+        """True when the encoders need the tokenizer's mask: then the text encoder is not captured."""
+        return False
+
+    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor]) -> Conditioning:
+        """The text encoder(s) on token ids on the model's device: a pure tensor function (capturable)."""
+        raise NotImplementedError
+
+    def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
+        """One row per prompt, in the model's dtype, on its device (eager)."""
+        with torch.no_grad():
+            return self.encode_ids(model, [i.to(model.device) for i in self.tokenize(model, prompts)])
+
+    def negative(self, model: DiffusionModel, cond: Conditioning, prompts: list[str | None]) -> Conditioning:
+        """Negative prompts' conditioning (encoded with "" for None) as the family's pipeline uses it."""
+        return cond
+
+    # -- the step and the decode -------------------------------------------------------------------
+    def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model output for model inputs x [2n, C, h, w] at timesteps t [2n] (both CFG branches)."""
+        raise NotImplementedError
+
+    def vae_dtype(self, model: DiffusionModel) -> torch.dtype:
+        return model.dtype
+
+    def decoder(self, model: DiffusionModel) -> Any:
+        """The module that decodes: the model's VAE, or a copy in the decode dtype where the family upcasts."""
+        if self.vae_dtype(model) == model.dtype:
+            return model.vae
+        import copy
+        return copy.deepcopy(model.vae).to(self.vae_dtype(model))
+
+    def decode(self, model: DiffusionModel, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> pixels [n, 3, H, W] in [0, 1] on the device (diffusers' VAE scaling and denormalisation)."""
+        latents = latents.to(self.vae_dtype(model))
+        mean = getattr(decoder.config, "latents_mean", None)
+        std = getattr(decoder.config, "latents_std", None)
+        if mean is not None and std is not None:
+            c = latents.shape[1]
+            mean_t = torch.tensor(mean, device=latents.device, dtype=latents.dtype).view(1, c, 1, 1)
+            std_t = torch.tensor(std, device=latents.device, dtype=latents.dtype).view(1, c, 1, 1)
+            latents = latents * std_t / decoder.config.scaling_factor + mean_t
+        else:
+            latents = latents / decoder.config.scaling_factor
+        image = decoder.decode(latents, return_dict=False)[0]
+        return (image * 0.5 + 0.5).clamp(0, 1)
+
+    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any) -> Any:
+        """The equivalent diffusers pipeline on the same modules (the oracle)."""
+        raise NotImplementedError(f"family {self.name!r} has no diffusers pipeline")
+
+
+class FamilyRegistry:
+    """Maps a pipeline folder's `_class_name` (and a family name) to its adapter. Make one with
+    `default_registry()` and `register` more families on it; nothing is shared between registries."""
+
+    def __init__(self, adapters: tuple[FamilyAdapter, ...] = ()):
+        self._by_name: dict[str, FamilyAdapter] = {}
+        for a in adapters:
+            self.register(a)
+
+    def register(self, adapter: FamilyAdapter) -> None:
+        if not adapter.name:
+            raise ValueError(f"{type(adapter).__name__} has no name; set the class attribute `name`")
+        self._by_name[adapter.name] = adapter
+
+    def by_name(self, name: str) -> FamilyAdapter:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise ValueError(f"model family {name!r} is not registered; known: {', '.join(self._by_name)}") from None
+
+    def for_pipeline(self, class_name: str | None) -> FamilyAdapter | None:
+        return next((a for a in self._by_name.values() if class_name in a.pipeline_classes), None)
+
+    def pipeline_classes(self) -> list[str]:
+        return [c for a in self._by_name.values() for c in a.pipeline_classes]

@@ -1,0 +1,53 @@
+"""The SD1.x / SD2.x family (StableDiffusionPipeline): one CLIP text encoder, UNet2DConditionModel, AutoencoderKL.
+
+Conditioning as diffusers' StableDiffusionPipeline computes it: CLIP tokens at the tokenizer's max length (77),
+the encoder's last hidden state (with the attention mask only when the encoder's config asks for it).
+Per row: `embeds` [77, cross_attention_dim]. Epsilon and v-prediction both come from the noise schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..model import DiffusionModel
+from .base import CondSpec, Conditioning, FamilyAdapter
+
+
+class SDFamily(FamilyAdapter):
+    name = "sd"
+    pipeline_classes = ("StableDiffusionPipeline",)
+    default_guidance = 7.5
+
+    def cond_spec(self, model: DiffusionModel) -> CondSpec:
+        seq = model.tokenizers[0].model_max_length
+        return {"embeds": ((seq, int(model.unet.config.cross_attention_dim)), model.dtype)}
+
+    def needs_attention_mask(self, model: DiffusionModel) -> bool:
+        return any(getattr(e.config, "use_attention_mask", False) for e in model.text_encoders)
+
+    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor]) -> Conditioning:
+        with torch.no_grad():
+            return {"embeds": model.text_encoders[0](ids[0])[0].to(model.dtype)}
+
+    def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
+        if not self.needs_attention_mask(model):
+            return super().encode(model, prompts)
+        # encoders whose config sets use_attention_mask get the tokenizer's own mask, as diffusers does
+        tokenizer, encoder = model.tokenizers[0], model.text_encoders[0]
+        tokens = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
+                           truncation=True, return_tensors="pt")
+        with torch.no_grad():
+            out = encoder(tokens.input_ids.to(model.device), attention_mask=tokens.attention_mask.to(model.device))
+        return {"embeds": out[0].to(model.dtype)}
+
+    def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model.unet(x, t, encoder_hidden_states=cond["embeds"], return_dict=False)[0]
+
+    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any) -> Any:
+        from diffusers import StableDiffusionPipeline
+        return StableDiffusionPipeline(
+            vae=model.vae, text_encoder=model.text_encoders[0], tokenizer=model.tokenizers[0], unet=model.unet,
+            scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)

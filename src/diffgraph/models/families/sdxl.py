@@ -1,0 +1,78 @@
+"""The SDXL family (StableDiffusionXLPipeline): two CLIP text encoders, UNet with added conditions, fp32 decode.
+
+Conditioning as diffusers' StableDiffusionXLPipeline computes it: both encoders' penultimate hidden states
+concatenated, the second encoder's pooled projection, add_time_ids (original size, crop origin, target size),
+and zeros for a missing negative prompt when force_zeros_for_empty_prompt is set. Per row: `embeds`
+[77, 2048] and `pooled` [1280] per CFG branch, and `time_ids` [6] per resolution. The VAE decodes in fp32 when
+the model is fp16 and its config says force_upcast (SDXL's VAE overflows in fp16), from a copy, as diffusers
+upcasts it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...request import GroupKey
+from ..model import DiffusionModel
+from .base import CondSpec, Conditioning, FamilyAdapter
+
+
+def add_time_ids(height: int, width: int) -> list[float]:
+    """SDXL's micro-conditioning: original size, crop top-left, target size (diffusers' defaults)."""
+    return [float(height), float(width), 0.0, 0.0, float(height), float(width)]
+
+
+class SDXLFamily(FamilyAdapter):
+    name = "sdxl"
+    pipeline_classes = ("StableDiffusionXLPipeline",)
+    default_guidance = 5.0
+    text_parts = (("text_encoder", "tokenizer", "CLIPTextModel"),
+                  ("text_encoder_2", "tokenizer_2", "CLIPTextModelWithProjection"))
+    force_zeros_default = True
+
+    def cond_spec(self, model: DiffusionModel) -> CondSpec:
+        seq = model.tokenizers[0].model_max_length
+        return {"embeds": ((seq, int(model.unet.config.cross_attention_dim)), model.dtype),
+                "pooled": ((int(model.text_encoders[-1].config.projection_dim),), model.dtype)}
+
+    def row_spec(self, model: DiffusionModel, key: GroupKey) -> dict[str, torch.Tensor]:
+        return {"time_ids": torch.tensor(add_time_ids(*key), dtype=model.dtype, device=model.device)}
+
+    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor]) -> Conditioning:
+        embeds_list: list[torch.Tensor] = []
+        pooled = None
+        with torch.no_grad():
+            for token_ids, encoder in zip(ids, model.text_encoders):
+                out = encoder(token_ids, output_hidden_states=True)
+                if out[0].ndim == 2:  # CLIPTextModelWithProjection: the pooled projection comes first
+                    pooled = out[0]
+                embeds_list.append(out.hidden_states[-2])
+        embeds = torch.cat(embeds_list, dim=-1) if len(embeds_list) > 1 else embeds_list[0]
+        return {"embeds": embeds.to(model.dtype), "pooled": pooled.to(model.dtype)}
+
+    def negative(self, model: DiffusionModel, cond: Conditioning, prompts: list[str | None]) -> Conditioning:
+        if model.force_zeros_for_empty_prompt:
+            for i, p in enumerate(prompts):  # per-row fills: no host-to-device copy, no sync
+                if p is None:
+                    for t in cond.values():
+                        t[i].zero_()
+        return cond
+
+    def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        added = {"text_embeds": cond["pooled"], "time_ids": rows["time_ids"]}
+        return model.unet(x, t, encoder_hidden_states=cond["embeds"], added_cond_kwargs=added, return_dict=False)[0]
+
+    def vae_dtype(self, model: DiffusionModel) -> torch.dtype:
+        if model.dtype == torch.float16 and getattr(model.vae.config, "force_upcast", False):
+            return torch.float32
+        return model.dtype
+
+    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any) -> Any:
+        from diffusers import StableDiffusionXLPipeline
+        return StableDiffusionXLPipeline(
+            vae=model.vae, text_encoder=model.text_encoders[0], text_encoder_2=model.text_encoders[1],
+            tokenizer=model.tokenizers[0], tokenizer_2=model.tokenizers[1], unet=model.unet, scheduler=scheduler,
+            force_zeros_for_empty_prompt=model.force_zeros_for_empty_prompt)

@@ -1,0 +1,190 @@
+"""The life of one generation request inside the server: the engine client it goes to, its submission, the wait
+for its next event (with the request timeout and client-disconnect checks), its abort, and the outcome it counts.
+
+`ServerState` owns the engine client (None until built on a background thread), the drain flags and the handles
+of the requests in flight; app.py's routes use these functions and hold no request state of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from fastapi import Request
+
+from ..engine.client import EngineClient, RequestHandle
+from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ParamError, ProgressEvent,
+                       QueueFullError, RequestAborted)
+from .config import ServerConfig
+from .metrics import ServerMetrics
+from .protocol import APIError, error_from_param_error
+
+logger = logging.getLogger("diffgraph.server")
+
+POLL_S = 0.1  # how often a waiting handler checks for a disconnected client
+
+_OUTCOME = {400: "bad_request", 404: "bad_request", 405: "bad_request", 408: "timeout", 413: "bad_request",
+            429: "queue_full", 499: "aborted", 503: "unavailable", 504: "timeout"}
+
+
+def outcome(e: APIError) -> str:
+    """The metrics outcome of an error answer: aborted requests (the drain timeout) count as aborted."""
+    return "aborted" if e.code == "aborted" else _OUTCOME.get(e.status, "error")
+
+
+class ClientGone(Exception):
+    """The client closed the connection; its request was aborted."""
+
+
+class ServerState:
+    """The engine client (None until built), the drain flag and the requests in flight."""
+
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]):
+        self.config = config
+        self.engine: EngineClient | None = None
+        self.error: str | None = None      # why the engine could not be built
+        self.draining = False
+        self.drain_aborted = False  # the drain timeout passed: in-flight requests were aborted
+        self.inflight = 0
+        self.handles: dict[str, RequestHandle] = {}
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(lambda: self.engine, config.batch_buckets, lambda: self.ready)
+        self._factory = engine_factory
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.ready and not self.draining
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._build, name="diffgraph-build", daemon=True)
+        self._thread.start()
+
+    def _build(self) -> None:
+        from ..engine.async_engine import AsyncEngine
+        from ..engine.engine import Engine
+
+        t0 = time.perf_counter()
+        built = None
+        try:
+            built = self._factory()
+            if isinstance(built, Engine):
+                # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
+                # allocator growth) and a broken model should fail here, not on a client's request.
+                built.generate("warm-up", num_inference_steps=1, seed=0)
+                built = AsyncEngine(built)
+            if not isinstance(built, EngineClient):
+                raise TypeError(f"the engine factory returned {type(built).__name__}, not an Engine or EngineClient")
+        except Exception as e:
+            logger.exception("the engine could not be built")
+            self.error = f"{type(e).__name__}: {e}"
+            if built is not None:
+                built.close()
+            return
+        built.add_step_listener(self.metrics.on_step)
+        self.engine = built
+        logger.info("engine ready in %.1f s: model %s, mode %s", time.perf_counter() - t0, built.info.name,
+                    built.info.mode)
+
+    def require_engine(self) -> EngineClient:
+        if self.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests; retry on another "
+                                "replica", code="draining")
+        if self.engine is None:
+            why = (f"the engine failed to start: {self.error}" if self.error
+                   else "the model is loading and graphs are being captured; retry when GET /ready answers 200")
+            raise APIError(503, why, code="not_ready")
+        if not self.engine.ready:
+            raise APIError(503, "the engine stopped after an internal error (see the server log); restart the "
+                                "server, and retry on another replica meanwhile", code="engine_failed")
+        return self.engine
+
+    def begin_drain(self) -> None:
+        """Stops accepting generation requests; those in flight go on (SIGTERM)."""
+        if not self.draining:
+            logger.info("draining: %d request(s) in flight", self.inflight)
+        self.draining = True
+
+    def abort_all(self) -> None:
+        """Aborts every request in flight (the drain timeout passed); any submitted later is refused."""
+        self.drain_aborted = True
+        for handle in list(self.handles.values()):
+            handle.abort()
+
+    def close(self) -> None:
+        # An engine still being built is left to its daemon thread: a drain must not wait for graph capture.
+        if self.engine is not None:
+            self.engine.close()
+
+
+async def submit(state: ServerState, engine: EngineClient, request: GenerationRequest,
+                  progress: bool) -> RequestHandle:
+    """Submits before any response starts, so a full queue is a plain 429 even when streaming."""
+    if state.drain_aborted:  # its body finished arriving after the drain timeout's aborts
+        raise APIError(503, "the server shut down before this request started; retry on another replica",
+                       code="aborted")
+    try:
+        handle = await engine.submit(request, progress=progress)
+    except QueueFullError as e:
+        raise APIError(429, str(e), code="queue_full") from None
+    except ParamError as e:  # the engine refused the request itself (e.g. its step count on this model)
+        raise error_from_param_error(e) from None
+    except EngineClosed as e:  # the engine was closed under us (a drain) or its loop stopped
+        raise APIError(503, str(e), code="draining" if state.draining else "engine_failed") from None
+    state.handles[request.request_id] = handle
+    return handle
+
+
+async def next_item(state: ServerState, handle: RequestHandle, next_item: Any, deadline: float,
+                http: Request) -> ProgressEvent | GenerationResult:
+    """The request's next progress event or its result. Aborts the request and raises on timeout or disconnect;
+    maps the request's own error to an APIError."""
+    pending = asyncio.ensure_future(next_item())
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                abort(state, handle)
+                timeout = state.config.request_timeout
+                raise APIError(504, f"the request did not finish within the {timeout:g} s request timeout and was "
+                                    "aborted; ask for fewer steps or images, or raise --request-timeout",
+                               code="timeout")
+            done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, remaining))
+            if done:
+                break
+            if await http.is_disconnected():
+                abort(state, handle)
+                raise ClientGone()
+    finally:
+        if not pending.done():  # let the cancelled read finish, so the event iterator can be closed after it
+            pending.cancel()
+            try:
+                await pending
+            except (asyncio.CancelledError, Exception):
+                pass
+    try:
+        item = pending.result()
+    except RequestAborted:
+        state.handles.pop(handle.request_id, None)
+        raise APIError(503, "the server shut down before this request finished", code="aborted") from None
+    except EngineStepError as e:
+        state.handles.pop(handle.request_id, None)
+        raise APIError(500, str(e), code="engine_error") from None
+    except EngineClosed as e:
+        state.handles.pop(handle.request_id, None)
+        raise APIError(503, str(e), code="draining" if state.draining else "engine_failed") from None
+    except Exception as e:
+        state.handles.pop(handle.request_id, None)
+        logger.exception("request %s failed", handle.request_id)
+        raise APIError(500, f"generation failed: {type(e).__name__}: {e}", code="engine_error") from None
+    if not isinstance(item, ProgressEvent):
+        state.handles.pop(handle.request_id, None)
+    return item
+
+
+def abort(state: ServerState, handle: RequestHandle) -> None:
+    state.handles.pop(handle.request_id, None)
+    handle.abort()

@@ -1,0 +1,117 @@
+"""The structure docs/ARCHITECTURE.md describes, checked: no import circles (every import counts, those inside
+functions and under TYPE_CHECKING too), no module-level mutable state, the split modules stay small, the
+scheduler never imports torch, and no family string checks outside the family adapters."""
+
+import ast
+import pathlib
+import re
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "diffgraph"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The diffgraph modules `name` imports (the named module itself, not the packages above it)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod
+            targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+        else:
+            continue
+        found |= {t for t in targets if t in modules and t != name}
+    return found
+
+
+def test_the_import_graph_has_no_circle():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # packages re-export their modules (diffgraph/__init__ imports the engine ...): an edge into a package is an
+    # edge into its __init__ only, and modules never import a package __init__ that imports them back
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert "diffgraph.engine.model_runner" in graph["diffgraph.engine.core"]  # the walk sees real edges
+
+
+def test_no_module_level_mutable_state():
+    offenders = []
+    for name, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                value = node.value
+                mutable = isinstance(value, (ast.List, ast.Dict, ast.Set)) or (
+                    isinstance(value, ast.Call) and getattr(value.func, "id", getattr(value.func, "attr", ""))
+                    in ("dict", "list", "set", "OrderedDict", "defaultdict", "count", "deque"))
+                # UPPER_CASE tables are constants by convention (never assigned to after import); __all__ too
+                if mutable and any(not (n.isupper() or n == "__all__") for n in names):
+                    offenders.append(f"{name}: {names}")
+            if isinstance(node, ast.Global):
+                offenders.append(f"{name}: global {node.names}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                offenders.append(f"{name}: global {node.names}")
+            if isinstance(node, ast.FunctionDef) and any(
+                    getattr(d, "id", getattr(d, "attr", "")) in ("lru_cache", "cache") for d in node.decorator_list):
+                offenders.append(f"{name}: cached function {node.name} (process-wide state)")
+    assert offenders == []
+
+
+def test_layers_stay_split_and_small():
+    for module in ("engine/core.py", "engine/model_runner.py", "engine/client.py", "engine/engine.py",
+                   "engine/async_engine.py", "engine/scheduler.py", "models/families/base.py",
+                   "models/families/sd.py", "models/families/sdxl.py", "server/app.py"):
+        lines = len((SRC / module).read_text().splitlines())
+        assert lines <= 420, f"{module} has {lines} lines: split it by responsibility"
+
+
+def test_the_scheduler_never_imports_torch():
+    text = (SRC / "engine" / "scheduler.py").read_text()
+    assert not re.search(r"^\s*(import torch|from torch)", text, re.M)
+
+
+def test_family_checks_live_in_the_adapters():
+    """No `family == "sdxl"` style checks outside models/families/ (a new family must need no edits there)."""
+    offenders = []
+    for name, path in _modules().items():
+        if ".models.families" in name:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"family\s*(==|!=|in)\s*|[\"']sdxl[\"']\s*(==|!=|in)", line):
+                offenders.append(f"{name}:{i}: {line.strip()}")
+    assert offenders == []
