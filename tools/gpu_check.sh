@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (the `device` tool): GPU tests, then the benchmarks. Logs and JSON go to $OUT.
-#   bash tools/gpu_check.sh [tests] [latency] [compile] [throughput] [info] [probe] [firstuse] [imports] [regime] [saturation]
+#   bash tools/gpu_check.sh [tests] [tests1] [ab] [latency] [compile] [throughput] [info] [probe] [firstuse] [imports] [regime] [saturation]
+# tests1: the GPU tests with every engine on cuda:1 (2-GPU host; test_device_affinity checks GPU 0 stays untouched)
+# ab: bench latency (graph tier, 1 image) of the tree in .old/src (an older commit, `git archive REV src | tar -x -C
+# .old`, carried) and of src/, alternated twice in one call: the before/after comparison of a refactor
 # regime: step vs request mode between their capacities, long traces (p99 target; REGIME_RATE, REGIME_SEED); saturation: step mode at 3x
 # for 30 s with the window work measure (the 0.9 target).
 set -uo pipefail
@@ -20,6 +23,13 @@ for what in "$@"; do
     imports) python3 -X importtime -c "from diffusers import AutoencoderKL, UNet2DConditionModel; from transformers import CLIPTextModel" 2> "$OUT/importtime.log"
              sort -t'|' -k2 -n -r "$OUT/importtime.log" | head -25 ;;
     tests) python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning ;;
+    tests1) DIFFGRAPH_TEST_DEVICE=cuda:1 python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_cuda1.log" | grep -v Warning ;;
+    ab) for round in 1 2; do for tree in old new; do
+          src=$([ $tree = old ] && echo "$PWD/.old/src" || echo "$PWD/src")
+          PYTHONPATH=/tmp/site:$src python3 -m diffgraph.bench.latency --cases random:sd15@512,random:sdxl@1024 --images 1 \
+            --repeats 5 --contenders diffgraph_graph --json "$OUT/ab_${tree}_${round}.json" > "$OUT/ab_${tree}_${round}.log" 2>&1
+          grep -E "^random|diffgraph_graph|Error|error" "$OUT/ab_${tree}_${round}.log" | sed "s/^/[$tree $round] /"
+        done; done ;;
     latency) python3 -m diffgraph.bench.latency --repeats 3 --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
     compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --contenders diffusers,diffusers_compile,diffgraph_graph --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
     regime) python3 -m diffgraph.bench.throughput --duration 60 --rates ${REGIME_RATE:-3.0} --seed ${REGIME_SEED:-0} --modes step,request --json "$OUT/bench_regime.json" 2>&1 | grep -v Warning | tee "$OUT/bench_regime.log" ;;

@@ -203,11 +203,15 @@ def test_replaced_weights_take_effect_after_invalidate():
         a2, b2 = both()
         assert np.abs(a2 - b2).max() <= 2e-2 and np.abs(a2 - a).max() > 0.05
         new = graphed.model.unet.conv_out.weight.detach() * 0.5
-        for e in (graphed, eager):  # a new tensor: the captured graph still reads the old one
+        # a new tensor: the captured graph still reads the old one (kept alive here: once freed, its memory may be
+        # reused, and a stale graph then reads garbage, which is why a replaced module needs `invalidate`)
+        old = [e.model.unet.conv_out.weight for e in (graphed, eager)]
+        for e in (graphed, eager):
             e.model.unet.conv_out.weight = torch.nn.Parameter(new.clone().to(e.model.device), requires_grad=False)
         stale, b3 = both()
         assert np.abs(stale - a2).max() <= 2e-2 and np.abs(b3 - b2).max() > 0.05
         graphed.invalidate("step")
+        del old
         a3, _ = both()
         assert np.abs(a3 - b3).max() <= 2e-2
         rows = [r for r in graphed.graph_table() if r["kind"] == "step"]

@@ -58,8 +58,10 @@ class ModelRunner:
             raise ValueError(f"prompt_cache_size {prompt_cache_size} must be >= 0")
         self.model = model
         self.adapter = model.adapter
-        self.device = model.device
-        self.cuda = self.device.type == "cuda"
+        self.cuda = model.device.type == "cuda"
+        # an explicit index: the loop thread binds this device, and "cuda" alone would mean whatever is current
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if self.cuda and model.device.index is None else model.device)
         self.graph_config = graphs or GraphConfig()
         # the most live rows of a group: the largest batch bucket in graph mode (never more, so a step always
         # fits a graph), max_rows (default: the same) in eager mode

@@ -39,6 +39,8 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torc
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but CUDA is not available on this machine; use the CPU "
                          "(device cpu)")
+    if device.type == "cuda" and device.index is None:  # the model lives on one numbered device
+        device = torch.device("cuda", torch.cuda.current_device())
     if model in P.RANDOM_PRESETS:
         return _build_random(P.RANDOM_PRESETS[model], device, torch_dtype, families)
     if model in P.SHIPPED_PRESETS:
