@@ -73,3 +73,20 @@ def test_replay_counts_aborted_requests_as_unfinished(tiny_engine):
     r = replay(tiny_engine, trace, timeout=0.0, row_step_ms={(64, 64): 1.0})
     assert r["unfinished"] > 0 and set(r["errors"]) <= {"RequestAborted"}
     assert r["completed"] + r["unfinished"] == r["requests"] == len(trace)
+
+
+def test_plots_draw_each_mode_against_the_rate(tmp_path):
+    from PIL import Image
+
+    from diffgraph.bench.plots import plot_runs
+
+    runs = [{"rate": r, "mode": m, "p50_ms": 100 * r + k, "p90_ms": 150 * r + k, "p99_ms": 200 * r + k,
+             "images_per_s": r * (1 - k / 100)} for m, k in (("step", 0), ("request", 50)) for r in (2.0, 1.0, 3.0)]
+    data = plot_runs(runs, str(tmp_path / "t.png"), "test")
+    assert list(data) == ["step", "request"]
+    assert data["step"]["rate"] == [1.0, 2.0, 3.0] and data["step"]["p99"] == [0.2, 0.4, 0.6]
+    assert data["request"]["p50"] == [0.15, 0.25, 0.35] and data["request"]["images_per_s"] == [0.5, 1.0, 1.5]
+    serve = plot_runs([{"rate": 4.0, "latency_s": {"p50": 0.1, "p90": 0.2, "p99": 0.3}, "images_per_s": 3.9}],
+                      str(tmp_path / "s.png"))
+    assert serve == {"serve": {"rate": [4.0], "p50": [0.1], "p90": [0.2], "p99": [0.3], "images_per_s": [3.9]}}
+    assert Image.open(tmp_path / "t.png").size == (1210, 462)

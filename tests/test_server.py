@@ -178,8 +178,8 @@ def test_32_concurrent_requests_share_steps(server):
     assert [r.json()["seed"] for r in responses] == list(range(32))
     assert len({r.json()["data"][0]["b64_json"] for r in responses}) == 32
     after = metrics(server.url)
-    steps = after["diffgraph_step_batch_bucket_count"] - before["diffgraph_step_batch_bucket_count"]
-    single = after['diffgraph_step_batch_bucket_bucket{le="1.0"}'] - before['diffgraph_step_batch_bucket_bucket{le="1.0"}']
+    steps = after["diffgraph_step_rows_count"] - before["diffgraph_step_rows_count"]
+    single = after['diffgraph_step_rows_bucket{le="1.0"}'] - before['diffgraph_step_rows_bucket{le="1.0"}']
     assert steps < 32 * 2   # rows of different requests ran in one step
     assert single < steps   # some steps ran in a bucket above 1
 
@@ -327,6 +327,13 @@ def test_bench_serve(server, tmp_path, capsys):
     assert report["sent"] > 0 and report["ok"] == report["sent"] and report["errors"] == {}
     assert 0 < report["latency_s"]["p50"] <= report["latency_s"]["p99"]
     assert report["images_per_s"] > 0
+    # a sweep over two rates with its plot
+    plot = tmp_path / "serve.png"
+    assert main(["--url", server.url, "--rate", "4,8", "--duration", "1", "--mix", "64x64/2", "--json", str(out),
+                 "--plot", str(plot)]) == 0
+    sweep = json.loads(out.read_text())
+    assert [r["rate"] for r in sweep["runs"]] == [4.0, 8.0] and all(r["ok"] == r["sent"] for r in sweep["runs"])
+    assert Image.open(plot).size[0] > 800
 
 
 # -- a server of its own: queue full, then SIGTERM ------------------------------------------------------------
@@ -342,7 +349,7 @@ def test_queue_full_then_sigterm_drains():
         def send(name, **body):
             results[name] = generate(s.url, timeout=600, size="128x128", **body)
 
-        a = threading.Thread(target=send, args=("A",), kwargs=dict(num_inference_steps=120, seed=1))
+        a = threading.Thread(target=send, args=("A",), kwargs=dict(num_inference_steps=60, seed=1))
         a.start()
         wait_for(lambda: live_rows(s.url, "128x128") == 1, what="A running")
         b = threading.Thread(target=send, args=("B",), kwargs=dict(num_inference_steps=2, seed=2))
@@ -451,6 +458,34 @@ def test_drain_aborts_count_as_aborted():
 
 
 # -- configuration (in process) -----------------------------------------------------------------------------------
+def test_the_example_config_holds_every_setting_and_loads():
+    import dataclasses
+
+    from diffgraph.server.config import ServerConfig, load_config
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "serve.toml"
+    text = path.read_text()
+    for f in dataclasses.fields(ServerConfig):  # each setting is there, set or as a commented line
+        name = {"api_keys": "api-key"}.get(f.name, f.name.replace("_", "-"))
+        assert re.search(rf"^#? ?{re.escape(name)} = ", text, re.M), f"examples/serve.toml lacks {name}"
+    config = load_config(str(path))
+    assert config == ServerConfig(model="digits") and config.api_keys == ()
+
+
+def test_api_keys_from_flags_file_and_environment(tmp_path, monkeypatch):
+    from diffgraph.server.config import load_config
+
+    monkeypatch.setenv("DIFFGRAPH_API_KEY", "env1,env2")
+    assert load_config(None, {"model": MODEL}).api_keys == ("env1", "env2")
+    assert load_config(None, {"model": MODEL, "api_keys": ["flag"]}).api_keys == ("flag",)
+    path = tmp_path / "s.toml"
+    path.write_text(f'model = "{MODEL}"\napi-key = ["file"]\n')
+    assert load_config(str(path)).api_keys == ("file",)
+    assert "file" not in repr(load_config(str(path)))  # never printed
+    with pytest.raises(ValueError, match="api-key"):
+        load_config(None, {"model": MODEL, "api_keys": ["has space"]})
+
+
 def test_config_file_and_flags(tmp_path):
     import argparse
 

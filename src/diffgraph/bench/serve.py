@@ -120,7 +120,8 @@ async def run_load(url: str, rate: float, duration: float, mix: list[MixItem], *
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="diffgraph bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default: %(default)s)")
-    p.add_argument("--rate", type=float, required=True, help="mean arrival rate, requests per second")
+    p.add_argument("--rate", required=True,
+                   help="mean arrival rate, requests per second; a comma list runs each rate in turn (a sweep)")
     p.add_argument("--duration", type=float, required=True, help="seconds of arrivals (the run then drains)")
     p.add_argument("--mix", default="20", help="comma list of [WxH/]STEPS[:WEIGHT]; without a size the server's "
                                               "native size (default: %(default)s)")
@@ -131,16 +132,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, s (default: 600)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival trace (default: 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the report to FILE")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw latency percentiles and images/s against the rate (matplotlib)")
     args = p.parse_args(argv)
     try:
         mix = parse_mix(args.mix)
-        if args.rate <= 0 or args.duration <= 0:
+        try:
+            rates = [float(r) for r in args.rate.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(f"--rate {args.rate!r} must be a number or a comma list of numbers") from None
+        if not rates or min(rates) <= 0 or args.duration <= 0:
             raise ValueError("--rate and --duration must be > 0")
-    except ValueError as e:
-        print(f"diffgraph: error: {e}", file=sys.stderr)
+        if args.plot:
+            from .plots import plot_runs  # noqa: F401  (fail before the load runs when matplotlib is missing)
+            import matplotlib  # noqa: F401
+    except (ValueError, ImportError) as e:
+        print(f"diffgraph: error: {e}" + ("; pip install 'diffgraph[plot]'" if isinstance(e, ImportError) else ""),
+              file=sys.stderr)
         return 2
-    report = asyncio.run(run_load(args.url, args.rate, args.duration, mix, prompt=args.prompt, n=args.n,
-                                  sampler=args.sampler, model=args.model, timeout=args.timeout, seed=args.seed))
+    runs = [asyncio.run(run_load(args.url, rate, args.duration, mix, prompt=args.prompt, n=args.n,
+                                 sampler=args.sampler, model=args.model, timeout=args.timeout, seed=args.seed))
+            for rate in rates]
+    report = runs[0] if len(runs) == 1 else {"runs": runs}
+    if args.plot:
+        from .plots import plot_runs
+        plot_runs(runs, args.plot, f"bench serve: {args.url}, mix {args.mix}")
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="request mode's batching window (the seed design: 5-20 ms; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="bench_throughput.json")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw latency percentiles and images/s against the arrival rate, per mode (matplotlib)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("diffgraph: error: bench throughput needs a CUDA device")
@@ -269,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     report["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
+    if args.plot:
+        from .plots import plot_runs
+        plot_runs(report["runs"], args.plot, f"bench throughput: {args.model}, {report['env']['gpu']}")
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -9,6 +9,7 @@ captures the prewarm graphs, starts the loop, and offers the blocking API: `gene
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -26,6 +27,8 @@ from ..request import (EngineClosed, EngineStepError, GenerationRequest, Generat
 from .core import EngineCore
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig, StepPlan
+
+logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[str, int, int], None]  # (request_id, step done, total steps)
 
@@ -89,7 +92,10 @@ class Engine:
         if mode not in ("graph", "eager"):
             raise ParamError("mode", f"mode {mode!r} is unknown; allowed: graph, eager")
         if mode == "graph" and not cuda and (graphs is None or graphs.backend != "emulated"):
-            raise ParamError("mode", "mode 'graph' needs a CUDA device; use mode='eager' on the CPU")
+            raise ParamError("mode", "mode 'graph' needs a CUDA device; on the CPU the engine runs in mode 'eager'")
+        if not cuda and str(dtype).lower() in ("fp16", "float16", "bf16", "bfloat16"):
+            logger.warning("dtype %s on the CPU is several times slower than fp32 (no fast half-precision kernels "
+                           "there) and no more exact; use fp32 on the CPU", dtype)
         t0 = time.perf_counter()
         place = parse_device(device)
         # every CUDA call of the build (load, buffers, prewarm captures) goes to the engine's own device
@@ -200,9 +206,11 @@ class Engine:
 
         With `sampler`, its scheduler is the diffusers scheduler equivalent to (sampler, schedule);
         otherwise EulerDiscreteScheduler from the model's scheduler config."""
-        from diffusers import EulerDiscreteScheduler
-
+        from ..models.quiet import quiet_known_warnings
         from ..sampling.oracle import diffusers_scheduler
+
+        quiet_known_warnings()
+        from diffusers import EulerDiscreteScheduler
 
         m = self.model
         config = {k: v for k, v in m.scheduler_config.items() if not k.startswith("_")}

@@ -68,6 +68,9 @@ class GraphedUNet(torch.nn.Module):
             resolutions = [(n, n)]
         latent_res = tuple((h // vae_scale_factor, w // vae_scale_factor) for h, w in resolutions)
         cfg = config or GraphConfig(batch_buckets=tuple(sorted(batch_buckets)))
+        if cfg.backend == "cuda" and torch.device(unet.device).type != "cuda":
+            raise ValueError(f"GraphedUNet needs a UNet on a CUDA device (this one is on {unet.device}); move the "
+                             "pipeline to the GPU first (pipe.to('cuda')), or keep the plain UNet on the CPU")
         self.runner = GraphRunner(cfg, unet.device)
         self.graph = _UNetGraph(unet, latent_res, cfg.batch_buckets)
         self.runner.register(self.graph)

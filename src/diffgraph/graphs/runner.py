@@ -130,7 +130,8 @@ class GraphRunner:
         if config.backend not in ("cuda", "emulated"):
             raise ValueError(f"graph backend {config.backend!r} is unknown; allowed: cuda, emulated")
         if not self.emulated and torch.device(device).type != "cuda":
-            raise ValueError("CUDA graphs need a CUDA device; use mode='eager' on the CPU")
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}; run eagerly on the CPU (Engine mode "
+                             "'eager', the default there)")
         self.config = config
         self.device = torch.device(device)
         with _on_device(self.device, self.emulated):

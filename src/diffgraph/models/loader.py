@@ -17,6 +17,7 @@ import torch
 from . import presets as P
 from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
+from .quiet import quiet_known_warnings
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torc
                families: FamilyRegistry | None = None) -> DiffusionModel:
     """Loads a preset or a local diffusers folder, with the family adapter `families` maps its pipeline class to
     (default: the built-in SD and SDXL families). Errors list what is supported."""
+    quiet_known_warnings()
     families = families or default_registry()
     device = torch.device(device)
     torch_dtype = parse_dtype(dtype)

@@ -6,6 +6,10 @@
     GET  /ready                   200 once the engine is built, its prewarm graphs captured and one warm-up
                                   image made; 503 before, and while draining
     GET  /metrics                 Prometheus text (metrics.py)
+    GET  /status                  the same state as JSON, for the playground's status panel
+    GET  /info                    the model, its defaults and what a request may ask for (the playground's form)
+    GET  /                        the playground page (playground/), unless --no-playground
+With API keys (auth.py), /v1/* needs `Authorization: Bearer KEY` (and /metrics, /status with --protect-metrics).
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
 server listens (and answers /health, /ready with 503) while the model loads and graphs are captured.
@@ -38,6 +42,8 @@ from ..request import GenerationRequest, GenerationResult, ParamError, ProgressE
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        ProgressEventBody, error_from_param_error, error_from_validation)
+from .auth import APIKeyMiddleware
+from .pages import playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, next_item, outcome, submit
 
 
@@ -144,6 +150,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     app = FastAPI(title="diffgraph", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-shaped image generation on CUDA graphs with step-level batching")
     app.state.server = state
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.protect_metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -171,6 +179,23 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     async def models() -> dict[str, Any]:
         name = state.engine.info.name if state.engine is not None else config.model
         return ModelList(data=[ModelCard(id=name, created=state.created)]).model_dump()
+
+    @app.get("/info")
+    async def info() -> Response:
+        return JSONResponse(server_info(state))
+
+    @app.get("/status")
+    async def status() -> Response:
+        return JSONResponse(await asyncio.to_thread(server_status, state))
+
+    if config.playground:
+        @app.get("/", include_in_schema=False)
+        async def playground_page() -> Response:
+            return playground_file("index.html")
+
+        @app.get("/playground/{name}", include_in_schema=False)
+        async def playground_asset(name: str) -> Response:
+            return playground_file(name)
 
     @app.get("/metrics")
     async def metrics() -> Response:

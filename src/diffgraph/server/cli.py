@@ -21,7 +21,10 @@ DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may t
 
 # the ServerConfig fields a flag can set (flag --batch-buckets -> batch_buckets)
 _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
-           "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes", "drain_timeout", "log_level")
+           "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
+           "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
+           "image_threads")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +80,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default: {default('drain_timeout'):g})")
     p.add_argument("--log-level", default=None, choices=("critical", "error", "warning", "info", "debug"),
                    help="log level (default: info)")
+    p.add_argument("--access-log", default=None, action=argparse.BooleanOptionalAction,
+                   help="log one line per request; health, ready, status and metrics polls are never logged "
+                        "(default: on)")
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on every /v1/* route (repeat for several keys; "
+                        "default: the comma-separated keys in $DIFFGRAPH_API_KEY, else open)")
+    p.add_argument("--protect-metrics", default=None, action=argparse.BooleanOptionalAction,
+                   help="also require a key for /metrics and /status (default: off; /health and /ready stay open)")
+    p.add_argument("--playground", default=None, action=argparse.BooleanOptionalAction,
+                   help="serve the playground page at / (default: on; --no-playground turns it off)")
+    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads of a CPU engine (default: the cores minus one, at least 1)")
+    p.add_argument("--image-threads", type=int, default=None, metavar="N",
+                   help=f"threads that encode finished images (default: {default('image_threads')})")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -126,16 +143,64 @@ def _server_class():
     return DrainingServer
 
 
+# paths polled by load balancers and scrapers: never in the access log
+QUIET_PATHS = ("/health", "/ready", "/metrics", "/status")
+
+
+class _QuietPolls(logging.Filter):
+    """Drops uvicorn access-log records of the polled paths (the record's args: client, method, path, ...)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""
+        return path not in QUIET_PATHS
+
+
+def open_server_warning(config: ServerConfig) -> str | None:
+    """The warning for a server that listens beyond this machine without an API key, or None."""
+    if config.host in LOOPBACK or config.api_keys:
+        return None
+    return (f"listening on {config.host} without --api-key: anyone who can reach port {config.port} can use this "
+            "server; give --api-key KEY (or DIFFGRAPH_API_KEY) to require a key")
+
+
+def apply_thread_settings(config: ServerConfig, cpu_count: int | None = None) -> dict[str, Any]:
+    """torch's thread pools for the server process (before the engine is built): on a CPU engine, intra-op threads
+    from `resolved_torch_threads` and one inter-op thread (the engine loop is the only caller). Returns what was
+    applied. On CUDA nothing changes (the host threads only launch work)."""
+    import torch
+
+    applied: dict[str, Any] = {"device": config.device or ("cuda" if torch.cuda.is_available() else "cpu")}
+    if applied["device"].startswith("cuda"):
+        return applied
+    threads = config.resolved_torch_threads(cpu_count)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set, or inter-op work already ran in this process: keep what is there
+        pass
+    applied.update(torch_threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
+                   image_threads=config.image_threads)
+    return applied
+
+
 def serve(config: ServerConfig) -> int:
     """Runs the server until drained; 0 after a clean drain, 1 when the engine could not be built."""
     import uvicorn
 
     from .app import create_app
 
+    log = logging.getLogger("diffgraph.server")
+    warning = open_server_warning(config)
+    if warning:
+        log.warning("%s", warning)
+    applied = apply_thread_settings(config)
+    log.info("threads: %s", applied)
     app = create_app(config)
     state = app.state.server
+    logging.getLogger("uvicorn.access").addFilter(_QuietPolls())
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                        timeout_graceful_shutdown=5, lifespan="on")
+                        access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on")
     server = _server_class()(uv, state)
     server.run()
     if state.error is not None:

@@ -9,7 +9,9 @@ A TOML file holds the same settings as the flags, named like them (`batch-bucket
     prewarm = "all"                      # "none" | "512x512@1/2/4,..."
     request-timeout = 120
 
-`ServerConfig.engine_kwargs()` is what the app hands to `Engine(...)`; nothing else reads the file.
+examples/serve.toml lists every setting. `ServerConfig.engine_kwargs()` is what the app hands to `Engine(...)`;
+nothing else reads the file. API keys also come from the environment variable DIFFGRAPH_API_KEY (comma-separated)
+when neither the file nor a flag gives one; they are never printed (the field is left out of the repr).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ class ServerConfig:
     max_prompt_bytes: int = 4096         # UTF-8 bytes of prompt / negative_prompt
     drain_timeout: float = 30.0          # after SIGTERM: seconds in-flight requests may still take
     log_level: str = "info"
+    access_log: bool = True              # one line per request; health, ready, status and metrics polls never
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys /v1/* requires; () = open
+    protect_metrics: bool = False        # also require a key for /metrics and /status
+    playground: bool = True              # GET / serves the playground page
+    torch_threads: int | None = None     # torch intra-op threads on the CPU; None: derived from the cores
+    image_threads: int = 2               # threads that wait for decodes and encode images
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -85,6 +93,13 @@ class ServerConfig:
         self.graph_config()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: {', '.join(LOG_LEVELS)}")
+        for key in self.api_keys:
+            if not isinstance(key, str) or not key.strip() or any(c.isspace() or c == "," for c in key):
+                raise ValueError("api-key: each key must be a non-empty string without spaces or commas")
+        if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
+            raise ValueError(f"torch-threads {self.torch_threads} is out of range; allowed: 1..1024")
+        if not 1 <= self.image_threads <= 64:
+            raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ServerConfig":
@@ -93,6 +108,7 @@ class ServerConfig:
         kwargs: dict[str, Any] = {}
         for raw_key, value in values.items():
             key = raw_key.replace("-", "_")
+            key = {"api_key": "api_keys"}.get(key, key)  # `api-key` (flag, TOML) holds one key or several
             if key not in known:
                 raise ValueError(f"unknown setting {raw_key!r}; allowed: {', '.join(n.replace('_', '-') for n in known)}")
             kwargs[key] = _parse(key, value)
@@ -106,17 +122,37 @@ class ServerConfig:
         return dict(model=self.model, device=self.device, dtype=self.dtype, mode=self.mode,
                     graphs=self.graph_config(),
                     batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
-                    max_rows=max(self.batch_buckets), grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms)
+                    grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads)
+
+    def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
+        """torch's intra-op threads for a CPU engine: the setting, else one core fewer than the machine has (at
+        least 1), leaving a core to the event loop, the engine loop and the image threads. With every core in
+        torch's pool, its threads spin-wait against those and against other processes (measured in
+        BENCHMARKS.md: 8 requests over HTTP on a loaded 2-core machine)."""
+        if self.torch_threads is not None:
+            return self.torch_threads
+        return max(1, (cpu_count or os.cpu_count() or 1) - 1)
 
 
 def _parse(key: str, value: Any) -> Any:
+    if key == "api_keys":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(k, str) for k in items):
+            raise ValueError("api-key must be a string or a list of strings")
+        return tuple(k.strip() for k in items if k.strip())
+    if key in ("access_log", "protect_metrics", "playground"):
+        if not isinstance(value, bool):
+            raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
+        return value
     if key == "batch_buckets":
         return parse_buckets(value)
     if key == "resolutions":
         return parse_resolutions(value)
     if key == "prewarm":
         return value if isinstance(value, bool) else parse_prewarm(value)
-    if key in ("port", "max_queue", "max_prompt_bytes"):
+    if key == "torch_threads" and value is None:
+        return None
+    if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
@@ -156,4 +192,6 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
     """Defaults, then the file's settings, then `overrides` (flags given on the command line; None = not given)."""
     values: dict[str, Any] = load_toml(path) if path else {}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if not any(k.replace("-", "_") in ("api_key", "api_keys") for k in values) and os.environ.get("DIFFGRAPH_API_KEY"):
+        values["api_keys"] = os.environ["DIFFGRAPH_API_KEY"]
     return ServerConfig.from_mapping(values)

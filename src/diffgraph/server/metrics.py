@@ -10,6 +10,7 @@ Two kinds of metric:
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -92,8 +93,9 @@ class ServerMetrics:
             self.requests.labels(outcome)
         self.latency = Histogram("diffgraph_request_latency_seconds", "Latency of successful generation requests",
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.bucket = Histogram("diffgraph_step_batch_bucket", "Batch bucket of each denoising step",
-                                buckets=tuple(float(b) for b in batch_buckets), registry=r)
+        self.bucket = Histogram("diffgraph_step_rows", "Rows each denoising step costs: its batch bucket (its live "
+                                "rows where it ran eagerly)", buckets=tuple(float(b) for b in batch_buckets),
+                                registry=r)
         self.step_time = Histogram("diffgraph_step_seconds", "Wall time of each denoising step (host view)",
                                    buckets=STEP_BUCKETS, registry=r)
         self.inflight = Gauge("diffgraph_inflight_requests", "Generation requests being served", registry=r)
@@ -101,6 +103,7 @@ class ServerMetrics:
         self.ready.set_function(lambda: float(is_ready()))  # read at scrape time: a dead engine loop shows at once
         r.register(_EngineCollector(get_engine))
         self._buckets = tuple(sorted(batch_buckets))
+        self.recent_steps: deque[float] = deque(maxlen=64)  # seconds of the last steps (the /status page)
 
     def observe_request(self, outcome: str, seconds: float | None = None) -> None:
         self.requests.labels(outcome).inc()
@@ -111,6 +114,7 @@ class ServerMetrics:
         """An engine step listener (engine thread): the bucket the step ran in, and its time."""
         self.bucket.observe(event.bucket)
         self.step_time.observe(event.seconds)
+        self.recent_steps.append(event.seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

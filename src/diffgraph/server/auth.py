@@ -1,0 +1,63 @@
+"""API keys: `--api-key KEY` (or DIFFGRAPH_API_KEY) makes every /v1/* route require `Authorization: Bearer KEY`.
+
+A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would hide client disconnects from the
+streaming handlers). Keys are compared in constant time (hmac.compare_digest, against every key) and never
+logged or echoed. /health, /ready, the playground page and /info stay open; /metrics and /status too unless
+`protect_metrics`. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+OPEN_PATHS = ("/health", "/ready", "/info")  # and the playground: "/" and /playground/*
+MONITORING_PATHS = ("/metrics", "/status")
+
+
+def _authorized(scope: dict[str, Any], keys: tuple[bytes, ...]) -> bool:
+    header = b""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            header = value
+            break
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer" or not token.strip():
+        return False
+    token = token.strip()
+    ok = False
+    for key in keys:  # no early exit: the time does not tell which key, or whether any, matched
+        ok |= hmac.compare_digest(token, key)
+    return ok
+
+
+class APIKeyMiddleware:
+    def __init__(self, app: Any, keys: tuple[str, ...], protect_metrics: bool = False):
+        self.app = app
+        self.keys = tuple(k.encode() for k in keys)
+        self.protect_metrics = protect_metrics
+
+    def _guarded(self, path: str) -> bool:
+        if path.startswith("/v1/"):
+            return True
+        return self.protect_metrics and path in MONITORING_PATHS
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.keys or not self._guarded(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        if _authorized(scope, self.keys):
+            await self.app(scope, receive, send)
+            return
+        has_header = any(name == b"authorization" for name, _ in scope.get("headers", ()))
+        message = ("the API key is not valid; send `Authorization: Bearer KEY` with a key this server was started "
+                   "with" if has_header else
+                   "this server requires an API key: send `Authorization: Bearer KEY` (the OpenAI client sends its "
+                   "api_key so)")
+        body = json.dumps({"error": {"message": message, "type": "authentication_error", "param": None,
+                                     "code": "invalid_api_key"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,67 @@
+"""What the playground page reads: its static files (shipped in the package, no CDN, no build step), `/info`
+(the model, its defaults and what a request may ask for) and `/status` (the engine's state as JSON). The same
+state as /metrics, for a person instead of a scraper."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from fastapi.responses import FileResponse, JSONResponse, Response
+
+from ..config import DEFAULT_BUCKETS
+from ..request import MAX_STEPS, OUTPUT_FORMATS
+from ..sampling.schedules import SAMPLERS, SCHEDULES
+
+PLAYGROUND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "playground")
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                 ".css": "text/css; charset=utf-8", ".png": "image/png", ".svg": "image/svg+xml"}
+
+
+def playground_file(name: str) -> Response:
+    """One of the playground's files by its bare name (nothing outside its folder can be named)."""
+    ext = os.path.splitext(name)[1]
+    path = os.path.join(PLAYGROUND, name)
+    if not re.fullmatch(r"[A-Za-z0-9_-]+\.[a-z]+", name) or ext not in CONTENT_TYPES or not os.path.isfile(path):
+        return JSONResponse({"error": {"message": f"no playground file {name!r}", "type": "not_found_error",
+                                       "param": None, "code": None}}, status_code=404)
+    return FileResponse(path, media_type=CONTENT_TYPES[ext], headers={"Cache-Control": "no-cache"})
+
+
+def _size(h: int, w: int) -> str:
+    return f"{w}x{h}"
+
+
+def server_info(state: Any) -> dict[str, Any]:
+    config, engine = state.config, state.engine
+    info = engine.info if engine is not None else None
+    resolutions = [_size(h, w) for h, w in config.resolutions]
+    if info is not None and not resolutions:
+        resolutions = [_size(info.native_size, info.native_size)]
+    return {
+        "model": info.name if info else config.model, "ready": state.ready,
+        "family": info.family if info else None, "mode": info.mode if info else None,
+        "native_size": info.native_size if info else None,
+        "default_guidance": info.default_guidance if info else None, "default_steps": 20,
+        "max_images": info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS),
+        "max_steps": MAX_STEPS, "samplers": list(SAMPLERS), "schedules": list(SCHEDULES),
+        "output_formats": list(OUTPUT_FORMATS), "graphed_resolutions": resolutions,
+        "batch_buckets": list(config.batch_buckets), "max_prompt_bytes": config.max_prompt_bytes,
+        "auth_required": bool(config.api_keys),
+    }
+
+
+def server_status(state: Any) -> dict[str, Any]:
+    engine = state.engine
+    recent = list(state.metrics.recent_steps)
+    out: dict[str, Any] = {"ready": state.ready, "draining": state.draining, "inflight": state.inflight,
+                           "error": state.error, "step_ms_last": round(recent[-1] * 1e3, 2) if recent else None,
+                           "step_ms_mean": round(sum(recent) / len(recent) * 1e3, 2) if recent else None}
+    if engine is None:
+        return {**out, "queue_depth": 0, "live_rows": {}, "steps": 0, "graph_buckets": []}
+    stats = engine.stats()
+    captured = sorted({r["bucket"] for r in stats.graphs if r["kind"] == "step" and r["status"] == "captured"})
+    return {**out, "queue_depth": stats.queue_depth, "steps": stats.steps,
+            "live_rows": {_size(h, w): n for (h, w), n in sorted(stats.live_rows.items())},
+            "graph_buckets": captured}

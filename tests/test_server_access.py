@@ -1,0 +1,102 @@
+"""Access control, the page's JSON endpoints, the quiet access log and the thread settings, in process."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+from diffgraph.server.config import ServerConfig
+
+MODEL = "random:tiny"
+
+
+@pytest.fixture(scope="module")
+def client():
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+
+    app = create_app(ServerConfig(model=MODEL, device="cpu", api_keys=("k-one", "k-two")))
+    with TestClient(app) as c:
+        for _ in range(6000):  # the engine is built on a background thread (a failure bound, not a timing)
+            if c.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        yield c
+
+
+def test_v1_routes_need_a_key(client):
+    body = {"prompt": "a red fox", "num_inference_steps": 2, "seed": 1}
+    r = client.post("/v1/images/generations", json=body)
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["error"]["type"] == "authentication_error" and "requires an API key" in r.json()["error"]["message"]
+    r = client.post("/v1/images/generations", json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and "not valid" in r.json()["error"]["message"]
+    assert "wrong" not in r.text and "k-one" not in r.text
+    assert client.get("/v1/models").status_code == 401
+    for key in ("k-one", "k-two"):
+        r = client.post("/v1/images/generations", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+    assert client.get("/v1/models", headers={"Authorization": "bearer k-two"}).status_code == 200
+    # open: health, readiness, the page's JSON, metrics (unless --protect-metrics)
+    for path in ("/health", "/ready", "/info", "/status", "/metrics"):
+        assert client.get(path).status_code == 200, path
+
+
+def test_info_and_status_describe_the_server(client):
+    info = client.get("/info").json()
+    assert info["model"] == MODEL and info["auth_required"] is True and info["ready"] is True
+    assert info["graphed_resolutions"] == ["64x64"] and info["max_images"] == 16
+    assert "dpmpp_2m" in info["samplers"] and "karras" in info["schedules"]
+    client.post("/v1/images/generations", json={"prompt": "x", "num_inference_steps": 3},
+                headers={"Authorization": "Bearer k-one"})
+    status = client.get("/status").json()
+    assert status["ready"] is True and status["queue_depth"] == 0 and status["steps"] >= 3
+    assert status["step_ms_mean"] > 0 and status["live_rows"] == {}
+
+
+def test_protect_metrics_guards_metrics_and_status():
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+
+    app = create_app(ServerConfig(model=MODEL, device="cpu", api_keys=("k",), protect_metrics=True),
+                     engine_factory=lambda: (_ for _ in ()).throw(RuntimeError("not needed")))
+    with TestClient(app) as c:
+        assert c.get("/metrics").status_code == 401 and c.get("/status").status_code == 401
+        assert c.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/info").status_code == 200
+
+
+def test_polls_never_reach_the_access_log():
+    from diffgraph.server.cli import _QuietPolls
+
+    def record(path):
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:1", "GET", path, "1.1", 200), None)
+    f = _QuietPolls()
+    assert [f.filter(record(p)) for p in ("/health", "/ready?x=1", "/metrics", "/status")] == [False] * 4
+    assert f.filter(record("/v1/images/generations")) and f.filter(record("/"))
+
+
+def test_an_open_server_on_all_interfaces_warns():
+    from diffgraph.server.cli import open_server_warning
+
+    assert "anyone who can reach port 8000" in open_server_warning(ServerConfig(model=MODEL, host="0.0.0.0"))
+    assert open_server_warning(ServerConfig(model=MODEL, host="0.0.0.0", api_keys=("k",))) is None
+    assert open_server_warning(ServerConfig(model=MODEL)) is None
+
+
+def test_cpu_thread_settings():
+    from diffgraph.server.cli import apply_thread_settings
+
+    before = torch.get_num_threads()
+    try:
+        applied = apply_thread_settings(ServerConfig(model=MODEL, device="cpu"), cpu_count=2)
+        assert applied["torch_threads"] == 1 == torch.get_num_threads() and applied["image_threads"] == 2
+        assert apply_thread_settings(ServerConfig(model=MODEL, device="cpu"), cpu_count=16)["torch_threads"] == 15
+        assert apply_thread_settings(ServerConfig(model=MODEL, device="cpu", torch_threads=2),
+                                     cpu_count=2)["torch_threads"] == 2
+    finally:
+        torch.set_num_threads(before)
