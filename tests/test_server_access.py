@@ -47,7 +47,8 @@ def test_v1_routes_need_a_key(client):
 def test_info_and_status_describe_the_server(client):
     info = client.get("/info").json()
     assert info["model"] == MODEL and info["auth_required"] is True and info["ready"] is True
-    assert info["graphed_resolutions"] == ["64x64"] and info["max_images"] == 16
+    assert info["graphed_resolutions"] == [] and info["max_images"] == 16  # eager on the CPU: nothing graphed
+    assert info["native_size"] == 64 and info["default_steps"] == 20
     assert "dpmpp_2m" in info["samplers"] and "karras" in info["schedules"]
     client.post("/v1/images/generations", json={"prompt": "x", "num_inference_steps": 3},
                 headers={"Authorization": "Bearer k-one"})

@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from ..config import DEFAULT_BUCKETS
 from ..request import MAX_STEPS, OUTPUT_FORMATS
 from ..sampling.schedules import SAMPLERS, SCHEDULES
+from .protocol import ImageGenerationRequest
 
 PLAYGROUND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "playground")
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -36,14 +37,15 @@ def _size(h: int, w: int) -> str:
 def server_info(state: Any) -> dict[str, Any]:
     config, engine = state.config, state.engine
     info = engine.info if engine is not None else None
-    resolutions = [_size(h, w) for h, w in config.resolutions]
-    if info is not None and not resolutions:
-        resolutions = [_size(info.native_size, info.native_size)]
+    # the sizes with CUDA graphs: none on an eager (CPU) engine
+    resolutions = [] if info is None or info.mode != "graph" else (
+        [_size(h, w) for h, w in config.resolutions] or [_size(info.native_size, info.native_size)])
     return {
         "model": info.name if info else config.model, "ready": state.ready,
         "family": info.family if info else None, "mode": info.mode if info else None,
         "native_size": info.native_size if info else None,
-        "default_guidance": info.default_guidance if info else None, "default_steps": 20,
+        "default_guidance": info.default_guidance if info else None,
+        "default_steps": ImageGenerationRequest.model_fields["num_inference_steps"].default,
         "max_images": info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS),
         "max_steps": MAX_STEPS, "samplers": list(SAMPLERS), "schedules": list(SCHEDULES),
         "output_formats": list(OUTPUT_FORMATS), "graphed_resolutions": resolutions,

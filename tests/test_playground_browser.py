@@ -1,0 +1,283 @@
+"""The playground page (GET /) in a real browser: Debian's Chromium driven by Playwright, against a real
+`python -m diffgraph.server.cli --model digits --device cpu` process (one per scenario).
+
+The driving code (server process, browser launch, form filling, waiting for a result) lives in
+tools/playground_screenshot.py, which writes docs/playground.png with it. Every wait is a Playwright wait with a
+generous bound (the machine may be slow and loaded); nothing depends on a short wall-clock limit.
+
+Needs `apt-get install -y chromium` (/usr/bin/chromium) and `pip install playwright` (no `playwright install`).
+Without them the tests skip, except under CI=true, where they fail saying what to install.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+_TOOL = Path(__file__).resolve().parents[1] / "tools" / "playground_screenshot.py"
+_spec = importlib.util.spec_from_file_location("playground_screenshot", _TOOL)
+pg = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pg)
+
+PROMPT = "a handwritten digit seven"
+SEED = 1234
+STEPS = 8
+API_KEY = "playground-test-key"
+GENERATIONS = "/v1/images/generations"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    missing = pg.missing_browser()
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the playground browser test cannot run in CI: {missing}", pytrace=False)
+        pytest.skip(missing)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pg.launch_chromium(pw)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def _server(*flags: str, until: str = "/ready"):
+    server = pg.PlaygroundServer(*flags)
+    try:
+        server.wait_ready(path=until)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture
+def server():
+    s = _server("--request-timeout", "600")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def keyed_server():
+    """Only listening, not yet ready: the page itself polls /info until the model is loaded."""
+    s = _server("--request-timeout", "600", "--api-key", API_KEY, "--protect-metrics", until="/health")
+    yield s
+    s.stop()
+
+
+class Traffic:
+    """The page's generation requests (their JSON bodies and Authorization headers) and their statuses."""
+
+    def __init__(self, page):
+        self.bodies: list[dict] = []
+        self.auth: list[str | None] = []
+        self.statuses: list[int] = []
+        page.on("request", self._request)
+        page.on("response", self._response)
+
+    def _request(self, request) -> None:
+        if request.url.endswith(GENERATIONS) and request.method == "POST":
+            self.bodies.append(json.loads(request.post_data))
+            self.auth.append(request.headers.get("authorization"))
+
+    def _response(self, response) -> None:
+        if response.url.endswith(GENERATIONS):
+            self.statuses.append(response.status)
+
+
+def _image_sizes(card) -> list[tuple[int, int]]:
+    sizes = []
+    for src in card.locator("[data-testid=result-image]").evaluate_all("imgs => imgs.map(i => i.src)"):
+        prefix = "data:image/png;base64,"
+        assert src.startswith(prefix)
+        sizes.append(Image.open(io.BytesIO(base64.b64decode(src[len(prefix):]))).size)
+    return sizes
+
+
+def _form(page) -> dict[str, str]:
+    return {name: page.input_value(f"#{name}") for name in ("prompt", "seed", "steps", "size", "n", "sampler")}
+
+
+def test_generate_errors_reuse_and_history(browser, server, tmp_path):
+    page = pg.open_playground(browser, server.url)
+    traffic = Traffic(page)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+
+    # the size select starts with the graphed resolutions from /info (none on this eager CPU server), then the
+    # native size and other common sizes, then custom
+    info = page.evaluate("() => fetch('/info').then(r => r.json())")
+    options = page.eval_on_selector_all("#size option", "os => os.map(o => o.value)")
+    assert info["graphed_resolutions"] == [] and options[0] == "64x64"
+    assert options[-1] == "custom" and len(options) > 2
+    assert page.input_value("#guidance") == str(info["default_guidance"])
+    assert page.get_attribute("#n", "max") == str(info["max_images"])
+    assert page.eval_on_selector_all("#sampler option", "os => os.map(o => o.value)") == info["samplers"]
+
+    # two requests at once: a fixed seed, and two images with the seed left to the server
+    pg.fill_form(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
+    first = pg.submit(page)
+    pg.fill_form(page, prompt="a handwritten digit three", seed="", n=2)
+    second = pg.submit(page)
+    assert pg.wait_finished(page, first) == "done"
+    assert pg.wait_finished(page, second) == "done"
+
+    assert traffic.bodies[0] == {"prompt": PROMPT, "size": "64x64", "n": 1, "num_inference_steps": STEPS,
+                                 "sampler": "euler", "schedule": "default", "output_format": "png",
+                                 "response_format": "b64_json", "stream": True,
+                                 "guidance_scale": info["default_guidance"], "seed": SEED}
+    assert "seed" not in traffic.bodies[1] and traffic.bodies[1]["n"] == 2
+
+    card = pg.card(page, first)
+    # the bar moved with the SSE progress events, one per step, up to the total
+    assert card.get_attribute("data-progress-events") == str(STEPS)
+    assert card.locator("[data-testid=progress]").evaluate("p => [p.value, p.max]") == [STEPS, STEPS]
+    assert card.locator("[data-testid=progress-text]").inner_text().startswith(f"{STEPS} / {STEPS} steps")
+    assert card.locator("[data-testid=result-seed]").inner_text() == f"seed {SEED}"
+    assert re.search(r"total \d", card.locator("[data-testid=result-timings]").inner_text())
+    assert _image_sizes(card) == [(64, 64)]
+    download = card.locator("[data-testid=download]")
+    assert download.get_attribute("href").startswith("data:image/png;base64,")
+    assert re.fullmatch(rf"diffgraph-a-handwritten-digit-seven-{SEED}\.png", download.get_attribute("download"))
+
+    other = pg.card(page, second)
+    assert other.get_attribute("data-progress-events") == str(STEPS)
+    server_seed = other.get_attribute("data-seed")
+    assert re.fullmatch(r"\d+", server_seed)
+    assert other.locator("[data-testid=result-seed]").inner_text() == f"seed {server_seed}"
+    assert _image_sizes(other) == [(64, 64), (64, 64)]
+
+    # the status panel polls /status: ready, with the steps just run counted
+    page.wait_for_function("() => Number(document.getElementById('status-steps').textContent) >= 8 && "
+                           "document.getElementById('status-inflight').textContent === '0'")
+    assert page.inner_text("#status-ready") == "yes"
+    assert page.inner_text("#status-queue") == "0"
+    assert page.inner_text("#status-buckets") == "none (eager mode)"  # a CPU server runs eager
+
+    # a size the server refuses: its 400 message is shown at the size field, and no card is left
+    cards = page.locator("[data-testid=result]").count()
+    pg.fill_form(page, size="100x100")
+    page.click("#generate")
+    page.wait_for_selector("#error-size:not(:empty)")
+    assert page.inner_text("#error-size") == "width 100 is not a multiple of 8; use 96 or 104"
+    assert page.get_attribute("#size-custom", "aria-invalid") == "true"
+    assert page.inner_text("#error-general") == ""
+    assert traffic.statuses[-1] == 400
+    page.wait_for_function(f"() => document.querySelectorAll('[data-testid=result]').length === {cards}")
+
+    # a range the server checks: its message goes to the steps field
+    pg.fill_form(page, size="64x64", steps=0)
+    page.click("#generate")
+    page.wait_for_selector("#error-steps:not(:empty)")
+    assert "num_inference_steps" in page.inner_text("#error-steps")
+
+    # "use these settings again" puts the first request back in the form, the seed the server used included
+    pg.fill_form(page, prompt="something else", seed="", steps=20, n=3)
+    card.locator("[data-testid=reuse]").click()
+    assert _form(page) == {"prompt": PROMPT, "seed": str(SEED), "steps": str(STEPS), "size": "64x64", "n": "1",
+                           "sampler": "euler"}
+    assert page.inner_text("#error-steps") == ""
+    other.locator("[data-testid=reuse]").click()
+    assert page.input_value("#seed") == server_seed and page.input_value("#n") == "2"
+    page.screenshot(path=str(tmp_path / "playground.png"), full_page=True)
+
+    # the history survives a reload, with settings, seed and a thumbnail (the two requests ran at once, so
+    # either may have finished first: the order is not checked here, the key test checks newest-first)
+    page.reload()
+    pg.wait_ready(page)
+    items = page.locator("[data-testid=history-item]")
+    assert sorted(items.evaluate_all("li => li.map(i => i.dataset.seed)")) == sorted([server_seed, str(SEED)])
+    item = page.locator(f"[data-testid=history-item][data-seed='{SEED}']")
+    assert PROMPT in item.inner_text() and f"seed {SEED}" in item.inner_text()
+    assert item.locator("img").get_attribute("src").startswith("data:image/")
+    assert page.locator("[data-testid=result]").count() == 0
+    pg.fill_form(page, prompt="", seed="", steps=20)
+    item.locator("[data-testid=history-reuse]").click()
+    assert _form(page)["prompt"] == PROMPT and _form(page)["seed"] == str(SEED)
+    assert _form(page)["steps"] == str(STEPS)
+    assert errors == []
+
+
+def _old_entry(i: int) -> dict:
+    settings = {"prompt": f"old request {i}", "negative_prompt": "", "size": "64x64", "steps": "8", "guidance": "7.5",
+                "sampler": "euler", "schedule": "default", "seed": "", "n": "1"}
+    return {"id": f"old-{i}", "time": 1_700_000_000_000 + i, "settings": settings, "seed": str(i),
+            "timings": {"total_ms": 1.0}, "thumb": None}
+
+
+FILL_STORAGE = """() => {
+  const chunk = "x".repeat(1 << 18);
+  let i = 0, full = false;
+  for (let size = chunk.length; size >= 16; size = Math.floor(size / 2)) {
+    try { for (;;) localStorage.setItem(`junk-${i++}`, chunk.slice(0, size)); } catch (e) { full = true; }
+  }
+  return full;
+}"""
+
+
+def test_asks_for_the_api_key_then_generates(browser, keyed_server, tmp_path):
+    page = pg.open_playground(browser, keyed_server.url, ready_ms=pg.READY_S * 1000)
+    traffic = Traffic(page)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+
+    # /info says auth_required: the page asks for the key at once, and refuses a wrong one
+    dialog = page.locator("[data-testid=key-dialog]")
+    dialog.wait_for(state="visible")
+    page.fill("#api-key", "not-the-key")
+    page.click("#api-key-save")
+    page.wait_for_selector("#key-error:has-text('did not accept')")
+    assert dialog.is_visible()
+    page.fill("#api-key", API_KEY)
+    page.click("#api-key-save")
+    dialog.wait_for(state="hidden")
+    assert page.evaluate("() => sessionStorage.getItem('diffgraph.apiKey')") == API_KEY
+    # /status is protected too (--protect-metrics): the panel reads it with the key
+    page.wait_for_function("() => document.getElementById('status-ready').textContent === 'yes'")
+
+    # a full history (50 entries) from an earlier visit; the key is asked for once per tab, not per load
+    page.evaluate("(h) => localStorage.setItem('diffgraph.history.v1', JSON.stringify(h))",
+                  [_old_entry(i) for i in range(50, 0, -1)])
+    page.reload()
+    pg.wait_ready(page)
+    assert page.locator("[data-testid=history-item]").count() == 50
+    assert not dialog.is_visible()
+
+    local_id = pg.generate(page, prompt=PROMPT, size="64x64", steps=4, seed=7)
+    assert traffic.auth == [f"Bearer {API_KEY}"]
+    assert pg.card(page, local_id).locator("[data-testid=result-seed]").inner_text() == "seed 7"
+    assert _image_sizes(pg.card(page, local_id)) == [(64, 64)]
+    stored = page.evaluate("() => JSON.parse(localStorage.getItem('diffgraph.history.v1'))")
+    assert [h["seed"] for h in stored] == ["7"] + [str(i) for i in range(50, 1, -1)]  # capped at 50, newest first
+
+    # a key the server refuses (401) asks again, then the same request goes through with the new key; meanwhile
+    # localStorage is full, which the history survives quietly (kept in the page, saved as far as it fits)
+    assert page.evaluate(FILL_STORAGE)
+    page.evaluate("() => sessionStorage.setItem('diffgraph.apiKey', 'stale-key')")
+    pg.fill_form(page, seed=8)
+    retried = pg.submit(page)
+    dialog.wait_for(state="visible")
+    assert "401" in page.inner_text("#key-reason")
+    page.fill("#api-key", API_KEY)
+    page.click("#api-key-save")
+    assert pg.wait_finished(page, retried) == "done"
+    assert traffic.statuses[-2:] == [401, 200]
+    assert traffic.auth[-2:] == ["Bearer stale-key", f"Bearer {API_KEY}"]
+    assert pg.card(page, retried).locator("[data-testid=result-seed]").inner_text() == "seed 8"
+    page.wait_for_selector("[data-testid=history-item][data-seed='8']")
+    assert page.locator("[data-testid=history-item]").count() == 50
+    stored = page.evaluate("() => JSON.parse(localStorage.getItem('diffgraph.history.v1'))")
+    assert stored[0]["seed"] == "8" and len(stored) < 50  # the newest entries that fit
+    assert errors == []
+    page.screenshot(path=str(tmp_path / "playground-key.png"), full_page=True)
