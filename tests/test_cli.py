@@ -1,7 +1,14 @@
-"""The CLI: generate writes PNGs, models lists presets, bad input exits 2 with one line."""
+"""The CLI: generate writes PNGs (locally or through a running server with --url), models lists presets, bad
+input exits 2 with one line, and the light commands import no torch."""
 
+import base64
+import io
+import json
+import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from PIL import Image
@@ -79,3 +86,242 @@ def test_unwritable_output_fails_before_the_model_loads(tmp_path, capsys):
     rc = main(["generate", "a cat", "--model", "random:tiny", "--steps", "0", "-o", str(tmp_path / "new" / "x.png")])
     assert rc == 2 and not (tmp_path / "new").exists()  # a bad argument leaves no empty folder behind
     capsys.readouterr()
+
+
+def test_serve_flags_are_built_for_serve(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--batch-buckets" in out and "--drain-timeout" in out
+
+
+# -- import cost: a subprocess, so that this test process's own imports do not count -----------------------
+
+_IMPORT_PROBE = r'''
+import base64, contextlib, io, json, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+HEAVY = ("torch", "diffusers", "transformers")
+loaded = {}
+
+import diffgraph
+loaded["import diffgraph"] = [m for m in HEAVY if m in sys.modules]
+
+from diffgraph.cli import _parser, main
+_parser()
+loaded["building the parser"] = [m for m in HEAVY if m in sys.modules]
+
+
+class Canned(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"data": [{"b64_json": base64.b64encode(b"not really a png").decode()}], "seed": 1,
+                           "output_format": "png", "timings": {"total_ms": 1.0}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Canned)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+url = f"http://127.0.0.1:{server.server_address[1]}"
+for argv in (["--help"], ["generate", "--help"], ["models"],
+             ["generate", "a cat", "-o", sys.argv[1], "--url", url]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            rc = main(argv)
+        except SystemExit as e:
+            rc = e.code
+    assert rc == 0, (argv, rc)
+    loaded[" ".join(argv[:2]) + (" --url" if "--url" in argv else "")] = [m for m in HEAVY if m in sys.modules]
+server.shutdown()
+print(json.dumps(loaded))
+'''
+
+
+def test_help_models_and_url_import_no_torch(tmp_path):
+    """`--help`, `models` and `generate --url` import neither torch, diffusers nor transformers."""
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, str(tmp_path / "x.png")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout)
+    assert set(loaded) == {"import diffgraph", "building the parser", "--help", "generate --help", "models",
+                           "generate a cat --url"}
+    assert (tmp_path / "x.png").read_bytes() == b"not really a png"  # the --url run did write its image
+    assert all(mods == [] for mods in loaded.values()), loaded  # neither the package nor the command line
+
+
+# -- generate --url: a canned server in a thread answers like `diffgraph serve` -----------------------------
+
+class _Canned(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append({"path": self.path, "headers": dict(self.headers), "body": body})
+        status, answer = self.server.answer
+        payload = json.dumps(answer).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def canned():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Canned)
+    server.seen, server.answer = [], (500, {})
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def _encoded(color: tuple[int, int, int], fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), color).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _images_answer(*blobs: bytes, seed: int = 42) -> tuple[int, dict]:
+    return 200, {"created": 1, "id": "img-1", "seed": seed, "output_format": "png",
+                 "data": [{"b64_json": base64.b64encode(b).decode()} for b in blobs],
+                 "timings": {"queue_ms": 1.0, "denoise_ms": 100.0, "decode_ms": 2.0, "total_ms": 123.4}}
+
+
+def test_generate_url_writes_the_servers_images(tmp_path, capsys, canned, monkeypatch):
+    monkeypatch.delenv("DIFFGRAPH_API_KEY", raising=False)
+    red, blue = _encoded((255, 0, 0)), _encoded((0, 0, 255))
+    canned.answer = _images_answer(red, blue)
+    out = tmp_path / "new" / "img.png"
+    rc = main(["generate", "a cat", "-o", str(out), "--url", canned.url + "/", "-n", "2", "--seed", "42",
+               "--width", "64", "--height", "96", "--steps", "3", "--guidance", "5", "--sampler", "ddim",
+               "--schedule", "karras", "--negative-prompt", "blurry"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    paths = [str(tmp_path / "new" / "img-0.png"), str(tmp_path / "new" / "img-1.png")]
+    assert captured.out.splitlines() == paths  # the lines the local path prints
+    assert captured.err.splitlines() == ["seed 42, 123 ms"]
+    assert [open(p, "rb").read() for p in paths] == [red, blue]  # written as the server encoded them
+    (request,) = canned.seen
+    assert request["path"] == "/v1/images/generations"
+    assert "Authorization" not in request["headers"]
+    assert request["body"] == {"prompt": "a cat", "negative_prompt": "blurry", "size": "64x96",
+                               "num_inference_steps": 3, "guidance_scale": 5.0, "sampler": "ddim",
+                               "schedule": "karras", "seed": 42, "n": 2, "output_format": "png",
+                               "response_format": "b64_json"}
+
+
+@pytest.mark.parametrize("ext, fmt", [(".jpg", "jpeg"), (".jpeg", "jpeg"), (".webp", "webp"), (".PNG", "png")])
+def test_generate_url_asks_for_the_format_of_the_output_file(tmp_path, capsys, canned, ext, fmt):
+    canned.answer = _images_answer(b"bytes")
+    assert main(["generate", "a cat", "-o", str(tmp_path / f"x{ext}"), "--url", canned.url]) == 0
+    body = canned.seen[0]["body"]
+    assert body["output_format"] == fmt
+    # the model's defaults are the server's: nothing the user did not give is sent
+    assert set(body) == {"prompt", "num_inference_steps", "sampler", "schedule", "n", "output_format",
+                         "response_format"}
+    assert capsys.readouterr().err.strip() == "seed 42, 123 ms"
+
+
+def _server_error(**bad) -> tuple[int, dict]:
+    """The answer `diffgraph serve` gives for these parameters (its validation and its error shape)."""
+    from diffgraph.request import GenerationRequest, ParamError
+    from diffgraph.server.protocol import error_from_param_error
+
+    params = {"width": 64, "height": 64, "guidance_scale": 7.5, **bad}
+    with pytest.raises(ParamError) as e:
+        GenerationRequest.create("a cat", **params)
+    error = error_from_param_error(e.value)
+    return error.status, error.body()
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"width": 100}, "--width 100 is not a multiple of 8; use 96 or 104"),
+    ({"num_inference_steps": 0}, "--steps 0 is out of range"),
+    ({"sampler": "plms"}, "--sampler 'plms' is unknown; allowed: euler, euler_a, dpmpp_2m, ddim"),
+    ({"schedule": "cosine"}, "--schedule 'cosine' is unknown"),
+    ({"guidance_scale": -1.0}, "--guidance -1.0 is out of range"),
+    ({"num_images": 17}, "-n/--num-images 17 is out of range"),
+])
+def test_generate_url_names_the_flag_of_a_server_error(tmp_path, capsys, canned, bad, needle):
+    """The server's 400 reads like the local check's message for the same flag (test_bad_input_exits_2_...)."""
+    canned.answer = _server_error(**bad)
+    assert canned.answer[0] == 400 and canned.answer[1]["error"]["param"] is not None
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--url", canned.url])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert err.startswith("diffgraph: error: ") and needle in err
+    assert len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("status, error, needles", [
+    (401, {"message": "this server requires an API key: send `Authorization: Bearer KEY`", "type":
+           "authentication_error", "param": None, "code": "invalid_api_key"}, ["requires an API key", "--api-key KEY"]),
+    (503, {"message": "the model is loading; retry when GET /ready answers 200", "type": "service_unavailable",
+           "param": None, "code": None}, ["answered 503: the model is loading"]),
+    (400, {"message": "model 'sdxl' is not served here; this server serves 'digits' (GET /v1/models)",
+           "type": "invalid_request_error", "param": "model", "code": "model_not_found"},
+     ["error: --model 'sdxl' is not served here"]),
+    (404, None, ["the server at http://", "answered 404 Not Found"]),  # not a diffgraph server: no error body
+])
+def test_generate_url_other_server_errors_exit_2(tmp_path, capsys, canned, status, error, needles):
+    canned.answer = (status, {"error": error} if error else {"detail": "Not Found"})
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--url", canned.url])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert all(n in err for n in needles), err
+
+
+def test_generate_url_unreachable_says_how_to_start_a_server(tmp_path, capsys):
+    with socket.socket() as s:  # a port nobody listens on (closed again before the request)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--url", url])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert f"the server at {url} could not be reached" in err and "diffgraph serve" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag, env, sent", [
+    (["--api-key", "k1"], None, "Bearer k1"),
+    ([], "k2", "Bearer k2"),
+    ([], " k3 , k4", "Bearer k3"),  # the server reads several comma-separated keys: the first is sent
+    (["--api-key", "k5"], "k6", "Bearer k5"),  # the flag wins
+    ([], None, None),
+])
+def test_generate_url_sends_the_api_key(tmp_path, capsys, canned, monkeypatch, flag, env, sent):
+    if env is None:
+        monkeypatch.delenv("DIFFGRAPH_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("DIFFGRAPH_API_KEY", env)
+    canned.answer = _images_answer(b"bytes")
+    assert main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--url", canned.url, *flag]) == 0
+    assert canned.seen[0]["headers"].get("Authorization") == sent
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--width", "64"], "give both --width and --height"),
+    (["--device", "cuda"], "--device cannot be used with --url"),
+    (["-o", "x.gif"], "must end in .png"),
+])
+def test_generate_url_refuses_what_it_cannot_send(tmp_path, capsys, canned, args, needle):
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--url", canned.url, *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and needle in err and len(err.splitlines()) == 1
+    assert canned.seen == []  # refused before anything was sent

@@ -499,7 +499,7 @@ def test_config_file_and_flags(tmp_path):
     config = config_from_args(p.parse_args(["--config", str(path), "--port", "9002", "--max-queue", "8"]))
     assert (config.model, config.port, config.max_queue, config.request_timeout) == (MODEL, 9002, 8, 30.0)
     assert config.batch_buckets == (1, 2, 4) and config.resolutions == ((64, 96),) and config.prewarm is False
-    assert config.engine_kwargs()["max_rows"] == 4
+    assert config.engine_kwargs()["graphs"].max_bucket == 4  # the engine derives max_rows from it
     assert (config.grow_fill, config.grow_hold_ms) == (0.85, 2000.0)
     config = config_from_args(p.parse_args(["--config", str(path), "--grow-fill", "0.5", "--grow-hold-ms", "200"]))
     assert (config.engine_kwargs()["grow_fill"], config.engine_kwargs()["grow_hold_ms"]) == (0.5, 200.0)

@@ -4,6 +4,8 @@
 # tests1: the GPU tests with every engine on cuda:1 (2-GPU host; test_device_affinity checks GPU 0 stays untouched)
 # ab: bench latency (graph tier, 1 image) of the tree in .old/src (an older commit, `git archive REV src | tar -x -C
 # .old`, carried) and of src/, alternated twice in one call: the before/after comparison of a refactor
+# plots: bench throughput (step vs request mode over the default rates) and bench serve (a rate sweep over HTTP)
+# with --plot: the PNGs for BENCHMARKS.md
 # regime: step vs request mode between their capacities, long traces (p99 target; REGIME_RATE, REGIME_SEED); saturation: step mode at 3x
 # for 30 s with the window work measure (the 0.9 target).
 set -uo pipefail
@@ -34,6 +36,20 @@ for what in "$@"; do
     compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --contenders diffusers,diffusers_compile,diffgraph_graph --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
     regime) python3 -m diffgraph.bench.throughput --duration 60 --rates ${REGIME_RATE:-3.0} --seed ${REGIME_SEED:-0} --modes step,request --json "$OUT/bench_regime.json" 2>&1 | grep -v Warning | tee "$OUT/bench_regime.log" ;;
     saturation) python3 -m diffgraph.bench.throughput --duration 30 --rates 11.1 --modes step,step:0/0 --json "$OUT/bench_saturation.json" 2>&1 | grep -v Warning | tee "$OUT/bench_saturation.log" ;;
+    plots) python3 -m diffgraph.bench.throughput --duration 12 --modes step,request --json "$OUT/bench_plot_throughput.json" \
+             --plot "$OUT/bench_throughput.png" 2>&1 | grep -v Warning | tee "$OUT/bench_plot_throughput.log"
+           python3 -m diffgraph.server.cli --model random:sd15 --device cuda --port 8100 --log-level warning --no-access-log &
+           server=$!
+           python3 -c "import httpx, time
+while True:
+    try:
+        if httpx.get('http://127.0.0.1:8100/ready', timeout=5).status_code == 200: break
+    except httpx.TransportError: pass
+    time.sleep(0.5)"
+           python3 -m diffgraph.bench.serve --url http://127.0.0.1:8100 --rate 2,4,6,8 --duration 12 \
+             --mix 512x512/20:3,512x512/30:1 --json "$OUT/bench_plot_serve.json" --plot "$OUT/bench_serve.png" \
+             2>&1 | grep -E '"rate"|images_per_s|"p99"' | tee "$OUT/bench_plot_serve.log"
+           kill -TERM $server; wait $server ;;
     throughput) python3 -m diffgraph.bench.throughput --duration 15 --json "$OUT/bench_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_throughput.log" ;;
   esac
 done

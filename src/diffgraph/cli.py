@@ -1,9 +1,12 @@
-"""Command line: wiring only (argparse -> engine).
+"""Command line: wiring only (argparse -> engine, or -> a running server).
 
     diffgraph generate "PROMPT" -o out.png [--model --width --height --steps --guidance --sampler --schedule --seed -n]
+    diffgraph generate "PROMPT" -o out.png --url http://127.0.0.1:8000 [--api-key KEY]   (a running `diffgraph serve`)
     diffgraph models
 
-Bad input exits with code 2 and a one-line message.
+Bad input exits with code 2 and a one-line message. Everything heavy is imported inside the function that
+needs it: `--help` and `models` import neither torch, diffusers nor transformers, `generate --url` no torch,
+and the serve flags are built only for `diffgraph serve` (its module imports the server's configuration).
 """
 
 from __future__ import annotations
@@ -12,16 +15,19 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any, Callable
 
-from .models.presets import available_presets
-from .sampling.schedules import SAMPLERS, SCHEDULES
+from .models.presets import DEFAULT_MODEL, available_presets
+from .sampling.names import SAMPLERS, SCHEDULES
+
 
 def default_model() -> str:
-    from .models.presets import DEFAULT_MODEL
     return DEFAULT_MODEL
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(serve: bool = True) -> argparse.ArgumentParser:
+    """The parser; `serve=False` leaves the serve sub-parser without its flags (they are only read by
+    `diffgraph serve`, and building them imports the server's configuration)."""
     p = argparse.ArgumentParser(prog="diffgraph", description="Generate images with SD-family models on CUDA graphs.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -41,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
+    g.add_argument("--url", default=None,
+                   help="send the request to a running `diffgraph serve` at this URL (e.g. http://127.0.0.1:8000) "
+                        "instead of loading the model here")
+    g.add_argument("--api-key", default=None,
+                   help="with --url: the server's API key, sent as `Authorization: Bearer KEY` "
+                        "(default: $DIFFGRAPH_API_KEY)")
 
     sub.add_parser("models", help="list the presets")
 
@@ -55,10 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=["latency", "throughput", "serve"])
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
 
-    try:
-        from .server.cli import add_serve_arguments
-    except ImportError:  # the server's extra dependencies are not installed
-        add_serve_arguments = None
+    add_serve_arguments = None
+    if serve:
+        try:
+            from .server.cli import add_serve_arguments
+        except ImportError:  # the server's extra dependencies are not installed
+            pass
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (images API, SSE progress, /metrics)")
     if add_serve_arguments is not None:
         add_serve_arguments(sv)
@@ -69,9 +83,13 @@ class _ArgError(Exception):
     pass
 
 
+# -o's extension -> the image format (the server's output_format)
+OUTPUT_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
+
 def _output_paths(output: str, n: int) -> list[str]:
     root, ext = os.path.splitext(output)
-    if ext.lower() not in (".png", ".jpg", ".jpeg", ".webp"):
+    if ext.lower() not in OUTPUT_FORMATS:
         raise _ArgError(f"output {output!r} must end in .png, .jpg, .jpeg or .webp")
     # fail before the model loads, not after the images are made: the folder, or the nearest existing folder
     # above it (where the missing ones will be made), must be a writable folder
@@ -92,39 +110,142 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "mode": "--mode"}
 
 
+# the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
+HTTP_FLAGS = {**FLAGS, "n": FLAGS["num_images"], "size": "--width/--height", "model": "--model"}
+
+
+def _in_flag_words(message: str, param: str | None, flags: dict[str, str]) -> str:
+    """`message` with its leading parameter name ("num_images 17 is out of range") replaced by the flag."""
+    if param in flags and message.split(" ", 1)[0].rstrip(":,;") == param:
+        message = flags[param] + message[len(param):]
+    return message
+
+
 def _flag_error(e: ValueError) -> _ArgError:
     """A ParamError in the words of the command line: the parameter's name becomes its flag."""
-    message, param = str(e), getattr(e, "param", None)
-    if param in FLAGS and message.startswith(param):
-        message = FLAGS[param] + message[len(param):]
+    return _ArgError(_in_flag_words(str(e), getattr(e, "param", None), FLAGS))
+
+
+def _server_error(url: str, status: int, error: Any) -> _ArgError:
+    """An OpenAI-shaped error body from the server, in the words of the command line."""
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return _ArgError(f"the server at {url} answered {status} without an error message")
+    message, param = error["message"], error.get("param")
+    first = message.split(" ", 1)[0]
+    if param == "size" and first in ("width", "height"):  # the server checks one side of the size
+        param = first
+    message = _in_flag_words(message, param, HTTP_FLAGS)
+    if param in HTTP_FLAGS and HTTP_FLAGS[param] not in message:
+        message = f"{message} ({HTTP_FLAGS[param]})"
+    if status == 401:
+        return _ArgError(f"{message}; give --api-key KEY or set DIFFGRAPH_API_KEY")
+    if status != 400:
+        message = f"the server at {url} answered {status}: {message}"
     return _ArgError(message)
 
 
+def _save_all(items: list[Any], paths: list[str], save: Callable[[Any, str], None]) -> None:
+    """Saves each item to its path (making missing folders) and prints the path."""
+    for item, path in zip(items, paths):
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            save(item, path)
+        except OSError as e:
+            raise _ArgError(f"could not write {path!r}: {e.strerror or e}; choose another -o") from None
+        print(path)
+
+
+def _write_bytes(data: bytes, path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from .engine.engine import Engine
+    paths = _output_paths(args.output, args.num_images if args.num_images > 0 else 1)
+    if args.url is not None:
+        return _generate_remote(args, paths)
     from .request import GenerationRequest, ParamError
 
-    paths = _output_paths(args.output, args.num_images if args.num_images > 0 else 1)
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images)
     try:
-        # the one validation, before loading the model: bad input fails fast, whatever the model's size
+        # the one validation, before torch is imported and the model loads: bad input fails fast
         GenerationRequest.create(args.prompt, width=args.width or 512, height=args.height or 512,
                                  guidance_scale=7.5 if args.guidance is None else args.guidance, **params)
+        import torch
+
+        from .config import default_cpu_threads
+        from .engine.engine import Engine, default_device
+
+        if (args.device or default_device()).startswith("cpu"):
+            torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
         engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype)
         request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                       guidance_scale=args.guidance, **params)
     except ParamError as e:
         raise _flag_error(e) from None
     result = engine.run(request)
-    for image, path in zip(result.images, paths):
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            image.save(path)
-        except OSError as e:
-            raise _ArgError(f"could not write {path!r}: {e.strerror or e}; choose another -o") from None
-        print(path)
+    _save_all(result.images, paths, lambda image, path: image.save(path))
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key:
+        return args.api_key
+    # the server reads DIFFGRAPH_API_KEY as comma-separated keys: a client sends the first
+    keys = [k.strip() for k in os.environ.get("DIFFGRAPH_API_KEY", "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
+def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
+    """POST /v1/images/generations on a running server; the images come back encoded and are written as they
+    are. Nothing is validated here: the server checks the request once, and its errors name our flags."""
+    import base64
+
+    import httpx
+
+    url = args.url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise _ArgError(f"--url {args.url!r} must look like http://HOST:PORT")
+    local = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value is not None]
+    if local:
+        raise _ArgError(f"{' and '.join(local)} cannot be used with --url: the server chose its device and dtype "
+                        "when it started")
+    if (args.width is None) != (args.height is None):
+        raise _ArgError("with --url give both --width and --height (or neither, for the model's native size)")
+    body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "model": args.model,
+            "size": None if args.width is None else f"{args.width}x{args.height}",
+            "num_inference_steps": args.steps, "guidance_scale": args.guidance, "sampler": args.sampler,
+            "schedule": args.schedule, "seed": args.seed, "n": args.num_images,
+            "output_format": OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()],
+            "response_format": "b64_json"}
+    key = _api_key(args)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        # no read timeout: the server bounds a request's time itself (--request-timeout, then 504)
+        response = httpx.post(f"{url}/v1/images/generations", headers=headers, timeout=httpx.Timeout(None, connect=10),
+                              json={k: v for k, v in body.items() if v is not None})
+    except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+        raise _ArgError(f"the server at {url} could not be reached ({e}); start it with `diffgraph serve` "
+                        "or check --url") from None
+    except (httpx.TransportError, httpx.InvalidURL) as e:
+        raise _ArgError(f"the request to the server at {url} failed: {e}") from None
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = None
+    if response.status_code != 200:
+        if not isinstance(answer, dict) or "error" not in answer:
+            raise _ArgError(f"the server at {url} answered {response.status_code} {response.reason_phrase}")
+        raise _server_error(url, response.status_code, answer["error"])
+    try:
+        images = [base64.b64decode(item["b64_json"]) for item in answer["data"]]
+        seed, total_ms = answer["seed"], float(answer["timings"]["total_ms"])
+    except (TypeError, KeyError, ValueError):
+        raise _ArgError(f"the server at {url} answered 200 without images; is it a diffgraph server?") from None
+    _save_all(images, paths, _write_bytes)
+    print(f"seed {seed}, {total_ms:.0f} ms", file=sys.stderr)
     return 0
 
 
@@ -140,9 +261,7 @@ def _bench(which: str, argv: list[str]) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from .config import GraphConfig, parse_buckets, parse_resolutions
-    from .engine.engine import Engine
-
-    from .engine.engine import default_device, parse_device
+    from .engine.engine import Engine, default_device, parse_device
 
     cuda = parse_device(args.device or default_device()).type == "cuda"
     logging.getLogger("diffgraph").setLevel(logging.INFO)  # one line per captured graph
@@ -173,7 +292,8 @@ def _info(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(serve=argv[:1] == ["serve"]).parse_args(argv)
     try:
         if args.command == "bench":
             return _bench(args.which, args.args)

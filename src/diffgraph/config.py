@@ -5,6 +5,7 @@ configurations live beside the code that reads them (engine/scheduler.py, server
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .request import MAX_SIZE, MIN_SIZE
@@ -12,6 +13,14 @@ from .request import MAX_SIZE, MIN_SIZE
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
 DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")  # models/loader.py maps them to torch
 MAX_BUCKET = 256  # rows of the largest batch bucket (the model runner's buffers are sized for it)
+
+
+def default_cpu_threads(cpu_count: int | None = None) -> int:
+    """torch intra-op threads for CPU work in diffgraph's own processes (the server, the CLI): one core fewer than
+    the machine has, at least 1. The small models' CPU steps are launch-bound: every intra-op thread beyond that
+    adds synchronisation, and spin-waits against the engine loop, the event loop and other processes (measured in
+    BENCHMARKS.md, session 4). Library users keep torch's own setting."""
+    return max(1, (cpu_count or os.cpu_count() or 1) - 1)
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:

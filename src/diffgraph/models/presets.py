@@ -3,8 +3,9 @@
 `random:tiny` / `random:tiny-xl` are small SD1.5- / SDXL-architecture models for CPU tests (20 steps
 at 64x64 in about a second); `random:sd15` / `random:sdxl` are the full-size true architectures with
 random weights, for GPU timing (speed does not depend on weight values). Trained presets (`digits`,
-`digits-xl`) are diffusers folders shipped inside the package; `resolve_preset` maps their names to
-the folder. Nothing here downloads anything.
+`digits-xl`) are diffusers folders shipped inside the package; `shipped_preset_folder` maps their names
+to the folder. Nothing here downloads anything, and importing this module loads neither torch nor
+transformers (`diffgraph models` and `--help` read it).
 """
 
 from __future__ import annotations
@@ -48,12 +49,16 @@ class RandomPreset:
     tokenizer_pads: tuple[str, ...]
 
 
+# the preset vocabulary's size and special ids, read once (not once per text-encoder config below)
+_VOCAB_SIZE = tok.vocab_size()
+_BOS_ID, _EOS_ID = tok.special_ids()
+
+
 def _clip(hidden: int, layers: int, heads: int, inter: int, act: str = "quick_gelu", projection_dim: int | None = None,
           vocab: int | None = None) -> dict[str, Any]:
-    bos, eos = tok.special_ids()
-    cfg = dict(vocab_size=vocab or tok.vocab_size(), hidden_size=hidden, intermediate_size=inter,
+    cfg = dict(vocab_size=vocab or _VOCAB_SIZE, hidden_size=hidden, intermediate_size=inter,
                num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=77,
-               hidden_act=act, bos_token_id=bos, eos_token_id=eos, pad_token_id=eos)
+               hidden_act=act, bos_token_id=_BOS_ID, eos_token_id=_EOS_ID, pad_token_id=_EOS_ID)
     if projection_dim is not None:
         cfg["projection_dim"] = projection_dim
     return cfg

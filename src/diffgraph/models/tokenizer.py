@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import TYPE_CHECKING
 
-from transformers import CLIPTokenizer
+if TYPE_CHECKING:
+    from transformers import CLIPTokenizer
 
 BOS = "<|startoftext|>"
 EOS = "<|endoftext|>"
@@ -101,6 +103,10 @@ def write_tokenizer(folder: str, pad_token: str = EOS) -> None:
 def preset_tokenizer(pad_token: str = EOS) -> CLIPTokenizer:
     """A fresh CLIPTokenizer over the deterministic preset vocabulary. Its files are written to a temporary
     folder that is removed once the tokenizer has read them (it keeps everything in memory)."""
+    # transformers is imported here, not at the top: the presets read the vocabulary size at import, and
+    # `diffgraph models` / `--help` list them without loading transformers
+    from transformers import CLIPTokenizer
+
     with tempfile.TemporaryDirectory(prefix="diffgraph-tokenizer-") as folder:
         write_tokenizer(folder, pad_token)
         return CLIPTokenizer.from_pretrained(folder, local_files_only=True)

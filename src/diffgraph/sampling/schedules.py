@@ -14,14 +14,16 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim")
+from .names import SAMPLERS, SCHEDULES  # noqa: F401 (re-exported: they live in a module without numpy or torch)
+
+if TYPE_CHECKING:
+    import torch
+
 MAX_STEPS = 200  # the most denoising steps a request may ask for (the one bound; request.py and make_plan use it)
-SCHEDULES = ("default", "karras")
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -124,6 +126,9 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
 def _alphas_cumprod(n: int, beta_start: float, beta_end: float, beta_schedule: str) -> torch.Tensor:
     # Computed with torch in float32 exactly as diffusers does (torch's float32 linspace, cumprod and pow
     # differ from numpy's in the last bit, and the cumulative product drifts ~1e-6 from a float64 one).
+    # torch is imported here, not at the top: the names above (SAMPLERS, MAX_STEPS) are read without it.
+    import torch
+
     if beta_schedule == "linear":
         betas = torch.linspace(beta_start, beta_end, n, dtype=torch.float32)
     elif beta_schedule == "scaled_linear":

@@ -23,7 +23,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import DEFAULT_BUCKETS, DTYPE_NAMES, GraphConfig, parse_buckets, parse_prewarm, parse_resolutions
+from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, GraphConfig, default_cpu_threads, parse_buckets, parse_prewarm,
+                      parse_resolutions)
 from ..engine.scheduler import SchedulerConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # those logging and uvicorn both know
@@ -131,7 +132,7 @@ class ServerConfig:
         BENCHMARKS.md: 8 requests over HTTP on a loaded 2-core machine)."""
         if self.torch_threads is not None:
             return self.torch_threads
-        return max(1, (cpu_count or os.cpu_count() or 1) - 1)
+        return default_cpu_threads(cpu_count)
 
 
 def _parse(key: str, value: Any) -> Any:
