@@ -43,3 +43,39 @@ def test_prompt_embeddings_follow_the_text_encoder_weights():
         assert e.stats["prompt_cache_misses"] == misses + 2
         assert np.abs(after - before).max() > 0.02
         np.testing.assert_array_equal(after, fresh.generate("a red fox", **kw).arrays)
+
+
+def test_invalidate_from_the_loop_thread_runs_at_once(tiny_engine):
+    """A step listener (the loop thread) that invalidates must not wait for the loop, i.e. for itself."""
+    with Engine(model=tiny_engine.model, device="cpu") as e:
+        calls = []
+
+        def listener(plan, seconds):
+            if not calls:
+                e.invalidate("text")
+                calls.append(e.runner.weights_version["text"])
+        e.step_listeners.append(listener)
+        e.generate("a cat", num_inference_steps=2, seed=1)
+        assert calls == [1]
+
+
+def test_abort_by_handle_leaves_a_later_request_with_the_same_id_alone(tiny_engine):
+    with Engine(model=tiny_engine.model, device="cpu") as e:
+        first = object()
+        later = e.make_request("a cat", num_inference_steps=3, seed=1, request_id="same")
+        future = e.submit(later)
+        assert e.core.abort("same", sink=first) is False  # not the request that sink answers for
+        assert future.result().request_id == "same"
+
+
+def test_graph_mode_max_rows_below_the_largest_bucket(tiny_engine):
+    import pytest
+
+    from diffgraph.engine.model_runner import ModelRunner
+
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated", prewarm=False)
+    runner = ModelRunner(tiny_engine.model, mode="graph", graphs=cfg, max_rows=2)
+    assert runner.max_rows == 2 and runner.graph_config.batch_buckets == (1, 2)
+    assert [r["bucket"] for r in runner.graph_table() if r["kind"] == "step"] == [1, 2]
+    with pytest.raises(ValueError, match="max_rows 3 is not a batch bucket"):
+        ModelRunner(tiny_engine.model, mode="graph", graphs=cfg, max_rows=3)

@@ -101,3 +101,35 @@ def test_cpu_thread_settings():
                                      cpu_count=2)["torch_threads"] == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_keys_fail_closed_also_under_a_root_path_or_a_mount():
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+
+    def app():
+        return create_app(ServerConfig(model=MODEL, device="cpu", api_keys=("k",)),
+                          engine_factory=lambda: (_ for _ in ()).throw(RuntimeError("not needed")))
+    parent = FastAPI()
+    parent.mount("/api", app())
+    with TestClient(parent) as c:
+        assert c.get("/api/v1/models").status_code == 401
+        assert c.get("/api/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert c.get("/api/health").status_code == 200
+    with TestClient(app(), root_path="/api") as c:
+        assert c.get("/api/v1/models").status_code == 401 and c.get("/v1/models").status_code == 401
+        assert c.get("/openapi.json").status_code == 401  # anything not listed as open needs the key
+        assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
+
+
+def test_an_empty_api_key_is_refused_not_an_open_server(monkeypatch):
+    from diffgraph.server.config import load_config
+
+    for given in ([""], ["  "], " , "):
+        with pytest.raises(ValueError, match="api-key is empty"):
+            load_config(None, {"model": MODEL, "api_keys": given})
+    monkeypatch.setenv("DIFFGRAPH_API_KEY", " , ")
+    with pytest.raises(ValueError, match="api-key is empty"):
+        load_config(None, {"model": MODEL})

@@ -16,7 +16,6 @@ import os
 import threading
 from typing import Any, AsyncIterator, Callable
 
-from ..config import smallest_bucket
 from ..request import GenerationRequest, GenerationResult, ProgressEvent
 from .client import EngineStats, StepEvent
 from .engine import Engine
@@ -91,7 +90,7 @@ class _Handle:
             raise
 
     def abort(self) -> bool:
-        return self._engine.abort(self.request_id)
+        return self._engine.core.abort(self.request_id, sink=self)  # this request, not a later one with its id
 
 
 class AsyncEngine:
@@ -148,11 +147,8 @@ class AsyncEngine:
         return self.engine.graph_table()
 
     def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
-        buckets = self.engine.runner.graph_config.batch_buckets
-
         def on_step(plan: StepPlan, seconds: float) -> None:
-            n = plan.n_rows
-            listener(StepEvent(plan.key, n, smallest_bucket(buckets, n) or n, seconds))
+            listener(StepEvent(plan.key, plan.n_rows, plan.cost_rows or plan.n_rows, seconds))
         self.engine.step_listeners.append(on_step)
 
     def close(self) -> None:

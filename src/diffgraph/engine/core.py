@@ -84,17 +84,26 @@ class EngineCore:
             self.scheduler.add(state)
             self._cv.notify()
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, sink: RequestSink | None = None) -> bool:
         """Frees the request's rows at the next step boundary; it fails with RequestAborted. True when the request
-        was waiting or running; one that is in its last step then still completes with its result."""
+        was waiting or running; one that is in its last step then still completes with its result. With `sink`,
+        only the request answering to that sink (a finished request's id may be in use again by a new one)."""
         with self._cv:
-            found = self.scheduler.abort(request_id)
+            found = self.scheduler.abort(request_id, owner=sink)
             self._cv.notify()
         return found
 
     def call_between_steps(self, fn: Callable[[], Any]) -> Future:
-        """Runs `fn` on the loop thread between two steps (e.g. `runner.invalidate`); the future gives its result."""
+        """Runs `fn` on the loop thread between two steps (e.g. `runner.invalidate`); the future gives its result.
+        Called on the loop thread itself (a step listener, a progress callback), it runs at once: that is between
+        steps already, and waiting for the loop there would wait forever."""
         future: Future = Future()
+        if threading.current_thread() is self._thread:
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+            return future
         with self._cv:
             if self._stop or not self._thread.is_alive():
                 raise EngineClosed("the engine is closed")
@@ -187,8 +196,9 @@ class EngineCore:
                 self.runner.move_rows(plan.key, src, dst, count)
             if plan.admitted and not self._admit(plan.key, plan.admitted):
                 return True  # some admissions failed and left: plan again without them
-            self.runner.step(plan.key, plan.n_rows, plan.coefs,
-                             [(s.first_row, s.rows, s.generator) for s in plan.noise_requests])
+            replayed = self.runner.step(plan.key, plan.n_rows, plan.coefs,
+                                        [(s.first_row, s.rows, s.generator) for s in plan.noise_requests])
+            plan.cost_rows = self.runner.bucket_of(plan.n_rows) if replayed else plan.n_rows
         except Exception as e:  # only this batch fails; the loop keeps serving
             logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
             self.stats["failed_steps"] += 1
@@ -289,6 +299,8 @@ class EngineCore:
 
     def _fail_everything(self, error: Exception) -> None:
         with self._cv:
+            for s in self.scheduler.take_aborted():  # aborted while waiting, not yet answered
+                _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
             for g in self.scheduler.groups.values():
                 for s in list(g.waiting) + list(g.live):
                     _fail(s, error)

@@ -19,6 +19,7 @@ with identical results.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..config import GraphConfig
+from ..config import GraphConfig, smallest_bucket
 from ..graphs.graphables import StepGraph, TextGraph, VaeGraph
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
@@ -68,6 +69,13 @@ class ModelRunner:
         if mode == "graph" and max_rows is not None and max_rows > self.graph_config.max_bucket:
             raise ValueError(f"max_rows {max_rows} is above the largest batch bucket {self.graph_config.max_bucket}; "
                              "add a larger bucket to batch_buckets instead")
+        if mode == "graph" and max_rows is not None and max_rows < self.graph_config.max_bucket:
+            if max_rows not in self.graph_config.batch_buckets:
+                raise ValueError(f"max_rows {max_rows} is not a batch bucket "
+                                 f"({','.join(map(str, self.graph_config.batch_buckets))}); use one, or leave it out")
+            # the buffers hold max_rows rows: graphs of larger buckets could not run on them
+            self.graph_config = dataclasses.replace(self.graph_config, batch_buckets=tuple(
+                b for b in self.graph_config.batch_buckets if b <= max_rows))
         self.max_rows = max_rows or self.graph_config.max_bucket
         self.plan_for: Callable[[str, str, int], SamplerPlan] = self.adapter.planner(model)
         # eager callables, and the callables captured in graphs: separate objects (a compiled callable may be put
@@ -77,6 +85,7 @@ class ModelRunner:
         self.groups: dict[GroupKey, StepBuffers] = {}
         self._staging: dict[GroupKey, list[_Staging]] = {}
         self._staging_turn: dict[GroupKey, int] = {}
+        self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
         self._cache: OrderedDict[tuple[str, str, int], Conditioning] = OrderedDict()
         self._cache_size = prompt_cache_size
         self.cache_hits = 0
@@ -142,6 +151,10 @@ class ModelRunner:
     def graph_table(self) -> list[dict[str, Any]]:
         return [] if self.graph_runner is None else self.graph_runner.table()
 
+    def bucket_of(self, n: int) -> int:
+        """The rows a replayed step of n live rows costs (its batch bucket)."""
+        return smallest_bucket(self.graph_config.batch_buckets, n) or n
+
     def graphed_resolutions(self) -> tuple[GroupKey, ...]:
         return tuple(self.graph_runner.kinds["step"].resolutions()) if self.graph_runner is not None else ()
 
@@ -165,9 +178,17 @@ class ModelRunner:
         if buf is None:
             m = self.model
             buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.adapter.cond_spec(m),
-                                       self.adapter.row_spec(m, key), m.dtype, self.device)
+                                       self._row_fields(key), m.dtype, self.device)
             self.groups[key] = buf
         return buf
+
+    def _row_fields(self, key: GroupKey) -> dict[str, torch.Tensor]:
+        """The family's per-resolution row fields (SDXL's time ids), made once per group: building them is a
+        host-to-device copy, which must not happen (and wait for the GPU) at every admission."""
+        values = self._row_values.get(key)
+        if values is None:
+            values = self._row_values[key] = self.adapter.row_spec(self.model, key)
+        return values
 
     def release_group(self, key: GroupKey) -> None:
         """Frees an idle group's buffers, unless graphs were captured over them (covered resolutions)."""
@@ -176,6 +197,7 @@ class ModelRunner:
         self.groups.pop(key, None)
         self._staging.pop(key, None)
         self._staging_turn.pop(key, None)
+        self._row_values.pop(key, None)
 
     def _next_staging(self, key: GroupKey) -> _Staging:
         slots = self._staging.get(key)
@@ -276,7 +298,7 @@ class ModelRunner:
         for name in buf.cond:
             buf.cond[name][rows] = cond[name]
             buf.uncond[name][rows] = uncond[name]
-        for name, value in self.adapter.row_spec(self.model, key).items():
+        for name, value in self._row_fields(key).items():
             buf.rows[name][rows] = value
 
     def step(self, key: GroupKey, n: int, coefs: np.ndarray,

@@ -121,6 +121,7 @@ class StepPlan:
     admitted: list[RequestState]          # new requests: write their rows at state.first_row
     live: list[RequestState]              # every live request in row order (admitted included)
     coefs: np.ndarray                     # [n_rows, NUM_COEFS] this step's coefficients, row order
+    cost_rows: int = 0                    # set by the engine core once it ran: its graph bucket, or n_rows if eager
 
     @property
     def n_rows(self) -> int:
@@ -183,17 +184,18 @@ class Scheduler:
                                  "or raise max_queue")
         self.groups.setdefault(state.key, _Group(state.key)).waiting.append(state)
 
-    def abort(self, request_id: str) -> bool:
-        """Marks a request aborted; its rows are freed at the next step boundary. False if unknown."""
+    def abort(self, request_id: str, owner: Any = None) -> bool:
+        """Marks a request aborted; its rows are freed at the next step boundary. False if unknown. With `owner`,
+        only the request whose sink is that object."""
         for g in self.groups.values():
             for s in list(g.waiting):
-                if s.request_id == request_id:
+                if s.request_id == request_id and (owner is None or s.sink is owner):
                     g.waiting.remove(s)
                     s.aborted = True
                     self._aborted.append(s)
                     return True
             for s in g.live:
-                if s.request_id == request_id and not s.aborted:
+                if s.request_id == request_id and not s.aborted and (owner is None or s.sink is owner):
                     s.aborted = True
                     return True
         return False

@@ -323,8 +323,9 @@ class GraphRunner:
 
     # -- introspection -------------------------------------------------------------------------
     def table(self) -> list[dict[str, Any]]:
-        rows = [asdict(s) for s in self.stats.values()]
-        for (kind, h, w), count in self.uncovered.items():
+        # copies first: the loop thread may add keys while a scrape (another thread) reads the table
+        rows = [asdict(s) for s in list(self.stats.values())]
+        for (kind, h, w), count in list(self.uncovered.items()):
             rows.append(asdict(GraphStats(kind, h, w, 0, status="uncovered", eager_fallbacks=count)))
         return rows
 

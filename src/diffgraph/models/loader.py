@@ -40,7 +40,7 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torc
     torch_dtype = parse_dtype(dtype)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but CUDA is not available on this machine; use the CPU "
-                         "(device cpu)")
+                         "(device cpu, or leave the device out: it defaults to cuda only where there is one)")
     if device.type == "cuda" and device.index is None:  # the model lives on one numbered device
         device = torch.device("cuda", torch.cuda.current_device())
     if model in P.RANDOM_PRESETS:

@@ -1,9 +1,11 @@
 """API keys: `--api-key KEY` (or DIFFGRAPH_API_KEY) makes every /v1/* route require `Authorization: Bearer KEY`.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would hide client disconnects from the
-streaming handlers). Keys are compared in constant time (hmac.compare_digest, against every key) and never
-logged or echoed. /health, /ready, the playground page and /info stay open; /metrics and /status too unless
-`protect_metrics`. A refusal is a 401 in OpenAI's error shape with `WWW-Authenticate: Bearer`.
+streaming handlers). It fails closed: every path needs a key except the open ones, /health, /ready, /info and
+the playground page (/ and /playground/*), and /metrics and /status unless `protect_metrics`; paths are read as
+the router sees them (without the app's root_path, so a mounted app is guarded the same). Keys are compared in
+constant time (hmac.compare_digest, against every key) and never logged or echoed. A refusal is a 401 in
+OpenAI's error shape with `WWW-Authenticate: Bearer`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,14 @@ import hmac
 import json
 from typing import Any
 
-OPEN_PATHS = ("/health", "/ready", "/info")  # and the playground: "/" and /playground/*
+OPEN_PATHS = ("/health", "/ready", "/info", "/")  # and the playground's files, /playground/*
 MONITORING_PATHS = ("/metrics", "/status")
+
+
+def route_path(scope: dict[str, Any]) -> str:
+    """The path as the router matches it: without the root_path a parent app or proxy put in front of it."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 def _authorized(scope: dict[str, Any], keys: tuple[bytes, ...]) -> bool:
@@ -39,12 +47,12 @@ class APIKeyMiddleware:
         self.protect_metrics = protect_metrics
 
     def _guarded(self, path: str) -> bool:
-        if path.startswith("/v1/"):
-            return True
-        return self.protect_metrics and path in MONITORING_PATHS
+        if path in OPEN_PATHS or path.startswith("/playground/"):
+            return False
+        return self.protect_metrics or path not in MONITORING_PATHS
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.keys or not self._guarded(scope.get("path", "")):
+        if scope["type"] != "http" or not self.keys or not self._guarded(route_path(scope)):
             await self.app(scope, receive, send)
             return
         if _authorized(scope, self.keys):

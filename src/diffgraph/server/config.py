@@ -140,7 +140,11 @@ def _parse(key: str, value: Any) -> Any:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(k, str) for k in items):
             raise ValueError("api-key must be a string or a list of strings")
-        return tuple(k.strip() for k in items if k.strip())
+        keys = tuple(k.strip() for k in items if k.strip())
+        if items and not keys:  # given, but empty ("$KEY" of an unset variable): never start open by mistake
+            raise ValueError("api-key is empty; give a key, or leave api-key (and DIFFGRAPH_API_KEY) out for an "
+                             "open server")
+        return keys
     if key in ("access_log", "protect_metrics", "playground"):
         if not isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from ..config import DEFAULT_BUCKETS
-from ..request import MAX_STEPS, OUTPUT_FORMATS
+from ..request import MAX_IMAGES, MAX_STEPS, OUTPUT_FORMATS
 from ..sampling.schedules import SAMPLERS, SCHEDULES
 from .protocol import ImageGenerationRequest
 
@@ -46,7 +46,7 @@ def server_info(state: Any) -> dict[str, Any]:
         "native_size": info.native_size if info else None,
         "default_guidance": info.default_guidance if info else None,
         "default_steps": ImageGenerationRequest.model_fields["num_inference_steps"].default,
-        "max_images": info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS),
+        "max_images": min(MAX_IMAGES, info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS)),
         "max_steps": MAX_STEPS, "samplers": list(SAMPLERS), "schedules": list(SCHEDULES),
         "output_formats": list(OUTPUT_FORMATS), "graphed_resolutions": resolutions,
         "batch_buckets": list(config.batch_buckets), "max_prompt_bytes": config.max_prompt_bytes,
