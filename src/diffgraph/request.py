@@ -221,7 +221,7 @@ class GenerationResult:
     (`images[0].save(...)`), which are made from the pixels on first use, as diffusers' numpy_to_pil rounds."""
 
     request_id: str
-    arrays: np.ndarray
+    arrays: np.ndarray | None  # None when only the encoded images crossed a process boundary (replicas)
     seed: int
     timings: dict[str, float]
     request: GenerationRequest
@@ -231,12 +231,17 @@ class GenerationResult:
     @property
     def images(self) -> list[Any]:
         if self._images is None:
+            import io
+
             from PIL import Image
-            self._images = [Image.fromarray(a) for a in (self.arrays * 255).round().astype("uint8")]
+            if self.arrays is None:
+                self._images = [Image.open(io.BytesIO(b)) for b in self.encoded or ()]
+            else:
+                self._images = [Image.fromarray(a) for a in (self.arrays * 255).round().astype("uint8")]
         return self._images
 
     def __len__(self) -> int:
-        return len(self.arrays)
+        return len(self.arrays) if self.arrays is not None else len(self.encoded or ())
 
     def __iter__(self):
         return iter(self.images)

@@ -26,12 +26,14 @@ __all__ = ["AsyncEngine", "ProgressEvent"]
 _DONE = object()
 
 
-class _Handle:
-    """One request's answers on the event loop: progress events, then ("done", result, error)."""
+class RequestHandleImpl:
+    """One request's answers on the event loop: progress events, then ("done", result, error). It is the request's
+    RequestSink (called on other threads) and its RequestHandle (read on the event loop); `abort` is how to abort it
+    (in this process, or a message to a replica process)."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, progress: bool):
+    def __init__(self, abort: Callable[["RequestHandleImpl"], bool], request: GenerationRequest, progress: bool):
         self.request_id = request.request_id
-        self._engine = engine
+        self._abort = abort
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._progress = progress
@@ -90,7 +92,7 @@ class _Handle:
             raise
 
     def abort(self) -> bool:
-        return self._engine.core.abort(self.request_id, sink=self)  # this request, not a later one with its id
+        return self._abort(self)
 
 
 class AsyncEngine:
@@ -111,9 +113,11 @@ class AsyncEngine:
     def make_request(self, prompt: Any, **params: Any) -> GenerationRequest:
         return self.engine.make_request(prompt, **params)
 
-    async def submit(self, request: GenerationRequest, progress: bool = False) -> _Handle:
-        handle = _Handle(self.engine, request, progress)
-        self.engine.core.submit(request, handle)
+    async def submit(self, request: GenerationRequest, progress: bool = False) -> RequestHandleImpl:
+        core = self.engine.core
+        # a handle aborts its own request, not a later one that reuses its id
+        handle = RequestHandleImpl(lambda h: core.abort(h.request_id, sink=h), request, progress)
+        core.submit(request, handle)
         return handle
 
     async def generate(self, prompt: Any, **params: Any) -> GenerationResult:

@@ -135,6 +135,13 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     """The app for `config`. `engine_factory` builds the engine (default: `Engine(**config.engine_kwargs())`)."""
     if engine_factory is None:
         def engine_factory():
+            if config.devices:  # one engine replica process per device, behind a router
+                from ..engine.replica import ReplicaClient
+                from ..engine.router import Router
+                threads = max(1, config.resolved_torch_threads() // max(1, config.devices.count("cpu")))
+                return Router([ReplicaClient(d, config.engine_kwargs(), torch_threads=threads if d == "cpu" else None,
+                                             name=f"{d}#{i}" if config.devices.count(d) > 1 else d)
+                               for i, d in enumerate(config.devices)], min_ready=config.min_ready)
             from ..engine.engine import Engine
             return Engine(**config.engine_kwargs())
 
@@ -172,8 +179,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             engine = state.require_engine()
         except APIError as e:
             return _error_response(e)
-        return JSONResponse({"status": "ready", "model": engine.info.name, "mode": engine.info.mode,
-                             "ready_s": round(engine.info.ready_s, 3)})
+        body = {"status": "ready", "model": engine.info.name, "mode": engine.info.mode,
+                "ready_s": round(engine.info.ready_s, 3)}
+        if hasattr(engine, "replica_states"):  # several replicas: each one's state
+            body["replicas"] = engine.replica_states()
+        return JSONResponse(body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -23,7 +23,7 @@ DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may t
 _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
            "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
-           "image_threads")
+           "image_threads", "devices", "min_ready")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -92,12 +92,37 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve the playground page at / (default: on; --no-playground turns it off)")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads of a CPU engine (default: the cores minus one, at least 1)")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="one engine replica process per device, e.g. cuda:0,cuda:1 or cpu,cpu; requests go to the "
+                        "replica with the least outstanding work (default: one engine in this process)")
+    p.add_argument("--data-parallel", default=None, metavar="N|all",
+                   help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU)")
+    p.add_argument("--min-ready", type=int, default=None, metavar="K",
+                   help="with several replicas: /ready answers 200 while at least K are ready (default: 1)")
     p.add_argument("--image-threads", type=int, default=None, metavar="N",
                    help=f"threads that encode finished images (default: {default('image_threads')})")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return load_config(args.config, {name: getattr(args, name, None) for name in _FIELDS})
+    overrides = {name: getattr(args, name, None) for name in _FIELDS}
+    dp = getattr(args, "data_parallel", None)
+    if dp is not None:
+        if overrides.get("devices"):
+            raise ValueError("give --devices or --data-parallel, not both")
+        overrides["devices"] = data_parallel_devices(dp)
+    return load_config(args.config, overrides)
+
+
+def data_parallel_devices(value: str, visible: int | None = None) -> str:
+    """--data-parallel N | all -> "cuda:0,...,cuda:N-1" (N at most the visible GPUs)."""
+    if visible is None:
+        import torch
+        visible = torch.cuda.device_count()
+    n = visible if value == "all" else int(value) if value.isdigit() else -1
+    if n < 1 or n > visible:
+        raise ValueError(f"--data-parallel {value!r}: this machine has {visible} visible GPU(s); give 1..{visible} "
+                         "or all (for CPU replicas use --devices cpu,cpu)")
+    return ",".join(f"cuda:{i}" for i in range(n))
 
 
 def _server_class():

@@ -70,6 +70,8 @@ class ServerConfig:
     playground: bool = True              # GET / serves the playground page
     torch_threads: int | None = None     # torch intra-op threads on the CPU; None: derived from the cores
     image_threads: int = 2               # threads that wait for decodes and encode images
+    devices: tuple[str, ...] = ()        # one engine replica process per device (cpu,cpu / cuda:0,cuda:1); () = one
+    min_ready: int = 1                   # with devices: /ready is 200 while at least this many replicas are ready
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -99,6 +101,11 @@ class ServerConfig:
                 raise ValueError("api-key: each key must be a non-empty string without spaces or commas")
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
             raise ValueError(f"torch-threads {self.torch_threads} is out of range; allowed: 1..1024")
+        for d in self.devices:
+            if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+                raise ValueError(f"devices: {d!r} is not understood; use cpu, cuda:N, e.g. cuda:0,cuda:1")
+        if self.devices and not 1 <= self.min_ready <= len(self.devices):
+            raise ValueError(f"min-ready {self.min_ready} must be in 1..{len(self.devices)} (the number of devices)")
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
 
@@ -155,9 +162,14 @@ def _parse(key: str, value: Any) -> Any:
         return parse_resolutions(value)
     if key == "prewarm":
         return value if isinstance(value, bool) else parse_prewarm(value)
+    if key == "devices":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
+            raise ValueError("devices must be a comma-separated list like cuda:0,cuda:1 or cpu,cpu")
+        return tuple(d.strip() for d in items if d.strip())
     if key == "torch_threads" and value is None:
         return None
-    if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads"):
+    if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:

@@ -76,6 +76,10 @@ class ServerState:
                 # allocator growth) and a broken model should fail here, not on a client's request.
                 built.generate("warm-up", num_inference_steps=1, seed=0)
                 built = AsyncEngine(built)
+            elif hasattr(built, "wait_ready") and not built.wait_ready():  # replicas warm themselves up
+                states = "; ".join(f"{r['replica']}: {r['state']} {r['error'] or ''}".strip()
+                                   for r in built.replica_states())
+                raise RuntimeError(f"fewer than {built.min_ready} replica(s) became ready ({states})")
             if not isinstance(built, EngineClient):
                 raise TypeError(f"the engine factory returned {type(built).__name__}, not an Engine or EngineClient")
         except Exception as e:

@@ -1,0 +1,305 @@
+"""`ReplicaClient`: one engine in its own process (one per device), behind the `EngineClient` protocol.
+
+The parent talks to the replica over one duplex pipe; everything on it is the protocol's picklable data:
+
+    parent -> replica   ("submit", request, progress) | ("abort", request_id) | ("stats", token) | ("close",)
+    replica -> parent   ("ready", ModelInfo) | ("failed", message) | ("accepted", request_id)
+                        | ("rejected", request_id, error) | ("progress", ProgressEvent) | ("step", StepEvent)
+                        | ("done", request_id, result, error) | ("stats", token, EngineStats)
+
+Results carry the images encoded by the replica (its image threads), and no float pixels when the request asked
+for an encoded format: the bytes move once. The parent's reader thread answers each request's handle; when the
+pipe breaks (the process died), every request in flight on it is answered at once with EngineClosed (HTTP 503,
+retryable), and the replica is started again after a backoff, unless it crashed `max_restarts` times within
+`restart_window_s`: then it is left down and reported so (`state`), not restarted in a loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from ..request import EngineClosed, GenerationRequest, ModelInfo
+from .async_engine import RequestHandleImpl
+from .client import EngineStats, StepEvent
+
+logger = logging.getLogger(__name__)
+
+STATES = ("starting", "ready", "restarting", "down", "closed")
+
+
+def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_threads: int | None) -> None:
+    """The replica process: build the engine, then serve the pipe until "close" or the parent goes away."""
+    if torch_threads is not None:
+        import torch
+        torch.set_num_threads(torch_threads)
+    from .async_engine import AsyncEngine
+    from .engine import Engine
+
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):  # the parent is gone: nothing to answer
+                pass
+
+    try:
+        engine = Engine(device=device, **engine_kwargs)
+        engine.generate("warm-up", num_inference_steps=1, seed=0)
+    except Exception as e:
+        send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    client = AsyncEngine(engine)
+    client.add_step_listener(lambda event: send(("step", event)))
+    send(("ready", engine.info))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        kind = message[0]
+        if kind == "submit":
+            _, request, progress = message
+            on_progress = (lambda rid, step, total: send(("progress", rid, step, total))) if progress else None
+            try:
+                future = engine.submit(request, on_progress=on_progress)
+            except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
+                send(("rejected", request.request_id, e))
+                continue
+            send(("accepted", request.request_id))
+            future.add_done_callback(lambda f, rid=request.request_id: send(("done", rid, *_outcome(f))))
+        elif kind == "abort":
+            engine.abort(message[1])
+        elif kind == "stats":
+            send(("stats", message[1], client.stats()))
+        elif kind == "close":
+            break
+    engine.close()
+
+
+def _outcome(future: Future) -> tuple[Any, BaseException | None]:
+    error = future.exception()
+    if error is not None:
+        return None, error
+    result = future.result()
+    if result.encoded is not None:
+        result.arrays = None  # the encoded bytes are what the caller sends on: do not move the pixels too
+    return result, None
+
+
+class ReplicaClient:
+    """An engine replica process on `device`; thread-safe; restarts after a crash (with backoff)."""
+
+    def __init__(self, device: str, engine_kwargs: dict[str, Any] | None = None, name: str | None = None,
+                 max_restarts: int = 3, restart_window_s: float = 300.0, backoff_s: float = 1.0,
+                 torch_threads: int | None = None):
+        self.device = device
+        self._threads = torch_threads
+        self.name = name or device
+        self._kwargs = {k: v for k, v in (engine_kwargs or {}).items() if k != "device"}
+        self._max_restarts = max_restarts
+        self._window_s = restart_window_s
+        self._backoff_s = backoff_s
+        self._lock = threading.Lock()
+        self._handles: dict[str, RequestHandleImpl] = {}
+        self._pending: dict[str, Future] = {}     # submits waiting for accepted / rejected
+        self._stats: dict[int, Future] = {}
+        self._tokens = itertools.count()
+        self._listeners: list[Callable[[StepEvent], None]] = []
+        self._crashes: list[float] = []
+        self.state = "starting"
+        self.error: str | None = None
+        self.restarts = 0
+        self.info: ModelInfo | None = None
+        self._ready_event = threading.Event()
+        self._start()
+
+    # -- process lifetime ------------------------------------------------------------------------
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
+        parent, child = ctx.Pipe(duplex=True)
+        self._conn = parent
+        self._process = ctx.Process(target=_replica_main, args=(child, self.device, self._kwargs, self._threads),
+                                    name=f"diffgraph-replica-{self.name}", daemon=True)
+        self._process.start()
+        child.close()
+        threading.Thread(target=self._read, args=(parent, self._process), name=f"diffgraph-replica-{self.name}",
+                         daemon=True).start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Waits until the replica is ready or has given up (a bound for callers, not a timing assumption)."""
+        self._ready_event.wait(timeout)
+        return self.state == "ready"
+
+    def _read(self, conn: Any, process: Any) -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._dispatch(message)
+        process.join(5)
+        self._on_exit(process.exitcode)
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "ready":
+            self.info, self.error = message[1], None
+            if self.state != "closed":
+                self.state = "ready"
+            self._ready_event.set()
+        elif kind == "failed":
+            self.error = message[1]
+            logger.error("replica %s could not build its engine: %s", self.name, self.error)
+        elif kind in ("accepted", "rejected"):
+            with self._lock:
+                future = self._pending.pop(message[1], None)
+            if future is not None:
+                future.set_result(message[2] if kind == "rejected" else None)
+        elif kind == "progress":
+            from ..request import ProgressEvent
+            handle = self._handles.get(message[1])
+            if handle is not None:
+                handle.progress(ProgressEvent(*message[1:]))
+        elif kind == "done":
+            with self._lock:
+                handle = self._handles.pop(message[1], None)
+            if handle is not None:
+                handle.finish(message[2], message[3])
+        elif kind == "step":
+            for listener in list(self._listeners):
+                try:
+                    listener(message[1])
+                except Exception:
+                    logger.exception("step listener %r failed", listener)
+        elif kind == "stats":
+            with self._lock:
+                future = self._stats.pop(message[1], None)
+            if future is not None:
+                future.set_result(message[2])
+
+    def _on_exit(self, exitcode: int | None) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, {}
+            pending, self._pending = self._pending, {}
+            stats, self._stats = self._stats, {}
+            closing = self.state == "closed"
+        error = EngineClosed(f"replica {self.name} stopped (exit code {exitcode}) before this request finished; "
+                             "retry it (other replicas keep serving)")
+        for handle in handles.values():
+            handle.finish(None, error)
+        for future in (*pending.values(), *stats.values()):
+            if not future.done():
+                future.set_result(error)
+        if closing:
+            self._ready_event.set()
+            return
+        now = time.monotonic()
+        self._crashes = [t for t in self._crashes if now - t < self._window_s] + [now]
+        logger.error("replica %s died (exit code %s); %d request(s) in flight answered 503", self.name, exitcode,
+                     len(handles))
+        if len(self._crashes) > self._max_restarts:
+            self.state = "down"
+            self.error = f"crashed {len(self._crashes)} times within {self._window_s:g} s; left down"
+            logger.error("replica %s %s", self.name, self.error)
+            self._ready_event.set()
+            return
+        self.state = "restarting"
+        self._ready_event.clear()
+        delay = self._backoff_s * 2 ** (len(self._crashes) - 1)
+        self.restarts += 1
+        timer = threading.Timer(delay, self._restart)
+        timer.daemon = True
+        timer.start()
+
+    def _restart(self) -> None:
+        if self.state == "restarting":
+            logger.warning("restarting replica %s", self.name)
+            self._start()
+
+    # -- EngineClient ----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def ready_s(self) -> float:
+        return self.info.ready_s if self.info else 0.0
+
+    def _send(self, message: tuple) -> bool:
+        try:
+            with self._lock:
+                self._conn.send(message)
+            return True
+        except (OSError, ValueError, EOFError):
+            return False
+
+    async def submit(self, request: GenerationRequest, progress: bool = False) -> RequestHandleImpl:
+        if self.state != "ready":
+            raise EngineClosed(f"replica {self.name} is {self.state}; retry shortly")
+        handle = RequestHandleImpl(lambda h: self.abort(h.request_id), request, progress)
+        answer: Future = Future()
+        with self._lock:
+            self._handles[request.request_id] = handle
+            self._pending[request.request_id] = answer
+        if not self._send(("submit", request, progress)):
+            with self._lock:
+                self._handles.pop(request.request_id, None)
+                self._pending.pop(request.request_id, None)
+            raise EngineClosed(f"replica {self.name} is not reachable; retry shortly")
+        rejected = await asyncio.wrap_future(answer)
+        if rejected is not None:
+            with self._lock:
+                self._handles.pop(request.request_id, None)
+            raise rejected
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        return request_id in self._handles and self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats | None:
+        """The replica's stats, or None when it is not ready or does not answer within 10 s."""
+        if self.state != "ready":
+            return None
+        token = next(self._tokens)
+        future: Future = Future()
+        with self._lock:
+            self._stats[token] = future
+        if not self._send(("stats", token)):
+            return None
+        try:
+            answer = future.result(timeout=10)
+        except Exception:
+            with self._lock:
+                self._stats.pop(token, None)
+            return None
+        return answer if isinstance(answer, EngineStats) else None
+
+    def graph_table(self) -> list[dict[str, Any]]:
+        stats = self.stats()
+        return [] if stats is None else stats.graphs
+
+    def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
+        self._listeners.append(listener)
+
+    def in_flight(self) -> int:
+        return len(self._handles)
+
+    def kill(self) -> None:
+        """Ends the replica's process at once (tests and operators: as a crash would)."""
+        self._process.kill()
+
+    def close(self) -> None:
+        self.state = "closed"
+        self._send(("close",))
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()

@@ -1,0 +1,111 @@
+"""Engine replicas in their own processes behind a router (`diffgraph serve --devices cpu,cpu`): the same images
+as one engine, a replica killed mid-load loses no request silently and comes back, the HTTP server over two."""
+
+import asyncio
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffgraph import EngineClosed
+from diffgraph.engine.replica import ReplicaClient
+from diffgraph.engine.router import Router
+
+MODEL = dict(model="random:tiny", dtype="fp32")
+BOUND_S = 600  # a failure bound for waits, never a timing assumption
+
+
+def pixels(result) -> np.ndarray:
+    return np.stack([np.asarray(Image.open(io.BytesIO(b))) for b in result.encoded]).astype(int)
+
+
+@pytest.fixture(scope="module")
+def router():
+    r = Router([ReplicaClient("cpu", MODEL, name=f"cpu#{i}", torch_threads=1) for i in range(2)])
+    assert r.wait_ready(BOUND_S), r.replica_states()
+    yield r
+    r.close()
+
+
+def run_all(router, requests):
+    async def go():
+        handles = [await router.submit(q) for q in requests]
+        return await asyncio.gather(*(h.result() for h in handles), return_exceptions=True)
+    return asyncio.run(go())
+
+
+def test_replicas_give_one_engines_images_and_share_the_work(router, tiny_engine):
+    requests = [tiny_engine.make_request("a cat", num_inference_steps=4, seed=i, num_images=1 + i % 2,
+                                         sampler=["euler", "dpmpp_2m"][i % 2], output_format="png") for i in range(8)]
+    results = run_all(router, requests)
+    for q, r in zip(requests, results):
+        assert r.request_id == q.request_id and r.arrays is None  # the bytes crossed, not the pixels
+        assert np.abs(pixels(r) - pixels(tiny_engine.run(q))).max() <= 1
+    steps = [r.stats().steps for r in router.replicas]
+    assert all(s > 0 for s in steps), steps  # both replicas served
+    assert router.stats().steps == sum(steps) and router.ready
+    assert [s["state"] for s in router.replica_states()] == ["ready", "ready"]
+
+
+def test_a_killed_replica_answers_its_requests_and_comes_back(router, tiny_engine):
+    requests = [tiny_engine.make_request("a dog", num_inference_steps=60, seed=i, output_format="png")
+                for i in range(6)]
+
+    async def go():
+        handles = [await router.submit(q, progress=True) for q in requests]
+        victim = router.replicas[0]
+        first = handles[[router._work[h.request_id][0] for h in handles].index(victim)]
+        async for item in first.events():  # the victim is busy: one of its requests made progress
+            break
+        victim.kill()
+        return await asyncio.gather(*(h.result() for h in handles), return_exceptions=True)
+    results = asyncio.run(go())
+    lost = [r for r in results if isinstance(r, EngineClosed)]
+    assert lost and all(isinstance(r, EngineClosed) or r.encoded for r in results), results
+    assert all("stopped" in str(e) and "retry" in str(e) for e in lost)
+    victim = router.replicas[0]
+    assert victim.wait_ready(BOUND_S) and victim.restarts == 1
+    again = run_all(router, [tiny_engine.make_request("a cat", num_inference_steps=2, seed=9, output_format="png")
+                             for _ in range(4)])
+    assert all(not isinstance(r, Exception) for r in again)
+
+
+def test_data_parallel_and_device_settings():
+    from diffgraph.server.cli import data_parallel_devices
+    from diffgraph.server.config import ServerConfig, load_config
+
+    assert data_parallel_devices("2", visible=4) == "cuda:0,cuda:1"
+    assert data_parallel_devices("all", visible=3) == "cuda:0,cuda:1,cuda:2"
+    with pytest.raises(ValueError, match="has 1 visible GPU"):
+        data_parallel_devices("2", visible=1)
+    assert load_config(None, {"model": "random:tiny", "devices": "cpu,cpu"}).devices == ("cpu", "cpu")
+    with pytest.raises(ValueError, match="min-ready 3 must be in 1..2"):
+        ServerConfig(model="random:tiny", devices=("cpu", "cpu"), min_ready=3)
+    with pytest.raises(ValueError, match="not understood"):
+        ServerConfig(model="random:tiny", devices=("tpu",))
+
+
+def test_the_server_over_two_cpu_replicas():
+    import concurrent.futures
+
+    import httpx
+    from test_server import ServerProcess, generate
+
+    s = ServerProcess("--devices", "cpu,cpu", "--max-queue", "64")
+    try:
+        s.wait_ready()  # /ready says 200 once one replica (--min-ready 1) is ready; the other may still start
+        from test_server import wait_for
+        ready = wait_for(lambda: (lambda b: b if all(r["state"] == "ready" for r in b["replicas"]) else None)(
+            httpx.get(s.url + "/ready", timeout=300).json()), what="both replicas ready")
+        assert [r["replica"] for r in ready["replicas"]] == ["cpu#0", "cpu#1"]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: generate(s.url, num_inference_steps=4, seed=i, size="64x64"), range(6)))
+        assert [a.status_code for a in answers] == [200] * 6 and [a.json()["seed"] for a in answers] == list(range(6))
+        streamed = httpx.post(s.url + "/v1/images/generations", timeout=600,
+                              json={"prompt": "x", "num_inference_steps": 3, "stream": True, "seed": 1})
+        assert streamed.text.count("event: progress") == 3 and "event: completed" in streamed.text
+        metrics = httpx.get(s.url + "/metrics", timeout=300).text
+        assert "diffgraph_engine_steps_total" in metrics
+    finally:
+        s.stop()
