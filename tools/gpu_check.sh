@@ -4,6 +4,7 @@
 # tests1: the GPU tests with every engine on cuda:1 (2-GPU host; test_device_affinity checks GPU 0 stays untouched)
 # ab: bench latency (graph tier, 1 image) of the tree in .old/src (an older commit, `git archive REV src | tar -x -C
 # .old`, carried) and of src/, alternated twice in one call: the before/after comparison of a refactor
+# dp: diffgraph serve over one replica (cuda:0) and over two (cuda:0,cuda:1), bench serve at 10 requests/s per GPU
 # plots: bench throughput (step vs request mode over the default rates) and bench serve (a rate sweep over HTTP)
 # with --plot: the PNGs for BENCHMARKS.md
 # regime: step vs request mode between their capacities, long traces (p99 target; REGIME_RATE, REGIME_SEED); saturation: step mode at 3x
@@ -50,6 +51,23 @@ while True:
              --mix 512x512/20:3,512x512/30:1 --json "$OUT/bench_plot_serve.json" --plot "$OUT/bench_serve.png" \
              2>&1 | grep -E '"rate"|images_per_s|"p99"' | tee "$OUT/bench_plot_serve.log"
            kill -TERM $server; wait $server ;;
+    dp) for devs in cuda:0 cuda:0,cuda:1; do   # one replica, then two (one per GPU), at the same overload
+          n=$(echo $devs | tr ',' '\n' | wc -l); rate=$((n * 10))
+          python3 -m diffgraph.server.cli --model random:sd15 --devices $devs --port 8200 --log-level warning \
+            --no-access-log --max-queue 100000 &
+          server=$!
+          python3 -c "import httpx, time
+while True:
+    try:
+        r = httpx.get('http://127.0.0.1:8200/ready', timeout=5)
+        if r.status_code == 200 and all(x['state'] == 'ready' for x in r.json()['replicas']): break
+    except (httpx.TransportError, KeyError, ValueError): pass
+    time.sleep(0.5)"
+          python3 -m diffgraph.bench.serve --url http://127.0.0.1:8200 --rate $rate --duration 15 --mix 512x512/20 \
+            --json "$OUT/dp_$n.json" > /dev/null 2>&1
+          python3 -c "import json; r = json.load(open('$OUT/dp_$n.json')); print('$devs', 'rate', r['rate'], 'ok', r['ok'], '/', r['sent'], 'images/s %.2f' % r['images_per_s'], 'p50 %.2f p99 %.2f s' % (r['latency_s']['p50'], r['latency_s']['p99']), 'errors', r['errors'])"
+          kill -TERM $server; wait $server
+        done ;;
     throughput) python3 -m diffgraph.bench.throughput --duration 15 --json "$OUT/bench_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_throughput.log" ;;
   esac
 done
