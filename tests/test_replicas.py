@@ -3,6 +3,7 @@ as one engine, a replica killed mid-load loses no request silently and comes bac
 
 import asyncio
 import io
+import signal
 
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def test_a_killed_replica_answers_its_requests_and_comes_back(router, tiny_engin
     async def go():
         handles = [await router.submit(q, progress=True) for q in requests]
         victim = router.replicas[0]
-        first = handles[[router._work[h.request_id][0] for h in handles].index(victim)]
+        first = handles[[router._work[h.request_id][0] for h in handles].index(victim)]  # one of the victim's
         async for item in first.events():  # the victim is busy: one of its requests made progress
             break
         victim.kill()
@@ -106,6 +107,19 @@ def test_the_server_over_two_cpu_replicas():
                               json={"prompt": "x", "num_inference_steps": 3, "stream": True, "seed": 1})
         assert streamed.text.count("event: progress") == 3 and "event: completed" in streamed.text
         metrics = httpx.get(s.url + "/metrics", timeout=300).text
-        assert "diffgraph_engine_steps_total" in metrics
+        lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+        per = [float(lines[f'diffgraph_replica_engine_steps_total{{replica="cpu#{i}"}}']) for i in (0, 1)]
+        assert sum(per) == float(lines["diffgraph_engine_steps_total"]) and min(per) > 0  # totals and each replica
+        assert lines['diffgraph_replica_ready{replica="cpu#1"}'] == "1.0"
+        # SIGTERM drains every replica: a request in flight finishes, then the process exits 0
+        import threading
+        late = {}
+        t = threading.Thread(target=lambda: late.update(r=generate(s.url, num_inference_steps=40, seed=3)))
+        t.start()
+        wait_for(lambda: httpx.get(s.url + "/metrics", timeout=300).text.count("diffgraph_inflight_requests 1.0"),
+                 what="the late request in flight")
+        s.proc.send_signal(signal.SIGTERM)
+        t.join(600)
+        assert late["r"].status_code == 200 and s.proc.wait(120) == 0
     finally:
         s.stop()

@@ -41,6 +41,8 @@ class EngineStats:
     prompt_cache_misses: int
     device_memory_bytes: int
     graphs: list[dict[str, Any]] = field(default_factory=list)  # the graph table (runner.GraphStats rows)
+    # several replicas: per replica {"replica", "state", "restarts", "stats": EngineStats or None (not answering)}
+    replicas: list[dict[str, Any]] = field(default_factory=list)
 
 
 class RequestHandle(Protocol):

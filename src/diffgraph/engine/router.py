@@ -26,6 +26,10 @@ class Router:
         self.min_ready = min_ready
         self._lock = threading.Lock()
         self._work: dict[str, tuple[Any, GroupKey, int, int]] = {}  # request id -> (replica, key, rows, steps left)
+        # kept in step with _work, so a choice costs O(replicas), not O(requests in flight)
+        self._load: dict[int, int] = {id(r): 0 for r in replicas}          # remaining row-steps per replica
+        self._count: dict[int, int] = {id(r): 0 for r in replicas}         # requests in flight per replica
+        self._groups: dict[int, dict[GroupKey, int]] = {id(r): {} for r in replicas}  # requests per group
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Waits until `min_ready` replicas are ready, or until every replica is ready or has given up."""
@@ -50,31 +54,37 @@ class Router:
     def outstanding(self, replica: Any) -> tuple[int, int]:
         """(remaining row-steps, requests) in flight on a replica."""
         with self._lock:
-            mine = [w for w in self._work.values() if w[0] is replica]
-        return sum(rows * left for _, _, rows, left in mine), len(mine)
+            return self._load[id(replica)], self._count[id(replica)]
 
     def choose(self, request: GenerationRequest) -> Any:
         ready = [r for r in self.replicas if r.ready]
         if not ready:
             raise EngineClosed("no replica is ready; retry shortly")
         cost = request.num_images * request.num_inference_steps
-        loads = {id(r): self.outstanding(r)[0] for r in ready}
-        least = min(loads.values())
         with self._lock:
-            running = {id(w[0]) for w in self._work.values() if w[1] == request.key}
+            loads = {id(r): self._load[id(r)] for r in ready}
+            running = {id(r) for r in ready if self._groups[id(r)].get(request.key)}
+        least = min(loads.values())
         close = [r for r in ready if loads[id(r)] <= least + cost]
         same_group = [r for r in close if id(r) in running]
         return min(same_group or close, key=lambda r: loads[id(r)])
 
-    async def submit(self, request: GenerationRequest, progress: bool = False) -> Any:
-        replica = self.choose(request)
+    def track(self, request: GenerationRequest, replica: Any) -> None:
+        """Counts a request as in flight on a replica (until `_done`)."""
         with self._lock:
             self._work[request.request_id] = (replica, request.key, request.num_images, request.num_inference_steps)
+            rid = id(replica)
+            self._load[rid] += request.num_images * request.num_inference_steps
+            self._count[rid] += 1
+            self._groups[rid][request.key] = self._groups[rid].get(request.key, 0) + 1
+
+    async def submit(self, request: GenerationRequest, progress: bool = False) -> Any:
+        replica = self.choose(request)
+        self.track(request, replica)
         try:
             handle = await replica.submit(request, progress=True)
         except BaseException:
-            with self._lock:
-                self._work.pop(request.request_id, None)
+            self._done(request.request_id)
             raise
         return _Tracked(handle, self, request.request_id, progress)
 
@@ -82,11 +92,20 @@ class Router:
         with self._lock:
             w = self._work.get(request_id)
             if w is not None:
-                self._work[request_id] = (w[0], w[1], w[2], event.total - event.step)
+                left = event.total - event.step
+                self._load[id(w[0])] -= w[2] * (w[3] - left)
+                self._work[request_id] = (w[0], w[1], w[2], left)
 
     def _done(self, request_id: str) -> None:
         with self._lock:
-            self._work.pop(request_id, None)
+            w = self._work.pop(request_id, None)
+            if w is not None:
+                rid = id(w[0])
+                self._load[rid] -= w[2] * w[3]
+                self._count[rid] -= 1
+                self._groups[rid][w[1]] -= 1
+                if not self._groups[rid][w[1]]:
+                    del self._groups[rid][w[1]]
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -104,11 +123,13 @@ class Router:
         def total(name: str) -> int:
             return sum(getattr(s, name) for s in got)
         graphs = [{**row, "replica": r.name} for r, s in per if s is not None for row in s.graphs]
+        replicas = [{"replica": r.name, "state": r.state, "restarts": getattr(r, "restarts", 0), "stats": s}
+                    for r, s in per]
         return EngineStats(ready=self.ready, queue_depth=total("queue_depth"), live_rows=live, steps=total("steps"),
                            failed_steps=total("failed_steps"), growth_holds=total("growth_holds"),
                            prompt_cache_hits=total("prompt_cache_hits"),
                            prompt_cache_misses=total("prompt_cache_misses"),
-                           device_memory_bytes=total("device_memory_bytes"), graphs=graphs)
+                           device_memory_bytes=total("device_memory_bytes"), graphs=graphs, replicas=replicas)
 
     def graph_table(self) -> list[dict[str, Any]]:
         return self.stats().graphs

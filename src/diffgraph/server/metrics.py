@@ -70,7 +70,34 @@ class _EngineCollector:
                                         "Admissions the bucket growth policy cut short (requests left waiting)")
             holds.add_metric([], stats.growth_holds)
             yield holds
+            if stats.replicas:
+                yield from _replica_families(stats.replicas)
         yield from (queue, rows, memory, *graph.values())
+
+
+def _replica_families(replicas: list[dict[str, Any]]):
+    """Per-replica series (label replica="cuda:1"), beside the totals above: state, restarts, queue, rows, steps,
+    device memory. A replica that is down or not answering shows ready 0 and no engine figures."""
+    ready = GaugeMetricFamily("diffgraph_replica_ready", "1 when the replica is ready", labels=["replica"])
+    restarts = CounterMetricFamily("diffgraph_replica_restarts", "Replica restarts after a crash", labels=["replica"])
+    queue = GaugeMetricFamily("diffgraph_replica_queue_depth", "Requests waiting for rows", labels=["replica"])
+    rows = GaugeMetricFamily("diffgraph_replica_live_rows", "Rows being denoised per resolution group (WxH)",
+                             labels=["replica", "group"])
+    steps = CounterMetricFamily("diffgraph_replica_engine_steps", "Denoising steps run", labels=["replica"])
+    memory = GaugeMetricFamily("diffgraph_replica_device_memory_bytes",
+                               "torch.cuda.memory_allocated on CUDA, else the replica process's RSS", labels=["replica"])
+    for r in replicas:
+        name, s = r["replica"], r["stats"]
+        ready.add_metric([name], float(r["state"] == "ready"))
+        restarts.add_metric([name], r["restarts"])
+        if s is None:
+            continue
+        queue.add_metric([name], s.queue_depth)
+        for (h, w), n in sorted(s.live_rows.items()):
+            rows.add_metric([name, f"{w}x{h}"], n)
+        steps.add_metric([name], s.steps)
+        memory.add_metric([name], s.device_memory_bytes)
+    return ready, restarts, queue, rows, steps, memory
 
 
 def _process_rss() -> int:
