@@ -11,13 +11,9 @@ import asyncio
 import base64
 import io
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,58 +22,22 @@ import httpx
 import pytest
 from PIL import Image
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from diffgraph.server.process import ServerProcess as _ServerProcess
+
 MODEL = "random:tiny"
 TIMEOUT_S = 4        # the short-timeout server's --request-timeout (only the timeout tests use it)
 LONG_TIMEOUT_S = 600  # the module server's: happy paths never depend on a wall-clock limit
 MAX_PROMPT = 256     # the module server's --max-prompt-bytes
 
 
-class ServerProcess:
+class ServerProcess(_ServerProcess):
+    """The project's server helper with this module's model (random:tiny on the CPU)."""
+
     def __init__(self, *flags: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
-               "OMP_NUM_THREADS": "2"}
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diffgraph.server.cli", "--model", MODEL, "--device", "cpu", "--port",
-             str(self.port), "--log-level", "warning", *flags], env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        self.first_ready_status: int | None = None
-        self.first_ready_body: dict | None = None
-
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                r = httpx.get(self.url + "/ready", timeout=2)
-            except httpx.TransportError:
-                time.sleep(0.02)
-                continue
-            if self.first_ready_status is None:
-                self.first_ready_status, self.first_ready_body = r.status_code, r.json()
-            if r.status_code == 200:
-                return
-            time.sleep(0.02)
-        raise RuntimeError(f"the server was not ready within {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
+        super().__init__(*flags, model=MODEL)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        super().stop(timeout=30)
 
 
 @pytest.fixture(scope="module")

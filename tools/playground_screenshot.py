@@ -14,19 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
-SRC = str(ROOT / "src")
+sys.path.insert(0, str(ROOT / "src"))  # run from a checkout without installing it
+
+from diffgraph.server.process import ServerProcess  # noqa: E402
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -34,59 +29,14 @@ WAIT_MS = 120_000       # every browser wait: generous, the machine may be slow 
 READY_S = 600.0         # the server's model load on a loaded CPU
 
 
-class PlaygroundServer:
-    """`diffgraph serve` in a child process on a free port (the way tests/test_server.py starts one)."""
+class PlaygroundServer(ServerProcess):
+    """`diffgraph serve` in a child process on a free port (diffgraph.server.process), the digits model by default."""
 
     def __init__(self, *flags: str, model: str = "digits"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
-               "OMP_NUM_THREADS": "2"}
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diffgraph.server.cli", "--model", model, "--device", "cpu", "--port",
-             str(self.port), "--log-level", "warning", *flags], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        super().__init__(*flags, model=model)
 
     def wait_ready(self, timeout: float = READY_S, path: str = "/ready") -> None:
-        """Polls `path` until it answers 200: /ready (the model is loaded), or /health (the server listens)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.url + path, timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{path} did not answer 200 within {timeout} s:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-    def __enter__(self) -> "PlaygroundServer":
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        super().wait_ready(timeout, path)
 
 
 def missing_browser() -> str | None:
