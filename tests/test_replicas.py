@@ -43,7 +43,9 @@ def test_replicas_give_one_engines_images_and_share_the_work(router, tiny_engine
     for q, r in zip(requests, results):
         assert r.request_id == q.request_id and r.arrays is None  # the bytes crossed, not the pixels
         assert np.abs(pixels(r) - pixels(tiny_engine.run(q))).max() <= 1
-    steps = [r.stats().steps for r in router.replicas]
+    stats = [r.stats() for r in router.replicas]
+    assert None not in stats, router.replica_states()
+    steps = [s.steps for s in stats]
     assert all(s > 0 for s in steps), steps  # both replicas served
     assert router.stats().steps == sum(steps) and router.ready
     assert [s["state"] for s in router.replica_states()] == ["ready", "ready"]

@@ -528,7 +528,7 @@ def test_a_dead_engine_loop_is_not_ready():
             assert time.monotonic() < deadline, client.get("/ready").text
             time.sleep(0.2)
         assert "diffgraph_ready 1.0" in client.get("/metrics").text
-        core = app.state.server.engine.engine.core
+        core = app.state.server.engine.replicas[0].engine.core
         core.scheduler.schedule = lambda: 1 / 0  # the loop's next pass raises
         r = client.post("/v1/images/generations", json={"prompt": "x", "size": "64x64", "num_inference_steps": 1})
         assert r.status_code >= 500 and "error" in r.json()

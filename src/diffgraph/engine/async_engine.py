@@ -96,15 +96,42 @@ class RequestHandleImpl:
 
 
 class AsyncEngine:
-    """An `Engine` behind the `EngineClient` protocol (client.py)."""
+    """An `Engine` behind the `EngineClient` protocol (client.py). It is also the in-process replica of a `Router`
+    (router.py): the server always routes, over this one engine or over replica processes, so one GPU and N GPUs
+    run the same code path."""
 
-    def __init__(self, engine: Engine | None = None, **engine_kwargs: Any):
+    restarts = 0  # an in-process engine is never restarted: a failed loop leaves it "failed"
+
+    def __init__(self, engine: Engine | None = None, name: str | None = None, **engine_kwargs: Any):
         self.engine = engine or Engine(**engine_kwargs)
         self.info = self.engine.info
+        self.name = name or str(self.engine.runner.device)
+        self._closed = False
+        self._step_times: dict[int, tuple[int, float]] = {}  # bucket -> (steps, seconds): this engine's steps
+        self._step_lock = threading.Lock()
+        self.engine.step_listeners.append(self._count_step)
 
     @property
     def ready(self) -> bool:
         return self.engine.ready
+
+    @property
+    def state(self) -> str:
+        """The replica states of replica.py: "ready", "closed", or "failed" (its loop stopped)."""
+        return "ready" if self.engine.ready else "closed" if self._closed else "failed"
+
+    @property
+    def error(self) -> str | None:
+        return "the engine loop stopped after an internal error (see the log)" if self.state == "failed" else None
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self.ready  # built in the constructor: nothing to wait for
+
+    def _count_step(self, plan: StepPlan, seconds: float) -> None:
+        bucket = plan.cost_rows or plan.n_rows
+        with self._step_lock:
+            n, total = self._step_times.get(bucket, (0, 0.0))
+            self._step_times[bucket] = (n + 1, total + seconds)
 
     @property
     def ready_s(self) -> float:
@@ -142,10 +169,13 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         e = self.engine
         s = e.stats
+        with self._step_lock:
+            step_seconds = dict(self._step_times)
         return EngineStats(ready=e.ready, queue_depth=e.queue_depth(), live_rows=e.live_rows(), steps=s["steps"],
                            failed_steps=s["failed_steps"], growth_holds=e.core.scheduler.growth_holds,
                            prompt_cache_hits=s["prompt_cache_hits"], prompt_cache_misses=s["prompt_cache_misses"],
-                           device_memory_bytes=_device_memory_bytes(e), graphs=e.graph_table())
+                           device_memory_bytes=_device_memory_bytes(e), graphs=e.graph_table(),
+                           step_seconds=step_seconds)
 
     def graph_table(self) -> list[dict[str, Any]]:
         return self.engine.graph_table()
@@ -156,6 +186,7 @@ class AsyncEngine:
         self.engine.step_listeners.append(on_step)
 
     def close(self) -> None:
+        self._closed = True
         self.engine.close()
 
 

@@ -1,8 +1,9 @@
 """The engine client protocol: what the server, the metrics and the async wrapper use to talk to an engine.
 
-One engine in this process (`AsyncEngine`, async_engine.py) implements it today; a replica process per GPU,
-or a router over several, can implement the same protocol, since everything that crosses it is plain
-picklable data: `GenerationRequest` in; `ProgressEvent`s and one `GenerationResult` (with the encoded image
+An engine in this process (`AsyncEngine`, async_engine.py), an engine replica in its own process
+(`ReplicaClient`, replica.py), a Ray Serve engine deployment seen from its ingress (`diffgraph.ray`) and the
+`Router` over any of them (router.py) implement it: the server always talks to a Router. They can, because
+everything that crosses it is plain picklable data: `GenerationRequest` in; `ProgressEvent`s and one `GenerationResult` (with the encoded image
 bytes) or an error out (ParamError, QueueFullError, RequestAborted, EngineStepError, EngineClosed, all in
 request.py); `EngineStats`, `StepEvent` and graph-table rows for monitoring. Nobody outside the engine package
 reaches into an engine's scheduler, runner or graphs.
@@ -41,6 +42,8 @@ class EngineStats:
     prompt_cache_misses: int
     device_memory_bytes: int
     graphs: list[dict[str, Any]] = field(default_factory=list)  # the graph table (runner.GraphStats rows)
+    # per batch bucket (the rows a step cost): (steps, summed host seconds) since start, per engine
+    step_seconds: dict[int, tuple[int, float]] = field(default_factory=dict)
     # several replicas: per replica {"replica", "state", "restarts", "stats": EngineStats or None (not answering)}
     replicas: list[dict[str, Any]] = field(default_factory=list)
 

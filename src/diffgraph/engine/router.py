@@ -1,4 +1,5 @@
-"""`Router`: one `EngineClient` over several replicas (one engine per device, each in its own process).
+"""`Router`: one `EngineClient` over its replicas: replica processes (one engine per device, replica.py), or one
+engine in this process (`AsyncEngine`): the server always routes, so one GPU is the same code path as N.
 
 Routing: least outstanding work, counted as the remaining row-steps of each replica's requests in flight (images x
 steps left, updated from their progress events); among replicas within one request's work of the least loaded,
@@ -123,13 +124,19 @@ class Router:
         def total(name: str) -> int:
             return sum(getattr(s, name) for s in got)
         graphs = [{**row, "replica": r.name} for r, s in per if s is not None for row in s.graphs]
+        step_seconds: dict[int, tuple[int, float]] = {}
+        for s in got:
+            for b, (n, t) in s.step_seconds.items():
+                n0, t0 = step_seconds.get(b, (0, 0.0))
+                step_seconds[b] = (n0 + n, t0 + t)
         replicas = [{"replica": r.name, "state": r.state, "restarts": getattr(r, "restarts", 0), "stats": s}
                     for r, s in per]
         return EngineStats(ready=self.ready, queue_depth=total("queue_depth"), live_rows=live, steps=total("steps"),
                            failed_steps=total("failed_steps"), growth_holds=total("growth_holds"),
                            prompt_cache_hits=total("prompt_cache_hits"),
                            prompt_cache_misses=total("prompt_cache_misses"),
-                           device_memory_bytes=total("device_memory_bytes"), graphs=graphs, replicas=replicas)
+                           device_memory_bytes=total("device_memory_bytes"), graphs=graphs, replicas=replicas,
+                           step_seconds=step_seconds)
 
     def graph_table(self) -> list[dict[str, Any]]:
         return self.stats().graphs

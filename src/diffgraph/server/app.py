@@ -181,8 +181,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             return _error_response(e)
         body = {"status": "ready", "model": engine.info.name, "mode": engine.info.mode,
                 "ready_s": round(engine.info.ready_s, 3)}
-        if hasattr(engine, "replica_states"):  # several replicas: each one's state
-            body["replicas"] = engine.replica_states()
+        body["replicas"] = engine.replica_states()
         return JSONResponse(body)
 
     @app.get("/v1/models")

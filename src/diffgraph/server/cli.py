@@ -99,6 +99,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU)")
     p.add_argument("--min-ready", type=int, default=None, metavar="K",
                    help="with several replicas: /ready answers 200 while at least K are ready (default: 1)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve (pip install 'diffgraph[ray]'): an ingress and --data-parallel N "
+                        "engine replicas (auto: autoscaled), one GPU each (none with --device cpu)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
     p.add_argument("--image-threads", type=int, default=None, metavar="N",
                    help=f"threads that encode finished images (default: {default('image_threads')})")
 
@@ -106,7 +111,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     overrides = {name: getattr(args, name, None) for name in _FIELDS}
     dp = getattr(args, "data_parallel", None)
-    if dp is not None:
+    if getattr(args, "ray", False):
+        if overrides.get("devices"):
+            raise ValueError("--devices is for one host without Ray; with --ray, --data-parallel N sets the engine "
+                             "replicas (one GPU each)")
+    elif dp is not None:
         if overrides.get("devices"):
             raise ValueError("give --devices or --data-parallel, not both")
         overrides["devices"] = data_parallel_devices(dp)
@@ -261,7 +270,25 @@ def run_serve(args: argparse.Namespace) -> int:
               "pip install fastapi uvicorn prometheus_client", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "ray", False):
+        return _serve_ray(config, args)
     return serve(config)
+
+
+def _serve_ray(config: ServerConfig, args: argparse.Namespace) -> int:
+    try:
+        from ..ray import serve_local, split_args
+        import ray.serve  # noqa: F401
+    except ImportError as e:
+        print(f"diffgraph: error: --ray needs Ray Serve ({e}); pip install 'diffgraph[ray]'", file=sys.stderr)
+        return 2
+    dp = args.data_parallel
+    try:
+        opts = split_args({"device": config.device or "cuda", "num_replicas": dp if dp is not None else 1})[0]
+    except ValueError as e:
+        print(f"diffgraph: error: --data-parallel: {e}", file=sys.stderr)
+        return 2
+    return serve_local(config, opts, address=args.ray_address)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,7 +77,7 @@ class _EngineCollector:
 
 def _replica_families(replicas: list[dict[str, Any]]):
     """Per-replica series (label replica="cuda:1"), beside the totals above: state, restarts, queue, rows, steps,
-    device memory. A replica that is down or not answering shows ready 0 and no engine figures."""
+    device memory, steps and their time per batch bucket. A replica that is down or not answering shows ready 0 and no engine figures."""
     ready = GaugeMetricFamily("diffgraph_replica_ready", "1 when the replica is ready", labels=["replica"])
     restarts = CounterMetricFamily("diffgraph_replica_restarts", "Replica restarts after a crash", labels=["replica"])
     queue = GaugeMetricFamily("diffgraph_replica_queue_depth", "Requests waiting for rows", labels=["replica"])
@@ -86,6 +86,11 @@ def _replica_families(replicas: list[dict[str, Any]]):
     steps = CounterMetricFamily("diffgraph_replica_engine_steps", "Denoising steps run", labels=["replica"])
     memory = GaugeMetricFamily("diffgraph_replica_device_memory_bytes",
                                "torch.cuda.memory_allocated on CUDA, else the replica process's RSS", labels=["replica"])
+    by_bucket = CounterMetricFamily("diffgraph_replica_bucket_steps", "Denoising steps per batch bucket (rows a "
+                                    "step cost)", labels=["replica", "bucket"])
+    bucket_time = CounterMetricFamily("diffgraph_replica_bucket_step_seconds", "Summed host wall time of those "
+                                      "steps: divided by the steps, a replica's mean step time per bucket",
+                                      labels=["replica", "bucket"])
     for r in replicas:
         name, s = r["replica"], r["stats"]
         ready.add_metric([name], float(r["state"] == "ready"))
@@ -97,7 +102,10 @@ def _replica_families(replicas: list[dict[str, Any]]):
             rows.add_metric([name, f"{w}x{h}"], n)
         steps.add_metric([name], s.steps)
         memory.add_metric([name], s.device_memory_bytes)
-    return ready, restarts, queue, rows, steps, memory
+        for b, (n, t) in sorted(s.step_seconds.items()):
+            by_bucket.add_metric([name, str(b)], n)
+            bucket_time.add_metric([name, str(b)], t)
+    return ready, restarts, queue, rows, steps, memory, by_bucket, bucket_time
 
 
 def _process_rss() -> int:

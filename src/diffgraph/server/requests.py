@@ -16,6 +16,7 @@ from typing import Any, Callable
 from fastapi import Request
 
 from ..engine.client import EngineClient, RequestHandle
+from ..engine.router import Router
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ParamError, ProgressEvent,
                        QueueFullError, RequestAborted)
 from .config import ServerConfig
@@ -44,7 +45,7 @@ class ServerState:
 
     def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]):
         self.config = config
-        self.engine: EngineClient | None = None
+        self.engine: Router | None = None  # always a router: over one engine here, or over replica processes
         self.error: str | None = None      # why the engine could not be built
         self.draining = False
         self.drain_aborted = False  # the drain timeout passed: in-flight requests were aborted
@@ -66,7 +67,6 @@ class ServerState:
     def _build(self) -> None:
         from ..engine.async_engine import AsyncEngine
         from ..engine.engine import Engine
-
         t0 = time.perf_counter()
         built = None
         try:
@@ -76,12 +76,14 @@ class ServerState:
                 # allocator growth) and a broken model should fail here, not on a client's request.
                 built.generate("warm-up", num_inference_steps=1, seed=0)
                 built = AsyncEngine(built)
-            elif hasattr(built, "wait_ready") and not built.wait_ready():  # replicas warm themselves up
+            if not isinstance(built, EngineClient):
+                raise TypeError(f"the engine factory returned {type(built).__name__}, not an Engine or EngineClient")
+            if not isinstance(built, Router):  # one engine (or one remote deployment): a router of one replica
+                built = Router([built])
+            if not built.wait_ready():  # replica processes warm themselves up
                 states = "; ".join(f"{r['replica']}: {r['state']} {r['error'] or ''}".strip()
                                    for r in built.replica_states())
                 raise RuntimeError(f"fewer than {built.min_ready} replica(s) became ready ({states})")
-            if not isinstance(built, EngineClient):
-                raise TypeError(f"the engine factory returned {type(built).__name__}, not an Engine or EngineClient")
         except Exception as e:
             logger.exception("the engine could not be built")
             self.error = f"{type(e).__name__}: {e}"

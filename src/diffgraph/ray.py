@@ -1,0 +1,349 @@
+"""Ray Serve: diffgraph over many GPUs and hosts. `build_app` is a Ray Serve application builder:
+
+    serve run diffgraph.ray:build_app model=/models/sd15 num_replicas=4        # against a running cluster
+    diffgraph serve --ray --model /models/sd15 --data-parallel 4               # starts a local Ray when none is given
+
+Two deployments: `DiffgraphIngress` (the same FastAPI app as `diffgraph serve`: the OpenAI-shaped API, SSE
+streaming, the playground, /ready, /metrics and the API key) and `DiffgraphEngine` (one engine per replica, one GPU
+each; its step-level batching stays inside the replica, Ray's routing is between replicas). The ingress talks to the
+engine deployment through `RayEngineClient`, an `EngineClient` (engine/client.py) over a Ray deployment handle, so
+the ingress app runs the same code path (a Router of one client) as on one host. Only the protocol's picklable data
+crosses: requests in, progress events and a result with the encoded image bytes out (the replica encodes).
+
+Settings (`key=value` after `serve run`, `args:` of a serve config, or the flags of `diffgraph serve --ray`): every
+`diffgraph serve` setting (model, device, dtype, batch-buckets, resolutions, ...; `config=FILE.toml` reads a file
+first), plus `num_replicas` (an integer, or "auto" to autoscale), `min_replicas` / `max_replicas` (autoscaling
+bounds), `num_gpus` (per engine replica: 1, or 0 for CPU replicas; default from `device`), `num_cpus` (per engine
+replica, fractional: default 1 with a GPU, 0.5 on the CPU) and `ingress_replicas`. A serve config's per-deployment
+overrides (autoscaling_config, ray_actor_options, ...) apply on top, by the deployment names above.
+`max_ongoing_requests` of an engine replica is set from its row capacity (Ray's default of 5 would cap our batches).
+The API key: `api_key=...` or, better, DIFFGRAPH_API_KEY in the ingress replica's environment (a Kubernetes secret).
+A replica that dies answers its requests in flight with 503 (retryable) at once; Ray Serve starts a new one, and its
+health check is the engine's readiness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any, Mapping
+
+from .engine.client import EngineStats
+from .request import EngineClosed, GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "DiffgraphEngine"
+INGRESS_DEPLOYMENT = "DiffgraphIngress"
+RAY_KEYS = ("num_replicas", "min_replicas", "max_replicas", "num_gpus", "num_cpus", "ingress_replicas", "config")
+STATS_PERIOD_S = 2.0  # how often the ingress refreshes the engine figures it shows on /metrics and /status
+
+
+# -- the engine deployment (one engine per replica) -------------------------------------------------------
+class EngineDeployment:
+    """One engine in a Ray Serve replica. Its methods are what the ingress calls through the deployment handle."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], torch_threads: int | None = None):
+        from .engine.async_engine import AsyncEngine
+        from .engine.engine import Engine
+        from .models.quiet import quiet_known_warnings
+
+        quiet_known_warnings()
+        if torch_threads is not None:
+            import torch
+            torch.set_num_threads(torch_threads)
+        engine = Engine(**engine_kwargs)
+        engine.generate("warm-up", num_inference_steps=1, seed=0)  # a broken model fails here, not on a request
+        self._client = AsyncEngine(engine, name=_replica_name())
+
+    async def info(self) -> ModelInfo:
+        return self._client.info
+
+    async def stats(self) -> EngineStats:
+        return dataclasses.replace(self._client.stats(), replicas=[])
+
+    async def run(self, request: GenerationRequest, progress: bool):
+        """Streams ("accepted",) or ("rejected", error), then progress events, then ("done", result, error)."""
+        try:
+            handle = await self._client.submit(request, progress=progress)
+        except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
+            yield ("rejected", e)
+            return
+        yield ("accepted",)
+        events = handle.events()
+        try:
+            async for item in events:  # a cancelled stream (client gone, abort) aborts the request here
+                if isinstance(item, ProgressEvent):
+                    yield item
+                else:
+                    if item.encoded is not None:
+                        item.arrays = None  # the encoded bytes are what the ingress sends on: move them once
+                    yield ("done", item, None)
+        except Exception as e:
+            yield ("done", None, e)
+        finally:
+            await events.aclose()
+
+    async def check_health(self) -> None:
+        """Ray Serve's replica health check: the engine's readiness (its loop runs)."""
+        if not self._client.ready:
+            raise RuntimeError(f"engine {self._client.name} is {self._client.state}")
+
+    def __del__(self) -> None:
+        client = getattr(self, "_client", None)
+        if client is not None:
+            client.close()
+
+
+def _replica_name() -> str:
+    try:
+        from ray import serve
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except Exception:  # outside a replica (tests)
+        return "ray"
+
+
+# -- the ingress side ---------------------------------------------------------------------------------------
+class RayEngineClient:
+    """The `EngineClient` of an ingress replica: requests go to the engine deployment through its handle (Ray
+    routes them among the engine replicas). Engine figures (stats, graph table) are one replica's, refreshed every
+    STATS_PERIOD_S; Ray's own metrics and dashboard cover the deployment as a whole."""
+
+    restarts = 0
+
+    def __init__(self, handle: Any, name: str = f"ray:{ENGINE_DEPLOYMENT}"):
+        self._handle = handle
+        self.name = name
+        self.error: str | None = None
+        self.info: ModelInfo = handle.info.remote().result()  # waits for the first engine replica
+        self._streams: dict[str, Any] = {}
+        self._stats: EngineStats | None = None
+        self._closed = threading.Event()
+        self._poll = threading.Thread(target=self._poll_stats, name="diffgraph-ray-stats", daemon=True)
+        self._poll.start()
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed.is_set()
+
+    @property
+    def state(self) -> str:
+        return "closed" if self._closed.is_set() else "ready"
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self.ready
+
+    def _poll_stats(self) -> None:
+        while not self._closed.is_set():
+            try:
+                self._stats = self._handle.stats.remote().result(timeout_s=30)
+            except Exception as e:  # a replica restarting: keep the last figures, try again
+                logger.debug("engine stats not available: %s", e)
+            self._closed.wait(STATS_PERIOD_S)
+
+    async def submit(self, request: GenerationRequest, progress: bool = False) -> "_RayRequest":
+        if self._closed.is_set():
+            raise EngineClosed("the engine client is closed")
+        stream = self._handle.options(stream=True).run.remote(request, progress)
+        try:
+            first = await stream.__anext__()
+        except Exception as e:
+            raise _unavailable(e) from None
+        if first[0] == "rejected":
+            raise first[1]
+        handle = _RayRequest(self, stream, request.request_id)
+        self._streams[request.request_id] = handle
+        return handle
+
+    def abort(self, request_id: str) -> bool:
+        handle = self._streams.get(request_id)
+        return handle is not None and handle.abort()
+
+    def stats(self) -> EngineStats | None:
+        return self._stats
+
+    def graph_table(self) -> list[dict[str, Any]]:
+        return [] if self._stats is None else self._stats.graphs
+
+    def add_step_listener(self, listener: Any) -> None:
+        """Steps run in the engine replicas: their per-step histograms are not collected at the ingress."""
+
+    def close(self) -> None:
+        self._closed.set()
+        for handle in list(self._streams.values()):
+            handle.abort()
+
+
+class _RayRequest:
+    """One request's stream from an engine replica, as a RequestHandle."""
+
+    def __init__(self, client: RayEngineClient, stream: Any, request_id: str):
+        self.request_id = request_id
+        self._client, self._stream = client, stream
+        self._finished = False
+
+    async def events(self):
+        try:
+            while True:
+                try:
+                    item = await self._stream.__anext__()
+                except StopAsyncIteration:
+                    raise EngineClosed("the engine replica ended the request without a result; retry it") from None
+                except Exception as e:
+                    raise _unavailable(e) from None
+                if isinstance(item, ProgressEvent):
+                    yield item
+                    continue
+                self._finished = True
+                _, result, error = item
+                if error is not None:
+                    raise error
+                yield result
+                return
+        finally:
+            self._client._streams.pop(self.request_id, None)
+            if not self._finished:
+                self.abort()
+
+    async def result(self) -> GenerationResult:
+        async for item in self.events():
+            if not isinstance(item, ProgressEvent):
+                return item
+        raise EngineClosed("the engine replica ended the request without a result; retry it")
+
+    def abort(self) -> bool:
+        self._finished = True
+        self._stream.cancel()  # the replica's generator is cancelled: it aborts the request there
+        return True
+
+
+def _unavailable(error: BaseException) -> EngineClosed:
+    """A Ray failure on the way to or from an engine replica (it died, or is being replaced): a retryable 503."""
+    logger.warning("engine replica unavailable: %s: %s", type(error).__name__, error)
+    return EngineClosed(f"the engine replica serving this request is unavailable ({type(error).__name__}); retry it "
+                        "(Ray Serve replaces the replica, the others keep serving)")
+
+
+# -- the application builder --------------------------------------------------------------------------------
+def split_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """`build_app`'s arguments -> (Ray options, ServerConfig). Values may be strings (`serve run k=v`)."""
+    from .server.config import load_config
+
+    ray_opts = {k.replace("-", "_"): v for k, v in args.items() if k.replace("-", "_") in RAY_KEYS}
+    server = {k: _boolean(v) for k, v in args.items() if k.replace("-", "_") not in RAY_KEYS}
+    config = load_config(ray_opts.pop("config", None), server)
+    opts: dict[str, Any] = {}
+    for key in ("num_replicas", "min_replicas", "max_replicas", "ingress_replicas"):
+        value = ray_opts.get(key)
+        if value is None or (key == "num_replicas" and value == "auto"):
+            opts[key] = value
+            continue
+        try:
+            opts[key] = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be an integer{' or auto' if key == 'num_replicas' else ''}, "
+                             f"got {value!r}") from None
+        if opts[key] < (0 if key == "min_replicas" else 1):
+            raise ValueError(f"{key} {opts[key]} is out of range")
+    cpu = config.device == "cpu"
+    for key, default in (("num_gpus", 0.0 if cpu else 1.0), ("num_cpus", 0.5 if cpu else 1.0)):
+        try:
+            opts[key] = float(ray_opts.get(key, default))
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be a number, got {ray_opts[key]!r}") from None
+        if opts[key] < 0:
+            raise ValueError(f"{key} {opts[key]} must be >= 0")
+    if cpu and opts["num_gpus"]:
+        raise ValueError("device=cpu replicas take no GPU: leave num_gpus out (or 0)")
+    if config.devices:
+        raise ValueError("devices is for one host without Ray; under Ray, num_replicas sets the engine replicas "
+                         "(one GPU each)")
+    return opts, config
+
+
+def _boolean(value: Any) -> Any:
+    return {"true": True, "false": False}.get(value.lower(), value) if isinstance(value, str) else value
+
+
+def build_app(args: Mapping[str, Any] | None = None) -> Any:
+    """The Ray Serve application (ingress bound to the engine deployment) for `args` (see the module doc)."""
+    opts, config = split_args(args or {})
+    return application(config, opts)
+
+
+def application(config: Any, opts: dict[str, Any]) -> Any:
+    """The application for a ServerConfig and Ray options (split_args' keys; missing ones take their defaults)."""
+    from ray import serve
+
+    opts = {**split_args({"device": config.device or "cuda"})[0], **opts}
+    rows = max(config.batch_buckets)
+    scaling: dict[str, Any]
+    if opts["num_replicas"] == "auto" or opts["min_replicas"] is not None or opts["max_replicas"] is not None:
+        lo = opts["min_replicas"] if opts["min_replicas"] is not None else 1
+        hi = opts["max_replicas"] if opts["max_replicas"] is not None else max(lo, 1) * 4
+        if hi < max(lo, 1):
+            raise ValueError(f"max_replicas {hi} must be >= min_replicas {lo} (and >= 1)")
+        scaling = {"autoscaling_config": {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": rows}}
+    else:
+        scaling = {"num_replicas": opts["num_replicas"] or 1}
+    engine_kwargs = dict(config.engine_kwargs(), device="cpu" if config.device == "cpu" else "cuda")
+    threads = config.resolved_torch_threads() if config.device == "cpu" else None
+    engine = serve.deployment(
+        EngineDeployment, name=ENGINE_DEPLOYMENT,
+        ray_actor_options={"num_gpus": opts["num_gpus"], "num_cpus": opts["num_cpus"]},
+        # the rows a replica batches, plus as many waiting: its scheduler fills rows as soon as others retire
+        max_ongoing_requests=2 * rows, health_check_period_s=10, health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=config.drain_timeout, **scaling)
+
+    def asgi_app() -> Any:  # evaluated in each ingress replica
+        from .server.app import create_app
+
+        cfg = config
+        if not cfg.api_keys and os.environ.get("DIFFGRAPH_API_KEY"):
+            cfg = dataclasses.replace(cfg, api_keys=tuple(k.strip() for k in os.environ["DIFFGRAPH_API_KEY"].split(",")
+                                                          if k.strip()))
+        app_name = serve.get_replica_context().app_name
+        return create_app(cfg, engine_factory=lambda: RayEngineClient(
+            serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)))
+
+    class Ingress:
+        def __init__(self, engine_handle: Any):
+            self.engine_handle = engine_handle  # binding it makes the engine deployment part of the application
+
+    ingress = serve.deployment(
+        serve.ingress(asgi_app)(Ingress), name=INGRESS_DEPLOYMENT, num_replicas=opts["ingress_replicas"] or 1,
+        ray_actor_options={"num_cpus": 0.25},
+        max_ongoing_requests=config.max_queue + 4 * rows,  # waiting HTTP requests are cheap; the engines queue
+        graceful_shutdown_timeout_s=config.drain_timeout + 5)
+    return ingress.bind(engine.bind(engine_kwargs, threads))
+
+
+def serve_local(config: Any, opts: dict[str, Any], address: str | None = None) -> int:
+    """`diffgraph serve --ray`: connects to the Ray cluster at `address` (or RAY_ADDRESS), else starts a local
+    one; runs the application at config.host:config.port until SIGTERM or Ctrl-C, then shuts Serve down (the
+    replicas drain for up to the drain timeout) and returns 0."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(address=address, include_dashboard=False, log_to_driver=config.log_level == "debug")
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(application(config, opts), name="diffgraph", route_prefix="/", blocking=False)
+        logger.info("diffgraph on Ray Serve at http://%s:%d (GET /ready answers 200 once an engine replica is "
+                    "ready)", config.host, config.port)
+        stop.wait()
+        logger.info("shutting down: the replicas drain for up to %g s", config.drain_timeout)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0
+
+
+__all__ = ["build_app", "serve_local", "application", "split_args", "RayEngineClient", "EngineDeployment"]
