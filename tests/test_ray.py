@@ -82,6 +82,31 @@ def test_build_app_refuses_bad_settings_with_a_clear_message(args, message):
         build_app({"model": "digits", **args})
 
 
+def test_diffgraph_serve_ray_starts_a_local_ray_serves_and_exits_0_on_sigterm():
+    # before the module's Ray fixture starts (file order): this server starts its own local Ray
+    _ray()
+    import httpx
+
+    from diffgraph.server.process import ServerProcess
+
+    server = ServerProcess("--ray", "--data-parallel", "2", "--torch-threads", "1", model="digits", device="cpu")
+    try:
+        server.wait_ready(BOUND_S)
+        ready = httpx.get(server.url + "/ready", timeout=60).json()
+        assert ready["model"] == "digits" and ready["replicas"][0]["replica"] == "ray:DiffgraphEngine"
+        r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "a 4", "num_inference_steps": 3},
+                       timeout=BOUND_S)
+        assert r.status_code == 200 and len(r.json()["data"]) == 1
+    finally:
+        server.proc.send_signal(15)
+        code = server.proc.wait(BOUND_S)
+        output = server.output()
+        server.stop()
+    assert code == 0, output[-3000:]
+    with pytest.raises(httpx.TransportError):  # Serve and the local Ray were shut down with it
+        httpx.get(server.url + "/health", timeout=5)
+
+
 @pytest.fixture(scope="module")
 def digits_engine():
     from diffgraph import Engine

@@ -330,9 +330,9 @@ def serve_local(config: Any, opts: dict[str, Any], address: str | None = None) -
     from ray import serve
 
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     ray.init(address=address, include_dashboard=False, log_to_driver=config.log_level == "debug")
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(application(config, opts), name="diffgraph", route_prefix="/", blocking=False)

@@ -51,7 +51,12 @@ class ServerProcess:
                 time.sleep(0.05)
                 continue
             if path == "/ready" and self.first_ready_status is None:
-                self.first_ready_status, self.first_ready_body = r.status_code, r.json()
+                try:
+                    body = r.json()
+                except ValueError:  # not ours yet (e.g. Ray's proxy before the application is deployed)
+                    time.sleep(0.05)
+                    continue
+                self.first_ready_status, self.first_ready_body = r.status_code, body
             if r.status_code == 200:
                 return
             time.sleep(0.05)
