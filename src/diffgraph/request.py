@@ -100,6 +100,46 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
     return int(value)
 
 
+MAX_EDIT_PIXELS = 16 * 1024 * 1024  # an edit's input image, decoded (the server's --max-image-pixels default)
+
+
+@dataclass(frozen=True, eq=False)
+class EditInput:
+    """The image of an image-to-image or inpainting request: RGB pixels [H, W, 3] uint8, and for inpainting a mask
+    [H, W] uint8 of the same size (diffusers' convention: white, 255, = repaint; it is binarized at 0.5). Checked
+    on construction; plain numpy, so it crosses process boundaries with the request."""
+
+    image: np.ndarray
+    mask: np.ndarray | None = None
+    strength: float = 0.8
+
+    def __post_init__(self) -> None:
+        img = self.image
+        if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+            raise ParamError("image", "image must be RGB pixels: a uint8 array of shape (height, width, 3) "
+                                      "(PIL: np.asarray(image.convert('RGB')))")
+        h, w = img.shape[:2]
+        if min(h, w) < MIN_SIZE or h * w > MAX_EDIT_PIXELS:
+            raise ParamError("image", f"image is {w}x{h}; each side must be at least {MIN_SIZE} pixels and the "
+                                      f"image at most {MAX_EDIT_PIXELS // 2**20} megapixels")
+        if self.mask is not None:
+            m = self.mask
+            if not isinstance(m, np.ndarray) or m.dtype != np.uint8 or m.ndim != 2:
+                raise ParamError("mask", "mask must be a uint8 array of shape (height, width), white = repaint")
+            if m.shape != (h, w):
+                raise ParamError("mask", f"mask is {m.shape[1]}x{m.shape[0]} but the image is {w}x{h}; "
+                                         "give a mask of the image's size")
+        st = self.strength
+        if isinstance(st, bool) or not isinstance(st, (int, float, np.floating, np.integer)) \
+                or not 0 < float(st) <= 1:  # NaN fails this too
+            raise ParamError("strength", f"strength {_show(st)} is out of range; allowed: a number in (0, 1]")
+        object.__setattr__(self, "strength", float(st))
+
+    @property
+    def inpaint(self) -> bool:
+        return self.mask is not None
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator."""
@@ -116,6 +156,7 @@ class GenerationRequest:
     num_images: int
     output_format: str | None = None  # "png" | "jpeg" | "webp": also return encoded bytes
     request_id: str = field(default_factory=_new_id)
+    edit: EditInput | None = None     # image-to-image / inpainting input; None: text-to-image
 
     def __post_init__(self) -> None:
         """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are
@@ -160,14 +201,43 @@ class GenerationRequest:
                    "num_images": _check_int("num_images", self.num_images, 1, MAX_IMAGES)}
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        if self.edit is not None:
+            if not isinstance(self.edit, EditInput):
+                raise ParamError("image", f"edit must be an EditInput, got {type(self.edit).__name__}")
+            steps, strength = self.num_inference_steps, self.edit.strength
+            if min(int(steps * strength), steps) < 1:  # diffusers' rule: the steps the strength leaves
+                raise ParamError("strength", f"strength {strength:g} with num_inference_steps {steps} leaves no "
+                                             f"denoising step (int({steps} * {strength:g}) = 0); raise strength or "
+                                             "num_inference_steps")
+
+    @property
+    def denoising_steps(self) -> int:
+        """The steps this request runs: all of them, or an edit's share (diffusers' strength rule)."""
+        if self.edit is None:
+            return self.num_inference_steps
+        return min(int(self.num_inference_steps * self.edit.strength), self.num_inference_steps)
 
     @classmethod
     def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
                num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = "euler",
                schedule: Any = "default", seed: Any = None, num_images: Any = 1, output_format: Any = None,
-               request_id: str | None = None, model: "ModelInfo | None" = None) -> "GenerationRequest":
+               request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
+               mask_image: Any = None, strength: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size and
-        guidance where those are not given, every value checked (and `num_images` against the engine's rows)."""
+        guidance where those are not given, every value checked (and `num_images` against the engine's rows).
+        With `image` (PIL image or uint8 RGB array) it is an image-to-image request, with `mask_image` too an
+        inpainting one; without width/height the output takes the image's size rounded down to multiples of 8
+        (diffusers' rule), and strength defaults to the model's (diffusers' pipelines: 0.8 / 0.3 for SDXL
+        image-to-image, 1.0 / 0.9999 for SDXL inpainting)."""
+        edit = None
+        if image is not None:
+            edit = make_edit(image, mask_image, strength, model)
+            h, w = edit.image.shape[:2]
+            width = w - w % 8 if width is None else width
+            height = h - h % 8 if height is None else height
+        elif mask_image is not None or strength is not None:
+            raise ParamError("image", "mask_image and strength need an image: give image= (image-to-image) or "
+                                      "image= and mask_image= (inpainting)")
         if model is None and (width is None or height is None or guidance_scale is None):
             raise ParamError(None, "width, height and guidance_scale are needed when no model gives defaults")
         if seed is None:
@@ -179,7 +249,7 @@ class GenerationRequest:
                       num_inference_steps=num_inference_steps,
                       guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
                       sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
-                      output_format=output_format, **kwargs)
+                      output_format=output_format, edit=edit, **kwargs)
         if model is not None and request.num_images > model.max_rows:
             raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest batch "
                                            f"bucket {model.max_rows}")
@@ -189,6 +259,33 @@ class GenerationRequest:
     def key(self) -> GroupKey:
         """The resolution group of the request's rows: (height, width)."""
         return (self.height, self.width)
+
+
+def _pixels(value: Any, name: str, mode: str) -> np.ndarray:
+    """A PIL image or a uint8 array as a uint8 array in `mode` (RGB: [H, W, 3], L: [H, W])."""
+    if isinstance(value, np.ndarray):
+        if value.dtype != np.uint8:
+            raise ParamError(name, f"{name} must hold uint8 pixels (0..255), got an array of {value.dtype}")
+        if mode == "L" and value.ndim == 3 and value.shape[2] in (1, 3):
+            value = value[..., 0] if value.shape[2] == 1 else np.asarray(_pil(value).convert("L"))
+        return np.ascontiguousarray(value)
+    if hasattr(value, "convert") and hasattr(value, "size"):  # a PIL image: converted as diffusers' processor does
+        return np.asarray(value.convert(mode))
+    raise ParamError(name, f"{name} must be a PIL image or a uint8 numpy array, got {type(value).__name__}")
+
+
+def _pil(array: np.ndarray) -> Any:
+    from PIL import Image
+    return Image.fromarray(array)
+
+
+def make_edit(image: Any, mask_image: Any = None, strength: Any = None, model: "ModelInfo | None" = None) -> EditInput:
+    """The EditInput of user arguments; strength defaults to the model's for the task."""
+    if strength is None:
+        defaults = model.edit_strength if model is not None else (0.8, 1.0)
+        strength = defaults[1] if mask_image is not None else defaults[0]
+    mask = None if mask_image is None else _pixels(mask_image, "mask", "L")
+    return EditInput(image=_pixels(image, "image", "RGB"), mask=mask, strength=strength)
 
 
 @dataclass(frozen=True)
@@ -203,6 +300,8 @@ class ModelInfo:
     mode: str            # "graph" | "eager"
     device: str
     ready_s: float = 0.0  # load to ready (prewarm graphs captured), seconds
+    edit_strength: tuple[float, float] = (0.8, 1.0)  # default strength: (image-to-image, inpainting)
+    edits: bool = True   # takes image-to-image and inpainting requests
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import torch
 
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ProgressEvent,
                        RequestAborted)
+from .edits import prepare_edit
 from .model_runner import ModelRunner
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
 
@@ -76,8 +77,7 @@ class EngineCore:
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, sink: RequestSink) -> None:
         """Queues a request. Raises ParamError (its step count on this model), QueueFullError, EngineClosed."""
-        state = RequestState.of(request, self.runner.plan(request.sampler, request.schedule,
-                                                          request.num_inference_steps), time.monotonic(), sink)
+        state = RequestState.of(request, self.runner.request_plan(request), time.monotonic(), sink)
         with self._cv:
             if self._stop or not self._thread.is_alive():
                 raise EngineClosed("the engine is closed (or its loop stopped after an internal error; see the log)")
@@ -245,9 +245,12 @@ class EngineCore:
             try:
                 mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
-                latents = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma)
+                if r.edit is None:
+                    latents, edit = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma), None
+                else:
+                    latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows)
                 runner.write_rows(key, s.first_row, latents, mine[("+", r.prompt)], mine[("-", r.negative_prompt)],
-                                  r.guidance_scale)
+                                  r.guidance_scale, edit)
                 s.admitted_at = now
             except Exception as e:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)

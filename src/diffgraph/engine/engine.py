@@ -121,18 +121,22 @@ class Engine:
         self._ready = True
         self.info = ModelInfo(name=self.model.name, family=self.model.family, native_size=self.model.native_size,
                               default_guidance=self.model.default_guidance, max_rows=self.runner.max_rows,
-                              mode=mode, device=str(self.model.device), ready_s=self.ready_s)
+                              mode=mode, device=str(self.model.device), ready_s=self.ready_s,
+                              edit_strength=self.model.adapter.edit_strength,
+                              edits=self.model.adapter.supports_edits)
 
     # -- public API ----------------------------------------------------------------------------
     def make_request(self, prompt: Any, **params: Any) -> GenerationRequest:
         """A checked request with this model's defaults (native size, guidance). Raises ParamError."""
         request = GenerationRequest.create(prompt, model=self.info, **params)
-        self.runner.plan(request.sampler, request.schedule, request.num_inference_steps)  # the model's steps
+        self.runner.request_plan(request)  # the model's steps; edits on a family that takes images
         return request
 
     def generate(self, prompt: Any, **params: Any) -> GenerationResult:
         """Generates `num_images` images for one prompt and waits for them. The result is a list-like of
-        PIL images with `.seed`, `.timings` and `.arrays` (float pixels). Bad parameters raise ParamError."""
+        PIL images with `.seed`, `.timings` and `.arrays` (float pixels). Bad parameters raise ParamError.
+        `image=` (PIL image) makes it image-to-image, with `mask_image=` (white = repaint) inpainting; `strength=`
+        sets how much of the schedule they run (diffusers' defaults)."""
         return self.submit(self.make_request(prompt, **params)).result()
 
     def run(self, request: GenerationRequest) -> GenerationResult:
@@ -201,8 +205,9 @@ class Engine:
         self.close()
 
     # -- diffusers interop ---------------------------------------------------------------------
-    def diffusers_pipeline(self, sampler: str | None = None, schedule: str = "default"):
-        """The equivalent diffusers pipeline built on the same loaded modules (no copies).
+    def diffusers_pipeline(self, sampler: str | None = None, schedule: str = "default", task: str = "text"):
+        """The equivalent diffusers pipeline built on the same loaded modules (no copies); task "text",
+        "img2img" or "inpaint".
 
         With `sampler`, its scheduler is the diffusers scheduler equivalent to (sampler, schedule);
         otherwise EulerDiscreteScheduler from the model's scheduler config."""
@@ -216,7 +221,7 @@ class Engine:
         config = {k: v for k, v in m.scheduler_config.items() if not k.startswith("_")}
         scheduler = (diffusers_scheduler(config, sampler, schedule) if sampler
                      else EulerDiscreteScheduler.from_config(config))
-        pipe = m.adapter.diffusers_pipeline(m, scheduler)
+        pipe = m.adapter.diffusers_pipeline(m, scheduler, task)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -29,15 +29,16 @@ import numpy as np
 import torch
 
 from ..config import GraphConfig, smallest_bucket
-from ..graphs.graphables import StepGraph, TextGraph, VaeGraph
+from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
 from ..models.families.base import Conditioning, concat, select_row
 from ..models.model import DiffusionModel
-from ..request import GroupKey, ParamError
-from ..sampling.samplers import NUM_COEFS, SamplerPlan
+from ..request import GenerationRequest, GroupKey, ParamError
+from ..sampling.samplers import NUM_COEFS, SamplerPlan, start_plan
 
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
+ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
 
 
@@ -93,6 +94,8 @@ class ModelRunner:
         self.graph_runner: GraphRunner | None = None
         self.text_graph: TextGraph | None = None
         self.vae_graph: VaeGraph | None = None
+        self.encode_graph: VaeEncodeGraph | None = None
+        self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         with self.on_device():
             self.decoder = self.adapter.decoder(model)
             if mode == "graph":
@@ -114,6 +117,10 @@ class ModelRunner:
             self.vae_graph = VaeGraph(self._decode_pixels, self.latent_shape, model.vae_dtype, self.device,
                                       resolutions, tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
             self.graph_runner.register(self.vae_graph)
+            if self.adapter.supports_edits:
+                self.encode_graph = VaeEncodeGraph(self._encode_pixels, lambda key: (3, *key), model.vae_dtype,
+                                                   self.device, resolutions, ENCODE_BUCKETS)
+                self.graph_runner.register(self.encode_graph)
 
     # -- device, lifetime ------------------------------------------------------------------------
     def on_device(self):
@@ -145,7 +152,7 @@ class ModelRunner:
             with self.on_device():
                 self.decoder = self.adapter.decoder(self.model)
         if self.graph_runner is not None:
-            for k in kinds:
+            for k in kinds + (("vae_encode",) if "vae" in kinds else ()):
                 self.graph_runner.invalidate(k)
 
     def graph_table(self) -> list[dict[str, Any]]:
@@ -172,13 +179,23 @@ class ModelRunner:
             raise ParamError("num_inference_steps", f"num_inference_steps {steps} does not work with sampler "
                                                     f"{sampler!r} and schedule {schedule!r} on this model: {e}") from None
 
+    def request_plan(self, request: GenerationRequest) -> SamplerPlan:
+        """The plan a request's rows walk: all of it, or from the step an edit's strength starts at."""
+        plan = self.plan(request.sampler, request.schedule, request.num_inference_steps)
+        if request.edit is None:
+            return plan
+        if not self.adapter.supports_edits:
+            raise ParamError("image", f"model family {self.adapter.name!r} takes no image inputs; send a "
+                                      "text-to-image request")
+        return start_plan(plan, request.num_inference_steps - request.denoising_steps)
+
     def buffers(self, key: GroupKey) -> StepBuffers:
         """The static buffers of a resolution group, allocated once at max_rows."""
         buf = self.groups.get(key)
         if buf is None:
             m = self.model
             buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.adapter.cond_spec(m),
-                                       self._row_fields(key), m.dtype, self.device)
+                                       self._row_fields(key), m.dtype, self.device, self.extra_channels)
             self.groups[key] = buf
         return buf
 
@@ -223,7 +240,7 @@ class ModelRunner:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device without blocking the host: from pinned memory, asynchronously (a pageable copy
         would wait for the GPU queue to drain and leave it idle while the host catches up)."""
-        if not self.cuda:
+        if not self.cuda or t.is_cuda:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
@@ -284,8 +301,9 @@ class ModelRunner:
         return latents.float() * sigma
 
     def write_rows(self, key: GroupKey, start: int, latents: torch.Tensor, cond: Conditioning,
-                   uncond: Conditioning, guidance: float) -> None:
-        """Fills rows [start, start+k) with initial latents and one prompt's conditioning (broadcast)."""
+                   uncond: Conditioning, guidance: float, edit: dict[str, torch.Tensor] | None = None) -> None:
+        """Fills rows [start, start+k) with initial latents, one prompt's conditioning (broadcast) and an edit's
+        per-row fields (edits.py: mask, known, noise0, extra), or the neutral ones (no inpainting blend)."""
         buf = self.buffers(key)
         k = latents.shape[0]
         rows = slice(start, start + k)
@@ -300,6 +318,16 @@ class ModelRunner:
             buf.uncond[name][rows] = uncond[name]
         for name, value in self._row_fields(key).items():
             buf.rows[name][rows] = value
+        edit = edit or {}
+        buf.mask[rows] = self._to_device(edit["mask"]) if "mask" in edit else 1.0
+        for name in ("known", "noise0"):
+            getattr(buf, name)[rows] = self._to_device(edit[name]) if name in edit else 0.0
+        if buf.extra is not None:  # no inpainting input: repaint everything (mask 1), nothing known (zeros)
+            if "extra" in edit:
+                buf.extra[rows] = self._to_device(edit["extra"])
+            else:
+                buf.extra[rows, 0] = 1.0
+                buf.extra[rows, 1:] = 0.0
 
     def step(self, key: GroupKey, n: int, coefs: np.ndarray,
              noise: list[tuple[int, int, torch.Generator]] | None = None) -> bool:
@@ -334,7 +362,22 @@ class ModelRunner:
     def move_rows(self, key: GroupKey, src: int, dst: int, count: int) -> None:
         self.buffers(key).move_rows(src, dst, count)
 
-    # -- decode --------------------------------------------------------------------------------
+    # -- encode (edits) and decode -----------------------------------------------------------------
+    def _encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.adapter.encode_pixels(self.model, self.decoder, pixels)
+
+    @torch.no_grad()
+    def encode_pixels(self, key: GroupKey, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels [n, 3, H, W] in [-1, 1] (host) -> the VAE posterior's parameters [n, 2C, h, w] on the device,
+        through the encoder graph where it covers (resolution, n); without waiting for the GPU."""
+        pixels = self._to_device(pixels.to(self.model.vae_dtype))
+        runner, n = self.graph_runner, pixels.shape[0]
+        bucket = runner.bucket("vae_encode", key[0], key[1], n) if self.encode_graph is not None else None
+        if bucket is None:
+            return self._encode_pixels(pixels)
+        self.encode_graph.write(key[0], key[1], pixels, bucket)
+        return runner.replay("vae_encode", key[0], key[1], bucket)[:n].clone()
+
     def _decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         return self.adapter.decode(self.model, self.decoder, latents)
 

@@ -1,4 +1,4 @@
-"""The three kinds of graphs a model runner captures: the whole step, the text encoder(s), the VAE decoder.
+"""The kinds of graphs a model runner captures: the whole step, the text encoder(s), the VAE decoder and encoder.
 
 Each is a function over static buffers (see runner.Graphable). They import nothing from the engine: the model
 runner hands each one the functions and shapes it needs. The step graph reads and writes the runner's
@@ -90,15 +90,16 @@ class TextGraph(StatelessGraphable):
 
 
 class VaeGraph(StatelessGraphable):
-    """VAE decoder per (resolution, bucket): static latents in, float pixels [b, 3, H, W] in [0, 1] out."""
+    """VAE decoder per (resolution, bucket): static latents in, float pixels [b, 3, H, W] in [0, 1] out.
+    (`input_shape` gives the static input's per-row shape of a resolution.)"""
 
     kind = "vae"
 
     def __init__(self, decode: Callable[[torch.Tensor], torch.Tensor],
-                 latent_shape: Callable[[tuple[int, int]], tuple[int, ...]], dtype: torch.dtype,
+                 input_shape: Callable[[tuple[int, int]], tuple[int, ...]], dtype: torch.dtype,
                  device: torch.device, resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...]):
         self.fn = decode
-        self._latent_shape = latent_shape
+        self._latent_shape = input_shape
         self._dtype = dtype
         self._device = device
         self._resolutions = resolutions
@@ -131,3 +132,11 @@ class VaeGraph(StatelessGraphable):
 
     def run(self, h: int, w: int, b: int) -> Any:
         return self.fn(self.static_latents(h, w)[:b])
+
+
+class VaeEncodeGraph(VaeGraph):
+    """VAE encoder per (resolution, bucket): static pixels [b, 3, H, W] in [-1, 1] in, the posterior's parameters
+    [b, 2C, h, w] out (image-to-image and inpainting inputs; sampling happens outside, from the request's
+    generator)."""
+
+    kind = "vae_encode"

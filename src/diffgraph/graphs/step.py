@@ -36,11 +36,18 @@ class StepBuffers:
     uncond: dict[str, torch.Tensor]  # the same fields, unconditional (negative prompt) branch
     rows: dict[str, torch.Tensor]    # per-row fields shared by both branches (SDXL time ids)
     dtype: torch.dtype               # the denoiser's input dtype
+    # inpainting (4-channel denoisers): after the update, x <- (1 - mask) * known-at-next-state + mask * x.
+    # mask is 1 (repaint everything: no blend) for every other row, which leaves x exactly as updated.
+    mask: torch.Tensor | None = None     # [B, 1, h, w] fp32, 1 = repaint
+    known: torch.Tensor | None = None    # [B, C, h, w] fp32: the image's latents
+    noise0: torch.Tensor | None = None   # [B, C, h, w] fp32: the row's initial noise
+    extra: torch.Tensor | None = None    # [B, E, h, w]: extra denoiser input channels (9-channel inpainting
+                                         # UNets: the mask and the masked image's latents), or None
 
     @classmethod
     def allocate(cls, rows: int, latent_shape: tuple[int, ...],
                  cond_spec: dict[str, tuple[tuple[int, ...], torch.dtype]], row_values: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device) -> "StepBuffers":
+                 dtype: torch.dtype, device: torch.device, extra_channels: int = 0) -> "StepBuffers":
         def z(*shape, dt=torch.float32):
             return torch.zeros(shape, dtype=dt, device=device)
         return cls(
@@ -50,6 +57,9 @@ class StepBuffers:
             uncond={k: z(rows, *shape, dt=dt) for k, (shape, dt) in cond_spec.items()},
             rows={k: z(rows, *v.shape, dt=v.dtype) for k, v in row_values.items()},
             dtype=dtype,
+            mask=torch.ones((rows, 1, *latent_shape[1:]), dtype=torch.float32, device=device),
+            known=z(rows, *latent_shape), noise0=z(rows, *latent_shape),
+            extra=z(rows, extra_channels, *latent_shape[1:], dt=dtype) if extra_channels else None,
         )
 
     @property
@@ -60,6 +70,9 @@ class StepBuffers:
         """Every per-row tensor by a flat name (snapshots, compaction)."""
         out = {"x": self.x, "d_prev": self.d_prev, "noise": self.noise, "coefs": self.coefs,
                "guidance": self.guidance}
+        for name in ("mask", "known", "noise0", "extra"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         for prefix, fields in (("cond", self.cond), ("uncond", self.uncond), ("rows", self.rows)):
             out.update({f"{prefix}.{k}": v for k, v in fields.items()})
         return out
@@ -73,10 +86,13 @@ class StepBuffers:
 
 
 def whole_step(denoise: Denoiser, buf: StepBuffers, n: int) -> None:
-    """One denoising step for rows [0, n): D <- p*x + q*out, x <- a*x + b*D + c*D_prev + d*noise."""
+    """One denoising step for rows [0, n): D <- p*x + q*out, x <- a*x + b*D + c*D_prev + d*noise, then the
+    inpainting blend of the known region (a no-op for rows whose mask is all ones)."""
     x = buf.x[:n]
     co = buf.coefs[:n]
     x_in = (x * co[:, int(Coef.C_IN)].view(n, 1, 1, 1)).to(buf.dtype)
+    if buf.extra is not None:
+        x_in = torch.cat([x_in, buf.extra[:n]], dim=1)
     t = co[:, int(Coef.T)]
     cond = {k: torch.cat([buf.uncond[k][:n], buf.cond[k][:n]]) for k in buf.cond}
     rows = {k: torch.cat([v[:n], v[:n]]) for k, v in buf.rows.items()}
@@ -84,5 +100,10 @@ def whole_step(denoise: Denoiser, buf: StepBuffers, n: int) -> None:
     out_uncond, out_cond = out.chunk(2)
     guided = out_uncond + buf.guidance[:n].view(n, 1, 1, 1) * (out_cond - out_uncond)
     x_next, denoised = apply_step(co, x, guided, buf.d_prev[:n], buf.noise[:n])
+    if buf.mask is not None:
+        m = buf.mask[:n]
+        known = (co[:, int(Coef.KNOWN)].view(n, 1, 1, 1) * buf.known[:n]
+                 + co[:, int(Coef.KNOWN_NOISE)].view(n, 1, 1, 1) * buf.noise0[:n])
+        x_next = (1 - m) * known + m * x_next
     x.copy_(x_next)
     buf.d_prev[:n].copy_(denoised)

@@ -11,6 +11,11 @@ step `i` needs. The step function (graphs/) then does, per batch row, with `out`
 `D_prev` is the row's D of its previous step (zero at step 0); `noise` is standard normal, drawn only when
 `plan.draws_noise`. `apply_step` below is that update for numpy arrays or torch tensors.
 
+Image-to-image and inpainting rows start later in the same table (`start_plan`: diffusers' strength rule) from
+the image's latents noised to their first state (`noising`). Inpainting rows then blend, after each update, the
+known region back in, noised to the row's next state: x <- (1 - m) * (k * image + e * noise0) + m * x, with k
+and e the columns KNOWN and KNOWN_NOISE (1 and 0 at the last step), as diffusers' inpainting pipelines do.
+
 Each sampler works in the state space of its diffusers counterpart (Euler: VE latents x0 + sigma*eps;
 DDIM, DPM-Solver++: VP latents), so every intermediate x equals diffusers' latents within float rounding.
 """
@@ -48,6 +53,8 @@ class Coef(IntEnum):
     B = 5
     C = 6
     D = 7
+    KNOWN = 8        # inpainting: the known region at the next state = KNOWN * image latents + KNOWN_NOISE * noise
+    KNOWN_NOISE = 9
 
 
 NUM_COEFS = len(Coef)
@@ -80,6 +87,10 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int)
     else:
         plan = _ddim_plan(noise, num_steps, karras)
     timesteps, sigmas, coefs, init_noise_sigma = plan
+    ve = sampler in VE_SAMPLERS
+    for i in range(num_steps - 1):  # the last step blends the un-noised image latents: (1, 0)
+        coefs[i, int(Coef.KNOWN)], coefs[i, int(Coef.KNOWN_NOISE)] = _noising(float(sigmas[i + 1]), ve)
+    coefs[num_steps - 1, int(Coef.KNOWN)] = 1.0
     if not np.all(np.isfinite(coefs)):
         raise ValueError(
             f"num_steps {num_steps} gives a degenerate {sampler} schedule with timestep_spacing "
@@ -95,6 +106,47 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int)
         timesteps=timesteps,
         sigmas=sigmas,
     )
+
+
+VE_SAMPLERS = ("euler", "euler_a")  # their state is x0 + sigma * eps; the others' is alpha * x0 + sigma_vp * eps
+
+
+def _noising(sigma: float, ve: bool) -> tuple[float, float]:
+    """(k, e): a clean latent x0 noised to the state of VE sigma `sigma` is k * x0 + e * noise (the add_noise of
+    the sampler's diffusers scheduler: Euler adds sigma * noise; DPM-Solver and DDIM mix with alpha)."""
+    if ve:
+        return 1.0, sigma
+    alpha = 1.0 / float(np.sqrt(sigma * sigma + 1.0))
+    return alpha, sigma * alpha
+
+
+def noising(plan: SamplerPlan) -> tuple[float, float]:
+    """(k, e) of the plan's first state: image-to-image rows start at k * image latents + e * noise."""
+    return _noising(float(plan.sigmas[0]), plan.sampler in VE_SAMPLERS)
+
+
+def strength_start(num_steps: int, strength: float) -> int:
+    """The step an edit of `strength` starts at (diffusers' get_timesteps); num_steps - start may be 0."""
+    init = min(int(num_steps * strength), num_steps)
+    return max(num_steps - init, 0)
+
+
+def start_plan(plan: SamplerPlan, start: int) -> SamplerPlan:
+    """The rest of `plan` from step `start` on, for rows that begin there (image-to-image, inpainting). A
+    multistep solver's first step is first order (diffusers' DPM-Solver starts with lower_order_nums 0)."""
+    if not 0 <= start < plan.num_steps:
+        raise ValueError(f"start {start} is outside the plan's {plan.num_steps} steps")
+    if start == 0:
+        return plan
+    coefs = plan.coefs[start:].copy()
+    if plan.sampler == "dpmpp_2m":
+        sigma, sigma_next = float(plan.sigmas[start]), float(plan.sigmas[start + 1])
+        alpha_next = 1.0 / np.sqrt(sigma_next**2 + 1.0)
+        coefs[0, int(Coef.B)] = alpha_next * (1.0 - sigma_next / sigma)
+        coefs[0, int(Coef.C)] = 0.0
+    return SamplerPlan(sampler=plan.sampler, schedule=plan.schedule, num_steps=plan.num_steps - start, coefs=coefs,
+                       init_noise_sigma=plan.init_noise_sigma, draws_noise=plan.draws_noise,
+                       timesteps=plan.timesteps[start:], sigmas=plan.sigmas[start:])
 
 
 def check_sampler(sampler: str, schedule: str) -> None:

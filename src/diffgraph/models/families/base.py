@@ -63,6 +63,8 @@ class FamilyAdapter:
     # (encoder subfolder, tokenizer subfolder, transformers class) per text encoder, in order
     text_parts: tuple[tuple[str, str, str], ...] = (("text_encoder", "tokenizer", "CLIPTextModel"),)
     force_zeros_default: bool = False  # SDXL: a missing negative prompt is all zeros (unless the index says no)
+    supports_edits: bool = True        # image-to-image and inpainting (VAE encoder, the SD noise schedule)
+    edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
 
     # -- loading ---------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -109,7 +111,17 @@ class FamilyAdapter:
         return 2 ** (len(model.vae.config.block_out_channels) - 1)
 
     def latent_channels(self, model: DiffusionModel) -> int:
-        return int(model.unet.config.in_channels)
+        return int(model.vae.config.latent_channels)
+
+    def extra_channels(self, model: DiffusionModel) -> int:
+        """Denoiser input channels beyond the latents: 0, or mask + masked-image latents (9-channel inpainting
+        UNets, detected from the UNet config)."""
+        extra = int(model.unet.config.in_channels) - self.latent_channels(model)
+        if extra not in (0, 1 + self.latent_channels(model)):
+            raise ValueError(f"the UNet takes {model.unet.config.in_channels} input channels; diffgraph supports "
+                             f"{self.latent_channels(model)} (the latents) or {2 * self.latent_channels(model) + 1} "
+                             "(an inpainting UNet: latents, mask, masked-image latents)")
+        return extra
 
     def latent_shape(self, model: DiffusionModel, key: GroupKey) -> tuple[int, int, int]:
         f = model.vae_scale_factor
@@ -193,8 +205,24 @@ class FamilyAdapter:
         image = decoder.decode(latents, return_dict=False)[0]
         return (image * 0.5 + 0.5).clamp(0, 1)
 
-    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any) -> Any:
-        """The equivalent diffusers pipeline on the same modules (the oracle)."""
+    def encode_pixels(self, model: DiffusionModel, encoder: Any, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels [n, 3, H, W] in [-1, 1] -> the VAE posterior's parameters [n, 2C, h, w] (mean, log variance):
+        a pure tensor function (capturable); sampling and scaling happen outside (`image_latents`)."""
+        return encoder.encode(pixels.to(self.vae_dtype(model)), return_dict=False)[0].parameters
+
+    def image_latents(self, model: DiffusionModel, encoder: Any, sample: torch.Tensor) -> torch.Tensor:
+        """A sample of the VAE posterior (fp32) scaled as the pipelines scale image latents."""
+        cfg = encoder.config
+        lmean, lstd = getattr(cfg, "latents_mean", None), getattr(cfg, "latents_std", None)
+        if lmean is not None and lstd is not None:
+            shape = (1, sample.shape[1], 1, 1)
+            lmean_t = torch.tensor(lmean, device=sample.device).view(shape)
+            return (sample - lmean_t) * cfg.scaling_factor / torch.tensor(lstd, device=sample.device).view(shape)
+        return cfg.scaling_factor * sample
+
+    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any, task: str = "text") -> Any:
+        """The equivalent diffusers pipeline on the same modules (the oracle): task "text", "img2img" or
+        "inpaint"."""
         raise NotImplementedError(f"family {self.name!r} has no diffusers pipeline")
 
 

@@ -17,7 +17,7 @@ from .base import CondSpec, Conditioning, FamilyAdapter
 
 class SDFamily(FamilyAdapter):
     name = "sd"
-    pipeline_classes = ("StableDiffusionPipeline",)
+    pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
     default_guidance = 7.5
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
@@ -46,8 +46,10 @@ class SDFamily(FamilyAdapter):
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         return model.unet(x, t, encoder_hidden_states=cond["embeds"], return_dict=False)[0]
 
-    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any) -> Any:
-        from diffusers import StableDiffusionPipeline
-        return StableDiffusionPipeline(
+    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any, task: str = "text") -> Any:
+        import diffusers
+        cls = {"text": "StableDiffusionPipeline", "img2img": "StableDiffusionImg2ImgPipeline",
+               "inpaint": "StableDiffusionInpaintPipeline"}[task]
+        return getattr(diffusers, cls)(
             vae=model.vae, text_encoder=model.text_encoders[0], tokenizer=model.tokenizers[0], unet=model.unet,
             scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)

@@ -26,8 +26,10 @@ def add_time_ids(height: int, width: int) -> list[float]:
 
 class SDXLFamily(FamilyAdapter):
     name = "sdxl"
-    pipeline_classes = ("StableDiffusionXLPipeline",)
+    pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
+                        "StableDiffusionXLInpaintPipeline")
     default_guidance = 5.0
+    edit_strength = (0.3, 0.9999)  # diffusers' StableDiffusionXLImg2ImgPipeline / StableDiffusionXLInpaintPipeline
     text_parts = (("text_encoder", "tokenizer", "CLIPTextModel"),
                   ("text_encoder_2", "tokenizer_2", "CLIPTextModelWithProjection"))
     force_zeros_default = True
@@ -70,9 +72,11 @@ class SDXLFamily(FamilyAdapter):
             return torch.float32
         return model.dtype
 
-    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any) -> Any:
-        from diffusers import StableDiffusionXLPipeline
-        return StableDiffusionXLPipeline(
+    def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any, task: str = "text") -> Any:
+        import diffusers
+        cls = {"text": "StableDiffusionXLPipeline", "img2img": "StableDiffusionXLImg2ImgPipeline",
+               "inpaint": "StableDiffusionXLInpaintPipeline"}[task]
+        return getattr(diffusers, cls)(
             vae=model.vae, text_encoder=model.text_encoders[0], text_encoder_2=model.text_encoders[1],
             tokenizer=model.tokenizers[0], tokenizer_2=model.tokenizers[1], unet=model.unet, scheduler=scheduler,
-            force_zeros_for_empty_prompt=model.force_zeros_for_empty_prompt)
+            force_zeros_for_empty_prompt=model.force_zeros_for_empty_prompt, add_watermarker=False)

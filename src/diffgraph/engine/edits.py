@@ -1,0 +1,71 @@
+"""Image-to-image and inpainting rows: from a request's image (and mask) to its initial latents and per-row fields.
+
+At admission, as diffusers' StableDiffusion(XL)Img2Img / Inpaint pipelines do for the same seed: the image (and
+the mask) are preprocessed by diffusers' own VaeImageProcessor (resized to the request's size, binarized mask),
+encoded by the VAE encoder (its graph where it covers the size; image and masked image in one call), and sampled
+from the request's generator in the pipelines' order: image posterior, then the initial noise, then (inpainting)
+the masked image's posterior, drawn even where a 4-channel UNet does not use it, so ancestral samplers continue
+from the same generator state. Rows start at the step the strength implies (`ModelRunner.request_plan`) from the
+image's latents noised to that step, or from pure noise for inpainting at strength 1.
+
+Per-row fields for the whole step (graphs/step.py): for a 4-channel UNet's inpainting, the mask at latent size,
+the image latents and the initial noise (the step blends the known region back after each update); for a
+9-channel inpainting UNet, its extra input channels (mask, masked-image latents) and no blend. Everything stays on
+the device: no synchronisation with the GPU at admission.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..request import GenerationRequest, GroupKey
+from ..sampling.samplers import SamplerPlan, noising
+
+
+def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generator: torch.Generator,
+                 plan: SamplerPlan, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(initial latents [rows, C, h, w] fp32, per-row fields for `ModelRunner.write_rows`) of an edit request."""
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    edit, model, adapter = request.edit, runner.model, runner.adapter
+    h, w = key
+    f = model.vae_scale_factor
+    image = VaeImageProcessor(vae_scale_factor=f).preprocess(Image.fromarray(edit.image), height=h, width=w)
+    image = image.float()
+    batch = [image]
+    mask = None
+    if edit.inpaint:
+        mask = VaeImageProcessor(vae_scale_factor=f, do_normalize=False, do_binarize=True,
+                                 do_convert_grayscale=True).preprocess(Image.fromarray(edit.mask), height=h, width=w)
+        batch.append(image * (mask < 0.5))
+    pure_noise = edit.inpaint and edit.strength == 1.0  # diffusers' is_strength_max
+    # the image's own latents: image-to-image, a 4-channel inpainting UNet (the blend), or strength < 1
+    need_image = not edit.inpaint or not runner.extra_channels or not pure_noise
+    params = runner.encode_pixels(key, torch.cat(batch if need_image else batch[1:]))
+
+    def sample(p: torch.Tensor) -> torch.Tensor:  # the posterior sample from the request's generator
+        mean, logvar = p.float().chunk(2, dim=1)
+        eps = torch.randn(mean.shape, generator=generator, dtype=p.dtype)
+        latent = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * runner._to_device(eps).float()
+        return adapter.image_latents(model, runner.decoder, latent)
+
+    image_latents = sample(params[:1]) if need_image else None
+    noise = runner._to_device(torch.randn((rows, *runner.latent_shape(key)), generator=generator,
+                                          dtype=model.dtype)).float()
+    masked_latents = sample(params[-1:]) if edit.inpaint else None
+    if pure_noise:
+        latents = noise * plan.init_noise_sigma
+    else:
+        k, e = noising(plan)
+        latents = k * image_latents + e * noise
+    fields: dict[str, torch.Tensor] = {}
+    if edit.inpaint:
+        small = runner._to_device(torch.nn.functional.interpolate(mask, size=(h // f, w // f)))
+        if runner.extra_channels:
+            fields["extra"] = torch.cat([small, masked_latents], dim=1).to(model.dtype)
+        else:
+            fields.update(mask=small, known=image_latents, noise0=noise)
+    return latents, fields
