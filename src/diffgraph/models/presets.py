@@ -10,6 +10,8 @@ transformers (`diffgraph models` and `--help` read it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +141,14 @@ RANDOM_PRESETS: dict[str, RandomPreset] = {
         tokenizer_pads=(tok.EOS, "!"),
     ),
 }
+
+# 9-channel inpainting UNets (latents + mask + masked-image latents), as in SD's inpainting checkpoints
+RANDOM_PRESETS.update({
+    f"{base}-inpaint": dataclasses.replace(
+        RANDOM_PRESETS[base], name=f"{base}-inpaint", unet={**RANDOM_PRESETS[base].unet, "in_channels": 9},
+        description=f"{what} with a 9-channel inpainting UNet, random weights")
+    for base, what in (("random:tiny", "tiny SD1.5 architecture"), ("random:tiny-xl", "tiny SDXL architecture"),
+                       ("random:sd15", "full-size SD1.5 architecture"))})
 
 # Trained presets shipped as diffusers folders inside the package (see tools/train_digits.py).
 SHIPPED_PRESETS: dict[str, str] = {
