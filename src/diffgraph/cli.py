@@ -45,6 +45,14 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--schedule", default="default", help=f"one of {', '.join(SCHEDULES)} (default: the model's)")
     g.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
+    g.add_argument("--image", default=None, metavar="PATH",
+                   help="image-to-image from this image (transparent pixels: inpainted there); output size: the "
+                        "image's, rounded down to multiples of 8, unless --width/--height")
+    g.add_argument("--mask", default=None, metavar="PATH",
+                   help="with --image: inpaint where the mask is white (or transparent, for a mask with alpha)")
+    g.add_argument("--strength", type=float, default=None,
+                   help="with --image: the share of the steps to run, in (0, 1] (default: 0.8, or 1.0 inpainting; "
+                        "SDXL 0.3 / 0.9999)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
     g.add_argument("--url", default=None,
@@ -107,7 +115,7 @@ def _output_paths(output: str, n: int) -> list[str]:
 FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width": "--width", "height": "--height",
          "num_inference_steps": "--steps", "guidance_scale": "--guidance", "sampler": "--sampler",
          "schedule": "--schedule", "seed": "--seed", "num_images": "-n/--num-images", "device": "--device",
-         "mode": "--mode"}
+         "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -167,10 +175,12 @@ def _generate(args: argparse.Namespace) -> int:
     from .request import GenerationRequest, ParamError
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
-                  schedule=args.schedule, seed=args.seed, num_images=args.num_images)
+                  schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args))
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
-        GenerationRequest.create(args.prompt, width=args.width or 512, height=args.height or 512,
+        sized = args.width is not None or "image" not in params
+        GenerationRequest.create(args.prompt, width=args.width or 512 if sized else None,
+                                 height=args.height or 512 if sized else None,
                                  guidance_scale=7.5 if args.guidance is None else args.guidance, **params)
         import torch
 
@@ -188,6 +198,32 @@ def _generate(args: argparse.Namespace) -> int:
     _save_all(result.images, paths, lambda image, path: image.save(path))
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
     return 0
+
+
+def _read_image(path: str, flag: str) -> Any:
+    from PIL import Image
+    try:
+        image = Image.open(path)
+        image.load()
+    except (OSError, ValueError) as e:
+        raise _ArgError(f"{flag} {path!r} cannot be read as an image: {e}") from None
+    return image
+
+
+def _edit_params(args: argparse.Namespace) -> dict[str, Any]:
+    """image / mask_image / strength for an edit from --image, --mask, --strength (mask conventions: server/edits)."""
+    if args.image is None:
+        if args.mask is not None or args.strength is not None:
+            raise _ArgError("--mask and --strength need --image (the image to edit)")
+        return {}
+    from .server.edits import edit_arrays
+
+    rgb, mask = edit_arrays(_read_image(args.image, "--image"),
+                            None if args.mask is None else _read_image(args.mask, "--mask"))
+    out: dict[str, Any] = {"image": rgb, "strength": args.strength}
+    if mask is not None:
+        out["mask_image"] = mask
+    return out
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -222,10 +258,28 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "response_format": "b64_json"}
     key = _api_key(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {k: v for k, v in body.items() if v is not None}
+    post: dict[str, Any] = {"json": body}
+    if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
+        if args.image is None:
+            raise _ArgError("--mask and --strength need --image (the image to edit)")
+        files = {}
+        for name, path in (("image", args.image), ("mask", args.mask)):
+            if path is not None:
+                try:
+                    with open(path, "rb") as f:
+                        files[name] = (os.path.basename(path), f.read())
+                except OSError as e:
+                    raise _ArgError(f"--{name} {path!r} cannot be read: {e.strerror or e}") from None
+        if args.strength is not None:
+            body["strength"] = args.strength
+        post = {"data": {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in body.items()},
+                "files": files}
     try:
         # no read timeout: the server bounds a request's time itself (--request-timeout, then 504)
-        response = httpx.post(f"{url}/v1/images/generations", headers=headers, timeout=httpx.Timeout(None, connect=10),
-                              json={k: v for k, v in body.items() if v is not None})
+        endpoint = "edits" if "files" in post else "generations"
+        response = httpx.post(f"{url}/v1/images/{endpoint}", headers=headers, timeout=httpx.Timeout(None, connect=10),
+                              **post)
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
         raise _ArgError(f"the server at {url} could not be reached ({e}); start it with `diffgraph serve` "
                         "or check --url") from None

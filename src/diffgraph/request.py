@@ -230,8 +230,11 @@ class GenerationRequest:
         (diffusers' rule), and strength defaults to the model's (diffusers' pipelines: 0.8 / 0.3 for SDXL
         image-to-image, 1.0 / 0.9999 for SDXL inpainting)."""
         edit = None
-        if image is not None:
+        if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
+            edit = image
+        elif image is not None:
             edit = make_edit(image, mask_image, strength, model)
+        if edit is not None:
             h, w = edit.image.shape[:2]
             width = w - w % 8 if width is None else width
             height = h - h % 8 if height is None else height

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-shaped image generation over one `Engine`.
 
     POST /v1/images/generations   JSON answer, or server-sent events with "stream": true
+    POST /v1/images/edits         image-to-image and inpainting: OpenAI's multipart form (edits.py), same answers
     GET  /v1/models               the served model
     GET  /health                  200 while the process is alive
     GET  /ready                   200 once the engine is built, its prewarm graphs captured and one warm-up
@@ -38,11 +39,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..engine.client import EngineClient, RequestHandle
-from ..request import GenerationRequest, GenerationResult, ParamError, ProgressEvent
+from ..request import EditInput, GenerationRequest, GenerationResult, ParamError, ProgressEvent
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        ProgressEventBody, error_from_param_error, error_from_validation)
 from .auth import APIKeyMiddleware
+from .edits import ImageEditForm, edit_input, read_form
 from .pages import playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, next_item, outcome, submit
 
@@ -68,13 +70,9 @@ async def _read_json(http: Request, limit: int) -> Any:
                             "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
 
 
-def _generation_request(engine: EngineClient, config: ServerConfig, body: Any) -> tuple[ImageGenerationRequest,
-                                                                                        GenerationRequest]:
-    """Checks the body's types and the HTTP-only fields, then builds the request (the one validation)."""
-    try:
-        params = ImageGenerationRequest.model_validate(body)
-    except ValidationError as e:
-        raise error_from_validation(e) from None
+def _generation_request(engine: EngineClient, config: ServerConfig, params: ImageGenerationRequest,
+                        edit: EditInput | None = None) -> GenerationRequest:
+    """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
     if params.model is not None and params.model != engine.info.name:
         raise APIError(400, f"model {params.model!r} is not served here; this server serves {engine.info.name!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
@@ -90,7 +88,8 @@ def _generation_request(engine: EngineClient, config: ServerConfig, body: Any) -
             params.prompt, negative_prompt=params.negative_prompt, width=width, height=height,
             num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
             sampler=params.sampler, schedule=params.schedule, seed=params.seed, num_images=params.n,
-            output_format=params.output_format, request_id=f"img-{secrets.token_hex(8)}", model=engine.info)
+            output_format=params.output_format, request_id=f"img-{secrets.token_hex(8)}", model=engine.info,
+            image=edit)
     except ParamError as e:
         raise error_from_param_error(e) from None
     for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
@@ -98,7 +97,7 @@ def _generation_request(engine: EngineClient, config: ServerConfig, body: Any) -
         if size > config.max_prompt_bytes:
             raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
                            param=name)
-    return params, request
+    return request
 
 
 def _response(result: GenerationResult) -> dict[str, Any]:
@@ -214,8 +213,36 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     schema = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}}
 
+    async def read_generation(http: Request, engine: EngineClient) -> tuple[bool, GenerationRequest]:
+        body = await _read_json(http, body_limit)
+        try:
+            params = ImageGenerationRequest.model_validate(body)
+        except ValidationError as e:
+            raise error_from_validation(e) from None
+        return params.stream, _generation_request(engine, config, params)
+
+    async def read_edit(http: Request, engine: EngineClient) -> tuple[bool, GenerationRequest]:
+        form, files = await read_form(http, config.max_image_bytes)
+        if not engine.info.edits:
+            raise APIError(400, f"model {engine.info.name!r} takes no image inputs; use /v1/images/generations",
+                           param="image")
+        edit = await asyncio.to_thread(edit_input, files, form.strength, engine.info.edit_strength,
+                                       config.max_image_bytes, config.max_image_pixels)
+        return form.stream, _generation_request(engine, config, form.generation(), edit)
+
     @app.post("/v1/images/generations", openapi_extra=schema)
     async def generations(http: Request) -> Response:
+        return await _serve(http, read_generation)
+
+    edit_schema = {"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": ImageEditForm.model_json_schema()}}}}
+
+    @app.post("/v1/images/edits", openapi_extra=edit_schema)
+    async def edits(http: Request) -> Response:
+        return await _serve(http, read_edit)
+
+    async def _serve(http: Request, read: Callable[[Request, EngineClient], Any]) -> Response:
+        """One generation request: read and validate it (`read`), submit, wait (or stream), answer."""
         t0 = time.monotonic()
         state.inflight += 1
         state.metrics.inflight.inc()
@@ -223,15 +250,14 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         try:
             engine = state.require_engine()
             try:  # a body that never finishes arriving must not hold the request (or a drain) forever
-                body = await asyncio.wait_for(_read_json(http, body_limit), config.request_timeout)
+                stream, request = await asyncio.wait_for(read(http, engine), config.request_timeout)
             except asyncio.TimeoutError:
                 raise APIError(408, f"the request body did not arrive within the {config.request_timeout:g} s "
                                     "request timeout; send the whole body at once", code="body_timeout") from None
-            params, request = _generation_request(engine, config, body)
-            handle = await submit(state, engine, request, progress=params.stream)
+            handle = await submit(state, engine, request, progress=stream)
             events = handle.events()
             deadline = t0 + config.request_timeout
-            if params.stream:
+            if stream:
                 streaming = True  # the stream ends the request's accounting
                 end = _StreamEnd(handle, events, t0)
                 return _ClosingStream(_stream(handle, events, deadline, http, end), end.close,

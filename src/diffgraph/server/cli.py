@@ -23,7 +23,7 @@ DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may t
 _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
            "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
-           "image_threads", "devices", "min_ready")
+           "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -99,6 +99,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU)")
     p.add_argument("--min-ready", type=int, default=None, metavar="K",
                    help="with several replicas: /ready answers 200 while at least K are ready (default: 1)")
+    p.add_argument("--max-image-bytes", type=int, default=None, metavar="N",
+                   help="/v1/images/edits: the most bytes of an uploaded image or mask (default: 20 MiB)")
+    p.add_argument("--max-image-pixels", type=int, default=None, metavar="N",
+                   help="/v1/images/edits: the most pixels of an image, read from its header before decoding "
+                        "(default and most: 16 megapixels)")
     p.add_argument("--ray", action="store_true",
                    help="serve through Ray Serve (pip install 'diffgraph[ray]'): an ingress and --data-parallel N "
                         "engine replicas (auto: autoscaled), one GPU each (none with --device cpu)")

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, GraphConfig, default_cpu_threads, parse_buckets, parse_prewarm,
                       parse_resolutions)
 from ..engine.scheduler import SchedulerConfig
+from ..request import MAX_EDIT_PIXELS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # those logging and uvicorn both know
 
@@ -72,6 +73,8 @@ class ServerConfig:
     image_threads: int = 2               # threads that wait for decodes and encode images
     devices: tuple[str, ...] = ()        # one engine replica process per device (cpu,cpu / cuda:0,cuda:1); () = one
     min_ready: int = 1                   # with devices: /ready is 200 while at least this many replicas are ready
+    max_image_bytes: int = 20 * 1024 * 1024   # /v1/images/edits: bytes of an uploaded image (or mask)
+    max_image_pixels: int = 16 * 1024 * 1024  # /v1/images/edits: pixels of an image, read from its header
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -106,6 +109,11 @@ class ServerConfig:
                 raise ValueError(f"devices: {d!r} is not understood; use cpu, cuda:N, e.g. cuda:0,cuda:1")
         if self.devices and not 1 <= self.min_ready <= len(self.devices):
             raise ValueError(f"min-ready {self.min_ready} must be in 1..{len(self.devices)} (the number of devices)")
+        if self.max_image_bytes < 1 or self.max_image_pixels < 64 * 64:
+            raise ValueError("max-image-bytes must be >= 1 and max-image-pixels >= 4096 (a 64x64 image)")
+        if self.max_image_pixels > MAX_EDIT_PIXELS:
+            raise ValueError(f"max-image-pixels {self.max_image_pixels} is above what the engine takes "
+                             f"({MAX_EDIT_PIXELS}, 16 megapixels)")
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
 
@@ -169,7 +177,8 @@ def _parse(key: str, value: Any) -> Any:
         return tuple(d.strip() for d in items if d.strip())
     if key == "torch_threads" and value is None:
         return None
-    if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready"):
+    if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
+               "max_image_bytes", "max_image_pixels"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:

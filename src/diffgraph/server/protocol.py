@@ -103,12 +103,12 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-def error_from_validation(err: ValidationError) -> APIError:
+def error_from_validation(err: ValidationError, model: type[BaseModel] | None = None) -> APIError:
     """The first pydantic error, as one sentence naming the field, what it must be and what came."""
     e = err.errors(include_url=False)[0]
     param = ".".join(str(p) for p in e["loc"]) or None
     if e["type"] == "extra_forbidden":
-        allowed = ", ".join(ImageGenerationRequest.model_fields)
+        allowed = ", ".join((model or ImageGenerationRequest).model_fields)
         return APIError(400, f"unknown parameter {param!r}; accepted: {allowed}", param=param)
     if e["type"] == "missing":
         return APIError(400, f"{param} is required", param=param)
@@ -136,7 +136,8 @@ def error_from_param_error(err: ValueError) -> APIError:
     (n, size, ...), with the message in the client's words."""
     message = str(err)
     name = getattr(err, "param", None)
-    param = _ENGINE_TO_API.get(name, name if name in ImageGenerationRequest.model_fields else None)
+    known = name in ImageGenerationRequest.model_fields or name in ("image", "mask", "strength")  # + the edits'
+    param = _ENGINE_TO_API.get(name, name if known else None)
     if name == "num_images" and message.startswith("num_images"):
         message = "n" + message[len("num_images"):]
     return APIError(400, message, param=param)

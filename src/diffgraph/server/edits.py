@@ -1,0 +1,156 @@
+"""POST /v1/images/edits: OpenAI's multipart form (image, optional mask, prompt, n, size, response_format, model)
+plus the generations endpoint's extensions and `strength`, read into typed parameters and an `EditInput`.
+
+Images are checked before their pixels are decoded: at most --max-image-bytes bytes, and at most
+--max-image-pixels pixels read from the header (a decompression bomb is refused before it expands). Masks follow
+OpenAI's convention when they have an alpha channel (fully transparent pixels = the region to repaint), and
+diffusers' when they do not (white = repaint); without a mask, an image with transparent pixels is inpainted where
+it is transparent (as OpenAI does) and an opaque image is an image-to-image request.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..request import EditInput, ParamError
+from .protocol import APIError, ImageGenerationRequest, error_from_param_error, error_from_validation
+
+FORM_CONTENT = "multipart/form-data"
+FILES = ("image", "mask")
+
+
+class ImageEditForm(BaseModel):
+    """The form's text fields: the generations request's fields (form values are text: "20" is an integer
+    here) and `strength`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    n: int = 1
+    size: str | None = None
+    response_format: str = "b64_json"
+    model: str | None = None
+    user: str | None = None
+    negative_prompt: str | None = None
+    num_inference_steps: int = 20
+    guidance_scale: float | None = None
+    seed: int | None = None
+    sampler: str = "euler"
+    schedule: str = "default"
+    output_format: str = "png"
+    stream: bool = False
+    strength: float | None = None
+
+    def generation(self) -> ImageGenerationRequest:
+        """The same fields as a generations request (for the shared checks and request building)."""
+        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength"}))
+
+
+async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dict[str, bytes]]:
+    """The parsed form: its text fields (typed) and the bytes of its files. Raises APIError (400 / 413)."""
+    content_type = http.headers.get("content-type", "")
+    if not content_type.startswith(FORM_CONTENT):
+        raise APIError(400, f"this endpoint takes {FORM_CONTENT} (OpenAI's images.edit: the image as a file part "
+                            f"'image', an optional 'mask', and the text fields), not {content_type or 'no body type'}; "
+                            "for text-to-image, POST JSON to /v1/images/generations", code="invalid_content_type")
+    length = http.headers.get("content-length", "")
+    limit = 2 * max_image_bytes + 1_048_576  # an image and a mask at the limit, and the text fields
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"the body has {length} bytes; the limit is {limit} (--max-image-bytes "
+                            f"{max_image_bytes} per image)", code="body_too_large")
+    try:
+        form = await http.form(max_files=len(FILES), max_fields=64, max_part_size=1_048_576)
+    except Exception as e:  # starlette's MultiPartException, a malformed body
+        raise APIError(400, f"the multipart form could not be read: {e}", code="invalid_form") from None
+    try:
+        fields: dict[str, Any] = {}
+        files: dict[str, bytes] = {}
+        for name, value in form.multi_items():
+            if name in files or name in fields:
+                raise APIError(400, f"{name} is given more than once; send one", param=name)
+            if hasattr(value, "read"):  # an upload
+                if name not in FILES:
+                    raise APIError(400, f"unexpected file part {name!r}; files: image, mask", param=name)
+                if value.size is not None and value.size > max_image_bytes:
+                    raise APIError(400, f"{name} has {value.size} bytes; the limit is {max_image_bytes} "
+                                        "(--max-image-bytes)", param=name, code="image_too_large")
+                files[name] = await value.read()
+            elif name in FILES:
+                raise APIError(400, f"{name} must be a file part (an uploaded image), not a text field", param=name)
+            else:
+                fields[name] = value
+    finally:
+        await form.close()
+    try:
+        return ImageEditForm.model_validate(fields), files
+    except ValidationError as e:
+        raise error_from_validation(e, ImageEditForm) from None
+
+
+def _decode(name: str, data: bytes | None, max_bytes: int, max_pixels: int) -> Any:
+    """A PIL image, its size checked from the header before its pixels are decoded."""
+    from PIL import Image
+
+    if not data:
+        raise APIError(400, f"{name} is empty; upload a PNG, JPEG or WebP image", param=name)
+    if len(data) > max_bytes:
+        raise APIError(400, f"{name} has {len(data)} bytes; the limit is {max_bytes} (--max-image-bytes)",
+                       param=name, code="image_too_large")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise APIError(400, f"{name} declares too many pixels (a decompression bomb?); the limit is {max_pixels}",
+                       param=name, code="image_too_large") from None
+    except Exception:
+        raise APIError(400, f"{name} is not an image this server can read; upload a PNG, JPEG or WebP",
+                       param=name) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise APIError(400, f"{name} is {width}x{height} ({width * height} pixels); the limit is {max_pixels} "
+                            "(--max-image-pixels)", param=name, code="image_too_large")
+    try:
+        image.load()
+    except Exception as e:
+        raise APIError(400, f"{name} could not be decoded ({type(e).__name__}); upload an intact PNG, JPEG or WebP",
+                       param=name) from None
+    return image
+
+
+def _alpha(image: Any) -> np.ndarray | None:
+    """The alpha channel (uint8 [H, W]) of an image that has one, else None."""
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        return np.asarray(image.convert("RGBA"))[..., 3]
+    return None
+
+
+def edit_arrays(image: Any, mask: Any = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(RGB pixels, mask or None) of PIL images under the conventions in the module doc (the CLI uses it too)."""
+    if mask is not None:
+        alpha = _alpha(mask)
+        mask_array = np.where(alpha == 0, 255, 0).astype(np.uint8) if alpha is not None else np.asarray(mask.convert("L"))
+    else:
+        alpha = _alpha(image)
+        mask_array = None
+        if alpha is not None and (alpha == 0).any():  # transparent pixels: inpaint them (OpenAI)
+            mask_array = np.where(alpha == 0, 255, 0).astype(np.uint8)
+    return np.asarray(image.convert("RGB")), mask_array
+
+
+def edit_input(files: dict[str, bytes], strength: float | None, defaults: tuple[float, float], max_bytes: int,
+               max_pixels: int) -> EditInput:
+    """The EditInput of the form's files (see the module doc for the mask conventions)."""
+    if "image" not in files:
+        raise APIError(400, "image is required: upload the image to edit as the file part 'image'", param="image")
+    image = _decode("image", files["image"], max_bytes, max_pixels)
+    mask = _decode("mask", files["mask"], max_bytes, max_pixels) if "mask" in files else None
+    rgb, mask_array = edit_arrays(image, mask)
+    if strength is None:
+        strength = defaults[1] if mask_array is not None else defaults[0]
+    try:
+        return EditInput(image=rgb, mask=mask_array, strength=strength)
+    except ParamError as e:
+        raise error_from_param_error(e) from None

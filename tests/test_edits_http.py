@@ -1,0 +1,177 @@
+"""POST /v1/images/edits (issue 15) against a `diffgraph serve` process (random:tiny on the CPU): the same images
+as the in-process engine for image-to-image and inpainting, OpenAI's mask conventions (alpha: transparent =
+repaint; no alpha: white = repaint; no mask: the image's transparent pixels), streaming, `diffgraph generate --url
+--image`, and every bad input answered 400 in OpenAI's shape with the server healthy after."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffgraph import Engine
+from diffgraph.server.process import ServerProcess
+
+MODEL = "random:tiny"
+MAX_BYTES = 200_000
+MAX_PIXELS = 512 * 512
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _source(seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((64, 64, 3)) * 255).astype(np.uint8))
+
+
+def _repaint_rows() -> np.ndarray:
+    m = np.zeros((64, 64), np.uint8)
+    m[16:48] = 255
+    return m
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--max-image-bytes", str(MAX_BYTES), "--max-image-pixels", str(MAX_PIXELS), model=MODEL)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine(model=MODEL, device="cpu", dtype="fp32")
+    yield e
+    e.close()
+
+
+def _edit(url: str, files: dict, timeout: float = 600, **fields) -> httpx.Response:
+    data = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in fields.items()}
+    return httpx.post(f"{url}/v1/images/edits", files={k: ("f.png", v, "image/png") for k, v in files.items()},
+                      data=data, timeout=timeout)
+
+
+def _pixels(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64)))).astype(int)
+
+
+def _expected(engine, **kw) -> np.ndarray:
+    return np.asarray(engine.generate("a fox", num_inference_steps=6, seed=4, **kw).images[0]).astype(int)
+
+
+def test_image_to_image_and_inpainting_equal_the_engine(server, engine):
+    src = _source()
+    r = _edit(server.url, {"image": _png(src)}, prompt="a fox", strength=0.6, num_inference_steps=6, seed=4)
+    assert r.status_code == 200, r.text
+    assert np.abs(_pixels(r.json()["data"][0]["b64_json"]) - _expected(engine, image=src, strength=0.6)).max() <= 1
+
+    white = _repaint_rows()
+    expected = _expected(engine, image=src, mask_image=white)  # inpainting: strength 1.0 by default
+    # a mask without alpha: white = repaint (diffusers)
+    r = _edit(server.url, {"image": _png(src), "mask": _png(Image.fromarray(white))}, prompt="a fox",
+              num_inference_steps=6, seed=4)
+    assert np.abs(_pixels(r.json()["data"][0]["b64_json"]) - expected).max() <= 1
+    # a mask with alpha: fully transparent = repaint (OpenAI)
+    rgba = np.zeros((64, 64, 4), np.uint8)
+    rgba[..., 3] = np.where(white == 255, 0, 255)
+    r = _edit(server.url, {"image": _png(src), "mask": _png(Image.fromarray(rgba, "RGBA"))}, prompt="a fox",
+              num_inference_steps=6, seed=4)
+    assert np.abs(_pixels(r.json()["data"][0]["b64_json"]) - expected).max() <= 1
+    # no mask, an image with transparent pixels: inpainted where transparent (OpenAI)
+    holed = np.dstack([np.asarray(src), np.where(white == 255, 0, 255).astype(np.uint8)])
+    r = _edit(server.url, {"image": _png(Image.fromarray(holed, "RGBA"))}, prompt="a fox", num_inference_steps=6,
+              seed=4)
+    assert np.abs(_pixels(r.json()["data"][0]["b64_json"]) - expected).max() <= 1
+    # an opaque RGBA image is image-to-image
+    opaque = np.dstack([np.asarray(src), np.full((64, 64), 255, np.uint8)])
+    r = _edit(server.url, {"image": _png(Image.fromarray(opaque, "RGBA"))}, prompt="a fox", strength=0.6,
+              num_inference_steps=6, seed=4)
+    assert np.abs(_pixels(r.json()["data"][0]["b64_json"]) - _expected(engine, image=src, strength=0.6)).max() <= 1
+
+
+def test_edits_stream_progress_and_take_a_size(server):
+    events = []
+    with httpx.stream("POST", f"{server.url}/v1/images/edits", timeout=600,
+                      files={"image": ("a.png", _png(_source(1)), "image/png")},
+                      data={"prompt": "a fox", "strength": "0.5", "num_inference_steps": "10", "stream": "true",
+                            "size": "64x96", "n": "2"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert [e["step"] for e in events[:-1]] == [1, 2, 3, 4, 5]  # strength 0.5 of 10 steps
+    done = events[-1]
+    assert done["type"] == "completed" and len(done["data"]) == 2
+    assert _pixels(done["data"][0]["b64_json"]).shape == (96, 64, 3)
+
+
+def test_generate_url_with_image_and_mask(server, engine, tmp_path):
+    from diffgraph.cli import main
+
+    src, mask = tmp_path / "in.png", tmp_path / "mask.png"
+    _source().save(src)
+    Image.fromarray(_repaint_rows()).save(mask)
+    out = tmp_path / "out.png"
+    assert main(["generate", "a fox", "--url", server.url, "--image", str(src), "--mask", str(mask), "--steps", "6",
+                 "--seed", "4", "-o", str(out)]) == 0
+    expected = _expected(engine, image=_source(), mask_image=_repaint_rows())
+    assert np.abs(np.asarray(Image.open(out)).astype(int) - expected).max() <= 1
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A tiny PNG whose header declares width x height (its data is not even there)."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + header
+    return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(header)) + chunk
+            + struct.pack(">I", zlib.crc32(chunk)) + b"\x00\x00\x00\x00IEND\xaeB`\x82")
+
+
+@pytest.mark.parametrize("files,fields,param,needle", [
+    ({"image": b""}, {}, "image", "image is empty"),
+    ({"image": b"not an image"}, {}, "image", "not an image this server can read"),
+    ({"image": _png(_source())[:200]}, {}, "image", "could not be decoded"),
+    ({"mask": _png(_source())}, {}, "image", "image is required"),
+    ({"image": _png(_source()), "mask": b"\x89PNG"}, {}, "mask", "mask is not an image"),
+    ({"image": _png(_source()), "mask": _png(Image.new("L", (32, 64)))}, {}, "mask",
+     "mask is 32x64 but the image is 64x64"),
+    ({"image": _png(Image.fromarray(np.random.default_rng(0).integers(0, 255, (300, 300, 3), np.uint8)))}, {},
+     "image", "the limit is 200000"),
+    ({"image": _bomb_png(4096, 4096)}, {}, "image", "(16777216 pixels); the limit is 262144"),
+    ({"image": _png(_source())}, {"strength": "0"}, "strength", "strength 0.0 is out of range"),
+    ({"image": _png(_source())}, {"strength": "nan"}, "strength", "out of range"),
+    ({"image": _png(_source())}, {"strength": "1.5"}, "strength", "strength 1.5 is out of range"),
+    ({"image": _png(_source())}, {"strength": "0.02", "num_inference_steps": "20"}, "strength",
+     "strength 0.02 with num_inference_steps 20 leaves no denoising step"),
+    ({"image": _png(_source())}, {"strength": "lots"}, "strength", "strength: must be a number"),
+    ({"image": _png(_source())}, {"steps": "3"}, "steps", "unknown parameter 'steps'"),
+    ({"image": _png(_source())}, {"prompt": ""}, "prompt", "prompt is empty"),
+])
+def test_bad_edits_get_a_400_naming_the_field_and_the_server_stays_healthy(server, files, fields, param, needle):
+    body = {"prompt": "a fox", **fields}
+    r = _edit(server.url, files, **body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["param"] == param and error["type"] == "invalid_request_error"
+    assert httpx.get(f"{server.url}/ready", timeout=30).status_code == 200
+
+
+def test_a_json_body_gets_told_what_the_endpoint_takes(server):
+    r = httpx.post(f"{server.url}/v1/images/edits", json={"prompt": "a fox", "image": "aGVsbG8="}, timeout=60)
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "multipart/form-data" in message and "/v1/images/generations" in message
+    ok = _edit(server.url, {"image": _png(_source())}, prompt="a fox", strength=0.5, num_inference_steps=4)
+    assert ok.status_code == 200
