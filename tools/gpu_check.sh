@@ -4,6 +4,7 @@
 # tests1: the GPU tests with every engine on cuda:1 (2-GPU host; test_device_affinity checks GPU 0 stays untouched)
 # ab: bench latency (graph tier, 1 image) of the tree in .old/src (an older commit, `git archive REV src | tar -x -C
 # .old`, carried) and of src/, alternated twice in one call: the before/after comparison of a refactor
+# edits: bench throughput at saturation (step mode, 512x512) without and with half the trace edits (issue 15)
 # dp60: tools/bench_dp.py (DP_LABEL, DP_RATE, DP_FLAGS): 60 s seeded traces, saturation and 80% of it twice, step figures
 # dp: diffgraph serve over one replica (cuda:0) and over two (cuda:0,cuda:1), bench serve at 10 requests/s per GPU
 # plots: bench throughput (step vs request mode over the default rates) and bench serve (a rate sweep over HTTP)
@@ -71,6 +72,8 @@ while True:
         done ;;
     dp60) python3 tools/bench_dp.py --label "$DP_LABEL" --sat-rate "$DP_RATE" --json "$OUT/dp60_$DP_LABEL.json" -- $DP_FLAGS \
             2>&1 | grep -v Warning | tee "$OUT/dp60_$DP_LABEL.log" ;;
+    edits) python3 -m diffgraph.bench.throughput --sizes 512x512 --duration 30 --rates ${EDIT_RATE:-11.1} --modes step \
+             --edit-fraction 0.5 --json "$OUT/bench_edits.json" 2>&1 | grep -v Warning | tee "$OUT/bench_edits.log" ;;
     throughput) python3 -m diffgraph.bench.throughput --duration 15 --json "$OUT/bench_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_throughput.log" ;;
   esac
 done

@@ -6,6 +6,11 @@ same trace is replayed in process. Reported: throughput (images/s over the arriv
 p50/p90/p99 latency, mean live rows per step, and the GPU idle time between consecutive steps (the
 host time per step that does not overlap GPU work, from CUDA events). The compute-bound rate is
 measured separately: the largest bucket, every row full, steady state, for the same mix.
+
+`--edit-fraction F`: a share F of the trace's requests are edits (half image-to-image, half inpainting, strength
+uniform in 0.5..1.0, from a fixed random image); each run is then made twice on the same arrival times, without
+the edits and with them, and the ratios of mean live rows per step and of the window's work are printed (edits
+must not break batches), with the VAE encoder's ms per replay (an edit's one extra replay).
 """
 
 from __future__ import annotations
@@ -32,18 +37,41 @@ class TraceItem:
     size: tuple[int, int]  # (height, width)
     sampler: str
     seed: int
+    edit: str | None = None   # "img2img" | "inpaint" | None (text-to-image)
+    strength: float = 1.0
 
 
 def make_trace(rate: float, duration: float, seed: int, steps=(20, 30, 50), sizes=((512, 512), (768, 512)),
-               samplers=("euler", "dpmpp_2m")) -> list[TraceItem]:
+               samplers=("euler", "dpmpp_2m"), edit_fraction: float = 0.0) -> list[TraceItem]:
+    """Poisson arrivals; with edit_fraction > 0 a second generator marks edits, so the arrival times, sizes,
+    steps, samplers and seeds are those of the trace without edits."""
     rng = np.random.default_rng(seed)
+    edits = np.random.default_rng([seed, 1])
     t, items = 0.0, []
     while True:
         t += rng.exponential(1.0 / rate)
         if t > duration:
             return items
-        items.append(TraceItem(t, int(rng.choice(steps)), tuple(sizes[rng.integers(len(sizes))]),
-                               str(rng.choice(samplers)), int(rng.integers(2**31))))
+        item = TraceItem(t, int(rng.choice(steps)), tuple(sizes[rng.integers(len(sizes))]),
+                         str(rng.choice(samplers)), int(rng.integers(2**31)))
+        if edit_fraction > 0 and edits.random() < edit_fraction:
+            kind = "inpaint" if edits.random() < 0.5 else "img2img"
+            item = TraceItem(item.at, item.steps, item.size, item.sampler, item.seed, kind,
+                             float(edits.uniform(0.5, 1.0)))
+        items.append(item)
+
+
+def edit_inputs(size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed random image of `size` (height, width) and a mask of its central half (white = repaint)."""
+    h, w = size
+    image = np.random.default_rng(h * 10007 + w).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    mask = np.zeros((h, w), np.uint8)
+    mask[h // 4: 3 * h // 4, w // 4: 3 * w // 4] = 255
+    return image, mask
+
+
+def without_edits(trace: list[TraceItem]) -> list[TraceItem]:
+    return [TraceItem(i.at, i.steps, i.size, i.sampler, i.seed) for i in trace]
 
 
 def size_name(key: tuple[int, int]) -> str:
@@ -91,8 +119,12 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
         if delay > 0:
             time.sleep(delay)
         sent = time.perf_counter()
+        edit = {}
+        if item.edit is not None:
+            image, mask = edit_inputs(item.size)
+            edit = {"image": image, "strength": item.strength, **({"mask_image": mask} if item.edit == "inpaint" else {})}
         req = engine.make_request("a photo of a cat", width=item.size[1], height=item.size[0],
-                                  num_inference_steps=item.steps, sampler=item.sampler, seed=item.seed)
+                                  num_inference_steps=item.steps, sampler=item.sampler, seed=item.seed, **edit)
 
         def done(f, sent=sent):
             with lock:
@@ -157,6 +189,24 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
             "gpu_idle_p99_ms": float(np.percentile(gaps, 99)) if gaps else float("nan")}
 
 
+def encoder_ms(engine, sizes, iters: int = 20) -> dict[str, dict[int, float]]:
+    """Per size, the VAE encoder's ms per call of 1 and 2 images (graph replays where graphed), CUDA events."""
+    out: dict[str, dict[int, float]] = {}
+    for key in sizes:
+        out[size_name(key)] = {}
+        for n in (1, 2):
+            pixels = torch.rand((n, 3, *key)) * 2 - 1
+            engine.runner.encode_pixels(key, pixels)  # warm (captures on first use where needed)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                engine.runner.encode_pixels(key, pixels)
+            end.record()
+            torch.cuda.synchronize()
+            out[size_name(key)][n] = round(start.elapsed_time(end) / iters, 3)
+    return out
+
+
 def compute_bound_rate(engine, sizes, steps=(20, 30, 50), iters: int = 30) -> dict[str, Any]:
     """Images/s with the largest bucket full at every step, for the mix's mean steps and sizes: of the
     denoising steps alone, and with every image also decoded in full VAE batches (an image is not done
@@ -209,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-wait-ms", type=float, default=20.0,
                    help="request mode's batching window (the seed design: 5-20 ms; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--edit-fraction", type=float, default=0.0, metavar="F",
+                   help="share of the requests that are edits (image-to-image and inpainting, strength 0.5-1.0); "
+                        "each run is then made without and with them (default: 0)")
     p.add_argument("--json", default="bench_throughput.json")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw latency percentiles and images/s against the arrival rate, per mode (matplotlib)")
@@ -236,9 +289,16 @@ def main(argv: list[str] | None = None) -> int:
     # warm every graph the mix touches before timing
     for size in sizes:
         engine.generate("warm", width=size[1], height=size[0], num_inference_steps=2)
+    if not 0 <= args.edit_fraction <= 1:
+        print("diffgraph: error: --edit-fraction must be in [0, 1]")
+        return 2
+    if args.edit_fraction:
+        report["encoder_ms"] = encoder_ms(engine, sizes)
+        print(f"VAE encoder replay ms (bucket 1 = image-to-image, 2 = inpainting): {report['encoder_ms']}", flush=True)
     for rate in rates:
-        trace = make_trace(rate, args.duration, args.seed, steps, sizes, samplers)
-        for mode in args.modes.split(","):
+        trace = make_trace(rate, args.duration, args.seed, steps, sizes, samplers, args.edit_fraction)
+        variants = [("", trace)] if not args.edit_fraction else [("", without_edits(trace)), ("+edits", trace)]
+        for (suffix, run_trace), mode in ((v, m) for m in args.modes.split(",") for v in variants):
             batching, _, grow = mode.partition(":")
             extra = {}
             if grow:
@@ -246,15 +306,26 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"grow_fill": float(fill), "grow_hold_ms": float(hold)}
             engine.reconfigure(batching=batching, max_wait_ms=args.max_wait_ms if batching == "request" else 0.0,
                                **{"grow_fill": defaults.grow_fill, "grow_hold_ms": defaults.grow_hold_ms, **extra})
-            r = replay(engine, trace, timeout=args.duration, row_step_ms=row_step_ms)
-            r.update(mode=mode, rate=rate)
+            r = replay(engine, run_trace, timeout=args.duration, row_step_ms=row_step_ms)
+            r.update(mode=mode + suffix, rate=rate, edits=sum(i.edit is not None for i in run_trace))
             report["runs"].append(r)
+            mode = mode + suffix
             print(f"rate {rate:6.2f}/s {mode:14s} {r['images_per_s']:6.2f} img/s (steady {r['steady_images_per_s']:5.2f}, window {r['window_images_per_s']:5.2f}, work {r['window_work_fraction'] * cb['steps_only_images_per_s']:5.2f})  p50 {r['p50_ms']:8.0f} ms  "
                   f"p90 {r['p90_ms']:8.0f}  p99 {r['p99_ms']:8.0f}  live rows {r['mean_live_rows']:5.2f}  "
                   f"GPU idle/step {r['gpu_idle_between_steps_ms']:.3f} ms  done {r['completed']}/{r['requests']}",
                   flush=True)
     engine.close()
     by = {(r["rate"], r["mode"]): r for r in report["runs"]}
+    if args.edit_fraction:
+        print(f"with edits ({args.edit_fraction:g} of the requests) vs text-to-image only, same arrivals (targets: live "
+              "rows >= 0.95x, window work >= 0.9x):")
+        for (rate, mode), r in by.items():
+            base = by.get((rate, mode.removesuffix("+edits"))) if mode.endswith("+edits") else None
+            if base:
+                print(f"  rate {rate:6.2f}/s {mode:20s}: live rows {r['mean_live_rows']:.2f} / "
+                      f"{base['mean_live_rows']:.2f} = {r['mean_live_rows'] / base['mean_live_rows']:.3f}x  window work "
+                      f"{r['window_work_fraction']:.3f} / {base['window_work_fraction']:.3f} = "
+                      f"{r['window_work_fraction'] / base['window_work_fraction']:.3f}x  ({r['edits']} edits)")
     print("step vs request mode, per arrival rate (the issue's targets: p99 <= 0.6x, images/s >= request mode's):")
     for rate in rates:
         rq = by.get((rate, "request"))
