@@ -19,6 +19,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -281,3 +282,68 @@ def test_asks_for_the_api_key_then_generates(browser, keyed_server, tmp_path):
     assert stored[0]["seed"] == "8" and len(stored) < 50  # the newest entries that fit
     assert errors == []
     page.screenshot(path=str(tmp_path / "playground-key.png"), full_page=True)
+
+
+def test_image_upload_and_mask_brush_send_edits(browser, server, tmp_path):
+    """An uploaded image with strokes of the mask brush is an inpainting request to /v1/images/edits (image and
+    a white-on-black mask of the image's size); without strokes, image-to-image; a bad strength is shown at its
+    field; the results have the image's size."""
+    page = pg.open_playground(browser, server.url)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    sent: list[dict] = []
+
+    def on_route(route) -> None:  # the multipart body as sent (request events omit file parts)
+        body = route.request.post_data_buffer or b""
+        sent.append({"has_mask": b'name="mask"' in body, "has_image": b'name="image"' in body, "body": body})
+        route.continue_()
+    page.route("**/v1/images/edits", on_route)
+
+    source = tmp_path / "three.png"
+    arr = np.zeros((72, 64, 3), np.uint8)  # 64x72: a non-square size the result must keep
+    arr[16:56, 20:44] = 255
+    Image.fromarray(arr).save(source)
+    page.set_input_files("#image", str(source))
+    page.wait_for_selector("[data-testid=edit-area]:not([hidden])", timeout=pg.WAIT_MS)
+    assert page.evaluate("() => document.body.dataset.editImage") == "64x72"
+    assert page.input_value("#size") == "auto"
+
+    # paint a stroke across the middle of the image
+    box = page.locator("[data-testid=mask-canvas]").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.2, box["y"] + box["height"] * 0.5)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.8, box["y"] + box["height"] * 0.5, steps=8)
+    page.mouse.up()
+    assert page.evaluate("() => document.body.dataset.maskPainted") == "true"
+
+    pg.fill_form(page, prompt="a handwritten digit eight", steps=STEPS, seed=SEED, n=1)
+    local = pg.submit(page)
+    assert pg.wait_finished(page, local) == "done"
+    assert sent and sent[-1]["has_image"] and sent[-1]["has_mask"]
+    assert _image_sizes(pg.card(page, local)) == [(64, 72)]
+    mask_png = sent[-1]["body"].split(b'name="mask"', 1)[1].split(b"\r\n\r\n", 1)[1]
+    mask = np.asarray(Image.open(io.BytesIO(mask_png)).convert("L"))
+    assert mask.shape == (72, 64) and mask[36, 32] == 255 and mask[2, 2] == 0  # painted middle, untouched corner
+
+    # a strength the server refuses: its message at the strength field
+    page.fill("#strength", "2")
+    refused = pg.submit(page)
+    page.wait_for_function("() => document.getElementById('error-strength').textContent.length > 0",
+                           timeout=pg.WAIT_MS)
+    assert "strength 2" in page.text_content("#error-strength")
+    del refused
+
+    # no strokes: image-to-image at strength 0.5
+    page.click("[data-testid=mask-clear]")
+    page.fill("#strength", "0.5")
+    local = pg.submit(page)
+    assert pg.wait_finished(page, local) == "done"
+    assert sent[-1]["has_image"] and not sent[-1]["has_mask"]
+    assert b"0.5" in sent[-1]["body"].split(b'name="strength"', 1)[1][:40]
+    steps_seen = pg.card(page, local).get_attribute("data-total")
+    assert steps_seen == str(STEPS // 2)  # strength 0.5 runs half the steps
+
+    # removing the image goes back to text-to-image
+    page.click("[data-testid=image-remove]")
+    assert page.input_value("#size") != "auto"
+    assert not errors, errors

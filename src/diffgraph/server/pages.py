@@ -51,6 +51,8 @@ def server_info(state: Any) -> dict[str, Any]:
         "output_formats": list(OUTPUT_FORMATS), "graphed_resolutions": resolutions,
         "batch_buckets": list(config.batch_buckets), "max_prompt_bytes": config.max_prompt_bytes,
         "auth_required": bool(config.api_keys),
+        "edits": bool(info.edits) if info else None, "edit_strength": list(info.edit_strength) if info else None,
+        "max_image_bytes": config.max_image_bytes, "max_image_pixels": config.max_image_pixels,
     }
 
 

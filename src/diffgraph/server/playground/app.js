@@ -1,4 +1,5 @@
-/* The diffgraph playground: a form over POST /v1/images/generations ("stream": true), read as server-sent
+/* The diffgraph playground: a form over POST /v1/images/generations ("stream": true), or with an image (and a
+ * mask painted over it) POST /v1/images/edits (multipart, "stream": "true"), read as server-sent
  * events through fetch() (EventSource cannot POST); one card per request with a live progress bar; a history in
  * localStorage; a status panel polled from /status. No dependencies, no build step.
  *
@@ -19,8 +20,11 @@
   const FIELD_FOR_PARAM = {
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
+    image: "image", mask: "image", strength: "strength",
   };
-  const FIELDS = ["prompt", "negative-prompt", "size", "steps", "guidance", "sampler", "schedule", "seed", "n"];
+  const FIELDS = ["prompt", "negative-prompt", "size", "steps", "guidance", "sampler", "schedule", "seed", "n",
+    "image", "strength"];
+  const AUTO_SIZE = "auto";  // an edit's size: the image's, rounded down to multiples of 8 (the server's rule)
   const EXTENSIONS = { png: "png", jpeg: "jpg", webp: "webp" };
 
   const $ = (id) => document.getElementById(id);
@@ -30,6 +34,7 @@
     info: null,
     history: [],
     nextLocalId: 1,
+    edit: { file: null, width: 0, height: 0, painted: false, drawing: false },  // the image of an edit
     keyPrompt: null,   // the pending askForKey promise, shared by whoever needs a key meanwhile
     askedKeyOnLoad: false,
   };
@@ -59,7 +64,8 @@
   }
 
   function summary(s) {
-    const parts = [s.size, `${s.steps} steps`, `${s.sampler}/${s.schedule}`];
+    const parts = [s.size === AUTO_SIZE ? "the image's size" : s.size, `${s.steps} steps`, `${s.sampler}/${s.schedule}`];
+    if (s.edit) parts.unshift(s.strength ? `${s.edit} (strength ${s.strength})` : s.edit);
     if (s.guidance !== "") parts.push(`cfg ${s.guidance}`);
     if (Number(s.n) > 1) parts.push(`${s.n} images`);
     return parts.join(" · ");
@@ -245,6 +251,8 @@
       schedule: $("schedule").value,
       seed: $("seed").value.trim(),
       n: $("n").value.trim(),
+      strength: $("strength").value.trim(),
+      edit: app.edit.file ? (app.edit.painted ? "inpainting" : "image-to-image") : "",
     };
   }
 
@@ -268,6 +276,7 @@
     }
     $("seed").value = s.seed || "";
     $("n").value = s.n || 1;
+    $("strength").value = s.strength || "";
     for (const id of ["size", "steps", "guidance", "sampler", "schedule"]) $(id).dataset.touched = "true";
     clearErrors();
   }
@@ -299,7 +308,7 @@
   function localErrors(s) {
     const errors = [];
     if (!s.prompt.trim()) errors.push(["prompt", "Enter a prompt: describe the image to generate."]);
-    if (!/^\s*\d+\s*[xX×]\s*\d+\s*$/.test(s.size)) {
+    if (!(s.edit && s.size === AUTO_SIZE) && !/^\s*\d+\s*[xX×]\s*\d+\s*$/.test(s.size)) {
       errors.push(["size", "Enter the size as WIDTHxHEIGHT, e.g. 512x512."]);
     }
     if (!/^\d+$/.test(s.steps)) errors.push(["num_inference_steps", "Enter the number of steps, a whole number."]);
@@ -310,6 +319,9 @@
       errors.push(["seed", "A seed is a whole number >= 0; leave it empty for a random one."]);
     }
     if (!/^\d+$/.test(s.n)) errors.push(["n", "Enter the number of images, a whole number."]);
+    if (s.edit && s.strength !== "" && !Number.isFinite(Number(s.strength))) {
+      errors.push(["strength", "Enter the strength as a number in (0, 1], e.g. 0.8, or leave it empty."]);
+    }
     return errors;
   }
 
@@ -342,7 +354,99 @@
       const key = await askForKey("This server needs an API key.");
       if (!key) { showError(null, "This server needs an API key: generation was not started."); return; }
     }
-    startRequest(settings);
+    const edit = app.edit.file ? { file: app.edit.file, mask: app.edit.painted ? await maskBlob() : null } : null;
+    startRequest(settings, edit);
+  }
+
+  /* The multipart body of an edit: the text fields as strings, the image file and the painted mask (PNG). */
+  function editBody(s, edit) {
+    const form = new FormData();
+    const fields = { prompt: s.prompt, n: s.n, num_inference_steps: s.steps, sampler: s.sampler,
+      schedule: s.schedule, output_format: "png", response_format: "b64_json", stream: "true" };
+    if (s.size !== AUTO_SIZE) fields.size = s.size.replace(/\s+/g, "").replace("×", "x").toLowerCase();
+    if (s.negative_prompt.trim()) fields.negative_prompt = s.negative_prompt;
+    if (s.guidance !== "") fields.guidance_scale = s.guidance;
+    if (s.seed !== "") fields.seed = s.seed;
+    if (s.strength !== "") fields.strength = s.strength;
+    for (const [k, v] of Object.entries(fields)) form.append(k, String(v));
+    form.append("image", edit.file, edit.file.name || "image.png");
+    if (edit.mask) form.append("mask", edit.mask, "mask.png");
+    return form;
+  }
+
+  // -- the image of an edit, and its mask brush -------------------------------------------------------------
+  function loadImageFile(file) {
+    clearFieldError("image");
+    if (!file) return;
+    const url = URL.createObjectURL(file);
+    const img = new Image();
+    img.onload = () => {
+      URL.revokeObjectURL(url);
+      const w = img.naturalWidth, h = img.naturalHeight;
+      for (const c of [$("image-canvas"), $("mask-canvas")]) { c.width = w; c.height = h; }
+      $("image-canvas").getContext("2d").drawImage(img, 0, 0);
+      Object.assign(app.edit, { file, width: w, height: h, painted: false });
+      $("edit-area").hidden = false;
+      const select = $("size");
+      let auto = select.querySelector(`option[value="${AUTO_SIZE}"]`);
+      if (!auto) { auto = el("option", { value: AUTO_SIZE }); select.prepend(auto); }
+      auto.textContent = `the image's (${w - (w % 8)}x${h - (h % 8)})`;
+      select.value = AUTO_SIZE;
+      syncCustomSize();
+      document.body.dataset.editImage = `${w}x${h}`;
+    };
+    img.onerror = () => {
+      URL.revokeObjectURL(url);
+      showError("image", "This file is not an image the browser can read; choose a PNG, JPEG or WebP.");
+      $("image").value = "";
+    };
+    img.src = url;
+  }
+
+  function removeImage() {
+    Object.assign(app.edit, { file: null, width: 0, height: 0, painted: false });
+    $("image").value = "";
+    $("edit-area").hidden = true;
+    const auto = $("size").querySelector(`option[value="${AUTO_SIZE}"]`);
+    if (auto) auto.remove();
+    if ($("size").value === AUTO_SIZE || !$("size").value) $("size").selectedIndex = 0;
+    syncCustomSize();
+    delete document.body.dataset.editImage;
+  }
+
+  function clearMask() {
+    const c = $("mask-canvas");
+    c.getContext("2d").clearRect(0, 0, c.width, c.height);
+    app.edit.painted = false;
+    document.body.dataset.maskPainted = "false";
+  }
+
+  function paint(event) {
+    const c = $("mask-canvas");
+    const rect = c.getBoundingClientRect();
+    const x = (event.clientX - rect.left) * (c.width / rect.width);
+    const y = (event.clientY - rect.top) * (c.height / rect.height);
+    const radius = Number($("brush").value) * (c.width / Math.max(1, rect.width)) / 2;
+    const ctx = c.getContext("2d");
+    ctx.fillStyle = "#ffffff";
+    ctx.beginPath();
+    ctx.arc(x, y, Math.max(0.5, radius), 0, 2 * Math.PI);
+    ctx.fill();
+    app.edit.painted = true;
+    document.body.dataset.maskPainted = "true";
+  }
+
+  /* The mask as the server reads one without alpha: white where painted (repaint), black elsewhere. */
+  function maskBlob() {
+    const src = $("mask-canvas");
+    const out = document.createElement("canvas");
+    out.width = src.width;
+    out.height = src.height;
+    const ctx = out.getContext("2d");
+    ctx.fillStyle = "#000000";
+    ctx.fillRect(0, 0, out.width, out.height);
+    ctx.drawImage(src, 0, 0);
+    return new Promise((resolve) => out.toBlob(resolve, "image/png"));
   }
 
   // -- one request: its card, its stream ------------------------------------------------------------------
@@ -370,8 +474,9 @@
     return card;
   }
 
-  function startRequest(settings) {
-    const req = { localId: app.nextLocalId++, settings, controller: new AbortController(), progressEvents: 0 };
+  function startRequest(settings, edit = null) {
+    const req = { localId: app.nextLocalId++, settings, edit, controller: new AbortController(),
+      progressEvents: 0 };
     req.card = makeCard(req);
     document.body.dataset.lastRequest = String(req.localId);  // lets a test find this request's card
     runRequest(req);
@@ -380,10 +485,15 @@
   async function runRequest(req) {
     let response;
     try {
-      response = await fetch("/v1/images/generations", {
-        method: "POST", body: requestBody(req.settings), signal: req.controller.signal, cache: "no-store",
-        headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
-      });
+      response = req.edit
+        ? await fetch("/v1/images/edits", {  // multipart: the browser sets the Content-Type with its boundary
+          method: "POST", body: editBody(req.settings, req.edit), signal: req.controller.signal, cache: "no-store",
+          headers: authHeaders({ Accept: "text/event-stream" }),
+        })
+        : await fetch("/v1/images/generations", {
+          method: "POST", body: requestBody(req.settings), signal: req.controller.signal, cache: "no-store",
+          headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
+        });
     } catch (e) {
       if (req.controller.signal.aborted) cancelled(req);
       else refused(req, { message: `Could not reach the server (${e.message}).` });
@@ -726,6 +836,17 @@
       $(id).addEventListener("input", () => { $(id).dataset.touched = "true"; clearFieldError(id); });
     }
     $("size-custom").addEventListener("input", () => clearFieldError("size"));
+    $("image").addEventListener("change", () => loadImageFile($("image").files[0]));
+    $("image-remove").addEventListener("click", removeImage);
+    $("mask-clear").addEventListener("click", clearMask);
+    const mask = $("mask-canvas");
+    mask.addEventListener("pointerdown", (e) => {
+      app.edit.drawing = true;
+      mask.setPointerCapture(e.pointerId);
+      paint(e);
+    });
+    mask.addEventListener("pointermove", (e) => { if (app.edit.drawing) paint(e); });
+    for (const type of ["pointerup", "pointercancel"]) mask.addEventListener(type, () => { app.edit.drawing = false; });
     $("seed-random").addEventListener("click", () => {
       const word = new Uint32Array(1);
       crypto.getRandomValues(word);
