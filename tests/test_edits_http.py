@@ -175,3 +175,17 @@ def test_a_json_body_gets_told_what_the_endpoint_takes(server):
     assert "multipart/form-data" in message and "/v1/images/generations" in message
     ok = _edit(server.url, {"image": _png(_source())}, prompt="a fox", strength=0.5, num_inference_steps=4)
     assert ok.status_code == 200
+
+
+def test_the_openai_client_edits(server, engine, tmp_path):
+    import openai
+
+    src, mask = tmp_path / "in.png", tmp_path / "mask.png"
+    _source().save(src)
+    Image.fromarray(_repaint_rows()).save(mask)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    with open(src, "rb") as image, open(mask, "rb") as m:
+        out = client.images.edit(model=MODEL, image=image, mask=m, prompt="a fox", response_format="b64_json",
+                                 extra_body={"strength": 0.9, "num_inference_steps": 6, "seed": 4})
+    expected = _expected(engine, image=_source(), mask_image=_repaint_rows(), strength=0.9)
+    assert np.abs(_pixels(out.data[0].b64_json) - expected).max() <= 1
