@@ -92,21 +92,37 @@ def test_data_parallel_and_device_settings():
 def test_the_server_over_two_cpu_replicas():
     import concurrent.futures
 
-    import httpx
-    from test_server import ServerProcess, generate
+    import base64
 
-    s = ServerProcess("--devices", "cpu,cpu", "--max-queue", "64")
+    import httpx
+    from test_server import generate
+
+    from diffgraph import Engine
+    from diffgraph.server.process import ServerProcess
+
+    s = ServerProcess("--devices", "cpu,cpu", "--max-queue", "64", model="digits")
     try:
         s.wait_ready()  # /ready says 200 once one replica (--min-ready 1) is ready; the other may still start
         from test_server import wait_for
         ready = wait_for(lambda: (lambda b: b if all(r["state"] == "ready" for r in b["replicas"]) else None)(
             httpx.get(s.url + "/ready", timeout=300).json()), what="both replicas ready")
         assert [r["replica"] for r in ready["replicas"]] == ["cpu#0", "cpu#1"]
+        prompt = "a handwritten digit {}".format
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda i: generate(s.url, num_inference_steps=4, seed=i, size="64x64"), range(6)))
+            answers = list(pool.map(lambda i: generate(s.url, prompt=prompt(i), num_inference_steps=6, seed=i),
+                                    range(6)))
         assert [a.status_code for a in answers] == [200] * 6 and [a.json()["seed"] for a in answers] == list(range(6))
+        one = Engine("digits", device="cpu")  # the same seeds on one engine in this process: the same images
+        try:
+            for i, a in enumerate(answers):
+                got = np.asarray(Image.open(io.BytesIO(base64.b64decode(a.json()["data"][0]["b64_json"])))).astype(int)
+                want = np.asarray(one.generate(prompt(i), num_inference_steps=6, seed=i).images[0]).astype(int)
+                assert np.abs(got - want).max() <= 1, i
+        finally:
+            one.close()
         streamed = httpx.post(s.url + "/v1/images/generations", timeout=600,
-                              json={"prompt": "x", "num_inference_steps": 3, "stream": True, "seed": 1})
+                              json={"prompt": "a handwritten digit one", "num_inference_steps": 3, "stream": True,
+                                    "seed": 1})
         assert streamed.text.count("event: progress") == 3 and "event: completed" in streamed.text
         metrics = httpx.get(s.url + "/metrics", timeout=300).text
         lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
@@ -116,7 +132,7 @@ def test_the_server_over_two_cpu_replicas():
         # SIGTERM drains every replica: a request in flight finishes, then the process exits 0
         import threading
         late = {}
-        t = threading.Thread(target=lambda: late.update(r=generate(s.url, num_inference_steps=40, seed=3)))
+        t = threading.Thread(target=lambda: late.update(r=generate(s.url, num_inference_steps=80, seed=3)))
         t.start()
         wait_for(lambda: httpx.get(s.url + "/metrics", timeout=300).text.count("diffgraph_inflight_requests 1.0"),
                  what="the late request in flight")
