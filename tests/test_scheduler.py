@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from diffgraph.engine.scheduler import QueueFullError, RequestState, Scheduler, SchedulerConfig
-from diffgraph.sampling.samplers import make_plan
+from diffgraph.sampling.samplers import NUM_COEFS, make_plan
 from diffgraph.sampling.schedules import NoiseSchedule
 
 NOISE = NoiseSchedule.from_config({"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012,
@@ -43,7 +43,7 @@ class FakeWorker:
         assert rows[:plan.n_rows] == expected
         i = 0
         for s in plan.live:
-            np.testing.assert_array_equal(plan.coefs[i:i + s.rows], np.broadcast_to(s.plan.coefs[s.step], (s.rows, 8)))
+            np.testing.assert_array_equal(plan.coefs[i:i + s.rows], np.broadcast_to(s.plan.coefs[s.step], (s.rows, NUM_COEFS)))
             i += s.rows
 
 

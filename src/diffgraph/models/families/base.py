@@ -63,7 +63,8 @@ class FamilyAdapter:
     # (encoder subfolder, tokenizer subfolder, transformers class) per text encoder, in order
     text_parts: tuple[tuple[str, str, str], ...] = (("text_encoder", "tokenizer", "CLIPTextModel"),)
     force_zeros_default: bool = False  # SDXL: a missing negative prompt is all zeros (unless the index says no)
-    supports_edits: bool = True        # image-to-image and inpainting (VAE encoder, the SD noise schedule)
+    supports_edits: bool = False       # image-to-image and inpainting (a diffusers VAE encoder, the SD noise
+                                       # schedule's add_noise): SD and SDXL say True
     edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
 
     # -- loading ---------------------------------------------------------------------------------
@@ -111,11 +112,16 @@ class FamilyAdapter:
         return 2 ** (len(model.vae.config.block_out_channels) - 1)
 
     def latent_channels(self, model: DiffusionModel) -> int:
-        return int(model.vae.config.latent_channels)
+        vae_config = getattr(model.vae, "config", None)
+        if vae_config is not None and hasattr(vae_config, "latent_channels"):
+            return int(vae_config.latent_channels)
+        return int(model.unet.config.in_channels)
 
     def extra_channels(self, model: DiffusionModel) -> int:
         """Denoiser input channels beyond the latents: 0, or mask + masked-image latents (9-channel inpainting
-        UNets, detected from the UNet config)."""
+        UNets, detected from the UNet config). Families without edits: 0."""
+        if not self.supports_edits:
+            return 0
         extra = int(model.unet.config.in_channels) - self.latent_channels(model)
         if extra not in (0, 1 + self.latent_channels(model)):
             raise ValueError(f"the UNet takes {model.unet.config.in_channels} input channels; diffgraph supports "

@@ -19,6 +19,7 @@ class SDFamily(FamilyAdapter):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
     default_guidance = 7.5
+    supports_edits = True
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length

@@ -29,6 +29,7 @@ class SDXLFamily(FamilyAdapter):
     pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
                         "StableDiffusionXLInpaintPipeline")
     default_guidance = 5.0
+    supports_edits = True
     edit_strength = (0.3, 0.9999)  # diffusers' StableDiffusionXLImg2ImgPipeline / StableDiffusionXLInpaintPipeline
     text_parts = (("text_encoder", "tokenizer", "CLIPTextModel"),
                   ("text_encoder_2", "tokenizer_2", "CLIPTextModelWithProjection"))
