@@ -158,6 +158,11 @@ def test_a_registered_family_generates_through_the_engine(toy):
         with pytest.raises(ParamError, match="not available for the toy flow family") as e:
             engine.make_request("a cat", sampler="dpmpp_2m")
         assert e.value.param == "sampler"
+        # a family without edits (supports_edits False by default) refuses an image, naming the parameter
+        assert not engine.info.edits
+        with pytest.raises(ParamError, match="takes no image inputs") as e:
+            engine.make_request("a cat", image=np.zeros((64, 64, 3), np.uint8))
+        assert e.value.param == "image"
 
 
 def test_the_default_registry_does_not_know_it(toy):
