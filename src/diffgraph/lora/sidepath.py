@@ -1,0 +1,131 @@
+"""Per-row LoRA side paths over fixed device slots (toward issue 12; not wired into the engine yet).
+
+The Punica / S-LoRA idea for diffusion steps: every targeted layer (an nn.Linear, or a 1x1 nn.Conv2d) keeps its
+base weight and gains a low-rank side path whose weights live in fixed device tensors, one slot per loaded adapter,
+zero-padded to a maximum rank:
+
+    A [slots, rank, in]    B [slots, out, rank]    (slot 0: all zeros, "no adapter")
+
+Each batch row reads which slots (up to `K` adapters, stacked) and scales apply to it from a `RowLoras` context (idx
+[rows, K] int64, scale [rows, K]); so rows with different adapters, or none, share one forward (one graph replay):
+
+    y = base(x) + sum_k scale[row, k] * (x @ A[idx[row, k]]^T) @ B[idx[row, k]]^T
+
+Loading an adapter writes its A and B into a slot in place (`LoraSlots.write`): the tensors a captured graph reads
+never move, so nothing is recaptured. With the context's `idx` unset the side path is skipped (the variant for
+steps where no row uses an adapter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+MAX_STACK = 4  # adapters one request may stack
+
+
+@dataclass
+class RowLoras:
+    """Which slots and scales each row of the current forward uses; `idx` None: no side path at all."""
+
+    idx: torch.Tensor | None = None     # [rows, K] int64 slot numbers (0 = none)
+    scale: torch.Tensor | None = None   # [rows, K] scales (0 where unused)
+
+    def set(self, idx: torch.Tensor | None, scale: torch.Tensor | None) -> None:
+        if (idx is None) != (scale is None) or (idx is not None and idx.shape != scale.shape):
+            raise ValueError("idx and scale must both be given, with the same [rows, K] shape, or both be None")
+        if idx is not None and idx.shape[1] > MAX_STACK:
+            raise ValueError(f"{idx.shape[1]} stacked adapters per row; at most {MAX_STACK}")
+        self.idx, self.scale = idx, scale
+
+
+@dataclass
+class _Slot:
+    a: torch.Tensor  # [slots, rank, in]
+    b: torch.Tensor  # [slots, out, rank]
+
+
+@dataclass
+class LoraSlots:
+    """The device slots of every targeted layer: `slots` adapters (plus slot 0, empty) of rank <= `max_rank`."""
+
+    slots: int
+    max_rank: int
+    layers: dict[str, _Slot] = field(default_factory=dict)
+
+    def write(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> None:
+        """Copies one layer's adapter weights into `slot` in place, zero-padded to max_rank; `scale` (alpha / r)
+        is folded into B. a: [r, in] (or [r, in, 1, 1]), b: [out, r] (or [out, r, 1, 1])."""
+        if not 1 <= slot <= self.slots:
+            raise ValueError(f"slot {slot} is out of range 1..{self.slots}")
+        layer = self.layers.get(module)
+        if layer is None:
+            raise KeyError(f"{module!r} is not a targeted layer")
+        a, b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+        r = a.shape[0]
+        if r > self.max_rank:
+            raise ValueError(f"rank {r} at {module} is above the maximum rank {self.max_rank}")
+        if a.shape[1] != layer.a.shape[2] or b.shape != (layer.b.shape[1], r):
+            raise ValueError(f"{module}: adapter shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the layer "
+                             f"(in {layer.a.shape[2]}, out {layer.b.shape[1]})")
+        with torch.no_grad():
+            layer.a[slot].zero_()
+            layer.b[slot].zero_()
+            layer.a[slot, :r].copy_(a)
+            layer.b[slot, :, :r].copy_(b * scale)
+
+    def clear(self, slot: int) -> None:
+        with torch.no_grad():
+            for layer in self.layers.values():
+                layer.a[slot].zero_()
+                layer.b[slot].zero_()
+
+
+class LoraLayer(nn.Module):
+    """A targeted layer with its per-row side path (wraps the base layer; its parameters stay the base's)."""
+
+    def __init__(self, base: nn.Module, slot: _Slot, rows: RowLoras):
+        super().__init__()
+        self.base = base
+        self._slot = slot
+        self._rows = rows
+        self._conv = isinstance(base, nn.Conv2d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        rows = self._rows
+        if rows.idx is None:
+            return y
+        a, b = self._slot.a[rows.idx], self._slot.b[rows.idx]  # [N, K, R, in], [N, K, out, R]
+        h = x.flatten(2).transpose(1, 2) if self._conv else x.reshape(x.shape[0], -1, x.shape[-1])  # [N, L, in]
+        low = torch.einsum("nli,nkri->nklr", h.to(a.dtype), a) * rows.scale.to(a.dtype)[:, :, None, None]
+        side = torch.einsum("nklr,nkor->nlo", low, b).to(y.dtype)  # [N, L, out]
+        if self._conv:
+            return y + side.transpose(1, 2).reshape(y.shape)
+        return y + side.reshape(y.shape)
+
+
+def attach(root: nn.Module, targets: list[str], slots: int, max_rank: int, rows: RowLoras) -> LoraSlots:
+    """Wraps each targeted layer of `root` (module paths; Linear or 1x1 Conv2d) with its side path over new zeroed
+    slots on the layer's device and dtype; returns the slots. Other layer kinds are refused by name."""
+    bank = LoraSlots(slots=slots, max_rank=max_rank)
+    for path in targets:
+        parent_path, _, name = path.rpartition(".")
+        parent = root.get_submodule(parent_path) if parent_path else root
+        base = getattr(parent, name)
+        if isinstance(base, nn.Linear):
+            n_in, n_out = base.in_features, base.out_features
+        elif isinstance(base, nn.Conv2d) and base.kernel_size == (1, 1) and base.groups == 1:
+            n_in, n_out = base.in_channels, base.out_channels
+        else:
+            kind = f"a {base.kernel_size[0]}x{base.kernel_size[1]} convolution" if isinstance(base, nn.Conv2d) \
+                else type(base).__name__
+            raise ValueError(f"{path} is {kind}: LoRA side paths take Linear layers and 1x1 convolutions")
+        w = base.weight
+        slot = _Slot(torch.zeros((slots + 1, max_rank, n_in), dtype=w.dtype, device=w.device),
+                     torch.zeros((slots + 1, n_out, max_rank), dtype=w.dtype, device=w.device))
+        bank.layers[path] = slot
+        setattr(parent, name, LoraLayer(base, slot, rows))
+    return bank
