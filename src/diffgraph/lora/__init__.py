@@ -1,3 +1,4 @@
-"""LoRA adapters under CUDA graphs (issue 12, in progress): `sidepath.py` holds the per-row side paths over fixed
-device slots. Reading adapter files, the slot cache and the engine wiring are still to come; nothing else in
-diffgraph imports this package yet."""
+"""LoRA adapters under CUDA graphs (issue 12, in progress): `files.py` reads adapter files (diffusers/PEFT and
+kohya layouts, through diffusers' readers and converters) into per-layer low-rank weights; `sidepath.py` holds the
+per-row side paths over fixed device slots. The slot cache, the engine wiring and the API are still to come; nothing
+else in diffgraph imports this package yet."""
