@@ -96,7 +96,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="one engine replica process per device, e.g. cuda:0,cuda:1 or cpu,cpu; requests go to the "
                         "replica with the least outstanding work (default: one engine in this process)")
     p.add_argument("--data-parallel", default=None, metavar="N|all",
-                   help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU)")
+                   help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU); with --ray: the number "
+                        "of engine replicas, or auto (autoscaled)")
     p.add_argument("--min-ready", type=int, default=None, metavar="K",
                    help="with several replicas: /ready answers 200 while at least K are ready (default: 1)")
     p.add_argument("--max-image-bytes", type=int, default=None, metavar="N",
