@@ -24,7 +24,8 @@ def pixels(result) -> np.ndarray:
 @pytest.fixture(scope="module")
 def router():
     r = Router([ReplicaClient("cpu", MODEL, name=f"cpu#{i}", torch_threads=1) for i in range(2)])
-    assert r.wait_ready(BOUND_S), r.replica_states()
+    # every replica, not only min_ready of them: the tests below need both serving
+    assert all(replica.wait_ready(BOUND_S) for replica in r.replicas), r.replica_states()
     yield r
     r.close()
 

@@ -192,6 +192,18 @@ class ReplicaClient:
             pending, self._pending = self._pending, {}
             stats, self._stats = self._stats, {}
             closing = self.state == "closed"
+        delay = None
+        if not closing:  # the state first: whoever the answers below wake (a retry) sees the replica as down
+            now = time.monotonic()
+            self._crashes = [t for t in self._crashes if now - t < self._window_s] + [now]
+            if len(self._crashes) > self._max_restarts:
+                self.state = "down"
+                self.error = f"crashed {len(self._crashes)} times within {self._window_s:g} s; left down"
+            else:
+                self.state = "restarting"
+                self._ready_event.clear()
+                delay = self._backoff_s * 2 ** (len(self._crashes) - 1)
+                self.restarts += 1
         error = EngineClosed(f"replica {self.name} stopped (exit code {exitcode}) before this request finished; "
                              "retry it (other replicas keep serving)")
         for handle in handles.values():
@@ -202,20 +214,12 @@ class ReplicaClient:
         if closing:
             self._ready_event.set()
             return
-        now = time.monotonic()
-        self._crashes = [t for t in self._crashes if now - t < self._window_s] + [now]
         logger.error("replica %s died (exit code %s); %d request(s) in flight answered 503", self.name, exitcode,
                      len(handles))
-        if len(self._crashes) > self._max_restarts:
-            self.state = "down"
-            self.error = f"crashed {len(self._crashes)} times within {self._window_s:g} s; left down"
+        if delay is None:
             logger.error("replica %s %s", self.name, self.error)
             self._ready_event.set()
             return
-        self.state = "restarting"
-        self._ready_event.clear()
-        delay = self._backoff_s * 2 ** (len(self._crashes) - 1)
-        self.restarts += 1
         timer = threading.Timer(delay, self._restart)
         timer.daemon = True
         timer.start()
