@@ -14,32 +14,13 @@ import torch
 from torch import nn
 
 sys.path.insert(0, "src")
+sys.path.insert(0, "tools")
 
 from diffgraph import Engine  # noqa: E402
 from diffgraph.lora.sidepath import RowLoras, attach  # noqa: E402
+from probe_layout import graph_ms  # noqa: E402  (one captured-graph timer for the probes)
 
 ENDS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
-
-
-def graphed_ms(fn, iters: int = 50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -50,7 +31,7 @@ def main() -> None:
     t = torch.full((rows,), 500, device="cuda")
     cond = torch.randn((rows, 77, 768), device="cuda", dtype=torch.float16)
     with torch.no_grad():
-        base = graphed_ms(lambda: unet(x, t, encoder_hidden_states=cond, return_dict=False))
+        base = graph_ms(lambda: unet(x, t, encoder_hidden_states=cond, return_dict=False), iters=50)
         print(f"plain UNet, batch {rows}: {base:.2f} ms", flush=True)
         for rank in (16, 64):
             wrapped = copy.deepcopy(unet)
@@ -63,11 +44,11 @@ def main() -> None:
             for k in (1, 4):  # one adapter per row (4 different ones in the batch), or a stack of 4 per row
                 idx = (torch.arange(rows, device="cuda") % 4 + 1).view(rows, 1).repeat(1, k)
                 ctx.set(idx, torch.ones((rows, k), device="cuda", dtype=torch.float16))
-                ms = graphed_ms(lambda: wrapped(x, t, encoder_hidden_states=cond, return_dict=False))
+                ms = graph_ms(lambda: wrapped(x, t, encoder_hidden_states=cond, return_dict=False), iters=50)
                 print(f"side path on {len(targets)} layers, max rank {rank}, {k} adapter(s) per row: {ms:.2f} ms = "
                       f"{ms / base:.3f}x", flush=True)
             ctx.set(None, None)
-            ms = graphed_ms(lambda: wrapped(x, t, encoder_hidden_states=cond, return_dict=False))
+            ms = graph_ms(lambda: wrapped(x, t, encoder_hidden_states=cond, return_dict=False), iters=50)
             print(f"wrapped, no side path (rank {rank}): {ms:.2f} ms = {ms / base:.3f}x", flush=True)
             del wrapped, bank
             torch.cuda.empty_cache()
