@@ -83,7 +83,9 @@ class Router:
         replica = self.choose(request)
         self.track(request, replica)
         try:
-            handle = await replica.submit(request, progress=True)
+            # progress events keep the outstanding work per replica exact; with one replica there is no choice to
+            # make, so the engine sends them only when the caller asked (no per-step events on the hot path)
+            handle = await replica.submit(request, progress=progress or len(self.replicas) > 1)
         except BaseException:
             self._done(request.request_id)
             raise
