@@ -26,6 +26,8 @@ MAX_SIZE = 2048
 MAX_IMAGES = 16
 MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
+MAX_LORAS = 4            # adapters one request may stack
+MAX_LORA_SCALE = 8.0
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 
 
@@ -157,6 +159,7 @@ class GenerationRequest:
     output_format: str | None = None  # "png" | "jpeg" | "webp": also return encoded bytes
     request_id: str = field(default_factory=_new_id)
     edit: EditInput | None = None     # image-to-image / inpainting input; None: text-to-image
+    loras: tuple[tuple[str, float], ...] = ()  # (adapter name, scale) pairs, at most MAX_LORAS
 
     def __post_init__(self) -> None:
         """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are
@@ -201,6 +204,7 @@ class GenerationRequest:
                    "num_images": _check_int("num_images", self.num_images, 1, MAX_IMAGES)}
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "loras", check_loras(self.loras))
         if self.edit is not None:
             if not isinstance(self.edit, EditInput):
                 raise ParamError("image", f"edit must be an EditInput, got {type(self.edit).__name__}")
@@ -222,7 +226,7 @@ class GenerationRequest:
                num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = "euler",
                schedule: Any = "default", seed: Any = None, num_images: Any = 1, output_format: Any = None,
                request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
-               mask_image: Any = None, strength: Any = None) -> "GenerationRequest":
+               mask_image: Any = None, strength: Any = None, loras: Any = ()) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size and
         guidance where those are not given, every value checked (and `num_images` against the engine's rows).
         With `image` (PIL image or uint8 RGB array) it is an image-to-image request, with `mask_image` too an
@@ -252,7 +256,7 @@ class GenerationRequest:
                       num_inference_steps=num_inference_steps,
                       guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
                       sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
-                      output_format=output_format, edit=edit, **kwargs)
+                      output_format=output_format, edit=edit, loras=loras, **kwargs)
         if model is not None and request.num_images > model.max_rows:
             raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest batch "
                                            f"bucket {model.max_rows}")
@@ -262,6 +266,46 @@ class GenerationRequest:
     def key(self) -> GroupKey:
         """The resolution group of the request's rows: (height, width)."""
         return (self.height, self.width)
+
+
+def check_loras(value: Any) -> tuple[tuple[str, float], ...]:
+    """LoRA adapters of a request: a list of (name, scale) pairs, {"name": ..., "scale": ...} dicts or bare names
+    (scale 1); at most MAX_LORAS, each named once, scales finite in [-MAX_LORA_SCALE, MAX_LORA_SCALE]. Whether
+    the names exist is the engine's to check (its adapter folder)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, dict)) or not isinstance(value, (list, tuple)):
+        raise ParamError("loras", f"loras must be a list of adapters, e.g. [{{\"name\": \"styles/ink\", \"scale\": "
+                                  f"0.8}}], got {_show(value)}")
+    if len(value) > MAX_LORAS:
+        raise ParamError("loras", f"{len(value)} adapters in one request; at most {MAX_LORAS}")
+    out: list[tuple[str, float]] = []
+    for item in value:
+        if isinstance(item, str):
+            name, scale = item, 1.0
+        elif isinstance(item, dict):
+            if set(item) - {"name", "scale"} or "name" not in item:
+                raise ParamError("loras", f"an adapter is {{\"name\": ..., \"scale\": ...}}, got {_show(item)}")
+            name, scale = item["name"], item.get("scale", 1.0)
+        elif isinstance(item, (list, tuple)) and len(item) == 2:
+            name, scale = item
+        else:
+            raise ParamError("loras", f"an adapter is a (name, scale) pair, got {_show(item)}")
+        if not isinstance(name, str) or not name:
+            raise ParamError("loras", f"an adapter name must be a non-empty string, got {_show(name)}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            raise ParamError("loras", f"the scale of adapter {name!r} must be a number, got {_show(scale)}")
+        try:
+            scale = float(scale)
+        except OverflowError:
+            scale = math.inf
+        if not -MAX_LORA_SCALE <= scale <= MAX_LORA_SCALE:  # NaN fails this too
+            raise ParamError("loras", f"the scale of adapter {name!r} is {_show(scale)}; allowed: "
+                                      f"{-MAX_LORA_SCALE:g}..{MAX_LORA_SCALE:g}")
+        if any(n == name for n, _ in out):
+            raise ParamError("loras", f"adapter {name!r} is listed twice; list it once with the scale you want")
+        out.append((name, scale))
+    return tuple(out)
 
 
 def _pixels(value: Any, name: str, mode: str) -> np.ndarray:

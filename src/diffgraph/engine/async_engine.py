@@ -144,7 +144,9 @@ class AsyncEngine:
         core = self.engine.core
         # a handle aborts its own request, not a later one that reuses its id
         handle = RequestHandleImpl(lambda h: core.abort(h.request_id, sink=h), request, progress)
-        core.submit(request, handle)
+        # adapter files are read off the event loop (a large one takes a while)
+        loras = await asyncio.to_thread(core.resolve_loras, request) if request.loras else ()
+        core.submit(request, handle, loras)
         return handle
 
     async def generate(self, prompt: Any, **params: Any) -> GenerationResult:

@@ -25,10 +25,11 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ProgressEvent,
-                       RequestAborted)
+from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ParamError,
+                       ProgressEvent, RequestAborted)
 from .edits import prepare_edit
 from .model_runner import ModelRunner
+from .prompts import PromptKey
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,32 @@ class EngineCore:
         self.step_events: list[tuple[Any, Any, bool]] | None = None
         self._idle = False
         self._thread = threading.Thread(target=self._loop, name="diffgraph-engine", daemon=True)
+        if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
+            self.scheduler.gate = runner.loras
 
     def start(self) -> None:
         self._thread.start()
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, request: GenerationRequest, sink: RequestSink) -> None:
-        """Queues a request. Raises ParamError (its step count on this model), QueueFullError, EngineClosed."""
+    def resolve_loras(self, request: GenerationRequest) -> tuple:
+        """The request's LoRA adapters read and checked (files are read here, on the caller's thread, never on the
+        loop). Raises ParamError("loras") naming the problem."""
+        if not request.loras:
+            return ()
+        manager = self.runner.loras
+        if manager is None or not manager.enabled:
+            raise ParamError("loras", "this engine serves no LoRA adapters; start it with --lora-dir DIR or "
+                                      "--max-loras N (Engine(lora_dir=..., max_loras=...))")
+        try:
+            return manager.resolve(request.loras)
+        except ValueError as e:  # AdapterError, AdapterNameError
+            raise ParamError("loras", str(e)) from None
+
+    def submit(self, request: GenerationRequest, sink: RequestSink, loras: tuple | None = None) -> None:
+        """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
+        EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         state = RequestState.of(request, self.runner.request_plan(request), time.monotonic(), sink)
+        state.loras = self.resolve_loras(request) if loras is None else loras
         with self._cv:
             if self._stop or not self._thread.is_alive():
                 raise EngineClosed("the engine is closed (or its loop stopped after an internal error; see the log)")
@@ -126,6 +145,7 @@ class EngineCore:
             old = self.scheduler
             self.scheduler = Scheduler(dataclasses.replace(old.config, **changes))
             self.scheduler.growth_holds = old.growth_holds  # a counter: it never goes back
+            self.scheduler.gate = old.gate
 
     def queue_depth(self) -> int:
         with self._cv:
@@ -196,8 +216,9 @@ class EngineCore:
                 self.runner.move_rows(plan.key, src, dst, count)
             if plan.admitted and not self._admit(plan.key, plan.admitted):
                 return True  # some admissions failed and left: plan again without them
+            stack = max((sum(r.prepared.has_unet for r in s.loras) for s in plan.live), default=0)
             replayed = self.runner.step(plan.key, plan.n_rows, plan.coefs,
-                                        [(s.first_row, s.rows, s.generator) for s in plan.noise_requests])
+                                        [(s.first_row, s.rows, s.generator) for s in plan.noise_requests], stack)
             plan.cost_rows = self.runner.bucket_of(plan.n_rows) if replayed else plan.n_rows
         except Exception as e:  # only this batch fails; the loop keeps serving
             logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
@@ -233,6 +254,7 @@ class EngineCore:
         admission fails (e.g. a prompt its tokenizer rejects) fails alone and leaves the group; returns False when
         that happened (the plan is then stale)."""
         runner = self.runner
+        broken = self._load_adapters()
         keys = [k for s in states for k in _prompt_keys(s)]
         try:
             embeds = runner.embed(keys)
@@ -243,14 +265,17 @@ class EngineCore:
         for s in states:
             r = s.request
             try:
+                if broken.intersection(s.lora_slots):
+                    raise RuntimeError("loading its LoRA adapter into a device slot failed (see the log)")
                 mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
                 if r.edit is None:
                     latents, edit = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma), None
                 else:
                     latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows)
-                runner.write_rows(key, s.first_row, latents, mine[("+", r.prompt)], mine[("-", r.negative_prompt)],
-                                  r.guidance_scale, edit)
+                pos, neg = _prompt_keys(s)
+                runner.write_rows(key, s.first_row, latents, mine[pos], mine[neg], r.guidance_scale, edit,
+                                  [(slot, a.scale) for a, slot in zip(s.loras, s.lora_slots) if a.prepared.has_unet])
                 s.admitted_at = now
             except Exception as e:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)
@@ -259,6 +284,22 @@ class EngineCore:
                 _fail(s, ValueError(f"request {s.request_id} could not be admitted: {type(e).__name__}: {e}"))
                 ok = False
         return ok
+
+    def _load_adapters(self) -> set[int]:
+        """Loads the adapters admitted this step into their slots (host to device copies, between steps); returns
+        the slots whose load failed (their requests fail alone)."""
+        manager, broken = self.runner.loras, set()
+        if manager is None or not manager.enabled:
+            return broken
+        for slot, prepared in manager.take_writes():
+            try:
+                with torch.no_grad():
+                    manager.write(slot, prepared)
+            except Exception:
+                logger.exception("loading adapter %s into slot %d failed", prepared.key[0], slot)
+                manager.forget(slot)
+                broken.add(slot)
+        return broken
 
     def _retire(self, key: GroupKey, finished: list[RequestState]) -> None:
         # the finished requests have left the scheduler: whatever fails here must answer them, here
@@ -314,9 +355,12 @@ class EngineCore:
             future.set_exception(error)
 
 
-def _prompt_keys(state: RequestState) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+def _prompt_keys(state: RequestState) -> tuple[PromptKey, PromptKey]:
+    """The request's prompt and negative prompt, with its text-encoder adapters ((key, scale, slot), ...)."""
     r = state.request
-    return ("+", r.prompt), ("-", r.negative_prompt)
+    text = tuple((a.prepared.key, a.scale, slot) for a, slot in zip(state.loras, state.lora_slots)
+                 if a.prepared.has_text)
+    return ("+", r.prompt, text), ("-", r.negative_prompt, text)
 
 
 def _call_safely(fn: Callable[..., Any], *args: Any) -> None:

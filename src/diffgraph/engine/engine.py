@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import GraphConfig
+from ..lora.manager import LoraConfig, LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
 from ..models.model import DiffusionModel
@@ -82,7 +83,9 @@ class Engine:
                  mode: str | None = None, graphs: GraphConfig | None = None, batching: str = "step",
                  max_wait_ms: float = 0.0, max_queue: int = 256, max_rows: int | None = None,
                  prompt_cache_size: int = 512, image_threads: int = 2, grow_fill: float = 0.85,
-                 grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None):
+                 grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
+                 max_loras: int | None = None, max_lora_rank: int = 64,
+                 fuse_loras: "list[tuple[str, float]] | tuple" = ()):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -103,8 +106,9 @@ class Engine:
             self.model: DiffusionModel = (model if isinstance(model, DiffusionModel)
                                           else load_model(model, place, dtype, families=families))
             self.mode = mode
+            loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras)
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
-                                      prompt_cache_size=prompt_cache_size)
+                                      prompt_cache_size=prompt_cache_size, loras=loras)
             # in graph mode a step costs its bucket: the scheduler grows a group into a larger bucket only when it
             # fills it (grow_fill) or its queue head has waited grow_hold_ms
             graphed = mode == "graph"
@@ -125,6 +129,56 @@ class Engine:
                               edit_strength=self.model.adapter.edit_strength,
                               edits=self.model.adapter.supports_edits)
 
+    def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
+                      fuse_loras: Any) -> LoraManager | None:
+        """Adapter slots and side paths (with a lora_dir or max_loras > 0), adapters fused into the weights."""
+        try:
+            config = LoraConfig(lora_dir=lora_dir, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                fuse=tuple((str(n), float(s)) for n, s in fuse_loras))
+            if not config.slots and not config.fuse:
+                return None
+            return LoraManager(self.model, config)
+        except ValueError as e:  # AdapterError, AdapterNameError, a bad setting
+            raise ParamError("loras", str(e)) from None
+
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def add_lora(self, name: str, source: "str | dict[str, torch.Tensor]") -> dict[str, Any]:
+        """Registers adapter `name` from a .safetensors file or a state dict (diffusers/PEFT or kohya keys), checked
+        now; requests then name it in `loras=[(name, scale)]`. Adding a name again replaces it for new requests
+        (rows in flight finish with the version they began with). Raises ParamError naming the problem."""
+        manager = self._loras_or_raise()
+        try:
+            return manager.add(name, source)
+        except ValueError as e:
+            raise ParamError("loras", str(e)) from None
+
+    def remove_lora(self, name: str) -> None:
+        """Forgets an adapter added with add_lora; its slots are cleared once no live row uses them."""
+        manager = self._loras_or_raise()
+
+        def remove() -> None:  # on the loop thread: the slot bookkeeping is the scheduler's gate
+            for slot in manager.remove(name):
+                manager.clear(slot)
+        try:
+            self.core.call_between_steps(remove).result()
+        except ValueError as e:
+            raise ParamError("loras", str(e)) from None
+
+    def loras(self) -> dict[str, Any]:
+        """The adapters this engine serves: {"data": [{name, rank, targets, family, loaded, source}], "unusable":
+        [{name, error}], "ignored": [files that are not adapters], "max_loras", "max_lora_rank"}."""
+        manager = self.runner.loras
+        if manager is None or not manager.enabled:
+            return {"data": [], "unusable": [], "ignored": [], "max_loras": 0, "max_lora_rank": 0}
+        return manager.listing()
+
+    def _loras_or_raise(self) -> LoraManager:
+        manager = self.runner.loras
+        if manager is None or not manager.enabled:
+            raise ParamError("loras", "this engine has no adapter slots; create it with lora_dir=DIR or "
+                                      "max_loras=N (diffgraph serve --lora-dir / --max-loras)")
+        return manager
+
     # -- public API ----------------------------------------------------------------------------
     def make_request(self, prompt: Any, **params: Any) -> GenerationRequest:
         """A checked request with this model's defaults (native size, guidance). Raises ParamError."""
@@ -136,7 +190,8 @@ class Engine:
         """Generates `num_images` images for one prompt and waits for them. The result is a list-like of
         PIL images with `.seed`, `.timings` and `.arrays` (float pixels). Bad parameters raise ParamError.
         `image=` (PIL image) makes it image-to-image, with `mask_image=` (white = repaint) inpainting; `strength=`
-        sets how much of the schedule they run (diffusers' defaults)."""
+        sets how much of the schedule they run (diffusers' defaults). `loras=[("name", 0.8), ...]` applies up to 4
+        LoRA adapters to this request alone (an engine with lora_dir= or max_loras=)."""
         return self.submit(self.make_request(prompt, **params)).result()
 
     def run(self, request: GenerationRequest) -> GenerationResult:
@@ -181,8 +236,9 @@ class Engine:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {**self.core.stats, "prompt_cache_hits": self.runner.cache_hits,
-                "prompt_cache_misses": self.runner.cache_misses}
+        return {**self.core.stats, "prompt_cache_hits": self.runner.prompts.hits,
+                "prompt_cache_misses": self.runner.prompts.misses,
+                "lora_loads": self.runner.loras.loads if self.runner.loras is not None else 0}
 
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
@@ -29,13 +28,14 @@ import numpy as np
 import torch
 
 from ..config import GraphConfig, smallest_bucket
-from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
+from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph, step_kind
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
-from ..models.families.base import Conditioning, concat, select_row
+from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
-from ..request import GenerationRequest, GroupKey, ParamError
+from ..request import MAX_LORAS, GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import NUM_COEFS, SamplerPlan, start_plan
+from .prompts import PromptCache, PromptKey, TextLoras
 
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
@@ -53,11 +53,9 @@ class _Staging:
 
 class ModelRunner:
     def __init__(self, model: DiffusionModel, mode: str = "eager", graphs: GraphConfig | None = None,
-                 max_rows: int | None = None, prompt_cache_size: int = 512):
+                 max_rows: int | None = None, prompt_cache_size: int = 512, loras: Any = None):
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
-        if prompt_cache_size < 0:
-            raise ValueError(f"prompt_cache_size {prompt_cache_size} must be >= 0")
         self.model = model
         self.adapter = model.adapter
         self.cuda = model.device.type == "cuda"
@@ -87,10 +85,9 @@ class ModelRunner:
         self._staging: dict[GroupKey, list[_Staging]] = {}
         self._staging_turn: dict[GroupKey, int] = {}
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
-        self._cache: OrderedDict[tuple[str, str, int], Conditioning] = OrderedDict()
-        self._cache_size = prompt_cache_size
-        self.cache_hits = 0
-        self.cache_misses = 0
+        self.prompts = PromptCache(prompt_cache_size)
+        self.loras = loras  # LoRA adapter slots and side paths, or None
+        self.lora_stack = MAX_LORAS if loras is not None and loras.enabled else 0
         self.graph_runner: GraphRunner | None = None
         self.text_graph: TextGraph | None = None
         self.vae_graph: VaeGraph | None = None
@@ -106,9 +103,10 @@ class ModelRunner:
         resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
         cfg.check_prewarm(resolutions)
         self.graph_runner = GraphRunner(cfg, self.device)
-        self.graph_runner.register(StepGraph(self.buffers, partial(self.adapter.denoise, model),
-                                       lambda: self.plan_for("dpmpp_2m", "karras", 10), resolutions,
-                                       cfg.batch_buckets))
+        for stack in (0, 1, MAX_LORAS) if self.lora_stack else (0,):  # adapter-free, one adapter, a stack
+            self.graph_runner.register(StepGraph(self.buffers, partial(self.adapter.denoise, model),
+                                                 lambda: self.plan_for("dpmpp_2m", "karras", 10), resolutions,
+                                                 cfg.batch_buckets, self.loras and self.loras.unet_rows, stack))
         if cfg.capture_text_encoder and not self.adapter.needs_attention_mask(model):
             self.text_graph = TextGraph(partial(self.adapter.encode_ids, model), self.adapter.token_lengths(model),
                                         self.device, cfg.batch_buckets)
@@ -152,7 +150,9 @@ class ModelRunner:
             with self.on_device():
                 self.decoder = self.adapter.decoder(self.model)
         if self.graph_runner is not None:
-            for k in kinds + (("vae_encode",) if "vae" in kinds else ()):
+            extra = (("vae_encode",) if "vae" in kinds else ()) + (
+                tuple(step_kind(k) for k in (1, MAX_LORAS)) if "step" in kinds and self.lora_stack else ())
+            for k in kinds + extra:
                 self.graph_runner.invalidate(k)
 
     def graph_table(self) -> list[dict[str, Any]]:
@@ -195,7 +195,8 @@ class ModelRunner:
         if buf is None:
             m = self.model
             buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.adapter.cond_spec(m),
-                                       self._row_fields(key), m.dtype, self.device, self.extra_channels)
+                                       self._row_fields(key), m.dtype, self.device, self.extra_channels,
+                                       self.lora_stack)
             self.groups[key] = buf
         return buf
 
@@ -265,34 +266,23 @@ class ModelRunner:
             parts.append({k: v[:n].clone() for k, v in out.items()})
         return concat(parts)
 
-    def embed(self, keys: list[tuple[str, str | None]]) -> dict[tuple[str, str | None], Conditioning]:
-        """Conditioning of every (sign, text), sign "+" (prompt) or "-" (negative prompt, None = none): from the
-        LRU cache or encoded (one batch per sign) and cached, under the text encoders' weights version."""
-        version = self.weights_version["text"]
-        out: dict[tuple[str, str | None], Conditioning] = {}
-        missing = []
-        for k in dict.fromkeys(keys):
-            ck = (k[0], k[1], version)
-            if ck in self._cache:
-                self._cache.move_to_end(ck)
-                out[k] = self._cache[ck]
-            else:
-                missing.append(k)
-        self.cache_hits += len(keys) - len(missing)
-        self.cache_misses += len(missing)
-        pos = [t for sign, t in missing if sign == "+"]
-        neg = [t for sign, t in missing if sign == "-"]
-        if pos:
-            enc = self.encode(pos)
-            out.update({("+", t): select_row(enc, i) for i, t in enumerate(pos)})
-        if neg:
-            enc = self.adapter.negative(self.model, self.encode(["" if p is None else p for p in neg]), neg)
-            out.update({("-", t): select_row(enc, i) for i, t in enumerate(neg)})
-        for k in missing:
-            self._cache[(k[0], k[1], version)] = out[k]
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return out
+    def encode_with(self, prompts: list[str], loras: TextLoras) -> Conditioning:
+        """Encodes prompts; with text adapters ((key, scale, slot), ...) eagerly, through the text side paths."""
+        if not loras:
+            return self.encode(prompts)
+        rows = self.loras.text_rows
+        rows.set(torch.tensor([[slot for _, _, slot in loras]] * len(prompts), device=self.device),
+                 torch.tensor([[scale for _, scale, _ in loras]] * len(prompts), device=self.device))
+        try:
+            return self.adapter.encode(self.model, prompts)
+        finally:
+            rows.set(None, None)
+
+    def embed(self, keys: list[PromptKey]) -> dict[PromptKey, Conditioning]:
+        """Conditioning of every (sign, text, text adapters) (prompts.PromptCache), under the text encoders'
+        weights version."""
+        return self.prompts.embed(keys, self.weights_version["text"], self.encode_with,
+                                  partial(self.adapter.negative, self.model))
 
     # -- rows ----------------------------------------------------------------------------------
     def initial_latents(self, rows: int, key: GroupKey, generator: torch.Generator, sigma: float) -> torch.Tensor:
@@ -301,9 +291,11 @@ class ModelRunner:
         return latents.float() * sigma
 
     def write_rows(self, key: GroupKey, start: int, latents: torch.Tensor, cond: Conditioning,
-                   uncond: Conditioning, guidance: float, edit: dict[str, torch.Tensor] | None = None) -> None:
-        """Fills rows [start, start+k) with initial latents, one prompt's conditioning (broadcast) and an edit's
-        per-row fields (edits.py: mask, known, noise0, extra), or the neutral ones (no inpainting blend)."""
+                   uncond: Conditioning, guidance: float, edit: dict[str, torch.Tensor] | None = None,
+                   loras: list[tuple[int, float]] = ()) -> None:
+        """Fills rows [start, start+k) with initial latents, one prompt's conditioning (broadcast), an edit's
+        per-row fields (edits.py: mask, known, noise0, extra), or the neutral ones (no inpainting blend), and the
+        (slot, scale) of each of its UNet adapters (slot 0: none)."""
         buf = self.buffers(key)
         k = latents.shape[0]
         rows = slice(start, start + k)
@@ -318,6 +310,10 @@ class ModelRunner:
             buf.uncond[name][rows] = uncond[name]
         for name, value in self._row_fields(key).items():
             buf.rows[name][rows] = value
+        if buf.lora_idx is not None:
+            pad = list(loras) + [(0, 0.0)] * (buf.lora_idx.shape[1] - len(loras))
+            buf.lora_idx[rows] = torch.tensor([s for s, _ in pad])
+            buf.lora_scale[rows] = torch.tensor([c for _, c in pad])
         edit = edit or {}
         buf.mask[rows] = self._to_device(edit["mask"]) if "mask" in edit else 1.0
         for name in ("known", "noise0"):
@@ -330,11 +326,14 @@ class ModelRunner:
                 buf.extra[rows, 1:] = 0.0
 
     def step(self, key: GroupKey, n: int, coefs: np.ndarray,
-             noise: list[tuple[int, int, torch.Generator]] | None = None) -> bool:
+             noise: list[tuple[int, int, torch.Generator]] | None = None, stack: int = 0) -> bool:
         """Runs one step for rows [0, n). coefs: [n, NUM_COEFS]; noise: (first row, rows, generator) of the
-        requests that draw ancestral noise this step. Returns True when it ran as a graph replay."""
+        requests that draw ancestral noise this step; stack: the most UNet adapters a live row uses (0: run the
+        variant without side paths). Returns True when it ran as a graph replay."""
         buf = self.buffers(key)
-        bucket = self.graph_runner.bucket("step", key[0], key[1], n) if self.graph_runner is not None else None
+        stack = 0 if not stack else 1 if stack == 1 else MAX_LORAS  # the variants there are graphs of
+        kind = step_kind(stack)
+        bucket = self.graph_runner.bucket(kind, key[0], key[1], n) if self.graph_runner is not None else None
         rows = bucket or n
         slot = self._next_staging(key)
         slot.coefs[:n].numpy()[:] = coefs
@@ -350,10 +349,10 @@ class ModelRunner:
         if self.cuda:
             slot.event = self._record_event()
         if bucket is not None:
-            self.graph_runner.replay("step", key[0], key[1], bucket)
+            self.graph_runner.replay(kind, key[0], key[1], bucket)
             return True
         with torch.no_grad():
-            whole_step(self.denoise_eager, buf, n)
+            whole_step(self.denoise_eager, buf, n, self.loras and self.loras.unet_rows, stack)
         return False
 
     def read_latents(self, key: GroupKey, start: int, count: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -97,6 +97,8 @@ class RequestState:
     sink: Any = None           # the engine core's answer channel (progress, result, error)
     generator: Any = None      # the request's own noise generator, made at admission
     admitted_at: float = 0.0
+    loras: tuple = ()          # the request's resolved LoRA adapters (lora.manager.Resolved), if any
+    lora_slots: list = field(default_factory=list)  # their device slots while its rows live
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None) -> "RequestState":
@@ -132,6 +134,19 @@ class StepPlan:
         return [s for s in self.live if s.plan.draws_noise]
 
 
+class AdmissionGate(Protocol):
+    """What a request needs besides rows before it may join (e.g. LoRA adapter slots): CPU bookkeeping only,
+    called on the engine loop's thread under the scheduler's lock."""
+
+    def can_admit(self, state: "RequestState") -> bool: ...
+
+    def admit(self, state: "RequestState") -> bool:
+        """Takes what the request needs; False: it keeps waiting (requests behind it may join)."""
+
+    def release(self, state: "RequestState") -> None:
+        """The request's rows left (finished, failed, aborted)."""
+
+
 @dataclass
 class _Group:
     key: GroupKey
@@ -153,6 +168,7 @@ class Scheduler:
         self._aborted: list[RequestState] = []
         self.steps_run = 0
         self.growth_holds = 0  # admissions cut short by the bucket growth policy (requests left waiting)
+        self.gate: AdmissionGate | None = None
 
     # -- intake --------------------------------------------------------------------------------
     @property
@@ -240,6 +256,7 @@ class Scheduler:
         if finished:
             g.live = [s for s in g.live if not s.done]
             g.dirty = True
+            self._release(finished)
         return finished
 
     def remove(self, state: RequestState) -> None:
@@ -248,12 +265,14 @@ class Scheduler:
         if state in g.live:
             g.live.remove(state)
             g.dirty = True
+            self._release([state])
 
     def fail(self, plan: StepPlan) -> list[RequestState]:
         """After a failed step: every request of that batch leaves; the group starts empty."""
         g = self.groups[plan.key]
         failed, g.live = g.live, []
         g.dirty = False
+        self._release(failed)
         return failed
 
     def next_deadline(self) -> float | None:
@@ -261,7 +280,7 @@ class Scheduler:
         now = self.clock()
         waits = []
         for g in self.groups.values():
-            if g.waiting and not g.live:
+            if g.waiting and not g.live and (self.gate is None or self._admissible(g)):
                 waits.append(max(0.0, g.waiting[0].arrival + self.config.max_wait_ms / 1e3 - now))
         return min(waits) if waits else None
 
@@ -270,7 +289,7 @@ class Scheduler:
         """The arrival of the group's oldest request that could run now, or None."""
         if g.live:
             return min(s.arrival for s in g.live)
-        if not g.waiting or not self._may_start(g, now):
+        if not g.waiting or not self._may_start(g, now) or (self.gate is not None and not self._admissible(g)):
             return None
         return g.waiting[0].arrival
 
@@ -314,6 +333,8 @@ class Scheduler:
                 if mode == "step":
                     break  # FIFO: a large request is not overtaken by smaller ones behind it
                 continue
+            if self.gate is not None and not self.gate.admit(s):
+                continue  # it waits for what it needs (adapter slots); those behind it may join
             g.waiting.remove(s)
             s.first_row = g.live_rows
             g.live.append(s)
@@ -349,6 +370,18 @@ class Scheduler:
             g.live = [s for s in g.live if not s.aborted]
             g.dirty = True
             self._aborted.extend(gone)
+            self._release(gone)
+
+    def _release(self, states: list[RequestState]) -> None:
+        if self.gate is not None:
+            for s in states:
+                self.gate.release(s)
+
+    def _admissible(self, g: _Group) -> list[RequestState]:
+        """The waiting requests the gate would let in now (all of them without a gate)."""
+        if self.gate is None:
+            return list(g.waiting)
+        return [s for s in g.waiting if self.gate.can_admit(s)]
 
     def _compact(self, g: _Group) -> list[tuple[int, int, int]]:
         """Row moves that pack the live requests at rows [0, n) in their current order."""

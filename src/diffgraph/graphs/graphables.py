@@ -21,11 +21,15 @@ from .step import Denoiser, StepBuffers, whole_step
 
 
 class StepGraph:
-    kind = "step"
+    """The whole step; kind "step", or "step_lora{K}" for the variant whose LoRA side paths read K adapter slots
+    per row (`loras`: the denoiser's lora.sidepath.RowLoras)."""
 
     def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], denoise: Denoiser,
                  verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
-                 buckets: tuple[int, ...]):
+                 buckets: tuple[int, ...], loras: Any = None, stack: int = 0):
+        self.kind = step_kind(stack)
+        self._loras = loras
+        self._stack = stack
         self._buffers = buffers
         self.fn = denoise
         self._verify_plan = verify_plan
@@ -39,7 +43,7 @@ class StepGraph:
         return self._resolutions
 
     def run(self, h: int, w: int, b: int) -> None:
-        whole_step(self.fn, self._buffers((h, w)), b)
+        whole_step(self.fn, self._buffers((h, w)), b, self._loras, self._stack)
 
     def snapshot(self, h: int, w: int, b: int) -> Any:
         return {name: t[:b].clone() for name, t in self._buffers((h, w)).tensors().items()}
@@ -60,6 +64,11 @@ class StepGraph:
 
     def output(self, h: int, w: int, b: int, result: Any) -> torch.Tensor:
         return self._buffers((h, w)).x[:b]
+
+
+def step_kind(stack: int) -> str:
+    """The graph kind of the step variant whose side paths read `stack` adapters per row (0: no side path)."""
+    return f"step_lora{stack}" if stack else "step"
 
 
 class TextGraph(StatelessGraphable):

@@ -13,7 +13,7 @@ all zero) produce x = 0 and stay finite.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -43,11 +43,15 @@ class StepBuffers:
     noise0: torch.Tensor | None = None   # [B, C, h, w] fp32: the row's initial noise
     extra: torch.Tensor | None = None    # [B, E, h, w]: extra denoiser input channels (9-channel inpainting
                                          # UNets: the mask and the masked image's latents), or None
+    # LoRA side paths (engines with adapter slots): per row, the slots (0 = none) and scales of its adapters
+    lora_idx: torch.Tensor | None = None    # [B, K] int64
+    lora_scale: torch.Tensor | None = None  # [B, K] fp32
 
     @classmethod
     def allocate(cls, rows: int, latent_shape: tuple[int, ...],
                  cond_spec: dict[str, tuple[tuple[int, ...], torch.dtype]], row_values: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device, extra_channels: int = 0) -> "StepBuffers":
+                 dtype: torch.dtype, device: torch.device, extra_channels: int = 0,
+                 lora_stack: int = 0) -> "StepBuffers":
         def z(*shape, dt=torch.float32):
             return torch.zeros(shape, dtype=dt, device=device)
         return cls(
@@ -60,6 +64,8 @@ class StepBuffers:
             mask=torch.ones((rows, 1, *latent_shape[1:]), dtype=torch.float32, device=device),
             known=z(rows, *latent_shape), noise0=z(rows, *latent_shape),
             extra=z(rows, extra_channels, *latent_shape[1:], dt=dtype) if extra_channels else None,
+            lora_idx=z(rows, lora_stack, dt=torch.int64) if lora_stack else None,
+            lora_scale=z(rows, lora_stack) if lora_stack else None,
         )
 
     @property
@@ -70,7 +76,7 @@ class StepBuffers:
         """Every per-row tensor by a flat name (snapshots, compaction)."""
         out = {"x": self.x, "d_prev": self.d_prev, "noise": self.noise, "coefs": self.coefs,
                "guidance": self.guidance}
-        for name in ("mask", "known", "noise0", "extra"):
+        for name in ("mask", "known", "noise0", "extra", "lora_idx", "lora_scale"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         for prefix, fields in (("cond", self.cond), ("uncond", self.uncond), ("rows", self.rows)):
@@ -85,9 +91,23 @@ class StepBuffers:
             t[dst:dst + count] = t[src:src + count].clone()
 
 
-def whole_step(denoise: Denoiser, buf: StepBuffers, n: int) -> None:
+def whole_step(denoise: Denoiser, buf: StepBuffers, n: int, loras: Any = None, stack: int = 0) -> None:
     """One denoising step for rows [0, n): D <- p*x + q*out, x <- a*x + b*D + c*D_prev + d*noise, then the
-    inpainting blend of the known region (a no-op for rows whose mask is all ones)."""
+    inpainting blend of the known region (a no-op for rows whose mask is all ones). With `stack` > 0 the denoiser's
+    LoRA side paths (`loras`, a lora.sidepath.RowLoras) read the first `stack` adapter slots of each row; with 0
+    they are skipped (the variant for steps where no row uses an adapter)."""
+    if stack:
+        idx, scale = buf.lora_idx[:n, :stack], buf.lora_scale[:n, :stack]
+        loras.set(torch.cat([idx, idx]), torch.cat([scale, scale]))  # both CFG branches use the row's adapters
+        try:
+            _step(denoise, buf, n)
+        finally:
+            loras.set(None, None)
+    else:
+        _step(denoise, buf, n)
+
+
+def _step(denoise: Denoiser, buf: StepBuffers, n: int) -> None:
     x = buf.x[:n]
     co = buf.coefs[:n]
     x_in = (x * co[:, int(Coef.C_IN)].view(n, 1, 1, 1)).to(buf.dtype)

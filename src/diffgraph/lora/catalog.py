@@ -120,11 +120,47 @@ class SlotCache:
         self._lru.move_to_end(slot)
         return slot, write
 
+    def _plan(self, keys: list[AdapterKey]) -> list[int] | None:
+        """The slots `keys` would get (held ones, then empty, then least recently used unpinned), or None."""
+        held = {k: self.slot_of(k) for k in keys}
+        mine = {s for s in held.values() if s is not None}
+        free = [i for i, s in self._slots.items() if s.key is None and i not in mine]
+        free += [i for i in self._lru if self._slots[i].pins == 0 and self._slots[i].key is not None
+                 and i not in mine]
+        need = [k for k in keys if held[k] is None]
+        if len(need) > len(free):
+            return None
+        taken = iter(free)
+        return [held[k] if held[k] is not None else next(taken) for k in keys]
+
+    def can_acquire(self, keys: list[AdapterKey]) -> bool:
+        return self._plan(keys) is not None
+
+    def acquire_all(self, keys: list[AdapterKey]) -> list[tuple[int, bool]] | None:
+        """Pins a slot for each of `keys` (distinct), all or none: [(slot, whether its weights must be written)], or
+        None when there are not enough slots free of live rows (the request waits)."""
+        plan = self._plan(keys)
+        if plan is None:
+            return None
+        out = []
+        for key, slot in zip(keys, plan):
+            s = self._slots[slot]
+            write = s.key != key
+            s.key = key
+            s.pins += 1
+            self._lru.move_to_end(slot)
+            out.append((slot, write))
+        return out
+
     def release(self, slot: int) -> None:
         s = self._slots[slot]
         if s.pins <= 0:
             raise ValueError(f"slot {slot} is not pinned")
         s.pins -= 1
+
+    def forget(self, slot: int) -> None:
+        """The slot holds nothing usable (its load failed); its pins stay as they are."""
+        self._slots[slot].key = None
 
     def drop(self, name: str) -> list[int]:
         """Forgets every unpinned slot holding adapter `name` (removed); returns those slots (to be zeroed)."""

@@ -1,15 +1,19 @@
-"""Per-row LoRA side paths over fixed device slots (toward issue 12; not wired into the engine yet).
+"""Per-row LoRA side paths over fixed device slots.
 
 The Punica / S-LoRA idea for diffusion steps: every targeted layer (an nn.Linear, or a 1x1 nn.Conv2d) keeps its
 base weight and gains a low-rank side path whose weights live in fixed device tensors, one slot per loaded adapter,
 zero-padded to a maximum rank:
 
-    A [slots, rank, in]    B [slots, out, rank]    (slot 0: all zeros, "no adapter")
+    A [slots, rank, in]    B [slots, rank, out]    (slot 0: all zeros, "no adapter")
 
 Each batch row reads which slots (up to `K` adapters, stacked) and scales apply to it from a `RowLoras` context (idx
 [rows, K] int64, scale [rows, K]); so rows with different adapters, or none, share one forward (one graph replay):
 
-    y = base(x) + sum_k scale[row, k] * (x @ A[idx[row, k]]^T) @ B[idx[row, k]]^T
+    y = base(x) + sum_k scale[row, k] * (x @ A[idx[row, k]]^T) @ B[idx[row, k]]
+
+computed as two batched matmuls per layer: the K adapters of a row are one adapter of rank K * rank (gathered A
+with the scales folded in, gathered B), so a row's stack costs one low-rank product, not K; K is the context's
+stack depth (the engine captures a variant per depth it runs: 1, and the largest).
 
 Loading an adapter writes its A and B into a slot in place (`LoraSlots.write`): the tensors a captured graph reads
 never move, so nothing is recaptured. With the context's `idx` unset the side path is skipped (the variant for
@@ -44,7 +48,7 @@ class RowLoras:
 @dataclass
 class _Slot:
     a: torch.Tensor  # [slots, rank, in]
-    b: torch.Tensor  # [slots, out, rank]
+    b: torch.Tensor  # [slots, rank, out]
 
 
 @dataclass
@@ -67,14 +71,22 @@ class LoraSlots:
         r = a.shape[0]
         if r > self.max_rank:
             raise ValueError(f"rank {r} at {module} is above the maximum rank {self.max_rank}")
-        if a.shape[1] != layer.a.shape[2] or b.shape != (layer.b.shape[1], r):
+        if a.shape[1] != layer.a.shape[2] or b.shape != (layer.b.shape[2], r):
             raise ValueError(f"{module}: adapter shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit the layer "
-                             f"(in {layer.a.shape[2]}, out {layer.b.shape[1]})")
+                             f"(in {layer.a.shape[2]}, out {layer.b.shape[2]})")
         with torch.no_grad():
             layer.a[slot].zero_()
             layer.b[slot].zero_()
-            layer.a[slot, :r].copy_(a)
-            layer.b[slot, :, :r].copy_(b * scale)
+            layer.a[slot, :r].copy_(a, non_blocking=True)
+            layer.b[slot, :r].copy_(b.t() * scale if scale != 1.0 else b.t(), non_blocking=True)
+
+    def write_padded(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Copies already padded weights (a [max_rank, in], b [max_rank, out], scale folded in; e.g. from pinned
+        host memory) into `slot`: two copies, no zeroing (the fast path of an adapter load between steps)."""
+        layer = self.layers[module]
+        with torch.no_grad():
+            layer.a[slot].copy_(a, non_blocking=True)
+            layer.b[slot].copy_(b, non_blocking=True)
 
     def clear(self, slot: int) -> None:
         with torch.no_grad():
@@ -98,13 +110,19 @@ class LoraLayer(nn.Module):
         rows = self._rows
         if rows.idx is None:
             return y
-        a, b = self._slot.a[rows.idx], self._slot.b[rows.idx]  # [N, K, R, in], [N, K, out, R]
-        h = x.flatten(2).transpose(1, 2) if self._conv else x.reshape(x.shape[0], -1, x.shape[-1])  # [N, L, in]
-        low = torch.einsum("nli,nkri->nklr", h.to(a.dtype), a) * rows.scale.to(a.dtype)[:, :, None, None]
-        side = torch.einsum("nklr,nkor->nlo", low, b).to(y.dtype)  # [N, L, out]
-        if self._conv:
-            return y + side.transpose(1, 2).reshape(y.shape)
-        return y + side.reshape(y.shape)
+        n, k = rows.idx.shape
+        slot = self._slot
+        r = slot.a.shape[1]
+        # the row's stack as one adapter of rank k * r: A with the row's scales folded in, B as it is
+        a = (slot.a[rows.idx] * rows.scale.to(slot.a.dtype)[:, :, None, None]).reshape(n, k * r, -1)
+        b = slot.b[rows.idx].reshape(n, k * r, -1)  # [N, K*R, out]
+        if self._conv:  # [N, C, H, W] -> tokens [N, HW, C] (a view; bmm reads it transposed)
+            h = x.flatten(2).transpose(1, 2)
+            side = torch.bmm(torch.bmm(h.to(a.dtype), a.transpose(1, 2)), b)  # [N, HW, out]
+            return y + side.transpose(1, 2).reshape(y.shape).to(y.dtype)
+        h = x.reshape(n, -1, x.shape[-1])
+        side = torch.baddbmm(y.reshape(n, -1, y.shape[-1]), torch.bmm(h.to(a.dtype), a.transpose(1, 2)), b)
+        return side.reshape(y.shape)
 
 
 def attach(root: nn.Module, targets: list[str], slots: int, max_rank: int, rows: RowLoras) -> LoraSlots:
@@ -125,7 +143,7 @@ def attach(root: nn.Module, targets: list[str], slots: int, max_rank: int, rows:
             raise ValueError(f"{path} is {kind}: LoRA side paths take Linear layers and 1x1 convolutions")
         w = base.weight
         slot = _Slot(torch.zeros((slots + 1, max_rank, n_in), dtype=w.dtype, device=w.device),
-                     torch.zeros((slots + 1, n_out, max_rank), dtype=w.dtype, device=w.device))
+                     torch.zeros((slots + 1, max_rank, n_out), dtype=w.dtype, device=w.device))
         bank.layers[path] = slot
         setattr(parent, name, LoraLayer(base, slot, rows))
     return bank

@@ -1,0 +1,333 @@
+"""`LoraManager`: the adapters one engine serves and the device slots that hold them.
+
+Owns, for one model: the side paths (sidepath.attach on the UNet's and the text encoders' attention, feed-forward
+and proj_in/proj_out layers) over `max_loras` slots of rank <= `max_lora_rank`; the adapters it knows (the files of
+a `--lora-dir`, found by name on every request, and those added with `add`); the host copies of read adapters,
+padded and in the model's dtype (pinned on a GPU), so that loading one into a slot between two steps is two copies
+per layer; and the slot bookkeeping (catalog.SlotCache). Adapters merged into the base weights at start-up
+(`fuse`) cost nothing per step.
+
+Threads: `resolve` (reading and checking files) runs on the caller's thread at submit, never on the engine loop;
+`can_admit` / `admit` / `release` (the scheduler's admission gate) and `write` run on the loop thread.
+Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .catalog import AdapterDir, AdapterKey, AdapterNameError, SlotCache
+from .files import AdapterError, AdapterFile, file_version, module_path, read_adapter
+from .sidepath import LoraLayer, LoraSlots, RowLoras, attach
+
+UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+MIN_SLOTS = 4
+DEFAULT_SLOTS = 8
+PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """lora_dir: a folder of .safetensors adapters served by name; max_loras: device slots (None: 8 when there is a
+    lora_dir, else 0 = no side paths; adapters can still be fused); max_lora_rank: the slots' rank; fuse: (adapter
+    name or .safetensors path, scale) pairs merged into the base weights at start-up."""
+
+    lora_dir: str | None = None
+    max_loras: int | None = None
+    max_lora_rank: int = 64
+    fuse: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras is not None and (self.max_loras < 0 or 0 < self.max_loras < MIN_SLOTS):
+            raise ValueError(f"max_loras {self.max_loras}: give 0 (no adapter slots) or at least {MIN_SLOTS}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank {self.max_lora_rank} is out of range; allowed: 1..1024")
+
+    @property
+    def slots(self) -> int:
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_SLOTS if self.lora_dir else 0
+
+
+@dataclass
+class Prepared:
+    """An adapter checked against this model, its weights padded to the slots' rank on the host."""
+
+    key: AdapterKey
+    adapter: AdapterFile
+    weights: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]  # bank -> module -> (A [R, in], B [R, out])
+
+    @property
+    def has_unet(self) -> bool:
+        return bool(self.weights.get("unet"))
+
+    @property
+    def has_text(self) -> bool:
+        return any(self.weights.get(c) for c in self.weights if c != "unet")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One adapter of a request: what it is and its scale; `slot` is set by the admission gate."""
+
+    prepared: Prepared
+    scale: float
+
+
+@dataclass
+class _Added:
+    source: Any      # a path or a state dict
+    version: tuple   # ("added", n): every add is a new version
+
+
+@dataclass
+class LoraManager:
+    model: Any
+    config: LoraConfig
+    unet_rows: RowLoras = field(default_factory=RowLoras)
+    text_rows: RowLoras = field(default_factory=RowLoras)
+
+    def __post_init__(self) -> None:
+        self.family = self.model.family
+        self.pipeline_class = PIPELINE_CLASS.get(self.family)
+        self.dir = AdapterDir(self.config.lora_dir) if self.config.lora_dir else None
+        self._lock = threading.Lock()
+        self._added: dict[str, _Added] = {}
+        self._versions = itertools.count(1)
+        self._host: OrderedDict[AdapterKey, Prepared] = OrderedDict()  # recently read adapters
+        self.banks: dict[str, LoraSlots] = {}
+        self.components = {"unet": self.model.unet}
+        for i, encoder in enumerate(self.model.text_encoders):
+            self.components["text_encoder" if i == 0 else f"text_encoder_{i + 1}"] = encoder
+        if any(isinstance(m, LoraLayer) for root in self.components.values() for m in root.modules()):
+            raise ValueError("this model already has LoRA side paths (another engine made them); load the model "
+                             "again for this engine")
+        if (self.config.slots or self.config.fuse) and self.pipeline_class is None:
+            raise ValueError(f"LoRA adapters are not supported for model family {self.family!r}")
+        for name, scale in self.config.fuse:
+            self.fuse(name, scale)
+        self.slots = SlotCache(self.config.slots) if self.config.slots else None
+        if self.slots is not None:
+            n, rank = self.config.slots, self.config.max_lora_rank
+            self.banks["unet"] = attach(self.model.unet, _targets(self.model.unet, UNET_TARGETS), n, rank,
+                                        self.unet_rows)
+            for component, root in self.components.items():
+                if component != "unet":
+                    self.banks[component] = attach(root, _targets(root, TEXT_TARGETS), n, rank, self.text_rows)
+        self.loads = 0  # slot writes (adapters loaded into a slot)
+        self._writes: list[tuple[int, Prepared]] = []  # (slot, adapter) admitted, to be loaded before the step
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests may name adapters (there are slots)."""
+        return self.slots is not None
+
+    # -- which adapters exist ------------------------------------------------------------------
+    def add(self, name: str, source: str | dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Registers adapter `name` from a .safetensors path or a state dict, checked now (AdapterError). A name
+        added again is a new version: rows in flight finish with the old one."""
+        self._need_slots()
+        if not isinstance(name, str) or not name or "\x00" in name:
+            raise AdapterNameError(f"adapter name {name!r} must be a non-empty string")
+        version = ("added", next(self._versions))
+        prepared = self._prepare((name, version), source)
+        with self._lock:
+            self._added[name] = _Added(source, version)
+        return self._summary(name, prepared, loaded=False)
+
+    def remove(self, name: str) -> list[int]:
+        """Forgets an added adapter; returns the unpinned slots that held it (the caller clears them between
+        steps; rows in flight keep theirs until they finish)."""
+        with self._lock:
+            if name not in self._added:
+                where = " (it comes from the lora dir: delete its file instead)" if self.dir and \
+                    name in self.dir.listing().adapters else ""
+                raise AdapterNameError(f"adapter {name!r} was not added with add_lora{where}")
+            del self._added[name]
+            for key in [k for k in self._host if k[0] == name]:
+                del self._host[key]
+        return self.slots.drop(name) if self.slots is not None else []
+
+    def resolve(self, loras: tuple[tuple[str, float], ...]) -> tuple[Resolved, ...]:
+        """A request's adapters, read and checked (the caller's thread). Raises AdapterError / AdapterNameError."""
+        if not loras:
+            return ()
+        self._need_slots()
+        if len(loras) > self.config.slots:
+            raise AdapterError(f"{len(loras)} adapters in one request, but this engine has {self.config.slots} "
+                               "adapter slots; use fewer or start it with a larger --max-loras")
+        return tuple(Resolved(self._lookup(name), scale) for name, scale in loras)
+
+    def listing(self) -> dict[str, Any]:
+        """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters."""
+        held = {key[0] for key, _ in (self.slots.holding().values() if self.slots else ()) if key is not None}
+        out, errors = [], []
+        names = dict.fromkeys(list(self.dir.listing().adapters) if self.dir else [])
+        names.update(dict.fromkeys(self._added))
+        for name in names:
+            try:
+                out.append(self._summary(name, self._lookup(name), loaded=name in held))
+            except (AdapterError, AdapterNameError) as e:
+                errors.append({"name": name, "error": str(e)})
+        ignored = self.dir.listing().ignored if self.dir else []
+        return {"data": out, "unusable": errors, "ignored": ignored, "max_loras": self.config.slots,
+                "max_lora_rank": self.config.max_lora_rank}
+
+    def _summary(self, name: str, p: Prepared, loaded: bool) -> dict[str, Any]:
+        counts = {c: len(layers) for c, layers in p.adapter.layers.items()}
+        return {"name": name, "rank": p.adapter.rank, "targets": counts, "family": self.family, "loaded": loaded,
+                "source": "added" if name in self._added else "lora_dir"}
+
+    def _need_slots(self) -> None:
+        if self.slots is None:
+            raise AdapterError("this engine has no adapter slots; start it with --lora-dir DIR or --max-loras N "
+                               "(Engine(lora_dir=..., max_loras=...))")
+
+    def _lookup(self, name: str) -> Prepared:
+        with self._lock:
+            added = self._added.get(name)
+        if added is not None:
+            return self._prepare((name, added.version), added.source)
+        if self.dir is None:
+            raise AdapterNameError(f"adapter {name!r} is unknown; known: {', '.join(sorted(self._added)) or 'none'}")
+        path = self.dir.path(name)
+        return self._prepare((name, file_version(path)), path)
+
+    def _prepare(self, key: AdapterKey, source: Any) -> Prepared:
+        with self._lock:
+            hit = self._host.get(key)
+            if hit is not None:
+                self._host.move_to_end(key)
+                return hit
+        adapter = read_adapter(source, self.pipeline_class, key[0])
+        prepared = Prepared(key, adapter, self._pad(adapter))
+        with self._lock:
+            self._host[key] = prepared
+            while len(self._host) > 2 * max(self.config.slots, 1):
+                self._host.popitem(last=False)
+        return prepared
+
+    def _pad(self, adapter: AdapterFile) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Checks the adapter against the side paths; its weights padded to the slots' rank, scale folded in."""
+        rank = self.config.max_lora_rank
+        if adapter.rank > rank:
+            raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's maximum "
+                               f"{rank}; start it with --max-lora-rank {adapter.rank} (or more)")
+        cuda = self.model.device.type == "cuda"
+        out: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for component, layers in adapter.layers.items():
+            root, bank = self.components.get(component), self.banks.get(component)
+            if root is None or bank is None:
+                raise AdapterError(f"adapter {adapter.name!r} has weights for {component}, which this "
+                                   f"{self.family} model does not have: it was made for another model family")
+            part = out[component] = {}
+            for module, w in layers.items():
+                path = module_path(root, module)
+                if path is None:
+                    raise AdapterError(f"adapter {adapter.name!r} targets {component}.{module}, which this "
+                                       f"{self.family} model does not have: it was made for another model")
+                slot = bank.layers.get(path)
+                if slot is None:
+                    raise AdapterError(f"adapter {adapter.name!r} targets {component}.{path}, which has no LoRA "
+                                       "side path (diffgraph serves adapters on attention, feed-forward and "
+                                       "proj_in/proj_out layers); merge it into the weights with --fuse-lora")
+                n_in, n_out = slot.a.shape[2], slot.b.shape[2]
+                if w.a.shape[1] != n_in or w.b.shape[0] != n_out:
+                    raise AdapterError(f"adapter {adapter.name!r} does not fit this {self.family} model: "
+                                       f"{component}.{path} takes {n_in} -> {n_out} features, the adapter "
+                                       f"{w.a.shape[1]} -> {w.b.shape[0]} (made for another model family or size?)")
+                a = torch.zeros((rank, n_in), dtype=slot.a.dtype)
+                b = torch.zeros((rank, n_out), dtype=slot.b.dtype)
+                a[:w.rank] = w.a
+                b[:w.rank] = (w.b * w.scale).t()
+                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                    raise AdapterError(f"adapter {adapter.name!r} has non-finite weights at {component}.{module} "
+                                       f"(or they overflow {slot.a.dtype})")
+                part[path] = (a.pin_memory(), b.pin_memory()) if cuda else (a, b)
+        return out
+
+    # -- slots: the scheduler's admission gate (the engine loop's thread) --------------------------
+    def can_admit(self, state: Any) -> bool:
+        return not state.loras or self.slots.can_acquire([r.prepared.key for r in state.loras])
+
+    def admit(self, state: Any) -> bool:
+        """Pins a slot per adapter of the request (all or none; False: it waits). Slots that must be loaded first
+        are queued for `take_writes`."""
+        if not state.loras:
+            return True
+        got = self.slots.acquire_all([r.prepared.key for r in state.loras])
+        if got is None:
+            return False
+        state.lora_slots = [slot for slot, _ in got]
+        self._writes += [(slot, r.prepared) for (slot, write), r in zip(got, state.loras) if write]
+        return True
+
+    def release(self, state: Any) -> None:
+        for slot in state.lora_slots:
+            self.slots.release(slot)
+        state.lora_slots = []
+
+    def take_writes(self) -> list[tuple[int, Prepared]]:
+        out, self._writes = self._writes, []
+        return out
+
+    def forget(self, slot: int) -> None:
+        """A slot whose load failed: it holds nothing usable."""
+        self.slots.forget(slot)
+
+    def write(self, slot: int, prepared: Prepared) -> None:
+        """Loads an adapter into a slot in place (between steps, on the device's stream): no capture, no compile."""
+        for component, bank in self.banks.items():
+            layers = prepared.weights.get(component, {})
+            stale = [t for m, layer in bank.layers.items() if m not in layers for t in (layer.a[slot], layer.b[slot])]
+            if stale:
+                torch._foreach_zero_(stale)
+            for module, (a, b) in layers.items():
+                bank.write_padded(slot, module, a, b)
+        self.loads += 1
+
+    def clear(self, slot: int) -> None:
+        for bank in self.banks.values():
+            bank.clear(slot)
+
+    # -- fused adapters ------------------------------------------------------------------------
+    def fuse(self, name: str, scale: float) -> None:
+        """Merges an adapter into the base weights in place: W += scale * layer scale * B @ A."""
+        if not math.isfinite(scale):
+            raise AdapterError(f"fuse scale {scale} for {name!r} is not finite")
+        source = name if name.endswith(".safetensors") else None
+        if source is None:
+            if self.dir is None:
+                raise AdapterNameError(f"fused adapter {name!r}: give a .safetensors path, or a name in --lora-dir")
+            source = self.dir.path(name)
+        adapter = read_adapter(source, self.pipeline_class, name)
+        with torch.no_grad():
+            for component, layers in adapter.layers.items():
+                root = self.components.get(component)
+                if root is None:
+                    raise AdapterError(f"fused adapter {name!r} has weights for {component}, which this "
+                                       f"{self.family} model does not have")
+                for module, w in layers.items():
+                    path = module_path(root, module)
+                    layer = root.get_submodule(path) if path else None
+                    weight = getattr(layer, "weight", None)
+                    if weight is None or weight[0].numel() != w.a.shape[1] or weight.shape[0] != w.b.shape[0]:
+                        raise AdapterError(f"fused adapter {name!r} does not fit {component}.{module} of this "
+                                           f"{self.family} model (made for another model?)")
+                    delta = (w.b @ w.a) * (w.scale * scale)
+                    weight += delta.reshape(weight.shape).to(weight.device, weight.dtype)
+
+
+def _targets(root: nn.Module, ends: tuple[str, ...]) -> list[str]:
+    return [n for n, m in root.named_modules() if n.endswith(ends)
+            and (isinstance(m, nn.Linear) or (isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.groups == 1))]
