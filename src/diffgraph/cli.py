@@ -12,6 +12,7 @@ and the serve flags are built only for `diffgraph serve` (its module imports the
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -53,6 +54,11 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--strength", type=float, default=None,
                    help="with --image: the share of the steps to run, in (0, 1] (default: 0.8, or 1.0 inpainting; "
                         "SDXL 0.3 / 0.9999)")
+    g.add_argument("--lora", action="append", default=None, metavar="NAME[:SCALE]",
+                   help="apply a LoRA adapter (repeatable, up to 4): a name in --lora-dir (or on the server with "
+                        "--url), or a built-in adapter of the model; scale 1 when left out")
+    g.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="a folder of .safetensors adapters that --lora names (not with --url: the server has its own)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
     g.add_argument("--url", default=None,
@@ -115,7 +121,7 @@ def _output_paths(output: str, n: int) -> list[str]:
 FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width": "--width", "height": "--height",
          "num_inference_steps": "--steps", "guidance_scale": "--guidance", "sampler": "--sampler",
          "schedule": "--schedule", "seed": "--seed", "num_images": "-n/--num-images", "device": "--device",
-         "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength"}
+         "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -175,7 +181,8 @@ def _generate(args: argparse.Namespace) -> int:
     from .request import GenerationRequest, ParamError
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
-                  schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args))
+                  schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
+                  loras=_lora_flags(args))
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params
@@ -189,7 +196,8 @@ def _generate(args: argparse.Namespace) -> int:
 
         if (args.device or default_device()).startswith("cpu"):
             torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
-        engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype)
+        engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype,
+                        lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None)
         request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                       guidance_scale=args.guidance, **params)
     except ParamError as e:
@@ -226,6 +234,15 @@ def _edit_params(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _lora_flags(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
+    from .config import parse_name_scales
+
+    try:
+        return parse_name_scales(args.lora or [], "--lora")
+    except ValueError as e:
+        raise _ArgError(str(e)) from None
+
+
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key:
         return args.api_key
@@ -250,12 +267,16 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
                         "when it started")
     if (args.width is None) != (args.height is None):
         raise _ArgError("with --url give both --width and --height (or neither, for the model's native size)")
+    if args.lora_dir is not None:
+        raise _ArgError("--lora-dir cannot be used with --url: the server serves the adapters of its own --lora-dir "
+                        "(GET /v1/loras lists them)")
     body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "model": args.model,
             "size": None if args.width is None else f"{args.width}x{args.height}",
             "num_inference_steps": args.steps, "guidance_scale": args.guidance, "sampler": args.sampler,
             "schedule": args.schedule, "seed": args.seed, "n": args.num_images,
             "output_format": OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()],
-            "response_format": "b64_json"}
+            "response_format": "b64_json",
+            "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None}
     key = _api_key(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {k: v for k, v in body.items() if v is not None}
@@ -273,7 +294,8 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
                     raise _ArgError(f"--{name} {path!r} cannot be read: {e.strerror or e}") from None
         if args.strength is not None:
             body["strength"] = args.strength
-        post = {"data": {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in body.items()},
+        post = {"data": {k: json.dumps(v) if k == "loras" else str(v).lower() if isinstance(v, bool) else str(v)
+                         for k, v in body.items()},
                 "files": files}
     try:
         # no read timeout: the server bounds a request's time itself (--request-timeout, then 504)

@@ -5,8 +5,11 @@ configurations live beside the code that reads them (engine/scheduler.py, server
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from .request import MAX_SIZE, MIN_SIZE
 
@@ -154,3 +157,55 @@ class GraphConfig:
     def bucket_for(self, n: int) -> int | None:
         """The smallest bucket >= n, or None when n exceeds the largest."""
         return smallest_bucket(self.batch_buckets, n)
+
+
+MIN_LORA_SLOTS = 4
+DEFAULT_LORA_SLOTS = 8
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """lora_dir: a folder of .safetensors adapters served by name; max_loras: device slots (None: 8 when there is a
+    lora_dir, else 0 = no side paths; adapters can still be fused); max_lora_rank: the slots' rank; fuse: (adapter
+    name or .safetensors path, scale) pairs merged into the base weights at start-up."""
+
+    lora_dir: str | None = None
+    max_loras: int | None = None
+    max_lora_rank: int = 64
+    fuse: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras is not None and (self.max_loras < 0 or 0 < self.max_loras < MIN_LORA_SLOTS):
+            raise ValueError(f"max_loras {self.max_loras}: give 0 (no adapter slots) or at least {MIN_LORA_SLOTS}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank {self.max_lora_rank} is out of range; allowed: 1..1024")
+
+    @property
+    def slots(self) -> int:
+        if self.max_loras is not None:
+            return self.max_loras
+        return DEFAULT_LORA_SLOTS if self.lora_dir else 0
+
+
+def parse_name_scales(value: Any, flag: str) -> tuple[tuple[str, float], ...]:
+    """--fuse-lora / --lora NAME[:SCALE] (repeated, or a list in TOML) -> ((name, scale), ...); scale 1 when left
+    out."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"{flag} must be NAME[:SCALE] or a list of them, got {value!r}")
+    out = []
+    for item in items:
+        if isinstance(item, (list, tuple)) and len(item) == 2:
+            name, scale = item
+        elif isinstance(item, str):
+            name, _, scale = item.rpartition(":") if ":" in item else (item, "", "1")
+        else:
+            raise ValueError(f"{flag}: {item!r} is not NAME[:SCALE]")
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            raise ValueError(f"{flag}: the scale of {item!r} is not a number (NAME:0.8)") from None
+        if not name or not math.isfinite(scale):
+            raise ValueError(f"{flag}: {item!r} needs a name and a finite scale (NAME:0.8)")
+        out.append((str(name), scale))
+    return tuple(out)

@@ -168,6 +168,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
+    def loras(self) -> dict[str, Any]:
+        """Engine.loras(): reads adapter files it has not seen (call it off the event loop)."""
+        return self.engine.loras()
+
     def stats(self) -> EngineStats:
         e = self.engine
         s = e.stats

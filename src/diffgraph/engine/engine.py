@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import GraphConfig
-from ..lora.manager import LoraConfig, LoraManager
+from ..config import GraphConfig, LoraConfig
+from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
 from ..models.model import DiffusionModel

@@ -48,6 +48,14 @@ class Router:
     def ready(self) -> bool:
         return sum(r.ready for r in self.replicas) >= self.min_ready
 
+    def loras(self) -> dict[str, Any] | None:
+        """The adapter listing of the first replica that can give one (an in-process engine), else None."""
+        for r in self.replicas:
+            listing = getattr(r, "loras", None)
+            if callable(listing) and r.ready:
+                return listing()
+        return None
+
     def replica_states(self) -> list[dict[str, Any]]:
         return [{"replica": r.name, "state": r.state, "restarts": getattr(r, "restarts", 0), "error": r.error,
                  "in_flight": self.outstanding(r)[1]} for r in self.replicas]

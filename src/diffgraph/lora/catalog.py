@@ -19,6 +19,7 @@ import difflib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SUFFIX = ".safetensors"
@@ -82,6 +83,27 @@ class AdapterDir:
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"; known: {', '.join(names[:10]) or 'none'}"
         raise AdapterNameError(f"adapter {name!r} is unknown{hint}")
+
+
+_COMPONENT_PREFIXES = (("text_encoder_2.", "text_encoder_2"), ("lora_te2_", "text_encoder_2"),
+                       ("text_encoder.", "text_encoder"), ("lora_te1_", "text_encoder"), ("lora_te_", "text_encoder"),
+                       ("unet.", "unet"), ("lora_unet_", "unet"))
+
+
+def describe(path: str) -> dict[str, Any]:
+    """Rank and targeted layers per component of an adapter file, from its header (no weights are read, nothing is
+    checked against a model): what a server that holds no engine in its own process lists."""
+    from safetensors import safe_open
+
+    rank, layers = 0, {}
+    with safe_open(path, framework="pt") as f:
+        for key in f.keys():
+            if not any(part in key for part in (".lora_A.", ".lora_down.")):
+                continue
+            component = next((c for prefix, c in _COMPONENT_PREFIXES if key.startswith(prefix)), "other")
+            layers[component] = layers.get(component, 0) + 1
+            rank = max(rank, f.get_slice(key).get_shape()[0])
+    return {"rank": rank, "targets": layers}
 
 
 @dataclass

@@ -24,39 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..config import LoraConfig
 from .catalog import AdapterDir, AdapterKey, AdapterNameError, SlotCache
 from .files import AdapterError, AdapterFile, file_version, module_path, read_adapter
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach
 
 UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-MIN_SLOTS = 4
-DEFAULT_SLOTS = 8
 PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """lora_dir: a folder of .safetensors adapters served by name; max_loras: device slots (None: 8 when there is a
-    lora_dir, else 0 = no side paths; adapters can still be fused); max_lora_rank: the slots' rank; fuse: (adapter
-    name or .safetensors path, scale) pairs merged into the base weights at start-up."""
-
-    lora_dir: str | None = None
-    max_loras: int | None = None
-    max_lora_rank: int = 64
-    fuse: tuple[tuple[str, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_loras is not None and (self.max_loras < 0 or 0 < self.max_loras < MIN_SLOTS):
-            raise ValueError(f"max_loras {self.max_loras}: give 0 (no adapter slots) or at least {MIN_SLOTS}")
-        if not 1 <= self.max_lora_rank <= 1024:
-            raise ValueError(f"max_lora_rank {self.max_lora_rank} is out of range; allowed: 1..1024")
-
-    @property
-    def slots(self) -> int:
-        if self.max_loras is not None:
-            return self.max_loras
-        return DEFAULT_SLOTS if self.lora_dir else 0
 
 
 @dataclass

@@ -3,6 +3,7 @@
     POST /v1/images/generations   JSON answer, or server-sent events with "stream": true
     POST /v1/images/edits         image-to-image and inpainting: OpenAI's multipart form (edits.py), same answers
     GET  /v1/models               the served model
+    GET  /v1/loras                the LoRA adapters requests may name
     GET  /health                  200 while the process is alive
     GET  /ready                   200 once the engine is built, its prewarm graphs captured and one warm-up
                                   image made; 503 before, and while draining
@@ -45,7 +46,7 @@ from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerat
                        ProgressEventBody, error_from_param_error, error_from_validation)
 from .auth import APIKeyMiddleware
 from .edits import ImageEditForm, edit_input, read_form
-from .pages import playground_file, server_info, server_status
+from .pages import folder_listing, playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, next_item, outcome, submit
 
 
@@ -89,7 +90,7 @@ def _generation_request(engine: EngineClient, config: ServerConfig, params: Imag
             num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
             sampler=params.sampler, schedule=params.schedule, seed=params.seed, num_images=params.n,
             output_format=params.output_format, request_id=f"img-{secrets.token_hex(8)}", model=engine.info,
-            image=edit)
+            image=edit, loras=params.lora_pairs())
     except ParamError as e:
         raise error_from_param_error(e) from None
     for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
@@ -187,6 +188,18 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     async def models() -> dict[str, Any]:
         name = state.engine.info.name if state.engine is not None else config.model
         return ModelList(data=[ModelCard(id=name, created=state.created)]).model_dump()
+
+    @app.get("/v1/loras")
+    async def loras() -> Response:
+        """The LoRA adapters requests may name (`loras: [{"name", "scale"}]`)."""
+        try:
+            engine = state.require_engine()
+        except APIError as e:
+            return _error_response(e)
+        listing = await asyncio.to_thread(engine.loras)
+        if listing is None:  # replicas in other processes: what the folder holds, from the files' headers
+            listing = await asyncio.to_thread(folder_listing, config, engine.info.family if engine.info else None)
+        return JSONResponse({"object": "list", **listing})
 
     @app.get("/info")
     async def info() -> Response:

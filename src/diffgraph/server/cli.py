@@ -23,7 +23,8 @@ DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may t
 _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
            "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
-           "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels")
+           "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
+           "max_lora_rank", "fuse_loras")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -112,10 +113,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
     p.add_argument("--image-threads", type=int, default=None, metavar="N",
                    help=f"threads that encode finished images (default: {default('image_threads')})")
+    add_lora_arguments(p)
+
+
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """The LoRA adapter flags shared by serve and generate."""
+    p.add_argument("--lora-dir", default=None, metavar="DIR",
+                   help="a folder of .safetensors LoRA adapters; requests name them by their path under DIR without "
+                        "the suffix (styles/ink); files added later are found without a restart")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="device slots for adapters in flight (default: 8 with --lora-dir; at least 4); more "
+                        "distinct adapters in flight make requests wait")
+    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                   help="the largest adapter rank the slots take (default: 64); a smaller one makes steps cheaper")
+    p.add_argument("--fuse-lora", action="append", default=None, metavar="NAME[:SCALE]",
+                   help="merge an adapter (a name in --lora-dir, or a .safetensors path) into the weights at "
+                        "start-up, at no cost per step; repeatable")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     overrides = {name: getattr(args, name, None) for name in _FIELDS}
+    overrides["fuse_loras"] = getattr(args, "fuse_lora", None)
     dp = getattr(args, "data_parallel", None)
     if getattr(args, "ray", False):
         if overrides.get("devices"):

@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, GraphConfig, default_cpu_threads, parse_buckets, parse_prewarm,
-                      parse_resolutions)
+from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, GraphConfig, LoraConfig, default_cpu_threads, parse_buckets,
+                      parse_name_scales, parse_prewarm, parse_resolutions)
 from ..engine.scheduler import SchedulerConfig
 from ..request import MAX_EDIT_PIXELS
 
@@ -75,6 +75,10 @@ class ServerConfig:
     min_ready: int = 1                   # with devices: /ready is 200 while at least this many replicas are ready
     max_image_bytes: int = 20 * 1024 * 1024   # /v1/images/edits: bytes of an uploaded image (or mask)
     max_image_pixels: int = 16 * 1024 * 1024  # /v1/images/edits: pixels of an image, read from its header
+    lora_dir: str | None = None          # a folder of .safetensors LoRA adapters, served by name
+    max_loras: int | None = None         # adapter device slots; None: 8 with a lora_dir, else none
+    max_lora_rank: int = 64              # the slots' rank
+    fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -114,6 +118,9 @@ class ServerConfig:
         if self.max_image_pixels > MAX_EDIT_PIXELS:
             raise ValueError(f"max-image-pixels {self.max_image_pixels} is above what the engine takes "
                              f"({MAX_EDIT_PIXELS}, 16 megapixels)")
+        if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
+            raise ValueError(f"lora-dir {self.lora_dir!r} is not a folder; give a folder of .safetensors adapters")
+        LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)  # checks the numbers
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
 
@@ -138,7 +145,9 @@ class ServerConfig:
         return dict(model=self.model, device=self.device, dtype=self.dtype, mode=self.mode,
                     graphs=self.graph_config(),
                     batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
-                    grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads)
+                    grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads,
+                    lora_dir=self.lora_dir, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                    fuse_loras=self.fuse_loras)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
         """torch's intra-op threads for a CPU engine: the setting, else one core fewer than the machine has (at
@@ -175,10 +184,12 @@ def _parse(key: str, value: Any) -> Any:
         if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
             raise ValueError("devices must be a comma-separated list like cuda:0,cuda:1 or cpu,cpu")
         return tuple(d.strip() for d in items if d.strip())
-    if key == "torch_threads" and value is None:
+    if key == "fuse_loras":
+        return parse_name_scales(value, "fuse-lora")
+    if key in ("torch_threads", "max_loras") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
-               "max_image_bytes", "max_image_pixels"):
+               "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:

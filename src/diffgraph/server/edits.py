@@ -14,10 +14,10 @@ import io
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Json, ValidationError
 
 from ..request import EditInput, ParamError
-from .protocol import APIError, ImageGenerationRequest, error_from_param_error, error_from_validation
+from .protocol import APIError, ImageGenerationRequest, LoraRef, error_from_param_error, error_from_validation
 
 FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask")
@@ -44,10 +44,12 @@ class ImageEditForm(BaseModel):
     output_format: str = "png"
     stream: bool = False
     strength: float | None = None
+    loras: Json[list[LoraRef]] | None = None  # a JSON text field: [{"name": "styles/ink", "scale": 0.8}]
 
     def generation(self) -> ImageGenerationRequest:
         """The same fields as a generations request (for the shared checks and request building)."""
-        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength"}))
+        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras"}),
+                                                      loras=self.loras)
 
 
 async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dict[str, bytes]]:

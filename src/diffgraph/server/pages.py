@@ -69,3 +69,23 @@ def server_status(state: Any) -> dict[str, Any]:
     return {**out, "queue_depth": stats.queue_depth, "steps": stats.steps,
             "live_rows": {_size(h, w): n for (h, w), n in sorted(stats.live_rows.items())},
             "graph_buckets": captured}
+
+
+def folder_listing(config: Any, family: str | None) -> dict[str, Any]:
+    """GET /v1/loras where the engines live in other processes: the adapters of --lora-dir from their files'
+    headers (rank, targets; `loaded` unknown: each replica has its own slots)."""
+    from ..config import LoraConfig
+    from ..lora.catalog import AdapterDir, describe
+
+    if not config.lora_dir:
+        return {"data": [], "unusable": [], "ignored": [], "max_loras": 0, "max_lora_rank": 0}
+    folder = AdapterDir(config.lora_dir)
+    listing = folder.listing()
+    data, unusable = [], []
+    for name, path in listing.adapters.items():
+        try:
+            data.append({"name": name, **describe(path), "family": family, "loaded": None, "source": "lora_dir"})
+        except Exception as e:  # a truncated or foreign file: listed as unusable, with why
+            unusable.append({"name": name, "error": f"{type(e).__name__}: {e}"})
+    return {"data": data, "unusable": unusable, "ignored": listing.ignored,
+            "max_loras": LoraConfig(config.lora_dir, config.max_loras).slots, "max_lora_rank": config.max_lora_rank}

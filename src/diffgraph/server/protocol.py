@@ -18,6 +18,15 @@ _SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
 _ENGINE_TO_API = {"num_images": "n", "width": "size", "height": "size"}
 
 
+class LoraRef(BaseModel):
+    """One LoRA adapter of a request: its name as GET /v1/loras lists it, and its scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    scale: StrictFloat = 1.0  # ints are accepted as numbers
+
+
 class ImageGenerationRequest(BaseModel):
     """POST /v1/images/generations: OpenAI's fields, then diffgraph's extensions."""
 
@@ -38,6 +47,10 @@ class ImageGenerationRequest(BaseModel):
     schedule: StrictStr = "default"
     output_format: StrictStr = "png"
     stream: StrictBool = False
+    loras: list[LoraRef] | None = None  # up to 4 adapters for this request alone
+
+    def lora_pairs(self) -> tuple[tuple[str, float], ...]:
+        return tuple((a.name, a.scale) for a in self.loras or ())
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""
