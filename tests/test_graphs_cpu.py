@@ -142,3 +142,44 @@ def test_graphed_unet_in_stock_pipeline_equals_plain(tiny_engine):
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
     row = next(r for r in table if r["bucket"] == 8)
     assert row["replays"] == 4  # batch 6 (3 images x CFG) padded to 8, every step replayed
+
+
+def test_graphed_unet_follows_lora_and_weight_changes(tiny_engine, tmp_path):
+    """load_lora_weights, set_adapters, fuse_lora, unload_lora_weights and a replaced parameter change what the
+    graphs depend on: each drops them (recaptured on next use, counted); an in-place copy_ keeps them. The images
+    equal the plain pipeline's after every change (the GPU test checks the same with real CUDA graphs)."""
+    import copy
+
+    from lora_util import _write_diffusers
+
+    path = str(tmp_path / "a.safetensors")
+    _write_diffusers(tiny_engine, path, rank=4, seed=0)
+    _write_diffusers(tiny_engine, str(tmp_path / "b.safetensors"), rank=4, seed=1)
+    pipe = copy.deepcopy(tiny_engine.diffusers_pipeline("euler", "default"))
+    kwargs = dict(num_inference_steps=3, guidance_scale=7.5, output_type="np", width=64, height=64)
+    plain = pipe.unet
+    graphed = GraphedUNet(plain, batch_buckets=(2,), resolutions=[(64, 64)],
+                          config=GraphConfig(batch_buckets=(2,), backend="emulated"))
+
+    def both() -> None:
+        pipe.unet = plain
+        ref = pipe("a cat", generator=torch.Generator().manual_seed(3), **kwargs).images
+        pipe.unet = graphed
+        out = pipe("a cat", generator=torch.Generator().manual_seed(3), **kwargs).images
+        np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+    both()
+    steps = [("load", lambda: pipe.load_lora_weights(path, adapter_name="a"), 1),
+             ("second adapter", lambda: pipe.load_lora_weights(str(tmp_path / "b.safetensors"), adapter_name="b"), 1),
+             ("set_adapters", lambda: pipe.set_adapters(["a", "b"], adapter_weights=[0.5, 1.0]), 1),
+             ("copy_", lambda: plain.conv_in.weight.data.copy_(plain.conv_in.weight * 1.1), 0),
+             ("fuse", lambda: pipe.fuse_lora(lora_scale=0.7), 1),
+             ("unfuse", lambda: pipe.unfuse_lora(), 1),
+             ("unload", lambda: pipe.unload_lora_weights(), 1),
+             ("new parameter", lambda: setattr(plain.conv_in, "weight", torch.nn.Parameter(plain.conv_in.weight * 0.9)), 1)]
+    for name, change, recaptures in steps:
+        pipe.unet = plain
+        before = graphed.recaptures
+        change()
+        both()
+        assert graphed.recaptures - before == recaptures, name

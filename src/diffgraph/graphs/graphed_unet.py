@@ -8,6 +8,14 @@ into static inputs and replayed; anything else (another size, more rows, extra i
 ControlNet residuals, a capture failure) runs the wrapped UNet eagerly. Outputs are sliced and
 cloned, so they never alias a buffer that a later replay overwrites. Attribute access (config,
 dtype, device, ...) falls through to the wrapped UNet, so pipelines keep working.
+
+Never stale: a captured graph holds the weight pointers and every Python value (peft's LoRA scalings and active
+adapters, attention processors) of its capture. Before each replay the wrapper compares a signature of the UNet
+(its modules, their parameters' and buffers' storage, peft adapter state, attention processors) with the one its
+graphs were captured under; when it changed (load_lora_weights, set_adapters, fuse_lora, unload_lora_weights, a
+replaced parameter) the graphs are dropped and recaptured on their next use (counted: `recaptures`, and per key
+`invalidations` in the graph table). An in-place update of a weight (`param.data.copy_(...)`) keeps the storage,
+so the graphs read the new values with no recapture.
 """
 
 from __future__ import annotations
@@ -74,6 +82,8 @@ class GraphedUNet(torch.nn.Module):
         self.runner = GraphRunner(cfg, unet.device)
         self.graph = _UNetGraph(unet, latent_res, cfg.batch_buckets)
         self.runner.register(self.graph)
+        self.recaptures = 0  # times the graphs were dropped because the UNet changed
+        self._signature = unet_signature(unet)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -112,6 +122,11 @@ class GraphedUNet(torch.nn.Module):
         if added is not None:
             inputs["text_embeds"] = added["text_embeds"]
             inputs["time_ids"] = added["time_ids"]
+        signature = unet_signature(self.unet)
+        if signature != self._signature:  # weights replaced or modules / adapter state changed since capture
+            if self.runner.invalidate("unet"):
+                self.recaptures += 1
+            self._signature = signature
         static = self.graph.allocate(h, w, inputs)
         if set(static) != set(inputs) or any(static[k].shape[1:] != v.shape[1:] or static[k].dtype != v.dtype
                                              for k, v in inputs.items()):
@@ -126,3 +141,23 @@ class GraphedUNet(torch.nn.Module):
             if bucket > n:
                 v[n:bucket].copy_(v[:1].expand(bucket - n, *v.shape[1:]))  # padding rows: copies of a live row
         return self.runner.replay("unet", h, w, bucket)[:n].clone()
+
+
+def unet_signature(unet: torch.nn.Module) -> tuple:
+    """What a captured graph depends on beyond tensor values: every module, the storage of every parameter and
+    buffer, peft's per-layer adapter state (scalings are Python floats a capture freezes; active, merged and disabled
+    adapters), and attention processors."""
+    parts: list[Any] = []
+    for module in unet.modules():
+        parts.append(id(module))
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            parts.append(None if tensor is None else tensor.data_ptr())
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict):  # a peft LoRA layer
+            parts.append((tuple(sorted(scaling.items())), tuple(getattr(module, "active_adapters", ()) or ()),
+                          tuple(getattr(module, "merged_adapters", ()) or ()),
+                          bool(getattr(module, "disable_adapters", False))))
+        processor = module.__dict__.get("processor")
+        if processor is not None:
+            parts.append(id(processor))
+    return tuple(parts)
