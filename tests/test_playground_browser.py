@@ -347,3 +347,34 @@ def test_image_upload_and_mask_brush_send_edits(browser, server, tmp_path):
     page.click("[data-testid=image-remove]")
     assert page.input_value("#size") != "auto"
     assert not errors, errors
+
+
+def test_adapter_picker_sends_the_chosen_lora(browser, server):
+    """The shipped digits model's built-in `pencil` adapter is in the picker (from GET /v1/loras); choosing it with
+    a scale sends `loras` in the request and the card's summary names it; a scale that is not a number is shown at
+    the picker; with no adapter chosen, no `loras` field is sent."""
+    page = pg.open_playground(browser, server.url)
+    traffic = Traffic(page)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.wait_for_selector("[data-testid=adapters]:not([hidden])", timeout=pg.WAIT_MS)
+    assert page.eval_on_selector_all("#lora option", "os => os.map(o => o.value)") == ["", "pencil"]
+
+    page.select_option("#lora", "pencil")
+    page.fill("#lora-scale", "strong")
+    page.click("#generate")
+    page.wait_for_selector("#error-lora:not(:empty)")
+    assert "scale" in page.inner_text("#error-lora")
+
+    page.fill("#lora-scale", "0.8")
+    pg.fill_form(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
+    local = pg.submit(page)
+    assert pg.wait_finished(page, local) == "done"
+    assert traffic.bodies[-1]["loras"] == [{"name": "pencil", "scale": 0.8}]
+    assert "pencil ×0.8" in pg.card(page, local).inner_text()
+
+    page.select_option("#lora", "")
+    plain = pg.submit(page)
+    assert pg.wait_finished(page, plain) == "done"
+    assert "loras" not in traffic.bodies[-1]
+    assert errors == []

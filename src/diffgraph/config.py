@@ -166,13 +166,14 @@ DEFAULT_LORA_SLOTS = 8
 @dataclass(frozen=True)
 class LoraConfig:
     """lora_dir: a folder of .safetensors adapters served by name; max_loras: device slots (None: 8 when there is a
-    lora_dir, else 0 = no side paths; adapters can still be fused); max_lora_rank: the slots' rank; fuse: (adapter
+    lora_dir or built-in adapters, else 0 = no side paths; adapters can still be fused); max_lora_rank: the slots' rank; fuse: (adapter
     name or .safetensors path, scale) pairs merged into the base weights at start-up."""
 
     lora_dir: str | None = None
     max_loras: int | None = None
     max_lora_rank: int = 64
     fuse: tuple[tuple[str, float], ...] = ()
+    builtin_dir: str | None = None  # the model's built-in adapters (a shipped preset's), served by name too
 
     def __post_init__(self) -> None:
         if self.max_loras is not None and (self.max_loras < 0 or 0 < self.max_loras < MIN_LORA_SLOTS):
@@ -184,7 +185,7 @@ class LoraConfig:
     def slots(self) -> int:
         if self.max_loras is not None:
             return self.max_loras
-        return DEFAULT_LORA_SLOTS if self.lora_dir else 0
+        return DEFAULT_LORA_SLOTS if self.lora_dir or self.builtin_dir else 0
 
 
 def parse_name_scales(value: Any, flag: str) -> tuple[tuple[str, float], ...]:

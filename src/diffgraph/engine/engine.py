@@ -22,7 +22,7 @@ from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
 from ..models.model import DiffusionModel
-from ..models.presets import DEFAULT_MODEL
+from ..models.presets import DEFAULT_MODEL, builtin_lora_folder
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
                        ProgressEvent, QueueFullError, RequestAborted)
 from .core import EngineCore
@@ -134,7 +134,8 @@ class Engine:
         """Adapter slots and side paths (with a lora_dir or max_loras > 0), adapters fused into the weights."""
         try:
             config = LoraConfig(lora_dir=lora_dir, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                                fuse=tuple((str(n), float(s)) for n, s in fuse_loras))
+                                fuse=tuple((str(n), float(s)) for n, s in fuse_loras),
+                                builtin_dir=builtin_lora_folder(self.model.name))
             if not config.slots and not config.fuse:
                 return None
             return LoraManager(self.model, config)

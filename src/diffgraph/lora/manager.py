@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class LoraManager:
         self.family = self.model.family
         self.pipeline_class = PIPELINE_CLASS.get(self.family)
         self.dir = AdapterDir(self.config.lora_dir) if self.config.lora_dir else None
+        self.builtin = AdapterDir(self.config.builtin_dir) if self.config.builtin_dir else None
         self._lock = threading.Lock()
         self._added: dict[str, _Added] = {}
         self._versions = itertools.count(1)
@@ -147,7 +149,8 @@ class LoraManager:
         """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters."""
         held = {key[0] for key, _ in (self.slots.holding().values() if self.slots else ()) if key is not None}
         out, errors = [], []
-        names = dict.fromkeys(list(self.dir.listing().adapters) if self.dir else [])
+        names = dict.fromkeys(list(self.builtin.listing().adapters) if self.builtin else [])
+        names.update(dict.fromkeys(list(self.dir.listing().adapters) if self.dir else []))
         names.update(dict.fromkeys(self._added))
         for name in names:
             try:
@@ -160,8 +163,10 @@ class LoraManager:
 
     def _summary(self, name: str, p: Prepared, loaded: bool) -> dict[str, Any]:
         counts = {c: len(layers) for c, layers in p.adapter.layers.items()}
+        source = "added" if name in self._added else "lora_dir" if p.adapter.path and self.dir and \
+            p.adapter.path.startswith(self.dir.root + os.sep) else "builtin"
         return {"name": name, "rank": p.adapter.rank, "targets": counts, "family": self.family, "loaded": loaded,
-                "source": "added" if name in self._added else "lora_dir"}
+                "source": source}
 
     def _need_slots(self) -> None:
         if self.slots is None:
@@ -173,10 +178,16 @@ class LoraManager:
             added = self._added.get(name)
         if added is not None:
             return self._prepare((name, added.version), added.source)
-        if self.dir is None:
-            raise AdapterNameError(f"adapter {name!r} is unknown; known: {', '.join(sorted(self._added)) or 'none'}")
-        path = self.dir.path(name)
-        return self._prepare((name, file_version(path)), path)
+        folders = [d for d in (self.dir, self.builtin) if d is not None]
+        for i, folder in enumerate(folders):  # the lora dir first, then the model's built-in adapters
+            try:
+                path = folder.path(name)
+            except AdapterNameError:
+                if i < len(folders) - 1:
+                    continue
+                raise
+            return self._prepare((name, file_version(path)), path)
+        raise AdapterNameError(f"adapter {name!r} is unknown; known: {', '.join(sorted(self._added)) or 'none'}")
 
     def _prepare(self, key: AdapterKey, source: Any) -> Prepared:
         with self._lock:

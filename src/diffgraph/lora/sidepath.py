@@ -11,9 +11,10 @@ Each batch row reads which slots (up to `K` adapters, stacked) and scales apply 
 
     y = base(x) + sum_k scale[row, k] * (x @ A[idx[row, k]]^T) @ B[idx[row, k]]
 
-computed as two batched matmuls per layer: the K adapters of a row are one adapter of rank K * rank (gathered A
-with the scales folded in, gathered B), so a row's stack costs one low-rank product, not K; K is the context's
-stack depth (the engine captures a variant per depth it runs: 1, and the largest).
+The K adapters of a row are one adapter of rank K * rank; K is the context's stack depth (the engine captures a
+variant per depth it runs: 1, and the largest). On a CUDA device in half precision a Linear layer runs the fused
+Triton kernel (kernels.py: base product and side path in one GEMM, the activations read once); elsewhere (1x1
+convolutions, the CPU) two batched matmuls over the gathered slots (scales folded into A).
 
 Loading an adapter writes its A and B into a slot in place (`LoraSlots.write`): the tensors a captured graph reads
 never move, so nothing is recaptured. With the context's `idx` unset the side path is skipped (the variant for
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from . import kernels
 
 MAX_STACK = 4  # adapters one request may stack
 
@@ -104,12 +107,23 @@ class LoraLayer(nn.Module):
         self._slot = slot
         self._rows = rows
         self._conv = isinstance(base, nn.Conv2d)
+        self.fused = True  # use the fused kernel where it applies (probes switch it off to compare)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         rows = self._rows
         if rows.idx is None:
-            return y
+            return self.base(x)
+        if self.fused and kernels.available(x) and x.shape[0] == rows.idx.shape[0] \
+                and rows.idx.shape[1] * self._slot.a.shape[1] <= kernels.max_fused_rank():
+            base = self.base
+            if self._conv:  # [N, C, H, W] read as [N, C, HW] in place
+                y = kernels.lora_linear(x.flatten(2), base.weight, base.bias, self._slot.a, self._slot.b, rows.idx,
+                                        rows.scale, channels_first=True)
+                return y.view(x.shape[0], -1, *x.shape[2:])
+            y = kernels.lora_linear(x.reshape(x.shape[0], -1, x.shape[-1]), base.weight, base.bias, self._slot.a,
+                                    self._slot.b, rows.idx, rows.scale)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        y = self.base(x)
         n, k = rows.idx.shape
         slot = self._slot
         r = slot.a.shape[1]

@@ -167,6 +167,15 @@ def shipped_preset_folder(name: str) -> str | None:
     return folder if os.path.isfile(os.path.join(folder, "model_index.json")) else None
 
 
+def builtin_lora_folder(model_name: str) -> str | None:
+    """The package folder of a shipped preset's built-in LoRA adapters (tools/train_digits_lora.py), or None."""
+    folder = os.path.join(ASSETS, "loras", model_name)
+    if model_name in SHIPPED_PRESETS and os.path.isdir(folder) and any(
+            f.endswith(".safetensors") for f in os.listdir(folder)):
+        return folder
+    return None
+
+
 def available_presets() -> dict[str, str]:
     """Preset name -> one-line description, for `diffgraph models` and error messages."""
     out = {name: p.description for name, p in RANDOM_PRESETS.items()}

@@ -20,10 +20,10 @@
   const FIELD_FOR_PARAM = {
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
-    image: "image", mask: "image", strength: "strength",
+    image: "image", mask: "image", strength: "strength", loras: "lora",
   };
   const FIELDS = ["prompt", "negative-prompt", "size", "steps", "guidance", "sampler", "schedule", "seed", "n",
-    "image", "strength"];
+    "image", "strength", "lora"];
   const AUTO_SIZE = "auto";  // an edit's size: the image's, rounded down to multiples of 8 (the server's rule)
   const EXTENSIONS = { png: "png", jpeg: "jpg", webp: "webp" };
 
@@ -66,6 +66,7 @@
   function summary(s) {
     const parts = [s.size === AUTO_SIZE ? "the image's size" : s.size, `${s.steps} steps`, `${s.sampler}/${s.schedule}`];
     if (s.edit) parts.unshift(s.strength ? `${s.edit} (strength ${s.strength})` : s.edit);
+    if (s.lora) parts.push(`${s.lora} ×${s.lora_scale}`);
     if (s.guidance !== "") parts.push(`cfg ${s.guidance}`);
     if (Number(s.n) > 1) parts.push(`${s.n} images`);
     return parts.join(" · ");
@@ -126,6 +127,7 @@
           return;
         }
         storeKey(key);
+        loadLoras();
         finish(key);
       };
       const onCancel = (event) => { event.preventDefault(); finish(null); };
@@ -204,7 +206,10 @@
     $("generate").disabled = !info.ready;
     $("generate-hint").textContent = info.ready ? "" : "waiting for the model…";
     $("api-key-button").hidden = !info.auth_required;
-    if (becameReady) document.body.dataset.ready = "true";
+    if (becameReady) {
+      document.body.dataset.ready = "true";
+      loadLoras();
+    }
 
     if (info.auth_required && !currentKey() && !app.askedKeyOnLoad) {
       app.askedKeyOnLoad = true;
@@ -253,7 +258,25 @@
       n: $("n").value.trim(),
       strength: $("strength").value.trim(),
       edit: app.edit.file ? (app.edit.painted ? "inpainting" : "image-to-image") : "",
+      lora: $("lora").value,
+      lora_scale: $("lora-scale").value.trim(),
     };
+  }
+
+  /* The adapters the server serves (GET /v1/loras) in the adapter picker; the picker stays hidden without any. */
+  async function loadLoras() {
+    let listing = null;
+    try {
+      const r = await fetch("/v1/loras", { headers: authHeaders(), cache: "no-store" });
+      if (r.ok) listing = await r.json();
+    } catch (e) { /* the picker stays hidden */ }
+    const names = listing ? listing.data.map((a) => a.name) : [];
+    const select = $("lora");
+    const chosen = select.value;
+    select.replaceChildren(el("option", { value: "", text: "none" }),
+      ...names.map((name) => el("option", { value: name, text: name })));
+    if (names.includes(chosen)) select.value = chosen;
+    $("adapters").hidden = names.length === 0;
   }
 
   function fillForm(s) {
@@ -277,6 +300,9 @@
     $("seed").value = s.seed || "";
     $("n").value = s.n || 1;
     $("strength").value = s.strength || "";
+    const adapters = Array.from($("lora").options).map((o) => o.value);
+    $("lora").value = s.lora && adapters.includes(s.lora) ? s.lora : "";
+    $("lora-scale").value = s.lora_scale || "1";
     for (const id of ["size", "steps", "guidance", "sampler", "schedule"]) $(id).dataset.touched = "true";
     clearErrors();
   }
@@ -322,6 +348,9 @@
     if (s.edit && s.strength !== "" && !Number.isFinite(Number(s.strength))) {
       errors.push(["strength", "Enter the strength as a number in (0, 1], e.g. 0.8, or leave it empty."]);
     }
+    if (s.lora && (s.lora_scale === "" || !Number.isFinite(Number(s.lora_scale)))) {
+      errors.push(["loras", "Enter the adapter's scale as a number, e.g. 0.8 (from -8 to 8)."]);
+    }
     return errors;
   }
 
@@ -334,6 +363,7 @@
     };
     if (s.negative_prompt.trim()) body.negative_prompt = s.negative_prompt;
     if (s.guidance !== "") body.guidance_scale = Number(s.guidance);
+    if (s.lora) body.loras = [{ name: s.lora, scale: Number(s.lora_scale) }];
     let json = JSON.stringify(body);
     if (s.seed !== "") json = `${json.slice(0, -1)},"seed":${BigInt(s.seed).toString()}}`;
     return json;
@@ -368,6 +398,7 @@
     if (s.guidance !== "") fields.guidance_scale = s.guidance;
     if (s.seed !== "") fields.seed = s.seed;
     if (s.strength !== "") fields.strength = s.strength;
+    if (s.lora) fields.loras = JSON.stringify([{ name: s.lora, scale: Number(s.lora_scale) }]);
     for (const [k, v] of Object.entries(fields)) form.append(k, String(v));
     form.append("image", edit.file, edit.file.name || "image.png");
     if (edit.mask) form.append("mask", edit.mask, "mask.png");
