@@ -90,3 +90,21 @@ def test_plots_draw_each_mode_against_the_rate(tmp_path):
                       str(tmp_path / "s.png"))
     assert serve == {"serve": {"rate": [4.0], "p50": [0.1], "p90": [0.2], "p99": [0.3], "images_per_s": [3.9]}}
     assert Image.open(tmp_path / "t.png").size == (1210, 462)
+
+
+def test_replay_with_random_adapters_over_fewer_slots():
+    """bench throughput --loras: each request picks one of K random adapters (more than the slots); every request
+    completes, each adapter was loaded into a slot, nothing was captured."""
+    from diffgraph import Engine
+    from diffgraph.bench.throughput import captures, random_adapter, replay, with_loras
+
+    trace = make_trace(20.0, 0.6, 5, steps=(2,), sizes=((64, 64),), samplers=("euler",))
+    with Engine("random:tiny", device="cpu", dtype="fp32", max_loras=4, max_lora_rank=8) as engine:
+        for i in range(6):
+            engine.add_lora(f"bench/{i}", random_adapter(engine, 4, i))
+        picked = with_loras(trace, 6, 0)
+        assert [i.at for i in picked] == [i.at for i in trace] and len({i.lora for i in picked}) > 4
+        r = replay(engine, picked, timeout=300, row_step_ms={(64, 64): 1.0})
+        assert (r["completed"], r["errors"]) == (len(trace), [])
+        assert engine.stats["lora_loads"] >= len({i.lora for i in picked})
+        assert captures(engine) == 0

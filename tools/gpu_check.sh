@@ -4,6 +4,8 @@
 # tests1: the GPU tests with every engine on cuda:1 (2-GPU host; test_device_affinity checks GPU 0 stays untouched)
 # ab: bench latency (graph tier, 1 image) of the tree in .old/src (an older commit, `git archive REV src | tar -x -C
 # .old`, carried) and of src/, alternated twice in one call: the before/after comparison of a refactor
+# lora: tools/bench_lora.py step (bucket-16 step cost with adapters, max rank 16 and 64); loraload: bench_lora.py load
+# (a rank-32 SDXL adapter loaded while requests step) and bench throughput --loras 8 over 4 slots at saturation
 # edits: bench throughput at saturation (step mode, 512x512) without and with half the trace edits (issue 15)
 # dp60: tools/bench_dp.py (DP_LABEL, DP_RATE, DP_FLAGS): 60 s seeded traces, saturation and 80% of it twice, step figures
 # dp: diffgraph serve over one replica (cuda:0) and over two (cuda:0,cuda:1), bench serve at 10 requests/s per GPU
@@ -27,6 +29,11 @@ for what in "$@"; do
     firstuse) python3 tools/probe_first_use.py 2>&1 | grep -v Warning | tee "$OUT/first_use.log" ;;
     imports) python3 -X importtime -c "from diffusers import AutoencoderKL, UNet2DConditionModel; from transformers import CLIPTextModel" 2> "$OUT/importtime.log"
              sort -t'|' -k2 -n -r "$OUT/importtime.log" | head -25 ;;
+    lora) python3 tools/bench_lora.py step 2>&1 | grep -v Warning | tee "$OUT/bench_lora_step.log" ;;
+    loraload) python3 tools/bench_lora.py load 2>&1 | grep -v Warning | tee "$OUT/bench_lora_load.log"
+              python3 -m diffgraph.bench.throughput --sizes 512x512 --steps 20 --samplers euler --rates ${LORA_RATE:-20} \
+                --duration ${LORA_DURATION:-10} --modes step --loras 8 --max-loras 4 --max-lora-rank 16 \
+                --json "$OUT/bench_lora_throughput.json" 2>&1 | grep -v Warning | tee "$OUT/bench_lora_throughput.log" ;;
     tests) python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -v Warning ;;
     tests1) DIFFGRAPH_TEST_DEVICE=cuda:1 python3 -m pytest -q -s -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_cuda1.log" | grep -v Warning ;;
     ab) for round in 1 2; do for tree in old new; do

@@ -16,6 +16,7 @@ must not break batches), with the VAE encoder's ms per replay (an edit's one ext
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import threading
 import time
@@ -39,6 +40,7 @@ class TraceItem:
     seed: int
     edit: str | None = None   # "img2img" | "inpaint" | None (text-to-image)
     strength: float = 1.0
+    lora: int | None = None   # which of the benchmark's random LoRA adapters the request uses (None: none)
 
 
 def make_trace(rate: float, duration: float, seed: int, steps=(20, 30, 50), sizes=((512, 512), (768, 512)),
@@ -68,6 +70,30 @@ def edit_inputs(size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     mask = np.zeros((h, w), np.uint8)
     mask[h // 4: 3 * h // 4, w // 4: 3 * w // 4] = 255
     return image, mask
+
+
+def with_loras(trace: list[TraceItem], k: int, seed: int) -> list[TraceItem]:
+    """The same trace, each request using one of k adapters (seeded, uniform): the second seed's scenario."""
+    rng = np.random.default_rng([seed, 2])
+    return [dataclasses.replace(i, lora=int(rng.integers(k))) for i in trace]
+
+
+def random_adapter(engine, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A random rank-`rank` LoRA (diffusers/PEFT keys) on every UNet layer the engine has a side path for (the
+    attention and feed-forward projections), made here rather than carried (an SDXL one is tens of MB)."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for module, slot in engine.runner.loras.banks["unet"].layers.items():
+        n_in, n_out = slot.a.shape[2], slot.b.shape[2]
+        state[f"unet.{module}.lora_A.weight"] = torch.randn((rank, n_in), generator=gen) / n_in ** 0.5
+        state[f"unet.{module}.lora_B.weight"] = torch.randn((n_out, rank), generator=gen) * 0.01
+    return state
+
+
+def captures(engine) -> int:
+    """Graph captures since start-up (on first use, or after an invalidation) and invalidations, over every key:
+    anything a run makes the engine capture again."""
+    return sum(r["on_demand"] + r["invalidations"] for r in engine.graph_table())
 
 
 def without_edits(trace: list[TraceItem]) -> list[TraceItem]:
@@ -123,8 +149,10 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
         if item.edit is not None:
             image, mask = edit_inputs(item.size)
             edit = {"image": image, "strength": item.strength, **({"mask_image": mask} if item.edit == "inpaint" else {})}
+        loras = [(f"bench/{item.lora}", 1.0)] if item.lora is not None else []
         req = engine.make_request("a photo of a cat", width=item.size[1], height=item.size[0],
-                                  num_inference_steps=item.steps, sampler=item.sampler, seed=item.seed, **edit)
+                                  num_inference_steps=item.steps, sampler=item.sampler, seed=item.seed, loras=loras,
+                                  **edit)
 
         def done(f, sent=sent):
             with lock:
@@ -262,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--edit-fraction", type=float, default=0.0, metavar="F",
                    help="share of the requests that are edits (image-to-image and inpainting, strength 0.5-1.0); "
                         "each run is then made without and with them (default: 0)")
+    p.add_argument("--loras", type=int, default=0, metavar="K",
+                   help="each request uses one of K random adapters (rank --lora-rank on the attention and feed-forward "
+                        "projections); each run is then made without and with them (default: 0)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=None, help="adapter slots with --loras (default: 8)")
+    p.add_argument("--max-lora-rank", type=int, default=64, help="the slots' rank with --loras (default: 64)")
     p.add_argument("--json", default="bench_throughput.json")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw latency percentiles and images/s against the arrival rate, per mode (matplotlib)")
@@ -275,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = parse_resolutions(args.sizes)
     steps = tuple(int(s) for s in args.steps.split(","))
     samplers = tuple(args.samplers.split(","))
-    engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000)
+    lora_args = dict(max_loras=args.max_loras or 8, max_lora_rank=args.max_lora_rank) if args.loras else {}
+    engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
+                    **lora_args)
+    for i in range(args.loras):
+        engine.add_lora(f"bench/{i}", random_adapter(engine, args.lora_rank, i))
     cb = compute_bound_rate(engine, sizes, steps)
     rate_cb = cb["images_per_s"]
     rates = [float(r) for r in args.rates.split(",") if r] or [round(f * rate_cb, 2) for f in (0.5, 0.65, 0.8, 3.0)]
@@ -298,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     for rate in rates:
         trace = make_trace(rate, args.duration, args.seed, steps, sizes, samplers, args.edit_fraction)
         variants = [("", trace)] if not args.edit_fraction else [("", without_edits(trace)), ("+edits", trace)]
+        if args.loras:
+            variants = [("", trace), (f"+loras{args.loras}", with_loras(trace, args.loras, args.seed))]
         for (suffix, run_trace), mode in ((v, m) for m in args.modes.split(",") for v in variants):
             batching, _, grow = mode.partition(":")
             extra = {}
@@ -306,8 +346,11 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"grow_fill": float(fill), "grow_hold_ms": float(hold)}
             engine.reconfigure(batching=batching, max_wait_ms=args.max_wait_ms if batching == "request" else 0.0,
                                **{"grow_fill": defaults.grow_fill, "grow_hold_ms": defaults.grow_hold_ms, **extra})
+            before = captures(engine)
             r = replay(engine, run_trace, timeout=args.duration, row_step_ms=row_step_ms)
-            r.update(mode=mode + suffix, rate=rate, edits=sum(i.edit is not None for i in run_trace))
+            r.update(mode=mode + suffix, rate=rate, edits=sum(i.edit is not None for i in run_trace),
+                     captures_during_run=captures(engine) - before,
+                     lora_loads=engine.stats["lora_loads"], adapters=len({i.lora for i in run_trace} - {None}))
             report["runs"].append(r)
             mode = mode + suffix
             print(f"rate {rate:6.2f}/s {mode:14s} {r['images_per_s']:6.2f} img/s (steady {r['steady_images_per_s']:5.2f}, window {r['window_images_per_s']:5.2f}, work {r['window_work_fraction'] * cb['steps_only_images_per_s']:5.2f})  p50 {r['p50_ms']:8.0f} ms  "
@@ -326,6 +369,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{base['mean_live_rows']:.2f} = {r['mean_live_rows'] / base['mean_live_rows']:.3f}x  window work "
                       f"{r['window_work_fraction']:.3f} / {base['window_work_fraction']:.3f} = "
                       f"{r['window_work_fraction'] / base['window_work_fraction']:.3f}x  ({r['edits']} edits)")
+    if args.loras:
+        print(f"with {args.loras} adapters (rank {args.lora_rank}, {args.max_loras or 8} slots of rank "
+              f"{args.max_lora_rank}) vs none, same arrivals (targets: images/s >= 0.85x at saturation, 0 captures):")
+        for (rate, mode), r in by.items():
+            base = by.get((rate, mode.split("+loras")[0])) if "+loras" in mode else None
+            if base:
+                print(f"  rate {rate:6.2f}/s {mode:20s}: {r['images_per_s']:.2f} / {base['images_per_s']:.2f} images/s = "
+                      f"{r['images_per_s'] / base['images_per_s']:.3f}x  window work {r['window_work_fraction']:.3f} / "
+                      f"{base['window_work_fraction']:.3f}  captures during the run {r['captures_during_run']}  "
+                      f"requests {r['requests']}, slot loads so far {r['lora_loads']}")
     print("step vs request mode, per arrival rate (the issue's targets: p99 <= 0.6x, images/s >= request mode's):")
     for rate in rates:
         rq = by.get((rate, "request"))
