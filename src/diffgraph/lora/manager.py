@@ -239,8 +239,8 @@ class LoraManager:
                 if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                     raise AdapterError(f"adapter {adapter.name!r} has non-finite weights at {component}.{module} "
                                        f"(or they overflow {slot.a.dtype})")
-                part[path] = (a.pin_memory(), b.pin_memory()) if cuda else (a, b)
-        return out
+                part[path] = (a, b)
+        return _pinned(out) if cuda else out
 
     # -- slots: the scheduler's admission gate (the engine loop's thread) --------------------------
     def can_admit(self, state: Any) -> bool:
@@ -312,6 +312,27 @@ class LoraManager:
                                            f"{self.family} model (made for another model?)")
                     delta = (w.b @ w.a) * (w.scale * scale)
                     weight += delta.reshape(weight.shape).to(weight.device, weight.dtype)
+
+
+def _pinned(weights: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict:
+    """The same tensors as views of one pinned host buffer (one page-locked allocation, not one per tensor: an SDXL
+    adapter has over a thousand), so a slot load is asynchronous host-to-device copies."""
+    tensors = [t for part in weights.values() for pair in part.values() for t in pair]
+    if not tensors or len({t.dtype for t in tensors}) > 1:  # mixed dtypes: pinned one by one
+        return {c: {m: tuple(t.pin_memory() for t in pair) for m, pair in part.items()} for c, part in weights.items()}
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
+    out, offset = {}, 0
+    for component, part in weights.items():
+        out[component] = {}
+        for module, pair in part.items():
+            views = []
+            for t in pair:
+                view = flat[offset:offset + t.numel()].view(t.shape)
+                view.copy_(t)
+                views.append(view)
+                offset += t.numel()
+            out[component][module] = tuple(views)
+    return out
 
 
 def _targets(root: nn.Module, ends: tuple[str, ...]) -> list[str]:
