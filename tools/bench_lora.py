@@ -21,22 +21,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from diffgraph import Engine, GraphConfig  # noqa: E402
 from diffgraph.bench.throughput import random_adapter  # noqa: E402
+from probe_layout import eager_ms  # noqa: E402  (the probes' event timer)
 
 
 def replay_ms(engine: Engine, kind: str, key: tuple[int, int], bucket: int, iters: int = 30) -> float:
     runner = engine.runner.graph_runner
-    for _ in range(3):
-        runner.replay(kind, *key, bucket)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        runner.replay(kind, *key, bucket)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return eager_ms(lambda: runner.replay(kind, *key, bucket), iters=iters)
 
 
 def fill_rows(engine: Engine, key: tuple[int, int], rows: int, adapters: list[str]) -> None:

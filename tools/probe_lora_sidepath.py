@@ -18,7 +18,7 @@ sys.path.insert(0, "tools")
 
 from diffgraph import Engine  # noqa: E402
 from diffgraph.lora.sidepath import RowLoras, attach  # noqa: E402
-from probe_layout import graph_ms  # noqa: E402  (one captured-graph timer for the probes)
+from probe_layout import eager_ms, graph_ms  # noqa: E402  (the probes' timers)
 
 ENDS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
 
@@ -28,18 +28,6 @@ SHAPES = [(32, 4096, 320, 320), (32, 4096, 320, 2560), (32, 4096, 1280, 320), (3
           (32, 256, 5120, 1280)]  # (rows, tokens, in, out) of SD1.5's targeted layers at bucket 16, 512x512
 CONFIGS = [None, (128, 128, 64, 3, 8), (128, 64, 64, 3, 4), (128, 64, 64, 4, 4), (64, 128, 64, 3, 4),
            (128, 128, 32, 4, 8), (256, 64, 64, 3, 8)]
-
-
-def event_ms(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def shapes(rank: int = 16) -> None:
@@ -54,11 +42,11 @@ def shapes(rank: int = 16) -> None:
         b = torch.randn((9, rank, n_out), device="cuda", dtype=torch.float16) * 0.02
         idx = (torch.arange(n, device="cuda") % 4 + 1).view(n, 1)
         scale = torch.ones((n, 1), device="cuda")
-        base = event_ms(lambda: torch.nn.functional.linear(x, w, bias))
+        base = eager_ms(lambda: torch.nn.functional.linear(x, w, bias), iters=30)
         cells = [f"linear {base:.3f} ms"]
         for config in CONFIGS:
             try:
-                ms = event_ms(lambda: kernels.lora_linear(x, w, bias, a, b, idx, scale, config=config))
+                ms = eager_ms(lambda: kernels.lora_linear(x, w, bias, a, b, idx, scale, config=config), iters=30)
                 cells.append(f"{config or 'default'} {ms / base:.2f}x")
             except Exception as e:  # a config the GPU cannot run (shared memory)
                 cells.append(f"{config} failed: {type(e).__name__}")
