@@ -90,14 +90,16 @@ def load_case() -> None:
                 max_loras=4, max_lora_rank=32) as engine:
         size = write_adapter(engine, 32, os.path.join(folder, "big.safetensors"))
         manager = engine.runner.loras
-        writes: list[float] = []
+        writes: list[tuple[float, object, object]] = []  # (host seconds to issue, GPU start and end events)
         original = manager.write
 
         def timed_write(slot, prepared):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
+            start.record()
             original(slot, prepared)
-            torch.cuda.synchronize()
-            writes.append(time.perf_counter() - t0)
+            end.record()
+            writes.append((time.perf_counter() - t0, start, end))
         manager.write = timed_write
         steps: list[tuple[float, float]] = []
         engine.step_listeners.append(lambda plan, seconds: steps.append((time.perf_counter(), seconds)))
@@ -127,9 +129,12 @@ def load_case() -> None:
     during = [s for t, s in steps if t_submit <= t <= t_resolved + 2.0]
     p99 = lambda xs: float(np.percentile(xs, 99)) * 1e3  # noqa: E731
     print(f"random:sdxl 1024x1024: a rank-32 adapter file of {size / 1e6:.1f} MB from local disk")
+    torch.cuda.synchronize()
+    host = max(w[0] for w in writes) * 1e3
+    gpu = max(w[1].elapsed_time(w[2]) for w in writes)
     print(f"  read and checked (submit thread): {(t_resolved - t_submit) * 1e3:.0f} ms; written into its slot "
-          f"(loop thread, between steps): {max(writes) * 1e3:.1f} ms; together "
-          f"{(t_resolved - t_submit + max(writes)) * 1e3:.0f} ms (target <= 500)")
+          f"(loop thread, between steps): {host:.1f} ms to issue the copies, {gpu:.1f} ms of copies on the GPU; "
+          f"together {(t_resolved - t_submit) * 1e3 + max(host, gpu):.0f} ms (target <= 500)")
     print(f"  step p99 while loading {p99(during):.1f} ms ({len(during)} steps) vs before {p99(before):.1f} ms "
           f"({len(before)} steps): {p99(during) / p99(before):.3f}x (target <= 1.2)")
 

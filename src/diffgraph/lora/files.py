@@ -164,10 +164,12 @@ def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, flo
     return out
 
 
-def module_path(root: torch.nn.Module, path: str) -> str | None:
+def module_path(root: torch.nn.Module, path: str, names: "set[str] | None" = None) -> str | None:
     """`path` as it exists in `root`, or None. CLIP text models lost their `text_model.` level in transformers 5,
-    while kohya files (and diffusers' conversion of them) keep it: both spellings are tried."""
-    names = dict(root.named_modules())
+    while kohya files (and diffusers' conversion of them) keep it: both spellings are tried. `names`: the module
+    names of `root`, when the caller looks up many paths (an SDXL adapter has over a thousand)."""
+    if names is None:
+        names = {name for name, _ in root.named_modules()}
     for candidate in (path, path.removeprefix("text_model."), f"text_model.{path}"):
         if candidate in names:
             return candidate

@@ -86,6 +86,9 @@ class LoraManager:
         self.components = {"unet": self.model.unet}
         for i, encoder in enumerate(self.model.text_encoders):
             self.components["text_encoder" if i == 0 else f"text_encoder_{i + 1}"] = encoder
+        # module names per component, for looking up an adapter's layers (before side paths wrap them: the
+        # wrapped layer keeps its name, and its base gains a `.base` child that no adapter names)
+        self._names = {c: {name for name, _ in root.named_modules()} for c, root in self.components.items()}
         if any(isinstance(m, LoraLayer) for root in self.components.values() for m in root.modules()):
             raise ValueError("this model already has LoRA side paths (another engine made them); load the model "
                              "again for this engine")
@@ -218,7 +221,7 @@ class LoraManager:
                                    f"{self.family} model does not have: it was made for another model family")
             part = out[component] = {}
             for module, w in layers.items():
-                path = module_path(root, module)
+                path = module_path(root, module, self._names[component])
                 if path is None:
                     raise AdapterError(f"adapter {adapter.name!r} targets {component}.{module}, which this "
                                        f"{self.family} model does not have: it was made for another model")
@@ -304,7 +307,7 @@ class LoraManager:
                     raise AdapterError(f"fused adapter {name!r} has weights for {component}, which this "
                                        f"{self.family} model does not have")
                 for module, w in layers.items():
-                    path = module_path(root, module)
+                    path = module_path(root, module, self._names[component])
                     layer = root.get_submodule(path) if path else None
                     weight = getattr(layer, "weight", None)
                     if weight is None or weight[0].numel() != w.a.shape[1] or weight.shape[0] != w.b.shape[0]:
