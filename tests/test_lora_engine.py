@@ -186,6 +186,20 @@ def test_bad_adapters_are_refused_by_name(lora_engine, lora_dirs, tiny_engine, t
             os.remove(os.path.join(folder, name))
 
 
+def test_non_finite_adapter_weights_are_refused(lora_engine, lora_dirs):
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(lora_dirs["sd"], "style.safetensors"))
+    key = next(k for k in state if k.startswith("unet.") and "lora_B" in k)
+    for bad in (math.inf, math.nan):
+        broken = dict(state)
+        broken[key] = broken[key].clone()
+        broken[key][0, 0] = bad
+        with pytest.raises(ParamError, match="non-finite"):
+            lora_engine.add_lora("broken", broken)
+    assert "broken" not in {a["name"] for a in lora_engine.loras()["data"]}
+
+
 def test_engine_without_slots_refuses_adapters(tiny_engine):
     with pytest.raises(ParamError, match="--lora-dir"):
         tiny_engine.generate(PROMPT, num_inference_steps=1, loras=[("style", 1.0)])
@@ -243,3 +257,15 @@ def test_graph_mode_runs_adapters_without_captures(lora_dirs, lora_engine):
         replays = {k: sum(r["replays"] for r in table if r["kind"] == k) for k in ("step", "step_lora1", "step_lora4")}
         assert all(replays.values()), replays
         assert graphed.stats["lora_loads"] >= 3
+
+
+def test_finite_check_reads_half_precision_bits():
+    from diffgraph.lora.manager import _finite
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        t = torch.tensor([0.0, -2.5, 65000.0 if dtype == torch.float16 else 1e30], dtype=dtype)
+        assert _finite(t)
+        for bad in (math.inf, -math.inf, math.nan):
+            u = t.clone()
+            u[1] = bad
+            assert not _finite(u), (dtype, bad)

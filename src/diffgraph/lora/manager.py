@@ -37,19 +37,20 @@ PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPip
 
 @dataclass
 class Prepared:
-    """An adapter checked against this model, its weights padded to the slots' rank on the host."""
+    """An adapter checked against this model, on the host as one row per side-path bank (its layers padded to the
+    slots' rank, scales folded in, zeros elsewhere; pinned on a GPU): loading it into a slot is one copy per bank."""
 
     key: AdapterKey
     adapter: AdapterFile
-    weights: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]  # bank -> module -> (A [R, in], B [R, out])
+    rows: dict[str, torch.Tensor]  # bank ("unet", "text_encoder", ...) -> its slot row
 
     @property
     def has_unet(self) -> bool:
-        return bool(self.weights.get("unet"))
+        return "unet" in self.rows
 
     @property
     def has_text(self) -> bool:
-        return any(self.weights.get(c) for c in self.weights if c != "unet")
+        return any(c != "unet" for c in self.rows)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,13 @@ class LoraManager:
                 self._host.move_to_end(key)
                 return hit
         adapter = read_adapter(source, self.pipeline_class, key[0])
-        prepared = Prepared(key, adapter, self._pad(adapter))
+        cuda = self.model.device.type == "cuda"
+        rows = {c: self.banks[c].host_row(weights, pin=cuda) for c, weights in self._pad(adapter).items()}
+        for component, row in rows.items():
+            if not _finite(row):
+                raise AdapterError(f"adapter {key[0]!r} has non-finite {component} weights (or they overflow "
+                                   f"{row.dtype})")
+        prepared = Prepared(key, adapter, rows)
         with self._lock:
             self._host[key] = prepared
             while len(self._host) > 2 * max(self.config.slots, 1):
@@ -207,12 +214,12 @@ class LoraManager:
         return prepared
 
     def _pad(self, adapter: AdapterFile) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-        """Checks the adapter against the side paths; its weights padded to the slots' rank, scale folded in."""
+        """Checks the adapter against the side paths: per bank, side-path module -> (A [r, in], B^T [r, out] with
+        the layer's scale folded in)."""
         rank = self.config.max_lora_rank
         if adapter.rank > rank:
             raise AdapterError(f"adapter {adapter.name!r} has rank {adapter.rank}, above this engine's maximum "
                                f"{rank}; start it with --max-lora-rank {adapter.rank} (or more)")
-        cuda = self.model.device.type == "cuda"
         out: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         for component, layers in adapter.layers.items():
             root, bank = self.components.get(component), self.banks.get(component)
@@ -235,15 +242,8 @@ class LoraManager:
                     raise AdapterError(f"adapter {adapter.name!r} does not fit this {self.family} model: "
                                        f"{component}.{path} takes {n_in} -> {n_out} features, the adapter "
                                        f"{w.a.shape[1]} -> {w.b.shape[0]} (made for another model family or size?)")
-                a = torch.zeros((rank, n_in), dtype=slot.a.dtype)
-                b = torch.zeros((rank, n_out), dtype=slot.b.dtype)
-                a[:w.rank] = w.a
-                b[:w.rank] = (w.b * w.scale).t()
-                if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-                    raise AdapterError(f"adapter {adapter.name!r} has non-finite weights at {component}.{module} "
-                                       f"(or they overflow {slot.a.dtype})")
-                part[path] = (a, b)
-        return _pinned(out) if cuda else out
+                part[path] = (w.a, (w.b * w.scale).t())
+        return out
 
     # -- slots: the scheduler's admission gate (the engine loop's thread) --------------------------
     def can_admit(self, state: Any) -> bool:
@@ -277,12 +277,7 @@ class LoraManager:
     def write(self, slot: int, prepared: Prepared) -> None:
         """Loads an adapter into a slot in place (between steps, on the device's stream): no capture, no compile."""
         for component, bank in self.banks.items():
-            layers = prepared.weights.get(component, {})
-            stale = [t for m, layer in bank.layers.items() if m not in layers for t in (layer.a[slot], layer.b[slot])]
-            if stale:
-                torch._foreach_zero_(stale)
-            for module, (a, b) in layers.items():
-                bank.write_padded(slot, module, a, b)
+            bank.write_flat(slot, prepared.rows.get(component))
         self.loads += 1
 
     def clear(self, slot: int) -> None:
@@ -317,25 +312,13 @@ class LoraManager:
                     weight += delta.reshape(weight.shape).to(weight.device, weight.dtype)
 
 
-def _pinned(weights: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> dict:
-    """The same tensors as views of one pinned host buffer (one page-locked allocation, not one per tensor: an SDXL
-    adapter has over a thousand), so a slot load is asynchronous host-to-device copies."""
-    tensors = [t for part in weights.values() for pair in part.values() for t in pair]
-    if not tensors or len({t.dtype for t in tensors}) > 1:  # mixed dtypes: pinned one by one
-        return {c: {m: tuple(t.pin_memory() for t in pair) for m, pair in part.items()} for c, part in weights.items()}
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=True)
-    out, offset = {}, 0
-    for component, part in weights.items():
-        out[component] = {}
-        for module, pair in part.items():
-            views = []
-            for t in pair:
-                view = flat[offset:offset + t.numel()].view(t.shape)
-                view.copy_(t)
-                views.append(view)
-                offset += t.numel()
-            out[component][module] = tuple(views)
-    return out
+def _finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in `t`; for half types from the exponent bits (torch.isfinite on a CPU fp16 tensor of an SDXL
+    adapter takes a third of a second)."""
+    mask = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}.get(t.dtype)
+    if mask is None:
+        return bool(torch.isfinite(t).all())
+    return not bool(((t.view(torch.int16) & mask) == mask).any())
 
 
 def _targets(root: nn.Module, ends: tuple[str, ...]) -> list[str]:

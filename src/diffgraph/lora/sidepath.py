@@ -50,17 +50,43 @@ class RowLoras:
 
 @dataclass
 class _Slot:
-    a: torch.Tensor  # [slots, rank, in]
+    a: torch.Tensor  # [slots, rank, in]   (a view of the bank's flat buffer)
     b: torch.Tensor  # [slots, rank, out]
+    offset: int = 0  # where the layer's A (then its B) starts in a slot's row of the flat buffer
 
 
 @dataclass
 class LoraSlots:
-    """The device slots of every targeted layer: `slots` adapters (plus slot 0, empty) of rank <= `max_rank`."""
+    """The device slots of every targeted layer: `slots` adapters (plus slot 0, empty) of rank <= `max_rank`. All
+    layers of one slot are one row of `flat` [slots + 1, size] (each layer's A then B), so loading an adapter is one
+    host-to-device copy (`write_flat`), not two per layer."""
 
     slots: int
     max_rank: int
     layers: dict[str, _Slot] = field(default_factory=dict)
+    flat: torch.Tensor | None = None
+
+    def host_row(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], pin: bool) -> torch.Tensor:
+        """One slot's row on the host: `weights` (module -> A [r, in], B^T [r, out], scale folded in) zero-padded to
+        max_rank in place, zeros for every other layer."""
+        row = torch.zeros(self.flat.shape[1], dtype=self.flat.dtype, pin_memory=pin)
+        for module, (a, b) in weights.items():
+            layer = self.layers[module]
+            n_a = self.max_rank * a.shape[1]
+            row[layer.offset:layer.offset + n_a].view(self.max_rank, -1)[:a.shape[0]].copy_(a)
+            row[layer.offset + n_a:layer.offset + n_a + self.max_rank * b.shape[1]].view(
+                self.max_rank, -1)[:b.shape[0]].copy_(b)
+        return row
+
+    def write_flat(self, slot: int, row: torch.Tensor | None) -> None:
+        """Loads a slot from a host row (host_row; None: the adapter has no layer here, zeros): one copy."""
+        if self.flat is None:  # no targeted layer in this module
+            return
+        with torch.no_grad():
+            if row is None:
+                self.flat[slot].zero_()
+            else:
+                self.flat[slot].copy_(row, non_blocking=True)
 
     def write(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> None:
         """Copies one layer's adapter weights into `slot` in place, zero-padded to max_rank; `scale` (alpha / r)
@@ -83,19 +109,10 @@ class LoraSlots:
             layer.a[slot, :r].copy_(a, non_blocking=True)
             layer.b[slot, :r].copy_(b.t() * scale if scale != 1.0 else b.t(), non_blocking=True)
 
-    def write_padded(self, slot: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Copies already padded weights (a [max_rank, in], b [max_rank, out], scale folded in; e.g. from pinned
-        host memory) into `slot`: two copies, no zeroing (the fast path of an adapter load between steps)."""
-        layer = self.layers[module]
-        with torch.no_grad():
-            layer.a[slot].copy_(a, non_blocking=True)
-            layer.b[slot].copy_(b, non_blocking=True)
-
     def clear(self, slot: int) -> None:
-        with torch.no_grad():
-            for layer in self.layers.values():
-                layer.a[slot].zero_()
-                layer.b[slot].zero_()
+        if self.flat is not None:
+            with torch.no_grad():
+                self.flat[slot].zero_()
 
 
 class LoraLayer(nn.Module):
@@ -143,6 +160,7 @@ def attach(root: nn.Module, targets: list[str], slots: int, max_rank: int, rows:
     """Wraps each targeted layer of `root` (module paths; Linear or 1x1 Conv2d) with its side path over new zeroed
     slots on the layer's device and dtype; returns the slots. Other layer kinds are refused by name."""
     bank = LoraSlots(slots=slots, max_rank=max_rank)
+    found = []
     for path in targets:
         parent_path, _, name = path.rpartition(".")
         parent = root.get_submodule(parent_path) if parent_path else root
@@ -155,9 +173,19 @@ def attach(root: nn.Module, targets: list[str], slots: int, max_rank: int, rows:
             kind = f"a {base.kernel_size[0]}x{base.kernel_size[1]} convolution" if isinstance(base, nn.Conv2d) \
                 else type(base).__name__
             raise ValueError(f"{path} is {kind}: LoRA side paths take Linear layers and 1x1 convolutions")
-        w = base.weight
-        slot = _Slot(torch.zeros((slots + 1, max_rank, n_in), dtype=w.dtype, device=w.device),
-                     torch.zeros((slots + 1, max_rank, n_out), dtype=w.dtype, device=w.device))
+        found.append((path, parent, name, base, n_in, n_out))
+    if not found:
+        return bank
+    w = found[0][3].weight
+    size = sum(max_rank * (n_in + n_out) for *_, n_in, n_out in found)
+    bank.flat = torch.zeros((slots + 1, size), dtype=w.dtype, device=w.device)
+    offset = 0
+    for path, parent, name, base, n_in, n_out in found:
+        n_a, n_b = max_rank * n_in, max_rank * n_out
+        a = bank.flat[:, offset:offset + n_a].unflatten(1, (max_rank, n_in))
+        b = bank.flat[:, offset + n_a:offset + n_a + n_b].unflatten(1, (max_rank, n_out))
+        slot = _Slot(a, b, offset)
+        offset += n_a + n_b
         bank.layers[path] = slot
         setattr(parent, name, LoraLayer(base, slot, rows))
     return bank
