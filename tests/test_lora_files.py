@@ -47,7 +47,7 @@ def test_adapters_read_as_diffusers_loads_them(request, tmp_path, model, layout)
         for module, w in layers.items():
             resolved = module_path(root, module)
             assert resolved is not None, f"{component}.{module} is not a module of the model"
-            ours[f"{component}.{resolved}"] = w.scale * (w.b @ w.a)
+            ours[f"{component}.{resolved}"] = w.scale * (w.b.float() @ w.a.float())
             if layout == "kohya":
                 assert w.scale == 0.5  # alpha 2 / rank 4
     assert set(ours) == set(expected) and len(ours) > 20

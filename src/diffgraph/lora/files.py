@@ -28,7 +28,7 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    a: torch.Tensor   # [rank, in] (fp32, CPU)
+    a: torch.Tensor   # [rank, in] (CPU, the file's dtype)
     b: torch.Tensor   # [out, rank]
     scale: float      # alpha / rank (1 without an alpha)
 
@@ -151,7 +151,7 @@ def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, flo
         if a.ndim == 4 and a.shape[2:] != (1, 1):
             raise AdapterError(f"adapter {name!r}: {component}.{module} is a {a.shape[2]}x{a.shape[3]} convolution "
                                "LoRA (LoCon); diffgraph runs LoRA on Linear layers and 1x1 convolutions")
-        a2, b2 = a.reshape(a.shape[0], -1).float(), b.reshape(b.shape[0], -1).float()
+        a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
         if b2.shape[1] != a2.shape[0]:
             raise AdapterError(f"adapter {name!r}: {component}.{module} has down rank {a2.shape[0]} but up rank "
                                f"{b2.shape[1]}")

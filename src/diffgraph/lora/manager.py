@@ -242,7 +242,7 @@ class LoraManager:
                     raise AdapterError(f"adapter {adapter.name!r} does not fit this {self.family} model: "
                                        f"{component}.{path} takes {n_in} -> {n_out} features, the adapter "
                                        f"{w.a.shape[1]} -> {w.b.shape[0]} (made for another model family or size?)")
-                part[path] = (w.a, (w.b * w.scale).t())
+                part[path] = (w.a, (w.b.float() * w.scale).t() if w.scale != 1.0 else w.b.t())
         return out
 
     # -- slots: the scheduler's admission gate (the engine loop's thread) --------------------------
@@ -308,7 +308,7 @@ class LoraManager:
                     if weight is None or weight[0].numel() != w.a.shape[1] or weight.shape[0] != w.b.shape[0]:
                         raise AdapterError(f"fused adapter {name!r} does not fit {component}.{module} of this "
                                            f"{self.family} model (made for another model?)")
-                    delta = (w.b @ w.a) * (w.scale * scale)
+                    delta = (w.b.float() @ w.a.float()) * (w.scale * scale)
                     weight += delta.reshape(weight.shape).to(weight.device, weight.dtype)
 
 
