@@ -82,6 +82,27 @@ def write_adapter(engine: Engine, rank: int, path: str) -> int:
     return os.path.getsize(path)
 
 
+def quiet_breakdown(manager, path: str) -> dict[str, float]:
+    """The parts of reading and checking an adapter, timed one by one while the engine is idle (ms)."""
+    from diffgraph.lora.files import read_adapter
+    from diffgraph.lora.manager import _finite
+
+    out = {}
+    t0 = time.perf_counter()
+    adapter = read_adapter(path, manager.pipeline_class, "probe")
+    out["read (safetensors + diffusers' lora_state_dict + layers)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    weights = manager._pad(adapter)
+    out["check against the model"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rows = {c: manager.banks[c].host_row(w, pin=True) for c, w in weights.items()}
+    out["host rows (pinned)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert all(_finite(r) for r in rows.values())
+    out["finite check"] = time.perf_counter() - t0
+    return {k: v * 1e3 for k, v in out.items()}
+
+
 def load_case() -> None:
     key = (1024, 1024)
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=(key,))
@@ -125,10 +146,13 @@ def load_case() -> None:
         stop.set()
         future.result()
         thread.join()
+        parts = quiet_breakdown(manager, os.path.join(folder, "big.safetensors"))  # after: it warms caches
     before = [s for t, s in steps if t < t_submit and t > t_submit - 6.0]
     during = [s for t, s in steps if t_submit <= t <= t_resolved + 2.0]
     p99 = lambda xs: float(np.percentile(xs, 99)) * 1e3  # noqa: E731
     print(f"random:sdxl 1024x1024: a rank-32 adapter file of {size / 1e6:.1f} MB from local disk")
+    print("  where a read goes, read again with the engine idle (ms): " +
+          ", ".join(f"{k} {v:.0f}" for k, v in parts.items()))
     torch.cuda.synchronize()
     host = max(w[0] for w in writes) * 1e3
     gpu = max(w[1].elapsed_time(w[2]) for w in writes)
