@@ -56,3 +56,17 @@ def test_pencil_keeps_the_digit_and_changes_the_style(engine):
     assert rate >= 0.9, f"only {rate:.0%} of the pencil digits read as the asked digit"
     p0, p1 = _peak(plain), _peak(styled)
     assert abs(p1.mean() - p0.mean()) > 5 * p0.std(), (p0.mean(), p0.std(), p1.mean())
+
+
+def test_lora_dir_and_builtin_adapters_are_served_together(tmp_path):
+    import shutil
+
+    from diffgraph.request import ParamError
+
+    shutil.copy(f"{presets.builtin_lora_folder('digits')}/pencil.safetensors", tmp_path / "inky.safetensors")
+    with Engine("digits", device="cpu", lora_dir=str(tmp_path)) as e:
+        sources = {a["name"]: a["source"] for a in e.loras()["data"]}
+        assert sources == {"pencil": "builtin", "inky": "lora_dir"}
+        for typo, meant in (("pencl", "pencil"), ("inkk", "inky")):
+            with pytest.raises(ParamError, match=f"did you mean '{meant}'"):
+                e.generate("a handwritten digit one", num_inference_steps=1, loras=[(typo, 1.0)])

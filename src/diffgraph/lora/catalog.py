@@ -31,6 +31,10 @@ class AdapterNameError(ValueError):
     """A bad or unknown adapter name (HTTP 400); the message says why and lists close names."""
 
 
+class AdapterNotFound(AdapterNameError):
+    """An allowed name that no file in the folder has."""
+
+
 class SlotsBusy(RuntimeError):
     """Every slot holds an adapter that live rows use: the request waits for one to be released."""
 
@@ -82,7 +86,7 @@ class AdapterDir:
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"; known: {', '.join(names[:10]) or 'none'}"
-        raise AdapterNameError(f"adapter {name!r} is unknown{hint}")
+        raise AdapterNotFound(f"adapter {name!r} is unknown{hint}")
 
 
 _COMPONENT_PREFIXES = (("text_encoder_2.", "text_encoder_2"), ("lora_te2_", "text_encoder_2"),

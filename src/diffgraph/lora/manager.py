@@ -14,6 +14,7 @@ Every problem with an adapter is an AdapterError / AdapterNameError whose messag
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import math
 import os
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from ..config import LoraConfig
-from .catalog import AdapterDir, AdapterKey, AdapterNameError, SlotCache
+from .catalog import AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, SlotCache
 from .files import AdapterError, AdapterFile, file_version, module_path, read_adapter
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach
 
@@ -197,16 +198,23 @@ class LoraManager:
             added = self._added.get(name)
         if added is not None:
             return self._prepare((name, added.version), added.source)
-        folders = [d for d in (self.dir, self.builtin) if d is not None]
-        for i, folder in enumerate(folders):  # the lora dir first, then the model's built-in adapters
+        folders = [d for d in (self.dir, self.builtin) if d is not None]  # the lora dir first, then built-ins
+        for folder in folders:
             try:
                 path = folder.path(name)
-            except AdapterNameError:
-                if i < len(folders) - 1:
-                    continue
-                raise
-            return self._prepare((name, file_version(path)), path)
-        raise AdapterNameError(f"adapter {name!r} is unknown; known: {', '.join(sorted(self._added)) or 'none'}")
+            except AdapterNotFound:  # (a name that is not allowed is refused by the first folder)
+                continue
+            for _ in range(3):  # the file may be replaced while it is read: its version is what was read
+                version = file_version(path)
+                prepared = self._prepare((name, version), path)
+                if file_version(path) == version:
+                    return prepared
+            raise AdapterError(f"adapter {name!r} keeps changing on disk while it is read; retry when it is written")
+        known = sorted(set(self._added).union(*(d.listing().adapters for d in folders)))
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else \
+            f"known: {', '.join(known[:10]) or 'none'} (GET /v1/loras lists them)"
+        raise AdapterNameError(f"adapter {name!r} is unknown; {hint}")
 
     def _prepare(self, key: AdapterKey, source: Any) -> Prepared:
         with self._lock:
