@@ -61,6 +61,7 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
                    help="a folder of .safetensors adapters that --lora names (not with --url: the server has its own)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
+    g.add_argument("--compile", action="store_true", help="the compile tier (a slow first start; see serve --help)")
     g.add_argument("--url", default=None,
                    help="send the request to a running `diffgraph serve` at this URL (e.g. http://127.0.0.1:8000) "
                         "instead of loading the model here")
@@ -76,6 +77,14 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     i.add_argument("--batch-buckets", default="1,2,4,8,16", help="graph batch buckets (default: %(default)s)")
     i.add_argument("--resolutions", default="", help="WxH list to capture (default: the model's native size)")
     i.add_argument("--verify", action="store_true", help="compare each replay with an eager run at capture")
+    i.add_argument("--compile", action="store_true", help="the compile tier: capture compiled code (slow first start)")
+
+    c = sub.add_parser("compile", help="fill a compile-tier cache ahead of time (for a fleet of the same GPU)")
+    c.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
+    c.add_argument("--batch-buckets", default="1,2,4,8,16", help="graph batch buckets (default: %(default)s)")
+    c.add_argument("--resolutions", default="", help="WxH list (default: the model's native size)")
+    c.add_argument("--out", required=True, metavar="DIR",
+                   help="the cache folder (serve and generate read it with --compile-cache DIR)")
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve (each has --help)")
     b.add_argument("which", choices=["latency", "throughput", "serve"])
@@ -197,7 +206,8 @@ def _generate(args: argparse.Namespace) -> int:
         if (args.device or default_device()).startswith("cpu"):
             torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
         engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype,
-                        lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None)
+                        lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
+                        compile=args.compile)
         request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                       guidance_scale=args.guidance, **params)
     except ParamError as e:
@@ -335,37 +345,6 @@ def _bench(which: str, argv: list[str]) -> int:
     return bench_main(argv)
 
 
-def _info(args: argparse.Namespace) -> int:
-    from .config import GraphConfig, parse_buckets, parse_resolutions
-    from .engine.engine import Engine, default_device, parse_device
-
-    cuda = parse_device(args.device or default_device()).type == "cuda"
-    logging.getLogger("diffgraph").setLevel(logging.INFO)  # one line per captured graph
-    graphs = GraphConfig(batch_buckets=parse_buckets(args.batch_buckets),
-                         resolutions=parse_resolutions(args.resolutions) if args.resolutions else (),
-                         verify=args.verify)
-    with Engine(model=args.model or default_model(), device=args.device, mode="graph" if cuda else "eager",
-                graphs=graphs) as engine:
-        m = engine.model
-        print(f"model {m.name}: family {m.family}, native {m.native_size}px, {m.dtype}, device {m.device}, "
-              f"UNet {sum(p.numel() for p in m.unet.parameters()) / 1e6:.1f}M parameters")
-        print(f"ready in {engine.ready_s:.1f} s (load and prewarm captures)")
-        table = engine.graph_table()
-        if not table:
-            print("mode eager: CUDA graphs need a CUDA device")
-            return 0
-        print(f"{'kind':5} {'size':>9} {'bucket':>6} {'status':9} {'capture ms':>10} {'pool MiB':>9} {'replays':>7} "
-              f"{'eager':>5} {'verify':>9}")
-        for r in table:
-            size = f"{r['width']}x{r['height']}" if r["height"] else "-"
-            verify = "" if r["verify_max_abs"] is None else f"{r['verify_max_abs']:.2e}"
-            print(f"{r['kind']:5} {size:>9} {r['bucket']:>6} {r['status']:9} {r['capture_ms']:10.0f} "
-                  f"{r['pool_mib_added']:9.1f} {r['replays']:7d} {r['eager_fallbacks']:5d} {verify:>9}"
-                  + (f"  {r['error']}" if r["error"] else ""))
-        print(f"graph pool: {sum(r['pool_mib_added'] for r in table):.0f} MiB")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -378,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise _ArgError("serving needs the serve extras: pip install 'diffgraph[serve]'")
             from .server.cli import run_serve
             return run_serve(args)
-        if args.command == "info":
-            return _info(args)
+        if args.command in ("info", "compile"):
+            from .graph_commands import compile_cache, info
+            return (info if args.command == "info" else compile_cache)(args)
         if args.command == "models":
             for name, desc in available_presets().items():
                 print(f"{name:16s} {desc}")

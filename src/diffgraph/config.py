@@ -210,3 +210,19 @@ def parse_name_scales(value: Any, flag: str) -> tuple[tuple[str, float], ...]:
             raise ValueError(f"{flag}: {item!r} needs a name and a finite scale (NAME:0.8)")
         out.append((str(name), scale))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """The compile tier (issue 13): torch.compile `backend` ("inductor"; "aot_eager" and the like for tests), compiled
+    artifacts under `cache_dir` (default: the user's cache folder, one sub-folder per model config, dtype, torch and
+    triton versions and device); `dynamic`: torch.compile's (False in graph mode: each bucket is its own captured
+    shape anyway)."""
+
+    backend: str = "inductor"
+    cache_dir: str | None = None
+    dynamic: bool | None = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"compile backend {self.backend!r} must be a torch.compile backend name, e.g. inductor")

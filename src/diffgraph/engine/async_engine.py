@@ -180,6 +180,7 @@ class AsyncEngine:
         return EngineStats(ready=e.ready, queue_depth=e.queue_depth(), live_rows=e.live_rows(), steps=s["steps"],
                            failed_steps=s["failed_steps"], growth_holds=e.core.scheduler.growth_holds,
                            prompt_cache_hits=s["prompt_cache_hits"], prompt_cache_misses=s["prompt_cache_misses"],
+                           compile_fallbacks=s["compile_fallbacks"],
                            device_memory_bytes=_device_memory_bytes(e), graphs=e.graph_table(),
                            step_seconds=step_seconds)
 

@@ -46,6 +46,7 @@ class EngineStats:
     step_seconds: dict[int, tuple[int, float]] = field(default_factory=dict)
     # several replicas: per replica {"replica", "state", "restarts", "stats": EngineStats or None (not answering)}
     replicas: list[dict[str, Any]] = field(default_factory=list)
+    compile_fallbacks: int = 0  # compiled callables that fell back to uncompiled code (the compile tier)
 
 
 class RequestHandle(Protocol):

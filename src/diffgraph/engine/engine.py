@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import GraphConfig, LoraConfig
+from ..config import CompileConfig, GraphConfig, LoraConfig
 from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
@@ -85,7 +85,7 @@ class Engine:
                  prompt_cache_size: int = 512, image_threads: int = 2, grow_fill: float = 0.85,
                  grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
                  max_loras: int | None = None, max_lora_rank: int = 64,
-                 fuse_loras: "list[tuple[str, float]] | tuple" = ()):
+                 fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -107,8 +107,11 @@ class Engine:
                                           else load_model(model, place, dtype, families=families))
             self.mode = mode
             loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras)
+            if not isinstance(compile, (bool, CompileConfig)):
+                raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
-                                      prompt_cache_size=prompt_cache_size, loras=loras)
+                                      prompt_cache_size=prompt_cache_size, loras=loras,
+                                      compile=CompileConfig() if compile is True else compile or None)
             # in graph mode a step costs its bucket: the scheduler grows a group into a larger bucket only when it
             # fills it (grow_fill) or its queue head has waited grow_hold_ms
             graphed = mode == "graph"
@@ -239,7 +242,8 @@ class Engine:
     def stats(self) -> dict[str, int]:
         return {**self.core.stats, "prompt_cache_hits": self.runner.prompts.hits,
                 "prompt_cache_misses": self.runner.prompts.misses,
-                "lora_loads": self.runner.loras.loads if self.runner.loras is not None else 0}
+                "lora_loads": self.runner.loras.loads if self.runner.loras is not None else 0,
+                "compile_fallbacks": sum(c.fallbacks for c in self.runner.compiled)}
 
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""

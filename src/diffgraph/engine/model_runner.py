@@ -27,18 +27,18 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..config import GraphConfig, smallest_bucket
-from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph, step_kind
+from ..config import CompileConfig, GraphConfig, smallest_bucket
+from ..graphs.compiled import Compiled, cache_dir, use_cache_dir
+from ..graphs.graphables import TextGraph, VaeEncodeGraph, VaeGraph, step_kind
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
 from ..request import MAX_LORAS, GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import NUM_COEFS, SamplerPlan, start_plan
+from .graph_setup import VAE_BUCKETS, make_graphs
 from .prompts import PromptCache, PromptKey, TextLoras
 
-VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
-ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
 
 
@@ -53,7 +53,8 @@ class _Staging:
 
 class ModelRunner:
     def __init__(self, model: DiffusionModel, mode: str = "eager", graphs: GraphConfig | None = None,
-                 max_rows: int | None = None, prompt_cache_size: int = 512, loras: Any = None):
+                 max_rows: int | None = None, prompt_cache_size: int = 512, loras: Any = None,
+                 compile: CompileConfig | None = None):
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
         self.model = model
@@ -93,32 +94,16 @@ class ModelRunner:
         self.vae_graph: VaeGraph | None = None
         self.encode_graph: VaeEncodeGraph | None = None
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
+        self._eager_step = whole_step   # graph mode's fallback never runs compiled code
+        self.compiled: list[Compiled] = []  # the compile tier's callables (compile=...)
         with self.on_device():
             self.decoder = self.adapter.decoder(model)
             if mode == "graph":
-                self._make_graphs()
-
-    def _make_graphs(self) -> None:
-        cfg, model = self.graph_config, self.model
-        resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
-        cfg.check_prewarm(resolutions)
-        self.graph_runner = GraphRunner(cfg, self.device)
-        for stack in (0, 1, MAX_LORAS) if self.lora_stack else (0,):  # adapter-free, one adapter, a stack
-            self.graph_runner.register(StepGraph(self.buffers, partial(self.adapter.denoise, model),
-                                                 lambda: self.plan_for("dpmpp_2m", "karras", 10), resolutions,
-                                                 cfg.batch_buckets, self.loras and self.loras.unet_rows, stack))
-        if cfg.capture_text_encoder and not self.adapter.needs_attention_mask(model):
-            self.text_graph = TextGraph(partial(self.adapter.encode_ids, model), self.adapter.token_lengths(model),
-                                        self.device, cfg.batch_buckets)
-            self.graph_runner.register(self.text_graph)
-        if cfg.capture_vae:
-            self.vae_graph = VaeGraph(self._decode_pixels, self.latent_shape, model.vae_dtype, self.device,
-                                      resolutions, tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
-            self.graph_runner.register(self.vae_graph)
-            if self.adapter.supports_edits:
-                self.encode_graph = VaeEncodeGraph(self._encode_pixels, lambda key: (3, *key), model.vae_dtype,
-                                                   self.device, resolutions, ENCODE_BUCKETS)
-                self.graph_runner.register(self.encode_graph)
+                self.compiled = make_graphs(self, compile)
+            elif compile is not None:  # eager mode (the CPU): the step itself runs compiled, shapes as they come
+                use_cache_dir(cache_dir(compile, model, self.device))
+                self._eager_step = Compiled(whole_step, dataclasses.replace(compile, dynamic=None), "the whole step")
+                self.compiled = [self._eager_step]
 
     # -- device, lifetime ------------------------------------------------------------------------
     def on_device(self):
@@ -352,7 +337,7 @@ class ModelRunner:
             self.graph_runner.replay(kind, key[0], key[1], bucket)
             return True
         with torch.no_grad():
-            whole_step(self.denoise_eager, buf, n, self.loras and self.loras.unet_rows, stack)
+            self._eager_step(self.denoise_eager, buf, n, self.loras and self.loras.unet_rows, stack)
         return False
 
     def read_latents(self, key: GroupKey, start: int, count: int) -> torch.Tensor:

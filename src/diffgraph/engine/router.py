@@ -145,6 +145,7 @@ class Router:
                            failed_steps=total("failed_steps"), growth_holds=total("growth_holds"),
                            prompt_cache_hits=total("prompt_cache_hits"),
                            prompt_cache_misses=total("prompt_cache_misses"),
+                           compile_fallbacks=total("compile_fallbacks"),
                            device_memory_bytes=total("device_memory_bytes"), graphs=graphs, replicas=replicas,
                            step_seconds=step_seconds)
 

@@ -26,8 +26,10 @@ class StepGraph:
 
     def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], denoise: Denoiser,
                  verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
-                 buckets: tuple[int, ...], loras: Any = None, stack: int = 0):
+                 buckets: tuple[int, ...], loras: Any = None, stack: int = 0,
+                 step_fn: Callable[..., None] = whole_step):
         self.kind = step_kind(stack)
+        self._step = step_fn  # whole_step, or the compile tier's compiled whole_step
         self._loras = loras
         self._stack = stack
         self._buffers = buffers
@@ -43,7 +45,7 @@ class StepGraph:
         return self._resolutions
 
     def run(self, h: int, w: int, b: int) -> None:
-        whole_step(self.fn, self._buffers((h, w)), b, self._loras, self._stack)
+        self._step(self.fn, self._buffers((h, w)), b, self._loras, self._stack)
 
     def snapshot(self, h: int, w: int, b: int) -> Any:
         return {name: t[:b].clone() for name, t in self._buffers((h, w)).tensors().items()}

@@ -24,7 +24,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
-           "max_lora_rank", "fuse_loras")
+           "max_lora_rank", "fuse_loras", "compile", "compile_cache")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -114,6 +114,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-threads", type=int, default=None, metavar="N",
                    help=f"threads that encode finished images (default: {default('image_threads')})")
     add_lora_arguments(p)
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="the compile tier: the whole step, the text encoder(s) and the VAE compiled by Inductor, then "
+                        "captured in the graphs as usual (slow start on an empty cache; see --compile-cache)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); "
+                        "`diffgraph compile` fills one ahead of time")
 
 
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, GraphConfig, LoraConfig, default_cpu_threads, parse_buckets,
+from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoraConfig, default_cpu_threads, parse_buckets,
                       parse_name_scales, parse_prewarm, parse_resolutions)
 from ..engine.scheduler import SchedulerConfig
 from ..request import MAX_EDIT_PIXELS
@@ -79,6 +79,8 @@ class ServerConfig:
     max_loras: int | None = None         # adapter device slots; None: 8 with a lora_dir, else none
     max_lora_rank: int = 64              # the slots' rank
     fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
+    compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
+    compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -147,7 +149,8 @@ class ServerConfig:
                     batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
                     grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads,
                     lora_dir=self.lora_dir, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                    fuse_loras=self.fuse_loras)
+                    fuse_loras=self.fuse_loras,
+                    compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
         """torch's intra-op threads for a CPU engine: the setting, else one core fewer than the machine has (at
@@ -169,7 +172,7 @@ def _parse(key: str, value: Any) -> Any:
             raise ValueError("api-key is empty; give a key, or leave api-key (and DIFFGRAPH_API_KEY) out for an "
                              "open server")
         return keys
-    if key in ("access_log", "protect_metrics", "playground"):
+    if key in ("access_log", "protect_metrics", "playground", "compile"):
         if not isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
         return value

@@ -70,6 +70,10 @@ class _EngineCollector:
                                         "Admissions the bucket growth policy cut short (requests left waiting)")
             holds.add_metric([], stats.growth_holds)
             yield holds
+            fallbacks = CounterMetricFamily("diffgraph_compile_fallbacks",
+                                            "Compiled callables (compile tier) that fell back to uncompiled code")
+            fallbacks.add_metric([], stats.compile_fallbacks)
+            yield fallbacks
             if stats.replicas:
                 yield from _replica_families(stats.replicas)
         yield from (queue, rows, memory, *graph.values())

@@ -1,0 +1,59 @@
+"""Which graphs a model runner captures, and with which callables: the step (and its LoRA side-path variants), the
+text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`. With a compile config, each kind
+captures a `graphs.compiled.Compiled` of its function (the whole step: input scaling, denoiser, CFG and sampler
+update in one compiled function) instead of the function itself; the runner's eager paths keep the plain ones.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from ..config import CompileConfig
+from ..graphs.compiled import Compiled, cache_dir, use_cache_dir
+from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
+from ..graphs.runner import GraphRunner
+from ..graphs.step import whole_step
+from ..request import MAX_LORAS
+
+VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
+ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
+
+
+def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compiled]:
+    """Sets runner.graph_runner, text_graph, vae_graph and encode_graph; returns the compiled callables (none
+    without `compile`)."""
+    cfg, model, adapter = runner.graph_config, runner.model, runner.adapter
+    resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
+    cfg.check_prewarm(resolutions)
+    compiled: list[Compiled] = []
+
+    def maybe(fn: Any, name: str) -> Any:
+        if compile is None:
+            return fn
+        compiled.append(Compiled(fn, compile, name))
+        return compiled[-1]
+
+    if compile is not None:
+        use_cache_dir(cache_dir(compile, model, runner.device))
+    runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
+    step_fn = maybe(whole_step, "the whole step")
+    loras = runner.loras and runner.loras.unet_rows
+    for stack in (0, 1, MAX_LORAS) if runner.lora_stack else (0,):  # adapter-free, one adapter, a stack
+        graphs.register(StepGraph(runner.buffers, partial(adapter.denoise, model),
+                                  lambda: runner.plan_for("dpmpp_2m", "karras", 10), resolutions, cfg.batch_buckets,
+                                  loras, stack, step_fn))
+    if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
+        runner.text_graph = TextGraph(maybe(partial(adapter.encode_ids, model), "the text encoder"),
+                                      adapter.token_lengths(model), runner.device, cfg.batch_buckets)
+        graphs.register(runner.text_graph)
+    if cfg.capture_vae:
+        runner.vae_graph = VaeGraph(maybe(runner._decode_pixels, "the VAE decoder"), runner.latent_shape,
+                                    model.vae_dtype, runner.device, resolutions,
+                                    tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
+        graphs.register(runner.vae_graph)
+        if adapter.supports_edits:
+            runner.encode_graph = VaeEncodeGraph(maybe(runner._encode_pixels, "the VAE encoder"), lambda key: (3, *key),
+                                                 model.vae_dtype, runner.device, resolutions, ENCODE_BUCKETS)
+            graphs.register(runner.encode_graph)
+    return compiled
