@@ -79,7 +79,7 @@ def test_a_failing_backend_falls_back_visibly(tiny_engine, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="diffgraph.graphs.compiled"):
         with Engine("random:tiny", device="cpu", dtype="fp32",
                     compile=CompileConfig(backend="diffgraph_test_broken", cache_dir=str(tmp_path))) as engine:
-            np.testing.assert_allclose(_images(engine), _images(tiny_engine), atol=1e-6)
+            np.testing.assert_allclose(_images(engine), _images(tiny_engine), atol=1e-5)
             assert engine.stats["compile_fallbacks"] == 1
             assert "cannot compile anything" in engine.runner.compiled[0].failed
     assert any("runs uncompiled from now on" in r.getMessage() for r in caplog.records)
