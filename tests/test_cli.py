@@ -318,6 +318,9 @@ def test_generate_url_sends_the_api_key(tmp_path, capsys, canned, monkeypatch, f
 @pytest.mark.parametrize("args, needle", [
     (["--width", "64"], "give both --width and --height"),
     (["--device", "cuda"], "--device cannot be used with --url"),
+    (["--compile"], "--compile cannot be used with --url"),
+    (["--lora-dir", "."], "--lora-dir cannot be used with --url"),
+    (["--lora", "a:b"], "the scale of 'a:b' is not a number"),
     (["-o", "x.gif"], "must end in .png"),
 ])
 def test_generate_url_refuses_what_it_cannot_send(tmp_path, capsys, canned, args, needle):

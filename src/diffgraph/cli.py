@@ -272,9 +272,10 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     if not url.startswith(("http://", "https://")):
         raise _ArgError(f"--url {args.url!r} must look like http://HOST:PORT")
     local = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value is not None]
+    local += ["--compile"] if args.compile else []
     if local:
-        raise _ArgError(f"{' and '.join(local)} cannot be used with --url: the server chose its device and dtype "
-                        "when it started")
+        raise _ArgError(f"{' and '.join(local)} cannot be used with --url: the server chose its device, dtype and "
+                        "compile tier when it started")
     if (args.width is None) != (args.height is None):
         raise _ArgError("with --url give both --width and --height (or neither, for the model's native size)")
     if args.lora_dir is not None:
