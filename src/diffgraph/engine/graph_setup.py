@@ -18,6 +18,7 @@ from ..request import MAX_LORAS
 
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
+STEP_STACKS = (0, 1, MAX_LORAS)  # the step variants with adapter slots: none, one adapter per row, a stack
 
 
 def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compiled]:
@@ -39,7 +40,7 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
     step_fn = maybe(whole_step, "the whole step")
     loras = runner.loras and runner.loras.unet_rows
-    for stack in (0, 1, MAX_LORAS) if runner.lora_stack else (0,):  # adapter-free, one adapter, a stack
+    for stack in STEP_STACKS if runner.lora_stack else (0,):
         graphs.register(StepGraph(runner.buffers, partial(adapter.denoise, model),
                                   lambda: runner.plan_for("dpmpp_2m", "karras", 10), resolutions, cfg.batch_buckets,
                                   loras, stack, step_fn))

@@ -36,7 +36,7 @@ from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
 from ..request import MAX_LORAS, GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import NUM_COEFS, SamplerPlan, start_plan
-from .graph_setup import VAE_BUCKETS, make_graphs
+from .graph_setup import STEP_STACKS, VAE_BUCKETS, make_graphs
 from .prompts import PromptCache, PromptKey, TextLoras
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
@@ -136,7 +136,7 @@ class ModelRunner:
                 self.decoder = self.adapter.decoder(self.model)
         if self.graph_runner is not None:
             extra = (("vae_encode",) if "vae" in kinds else ()) + (
-                tuple(step_kind(k) for k in (1, MAX_LORAS)) if "step" in kinds and self.lora_stack else ())
+                tuple(step_kind(k) for k in STEP_STACKS[1:]) if "step" in kinds and self.lora_stack else ())
             for k in kinds + extra:
                 self.graph_runner.invalidate(k)
 
@@ -256,8 +256,8 @@ class ModelRunner:
         if not loras:
             return self.encode(prompts)
         rows = self.loras.text_rows
-        rows.set(torch.tensor([[slot for _, _, slot in loras]] * len(prompts), device=self.device),
-                 torch.tensor([[scale for _, scale, _ in loras]] * len(prompts), device=self.device))
+        rows.set(self._to_device(torch.tensor([[slot for _, _, slot in loras]] * len(prompts))),
+                 self._to_device(torch.tensor([[scale for _, scale, _ in loras]] * len(prompts))))
         try:
             return self.adapter.encode(self.model, prompts)
         finally:
@@ -295,10 +295,13 @@ class ModelRunner:
             buf.uncond[name][rows] = uncond[name]
         for name, value in self._row_fields(key).items():
             buf.rows[name][rows] = value
-        if buf.lora_idx is not None:
+        if buf.lora_idx is not None and loras:  # (a pageable copy would wait for the GPU queue: pinned, async)
             pad = list(loras) + [(0, 0.0)] * (buf.lora_idx.shape[1] - len(loras))
-            buf.lora_idx[rows] = torch.tensor([s for s, _ in pad])
-            buf.lora_scale[rows] = torch.tensor([c for _, c in pad])
+            buf.lora_idx[rows] = self._to_device(torch.tensor([s for s, _ in pad]))
+            buf.lora_scale[rows] = self._to_device(torch.tensor([c for _, c in pad], dtype=torch.float32))
+        elif buf.lora_idx is not None:
+            buf.lora_idx[rows] = 0
+            buf.lora_scale[rows] = 0.0
         edit = edit or {}
         buf.mask[rows] = self._to_device(edit["mask"]) if "mask" in edit else 1.0
         for name in ("known", "noise0"):
@@ -316,7 +319,7 @@ class ModelRunner:
         requests that draw ancestral noise this step; stack: the most UNet adapters a live row uses (0: run the
         variant without side paths). Returns True when it ran as a graph replay."""
         buf = self.buffers(key)
-        stack = 0 if not stack else 1 if stack == 1 else MAX_LORAS  # the variants there are graphs of
+        stack = next(k for k in STEP_STACKS if k >= stack)  # the variant there are graphs of
         kind = step_kind(stack)
         bucket = self.graph_runner.bucket(kind, key[0], key[1], n) if self.graph_runner is not None else None
         rows = bucket or n

@@ -133,18 +133,10 @@ class SlotCache:
 
     def acquire(self, key: AdapterKey) -> tuple[int, bool]:
         """(slot, whether its weights must be written) for `key`, pinned once more. Raises SlotsBusy."""
-        slot = self.slot_of(key)
-        write = slot is None
-        if slot is None:
-            empty = [i for i, s in self._slots.items() if s.key is None]
-            unpinned = [i for i in self._lru if self._slots[i].pins == 0]
-            if not empty and not unpinned:
-                raise SlotsBusy(f"all {self.slots} adapter slots are in use by running requests")
-            slot = empty[0] if empty else unpinned[0]
-            self._slots[slot].key = key
-        self._slots[slot].pins += 1
-        self._lru.move_to_end(slot)
-        return slot, write
+        got = self.acquire_all([key])
+        if got is None:
+            raise SlotsBusy(f"all {self.slots} adapter slots are in use by running requests")
+        return got[0]
 
     def _plan(self, keys: list[AdapterKey]) -> list[int] | None:
         """The slots `keys` would get (held ones, then empty, then least recently used unpinned), or None."""
