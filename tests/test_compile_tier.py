@@ -108,3 +108,75 @@ def test_serve_and_generate_flags_reach_the_engine(tmp_path):
     config = load_config(None, {"model": "random:tiny", "compile": True, "compile_cache": str(tmp_path)})
     assert config.engine_kwargs()["compile"] == CompileConfig(cache_dir=str(tmp_path))
     assert load_config(None, {"model": "random:tiny"}).engine_kwargs()["compile"] is False
+
+
+def test_one_compile_serves_every_bucket_above_one(tiny_engine, tmp_path):
+    """The batch dimension is dynamic: buckets 4 and 2 share one compiled step, bucket 1 has its own; verification
+    compares each replay with the uncompiled step."""
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated", verify=True)
+    with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg,
+                compile=CompileConfig(backend="aot_eager", cache_dir=str(tmp_path))) as compiled:
+        by_name = {c.name: c for c in compiled.runner.compiled}
+        assert by_name["the whole step"].compiles == 2 and by_name["the text encoder"].compiles == 2
+        steps = [r for r in compiled.graph_table() if r["kind"] == "step"]
+        assert len(steps) == 3 and all(r["status"] == "captured" and r["verify_max_abs"] <= 1e-5 for r in steps)
+        np.testing.assert_allclose(_images(compiled, num_images=3), _images(tiny_engine, num_images=3), atol=1e-5)
+        assert by_name["the whole step"].compiles == 2  # serving compiled nothing
+        assert compiled.stats["compiles"] >= 4
+
+
+def test_a_call_that_would_compile_inside_a_capture_runs_uncompiled(monkeypatch):
+    from diffgraph.graphs.compiled import Compiled
+
+    torch._dynamo.reset()
+    def fn(x):
+        return x * 2
+
+    c = Compiled(fn, CompileConfig(backend="aot_eager"), "toy", batch_of=lambda args: args[:1])
+    torch.testing.assert_close(c(torch.ones(4, 3)), torch.full((4, 3), 2.0))  # compiled (traced once)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    torch.testing.assert_close(c(torch.ones(2, 3)), torch.full((2, 3), 2.0))  # same compiled code: guards hold
+    assert c.fallbacks == 0
+    torch.testing.assert_close(c(torch.ones(2, 5)), torch.full((2, 5), 2.0))  # would compile: runs fn instead
+    assert c.fallbacks == 1 and c.failed is None and c.compiles == 1  # that call only: no lasting fallback
+    torch.testing.assert_close(c(torch.ones(3, 3)), torch.full((3, 3), 2.0))
+    assert c.fallbacks == 1
+
+
+_TOY = """
+import json, sys, torch
+from diffgraph.config import CompileConfig
+from diffgraph.graphs.compiled import Compiled, load_artifacts, save_artifacts, use_cache_dir
+use_cache_dir(sys.argv[1])
+loaded = load_artifacts(sys.argv[1])
+c = Compiled(lambda x, w: torch.nn.functional.gelu(x @ w).sum(dim=1), CompileConfig(), "toy", lambda a: a[:1])
+w = torch.linspace(-1, 1, 64).reshape(8, 8)
+out = [c(torch.linspace(0, 1, 8 * n).reshape(n, 8), w).tolist() for n in (4, 2)]
+saved = save_artifacts(sys.argv[1]) if not loaded else 0
+from torch._dynamo.utils import counters
+print(json.dumps({"loaded": loaded, "saved": saved, "out": out, "fallbacks": c.fallbacks,
+                  "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def test_a_copied_cache_folder_starts_warm_in_a_fresh_process(tmp_path):
+    """Inductor (CPU) on a toy function: the first process compiles and saves the artifacts; a fresh process on a
+    copy of the folder in another place compiles nothing (every graph a cache hit) and gets the same values."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    def run(folder):
+        done = subprocess.run([sys.executable, "-c", _TOY, str(folder)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = run(tmp_path / "a")
+    assert first["misses"] == 1 and first["hits"] == 0 and first["saved"] > 0 and first["fallbacks"] == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "elsewhere" / "b")
+    second = run(tmp_path / "elsewhere" / "b")
+    assert second["loaded"] == first["saved"] and second["misses"] == 0 and second["hits"] == 1
+    assert second["out"] == first["out"]

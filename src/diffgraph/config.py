@@ -216,12 +216,12 @@ def parse_name_scales(value: Any, flag: str) -> tuple[tuple[str, float], ...]:
 class CompileConfig:
     """The compile tier (issue 13): torch.compile `backend` ("inductor"; "aot_eager" and the like for tests), compiled
     artifacts under `cache_dir` (default: the user's cache folder, one sub-folder per model config, dtype, torch and
-    triton versions and device); `dynamic`: torch.compile's (False in graph mode: each bucket is its own captured
-    shape anyway)."""
+    triton versions and device). `per_bucket` False (the default): one compile per kind and resolution, the batch
+    dimension symbolic, so five buckets cost one compile; True: one compile per bucket (static shapes)."""
 
     backend: str = "inductor"
     cache_dir: str | None = None
-    dynamic: bool | None = False
+    per_bucket: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:

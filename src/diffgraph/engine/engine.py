@@ -243,7 +243,9 @@ class Engine:
         return {**self.core.stats, "prompt_cache_hits": self.runner.prompts.hits,
                 "prompt_cache_misses": self.runner.prompts.misses,
                 "lora_loads": self.runner.loras.loads if self.runner.loras is not None else 0,
-                "compile_fallbacks": sum(c.fallbacks for c in self.runner.compiled)}
+                "compile_fallbacks": sum(c.fallbacks for c in self.runner.compiled),
+                "compiles": sum(c.compiles for c in self.runner.compiled),
+                "compile_s": round(sum(c.compile_s for c in self.runner.compiled), 2)}
 
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""

@@ -1,7 +1,9 @@
 """Which graphs a model runner captures, and with which callables: the step (and its LoRA side-path variants), the
 text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`. With a compile config, each kind
 captures a `graphs.compiled.Compiled` of its function (the whole step: input scaling, denoiser, CFG and sampler
-update in one compiled function) instead of the function itself; the runner's eager paths keep the plain ones.
+update in one compiled function) instead of the function itself, its batch dimension dynamic (one compile per kind
+and resolution for the buckets above 1, one for bucket 1); the runner's eager paths keep the plain ones. The compile
+cache folder's saved artifacts are loaded first (`graphs.compiled.load_artifacts`).
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from functools import partial
 from typing import Any
 
 from ..config import CompileConfig
-from ..graphs.compiled import Compiled, cache_dir, use_cache_dir
+from ..graphs.compiled import Compiled, cache_dir, load_artifacts, use_cache_dir
 from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
 from ..graphs.runner import GraphRunner
-from ..graphs.step import whole_step
+from ..graphs.step import step_rows
 from ..request import MAX_LORAS
 
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
@@ -29,32 +31,36 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     cfg.check_prewarm(resolutions)
     compiled: list[Compiled] = []
 
-    def maybe(fn: Any, name: str) -> Any:
+    def maybe(fn: Any, name: str, batch_of: Any) -> Any:
         if compile is None:
             return fn
-        compiled.append(Compiled(fn, compile, name))
+        compiled.append(Compiled(fn, compile, name, batch_of))
         return compiled[-1]
 
     if compile is not None:
-        use_cache_dir(cache_dir(compile, model, runner.device))
+        runner.compile_folder = cache_dir(compile, model, runner.device)
+        use_cache_dir(runner.compile_folder)
+        load_artifacts(runner.compile_folder)
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
-    step_fn = maybe(whole_step, "the whole step")
+    step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values())
     loras = runner.loras and runner.loras.unet_rows
     for stack in STEP_STACKS if runner.lora_stack else (0,):
         graphs.register(StepGraph(runner.buffers, partial(adapter.denoise, model),
                                   lambda: runner.plan_for("dpmpp_2m", "karras", 10), resolutions, cfg.batch_buckets,
                                   loras, stack, step_fn))
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
-        runner.text_graph = TextGraph(maybe(partial(adapter.encode_ids, model), "the text encoder"),
+        runner.text_graph = TextGraph(maybe(partial(adapter.encode_ids, model), "the text encoder",
+                                                  lambda args: args[0]),
                                       adapter.token_lengths(model), runner.device, cfg.batch_buckets)
         graphs.register(runner.text_graph)
     if cfg.capture_vae:
-        runner.vae_graph = VaeGraph(maybe(runner._decode_pixels, "the VAE decoder"), runner.latent_shape,
+        runner.vae_graph = VaeGraph(maybe(runner._decode_pixels, "the VAE decoder", lambda args: args[:1]), runner.latent_shape,
                                     model.vae_dtype, runner.device, resolutions,
                                     tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
         graphs.register(runner.vae_graph)
         if adapter.supports_edits:
-            runner.encode_graph = VaeEncodeGraph(maybe(runner._encode_pixels, "the VAE encoder"), lambda key: (3, *key),
+            # not compiled: an edit encodes once per request, and its two compiles would lengthen every cold start
+            runner.encode_graph = VaeEncodeGraph(runner._encode_pixels, lambda key: (3, *key),
                                                  model.vae_dtype, runner.device, resolutions, ENCODE_BUCKETS)
             graphs.register(runner.encode_graph)
     return compiled

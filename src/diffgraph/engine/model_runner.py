@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..config import CompileConfig, GraphConfig, smallest_bucket
-from ..graphs.compiled import Compiled, cache_dir, use_cache_dir
+from ..graphs.compiled import Compiled, cache_dir, save_artifacts, use_cache_dir
 from ..graphs.graphables import TextGraph, VaeEncodeGraph, VaeGraph, step_kind
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
@@ -96,13 +96,15 @@ class ModelRunner:
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
         self.compiled: list[Compiled] = []  # the compile tier's callables (compile=...)
+        self.compile_folder: str | None = None  # and their cache folder
         with self.on_device():
             self.decoder = self.adapter.decoder(model)
             if mode == "graph":
                 self.compiled = make_graphs(self, compile)
             elif compile is not None:  # eager mode (the CPU): the step itself runs compiled, shapes as they come
-                use_cache_dir(cache_dir(compile, model, self.device))
-                self._eager_step = Compiled(whole_step, dataclasses.replace(compile, dynamic=None), "the whole step")
+                self.compile_folder = cache_dir(compile, model, self.device)
+                use_cache_dir(self.compile_folder)
+                self._eager_step = Compiled(whole_step, compile, "the whole step", dynamic=None)
                 self.compiled = [self._eager_step]
 
     # -- device, lifetime ------------------------------------------------------------------------
@@ -121,6 +123,8 @@ class ModelRunner:
                 for key in self.graph_runner.kinds["step"].resolutions():
                     self.buffers(key)
                 self.graph_runner.prewarm()
+            if any(c.compiles for c in self.compiled):  # what a copy of the cache folder needs to start warm
+                save_artifacts(self.compile_folder)
 
     def invalidate(self, kind: str | None = None) -> None:
         """The weights (or modules) of `kind` ("step" = the denoiser, "text", "vae"; None = all) were changed:

@@ -23,7 +23,8 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -33,26 +34,66 @@ logger = logging.getLogger(__name__)
 
 
 class Compiled:
-    def __init__(self, fn: Callable[..., Any], config: CompileConfig, name: str):
+    """`fn` compiled by torch.compile. `batch_of(args)` names the argument tensors whose first dimension is the batch:
+    they are marked dynamic before each call, so one compile serves every bucket of a resolution above 1 (a batch of 1
+    is specialised by Inductor's decompositions: its own compile). Without `batch_of`, or with `per_bucket`, each
+    shape is its own compile. During a CUDA-graph capture a call that would compile (a guard failed) runs `fn`
+    instead: that key's graph holds the uncompiled code, counted in `fallbacks` and logged."""
+
+    def __init__(self, fn: Callable[..., Any], config: CompileConfig, name: str,
+                 batch_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None, dynamic: bool | None = False):
         self.fn = fn
         self.name = name
         self.backend = config.backend
+        self._batch_of = None if config.per_bucket else batch_of
         options = {"triton.cudagraphs": False} if config.backend == "inductor" else None
-        self.compiled = torch.compile(fn, backend=config.backend, dynamic=config.dynamic, options=options)
-        self.failed: str | None = None  # why it fell back, once it did
+        self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=options)
+        self.failed: str | None = None  # why it fell back for good, once it did
         self.fallbacks = 0
+        self.compiles = 0       # graphs compiled (or loaded from the cache) by this callable
+        self.compile_s = 0.0    # wall time of the calls that compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed is None:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             try:
-                return self.compiled(*args, **kwargs)
+                if self._batch_of is not None:
+                    for t in self._batch_of(args):
+                        if t.shape[0] > 1:
+                            torch._dynamo.mark_dynamic(t, 0)
+                before = _graphs_compiled()
+                t0 = time.perf_counter()
+                if capturing:  # never compile inside a capture: a guard failure raises instead
+                    with torch.compiler.set_stance("fail_on_recompile"):
+                        out = self.compiled(*args, **kwargs)
+                else:
+                    out = self.compiled(*args, **kwargs)
+                if _graphs_compiled() > before:
+                    self.compiles += _graphs_compiled() - before
+                    self.compile_s += time.perf_counter() - t0
+                return out
             except Exception as e:  # a compile error or a backend failure: this kind runs uncompiled from now on
                 cause = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed wraps the backend's error
-                self.failed = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"[:300]
+                why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"[:300]
                 self.fallbacks += 1
+                if capturing:
+                    logger.warning("%s would have compiled inside a CUDA-graph capture (%s); this graph holds the "
+                                   "uncompiled code", self.name, why)
+                    return self.fn(*args, **kwargs)
+                self.failed = why
                 logger.warning("compiling %s with backend %r failed (%s); it runs uncompiled from now on (graphs "
                                "captured from here on hold the uncompiled code)", self.name, self.backend, self.failed)
         return self.fn(*args, **kwargs)
+
+
+def plain(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The uncompiled function of a `Compiled`, or `fn` itself (the reference a graph's verification compares to)."""
+    return fn.fn if isinstance(fn, Compiled) else fn
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def cache_key(model: Any, device: torch.device) -> str:
@@ -91,3 +132,38 @@ def use_cache_dir(folder: str) -> None:
 
 def folder_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+ARTIFACTS = "artifacts.bin"  # torch.compiler's portable cache artifacts ("mega-cache") of everything compiled
+
+
+def load_artifacts(folder: str) -> int:
+    """Loads the folder's saved artifacts into this process's caches (what a copy of the folder on another machine
+    of the same GPU and versions needs); returns their size in bytes, 0 where there are none."""
+    path = os.path.join(folder, ARTIFACTS)
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        blob = f.read()
+    try:
+        torch.compiler.load_cache_artifacts(blob)
+    except Exception as e:  # a file from other versions: compile as if it were not there
+        logger.warning("compile cache artifacts %s could not be loaded (%s: %s); compiling instead", path,
+                       type(e).__name__, e)
+        return 0
+    return len(blob)
+
+
+def save_artifacts(folder: str) -> int:
+    """Writes the artifacts of everything compiled or loaded in this process to the folder (atomically); returns
+    their size in bytes, 0 where torch had nothing to save."""
+    saved = torch.compiler.save_cache_artifacts()
+    if not saved:
+        return 0
+    blob = saved[0]
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{ARTIFACTS}.{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, os.path.join(folder, ARTIFACTS))
+    return len(blob)

@@ -17,7 +17,8 @@ import torch
 
 from ..sampling.samplers import SamplerPlan
 from .runner import StatelessGraphable
-from .step import Denoiser, StepBuffers, whole_step
+from .compiled import plain
+from .step import Denoiser, StepBuffers, step_rows, whole_step
 
 
 class StepGraph:
@@ -27,9 +28,9 @@ class StepGraph:
     def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], denoise: Denoiser,
                  verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
                  buckets: tuple[int, ...], loras: Any = None, stack: int = 0,
-                 step_fn: Callable[..., None] = whole_step):
+                 step_fn: Callable[..., None] = step_rows):
         self.kind = step_kind(stack)
-        self._step = step_fn  # whole_step, or the compile tier's compiled whole_step
+        self._step = step_fn  # step_rows, or the compile tier's compiled step_rows
         self._loras = loras
         self._stack = stack
         self._buffers = buffers
@@ -45,7 +46,11 @@ class StepGraph:
         return self._resolutions
 
     def run(self, h: int, w: int, b: int) -> None:
-        self._step(self.fn, self._buffers((h, w)), b, self._loras, self._stack)
+        self._step(self.fn, self._buffers((h, w)).head(b), self._loras, self._stack)
+
+    def run_reference(self, h: int, w: int, b: int) -> None:
+        """The uncompiled step on the same buffers (what verification compares a replay with)."""
+        whole_step(self.fn, self._buffers((h, w)), b, self._loras, self._stack)
 
     def snapshot(self, h: int, w: int, b: int) -> Any:
         return {name: t[:b].clone() for name, t in self._buffers((h, w)).tensors().items()}
@@ -99,6 +104,9 @@ class TextGraph(StatelessGraphable):
     def run(self, h: int, w: int, b: int) -> Any:
         return self.fn([ids[:b] for ids in self.ids])
 
+    def run_reference(self, h: int, w: int, b: int) -> Any:
+        return plain(self.fn)([ids[:b] for ids in self.ids])
+
 
 class VaeGraph(StatelessGraphable):
     """VAE decoder per (resolution, bucket): static latents in, float pixels [b, 3, H, W] in [0, 1] out.
@@ -143,6 +151,9 @@ class VaeGraph(StatelessGraphable):
 
     def run(self, h: int, w: int, b: int) -> Any:
         return self.fn(self.static_latents(h, w)[:b])
+
+    def run_reference(self, h: int, w: int, b: int) -> Any:
+        return plain(self.fn)(self.static_latents(h, w)[:b])
 
 
 class VaeEncodeGraph(VaeGraph):

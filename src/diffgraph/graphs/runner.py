@@ -11,7 +11,8 @@ and reads after it. The runner is the single source of truth for which keys exis
 Capture rules: all graphs share one pool (torch.cuda.graph_pool_handle); warm-up iterations run on a
 side stream before each capture; the prewarm list captures the largest bucket first. A capture
 failure is logged with its key, the error and a hint, and that key runs eagerly from then on.
-Optional verification compares one replay with one eager run on the same inputs.
+Optional verification compares one replay with one eager run on the same inputs (of the uncompiled function
+where a graphable has `run_reference`).
 
 Lifetime: a graph is bound to the tensors (weights included) that existed when it was captured. The owner
 calls `invalidate(kind)` (between steps, never during a replay) when a kind's weights or modules were
@@ -104,7 +105,8 @@ class EmulatedGraph:
         self.outputs = outputs
 
     def replay(self) -> None:
-        _copy_into(self.outputs, self.fn())
+        with torch.no_grad():  # as in a captured graph (and as captured: compiled code's guards hold)
+            _copy_into(self.outputs, self.fn())
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -314,7 +316,8 @@ class GraphRunner:
                 snap_inputs = g.snapshot(h, w, b)
             else:
                 snap_inputs = snap
-            eager = g.output(h, w, b, g.run(h, w, b)).float().clone()
+            # the uncompiled function where the graph holds a compiled one (the compile tier's fidelity figure)
+            eager = g.output(h, w, b, getattr(g, "run_reference", g.run)(h, w, b)).float().clone()
             g.restore(h, w, b, snap_inputs)
             self.graphs[key].replay()
             graphed = g.output(h, w, b, self.outputs[key]).float().clone()

@@ -12,6 +12,7 @@ all zero) produce x = 0 and stay finite.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -83,6 +84,17 @@ class StepBuffers:
             out.update({f"{prefix}.{k}": v for k, v in fields.items()})
         return out
 
+    def head(self, n: int) -> "StepBuffers":
+        """The same buffers, rows [0, n) only (views: writes reach the full buffers)."""
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:n]
+        return dataclasses.replace(
+            self, x=self.x[:n], d_prev=self.d_prev[:n], noise=self.noise[:n], coefs=self.coefs[:n],
+            guidance=self.guidance[:n], cond={k: v[:n] for k, v in self.cond.items()},
+            uncond={k: v[:n] for k, v in self.uncond.items()}, rows={k: v[:n] for k, v in self.rows.items()},
+            mask=cut(self.mask), known=cut(self.known), noise0=cut(self.noise0), extra=cut(self.extra),
+            lora_idx=cut(self.lora_idx), lora_scale=cut(self.lora_scale))
+
     def move_rows(self, src: int, dst: int, count: int) -> None:
         """Copies rows [src, src+count) to [dst, dst+count) in every buffer (compaction)."""
         if src == dst or count == 0:
@@ -105,6 +117,13 @@ def whole_step(denoise: Denoiser, buf: StepBuffers, n: int, loras: Any = None, s
             loras.set(None, None)
     else:
         _step(denoise, buf, n)
+
+
+def step_rows(denoise: Denoiser, buf: StepBuffers, loras: Any = None, stack: int = 0) -> None:
+    """`whole_step` over every row of `buf` (a `StepBuffers.head` view): what the step graphs capture. The row count
+    is the buffers' first dimension, not a Python int, so the compile tier compiles one step for every bucket above
+    1 of a resolution (that dimension marked dynamic) instead of one per bucket."""
+    whole_step(denoise, buf, buf.x.shape[0], loras, stack)
 
 
 def _step(denoise: Denoiser, buf: StepBuffers, n: int) -> None:

@@ -73,7 +73,16 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """The base linear plus each row's adapters, fused (see the module docstring). x [N, L, in] -> [N, L, out], or
     with `channels_first` (a 1x1 convolution's [N, in, HW]) -> [N, out, HW]. `config`: (BLOCK_M, BLOCK_N,
-    BLOCK_K, num_stages, num_warps), else chosen by shape."""
+    BLOCK_K, num_stages, num_warps), else chosen by shape, through the custom op `diffgraph::lora_linear` (opaque to
+    torch.compile: the compile tier's Inductor code calls the kernel as it is)."""
+    if config is None:
+        return torch.ops.diffgraph.lora_linear(x, weight, bias, a, b, idx, scale, channels_first)
+    return _launch(x, weight, bias, a, b, idx, scale, channels_first, config)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor,
+            idx: torch.Tensor, scale: torch.Tensor, channels_first: bool,
+            config: tuple[int, int, int, int, int] | None) -> torch.Tensor:
     if channels_first:
         n, n_in, length = x.shape
         sxl, sxk = x.stride(2), x.stride(1)
@@ -112,3 +121,18 @@ def max_fused_rank() -> int:
     """The widest stack (K * rank) the fused kernel runs; wider ones are faster as two batched matmuls (measured:
     rank 64 x 4 adapters, 1.79x the plain UNet step fused against 1.35x unfused)."""
     return 64
+
+
+if triton is not None:
+    _op = torch.library.custom_op(
+        "diffgraph::lora_linear", mutates_args=(),
+        schema="(Tensor x, Tensor weight, Tensor? bias, Tensor a, Tensor b, Tensor idx, Tensor scale, "
+               "bool channels_first) -> Tensor")(
+        lambda x, weight, bias, a, b, idx, scale, channels_first:
+        _launch(x, weight, bias, a, b, idx, scale, channels_first, None))
+
+    @_op.register_fake
+    def _lora_linear_shape(x, weight, bias, a, b, idx, scale, channels_first):
+        if channels_first:
+            return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
+        return x.new_empty((x.shape[0], x.shape[1], weight.shape[0]))
