@@ -1,7 +1,8 @@
 """`diffgraph bench latency`: one process, the same weights and seeds for every contender.
 
 Contenders: diffusers' pipeline eager; diffusers with torch.compile(unet, mode="reduce-overhead");
-diffgraph eager; diffgraph graph. For each model/resolution and image count it reports per-step ms
+diffgraph eager; diffgraph graph; diffgraph compile (the compile tier: its cold start with an empty cache folder in
+this process, then twice in fresh processes: on that folder, and on a copy of it elsewhere). For each model/resolution and image count it reports per-step ms
 (from end-to-end runs at two step counts: (t(N) - t(N/2)) / (N/2), so fixed costs cancel),
 end-to-end ms (prompt to decoded pixels), ratios to diffusers eager, cold start (load to ready; first
 call of the compiled contender), graph pool memory and the summed GPU kernel time of one step
@@ -19,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-CONTENDERS = ("diffusers", "diffusers_compile", "diffgraph_eager", "diffgraph_graph")
+CONTENDERS = ("diffusers", "diffusers_compile", "diffgraph_eager", "diffgraph_graph", "diffgraph_compile")
 DEFAULT_CASES = ("random:sd15@512", "random:sdxl@1024")
 
 
@@ -79,7 +80,8 @@ def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profile
 
 
 def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
-             repeats: int, buckets: tuple[int, ...], device: str = "cuda") -> dict[str, Any]:
+             repeats: int, buckets: tuple[int, ...], device: str = "cuda", fresh_starts: bool = True,
+             diffusers_compile_images: list[int] | None = None) -> dict[str, Any]:
     from ..config import GraphConfig
     from ..engine.engine import Engine
     from ..models.loader import load_model
@@ -138,7 +140,7 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
                                "replay_kernel_ms_per_step": kernel_ms_of_one_step(graph, size, n, replayed=True)
                                if cuda else float("nan")}
         for c in contenders:
-            if c == "diffusers_compile":
+            if c in ("diffusers_compile", "diffgraph_compile"):
                 continue
             f_full = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, steps) if c != "diffusers" \
                 else diffusers_fn(n, steps)
@@ -152,11 +154,15 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
                 res[c]["timings"] = {k: round(v, 1) for k, v in f_full().timings.items()}
         out["results"][n] = res
 
+    if "diffgraph_compile" in contenders:
+        out["compile"] = _compile_tier(out, graph, model, model_name, size, image_counts, steps, half, repeats,
+                                       buckets, device, diffgraph_fn, fresh_starts)
+        print("compile tier:", json.dumps(out["compile"], default=str), flush=True)  # kept if a later part fails
     if "diffusers_compile" in contenders:
         plain = pipe.unet
         pipe.unet = torch.compile(plain, mode="reduce-overhead")
         try:
-            for n in image_counts:
+            for n in diffusers_compile_images or image_counts:  # each new batch size recompiles (a minute each)
                 _sync()
                 t0 = time.perf_counter()
                 diffusers_fn(n, steps)()
@@ -183,6 +189,90 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     graph.close()
     eager.close()
     return out
+
+
+def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int, image_counts: list[int], steps: int,
+                  half: int, repeats: int, buckets: tuple[int, ...], device: str,
+                  diffgraph_fn: Callable[..., Callable[[], Any]], fresh_starts: bool = True) -> dict[str, Any]:
+    """The diffgraph_compile contender: a compile-tier engine started on an empty cache folder (cold start, graphs
+    verified against the uncompiled functions), its end-to-end and per-step times (into out["results"]), the
+    kernels of its step replays, its pool beside the graph tier's, both tiers' step replay at the largest bucket,
+    then two starts in fresh processes: on that folder, and on a copy of it elsewhere."""
+    import shutil
+    import tempfile
+
+    from ..config import CompileConfig, GraphConfig
+    from ..engine.engine import Engine
+    from ..graphs.compiled import folder_bytes
+    from .compile_start import fresh_start
+
+    cuda = device == "cuda"
+    root = tempfile.mkdtemp(prefix="diffgraph-compile-")
+    info: dict[str, Any] = {"cache_root": root}
+    _sync()
+    t0 = time.perf_counter()
+    engine = Engine(model, mode="graph", compile=CompileConfig(cache_dir=root),
+                    graphs=GraphConfig(batch_buckets=buckets, resolutions=((size, size),), verify=True,
+                                       backend="cuda" if cuda else "emulated"))
+    info["ready_s"] = time.perf_counter() - t0
+    info["cold_start_s"] = out["load_s"] + info["ready_s"]
+    stats = engine.stats
+    info.update(compiles=stats["compiles"], compile_s=stats["compile_s"], fallbacks=stats["compile_fallbacks"])
+    table = engine.graph_table()
+    info["verify_max_abs"] = {f"{r['kind']}{r['bucket']}": r["verify_max_abs"] for r in table
+                              if r.get("verify_max_abs") is not None}
+    info["not_captured"] = [f"{r['kind']}{r['bucket']}: {r['error']}" for r in table if r["status"] != "captured"]
+    info["pool_mib"] = engine.runner.graph_runner.pool_mib()
+    info["pool_ratio"] = info["pool_mib"] / out["pool_mib_total"] if out["pool_mib_total"] else float("nan")
+    top = max(buckets)
+    for name, eng in (("graph", graph), ("compile", engine)):
+        runner = eng.runner.graph_runner
+        if runner.stats[("step", size, size, top)].status == "captured":
+            info[f"{name}_replay_ms_at_{top}"] = _timed(
+                lambda: [runner.replay("step", size, size, top) for _ in range(10)], repeats) / 10
+    if f"compile_replay_ms_at_{top}" in info and f"graph_replay_ms_at_{top}" in info:
+        info["rate_ratio_at_top"] = info[f"graph_replay_ms_at_{top}"] / info[f"compile_replay_ms_at_{top}"]
+    for n in image_counts:
+        res = out["results"][n]
+        f_full, f_half = diffgraph_fn(engine, n, steps), diffgraph_fn(engine, n, half)
+        f_full()  # warm
+        e2e = _timed(f_full, repeats)
+        e2e_half = _timed(f_half, repeats)
+        res["diffgraph_compile"] = {"e2e_ms": e2e, "step_ms": (e2e - e2e_half) / (steps - half),
+                                    "timings": {k: round(v, 1) for k, v in f_full().timings.items()}}
+        res["compile_replay_kernel_ms_per_step"] = kernel_ms_of_one_step(engine, size, n, replayed=True) \
+            if cuda else float("nan")
+    info["cache_mib"] = folder_bytes(engine.runner.compile_folder) / 2**20
+    engine.close()
+    if not fresh_starts:
+        return info
+    spec = ",".join(map(str, buckets))
+    info["warm_same_folder"] = fresh_start(model_name, size, spec, root, device)
+    shutil.copytree(root, root + "-copy")
+    info["warm_copied_folder"] = fresh_start(model_name, size, spec, root + "-copy", device)
+    return info
+
+
+def _format_compile(c: dict[str, Any]) -> list[str]:
+    lines = [f"  compile tier: cold start {c['cold_start_s']:.1f}s (engine {c['ready_s']:.1f}s: {c['compiles']} graphs "
+             f"compiled in {c['compile_s']:.1f}s), fallbacks {c['fallbacks']}, cache {c['cache_mib']:.0f} MiB, pool "
+             f"{c['pool_mib']:.0f} MiB = {c['pool_ratio']:.2f}x the graph tier's"]
+    for label in ("warm_same_folder", "warm_copied_folder"):
+        w = c.get(label, {})
+        lines.append(f"    fresh process, {label.replace('_', ' ')}: " + (
+            f"ready {w['wall_s'] - w['first_image_s']:.1f}s after launch (in-process {w['ready_s']:.1f}s: imports "
+            f"{w['import_s']:.1f}s, model {w['load_s']:.1f}s), {w['compiles']} graphs in {w['compile_s']:.1f}s, FX "
+            f"cache hits {w['fxgraph_cache_hit']} misses {w['fxgraph_cache_miss']}, {w['captured']}/{w['graphs']} "
+            f"captured" if "error" not in w else f"failed: {w['error']}"))
+    rates = {k: v for k, v in c.items() if "replay_ms_at" in k}
+    if rates:
+        lines.append("    step replay at the largest bucket: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items())
+                     + f"; rate compile/graph {c.get('rate_ratio_at_top', float('nan')):.3f}x")
+    lines.append("    compiled vs uncompiled (verification max abs): " + ", ".join(
+        f"{k} {v:.2g}" for k, v in c["verify_max_abs"].items()))
+    if c["not_captured"]:
+        lines.append("    not captured: " + "; ".join(c["not_captured"]))
+    return lines
 
 
 def format_table(report: list[dict[str, Any]]) -> str:
@@ -215,6 +305,13 @@ def format_table(report: list[dict[str, Any]]) -> str:
             g = res.get("diffgraph_graph")
             lines.append(f"  {n:>6} {'(GPU kernels)':<18} {rk:8.2f}   kernels inside one graph replay"
                          + (f"; graph step / these {g['step_ms'] / rk:.3f}" if g else ""))
+            ck = res.get("compile_replay_kernel_ms_per_step")
+            cr = res.get("diffgraph_compile")
+            if cr and ck:
+                lines.append(f"  {n:>6} {'(GPU kernels)':<18} {ck:8.2f}   kernels inside one compiled step replay; "
+                             f"compiled step / these {cr['step_ms'] / ck:.3f}; timings {cr['timings']}")
+        if case.get("compile"):
+            lines.extend(_format_compile(case["compile"]))
         if case.get("compile_error"):
             lines.append(f"  compile error: {case['compile_error']}")
     return "\n".join(lines)
@@ -228,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--buckets", default="1,2,4,8,16")
+    p.add_argument("--diffusers-compile-images", default="", help="image counts for diffusers_compile (default: "
+                   "--images; each one recompiles)")
+    p.add_argument("--no-fresh-starts", action="store_true", help="diffgraph_compile: skip the two starts in fresh "
+                   "processes on a warm cache folder")
     p.add_argument("--json", default="bench_latency.json", help="output JSON path")
     p.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script (emulated graphs)")
     args = p.parse_args(argv)
@@ -241,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         name, size = case.split("@")
         contenders = [c for c in args.contenders.split(",") if c]
         report.append(run_case(name, int(size), [int(v) for v in args.images.split(",")], args.steps, contenders,
-                               args.repeats, parse_buckets(args.buckets), args.device))
+                               args.repeats, parse_buckets(args.buckets), args.device, not args.no_fresh_starts,
+                               [int(v) for v in args.diffusers_compile_images.split(",") if v]))
         print(format_table(report[-1:]), flush=True)
         gc.collect()  # the case's engines and model are gone: give their memory back before the next one
         if args.device == "cuda":
