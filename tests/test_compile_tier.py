@@ -86,11 +86,21 @@ def test_a_failing_backend_falls_back_visibly(tiny_engine, tmp_path, caplog):
 
 
 def test_cache_folder_is_keyed_by_what_compiled_code_depends_on(tiny_engine, tiny_xl_engine, tmp_path):
+    import os
+
     from diffgraph.graphs.compiled import cache_dir, cache_key, use_cache_dir
 
     cpu = torch.device("cpu")
     key = cache_key(tiny_engine.model, cpu)
-    assert key == cache_key(tiny_engine.model, cpu)  # stable
+    assert key == cache_key(tiny_engine.model, cpu)  # stable, and across processes (hash seeds: set orders)
+    import subprocess
+    import sys
+    code = ("import torch; from diffgraph.models.loader import load_model; from diffgraph.graphs.compiled import "
+            "cache_key; print(cache_key(load_model('random:tiny', device='cpu', dtype='fp32'), torch.device('cpu')))")
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+        assert done.stdout.strip().splitlines()[-1] == key, done.stderr[-1000:]
     assert key != cache_key(tiny_xl_engine.model, cpu)  # another model config
     half = tiny_engine.model.__class__(**{**tiny_engine.model.__dict__, "dtype": torch.float16})
     assert key != cache_key(half, cpu)  # another dtype
@@ -98,7 +108,6 @@ def test_cache_folder_is_keyed_by_what_compiled_code_depends_on(tiny_engine, tin
     folder = cache_dir(config, tiny_engine.model, cpu)
     assert folder.startswith(str(tmp_path)) and folder.endswith(key) and "tiny" in folder
     use_cache_dir(folder)
-    import os
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder and os.path.isdir(folder)
 
 

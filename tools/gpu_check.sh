@@ -46,9 +46,10 @@ for what in "$@"; do
           grep -E "^random|diffgraph_graph|Error|error" "$OUT/ab_${tree}_${round}.log" | sed "s/^/[$tree $round] /"
         done; done ;;
     latency) python3 -m diffgraph.bench.latency --repeats 3 --contenders diffusers,diffgraph_eager,diffgraph_graph --json "$OUT/bench_latency.json" 2>&1 | grep -v Warning | tee "$OUT/bench_latency.log" ;;
-    compile) python3 -m diffgraph.bench.latency --cases random:sd15@512 --images 1,4 --diffusers-compile-images 1 \
-               --contenders diffusers,diffusers_compile,diffgraph_graph,diffgraph_compile \
-               --json "$OUT/bench_latency_compile.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile.log" ;;
+    compile) timeout ${COMPILE_LIMIT:-560} python3 -u -m diffgraph.bench.latency --cases random:sd15@512 --images 1,4 \
+               --diffusers-compile-images 1 --contenders diffusers,diffusers_compile,diffgraph_graph,diffgraph_compile \
+               --json "$OUT/bench_latency_compile.json" > "$OUT/bench_compile.log" 2>&1   # unbuffered: kept on a timeout
+             grep -v Warning "$OUT/bench_compile.log" | tail -c 9000 ;;
     compilexl) python3 -m diffgraph.bench.latency --cases random:sdxl@1024 --images 1 --buckets 1,2,4 --no-fresh-starts \
                --contenders diffusers,diffusers_compile,diffgraph_graph,diffgraph_compile \
                --json "$OUT/bench_latency_compile_xl.json" 2>&1 | grep -v Warning | tee "$OUT/bench_compile_xl.log" ;;

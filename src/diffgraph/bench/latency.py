@@ -157,7 +157,8 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     if "diffgraph_compile" in contenders:
         out["compile"] = _compile_tier(out, graph, model, model_name, size, image_counts, steps, half, repeats,
                                        buckets, device, diffgraph_fn, fresh_starts)
-        print("compile tier:", json.dumps(out["compile"], default=str), flush=True)  # kept if a later part fails
+        print("compile tier:", json.dumps({"compile": out["compile"], "results": out["results"]}, default=str),
+              flush=True)  # kept if a later part fails
     if "diffusers_compile" in contenders:
         plain = pipe.unet
         pipe.unet = torch.compile(plain, mode="reduce-overhead")

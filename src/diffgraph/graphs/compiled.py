@@ -98,8 +98,12 @@ def _graphs_compiled() -> int:
 
 def cache_key(model: Any, device: torch.device) -> str:
     """What compiled code depends on: the modules' configs, the dtype, torch's and triton's versions, the device."""
-    configs = {"unet": dict(model.unet.config), "vae": dict(model.vae.config),
-               "text": [e.config.to_dict() for e in model.text_encoders]}
+    def settings(module: Any) -> dict[str, Any]:  # "_" keys are bookkeeping, some in set order (hash seeded)
+        config = module.config if isinstance(module.config, dict) else module.config.to_dict()
+        return {"class": type(module).__name__, **{k: v for k, v in config.items() if not k.startswith("_")}}
+
+    configs = {"unet": settings(model.unet), "vae": settings(model.vae),
+               "text": [settings(e) for e in model.text_encoders]}
     try:
         import triton
         triton_version = triton.__version__
