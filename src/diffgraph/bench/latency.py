@@ -259,7 +259,9 @@ def _format_compile(c: dict[str, Any]) -> list[str]:
              f"compiled in {c['compile_s']:.1f}s), fallbacks {c['fallbacks']}, cache {c['cache_mib']:.0f} MiB, pool "
              f"{c['pool_mib']:.0f} MiB = {c['pool_ratio']:.2f}x the graph tier's"]
     for label in ("warm_same_folder", "warm_copied_folder"):
-        w = c.get(label, {})
+        if label not in c:  # --no-fresh-starts
+            continue
+        w = c[label]
         lines.append(f"    fresh process, {label.replace('_', ' ')}: " + (
             f"ready {w['wall_s'] - w['first_image_s']:.1f}s after launch (in-process {w['ready_s']:.1f}s: imports "
             f"{w['import_s']:.1f}s, model {w['load_s']:.1f}s), {w['compiles']} graphs in {w['compile_s']:.1f}s, FX "
