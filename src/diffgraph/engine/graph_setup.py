@@ -11,6 +11,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import torch
+
 from ..config import CompileConfig
 from ..graphs.compiled import Compiled, cache_dir, load_artifacts, use_cache_dir
 from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
@@ -41,6 +43,11 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
         runner.compile_folder = cache_dir(compile, model, runner.device)
         use_cache_dir(runner.compile_folder)
         load_artifacts(runner.compile_folder)
+        # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
+        # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
+        per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2
+        needed = (len(STEP_STACKS) if runner.lora_stack else 1) * len(resolutions) * per_resolution
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed + 2)
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
     step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values())
     loras = runner.loras and runner.loras.unet_rows
