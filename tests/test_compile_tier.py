@@ -154,16 +154,44 @@ def test_a_call_that_would_compile_inside_a_capture_runs_uncompiled(monkeypatch)
     assert c.fallbacks == 1
 
 
+def test_compiled_code_failing_inside_a_capture_fails_that_capture(monkeypatch):
+    """Compiled code that raises while it runs inside a capture (after launching work) must not be papered over with
+    the uncompiled function in the same capture: the error reaches the graph runner, which runs that key eagerly."""
+    from torch._dynamo import register_backend
+
+    from diffgraph.graphs.compiled import Compiled
+
+    broken = {"now": False}
+
+    @register_backend(name="diffgraph_test_fails_at_run")
+    def fails_at_run(gm, example_inputs):
+        def run(*args):
+            if broken["now"]:
+                raise RuntimeError("a kernel failed")
+            return gm(*args)
+        return run
+
+    torch._dynamo.reset()
+    c = Compiled(lambda x: x * 2, CompileConfig(backend="diffgraph_test_fails_at_run"), "toy")
+    torch.testing.assert_close(c(torch.ones(2)), torch.full((2,), 2.0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    broken["now"] = True
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        c(torch.ones(2))
+    assert c.fallbacks == 0 and c.failed is None
+
+
 _TOY = """
 import json, sys, torch
 from diffgraph.config import CompileConfig
-from diffgraph.graphs.compiled import Compiled, load_artifacts, save_artifacts, use_cache_dir
+from diffgraph.graphs.compiled import Compiled, load_artifacts, save_artifacts_if_new, use_cache_dir
 use_cache_dir(sys.argv[1])
 loaded = load_artifacts(sys.argv[1])
 c = Compiled(lambda x, w: torch.nn.functional.gelu(x @ w).sum(dim=1), CompileConfig(), "toy", lambda a: a[:1])
 w = torch.linspace(-1, 1, 64).reshape(8, 8)
 out = [c(torch.linspace(0, 1, 8 * n).reshape(n, 8), w).tolist() for n in (4, 2)]
-saved = save_artifacts(sys.argv[1]) if not loaded else 0
+saved = save_artifacts_if_new(sys.argv[1])
 from torch._dynamo.utils import counters
 print(json.dumps({"loaded": loaded, "saved": saved, "out": out, "fallbacks": c.fallbacks,
                   "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
@@ -188,6 +216,7 @@ def test_a_copied_cache_folder_starts_warm_in_a_fresh_process(tmp_path):
     shutil.copytree(tmp_path / "a", tmp_path / "elsewhere" / "b")
     second = run(tmp_path / "elsewhere" / "b")
     assert second["loaded"] == first["saved"] and second["misses"] == 0 and second["hits"] == 1
+    assert second["saved"] == 0  # a warm start rewrites nothing
     assert second["out"] == first["out"]
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..config import CompileConfig, GraphConfig, smallest_bucket
-from ..graphs.compiled import Compiled, cache_dir, save_artifacts, use_cache_dir
+from ..graphs.compiled import Compiled, cache_dir, save_artifacts_if_new, use_cache_dir
 from ..graphs.graphables import TextGraph, VaeEncodeGraph, VaeGraph, step_kind
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
@@ -124,7 +124,7 @@ class ModelRunner:
                     self.buffers(key)
                 self.graph_runner.prewarm()
             if any(c.compiles for c in self.compiled):  # what a copy of the cache folder needs to start warm
-                save_artifacts(self.compile_folder)
+                save_artifacts_if_new(self.compile_folder)
 
     def invalidate(self, kind: str | None = None) -> None:
         """The weights (or modules) of `kind` ("step" = the denoiser, "text", "vae"; None = all) were changed:

@@ -75,11 +75,15 @@ class Compiled:
             except Exception as e:  # a compile error or a backend failure: this kind runs uncompiled from now on
                 cause = getattr(e, "inner_exception", None) or e  # BackendCompilerFailed wraps the backend's error
                 why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"[:300]
-                self.fallbacks += 1
                 if capturing:
+                    if "fail_on_recompile" not in str(e):
+                        raise  # compiled code failed mid-capture: the capture fails, and that key runs eagerly
+                    # the guards failed before anything ran: capture the uncompiled function in its place
+                    self.fallbacks += 1
                     logger.warning("%s would have compiled inside a CUDA-graph capture (%s); this graph holds the "
                                    "uncompiled code", self.name, why)
                     return self.fn(*args, **kwargs)
+                self.fallbacks += 1
                 self.failed = why
                 logger.warning("compiling %s with backend %r failed (%s); it runs uncompiled from now on (graphs "
                                "captured from here on hold the uncompiled code)", self.name, self.backend, self.failed)
@@ -156,6 +160,15 @@ def load_artifacts(folder: str) -> int:
                        type(e).__name__, e)
         return 0
     return len(blob)
+
+
+def save_artifacts_if_new(folder: str) -> int:
+    """`save_artifacts` where this process compiled something from scratch (an Inductor cache miss) or the folder
+    has no artifacts yet; 0 otherwise (a warm start rewrites nothing)."""
+    from torch._dynamo.utils import counters
+    if counters["inductor"]["fxgraph_cache_miss"] == 0 and os.path.exists(os.path.join(folder, ARTIFACTS)):
+        return 0
+    return save_artifacts(folder)
 
 
 def save_artifacts(folder: str) -> int:
