@@ -233,3 +233,24 @@ def test_many_resolutions_stay_compiled(tiny_engine, tmp_path, monkeypatch):
         step = next(c for c in compiled.runner.compiled if c.name == "the whole step")
         assert step.compiles == 6 and compiled.stats["compile_fallbacks"] == 0
         assert torch._dynamo.config.recompile_limit >= 6
+
+
+def test_verification_compares_replays_with_the_uncompiled_function(tmp_path):
+    """A backend whose code is off by 1e-3: the verification figure of the text graph shows that 1e-3 (the replay
+    holds the compiled code, the reference is the uncompiled encoder), so `verify_max_abs` measures the compile."""
+    from torch._dynamo import register_backend
+
+    @register_backend(name="diffgraph_test_offset")
+    def offset(gm, example_inputs):
+        def run(*args):
+            out = gm(*args)
+            return type(out)(o + 1e-3 if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out)
+        return run
+
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(1,), resolutions=((64, 64),), backend="emulated", verify=True,
+                      capture_vae=False)
+    with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg,
+                compile=CompileConfig(backend="diffgraph_test_offset", cache_dir=str(tmp_path))) as compiled:
+        text = next(r for r in compiled.graph_table() if r["kind"] == "text")
+        assert text["verify_max_abs"] == pytest.approx(1e-3, rel=1e-2)
