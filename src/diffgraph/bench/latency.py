@@ -2,9 +2,9 @@
 
 Contenders: diffusers' pipeline eager; diffusers with torch.compile(unet, mode="reduce-overhead");
 diffgraph eager; diffgraph graph; diffgraph compile (the compile tier: its cold start with an empty cache folder in
-this process, then twice in fresh processes: on that folder, and on a copy of it elsewhere). For each model/resolution and image count it reports per-step ms
-(from end-to-end runs at two step counts: (t(N) - t(N/2)) / (N/2), so fixed costs cancel),
-end-to-end ms (prompt to decoded pixels), ratios to diffusers eager, cold start (load to ready; first
+this process, then twice in fresh processes: on that folder, and on a copy of it elsewhere). For each
+model/resolution and image count it reports per-step ms (from end-to-end runs at two step counts:
+(t(N) - t(N/2)) / (N/2), so fixed costs cancel), end-to-end ms (prompt to decoded pixels), ratios to diffusers eager, cold start (load to ready; first
 call of the compiled contender), graph pool memory and the summed GPU kernel time of one step
 (torch.profiler over one eager step). Prints a table and writes JSON.
 """
@@ -38,6 +38,14 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
         _sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _e2e_and_step(f_full: Callable[[], Any], f_half: Callable[[], Any], steps: int, half: int,
+                  repeats: int) -> dict[str, float]:
+    """End-to-end ms at `steps` (after one warm call) and per-step ms from the difference to `half` steps."""
+    f_full()
+    e2e = _timed(f_full, repeats)
+    return {"e2e_ms": e2e, "step_ms": (e2e - _timed(f_half, repeats)) / (steps - half)}
 
 
 def _profiled_kernel_ms(run_step: Callable[[], None], warm: int, profiled: int) -> float:
@@ -146,10 +154,7 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
                 else diffusers_fn(n, steps)
             f_half = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, half) if c != "diffusers" \
                 else diffusers_fn(n, half)
-            f_full()  # warm
-            e2e = _timed(f_full, repeats)
-            e2e_half = _timed(f_half, repeats)
-            res[c] = {"e2e_ms": e2e, "step_ms": (e2e - e2e_half) / (steps - half)}
+            res[c] = _e2e_and_step(f_full, f_half, steps, half, repeats)
             if c != "diffusers":  # where diffgraph's end-to-end time goes (the last run)
                 res[c]["timings"] = {k: round(v, 1) for k, v in f_full().timings.items()}
         out["results"][n] = res
@@ -236,10 +241,7 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
     for n in image_counts:
         res = out["results"][n]
         f_full, f_half = diffgraph_fn(engine, n, steps), diffgraph_fn(engine, n, half)
-        f_full()  # warm
-        e2e = _timed(f_full, repeats)
-        e2e_half = _timed(f_half, repeats)
-        res["diffgraph_compile"] = {"e2e_ms": e2e, "step_ms": (e2e - e2e_half) / (steps - half),
+        res["diffgraph_compile"] = {**_e2e_and_step(f_full, f_half, steps, half, repeats),
                                     "timings": {k: round(v, 1) for k, v in f_full().timings.items()}}
         res["compile_replay_kernel_ms_per_step"] = kernel_ms_of_one_step(engine, size, n, replayed=True) \
             if cuda else float("nan")

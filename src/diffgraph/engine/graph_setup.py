@@ -3,7 +3,7 @@ text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`.
 captures a `graphs.compiled.Compiled` of its function (the whole step: input scaling, denoiser, CFG and sampler
 update in one compiled function) instead of the function itself, its batch dimension dynamic (one compile per kind
 and resolution for the buckets above 1, one for bucket 1); the runner's eager paths keep the plain ones. The compile
-cache folder's saved artifacts are loaded first (`graphs.compiled.load_artifacts`).
+cache folder's saved artifacts are loaded first (`graphs.compiled.open_cache`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import CompileConfig
-from ..graphs.compiled import Compiled, cache_dir, load_artifacts, use_cache_dir
+from ..graphs.compiled import Compiled, open_cache
 from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
 from ..graphs.runner import GraphRunner
 from ..graphs.step import step_rows
@@ -40,9 +40,7 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
         return compiled[-1]
 
     if compile is not None:
-        runner.compile_folder = cache_dir(compile, model, runner.device)
-        use_cache_dir(runner.compile_folder)
-        load_artifacts(runner.compile_folder)
+        runner.compile_folder = open_cache(compile, model, runner.device)
         # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
         # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
         per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2
@@ -61,8 +59,8 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
                                       adapter.token_lengths(model), runner.device, cfg.batch_buckets)
         graphs.register(runner.text_graph)
     if cfg.capture_vae:
-        runner.vae_graph = VaeGraph(maybe(runner._decode_pixels, "the VAE decoder", lambda args: args[:1]), runner.latent_shape,
-                                    model.vae_dtype, runner.device, resolutions,
+        runner.vae_graph = VaeGraph(maybe(runner._decode_pixels, "the VAE decoder", lambda args: args[:1]),
+                                    runner.latent_shape, model.vae_dtype, runner.device, resolutions,
                                     tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
         graphs.register(runner.vae_graph)
         if adapter.supports_edits:

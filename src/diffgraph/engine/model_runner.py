@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..config import CompileConfig, GraphConfig, smallest_bucket
-from ..graphs.compiled import Compiled, cache_dir, save_artifacts_if_new, use_cache_dir
+from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
 from ..graphs.graphables import TextGraph, VaeEncodeGraph, VaeGraph, step_kind
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
@@ -102,8 +102,7 @@ class ModelRunner:
             if mode == "graph":
                 self.compiled = make_graphs(self, compile)
             elif compile is not None:  # eager mode (the CPU): the step itself runs compiled, shapes as they come
-                self.compile_folder = cache_dir(compile, model, self.device)
-                use_cache_dir(self.compile_folder)
+                self.compile_folder = open_cache(compile, model, self.device)
                 self._eager_step = Compiled(whole_step, compile, "the whole step", dynamic=None)
                 self.compiled = [self._eager_step]
 

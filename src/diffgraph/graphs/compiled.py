@@ -131,6 +131,14 @@ def cache_dir(config: CompileConfig, model: Any, device: torch.device) -> str:
     return os.path.join(config.cache_dir or default_root(), f"{name}-{cache_key(model, device)}")
 
 
+def open_cache(config: CompileConfig, model: Any, device: torch.device) -> str:
+    """This model's cache folder (`cache_dir`), made Inductor's for this process, its saved artifacts loaded."""
+    folder = cache_dir(config, model, device)
+    use_cache_dir(folder)
+    load_artifacts(folder)
+    return folder
+
+
 def use_cache_dir(folder: str) -> None:
     """Points Inductor's on-disk caches at `folder` for this process (Inductor reads TORCHINDUCTOR_CACHE_DIR at each
     compile; Triton's kernels go under it unless TRITON_CACHE_DIR says otherwise)."""
