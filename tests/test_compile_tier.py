@@ -188,35 +188,60 @@ from diffgraph.config import CompileConfig
 from diffgraph.graphs.compiled import Compiled, load_artifacts, save_artifacts_if_new, use_cache_dir
 use_cache_dir(sys.argv[1])
 loaded = load_artifacts(sys.argv[1])
-c = Compiled(lambda x, w: torch.nn.functional.gelu(x @ w).sum(dim=1), CompileConfig(), "toy", lambda a: a[:1])
+def toy(x, w):
+    return torch.nn.functional.gelu(x @ w).sum(dim=1)
+c = Compiled(toy, CompileConfig(precompile=sys.argv[2] == "pre"), "toy", lambda a: a[:1], folder=sys.argv[1])
 w = torch.linspace(-1, 1, 64).reshape(8, 8)
 out = [c(torch.linspace(0, 1, 8 * n).reshape(n, 8), w).tolist() for n in (4, 2)]
 saved = save_artifacts_if_new(sys.argv[1])
 from torch._dynamo.utils import counters
-print(json.dumps({"loaded": loaded, "saved": saved, "out": out, "fallbacks": c.fallbacks,
+print(json.dumps({"loaded": loaded, "saved": saved, "out": out, "fallbacks": c.fallbacks, "compiles": c.compiles,
+                  "versions_loaded": c.loaded,
                   "hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
 
 
-def test_a_copied_cache_folder_starts_warm_in_a_fresh_process(tmp_path):
-    """Inductor (CPU) on a toy function: the first process compiles and saves the artifacts; a fresh process on a
-    copy of the folder in another place compiles nothing (every graph a cache hit) and gets the same values."""
+def _toy_run(folder, mode: str) -> dict:
     import json
-    import shutil
     import subprocess
     import sys
+    done = subprocess.run([sys.executable, "-c", _TOY, str(folder), mode], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
-    def run(folder):
-        done = subprocess.run([sys.executable, "-c", _TOY, str(folder)], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
 
-    first = run(tmp_path / "a")
+def test_a_copied_cache_folder_starts_warm_in_a_fresh_process(tmp_path):
+    """Inductor (CPU) on a toy function, without precompiled versions: the first process compiles and saves the
+    artifacts; a fresh process on a copy of the folder elsewhere compiles nothing (every graph a cache hit) and gets
+    the same values."""
+    import shutil
+
+    first = _toy_run(tmp_path / "a", "traced")
     assert first["misses"] == 1 and first["hits"] == 0 and first["saved"] > 0 and first["fallbacks"] == 0
     shutil.copytree(tmp_path / "a", tmp_path / "elsewhere" / "b")
-    second = run(tmp_path / "elsewhere" / "b")
+    second = _toy_run(tmp_path / "elsewhere" / "b", "traced")
     assert second["loaded"] == first["saved"] and second["misses"] == 0 and second["hits"] == 1
     assert second["saved"] == 0  # a warm start rewrites nothing
+    assert second["out"] == first["out"]
+
+
+def test_a_copied_folder_of_precompiled_versions_loads_them_in_a_fresh_process(tmp_path):
+    """The same toy with precompiled versions: the first process compiles two (a batch of 4, which serves every
+    batch above 1, and the batch of 2 reuses it: one version; nothing else), saved as files; a fresh process on a
+    copy elsewhere loads that version, traces and compiles nothing, and gets the same values."""
+    import shutil
+
+    from diffgraph.graphs.compiled import precompile_available
+
+    if not precompile_available():
+        pytest.skip("this torch has no torch.compiler.load_compiled_function (2.10+)")
+    first = _toy_run(tmp_path / "a", "pre")
+    assert (first["compiles"], first["versions_loaded"], first["fallbacks"]) == (1, 0, 0)
+    assert len(list((tmp_path / "a" / "precompiled").iterdir())) == 1
+    shutil.copytree(tmp_path / "a", tmp_path / "elsewhere" / "b")
+    second = _toy_run(tmp_path / "elsewhere" / "b", "pre")
+    assert (second["compiles"], second["versions_loaded"], second["misses"], second["hits"]) == (0, 1, 0, 0)
     assert second["out"] == first["out"]
 
 
@@ -255,3 +280,75 @@ def test_verification_compares_replays_with_the_uncompiled_function(tmp_path):
                 compile=CompileConfig(backend="diffgraph_test_offset", cache_dir=str(tmp_path))) as compiled:
         text = next(r for r in compiled.graph_table() if r["kind"] == "text")
         assert text["verify_max_abs"] == pytest.approx(1e-3, rel=1e-2)
+
+
+def test_precompiled_steps_load_without_compiling_and_equal_uncompiled(tiny_engine, tmp_path):
+    """Inductor (CPU) with precompiled versions: the first engine compiles the whole step (bucket 1) and saves it as
+    one file; a second engine on the folder loads it and compiles nothing; both give the uncompiled images, and an
+    in-place weight change reaches the loaded code. (A fresh process on a copy: the toy test below.)"""
+    from diffgraph.graphs.compiled import precompile_available
+
+    if not precompile_available():
+        pytest.skip("this torch has no torch.compiler.load_compiled_function (2.10+): no precompiled versions")
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(1,), resolutions=((64, 64),), backend="emulated", verify=True,
+                      capture_vae=False, capture_text_encoder=False)
+    config = CompileConfig(cache_dir=str(tmp_path))
+    for run in ("cold", "warm"):
+        with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg, compile=config) as engine:
+            step = next(c for c in engine.runner.compiled if c.name == "the whole step")
+            assert (step.compiles, step.loaded) == ((1, 0) if run == "cold" else (0, 1)), run
+            row = next(r for r in engine.graph_table() if r["kind"] == "step")
+            assert row["status"] == "captured" and row["verify_max_abs"] <= 1e-4
+            np.testing.assert_allclose(_images(engine), _images(tiny_engine), atol=2e-4)
+            assert engine.stats["compile_fallbacks"] == 0
+            if run == "warm":
+                with torch.no_grad():
+                    engine.model.unet.conv_in.weight.mul_(1.5)  # in place, as a LoRA slot or a fused adapter
+                changed = _images(engine)
+                shared = tiny_engine.model.unet.conv_in.weight
+                original = shared.detach().clone()
+                with torch.no_grad():
+                    shared.mul_(1.5)
+                try:
+                    np.testing.assert_allclose(changed, _images(tiny_engine), atol=2e-4)
+                finally:
+                    with torch.no_grad():
+                        shared.copy_(original)
+                assert step.compiles == 0
+    files = list((next(tmp_path.iterdir()) / "precompiled").iterdir())
+    assert len(files) == 1 and files[0].name.startswith("the-whole-step-")
+
+
+def test_precompiled_versions_are_picked_by_signature_and_never_compiled_in_a_capture(monkeypatch, tmp_path):
+    """A version per signature (the batch dimension as 1 or any above 1); shapes first met inside a capture run the
+    uncompiled function (counted), and nothing is compiled there."""
+    from diffgraph.graphs.compiled import Compiled, precompile_available
+
+    if not precompile_available():
+        pytest.skip("this torch has no torch.compiler.load_compiled_function (2.10+)")
+    c = Compiled(lambda x: x * 2, CompileConfig(), "toy", batch_of=lambda args: args[:1], folder=str(tmp_path))
+    torch.testing.assert_close(c(torch.ones(4, 3)), torch.full((4, 3), 2.0))
+    torch.testing.assert_close(c(torch.ones(2, 3)), torch.full((2, 3), 2.0))  # the same version
+    assert (c.compiles, c.fallbacks) == (1, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    torch.testing.assert_close(c(torch.ones(3, 3)), torch.full((3, 3), 2.0))  # known: runs the precompiled code
+    torch.testing.assert_close(c(torch.ones(2, 5)), torch.full((2, 5), 2.0))  # new: the uncompiled function
+    assert (c.compiles, c.fallbacks, c.failed) == (1, 1, None)
+
+
+def test_layout_defaults_and_conv_layout_keep_the_parameters(tiny_engine):
+    from diffgraph.engine.graph_setup import COMPILE_LAYOUT, layout, set_conv_layout
+
+    assert layout(CompileConfig(), "sd") == COMPILE_LAYOUT["sd"]
+    assert layout(CompileConfig(channels_last=False, attention="cudnn"), "sd") == (False, "cudnn")
+    with pytest.raises(ValueError, match="not an attention backend"):
+        CompileConfig(attention="fast")
+    conv = torch.nn.Conv2d(4, 8, 3)
+    weight, before = conv.weight, conv.weight.detach().clone()
+    set_conv_layout(conv, channels_last=True)
+    assert conv.weight is weight and weight.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(weight.detach(), before)
+    set_conv_layout(conv, channels_last=False)
+    assert weight.is_contiguous()

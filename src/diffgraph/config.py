@@ -212,17 +212,32 @@ def parse_name_scales(value: Any, flag: str) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """The compile tier (issue 13): torch.compile `backend` ("inductor"; "aot_eager" and the like for tests), compiled
     artifacts under `cache_dir` (default: the user's cache folder, one sub-folder per model config, dtype, torch and
     triton versions and device). `per_bucket` False (the default): one compile per kind and resolution, the batch
-    dimension symbolic, so five buckets cost one compile; True: one compile per bucket (static shapes)."""
+    dimension symbolic, so five buckets cost one compile; True: one compile per bucket (static shapes). `precompile`
+    True (the default; Inductor, torch with `torch.compiler.load_compiled_function`): each compiled version of a
+    graph kind is saved whole (torch's AOT compile: graph, code and kernels) in the cache folder and a later start
+    loads it without tracing; False, or an older torch: Dynamo traces at every start and Inductor's caches skip the
+    compiling. `channels_last` (convolution weights in channels-last memory format, on CUDA) and `attention` (the
+    denoiser's scaled-dot-product-attention backend: "flash", "efficient", "cudnn", "math", or "auto": PyTorch's
+    choice): None takes the family's measured default (`engine.graph_setup.COMPILE_LAYOUT`)."""
 
     backend: str = "inductor"
     cache_dir: str | None = None
     per_bucket: bool = False
+    precompile: bool = True
+    channels_last: bool | None = None
+    attention: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"compile backend {self.backend!r} must be a torch.compile backend name, e.g. inductor")
+        if self.attention not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"compile attention {self.attention!r} is not an attention backend; use one of "
+                             f"{', '.join(ATTENTION_BACKENDS)} (or leave it out: the family's measured default)")

@@ -1,8 +1,8 @@
 """The compile tier's start-up in a fresh process (issue 13): warm-cache figures are only honest there, since Dynamo
 and Triton keep compiled code in memory. `fresh_start(...)` runs this module as a child process on a cache folder and
 returns what it measured; the child builds a graph-mode compile-tier engine (every bucket captured), generates one
-image, and prints one JSON line: seconds from its start to ready, graphs compiled and their time, Inductor's cache
-hits and misses, fallbacks.
+image, and prints one JSON line: seconds from its start to ready, graphs compiled and their time, precompiled
+versions loaded and their time, Inductor's cache hits and misses, fallbacks.
 
     python -m diffgraph.bench.compile_start --model random:sd15 --size 512 --buckets 1,2,4,8,16 --cache DIR
 """
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "ready_s": ready, "import_s": t_import, "load_s": t_load - t_import, "first_image_s": first,
         "compiles": stats["compiles"], "compile_s": stats["compile_s"], "compile_fallbacks": stats["compile_fallbacks"],
+        "loaded": stats["compile_loaded"], "load_s": stats["compile_load_s"],
         "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
         "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
         "captured": sum(r["status"] == "captured" for r in table), "graphs": len(table),

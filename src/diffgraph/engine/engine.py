@@ -245,7 +245,9 @@ class Engine:
                 "lora_loads": self.runner.loras.loads if self.runner.loras is not None else 0,
                 "compile_fallbacks": sum(c.fallbacks for c in self.runner.compiled),
                 "compiles": sum(c.compiles for c in self.runner.compiled),
-                "compile_s": round(sum(c.compile_s for c in self.runner.compiled), 2)}
+                "compile_s": round(sum(c.compile_s for c in self.runner.compiled), 2),
+                "compile_loaded": sum(c.loaded for c in self.runner.compiled),
+                "compile_load_s": round(sum(c.load_s for c in self.runner.compiled), 2)}
 
     def graph_table(self) -> list[dict[str, Any]]:
         """Per graph key: status, capture ms, pool MiB added, replays, eager fallbacks, verification diff."""

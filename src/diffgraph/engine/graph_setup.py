@@ -2,8 +2,9 @@
 text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`. With a compile config, each kind
 captures a `graphs.compiled.Compiled` of its function (the whole step: input scaling, denoiser, CFG and sampler
 update in one compiled function) instead of the function itself, its batch dimension dynamic (one compile per kind
-and resolution for the buckets above 1, one for bucket 1); the runner's eager paths keep the plain ones. The compile
-cache folder's saved artifacts are loaded first (`graphs.compiled.open_cache`).
+and resolution for the buckets above 1, one for bucket 1), saved whole in the cache folder where torch can
+(precompiled versions, loaded by later starts without tracing); the runner's eager paths keep the plain ones. The
+compile cache folder's saved artifacts are loaded first (`graphs.compiled.open_cache`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from ..graphs.runner import GraphRunner
 from ..graphs.step import step_rows
 from ..request import MAX_LORAS
 
+# the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py; BENCHMARKS.md,
+# session 8): (convolution weights channels-last, attention backend). SD1.5: channels-last 13% faster per step at
+# bucket 1 and 4% at 16; cuDNN attention 4% / 3% (NCHW)
+COMPILE_LAYOUT = {"sd": (True, "auto"), "sdxl": (False, "auto")}
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 STEP_STACKS = (0, 1, MAX_LORAS)  # the step variants with adapter slots: none, one adapter per row, a stack
@@ -36,7 +41,7 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     def maybe(fn: Any, name: str, batch_of: Any) -> Any:
         if compile is None:
             return fn
-        compiled.append(Compiled(fn, compile, name, batch_of))
+        compiled.append(Compiled(fn, compile, name, batch_of, folder=runner.compile_folder))
         return compiled[-1]
 
     if compile is not None:
@@ -49,8 +54,15 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
     step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values())
     loras = runner.loras and runner.loras.unet_rows
+    denoise = partial(adapter.denoise, model)
+    if compile is not None:
+        channels_last, attention = layout(compile, model.family)
+        if channels_last and runner.cuda:
+            set_conv_layout(model.unet, channels_last=True)
+        if attention != "auto":
+            denoise = partial(_with_attention, attention, denoise)
     for stack in STEP_STACKS if runner.lora_stack else (0,):
-        graphs.register(StepGraph(runner.buffers, partial(adapter.denoise, model),
+        graphs.register(StepGraph(runner.buffers, denoise,
                                   lambda: runner.plan_for("dpmpp_2m", "karras", 10), resolutions, cfg.batch_buckets,
                                   loras, stack, step_fn))
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
@@ -69,3 +81,29 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
                                                  model.vae_dtype, runner.device, resolutions, ENCODE_BUCKETS)
             graphs.register(runner.encode_graph)
     return compiled
+
+
+def layout(compile: CompileConfig, family: str) -> tuple[bool, str]:
+    """(channels-last convolution weights, attention backend) of the compile tier for `family`: the config's, else
+    the family's measured default."""
+    channels_last, attention = COMPILE_LAYOUT.get(family, (False, "auto"))
+    return (channels_last if compile.channels_last is None else compile.channels_last,
+            attention if compile.attention is None else compile.attention)
+
+
+def set_conv_layout(module: torch.nn.Module, channels_last: bool) -> None:
+    """Every convolution weight of `module` in channels-last (or the default) memory format: the parameter objects
+    stay (adapter slots, fused adapters and a user's copy_ still reach them) but their storage is new, so graphs
+    captured before on these weights (another engine on the same model object) must not be replayed after this."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    for m in module.modules():
+        if isinstance(m, torch.nn.Conv2d) and m.weight.dim() == 4 and not m.weight.is_contiguous(memory_format=fmt):
+            m.weight.data = m.weight.data.contiguous(memory_format=fmt)
+
+
+def _with_attention(backend: str, denoise: Any, *args: Any) -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend]
+    with sdpa_kernel(chosen):
+        return denoise(*args)

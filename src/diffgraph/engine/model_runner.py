@@ -122,7 +122,8 @@ class ModelRunner:
                 for key in self.graph_runner.kinds["step"].resolutions():
                     self.buffers(key)
                 self.graph_runner.prewarm()
-            if any(c.compiles for c in self.compiled):  # what a copy of the cache folder needs to start warm
+            # what a copy of the cache folder needs to start warm (precompiled versions are their own files)
+            if any(c.compiles and c.precompile_dir is None for c in self.compiled):
                 save_artifacts_if_new(self.compile_folder)
 
     def invalidate(self, kind: str | None = None) -> None:

@@ -15,10 +15,17 @@ runs without its own CUDA graphs (`triton.cudagraphs` off): the graphs are ours.
 The persistent cache: `cache_dir(config, model)` is a folder per (model config, dtype, torch and triton versions,
 device), under `CompileConfig.cache_dir` (default: the user's cache folder); `use_cache_dir` points Inductor's
 on-disk caches (FX graphs, AOTAutograd, Triton kernels) there for this process.
+
+Precompiled versions (the graph kinds, with Inductor on a torch that has `torch.compiler.load_compiled_function`):
+Dynamo's tracing, which Inductor's caches cannot skip, is most of a warm start. So each version of a graph kind is
+compiled whole (`fullgraph`, torch's AOT compile) and saved as one file under `<cache folder>/precompiled`, named by
+the arguments' `signature`; a later start (or a copy of the folder) loads the file and runs it without tracing and
+without Dynamo guards: `Compiled` itself picks the version by the signature, so no guard can fail while serving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -41,26 +48,38 @@ class Compiled:
     instead: that key's graph holds the uncompiled code, counted in `fallbacks` and logged."""
 
     def __init__(self, fn: Callable[..., Any], config: CompileConfig, name: str,
-                 batch_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None, dynamic: bool | None = False):
+                 batch_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None, dynamic: bool | None = False,
+                 folder: str | None = None):
         self.fn = fn
         self.name = name
         self.backend = config.backend
         self._batch_of = None if config.per_bucket else batch_of
-        options = {"triton.cudagraphs": False} if config.backend == "inductor" else None
-        self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=options)
+        self._dynamic = dynamic
+        self._options = {"triton.cudagraphs": False} if config.backend == "inductor" else None
+        self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=self._options)
+        # precompiled versions (see `precompile_dir`): one per argument signature, called without guards
+        self.precompile_dir = precompile_dir(config, folder) if batch_of is not None else None
+        self._versions: dict[str, Callable[..., Any]] = {}
         self.failed: str | None = None  # why it fell back for good, once it did
         self.fallbacks = 0
-        self.compiles = 0       # graphs compiled (or loaded from the cache) by this callable
+        self.compiles = 0       # graphs compiled (or loaded from Inductor's caches) by this callable
         self.compile_s = 0.0    # wall time of the calls that compiled
+        self.loaded = 0         # precompiled versions loaded from files (nothing traced, nothing compiled)
+        self.load_s = 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failed is None:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             try:
-                if self._batch_of is not None:
-                    for t in self._batch_of(args):
-                        if t.shape[0] > 1:
-                            torch._dynamo.mark_dynamic(t, 0)
+                if self.precompile_dir is not None:
+                    version = self._version(args, kwargs, capturing)
+                    if version is not None:
+                        return version(*args, **kwargs)
+                    self.fallbacks += 1  # a signature first seen inside a capture: never compile there
+                    logger.warning("%s met new shapes inside a CUDA-graph capture; this graph holds the uncompiled "
+                                   "code", self.name)
+                    return self.fn(*args, **kwargs)
+                self._mark_batch(args)
                 before = _graphs_compiled()
                 t0 = time.perf_counter()
                 if capturing:  # never compile inside a capture: a guard failure raises instead
@@ -88,6 +107,89 @@ class Compiled:
                 logger.warning("compiling %s with backend %r failed (%s); it runs uncompiled from now on (graphs "
                                "captured from here on hold the uncompiled code)", self.name, self.backend, self.failed)
         return self.fn(*args, **kwargs)
+
+    def _mark_batch(self, args: tuple) -> None:
+        if self._batch_of is not None:
+            for t in self._batch_of(args):
+                if t.shape[0] > 1:
+                    torch._dynamo.mark_dynamic(t, 0)
+
+    def _version(self, args: tuple, kwargs: dict, capturing: bool) -> Callable[..., Any] | None:
+        """The precompiled version for these arguments' signature: in memory, else loaded from its file, else
+        compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet."""
+        batch = {id(t) for t in self._batch_of(args)} if self._batch_of is not None else set()
+        key = repr((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), signature(args, batch),
+                    signature(kwargs, batch)))
+        version = self._versions.get(key)
+        if version is not None or capturing:
+            return version
+        slug = "".join(c if c.isalnum() else "-" for c in self.name).strip("-")
+        path = os.path.join(self.precompile_dir, f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin")
+        t0 = time.perf_counter()
+        if os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    version = torch.compiler.load_compiled_function(f)
+                self.loaded += 1
+                self.load_s += time.perf_counter() - t0
+            except Exception as e:  # a file from other versions, or a damaged one: compile it again
+                logger.warning("precompiled %s could not be loaded from %s (%s: %s); compiling it again", self.name,
+                               path, type(e).__name__, e)
+        if version is None:
+            self._mark_batch(args)
+            whole = torch.compile(self.fn, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
+                                  options={**(self._options or {}), "guard_filter_fn": _no_guards})
+            version = whole.aot_compile((args, kwargs))
+            self.compiles += 1
+            self.compile_s += time.perf_counter() - t0
+            try:
+                os.makedirs(self.precompile_dir, exist_ok=True)
+                version.save_compiled_function(path)
+            except Exception as e:  # a read-only or full disk: this process runs compiled; the next compiles again
+                logger.warning("precompiled %s could not be saved to %s (%s: %s)", self.name, path,
+                               type(e).__name__, e)
+        self._versions[key] = version
+        return version
+
+
+def _no_guards(entries: list) -> list[bool]:
+    """Precompiled versions keep no Dynamo guards: `Compiled` picks the version by the arguments' signature (shapes,
+    strides, dtypes, devices, the batch dimension as 1 or any), which is what the guards would check."""
+    return [False] * len(entries)
+
+
+def signature(obj: Any, batch: set[int]) -> Any:
+    """What compiled code depends on in `obj` (arguments: tensors, dataclasses, dicts, sequences, scalars): tensors'
+    shapes, strides, dtypes and devices (a batch tensor's first dimension as 1 or -1: any above 1), scalars' values,
+    other objects' types."""
+    if isinstance(obj, torch.Tensor):
+        shape = list(obj.shape)
+        if id(obj) in batch and shape and shape[0] > 1:
+            shape[0] = -1
+        return ("T", tuple(shape), obj.stride()[1:], str(obj.dtype), str(obj.device))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj).__name__,) + tuple((f.name, signature(getattr(obj, f.name), batch))
+                                             for f in dataclasses.fields(obj))
+    if isinstance(obj, dict):
+        return tuple(sorted((str(k), signature(v, batch)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return tuple(signature(v, batch) for v in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
+        return repr(obj)
+    return type(obj).__qualname__
+
+
+def precompile_available() -> bool:
+    """Whether this torch saves and loads whole compiled functions (`torch.compiler.load_compiled_function`, 2.10+)."""
+    return hasattr(torch.compiler, "load_compiled_function")
+
+
+def precompile_dir(config: CompileConfig, folder: str | None) -> str | None:
+    """Where a kind's precompiled versions go (`<cache folder>/precompiled`), or None where they are not used: no
+    folder, `precompile` off, a backend other than Inductor, or a torch without the API."""
+    if folder is None or not config.precompile or config.backend != "inductor" or not precompile_available():
+        return None
+    return os.path.join(folder, "precompiled")
 
 
 def plain(fn: Callable[..., Any]) -> Callable[..., Any]:

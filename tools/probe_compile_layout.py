@@ -1,0 +1,188 @@
+"""Probe (issue 13, Build item 5): layout, attention backend and Inductor options with compile on, per family and
+bucket, in one 10-minute device command.
+
+Each variant (family, weights' memory format, SDPA backend, Inductor options) runs in its own process, and the
+processes compile in parallel (compiling is mostly single-threaded Python); then, one process at a time, each
+captures its compiled UNet (and VAE decoder, where asked) in a CUDA graph of its own, as the engine does, and times
+replays with CUDA events, with cuDNN's heuristics and again with `cudnn.benchmark`. Nothing is timed while another
+process compiles. Prints one line per measurement and a table last.
+
+    python3 -u tools/probe_compile_layout.py [sd15] [sdxl]      # on the GPU host (groups of variants: GROUPS)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+TUNED = {"conv_1x1_as_mm": True, "coordinate_descent_tuning": True, "epilogue_fusion": False,
+         "coordinate_descent_check_all_directions": True}  # what diffusers' speed-up guide sets for SDXL
+
+def _v(family, layout, attention="auto", tuned=False, batches=(2, 32), vae=False):
+    return dict(family=family, layout=layout, attention=attention, tuned=tuned, batches=batches, vae=vae)
+
+
+GROUPS = {  # first call: SD1.5; the second: SDXL's layouts and SD1.5's two best choices together
+    "sd15": [_v("sd15", "nchw", vae=True), _v("sd15", "cl", vae=True), _v("sd15", "nchw", "efficient"),
+             _v("sd15", "nchw", "cudnn"), _v("sd15", "nchw", tuned=True, batches=(2,), vae=True),
+             _v("sd15", "cl", tuned=True, batches=(2,), vae=True)],
+    "sdxl": [_v("sdxl", "nchw"), _v("sdxl", "cl"), _v("sdxl", "cl", "cudnn"), _v("sd15", "cl", "cudnn")],
+}
+SIZES = {"sd15": 512, "sdxl": 1024}
+
+
+def _graph_ms(fn, iters: int = 20) -> float:
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    del g
+    torch.cuda.empty_cache()
+    return a.elapsed_time(b) / iters
+
+
+def worker(spec: dict, conn) -> None:
+    family = spec["family"]
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from diffgraph.models.loader import load_model
+    try:
+        m = load_model(f"random:{family}", device="cuda", dtype="fp16")
+        unet, vae = m.unet, m.vae.to(m.vae_dtype)
+        fmt = torch.channels_last if spec["layout"] == "cl" else torch.contiguous_format
+        unet.to(memory_format=fmt)
+        vae.to(memory_format=fmt)
+        backend = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "flash": SDPBackend.FLASH_ATTENTION}.get(spec["attention"])
+
+        def run_unet(x, t, e, added):
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                return unet(x, t, encoder_hidden_states=e, added_cond_kwargs=added, return_dict=False)[0]
+
+        def run_vae(z):
+            return vae.decode(z, return_dict=False)[0]
+
+        options = {"triton.cudagraphs": False, **(TUNED if spec["tuned"] else {})}
+        cu = torch.compile(run_unet, options=options, dynamic=False)
+        cv = torch.compile(run_vae, options=options, dynamic=False)
+        lat = SIZES[family] // 8
+        work = []  # (label, thunk)
+        compile_s = {}
+        for b in spec["batches"]:
+            x = torch.randn(b, 4, lat, lat, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
+            t = torch.full((b,), 500.0, device="cuda")
+            e = torch.randn(b, 77, unet.config.cross_attention_dim, device="cuda", dtype=torch.float16)
+            added = None
+            if family == "sdxl":
+                added = {"text_embeds": torch.randn(b, 1280, device="cuda", dtype=torch.float16),
+                         "time_ids": torch.randn(b, 6, device="cuda", dtype=torch.float16)}
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                cu(x, t, e, added)
+            torch.cuda.synchronize()
+            compile_s[f"unet {b}"] = time.perf_counter() - t0
+            work.append((f"unet cfg batch {b}", lambda x=x, t=t, e=e, a=added: cu(x, t, e, a)))
+        if spec.get("vae"):
+            z = torch.randn(1, 4, lat, lat, device="cuda", dtype=m.vae_dtype).contiguous(memory_format=fmt)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                cv(z)
+            torch.cuda.synchronize()
+            compile_s["vae 1"] = time.perf_counter() - t0
+            work.append(("vae decode 1 image", lambda z=z: cv(z)))
+        torch.cuda.empty_cache()
+        conn.send(("ready", compile_s))
+        if conn.recv() != "go":
+            return
+        results = []
+        for label, fn in work:
+            for bench in (False, True):
+                torch.backends.cudnn.benchmark = bench
+                with torch.no_grad():
+                    ms = _graph_ms(fn)
+                results.append((label, bench, ms))
+        torch.backends.cudnn.benchmark = False
+        conn.send(("done", results))
+    except Exception as e:  # the probe reports a variant that does not run, and goes on with the others
+        conn.send(("error", f"{type(e).__name__}: {str(e)[:400]}"))
+
+
+def name_of(spec: dict) -> str:
+    return f"{spec['family']} {spec['layout']} attn={spec['attention']}{' tuned' if spec['tuned'] else ''}"
+
+
+def main(groups: list[str], deadline_s: float = float(os.environ.get("PROBE_DEADLINE_S", 430))) -> None:
+    import torch
+    print(torch.__version__, torch.backends.cudnn.version(), torch.cuda.get_device_name(),
+          "precompile API:", hasattr(torch.compiler, "load_compiled_function"), flush=True)
+    ctx = mp.get_context("spawn")
+    t0 = time.time()
+    procs = []
+    for group in groups:
+        for spec in GROUPS[group]:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker, args=(spec, child), daemon=True)
+            p.start()
+            procs.append((name_of(spec), p, parent))
+    ready = {}
+    for name, p, conn in procs:
+        left = deadline_s - (time.time() - t0)
+        if left > 0 and conn.poll(left):
+            kind, payload = conn.recv()
+            print(f"[{time.time() - t0:5.0f} s] {name}: {kind} {payload}", flush=True)
+            if kind == "ready":
+                ready[name] = payload
+        else:
+            print(f"[{time.time() - t0:5.0f} s] {name}: not compiled by the deadline", flush=True)
+    wait_for = os.environ.get("PROBE_WAIT_FILE")  # another job on this GPU: time nothing until it is done
+    while wait_for and not os.path.exists(wait_for) and time.time() - t0 < deadline_s + 120:
+        time.sleep(2)
+    print(f"[{time.time() - t0:5.0f} s] measuring", flush=True)
+    table = []
+    for name, p, conn in procs:
+        if name not in ready:
+            p.kill()
+            continue
+        conn.send("go")
+        if conn.poll(120):
+            kind, payload = conn.recv()
+            if kind == "done":
+                for label, bench, ms in payload:
+                    print(f"{name:36s} {label:22s} cudnn.benchmark={bench!s:5s} {ms:8.2f} ms", flush=True)
+                    table.append((name, label, bench, ms))
+            else:
+                print(f"{name}: {kind} {payload}", flush=True)
+        p.kill()
+    print(f"\nprobe took {time.time() - t0:.0f} s\n| variant | graph | cuDNN heuristics ms | cudnn.benchmark ms |")
+    print("|---|---|---|---|")
+    rows: dict = {}
+    for name, label, bench, ms in table:
+        rows.setdefault((name, label), {})[bench] = ms
+    for (name, label), v in rows.items():
+        print(f"| {name} | {label} | {v.get(False, float('nan')):.2f} | {v.get(True, float('nan')):.2f} |")
+    print("JSON " + json.dumps({"compile_s": ready, "rows": table}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["sd15"])
