@@ -22,9 +22,10 @@ from ..graphs.step import step_rows
 from ..request import MAX_LORAS
 
 # the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py; BENCHMARKS.md,
-# session 8): (convolution weights channels-last, attention backend). SD1.5: channels-last 13% faster per step at
-# bucket 1 and 4% at 16; cuDNN attention 4% / 3% (NCHW)
-COMPILE_LAYOUT = {"sd": (True, "auto"), "sdxl": (False, "auto")}
+# session 8): (convolution weights channels-last, attention backend first in line). Compiled SD1.5 UNet at CFG
+# batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.
+# SDXL: NCHW 32.42 / 466.4, channels-last 31.55 / 468.0, + cuDNN attention 31.42 / 467.7 (within noise: PyTorch's)
+COMPILE_LAYOUT = {"sd": (True, "cudnn"), "sdxl": (True, "auto")}
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 STEP_STACKS = (0, 1, MAX_LORAS)  # the step variants with adapter slots: none, one adapter per row, a stack
@@ -54,15 +55,14 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
     step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values())
     loras = runner.loras and runner.loras.unet_rows
-    denoise = partial(adapter.denoise, model)
     if compile is not None:
         channels_last, attention = layout(compile, model.family)
         if channels_last and runner.cuda:
             set_conv_layout(model.unet, channels_last=True)
-        if attention != "auto":
-            denoise = partial(_with_attention, attention, denoise)
+        if attention != "auto" and runner.cuda:  # chosen when the step is traced (outside the traced code)
+            step_fn = partial(_with_attention, attention, step_fn)
     for stack in STEP_STACKS if runner.lora_stack else (0,):
-        graphs.register(StepGraph(runner.buffers, denoise,
+        graphs.register(StepGraph(runner.buffers, partial(adapter.denoise, model),
                                   lambda: runner.plan_for("dpmpp_2m", "karras", 10), resolutions, cfg.batch_buckets,
                                   loras, stack, step_fn))
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
@@ -101,9 +101,18 @@ def set_conv_layout(module: torch.nn.Module, channels_last: bool) -> None:
             m.weight.data = m.weight.data.contiguous(memory_format=fmt)
 
 
-def _with_attention(backend: str, denoise: Any, *args: Any) -> Any:
+def _with_attention(backend: str, step: Any, *args: Any) -> Any:
+    """`step` with `backend` first among the attention backends; where it cannot run these inputs (a GPU or head size
+    it does not support) PyTorch takes the next (set_priority, torch 2.6+; before, `backend` alone)."""
+    import inspect
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[backend]
-    with sdpa_kernel(chosen):
-        return denoise(*args)
+    order = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    chosen = order.pop(backend)
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        context = sdpa_kernel([chosen, *order.values()], set_priority=True)
+    else:
+        context = sdpa_kernel(chosen)
+    with context:
+        return step(*args)

@@ -72,13 +72,14 @@ class Compiled:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             try:
                 if self.precompile_dir is not None:
-                    version = self._version(args, kwargs, capturing)
+                    version = self._precompiled(args, kwargs, capturing)
                     if version is not None:
                         return version(*args, **kwargs)
-                    self.fallbacks += 1  # a signature first seen inside a capture: never compile there
-                    logger.warning("%s met new shapes inside a CUDA-graph capture; this graph holds the uncompiled "
-                                   "code", self.name)
-                    return self.fn(*args, **kwargs)
+                    if capturing:  # a signature first seen inside a capture: never compile there
+                        self.fallbacks += 1
+                        logger.warning("%s met new shapes inside a CUDA-graph capture; this graph holds the "
+                                       "uncompiled code", self.name)
+                        return self.fn(*args, **kwargs)
                 self._mark_batch(args)
                 before = _graphs_compiled()
                 t0 = time.perf_counter()
@@ -114,6 +115,19 @@ class Compiled:
                 if t.shape[0] > 1:
                     torch._dynamo.mark_dynamic(t, 0)
 
+    def _precompiled(self, args: tuple, kwargs: dict, capturing: bool) -> Callable[..., Any] | None:
+        """`_version`, or None with precompiling off for good where it fails outside a capture (a graph break, a
+        value torch cannot save): this kind then compiles with Dynamo's guards, as without precompiled versions."""
+        try:
+            return self._version(args, kwargs, capturing)
+        except Exception as e:
+            if capturing:
+                raise
+            logger.warning("precompiling %s failed (%s: %s); it compiles with Dynamo's guards instead (later starts "
+                           "trace it again)", self.name, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+            self.precompile_dir = None
+            return None
+
     def _version(self, args: tuple, kwargs: dict, capturing: bool) -> Callable[..., Any] | None:
         """The precompiled version for these arguments' signature: in memory, else loaded from its file, else
         compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet."""
@@ -137,9 +151,10 @@ class Compiled:
                                path, type(e).__name__, e)
         if version is None:
             self._mark_batch(args)
-            whole = torch.compile(self.fn, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
-                                  options={**(self._options or {}), "guard_filter_fn": _no_guards})
-            version = whole.aot_compile((args, kwargs))
+            with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
+                whole = torch.compile(self.fn, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
+                                      options={**(self._options or {}), "guard_filter_fn": _no_guards})
+                version = whole.aot_compile((args, kwargs))
             self.compiles += 1
             self.compile_s += time.perf_counter() - t0
             try:
@@ -181,7 +196,7 @@ def signature(obj: Any, batch: set[int]) -> Any:
 
 def precompile_available() -> bool:
     """Whether this torch saves and loads whole compiled functions (`torch.compiler.load_compiled_function`, 2.10+)."""
-    return hasattr(torch.compiler, "load_compiled_function")
+    return hasattr(torch.compiler, "load_compiled_function") and hasattr(torch._dynamo.config, "enable_aot_compile")
 
 
 def precompile_dir(config: CompileConfig, folder: str | None) -> str | None:
