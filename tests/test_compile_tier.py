@@ -327,7 +327,21 @@ def test_precompiled_versions_are_picked_by_signature_and_never_compiled_in_a_ca
 
     if not precompile_available():
         pytest.skip("this torch has no torch.compiler.load_compiled_function (2.10+)")
-    c = Compiled(lambda x: x * 2, CompileConfig(), "toy", batch_of=lambda args: args[:1], folder=str(tmp_path))
+    class Owner:  # a bound method over an object that holds a module, as the VAE decoder's is
+        def __init__(self):
+            self.scale = torch.nn.Linear(1, 1, bias=False)
+            torch.nn.init.constant_(self.scale.weight, 2.0)
+
+        def run(self, x):
+            return self.scale(x.unsqueeze(-1)).squeeze(-1)
+
+    with torch.no_grad():
+        c = Compiled(Owner().run, CompileConfig(), "toy", batch_of=lambda args: args[:1], folder=str(tmp_path))
+        torch.testing.assert_close(c(torch.ones(4, 3)), torch.full((4, 3), 2.0))
+        again = Compiled(Owner().run, CompileConfig(), "toy", batch_of=lambda args: args[:1], folder=str(tmp_path))
+        torch.testing.assert_close(again(torch.ones(5, 3)), torch.full((5, 3), 2.0))  # the saved version, loaded
+    assert (again.compiles, again.loaded) == (0, 1)
+    c = Compiled(lambda x: x * 2, CompileConfig(), "toy2", batch_of=lambda args: args[:1], folder=str(tmp_path))
     torch.testing.assert_close(c(torch.ones(4, 3)), torch.full((4, 3), 2.0))
     torch.testing.assert_close(c(torch.ones(2, 3)), torch.full((2, 3), 2.0))  # the same version
     assert (c.compiles, c.fallbacks) == (1, 0)

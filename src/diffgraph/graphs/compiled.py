@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import time
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
@@ -152,9 +153,9 @@ class Compiled:
         if version is None:
             self._mark_batch(args)
             with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
-                whole = torch.compile(self.fn, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
+                whole = torch.compile(_invoke, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
                                       options={**(self._options or {}), "guard_filter_fn": _no_guards})
-                version = whole.aot_compile((args, kwargs))
+                version = whole.aot_compile(((self.fn, *args), kwargs))
             self.compiles += 1
             self.compile_s += time.perf_counter() - t0
             try:
@@ -163,8 +164,14 @@ class Compiled:
             except Exception as e:  # a read-only or full disk: this process runs compiled; the next compiles again
                 logger.warning("precompiled %s could not be saved to %s (%s: %s)", self.name, path,
                                type(e).__name__, e)
-        self._versions[key] = version
+        self._versions[key] = version = partial(version, self.fn)
         return version
+
+
+def _invoke(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """What a precompiled version compiles: `target` (a function, a bound method, a partial over a model) is an
+    argument, so the saved file holds code and kernels only, never the modules a closure or bound object reaches."""
+    return target(*args, **kwargs)
 
 
 def _no_guards(entries: list) -> list[bool]:
