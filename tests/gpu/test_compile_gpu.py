@@ -3,7 +3,7 @@
 function (verification), compiled nothing while serving and fell back nowhere; 20 mixed requests together equal
 each alone; the recognition oracle still reads >= 90% of the digits; a weight changed in place and an adapter in a
 slot reach the compiled graphs as they reach the graph tier; a fresh process on a copy of the cache folder compiles
-nothing."""
+nothing (with torch 2.10+: it loads every precompiled version and traces nothing)."""
 
 from __future__ import annotations
 
