@@ -26,25 +26,30 @@ def _images(engine: Engine, **kw) -> np.ndarray:
     return np.concatenate([engine.generate(PROMPT, num_inference_steps=3, seed=s, **kw).arrays for s in (1, 2)])
 
 
+def _follows_an_in_place_change(compiled: Engine, reference: Engine, atol: float) -> None:
+    """conv_in's weight x1.5 in place in both engines (as a LoRA slot or a fused adapter is written): the compiled
+    engine's images equal the reference's; the reference's weight is restored exactly (other tests share it)."""
+    with torch.no_grad():
+        compiled.model.unet.conv_in.weight.mul_(1.5)
+    changed = _images(compiled)
+    shared = reference.model.unet.conv_in.weight
+    original = shared.detach().clone()
+    with torch.no_grad():
+        shared.mul_(1.5)
+    try:
+        np.testing.assert_allclose(changed, _images(reference), atol=atol)
+    finally:
+        with torch.no_grad():
+            shared.copy_(original)
+
+
 def test_compiled_steps_equal_uncompiled_and_follow_weights(tiny_engine, tmp_path):
     torch._dynamo.reset()
     config = CompileConfig(backend="aot_eager", cache_dir=str(tmp_path))
     with Engine("random:tiny", device="cpu", dtype="fp32", compile=config) as compiled:
         np.testing.assert_allclose(_images(compiled), _images(tiny_engine), atol=1e-5)
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        weight = compiled.model.unet.conv_in.weight
-        with torch.no_grad():
-            weight.mul_(1.5)  # in place, as a LoRA slot or a fused adapter is written
-        changed = _images(compiled)
-        shared = tiny_engine.model.unet.conv_in.weight
-        original = shared.detach().clone()
-        with torch.no_grad():
-            shared.mul_(1.5)
-        try:
-            np.testing.assert_allclose(changed, _images(tiny_engine), atol=1e-5)
-        finally:
-            with torch.no_grad():
-                shared.copy_(original)  # exactly as it was: other tests share this engine
+        _follows_an_in_place_change(compiled, tiny_engine, atol=1e-5)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # no recompile
         assert compiled.stats["compile_fallbacks"] == 0
     assert list(tmp_path.iterdir()), "no cache folder was made"
@@ -303,18 +308,7 @@ def test_precompiled_steps_load_without_compiling_and_equal_uncompiled(tiny_engi
             np.testing.assert_allclose(_images(engine), _images(tiny_engine), atol=2e-4)
             assert engine.stats["compile_fallbacks"] == 0
             if run == "warm":
-                with torch.no_grad():
-                    engine.model.unet.conv_in.weight.mul_(1.5)  # in place, as a LoRA slot or a fused adapter
-                changed = _images(engine)
-                shared = tiny_engine.model.unet.conv_in.weight
-                original = shared.detach().clone()
-                with torch.no_grad():
-                    shared.mul_(1.5)
-                try:
-                    np.testing.assert_allclose(changed, _images(tiny_engine), atol=2e-4)
-                finally:
-                    with torch.no_grad():
-                        shared.copy_(original)
+                _follows_an_in_place_change(engine, tiny_engine, atol=2e-4)
                 assert step.compiles == 0
     files = list((next(tmp_path.iterdir()) / "precompiled").iterdir())
     assert len(files) == 1 and files[0].name.startswith("the-whole-step-")

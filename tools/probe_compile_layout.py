@@ -35,29 +35,12 @@ GROUPS = {  # first call: SD1.5; the second: SDXL's layouts and SD1.5's two best
 SIZES = {"sd15": 512, "sdxl": 1024}
 
 
-def _graph_ms(fn, iters: int = 20) -> float:
+def _graph_ms(fn) -> float:
     import torch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    del g
+    from probe_layout import graph_ms  # tools/: the same capture-and-replay timing as the eager-layout probe
+    ms = graph_ms(fn)
     torch.cuda.empty_cache()
-    return a.elapsed_time(b) / iters
+    return ms
 
 
 def worker(spec: dict, conn) -> None:

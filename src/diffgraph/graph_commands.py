@@ -38,7 +38,9 @@ def compile_cache(args: argparse.Namespace) -> int:
                 compile=config) as engine:
         folder = cache_dir(config, engine.model, engine.runner.device)
         failed = [c.name for c in engine.runner.compiled if c.failed]
-    print(f"compiled in {time.perf_counter() - t0:.0f} s into {folder}: {folder_bytes(folder) / 2**20:.1f} MiB"
+        stats = engine.stats
+    print(f"compiled in {time.perf_counter() - t0:.0f} s into {folder}: {folder_bytes(folder) / 2**20:.1f} MiB "
+          f"({stats['compiles']} graphs compiled, {stats['compile_loaded']} precompiled ones already there)"
           + (f"; fell back to uncompiled code: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

@@ -38,29 +38,19 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
     cfg.check_prewarm(resolutions)
     compiled: list[Compiled] = []
+    tag, attention = _prepare_compile(runner, compile, resolutions) if compile is not None else ("", "auto")
 
     def maybe(fn: Any, name: str, batch_of: Any) -> Any:
         if compile is None:
             return fn
-        compiled.append(Compiled(fn, compile, name, batch_of, folder=runner.compile_folder))
+        compiled.append(Compiled(fn, compile, name, batch_of, folder=runner.compile_folder, tag=tag))
         return compiled[-1]
 
-    if compile is not None:
-        runner.compile_folder = open_cache(compile, model, runner.device)
-        # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
-        # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
-        per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2
-        needed = (len(STEP_STACKS) if runner.lora_stack else 1) * len(resolutions) * per_resolution
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed + 2)
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
     step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values())
+    if attention != "auto":  # chosen when the step is traced (outside the traced code)
+        step_fn = partial(_with_attention, attention, step_fn)
     loras = runner.loras and runner.loras.unet_rows
-    if compile is not None:
-        channels_last, attention = layout(compile, model.family)
-        if channels_last and runner.cuda:
-            set_conv_layout(model.unet, channels_last=True)
-        if attention != "auto" and runner.cuda:  # chosen when the step is traced (outside the traced code)
-            step_fn = partial(_with_attention, attention, step_fn)
     for stack in STEP_STACKS if runner.lora_stack else (0,):
         graphs.register(StepGraph(runner.buffers, partial(adapter.denoise, model),
                                   lambda: runner.plan_for("dpmpp_2m", "karras", 10), resolutions, cfg.batch_buckets,
@@ -81,6 +71,25 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
                                                  model.vae_dtype, runner.device, resolutions, ENCODE_BUCKETS)
             graphs.register(runner.encode_graph)
     return compiled
+
+
+def _prepare_compile(runner: Any, compile: CompileConfig, resolutions: tuple) -> tuple[str, str]:
+    """Opens the cache folder, sets the family's layout (on CUDA) and Dynamo's recompile limit; returns the tag of
+    what precompiled code depends on beyond its arguments, and the attention backend to put first."""
+    model, cfg = runner.model, runner.graph_config
+    runner.compile_folder = open_cache(compile, model, runner.device)
+    channels_last, attention = layout(compile, model.family) if runner.cuda else (False, "auto")
+    if channels_last:
+        set_conv_layout(model.unet, channels_last=True)
+    slots = runner.loras.config if runner.loras is not None and runner.loras.enabled else None
+    tag = f"channels_last={channels_last} attention={attention} " + (
+        f"loras={slots.slots}x{slots.max_lora_rank}" if slots is not None else "loras=0")  # side paths' shapes
+    # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
+    # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
+    per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2
+    needed = (len(STEP_STACKS) if runner.lora_stack else 1) * len(resolutions) * per_resolution
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed + 2)
+    return tag, attention
 
 
 def layout(compile: CompileConfig, family: str) -> tuple[bool, str]:

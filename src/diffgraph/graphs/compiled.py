@@ -46,12 +46,15 @@ class Compiled:
     they are marked dynamic before each call, so one compile serves every bucket of a resolution above 1 (a batch of 1
     is specialised by Inductor's decompositions: its own compile). Without `batch_of`, or with `per_bucket`, each
     shape is its own compile. During a CUDA-graph capture a call that would compile (a guard failed) runs `fn`
-    instead: that key's graph holds the uncompiled code, counted in `fallbacks` and logged."""
+    instead: that key's graph holds the uncompiled code, counted in `fallbacks` and logged. With `folder`, versions
+    are precompiled there (`precompile_dir`), keyed by the arguments' `signature` and `tag`: what else the traced
+    code depends on (the weights' layout, the modules' structure: adapter slots)."""
 
     def __init__(self, fn: Callable[..., Any], config: CompileConfig, name: str,
                  batch_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None, dynamic: bool | None = False,
-                 folder: str | None = None):
+                 folder: str | None = None, tag: str = ""):
         self.fn = fn
+        self.tag = tag  # what else the code depends on, beyond the arguments' signature (layout, adapter slots)
         self.name = name
         self.backend = config.backend
         self._batch_of = None if config.per_bucket else batch_of
@@ -133,7 +136,7 @@ class Compiled:
         """The precompiled version for these arguments' signature: in memory, else loaded from its file, else
         compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet."""
         batch = {id(t) for t in self._batch_of(args)} if self._batch_of is not None else set()
-        key = repr((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), signature(args, batch),
+        key = repr((self.tag, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), signature(args, batch),
                     signature(kwargs, batch)))
         version = self._versions.get(key)
         if version is not None or capturing:
