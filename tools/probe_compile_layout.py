@@ -7,7 +7,10 @@ captures its compiled UNet (and VAE decoder, where asked) in a CUDA graph of its
 replays with CUDA events, with cuDNN's heuristics and again with `cudnn.benchmark`. Nothing is timed while another
 process compiles. Prints one line per measurement and a table last.
 
-    python3 -u tools/probe_compile_layout.py [sd15] [sdxl]      # on the GPU host (groups of variants: GROUPS)
+    python3 -u tools/probe_compile_layout.py [sd15] [sdxl] [engine] [enginexl]   # on the GPU host (GROUPS)
+
+`engine` / `enginexl` time the compile tier's own step graphs (buckets 1 and 16, the batch dimension dynamic above 1)
+per layout, where the static-shape groups time the bare UNet.
 """
 
 from __future__ import annotations
@@ -26,11 +29,20 @@ def _v(family, layout, attention="auto", tuned=False, batches=(2, 32), vae=False
     return dict(family=family, layout=layout, attention=attention, tuned=tuned, batches=batches, vae=vae)
 
 
+def _e(family, layout, attention):  # the engine itself: its compiled step (dynamic batch above 1), buckets 1 and 16
+    return dict(family=family, layout=layout, attention=attention, tuned=False, batches=(1, 16), engine=True)
+
+
 GROUPS = {  # first call: SD1.5; the second: SDXL's layouts and SD1.5's two best choices together
     "sd15": [_v("sd15", "nchw", vae=True), _v("sd15", "cl", vae=True), _v("sd15", "nchw", "efficient"),
              _v("sd15", "nchw", "cudnn"), _v("sd15", "nchw", tuned=True, batches=(2,), vae=True),
              _v("sd15", "cl", tuned=True, batches=(2,), vae=True)],
     "sdxl": [_v("sdxl", "nchw"), _v("sdxl", "cl"), _v("sdxl", "cl", "cudnn"), _v("sd15", "cl", "cudnn")],
+    # the compile tier's engine (step graphs only), per layout: what the static-shape probe does not show for the
+    # dynamic compile of buckets above 1
+    "engine": [_e("sd15", "nchw", "auto"), _e("sd15", "nchw", "cudnn"), _e("sd15", "cl", "auto"),
+               _e("sd15", "cl", "cudnn")],
+    "enginexl": [_e("sdxl", "nchw", "auto"), _e("sdxl", "cl", "auto")],
 }
 SIZES = {"sd15": 512, "sdxl": 1024}
 
@@ -43,9 +55,52 @@ def _graph_ms(fn) -> float:
     return ms
 
 
+def _replay_ms(fn, iters: int = 20) -> float:
+    import torch
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / iters
+
+
+def engine_worker(spec: dict, conn) -> None:
+    """A compile-tier engine with the variant's layout (step graphs only, buckets 1 and 16); times the step replays."""
+    import tempfile
+
+    from diffgraph import Engine
+    from diffgraph.config import CompileConfig, GraphConfig
+    try:
+        size = SIZES[spec["family"]]
+        device = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a smoke test of the probe up to "ready"
+        graphs = GraphConfig(batch_buckets=spec["batches"], resolutions=((size, size),), capture_text_encoder=False,
+                             capture_vae=False, backend="cuda" if device == "cuda" else "emulated")
+        config = CompileConfig(cache_dir=tempfile.mkdtemp(), channels_last=spec["layout"] == "cl",
+                               attention=spec["attention"])
+        engine = Engine(f"random:{spec['family']}", device=device, dtype="fp16" if device == "cuda" else "fp32",
+                        mode="graph", graphs=graphs, compile=config)
+        runner = engine.runner.graph_runner
+        conn.send(("ready", {"compile_s": engine.stats["compile_s"], "fallbacks": engine.stats["compile_fallbacks"]}))
+        if conn.recv() != "go":
+            return
+        conn.send(("done", [(f"engine step bucket {b}", False,
+                             _replay_ms(lambda b=b: runner.replay("step", size, size, b)))
+                            for b in spec["batches"]]))
+        engine.close()
+    except Exception as e:  # reported, the others go on
+        conn.send(("error", f"{type(e).__name__}: {str(e)[:400]}"))
+
+
 def worker(spec: dict, conn) -> None:
     family = spec["family"]
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "4")
+    if spec.get("engine"):
+        return engine_worker(spec, conn)
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -112,7 +167,8 @@ def worker(spec: dict, conn) -> None:
 
 
 def name_of(spec: dict) -> str:
-    return f"{spec['family']} {spec['layout']} attn={spec['attention']}{' tuned' if spec['tuned'] else ''}"
+    return (f"{spec['family']} {spec['layout']} attn={spec['attention']}{' tuned' if spec['tuned'] else ''}"
+            f"{' engine' if spec.get('engine') else ''}")
 
 
 def main(groups: list[str], deadline_s: float = float(os.environ.get("PROBE_DEADLINE_S", 430))) -> None:
