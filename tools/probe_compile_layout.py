@@ -55,20 +55,6 @@ def _graph_ms(fn) -> float:
     return ms
 
 
-def _replay_ms(fn, iters: int = 20) -> float:
-    import torch
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
-
-
 def engine_worker(spec: dict, conn) -> None:
     """A compile-tier engine with the variant's layout (step graphs only, buckets 1 and 16); times the step replays."""
     import tempfile
@@ -88,8 +74,9 @@ def engine_worker(spec: dict, conn) -> None:
         conn.send(("ready", {"compile_s": engine.stats["compile_s"], "fallbacks": engine.stats["compile_fallbacks"]}))
         if conn.recv() != "go":
             return
+        from probe_layout import eager_ms  # CUDA events around plain calls (a replay is not captured again)
         conn.send(("done", [(f"engine step bucket {b}", False,
-                             _replay_ms(lambda b=b: runner.replay("step", size, size, b)))
+                             eager_ms(lambda b=b: runner.replay("step", size, size, b), iters=20))
                             for b in spec["batches"]]))
         engine.close()
     except Exception as e:  # reported, the others go on
