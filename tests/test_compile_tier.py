@@ -353,6 +353,12 @@ def test_layout_defaults_and_conv_layout_keep_the_parameters(tiny_engine):
     assert layout(CompileConfig(channels_last=False, attention="cudnn"), "sd") == (False, "cudnn")
     with pytest.raises(ValueError, match="not an attention backend"):
         CompileConfig(attention="fast")
+    from diffgraph.engine.graph_setup import attention_first
+    q = torch.randn(1, 2, 4, 8)
+    for _ in range(2):  # a factory: a fresh context each call (the math backend runs anywhere)
+        with attention_first("math")():
+            torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q),
+                                       torch.softmax(q @ q.transpose(-1, -2) / 8 ** 0.5, -1) @ q)
     conv = torch.nn.Conv2d(4, 8, 3)
     weight, before = conv.weight, conv.weight.detach().clone()
     set_conv_layout(conv, channels_last=True)

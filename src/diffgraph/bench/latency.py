@@ -197,6 +197,14 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     return out
 
 
+def _step_replay_ms(engine, size: int, bucket: int, repeats: int) -> float | None:
+    """One replay of the engine's step graph at `bucket` (median over `repeats` runs of 10), None if not captured."""
+    runner = engine.runner.graph_runner
+    if runner.stats[("step", size, size, bucket)].status != "captured":
+        return None
+    return _timed(lambda: [runner.replay("step", size, size, bucket) for _ in range(10)], repeats) / 10
+
+
 def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int, image_counts: list[int], steps: int,
                   half: int, repeats: int, buckets: tuple[int, ...], device: str,
                   diffgraph_fn: Callable[..., Callable[[], Any]], fresh_starts: bool = True) -> dict[str, Any]:
@@ -209,7 +217,7 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
 
     from ..config import CompileConfig, GraphConfig
     from ..engine.engine import Engine
-    from ..engine.graph_setup import layout, set_conv_layout
+    from ..engine.graph_setup import set_conv_layout
     from ..graphs.compiled import folder_bytes
     from .compile_start import fresh_start
 
@@ -218,10 +226,7 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
     info: dict[str, Any] = {"cache_root": root}
     top = max(buckets)
     # the graph tier's replay first: the compile tier may give the shared UNet channels-last weights (new storage)
-    runner = graph.runner.graph_runner
-    if runner.stats[("step", size, size, top)].status == "captured":
-        info[f"graph_replay_ms_at_{top}"] = _timed(lambda: [runner.replay("step", size, size, top)
-                                                            for _ in range(10)], repeats) / 10
+    info[f"graph_replay_ms_at_{top}"] = _step_replay_ms(graph, size, top, repeats)
     _sync()
     t0 = time.perf_counter()
     engine = Engine(model, mode="graph", compile=CompileConfig(cache_dir=root),
@@ -237,12 +242,9 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
     info["not_captured"] = [f"{r['kind']}{r['bucket']}: {r['error']}" for r in table if r["status"] != "captured"]
     info["pool_mib"] = engine.runner.graph_runner.pool_mib()
     info["pool_ratio"] = info["pool_mib"] / out["pool_mib_total"] if out["pool_mib_total"] else float("nan")
-    info["layout"] = layout(CompileConfig(), model.family)
-    runner = engine.runner.graph_runner
-    if runner.stats[("step", size, size, top)].status == "captured":
-        info[f"compile_replay_ms_at_{top}"] = _timed(lambda: [runner.replay("step", size, size, top)
-                                                              for _ in range(10)], repeats) / 10
-    if f"compile_replay_ms_at_{top}" in info and f"graph_replay_ms_at_{top}" in info:
+    info["layout"] = engine.runner.compiled[0].tag if engine.runner.compiled else None  # as applied
+    info[f"compile_replay_ms_at_{top}"] = _step_replay_ms(engine, size, top, repeats)
+    if info[f"compile_replay_ms_at_{top}"] and info[f"graph_replay_ms_at_{top}"]:
         info["rate_ratio_at_top"] = info[f"graph_replay_ms_at_{top}"] / info[f"compile_replay_ms_at_{top}"]
     for n in image_counts:
         res = out["results"][n]
@@ -280,7 +282,7 @@ def _format_compile(c: dict[str, Any]) -> list[str]:
             f"{w.get('loaded', 0)} precompiled loaded in {w.get('load_s', 0.0):.1f}s, FX "
             f"cache hits {w['fxgraph_cache_hit']} misses {w['fxgraph_cache_miss']}, {w['captured']}/{w['graphs']} "
             f"captured" if "error" not in w else f"failed: {w['error']}"))
-    rates = {k: v for k, v in c.items() if "replay_ms_at" in k}
+    rates = {k: v for k, v in c.items() if "replay_ms_at" in k and v is not None}
     if rates:
         lines.append("    step replay at the largest bucket: " + ", ".join(f"{k} {v:.2f}" for k, v in rates.items())
                      + f"; rate compile/graph {c.get('rate_ratio_at_top', float('nan')):.3f}x")

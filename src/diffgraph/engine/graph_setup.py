@@ -9,8 +9,9 @@ compile cache folder's saved artifacts are loaded first (`graphs.compiled.open_c
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -49,7 +50,7 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
     step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values())
     if attention != "auto":  # chosen when the step is traced (outside the traced code)
-        step_fn = partial(_with_attention, attention, step_fn)
+        step_fn = partial(_within, attention_first(attention), step_fn)
     loras = runner.loras and runner.loras.unet_rows
     for stack in STEP_STACKS if runner.lora_stack else (0,):
         graphs.register(StepGraph(runner.buffers, partial(adapter.denoise, model),
@@ -110,18 +111,18 @@ def set_conv_layout(module: torch.nn.Module, channels_last: bool) -> None:
             m.weight.data = m.weight.data.contiguous(memory_format=fmt)
 
 
-def _with_attention(backend: str, step: Any, *args: Any) -> Any:
-    """`step` with `backend` first among the attention backends; where it cannot run these inputs (a GPU or head size
-    it does not support) PyTorch takes the next (set_priority, torch 2.6+; before, `backend` alone)."""
-    import inspect
-
+def attention_first(backend: str) -> Callable[[], ContextManager]:
+    """A context factory that puts `backend` first among the attention backends; where it cannot run the inputs (a
+    GPU or head size it does not support) PyTorch takes the next (set_priority, torch 2.6+; before, `backend` alone)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     order = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
     chosen = order.pop(backend)
     if "set_priority" in inspect.signature(sdpa_kernel).parameters:
-        context = sdpa_kernel([chosen, *order.values()], set_priority=True)
-    else:
-        context = sdpa_kernel(chosen)
-    with context:
-        return step(*args)
+        return partial(sdpa_kernel, [chosen, *order.values()], set_priority=True)
+    return partial(sdpa_kernel, chosen)
+
+
+def _within(context: Callable[[], ContextManager], fn: Any, *args: Any) -> Any:
+    with context():
+        return fn(*args)

@@ -141,8 +141,8 @@ class Compiled:
         version = self._versions.get(key)
         if version is not None or capturing:
             return version
-        slug = "".join(c if c.isalnum() else "-" for c in self.name).strip("-")
-        path = os.path.join(self.precompile_dir, f"{slug}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin")
+        path = os.path.join(self.precompile_dir,
+                            f"{_slug(self.name)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin")
         t0 = time.perf_counter()
         if os.path.exists(path):
             try:
@@ -254,8 +254,13 @@ def default_root() -> str:
 
 def cache_dir(config: CompileConfig, model: Any, device: torch.device) -> str:
     """The folder of this model's compiled artifacts: `<root>/<model name>-<key>`."""
-    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in os.path.basename(str(model.name).rstrip("/")))
+    name = _slug(os.path.basename(str(model.name).rstrip("/")))
     return os.path.join(config.cache_dir or default_root(), f"{name}-{cache_key(model, device)}")
+
+
+def _slug(text: str) -> str:
+    """`text` as a file-name part: letters, digits, "-", "_" and "." kept, anything else "-"."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
 
 
 def open_cache(config: CompileConfig, model: Any, device: torch.device) -> str:
