@@ -1,5 +1,6 @@
 """The benchmarks' CPU-side arithmetic: seeded traces and the saturation work measure."""
 
+import numpy as np
 import pytest
 
 from diffgraph.bench.throughput import make_trace, work_fraction
@@ -53,6 +54,7 @@ def test_latency_case_reports_cold_start_parts_and_every_graph():
     assert all(f"{r['kind']}{r['bucket']} " in line + " " for r in captured)
     res = case["results"][1]
     assert res["diffgraph_graph"]["e2e_ms"] > 0 and res["diffgraph_eager"]["step_ms"] > 0
+    assert np.isnan(res["diffgraph_graph"]["loop_step_ms"])  # CUDA events only: NaN on the CPU, never made up
 
 
 def test_replay_counts_each_request_once_when_the_drain_ends(tiny_engine, monkeypatch):

@@ -366,3 +366,17 @@ def test_layout_defaults_and_conv_layout_keep_the_parameters(tiny_engine):
     torch.testing.assert_close(weight.detach(), before)
     set_conv_layout(conv, channels_last=False)
     assert weight.is_contiguous()
+
+
+def test_inductor_options_reach_inductor_only_and_name_the_version():
+    from diffgraph.engine.graph_setup import STEP_OPTIONS
+    from diffgraph.graphs.compiled import Compiled
+
+    def fn(x):
+        return x + 1
+
+    assert STEP_OPTIONS == {"force_layout_optimization": True}  # what the step's compile asks of Inductor
+    inductor = Compiled(fn, CompileConfig(), "f", options=STEP_OPTIONS)
+    assert inductor._options == {"triton.cudagraphs": False, "force_layout_optimization": True}
+    assert Compiled(fn, CompileConfig(), "f")._options == {"triton.cudagraphs": False}
+    assert Compiled(fn, CompileConfig(backend="aot_eager"), "f", options=STEP_OPTIONS)._options is None

@@ -10,7 +10,8 @@ process compiles. Prints one line per measurement and a table last.
     python3 -u tools/probe_compile_layout.py [sd15] [sdxl] [engine] [enginexl]   # on the GPU host (GROUPS)
 
 `engine` / `enginexl` time the compile tier's own step graphs (buckets 1 and 16, the batch dimension dynamic above 1)
-per layout, where the static-shape groups time the bare UNet.
+per layout, where the static-shape groups time the bare UNet; their second column is not `cudnn.benchmark` but the
+replay's summed kernel time (torch.profiler), the denominator of the step/kernel target.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def _v(family, layout, attention="auto", tuned=False, batches=(2, 32), vae=False
     return dict(family=family, layout=layout, attention=attention, tuned=tuned, batches=batches, vae=vae)
 
 
-def _e(family, layout, attention):  # the engine itself: its compiled step (dynamic batch above 1), buckets 1 and 16
-    return dict(family=family, layout=layout, attention=attention, tuned=False, batches=(1, 16), engine=True)
+def _e(family, layout, attention, pdl=False, force=False):  # the engine itself: its compiled step (dynamic batch
+    # above 1), buckets 1 and 16; pdl: Inductor's Triton kernels with programmatic dependent launch (Hopper), which
+    # lets a kernel's launch overlap the tail of the one before it inside the graph; force: Inductor's layout
+    # optimisation (channels-last activations around convolutions) forced on, which it skips for dynamic shapes
+    return dict(family=family, layout=layout, attention=attention, tuned=False, batches=(1, 16), engine=True, pdl=pdl,
+                force=force)
 
 
 GROUPS = {  # first call: SD1.5; the second: SDXL's layouts and SD1.5's two best choices together
@@ -40,8 +45,10 @@ GROUPS = {  # first call: SD1.5; the second: SDXL's layouts and SD1.5's two best
     "sdxl": [_v("sdxl", "nchw"), _v("sdxl", "cl"), _v("sdxl", "cl", "cudnn"), _v("sd15", "cl", "cudnn")],
     # the compile tier's engine (step graphs only), per layout: what the static-shape probe does not show for the
     # dynamic compile of buckets above 1
-    "engine": [_e("sd15", "nchw", "auto"), _e("sd15", "nchw", "cudnn"), _e("sd15", "cl", "auto"),
-               _e("sd15", "cl", "cudnn")],
+    "engine": [_e("sd15", "nchw", "auto"), _e("sd15", "nchw", "cudnn"),
+               _e("sd15", "cl", "cudnn"), _e("sd15", "nchw", "cudnn", pdl=True), _e("sd15", "cl", "cudnn", pdl=True)],
+    "engineforce": [_e("sd15", "nchw", "auto"), _e("sd15", "cl", "cudnn"), _e("sd15", "nchw", "auto", force=True),
+                    _e("sd15", "cl", "cudnn", force=True), _e("sd15", "cl", "auto", force=True)],
     "enginexl": [_e("sdxl", "nchw", "auto"), _e("sdxl", "cl", "auto")],
 }
 SIZES = {"sd15": 512, "sdxl": 1024}
@@ -62,6 +69,13 @@ def engine_worker(spec: dict, conn) -> None:
     from diffgraph import Engine
     from diffgraph.config import CompileConfig, GraphConfig
     try:
+        if spec.get("force"):  # read by Inductor's config at import
+            os.environ["TORCHINDUCTOR_FORCE_LAYOUT_OPT"] = "1"
+        if spec.get("pdl"):
+            import torch._inductor.config as inductor_config
+            if not hasattr(inductor_config.triton, "enable_pdl"):
+                raise RuntimeError("this torch's Inductor has no triton.enable_pdl")
+            inductor_config.triton.enable_pdl = True
         size = SIZES[spec["family"]]
         device = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a smoke test of the probe up to "ready"
         graphs = GraphConfig(batch_buckets=spec["batches"], resolutions=((size, size),), capture_text_encoder=False,
@@ -75,12 +89,49 @@ def engine_worker(spec: dict, conn) -> None:
         if conn.recv() != "go":
             return
         from probe_layout import eager_ms  # CUDA events around plain calls (a replay is not captured again)
-        conn.send(("done", [(f"engine step bucket {b}", False,
-                             eager_ms(lambda b=b: runner.replay("step", size, size, b), iters=20))
-                            for b in spec["batches"]]))
+
+        from diffgraph.bench.latency import _profiled_kernel_ms
+        rows = []
+        for b in spec["batches"]:
+            replay = lambda b=b: runner.replay("step", size, size, b)  # noqa: E731
+            rows.append((f"engine step bucket {b}", False, eager_ms(replay, iters=20)))
+            if device == "cuda":  # the replay's summed kernel time (the step/kernel target), in the bench column
+                rows.append((f"engine step bucket {b}", True, _profiled_kernel_ms(replay, warm=5, profiled=5)))
+        try:
+            rows += _steps_in_the_loop(engine, size) if device == "cuda" else []
+        except Exception as e:  # the step timings above still count
+            print(f"steps in the loop failed: {type(e).__name__}: {e}", flush=True)
+        conn.send(("done", rows))
         engine.close()
     except Exception as e:  # reported, the others go on
         conn.send(("error", f"{type(e).__name__}: {str(e)[:400]}"))
+
+
+def _steps_in_the_loop(engine, size: int) -> list:
+    """One image, 20 steps, through the engine loop: where a step's milliseconds go beyond its kernels. CUDA events
+    around each iteration (the GPU span of its copies and replay, and the GPU's idle gap before the next) and the
+    host's time per iteration; medians over steps 2-19, as rows of the probe's table."""
+    import statistics
+
+    import torch
+    core, host = engine.core, []
+    core.step_listeners.append(lambda plan, dt: host.append(dt))
+    run = lambda: engine.generate("a lighthouse", width=size, height=size, num_inference_steps=20, seed=0)  # noqa
+    run()
+    run()
+    t0 = time.perf_counter()
+    run()
+    e2e = (time.perf_counter() - t0) * 1e3
+    host.clear()
+    core.step_events = []
+    run()
+    torch.cuda.synchronize()
+    ev, core.step_events = core.step_events, None
+    span = statistics.median(s.elapsed_time(e) for s, e, _ in ev[1:-1])
+    gap = statistics.median(a[1].elapsed_time(b[0]) for a, b in zip(ev[1:-2], ev[2:-1]))
+    return [("loop: e2e 1 image", False, e2e), ("loop: step GPU span", False, span),
+            ("loop: GPU gap before next", False, gap), ("loop: host per iteration", False,
+                                                        statistics.median(host[1:-1]) * 1e3)]
 
 
 def worker(spec: dict, conn) -> None:
@@ -155,7 +206,8 @@ def worker(spec: dict, conn) -> None:
 
 def name_of(spec: dict) -> str:
     return (f"{spec['family']} {spec['layout']} attn={spec['attention']}{' tuned' if spec['tuned'] else ''}"
-            f"{' engine' if spec.get('engine') else ''}")
+            f"{' engine' if spec.get('engine') else ''}{' pdl' if spec.get('pdl') else ''}"
+            f"{' force-layout' if spec.get('force') else ''}")
 
 
 def main(groups: list[str], deadline_s: float = float(os.environ.get("PROBE_DEADLINE_S", 430))) -> None:

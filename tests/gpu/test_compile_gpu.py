@@ -152,6 +152,7 @@ def test_a_copied_cache_folder_starts_without_compiling(compiled, cache, tmp_pat
         start.get("ready_s"), start.get("compiles"), start.get("loaded"), start.get("fxgraph_cache_hit"),
         start.get("fxgraph_cache_miss"))
     assert "error" not in start, start
+    assert 0 < start["launch_to_ready_s"] < start["wall_s"], start  # by the wall clock: teardown not counted
     assert start["fxgraph_cache_miss"] == 0
     if precompile_available():  # every version loaded whole: nothing traced, nothing compiled
         assert start["compiles"] == 0 and start["loaded"] == compiled.stats["compiles"], start

@@ -22,11 +22,13 @@ from typing import Any  # noqa: E402
 
 def fresh_start(model: str, size: int, buckets: str, cache: str, device: str = "cuda",
                 timeout_s: float = 600) -> dict[str, Any]:
-    """Runs the child; its report plus `wall_s` (process start to exit, as the parent saw it). A child that fails
-    gives {"error": ...} with the end of its output, never an exception."""
+    """Runs the child; its report plus `wall_s` (process start to exit, as the parent saw it) and
+    `launch_to_ready_s` (from the parent launching it to the child's engine being ready, by the wall clock: the
+    interpreter's start included, the first image and the child's teardown not). A child that fails gives
+    {"error": ...} with the end of its output, never an exception."""
     cmd = [sys.executable, "-m", "diffgraph.bench.compile_start", "--model", model, "--size", str(size),
            "--buckets", buckets, "--cache", cache, "--device", device]
-    t0 = time.perf_counter()
+    t0, launched = time.perf_counter(), time.time()
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -35,7 +37,8 @@ def fresh_start(model: str, size: int, buckets: str, cache: str, device: str = "
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": f"exit {done.returncode}: {(done.stderr or done.stdout)[-800:]}"}
-    return {**json.loads(lines[-1]), "wall_s": wall}
+    report = json.loads(lines[-1])
+    return {**report, "wall_s": wall, "launch_to_ready_s": report["ready_unix"] - launched}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     graphs = GraphConfig(batch_buckets=parse_buckets(args.buckets), resolutions=((args.size, args.size),),
                          backend="cuda" if cuda else "emulated")
     with Engine(model, mode="graph", graphs=graphs, compile=CompileConfig(cache_dir=args.cache)) as engine:
-        ready = time.perf_counter() - _T0
+        ready, ready_unix = time.perf_counter() - _T0, time.time()
         t0 = time.perf_counter()
         engine.generate("a lighthouse at dusk", width=args.size, height=args.size, num_inference_steps=4, seed=0)
         first = time.perf_counter() - t0
         stats = engine.stats
         table = engine.graph_table()
     print(json.dumps({
-        "ready_s": ready, "import_s": t_import, "load_s": t_load - t_import, "first_image_s": first,
+        "ready_s": ready, "ready_unix": ready_unix, "import_s": t_import, "load_s": t_load - t_import, "first_image_s": first,
         "compiles": stats["compiles"], "compile_s": stats["compile_s"], "compile_fallbacks": stats["compile_fallbacks"],
         "loaded": stats["compile_loaded"], "load_s": stats["compile_load_s"],
         "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],

@@ -6,7 +6,9 @@ this process, then twice in fresh processes: on that folder, and on a copy of it
 model/resolution and image count it reports per-step ms (from end-to-end runs at two step counts:
 (t(N) - t(N/2)) / (N/2), so fixed costs cancel), end-to-end ms (prompt to decoded pixels), ratios to diffusers eager, cold start (load to ready; first
 call of the compiled contender), graph pool memory and the summed GPU kernel time of one step
-(torch.profiler over one eager step). Prints a table and writes JSON.
+(torch.profiler over one eager step, and over one step replay of each graph tier), beside the step as the engine loop
+runs it (`loop_step_ms`: CUDA events around the loop's iterations, idle gaps between steps included; the per-step
+figure by difference carries the host's run-to-run jitter over ten steps). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def _e2e_and_step(f_full: Callable[[], Any], f_half: Callable[[], Any], steps: i
     f_full()
     e2e = _timed(f_full, repeats)
     return {"e2e_ms": e2e, "step_ms": (e2e - _timed(f_half, repeats)) / (steps - half)}
+
+
+def loop_step_ms(engine, run: Callable[[], Any]) -> float:
+    """Per-step GPU time of a generation through the engine loop: CUDA events around each iteration (its copies and
+    replay), from the start of the second step to the end of the second-to-last over the steps between, so the
+    GPU's idle gaps between steps count and admission and retirement do not. NaN off CUDA."""
+    core = engine.core
+    if not engine.runner.cuda:
+        return float("nan")
+    core.step_events = []
+    try:
+        run()
+        _sync()
+        events = core.step_events
+    finally:
+        core.step_events = None
+    inner = events[1:-1]
+    return inner[0][0].elapsed_time(inner[-1][1]) / len(inner) if len(inner) >= 2 else float("nan")
 
 
 def _profiled_kernel_ms(run_step: Callable[[], None], warm: int, profiled: int) -> float:
@@ -157,6 +177,7 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
             res[c] = _e2e_and_step(f_full, f_half, steps, half, repeats)
             if c != "diffusers":  # where diffgraph's end-to-end time goes (the last run)
                 res[c]["timings"] = {k: round(v, 1) for k, v in f_full().timings.items()}
+                res[c]["loop_step_ms"] = loop_step_ms(eager if c == "diffgraph_eager" else graph, f_full)
         out["results"][n] = res
 
     if "diffgraph_compile" in contenders:
@@ -250,7 +271,8 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
         res = out["results"][n]
         f_full, f_half = diffgraph_fn(engine, n, steps), diffgraph_fn(engine, n, half)
         res["diffgraph_compile"] = {**_e2e_and_step(f_full, f_half, steps, half, repeats),
-                                    "timings": {k: round(v, 1) for k, v in f_full().timings.items()}}
+                                    "timings": {k: round(v, 1) for k, v in f_full().timings.items()},
+                                    "loop_step_ms": loop_step_ms(engine, f_full)}
         res["compile_replay_kernel_ms_per_step"] = kernel_ms_of_one_step(engine, size, n, replayed=True) \
             if cuda else float("nan")
     info["cache_mib"] = folder_bytes(engine.runner.compile_folder) / 2**20
@@ -277,7 +299,7 @@ def _format_compile(c: dict[str, Any]) -> list[str]:
             continue
         w = c[label]
         lines.append(f"    fresh process, {label.replace('_', ' ')}: " + (
-            f"ready {w['wall_s'] - w['first_image_s']:.1f}s after launch (in-process {w['ready_s']:.1f}s: imports "
+            f"ready {w.get('launch_to_ready_s', w['wall_s'] - w['first_image_s']):.1f}s after launch (in-process {w['ready_s']:.1f}s: imports "
             f"{w['import_s']:.1f}s, model {w['load_s']:.1f}s), {w['compiles']} graphs in {w['compile_s']:.1f}s, "
             f"{w.get('loaded', 0)} precompiled loaded in {w.get('load_s', 0.0):.1f}s, FX "
             f"cache hits {w['fxgraph_cache_hit']} misses {w['fxgraph_cache_miss']}, {w['captured']}/{w['graphs']} "
@@ -322,12 +344,16 @@ def format_table(report: list[dict[str, Any]]) -> str:
             rk = res.get("replay_kernel_ms_per_step", float("nan"))
             g = res.get("diffgraph_graph")
             lines.append(f"  {n:>6} {'(GPU kernels)':<18} {rk:8.2f}   kernels inside one graph replay"
-                         + (f"; graph step / these {g['step_ms'] / rk:.3f}" if g else ""))
+                         + (f"; graph step / these {g['step_ms'] / rk:.3f} (in the loop "
+                            f"{g.get('loop_step_ms', float('nan')):.2f} ms: {g.get('loop_step_ms', float('nan')) / rk:.3f})"
+                            if g else ""))
             ck = res.get("compile_replay_kernel_ms_per_step")
             cr = res.get("diffgraph_compile")
             if cr and ck:
+                loop = cr.get("loop_step_ms", float("nan"))
                 lines.append(f"  {n:>6} {'(GPU kernels)':<18} {ck:8.2f}   kernels inside one compiled step replay; "
-                             f"compiled step / these {cr['step_ms'] / ck:.3f}; timings {cr['timings']}")
+                             f"compiled step / these {cr['step_ms'] / ck:.3f} (in the loop {loop:.2f} ms: "
+                             f"{loop / ck:.3f}); timings {cr['timings']}")
         if case.get("compile"):
             lines.extend(_format_compile(case["compile"]))
         if case.get("compile_error"):

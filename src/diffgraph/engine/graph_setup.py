@@ -27,6 +27,11 @@ from ..request import MAX_LORAS
 # batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.
 # SDXL: NCHW 32.42 / 466.4, channels-last 31.55 / 468.0, + cuDNN attention 31.42 / 467.7 (within noise: PyTorch's)
 COMPILE_LAYOUT = {"sd": (True, "cudnn"), "sdxl": (True, "auto")}
+# Inductor skips its layout optimisation (channels-last activations around convolutions) for dynamic shapes, so the
+# one compile of buckets 2-16 kept NCHW activations between its kernels: forced on for the step, the compiled SD1.5
+# step at bucket 16 (CFG batch 32) went 71.57 -> 65.03 ms with channels-last weights + cuDNN attention (NCHW:
+# 69.44 -> 65.33), bucket 1 unchanged (6.05 / 5.99) (tools/probe_compile_layout.py engineforce; session 9)
+STEP_OPTIONS = {"force_layout_optimization": True}
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 STEP_STACKS = (0, 1, MAX_LORAS)  # the step variants with adapter slots: none, one adapter per row, a stack
@@ -41,14 +46,16 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     compiled: list[Compiled] = []
     tag, attention = _prepare_compile(runner, compile, resolutions) if compile is not None else ("", "auto")
 
-    def maybe(fn: Any, name: str, batch_of: Any) -> Any:
+    def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None) -> Any:
         if compile is None:
             return fn
-        compiled.append(Compiled(fn, compile, name, batch_of, folder=runner.compile_folder, tag=tag))
+        compiled.append(Compiled(fn, compile, name, batch_of, folder=runner.compile_folder,
+                                 tag=f"{tag} options={sorted((options or {}).items())}", options=options))
         return compiled[-1]
 
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)
-    step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values())
+    step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values(),
+                    STEP_OPTIONS if runner.cuda else None)
     if attention != "auto":  # chosen when the step is traced (outside the traced code)
         step_fn = partial(_within, attention_first(attention), step_fn)
     loras = runner.loras and runner.loras.unet_rows

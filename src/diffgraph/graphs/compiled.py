@@ -48,18 +48,19 @@ class Compiled:
     shape is its own compile. During a CUDA-graph capture a call that would compile (a guard failed) runs `fn`
     instead: that key's graph holds the uncompiled code, counted in `fallbacks` and logged. With `folder`, versions
     are precompiled there (`precompile_dir`), keyed by the arguments' `signature` and `tag`: what else the traced
-    code depends on (the weights' layout, the modules' structure: adapter slots)."""
+    code depends on (the weights' layout, the modules' structure: adapter slots, Inductor `options`)."""
 
     def __init__(self, fn: Callable[..., Any], config: CompileConfig, name: str,
                  batch_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None, dynamic: bool | None = False,
-                 folder: str | None = None, tag: str = ""):
+                 folder: str | None = None, tag: str = "", options: dict[str, Any] | None = None):
         self.fn = fn
         self.tag = tag  # what else the code depends on, beyond the arguments' signature (layout, adapter slots)
         self.name = name
         self.backend = config.backend
         self._batch_of = None if config.per_bucket else batch_of
         self._dynamic = dynamic
-        self._options = {"triton.cudagraphs": False} if config.backend == "inductor" else None
+        # Inductor's options (its own CUDA graphs off: ours capture the code), plus `options` (Inductor only)
+        self._options = {"triton.cudagraphs": False, **(options or {})} if config.backend == "inductor" else None
         self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=self._options)
         # precompiled versions (see `precompile_dir`): one per argument signature, called without guards
         self.precompile_dir = precompile_dir(config, folder) if batch_of is not None else None
