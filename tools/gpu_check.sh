@@ -9,7 +9,7 @@
 # ctests: the compile tier's GPU tests; compile / compilexl: bench latency with diffgraph_compile beside diffusers
 # (eager, + torch.compile), the graph tier, SD1.5 512 (1 and 4 images, 5 buckets, cold and two fresh-process starts) /
 # SDXL 1024 (1 image, buckets 1,2,4, cold start only): one 10-minute device command each
-# probecompile: tools/probe_compile_layout.py (PROBE_GROUPS: sd15, sdxl, engine, enginexl), layout and attention with
+# probecompile: tools/probe_compile_layout.py (PROBE_GROUPS: sd15, sdxl, engine, engineforce, enginexl), layout and attention with
 # compile on (PROBE_WAIT_FILE: time nothing until that file exists, e.g. while ctests run beside it)
 # edits: bench throughput at saturation (step mode, 512x512) without and with half the trace edits (issue 15)
 # dp60: tools/bench_dp.py (DP_LABEL, DP_RATE, DP_FLAGS): 60 s seeded traces, saturation and 80% of it twice, step figures

@@ -7,7 +7,7 @@ captures its compiled UNet (and VAE decoder, where asked) in a CUDA graph of its
 replays with CUDA events, with cuDNN's heuristics and again with `cudnn.benchmark`. Nothing is timed while another
 process compiles. Prints one line per measurement and a table last.
 
-    python3 -u tools/probe_compile_layout.py [sd15] [sdxl] [engine] [enginexl]   # on the GPU host (GROUPS)
+    python3 -u tools/probe_compile_layout.py [sd15] [sdxl] [engine] [engineforce] [enginexl]   # on the GPU host (GROUPS)
 
 `engine` / `enginexl` time the compile tier's own step graphs (buckets 1 and 16, the batch dimension dynamic above 1)
 per layout, where the static-shape groups time the bare UNet; their second column is not `cudnn.benchmark` but the

@@ -25,7 +25,9 @@ from ..request import MAX_LORAS
 # the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py; BENCHMARKS.md,
 # session 8): (convolution weights channels-last, attention backend first in line). Compiled SD1.5 UNet at CFG
 # batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.
-# SDXL: NCHW 32.42 / 466.4, channels-last 31.55 / 468.0, + cuDNN attention 31.42 / 467.7 (within noise: PyTorch's)
+# SDXL: NCHW 32.42 / 466.4, channels-last 31.55 / 468.0, + cuDNN attention 31.42 / 467.7 (within noise: PyTorch's).
+# The engine's own step graphs (session 9, with STEP_OPTIONS), SD1.5 buckets 1 / 16: channels-last + cuDNN 5.99 /
+# 65.03 ms, NCHW 6.71 / 65.33
 COMPILE_LAYOUT = {"sd": (True, "cudnn"), "sdxl": (True, "auto")}
 # Inductor skips its layout optimisation (channels-last activations around convolutions) for dynamic shapes, so the
 # one compile of buckets 2-16 kept NCHW activations between its kernels: forced on for the step, the compiled SD1.5
