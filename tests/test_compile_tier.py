@@ -377,6 +377,6 @@ def test_inductor_options_reach_inductor_only_and_name_the_version():
 
     assert STEP_OPTIONS == {"force_layout_optimization": True}  # what the step's compile asks of Inductor
     inductor = Compiled(fn, CompileConfig(), "f", options=STEP_OPTIONS)
-    assert inductor._options == {"triton.cudagraphs": False, "force_layout_optimization": True}
-    assert Compiled(fn, CompileConfig(), "f")._options == {"triton.cudagraphs": False}
-    assert Compiled(fn, CompileConfig(backend="aot_eager"), "f", options=STEP_OPTIONS)._options is None
+    assert inductor.options == {"triton.cudagraphs": False, "force_layout_optimization": True}
+    assert Compiled(fn, CompileConfig(), "f").options == {"triton.cudagraphs": False}
+    assert Compiled(fn, CompileConfig(backend="aot_eager"), "f", options=STEP_OPTIONS).options is None

@@ -69,8 +69,8 @@ def engine_worker(spec: dict, conn) -> None:
     from diffgraph import Engine
     from diffgraph.config import CompileConfig, GraphConfig
     try:
-        if spec.get("force"):  # read by Inductor's config at import
-            os.environ["TORCHINDUCTOR_FORCE_LAYOUT_OPT"] = "1"
+        from diffgraph.engine import graph_setup  # the step's Inductor options, per variant (the engine forces it)
+        graph_setup.STEP_OPTIONS = {"force_layout_optimization": bool(spec.get("force"))}
         if spec.get("pdl"):
             import torch._inductor.config as inductor_config
             if not hasattr(inductor_config.triton, "enable_pdl"):
@@ -90,13 +90,13 @@ def engine_worker(spec: dict, conn) -> None:
             return
         from probe_layout import eager_ms  # CUDA events around plain calls (a replay is not captured again)
 
-        from diffgraph.bench.latency import _profiled_kernel_ms
+        from diffgraph.bench.latency import profiled_kernel_ms
         rows = []
         for b in spec["batches"]:
             replay = lambda b=b: runner.replay("step", size, size, b)  # noqa: E731
             rows.append((f"engine step bucket {b}", False, eager_ms(replay, iters=20)))
             if device == "cuda":  # the replay's summed kernel time (the step/kernel target), in the bench column
-                rows.append((f"engine step bucket {b}", True, _profiled_kernel_ms(replay, warm=5, profiled=5)))
+                rows.append((f"engine step bucket {b}", True, profiled_kernel_ms(replay, warm=5, profiled=5)))
         try:
             rows += _steps_in_the_loop(engine, size) if device == "cuda" else []
         except Exception as e:  # the step timings above still count
@@ -113,7 +113,7 @@ def _steps_in_the_loop(engine, size: int) -> list:
     host's time per iteration; medians over steps 2-19, as rows of the probe's table."""
     import statistics
 
-    import torch
+    from diffgraph.bench.latency import step_events
     core, host = engine.core, []
     core.step_listeners.append(lambda plan, dt: host.append(dt))
     run = lambda: engine.generate("a lighthouse", width=size, height=size, num_inference_steps=20, seed=0)  # noqa
@@ -123,10 +123,7 @@ def _steps_in_the_loop(engine, size: int) -> list:
     run()
     e2e = (time.perf_counter() - t0) * 1e3
     host.clear()
-    core.step_events = []
-    run()
-    torch.cuda.synchronize()
-    ev, core.step_events = core.step_events, None
+    ev = step_events(engine, run)
     span = statistics.median(s.elapsed_time(e) for s, e, _ in ev[1:-1])
     gap = statistics.median(a[1].elapsed_time(b[0]) for a, b in zip(ev[1:-2], ev[2:-1]))
     return [("loop: e2e 1 image", False, e2e), ("loop: step GPU span", False, span),

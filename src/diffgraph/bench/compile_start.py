@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = engine.stats
         table = engine.graph_table()
     print(json.dumps({
-        "ready_s": ready, "ready_unix": ready_unix, "import_s": t_import, "load_s": t_load - t_import, "first_image_s": first,
+        "ready_s": ready, "ready_unix": ready_unix, "import_s": t_import, "load_s": t_load - t_import,
+        "first_image_s": first,
         "compiles": stats["compiles"], "compile_s": stats["compile_s"], "compile_fallbacks": stats["compile_fallbacks"],
         "loaded": stats["compile_loaded"], "load_s": stats["compile_load_s"],
         "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],

@@ -50,25 +50,30 @@ def _e2e_and_step(f_full: Callable[[], Any], f_half: Callable[[], Any], steps: i
     return {"e2e_ms": e2e, "step_ms": (e2e - _timed(f_half, repeats)) / (steps - half)}
 
 
-def loop_step_ms(engine, run: Callable[[], Any]) -> float:
-    """Per-step GPU time of a generation through the engine loop: CUDA events around each iteration (its copies and
-    replay), from the start of the second step to the end of the second-to-last over the steps between, so the
-    GPU's idle gaps between steps count and admission and retirement do not. NaN off CUDA."""
+def step_events(engine, run: Callable[[], Any]) -> list[tuple[Any, Any, bool]]:
+    """The engine loop's per-iteration CUDA events (start, end, whether the loop had waited for work) while `run()`
+    runs, synchronised; recording is off again afterwards."""
     core = engine.core
-    if not engine.runner.cuda:
-        return float("nan")
     core.step_events = []
     try:
         run()
         _sync()
-        events = core.step_events
+        return core.step_events
     finally:
         core.step_events = None
-    inner = events[1:-1]
+
+
+def loop_step_ms(engine, run: Callable[[], Any]) -> float:
+    """Per-step GPU time of a generation through the engine loop: CUDA events around each iteration (its copies and
+    replay), from the start of the second step to the end of the second-to-last over the steps between, so the
+    GPU's idle gaps between steps count and admission and retirement do not. NaN off CUDA."""
+    if not engine.runner.cuda:
+        return float("nan")
+    inner = step_events(engine, run)[1:-1]
     return inner[0][0].elapsed_time(inner[-1][1]) / len(inner) if len(inner) >= 2 else float("nan")
 
 
-def _profiled_kernel_ms(run_step: Callable[[], None], warm: int, profiled: int) -> float:
+def profiled_kernel_ms(run_step: Callable[[], None], warm: int, profiled: int) -> float:
     """Mean summed CUDA kernel time (torch.profiler) of `profiled` consecutive calls after `warm` calls."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,12 +104,12 @@ def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profile
     plan = w.plan_for("euler", "default", 20)
     buf.coefs[:images] = torch.as_tensor(plan.coefs[5], dtype=torch.float32, device=buf.x.device)
     if not replayed:
-        return _profiled_kernel_ms(lambda: whole_step(w.denoise_eager, buf, images), warm, profiled)
+        return profiled_kernel_ms(lambda: whole_step(w.denoise_eager, buf, images), warm, profiled)
     runner = w.graph_runner
     bucket = runner.bucket("step", size, size, images) if runner is not None else None
     if bucket != images:
         return float("nan")
-    return _profiled_kernel_ms(lambda: runner.replay("step", size, size, bucket), warm, profiled)
+    return profiled_kernel_ms(lambda: runner.replay("step", size, size, bucket), warm, profiled)
 
 
 def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
@@ -263,7 +268,8 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
     info["not_captured"] = [f"{r['kind']}{r['bucket']}: {r['error']}" for r in table if r["status"] != "captured"]
     info["pool_mib"] = engine.runner.graph_runner.pool_mib()
     info["pool_ratio"] = info["pool_mib"] / out["pool_mib_total"] if out["pool_mib_total"] else float("nan")
-    info["layout"] = engine.runner.compiled[0].tag if engine.runner.compiled else None  # as applied
+    step = engine.runner.compiled[0] if engine.runner.compiled else None  # the layout as applied
+    info["layout"] = f"{step.tag} options={step.options}" if step is not None else None
     info[f"compile_replay_ms_at_{top}"] = _step_replay_ms(engine, size, top, repeats)
     if info[f"compile_replay_ms_at_{top}"] and info[f"graph_replay_ms_at_{top}"]:
         info["rate_ratio_at_top"] = info[f"graph_replay_ms_at_{top}"] / info[f"compile_replay_ms_at_{top}"]
@@ -299,7 +305,7 @@ def _format_compile(c: dict[str, Any]) -> list[str]:
             continue
         w = c[label]
         lines.append(f"    fresh process, {label.replace('_', ' ')}: " + (
-            f"ready {w.get('launch_to_ready_s', w['wall_s'] - w['first_image_s']):.1f}s after launch (in-process {w['ready_s']:.1f}s: imports "
+            f"ready {w['launch_to_ready_s']:.1f}s after launch (in-process {w['ready_s']:.1f}s: imports "
             f"{w['import_s']:.1f}s, model {w['load_s']:.1f}s), {w['compiles']} graphs in {w['compile_s']:.1f}s, "
             f"{w.get('loaded', 0)} precompiled loaded in {w.get('load_s', 0.0):.1f}s, FX "
             f"cache hits {w['fxgraph_cache_hit']} misses {w['fxgraph_cache_miss']}, {w['captured']}/{w['graphs']} "
@@ -343,9 +349,9 @@ def format_table(report: list[dict[str, Any]]) -> str:
             lines.append(f"  {n:>6} {'(GPU kernels)':<18} {res['kernel_ms_per_step']:8.2f}   eager step's kernels")
             rk = res.get("replay_kernel_ms_per_step", float("nan"))
             g = res.get("diffgraph_graph")
+            gl = g.get("loop_step_ms", float("nan")) if g else float("nan")
             lines.append(f"  {n:>6} {'(GPU kernels)':<18} {rk:8.2f}   kernels inside one graph replay"
-                         + (f"; graph step / these {g['step_ms'] / rk:.3f} (in the loop "
-                            f"{g.get('loop_step_ms', float('nan')):.2f} ms: {g.get('loop_step_ms', float('nan')) / rk:.3f})"
+                         + (f"; graph step / these {g['step_ms'] / rk:.3f} (in the loop {gl:.2f} ms: {gl / rk:.3f})"
                             if g else ""))
             ck = res.get("compile_replay_kernel_ms_per_step")
             cr = res.get("diffgraph_compile")

@@ -51,8 +51,7 @@ def make_graphs(runner: Any, compile: CompileConfig | None = None) -> list[Compi
     def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None) -> Any:
         if compile is None:
             return fn
-        compiled.append(Compiled(fn, compile, name, batch_of, folder=runner.compile_folder,
-                                 tag=f"{tag} options={sorted((options or {}).items())}", options=options))
+        compiled.append(Compiled(fn, compile, name, batch_of, folder=runner.compile_folder, tag=tag, options=options))
         return compiled[-1]
 
     runner.graph_runner = graphs = GraphRunner(cfg, runner.device)

@@ -48,7 +48,7 @@ class Compiled:
     shape is its own compile. During a CUDA-graph capture a call that would compile (a guard failed) runs `fn`
     instead: that key's graph holds the uncompiled code, counted in `fallbacks` and logged. With `folder`, versions
     are precompiled there (`precompile_dir`), keyed by the arguments' `signature` and `tag`: what else the traced
-    code depends on (the weights' layout, the modules' structure: adapter slots, Inductor `options`)."""
+    code depends on (the weights' layout, the modules' structure: adapter slots), and the Inductor `options`."""
 
     def __init__(self, fn: Callable[..., Any], config: CompileConfig, name: str,
                  batch_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None, dynamic: bool | None = False,
@@ -60,8 +60,8 @@ class Compiled:
         self._batch_of = None if config.per_bucket else batch_of
         self._dynamic = dynamic
         # Inductor's options (its own CUDA graphs off: ours capture the code), plus `options` (Inductor only)
-        self._options = {"triton.cudagraphs": False, **(options or {})} if config.backend == "inductor" else None
-        self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=self._options)
+        self.options = {"triton.cudagraphs": False, **(options or {})} if config.backend == "inductor" else None
+        self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=self.options)
         # precompiled versions (see `precompile_dir`): one per argument signature, called without guards
         self.precompile_dir = precompile_dir(config, folder) if batch_of is not None else None
         self._versions: dict[str, Callable[..., Any]] = {}
@@ -128,8 +128,9 @@ class Compiled:
         except Exception as e:
             if capturing:
                 raise
+            first_line = str(e).splitlines()[0][:300] if str(e) else ""
             logger.warning("precompiling %s failed (%s: %s); it compiles with Dynamo's guards instead (later starts "
-                           "trace it again)", self.name, type(e).__name__, str(e).splitlines()[0][:300] if str(e) else "")
+                           "trace it again)", self.name, type(e).__name__, first_line)
             self.precompile_dir = None
             return None
 
@@ -137,8 +138,8 @@ class Compiled:
         """The precompiled version for these arguments' signature: in memory, else loaded from its file, else
         compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet."""
         batch = {id(t) for t in self._batch_of(args)} if self._batch_of is not None else set()
-        key = repr((self.tag, torch.is_grad_enabled(), torch.is_inference_mode_enabled(), signature(args, batch),
-                    signature(kwargs, batch)))
+        key = repr((self.tag, sorted((self.options or {}).items()), torch.is_grad_enabled(),
+                    torch.is_inference_mode_enabled(), signature(args, batch), signature(kwargs, batch)))
         version = self._versions.get(key)
         if version is not None or capturing:
             return version
@@ -158,7 +159,7 @@ class Compiled:
             self._mark_batch(args)
             with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
                 whole = torch.compile(_invoke, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
-                                      options={**(self._options or {}), "guard_filter_fn": _no_guards})
+                                      options={**(self.options or {}), "guard_filter_fn": _no_guards})
                 version = whole.aot_compile(((self.fn, *args), kwargs))
             self.compiles += 1
             self.compile_s += time.perf_counter() - t0
