@@ -349,7 +349,7 @@ def test_precompiled_versions_are_picked_by_signature_and_never_compiled_in_a_ca
 def test_layout_defaults_and_conv_layout_keep_the_parameters(tiny_engine):
     from diffgraph.engine.graph_setup import COMPILE_LAYOUT, layout, set_conv_layout
 
-    assert layout(CompileConfig(), "sd") == COMPILE_LAYOUT["sd"]
+    assert layout(CompileConfig(), "sd") == COMPILE_LAYOUT["sd"] == (True, "auto")  # cuDNN attention: batch-variant
     assert layout(CompileConfig(channels_last=False, attention="cudnn"), "sd") == (False, "cudnn")
     with pytest.raises(ValueError, match="not an attention backend"):
         CompileConfig(attention="fast")

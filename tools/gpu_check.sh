@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (the `device` tool): GPU tests, then the benchmarks. Logs and JSON go to $OUT.
-#   bash tools/gpu_check.sh [tests] [ctests] [tests1] [ab] [latency] [compile] [compilexl] [throughput] [info] [probecompile] [probe] [firstuse] [imports] [regime] [saturation]
+#   bash tools/gpu_check.sh [tests] [ctests] [tests1] [ab] [latency] [compile] [compilexl] [throughput] [info] [probecompile] [mixed] [probe] [firstuse] [imports] [regime] [saturation]
 # tests1: the GPU tests with every engine on cuda:1 (2-GPU host; test_device_affinity checks GPU 0 stays untouched)
 # ab: bench latency (graph tier, 1 image) of the tree in .old/src (an older commit, `git archive REV src | tar -x -C
 # .old`, carried) and of src/, alternated twice in one call: the before/after comparison of a refactor
@@ -9,6 +9,8 @@
 # ctests: the compile tier's GPU tests; compile / compilexl: bench latency with diffgraph_compile beside diffusers
 # (eager, + torch.compile), the graph tier, SD1.5 512 (1 and 4 images, 5 buckets, cold and two fresh-process starts) /
 # SDXL 1024 (1 image, buckets 1,2,4, cold start only): one 10-minute device command each
+# mixed: tools/probe_mixed_fidelity.py (MIXED_VARIANTS): 20 mixed digits requests together vs alone over several bucket
+# paths, per compile variant (the compile tier as shipped, cuDNN attention, the graph tier)
 # probecompile: tools/probe_compile_layout.py (PROBE_GROUPS: sd15, sdxl, engine, engineforce, enginexl), layout and attention with
 # compile on (PROBE_WAIT_FILE: time nothing until that file exists, e.g. while ctests run beside it)
 # edits: bench throughput at saturation (step mode, 512x512) without and with half the trace edits (issue 15)
@@ -56,6 +58,8 @@ for what in "$@"; do
                --buckets 1,2,4 --no-fresh-starts --contenders diffusers,diffusers_compile,diffgraph_graph,diffgraph_compile \
                --json "$OUT/bench_latency_compile_xl.json" > "$OUT/bench_compile_xl.log" 2>&1   # unbuffered
                grep -v Warning "$OUT/bench_compile_xl.log" | tail -c 9000 ;;
+    mixed) timeout ${COMPILE_LIMIT:-560} python3 -u tools/probe_mixed_fidelity.py ${MIXED_VARIANTS:-force cudnn graph} \
+             > "$OUT/probe_mixed.log" 2>&1; grep -v Warning "$OUT/probe_mixed.log" | grep -v "verify" | tail -c 6000 ;;
     probecompile) timeout ${COMPILE_LIMIT:-560} python3 -u tools/probe_compile_layout.py ${PROBE_GROUPS:-sd15} \
                > "$OUT/probe_compile.log" 2>&1; grep -v Warning "$OUT/probe_compile.log" | tail -c 6000 ;;
     ctests) DIFFGRAPH_TEST_OUT=$OUT python3 -m pytest -q -s -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_compile_tests.log" | grep -v Warning ;;

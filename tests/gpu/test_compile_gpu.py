@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -70,14 +71,29 @@ def _mix(engine, n=20):
             for i in range(n)]
 
 
+def together(engine, requests, alone, seed=None) -> list[float]:
+    """Submits `requests` together and returns each one's worst pixel difference from its image `alone`. seed None:
+    in order, at once; else a seeded order with gaps of 0-10 ms between submissions, so that rows join running
+    batches at other steps and take other bucket paths (tools/probe_mixed_fidelity.py uses it too)."""
+    rng = np.random.default_rng(seed)
+    order = range(len(requests)) if seed is None else [int(i) for i in rng.permutation(len(requests))]
+    futures = {}
+    for i in order:
+        futures[i] = engine.submit(requests[i])
+        if seed is not None:
+            time.sleep(float(rng.uniform(0, 0.01)))
+    return [float(np.abs(futures[i].result().arrays - alone[i]).max()) for i in range(len(requests))]
+
+
 def test_twenty_mixed_requests_together_equal_each_alone(compiled):
+    """At once, then in three other orders with gaps (other bucket paths): with cuDNN attention first, 5 of 29 such
+    paths went over 2e-2 (up to 0.038; BENCHMARKS.md, session 10)."""
     requests = _mix(compiled)
     alone = [compiled.run(r).arrays for r in requests]
     compiles = compiled.stats["compiles"]
-    futures = [compiled.submit(r) for r in requests]
-    worst = max(float(np.abs(f.result().arrays - ref).max()) for f, ref in zip(futures, alone))
-    REPORT["20 mixed requests together vs alone, max abs (pixels)"] = worst
-    assert worst <= 2e-2
+    worst = [max(together(compiled, requests, alone, seed)) for seed in (None, 0, 1, 2)]
+    REPORT["20 mixed requests together vs alone, max abs (pixels), 4 orders"] = worst
+    assert max(worst) <= 2e-2
     assert compiled.stats["compiles"] == compiles and compiled.stats["compile_fallbacks"] == 0
 
 

@@ -27,8 +27,11 @@ from ..request import MAX_LORAS
 # batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.
 # SDXL: NCHW 32.42 / 466.4, channels-last 31.55 / 468.0, + cuDNN attention 31.42 / 467.7 (within noise: PyTorch's).
 # The engine's own step graphs (session 9, with STEP_OPTIONS), SD1.5 buckets 1 / 16: channels-last + cuDNN 5.99 /
-# 65.03 ms, NCHW 6.71 / 65.33
-COMPILE_LAYOUT = {"sd": (True, "cudnn"), "sdxl": (True, "auto")}
+# 65.03 ms, channels-last + PyTorch's attention 6.03 / 64.83, NCHW 6.71 / 65.33. cuDNN attention is not batch
+# invariant: a row's image moved with the batch sizes it ran at, up to 0.0378 (pixels, `digits`, 20 mixed requests
+# vs each alone: 5 of 29 bucket paths over the 2e-2 fp16 tolerance); with PyTorch's choice at most 0.0125 over 19
+# paths, the graph tier 0.0107 (tools/probe_mixed_fidelity.py; session 10). So both families keep PyTorch's choice.
+COMPILE_LAYOUT = {"sd": (True, "auto"), "sdxl": (True, "auto")}
 # Inductor skips its layout optimisation (channels-last activations around convolutions) for dynamic shapes, so the
 # one compile of buckets 2-16 kept NCHW activations between its kernels: forced on for the step, the compiled SD1.5
 # step at bucket 16 (CFG batch 32) went 71.57 -> 65.03 ms with channels-last weights + cuDNN attention (NCHW:
