@@ -45,9 +45,10 @@ def run_variant(variant: str) -> dict:
         compile_cfg = CompileConfig(cache_dir=tempfile.mkdtemp(prefix=f"mixed-{variant}-"),
                                     per_bucket=variant == "perbucket",
                                     attention=variant if variant in ("auto", "cudnn") else None)
-        graph_setup.STEP_OPTIONS = {"noforce": {}, "casts": {**graph_setup.STEP_OPTIONS,
-                                                              "emulate_precision_casts": True}}.get(
-            variant, graph_setup.STEP_OPTIONS)
+        if variant == "noforce":
+            graph_setup.STEP_OPTIONS = {}
+        elif variant == "casts":
+            graph_setup.STEP_OPTIONS = {**graph_setup.STEP_OPTIONS, "emulate_precision_casts": True}
     graphs = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), resolutions=((64, 64),), verify=True)
     device = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a quick check of the probe itself (eager, fp32)
     with Engine("digits", device=device, dtype="fp16" if device != "cpu" else "fp32",
@@ -81,7 +82,7 @@ def main() -> None:
     procs = {f"{i}:{v}": subprocess.Popen([sys.executable, "-u", __file__, "--one", f"{i}:{v}"],
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i, v in enumerate(sys.argv[1:] or VARIANTS)}
-    lines = []
+    requests = None
     for v, p in procs.items():
         out, _ = p.communicate()
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
@@ -89,9 +90,12 @@ def main() -> None:
             print(f"{v}: no result (rc {p.returncode})\n" + out[-3000:], flush=True)
             continue
         r = json.loads(lines[-1][7:])
+        requests = r["requests"]
         print(f"{v:14s} worst {r['worst']:.4f}  other schedules {r['schedules']}  alone twice {r['alone twice']:.4f}"
-              f"  compiles {r['compiles']}  fallbacks {r['fallbacks']}\n  per request {r['per request']}\n  verify {r['verify']}", flush=True)
-    print("requests: " + json.dumps(json.loads(lines[-1][7:])["requests"]) if lines else "")
+              f"  compiles {r['compiles']}  fallbacks {r['fallbacks']}\n  per request {r['per request']}\n"
+              f"  verify {r['verify']}", flush=True)
+    if requests:
+        print("requests: " + json.dumps(requests))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class Compiled:
         # Inductor's options (its own CUDA graphs off: ours capture the code), plus `options` (Inductor only)
         self.options = {"triton.cudagraphs": False, **(options or {})} if config.backend == "inductor" else None
         self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=self.options)
+        self._key_prefix = (tag, sorted((self.options or {}).items()))  # part of every precompiled version's key
         # precompiled versions (see `precompile_dir`): one per argument signature, called without guards
         self.precompile_dir = precompile_dir(config, folder) if batch_of is not None else None
         self._versions: dict[str, Callable[..., Any]] = {}
@@ -138,8 +139,8 @@ class Compiled:
         """The precompiled version for these arguments' signature: in memory, else loaded from its file, else
         compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet."""
         batch = {id(t) for t in self._batch_of(args)} if self._batch_of is not None else set()
-        key = repr((self.tag, sorted((self.options or {}).items()), torch.is_grad_enabled(),
-                    torch.is_inference_mode_enabled(), signature(args, batch), signature(kwargs, batch)))
+        key = repr((*self._key_prefix, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                    signature(args, batch), signature(kwargs, batch)))
         version = self._versions.get(key)
         if version is not None or capturing:
             return version
