@@ -2,7 +2,7 @@
 on the trained `digits` model (fp16, 64x64, buckets 1-16, no adapter slots): the 20 mixed requests of
 tests/gpu/test_compile_gpu.py, each alone, then all together (the worst pixel difference per request), then together
 again in $PROBE_SCHEDULES (6) other orders with small random gaps between submissions (other bucket paths; the worst
-per order). BENCHMARKS.md, session 10, has what it found.
+per order). BENCHMARKS.md, sessions 10 and 11, has what it found.
 
     python3 tools/probe_mixed_fidelity.py                  # every variant, each in its own process, in parallel
     python3 tools/probe_mixed_fidelity.py VARIANT ...      # these, each in its own process, in parallel
@@ -12,7 +12,9 @@ layout and STEP_OPTIONS); `cudnn` cuDNN attention first (the SD default before s
 attention choice; `noforce` without forcing Inductor's layout optimisation; `casts` plus Inductor's
 `emulate_precision_casts` (fused kernels round their intermediates to fp16 as eager code does); `perbucket` static
 compiles per bucket; `det` Inductor's deterministic mode (no on-device benchmarking of configs that change numerics)
-for every compile. A `_slots` suffix gives the engine the model's adapter slots (as the GPU tests have). A variant
+for every compile; `nosplit` Inductor's split reductions off (a reduction's order then never depends on the batch);
+`pad1` no bucket 1 (a single image pads to bucket 2, so every replay runs the one dynamic-batch compile). A `_slots`
+suffix gives the engine the model's adapter slots (as the GPU tests have). A variant
 named twice runs twice, in two processes. Prints a line per run; with $OUT, writes mixed_<index>_<variant>.json."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("graph", "force", "cudnn", "noforce", "casts", "perbucket", "det")
+VARIANTS = ("graph", "force", "cudnn", "noforce", "casts", "perbucket", "det", "nosplit", "pad1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
 
 
@@ -41,6 +43,8 @@ def run_variant(variant: str) -> dict:
     variant = variant.removesuffix("_slots")
     if variant == "det":
         torch._inductor.config.deterministic = True  # raises where this torch lacks the mode
+    if variant == "nosplit":
+        torch._inductor.config.split_reductions = False
     if variant != "graph":
         compile_cfg = CompileConfig(cache_dir=tempfile.mkdtemp(prefix=f"mixed-{variant}-"),
                                     per_bucket=variant == "perbucket",
@@ -49,7 +53,8 @@ def run_variant(variant: str) -> dict:
             graph_setup.STEP_OPTIONS = {}
         elif variant == "casts":
             graph_setup.STEP_OPTIONS = {**graph_setup.STEP_OPTIONS, "emulate_precision_casts": True}
-    graphs = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), resolutions=((64, 64),), verify=True)
+    buckets = (2, 4, 8, 16) if variant == "pad1" else (1, 2, 4, 8, 16)
+    graphs = GraphConfig(batch_buckets=buckets, resolutions=((64, 64),), verify=True)
     device = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a quick check of the probe itself (eager, fp32)
     with Engine("digits", device=device, dtype="fp16" if device != "cpu" else "fp32",
                 mode="graph" if device != "cpu" else "eager", graphs=graphs, compile=compile_cfg,
@@ -58,12 +63,13 @@ def run_variant(variant: str) -> dict:
         alone = [engine.run(r).arrays for r in requests]
         again = engine.run(requests[1]).arrays
         worst = together(engine, requests, alone)
-        schedules = [max(together(engine, requests, alone, seed))
-                     for seed in range(int(os.environ.get("PROBE_SCHEDULES", "6")))]
+        paths = [together(engine, requests, alone, seed) for seed in range(int(os.environ.get("PROBE_SCHEDULES", "6")))]
+        schedules = [max(p) for p in paths]
         verify = {f"{r['kind']}{r['bucket']}": round(r["verify_max_abs"] or 0.0, 5) for r in engine.graph_table()}
         return {"variant": variant + ("_slots" if slots else ""), "worst": max(worst),
                 "schedules": [round(w, 4) for w in schedules], "alone twice": float(np.abs(again - alone[1]).max()),
                 "per request": [round(w, 4) for w in worst],
+                "per request, every order": [round(max(ws), 4) for ws in zip(worst, *paths)],
                 "requests": [f"{r.sampler}/{r.num_inference_steps}/cfg{r.guidance_scale}/n{r.num_images}"
                              for r in requests],
                 "verify": verify, "compiles": engine.stats.get("compiles"),
@@ -73,6 +79,11 @@ def run_variant(variant: str) -> dict:
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--one":
         index, variant = sys.argv[2].split(":")
+        if os.environ.get("OUT"):  # the compile tier's warnings and failures, with their tracebacks
+            import logging
+            handler = logging.FileHandler(os.path.join(os.environ["OUT"], f"mixed_{index}_{variant}.log"))
+            logging.getLogger("diffgraph.graphs.compiled").addHandler(handler)
+            logging.getLogger("diffgraph.graphs.compiled").setLevel(logging.DEBUG)
         result = run_variant(variant)
         print("RESULT " + json.dumps(result), flush=True)
         if os.environ.get("OUT"):
@@ -93,6 +104,7 @@ def main() -> None:
         requests = r["requests"]
         print(f"{v:14s} worst {r['worst']:.4f}  other schedules {r['schedules']}  alone twice {r['alone twice']:.4f}"
               f"  compiles {r['compiles']}  fallbacks {r['fallbacks']}\n  per request {r['per request']}\n"
+              f"  per request, every order {r['per request, every order']}\n"
               f"  verify {r['verify']}", flush=True)
     if requests:
         print("requests: " + json.dumps(requests))

@@ -129,6 +129,7 @@ class Compiled:
         except Exception as e:
             if capturing:
                 raise
+            logger.debug("precompiling %s failed", self.name, exc_info=True)  # where, for a bug report
             first_line = str(e).splitlines()[0][:300] if str(e) else ""
             logger.warning("precompiling %s failed (%s: %s); it compiles with Dynamo's guards instead (later starts "
                            "trace it again)", self.name, type(e).__name__, first_line)
