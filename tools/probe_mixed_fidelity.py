@@ -9,13 +9,14 @@ per order). BENCHMARKS.md, sessions 10 and 11, has what it found.
 
 Variants: `graph` the graph tier (no compile); `force` the compile tier as shipped (engine.graph_setup: the family's
 layout and STEP_OPTIONS); `cudnn` cuDNN attention first (the SD default before session 10); `auto` PyTorch's
-attention choice; `noforce` without forcing Inductor's layout optimisation; `casts` plus Inductor's
-`emulate_precision_casts` (fused kernels round their intermediates to fp16 as eager code does); `perbucket` static
-compiles per bucket; `det` Inductor's deterministic mode (no on-device benchmarking of configs that change numerics)
-for every compile; `nosplit` Inductor's split reductions off (a reduction's order then never depends on the batch);
-`pad1` no bucket 1 (a single image pads to bucket 2, so every replay runs the one dynamic-batch compile). A `_slots`
-suffix gives the engine the model's adapter slots (as the GPU tests have). A variant
-named twice runs twice, in two processes. Prints a line per run; with $OUT, writes mixed_<index>_<variant>.json."""
+attention choice (the default since session 10: the same as `force`); `noforce` without forcing Inductor's layout
+optimisation; `casts` plus Inductor's `emulate_precision_casts` (fused kernels round their intermediates to fp16 as
+eager code does); `perbucket` static compiles per bucket; `det` Inductor's deterministic mode (no on-device
+benchmarking of configs that change numerics) for every compile; `nosplit` Inductor's split reductions off (a
+reduction's order then never depends on the batch); `pad1` no bucket 1 (a single image pads to bucket 2, so every
+replay runs the one dynamic-batch compile). A `_slots` suffix gives the engine the model's adapter slots (as the GPU
+tests have). A variant named twice runs twice, in two processes. Prints a line per run; with $OUT, writes
+mixed_<index>_<variant>.json."""
 
 from __future__ import annotations
 
