@@ -288,23 +288,24 @@ def test_verification_compares_replays_with_the_uncompiled_function(tmp_path):
 
 
 def test_precompiled_steps_load_without_compiling_and_equal_uncompiled(tiny_engine, tmp_path):
-    """Inductor (CPU) with precompiled versions: the first engine compiles the whole step (bucket 1) and saves it as
-    one file; a second engine on the folder loads it and compiles nothing; both give the uncompiled images, and an
-    in-place weight change reaches the loaded code. (A fresh process on a copy: the toy test below.)"""
+    """Inductor (CPU) with precompiled versions: the first engine compiles the whole step once (at bucket 2, captured
+    first; bucket 1 runs that version too) and saves it as one file; a second engine on the folder loads it and
+    compiles nothing; both give the uncompiled images, and an in-place weight change reaches the loaded code. (A
+    fresh process on a copy: the toy test below.)"""
     from diffgraph.graphs.compiled import precompile_available
 
     if not precompile_available():
         pytest.skip("this torch has no torch.compiler.load_compiled_function (2.10+): no precompiled versions")
     torch._dynamo.reset()
-    cfg = GraphConfig(batch_buckets=(1,), resolutions=((64, 64),), backend="emulated", verify=True,
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated", verify=True,
                       capture_vae=False, capture_text_encoder=False)
     config = CompileConfig(cache_dir=str(tmp_path))
     for run in ("cold", "warm"):
         with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg, compile=config) as engine:
             step = next(c for c in engine.runner.compiled if c.name == "the whole step")
             assert (step.compiles, step.loaded) == ((1, 0) if run == "cold" else (0, 1)), run
-            row = next(r for r in engine.graph_table() if r["kind"] == "step")
-            assert row["status"] == "captured" and row["verify_max_abs"] <= 1e-4
+            rows = [r for r in engine.graph_table() if r["kind"] == "step"]
+            assert len(rows) == 2 and all(r["status"] == "captured" and r["verify_max_abs"] <= 1e-4 for r in rows)
             np.testing.assert_allclose(_images(engine), _images(tiny_engine), atol=2e-4)
             assert engine.stats["compile_fallbacks"] == 0
             if run == "warm":
@@ -315,8 +316,9 @@ def test_precompiled_steps_load_without_compiling_and_equal_uncompiled(tiny_engi
 
 
 def test_precompiled_versions_are_picked_by_signature_and_never_compiled_in_a_capture(monkeypatch, tmp_path):
-    """A version per signature (the batch dimension as 1 or any above 1); shapes first met inside a capture run the
-    uncompiled function (counted), and nothing is compiled there."""
+    """A version per signature (the batch dimension as 1 or any above 1; a batch of 1 runs the dynamic batch's version
+    where there is one); shapes first met inside a capture run the uncompiled function (counted), and nothing is
+    compiled there."""
     from diffgraph.graphs.compiled import Compiled, precompile_available
 
     if not precompile_available():
@@ -338,7 +340,14 @@ def test_precompiled_versions_are_picked_by_signature_and_never_compiled_in_a_ca
     c = Compiled(lambda x: x * 2, CompileConfig(), "toy2", batch_of=lambda args: args[:1], folder=str(tmp_path))
     torch.testing.assert_close(c(torch.ones(4, 3)), torch.full((4, 3), 2.0))
     torch.testing.assert_close(c(torch.ones(2, 3)), torch.full((2, 3), 2.0))  # the same version
+    torch.testing.assert_close(c(torch.ones(1, 3)), torch.full((1, 3), 2.0))  # a batch of 1 runs it too
     assert (c.compiles, c.fallbacks) == (1, 0)
+    first_one = Compiled(lambda x: x * 3, CompileConfig(), "toy3", batch_of=lambda args: args[:1],
+                         folder=str(tmp_path))
+    torch.testing.assert_close(first_one(torch.ones(1, 3)), torch.full((1, 3), 3.0))  # met first: its own version
+    torch.testing.assert_close(first_one(torch.ones(4, 3)), torch.full((4, 3), 3.0))  # the dynamic batch's
+    torch.testing.assert_close(first_one(torch.ones(1, 3)), torch.full((1, 3), 3.0))  # now that one
+    assert first_one.compiles == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     torch.testing.assert_close(c(torch.ones(3, 3)), torch.full((3, 3), 2.0))  # known: runs the precompiled code

@@ -2,7 +2,7 @@
 text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`. With a compile config, each kind
 captures a `graphs.compiled.Compiled` of its function (the whole step: input scaling, denoiser, CFG and sampler
 update in one compiled function) instead of the function itself, its batch dimension dynamic (one compile per kind
-and resolution for the buckets above 1, one for bucket 1), saved whole in the cache folder where torch can
+and resolution, which bucket 1 runs too where it is precompiled), saved whole in the cache folder where torch can
 (precompiled versions, loaded by later starts without tracing); the runner's eager paths keep the plain ones. The
 compile cache folder's saved artifacts are loaded first (`graphs.compiled.open_cache`).
 """

@@ -43,9 +43,10 @@ logger = logging.getLogger(__name__)
 
 class Compiled:
     """`fn` compiled by torch.compile. `batch_of(args)` names the argument tensors whose first dimension is the batch:
-    they are marked dynamic before each call, so one compile serves every bucket of a resolution above 1 (a batch of 1
-    is specialised by Inductor's decompositions: its own compile). Without `batch_of`, or with `per_bucket`, each
-    shape is its own compile. During a CUDA-graph capture a call that would compile (a guard failed) runs `fn`
+    they are marked dynamic before each call, so one compile serves every bucket of a resolution above 1. Dynamo
+    specialises a batch of 1 (its own compile); with precompiled versions, a batch of 1 runs the dynamic batch's
+    version instead where there is one (`_version`). Without `batch_of`, or with `per_bucket`, each shape is its own
+    compile. During a CUDA-graph capture a call that would compile (a guard failed) runs `fn`
     instead: that key's graph holds the uncompiled code, counted in `fallbacks` and logged. With `folder`, versions
     are precompiled there (`precompile_dir`), keyed by the arguments' `signature` and `tag`: what else the traced
     code depends on (the weights' layout, the modules' structure: adapter slots), and the Inductor `options`."""
@@ -138,39 +139,58 @@ class Compiled:
 
     def _version(self, args: tuple, kwargs: dict, capturing: bool) -> Callable[..., Any] | None:
         """The precompiled version for these arguments' signature: in memory, else loaded from its file, else
-        compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet."""
+        compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet. A batch
+        of 1 runs the version of the dynamic batch where there is one (compiled at a larger batch: the prewarm
+        captures the largest bucket first), so a row runs the same code alone and in a batch: its own compile moved
+        a single image by up to 0.032 px from the same request in a batch (BENCHMARKS.md, session 11). Else (a
+        batch of 1 met first) it gets its own version."""
         batch = {id(t) for t in self._batch_of(args)} if self._batch_of is not None else set()
-        key = repr((*self._key_prefix, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                    signature(args, batch), signature(kwargs, batch)))
-        version = self._versions.get(key)
-        if version is not None or capturing:
-            return version
-        path = os.path.join(self.precompile_dir,
-                            f"{_slug(self.name)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin")
+        own = self._key(args, kwargs, batch, one_as_any=False)
+        for key in dict.fromkeys((self._key(args, kwargs, batch, one_as_any=True), own)):
+            version = self._versions.get(key) or (None if capturing else self._load(key))
+            if version is not None:
+                return version
+        if capturing:
+            return None
         t0 = time.perf_counter()
-        if os.path.exists(path):
-            try:
-                with open(path, "rb") as f:
-                    version = torch.compiler.load_compiled_function(f)
-                self.loaded += 1
-                self.load_s += time.perf_counter() - t0
-            except Exception as e:  # a file from other versions, or a damaged one: compile it again
-                logger.warning("precompiled %s could not be loaded from %s (%s: %s); compiling it again", self.name,
-                               path, type(e).__name__, e)
-        if version is None:
-            self._mark_batch(args)
-            with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
-                whole = torch.compile(_invoke, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
-                                      options={**(self.options or {}), "guard_filter_fn": _no_guards})
-                version = whole.aot_compile(((self.fn, *args), kwargs))
-            self.compiles += 1
-            self.compile_s += time.perf_counter() - t0
-            try:
-                os.makedirs(self.precompile_dir, exist_ok=True)
-                version.save_compiled_function(path)
-            except Exception as e:  # a read-only or full disk: this process runs compiled; the next compiles again
-                logger.warning("precompiled %s could not be saved to %s (%s: %s)", self.name, path,
-                               type(e).__name__, e)
+        self._mark_batch(args)
+        with torch._dynamo.config.patch(enable_aot_compile=True):  # off by default before torch 2.13
+            whole = torch.compile(_invoke, backend=self.backend, dynamic=self._dynamic, fullgraph=True,
+                                  options={**(self.options or {}), "guard_filter_fn": _no_guards})
+            version = whole.aot_compile(((self.fn, *args), kwargs))
+        self.compiles += 1
+        self.compile_s += time.perf_counter() - t0
+        try:
+            os.makedirs(self.precompile_dir, exist_ok=True)
+            version.save_compiled_function(self._path(own))
+        except Exception as e:  # a read-only or full disk: this process runs compiled; the next compiles again
+            logger.warning("precompiled %s could not be saved to %s (%s: %s)", self.name, self._path(own),
+                           type(e).__name__, e)
+        self._versions[own] = version = partial(version, self.fn)
+        return version
+
+    def _key(self, args: tuple, kwargs: dict, batch: set[int], one_as_any: bool) -> str:
+        return repr((*self._key_prefix, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                     signature(args, batch, one_as_any), signature(kwargs, batch, one_as_any)))
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.precompile_dir,
+                            f"{_slug(self.name)}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin")
+
+    def _load(self, key: str) -> Callable[..., Any] | None:
+        """The version saved under `key`, or None: no file, or one that does not load (other versions, damaged)."""
+        path, t0 = self._path(key), time.perf_counter()
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                version = torch.compiler.load_compiled_function(f)
+        except Exception as e:  # a file from other versions, or a damaged one: compile it again
+            logger.warning("precompiled %s could not be loaded from %s (%s: %s); compiling it again", self.name,
+                           path, type(e).__name__, e)
+            return None
+        self.loaded += 1
+        self.load_s += time.perf_counter() - t0
         self._versions[key] = version = partial(version, self.fn)
         return version
 
@@ -187,22 +207,22 @@ def _no_guards(entries: list) -> list[bool]:
     return [False] * len(entries)
 
 
-def signature(obj: Any, batch: set[int]) -> Any:
+def signature(obj: Any, batch: set[int], one_as_any: bool = False) -> Any:
     """What compiled code depends on in `obj` (arguments: tensors, dataclasses, dicts, sequences, scalars): tensors'
-    shapes, strides, dtypes and devices (a batch tensor's first dimension as 1 or -1: any above 1), scalars' values,
-    other objects' types."""
+    shapes, strides, dtypes and devices (a batch tensor's first dimension as 1 or -1: any above 1; with
+    `one_as_any`, 1 as -1 too), scalars' values, other objects' types."""
     if isinstance(obj, torch.Tensor):
         shape = list(obj.shape)
-        if id(obj) in batch and shape and shape[0] > 1:
+        if id(obj) in batch and shape and (shape[0] > 1 or one_as_any and shape[0] == 1):
             shape[0] = -1
         return ("T", tuple(shape), obj.stride()[1:], str(obj.dtype), str(obj.device))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return (type(obj).__name__,) + tuple((f.name, signature(getattr(obj, f.name), batch))
+        return (type(obj).__name__,) + tuple((f.name, signature(getattr(obj, f.name), batch, one_as_any))
                                              for f in dataclasses.fields(obj))
     if isinstance(obj, dict):
-        return tuple(sorted((str(k), signature(v, batch)) for k, v in obj.items()))
+        return tuple(sorted((str(k), signature(v, batch, one_as_any)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
-        return tuple(signature(v, batch) for v in obj)
+        return tuple(signature(v, batch, one_as_any) for v in obj)
     if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
         return repr(obj)
     return type(obj).__qualname__
