@@ -113,7 +113,7 @@ def test_the_oracle_reads_the_compiled_digits(compiled, graphed):
     `python tools/read_digits.py FILE` on a machine that has it.
 
     The pixel bound is looser than a single step's 2e-2: 20 Euler steps through two different kernel sets (each step
-    within 0.005 of the other, test above) drift apart, and Triton's autotuning picks other kernels run to run. Six
+    within 0.005 of the other, test above) drift apart, and Triton's autotuning picks other kernels run to run. Seven
     runs of this test over sessions 8-12 measured 0.0115-0.0206 (BENCHMARKS.md); a real fault (a wrong weight, a
     stale adapter, a wrong sampler coefficient) moves these images by 0.05 and more."""
     asked, images = _digits(compiled)
