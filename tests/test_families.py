@@ -54,7 +54,7 @@ class ToyVelocity(torch.nn.Module):
         return mixed * (t / 1000.0).view(-1, 1, 1, 1) + target - x
 
 
-def flow_plan(sampler: str, schedule: str, steps: int) -> SamplerPlan:
+def flow_plan(sampler: str, schedule: str, steps: int, key: tuple[int, int] = (64, 64)) -> SamplerPlan:
     """Euler on the flow-matching line x_sigma = (1 - sigma) x0 + sigma * noise, sigma from 1 to 0."""
     if sampler != "euler" or schedule != "default":
         raise ParamError("sampler", f"sampler {sampler!r} with schedule {schedule!r} is not available for the toy "

@@ -6,6 +6,8 @@ import torch
 
 from diffgraph.config import GraphConfig, parse_buckets, parse_resolutions
 from diffgraph.engine.model_runner import ModelRunner
+from diffgraph.features.base import Admission
+from diffgraph.request import GenerationRequest
 from diffgraph.models.families.base import select_row
 from diffgraph.graphs.graphed_unet import GraphedUNet
 
@@ -32,14 +34,24 @@ def _fill(worker, key, n, seed):
     lat = torch.randn((n, *worker.latent_shape(key)), generator=g)
     cond = worker.encode(["a cat"] * n)
     uncond = worker.adapter.negative(worker.model, worker.encode([""] * n), [None] * n)
+    request = GenerationRequest.create("a cat", width=key[1], height=key[0], guidance_scale=1.0)
     for i in range(n):
-        worker.write_rows(key, i, lat[i:i + 1], select_row(cond, i), select_row(uncond, i), 7.5)
+        worker.write_rows(key, i, lat[i:i + 1], select_row(cond, i), Admission(request, 1, select_row(uncond, i)))
     return lat
 
 
 def _coefs(worker, n, step=3):
-    plan = worker.plan_for("dpmpp_2m", "karras", 10)
-    return np.repeat(plan.coefs[step][None], n, 0)
+    """Step `step` of a 10-step plan for n rows that run one denoiser branch (guidance 1)."""
+    plan = worker.plan_for("dpmpp_2m", "karras", 10, (64, 64))
+    request = GenerationRequest.create("a cat", width=64, height=64, guidance_scale=1.0, num_inference_steps=10)
+    return np.repeat(worker.program.request_coefs(request, plan.coefs, 0)[step][None], n, 0)
+
+
+def _step(worker, key, n):
+    """One step of n one-branch rows; True when it ran as a graph replay."""
+    before = sum(r["replays"] for r in worker.graph_table())
+    worker.step(key, _coefs(worker, n), [(i, 1, 1) for i in range(n)], None)
+    return sum(r["replays"] for r in worker.graph_table()) > before
 
 
 def test_padding_rows_never_change_live_rows(emulated_worker, tiny_engine):
@@ -49,11 +61,11 @@ def test_padding_rows_never_change_live_rows(emulated_worker, tiny_engine):
     buf = emulated_worker.buffers(key)
     buf.x[3] = 1e6
     buf.d_prev[3] = -1e6
-    buf.cond["embeds"][3] = buf.cond["embeds"][0] * 3
+    buf.cond("embeds")[3] = buf.cond("embeds")[0] * 3
     eager = ModelRunner(tiny_engine.model, mode="eager")
     _fill(eager, key, 3, seed=0)
-    assert emulated_worker.step(key, 3, _coefs(emulated_worker, 3), None) is True
-    assert eager.step(key, 3, _coefs(eager, 3), None) is False
+    assert _step(emulated_worker, key, 3) is True
+    assert _step(eager, key, 3) is False
     # batch 4 vs 3 changes CPU matmul blocking: equal up to float rounding
     torch.testing.assert_close(emulated_worker.buffers(key).x[:3], eager.buffers(key).x[:3], atol=1e-5, rtol=0)
     assert torch.isfinite(buf.x[3]).all() and float(buf.x[3].abs().max()) == 0.0
@@ -65,7 +77,7 @@ def test_padding_rows_never_change_live_rows(emulated_worker, tiny_engine):
 def test_uncovered_shapes_run_eagerly_and_are_counted(emulated_worker):
     key = (64, 96)  # not a configured resolution
     _fill(emulated_worker, key, 2, seed=1)
-    assert emulated_worker.step(key, 2, _coefs(emulated_worker, 2), None) is False
+    assert _step(emulated_worker, key, 2) is False
     rows = [r for r in emulated_worker.graph_runner.table() if r["status"] == "uncovered"]
     assert {(r["height"], r["width"], r["eager_fallbacks"]) for r in rows} == {(64, 96, 1)}
     # more rows than the largest bucket cannot happen in graph mode: the runner holds at most that many rows
@@ -81,14 +93,19 @@ def test_max_rows_is_the_largest_bucket_and_never_more(tiny_engine):
         ModelRunner(tiny_engine.model, mode="graph", graphs=cfg, max_rows=16)
     with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as e:
         sizes = []
-        e.step_listeners.append(lambda plan, seconds: sizes.append(plan.n_rows))
-        futures = [e.submit(e.make_request("a cat", num_images=n, num_inference_steps=3, seed=i))
-                   for i, n in enumerate((3, 2, 4, 1, 1))]
+        costs = []
+        e.step_listeners.append(lambda plan, seconds: (sizes.append(plan.n_rows), costs.append(plan.cost_rows)))
+        # buckets count denoiser rows: a guidance-free image costs one, a classifier-free guided one two
+        futures = [e.submit(e.make_request("a cat", num_images=n, num_inference_steps=3, seed=i, guidance_scale=g))
+                   for i, (n, g) in enumerate(((3, 1.0), (2, 7.5), (4, 0.0), (1, 7.5), (1, 1.0)))]
         results = [f.result() for f in futures]
         with pytest.raises(ValueError, match="num_images 5 exceeds this engine's largest batch bucket 4"):
             e.make_request("a cat", num_images=5)
+        with pytest.raises(ValueError, match="6 denoiser rows: classifier-free guidance costs 2 per image; use "
+                                             "num_images <= 2"):
+            e.submit(e.make_request("a cat", num_images=3, guidance_scale=7.5))
     assert [len(r) for r in results] == [3, 2, 4, 1, 1]
-    assert sizes and max(sizes) <= 4 and sum(sizes) == 3 * 11
+    assert sizes and max(sizes) <= 4 and sum(sizes) == 3 * 11 and max(costs) <= 4
     table = {(r["kind"], r["bucket"]): r for r in e.graph_table()}
     assert sum(r["replays"] for k, r in table.items() if k[0] == "step") == len(sizes)  # every step a replay
 
@@ -108,14 +125,14 @@ def test_capture_failure_falls_back_and_keeps_serving(emulated_worker, monkeypat
     eager = ModelRunner(tiny_engine.model, mode="eager")
     _fill(eager, key, 2, seed=2)
     for _ in range(2):
-        assert emulated_worker.step(key, 2, _coefs(emulated_worker, 2), None) is False
-        eager.step(key, 2, _coefs(eager, 2), None)
+        assert _step(emulated_worker, key, 2) is False
+        _step(eager, key, 2)
     torch.testing.assert_close(emulated_worker.buffers(key).x[:2], eager.buffers(key).x[:2], atol=0, rtol=0)
     row = next(r for r in runner.table() if r["kind"] == "step" and r["bucket"] == 2)
     assert row["status"] == "failed" and "not permitted" in row["error"] and row["eager_fallbacks"] == 2
     # other keys still capture and replay
     _fill(emulated_worker, key, 1, seed=3)
-    assert emulated_worker.step(key, 1, _coefs(emulated_worker, 1), None) is True
+    assert _step(emulated_worker, key, 1) is True
 
 
 def test_verify_records_difference(tiny_engine):

@@ -160,6 +160,9 @@ class GenerationRequest:
     request_id: str = field(default_factory=_new_id)
     edit: EditInput | None = None     # image-to-image / inpainting input; None: text-to-image
     loras: tuple[tuple[str, float], ...] = ()  # (adapter name, scale) pairs, at most MAX_LORAS
+    # classifier-free guidance only for steps i of N with lo <= i / N < hi (Kynkaanniemi et al., 2024); None: all
+    guidance_interval: tuple[float, float] | None = None
+    guidance_rescale: float = 0.0  # diffusers' rescaled CFG (zero-SNR / v-prediction models), 0 = off
 
     def __post_init__(self) -> None:
         """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are
@@ -205,6 +208,13 @@ class GenerationRequest:
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "loras", check_loras(self.loras))
+        object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
+        rescale = self.guidance_rescale
+        if isinstance(rescale, bool) or not isinstance(rescale, (int, float, np.floating, np.integer)) \
+                or not 0 <= float(rescale) <= 1:  # NaN fails this too
+            raise ParamError("guidance_rescale", f"guidance_rescale {_show(rescale)} is out of range; allowed: a "
+                                                 "number in [0, 1] (0.7 is diffusers' suggestion for zero-SNR models)")
+        object.__setattr__(self, "guidance_rescale", float(rescale))
         if self.edit is not None:
             if not isinstance(self.edit, EditInput):
                 raise ParamError("image", f"edit must be an EditInput, got {type(self.edit).__name__}")
@@ -226,7 +236,8 @@ class GenerationRequest:
                num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = "euler",
                schedule: Any = "default", seed: Any = None, num_images: Any = 1, output_format: Any = None,
                request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
-               mask_image: Any = None, strength: Any = None, loras: Any = ()) -> "GenerationRequest":
+               mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
+               guidance_rescale: Any = 0.0) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size and
         guidance where those are not given, every value checked (and `num_images` against the engine's rows).
         With `image` (PIL image or uint8 RGB array) it is an image-to-image request, with `mask_image` too an
@@ -256,7 +267,8 @@ class GenerationRequest:
                       num_inference_steps=num_inference_steps,
                       guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
                       sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
-                      output_format=output_format, edit=edit, loras=loras, **kwargs)
+                      output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
+                      guidance_rescale=guidance_rescale, **kwargs)
         if model is not None and request.num_images > model.max_rows:
             raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest batch "
                                            f"bucket {model.max_rows}")
@@ -266,6 +278,21 @@ class GenerationRequest:
     def key(self) -> GroupKey:
         """The resolution group of the request's rows: (height, width)."""
         return (self.height, self.width)
+
+
+def check_interval(value: Any) -> tuple[float, float] | None:
+    """A guidance interval: None, or [lo, hi] with 0 <= lo < hi <= 1 (fractions of the request's steps)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) != 2 or any(
+            isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) for v in value):
+        raise ParamError("guidance_interval", f"guidance_interval must be [lo, hi], two numbers in [0, 1], got "
+                                              f"{_show(value)}")
+    lo, hi = float(value[0]), float(value[1])
+    if not (0 <= lo < hi <= 1):  # NaN fails this too
+        raise ParamError("guidance_interval", f"guidance_interval [{lo:g}, {hi:g}] must have 0 <= lo < hi <= 1 "
+                                              "(fractions of the schedule: [0.2, 0.8] guides the middle 60%)")
+    return (lo, hi)
 
 
 def check_loras(value: Any) -> tuple[tuple[str, float], ...]:

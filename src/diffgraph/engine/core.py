@@ -27,6 +27,7 @@ import torch
 
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ParamError,
                        ProgressEvent, RequestAborted)
+from ..features.base import Admission
 from .edits import prepare_edit
 from .model_runner import ModelRunner
 from .prompts import PromptKey
@@ -95,7 +96,8 @@ class EngineCore:
     def submit(self, request: GenerationRequest, sink: RequestSink, loras: tuple | None = None) -> None:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
-        state = RequestState.of(request, self.runner.request_plan(request), time.monotonic(), sink)
+        plan = self.runner.request_plan(request)
+        state = RequestState.of(request, plan, time.monotonic(), sink, self.runner.request_branches(request, plan))
         state.loras = self.resolve_loras(request) if loras is None else loras
         with self._cv:
             if self._stop or not self._thread.is_alive():
@@ -216,10 +218,10 @@ class EngineCore:
                 self.runner.move_rows(plan.key, src, dst, count)
             if plan.admitted and not self._admit(plan.key, plan.admitted):
                 return True  # some admissions failed and left: plan again without them
-            stack = max((sum(r.prepared.has_unet for r in s.loras) for s in plan.live), default=0)
-            replayed = self.runner.step(plan.key, plan.n_rows, plan.coefs,
-                                        [(s.first_row, s.rows, s.generator) for s in plan.noise_requests], stack)
-            plan.cost_rows = self.runner.bucket_of(plan.n_rows) if replayed else plan.n_rows
+            variant = self.runner.program.variant([s.variant_parts for s in plan.live])
+            plan.cost_rows = self.runner.step(
+                plan.key, plan.coefs, [(s.first_row, s.rows, s.branches_now) for s in plan.live],
+                [(s.first_row, s.rows, s.generator) for s in plan.noise_requests], variant)
         except Exception as e:  # only this batch fails; the loop keeps serving
             logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
             self.stats["failed_steps"] += 1
@@ -274,8 +276,9 @@ class EngineCore:
                 else:
                     latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows)
                 pos, neg = _prompt_keys(s)
-                runner.write_rows(key, s.first_row, latents, mine[pos], mine[neg], r.guidance_scale, edit,
-                                  [(slot, a.scale) for a, slot in zip(s.loras, s.lora_slots) if a.prepared.has_unet])
+                admission = Admission(r, s.rows, mine[neg], edit or {}, [
+                    (slot, a.scale) for a, slot in zip(s.loras, s.lora_slots) if a.prepared.has_unet])
+                s.variant_parts = runner.write_rows(key, s.first_row, latents, mine[pos], admission)
                 s.admitted_at = now
             except Exception as e:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)

@@ -26,7 +26,7 @@ from ..sampling.samplers import SamplerPlan, noising
 
 def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generator: torch.Generator,
                  plan: SamplerPlan, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(initial latents [rows, C, h, w] fp32, per-row fields for `ModelRunner.write_rows`) of an edit request."""
+    """(initial latents [rows, C, h, w] fp32, the edit row feature's fields: features/edit.py) of an edit request."""
     from diffusers.image_processor import VaeImageProcessor
     from PIL import Image
 
@@ -49,11 +49,11 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
     def sample(p: torch.Tensor) -> torch.Tensor:  # the posterior sample from the request's generator
         mean, logvar = p.float().chunk(2, dim=1)
         eps = torch.randn(mean.shape, generator=generator, dtype=p.dtype)
-        latent = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * runner._to_device(eps).float()
-        return adapter.image_latents(model, runner.decoder, latent)
+        latent = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * runner.to_device(eps).float()
+        return adapter.image_latents(model, runner.encoder, latent)
 
     image_latents = sample(params[:1]) if need_image else None
-    noise = runner._to_device(torch.randn((rows, *runner.latent_shape(key)), generator=generator,
+    noise = runner.to_device(torch.randn((rows, *runner.latent_shape(key)), generator=generator,
                                           dtype=model.dtype)).float()
     masked_latents = sample(params[-1:]) if edit.inpaint else None
     if pure_noise:
@@ -63,7 +63,7 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
         latents = k * image_latents + e * noise
     fields: dict[str, torch.Tensor] = {}
     if edit.inpaint:
-        small = runner._to_device(torch.nn.functional.interpolate(mask, size=(h // f, w // f)))
+        small = runner.to_device(torch.nn.functional.interpolate(mask, size=(h // f, w // f)))
         if runner.extra_channels:
             fields["extra"] = torch.cat([small, masked_latents], dim=1).to(model.dtype)
         else:

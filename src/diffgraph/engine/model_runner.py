@@ -28,15 +28,15 @@ import numpy as np
 import torch
 
 from ..config import CompileConfig, GraphConfig, smallest_bucket
+from ..features.base import Admission
+from ..features.program import StepProgram, VariantKey, denoiser_rows, layout
 from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
-from ..graphs.graphables import TextGraph, VaeEncodeGraph, VaeGraph, step_kind
-from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, whole_step
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
-from ..request import MAX_LORAS, GenerationRequest, GroupKey, ParamError
-from ..sampling.samplers import NUM_COEFS, SamplerPlan, start_plan
-from .graph_setup import STEP_STACKS, VAE_BUCKETS, make_graphs
+from ..request import GenerationRequest, GroupKey, ParamError
+from ..sampling.samplers import SamplerPlan, start_plan
+from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
 from .prompts import PromptCache, PromptKey, TextLoras
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
@@ -48,6 +48,7 @@ class _Staging:
 
     coefs: torch.Tensor
     noise: torch.Tensor
+    index: torch.Tensor
     event: torch.cuda.Event | None = None
 
 
@@ -77,7 +78,7 @@ class ModelRunner:
             self.graph_config = dataclasses.replace(self.graph_config, batch_buckets=tuple(
                 b for b in self.graph_config.batch_buckets if b <= max_rows))
         self.max_rows = max_rows or self.graph_config.max_bucket
-        self.plan_for: Callable[[str, str, int], SamplerPlan] = self.adapter.planner(model)
+        self._planner = self.adapter.planner(model)
         # eager callables, and the callables captured in graphs: separate objects (a compiled callable may be put
         # in the graphs' place; an eager fallback never runs it)
         self.denoise_eager = partial(self.adapter.denoise, model)
@@ -88,19 +89,20 @@ class ModelRunner:
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
         self.prompts = PromptCache(prompt_cache_size)
         self.loras = loras  # LoRA adapter slots and side paths, or None
-        self.lora_stack = MAX_LORAS if loras is not None and loras.enabled else 0
-        self.graph_runner: GraphRunner | None = None
-        self.text_graph: TextGraph | None = None
-        self.vae_graph: VaeGraph | None = None
-        self.encode_graph: VaeEncodeGraph | None = None
+        slots = loras is not None and loras.enabled
+        self.slot_shape = (loras.config.slots, loras.config.max_lora_rank) if slots else None
+        # the row features of this family's step (guidance, edits, LoRA rows, ...), composed
+        self.program = StepProgram(self.adapter.features(model, loras.unet_rows if slots else None))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
+        self.graphs: GraphSet | None = None
         self.compiled: list[Compiled] = []  # the compile tier's callables (compile=...)
         self.compile_folder: str | None = None  # and their cache folder
         with self.on_device():
             self.decoder = self.adapter.decoder(model)
             if mode == "graph":
-                self.compiled = make_graphs(self, compile)
+                self.graphs = make_graphs(self, compile)
+                self.compiled, self.compile_folder = self.graphs.compiled, self.graphs.compile_folder
             elif compile is not None:  # eager mode (the CPU): the step itself runs compiled, shapes as they come
                 self.compile_folder = open_cache(compile, model, self.device)
                 self._eager_step = Compiled(whole_step, compile, "the whole step", dynamic=None)
@@ -140,9 +142,18 @@ class ModelRunner:
                 self.decoder = self.adapter.decoder(self.model)
         if self.graph_runner is not None:
             extra = (("vae_encode",) if "vae" in kinds else ()) + (
-                tuple(step_kind(k) for k in STEP_STACKS[1:]) if "step" in kinds and self.lora_stack else ())
+                tuple(self.program.kind(v) for v in self.program.variants()[1:]) if "step" in kinds else ())
             for k in kinds + extra:
                 self.graph_runner.invalidate(k)
+
+    @property
+    def graph_runner(self):
+        return None if self.graphs is None else self.graphs.runner
+
+    @property
+    def encoder(self) -> Any:
+        """The VAE module an edit's image is encoded with (the decoder's module, in the decode dtype)."""
+        return self.decoder
 
     def graph_table(self) -> list[dict[str, Any]]:
         return [] if self.graph_runner is None else self.graph_runner.table()
@@ -158,10 +169,14 @@ class ModelRunner:
     def latent_shape(self, key: GroupKey) -> tuple[int, ...]:
         return self.adapter.latent_shape(self.model, key)
 
-    def plan(self, sampler: str, schedule: str, steps: int) -> SamplerPlan:
+    def plan_for(self, sampler: str, schedule: str, steps: int, key: GroupKey) -> SamplerPlan:
+        """The family's sampler plan at a resolution (its planner may depend on it: a flow model's time shift)."""
+        return self._planner(sampler, schedule, steps, key)
+
+    def plan(self, sampler: str, schedule: str, steps: int, key: GroupKey) -> SamplerPlan:
         """The sampler plan of a request; a step count or sampler the model cannot take is a ParamError."""
         try:
-            return self.plan_for(sampler, schedule, steps)
+            return self.plan_for(sampler, schedule, steps, key)
         except ParamError:  # the family named the parameter itself
             raise
         except ValueError as e:
@@ -169,23 +184,34 @@ class ModelRunner:
                                                     f"{sampler!r} and schedule {schedule!r} on this model: {e}") from None
 
     def request_plan(self, request: GenerationRequest) -> SamplerPlan:
-        """The plan a request's rows walk: all of it, or from the step an edit's strength starts at."""
-        plan = self.plan(request.sampler, request.schedule, request.num_inference_steps)
+        """The plan a request's rows walk (all of it, or from the step an edit's strength starts at), with the row
+        features' per-step columns in its coefficient table."""
+        plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key)
+        start = self._start(request)
+        if start:
+            plan = start_plan(plan, start)
+        return dataclasses.replace(plan, coefs=self.program.request_coefs(request, plan.coefs, start))
+
+    def request_branches(self, request: GenerationRequest, plan: SamplerPlan) -> np.ndarray:
+        """Denoiser rows per image row at each step of `plan` (2 where classifier-free guidance runs)."""
+        return self.program.branches(request, self._start(request), plan.num_steps)
+
+    def _start(self, request: GenerationRequest) -> int:
+        """The step of the full schedule a request's rows start at (an edit's strength rule; else 0)."""
         if request.edit is None:
-            return plan
+            return 0
         if not self.adapter.supports_edits:
             raise ParamError("image", f"model family {self.adapter.name!r} takes no image inputs; send a "
                                       "text-to-image request")
-        return start_plan(plan, request.num_inference_steps - request.denoising_steps)
+        return request.num_inference_steps - request.denoising_steps
 
     def buffers(self, key: GroupKey) -> StepBuffers:
         """The static buffers of a resolution group, allocated once at max_rows."""
         buf = self.groups.get(key)
         if buf is None:
             m = self.model
-            buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.adapter.cond_spec(m),
-                                       self._row_fields(key), m.dtype, self.device, self.extra_channels,
-                                       self.lora_stack)
+            buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.program,
+                                       self.adapter.cond_spec(m), self._row_fields(key), m.dtype, self.device)
             self.groups[key] = buf
         return buf
 
@@ -210,8 +236,9 @@ class ModelRunner:
         slots = self._staging.get(key)
         if slots is None:
             pin = self.cuda
-            slots = [_Staging(torch.zeros((self.max_rows, NUM_COEFS), pin_memory=pin),
-                              torch.zeros((self.max_rows, *self.latent_shape(key)), pin_memory=pin))
+            slots = [_Staging(torch.zeros((self.max_rows, self.program.num_columns), pin_memory=pin),
+                              torch.zeros((self.max_rows, *self.latent_shape(key)), pin_memory=pin),
+                              torch.zeros((self.max_rows, 4), dtype=torch.int64, pin_memory=pin))
                      for _ in range(2)]
             self._staging[key] = slots
             self._staging_turn[key] = 0
@@ -227,7 +254,7 @@ class ModelRunner:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device without blocking the host: from pinned memory, asynchronously (a pageable copy
         would wait for the GPU queue to drain and leave it idle while the host catches up)."""
         if not self.cuda or t.is_cuda:
@@ -238,19 +265,19 @@ class ModelRunner:
     def encode(self, prompts: list[str]) -> Conditioning:
         """Encodes prompts, through the text-encoder graphs where they cover the batch."""
         runner = self.graph_runner
-        if runner is None or self.text_graph is None:
+        if runner is None or self.graphs.text is None:
             return self.adapter.encode(self.model, prompts)
         ids = self.adapter.tokenize(self.model, prompts)
         chunk = max(self.graph_config.batch_buckets)
         parts = []
         for start in range(0, len(prompts), chunk):
-            part = [self._to_device(i[start:start + chunk]) for i in ids]
+            part = [self.to_device(i[start:start + chunk]) for i in ids]
             n = part[0].shape[0]
             bucket = runner.bucket("text", 0, 0, n)
             if bucket is None:
                 parts.append(self.adapter.encode_ids(self.model, part))
                 continue
-            self.text_graph.write(part, bucket)
+            self.graphs.text.write(part, bucket)
             out = runner.replay("text", 0, 0, bucket)
             parts.append({k: v[:n].clone() for k, v in out.items()})
         return concat(parts)
@@ -260,8 +287,8 @@ class ModelRunner:
         if not loras:
             return self.encode(prompts)
         rows = self.loras.text_rows
-        rows.set(self._to_device(torch.tensor([[slot for _, _, slot in loras]] * len(prompts))),
-                 self._to_device(torch.tensor([[scale for _, scale, _ in loras]] * len(prompts))))
+        rows.set(self.to_device(torch.tensor([[slot for _, _, slot in loras]] * len(prompts))),
+                 self.to_device(torch.tensor([[scale for _, scale, _ in loras]] * len(prompts))))
         try:
             return self.adapter.encode(self.model, prompts)
         finally:
@@ -280,60 +307,50 @@ class ModelRunner:
         return latents.float() * sigma
 
     def write_rows(self, key: GroupKey, start: int, latents: torch.Tensor, cond: Conditioning,
-                   uncond: Conditioning, guidance: float, edit: dict[str, torch.Tensor] | None = None,
-                   loras: list[tuple[int, float]] = ()) -> None:
-        """Fills rows [start, start+k) with initial latents, one prompt's conditioning (broadcast), an edit's
-        per-row fields (edits.py: mask, known, noise0, extra), or the neutral ones (no inpainting blend), and the
-        (slot, scale) of each of its UNet adapters (slot 0: none)."""
+                   admission: Admission) -> tuple:
+        """Fills rows [start, start+k) with initial latents, one prompt's conditioning (broadcast) and each row
+        feature's fields for the admitted request (their neutral values where it does not use them); returns the
+        request's parts of the step variant key."""
         buf = self.buffers(key)
         k = latents.shape[0]
         rows = slice(start, start + k)
-        buf.x[rows] = self._to_device(latents.float())
+        buf.x[rows] = self.to_device(latents.float())
         buf.d_prev[rows] = 0
         buf.noise[rows] = 0
         buf.coefs[rows] = 0
-        # diffusers skips CFG when guidance <= 1 (only the text branch runs): scale 1 selects it.
-        buf.guidance[rows] = guidance if guidance > 1 else 1.0
-        for name in buf.cond:
-            buf.cond[name][rows] = cond[name]
-            buf.uncond[name][rows] = uncond[name]
+        for name in buf.cond_names:
+            buf.cond(name)[rows] = cond[name]
         for name, value in self._row_fields(key).items():
-            buf.rows[name][rows] = value
-        if buf.lora_idx is not None and loras:  # (a pageable copy would wait for the GPU queue: pinned, async)
-            pad = list(loras) + [(0, 0.0)] * (buf.lora_idx.shape[1] - len(loras))
-            buf.lora_idx[rows] = self._to_device(torch.tensor([s for s, _ in pad]))
-            buf.lora_scale[rows] = self._to_device(torch.tensor([c for _, c in pad], dtype=torch.float32))
-        elif buf.lora_idx is not None:
-            buf.lora_idx[rows] = 0
-            buf.lora_scale[rows] = 0.0
-        edit = edit or {}
-        buf.mask[rows] = self._to_device(edit["mask"]) if "mask" in edit else 1.0
-        for name in ("known", "noise0"):
-            getattr(buf, name)[rows] = self._to_device(edit[name]) if name in edit else 0.0
-        if buf.extra is not None:  # no inpainting input: repaint everything (mask 1), nothing known (zeros)
-            if "extra" in edit:
-                buf.extra[rows] = self._to_device(edit["extra"])
-            else:
-                buf.extra[rows, 0] = 1.0
-                buf.extra[rows, 1:] = 0.0
+            buf.fields[f"rows.{name}"][rows] = value
+        values: dict[str, torch.Tensor | float] = {}
+        for feature in self.program.features:
+            values.update(feature.rows(admission))
+        # host tensors go through pinned memory, asynchronously (a pageable copy would wait for the GPU queue)
+        buf.write(rows, {n: self.to_device(v) if isinstance(v, torch.Tensor) else v for n, v in values.items()})
+        return self.program.parts(admission)
 
-    def step(self, key: GroupKey, n: int, coefs: np.ndarray,
-             noise: list[tuple[int, int, torch.Generator]] | None = None, stack: int = 0) -> bool:
-        """Runs one step for rows [0, n). coefs: [n, NUM_COEFS]; noise: (first row, rows, generator) of the
-        requests that draw ancestral noise this step; stack: the most UNet adapters a live row uses (0: run the
-        variant without side paths). Returns True when it ran as a graph replay."""
+    def step(self, key: GroupKey, coefs: np.ndarray, rows: list[tuple[int, int, int]],
+             noise: list[tuple[int, int, torch.Generator]] | None = None, variant: VariantKey | None = None) -> int:
+        """Runs one step. coefs: [n, columns] for image rows [0, n); rows: (first row, rows, denoiser rows per row
+        this step) of each live request, packed from row 0; noise: (first row, rows, generator) of the requests that
+        draw ancestral noise this step; variant: the step variant (None: the neutral one). Returns the denoiser rows
+        the step cost: its graph bucket when it ran as a replay, else its denoiser rows."""
         buf = self.buffers(key)
-        stack = next(k for k in STEP_STACKS if k >= stack)  # the variant there are graphs of
-        kind = step_kind(stack)
-        bucket = self.graph_runner.bucket(kind, key[0], key[1], n) if self.graph_runner is not None else None
-        rows = bucket or n
+        n, d = coefs.shape[0], denoiser_rows(rows)
+        variant = self.program.neutral() if variant is None else variant
+        kind = self.program.kind(variant)
+        bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
+        size = bucket or d
         slot = self._next_staging(key)
         slot.coefs[:n].numpy()[:] = coefs
-        if rows > n:  # padding rows: zero state and all-zero coefficients keep them at x = 0, finite
-            slot.coefs[n:rows] = 0
-            buf.x[n:rows].zero_()
-            buf.d_prev[n:rows].zero_()
-        buf.coefs[:rows].copy_(slot.coefs[:rows], non_blocking=True)
+        slot.index[:size].numpy()[:] = layout(rows, size)
+        if bucket is not None and bucket > n:  # padding rows: zero state and coefficients keep them at x = 0
+            slot.coefs[n:bucket] = 0
+            buf.x[n:bucket].zero_()
+            buf.d_prev[n:bucket].zero_()
+        image_rows = bucket or n
+        buf.coefs[:image_rows].copy_(slot.coefs[:image_rows], non_blocking=True)
+        buf.index[:size].copy_(slot.index[:size], non_blocking=True)
         shape = self.latent_shape(key)
         for first, k, generator in noise or ():
             slot.noise[first:first + k].copy_(torch.randn((k, *shape), generator=generator, dtype=self.model.dtype))
@@ -342,10 +359,10 @@ class ModelRunner:
             slot.event = self._record_event()
         if bucket is not None:
             self.graph_runner.replay(kind, key[0], key[1], bucket)
-            return True
+            return bucket
         with torch.no_grad():
-            self._eager_step(self.denoise_eager, buf, n, self.loras and self.loras.unet_rows, stack)
-        return False
+            self._eager_step(self.program, self.denoise_eager, buf, n, d, variant)
+        return d
 
     def read_latents(self, key: GroupKey, start: int, count: int) -> torch.Tensor:
         return self.buffers(key).x[start:start + count].clone()
@@ -354,22 +371,22 @@ class ModelRunner:
         self.buffers(key).move_rows(src, dst, count)
 
     # -- encode (edits) and decode -----------------------------------------------------------------
-    def _encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_pixels_eager(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.adapter.encode_pixels(self.model, self.decoder, pixels)
 
     @torch.no_grad()
     def encode_pixels(self, key: GroupKey, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels [n, 3, H, W] in [-1, 1] (host) -> the VAE posterior's parameters [n, 2C, h, w] on the device,
         through the encoder graph where it covers (resolution, n); without waiting for the GPU."""
-        pixels = self._to_device(pixels.to(self.model.vae_dtype))
+        pixels = self.to_device(pixels.to(self.model.vae_dtype))
         runner, n = self.graph_runner, pixels.shape[0]
-        bucket = runner.bucket("vae_encode", key[0], key[1], n) if self.encode_graph is not None else None
+        bucket = runner.bucket("vae_encode", key[0], key[1], n) if self.graphs is not None and self.graphs.encode is not None else None
         if bucket is None:
-            return self._encode_pixels(pixels)
-        self.encode_graph.write(key[0], key[1], pixels, bucket)
+            return self.encode_pixels_eager(pixels)
+        self.graphs.encode.write(key[0], key[1], pixels, bucket)
         return runner.replay("vae_encode", key[0], key[1], bucket)[:n].clone()
 
-    def _decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         return self.adapter.decode(self.model, self.decoder, latents)
 
     @torch.no_grad()
@@ -385,11 +402,11 @@ class ModelRunner:
         for start in range(0, n_total, chunk):
             part = latents[start:start + chunk]
             n = part.shape[0]
-            bucket = runner.bucket("vae", key[0], key[1], n) if self.vae_graph is not None else None
+            bucket = runner.bucket("vae", key[0], key[1], n) if runner is not None and self.graphs.vae else None
             if bucket is None:
-                image = self._decode_pixels(part)
+                image = self.decode_pixels(part)
             else:
-                self.vae_graph.write(key[0], key[1], part, bucket)
+                self.graphs.vae.write(key[0], key[1], part, bucket)
                 image = runner.replay("vae", key[0], key[1], bucket)[:n]
             image = image.permute(0, 2, 3, 1)
             if host is None:

@@ -4,7 +4,8 @@ Requests wait in one queue per resolution group. Each iteration `schedule()` pic
 waiting requests of that group into free rows at the step boundary (FIFO), and hands the model runner a
 `StepPlan`: row moves that keep live rows contiguous, the admitted requests and their first rows, and
 the coefficient table of every live row for this step. `update()` advances the rows and retires the
-finished requests. Live rows of a group never exceed `max_rows` (the largest batch bucket).
+finished requests. The denoiser rows a group's live requests may need at once (their peaks: a guiding row costs two) never
+exceed `max_rows` (the largest batch bucket).
 
 Batching modes, on the same path:
   step     requests join between steps and leave when done (continuous batching);
@@ -99,11 +100,32 @@ class RequestState:
     admitted_at: float = 0.0
     loras: tuple = ()          # the request's resolved LoRA adapters (lora.manager.Resolved), if any
     lora_slots: list = field(default_factory=list)  # their device slots while its rows live
+    branches: np.ndarray | None = None  # [steps] denoiser rows per image row at each step (None: 1 everywhere)
+    variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)
 
     @classmethod
-    def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None) -> "RequestState":
+    def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
+           branches: np.ndarray | None = None) -> "RequestState":
         return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
-                   arrival=arrival, request=request, sink=sink)
+                   arrival=arrival, request=request, sink=sink, branches=branches)
+
+    @property
+    def branches_now(self) -> int:
+        """Denoiser rows per image row at this step (2 where classifier-free guidance runs both branches)."""
+        return 1 if self.branches is None else int(self.branches[min(self.step, len(self.branches) - 1)])
+
+    @property
+    def cost(self) -> int:
+        """Denoiser rows this request costs at this step."""
+        return self.rows * self.branches_now
+
+    @property
+    def peak(self) -> int:
+        """The most denoiser rows it costs at any step from now on: what admission reserves, so a row that starts
+        guiding mid-schedule never overflows its group."""
+        if self.branches is None:
+            return self.rows
+        return self.rows * int(self.branches[min(self.step, len(self.branches) - 1):].max())
 
     @property
     def steps(self) -> int:
@@ -159,6 +181,11 @@ class _Group:
     def live_rows(self) -> int:
         return sum(s.rows for s in self.live)
 
+    @property
+    def reserved(self) -> int:
+        """Denoiser rows its live requests may still need at once (the sum of their peaks)."""
+        return sum(s.peak for s in self.live)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock=time.monotonic):
@@ -188,9 +215,13 @@ class Scheduler:
         return g is None or not (g.live or g.waiting)
 
     def add(self, state: RequestState) -> None:
-        if state.rows > self.config.max_rows:
+        if state.peak > self.config.max_rows:
+            per = state.peak // state.rows
             raise ParamError("num_images", f"num_images {state.rows} exceeds the largest batch bucket "
-                                           f"{self.config.max_rows}")
+                                           f"{self.config.max_rows}" + (
+                                               f" ({state.peak} denoiser rows: classifier-free guidance costs {per} "
+                                               f"per image; use num_images <= {self.config.max_rows // per})"
+                                               if per > 1 else ""))
         if any(s.request_id == state.request_id and not s.aborted
                for g in self.groups.values() for s in (*g.waiting, *g.live)):
             raise ParamError("request_id", f"request_id {state.request_id!r} is already in flight; give each request its own id "
@@ -241,7 +272,8 @@ class Scheduler:
         admitted = self._admit(best, now)
         if not best.live:
             return None
-        coefs = np.concatenate([np.broadcast_to(s.plan.coefs[s.step], (s.rows, NUM_COEFS)) for s in best.live])
+        coefs = np.concatenate([np.broadcast_to(s.plan.coefs[s.step], (s.rows, s.plan.coefs.shape[1]))
+                                for s in best.live])
         return StepPlan(best.key, moves, admitted, list(best.live), coefs)
 
     def update(self, plan: StepPlan) -> list[RequestState]:
@@ -304,7 +336,7 @@ class Scheduler:
         if now >= head.arrival + self.config.max_wait_ms / 1e3:
             return True
         # the batch is already full: no reason to wait longer
-        return sum(s.rows for s in self._compatible(g, head)) >= self.config.max_rows
+        return sum(s.peak for s in self._compatible(g, head)) >= self.config.max_rows
 
     def _compatible(self, g: _Group, head: RequestState) -> list[RequestState]:
         if self.config.batching == "request":
@@ -319,7 +351,7 @@ class Scheduler:
             return []
         if not g.live and not self._may_start(g, now):
             return []
-        free = self.config.max_rows - g.live_rows
+        free = self.config.max_rows - g.reserved
         if mode == "step" and g.live:
             free = self._growth_limit(g, now, free)
         admitted = []
@@ -329,7 +361,7 @@ class Scheduler:
                 break
             if mode == "request" and s.steps != head_steps:
                 continue
-            if s.rows > free:
+            if s.peak > free:
                 if mode == "step":
                     break  # FIFO: a large request is not overtaken by smaller ones behind it
                 continue
@@ -339,25 +371,25 @@ class Scheduler:
             s.first_row = g.live_rows
             g.live.append(s)
             admitted.append(s)
-            free -= s.rows
+            free -= s.peak
         return admitted
 
     def _growth_limit(self, g: _Group, now: float, free: int) -> int:
-        """Rows a live group may admit now: the longest FIFO prefix of its queue that either stays within the
-        current bucket or fills at least grow_fill of the bucket it grows into; everything that fits once the
-        queue head has waited grow_hold_ms (or where steps do not pad to buckets)."""
+        """Denoiser rows a live group may admit now: the longest FIFO prefix of its queue that either stays within
+        the current bucket or fills at least grow_fill of the bucket it grows into; everything that fits once the
+        queue head has waited grow_hold_ms (or where steps do not pad to buckets). Counted in peak denoiser rows."""
         cfg = self.config
         if cfg.grow_fill <= 0 or not cfg.buckets or (cfg.padded and g.key not in cfg.padded):
             return free  # no buckets here: an eager step costs its live rows, growing wastes nothing
         if (now - g.waiting[0].arrival) * 1e3 >= cfg.grow_hold_ms:
             return free
-        live = g.live_rows
+        live = g.reserved
         current = cfg.bucket_for(live)
         rows, best = live, live
         for s in g.waiting:  # the prefixes FIFO admission could take
-            if rows - live + s.rows > free:
+            if rows - live + s.peak > free:
                 break
-            rows += s.rows
+            rows += s.peak
             if rows <= current or rows >= cfg.grow_fill * cfg.bucket_for(rows):
                 best = rows
         if best < rows:

@@ -18,21 +18,22 @@ import torch
 from ..sampling.samplers import SamplerPlan
 from .runner import StatelessGraphable
 from .compiled import plain
+from ..features.program import StepProgram, VariantKey, layout
 from .step import Denoiser, StepBuffers, step_rows, whole_step
 
 
 class StepGraph:
-    """The whole step; kind "step", or "step_lora{K}" for the variant whose LoRA side paths read K adapter slots
-    per row (`loras`: the denoiser's lora.sidepath.RowLoras)."""
+    """The whole step of one variant of the row features' program (kind "step" for the neutral variant, e.g.
+    "step_lora1" where the LoRA side paths read one adapter slot per row). A bucket is a count of denoiser rows:
+    the graph runs that many image rows over that many denoiser rows (a guiding row costs two)."""
 
-    def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], denoise: Denoiser,
-                 verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
-                 buckets: tuple[int, ...], loras: Any = None, stack: int = 0,
-                 step_fn: Callable[..., None] = step_rows):
-        self.kind = step_kind(stack)
+    def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], program: StepProgram, denoise: Denoiser,
+                 key: VariantKey, verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
+                 buckets: tuple[int, ...], step_fn: Callable[..., None] = step_rows):
+        self.kind = program.kind(key)
+        self.key = key
+        self._program = program
         self._step = step_fn  # step_rows, or the compile tier's compiled step_rows
-        self._loras = loras
-        self._stack = stack
         self._buffers = buffers
         self.fn = denoise
         self._verify_plan = verify_plan
@@ -46,11 +47,11 @@ class StepGraph:
         return self._resolutions
 
     def run(self, h: int, w: int, b: int) -> None:
-        self._step(self.fn, self._buffers((h, w)).head(b), self._loras, self._stack)
+        self._step(self.fn, self._buffers((h, w)).head(b), self._program, self.key)
 
     def run_reference(self, h: int, w: int, b: int) -> None:
         """The uncompiled step on the same buffers (what verification compares a replay with)."""
-        whole_step(self.fn, self._buffers((h, w)), b, self._loras, self._stack)
+        whole_step(self._program, self.fn, self._buffers((h, w)), b, b, self.key)
 
     def snapshot(self, h: int, w: int, b: int) -> Any:
         return {name: t[:b].clone() for name, t in self._buffers((h, w)).tensors().items()}
@@ -60,22 +61,26 @@ class StepGraph:
             t[:b].copy_(snap[name])
 
     def verify_inputs(self, h: int, w: int, b: int) -> None:
-        """Representative inputs for verification: noisy latents at a mid-schedule step, CFG 7.5."""
+        """Representative inputs for verification: noisy latents at a mid-schedule step of the family's default
+        sampler; the first b // 2 rows guide (CFG 7.5, two denoiser rows each), the rest run one branch."""
         buf = self._buffers((h, w))
         plan = self._verify_plan()
         gen = torch.Generator(device=buf.x.device).manual_seed(0)
-        buf.x[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device) * float(plan.sigmas[3])
+        buf.x[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device) * float(plan.sigmas[1])
         buf.d_prev[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device)
-        buf.coefs[:b] = torch.as_tensor(plan.coefs[3], dtype=torch.float32, device=buf.x.device)
-        buf.guidance[:b] = 7.5
+        step = min(1, plan.num_steps - 1)
+        buf.coefs[:b, :plan.coefs.shape[1]] = torch.as_tensor(plan.coefs[step], dtype=torch.float32,
+                                                               device=buf.x.device)
+        guiding = b // 2 if self._program.alt is not None else 0
+        columns = self._program.columns
+        if "guidance" in columns:
+            buf.coefs[:b, columns["guidance"]] = 1.0
+            buf.coefs[:guiding, columns["guidance"]] = 7.5
+        rows = [(r, 1, 2 if r < guiding else 1) for r in range(b - guiding)]
+        buf.index[:b] = torch.as_tensor(layout(rows, b), device=buf.x.device)
 
     def output(self, h: int, w: int, b: int, result: Any) -> torch.Tensor:
         return self._buffers((h, w)).x[:b]
-
-
-def step_kind(stack: int) -> str:
-    """The graph kind of the step variant whose side paths read `stack` adapters per row (0: no side path)."""
-    return f"step_lora{stack}" if stack else "step"
 
 
 class TextGraph(StatelessGraphable):

@@ -24,11 +24,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+from functools import partial
 from typing import Any, Callable
 
 import torch
 
-from ...request import GroupKey
+from ...features.base import RowFeature
+from ...features.edit import EditRows
+from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
+from ...features.guidance import ClassifierFreeGuidance
+from ...features.lora import LoraRows, SidePathRows
+from ...request import MAX_LORAS, GroupKey
 from ...sampling.samplers import SamplerPlan, make_plan
 from ...sampling.schedules import NoiseSchedule
 from ..model import DiffusionModel
@@ -37,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 Conditioning = dict[str, torch.Tensor]        # field name -> [rows, ...] (one row per prompt)
 CondSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # field name -> (per-row shape, dtype)
-Planner = Callable[[str, str, int], SamplerPlan]  # (sampler, schedule, steps) -> plan
+Planner = Callable[[str, str, int, GroupKey], SamplerPlan]  # (sampler, schedule, steps, (height, width)) -> plan
 
 
 def select_row(cond: Conditioning, index: int) -> Conditioning:
@@ -66,6 +72,18 @@ class FamilyAdapter:
     supports_edits: bool = False       # image-to-image and inpainting (a diffusers VAE encoder, the SD noise
                                        # schedule's add_noise): SD and SDXL say True
     edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
+    default_sampler: str = "dpmpp_2m"  # what graph verification walks (and a request may name)
+    default_schedule: str = "karras"
+    # the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py; BENCHMARKS.md,
+    # session 8): (convolution weights channels-last, attention backend first in line). Compiled SD1.5 UNet at CFG
+    # batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.
+    # SDXL: NCHW 32.42 / 466.4, channels-last 31.55 / 468.0, + cuDNN attention 31.42 / 467.7 (within noise: PyTorch's).
+    # The engine's own step graphs (session 9, with STEP_OPTIONS), SD1.5 buckets 1 / 16: channels-last + cuDNN 5.99 /
+    # 65.03 ms, channels-last + PyTorch's attention 6.03 / 64.83, NCHW 6.71 / 65.33. cuDNN attention is not batch
+    # invariant: a row's image moved with the batch sizes it ran at, up to 0.0378 (pixels, `digits`, 20 mixed requests
+    # vs each alone: 5 of 29 bucket paths over the 2e-2 fp16 tolerance); with PyTorch's choice at most 0.0125 over 19
+    # paths, the graph tier 0.0107 (tools/probe_mixed_fidelity.py; session 10). So both families keep PyTorch's choice.
+    compile_layout: tuple[bool, str] = (True, "auto")
 
     # -- loading ---------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -134,9 +152,26 @@ class FamilyAdapter:
         return (model.latent_channels, key[0] // f, key[1] // f)
 
     def planner(self, model: DiffusionModel) -> Planner:
-        """The SD noise schedule of the model's scheduler config, walked by our samplers (sampling/)."""
+        """The SD noise schedule of the model's scheduler config, walked by our samplers (sampling/); the SD
+        families' plans do not depend on the resolution."""
         noise = NoiseSchedule.from_config(model.scheduler_config)
-        return lambda sampler, schedule, steps: make_plan(noise, sampler, schedule, steps)
+        return lambda sampler, schedule, steps, key: make_plan(noise, sampler, schedule, steps)
+
+    def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None) -> tuple[RowFeature, ...]:
+        """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded
+        for guidance-distilled UNets: `time_cond_proj_dim`), edits' rows where the family takes images, LoRA rows
+        where the engine has adapter slots (`side_paths`, the denoiser's side-path rows)."""
+        dim = getattr(getattr(model.unet, "config", None), "time_cond_proj_dim", None)
+        if dim is not None:
+            out: list[RowFeature] = [EmbeddedGuidance("timestep_cond", (int(dim),), model.dtype,
+                                                      partial(lcm_embedding, dim=int(dim)))]
+        else:
+            out = [ClassifierFreeGuidance(self.cond_spec(model))]
+        if self.supports_edits:
+            out.append(EditRows(self.extra_channels(model), model.dtype))
+        if side_paths is not None:
+            out.append(LoraRows(side_paths, MAX_LORAS))
+        return tuple(out)
 
     # -- conditioning ------------------------------------------------------------------------------
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
@@ -153,8 +188,9 @@ class FamilyAdapter:
             for prompt in prompts:
                 dropped = truncated_token_count(tokenizer, prompt)
                 if dropped:
-                    logger.warning("prompt truncated: CLIP reads %d tokens, %d token(s) dropped from %r",
-                                   tokenizer.model_max_length, dropped, prompt[:60])
+                    # counts only: prompt text never goes to a log (the request id is not known here)
+                    logger.warning("prompt truncated: CLIP reads %d tokens, the prompt has %d, %d dropped",
+                                   tokenizer.model_max_length, tokenizer.model_max_length + dropped, dropped)
             tokens = tokenizer(prompts, padding="max_length", max_length=tokenizer.model_max_length,
                                truncation=True, return_tensors="pt")
             ids.append(tokens.input_ids)

@@ -45,7 +45,8 @@ class SDFamily(FamilyAdapter):
 
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model.unet(x, t, encoder_hidden_states=cond["embeds"], return_dict=False)[0]
+        return model.unet(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
+                          return_dict=False)[0]
 
     def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any, task: str = "text") -> Any:
         import diffusers

@@ -66,7 +66,8 @@ class SDXLFamily(FamilyAdapter):
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         added = {"text_embeds": cond["pooled"], "time_ids": rows["time_ids"]}
-        return model.unet(x, t, encoder_hidden_states=cond["embeds"], added_cond_kwargs=added, return_dict=False)[0]
+        return model.unet(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
+                          added_cond_kwargs=added, return_dict=False)[0]
 
     def vae_dtype(self, model: DiffusionModel) -> torch.dtype:
         if model.dtype == torch.float16 and getattr(model.vae.config, "force_upcast", False):

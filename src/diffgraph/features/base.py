@@ -1,0 +1,157 @@
+"""The row-feature interface: one per-row capability (guidance, an edit's start and blend, LoRA rows, ...) in one
+module.
+
+A feature declares, for the rows of one resolution group:
+  * its per-row fields (`fields`: name -> `FieldSpec` with shape, dtype and neutral value): the step buffers
+    allocate, compact and snapshot them, and a row that does not use the feature holds the neutral value;
+  * its per-step host inputs (`columns`, filled per request by `plan_columns`): extra columns of the row's
+    coefficient table, so they reach the step with the sampler's numbers in one copy;
+  * how many denoiser rows a row costs at each step (`branches`, CFG's two branches; default one);
+  * its hooks inside the step, all pure tensor functions over a `StepView` (capturable): `model_input` (the
+    denoiser's input), `denoiser_inputs` (per denoiser row inputs the family's denoiser reads), `before_denoise`
+    and `after_denoise` (around the denoiser call, as a try/finally: torch.compile traces it), `combine` (the
+    outputs of a row's branches -> one model output), `after_update` (x after the sampler's update);
+  * its part of the graph variant key: a request's part (`part`, at admission, CPU data), the step's part from
+    the live requests' parts (`variant`; the neutral part shares one set of graphs with every other neutral
+    feature) and the parts that exist (`variants`: all captured at start-up).
+Admission (what a request writes into its rows) is the feature's `rows(...)`, called on the loop thread with the
+request's prepared inputs; preparation that costs CPU happens on the submitting thread before.
+A family adapter lists its features (`FamilyAdapter.features(model)`); `program.StepProgram` composes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..request import GenerationRequest
+
+Conditioning = dict[str, torch.Tensor]  # field name -> [rows, ...]
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One per-row buffer field: its per-row shape, dtype and the value of a row that does not use the feature."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    neutral: float | tuple[float, ...] = 0.0  # a number, or one per leading channel
+
+    def fill(self, t: torch.Tensor) -> None:
+        """Writes the neutral value into `t` ([rows, *shape])."""
+        if isinstance(self.neutral, tuple):
+            for c, v in enumerate(self.neutral):
+                t[:, c] = v
+        else:
+            t.fill_(self.neutral)
+
+
+@dataclass
+class Admission:
+    """What the engine resolved for one admitted request, handed to each feature's `rows` on the loop thread."""
+
+    request: GenerationRequest
+    rows: int
+    uncond: Conditioning                                        # the negative prompt's conditioning
+    edit: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/edits.py's per-row fields
+    loras: list[tuple[int, float]] = field(default_factory=list)  # (slot, scale) of its UNet adapters
+
+
+@dataclass
+class StepView:
+    """What the step hooks see: the group's fields (views of rows [0, n)), the denoiser-row layout, and the coefficient
+    columns of every feature.
+
+    Denoiser row j runs image row `den_row[j]`, in its main branch or (`den_alt[j]` = 1) its second branch; image
+    row r's outputs are at denoiser rows `out_main[r]` and `out_alt[r]` (the same row for a row with one branch)."""
+
+    fields: dict[str, torch.Tensor]
+    coefs: torch.Tensor            # [n, columns] fp32
+    columns: dict[str, int]        # feature column name -> index into coefs
+    n: int
+    den_row: torch.Tensor          # [D] int64
+    den_alt: torch.Tensor          # [D] int64 (0 / 1)
+    out_main: torch.Tensor         # [n] int64
+    out_alt: torch.Tensor          # [n] int64
+    dtype: torch.dtype             # the denoiser's input dtype
+
+    def column(self, name: str) -> torch.Tensor:
+        """A feature's coefficient column, [n, 1, 1, 1] for broadcasting over latents."""
+        return self.coefs[:, self.columns[name]].view(self.n, 1, 1, 1)
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-image-row tensor, per denoiser row."""
+        return t.index_select(0, self.den_row)
+
+
+class RowFeature:
+    """Neutral defaults for every hook: a feature overrides what it does."""
+
+    name: str = ""
+
+    # -- declarations ----------------------------------------------------------------------------
+    def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
+        return {}
+
+    def columns(self) -> tuple[str, ...]:
+        return ()
+
+    def plan_columns(self, request: GenerationRequest, start: int, steps: int) -> dict[str, np.ndarray]:
+        """Per-step values of this feature's columns for the `steps` steps a request runs, from step `start` of its
+        full schedule (an edit starts later)."""
+        return {}
+
+    def branches(self, request: GenerationRequest, start: int, steps: int) -> np.ndarray | None:
+        """Denoiser rows per image row at each step (1 or 2), or None (one everywhere)."""
+        return None
+
+    def has_alt_branch(self) -> bool:
+        """True for the feature whose rows may run a second denoiser branch (CFG's unconditional one)."""
+        return False
+
+    def alt_cond(self, view: StepView, name: str) -> torch.Tensor:
+        """The second branch's conditioning field `name` (image rows)."""
+        raise NotImplementedError
+
+    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
+        """Values of this feature's fields for an admitted request's rows (a tensor of one row or of every row, or
+        a number); fields left out take their neutral value."""
+        return {}
+
+    # -- the step's hooks (capturable tensor functions) ----------------------------------------------
+    def model_input(self, view: StepView, x_in: torch.Tensor) -> torch.Tensor:
+        return x_in
+
+    def denoiser_inputs(self, view: StepView) -> dict[str, torch.Tensor]:
+        return {}
+
+    def before_denoise(self, view: StepView, part: Any) -> None:
+        """Called just before the denoiser with this step's variant part (e.g. sets the LoRA side paths' rows)."""
+
+    def after_denoise(self, view: StepView, part: Any) -> None:
+        """Called after the denoiser, also when it raised."""
+
+    def combine(self, view: StepView, main: torch.Tensor, alt: torch.Tensor) -> torch.Tensor:
+        return main
+
+    def after_update(self, view: StepView, x_next: torch.Tensor) -> torch.Tensor:
+        return x_next
+
+    # -- variants ----------------------------------------------------------------------------------
+    def variants(self) -> Sequence[Any]:
+        """The parts of the variant key this feature can take, the neutral one first."""
+        return (None,)
+
+    def part(self, admission: Admission) -> Any:
+        """This request's part of the variant key (kept with the request while its rows live)."""
+        return None
+
+    def variant(self, parts: Sequence[Any]) -> Any:
+        """The step's part, from the live requests' parts: one of `variants()` that runs all of them."""
+        return self.variants()[0]
+
+    def verify_fill(self, view: StepView) -> None:
+        """Writes representative non-neutral values for graph verification (optional)."""

@@ -1,0 +1,68 @@
+"""Classifier-free guidance as a row feature, per row and per step.
+
+A row guides at step i of its request's N steps when its scale is above 1 and, with `guidance_interval` (lo, hi)
+("Applying Guidance in a Limited Interval Improves Sample and Distribution Quality", Kynkaanniemi et al., 2024),
+lo <= i / N < hi. A guiding row costs two denoiser rows (its text branch and its negative prompt's); any other row
+one: diffusers' pipelines skip the unconditional branch when the scale is <= 1, so those rows equal theirs exactly.
+`guidance_rescale` is diffusers' rescaled CFG (Lin et al., 2023, for zero-SNR / v-prediction models), applied
+where the row guides. Fields: the negative prompt's conditioning (`uncond.*`); columns: the scale this step (1 where
+the row runs one branch) and the rescale factor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..request import GenerationRequest
+from .base import Admission, FieldSpec, RowFeature, StepView
+
+
+def guiding_steps(request: GenerationRequest, start: int, steps: int) -> np.ndarray:
+    """[steps] bool: where the request runs both branches (its steps from `start` of its full schedule)."""
+    n = request.num_inference_steps
+    i = np.arange(start, start + steps)
+    on = np.full(steps, request.guidance_scale > 1.0)
+    if request.guidance_interval is not None:
+        lo, hi = request.guidance_interval
+        on &= (lo * n <= i) & (i < hi * n)
+    return on
+
+
+class ClassifierFreeGuidance(RowFeature):
+    name = "cfg"
+
+    def __init__(self, cond_spec: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self._cond = cond_spec
+
+    def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
+        return {f"uncond.{k}": FieldSpec(shape, dtype) for k, (shape, dtype) in self._cond.items()}
+
+    def columns(self) -> tuple[str, ...]:
+        return ("guidance", "guidance_rescale")
+
+    def plan_columns(self, request: GenerationRequest, start: int, steps: int) -> dict[str, np.ndarray]:
+        on = guiding_steps(request, start, steps)
+        return {"guidance": np.where(on, request.guidance_scale, 1.0),
+                "guidance_rescale": np.where(on, request.guidance_rescale, 0.0)}
+
+    def branches(self, request: GenerationRequest, start: int, steps: int) -> np.ndarray:
+        return np.where(guiding_steps(request, start, steps), 2, 1)
+
+    def has_alt_branch(self) -> bool:
+        return True
+
+    def alt_cond(self, view: StepView, name: str) -> torch.Tensor:
+        return view.fields[f"uncond.{name}"]
+
+    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
+        return {f"uncond.{k}": v for k, v in admission.uncond.items()}
+
+    def combine(self, view: StepView, main: torch.Tensor, alt: torch.Tensor) -> torch.Tensor:
+        # a row with one branch reads the same denoiser row twice: alt + g * (main - alt) == main exactly
+        guided = alt + view.column("guidance") * (main - alt)
+        phi = view.column("guidance_rescale")
+        dims = list(range(1, main.dim()))
+        rescaled = guided * (main.std(dim=dims, keepdim=True) / guided.std(dim=dims, keepdim=True))
+        # where() keeps rows without rescale (phi 0) exact, and padding rows (std 0: NaN ratios) out of it
+        return torch.where(phi > 0, phi * rescaled + (1 - phi) * guided, guided)

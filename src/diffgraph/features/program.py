@@ -1,0 +1,176 @@
+"""`StepProgram`: a family's row features composed into one whole step.
+
+It owns the layout every feature shares: the buffer fields (the base fields x, d_prev, noise and the family's
+conditioning, then each feature's), the coefficient table's columns (the sampler's `Coef` columns, then each
+feature's), the per-request host inputs (`request_columns`, `branches`), the variant key (a tuple of the features'
+parts: the neutral key shares one set of graphs) and the step itself (`run`): input scaling, the features' input
+hooks, the denoiser over the step's denoiser rows (a row with one branch costs one denoiser row, a CFG row two),
+the output combiner, the sampler update (`sampling.samplers.apply_step`) and the after-update hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..request import GenerationRequest
+from ..sampling.samplers import NUM_COEFS, Coef, apply_step
+from .base import Admission, FieldSpec, RowFeature, StepView
+
+# (model input [D, C, h, w], timesteps [D], conditioning fields [D, ...], per-row inputs [D, ...]) -> output [D, ...]
+Denoiser = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
+VariantKey = tuple  # one part per feature, in the program's feature order
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    features: tuple[RowFeature, ...]
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.features]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"row features need distinct non-empty names, got {names}")
+        if sum(f.has_alt_branch() for f in self.features) > 1:
+            raise ValueError("at most one row feature may run a second denoiser branch")
+
+    # -- layout --------------------------------------------------------------------------------
+    @property
+    def columns(self) -> dict[str, int]:
+        """Feature column name -> its index in the coefficient table (after the sampler's columns)."""
+        names = [c for f in self.features for c in f.columns()]
+        return {c: NUM_COEFS + i for i, c in enumerate(names)}
+
+    @property
+    def num_columns(self) -> int:
+        return NUM_COEFS + len(self.columns)
+
+    def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
+        out: dict[str, FieldSpec] = {}
+        for f in self.features:
+            for name, spec in f.fields(latent_shape).items():
+                if name in out:
+                    raise ValueError(f"row field {name!r} is declared twice (feature {f.name!r})")
+                out[name] = spec
+        return out
+
+    @property
+    def alt(self) -> RowFeature | None:
+        return next((f for f in self.features if f.has_alt_branch()), None)
+
+    # -- per request (host) ----------------------------------------------------------------------
+    def request_coefs(self, request: GenerationRequest, sampler_coefs: np.ndarray, start: int) -> np.ndarray:
+        """The request's coefficient table: the sampler's columns, then each feature's per-step columns."""
+        steps = sampler_coefs.shape[0]
+        table = np.zeros((steps, self.num_columns), dtype=np.float64)
+        table[:, :NUM_COEFS] = sampler_coefs
+        cols = self.columns
+        for f in self.features:
+            for name, values in f.plan_columns(request, start, steps).items():
+                table[:, cols[name]] = values
+        return table
+
+    def branches(self, request: GenerationRequest, start: int, steps: int) -> np.ndarray:
+        """Denoiser rows per image row at each step of the request (1 or 2)."""
+        out = np.ones(steps, dtype=np.int64)
+        for f in self.features:
+            b = f.branches(request, start, steps)
+            if b is not None:
+                out = np.maximum(out, b)
+        return out
+
+    # -- variants --------------------------------------------------------------------------------
+    def variant(self, parts: Sequence[tuple]) -> VariantKey:
+        """The step's variant from the live requests' parts (one tuple per request, in feature order)."""
+        return tuple(f.variant([p[i] for p in parts]) for i, f in enumerate(self.features))
+
+    def parts(self, admission: Admission) -> tuple:
+        return tuple(f.part(admission) for f in self.features)
+
+    def neutral(self) -> VariantKey:
+        return tuple(f.variants()[0] for f in self.features)
+
+    def variants(self) -> list[VariantKey]:
+        """Every key captured at start-up: the neutral one, then each feature's other parts with the rest neutral."""
+        keys = [self.neutral()]
+        for i, f in enumerate(self.features):
+            for part in f.variants()[1:]:
+                key = list(self.neutral())
+                key[i] = part
+                keys.append(tuple(key))
+        return keys
+
+    def kind(self, key: VariantKey) -> str:
+        """The graph kind of a variant: "step" for the neutral key, else "step_<feature><part>"."""
+        parts = [f"{f.name}{part}" for f, part, neutral in zip(self.features, key, self.neutral()) if part != neutral]
+        return "_".join(["step", *parts])
+
+    # -- the step --------------------------------------------------------------------------------
+    def run(self, denoise: Denoiser, fields: dict[str, torch.Tensor], cond_names: Sequence[str],
+            row_names: Sequence[str], dtype: torch.dtype, n: int, d: int, key: VariantKey) -> None:
+        """One whole step for image rows [0, n) over denoiser rows [0, d): reads and writes `fields` in place."""
+        co = fields["coefs"][:n]
+        index = fields["index"]
+        view = StepView(fields={k: v[:n] for k, v in fields.items()}, coefs=co, columns=self.columns, n=n,
+                        den_row=index[:d, 0], den_alt=index[:d, 1], out_main=index[:n, 2], out_alt=index[:n, 3],
+                        dtype=dtype)
+        x = view.fields["x"]
+        x_in = (x * co[:, int(Coef.C_IN)].view(n, 1, 1, 1)).to(dtype)
+        for f in self.features:
+            x_in = f.model_input(view, x_in)
+        x_den = view.gather(x_in)
+        t_den = view.gather(co[:, int(Coef.T)])
+        alt = self.alt
+        cond = {}
+        for name in cond_names:
+            main = view.fields[f"cond.{name}"]
+            if alt is None:
+                cond[name] = view.gather(main)
+            else:  # main branch rows [0, n), second branch rows [n, 2n)
+                both = torch.cat([main, alt.alt_cond(view, name)])
+                cond[name] = both.index_select(0, view.den_row + n * view.den_alt)
+        inputs = {name: view.gather(view.fields[f"rows.{name}"]) for name in row_names}
+        for f in self.features:
+            inputs.update(f.denoiser_inputs(view))
+        for f, part in zip(self.features, key):
+            f.before_denoise(view, part)
+        try:
+            out = denoise(x_den, t_den, cond, inputs).float()
+        finally:
+            for f, part in zip(self.features, key):
+                f.after_denoise(view, part)
+        main_out = out.index_select(0, view.out_main)
+        alt_out = out.index_select(0, view.out_alt)
+        guided = main_out
+        for f in self.features:
+            guided = f.combine(view, guided, alt_out)
+        x_next, denoised = apply_step(co, x, guided, view.fields["d_prev"], view.fields["noise"])
+        for f in self.features:
+            x_next = f.after_update(view, x_next)
+        x.copy_(x_next)
+        view.fields["d_prev"].copy_(denoised)
+
+
+def layout(rows: Sequence[tuple[int, int, int]], size: int) -> np.ndarray:
+    """The step's index table [size, 4] (int64) for live requests (first row, rows, branches now), packed from row
+    0: columns den_row, den_alt, out_main, out_alt. Main branches take denoiser rows [0, n), second branches the
+    rows after them; padding rows point at row 0 (their outputs are never read by a live row)."""
+    table = np.zeros((size, 4), dtype=np.int64)
+    n = sum(k for _, k, _ in rows)
+    table[:n, 0] = np.arange(n)
+    table[:n, 2] = np.arange(n)
+    table[:n, 3] = np.arange(n)
+    d = n
+    for first, k, branches in rows:
+        if branches > 1:
+            table[d:d + k, 0] = np.arange(first, first + k)
+            table[d:d + k, 1] = 1
+            table[first:first + k, 3] = np.arange(d, d + k)
+            d += k
+    return table
+
+
+def denoiser_rows(rows: Sequence[tuple[int, int, int]]) -> int:
+    return sum(k * b for _, k, b in rows)
