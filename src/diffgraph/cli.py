@@ -4,9 +4,11 @@
     diffgraph generate "PROMPT" -o out.png --url http://127.0.0.1:8000 [--api-key KEY]   (a running `diffgraph serve`)
     diffgraph models
 
-Bad input exits with code 2 and a one-line message. Everything heavy is imported inside the function that
-needs it: `--help` and `models` import neither torch, diffusers nor transformers, `generate --url` no torch,
-and the serve flags are built only for `diffgraph serve` (its module imports the server's configuration).
+Bad input exits with code 2 and a one-line message that says what to do instead, checked before the model loads
+where it can be (cli_checks.py: the output folder, the device, adapter names given as paths). Everything heavy is
+imported inside the function that needs it: `--help` and `models` import neither torch, diffusers nor
+transformers, `generate --url` no torch, and the serve flags are built only for `diffgraph serve` (its module
+imports the server's configuration). `diffgraph serve` configures logging itself, at its --log-level.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .models.presets import DEFAULT_MODEL, available_presets
 from .sampling.names import SAMPLERS, SCHEDULES
 
@@ -44,7 +47,8 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale >= 0 (default: 7.5 SD, 5.0 SDXL)")
     g.add_argument("--sampler", default="euler", help=f"one of {', '.join(SAMPLERS)} (default euler)")
     g.add_argument("--schedule", default="default", help=f"one of {', '.join(SCHEDULES)} (default: the model's)")
-    g.add_argument("--seed", type=int, default=None, help="seed (default: random, printed)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
     g.add_argument("--image", default=None, metavar="PATH",
                    help="image-to-image from this image (transparent pixels: inpainted there); output size: the "
@@ -120,10 +124,15 @@ def _output_paths(output: str, n: int) -> list[str]:
     existing = folder
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    if not os.path.isdir(existing) or not can_create_in(existing):
         raise _ArgError(f"output folder {folder!r} cannot be created or written ({existing!r} is not a writable "
                         "folder); choose another -o")
-    return [output] if n == 1 else [f"{root}-{i}{ext}" for i in range(n)]
+    paths = [output] if n == 1 else [f"{root}-{i}{ext}" for i in range(n)]
+    for path in paths:
+        if os.path.isdir(path):
+            raise _ArgError(f"output {path!r} is a folder; choose another -o (a file name, e.g. out.png)")
+    return paths
+
 
 
 # GenerationRequest parameter -> the flag that sets it: errors name what the user typed
@@ -144,9 +153,14 @@ def _in_flag_words(message: str, param: str | None, flags: dict[str, str]) -> st
     return message
 
 
-def _flag_error(e: ValueError) -> _ArgError:
-    """A ParamError in the words of the command line: the parameter's name becomes its flag."""
-    return _ArgError(_in_flag_words(str(e), getattr(e, "param", None), FLAGS))
+def _flag_error(e: ValueError, args: argparse.Namespace) -> _ArgError:
+    """A ParamError in the words of the command line: the parameter's name becomes its flag, and an unknown sampler
+    or schedule gets the nearest names."""
+    param = getattr(e, "param", None)
+    message = _in_flag_words(str(e), param, FLAGS)
+    if param in ("sampler", "schedule"):
+        message += did_you_mean(getattr(args, param), SAMPLERS if param == "sampler" else SCHEDULES)
+    return _ArgError(message)
 
 
 def _server_error(url: str, status: int, error: Any) -> _ArgError:
@@ -184,6 +198,8 @@ def _write_bytes(data: bytes, path: str) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    if args.seed == -1:  # "random" in AUTOMATIC1111 and ComfyUI: the same as leaving --seed out
+        args.seed = None
     paths = _output_paths(args.output, args.num_images if args.num_images > 0 else 1)
     if args.url is not None:
         return _generate_remote(args, paths)
@@ -198,6 +214,7 @@ def _generate(args: argparse.Namespace) -> int:
         GenerationRequest.create(args.prompt, width=args.width or 512 if sized else None,
                                  height=args.height or 512 if sized else None,
                                  guidance_scale=7.5 if args.guidance is None else args.guidance, **params)
+        check_devices(args)
         import torch
 
         from .config import default_cpu_threads
@@ -211,7 +228,7 @@ def _generate(args: argparse.Namespace) -> int:
         request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                       guidance_scale=args.guidance, **params)
     except ParamError as e:
-        raise _flag_error(e) from None
+        raise _flag_error(e, args) from None
     result = engine.run(request)
     _save_all(result.images, paths, lambda image, path: image.save(path))
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
@@ -248,9 +265,14 @@ def _lora_flags(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
     from .config import parse_name_scales
 
     try:
-        return parse_name_scales(args.lora or [], "--lora")
+        pairs = parse_name_scales(args.lora or [], "--lora")
     except ValueError as e:
         raise _ArgError(str(e)) from None
+    for name, _ in pairs:
+        if is_file_path(name):
+            raise _ArgError(lora_path_error(name, args.url is not None, args.lora_dir))
+    return pairs
+
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
@@ -347,15 +369,17 @@ def _bench(which: str, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser(serve=argv[:1] == ["serve"]).parse_args(argv)
+    if args.command != "serve":  # serve configures logging itself, at its --log-level
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "bench":
             return _bench(args.which, args.args)
         if args.command == "serve":
             if not hasattr(args, "port"):  # the server's parser could not be imported
                 raise _ArgError("serving needs the serve extras: pip install 'diffgraph[serve]'")
+            check_devices(args)
             from .server.cli import run_serve
             return run_serve(args)
         if args.command in ("info", "compile"):

@@ -3,13 +3,18 @@
 `load_model(name_or_path, device, dtype)` returns a `DiffusionModel`: the UNet, VAE, text encoders
 and tokenizers of an SD1.x/SD2.x or SDXL-base pipeline, its scheduler config and its family. Nothing
 is ever downloaded: folders are read with local_files_only, presets are built in code.
+
+A folder's weight files are checked before diffusers reads them (present, and as long as their header says), so
+that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
+import zipfile
 from typing import Any
 
 import torch
@@ -54,7 +59,10 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torc
         return _load_folder(model, device, torch_dtype, model, families)
     if os.path.exists(model):
         raise ValueError(f"model {model!r} is a file, not a diffusers folder; {_supported_message(families)}")
-    raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}")
+    close = difflib.get_close_matches(model, list(P.available_presets()), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}"
+                     f"{hint}")
 
 
 def _build_random(preset: P.RandomPreset, device: torch.device, dtype: torch.dtype,
@@ -119,4 +127,54 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
     adapter = families.for_pipeline(cls_name)
     if adapter is None:
         raise ValueError(f"{folder!r} holds a {cls_name}, which is not supported; {_supported_message(families)}")
+    for sub in ("unet", "vae", *(part[0] for part in adapter.text_parts)):
+        _check_weights(folder, sub, index.get(sub))
     return _finish(adapter.load_folder(folder, index, device, dtype, name))
+
+
+# a component's library (model_index.json) -> the weights file its save_pretrained writes
+_WEIGHTS_NAME = {"diffusers": "diffusion_pytorch_model.safetensors", "transformers": "model.safetensors"}
+
+
+def _check_weights(folder: str, sub: str, component: Any) -> None:
+    """Raises ValueError naming the file when the model component in `folder/sub` (a folder with a config.json;
+    others are the family's to refuse) has no weights, or the ones diffusers would read are cut short."""
+    path = os.path.join(folder, sub)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    weights = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))
+    if not weights:
+        library = component[0] if isinstance(component, list) and component else None
+        expected = _WEIGHTS_NAME.get(library, "a .safetensors file")
+        raise ValueError(f"model folder {folder!r} lacks the weights of its {sub!r}: {sub}/ has a config.json but no "
+                         f"{expected}; copy the folder again completely (or re-save it with save_pretrained)")
+    plain = [f for f in weights if f.count(".") == 1]  # what diffusers reads: the plain files, else a variant's
+    for name in plain or weights:
+        problem = _weights_problem(os.path.join(path, name))
+        if problem:
+            raise ValueError(f"model folder {folder!r}: {sub}/{name} {problem}; copy or download that file again")
+
+
+def _weights_problem(path: str) -> str | None:
+    """What is wrong with a weights file, from its size and header alone, or None."""
+    size = os.path.getsize(path)
+    if path.endswith(".bin"):  # torch.save's zip format ends with the zip directory, which a cut file lacks
+        with open(path, "rb") as f:
+            zipped = f.read(2) == b"PK"
+        return f"is truncated ({size} bytes, no zip directory at its end)" if zipped and not zipfile.is_zipfile(path) \
+            else None
+    with open(path, "rb") as f:  # safetensors: 8 bytes of header length, a JSON header, then the tensor data
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else None
+        if header_len is None or 8 + header_len > size:
+            return f"is truncated ({size} bytes, less than its header)"
+        if header_len > 100_000_000:  # safetensors' own bound: not a header, so not a safetensors file
+            return "is not a readable safetensors file (its header is damaged)"
+        try:
+            header = json.loads(f.read(header_len))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "is not a readable safetensors file (its header is damaged)"
+    if 8 + header_len + end > size:
+        return f"is truncated ({size} bytes of the {8 + header_len + end} its header describes)"
+    return None

@@ -5,46 +5,68 @@ Images are checked before their pixels are decoded: at most --max-image-bytes by
 --max-image-pixels pixels read from the header (a decompression bomb is refused before it expands). Masks follow
 OpenAI's convention when they have an alpha channel (fully transparent pixels = the region to repaint), and
 diffusers' when they do not (white = repaint); without a mask, an image with transparent pixels is inpainted where
-it is transparent (as OpenAI does) and an opaque image is an image-to-image request.
+it is transparent (as OpenAI does) and an opaque image is an image-to-image request. 16-bit and float grayscale
+images (PIL modes I;16, I, F) are scaled to 8 bits, not clipped (see `eight_bit`).
+
+The form's number fields are read as the JSON route reads its body: "2" is 2, "2.0" is 2.0 (so `n` refuses it, as
+the JSON route does), "٢" is text.
 """
 
 from __future__ import annotations
 
 import io
+import json
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Json, ValidationError
+from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, ValidationError, field_validator
 
 from ..request import EditInput, ParamError
 from .protocol import APIError, ImageGenerationRequest, LoraRef, error_from_param_error, error_from_validation
 
 FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask")
+_NON_FINITE = ("nan", "inf", "infinity")
 
 
 class ImageEditForm(BaseModel):
-    """The form's text fields: the generations request's fields (form values are text: "20" is an integer
-    here) and `strength`."""
+    """The form's text fields: the generations request's fields (form values are text: "20" is the integer 20
+    here, read as JSON) and `strength`."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str
-    n: int = 1
+    n: StrictInt = 1
     size: str | None = None
     response_format: str = "b64_json"
     model: str | None = None
     user: str | None = None
     negative_prompt: str | None = None
-    num_inference_steps: int = 20
-    guidance_scale: float | None = None
-    seed: int | None = None
+    num_inference_steps: StrictInt = 20
+    guidance_scale: StrictFloat | None = None   # ints are accepted as numbers
+    seed: StrictInt | None = None
     sampler: str = "euler"
     schedule: str = "default"
     output_format: str = "png"
     stream: bool = False
-    strength: float | None = None
+    strength: StrictFloat | None = None
     loras: Json[list[LoraRef]] | None = None  # a JSON text field: [{"name": "styles/ink", "scale": 0.8}]
+
+    @field_validator("n", "num_inference_steps", "guidance_scale", "seed", "strength", mode="before")
+    @classmethod
+    def _json_number(cls, value: Any) -> Any:
+        """A number's text as the JSON route parses it (then checked by the same strict types), and nan / inf in
+        any case (refused by the range checks, naming the range); other text is left as it came, to be refused
+        naming the field."""
+        if not isinstance(value, str):
+            return value
+        if value.strip().lower().lstrip("+-") in _NON_FINITE:
+            return float(value)
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) else value
 
     def generation(self) -> ImageGenerationRequest:
         """The same fields as a generations request (for the shared checks and request building)."""
@@ -129,17 +151,35 @@ def _alpha(image: Any) -> np.ndarray | None:
     return None
 
 
+def eight_bit(image: Any) -> Any:
+    """An 8-bit `L` image of a 16-bit or float grayscale one (modes I;16*, I, F), scaled: PIL's convert clips them
+    to 0..255 (a 16-bit upload turned nearly all white). The full scale is the smallest of 1 (float images only),
+    255 and 65535 that holds the largest value (I;16: 65535), else that value; below 0 is black. Other modes
+    pass through."""
+    from PIL import Image
+
+    if not (image.mode.startswith("I") or image.mode == "F"):
+        return image
+    values = np.nan_to_num(np.asarray(image, dtype=np.float32), nan=0.0, posinf=0.0, neginf=0.0)
+    top = float(values.max(initial=0.0))
+    scales = (65535.0,) if image.mode.startswith("I;16") else (1.0, 255.0, 65535.0) if image.mode == "F" \
+        else (255.0, 65535.0)
+    full = next((s for s in scales if top <= s), top)
+    return Image.fromarray(np.clip(np.rint(values * (255.0 / full)), 0, 255).astype(np.uint8), "L")
+
+
 def edit_arrays(image: Any, mask: Any = None) -> tuple[np.ndarray, np.ndarray | None]:
     """(RGB pixels, mask or None) of PIL images under the conventions in the module doc (the CLI uses it too)."""
     if mask is not None:
         alpha = _alpha(mask)
-        mask_array = np.where(alpha == 0, 255, 0).astype(np.uint8) if alpha is not None else np.asarray(mask.convert("L"))
+        mask_array = (np.where(alpha == 0, 255, 0).astype(np.uint8) if alpha is not None
+                      else np.asarray(eight_bit(mask).convert("L")))
     else:
         alpha = _alpha(image)
         mask_array = None
         if alpha is not None and (alpha == 0).any():  # transparent pixels: inpaint them (OpenAI)
             mask_array = np.where(alpha == 0, 255, 0).astype(np.uint8)
-    return np.asarray(image.convert("RGB")), mask_array
+    return np.asarray(eight_bit(image).convert("RGB")), mask_array
 
 
 def edit_input(files: dict[str, bytes], strength: float | None, defaults: tuple[float, float], max_bytes: int,

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-_SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX×]\s*(\d{1,6})\s*$")
+# ASCII digits only: `\d` alone also takes Arabic-Indic and full-width digits, which int() reads as numbers
+_SIZE = re.compile(r"^\s*([0-9]{1,6})\s*[xX×]\s*([0-9]{1,6})\s*$", re.ASCII)
 
 # GenerationRequest parameter -> the body field that carries it
 _ENGINE_TO_API = {"num_images": "n", "width": "size", "height": "size"}
