@@ -13,7 +13,7 @@ from typing import Any
 
 from .request import MAX_SIZE, MIN_SIZE
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)  # denoiser rows: a classifier-free guided image costs two
 DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")  # models/loader.py maps them to torch
 MAX_BUCKET = 256  # rows of the largest batch bucket (the model runner's buffers are sized for it)
 

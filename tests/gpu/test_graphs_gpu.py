@@ -90,17 +90,18 @@ def test_padding_rows_never_change_live_rows(sd15):
     w = sd15.runner
     key = (512, 512)
     buf = w.buffers(key)
-    plan = w.plan_for("euler", "default", 10)
+    request = sd15.make_request("a cat", num_inference_steps=10, sampler="euler", guidance_scale=7.5)
+    coefs = w.request_plan(request).coefs  # the sampler's columns and the guidance feature's (CFG 7.5)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     start = torch.randn(buf.x[:3].shape, generator=gen, device=DEVICE) * 10
     outs = []
     for garbage in (0.0, 1e4):
         buf.x[:3] = start
         buf.d_prev[:3] = 0
-        buf.guidance[:3] = 7.5
         buf.x[3] = garbage
-        buf.cond["embeds"][3] = garbage / 1e3
-        assert w.step(key, 3, np.repeat(plan.coefs[2][None], 3, 0), None)  # bucket 4, replayed
+        buf.cond("embeds")[3] = garbage / 1e3
+        # 3 guiding rows: 6 denoiser rows, bucket 8 (image rows 3-7 pad), replayed
+        assert w.step(key, np.repeat(coefs[2][None], 3, 0), [(0, 1, 2), (1, 1, 2), (2, 1, 2)], None) == 8
         torch.cuda.synchronize(DEVICE)
         outs.append(buf.x[:4].clone())
         assert torch.isfinite(buf.x[3]).all()
@@ -109,7 +110,8 @@ def test_padding_rows_never_change_live_rows(sd15):
 
 def test_capture_failure_falls_back_and_keeps_serving():
     class SyncingUNet(torch.nn.Module):
-        """Calls synchronize while being captured at batch 4 (bucket 2 with CFG): not allowed under capture."""
+        """Calls synchronize while being captured at batch 4 (bucket 4: two guided images): not allowed under
+        capture."""
 
         def __init__(self, unet):
             super().__init__()
@@ -135,8 +137,8 @@ def test_capture_failure_falls_back_and_keeps_serving():
             b = eager.generate("x", num_images=n, num_inference_steps=4, seed=3).arrays
             assert np.abs(a - b).max() <= 2e-2
         rows = {(r["kind"], r["bucket"]): r for r in graphed.graph_table()}
-        assert rows[("step", 2)]["status"] == "failed" and rows[("step", 2)]["eager_fallbacks"] >= 8
-        assert rows[("step", 1)]["status"] == "captured" and rows[("step", 1)]["replays"] >= 4
+        assert rows[("step", 4)]["status"] == "failed" and rows[("step", 4)]["eager_fallbacks"] >= 8
+        assert rows[("step", 2)]["status"] == "captured" and rows[("step", 2)]["replays"] >= 4
 
 
 def test_graphed_unet_in_stock_pipeline_equals_plain(sd15):
@@ -161,16 +163,17 @@ def test_graphed_unet_in_stock_pipeline_equals_plain(sd15):
 def test_memory_flat_over_1000_replays(sd15):
     w = sd15.runner
     key = (512, 512)
-    plan = w.plan_for("euler_a", "default", 10)
-    coefs = np.repeat(plan.coefs[5][None], 2, 0)
+    request = sd15.make_request("a cat", num_inference_steps=10, sampler="euler_a")
+    coefs = np.repeat(w.request_plan(request).coefs[5][None], 2, 0)
     noise = [(0, 2, torch.Generator().manual_seed(0))]
+    rows = [(0, 2, 2)]
     w.buffers(key).x[:2] = 0
     for _ in range(10):
-        w.step(key, 2, coefs, noise)
+        w.step(key, coefs, rows, noise)
     torch.cuda.synchronize(DEVICE)
     before = torch.cuda.memory_allocated(DEVICE)
     for _ in range(1000):
-        w.step(key, 2, coefs, noise)
+        w.step(key, coefs, rows, noise)
     torch.cuda.synchronize(DEVICE)
     after = torch.cuda.memory_allocated(DEVICE)
     REPORT["allocated bytes growth over 1000 replays"] = after - before

@@ -98,17 +98,25 @@ def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profile
     then runs at lower clocks than between eager launches). NaN where nothing was recorded."""
     from ..graphs.step import whole_step
 
+    from ..features.program import layout
+
     w = engine.runner
     key = (size, size)
     buf = w.buffers(key)
-    plan = w.plan_for("euler", "default", 20)
-    buf.coefs[:images] = torch.as_tensor(plan.coefs[5], dtype=torch.float32, device=buf.x.device)
+    request = engine.make_request("x", width=size, height=size, num_inference_steps=20, sampler="euler",
+                                  guidance_scale=7.5)
+    coefs = w.request_plan(request).coefs  # CFG 7.5: two denoiser rows per image
+    buf.coefs[:images] = torch.as_tensor(coefs[5], dtype=torch.float32, device=buf.x.device)
+    rows = [(i, 1, 2) for i in range(images)]
     if not replayed:
-        return profiled_kernel_ms(lambda: whole_step(w.denoise_eager, buf, images), warm, profiled)
+        buf.index[:2 * images] = torch.as_tensor(layout(rows, 2 * images), device=buf.x.device)
+        return profiled_kernel_ms(lambda: whole_step(w.program, w.denoise_eager, buf, images, 2 * images,
+                                                     w.program.neutral()), warm, profiled)
     runner = w.graph_runner
-    bucket = runner.bucket("step", size, size, images) if runner is not None else None
-    if bucket != images:
+    bucket = runner.bucket("step", size, size, 2 * images) if runner is not None else None
+    if bucket != 2 * images:
         return float("nan")
+    buf.index[:bucket] = torch.as_tensor(layout(rows, bucket), device=buf.x.device)
     return profiled_kernel_ms(lambda: runner.replay("step", size, size, bucket), warm, profiled)
 
 

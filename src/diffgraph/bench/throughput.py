@@ -296,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--max-loras", type=int, default=None, help="adapter slots with --loras (default: 8)")
     p.add_argument("--max-lora-rank", type=int, default=64, help="the slots' rank with --loras (default: 64)")
+    p.add_argument("--guidance-mix", type=int, default=0, metavar="N",
+                   help="only the guidance scenarios at saturation (bench/guidance_mix.py): bursts of N requests")
+    p.add_argument("--compile", action="store_true", help="the compile tier (Engine(compile=True))")
+    p.add_argument("--compile-cache", default=None, metavar="DIR")
     p.add_argument("--json", default="bench_throughput.json")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw latency percentiles and images/s against the arrival rate, per mode (matplotlib)")
@@ -310,8 +314,22 @@ def main(argv: list[str] | None = None) -> int:
     steps = tuple(int(s) for s in args.steps.split(","))
     samplers = tuple(args.samplers.split(","))
     lora_args = dict(max_loras=args.max_loras or 8, max_lora_rank=args.max_lora_rank) if args.loras else {}
+    compile_args = {}
+    if args.compile:
+        from ..config import CompileConfig
+        compile_args = {"compile": CompileConfig(cache_dir=args.compile_cache) if args.compile_cache else True}
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
-                    **lora_args)
+                    **lora_args, **compile_args)
+    if args.guidance_mix:
+        from . import guidance_mix
+        report = {"model": args.model, "compile": args.compile, "env": {"gpu": torch.cuda.get_device_name(),
+                                                                        "torch": torch.__version__}}
+        report.update(guidance_mix.run(engine, args.guidance_mix, sizes[0]))
+        engine.close()
+        guidance_mix.print_report(report)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        return 0
     for i in range(args.loras):
         engine.add_lora(f"bench/{i}", random_adapter(engine, args.lora_rank, i))
     cb = compute_bound_rate(engine, sizes, steps)

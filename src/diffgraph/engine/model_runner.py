@@ -38,18 +38,9 @@ from ..request import GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import SamplerPlan, start_plan
 from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
 from .prompts import PromptCache, PromptKey, TextLoras
+from .staging import StagingPair
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
-
-
-@dataclass
-class _Staging:
-    """One pinned host slot: coefficient table and noise rows, with the event of its last copy."""
-
-    coefs: torch.Tensor
-    noise: torch.Tensor
-    index: torch.Tensor
-    event: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -84,8 +75,7 @@ class ModelRunner:
         self.denoise_eager = partial(self.adapter.denoise, model)
         self.weights_version = dict.fromkeys(WEIGHT_KINDS, 0)
         self.groups: dict[GroupKey, StepBuffers] = {}
-        self._staging: dict[GroupKey, list[_Staging]] = {}
-        self._staging_turn: dict[GroupKey, int] = {}
+        self._staging: dict[GroupKey, StagingPair] = {}
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
         self.prompts = PromptCache(prompt_cache_size)
         self.loras = loras  # LoRA adapter slots and side paths, or None
@@ -229,25 +219,7 @@ class ModelRunner:
             return
         self.groups.pop(key, None)
         self._staging.pop(key, None)
-        self._staging_turn.pop(key, None)
         self._row_values.pop(key, None)
-
-    def _next_staging(self, key: GroupKey) -> _Staging:
-        slots = self._staging.get(key)
-        if slots is None:
-            pin = self.cuda
-            slots = [_Staging(torch.zeros((self.max_rows, self.program.num_columns), pin_memory=pin),
-                              torch.zeros((self.max_rows, *self.latent_shape(key)), pin_memory=pin),
-                              torch.zeros((self.max_rows, 4), dtype=torch.int64, pin_memory=pin))
-                     for _ in range(2)]
-            self._staging[key] = slots
-            self._staging_turn[key] = 0
-        turn = self._staging_turn[key]
-        self._staging_turn[key] = 1 - turn
-        slot = slots[turn]
-        if slot.event is not None:
-            slot.event.synchronize()  # the copy issued from this slot two steps ago has been consumed
-        return slot
 
     def _record_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -341,7 +313,11 @@ class ModelRunner:
         kind = self.program.kind(variant)
         bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
         size = bucket or d
-        slot = self._next_staging(key)
+        pair = self._staging.get(key)
+        if pair is None:
+            pair = self._staging[key] = StagingPair(self.max_rows, self.program.num_columns, self.latent_shape(key),
+                                                    pin=self.cuda)
+        slot = pair.next()
         slot.coefs[:n].numpy()[:] = coefs
         slot.index[:size].numpy()[:] = layout(rows, size)
         if bucket is not None and bucket > n:  # padding rows: zero state and coefficients keep them at x = 0

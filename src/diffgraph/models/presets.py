@@ -150,6 +150,13 @@ RANDOM_PRESETS.update({
     for base, what in (("random:tiny", "tiny SD1.5 architecture"), ("random:tiny-xl", "tiny SDXL architecture"),
                        ("random:sd15", "full-size SD1.5 architecture"))})
 
+# guidance-distilled UNets (LCM): the guidance scale is embedded (`time_cond_proj_dim`), one denoiser branch
+RANDOM_PRESETS.update({
+    f"{base}-lcm": dataclasses.replace(
+        RANDOM_PRESETS[base], name=f"{base}-lcm", unet={**RANDOM_PRESETS[base].unet, "time_cond_proj_dim": 16},
+        description=f"{what} with an LCM-style guidance embedding (time_cond_proj_dim), random weights")
+    for base, what in (("random:tiny", "tiny SD1.5 architecture"), ("random:tiny-xl", "tiny SDXL architecture"))})
+
 # Trained presets shipped as diffusers folders inside the package (see tools/train_digits.py).
 SHIPPED_PRESETS: dict[str, str] = {
     "digits": "trained SD1.5-family model of handwritten digits (64x64), e.g. 'a handwritten digit seven'",

@@ -1,0 +1,183 @@
+"""Guidance as a row feature (issue 27): per row and per step, one denoiser branch or two.
+
+diffusers is the oracle where it has a counterpart: guidance <= 1 (its pipelines skip the unconditional branch),
+`guidance_rescale`, and LCM-distilled UNets (`time_cond_proj_dim`: embedded guidance, one branch). For
+`guidance_interval` the reference is a plain loop over diffusers' scheduler and the same UNet, written below. Mixed
+rows (guiding, guidance-free, interval, rescale, adapters, edits) submitted together equal each alone, and the
+scheduler accounts denoiser rows: one per guidance-free image, two per guiding one, reserved at their peak.
+"""
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffgraph import Engine
+
+PROMPT = "a photo of a red fox in the snow"
+
+
+def _pipe(engine, sampler="euler", schedule="default"):
+    return engine.diffusers_pipeline(sampler, schedule)
+
+
+def _costs(engine):
+    """(image rows, denoiser rows the step cost) of every step from now on (listener removed by _stop)."""
+    costs = []
+    engine.step_listeners.append(lambda plan, seconds: costs.append((plan.n_rows, plan.cost_rows)))
+    return costs
+
+
+def _stop(engine):
+    """Removes the step listener once the loop has passed the last step (a result may come before its listener)."""
+    engine.core.call_between_steps(lambda: None).result()
+    engine.step_listeners.pop()
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_xl"])
+@pytest.mark.parametrize("guidance", [0.0, 1.0])
+def test_guidance_up_to_one_runs_one_branch_and_equals_diffusers(request, model, guidance):
+    engine = request.getfixturevalue(f"{model}_engine")
+    costs = _costs(engine)
+    try:
+        ours = engine.generate(PROMPT, negative_prompt="blurry", num_inference_steps=4, seed=3, num_images=2,
+                               guidance_scale=guidance)
+    finally:
+        _stop(engine)
+    ref = _pipe(engine)(PROMPT, negative_prompt="blurry", num_inference_steps=4, guidance_scale=guidance,
+                        num_images_per_prompt=2, generator=torch.Generator().manual_seed(3), output_type="np").images
+    assert ours.arrays.std() > 1e-3
+    np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+    assert costs == [(2, 2)] * 4  # two images, one denoiser row each, every step
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_xl"])
+def test_guidance_rescale_equals_diffusers(request, model):
+    engine = request.getfixturevalue(f"{model}_engine")
+    ours = engine.generate(PROMPT, num_inference_steps=4, seed=4, guidance_scale=6.0, guidance_rescale=0.7)
+    plain = engine.generate(PROMPT, num_inference_steps=4, seed=4, guidance_scale=6.0)
+    ref = _pipe(engine)(PROMPT, num_inference_steps=4, guidance_scale=6.0, guidance_rescale=0.7,
+                        generator=torch.Generator().manual_seed(4), output_type="np").images
+    np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+    assert np.abs(ours.arrays - plain.arrays).max() > 1e-3  # the rescale changed the image
+
+
+@pytest.fixture(scope="module", params=["random:tiny-lcm", "random:tiny-xl-lcm"])
+def lcm_engine(request):
+    with Engine(model=request.param, device="cpu", dtype="fp32") as engine:
+        yield engine
+
+
+def test_embedded_guidance_equals_diffusers_with_one_branch(lcm_engine):
+    """A UNet with `time_cond_proj_dim` takes the guidance as an embedding (diffusers' pipelines then run no CFG)."""
+    costs = _costs(lcm_engine)
+    try:
+        ours = lcm_engine.generate(PROMPT, num_inference_steps=4, seed=5, guidance_scale=8.0)
+        other = lcm_engine.generate(PROMPT, num_inference_steps=4, seed=5, guidance_scale=2.0)
+    finally:
+        _stop(lcm_engine)
+    ref = _pipe(lcm_engine)(PROMPT, num_inference_steps=4, guidance_scale=8.0,
+                            generator=torch.Generator().manual_seed(5), output_type="np").images
+    np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+    assert np.abs(ours.arrays - other.arrays).max() > 1e-3  # the guidance reaches the image
+    assert costs == [(1, 1)] * 8  # one denoiser row per image at every step
+
+
+def _interval_reference(engine, lo, hi, steps, guidance, seed):
+    """SD, Euler: the guided output only at steps i with lo <= i / steps < hi, the text branch elsewhere."""
+    pipe = _pipe(engine)
+    sched = pipe.scheduler
+    sched.set_timesteps(steps)
+    with torch.no_grad():
+        cond, uncond = pipe.encode_prompt(PROMPT, "cpu", 1, True, None)
+        gen = torch.Generator().manual_seed(seed)
+        latents = torch.randn((1, 4, 8, 8), generator=gen) * sched.init_noise_sigma
+        for i, t in enumerate(sched.timesteps):
+            x = sched.scale_model_input(latents, t)
+            text = engine.model.unet(x, t, encoder_hidden_states=cond).sample
+            out = text
+            if lo * steps <= i < hi * steps:
+                neg = engine.model.unet(x, t, encoder_hidden_states=uncond).sample
+                out = neg + guidance * (text - neg)
+            latents = sched.step(out, t, latents, generator=gen).prev_sample
+        image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
+    return (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def test_guidance_interval_equals_a_reference_loop_and_costs_rows_per_step(tiny_engine):
+    costs = _costs(tiny_engine)
+    try:
+        ours = tiny_engine.generate(PROMPT, num_inference_steps=5, seed=6, guidance_scale=7.5,
+                                    guidance_interval=[0.2, 0.8], sampler="euler")
+    finally:
+        _stop(tiny_engine)
+    ref = _interval_reference(tiny_engine, 0.2, 0.8, 5, 7.5, 6)
+    np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+    # steps 0..4 of 5: i / 5 in [0.2, 0.8) guides steps 1, 2, 3
+    assert [c for _, c in costs] == [1, 2, 2, 2, 1]
+    full = tiny_engine.generate(PROMPT, num_inference_steps=5, seed=6, guidance_scale=7.5, sampler="euler")
+    assert np.abs(full.arrays - ours.arrays).max() > 1e-3
+
+
+@pytest.mark.parametrize("value", [[0.5], [0.8, 0.2], [-0.1, 0.5], [0.1, 1.5], "0.2,0.8", [float("nan"), 1]])
+def test_bad_intervals_and_rescales_name_their_field(tiny_engine, value):
+    with pytest.raises(ValueError, match="guidance_interval") as e:
+        tiny_engine.make_request(PROMPT, guidance_interval=value)
+    assert e.value.param == "guidance_interval"
+    for bad in (-0.1, 1.5, float("nan"), "0.7"):
+        with pytest.raises(ValueError, match="guidance_rescale"):
+            tiny_engine.make_request(PROMPT, guidance_rescale=bad)
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_engine):
+    from lora_util import _write_diffusers
+
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", max_loras=4, max_lora_rank=4) as engine:
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "a.safetensors")
+            _write_diffusers(tiny_engine, path, rank=4, seed=0)  # written from a plain engine's modules
+            engine.add_lora("ink", path)
+        yield engine
+
+
+def test_mixed_rows_together_equal_each_alone(lora_engine):
+    e = lora_engine
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, (0, 0, 32, 64))
+    kinds = [dict(guidance_scale=7.5), dict(guidance_scale=1.0), dict(guidance_scale=0.0, num_images=2),
+             dict(guidance_scale=6.0, guidance_interval=[0.25, 0.75]), dict(guidance_scale=5.0, guidance_rescale=0.5),
+             dict(guidance_scale=7.5, loras=[("ink", 0.8)]), dict(guidance_scale=1.0, loras=[("ink", 1.0)]),
+             dict(guidance_scale=7.5, image=image, strength=0.6), dict(guidance_scale=4.0, image=image, mask_image=mask),
+             dict(guidance_scale=0.5, image=image, strength=0.9, sampler="euler_a")]
+    requests = [e.make_request(PROMPT, num_inference_steps=4, seed=40 + i, **k) for i, k in enumerate(kinds)]
+    alone = [e.run(r).arrays for r in requests]
+    costs = _costs(e)
+    try:
+        together = [f.result().arrays for f in [e.submit(r) for r in requests]]
+    finally:
+        _stop(e)
+    for i, (a, t) in enumerate(zip(alone, together)):
+        np.testing.assert_allclose(t, a, atol=1e-5, rtol=0, err_msg=f"request {i}: {kinds[i]}")
+    assert max(n for n, _ in costs) > 1 and any(c < 2 * n for n, c in costs)  # batched, mixed branches
+    assert len({a.tobytes() for a in alone}) == len(alone)  # every request is its own image
+
+
+def test_admission_reserves_peak_denoiser_rows():
+    """A row that starts guiding mid-schedule is admitted with its peak: the group never needs more denoiser
+    rows than the largest bucket, while guidance-free rows fill what guiding rows leave."""
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", max_rows=4) as e:
+        costs = _costs(e)
+        reqs = [e.make_request(PROMPT, num_inference_steps=4, seed=i, guidance_scale=7.5,
+                               guidance_interval=[0.5, 1.0]) for i in range(2)]
+        reqs += [e.make_request(PROMPT, num_inference_steps=4, seed=9, guidance_scale=1.0, num_images=2)]
+        results = [f.result() for f in [e.submit(r) for r in reqs]]
+        _stop(e)
+        assert all(len(r) == r.request.num_images for r in results)
+    assert costs and max(c for _, c in costs) <= 4
+    assert (2, 4) in costs  # both interval rows guiding: the guidance-free pair waited for room, as reserved
