@@ -241,6 +241,36 @@ def test_bad_arguments_name_the_allowed_values(sampler, schedule, steps, words):
         assert word in str(info.value)
 
 
+def test_the_names_are_the_sd_families_and_a_request_checks_them():
+    """The built-in families list sampling/names.py; a request without a model is checked against those names, one
+    for a model against its family's (ModelInfo), and the request itself only types them (the family decides)."""
+    from diffgraph.models.families import SDFamily, SDXLFamily
+    from diffgraph.request import GenerationRequest, ModelInfo, ParamError
+
+    for family in (SDFamily, SDXLFamily):
+        assert (family.samplers, family.schedules) == (SAMPLERS, SCHEDULES)
+        assert (family.default_sampler, family.default_schedule, family.size_multiple) == ("euler", "default", 8)
+    base = dict(width=64, height=64, guidance_scale=7.5)
+    with pytest.raises(ParamError, match="^sampler 'flow_euler' is unknown; allowed: euler, euler_a, dpmpp_2m, ddim$"):
+        GenerationRequest.create("a cat", sampler="flow_euler", **base)
+    assert GenerationRequest.create("a cat", **base).sampler == "euler"
+    info = ModelInfo("m", "flow", 64, 3.0, 4, "eager", "cpu", samplers=("flow_euler",), schedules=("shifted",),
+                     default_sampler="flow_euler", default_schedule="shifted", size_multiple=16)
+    request = GenerationRequest.create("a cat", model=info)
+    assert (request.sampler, request.schedule) == ("flow_euler", "shifted")
+    with pytest.raises(ParamError, match=r"^schedule 'karras' is unknown; allowed: shifted \(the schedules of model "
+                                         r"family 'flow'\)$") as e:
+        GenerationRequest.create("a cat", model=info, schedule="karras")
+    assert e.value.param == "schedule"
+    with pytest.raises(ParamError, match="^width 100 is not a multiple of 16; use 96 or 112$"):
+        GenerationRequest.create("a cat", model=info, width=100)
+    img = np.zeros((72, 100, 3), np.uint8)  # an edit's size: its image's, rounded down to the family's multiple
+    assert GenerationRequest.create("a cat", model=info, image=img).key == (64, 96)
+    with pytest.raises(ParamError, match="sampler must be a sampler name") as e:
+        GenerationRequest.create("a cat", sampler=3, **base)
+    assert e.value.param == "sampler"
+
+
 @pytest.mark.parametrize(
     "override,words",
     [

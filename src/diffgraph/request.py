@@ -18,11 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from .sampling.schedules import MAX_STEPS, SAMPLERS, SCHEDULES
+from .sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
+from .sampling.schedules import MAX_STEPS
 
 GroupKey = tuple[int, int]  # (height, width) in pixels: the resolution group a request's rows run in
 MIN_SIZE = 64
 MAX_SIZE = 2048
+SIZE_MULTIPLE = 8        # every request's sizes (an SD VAE's latent grid); a family may ask for more (size_multiple)
 MAX_IMAGES = 16
 MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
@@ -63,7 +65,7 @@ def _new_id() -> str:
     return f"req-{secrets.token_hex(8)}"
 
 
-def _nearest_multiples(value: int, base: int = 8) -> str:
+def _nearest_multiples(value: int, base: int = SIZE_MULTIPLE) -> str:
     """The valid sizes next to `value`: multiples of `base` inside MIN_SIZE..MAX_SIZE."""
     low = min(max((value // base) * base, MIN_SIZE), MAX_SIZE)
     high = min(low + base, MAX_SIZE)
@@ -79,19 +81,38 @@ def _show(value: Any) -> str:
     return text if len(text) <= 24 else f"{text[:20]}..."
 
 
-def _check_size(name: str, value: Any) -> int:
+def _check_size(name: str, value: Any, base: int = SIZE_MULTIPLE) -> int:
+    """A width or height: an integer in MIN_SIZE..MAX_SIZE, a multiple of `base` (a family's size multiple)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ParamError(name, f"{name} must be an integer number of pixels, got {_show(value)}")
     value = int(value)
-    if not MIN_SIZE - 8 < value < MAX_SIZE + 8:
+    if not MIN_SIZE - base < value < MAX_SIZE + base:
         raise ParamError(name, f"{name} {_show(value)} is outside the supported range {MIN_SIZE}..{MAX_SIZE} "
-                               "(multiples of 8)")
-    if value % 8:
-        raise ParamError(name, f"{name} {value} is not a multiple of 8; use {_nearest_multiples(value)}")
+                               f"(multiples of {base})")
+    if value % base:
+        raise ParamError(name, f"{name} {value} is not a multiple of {base}; use {_nearest_multiples(value, base)}")
     if not MIN_SIZE <= value <= MAX_SIZE:
         raise ParamError(name, f"{name} {value} is outside the supported range {MIN_SIZE}..{MAX_SIZE} "
-                               "(multiples of 8)")
+                               f"(multiples of {base})")
     return value
+
+
+def check_family_params(sampler: str, schedule: str, key: GroupKey, samplers: tuple[str, ...] = SAMPLERS,
+                        schedules: tuple[str, ...] = SCHEDULES, size_multiple: int = SIZE_MULTIPLE,
+                        family: str | None = None) -> None:
+    """What a model family takes: one of its samplers and schedules, sizes in multiples of its size multiple.
+    A ParamError names the parameter and lists what the family allows. The family adapter checks with its own
+    lists (`FamilyAdapter.check`), a request built for a model with its `ModelInfo`'s, and one built without a model
+    with the built-in families' (sampling/names.py)."""
+    whose = f" (the {{}} of model family {family!r})" if family else ""
+    if sampler not in samplers:
+        raise ParamError("sampler", f"sampler {_show(sampler)} is unknown; allowed: {', '.join(samplers)}"
+                                    + whose.format("samplers"))
+    if schedule not in schedules:
+        raise ParamError("schedule", f"schedule {_show(schedule)} is unknown; allowed: {', '.join(schedules)}"
+                                     + whose.format("schedules"))
+    for name, value in (("width", key[1]), ("height", key[0])):
+        _check_size(name, value, size_multiple)
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
@@ -191,11 +212,9 @@ class GenerationRequest:
         if not (0 <= guidance <= MAX_GUIDANCE):  # NaN fails this too
             raise ParamError("guidance_scale",
                              f"guidance_scale {_show(guidance_scale)} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
-        if self.sampler not in SAMPLERS:
-            raise ParamError("sampler", f"sampler {_show(self.sampler)} is unknown; allowed: {', '.join(SAMPLERS)}")
-        if self.schedule not in SCHEDULES:
-            raise ParamError("schedule",
-                             f"schedule {_show(self.schedule)} is unknown; allowed: {', '.join(SCHEDULES)}")
+        for name in ("sampler", "schedule"):  # which names exist is the model family's to say (create, the planner)
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ParamError(name, f"{name} must be a {name} name, got {_show(getattr(self, name))}")
         if self.output_format is not None and self.output_format not in OUTPUT_FORMATS:
             raise ParamError("output_format", f"output_format {_show(self.output_format)} is unknown; allowed: "
                                               f"{', '.join(OUTPUT_FORMATS)}")
@@ -233,17 +252,19 @@ class GenerationRequest:
 
     @classmethod
     def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
-               num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = "euler",
-               schedule: Any = "default", seed: Any = None, num_images: Any = 1, output_format: Any = None,
+               num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = None,
+               schedule: Any = None, seed: Any = None, num_images: Any = 1, output_format: Any = None,
                request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
                guidance_rescale: Any = 0.0) -> "GenerationRequest":
-        """A request from user parameters: a random seed when none is given, the model's native size and
-        guidance where those are not given, every value checked (and `num_images` against the engine's rows).
-        With `image` (PIL image or uint8 RGB array) it is an image-to-image request, with `mask_image` too an
-        inpainting one; without width/height the output takes the image's size rounded down to multiples of 8
-        (diffusers' rule), and strength defaults to the model's (diffusers' pipelines: 0.8 / 0.3 for SDXL
-        image-to-image, 1.0 / 0.9999 for SDXL inpainting)."""
+        """A request from user parameters: a random seed when none is given, the model's native size, guidance,
+        sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
+        the model's family, `num_images` against the engine's rows; without a model, against the built-in
+        families'). With `image` (PIL image or uint8 RGB array) it is an image-to-image request, with `mask_image`
+        too an inpainting one; without width/height the output takes the image's size rounded down to the family's
+        size multiple (diffusers' rule), and strength defaults to the model's (diffusers' pipelines: 0.8 / 0.3 for
+        SDXL image-to-image, 1.0 / 0.9999 for SDXL inpainting)."""
+        multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit = None
         if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
             edit = image
@@ -251,8 +272,8 @@ class GenerationRequest:
             edit = make_edit(image, mask_image, strength, model)
         if edit is not None:
             h, w = edit.image.shape[:2]
-            width = w - w % 8 if width is None else width
-            height = h - h % 8 if height is None else height
+            width = w - w % multiple if width is None else width
+            height = h - h % multiple if height is None else height
         elif mask_image is not None or strength is not None:
             raise ParamError("image", "mask_image and strength need an image: give image= (image-to-image) or "
                                       "image= and mask_image= (inpainting)")
@@ -261,17 +282,27 @@ class GenerationRequest:
         if seed is None:
             seed = secrets.randbelow(2**31)
         kwargs = {} if request_id is None else {"request_id": str(request_id)}
-        request = cls(prompt=prompt, negative_prompt=negative_prompt,
-                      width=model.native_size if width is None else width,
-                      height=model.native_size if height is None else height,
+        width = model.native_size if width is None else width
+        height = model.native_size if height is None else height
+        for name, value in (("width", width), ("height", height)):  # the family's words first (its multiple)
+            _check_size(name, value, multiple)
+        if sampler is None:
+            sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
+        if schedule is None:
+            schedule = model.default_schedule if model is not None else DEFAULT_SCHEDULE
+        request = cls(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
                       num_inference_steps=num_inference_steps,
                       guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
                       sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
                       guidance_rescale=guidance_rescale, **kwargs)
-        if model is not None and request.num_images > model.max_rows:
-            raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest batch "
-                                           f"bucket {model.max_rows}")
+        if model is None:
+            check_family_params(request.sampler, request.schedule, request.key)
+        else:
+            model.check(request.sampler, request.schedule, request.key)
+            if request.num_images > model.max_rows:
+                raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
+                                               f"batch bucket {model.max_rows}")
         return request
 
     @property
@@ -376,6 +407,16 @@ class ModelInfo:
     ready_s: float = 0.0  # load to ready (prewarm graphs captured), seconds
     edit_strength: tuple[float, float] = (0.8, 1.0)  # default strength: (image-to-image, inpainting)
     edits: bool = True   # takes image-to-image and inpainting requests
+    # the family's names and sizes (FamilyAdapter: samplers, schedules, defaults, size multiple)
+    samplers: tuple[str, ...] = SAMPLERS
+    schedules: tuple[str, ...] = SCHEDULES
+    default_sampler: str = DEFAULT_SAMPLER
+    default_schedule: str = DEFAULT_SCHEDULE
+    size_multiple: int = SIZE_MULTIPLE
+
+    def check(self, sampler: str, schedule: str, key: GroupKey) -> None:
+        """ParamError unless the model's family takes this sampler, schedule and size."""
+        check_family_params(sampler, schedule, key, self.samplers, self.schedules, self.size_multiple, self.family)
 
 
 @dataclass(frozen=True)

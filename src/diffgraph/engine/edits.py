@@ -6,7 +6,8 @@ encoded by the VAE encoder (its graph where it covers the size; image and masked
 from the request's generator in the pipelines' order: image posterior, then the initial noise, then (inpainting)
 the masked image's posterior, drawn even where a 4-channel UNet does not use it, so ancestral samplers continue
 from the same generator state. Rows start at the step the strength implies (`ModelRunner.request_plan`) from the
-image's latents noised to that step, or from pure noise for inpainting at strength 1.
+image's latents noised to that step as the family noises (`FamilyAdapter.noising`: SD's samplers' add_noise, a flow
+family's (1 - sigma) x0 + sigma * noise), or from pure noise for inpainting at strength 1.
 
 Per-row fields for the whole step (graphs/step.py): for a 4-channel UNet's inpainting, the mask at latent size,
 the image latents and the initial noise (the step blends the known region back after each update); for a
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..request import GenerationRequest, GroupKey
-from ..sampling.samplers import SamplerPlan, noising
+from ..sampling.samplers import SamplerPlan
 
 
 def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generator: torch.Generator,
@@ -59,7 +60,7 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
     if pure_noise:
         latents = noise * plan.init_noise_sigma
     else:
-        k, e = noising(plan)
+        k, e = adapter.noising(plan)  # the family's: SD's add_noise, or a flow's (1 - sigma, sigma)
         latents = k * image_latents + e * noise
     fields: dict[str, torch.Tensor] = {}
     if edit.inpaint:

@@ -126,11 +126,14 @@ class Engine:
         self.ready_s = time.perf_counter() - t0  # load to ready (prewarm graphs captured)
         self.core.start()
         self._ready = True
+        adapter = self.model.adapter  # what requests may ask of its family, checked by GenerationRequest.create
         self.info = ModelInfo(name=self.model.name, family=self.model.family, native_size=self.model.native_size,
                               default_guidance=self.model.default_guidance, max_rows=self.runner.max_rows,
                               mode=mode, device=str(self.model.device), ready_s=self.ready_s,
-                              edit_strength=self.model.adapter.edit_strength,
-                              edits=self.model.adapter.supports_edits)
+                              edit_strength=adapter.edit_strength, edits=adapter.supports_edits,
+                              samplers=tuple(adapter.samplers), schedules=tuple(adapter.schedules),
+                              default_sampler=adapter.default_sampler, default_schedule=adapter.default_schedule,
+                              size_multiple=int(adapter.size_multiple))
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
                       fuse_loras: Any) -> LoraManager | None:
@@ -185,7 +188,8 @@ class Engine:
 
     # -- public API ----------------------------------------------------------------------------
     def make_request(self, prompt: Any, **params: Any) -> GenerationRequest:
-        """A checked request with this model's defaults (native size, guidance). Raises ParamError."""
+        """A checked request with this model's defaults (native size, guidance, sampler, schedule), its sampler,
+        schedule and size checked against the model's family. Raises ParamError."""
         request = GenerationRequest.create(prompt, model=self.info, **params)
         self.runner.request_plan(request)  # the model's steps; edits on a family that takes images
         return request

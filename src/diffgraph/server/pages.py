@@ -1,6 +1,6 @@
 """What the playground page reads: its static files (shipped in the package, no CDN, no build step), `/info`
-(the model, its defaults and what a request may ask for) and `/status` (the engine's state as JSON). The same
-state as /metrics, for a person instead of a scraper."""
+(the model, its defaults and what a request may ask for: its family's samplers, schedules and size multiple) and
+`/status` (the engine's state as JSON). The same state as /metrics, for a person instead of a scraper."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from ..config import DEFAULT_BUCKETS
 from ..request import MAX_IMAGES, MAX_STEPS, OUTPUT_FORMATS
-from ..sampling.schedules import SAMPLERS, SCHEDULES
 from .protocol import ImageGenerationRequest
 
 PLAYGROUND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "playground")
@@ -47,7 +46,12 @@ def server_info(state: Any) -> dict[str, Any]:
         "default_guidance": info.default_guidance if info else None,
         "default_steps": ImageGenerationRequest.model_fields["num_inference_steps"].default,
         "max_images": min(MAX_IMAGES, info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS)),
-        "max_steps": MAX_STEPS, "samplers": list(SAMPLERS), "schedules": list(SCHEDULES),
+        # the model family's names and sizes (unknown until the model is loaded)
+        "max_steps": MAX_STEPS, "samplers": list(info.samplers) if info else None,
+        "schedules": list(info.schedules) if info else None,
+        "default_sampler": info.default_sampler if info else None,
+        "default_schedule": info.default_schedule if info else None,
+        "size_multiple": info.size_multiple if info else None,
         "output_formats": list(OUTPUT_FORMATS), "graphed_resolutions": resolutions,
         "batch_buckets": list(config.batch_buckets), "max_prompt_bytes": config.max_prompt_bytes,
         "auth_required": bool(config.api_keys),

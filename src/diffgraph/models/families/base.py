@@ -6,14 +6,22 @@ An adapter owns, for its family (one module per family: sd.py, sdxl.py):
     fields kept in the step buffers for both CFG branches (`cond_spec`), per-row resolution conditioning
     (`row_spec`: SDXL's time ids) and how a missing negative prompt is conditioned (`negative`);
   * the denoiser call inside the whole step (`denoise`: tensors in, tensor out, capturable);
-  * the sampler plan (`planner`): (sampler, schedule, steps) -> per-step coefficients, which also say how the
-    model output becomes the denoised prediction (epsilon, v, or a flow velocity: D = x - sigma * v);
-  * the latent shape, the decoder and its dtype, the decode to pixels;
+  * the sampler plan (`planner`): (sampler, schedule, steps, (height, width)) -> per-step coefficients, which also
+    say how the model output becomes the denoised prediction (epsilon, v, or a flow velocity: D = x - sigma * v);
+    the resolution is there for families whose schedule depends on it (Flux's time shift);
+  * what a request may ask of it (`check`): its sampler and schedule names (`samplers`, `schedules`) and defaults
+    (`default_sampler`, `default_schedule`), its size multiple (`size_multiple`: 8 for an SD VAE, 16 for a 2x2
+    patched transformer); the engine's `ModelInfo` carries them to the request's validation and to `/info`;
+  * image-to-image: whether it takes images (`supports_edits`) and how a clean latent is noised to a plan's first
+    state (`noising`: SD's samplers' add_noise, or a flow's (1 - sigma) x0 + sigma * noise);
+  * the latent shape, the decoder and its dtype, the decode to pixels and the image latents (the VAE's
+    `scaling_factor`, `shift_factor`, `latents_mean` / `latents_std`, as diffusers' pipelines apply them);
   * defaults (guidance) and the equivalent diffusers pipeline (the test oracle).
 
 What a new family implements: subclass `FamilyAdapter`, set `name` and `pipeline_classes`, implement
 `load_folder` (if its folder is not UNet + VAE + CLIP encoders), `cond_spec`, `encode_ids`, `denoise`, and
-`planner` when it is not trained on the SD noise schedule (a flow-matching model is not); override
+`planner` when it is not trained on the SD noise schedule (a flow-matching model is not: then also list its
+`samplers` / `schedules` / defaults, call `self.check` in its planner, and give its `noising`); override
 `latent_shape` / `decode` if they differ. Register it in a `FamilyRegistry` and pass that to `load_model` /
 `Engine(families=...)`: the engine core, scheduler, model runner and server need no edit (tests/test_families.py
 does exactly this with a toy flow-matching family). Adapters hold no state: every method takes the model.
@@ -34,8 +42,9 @@ from ...features.edit import EditRows
 from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
 from ...features.lora import LoraRows, SidePathRows
-from ...request import MAX_LORAS, GroupKey
-from ...sampling.samplers import SamplerPlan, make_plan
+from ...request import MAX_LORAS, SIZE_MULTIPLE, GroupKey, check_family_params
+from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
+from ...sampling.samplers import SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
 from ..model import DiffusionModel
 
@@ -69,11 +78,16 @@ class FamilyAdapter:
     # (encoder subfolder, tokenizer subfolder, transformers class) per text encoder, in order
     text_parts: tuple[tuple[str, str, str], ...] = (("text_encoder", "tokenizer", "CLIPTextModel"),)
     force_zeros_default: bool = False  # SDXL: a missing negative prompt is all zeros (unless the index says no)
-    supports_edits: bool = False       # image-to-image and inpainting (a diffusers VAE encoder, the SD noise
-                                       # schedule's add_noise): SD and SDXL say True
+    supports_edits: bool = False       # image-to-image and inpainting (a VAE encoder, the family's `noising` and its
+                                       # plans' KNOWN columns for the inpainting blend): SD and SDXL say True
     edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
-    default_sampler: str = "dpmpp_2m"  # what graph verification walks (and a request may name)
-    default_schedule: str = "karras"
+    # the names its planner takes (the SD noise schedule's samplers: sampling/names.py), what a request that names
+    # none gets (graph verification walks it too), and the multiple its sizes must be
+    samplers: tuple[str, ...] = SAMPLERS
+    schedules: tuple[str, ...] = SCHEDULES
+    default_sampler: str = DEFAULT_SAMPLER
+    default_schedule: str = DEFAULT_SCHEDULE
+    size_multiple: int = SIZE_MULTIPLE
     # the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py; BENCHMARKS.md,
     # session 8): (convolution weights channels-last, attention backend first in line). Compiled SD1.5 UNet at CFG
     # batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.
@@ -151,11 +165,25 @@ class FamilyAdapter:
         f = model.vae_scale_factor
         return (model.latent_channels, key[0] // f, key[1] // f)
 
+    def check(self, sampler: str, schedule: str, key: GroupKey) -> None:
+        """ParamError (naming `sampler`, `schedule`, `width` or `height`) unless this family takes the sampler,
+        the schedule and the size; a planner calls it first, so a request is checked where its plan is made."""
+        check_family_params(sampler, schedule, key, self.samplers, self.schedules, self.size_multiple, self.name)
+
     def planner(self, model: DiffusionModel) -> Planner:
         """The SD noise schedule of the model's scheduler config, walked by our samplers (sampling/); the SD
         families' plans do not depend on the resolution."""
         noise = NoiseSchedule.from_config(model.scheduler_config)
-        return lambda sampler, schedule, steps, key: make_plan(noise, sampler, schedule, steps)
+
+        def plan(sampler: str, schedule: str, steps: int, key: GroupKey) -> SamplerPlan:
+            self.check(sampler, schedule, key)
+            return make_plan(noise, sampler, schedule, steps)
+        return plan
+
+    def noising(self, plan: SamplerPlan) -> tuple[float, float]:
+        """(k, e): an image-to-image row starts at k * image latents + e * noise, the plan's first state (SD's
+        samplers: the add_noise of their diffusers scheduler; a flow-matching family: (1 - sigma, sigma))."""
+        return noising(plan)
 
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None) -> tuple[RowFeature, ...]:
         """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded
@@ -244,6 +272,9 @@ class FamilyAdapter:
             latents = latents * std_t / decoder.config.scaling_factor + mean_t
         else:
             latents = latents / decoder.config.scaling_factor
+            shift = getattr(decoder.config, "shift_factor", None)
+            if shift is not None:  # SD3 / Flux VAEs (diffusers' pipelines: latents / scaling + shift)
+                latents = latents + shift
         image = decoder.decode(latents, return_dict=False)[0]
         return (image * 0.5 + 0.5).clamp(0, 1)
 
@@ -260,6 +291,9 @@ class FamilyAdapter:
             shape = (1, sample.shape[1], 1, 1)
             lmean_t = torch.tensor(lmean, device=sample.device).view(shape)
             return (sample - lmean_t) * cfg.scaling_factor / torch.tensor(lstd, device=sample.device).view(shape)
+        shift = getattr(cfg, "shift_factor", None)
+        if shift is not None:  # SD3 / Flux VAEs: (x - shift) * scaling
+            return (sample - shift) * cfg.scaling_factor
         return cfg.scaling_factor * sample
 
     def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any, task: str = "text") -> Any:
