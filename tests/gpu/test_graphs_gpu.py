@@ -48,7 +48,7 @@ def test_text_and_vae_graphs_match_eager(sd15):
     text_diff = float((graphed["embeds"].float() - eager["embeds"].float()).abs().max())
     lat = torch.randn((3, 4, 64, 64), device=DEVICE)
     img_graph = w.decode((512, 512), lat)
-    img_eager = w._decode_pixels(lat.to(w.model.vae_dtype)).permute(0, 2, 3, 1).float().cpu().numpy()
+    img_eager = w.decode_pixels(lat.to(w.model.vae_dtype)).permute(0, 2, 3, 1).float().cpu().numpy()
     vae_diff = float(np.abs(img_graph - img_eager).max())
     REPORT["text graph max abs"] = text_diff
     REPORT["vae graph max abs"] = vae_diff

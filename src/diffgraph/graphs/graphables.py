@@ -66,9 +66,9 @@ class StepGraph:
         buf = self._buffers((h, w))
         plan = self._verify_plan()
         gen = torch.Generator(device=buf.x.device).manual_seed(0)
-        buf.x[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device) * float(plan.sigmas[1])
+        step = min(3, plan.num_steps - 1)
+        buf.x[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device) * float(plan.sigmas[step])
         buf.d_prev[:b] = torch.randn(buf.x[:b].shape, generator=gen, device=buf.x.device)
-        step = min(1, plan.num_steps - 1)
         buf.coefs[:b, :plan.coefs.shape[1]] = torch.as_tensor(plan.coefs[step], dtype=torch.float32,
                                                                device=buf.x.device)
         guiding = b // 2 if self._program.alt is not None else 0
