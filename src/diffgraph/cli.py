@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .models.presets import DEFAULT_MODEL, available_presets
-from .sampling.names import SAMPLERS, SCHEDULES
+from .sampling.names import BUILTIN_FAMILIES, DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
 
 
 def default_model() -> str:
@@ -45,8 +45,10 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 8 (default: native size)")
     g.add_argument("--steps", type=int, default=20, help="denoising steps, 1-200 (default 20)")
     g.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale >= 0 (default: 7.5 SD, 5.0 SDXL)")
-    g.add_argument("--sampler", default="euler", help=f"one of {', '.join(SAMPLERS)} (default euler)")
-    g.add_argument("--schedule", default="default", help=f"one of {', '.join(SCHEDULES)} (default: the model's)")
+    g.add_argument("--sampler", default=DEFAULT_SAMPLER,
+                   help=f"one of {', '.join(SAMPLERS)} (the built-in families'; default {DEFAULT_SAMPLER})")
+    g.add_argument("--schedule", default=DEFAULT_SCHEDULE,
+                   help=f"one of {', '.join(SCHEDULES)} (the built-in families'; default {DEFAULT_SCHEDULE!r})")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
@@ -389,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, desc in available_presets().items():
                 print(f"{name:16s} {desc}")
             print("or a local diffusers folder (StableDiffusionPipeline / StableDiffusionXLPipeline)")
+            print(f"families {', '.join(BUILTIN_FAMILIES)}: samplers {', '.join(SAMPLERS)} (default "
+                  f"{DEFAULT_SAMPLER!r}), schedules {', '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE!r}), "
+                  "sizes in multiples of 8")
             return 0
         return _generate(args)
     except (_ArgError, ValueError) as e:
