@@ -4,7 +4,12 @@
 path relative to the folder, with "/" between folders and without the suffix (`styles/ink`); a file added later is
 found without a restart. Clients name adapters, never paths: a name that is absolute, holds "..", a backslash or a
 NUL, or resolves outside the folder (symbolic links included) is refused; pickles (.bin/.pt/.ckpt/.pth) are never
-adapters, and the listing reports them as ignored.
+adapters, and the listing reports them as ignored. A name whose entry is not a regular file (a FIFO, a device, a
+socket, a dangling link) or is larger than `MAX_ADAPTER_BYTES` is refused with that reason, looked at with a stat
+and never opened (opening a FIFO blocks); the listing names such entries, and their readers report them unusable.
+
+`describe` and `check_dtype` are what an adapter file's header says, without torch (the HTTP process lists the
+adapters of replicas in other processes with them): adapter weights are bf16, fp16 or fp32, alphas any real number.
 
 `SlotCache`: which (adapter name, file version) each of `slots` device slots holds. A request pins the slots of its
 adapters while its rows live; loading an adapter takes an empty slot, else the least recently used unpinned one; a
@@ -21,10 +26,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..safe_files import UnusableFile, check_regular, read_header
+
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SUFFIX = ".safetensors"
+MAX_ADAPTER_BYTES = 4 << 30   # an SDXL rank-256 adapter is ~1.7 GB; a bigger "adapter" is not one (a sparse file?)
+WEIGHT_DTYPES = ("F16", "BF16", "F32")
+ALPHA_DTYPES = WEIGHT_DTYPES + ("F64", "I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
 
-AdapterKey = tuple[str, tuple[int, int]]  # (name, (size, mtime_ns))
+AdapterKey = tuple[str, tuple]  # (name, version): a file's safe_files.FileStamp, ("added", n) for an added one
 
 
 class AdapterNameError(ValueError):
@@ -33,6 +43,11 @@ class AdapterNameError(ValueError):
 
 class AdapterNotFound(AdapterNameError):
     """An allowed name that no file in the folder has."""
+
+
+class AdapterUnusable(AdapterNameError):
+    """A name whose entry in the folder is not a file that can be read (a FIFO, a device, a dangling link, too
+    large): the message says what it is."""
 
 
 class SlotsBusy(RuntimeError):
@@ -59,7 +74,8 @@ class AdapterDir:
                 full = os.path.join(folder, f)
                 rel = os.path.relpath(full, self.root).replace(os.sep, "/")
                 if f.endswith(SUFFIX) and self._inside(full):
-                    adapters[rel[: -len(SUFFIX)]] = os.path.realpath(full)
+                    # a dangling link stays a link, so that its reader says so
+                    adapters[rel[: -len(SUFFIX)]] = os.path.realpath(full) if os.path.exists(full) else full
                 elif f.lower().endswith(PICKLES):
                     ignored.append(rel)
         return Listing(adapters=dict(sorted(adapters.items())), ignored=sorted(ignored))
@@ -77,16 +93,25 @@ class AdapterDir:
             raise AdapterNameError(f"adapter name {name!r} is not allowed: names are relative, with '/' between "
                                    "folders, without '..', backslashes or NUL (GET /v1/loras lists them)")
         full = os.path.join(self.root, *name.split("/")) + SUFFIX
-        if os.path.isfile(full):
+        if os.path.lexists(full):
             if not self._inside(full):
                 raise AdapterNameError(f"adapter {name!r} resolves outside the adapter folder (a symbolic link?); "
                                        "it is not served")
+            try:
+                check_regular(full, MAX_ADAPTER_BYTES)
+            except UnusableFile as e:
+                raise unusable(name, full, e) from None
             return os.path.realpath(full)
         names = list(self.listing().adapters)
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"; known: {', '.join(names[:10]) or 'none'}"
         raise AdapterNotFound(f"adapter {name!r} is unknown{hint}")
+
+
+def unusable(name: str, path: str, error: UnusableFile) -> AdapterUnusable:
+    """The error for adapter `name` whose file `path` is refused by type or size (`error` says why)."""
+    return AdapterUnusable(f"adapter {name!r} is unusable: {os.path.basename(path)} {error}")
 
 
 _COMPONENT_PREFIXES = (("text_encoder_2.", "text_encoder_2"), ("lora_te2_", "text_encoder_2"),
@@ -96,18 +121,34 @@ _COMPONENT_PREFIXES = (("text_encoder_2.", "text_encoder_2"), ("lora_te2_", "tex
 
 def describe(path: str) -> dict[str, Any]:
     """Rank and targeted layers per component of an adapter file, from its header (no weights are read, nothing is
-    checked against a model): what a server that holds no engine in its own process lists."""
-    from safetensors import safe_open
-
+    checked against a model): what a server that holds no engine in its own process lists. Raises AdapterUnusable
+    (not a regular file, too large, not safetensors, a tensor that is not floating point)."""
+    label = os.path.basename(path)
+    try:
+        header, _ = read_header(path, MAX_ADAPTER_BYTES)
+    except UnusableFile as e:
+        raise AdapterUnusable(f"{label} {e}") from None
     rank, layers = 0, {}
-    with safe_open(path, framework="pt") as f:
-        for key in f.keys():
-            if not any(part in key for part in (".lora_A.", ".lora_down.")):
-                continue
-            component = next((c for prefix, c in _COMPONENT_PREFIXES if key.startswith(prefix)), "other")
-            layers[component] = layers.get(component, 0) + 1
-            rank = max(rank, f.get_slice(key).get_shape()[0])
+    for key, t in header.tensors.items():
+        check_dtype(label, key, t.dtype, t.numel)
+        if not any(part in key for part in (".lora_A.", ".lora_down.")) or not t.shape:
+            continue
+        component = next((c for prefix, c in _COMPONENT_PREFIXES if key.startswith(prefix)), "other")
+        layers[component] = layers.get(component, 0) + 1
+        rank = max(rank, t.shape[0])
     return {"rank": rank, "targets": layers}
+
+
+def check_dtype(name: str, key: str, dtype: str, numel: int) -> None:
+    """Adapter weights must be bf16, fp16 or fp32 (an integer, bool, fp8 or complex tensor cast to the model's dtype
+    is not the adapter its author trained); an alpha (a scalar) may be any real number. `dtype`: safetensors'
+    name. Raises AdapterUnusable naming the adapter and the tensor."""
+    alpha = key.endswith(".alpha") and numel <= 1
+    if dtype not in (ALPHA_DTYPES if alpha else WEIGHT_DTYPES):
+        allowed = "a real number" if alpha else "bf16, fp16 or fp32"
+        raise AdapterUnusable(f"adapter {name!r}: tensor {key!r} is {dtype}; adapter "
+                              f"{'alphas' if alpha else 'weights'} must be {allowed}: save it with floating-point "
+                              "weights (e.g. `.half()` or `.float()` before save_file)")
 
 
 @dataclass

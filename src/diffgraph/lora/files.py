@@ -5,25 +5,46 @@ diffusers' own `lora_state_dict` and key converters, into per-layer low-rank wei
 Only .safetensors files are adapters: a .bin/.pt/.ckpt file is a pickle, and loading one can run code. Kinds other
 than plain LoRA on Linear layers and 1x1 convolutions (LoHa, LoKr, DoRA, a 3x3-convolution LoCon) are refused at
 read time with a message naming what is unsupported. Each layer's scale is alpha / rank (kohya alphas), else 1.
+
+A file is read into memory (safe_files.read_safetensors: a private copy, never a memory map that a writer can cut
+under us), after its header says its tensors are floating point (catalog.check_dtype). A file that changes while
+it is read raises `AdapterChanged`: the caller reads it again. Each layer's largest change, ||B|| ||A|| alpha/rank,
+must be finite and at most `EFFECT_LIMIT` (a huge-but-finite adapter would overflow the model into a black
+image). `header_adapter` is the same reading from the header alone (meta tensors: layouts, names and shapes
+checked, values not), for listings.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..safe_files import FileChanged, FileStamp, UnusableFile, read_header, read_safetensors
+from .catalog import MAX_ADAPTER_BYTES, check_dtype
+
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
 # key fragments of adapter kinds that are not plain LoRA -> their names
 UNSUPPORTED = {"hada_": "LoHa", "lokr_": "LoKr", "dora_scale": "DoRA", "lora_magnitude_vector": "DoRA",
                ".lora_mid.": "LoCon with a Tucker mid weight", "ia3": "IA3", ".diff": "a full weight difference",
                ".diff_b": "a bias difference"}
+# a layer's change at request scale 8 (request.MAX_LORA_SCALE) stays within fp16's range for a unit input
+EFFECT_LIMIT = 65504.0 / 8
+TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+                "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8,
+                "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 class AdapterError(ValueError):
     """An adapter file that cannot be used; the message says why and what to do."""
+
+
+class AdapterChanged(AdapterError):
+    """The file changed while it was read: read it again for its new version."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,7 @@ class AdapterFile:
     path: str | None
     version: tuple[int, int] | None                  # (size, mtime_ns) of the file read; None for a state dict
     layers: dict[str, dict[str, LayerWeights]]       # component -> module path in it -> weights
+    stamp: FileStamp | None = None                   # the full version read (inode and device too)
 
     @property
     def rank(self) -> int:
@@ -53,32 +75,65 @@ class AdapterFile:
         return [f"{c}.{m}" for c, part in self.layers.items() for m in part]
 
 
-def file_version(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
-
-
 def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, name: str) -> AdapterFile:
     """The adapter in `source` (a .safetensors path or a state dict) for a model of `pipeline_class` (e.g.
-    "StableDiffusionPipeline", "StableDiffusionXLPipeline"). Raises AdapterError."""
+    "StableDiffusionPipeline", "StableDiffusionXLPipeline"). Raises AdapterError (AdapterChanged: read it again)."""
+    if not isinstance(source, str):
+        for key, t in source.items():
+            check_dtype(name, key, DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), t.numel())
+        return _adapter(dict(source), pipeline_class, name, None, None)
+    _refuse_pickle(source, name)
+    from safetensors.torch import load
+
+    header, data = _read(read_safetensors, source, name)
+    for key, t in header.tensors.items():
+        check_dtype(name, key, t.dtype, t.numel)
+    try:
+        state = load(data)
+    except Exception as e:  # what the header check let through (overlapping tensors ...)
+        raise AdapterError(f"adapter {name!r}: {os.path.basename(source)} is not a readable safetensors file "
+                           f"({type(e).__name__}: {e}); it may be truncated: copy it again") from None
+    del data
+    return _adapter(state, pipeline_class, name, source, header.stamp)
+
+
+def header_adapter(path: str, pipeline_class: str, name: str) -> AdapterFile:
+    """The adapter of file `path` as its header describes it: its layers' weights are meta tensors (shapes and
+    layout checked, as read_adapter does, but no values), its alphas real. For listings: reads the header only."""
+    _refuse_pickle(path, name)
+    header, small = _read(read_header, path, name, 16)
+    state = {}
+    for key, t in header.tensors.items():
+        check_dtype(name, key, t.dtype, t.numel)
+        dtype = TORCH_DTYPES[t.dtype]
+        state[key] = torch.frombuffer(bytearray(small[key]), dtype=dtype).reshape(t.shape) if key in small else \
+            torch.empty(t.shape, dtype=dtype, device="meta")
+    return _adapter(state, pipeline_class, name, path, header.stamp)
+
+
+def _refuse_pickle(path: str, name: str) -> None:
+    if not path.endswith(".safetensors"):
+        raise AdapterError(f"adapter {name!r}: {os.path.basename(path)} is not a .safetensors file; only "
+                           "safetensors adapters are read (a .bin/.pt/.ckpt file is a pickle and loading one "
+                           "can run code): convert it to .safetensors")
+
+
+def _read(reader: Any, path: str, name: str, *args: Any) -> Any:
+    try:
+        return reader(path, MAX_ADAPTER_BYTES, *args)
+    except FileChanged as e:
+        raise AdapterChanged(f"adapter {name!r}: {os.path.basename(path)} {e}") from None
+    except UnusableFile as e:
+        raise AdapterError(f"adapter {name!r}: {os.path.basename(path)} {e}") from None
+
+
+def _adapter(state: dict[str, torch.Tensor], pipeline_class: str, name: str, path: str | None,
+             stamp: FileStamp | None) -> AdapterFile:
     import diffusers
 
-    path = version = None
-    if isinstance(source, str):
-        path = source
-        if not path.endswith(".safetensors"):
-            raise AdapterError(f"adapter {name!r}: {os.path.basename(path)} is not a .safetensors file; only "
-                               "safetensors adapters are read (a .bin/.pt/.ckpt file is a pickle and loading one "
-                               "can run code): convert it to .safetensors")
-        if not os.path.isfile(path):
-            raise AdapterError(f"adapter {name!r}: {path} does not exist")
-        version = file_version(path)
-        keys = _file_keys(path, name)
-    else:
-        keys = list(source)
-    _refuse_unsupported(keys, name)
+    _refuse_unsupported(list(state), name)
     try:
-        state, alphas = getattr(diffusers, pipeline_class).lora_state_dict(source)[:2]
+        state, alphas = getattr(diffusers, pipeline_class).lora_state_dict(state)[:2]
     except Exception as e:
         raise AdapterError(f"adapter {name!r} could not be read as a LoRA for {pipeline_class}: "
                            f"{type(e).__name__}: {e}") from None
@@ -94,18 +149,7 @@ def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, nam
                            f"components: {', '.join(COMPONENTS)}")
     if not layers:
         raise AdapterError(f"adapter {name!r} holds no LoRA weights")
-    return AdapterFile(name=name, path=path, version=version, layers=layers)
-
-
-def _file_keys(path: str, name: str) -> list[str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    except Exception as e:  # truncated, corrupt, not safetensors at all
-        raise AdapterError(f"adapter {name!r}: {os.path.basename(path)} is not a readable safetensors file "
-                           f"({type(e).__name__}: {e}); it may be truncated: copy it again") from None
+    return AdapterFile(name=name, path=path, version=tuple(stamp[:2]) if stamp else None, layers=layers, stamp=stamp)
 
 
 def _refuse_unsupported(keys: list[str], name: str) -> None:
@@ -157,11 +201,36 @@ def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, flo
                                f"{b2.shape[1]}")
         rank = a2.shape[0]
         alpha = module_alpha.get(module)
-        out[module] = LayerWeights(a=a2, b=b2, scale=alpha / rank if alpha is not None else 1.0)
+        out[module] = w = LayerWeights(a=a2, b=b2, scale=alpha / rank if alpha is not None else 1.0)
+        _check_effect(w, f"{component}.{module}", name)
     unknown = [k for k in peft if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if unknown:
         raise AdapterError(f"adapter {name!r} has keys diffgraph cannot use: {', '.join(unknown[:3])}")
     return out
+
+
+def _check_effect(w: LayerWeights, layer: str, name: str) -> None:
+    """||B|| ||A|| alpha/rank (Frobenius norms: a bound on the layer's change for a unit input) is finite and at most
+    EFFECT_LIMIT. Meta tensors (a header's layers) have no values to check."""
+    if w.a.is_meta or w.b.is_meta:
+        return
+    norms = [_norm(t, torch.float32) for t in (w.a, w.b)]
+    if not all(math.isfinite(n) for n in norms):  # inf/nan weights, or a sum of squares past fp32: look closer
+        norms = [_norm(t, torch.float64) for t in (w.a, w.b)]
+    effect = norms[0] * norms[1] * abs(w.scale)
+    if not math.isfinite(effect) and not all(math.isfinite(n) for n in norms):
+        raise AdapterError(f"adapter {name!r} has non-finite weights in {layer} (inf or NaN); the file is broken: "
+                           "export it again")
+    if not effect <= EFFECT_LIMIT:
+        raise AdapterError(f"adapter {name!r}: {layer} changes its layer by up to {effect:.3g} (||B|| * ||A|| * "
+                           f"alpha/rank), above the limit {EFFECT_LIMIT:g}; such weights overflow the model into a "
+                           "black or NaN image: they are scaled wrongly (export the adapter again)")
+
+
+def _norm(t: torch.Tensor, dtype: torch.dtype) -> float:
+    # (a flat dot product: on the CPU, vector_norm(fp16 weights, dtype=float32) is 40x slower)
+    flat = t.to(dtype).reshape(-1)
+    return math.sqrt(float(torch.dot(flat, flat)))
 
 
 def module_path(root: torch.nn.Module, path: str, names: "set[str] | None" = None) -> str | None:

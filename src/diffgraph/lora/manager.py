@@ -7,7 +7,12 @@ padded and in the model's dtype (pinned on a GPU), so that loading one into a sl
 per layer; and the slot bookkeeping (catalog.SlotCache). Adapters merged into the base weights at start-up
 (`fuse`) cost nothing per step.
 
-Threads: `resolve` (reading and checking files) runs on the caller's thread at submit, never on the engine loop;
+Threads: `resolve` runs on the caller's thread at submit, never on the engine loop; the files themselves are read
+(into memory, never memory-mapped: a file rewritten while it is read cannot crash the process) and prepared on
+this manager's own small pool (safe_files.FileReader) with a time limit, one read per file version however many
+requests wait for it. A file that keeps changing while it is read is a clear AdapterError. `listing` reads
+headers only (files.header_adapter: layouts and shapes checked against the model, no weights), caches them by
+file version (size, mtime_ns, inode) and never touches the host copies that requests use.
 `can_admit` / `admit` / `release` (the scheduler's admission gate) and `write` run on the loop thread.
 Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
 """
@@ -19,6 +24,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,13 +33,17 @@ import torch
 from torch import nn
 
 from ..config import LoraConfig
-from .catalog import AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, SlotCache
-from .files import AdapterError, AdapterFile, file_version, module_path, read_adapter
+from ..safe_files import FileReader, FileStamp, ReadTimeout, UnusableFile, check_regular, stamp_of
+from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, SlotCache, \
+    unusable
+from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach
 
 UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
+READ_WORKERS, READ_TIMEOUT_S = 2, 60.0  # adapter reads at once (each may hold a file in memory), and their bound
+READ_ATTEMPTS, READ_BACKOFF_S = 3, 0.05  # reads of a file that changes while read, before it is refused; pauses
 
 
 @dataclass
@@ -66,6 +76,7 @@ class Resolved:
 class _Added:
     source: Any      # a path or a state dict
     version: tuple   # ("added", n): every add is a new version
+    summary: dict    # its listing entry (without `loaded`)
 
 
 @dataclass
@@ -84,6 +95,9 @@ class LoraManager:
         self._added: dict[str, _Added] = {}
         self._versions = itertools.count(1)
         self._host: OrderedDict[AdapterKey, Prepared] = OrderedDict()  # recently read adapters
+        self._listed: dict[str, tuple[AdapterKey, Any]] = {}  # path -> (name, stamp), its listing entry or error
+        self._listing = threading.Lock()  # one listing at a time: the others then find its entries cached
+        self.reader = FileReader(READ_WORKERS, READ_TIMEOUT_S, name="diffgraph-lora-files")
         self.banks: dict[str, LoraSlots] = {}
         self.components = {"unet": self.model.unet}
         for i, encoder in enumerate(self.model.text_encoders):
@@ -138,9 +152,10 @@ class LoraManager:
             raise AdapterNameError(f"adapter name {name!r} must be a non-empty string")
         version = ("added", next(self._versions))
         prepared = self._prepare((name, version), source)
+        summary = self._summary(name, prepared.adapter, "added")
         with self._lock:
-            self._added[name] = _Added(source, version)
-        return self._summary(name, prepared, loaded=False)
+            self._added[name] = _Added(source, version, summary)
+        return {**summary, "loaded": False}
 
     def remove(self, name: str) -> list[int]:
         """Forgets an added adapter; returns the unpinned slots that held it (the caller clears them between
@@ -166,27 +181,63 @@ class LoraManager:
         return tuple(Resolved(self._lookup(name), scale) for name, scale in loras)
 
     def listing(self) -> dict[str, Any]:
-        """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters."""
+        """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters. Files
+        are described from their headers, each version once (a second listing reads nothing it has read)."""
         held = {key[0] for key, _ in (self.slots.holding().values() if self.slots else ()) if key is not None}
-        out, errors = [], []
-        names = dict.fromkeys(list(self.builtin.listing().adapters) if self.builtin else [])
-        names.update(dict.fromkeys(list(self.dir.listing().adapters) if self.dir else []))
-        names.update(dict.fromkeys(self._added))
-        for name in names:
-            try:
-                out.append(self._summary(name, self._lookup(name), loaded=name in held))
-            except (AdapterError, AdapterNameError) as e:
-                errors.append({"name": name, "error": str(e)})
+        files: dict[str, str] = {}
+        for folder in (self.builtin, self.dir):  # a name in the lora dir shadows a built-in one
+            files.update(folder.listing().adapters if folder is not None else {})
+        with self._listing:
+            entries = {name: self._file_entry(name, path) for name, path in files.items()}
+            with self._lock:
+                self._listed = {p: v for p, v in self._listed.items() if p in set(files.values())}
+        with self._lock:
+            entries.update({name: added.summary for name, added in self._added.items()})
+        out = [{**e, "loaded": name in held} for name, e in entries.items() if isinstance(e, dict)]
+        errors = [{"name": name, "error": e} for name, e in entries.items() if not isinstance(e, dict)]
         ignored = self.dir.listing().ignored if self.dir else []
         return {"data": out, "unusable": errors, "ignored": ignored, "max_loras": self.config.slots,
                 "max_lora_rank": self.config.max_lora_rank}
 
-    def _summary(self, name: str, p: Prepared, loaded: bool) -> dict[str, Any]:
-        counts = {c: len(layers) for c, layers in p.adapter.layers.items()}
-        source = "added" if name in self._added else "lora_dir" if p.adapter.path and self.dir and \
-            p.adapter.path.startswith(self.dir.root + os.sep) else "builtin"
-        return {"name": name, "rank": p.adapter.rank, "targets": counts, "family": self.family, "loaded": loaded,
-                "source": source}
+    def _file_entry(self, name: str, path: str) -> dict[str, Any] | str:
+        """The listing entry of one adapter file (or why it is unusable): from a request's host copy of this version
+        when there is one, else from the cache of headers read, else from its header, read now on the pool."""
+        try:
+            stamp = stamp_of(check_regular(path, MAX_ADAPTER_BYTES))
+        except UnusableFile as e:
+            return str(unusable(name, path, e))
+        with self._lock:  # (looked at, not touched: a listing moves nothing in the host copies' LRU order)
+            hit, cached = self._host.get((name, stamp)), self._listed.get(path)
+        if hit is not None:
+            return self._summary(name, hit.adapter, self._source(path))
+        if cached is not None and cached[0] == (name, stamp):
+            return cached[1]
+        try:
+            return self.reader.call(self._describe, name, path, stamp, what=f"reading adapter {name!r}'s header")
+        except ReadTimeout as e:
+            return f"adapter {name!r}: {e}"
+
+    def _describe(self, name: str, path: str, stamp: FileStamp) -> dict[str, Any] | str:
+        """(On the pool.) An adapter file's entry from its header, checked against this model, and cached."""
+        try:
+            adapter = header_adapter(path, self.pipeline_class, name)
+            self._pad(adapter)
+            entry: dict[str, Any] | str = self._summary(name, adapter, self._source(path))
+            stamp = adapter.stamp or stamp
+        except AdapterChanged as e:  # not cached: the next listing reads its new version
+            return str(e)
+        except (AdapterError, AdapterNameError) as e:
+            entry = str(e)
+        with self._lock:
+            self._listed[path] = ((name, stamp), entry)
+        return entry
+
+    def _source(self, path: str | None) -> str:
+        return "lora_dir" if path and self.dir and path.startswith(self.dir.root + os.sep) else "builtin"
+
+    def _summary(self, name: str, adapter: AdapterFile, source: str) -> dict[str, Any]:
+        counts = {c: len(layers) for c, layers in adapter.layers.items()}
+        return {"name": name, "rank": adapter.rank, "targets": counts, "family": self.family, "source": source}
 
     def _need_slots(self) -> None:
         if self.slots is None:
@@ -204,11 +255,16 @@ class LoraManager:
                 path = folder.path(name)
             except AdapterNotFound:  # (a name that is not allowed is refused by the first folder)
                 continue
-            for _ in range(3):  # the file may be replaced while it is read: its version is what was read
-                version = file_version(path)
-                prepared = self._prepare((name, version), path)
-                if file_version(path) == version:
-                    return prepared
+            for attempt in range(READ_ATTEMPTS):  # a file replaced while it is read: its version is what was read
+                time.sleep(READ_BACKOFF_S * attempt)  # (0 at first) a writer may be about to finish
+                try:
+                    stamp = stamp_of(check_regular(path, MAX_ADAPTER_BYTES))
+                except UnusableFile as e:
+                    raise unusable(name, path, e) from None
+                try:
+                    return self._prepare((name, stamp), path)
+                except AdapterChanged:
+                    continue
             raise AdapterError(f"adapter {name!r} keeps changing on disk while it is read; retry when it is written")
         known = sorted(set(self._added).union(*(d.listing().adapters for d in folders)))
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
@@ -217,12 +273,23 @@ class LoraManager:
         raise AdapterNameError(f"adapter {name!r} is unknown; {hint}")
 
     def _prepare(self, key: AdapterKey, source: Any) -> Prepared:
+        """The host copy of adapter version `key`: cached, or read and prepared on the pool (once, however many
+        requests ask for it at the same time). Raises AdapterError (AdapterChanged: the file is not `key`)."""
         with self._lock:
             hit = self._host.get(key)
             if hit is not None:
                 self._host.move_to_end(key)
                 return hit
+        try:
+            return self.reader.once(key, self._build, key, source, what=f"reading adapter {key[0]!r}")
+        except ReadTimeout as e:
+            raise AdapterError(f"adapter {key[0]!r}: {e}") from None
+
+    def _build(self, key: AdapterKey, source: Any) -> Prepared:
+        """(On the pool.) Reads and checks an adapter, and makes its host rows."""
         adapter = read_adapter(source, self.pipeline_class, key[0])
+        if isinstance(key[1], FileStamp) and adapter.stamp != key[1]:  # (an added file is read as it is)
+            raise AdapterChanged(f"adapter {key[0]!r} changed between its stat and its read")
         cuda = self.model.device.type == "cuda"
         rows = {c: self.banks[c].host_row(weights, pin=cuda) for c, weights in self._pad(adapter).items()}
         for component, row in rows.items():

@@ -191,14 +191,21 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     @app.get("/v1/loras")
     async def loras() -> Response:
-        """The LoRA adapters requests may name (`loras: [{"name", "scale"}]`)."""
+        """The LoRA adapters requests may name (`loras: [{"name", "scale"}]`). Listings read adapter headers only
+        (an engine caches them per file version and reads on its own file pool); a listing that a stalled disk
+        holds past the bound answers 503 instead of keeping the connection."""
+        bound_s = 90.0  # past the engine's own per-read limit (lora.manager.READ_TIMEOUT_S)
         try:
             engine = state.require_engine()
+            listing = await asyncio.wait_for(asyncio.to_thread(engine.loras), bound_s)
+            if listing is None:  # replicas in other processes: what the folder holds, from the files' headers
+                family = engine.info.family if engine.info else None
+                listing = await asyncio.wait_for(asyncio.to_thread(folder_listing, config, family), bound_s)
         except APIError as e:
             return _error_response(e)
-        listing = await asyncio.to_thread(engine.loras)
-        if listing is None:  # replicas in other processes: what the folder holds, from the files' headers
-            listing = await asyncio.to_thread(folder_listing, config, engine.info.family if engine.info else None)
+        except TimeoutError:
+            return _error_response(APIError(503, f"listing the adapters took longer than {bound_s:g} s (a slow or "
+                                                 "stalled disk under --lora-dir?); retry", code="lora_listing_timeout"))
         return JSONResponse({"object": "list", **listing})
 
     @app.get("/info")

@@ -1,0 +1,310 @@
+"""Reading files that someone else may rewrite, replace or fake while we read them (issue 36): adapter files today;
+model, embedding and control files can use the same calls.
+
+A memory-mapped file whose pages a writer truncates kills the process with SIGBUS, so nothing here maps a file:
+`read_file` and `read_safetensors` copy the bytes into memory (a private copy that no writer can touch), and
+`read_header` reads a safetensors header without the tensors. Before anything is opened, `check_regular` refuses by
+type (FIFOs, which block an open for reading; devices; sockets; dangling links) and by size (a 1 TB sparse file);
+the open itself is non-blocking and checked to be the file that was looked at. A file that changes while it is
+read (its size or mtime moves, it grows past its size, a read comes up short) raises `FileChanged`: callers read
+it again, or report it. `FileStamp` (size, mtime_ns, inode, device) is the version that was read, for caches.
+
+`FileReader` runs reads on a small pool of its own, with a time limit per call, so a stalled disk neither takes
+the caller's threads nor blocks shutdown (daemon threads). It owns its threads; nothing here is module state.
+Only the standard library is imported: the HTTP process, which never imports torch, uses this too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import stat
+import struct
+import threading
+from concurrent.futures import CancelledError, Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+HEADER_LIMIT = 100 << 20       # safetensors' own limit on its JSON header
+CHUNK = 1 << 30                # one read call (Linux reads at most ~2 GiB at a time)
+IDLE_S = 30.0                  # a FileReader thread idle this long leaves
+KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+         (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+              "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8, "C128": 16}
+
+
+class UnusableFile(ValueError):
+    """A file refused by type, size or contents; the message (a phrase after the file's name) says why."""
+
+
+class FileChanged(UnusableFile):
+    """The file changed while it was read: read it again for its new version."""
+
+
+class NotSafetensors(UnusableFile):
+    """A regular file whose bytes are not a whole safetensors file (truncated, still being written, foreign)."""
+
+
+class ReadTimeout(UnusableFile):
+    """A read on a `FileReader` did not finish within its time limit."""
+
+
+class FileStamp(NamedTuple):
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+
+def stamp_of(st: os.stat_result) -> FileStamp:
+    return FileStamp(st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+def check_regular(path: str, max_bytes: int) -> os.stat_result:
+    """The stat of `path` if it is a regular file (links followed) of at most `max_bytes`; never opens it. Raises
+    UnusableFile naming what it is instead."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise UnusableFile(f"is a dangling link (to {os.readlink(path)!r}, which does not exist)") from None
+        raise UnusableFile("does not exist") from None
+    except OSError as e:
+        raise UnusableFile(f"cannot be looked at ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in KINDS if test(st.st_mode)), "not a regular file")
+        raise UnusableFile(f"is {kind}, not a regular file; only regular files are read")
+    if st.st_size > max_bytes:
+        raise UnusableFile(f"has {st.st_size} bytes, above the limit of {max_bytes} ({max_bytes >> 20} MiB)")
+    return st
+
+
+class _Open:
+    """A regular file opened without blocking, checked to be the one `check_regular` looked at."""
+
+    def __init__(self, path: str, max_bytes: int):
+        self.st = check_regular(path, max_bytes)
+        # O_NONBLOCK: should a FIFO take the file's place after the stat, the open still returns at once
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+        except FileNotFoundError:
+            raise FileChanged("was removed while it was opened") from None
+        except OSError as e:
+            raise UnusableFile(f"cannot be opened ({e.strerror or e})") from None
+        try:
+            now = os.fstat(self.fd)
+            if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (self.st.st_dev, self.st.st_ino):
+                raise FileChanged("was replaced while it was opened")
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    @property
+    def size(self) -> int:
+        return self.st.st_size
+
+    def read(self, n: int, offset: int) -> bytes:
+        """Exactly n bytes at offset; FileChanged when the file ends first (it was cut while read)."""
+        parts, got = [], 0
+        while got < n:
+            part = os.pread(self.fd, min(n - got, CHUNK), offset + got)
+            if not part:
+                raise FileChanged("got shorter while it was read")
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def unchanged(self, whole: bool = False) -> FileStamp:
+        """The stamp read, once the file is checked to be as it was when opened (and, `whole`, not longer)."""
+        now = os.fstat(self.fd)
+        if (now.st_size, now.st_mtime_ns) != (self.st.st_size, self.st.st_mtime_ns) or \
+                (whole and os.pread(self.fd, 1, self.st.st_size)):
+            raise FileChanged("changed while it was read")
+        return stamp_of(self.st)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> "_Open":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_file(path: str, max_bytes: int) -> tuple[bytes, FileStamp]:
+    """The whole file as a private copy, and the version read. Raises UnusableFile / FileChanged."""
+    with _Open(path, max_bytes) as f:
+        data = f.read(f.size, 0)
+        return data, f.unchanged(whole=True)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str                 # safetensors' name: "F16", "BF16", "F32", "I64", ...
+    shape: tuple[int, ...]
+    begin: int                 # byte offsets in the data section
+    end: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_start: int            # the data section's offset in the file
+    stamp: FileStamp
+
+
+def read_header(path: str, max_bytes: int, small_bytes: int = 0) -> tuple[SafetensorsHeader, dict[str, bytes]]:
+    """A safetensors file's header, checked against the file's size, without its tensors; and the bytes of the
+    tensors of at most `small_bytes` (scalars such as LoRA alphas). Raises UnusableFile / FileChanged."""
+    with _Open(path, max_bytes) as f:
+        header = _checked_header(f)
+        small = {key: f.read(t.end - t.begin, header.data_start + t.begin) for key, t in header.tensors.items()
+                 if 0 < t.end - t.begin <= small_bytes}
+        f.unchanged()
+        return header, small
+
+
+def read_safetensors(path: str, max_bytes: int) -> tuple[SafetensorsHeader, bytes]:
+    """A safetensors file's header and all its bytes (a private copy, for `safetensors.torch.load`): the header is
+    read and checked first, so a file that is not safetensors is refused before its body is read."""
+    with _Open(path, max_bytes) as f:
+        header = _checked_header(f)
+        data = f.read(f.size, 0)
+        f.unchanged(whole=True)
+        return header, data
+
+
+def _checked_header(f: _Open) -> SafetensorsHeader:
+    try:
+        return _header(f)
+    except NotSafetensors:
+        f.unchanged()  # a file being written reads as a truncated one: FileChanged when it moved meanwhile
+        raise
+
+
+def _header(f: _Open) -> SafetensorsHeader:
+    if f.size < 8:
+        raise NotSafetensors(f"is not a readable safetensors file ({f.size} bytes, too few): it may be truncated; "
+                             "copy it again")
+    (n,) = struct.unpack("<Q", f.read(8, 0))
+    if not 2 <= n <= min(HEADER_LIMIT, f.size - 8):
+        raise NotSafetensors(f"is not a readable safetensors file (its header length {n} does not fit its {f.size} "
+                             "bytes): it may be truncated; copy it again")
+    try:
+        raw = json.loads(f.read(n, 8))
+    except (UnicodeDecodeError, ValueError):
+        raise NotSafetensors("is not a readable safetensors file (its header is not JSON): it may be truncated or "
+                             "still being written; copy it again") from None
+    if not isinstance(raw, dict):
+        raise NotSafetensors("is not a readable safetensors file (its header is not a JSON object)")
+    metadata = raw.pop("__metadata__", None) or {}
+    tensors, end = {}, 0
+    for key, entry in raw.items():
+        t = _tensor(key, entry)
+        tensors[key] = t
+        end = max(end, t.end)
+    if 8 + n + end != f.size:
+        raise NotSafetensors(f"is not a readable safetensors file ({f.size} bytes, its header describes "
+                             f"{8 + n + end}): it is truncated or still being written; copy it again")
+    return SafetensorsHeader(tensors, metadata if isinstance(metadata, dict) else {}, 8 + n, stamp_of(f.st))
+
+
+def _tensor(key: str, entry: Any) -> TensorInfo:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        ok = isinstance(dtype, str) and all(type(d) is int and d >= 0 for d in shape) and \
+            type(begin) is int and type(end) is int and 0 <= begin <= end
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise NotSafetensors(f"is not a readable safetensors file (tensor {key!r} has a malformed header entry)")
+    t = TensorInfo(dtype, shape, begin, end)
+    size = ITEM_BYTES.get(dtype)
+    if size is not None and t.numel * size != end - begin:
+        raise NotSafetensors(f"is not a readable safetensors file (tensor {key!r}: {dtype} {list(shape)} is "
+                             f"{t.numel * size} bytes, its offsets span {end - begin})")
+    return t
+
+
+class FileReader:
+    """A bounded pool of daemon threads for file reads, with a time limit per call (queueing included).
+
+        reader = FileReader(workers=2, timeout=60)
+        data = reader.call(read_file, path, limit, what="reading x.safetensors")   # ReadTimeout past 60 s
+        data = reader.once(key, read_file, path, limit)   # callers asking for one key at once share one read
+
+    Threads start on first use and leave when idle; a call that times out leaves its read running (a stalled disk
+    cannot be interrupted) and its result unused."""
+
+    def __init__(self, workers: int = 2, timeout: float = 60.0, name: str = "diffgraph-files"):
+        if workers < 1 or not timeout > 0:
+            raise ValueError(f"FileReader needs workers >= 1 and a positive timeout (got {workers}, {timeout})")
+        self.workers, self.timeout, self.name = workers, timeout, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._once: dict[Any, Future] = {}
+        self._lock = threading.RLock()  # (a future done at once runs its callback, which takes it, on this thread)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:  # (a thread leaving when idle checks the queue under this lock)
+            if len(self._threads) < self.workers:
+                t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._queue.put((future, fn, args))
+        return future
+
+    def wait(self, future: Future, what: str) -> Any:
+        """The future's result within the time limit; ReadTimeout (the read is cancelled if it has not begun)."""
+        try:
+            return future.result(self.timeout)
+        except (FutureTimeout, CancelledError):  # (cancelled: another caller waiting on it timed out)
+            future.cancel()
+            raise ReadTimeout(f"{what} took longer than {self.timeout:g} s (a slow or stalled disk?); retry") \
+                from None
+
+    def call(self, fn: Callable[..., Any], *args: Any, what: str = "reading a file") -> Any:
+        return self.wait(self.submit(fn, *args), what)
+
+    def once(self, key: Any, fn: Callable[..., Any], *args: Any, what: str = "reading a file") -> Any:
+        """fn(*args) on the pool, one run for all the callers that ask for `key` while it runs."""
+        with self._lock:
+            future = self._once.get(key)
+            if future is None:
+                future = self._once[key] = self.submit(fn, *args)
+                future.add_done_callback(lambda f: self._forget(key, f))
+        return self.wait(future, what)
+
+    def _forget(self, key: Any, future: Future) -> None:
+        with self._lock:
+            if self._once.get(key) is future:
+                del self._once[key]
+
+    def _work(self) -> None:
+        while True:
+            try:
+                future, fn, args = self._queue.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():  # idle: leave (an engine closed long ago keeps no threads)
+                        self._threads.remove(threading.current_thread())
+                        return
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiting caller
+                future.set_exception(e)
