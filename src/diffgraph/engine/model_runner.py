@@ -311,8 +311,11 @@ class ModelRunner:
         n, d = coefs.shape[0], denoiser_rows(rows)
         variant = self.program.neutral() if variant is None else variant
         kind = self.program.kind(variant)
-        bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
-        size = bucket or d
+        # the bucket a replay would take: its inputs are written first, since a graph captured on first use (in
+        # GraphRunner.bucket) warms up on them, and stale denoiser-row indices would read past the rows
+        graphed = self.graph_runner is not None and key in self.graphed_resolutions()
+        planned = smallest_bucket(self.graph_config.batch_buckets, d) if graphed else None
+        size = planned or d
         pair = self._staging.get(key)
         if pair is None:
             pair = self._staging[key] = StagingPair(self.max_rows, self.program.num_columns, self.latent_shape(key),
@@ -320,17 +323,18 @@ class ModelRunner:
         slot = pair.next()
         slot.coefs[:n].numpy()[:] = coefs
         slot.index[:size].numpy()[:] = layout(rows, size)
-        if bucket is not None and bucket > n:  # padding rows: zero state and coefficients keep them at x = 0
-            slot.coefs[n:bucket] = 0
-            buf.x[n:bucket].zero_()
-            buf.d_prev[n:bucket].zero_()
-        image_rows = bucket or n
+        if size > n:  # padding rows: zero state and coefficients keep them at x = 0, finite
+            slot.coefs[n:size] = 0
+            buf.x[n:size].zero_()
+            buf.d_prev[n:size].zero_()
+        image_rows = max(size, n)
         buf.coefs[:image_rows].copy_(slot.coefs[:image_rows], non_blocking=True)
         buf.index[:size].copy_(slot.index[:size], non_blocking=True)
         shape = self.latent_shape(key)
         for first, k, generator in noise or ():
             slot.noise[first:first + k].copy_(torch.randn((k, *shape), generator=generator, dtype=self.model.dtype))
             buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
+        bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
         if self.cuda:
             slot.event = self._record_event()
         if bucket is not None:

@@ -37,7 +37,8 @@ import numpy as np
 
 from ..config import smallest_bucket
 from ..request import GenerationRequest, GroupKey, ParamError, QueueFullError, RequestAborted
-from ..sampling.samplers import NUM_COEFS, SamplerPlan
+from ..sampling.samplers import SamplerPlan
+from .request_state import RequestState
 
 __all__ = ["BATCHING_MODES", "MAX_HOLD_MS", "QueueFullError", "RequestAborted", "RequestState", "Scheduler",
            "SchedulerConfig", "StepPlan"]
@@ -79,61 +80,6 @@ class SchedulerConfig:
     def bucket_for(self, rows: int) -> int:
         """The rows a step of `rows` live rows costs: the smallest bucket >= rows, else rows (eager)."""
         return smallest_bucket(self.buckets, rows) or rows
-
-
-@dataclass(eq=False)
-class RequestState:
-    """One request inside the engine: the scheduler's bookkeeping around the user's `GenerationRequest`, and
-    the engine's opaque handles for it (where its answer goes, its noise generator once admitted)."""
-
-    request_id: str
-    key: GroupKey
-    rows: int
-    plan: SamplerPlan
-    arrival: float
-    step: int = 0
-    first_row: int = -1
-    aborted: bool = False
-    request: GenerationRequest | None = None
-    sink: Any = None           # the engine core's answer channel (progress, result, error)
-    generator: Any = None      # the request's own noise generator, made at admission
-    admitted_at: float = 0.0
-    loras: tuple = ()          # the request's resolved LoRA adapters (lora.manager.Resolved), if any
-    lora_slots: list = field(default_factory=list)  # their device slots while its rows live
-    branches: np.ndarray | None = None  # [steps] denoiser rows per image row at each step (None: 1 everywhere)
-    variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)
-
-    @classmethod
-    def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
-           branches: np.ndarray | None = None) -> "RequestState":
-        return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
-                   arrival=arrival, request=request, sink=sink, branches=branches)
-
-    @property
-    def branches_now(self) -> int:
-        """Denoiser rows per image row at this step (2 where classifier-free guidance runs both branches)."""
-        return 1 if self.branches is None else int(self.branches[min(self.step, len(self.branches) - 1)])
-
-    @property
-    def cost(self) -> int:
-        """Denoiser rows this request costs at this step."""
-        return self.rows * self.branches_now
-
-    @property
-    def peak(self) -> int:
-        """The most denoiser rows it costs at any step from now on: what admission reserves, so a row that starts
-        guiding mid-schedule never overflows its group."""
-        if self.branches is None:
-            return self.rows
-        return self.rows * int(self.branches[min(self.step, len(self.branches) - 1):].max())
-
-    @property
-    def steps(self) -> int:
-        return self.plan.num_steps
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.plan.num_steps
 
 
 @dataclass
