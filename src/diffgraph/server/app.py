@@ -15,6 +15,8 @@ With API keys (auth.py), /v1/* needs `Authorization: Bearer KEY` (and /metrics, 
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
 server listens (and answers /health, /ready with 503) while the model loads and graphs are captured.
+Bodies are read within their limits as they arrive (bodies.py: 413 at the limit, chunked or not) and within
+--body-timeout; connections themselves (idle, slow heads, how many) are bounded below the app (connections.py).
 The app talks to the engine only through the `EngineClient` protocol (engine/client.py). A generation
 request is type-checked (protocol.py), validated once (`GenerationRequest.create` with the model's defaults;
 its ParamError becomes a 400 naming the body field), submitted (the engine's threads do the work; the event
@@ -37,7 +39,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from ..engine.client import EngineClient, RequestHandle
 from ..request import EditInput, GenerationRequest, GenerationResult, ParamError, ProgressEvent
@@ -45,6 +46,7 @@ from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        ProgressEventBody, error_from_param_error, error_from_validation)
 from .auth import APIKeyMiddleware
+from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
 from .pages import folder_listing, playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, next_item, outcome, submit
@@ -52,20 +54,9 @@ from .requests import ClientGone, ServerState, abort, logger, next_item, outcome
 
 # -- request handling ----------------------------------------------------------------------------------
 async def _read_json(http: Request, limit: int) -> Any:
-    length = http.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the body has {length} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
+    body = await read_body(http, limit)
     try:
-        async for chunk in http.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the body exceeds {limit} bytes", code="body_too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:  # the client left while sending its body
-        raise ClientGone() from None
-    try:
-        return json.loads(b"".join(chunks))
+        return json.loads(body)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
                             "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
@@ -110,7 +101,10 @@ def _response(result: GenerationResult) -> dict[str, Any]:
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # a body refused while it arrives (too long, too slow): close, rather than read the rest of it to keep the
+    # connection
+    headers = {"connection": "close"} if e.status in (408, 413) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
@@ -147,6 +141,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     state = ServerState(config, engine_factory)
     body_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
+    read_timeout = min(config.body_timeout, config.request_timeout)
+    read_flag = "--body-timeout" if config.body_timeout <= config.request_timeout else "--request-timeout"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -270,10 +266,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         try:
             engine = state.require_engine()
             try:  # a body that never finishes arriving must not hold the request (or a drain) forever
-                stream, request = await asyncio.wait_for(read(http, engine), config.request_timeout)
+                stream, request = await asyncio.wait_for(read(http, engine), read_timeout)
             except asyncio.TimeoutError:
-                raise APIError(408, f"the request body did not arrive within the {config.request_timeout:g} s "
-                                    "request timeout; send the whole body at once", code="body_timeout") from None
+                raise APIError(408, f"the request body did not arrive within {read_timeout:g} s ({read_flag}); send "
+                                    "the whole body at once", code="body_timeout") from None
             handle = await submit(state, engine, request, progress=stream)
             events = handle.events()
             deadline = t0 + config.request_timeout

@@ -5,15 +5,21 @@
 The first SIGTERM (or Ctrl-C) drains: the server keeps listening but answers new generation requests and
 /ready with 503, lets the requests in flight finish for up to --drain-timeout seconds (then aborts them),
 and exits 0. A second signal exits at once.
+
+Before anything loads, the port is bound (a port in use is one line naming --port, exit 2); connections are bounded
+by connections.py's guard (--header-timeout, --max-connections), the access log drops polls and redacts secrets in
+query strings, and one INFO line says when the server is ready, where, and how long start-up took.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
+from urllib.parse import unquote_plus
 
 from .config import ServerConfig, load_config
 
@@ -24,7 +30,8 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
-           "max_lora_rank", "fuse_loras", "compile", "compile_cache")
+           "max_lora_rank", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
+           "max_connections", "api_key_file")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -79,6 +86,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
                    help=f"after SIGTERM, seconds in-flight requests may take before they are aborted "
                         f"(default: {default('drain_timeout'):g})")
+    p.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                   help="seconds a connection may sit without a request (idle, or still sending its request head) "
+                        f"before it is closed (default: {default('header_timeout'):g})")
+    p.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request body may take to arrive before the request gets 408 "
+                        f"(default: {default('body_timeout'):g})")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections at most: a newcomer closes the connection idle longest, and gets 503 when "
+                        "all are busy (default: 1000, fewer under a low `ulimit -n`)")
     p.add_argument("--log-level", default=None, choices=("critical", "error", "warning", "info", "debug"),
                    help="log level (default: info)")
     p.add_argument("--access-log", default=None, action=argparse.BooleanOptionalAction,
@@ -86,7 +102,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: on)")
     p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on every /v1/* route (repeat for several keys; "
-                        "default: the comma-separated keys in $DIFFGRAPH_API_KEY, else open)")
+                        "default: the comma-separated keys in $DIFFGRAPH_API_KEY, else open); a key given here shows "
+                        "in `ps`: prefer DIFFGRAPH_API_KEY or --api-key-file")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="require the keys in FILE (one a line; # comments), as --api-key does, without putting them "
+                        "on the command line")
     p.add_argument("--protect-metrics", default=None, action=argparse.BooleanOptionalAction,
                    help="also require a key for /metrics and /status (default: off; /health and /ready stay open)")
     p.add_argument("--playground", default=None, action=argparse.BooleanOptionalAction,
@@ -171,9 +191,10 @@ def _server_class():
         """uvicorn, except that the first SIGTERM / SIGINT drains (see the module docstring) instead of closing
         connections, and the signal is not re-raised afterwards, so a drained server exits 0."""
 
-        def __init__(self, config: uvicorn.Config, state: Any):
+        def __init__(self, config: uvicorn.Config, state: Any, url: str, started: float):
             super().__init__(config)
             self.state = state
+            self.url, self.started_at, self.announced = url, started, False
             self.drain_started: float | None = None
             self.aborted = False
 
@@ -189,6 +210,12 @@ def _server_class():
             s = self.state
             if s.error is not None:
                 self.should_exit = True  # the engine could not be built: nothing to serve
+            if not self.announced and self.started and s.ready:
+                self.announced = True
+                info = s.engine.info
+                logging.getLogger("diffgraph.server").info(
+                    "ready: %s serves %s; start-up took %.1f s", self.url, info.name if info else s.config.model,
+                    time.monotonic() - self.started_at)
             if self.drain_started is not None:
                 if s.inflight == 0:
                     self.should_exit = True
@@ -211,21 +238,57 @@ def _server_class():
 QUIET_PATHS = ("/health", "/ready", "/metrics", "/status")
 
 
+# query parameters whose values never reach the log: a name holding any of these (api_key, token, access_token ...)
+SECRET_PARAMS = ("key", "token", "secret", "password", "auth")
+
+
+def redact_query(path: str) -> str:
+    """`path` with the values of secret-looking query parameters replaced (names are read percent-decoded)."""
+    base, sep, query = path.partition("?")
+    if not sep:
+        return path
+    parts = []
+    for item in query.split("&"):
+        name, eq, _ = item.partition("=")
+        if any(word in unquote_plus(name).lower() for word in SECRET_PARAMS):
+            item = f"{name}{eq or '='}[redacted]"
+        parts.append(item)
+    return f"{base}?{'&'.join(parts)}"
+
+
 class _QuietPolls(logging.Filter):
-    """Drops uvicorn access-log records of the polled paths (the record's args: client, method, path, ...)."""
+    """uvicorn's access log (the record's args: client, method, path, ...): drops the records of the polled paths,
+    and redacts secrets from the query strings of the others."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
-        path = str(args[2]).split("?", 1)[0] if len(args) > 2 else ""
-        return path not in QUIET_PATHS
+        path = str(args[2]) if len(args) > 2 else ""
+        if path.split("?", 1)[0] in QUIET_PATHS:
+            return False
+        if "?" in path:
+            record.args = (*args[:2], redact_query(path), *args[3:])
+        return True
 
 
 def open_server_warning(config: ServerConfig) -> str | None:
     """The warning for a server that listens beyond this machine without an API key, or None."""
     if config.host in LOOPBACK or config.api_keys:
         return None
-    return (f"listening on {config.host} without --api-key: anyone who can reach port {config.port} can use this "
-            "server; give --api-key KEY (or DIFFGRAPH_API_KEY) to require a key")
+    return (f"listening on {config.host} without an API key: anyone who can reach port {config.port} can use this "
+            "server; set DIFFGRAPH_API_KEY or give --api-key-file FILE to require a key")
+
+
+def key_file_warning(config: ServerConfig) -> str | None:
+    """The warning for an API key file that other users may read, or None."""
+    if config.api_key_file is None or os.name != "posix":
+        return None
+    try:
+        mode = os.stat(config.api_key_file).st_mode
+    except OSError:
+        return None
+    if not mode & 0o077:
+        return None
+    return f"api-key-file {config.api_key_file} may be read by other users; chmod 600 {config.api_key_file}"
 
 
 def apply_thread_settings(config: ServerConfig, cpu_count: int | None = None) -> dict[str, Any]:
@@ -248,25 +311,40 @@ def apply_thread_settings(config: ServerConfig, cpu_count: int | None = None) ->
     return applied
 
 
-def serve(config: ServerConfig) -> int:
-    """Runs the server until drained; 0 after a clean drain, 1 when the engine could not be built."""
+def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> int:
+    """Runs the server until drained; 0 after a clean drain, 1 when the engine could not be built, 2 when it cannot
+    listen (one line on stderr). `engine_factory`: as create_app's (default: the engine of `config`)."""
     import uvicorn
 
     from .app import create_app
+    from .connections import ConnectionGuard, descriptor_limit, guarded_protocol, listen, resolve_max_connections
 
+    started = time.monotonic()
     log = logging.getLogger("diffgraph.server")
-    warning = open_server_warning(config)
-    if warning:
-        log.warning("%s", warning)
+    try:
+        max_connections = resolve_max_connections(config.max_connections, descriptor_limit())
+        sockets = listen(config.host, config.port)
+    except ValueError as e:
+        print(f"diffgraph: error: {e}", file=sys.stderr)
+        return 2
+    host, port = sockets[0].getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    log.info("listening on %s (at most %d connections); loading %s", url, max_connections, config.model)
+    for warning in (open_server_warning(config), key_file_warning(config)):
+        if warning:
+            log.warning("%s", warning)
     applied = apply_thread_settings(config)
     log.info("threads: %s", applied)
-    app = create_app(config)
+    app = create_app(config, engine_factory)
     state = app.state.server
     logging.getLogger("uvicorn.access").addFilter(_QuietPolls())
+    guard = ConnectionGuard(max_connections, config.header_timeout)
+    # no limit_concurrency: the guard bounds connections (uvicorn's bound counts idle sockets against requests)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                        access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on")
-    server = _server_class()(uv, state)
-    server.run()
+                        access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on",
+                        http=guarded_protocol(guard), ws="none", timeout_keep_alive=config.header_timeout)
+    server = _server_class()(uv, state, url, started)
+    server.run(sockets=sockets)
     if state.error is not None:
         print(f"diffgraph: error: the engine could not be built: {state.error}", file=sys.stderr)
         return 1

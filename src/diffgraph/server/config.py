@@ -10,8 +10,10 @@ A TOML file holds the same settings as the flags, named like them (`batch-bucket
     request-timeout = 120
 
 examples/serve.toml lists every setting. `ServerConfig.engine_kwargs()` is what the app hands to `Engine(...)`;
-nothing else reads the file. API keys also come from the environment variable DIFFGRAPH_API_KEY (comma-separated)
-when neither the file nor a flag gives one; they are never printed (the field is left out of the repr).
+nothing else reads the file. API keys also come from a file of keys (`api-key-file`, one a line, added to any given
+as `api-key`), or from the environment variable DIFFGRAPH_API_KEY (comma-separated) when neither the file nor a flag
+gives one: both keep keys out of `ps` and shell history, which a key on the command line is not. Keys are never
+printed (the field is left out of the repr).
 """
 
 from __future__ import annotations
@@ -64,9 +66,13 @@ class ServerConfig:
     request_timeout: float = 600.0       # seconds a request may take, queue included; then 504 and abort
     max_prompt_bytes: int = 4096         # UTF-8 bytes of prompt / negative_prompt
     drain_timeout: float = 30.0          # after SIGTERM: seconds in-flight requests may still take
+    header_timeout: float = 5.0          # seconds a connection may be idle or sending a request head; then closed
+    body_timeout: float = 60.0           # seconds a request body may take to arrive; then 408
+    max_connections: int | None = None   # open connections, past them 503; None: from the descriptor limit
     log_level: str = "info"
     access_log: bool = True              # one line per request; health, ready, status and metrics polls never
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys /v1/* requires; () = open
+    api_key_file: str | None = field(default=None, repr=False)  # a file of keys (one a line), added to api_keys
     protect_metrics: bool = False        # also require a key for /metrics and /status
     playground: bool = True              # GET / serves the playground page
     torch_threads: int | None = None     # torch intra-op threads on the CPU; None: derived from the cores
@@ -103,6 +109,15 @@ class ServerConfig:
         SchedulerConfig(batching=self.batching, max_queue=self.max_queue, max_wait_ms=self.max_wait_ms,
                         grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms)
         self.graph_config()
+        if not 0.1 <= self.header_timeout <= 3600:  # NaN fails this too
+            raise ValueError(f"header-timeout {self.header_timeout} is out of range; allowed: 0.1..3600 seconds")
+        if not self.body_timeout >= 1:
+            raise ValueError(f"body-timeout {self.body_timeout} must be >= 1 second")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max-connections {self.max_connections} must be >= 1")
+        if self.api_key_file is not None:  # its keys join the others (a frozen dataclass: set once, here)
+            keys = self.api_keys + tuple(k for k in read_key_file(self.api_key_file) if k not in self.api_keys)
+            object.__setattr__(self, "api_keys", keys)
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level {self.log_level!r} is unknown; allowed: {', '.join(LOG_LEVELS)}")
         for key in self.api_keys:
@@ -189,17 +204,18 @@ def _parse(key: str, value: Any) -> Any:
         return tuple(d.strip() for d in items if d.strip())
     if key == "fuse_loras":
         return parse_name_scales(value, "fuse-lora")
-    if key in ("torch_threads", "max_loras") and value is None:
+    if key in ("torch_threads", "max_loras", "max_connections") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
-               "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank"):
+               "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
             return int(value)
         except ValueError:
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
-    if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout"):
+    if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout", "header_timeout",
+               "body_timeout"):
         if isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
         try:
@@ -209,6 +225,24 @@ def _parse(key: str, value: Any) -> Any:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{key.replace('_', '-')} must be a string, got {value!r}")
     return value
+
+
+def read_key_file(path: str) -> tuple[str, ...]:
+    """The API keys of a file: one a line (or comma-separated); blank lines and # comments are skipped."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(65537)
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ValueError(f"api-key-file {path!r} cannot be read ({why}); give a text file holding one key a line")
+    if len(text) > 65536:
+        raise ValueError(f"api-key-file {path!r} is larger than 64 KiB; give a file holding one key a line")
+    lines = [line.split("#", 1)[0] for line in text.splitlines()]
+    keys = tuple(k for k in re.split(r"[\s,]+", " ".join(lines)) if k)
+    if not keys:
+        raise ValueError(f"api-key-file {path!r} holds no key; write one key a line (or leave the option out for an "
+                         "open server)")
+    return keys
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -232,6 +266,7 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
     """Defaults, then the file's settings, then `overrides` (flags given on the command line; None = not given)."""
     values: dict[str, Any] = load_toml(path) if path else {}
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    if not any(k.replace("-", "_") in ("api_key", "api_keys") for k in values) and os.environ.get("DIFFGRAPH_API_KEY"):
+    given = any(k.replace("-", "_") in ("api_key", "api_keys", "api_key_file") for k in values)
+    if not given and os.environ.get("DIFFGRAPH_API_KEY"):
         values["api_keys"] = os.environ["DIFFGRAPH_API_KEY"]
     return ServerConfig.from_mapping(values)

@@ -22,6 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, ValidationError, field_validator
 
 from ..request import EditInput, ParamError
+from .bodies import FormLimits, read_multipart
 from .protocol import APIError, ImageGenerationRequest, LoraRef, error_from_param_error, error_from_validation
 
 FORM_CONTENT = "multipart/form-data"
@@ -75,40 +76,29 @@ class ImageEditForm(BaseModel):
 
 
 async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dict[str, bytes]]:
-    """The parsed form: its text fields (typed) and the bytes of its files. Raises APIError (400 / 413)."""
+    """The parsed form: its text fields (typed) and the bytes of its files, read within their limits as they
+    arrive (bodies.py). Raises APIError (400 / 413)."""
     content_type = http.headers.get("content-type", "")
     if not content_type.startswith(FORM_CONTENT):
         raise APIError(400, f"this endpoint takes {FORM_CONTENT} (OpenAI's images.edit: the image as a file part "
                             f"'image', an optional 'mask', and the text fields), not {content_type or 'no body type'}; "
                             "for text-to-image, POST JSON to /v1/images/generations", code="invalid_content_type")
-    length = http.headers.get("content-length", "")
-    limit = 2 * max_image_bytes + 1_048_576  # an image and a mask at the limit, and the text fields
-    if length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the body has {length} bytes; the limit is {limit} (--max-image-bytes "
-                            f"{max_image_bytes} per image)", code="body_too_large")
-    try:
-        form = await http.form(max_files=len(FILES), max_fields=64, max_part_size=1_048_576)
-    except Exception as e:  # starlette's MultiPartException, a malformed body
-        raise APIError(400, f"the multipart form could not be read: {e}", code="invalid_form") from None
-    try:
-        fields: dict[str, Any] = {}
-        files: dict[str, bytes] = {}
-        for name, value in form.multi_items():
-            if name in files or name in fields:
-                raise APIError(400, f"{name} is given more than once; send one", param=name)
-            if hasattr(value, "read"):  # an upload
-                if name not in FILES:
-                    raise APIError(400, f"unexpected file part {name!r}; files: image, mask", param=name)
-                if value.size is not None and value.size > max_image_bytes:
-                    raise APIError(400, f"{name} has {value.size} bytes; the limit is {max_image_bytes} "
-                                        "(--max-image-bytes)", param=name, code="image_too_large")
-                files[name] = await value.read()
-            elif name in FILES:
-                raise APIError(400, f"{name} must be a file part (an uploaded image), not a text field", param=name)
-            else:
-                fields[name] = value
-    finally:
-        await form.close()
+    # the body: an image and a mask at the limit, and the text fields
+    limits = FormLimits(body_bytes=2 * max_image_bytes + 1_048_576, file_names=FILES,
+                        file_bytes=max_image_bytes, flag="--max-image-bytes")
+    fields: dict[str, Any] = {}
+    files: dict[str, bytes] = {}
+    for name, value in await read_multipart(http, limits):
+        if name in files or name in fields:
+            raise APIError(400, f"{name} is given more than once; send one", param=name)
+        if isinstance(value, bytes):  # an upload
+            if name not in FILES:
+                raise APIError(400, f"unexpected file part {name!r}; files: image, mask", param=name)
+            files[name] = value
+        elif name in FILES:
+            raise APIError(400, f"{name} must be a file part (an uploaded image), not a text field", param=name)
+        else:
+            fields[name] = value
     try:
         return ImageEditForm.model_validate(fields), files
     except ValidationError as e:
