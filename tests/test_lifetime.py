@@ -12,7 +12,8 @@ def test_invalidate_drops_graphs_and_they_come_back_on_demand(tiny_engine):
     with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as e:
         first = e.generate("a cat", num_inference_steps=3, seed=1).arrays
         rows = {(r["kind"], r["bucket"]): r for r in e.graph_table()}
-        assert rows[("step", 1)]["status"] == "captured" and rows[("step", 1)]["on_demand"] == 0  # prewarmed
+        # one guided image: two denoiser rows, bucket 2
+        assert rows[("step", 2)]["status"] == "captured" and rows[("step", 2)]["on_demand"] == 0  # prewarmed
         e.invalidate("step")
         rows = {(r["kind"], r["bucket"]): r for r in e.graph_table()}
         assert [rows[("step", b)]["status"] for b in (1, 2)] == ["pending", "pending"]
@@ -20,8 +21,8 @@ def test_invalidate_drops_graphs_and_they_come_back_on_demand(tiny_engine):
         assert rows[("text", 1)]["status"] == "captured" and rows[("text", 1)]["invalidations"] == 0
         again = e.generate("a cat", num_inference_steps=3, seed=1).arrays
         rows = {(r["kind"], r["bucket"]): r for r in e.graph_table()}
-        assert rows[("step", 1)]["status"] == "captured" and rows[("step", 1)]["on_demand"] == 1
-        assert rows[("step", 2)]["status"] == "pending"  # never needed since
+        assert rows[("step", 2)]["status"] == "captured" and rows[("step", 2)]["on_demand"] == 1
+        assert rows[("step", 1)]["status"] == "pending"  # never needed since
         np.testing.assert_array_equal(again, first)
 
 

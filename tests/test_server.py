@@ -298,8 +298,8 @@ def test_bench_serve(server, tmp_path, capsys):
 
 # -- a server of its own: queue full, then SIGTERM ------------------------------------------------------------
 def test_queue_full_then_sigterm_drains():
-    # One row per group and one waiting request: A runs, B waits, C finds the queue full.
-    s = ServerProcess("--batch-buckets", "1", "--max-queue", "1", "--drain-timeout", "60")
+    # One guided image per group (two denoiser rows) and one waiting request: A runs, B waits, C finds the queue full.
+    s = ServerProcess("--batch-buckets", "2", "--max-queue", "1", "--drain-timeout", "60")
     try:
         s.wait_ready()
         # the server listened before the engine was built, and said so

@@ -80,14 +80,14 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="load a model, capture its graphs and print the graph table")
     i.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
     i.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    i.add_argument("--batch-buckets", default="1,2,4,8,16", help="graph batch buckets (default: %(default)s)")
+    i.add_argument("--batch-buckets", default="1,2,4,8,16,32", help="graph batch buckets, in denoiser rows (default: %(default)s)")
     i.add_argument("--resolutions", default="", help="WxH list to capture (default: the model's native size)")
     i.add_argument("--verify", action="store_true", help="compare each replay with an eager run at capture")
     i.add_argument("--compile", action="store_true", help="the compile tier: capture compiled code (slow first start)")
 
     c = sub.add_parser("compile", help="fill a compile-tier cache ahead of time (for a fleet of the same GPU)")
     c.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
-    c.add_argument("--batch-buckets", default="1,2,4,8,16", help="graph batch buckets (default: %(default)s)")
+    c.add_argument("--batch-buckets", default="1,2,4,8,16,32", help="graph batch buckets, in denoiser rows (default: %(default)s)")
     c.add_argument("--resolutions", default="", help="WxH list (default: the model's native size)")
     c.add_argument("--out", required=True, metavar="DIR",
                    help="the cache folder (serve and generate read it with --compile-cache DIR)")

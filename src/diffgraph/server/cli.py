@@ -60,7 +60,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "together; off: one request at a time (default: step)")
     p.add_argument("--batch-buckets", default=None, metavar="LIST",
                    help="batch sizes that get a CUDA graph; the largest bounds live rows per resolution and n "
-                        "(default: 1,2,4,8,16)")
+                        "(default: 1,2,4,8,16,32: denoiser rows, a guided image costs two)")
     p.add_argument("--resolutions", default=None, metavar="WxH,...",
                    help="resolutions that get CUDA graphs, e.g. 512x512,768x512; other sizes run eagerly "
                         "(default: the model's native size)")

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 27 on the GPU host: GPU tests, the compile tier's latency of the old tree (.old/src, carried) and the new
+# one alternated in one call, and the guidance-mix throughput. Usage: bash tools/gpu_issue27.sh tests ab mix
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, torch.cuda.get_device_name())"
+for what in "$@"; do
+  case $what in
+    tests) timeout ${TESTS_S:-300} python3 -m pytest -q -x -m gpu tests/gpu/test_graphs_gpu.py tests/gpu/test_lora_gpu.py \
+             tests/gpu/test_edits_gpu.py tests/gpu/test_device_affinity.py -p no:cacheprovider 2>&1 \
+             | grep -v Warning | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    ctests) timeout ${TESTS_S:-400} python3 -m pytest -q -x -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider 2>&1 \
+             | grep -v Warning | tee "$OUT/gpu_ctests.log" | tail -15 ;;
+    ab) for tree in old new; do
+          src=$([ $tree = old ] && echo "$PWD/.old/src" || echo "$PWD/src")
+          PYTHONPATH=/tmp/site:$src timeout 280 python3 -m diffgraph.bench.latency --cases random:sd15@512 --images 1 \
+            --buckets 1,2 --repeats 5 --no-fresh-starts --contenders diffgraph_compile \
+            --json "$OUT/ab_${tree}.json" > "$OUT/ab_${tree}.log" 2>&1
+          grep -E "diffgraph_compile|rror" "$OUT/ab_${tree}.log" | head -8 | sed "s/^/[$tree] /"
+        done ;;
+    mix) timeout ${MIX_S:-420} python3 -m diffgraph.bench.throughput --sizes 512x512 --compile \
+           --compile-cache /tmp/cc --guidance-mix ${MIX_N:-64} --json "$OUT/guidance_mix.json" 2>&1 \
+           | grep -v Warning | tee "$OUT/guidance_mix.log" | tail -14 ;;
+  esac
+done
