@@ -181,3 +181,26 @@ def test_admission_reserves_peak_denoiser_rows():
         assert all(len(r) == r.request.num_images for r in results)
     assert costs and max(c for _, c in costs) <= 4
     assert (2, 4) in costs  # both interval rows guiding: the guidance-free pair waited for room, as reserved
+
+
+def test_rows_that_stop_guiding_make_room_for_rows_that_start():
+    """Admission checks each request's per-step denoiser rows against the group's at every future step: a row that
+    guides in the first half, one that guides in the second half and a guidance-free one fit in 4 denoiser rows at
+    every step (their peaks, 2 + 2 + 1, would not)."""
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", max_rows=4) as e:
+        costs = _costs(e)
+        kinds = [dict(guidance_scale=7.5, guidance_interval=[0.0, 0.5]),
+                 dict(guidance_scale=7.5, guidance_interval=[0.5, 1.0]), dict(guidance_scale=1.0)]
+        reqs = [e.make_request(PROMPT, num_inference_steps=4, seed=20 + i, **k) for i, k in enumerate(kinds)]
+        alone = [e.run(r).arrays for r in reqs]
+        _stop(e)
+        costs = _costs(e)
+        e.core.call_between_steps(lambda: None).result()
+        futures = []
+        # queued between two steps, so the three are admitted at one step boundary
+        e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
+        together = [f.result().arrays for f in futures]
+        _stop(e)
+    assert costs == [(3, 4)] * 4  # all three in every step, 4 denoiser rows each step
+    for a, t in zip(alone, together):
+        np.testing.assert_allclose(t, a, atol=1e-5, rtol=0)

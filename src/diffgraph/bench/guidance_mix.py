@@ -1,7 +1,9 @@
 """`diffgraph bench throughput --guidance-mix N`: images/s at saturation for guidance settings, side by side.
 
 Each scenario submits a burst of N requests at once to one engine (every graph warm, nothing compiles while timing)
-and times it to the last image (decode included); each runs `repeats` times and the best is kept. The ratios are
+and times it to the last image (decode included); each runs `repeats` times and the best is kept. Its steps-only
+rate divides the image rows its steps advanced by the GPU time of those steps' replays (each step's bucket, timed
+alone after the bursts: the denoising's own rate, without admission and decode). The ratios are
 the row-features issue's targets: guidance-free rows cost one denoiser row instead of two, and so do CFG rows outside
 their `guidance_interval`.
 
@@ -22,19 +24,49 @@ SCENARIOS: tuple[tuple[str, int, tuple[dict[str, Any], ...]], ...] = (
     ("20 steps, half guidance-free", 20, ({"guidance_scale": 7.5}, {"guidance_scale": 1.0})),
     ("20 steps, CFG 7.5 in [0.2, 0.8]", 20, ({"guidance_scale": 7.5, "guidance_interval": (0.2, 0.8)},)),
 )
-TARGETS = (("4 steps, guidance 0", "4 steps, CFG 7.5", "request_steps_per_s", 1.8),
+TARGETS = (("4 steps, guidance 0", "4 steps, CFG 7.5", "steps_only_request_steps_per_s", 1.8),
+           ("4 steps, guidance 0", "4 steps, CFG 7.5", "request_steps_per_s", 1.8),
            ("4 steps, guidance 0", "4 steps, CFG 7.5", "images_per_s", 1.5),
            ("20 steps, half guidance-free", "20 steps, CFG 7.5", "images_per_s", 1.3),
            ("20 steps, CFG 7.5 in [0.2, 0.8]", "20 steps, CFG 7.5", "images_per_s", 1.15))
 
 
-def burst(engine: Any, requests: list) -> dict[str, float]:
-    t0 = time.perf_counter()
-    results = [f.result() for f in [engine.submit(r) for r in requests]]
-    seconds = time.perf_counter() - t0
+def burst(engine: Any, requests: list) -> dict[str, Any]:
+    """Submits every request at once (between two steps) and waits for the last image."""
+    steps_run: list[tuple[int, int]] = []
+    engine.step_listeners.append(lambda plan, seconds: steps_run.append((plan.n_rows, plan.cost_rows)))
+    try:
+        futures: list = []
+        t0 = time.perf_counter()
+        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in requests)).result()
+        results = [f.result() for f in futures]
+        seconds = time.perf_counter() - t0
+        engine.core.call_between_steps(lambda: None).result()  # the last step's listener has run
+    finally:
+        engine.step_listeners.pop()
     images = sum(len(r) for r in results)
-    steps = sum(r.request.num_inference_steps for r in results)
-    return {"seconds": seconds, "images_per_s": images / seconds, "request_steps_per_s": steps / seconds}
+    steps = sum(r.request.num_inference_steps * len(r) for r in results)
+    return {"seconds": seconds, "images_per_s": images / seconds, "request_steps_per_s": steps / seconds,
+            "steps": steps_run}
+
+
+def replay_ms(engine: Any, size: tuple[int, int], buckets: set[int], repeats: int = 3) -> dict[int, float]:
+    """The GPU time of one step replay per bucket (median of `repeats` runs of 10; the buffers hold the last
+    burst's rows)."""
+    import torch
+
+    runner, out = engine.runner.graph_runner, {}
+    for b in sorted(buckets):
+        runs = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                runner.replay("step", size[0], size[1], b)
+            torch.cuda.synchronize()
+            runs.append((time.perf_counter() - t0) / 10 * 1e3)
+        out[b] = sorted(runs)[len(runs) // 2]
+    return out
 
 
 def run(engine: Any, n: int, size: tuple[int, int], repeats: int = 2) -> dict[str, Any]:
@@ -49,7 +81,19 @@ def run(engine: Any, n: int, size: tuple[int, int], repeats: int = 2) -> dict[st
         burst(engine, requests()[:max(2, n // 8)])  # warm: the buckets this scenario walks
         runs = [burst(engine, requests()) for _ in range(repeats)]
         out["scenarios"][name] = max(runs, key=lambda r: r["images_per_s"])
+    if engine.runner.graph_runner is not None:
+        buckets = {c for r in out["scenarios"].values() for _, c in r["steps"]}
+        ms = replay_ms(engine, size, buckets)
+        out["replay_ms"] = ms
+        for r in out["scenarios"].values():
+            gpu_s = sum(ms[c] for _, c in r["steps"]) / 1e3
+            r["steps_only_request_steps_per_s"] = sum(n for n, _ in r["steps"]) / gpu_s
+            r["steps_gpu_s"] = gpu_s
+    for r in out["scenarios"].values():
+        r["steps"] = {"count": len(r["steps"]), "buckets": sorted({c for _, c in r["steps"]})}
     for new, base, metric, target in TARGETS:
+        if metric not in out["scenarios"][new]:
+            continue
         ratio = out["scenarios"][new][metric] / out["scenarios"][base][metric]
         out["ratios"][f"{new} / {base} ({metric})"] = {"ratio": ratio, "target": target, "holds": ratio >= target}
     return out
@@ -58,7 +102,12 @@ def run(engine: Any, n: int, size: tuple[int, int], repeats: int = 2) -> dict[st
 def print_report(report: dict[str, Any]) -> None:
     print(f"guidance mix at saturation: bursts of {report['requests']} requests at {report['size']}")
     for name, r in report["scenarios"].items():
+        steps_only = r.get("steps_only_request_steps_per_s")
         print(f"  {name:34s} {r['images_per_s']:7.2f} images/s  {r['request_steps_per_s']:8.1f} request-steps/s  "
-              f"({r['seconds']:.2f} s)")
+              f"({r['seconds']:.2f} s; steps only {steps_only or float('nan'):8.1f} request-steps/s over "
+              f"{r.get('steps_gpu_s', float('nan')):.2f} s of replays, {r['steps']['count']} steps, buckets "
+              f"{r['steps']['buckets']})")
+    if "replay_ms" in report:
+        print("  step replay ms per bucket: " + ", ".join(f"{b}: {v:.2f}" for b, v in report["replay_ms"].items()))
     for name, r in report["ratios"].items():
         print(f"  {name:80s} {r['ratio']:.3f}x (target >= {r['target']}x: {'holds' if r['holds'] else 'MISSED'})")

@@ -54,6 +54,14 @@ class RequestState:
         """Denoiser rows this request costs at this step."""
         return self.rows * self.branches_now
 
+    def demand(self) -> np.ndarray:
+        """Denoiser rows it needs at each of its remaining steps (this one first): admission checks these against
+        the group's capacity at every future step, so a row that starts guiding mid-schedule never overflows it."""
+        left = max(self.plan.num_steps - self.step, 0)
+        if self.branches is None:
+            return np.full(left, self.rows, dtype=np.int64)
+        return self.rows * np.asarray(self.branches[self.step:self.step + left], dtype=np.int64)
+
     @property
     def peak(self) -> int:
         """The most denoiser rows it costs at any step from now on: what admission reserves, so a row that starts

@@ -4,8 +4,10 @@ Requests wait in one queue per resolution group. Each iteration `schedule()` pic
 waiting requests of that group into free rows at the step boundary (FIFO), and hands the model runner a
 `StepPlan`: row moves that keep live rows contiguous, the admitted requests and their first rows, and
 the coefficient table of every live row for this step. `update()` advances the rows and retires the
-finished requests. The denoiser rows a group's live requests may need at once (their peaks: a guiding row costs two) never
-exceed `max_rows` (the largest batch bucket).
+finished requests. The denoiser rows a group's live requests need (a guiding row costs two, any other row one) never
+exceed `max_rows` (the largest batch bucket) at any step: their per-step schedules are known at admission, so a
+request joins only where its schedule fits beside the others' at every future step (a row that starts guiding
+mid-schedule never overflows its group, and rows about to stop guiding make room for those that start).
 
 Batching modes, on the same path:
   step     requests join between steps and leave when done (continuous batching);
@@ -128,9 +130,18 @@ class _Group:
         return sum(s.rows for s in self.live)
 
     @property
-    def reserved(self) -> int:
-        """Denoiser rows its live requests may still need at once (the sum of their peaks)."""
-        return sum(s.peak for s in self.live)
+    def cost_now(self) -> int:
+        """Denoiser rows its live requests cost at this step."""
+        return sum(s.cost for s in self.live)
+
+    def profile(self) -> np.ndarray:
+        """Denoiser rows its live requests need at each future step (this one first): their schedules are known,
+        and every live row advances one step per step of the group."""
+        demands = [s.demand() for s in self.live]
+        out = np.zeros(max((len(d) for d in demands), default=0), dtype=np.int64)
+        for d in demands:
+            out[:len(d)] += d
+        return out
 
 
 class Scheduler:
@@ -297,9 +308,10 @@ class Scheduler:
             return []
         if not g.live and not self._may_start(g, now):
             return []
-        free = self.config.max_rows - g.reserved
-        if mode == "step" and g.live:
-            free = self._growth_limit(g, now, free)
+        profile = g.profile()
+        # step mode, a live group: denoiser rows it may add at this step (the bucket growth policy), or None
+        growth = self._growth_limit(g, now) if mode == "step" and g.live else None
+        added = 0
         admitted = []
         head_steps = g.waiting[0].steps
         for s in list(g.waiting):
@@ -307,7 +319,9 @@ class Scheduler:
                 break
             if mode == "request" and s.steps != head_steps:
                 continue
-            if s.peak > free:
+            need = s.demand()
+            fits = _fits(profile, need, self.config.max_rows) and (growth is None or added + s.cost <= growth)
+            if not fits:
                 if mode == "step":
                     break  # FIFO: a large request is not overtaken by smaller ones behind it
                 continue
@@ -317,25 +331,27 @@ class Scheduler:
             s.first_row = g.live_rows
             g.live.append(s)
             admitted.append(s)
-            free -= s.peak
+            profile = _plus(profile, need)
+            added += s.cost
         return admitted
 
-    def _growth_limit(self, g: _Group, now: float, free: int) -> int:
-        """Denoiser rows a live group may admit now: the longest FIFO prefix of its queue that either stays within
-        the current bucket or fills at least grow_fill of the bucket it grows into; everything that fits once the
-        queue head has waited grow_hold_ms (or where steps do not pad to buckets). Counted in peak denoiser rows."""
+    def _growth_limit(self, g: _Group, now: float) -> int | None:
+        """Denoiser rows a live group may add at this step: the longest FIFO prefix of its queue that either stays
+        within the current bucket or fills at least grow_fill of the bucket it grows into (counted in this step's
+        denoiser rows); None (no limit) once the queue head has waited grow_hold_ms or where steps do not pad to
+        buckets. Whether the rows fit at every later step is the profile check's."""
         cfg = self.config
         if cfg.grow_fill <= 0 or not cfg.buckets or (cfg.padded and g.key not in cfg.padded):
-            return free  # no buckets here: an eager step costs its live rows, growing wastes nothing
+            return None  # no buckets here: an eager step costs its live rows, growing wastes nothing
         if (now - g.waiting[0].arrival) * 1e3 >= cfg.grow_hold_ms:
-            return free
-        live = g.reserved
+            return None
+        live = g.cost_now
         current = cfg.bucket_for(live)
         rows, best = live, live
         for s in g.waiting:  # the prefixes FIFO admission could take
-            if rows - live + s.peak > free:
+            if rows + s.cost > cfg.max_rows:
                 break
-            rows += s.peak
+            rows += s.cost
             if rows <= current or rows >= cfg.grow_fill * cfg.bucket_for(rows):
                 best = rows
         if best < rows:
@@ -373,3 +389,16 @@ class Scheduler:
                 s.first_row = row
             row += s.rows
         return moves
+
+
+def _fits(profile: np.ndarray, need: np.ndarray, capacity: int) -> bool:
+    """Whether `need` added to `profile` (both per future step, this one first) stays within `capacity` throughout."""
+    n = min(len(profile), len(need))
+    return bool((profile[:n] + need[:n] <= capacity).all() and (need[n:] <= capacity).all())
+
+
+def _plus(profile: np.ndarray, need: np.ndarray) -> np.ndarray:
+    out = np.zeros(max(len(profile), len(need)), dtype=np.int64)
+    out[:len(profile)] += profile
+    out[:len(need)] += need
+    return out
