@@ -1,5 +1,5 @@
-"""Reading files that someone else may rewrite, replace or fake while we read them (issue 36): adapter files today;
-model, embedding and control files can use the same calls.
+"""Reading files that someone else may rewrite, replace or fake while we read them (issue 36): adapter files, and
+model folders' weights (`private_view`); embedding and control files can use the same calls.
 
 A memory-mapped file whose pages a writer truncates kills the process with SIGBUS, so nothing here maps a file:
 `read_file` and `read_safetensors` copy the bytes into memory (a private copy that no writer can touch), and
@@ -8,6 +8,11 @@ type (FIFOs, which block an open for reading; devices; sockets; dangling links) 
 the open itself is non-blocking and checked to be the file that was looked at. A file that changes while it is
 read (its size or mtime moves, it grows past its size, a read comes up short) raises `FileChanged`: callers read
 it again, or report it. `FileStamp` (size, mtime_ns, inode, device) is the version that was read, for caches.
+
+Libraries that insist on a path and map what it names (diffusers' and transformers' `from_pretrained`) are given
+`private_view(folder, copies)`: a temporary folder of links to the original files, where the weights files are links
+to private copies (`private_copy`: an anonymous in-memory file, Linux's memfd, that nobody else can open). They map
+the copy, which no writer of the original can cut, and keep their own reading rules (variants, shards, formats).
 
 `FileReader` runs reads on a small pool of its own, with a time limit per call, so a stalled disk neither takes
 the caller's threads nor blocks shutdown (daemon threads). It owns its threads; nothing here is module state.
@@ -19,15 +24,19 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import stat
 import struct
+import tempfile
 import threading
 from concurrent.futures import CancelledError, Future, TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 HEADER_LIMIT = 100 << 20       # safetensors' own limit on its JSON header
 CHUNK = 1 << 30                # one read call (Linux reads at most ~2 GiB at a time)
+COPY_CHUNK = 64 << 20          # one write into a private copy (bounds the copy's transient memory)
 IDLE_S = 30.0                  # a FileReader thread idle this long leaves
 KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
@@ -235,6 +244,78 @@ def _tensor(key: str, entry: Any) -> TensorInfo:
         raise NotSafetensors(f"is not a readable safetensors file (tensor {key!r}: {dtype} {list(shape)} is "
                              f"{t.numel * size} bytes, its offsets span {end - begin})")
     return t
+
+
+def private_copy(path: str, max_bytes: int) -> tuple[int, FileStamp]:
+    """A private copy of the file, as an open descriptor the caller closes, and the version copied: an anonymous
+    in-memory file (memfd) where Linux has one, else an unlinked temporary file. No other process can open it, so a
+    map of it cannot lose its pages to a writer of the original. A `.safetensors` file's header is checked before
+    its body is copied. Raises UnusableFile / FileChanged / NotSafetensors."""
+    with _Open(path, max_bytes) as f:
+        if path.endswith(".safetensors"):
+            _checked_header(f)
+        fd = _anonymous_file(os.path.basename(path))
+        try:
+            offset = 0
+            while offset < f.size:
+                part = memoryview(f.read(min(COPY_CHUNK, f.size - offset), offset))
+                offset += len(part)
+                while part:
+                    part = part[os.write(fd, part):]
+            return fd, f.unchanged(whole=True)
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def _anonymous_file(name: str) -> int:
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(f"diffgraph-{name}", os.MFD_CLOEXEC)
+    fd, path = tempfile.mkstemp(prefix="diffgraph-")
+    os.unlink(path)  # reachable through the descriptor only
+    return fd
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens the file behind this process's descriptor `fd` (what a library that wants a path gets)."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+@contextmanager
+def private_view(folder: str, copies: Iterable[str], omit: Iterable[str] = (), max_bytes: int = 1 << 40,
+                 on_error: Callable[[str, UnusableFile], BaseException] | None = None) -> Iterator[str]:
+    """A temporary folder that mirrors `folder` by links (to the originals), except that the files in `copies`
+    (paths relative to `folder`) link to private copies (`private_copy`) and those in `omit` are left out. Read
+    through it while the block runs; the folder and the descriptors go when it ends (maps of the copies stay valid:
+    a map keeps its file's pages). A file that cannot be copied raises `on_error(relative path, error)`, or the
+    UnusableFile itself."""
+    copies, omit = set(copies), set(omit)
+    view = tempfile.mkdtemp(prefix="diffgraph-view-")
+    fds: list[int] = []
+    try:
+        root = os.path.abspath(folder)
+        for here, _dirs, files in os.walk(root, followlinks=True):  # (a hub cache links its folders)
+            rel_dir = os.path.relpath(here, root)
+            target_dir = view if rel_dir == "." else os.path.join(view, rel_dir)
+            os.makedirs(target_dir, exist_ok=True)
+            for name in files:
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                if rel in omit:
+                    continue
+                source = os.path.join(here, name)
+                if rel in copies:
+                    try:
+                        fd, _ = private_copy(source, max_bytes)
+                    except UnusableFile as e:
+                        raise (on_error(rel, e) if on_error else e) from None
+                    fds.append(fd)
+                    source = fd_path(fd)
+                os.symlink(source, os.path.join(target_dir, name))
+        yield view
+    finally:
+        for fd in fds:
+            os.close(fd)
+        shutil.rmtree(view, ignore_errors=True)
 
 
 class FileReader:

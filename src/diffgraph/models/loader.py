@@ -6,6 +6,11 @@ is ever downloaded: folders are read with local_files_only, presets are built in
 
 A folder's weight files are checked before diffusers reads them (present, and as long as their header says), so
 that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback.
+Then diffusers and transformers read the folder through `safe_files.private_view`: the weights they read are
+private in-memory copies, so a model file cut or rewritten while (or after) it loads cannot kill the process with
+SIGBUS (both libraries memory-map safetensors, and on the CPU at the file's dtype the parameters stay views of that
+map: issue 36). The copy costs host memory the size of the files read, while the model loads (for as long as the
+parameters stay on the CPU at the file's dtype, it is their memory).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .. import safe_files
 from . import presets as P
 from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
@@ -27,6 +33,9 @@ from .quiet import quiet_known_warnings
 logger = logging.getLogger(__name__)
 
 __all__ = ["DiffusionModel", "load_model", "parse_dtype"]
+
+MODEL_FILE_LIMIT = 1 << 40  # bytes per weights file (a 1 TB sparse file is refused by its size, before it is read)
+_WEIGHTS_EXT = (".safetensors", ".bin")
 
 
 def _supported_message(families: FamilyRegistry) -> str:
@@ -129,7 +138,43 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
         raise ValueError(f"{folder!r} holds a {cls_name}, which is not supported; {_supported_message(families)}")
     for sub in ("unet", "vae", *(part[0] for part in adapter.text_parts)):
         _check_weights(folder, sub, index.get(sub))
-    return _finish(adapter.load_folder(folder, index, device, dtype, name))
+    copies, omit = _weights_read(folder)
+
+    def refused(rel: str, e: safe_files.UnusableFile) -> ValueError:
+        again = "wait until it is written completely, or copy it again" if isinstance(e, safe_files.FileChanged) \
+            else "copy or download that file again"
+        return ValueError(f"model folder {folder!r}: {rel} {e}; {again}")
+    with safe_files.private_view(folder, copies, omit, MODEL_FILE_LIMIT, refused) as view:
+        try:
+            model = adapter.load_folder(view, index, device, dtype, name)
+        except ValueError as e:  # the family's own messages name the folder: the user's, not the view
+            if view not in str(e):
+                raise
+            raise ValueError(str(e).replace(view, folder)) from None
+    return _finish(model)
+
+
+def _weights_read(folder: str) -> tuple[list[str], list[str]]:
+    """The weights files (relative paths) that from_pretrained reads from each component folder, to copy, and the
+    other weights files there, to hide from it. Copying only these keeps a folder that also holds .bin or variant
+    copies from costing several times its model in memory."""
+    copies, omit = [], []
+    for sub in sorted(os.listdir(folder)):
+        path = os.path.join(folder, sub)
+        if not os.path.isdir(path):
+            continue
+        weights = sorted(f for f in os.listdir(path) if f.endswith(_WEIGHTS_EXT))
+        group = _weights_group(weights)
+        copies += [os.path.join(sub, f) for f in group]
+        omit += [os.path.join(sub, f) for f in weights if f not in group]
+    return copies, omit
+
+
+def _weights_group(weights: list[str]) -> list[str]:
+    """Of a component folder's weights files, those from_pretrained reads: the plain files, else the fp16 variant's
+    (the family's `variant` rule); safetensors where there are any, else .bin (both libraries prefer safetensors)."""
+    group = [f for f in weights if f.count(".") == 1] or [f for f in weights if ".fp16." in f] or weights
+    return [f for f in group if f.endswith(".safetensors")] or group
 
 
 # a component's library (model_index.json) -> the weights file its save_pretrained writes
@@ -142,22 +187,24 @@ def _check_weights(folder: str, sub: str, component: Any) -> None:
     path = os.path.join(folder, sub)
     if not os.path.isfile(os.path.join(path, "config.json")):
         return
-    weights = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))
+    weights = sorted(f for f in os.listdir(path) if f.endswith(_WEIGHTS_EXT))
     if not weights:
         library = component[0] if isinstance(component, list) and component else None
         expected = _WEIGHTS_NAME.get(library, "a .safetensors file")
         raise ValueError(f"model folder {folder!r} lacks the weights of its {sub!r}: {sub}/ has a config.json but no "
                          f"{expected}; copy the folder again completely (or re-save it with save_pretrained)")
-    plain = [f for f in weights if f.count(".") == 1]  # what diffusers reads: the plain files, else a variant's
-    for name in plain or weights:
+    for name in _weights_group(weights):
         problem = _weights_problem(os.path.join(path, name))
         if problem:
             raise ValueError(f"model folder {folder!r}: {sub}/{name} {problem}; copy or download that file again")
 
 
 def _weights_problem(path: str) -> str | None:
-    """What is wrong with a weights file, from its size and header alone, or None."""
-    size = os.path.getsize(path)
+    """What is wrong with a weights file, from its type, size and header alone, or None."""
+    try:  # (a FIFO would block the open below for good; a dangling link is a missing file)
+        size = safe_files.check_regular(path, MODEL_FILE_LIMIT).st_size
+    except safe_files.UnusableFile as e:
+        return str(e)
     if path.endswith(".bin"):  # torch.save's zip format ends with the zip directory, which a cut file lacks
         with open(path, "rb") as f:
             zipped = f.read(2) == b"PK"

@@ -1,0 +1,122 @@
+"""Model files that change or misbehave (issue 36, point 1, model files): diffusers and transformers memory-map
+safetensors, and on the CPU at the file's dtype the parameters stay views of that map, so cutting a weights file
+after it loaded killed the process with SIGBUS (exit 135) at the next generation. The loader now hands them private
+copies (safe_files.private_view): a file cut while or after it loads changes nothing. Weights that are a FIFO or a
+dangling link are refused by type, in one line, before any open (a FIFO blocked the header check for good)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diffgraph import safe_files
+from diffgraph.cli import main
+from diffgraph.models import loader
+
+DIGITS = os.path.join(os.path.dirname(__file__), os.pardir, "src", "diffgraph", "assets", "digits")
+WEIGHTS = ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
+           "text_encoder/model.safetensors")
+
+# In a child process, so that a SIGBUS fails this test instead of killing pytest. fp16 is the digits files' dtype:
+# the case where the parameters alias the file's map. `during` is cut once its copies are made (before diffusers
+# reads them), `after` once it has loaded; both generate a 1-step image, and their weights are the shipped ones.
+CHILD = textwrap.dedent("""
+    import os, sys, torch
+    from diffgraph import Engine
+    from diffgraph.models.families import default_registry
+    from diffgraph.models.loader import load_model
+
+    shipped, during, after = sys.argv[1:4]
+    weights = sys.argv[4:]
+
+    def cut(folder):
+        for name in weights:
+            with open(os.path.join(folder, name), "r+b") as f:
+                f.truncate(0)
+
+    def params(model):
+        return [p.detach().clone() for m in (model.unet, model.vae, *model.text_encoders) for p in m.parameters()]
+
+    expected = params(load_model(shipped, "cpu", "fp16"))
+    families = default_registry()
+    adapter = families.for_pipeline("StableDiffusionPipeline")
+    load_folder = adapter.load_folder
+    adapter.load_folder = lambda *args: (cut(during), load_folder(*args))[1]
+    cut_while_loading = load_model(during, "cpu", "fp16", families=families)
+    assert os.path.getsize(os.path.join(during, weights[0])) == 0
+    loaded = load_model(after, "cpu", "fp16")
+    cut(after)
+    for model in (cut_while_loading, loaded):
+        assert all(torch.equal(a, b) for a, b in zip(params(model), expected, strict=True))
+        image = Engine(model).generate("a handwritten digit seven", num_inference_steps=1, seed=3)[0]
+        assert image.size == (model.native_size, model.native_size)
+    print("both generated")
+""")
+
+
+def test_weights_cut_while_and_after_loading_never_kill_the_process(tmp_path):
+    folders = [str(tmp_path / name) for name in ("during", "after")]
+    for folder in folders:
+        shutil.copytree(DIGITS, folder)
+    proc = subprocess.run([sys.executable, "-c", CHILD, DIGITS, *folders, *WEIGHTS], capture_output=True, text=True)
+    assert proc.returncode not in (135, -7), "SIGBUS: the parameters still read the cut file's map"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "both generated" in proc.stdout
+
+
+def test_private_view_copies_what_is_read_links_the_rest_and_hides_the_others(tmp_path):
+    src = tmp_path / "model"
+    (src / "unet").mkdir(parents=True)
+    save_file({"w": torch.arange(4.0)}, str(src / "unet" / "w.safetensors"))
+    weights = (src / "unet" / "w.safetensors").read_bytes()
+    (src / "unet" / "w.bin").write_bytes(b"pickle")
+    (src / "unet" / "config.json").write_text("{}")
+    with safe_files.private_view(str(src), ["unet/w.safetensors"], ["unet/w.bin"], max_bytes=1 << 20) as view:
+        copy = os.path.join(view, "unet", "w.safetensors")
+        with open(src / "unet" / "w.safetensors", "r+b") as f:
+            f.truncate(0)  # the original is cut: the copy is not
+        with open(copy, "rb") as f:
+            assert f.read() == weights
+        assert not os.path.lexists(os.path.join(view, "unet", "w.bin"))
+        assert os.path.realpath(os.path.join(view, "unet", "config.json")) == str((src / "unet" / "config.json"))
+    assert not os.path.exists(view)
+
+
+@pytest.mark.parametrize("files, read", [
+    (["m.safetensors", "m.bin", "m.fp16.safetensors"], ["m.safetensors"]),
+    (["m.bin", "m.fp16.safetensors"], ["m.bin"]),
+    (["m.fp16.safetensors", "m.fp16.bin", "m.ema.bin"], ["m.fp16.safetensors"]),
+    (["m-00001-of-00002.safetensors", "m-00002-of-00002.safetensors", "m.bin"],
+     ["m-00001-of-00002.safetensors", "m-00002-of-00002.safetensors"]),
+])
+def test_only_the_weights_from_pretrained_reads_are_copied(tmp_path, files, read):
+    (tmp_path / "unet").mkdir()
+    for name in files:
+        (tmp_path / "unet" / name).write_bytes(b"x")
+    copies, omit = loader._weights_read(str(tmp_path))
+    assert copies == [os.path.join("unet", f) for f in read]
+    assert sorted(omit) == sorted(os.path.join("unet", f) for f in files if f not in read)
+
+
+@pytest.mark.parametrize("kind, needle", [("fifo", "is a FIFO (named pipe), not a regular file"),
+                                          ("dangling", "is a dangling link")])
+def test_weights_that_are_a_fifo_or_a_dangling_link_fail_in_one_line(tmp_path, capsys, kind, needle):
+    folder = tmp_path / "model"
+    shutil.copytree(DIGITS, folder)
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.unlink()
+    if kind == "fifo":  # opened for reading, it blocks until a writer comes: refused by its type before any open
+        os.mkfifo(weights)
+    else:
+        weights.symlink_to(tmp_path / "gone.safetensors")
+    rc = main(["generate", "a cat", "--model", str(folder), "--steps", "1", "-o", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "unet/diffusion_pytorch_model.safetensors " + needle in err and "copy or download that file again" in err
