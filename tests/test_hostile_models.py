@@ -2,7 +2,9 @@
 safetensors, and on the CPU at the file's dtype the parameters stay views of that map, so cutting a weights file
 after it loaded killed the process with SIGBUS (exit 135) at the next generation. The loader now hands them private
 copies (safe_files.private_view): a file cut while or after it loads changes nothing. Weights that are a FIFO or a
-dangling link are refused by type, in one line, before any open (a FIFO blocked the header check for good)."""
+dangling link are refused by type, in one line, before any open (a FIFO blocked the header check for good).
+And `diffgraph serve`'s model and device mistakes (point 5): a CUDA device set in the TOML file, or given to
+`python -m diffgraph.server.cli`, on a CPU build of torch, and a mistyped model name, each end in one line, exit 2."""
 
 from __future__ import annotations
 
@@ -120,3 +122,51 @@ def test_weights_that_are_a_fifo_or_a_dangling_link_fail_in_one_line(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "unet/diffusion_pytorch_model.safetensors " + needle in err and "copy or download that file again" in err
+
+
+# -- `diffgraph serve`: a CUDA device from the TOML file (or under python -m diffgraph.server.cli), a mistyped model --
+
+@pytest.fixture
+def cpu_only_torch(monkeypatch):
+    """torch as a CPU-only build reports itself (whatever this machine has)."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def never_served(monkeypatch):
+    import diffgraph.server.cli as server_cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("the server was started")
+    monkeypatch.setattr(server_cli, "serve", never)
+
+
+def _serve_error(capsys, argv: list[str], module: bool) -> str:
+    from diffgraph.server.cli import main as serve_main
+
+    rc = serve_main(argv) if module else main(["serve", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("diffgraph: error: ")
+    return err
+
+
+@pytest.mark.parametrize("module", [True, False], ids=["python -m diffgraph.server.cli", "diffgraph serve"])
+@pytest.mark.parametrize("setting, flag", [('device = "cuda"', "--device cuda"),
+                                           ('devices = "cpu,cuda:1"', "--devices cpu,cuda:1")])
+def test_serve_on_cuda_from_the_config_file_with_a_cpu_build_fails_in_one_line(
+        tmp_path, capsys, cpu_only_torch, never_served, module, setting, flag):
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'[serve]\nmodel = "random:tiny"\n{setting}\n')
+    err = _serve_error(capsys, ["--config", str(toml)], module)
+    assert f"{flag}: this torch" in err and "CPU-only build" in err
+    assert "install a CUDA build" in err and "--device cpu" in err
+
+
+@pytest.mark.parametrize("module", [True, False], ids=["python -m diffgraph.server.cli", "diffgraph serve"])
+def test_serve_a_mistyped_model_says_did_you_mean(capsys, never_served, module):
+    err = _serve_error(capsys, ["--model", "digts"], module)
+    assert "model 'digts' is neither a local diffusers folder nor a preset" in err
+    assert "; did you mean 'digits' or 'digits-xl'?" in err

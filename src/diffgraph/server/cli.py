@@ -355,18 +355,27 @@ def _check_model(model: str) -> None:
     """Fails fast, before the server starts, on a model name that cannot load."""
     import os
 
+    from ..cli_checks import did_you_mean
     from ..models.presets import RANDOM_PRESETS, SHIPPED_PRESETS, available_presets, shipped_preset_folder
     if model in RANDOM_PRESETS or os.path.isdir(model):
         return
     if model in SHIPPED_PRESETS and shipped_preset_folder(model):
         return
     raise ValueError(f"model {model!r} is neither a local diffusers folder nor a preset of this install; "
-                     f"presets: {', '.join(available_presets())}")
+                     f"presets: {', '.join(available_presets())}{did_you_mean(model, available_presets())}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from ..cli_checks import cuda_device_error
+
     try:
         config = config_from_args(args)
+        # the CUDA check of `diffgraph serve`'s flags, for a device the TOML file sets too (or under `python -m
+        # diffgraph.server.cli`): one line naming the fix, not a traceback from the engine's start
+        for flag, devices in (("--device", (config.device,)), ("--devices", config.devices)):
+            error = next(filter(None, map(cuda_device_error, devices)), None)
+            if error:
+                raise ValueError(f"{flag} {','.join(d for d in devices if d)}: {error}")
         _check_model(config.model)
     except ValueError as e:
         print(f"diffgraph: error: {e}", file=sys.stderr)
