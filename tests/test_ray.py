@@ -132,9 +132,10 @@ def ray_server():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        # 3 rows per replica: Ray lets 2 x 3 requests onto one (max_ongoing_requests), so 12 at once are spread
+        # 4 denoiser rows per replica (two guided images): Ray lets 2 x 4 requests onto one (max_ongoing_requests),
+        # so 12 at once are spread
         serve.run(build_app({"model": "digits", "device": "cpu", "num_replicas": "2", "torch_threads": "1",
-                             "api_key": KEY, "batch_buckets": "1,2,3"}), name="diffgraph", route_prefix="/",
+                             "api_key": KEY, "batch_buckets": "1,2,4"}), name="diffgraph", route_prefix="/",
                   blocking=False)
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, httpx)
@@ -229,9 +230,10 @@ def test_killing_an_engine_replica_answers_its_requests_503_and_ray_replaces_it(
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(12)]
     for t in threads:
         t.start()
-    # Ray admits at most 2 x 3 requests per replica (max_ongoing_requests), so the 12 are on both: 3 running and 3
-    # waiting in each engine; wait until both replicas' running ones stepped (Ray's router may briefly hold some)
-    for _ in range(6):
+    # Ray admits at most 2 x 4 requests per replica (max_ongoing_requests), so the 12 are on both: 2 guided requests
+    # running (4 denoiser rows) and the rest waiting in each engine; wait until both replicas' running ones stepped
+    # (Ray's router may briefly hold some)
+    for _ in range(4):
         assert started.acquire(timeout=BOUND_S)
     victims = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                if "DiffgraphEngine" in a["name"] and a["name"].startswith("SERVE_REPLICA")]

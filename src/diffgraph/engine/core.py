@@ -332,6 +332,10 @@ class EngineCore:
             r = s.request
             try:
                 part = arrays[row:row + s.rows]
+                if not np.isfinite(part).all():  # NaN pixels would cast to a black image: say so instead
+                    raise EngineStepError(
+                        f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "
+                        "overflowed its dtype; lower the LoRA scales or the guidance, or use a float32/bfloat16 model")
                 encoded = [encode_image(a, r.output_format) for a in part] if r.output_format else None
                 now = time.monotonic()
                 timings = {"queue_ms": (s.admitted_at - s.arrival) * 1e3,
