@@ -115,3 +115,18 @@ def test_family_checks_live_in_the_adapters():
             if re.search(r"family\s*(==|!=|in)\s*|[\"']sdxl[\"']\s*(==|!=|in)", line):
                 offenders.append(f"{name}:{i}: {line.strip()}")
     assert offenders == []
+
+
+def test_tables_keyed_by_family_names_live_in_the_adapters():
+    """No dict keyed by a family name ({"sd": ..., "sdxl": ...}) outside models/families/: what a family means is its
+    adapter's attribute (a table elsewhere is an edit a new family would need, and the family check above misses)."""
+    names = {"sd", "sdxl"}
+    offenders = []
+    for name, path in _modules().items():
+        if ".models.families" in name:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Dict) and any(
+                    isinstance(k, ast.Constant) and k.value in names for k in node.keys if k is not None):
+                offenders.append(f"{name}:{node.lineno}")
+    assert offenders == []

@@ -41,7 +41,6 @@ from .sidepath import LoraLayer, LoraSlots, RowLoras, attach
 
 UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
-PIPELINE_CLASS = {"sd": "StableDiffusionPipeline", "sdxl": "StableDiffusionXLPipeline"}
 READ_WORKERS, READ_TIMEOUT_S = 2, 60.0  # adapter reads at once (each may hold a file in memory), and their bound
 READ_ATTEMPTS, READ_BACKOFF_S = 3, 0.05  # reads of a file that changes while read, before it is refused; pauses
 
@@ -88,7 +87,7 @@ class LoraManager:
 
     def __post_init__(self) -> None:
         self.family = self.model.family
-        self.pipeline_class = PIPELINE_CLASS.get(self.family)
+        self.pipeline_class = self.model.adapter.lora_pipeline_class  # whose LoRA reader diffusers applies
         self.dir = AdapterDir(self.config.lora_dir) if self.config.lora_dir else None
         self.builtin = AdapterDir(self.config.builtin_dir) if self.config.builtin_dir else None
         self._lock = threading.Lock()

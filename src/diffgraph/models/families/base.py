@@ -85,6 +85,7 @@ class FamilyAdapter:
     # none gets (graph verification walks it too), and the multiple its sizes must be
     samplers: tuple[str, ...] = SAMPLERS
     schedules: tuple[str, ...] = SCHEDULES
+    lora_pipeline_class: str | None = None  # the diffusers pipeline whose LoRA readers convert adapter files
     default_sampler: str = DEFAULT_SAMPLER
     default_schedule: str = DEFAULT_SCHEDULE
     size_multiple: int = SIZE_MULTIPLE

@@ -18,6 +18,7 @@ from .base import CondSpec, Conditioning, FamilyAdapter
 class SDFamily(FamilyAdapter):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
+    lora_pipeline_class = "StableDiffusionPipeline"
     default_guidance = 7.5
     supports_edits = True
 

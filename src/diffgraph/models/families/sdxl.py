@@ -28,6 +28,7 @@ class SDXLFamily(FamilyAdapter):
     name = "sdxl"
     pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
                         "StableDiffusionXLInpaintPipeline")
+    lora_pipeline_class = "StableDiffusionXLPipeline"
     default_guidance = 5.0
     supports_edits = True
     edit_strength = (0.3, 0.9999)  # diffusers' StableDiffusionXLImg2ImgPipeline / StableDiffusionXLInpaintPipeline
