@@ -73,9 +73,11 @@ class AdapterDir:
             for f in sorted(files):
                 full = os.path.join(folder, f)
                 rel = os.path.relpath(full, self.root).replace(os.sep, "/")
-                if f.endswith(SUFFIX) and self._inside(full):
-                    # a dangling link stays a link, so that its reader says so
-                    adapters[rel[: -len(SUFFIX)]] = os.path.realpath(full) if os.path.exists(full) else full
+                if f.endswith(SUFFIX):
+                    real = os.path.realpath(full)  # once per file: listings walk every file
+                    if os.path.commonpath([real, self.root]) == self.root:
+                        # a dangling link stays a link, so that its reader says so
+                        adapters[rel[: -len(SUFFIX)]] = real if os.path.exists(real) else full
                 elif f.lower().endswith(PICKLES):
                     ignored.append(rel)
         return Listing(adapters=dict(sorted(adapters.items())), ignored=sorted(ignored))

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,8 @@ class LoraManager:
         self._versions = itertools.count(1)
         self._host: OrderedDict[AdapterKey, Prepared] = OrderedDict()  # recently read adapters
         self._listed: dict[str, tuple[AdapterKey, Any]] = {}  # path -> (name, stamp), its listing entry or error
-        self._listing = threading.Lock()  # one listing at a time: the others then find its entries cached
+        self._listing = threading.Lock()  # one listing computes at a time; callers that arrive meanwhile share it
+        self._flight: Future | None = None
         self.reader = FileReader(READ_WORKERS, READ_TIMEOUT_S, name="diffgraph-lora-files")
         self.banks: dict[str, LoraSlots] = {}
         self.components = {"unet": self.model.unet}
@@ -181,20 +183,41 @@ class LoraManager:
 
     def listing(self) -> dict[str, Any]:
         """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters. Files
-        are described from their headers, each version once (a second listing reads nothing it has read)."""
+        are described from their headers, each version once (a second listing reads nothing it has read). Concurrent
+        callers share one computation (started after they asked): twelve listings cost one walk of the folder."""
+        with self._listing:
+            flight, owner = self._flight, self._flight is None
+            if owner:
+                flight = self._flight = Future()
+        if not owner:
+            return flight.result()
+        try:
+            result = self._compute_listing()
+            flight.set_result(result)
+            return result
+        except BaseException as e:
+            flight.set_exception(e)
+            raise
+        finally:
+            with self._listing:
+                self._flight = None
+
+    def _compute_listing(self) -> dict[str, Any]:
         held = {key[0] for key, _ in (self.slots.holding().values() if self.slots else ()) if key is not None}
         files: dict[str, str] = {}
-        for folder in (self.builtin, self.dir):  # a name in the lora dir shadows a built-in one
-            files.update(folder.listing().adapters if folder is not None else {})
-        with self._listing:
-            entries = {name: self._file_entry(name, path) for name, path in files.items()}
-            with self._lock:
-                self._listed = {p: v for p, v in self._listed.items() if p in set(files.values())}
+        walked = {}
+        for label, folder in (("builtin", self.builtin), ("dir", self.dir)):  # the lora dir shadows built-ins
+            if folder is not None:
+                walked[label] = folder.listing()
+                files.update(walked[label].adapters)
+        entries = {name: self._file_entry(name, path) for name, path in files.items()}
+        with self._lock:
+            self._listed = {p: v for p, v in self._listed.items() if p in set(files.values())}
         with self._lock:
             entries.update({name: added.summary for name, added in self._added.items()})
         out = [{**e, "loaded": name in held} for name, e in entries.items() if isinstance(e, dict)]
         errors = [{"name": name, "error": e} for name, e in entries.items() if not isinstance(e, dict)]
-        ignored = self.dir.listing().ignored if self.dir else []
+        ignored = walked["dir"].ignored if "dir" in walked else []
         return {"data": out, "unusable": errors, "ignored": ignored, "max_loras": self.config.slots,
                 "max_lora_rank": self.config.max_lora_rank}
 
