@@ -366,7 +366,7 @@ def test_a_registered_family_serves_http(toy, engine):
         info = client.get("/info").json()
         assert (info["samplers"], info["schedules"], info["default_sampler"], info["size_multiple"]) == (
             ["flow_euler"], ["default"], "flow_euler", 16)
-        body = {"prompt": "a red cat", "num_inference_steps": 6, "seed": 3, "sampler": "flow_euler"}
+        body = {"prompt": "a red cat", "num_inference_steps": 6, "seed": 3}  # the family's sampler by default
         r = client.post("/v1/images/generations", json=body)
         assert r.status_code == 200, r.text
         image = _image(r)
@@ -381,8 +381,7 @@ def test_a_registered_family_serves_http(toy, engine):
         # image-to-image, noised the flow way: (1 - sigma) x0 + sigma * noise at the strength's first step
         src = _source()
         r = client.post("/v1/images/edits", files={"image": ("f.png", _png(src), "image/png")},
-                        data={"prompt": "a red cat", "num_inference_steps": "6", "seed": "4", "strength": "0.6",
-                              "sampler": "flow_euler"})
+                        data={"prompt": "a red cat", "num_inference_steps": "6", "seed": "4", "strength": "0.6"})
         assert r.status_code == 200, r.text
         edited = _image(r)
         expected = _uint8(reference(engine, "a red cat", 6, 3.0, 4, image=src, strength=0.6))

@@ -6,12 +6,14 @@
 `async with contextlib.aclosing(engine.stream(request)) as events:` closes it when the block is left; an
 iterator left unclosed is closed only when it is garbage-collected (Python's rule for async generators).
 `submit` returns a `RequestHandle` (client.py); answers travel from the engine's threads to the event loop
-through one queue per request.
+through one queue per request. Requests go straight to the engine core (the `Engine` builds it; nothing here
+forwards through it), and one step listener on the core serves both this engine's step times and its listeners.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from typing import Any, AsyncIterator, Callable
@@ -23,6 +25,8 @@ from .scheduler import StepPlan
 
 __all__ = ["AsyncEngine", "ProgressEvent"]
 
+logger = logging.getLogger(__name__)
+
 _DONE = object()
 
 
@@ -31,9 +35,11 @@ class RequestHandleImpl:
     RequestSink (called on other threads) and its RequestHandle (read on the event loop); `abort` is how to abort it
     (in this process, or a message to a replica process)."""
 
-    def __init__(self, abort: Callable[["RequestHandleImpl"], bool], request: GenerationRequest, progress: bool):
+    def __init__(self, abort: Callable[["RequestHandleImpl"], bool], request: GenerationRequest, progress: bool,
+                 on_finish: Callable[[], None] | None = None):
         self.request_id = request.request_id
         self._abort = abort
+        self._on_finish = on_finish
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._progress = progress
@@ -51,6 +57,8 @@ class RequestHandleImpl:
             if self._finished:
                 return
             self._finished = True
+        if self._on_finish is not None:
+            self._on_finish()
         self._put((_DONE, result, error))
 
     def _put(self, item: Any) -> None:
@@ -97,28 +105,31 @@ class RequestHandleImpl:
 
 class AsyncEngine:
     """An `Engine` behind the `EngineClient` protocol (client.py). It is also the in-process replica of a `Router`
-    (router.py): the server always routes, over this one engine or over replica processes, so one GPU and N GPUs
-    run the same code path."""
+    (router.py): the server holds a router over this one engine or over replica processes, and submits to this
+    engine directly when it is the router's only replica."""
 
     restarts = 0  # an in-process engine is never restarted: a failed loop leaves it "failed"
 
     def __init__(self, engine: Engine | None = None, name: str | None = None, **engine_kwargs: Any):
         self.engine = engine or Engine(**engine_kwargs)
+        self.core = self.engine.core  # built and started: requests, aborts and readiness go to it directly
         self.info = self.engine.info
         self.name = name or str(self.engine.runner.device)
         self._closed = False
         self._step_times: dict[int, tuple[int, float]] = {}  # bucket -> (steps, seconds): this engine's steps
         self._step_lock = threading.Lock()
-        self.engine.step_listeners.append(self._count_step)
+        self._listeners: list[Callable[[StepEvent], None]] = []
+        self._open = 0  # requests submitted and not yet answered
+        self.core.step_listeners.append(self._on_step)
 
     @property
     def ready(self) -> bool:
-        return self.engine.ready
+        return self.core.ready
 
     @property
     def state(self) -> str:
         """The replica states of replica.py: "ready", "closed", or "failed" (its loop stopped)."""
-        return "ready" if self.engine.ready else "closed" if self._closed else "failed"
+        return "ready" if self.core.ready else "closed" if self._closed else "failed"
 
     @property
     def error(self) -> str | None:
@@ -127,11 +138,28 @@ class AsyncEngine:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self.ready  # built in the constructor: nothing to wait for
 
-    def _count_step(self, plan: StepPlan, seconds: float) -> None:
+    def _on_step(self, plan: StepPlan, seconds: float) -> None:
+        """After each step, on the loop thread: this engine's step times, then its listeners."""
         bucket = plan.cost_rows or plan.n_rows
         with self._step_lock:
             n, total = self._step_times.get(bucket, (0, 0.0))
             self._step_times[bucket] = (n + 1, total + seconds)
+        if self._listeners:
+            event = StepEvent(plan.key, plan.n_rows, bucket, seconds)
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:  # a listener must not stop the engine, nor the listeners after it
+                    logger.exception("step listener %r failed", listener)
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet answered."""
+        with self._step_lock:
+            return self._open
+
+    def _opened(self, n: int) -> None:
+        with self._step_lock:
+            self._open += n
 
     @property
     def ready_s(self) -> float:
@@ -141,12 +169,18 @@ class AsyncEngine:
         return self.engine.make_request(prompt, **params)
 
     async def submit(self, request: GenerationRequest, progress: bool = False) -> RequestHandleImpl:
-        core = self.engine.core
+        core = self.core
         # a handle aborts its own request, not a later one that reuses its id
-        handle = RequestHandleImpl(lambda h: core.abort(h.request_id, sink=h), request, progress)
+        handle = RequestHandleImpl(lambda h: core.abort(h.request_id, sink=h), request, progress,
+                                   on_finish=lambda: self._opened(-1))
         # adapter files are read off the event loop (a large one takes a while)
         loras = await asyncio.to_thread(core.resolve_loras, request) if request.loras else ()
-        core.submit(request, handle, loras)
+        self._opened(1)
+        try:
+            core.submit(request, handle, loras)
+        except BaseException:
+            self._opened(-1)
+            raise
         return handle
 
     async def generate(self, prompt: Any, **params: Any) -> GenerationResult:
@@ -166,7 +200,7 @@ class AsyncEngine:
             await events.aclose()
 
     def abort(self, request_id: str) -> bool:
-        return self.engine.abort(request_id)
+        return self.core.abort(request_id)
 
     def loras(self) -> dict[str, Any]:
         """Engine.loras(): reads adapter files it has not seen (call it off the event loop)."""
@@ -188,9 +222,7 @@ class AsyncEngine:
         return self.engine.graph_table()
 
     def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
-        def on_step(plan: StepPlan, seconds: float) -> None:
-            listener(StepEvent(plan.key, plan.n_rows, plan.cost_rows or plan.n_rows, seconds))
-        self.engine.step_listeners.append(on_step)
+        self._listeners.append(listener)
 
     def close(self) -> None:
         self._closed = True

@@ -1,5 +1,7 @@
 """`Router`: one `EngineClient` over its replicas: replica processes (one engine per device, replica.py), or one
-engine in this process (`AsyncEngine`): the server always routes, so one GPU is the same code path as N.
+engine in this process (`AsyncEngine`). The server always holds a router (readiness, stats, the replica table are
+the same for one GPU as for N); requests go through it when there is a choice to make: with one replica (`sole`)
+the server submits to the replica itself, one hop less per request and no per-step progress events.
 
 Routing: least outstanding work, counted as the remaining row-steps of each replica's requests in flight (images x
 steps left, updated from their progress events); among replicas within one request's work of the least loaded,
@@ -41,6 +43,11 @@ class Router:
         return self.ready
 
     @property
+    def sole(self) -> Any | None:
+        """The only replica (requests go to it directly: there is nothing to choose), or None when there are more."""
+        return self.replicas[0] if len(self.replicas) == 1 else None
+
+    @property
     def info(self) -> ModelInfo | None:
         return next((r.info for r in self.replicas if r.info is not None), None)
 
@@ -58,7 +65,14 @@ class Router:
 
     def replica_states(self) -> list[dict[str, Any]]:
         return [{"replica": r.name, "state": r.state, "restarts": getattr(r, "restarts", 0), "error": r.error,
-                 "in_flight": self.outstanding(r)[1]} for r in self.replicas]
+                 "in_flight": self._in_flight(r)} for r in self.replicas]
+
+    def _in_flight(self, replica: Any) -> int | None:
+        """Requests in flight on a replica: counted here when routed, else as the sole replica counts them."""
+        if self.sole is None:
+            return self.outstanding(replica)[1]
+        count = getattr(replica, "in_flight", None)
+        return count() if callable(count) else None
 
     def outstanding(self, replica: Any) -> tuple[int, int]:
         """(remaining row-steps, requests) in flight on a replica."""
@@ -88,6 +102,8 @@ class Router:
             self._groups[rid][request.key] = self._groups[rid].get(request.key, 0) + 1
 
     async def submit(self, request: GenerationRequest, progress: bool = False) -> Any:
+        if self.sole is not None:  # nothing to choose or to count: the replica's own handle
+            return await self.sole.submit(request, progress=progress)
         replica = self.choose(request)
         self.track(request, replica)
         try:
@@ -119,6 +135,8 @@ class Router:
                     del self._groups[rid][w[1]]
 
     def abort(self, request_id: str) -> bool:
+        if self.sole is not None:
+            return self.sole.abort(request_id)
         with self._lock:
             w = self._work.get(request_id)
         return w is not None and w[0].abort(request_id)

@@ -18,11 +18,12 @@ server listens (and answers /health, /ready with 503) while the model loads and 
 Bodies are read within their limits as they arrive (bodies.py: 413 at the limit, chunked or not) and within
 --body-timeout; connections themselves (idle, slow heads, how many) are bounded below the app (connections.py).
 The app talks to the engine only through the `EngineClient` protocol (engine/client.py). A generation
-request is type-checked (protocol.py), validated once (`GenerationRequest.create` with the model's defaults;
-its ParamError becomes a 400 naming the body field), submitted (the engine's threads do the work; the event
-loop only waits on the request's handle), and watched: a client that disconnects or a request that outlives
+request is type-checked (protocol.py), validated once (`GenerationRequest.create` with the model's `ModelInfo`;
+its ParamError becomes a 400 naming the body field), submitted (requests.py: the engine's threads do the work; the
+event loop only waits on the request's handle), and watched: a client that disconnects or a request that outlives
 `request_timeout` is aborted, which frees its rows at the next step boundary. Every request ends in one
-outcome counted in the metrics.
+outcome counted in the metrics. docs/ARCHITECTURE.md traces one request through the modules (tests/test_trace.py
+counts the crossings).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.client import EngineClient, RequestHandle
-from ..request import EditInput, GenerationRequest, GenerationResult, ParamError, ProgressEvent
+from ..engine.client import RequestHandle
+from ..request import EditInput, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        ProgressEventBody, error_from_param_error, error_from_validation)
@@ -49,7 +50,7 @@ from .auth import APIKeyMiddleware
 from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
 from .pages import folder_listing, playground_file, server_info, server_status
-from .requests import ClientGone, ServerState, abort, logger, next_item, outcome, submit
+from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
 
 
 # -- request handling ----------------------------------------------------------------------------------
@@ -62,11 +63,11 @@ async def _read_json(http: Request, limit: int) -> Any:
                             "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
 
 
-def _generation_request(engine: EngineClient, config: ServerConfig, params: ImageGenerationRequest,
+def _generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
                         edit: EditInput | None = None) -> GenerationRequest:
     """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
-    if params.model is not None and params.model != engine.info.name:
-        raise APIError(400, f"model {params.model!r} is not served here; this server serves {engine.info.name!r} "
+    if params.model is not None and params.model != info.name:
+        raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
     if params.response_format == "url":
         raise APIError(400, "response_format 'url' is not supported: this server does not store images; use "
@@ -74,14 +75,10 @@ def _generation_request(engine: EngineClient, config: ServerConfig, params: Imag
     if params.response_format != "b64_json":
         raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json",
                        param="response_format")
-    width, height = params.width_height()
+    kwargs = params.request_params()
     try:
-        request = GenerationRequest.create(
-            params.prompt, negative_prompt=params.negative_prompt, width=width, height=height,
-            num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-            sampler=params.sampler, schedule=params.schedule, seed=params.seed, num_images=params.n,
-            output_format=params.output_format, request_id=f"img-{secrets.token_hex(8)}", model=engine.info,
-            image=edit, loras=params.lora_pairs())
+        request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
+                                           image=edit, **kwargs)
     except ParamError as e:
         raise error_from_param_error(e) from None
     for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
@@ -229,22 +226,22 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     schema = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}}
 
-    async def read_generation(http: Request, engine: EngineClient) -> tuple[bool, GenerationRequest]:
+    async def read_generation(http: Request, info: ModelInfo) -> tuple[bool, GenerationRequest]:
         body = await _read_json(http, body_limit)
         try:
             params = ImageGenerationRequest.model_validate(body)
         except ValidationError as e:
             raise error_from_validation(e) from None
-        return params.stream, _generation_request(engine, config, params)
+        return params.stream, _generation_request(info, config, params)
 
-    async def read_edit(http: Request, engine: EngineClient) -> tuple[bool, GenerationRequest]:
+    async def read_edit(http: Request, info: ModelInfo) -> tuple[bool, GenerationRequest]:
         form, files = await read_form(http, config.max_image_bytes)
-        if not engine.info.edits:
-            raise APIError(400, f"model {engine.info.name!r} takes no image inputs; use /v1/images/generations",
+        if not info.edits:
+            raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
                            param="image")
-        edit = await asyncio.to_thread(edit_input, files, form.strength, engine.info.edit_strength,
+        edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
                                        config.max_image_bytes, config.max_image_pixels)
-        return form.stream, _generation_request(engine, config, form.generation(), edit)
+        return form.stream, _generation_request(info, config, form.generation(), edit)
 
     @app.post("/v1/images/generations", openapi_extra=schema)
     async def generations(http: Request) -> Response:
@@ -257,34 +254,33 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     async def edits(http: Request) -> Response:
         return await _serve(http, read_edit)
 
-    async def _serve(http: Request, read: Callable[[Request, EngineClient], Any]) -> Response:
+    async def _serve(http: Request, read: Callable[[Request, ModelInfo], Any]) -> Response:
         """One generation request: read and validate it (`read`), submit, wait (or stream), answer."""
         t0 = time.monotonic()
         state.inflight += 1
         state.metrics.inflight.inc()
         streaming = False
         try:
-            engine = state.require_engine()
+            state.accepting()
             try:  # a body that never finishes arriving must not hold the request (or a drain) forever
-                stream, request = await asyncio.wait_for(read(http, engine), read_timeout)
+                stream, request = await asyncio.wait_for(read(http, state.info), read_timeout)
             except asyncio.TimeoutError:
                 raise APIError(408, f"the request body did not arrive within {read_timeout:g} s ({read_flag}); send "
                                     "the whole body at once", code="body_timeout") from None
-            handle = await submit(state, engine, request, progress=stream)
-            events = handle.events()
+            handle = await submit(state, request, progress=stream)
             deadline = t0 + config.request_timeout
             if stream:
                 streaming = True  # the stream ends the request's accounting
-                end = _StreamEnd(handle, events, t0)
-                return _ClosingStream(_stream(handle, events, deadline, http, end), end.close,
+                end = _StreamEnd(handle, t0)
+                return _ClosingStream(_stream(handle, deadline, http, end), end.close,
                                       media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            items = results(state, handle, deadline, http)
             try:
-                while True:
-                    item = await next_item(state, handle, events.__anext__, deadline, http)
+                async for item in items:
                     if isinstance(item, GenerationResult):
                         break
             finally:
-                await events.aclose()
+                await items.aclose()
             body = await asyncio.to_thread(_response, item)
             state.metrics.observe_request("success", time.monotonic() - t0)
             return JSONResponse(body)
@@ -305,8 +301,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         """A stream's accounting, closed exactly once: by the generator, or by the response when the client
         left before the generator ever ran (then no `finally` of the generator would run)."""
 
-        def __init__(self, handle: RequestHandle, events: Any, t0: float):
-            self.handle, self.events, self.t0, self.outcome, self.closed = handle, events, t0, "aborted", False
+        def __init__(self, handle: RequestHandle, t0: float):
+            self.handle, self.t0, self.outcome, self.closed = handle, t0, "aborted", False
 
         def close(self) -> None:
             if self.closed:
@@ -317,11 +313,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             state.metrics.observe_request(self.outcome, time.monotonic() - self.t0)
             _leave()
 
-    async def _stream(handle: RequestHandle, events: Any, deadline: float, http: Request,
-                      end: "_StreamEnd") -> AsyncIterator[bytes]:
+    async def _stream(handle: RequestHandle, deadline: float, http: Request, end: "_StreamEnd") -> AsyncIterator[bytes]:
+        items = results(state, handle, deadline, http)
         try:
-            while True:
-                item = await next_item(state, handle, events.__anext__, deadline, http)
+            async for item in items:
                 if isinstance(item, ProgressEvent):
                     yield _sse("progress", ProgressEventBody(id=item.request_id, step=item.step,
                                                              total=item.total).model_dump())
@@ -336,7 +331,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         except ClientGone:
             pass
         finally:
-            await events.aclose()
+            await items.aclose()
             end.close()
 
     def _leave() -> None:

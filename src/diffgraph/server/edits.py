@@ -45,15 +45,18 @@ class ImageEditForm(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: StrictInt = 20
     guidance_scale: StrictFloat | None = None   # ints are accepted as numbers
+    guidance_interval: Json[list[StrictFloat]] | None = None  # a JSON text field: [0.2, 0.8]
+    guidance_rescale: StrictFloat = 0.0
     seed: StrictInt | None = None
-    sampler: str = "euler"
-    schedule: str = "default"
+    sampler: str | None = None                  # None: the model family's default
+    schedule: str | None = None
     output_format: str = "png"
     stream: bool = False
     strength: StrictFloat | None = None
     loras: Json[list[LoraRef]] | None = None  # a JSON text field: [{"name": "styles/ink", "scale": 0.8}]
 
-    @field_validator("n", "num_inference_steps", "guidance_scale", "seed", "strength", mode="before")
+    @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
+                     mode="before")
     @classmethod
     def _json_number(cls, value: Any) -> Any:
         """A number's text as the JSON route parses it (then checked by the same strict types), and nan / inf in

@@ -43,15 +43,25 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: StrictStr | None = None
     num_inference_steps: StrictInt = 20
     guidance_scale: StrictFloat | None = None    # ints are accepted as numbers
+    # [lo, hi], fractions of the steps: step i of N runs classifier-free guidance iff lo <= i/N < hi
+    guidance_interval: list[StrictFloat] | None = None
+    guidance_rescale: StrictFloat = 0.0          # diffusers' rescaled CFG, 0..1 (0 = off)
     seed: StrictInt | None = None
-    sampler: StrictStr = "euler"
-    schedule: StrictStr = "default"
+    sampler: StrictStr | None = None             # None: the model family's default (GET /info)
+    schedule: StrictStr | None = None
     output_format: StrictStr = "png"
     stream: StrictBool = False
     loras: list[LoraRef] | None = None  # up to 4 adapters for this request alone
 
-    def lora_pairs(self) -> tuple[tuple[str, float], ...]:
-        return tuple((a.name, a.scale) for a in self.loras or ())
+    def request_params(self) -> dict[str, Any]:
+        """The `GenerationRequest.create` keywords these fields carry (`size` parsed, `n` as num_images). Raises
+        APIError for a malformed size."""
+        width, height = self.width_height()
+        return dict(negative_prompt=self.negative_prompt, width=width, height=height,
+                    num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+                    guidance_interval=self.guidance_interval, guidance_rescale=self.guidance_rescale,
+                    sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
+                    output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()))
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""

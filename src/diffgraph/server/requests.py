@@ -1,8 +1,10 @@
 """The life of one generation request inside the server: the engine client it goes to, its submission, the wait
-for its next event (with the request timeout and client-disconnect checks), its abort, and the outcome it counts.
+for its events (with the request timeout and client-disconnect checks), its abort, and the outcome it counts.
 
-`ServerState` owns the engine client (None until built on a background thread), the drain flags and the handles
-of the requests in flight; app.py's routes use these functions and hold no request state of their own.
+`ServerState` owns the engine (a `Router`, None until built on a background thread), the client requests are
+submitted to (the router's only replica when there is one: no choice to make, one hop less per request), the
+model's `ModelInfo` (what validation needs, read once when the engine is built), the drain flags and the handles of
+the requests in flight; app.py's routes use these functions and hold no request state of their own.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 
 from ..engine.client import EngineClient, RequestHandle
 from ..engine.router import Router
-from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ParamError, ProgressEvent,
-                       QueueFullError, RequestAborted)
+from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
+                       ProgressEvent, QueueFullError, RequestAborted)
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import APIError, error_from_param_error
@@ -46,6 +48,8 @@ class ServerState:
     def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]):
         self.config = config
         self.engine: Router | None = None  # always a router: over one engine here, or over replica processes
+        self.client: EngineClient | None = None  # where requests go: the router, or its only replica
+        self.info: ModelInfo | None = None       # the served model (set with the engine)
         self.error: str | None = None      # why the engine could not be built
         self.draining = False
         self.drain_aborted = False  # the drain timeout passed: in-flight requests were aborted
@@ -65,11 +69,11 @@ class ServerState:
         self._thread.start()
 
     def _build(self) -> None:
-        from ..engine.async_engine import AsyncEngine
-        from ..engine.engine import Engine
         t0 = time.perf_counter()
         built = None
-        try:
+        try:  # the imports too: a broken install is reported like any build failure, not a silent dead thread
+            from ..engine.async_engine import AsyncEngine
+            from ..engine.engine import Engine
             built = self._factory()
             if isinstance(built, Engine):
                 # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
@@ -91,11 +95,24 @@ class ServerState:
                 built.close()
             return
         built.add_step_listener(self.metrics.on_step)
-        self.engine = built
+        self.client = built.sole if built.sole is not None else built
+        self.info = built.info
+        self.engine = built  # last: a built engine means ready (with client and info set)
         logger.info("engine ready in %.1f s: model %s, mode %s", time.perf_counter() - t0, built.info.name,
                     built.info.mode)
 
-    def require_engine(self) -> EngineClient:
+    def require_engine(self) -> Router:
+        """The engine, or an APIError: draining, not built (yet, or ever), or stopped after an internal error."""
+        engine = self.accepting()
+        if not engine.ready:
+            raise APIError(503, "the engine stopped after an internal error (see the server log); restart the "
+                                "server, and retry on another replica meanwhile", code="engine_failed")
+        return engine
+
+    def accepting(self) -> Router:
+        """The engine, or an APIError when the server takes no requests (draining, not built). A generation request
+        checks no more before its body is read: `submit` refuses it when the engine stopped (EngineClosed, under the
+        core's lock: a check here could pass and be stale a moment later)."""
         if self.draining:
             raise APIError(503, "the server is shutting down and accepts no new requests; retry on another "
                                 "replica", code="draining")
@@ -103,9 +120,6 @@ class ServerState:
             why = (f"the engine failed to start: {self.error}" if self.error
                    else "the model is loading and graphs are being captured; retry when GET /ready answers 200")
             raise APIError(503, why, code="not_ready")
-        if not self.engine.ready:
-            raise APIError(503, "the engine stopped after an internal error (see the server log); restart the "
-                                "server, and retry on another replica meanwhile", code="engine_failed")
         return self.engine
 
     def begin_drain(self) -> None:
@@ -126,14 +140,14 @@ class ServerState:
             self.engine.close()
 
 
-async def submit(state: ServerState, engine: EngineClient, request: GenerationRequest,
-                  progress: bool) -> RequestHandle:
-    """Submits before any response starts, so a full queue is a plain 429 even when streaming."""
+async def submit(state: ServerState, request: GenerationRequest, progress: bool) -> RequestHandle:
+    """Submits to the engine client before any response starts, so a full queue is a plain 429 even when
+    streaming."""
     if state.drain_aborted:  # its body finished arriving after the drain timeout's aborts
         raise APIError(503, "the server shut down before this request started; retry on another replica",
                        code="aborted")
     try:
-        handle = await engine.submit(request, progress=progress)
+        handle = await state.client.submit(request, progress=progress)
     except QueueFullError as e:
         raise APIError(429, str(e), code="queue_full") from None
     except ParamError as e:  # the engine refused the request itself (e.g. its step count on this model)
@@ -144,11 +158,25 @@ async def submit(state: ServerState, engine: EngineClient, request: GenerationRe
     return handle
 
 
-async def next_item(state: ServerState, handle: RequestHandle, next_item: Any, deadline: float,
+async def results(state: ServerState, handle: RequestHandle, deadline: float,
+                  http: Request) -> AsyncIterator[ProgressEvent | GenerationResult]:
+    """The request's progress events (when it asked for them), then its result. Aborts the request and raises on
+    timeout or disconnect; maps the request's own error to an APIError. Leaving it early (`aclose`) closes the
+    handle's events, which aborts a request that has not finished."""
+    events = handle.events()
+    try:
+        while True:
+            item = await _next(state, handle, asyncio.ensure_future(events.__anext__()), deadline, http)
+            yield item
+            if not isinstance(item, ProgressEvent):
+                return
+    finally:
+        await events.aclose()
+
+
+async def _next(state: ServerState, handle: RequestHandle, pending: asyncio.Future, deadline: float,
                 http: Request) -> ProgressEvent | GenerationResult:
-    """The request's next progress event or its result. Aborts the request and raises on timeout or disconnect;
-    maps the request's own error to an APIError."""
-    pending = asyncio.ensure_future(next_item())
+    """`pending` (the handle's next event), waited for within the deadline while the client is connected."""
     try:
         while True:
             remaining = deadline - time.monotonic()
