@@ -379,3 +379,63 @@ def test_growth_policy_only_where_steps_pad_to_buckets():
         w.execute(p)
         sched.update(p)
     assert admitted == {(64, 64): [], (96, 64): ["(96, 64)-late"]}
+
+
+class CountingGate:
+    """A gate with `free` units: a request takes `need(state)` of them, all or none."""
+
+    def __init__(self, name, free, need):
+        self.name, self.free, self.need, self.released = name, free, need, []
+
+    def can_admit(self, s):
+        return self.need(s) <= self.free
+
+    def admit(self, s):
+        n = self.need(s)
+        if n > self.free:
+            return None
+        self.free -= n
+        return n
+
+    def release(self, s, taken):
+        self.free += taken
+        self.released.append((s.request_id, taken))
+
+
+def test_gates_compose_all_or_nothing_and_get_back_what_they_gave():
+    sched = Scheduler(SchedulerConfig(max_rows=8))
+    slots = CountingGate("slots", 2, lambda s: 1)
+    memory = CountingGate("memory", 3, lambda s: 2 if s.request_id == "big" else 1)
+    sched.gates = (slots, memory)
+    for rid in ("a", "big", "c"):
+        sched.add(state(rid, steps=2))
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["a", "big"]  # "c" finds no slot left: it waits
+    live = {s.request_id: s for s in p.live}
+    assert live["a"].admitted == {"slots": 1, "memory": 1} and live["big"].admitted == {"slots": 1, "memory": 2}
+    assert slots.free == 0 and memory.free == 0 and sched.num_waiting == 1
+    sched.update(p)
+    finished = sched.update(sched.schedule())
+    assert {s.request_id for s in finished} == {"a", "big"}
+    assert sorted(slots.released) == [("a", 1), ("big", 1)] and sorted(memory.released) == [("a", 1), ("big", 2)]
+    assert live["a"].admitted == {}  # handed back to the gates
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["c"]
+
+
+class OptimisticGate(CountingGate):
+    """Says yes to can_admit but refuses at admit (its resource went between the two calls)."""
+
+    def can_admit(self, s):
+        return True
+
+
+def test_a_gate_that_refuses_makes_the_others_give_back():
+    sched = Scheduler(SchedulerConfig(max_rows=8))
+    slots = CountingGate("slots", 4, lambda s: 1)
+    refusing = OptimisticGate("memory", 0, lambda s: 1)
+    sched.gates = (slots, refusing)
+    sched.add(state("a"))
+    assert sched.schedule() is None
+    # the slot taken for "a" went back inside the attempt; "a" still waits with nothing held
+    assert slots.free == 4 and slots.released == [("a", 1)] and sched.num_waiting == 1

@@ -73,7 +73,7 @@ class EngineCore:
         self._idle = False
         self._thread = threading.Thread(target=self._loop, name="diffgraph-engine", daemon=True)
         if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
-            self.scheduler.gate = runner.loras
+            self.scheduler.gates = (runner.loras,)
 
     def start(self) -> None:
         self._thread.start()
@@ -147,7 +147,7 @@ class EngineCore:
             old = self.scheduler
             self.scheduler = Scheduler(dataclasses.replace(old.config, **changes))
             self.scheduler.growth_holds = old.growth_holds  # a counter: it never goes back
-            self.scheduler.gate = old.gate
+            self.scheduler.gates = old.gates
 
     def queue_depth(self) -> int:
         with self._cv:
@@ -267,7 +267,7 @@ class EngineCore:
         for s in states:
             r = s.request
             try:
-                if broken.intersection(s.lora_slots):
+                if broken.intersection(s.admitted.get("lora", [])):
                     raise RuntimeError("loading its LoRA adapter into a device slot failed (see the log)")
                 mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
@@ -277,7 +277,7 @@ class EngineCore:
                     latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows)
                 pos, neg = _prompt_keys(s)
                 admission = Admission(r, s.rows, mine[neg], edit or {}, [
-                    (slot, a.scale) for a, slot in zip(s.loras, s.lora_slots) if a.prepared.has_unet])
+                    (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.prepared.has_unet])
                 s.variant_parts = runner.write_rows(key, s.first_row, latents, mine[pos], admission)
                 s.admitted_at = now
             except Exception as e:
@@ -365,7 +365,7 @@ class EngineCore:
 def _prompt_keys(state: RequestState) -> tuple[PromptKey, PromptKey]:
     """The request's prompt and negative prompt, with its text-encoder adapters ((key, scale, slot), ...)."""
     r = state.request
-    text = tuple((a.prepared.key, a.scale, slot) for a, slot in zip(state.loras, state.lora_slots)
+    text = tuple((a.prepared.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", []))
                  if a.prepared.has_text)
     return ("+", r.prompt, text), ("-", r.negative_prompt, text)
 

@@ -34,7 +34,7 @@ class RequestState:
     generator: Any = None      # the request's own noise generator, made at admission
     admitted_at: float = 0.0
     loras: tuple = ()          # the request's resolved LoRA adapters (lora.manager.Resolved), if any
-    lora_slots: list = field(default_factory=list)  # their device slots while its rows live
+    admitted: dict[str, Any] = field(default_factory=dict)  # what each admission gate took for it (by gate name)
     branches: np.ndarray | None = None  # [steps] denoiser rows per image row at each step (None: 1 everywhere)
     variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)
 

@@ -106,15 +106,18 @@ class StepPlan:
 
 class AdmissionGate(Protocol):
     """What a request needs besides rows before it may join (e.g. LoRA adapter slots): CPU bookkeeping only,
-    called on the engine loop's thread under the scheduler's lock."""
+    called on the engine loop's thread under the scheduler's lock. Gates compose: a request joins when every gate
+    admits it; what each took is kept in `RequestState.admitted[gate.name]` by the scheduler and handed back."""
+
+    name: str
 
     def can_admit(self, state: "RequestState") -> bool: ...
 
-    def admit(self, state: "RequestState") -> bool:
-        """Takes what the request needs; False: it keeps waiting (requests behind it may join)."""
+    def admit(self, state: "RequestState") -> Any | None:
+        """Takes what the request needs and returns it; None: it keeps waiting (requests behind it may join)."""
 
-    def release(self, state: "RequestState") -> None:
-        """The request's rows left (finished, failed, aborted)."""
+    def release(self, state: "RequestState", taken: Any) -> None:
+        """The request's rows left (finished, failed, aborted): `taken` is what `admit` returned."""
 
 
 @dataclass
@@ -152,7 +155,7 @@ class Scheduler:
         self._aborted: list[RequestState] = []
         self.steps_run = 0
         self.growth_holds = 0  # admissions cut short by the bucket growth policy (requests left waiting)
-        self.gate: AdmissionGate | None = None
+        self.gates: tuple[AdmissionGate, ...] = ()
 
     # -- intake --------------------------------------------------------------------------------
     @property
@@ -269,7 +272,7 @@ class Scheduler:
         now = self.clock()
         waits = []
         for g in self.groups.values():
-            if g.waiting and not g.live and (self.gate is None or self._admissible(g)):
+            if g.waiting and not g.live and (not self.gates or self._admissible(g)):
                 waits.append(max(0.0, g.waiting[0].arrival + self.config.max_wait_ms / 1e3 - now))
         return min(waits) if waits else None
 
@@ -278,7 +281,7 @@ class Scheduler:
         """The arrival of the group's oldest request that could run now, or None."""
         if g.live:
             return min(s.arrival for s in g.live)
-        if not g.waiting or not self._may_start(g, now) or (self.gate is not None and not self._admissible(g)):
+        if not g.waiting or not self._may_start(g, now) or (self.gates and not self._admissible(g)):
             return None
         return g.waiting[0].arrival
 
@@ -325,7 +328,7 @@ class Scheduler:
                 if mode == "step":
                     break  # FIFO: a large request is not overtaken by smaller ones behind it
                 continue
-            if self.gate is not None and not self.gate.admit(s):
+            if not self._take(s):
                 continue  # it waits for what it needs (adapter slots); those behind it may join
             g.waiting.remove(s)
             s.first_row = g.live_rows
@@ -366,16 +369,29 @@ class Scheduler:
             self._aborted.extend(gone)
             self._release(gone)
 
+    def _take(self, s: RequestState) -> bool:
+        """Every gate admits `s`, or none keeps what it took (all or nothing)."""
+        taken: dict[str, Any] = {}
+        for gate in self.gates:
+            got = gate.admit(s)
+            if got is None:
+                for earlier in self.gates:
+                    if earlier.name in taken:
+                        earlier.release(s, taken[earlier.name])
+                return False
+            taken[gate.name] = got
+        s.admitted.update(taken)
+        return True
+
     def _release(self, states: list[RequestState]) -> None:
-        if self.gate is not None:
-            for s in states:
-                self.gate.release(s)
+        for s in states:
+            for gate in self.gates:
+                if gate.name in s.admitted:
+                    gate.release(s, s.admitted.pop(gate.name))
 
     def _admissible(self, g: _Group) -> list[RequestState]:
-        """The waiting requests the gate would let in now (all of them without a gate)."""
-        if self.gate is None:
-            return list(g.waiting)
-        return [s for s in g.waiting if self.gate.can_admit(s)]
+        """The waiting requests every gate would let in now (all of them without gates)."""
+        return [s for s in g.waiting if all(gate.can_admit(s) for gate in self.gates)]
 
     def _compact(self, g: _Group) -> list[tuple[int, int, int]]:
         """Row moves that pack the live requests at rows [0, n) in their current order."""

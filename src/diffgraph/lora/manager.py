@@ -81,6 +81,7 @@ class _Added:
 
 @dataclass
 class LoraManager:
+    name = "lora"  # as the scheduler's admission gate: what it took for a request is its slots
     model: Any
     config: LoraConfig
     unet_rows: RowLoras = field(default_factory=RowLoras)
@@ -361,22 +362,20 @@ class LoraManager:
     def can_admit(self, state: Any) -> bool:
         return not state.loras or self.slots.can_acquire([r.prepared.key for r in state.loras])
 
-    def admit(self, state: Any) -> bool:
-        """Pins a slot per adapter of the request (all or none; False: it waits). Slots that must be loaded first
-        are queued for `take_writes`."""
+    def admit(self, state: Any) -> list[int] | None:
+        """Pins a slot per adapter of the request (all or none) and returns them; None: it waits. Slots that must
+        be loaded first are queued for `take_writes`."""
         if not state.loras:
-            return True
+            return []
         got = self.slots.acquire_all([r.prepared.key for r in state.loras])
         if got is None:
-            return False
-        state.lora_slots = [slot for slot, _ in got]
+            return None
         self._writes += [(slot, r.prepared) for (slot, write), r in zip(got, state.loras) if write]
-        return True
+        return [slot for slot, _ in got]
 
-    def release(self, state: Any) -> None:
-        for slot in state.lora_slots:
+    def release(self, state: Any, taken: list[int]) -> None:
+        for slot in taken:
             self.slots.release(slot)
-        state.lora_slots = []
 
     def take_writes(self) -> list[tuple[int, Prepared]]:
         out, self._writes = self._writes, []
