@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .latency import step_replay_ms
+
 SCENARIOS: tuple[tuple[str, int, tuple[dict[str, Any], ...]], ...] = (
     ("4 steps, CFG 7.5", 4, ({"guidance_scale": 7.5},)),
     ("4 steps, guidance 0", 4, ({"guidance_scale": 0.0},)),
@@ -50,25 +52,6 @@ def burst(engine: Any, requests: list) -> dict[str, Any]:
             "steps": steps_run}
 
 
-def replay_ms(engine: Any, size: tuple[int, int], buckets: set[int], repeats: int = 3) -> dict[int, float]:
-    """The GPU time of one step replay per bucket (median of `repeats` runs of 10; the buffers hold the last
-    burst's rows)."""
-    import torch
-
-    runner, out = engine.runner.graph_runner, {}
-    for b in sorted(buckets):
-        runs = []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                runner.replay("step", size[0], size[1], b)
-            torch.cuda.synchronize()
-            runs.append((time.perf_counter() - t0) / 10 * 1e3)
-        out[b] = sorted(runs)[len(runs) // 2]
-    return out
-
-
 def run(engine: Any, n: int, size: tuple[int, int], repeats: int = 2) -> dict[str, Any]:
     """Every scenario on `engine` (same prompts and seeds), best of `repeats`; returns figures and ratios."""
     h, w = size
@@ -81,9 +64,11 @@ def run(engine: Any, n: int, size: tuple[int, int], repeats: int = 2) -> dict[st
         burst(engine, requests()[:max(2, n // 8)])  # warm: the buckets this scenario walks
         runs = [burst(engine, requests()) for _ in range(repeats)]
         out["scenarios"][name] = max(runs, key=lambda r: r["images_per_s"])
-    if engine.runner.graph_runner is not None:
-        buckets = {c for r in out["scenarios"].values() for _, c in r["steps"]}
-        ms = replay_ms(engine, size, buckets)
+    buckets = {c for r in out["scenarios"].values() for _, c in r["steps"]}
+    ms = {}
+    if engine.runner.graph_runner is not None and buckets <= set(engine.runner.graph_config.batch_buckets):
+        ms = {b: step_replay_ms(engine, size, b, repeats=3) for b in sorted(buckets)}
+    if ms and None not in ms.values():  # every step ran as a replay of a captured bucket
         out["replay_ms"] = ms
         for r in out["scenarios"].values():
             gpu_s = sum(ms[c] for _, c in r["steps"]) / 1e3

@@ -231,12 +231,14 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     return out
 
 
-def _step_replay_ms(engine, size: int, bucket: int, repeats: int) -> float | None:
-    """One replay of the engine's step graph at `bucket` (median over `repeats` runs of 10), None if not captured."""
+def step_replay_ms(engine, key: tuple[int, int], bucket: int, repeats: int) -> float | None:
+    """One replay of the engine's step graph at (height, width) `key` and `bucket` (median over `repeats` runs of
+    10), None if not captured."""
     runner = engine.runner.graph_runner
-    if runner.stats[("step", size, size, bucket)].status != "captured":
+    h, w = key
+    if runner.stats[("step", h, w, bucket)].status != "captured":
         return None
-    return _timed(lambda: [runner.replay("step", size, size, bucket) for _ in range(10)], repeats) / 10
+    return _timed(lambda: [runner.replay("step", h, w, bucket) for _ in range(10)], repeats) / 10
 
 
 def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int, image_counts: list[int], steps: int,
@@ -260,7 +262,7 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
     info: dict[str, Any] = {"cache_root": root}
     top = max(buckets)
     # the graph tier's replay first: the compile tier may give the shared UNet channels-last weights (new storage)
-    info[f"graph_replay_ms_at_{top}"] = _step_replay_ms(graph, size, top, repeats)
+    info[f"graph_replay_ms_at_{top}"] = step_replay_ms(graph, (size, size), top, repeats)
     _sync()
     t0 = time.perf_counter()
     engine = Engine(model, mode="graph", compile=CompileConfig(cache_dir=root),
@@ -278,7 +280,7 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
     info["pool_ratio"] = info["pool_mib"] / out["pool_mib_total"] if out["pool_mib_total"] else float("nan")
     step = engine.runner.compiled[0] if engine.runner.compiled else None  # the layout as applied
     info["layout"] = f"{step.tag} options={step.options}" if step is not None else None
-    info[f"compile_replay_ms_at_{top}"] = _step_replay_ms(engine, size, top, repeats)
+    info[f"compile_replay_ms_at_{top}"] = step_replay_ms(engine, (size, size), top, repeats)
     if info[f"compile_replay_ms_at_{top}"] and info[f"graph_replay_ms_at_{top}"]:
         info["rate_ratio_at_top"] = info[f"graph_replay_ms_at_{top}"] / info[f"compile_replay_ms_at_{top}"]
     for n in image_counts:

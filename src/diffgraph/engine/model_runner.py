@@ -148,10 +148,6 @@ class ModelRunner:
     def graph_table(self) -> list[dict[str, Any]]:
         return [] if self.graph_runner is None else self.graph_runner.table()
 
-    def bucket_of(self, n: int) -> int:
-        """The rows a replayed step of n live rows costs (its batch bucket)."""
-        return smallest_bucket(self.graph_config.batch_buckets, n) or n
-
     def graphed_resolutions(self) -> tuple[GroupKey, ...]:
         return tuple(self.graph_runner.kinds["step"].resolutions()) if self.graph_runner is not None else ()
 

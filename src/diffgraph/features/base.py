@@ -152,6 +152,3 @@ class RowFeature:
     def variant(self, parts: Sequence[Any]) -> Any:
         """The step's part, from the live requests' parts: one of `variants()` that runs all of them."""
         return self.variants()[0]
-
-    def verify_fill(self, view: StepView) -> None:
-        """Writes representative non-neutral values for graph verification (optional)."""

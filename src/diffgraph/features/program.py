@@ -35,13 +35,23 @@ class StepProgram:
             raise ValueError(f"row features need distinct non-empty names, got {names}")
         if sum(f.has_alt_branch() for f in self.features) > 1:
             raise ValueError("at most one row feature may run a second denoiser branch")
+        # derived once (the step reads them every call): plain attributes, not dataclass fields, so the compile
+        # tier's signature of the program (its fields) is the features alone
+        names = [c for f in self.features for c in f.columns()]
+        neutral = tuple(f.variants()[0] for f in self.features)
+        variants = [neutral]
+        for i, f in enumerate(self.features):
+            variants += [neutral[:i] + (part,) + neutral[i + 1:] for part in f.variants()[1:]]
+        object.__setattr__(self, "_columns", {c: NUM_COEFS + i for i, c in enumerate(names)})
+        object.__setattr__(self, "_alt", next((f for f in self.features if f.has_alt_branch()), None))
+        object.__setattr__(self, "_neutral", neutral)
+        object.__setattr__(self, "_variants", tuple(variants))
 
     # -- layout --------------------------------------------------------------------------------
     @property
     def columns(self) -> dict[str, int]:
         """Feature column name -> its index in the coefficient table (after the sampler's columns)."""
-        names = [c for f in self.features for c in f.columns()]
-        return {c: NUM_COEFS + i for i, c in enumerate(names)}
+        return self._columns
 
     @property
     def num_columns(self) -> int:
@@ -58,7 +68,8 @@ class StepProgram:
 
     @property
     def alt(self) -> RowFeature | None:
-        return next((f for f in self.features if f.has_alt_branch()), None)
+        """The feature whose rows may run a second denoiser branch (classifier-free guidance), or None."""
+        return self._alt
 
     # -- per request (host) ----------------------------------------------------------------------
     def request_coefs(self, request: GenerationRequest, sampler_coefs: np.ndarray, start: int) -> np.ndarray:
@@ -90,21 +101,15 @@ class StepProgram:
         return tuple(f.part(admission) for f in self.features)
 
     def neutral(self) -> VariantKey:
-        return tuple(f.variants()[0] for f in self.features)
+        return self._neutral
 
     def variants(self) -> list[VariantKey]:
         """Every key captured at start-up: the neutral one, then each feature's other parts with the rest neutral."""
-        keys = [self.neutral()]
-        for i, f in enumerate(self.features):
-            for part in f.variants()[1:]:
-                key = list(self.neutral())
-                key[i] = part
-                keys.append(tuple(key))
-        return keys
+        return list(self._variants)
 
     def kind(self, key: VariantKey) -> str:
         """The graph kind of a variant: "step" for the neutral key, else "step_<feature><part>"."""
-        parts = [f"{f.name}{part}" for f, part, neutral in zip(self.features, key, self.neutral()) if part != neutral]
+        parts = [f"{f.name}{part}" for f, part, neutral in zip(self.features, key, self._neutral) if part != neutral]
         return "_".join(["step", *parts])
 
     # -- the step --------------------------------------------------------------------------------
