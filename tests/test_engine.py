@@ -251,14 +251,14 @@ def test_a_dead_loop_is_not_ready_and_refuses_work(monkeypatch):
 
 def test_failed_admission_fails_only_that_request():
     with Engine(model="random:tiny", device="cpu", max_wait_ms=100) as e:
-        real = e.runner.encode
+        real = e.runner.text_encoder.encode
 
-        def picky(prompts):
-            if "poison" in prompts:
+        def picky(prompts, graphs=True):
+            if any(p.text == "poison" for p in prompts):
                 raise RuntimeError("tokenizer rejected the text")
-            return real(prompts)
+            return real(prompts, graphs)
 
-        e.runner.encode = picky
+        e.runner.text_encoder.encode = picky
         good = e.submit(e.make_request("fine", num_inference_steps=3, seed=1))
         bad = e.submit(e.make_request("poison", num_inference_steps=3, seed=2))
         with pytest.raises(ValueError, match="could not be admitted: RuntimeError: tokenizer rejected"):

@@ -32,8 +32,8 @@ def emulated_worker(tiny_engine):
 def _fill(worker, key, n, seed):
     g = torch.Generator().manual_seed(seed)
     lat = torch.randn((n, *worker.latent_shape(key)), generator=g)
-    cond = worker.encode(["a cat"] * n)
-    uncond = worker.adapter.negative(worker.model, worker.encode([""] * n), [None] * n)
+    cond = worker.encode_texts(["a cat"] * n)
+    uncond = worker.adapter.negative(worker.model, worker.encode_texts([""] * n), [None] * n)
     request = GenerationRequest.create("a cat", width=key[1], height=key[0], guidance_scale=1.0)
     for i in range(n):
         worker.write_rows(key, i, lat[i:i + 1], select_row(cond, i), Admission(request, 1, select_row(uncond, i)))

@@ -10,7 +10,7 @@ from diffgraph import Engine, EngineStepError
 
 def test_a_non_finite_row_fails_alone_and_its_batch_companions_are_unchanged():
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
-        marker = float(e.runner.encode(["poison"])["embeds"][0, 1, 0])
+        marker = float(e.runner.encode_texts(["poison"])["embeds"][0, 1, 0])
 
         def poison(module, args, kwargs, out):  # NaN for the denoiser rows of the prompt "poison"
             rows = kwargs["encoder_hidden_states"][:, 1, 0] == marker

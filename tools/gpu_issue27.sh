@@ -2,11 +2,7 @@
 # Issue 27 on the GPU host: GPU tests, the compile tier's latency of the old tree (.old/src, carried) and the new
 # one alternated in one call, and the guidance-mix throughput. Usage: bash tools/gpu_issue27.sh tests ab mix
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-python3 -m compileall -q -j 0 /tmp/site > /dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
-python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__, torch.cuda.get_device_name())"
+. "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
   case $what in
     tests) timeout ${TESTS_S:-300} python3 -m pytest -q -x -m gpu tests/gpu/test_graphs_gpu.py tests/gpu/test_lora_gpu.py \

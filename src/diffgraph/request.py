@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import secrets
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .errors import ParamError
 from .sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
 from .sampling.schedules import MAX_STEPS
 
@@ -31,18 +33,10 @@ MAX_GUIDANCE = 100.0
 MAX_LORAS = 4            # adapters one request may stack
 MAX_LORA_SCALE = 8.0
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
-
-
-class ParamError(ValueError):
-    """A request parameter is invalid. `param` names it as GenerationRequest spells it (num_images, width, ...);
-    the message names the value and what is allowed."""
-
-    def __init__(self, param: str | None, message: str):
-        super().__init__(message)
-        self.param = param
-
-    def __reduce__(self):  # picklable with both arguments (across a replica process boundary)
-        return (type(self), (self.param, str(self)))
+PROMPT_SYNTAXES = ("plain", "a1111")  # diffusers' plain text (truncated at 77 tokens); AUTOMATIC1111's syntax
+EMPHASES = ("original", "no_norm")    # AUTOMATIC1111's emphasis modes: weights then mean restored, or weights only
+MAX_CLIP_SKIP = 11                    # CLIP ViT-L has 12 layers (the model's own count is checked at submit)
+MAX_PROMPT_CHARS = 20_000
 
 
 class QueueFullError(RuntimeError):
@@ -184,6 +178,13 @@ class GenerationRequest:
     # classifier-free guidance only for steps i of N with lo <= i / N < hi (Kynkaanniemi et al., 2024); None: all
     guidance_interval: tuple[float, float] | None = None
     guidance_rescale: float = 0.0  # diffusers' rescaled CFG (zero-SNR / v-prediction models), 0 = off
+    # how the prompts are read: "plain" (diffusers: 77 tokens, no weights) or "a1111" (AUTOMATIC1111's emphasis,
+    # 75-token chunks, BREAK, embeddings by name, <lora:name:scale> tags: text/)
+    prompt_syntax: str = "plain"
+    clip_skip: int | None = None   # diffusers' numbering: None = the last layer, 1 = the penultimate
+    emphasis: str = "original"     # a1111 syntax: "original" restores the chunk's mean after weighting, "no_norm" not
+    # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
+    key: GroupKey = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are
@@ -202,6 +203,16 @@ class GenerationRequest:
                                        f"{e.start}; send UTF-8 text") from None
         if not prompt.strip():
             raise ParamError("prompt", "prompt is empty; describe the image to generate")
+        for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt or "")):
+            if len(text) > MAX_PROMPT_CHARS:
+                raise ParamError(name, f"{name} has {len(text)} characters; at most {MAX_PROMPT_CHARS}")
+        if self.prompt_syntax not in PROMPT_SYNTAXES:
+            raise ParamError("prompt_syntax", f"prompt_syntax {_show(self.prompt_syntax)} is unknown; allowed: "
+                                              f"{', '.join(PROMPT_SYNTAXES)}")
+        if self.emphasis not in EMPHASES:
+            raise ParamError("emphasis", f"emphasis {_show(self.emphasis)} is unknown; allowed: {', '.join(EMPHASES)}")
+        if self.clip_skip is not None:
+            object.__setattr__(self, "clip_skip", _check_int("clip_skip", self.clip_skip, 0, MAX_CLIP_SKIP))
         guidance_scale = self.guidance_scale
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
             raise ParamError("guidance_scale", f"guidance_scale must be a number >= 0, got {_show(guidance_scale)}")
@@ -226,6 +237,7 @@ class GenerationRequest:
                    "num_images": _check_int("num_images", self.num_images, 1, MAX_IMAGES)}
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "key", (self.height, self.width))
         object.__setattr__(self, "loras", check_loras(self.loras))
         object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
         rescale = self.guidance_rescale
@@ -256,14 +268,16 @@ class GenerationRequest:
                schedule: Any = None, seed: Any = None, num_images: Any = 1, output_format: Any = None,
                request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
-               guidance_rescale: Any = 0.0) -> "GenerationRequest":
+               guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
+               emphasis: Any = "original") -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
         families'). With `image` (PIL image or uint8 RGB array) it is an image-to-image request, with `mask_image`
         too an inpainting one; without width/height the output takes the image's size rounded down to the family's
         size multiple (diffusers' rule), and strength defaults to the model's (diffusers' pipelines: 0.8 / 0.3 for
-        SDXL image-to-image, 1.0 / 0.9999 for SDXL inpainting)."""
+        SDXL image-to-image, 1.0 / 0.9999 for SDXL inpainting). With `prompt_syntax="a1111"`, the prompts'
+        `<lora:name:scale>` tags join `loras` (after the listed ones)."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit = None
         if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
@@ -295,7 +309,12 @@ class GenerationRequest:
                       guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
                       sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
-                      guidance_rescale=guidance_rescale, **kwargs)
+                      guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
+                      emphasis=emphasis, **kwargs)
+        if request.prompt_syntax == "a1111":
+            tagged = prompt_loras(request)
+            if tagged:
+                request = dataclasses.replace(request, loras=request.loras + tagged)
         if model is None:
             check_family_params(request.sampler, request.schedule, request.key)
         else:
@@ -305,10 +324,17 @@ class GenerationRequest:
                                                f"batch bucket {model.max_rows}")
         return request
 
-    @property
-    def key(self) -> GroupKey:
-        """The resolution group of the request's rows: (height, width)."""
-        return (self.height, self.width)
+
+
+def prompt_loras(request: GenerationRequest) -> tuple[tuple[str, float], ...]:
+    """The `<lora:name:scale>` tags of an a1111-syntax request's prompt and negative prompt (ParamError naming the
+    prompt whose syntax is wrong)."""
+    from .text.syntax import parse_a1111  # pure Python, and only a1111-syntax requests need it
+
+    tags = parse_a1111(request.prompt, "prompt").loras
+    if request.negative_prompt is not None:
+        tags += parse_a1111(request.negative_prompt, "negative_prompt").loras
+    return tags
 
 
 def check_interval(value: Any) -> tuple[float, float] | None:

@@ -185,3 +185,32 @@ def test_a_copied_cache_folder_starts_without_compiling(compiled, cache, tmp_pat
 def test_report():
     for k, v in REPORT.items():
         print(f"{k}: {v}")
+
+
+def _long(word: str, chunks: int) -> str:
+    """An AUTOMATIC1111-syntax prompt of `chunks` 75-token chunks (BREAK between them)."""
+    return " BREAK ".join([f"(a handwritten digit {word}:1.1), black ink on white paper, a clear large digit"] * chunks)
+
+
+def test_long_prompts_share_the_replay_and_add_no_compiles(compiled, graphed):
+    """Rows of 1, 2 and 3 prompt windows (issue 30) submitted together equal each alone in both tiers; the compile
+    tier compiled one step per code variant and batch kind, whatever the windows (the token count is dynamic)."""
+    program = compiled.runner.program
+    code_kinds = {program.kind(program.code_key(v)) for v in program.variants()}
+    step = next(c for c in compiled.runner.compiled if c.name == "the whole step")
+    assert step.compiles <= 2 * len(code_kinds), (step.compiles, code_kinds)
+    table = {(r["kind"], r["bucket"]): r["status"] for r in compiled.graph_table()}
+    assert table[("step_context3", 16)] == "captured" and table[("step_context6", 16)] == "captured"
+    for engine, name in ((graphed, "graph"), (compiled, "compile")):
+        requests = [engine.make_request(_long(WORDS[i % 10], 1 + i % 3), prompt_syntax="a1111", width=64, height=64,
+                                        num_inference_steps=6, guidance_scale=[1.0, 5.0][i % 2], seed=300 + i,
+                                        negative_prompt=[None, "blurry, smudged"][(i // 2) % 2])
+                    for i in range(12)]
+        assert {engine.runner.prepare_prompts(r)[0].chunks for r in requests} == {1, 2, 3}
+        alone = [engine.run(r).arrays for r in requests]
+        compiles = engine.stats["compiles"]
+        worst = max(together(engine, requests, alone))
+        REPORT[f"12 requests of 1-3 prompt windows together vs alone, {name} tier, max abs"] = worst
+        print(f"12 requests of 1-3 prompt windows together vs alone, {name} tier: max abs {worst:.5f}")
+        assert worst <= 2e-2
+        assert engine.stats["compiles"] == compiles

@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-lora-rank", type=int, default=64, help="the slots' rank with --loras (default: 64)")
     p.add_argument("--guidance-mix", type=int, default=0, metavar="N",
                    help="only the guidance scenarios at saturation (bench/guidance_mix.py): bursts of N requests")
+    p.add_argument("--prompt-mix", type=int, default=0, metavar="N",
+                   help="only the prompt-length scenarios (bench/prompt_mix.py): step replays at 1, 3 and 6 prompt "
+                        "windows, bursts of N requests with 30%% long AUTOMATIC1111 prompts beside all-short ones")
     p.add_argument("--compile", action="store_true", help="the compile tier (Engine(compile=True))")
     p.add_argument("--compile-cache", default=None, metavar="DIR")
     p.add_argument("--json", default="bench_throughput.json")
@@ -322,13 +325,14 @@ def main(argv: list[str] | None = None) -> int:
         compile_args = {"compile": CompileConfig(cache_dir=args.compile_cache) if args.compile_cache else True}
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
                     **lora_args, **compile_args)
-    if args.guidance_mix:
-        from . import guidance_mix
+    if args.guidance_mix or args.prompt_mix:
+        from . import guidance_mix, prompt_mix
+        bench, n = (guidance_mix, args.guidance_mix) if args.guidance_mix else (prompt_mix, args.prompt_mix)
         report = {"model": args.model, "compile": args.compile, "env": {"gpu": torch.cuda.get_device_name(),
                                                                         "torch": torch.__version__}}
-        report.update(guidance_mix.run(engine, args.guidance_mix, sizes[0]))
+        report.update(bench.run(engine, n, sizes[0]))
         engine.close()
-        guidance_mix.print_report(report)
+        bench.print_report(report)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
         return 0

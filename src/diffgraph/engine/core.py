@@ -97,7 +97,11 @@ class EngineCore:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
+        prompts = self.runner.prepare_prompts(request)
         state = RequestState.of(request, plan, time.monotonic(), sink, self.runner.request_branches(request, plan))
+        state.prompts = prompts
+        if prompts[0].chunks != prompts[1].chunks:
+            state.empty_prompt = self.runner.empty_prompt(prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         with self._cv:
             if self._stop or not self._thread.is_alive():
@@ -275,10 +279,12 @@ class EngineCore:
                     latents, edit = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma), None
                 else:
                     latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows)
-                pos, neg = _prompt_keys(s)
-                admission = Admission(r, s.rows, mine[neg], edit or {}, [
-                    (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.prepared.has_unet])
-                s.variant_parts = runner.write_rows(key, s.first_row, latents, mine[pos], admission)
+                pos, neg, *empty = _prompt_keys(s)
+                cond, uncond, chunks = runner.row_conditioning(mine[pos], mine[neg], mine[empty[0]] if empty else None)
+                admission = Admission(r, s.rows, uncond, edit or {}, [
+                    (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.prepared.has_unet],
+                    chunks)
+                s.variant_parts = runner.write_rows(key, s.first_row, latents, cond, admission)
                 s.admitted_at = now
             except Exception as e:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)
@@ -362,12 +368,16 @@ class EngineCore:
             future.set_exception(error)
 
 
-def _prompt_keys(state: RequestState) -> tuple[PromptKey, PromptKey]:
-    """The request's prompt and negative prompt, with its text-encoder adapters ((key, scale, slot), ...)."""
-    r = state.request
+def _prompt_keys(state: RequestState) -> tuple[PromptKey, ...]:
+    """The request's prompt and negative prompt (as token ids), with its text-encoder adapters ((key, scale, slot),
+    ...), and the empty prompt that pads the shorter of the two when their lengths differ."""
     text = tuple((a.prepared.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", []))
                  if a.prepared.has_text)
-    return ("+", r.prompt, text), ("-", r.negative_prompt, text)
+    pos, neg = state.prompts
+    keys = (("+", pos, text), ("-", neg, text))
+    if pos.chunks != neg.chunks:
+        keys += (("+", state.empty_prompt, text),)
+    return keys
 
 
 def _call_safely(fn: Callable[..., Any], *args: Any) -> None:

@@ -23,6 +23,7 @@ from ..models.families import FamilyRegistry
 from ..models.loader import load_model
 from ..models.model import DiffusionModel
 from ..models.presets import DEFAULT_MODEL, builtin_lora_folder
+from ..text.embeddings import EmbeddingDir
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
                        ProgressEvent, QueueFullError, RequestAborted)
 from .core import EngineCore
@@ -85,7 +86,8 @@ class Engine:
                  prompt_cache_size: int = 512, image_threads: int = 2, grow_fill: float = 0.85,
                  grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
                  max_loras: int | None = None, max_lora_rank: int = 64,
-                 fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False):
+                 fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
+                 max_prompt_chunks: int = 3, embeddings_dir: str | None = None):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -111,7 +113,9 @@ class Engine:
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size, loras=loras,
-                                      compile=CompileConfig() if compile is True else compile or None)
+                                      compile=CompileConfig() if compile is True else compile or None,
+                                      max_prompt_chunks=max_prompt_chunks,
+                                      embeddings=EmbeddingDir(embeddings_dir) if embeddings_dir else None)
             # in graph mode a step costs its bucket: the scheduler grows a group into a larger bucket only when it
             # fills it (grow_fill) or its queue head has waited grow_hold_ms
             graphed = mode == "graph"

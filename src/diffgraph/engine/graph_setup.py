@@ -79,16 +79,17 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     out = GraphSet(GraphRunner(cfg, host.device))
     tag, attention = _prepare_compile(host, out, compile, resolutions) if compile is not None else ("", "auto")
 
-    def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None) -> Any:
+    def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None, tokens_of: Any = None) -> Any:
         if compile is None:
             return fn
         out.compiled.append(Compiled(fn, compile, name, batch_of, folder=out.compile_folder, tag=tag,
-                                     options=options))
+                                     options=options, tokens_of=tokens_of))
         return out.compiled[-1]
 
     graphs = out.runner
+    # the batch is dynamic (one compile for the buckets above 1), and so are the prompt tokens (one for every length)
     step_fn = maybe(step_rows, "the whole step", lambda args: args[1].tensors().values(),
-                    STEP_OPTIONS if host.cuda else None)
+                    STEP_OPTIONS if host.cuda else None, lambda args: [args[1].fields[n] for n in args[1].sequence])
     if attention != "auto":  # chosen when the step is traced (outside the traced code)
         step_fn = partial(_within, attention_first(attention), step_fn)
     sampler, schedule = adapter.default_sampler, adapter.default_schedule

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
@@ -29,15 +28,18 @@ import torch
 
 from ..config import CompileConfig, GraphConfig, smallest_bucket
 from ..features.base import Admission
-from ..features.program import StepProgram, VariantKey, denoiser_rows, layout
+from ..features.program import StepProgram, VariantKey, layout
 from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
-from ..graphs.step import StepBuffers, whole_step
+from ..graphs.step import StepBuffers, whole_step, write_tokens
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
 from ..request import GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import SamplerPlan, start_plan
 from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
-from .prompts import PromptCache, PromptKey, TextLoras
+from ..text.embeddings import EmbeddingDir
+from ..text.prepared import PromptText, TextSetup, empty_prompt, plain_ids, prepare
+from .prompt_rows import PromptEncoder, pad_pair
+from .prompts import PromptCache, PromptKey
 from .staging import StagingPair
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
@@ -46,7 +48,8 @@ WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the wei
 class ModelRunner:
     def __init__(self, model: DiffusionModel, mode: str = "eager", graphs: GraphConfig | None = None,
                  max_rows: int | None = None, prompt_cache_size: int = 512, loras: Any = None,
-                 compile: CompileConfig | None = None):
+                 compile: CompileConfig | None = None, max_prompt_chunks: int = 3,
+                 embeddings: EmbeddingDir | None = None):
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
         self.model = model
@@ -77,21 +80,34 @@ class ModelRunner:
         self.groups: dict[GroupKey, StepBuffers] = {}
         self._staging: dict[GroupKey, StagingPair] = {}
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
+        self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per size ever asked for
         self.prompts = PromptCache(prompt_cache_size)
         self.loras = loras  # LoRA adapter slots and side paths, or None
         slots = loras is not None and loras.enabled
         self.slot_shape = (loras.config.slots, loras.config.max_lora_rank) if slots else None
         # the row features of this family's step (guidance, edits, LoRA rows, ...), composed
-        self.program = StepProgram(self.adapter.features(model, loras.unet_rows if slots else None))
+        if not 1 <= max_prompt_chunks <= 8:
+            raise ValueError(f"max_prompt_chunks {max_prompt_chunks} is out of range; allowed: 1..8 (75 tokens each)")
+        self.max_chunks = self.adapter.max_chunks(model, max_prompt_chunks)
+        self.text_setup = TextSetup(tuple(model.tokenizers), self.adapter.embedding_dims(model), self.max_chunks,
+                                    self.adapter.encoder_layers(model), embeddings)
+        side_paths = loras.unet_rows if slots else None
+        self.program = StepProgram(self.adapter.features(model, side_paths, self.max_chunks) if self.max_chunks > 1
+                                   else self.adapter.features(model, side_paths))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
         self.graphs: GraphSet | None = None
+        self._graphed: tuple[GroupKey, ...] = ()  # the resolutions the step graphs cover
+        self.text_encoder = PromptEncoder(model, self.to_device, self.graph_config.batch_buckets,
+                                          loras.text_rows if slots else None)
+        self._window = self.adapter.token_lengths(model)[0] if model.tokenizers else 0  # a prompt window's tokens
         self.compiled: list[Compiled] = []  # the compile tier's callables (compile=...)
         self.compile_folder: str | None = None  # and their cache folder
         with self.on_device():
             self.decoder = self.adapter.decoder(model)
             if mode == "graph":
-                self.graphs = make_graphs(self, compile)
+                self.graphs = self.text_encoder.graphs = make_graphs(self, compile)
+                self._graphed = tuple(self.graphs.runner.kinds["step"].resolutions())
                 self.compiled, self.compile_folder = self.graphs.compiled, self.graphs.compile_folder
             elif compile is not None:  # eager mode (the CPU): the step itself runs compiled, shapes as they come
                 self.compile_folder = open_cache(compile, model, self.device)
@@ -149,11 +165,14 @@ class ModelRunner:
         return [] if self.graph_runner is None else self.graph_runner.table()
 
     def graphed_resolutions(self) -> tuple[GroupKey, ...]:
-        return tuple(self.graph_runner.kinds["step"].resolutions()) if self.graph_runner is not None else ()
+        return self._graphed
 
     # -- shapes and buffers --------------------------------------------------------------------
     def latent_shape(self, key: GroupKey) -> tuple[int, ...]:
-        return self.adapter.latent_shape(self.model, key)
+        shape = self._latent_shapes.get(key)
+        if shape is None:
+            shape = self._latent_shapes[key] = self.adapter.latent_shape(self.model, key)
+        return shape
 
     def plan_for(self, sampler: str, schedule: str, steps: int, key: GroupKey) -> SamplerPlan:
         """The family's sampler plan at a resolution (its planner may depend on it: a flow model's time shift)."""
@@ -197,7 +216,8 @@ class ModelRunner:
         if buf is None:
             m = self.model
             buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.program,
-                                       self.adapter.cond_spec(m), self._row_fields(key), m.dtype, self.device)
+                                       self.adapter.row_cond_spec(m, self.max_chunks), self._row_fields(key), m.dtype,
+                                       self.device, self.adapter.sequence_fields)
             self.groups[key] = buf
         return buf
 
@@ -230,42 +250,27 @@ class ModelRunner:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     # -- encode --------------------------------------------------------------------------------
-    def encode(self, prompts: list[str]) -> Conditioning:
-        """Encodes prompts, through the text-encoder graphs where they cover the batch."""
-        runner = self.graph_runner
-        if runner is None or self.graphs.text is None:
-            return self.adapter.encode(self.model, prompts)
-        ids = self.adapter.tokenize(self.model, prompts)
-        chunk = max(self.graph_config.batch_buckets)
-        parts = []
-        for start in range(0, len(prompts), chunk):
-            part = [self.to_device(i[start:start + chunk]) for i in ids]
-            n = part[0].shape[0]
-            bucket = runner.bucket("text", 0, 0, n)
-            if bucket is None:
-                parts.append(self.adapter.encode_ids(self.model, part))
-                continue
-            self.graphs.text.write(part, bucket)
-            out = runner.replay("text", 0, 0, bucket)
-            parts.append({k: v[:n].clone() for k, v in out.items()})
-        return concat(parts)
+    def prepare_prompts(self, request: GenerationRequest) -> tuple[PromptText, PromptText]:
+        """The request's prompt and negative prompt as token ids (text/prepared.py): on the submitting thread."""
+        return prepare(self.text_setup, request)
 
-    def encode_with(self, prompts: list[str], loras: TextLoras) -> Conditioning:
-        """Encodes prompts; with text adapters ((key, scale, slot), ...) eagerly, through the text side paths."""
-        if not loras:
-            return self.encode(prompts)
-        rows = self.loras.text_rows
-        rows.set(self.to_device(torch.tensor([[slot for _, _, slot in loras]] * len(prompts))),
-                 self.to_device(torch.tensor([[scale for _, scale, _ in loras]] * len(prompts))))
-        try:
-            return self.adapter.encode(self.model, prompts)
-        finally:
-            rows.set(None, None)
+    def empty_prompt(self, like: PromptText) -> PromptText:
+        return empty_prompt(self.text_setup, like)
+
+    def encode_texts(self, texts: list[str]) -> Conditioning:
+        """Plain prompts (diffusers' reading) -> their conditioning as one batch (tools and tests)."""
+        return concat(self.text_encoder.encode([PromptText(t, ids=plain_ids(self.text_setup, t)) for t in texts]))
+
+    def row_conditioning(self, cond: Conditioning, uncond: Conditioning,
+                         empty: Conditioning | None) -> tuple[Conditioning, Conditioning, int]:
+        """A row's two conditionings at equal length ("pad conds"), and the windows it uses (engine/prompt_rows.py;
+        the buffers write them repeated: features/context.py)."""
+        return pad_pair(self.adapter.sequence_fields, self._window, cond, uncond, empty)
 
     def embed(self, keys: list[PromptKey]) -> dict[PromptKey, Conditioning]:
-        """Conditioning of every (sign, text, text adapters) (prompts.PromptCache), under the text encoders'
-        weights version."""
-        return self.prompts.embed(keys, self.weights_version["text"], self.encode_with,
+        """Conditioning of every (sign, prompt, text adapters) (prompts.PromptCache), under the text encoders'
+        weights version, encoded by engine/prompt_rows.py's `PromptEncoder`."""
+        return self.prompts.embed(keys, self.weights_version["text"], self.text_encoder.encode_with,
                                   partial(self.adapter.negative, self.model))
 
     # -- rows ----------------------------------------------------------------------------------
@@ -287,12 +292,14 @@ class ModelRunner:
         buf.noise[rows] = 0
         buf.coefs[rows] = 0
         for name in buf.cond_names:
-            buf.cond(name)[rows] = cond[name]
+            field = buf.fields[f"cond.{name}"]
+            if f"cond.{name}" in buf.sequence:
+                write_tokens(field[rows], cond[name])
+            else:
+                field[rows] = cond[name]
         for name, value in self._row_fields(key).items():
             buf.fields[f"rows.{name}"][rows] = value
-        values: dict[str, torch.Tensor | float] = {}
-        for feature in self.program.features:
-            values.update(feature.rows(admission))
+        values = self.program.rows(admission)
         # host tensors go through pinned memory, asynchronously (a pageable copy would wait for the GPU queue)
         buf.write(rows, {n: self.to_device(v) if isinstance(v, torch.Tensor) else v for n, v in values.items()})
         return self.program.parts(admission)
@@ -304,9 +311,9 @@ class ModelRunner:
         draw ancestral noise this step; variant: the step variant (None: the neutral one). Returns the denoiser rows
         the step cost: its graph bucket when it ran as a replay, else its denoiser rows."""
         buf = self.buffers(key)
-        n, d = coefs.shape[0], denoiser_rows(rows)
+        n, d = coefs.shape[0], sum(k * b for _, k, b in rows)  # denoiser rows: a guiding row costs two
         variant = self.program.neutral() if variant is None else variant
-        kind = self.program.kind(variant)
+        kind = self.program.kinds.get(variant) or self.program.kind(variant)
         # the bucket a replay would take: its inputs are written first, since a graph captured on first use (in
         # GraphRunner.bucket) warms up on them, and stale denoiser-row indices would read past the rows
         graphed = self.graph_runner is not None and key in self.graphed_resolutions()

@@ -1,10 +1,12 @@
 """`PromptCache`: prompt conditioning, encoded in batches and kept in an LRU cache.
 
-A key is (sign, text, text adapters): sign "+" (prompt) or "-" (negative prompt, text None = none), and the LoRA
-adapters of the request that have text-encoder weights, as (adapter key (name, file version), scale, slot). The
-cache keeps an entry under (sign, text, ((adapter key, scale), ...), text-encoder weights version): the slot only
-says where the adapter is now, so it is not part of what was computed. Missing keys are encoded in one batch per
-(sign, adapters): the model runner's `encode(texts, adapters)` does the device work.
+A key is (sign, prompt, text adapters): sign "+" (prompt) or "-" (negative prompt), the prompt as its token ids
+(text/prepared.py `PromptText`: text None = no negative prompt; its syntax, clip skip, emphasis weights and
+embedding versions), and the LoRA adapters of the request that have text-encoder weights, as (adapter key (name,
+file version), scale, slot). The cache keeps an entry under (sign, prompt, ((adapter key, scale), ...), text-encoder
+weights version): the slot only says where the adapter is now, so it is not part of what was computed. Missing keys
+are encoded in one batch per (sign, adapters): the model runner's `encode(prompts, adapters)` does the device work
+and returns one row per prompt in storage of its own (a cached row never keeps its batch alive).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable
 
-from ..models.families.base import Conditioning, select_row
+from ..models.families.base import Conditioning
+from ..text.prepared import PromptText
 
 TextLoras = tuple[tuple[Any, float, int], ...]  # ((adapter key, scale, slot), ...)
-PromptKey = tuple[str, "str | None", TextLoras]
+PromptKey = tuple[str, PromptText, TextLoras]
 
 
 class PromptCache:
@@ -27,9 +30,10 @@ class PromptCache:
         self.hits = 0
         self.misses = 0
 
-    def embed(self, keys: list[PromptKey], version: int, encode: Callable[[list[str], TextLoras], Conditioning],
+    def embed(self, keys: list[PromptKey], version: int,
+              encode: Callable[[list[PromptText], TextLoras], list[Conditioning]],
               negative: Callable[[Conditioning, list], Conditioning]) -> dict[PromptKey, Conditioning]:
-        """Conditioning of every key: cached, or encoded (`negative(encoded, texts)` finishes negative prompts)."""
+        """Conditioning of every key: cached, or encoded (`negative(row, [text])` finishes negative prompts)."""
         out: dict[PromptKey, Conditioning] = {}
         missing: dict[tuple[str, TextLoras], list[PromptKey]] = {}
         unique = list(dict.fromkeys(keys))
@@ -44,13 +48,9 @@ class PromptCache:
         self.hits += len(keys) - n_missing
         self.misses += n_missing
         for (sign, loras), group in missing.items():
-            texts = [k[1] for k in group]
-            if sign == "+":
-                enc = encode(texts, loras)
-            else:
-                enc = negative(encode(["" if t is None else t for t in texts], loras), texts)
-            for i, k in enumerate(group):
-                out[k] = select_row(enc, i)
+            rows = encode([k[1] for k in group], loras)
+            for k, row in zip(group, rows):
+                out[k] = row if sign == "+" else negative(row, [k[1].text])
                 if self.size:
                     self._cache[_cache_key(k, version)] = out[k]
         while len(self._cache) > self.size:

@@ -37,6 +37,8 @@ class RequestState:
     admitted: dict[str, Any] = field(default_factory=dict)  # what each admission gate took for it (by gate name)
     branches: np.ndarray | None = None  # [steps] denoiser rows per image row at each step (None: 1 everywhere)
     variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)
+    prompts: tuple = ()        # (prompt, negative prompt) as text/prepared.PromptText, prepared at submit
+    empty_prompt: Any = None   # the empty prompt that pads the shorter of the two (their windows differ)
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,

@@ -13,7 +13,9 @@ A feature declares, for the rows of one resolution group:
     outputs of a row's branches -> one model output), `after_update` (x after the sampler's update);
   * its part of the graph variant key: a request's part (`part`, at admission, CPU data), the step's part from
     the live requests' parts (`variant`; the neutral part shares one set of graphs with every other neutral
-    feature) and the parts that exist (`variants`: all captured at start-up).
+    feature) and the parts that exist (`variants`: all captured at start-up). A feature whose part only sets how
+    many prompt tokens the step reads (`tokens(part)`; the prompt context) changes shapes, never code: its parts
+    combine with every other variant, and the compiled step sees them as a dynamic dimension.
 Admission (what a request writes into its rows) is the feature's `rows(...)`, called on the loop thread with the
 request's prepared inputs; preparation that costs CPU happens on the submitting thread before.
 A family adapter lists its features (`FamilyAdapter.features(model)`); `program.StepProgram` composes them.
@@ -39,6 +41,7 @@ class FieldSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     neutral: float | tuple[float, ...] = 0.0  # a number, or one per leading channel
+    tokens: bool = False  # its first per-row axis is the prompt's token axis (the step reads its first positions)
 
     def fill(self, t: torch.Tensor) -> None:
         """Writes the neutral value into `t` ([rows, *shape])."""
@@ -58,6 +61,7 @@ class Admission:
     uncond: Conditioning                                        # the negative prompt's conditioning
     edit: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/edits.py's per-row fields
     loras: list[tuple[int, float]] = field(default_factory=list)  # (slot, scale) of its UNet adapters
+    chunks: int = 1                                              # 77-token prompt windows of its conditioning
 
 
 @dataclass
@@ -147,8 +151,13 @@ class RowFeature:
 
     def part(self, admission: Admission) -> Any:
         """This request's part of the variant key (kept with the request while its rows live)."""
-        return None
+        return self.variants()[0]
 
     def variant(self, parts: Sequence[Any]) -> Any:
         """The step's part, from the live requests' parts: one of `variants()` that runs all of them."""
         return self.variants()[0]
+
+    def tokens(self, part: Any) -> int | None:
+        """For a feature whose parts only change shapes: the prompt tokens a step with `part` reads (the token-axis
+        fields' first positions); None for every other feature."""
+        return None

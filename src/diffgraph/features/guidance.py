@@ -32,11 +32,12 @@ def guiding_steps(request: GenerationRequest, start: int, steps: int) -> np.ndar
 class ClassifierFreeGuidance(RowFeature):
     name = "cfg"
 
-    def __init__(self, cond_spec: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        self._cond = cond_spec
+    def __init__(self, cond_spec: dict[str, tuple[tuple[int, ...], torch.dtype]], sequence: tuple[str, ...] = ()):
+        self._cond, self._sequence = cond_spec, sequence
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
-        return {f"uncond.{k}": FieldSpec(shape, dtype) for k, (shape, dtype) in self._cond.items()}
+        return {f"uncond.{k}": FieldSpec(shape, dtype, tokens=k in self._sequence)
+                for k, (shape, dtype) in self._cond.items()}
 
     def columns(self) -> tuple[str, ...]:
         return ("guidance", "guidance_rescale")

@@ -11,7 +11,7 @@ the output combiner, the sampler update (`sampling.samplers.apply_step`) and the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,13 +39,26 @@ class StepProgram:
         # tier's signature of the program (its fields) is the features alone
         names = [c for f in self.features for c in f.columns()]
         neutral = tuple(f.variants()[0] for f in self.features)
+        shaping = [i for i, f in enumerate(self.features) if f.tokens(neutral[i]) is not None]
+        if len(shaping) > 1:
+            raise ValueError("at most one row feature may set the prompt tokens a step reads")
         variants = [neutral]
         for i, f in enumerate(self.features):
-            variants += [neutral[:i] + (part,) + neutral[i + 1:] for part in f.variants()[1:]]
+            if i not in shaping:
+                variants += [neutral[:i] + (part,) + neutral[i + 1:] for part in f.variants()[1:]]
+        for i in shaping:  # shapes only: every code variant at every token count
+            variants = [v[:i] + (part,) + v[i + 1:] for v in variants for part in self.features[i].variants()]
         object.__setattr__(self, "_columns", {c: NUM_COEFS + i for i, c in enumerate(names)})
         object.__setattr__(self, "_alt", next((f for f in self.features if f.has_alt_branch()), None))
         object.__setattr__(self, "_neutral", neutral)
         object.__setattr__(self, "_variants", tuple(variants))
+        object.__setattr__(self, "_shaping", shaping[0] if shaping else None)
+        object.__setattr__(self, "kinds", {v: self.kind(v) for v in variants})  # variant key -> graph kind
+
+        def overriding(hook: str) -> tuple[int, ...]:  # the features that override a host-side hook
+            return tuple(i for i, f in enumerate(self.features) if getattr(type(f), hook) is not getattr(RowFeature, hook))
+        object.__setattr__(self, "_overrides", {h: overriding(h) for h in ("plan_columns", "branches", "part",
+                                                                            "variant", "rows")})
 
     # -- layout --------------------------------------------------------------------------------
     @property
@@ -78,16 +91,16 @@ class StepProgram:
         table = np.zeros((steps, self.num_columns), dtype=np.float64)
         table[:, :NUM_COEFS] = sampler_coefs
         cols = self.columns
-        for f in self.features:
-            for name, values in f.plan_columns(request, start, steps).items():
+        for i in self._overrides["plan_columns"]:
+            for name, values in self.features[i].plan_columns(request, start, steps).items():
                 table[:, cols[name]] = values
         return table
 
     def branches(self, request: GenerationRequest, start: int, steps: int) -> np.ndarray:
         """Denoiser rows per image row at each step of the request (1 or 2)."""
         out = np.ones(steps, dtype=np.int64)
-        for f in self.features:
-            b = f.branches(request, start, steps)
+        for i in self._overrides["branches"]:
+            b = self.features[i].branches(request, start, steps)
             if b is not None:
                 out = np.maximum(out, b)
         return out
@@ -95,17 +108,43 @@ class StepProgram:
     # -- variants --------------------------------------------------------------------------------
     def variant(self, parts: Sequence[tuple]) -> VariantKey:
         """The step's variant from the live requests' parts (one tuple per request, in feature order)."""
-        return tuple(f.variant([p[i] for p in parts]) for i, f in enumerate(self.features))
+        key = list(self._neutral)
+        for i in self._overrides["variant"]:
+            key[i] = self.features[i].variant([p[i] for p in parts])
+        return tuple(key)
+
+    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
+        """Every feature's field values for an admitted request (`RowFeature.rows`)."""
+        values: dict[str, torch.Tensor | float] = {}
+        for i in self._overrides["rows"]:
+            values.update(self.features[i].rows(admission))
+        return values
 
     def parts(self, admission: Admission) -> tuple:
-        return tuple(f.part(admission) for f in self.features)
+        """The request's parts (the neutral part for a feature that does not override `part`)."""
+        out = list(self._neutral)
+        for i in self._overrides["part"]:
+            out[i] = self.features[i].part(admission)
+        return tuple(out)
 
     def neutral(self) -> VariantKey:
         return self._neutral
 
     def variants(self) -> list[VariantKey]:
-        """Every key captured at start-up: the neutral one, then each feature's other parts with the rest neutral."""
+        """Every key captured at start-up: the neutral one, then each feature's other parts with the rest neutral,
+        each at every part of the shape-only feature (the prompt context)."""
         return list(self._variants)
+
+    def code_key(self, key: VariantKey) -> VariantKey:
+        """The key the step's code depends on: `key` with the shape-only part neutral (the compiled step, which sees
+        the token count as a dynamic dimension, is the same for every count)."""
+        i = self._shaping
+        return key if i is None else key[:i] + (self._neutral[i],) + key[i + 1:]
+
+    def tokens(self, key: VariantKey) -> int | None:
+        """The prompt tokens a step of `key` reads (None: all of the token-axis fields)."""
+        i = self._shaping
+        return None if i is None else self.features[i].tokens(key[i])
 
     def kind(self, key: VariantKey) -> str:
         """The graph kind of a variant: "step" for the neutral key, else "step_<feature><part>"."""
@@ -156,6 +195,7 @@ class StepProgram:
             x_next = f.after_update(view, x_next)
         x.copy_(x_next)
         view.fields["d_prev"].copy_(denoised)
+
 
 
 def layout(rows: Sequence[tuple[int, int, int]], size: int) -> np.ndarray:

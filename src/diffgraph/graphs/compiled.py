@@ -53,12 +53,14 @@ class Compiled:
 
     def __init__(self, fn: Callable[..., Any], config: CompileConfig, name: str,
                  batch_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None, dynamic: bool | None = False,
-                 folder: str | None = None, tag: str = "", options: dict[str, Any] | None = None):
+                 folder: str | None = None, tag: str = "", options: dict[str, Any] | None = None,
+                 tokens_of: Callable[[tuple], Iterable[torch.Tensor]] | None = None):
         self.fn = fn
         self.tag = tag  # what else the code depends on, beyond the arguments' signature (layout, adapter slots)
         self.name = name
         self.backend = config.backend
         self._batch_of = None if config.per_bucket else batch_of
+        self._tokens_of = tokens_of  # tensors whose second dimension (prompt tokens) is dynamic, at every length
         self._dynamic = dynamic
         # Inductor's options (its own CUDA graphs off: ours capture the code), plus `options` (Inductor only)
         self.options = {"triton.cudagraphs": False, **(options or {})} if config.backend == "inductor" else None
@@ -121,6 +123,11 @@ class Compiled:
             for t in self._batch_of(args):
                 if t.shape[0] > 1:
                     torch._dynamo.mark_dynamic(t, 0)
+        for t in self._tokens(args):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+    def _tokens(self, args: tuple) -> list[torch.Tensor]:
+        return [] if self._tokens_of is None else list(self._tokens_of(args))
 
     def _precompiled(self, args: tuple, kwargs: dict, capturing: bool) -> Callable[..., Any] | None:
         """`_version`, or None with precompiling off for good where it fails outside a capture (a graph break, a
@@ -145,8 +152,9 @@ class Compiled:
         a single image by up to 0.032 px from the same request in a batch (BENCHMARKS.md, session 11). Else (a
         batch of 1 met first) it gets its own version."""
         batch = {id(t) for t in self._batch_of(args)} if self._batch_of is not None else set()
-        own = self._key(args, kwargs, batch, one_as_any=False)
-        for key in dict.fromkeys((self._key(args, kwargs, batch, one_as_any=True), own)):
+        tokens = {id(t) for t in self._tokens(args)}
+        own = self._key(args, kwargs, batch, one_as_any=False, tokens=tokens)
+        for key in dict.fromkeys((self._key(args, kwargs, batch, one_as_any=True, tokens=tokens), own)):
             version = self._versions.get(key) or (None if capturing else self._load(key))
             if version is not None:
                 return version
@@ -169,9 +177,9 @@ class Compiled:
         self._versions[own] = version = partial(version, self.fn)
         return version
 
-    def _key(self, args: tuple, kwargs: dict, batch: set[int], one_as_any: bool) -> str:
+    def _key(self, args: tuple, kwargs: dict, batch: set[int], one_as_any: bool, tokens: set[int] = frozenset()) -> str:
         return repr((*self._key_prefix, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                     signature(args, batch, one_as_any), signature(kwargs, batch, one_as_any)))
+                     signature(args, batch, one_as_any, tokens), signature(kwargs, batch, one_as_any, tokens)))
 
     def _path(self, key: str) -> str:
         return os.path.join(self.precompile_dir,
@@ -207,22 +215,25 @@ def _no_guards(entries: list) -> list[bool]:
     return [False] * len(entries)
 
 
-def signature(obj: Any, batch: set[int], one_as_any: bool = False) -> Any:
+def signature(obj: Any, batch: set[int], one_as_any: bool = False, tokens: set[int] = frozenset()) -> Any:
     """What compiled code depends on in `obj` (arguments: tensors, dataclasses, dicts, sequences, scalars): tensors'
     shapes, strides, dtypes and devices (a batch tensor's first dimension as 1 or -1: any above 1; with
-    `one_as_any`, 1 as -1 too), scalars' values, other objects' types."""
+    `one_as_any`, 1 as -1 too; a `tokens` tensor's second dimension as -1), scalars' values, other objects'
+    types."""
     if isinstance(obj, torch.Tensor):
         shape = list(obj.shape)
         if id(obj) in batch and shape and (shape[0] > 1 or one_as_any and shape[0] == 1):
             shape[0] = -1
+        if id(obj) in tokens and len(shape) > 1:
+            shape[1] = -1
         return ("T", tuple(shape), obj.stride()[1:], str(obj.dtype), str(obj.device))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return (type(obj).__name__,) + tuple((f.name, signature(getattr(obj, f.name), batch, one_as_any))
+        return (type(obj).__name__,) + tuple((f.name, signature(getattr(obj, f.name), batch, one_as_any, tokens))
                                              for f in dataclasses.fields(obj))
     if isinstance(obj, dict):
-        return tuple(sorted((str(k), signature(v, batch, one_as_any)) for k, v in obj.items()))
+        return tuple(sorted((str(k), signature(v, batch, one_as_any, tokens)) for k, v in obj.items()))
     if isinstance(obj, (list, tuple)):
-        return tuple(signature(v, batch, one_as_any) for v in obj)
+        return tuple(signature(v, batch, one_as_any, tokens) for v in obj)
     if obj is None or isinstance(obj, (bool, int, float, str, torch.dtype, torch.device)):
         return repr(obj)
     return type(obj).__qualname__

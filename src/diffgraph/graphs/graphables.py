@@ -47,7 +47,8 @@ class StepGraph:
         return self._resolutions
 
     def run(self, h: int, w: int, b: int) -> None:
-        self._step(self.fn, self._buffers((h, w)).head(b), self._program, self.key)
+        buf = self._buffers((h, w)).head(b, self._program.tokens(self.key))
+        self._step(self.fn, buf, self._program, self._program.code_key(self.key))
 
     def run_reference(self, h: int, w: int, b: int) -> None:
         """The uncompiled step on the same buffers (what verification compares a replay with)."""

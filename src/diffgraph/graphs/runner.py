@@ -142,6 +142,7 @@ class GraphRunner:
         # that freed them, so a stream per capture would give each graph memory of its own.
         self.stream = None if self.emulated else torch.cuda.Stream(self.device)
         self.kinds: dict[str, Graphable] = {}
+        self._covers: dict[str, tuple[frozenset, tuple[int, ...]]] = {}  # kind -> (resolutions, buckets)
         self.graphs: dict[GraphKey, Any] = {}  # torch.cuda.CUDAGraph (or EmulatedGraph)
         self.outputs: dict[GraphKey, Any] = {}
         self.stats: dict[GraphKey, GraphStats] = {}
@@ -150,6 +151,8 @@ class GraphRunner:
 
     def register(self, graphable: Graphable) -> None:
         self.kinds[graphable.kind] = graphable
+        # what dispatch reads per call, kept as plain data (a graphable's sizes and buckets never change)
+        self._covers[graphable.kind] = (frozenset(graphable.resolutions()), tuple(graphable.buckets()))
         for (h, w) in graphable.resolutions():
             for b in graphable.buckets():
                 key = (graphable.kind, h, w, b)
@@ -158,10 +161,10 @@ class GraphRunner:
     # -- dispatch ------------------------------------------------------------------------------
     def bucket(self, kind: str, height: int, width: int, n: int) -> int | None:
         """The bucket whose graph runs n rows, or None: run eagerly (and that is counted)."""
-        g = self.kinds.get(kind)
+        covers = self._covers.get(kind)
         bucket = None
-        if g is not None and (height, width) in g.resolutions():
-            bucket = smallest_bucket(g.buckets(), n)
+        if covers is not None and (height, width) in covers[0]:
+            bucket = smallest_bucket(covers[1], n)
         if bucket is None:
             self.uncovered[(kind, height, width)] = self.uncovered.get((kind, height, width), 0) + 1
             return None

@@ -22,23 +22,31 @@ import torch
 from ..features.base import FieldSpec
 from ..features.program import Denoiser, StepProgram, VariantKey
 
-__all__ = ["Denoiser", "StepBuffers", "step_rows", "whole_step"]
+__all__ = ["Denoiser", "StepBuffers", "step_rows", "whole_step", "write_tokens"]
 
 
 @dataclass
 class StepBuffers:
-    """Per-row inputs and state of one resolution group: `fields` name -> [B, ...]; first dimension = rows."""
+    """Per-row inputs and state of one resolution group: `fields` name -> [B, ...]; first dimension = rows. `x`,
+    `d_prev`, `noise`, `coefs` and `index` are the base fields themselves (plain attributes: the step and the row
+    writes read them without a call)."""
 
     fields: dict[str, torch.Tensor]
     specs: dict[str, FieldSpec]      # the features' fields (neutral values for rows that do not use them)
     cond_names: tuple[str, ...]      # the family's conditioning fields ("cond.<name>")
     row_names: tuple[str, ...]       # the family's per-resolution row fields ("rows.<name>", SDXL's time ids)
     dtype: torch.dtype               # the denoiser's input dtype
+    sequence: tuple[str, ...] = ()   # fields whose second axis is the prompt's tokens (a step reads a prefix)
+
+    def __post_init__(self) -> None:
+        f = self.fields
+        self.x, self.d_prev, self.noise, self.coefs, self.index = (f["x"], f["d_prev"], f["noise"], f["coefs"],
+                                                                   f["index"])
 
     @classmethod
     def allocate(cls, rows: int, latent_shape: tuple[int, ...], program: StepProgram,
                  cond_spec: dict[str, tuple[tuple[int, ...], torch.dtype]], row_values: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device) -> "StepBuffers":
+                 dtype: torch.dtype, device: torch.device, sequence_fields: tuple[str, ...] = ()) -> "StepBuffers":
         def z(*shape, dt=torch.float32):
             return torch.zeros(shape, dtype=dt, device=device)
         fields = {"x": z(rows, *latent_shape), "d_prev": z(rows, *latent_shape), "noise": z(rows, *latent_shape),
@@ -49,27 +57,9 @@ class StepBuffers:
         for name, spec in specs.items():
             fields[name] = z(rows, *spec.shape, dt=spec.dtype)
             spec.fill(fields[name])
-        return cls(fields, specs, tuple(cond_spec), tuple(row_values), dtype)
-
-    @property
-    def x(self) -> torch.Tensor:
-        return self.fields["x"]
-
-    @property
-    def d_prev(self) -> torch.Tensor:
-        return self.fields["d_prev"]
-
-    @property
-    def noise(self) -> torch.Tensor:
-        return self.fields["noise"]
-
-    @property
-    def coefs(self) -> torch.Tensor:
-        return self.fields["coefs"]
-
-    @property
-    def index(self) -> torch.Tensor:
-        return self.fields["index"]
+        sequence = tuple(f"cond.{k}" for k in cond_spec if k in sequence_fields) + tuple(
+            name for name, spec in specs.items() if spec.tokens)
+        return cls(fields, specs, tuple(cond_spec), tuple(row_values), dtype, sequence)
 
     def cond(self, name: str) -> torch.Tensor:
         return self.fields[f"cond.{name}"]
@@ -82,9 +72,11 @@ class StepBuffers:
         """Every per-row tensor by its name (snapshots, compaction)."""
         return self.fields
 
-    def head(self, n: int) -> "StepBuffers":
-        """The same buffers, rows [0, n) only (views: writes reach the full buffers)."""
-        return dataclasses.replace(self, fields={k: v[:n] for k, v in self.fields.items()})
+    def head(self, n: int, tokens: int | None = None) -> "StepBuffers":
+        """The same buffers, rows [0, n) only, and with `tokens` the first `tokens` prompt tokens of the token-axis
+        fields (views: writes reach the full buffers)."""
+        return dataclasses.replace(self, fields={
+            k: v[:n, :tokens] if tokens is not None and k in self.sequence else v[:n] for k, v in self.fields.items()})
 
     def move_rows(self, src: int, dst: int, count: int) -> None:
         """Copies rows [src, src+count) to [dst, dst+count) in every buffer (compaction)."""
@@ -98,7 +90,10 @@ class StepBuffers:
         leaves out take their neutral value."""
         for name, spec in self.specs.items():
             if name in values:
-                self.fields[name][rows] = values[name]
+                if name in self.sequence:
+                    write_tokens(self.fields[name][rows], values[name])
+                else:
+                    self.fields[name][rows] = values[name]
             else:
                 spec.fill(self.fields[name][rows])
         unknown = set(values) - set(self.specs)
@@ -106,16 +101,35 @@ class StepBuffers:
             raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
 
 
+def write_tokens(dst: torch.Tensor, value: torch.Tensor) -> None:
+    """dst[...] = value for a token-axis field: a value of fewer tokens (a prompt of fewer windows than the buffers
+    span) is written repeated along that axis up to the span, lcm(1..max windows) windows (features/context.py); the
+    spare token after the span stays zero (never read)."""
+    length, size = value.shape[1], dst.shape[1]
+    if length == size:
+        dst[...] = value
+        return
+    reps = size // length
+    if size - reps * length > 1:
+        raise ValueError(f"a prompt of {length} tokens does not divide the buffers' span of {size - 1}")
+    dst[:, :reps * length] = value.repeat(1, reps, *([1] * (value.dim() - 2)))
+    dst[:, reps * length:] = 0
+
+
 def whole_step(program: StepProgram, denoise: Denoiser, buf: StepBuffers, n: int, d: int, key: VariantKey) -> None:
     """One denoising step for image rows [0, n) over denoiser rows [0, d) with the step variant `key` (see
     features/program.py): D <- p*x + q*out, x <- a*x + b*D + c*D_prev + d*noise, then the features' after-update
-    hooks (the inpainting blend)."""
-    program.run(denoise, buf.fields, buf.cond_names, buf.row_names, buf.dtype, n, d, key)
+    hooks (the inpainting blend). The key's prompt tokens (the context feature) select the sequence fields' prefix."""
+    tokens = program.tokens(key)
+    fields = buf.fields if tokens is None else buf.head(buf.num_rows, tokens).fields
+    program.run(denoise, fields, buf.cond_names, buf.row_names, buf.dtype, n, d, program.code_key(key))
 
 
 def step_rows(denoise: Denoiser, buf: StepBuffers, program: StepProgram, key: VariantKey) -> None:
     """`whole_step` over every row of `buf` (a `StepBuffers.head` view: as many image rows as denoiser rows, the
-    bucket): what the step graphs capture. The row count is the buffers' first dimension, not a Python int, so the
-    compile tier compiles one step for every bucket above 1 of a resolution (that dimension marked dynamic)."""
+    bucket, and the prompt tokens the step reads: `head(bucket, tokens)`) with the key's code part
+    (`StepProgram.code_key`): what the step graphs capture. The row count is the buffers' first dimension, not a
+    Python int, so the compile tier compiles one step for every bucket above 1 of a resolution (that dimension marked
+    dynamic), and the token count likewise one for every prompt length."""
     rows = buf.x.shape[0]
     program.run(denoise, buf.fields, buf.cond_names, buf.row_names, buf.dtype, rows, rows, key)

@@ -4,6 +4,7 @@
     POST /v1/images/edits         image-to-image and inpainting: OpenAI's multipart form (edits.py), same answers
     GET  /v1/models               the served model
     GET  /v1/loras                the LoRA adapters requests may name
+    GET  /v1/embeddings           the textual-inversion embeddings a1111-syntax prompts may name
     GET  /health                  200 while the process is alive
     GET  /ready                   200 once the engine is built, its prewarm graphs captured and one warm-up
                                   image made; 503 before, and while draining
@@ -43,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import RequestHandle
 from ..request import EditInput, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
+from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        ProgressEventBody, error_from_param_error, error_from_validation)
@@ -76,6 +78,10 @@ def _generation_request(info: ModelInfo, config: ServerConfig, params: ImageGene
         raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json",
                        param="response_format")
     kwargs = params.request_params()
+    if kwargs["prompt_syntax"] is None:
+        kwargs["prompt_syntax"] = config.prompt_syntax
+    if kwargs["clip_skip"] is None:
+        kwargs["clip_skip"] = config.clip_skip
     try:
         request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
                                            image=edit, **kwargs)
@@ -199,6 +205,22 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         except TimeoutError:
             return _error_response(APIError(503, f"listing the adapters took longer than {bound_s:g} s (a slow or "
                                                  "stalled disk under --lora-dir?); retry", code="lora_listing_timeout"))
+        return JSONResponse({"object": "list", **listing})
+
+    embedding_dir = EmbeddingDir(config.embeddings_dir) if config.embeddings_dir else None
+
+    @app.get("/v1/embeddings")
+    async def embeddings() -> Response:
+        """The textual-inversion embeddings a1111-syntax prompts may name (--embeddings-dir), from their headers."""
+        bound_s = 90.0
+        if embedding_dir is None:
+            return JSONResponse({"object": "list", "embeddings": [], "ignored": []})
+        try:
+            listing = await asyncio.wait_for(asyncio.to_thread(embedding_dir.listing), bound_s)
+        except TimeoutError:
+            return _error_response(APIError(503, f"listing the embeddings took longer than {bound_s:g} s (a slow or "
+                                                 "stalled disk under --embeddings-dir?); retry",
+                                            code="embedding_listing_timeout"))
         return JSONResponse({"object": "list", **listing})
 
     @app.get("/info")

@@ -31,7 +31,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
            "max_lora_rank", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
-           "max_connections", "api_key_file")
+           "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -134,12 +134,27 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-threads", type=int, default=None, metavar="N",
                    help=f"threads that encode finished images (default: {default('image_threads')})")
     add_lora_arguments(p)
+    add_prompt_arguments(p)
     p.add_argument("--compile", action="store_true", default=None,
                    help="the compile tier: the whole step, the text encoder(s) and the VAE compiled by Inductor, then "
                         "captured in the graphs as usual (slow start on an empty cache; see --compile-cache)")
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); "
                         "`diffgraph compile` fills one ahead of time")
+
+
+def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    """The prompt flags of `diffgraph serve` (text/: AUTOMATIC1111's syntax, embeddings, clip skip)."""
+    p.add_argument("--embeddings-dir", default=None, metavar="DIR",
+                   help="a folder of .safetensors textual-inversion embeddings; a1111-syntax prompts use them by name "
+                        "(easynegative, or embedding:easynegative); files added later are found without a restart")
+    p.add_argument("--max-prompt-chunks", type=int, default=None, metavar="N",
+                   help="a1111-syntax prompts: the 75-token chunks one prompt may use (default: 3, 225 tokens)")
+    p.add_argument("--clip-skip", type=int, default=None, metavar="N",
+                   help="the clip skip of requests that give none, in diffusers' numbering (1 = the penultimate "
+                        "layer, AUTOMATIC1111's 'CLIP skip 2'; default: none)")
+    p.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
+                   help="how the images routes read prompts that do not say (default: plain, diffusers' reading)")
 
 
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoraConfig, default_cpu_threads, parse_buckets,
                       parse_name_scales, parse_prewarm, parse_resolutions)
 from ..engine.scheduler import SchedulerConfig
-from ..request import MAX_EDIT_PIXELS
+from ..request import MAX_CLIP_SKIP, MAX_EDIT_PIXELS, PROMPT_SYNTAXES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # those logging and uvicorn both know
 
@@ -86,6 +86,10 @@ class ServerConfig:
     max_lora_rank: int = 64              # the slots' rank
     fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
     compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
+    embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
+    max_prompt_chunks: int = 3           # a1111-syntax prompts: 75-token chunks a row may hold (its context length)
+    clip_skip: int | None = None         # the default clip skip of requests that give none (diffusers' numbering)
+    prompt_syntax: str = "plain"         # the default prompt syntax of the images routes ("plain" or "a1111")
     compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
 
     def __post_init__(self) -> None:
@@ -138,6 +142,17 @@ class ServerConfig:
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"lora-dir {self.lora_dir!r} is not a folder; give a folder of .safetensors adapters")
         LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)  # checks the numbers
+        if self.embeddings_dir is not None and not os.path.isdir(self.embeddings_dir):
+            raise ValueError(f"embeddings-dir {self.embeddings_dir!r} is not a folder; give a folder of .safetensors "
+                             "textual-inversion embeddings")
+        if not 1 <= self.max_prompt_chunks <= 8:
+            raise ValueError(f"max-prompt-chunks {self.max_prompt_chunks} is out of range; allowed: 1..8 (75 tokens "
+                             "each)")
+        if self.clip_skip is not None and not 0 <= self.clip_skip <= MAX_CLIP_SKIP:
+            raise ValueError(f"clip-skip {self.clip_skip} is out of range; allowed: 0..{MAX_CLIP_SKIP} (1 = the "
+                             "penultimate layer)")
+        if self.prompt_syntax not in PROMPT_SYNTAXES:
+            raise ValueError(f"prompt-syntax {self.prompt_syntax!r} is unknown; allowed: {', '.join(PROMPT_SYNTAXES)}")
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
 
@@ -164,7 +179,8 @@ class ServerConfig:
                     batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
                     grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads,
                     lora_dir=self.lora_dir, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                    fuse_loras=self.fuse_loras,
+                    fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
+                    embeddings_dir=self.embeddings_dir,
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:

@@ -54,9 +54,12 @@ class ImageEditForm(BaseModel):
     stream: bool = False
     strength: StrictFloat | None = None
     loras: Json[list[LoraRef]] | None = None  # a JSON text field: [{"name": "styles/ink", "scale": 0.8}]
+    prompt_syntax: str | None = None
+    clip_skip: StrictInt | None = None
+    emphasis: str = "original"
 
     @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
-                     mode="before")
+                     "clip_skip", mode="before")
     @classmethod
     def _json_number(cls, value: Any) -> Any:
         """A number's text as the JSON route parses it (then checked by the same strict types), and nan / inf in

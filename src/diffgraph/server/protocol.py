@@ -52,6 +52,9 @@ class ImageGenerationRequest(BaseModel):
     output_format: StrictStr = "png"
     stream: StrictBool = False
     loras: list[LoraRef] | None = None  # up to 4 adapters for this request alone
+    prompt_syntax: StrictStr | None = None       # "plain" | "a1111"; None: the server's --prompt-syntax
+    clip_skip: StrictInt | None = None           # None: the server's --clip-skip
+    emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"
 
     def request_params(self) -> dict[str, Any]:
         """The `GenerationRequest.create` keywords these fields carry (`size` parsed, `n` as num_images). Raises
@@ -61,7 +64,8 @@ class ImageGenerationRequest(BaseModel):
                     num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
                     guidance_interval=self.guidance_interval, guidance_rescale=self.guidance_rescale,
                     sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
-                    output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()))
+                    output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
+                    prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis)
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""

@@ -29,6 +29,7 @@ does exactly this with a toy flow-matching family). Adapters hold no state: ever
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from ...features.base import RowFeature
+from ...features.context import PromptContext, lcm_all
 from ...features.edit import EditRows
 from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
@@ -59,8 +61,41 @@ def select_row(cond: Conditioning, index: int) -> Conditioning:
     return {k: v[index:index + 1] for k, v in cond.items()}
 
 
+def owned(cond: Conditioning, index: int) -> Conditioning:
+    """Row `index` of a batch, in storage of its own (a cached row must not keep its whole batch alive)."""
+    return {k: v[index:index + 1].clone() for k, v in cond.items()}
+
+
 def concat(parts: list[Conditioning]) -> Conditioning:
     return parts[0] if len(parts) == 1 else {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def final_layer_norm(encoder: Any) -> torch.nn.Module:
+    """A CLIP text encoder's final layer norm (transformers 5 keeps it on the model, 4 on its `text_model`)."""
+    return getattr(encoder, "text_model", encoder).final_layer_norm
+
+
+@contextlib.contextmanager
+def spliced(encoders: list[Any], vectors: list[torch.Tensor | None], mask: torch.Tensor | None):
+    """Textual-inversion vectors in place of the token embeddings where `mask` [n, tokens] is set: each encoder's
+    input embedding output [n, tokens, dim] takes `vectors[i]` there (a forward hook for the calls inside the
+    block; the tokenizer and the embedding matrix stay as they are)."""
+    if mask is None:
+        yield
+        return
+    hooks = []
+    keep = mask.unsqueeze(-1)
+    for encoder, v in zip(encoders, vectors):
+        if v is None:
+            continue
+        def hook(module, args, output, v=v):
+            return torch.where(keep, v.to(output.dtype), output)
+        hooks.append(encoder.get_input_embeddings().register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def truncated_token_count(tokenizer: Any, prompt: str) -> int:
@@ -99,6 +134,10 @@ class FamilyAdapter:
     # vs each alone: 5 of 29 bucket paths over the 2e-2 fp16 tolerance); with PyTorch's choice at most 0.0125 over 19
     # paths, the graph tier 0.0107 (tools/probe_mixed_fidelity.py; session 10). So both families keep PyTorch's choice.
     compile_layout: tuple[bool, str] = (True, "auto")
+    # conditioning fields with a token axis (their first per-row dimension): long prompts make them longer
+    sequence_fields: tuple[str, ...] = ()
+    # the textual-inversion key of each text encoder, in order (text/embeddings.py): "default" for one encoder
+    embedding_keys: tuple[str, ...] = ("default",)
 
     # -- loading ---------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -186,21 +225,40 @@ class FamilyAdapter:
         samplers: the add_noise of their diffusers scheduler; a flow-matching family: (1 - sigma, sigma))."""
         return noising(plan)
 
-    def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None) -> tuple[RowFeature, ...]:
+    def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
+                 max_chunks: int = 1) -> tuple[RowFeature, ...]:
         """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded
         for guidance-distilled UNets: `time_cond_proj_dim`), edits' rows where the family takes images, LoRA rows
-        where the engine has adapter slots (`side_paths`, the denoiser's side-path rows)."""
+        where the engine has adapter slots (`side_paths`, the denoiser's side-path rows), and the prompt context
+        where rows may hold up to `max_chunks` 77-token prompt windows (families with `sequence_fields`)."""
         dim = getattr(getattr(model.unet, "config", None), "time_cond_proj_dim", None)
         if dim is not None:
             out: list[RowFeature] = [EmbeddedGuidance("timestep_cond", (int(dim),), model.dtype,
                                                       partial(lcm_embedding, dim=int(dim)))]
         else:
-            out = [ClassifierFreeGuidance(self.cond_spec(model))]
+            out = [ClassifierFreeGuidance(self.row_cond_spec(model, max_chunks), self.sequence_fields)]
         if self.supports_edits:
             out.append(EditRows(self.extra_channels(model), model.dtype))
         if side_paths is not None:
             out.append(LoraRows(side_paths, MAX_LORAS))
+        if max_chunks > 1 and self.sequence_fields:
+            out.append(PromptContext(self.token_lengths(model)[0], max_chunks))
         return tuple(out)
+
+    def max_chunks(self, model: DiffusionModel, wanted: int) -> int:
+        """The prompt windows a row may hold: `wanted` where the family has sequence fields, else 1."""
+        return wanted if self.sequence_fields else 1
+
+    def row_cond_spec(self, model: DiffusionModel, max_chunks: int = 1) -> CondSpec:
+        """`cond_spec` with room in each sequence field for lcm(1..max_chunks) prompt windows (features/context.py:
+        a row's windows repeated, so a step of any of its rows' lengths reads a whole number of them), and one spare
+        token never read: every prefix a step reads is then a strided view of the rows, one layout for the compiled
+        step at every length (the whole field would be contiguous: another compile)."""
+        if max_chunks == 1:
+            return self.cond_spec(model)
+        span = lcm_all(range(1, max_chunks + 1))
+        return {k: (((shape[0] * span + 1, *shape[1:]) if k in self.sequence_fields else shape), dt)
+                for k, (shape, dt) in self.cond_spec(model).items()}
 
     # -- conditioning ------------------------------------------------------------------------------
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
@@ -232,9 +290,24 @@ class FamilyAdapter:
         """True when the encoders need the tokenizer's mask: then the text encoder is not captured."""
         return False
 
-    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor]) -> Conditioning:
-        """The text encoder(s) on token ids on the model's device: a pure tensor function (capturable)."""
+    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor], clip_skip: int | None = None) -> Conditioning:
+        """The text encoder(s) on token ids on the model's device: a pure tensor function (capturable).
+        `clip_skip` in diffusers' numbering (None: the family's usual layer; 1: one layer before it)."""
         raise NotImplementedError
+
+    def encoder_layers(self, model: DiffusionModel) -> int:
+        """The most layers a request's `clip_skip` may skip (the shallowest encoder's layer count less one)."""
+        layers = [getattr(getattr(e, "config", None), "num_hidden_layers", None) for e in model.text_encoders]
+        return min(int(n) for n in layers) - 1 if layers and None not in layers else 0
+
+    def embedding_dims(self, model: DiffusionModel) -> dict[str, int]:
+        """What a textual-inversion vector must have per encoder key (its input embedding width)."""
+        return {k: int(e.get_input_embeddings().embedding_dim)
+                for k, e in zip(self.embedding_keys, model.text_encoders) if hasattr(e, "get_input_embeddings")}
+
+    def encoder_widths(self, model: DiffusionModel) -> list[int]:
+        """The width each encoder contributes to the `embeds` field (SDXL concatenates both), in order."""
+        return [int(e.config.hidden_size) for e in model.text_encoders]
 
     def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
         """One row per prompt, in the model's dtype, on its device (eager)."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..model import DiffusionModel
-from .base import CondSpec, Conditioning, FamilyAdapter
+from .base import CondSpec, Conditioning, FamilyAdapter, final_layer_norm
 
 
 class SDFamily(FamilyAdapter):
@@ -21,6 +21,7 @@ class SDFamily(FamilyAdapter):
     lora_pipeline_class = "StableDiffusionPipeline"
     default_guidance = 7.5
     supports_edits = True
+    sequence_fields = ("embeds",)
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length
@@ -29,9 +30,14 @@ class SDFamily(FamilyAdapter):
     def needs_attention_mask(self, model: DiffusionModel) -> bool:
         return any(getattr(e.config, "use_attention_mask", False) for e in model.text_encoders)
 
-    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor]) -> Conditioning:
+    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor], clip_skip: int | None = None) -> Conditioning:
+        encoder = model.text_encoders[0]
         with torch.no_grad():
-            return {"embeds": model.text_encoders[0](ids[0])[0].to(model.dtype)}
+            if clip_skip is None:
+                return {"embeds": encoder(ids[0])[0].to(model.dtype)}
+            # diffusers: the hidden state clip_skip layers before the last, through the final layer norm
+            hidden = encoder(ids[0], output_hidden_states=True).hidden_states[-(clip_skip + 1)]
+            return {"embeds": final_layer_norm(encoder)(hidden).to(model.dtype)}
 
     def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
         if not self.needs_attention_mask(model):

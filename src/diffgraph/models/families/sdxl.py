@@ -35,6 +35,8 @@ class SDXLFamily(FamilyAdapter):
     text_parts = (("text_encoder", "tokenizer", "CLIPTextModel"),
                   ("text_encoder_2", "tokenizer_2", "CLIPTextModelWithProjection"))
     force_zeros_default = True
+    sequence_fields = ("embeds",)
+    embedding_keys = ("clip_l", "clip_g")
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length
@@ -44,15 +46,16 @@ class SDXLFamily(FamilyAdapter):
     def row_spec(self, model: DiffusionModel, key: GroupKey) -> dict[str, torch.Tensor]:
         return {"time_ids": torch.tensor(add_time_ids(*key), dtype=model.dtype, device=model.device)}
 
-    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor]) -> Conditioning:
+    def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor], clip_skip: int | None = None) -> Conditioning:
         embeds_list: list[torch.Tensor] = []
         pooled = None
+        layer = -2 - (clip_skip or 0)  # diffusers: SDXL counts from the penultimate layer
         with torch.no_grad():
             for token_ids, encoder in zip(ids, model.text_encoders):
                 out = encoder(token_ids, output_hidden_states=True)
                 if out[0].ndim == 2:  # CLIPTextModelWithProjection: the pooled projection comes first
                     pooled = out[0]
-                embeds_list.append(out.hidden_states[-2])
+                embeds_list.append(out.hidden_states[layer])
         embeds = torch.cat(embeds_list, dim=-1) if len(embeds_list) > 1 else embeds_list[0]
         return {"embeds": embeds.to(model.dtype), "pooled": pooled.to(model.dtype)}
 

@@ -1,0 +1,18 @@
+"""`ParamError`: the one error a bad request parameter raises, from validation to the engine (a 400 at the HTTP edge).
+
+Its own module so that what validates a request's parts (request.py, text/) shares it without importing each other.
+"""
+
+from __future__ import annotations
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid. `param` names it as GenerationRequest spells it (num_images, width, ...);
+    the message names the value and what is allowed."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # picklable with both arguments (across a replica process boundary)
+        return (type(self), (self.param, str(self)))

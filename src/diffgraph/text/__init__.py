@@ -1,0 +1,1 @@
+"""Prompt text: AUTOMATIC1111 prompt syntax, chunked tokens, textual-inversion embeddings."""

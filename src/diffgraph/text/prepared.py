@@ -1,0 +1,174 @@
+"""What the text encoders read for one prompt (`PromptText`), prepared on the submitting thread.
+
+`prepare(setup, request)` turns a request's prompt and negative prompt into token ids, before the engine loop sees
+the request (tokenising and parsing cost CPU; the loop only encodes ids, and the prompt cache keys on them):
+  * "plain" syntax: diffusers' pipelines' tokenisation (one 77-token window, truncated with a warning); the
+    request's `clip_skip` applies to the prompt only, as diffusers' pipelines apply it;
+  * "a1111" syntax: AUTOMATIC1111's prompt (text/syntax.py), in 75-token chunks (text/chunks.py) with each token's
+    emphasis weight, textual-inversion embeddings found by name (text/embeddings.py), and `clip_skip` for both
+    prompts, as AUTOMATIC1111 applies its "CLIP skip"; a missing negative prompt is the empty prompt, and the
+    shorter of the two is padded with empty-prompt chunks at admission ("pad conds": `needs_padding`).
+A prompt of more than `max_chunks` chunks is a ParamError naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..request import GenerationRequest, ParamError
+from .chunks import EmbeddingMatcher, TokenChunks, chunk_tokens, with_pad
+from .embeddings import Embedding, EmbeddingDir, EmbeddingError
+from .syntax import parse_a1111
+
+logger = logging.getLogger(__name__)
+
+CHUNK_TOKENS = 75
+
+
+@dataclass(frozen=True)
+class PromptText:
+    """One prompt as the text encoders read it; equal values encode equally (the prompt cache's key)."""
+
+    text: str | None                                    # as written (None: no negative prompt)
+    syntax: str = "plain"
+    clip_skip: int | None = None
+    emphasis: str = "original"
+    ids: tuple[tuple[tuple[int, ...], ...], ...] = ()   # per tokenizer, per 77-token window
+    weights: tuple[tuple[float, ...], ...] = ()         # a1111: per window, each token's emphasis
+    splices: tuple[tuple[str, Any, int, int, int], ...] = ()  # (embedding, file version, window, offset, vectors)
+    vectors: tuple[Embedding, ...] = field(default=(), compare=False, hash=False, repr=False)
+    # derived (plain attributes: the loop reads them per request without a call)
+    chunks: int = field(init=False, compare=False, repr=False)     # its 77-token windows
+    weighted: bool = field(init=False, compare=False, repr=False)  # AUTOMATIC1111's emphasis applies
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", len(self.ids[0]) if self.ids else 1)
+        object.__setattr__(self, "weighted", self.syntax == "a1111")
+
+
+@dataclass(frozen=True)
+class TextSetup:
+    """What preparing a prompt needs from the model and the engine (the model runner builds it once)."""
+
+    tokenizers: tuple[Any, ...]            # the model's CLIP tokenizers, in encoder order
+    embedding_dims: dict[str, int]         # textual-inversion key -> vector width (FamilyAdapter.embedding_dims)
+    max_chunks: int = 3
+    max_clip_skip: int = 11
+    embeddings: EmbeddingDir | None = None
+
+
+def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, PromptText]:
+    """(prompt, negative prompt) of a request, tokenised; ParamError naming the prompt that cannot be read."""
+    if request.clip_skip is not None and request.clip_skip > setup.max_clip_skip:
+        raise ParamError("clip_skip", f"clip_skip {request.clip_skip} is beyond this model's text encoder; allowed: "
+                                      f"0..{setup.max_clip_skip} (1 = the penultimate layer)")
+    if request.prompt_syntax == "plain":
+        return (PromptText(request.prompt, clip_skip=request.clip_skip, ids=plain_ids(setup, request.prompt)),
+                PromptText(request.negative_prompt, ids=plain_ids(setup, request.negative_prompt or "")))
+    return (_a1111(setup, request.prompt, "prompt", request),
+            _a1111(setup, request.negative_prompt or "", "negative_prompt", request))
+
+
+def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
+    """AUTOMATIC1111's empty prompt with `like`'s settings: the chunk that pads the shorter conditioning."""
+    ids = tuple(((_bos(t),) + (_eos(t),) + (_pad(t),) * (CHUNK_TOKENS),) for t in setup.tokenizers)
+    return PromptText("", "a1111", like.clip_skip, like.emphasis, ids, ((1.0,) * (CHUNK_TOKENS + 2),))
+
+
+def needs_padding(prompt: PromptText, negative: PromptText) -> bool:
+    return prompt.chunks != negative.chunks
+
+
+def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    out = []
+    for tokenizer in setup.tokenizers:
+        length = tokenizer.model_max_length
+        ids = tokenizer(text, padding="max_length", max_length=length, truncation=False).input_ids
+        if len(ids) > length:
+            # counts only: prompt text never goes to a log (the request id is not known here)
+            logger.warning("prompt truncated: CLIP reads %d tokens, the prompt has %d, %d dropped; "
+                           "prompt_syntax \"a1111\" reads long prompts in chunks", length, len(ids), len(ids) - length)
+            ids = ids[:length - 1] + [tokenizer.eos_token_id]
+        out.append((tuple(ids),))
+    return tuple(out)
+
+
+def _a1111(setup: TextSetup, text: str, name: str, request: GenerationRequest) -> PromptText:
+    parsed = parse_a1111(text, name)
+    first = setup.tokenizers[0]
+
+    def tokenize(texts: list[str]) -> list[list[int]]:
+        return first(texts, add_special_tokens=False, truncation=False, verbose=False).input_ids
+
+    matcher, found = None, {}
+    if setup.embeddings is not None:
+        matcher, found = _matcher(setup, tokenize)
+    for wanted in parsed.embeddings:
+        if wanted not in found:
+            close = setup.embeddings.suggest(wanted) if setup.embeddings is not None else []
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else (
+                "; start the server with --embeddings-dir DIR holding NAME.safetensors" if setup.embeddings is None
+                else "; GET /v1/embeddings lists them")
+            raise ParamError(name, f"{name} names embedding {wanted!r}, which does not exist{hint}")
+    comma = first.convert_tokens_to_ids(",</w>")
+    chunks = chunk_tokens(parsed.pieces, tokenize, bos=_bos(first), eos=_eos(first),
+                          comma=comma if comma != first.unk_token_id else None, matcher=matcher,
+                          chunk_length=CHUNK_TOKENS)
+    if len(chunks.ids) > setup.max_chunks:
+        raise ParamError(name, f"{name} has {chunks.token_count} tokens, {len(chunks.ids)} chunks of "
+                               f"{CHUNK_TOKENS}; at most {setup.max_chunks} ({setup.max_chunks * CHUNK_TOKENS} tokens):"
+                               " shorten it, or start the server with a larger --max-prompt-chunks")
+    ids = tuple(with_pad(chunks, _eos(t), _pad(t)) for t in setup.tokenizers)
+    vectors, splices = _splices(setup, chunks, found, name)
+    return PromptText(text, "a1111", request.clip_skip, request.emphasis, ids, chunks.weights, splices, vectors)
+
+
+def _matcher(setup: TextSetup, tokenize) -> tuple[EmbeddingMatcher | None, dict[str, Any]]:
+    """A matcher over the folder's embeddings (their vector counts from the headers), and name -> version."""
+    listing = setup.embeddings.listing()
+    counts = {e["name"]: int(e["vectors"]) for e in listing["embeddings"]}
+    if not counts:
+        return None, {}
+    return EmbeddingMatcher(counts, tokenize), {n: None for n in counts}
+
+
+def _splices(setup: TextSetup, chunks: TokenChunks, found: dict[str, Any],
+             name: str) -> tuple[tuple[Embedding, ...], tuple[tuple[str, Any, int, int, int], ...]]:
+    loaded: dict[str, Embedding] = {}
+    splices = []
+    for ref in chunks.embeddings:
+        if ref.name not in loaded:
+            try:
+                loaded[ref.name] = setup.embeddings.load(ref.name, setup.embedding_dims)
+            except EmbeddingError as e:
+                raise ParamError(name, str(e)) from None
+        emb = loaded[ref.name]
+        if emb.count != ref.vectors:  # replaced between the listing and the read: read it again next time
+            raise ParamError(name, f"embedding {ref.name!r} changed while the prompt was read; send it again")
+        splices.append((ref.name, emb.version, ref.chunk, ref.offset, ref.vectors))
+    return tuple(loaded.values()), tuple(splices)
+
+
+def _bos(t: Any) -> int:
+    return int(t.bos_token_id)
+
+
+def _eos(t: Any) -> int:
+    return int(t.eos_token_id)
+
+
+def _pad(t: Any) -> int:
+    return int(t.pad_token_id if t.pad_token_id is not None else t.eos_token_id)
+
+
+def splice_rows(prompts: Sequence[PromptText]) -> list[tuple[int, int, Embedding, int]]:
+    """(flat window row, offset, embedding, vectors) of every splice, windows numbered across `prompts` in order."""
+    out, base = [], 0
+    for p in prompts:
+        by_name = {e.name: e for e in p.vectors}
+        for emb_name, _, chunk, offset, count in p.splices:
+            out.append((base + chunk, offset, by_name[emb_name], count))
+        base += p.chunks
+    return out

@@ -1,0 +1,282 @@
+"""Prompts as people write them (issue 30), through the engine: clip skip and textual-inversion embeddings against
+diffusers' pipelines, AUTOMATIC1111's emphasis and chunks against a reference computed here from its rules, rows of
+1, 2 and 3 chunks (with embeddings, clip skip and LoRA tags) together equal to each alone, and bad prompts refused
+before the engine loop sees them.
+
+The parser and the chunker are tested against an independent reference in tests/test_prompt_a1111.py; here the
+chunks they give are encoded and compared with what AUTOMATIC1111 computes from them: each 77-token window encoded
+alone, each token's hidden state times its weight, the window's mean restored ("original"), windows concatenated.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diffgraph import Engine
+from diffgraph.request import ParamError
+
+PROMPT = "a photo of a red fox in the snow"
+LONG = ", ".join(["a detailed painting of a small red house in the dark forest at night"] * 5)  # 99 tokens
+HALF = ", ".join(["a detailed painting of a small red house in the dark forest at night"] * 3)
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_engine, tiny_xl_engine):
+    """Embedding folders for SD (768-wide: the tiny encoder's width) and SDXL (clip_l / clip_g pairs)."""
+    base = tmp_path_factory.mktemp("embeddings")
+    torch.manual_seed(0)
+    out = {}
+    for family, engine in (("sd", tiny_engine), ("sdxl", tiny_xl_engine)):
+        folder = base / family
+        folder.mkdir()
+        dims = engine.model.adapter.embedding_dims(engine.model)
+        for name, count in (("fox", 1), ("snowy", 3)):
+            tensors = ({"emb_params": torch.randn(count, dims["default"])} if family == "sd" else
+                       {"clip_l": torch.randn(count, dims["clip_l"]), "clip_g": torch.randn(count, dims["clip_g"])})
+            save_file(tensors, str(folder / f"{name}.safetensors"))
+        out[family] = str(folder)
+    return out
+
+
+def _shift(engine):
+    """Moves the encoders' hidden states' mean away from 0, as a trained CLIP's is: a random one's final layer norm
+    centres them, and AUTOMATIC1111's "original" emphasis divides by that mean (noise over noise)."""
+    with torch.no_grad():
+        for encoder in engine.model.text_encoders:
+            encoder = getattr(encoder, "text_model", encoder)  # transformers 4 and 5
+            encoder.final_layer_norm.bias.add_(0.5)
+            for layer in encoder.encoder.layers:
+                layer.mlp.fc2.bias.add_(0.5)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def sd(folders):
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=folders["sd"]) as engine:
+        yield _shift(engine)
+
+
+@pytest.fixture(scope="module")
+def sdxl(folders):
+    with Engine(model="random:tiny-xl", device="cpu", dtype="fp32", embeddings_dir=folders["sdxl"]) as engine:
+        yield _shift(engine)
+
+
+def _pipe(engine):
+    """diffusers' pipeline over copies of the engine's text modules (textual inversion resizes their embeddings)."""
+    pipe = engine.diffusers_pipeline("euler", "default")
+    for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            module = copy.deepcopy(module)
+            if name.startswith("text_encoder") and not hasattr(module, "text_model"):
+                # transformers 5 dropped CLIPTextModel's `text_model` level, which diffusers' clip_skip reads
+                object.__setattr__(module, "text_model", module)
+            setattr(pipe, name, module)
+    return pipe
+
+
+def _reference(pipe, prompt, **kw):
+    return pipe(prompt, num_inference_steps=3, generator=torch.Generator().manual_seed(kw.pop("seed")),
+                output_type="np", **kw).images
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_clip_skip_equals_diffusers(request, family):
+    engine = request.getfixturevalue(family)
+    ours = engine.generate(PROMPT, negative_prompt="blurry", num_inference_steps=3, seed=2, guidance_scale=5.0,
+                           clip_skip=1)
+    plain = engine.generate(PROMPT, negative_prompt="blurry", num_inference_steps=3, seed=2, guidance_scale=5.0)
+    ref = _reference(_pipe(engine), PROMPT, negative_prompt="blurry", guidance_scale=5.0, clip_skip=1, seed=2)
+    np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+    assert np.abs(ours.arrays - plain.arrays).max() > 1e-3  # the skip changed the image
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+@pytest.mark.parametrize("name,count", [("fox", 1), ("snowy", 3)])
+def test_embeddings_equal_diffusers_load_textual_inversion(request, folders, family, name, count):
+    engine = request.getfixturevalue(family)
+    ours = engine.generate(f"a photo of {name} in the snow", negative_prompt="blurry", num_inference_steps=3,
+                           seed=3, guidance_scale=5.0, prompt_syntax="a1111")
+    pipe = _pipe(engine)
+    path = os.path.join(folders[family], f"{name}.safetensors")
+    token = f"<{name}>"
+    if family == "sd":
+        pipe.load_textual_inversion(path, token=token)
+    else:
+        from safetensors.torch import load_file
+        state = load_file(path)
+        pipe.load_textual_inversion(state["clip_l"], token=token, text_encoder=pipe.text_encoder,
+                                    tokenizer=pipe.tokenizer)
+        pipe.load_textual_inversion(state["clip_g"], token=token, text_encoder=pipe.text_encoder_2,
+                                    tokenizer=pipe.tokenizer_2)
+    ref = _reference(pipe, f"a photo of {token} in the snow", negative_prompt="blurry", guidance_scale=5.0, seed=3)
+    np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
+    without = engine.generate("a photo of in the snow", negative_prompt="blurry", num_inference_steps=3, seed=3,
+                              guidance_scale=5.0, prompt_syntax="a1111")
+    assert np.abs(ours.arrays - without.arrays).max() > 1e-3
+
+
+def _encode_windows(engine, windows, clip_skip=None):
+    """Reference: each 77-token window through the text encoder(s) alone, as the family conditions."""
+    m = engine.model
+    return m.adapter.encode_ids(m, [torch.tensor([w]) for w in windows], *([clip_skip] if clip_skip else []))
+
+
+def _emphasis(z, weights, widths):
+    """AUTOMATIC1111's "original" emphasis on one window, per encoder slice."""
+    out, start = [], 0
+    w = torch.tensor(weights).view(1, -1, 1)
+    for width in widths:
+        part = z[..., start:start + width]
+        weighted = part * w
+        out.append(weighted * (part.mean() / weighted.mean()))
+        start += width
+    return torch.cat(out, dim=-1)
+
+
+@pytest.fixture(scope="module", params=["sd", "sdxl"])
+def shifted(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_emphasis_and_chunks_equal_the_reference(shifted):
+    engine = shifted
+    runner = engine.runner
+    text = f"(red cat:1.4), [snow], {LONG} BREAK ((night sky))"  # no embedding names
+    req = engine.make_request(text, negative_prompt="blurry", prompt_syntax="a1111", num_inference_steps=2)
+    pos, neg = runner.prepare_prompts(req)
+    assert pos.chunks == 3 and neg.chunks == 1
+    cond = runner.embed([("+", pos, ())])[("+", pos, ())]
+    widths = engine.model.adapter.encoder_widths(engine.model)
+    expected = []
+    for c in range(3):
+        windows = [pos.ids[t][c] for t in range(len(pos.ids))]
+        z = _encode_windows(engine, windows)
+        expected.append(_emphasis(z["embeds"], pos.weights[c], widths))
+        if c == 0 and "pooled" in z:
+            torch.testing.assert_close(cond["pooled"], z["pooled"])  # the first window's pooled output
+    torch.testing.assert_close(cond["embeds"], torch.cat(expected, dim=1), atol=1e-5, rtol=1e-5)
+    weights = set(w for window in pos.weights for w in window)
+    assert {1.0, 1.4, 1 / 1.1, 1.1 * 1.1}.issubset({round(w, 6) for w in weights} | weights)
+
+
+def test_no_norm_emphasis_skips_the_rescale(shifted):
+    req = shifted.make_request("(red cat:1.5) in the snow", prompt_syntax="a1111", emphasis="no_norm",
+                               num_inference_steps=2)
+    pos, _ = shifted.runner.prepare_prompts(req)
+    cond = shifted.runner.embed([("+", pos, ())])[("+", pos, ())]
+    z = _encode_windows(shifted, [pos.ids[t][0] for t in range(len(pos.ids))])["embeds"]
+    torch.testing.assert_close(cond["embeds"], z * torch.tensor(pos.weights[0]).view(1, -1, 1))
+
+
+def test_padding_the_shorter_prompt_with_empty_chunks(sd):
+    """AUTOMATIC1111's "pad conds": a 2-chunk prompt's 1-chunk negative prompt gets the empty prompt's window."""
+    req = sd.make_request(LONG, negative_prompt="blurry", prompt_syntax="a1111", num_inference_steps=2)
+    pos, neg = sd.runner.prepare_prompts(req)
+    empty = sd.runner.empty_prompt(pos)
+    enc = sd.runner.embed([("+", pos, ()), ("-", neg, ()), ("+", empty, ())])
+    cond, uncond, chunks = sd.runner.row_conditioning(enc[("+", pos, ())], enc[("-", neg, ())],
+                                                      enc[("+", empty, ())])
+    assert chunks == 2
+    ref_empty = _encode_windows(sd, [tuple(_empty_ids(sd))])["embeds"]
+    torch.testing.assert_close(uncond["embeds"][:, 77:154], ref_empty)
+    assert uncond["embeds"].shape[1] == 154  # the buffers zero their third window (masked in the step)
+
+
+def _empty_ids(engine):
+    tok = engine.model.tokenizers[0]
+    return [tok.bos_token_id] + [tok.eos_token_id] * 76
+
+
+def test_mixed_chunk_counts_embeddings_clip_skip_submitted_together_equal_each_alone(sd):
+    requests = [
+        dict(prompt=PROMPT),                                                     # plain, 1 window
+        dict(prompt=f"(fox:1.3) {LONG}", prompt_syntax="a1111"),                 # 2 windows
+        dict(prompt=f"{LONG} BREAK {HALF}", prompt_syntax="a1111", negative_prompt="snowy, blurry"),  # 3 + TI
+        dict(prompt="a photo of snowy fox", prompt_syntax="a1111", clip_skip=1),  # embeddings, clip skip
+        dict(prompt=PROMPT, guidance_scale=1.0),                                 # one branch
+    ]
+    made = [sd.make_request(r.pop("prompt"), num_inference_steps=3, seed=10 + i, **r)
+            for i, r in enumerate(requests)]
+    alone = [sd.run(r).arrays for r in made]
+    futures = [sd.submit(r) for r in made]
+    together = [f.result().arrays for f in futures]
+    for a, t in zip(alone, together):
+        np.testing.assert_allclose(t, a, atol=2e-5, rtol=0)
+    assert len({round(float(a.mean()), 5) for a in alone}) == len(alone)
+
+
+@pytest.mark.parametrize("prompt,field,words", [
+    ("a photo of embedding:snowi", "prompt", "'snowy'"),
+    ("a " * 240, "prompt", "at most 3"),
+    ("a fox <lora:ink:abc>", "prompt", "lora"),
+    ("a [fox:cat:0.5]", "prompt", "editing"),
+])
+def test_bad_prompts_are_refused_naming_the_prompt(sd, prompt, field, words):
+    before = sd.core.stats["steps"]
+    with pytest.raises(ParamError) as err:
+        sd.submit(sd.make_request(prompt, prompt_syntax="a1111", num_inference_steps=2))
+    assert err.value.param == field and words in str(err.value) and "\n" not in str(err.value)
+    assert sd.core.stats["steps"] == before
+
+
+def test_a_pickle_embedding_is_never_read(tmp_path):
+    folder = tmp_path / "emb"
+    folder.mkdir()
+    (folder / "bad.pt").write_bytes(b"\x80\x04not a pickle we would read")
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=str(folder)) as engine:
+        with pytest.raises(ParamError) as err:
+            engine.submit(engine.make_request("a embedding:bad fox", prompt_syntax="a1111", num_inference_steps=2))
+    assert err.value.param == "prompt" and "bad" in str(err.value)
+
+
+def test_lora_tags_join_the_request_loras():
+    from diffgraph.request import GenerationRequest
+    r = GenerationRequest.create("a fox <lora:styles/ink:0.7>, snow", prompt_syntax="a1111", width=64, height=64,
+                                 guidance_scale=5.0)
+    assert r.loras == (("styles/ink", 0.7),)
+    plain = GenerationRequest.create("a fox <lora:styles/ink:0.7>", width=64, height=64, guidance_scale=5.0)
+    assert plain.loras == ()  # plain syntax reads the tag as text, as diffusers does
+
+
+def test_http_a1111_prompts_embeddings_listing_and_errors(folders):
+    """Over HTTP: `prompt_syntax` and `clip_skip` per request, the server's defaults, GET /v1/embeddings, and the
+    prompt errors as 400s naming the field (a close embedding name suggested)."""
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+    from diffgraph.server.config import ServerConfig
+
+    config = ServerConfig(model="random:tiny", device="cpu", embeddings_dir=folders["sd"], prompt_syntax="a1111",
+                          clip_skip=1)
+    with TestClient(create_app(config)) as client:
+        for _ in range(6000):  # the engine is built on a background thread (a failure bound, not a timing)
+            if client.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        listing = client.get("/v1/embeddings").json()
+        assert [(e["name"], e["vectors"]) for e in listing["embeddings"]] == [("fox", 1), ("snowy", 3)]
+        body = {"prompt": "a photo of (fox:1.2) in the snow", "num_inference_steps": 2, "seed": 1, "size": "64x64"}
+        ok = client.post("/v1/images/generations", json=body)
+        assert ok.status_code == 200, ok.text
+        plain = client.post("/v1/images/generations", json={**body, "prompt_syntax": "plain", "clip_skip": 0})
+        assert plain.status_code == 200 and plain.json()["data"][0]["b64_json"] != ok.json()["data"][0]["b64_json"]
+        for prompt, words in (("a embedding:snowi cat", "did you mean 'snowy'"), ("a AND b", "AND"),
+                              ("a <lora:x:abc>", "lora")):
+            bad = client.post("/v1/images/generations", json={**body, "prompt": prompt})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+            assert words in bad.json()["error"]["message"]
+        bad = client.post("/v1/images/generations", json={**body, "clip_skip": 40})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "clip_skip"
