@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 30 on the GPU host: GPU tests (graph tier, compile tier with long prompts) and the prompt-mix benchmark
-# (step replays at 1/3/6 prompt windows, images/s with 30% long prompts). Usage: bash tools/gpu_issue30.sh tests ctests mix
+# (step replays at 1/3/6 prompt windows, images/s with 30% long prompts). Usage: bash tools/gpu_issue30.sh tests ctests mix graphs
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -13,5 +13,7 @@ for what in "$@"; do
     mix) timeout ${MIX_S:-420} python3 -m diffgraph.bench.throughput --sizes 512x512 ${TIER:---compile} \
            --compile-cache /tmp/cc --prompt-mix ${MIX_N:-64} --json "$OUT/prompt_mix.json" 2>&1 \
            | grep -v Warning | tee "$OUT/prompt_mix.log" | tail -16 ;;
+    graphs) timeout ${GRAPHS_S:-200} python3 tools/probe_prompt_graphs.py 2>&1 | grep -v Warning | tee "$OUT/prompt_graphs.log" \
+             | tail -20 ;;
   esac
 done

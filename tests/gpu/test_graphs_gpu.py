@@ -43,7 +43,7 @@ def test_replay_equals_eager_every_bucket_two_resolutions(sd15):
 def test_text_and_vae_graphs_match_eager(sd15):
     w = sd15.runner
     prompts = ["a red fox", "a blue car", ""]
-    graphed = w.encode(prompts)
+    graphed = w.encode_texts(prompts)
     eager = w.adapter.encode(w.model, prompts)
     text_diff = float((graphed["embeds"].float() - eager["embeds"].float()).abs().max())
     lat = torch.randn((3, 4, 64, 64), device=DEVICE)
