@@ -67,7 +67,8 @@ def run(engine: Any, n: int, size: tuple[int, int], steps: int = 20, repeats: in
         halves = (ms[f"1 windows, bucket {top // 2}"], ms[f"3 windows, bucket {top // 2}"])
         if None not in halves:
             out["split_groups_ms"] = sum(halves)  # chunk counts kept apart: two replays of half the rows
-    for name, share in (("20 steps, 1-chunk prompts", 0.0), ("20 steps, 30% 2-3 chunk prompts", 0.3)):
+    short, mixed_name = f"{steps} steps, 1-chunk prompts", f"{steps} steps, 30% 2-3 chunk prompts"
+    for name, share in ((short, 0.0), (mixed_name, 0.3)):
         def requests(share=share):
             return [engine.make_request(long_prompt(2 + i % 2) if i % 10 < round(10 * share) else SHORT,
                                         prompt_syntax="a1111", num_inference_steps=steps, seed=i, width=w, height=h,
@@ -77,7 +78,7 @@ def run(engine: Any, n: int, size: tuple[int, int], steps: int = 20, repeats: in
         best = max(runs, key=lambda r: r["images_per_s"])
         best["steps"] = {"count": len(best["steps"]), "buckets": sorted({c for _, c in best["steps"]})}
         out["scenarios"][name] = best
-    a, b = (out["scenarios"][k]["images_per_s"] for k in ("20 steps, 30% 2-3 chunk prompts", "20 steps, 1-chunk prompts"))
+    a, b = (out["scenarios"][k]["images_per_s"] for k in (mixed_name, short))
     out["ratios"]["images/s, 30% 2-3 chunk prompts / all 1-chunk"] = {"ratio": a / b, "target": 0.95,
                                                                       "holds": a / b >= 0.95}
     return out
