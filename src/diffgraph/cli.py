@@ -65,6 +65,14 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
                         "--url), or a built-in adapter of the model; scale 1 when left out")
     g.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="a folder of .safetensors adapters that --lora names (not with --url: the server has its own)")
+    g.add_argument("--prompt-syntax", default="plain", choices=("plain", "a1111"),
+                   help="plain: diffusers' reading (77 tokens); a1111: AUTOMATIC1111's (word:1.2) emphasis, long "
+                        "prompts in 75-token chunks, BREAK, embeddings by name, <lora:name:0.8> tags")
+    g.add_argument("--clip-skip", type=int, default=None, metavar="N",
+                   help="skip the text encoder's last N layers (diffusers' numbering: 1 = AUTOMATIC1111's CLIP skip 2)")
+    g.add_argument("--embeddings-dir", default=None, metavar="DIR",
+                   help="a folder of .safetensors textual-inversion embeddings that a1111-syntax prompts name (not "
+                        "with --url: the server has its own)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
     g.add_argument("--compile", action="store_true", help="the compile tier (a slow first start; see serve --help)")
@@ -141,7 +149,8 @@ def _output_paths(output: str, n: int) -> list[str]:
 FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width": "--width", "height": "--height",
          "num_inference_steps": "--steps", "guidance_scale": "--guidance", "sampler": "--sampler",
          "schedule": "--schedule", "seed": "--seed", "num_images": "-n/--num-images", "device": "--device",
-         "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora"}
+         "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
+         "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -209,7 +218,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
-                  loras=_lora_flags(args))
+                  loras=_lora_flags(args), prompt_syntax=args.prompt_syntax, clip_skip=args.clip_skip)
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params
@@ -226,7 +235,7 @@ def _generate(args: argparse.Namespace) -> int:
             torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
         engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype,
                         lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
-                        compile=args.compile)
+                        compile=args.compile, embeddings_dir=args.embeddings_dir)
         request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                       guidance_scale=args.guidance, **params)
     except ParamError as e:
@@ -305,13 +314,17 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     if args.lora_dir is not None:
         raise _ArgError("--lora-dir cannot be used with --url: the server serves the adapters of its own --lora-dir "
                         "(GET /v1/loras lists them)")
+    if args.embeddings_dir is not None:
+        raise _ArgError("--embeddings-dir cannot be used with --url: the server reads its own --embeddings-dir "
+                        "(GET /v1/embeddings lists them)")
     body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "model": args.model,
             "size": None if args.width is None else f"{args.width}x{args.height}",
             "num_inference_steps": args.steps, "guidance_scale": args.guidance, "sampler": args.sampler,
             "schedule": args.schedule, "seed": args.seed, "n": args.num_images,
             "output_format": OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()],
             "response_format": "b64_json",
-            "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None}
+            "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None,
+            "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip}
     key = _api_key(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {k: v for k, v in body.items() if v is not None}

@@ -220,10 +220,11 @@ def _parse(key: str, value: Any) -> Any:
         return tuple(d.strip() for d in items if d.strip())
     if key == "fuse_loras":
         return parse_name_scales(value, "fuse-lora")
-    if key in ("torch_threads", "max_loras", "max_connections") and value is None:
+    if key in ("torch_threads", "max_loras", "max_connections", "clip_skip") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
-               "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections"):
+               "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
+               "max_prompt_chunks", "clip_skip"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
