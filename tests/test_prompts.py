@@ -53,17 +53,28 @@ def _shift(engine):
     """Moves the encoders' hidden states' mean away from 0, as a trained CLIP's is: a random one's final layer norm
     centres them, and AUTOMATIC1111's "original" emphasis divides by that mean (noise over noise)."""
     with torch.no_grad():
-        for encoder in engine.model.text_encoders:
-            encoder = getattr(encoder, "text_model", encoder)  # transformers 4 and 5
-            encoder.final_layer_norm.bias.add_(0.5)
-            for layer in encoder.encoder.layers:
-                layer.mlp.fc2.bias.add_(0.5)
+        for encoder in engine.model.text_encoders:  # by parameter name: LoRA side paths may wrap the layers
+            for name, p in encoder.named_parameters():
+                if name.endswith("bias") and ("final_layer_norm" in name or ".fc2." in name) and "lora" not in name:
+                    p.add_(0.5)
     return engine
 
 
 @pytest.fixture(scope="module")
 def sd(folders):
     with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=folders["sd"]) as engine:
+        yield _shift(engine)
+
+
+@pytest.fixture(scope="module")
+def sd_loras(folders, tiny_engine, tmp_path_factory):
+    """random:tiny with the SD embeddings and one LoRA adapter, `ink` (for `<lora:ink:0.8>` tags)."""
+    from lora_util import _write_diffusers
+
+    loras = tmp_path_factory.mktemp("loras")
+    _write_diffusers(tiny_engine, str(loras / "ink.safetensors"), rank=4, seed=3)
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=folders["sd"],
+                lora_dir=str(loras)) as engine:
         yield _shift(engine)
 
 
@@ -200,16 +211,19 @@ def _empty_ids(engine):
     return [tok.bos_token_id] + [tok.eos_token_id] * 76
 
 
-def test_mixed_chunk_counts_embeddings_clip_skip_submitted_together_equal_each_alone(sd):
+def test_mixed_chunk_counts_embeddings_clip_skip_submitted_together_equal_each_alone(sd_loras):
+    sd = sd_loras
     requests = [
         dict(prompt=PROMPT),                                                     # plain, 1 window
         dict(prompt=f"(fox:1.3) {LONG}", prompt_syntax="a1111"),                 # 2 windows
         dict(prompt=f"{LONG} BREAK {HALF}", prompt_syntax="a1111", negative_prompt="snowy, blurry"),  # 3 + TI
         dict(prompt="a photo of snowy fox", prompt_syntax="a1111", clip_skip=1),  # embeddings, clip skip
         dict(prompt=PROMPT, guidance_scale=1.0),                                 # one branch
+        dict(prompt=f"<lora:ink:0.8> (cat:1.2), {HALF}", prompt_syntax="a1111"),  # a LoRA tag, 1 window
     ]
     made = [sd.make_request(r.pop("prompt"), num_inference_steps=3, seed=10 + i, **r)
             for i, r in enumerate(requests)]
+    assert made[-1].loras == (("ink", 0.8),)
     alone = [sd.run(r).arrays for r in made]
     futures = [sd.submit(r) for r in made]
     together = [f.result().arrays for f in futures]
@@ -239,7 +253,7 @@ def test_a_pickle_embedding_is_never_read(tmp_path):
     with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=str(folder)) as engine:
         with pytest.raises(ParamError) as err:
             engine.submit(engine.make_request("a embedding:bad fox", prompt_syntax="a1111", num_inference_steps=2))
-    assert err.value.param == "prompt" and "bad" in str(err.value)
+    assert err.value.param == "prompt" and "'bad'" in str(err.value) and "pickle" in str(err.value)
 
 
 def test_lora_tags_join_the_request_loras():
@@ -280,3 +294,30 @@ def test_http_a1111_prompts_embeddings_listing_and_errors(folders):
             assert words in bad.json()["error"]["message"]
         bad = client.post("/v1/images/generations", json={**body, "clip_skip": 40})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "clip_skip"
+
+
+def test_a_replaced_embedding_takes_effect_for_the_next_request(tmp_path):
+    """Replaced by a rename (the folder changes) or rewritten in place with another vector count (it does not): the
+    next prompt reads the new file; the cache keys on the file version, so the old conditioning is never reused."""
+    folder = tmp_path / "emb"
+    folder.mkdir()
+    path = folder / "fox.safetensors"
+    torch.manual_seed(1)
+    save_file({"emb_params": torch.randn(1, 32)}, str(path))
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=str(folder)) as engine:
+        runner = engine.runner
+
+        def cond():
+            pos, _ = runner.prepare_prompts(engine.make_request("a photo of fox", prompt_syntax="a1111"))
+            return pos, runner.embed([("+", pos, ())])[("+", pos, ())]["embeds"]
+
+        first, a = cond()
+        save_file({"emb_params": torch.randn(1, 32)}, str(folder / "new.tmp"))
+        os.replace(folder / "new.tmp", path)
+        second, b = cond()
+        assert first.splices[0][1] != second.splices[0][1] and float((a - b).abs().max()) > 1e-3
+        times = os.stat(folder)
+        save_file({"emb_params": torch.randn(2, 32)}, str(path))  # in place, the folder's time put back
+        os.utime(folder, ns=(times.st_atime_ns, times.st_mtime_ns))
+        third, _ = cond()
+        assert third.splices[0][4] == 2

@@ -65,9 +65,10 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
                         "--url), or a built-in adapter of the model; scale 1 when left out")
     g.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="a folder of .safetensors adapters that --lora names (not with --url: the server has its own)")
-    g.add_argument("--prompt-syntax", default="plain", choices=("plain", "a1111"),
-                   help="plain: diffusers' reading (77 tokens); a1111: AUTOMATIC1111's (word:1.2) emphasis, long "
-                        "prompts in 75-token chunks, BREAK, embeddings by name, <lora:name:0.8> tags")
+    g.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
+                   help="plain: diffusers' reading (77 tokens; the default here, the server's own with --url); "
+                        "a1111: AUTOMATIC1111's (word:1.2) emphasis, long prompts in 75-token chunks, BREAK, "
+                        "embeddings by name, <lora:name:0.8> tags")
     g.add_argument("--clip-skip", type=int, default=None, metavar="N",
                    help="skip the text encoder's last N layers (diffusers' numbering: 1 = AUTOMATIC1111's CLIP skip 2)")
     g.add_argument("--embeddings-dir", default=None, metavar="DIR",
@@ -218,7 +219,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
-                  loras=_lora_flags(args), prompt_syntax=args.prompt_syntax, clip_skip=args.clip_skip)
+                  loras=_lora_flags(args), prompt_syntax=args.prompt_syntax or "plain", clip_skip=args.clip_skip)
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params

@@ -14,6 +14,8 @@ A prompt of more than `max_chunks` chunks is a ParamError naming it.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -57,6 +59,7 @@ class TextSetup:
     max_chunks: int = 3
     max_clip_skip: int = 11
     embeddings: EmbeddingDir | None = None
+    matchers: MatcherCache = field(default_factory=lambda: MatcherCache(), compare=False, repr=False)
 
 
 def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, PromptText]:
@@ -95,7 +98,23 @@ def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...],
     return tuple(out)
 
 
+class _Stale(Exception):
+    """An embedding's file no longer has the vector count the listing said (rewritten in place)."""
+
+
 def _a1111(setup: TextSetup, text: str, name: str, request: GenerationRequest) -> PromptText:
+    try:
+        return _a1111_once(setup, text, name, request)
+    except _Stale:  # list the folder again, once
+        setup.matchers.forget()
+    try:
+        return _a1111_once(setup, text, name, request)
+    except _Stale as e:
+        raise ParamError(name, f"embedding {e.args[0]!r} keeps changing while the prompt is read; send it again "
+                               "once the file is written") from None
+
+
+def _a1111_once(setup: TextSetup, text: str, name: str, request: GenerationRequest) -> PromptText:
     parsed = parse_a1111(text, name)
     first = setup.tokenizers[0]
 
@@ -104,14 +123,19 @@ def _a1111(setup: TextSetup, text: str, name: str, request: GenerationRequest) -
 
     matcher, found = None, {}
     if setup.embeddings is not None:
-        matcher, found = _matcher(setup, tokenize)
-    for wanted in parsed.embeddings:
-        if wanted not in found:
-            close = setup.embeddings.suggest(wanted) if setup.embeddings is not None else []
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else (
-                "; start the server with --embeddings-dir DIR holding NAME.safetensors" if setup.embeddings is None
-                else "; GET /v1/embeddings lists them")
-            raise ParamError(name, f"{name} names embedding {wanted!r}, which does not exist{hint}")
+        matcher, found = setup.matchers.get(setup.embeddings, tokenize)
+    for wanted in parsed.embeddings:  # written embedding:NAME, so it must be one
+        if wanted in found:
+            continue
+        if setup.embeddings is None:
+            raise ParamError(name, f"{name} names embedding {wanted!r}, but no embeddings are served; start the "
+                                   "server with --embeddings-dir DIR holding NAME.safetensors")
+        try:  # why it is not usable: unknown (with close names), a pickle, a broken file, another model's
+            setup.embeddings.load(wanted, setup.embedding_dims)
+        except EmbeddingError as e:
+            raise ParamError(name, f"{name}: {e}") from None
+        raise ParamError(name, f"{name} names embedding {wanted!r}, which changed while the prompt was read; send "
+                               "it again")
     comma = first.convert_tokens_to_ids(",</w>")
     chunks = chunk_tokens(parsed.pieces, tokenize, bos=_bos(first), eos=_eos(first),
                           comma=comma if comma != first.unk_token_id else None, matcher=matcher,
@@ -125,13 +149,40 @@ def _a1111(setup: TextSetup, text: str, name: str, request: GenerationRequest) -
     return PromptText(text, "a1111", request.clip_skip, request.emphasis, ids, chunks.weights, splices, vectors)
 
 
-def _matcher(setup: TextSetup, tokenize) -> tuple[EmbeddingMatcher | None, dict[str, Any]]:
-    """A matcher over the folder's embeddings (their vector counts from the headers), and name -> version."""
-    listing = setup.embeddings.listing()
-    counts = {e["name"]: int(e["vectors"]) for e in listing["embeddings"]}
-    if not counts:
-        return None, {}
-    return EmbeddingMatcher(counts, tokenize), {n: None for n in counts}
+class MatcherCache:
+    """The embeddings folder's names and vector counts and their matcher, rebuilt only when the folder changes: its
+    folders' modification times (a file added, removed or renamed into place) are the key, one stat per folder.
+    Listing reads every file's header and tokenising every name costs about 0.1 ms each: 200 embeddings made every
+    prompt 20 ms slower. A file rewritten in place (no folder change) is caught when it is read: its vector count
+    differs, and `forget()` makes the next prompt list again."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._key: tuple | None = None
+        self._value: tuple[EmbeddingMatcher | None, dict[str, int]] = (None, {})
+
+    def get(self, folder: EmbeddingDir, tokenize) -> tuple[EmbeddingMatcher | None, dict[str, int]]:
+        key = _folder_times(folder.root)
+        with self._lock:
+            if key != self._key:
+                counts = {e["name"]: int(e["vectors"]) for e in folder.listing()["embeddings"]}
+                self._value = (EmbeddingMatcher(counts, tokenize) if counts else None, counts)
+                self._key = key
+            return self._value
+
+    def forget(self) -> None:
+        with self._lock:
+            self._key = None
+
+
+def _folder_times(root: str) -> tuple:
+    out = []
+    for dirpath, _, _ in os.walk(root):
+        try:
+            out.append((dirpath, os.stat(dirpath).st_mtime_ns))
+        except OSError:
+            out.append((dirpath, None))
+    return tuple(out)
 
 
 def _splices(setup: TextSetup, chunks: TokenChunks, found: dict[str, Any],
@@ -145,8 +196,8 @@ def _splices(setup: TextSetup, chunks: TokenChunks, found: dict[str, Any],
             except EmbeddingError as e:
                 raise ParamError(name, str(e)) from None
         emb = loaded[ref.name]
-        if emb.count != ref.vectors:  # replaced between the listing and the read: read it again next time
-            raise ParamError(name, f"embedding {ref.name!r} changed while the prompt was read; send it again")
+        if emb.count != ref.vectors:  # rewritten in place since it was listed
+            raise _Stale(ref.name)
         splices.append((ref.name, emb.version, ref.chunk, ref.offset, ref.vectors))
     return tuple(loaded.values()), tuple(splices)
 
