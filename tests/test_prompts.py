@@ -321,3 +321,62 @@ def test_a_replaced_embedding_takes_effect_for_the_next_request(tmp_path):
         os.utime(folder, ns=(times.st_atime_ns, times.st_mtime_ns))
         third, _ = cond()
         assert third.splices[0][4] == 2
+
+
+def test_prompts_prepared_on_many_threads_get_their_own_tokens(sd):
+    """transformers' fast tokenizers keep their padding setting on the object: plain (padded) and a1111 (unpadded)
+    prompts tokenised at once on several threads must not get each other's lengths."""
+    import threading
+
+    plain = sd.make_request("a photo of a red fox", num_inference_steps=2)
+    weighted = sd.make_request("a photo of a (red fox:1.2)", prompt_syntax="a1111", num_inference_steps=2)
+    want = {id(r): [p.ids for p in sd.runner.prepare_prompts(r)] for r in (plain, weighted)}
+    bad = []
+
+    def work(i):
+        for k in range(60):
+            r = (plain, weighted)[(i + k) % 2]
+            if [p.ids for p in sd.runner.prepare_prompts(r)] != want[id(r)]:
+                bad.append(r.prompt_syntax)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []
+
+
+def test_embedding_folder_oddities(tmp_path, tiny_xl_engine):
+    """A name that tokenises to nothing is left out, another model's embedding leaves its word as text (as
+    AUTOMATIC1111 skips it), and one in a sub-folder is found by its file name too."""
+    folder = tmp_path / "emb"
+    (folder / "neg").mkdir(parents=True)
+    save_file({"emb_params": torch.randn(1, 32)}, str(folder / " .safetensors"))
+    save_file({"clip_l": torch.randn(1, 32), "clip_g": torch.randn(1, 64)}, str(folder / "cat.safetensors"))
+    save_file({"emb_params": torch.randn(2, 32)}, str(folder / "neg" / "smudge.safetensors"))
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=str(folder)) as engine:
+        pos, neg = engine.runner.prepare_prompts(engine.make_request(
+            "a photo of a cat", negative_prompt="smudge, blurry", prompt_syntax="a1111"))
+        assert pos.splices == ()  # the SDXL-shaped "cat" is not this model's: the word stays text
+        assert [(s[0], s[4]) for s in neg.splices] == [("neg/smudge", 2)]
+
+
+def test_sdxl_a1111_empty_negative_prompt_is_zeros(sdxl):
+    """AUTOMATIC1111 zeroes SDXL's conditioning of an empty negative prompt (force_zero_negative_prompt)."""
+    req = sdxl.make_request("a photo of a cat", prompt_syntax="a1111", num_inference_steps=2)
+    pos, neg = sdxl.runner.prepare_prompts(req)
+    assert neg.text is None
+    cond = sdxl.runner.embed([("-", neg, ())])[("-", neg, ())]
+    assert float(cond["embeds"].abs().max()) == 0.0 and float(cond["pooled"].abs().max()) == 0.0
+
+
+def test_lora_tag_errors_name_the_prompt_and_the_chunk_limit_is_checked():
+    from diffgraph.request import GenerationRequest
+
+    with pytest.raises(ParamError) as err:
+        GenerationRequest.create("a fox <lora:ink:20>", prompt_syntax="a1111", width=64, height=64,
+                                 guidance_scale=5.0)
+    assert err.value.param == "prompt" and "20" in str(err.value)
+    with pytest.raises(ValueError, match="max_prompt_chunks 5"):
+        Engine(model="random:tiny", device="cpu", max_prompt_chunks=5)

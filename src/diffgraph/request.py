@@ -37,6 +37,7 @@ PROMPT_SYNTAXES = ("plain", "a1111")  # diffusers' plain text (truncated at 77 t
 EMPHASES = ("original", "no_norm")    # AUTOMATIC1111's emphasis modes: weights then mean restored, or weights only
 MAX_CLIP_SKIP = 11                    # CLIP ViT-L has 12 layers (the model's own count is checked at submit)
 MAX_PROMPT_CHARS = 20_000
+MAX_PROMPT_CHUNKS = 4                 # the buffers hold lcm(1..max) windows per row: 12 at 4, 60 at 5 or 6
 
 
 class QueueFullError(RuntimeError):
@@ -314,7 +315,12 @@ class GenerationRequest:
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:
-                request = dataclasses.replace(request, loras=request.loras + tagged)
+                try:
+                    request = dataclasses.replace(request, loras=request.loras + tagged)
+                except ParamError as e:  # the tags' adapters, checked with the listed ones: name what was written
+                    if e.param != "loras":
+                        raise
+                    raise ParamError("prompt", f"the prompt's <lora:...> tags: {e}") from None
         if model is None:
             check_family_params(request.sampler, request.schedule, request.key)
         else:

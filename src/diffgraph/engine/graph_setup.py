@@ -57,6 +57,8 @@ class GraphHost(Protocol):
 
     def latent_shape(self, key: tuple[int, int]) -> tuple[int, ...]: ...
 
+    max_chunks: int  # the prompt windows a row may hold (the conditioning buffers' layout)
+
 
 @dataclass
 class GraphSet:
@@ -124,7 +126,8 @@ def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, res
         set_conv_layout(model.unet, channels_last=True)
     slots = host.slot_shape
     tag = f"channels_last={channels_last} attention={attention} " + (
-        f"loras={slots[0]}x{slots[1]}" if slots is not None else "loras=0")  # side paths' shapes
+        f"loras={slots[0]}x{slots[1]}" if slots is not None else "loras=0") + (  # side paths' shapes
+        f" prompt_windows={host.max_chunks}")  # 1: contiguous conditioning; more: strided prefixes of longer rows
     # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
     # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
     per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2

@@ -1,8 +1,9 @@
 """`ModelRunner`: everything one engine does on its device. The engine core decides; the runner executes.
 
 Owns, for one model on one device: the per-group static row buffers, the pinned staging slots, the prompt
-embedding cache, the graph runner and its graphs, and the weights versions. It encodes prompts (batched,
-cached under (sign, text, text-encoder weights version)), draws each request's initial and ancestral noise from
+embedding cache, the graph runner and its graphs, and the weights versions. It encodes prompts (batched, cached
+under (sign, prompt as token ids, text adapters, text-encoder weights version); its text side is
+prompt_rows.PromptEncoder), draws each request's initial and ancestral noise from
 the request's own CPU generator in diffusers' order (so its images do not depend on its batch companions),
 writes admitted rows, runs one whole step for rows [0, n) of a group, and decodes finished rows to float pixels
 without making the caller wait (a waiter for the image thread pool). What a model means (conditioning fields,
@@ -33,7 +34,7 @@ from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
 from ..graphs.step import StepBuffers, whole_step, write_tokens
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
-from ..request import GenerationRequest, GroupKey, ParamError
+from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import SamplerPlan, start_plan
 from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
 from ..text.embeddings import EmbeddingDir
@@ -86,8 +87,9 @@ class ModelRunner:
         slots = loras is not None and loras.enabled
         self.slot_shape = (loras.config.slots, loras.config.max_lora_rank) if slots else None
         # the row features of this family's step (guidance, edits, LoRA rows, ...), composed
-        if not 1 <= max_prompt_chunks <= 8:
-            raise ValueError(f"max_prompt_chunks {max_prompt_chunks} is out of range; allowed: 1..8 (75 tokens each)")
+        if not 1 <= max_prompt_chunks <= MAX_PROMPT_CHUNKS:
+            raise ValueError(f"max_prompt_chunks {max_prompt_chunks} is out of range; allowed: 1..{MAX_PROMPT_CHUNKS} "
+                             "(75 tokens each)")
         self.max_chunks = self.adapter.max_chunks(model, max_prompt_chunks)
         self.text_setup = TextSetup(tuple(model.tokenizers), self.adapter.embedding_dims(model), self.max_chunks,
                                     self.adapter.encoder_layers(model), embeddings)
@@ -99,7 +101,7 @@ class ModelRunner:
         self.graphs: GraphSet | None = None
         self._graphed: tuple[GroupKey, ...] = ()  # the resolutions the step graphs cover
         self.text_encoder = PromptEncoder(model, self.to_device, self.graph_config.batch_buckets,
-                                          loras.text_rows if slots else None)
+                                          loras.text_rows if slots else None, self.text_setup.lock)
         self._window = self.adapter.token_lengths(model)[0] if model.tokenizers else 0  # a prompt window's tokens
         self.compiled: list[Compiled] = []  # the compile tier's callables (compile=...)
         self.compile_folder: str | None = None  # and their cache folder

@@ -13,7 +13,7 @@ write them repeated to their span (graphs/step.py `write_tokens`, features/conte
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -103,35 +103,52 @@ class PromptEncoder:
     without adapters)."""
 
     def __init__(self, model: DiffusionModel, to_device: Callable[[torch.Tensor], torch.Tensor],
-                 buckets: tuple[int, ...], text_rows: RowLoras | None):
+                 buckets: tuple[int, ...], text_rows: RowLoras | None, tokenizer_lock: Any):
         self.model, self.to_device, self._chunk, self._text_rows = model, to_device, max(buckets), text_rows
         self.graphs: GraphSet | None = None  # the runner's, once made
         self._masked = model.adapter.needs_attention_mask(model)
+        self._lock = tokenizer_lock  # the submitting threads tokenise with the same tokenizers (text/prepared.py)
+        self._loras: tuple = ()      # the text adapters of the prompts being encoded ((key, scale, slot), ...)
 
     def encode(self, prompts: list[PromptText], graphs: bool = True) -> list[Conditioning]:
-        """One conditioning row per prompt (windows of equal clip skip in one batch)."""
-        adapter = self.model.adapter
-        if self._masked and not any(p.weighted for p in prompts):
-            enc = adapter.encode(self.model, ["" if p.text is None else p.text for p in prompts])
-            return [owned(enc, i) for i in range(len(prompts))]
-        return encode_prompts(self.model, prompts, partial(self._windows, graphs=graphs))
+        """One conditioning row per prompt (windows of equal clip skip in one batch). Encoders whose config asks for
+        the attention mask read plain prompts at the usual layer through the family's own (masked) encode, as
+        diffusers' pipelines do; every other prompt goes by its token ids."""
+        out: list[Conditioning | None] = [None] * len(prompts)
+        masked = [i for i, p in enumerate(prompts) if self._masked and not p.weighted and p.clip_skip is None]
+        if masked:
+            with self._lock:
+                enc = self.model.adapter.encode(self.model, ["" if prompts[i].text is None else prompts[i].text
+                                                             for i in masked])
+            for j, i in enumerate(masked):
+                out[i] = owned(enc, j)
+        rest = [i for i in range(len(prompts)) if out[i] is None]
+        if rest:
+            rows = encode_prompts(self.model, [prompts[i] for i in rest], partial(self._windows, graphs=graphs))
+            for i, row in zip(rest, rows):
+                out[i] = row
+        return out
 
     def encode_with(self, prompts: list[PromptText], loras: tuple) -> list[Conditioning]:
-        """`encode`; with text adapters ((key, scale, slot), ...) eagerly, through the text side paths."""
+        """`encode`; with text adapters ((key, scale, slot), ...) eagerly, through the text side paths (their rows
+        set per encoder batch: `_windows`)."""
         if not loras:
             return self.encode(prompts)
-        windows = sum(p.chunks for p in prompts)
-        self._text_rows.set(self.to_device(torch.tensor([[slot for _, _, slot in loras]] * windows)),
-                            self.to_device(torch.tensor([[scale for _, scale, _ in loras]] * windows)))
+        self._loras = loras
         try:
             return self.encode(prompts, graphs=False)
         finally:
+            self._loras = ()
             self._text_rows.set(None, None)
 
     def _windows(self, ids: list[torch.Tensor], clip_skip: int | None, splices: list[Splice],
                  graphs: bool) -> Conditioning:
         """Token windows [w, 77] per tokenizer -> the family's conditioning per window."""
         graph_set = self.graphs
+        if self._loras:  # one side-path row per window of this batch
+            n, loras = ids[0].shape[0], self._loras
+            self._text_rows.set(self.to_device(torch.tensor([[slot for _, _, slot in loras]] * n)),
+                                self.to_device(torch.tensor([[scale for _, scale, _ in loras]] * n)))
         if not graphs or clip_skip is not None or splices or graph_set is None or graph_set.text is None:
             return encode_eager(self.model, [self.to_device(i) for i in ids], clip_skip, splices, self.to_device)
         runner, parts = graph_set.runner, []

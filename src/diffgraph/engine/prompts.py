@@ -5,7 +5,8 @@ A key is (sign, prompt, text adapters): sign "+" (prompt) or "-" (negative promp
 embedding versions), and the LoRA adapters of the request that have text-encoder weights, as (adapter key (name,
 file version), scale, slot). The cache keeps an entry under (sign, prompt, ((adapter key, scale), ...), text-encoder
 weights version): the slot only says where the adapter is now, so it is not part of what was computed. Missing keys
-are encoded in one batch per (sign, adapters): the model runner's `encode(prompts, adapters)` does the device work
+are encoded in one batch per (sign, adapters): `encode(prompts, adapters)` (the runner's
+`prompt_rows.PromptEncoder.encode_with`) does the device work
 and returns one row per prompt in storage of its own (a cached row never keeps its batch alive).
 """
 

@@ -149,7 +149,7 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
                    help="a folder of .safetensors textual-inversion embeddings; a1111-syntax prompts use them by name "
                         "(easynegative, or embedding:easynegative); files added later are found without a restart")
     p.add_argument("--max-prompt-chunks", type=int, default=None, metavar="N",
-                   help="a1111-syntax prompts: the 75-token chunks one prompt may use (default: 3, 225 tokens)")
+                   help="a1111-syntax prompts: the 75-token chunks one prompt may use, 1-4 (default: 3, 225 tokens)")
     p.add_argument("--clip-skip", type=int, default=None, metavar="N",
                    help="the clip skip of requests that give none, in diffusers' numbering (1 = the penultimate "
                         "layer, AUTOMATIC1111's 'CLIP skip 2'; default: none)")

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoraConfig, default_cpu_threads, parse_buckets,
                       parse_name_scales, parse_prewarm, parse_resolutions)
 from ..engine.scheduler import SchedulerConfig
-from ..request import MAX_CLIP_SKIP, MAX_EDIT_PIXELS, PROMPT_SYNTAXES
+from ..request import MAX_CLIP_SKIP, MAX_EDIT_PIXELS, MAX_PROMPT_CHUNKS, PROMPT_SYNTAXES
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # those logging and uvicorn both know
 
@@ -145,9 +145,9 @@ class ServerConfig:
         if self.embeddings_dir is not None and not os.path.isdir(self.embeddings_dir):
             raise ValueError(f"embeddings-dir {self.embeddings_dir!r} is not a folder; give a folder of .safetensors "
                              "textual-inversion embeddings")
-        if not 1 <= self.max_prompt_chunks <= 8:
-            raise ValueError(f"max-prompt-chunks {self.max_prompt_chunks} is out of range; allowed: 1..8 (75 tokens "
-                             "each)")
+        if not 1 <= self.max_prompt_chunks <= MAX_PROMPT_CHUNKS:
+            raise ValueError(f"max-prompt-chunks {self.max_prompt_chunks} is out of range; allowed: "
+                             f"1..{MAX_PROMPT_CHUNKS} (75 tokens each)")
         if self.clip_skip is not None and not 0 <= self.clip_skip <= MAX_CLIP_SKIP:
             raise ValueError(f"clip-skip {self.clip_skip} is out of range; allowed: 0..{MAX_CLIP_SKIP} (1 = the "
                              "penultimate layer)")

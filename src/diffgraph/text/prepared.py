@@ -6,13 +6,17 @@ the request (tokenising and parsing cost CPU; the loop only encodes ids, and the
     request's `clip_skip` applies to the prompt only, as diffusers' pipelines apply it;
   * "a1111" syntax: AUTOMATIC1111's prompt (text/syntax.py), in 75-token chunks (text/chunks.py) with each token's
     emphasis weight, textual-inversion embeddings found by name (text/embeddings.py), and `clip_skip` for both
-    prompts, as AUTOMATIC1111 applies its "CLIP skip"; a missing negative prompt is the empty prompt, and the
-    shorter of the two is padded with empty-prompt chunks at admission ("pad conds": `needs_padding`).
+    prompts, as AUTOMATIC1111 applies its "CLIP skip"; an empty or missing negative prompt is text None (SDXL
+    zeroes it, as AUTOMATIC1111's `force_zero_negative_prompt`; SD1.x/SD2.x encode the empty prompt), and the
+    shorter of the two is padded with empty-prompt windows at admission ("pad conds": `empty_prompt`).
+Every tokenizer call holds `TextSetup.lock`: transformers' fast tokenizers keep their padding setting on the shared
+object, so two threads tokenising at once could give each other's lengths.
 A prompt of more than `max_chunks` chunks is a ParamError naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -60,6 +64,7 @@ class TextSetup:
     max_clip_skip: int = 11
     embeddings: EmbeddingDir | None = None
     matchers: MatcherCache = field(default_factory=lambda: MatcherCache(), compare=False, repr=False)
+    lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)  # around every tokenizer call
 
 
 def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, PromptText]:
@@ -70,8 +75,10 @@ def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, P
     if request.prompt_syntax == "plain":
         return (PromptText(request.prompt, clip_skip=request.clip_skip, ids=plain_ids(setup, request.prompt)),
                 PromptText(request.negative_prompt, ids=plain_ids(setup, request.negative_prompt or "")))
-    return (_a1111(setup, request.prompt, "prompt", request),
-            _a1111(setup, request.negative_prompt or "", "negative_prompt", request))
+    negative = _a1111(setup, request.negative_prompt or "", "negative_prompt", request)
+    if not (request.negative_prompt or "").strip():
+        negative = dataclasses.replace(negative, text=None)
+    return _a1111(setup, request.prompt, "prompt", request), negative
 
 
 def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
@@ -80,15 +87,12 @@ def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
     return PromptText("", "a1111", like.clip_skip, like.emphasis, ids, ((1.0,) * (CHUNK_TOKENS + 2),))
 
 
-def needs_padding(prompt: PromptText, negative: PromptText) -> bool:
-    return prompt.chunks != negative.chunks
-
-
 def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
     out = []
     for tokenizer in setup.tokenizers:
         length = tokenizer.model_max_length
-        ids = tokenizer(text, padding="max_length", max_length=length, truncation=False).input_ids
+        with setup.lock:
+            ids = tokenizer(text, padding="max_length", max_length=length, truncation=False).input_ids
         if len(ids) > length:
             # counts only: prompt text never goes to a log (the request id is not known here)
             logger.warning("prompt truncated: CLIP reads %d tokens, the prompt has %d, %d dropped; "
@@ -119,11 +123,12 @@ def _a1111_once(setup: TextSetup, text: str, name: str, request: GenerationReque
     first = setup.tokenizers[0]
 
     def tokenize(texts: list[str]) -> list[list[int]]:
-        return first(texts, add_special_tokens=False, truncation=False, verbose=False).input_ids
+        with setup.lock:
+            return first(texts, add_special_tokens=False, truncation=False, verbose=False).input_ids
 
     matcher, found = None, {}
     if setup.embeddings is not None:
-        matcher, found = setup.matchers.get(setup.embeddings, tokenize)
+        matcher, found = setup.matchers.get(setup.embeddings, setup.embedding_dims, tokenize)
     for wanted in parsed.embeddings:  # written embedding:NAME, so it must be one
         if wanted in found:
             continue
@@ -136,7 +141,8 @@ def _a1111_once(setup: TextSetup, text: str, name: str, request: GenerationReque
             raise ParamError(name, f"{name}: {e}") from None
         raise ParamError(name, f"{name} names embedding {wanted!r}, which changed while the prompt was read; send "
                                "it again")
-    comma = first.convert_tokens_to_ids(",</w>")
+    with setup.lock:
+        comma = first.convert_tokens_to_ids(",</w>")
     chunks = chunk_tokens(parsed.pieces, tokenize, bos=_bos(first), eos=_eos(first),
                           comma=comma if comma != first.unk_token_id else None, matcher=matcher,
                           chunk_length=CHUNK_TOKENS)
@@ -161,12 +167,24 @@ class MatcherCache:
         self._key: tuple | None = None
         self._value: tuple[EmbeddingMatcher | None, dict[str, int]] = (None, {})
 
-    def get(self, folder: EmbeddingDir, tokenize) -> tuple[EmbeddingMatcher | None, dict[str, int]]:
+    def get(self, folder: EmbeddingDir, dims: dict[str, int],
+            tokenize) -> tuple[EmbeddingMatcher | None, dict[str, str]]:
+        """(the matcher, the names prompts may write -> the embedding each means). Only embeddings for this model's
+        encoders (`dims`) count: another model's keep their name as text, as AUTOMATIC1111 skips them. An embedding
+        in a folder is also found by its file name (`neg/easynegative` as `easynegative`) where that is unique, as
+        AUTOMATIC1111 names them; a name that tokenises to nothing is left out."""
         key = _folder_times(folder.root)
         with self._lock:
             if key != self._key:
-                counts = {e["name"]: int(e["vectors"]) for e in folder.listing()["embeddings"]}
-                self._value = (EmbeddingMatcher(counts, tokenize) if counts else None, counts)
+                usable = {e["name"]: int(e["vectors"]) for e in folder.listing()["embeddings"] if e["dims"] == dims}
+                names = {n: n for n in usable}
+                bases: dict[str, list[str]] = {}
+                for n in usable:
+                    bases.setdefault(n.rsplit("/", 1)[-1], []).append(n)
+                names.update({b: full[0] for b, full in bases.items() if len(full) == 1 and b not in names})
+                counts = {n: usable[full] for n, full in names.items() if tokenize([n])[0]}
+                names = {n: names[n] for n in counts}
+                self._value = (EmbeddingMatcher(counts, tokenize) if counts else None, names)
                 self._key = key
             return self._value
 
@@ -185,20 +203,22 @@ def _folder_times(root: str) -> tuple:
     return tuple(out)
 
 
-def _splices(setup: TextSetup, chunks: TokenChunks, found: dict[str, Any],
+def _splices(setup: TextSetup, chunks: TokenChunks, found: dict[str, str],
              name: str) -> tuple[tuple[Embedding, ...], tuple[tuple[str, Any, int, int, int], ...]]:
+    """The embeddings the chunks place (`found`: the name written -> the embedding's own name), read by version."""
     loaded: dict[str, Embedding] = {}
     splices = []
     for ref in chunks.embeddings:
-        if ref.name not in loaded:
+        real = found.get(ref.name, ref.name)
+        if real not in loaded:
             try:
-                loaded[ref.name] = setup.embeddings.load(ref.name, setup.embedding_dims)
+                loaded[real] = setup.embeddings.load(real, setup.embedding_dims)
             except EmbeddingError as e:
                 raise ParamError(name, str(e)) from None
-        emb = loaded[ref.name]
+        emb = loaded[real]
         if emb.count != ref.vectors:  # rewritten in place since it was listed
-            raise _Stale(ref.name)
-        splices.append((ref.name, emb.version, ref.chunk, ref.offset, ref.vectors))
+            raise _Stale(real)
+        splices.append((real, emb.version, ref.chunk, ref.offset, ref.vectors))
     return tuple(loaded.values()), tuple(splices)
 
 
