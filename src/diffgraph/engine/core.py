@@ -161,7 +161,8 @@ class EngineCore:
         """Live rows per (height, width): every graphed resolution (0 when idle), other sizes while they run."""
         rows = dict.fromkeys(self.runner.graphed_resolutions(), 0)
         with self._cv:
-            rows.update({k: g.live_rows for k, g in self.scheduler.groups.items()})
+            # a group that just emptied stays in the scheduler until its next schedule(): not running, not listed
+            rows.update({k: g.live_rows for k, g in self.scheduler.groups.items() if g.live or g.waiting})
         return rows
 
     def close(self, timeout: float | None = 10.0) -> None:
