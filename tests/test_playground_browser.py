@@ -378,3 +378,31 @@ def test_adapter_picker_sends_the_chosen_lora(browser, server):
     assert pg.wait_finished(page, plain) == "done"
     assert "loras" not in traffic.bodies[-1]
     assert errors == []
+
+
+def test_prompt_syntax_picker_sends_a1111_prompts(browser, server):
+    """Choosing AUTOMATIC1111's syntax sends `prompt_syntax` with the prompt as written (weights, BREAK and a
+    `<lora:...>` tag for the built-in adapter); the server's default sends no field; a prompt-editing form comes back
+    as an error at the prompt field."""
+    page = pg.open_playground(browser, server.url)
+    traffic = Traffic(page)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.select_option("#prompt-syntax", "a1111")
+    pg.fill_form(page, prompt="(a handwritten digit seven:1.3) BREAK thick strokes <lora:pencil:0.5>", size="64x64",
+                 steps=STEPS, seed=SEED, n=1)
+    local = pg.submit(page)
+    assert pg.wait_finished(page, local) == "done"
+    assert traffic.bodies[-1]["prompt_syntax"] == "a1111"
+
+    pg.fill_form(page, prompt="a [seven:eight:0.5] digit")
+    page.click("#generate")
+    page.wait_for_selector("#error-prompt:not(:empty)", timeout=pg.WAIT_MS)
+    assert "editing" in page.inner_text("#error-prompt")
+
+    page.select_option("#prompt-syntax", "")
+    pg.fill_form(page, prompt=PROMPT)
+    plain = pg.submit(page)
+    assert pg.wait_finished(page, plain) == "done"
+    assert "prompt_syntax" not in traffic.bodies[-1]
+    assert errors == []

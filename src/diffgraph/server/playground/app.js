@@ -20,10 +20,10 @@
   const FIELD_FOR_PARAM = {
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
-    image: "image", mask: "image", strength: "strength", loras: "lora",
+    image: "image", mask: "image", strength: "strength", loras: "lora", prompt_syntax: "prompt-syntax",
   };
-  const FIELDS = ["prompt", "negative-prompt", "size", "steps", "guidance", "sampler", "schedule", "seed", "n",
-    "image", "strength", "lora"];
+  const FIELDS = ["prompt", "negative-prompt", "prompt-syntax", "size", "steps", "guidance", "sampler", "schedule",
+    "seed", "n", "image", "strength", "lora"];
   const AUTO_SIZE = "auto";  // an edit's size: the image's, rounded down to multiples of 8 (the server's rule)
   const EXTENSIONS = { png: "png", jpeg: "jpg", webp: "webp" };
 
@@ -249,6 +249,7 @@
     return {
       prompt: $("prompt").value,
       negative_prompt: $("negative-prompt").value,
+      syntax: $("prompt-syntax").value,
       size: currentSize(),
       steps: $("steps").value.trim(),
       guidance: $("guidance").value.trim(),
@@ -282,6 +283,7 @@
   function fillForm(s) {
     $("prompt").value = s.prompt || "";
     $("negative-prompt").value = s.negative_prompt || "";
+    $("prompt-syntax").value = s.syntax || "";
     const sizes = Array.from($("size").options).map((o) => o.value);
     if (s.size && sizes.includes(s.size) && s.size !== "custom") {
       $("size").value = s.size;
@@ -362,6 +364,7 @@
       output_format: "png", response_format: "b64_json", stream: true,
     };
     if (s.negative_prompt.trim()) body.negative_prompt = s.negative_prompt;
+    if (s.syntax) body.prompt_syntax = s.syntax;
     if (s.guidance !== "") body.guidance_scale = Number(s.guidance);
     if (s.lora) body.loras = [{ name: s.lora, scale: Number(s.lora_scale) }];
     let json = JSON.stringify(body);
@@ -395,6 +398,7 @@
       schedule: s.schedule, output_format: "png", response_format: "b64_json", stream: "true" };
     if (s.size !== AUTO_SIZE) fields.size = s.size.replace(/\s+/g, "").replace("×", "x").toLowerCase();
     if (s.negative_prompt.trim()) fields.negative_prompt = s.negative_prompt;
+    if (s.syntax) fields.prompt_syntax = s.syntax;
     if (s.guidance !== "") fields.guidance_scale = s.guidance;
     if (s.seed !== "") fields.seed = s.seed;
     if (s.strength !== "") fields.strength = s.strength;
