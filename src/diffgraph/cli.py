@@ -29,14 +29,9 @@ def default_model() -> str:
     return DEFAULT_MODEL
 
 
-def _parser(serve: bool = True) -> argparse.ArgumentParser:
-    """The parser; `serve=False` leaves the serve sub-parser without its flags (they are only read by
-    `diffgraph serve`, and building them imports the server's configuration)."""
-    p = argparse.ArgumentParser(prog="diffgraph", description="Generate images with SD-family models on CUDA graphs.")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate images from a prompt")
-    g.add_argument("prompt", help="the text prompt")
+def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("prompt", nargs="?", default=None,
+                   help="the text prompt (with --from-image: the file's, unless given)")
     g.add_argument("-o", "--output", default="out.png",
                    help="output file (.png/.jpg/.webp); with -n > 1 files are numbered: out-0.png, out-1.png, ...")
     g.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
@@ -83,6 +78,22 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=None,
                    help="with --url: the server's API key, sent as `Authorization: Bearer KEY` "
                         "(default: $DIFFGRAPH_API_KEY)")
+    g.add_argument("--from-image", default=None, metavar="FILE",
+                   help="re-run the request saved in an image's settings (a diffgraph image, or AUTOMATIC1111's "
+                        "`parameters` text); flags given here override the file's values")
+    g.add_argument("--no-metadata", dest="metadata", action="store_false",
+                   help="write images without their settings (by default a PNG carries AUTOMATIC1111's "
+                        "`parameters` text and the request as JSON; JPEG/WebP the same in EXIF)")
+
+
+def _parser(serve: bool = True) -> argparse.ArgumentParser:
+    """The parser; `serve=False` leaves the serve sub-parser without its flags (they are only read by
+    `diffgraph serve`, and building them imports the server's configuration)."""
+    p = argparse.ArgumentParser(prog="diffgraph", description="Generate images with SD-family models on CUDA graphs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate images from a prompt")
+    _add_generate_arguments(g)
 
     sub.add_parser("models", help="list the presets")
 
@@ -209,7 +220,51 @@ def _write_bytes(data: bytes, path: str) -> None:
         f.write(data)
 
 
-def _generate(args: argparse.Namespace) -> int:
+# generate's flag (its dest) -> the GenerationRequest.create argument that --from-image reads from the file
+FROM_IMAGE = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width": "width", "height": "height",
+              "steps": "num_inference_steps", "guidance": "guidance_scale", "sampler": "sampler",
+              "schedule": "schedule", "seed": "seed", "num_images": "num_images", "prompt_syntax": "prompt_syntax",
+              "clip_skip": "clip_skip", "model": "model", "strength": "strength"}
+NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale")  # request fields only --from-image sets
+
+
+def _explicit_flags(argv: list[str]) -> set[str]:
+    """The generate options (their dests) given on the command line: those override --from-image's file."""
+    q = argparse.ArgumentParser(add_help=False)
+    _add_generate_arguments(q)
+    dests = vars(q.parse_known_args(argv)[0])
+    unset = object()
+    q.set_defaults(**{dest: unset for dest in dests})
+    return {k for k, v in vars(q.parse_known_args(argv)[0]).items() if v is not unset}
+
+
+def _apply_from_image(args: argparse.Namespace, argv: list[str]) -> None:
+    """Fills the flags not given on the command line from the request saved in --from-image's file."""
+    from .image_metadata import MetadataError, read_request
+
+    try:
+        saved = read_request(args.from_image)
+    except FileNotFoundError:
+        raise _ArgError(f"--from-image {args.from_image!r} does not exist") from None
+    except (MetadataError, OSError) as e:
+        raise _ArgError(f"--from-image {args.from_image!r} {e}") from None
+    given = _explicit_flags(argv)
+    for dest, name in FROM_IMAGE.items():
+        if dest not in given and saved.get(name) is not None:
+            setattr(args, dest, saved[name])
+    if "lora" not in given and saved.get("loras"):
+        args.lora = [f"{name}:{float(scale)!r}" for name, scale in saved["loras"]]
+    if args.strength is not None and args.image is None:
+        raise _ArgError(f"--from-image {args.from_image!r} is an image-to-image request (strength "
+                        f"{args.strength:g}); give its input image with --image (images do not embed their input)")
+    args.extra = {name: saved[name] for name in NO_FLAG if name in saved}
+
+
+def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
+    if args.from_image is not None:
+        _apply_from_image(args, list(argv))
+    if args.prompt is None:
+        raise _ArgError("give a prompt (or --from-image FILE, to re-run the settings saved in an image)")
     if args.seed == -1:  # "random" in AUTOMATIC1111 and ComfyUI: the same as leaving --seed out
         args.seed = None
     paths = _output_paths(args.output, args.num_images if args.num_images > 0 else 1)
@@ -219,7 +274,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
-                  loras=_lora_flags(args), prompt_syntax=args.prompt_syntax or "plain", clip_skip=args.clip_skip)
+                  loras=_lora_flags(args), prompt_syntax=args.prompt_syntax or "plain", clip_skip=args.clip_skip,
+                  **getattr(args, "extra", {}))
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params
@@ -236,13 +292,14 @@ def _generate(args: argparse.Namespace) -> int:
             torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
         engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype,
                         lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
-                        compile=args.compile, embeddings_dir=args.embeddings_dir)
+                        compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata)
         request = engine.make_request(args.prompt, width=args.width, height=args.height,
-                                      guidance_scale=args.guidance, **params)
+                                      guidance_scale=args.guidance,
+                                      output_format=OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()], **params)
     except ParamError as e:
         raise _flag_error(e, args) from None
     result = engine.run(request)
-    _save_all(result.images, paths, lambda image, path: image.save(path))
+    _save_all(result.encoded, paths, _write_bytes)  # encoded by the engine, with the settings inside
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
     return 0
 
@@ -312,6 +369,8 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
                         "compile tier when it started")
     if (args.width is None) != (args.height is None):
         raise _ArgError("with --url give both --width and --height (or neither, for the model's native size)")
+    if not args.metadata:
+        raise _ArgError("--no-metadata cannot be used with --url: the server's own --no-metadata decides")
     if args.lora_dir is not None:
         raise _ArgError("--lora-dir cannot be used with --url: the server serves the adapters of its own --lora-dir "
                         "(GET /v1/loras lists them)")
@@ -325,7 +384,8 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "output_format": OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()],
             "response_format": "b64_json",
             "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None,
-            "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip}
+            "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
+            **getattr(args, "extra", {})}  # --from-image's fields without a flag
     key = _api_key(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {k: v for k, v in body.items() if v is not None}
@@ -409,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{DEFAULT_SAMPLER!r}), schedules {', '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE!r}), "
                   "sizes in multiples of 8")
             return 0
-        return _generate(args)
+        return _generate(args, argv[1:])
     except (_ArgError, ValueError) as e:
         print(f"diffgraph: error: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,7 @@ import torch
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ParamError,
                        ProgressEvent, RequestAborted)
 from ..features.base import Admission
+from ..image_metadata import save_options
 from .edits import prepare_edit
 from .model_runner import ModelRunner
 from .prompts import PromptKey
@@ -47,19 +48,23 @@ class RequestSink(Protocol):
         """Exactly one of the two; later calls (after the first) are ignored by the sink."""
 
 
-def encode_image(pixels: np.ndarray, fmt: str) -> bytes:
-    """Float pixels [H, W, 3] in [0, 1] -> PNG / JPEG / WebP bytes (rounded as diffusers' numpy_to_pil)."""
+def encode_image(pixels: np.ndarray, fmt: str, request: GenerationRequest | None = None, model_name: str = "",
+                 metadata: bool = True) -> bytes:
+    """Float pixels [H, W, 3] in [0, 1] -> PNG / JPEG / WebP bytes (rounded as diffusers' numpy_to_pil); with a
+    request and `metadata`, the settings that made it inside (image_metadata.py)."""
     from PIL import Image
 
+    options = save_options(fmt, request, model_name) if metadata and request is not None else {}
     buf = io.BytesIO()
     Image.fromarray((pixels * 255).round().astype("uint8")).save(
-        buf, format=IMAGE_FORMATS[fmt], **({"quality": 95} if fmt in ("jpeg", "webp") else {}))
+        buf, format=IMAGE_FORMATS[fmt], **({"quality": 95} if fmt in ("jpeg", "webp") else {}), **options)
     return buf.getvalue()
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2):
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2, metadata: bool = True):
         self.runner = runner
+        self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self.scheduler = Scheduler(config)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self._cv = threading.Condition()
@@ -343,7 +348,8 @@ class EngineCore:
                     raise EngineStepError(
                         f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "
                         "overflowed its dtype; lower the LoRA scales or the guidance, or use a float32/bfloat16 model")
-                encoded = [encode_image(a, r.output_format) for a in part] if r.output_format else None
+                encoded = ([encode_image(a, r.output_format, r, self.runner.model.name, self.metadata) for a in part]
+                           if r.output_format else None)
                 now = time.monotonic()
                 timings = {"queue_ms": (s.admitted_at - s.arrival) * 1e3,
                            "denoise_ms": (done_at - s.admitted_at) * 1e3,

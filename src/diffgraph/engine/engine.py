@@ -87,7 +87,7 @@ class Engine:
                  grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
                  max_loras: int | None = None, max_lora_rank: int = 64,
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
-                 max_prompt_chunks: int = 3, embeddings_dir: str | None = None):
+                 max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -123,7 +123,7 @@ class Engine:
                 batching=batching, max_rows=self.runner.max_rows, max_wait_ms=max_wait_ms, max_queue=max_queue,
                 buckets=self.runner.graph_config.batch_buckets if graphed else (),
                 padded=self.runner.graphed_resolutions(), grow_fill=grow_fill, grow_hold_ms=grow_hold_ms),
-                image_threads=image_threads)
+                image_threads=image_threads, metadata=bool(metadata))
             self._ready = False
             if graphed and self.runner.graph_config.prewarm:
                 self.runner.prewarm()

@@ -31,7 +31,8 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
            "max_lora_rank", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
-           "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax")
+           "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
+           "metadata")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -111,6 +112,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="also require a key for /metrics and /status (default: off; /health and /ready stay open)")
     p.add_argument("--playground", default=None, action=argparse.BooleanOptionalAction,
                    help="serve the playground page at / (default: on; --no-playground turns it off)")
+    p.add_argument("--metadata", default=None, action=argparse.BooleanOptionalAction,
+                   help="write the settings into every image (AUTOMATIC1111's PNG `parameters` text and the request "
+                        "as JSON; EXIF in JPEG/WebP) (default: on; --no-metadata turns it off)")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads of a CPU engine (default: the cores minus one, at least 1)")
     p.add_argument("--devices", default=None, metavar="LIST",

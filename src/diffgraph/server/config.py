@@ -91,6 +91,7 @@ class ServerConfig:
     clip_skip: int | None = None         # the default clip skip of requests that give none (diffusers' numbering)
     prompt_syntax: str = "plain"         # the default prompt syntax of the images routes ("plain" or "a1111")
     compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
+    metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -180,7 +181,7 @@ class ServerConfig:
                     grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads,
                     lora_dir=self.lora_dir, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                     fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
-                    embeddings_dir=self.embeddings_dir,
+                    embeddings_dir=self.embeddings_dir, metadata=self.metadata,
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
@@ -203,7 +204,7 @@ def _parse(key: str, value: Any) -> Any:
             raise ValueError("api-key is empty; give a key, or leave api-key (and DIFFGRAPH_API_KEY) out for an "
                              "open server")
         return keys
-    if key in ("access_log", "protect_metrics", "playground", "compile"):
+    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata"):
         if not isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
         return value

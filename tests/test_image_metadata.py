@@ -1,0 +1,138 @@
+"""The settings inside every image (issue 34, point 4): AUTOMATIC1111's infotext, the request as JSON in PNG / JPEG /
+WebP, `--no-metadata`, and `diffgraph generate --from-image` reproducing an image exactly."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from diffgraph import image_metadata as meta
+from diffgraph.cli import main
+from diffgraph.request import GenerationRequest
+
+
+def _edit_request(**overrides):
+    params = dict(negative_prompt="lowres, blurry", width=64, height=64, num_inference_steps=20, guidance_scale=7.0,
+                  sampler="dpmpp_2m", schedule="karras", seed=123, loras=[("ink", 0.8), ("styles/soft", 1.0)],
+                  clip_skip=1, image=np.zeros((64, 64, 3), np.uint8), strength=0.75)
+    return GenerationRequest.create("masterpiece, a cat", **{**params, **overrides})
+
+
+def test_infotext_is_automatic1111s():
+    assert meta.infotext(_edit_request(), "digits") == (
+        "masterpiece, a cat <lora:ink:0.8> <lora:styles/soft:1>\n"
+        "Negative prompt: lowres, blurry\n"
+        "Steps: 20, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 7, Seed: 123, Size: 64x64, Model: digits, "
+        "Denoising strength: 0.75, Clip skip: 2")
+    plain = GenerationRequest.create("a dog", width=96, height=64, num_inference_steps=4, guidance_scale=7.5,
+                                     sampler="euler_a", seed=5)
+    assert meta.infotext(plain, "random:tiny") == (
+        'a dog\nSteps: 4, Sampler: Euler a, Schedule type: Automatic, CFG scale: 7.5, Seed: 5, Size: 96x64, '
+        'Model: "random:tiny"')  # a value with a colon is quoted, as AUTOMATIC1111's quote() does
+
+
+def test_a1111_prompt_tags_are_not_written_twice():
+    r = GenerationRequest.create("a cat <lora:ink:0.5>", width=64, height=64, guidance_scale=7.0, seed=1,
+                                 prompt_syntax="a1111", loras=[("soft", 1.0)])
+    assert r.loras == (("soft", 1.0), ("ink", 0.5))
+    assert meta.infotext(r, "digits").splitlines()[0] == "a cat <lora:ink:0.5> <lora:soft:1>"
+    fields = meta.request_fields(r, "digits")
+    assert fields["loras"] == [["soft", 1.0]] and fields["prompt"] == "a cat <lora:ink:0.5>"
+    again = GenerationRequest.create(**{k: v for k, v in fields.items() if k not in ("version", "model")})
+    assert again.loras == r.loras
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpeg", "webp"])
+def test_the_request_round_trips_through_each_format(fmt):
+    r = _edit_request(prompt_syntax="a1111", emphasis="no_norm", guidance_rescale=0.5,
+                      guidance_interval=(0.1, 0.9), negative_prompt="ünïcode ✓")
+    data = meta.embed(fmt, Image.new("RGB", (64, 64)), r, "digits")
+    text, raw = meta.read_texts(data)
+    assert text == meta.infotext(r, "digits") and json.loads(raw)["version"] == meta.FORMAT_VERSION
+    saved = meta.read_request(data)
+    assert saved == {"model": "digits", "prompt": "masterpiece, a cat", "negative_prompt": "ünïcode ✓",
+                     "width": 64, "height": 64, "num_inference_steps": 20, "guidance_scale": 7.0,
+                     "sampler": "dpmpp_2m", "schedule": "karras", "seed": 123, "num_images": 1,
+                     "loras": (("ink", 0.8), ("styles/soft", 1.0)), "guidance_interval": (0.1, 0.9),
+                     "guidance_rescale": 0.5, "prompt_syntax": "a1111", "clip_skip": 1, "emphasis": "no_norm",
+                     "strength": 0.75, "inpaint": False}
+    if fmt != "png":  # the infotext as AUTOMATIC1111 (piexif) writes it: "UNICODE\0" and UTF-16 big-endian
+        comment = Image.open(io.BytesIO(data)).getexif().get_ifd(meta.EXIF_IFD)[meta.USER_COMMENT]
+        assert comment == b"UNICODE\0" + meta.infotext(r, "digits").encode("utf-16-be")
+
+
+def test_an_automatic1111_png_reads_back():
+    info = PngInfo()
+    info.add_text("parameters", "masterpiece, a cat\nNegative prompt: lowres\nSteps: 20, Sampler: DPM++ 2M, Schedule "
+                                "type: Karras, CFG scale: 7, Seed: 123, Size: 64x64, Model: digits")
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(buf, format="PNG", pnginfo=info)
+    assert meta.read_request(buf.getvalue()) == {
+        "prompt": "masterpiece, a cat", "negative_prompt": "lowres", "prompt_syntax": "a1111",
+        "num_inference_steps": 20, "sampler": "dpmpp_2m", "schedule": "karras", "guidance_scale": 7.0, "seed": 123,
+        "width": 64, "height": 64, "model": "digits"}
+    old = meta.parse_infotext("a cat\nSteps: 30, Sampler: DPM++ 2M Karras, CFG scale: 6.5, Seed: 9, Size: 512x768, "
+                              'Model hash: 6ce0161689, Model: "v1-5", Clip skip: 2, Denoising strength: 0.4')
+    assert (old["sampler"], old["schedule"], old["guidance_scale"], old["width"], old["height"], old["model"],
+            old["clip_skip"], old["strength"], old["negative_prompt"]) == \
+        ("dpmpp_2m", "karras", 6.5, 512, 768, "v1-5", 1, 0.4, None)
+
+
+def test_an_image_without_settings_is_one_error(tmp_path, capsys):
+    bare = tmp_path / "bare.png"
+    Image.new("RGB", (64, 64)).save(bare)
+    with pytest.raises(meta.MetadataError):
+        meta.read_request(str(bare))
+    assert main(["generate", "--from-image", str(bare), "-o", str(tmp_path / "x.png"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "carries no generation settings" in err
+
+
+def _pixels(path):
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def test_from_image_reproduces_the_image_and_no_metadata_leaves_it_out(tmp_path):
+    first, again, bare = tmp_path / "first.png", tmp_path / "again.png", tmp_path / "bare.png"
+    assert main(["generate", "a handwritten digit seven", "--negative-prompt", "blurry", "--model", "digits",
+                 "--device", "cpu", "--steps", "3", "--seed", "77", "--sampler", "euler_a", "--guidance", "4",
+                 "-o", str(first)]) == 0
+    text = Image.open(first).text
+    assert text["parameters"] == ("a handwritten digit seven\nNegative prompt: blurry\nSteps: 3, Sampler: Euler a, "
+                                  f"Schedule type: Automatic, CFG scale: 4, Seed: 77, Size: {_size(first)}, "
+                                  "Model: digits")
+    assert json.loads(text["diffgraph"])["seed"] == 77
+    assert main(["generate", "--from-image", str(first), "--device", "cpu", "-o", str(again)]) == 0
+    assert np.array_equal(_pixels(first), _pixels(again))
+    assert Image.open(again).text == text
+    # a flag given on the command line overrides the file's value
+    assert main(["generate", "--from-image", str(first), "--device", "cpu", "--seed", "78", "--no-metadata",
+                 "-o", str(bare)]) == 0
+    assert Image.open(bare).text == {} and not np.array_equal(_pixels(first), _pixels(bare))
+
+
+def _size(path):
+    w, h = Image.open(path).size
+    return f"{w}x{h}"
+
+
+def test_the_switches():
+    from diffgraph.engine.core import encode_image
+    from diffgraph.server.cli import add_serve_arguments
+    from diffgraph.server.config import ServerConfig
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert p.parse_args(["--no-metadata"]).metadata is False and p.parse_args([]).metadata is None
+    assert ServerConfig(model="digits").engine_kwargs()["metadata"] is True
+    assert ServerConfig.from_mapping({"model": "digits", "metadata": False}).engine_kwargs()["metadata"] is False
+
+    r = GenerationRequest.create("x", width=64, height=64, guidance_scale=7.0, seed=3)
+    pixels = np.full((64, 64, 3), 0.5, np.float32)
+    assert Image.open(io.BytesIO(encode_image(pixels, "png", r, "digits"))).text["parameters"].startswith("x\nSteps")
+    assert Image.open(io.BytesIO(encode_image(pixels, "png", r, "digits", metadata=False))).text == {}
+    assert Image.open(io.BytesIO(encode_image(pixels, "png"))).text == {}
