@@ -215,7 +215,3 @@ def layout(rows: Sequence[tuple[int, int, int]], size: int) -> np.ndarray:
             table[first:first + k, 3] = np.arange(d, d + k)
             d += k
     return table
-
-
-def denoiser_rows(rows: Sequence[tuple[int, int, int]]) -> int:
-    return sum(k * b for _, k, b in rows)
