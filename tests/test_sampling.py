@@ -45,6 +45,8 @@ CONFIGS = {
     "sdxl": SDXL,
     "trailing": SD15 | {"timestep_spacing": "trailing", "steps_offset": 0},
     "linspace": {"beta_schedule": "linear", "timestep_spacing": "linspace"},  # diffusers' defaults otherwise
+    # zero terminal SNR (Lin et al. 2023): rescaled betas, trailing spacing, as v-prediction fine-tunes ship it
+    "zero_snr": SD15 | {"timestep_spacing": "trailing", "steps_offset": 0, "rescale_betas_zero_snr": True},
 }
 STEPS = (1, 2, 10, 20, 50)
 SHAPE = (2, 4, 8, 8)
@@ -115,14 +117,16 @@ def _cases():
         for sampler in SAMPLERS:
             for schedule in SCHEDULES:
                 for pred in ("epsilon", "v_prediction"):
-                    yield name, sampler, schedule, pred
+                    if name != "zero_snr" or pred == "v_prediction":  # (zero SNR is v-prediction only: refused)
+                        yield name, sampler, schedule, pred
 
 
 @pytest.mark.parametrize("name,sampler,schedule,pred", list(_cases()))
 def test_matches_diffusers(name, sampler, schedule, pred):
     config = CONFIGS[name] | {"prediction_type": pred}
     noise = NoiseSchedule.from_config(config)
-    for n in STEPS:
+    # karras sigmas up to zero SNR's sigma_max (4096) repeat the top timestep at 50 steps: refused (tested below)
+    for n in STEPS[:-1] if name == "zero_snr" and schedule == "karras" else STEPS:
         plan = make_plan(noise, sampler, schedule, n)
         sched, ref = run_diffusers(config, sampler, schedule, n)
         np.testing.assert_array_equal(plan.timesteps, sched.timesteps.numpy().astype(np.float64))
@@ -134,8 +138,22 @@ def test_matches_diffusers(name, sampler, schedule, pred):
         assert_same_latents(run_plan(plan), ref, f"{sampler}/{schedule}/{pred}/{name} n={n}")
 
 
+def test_zero_snr_is_v_prediction_only_and_karras_repeats_are_refused():
+    with pytest.raises(ValueError, match="zero terminal SNR.*v_prediction"):
+        NoiseSchedule.from_config(CONFIGS["zero_snr"] | {"prediction_type": "epsilon"})
+    noise = NoiseSchedule.from_config(CONFIGS["zero_snr"] | {"prediction_type": "v_prediction"})
+    ours = noise.alphas_cumprod()
+    ref = diffusers_scheduler(CONFIGS["zero_snr"] | {"prediction_type": "v_prediction"}, "ddim", "default")
+    np.testing.assert_array_equal(ours, ref.alphas_cumprod.numpy().astype(np.float64))
+    assert ours[-1] == 0.0 and noise.train_sigmas()[-1] == pytest.approx(4096.0, rel=1e-3)
+    for sampler in ("dpmpp_2m", "ddim"):
+        with pytest.raises(ValueError, match="repeat"):
+            make_plan(noise, sampler, "karras", 50)
+
+
 def test_alphas_cumprod_matches_diffusers():
     for config in CONFIGS.values():
+        config = config | ({"prediction_type": "v_prediction"} if config.get("rescale_betas_zero_snr") else {})
         sched = diffusers_scheduler(config, "ddim", "default")
         ours = NoiseSchedule.from_config(config).alphas_cumprod()
         assert ours.dtype == np.float64

@@ -39,7 +39,6 @@ _LEADING_BY_DEFAULT = ("DDPMScheduler", "DDIMScheduler", "PNDMScheduler", "LCMSc
 _UNSUPPORTED = (
     # key, value we support, why
     ("trained_betas", None, "explicit trained_betas are not supported; use beta_start/beta_end/beta_schedule"),
-    ("rescale_betas_zero_snr", False, "rescale_betas_zero_snr=True is not supported"),
     ("clip_sample", False, "clip_sample=True is not supported; set clip_sample=False"),
     ("thresholding", False, "thresholding=True is not supported; set thresholding=False"),
     ("timestep_type", "discrete", "timestep_type must be 'discrete'"),
@@ -58,11 +57,17 @@ class NoiseSchedule:
     timestep_spacing: str = "linspace"
     steps_offset: int = 0
     set_alpha_to_one: bool = True  # DDIM only: the final step goes to alpha=1 (True) or to alphas_cumprod[0]
+    # betas rescaled to zero terminal SNR (Lin et al. 2023), as diffusers' rescale_zero_terminal_snr; the
+    # k-diffusion samplers then read the last alpha-bar as 2**-24 (diffusers': a finite first sigma)
+    rescale_betas_zero_snr: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("beta_schedule", self.beta_schedule, BETA_SCHEDULES)
         _check_choice("prediction_type", self.prediction_type, PREDICTION_TYPES)
         _check_choice("timestep_spacing", self.timestep_spacing, TIMESTEP_SPACINGS)
+        if self.rescale_betas_zero_snr and self.prediction_type != "v_prediction":
+            raise ValueError("a zero terminal SNR schedule (rescale_betas_zero_snr) needs prediction_type "
+                             "'v_prediction' (an epsilon model cannot denoise pure noise); set both or neither")
         if self.num_train_timesteps < 2:
             raise ValueError(f"num_train_timesteps must be >= 2, got {self.num_train_timesteps}")
 
@@ -89,6 +94,7 @@ class NoiseSchedule:
             timestep_spacing=str(config.get("timestep_spacing", spacing_default)),
             steps_offset=int(config.get("steps_offset", 0)),
             set_alpha_to_one=bool(config.get("set_alpha_to_one", True)),
+            rescale_betas_zero_snr=bool(config.get("rescale_betas_zero_snr", False)),
         )
 
     def diffusers_kwargs(self) -> dict[str, Any]:
@@ -102,7 +108,7 @@ class NoiseSchedule:
             "prediction_type": self.prediction_type,
             "timestep_spacing": self.timestep_spacing,
             "steps_offset": self.steps_offset,
-            "rescale_betas_zero_snr": False,
+            "rescale_betas_zero_snr": self.rescale_betas_zero_snr,
         }
 
     def alphas_cumprod(self) -> np.ndarray:
@@ -112,10 +118,13 @@ class NoiseSchedule:
     def train_sigmas(self) -> np.ndarray:
         """VE sigma per training timestep, sqrt((1 - abar) / abar), float64 holding diffusers' float32 values."""
         ac = self._alphas_cumprod_f32()
+        if self.rescale_betas_zero_snr:  # diffusers' Euler / DPM-Solver: close to 0 but a finite sigma
+            ac[-1] = 2**-24
         return (((1 - ac) / ac) ** 0.5).numpy().astype(np.float64)
 
     def _alphas_cumprod_f32(self) -> torch.Tensor:
-        return _alphas_cumprod(self.num_train_timesteps, self.beta_start, self.beta_end, self.beta_schedule)
+        return _alphas_cumprod(self.num_train_timesteps, self.beta_start, self.beta_end, self.beta_schedule,
+                               self.rescale_betas_zero_snr)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
@@ -123,7 +132,8 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{name} {value!r} is not supported; use one of {', '.join(map(repr, allowed))}")
 
 
-def _alphas_cumprod(n: int, beta_start: float, beta_end: float, beta_schedule: str) -> torch.Tensor:
+def _alphas_cumprod(n: int, beta_start: float, beta_end: float, beta_schedule: str,
+                    zero_snr: bool = False) -> torch.Tensor:
     # Computed with torch in float32 exactly as diffusers does (torch's float32 linspace, cumprod and pow
     # differ from numpy's in the last bit, and the cumulative product drifts ~1e-6 from a float64 one).
     # torch is imported here, not at the top: the names above (SAMPLERS, MAX_STEPS) are read without it.
@@ -140,6 +150,12 @@ def _alphas_cumprod(n: int, beta_start: float, beta_end: float, beta_schedule: s
         betas = torch.tensor(
             [min(1 - alpha_bar((i + 1) / n) / alpha_bar(i / n), 0.999) for i in range(n)], dtype=torch.float32
         )
+    if zero_snr:  # diffusers' rescale_zero_terminal_snr, in its float32 order of operations
+        root = torch.cumprod(1.0 - betas, dim=0).sqrt()
+        first, last = root[0].clone(), root[-1].clone()
+        root = (root - last) * (first / (first - last))
+        bars = root**2
+        betas = 1 - torch.cat([bars[0:1], bars[1:] / bars[:-1]])
     return torch.cumprod(1.0 - betas, dim=0)
 
 
