@@ -245,3 +245,31 @@ class CompileConfig:
         if self.attention not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"compile attention {self.attention!r} is not an attention backend; use one of "
                              f"{', '.join(ATTENTION_BACKENDS)} (or leave it out: the family's measured default)")
+
+
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a model's files are read (issue 29): for a single-file checkpoint, the diffusers config folder to read it
+    with (else detected from its keys); for any model, a prediction type or zero-SNR override and a VAE (a single
+    file or a diffusers folder) in place of the model's own."""
+
+    model_config: str | None = None
+    prediction_type: str | None = None   # "epsilon" | "v_prediction"; None: the model's (or detected)
+    zero_snr: bool | None = None         # rescaled betas to zero terminal SNR; None: the model's (or detected)
+    vae: str | None = None
+    cache_dir: str | None = None         # where generated config folders are kept; None: the user's cache folder
+
+    def __post_init__(self) -> None:
+        if self.prediction_type is not None and self.prediction_type not in PREDICTION_TYPES:
+            raise ValueError(f"prediction-type {self.prediction_type!r} is unknown; allowed: "
+                             f"{', '.join(PREDICTION_TYPES)}")
+        for name in ("model_config", "vae"):
+            path = getattr(self, name)
+            if path is not None and not os.path.exists(path):
+                raise ValueError(f"{name.replace('_', '-')} {path!r} does not exist; give a local file or folder")
+        if self.model_config is not None and not os.path.isfile(os.path.join(self.model_config, "model_index.json")):
+            raise ValueError(f"model-config {self.model_config!r} is not a diffusers folder (no model_index.json); "
+                             "give the folder of a diffusers pipeline of the checkpoint's architecture")

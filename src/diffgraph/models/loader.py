@@ -1,4 +1,4 @@
-"""One loader for every model: local diffusers folders (offline) and presets.
+"""One loader for every model: local diffusers folders and single-file checkpoints (offline), and presets.
 
 `load_model(name_or_path, device, dtype)` returns a `DiffusionModel`: the UNet, VAE, text encoders
 and tokenizers of an SD1.x/SD2.x or SDXL-base pipeline, its scheduler config and its family. Nothing
@@ -26,9 +26,11 @@ import torch
 
 from .. import safe_files
 from . import presets as P
+from ..config import LoadOptions
 from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
+from .single_file import load_single_file, load_vae
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +43,16 @@ _WEIGHTS_EXT = (".safetensors", ".bin")
 def _supported_message(families: FamilyRegistry) -> str:
     names = ", ".join(P.available_presets())
     return (f"supported: a local diffusers folder of {' or '.join(families.pipeline_classes())} "
-            f"(with model_index.json), or a preset: {names}")
+            f"(with model_index.json), an SD1.x / SD2.x / SDXL checkpoint file (.safetensors), or a preset: {names}")
 
 
 def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = "fp32",
-               families: FamilyRegistry | None = None) -> DiffusionModel:
-    """Loads a preset or a local diffusers folder, with the family adapter `families` maps its pipeline class to
-    (default: the built-in SD and SDXL families). Errors list what is supported."""
+               families: FamilyRegistry | None = None, options: LoadOptions | None = None) -> DiffusionModel:
+    """Loads a preset, a local diffusers folder or a single-file checkpoint, with the family adapter `families` maps
+    its pipeline class to (default: the built-in SD and SDXL families). `options`: a single file's config folder,
+    prediction-type / zero-SNR overrides, a VAE in place of the model's. Errors list what is supported."""
     quiet_known_warnings()
+    options = options or LoadOptions()
     families = families or default_registry()
     device = torch.device(device)
     torch_dtype = parse_dtype(dtype)
@@ -58,16 +62,19 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torc
     if device.type == "cuda" and device.index is None:  # the model lives on one numbered device
         device = torch.device("cuda", torch.cuda.current_device())
     if model in P.RANDOM_PRESETS:
-        return _build_random(P.RANDOM_PRESETS[model], device, torch_dtype, families)
+        if options.vae or options.model_config:
+            raise ValueError(f"{'vae' if options.vae else 'model-config'} needs a model folder or checkpoint file; "
+                             f"preset {model!r} is built in code")
+        return _overridden(_build_random(P.RANDOM_PRESETS[model], device, torch_dtype, families), options)
     if model in P.SHIPPED_PRESETS:
         folder = P.shipped_preset_folder(model)
         if folder is None:
             raise ValueError(f"preset {model!r} is not shipped in this install; {_supported_message(families)}")
-        return _load_folder(folder, device, torch_dtype, model, families)
+        return _load_folder(folder, device, torch_dtype, model, families, options)
     if os.path.isdir(model):
-        return _load_folder(model, device, torch_dtype, model, families)
-    if os.path.exists(model):
-        raise ValueError(f"model {model!r} is a file, not a diffusers folder; {_supported_message(families)}")
+        return _load_folder(model, device, torch_dtype, model, families, options)
+    if os.path.exists(model):  # a file: a single-file checkpoint (anything else is refused by what it holds)
+        return _finish(load_single_file(model, device, torch_dtype, model, families, options, MODEL_FILE_LIMIT))
     close = difflib.get_close_matches(model, list(P.available_presets()), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}"
@@ -124,8 +131,19 @@ def _finish(model: DiffusionModel) -> DiffusionModel:
     return model
 
 
+def _overridden(model: DiffusionModel, options: LoadOptions) -> DiffusionModel:
+    """The model with the options' prediction type and zero-SNR overrides in its scheduler config."""
+    if options.prediction_type:
+        model.scheduler_config["prediction_type"] = options.prediction_type
+    if options.zero_snr is not None:
+        model.scheduler_config["rescale_betas_zero_snr"] = options.zero_snr
+        if options.zero_snr:
+            model.scheduler_config["timestep_spacing"] = "trailing"
+    return model
+
+
 def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: str,
-                 families: FamilyRegistry) -> DiffusionModel:
+                 families: FamilyRegistry, options: LoadOptions) -> DiffusionModel:
     index_path = os.path.join(folder, "model_index.json")
     if not os.path.isfile(index_path):
         raise ValueError(f"{folder!r} has no model_index.json, so it is not a diffusers pipeline folder; "
@@ -151,7 +169,9 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
             if view not in str(e):
                 raise
             raise ValueError(str(e).replace(view, folder)) from None
-    return _finish(model)
+    if options.vae:
+        model.vae = load_vae(options.vae, dtype, folder, MODEL_FILE_LIMIT)
+    return _finish(_overridden(model, options))
 
 
 def _weights_read(folder: str) -> tuple[list[str], list[str]]:

@@ -284,5 +284,6 @@ def _ddim_plan(noise: NoiseSchedule, n: int, karras: bool):
     # x_prev = alpha_prev * D + sigma_prev * eps, with eps = (x - alpha * D) / sigma
     a = sigma_vp_prev / sigma_vp
     b = alpha_prev - a * alpha
-    sig = np.append(sigma_vp / alpha, sigma_vp_prev[-1] / alpha_prev[-1])
+    with np.errstate(divide="ignore"):  # zero terminal SNR: alpha 0 at the top timestep is an infinite VE sigma
+        sig = np.append(sigma_vp / alpha, sigma_vp_prev[-1] / alpha_prev[-1])
     return t, sig, _table(t, np.ones(n), p, q, a, b), 1.0
