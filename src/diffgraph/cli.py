@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from .cli_flags import add_checkpoint_arguments
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .models.presets import DEFAULT_MODEL, available_presets
 from .sampling.names import BUILTIN_FAMILIES, DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
@@ -34,7 +35,10 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
                    help="the text prompt (with --from-image: the file's, unless given)")
     g.add_argument("-o", "--output", default="out.png",
                    help="output file (.png/.jpg/.webp); with -n > 1 files are numbered: out-0.png, out-1.png, ...")
-    g.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
+    g.add_argument("--model", default=None,
+                   help=f"preset, local diffusers folder or checkpoint file (.safetensors: SD1.x, SD2.x, SDXL) "
+                        f"(default: {default_model()})")
+    add_checkpoint_arguments(g)
     g.add_argument("--negative-prompt", default=None, help="negative prompt")
     g.add_argument("--width", type=int, default=None, help="image width, multiple of 8 (default: the model's native size)")
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 8 (default: native size)")
@@ -285,14 +289,16 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
         check_devices(args)
         import torch
 
-        from .config import default_cpu_threads
+        from .config import LoadOptions, default_cpu_threads
         from .engine.engine import Engine, default_device
 
         if (args.device or default_device()).startswith("cpu"):
             torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
         engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype,
                         lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
-                        compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata)
+                        compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
+                        load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
+                                         zero_snr=args.zero_snr, vae=args.vae))
         request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                       guidance_scale=args.guidance,
                                       output_format=OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()], **params)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import CompileConfig, GraphConfig, LoraConfig
+from ..config import CompileConfig, GraphConfig, LoadOptions, LoraConfig
 from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
@@ -77,6 +77,7 @@ class Engine:
     """Generates images with an SD1.x/SD2.x/SDXL model; thread-safe; requests share steps.
 
     >>> engine = Engine(device="cpu")                      # the shipped `digits` model
+    >>> engine = Engine("models/dreamshaper_8.safetensors")  # a checkpoint file (SD1.x, SD2.x, SDXL), offline
     >>> images = engine.generate("a handwritten digit seven", seed=1)
     """
 
@@ -87,7 +88,8 @@ class Engine:
                  grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
                  max_loras: int | None = None, max_lora_rank: int = 64,
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
-                 max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True):
+                 max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
+                 load: LoadOptions | None = None):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -106,7 +108,7 @@ class Engine:
         # every CUDA call of the build (load, buffers, prewarm captures) goes to the engine's own device
         with torch.cuda.device(place) if place.type == "cuda" else contextlib.nullcontext():
             self.model: DiffusionModel = (model if isinstance(model, DiffusionModel)
-                                          else load_model(model, place, dtype, families=families))
+                                          else load_model(model, place, dtype, families=families, options=load))
             self.mode = mode
             loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras)
             if not isinstance(compile, (bool, CompileConfig)):

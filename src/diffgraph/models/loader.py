@@ -81,28 +81,36 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torc
                      f"{hint}")
 
 
-def _build_random(preset: P.RandomPreset, device: torch.device, dtype: torch.dtype,
-                  families: FamilyRegistry) -> DiffusionModel:
+def preset_modules(preset: P.RandomPreset, device: str | torch.device = "cpu",
+                   vocab: int | None = None) -> tuple[Any, Any, list[Any]]:
+    """A random preset's UNet, VAE and text encoders (`vocab`: another vocabulary size), built on `device`
+    (torch.device("meta"): shapes only) from a fixed seed: the same preset gives the same weights on every run of one
+    torch version and device type. Module initialisers draw from torch's default generators, so the seed is set
+    inside fork_rng: the caller's generator states come back untouched."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from .tokenizer import preset_tokenizer
-
-    adapter = families.by_name(preset.family)
-    logger.warning("model %s has random weights: its images are noise (use it for tests and timing)", preset.name)
-    # Build on the target device (fast init for the full-size models), from a fixed seed: the same preset gives
-    # the same weights on every run of one torch version and device type. Module initialisers draw from torch's
-    # default generators, so the seed is set inside fork_rng: the caller's generator states come back untouched.
+    device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        with torch.device(device):
+        with device:  # on the target device: fast init for the full-size models
             unet = UNet2DConditionModel(**preset.unet)
             vae = AutoencoderKL(**preset.vae)
             encoders = []
             for cfg in preset.text_encoders:
-                config = CLIPTextConfig(**cfg)
+                config = CLIPTextConfig(**({**cfg, "vocab_size": vocab} if vocab else cfg))
                 cls = CLIPTextModelWithProjection if "projection_dim" in cfg else CLIPTextModel
                 encoders.append(cls(config))
+    return unet, vae, encoders
+
+
+def _build_random(preset: P.RandomPreset, device: torch.device, dtype: torch.dtype,
+                  families: FamilyRegistry) -> DiffusionModel:
+    from .tokenizer import preset_tokenizer
+
+    adapter = families.by_name(preset.family)
+    logger.warning("model %s has random weights: its images are noise (use it for tests and timing)", preset.name)
+    unet, vae, encoders = preset_modules(preset, device)
     model = DiffusionModel(
         name=preset.name, family=adapter.name, adapter=adapter, unet=unet, vae=vae, text_encoders=encoders,
         tokenizers=[preset_tokenizer(pad) for pad in preset.tokenizer_pads],

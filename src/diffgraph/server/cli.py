@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import unquote_plus
 
+from ..cli_flags import add_checkpoint_arguments
 from .config import ServerConfig, load_config
 
 DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may take to end before the process exits
@@ -32,7 +33,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
            "max_lora_rank", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
-           "metadata")
+           "metadata", "vae", "model_config", "prediction_type", "zero_snr")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -49,7 +50,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="TOML file with any of these settings, named like the flags (e.g. batch-buckets = [1, 2, 4]); "
                         "flags given on the command line override it")
     p.add_argument("--model", default=None,
-                   help=f"preset or local diffusers folder (default: {default('model')}; `diffgraph models` lists presets)")
+                   help=f"preset, local diffusers folder or checkpoint file (.safetensors: SD1.x, SD2.x, SDXL) "
+                        f"(default: {default('model')}; `diffgraph models` lists presets)")
+    add_checkpoint_arguments(p)
     p.add_argument("--host", default=None, help=f"address to listen on (default: {default('host')})")
     p.add_argument("--port", type=int, default=None, help=f"port to listen on (default: {default('port')})")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -380,7 +383,12 @@ def _check_model(model: str) -> None:
         return
     if model in SHIPPED_PRESETS and shipped_preset_folder(model):
         return
-    raise ValueError(f"model {model!r} is neither a local diffusers folder nor a preset of this install; "
+    if os.path.exists(model):  # a checkpoint file: what its header says it holds, or one line why not
+        from ..models.checkpoint_kind import inspect_checkpoint
+        inspect_checkpoint(model)
+        return
+    raise ValueError(f"model {model!r} is neither a local diffusers folder nor a preset of this install, and no "
+                     "checkpoint file has that path; "
                      f"presets: {', '.join(available_presets())}{did_you_mean(model, available_presets())}")
 
 

@@ -25,7 +25,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoraConfig, default_cpu_threads, parse_buckets,
+from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions, LoraConfig,
+                      default_cpu_threads, parse_buckets,
                       parse_name_scales, parse_prewarm, parse_resolutions)
 from ..engine.scheduler import SchedulerConfig
 from ..request import MAX_CLIP_SKIP, MAX_EDIT_PIXELS, MAX_PROMPT_CHUNKS, PROMPT_SYNTAXES
@@ -92,10 +93,14 @@ class ServerConfig:
     prompt_syntax: str = "plain"         # the default prompt syntax of the images routes ("plain" or "a1111")
     compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
     metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
+    vae: str | None = None               # a VAE (single file or diffusers folder) in place of the model's
+    model_config: str | None = None      # a single-file checkpoint's diffusers config folder (else detected)
+    prediction_type: str | None = None   # epsilon | v_prediction, over the model's (or the checkpoint's marks)
+    zero_snr: bool | None = None         # zero terminal SNR betas (v-prediction fine-tunes), over the model's
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError("model must be a preset name or a local diffusers folder")
+            raise ValueError("model must be a preset name, a local diffusers folder or a checkpoint file")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is out of range; allowed: 0..65535")
         if self.max_prompt_bytes < 1:
@@ -154,6 +159,7 @@ class ServerConfig:
                              "penultimate layer)")
         if self.prompt_syntax not in PROMPT_SYNTAXES:
             raise ValueError(f"prompt-syntax {self.prompt_syntax!r} is unknown; allowed: {', '.join(PROMPT_SYNTAXES)}")
+        self.load_options()  # checks the paths and the prediction type
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
 
@@ -173,6 +179,10 @@ class ServerConfig:
     def graph_config(self) -> GraphConfig:
         return GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions, prewarm=self.prewarm)
 
+    def load_options(self) -> LoadOptions:
+        return LoadOptions(model_config=self.model_config, prediction_type=self.prediction_type,
+                           zero_snr=self.zero_snr, vae=self.vae)
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `Engine(...)`: live rows never exceed the largest batch bucket."""
         return dict(model=self.model, device=self.device, dtype=self.dtype, mode=self.mode,
@@ -181,7 +191,7 @@ class ServerConfig:
                     grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads,
                     lora_dir=self.lora_dir, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                     fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
-                    embeddings_dir=self.embeddings_dir, metadata=self.metadata,
+                    embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
@@ -204,7 +214,9 @@ def _parse(key: str, value: Any) -> Any:
             raise ValueError("api-key is empty; give a key, or leave api-key (and DIFFGRAPH_API_KEY) out for an "
                              "open server")
         return keys
-    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata"):
+    if key == "zero_snr" and value is None:
+        return None
+    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata", "zero_snr"):
         if not isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
         return value

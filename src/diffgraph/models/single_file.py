@@ -1,0 +1,161 @@
+"""Loading single-file checkpoints (issue 29): diffusers' single-file loader, offline, from a private copy.
+
+`load_single_file` reads a checkpoint that `checkpoint_kind.inspect_checkpoint` recognised through diffusers'
+`from_single_file` with a config folder written by `checkpoint_configs.py` (or the user's `--model-config`), so
+nothing is downloaded, from a private in-memory copy of the file (a writer of the original cannot SIGBUS us:
+`safe_files`). The checkpoint's marks and the `LoadOptions` overrides (prediction type, zero SNR) go into the
+scheduler config; `--vae` replaces the VAE (`load_vae`: a single file or a diffusers folder). Weights that are NaN
+or infinite are refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Iterator
+
+import torch
+
+from .. import safe_files
+from ..config import LoadOptions
+from . import checkpoint_configs as C
+from .checkpoint_kind import VAE, SUPPORTED, inspect_checkpoint, refuse_pickle
+from .families import FamilyRegistry
+from .model import DiffusionModel
+
+logger = logging.getLogger(__name__)
+
+
+def load_single_file(path: str, device: torch.device, dtype: torch.dtype, name: str, families: FamilyRegistry,
+                     options: LoadOptions, max_bytes: int) -> DiffusionModel:
+    """The checkpoint's modules as a DiffusionModel (on the CPU at `dtype`; the loader places them)."""
+    import diffusers
+
+    from .checkpoint_configs import config_folder
+    from .clip_vocab import default_cache_root
+
+    info = inspect_checkpoint(path, max_bytes)
+    if not info.has_vae and options.vae is None:
+        raise ValueError(f"model {path!r} has no VAE inside (no {VAE} keys); give one with --vae FILE_OR_FOLDER "
+                         "(e.g. the VAE its model page names)")
+    config = options.model_config or config_folder(info.kind, options.cache_dir or default_cache_root())
+    pipeline_name = _pipeline_class(config)
+    adapter = families.for_pipeline(pipeline_name)
+    if adapter is None:
+        raise ValueError(f"model-config {config!r} is a {pipeline_name} folder, which is not supported; {SUPPORTED}")
+    extra: dict[str, Any] = {}
+    if options.vae is not None:
+        extra["vae"] = load_vae(options.vae, dtype, config, max_bytes)
+    if "safety_checker" in getattr(getattr(diffusers, pipeline_name), "_optional_components", ()):
+        extra.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    diffusers.utils.logging.disable_progress_bar()  # no "Loading pipeline components" bar on every load
+    try:
+        with _private_link(path, max_bytes) as link:
+            if "text_encoder_2" in {p[0] for p in adapter.text_parts}:
+                extra["text_encoder_2"] = _second_encoder(link, config, dtype)
+            pipe = getattr(diffusers, pipeline_name).from_single_file(
+                link, config=config, local_files_only=True, torch_dtype=dtype, **extra)
+    except (KeyError, RuntimeError, ValueError) as e:  # a key layout or shapes the config does not fit
+        what = C.DESCRIPTIONS[info.kind] if not options.model_config else f"--model-config {config!r}"
+        raise ValueError(f"model {path!r} does not fit the {what} architecture ({_mismatch(e)}); if it is another "
+                         "architecture, name its diffusers config folder with --model-config") from None
+    _check_finite(path, [pipe.unet, pipe.vae, *(getattr(pipe, p[0]) for p in adapter.text_parts)])
+    schedule = dict(pipe.scheduler.config)
+    prediction = options.prediction_type or info.prediction_type
+    if prediction:
+        schedule["prediction_type"] = prediction
+    if options.zero_snr if options.zero_snr is not None else info.zero_snr:
+        schedule.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+    if info.note:
+        logger.info("%s: read as %s: %s", path, C.DESCRIPTIONS[info.kind], info.note)
+    unet, vae = pipe.unet, pipe.vae
+    native = int(unet.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1)
+    index = dict(pipe.config)
+    return DiffusionModel(
+        name=name, family=adapter.name, adapter=adapter, unet=unet, vae=vae,
+        text_encoders=[getattr(pipe, p[0]) for p in adapter.text_parts],
+        tokenizers=[getattr(pipe, p[1]) for p in adapter.text_parts], scheduler_config=schedule, device=device,
+        dtype=dtype, native_size=native,
+        force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", adapter.force_zeros_default)))
+
+
+def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int) -> Any:
+    """A VAE from a single file (original or diffusers layout) or a diffusers folder (an AutoencoderKL's, or a
+    pipeline folder's vae/), read with `config`'s vae/config.json where the file carries no config."""
+    from diffusers import AutoencoderKL
+
+    if os.path.isdir(source):
+        sub = "vae" if os.path.isfile(os.path.join(source, "vae", "config.json")) else None
+        if not os.path.isfile(os.path.join(source, sub or "", "config.json")):
+            raise ValueError(f"vae {source!r} is a folder without a VAE config.json (or a vae/ subfolder with one); "
+                             "give a diffusers AutoencoderKL folder or a .safetensors VAE file")
+        return AutoencoderKL.from_pretrained(source, subfolder=sub, local_files_only=True, torch_dtype=dtype)
+    refuse_pickle(source)
+    try:
+        with _private_link(source, max_bytes) as link:
+            return AutoencoderKL.from_single_file(link, config=config, subfolder="vae", local_files_only=True,
+                                                  torch_dtype=dtype)
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise ValueError(f"vae {source!r} is not a VAE of this model's architecture ({_mismatch(e)})") from None
+
+
+def _second_encoder(link: str, config: str, dtype: torch.dtype) -> Any:
+    """SDXL's second text encoder from its own keys (`conditioner.embedders.1.`): diffusers' loader picks a text
+    encoder's keys by its width, which both encoders share in small models (then it reads the first one twice)."""
+    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+    from safetensors import safe_open
+    from transformers import CLIPTextModelWithProjection
+
+    with safe_open(link, framework="pt") as f:  # only its own tensors are read
+        own = {k: f.get_tensor(k) for k in f.keys() if k.startswith("conditioner.embedders.1.")}
+    return create_diffusers_clip_model_from_ldm(CLIPTextModelWithProjection, own, subfolder="text_encoder_2",
+                                                config=config, torch_dtype=dtype, local_files_only=True)
+
+
+def _mismatch(e: Exception) -> str:
+    """diffusers' and torch's load errors in a few words: the first tensor whose shape or name does not fit."""
+    text = str(e)
+    shape = re.search(r"because (\S+) expected shape (torch\.Size\(\[[^]]*\]\)), but got (torch\.Size\(\[[^]]*\]\))",
+                      text)
+    if shape:
+        return f"{shape.group(1)} is {shape.group(3)[10:-1]} in the file, {shape.group(2)[10:-1]} in the config"
+    return f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
+@contextlib.contextmanager
+def _private_link(path: str, max_bytes: int) -> Iterator[str]:
+    """A `.safetensors` path (diffusers picks its reader by the extension) to a private in-memory copy of the file;
+    maps of it outlive the block."""
+    try:
+        fd, _stamp = safe_files.private_copy(path, max_bytes)
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"{path!r} {e}") from None
+    view = tempfile.mkdtemp(prefix="diffgraph-file-")
+    link = os.path.join(view, "weights.safetensors")
+    try:
+        os.symlink(safe_files.fd_path(fd), link)
+        yield link
+    finally:
+        os.close(fd)
+        shutil.rmtree(view, ignore_errors=True)
+
+
+def _pipeline_class(config: str) -> str:
+    with open(os.path.join(config, "model_index.json"), encoding="utf-8") as f:
+        return str(json.load(f).get("_class_name"))
+
+
+def _check_finite(path: str, modules: list[Any]) -> None:
+    for module in modules:
+        for pname, p in module.named_parameters():
+            if p.is_meta:  # left at its empty initialisation: the file lacks it
+                raise ValueError(f"model {path!r} lacks {type(module).__name__}.{pname} (not in the file); it is "
+                                 "not a complete checkpoint of this architecture: check --model-config")
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                raise ValueError(f"model {path!r} holds NaN or infinite weights ({type(module).__name__}.{pname}); "
+                                 "the file is damaged: download or convert it again")

@@ -1,0 +1,319 @@
+"""Single-file checkpoints (issue 29): loaded offline through diffusers' single-file loader, giving the folder's images.
+
+The checkpoints are written by the tests (tests/original_layout.py inverts diffusers' key conversion) from the tiny
+variants and the shipped digits models; kind detection reads header-only files with the full-size key layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import original_layout as O
+from diffgraph.config import LoadOptions
+from diffgraph.engine.engine import Engine
+from diffgraph.models import checkpoint_configs as C
+from diffgraph.models.checkpoint_kind import classify, inspect_checkpoint
+from diffgraph.models.loader import load_model
+from diffgraph.models.presets import shipped_preset_folder
+
+PROMPT = "a handwritten digit seven"
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch, tmp_path_factory):
+    """Every test here runs with a hub endpoint that refuses, offline mode off and a socket guard: any connection
+    attempt fails the test (diffusers' single-file loader downloads configs when it lacks them)."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("DIFFGRAPH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    attempts = []
+
+    def refuse(self, address, *args):
+        attempts.append(address)
+        raise AssertionError(f"network access attempted: {address}")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    yield
+    assert attempts == []
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Folder and single file of each model: (folder, file) by name."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, layout in (("digits", "sd1"), ("digits-xl", "sdxl")):
+        folder = shipped_preset_folder(name)
+        path = str(root / f"{name}.safetensors")
+        O.write_single_file(folder, path, layout)
+        out[name] = (folder, path)
+    for kind in ("sd2", "sd1-inpaint"):
+        folder = O.variant_folder(str(root), kind)
+        path = str(root / f"{kind}.safetensors")
+        O.write_single_file(folder, path, O.VARIANTS[kind][1])
+        out[kind] = (folder, path)
+    return out
+
+
+def _image(model, **kw) -> np.ndarray:
+    engine = Engine(model, device="cpu", mode="eager", image_threads=1, **kw)
+    try:
+        return np.asarray(engine.generate(PROMPT, seed=3, num_inference_steps=4, guidance_scale=4.0)[0])
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name,prediction", [("digits", None), ("digits-xl", None), ("sd2", "epsilon"),
+                                             ("sd2", "v_prediction"), ("sd1-inpaint", None)])
+def test_a_single_file_gives_the_folders_image_exactly(made, name, prediction):
+    folder, path = made[name]
+    options = LoadOptions(model_config=folder, prediction_type=prediction)
+    from_file = _image(path, load=options)
+    reference = load_model(folder, "cpu", "fp32", options=LoadOptions(prediction_type=prediction))
+    assert reference.scheduler_config["prediction_type"] == (prediction or "epsilon")
+    from_folder = _image(reference)
+    assert from_file.shape == from_folder.shape and np.array_equal(from_file, from_folder)
+
+
+def test_the_modules_round_trip_exactly_and_keep_the_tokenizer(made):
+    folder, path = made["digits-xl"]
+    a = load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+    b = load_model(folder, "cpu", "fp32")
+    assert a.family == b.family == "sdxl" and a.native_size == b.native_size
+    for x, y in zip((a.unet, a.vae, *a.text_encoders), (b.unet, b.vae, *b.text_encoders)):
+        sx, sy = x.state_dict(), y.state_dict()
+        assert sx.keys() == sy.keys() and all(torch.equal(sx[k], sy[k]) for k in sy)
+    assert [t(PROMPT).input_ids for t in a.tokenizers] == [t(PROMPT).input_ids for t in b.tokenizers]
+    assert a.force_zeros_for_empty_prompt is True
+
+
+def test_fp16_and_bf16_files_load_to_the_requested_dtype(made, tmp_path):
+    folder, _ = made["digits"]
+    for dtype in (torch.float16, torch.bfloat16):
+        path = str(tmp_path / f"half-{dtype}.safetensors")
+        O.write_single_file(folder, path, "sd1", dtype=dtype)
+        assert inspect_checkpoint(path).dtype == {torch.float16: "F16", torch.bfloat16: "BF16"}[dtype]
+        m = load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+        ref = load_model(folder, "cpu", "fp32")
+        p, q = m.unet.conv_in.weight, ref.unet.conv_in.weight
+        assert p.dtype == torch.float32 and torch.equal(p, q.to(dtype).float())
+
+
+def test_a_checkpoint_without_a_vae_names_the_flag_and_loads_with_one(made, tmp_path):
+    folder, _ = made["digits"]
+    path = str(tmp_path / "novae.safetensors")
+    O.write_single_file(folder, path, "sd1", drop=("first_stage_model.",))
+    assert inspect_checkpoint(path).has_vae is False
+    with pytest.raises(ValueError, match=r"has no VAE inside.*--vae"):
+        load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+    # the VAE as a single file in the original layout (a VAE-only file), and as a diffusers folder
+    vae_file = str(tmp_path / "vae.safetensors")
+    ref = load_model(folder, "cpu", "fp32")
+    state = {k[len("first_stage_model."):]: v for k, v in
+             O.to_original(ref.unet, ref.vae, ref.text_encoders, "sd1").items() if k.startswith("first_stage_model.")}
+    save_file({k: v.contiguous() for k, v in state.items()}, vae_file)
+    for vae in (vae_file, os.path.join(folder, "vae")):
+        m = load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder, vae=vae))
+        assert all(torch.equal(a, b) for a, b in zip(m.vae.state_dict().values(), ref.vae.state_dict().values()))
+
+
+def test_vae_override_on_a_folder_replaces_its_vae(made, tmp_path):
+    folder, _ = made["digits"]
+    other = load_model(made["sd1-inpaint"][0], "cpu", "fp32")  # another VAE of the same (tiny) architecture
+    assert not torch.equal(other.vae.decoder.conv_in.weight, load_model(folder, "cpu", "fp32").vae.decoder.conv_in.weight)
+    m = load_model(folder, "cpu", "fp32", options=LoadOptions(vae=os.path.join(made["sd1-inpaint"][0], "vae")))
+    assert torch.equal(m.vae.decoder.conv_in.weight, other.vae.decoder.conv_in.weight)
+    with pytest.raises(ValueError, match="vae needs a model folder or checkpoint"):
+        load_model("random:tiny", "cpu", "fp32", options=LoadOptions(vae=os.path.join(folder, "vae")))
+
+
+def test_without_model_config_the_detected_config_is_used_and_never_downloaded(made):
+    # the tiny model is not SD1.5's architecture: the detected SD1.5 config (written here, offline) says so in a line
+    _, path = made["digits"]
+    with pytest.raises(ValueError) as e:
+        load_model(path, "cpu", "fp32")
+    msg = str(e.value)
+    assert "\n" not in msg and "SD1.x (512, epsilon)" in msg and "--model-config" in msg and "[77, 64]" in msg
+
+
+def test_the_written_configs_are_the_published_architectures():
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTokenizer
+
+    from diffgraph.models.clip_vocab import default_cache_root
+
+    sizes = {"sd1": 859.52, "sd2-base": 865.91, "sd2-v": 865.91, "sdxl-base": 2567.46}
+    for kind in C.KINDS:
+        folder = C.config_folder(kind, default_cache_root())
+        assert C.config_folder(kind, default_cache_root()) == folder  # written once
+        with torch.device("meta"):
+            unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder, subfolder="unet"))
+            AutoencoderKL.from_config(AutoencoderKL.load_config(folder, subfolder="vae"))
+        base = C.KINDS[kind][0]
+        assert round(sum(p.numel() for p in unet.parameters()) / 1e6, 2) == pytest.approx(sizes[base], abs=0.02)
+        assert unet.config.in_channels == (9 if C.KINDS[kind][2] else 4)
+        index = json.load(open(os.path.join(folder, "model_index.json")))
+        assert index["_class_name"] == C.KINDS[kind][1]
+        for sub, pad in C.tokenizer_pads(kind).items():
+            tok = CLIPTokenizer.from_pretrained(folder, subfolder=sub, local_files_only=True)
+            assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+            assert tok.pad_token == pad
+        text = CLIPTextConfig.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True)
+        assert text.eos_token_id == 2 and text.vocab_size == 49408
+
+
+def test_sdxl_pools_at_the_end_of_text_token_with_the_real_tokenizer():
+    """With `eos_token_id: 2` as shipped, transformers pools at the highest id: CLIP's end-of-text token (49407),
+    the first one for the EOS-padded tokenizer and the only one for the "!"-padded second tokenizer."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+
+    from diffgraph.models.clip_vocab import default_cache_root
+
+    folder = C.config_folder("sdxl-base", default_cache_root())
+    config = CLIPTextConfig.from_pretrained(os.path.join(folder, "text_encoder_2"), local_files_only=True)
+    small = CLIPTextConfig(**{**config.to_dict(), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "projection_dim": 16})
+    torch.manual_seed(0)
+    model = CLIPTextModelWithProjection(small).eval()
+    for sub in ("tokenizer", "tokenizer_2"):
+        tok = CLIPTokenizer.from_pretrained(folder, subfolder=sub, local_files_only=True)
+        ids = tok(PROMPT, padding="max_length", max_length=77, return_tensors="pt").input_ids
+        end = int((ids[0] == 49407).nonzero()[0])
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+            at_end = model.text_projection(model.text_model.final_layer_norm(out.last_hidden_state[0, end])) \
+                if hasattr(model, "text_model") else \
+                model.text_projection(out.last_hidden_state[0, end])
+        assert torch.allclose(out.text_embeds[0], at_end, atol=1e-6)
+
+
+# -- detection from headers: the full-size key layouts, without their bytes -------------------------------------------
+
+def _classify(path: str):
+    """inspect_checkpoint's classification of a header-only file (which holds no tensor bytes)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    meta = header.pop("__metadata__", {})
+    return classify(path, {k: tuple(v["shape"]) for k, v in header.items()},
+                    {k: v["dtype"] for k, v in header.items()}, meta)
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    return {name: O.full_size_layout(name) for name in ("random:sd15", "sd2", "random:sdxl")}
+
+
+def _write(tmp_path, name, tensors, metadata=None):
+    path = str(tmp_path / name)
+    O.header_only(path, tensors, metadata)
+    return path
+
+
+def _inpaint(tensors):
+    key = "model.diffusion_model.input_blocks.0.0.weight"
+    dtype, shape = tensors[key]
+    return {**tensors, key: (dtype, (shape[0], 9, *shape[2:]))}
+
+
+def test_kinds_are_detected_from_the_real_key_layouts(layouts, tmp_path, caplog):
+    sd15, sd2, sdxl = layouts["random:sd15"], layouts["sd2"], layouts["random:sdxl"]
+    cases = [("a.safetensors", sd15, None, "sd1", None), ("b.safetensors", _inpaint(sd15), None, "sd1-inpaint", None),
+             ("c.safetensors", sdxl, None, "sdxl-base", None), ("d.safetensors", _inpaint(sdxl), None, "sdxl-inpaint", None),
+             ("e.safetensors", _inpaint(sd2), None, "sd2-inpaint", None),
+             ("f.safetensors", sd2, {"modelspec.architecture": "stable-diffusion-v2-512"}, "sd2-base", "epsilon"),
+             ("g.safetensors", sd2, {"modelspec.architecture": "stable-diffusion-v2-768-v"}, "sd2-v", "v_prediction"),
+             ("sd21-768.safetensors", sd2, None, "sd2-v", "v_prediction"),
+             ("sd21-base.safetensors", sd2, None, "sd2-base", "epsilon")]
+    for name, tensors, meta, kind, prediction in cases:
+        info = _classify(_write(tmp_path, name, tensors, meta))
+        assert (info.kind, info.prediction_type, info.has_vae, info.dtype) == (kind, prediction, True, "F16"), name
+    caplog.clear()
+    info = _classify(_write(tmp_path, "plain.safetensors", sd2))
+    assert info.kind == "sd2-v" and "--prediction-type epsilon" in caplog.text  # SD2's default, with a warning
+    marked = _classify(_write(tmp_path, "noob.safetensors", {**sdxl, "v_pred": ("F16", (0,)), "ztsnr": ("F16", (0,))}))
+    assert (marked.kind, marked.prediction_type, marked.zero_snr) == ("sdxl-base", "v_prediction", True)
+    novae = {k: v for k, v in sd15.items() if not k.startswith("first_stage_model.")}
+    assert _classify(_write(tmp_path, "novae.safetensors", novae)).has_vae is False
+
+
+def test_foreign_files_get_one_line_naming_what_they_look_like(layouts, tmp_path):
+    sd15, sdxl = layouts["random:sd15"], layouts["random:sdxl"]
+    unet_only = {k: v for k, v in sd15.items() if k.startswith("model.diffusion_model.")}
+    refiner = {**{k: v for k, v in sdxl.items() if not k.startswith("conditioner.")},
+               "conditioner.embedders.0.model.token_embedding.weight": ("F16", (49408, 1280))}
+    cases = {
+        "lora": ({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": ("F16", (4, 320))}, "a LoRA adapter"),
+        "embedding": ({"emb_params": ("F32", (2, 768))}, "textual-inversion embedding"),
+        "vae": ({"encoder.conv_in.weight": ("F16", (128, 3, 3, 3)), "decoder.conv_in.weight": ("F16", (512, 4, 3, 3))},
+                "a VAE file"),
+        "controlnet": ({"control_model.input_hint_block.0.weight": ("F16", (16, 3, 3, 3))}, "a ControlNet"),
+        "sd3": ({"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": ("F16", (4608, 1536))}, "SD3"),
+        "flux": ({"double_blocks.0.img_attn.qkv.weight": ("BF16", (9216, 3072))}, "Flux"),
+        "svd": ({**sd15, "model.diffusion_model.input_blocks.1.0.time_stack.in_layers.0.weight": ("F16", (320,))},
+                "video model"),
+        "diffusers-unet": ({"down_blocks.0.resnets.0.conv1.weight": ("F16", (320, 320, 3, 3))}, "diffusers-format"),
+        "pix2pix": ({**sd15, "model.diffusion_model.input_blocks.0.0.weight": ("F16", (320, 8, 3, 3))}, "instruct-pix2pix"),
+        "unet-only": (unet_only, "without its text encoders"),
+        "refiner": (refiner, "SDXL refiner"),
+        "other": ({"transformer.h.0.attn.weight": ("F16", (8, 8))}, "not a Stable Diffusion checkpoint"),
+    }
+    for name, (tensors, words) in cases.items():
+        with pytest.raises(ValueError) as e:
+            _classify(_write(tmp_path, f"{name}.safetensors", tensors))
+        assert words in str(e.value) and "\n" not in str(e.value), name
+
+
+def test_bad_files_are_refused_in_one_line(made, tmp_path):
+    folder, good = made["digits"]
+    data = open(good, "rb").read()
+    pickled = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {"a": torch.zeros(1)}}, pickled)
+    renamed = tmp_path / "renamed.safetensors"
+    renamed.write_bytes(pickled.read_bytes())
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(data[: len(data) // 2])
+    bad_len = tmp_path / "badlen.safetensors"
+    bad_len.write_bytes((10**12).to_bytes(8, "little") + data[8:])
+    empty = tmp_path / "empty.safetensors"
+    empty.write_bytes(b"")
+    cases = {str(pickled): "pickle checkpoint", str(renamed): "pickle .ckpt renamed", str(truncated): "truncated",
+             str(bad_len): "header length", str(empty): "too few", str(tmp_path / "model.bin"): "pickle checkpoint"}
+    (tmp_path / "model.bin").write_bytes(b"PK\x03\x04")
+    for path, words in cases.items():
+        with pytest.raises(ValueError) as e:
+            load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+        assert words in str(e.value) and "\n" not in str(e.value), path
+    # NaN weights: named, one line
+    state = O.to_original(*O._load_folder_modules(folder), "sd1")
+    state["model.diffusion_model.out.2.weight"] = state["model.diffusion_model.out.2.weight"].clone()
+    state["model.diffusion_model.out.2.weight"][0, 0, 0, 0] = float("nan")
+    nan = str(tmp_path / "nan.safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, nan)
+    with pytest.raises(ValueError, match=r"NaN or infinite weights \(UNet2DConditionModel\.conv_out\.weight\)"):
+        load_model(nan, "cpu", "fp32", options=LoadOptions(model_config=folder))
+
+
+def test_generate_from_a_checkpoint_file_on_the_command_line(made, tmp_path):
+    folder, path = made["digits"]
+    out = tmp_path / "out.png"
+    env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    proc = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", path,
+                           "--model-config", folder, "--steps", "4", "--guidance", "4", "--seed", "3",
+                           "--device", "cpu", "-o", str(out)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    from PIL import Image
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), _image(folder))
+    (tmp_path / "x.ckpt").write_bytes(b"PK\x03\x04")
+    bad = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model",
+                          str(tmp_path / "x.ckpt"), "--device", "cpu"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
