@@ -19,6 +19,7 @@ import os
 import re
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -406,3 +407,29 @@ def test_prompt_syntax_picker_sends_a1111_prompts(browser, server):
     assert pg.wait_finished(page, plain) == "done"
     assert "prompt_syntax" not in traffic.bodies[-1]
     assert errors == []
+
+
+def test_a_signed_image_url_loads_in_an_img_tag_without_a_key(browser, keyed_server):
+    """response_format "url" with --api-key: a browser's <img src> sends no Bearer header, so the URL's signature
+    is what lets it load; the same URL with its signature altered does not."""
+    keyed_server.wait_ready()
+    r = httpx.post(keyed_server.url + "/v1/images/generations", timeout=600,
+                   headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"prompt": "a red fox", "response_format": "url", "num_inference_steps": 2})
+    assert r.status_code == 200, r.text
+    url = r.json()["data"][0]["url"]
+    page = browser.new_page()
+    try:
+        page.goto(keyed_server.url + "/health")  # a page of the server's origin (no key in it)
+        sizes = page.evaluate("""async ([good, bad]) => {
+            const load = (src) => new Promise((resolve) => {
+                const img = new Image();
+                img.onload = () => resolve([img.naturalWidth, img.naturalHeight]);
+                img.onerror = () => resolve(null);
+                img.src = src;
+            });
+            return [await load(good), await load(bad)];
+        }""", [url, url.replace("sig=", "sig=f")])
+    finally:
+        page.close()
+    assert sizes == [[64, 64], None]

@@ -216,7 +216,7 @@ BAD = [
     ({"prompt": "a", "schedule": "cosine"}, 400, "schedule", "schedule 'cosine' is unknown"),
     ({"prompt": "a", "seed": -1}, 400, "seed", "seed -1 is out of range"),
     ({"prompt": "a", "model": "dall-e-3"}, 400, "model", f"this server serves '{MODEL}'"),
-    ({"prompt": "a", "response_format": "url"}, 400, "response_format", "does not store images; use 'b64_json'"),
+    ({"prompt": "a", "response_format": "base64"}, 400, "response_format", "allowed: b64_json, url"),
     ({"prompt": "a", "output_format": "gif"}, 400, "output_format", "output_format 'gif' is unknown"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
     ({"prompt": "a", "steps": 10}, 400, "steps", "unknown parameter 'steps'; accepted: prompt"),

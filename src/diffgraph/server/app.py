@@ -2,6 +2,7 @@
 
     POST /v1/images/generations   JSON answer, or server-sent events with "stream": true
     POST /v1/images/edits         image-to-image and inpainting: OpenAI's multipart form (edits.py), same answers
+    GET  /v1/images/files/ID.EXT  an image stored for `response_format: "url"` (image_store.py), until --image-ttl
     GET  /v1/models               the served model
     GET  /v1/loras                the LoRA adapters requests may name
     GET  /v1/embeddings           the textual-inversion embeddings a1111-syntax prompts may name
@@ -48,9 +49,10 @@ from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        ProgressEventBody, error_from_param_error, error_from_validation)
-from .auth import APIKeyMiddleware
+from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
+from .image_store import FORMATS, UrlSigner, expiry_of, make_store
 from .pages import folder_listing, playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
 
@@ -71,11 +73,8 @@ def _generation_request(info: ModelInfo, config: ServerConfig, params: ImageGene
     if params.model is not None and params.model != info.name:
         raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
-    if params.response_format == "url":
-        raise APIError(400, "response_format 'url' is not supported: this server does not store images; use "
-                            "'b64_json'", param="response_format")
-    if params.response_format != "b64_json":
-        raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json",
+    if params.response_format not in ("b64_json", "url"):
+        raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json, url",
                        param="response_format")
     kwargs = params.request_params()
     if kwargs["prompt_syntax"] is None:
@@ -95,11 +94,14 @@ def _generation_request(info: ModelInfo, config: ServerConfig, params: ImageGene
     return request
 
 
-def _response(result: GenerationResult) -> dict[str, Any]:
+def _response(result: GenerationResult, urls: Callable[[bytes, str], str] | None = None) -> dict[str, Any]:
+    """The answer; with `urls` (response_format "url") each image is stored and named by its URL."""
     r = result.request
+    fmt = r.output_format
+    data = [ImageData(url=urls(b, fmt)) if urls else ImageData(b64_json=base64.b64encode(b).decode("ascii"))
+            for b in result.encoded]
     return ImageGenerationResponse(
-        created=int(time.time()), id=result.request_id, seed=result.seed, output_format=r.output_format,
-        data=[ImageData(b64_json=base64.b64encode(b).decode("ascii")) for b in result.encoded],
+        created=int(time.time()), id=result.request_id, seed=result.seed, output_format=fmt, data=data,
         timings={k: round(v, 3) for k, v in result.timings.items()}).model_dump(exclude_none=True)
 
 
@@ -146,6 +148,21 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     body_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
     read_timeout = min(config.body_timeout, config.request_timeout)
     read_flag = "--body-timeout" if config.body_timeout <= config.request_timeout else "--request-timeout"
+    images = make_store(config.image_store, config.image_ttl, config.image_store_bytes)
+    signer = UrlSigner(config.api_keys) if config.api_keys else None
+    key_bytes = tuple(k.encode() for k in config.api_keys)
+
+    def url_maker(http: Request) -> Callable[[bytes, str], str]:
+        base = (config.public_url or str(http.base_url)).rstrip("/")
+
+        def store(data: bytes, fmt: str) -> str:
+            try:
+                image_id, expires = images.put(data, fmt)
+            except ValueError as e:
+                raise APIError(507, str(e), code="image_store_full") from None
+            query = f"?exp={expires}&sig={signer.sign(image_id, expires)}" if signer else ""
+            return f"{base}/v1/images/files/{image_id}.{fmt}{query}"
+        return store
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -182,6 +199,22 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 "ready_s": round(engine.info.ready_s, 3)}
         body["replicas"] = engine.replica_states()
         return JSONResponse(body)
+
+    @app.get("/v1/images/files/{name}")
+    async def image_file(name: str, http: Request) -> Response:
+        """A stored image, while it has not expired; with API keys, only by a signed URL or a key."""
+        image_id, _, fmt = name.partition(".")
+        if signer is not None and not authorized(http.scope, key_bytes) and not signer.check(
+                image_id, http.query_params.get("exp", ""), http.query_params.get("sig", "")):
+            return _error_response(APIError(401, "this image URL is not signed by this server (or its signature "
+                                                 "was altered); use the URL as the images API returned it",
+                                            code="invalid_image_url"))
+        data = await asyncio.to_thread(images.get, image_id, fmt)
+        if data is None:
+            return _error_response(APIError(404, f"image {name!r} is unknown or has expired (images are kept "
+                                                 f"{config.image_ttl:g} s, --image-ttl)", code="image_not_found"))
+        left = max(0, (expiry_of(image_id) or 0) - int(time.time()))
+        return Response(data, media_type=FORMATS[fmt], headers={"Cache-Control": f"private, max-age={left}"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -248,22 +281,22 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     schema = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}}
 
-    async def read_generation(http: Request, info: ModelInfo) -> tuple[bool, GenerationRequest]:
+    async def read_generation(http: Request, info: ModelInfo) -> tuple[bool, bool, GenerationRequest]:
         body = await _read_json(http, body_limit)
         try:
             params = ImageGenerationRequest.model_validate(body)
         except ValidationError as e:
             raise error_from_validation(e) from None
-        return params.stream, _generation_request(info, config, params)
+        return params.stream, params.response_format == "url", _generation_request(info, config, params)
 
-    async def read_edit(http: Request, info: ModelInfo) -> tuple[bool, GenerationRequest]:
+    async def read_edit(http: Request, info: ModelInfo) -> tuple[bool, bool, GenerationRequest]:
         form, files = await read_form(http, config.max_image_bytes)
         if not info.edits:
             raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
                            param="image")
         edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
                                        config.max_image_bytes, config.max_image_pixels)
-        return form.stream, _generation_request(info, config, form.generation(), edit)
+        return form.stream, form.response_format == "url", _generation_request(info, config, form.generation(), edit)
 
     @app.post("/v1/images/generations", openapi_extra=schema)
     async def generations(http: Request) -> Response:
@@ -285,16 +318,17 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         try:
             state.accepting()
             try:  # a body that never finishes arriving must not hold the request (or a drain) forever
-                stream, request = await asyncio.wait_for(read(http, state.info), read_timeout)
+                stream, by_url, request = await asyncio.wait_for(read(http, state.info), read_timeout)
             except asyncio.TimeoutError:
                 raise APIError(408, f"the request body did not arrive within {read_timeout:g} s ({read_flag}); send "
                                     "the whole body at once", code="body_timeout") from None
             handle = await submit(state, request, progress=stream)
             deadline = t0 + config.request_timeout
+            urls = url_maker(http) if by_url else None
             if stream:
                 streaming = True  # the stream ends the request's accounting
                 end = _StreamEnd(handle, t0)
-                return _ClosingStream(_stream(handle, deadline, http, end), end.close,
+                return _ClosingStream(_stream(handle, deadline, http, end, urls), end.close,
                                       media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             items = results(state, handle, deadline, http)
             try:
@@ -303,7 +337,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                         break
             finally:
                 await items.aclose()
-            body = await asyncio.to_thread(_response, item)
+            body = await asyncio.to_thread(_response, item, urls)
             state.metrics.observe_request("success", time.monotonic() - t0)
             return JSONResponse(body)
         except APIError as e:
@@ -335,7 +369,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             state.metrics.observe_request(self.outcome, time.monotonic() - self.t0)
             _leave()
 
-    async def _stream(handle: RequestHandle, deadline: float, http: Request, end: "_StreamEnd") -> AsyncIterator[bytes]:
+    async def _stream(handle: RequestHandle, deadline: float, http: Request, end: "_StreamEnd",
+                      urls: Callable[[bytes, str], str] | None) -> AsyncIterator[bytes]:
         items = results(state, handle, deadline, http)
         try:
             async for item in items:
@@ -343,7 +378,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                     yield _sse("progress", ProgressEventBody(id=item.request_id, step=item.step,
                                                              total=item.total).model_dump())
                     continue
-                body = await asyncio.to_thread(_response, item)
+                body = await asyncio.to_thread(_response, item, urls)
                 end.outcome = "success"
                 yield _sse("completed", {"type": "completed", **body})
                 return

@@ -2,7 +2,8 @@
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would hide client disconnects from the
 streaming handlers). It fails closed: every path needs a key except the open ones, /health, /ready, /info and
-the playground page (/ and /playground/*), and /metrics and /status unless `protect_metrics`; paths are read as
+the playground page (/ and /playground/*), and /metrics and /status unless `protect_metrics`; stored images
+(/v1/images/files/*) check a signed URL or a key in their own route; paths are read as
 the router sees them (without the app's root_path, so a mounted app is guarded the same). Keys are compared in
 constant time (hmac.compare_digest, against every key) and never logged or echoed. A refusal is a 401 in
 OpenAI's error shape with `WWW-Authenticate: Bearer`.
@@ -15,6 +16,8 @@ import json
 from typing import Any
 
 OPEN_PATHS = ("/health", "/ready", "/info", "/")  # and the playground's files, /playground/*
+# stored images (`response_format: "url"`): the route itself requires a signed URL or a key (image_store.UrlSigner)
+SELF_CHECKED_PREFIXES = ("/v1/images/files/",)
 MONITORING_PATHS = ("/metrics", "/status")
 
 
@@ -24,7 +27,8 @@ def route_path(scope: dict[str, Any]) -> str:
     return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
-def _authorized(scope: dict[str, Any], keys: tuple[bytes, ...]) -> bool:
+def authorized(scope: dict[str, Any], keys: tuple[bytes, ...]) -> bool:
+    """Whether the request carries `Authorization: Bearer KEY` with one of `keys` (compared in constant time)."""
     header = b""
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
@@ -47,7 +51,7 @@ class APIKeyMiddleware:
         self.protect_metrics = protect_metrics
 
     def _guarded(self, path: str) -> bool:
-        if path in OPEN_PATHS or path.startswith("/playground/"):
+        if path in OPEN_PATHS or path.startswith("/playground/") or path.startswith(SELF_CHECKED_PREFIXES):
             return False
         return self.protect_metrics or path not in MONITORING_PATHS
 
@@ -55,7 +59,7 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not self.keys or not self._guarded(route_path(scope)):
             await self.app(scope, receive, send)
             return
-        if _authorized(scope, self.keys):
+        if authorized(scope, self.keys):
             await self.app(scope, receive, send)
             return
         has_header = any(name == b"authorization" for name, _ in scope.get("headers", ()))

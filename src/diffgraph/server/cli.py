@@ -33,7 +33,8 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
            "max_lora_rank", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
-           "metadata", "vae", "model_config", "prediction_type", "zero_snr")
+           "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
+           "image_store_bytes", "public_url")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -118,6 +119,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metadata", default=None, action=argparse.BooleanOptionalAction,
                    help="write the settings into every image (AUTOMATIC1111's PNG `parameters` text and the request "
                         "as JSON; EXIF in JPEG/WebP) (default: on; --no-metadata turns it off)")
+    p.add_argument("--image-ttl", type=float, default=None, metavar="S",
+                   help="response_format url: seconds a stored image is served at /v1/images/files/ (default: 3600)")
+    p.add_argument("--image-store", default=None, metavar="DIR",
+                   help="response_format url: store images in this folder (every ingress replica mounting it serves "
+                        "them) instead of in memory")
+    p.add_argument("--image-store-bytes", type=int, default=None, metavar="N",
+                   help="response_format url: the in-memory store's size; the oldest images go first (default: 256 MiB)")
+    p.add_argument("--public-url", default=None, metavar="URL",
+                   help="response_format url: the base of image URLs, e.g. https://images.example.com (default: the "
+                        "request's own scheme and host)")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N",
                    help="torch intra-op threads of a CPU engine (default: the cores minus one, at least 1)")
     p.add_argument("--devices", default=None, metavar="LIST",

@@ -93,6 +93,10 @@ class ServerConfig:
     prompt_syntax: str = "plain"         # the default prompt syntax of the images routes ("plain" or "a1111")
     compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
     metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
+    image_ttl: float = 3600.0            # response_format "url": seconds a stored image is served
+    image_store: str | None = None       # ... stored in this folder (shared by ingress replicas), else in memory
+    image_store_bytes: int = 256 * 1024 * 1024  # ... the in-memory store's bound (the oldest images go first)
+    public_url: str | None = None        # ... the base of the URLs (default: the request's own scheme and host)
     vae: str | None = None               # a VAE (single file or diffusers folder) in place of the model's
     model_config: str | None = None      # a single-file checkpoint's diffusers config folder (else detected)
     prediction_type: str | None = None   # epsilon | v_prediction, over the model's (or the checkpoint's marks)
@@ -160,6 +164,14 @@ class ServerConfig:
         if self.prompt_syntax not in PROMPT_SYNTAXES:
             raise ValueError(f"prompt-syntax {self.prompt_syntax!r} is unknown; allowed: {', '.join(PROMPT_SYNTAXES)}")
         self.load_options()  # checks the paths and the prediction type
+        if not 1 <= self.image_ttl <= 7 * 86400:  # NaN fails this too
+            raise ValueError(f"image-ttl {self.image_ttl} is out of range; allowed: 1..604800 seconds (7 days)")
+        if self.image_store_bytes < 1 << 20:
+            raise ValueError(f"image-store-bytes {self.image_store_bytes} must be >= 1048576 (1 MiB)")
+        if self.image_store is not None and not os.path.isdir(self.image_store):
+            raise ValueError(f"image-store {self.image_store!r} is not a folder; create it first")
+        if self.public_url is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", self.public_url):
+            raise ValueError(f"public-url {self.public_url!r} must be an http(s) URL such as https://images.example.com")
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
 
@@ -237,7 +249,7 @@ def _parse(key: str, value: Any) -> Any:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
-               "max_prompt_chunks", "clip_skip"):
+               "max_prompt_chunks", "clip_skip", "image_store_bytes"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
@@ -245,7 +257,7 @@ def _parse(key: str, value: Any) -> Any:
         except ValueError:
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
     if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout", "header_timeout",
-               "body_timeout"):
+               "body_timeout", "image_ttl"):
         if isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
         try:

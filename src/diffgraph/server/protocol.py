@@ -36,7 +36,7 @@ class ImageGenerationRequest(BaseModel):
     prompt: StrictStr
     n: StrictInt = 1
     size: StrictStr | None = None               # "WxH"; default: the model's native size
-    response_format: StrictStr = "b64_json"     # "url" is refused: images are not stored
+    response_format: StrictStr = "b64_json"     # or "url": stored for --image-ttl, served at /v1/images/files/
     model: StrictStr | None = None
     user: StrictStr | None = None
     # extensions
@@ -78,7 +78,8 @@ class ImageGenerationRequest(BaseModel):
 
 
 class ImageData(BaseModel):
-    b64_json: str
+    b64_json: str | None = None                 # response_format "b64_json" (the default)
+    url: str | None = None                      # response_format "url": served by GET /v1/images/files/ID.EXT
     revised_prompt: str | None = None
 
 

@@ -1,0 +1,300 @@
+"""The models of a `--model-dir` folder (issue 29, point 3): what each entry is, read without torch.
+
+`ModelDir(root).listing()`: each `*.safetensors` file under the folder is a model named by its relative path, "/"
+between folders, without the suffix (`sdxl/juggernaut`); each folder holding `model_index.json` is a diffusers model
+named by its relative path (not descended into: its files are its parts). Pickles (.ckpt/.pt/.pth/.bin/.pkl) are
+listed under their full name with the conversion hint as their error, never opened. What resolves outside the folder
+(links) is left out; links to folders are not followed; a FIFO, device or dangling link is refused by a stat, never
+opened. Headers are inspected (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`);
+folders' three small JSON files are read each listing. `resolve(name)` maps a request's model name to its entry
+(listing again: a model added later is found without a restart). `short_hash` / `full_hash`: AUTOMATIC1111's model
+hashes, computed once per file version and kept under a cache folder. Standard library only (the HTTP process and
+`diffgraph models --dir DIR` use this).
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import json
+import logging
+import os
+import stat
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TextIO
+
+from ..safe_files import FileChanged, FileStamp, UnusableFile, check_regular, read_file, stamp_of
+from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
+from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
+from .clip_vocab import default_cache_root
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".safetensors"
+INDEX = "model_index.json"
+MAX_MODEL_BYTES = 1 << 40
+MAX_JSON_BYTES = 16 << 20
+HASH_CACHE = "hashes.json"
+HASH_CHUNK = 1 << 20
+# The diffusers pipeline classes of each built-in family (models/families/: `pipeline_classes`), kept here as
+# (class name prefix, family name) because the adapters import torch; longest prefix first.
+FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl"), ("StableDiffusion", "sd"))
+PIPELINE_VARIANTS = ("", "Img2Img", "Inpaint")
+
+
+class ModelNameError(ValueError):
+    """A model name that is not allowed or not served (HTTP 400); the message says why."""
+
+
+class ModelNotFound(ModelNameError):
+    """An allowed name that no entry of the folder has; the message lists close or known names."""
+
+
+class ModelUnusable(ModelNameError):
+    """A name whose entry cannot be served (a LoRA, a pickle, a truncated file, a FIFO); the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str                        # relative to the folder, "/" between folders, no suffix for .safetensors
+    path: str                        # absolute: the file (links resolved) or the folder
+    form: Literal["file", "folder"]
+    size_bytes: int                  # the file, or every regular file of the folder
+    stamp: FileStamp | None          # the file's version, or the folder's model_index.json's; None: no stat
+    kind: str | None = None          # a checkpoint_configs.KINDS key (files), the pipeline `_class_name` (folders)
+    family: str | None = None        # a family adapter's name ("sd", "sdxl"); None when unknown or unservable
+    native_size: int | None = None   # pixels (512 / 768 / 1024 ...); None when the configs do not say
+    error: str | None = None         # why it cannot be served (one line), None when it can
+
+    @property
+    def description(self) -> str:
+        return DESCRIPTIONS.get(self.kind or "", self.kind or "-")
+
+
+def pipeline_family(class_name: str | None) -> str | None:
+    """The family name of a diffusers pipeline class, or None for one no built-in family reads."""
+    return next((f for prefix, f in FAMILY_PIPELINES for v in PIPELINE_VARIANTS
+                 if class_name == prefix + v + "Pipeline"), None)
+
+
+def supported_pipelines() -> list[str]:
+    return [prefix + v + "Pipeline" for prefix, _ in FAMILY_PIPELINES for v in PIPELINE_VARIANTS]
+
+
+def native_size_of(unet_config: Any, vae_config: Any) -> int | None:
+    """The image size a UNet was trained at, as diffusers' pipelines default it: sample_size * vae scale factor."""
+    sample = unet_config.get("sample_size") if isinstance(unet_config, dict) else None
+    if type(sample) is not int or sample <= 0:
+        return None
+    blocks = vae_config.get("block_out_channels") if isinstance(vae_config, dict) else None
+    return sample * (2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8)
+
+
+class ModelDir:
+    def __init__(self, root: str):
+        if not os.path.isdir(root):
+            raise ValueError(f"model dir {root!r} is not a folder; give a folder of .safetensors checkpoints and "
+                             "diffusers folders")
+        if os.path.isfile(os.path.join(root, INDEX)):
+            raise ValueError(f"model dir {root!r} is itself a diffusers model (it holds {INDEX}); give it as "
+                             "--model, or its parent folder as --model-dir")
+        self.root = os.path.realpath(root)
+        self._files: dict[str, tuple[FileStamp, ModelEntry]] = {}  # path under root -> the version inspected
+
+    def _inside(self, path: str) -> bool:
+        return os.path.commonpath([os.path.realpath(path), self.root]) == self.root
+
+    def listing(self) -> list[ModelEntry]:
+        """Every entry, sorted by name; two entries of one name (a file and a folder) are both unservable."""
+        entries: list[ModelEntry] = []
+        files_seen: set[str] = set()
+        for folder, dirs, files in os.walk(self.root, followlinks=False):
+            rel_dir = os.path.relpath(folder, self.root).replace(os.sep, "/")
+            if folder != self.root and INDEX in files:
+                dirs[:] = []
+                if self._inside(os.path.join(folder, INDEX)):
+                    entries.append(_folder_entry(rel_dir, folder))
+                continue
+            for f in files:
+                full = os.path.join(folder, f)
+                if (f.endswith(SUFFIX) or f.lower().endswith(PICKLE_EXTENSIONS)) and self._inside(full):
+                    entries.append(self._file_entry(f if rel_dir == "." else f"{rel_dir}/{f}", full))
+                    files_seen.add(full)
+        for gone in self._files.keys() - files_seen:  # removed files: their versions are not kept
+            self._files.pop(gone, None)
+        twice = {name for name, n in Counter(e.name for e in entries).items() if n > 1}
+        entries = [replace(e, error=f"{e.name!r} names both a .safetensors file and a diffusers folder; rename one")
+                   if e.name in twice else e for e in entries]
+        return sorted(entries, key=lambda e: (e.name, e.form))
+
+    def _file_entry(self, rel: str, full: str) -> ModelEntry:
+        name = rel[: -len(SUFFIX)] if rel.endswith(SUFFIX) else rel
+        real = os.path.realpath(full)
+        path = real if os.path.lexists(real) else full  # a dangling link stays a link, so that its error says so
+        try:
+            st = check_regular(path, MAX_MODEL_BYTES)
+        except UnusableFile as e:
+            return ModelEntry(name, path, "file", 0, None, error=f"{rel} {e}")
+        stamp = stamp_of(st)
+        seen = self._files.get(full)
+        if seen is not None and seen[0] == stamp and seen[1].path == path:
+            return seen[1]
+        try:
+            refuse_pickle(path)
+            info = inspect_checkpoint(path, MAX_MODEL_BYTES)
+            configs = folder_files(info.kind)
+            entry = ModelEntry(name, path, "file", st.st_size, stamp, info.kind, pipeline_family(KINDS[info.kind][1]),
+                               native_size_of(configs["unet/config.json"], configs["vae/config.json"]))
+        except ValueError as e:
+            entry = ModelEntry(name, path, "file", st.st_size, stamp, error=str(e))
+        self._files[full] = (stamp, entry)
+        return entry
+
+    def resolve(self, name: str) -> ModelEntry:
+        """The entry that `name` names (with or without ".safetensors"). Raises ModelNameError for a name that is
+        not allowed, ModelNotFound, or ModelUnusable with the entry's error."""
+        if not isinstance(name, str) or not name:
+            raise ModelNameError("a model name must be a non-empty string, e.g. 'sdxl/juggernaut'")
+        parts = name.split("/")
+        if "\x00" in name or "\\" in name or os.path.isabs(name) or any(p in ("", ".", "..") for p in parts):
+            raise ModelNameError(f"model name {name!r} is not allowed: names are relative, with '/' between folders, "
+                                 "without '.', '..', empty parts, backslashes or NUL (the model listing names them)")
+        entries = {e.name: e for e in self.listing()}
+        stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
+        entry = entries.get(name) or entries.get(stem)
+        if entry is not None:
+            if entry.error:
+                raise ModelUnusable(f"model {name!r} cannot be served: {entry.error}")
+            return entry
+        for candidate in (os.path.join(self.root, *parts), os.path.join(self.root, *stem.split("/")) + SUFFIX):
+            if os.path.lexists(candidate) and not self._inside(candidate):
+                raise ModelNotFound(f"model {name!r} resolves outside the model folder (a symbolic link?); it is "
+                                    "not served")
+        close = difflib.get_close_matches(stem, list(entries), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else \
+            f"known: {', '.join(list(entries)[:10]) or 'none'}"
+        raise ModelNotFound(f"model {name!r} is not in the model folder; {hint}")
+
+
+def _folder_entry(name: str, folder: str) -> ModelEntry:
+    """A diffusers folder's entry: its pipeline class and native size from its configs, and why it cannot be served."""
+    def config(rel: str) -> tuple[Any, FileStamp]:
+        data, version = read_file(os.path.join(folder, rel), MAX_JSON_BYTES)
+        try:
+            return json.loads(data), version
+        except (UnicodeDecodeError, ValueError):
+            raise UnusableFile("is not JSON; copy the folder again") from None
+
+    size = _folder_bytes(folder)
+    try:
+        index, stamp = config(INDEX)
+    except UnusableFile as e:
+        return ModelEntry(name, folder, "folder", size, None, error=f"{name}/{INDEX} {e}")
+    cls = index.get("_class_name") if isinstance(index, dict) else None
+    if not isinstance(cls, str):
+        return ModelEntry(name, folder, "folder", size, stamp,
+                          error=f"{name}/{INDEX} names no pipeline (_class_name); copy the folder again")
+    unet = vae = None
+    try:
+        unet = config("unet/config.json")[0]
+        vae = config("vae/config.json")[0]
+    except UnusableFile:
+        pass  # the loader names the missing part; the listing shows an unknown size
+    family_name = pipeline_family(cls)
+    error = None if family_name else f"{name} is a {cls} folder; supported: {', '.join(supported_pipelines())}"
+    return ModelEntry(name, folder, "folder", size, stamp, cls, family_name, native_size_of(unet, vae), error)
+
+
+def _folder_bytes(folder: str) -> int:
+    total = 0
+    for here, _, files in os.walk(folder, followlinks=False):
+        for f in files:
+            with contextlib.suppress(OSError):  # (gone meanwhile, a dangling link: nothing to count)
+                st = os.stat(os.path.join(here, f))  # a stat never opens: a FIFO counts as nothing
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+def full_hash(path: str, cache_root: str) -> str | None:
+    """The file's sha256 (hex; AUTOMATIC1111's `sha256`), cached by file version (size, mtime_ns, inode) in
+    `cache_root`/hashes.json; None for a folder (A1111 hashes none). Raises UnusableFile (not a regular file) and
+    FileChanged (written while it was hashed)."""
+    if os.path.isdir(path):
+        return None
+    key = os.path.realpath(path)
+    st = check_regular(key, MAX_MODEL_BYTES)
+    version = [st.st_size, st.st_mtime_ns, st.st_ino]
+    cache_file = os.path.join(cache_root, HASH_CACHE)
+    hit = _read_cache(cache_file).get(key)
+    if isinstance(hit, dict) and hit.get("version") == version and isinstance(hit.get("sha256"), str):
+        return hit["sha256"]
+    digest = _sha256(key, st)
+    cache = _read_cache(cache_file)  # read again: another process may have added hashes meanwhile
+    cache[key] = {"version": version, "sha256": digest}
+    tmp = None
+    try:
+        os.makedirs(cache_root, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{HASH_CACHE}-", dir=cache_root)
+        with os.fdopen(fd, "w") as f:
+            json.dump(cache, f)
+        os.replace(tmp, cache_file)  # writers race harmlessly: the last one's file wins, whole
+    except OSError as e:
+        logger.warning("cannot write the hash cache %s (%s); hashes are recomputed next time", cache_file, e)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return digest
+
+
+def short_hash(path: str, cache_root: str) -> str | None:
+    """AUTOMATIC1111's short model hash: the first 10 hex digits of `full_hash`; None for a folder."""
+    digest = full_hash(path, cache_root)
+    return digest[:10] if digest else None
+
+
+def _read_cache(cache_file: str) -> dict[str, Any]:
+    try:
+        data = json.loads(read_file(cache_file, MAX_JSON_BYTES)[0])
+    except (UnusableFile, UnicodeDecodeError, ValueError):
+        return {}  # missing or damaged: rewritten whole on the next hash
+    return data if isinstance(data, dict) else {}
+
+
+def _sha256(path: str, st: os.stat_result) -> str:
+    """The sha256 of the regular file `st` describes, read in 1 MiB chunks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in after the stat: no block
+    try:
+        digest, opened = hashlib.sha256(), os.fstat(fd)
+        while stat.S_ISREG(opened.st_mode) and (chunk := os.read(fd, HASH_CHUNK)):
+            digest.update(chunk)
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(opened.st_mode) or (opened.st_ino, after.st_size, after.st_mtime_ns) != \
+            (st.st_ino, st.st_size, st.st_mtime_ns):
+        raise FileChanged(f"{path} was replaced or written while it was hashed; hash it again")
+    return digest.hexdigest()
+
+
+def print_model_dir(root: str, out: TextIO, hashes: bool = False, cache_root: str | None = None) -> int:
+    """`diffgraph models --dir DIR`: one line per entry (name, form, kind and description, family, native size,
+    size in GB, the short hash with `hashes`, the error). Hashes read whole files (minutes for a 7 GB checkpoint
+    the first time), hence off by default. Raises ValueError when `root` is not a folder; returns 0."""
+    entries = ModelDir(root).listing()
+    hash_root = cache_root or default_cache_root()
+    width = max([len(e.name) for e in entries] + [4])
+    for e in entries:
+        kind = f"{e.kind}  {e.description}" if e.form == "file" and e.kind else e.kind or "-"
+        line = f"{e.name:{width}s}  {e.form:6s}  {kind:38s}  {e.family or '-':5s}  " \
+               f"{f'{e.native_size}px' if e.native_size else '-':7s}  {e.size_bytes / 1e9:6.2f} GB"
+        if hashes:
+            digest = None
+            with contextlib.suppress(UnusableFile):  # (a file written meanwhile: no hash this time)
+                digest = short_hash(e.path, hash_root) if e.form == "file" and not e.error else None
+            line += f"  {digest or '-':10s}"
+        out.write((line + (f"  error: {e.error}" if e.error else "")).rstrip() + "\n")
+    if not entries:
+        out.write(f"no models in {root} (*.safetensors checkpoints and diffusers folders are listed)\n")
+    return 0

@@ -1,0 +1,254 @@
+"""The models of a --model-dir folder (diffgraph.models.catalog, issue 29 point 3): names and nesting, the name rules,
+links out of the folder left out, FIFOs never opened, pickles, LoRAs and truncated files listed with why they cannot
+be served, diffusers folders, kinds / families / native sizes from headers, headers read once per file version,
+AUTOMATIC1111's hashes cached by file version, the CLI listing, and no torch in the importing process."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diffgraph.models import catalog
+from diffgraph.models.catalog import (ModelDir, ModelNameError, ModelNotFound, ModelUnusable, full_hash,
+                                      native_size_of, pipeline_family, print_model_dir, short_hash,
+                                      supported_pipelines)
+from diffgraph.models.checkpoint_configs import KINDS, folder_files
+from diffgraph.models.presets import shipped_preset_folder
+
+UNET = "model.diffusion_model.input_blocks.0.0.weight"
+SD1_TEXT = "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"
+SDXL_TEXT = "conditioner.embedders.1.model.token_embedding.weight"
+VAE = "first_stage_model.decoder.conv_in.weight"
+
+
+def checkpoint(path, text_key=SD1_TEXT, channels=4):
+    """A valid safetensors file with the keys and shapes checkpoint_kind.classify reads (it reads the first conv's
+    input channels and the presence of the others): a few bytes, not gigabytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({UNET: torch.zeros(1, channels, 1, 1, dtype=torch.float16), text_key: torch.zeros(1, 1),
+               VAE: torch.zeros(1, 1)}, str(path))
+    return path
+
+
+@pytest.fixture
+def folder(tmp_path):
+    root = tmp_path / "models"
+    checkpoint(root / "sd15.safetensors")
+    checkpoint(root / "sdxl" / "juggernaut.safetensors", SDXL_TEXT)
+    checkpoint(root / "sdxl" / "deep" / "inpaint.safetensors", SDXL_TEXT, channels=9)
+    shutil.copytree(shipped_preset_folder("digits"), root / "sub" / "digits")
+    save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2), "lora_unet_x.lora_up.weight": torch.zeros(2, 2)},
+              str(root / "styles.safetensors"))
+    (root / "old.ckpt").write_bytes(b"PK\x03\x04 not unpickled")
+    (root / "notes.txt").write_text("not a model")
+    outside = checkpoint(tmp_path / "outside.safetensors")
+    os.symlink(outside, root / "escape.safetensors")
+    os.symlink(root / "sd15.safetensors", root / "alias.safetensors")  # a link inside the folder is served
+    return root
+
+
+def test_listing_names_kinds_families_and_sizes(folder):
+    entries = {e.name: e for e in ModelDir(str(folder)).listing()}
+    # the link out of the folder is left out, notes.txt is no model, the digits folder's weights are not models
+    assert list(entries) == ["alias", "old.ckpt", "sd15", "sdxl/deep/inpaint", "sdxl/juggernaut", "styles",
+                             "sub/digits"]
+    sd = entries["sd15"]
+    assert (sd.form, sd.kind, sd.family, sd.native_size, sd.error) == ("file", "sd1", "sd", 512, None)
+    assert sd.path == str((folder / "sd15.safetensors").resolve())
+    assert sd.size_bytes == os.path.getsize(sd.path) and sd.stamp.size == sd.size_bytes
+    assert sd.description == "SD1.x (512, epsilon)"
+    assert entries["alias"].path == sd.path and entries["alias"].kind == "sd1"
+    xl = entries["sdxl/juggernaut"]
+    assert (xl.kind, xl.family, xl.native_size) == ("sdxl-base", "sdxl", 1024)
+    assert (entries["sdxl/deep/inpaint"].kind, entries["sdxl/deep/inpaint"].family) == ("sdxl-inpaint", "sdxl")
+    digits = entries["sub/digits"]
+    assert (digits.form, digits.kind, digits.family, digits.native_size, digits.error) == \
+        ("folder", "StableDiffusionPipeline", "sd", 64, None)
+    assert digits.path == str(folder / "sub" / "digits")
+    assert digits.stamp.size == os.path.getsize(folder / "sub" / "digits" / "model_index.json")
+    assert digits.size_bytes == sum(os.path.getsize(os.path.join(d, f))
+                                    for d, _, fs in os.walk(folder / "sub" / "digits") for f in fs)
+    assert "looks like a LoRA adapter" in entries["styles"].error and entries["styles"].kind is None
+    old = entries["old.ckpt"]
+    assert "pickle checkpoint" in old.error and "convert it to .safetensors" in old.error
+    assert old.size_bytes == len(b"PK\x03\x04 not unpickled")
+
+
+def test_unservable_entries_say_why(folder):
+    good = (folder / "sd15.safetensors").read_bytes()
+    (folder / "cut.safetensors").write_bytes(good[:-3])
+    os.symlink(folder / "gone.safetensors", folder / "dangling.safetensors")
+    (folder / "sd3").mkdir()
+    (folder / "sd3" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    (folder / "broken").mkdir()
+    (folder / "broken" / "model_index.json").write_text("{not json")
+    checkpoint(folder / "twin.safetensors")
+    shutil.copytree(shipped_preset_folder("digits"), folder / "twin")
+    listing = ModelDir(str(folder)).listing()
+    twins = [e for e in listing if e.name == "twin"]
+    assert [e.form for e in twins] == ["file", "folder"]
+    assert {e.error for e in twins} == {"'twin' names both a .safetensors file and a diffusers folder; rename one"}
+    with pytest.raises(ModelUnusable, match="rename one"):
+        ModelDir(str(folder)).resolve("twin")
+    entries = {e.name: e for e in listing}
+    assert "truncated" in entries["cut"].error
+    assert "dangling link" in entries["dangling"].error and entries["dangling"].stamp is None
+    sd3 = entries["sd3"]
+    assert (sd3.kind, sd3.family, sd3.native_size) == ("StableDiffusion3Pipeline", None, None)
+    assert "supported: StableDiffusionXLPipeline" in sd3.error
+    assert entries["broken"].error == "broken/model_index.json is not JSON; copy the folder again"
+
+
+def test_a_fifo_is_listed_with_an_error_and_never_opened(folder):
+    fifo = folder / "pipe.safetensors"
+    os.mkfifo(fifo)
+    got = []
+    t = threading.Thread(target=lambda: got.append(ModelDir(str(folder)).listing()), daemon=True)
+    t.start()
+    t.join(10)
+    if t.is_alive():  # it opened the FIFO: release it (a writer unblocks the reader) and fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("the listing opened a FIFO")
+    entry = {e.name: e for e in got[0]}["pipe"]
+    assert entry.error == "pipe.safetensors is a FIFO (named pipe), not a regular file; only regular files are read"
+    with pytest.raises(ModelUnusable, match="FIFO"):
+        ModelDir(str(folder)).resolve("pipe")
+
+
+def test_resolve_names(folder):
+    d = ModelDir(str(folder))
+    assert d.resolve("sdxl/juggernaut").kind == "sdxl-base"
+    assert d.resolve("sdxl/juggernaut.safetensors").name == "sdxl/juggernaut"
+    assert d.resolve("sub/digits").form == "folder"
+    checkpoint(folder / "later.safetensors")  # added while serving: found without a restart
+    assert d.resolve("later").kind == "sd1"
+    for bad in ("/etc/passwd", str(folder / "sd15"), "../models/sd15", "sdxl/../sd15", "sdxl\\juggernaut",
+                "sd15\x00", "./sd15", "sdxl//juggernaut", "sdxl/"):
+        with pytest.raises(ModelNameError, match="is not allowed") as e:
+            d.resolve(bad)
+        assert type(e.value) is ModelNameError
+    with pytest.raises(ModelNameError, match="non-empty string"):
+        d.resolve("")
+    with pytest.raises(ModelNotFound, match="resolves outside the model folder"):
+        d.resolve("escape")
+    with pytest.raises(ModelNotFound, match="did you mean 'sdxl/juggernaut'"):
+        d.resolve("sdxl/jugernaut")
+    with pytest.raises(ModelNotFound, match="known: alias, later, old.ckpt, sd15"):
+        d.resolve("qqqqqqqqqqqqqqqq")
+    with pytest.raises(ModelNotFound):  # a diffusers folder's weights are not models of their own
+        d.resolve("sub/digits/unet/diffusion_pytorch_model")
+    with pytest.raises(ModelUnusable, match="looks like a LoRA adapter"):
+        d.resolve("styles")
+    with pytest.raises(ModelUnusable, match="pickle checkpoint"):
+        d.resolve("old.ckpt")
+
+
+def test_the_folder_itself(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder"):
+        ModelDir(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="is itself a diffusers model"):
+        ModelDir(shipped_preset_folder("digits"))
+    out = io.StringIO()
+    assert print_model_dir(str(tmp_path), out) == 0
+    assert out.getvalue().startswith("no models in")
+
+
+def test_headers_are_read_once_per_file_version(folder, monkeypatch):
+    calls = []
+    real = catalog.inspect_checkpoint
+    monkeypatch.setattr(catalog, "inspect_checkpoint", lambda path, *a: calls.append(path) or real(path, *a))
+    d = ModelDir(str(folder))
+    d.listing()
+    first = len(calls)
+    assert first == 5  # the .safetensors files inside (the alias has a name of its own; the pickle is never read)
+    d.listing()
+    assert len(calls) == first
+    path = folder / "sd15.safetensors"
+    checkpoint(path, SDXL_TEXT)  # rewritten: a new version, inspected again
+    assert {e.name: e for e in d.listing()}["sd15"].kind == "sdxl-base"
+    assert calls[first:] == [str(path.resolve())] * 2  # itself and the alias that links to it
+
+
+def test_native_sizes_of_every_kind(tmp_path):
+    sizes = {kind: native_size_of(folder_files(kind)["unet/config.json"], folder_files(kind)["vae/config.json"])
+             for kind in KINDS}
+    assert sizes == {"sd1": 512, "sd1-inpaint": 512, "sd2-base": 512, "sd2-v": 768, "sd2-inpaint": 512,
+                     "sdxl-base": 1024, "sdxl-inpaint": 1024}
+    checkpoint(tmp_path / "sd21-768.safetensors", "cond_stage_model.model.token_embedding.weight")
+    (entry,) = ModelDir(str(tmp_path)).listing()
+    assert (entry.name, entry.kind, entry.family, entry.native_size) == ("sd21-768", "sd2-v", "sd", 768)
+    assert native_size_of({"sample_size": 96}, None) == 768  # no VAE config: diffusers' default factor 8
+    assert native_size_of({"sample_size": [64, 96]}, None) is None and native_size_of(None, None) is None
+
+
+def test_family_table_matches_the_adapters():
+    from diffgraph.models.families import default_registry
+    registry = default_registry()
+    assert sorted(supported_pipelines()) == sorted(registry.pipeline_classes())
+    for cls in registry.pipeline_classes():
+        assert pipeline_family(cls) == registry.for_pipeline(cls).name
+    assert pipeline_family("StableDiffusion3Pipeline") is None and pipeline_family(None) is None
+
+
+def test_short_hash_is_a1111s_and_cached_by_version(tmp_path, monkeypatch):
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(os.urandom(3 << 20) + b"tail")  # more than one 1 MiB chunk
+    cache = tmp_path / "cache"
+    expected = hashlib.sha256(path.read_bytes()).hexdigest()
+    made = []
+    real = hashlib.sha256
+    monkeypatch.setattr(catalog.hashlib, "sha256", lambda *a: made.append(1) or real(*a))
+    assert short_hash(str(path), str(cache)) == expected[:10]
+    assert full_hash(str(path), str(cache)) == expected
+    assert len(made) == 1  # the second call read the cache, not the file
+    stored = json.loads((cache / "hashes.json").read_text())
+    assert stored[str(path.resolve())]["sha256"] == expected
+    assert [f for f in os.listdir(cache)] == ["hashes.json"]  # no temporary file left behind
+    # rewritten in place, same size: its mtime moves, so it is hashed again
+    st = os.stat(path)
+    path.write_bytes(b"x" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert short_hash(str(path), str(cache)) == real(path.read_bytes()).hexdigest()[:10]
+    assert len(made) == 2
+    (cache / "hashes.json").write_text("{damaged")  # a damaged cache is ignored and rewritten
+    assert full_hash(str(path), str(cache)) == real(path.read_bytes()).hexdigest()
+    assert len(made) == 3 and str(path.resolve()) in json.loads((cache / "hashes.json").read_text())
+    assert short_hash(str(tmp_path), str(cache)) is None  # a folder has no A1111 hash
+
+
+def test_print_model_dir(folder, tmp_path):
+    out = io.StringIO()
+    assert print_model_dir(str(folder), out) == 0
+    lines = {line.split()[0]: line for line in out.getvalue().splitlines()}
+    assert list(lines) == ["alias", "old.ckpt", "sd15", "sdxl/deep/inpaint", "sdxl/juggernaut", "styles",
+                           "sub/digits"]
+    assert lines["sdxl/juggernaut"].split()[1:5] == ["file", "sdxl-base", "SDXL", "base"]
+    assert "  sdxl   1024px " in lines["sdxl/juggernaut"] and "error" not in lines["sdxl/juggernaut"]
+    assert lines["sub/digits"].split()[1:5] == ["folder", "StableDiffusionPipeline", "sd", "64px"]
+    assert lines["sub/digits"].split()[5:7] == ["0.01", "GB"]
+    assert "error: model" in lines["styles"] and "looks like a LoRA" in lines["styles"]
+    assert "not-a-hash" not in out.getvalue() and not (tmp_path / "cache").exists()
+    out = io.StringIO()
+    print_model_dir(str(folder), out, hashes=True, cache_root=str(tmp_path / "cache"))
+    lines = {line.split()[0]: line for line in out.getvalue().splitlines()}
+    digest = hashlib.sha256((folder / "sd15.safetensors").read_bytes()).hexdigest()[:10]
+    assert lines["sd15"].split()[-1] == digest and lines["sub/digits"].split()[-1] == "-"
+    assert lines["styles"].split("GB")[1].split()[0] == "-"  # unservable entries are not hashed
+
+
+def test_importing_the_catalog_loads_no_torch():
+    code = "import sys, diffgraph.models.catalog; print(sorted(m for m in ('torch', 'diffusers', 'transformers', " \
+           "'safetensors') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
