@@ -289,6 +289,8 @@ def test_bad_files_are_refused_in_one_line(made, tmp_path):
     cases = {str(pickled): "pickle checkpoint", str(renamed): "pickle .ckpt renamed", str(truncated): "truncated",
              str(bad_len): "header length", str(empty): "too few", str(tmp_path / "model.bin"): "pickle checkpoint"}
     (tmp_path / "model.bin").write_bytes(b"PK\x03\x04")
+    os.mkfifo(tmp_path / "pipe.safetensors")  # refused by its type, never opened (an open would block)
+    cases[str(tmp_path / "pipe.safetensors")] = "FIFO"
     for path, words in cases.items():
         with pytest.raises(ValueError) as e:
             load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))

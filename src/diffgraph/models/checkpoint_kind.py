@@ -64,17 +64,24 @@ def inspect_checkpoint(path: str, max_bytes: int = 1 << 40) -> CheckpointInfo:
     if not path.endswith(".safetensors"):
         raise ValueError(f"model {path!r} is a file but not a .safetensors checkpoint; {SUPPORTED}")
     try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        header, _small = safe_files.read_header(path, max_bytes)
+        header, _small = safe_files.read_header(path, max_bytes)  # refuses FIFOs and devices before opening
     except safe_files.UnusableFile as e:
         hint = " (it starts like a zip: a pickle .ckpt renamed .safetensors? convert it instead)" \
-            if magic[:2] == b"PK" else ""
+            if isinstance(e, safe_files.NotSafetensors) and _starts_with(path, b"PK") else ""
         raise ValueError(f"model {path!r} {e}{hint}") from None
     except OSError as e:
         raise ValueError(f"model {path!r} cannot be read ({e.strerror}); check the path and its permissions") from None
     return classify(path, {k: t.shape for k, t in header.tensors.items()},
                     {k: t.dtype for k, t in header.tensors.items()}, header.metadata)
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    """Whether a file that read_header found regular (and not safetensors) starts with `magic`."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
 
 
 def classify(path: str, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str],
