@@ -18,7 +18,12 @@ import io
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .request import GenerationRequest
 
 FORMAT_VERSION = 1
 PNG_KEY, JSON_KEY = "parameters", "diffgraph"
@@ -265,3 +270,19 @@ def parse_infotext(text: str) -> dict[str, Any]:
     if params.get("Emphasis") in EMPHASIS_LABELS.values():
         fields["emphasis"] = {v: k for k, v in EMPHASIS_LABELS.items()}[params["Emphasis"]]
     return fields
+
+
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+def encode_image(pixels: np.ndarray, fmt: str, request: GenerationRequest | None = None, model_name: str = "",
+                 metadata: bool = True) -> bytes:
+    """Float pixels [H, W, 3] in [0, 1] -> PNG / JPEG / WebP bytes (rounded as diffusers' numpy_to_pil); with a
+    request and `metadata`, the settings that made it inside (image_metadata.py)."""
+    from PIL import Image
+
+    options = save_options(fmt, request, model_name) if metadata and request is not None else {}
+    buf = io.BytesIO()
+    Image.fromarray((pixels * 255).round().astype("uint8")).save(
+        buf, format=IMAGE_FORMATS[fmt], **({"quality": 95} if fmt in ("jpeg", "webp") else {}), **options)
+    return buf.getvalue()

@@ -15,7 +15,6 @@ keeps running. A bug in the loop itself fails every request and turns `ready` Fa
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import threading
 import time
@@ -28,16 +27,14 @@ import torch
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ParamError,
                        ProgressEvent, RequestAborted)
 from ..features.base import Admission
-from ..image_metadata import save_options
+from ..image_metadata import encode_image
+from .device_loop import STOPPED, DeviceLoop
 from .edits import prepare_edit
 from .model_runner import ModelRunner
 from .prompts import PromptKey
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
-
-IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
-
 
 class RequestSink(Protocol):
     """Where one request's answer goes. Called from the engine's threads: keep both calls short."""
@@ -48,26 +45,18 @@ class RequestSink(Protocol):
         """Exactly one of the two; later calls (after the first) are ignored by the sink."""
 
 
-def encode_image(pixels: np.ndarray, fmt: str, request: GenerationRequest | None = None, model_name: str = "",
-                 metadata: bool = True) -> bytes:
-    """Float pixels [H, W, 3] in [0, 1] -> PNG / JPEG / WebP bytes (rounded as diffusers' numpy_to_pil); with a
-    request and `metadata`, the settings that made it inside (image_metadata.py)."""
-    from PIL import Image
-
-    options = save_options(fmt, request, model_name) if metadata and request is not None else {}
-    buf = io.BytesIO()
-    Image.fromarray((pixels * 255).round().astype("uint8")).save(
-        buf, format=IMAGE_FORMATS[fmt], **({"quality": 95} if fmt in ("jpeg", "webp") else {}), **options)
-    return buf.getvalue()
-
-
 class EngineCore:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2, metadata: bool = True):
+    def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2, metadata: bool = True,
+                 loop: DeviceLoop | None = None):
         self.runner = runner
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self.scheduler = Scheduler(config)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
-        self._cv = threading.Condition()
+        self.loop = loop or DeviceLoop()  # shared by the cores of several models on one device (a ModelSet)
+        self._cv = self.loop.cv
+        self._finished = threading.Event()
+        self._bound = False
+        self._started = False
         self._stop = False
         self._closing = False  # close() was called (as opposed to the loop stopping on its own)
         self._pending: list[tuple[Callable[[], Any], Future]] = []  # work for the loop thread between steps
@@ -76,12 +65,22 @@ class EngineCore:
         # set to [] to record (start event, end event, loop waited for work before it) per step (benchmarks)
         self.step_events: list[tuple[Any, Any, bool]] | None = None
         self._idle = False
-        self._thread = threading.Thread(target=self._loop, name="diffgraph-engine", daemon=True)
         if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
             self.scheduler.gates = (runner.loras,)
 
     def start(self) -> None:
-        self._thread.start()
+        self.loop.attach(self)
+        self._started = True
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        """The loop's thread (tests join it after a loop failure)."""
+        return self.loop.thread
+
+    def _live(self) -> bool:
+        """Started, not closed, its loop's thread alive (read under the loop's lock: attributes, no calls)."""
+        thread = self.loop.thread
+        return self._started and not self._stop and thread is not None and thread.is_alive()
 
     # -- requests ------------------------------------------------------------------------------
     def resolve_loras(self, request: GenerationRequest) -> tuple:
@@ -109,7 +108,7 @@ class EngineCore:
             state.empty_prompt = self.runner.empty_prompt(prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         with self._cv:
-            if self._stop or not self._thread.is_alive():
+            if not self._live():
                 raise EngineClosed("the engine is closed (or its loop stopped after an internal error; see the log)")
             self.scheduler.add(state)
             self._cv.notify()
@@ -128,14 +127,14 @@ class EngineCore:
         Called on the loop thread itself (a step listener, a progress callback), it runs at once: that is between
         steps already, and waiting for the loop there would wait forever."""
         future: Future = Future()
-        if threading.current_thread() is self._thread:
+        if threading.current_thread() is self.loop.thread:
             try:
                 future.set_result(fn())
             except Exception as e:
                 future.set_exception(e)
             return future
         with self._cv:
-            if self._stop or not self._thread.is_alive():
+            if not self._live():
                 raise EngineClosed("the engine is closed")
             self._pending.append((fn, future))
             self._cv.notify()
@@ -143,7 +142,7 @@ class EngineCore:
 
     @property
     def ready(self) -> bool:
-        return not self._stop and self._thread.is_alive()
+        return self._live()
 
     def reconfigure(self, **changes: Any) -> None:
         """Changes scheduler settings of an idle engine (benchmarks compare modes on one set of graphs)."""
@@ -175,40 +174,42 @@ class EngineCore:
             self._closing = True
             self._stop = True
             self._cv.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        if self._started and threading.current_thread() is not self.loop.thread:
+            self._finished.wait(timeout)
         self._images.shutdown(wait=True)
 
-    # -- the loop ------------------------------------------------------------------------------
-    def _next_plan(self) -> tuple[StepPlan | None, list[RequestState], list]:
+    # -- the loop (device_loop.py runs these on its thread) ---------------------------------------
+    def next_deadline(self) -> float | None:
+        return self.scheduler.next_deadline()
+
+    def poll(self) -> tuple[StepPlan | None, list[RequestState], list] | str | None:
+        """Under the loop's lock: the between-step work, the next plan and the aborted requests; None (idle);
+        STOPPED once closed."""
+        if self._stop:
+            return STOPPED
+        pending, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        aborted = self.scheduler.take_aborted()
+        if plan is not None or aborted or pending:
+            return plan, aborted, pending
+        return None
+
+    def finish(self, error: BaseException | None) -> None:
+        """On the loop thread, once: the last between-step work, then every request answered."""
         with self._cv:
-            self._idle = False  # whether the loop had to wait for work (the GPU idles then, by design)
-            while not self._stop:
-                pending, self._pending = self._pending, []
-                plan = self.scheduler.schedule()
-                aborted = self.scheduler.take_aborted()
-                if plan is not None or aborted or pending:
-                    return plan, aborted, pending
-                self._idle = True
-                self._cv.wait(timeout=self.scheduler.next_deadline())
+            self._stop = True
             pending, self._pending = self._pending, []
-            return None, self.scheduler.take_aborted(), pending
-
-    def _loop(self) -> None:
-        try:
-            self.runner.bind_thread()
-            while self._iteration():
-                pass
-        except BaseException:  # a bug in the loop itself: answer everyone, refuse new work, keep the process
-            logger.exception("the engine loop stopped after an internal error")
-            with self._cv:
-                self._stop = True
-        self._fail_everything(EngineClosed("the engine was closed" if self._closing else
+            aborted = self.scheduler.take_aborted()
+        if error is None:
+            self._run_pending(pending, aborted)
+            pending = []
+        for _, future in pending:
+            future.set_exception(EngineClosed("the engine loop stopped after an internal error (see the log)"))
+        self._fail_everything(EngineClosed("the engine was closed" if self._closing and error is None else
                                            "the engine loop stopped after an internal error (see the log)"))
+        self._finished.set()
 
-    def _iteration(self) -> bool:
-        """One pass: between-step work, plan, execute, advance, report, retire. False once the engine is closed."""
-        plan, aborted, pending = self._next_plan()
+    def _run_pending(self, pending: list, aborted: list[RequestState]) -> None:
         for fn, future in pending:  # before the plan runs: nothing of the old weights is in flight on the host
             try:
                 future.set_result(fn())
@@ -216,8 +217,19 @@ class EngineCore:
                 future.set_exception(e)
         for s in aborted:
             _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
-        if plan is None:
-            return not self._stop
+
+    def run(self, work: tuple[StepPlan | None, list[RequestState], list], waited: bool) -> None:
+        """One pass: between-step work, then the plan: execute, advance, report, retire."""
+        if not self._bound:
+            self.runner.bind_thread()
+            self._bound = True
+        plan, aborted, pending = work
+        self._idle = waited  # whether the loop had to wait for work (the GPU idles then, by design)
+        self._run_pending(pending, aborted)
+        if plan is not None:
+            self._step(plan)
+
+    def _step(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
         cuda_events = self.step_events is not None and self.runner.cuda
         if cuda_events:
@@ -227,7 +239,7 @@ class EngineCore:
             for src, dst, count in plan.moves:  # compaction first: admitted rows go after the packed ones
                 self.runner.move_rows(plan.key, src, dst, count)
             if plan.admitted and not self._admit(plan.key, plan.admitted):
-                return True  # some admissions failed and left: plan again without them
+                return  # some admissions failed and left: plan again without them
             variant = self.runner.program.variant([s.variant_parts for s in plan.live])
             plan.cost_rows = self.runner.step(
                 plan.key, plan.coefs, [(s.first_row, s.rows, s.branches_now) for s in plan.live],
@@ -240,7 +252,7 @@ class EngineCore:
             err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
             for s in failed:
                 _fail(s, err)
-            return True
+            return
         with self._cv:
             finished = self.scheduler.update(plan)
         for s in plan.live:  # progress first: a request's last progress event comes before its result
@@ -259,7 +271,6 @@ class EngineCore:
             idle = self.scheduler.is_idle(plan.key)
         if idle:
             self.runner.release_group(plan.key)
-        return True
 
     def _admit(self, key: GroupKey, states: list[RequestState]) -> bool:
         """Batched, cached prompt encoding and initial latents from each request's own generator. A request whose
