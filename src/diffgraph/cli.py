@@ -18,9 +18,11 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any, Callable
 
 from .cli_flags import add_checkpoint_arguments
+from .cli_progress import post_once, post_streaming, progress_for
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .models.presets import DEFAULT_MODEL, available_presets
 from .sampling.names import BUILTIN_FAMILIES, DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
@@ -85,6 +87,8 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--from-image", default=None, metavar="FILE",
                    help="re-run the request saved in an image's settings (a diffgraph image, or AUTOMATIC1111's "
                         "`parameters` text); flags given here override the file's values")
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress line on a terminal (loading, steps, decoding); pipes and logs never get one")
     g.add_argument("--no-metadata", dest="metadata", action="store_false",
                    help="write images without their settings (by default a PNG carries AUTOMATIC1111's "
                         "`parameters` text and the request as JSON; JPEG/WebP the same in EXIF)")
@@ -99,7 +103,12 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate images from a prompt")
     _add_generate_arguments(g)
 
-    sub.add_parser("models", help="list the presets")
+    m = sub.add_parser("models", help="list the presets (or, with --dir, the models of a folder)")
+    m.add_argument("--dir", default=None, metavar="DIR",
+                   help="list every checkpoint file and diffusers folder under DIR as `diffgraph serve --model-dir "
+                        "DIR` serves them: name, kind, family, size, and why one cannot be served (no torch import)")
+    m.add_argument("--hashes", action="store_true",
+                   help="with --dir: AUTOMATIC1111's short hash of each file (sha256; reads every file once, cached)")
 
     i = sub.add_parser("info", help="load a model, capture its graphs and print the graph table")
     i.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
@@ -287,24 +296,34 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                                  height=args.height or 512 if sized else None,
                                  guidance_scale=7.5 if args.guidance is None else args.guidance, **params)
         check_devices(args)
-        import torch
-
-        from .config import LoadOptions, default_cpu_threads
-        from .engine.engine import Engine, default_device
-
-        if (args.device or default_device()).startswith("cpu"):
-            torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
-        engine = Engine(model=args.model or default_model(), device=args.device, dtype=args.dtype,
-                        lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
-                        compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
-                        load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
-                                         zero_snr=args.zero_snr, vae=args.vae))
-        request = engine.make_request(args.prompt, width=args.width, height=args.height,
-                                      guidance_scale=args.guidance,
-                                      output_format=OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()], **params)
     except ParamError as e:
         raise _flag_error(e, args) from None
-    result = engine.run(request)
+    model = args.model or default_model()
+    with progress_for(args) as progress:
+        t0 = time.monotonic()
+        progress.phase(f"loading {os.path.basename(model.rstrip(os.sep)) or model}")
+        try:
+            import torch
+
+            from .config import LoadOptions, default_cpu_threads
+            from .engine.engine import Engine, default_device
+
+            if (args.device or default_device()).startswith("cpu"):
+                torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
+            engine = Engine(model=model, device=args.device, dtype=args.dtype,
+                            lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
+                            compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
+                            load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
+                                             zero_snr=args.zero_snr, vae=args.vae))
+            progress.line(f"loaded {engine.info.name} in {time.monotonic() - t0:.1f} s")
+            request = engine.make_request(args.prompt, width=args.width, height=args.height,
+                                          guidance_scale=args.guidance,
+                                          output_format=OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()],
+                                          **params)
+        except ParamError as e:
+            raise _flag_error(e, args) from None
+        progress.phase("encoding the prompt")
+        result = engine.submit(request, on_progress=progress.step if progress.active else None).result()
     _save_all(result.encoded, paths, _write_bytes)  # encoded by the engine, with the settings inside
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
     return 0
@@ -395,6 +414,9 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     key = _api_key(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {k: v for k, v in body.items() if v is not None}
+    progress = progress_for(args)
+    if progress.active:  # the bar follows the server's SSE progress events; elsewhere the request is as before
+        body["stream"] = True
     post: dict[str, Any] = {"json": body}
     if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
         if args.image is None:
@@ -415,21 +437,20 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     try:
         # no read timeout: the server bounds a request's time itself (--request-timeout, then 504)
         endpoint = "edits" if "files" in post else "generations"
-        response = httpx.post(f"{url}/v1/images/{endpoint}", headers=headers, timeout=httpx.Timeout(None, connect=10),
-                              **post)
+        send = dict(headers=headers, timeout=httpx.Timeout(None, connect=10), **post)
+        with progress:
+            progress.phase(f"waiting for {url}")
+            status, reason, answer = (post_streaming(f"{url}/v1/images/{endpoint}", progress, **send)
+                                      if progress.active else post_once(f"{url}/v1/images/{endpoint}", **send))
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
         raise _ArgError(f"the server at {url} could not be reached ({e}); start it with `diffgraph serve` "
                         "or check --url") from None
     except (httpx.TransportError, httpx.InvalidURL) as e:
         raise _ArgError(f"the request to the server at {url} failed: {e}") from None
-    try:
-        answer = response.json()
-    except ValueError:
-        answer = None
-    if response.status_code != 200:
+    if status != 200:
         if not isinstance(answer, dict) or "error" not in answer:
-            raise _ArgError(f"the server at {url} answered {response.status_code} {response.reason_phrase}")
-        raise _server_error(url, response.status_code, answer["error"])
+            raise _ArgError(f"the server at {url} answered {status} {reason}")
+        raise _server_error(url, status, answer["error"])
     try:
         images = [base64.b64decode(item["b64_json"]) for item in answer["data"]]
         seed, total_ms = answer["seed"], float(answer["timings"]["total_ms"])
@@ -467,10 +488,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("info", "compile"):
             from .graph_commands import compile_cache, info
             return (info if args.command == "info" else compile_cache)(args)
+        if args.command == "models" and args.dir is not None:
+            from .models.catalog import print_model_dir
+            return print_model_dir(args.dir, sys.stdout, hashes=args.hashes)
         if args.command == "models":
             for name, desc in available_presets().items():
                 print(f"{name:16s} {desc}")
-            print("or a local diffusers folder (StableDiffusionPipeline / StableDiffusionXLPipeline)")
+            print("or a local diffusers folder (StableDiffusionPipeline / StableDiffusionXLPipeline), or a checkpoint "
+                  "file (.safetensors: SD1.x, SD2.x, SDXL; `diffgraph models --dir DIR` lists a folder of them)")
             print(f"families {', '.join(BUILTIN_FAMILIES)}: samplers {', '.join(SAMPLERS)} (default "
                   f"{DEFAULT_SAMPLER!r}), schedules {', '.join(SCHEDULES)} (default {DEFAULT_SCHEDULE!r}), "
                   "sizes in multiples of 8")
