@@ -27,6 +27,7 @@ from ..text.embeddings import EmbeddingDir
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
                        ProgressEvent, QueueFullError, RequestAborted)
 from .core import EngineCore
+from .device_loop import DeviceLoop
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig, StepPlan
 
@@ -89,7 +90,7 @@ class Engine:
                  max_loras: int | None = None, max_lora_rank: int = 64,
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
-                 load: LoadOptions | None = None):
+                 load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -109,6 +110,8 @@ class Engine:
         with torch.cuda.device(place) if place.type == "cuda" else contextlib.nullcontext():
             self.model: DiffusionModel = (model if isinstance(model, DiffusionModel)
                                           else load_model(model, place, dtype, families=families, options=load))
+            if name:  # the name requests, images and listings use (a model folder's entry, not its path)
+                self.model.name = name
             self.mode = mode
             loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras)
             if not isinstance(compile, (bool, CompileConfig)):
@@ -125,7 +128,7 @@ class Engine:
                 batching=batching, max_rows=self.runner.max_rows, max_wait_ms=max_wait_ms, max_queue=max_queue,
                 buckets=self.runner.graph_config.batch_buckets if graphed else (),
                 padded=self.runner.graphed_resolutions(), grow_fill=grow_fill, grow_hold_ms=grow_hold_ms),
-                image_threads=image_threads, metadata=bool(metadata))
+                image_threads=image_threads, metadata=bool(metadata), loop=loop)
             self._ready = False
             if graphed and self.runner.graph_config.prewarm:
                 self.runner.prewarm()

@@ -52,7 +52,8 @@ from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerat
 from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
-from .image_store import FORMATS, UrlSigner, expiry_of, make_store
+from .image_store import ImageLinks, UrlSigner, make_store
+from .models import ModelRouting, Target
 from .pages import folder_listing, playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
 
@@ -98,8 +99,11 @@ def _response(result: GenerationResult, urls: Callable[[bytes, str], str] | None
     """The answer; with `urls` (response_format "url") each image is stored and named by its URL."""
     r = result.request
     fmt = r.output_format
-    data = [ImageData(url=urls(b, fmt)) if urls else ImageData(b64_json=base64.b64encode(b).decode("ascii"))
-            for b in result.encoded]
+    try:
+        data = [ImageData(url=urls(b, fmt)) if urls else ImageData(b64_json=base64.b64encode(b).decode("ascii"))
+                for b in result.encoded]
+    except ValueError as e:  # the image store cannot take it (full, unwritable)
+        raise APIError(507, str(e), code="image_store_full") from None
     return ImageGenerationResponse(
         created=int(time.time()), id=result.request_id, seed=result.seed, output_format=fmt, data=data,
         timings={k: round(v, 3) for k, v in result.timings.items()}).model_dump(exclude_none=True)
@@ -131,7 +135,9 @@ class _ClosingStream(StreamingResponse):
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
-    """The app for `config`. `engine_factory` builds the engine (default: `Engine(**config.engine_kwargs())`)."""
+    """The app for `config`. `engine_factory` builds the engine (default: `Engine(**config.engine_kwargs())`; with
+    `model_dir`, the default model of a ModelRouting)."""
+    engine_factory_given = engine_factory
     if engine_factory is None:
         def engine_factory():
             if config.devices:  # one engine replica process per device, behind a router
@@ -144,25 +150,22 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             from ..engine.engine import Engine
             return Engine(**config.engine_kwargs())
 
-    state = ServerState(config, engine_factory)
+    routing = ModelRouting(config.model_dir, config.model, config.engine_kwargs(), config.max_models,
+                           int(config.model_memory * 2**30) if config.model_memory else None) \
+        if config.model_dir else None
+    if routing is not None and engine_factory_given is None:
+        def engine_factory():  # the default model on the set's device loop, then the preloads
+            client = routing.default_client()
+            for name in config.preload:
+                routing.models.release(routing.models.acquire(routing.catalog.resolve(name).name))
+            return client
+    state = ServerState(config, engine_factory, on_close=routing.close if routing else None)
     body_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
     read_timeout = min(config.body_timeout, config.request_timeout)
     read_flag = "--body-timeout" if config.body_timeout <= config.request_timeout else "--request-timeout"
-    images = make_store(config.image_store, config.image_ttl, config.image_store_bytes)
-    signer = UrlSigner(config.api_keys) if config.api_keys else None
+    links = ImageLinks(make_store(config.image_store, config.image_ttl, config.image_store_bytes),
+                       UrlSigner(config.api_keys) if config.api_keys else None, config.public_url)
     key_bytes = tuple(k.encode() for k in config.api_keys)
-
-    def url_maker(http: Request) -> Callable[[bytes, str], str]:
-        base = (config.public_url or str(http.base_url)).rstrip("/")
-
-        def store(data: bytes, fmt: str) -> str:
-            try:
-                image_id, expires = images.put(data, fmt)
-            except ValueError as e:
-                raise APIError(507, str(e), code="image_store_full") from None
-            query = f"?exp={expires}&sig={signer.sign(image_id, expires)}" if signer else ""
-            return f"{base}/v1/images/files/{image_id}.{fmt}{query}"
-        return store
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -203,21 +206,18 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     @app.get("/v1/images/files/{name}")
     async def image_file(name: str, http: Request) -> Response:
         """A stored image, while it has not expired; with API keys, only by a signed URL or a key."""
-        image_id, _, fmt = name.partition(".")
-        if signer is not None and not authorized(http.scope, key_bytes) and not signer.check(
-                image_id, http.query_params.get("exp", ""), http.query_params.get("sig", "")):
-            return _error_response(APIError(401, "this image URL is not signed by this server (or its signature "
-                                                 "was altered); use the URL as the images API returned it",
-                                            code="invalid_image_url"))
-        data = await asyncio.to_thread(images.get, image_id, fmt)
-        if data is None:
-            return _error_response(APIError(404, f"image {name!r} is unknown or has expired (images are kept "
-                                                 f"{config.image_ttl:g} s, --image-ttl)", code="image_not_found"))
-        left = max(0, (expiry_of(image_id) or 0) - int(time.time()))
-        return Response(data, media_type=FORMATS[fmt], headers={"Cache-Control": f"private, max-age={left}"})
+        try:
+            data, headers = await asyncio.to_thread(links.serve, name, http.query_params.get("exp", ""),
+                                                    http.query_params.get("sig", ""), authorized(http.scope, key_bytes))
+        except LookupError as e:
+            status, code = (401, "invalid_image_url") if isinstance(e, PermissionError) else (404, "image_not_found")
+            return _error_response(APIError(status, str(e), code=code))
+        return Response(data, headers=headers)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        if routing is not None:  # every model of --model-dir, resident or not
+            return {"object": "list", "data": await asyncio.to_thread(routing.listing, state.created)}
         name = state.engine.info.name if state.engine is not None else config.model
         return ModelList(data=[ModelCard(id=name, created=state.created)]).model_dump()
 
@@ -281,22 +281,28 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     schema = {"requestBody": {"required": True, "content": {
         "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}}
 
-    async def read_generation(http: Request, info: ModelInfo) -> tuple[bool, bool, GenerationRequest]:
+    async def read_generation(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
         body = await _read_json(http, body_limit)
         try:
             params = ImageGenerationRequest.model_validate(body)
         except ValidationError as e:
             raise error_from_validation(e) from None
-        return params.stream, params.response_format == "url", _generation_request(info, config, params)
 
-    async def read_edit(http: Request, info: ModelInfo) -> tuple[bool, bool, GenerationRequest]:
+        async def finish(info: ModelInfo) -> GenerationRequest:
+            return _generation_request(info, config, params)
+        return params.stream, params.response_format == "url", params.model, finish
+
+    async def read_edit(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
         form, files = await read_form(http, config.max_image_bytes)
-        if not info.edits:
-            raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
-                           param="image")
-        edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
-                                       config.max_image_bytes, config.max_image_pixels)
-        return form.stream, form.response_format == "url", _generation_request(info, config, form.generation(), edit)
+
+        async def finish(info: ModelInfo) -> GenerationRequest:
+            if not info.edits:
+                raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
+                               param="image")
+            edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
+                                           config.max_image_bytes, config.max_image_pixels)
+            return _generation_request(info, config, form.generation(), edit)
+        return form.stream, form.response_format == "url", form.model, finish
 
     @app.post("/v1/images/generations", openapi_extra=schema)
     async def generations(http: Request) -> Response:
@@ -318,13 +324,18 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         try:
             state.accepting()
             try:  # a body that never finishes arriving must not hold the request (or a drain) forever
-                stream, by_url, request = await asyncio.wait_for(read(http, state.info), read_timeout)
+                stream, by_url, model, finish = await asyncio.wait_for(read(http), read_timeout)
             except asyncio.TimeoutError:
                 raise APIError(408, f"the request body did not arrive within {read_timeout:g} s ({read_flag}); send "
                                     "the whole body at once", code="body_timeout") from None
-            handle = await submit(state, request, progress=stream)
             deadline = t0 + config.request_timeout
-            urls = url_maker(http) if by_url else None
+            default = Target(state.client, state.info, None)
+            target = await routing.target(model, deadline - time.monotonic(), default) if routing else default
+            try:  # the target is held (never evicted) until its request is queued
+                handle = await submit(state, await finish(target.info), progress=stream, client=target.client)
+            finally:
+                target.release(routing)
+            urls = links.maker(str(http.base_url)) if by_url else None
             if stream:
                 streaming = True  # the stream ends the request's accounting
                 end = _StreamEnd(handle, t0)

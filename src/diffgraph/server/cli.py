@@ -34,7 +34,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_lora_rank", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
            "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
-           "image_store_bytes", "public_url")
+           "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -54,6 +54,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"preset, local diffusers folder or checkpoint file (.safetensors: SD1.x, SD2.x, SDXL) "
                         f"(default: {default('model')}; `diffgraph models` lists presets)")
     add_checkpoint_arguments(p)
+    p.add_argument("--model-dir", default=None, metavar="DIR",
+                   help="also serve every checkpoint file and diffusers folder under DIR, by its relative name "
+                        "(requests pick one with `model`; `diffgraph models --dir DIR` lists them); --model is the "
+                        "default")
+    p.add_argument("--max-models", type=int, default=None, metavar="N",
+                   help="with --model-dir: models resident at once, the least recently used going first (default: 2)")
+    p.add_argument("--model-memory", type=float, default=None, metavar="GIB",
+                   help="with --model-dir: GiB of weights and graph pools the resident models may hold (default: "
+                        "no bound but --max-models)")
+    p.add_argument("--preload", default=None, metavar="NAMES",
+                   help="with --model-dir: models loaded at start beside the default, comma-separated")
     p.add_argument("--host", default=None, help=f"address to listen on (default: {default('host')})")
     p.add_argument("--port", type=int, default=None, help=f"port to listen on (default: {default('port')})")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
@@ -431,6 +442,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_ray(config: ServerConfig, args: argparse.Namespace) -> int:
+    if config.model_dir:
+        print("diffgraph: error: --model-dir with --ray is not supported yet: each Ray engine replica serves "
+              "--model; serve the folder's models without --ray (one server per GPU)", file=sys.stderr)
+        return 2
     try:
         from ..ray import serve_local, split_args
         import ray.serve  # noqa: F401

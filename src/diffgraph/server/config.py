@@ -97,6 +97,10 @@ class ServerConfig:
     image_store: str | None = None       # ... stored in this folder (shared by ingress replicas), else in memory
     image_store_bytes: int = 256 * 1024 * 1024  # ... the in-memory store's bound (the oldest images go first)
     public_url: str | None = None        # ... the base of the URLs (default: the request's own scheme and host)
+    model_dir: str | None = None         # every checkpoint file and diffusers folder under it, by relative name
+    max_models: int = 2                  # with model_dir: models resident at once (least recently used goes first)
+    model_memory: float | None = None    # with model_dir: GiB of weights and graph pools the resident models may use
+    preload: tuple[str, ...] = ()        # with model_dir: models loaded at start, beside the default
     vae: str | None = None               # a VAE (single file or diffusers folder) in place of the model's
     model_config: str | None = None      # a single-file checkpoint's diffusers config folder (else detected)
     prediction_type: str | None = None   # epsilon | v_prediction, over the model's (or the checkpoint's marks)
@@ -164,6 +168,19 @@ class ServerConfig:
         if self.prompt_syntax not in PROMPT_SYNTAXES:
             raise ValueError(f"prompt-syntax {self.prompt_syntax!r} is unknown; allowed: {', '.join(PROMPT_SYNTAXES)}")
         self.load_options()  # checks the paths and the prediction type
+        if self.model_dir is not None:
+            if not os.path.isdir(self.model_dir):
+                raise ValueError(f"model-dir {self.model_dir!r} is not a folder; give a folder of checkpoint files "
+                                 "and diffusers folders")
+            if self.devices:
+                raise ValueError("model-dir with devices is not supported yet: run one server per device (or drop "
+                                 "--devices); each serves the folder's models on its own GPU")
+        if not 1 <= self.max_models <= 64:
+            raise ValueError(f"max-models {self.max_models} is out of range; allowed: 1..64")
+        if self.model_memory is not None and not self.model_memory > 0:
+            raise ValueError(f"model-memory {self.model_memory} must be > 0 GiB")
+        if self.preload and self.model_dir is None:
+            raise ValueError("preload needs --model-dir (the models it names live there)")
         if not 1 <= self.image_ttl <= 7 * 86400:  # NaN fails this too
             raise ValueError(f"image-ttl {self.image_ttl} is out of range; allowed: 1..604800 seconds (7 days)")
         if self.image_store_bytes < 1 << 20:
@@ -243,13 +260,20 @@ def _parse(key: str, value: Any) -> Any:
         if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
             raise ValueError("devices must be a comma-separated list like cuda:0,cuda:1 or cpu,cpu")
         return tuple(d.strip() for d in items if d.strip())
+    if key == "preload":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
+            raise ValueError("preload must be a comma-separated list of model names, e.g. sdxl/juggernaut,dreamshaper")
+        return tuple(d.strip() for d in items if d.strip())
+    if key == "model_memory" and value is None:
+        return None
     if key == "fuse_loras":
         return parse_name_scales(value, "fuse-lora")
     if key in ("torch_threads", "max_loras", "max_connections", "clip_skip") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
-               "max_prompt_chunks", "clip_skip", "image_store_bytes"):
+               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
@@ -257,7 +281,7 @@ def _parse(key: str, value: Any) -> Any:
         except ValueError:
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
     if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout", "header_timeout",
-               "body_timeout", "image_ttl"):
+               "body_timeout", "image_ttl", "model_memory"):
         if isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
         try:

@@ -155,5 +155,40 @@ class UrlSigner:
         return hmac.compare_digest(self.sign(image_id, int(expires)), sig)
 
 
+class NotSigned(PermissionError, LookupError):
+    """An image URL this server did not sign (or whose signature was altered), asked for without a key."""
+
+
+class ImageLinks:
+    """The images API's side of the store: URLs for new images, and the images those URLs name."""
+
+    def __init__(self, store: ImageStore, signer: UrlSigner | None, public_url: str | None):
+        self.store, self.signer, self.public_url = store, signer, public_url
+
+    def maker(self, request_base: str) -> Callable[[bytes, str], str]:
+        """Stores an image and names it by URL (on `public_url`, else the request's own base); raises ValueError
+        when the store cannot take it (the caller's 507)."""
+        base = (self.public_url or request_base).rstrip("/")
+
+        def store(data: bytes, fmt: str) -> str:
+            image_id, expires = self.store.put(data, fmt)
+            query = f"?exp={expires}&sig={self.signer.sign(image_id, expires)}" if self.signer else ""
+            return f"{base}/v1/images/files/{image_id}.{fmt}{query}"
+        return store
+
+    def serve(self, name: str, exp: str, sig: str, key_given: bool) -> tuple[bytes, dict[str, str]]:
+        """The image file `name` (ID.EXT) and its response headers; NotSigned (401) or LookupError (404)."""
+        image_id, _, fmt = name.partition(".")
+        if self.signer is not None and not key_given and not self.signer.check(image_id, exp, sig):
+            raise NotSigned("this image URL is not signed by this server (or its signature was altered); use the "
+                            "URL as the images API returned it")
+        data = self.store.get(image_id, fmt)
+        if data is None:
+            raise LookupError(f"image {name!r} is unknown or has expired (images are kept {self.store.ttl:g} s, "
+                              "--image-ttl)")
+        left = max(0, (expiry_of(image_id) or 0) - int(time.time()))
+        return data, {"content-type": FORMATS[fmt], "cache-control": f"private, max-age={left}"}
+
+
 def make_store(root: str | None, ttl: float, max_bytes: int) -> ImageStore:
     return DiskImageStore(root, ttl) if root else MemoryImageStore(ttl, max_bytes)

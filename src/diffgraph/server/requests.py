@@ -45,7 +45,8 @@ class ClientGone(Exception):
 class ServerState:
     """The engine client (None until built), the drain flag and the requests in flight."""
 
-    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any]):
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], Any],
+                 on_close: Callable[[], None] | None = None):
         self.config = config
         self.engine: Router | None = None  # always a router: over one engine here, or over replica processes
         self.client: EngineClient | None = None  # where requests go: the router, or its only replica
@@ -58,6 +59,7 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: self.engine, config.batch_buckets, lambda: self.ready)
         self._factory = engine_factory
+        self._on_close = on_close  # what else closes with the engine (a model set's other models)
         self._thread: threading.Thread | None = None
 
     @property
@@ -138,16 +140,19 @@ class ServerState:
         # An engine still being built is left to its daemon thread: a drain must not wait for graph capture.
         if self.engine is not None:
             self.engine.close()
+        if self._on_close is not None:
+            self._on_close()
 
 
-async def submit(state: ServerState, request: GenerationRequest, progress: bool) -> RequestHandle:
-    """Submits to the engine client before any response starts, so a full queue is a plain 429 even when
-    streaming."""
+async def submit(state: ServerState, request: GenerationRequest, progress: bool,
+                 client: EngineClient | None = None) -> RequestHandle:
+    """Submits to the engine client (`client`: another model's, else the server's) before any response starts, so a
+    full queue is a plain 429 even when streaming."""
     if state.drain_aborted:  # its body finished arriving after the drain timeout's aborts
         raise APIError(503, "the server shut down before this request started; retry on another replica",
                        code="aborted")
     try:
-        handle = await state.client.submit(request, progress=progress)
+        handle = await (client or state.client).submit(request, progress=progress)
     except QueueFullError as e:
         raise APIError(429, str(e), code="queue_full") from None
     except ParamError as e:  # the engine refused the request itself (e.g. its step count on this model)

@@ -1,0 +1,181 @@
+"""`ModelSet`: several models behind one server on one device (issue 29, point 3: `--model-dir`).
+
+Every model under `--model-dir` (models/catalog.py names them) and the default `--model` can be asked for by a
+request's `model`. A model is resident as an `Engine` of its own (its graphs, prompt cache and adapter slots), and
+every resident engine's core runs on the set's one `DeviceLoop`, so two models' steps never contend for the device
+from two threads. A model loads on first use (or at start, `preload`) on a loader thread, one at a time; requests
+for it wait (bounded by their caller's timeout) instead of failing; a model that fails to load answers every
+request waiting for it with that error (a `ModelLoadError`, the caller's 400) and the others keep serving; the next
+request for it tries again.
+
+Residency is bounded by `max_models` and by a memory budget (`memory_bytes`) that counts each engine's weights and
+graph pools: on CUDA the allocator's reserved bytes the engine's build added (weights, buffers, prewarm graphs), on
+the CPU its parameters' and buffers' bytes. The least recently used engine goes first, never one with requests in
+flight (submitted and not answered) or one a caller holds (`acquire` to `release`, around validation and submit):
+when every other resident model is busy, the new one loads anyway and the set is over its bound until one frees.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .async_engine import AsyncEngine
+from .device_loop import DeviceLoop
+from .engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(ValueError):
+    """The model could not be loaded (its file, its architecture); the message says why, in one line."""
+
+
+@dataclass
+class Resident:
+    name: str
+    client: AsyncEngine
+    memory_bytes: int
+    loaded_s: float
+    last_used: float = field(default_factory=time.monotonic)
+    holds: int = 0  # callers between acquire and release
+
+    @property
+    def busy(self) -> bool:
+        return self.holds > 0 or self.client.in_flight() > 0
+
+
+class ModelSet:
+    def __init__(self, build: Callable[[str, DeviceLoop], Engine], device: str, max_models: int = 2,
+                 memory_bytes: int | None = None):
+        if max_models < 1:
+            raise ValueError(f"max-models {max_models} must be >= 1")
+        self._build, self.device = build, torch.device(device)
+        self.max_models, self.memory_bytes = max_models, memory_bytes
+        self.loop = DeviceLoop()
+        self._lock = threading.Lock()
+        self._resident: dict[str, Resident] = {}
+        self._loading: dict[str, Future] = {}
+        self._loader = threading.Lock()  # one load at a time (a load takes the device's memory and bandwidth)
+        self.errors: dict[str, str] = {}  # the last load failure per model (GET /v1/models shows it)
+        self._closed = False
+
+    # -- callers ---------------------------------------------------------------------------------------------------
+    def acquire(self, name: str, timeout: float | None = None) -> Resident:
+        """The resident model `name`, loading it first if needed; held (not evicted) until `release`. Raises
+        ModelLoadError, TimeoutError (still loading after `timeout` seconds) or RuntimeError once closed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the model set is closed")
+                resident = self._resident.get(name)
+                if resident is not None and resident.client.ready:
+                    resident.holds += 1
+                    resident.last_used = time.monotonic()
+                    if len(self._resident) > self.max_models and not self._loading:  # over, since a busy model
+                        threading.Thread(target=self._trim, args=(name,), daemon=True).start()  # stayed
+                    return resident
+                future = self._loading.get(name)
+                if future is None:
+                    future = self._loading[name] = Future()
+                    threading.Thread(target=self._load, args=(name, future), name=f"diffgraph-load-{name}",
+                                     daemon=True).start()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(left)
+            except TimeoutError:
+                raise TimeoutError(f"model {name!r} is still loading") from None
+
+    def release(self, resident: Resident) -> None:
+        with self._lock:
+            resident.holds -= 1
+
+    def resident(self) -> list[Resident]:
+        with self._lock:
+            return list(self._resident.values())
+
+    def loading(self) -> list[str]:
+        with self._lock:
+            return list(self._loading)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            residents, self._resident = list(self._resident.values()), {}
+        for r in residents:
+            r.client.close()
+
+    # -- the loader thread -----------------------------------------------------------------------------------------
+    def _trim(self, keep: str) -> None:
+        with self._loader:
+            self._make_room(exclude=keep, need_slot=False)
+
+    def _load(self, name: str, future: Future) -> None:
+        try:
+            with self._loader:
+                self._make_room(exclude=name, need_slot=True)
+                before = self._used_bytes()
+                t0 = time.perf_counter()
+                engine = self._build(name, self.loop)
+                client = AsyncEngine(engine, name=name)
+                resident = Resident(name, client, self._measure(engine, before), time.perf_counter() - t0)
+                with self._lock:
+                    closed = self._closed
+                    if not closed:
+                        self._resident[name] = resident
+                        self.errors.pop(name, None)
+                if closed:
+                    client.close()
+                    raise RuntimeError("the model set is closed")
+                logger.info("model %s loaded in %.1f s (%.2f GiB of weights and graphs)", name, resident.loaded_s,
+                            resident.memory_bytes / 2**30)
+                self._make_room(exclude=name, need_slot=False)
+            future.set_result(None)
+        except Exception as e:
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            logger.warning("model %s could not be loaded: %s", name, message)
+            with self._lock:
+                self.errors[name] = message
+            future.set_exception(ModelLoadError(f"model {name!r} could not be loaded: {message}"))
+        finally:
+            with self._lock:
+                self._loading.pop(name, None)
+
+    def _make_room(self, exclude: str, need_slot: bool) -> None:
+        """Evicts idle models (never `exclude`), least recently used first: before a load until the new one has a
+        slot under `max_models` (need_slot), after it until the set fits its count and memory budget."""
+        while True:
+            with self._lock:
+                others = [r for r in self._resident.values() if r.name != exclude]
+                count = len(others) + 1 if need_slot else len(self._resident)
+                used = sum(r.memory_bytes for r in self._resident.values())
+                over_memory = not need_slot and self.memory_bytes is not None and used > self.memory_bytes
+                idle = sorted((r for r in others if not r.busy), key=lambda r: r.last_used)
+                if not (count > self.max_models or over_memory) or not idle:
+                    return
+                victim = idle[0]
+                del self._resident[victim.name]
+            logger.info("model %s evicted (%s)", victim.name, "the memory budget" if over_memory else "max-models")
+            victim.client.close()
+            del victim
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _used_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+
+    def _measure(self, engine: Engine, before: int) -> int:
+        if self.device.type == "cuda":
+            return max(0, torch.cuda.memory_reserved(self.device) - before)
+        model = engine.model
+        modules = [model.unet, model.vae, *model.text_encoders]
+        return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])

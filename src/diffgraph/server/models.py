@@ -1,0 +1,145 @@
+"""Which model a request goes to (issue 29, point 3): the default `--model`, or one of `--model-dir`'s by name.
+
+`ModelRouting` holds the `ModelSet` (engine/model_set.py: the resident engines on one device loop) and the
+folder's catalog (models/catalog.py). `target(name, seconds)` answers a request's `model` with the engine client to
+submit to and that model's `ModelInfo` (what the request is validated against), loading the model first when it is
+not resident (the request waits, within its timeout); the hold it returns keeps the model resident until the
+request is submitted. Bad names are a 400 naming `model`, unknown ones a 404, a model that fails to load a 400 with
+its reason; the others keep serving. `listing()` is `GET /v1/models`: every model with its family, native size,
+whether it is resident, its weights-and-graphs bytes and AUTOMATIC1111's short hash (computed once per file version
+on a background thread; null until known).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.client import EngineClient
+from ..engine.device_loop import DeviceLoop
+from ..engine.engine import Engine
+from ..engine.model_set import ModelLoadError, ModelSet, Resident
+from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
+from ..models.clip_vocab import default_cache_root
+from ..request import ModelInfo
+from .protocol import APIError
+
+logger = logging.getLogger("diffgraph.server")
+
+
+@dataclass
+class Target:
+    client: EngineClient
+    info: ModelInfo
+    hold: Resident | None  # released once the request is submitted
+
+    def release(self, routing: "ModelRouting") -> None:
+        if self.hold is not None:
+            routing.models.release(self.hold)
+            self.hold = None
+
+
+class ModelRouting:
+    def __init__(self, root: str, default: str, engine_kwargs: dict[str, Any], max_models: int,
+                 memory_bytes: int | None):
+        self.catalog = ModelDir(root)
+        self.default = default
+        self._kwargs = engine_kwargs
+        self.models = ModelSet(self._build, str(engine_kwargs.get("device") or _default_device()), max_models,
+                               memory_bytes)
+        self._hashes: dict[str, str | None] = {}
+        self._hash_lock = threading.Lock()
+        self._hashing = False
+
+    def _build(self, name: str, loop: DeviceLoop) -> Engine:
+        path = self.default if name == self.default else self.catalog.resolve(name).path
+        engine = Engine(**{**self._kwargs, "model": path, "loop": loop, "name": name})
+        try:  # one image end to end before it serves: a broken model fails here, not on a request
+            engine.generate("warm-up", num_inference_steps=1, seed=0)
+        except Exception:
+            engine.close()
+            raise
+        return engine
+
+    def default_client(self) -> EngineClient:
+        """The default model, loaded now and held for good (it is never evicted: /ready follows it)."""
+        return self.models.acquire(self.default).client
+
+    async def target(self, name: str | None, seconds: float, default: Target) -> Target:
+        if name is None or name == self.default:
+            return default
+        try:
+            entry = await asyncio.to_thread(self.catalog.resolve, name)
+        except ModelNotFound as e:
+            raise APIError(404, f"{e} (or the default, {self.default!r}; GET /v1/models lists them)", param="model",
+                           code="model_not_found") from None
+        except ModelNameError as e:
+            raise APIError(400, str(e), param="model", code="model_unusable") from None
+        try:
+            resident = await asyncio.to_thread(self.models.acquire, entry.name, max(0.0, seconds))
+        except TimeoutError:
+            raise APIError(504, f"model {name!r} is still loading after the request timeout; retry in a while "
+                                "(GET /v1/models shows it resident when it is ready)", code="model_loading") from None
+        except ModelLoadError as e:
+            raise APIError(400, str(e), param="model", code="model_unusable") from None
+        return Target(resident.client, resident.client.info, resident)
+
+    def listing(self, created: int) -> list[dict[str, Any]]:
+        resident = {r.name: r for r in self.models.resident()}
+        loading = set(self.models.loading())
+        entries = self.catalog.listing()
+        out = [self._card(self.default, created, resident, loading, family=None, size=None, error=None)]
+        for e in entries:
+            if e.name == self.default:
+                continue
+            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size,
+                                  e.error or self.models.errors.get(e.name), e.path if e.form == "file" else None,
+                                  e.kind))
+        self._hash_later([e.path for e in entries if e.form == "file" and not e.error])
+        return out
+
+    def _card(self, name: str, created: int, resident: dict[str, Resident], loading: set[str], family: str | None,
+              size: int | None, error: str | None, path: str | None = None, kind: str | None = None) -> dict:
+        r = resident.get(name)
+        if r is not None:
+            family, size = r.client.info.family, r.client.info.native_size
+        return {"id": name, "object": "model", "created": created, "owned_by": "diffgraph", "family": family,
+                "native_size": size, "kind": kind, "resident": r is not None, "loading": name in loading,
+                "memory_bytes": r.memory_bytes if r else None, "default": name == self.default,
+                "hash": self._hashes.get(path) if path else None, "error": error}
+
+    def _hash_later(self, paths: list[str]) -> None:
+        """AUTOMATIC1111's short hashes of the files not hashed yet, on one background thread (7 GB take a while)."""
+        with self._hash_lock:
+            todo = [p for p in paths if p not in self._hashes]
+            if not todo or self._hashing:
+                return
+            self._hashing = True
+
+        def work() -> None:
+            try:
+                for path in todo:
+                    try:
+                        value = short_hash(path, default_cache_root())
+                    except (OSError, ValueError) as e:
+                        logger.warning("hashing %s failed: %s", path, e)
+                        value = None
+                    with self._hash_lock:
+                        self._hashes[path] = value
+            finally:
+                with self._hash_lock:
+                    self._hashing = False
+        threading.Thread(target=work, name="diffgraph-hash", daemon=True).start()
+
+    def close(self) -> None:
+        self.models.close()
+
+
+def _default_device() -> str:
+    from ..engine.engine import default_device
+    return default_device()
+
+

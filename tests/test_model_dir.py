@@ -1,0 +1,124 @@
+"""Many models behind one server (issue 29, point 3): `--model-dir` serves every diffusers folder and checkpoint file
+under it by name, each request picks one with `model`, models load on first use and the least recently used idle
+one is evicted; a model with requests in flight never is."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import threading
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from diffgraph import Engine
+from diffgraph.models.presets import shipped_preset_folder
+from diffgraph.server.process import ServerProcess
+
+PROMPT = "a handwritten digit seven"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    shutil.copytree(shipped_preset_folder("digits"), root / "sd" / "digits-copy")
+    shutil.copytree(shipped_preset_folder("digits-xl"), root / "xl" / "digits-xl")
+    save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 32)},
+              str(root / "a-lora.safetensors"))
+    (root / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    shutil.copytree(shipped_preset_folder("digits"), root / "broken")  # its UNet weights cut short: fails to load
+    unet = root / "broken" / "unet" / "diffusion_pytorch_model.safetensors"
+    unet.write_bytes(unet.read_bytes()[:4096])
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = ServerProcess("--model-dir", str(model_dir), "--max-models", "2", "--request-timeout", "600")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop(timeout=60)
+
+
+def _generate(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/images/generations", timeout=600,
+                      json={"prompt": PROMPT, "seed": 5, "num_inference_steps": 4, **body})
+
+
+def _pixels(r: httpx.Response) -> np.ndarray:
+    assert r.status_code == 200, r.text
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+
+
+def _models(url: str) -> dict[str, dict]:
+    return {m["id"]: m for m in httpx.get(url + "/v1/models", timeout=60).json()["data"]}
+
+
+def test_the_listing_names_every_model_and_why_some_cannot_serve(server):
+    models = _models(server.url)
+    assert set(models) == {"random:tiny", "sd/digits-copy", "xl/digits-xl", "a-lora", "cut", "broken"}
+    assert models["random:tiny"]["default"] and models["random:tiny"]["resident"]
+    assert models["random:tiny"]["memory_bytes"] > 0
+    assert (models["xl/digits-xl"]["family"], models["xl/digits-xl"]["native_size"]) == ("sdxl", 64)
+    assert "LoRA adapter" in models["a-lora"]["error"] and "truncated" in models["cut"]["error"]
+
+
+def test_requests_to_two_models_at_once_equal_each_models_solo_image(server):
+    results: dict[str, httpx.Response] = {}
+
+    def ask(name):
+        results[name] = _generate(server.url, model=name)
+    threads = [threading.Thread(target=ask, args=(n,)) for n in ("sd/digits-copy", "xl/digits-xl")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, preset in (("sd/digits-copy", "digits"), ("xl/digits-xl", "digits-xl")):
+        with Engine(preset, device="cpu") as solo:
+            alone = np.asarray(solo.generate(PROMPT, seed=5, num_inference_steps=4)[0])
+        assert np.array_equal(_pixels(results[name]), alone), name
+    assert np.array_equal(_pixels(_generate(server.url)), _pixels(_generate(server.url, model="random:tiny")))
+
+
+def test_bad_model_names_are_refused_naming_model_and_the_others_keep_serving(server):
+    cases = [("nope", 404, "not in the model folder"), ("a-lora", 400, "LoRA adapter"), ("cut", 400, "truncated"),
+             ("../etc", 400, "not allowed"), ("broken", 400, "could not be loaded")]
+    for name, status, words in cases:
+        r = _generate(server.url, model=name)
+        assert r.status_code == status, (name, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "model" and words in error["message"], (name, error)
+    assert _generate(server.url, model="sd/digits-copy").status_code == 200
+    assert "truncated" in _models(server.url)["broken"]["error"]  # the load's reason, listed
+
+
+def test_a_model_with_requests_in_flight_is_not_evicted(server):
+    """Two slots: the default is pinned, so a third model must evict the second, unless it is busy."""
+    busy: dict[str, httpx.Response] = {}
+    long = threading.Thread(target=lambda: busy.update(r=_generate(server.url, model="sd/digits-copy",
+                                                                    num_inference_steps=60)))
+    long.start()
+    try:
+        deadline_steps = 0
+        while not _models(server.url)["sd/digits-copy"]["resident"]:  # it is loaded (or already was)
+            deadline_steps += 1
+            assert deadline_steps < 6000
+            threading.Event().wait(0.05)
+        other = _generate(server.url, model="xl/digits-xl")  # needs a slot while digits-copy is busy
+        assert other.status_code == 200, other.text
+    finally:
+        long.join()
+    assert busy["r"].status_code == 200, busy["r"].text  # the busy model was not evicted under its request
+    models = _models(server.url)
+    assert models["random:tiny"]["resident"]  # the default is never evicted
+    after = _generate(server.url, model="sd/digits-copy")  # a later load brings the set back to its bound
+    assert after.status_code == 200
+    resident = [m for m, card in _models(server.url).items() if card["resident"]]
+    assert len(resident) == 2 and "random:tiny" in resident and "sd/digits-copy" in resident
