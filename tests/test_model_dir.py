@@ -68,6 +68,9 @@ def test_the_listing_names_every_model_and_why_some_cannot_serve(server):
     assert models["random:tiny"]["memory_bytes"] > 0
     assert (models["xl/digits-xl"]["family"], models["xl/digits-xl"]["native_size"]) == ("sdxl", 64)
     assert "LoRA adapter" in models["a-lora"]["error"] and "truncated" in models["cut"]["error"]
+    metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    assert 'diffgraph_model_resident{model="random:tiny"} 1.0' in metrics
+    assert 'diffgraph_model_memory_bytes{model="random:tiny"}' in metrics
 
 
 def test_requests_to_two_models_at_once_equal_each_models_solo_image(server):

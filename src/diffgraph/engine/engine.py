@@ -130,8 +130,12 @@ class Engine:
                 padded=self.runner.graphed_resolutions(), grow_fill=grow_fill, grow_hold_ms=grow_hold_ms),
                 image_threads=image_threads, metadata=bool(metadata), loop=loop)
             self._ready = False
+            loaded_s = time.perf_counter() - t0
+            logger.info("model %s loaded in %.1f s (%s, %s)", self.model.name, loaded_s, place, dtype)
             if graphed and self.runner.graph_config.prewarm:
                 self.runner.prewarm()
+                logger.info("graphs of %s captured in %.1f s (%d graphs)", self.model.name,
+                            time.perf_counter() - t0 - loaded_s, len(self.runner.graph_table()))
         self.ready_s = time.perf_counter() - t0  # load to ready (prewarm graphs captured)
         self.core.start()
         self._ready = True

@@ -53,6 +53,7 @@ from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
 from .image_store import ImageLinks, UrlSigner, make_store
+from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import folder_listing, playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
@@ -160,6 +161,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 routing.models.release(routing.models.acquire(routing.catalog.resolve(name).name))
             return client
     state = ServerState(config, engine_factory, on_close=routing.close if routing else None)
+    if routing is not None:
+        state.metrics.registry.register(ModelCollector(
+            lambda: [(r.name, r.memory_bytes, r.client.in_flight()) for r in routing.models.resident()],
+            routing.models.loading))
     body_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
     read_timeout = min(config.body_timeout, config.request_timeout)
     read_flag = "--body-timeout" if config.body_timeout <= config.request_timeout else "--request-timeout"

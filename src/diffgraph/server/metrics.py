@@ -122,6 +122,31 @@ def _process_rss() -> int:
         return 0
 
 
+class ModelCollector:
+    """Per model of a `--model-dir` server (issue 29), read at scrape time from `residents()`: (name, resident
+    bytes, requests in flight) of each resident model, and the names of the models being loaded."""
+
+    def __init__(self, residents: Callable[[], list[tuple[str, int, int]]], loading: Callable[[], list[str]]):
+        self._residents, self._loading = residents, loading
+
+    def collect(self):
+        resident = GaugeMetricFamily("diffgraph_model_resident", "1 for a resident model, 0 while it loads",
+                                     labels=["model"])
+        memory = GaugeMetricFamily("diffgraph_model_memory_bytes",
+                                   "Bytes of weights and graph pools a resident model holds", labels=["model"])
+        inflight = GaugeMetricFamily("diffgraph_model_inflight_requests",
+                                     "Requests submitted to a model and not yet answered", labels=["model"])
+        for name, nbytes, open_requests in self._residents():
+            resident.add_metric([name], 1)
+            memory.add_metric([name], nbytes)
+            inflight.add_metric([name], open_requests)
+        for name in self._loading():
+            resident.add_metric([name], 0)
+        yield resident
+        yield memory
+        yield inflight
+
+
 class ServerMetrics:
     def __init__(self, get_engine: Callable[[], Any], batch_buckets: tuple[int, ...],
                  is_ready: Callable[[], bool] = lambda: False):

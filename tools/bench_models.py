@@ -1,0 +1,105 @@
+"""Two resident models on one device loop against one model alone (issue 29's targets): request latency when
+requests alternate between two resident models (p50 within 3% of one model alone), and the memory a ModelSet
+accounts per model against torch's allocator.
+
+    python tools/bench_models.py --preset random:sd15 --requests 40 --steps 20   # on the GPU host
+
+Builds a ModelSet (engine/model_set.py) whose two models are the same preset under two names ("a", "b": separate
+engines, weights and graphs), then times one-image requests one after another: "a" alone (N), then "a", "b"
+alternating (N), then "a" alone again; each request's end-to-end time from submit to its result. Memory: each model's
+accounted bytes (the allocator's reserved bytes its build added) beside torch.cuda.memory_reserved and
+memory_allocated before and after, and after one model is evicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from diffgraph import Engine, GraphConfig
+from diffgraph.engine.model_set import ModelSet
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="random:sd15")
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--size", type=int, default=None)
+    args = p.parse_args()
+    size = args.size or (1024 if "xl" in args.preset else 512)
+    cuda = args.device.startswith("cuda")
+    reserved = torch.cuda.memory_reserved if cuda else (lambda: 0)
+    allocated = torch.cuda.memory_allocated if cuda else (lambda: 0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def build(name: str, loop):
+        engine = Engine(args.preset, device=args.device, loop=loop, name=name, compile=args.compile,
+                        graphs=GraphConfig(batch_buckets=(1, 2)) if cuda else None)
+        engine.generate("warm-up", num_inference_steps=2, seed=0)
+        return engine
+
+    sync()
+    base_reserved, base_allocated = reserved(), allocated()
+    models = ModelSet(build, args.device, max_models=2)
+    held = {n: models.acquire(n) for n in ("a", "b")}
+    sync()
+    memory = {"accounted": {n: r.memory_bytes for n, r in held.items()},
+              "reserved_delta": reserved() - base_reserved,
+              "allocated_delta": allocated() - base_allocated}
+    memory["accounted_sum"] = sum(memory["accounted"].values())
+    memory["ratio_to_reserved"] = memory["accounted_sum"] / max(1, memory["reserved_delta"])
+
+    def one(name: str, i: int) -> float:
+        engine = held[name].client.engine
+        t0 = time.perf_counter()
+        engine.generate("a photo of a cat", seed=i, num_inference_steps=args.steps, width=size, height=size)
+        return (time.perf_counter() - t0) * 1e3
+
+    for i in range(3):  # warm both
+        one("a", i), one("b", i)
+    alone1 = [one("a", i) for i in range(args.requests)]
+    mixed = [one("a" if i % 2 == 0 else "b", i) for i in range(args.requests)]
+    alone2 = [one("a", i) for i in range(args.requests)]
+    alone = alone1 + alone2
+    row = {"preset": args.preset, "steps": args.steps, "requests": args.requests, "compile": args.compile,
+           "alone_p50_ms": statistics.median(alone), "alternating_p50_ms": statistics.median(mixed),
+           "alone_first_p50": statistics.median(alone1), "alone_second_p50": statistics.median(alone2),
+           "memory": memory}
+    row["ratio"] = row["alternating_p50_ms"] / row["alone_p50_ms"]
+    for r in held.values():
+        models.release(r)
+    models.max_models = 1
+    before = reserved()
+    models.release(models.acquire("a"))  # over the bound now: the idle "b" is evicted (on a background thread)
+    deadline = time.monotonic() + 60
+    while len(models.resident()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    sync()
+    row["evicted"] = {"freed_reserved": before - reserved(), "b_accounted": memory["accounted"]["b"],
+                      "resident": [r.name for r in models.resident()]}
+    print(json.dumps(row, indent=1))
+    print(f"{'':28s} {'p50 ms':>8s}")
+    print(f"{'one model alone':28s} {row['alone_p50_ms']:8.2f}")
+    print(f"{'two models, alternating':28s} {row['alternating_p50_ms']:8.2f}  ({row['ratio']:.4f}x; target <= 1.03)")
+    print(f"memory accounted {memory['accounted_sum'] / 2**30:.2f} GiB vs reserved delta "
+          f"{memory['reserved_delta'] / 2**30:.2f} GiB ({memory['ratio_to_reserved']:.3f}x; allocated delta "
+          f"{memory['allocated_delta'] / 2**30:.2f} GiB); eviction freed {row['evicted']['freed_reserved'] / 2**30:.2f} "
+          f"GiB of b's {memory['accounted']['b'] / 2**30:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(row, f, indent=1)
+    models.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
