@@ -125,3 +125,35 @@ def test_a_model_with_requests_in_flight_is_not_evicted(server):
     assert after.status_code == 200
     resident = [m for m, card in _models(server.url).items() if card["resident"]]
     assert len(resident) == 2 and "random:tiny" in resident and "sd/digits-copy" in resident
+
+
+def test_the_memory_budget_evicts_idle_models_never_a_busy_one():
+    """ModelSet with a budget smaller than one model: after each load the set is over it, so every idle model but
+    the newest goes; a model with a request in flight stays until it is idle."""
+    from diffgraph.engine.model_set import ModelSet
+
+    def build(name, loop):
+        return Engine(name, device="cpu", loop=loop, image_threads=1)
+    models = ModelSet(build, "cpu", max_models=8, memory_bytes=1)
+    try:
+        a = models.acquire("random:tiny")
+        assert a.memory_bytes == sum(t.numel() * t.element_size() for m in
+                                     (a.client.engine.model.unet, a.client.engine.model.vae,
+                                      *a.client.engine.model.text_encoders)
+                                     for t in [*m.parameters(), *m.buffers()])
+        engine = a.client.engine
+        gate = threading.Event()
+        engine.core.call_between_steps(gate.wait)  # the loop waits here: a's request stays queued, a stays busy
+        future = engine.submit(engine.make_request("x", num_inference_steps=4, seed=1))
+        models.release(a)
+        b = models.acquire("digits")
+        assert {r.name for r in models.resident()} == {"random:tiny", "digits"}  # a is busy: kept, over budget
+        gate.set()
+        future.result(timeout=600)
+        assert future.result().arrays.shape[0] == 1  # its request finished on the engine that was kept
+        models.release(b)
+        c = models.acquire("digits-xl")  # now a and b are idle: both go
+        assert [r.name for r in models.resident()] == ["digits-xl"]
+        models.release(c)
+    finally:
+        models.close()

@@ -157,6 +157,11 @@ class EngineCore:
             self.scheduler.growth_holds = old.growth_holds  # a counter: it never goes back
             self.scheduler.gates = old.gates
 
+    def has_work(self) -> bool:
+        """Requests waiting or running (a ModelSet never evicts such an engine)."""
+        with self._cv:
+            return self.scheduler.has_work()
+
     def queue_depth(self) -> int:
         with self._cv:
             return self.scheduler.num_waiting

@@ -49,7 +49,7 @@ class Resident:
 
     @property
     def busy(self) -> bool:
-        return self.holds > 0 or self.client.in_flight() > 0
+        return self.holds > 0 or self.client.in_flight() > 0 or self.client.core.has_work()
 
 
 class ModelSet:
