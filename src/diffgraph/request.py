@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import ParamError
 from .sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
+from .sampling.aliases import canonical, closest
 from .sampling.schedules import MAX_STEPS
 
 GroupKey = tuple[int, int]  # (height, width) in pixels: the resolution group a request's rows run in
@@ -102,10 +103,10 @@ def check_family_params(sampler: str, schedule: str, key: GroupKey, samplers: tu
     whose = f" (the {{}} of model family {family!r})" if family else ""
     if sampler not in samplers:
         raise ParamError("sampler", f"sampler {_show(sampler)} is unknown; allowed: {', '.join(samplers)}"
-                                    + whose.format("samplers"))
+                                    + whose.format("samplers") + closest(sampler, samplers))
     if schedule not in schedules:
         raise ParamError("schedule", f"schedule {_show(schedule)} is unknown; allowed: {', '.join(schedules)}"
-                                     + whose.format("schedules"))
+                                     + whose.format("schedules") + closest(schedule, schedules))
     for name, value in (("width", key[1]), ("height", key[0])):
         _check_size(name, value, size_multiple)
 
@@ -301,6 +302,9 @@ class GenerationRequest:
         height = model.native_size if height is None else height
         for name, value in (("width", width), ("height", height)):  # the family's words first (its multiple)
             _check_size(name, value, multiple)
+        # the names people type (AUTOMATIC1111's labels, ComfyUI's): the family's own names, a label's schedule
+        sampler, schedule = canonical(sampler, schedule, model.samplers if model is not None else SAMPLERS,
+                                      model.schedules if model is not None else SCHEDULES)
         if sampler is None:
             sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
         if schedule is None:

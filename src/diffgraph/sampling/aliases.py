@@ -1,0 +1,92 @@
+"""The sampler and schedule names people type (issue 31, point 3): AUTOMATIC1111's labels ("DPM++ 2M Karras",
+"Euler a", and its scheduler "Automatic" that webuiapi sends by default) and ComfyUI's names (`euler_ancestral`,
+`dpmpp_2m`, schedule `normal`), mapped to one canonical name of sampling/names.py. Plain data, no numpy or torch.
+
+Names are matched folded (case, spaces, underscores and dashes ignored). A label that names a schedule too ("DPM++
+2M Karras") gives it, unless the request names another one (then it is refused as a contradiction). The labels of
+samplers and schedules diffgraph does not have yet ("DPM++ 2M SDE Karras", "UniPC", "Heun", "LMS", "exponential",
+"sgm_uniform", ...) get a one-line error that says which one it is and what is there instead; an unknown name gets
+the list and the closest match. A family's own names (FamilyAdapter.samplers) are taken as they are.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+from ..errors import ParamError
+
+# folded name -> (canonical sampler, the schedule its label implies or None)
+SAMPLER_ALIASES: dict[str, tuple[str, str | None]] = {
+    "euler": ("euler", None), "k euler": ("euler", None),
+    "euler a": ("euler_a", None), "euler ancestral": ("euler_a", None), "k euler a": ("euler_a", None),
+    "k euler ancestral": ("euler_a", None),
+    "dpm++ 2m": ("dpmpp_2m", None), "dpmpp 2m": ("dpmpp_2m", None), "k dpmpp 2m": ("dpmpp_2m", None),
+    "dpm++ 2m karras": ("dpmpp_2m", "karras"), "dpmpp 2m karras": ("dpmpp_2m", "karras"),
+    "dpmsolvermultistep": ("dpmpp_2m", None), "dpm solver++": ("dpmpp_2m", None),
+    "ddim": ("ddim", None),
+}
+# AUTOMATIC1111's and ComfyUI's other samplers (folded) -> the name it will have here (issue 31 builds them)
+SAMPLERS_NOT_YET: dict[str, str] = {
+    **{k: "dpmpp_2m_sde" for k in ("dpm++ 2m sde", "dpm++ 2m sde karras", "dpmpp 2m sde", "dpm++ 2m sde exponential",
+                                   "dpm++ 2m sde heun", "dpm++ 2m sde heun karras", "dpmpp 2m sde gpu")},
+    **{k: "dpmpp_sde" for k in ("dpm++ sde", "dpm++ sde karras", "dpmpp sde", "dpmpp sde gpu")},
+    **{k: "dpmpp_3m_sde" for k in ("dpm++ 3m sde", "dpm++ 3m sde karras", "dpm++ 3m sde exponential", "dpmpp 3m sde",
+                                   "dpmpp 3m sde gpu")},
+    **{k: "unipc" for k in ("unipc", "uni pc", "uni pc bh2")},
+    **{k: "heun" for k in ("heun", "heunpp2")},
+    **{k: "lms" for k in ("lms", "lms karras")},
+    **{k: "dpm2" for k in ("dpm2", "dpm2 karras", "dpm 2")},
+    **{k: "dpm2_a" for k in ("dpm2 a", "dpm2 a karras", "dpm 2 ancestral")},
+    "lcm": "lcm", "tcd": "tcd",
+    **{k: "dpmpp_2s_a" for k in ("dpm++ 2s a", "dpm++ 2s a karras", "dpmpp 2s ancestral")},
+    **{k: "(none planned)" for k in ("dpm fast", "dpm adaptive", "restart", "plms", "ipndm", "deis", "ddpm",
+                                     "euler cfg++", "euler ancestral cfg++", "res multistep")},
+}
+SCHEDULE_ALIASES: dict[str, str] = {"default": "default", "automatic": "default", "normal": "default",
+                                    "karras": "karras"}
+SCHEDULES_NOT_YET = ("exponential", "sgm uniform", "simple", "beta", "uniform", "polyexponential", "kl optimal",
+                     "align your steps", "ddim uniform", "linear quadratic")
+
+
+def fold(name: str) -> str:
+    return re.sub(r"[\s_\-]+", " ", name.strip().lower())
+
+
+def canonical(sampler: str, schedule: str | None, samplers: tuple[str, ...],
+              schedules: tuple[str, ...]) -> tuple[str, str | None]:
+    """(sampler, schedule) in the family's own names: its names as they are, aliases mapped, the schedule a label
+    implies filled in (schedule None: not given, or AUTOMATIC1111's "Automatic"). Raises ParamError naming the field."""
+    implied, label = None, sampler
+    if isinstance(sampler, str) and sampler not in samplers:
+        key = fold(sampler)
+        if key in SAMPLER_ALIASES and SAMPLER_ALIASES[key][0] in samplers:
+            sampler, implied = SAMPLER_ALIASES[key]
+        elif key in SAMPLERS_NOT_YET:
+            also = f" ({SAMPLERS_NOT_YET[key]})" if SAMPLERS_NOT_YET[key] != sampler else ""
+            raise ParamError("sampler", f"sampler {sampler!r}{also} is not supported yet; "
+                                        f"allowed: {', '.join(samplers)} (or their AUTOMATIC1111 / ComfyUI names)")
+        # else: unknown here; the family's check refuses it with its list and the closest name (`closest`)
+    automatic = isinstance(schedule, str) and fold(schedule) == "automatic"
+    if isinstance(schedule, str) and schedule not in schedules:
+        key = fold(schedule)
+        if key in SCHEDULE_ALIASES and SCHEDULE_ALIASES[key] in schedules:
+            schedule = SCHEDULE_ALIASES[key]
+        elif key in SCHEDULES_NOT_YET:
+            raise ParamError("schedule", f"schedule {schedule!r} is not supported yet; allowed: {', '.join(schedules)}"
+                                         " (AUTOMATIC1111's Automatic and ComfyUI's normal are 'default')")
+    if implied is not None:
+        if schedule is not None and not automatic and schedule != implied:
+            raise ParamError("schedule", f"sampler {label!r} names schedule {implied!r} but schedule "
+                                         f"{schedule!r} was given; give one of them")
+        schedule = implied
+    return sampler, schedule
+
+
+def closest(name: str, names: tuple[str, ...]) -> str:
+    """"; did you mean 'x'?" for the name (or alias of one of `names`) nearest to `name`, or ""."""
+    canon = set(names)
+    known = {fold(n): n for n in names} | {k: v[0] for k, v in SAMPLER_ALIASES.items() if v[0] in canon} | {
+        k: v for k, v in SCHEDULE_ALIASES.items() if v in canon}
+    close = difflib.get_close_matches(fold(name), list(known), n=1, cutoff=0.6) if isinstance(name, str) else []
+    return f"; did you mean {known[close[0]]!r}?" if close else ""
