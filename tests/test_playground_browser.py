@@ -17,12 +17,15 @@ import io
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
+
+from diffgraph.models.presets import shipped_preset_folder
 
 _TOOL = Path(__file__).resolve().parents[1] / "tools" / "playground_screenshot.py"
 _spec = importlib.util.spec_from_file_location("playground_screenshot", _TOOL)
@@ -78,6 +81,27 @@ def keyed_server():
     s.stop()
 
 
+@pytest.fixture
+def model_dir(tmp_path):
+    """A --model-dir: the shipped digits-xl twice (`xl/spare` is removed while the page lists it) and a file too
+    short to be a checkpoint."""
+    root = tmp_path / "models"
+    source = shipped_preset_folder("digits-xl")
+    if source is None:
+        pytest.skip("this install does not carry the digits-xl preset")
+    for name in ("digits-xl", "spare"):
+        shutil.copytree(source, root / "xl" / name)
+    (root / "broken.safetensors").write_bytes(b"0123456789")
+    return root
+
+
+@pytest.fixture
+def multi_server(model_dir):
+    s = _server("--request-timeout", "600", "--model-dir", str(model_dir))
+    yield s
+    s.stop()
+
+
 class Traffic:
     """The page's generation requests (their JSON bodies and Authorization headers) and their statuses."""
 
@@ -126,6 +150,9 @@ def test_generate_errors_reuse_and_history(browser, server, tmp_path):
     assert page.input_value("#guidance") == str(info["default_guidance"])
     assert page.get_attribute("#n", "max") == str(info["max_images"])
     assert page.eval_on_selector_all("#sampler option", "os => os.map(o => o.value)") == info["samplers"]
+    # one model (no --model-dir): GET /v1/models is read, and the picker stays out of the way
+    page.wait_for_selector("#model[data-models='1']", state="attached")
+    assert not page.is_visible("[data-testid=model-field]")
 
     # two requests at once: a fixed seed, and two images with the seed left to the server
     pg.fill_form(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
@@ -433,3 +460,82 @@ def test_a_signed_image_url_loads_in_an_img_tag_without_a_key(browser, keyed_ser
     finally:
         page.close()
     assert sizes == [[64, 64], None]
+
+
+def _model_options(page) -> list[dict]:
+    return page.eval_on_selector_all("#model option", "os => os.map(o => ({value: o.value, text: o.textContent, "
+                                     "disabled: o.disabled, title: o.title}))")
+
+
+def test_model_picker_chooses_sends_and_restores_the_model(browser, multi_server, model_dir):
+    """With --model-dir the picker lists GET /v1/models: the default (loaded) first, the folder's models (loaded on
+    first use), the unreadable file disabled with its reason; the chosen model is sent as `model` (the default as no
+    field), its first request says it is loading, the list then shows it loaded; a history entry restores its
+    model; a model gone from the folder is refused at the picker, and a history entry naming it falls back to the
+    default with a note."""
+    page = pg.open_playground(browser, multi_server.url)
+    traffic = Traffic(page)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    picker = page.locator("[data-testid=model-picker]")
+    page.wait_for_selector("[data-testid=model-field]:not([hidden])")
+    options = _model_options(page)
+    assert [o["value"] for o in options] == ["digits", "xl/digits-xl", "xl/spare", "broken"]
+    assert options[0]["text"] == "digits · sd 64×64 · default · loaded" and not options[0]["disabled"]
+    assert options[1]["text"] == "xl/digits-xl · sdxl 64×64 · loads on first use" and not options[1]["disabled"]
+    assert options[3]["disabled"] and "not a readable safetensors file" in options[3]["title"]
+    assert picker.input_value() == "digits"
+    assert page.inner_text("[data-testid=model-hint]").startswith("Loaded")
+
+    # the default: no `model` field
+    default_id = pg.generate(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
+    assert "model" not in traffic.bodies[-1]
+
+    # another model: sent by name; while its request is held back the card says the model is loading
+    held: list = []
+    page.route("**" + GENERATIONS, lambda route: held.append(route))
+    picker.select_option("xl/digits-xl")
+    assert "Not loaded" in page.inner_text("[data-testid=model-hint]")
+    local = pg.submit(page)
+    text = pg.card(page, local).locator("[data-testid=progress-text]")
+    assert text.inner_text() == "loading xl/digits-xl (its first use: this can take a while)…"
+    while not held:
+        page.wait_for_timeout(20)
+    held[0].continue_()
+    page.unroute("**" + GENERATIONS)
+    assert pg.wait_finished(page, local) == "done"
+    assert traffic.bodies[-1]["model"] == "xl/digits-xl"
+    assert _image_sizes(pg.card(page, local)) == [(64, 64)]
+    assert pg.card(page, local).get_attribute("data-progress-events") == str(STEPS)
+    page.wait_for_function("() => document.querySelector('#model option[value=\"xl/digits-xl\"]')"
+                           ".textContent.endsWith('· loaded')")  # the list is read again after a request
+    stored = page.evaluate("() => JSON.parse(localStorage.getItem('diffgraph.history.v1'))")
+    assert [h["settings"]["model"] for h in stored] == ["xl/digits-xl", "digits"]
+    assert page.locator("[data-testid=history-item]").first.inner_text().count("xl/digits-xl") == 1
+
+    # reusing an entry restores its model (the card's and the history's button alike)
+    pg.card(page, default_id).locator("[data-testid=reuse]").click()
+    assert picker.input_value() == "digits"
+    page.locator("[data-testid=history-reuse]").first.click()
+    assert picker.input_value() == "xl/digits-xl"
+
+    # a model removed from the folder after it was listed: the server's 404 is shown at the picker, the list then
+    # drops it; a history entry naming it chooses the default and says why
+    shutil.rmtree(model_dir / "xl" / "spare")
+    picker.select_option("xl/spare")
+    page.click("#generate")
+    page.wait_for_selector("#error-model:not(:empty)")
+    assert "spare" in page.inner_text("#error-model") and traffic.statuses[-1] == 404
+    assert page.get_attribute("#model", "aria-invalid") == "true"
+    page.wait_for_function("() => !document.querySelector('#model option[value=\"xl/spare\"]')")
+    assert picker.input_value() == "digits"
+    entry = {**_old_entry(1), "settings": {**_old_entry(1)["settings"], "model": "xl/spare"}}
+    page.evaluate("(h) => localStorage.setItem('diffgraph.history.v1', JSON.stringify(h))", [entry])
+    page.reload()
+    pg.wait_ready(page)
+    page.locator("[data-testid=history-reuse]").first.click()  # maybe before the listing is read: it waits for it
+    page.wait_for_selector("[data-testid=model-field]:not([hidden])")
+    page.wait_for_function("() => document.getElementById('model-hint').textContent.includes('not served now')")
+    assert picker.input_value() == "digits"
+    assert page.input_value("#prompt") == "old request 1"
+    assert errors == []

@@ -6,6 +6,9 @@
  * Reads GET /info (the model, its defaults, what a request may ask for) until the engine is ready. With API keys
  * (/info says auth_required) the key is asked for once, kept in sessionStorage and sent as `Authorization: Bearer`;
  * a 401 asks again. API errors are shown next to the form field their `param` names.
+ *
+ * The model picker (models.js, over GET /v1/models) chooses a request's `model` when the server serves several
+ * (--model-dir); the default is sent as no field. Its choice is kept in the history like the other settings.
  */
 "use strict";
 
@@ -21,9 +24,10 @@
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
     image: "image", mask: "image", strength: "strength", loras: "lora", prompt_syntax: "prompt-syntax",
+    model: "model",
   };
-  const FIELDS = ["prompt", "negative-prompt", "prompt-syntax", "size", "steps", "guidance", "sampler", "schedule",
-    "seed", "n", "image", "strength", "lora"];
+  const FIELDS = ["model", "prompt", "negative-prompt", "prompt-syntax", "size", "steps", "guidance", "sampler",
+    "schedule", "seed", "n", "image", "strength", "lora"];
   const AUTO_SIZE = "auto";  // an edit's size: the image's, rounded down to multiples of 8 (the server's rule)
   const EXTENSIONS = { png: "png", jpeg: "jpg", webp: "webp" };
 
@@ -37,6 +41,7 @@
     edit: { file: null, width: 0, height: 0, painted: false, drawing: false },  // the image of an edit
     keyPrompt: null,   // the pending askForKey promise, shared by whoever needs a key meanwhile
     askedKeyOnLoad: false,
+    picker: null,      // the model picker (models.js)
   };
 
   // -- small helpers --------------------------------------------------------------------------------
@@ -69,6 +74,7 @@
     if (s.lora) parts.push(`${s.lora} ×${s.lora_scale}`);
     if (s.guidance !== "") parts.push(`cfg ${s.guidance}`);
     if (Number(s.n) > 1) parts.push(`${s.n} images`);
+    if (s.model && app.picker && app.picker.several()) parts.unshift(s.model);
     return parts.join(" · ");
   }
 
@@ -128,6 +134,7 @@
         }
         storeKey(key);
         loadLoras();
+        app.picker.refresh();
         finish(key);
       };
       const onCancel = (event) => { event.preventDefault(); finish(null); };
@@ -171,16 +178,45 @@
     if (previous && values.includes(previous)) select.value = previous;
   }
 
+  /* The size choices of the chosen model: /info's, or for another model of a different native size, its own
+   * (the graphed ones too when the server graphs each model's native size: no --resolutions). */
+  function sizeSource(model) {
+    const info = app.info;
+    if (!info || !model || model.id === info.model || !model.native_size || model.native_size === info.native_size) {
+      return info;
+    }
+    const square = (n) => `${n}x${n}`;
+    const graphed = info.graphed_resolutions || [];
+    const nativeOnly = graphed.length === 1 && graphed[0] === square(info.native_size);
+    return { native_size: model.native_size, graphed_resolutions: nativeOnly ? [square(model.native_size)] : graphed };
+  }
+
+  function fillSizes(source) {
+    const select = $("size");
+    const wasAuto = select.value === AUTO_SIZE;
+    const sizes = sizeChoices(source);
+    fillSelect(select, [["graphed", sizes.graphed], ["other sizes", sizes.others], ["", ["custom"]]]);
+    const custom = select.querySelector('option[value="custom"]');
+    if (custom) custom.textContent = "custom…";
+    if (app.edit.file) {
+      addAutoSize();
+      if (wasAuto) select.value = AUTO_SIZE;
+    }
+    syncCustomSize();
+  }
+
+  /* The chosen model or its listing changed: its sizes, unless /info has not answered yet. */
+  function onModel(model) {
+    if (app.info && app.info.ready) fillSizes(sizeSource(model));
+    renderHistory();  // the summaries name the model once there are several
+  }
+
   function applyInfo(info) {
     const becameReady = info.ready && !(app.info && app.info.ready);
     app.info = info;
-    const sizes = sizeChoices(info);
-    fillSelect($("size"), [["graphed", sizes.graphed], ["other sizes", sizes.others], ["", ["custom"]]]);
-    const custom = $("size").querySelector('option[value="custom"]');
-    if (custom) custom.textContent = "custom…";
+    fillSizes(sizeSource(app.picker.find(app.picker.chosen())));
     fillSelect($("sampler"), [["", info.samplers || []]]);
     fillSelect($("schedule"), [["", info.schedules || []]]);
-    syncCustomSize();
 
     const steps = $("steps");
     const n = $("n");
@@ -209,6 +245,7 @@
     if (becameReady) {
       document.body.dataset.ready = "true";
       loadLoras();
+      app.picker.refresh();
     }
 
     if (info.auth_required && !currentKey() && !app.askedKeyOnLoad) {
@@ -247,6 +284,7 @@
 
   function readForm() {
     return {
+      model: app.picker.chosen() || (app.info && app.info.model) || "",
       prompt: $("prompt").value,
       negative_prompt: $("negative-prompt").value,
       syntax: $("prompt-syntax").value,
@@ -281,6 +319,7 @@
   }
 
   function fillForm(s) {
+    app.picker.restore(s.model || "");
     $("prompt").value = s.prompt || "";
     $("negative-prompt").value = s.negative_prompt || "";
     $("prompt-syntax").value = s.syntax || "";
@@ -323,7 +362,7 @@
   /* Shows `message` at the field that edits body field `param`, or near the Generate button. */
   function showError(param, message) {
     const field = FIELD_FOR_PARAM[param];
-    if (!field) {
+    if (!field || $(field).closest("[hidden]")) {  // a field not shown (one model: no picker) says it near Generate
       $("error-general").textContent = message;
       return;
     }
@@ -356,6 +395,11 @@
     return errors;
   }
 
+  /* The model a request names: none for the default (the server's own choice; a one-model server takes no other). */
+  function sentModel(s) {
+    return s.model && s.model !== app.picker.defaultId() && !(app.info && s.model === app.info.model) ? s.model : "";
+  }
+
   /* The JSON body. The seed goes in as its digits: seeds reach 2**63 - 1, beyond a JS number's exact range. */
   function requestBody(s) {
     const body = {
@@ -363,6 +407,7 @@
       num_inference_steps: Number(s.steps), sampler: s.sampler, schedule: s.schedule,
       output_format: "png", response_format: "b64_json", stream: true,
     };
+    if (sentModel(s)) body.model = s.model;
     if (s.negative_prompt.trim()) body.negative_prompt = s.negative_prompt;
     if (s.syntax) body.prompt_syntax = s.syntax;
     if (s.guidance !== "") body.guidance_scale = Number(s.guidance);
@@ -397,6 +442,7 @@
     const fields = { prompt: s.prompt, n: s.n, num_inference_steps: s.steps, sampler: s.sampler,
       schedule: s.schedule, output_format: "png", response_format: "b64_json", stream: "true" };
     if (s.size !== AUTO_SIZE) fields.size = s.size.replace(/\s+/g, "").replace("×", "x").toLowerCase();
+    if (sentModel(s)) fields.model = s.model;
     if (s.negative_prompt.trim()) fields.negative_prompt = s.negative_prompt;
     if (s.syntax) fields.prompt_syntax = s.syntax;
     if (s.guidance !== "") fields.guidance_scale = s.guidance;
@@ -422,11 +468,8 @@
       $("image-canvas").getContext("2d").drawImage(img, 0, 0);
       Object.assign(app.edit, { file, width: w, height: h, painted: false });
       $("edit-area").hidden = false;
-      const select = $("size");
-      let auto = select.querySelector(`option[value="${AUTO_SIZE}"]`);
-      if (!auto) { auto = el("option", { value: AUTO_SIZE }); select.prepend(auto); }
-      auto.textContent = `the image's (${w - (w % 8)}x${h - (h % 8)})`;
-      select.value = AUTO_SIZE;
+      addAutoSize();
+      $("size").value = AUTO_SIZE;
       syncCustomSize();
       document.body.dataset.editImage = `${w}x${h}`;
     };
@@ -436,6 +479,15 @@
       $("image").value = "";
     };
     img.src = url;
+  }
+
+  /* The size choice of an edit: the image's own (rounded down to multiples of 8, as the server does). */
+  function addAutoSize() {
+    const select = $("size");
+    let auto = select.querySelector(`option[value="${AUTO_SIZE}"]`);
+    if (!auto) { auto = el("option", { value: AUTO_SIZE }); select.prepend(auto); }
+    const { width: w, height: h } = app.edit;
+    auto.textContent = `the image's (${w - (w % 8)}x${h - (h % 8)})`;
   }
 
   function removeImage() {
@@ -497,6 +549,12 @@
     bar.value = 0;
     bar.setAttribute("aria-label", `progress of "${req.settings.prompt.slice(0, 60)}"`);
     card.querySelector(".progress-text").textContent = "queued…";
+    const model = sentModel(req.settings) ? app.picker.find(req.settings.model) : null;
+    if (model && !model.resident) {  // its first request loads it: say so until the first step
+      card.dataset.modelLoading = "true";
+      card.querySelector(".progress-text").textContent =
+        `loading ${model.id} (its first use: this can take a while)…`;
+    }
     const m = /(\d+)\s*[xX×]\s*(\d+)/.exec(req.settings.size);
     const ratio = m && Number(m[1]) > 0 && Number(m[2]) > 0 ? `${m[1]} / ${m[2]}` : "1 / 1";
     card.querySelector(".images").append(el("div", { class: "placeholder", style: `aspect-ratio: ${ratio}`,
@@ -514,7 +572,7 @@
       progressEvents: 0 };
     req.card = makeCard(req);
     document.body.dataset.lastRequest = String(req.localId);  // lets a test find this request's card
-    runRequest(req);
+    runRequest(req).finally(() => app.picker.refresh());  // a model it loaded is resident now
   }
 
   async function runRequest(req) {
@@ -860,6 +918,8 @@
 
   // -- wiring ---------------------------------------------------------------------------------------------
   function init() {
+    app.picker = window.DiffgraphModels.createPicker({ select: $("model"), field: $("model-field"),
+      hint: $("model-hint"), headers: () => authHeaders(), onChange: onModel });
     $("gen-form").addEventListener("submit", onGenerate);
     $("size").addEventListener("change", () => {
       $("size").dataset.touched = "true";
