@@ -107,12 +107,14 @@ class DeviceLoop:
                 if failure is not None:
                     logger.error("the engine loop stopped after an internal error", exc_info=failure)
                 self._retire(core, failure)
+                del picked, core
                 continue
             try:
                 core.run(work, waited)
             except BaseException as e:  # a bug in the core's pass: answer its requests, refuse its new work
                 logger.exception("the engine loop stopped after an internal error")
                 self._retire(core, e)
+            del picked, core, work  # while it waits, the loop holds no core (an evicted model's memory goes)
 
     def _retire(self, core: LoopCore, error: BaseException | None) -> None:
         with self.cv:
