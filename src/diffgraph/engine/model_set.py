@@ -163,6 +163,7 @@ class ModelSet:
                     return
                 victim = idle[0]
                 del self._resident[victim.name]
+                others = idle = []  # no reference but `victim` is left to it
             logger.info("model %s evicted (%s)", victim.name, "the memory budget" if over_memory else "max-models")
             victim.client.close()
             del victim
