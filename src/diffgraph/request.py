@@ -303,8 +303,9 @@ class GenerationRequest:
         for name, value in (("width", width), ("height", height)):  # the family's words first (its multiple)
             _check_size(name, value, multiple)
         # the names people type (AUTOMATIC1111's labels, ComfyUI's): the family's own names, a label's schedule
-        sampler, schedule = canonical(sampler, schedule, model.samplers if model is not None else SAMPLERS,
-                                      model.schedules if model is not None else SCHEDULES)
+        names = (model.samplers, model.schedules) if model is not None else (SAMPLERS, SCHEDULES)
+        if (sampler is not None and sampler not in names[0]) or (schedule is not None and schedule not in names[1]):
+            sampler, schedule = canonical(sampler, schedule, *names)
         if sampler is None:
             sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
         if schedule is None:

@@ -88,5 +88,5 @@ def closest(name: str, names: tuple[str, ...]) -> str:
     canon = set(names)
     known = {fold(n): n for n in names} | {k: v[0] for k, v in SAMPLER_ALIASES.items() if v[0] in canon} | {
         k: v for k, v in SCHEDULE_ALIASES.items() if v in canon}
-    close = difflib.get_close_matches(fold(name), list(known), n=1, cutoff=0.6) if isinstance(name, str) else []
+    close = difflib.get_close_matches(fold(name), list(known), n=1, cutoff=0.75) if isinstance(name, str) else []
     return f"; did you mean {known[close[0]]!r}?" if close else ""

@@ -339,7 +339,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             try:  # the target is held (never evicted) until its request is queued
                 handle = await submit(state, await finish(target.info), progress=stream, client=target.client)
             finally:
-                target.release(routing)
+                if target.hold is not None:  # another model's, held until its request is queued
+                    target.release(routing)
             urls = links.maker(str(http.base_url)) if by_url else None
             if stream:
                 streaming = True  # the stream ends the request's accounting
