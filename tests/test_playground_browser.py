@@ -539,3 +539,4 @@ def test_model_picker_chooses_sends_and_restores_the_model(browser, multi_server
     assert picker.input_value() == "digits"
     assert page.input_value("#prompt") == "old request 1"
     assert errors == []
+

@@ -133,3 +133,22 @@ def test_an_empty_api_key_is_refused_not_an_open_server(monkeypatch):
     monkeypatch.setenv("DIFFGRAPH_API_KEY", " , ")
     with pytest.raises(ValueError, match="api-key is empty"):
         load_config(None, {"model": MODEL})
+
+
+def test_docs_are_served_from_local_files_not_a_cdn():
+    """/docs (issue 34, point 6): Swagger UI's script and styles come from this server (swagger-ui-bundle), so the
+    page works offline; only its three files can be named."""
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+
+    client = TestClient(create_app(ServerConfig(model=MODEL, device="cpu")))  # no lifespan: the engine is not built
+    page = client.get("/docs")
+    assert page.status_code == 200 and "docs/assets/swagger-ui-bundle.js" in page.text
+    assert "cdn" not in page.text.lower() and "http" not in page.text.split("<body>")[1].split("openapi.json")[0]
+    js = client.get("/docs/assets/swagger-ui-bundle.js")
+    assert js.status_code == 200 and len(js.content) > 500_000 and js.headers["content-type"].startswith("text/javascript")
+    assert client.get("/docs/assets/swagger-ui.css").status_code == 200
+    for bad in ("../pages.py", "swagger-ui-bundle.js.map", "index.html"):
+        assert client.get(f"/docs/assets/{bad}").status_code == 404
+    assert client.get("/openapi.json").json()["info"]["title"] == "diffgraph"

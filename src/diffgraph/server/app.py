@@ -55,7 +55,7 @@ from .edits import ImageEditForm, edit_input, read_form
 from .image_store import ImageLinks, UrlSigner, make_store
 from .metrics import ModelCollector
 from .models import ModelRouting, Target
-from .pages import folder_listing, playground_file, server_info, server_status
+from .pages import add_docs, folder_listing, playground_file, server_info, server_status
 from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
 
 
@@ -178,8 +178,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         yield
         await asyncio.to_thread(state.close)
 
-    app = FastAPI(title="diffgraph", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="diffgraph", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-shaped image generation on CUDA graphs with step-level batching")
+    add_docs(app)  # Swagger UI at /docs from local files (pages.py)
     app.state.server = state
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.protect_metrics)
