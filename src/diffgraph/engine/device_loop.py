@@ -60,15 +60,6 @@ class DeviceLoop:
         if thread is not None:  # outside the lock: its first pass runs at once, as the caller goes on
             thread.start()
 
-    def runs(self, core: LoopCore) -> bool:
-        """Whether `core` is attached and the loop's thread is alive."""
-        with self.cv:
-            return core in self._cores and self.thread is not None and self.thread.is_alive()
-
-    def cores(self) -> list[LoopCore]:
-        with self.cv:
-            return list(self._cores)
-
     def _next(self) -> tuple[LoopCore, Work | None, BaseException | None, bool] | None:
         """Under the lock: the next core to serve, in turn: (core, its work, a poll failure, whether the loop waited
         for it), or None when no core is attached (the thread then ends)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..engine.client import EngineClient
 from ..engine.device_loop import DeviceLoop
-from ..engine.engine import Engine
+from ..engine.engine import Engine, default_device
 from ..engine.model_set import ModelLoadError, ModelSet, Resident
 from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
 from ..models.clip_vocab import default_cache_root
@@ -48,7 +48,7 @@ class ModelRouting:
         self.catalog = ModelDir(root)
         self.default = default
         self._kwargs = engine_kwargs
-        self.models = ModelSet(self._build, str(engine_kwargs.get("device") or _default_device()), max_models,
+        self.models = ModelSet(self._build, str(engine_kwargs.get("device") or default_device()), max_models,
                                memory_bytes)
         self._hashes: dict[str, str | None] = {}
         self._hash_lock = threading.Lock()
@@ -136,10 +136,3 @@ class ModelRouting:
 
     def close(self) -> None:
         self.models.close()
-
-
-def _default_device() -> str:
-    from ..engine.engine import default_device
-    return default_device()
-
-
