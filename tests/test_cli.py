@@ -11,6 +11,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
+from diffgraph.sampling.names import SAMPLERS
 from PIL import Image
 
 from diffgraph.cli import main
@@ -45,7 +47,7 @@ def test_models_lists_presets(capsys):
 @pytest.mark.parametrize("args, needle", [
     (["--width", "100"], "--width 100 is not a multiple of 8; use 96 or 104"),
     (["--steps", "0"], "--steps 0 is out of range"),
-    (["--sampler", "bogus"], "--sampler 'bogus' is unknown; allowed: euler, euler_a, dpmpp_2m, ddim"),
+    (["--sampler", "bogus"], "--sampler 'bogus' is unknown; allowed: " + ", ".join(SAMPLERS)),
     (["--schedule", "cosine"], "--schedule 'cosine' is unknown"),
     (["--guidance", "-1"], "--guidance -1.0 is out of range"),
     (["-n", "17"], "-n/--num-images 17 is out of range"),
@@ -250,7 +252,7 @@ def _server_error(**bad) -> tuple[int, dict]:
 @pytest.mark.parametrize("bad, needle", [
     ({"width": 100}, "--width 100 is not a multiple of 8; use 96 or 104"),
     ({"num_inference_steps": 0}, "--steps 0 is out of range"),
-    ({"sampler": "bogus"}, "--sampler 'bogus' is unknown; allowed: euler, euler_a, dpmpp_2m, ddim"),
+    ({"sampler": "bogus"}, "--sampler 'bogus' is unknown; allowed: " + ", ".join(SAMPLERS)),
     ({"schedule": "cosine"}, "--schedule 'cosine' is unknown"),
     ({"guidance_scale": -1.0}, "--guidance -1.0 is out of range"),
     ({"num_images": 17}, "-n/--num-images 17 is out of range"),

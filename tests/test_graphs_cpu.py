@@ -44,7 +44,7 @@ def _coefs(worker, n, step=3):
     """Step `step` of a 10-step plan for n rows that run one denoiser branch (guidance 1)."""
     plan = worker.plan_for("dpmpp_2m", "karras", 10, (64, 64))
     request = GenerationRequest.create("a cat", width=64, height=64, guidance_scale=1.0, num_inference_steps=10)
-    return np.repeat(worker.program.request_coefs(request, plan.coefs, 0)[step][None], n, 0)
+    return np.repeat(worker.program.request_coefs(request, plan.coefs, plan.step_index)[step][None], n, 0)
 
 
 def _step(worker, key, n):

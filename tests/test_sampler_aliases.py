@@ -30,20 +30,40 @@ def test_every_alias_names_a_sampler_that_exists_and_folds_to_itself():
     assert not set(SAMPLER_ALIASES) & set(SAMPLERS_NOT_YET)
 
 
+@pytest.mark.parametrize("sampler,schedule,expected", [
+    ("DPM++ 2M SDE Karras", None, ("dpmpp_2m_sde", "karras")), ("DPM++ 3M SDE Exponential", None,
+                                                                 ("dpmpp_3m_sde", "exponential")),
+    ("dpmpp_2m_sde_gpu", "sgm_uniform", ("dpmpp_2m_sde", "sgm_uniform")), ("UniPC", None, ("unipc", None)),
+    ("Heun", "Beta", ("heun", "beta")), ("LMS Karras", None, ("lms", "karras")), ("DPM2 a", "Simple", ("dpm2_a", "simple")),
+    ("dpm_2_ancestral", "SGM Uniform", ("dpm2_a", "sgm_uniform")), ("LCM", None, ("lcm", None)),
+])
+def test_the_newer_samplers_and_schedules_have_their_labels(sampler, schedule, expected):
+    assert canonical(sampler, schedule, SAMPLERS, SCHEDULES) == expected
+
+
+ALLOWED = ", ".join(SAMPLERS)
+
+
 @pytest.mark.parametrize("sampler,schedule,param,words", [
-    ("DPM++ 2M SDE Karras", None, "sampler", "'DPM++ 2M SDE Karras' (dpmpp_2m_sde) is not supported yet; allowed: "
-                                             "euler, euler_a, dpmpp_2m, ddim"),
-    ("UniPC", None, "sampler", "(unipc) is not supported yet"), ("Heun", None, "sampler", "'Heun' (heun) is not supported"), ("heun", None, "sampler", "'heun' is not supported"),
-    ("eulr", None, "sampler", "is unknown; allowed: euler, euler_a, dpmpp_2m, ddim; did you mean 'euler'?"),
-    ("Euler", "exponential", "schedule", "'exponential' is not supported yet; allowed: default, karras"),
-    ("Euler", "sgm_uniform", "schedule", "not supported yet"),
-    ("euler", "karas", "schedule", "allowed: default, karras; did you mean 'karras'?"),
+    ("DPM++ SDE Karras", None, "sampler", f"'DPM++ SDE Karras' (dpmpp_sde) is not supported yet; allowed: {ALLOWED}"),
+    ("Restart", None, "sampler", "sampler 'Restart' is not supported here; allowed: euler,"),
+    ("eulr", None, "sampler", f"is unknown; allowed: {ALLOWED}; did you mean 'euler'?"),
+    ("Euler", "Align Your Steps", "schedule", "'Align Your Steps' is not supported yet; allowed: "
+                                              f"{', '.join(SCHEDULES)}"),
+    ("euler", "karas", "schedule", f"allowed: {', '.join(SCHEDULES)}; did you mean 'karras'?"),
     ("DPM++ 2M Karras", "default", "schedule", "names schedule 'karras' but schedule 'default' was given"),
 ])
 def test_names_not_there_are_refused_naming_the_field(sampler, schedule, param, words):
     with pytest.raises(ParamError) as e:
         GenerationRequest.create("x", width=64, height=64, guidance_scale=5.0, sampler=sampler, schedule=schedule)
     assert e.value.param == param and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_sampler_refuses_the_schedules_its_diffusers_scheduler_lacks(tiny_engine):
+    with pytest.raises(ParamError, match="^sampler 'ddim' takes the schedules default, karras, sgm_uniform, simple, "
+                                         "not 'exponential'; pick one of those$") as e:
+        tiny_engine.generate("x", sampler="DDIM", schedule="Exponential", num_inference_steps=2)
+    assert e.value.param == "schedule"
 
 
 def test_an_alias_gives_the_canonical_names_image(tiny_engine):

@@ -197,11 +197,11 @@ class ModelRunner:
         start = self._start(request)
         if start:
             plan = start_plan(plan, start)
-        return dataclasses.replace(plan, coefs=self.program.request_coefs(request, plan.coefs, start))
+        return dataclasses.replace(plan, coefs=self.program.request_coefs(request, plan.coefs, plan.step_index))
 
     def request_branches(self, request: GenerationRequest, plan: SamplerPlan) -> np.ndarray:
-        """Denoiser rows per image row at each step of `plan` (2 where classifier-free guidance runs)."""
-        return self.program.branches(request, self._start(request), plan.num_steps)
+        """Denoiser rows per image row at each row of `plan` (2 where classifier-free guidance runs)."""
+        return self.program.branches(request, plan.step_index)
 
     def _start(self, request: GenerationRequest) -> int:
         """The step of the full schedule a request's rows start at (an edit's strength rule; else 0)."""

@@ -101,7 +101,8 @@ class StepPlan:
 
     @property
     def noise_requests(self) -> list[RequestState]:
-        return [s for s in self.live if s.plan.draws_noise]
+        """The live requests whose row this step draws a noise tensor (ancestral and SDE samplers' rows)."""
+        return [s for s in self.live if s.plan.draws_noise and s.plan.noise_steps[s.step]]
 
 
 class AdmissionGate(Protocol):

@@ -10,7 +10,7 @@ A feature declares, for the rows of one resolution group:
   * its hooks inside the step, all pure tensor functions over a `StepView` (capturable): `model_input` (the
     denoiser's input), `denoiser_inputs` (per denoiser row inputs the family's denoiser reads), `before_denoise`
     and `after_denoise` (around the denoiser call, as a try/finally: torch.compile traces it), `combine` (the
-    outputs of a row's branches -> one model output), `after_update` (x after the sampler's update);
+    outputs of a row's branches -> one model output), `after_update` (x after the sampler's base update: the sampler's history terms, the inpainting blend);
   * its part of the graph variant key: a request's part (`part`, at admission, CPU data), the step's part from
     the live requests' parts (`variant`; the neutral part shares one set of graphs with every other neutral
     feature) and the parts that exist (`variants`: all captured at start-up). A feature whose part only sets how
@@ -103,13 +103,14 @@ class RowFeature:
     def columns(self) -> tuple[str, ...]:
         return ()
 
-    def plan_columns(self, request: GenerationRequest, start: int, steps: int) -> dict[str, np.ndarray]:
-        """Per-step values of this feature's columns for the `steps` steps a request runs, from step `start` of its
-        full schedule (an edit starts later)."""
+    def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-row values of this feature's columns for the plan rows a request runs: `index[i]` is the step of its
+        `num_inference_steps` row i belongs to (an edit starts later; a two-evaluation sampler's two rows share a
+        step)."""
         return {}
 
-    def branches(self, request: GenerationRequest, start: int, steps: int) -> np.ndarray | None:
-        """Denoiser rows per image row at each step (1 or 2), or None (one everywhere)."""
+    def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray | None:
+        """Denoiser rows per image row at each plan row (1 or 2), or None (one everywhere); `index` as above."""
         return None
 
     def has_alt_branch(self) -> bool:
@@ -141,7 +142,9 @@ class RowFeature:
     def combine(self, view: StepView, main: torch.Tensor, alt: torch.Tensor) -> torch.Tensor:
         return main
 
-    def after_update(self, view: StepView, x_next: torch.Tensor) -> torch.Tensor:
+    def after_update(self, view: StepView, x_next: torch.Tensor, denoised: torch.Tensor) -> torch.Tensor:
+        """x_next after the sampler's base update (`denoised`: the row's D this step; `view.fields` still hold the
+        values before the step: x, d_prev, history)."""
         return x_next
 
     # -- variants ----------------------------------------------------------------------------------

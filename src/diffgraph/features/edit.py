@@ -39,7 +39,7 @@ class EditRows(RowFeature):
             return x_in
         return torch.cat([x_in, view.fields["edit.extra"]], dim=1)
 
-    def after_update(self, view: StepView, x_next: torch.Tensor) -> torch.Tensor:
+    def after_update(self, view: StepView, x_next: torch.Tensor, denoised: torch.Tensor) -> torch.Tensor:
         n, co, f = view.n, view.coefs, view.fields
         m = f["edit.mask"]
         known = (co[:, int(Coef.KNOWN)].view(n, 1, 1, 1) * f["edit.known"]

@@ -18,11 +18,11 @@ from ..request import GenerationRequest
 from .base import Admission, FieldSpec, RowFeature, StepView
 
 
-def guiding_steps(request: GenerationRequest, start: int, steps: int) -> np.ndarray:
-    """[steps] bool: where the request runs both branches (its steps from `start` of its full schedule)."""
+def guiding_steps(request: GenerationRequest, index: np.ndarray) -> np.ndarray:
+    """[rows] bool: where the request runs both branches (`index`: the step of each plan row)."""
     n = request.num_inference_steps
-    i = np.arange(start, start + steps)
-    on = np.full(steps, request.guidance_scale > 1.0)
+    i = np.asarray(index)
+    on = np.full(len(i), request.guidance_scale > 1.0)
     if request.guidance_interval is not None:
         lo, hi = request.guidance_interval
         on &= (lo * n <= i) & (i < hi * n)
@@ -42,13 +42,13 @@ class ClassifierFreeGuidance(RowFeature):
     def columns(self) -> tuple[str, ...]:
         return ("guidance", "guidance_rescale")
 
-    def plan_columns(self, request: GenerationRequest, start: int, steps: int) -> dict[str, np.ndarray]:
-        on = guiding_steps(request, start, steps)
+    def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
+        on = guiding_steps(request, index)
         return {"guidance": np.where(on, request.guidance_scale, 1.0),
                 "guidance_rescale": np.where(on, request.guidance_rescale, 0.0)}
 
-    def branches(self, request: GenerationRequest, start: int, steps: int) -> np.ndarray:
-        return np.where(guiding_steps(request, start, steps), 2, 1)
+    def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray:
+        return np.where(guiding_steps(request, index), 2, 1)
 
     def has_alt_branch(self) -> bool:
         return True

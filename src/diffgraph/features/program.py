@@ -85,22 +85,23 @@ class StepProgram:
         return self._alt
 
     # -- per request (host) ----------------------------------------------------------------------
-    def request_coefs(self, request: GenerationRequest, sampler_coefs: np.ndarray, start: int) -> np.ndarray:
-        """The request's coefficient table: the sampler's columns, then each feature's per-step columns."""
-        steps = sampler_coefs.shape[0]
-        table = np.zeros((steps, self.num_columns), dtype=np.float64)
+    def request_coefs(self, request: GenerationRequest, sampler_coefs: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """The request's coefficient table: the sampler's columns, then each feature's per-row columns (`index`: the
+        step of the request's steps each plan row belongs to, `SamplerPlan.step_index`)."""
+        rows = sampler_coefs.shape[0]
+        table = np.zeros((rows, self.num_columns), dtype=np.float64)
         table[:, :NUM_COEFS] = sampler_coefs
         cols = self.columns
         for i in self._overrides["plan_columns"]:
-            for name, values in self.features[i].plan_columns(request, start, steps).items():
+            for name, values in self.features[i].plan_columns(request, index).items():
                 table[:, cols[name]] = values
         return table
 
-    def branches(self, request: GenerationRequest, start: int, steps: int) -> np.ndarray:
-        """Denoiser rows per image row at each step of the request (1 or 2)."""
-        out = np.ones(steps, dtype=np.int64)
+    def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray:
+        """Denoiser rows per image row at each plan row of the request (1 or 2)."""
+        out = np.ones(len(index), dtype=np.int64)
         for i in self._overrides["branches"]:
-            b = self.features[i].branches(request, start, steps)
+            b = self.features[i].branches(request, index)
             if b is not None:
                 out = np.maximum(out, b)
         return out
@@ -192,7 +193,7 @@ class StepProgram:
             guided = f.combine(view, guided, alt_out)
         x_next, denoised = apply_step(co, x, guided, view.fields["d_prev"], view.fields["noise"])
         for f in self.features:
-            x_next = f.after_update(view, x_next)
+            x_next = f.after_update(view, x_next, denoised)
         x.copy_(x_next)
         view.fields["d_prev"].copy_(denoised)
 

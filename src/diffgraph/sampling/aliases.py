@@ -4,8 +4,8 @@
 
 Names are matched folded (case, spaces, underscores and dashes ignored). A label that names a schedule too ("DPM++
 2M Karras") gives it, unless the request names another one (then it is refused as a contradiction). The labels of
-samplers and schedules diffgraph does not have yet ("DPM++ 2M SDE Karras", "UniPC", "Heun", "LMS", "exponential",
-"sgm_uniform", ...) get a one-line error that says which one it is and what is there instead; an unknown name gets
+samplers and schedules diffgraph does not have yet ("DPM++ SDE Karras", "DPM++ 2S a", "Restart", "Align Your
+Steps", ...) get a one-line error that says which one it is and what is there instead; an unknown name gets
 the list and the closest match. A family's own names (FamilyAdapter.samplers) are taken as they are.
 """
 
@@ -25,28 +25,36 @@ SAMPLER_ALIASES: dict[str, tuple[str, str | None]] = {
     "dpm++ 2m karras": ("dpmpp_2m", "karras"), "dpmpp 2m karras": ("dpmpp_2m", "karras"),
     "dpmsolvermultistep": ("dpmpp_2m", None), "dpm solver++": ("dpmpp_2m", None),
     "ddim": ("ddim", None),
+    "dpm++ 2m sde": ("dpmpp_2m_sde", None), "dpmpp 2m sde": ("dpmpp_2m_sde", None),
+    "dpmpp 2m sde gpu": ("dpmpp_2m_sde", None), "k dpmpp 2m sde": ("dpmpp_2m_sde", None),
+    "dpm++ 2m sde karras": ("dpmpp_2m_sde", "karras"), "dpm++ 2m sde exponential": ("dpmpp_2m_sde", "exponential"),
+    "dpm++ 3m sde": ("dpmpp_3m_sde", None), "dpmpp 3m sde": ("dpmpp_3m_sde", None),
+    "dpmpp 3m sde gpu": ("dpmpp_3m_sde", None),
+    "dpm++ 3m sde karras": ("dpmpp_3m_sde", "karras"), "dpm++ 3m sde exponential": ("dpmpp_3m_sde", "exponential"),
+    "heun": ("heun", None), "k heun": ("heun", None),
+    "lms": ("lms", None), "k lms": ("lms", None), "lms karras": ("lms", "karras"),
+    "dpm2": ("dpm2", None), "dpm 2": ("dpm2", None), "k dpm 2": ("dpm2", None), "dpm2 karras": ("dpm2", "karras"),
+    "dpm2 a": ("dpm2_a", None), "dpm 2 ancestral": ("dpm2_a", None), "k dpm 2 ancestral": ("dpm2_a", None),
+    "dpm2 a karras": ("dpm2_a", "karras"),
+    # UniPC's bh2 variant (AUTOMATIC1111's and ComfyUI's "uni_pc" default to bh1, which is not built)
+    "unipc": ("unipc", None), "uni pc": ("unipc", None), "uni pc bh2": ("unipc", None), "unipcmultistep": ("unipc", None),
+    "lcm": ("lcm", None), "tcd": ("tcd", None),
 }
-# AUTOMATIC1111's and ComfyUI's other samplers (folded) -> the name it will have here (issue 31 builds them)
+# AUTOMATIC1111's and ComfyUI's other samplers (folded) -> the name it will have here ("": none is planned)
 SAMPLERS_NOT_YET: dict[str, str] = {
-    **{k: "dpmpp_2m_sde" for k in ("dpm++ 2m sde", "dpm++ 2m sde karras", "dpmpp 2m sde", "dpm++ 2m sde exponential",
-                                   "dpm++ 2m sde heun", "dpm++ 2m sde heun karras", "dpmpp 2m sde gpu")},
+    **{k: "dpmpp_2m_sde with the heun solver" for k in ("dpm++ 2m sde heun", "dpm++ 2m sde heun karras",
+                                                        "dpm++ 2m sde heun exponential")},
     **{k: "dpmpp_sde" for k in ("dpm++ sde", "dpm++ sde karras", "dpmpp sde", "dpmpp sde gpu")},
-    **{k: "dpmpp_3m_sde" for k in ("dpm++ 3m sde", "dpm++ 3m sde karras", "dpm++ 3m sde exponential", "dpmpp 3m sde",
-                                   "dpmpp 3m sde gpu")},
-    **{k: "unipc" for k in ("unipc", "uni pc", "uni pc bh2")},
-    **{k: "heun" for k in ("heun", "heunpp2")},
-    **{k: "lms" for k in ("lms", "lms karras")},
-    **{k: "dpm2" for k in ("dpm2", "dpm2 karras", "dpm 2")},
-    **{k: "dpm2_a" for k in ("dpm2 a", "dpm2 a karras", "dpm 2 ancestral")},
-    "lcm": "lcm", "tcd": "tcd",
+    "heunpp2": "heunpp2",
     **{k: "dpmpp_2s_a" for k in ("dpm++ 2s a", "dpm++ 2s a karras", "dpmpp 2s ancestral")},
-    **{k: "(none planned)" for k in ("dpm fast", "dpm adaptive", "restart", "plms", "ipndm", "deis", "ddpm",
+    **{k: "" for k in ("dpm fast", "dpm adaptive", "restart", "plms", "ipndm", "deis", "ddpm",
                                      "euler cfg++", "euler ancestral cfg++", "res multistep")},
 }
 SCHEDULE_ALIASES: dict[str, str] = {"default": "default", "automatic": "default", "normal": "default",
-                                    "karras": "karras"}
-SCHEDULES_NOT_YET = ("exponential", "sgm uniform", "simple", "beta", "uniform", "polyexponential", "kl optimal",
-                     "align your steps", "ddim uniform", "linear quadratic")
+                                    "karras": "karras", "exponential": "exponential", "beta": "beta",
+                                    "sgm uniform": "sgm_uniform", "simple": "simple"}
+SCHEDULES_NOT_YET = ("uniform", "polyexponential", "kl optimal", "align your steps", "ddim uniform",
+                     "linear quadratic")
 
 
 def fold(name: str) -> str:
@@ -63,8 +71,9 @@ def canonical(sampler: str, schedule: str | None, samplers: tuple[str, ...],
         if key in SAMPLER_ALIASES and SAMPLER_ALIASES[key][0] in samplers:
             sampler, implied = SAMPLER_ALIASES[key]
         elif key in SAMPLERS_NOT_YET:
-            also = f" ({SAMPLERS_NOT_YET[key]})" if SAMPLERS_NOT_YET[key] != sampler else ""
-            raise ParamError("sampler", f"sampler {sampler!r}{also} is not supported yet; "
+            planned = SAMPLERS_NOT_YET[key]
+            also = f" ({planned})" if planned and planned != sampler else ""
+            raise ParamError("sampler", f"sampler {sampler!r}{also} is not supported {'yet' if planned else 'here'}; "
                                         f"allowed: {', '.join(samplers)} (or their AUTOMATIC1111 / ComfyUI names)")
         # else: unknown here; the family's check refuses it with its list and the closest name (`closest`)
     automatic = isinstance(schedule, str) and fold(schedule) == "automatic"

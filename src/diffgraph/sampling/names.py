@@ -2,10 +2,42 @@
 these samplers): plain data, no numpy or torch, so that the command line can list them in `--help` and
 `diffgraph models` without loading anything. `schedules.py` re-exports them. A family lists its own names
 (`FamilyAdapter.samplers` / `schedules`, models/families/base.py): these are the SD-shaped families' lists.
+
+Each sampler is its diffusers scheduler (the oracle, sampling/oracle.py); the schedules are diffusers' sigma
+options (karras, exponential, beta) and ComfyUI's names for trailing timesteps (sgm_uniform, simple).
 """
 
-SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim")
-SCHEDULES = ("default", "karras")
+SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sde", "heun", "dpm2", "dpm2_a", "lms",
+            "unipc", "unipc_3", "lcm", "tcd")
+SCHEDULES = ("default", "karras", "exponential", "beta", "sgm_uniform", "simple")
 DEFAULT_SAMPLER = "euler"      # what a request that names no sampler gets on these families
 DEFAULT_SCHEDULE = "default"
 BUILTIN_FAMILIES = ("sd", "sdxl")  # the families (models/families/) that take exactly these names
+
+# samplers that take only some schedules (the others take every one): DDIM steps between integer timesteps, LCM and
+# TCD pick their own from the distillation's grid
+SAMPLER_SCHEDULES = {
+    "ddim": ("default", "karras", "sgm_uniform", "simple"),
+    "lcm": ("default",),
+    "tcd": ("default",),
+}
+# samplers whose rows keep history slots beyond D_prev (sampling/table.py): a family taking one of them allocates the
+# slots (features/history.py)
+HISTORY_SAMPLERS = ("dpmpp_3m_sde", "heun", "dpm2", "dpm2_a", "lms", "unipc", "unipc_3")
+# what each sampler is, for --help, /info and the README (one line each)
+SAMPLER_DESCRIPTIONS = {
+    "euler": "Euler (k-diffusion; EulerDiscreteScheduler)",
+    "euler_a": "Euler ancestral (EulerAncestralDiscreteScheduler)",
+    "dpmpp_2m": "DPM-Solver++(2M) (DPMSolverMultistepScheduler)",
+    "ddim": "DDIM, eta 0 (DDIMScheduler)",
+    "dpmpp_2m_sde": "DPM-Solver++(2M) SDE, midpoint (DPMSolverMultistepScheduler, sde-dpmsolver++)",
+    "dpmpp_3m_sde": "DPM-Solver++(3M) SDE (DPMSolverMultistepScheduler, sde-dpmsolver++, order 3)",
+    "heun": "Heun, two evaluations a step (HeunDiscreteScheduler)",
+    "dpm2": "DPM2, two evaluations a step (KDPM2DiscreteScheduler)",
+    "dpm2_a": "DPM2 ancestral, two evaluations a step (KDPM2AncestralDiscreteScheduler)",
+    "lms": "linear multistep, order 4 (LMSDiscreteScheduler)",
+    "unipc": "UniPC bh2, order 2 (UniPCMultistepScheduler)",
+    "unipc_3": "UniPC bh2, order 3 (UniPCMultistepScheduler, solver_order 3)",
+    "lcm": "latent consistency, for LCM models and LCM-LoRA (LCMScheduler)",
+    "tcd": "trajectory consistency, gamma 0.3 (TCDScheduler)",
+}

@@ -20,19 +20,23 @@ from diffusers import (
 )
 from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 
-from .samplers import check_sampler
+from .samplers import TRAILING_SCHEDULES, check_sampler
 from .schedules import NoiseSchedule
 
 
-class KarrasEulerAncestralDiscreteScheduler(EulerAncestralDiscreteScheduler):
-    """Euler ancestral on the Karras sigmas (and fractional timesteps) EulerDiscreteScheduler would use.
+class SigmaEulerAncestralDiscreteScheduler(EulerAncestralDiscreteScheduler):
+    """Euler ancestral on the Karras, exponential or beta sigmas (and fractional timesteps) EulerDiscreteScheduler
+    would use (`sigma_schedule`, a config entry).
 
-    diffusers' EulerAncestralDiscreteScheduler has no `use_karras_sigmas`; this takes the sigmas and
-    timesteps from an EulerDiscreteScheduler of the same config, so euler and euler_a share one schedule.
+    diffusers' EulerAncestralDiscreteScheduler has no sigma options; this takes the sigmas and timesteps from an
+    EulerDiscreteScheduler of the same config, so euler and euler_a share one schedule.
     """
 
+    sigma_schedule = "karras"
+
     def set_timesteps(self, num_inference_steps: int, device: str | torch.device | None = None) -> None:
-        euler = EulerDiscreteScheduler.from_config(self.config, **(_EULER_DEFAULTS | {"use_karras_sigmas": True}))
+        euler = EulerDiscreteScheduler.from_config(
+            self.config, **(_EULER_DEFAULTS | {f"use_{self.sigma_schedule}_sigmas": True}))
         euler.set_timesteps(num_inference_steps, device=device)
         self.num_inference_steps = num_inference_steps
         self.sigmas = euler.sigmas.to("cpu")
@@ -130,23 +134,71 @@ _DPM_DEFAULTS: dict[str, Any] = {
     "use_dynamic_shifting": False,
 }
 
+_SIGMA_OFF: dict[str, Any] = {"use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False}
+
+_UNIPC_DEFAULTS: dict[str, Any] = _SIGMA_OFF | {
+    "solver_order": 2,
+    "solver_type": "bh2",
+    "predict_x0": True,
+    "lower_order_final": True,
+    "disable_corrector": [],
+    "final_sigmas_type": "zero",
+    "thresholding": False,
+    "use_flow_sigmas": False,
+}
+
+
+_CLASSES: dict[str, tuple[str, dict[str, Any]]] = {  # sampler -> (diffusers class, its forced options)
+    "euler": ("EulerDiscreteScheduler", _EULER_DEFAULTS),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", _DPM_DEFAULTS),
+    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", _DPM_DEFAULTS | {"algorithm_type": "sde-dpmsolver++"}),
+    "dpmpp_3m_sde": ("DPMSolverMultistepScheduler", _DPM_DEFAULTS | {"algorithm_type": "sde-dpmsolver++",
+                                                                      "solver_order": 3}),
+    "heun": ("HeunDiscreteScheduler", _SIGMA_OFF),
+    "dpm2": ("KDPM2DiscreteScheduler", _SIGMA_OFF),
+    "dpm2_a": ("KDPM2AncestralDiscreteScheduler", _SIGMA_OFF),
+    "lms": ("LMSDiscreteScheduler", _SIGMA_OFF),
+    "unipc": ("UniPCMultistepScheduler", _UNIPC_DEFAULTS),
+    "unipc_3": ("UniPCMultistepScheduler", _UNIPC_DEFAULTS | {"solver_order": 3}),
+    "lcm": ("LCMScheduler", {"original_inference_steps": 50, "timestep_scaling": 10.0, "thresholding": False,
+                             "clip_sample": False}),
+    "tcd": ("TCDScheduler", {"original_inference_steps": 50, "timestep_scaling": 10.0, "thresholding": False,
+                             "clip_sample": False}),
+}
+
 
 def diffusers_scheduler(config: Mapping[str, Any], sampler: str, schedule: str):
     """The diffusers scheduler that walks the same latents as `make_plan(..., sampler, schedule, n)`."""
+    import diffusers
+
     check_sampler(sampler, schedule)
+    if schedule in TRAILING_SCHEDULES:  # ComfyUI's names for the default schedule on trailing timesteps
+        config, schedule = dict(config) | {"timestep_spacing": "trailing", "steps_offset": 0}, "default"
     noise = NoiseSchedule.from_config(config)
     common = noise.diffusers_kwargs()
-    karras = schedule == "karras"
+    flags = {f"use_{name}_sigmas": schedule == name for name in ("karras", "exponential", "beta")}
     # Drop the class name so from_config does not complain that the config belongs to another class.
     config = {k: v for k, v in dict(config).items() if not k.startswith("_")}
-    if sampler == "euler":
-        return EulerDiscreteScheduler.from_config(config, **common, **(_EULER_DEFAULTS | {"use_karras_sigmas": karras}))
     if sampler == "euler_a":
-        cls = KarrasEulerAncestralDiscreteScheduler if karras else EulerAncestralDiscreteScheduler
-        return cls.from_config(config, **common)
-    if sampler == "dpmpp_2m":
-        return DPMSolverMultistepScheduler.from_config(config, **common, **(_DPM_DEFAULTS | {"use_karras_sigmas": karras}))
-    cls = KarrasDDIMScheduler if karras else DDIMScheduler
-    return cls.from_config(
-        config, **common, set_alpha_to_one=noise.set_alpha_to_one, clip_sample=False, thresholding=False
-    )
+        if schedule == "default":
+            return EulerAncestralDiscreteScheduler.from_config(config, **common)
+        sched = SigmaEulerAncestralDiscreteScheduler.from_config(config, **common)
+        sched.sigma_schedule = schedule
+        return sched
+    if sampler == "ddim":
+        cls = KarrasDDIMScheduler if schedule == "karras" else DDIMScheduler
+        return cls.from_config(
+            config, **common, set_alpha_to_one=noise.set_alpha_to_one, clip_sample=False, thresholding=False
+        )
+    name, forced = _CLASSES[sampler]
+    cls = getattr(diffusers, name)
+    if sampler in ("lcm", "tcd"):
+        flags = {}
+    return cls.from_config(config, **common, **(forced | flags))
+
+
+def step_kwargs(scheduler: Any, generator: torch.Generator | None) -> dict[str, Any]:
+    """The keyword arguments of `scheduler.step` that pass the noise generator (schedulers without noise take none)."""
+    import inspect
+
+    return {"generator": generator} if "generator" in inspect.signature(scheduler.step).parameters else {}

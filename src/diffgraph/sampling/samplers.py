@@ -22,93 +22,112 @@ DDIM, DPM-Solver++: VP latents), so every intermediate x equals diffusers' laten
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any
+from typing import Callable
 
 import numpy as np
 
+from ..errors import ParamError
 from .schedules import (
     MAX_STEPS,
     SAMPLERS,
     SCHEDULES,
     NoiseSchedule,
-    interp_sigmas,
-    karras_sigmas,
-    sigma_to_t,
+    dpm_sigmas,
+    euler_init_sigma,
+    euler_sigmas,
     spaced_timesteps,
-    to_f32,
 )
+from .table import NUM_COEFS, Coef, PlanParts, apply_history, apply_step, denoiser, table
 
+__all__ = ["NUM_COEFS", "Coef", "SamplerPlan", "apply_history", "apply_step", "check_sampler", "make_plan",
+           "cut", "noising", "start_plan", "strength_start"]
 
-
-class Coef(IntEnum):
-    """Columns of `SamplerPlan.coefs`."""
-
-    C_IN = 0
-    T = 1
-    P = 2
-    Q = 3
-    A = 4
-    B = 5
-    C = 6
-    D = 7
-    KNOWN = 8        # inpainting: the known region at the next state = KNOWN * image latents + KNOWN_NOISE * noise
-    KNOWN_NOISE = 9
-
-
-NUM_COEFS = len(Coef)
+SIGMA_SCHEDULES = ("karras", "exponential", "beta")  # schedules that respace the sigmas (the rest space timesteps)
+TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
 
 
 @dataclass(frozen=True)
 class SamplerPlan:
     sampler: str
     schedule: str
-    num_steps: int
-    coefs: np.ndarray  # float64 [num_steps, NUM_COEFS]
+    num_steps: int          # rows: denoiser evaluations (a two-evaluation sampler's steps are two rows each)
+    coefs: np.ndarray       # float64 [num_steps, NUM_COEFS]
     init_noise_sigma: float  # initial latents = randn * init_noise_sigma
-    draws_noise: bool  # True: one noise tensor per step, every step (euler_a, as diffusers)
-    timesteps: np.ndarray  # UNet timestep per step, == coefs[:, Coef.T]
-    sigmas: np.ndarray  # VE sigma per state, num_steps + 1 entries (the last is where x ends)
+    draws_noise: bool       # some row draws a noise tensor (`noise_steps` says which)
+    timesteps: np.ndarray   # denoiser timestep per row, == coefs[:, Coef.T]
+    sigmas: np.ndarray      # VE sigma per state, num_steps + 1 entries (the last is where x ends)
+    noise_steps: np.ndarray  # bool [num_steps]: the rows that draw one noise tensor
+    step_index: np.ndarray  # int [num_steps]: the step of the request's steps each row belongs to
+    history: int = 0        # history slots the rows use (sampling/table.py)
+    ve: bool = True         # the state is x0 + sigma * eps (else alpha * x0 + sigma_vp * eps)
+    steps: int = 0          # the request's steps (num_inference_steps) the full plan has
+    start: int = 0          # the step its first row belongs to (an edit's rows start later)
+    noise: NoiseSchedule | None = None  # what it was made from (start_plan remakes it)
+
+    def draws_at(self, row: int) -> bool:
+        return bool(self.noise_steps[row])
 
 
-def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int) -> SamplerPlan:
-    """The coefficient table of `sampler` on `schedule` for `num_steps` steps of `noise`."""
+# (noise schedule, steps, schedule name, first step) -> the rows from that step on, as the diffusers scheduler runs
+# them when a pipeline enters its timesteps there (an image-to-image strength: multistep solvers restart at first
+# order there)
+PlanFunction = Callable[[NoiseSchedule, int, str, int], PlanParts]
+
+
+def _plan_functions() -> dict[str, PlanFunction]:
+    """Sampler name -> its plan function (noise schedule, steps, schedule name)."""
+    from . import consistency, multistep, two_eval
+    return {"euler": _euler_plan, "euler_a": _euler_a_plan, "dpmpp_2m": _dpmpp_2m_plan, "ddim": _ddim_plan,
+            **multistep.PLANS, **two_eval.PLANS, **consistency.PLANS}
+
+
+def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int, start: int = 0) -> SamplerPlan:
+    """The coefficient table of `sampler` on `schedule` for `num_steps` steps of `noise`, from step `start` on."""
     check_sampler(sampler, schedule)
     max_steps = min(MAX_STEPS, noise.num_train_timesteps)
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or not 1 <= num_steps <= max_steps:
         raise ValueError(f"num_steps {num_steps!r} is out of range; use an integer in 1..{max_steps}")
-    num_steps = int(num_steps)
-    karras = schedule == "karras"
-    if sampler in ("euler", "euler_a"):
-        plan = _euler_plan(noise, num_steps, karras, ancestral=sampler == "euler_a")
-    elif sampler == "dpmpp_2m":
-        plan = _dpmpp_2m_plan(noise, num_steps, karras)
+    num_steps, original = int(num_steps), noise
+    if schedule in TRAILING_SCHEDULES:
+        noise, schedule_for_plan = dataclasses.replace(noise, timestep_spacing="trailing", steps_offset=0), "default"
     else:
-        plan = _ddim_plan(noise, num_steps, karras)
-    timesteps, sigmas, coefs, init_noise_sigma = plan
-    ve = sampler in VE_SAMPLERS
-    for i in range(num_steps - 1):  # the last step blends the un-noised image latents: (1, 0)
-        coefs[i, int(Coef.KNOWN)], coefs[i, int(Coef.KNOWN_NOISE)] = _noising(float(sigmas[i + 1]), ve)
-    coefs[num_steps - 1, int(Coef.KNOWN)] = 1.0
+        schedule_for_plan = schedule
+    if not 0 <= start < num_steps:
+        raise ValueError(f"start {start} is outside the plan's {num_steps} steps")
+    parts = _plan_functions()[sampler](noise, num_steps, schedule_for_plan, start)
+    coefs, sigmas, rows = parts.coefs, parts.sigmas, parts.coefs.shape[0]
+    for i in range(rows - 1):  # the last row blends the un-noised image latents: (1, 0)
+        coefs[i, int(Coef.KNOWN)], coefs[i, int(Coef.KNOWN_NOISE)] = _noising(float(sigmas[i + 1]), parts.ve)
+    coefs[rows - 1, int(Coef.KNOWN)] = 1.0
     if not np.all(np.isfinite(coefs)):
         raise ValueError(
             f"num_steps {num_steps} gives a degenerate {sampler} schedule with timestep_spacing "
             f"{noise.timestep_spacing!r} (repeated timesteps); use fewer steps"
         )
+    noise_steps = np.zeros(rows, bool) if parts.noise_steps is None else np.asarray(parts.noise_steps, bool)
+    step_index = np.arange(start, start + rows) if parts.step_index is None else np.asarray(parts.step_index, np.int64)
+    if coefs.shape != (rows, NUM_COEFS) or noise_steps.shape != (rows,) or step_index.shape != (rows,) or \
+            len(parts.timesteps) != rows or len(sigmas) != rows + 1:
+        raise AssertionError(f"{sampler}: inconsistent plan shapes")
     return SamplerPlan(
         sampler=sampler,
         schedule=schedule,
-        num_steps=num_steps,
+        num_steps=rows,
         coefs=coefs,
-        init_noise_sigma=float(init_noise_sigma),
-        draws_noise=sampler == "euler_a",
-        timesteps=timesteps,
-        sigmas=sigmas,
+        init_noise_sigma=float(parts.init_noise_sigma),
+        draws_noise=bool(noise_steps.any()),
+        timesteps=np.asarray(parts.timesteps, np.float64),
+        sigmas=np.asarray(sigmas, np.float64),
+        noise_steps=noise_steps,
+        step_index=step_index,
+        history=parts.history,
+        ve=parts.ve,
+        steps=num_steps,
+        start=start,
+        noise=original,
     )
-
-
-VE_SAMPLERS = ("euler", "euler_a")  # their state is x0 + sigma * eps; the others' is alpha * x0 + sigma_vp * eps
 
 
 def _noising(sigma: float, ve: bool) -> tuple[float, float]:
@@ -122,7 +141,7 @@ def _noising(sigma: float, ve: bool) -> tuple[float, float]:
 
 def noising(plan: SamplerPlan) -> tuple[float, float]:
     """(k, e) of the plan's first state: image-to-image rows start at k * image latents + e * noise."""
-    return _noising(float(plan.sigmas[0]), plan.sampler in VE_SAMPLERS)
+    return _noising(float(plan.sigmas[0]), plan.ve)
 
 
 def strength_start(num_steps: int, strength: float) -> int:
@@ -132,109 +151,84 @@ def strength_start(num_steps: int, strength: float) -> int:
 
 
 def start_plan(plan: SamplerPlan, start: int) -> SamplerPlan:
-    """The rest of `plan` from step `start` on, for rows that begin there (image-to-image, inpainting). A
-    multistep solver's first step is first order (diffusers' DPM-Solver starts with lower_order_nums 0)."""
-    if not 0 <= start < plan.num_steps:
-        raise ValueError(f"start {start} is outside the plan's {plan.num_steps} steps")
-    if start == 0:
+    """The plan from step `start` on, for rows that begin there (image-to-image, inpainting): remade by its sampler,
+    as diffusers' scheduler runs when a pipeline enters its timesteps there (a multistep solver's first row there is
+    first order). A plan made elsewhere (no `noise`: a family's own planner) is cut at that step's first row."""
+    if start == plan.start:
         return plan
-    coefs = plan.coefs[start:].copy()
-    if plan.sampler == "dpmpp_2m":
-        sigma, sigma_next = float(plan.sigmas[start]), float(plan.sigmas[start + 1])
-        alpha_next = 1.0 / np.sqrt(sigma_next**2 + 1.0)
-        coefs[0, int(Coef.B)] = alpha_next * (1.0 - sigma_next / sigma)
-        coefs[0, int(Coef.C)] = 0.0
-    return SamplerPlan(sampler=plan.sampler, schedule=plan.schedule, num_steps=plan.num_steps - start, coefs=coefs,
-                       init_noise_sigma=plan.init_noise_sigma, draws_noise=plan.draws_noise,
-                       timesteps=plan.timesteps[start:], sigmas=plan.sigmas[start:])
+    if plan.noise is not None:
+        return make_plan(plan.noise, plan.sampler, plan.schedule, plan.steps, start)
+    rows = np.nonzero(plan.step_index >= start)[0]
+    if start < plan.start or len(rows) == 0:
+        raise ValueError(f"start {start} is outside the plan's steps {plan.start}..{int(plan.step_index[-1])}")
+    row = int(rows[0])
+    return dataclasses.replace(plan, num_steps=plan.num_steps - row, coefs=plan.coefs[row:].copy(),
+                               timesteps=plan.timesteps[row:], sigmas=plan.sigmas[row:],
+                               noise_steps=plan.noise_steps[row:], step_index=plan.step_index[row:], start=start)
+
+
+def cut(parts: PlanParts, start: int) -> PlanParts:
+    """The rows of a one-row-per-step plan from step `start` on (samplers without history, whose rows do not depend
+    on where the walk began)."""
+    if start == 0:
+        return parts
+    return dataclasses.replace(parts, timesteps=parts.timesteps[start:], sigmas=parts.sigmas[start:],
+                               coefs=parts.coefs[start:].copy(),
+                               noise_steps=None if parts.noise_steps is None else parts.noise_steps[start:])
 
 
 def check_sampler(sampler: str, schedule: str) -> None:
-    """ValueError unless (sampler, schedule) is a pair we implement."""
+    """ParamError (naming `sampler` or `schedule`) unless (sampler, schedule) is a pair we implement."""
     if sampler not in SAMPLERS:
-        raise ValueError(f"sampler {sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
+        raise ParamError("sampler", f"sampler {sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
+        raise ParamError("schedule", f"schedule {schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
+    allowed = schedules_of(sampler)
+    if schedule not in allowed:
+        raise ParamError("schedule", f"sampler {sampler!r} takes the schedules {', '.join(allowed)}, not "
+                                     f"{schedule!r}; pick one of those")
 
 
-def apply_step(coefs: Any, x: Any, out: Any, d_prev: Any, noise: Any = None) -> tuple[Any, Any]:
-    """One update for a batch: coefs [B, NUM_COEFS] (one row per batch row), x/out/d_prev [B, ...].
-
-    Works on numpy arrays and torch tensors alike; returns (x_next, D). The reference for the graphed step.
-    """
-    shape = (-1,) + (1,) * (x.ndim - 1)
-
-    def col(k: Coef) -> Any:
-        return coefs[:, int(k)].reshape(shape)
-
-    denoised = col(Coef.P) * x + col(Coef.Q) * out
-    x_next = col(Coef.A) * x + col(Coef.B) * denoised + col(Coef.C) * d_prev
-    if noise is not None:
-        x_next = x_next + col(Coef.D) * noise
-    return x_next, denoised
+def schedules_of(sampler: str) -> tuple[str, ...]:
+    """The schedules `sampler` runs on (its diffusers counterpart's options)."""
+    from .names import SAMPLER_SCHEDULES
+    return SAMPLER_SCHEDULES.get(sampler, SCHEDULES)
 
 
-def _denoiser(prediction_type: str, alpha: np.ndarray, sigma_vp: np.ndarray, ve: bool) -> tuple:
-    """(p, q) with D = p * x + q * out, for x = alpha * x0 + sigma_vp * eps (VP), or that over alpha (VE)."""
-    if prediction_type == "epsilon":
-        p, q = 1 / alpha, -sigma_vp / alpha
-    else:  # v_prediction: v = alpha * eps - sigma_vp * x0  (Salimans & Ho 2022)
-        p, q = alpha, -sigma_vp
-    return (p * alpha if ve else p), q
+def _euler_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanParts:
+    return cut(_euler_like(noise, n, schedule, ancestral=False), start)
 
 
-def _table(t, c_in, p, q, a, b, c=0.0, d=0.0) -> np.ndarray:
-    coefs = np.zeros((len(t), NUM_COEFS), dtype=np.float64)
-    for k, v in ((Coef.C_IN, c_in), (Coef.T, t), (Coef.P, p), (Coef.Q, q), (Coef.A, a), (Coef.B, b),
-                 (Coef.C, c), (Coef.D, d)):
-        coefs[:, int(k)] = v
-    return coefs
+def _euler_a_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanParts:
+    return cut(_euler_like(noise, n, schedule, ancestral=True), start)
 
 
-def _euler_plan(noise: NoiseSchedule, n: int, karras: bool, ancestral: bool):
+def _euler_like(noise: NoiseSchedule, n: int, schedule: str, ancestral: bool) -> PlanParts:
     """Euler (Karras et al. 2022, Alg. 2 without churn) / Euler ancestral (k-diffusion), on VE latents."""
-    train = noise.train_sigmas()
-    t = to_f32(spaced_timesteps(noise, n, points=n, round_linspace=False))
-    s = interp_sigmas(t, train)
-    if karras:
-        # EulerDiscreteScheduler: the Karras range is the spaced schedule's own ends; fractional timesteps.
-        s = karras_sigmas(float(s[-1]), float(s[0]), n)
-        t = to_f32(sigma_to_t(s, train))
-    sig = to_f32(np.append(s, 0.0))
+    t, sig = euler_sigmas(noise, n, schedule)
     sigma, sigma_next = sig[:-1], sig[1:]
     alpha = 1 / np.sqrt(sigma**2 + 1)
-    p, q = _denoiser(noise.prediction_type, alpha, sigma * alpha, ve=True)
+    p, q = denoiser(noise.prediction_type, alpha, sigma * alpha, ve=True)
     if ancestral:
         sigma_down = sigma_next**2 / sigma  # == sqrt(sigma_next^2 - sigma_up^2)
         sigma_up = sigma_next * np.sqrt(1 - (sigma_next / sigma) ** 2)
         a = sigma_down / sigma
-        coefs = _table(t, alpha, p, q, a, 1 - a, d=sigma_up)
+        coefs = table(t, alpha, p, q, a, 1 - a, d=sigma_up)
     else:
         a = sigma_next / sigma
-        coefs = _table(t, alpha, p, q, a, 1 - a)
-    # diffusers computes init_noise_sigma on a float32 tensor.
-    smax = np.float32(sig.max())
-    init = smax if noise.timestep_spacing in ("linspace", "trailing") else np.sqrt(smax * smax + np.float32(1))
-    return t, sig, coefs, float(init)
+        coefs = table(t, alpha, p, q, a, 1 - a)
+    return PlanParts(t, sig, coefs, euler_init_sigma(noise, sig), ve=True,
+                     noise_steps=np.full(n, True) if ancestral else None)
 
 
-def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, karras: bool):
-    """DPM-Solver++(2M), Lu et al. 2022; first order at the first and last step (diffusers' defaults)."""
-    train = noise.train_sigmas()
-    if karras:
-        t, s = _karras_vp_timesteps(noise, n)
-        if n > 1 and t[0] == t[1]:
-            # diffusers finds its first step by timestep and would start at step 1 of a repeated one.
-            raise ValueError(f"dpmpp_2m with karras sigmas on this schedule repeats its first timestep at "
-                             f"num_steps {n}; use fewer steps or schedule 'default'")
-    else:
-        t = spaced_timesteps(noise, n, points=n + 1, round_linspace=True)
-        s = interp_sigmas(t, train)
-    sig = to_f32(np.append(s, 0.0))
+def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanParts:
+    """DPM-Solver++(2M), Lu et al. 2022; first order at the first and last step (diffusers' defaults), and at the
+    first step of a walk that begins later."""
+    t, sig = dpm_sigmas(noise, n, schedule, "dpmpp_2m")
     sigma, sigma_next = sig[:-1], sig[1:]
     alpha = 1 / np.sqrt(sigma**2 + 1)
     alpha_next = 1 / np.sqrt(sigma_next**2 + 1)
-    p, q = _denoiser(noise.prediction_type, alpha, sigma * alpha, ve=False)
+    p, q = denoiser(noise.prediction_type, alpha, sigma * alpha, ve=False)
     # First order (DPM-Solver++ 1 == DDIM): with lambda = -log(sigma), exp(-h) = sigma_next / sigma.
     a = (sigma_next * alpha_next) / (sigma * alpha)
     b1 = alpha_next * (1 - sigma_next / sigma)
@@ -244,26 +238,16 @@ def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, karras: bool):
             r0 = np.log(sig[i - 1] / sig[i]) / np.log(sig[i] / sig[i + 1])  # h_prev / h
             b[i] = b1[i] * (1 + 0.5 / r0)
             c[i] = -b1[i] * 0.5 / r0
-    return t, sig, _table(t, np.ones(n), p, q, a, b, c), 1.0
+    b[start], c[start] = b1[start], 0.0
+    return cut(PlanParts(t, sig, table(t, np.ones(n), p, q, a, b, c), 1.0, ve=False), start)
 
 
-def _karras_vp_timesteps(noise: NoiseSchedule, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(integer timesteps, sigmas) of DPMSolverMultistepScheduler(use_karras_sigmas=True): the Karras
-    sigmas span the whole training range and their timesteps are rounded (DDIM on Karras reuses them)."""
-    train = noise.train_sigmas()
-    s = karras_sigmas(float(train[0]), float(train[-1]), n)
-    t = sigma_to_t(s, train)
-    # Rounded, except for the cosine schedule, where diffusers truncates them on the cast to int64.
-    t = np.floor(t) if noise.beta_schedule == "squaredcos_cap_v2" else t.round()
-    return t, s
-
-
-def _ddim_plan(noise: NoiseSchedule, n: int, karras: bool):
+def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanParts:
     """DDIM with eta=0, Song et al. 2021, on VP latents."""
     n_train = noise.num_train_timesteps
-    if karras:
+    if schedule == "karras":
         # oracle.KarrasDDIMScheduler: DPM-Solver's Karras timesteps, each step going to the next of them.
-        t, _ = _karras_vp_timesteps(noise, n)
+        t, _ = dpm_sigmas(noise, n, "karras", "ddim")
         t_prev = np.append(t[1:], -1).astype(np.int64)
     else:
         t = spaced_timesteps(noise, n, points=n, round_linspace=True)
@@ -280,10 +264,10 @@ def _ddim_plan(noise: NoiseSchedule, n: int, karras: bool):
     ac_prev = np.where(t_prev >= 0, ac[np.maximum(t_prev, 0)], final)
     alpha, sigma_vp = np.sqrt(ac_t), np.sqrt(1 - ac_t)
     alpha_prev, sigma_vp_prev = np.sqrt(ac_prev), np.sqrt(1 - ac_prev)
-    p, q = _denoiser(noise.prediction_type, alpha, sigma_vp, ve=False)
+    p, q = denoiser(noise.prediction_type, alpha, sigma_vp, ve=False)
     # x_prev = alpha_prev * D + sigma_prev * eps, with eps = (x - alpha * D) / sigma
     a = sigma_vp_prev / sigma_vp
     b = alpha_prev - a * alpha
     with np.errstate(divide="ignore"):  # zero terminal SNR: alpha 0 at the top timestep is an infinite VE sigma
         sig = np.append(sigma_vp / alpha, sigma_vp_prev[-1] / alpha_prev[-1])
-    return t, sig, _table(t, np.ones(n), p, q, a, b), 1.0
+    return cut(PlanParts(t, sig, table(t, np.ones(n), p, q, a, b), 1.0, ve=False), start)

@@ -200,6 +200,24 @@ def karras_sigmas(sigma_min: float, sigma_max: float, num_steps: int, rho: float
     return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
 
 
+def converted_sigmas(schedule: str, sigma_min: float, sigma_max: float, num_steps: int) -> np.ndarray:
+    """The sigmas of a sigma schedule (`karras`, `exponential`, `beta`) from sigma_max down to sigma_min, without the
+    final zero: diffusers' `_convert_to_karras` / `_convert_to_exponential` / `_convert_to_beta` (alpha = beta = 0.6,
+    "Beta Sampling is All You Need", Lee et al. 2024; scipy's beta quantiles, as diffusers)."""
+    if schedule == "karras":
+        return karras_sigmas(sigma_min, sigma_max, num_steps)
+    if schedule == "exponential":
+        return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), num_steps))
+    if schedule == "beta":
+        try:
+            from scipy.stats import beta as beta_dist
+        except ImportError:
+            raise ValueError("schedule 'beta' needs scipy (pip install scipy); use 'karras' or 'exponential'") from None
+        ppf = [beta_dist.ppf(t, 0.6, 0.6) for t in 1 - np.linspace(0, 1, num_steps)]
+        return np.array([sigma_min + q * (sigma_max - sigma_min) for q in ppf])
+    raise ValueError(f"schedule {schedule!r} is not a sigma schedule; use 'karras', 'exponential' or 'beta'")
+
+
 def sigma_to_t(sigmas: np.ndarray, train_sigmas: np.ndarray) -> np.ndarray:
     """Fractional training timestep of each sigma, interpolating log-sigma linearly (as diffusers)."""
     # diffusers takes the log of the float32 training sigmas and mixes float32 and float64 below.
@@ -221,3 +239,43 @@ def interp_sigmas(timesteps: np.ndarray, train_sigmas: np.ndarray) -> np.ndarray
 def to_f32(values: np.ndarray) -> np.ndarray:
     """Round to float32 and back: diffusers stores sigmas and timesteps as float32 tensors."""
     return np.asarray(values, dtype=np.float32).astype(np.float64)
+
+
+def euler_sigmas(noise: NoiseSchedule, n: int, schedule: str) -> tuple[np.ndarray, np.ndarray]:
+    """(timesteps, sigmas + final 0) as diffusers' k-diffusion schedulers lay them (EulerDiscreteScheduler; Heun,
+    KDPM2, LMS alike): the spaced timesteps' sigmas, or for a sigma schedule (karras, exponential, beta) that
+    schedule over the spaced sigmas' own range with fractional timesteps; float32 values."""
+    train = noise.train_sigmas()
+    t = to_f32(spaced_timesteps(noise, n, points=n, round_linspace=False))
+    s = interp_sigmas(t, train)
+    if schedule != "default":
+        s = converted_sigmas(schedule, float(s[-1]), float(s[0]), n)
+        t = to_f32(sigma_to_t(s, train))
+    return t, to_f32(np.append(s, 0.0))
+
+
+def euler_init_sigma(noise: NoiseSchedule, sigmas: np.ndarray) -> float:
+    """init_noise_sigma of the k-diffusion schedulers: the largest sigma (linspace, trailing) or sqrt(max^2 + 1)
+    (leading), on a float32 tensor as diffusers computes it."""
+    smax = np.float32(sigmas.max())
+    return float(smax if noise.timestep_spacing in ("linspace", "trailing") else np.sqrt(smax * smax + np.float32(1)))
+
+
+def dpm_sigmas(noise: NoiseSchedule, n: int, schedule: str, sampler: str) -> tuple[np.ndarray, np.ndarray]:
+    """(timesteps, sigmas + final 0) as DPMSolverMultistepScheduler (and UniPC, DPM-SDE) lays them: `points` n + 1
+    spaced timesteps (rounded), or a sigma schedule over the whole training range, its timesteps integers (diffusers'
+    int64 timesteps)."""
+    train = noise.train_sigmas()
+    if schedule == "default":
+        t = spaced_timesteps(noise, n, points=n + 1, round_linspace=True)
+        s = interp_sigmas(t, train)
+    else:
+        s = converted_sigmas(schedule, float(train[0]), float(train[-1]), n)
+        t = sigma_to_t(s, train)
+        # Karras' are rounded (except for the cosine schedule); every one is then truncated on the cast to int64
+        t = np.floor(t.round() if schedule == "karras" and noise.beta_schedule != "squaredcos_cap_v2" else t)
+        if n > 1 and t[0] == t[1] and sampler != "ddim":  # (DDIM steps through a repeat: it counts steps)
+            # diffusers finds its first step by timestep and would start at step 1 of a repeated one.
+            raise ValueError(f"{sampler} with {schedule} sigmas on this schedule repeats its first timestep at "
+                             f"num_steps {n}; use fewer steps or schedule 'default'")
+    return np.asarray(t, np.float64), to_f32(np.append(s, 0.0))

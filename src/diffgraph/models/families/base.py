@@ -43,9 +43,10 @@ from ...features.context import PromptContext, lcm_all
 from ...features.edit import EditRows
 from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
+from ...features.history import SamplerHistory
 from ...features.lora import LoraRows, SidePathRows
 from ...request import MAX_LORAS, SIZE_MULTIPLE, GroupKey, check_family_params
-from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
+from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
 from ...sampling.samplers import SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
 from ..model import DiffusionModel
@@ -228,7 +229,7 @@ class FamilyAdapter:
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
                  max_chunks: int = 1) -> tuple[RowFeature, ...]:
         """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded
-        for guidance-distilled UNets: `time_cond_proj_dim`), edits' rows where the family takes images, LoRA rows
+        for guidance-distilled UNets: `time_cond_proj_dim`), the samplers' history slots (features/history.py), edits' rows where the family takes images, LoRA rows
         where the engine has adapter slots (`side_paths`, the denoiser's side-path rows), and the prompt context
         where rows may hold up to `max_chunks` 77-token prompt windows (families with `sequence_fields`)."""
         dim = getattr(getattr(model.unet, "config", None), "time_cond_proj_dim", None)
@@ -237,6 +238,8 @@ class FamilyAdapter:
                                                       partial(lcm_embedding, dim=int(dim)))]
         else:
             out = [ClassifierFreeGuidance(self.row_cond_spec(model, max_chunks), self.sequence_fields)]
+        if set(self.samplers) & set(HISTORY_SAMPLERS):  # the history slots some of its samplers keep
+            out.append(SamplerHistory())
         if self.supports_edits:
             out.append(EditRows(self.extra_channels(model), model.dtype))
         if side_paths is not None:
