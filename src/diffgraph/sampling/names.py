@@ -41,3 +41,16 @@ SAMPLER_DESCRIPTIONS = {
     "lcm": "latent consistency, for LCM models and LCM-LoRA (LCMScheduler)",
     "tcd": "trajectory consistency, gamma 0.3 (TCDScheduler)",
 }
+
+
+def markdown_table() -> str:
+    """The README's table of samplers and their schedules (tests/test_readme_samplers.py keeps it current)."""
+    lines = ["| sampler | what it is | schedules |", "|---|---|---|"]
+    for name in SAMPLERS:
+        lines.append(f"| `{name}` | {SAMPLER_DESCRIPTIONS[name]} | {', '.join(SAMPLER_SCHEDULES.get(name, SCHEDULES))} |")
+    schedules = ("Schedules: `default` (the model's own timestep spacing), `karras`, `exponential` and `beta` (alpha "
+                 "= beta = 0.6) respace the sigmas as diffusers' use_karras_sigmas / use_exponential_sigmas / "
+                 "use_beta_sigmas; `sgm_uniform` and `simple` are the default schedule on trailing timesteps "
+                 "(diffusers' mapping of ComfyUI's names). The default sampler is "
+                 f"`{DEFAULT_SAMPLER}`, the default schedule `{DEFAULT_SCHEDULE}`.")
+    return "\n".join(lines) + "\n\n" + schedules
