@@ -48,7 +48,7 @@ def test_a1111_prompt_tags_are_not_written_twice():
 @pytest.mark.parametrize("fmt", ["png", "jpeg", "webp"])
 def test_the_request_round_trips_through_each_format(fmt):
     r = _edit_request(prompt_syntax="a1111", emphasis="no_norm", guidance_rescale=0.5,
-                      guidance_interval=(0.1, 0.9), negative_prompt="ünïcode ✓")
+                      guidance_interval=(0.1, 0.9), negative_prompt="ünïcode ✓", timestep_spacing="trailing")
     data = meta.embed(fmt, Image.new("RGB", (64, 64)), r, "digits")
     text, raw = meta.read_texts(data)
     assert text == meta.infotext(r, "digits") and json.loads(raw)["version"] == meta.FORMAT_VERSION
@@ -57,7 +57,7 @@ def test_the_request_round_trips_through_each_format(fmt):
                      "width": 64, "height": 64, "num_inference_steps": 20, "guidance_scale": 7.0,
                      "sampler": "dpmpp_2m", "schedule": "karras", "seed": 123, "num_images": 1,
                      "loras": (("ink", 0.8), ("styles/soft", 1.0)), "guidance_interval": (0.1, 0.9),
-                     "guidance_rescale": 0.5, "prompt_syntax": "a1111", "clip_skip": 1, "emphasis": "no_norm",
+                     "guidance_rescale": 0.5, "prompt_syntax": "a1111", "clip_skip": 1, "emphasis": "no_norm", "timestep_spacing": "trailing",
                      "strength": 0.75, "inpaint": False}
     if fmt != "png":  # the infotext as AUTOMATIC1111 (piexif) writes it: "UNICODE\0" and UTF-16 big-endian
         comment = Image.open(io.BytesIO(data)).getexif().get_ifd(meta.EXIF_IFD)[meta.USER_COMMENT]

@@ -25,7 +25,7 @@ from .cli_flags import add_checkpoint_arguments
 from .cli_progress import post_once, post_streaming, progress_for
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .models.presets import DEFAULT_MODEL, available_presets
-from .sampling.names import BUILTIN_FAMILIES, DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
+from .sampling.names import BUILTIN_FAMILIES, DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES, TIMESTEP_SPACINGS
 
 
 def default_model() -> str:
@@ -50,6 +50,10 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
                    help=f"one of {', '.join(SAMPLERS)} (the built-in families'; default {DEFAULT_SAMPLER})")
     g.add_argument("--schedule", default=DEFAULT_SCHEDULE,
                    help=f"one of {', '.join(SCHEDULES)} (the built-in families'; default {DEFAULT_SCHEDULE!r})")
+    g.add_argument("--timestep-spacing", default=None, choices=TIMESTEP_SPACINGS,
+                   help="the sampler's timestep spacing (default: the model's scheduler config's; trailing for "
+                        "few-step models)")
+    g.add_argument("--eta", type=float, default=None, help="TCD's gamma, 0-1 (default 0.3; sampler tcd only)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
@@ -175,7 +179,8 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "num_inference_steps": "--steps", "guidance_scale": "--guidance", "sampler": "--sampler",
          "schedule": "--schedule", "seed": "--seed", "num_images": "-n/--num-images", "device": "--device",
          "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
-         "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax"}
+         "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax",
+         "timestep_spacing": "--timestep-spacing", "eta": "--eta"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -237,7 +242,8 @@ def _write_bytes(data: bytes, path: str) -> None:
 FROM_IMAGE = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width": "width", "height": "height",
               "steps": "num_inference_steps", "guidance": "guidance_scale", "sampler": "sampler",
               "schedule": "schedule", "seed": "seed", "num_images": "num_images", "prompt_syntax": "prompt_syntax",
-              "clip_skip": "clip_skip", "model": "model", "strength": "strength"}
+              "clip_skip": "clip_skip", "model": "model", "strength": "strength",
+              "timestep_spacing": "timestep_spacing", "eta": "eta"}
 NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale")  # request fields only --from-image sets
 
 
@@ -288,7 +294,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
                   loras=_lora_flags(args), prompt_syntax=args.prompt_syntax or "plain", clip_skip=args.clip_skip,
-                  **getattr(args, "extra", {}))
+                  timestep_spacing=args.timestep_spacing, eta=args.eta, **getattr(args, "extra", {}))
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params
@@ -410,6 +416,7 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "response_format": "b64_json",
             "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None,
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
+            "timestep_spacing": args.timestep_spacing, "eta": args.eta,
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
     key = _api_key(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}

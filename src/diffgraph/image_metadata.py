@@ -113,6 +113,9 @@ def request_fields(request: Any, model_name: str) -> dict[str, Any]:
               "guidance_interval": None if request.guidance_interval is None else list(request.guidance_interval),
               "guidance_rescale": request.guidance_rescale, "prompt_syntax": request.prompt_syntax,
               "clip_skip": request.clip_skip, "emphasis": request.emphasis}
+    for name in ("timestep_spacing", "eta"):  # sampler options: written where a request gave them
+        if getattr(request, name) is not None:
+            fields[name] = getattr(request, name)
     if request.edit is not None:
         fields["strength"] = request.edit.strength  # the input image (and mask) are not embedded
         fields["inpaint"] = request.edit.inpaint

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ParamError
-from .sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES
+from .sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES, TIMESTEP_SPACINGS
 from .sampling.aliases import canonical, closest
 from .sampling.schedules import MAX_STEPS
 
@@ -185,6 +185,9 @@ class GenerationRequest:
     prompt_syntax: str = "plain"
     clip_skip: int | None = None   # diffusers' numbering: None = the last layer, 1 = the penultimate
     emphasis: str = "original"     # a1111 syntax: "original" restores the chunk's mean after weighting, "no_norm" not
+    # the sampler's timestep spacing ("leading", "linspace", "trailing"); None: the model's scheduler config's
+    timestep_spacing: str | None = None
+    eta: float | None = None       # TCD's gamma (its stochasticity, 0..1); None: 0.3, the scheduler's default
     # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
     key: GroupKey = field(init=False, compare=False, repr=False)
 
@@ -215,6 +218,15 @@ class GenerationRequest:
             raise ParamError("emphasis", f"emphasis {_show(self.emphasis)} is unknown; allowed: {', '.join(EMPHASES)}")
         if self.clip_skip is not None:
             object.__setattr__(self, "clip_skip", _check_int("clip_skip", self.clip_skip, 0, MAX_CLIP_SKIP))
+        if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
+            raise ParamError("timestep_spacing", f"timestep_spacing {_show(self.timestep_spacing)} is unknown; allowed: "
+                                                 f"{', '.join(TIMESTEP_SPACINGS)} (or leave it out: the model's own)")
+        if self.eta is not None:
+            eta = self.eta
+            if isinstance(eta, bool) or not isinstance(eta, (int, float, np.floating, np.integer)) \
+                    or not 0 <= float(eta) <= 1:  # NaN fails this too
+                raise ParamError("eta", f"eta {_show(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma)")
+            object.__setattr__(self, "eta", float(eta))
         guidance_scale = self.guidance_scale
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
             raise ParamError("guidance_scale", f"guidance_scale must be a number >= 0, got {_show(guidance_scale)}")
@@ -271,7 +283,7 @@ class GenerationRequest:
                request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
-               emphasis: Any = "original") -> "GenerationRequest":
+               emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -316,7 +328,7 @@ class GenerationRequest:
                       sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
-                      emphasis=emphasis, **kwargs)
+                      emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

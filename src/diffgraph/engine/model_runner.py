@@ -2,12 +2,11 @@
 
 Owns, for one model on one device: the per-group static row buffers, the pinned staging slots, the prompt
 embedding cache, the graph runner and its graphs, and the weights versions. It encodes prompts (batched, cached
-under (sign, prompt as token ids, text adapters, text-encoder weights version); its text side is
-prompt_rows.PromptEncoder), draws each request's initial and ancestral noise from
-the request's own CPU generator in diffusers' order (so its images do not depend on its batch companions),
-writes admitted rows, runs one whole step for rows [0, n) of a group, and decodes finished rows to float pixels
-without making the caller wait (a waiter for the image thread pool). What a model means (conditioning fields,
-denoiser call, latent shape, decode, sampler plan) comes from its family adapter; the runner knows no family.
+under (sign, prompt as token ids, text adapters, text-encoder weights version); prompt_rows.PromptEncoder), draws
+each request's initial and step noise from its own CPU generator in diffusers' order (its images do not depend on
+its batch companions), writes admitted rows, runs one whole step for rows [0, n) of a group, and decodes finished
+rows to float pixels without making the caller wait. What a model means (conditioning fields, denoiser call, latent
+shape, decode, sampler plan) comes from its family adapter; the runner knows no family.
 
 All CUDA work runs on the runner's device: the engine core's loop thread calls `bind_thread()` first, start-up
 work runs under `on_device()`, and events are recorded on that device's current stream. Per step the host
@@ -21,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from functools import partial
 from typing import Any, Callable
 
@@ -35,7 +35,7 @@ from ..graphs.step import StepBuffers, whole_step, write_tokens
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
 from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError
-from ..sampling.samplers import SamplerPlan, start_plan
+from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, empty_prompt, plain_ids, prepare
@@ -176,14 +176,19 @@ class ModelRunner:
             shape = self._latent_shapes[key] = self.adapter.latent_shape(self.model, key)
         return shape
 
-    def plan_for(self, sampler: str, schedule: str, steps: int, key: GroupKey) -> SamplerPlan:
+    def plan_for(self, sampler: str, schedule: str, steps: int, key: GroupKey,
+                 options: PlanOptions | None = None) -> SamplerPlan:
         """The family's sampler plan at a resolution (its planner may depend on it: a flow model's time shift)."""
-        return self._planner(sampler, schedule, steps, key)
+        if options is not None and len(inspect.signature(self._planner).parameters) < 5:
+            raise ParamError("eta" if options.eta is not None else "timestep_spacing", f"model family "
+                             f"{self.adapter.name!r} takes no eta or timestep_spacing; leave them out")
+        return self._planner(sampler, schedule, steps, key, *(() if options is None else (options,)))
 
-    def plan(self, sampler: str, schedule: str, steps: int, key: GroupKey) -> SamplerPlan:
+    def plan(self, sampler: str, schedule: str, steps: int, key: GroupKey,
+             options: PlanOptions | None = None) -> SamplerPlan:
         """The sampler plan of a request; a step count or sampler the model cannot take is a ParamError."""
         try:
-            return self.plan_for(sampler, schedule, steps, key)
+            return self.plan_for(sampler, schedule, steps, key, options)
         except ParamError:  # the family named the parameter itself
             raise
         except ValueError as e:
@@ -193,7 +198,9 @@ class ModelRunner:
     def request_plan(self, request: GenerationRequest) -> SamplerPlan:
         """The plan a request's rows walk (all of it, or from the step an edit's strength starts at), with the row
         features' per-step columns in its coefficient table."""
-        plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key)
+        options = None if request.timestep_spacing is None and request.eta is None else \
+            PlanOptions(request.timestep_spacing, request.eta)
+        plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key, options)
         start = self._start(request)
         if start:
             plan = start_plan(plan, start)

@@ -12,6 +12,7 @@ SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sd
 SCHEDULES = ("default", "karras", "exponential", "beta", "sgm_uniform", "simple")
 DEFAULT_SAMPLER = "euler"      # what a request that names no sampler gets on these families
 DEFAULT_SCHEDULE = "default"
+TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")  # diffusers' timestep_spacing (a request may override it)
 BUILTIN_FAMILIES = ("sd", "sdxl")  # the families (models/families/) that take exactly these names
 
 # samplers that take only some schedules (the others take every one): DDIM steps between integer timesteps, LCM and

@@ -41,11 +41,12 @@ from .schedules import (
 )
 from .table import NUM_COEFS, Coef, PlanParts, apply_history, apply_step, denoiser, table
 
-__all__ = ["NUM_COEFS", "Coef", "SamplerPlan", "apply_history", "apply_step", "check_sampler", "make_plan",
+__all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "apply_step", "check_sampler", "make_plan",
            "cut", "noising", "start_plan", "strength_start"]
 
 SIGMA_SCHEDULES = ("karras", "exponential", "beta")  # schedules that respace the sigmas (the rest space timesteps)
 TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
+ETA_SAMPLERS = ("tcd",)                                # the samplers that take a request's `eta`
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class SamplerPlan:
     steps: int = 0          # the request's steps (num_inference_steps) the full plan has
     start: int = 0          # the step its first row belongs to (an edit's rows start later)
     noise: NoiseSchedule | None = None  # what it was made from (start_plan remakes it)
+    eta: float | None = None  # TCD's gamma, as asked (None: its default)
 
     def draws_at(self, row: int) -> bool:
         return bool(self.noise_steps[row])
@@ -83,9 +85,25 @@ def _plan_functions() -> dict[str, PlanFunction]:
             **multistep.PLANS, **two_eval.PLANS, **consistency.PLANS}
 
 
-def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int, start: int = 0) -> SamplerPlan:
+@dataclass(frozen=True)
+class PlanOptions:
+    """A request's sampler options beside the names: the timestep spacing (None: the model's scheduler config's)
+    and TCD's gamma `eta` (None: 0.3)."""
+
+    timestep_spacing: str | None = None
+    eta: float | None = None
+
+
+def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int, start: int = 0,
+              options: PlanOptions | None = None) -> SamplerPlan:
     """The coefficient table of `sampler` on `schedule` for `num_steps` steps of `noise`, from step `start` on."""
     check_sampler(sampler, schedule)
+    options = options or PlanOptions()
+    if options.eta is not None and sampler not in ETA_SAMPLERS:
+        raise ParamError("eta", f"eta is the gamma of sampler {', '.join(ETA_SAMPLERS)}; sampler {sampler!r} takes "
+                                "none: leave eta out")
+    if options.timestep_spacing is not None:
+        noise = dataclasses.replace(noise, timestep_spacing=options.timestep_spacing)
     max_steps = min(MAX_STEPS, noise.num_train_timesteps)
     if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or not 1 <= num_steps <= max_steps:
         raise ValueError(f"num_steps {num_steps!r} is out of range; use an integer in 1..{max_steps}")
@@ -96,7 +114,9 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int,
         schedule_for_plan = schedule
     if not 0 <= start < num_steps:
         raise ValueError(f"start {start} is outside the plan's {num_steps} steps")
-    parts = _plan_functions()[sampler](noise, num_steps, schedule_for_plan, start)
+    function = _plan_functions()[sampler]
+    parts = function(noise, num_steps, schedule_for_plan, start) if options.eta is None else \
+        function(noise, num_steps, schedule_for_plan, start, eta=options.eta)
     coefs, sigmas, rows = parts.coefs, parts.sigmas, parts.coefs.shape[0]
     for i in range(rows - 1):  # the last row blends the un-noised image latents: (1, 0)
         coefs[i, int(Coef.KNOWN)], coefs[i, int(Coef.KNOWN_NOISE)] = _noising(float(sigmas[i + 1]), parts.ve)
@@ -127,6 +147,7 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int,
         steps=num_steps,
         start=start,
         noise=original,
+        eta=options.eta,
     )
 
 
@@ -157,7 +178,7 @@ def start_plan(plan: SamplerPlan, start: int) -> SamplerPlan:
     if start == plan.start:
         return plan
     if plan.noise is not None:
-        return make_plan(plan.noise, plan.sampler, plan.schedule, plan.steps, start)
+        return make_plan(plan.noise, plan.sampler, plan.schedule, plan.steps, start, PlanOptions(eta=plan.eta))
     rows = np.nonzero(plan.step_index >= start)[0]
     if start < plan.start or len(rows) == 0:
         raise ValueError(f"start {start} is outside the plan's steps {plan.start}..{int(plan.step_index[-1])}")

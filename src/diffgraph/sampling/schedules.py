@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .names import SAMPLERS, SCHEDULES  # noqa: F401 (re-exported: they live in a module without numpy or torch)
+from .names import SAMPLERS, SCHEDULES, TIMESTEP_SPACINGS  # noqa: F401 (re-exported: they live in a module without numpy or torch)
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +27,6 @@ MAX_STEPS = 200  # the most denoising steps a request may ask for (the one bound
 
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
-TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 
 # Scheduler classes whose `timestep_spacing` defaults to "leading"; the k-diffusion family
 # (Euler, DPM-Solver, LMS, Heun, ...) defaults to "linspace".

@@ -57,9 +57,11 @@ class ImageEditForm(BaseModel):
     prompt_syntax: str | None = None
     clip_skip: StrictInt | None = None
     emphasis: str = "original"
+    timestep_spacing: str | None = None
+    eta: StrictFloat | None = None
 
     @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
-                     "clip_skip", mode="before")
+                     "clip_skip", "eta", mode="before")
     @classmethod
     def _json_number(cls, value: Any) -> Any:
         """A number's text as the JSON route parses it (then checked by the same strict types), and nan / inf in

@@ -55,6 +55,8 @@ class ImageGenerationRequest(BaseModel):
     prompt_syntax: StrictStr | None = None       # "plain" | "a1111"; None: the server's --prompt-syntax
     clip_skip: StrictInt | None = None           # None: the server's --clip-skip
     emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"
+    timestep_spacing: StrictStr | None = None    # "leading" | "linspace" | "trailing"; None: the model's own
+    eta: StrictFloat | None = None               # TCD's gamma, 0..1; None: 0.3
 
     def request_params(self) -> dict[str, Any]:
         """The `GenerationRequest.create` keywords these fields carry (`size` parsed, `n` as num_images). Raises
@@ -65,7 +67,8 @@ class ImageGenerationRequest(BaseModel):
                     guidance_interval=self.guidance_interval, guidance_rescale=self.guidance_rescale,
                     sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
                     output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
-                    prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis)
+                    prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis,
+                    timestep_spacing=self.timestep_spacing, eta=self.eta)
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""

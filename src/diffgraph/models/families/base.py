@@ -47,7 +47,7 @@ from ...features.history import SamplerHistory
 from ...features.lora import LoraRows, SidePathRows
 from ...request import MAX_LORAS, SIZE_MULTIPLE, GroupKey, check_family_params
 from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
-from ...sampling.samplers import SamplerPlan, make_plan, noising
+from ...sampling.samplers import PlanOptions, SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
 from ..model import DiffusionModel
 
@@ -55,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 Conditioning = dict[str, torch.Tensor]        # field name -> [rows, ...] (one row per prompt)
 CondSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # field name -> (per-row shape, dtype)
-Planner = Callable[[str, str, int, GroupKey], SamplerPlan]  # (sampler, schedule, steps, (height, width)) -> plan
+# (sampler, schedule, steps, (height, width)[, options]) -> plan; a planner that takes no PlanOptions (timestep
+# spacing, eta) has four parameters, and requests giving them are refused for its family
+Planner = Callable[..., SamplerPlan]
 
 
 def select_row(cond: Conditioning, index: int) -> Conditioning:
@@ -216,9 +218,10 @@ class FamilyAdapter:
         families' plans do not depend on the resolution."""
         noise = NoiseSchedule.from_config(model.scheduler_config)
 
-        def plan(sampler: str, schedule: str, steps: int, key: GroupKey) -> SamplerPlan:
+        def plan(sampler: str, schedule: str, steps: int, key: GroupKey,
+                 options: PlanOptions | None = None) -> SamplerPlan:
             self.check(sampler, schedule, key)
-            return make_plan(noise, sampler, schedule, steps)
+            return make_plan(noise, sampler, schedule, steps, options=options)
         return plan
 
     def noising(self, plan: SamplerPlan) -> tuple[float, float]:
