@@ -11,7 +11,7 @@ from diffgraph.sampling.schedules import SAMPLERS, SCHEDULES
 CORE_SAMPLERS, CORE_SCHEDULES = SAMPLERS[:4], SCHEDULES[:2]
 ONCE = [("tiny_xl", "dpmpp_2m_sde", "karras"), ("tiny", "dpmpp_3m_sde", "exponential"), ("tiny_xl", "heun", "beta"),
         ("tiny", "dpm2", "sgm_uniform"), ("tiny_xl", "dpm2_a", "default"), ("tiny", "lms", "karras"),
-        ("tiny_xl", "unipc", "simple"), ("tiny", "unipc_3", "default"), ("tiny_xl", "lcm", "default"),
+        ("tiny_xl", "unipc", "simple"), ("tiny_xl", "dpmpp_sde", "karras"), ("tiny", "unipc_3", "default"), ("tiny_xl", "lcm", "default"),
         ("tiny", "tcd", "default"), ("tiny_xl", "euler", "exponential"), ("tiny", "dpmpp_2m", "beta"),
         ("tiny_xl", "euler_a", "sgm_uniform"), ("tiny", "ddim", "simple")]
 
@@ -21,6 +21,8 @@ SIZES = [(64, 64), (64, 96)]  # (width, height): square and non-square
 
 def _reference(engine, sampler, schedule, negative, width, height, steps, seed, n=1, guidance=None):
     pipe = engine.diffusers_pipeline(sampler, schedule)
+    if hasattr(pipe.scheduler, "noise_sampler_seed"):  # dpmpp_sde: the Brownian tree seeded as each request's is
+        pipe.scheduler.noise_sampler_seed = seed
     return pipe(PROMPT, negative_prompt=negative, width=width, height=height, num_inference_steps=steps,
                 guidance_scale=engine.model.default_guidance if guidance is None else guidance,
                 num_images_per_prompt=n, generator=torch.Generator("cpu").manual_seed(seed),

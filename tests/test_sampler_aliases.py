@@ -36,6 +36,7 @@ def test_every_alias_names_a_sampler_that_exists_and_folds_to_itself():
     ("dpmpp_2m_sde_gpu", "sgm_uniform", ("dpmpp_2m_sde", "sgm_uniform")), ("UniPC", None, ("unipc", None)),
     ("Heun", "Beta", ("heun", "beta")), ("LMS Karras", None, ("lms", "karras")), ("DPM2 a", "Simple", ("dpm2_a", "simple")),
     ("dpm_2_ancestral", "SGM Uniform", ("dpm2_a", "sgm_uniform")), ("LCM", None, ("lcm", None)),
+    ("DPM++ SDE Karras", None, ("dpmpp_sde", "karras")),
 ])
 def test_the_newer_samplers_and_schedules_have_their_labels(sampler, schedule, expected):
     assert canonical(sampler, schedule, SAMPLERS, SCHEDULES) == expected
@@ -45,7 +46,8 @@ ALLOWED = ", ".join(SAMPLERS)
 
 
 @pytest.mark.parametrize("sampler,schedule,param,words", [
-    ("DPM++ SDE Karras", None, "sampler", f"'DPM++ SDE Karras' (dpmpp_sde) is not supported yet; allowed: {ALLOWED}"),
+    ("DPM++ 2M SDE Heun", None, "sampler", "'DPM++ 2M SDE Heun' (dpmpp_2m_sde with the heun solver) is not supported "
+                                           f"yet; allowed: {ALLOWED}"),
     ("Restart", None, "sampler", "sampler 'Restart' is not supported here; allowed: euler,"),
     ("eulr", None, "sampler", f"is unknown; allowed: {ALLOWED}; did you mean 'euler'?"),
     ("Euler", "Align Your Steps", "schedule", "'Align Your Steps' is not supported yet; allowed: "

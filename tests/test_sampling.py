@@ -9,6 +9,7 @@ import torch
 from diffgraph.sampling import NUM_COEFS, SAMPLERS, SCHEDULES, Coef, NoiseSchedule, apply_step, make_plan
 from diffgraph.sampling.oracle import diffusers_scheduler, step_kwargs
 from diffgraph.sampling.samplers import schedules_of
+from diffgraph.sampling.sde import BrownianNoise
 from diffgraph.sampling.table import HISTORY_SLOTS, apply_history
 
 SD15 = {  # runwayml/stable-diffusion-v1-5 scheduler_config.json, as the PNDM scheduler exposes it
@@ -88,6 +89,8 @@ def run_diffusers(config, sampler, schedule, n, seed=0):
     sched.set_timesteps(n)
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * sched.init_noise_sigma
     kwargs = step_kwargs(sched, torch.Generator().manual_seed(seed + 1))
+    if hasattr(sched, "noise_sampler_seed"):  # DPMSolverSDEScheduler's Brownian tree: seeded as ours is
+        sched.noise_sampler_seed = seed + 1
     xs = [x]
     for t in sched.timesteps:
         out = fake_model(sched.scale_model_input(x, t), t)
@@ -101,6 +104,7 @@ def run_plan(plan, seed=0):
     row that draws)."""
     x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * plan.init_noise_sigma
     gen = torch.Generator().manual_seed(seed + 1)
+    tree = None if plan.brownian is None else BrownianNoise(plan.brownian, plan.brownian_range, seed + 1, SHAPE)
     d_prev = torch.zeros(SHAPE)
     history = [torch.zeros(SHAPE) for _ in range(HISTORY_SLOTS)]
     coefs = torch.from_numpy(plan.coefs).float()
@@ -108,7 +112,8 @@ def run_plan(plan, seed=0):
     for i in range(plan.num_steps):
         row = coefs[i : i + 1].expand(SHAPE[0], NUM_COEFS)
         out = fake_model(row[:, Coef.C_IN].reshape(-1, 1, 1, 1) * x, plan.timesteps[i])
-        noise = torch.randn(SHAPE, generator=gen) if plan.noise_steps[i] else None
+        noise = None if not plan.noise_steps[i] else (torch.randn(SHAPE, generator=gen) if tree is None
+                                                      else tree.draw(i))
         x_next, denoised = apply_step(row, x, out, d_prev, noise)
         extra, history = apply_history(row, x, denoised, d_prev, history)
         x, d_prev = x_next + extra, denoised

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..request import (EngineClosed, EngineStepError, GenerationRequest, Generat
                        ProgressEvent, RequestAborted)
 from ..features.base import Admission
 from ..image_metadata import encode_image
+from ..sampling.sde import BrownianNoise
 from .device_loop import STOPPED, DeviceLoop
 from .edits import prepare_edit
 from .model_runner import ModelRunner
@@ -248,7 +250,8 @@ class EngineCore:
             variant = self.runner.program.variant([s.variant_parts for s in plan.live])
             plan.cost_rows = self.runner.step(
                 plan.key, plan.coefs, [(s.first_row, s.rows, s.branches_now) for s in plan.live],
-                [(s.first_row, s.rows, s.generator) for s in plan.noise_requests], variant)
+                [(s.first_row, s.rows, s.generator if s.noise is None else partial(s.noise.draw, s.step))
+                 for s in plan.noise_requests], variant)
         except Exception as e:  # only this batch fails; the loop keeps serving
             logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
             self.stats["failed_steps"] += 1
@@ -297,6 +300,9 @@ class EngineCore:
                     raise RuntimeError("loading its LoRA adapter into a device slot failed (see the log)")
                 mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
+                if s.plan.brownian is not None:  # dpmpp_sde: one Brownian tree per request, seeded by its seed
+                    s.noise = BrownianNoise(s.plan.brownian, s.plan.brownian_range, r.seed,
+                                            (s.rows, *runner.latent_shape(key)))
                 if r.edit is None:
                     latents, edit = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma), None
                 else:

@@ -184,8 +184,8 @@ class ModelRunner:
                              f"{self.adapter.name!r} takes no eta or timestep_spacing; leave them out")
         return self._planner(sampler, schedule, steps, key, *(() if options is None else (options,)))
 
-    def plan(self, sampler: str, schedule: str, steps: int, key: GroupKey,
-             options: PlanOptions | None = None) -> SamplerPlan:
+    def plan(self, sampler: str, schedule: str, steps: int, key: GroupKey, options: PlanOptions | None = None
+             ) -> SamplerPlan:
         """The sampler plan of a request; a step count or sampler the model cannot take is a ParamError."""
         try:
             return self.plan_for(sampler, schedule, steps, key, options)
@@ -201,9 +201,7 @@ class ModelRunner:
         options = None if request.timestep_spacing is None and request.eta is None else \
             PlanOptions(request.timestep_spacing, request.eta)
         plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key, options)
-        start = self._start(request)
-        if start:
-            plan = start_plan(plan, start)
+        plan = start_plan(plan, self._start(request))  # (the plan itself where it starts at its step 0)
         return dataclasses.replace(plan, coefs=self.program.request_coefs(request, plan.coefs, plan.step_index))
 
     def request_branches(self, request: GenerationRequest, plan: SamplerPlan) -> np.ndarray:
@@ -314,11 +312,11 @@ class ModelRunner:
         return self.program.parts(admission)
 
     def step(self, key: GroupKey, coefs: np.ndarray, rows: list[tuple[int, int, int]],
-             noise: list[tuple[int, int, torch.Generator]] | None = None, variant: VariantKey | None = None) -> int:
+             noise: list[tuple[int, int, Any]] | None = None, variant: VariantKey | None = None) -> int:
         """Runs one step. coefs: [n, columns] for image rows [0, n); rows: (first row, rows, denoiser rows per row
-        this step) of each live request, packed from row 0; noise: (first row, rows, generator) of the requests that
-        draw ancestral noise this step; variant: the step variant (None: the neutral one). Returns the denoiser rows
-        the step cost: its graph bucket when it ran as a replay, else its denoiser rows."""
+        this step) of each live request, packed from row 0; noise: (first row, rows, its generator or a callable
+        giving its noise) of the requests whose row draws noise this step; variant: the step variant (None: the
+        neutral one). Returns the denoiser rows the step cost: its graph bucket when replayed, else its denoiser rows."""
         buf = self.buffers(key)
         n, d = coefs.shape[0], sum(k * b for _, k, b in rows)  # denoiser rows: a guiding row costs two
         variant = self.program.neutral() if variant is None else variant
@@ -343,8 +341,9 @@ class ModelRunner:
         buf.coefs[:image_rows].copy_(slot.coefs[:image_rows], non_blocking=True)
         buf.index[:size].copy_(slot.index[:size], non_blocking=True)
         shape = self.latent_shape(key)
-        for first, k, generator in noise or ():
-            slot.noise[first:first + k].copy_(torch.randn((k, *shape), generator=generator, dtype=self.model.dtype))
+        for first, k, source in noise or ():  # a generator's normal draws, or a Brownian tree's increment (callable)
+            slot.noise[first:first + k].copy_(source() if callable(source) else torch.randn(
+                (k, *shape), generator=source, dtype=self.model.dtype))
             buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
         bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
         if self.cuda:

@@ -32,6 +32,7 @@ class RequestState:
     request: GenerationRequest | None = None
     sink: Any = None           # the engine core's answer channel (progress, result, error)
     generator: Any = None      # the request's own noise generator, made at admission
+    noise: Any = None          # its Brownian-tree noise (sampling.sde.BrownianNoise) where its plan draws that
     admitted_at: float = 0.0
     loras: tuple = ()          # the request's resolved LoRA adapters (lora.manager.Resolved), if any
     admitted: dict[str, Any] = field(default_factory=dict)  # what each admission gate took for it (by gate name)

@@ -100,8 +100,7 @@ class StepPlan:
         return self.coefs.shape[0]
 
     @property
-    def noise_requests(self) -> list[RequestState]:
-        """The live requests whose row this step draws a noise tensor (ancestral and SDE samplers' rows)."""
+    def noise_requests(self) -> list[RequestState]:  # the live requests whose row draws noise this step
         return [s for s in self.live if s.plan.draws_noise and s.plan.noise_steps[s.step]]
 
 

@@ -31,6 +31,8 @@ SAMPLER_ALIASES: dict[str, tuple[str, str | None]] = {
     "dpm++ 3m sde": ("dpmpp_3m_sde", None), "dpmpp 3m sde": ("dpmpp_3m_sde", None),
     "dpmpp 3m sde gpu": ("dpmpp_3m_sde", None),
     "dpm++ 3m sde karras": ("dpmpp_3m_sde", "karras"), "dpm++ 3m sde exponential": ("dpmpp_3m_sde", "exponential"),
+    "dpm++ sde": ("dpmpp_sde", None), "dpmpp sde": ("dpmpp_sde", None), "dpmpp sde gpu": ("dpmpp_sde", None),
+    "dpm++ sde karras": ("dpmpp_sde", "karras"), "k dpmpp sde": ("dpmpp_sde", None),
     "heun": ("heun", None), "k heun": ("heun", None),
     "lms": ("lms", None), "k lms": ("lms", None), "lms karras": ("lms", "karras"),
     "dpm2": ("dpm2", None), "dpm 2": ("dpm2", None), "k dpm 2": ("dpm2", None), "dpm2 karras": ("dpm2", "karras"),
@@ -44,7 +46,6 @@ SAMPLER_ALIASES: dict[str, tuple[str, str | None]] = {
 SAMPLERS_NOT_YET: dict[str, str] = {
     **{k: "dpmpp_2m_sde with the heun solver" for k in ("dpm++ 2m sde heun", "dpm++ 2m sde heun karras",
                                                         "dpm++ 2m sde heun exponential")},
-    **{k: "dpmpp_sde" for k in ("dpm++ sde", "dpm++ sde karras", "dpmpp sde", "dpmpp sde gpu")},
     "heunpp2": "heunpp2",
     **{k: "dpmpp_2s_a" for k in ("dpm++ 2s a", "dpm++ 2s a karras", "dpmpp 2s ancestral")},
     **{k: "" for k in ("dpm fast", "dpm adaptive", "restart", "plms", "ipndm", "deis", "ddpm",

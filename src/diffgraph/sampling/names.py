@@ -7,8 +7,8 @@ Each sampler is its diffusers scheduler (the oracle, sampling/oracle.py); the sc
 options (karras, exponential, beta) and ComfyUI's names for trailing timesteps (sgm_uniform, simple).
 """
 
-SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sde", "heun", "dpm2", "dpm2_a", "lms",
-            "unipc", "unipc_3", "lcm", "tcd")
+SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2",
+            "dpm2_a", "lms", "unipc", "unipc_3", "lcm", "tcd")
 SCHEDULES = ("default", "karras", "exponential", "beta", "sgm_uniform", "simple")
 DEFAULT_SAMPLER = "euler"      # what a request that names no sampler gets on these families
 DEFAULT_SCHEDULE = "default"
@@ -24,7 +24,7 @@ SAMPLER_SCHEDULES = {
 }
 # samplers whose rows keep history slots beyond D_prev (sampling/table.py): a family taking one of them allocates the
 # slots (features/history.py)
-HISTORY_SAMPLERS = ("dpmpp_3m_sde", "heun", "dpm2", "dpm2_a", "lms", "unipc", "unipc_3")
+HISTORY_SAMPLERS = ("dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2", "dpm2_a", "lms", "unipc", "unipc_3")
 # what each sampler is, for --help, /info and the README (one line each)
 SAMPLER_DESCRIPTIONS = {
     "euler": "Euler (k-diffusion; EulerDiscreteScheduler)",
@@ -33,6 +33,7 @@ SAMPLER_DESCRIPTIONS = {
     "ddim": "DDIM, eta 0 (DDIMScheduler)",
     "dpmpp_2m_sde": "DPM-Solver++(2M) SDE, midpoint (DPMSolverMultistepScheduler, sde-dpmsolver++)",
     "dpmpp_3m_sde": "DPM-Solver++(3M) SDE (DPMSolverMultistepScheduler, sde-dpmsolver++, order 3)",
+    "dpmpp_sde": "DPM-Solver++ SDE, two evaluations a step, Brownian-tree noise per request (DPMSolverSDEScheduler)",
     "heun": "Heun, two evaluations a step (HeunDiscreteScheduler)",
     "dpm2": "DPM2, two evaluations a step (KDPM2DiscreteScheduler)",
     "dpm2_a": "DPM2 ancestral, two evaluations a step (KDPM2AncestralDiscreteScheduler)",

@@ -154,6 +154,7 @@ _CLASSES: dict[str, tuple[str, dict[str, Any]]] = {  # sampler -> (diffusers cla
     "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", _DPM_DEFAULTS | {"algorithm_type": "sde-dpmsolver++"}),
     "dpmpp_3m_sde": ("DPMSolverMultistepScheduler", _DPM_DEFAULTS | {"algorithm_type": "sde-dpmsolver++",
                                                                       "solver_order": 3}),
+    "dpmpp_sde": ("DPMSolverSDEScheduler", _SIGMA_OFF),
     "heun": ("HeunDiscreteScheduler", _SIGMA_OFF),
     "dpm2": ("KDPM2DiscreteScheduler", _SIGMA_OFF),
     "dpm2_a": ("KDPM2AncestralDiscreteScheduler", _SIGMA_OFF),

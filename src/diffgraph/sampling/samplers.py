@@ -67,6 +67,8 @@ class SamplerPlan:
     start: int = 0          # the step its first row belongs to (an edit's rows start later)
     noise: NoiseSchedule | None = None  # what it was made from (start_plan remakes it)
     eta: float | None = None  # TCD's gamma, as asked (None: its default)
+    brownian: np.ndarray | None = None  # [num_steps, 2] Brownian-tree noise spans (dpmpp_sde); None: normal draws
+    brownian_range: tuple[float, float] | None = None
 
     def draws_at(self, row: int) -> bool:
         return bool(self.noise_steps[row])
@@ -80,9 +82,9 @@ PlanFunction = Callable[[NoiseSchedule, int, str, int], PlanParts]
 
 def _plan_functions() -> dict[str, PlanFunction]:
     """Sampler name -> its plan function (noise schedule, steps, schedule name)."""
-    from . import consistency, multistep, two_eval
+    from . import consistency, multistep, sde, two_eval
     return {"euler": _euler_plan, "euler_a": _euler_a_plan, "dpmpp_2m": _dpmpp_2m_plan, "ddim": _ddim_plan,
-            **multistep.PLANS, **two_eval.PLANS, **consistency.PLANS}
+            "dpmpp_sde": sde.dpmpp_sde_plan, **multistep.PLANS, **two_eval.PLANS, **consistency.PLANS}
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int,
         start=start,
         noise=original,
         eta=options.eta,
+        brownian=parts.brownian,
+        brownian_range=parts.brownian_range,
     )
 
 
@@ -185,7 +189,8 @@ def start_plan(plan: SamplerPlan, start: int) -> SamplerPlan:
     row = int(rows[0])
     return dataclasses.replace(plan, num_steps=plan.num_steps - row, coefs=plan.coefs[row:].copy(),
                                timesteps=plan.timesteps[row:], sigmas=plan.sigmas[row:],
-                               noise_steps=plan.noise_steps[row:], step_index=plan.step_index[row:], start=start)
+                               noise_steps=plan.noise_steps[row:], step_index=plan.step_index[row:], start=start,
+                               brownian=None if plan.brownian is None else plan.brownian[row:])
 
 
 def cut(parts: PlanParts, start: int) -> PlanParts:

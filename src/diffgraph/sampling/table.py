@@ -96,6 +96,10 @@ class PlanParts:
     noise_steps: np.ndarray | None = None  # None: no row draws noise
     step_index: np.ndarray | None = None   # None: one row per step
     history: int = 0                       # history slots the sampler uses (0..HISTORY_SLOTS)
+    # Brownian-tree noise (dpmpp_sde, sde.py): per row the (sigma_from, sigma_to) its increment spans, and the tree's
+    # range; None: the noise rows draw standard normals from the request's generator
+    brownian: np.ndarray | None = None
+    brownian_range: tuple[float, float] | None = None
 
 
 def table(t, c_in, p, q, a, b, c=0.0, d=0.0) -> np.ndarray:
