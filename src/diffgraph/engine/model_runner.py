@@ -201,7 +201,8 @@ class ModelRunner:
         options = None if request.timestep_spacing is None and request.eta is None else \
             PlanOptions(request.timestep_spacing, request.eta)
         plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key, options)
-        plan = start_plan(plan, self._start(request))  # (the plan itself where it starts at its step 0)
+        start = self._start(request)
+        plan = start_plan(plan, start) if start else plan
         return dataclasses.replace(plan, coefs=self.program.request_coefs(request, plan.coefs, plan.step_index))
 
     def request_branches(self, request: GenerationRequest, plan: SamplerPlan) -> np.ndarray:
