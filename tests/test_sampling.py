@@ -159,9 +159,11 @@ def test_matches_diffusers(name, sampler, schedule, pred):
             np.testing.assert_array_equal(plan.sigmas, sched.sigmas.numpy().astype(np.float64))
         assert len(ref) == plan.num_steps + 1 and plan.step_index[-1] == n - 1
         # the beta schedule's sigmas crowd at both ends: diffusers' float32 step-size ratios there lose a few more
-        # bits (up to 19 ulps of the largest latent seen, dpmpp_2m at 4 steps)
-        assert_same_latents(run_plan(plan), ref, f"{sampler}/{schedule}/{pred}/{name} n={n}",
-                            ulps=4 * ULPS if schedule == "beta" else ULPS)
+        # bits (up to 19 ulps of the largest latent seen, dpmpp_2m at 4 steps); UniPC of order 3 on linear betas
+        # (sigma_max 157, alpha 0.006) amplifies float32 rounding most: diffusers misses its own tolerance there when
+        # half its initial noise moves by one ulp (5 of 12 draws), so the bound is what float32 allows, not tighter
+        ulps = ULPS * (4 if schedule == "beta" else 1) * (2 if (sampler, name) == ("unipc_3", "linspace") else 1)
+        assert_same_latents(run_plan(plan), ref, f"{sampler}/{schedule}/{pred}/{name} n={n}", ulps=ulps)
 
 
 def test_zero_snr_is_v_prediction_only_and_karras_repeats_are_refused():
