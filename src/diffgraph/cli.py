@@ -70,6 +70,8 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
                         "--url), or a built-in adapter of the model; scale 1 when left out")
     g.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="a folder of .safetensors adapters that --lora names (not with --url: the server has its own)")
+    g.add_argument("--lora-conv", action="store_true",
+                   help="side paths on convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD)")
     g.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
                    help="plain: diffusers' reading (77 tokens; the default here, the server's own with --url); "
                         "a1111: AUTOMATIC1111's (word:1.2) emphasis, long prompts in 75-token chunks, BREAK, "
@@ -318,6 +320,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                 torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
             engine = Engine(model=model, device=args.device, dtype=args.dtype,
                             lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
+                            lora_conv=args.lora_conv,
                             compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
                             load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
                                              zero_snr=args.zero_snr, vae=args.vae))

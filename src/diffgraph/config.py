@@ -174,6 +174,9 @@ class LoraConfig:
     max_lora_rank: int = 64
     fuse: tuple[tuple[str, float], ...] = ()
     builtin_dir: str | None = None  # the model's built-in adapters (a shipped preset's), served by name too
+    # side paths on the convolutions too (resnets, samplers, time embeddings: LoCon, LCM-LoRA, TCD, Hyper-SD): their
+    # slots cost more than the attention ones (SD1.5 at rank 64: 77 MiB a slot) and every adapter step pays for them
+    conv: bool = False
 
     def __post_init__(self) -> None:
         if self.max_loras is not None and (self.max_loras < 0 or 0 < self.max_loras < MIN_LORA_SLOTS):

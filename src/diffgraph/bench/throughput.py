@@ -84,9 +84,11 @@ def random_adapter(engine, rank: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for module, slot in engine.runner.loras.banks["unet"].layers.items():
-        n_in, n_out = slot.a.shape[2], slot.b.shape[2]
-        state[f"unet.{module}.lora_A.weight"] = torch.randn((rank, n_in), generator=gen) / n_in ** 0.5
-        state[f"unet.{module}.lora_B.weight"] = torch.randn((n_out, rank), generator=gen) * 0.01
+        n_in, n_out, k = slot.n_in, slot.b.shape[2], slot.kernel  # k: a convolution's kernel (with --lora-conv)
+        down = (rank, n_in) if k is None else (rank, n_in, *k)
+        state[f"unet.{module}.lora_A.weight"] = torch.randn(down, generator=gen) / (slot.a.shape[2] ** 0.5)
+        state[f"unet.{module}.lora_B.weight"] = torch.randn((n_out, rank) + (() if k is None else (1, 1)),
+                                                            generator=gen) * 0.01
     return state
 
 

@@ -87,7 +87,7 @@ class Engine:
                  max_wait_ms: float = 0.0, max_queue: int = 256, max_rows: int | None = None,
                  prompt_cache_size: int = 512, image_threads: int = 2, grow_fill: float = 0.85,
                  grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
-                 max_loras: int | None = None, max_lora_rank: int = 64,
+                 max_loras: int | None = None, max_lora_rank: int = 64, lora_conv: bool = False,
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None):
@@ -113,7 +113,7 @@ class Engine:
             if name:  # the name requests, images and listings use (a model folder's entry, not its path)
                 self.model.name = name
             self.mode = mode
-            loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras)
+            loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv)
             if not isinstance(compile, (bool, CompileConfig)):
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
@@ -149,12 +149,12 @@ class Engine:
                               size_multiple=int(adapter.size_multiple))
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
-                      fuse_loras: Any) -> LoraManager | None:
+                      fuse_loras: Any, conv: bool = False) -> LoraManager | None:
         """Adapter slots and side paths (with a lora_dir or max_loras > 0), adapters fused into the weights."""
         try:
             config = LoraConfig(lora_dir=lora_dir, max_loras=max_loras, max_lora_rank=max_lora_rank,
                                 fuse=tuple((str(n), float(s)) for n, s in fuse_loras),
-                                builtin_dir=builtin_lora_folder(self.model.name))
+                                builtin_dir=builtin_lora_folder(self.model.name), conv=bool(conv))
             if not config.slots and not config.fuse:
                 return None
             return LoraManager(self.model, config)

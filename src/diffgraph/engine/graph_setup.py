@@ -45,7 +45,7 @@ class GraphHost(Protocol):
     device: torch.device
     cuda: bool
     program: StepProgram
-    slot_shape: tuple[int, int] | None  # LoRA slots (count, max rank), or None without side paths
+    slot_shape: tuple[int, int, int] | None  # LoRA slots (count, max rank, conv side paths 0/1), or None
 
     def buffers(self, key: tuple[int, int]) -> StepBuffers: ...
 
@@ -126,7 +126,7 @@ def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, res
         set_conv_layout(model.unet, channels_last=True)
     slots = host.slot_shape
     tag = f"channels_last={channels_last} attention={attention} " + (
-        f"loras={slots[0]}x{slots[1]}" if slots is not None else "loras=0") + (  # side paths' shapes
+        f"loras={slots[0]}x{slots[1]}" + (" lora_conv" if slots[2] else "") if slots is not None else "loras=0") + (
         f" prompt_windows={host.max_chunks}")  # 1: contiguous conditioning; more: strided prefixes of longer rows
     # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
     # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)

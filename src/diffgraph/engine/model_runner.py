@@ -85,7 +85,7 @@ class ModelRunner:
         self.prompts = PromptCache(prompt_cache_size)
         self.loras = loras  # LoRA adapter slots and side paths, or None
         slots = loras is not None and loras.enabled
-        self.slot_shape = (loras.config.slots, loras.config.max_lora_rank) if slots else None
+        self.slot_shape = (loras.config.slots, loras.config.max_lora_rank, int(loras.config.conv)) if slots else None
         # the row features of this family's step (guidance, edits, LoRA rows, ...), composed
         if not 1 <= max_prompt_chunks <= MAX_PROMPT_CHUNKS:
             raise ValueError(f"max_prompt_chunks {max_prompt_chunks} is out of range; allowed: 1..{MAX_PROMPT_CHUNKS} "

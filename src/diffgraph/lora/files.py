@@ -2,9 +2,15 @@
 `load_lora_weights` takes for SD1.x/SD2.x and SDXL (diffusers/PEFT keys, kohya / A1111 keys with alphas), read by
 diffusers' own `lora_state_dict` and key converters, into per-layer low-rank weights for `sidepath.LoraSlots`.
 
-Only .safetensors files are adapters: a .bin/.pt/.ckpt file is a pickle, and loading one can run code. Kinds other
-than plain LoRA on Linear layers and 1x1 convolutions (LoHa, LoKr, DoRA, a 3x3-convolution LoCon) are refused at
-read time with a message naming what is unsupported. Each layer's scale is alpha / rank (kohya alphas), else 1.
+Only .safetensors files are adapters: a .bin/.pt/.ckpt file is a pickle, and loading one can run code. Plain LoRA
+on Linear layers and convolutions is read: a convolution's down weight [rank, in, kh, kw] (LoCon: the ResNet
+blocks' conv1/conv2, the samplers' convs, as kohya LoCon files and few-step adapters such as LCM-LoRA, TCD and
+Hyper-SD ship them) is kept flattened [rank, in * kh * kw] with its kernel size, its up weight is [out, rank] (a
+1x1 [out, rank, 1, 1]). k x k convolution weights are read when the caller asks (`convolutions=True`: the LoRA
+manager, which then decides per layer whether a side path runs it); without it they are refused by name. Kinds
+other than plain LoRA (LoHa, LoKr, DoRA, LoCon's Tucker mid weights, IA3, full weight differences, a k x k up
+weight) are refused at read time with a message naming what is unsupported. Each layer's scale is alpha / rank
+(kohya alphas), else 1.
 
 A file is read into memory (safe_files.read_safetensors: a private copy, never a memory map that a writer can cut
 under us), after its header says its tensors are floating point (catalog.check_dtype). A file that changes while
@@ -49,9 +55,10 @@ class AdapterChanged(AdapterError):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    a: torch.Tensor   # [rank, in] (CPU, the file's dtype)
+    a: torch.Tensor   # [rank, in] (CPU, the file's dtype); a convolution's [rank, in * kh * kw]
     b: torch.Tensor   # [out, rank]
     scale: float      # alpha / rank (1 without an alpha)
+    kernel: tuple[int, int] | None = None  # (kh, kw) of a convolution's down weight (the file's 4-d one), else None
 
     @property
     def rank(self) -> int:
@@ -75,13 +82,15 @@ class AdapterFile:
         return [f"{c}.{m}" for c, part in self.layers.items() for m in part]
 
 
-def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, name: str) -> AdapterFile:
+def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, name: str,
+                 convolutions: bool = False) -> AdapterFile:
     """The adapter in `source` (a .safetensors path or a state dict) for a model of `pipeline_class` (e.g.
-    "StableDiffusionPipeline", "StableDiffusionXLPipeline"). Raises AdapterError (AdapterChanged: read it again)."""
+    "StableDiffusionPipeline", "StableDiffusionXLPipeline"); `convolutions`: read k x k convolution weights (LoCon)
+    too, else refuse them. Raises AdapterError (AdapterChanged: read it again)."""
     if not isinstance(source, str):
         for key, t in source.items():
             check_dtype(name, key, DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), t.numel())
-        return _adapter(dict(source), pipeline_class, name, None, None)
+        return _adapter(dict(source), pipeline_class, name, None, None, convolutions)
     _refuse_pickle(source, name)
     from safetensors.torch import load
 
@@ -94,10 +103,10 @@ def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, nam
         raise AdapterError(f"adapter {name!r}: {os.path.basename(source)} is not a readable safetensors file "
                            f"({type(e).__name__}: {e}); it may be truncated: copy it again") from None
     del data
-    return _adapter(state, pipeline_class, name, source, header.stamp)
+    return _adapter(state, pipeline_class, name, source, header.stamp, convolutions)
 
 
-def header_adapter(path: str, pipeline_class: str, name: str) -> AdapterFile:
+def header_adapter(path: str, pipeline_class: str, name: str, convolutions: bool = False) -> AdapterFile:
     """The adapter of file `path` as its header describes it: its layers' weights are meta tensors (shapes and
     layout checked, as read_adapter does, but no values), its alphas real. For listings: reads the header only."""
     _refuse_pickle(path, name)
@@ -108,7 +117,7 @@ def header_adapter(path: str, pipeline_class: str, name: str) -> AdapterFile:
         dtype = TORCH_DTYPES[t.dtype]
         state[key] = torch.frombuffer(bytearray(small[key]), dtype=dtype).reshape(t.shape) if key in small else \
             torch.empty(t.shape, dtype=dtype, device="meta")
-    return _adapter(state, pipeline_class, name, path, header.stamp)
+    return _adapter(state, pipeline_class, name, path, header.stamp, convolutions)
 
 
 def _refuse_pickle(path: str, name: str) -> None:
@@ -128,7 +137,7 @@ def _read(reader: Any, path: str, name: str, *args: Any) -> Any:
 
 
 def _adapter(state: dict[str, torch.Tensor], pipeline_class: str, name: str, path: str | None,
-             stamp: FileStamp | None) -> AdapterFile:
+             stamp: FileStamp | None, convolutions: bool = False) -> AdapterFile:
     import diffusers
 
     _refuse_unsupported(list(state), name)
@@ -141,7 +150,7 @@ def _adapter(state: dict[str, torch.Tensor], pipeline_class: str, name: str, pat
     for component in COMPONENTS:
         part = {k[len(component) + 1:]: v for k, v in state.items() if k.startswith(component + ".")}
         if part:
-            layers[component] = _layers(component, part, alphas or {}, name)
+            layers[component] = _layers(component, part, alphas or {}, name, convolutions)
     known = {k for k in state if k.split(".", 1)[0] in COMPONENTS}
     if set(state) - known:
         extra = sorted(set(state) - known)[:3]
@@ -156,8 +165,8 @@ def _refuse_unsupported(keys: list[str], name: str) -> None:
     for key in keys:
         for fragment, kind in UNSUPPORTED.items():
             if fragment in key:
-                raise AdapterError(f"adapter {name!r} is {kind} (key {key!r}); diffgraph runs plain LoRA on Linear "
-                                   "layers and 1x1 convolutions")
+                raise AdapterError(f"adapter {name!r} is {kind} (key {key!r}); diffgraph runs plain LoRA (on Linear "
+                                   "layers and convolutions): merge it into a checkpoint with its own tool instead")
 
 
 def _convert(component: str, part: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +182,7 @@ def _convert(component: str, part: dict[str, Any]) -> dict[str, Any]:
 
 
 def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, float],
-            name: str) -> dict[str, LayerWeights]:
+            name: str, convolutions: bool = False) -> dict[str, LayerWeights]:
     peft = _convert(component, part)
     # the alphas' keys are in the file's layout: convert them as weight keys to find their modules
     mine = {k[len(component) + 1:-len(".alpha")]: float(v) for k, v in alphas.items()
@@ -192,16 +201,23 @@ def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, flo
         if a is None or b is None:
             raise AdapterError(f"adapter {name!r}: {component}.{module} lacks its "
                                f"{'down (lora_A)' if a is None else 'up (lora_B)'} weight; the file is incomplete")
-        if a.ndim == 4 and a.shape[2:] != (1, 1):
+        if a.ndim not in (2, 4) or b.ndim not in (2, 4):
+            raise AdapterError(f"adapter {name!r}: {component}.{module} has a {a.ndim}-d down and a {b.ndim}-d up "
+                               "weight; LoRA weights are 2-d (Linear) or 4-d (convolution): the file is not a LoRA")
+        if b.ndim == 4 and b.shape[2:] != (1, 1):
+            raise AdapterError(f"adapter {name!r}: {component}.{module} has a {b.shape[2]}x{b.shape[3]} up weight; "
+                               "diffgraph runs LoRA with 1x1 up weights (a LoCon's [out, rank, 1, 1])")
+        if a.ndim == 4 and a.shape[2:] != (1, 1) and not convolutions:
             raise AdapterError(f"adapter {name!r}: {component}.{module} is a {a.shape[2]}x{a.shape[3]} convolution "
-                               "LoRA (LoCon); diffgraph runs LoRA on Linear layers and 1x1 convolutions")
+                               "LoRA (LoCon), read only with read_adapter(..., convolutions=True)")
+        kernel = tuple(a.shape[2:]) if a.ndim == 4 else None
         a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
         if b2.shape[1] != a2.shape[0]:
             raise AdapterError(f"adapter {name!r}: {component}.{module} has down rank {a2.shape[0]} but up rank "
                                f"{b2.shape[1]}")
         rank = a2.shape[0]
         alpha = module_alpha.get(module)
-        out[module] = w = LayerWeights(a=a2, b=b2, scale=alpha / rank if alpha is not None else 1.0)
+        out[module] = w = LayerWeights(a=a2, b=b2, scale=alpha / rank if alpha is not None else 1.0, kernel=kernel)
         _check_effect(w, f"{component}.{module}", name)
     unknown = [k for k in peft if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if unknown:
@@ -210,8 +226,9 @@ def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, flo
 
 
 def _check_effect(w: LayerWeights, layer: str, name: str) -> None:
-    """||B|| ||A|| alpha/rank (Frobenius norms: a bound on the layer's change for a unit input) is finite and at most
-    EFFECT_LIMIT. Meta tensors (a header's layers) have no values to check."""
+    """||B|| ||A|| alpha/rank (Frobenius norms: a bound on the layer's change for a unit input, a convolution's for
+    a unit input patch) is finite and at most EFFECT_LIMIT. Meta tensors (a header's layers) have no values to
+    check."""
     if w.a.is_meta or w.b.is_meta:
         return
     norms = [_norm(t, torch.float32) for t in (w.a, w.b)]

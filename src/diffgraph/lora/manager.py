@@ -1,7 +1,9 @@
 """`LoraManager`: the adapters one engine serves and the device slots that hold them.
 
 Owns, for one model: the side paths (sidepath.attach on the UNet's and the text encoders' attention, feed-forward
-and proj_in/proj_out layers) over `max_loras` slots of rank <= `max_lora_rank`; the adapters it knows (the files of
+and proj_in/proj_out layers; with the `conv` option also the UNet's ResNet and sampler layers that LoCon files and
+few-step adapters such as LCM-LoRA, TCD and Hyper-SD target: CONV_TARGETS) over `max_loras` slots of rank <=
+`max_lora_rank`; the adapters it knows (the files of
 a `--lora-dir`, found by name on every request, and those added with `add`); the host copies of read adapters,
 padded and in the model's dtype (pinned on a GPU), so that loading one into a slot between two steps is two copies
 per layer; and the slot bookkeeping (catalog.SlotCache). Adapters merged into the base weights at start-up
@@ -15,6 +17,12 @@ headers only (files.header_adapter: layouts and shapes checked against the model
 file version (size, mtime_ns, inode) and never touches the host copies that requests use.
 `can_admit` / `admit` / `release` (the scheduler's admission gate) and `write` run on the loop thread.
 Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
+
+The `conv` option (off by default; sidepath.py says why: SD1.5's convolution banks take 692 MiB at 8 slots of rank
+64, 1.5x the attention ones, and every adapter step pays them at the full rank) is this manager's own: LoraManager(
+model, config, conv=True), or a `conv` field of LoraConfig once there is one (read when `conv` is left None). With it
+off, an adapter with weights on those layers is refused by name, with the option to turn on or --fuse-lora; fused
+adapters (`fuse`) may hold convolution weights either way.
 """
 
 from __future__ import annotations
@@ -38,9 +46,14 @@ from ..safe_files import FileReader, FileStamp, ReadTimeout, UnusableFile, check
 from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, SlotCache, \
     unusable
 from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
-from .sidepath import LoraLayer, LoraSlots, RowLoras, attach
+from .sidepath import LoraLayer, LoraSlots, RowLoras, attach, takes
 
 UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
+# the `conv` option's UNet layers: what diffusers' LCM-LoRA training (and TCD's, Hyper-SD's) and kohya's LoCon target
+# beyond UNET_TARGETS (ResNet blocks' 3x3 convs, time projection and 1x1 shortcut; the samplers' convs), and the
+# conv_in / conv_out that some distilled adapters (DMD2) add
+CONV_TARGETS = ("conv1", "conv2", "conv_shortcut", "time_emb_proj", "downsamplers.0.conv", "upsamplers.0.conv",
+                "conv_in", "conv_out")
 TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 READ_WORKERS, READ_TIMEOUT_S = 2, 60.0  # adapter reads at once (each may hold a file in memory), and their bound
 READ_ATTEMPTS, READ_BACKOFF_S = 3, 0.05  # reads of a file that changes while read, before it is refused; pauses
@@ -86,8 +99,11 @@ class LoraManager:
     config: LoraConfig
     unet_rows: RowLoras = field(default_factory=RowLoras)
     text_rows: RowLoras = field(default_factory=RowLoras)
+    conv: bool | None = None  # side paths on CONV_TARGETS too; None: the config's `conv` field if it has one, else off
 
     def __post_init__(self) -> None:
+        if self.conv is None:
+            self.conv = bool(getattr(self.config, "conv", False))
         self.family = self.model.family
         self.pipeline_class = self.model.adapter.lora_pipeline_class  # whose LoRA reader diffusers applies
         self.dir = AdapterDir(self.config.lora_dir) if self.config.lora_dir else None
@@ -117,8 +133,9 @@ class LoraManager:
         self.slots = SlotCache(self.config.slots) if self.config.slots else None
         if self.slots is not None:
             n, rank = self.config.slots, self.config.max_lora_rank
-            self.banks["unet"] = attach(self.model.unet, _targets(self.model.unet, UNET_TARGETS), n, rank,
-                                        self.unet_rows)
+            unet_targets = UNET_TARGETS + (CONV_TARGETS if self.conv else ())
+            self.banks["unet"] = attach(self.model.unet, _targets(self.model.unet, unet_targets, self.conv), n,
+                                        rank, self.unet_rows, convolutions=self.conv)
             for component, root in self.components.items():
                 if component != "unet":
                     self.banks[component] = attach(root, _targets(root, TEXT_TARGETS), n, rank, self.text_rows)
@@ -243,7 +260,7 @@ class LoraManager:
     def _describe(self, name: str, path: str, stamp: FileStamp) -> dict[str, Any] | str:
         """(On the pool.) An adapter file's entry from its header, checked against this model, and cached."""
         try:
-            adapter = header_adapter(path, self.pipeline_class, name)
+            adapter = header_adapter(path, self.pipeline_class, name, convolutions=True)
             self._pad(adapter)
             entry: dict[str, Any] | str = self._summary(name, adapter, self._source(path))
             stamp = adapter.stamp or stamp
@@ -310,7 +327,7 @@ class LoraManager:
 
     def _build(self, key: AdapterKey, source: Any) -> Prepared:
         """(On the pool.) Reads and checks an adapter, and makes its host rows."""
-        adapter = read_adapter(source, self.pipeline_class, key[0])
+        adapter = read_adapter(source, self.pipeline_class, key[0], convolutions=True)
         if isinstance(key[1], FileStamp) and adapter.stamp != key[1]:  # (an added file is read as it is)
             raise AdapterChanged(f"adapter {key[0]!r} changed between its stat and its read")
         cuda = self.model.device.type == "cuda"
@@ -347,16 +364,35 @@ class LoraManager:
                                        f"{self.family} model does not have: it was made for another model")
                 slot = bank.layers.get(path)
                 if slot is None:
-                    raise AdapterError(f"adapter {adapter.name!r} targets {component}.{path}, which has no LoRA "
-                                       "side path (diffgraph serves adapters on attention, feed-forward and "
-                                       "proj_in/proj_out layers); merge it into the weights with --fuse-lora")
-                n_in, n_out = slot.a.shape[2], slot.b.shape[2]
-                if w.a.shape[1] != n_in or w.b.shape[0] != n_out:
+                    raise AdapterError(self._no_side_path(adapter.name, component, path, root.get_submodule(path)))
+                if (w.kernel or (1, 1)) != (slot.kernel or (1, 1)) or w.a.shape[1] != slot.a.shape[2] \
+                        or w.b.shape[0] != slot.n_out:
+                    got = (f"{w.a.shape[1] // math.prod(w.kernel)} -> {w.b.shape[0]} channels, "
+                           f"{w.kernel[0]}x{w.kernel[1]} kernel") if w.kernel else \
+                        f"{w.a.shape[1]} -> {w.b.shape[0]} features"
                     raise AdapterError(f"adapter {adapter.name!r} does not fit this {self.family} model: "
-                                       f"{component}.{path} takes {n_in} -> {n_out} features, the adapter "
-                                       f"{w.a.shape[1]} -> {w.b.shape[0]} (made for another model family or size?)")
+                                       f"{component}.{path} takes {slot.describe()}, the adapter {got} (made for "
+                                       "another model family or size?)")
                 part[path] = (w.a, (w.b.float() * w.scale).t() if w.scale != 1.0 else w.b.t())
         return out
+
+    def _no_side_path(self, name: str, component: str, path: str, module: nn.Module) -> str:
+        """Why an adapter's layer that the model has cannot run per request, and what to do."""
+        what = f"adapter {name!r} targets {component}.{path}"
+        if isinstance(module, nn.Conv2d) and module.groups != 1:
+            return (f"{what}, a grouped convolution (groups={module.groups}), which LoRA side paths do not take; "
+                    "merge the adapter into a checkpoint with its own tool instead")
+        kind = f", a {module.kernel_size[0]}x{module.kernel_size[1]} convolution" if isinstance(module, nn.Conv2d) \
+            else ""
+        if component == "unet" and not self.conv and _targets(self.components["unet"], CONV_TARGETS, True, [path]):
+            return (f"{what}{kind}, whose side path is off in this engine (convolution LoRA, LoCon: LCM-LoRA, TCD, "
+                    "Hyper-SD and kohya LoCon files have them): start the engine with --lora-conv "
+                    "(LoraManager(conv=True); its slots cost more device memory), or merge the adapter into the "
+                    "weights with --fuse-lora")
+        served = "attention, feed-forward, proj_in/proj_out" + (
+            " and ResNet / sampler layers" if self.conv else "") + " layers"
+        return (f"{what}{kind}, which has no LoRA side path (diffgraph serves adapters on {served}); merge it into "
+                "the weights with --fuse-lora")
 
     # -- slots: the scheduler's admission gate (the engine loop's thread) --------------------------
     def can_admit(self, state: Any) -> bool:
@@ -405,7 +441,7 @@ class LoraManager:
             if self.dir is None:
                 raise AdapterNameError(f"fused adapter {name!r}: give a .safetensors path, or a name in --lora-dir")
             source = self.dir.path(name)
-        adapter = read_adapter(source, self.pipeline_class, name)
+        adapter = read_adapter(source, self.pipeline_class, name, convolutions=True)
         with torch.no_grad():
             for component, layers in adapter.layers.items():
                 root = self.components.get(component)
@@ -416,7 +452,8 @@ class LoraManager:
                     path = module_path(root, module, self._names[component])
                     layer = root.get_submodule(path) if path else None
                     weight = getattr(layer, "weight", None)
-                    if weight is None or weight[0].numel() != w.a.shape[1] or weight.shape[0] != w.b.shape[0]:
+                    if weight is None or weight[0].numel() != w.a.shape[1] or weight.shape[0] != w.b.shape[0] or \
+                            w.kernel not in (None, tuple(weight.shape[2:])):
                         raise AdapterError(f"fused adapter {name!r} does not fit {component}.{module} of this "
                                            f"{self.family} model (made for another model?)")
                     delta = (w.b.float() @ w.a.float()) * (w.scale * scale)
@@ -432,6 +469,10 @@ def _finite(t: torch.Tensor) -> bool:
     return not bool(((t.view(torch.int16) & mask) == mask).any())
 
 
-def _targets(root: nn.Module, ends: tuple[str, ...]) -> list[str]:
-    return [n for n, m in root.named_modules() if n.endswith(ends)
-            and (isinstance(m, nn.Linear) or (isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.groups == 1))]
+def _targets(root: nn.Module, ends: tuple[str, ...], convolutions: bool = False,
+             names: list[str] | None = None) -> list[str]:
+    """The modules of `root` (or of `names` among them) whose path ends with one of `ends` and that
+    sidepath.attach takes (Linear layers, 1x1 convolutions, and with `convolutions` any with groups 1: a grouped
+    one is left out, and an adapter on it refused by name)."""
+    modules = ((n, root.get_submodule(n)) for n in names) if names is not None else root.named_modules()
+    return [n for n, m in modules if n.endswith(ends) and takes(m, convolutions)]

@@ -31,7 +31,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
-           "max_lora_rank", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
+           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
            "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
            "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload")
@@ -196,6 +196,9 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
                         "distinct adapters in flight make requests wait")
     p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="the largest adapter rank the slots take (default: 64); a smaller one makes steps cheaper")
+    p.add_argument("--lora-conv", action="store_true", default=None,
+                   help="side paths on the convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD, "
+                        "Hyper-SD); costs slot memory (SD1.5 rank 64: 77 MiB a slot) and step time with adapters")
     p.add_argument("--fuse-lora", action="append", default=None, metavar="NAME[:SCALE]",
                    help="merge an adapter (a name in --lora-dir, or a .safetensors path) into the weights at "
                         "start-up, at no cost per step; repeatable")

@@ -85,6 +85,7 @@ class ServerConfig:
     lora_dir: str | None = None          # a folder of .safetensors LoRA adapters, served by name
     max_loras: int | None = None         # adapter device slots; None: 8 with a lora_dir, else none
     max_lora_rank: int = 64              # the slots' rank
+    lora_conv: bool = False              # side paths on the convolutions too (LoCon, LCM-LoRA, TCD, Hyper-SD)
     fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
     compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
     embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
@@ -219,6 +220,7 @@ class ServerConfig:
                     batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
                     grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads,
                     lora_dir=self.lora_dir, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                    lora_conv=self.lora_conv,
                     fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
                     embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
@@ -245,7 +247,7 @@ def _parse(key: str, value: Any) -> Any:
         return keys
     if key == "zero_snr" and value is None:
         return None
-    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata", "zero_snr"):
+    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata", "zero_snr", "lora_conv"):
         if not isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
         return value
