@@ -17,6 +17,8 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    KDPM2AncestralDiscreteScheduler,
+    KDPM2DiscreteScheduler,
 )
 from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
 
@@ -105,6 +107,24 @@ class KarrasDDIMScheduler(DDIMScheduler):
         return DDIMSchedulerOutput(prev_sample=prev_sample, pred_original_sample=pred_original_sample)
 
 
+class _RowSigmas:
+    """KDPM2's `sigmas` without the two trailing zeros its set_timesteps appends beyond the last evaluation: one
+    sigma per evaluation and the final 0 (2n entries for n steps, as Heun's), which is all its step and add_noise
+    read; so they compare with a plan's `sigmas`. The walk itself is the stock scheduler's."""
+
+    def set_timesteps(self, *args: Any, **kwargs: Any) -> None:
+        super().set_timesteps(*args, **kwargs)  # type: ignore[misc]
+        self.sigmas = self.sigmas[: len(self.timesteps) + 1]
+
+
+class RowSigmasKDPM2DiscreteScheduler(_RowSigmas, KDPM2DiscreteScheduler):
+    """KDPM2DiscreteScheduler with one sigma per evaluation (_RowSigmas)."""
+
+
+class RowSigmasKDPM2AncestralDiscreteScheduler(_RowSigmas, KDPM2AncestralDiscreteScheduler):
+    """KDPM2AncestralDiscreteScheduler with one sigma per evaluation (_RowSigmas)."""
+
+
 _EULER_DEFAULTS: dict[str, Any] = {
     "interpolation_type": "linear",
     "use_karras_sigmas": False,
@@ -145,6 +165,10 @@ _UNIPC_DEFAULTS: dict[str, Any] = _SIGMA_OFF | {
     "final_sigmas_type": "zero",
     "thresholding": False,
     "use_flow_sigmas": False,
+    "use_dynamic_shifting": False,
+    "shift_terminal": None,
+    "sigma_min": None,  # UniPC's Karras sigmas take these as their range; ours span the training sigmas
+    "sigma_max": None,
 }
 
 
@@ -156,8 +180,8 @@ _CLASSES: dict[str, tuple[str, dict[str, Any]]] = {  # sampler -> (diffusers cla
                                                                       "solver_order": 3}),
     "dpmpp_sde": ("DPMSolverSDEScheduler", _SIGMA_OFF),
     "heun": ("HeunDiscreteScheduler", _SIGMA_OFF),
-    "dpm2": ("KDPM2DiscreteScheduler", _SIGMA_OFF),
-    "dpm2_a": ("KDPM2AncestralDiscreteScheduler", _SIGMA_OFF),
+    "dpm2": ("RowSigmasKDPM2DiscreteScheduler", _SIGMA_OFF),
+    "dpm2_a": ("RowSigmasKDPM2AncestralDiscreteScheduler", _SIGMA_OFF),
     "lms": ("LMSDiscreteScheduler", _SIGMA_OFF),
     "unipc": ("UniPCMultistepScheduler", _UNIPC_DEFAULTS),
     "unipc_3": ("UniPCMultistepScheduler", _UNIPC_DEFAULTS | {"solver_order": 3}),
@@ -166,6 +190,8 @@ _CLASSES: dict[str, tuple[str, dict[str, Any]]] = {  # sampler -> (diffusers cla
     "tcd": ("TCDScheduler", {"original_inference_steps": 50, "timestep_scaling": 10.0, "thresholding": False,
                              "clip_sample": False}),
 }
+
+_OWN_CLASSES = {c.__name__: c for c in (RowSigmasKDPM2DiscreteScheduler, RowSigmasKDPM2AncestralDiscreteScheduler)}
 
 
 def diffusers_scheduler(config: Mapping[str, Any], sampler: str, schedule: str):
@@ -192,7 +218,7 @@ def diffusers_scheduler(config: Mapping[str, Any], sampler: str, schedule: str):
             config, **common, set_alpha_to_one=noise.set_alpha_to_one, clip_sample=False, thresholding=False
         )
     name, forced = _CLASSES[sampler]
-    cls = getattr(diffusers, name)
+    cls = _OWN_CLASSES.get(name) or getattr(diffusers, name)
     if sampler in ("lcm", "tcd"):
         flags = {}
     return cls.from_config(config, **common, **(forced | flags))
