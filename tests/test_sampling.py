@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -84,8 +87,14 @@ def assert_same_latents(ours, ref, what, ulps=ULPS):
         assert err <= tol, f"{what}: latent {i} differs by {err:.2e} > {tol:.2e}"
 
 
+@functools.lru_cache(maxsize=8)
+def _built(config_items, sampler, schedule):
+    # diffusers' k-diffusion schedulers lay all 1000 timesteps in __init__ (KDPM2: ~0.4 s): build once per case
+    return diffusers_scheduler(dict(config_items), sampler, schedule)
+
+
 def run_diffusers(config, sampler, schedule, n, seed=0, dtype=torch.float32):
-    sched = diffusers_scheduler(config, sampler, schedule)
+    sched = copy.deepcopy(_built(tuple(sorted(config.items())), sampler, schedule))
     sched.set_timesteps(n)
     x = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * sched.init_noise_sigma).to(dtype)
     kwargs = step_kwargs(sched, torch.Generator().manual_seed(seed + 1))
@@ -136,7 +145,11 @@ def _cases():
 def test_matches_diffusers(name, sampler, schedule, pred):
     config = CONFIGS[name] | {"prediction_type": pred}
     noise = NoiseSchedule.from_config(config)
-    for n in STEPS:
+    # the full step counts on SD1.5's config for every pair, and on every config for the first four samplers on
+    # default / karras; the other configs (spacings, zero SNR, linear betas) run the newer pairs at three counts
+    # (diffusers' Heun, KDPM2 and LMS schedulers take ~0.1-0.3 s a walk: the whole matrix would be minutes)
+    full = name == "sd15" or (sampler in SAMPLERS[:4] and schedule in SCHEDULES[:2])
+    for n in STEPS if full else (2, 7, 20):
         if (name, n, pred) == ("linspace", 2, "v_prediction") and sampler in ("heun", "dpm2"):
             # linear betas in 2 steps: the second half multiplies float32 rounding ~8000-fold; diffusers' float32 walk
             # is 7e-3 from exact there (ours 8e-5), beyond any float32 bound: tests/test_sampling_two_eval.py checks
@@ -232,7 +245,7 @@ def test_coefficients_finite(spacing):
     noise = NoiseSchedule.from_config(SD15 | {"timestep_spacing": spacing})
     for sampler in SAMPLERS:
         for schedule in SCHEDULES:
-            for n in list(range(1, 31)) + [49, 50, 75, 100, 150, 250, 500, 999, 1000]:
+            for n in list(range(1, 13)) + [20, 31, 49, 50, 100, 200, 999, 1000]:
                 try:
                     plan = make_plan(noise, sampler, schedule, n)
                 except ValueError:
