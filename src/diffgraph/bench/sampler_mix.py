@@ -16,7 +16,7 @@ from typing import Any
 from ..sampling.names import SAMPLER_SCHEDULES, SAMPLERS, SCHEDULES
 from .guidance_mix import burst
 
-TWO_EVALUATIONS = ("heun", "dpm2", "dpm2_a")
+TWO_EVALUATIONS = ("heun", "dpm2", "dpm2_a", "dpmpp_sde")
 EVALUATIONS = 19  # per request in the mixed trace: 19 steps, or 10 steps of a two-evaluation sampler
 
 

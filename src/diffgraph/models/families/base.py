@@ -30,6 +30,7 @@ does exactly this with a toy flow-matching family). Adapters hold no state: ever
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -218,6 +219,7 @@ class FamilyAdapter:
         families' plans do not depend on the resolution."""
         noise = NoiseSchedule.from_config(model.scheduler_config)
 
+        @functools.lru_cache(maxsize=256)  # requests repeat their settings; a plan is read, never written
         def plan(sampler: str, schedule: str, steps: int, key: GroupKey,
                  options: PlanOptions | None = None) -> SamplerPlan:
             self.check(sampler, schedule, key)
