@@ -29,9 +29,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .samplers import cut
 from .schedules import NoiseSchedule
-from .table import PlanParts, denoiser, table
+from .table import PlanParts, cut, denoiser, table
 
 ORIGINAL_STEPS = 50       # LCMScheduler / TCDScheduler original_inference_steps: the distillation's grid
 TIMESTEP_SCALING = 10.0   # LCMScheduler timestep_scaling (c_skip, c_out of t * 10)

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .samplers import PlanFunction
 from .schedules import (
     NoiseSchedule,
     converted_sigmas,
@@ -36,7 +35,7 @@ from .schedules import (
     sigma_to_t,
     to_f32,
 )
-from .table import HISTORY_SLOTS, HISTORY_SOURCES, Coef, PlanParts, denoiser, hist_col, table
+from .table import HISTORY_SLOTS, HISTORY_SOURCES, Coef, PlanFunction, PlanParts, denoiser, hist_col, table
 
 # The samplers whose diffusers scheduler takes rescale_betas_zero_snr (the others cannot run a zero-SNR model).
 ZERO_SNR_SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sde", "unipc", "unipc_3",

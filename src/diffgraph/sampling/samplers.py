@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -39,7 +38,7 @@ from .schedules import (
     euler_sigmas,
     spaced_timesteps,
 )
-from .table import NUM_COEFS, Coef, PlanParts, apply_history, apply_step, denoiser, table
+from .table import NUM_COEFS, Coef, PlanFunction, PlanParts, apply_history, apply_step, cut, denoiser, table
 
 __all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "apply_step", "check_sampler", "make_plan",
            "cut", "noising", "start_plan", "strength_start"]
@@ -74,10 +73,6 @@ class SamplerPlan:
         return bool(self.noise_steps[row])
 
 
-# (noise schedule, steps, schedule name, first step) -> the rows from that step on, as the diffusers scheduler runs
-# them when a pipeline enters its timesteps there (an image-to-image strength: multistep solvers restart at first
-# order there)
-PlanFunction = Callable[[NoiseSchedule, int, str, int], PlanParts]
 
 
 def _plan_functions() -> dict[str, PlanFunction]:
@@ -191,16 +186,6 @@ def start_plan(plan: SamplerPlan, start: int) -> SamplerPlan:
                                timesteps=plan.timesteps[row:], sigmas=plan.sigmas[row:],
                                noise_steps=plan.noise_steps[row:], step_index=plan.step_index[row:], start=start,
                                brownian=None if plan.brownian is None else plan.brownian[row:])
-
-
-def cut(parts: PlanParts, start: int) -> PlanParts:
-    """The rows of a one-row-per-step plan from step `start` on (samplers without history, whose rows do not depend
-    on where the walk began)."""
-    if start == 0:
-        return parts
-    return dataclasses.replace(parts, timesteps=parts.timesteps[start:], sigmas=parts.sigmas[start:],
-                               coefs=parts.coefs[start:].copy(),
-                               noise_steps=None if parts.noise_steps is None else parts.noise_steps[start:])
 
 
 def check_sampler(sampler: str, schedule: str) -> None:

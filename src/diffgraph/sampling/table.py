@@ -20,11 +20,15 @@ and `apply_history` are the update itself, for numpy arrays or torch tensors: th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .schedules import NoiseSchedule
 
 HISTORY_SLOTS = 3
 HISTORY_SOURCES = ("X", "D", "P", "H1", "H2", "H3")
@@ -100,6 +104,22 @@ class PlanParts:
     # range; None: the noise rows draw standard normals from the request's generator
     brownian: np.ndarray | None = None
     brownian_range: tuple[float, float] | None = None
+
+
+# (noise schedule, steps, schedule name, first step) -> the rows from that step on, as the diffusers scheduler runs
+# them when a pipeline enters its timesteps there (an image-to-image strength: multistep solvers restart at first
+# order there)
+PlanFunction = Callable[["NoiseSchedule", int, str, int], PlanParts]
+
+
+def cut(parts: PlanParts, start: int) -> PlanParts:
+    """The rows of a one-row-per-step plan from step `start` on (samplers without history, whose rows do not depend
+    on where the walk began)."""
+    if start == 0:
+        return parts
+    return dataclasses.replace(parts, timesteps=parts.timesteps[start:], sigmas=parts.sigmas[start:],
+                               coefs=parts.coefs[start:].copy(),
+                               noise_steps=None if parts.noise_steps is None else parts.noise_steps[start:])
 
 
 def table(t, c_in, p, q, a, b, c=0.0, d=0.0) -> np.ndarray:
