@@ -334,6 +334,30 @@ def train_unet(kind: str, latents: torch.Tensor, labels: torch.Tensor, args, dev
 
 
 # -- saving --------------------------------------------------------------------------------------
+def adapter_data(device: torch.device, gen: torch.Generator, copies: int, brightness: float = 1.0,
+                 data: str | None = None) -> tuple:
+    """What the adapter tools (train_digits_lora.py, train_digits_lcm.py) train on: the shipped `digits` model frozen,
+    the training digits (brightness-scaled, `copies` augmented copies) as scaled latents with their labels, every
+    caption's prompt embeddings [templates, 10, 77, dim] and the empty prompt's. Returns (model, latents, labels,
+    embeds, empty_embeds)."""
+    from diffgraph.models.loader import load_model
+
+    model = load_model("digits", device, "fp32")
+    vae, encoder, tokenizer = model.vae, model.text_encoders[0], model.tokenizers[0]
+    for m in (model.unet, vae, encoder):
+        m.requires_grad_(False)
+    images8, labels = load_digits_arrays(data)
+    images = upscale(torch.from_numpy(images8)).to(device) * brightness
+    labels_t = torch.from_numpy(labels).to(device)
+    with torch.no_grad():
+        latents, ys = encode_bank(vae, images, labels_t, copies, gen)
+        latents = latents * vae.config.scaling_factor
+        table, empty = token_table(tokenizer, device)
+        embeds = encoder(table.flatten(0, 1))[0].view(*table.shape[:2], *encoder(table[0, :1])[0].shape[1:])
+        empty_embeds = encoder(empty[None])[0]
+    return model, latents, ys, embeds, empty_embeds
+
+
 def save_pipeline(kind: str, folder: str, unet, vae, encoders, tokenizers) -> None:
     from diffusers import EulerDiscreteScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
 

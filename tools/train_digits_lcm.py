@@ -70,24 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     from diffusers import StableDiffusionPipeline
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from diffgraph.models.loader import load_model
-
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     gen = torch.Generator(device).manual_seed(args.seed)
-    model = load_model("digits", device, "fp32")
-    unet, vae, encoder, tokenizer = model.unet, model.vae, model.text_encoders[0], model.tokenizers[0]
-    for m in (unet, vae, encoder):
-        m.requires_grad_(False)
-    images8, labels = base.load_digits_arrays(args.data)
-    images = base.upscale(torch.from_numpy(images8)).to(device)
-    labels = torch.from_numpy(labels).to(device)
-    with torch.no_grad():
-        latents, ys = base.encode_bank(vae, images, labels, args.copies, gen)
-        latents = latents * vae.config.scaling_factor
-        table, empty = base.token_table(tokenizer, device)
-        embeds = encoder(table.flatten(0, 1))[0].view(*table.shape[:2], *encoder(table[0, :1])[0].shape[1:])
-        empty_embeds = encoder(empty[None])[0]
+    model, latents, ys, embeds, empty_embeds = base.adapter_data(device, gen, args.copies, data=args.data)
+    unet = model.unet
     acp = base.alphas_cumprod().to(device)
     ddim_t = torch.from_numpy((np.arange(1, DDIM_STEPS + 1) * (1000 // DDIM_STEPS)).round() - 1).long().to(device)
     acp_prev = torch.cat([acp[:1], acp[ddim_t[:-1]]])  # the DDIM solver's alpha-bar one grid point down

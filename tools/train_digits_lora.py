@@ -50,24 +50,11 @@ def main(argv: list[str] | None = None) -> None:
     from diffusers import StableDiffusionPipeline
     from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 
-    from diffgraph.models.loader import load_model
-
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     gen = torch.Generator(device).manual_seed(args.seed)
-    model = load_model("digits", device, "fp32")
-    unet, vae, encoder, tokenizer = model.unet, model.vae, model.text_encoders[0], model.tokenizers[0]
-    for m in (unet, vae, encoder):
-        m.requires_grad_(False)
-    images8, labels = base.load_digits_arrays(None)
-    images = base.upscale(torch.from_numpy(images8)).to(device) * PENCIL
-    labels = torch.from_numpy(labels).to(device)
-    with torch.no_grad():
-        latents, ys = base.encode_bank(vae, images, labels, args.copies, gen)
-        latents = latents * vae.config.scaling_factor
-        table, empty = base.token_table(tokenizer, device)
-        embeds = encoder(table.flatten(0, 1))[0].view(*table.shape[:2], *encoder(table[0, :1])[0].shape[1:])
-        empty_embeds = encoder(empty[None])[0]
+    model, latents, ys, embeds, empty_embeds = base.adapter_data(device, gen, args.copies, brightness=PENCIL)
+    unet = model.unet
     inject_adapter_in_model(LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=TARGETS,
                                        init_lora_weights=True), unet)
     params = [q for n, q in unet.named_parameters() if "lora_" in n]
