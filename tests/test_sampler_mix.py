@@ -32,3 +32,38 @@ def test_every_sampler_and_schedule_together_equal_each_alone(tiny_engine):
         assert got.shape == (r.num_images, 64, 64, 3)
         np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, err_msg=f"{r.sampler}/{r.schedule}")
     assert tiny_engine.stats["steps"] - steps_before < sum(r.num_inference_steps for r in reqs)  # they shared steps
+
+
+def test_a_requests_timestep_spacing_and_eta_are_diffusers_own(tiny_engine):
+    """timestep_spacing overrides the model's scheduler config for one request; eta is TCD's gamma; both are refused
+    where they mean nothing, naming the field."""
+    import pytest
+    import torch
+
+    from diffgraph.errors import ParamError
+
+    def ref(sampler, spacing=None, eta=None):
+        pipe = tiny_engine.diffusers_pipeline(sampler, "default")
+        if spacing is not None:
+            pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, timestep_spacing=spacing)
+        return pipe("a red fox", width=64, height=64, num_inference_steps=4, guidance_scale=5.0,
+                    generator=torch.Generator("cpu").manual_seed(9), output_type="np",
+                    **({} if eta is None else {"eta": eta})).images
+
+    def ours(sampler, **kw):
+        return tiny_engine.generate("a red fox", num_inference_steps=4, guidance_scale=5.0, seed=9, sampler=sampler,
+                                    **kw).arrays
+
+    trailing = ours("euler", timestep_spacing="trailing")
+    assert np.abs(trailing - ref("euler", spacing="trailing")).max() * 255 <= 1.0
+    assert np.abs(trailing - ours("euler")).max() > 1e-3  # the spacing changed the walk
+    for eta in (0.0, 0.7):
+        assert np.abs(ours("tcd", eta=eta) - ref("tcd", eta=eta)).max() * 255 <= 1.0
+    assert np.abs(ours("tcd", eta=0.0) - ours("tcd", eta=0.7)).max() > 1e-3
+    with pytest.raises(ParamError, match="eta is the gamma of sampler tcd") as e:
+        ours("euler", eta=0.3)
+    assert e.value.param == "eta"
+    with pytest.raises(ParamError, match="timestep_spacing 'uniform' is unknown; allowed: leading, linspace, "
+                                         "trailing") as e:
+        ours("euler", timestep_spacing="uniform")
+    assert e.value.param == "timestep_spacing"
