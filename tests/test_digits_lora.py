@@ -66,7 +66,7 @@ def test_lora_dir_and_builtin_adapters_are_served_together(tmp_path):
     shutil.copy(f"{presets.builtin_lora_folder('digits')}/pencil.safetensors", tmp_path / "inky.safetensors")
     with Engine("digits", device="cpu", lora_dir=str(tmp_path)) as e:
         sources = {a["name"]: a["source"] for a in e.loras()["data"]}
-        assert sources == {"pencil": "builtin", "inky": "lora_dir"}
+        assert sources == {"pencil": "builtin", "lcm": "builtin", "inky": "lora_dir"}
         for typo, meant in (("pencl", "pencil"), ("inkk", "inky")):
             with pytest.raises(ParamError, match=f"did you mean '{meant}'"):
                 e.generate("a handwritten digit one", num_inference_steps=1, loras=[(typo, 1.0)])

@@ -67,7 +67,7 @@ def client(tmp_path_factory):
     from diffgraph.server import ServerConfig, create_app
 
     root = str(tmp_path_factory.mktemp("listings"))
-    engine = Engine(MODEL, device="cpu", lora_dir=root, max_loras=4, max_lora_rank=8)
+    engine = Engine(MODEL, device="cpu", lora_dir=root, max_loras=4, max_lora_rank=16)  # the built-in lcm adapter is rank 16
     for i in range(ADAPTERS):
         save_file(_adapter(engine, i), os.path.join(root, f"a{i:03d}.safetensors"))
     app = create_app(ServerConfig(model=MODEL, device="cpu", lora_dir=root), engine_factory=lambda: engine)

@@ -386,7 +386,7 @@ def test_adapter_picker_sends_the_chosen_lora(browser, server):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.wait_for_selector("[data-testid=adapters]:not([hidden])", timeout=pg.WAIT_MS)
-    assert page.eval_on_selector_all("#lora option", "os => os.map(o => o.value)") == ["", "pencil"]
+    assert page.eval_on_selector_all("#lora option", "os => os.map(o => o.value)") == ["", "lcm", "pencil"]
 
     page.select_option("#lora", "pencil")
     page.fill("#lora-scale", "strong")
