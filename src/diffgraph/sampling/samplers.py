@@ -43,7 +43,6 @@ from .table import NUM_COEFS, Coef, PlanFunction, PlanParts, apply_history, appl
 __all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "apply_step", "check_sampler", "make_plan",
            "cut", "noising", "start_plan", "strength_start"]
 
-SIGMA_SCHEDULES = ("karras", "exponential", "beta")  # schedules that respace the sigmas (the rest space timesteps)
 TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
 ETA_SAMPLERS = ("tcd",)                                # the samplers that take a request's `eta`
 
@@ -68,9 +67,6 @@ class SamplerPlan:
     eta: float | None = None  # TCD's gamma, as asked (None: its default)
     brownian: np.ndarray | None = None  # [num_steps, 2] Brownian-tree noise spans (dpmpp_sde); None: normal draws
     brownian_range: tuple[float, float] | None = None
-
-    def draws_at(self, row: int) -> bool:
-        return bool(self.noise_steps[row])
 
 
 

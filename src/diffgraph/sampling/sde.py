@@ -17,7 +17,8 @@ import warnings
 
 import numpy as np
 
-from .schedules import NoiseSchedule, converted_sigmas, interp_sigmas, sigma_to_t, spaced_timesteps, to_f32
+from .schedules import (NoiseSchedule, converted_sigmas, euler_init_sigma, interp_sigmas, sigma_to_t,
+                        spaced_timesteps, to_f32)
 from .table import Coef, PlanParts, denoiser, hist_col
 
 
@@ -62,7 +63,7 @@ def dpmpp_sde_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> P
                 coefs[row, Coef.E1] = ratio
             brownian[row], draws[row] = (float(s_from), float(s_to)), True
     positive = s32[s32 > 0]
-    parts = PlanParts(timesteps, sigmas, coefs, _init_sigma(noise, s32), ve=True, noise_steps=draws,
+    parts = PlanParts(timesteps, sigmas, coefs, euler_init_sigma(noise, s32), ve=True, noise_steps=draws,
                       step_index=np.arange(rows) // 2 if rows > 1 else np.zeros(1, np.int64), history=1,
                       brownian=brownian, brownian_range=(float(positive.min()), float(s32.max())))
     return _from(parts, start)
@@ -82,11 +83,6 @@ def _evaluate(row: np.ndarray, noise: NoiseSchedule, sigma: float, t: float) -> 
     alpha = 1.0 / np.sqrt(sigma * sigma + 1.0)
     p, q = denoiser(noise.prediction_type, np.array([alpha]), np.array([sigma * alpha]), ve=True)
     row[Coef.C_IN], row[Coef.T], row[Coef.P], row[Coef.Q] = alpha, t, float(p[0]), float(q[0])
-
-
-def _init_sigma(noise: NoiseSchedule, s32: np.ndarray) -> float:
-    smax = np.float32(s32.max())
-    return float(smax if noise.timestep_spacing in ("linspace", "trailing") else np.sqrt(smax * smax + np.float32(1)))
 
 
 def _from(parts: PlanParts, start: int) -> PlanParts:
