@@ -159,6 +159,37 @@ class EditInput:
         return self.mask is not None
 
 
+PREVIEW_FORMATS = ("jpeg", "png", "webp")
+
+
+@dataclass(frozen=True)
+class PreviewSpec:
+    """Live previews of a request (engine/previews.py): every `every` steps (denoiser evaluations, as progress
+    counts them) a small image of the current denoised prediction in `format`; at most `limit` of them (0: no
+    limit; OpenAI's `partial_images`)."""
+
+    every: int = 1
+    format: str = "jpeg"
+    limit: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "every", _check_int("preview.every", self.every, 1, MAX_STEPS))
+        object.__setattr__(self, "limit", _check_int("preview.limit", self.limit, 0, MAX_STEPS))
+        if self.format not in PREVIEW_FORMATS:
+            raise ParamError("preview", f"preview format {_show(self.format)} is unknown; allowed: "
+                                        f"{', '.join(PREVIEW_FORMATS)}")
+
+    @classmethod
+    def partial_images(cls, count: Any, steps: int, fmt: str = "jpeg") -> "PreviewSpec | None":
+        """OpenAI's `partial_images` (0-3): that many previews spread over the request's `steps` evaluations."""
+        count = _check_int("partial_images", count, 0, 3)
+        return cls(every=max(1, steps // (count + 1)), format=fmt, limit=count) if count else None
+
+    def due(self, step: int) -> bool:
+        """Whether the evaluation `step` (1-based) brings a preview."""
+        return step % self.every == 0 and (self.limit == 0 or step // self.every <= self.limit)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator."""
@@ -188,6 +219,7 @@ class GenerationRequest:
     # the sampler's timestep spacing ("leading", "linspace", "trailing"); None: the model's scheduler config's
     timestep_spacing: str | None = None
     eta: float | None = None       # TCD's gamma (its stochasticity, 0..1); None: 0.3, the scheduler's default
+    preview: PreviewSpec | None = None  # live previews in its progress events (None: none)
     # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
     key: GroupKey = field(init=False, compare=False, repr=False)
 
@@ -227,6 +259,8 @@ class GenerationRequest:
                     or not 0 <= float(eta) <= 1:  # NaN fails this too
                 raise ParamError("eta", f"eta {_show(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma)")
             object.__setattr__(self, "eta", float(eta))
+        if self.preview is not None and not isinstance(self.preview, PreviewSpec):
+            raise ParamError("preview", f"preview must be a PreviewSpec, got {type(self.preview).__name__}")
         guidance_scale = self.guidance_scale
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
             raise ParamError("guidance_scale", f"guidance_scale must be a number >= 0, got {_show(guidance_scale)}")
@@ -283,7 +317,8 @@ class GenerationRequest:
                request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
-               emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None) -> "GenerationRequest":
+               emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
+               preview: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -291,7 +326,8 @@ class GenerationRequest:
         too an inpainting one; without width/height the output takes the image's size rounded down to the family's
         size multiple (diffusers' rule), and strength defaults to the model's (diffusers' pipelines: 0.8 / 0.3 for
         SDXL image-to-image, 1.0 / 0.9999 for SDXL inpainting). With `prompt_syntax="a1111"`, the prompts'
-        `<lora:name:scale>` tags join `loras` (after the listed ones)."""
+        `<lora:name:scale>` tags join `loras` (after the listed ones). `preview`: a PreviewSpec, a dict of its
+        fields ({"every": 2, "format": "jpeg"}) or None."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit = None
         if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
@@ -328,7 +364,8 @@ class GenerationRequest:
                       sampler=sampler, schedule=schedule, seed=seed, num_images=num_images,
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
-                      emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta, **kwargs)
+                      emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
+                      preview=make_preview(preview), **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:
@@ -347,6 +384,18 @@ class GenerationRequest:
                                                f"batch bucket {model.max_rows}")
         return request
 
+
+def make_preview(value: Any) -> PreviewSpec | None:
+    """A request's `preview` from a PreviewSpec, a dict of its fields, or None."""
+    if value is None or isinstance(value, PreviewSpec):
+        return value
+    if not isinstance(value, dict):
+        raise ParamError("preview", f"preview must be an object such as {{\"every\": 2, \"format\": \"jpeg\"}}, got "
+                                    f"{_show(value)}")
+    unknown = sorted(set(value) - {"every", "format", "limit"})
+    if unknown:
+        raise ParamError("preview", f"preview has unknown fields {unknown}; allowed: every, format, limit")
+    return PreviewSpec(**value)
 
 
 def prompt_loras(request: GenerationRequest) -> tuple[tuple[str, float], ...]:
@@ -470,11 +519,14 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One denoising step of a request done: `step` of `total`."""
+    """One denoising step of a request done: `step` of `total`. A request with a `preview` gets a second event for
+    the steps that bring one: `previews` holds one encoded image per image of the request, in `preview_format`."""
 
     request_id: str
     step: int
     total: int
+    previews: tuple[bytes, ...] = ()
+    preview_format: str | None = None
 
 
 @dataclass

@@ -4,14 +4,13 @@
     runner.execute(...)                # device: row moves, admission (encode, initial noise), one step
     finished = scheduler.update(plan)  # CPU: advance rows, retire finished requests
 
-Owns: admission and retirement bookkeeping, abort, progress events, the per-request answer channels
-(`RequestSink`), weight invalidations (run between steps on the loop thread), step listeners and counters.
-It touches the device only through its `ModelRunner`, and only from the loop thread (bound to the runner's
-device); the image thread pool turns finished pixels into results (PNG/JPEG/WebP bytes), so the loop never
-waits for the GPU to finish a decode. An exception inside a step fails only that batch's requests; the loop
-keeps running. A bug in the loop itself fails every request and turns `ready` False.
+Owns: admission and retirement bookkeeping, abort, progress events (and live previews: previews.py), the
+per-request answer channels (`RequestSink`), weight invalidations (run between steps on the loop thread), step
+listeners and counters. It touches the device only through its `ModelRunner`, only from the loop thread; the image
+thread pool turns finished pixels into results (PNG/JPEG/WebP bytes), so the loop never waits for a decode. An
+exception inside a step fails only that batch's requests; a bug in the loop itself fails every request and turns
+`ready` False.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -33,6 +32,7 @@ from ..sampling.sde import BrownianNoise
 from .device_loop import STOPPED, DeviceLoop
 from .edits import prepare_edit
 from .model_runner import ModelRunner
+from .previews import PreviewMaker
 from .prompts import PromptKey
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
 
@@ -54,12 +54,11 @@ class EngineCore:
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self.scheduler = Scheduler(config)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
+        self.previews = PreviewMaker.of(runner)  # live previews of the requests that ask (previews.py)
         self.loop = loop or DeviceLoop()  # shared by the cores of several models on one device (a ModelSet)
         self._cv = self.loop.cv
         self._finished = threading.Event()
-        self._bound = False
-        self._started = False
-        self._stop = False
+        self._bound = self._started = self._stop = False
         self._closing = False  # close() was called (as opposed to the loop stopping on its own)
         self._pending: list[tuple[Callable[[], Any], Future]] = []  # work for the loop thread between steps
         self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0}
@@ -81,8 +80,7 @@ class EngineCore:
 
     def _live(self) -> bool:
         """Started, not closed, its loop's thread alive (read under the loop's lock: attributes, no calls)."""
-        thread = self.loop.thread
-        return self._started and not self._stop and thread is not None and thread.is_alive()
+        return self._started and not self._stop and self.loop.thread is not None and self.loop.thread.is_alive()
 
     # -- requests ------------------------------------------------------------------------------
     def resolve_loras(self, request: GenerationRequest) -> tuple:
@@ -178,12 +176,12 @@ class EngineCore:
 
     def close(self, timeout: float | None = 10.0) -> None:
         with self._cv:
-            self._closing = True
-            self._stop = True
+            self._closing = self._stop = True
             self._cv.notify_all()
         if self._started and threading.current_thread() is not self.loop.thread:
             self._finished.wait(timeout)
         self._images.shutdown(wait=True)
+        self.previews.close()
 
     # -- the loop (device_loop.py runs these on its thread) ---------------------------------------
     def next_deadline(self) -> float | None:
@@ -265,6 +263,7 @@ class EngineCore:
             finished = self.scheduler.update(plan)
         for s in plan.live:  # progress first: a request's last progress event comes before its result
             _call_safely(s.sink.progress, ProgressEvent(s.request_id, s.step, s.steps))
+        self.previews.capture(plan.key, plan.live)  # before the rows retire: their D is still in the buffers
         if finished:
             self._retire(plan.key, finished)
         if cuda_events:
@@ -378,6 +377,7 @@ class EngineCore:
                            "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
                 result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
                                           request=r, encoded=encoded)
+                self.previews.settle(s)  # its previews go first
                 _call_safely(s.sink.finish, result, None)
             except Exception as e:
                 _fail(s, e)

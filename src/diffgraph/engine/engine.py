@@ -34,6 +34,7 @@ from .scheduler import SchedulerConfig, StepPlan
 logger = logging.getLogger(__name__)
 
 ProgressCallback = Callable[[str, int, int], None]  # (request_id, step done, total steps)
+PreviewCallback = Callable[[ProgressEvent], None]   # a live preview (the event's `previews`: encoded images)
 
 
 def parse_device(device: str) -> torch.device:
@@ -55,13 +56,16 @@ def default_device() -> str:
 class _FutureSink:
     """A request's answer as a concurrent Future, progress through an optional callback."""
 
-    def __init__(self, on_progress: ProgressCallback | None):
+    def __init__(self, on_progress: ProgressCallback | None, on_preview: PreviewCallback | None = None):
         self.future: Future = Future()
-        self._on_progress = on_progress
+        self._on_progress, self._on_preview = on_progress, on_preview
         self._lock = threading.Lock()
 
     def progress(self, event: ProgressEvent) -> None:
-        if self._on_progress is not None:
+        if event.previews:
+            if self._on_preview is not None:
+                self._on_preview(event)
+        elif self._on_progress is not None:
             self._on_progress(event.request_id, event.step, event.total)
 
     def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
@@ -218,11 +222,13 @@ class Engine:
     def run(self, request: GenerationRequest) -> GenerationResult:
         return self.submit(request).result()
 
-    def submit(self, request: GenerationRequest, on_progress: ProgressCallback | None = None) -> Future:
+    def submit(self, request: GenerationRequest, on_progress: ProgressCallback | None = None,
+               on_preview: PreviewCallback | None = None) -> Future:
         """Queues a request; the future gives its GenerationResult. Raises QueueFullError when the queue is full.
         `on_progress(request_id, step, total)` runs on the engine's loop thread after each step: keep it short
-        (hand anything slow to another thread), since every request waits for it."""
-        sink = _FutureSink(on_progress)
+        (hand anything slow to another thread), since every request waits for it. `on_preview(event)` gets a
+        request's live previews (its `preview`), on the preview thread, all before the result."""
+        sink = _FutureSink(on_progress, on_preview)
         self.core.submit(request, sink)
         return sink.future
 

@@ -69,8 +69,10 @@ def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_t
         if kind == "submit":
             _, request, progress = message
             on_progress = (lambda rid, step, total: send(("progress", rid, step, total))) if progress else None
+            on_preview = (lambda e: send(("progress", e.request_id, e.step, e.total, e.previews, e.preview_format))
+                          ) if progress else None
             try:
-                future = engine.submit(request, on_progress=on_progress)
+                future = engine.submit(request, on_progress=on_progress, on_preview=on_preview)
             except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
                 send(("rejected", request.request_id, e))
                 continue

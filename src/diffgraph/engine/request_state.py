@@ -40,6 +40,7 @@ class RequestState:
     variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)
     prompts: tuple = ()        # (prompt, negative prompt) as text/prepared.PromptText, prepared at submit
     empty_prompt: Any = None   # the empty prompt that pads the shorter of the two (their windows differ)
+    preview_future: Any = None  # its last live preview's send (engine/previews.py), awaited before its result
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,

@@ -128,6 +128,9 @@ class FamilyAdapter:
     default_sampler: str = DEFAULT_SAMPLER
     default_schedule: str = DEFAULT_SCHEDULE
     size_multiple: int = SIZE_MULTIPLE
+    # AUTOMATIC1111's "Approx cheap" latent -> RGB factors of the family's VAE ([C][3], to [-1, 1]) for live
+    # previews (engine/previews.py); None: fitted to each model's VAE
+    preview_factors: tuple[tuple[float, ...], ...] | None = None
     # the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py; BENCHMARKS.md,
     # session 8): (convolution weights channels-last, attention backend first in line). Compiled SD1.5 UNet at CFG
     # batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.

@@ -22,6 +22,8 @@ class SDFamily(FamilyAdapter):
     default_guidance = 7.5
     supports_edits = True
     sequence_fields = ("embeds",)
+    # the SD1.x/SD2.x VAE's (AUTOMATIC1111's modules/sd_vae_approx.py)
+    preview_factors = ((0.298, 0.207, 0.208), (0.187, 0.286, 0.173), (-0.158, 0.189, 0.264), (-0.184, -0.271, -0.473))
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length

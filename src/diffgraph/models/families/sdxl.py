@@ -37,6 +37,8 @@ class SDXLFamily(FamilyAdapter):
     force_zeros_default = True
     sequence_fields = ("embeds",)
     embedding_keys = ("clip_l", "clip_g")
+    preview_factors = ((0.3448, 0.4168, 0.4395), (-0.1953, -0.0290, 0.0250), (0.1074, 0.0886, -0.0163),
+                       (-0.3730, -0.2499, -0.2088))  # the SDXL VAE's (AUTOMATIC1111's modules/sd_vae_approx.py)
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length

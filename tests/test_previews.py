@@ -1,0 +1,123 @@
+"""Live previews (engine/previews.py): every K steps a small image of the rows' denoised prediction, for the requests
+that ask. On `digits`: a 20-step request with every=2 gets 10 previews, all before its result, each closer to the
+final one; requests without previews in the same batch are unchanged; the fitted latent-to-RGB factors track the
+model's own VAE; OpenAI's partial_images spreads its previews over the steps."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffgraph import Engine
+from diffgraph.engine.previews import fit_factors, published_factors
+from diffgraph.models.families.sd import SDFamily
+from diffgraph.models.families.sdxl import SDXLFamily
+from diffgraph.errors import ParamError
+from diffgraph.request import PreviewSpec
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine("digits", device="cpu") as e:
+        yield e
+
+
+def _submit(engine, request):
+    events, order, lock = [], [], threading.Lock()
+
+    def on_preview(event):
+        with lock:
+            events.append(event)
+            order.append(event.step)
+
+    future = engine.submit(request, on_preview=on_preview)
+    future.add_done_callback(lambda f: order.append("result"))
+    return future, events, order
+
+
+def test_every_two_steps_over_twenty_gives_ten_previews_that_approach_the_final_one(engine):
+    request = engine.make_request("a handwritten digit seven", num_inference_steps=20, seed=7, num_images=2,
+                                  preview={"every": 2, "format": "jpeg"})
+    future, events, order = _submit(engine, request)
+    result = future.result(timeout=600)
+    assert [e.step for e in events] == list(range(2, 21, 2)) and {e.total for e in events} == {20}
+    assert order[-1] == "result" and order[:-1] == list(range(2, 21, 2))  # every preview before the image
+    _, h, w = engine.core.runner.latent_shape(request.key)  # previews at latent resolution
+    frames = []
+    for e in events:
+        assert e.preview_format == "jpeg" and len(e.previews) == 2  # one per image of the request
+        images = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB"), np.float32) for b in e.previews]
+        assert all(i.shape == (h, w, 3) for i in images)
+        frames.append(np.stack(images))
+    distance = [np.abs(f - frames[-1]).mean() for f in frames]
+    closer = sum(b < a for a, b in zip(distance, distance[1:]))
+    assert closer >= 8, distance
+    assert distance[0] > 5.0  # the first preview is far from the last: they show the image forming
+    assert result.arrays.shape[0] == 2
+
+
+def test_rows_without_previews_are_unchanged_beside_rows_with_them(engine):
+    plain = engine.make_request("a handwritten digit three", num_inference_steps=6, seed=3, request_id="plain")
+    alone = engine.run(plain).arrays
+    watched = engine.make_request("a handwritten digit five", num_inference_steps=6, seed=5, preview={"every": 1})
+    watched_alone = engine.run(watched).arrays
+    sent = engine.core.previews.sent
+    f1, events, _ = _submit(engine, watched)
+    f2 = engine.submit(plain)
+    # within the isolation tolerance of every mixed batch (a batch's float sums differ in the last bits)
+    np.testing.assert_allclose(f2.result(timeout=600).arrays, alone, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(f1.result(timeout=600).arrays, watched_alone, atol=1e-4, rtol=0)
+    assert len(events) == 6 and engine.core.previews.sent - sent == 6  # none for the plain request
+
+
+def test_fitted_factors_track_the_models_own_decoder(engine):
+    runner = engine.core.runner
+    key = engine.make_request("a digit").key
+    rgb = fit_factors(runner, key)
+    assert rgb.source == "fitted" and rgb.weight.shape == (runner.latent_shape(key)[0], 3)
+    z = torch.randn((4, *runner.latent_shape(key)), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        cells = torch.nn.functional.adaptive_avg_pool2d(runner.decode_pixels(z).float(), z.shape[2:])
+    truth = cells.permute(0, 2, 3, 1).numpy()
+    approx = np.einsum("nchw,cr->nhwr", z.numpy(), rgb.weight) + rgb.bias
+    baseline = np.abs(truth - truth.mean(axis=(0, 1, 2))).mean()  # the best constant colour
+    assert np.abs(truth - approx).mean() < 0.8 * baseline
+
+
+def test_published_factors_only_for_the_sd_vae_with_trained_weights():
+    class Config:
+        block_out_channels, latent_channels = [128, 256, 512, 512], 4
+
+    sd1 = published_factors(SDFamily.preview_factors, Config, False)
+    sdxl = published_factors(SDXLFamily.preview_factors, Config, False)
+    np.testing.assert_allclose(sd1.weight[0] * 2, [0.298, 0.207, 0.208])  # AUTOMATIC1111's, first latent channel
+    np.testing.assert_allclose(sdxl.weight[3] * 2, [-0.3730, -0.2499, -0.2088])
+    assert sd1.bias.tolist() == [0.5] * 3 and sd1.source == "published"
+    assert published_factors(SDFamily.preview_factors, Config, True) is None  # a random-weight preset: fitted
+    assert published_factors(None, Config, False) is None  # a family without published factors
+
+    class Small:
+        block_out_channels, latent_channels = [32, 64, 64, 64], 4
+    assert published_factors(SDFamily.preview_factors, Small, False) is None  # digits' VAE
+
+
+def test_partial_images_spread_over_the_steps_and_bad_previews_are_refused():
+    spec = PreviewSpec.partial_images(3, 20)
+    assert [s for s in range(1, 21) if spec.due(s)] == [5, 10, 15]
+    assert [s for s in range(1, 3) if PreviewSpec.partial_images(3, 2).due(s)] == [1, 2]
+    assert PreviewSpec.partial_images(0, 20) is None
+    with pytest.raises(ParamError, match="partial_images"):
+        PreviewSpec.partial_images(4, 20)
+    with pytest.raises(ParamError, match="preview format 'gif' is unknown; allowed: jpeg, png, webp"):
+        PreviewSpec(every=2, format="gif")
+    with pytest.raises(ParamError) as e:
+        PreviewSpec(every=0)
+    assert e.value.param == "preview.every"
+    from diffgraph.request import make_preview
+    with pytest.raises(ParamError, match="unknown fields"):
+        make_preview({"every": 2, "size": 5})
