@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import struct
 import zlib
 
@@ -18,6 +17,7 @@ from PIL import Image
 
 from diffgraph import Engine
 from diffgraph.server.process import ServerProcess
+from sse_util import read_stream
 
 MODEL = "random:tiny"
 MAX_BYTES = 200_000
@@ -103,18 +103,15 @@ def test_image_to_image_and_inpainting_equal_the_engine(server, engine):
 
 
 def test_edits_stream_progress_and_take_a_size(server):
-    events = []
     with httpx.stream("POST", f"{server.url}/v1/images/edits", timeout=600,
                       files={"image": ("a.png", _png(_source(1)), "image/png")},
                       data={"prompt": "a fox", "strength": "0.5", "num_inference_steps": "10", "stream": "true",
                             "size": "64x96", "n": "2"}) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-    assert [e["step"] for e in events[:-1]] == [1, 2, 3, 4, 5]  # strength 0.5 of 10 steps
-    done = events[-1]
-    assert done["type"] == "completed" and len(done["data"]) == 2
+        stream = read_stream(r.iter_lines())
+    assert [e["step"] for e in stream.progress] == [1, 2, 3, 4, 5]  # strength 0.5 of 10 steps
+    done = stream.answer
+    assert len(stream.completed) == 2 and len(done["data"]) == 2  # one completed event per image
     assert _pixels(done["data"][0]["b64_json"]).shape == (96, 64, 3)
 
 

@@ -154,6 +154,15 @@ def test_generate_errors_reuse_and_history(browser, server, tmp_path):
     page.wait_for_selector("#model[data-models='1']", state="attached")
     assert not page.is_visible("[data-testid=model-field]")
 
+    # every image element the results get, in order: the live previews must come (and change) before the image
+    page.evaluate("""() => { window.seenImages = [];
+      new MutationObserver((records) => { for (const r of records) {
+        const nodes = r.type === "attributes" ? [r.target] : [...r.addedNodes].filter((n) => n.nodeType === 1);
+        for (const n of nodes) for (const img of (n.matches("img") ? [n] : [...n.querySelectorAll("img")]))
+          window.seenImages.push([img.dataset.testid, img.src.slice(-24)]); } })
+        .observe(document.getElementById("results"), { subtree: true, childList: true, attributes: true,
+                                                       attributeFilter: ["src"] }); }""")
+
     # two requests at once: a fixed seed, and two images with the seed left to the server
     pg.fill_form(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
     first = pg.submit(page)
@@ -165,6 +174,7 @@ def test_generate_errors_reuse_and_history(browser, server, tmp_path):
     assert traffic.bodies[0] == {"prompt": PROMPT, "size": "64x64", "n": 1, "num_inference_steps": STEPS,
                                  "sampler": "euler", "schedule": "default", "output_format": "png",
                                  "response_format": "b64_json", "stream": True,
+                                 "preview": {"every": 1, "format": "jpeg"},  # about every tenth of the steps
                                  "guidance_scale": info["default_guidance"], "seed": SEED}
     assert "seed" not in traffic.bodies[1] and traffic.bodies[1]["n"] == 2
 
@@ -176,6 +186,12 @@ def test_generate_errors_reuse_and_history(browser, server, tmp_path):
     assert card.locator("[data-testid=result-seed]").inner_text() == f"seed {SEED}"
     assert re.search(r"total \d", card.locator("[data-testid=result-timings]").inner_text())
     assert _image_sizes(card) == [(64, 64)]
+    assert card.get_attribute("data-previews") == str(STEPS) and card.locator("[data-testid=preview-image]").count() == 0
+    seen = [(kind, src) for kind, src in page.evaluate("() => window.seenImages") if kind != "download"]
+    kinds = [k for k, _ in seen]
+    assert "preview-image" in kinds and "result-image" in kinds, seen
+    before = [src for k, src in seen[:kinds.index("result-image")] if k == "preview-image"]
+    assert len(set(before)) >= 2, seen  # the preview updated (new pixels) before the first image arrived
     download = card.locator("[data-testid=download]")
     assert download.get_attribute("href").startswith("data:image/png;base64,")
     assert re.fullmatch(rf"diffgraph-a-handwritten-digit-seven-{SEED}\.png", download.get_attribute("download"))

@@ -117,7 +117,19 @@ def test_partial_images_spread_over_the_steps_and_bad_previews_are_refused():
         PreviewSpec(every=2, format="gif")
     with pytest.raises(ParamError) as e:
         PreviewSpec(every=0)
-    assert e.value.param == "preview.every"
+    assert e.value.param == "preview" and str(e.value).startswith("preview.every 0 is out of range")
     from diffgraph.request import make_preview
     with pytest.raises(ParamError, match="unknown fields"):
         make_preview({"every": 2, "size": 5})
+
+
+def test_the_preview_cost_benchmark_runs_its_scenarios(engine):
+    from diffgraph.bench import preview_cost
+
+    report = preview_cost.run(engine, 2, engine.make_request("a digit").key, repeats=1)
+    assert list(report["scenarios"]) == [name for name, _ in preview_cost.SCENARIOS]
+    assert all(r["images_per_s"] > 0 for r in report["scenarios"].values())
+    sent = [r["previews"] for r in report["scenarios"].values()]
+    # warm-up and run: 2 x 2 requests x 20 previews, then 2 x 1 request x 5
+    assert sent[1] - sent[0] == 80 and sent[2] - sent[1] == 10
+    assert len(report["ratios"]) == 2

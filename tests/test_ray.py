@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from sse_util import read_stream
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,17 +180,14 @@ def test_the_ray_app_serves_the_openai_api_plain_and_streaming(ray_server, digit
     for got, want in zip(out.data, expected.images):
         assert np.abs(_pixels(got.b64_json) - np.asarray(want).astype(int)).max() <= 1
 
-    events = []
     body = {"prompt": "a handwritten 2", "seed": 5, "num_inference_steps": 5, "stream": True}
     with httpx.stream("POST", f"{url}/v1/images/generations", json=body, timeout=BOUND_S,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-    assert [e["step"] for e in events[:-1]] == [1, 2, 3, 4, 5] and events[-1]["type"] == "completed"
+        stream = read_stream(r.iter_lines())
+    assert [e["step"] for e in stream.progress] == [1, 2, 3, 4, 5]
     want = digits_engine.generate("a handwritten 2", seed=5, num_inference_steps=5).images[0]
-    assert np.abs(_pixels(events[-1]["data"][0]["b64_json"]) - np.asarray(want).astype(int)).max() <= 1
+    assert np.abs(_pixels(stream.answer["data"][0]["b64_json"]) - np.asarray(want).astype(int)).max() <= 1
 
     # the API key applies at the Ray ingress; a bad request is a 400 that names its field
     assert httpx.post(f"{url}/v1/images/generations", json={"prompt": "x"}, timeout=60).status_code == 401
@@ -217,13 +215,15 @@ def test_killing_an_engine_replica_answers_its_requests_503_and_ray_replaces_it(
                     return
                 kind = None
                 for line in r.iter_lines():
-                    if line.startswith("event: progress") and kind is None:
+                    if line.startswith(": progress ") and kind is None:
                         started.release()
+                        kind = "progress"
                     if line.startswith("event: "):
                         kind = line[7:]
-                    elif line.startswith("data: ") and kind in ("completed", "error"):
+                    elif line.startswith("data: ") and kind in ("image_generation.completed", "error"):
                         data = json.loads(line[6:])
-                        outcomes.append("ok" if kind == "completed" else str(data["status"]))
+                        outcomes.append("ok" if kind == "image_generation.completed" else str(data["status"]))
+                        break
         except httpx.HTTPError as e:  # no answer at all: counted, and fails the test below
             outcomes.append(type(e).__name__)
 

@@ -124,7 +124,7 @@ def test_the_server_over_two_cpu_replicas():
         streamed = httpx.post(s.url + "/v1/images/generations", timeout=600,
                               json={"prompt": "a handwritten digit one", "num_inference_steps": 3, "stream": True,
                                     "seed": 1})
-        assert streamed.text.count("event: progress") == 3 and "event: completed" in streamed.text
+        assert streamed.text.count(": progress ") == 3 and "event: image_generation.completed" in streamed.text
         metrics = httpx.get(s.url + "/metrics", timeout=300).text
         lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
         per = [float(lines[f'diffgraph_replica_engine_steps_total{{replica="cpu#{i}"}}']) for i in (0, 1)]

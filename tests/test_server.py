@@ -23,6 +23,7 @@ import pytest
 from PIL import Image
 
 from diffgraph.server.process import ServerProcess as _ServerProcess
+from sse_util import read_stream
 
 MODEL = "random:tiny"
 TIMEOUT_S = 4        # the short-timeout server's --request-timeout (only the timeout tests use it)
@@ -146,21 +147,15 @@ def test_32_concurrent_requests_share_steps(server):
 
 def test_streaming_yields_one_progress_event_per_step(server):
     steps = 5
-    events = []
     with httpx.stream("POST", server.url + "/v1/images/generations", timeout=600,
                       json={"prompt": "a red fox", "num_inference_steps": steps, "seed": 9, "stream": True}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        text = "".join(r.iter_text())
-    for block in text.strip().split("\n\n"):
-        event = re.search(r"^event: (\w+)$", block, re.M).group(1)
-        data = json.loads(re.search(r"^data: (.*)$", block, re.M).group(1))
-        events.append((event, data))
-    progress = [d for e, d in events if e == "progress"]
-    assert [(d["step"], d["total"]) for d in progress] == [(i, steps) for i in range(1, steps + 1)]
-    assert [e for e, _ in events] == ["progress"] * steps + ["completed"]
-    final = events[-1][1]
-    assert png(final["data"][0]["b64_json"]).size == (64, 64)
+        stream = read_stream(r.iter_lines())
+    assert [(d["step"], d["total"]) for d in stream.progress] == [(i, steps) for i in range(1, steps + 1)]
+    assert stream.events == ["progress"] * steps + ["image_generation.completed"]  # no previews unasked
+    final = stream.answer
+    assert png(final["data"][0]["b64_json"]).size == (64, 64) and final["seed"] == 9
     plain = generate(server.url, num_inference_steps=steps, seed=9).json()
     assert final["data"][0]["b64_json"] == plain["data"][0]["b64_json"]  # streaming does not change the image
 
@@ -182,6 +177,39 @@ def test_openai_client(server):
     with pytest.raises(openai.BadRequestError) as info:
         client.images.generate(model=MODEL, prompt="a red fox", size="64x60", extra_body={"num_inference_steps": 1})
     assert "multiple of 8" in str(info.value)
+
+
+def test_openai_client_streams_partial_images_and_reads_each_image_from_its_typed_field(server):
+    """OpenAI's image stream: `partial_images` previews as image_generation.partial_image events, one
+    image_generation.completed per image with the image in `b64_json`; diffgraph's progress lines are skipped."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    params = dict(model=MODEL, prompt="a red fox", size="64x64", n=2, extra_body={"num_inference_steps": 6, "seed": 4})
+    events = list(client.images.generate(stream=True, partial_images=2, **params))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 4 + ["image_generation.completed"] * 2
+    assert [(e.partial_image_index, e.image_index) for e in events[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [e.step for e in events[:4]] == [2, 2, 4, 4]  # 2 previews spread over 6 steps
+    preview = Image.open(io.BytesIO(base64.b64decode(events[0].b64_json)))
+    assert preview.format == "JPEG" and preview.size == (8, 8)  # at latent resolution
+    plain = client.images.generate(response_format="b64_json", **params)
+    assert [e.b64_json for e in events[4:]] == [d.b64_json for d in plain.data]  # the same images, typed field
+    assert events[4].output_format == "png" and events[4].size == "64x64" and events[4].seed == 4
+
+
+def test_a_preview_stream_and_its_errors(server):
+    body = {"prompt": "a red fox", "num_inference_steps": 6, "seed": 2, "stream": True,
+            "preview": {"every": 2, "format": "png"}}
+    with httpx.stream("POST", server.url + "/v1/images/generations", json=body, timeout=600) as r:
+        stream = read_stream(r.iter_lines())
+    assert [p["step"] for p in stream.partials] == [2, 4, 6] and stream.events[-1] == "image_generation.completed"
+    assert png(stream.partials[0]["b64_json"]).format == "PNG"
+    assert stream.events.index("image_generation.completed") > stream.events.index("image_generation.partial_image")
+    for extra, param, words in (({"partial_images": 2}, "partial_images", "not both"),
+                                ({"preview": None, "partial_images": 4}, "partial_images", "0..3"),
+                                ({"preview": {"every": 0}}, "preview", "preview.every 0 is out of range"),
+                                ({"preview": {"every": 2, "format": "gif"}}, "preview", "jpeg, png, webp")):
+        r = httpx.post(server.url + "/v1/images/generations", json={**body, **extra}, timeout=600)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

@@ -184,30 +184,34 @@ def answer(response: Any) -> tuple[int, str, Any]:
 
 
 def post_streaming(target: str, progress: Progress, **send: Any) -> tuple[int, str, Any]:
-    """A POST with "stream": true. The server's `progress` events move the bar; the answer is what a plain POST
-    would give: the `completed` event's body, or an `error` event's status and error (an error before the stream
-    starts comes as plain JSON)."""
+    """A POST with "stream": true (server/stream.py's shape). The server's progress comment lines move the bar;
+    the answer is what a plain POST would give: its completed events joined, or an `error` event's status and
+    error (an error before the stream starts comes as plain JSON)."""
     import httpx
 
+    from .server.stream import COMPLETED, join_completed
+
+    done: list[dict[str, Any]] = []
     with httpx.stream("POST", target, **send) as response:
         if response.status_code != 200 or "text/event-stream" not in response.headers.get("content-type", ""):
             response.read()
             return answer(response)
         event = None
         for line in response.iter_lines():
-            if line.startswith("event:"):
-                event = line[len("event:"):].strip()
-                continue
-            if not line.startswith("data:"):
-                continue
             try:
-                data = json.loads(line[len("data:"):])
-                if event == "progress":
+                if line.startswith(": progress "):
+                    data = json.loads(line[len(": progress "):])
                     progress.step(str(data["id"]), int(data["step"]), int(data["total"]))
-                elif event == "completed":
-                    return 200, "", data
-                elif event == "error":
-                    return int(data["status"]), "", data
+                elif line.startswith("event:"):
+                    event = line[len("event:"):].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[len("data:"):])
+                    if event == COMPLETED:
+                        done.append(data)
+                        if len(done) == int(data["n"]):
+                            return 200, "", join_completed(done)
+                    elif event == "error":
+                        return int(data["status"]), "", data
             except (ValueError, TypeError, KeyError):  # a malformed event moves no bar and answers nothing
                 continue
     return 200, "", None  # the stream ended without an answer: "answered 200 without images" below

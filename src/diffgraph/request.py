@@ -173,8 +173,11 @@ class PreviewSpec:
     limit: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "every", _check_int("preview.every", self.every, 1, MAX_STEPS))
-        object.__setattr__(self, "limit", _check_int("preview.limit", self.limit, 0, MAX_STEPS))
+        try:
+            object.__setattr__(self, "every", _check_int("preview.every", self.every, 1, MAX_STEPS))
+            object.__setattr__(self, "limit", _check_int("preview.limit", self.limit, 0, MAX_STEPS))
+        except ParamError as e:  # the request's field is `preview`; the message names its part
+            raise ParamError("preview", str(e)) from None
         if self.format not in PREVIEW_FORMATS:
             raise ParamError("preview", f"preview format {_show(self.format)} is unknown; allowed: "
                                         f"{', '.join(PREVIEW_FORMATS)}")

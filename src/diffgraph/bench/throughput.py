@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampler-mix", type=int, default=0, metavar="N",
                    help="only the sampler scenarios (bench/sampler_mix.py): bursts of N requests, every sampler mixed "
                         "against all-euler of the same evaluations, and 20-step heun against 39-step euler")
+    p.add_argument("--preview-cost", type=int, default=0, metavar="N",
+                   help="only the live-preview scenarios (bench/preview_cost.py): bursts of N requests with and "
+                        "without previews")
     p.add_argument("--compile", action="store_true", help="the compile tier (Engine(compile=True))")
     p.add_argument("--compile-cache", default=None, metavar="DIR")
     p.add_argument("--json", default="bench_throughput.json")
@@ -330,10 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         compile_args = {"compile": CompileConfig(cache_dir=args.compile_cache) if args.compile_cache else True}
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
                     **lora_args, **compile_args)
-    if args.guidance_mix or args.prompt_mix or args.sampler_mix:
-        from . import guidance_mix, prompt_mix, sampler_mix
-        bench, n = (guidance_mix, args.guidance_mix) if args.guidance_mix else (
-            (prompt_mix, args.prompt_mix) if args.prompt_mix else (sampler_mix, args.sampler_mix))
+    if args.guidance_mix or args.prompt_mix or args.sampler_mix or args.preview_cost:
+        from . import guidance_mix, preview_cost, prompt_mix, sampler_mix
+        bench, n = next((b, k) for b, k in ((guidance_mix, args.guidance_mix), (prompt_mix, args.prompt_mix),
+                                             (sampler_mix, args.sampler_mix), (preview_cost, args.preview_cost)) if k)
         report = {"model": args.model, "compile": args.compile, "env": {"gpu": torch.cuda.get_device_name(),
                                                                         "torch": torch.__version__}}
         report.update(bench.run(engine, n, sizes[0]))

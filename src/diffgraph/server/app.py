@@ -48,7 +48,7 @@ from ..request import EditInput, GenerationRequest, GenerationResult, ModelInfo,
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
-                       ProgressEventBody, error_from_param_error, error_from_validation)
+                       error_from_param_error, error_from_validation)
 from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
@@ -56,6 +56,7 @@ from .image_store import ImageLinks, UrlSigner, make_store
 from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import add_docs, folder_listing, playground_file, server_info, server_status
+from . import stream as sse
 from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
 
 
@@ -115,10 +116,6 @@ def _error_response(e: APIError) -> JSONResponse:
     # connection
     headers = {"connection": "close"} if e.status in (408, 413) else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-def _sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
 class _ClosingStream(StreamingResponse):
@@ -338,7 +335,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             default = Target(state.client, state.info, None)
             target = await routing.target(model, deadline - time.monotonic(), default) if routing else default
             try:  # the target is held (never evicted) until its request is queued
-                handle = await submit(state, await finish(target.info), progress=stream, client=target.client)
+                request = await finish(target.info)
+                handle = await submit(state, request, progress=stream, client=target.client)
             finally:
                 if target.hold is not None:  # another model's, held until its request is queued
                     target.release(routing)
@@ -346,7 +344,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             if stream:
                 streaming = True  # the stream ends the request's accounting
                 end = _StreamEnd(handle, t0)
-                return _ClosingStream(_stream(handle, deadline, http, end, urls), end.close,
+                return _ClosingStream(_stream(handle, request, deadline, http, end, urls), end.close,
                                       media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             items = results(state, handle, deadline, http)
             try:
@@ -387,22 +385,26 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             state.metrics.observe_request(self.outcome, time.monotonic() - self.t0)
             _leave()
 
-    async def _stream(handle: RequestHandle, deadline: float, http: Request, end: "_StreamEnd",
-                      urls: Callable[[bytes, str], str] | None) -> AsyncIterator[bytes]:
-        items = results(state, handle, deadline, http)
+    async def _stream(handle: RequestHandle, request: GenerationRequest, deadline: float, http: Request,
+                      end: "_StreamEnd", urls: Callable[[bytes, str], str] | None) -> AsyncIterator[bytes]:
+        """The request's events in OpenAI's image stream shape (stream.py)."""
+        items, previews = results(state, handle, deadline, http), 0
         try:
             async for item in items:
                 if isinstance(item, ProgressEvent):
-                    yield _sse("progress", ProgressEventBody(id=item.request_id, step=item.step,
-                                                             total=item.total).model_dump())
+                    if item.previews:
+                        yield await asyncio.to_thread(sse.partials, item, previews, request)
+                        previews += 1
+                    else:
+                        yield sse.progress(item)
                     continue
                 body = await asyncio.to_thread(_response, item, urls)
                 end.outcome = "success"
-                yield _sse("completed", {"type": "completed", **body})
+                yield sse.completed(body, request)
                 return
         except APIError as e:
             end.outcome = outcome(e)
-            yield _sse("error", {"type": "error", "status": e.status, **e.body()})
+            yield sse.error(e.status, e.body())
         except ClientGone:
             pass
         finally:

@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
+from ..errors import ParamError
+from ..request import PreviewSpec
+
 # ASCII digits only: `\d` alone also takes Arabic-Indic and full-width digits, which int() reads as numbers
 _SIZE = re.compile(r"^\s*([0-9]{1,6})\s*[xX×]\s*([0-9]{1,6})\s*$", re.ASCII)
 
@@ -26,6 +29,15 @@ class LoraRef(BaseModel):
 
     name: StrictStr
     scale: StrictFloat = 1.0  # ints are accepted as numbers
+
+
+class PreviewBody(BaseModel):
+    """A request's live previews in its stream: every `every` steps, in `format` (jpeg, png, webp)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    every: StrictInt = 1
+    format: StrictStr = "jpeg"
 
 
 class ImageGenerationRequest(BaseModel):
@@ -57,6 +69,23 @@ class ImageGenerationRequest(BaseModel):
     emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"
     timestep_spacing: StrictStr | None = None    # "leading" | "linspace" | "trailing"; None: the model's own
     eta: StrictFloat | None = None               # TCD's gamma, 0..1; None: 0.3
+    partial_images: StrictInt | None = None      # OpenAI's: 0-3 previews in the stream, spread over the steps
+    preview: PreviewBody | None = None           # previews every K steps in the stream
+
+    def preview_params(self) -> dict[str, Any] | PreviewSpec | None:
+        """The request's `preview` (stream.py sends them; a request that does not stream gets none)."""
+        if self.preview is not None and self.partial_images:
+            raise APIError(400, "give preview or partial_images, not both", param="partial_images")
+        if not self.stream:
+            return None
+        if self.preview is not None:
+            return self.preview.model_dump()
+        if self.partial_images is None:
+            return None
+        try:
+            return PreviewSpec.partial_images(self.partial_images, self.num_inference_steps)
+        except ParamError as e:
+            raise error_from_param_error(e) from None
 
     def request_params(self) -> dict[str, Any]:
         """The `GenerationRequest.create` keywords these fields carry (`size` parsed, `n` as num_images). Raises
@@ -68,7 +97,7 @@ class ImageGenerationRequest(BaseModel):
                     sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
                     output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
                     prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis,
-                    timestep_spacing=self.timestep_spacing, eta=self.eta)
+                    timestep_spacing=self.timestep_spacing, eta=self.eta, preview=self.preview_params())
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""
@@ -93,13 +122,6 @@ class ImageGenerationResponse(BaseModel):
     seed: int                                   # one generator per request: all its images come from this seed
     output_format: str
     timings: dict[str, float]                   # ms: queue, denoise, decode, total
-
-
-class ProgressEventBody(BaseModel):
-    type: Literal["progress"] = "progress"
-    id: str
-    step: int
-    total: int
 
 
 class ModelCard(BaseModel):

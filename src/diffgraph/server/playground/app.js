@@ -406,6 +406,8 @@
       prompt: s.prompt, size: s.size.replace(/\s+/g, "").replace("×", "x").toLowerCase(), n: Number(s.n),
       num_inference_steps: Number(s.steps), sampler: s.sampler, schedule: s.schedule,
       output_format: "png", response_format: "b64_json", stream: true,
+      // a live preview about every tenth of the way (the server renders them for this request's rows only)
+      preview: { every: Math.max(1, Math.round(Number(s.steps) / 10)), format: "jpeg" },
     };
     if (sentModel(s)) body.model = s.model;
     if (s.negative_prompt.trim()) body.negative_prompt = s.negative_prompt;
@@ -633,6 +635,7 @@
     let event = "message";
     const data = [];
     for (const line of block.split("\n")) {
+      if (line.startsWith(": progress ")) return { event: "progress", data: line.slice(": progress ".length) };
       if (!line || line.startsWith(":")) continue;
       const colon = line.indexOf(":");
       const field = colon < 0 ? line : line.slice(0, colon);
@@ -676,7 +679,8 @@
     };
   }
 
-  /* Reads the server-sent events of one POST: progress events move the bar, `completed` or `error` ends it. */
+  /* Reads the server-sent events of one POST (server/stream.py): progress comment lines move the bar, previews
+   * show the image forming, one `image_generation.completed` event per image (the last ends it) or `error`. */
   async function readStream(req, response) {
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
@@ -707,8 +711,15 @@
       progressed(req, data);
       return false;
     }
-    if (ev.event === "completed" || data.type === "completed") {
-      completed(req, data, seedOf(ev.data));
+    if (ev.event === "image_generation.partial_image") {
+      previewed(req, data);
+      return false;
+    }
+    if (ev.event === "image_generation.completed") {
+      req.done = (req.done || []).concat([data]);
+      if (req.done.length < data.n) return false;
+      const images = req.done.slice().sort((a, b) => a.image_index - b.image_index);
+      completed(req, { ...data, data: images.map((e) => ({ b64_json: e.b64_json, url: e.url })) }, seedOf(ev.data));
       return true;
     }
     if (ev.event === "error" || data.type === "error") {
@@ -728,6 +739,22 @@
     req.card.dataset.progressEvents = String(req.progressEvents);
     req.card.dataset.state = "running";
     req.card.querySelector(".progress-text").textContent = `${data.step} / ${data.total} steps`;
+  }
+
+  /* A live preview: shown in place of the image it previews until the image arrives. */
+  function previewed(req, data) {
+    const images = req.card.querySelector(".images");
+    const index = data.image_index || 0;
+    let img = images.querySelector(`img.preview[data-index="${index}"]`);
+    if (!img) {
+      if (index === 0) images.replaceChildren();
+      img = el("img", { class: "preview pixelated", "data-index": String(index), "data-testid": "preview-image",
+        alt: `preview of "${req.settings.prompt.slice(0, 60)}"` });
+      images.append(img);
+    }
+    img.src = `data:image/${data.output_format || "jpeg"};base64,${data.b64_json}`;
+    req.previews = (req.previews || 0) + 1;
+    req.card.dataset.previews = String(req.previews);
   }
 
   function completed(req, body, seedText) {
