@@ -133,3 +133,45 @@ def test_the_preview_cost_benchmark_runs_its_scenarios(engine):
     # warm-up and run: 2 x 2 requests x 20 previews, then 2 x 1 request x 5
     assert sent[1] - sent[0] == 80 and sent[2] - sent[1] == 10
     assert len(report["ratios"]) == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder(tmp_path_factory):
+    """A small random-weight AutoencoderTiny (TAESD's architecture, narrow), saved as a diffusers folder."""
+    from diffusers import AutoencoderTiny
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("taesd")
+    AutoencoderTiny(encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+                    num_encoder_blocks=(1, 1, 1, 1), num_decoder_blocks=(1, 1, 1, 1)).save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_tiny_decoder_gives_full_resolution_previews_through_its_own_graphs(tiny_decoder):
+    from diffgraph import GraphConfig
+
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    with Engine("digits", device="cpu", mode="graph", graphs=cfg, preview_decoder=tiny_decoder) as e:
+        assert {r["kind"] for r in e.graph_table()} >= {"step", "vae", "preview"}
+        request = e.make_request("a handwritten digit two", num_inference_steps=4, seed=2, num_images=2,
+                                 preview={"every": 2})
+        future, events, _ = _submit(e, request)
+        future.result(timeout=600)
+        assert [ev.step for ev in events] == [2, 4]
+        frames = [[np.asarray(Image.open(io.BytesIO(b))) for b in ev.previews] for ev in events]
+        assert all(f.shape == (64, 64, 3) for pair in frames for f in pair)  # full resolution, not latent
+        replays = sum(r["replays"] for r in e.graph_table() if r["kind"] == "preview")
+        assert replays == 2  # one per preview (2 rows: bucket 2), no eager fallback
+        assert all(r["eager_fallbacks"] == 0 for r in e.graph_table() if r["kind"] == "preview")
+
+
+def test_a_bad_preview_decoder_is_refused_saying_what_to_give(tmp_path, tiny_decoder):
+    with pytest.raises(ParamError, match="AutoencoderTiny") as e:
+        Engine("digits", device="cpu", preview_decoder=str(tmp_path))
+    assert e.value.param == "preview_decoder"
+    from diffusers import AutoencoderTiny
+
+    AutoencoderTiny(encoder_block_out_channels=(8,) * 4, decoder_block_out_channels=(8,) * 4, latent_channels=16,
+                    num_encoder_blocks=(1,) * 4, num_decoder_blocks=(1,) * 4).save_pretrained(tmp_path / "sd3")
+    with pytest.raises(ParamError, match="16-channel latents but digits makes 4-channel"):
+        Engine("digits", device="cpu", preview_decoder=str(tmp_path / "sd3"))

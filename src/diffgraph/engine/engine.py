@@ -94,7 +94,8 @@ class Engine:
                  max_loras: int | None = None, max_lora_rank: int = 64, lora_conv: bool = False,
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
-                 load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None):
+                 load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
+                 preview_decoder: str | None = None):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -133,6 +134,11 @@ class Engine:
                 buckets=self.runner.graph_config.batch_buckets if graphed else (),
                 padded=self.runner.graphed_resolutions(), grow_fill=grow_fill, grow_hold_ms=grow_hold_ms),
                 image_threads=image_threads, metadata=bool(metadata), loop=loop)
+            if preview_decoder:  # live previews from a tiny decoder (TAESD), its graphs captured with the others
+                try:
+                    self.core.previews.use_decoder(preview_decoder)
+                except ValueError as e:
+                    raise ParamError("preview_decoder", str(e)) from None
             self._ready = False
             loaded_s = time.perf_counter() - t0
             logger.info("model %s loaded in %.1f s (%s, %s)", self.model.name, loaded_s, place, dtype)

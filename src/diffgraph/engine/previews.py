@@ -8,8 +8,11 @@ the denoised prediction the sampler just used) to RGB at latent resolution, AUTO
   * for any other model (the `digits` presets, random-weight presets, other VAEs) factors fitted by least squares
     to the model's own VAE: random latents decoded once, the pixels averaged over each latent cell; fitted at the
     model's first preview and kept by the runner's `PreviewMaker` (one decode of four small latents).
-It runs between steps on the loop thread, after the step and outside its graphs: an einsum over the asking rows
-only, a copy to pinned host memory and an event (nothing waits for the GPU); the preview thread waits for the event,
+With a tiny decoder (`Engine(preview_decoder=DIR)`, `--preview-decoder DIR`: TAESD / TAESDXL as diffusers'
+AutoencoderTiny folders) the previews are that decoder's full-resolution images instead, through its own small CUDA
+graphs (kind "preview", per resolution and bucket 1, 2, 4, captured with the others at start-up).
+It runs between steps on the loop thread, after the step and outside its graphs: an einsum (or the tiny decoder's
+replay) over the asking rows only, a copy to pinned host memory and an event (nothing waits for the GPU); the preview thread waits for the event,
 encodes the images and sends them as a `ProgressEvent` with `previews`. A request's result is sent only after its
 last preview (`settle`), so a stream's previews come before its image. Rows that did not ask cost nothing.
 """
@@ -25,6 +28,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from ..graphs.runner import GraphRunner
 from ..models.model import DiffusionModel
 from ..request import GroupKey, ProgressEvent
 from .request_state import RequestState
@@ -54,6 +58,7 @@ class PreviewRunner(Protocol):
     cuda: bool
     device: torch.device
     model: DiffusionModel
+    graph_runner: GraphRunner | None
 
     def buffers(self, key: GroupKey): ...
     def latent_shape(self, key: GroupKey) -> tuple[int, ...]: ...
@@ -86,15 +91,65 @@ def fit_factors(runner: PreviewRunner, key: GroupKey, seed: int = 0) -> LatentRG
     return LatentRGB(solution[:-1].astype(np.float32), solution[-1].astype(np.float32), "fitted")
 
 
-def render(runner: PreviewRunner, key: GroupKey, start: int, count: int, rgb: LatentRGB
+def render(runner: PreviewRunner, key: GroupKey, start: int, count: int, weight: torch.Tensor, bias: torch.Tensor
            ) -> Callable[[], np.ndarray]:
-    """Enqueues the preview of rows [start, start + count) of group `key` (their D); returns a waiter giving uint8
-    pixels [count, h, w, 3]. Nothing waits for the device here."""
+    """Enqueues the preview of rows [start, start + count) of group `key` (their D) with factors already on the
+    device; returns a waiter giving uint8 pixels [count, h, w, 3]. Nothing waits for the device here."""
     d = runner.buffers(key).d_prev[start:start + count]
-    weight = torch.from_numpy(rgb.weight).to(d.device, non_blocking=True)
-    bias = torch.from_numpy(rgb.bias).to(d.device, non_blocking=True)
     pixels = torch.einsum("nchw,cr->nhwr", d.float(), weight) + bias
-    pixels = (pixels.clamp(0, 1) * 255).round().to(torch.uint8)
+    return _to_host(runner, (pixels.clamp(0, 1) * 255).round().to(torch.uint8))
+
+
+class TinyDecoder:
+    """A TAESD-style decoder (diffusers' AutoencoderTiny) for previews at full resolution, with its graphs."""
+
+    def __init__(self, folder: str, runner: PreviewRunner, buckets: tuple[int, ...] = (1, 2, 4)):
+        from diffusers import AutoencoderTiny
+
+        model = runner.model
+        try:
+            self.module = AutoencoderTiny.from_pretrained(folder, local_files_only=True).eval()
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--preview-decoder {folder!r} is not a diffusers AutoencoderTiny folder (TAESD / "
+                             f"TAESDXL: config.json and diffusion_pytorch_model.safetensors): {e}") from None
+        channels = self.module.config.latent_channels
+        if channels != model.vae.config.latent_channels:
+            raise ValueError(f"--preview-decoder {folder!r} decodes {channels}-channel latents but {model.name} makes "
+                             f"{model.vae.config.latent_channels}-channel ones; use the tiny decoder of its family "
+                             "(TAESD for SD1.x/SD2.x, TAESDXL for SDXL)")
+        self.module.to(runner.device, model.vae_dtype)
+        self.runner, self.dtype, self.graph = runner, model.vae_dtype, None
+        graphs = runner.graph_runner
+        if graphs is not None:  # its own small graphs beside the decoder's, captured with them
+            from ..graphs.graphables import VaeGraph
+
+            self.graph = VaeGraph(self._pixels, runner.latent_shape, self.dtype, runner.device,
+                                  graphs.kinds["step"].resolutions(), buckets)
+            self.graph.kind = "preview"
+            graphs.register(self.graph)
+
+    @torch.no_grad()
+    def _pixels(self, latents: torch.Tensor) -> torch.Tensor:
+        """Model-space latents -> uint8 pixels [n, H, W, 3] (AutoencoderTiny decodes to [-1, 1]; its scale is 1)."""
+        image = self.module.decode(latents.to(self.dtype)).sample
+        return ((image.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+
+    def render(self, key: GroupKey, start: int, count: int) -> Callable[[], np.ndarray]:
+        d = self.runner.buffers(key).d_prev[start:start + count]
+        graphs, parts = self.runner.graph_runner, []
+        for i in range(0, count, max(self.graph.buckets()) if self.graph is not None else count):
+            part = d[i:i + (max(self.graph.buckets()) if self.graph is not None else count)]
+            bucket = graphs.bucket("preview", key[0], key[1], part.shape[0]) if graphs is not None else None
+            if bucket is None:
+                parts.append(self._pixels(part))
+            else:
+                self.graph.write(key[0], key[1], part.to(self.dtype), bucket)
+                parts.append(graphs.replay("preview", key[0], key[1], bucket)[:part.shape[0]].clone())
+        return _to_host(self.runner, torch.cat(parts))
+
+
+def _to_host(runner: PreviewRunner, pixels: torch.Tensor) -> Callable[[], np.ndarray]:
+    """uint8 pixels on the device -> a waiter for them on the host (pinned, behind an event: nothing waits here)."""
     if not runner.cuda:
         host = pixels.numpy()
         return lambda: host
@@ -124,6 +179,8 @@ class PreviewMaker:
     def __init__(self, runner: PreviewRunner, published: LatentRGB | None):
         self.runner = runner
         self._rgb = published
+        self._on_device: tuple[torch.Tensor, torch.Tensor] | None = None  # the factors, copied once
+        self.decoder: TinyDecoder | None = None  # full-resolution previews instead (use_decoder)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffgraph-previews")
         self.sent = 0  # preview events sent (a counter for tests and metrics)
 
@@ -131,6 +188,10 @@ class PreviewMaker:
     def of(cls, runner: "PreviewRunner") -> "PreviewMaker":
         model = runner.model
         return cls(runner, published_factors(model.adapter.preview_factors, model.vae.config, model.is_random))
+
+    def use_decoder(self, folder: str) -> None:
+        """Previews from the tiny decoder in `folder` (before the graphs are captured). Raises ValueError."""
+        self.decoder = TinyDecoder(folder, self.runner)
 
     def factors(self, key: GroupKey) -> LatentRGB:
         if self._rgb is None:
@@ -144,7 +205,14 @@ class PreviewMaker:
             if spec is None or not spec.due(s.step):
                 continue
             try:
-                wait = render(self.runner, key, s.first_row, s.rows, self.factors(key))
+                if self.decoder is not None:
+                    wait = self.decoder.render(key, s.first_row, s.rows)
+                else:
+                    if self._on_device is None:
+                        rgb = self.factors(key)
+                        self._on_device = (torch.from_numpy(rgb.weight).to(self.runner.device),
+                                           torch.from_numpy(rgb.bias).to(self.runner.device))
+                    wait = render(self.runner, key, s.first_row, s.rows, *self._on_device)
                 s.preview_future = self._pool.submit(self._send, s, wait, s.step, s.steps, spec.format)
             except Exception:  # a preview must never fail the request or the step
                 logger.exception("preview of %s failed", s.request_id)

@@ -34,7 +34,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
            "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
-           "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload")
+           "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -130,6 +130,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metadata", default=None, action=argparse.BooleanOptionalAction,
                    help="write the settings into every image (AUTOMATIC1111's PNG `parameters` text and the request "
                         "as JSON; EXIF in JPEG/WebP) (default: on; --no-metadata turns it off)")
+    p.add_argument("--preview-decoder", default=None, metavar="DIR",
+                   help="live previews at full resolution from this tiny decoder: TAESD (SD1.x/SD2.x) or TAESDXL, a "
+                        "diffusers AutoencoderTiny folder (default: AUTOMATIC1111's cheap latent-to-RGB approximation)")
     p.add_argument("--image-ttl", type=float, default=None, metavar="S",
                    help="response_format url: seconds a stored image is served at /v1/images/files/ (default: 3600)")
     p.add_argument("--image-store", default=None, metavar="DIR",
@@ -429,6 +432,9 @@ def run_serve(args: argparse.Namespace) -> int:
             if error:
                 raise ValueError(f"{flag} {','.join(d for d in devices if d)}: {error}")
         _check_model(config.model)
+        if config.preview_decoder and not os.path.isfile(os.path.join(config.preview_decoder, "config.json")):
+            raise ValueError(f"--preview-decoder {config.preview_decoder}: no config.json there; give a diffusers "
+                             "AutoencoderTiny folder (TAESD for SD1.x/SD2.x, TAESDXL for SDXL)")
     except ValueError as e:
         print(f"diffgraph: error: {e}", file=sys.stderr)
         return 2

@@ -94,6 +94,7 @@ class ServerConfig:
     prompt_syntax: str = "plain"         # the default prompt syntax of the images routes ("plain" or "a1111")
     compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
     metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
+    preview_decoder: str | None = None   # live previews from this tiny decoder (TAESD, an AutoencoderTiny folder)
     image_ttl: float = 3600.0            # response_format "url": seconds a stored image is served
     image_store: str | None = None       # ... stored in this folder (shared by ingress replicas), else in memory
     image_store_bytes: int = 256 * 1024 * 1024  # ... the in-memory store's bound (the oldest images go first)
@@ -223,6 +224,7 @@ class ServerConfig:
                     lora_conv=self.lora_conv,
                     fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
                     embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
+                    preview_decoder=self.preview_decoder,
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
