@@ -128,10 +128,7 @@ class EngineCore:
         steps already, and waiting for the loop there would wait forever."""
         future: Future = Future()
         if threading.current_thread() is self.loop.thread:
-            try:
-                future.set_result(fn())
-            except Exception as e:
-                future.set_exception(e)
+            self._run_pending([(fn, future)], [])
             return future
         with self._cv:
             if not self._live():
@@ -263,7 +260,8 @@ class EngineCore:
             finished = self.scheduler.update(plan)
         for s in plan.live:  # progress first: a request's last progress event comes before its result
             _call_safely(s.sink.progress, ProgressEvent(s.request_id, s.step, s.steps))
-        self.previews.capture(plan.key, plan.live)  # before the rows retire: their D is still in the buffers
+        if any(s.request.preview for s in plan.live):  # before the rows retire: their D is still in the buffers
+            self.previews.capture(plan.key, plan.live)
         if finished:
             self._retire(plan.key, finished)
         if cuda_events:
@@ -377,7 +375,8 @@ class EngineCore:
                            "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
                 result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
                                           request=r, encoded=encoded)
-                self.previews.settle(s)  # its previews go first
+                if s.preview_future is not None:  # its previews go first
+                    self.previews.settle(s)
                 _call_safely(s.sink.finish, result, None)
             except Exception as e:
                 _fail(s, e)
