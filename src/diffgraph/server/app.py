@@ -13,7 +13,8 @@
     GET  /status                  the same state as JSON, for the playground's status panel
     GET  /info                    the model, its defaults and what a request may ask for (the playground's form)
     GET  /                        the playground page (playground/), unless --no-playground
-With API keys (auth.py), /v1/* needs `Authorization: Bearer KEY` (and /metrics, /status with --protect-metrics).
+    /sdapi/v1/*                   AUTOMATIC1111's API: txt2img, img2img, models, samplers, progress ... (a1111.py)
+With API keys (auth.py), /v1/* and /sdapi/v1/* need the key (and /metrics, /status with --protect-metrics).
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
 server listens (and answers /health, /ready with 503) while the model loads and graphs are captured.
@@ -49,13 +50,14 @@ from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        error_from_param_error, error_from_validation)
+from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
 from .image_store import ImageLinks, UrlSigner, make_store
 from .metrics import ModelCollector
 from .models import ModelRouting, Target
-from .pages import add_docs, folder_listing, playground_file, server_info, server_status
+from .pages import add_docs, embedding_listing, lora_listing, playground_file, server_info, server_status
 from . import stream as sse
 from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
 
@@ -226,38 +228,23 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     @app.get("/v1/loras")
     async def loras() -> Response:
-        """The LoRA adapters requests may name (`loras: [{"name", "scale"}]`). Listings read adapter headers only
-        (an engine caches them per file version and reads on its own file pool); a listing that a stalled disk
-        holds past the bound answers 503 instead of keeping the connection."""
-        bound_s = 90.0  # past the engine's own per-read limit (lora.manager.READ_TIMEOUT_S)
+        """The LoRA adapters requests may name (`loras: [{"name", "scale"}]`), from their headers (pages.py)."""
         try:
-            engine = state.require_engine()
-            listing = await asyncio.wait_for(asyncio.to_thread(engine.loras), bound_s)
-            if listing is None:  # replicas in other processes: what the folder holds, from the files' headers
-                family = engine.info.family if engine.info else None
-                listing = await asyncio.wait_for(asyncio.to_thread(folder_listing, config, family), bound_s)
+            return JSONResponse({"object": "list", **await lora_listing(state)})
         except APIError as e:
             return _error_response(e)
-        except TimeoutError:
-            return _error_response(APIError(503, f"listing the adapters took longer than {bound_s:g} s (a slow or "
-                                                 "stalled disk under --lora-dir?); retry", code="lora_listing_timeout"))
-        return JSONResponse({"object": "list", **listing})
 
     embedding_dir = EmbeddingDir(config.embeddings_dir) if config.embeddings_dir else None
 
     @app.get("/v1/embeddings")
     async def embeddings() -> Response:
         """The textual-inversion embeddings a1111-syntax prompts may name (--embeddings-dir), from their headers."""
-        bound_s = 90.0
-        if embedding_dir is None:
-            return JSONResponse({"object": "list", "embeddings": [], "ignored": []})
         try:
-            listing = await asyncio.wait_for(asyncio.to_thread(embedding_dir.listing), bound_s)
-        except TimeoutError:
-            return _error_response(APIError(503, f"listing the embeddings took longer than {bound_s:g} s (a slow or "
-                                                 "stalled disk under --embeddings-dir?); retry",
-                                            code="embedding_listing_timeout"))
-        return JSONResponse({"object": "list", **listing})
+            return JSONResponse({"object": "list", **await embedding_listing(embedding_dir)})
+        except APIError as e:
+            return _error_response(e)
+
+    add_a1111_routes(app, state, routing, key_bytes, embedding_dir)  # /sdapi/v1: AUTOMATIC1111's API (a1111.py)
 
     @app.get("/info")
     async def info() -> Response:

@@ -113,7 +113,7 @@ async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dic
         raise error_from_validation(e, ImageEditForm) from None
 
 
-def _decode(name: str, data: bytes | None, max_bytes: int, max_pixels: int) -> Any:
+def decode_upload(name: str, data: bytes | None, max_bytes: int, max_pixels: int) -> Any:
     """A PIL image, its size checked from the header before its pixels are decoded."""
     from PIL import Image
 
@@ -185,8 +185,8 @@ def edit_input(files: dict[str, bytes], strength: float | None, defaults: tuple[
     """The EditInput of the form's files (see the module doc for the mask conventions)."""
     if "image" not in files:
         raise APIError(400, "image is required: upload the image to edit as the file part 'image'", param="image")
-    image = _decode("image", files["image"], max_bytes, max_pixels)
-    mask = _decode("mask", files["mask"], max_bytes, max_pixels) if "mask" in files else None
+    image = decode_upload("image", files["image"], max_bytes, max_pixels)
+    mask = decode_upload("mask", files["mask"], max_bytes, max_pixels) if "mask" in files else None
     rgb, mask_array = edit_arrays(image, mask)
     if strength is None:
         strength = defaults[1] if mask_array is not None else defaults[0]

@@ -68,9 +68,8 @@ class ModelRouting:
         """The default model, loaded now and held for good (it is never evicted: /ready follows it)."""
         return self.models.acquire(self.default).client
 
-    async def target(self, name: str | None, seconds: float, default: Target) -> Target:
-        if name is None or name == self.default:
-            return default
+    async def resolve(self, name: str) -> str:
+        """The folder's name of the model `name` names (APIError: 404 for an unknown one, 400 for an unusable one)."""
         try:
             entry = await asyncio.to_thread(self.catalog.resolve, name)
         except ModelNotFound as e:
@@ -78,8 +77,14 @@ class ModelRouting:
                            code="model_not_found") from None
         except ModelNameError as e:
             raise APIError(400, str(e), param="model", code="model_unusable") from None
+        return entry.name
+
+    async def target(self, name: str | None, seconds: float, default: Target) -> Target:
+        if name is None or name == self.default:
+            return default
+        resolved = await self.resolve(name)
         try:
-            resident = await asyncio.to_thread(self.models.acquire, entry.name, max(0.0, seconds))
+            resident = await asyncio.to_thread(self.models.acquire, resolved, max(0.0, seconds))
         except TimeoutError:
             raise APIError(504, f"model {name!r} is still loading after the request timeout; retry in a while "
                                 "(GET /v1/models shows it resident when it is ready)", code="model_loading") from None

@@ -1,9 +1,12 @@
 """What the playground page reads: its static files (shipped in the package, no CDN, no build step), `/info`
 (the model, its defaults and what a request may ask for: its family's samplers, schedules and size multiple) and
-`/status` (the engine's state as JSON). The same state as /metrics, for a person instead of a scraper."""
+`/status` (the engine's state as JSON). The same state as /metrics, for a person instead of a scraper. And the
+listings of the adapters and embeddings requests may name (GET /v1/loras, /v1/embeddings and their /sdapi/v1
+forms), bounded in time."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from typing import Any
@@ -12,7 +15,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from ..config import DEFAULT_BUCKETS
 from ..request import MAX_IMAGES, MAX_STEPS, OUTPUT_FORMATS
-from .protocol import ImageGenerationRequest
+from .protocol import APIError, ImageGenerationRequest
+
+LISTING_BOUND_S = 90.0  # past the engine's own per-read limit (lora.manager.READ_TIMEOUT_S)
 
 PLAYGROUND = os.path.join(os.path.dirname(os.path.abspath(__file__)), "playground")
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
@@ -120,3 +125,30 @@ def folder_listing(config: Any, family: str | None) -> dict[str, Any]:
             unusable.append({"name": name, "error": f"{type(e).__name__}: {e}"})
     return {"data": data, "unusable": unusable, "ignored": listing.ignored,
             "max_loras": LoraConfig(config.lora_dir, config.max_loras).slots, "max_lora_rank": config.max_lora_rank}
+
+
+async def lora_listing(state: Any) -> dict[str, Any]:
+    """The LoRA adapters requests may name. Listings read adapter headers only (an engine caches them per file version
+    and reads on its own file pool); a listing that a stalled disk holds past the bound is a 503 (APIError)."""
+    engine = state.require_engine()
+    try:
+        listing = await asyncio.wait_for(asyncio.to_thread(engine.loras), LISTING_BOUND_S)
+        if listing is None:  # replicas in other processes: what the folder holds, from the files' headers
+            family = engine.info.family if engine.info else None
+            listing = await asyncio.wait_for(asyncio.to_thread(folder_listing, state.config, family), LISTING_BOUND_S)
+    except TimeoutError:
+        raise APIError(503, f"listing the adapters took longer than {LISTING_BOUND_S:g} s (a slow or stalled disk "
+                            "under --lora-dir?); retry", code="lora_listing_timeout") from None
+    return listing
+
+
+async def embedding_listing(embedding_dir: Any) -> dict[str, Any]:
+    """The textual-inversion embeddings of --embeddings-dir (an `EmbeddingDir`, or None), from their headers; a 503
+    (APIError) past the bound."""
+    if embedding_dir is None:
+        return {"embeddings": [], "ignored": []}
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(embedding_dir.listing), LISTING_BOUND_S)
+    except TimeoutError:
+        raise APIError(503, f"listing the embeddings took longer than {LISTING_BOUND_S:g} s (a slow or stalled disk "
+                            "under --embeddings-dir?); retry", code="embedding_listing_timeout") from None

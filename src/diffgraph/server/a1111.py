@@ -1,0 +1,398 @@
+"""AUTOMATIC1111-compatible routes on `diffgraph serve` (issue 34, point 1): the same port, keys, validation and
+errors as the images API, AUTOMATIC1111's request and response shapes (v1.10; webuiapi and the tools built on it).
+
+    POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together
+    GET  /sdapi/v1/sd-models           the models (--model, and --model-dir's), AUTOMATIC1111's titles
+    GET  /sdapi/v1/samplers, /schedulers, /loras, /embeddings, /upscalers (none), /scripts (none)
+    GET  /sdapi/v1/options             the calling key's options; POST sets its model and clip skip
+    GET  /sdapi/v1/progress            the calling key's requests (a1111_jobs.py)
+    POST /sdapi/v1/interrupt, /skip    its oldest request: all of it, or its current image
+
+A body is type-checked and read in diffgraph's words by a1111_protocol.py (unsupported values: a 400 naming the
+field), its images prepared by a1111_inpaint.py on a worker thread, each image validated by
+`GenerationRequest.create` (the one validation) and submitted, watched and aborted through requests.py, on the model
+`ModelRouting` answers (override_settings' sd_model_checkpoint, else the key's). Prompts are read in AUTOMATIC1111's
+syntax (`(word:1.2)`, `<lora:name:w>`). Every request ends in one outcome counted in the metrics. app.py mounts this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import inspect
+import io
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from PIL import Image
+
+from ..image_metadata import encode_image, infotext
+from ..request import GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
+from .a1111_inpaint import PreparedEdit, decode_b64, mask_options, prepare
+from .a1111_jobs import ImageRun, JobBoard, Key
+from .a1111_protocol import (DEFAULT_OPTIONS, OPTIONS, Img2ImgBody, Plan, TextToImageResponse, Txt2ImgBody,
+                             ProcessingBody, a1111_error, a1111_field, clip_stop, info_json, plan_body, sampler_items,
+                             sampler_schedule, scheduler_items, validate)
+from .auth import caller_key
+from .bodies import read_body
+from .models import ModelRouting, Target
+from .pages import embedding_listing, lora_listing
+from .protocol import APIError
+from .requests import ClientGone, ServerState, abort, outcome, results, submit
+
+if TYPE_CHECKING:
+    from ..text.embeddings import EmbeddingDir
+
+MAX_INIT_IMAGES = 4
+MODEL_FIELD = "override_settings.sd_model_checkpoint"
+
+
+def _failure(e: APIError) -> JSONResponse:
+    # a body refused while it arrives (too long, too slow): close rather than read the rest of it
+    return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status in (408, 413)
+                        else None)
+
+
+def _model_name(title: str | None) -> str | None:
+    """A model name from AUTOMATIC1111's title ("name.safetensors [0123456789]"), name or file name."""
+    if title is None:
+        return None
+    name = title.strip()
+    if name.endswith("]") and " [" in name:
+        name = name[:name.rindex(" [")]
+    return name[:-len(".safetensors")] if name.endswith(".safetensors") else name
+
+
+def _edit_for(index: int, body: ProcessingBody, edits: list[PreparedEdit]) -> PreparedEdit | None:
+    """The init image of image `index`: the one given, or the one at its place in the batch."""
+    return edits[index % (body.batch_size or 1) % len(edits)] if edits else None
+
+
+def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | None, keys: tuple[bytes, ...],
+                     embedding_dir: EmbeddingDir | None) -> None:
+    """Mounts the /sdapi/v1 routes on `app` (see the module doc); `keys` are the API keys, as bytes."""
+    config = state.config
+    board = JobBoard(lambda handle: abort(state, handle))
+    prompt_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
+    image_limit = (MAX_INIT_IMAGES + 1) * 4 * (config.max_image_bytes // 3 + 2)
+    read_timeout = min(config.body_timeout, config.request_timeout)
+
+    def key_of(http: Request) -> Key:
+        return caller_key(http.scope, keys) if keys else None
+
+    async def answer(work: Callable[[], Any]) -> Response:
+        """`work()`'s value (awaited when it is awaitable) as JSON, or its APIError."""
+        try:
+            value = work()
+            return JSONResponse(await value if inspect.isawaitable(value) else value)
+        except APIError as e:
+            return _failure(e)
+
+    async def read_json(http: Request, limit: int) -> Any:
+        try:
+            body = await asyncio.wait_for(read_body(http, limit), read_timeout)
+            return await asyncio.to_thread(json.loads, body)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {read_timeout:g} s; send the whole body at "
+                                "once", code="body_timeout") from None
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
+                                "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
+
+    async def resolve(title: str | None, field: str = MODEL_FIELD) -> str | None:
+        """The model a title names (its name; None for the default), or an APIError naming `field`."""
+        name, default = _model_name(title), state.info.name if state.info else config.model
+        if name is None or name in (default, config.model):
+            return None
+        if routing is None:
+            raise APIError(400, f"model {name!r} is not served here; this server serves {default!r} (GET "
+                                "/sdapi/v1/sd-models)", param=field, code="model_not_found")
+        try:
+            return await routing.resolve(name)
+        except APIError as e:
+            e.param = field
+            raise
+
+    async def target(title: str | None, seconds: float) -> Target:
+        default = Target(state.client, state.info, None)
+        name = await resolve(title)
+        if name is None or routing is None:
+            return default
+        try:
+            return await routing.target(name, seconds, default)
+        except APIError as e:
+            e.param = MODEL_FIELD
+            raise
+
+    async def titles() -> list[dict[str, Any]]:
+        """The models as GET /v1/models lists them (usable ones), with AUTOMATIC1111's title of each."""
+        cards = (await asyncio.to_thread(routing.listing, state.created) if routing else
+                 [{"id": state.info.name if state.info else config.model, "hash": None, "error": None}])
+        return [{**c, "title": c["id"] + (f" [{c['hash']}]" if c.get("hash") else "")} for c in cards
+                if not c.get("error")]
+
+    def build(body: ProcessingBody, plan: Plan, info: ModelInfo, edits: list[PreparedEdit]) -> list[GenerationRequest]:
+        """One request per image: the first validated by `create` (the one validation), the others its copies with
+        their own seed (and init image), checked again on construction."""
+        sampler, schedule = sampler_schedule(body, info)
+        try:
+            first = GenerationRequest.create(body.prompt or "", model=info, seed=plan.seeds[0], sampler=sampler,
+                                             schedule=schedule, image=edits[0].edit if edits else None,
+                                             request_id=f"a1111-{secrets.token_hex(8)}", **plan.create)
+            out = [first]
+            for i, seed in enumerate(plan.seeds[1:], 1):
+                edit = _edit_for(i, body, edits)
+                out.append(dataclasses.replace(first, seed=seed, edit=edit.edit if edit else None,
+                                               request_id=f"a1111-{secrets.token_hex(8)}"))
+        except ParamError as e:
+            raise a1111_error(e) from None
+        for name in ("prompt", "negative_prompt"):  # the server's limit, as the images API applies it
+            if len((getattr(first, name) or "").encode("utf-8")) > config.max_prompt_bytes:
+                raise APIError(400, f"{name} is longer than {config.max_prompt_bytes} bytes (UTF-8; "
+                                    "--max-prompt-bytes)", param=name)
+        return out
+
+    def prepare_edits(body: Img2ImgBody, plan: Plan) -> list[PreparedEdit]:
+        """The init images (and mask) decoded and prepared for the engine (a worker thread)."""
+        images = body.init_images or []
+        if not images:
+            raise APIError(400, "init_images is required: a list of base64 images (one is used for every image)",
+                           param="init_images")
+        if len(images) not in (1, body.batch_size or 1) or len(images) > MAX_INIT_IMAGES:
+            raise APIError(400, f"init_images has {len(images)} images; send 1 (used for every image) or batch_size "
+                                f"of them, at most {MAX_INIT_IMAGES}", param="init_images")
+        limits = (config.max_image_bytes, config.max_image_pixels)
+        mask = decode_b64("mask", body.mask, *limits) if body.mask else None
+        strength = 0.75 if body.denoising_strength is None else body.denoising_strength
+        options = mask_options(body)
+        return [prepare(decode_b64(f"init_images[{i}]", text, *limits), mask, options, plan.create["width"],
+                        plan.create["height"], strength) for i, text in enumerate(images)]
+
+    async def wait(run: ImageRun, deadline: float, http: Request) -> GenerationResult | None:
+        """One image's result; None when /interrupt or /skip dropped it."""
+        items = results(state, run.handle, deadline, http)
+        try:
+            async for item in items:
+                if isinstance(item, ProgressEvent):
+                    run.step, run.total = item.step, item.total
+                    run.preview = item.previews[0] if item.previews else run.preview
+                    continue
+                run.finished = True
+                return item
+        except APIError as e:
+            if run.dropped and e.code == "aborted":
+                return None
+            raise
+        finally:
+            await items.aclose()
+        return None
+
+    async def run_all(runs: list[ImageRun], deadline: float, http: Request) -> list[GenerationResult | None]:
+        tasks = [asyncio.ensure_future(wait(run, deadline, http)) for run in runs]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:  # one failed (or the client left): the others are aborted, not left running
+            for task, run in zip(tasks, runs):
+                if not task.done():
+                    task.cancel()
+                if not (run.finished or run.dropped):
+                    abort(state, run.handle)
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def respond(body: ProcessingBody, plan: Plan, info: ModelInfo, requests: list[GenerationRequest],
+                done: list[GenerationResult | None], edits: list[PreparedEdit]) -> dict[str, Any]:
+        """The answer (a worker thread): each image as the engine encoded it, or laid over its input (inpainting)."""
+        images, texts = [], []
+        warnings = list(plan.warnings) + sorted({e.warning for e in edits if e.warning})
+        for i, result in enumerate(done):
+            if result is None:
+                continue
+            data = result.encoded[0]
+            edit = _edit_for(i, body, edits)
+            if edit is not None and edit.base is not None:
+                pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+                data = encode_image(edit.finish(pixels) / 255.0, "png", result.request, info.name, config.metadata)
+            texts.append(infotext(result.request, info.name))
+            if body.send_images is not False:
+                images.append(base64.b64encode(data).decode("ascii"))
+        dropped = sum(r is None for r in done)
+        if dropped:
+            warnings.append(f"{dropped} of {len(done)} images were stopped by /sdapi/v1/interrupt or /skip and are "
+                            "left out")
+        extra: dict[str, Any] = {}
+        if isinstance(body, Img2ImgBody):
+            extra["Denoising strength"] = requests[0].edit.strength if requests[0].edit else None
+            if body.mask:
+                options = mask_options(body)
+                extra.update({"Mask blur": max(options.blur_x, options.blur_y)} if options.blur_x or options.blur_y
+                             else {})
+                extra.update({"Inpaint area": "Only masked", "Masked area padding": options.padding}
+                             if options.full_res else {})
+        parameters = body.parameters() if isinstance(body, Img2ImgBody) else body.model_dump()
+        response = TextToImageResponse(images=images, parameters=parameters, warnings=warnings or None,
+                                       info=info_json(body, plan, requests[0], info.name, texts, extra))
+        return response.model_dump(exclude=None if warnings else {"warnings"})
+
+    async def images(http: Request, model: type[ProcessingBody], kind: str, t0: float) -> dict[str, Any]:
+        """One txt2img / img2img answer: read, plan, validate every image, submit them, wait, answer."""
+        state.accepting()
+        key = key_of(http)
+        body = validate(await read_json(http, prompt_limit + (image_limit if kind == "img2img" else 0)), model)
+        options = board.options(key)
+        plan = plan_body(body, options.model, options.clip_stop, config.clip_skip)
+        deadline = t0 + config.request_timeout
+        chosen = await target(plan.model, deadline - time.monotonic())
+        try:  # the model is held (never evicted) until its requests are queued
+            if not chosen.info.edits and kind == "img2img":
+                raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
+                               param="init_images")
+            edits = await asyncio.to_thread(prepare_edits, body, plan) if kind == "img2img" else []
+            requests = build(body, plan, chosen.info, edits)
+            runs: list[ImageRun] = []
+            try:
+                for request in requests:
+                    handle = await submit(state, request, progress=True, client=chosen.client)
+                    runs.append(ImageRun(handle, request.denoising_steps))
+            except APIError as e:  # the engine refused the request (its adapters, its steps): name our field
+                for run in runs:
+                    abort(state, run.handle)
+                e.param = a1111_field(e.param)
+                raise
+            except BaseException:
+                for run in runs:
+                    abort(state, run.handle)
+                raise
+        finally:
+            if routing is not None:
+                chosen.release(routing)
+        job = board.start(key, kind, runs)
+        try:
+            done = await run_all(runs, deadline, http)
+        finally:
+            board.end(job)
+        return await asyncio.to_thread(respond, body, plan, chosen.info, requests, done, edits)
+
+    async def generate(http: Request, model: type[ProcessingBody], kind: str) -> Response:
+        """`images` with the request's accounting: in flight while it runs, then exactly one outcome."""
+        t0 = time.monotonic()
+        state.inflight += 1
+        state.metrics.inflight.inc()
+        ended = "aborted"  # also when the process exits under the request (cancelled)
+        try:
+            response = JSONResponse(await images(http, model, kind, t0))
+            ended = "success"
+            return response
+        except APIError as e:
+            ended = outcome(e)
+            return _failure(e)
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            state.metrics.observe_request(ended, time.monotonic() - t0)
+            state.inflight -= 1
+            state.metrics.inflight.dec()
+
+    @app.post("/sdapi/v1/txt2img")
+    async def txt2img(http: Request) -> Response:
+        return await generate(http, Txt2ImgBody, "txt2img")
+
+    @app.post("/sdapi/v1/img2img")
+    async def img2img(http: Request) -> Response:
+        return await generate(http, Img2ImgBody, "img2img")
+
+    @app.get("/sdapi/v1/sd-models")
+    async def sd_models() -> Response:
+        async def work() -> list[dict[str, Any]]:
+            # `filename` is the model's name, not a path on the server
+            return [{"title": c["title"], "model_name": c["id"].replace("/", "_"), "hash": c.get("hash"),
+                     "sha256": None, "filename": c["id"], "config": None} for c in await titles()]
+        return await answer(work)
+
+    @app.get("/sdapi/v1/samplers")
+    async def samplers() -> Response:
+        return await answer(lambda: sampler_items(state.require_engine().info))
+
+    @app.get("/sdapi/v1/schedulers")
+    async def schedulers() -> Response:
+        return await answer(lambda: scheduler_items(state.require_engine().info))
+
+    @app.get("/sdapi/v1/loras")
+    async def loras() -> Response:
+        async def work() -> list[dict[str, Any]]:
+            return [{"name": a["name"], "alias": a["name"], "path": None, "metadata": {}}
+                    for a in (await lora_listing(state))["data"]]
+        return await answer(work)
+
+    @app.get("/sdapi/v1/embeddings")
+    async def embeddings() -> Response:
+        async def work() -> dict[str, Any]:
+            found = (await embedding_listing(embedding_dir))["embeddings"]
+            return {"loaded": {e["name"]: {"step": None, "sd_checkpoint": None, "sd_checkpoint_name": None,
+                                           "shape": next(iter(e["dims"].values()), 0), "vectors": e["vectors"]}
+                               for e in found}, "skipped": {}}
+        return await answer(work)
+
+    @app.get("/sdapi/v1/upscalers")
+    async def upscalers() -> list[Any]:
+        return []
+
+    @app.get("/sdapi/v1/scripts")
+    async def scripts() -> dict[str, list[Any]]:
+        return {"txt2img": [], "img2img": []}
+
+    async def current_options(key: Key) -> dict[str, Any]:
+        options = board.options(key)
+        name = options.model or (state.info.name if state.info else config.model)
+        title = next((c["title"] for c in await titles() if c["id"] == name), name)
+        return {"sd_model_checkpoint": title, "sd_checkpoint_hash": "",
+                "CLIP_stop_at_last_layers": clip_stop(options.clip_stop, "CLIP_stop_at_last_layers", config.clip_skip),
+                **DEFAULT_OPTIONS}
+
+    @app.get("/sdapi/v1/options")
+    async def get_options(http: Request) -> Response:
+        return await answer(lambda: current_options(key_of(http)))
+
+    @app.post("/sdapi/v1/options")
+    async def set_options(http: Request) -> Response:
+        """Sets the calling key's default model and clip skip; any other option only to the value it has."""
+        async def work() -> None:
+            key = key_of(http)
+            body = await read_json(http, prompt_limit)
+            if not isinstance(body, dict):
+                raise APIError(400, "the body must be a JSON object of options, e.g. {\"sd_model_checkpoint\": "
+                                    "\"digits\"}")
+            current = await current_options(key)
+            changes = dataclasses.replace(board.options(key))
+            for name, value in body.items():
+                if name == "sd_model_checkpoint":
+                    if not isinstance(value, str):
+                        raise APIError(400, "sd_model_checkpoint must be a model title (GET /sdapi/v1/sd-models)",
+                                       param=name)
+                    changes.model = await resolve(value, name)
+                elif name == "CLIP_stop_at_last_layers":
+                    changes.clip_stop = clip_stop(value, name)
+                elif current.get(name, object()) != value:
+                    raise APIError(400, f"option {name!r} cannot be set here; the options that can: "
+                                        f"{', '.join(OPTIONS)}", param=name, code="unsupported_parameter")
+            board.set_options(key, changes)  # all or nothing: nothing is set when one value is refused
+        return await answer(work)
+
+    @app.get("/sdapi/v1/progress")
+    async def progress(http: Request, skip_current_image: bool = False) -> Response:
+        return JSONResponse(board.progress(key_of(http), not skip_current_image).model_dump())
+
+    @app.post("/sdapi/v1/interrupt")
+    async def interrupt(http: Request) -> dict[str, Any]:
+        board.interrupt(key_of(http))
+        return {}
+
+    @app.post("/sdapi/v1/skip")
+    async def skip(http: Request) -> dict[str, Any]:
+        board.skip(key_of(http))
+        return {}

@@ -1,0 +1,406 @@
+"""AUTOMATIC1111's web API at the HTTP edge (issue 34, point 1): the pydantic models of the `/sdapi/v1/txt2img` and
+`/img2img` bodies and of the answers, with AUTOMATIC1111's field names and defaults (v1.10's modules/api/models.py;
+tests/fixtures/a1111_api_fields.json is the transcription a test holds them to), and a body read in diffgraph's
+words (`plan_body`): the values diffgraph cannot honour refused with a 400 naming the field and what to send
+instead, the seeds of its images (AUTOMATIC1111's all_seeds: seed + i, each image its own request), the clip skip,
+the sampler and scheduler names (sampling/aliases.py; "Automatic" is the sampler's own schedule, as AUTOMATIC1111
+picks it) and `infotext`.
+
+Types are checked strictly, as protocol.py checks them; null is the field's default. Ranges are checked once, by
+`GenerationRequest.create`, whose ParamErrors `a1111_error` names in AUTOMATIC1111's fields. a1111.py serves these.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from .. import __version__
+from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, parse_infotext
+from ..request import MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError
+from ..sampling.aliases import canonical
+from .protocol import APIError, error_from_validation
+
+A1111_VERSION = "v1.10"  # the AUTOMATIC1111 API these routes follow
+MAX_RANDOM_SEED = 4294967294  # AUTOMATIC1111 draws seed -1 below this
+# diffgraph's sampler -> AUTOMATIC1111's aliases and options (its sd_samplers_kdiffusion / _timesteps tables); the
+# option "scheduler" is what its "Automatic" scheduler means for the sampler
+A1111_SAMPLER_ITEMS = {
+    "dpmpp_2m": (["k_dpmpp_2m"], {"scheduler": "karras"}), "dpmpp_sde": (["k_dpmpp_sde"], {"scheduler": "karras"}),
+    "dpmpp_2m_sde": (["k_dpmpp_2m_sde"], {"scheduler": "exponential"}),
+    "dpmpp_3m_sde": (["k_dpmpp_3m_sde"], {"scheduler": "exponential"}),
+    "euler_a": (["k_euler_a", "k_euler_ancestral"], {}), "euler": (["k_euler"], {}), "lms": (["k_lms"], {}),
+    "heun": (["k_heun"], {}), "dpm2": (["k_dpm_2"], {}), "dpm2_a": (["k_dpm_2_a"], {}), "ddim": (["ddim"], {}),
+    "unipc": (["unipc"], {}), "lcm": (["k_lcm"], {}),
+}
+# diffgraph's schedule -> AUTOMATIC1111's scheduler (name, aliases, default_rho, need_inner_model), sd_schedulers.py
+A1111_SCHEDULER_ITEMS = {
+    "default": ("automatic", None, -1.0, False), "karras": ("karras", None, 7.0, False),
+    "exponential": ("exponential", None, -1.0, False), "sgm_uniform": ("sgm_uniform", ["SGMUniform"], -1.0, True),
+    "simple": ("simple", None, -1.0, True), "beta": ("beta", None, -1.0, True),
+}
+# eta is AUTOMATIC1111's noise amount of its ancestral and SDE samplers (1 by default) and DDIM's (0 by default);
+# the other samplers ignore it there, and here
+ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0, "ddim": 0.0}
+# the options a request may override (override_settings) or a key may set (POST /sdapi/v1/options)
+OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers")
+# /progress's current_image: a live preview every this many steps (AUTOMATIC1111's show_progress_every_n_steps
+# default), a PNG at the latent resolution (its "Approx cheap" kind; engine/previews.py)
+PREVIEW = {"every": 10, "format": "png"}
+# what GET /sdapi/v1/options answers for the options diffgraph has no setting for (AUTOMATIC1111's defaults)
+DEFAULT_OPTIONS = {"samples_format": "png", "sd_vae": "Automatic", "eta_noise_seed_delta": 0}
+# GenerationRequest parameter -> the AUTOMATIC1111 field that carries it
+_ENGINE_TO_A1111 = {"sampler": "sampler_name", "schedule": "scheduler", "num_inference_steps": "steps",
+                    "guidance_scale": "cfg_scale", "strength": "denoising_strength", "image": "init_images",
+                    "num_images": "batch_size", "loras": "prompt",
+                    "clip_skip": "override_settings.CLIP_stop_at_last_layers"}
+
+
+class ProcessingBody(BaseModel):
+    """The fields txt2img and img2img share (AUTOMATIC1111's StableDiffusionProcessing and the API's additions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: StrictStr | None = ""
+    negative_prompt: StrictStr | None = ""
+    styles: list[StrictStr] | None = None
+    seed: StrictInt | None = -1
+    subseed: StrictInt | None = -1
+    subseed_strength: StrictFloat | None = 0.0
+    seed_resize_from_h: StrictInt | None = -1
+    seed_resize_from_w: StrictInt | None = -1
+    sampler_name: StrictStr | None = None
+    scheduler: StrictStr | None = None
+    batch_size: StrictInt | None = 1
+    n_iter: StrictInt | None = 1
+    steps: StrictInt | None = 50
+    cfg_scale: StrictFloat | None = 7.0
+    width: StrictInt | None = 512
+    height: StrictInt | None = 512
+    restore_faces: StrictBool | None = None
+    tiling: StrictBool | None = None
+    do_not_save_samples: StrictBool | None = False
+    do_not_save_grid: StrictBool | None = False
+    eta: StrictFloat | None = None
+    s_min_uncond: StrictFloat | None = None
+    s_churn: StrictFloat | None = None
+    s_tmax: StrictFloat | None = None
+    s_tmin: StrictFloat | None = None
+    s_noise: StrictFloat | None = None
+    override_settings: dict[str, JsonValue] | None = None
+    override_settings_restore_afterwards: StrictBool | None = True
+    refiner_checkpoint: StrictStr | None = None
+    refiner_switch_at: StrictFloat | None = None
+    disable_extra_networks: StrictBool | None = False
+    firstpass_image: StrictStr | None = None
+    comments: dict[str, JsonValue] | None = None
+    force_task_id: StrictStr | None = None
+    sampler_index: StrictStr | None = "Euler"
+    script_name: StrictStr | None = None
+    script_args: list[JsonValue] | None = []
+    send_images: StrictBool | None = True
+    save_images: StrictBool | None = False
+    alwayson_scripts: dict[str, JsonValue] | None = {}
+    infotext: StrictStr | None = None
+
+
+class Txt2ImgBody(ProcessingBody):
+    """POST /sdapi/v1/txt2img."""
+
+    denoising_strength: StrictFloat | None = None  # only the hires fix's second pass reads it
+    enable_hr: StrictBool | None = False
+    firstphase_width: StrictInt | None = 0
+    firstphase_height: StrictInt | None = 0
+    hr_scale: StrictFloat | None = 2.0
+    hr_upscaler: StrictStr | None = None
+    hr_second_pass_steps: StrictInt | None = 0
+    hr_resize_x: StrictInt | None = 0
+    hr_resize_y: StrictInt | None = 0
+    hr_checkpoint_name: StrictStr | None = None
+    hr_sampler_name: StrictStr | None = None
+    hr_scheduler: StrictStr | None = None
+    hr_prompt: StrictStr | None = ""
+    hr_negative_prompt: StrictStr | None = ""
+
+
+class Img2ImgBody(ProcessingBody):
+    """POST /sdapi/v1/img2img: image-to-image, and inpainting with `mask` (white or opaque = repaint)."""
+
+    init_images: list[StrictStr] | None = None   # base64 images (a data: URL prefix is allowed)
+    resize_mode: StrictInt | None = 0            # 0 resize, 1 crop and resize, 2 resize and fill
+    denoising_strength: StrictFloat | None = 0.75
+    image_cfg_scale: StrictFloat | None = None   # instruct-pix2pix models only (none are served here): ignored
+    mask: StrictStr | None = None
+    mask_blur_x: StrictInt | None = 4
+    mask_blur_y: StrictInt | None = 4
+    mask_blur: StrictInt | None = None           # both blurs at once
+    mask_round: StrictBool | None = True
+    inpainting_fill: StrictInt | None = 0        # 0 fill, 1 original
+    inpaint_full_res: StrictBool | StrictInt | None = True  # "only masked": the mask's box at full resolution
+    inpaint_full_res_padding: StrictInt | None = 0
+    inpainting_mask_invert: StrictInt | None = 0
+    initial_noise_multiplier: StrictFloat | None = None
+    latent_mask: StrictStr | None = None
+    include_init_images: StrictBool | None = False  # echo init_images and mask in `parameters`
+
+    def parameters(self) -> dict[str, Any]:
+        """The body as AUTOMATIC1111 echoes it: without include_init_images, and without the images unless asked."""
+        out = self.model_dump(exclude={"include_init_images"})
+        if not self.include_init_images:
+            out["init_images"], out["mask"] = None, None
+        return out
+
+
+class TextToImageResponse(BaseModel):
+    images: list[str]           # base64 PNG, with AUTOMATIC1111's `parameters` text chunk
+    parameters: dict[str, Any]  # the body, defaults filled in
+    info: str                   # JSON: AUTOMATIC1111's Processed.js() (seed, all_seeds, infotexts, ...)
+    warnings: list[str] | None = None  # diffgraph's: what was accepted but ignored (left out when nothing was)
+
+
+class ProgressState(BaseModel):
+    skipped: bool = False
+    interrupted: bool = False
+    stopping_generation: bool = False
+    job: str = ""
+    job_count: int = 0
+    job_timestamp: str = "0"
+    job_no: int = 0
+    sampling_step: int = 0
+    sampling_steps: int = 0
+
+
+class ProgressResponse(BaseModel):
+    progress: float
+    eta_relative: float
+    state: ProgressState
+    current_image: str | None = None  # the current image's latest live preview, base64 PNG (null before the first)
+    textinfo: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A body in diffgraph's words: what its images share, and the seed of each (one image per request)."""
+
+    model: str | None               # override_settings' sd_model_checkpoint; None: the calling key's default
+    create: dict[str, Any]          # GenerationRequest.create keywords every image shares (no seed, no image)
+    seeds: tuple[int, ...]          # AUTOMATIC1111's all_seeds
+    subseeds: tuple[int, ...]       # its all_subseeds (reported: subseed_strength 0 leaves them unused)
+    clip_stop: int                  # CLIP_stop_at_last_layers, AUTOMATIC1111's count (1 = the last layer)
+    warnings: tuple[str, ...]       # what was accepted but ignored
+
+
+def validate(body: Any, model: type[ProcessingBody]) -> ProcessingBody:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise error_from_validation(e, model) from None
+
+
+def a1111_field(name: str | None) -> str | None:
+    """The AUTOMATIC1111 field that carries a GenerationRequest parameter (or an images API field)."""
+    return _ENGINE_TO_A1111.get(name or "", {"n": "batch_size", "size": "width"}.get(name or "", name))
+
+
+def a1111_error(e: ParamError) -> APIError:
+    """A request's ParamError as a 400 naming the AUTOMATIC1111 field that carries the parameter."""
+    name = e.param or ""
+    field = a1111_field(name) or None
+    message = str(e)
+    if name in _ENGINE_TO_A1111 and message.startswith(name):
+        message = field + message[len(name):]
+    return APIError(400, message, param=field)
+
+
+def _refuse(field: str, message: str) -> APIError:
+    return APIError(400, f"{field}: {message}", param=field, code="unsupported_parameter")
+
+
+def _enabled(args: Any) -> bool:
+    """Whether an alwayson script's args ask it to run (AUTOMATIC1111's scripts take a leading `False`, or units
+    with `"enabled": false`, to stay off)."""
+    if not isinstance(args, list) or not args or args[0] is False:
+        return False
+    return any(not (isinstance(a, dict) and a.get("enabled") is False) for a in args)
+
+
+def check_supported(body: ProcessingBody) -> None:
+    """A 400 for each value diffgraph cannot honour (the first found), naming the field and the value that works."""
+    get = body.__dict__.get
+    off = {"enable_hr": "the hires fix is not supported yet; send false and upscale the result yourself",
+           "restore_faces": "face restoration is not supported; send false",
+           "tiling": "tiling is not supported; send false",
+           "disable_extra_networks": "send false, and leave <lora:...> tags out of the prompt instead"}
+    for field, why in off.items():
+        if get(field):
+            raise _refuse(field, why)
+    if (get("subseed_strength") or 0) > 0:
+        raise _refuse("subseed_strength", "variation seeds are not supported yet; send 0 (seed alone makes the image)")
+    for field in ("seed_resize_from_h", "seed_resize_from_w"):
+        if (get(field) or 0) > 0:
+            raise _refuse(field, "resizing the seed's noise is not supported; send -1 or 0")
+    if get("s_churn") or get("s_min_uncond"):
+        raise _refuse("s_churn" if get("s_churn") else "s_min_uncond", "not supported; send 0 or null")
+    for field, neutral in (("s_noise", 1.0), ("initial_noise_multiplier", 1.0)):
+        if get(field) is not None and get(field) != neutral:
+            raise _refuse(field, f"only {neutral:g} (the default) is supported; send {neutral:g} or null")
+    if get("refiner_checkpoint") not in (None, "", "None"):
+        raise _refuse("refiner_checkpoint", "refiners are not supported; send null")
+    for field in ("firstpass_image", "latent_mask"):
+        if get(field):
+            raise _refuse(field, "not supported; send null")
+    if get("script_name"):
+        raise _refuse("script_name", "scripts are not supported; send null")
+    for name, script in (get("alwayson_scripts") or {}).items():
+        args = script.get("args") if isinstance(script, dict) else script
+        if _enabled(args):
+            what = "ControlNet is not supported yet" if name.lower() == "controlnet" else \
+                f"the {name!r} script is not supported here"
+            raise _refuse(f"alwayson_scripts.{name}", f"{what}; leave it out")
+    if get("mask_round") is False:
+        raise _refuse("mask_round", "masks are rounded to 0 / 1 at the latent size here; send true")
+    if get("inpainting_fill") not in (None, 0, 1):
+        raise _refuse("inpainting_fill", f"{get('inpainting_fill')} (latent noise / latent nothing) is not supported "
+                                         "yet; send 0 (fill) or 1 (original), or denoising_strength 1 to start the "
+                                         "masked area from noise")
+    if get("resize_mode") not in (None, 0, 1, 2):
+        raise _refuse("resize_mode", "allowed: 0 (resize), 1 (crop and resize), 2 (resize and fill)")
+
+
+def _options(body: ProcessingBody, key_model: str | None, key_clip_stop: int | None,
+             clip_skip: int | None) -> tuple[str | None, int]:
+    """(the model, CLIP_stop_at_last_layers): override_settings, else the key's options, else the server's."""
+    overrides = body.override_settings or {}
+    for name, value in overrides.items():
+        if name not in OPTIONS and value != DEFAULT_OPTIONS.get(name, object()):
+            raise _refuse(f"override_settings.{name}", f"this option cannot be overridden here; the options that "
+                                                      f"can: {', '.join(OPTIONS)}")
+    model = overrides.get("sd_model_checkpoint", key_model)
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, "override_settings.sd_model_checkpoint must be a model title (GET /sdapi/v1/sd-models)",
+                       param="override_settings.sd_model_checkpoint")
+    stop = overrides.get("CLIP_stop_at_last_layers", key_clip_stop)
+    return model, clip_stop(stop, "override_settings.CLIP_stop_at_last_layers", clip_skip)
+
+
+def clip_stop(value: Any, field: str, clip_skip: int | None = None) -> int:
+    """A CLIP_stop_at_last_layers value (1 = the last layer, 12 = the first); None: the server's --clip-skip."""
+    if value is None:
+        return 1 + (clip_skip or 0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or not 1 <= value <= 12:
+        raise APIError(400, f"{field} must be an integer in 1..12 (1 = the last CLIP layer, 2 = the one before), got "
+                            f"{value!r}", param=field)
+    return int(value)
+
+
+def _apply_infotext(body: ProcessingBody) -> None:
+    """AUTOMATIC1111's `infotext` field: the settings it holds fill the fields the body does not set."""
+    try:
+        fields = parse_infotext(body.infotext or "")
+    except MetadataError as e:
+        raise APIError(400, f"infotext: {e}", param="infotext") from None
+    names = {"prompt": "prompt", "negative_prompt": "negative_prompt", "sampler": "sampler_name",
+             "schedule": "scheduler", "num_inference_steps": "steps", "guidance_scale": "cfg_scale", "seed": "seed",
+             "width": "width", "height": "height", "strength": "denoising_strength"}
+    for ours, field in names.items():
+        if fields.get(ours) is not None and field not in body.model_fields_set and field in type(body).model_fields:
+            setattr(body, field, fields[ours])
+    if fields.get("clip_skip") and "CLIP_stop_at_last_layers" not in (body.override_settings or {}):
+        body.override_settings = {**(body.override_settings or {}), "CLIP_stop_at_last_layers": fields["clip_skip"] + 1}
+
+
+def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | None, clip_skip: int | None) -> Plan:
+    """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's)."""
+    if body.infotext:
+        _apply_infotext(body)
+    check_supported(body)
+    warnings = []
+    if body.styles:
+        warnings.append(f"styles {body.styles} were ignored: this server keeps no styles; put their text in the prompt")
+    if body.save_images:
+        warnings.append("save_images was ignored: this server does not keep images; save the ones it returns")
+    batch_size = 1 if body.batch_size is None else body.batch_size
+    n_iter = 1 if body.n_iter is None else body.n_iter
+    for field, value in (("batch_size", batch_size), ("n_iter", n_iter)):
+        if value < 1:
+            raise APIError(400, f"{field} {value} is out of range; it must be at least 1", param=field)
+    count = batch_size * n_iter
+    if count > MAX_IMAGES:
+        raise APIError(400, f"batch_size x n_iter is {count} images; at most {MAX_IMAGES} per request here: send "
+                            "several requests", param="n_iter")
+    seed = -1 if body.seed is None else body.seed
+    if seed < -1 or seed + count - 1 > MAX_SEED:
+        raise APIError(400, f"seed {seed} is out of range; allowed: -1 (random) or 0..{MAX_SEED - count + 1}",
+                       param="seed")
+    seed = secrets.randbelow(MAX_RANDOM_SEED) if seed == -1 else seed
+    subseed = -1 if body.subseed is None else body.subseed
+    subseed = secrets.randbelow(MAX_RANDOM_SEED) if subseed == -1 else subseed
+    model, stop = _options(body, key_model, key_clip_stop, clip_skip)
+    create = dict(negative_prompt=body.negative_prompt or None,
+                  width=512 if body.width is None else body.width, height=512 if body.height is None else body.height,
+                  num_inference_steps=50 if body.steps is None else body.steps,
+                  guidance_scale=7.0 if body.cfg_scale is None else body.cfg_scale, num_images=1,
+                  output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW))
+    return Plan(model=model, create=create, seeds=tuple(seed + i for i in range(count)),
+                subseeds=tuple(subseed + i for i in range(count)), clip_stop=stop, warnings=tuple(warnings))
+
+
+def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | None]:
+    """(sampler, schedule) in the model family's names: sampler_name (else the deprecated sampler_index, else
+    Euler) and scheduler, where "Automatic" (or none) is the sampler's own schedule as AUTOMATIC1111 picks it
+    (DPM++ 2M: Karras) and otherwise the model's. Raises APIError naming the field; checks eta against it."""
+    label = body.sampler_name or body.sampler_index or "Euler"
+    automatic = body.scheduler is None or body.scheduler.strip().lower() == "automatic"
+    try:  # a label may name its schedule ("DPM++ 2M Karras"); else "Automatic" is the sampler's own default
+        sampler, schedule = canonical(label, None if automatic else body.scheduler, info.samplers, info.schedules)
+    except ParamError as e:
+        raise a1111_error(e) from None
+    if automatic and schedule is None:
+        picked = A1111_SAMPLER_ITEMS.get(sampler, ([], {}))[1].get("scheduler")
+        schedule = picked if picked in info.schedules else None
+    eta = ETA.get(sampler)
+    if body.eta is not None and eta is not None and body.eta != eta:
+        label = A1111_SAMPLERS.get(sampler, sampler)
+        raise _refuse("eta", f"{label} runs with eta {eta:g} here (AUTOMATIC1111's default for it); send eta "
+                             f"{eta:g} or null")
+    return sampler, schedule
+
+
+def sampler_items(info: ModelInfo) -> list[dict[str, Any]]:
+    """GET /sdapi/v1/samplers: the family's samplers by AUTOMATIC1111's labels (its own name where it has none)."""
+    return [{"name": A1111_SAMPLERS.get(s, s), "aliases": A1111_SAMPLER_ITEMS.get(s, ([s], {}))[0],
+             "options": A1111_SAMPLER_ITEMS.get(s, ([], {}))[1]} for s in info.samplers]
+
+
+def scheduler_items(info: ModelInfo) -> list[dict[str, Any]]:
+    """GET /sdapi/v1/schedulers: the family's schedules by AUTOMATIC1111's names and labels."""
+    out = []
+    for s in info.schedules:
+        name, aliases, rho, inner = A1111_SCHEDULER_ITEMS.get(s, (s, None, -1.0, False))
+        out.append({"name": name, "label": A1111_SCHEDULES.get(s, s), "aliases": aliases, "default_rho": rho,
+                    "need_inner_model": inner})
+    return out
+
+
+def info_json(body: ProcessingBody, plan: Plan, first: GenerationRequest, model: str, texts: list[str],
+          extra: dict[str, Any]) -> str:
+    """AUTOMATIC1111's `info`: its Processed.js() fields, as JSON text."""
+    count = len(plan.seeds)
+    return json.dumps({
+        "prompt": first.prompt, "all_prompts": [first.prompt] * count, "negative_prompt": body.negative_prompt or "",
+        "all_negative_prompts": [body.negative_prompt or ""] * count, "seed": plan.seeds[0],
+        "all_seeds": list(plan.seeds), "subseed": plan.subseeds[0], "all_subseeds": list(plan.subseeds),
+        "subseed_strength": body.subseed_strength or 0, "width": first.width, "height": first.height,
+        "sampler_name": A1111_SAMPLERS.get(first.sampler, first.sampler), "cfg_scale": first.guidance_scale,
+        "steps": first.num_inference_steps, "batch_size": body.batch_size or 1, "restore_faces": body.restore_faces,
+        "face_restoration_model": None, "sd_model_name": model, "sd_model_hash": None, "sd_vae_name": None,
+        "sd_vae_hash": None, "seed_resize_from_w": body.seed_resize_from_w,
+        "seed_resize_from_h": body.seed_resize_from_h,
+        "denoising_strength": body.denoising_strength, "extra_generation_params": extra, "index_of_first_image": 0,
+        "infotexts": texts, "styles": body.styles or [], "job_timestamp": datetime.now().strftime("%Y%m%d%H%M%S"),
+        "clip_skip": plan.clip_stop, "is_using_inpainting_conditioning": False, "version": f"diffgraph {__version__}"})

@@ -1,0 +1,388 @@
+"""AUTOMATIC1111's API on `diffgraph serve --model digits` (issue 34, point 1), driven by the real `webuiapi` client
+from PyPI and by raw JSON: txt2img (seeds, PNG info, the same pixels as /v1/images/generations), img2img with a mask
+and "only masked", the lists, progress (with its live preview) while a job runs, interrupt and skip, keys (Bearer
+and Basic) and per-key options, every field of AUTOMATIC1111's request models (tests/fixtures/a1111_api_fields.json) accepted, nulls
+included, and every unsupported value or bad input answered 400 naming its field.
+
+One module server with two API keys and a `--model-dir` holding digits-xl (sd_model_checkpoint per key and per
+request); images are 64x64 with a few steps. The jobs that must still be running when progress is read are long (the
+engine's most steps) and end by /interrupt, so no test waits on a wall-clock guess.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffgraph.models.presets import shipped_preset_folder
+from diffgraph.server.process import ServerProcess
+
+webuiapi = pytest.importorskip("webuiapi")
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "a1111_api_fields.json").read_text())
+KEY_A, KEY_B = "key-a-0123456789", "key-b-0123456789"
+SMALL = {"prompt": "a handwritten digit three", "width": 64, "height": 64, "steps": 3, "seed": 1}
+LONG_STEPS = 200   # the engine's most: a job still running when progress is read
+BOUND_S = 600      # a failure bound for loops that wait for a state, never a timing assumption
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    models = tmp_path_factory.mktemp("models")  # a second model, of another family, for sd_model_checkpoint
+    shutil.copytree(shipped_preset_folder("digits-xl"), models / "xl" / "digits-xl")
+    s = ServerProcess("--request-timeout", "900", "--api-key", KEY_A, "--api-key", KEY_B, "--model-dir", str(models),
+                      model="digits")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop(timeout=30)
+
+
+def _client(server, key: str):
+    host, port = server.url.removeprefix("http://").split(":")
+    api = webuiapi.WebUIApi(host=host, port=int(port), sampler="Euler a", steps=4)
+    api.set_auth("someone", key)
+    return api
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return _client(server, KEY_A)
+
+
+@pytest.fixture(scope="module")
+def other(server):
+    return _client(server, KEY_B)
+
+
+def post(server, path: str, body, key: str = KEY_A) -> httpx.Response:
+    return httpx.post(f"{server.url}/sdapi/v1/{path}", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=BOUND_S)
+
+
+def pixels(image) -> np.ndarray:
+    return np.asarray(image.convert("RGB")).astype(int)
+
+
+def b64png(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def source(size: int = 96) -> Image.Image:
+    rng = np.random.default_rng(3)
+    return Image.fromarray((rng.random((size, size, 3)) * 255).astype(np.uint8))
+
+
+def square_mask(size: int, lo: int, hi: int) -> Image.Image:
+    mask = Image.new("L", (size, size), 0)
+    mask.paste(255, (lo, lo, hi, hi))
+    return mask
+
+
+def running(thread: threading.Thread, client, predicate) -> dict:
+    """Polls the key's /progress until `predicate` holds (bounded; fails at once if the job already ended)."""
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline and thread.is_alive():
+        progress = client.get_progress()
+        if predicate(progress):
+            return progress
+        time.sleep(0.02)
+    raise AssertionError("the job ended (or never started) before /progress showed it running")
+
+
+def in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def work():
+        try:
+            out["result"] = fn()
+        except Exception as e:  # re-raised by the test
+            out["error"] = e
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread, out
+
+
+# -- the webuiapi client --------------------------------------------------------------------------------------------
+def test_txt2img_images_seeds_and_png_info(api):
+    r = api.txt2img(prompt="a handwritten digit seven", width=64, height=64, steps=4, seed=11, batch_size=2,
+                    n_iter=2)
+    assert [im.size for im in r.images] == [(64, 64)] * 4
+    assert r.info["all_seeds"] == [11, 12, 13, 14] and r.info["seed"] == 11
+    assert sorted(r.info) == sorted(FIXTURE["info"])
+    assert sorted(r.parameters) == sorted(FIXTURE["txt2img_request"])
+    for i, image in enumerate(r.images):
+        assert image.info["parameters"] == r.info["infotexts"][i]
+        assert f"Seed: {11 + i}," in r.info["infotexts"][i] and "Sampler: Euler a" in r.info["infotexts"][i]
+    alone = api.txt2img(prompt="a handwritten digit seven", width=64, height=64, steps=4, seed=13)
+    # each image is reproducible alone: the same up to the rounding of batched float math (the engine's own tests:
+    # batched rows equal each alone within 1e-4)
+    assert np.abs(pixels(alone.image) - pixels(r.images[2])).max() <= 1
+
+
+def test_txt2img_equals_images_generations(server, api):
+    # 12 steps: the A1111 request gets a live preview at step 10 (for /progress), which leaves the image as it is
+    r = api.txt2img(prompt="a handwritten (digit:1.1) five", sampler_name="Euler", scheduler="Automatic", width=64,
+                    height=64, steps=12, cfg_scale=5, seed=21)
+    v1 = httpx.post(server.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY_A}"},
+                    timeout=BOUND_S, json={"prompt": "a handwritten (digit:1.1) five", "size": "64x64", "seed": 21,
+                                           "num_inference_steps": 12, "guidance_scale": 5, "sampler": "euler",
+                                           "prompt_syntax": "a1111"})
+    assert v1.status_code == 200, v1.text
+    expected = Image.open(io.BytesIO(base64.b64decode(v1.json()["data"][0]["b64_json"])))
+    assert np.array_equal(pixels(r.image), pixels(expected))
+
+
+def test_img2img_with_a_mask_only_masked_and_whole(api):
+    src, mask = source(96), square_mask(96, 40, 60)
+    common = dict(images=[src], mask_image=mask, prompt="a handwritten digit eight", width=64, height=64, steps=6,
+                  seed=5, denoising_strength=0.9, mask_blur=2)
+    only = api.img2img(inpaint_full_res=True, inpaint_full_res_padding=8, **common)
+    out = pixels(only.image)
+    assert only.image.size == (96, 96)  # only the masked box ran (at 64x64), pasted back into the whole image
+    far = np.ones((96, 96), bool)
+    far[30:70, 30:70] = False           # beyond the square and its blur
+    assert np.array_equal(out[far], pixels(src)[far])
+    assert np.abs(out[44:56, 44:56] - pixels(src)[44:56, 44:56]).mean() > 5
+    assert "Size: 64x64" in only.info["infotexts"][0] and "Denoising strength: 0.9" in only.info["infotexts"][0]
+    assert only.info["extra_generation_params"]["Inpaint area"] == "Only masked"
+
+    whole = api.img2img(inpaint_full_res=False, **common)
+    resized = pixels(src.resize((64, 64), Image.Resampling.LANCZOS))
+    near = np.ones((64, 64), bool)
+    near[14:53, 14:53] = False          # the square scaled to 64x64, with its resampling and blur
+    assert whole.image.size == (64, 64) and np.array_equal(pixels(whole.image)[near], resized[near])
+
+    plain = api.img2img(images=[src], prompt="a handwritten digit eight", width=64, height=64, steps=6, seed=5)
+    assert plain.image.size == (64, 64) and np.abs(pixels(plain.image) - resized).mean() > 1
+
+
+def test_lists_have_automatic1111s_fields(api):
+    models = api.get_sd_models()
+    assert [sorted(m) for m in models] == [sorted(FIXTURE["sd_model_item"])] * 2
+    assert api.util_get_model_names() == ["digits", "xl/digits-xl"]
+    samplers = {s["name"]: s for s in api.get_samplers()}
+    assert all(sorted(s) == sorted(FIXTURE["sampler_item"]) for s in samplers.values())
+    assert {"Euler a", "Euler", "DPM++ 2M", "DDIM"} <= set(samplers)
+    assert samplers["DPM++ 2M"]["options"] == {"scheduler": "karras"}
+    schedulers = api.get_schedulers()
+    assert all(sorted(s) == sorted(FIXTURE["scheduler_item"]) for s in schedulers)
+    assert {"automatic", "karras", "exponential"} <= set(api.util_get_scheduler_names())
+    assert all(sorted(x) == sorted(FIXTURE["lora_item"]) for x in api.get_loras())
+    assert sorted(api.get_embeddings()) == sorted(FIXTURE["embeddings_response"])
+    assert api.get_upscalers() == [] and sorted(api.get_scripts()) == sorted(FIXTURE["scripts_list"])
+    options = api.get_options()
+    assert set(options) <= set(FIXTURE["options"]) and options["sd_model_checkpoint"] == "digits"
+    assert api.util_get_current_model() == "digits"
+    progress = api.get_progress()
+    assert sorted(progress) == sorted(FIXTURE["progress_response"])
+    assert sorted(progress["state"]) == sorted(FIXTURE["progress_state"])
+    assert progress["progress"] == 0 and progress["state"]["job_count"] == 0
+
+
+def test_progress_while_a_job_runs_then_interrupt(server, api, other):
+    thread, out = in_thread(lambda: api.txt2img(prompt="a handwritten digit one", width=64, height=64,
+                                                steps=LONG_STEPS, seed=30, batch_size=2))
+    progress = running(thread, api, lambda p: p["current_image"] is not None)  # a live preview, every 10 steps
+    state = progress["state"]
+    assert state["job"] == "txt2img" and state["job_count"] == 2 and state["sampling_steps"] == LONG_STEPS
+    assert state["sampling_step"] >= 10 and 0 < progress["progress"] < 1 and progress["eta_relative"] >= 0
+    preview = Image.open(io.BytesIO(base64.b64decode(progress["current_image"])))
+    assert preview.format == "PNG" and preview.size[0] > 0
+    bare = httpx.get(server.url + "/sdapi/v1/progress", params={"skip_current_image": "true"}, auth=("a", KEY_A),
+                     timeout=BOUND_S).json()
+    assert bare["current_image"] is None and bare["state"]["job_count"] == 2
+    assert other.get_progress()["state"]["job_count"] == 0  # the other key's requests only
+    other.interrupt()                                        # ... and its interrupt stops none of this key's
+    assert api.get_progress()["state"]["job_count"] == 2
+    api.interrupt()
+    thread.join(BOUND_S)
+    assert "error" not in out, out.get("error")
+    r = out["result"]
+    assert r.images == [] and r.info["all_seeds"] == [30, 31] and "interrupt" in r.json["warnings"][0]
+    api.util_wait_for_ready(check_interval=0.05)  # idle again: progress 0 and job_count 0
+
+
+def test_skip_stops_only_the_current_image(api):
+    thread, out = in_thread(lambda: api.txt2img(prompt="a handwritten digit two", width=64, height=64, steps=60,
+                                                seed=40, batch_size=2))
+    running(thread, api, lambda p: p["state"]["sampling_step"] >= 1)
+    api.skip()
+    thread.join(BOUND_S)
+    assert "error" not in out, out.get("error")
+    r = out["result"]
+    assert len(r.images) == 1 and "Seed: 41," in r.info["infotexts"][0] and r.info["all_seeds"] == [40, 41]
+
+
+def test_prompts_are_read_in_automatic1111s_syntax(server, api):
+    tagged = api.txt2img(prompt="a handwritten (digit:1.2) four <lora:pencil:0.8>", sampler_name="Euler", width=64,
+                         height=64, steps=4, seed=8)
+    assert "<lora:pencil:0.8>" in tagged.info["infotexts"][0]
+    v1 = httpx.post(server.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY_A}"},
+                    timeout=BOUND_S, json={"prompt": "a handwritten (digit:1.2) four", "size": "64x64", "seed": 8,
+                                           "num_inference_steps": 4, "guidance_scale": 7, "sampler": "euler",
+                                           "prompt_syntax": "a1111", "loras": [{"name": "pencil", "scale": 0.8}]})
+    assert v1.status_code == 200, v1.text  # the tag is the adapter at that scale, not text
+    expected = Image.open(io.BytesIO(base64.b64decode(v1.json()["data"][0]["b64_json"])))
+    assert np.array_equal(pixels(tagged.image), pixels(expected))
+
+
+# -- keys and options ----------------------------------------------------------------------------------------------
+def test_bearer_and_basic_auth(server):
+    url = server.url + "/sdapi/v1/options"
+    refused = httpx.get(url, timeout=BOUND_S)
+    assert refused.status_code == 401 and 'Basic realm="diffgraph"' in refused.headers.get_list("www-authenticate")
+    assert "HTTP Basic" in refused.json()["error"]["message"]
+    assert httpx.get(url, auth=("someone", "wrong"), timeout=BOUND_S).status_code == 401
+    assert httpx.get(url, auth=("anyone", KEY_B), timeout=BOUND_S).status_code == 200
+    assert httpx.get(url, headers={"Authorization": f"Bearer {KEY_B}"}, timeout=BOUND_S).status_code == 200
+
+
+def test_sd_model_checkpoint_picks_the_model_per_key_and_per_request(api, other):
+    try:
+        api.util_set_model("xl/digits-xl")
+        assert api.util_get_current_model() == "xl/digits-xl" and other.util_get_current_model() == "digits"
+        r = api.txt2img(**SMALL)
+        assert r.info["sd_model_name"] == "xl/digits-xl" and "Model: xl/digits-xl" in r.info["infotexts"][0]
+        assert other.txt2img(**SMALL).info["sd_model_name"] == "digits"
+        once = other.txt2img(**SMALL, override_settings={"sd_model_checkpoint": "xl/digits-xl"})
+        assert once.info["sd_model_name"] == "xl/digits-xl" and other.util_get_current_model() == "digits"
+    finally:
+        api.set_options({"sd_model_checkpoint": "digits"})
+    assert api.util_get_current_model() == "digits"
+
+
+def test_options_are_per_key(server, api, other):
+    try:
+        api.set_options({"CLIP_stop_at_last_layers": 2})
+        assert api.get_options()["CLIP_stop_at_last_layers"] == 2
+        assert other.get_options()["CLIP_stop_at_last_layers"] == 1
+        r = api.txt2img(**{k: v for k, v in SMALL.items()})
+        assert r.info["clip_skip"] == 2 and "Clip skip: 2" in r.info["infotexts"][0]
+        assert "Clip skip" not in other.txt2img(**SMALL).info["infotexts"][0]
+    finally:
+        api.set_options({"CLIP_stop_at_last_layers": 1})
+    api.util_set_model("digits")
+    assert api.util_get_current_model() == "digits"
+    for body, param in (({"sd_model_checkpoint": "nope"}, "sd_model_checkpoint"), ({"sd_vae": "x.vae"}, "sd_vae"),
+                        ({"CLIP_stop_at_last_layers": 13}, "CLIP_stop_at_last_layers")):
+        r = post(server, "options", body)
+        assert r.status_code == (404 if param == "sd_model_checkpoint" else 400), r.text
+        assert r.json()["error"]["param"] == param, r.text
+    r = post(server, "options", {"sd_vae": "Automatic", "sd_model_checkpoint": "digits", "samples_format": "png"})
+    assert r.status_code == 200 and r.json() is None
+    assert post(server, "options", ["sd_model_checkpoint"]).status_code == 400
+
+
+# -- raw JSON: every field -----------------------------------------------------------------------------------------
+def _init(**body) -> dict:
+    return {"init_images": [b64png(source(64))], **SMALL, **body}
+
+
+@pytest.mark.parametrize("route", ["txt2img", "img2img"])
+def test_every_field_of_automatic1111s_model_is_accepted_nulls_too(server, route):
+    fields = FIXTURE[f"{route}_request"]
+    extra = _init(mask=b64png(square_mask(64, 16, 48))) if route == "img2img" else SMALL
+    for body in ({**fields, **extra}, {**{k: None for k in fields}, **extra}):
+        r = post(server, route, body)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert sorted(answer) == sorted(FIXTURE[f"{route}_response"])
+        excluded = FIXTURE["request_fields_excluded_from_parameters"]
+        assert sorted(answer["parameters"]) == sorted(k for k in fields if k not in excluded)
+        assert sorted(json.loads(answer["info"])) == sorted(FIXTURE["info"]) and len(answer["images"]) == 1
+
+
+UNSUPPORTED = [
+    ({"enable_hr": True}, "enable_hr", "hires fix"), ({"restore_faces": True}, "restore_faces", "face restoration"),
+    ({"tiling": True}, "tiling", "tiling"), ({"subseed_strength": 0.3}, "subseed_strength", "variation seeds"),
+    ({"seed_resize_from_h": 64}, "seed_resize_from_h", "send -1 or 0"), ({"s_churn": 0.5}, "s_churn", "send 0"),
+    ({"s_min_uncond": 0.2}, "s_min_uncond", "send 0"), ({"s_noise": 0.9}, "s_noise", "send 1"),
+    ({"refiner_checkpoint": "sdxl_refiner"}, "refiner_checkpoint", "refiners"),
+    ({"firstpass_image": "abc"}, "firstpass_image", "send null"),
+    ({"disable_extra_networks": True}, "disable_extra_networks", "<lora:...>"),
+    ({"script_name": "x/y/z plot"}, "script_name", "scripts are not supported"),
+    ({"alwayson_scripts": {"ControlNet": {"args": [{"enabled": True, "module": "canny"}]}}},
+     "alwayson_scripts.ControlNet", "ControlNet is not supported yet"),
+    ({"alwayson_scripts": {"ADetailer": {"args": [True, {}]}}}, "alwayson_scripts.ADetailer", "not supported"),
+    ({"sampler_name": "Euler a", "eta": 0.5}, "eta", "eta 1"), ({"sampler_name": "DDIM", "eta": 1.0}, "eta", "eta 0"),
+    ({"override_settings": {"sd_vae": "x.vae"}}, "override_settings.sd_vae", "cannot be overridden"),
+    ({"override_settings": {"sd_model_checkpoint": "nope"}}, "override_settings.sd_model_checkpoint", "'nope'"),
+    ({"override_settings": {"CLIP_stop_at_last_layers": 0}}, "override_settings.CLIP_stop_at_last_layers", "1..12"),
+]
+BAD = [
+    ({"sampler_name": "Restart"}, "sampler_name", "not supported here"),
+    ({"sampler_name": "Eulr"}, "sampler_name", "did you mean"),
+    ({"scheduler": "Align Your Steps"}, "scheduler", "not supported yet"),
+    ({"steps": 0}, "steps", "steps 0 is out of range"), ({"steps": "20"}, "steps", "must be an integer"),
+    ({"cfg_scale": -1}, "cfg_scale", "cfg_scale -1"), ({"width": 500}, "width", "use 496 or 504"),
+    ({"batch_size": 0}, "batch_size", "at least 1"), ({"batch_size": 9, "n_iter": 2}, "n_iter", "at most 16"),
+    ({"seed": -2}, "seed", "-1 (random)"), ({"prompt": ""}, "prompt", "prompt is empty"),
+    ({"prompt": "a [cat:dog:0.5]"}, "prompt", None), ({"prompt": "a <lora:nope:1>"}, "prompt", "'nope' is unknown"),
+    ({"no_such_field": 1}, "no_such_field", "unknown parameter"),
+    ({"infotext": "x\nSteps: nine, Sampler: Euler, Seed: 1"}, "infotext", "not a number"),
+]
+IMG2IMG_BAD = [
+    ({"init_images": None}, "init_images", "init_images is required"),
+    ({"init_images": ["not base64 at all!"]}, "init_images[0]", None),
+    ({"init_images": ["http://example.com/a.png"]}, "init_images[0]", "does not fetch URLs"),
+    ({"init_images": [b64png(source(64))] * 2, "batch_size": 3}, "init_images", "send 1"),
+    ({"denoising_strength": 0}, "denoising_strength", "denoising_strength 0"),
+    ({"inpainting_fill": 2}, "inpainting_fill", "latent noise"), ({"resize_mode": 3}, "resize_mode", "allowed"),
+    ({"mask_round": False}, "mask_round", "send true"), ({"latent_mask": "abc"}, "latent_mask", "send null"),
+    ({"initial_noise_multiplier": 0.5}, "initial_noise_multiplier", "send 1"),
+    ({"mask_blur": -1, "mask": b64png(square_mask(64, 8, 40))}, "mask_blur", "0..256"),
+    ({"inpainting_mask_invert": 2}, "inpainting_mask_invert", "0 (repaint"),
+    ({"mask": "////"}, "mask", None),
+]
+
+
+@pytest.mark.parametrize("route,body,param,needle", [("txt2img", *c) for c in UNSUPPORTED + BAD]
+                         + [("img2img", *c) for c in IMG2IMG_BAD + UNSUPPORTED[1:4]])
+def test_unsupported_and_bad_values_get_a_400_naming_the_field(server, route, body, param, needle):
+    r = post(server, route, {**(_init() if route == "img2img" else SMALL), **body})
+    assert r.status_code == (404 if param.endswith("sd_model_checkpoint") else 400), r.text  # an unknown model: 404
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert needle is None or needle in error["message"], error["message"]
+
+
+def test_fields_that_shape_the_answer(server):
+    def answer(route="txt2img", **body) -> dict:
+        r = post(server, route, {**(_init() if route == "img2img" else SMALL), **body})
+        assert r.status_code == 200, r.text
+        return {**r.json(), "info": json.loads(r.json()["info"])}
+
+    ignored = answer(styles=["cinematic"], save_images=True, alwayson_scripts={"ControlNet": {"args": []}})
+    assert any("styles" in w for w in ignored["warnings"]) and any("save_images" in w for w in ignored["warnings"])
+    assert "warnings" not in answer()
+    hidden = answer(send_images=False, n_iter=2, seed=-1)
+    seeds = hidden["info"]["all_seeds"]
+    assert hidden["images"] == [] and len(hidden["info"]["infotexts"]) == 2 and seeds[1] == seeds[0] + 1
+    karras = answer(sampler_name="DPM++ 2M")["info"]["infotexts"][0]  # "Automatic": the sampler's own schedule
+    assert "Sampler: DPM++ 2M, Schedule type: Karras" in karras
+    exponential = answer(sampler_name="DPM++ 2M", scheduler="exponential")["info"]["infotexts"][0]
+    assert "Schedule type: Exponential" in exponential
+    assert answer(sampler_name="DDIM", eta=0)["info"]["sampler_name"] == "DDIM"
+    assert answer(sampler_name="Euler", eta=0.3, s_tmax=0, s_tmin=0, s_noise=1)["info"]["sampler_name"] == "Euler"
+    text = ("a handwritten digit two\nNegative prompt: blurry\n"
+            "Steps: 2, Sampler: DPM++ 2M, CFG scale: 4, Seed: 9, Size: 64x64")
+    pasted = post(server, "txt2img", {"infotext": text, "steps": 3})
+    told = json.loads(pasted.json()["info"])  # the infotext fills the fields the body does not set (not steps)
+    assert (told["prompt"], told["negative_prompt"], told["seed"], told["steps"], told["sampler_name"], told["width"]) \
+        == ("a handwritten digit two", "blurry", 9, 3, "DPM++ 2M", 64)
+    assert answer("img2img")["parameters"]["init_images"] is None
+    assert answer("img2img", include_init_images=True)["parameters"]["init_images"] == _init()["init_images"]

@@ -1,0 +1,122 @@
+"""The parts of the AUTOMATIC1111 routes that need no server (issue 34, point 1): the request and answer models hold
+every field of tests/fixtures/a1111_api_fields.json (transcribed from AUTOMATIC1111 v1.10's modules/api/models.py)
+with its default, the pixel work of img2img (masks, resize modes, the "only masked" box, the fill, the paste back),
+and which key a request carries (Bearer, or HTTP Basic's password)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffgraph.server.a1111_inpaint import MaskOptions, crop_box, fill, prepare, read_mask, resize
+from diffgraph.server.a1111_protocol import (Img2ImgBody, ProgressResponse, ProgressState, TextToImageResponse,
+                                             Txt2ImgBody, plan_body)
+from diffgraph.server.auth import caller_key
+from diffgraph.server.protocol import APIError
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "a1111_api_fields.json").read_text())
+
+
+@pytest.mark.parametrize("model,name", [(Txt2ImgBody, "txt2img_request"), (Img2ImgBody, "img2img_request")])
+def test_request_models_have_every_field_with_its_default(model, name):
+    fields = FIXTURE[name]
+    assert sorted(model.model_fields) == sorted(fields)
+    assert {k: f.default for k, f in model.model_fields.items()} == fields
+    assert model.model_validate({k: None for k in fields})  # null: the default
+
+
+def test_answer_models_have_automatic1111s_fields():
+    assert set(FIXTURE["txt2img_response"]) <= set(TextToImageResponse.model_fields)
+    assert set(TextToImageResponse.model_fields) - set(FIXTURE["txt2img_response"]) == {"warnings"}
+    assert sorted(ProgressResponse.model_fields) == sorted(FIXTURE["progress_response"])
+    assert sorted(ProgressState.model_fields) == sorted(FIXTURE["progress_state"])
+
+
+def test_seeds_count_and_clip_stop():
+    plan = plan_body(Txt2ImgBody(prompt="a", seed=7, subseed=3, batch_size=2, n_iter=3), None, None, None)
+    assert plan.seeds == (7, 8, 9, 10, 11, 12) and plan.subseeds == (3, 4, 5, 6, 7, 8) and plan.clip_stop == 1
+    keyed = plan_body(Txt2ImgBody(prompt="a"), None, 3, None)
+    assert keyed.clip_stop == 3 and keyed.create["clip_skip"] == 2 and keyed.create["prompt_syntax"] == "a1111"
+    overridden = plan_body(Txt2ImgBody(prompt="a", override_settings={"CLIP_stop_at_last_layers": 1}), None, 3, 1)
+    assert overridden.create["clip_skip"] is None
+    assert plan_body(Txt2ImgBody(prompt="a"), None, None, 1).clip_stop == 2  # the server's --clip-skip
+    with pytest.raises(APIError, match="ControlNet is not supported yet"):
+        plan_body(Txt2ImgBody(prompt="a", alwayson_scripts={"controlnet": {"args": [{"enabled": True}]}}), None, None,
+                  None)
+    off = {"controlnet": {"args": [{"enabled": False}]}, "ADetailer": {"args": [False]}, "x": {}}
+    assert plan_body(Txt2ImgBody(prompt="a", alwayson_scripts=off), None, None, None).warnings == ()
+
+
+def test_crop_box_pads_keeps_the_aspect_and_stays_inside():
+    mask = Image.new("L", (200, 100), 0)
+    mask.paste(255, (90, 40, 110, 60))                  # a 20x20 square
+    assert crop_box(mask, 0, 64, 64) == (90, 40, 110, 60)
+    assert crop_box(mask, 10, 64, 64) == (80, 30, 120, 70)
+    x1, y1, x2, y2 = crop_box(mask, 10, 128, 64)         # widened to 2:1 about its middle
+    assert (x2 - x1, y2 - y1) == (80, 40) and (x1 + x2) // 2 == 100
+    edge = Image.new("L", (200, 100), 0)
+    edge.paste(255, (0, 0, 10, 90))                     # against the left edge: shifted inside
+    x1, y1, x2, y2 = crop_box(edge, 0, 64, 64)
+    assert x1 == 0 and (x2 - x1, y2 - y1) == (90, 90)
+    assert crop_box(Image.new("L", (64, 64), 0), 4, 64, 64) is None
+
+
+def test_resize_modes():
+    image = Image.fromarray(np.arange(100 * 50 * 3, dtype=np.uint32).reshape(50, 100, 3).astype(np.uint8))
+    for mode in (0, 1, 2):
+        assert resize(image, mode, 64, 64).size == (64, 64)
+    stripes = np.zeros((40, 80, 3), np.uint8)
+    stripes[0] = 200                                    # the top row
+    filled = np.asarray(resize(Image.fromarray(stripes), 2, 80, 80))
+    assert (filled[:20] == 200).all() and (filled[60:] == 0).all()  # the gaps repeat the edge rows
+
+
+def test_masks_as_automatic1111_reads_them():
+    rgba = np.zeros((64, 64, 4), np.uint8)
+    rgba[..., 3] = 255
+    rgba[:, :32, 3] = 0                                 # transparent left half, opaque right
+    mask = np.asarray(read_mask(Image.fromarray(rgba, "RGBA"), invert=False))
+    assert (mask[:, :32] == 0).all() and (mask[:, 32:] == 255).all()  # opaque = repaint
+    gray = Image.new("L", (64, 64), 255)
+    assert (np.asarray(read_mask(gray, invert=True)) == 0).all()
+
+
+def test_fill_takes_the_colours_around_the_mask():
+    pixels = np.zeros((64, 64, 3), np.uint8)
+    pixels[:, :32] = (200, 0, 0)
+    pixels[:, 32:] = (0, 0, 200)
+    mask = np.zeros((64, 64), np.uint8)
+    mask[16:48, 16:48] = 255
+    out = fill(pixels, mask).astype(int)
+    assert np.array_equal(out[mask == 0], pixels[mask == 0].astype(int))
+    assert out[32, 18, 0] > out[32, 18, 2] and out[32, 45, 2] > out[32, 45, 0]  # red side stays red, blue blue
+
+
+def test_only_masked_goes_back_where_it_came_from():
+    image = Image.fromarray(np.full((96, 128, 3), 100, np.uint8))
+    mask = Image.new("L", (128, 96), 0)
+    mask.paste(255, (70, 30, 90, 50))
+    edit = prepare(image, mask, MaskOptions(blur_x=0, blur_y=0, padding=6, fill=False), 64, 64, 0.75)
+    assert edit.box == (64, 24, 96, 56) and edit.edit.image.shape == (64, 64, 3) and edit.edit.strength == 0.75
+    out = edit.finish(np.full((64, 64, 3), 250, np.uint8))
+    assert out.shape == (96, 128, 3)
+    assert (out[30:50, 70:90] == 250).all() and (out[:30] == 100).all() and (out[:, :70] == 100).all()
+    blank = prepare(image, Image.new("L", (128, 96), 0), MaskOptions(), 64, 64, 0.5)
+    assert blank.edit.mask is None and blank.warning and blank.base is None  # image-to-image, as AUTOMATIC1111 does
+
+
+def test_the_key_a_request_carries():
+    keys = (b"alpha", b"beta")
+
+    def scope(header: bytes) -> dict:
+        return {"headers": [(b"authorization", header)]}
+    assert caller_key(scope(b"Bearer beta"), keys) == 1
+    assert caller_key(scope(b"Basic " + base64.b64encode(b"anyone:alpha")), keys) == 0
+    assert caller_key(scope(b"Basic " + base64.b64encode(b"alpha:")), keys) is None  # the password is the key
+    assert caller_key(scope(b"Basic !!!"), keys) is None and caller_key(scope(b"Bearer "), keys) is None
+    assert caller_key({"headers": []}, keys) is None
