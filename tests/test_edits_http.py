@@ -115,6 +115,20 @@ def test_edits_stream_progress_and_take_a_size(server):
     assert _pixels(done["data"][0]["b64_json"]).shape == (96, 64, 3)
 
 
+def test_edits_stream_live_previews(server):
+    """OpenAI's partial_images and diffgraph's preview (a JSON text field) on the edits form, as on generations."""
+    cases = (({"partial_images": "2"}, [2, 3]),  # 2 previews spread over its 5 steps
+             ({"preview": '{"every": 1, "format": "png"}'}, [1, 2, 3, 4, 5]))
+    for fields, steps in cases:
+        with httpx.stream("POST", f"{server.url}/v1/images/edits", timeout=600,
+                          files={"image": ("a.png", _png(_source(1)), "image/png")},
+                          data={"prompt": "a fox", "strength": "0.5", "num_inference_steps": "10", "stream": "true",
+                                "seed": "3", **fields}) as r:
+            assert r.status_code == 200
+            stream = read_stream(r.iter_lines())
+        assert [p["step"] for p in stream.partials] == steps and len(stream.completed) == 1
+
+
 def test_generate_url_with_image_and_mask(server, engine, tmp_path):
     from diffgraph.cli import main
 

@@ -107,17 +107,22 @@ def test_published_factors_only_for_the_sd_vae_with_trained_weights():
 
 
 def test_partial_images_spread_over_the_steps_and_bad_previews_are_refused():
-    spec = PreviewSpec.partial_images(3, 20)
-    assert [s for s in range(1, 21) if spec.due(s)] == [5, 10, 15]
-    assert [s for s in range(1, 3) if PreviewSpec.partial_images(3, 2).due(s)] == [1, 2]
-    assert PreviewSpec.partial_images(0, 20) is None
+    spec = PreviewSpec.partial_images(3)
+    assert [s for s in range(1, 21) if spec.due(s, 20)] == [5, 10, 15]
+    assert [s for s in range(1, 40) if spec.due(s, 39)] == [10, 20, 29]  # heun, 20 steps: 39 evaluations
+    assert [s for s in range(1, 6) if PreviewSpec.partial_images(2).due(s, 5)] == [2, 3]
+    assert [s for s in range(1, 3) if spec.due(s, 2)] == [1, 2]
+    assert [s for s in range(1, 21) if PreviewSpec(every=4, limit=2).due(s, 20)] == [4, 8]
+    assert PreviewSpec.partial_images(0) is None
     with pytest.raises(ParamError, match="partial_images"):
-        PreviewSpec.partial_images(4, 20)
+        PreviewSpec.partial_images(4)
+    with pytest.raises(ParamError, match="needs a limit"):
+        PreviewSpec(every=0)
     with pytest.raises(ParamError, match="preview format 'gif' is unknown; allowed: jpeg, png, webp"):
         PreviewSpec(every=2, format="gif")
     with pytest.raises(ParamError) as e:
-        PreviewSpec(every=0)
-    assert e.value.param == "preview" and str(e.value).startswith("preview.every 0 is out of range")
+        PreviewSpec(every=-1)
+    assert e.value.param == "preview" and str(e.value).startswith("preview.every -1 is out of range")
     from diffgraph.request import make_preview
     with pytest.raises(ParamError, match="unknown fields"):
         make_preview({"every": 2, "size": 5})

@@ -206,7 +206,7 @@ def test_a_preview_stream_and_its_errors(server):
     assert stream.events.index("image_generation.completed") > stream.events.index("image_generation.partial_image")
     for extra, param, words in (({"partial_images": 2}, "partial_images", "not both"),
                                 ({"preview": None, "partial_images": 4}, "partial_images", "0..3"),
-                                ({"preview": {"every": 0}}, "preview", "preview.every 0 is out of range"),
+                                ({"preview": {"every": -1}}, "preview", "preview.every -1 is out of range"),
                                 ({"preview": {"every": 2, "format": "gif"}}, "preview", "jpeg, png, webp")):
         r = httpx.post(server.url + "/v1/images/generations", json={**body, **extra}, timeout=600)
         assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"]

@@ -166,7 +166,8 @@ PREVIEW_FORMATS = ("jpeg", "png", "webp")
 class PreviewSpec:
     """Live previews of a request (engine/previews.py): every `every` steps (denoiser evaluations, as progress
     counts them) a small image of the current denoised prediction in `format`; at most `limit` of them (0: no
-    limit; OpenAI's `partial_images`)."""
+    limit). `every` 0 spreads `limit` previews evenly over the evaluations the request runs (OpenAI's
+    `partial_images`: an edit's share of the steps, a two-evaluation sampler's 2n - 1)."""
 
     every: int = 1
     format: str = "jpeg"
@@ -174,22 +175,26 @@ class PreviewSpec:
 
     def __post_init__(self) -> None:
         try:
-            object.__setattr__(self, "every", _check_int("preview.every", self.every, 1, MAX_STEPS))
+            object.__setattr__(self, "every", _check_int("preview.every", self.every, 0, MAX_STEPS))
             object.__setattr__(self, "limit", _check_int("preview.limit", self.limit, 0, MAX_STEPS))
         except ParamError as e:  # the request's field is `preview`; the message names its part
             raise ParamError("preview", str(e)) from None
+        if self.every == 0 and self.limit == 0:
+            raise ParamError("preview", "preview.every 0 (spread) needs a limit: the number of previews")
         if self.format not in PREVIEW_FORMATS:
             raise ParamError("preview", f"preview format {_show(self.format)} is unknown; allowed: "
                                         f"{', '.join(PREVIEW_FORMATS)}")
 
     @classmethod
-    def partial_images(cls, count: Any, steps: int, fmt: str = "jpeg") -> "PreviewSpec | None":
-        """OpenAI's `partial_images` (0-3): that many previews spread over the request's `steps` evaluations."""
+    def partial_images(cls, count: Any, fmt: str = "jpeg") -> "PreviewSpec | None":
+        """OpenAI's `partial_images` (0-3): that many previews spread over the request's evaluations."""
         count = _check_int("partial_images", count, 0, 3)
-        return cls(every=max(1, steps // (count + 1)), format=fmt, limit=count) if count else None
+        return cls(every=0, format=fmt, limit=count) if count else None
 
-    def due(self, step: int) -> bool:
-        """Whether the evaluation `step` (1-based) brings a preview."""
+    def due(self, step: int, total: int) -> bool:
+        """Whether the evaluation `step` (1-based) of `total` brings a preview."""
+        if self.every == 0:  # the k-th of `limit` previews at k / (limit + 1) of the way, rounded
+            return step in {max(1, math.floor(k * total / (self.limit + 1) + 0.5)) for k in range(1, self.limit + 1)}
         return step % self.every == 0 and (self.limit == 0 or step // self.every <= self.limit)
 
 

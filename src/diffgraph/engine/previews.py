@@ -202,7 +202,7 @@ class PreviewMaker:
         """On the loop thread after a step: previews of the live requests whose step brings one."""
         for s in live:
             spec = s.request.preview if s.request is not None else None
-            if spec is None or not spec.due(s.step):
+            if spec is None or not spec.due(s.step, s.steps):
                 continue
             try:
                 if self.decoder is not None:

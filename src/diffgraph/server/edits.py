@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, Valida
 
 from ..request import EditInput, ParamError
 from .bodies import FormLimits, read_multipart
-from .protocol import APIError, ImageGenerationRequest, LoraRef, error_from_param_error, error_from_validation
+from .protocol import APIError, ImageGenerationRequest, LoraRef, PreviewBody, error_from_param_error, error_from_validation
 
 FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask")
@@ -59,9 +59,11 @@ class ImageEditForm(BaseModel):
     emphasis: str = "original"
     timestep_spacing: str | None = None
     eta: StrictFloat | None = None
+    partial_images: StrictInt | None = None     # OpenAI's: 0-3 previews in the stream
+    preview: Json[PreviewBody] | None = None    # a JSON text field: {"every": 2, "format": "jpeg"}
 
     @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
-                     "clip_skip", "eta", mode="before")
+                     "clip_skip", "eta", "partial_images", mode="before")
     @classmethod
     def _json_number(cls, value: Any) -> Any:
         """A number's text as the JSON route parses it (then checked by the same strict types), and nan / inf in
@@ -79,8 +81,8 @@ class ImageEditForm(BaseModel):
 
     def generation(self) -> ImageGenerationRequest:
         """The same fields as a generations request (for the shared checks and request building)."""
-        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras"}),
-                                                      loras=self.loras)
+        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras", "preview"}),
+                                                      loras=self.loras, preview=self.preview)
 
 
 async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dict[str, bytes]]:

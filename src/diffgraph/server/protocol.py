@@ -83,7 +83,7 @@ class ImageGenerationRequest(BaseModel):
         if self.partial_images is None:
             return None
         try:
-            return PreviewSpec.partial_images(self.partial_images, self.num_inference_steps)
+            return PreviewSpec.partial_images(self.partial_images)
         except ParamError as e:
             raise error_from_param_error(e) from None
 
