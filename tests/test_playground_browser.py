@@ -171,6 +171,20 @@ def test_generate_errors_reuse_and_history(browser, server, tmp_path):
     assert pg.wait_finished(page, first) == "done"
     assert pg.wait_finished(page, second) == "done"
 
+    # at 1280x900 the Generate button is on screen, also with the page scrolled to its end, and the newest result
+    # is in view whole once its images are in
+    height = page.viewport_size["height"]
+
+    def whole(locator) -> bool:
+        box = locator.bounding_box()
+        return box is not None and box["y"] >= 0 and box["y"] + box["height"] <= height
+    page.wait_for_function("() => [...document.querySelectorAll('[data-testid=result-image]')].every(i => i.complete)")
+    assert whole(pg.card(page, second)), pg.card(page, second).bounding_box()
+    assert whole(page.locator("#generate"))
+    page.mouse.wheel(0, 5000)
+    page.wait_for_function("() => window.scrollY > 0 || document.body.scrollHeight <= window.innerHeight")
+    assert whole(page.locator("#generate"))
+
     assert traffic.bodies[0] == {"prompt": PROMPT, "size": "64x64", "n": 1, "num_inference_steps": STEPS,
                                  "sampler": "euler", "schedule": "default", "output_format": "png",
                                  "response_format": "b64_json", "stream": True,

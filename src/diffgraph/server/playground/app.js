@@ -566,6 +566,7 @@
     card.querySelector(".cancel").addEventListener("click", () => req.controller.abort());
     $("results").prepend(card);
     $("results-empty").hidden = true;
+    card.scrollIntoView({ block: "nearest" });  // a new result comes into view, whole
     return card;
   }
 
@@ -780,7 +781,10 @@
       const src = `data:image/${format};base64,${item.b64_json}`;
       const img = el("img", { src, alt: `${req.settings.prompt} (seed ${seed}, image ${i + 1} of ${n})`,
         "data-testid": "result-image" });
-      img.addEventListener("load", () => { if (img.naturalWidth < 256) img.classList.add("pixelated"); });
+      img.addEventListener("load", () => {
+        if (img.naturalWidth < 256) img.classList.add("pixelated");
+        if (i === n - 1) reveal(card);
+      });
       const suffix = n > 1 ? `-${i + 1}` : "";
       const name = `diffgraph-${slug(req.settings.prompt)}-${seed}${suffix}.${EXTENSIONS[format] || format}`;
       const link = el("a", { class: "download", href: src, download: name, "data-testid": "download",
@@ -792,6 +796,13 @@
     $("seed-hint").textContent = `Empty: the server picks one. Last used: ${seed}.`;
     const first = body.data && body.data[0] ? `data:image/${format};base64,${body.data[0].b64_json}` : null;
     remember(req.settings, seed, t, body.id, first);
+  }
+
+  /* A finished card whose top is on screen is scrolled to show it whole (its images grew it); one the user
+   * scrolled away from is left where it is. */
+  function reveal(card) {
+    const top = card.getBoundingClientRect().top;
+    if (top >= 0 && top < window.innerHeight) card.scrollIntoView({ block: "nearest" });
   }
 
   /* Refused before the stream started (400, 429, 503, ...): no card, the error goes to its field. */
