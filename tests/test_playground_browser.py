@@ -268,6 +268,27 @@ def test_generate_errors_reuse_and_history(browser, server, tmp_path):
     assert errors == []
 
 
+def test_the_api_docs_render_offline(browser, server):
+    """/docs renders Swagger UI with every request outside the server refused (no CDN): the operations are listed."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(pg.WAIT_MS)
+    outside: list[str] = []
+
+    def route(r):
+        if r.request.url.startswith(server.url):
+            r.continue_()
+        else:
+            outside.append(r.request.url)
+            r.abort()
+    context.route("**/*", route)
+    page = context.new_page()
+    page.goto(server.url + "/docs")
+    page.wait_for_selector(".swagger-ui .info .title")
+    page.wait_for_selector(".opblock-summary-path[data-path='/v1/images/generations']")
+    assert page.locator(".opblock").count() >= 5 and outside == []
+    context.close()
+
+
 def _old_entry(i: int) -> dict:
     settings = {"prompt": f"old request {i}", "negative_prompt": "", "size": "64x64", "steps": "8", "guidance": "7.5",
                 "sampler": "euler", "schedule": "default", "seed": "", "n": "1"}

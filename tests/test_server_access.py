@@ -136,7 +136,7 @@ def test_an_empty_api_key_is_refused_not_an_open_server(monkeypatch):
 
 
 def test_docs_are_served_from_local_files_not_a_cdn():
-    """/docs (issue 34, point 6): Swagger UI's script and styles come from this server (swagger-ui-bundle), so the
+    """/docs (issue 34, point 6): Swagger UI's script and styles come from this server (fastapi-offline's), so the
     page works offline; only its three files can be named."""
     from fastapi.testclient import TestClient
 

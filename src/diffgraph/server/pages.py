@@ -25,29 +25,33 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
 
 
 DOC_ASSETS = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8", "swagger-ui.css": "text/css; charset=utf-8",
-              "favicon-32x32.png": "image/png"}
+              "favicon.png": "image/png"}
 
 
 def add_docs(app: Any) -> None:
-    """GET /docs: FastAPI's Swagger UI with its script and styles served here, from the swagger-ui-bundle package
-    (FastAPI's default loads them from a CDN: offline the page stayed blank). URLs are relative, so a mounted app
-    (root_path) works too."""
+    """GET /docs: FastAPI's Swagger UI with its script and styles served here, from the fastapi-offline package's
+    copy of Swagger UI 5 (FastAPI's default loads them from a CDN: offline the page stayed blank; the
+    swagger-ui-bundle package's Swagger UI 4 cannot read OpenAPI 3.1, FastAPI's schema, and rendered nothing). URLs
+    are relative, so a mounted app (root_path) works too."""
+    from importlib.resources import files
+
     from fastapi.openapi.docs import get_swagger_ui_html
-    from swagger_ui_bundle import swagger_ui_path
+
+    static = files("fastapi_offline") / "static"
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
         return get_swagger_ui_html(openapi_url="openapi.json", title=f"{app.title} API",
                                    swagger_js_url="docs/assets/swagger-ui-bundle.js",
                                    swagger_css_url="docs/assets/swagger-ui.css",
-                                   swagger_favicon_url="docs/assets/favicon-32x32.png")
+                                   swagger_favicon_url="docs/assets/favicon.png")
 
     @app.get("/docs/assets/{name}", include_in_schema=False)
     async def docs_asset(name: str) -> Response:
         if name not in DOC_ASSETS:
             return JSONResponse({"error": {"message": f"no docs file {name!r}", "type": "not_found_error",
                                            "param": None, "code": None}}, status_code=404)
-        return Response((swagger_ui_path / name).read_bytes(), media_type=DOC_ASSETS[name],
+        return Response((static / name).read_bytes(), media_type=DOC_ASSETS[name],
                         headers={"Cache-Control": "public, max-age=86400"})
 
 
