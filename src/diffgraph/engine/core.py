@@ -19,7 +19,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -34,18 +34,10 @@ from .edits import prepare_edit
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
 from .prompts import PromptKey
+from .request_state import RequestSink
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
-
-class RequestSink(Protocol):
-    """Where one request's answer goes. Called from the engine's threads: keep both calls short."""
-
-    def progress(self, event: ProgressEvent) -> None: ...
-
-    def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
-        """Exactly one of the two; later calls (after the first) are ignored by the sink."""
-
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2, metadata: bool = True,
@@ -58,14 +50,13 @@ class EngineCore:
         self.loop = loop or DeviceLoop()  # shared by the cores of several models on one device (a ModelSet)
         self._cv = self.loop.cv
         self._finished = threading.Event()
-        self._bound = self._started = self._stop = False
+        self._bound = self._started = self._stop = self._idle = False
         self._closing = False  # close() was called (as opposed to the loop stopping on its own)
         self._pending: list[tuple[Callable[[], Any], Future]] = []  # work for the loop thread between steps
         self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0}
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
         # set to [] to record (start event, end event, loop waited for work before it) per step (benchmarks)
         self.step_events: list[tuple[Any, Any, bool]] | None = None
-        self._idle = False
         if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
             self.scheduler.gates = (runner.loras,)
 
@@ -192,9 +183,7 @@ class EngineCore:
         pending, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         aborted = self.scheduler.take_aborted()
-        if plan is not None or aborted or pending:
-            return plan, aborted, pending
-        return None
+        return (plan, aborted, pending) if plan is not None or aborted or pending else None
 
     def finish(self, error: BaseException | None) -> None:
         """On the loop thread, once: the last between-step work, then every request answered."""
@@ -228,6 +217,8 @@ class EngineCore:
         plan, aborted, pending = work
         self._idle = waited  # whether the loop had to wait for work (the GPU idles then, by design)
         self._run_pending(pending, aborted)
+        if aborted:  # an abort may have emptied a size
+            self._release_idle({s.key for s in aborted})
         if plan is not None:
             self._step(plan)
 
@@ -241,7 +232,7 @@ class EngineCore:
             for src, dst, count in plan.moves:  # compaction first: admitted rows go after the packed ones
                 self.runner.move_rows(plan.key, src, dst, count)
             if plan.admitted and not self._admit(plan.key, plan.admitted):
-                return  # some admissions failed and left: plan again without them
+                return self._release_idle((plan.key,))  # some admissions failed and left: plan again without them
             variant = self.runner.program.variant([s.variant_parts for s in plan.live])
             plan.cost_rows = self.runner.step(
                 plan.key, plan.coefs, [(s.first_row, s.rows, s.branches_now) for s in plan.live],
@@ -255,7 +246,7 @@ class EngineCore:
             err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
             for s in failed:
                 _fail(s, err)
-            return
+            return self._release_idle((plan.key,))
         with self._cv:
             finished = self.scheduler.update(plan)
         for s in plan.live:  # progress first: a request's last progress event comes before its result
@@ -272,10 +263,15 @@ class EngineCore:
         self.stats["rows_stepped"] += plan.n_rows
         for listener in self.step_listeners:
             _call_safely(listener, plan, time.perf_counter() - t0)
-        with self._cv:  # free the buffers of a size that has no work and no graphs (any multiple of 8 is valid)
-            idle = self.scheduler.is_idle(plan.key)
-        if idle:
-            self.runner.release_group(plan.key)
+        self._release_idle((plan.key,))
+
+    def _release_idle(self, keys: Iterable[GroupKey]) -> None:
+        """Frees the buffers of the sizes among `keys` left with no work (a finish, an abort or a failure emptied
+        them) and no graphs: any multiple of 8 is a valid size, so they must never pile up."""
+        with self._cv:
+            idle = [k for k in keys if self.scheduler.is_idle(k)]
+        for key in idle:
+            self.runner.release_group(key)
 
     def _admit(self, key: GroupKey, states: list[RequestState]) -> bool:
         """Batched, cached prompt encoding and initial latents from each request's own generator. A request whose

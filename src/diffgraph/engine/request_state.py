@@ -8,12 +8,22 @@ for it (where its answer goes, its noise generator once admitted, its adapters a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..request import GenerationRequest, GroupKey
+from ..request import GenerationRequest, GenerationResult, GroupKey, ProgressEvent
 from ..sampling.samplers import SamplerPlan
+
+
+class RequestSink(Protocol):
+    """Where one request's answer goes (the engine core calls it). Called from the engine's threads: keep both
+    calls short."""
+
+    def progress(self, event: ProgressEvent) -> None: ...
+
+    def finish(self, result: GenerationResult | None, error: BaseException | None) -> None:
+        """Exactly one of the two; later calls (after the first) are ignored by the sink."""
 
 
 @dataclass(eq=False)
@@ -30,7 +40,7 @@ class RequestState:
     first_row: int = -1
     aborted: bool = False
     request: GenerationRequest | None = None
-    sink: Any = None           # the engine core's answer channel (progress, result, error)
+    sink: RequestSink | None = None  # the engine core's answer channel (progress, result, error)
     generator: Any = None      # the request's own noise generator, made at admission
     noise: Any = None          # its Brownian-tree noise (sampling.sde.BrownianNoise) where its plan draws that
     admitted_at: float = 0.0
