@@ -133,7 +133,9 @@ class AsyncEngine:
 
     @property
     def error(self) -> str | None:
-        return "the engine loop stopped after an internal error (see the log)" if self.state == "failed" else None
+        if self.state != "failed":
+            return None
+        return self.core.failures.reason or "the engine loop stopped after an internal error (see the log)"
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self.ready  # built in the constructor: nothing to wait for

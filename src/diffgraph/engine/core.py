@@ -31,6 +31,7 @@ from ..image_metadata import encode_image
 from ..sampling.sde import BrownianNoise
 from .device_loop import STOPPED, DeviceLoop
 from .edits import prepare_edit
+from .failures import FailurePolicy
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
 from .prompts import PromptKey
@@ -41,12 +42,14 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2, metadata: bool = True,
-                 loop: DeviceLoop | None = None):
+                 loop: DeviceLoop | None = None, max_step_failures: int = 3):
         self.runner = runner
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self.scheduler = Scheduler(config)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self.previews = PreviewMaker.of(runner)  # live previews of the requests that ask (previews.py)
+        self.failures = FailurePolicy(max_step_failures)  # when failing steps fail the engine (failures.py)
+        self.on_failure: list[Callable[[str], None]] = []  # called once, on the loop thread, when it trips
         self.loop = loop or DeviceLoop()  # shared by the cores of several models on one device (a ModelSet)
         self._cv = self.loop.cv
         self._finished = threading.Event()
@@ -71,7 +74,8 @@ class EngineCore:
 
     def _live(self) -> bool:
         """Started, not closed, its loop's thread alive (read under the loop's lock: attributes, no calls)."""
-        return self._started and not self._stop and self.loop.thread is not None and self.loop.thread.is_alive()
+        return (self._started and not self._stop and self.failures.reason is None and self.loop.thread is not None
+                and self.loop.thread.is_alive())
 
     # -- requests ------------------------------------------------------------------------------
     def resolve_loras(self, request: GenerationRequest) -> tuple:
@@ -100,7 +104,8 @@ class EngineCore:
         state.loras = self.resolve_loras(request) if loras is None else loras
         with self._cv:
             if not self._live():
-                raise EngineClosed("the engine is closed (or its loop stopped after an internal error; see the log)")
+                raise EngineClosed(f"the engine failed: {self.failures.reason}" if self.failures.reason else
+                                   "the engine is closed (or its loop stopped after an internal error; see the log)")
             self.scheduler.add(state)
             self._cv.notify()
 
@@ -246,7 +251,10 @@ class EngineCore:
             err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
             for s in failed:
                 _fail(s, err)
+            if self.failures.step_failed(e):
+                self._trip()
             return self._release_idle((plan.key,))
+        self.failures.streak = 0
         with self._cv:
             finished = self.scheduler.update(plan)
         for s in plan.live:  # progress first: a request's last progress event comes before its result
@@ -265,6 +273,14 @@ class EngineCore:
             _call_safely(listener, plan, time.perf_counter() - t0)
         self._release_idle((plan.key,))
 
+    def _trip(self) -> None:
+        """The failure policy tripped: not ready from now on, every request held ends retryable elsewhere."""
+        logger.error("engine failed: %s", self.failures.reason)
+        self._fail_everything(EngineClosed(f"the engine failed ({self.failures.reason}); retry this request on "
+                                           "another replica"))
+        for fn in self.on_failure:
+            _call_safely(fn, self.failures.reason)
+
     def _release_idle(self, keys: Iterable[GroupKey]) -> None:
         """Frees the buffers of the sizes among `keys` left with no work (a finish, an abort or a failure emptied
         them) and no graphs: any multiple of 8 is a valid size, so they must never pile up."""
@@ -278,7 +294,8 @@ class EngineCore:
         admission fails (e.g. a prompt its tokenizer rejects) fails alone and leaves the group; returns False when
         that happened (the plan is then stale)."""
         runner = self.runner
-        broken = self._load_adapters()
+        loras = runner.loras  # the adapters admitted this step, loaded into their slots first
+        broken = loras.load_admitted() if loras is not None and loras.enabled else set()
         keys = [k for s in states for k in _prompt_keys(s)]
         try:
             embeds = runner.embed(keys)
@@ -314,22 +331,6 @@ class EngineCore:
                 _fail(s, ValueError(f"request {s.request_id} could not be admitted: {type(e).__name__}: {e}"))
                 ok = False
         return ok
-
-    def _load_adapters(self) -> set[int]:
-        """Loads the adapters admitted this step into their slots (host to device copies, between steps); returns
-        the slots whose load failed (their requests fail alone)."""
-        manager, broken = self.runner.loras, set()
-        if manager is None or not manager.enabled:
-            return broken
-        for slot, prepared in manager.take_writes():
-            try:
-                with torch.no_grad():
-                    manager.write(slot, prepared)
-            except Exception:
-                logger.exception("loading adapter %s into slot %d failed", prepared.key[0], slot)
-                manager.forget(slot)
-                broken.add(slot)
-        return broken
 
     def _retire(self, key: GroupKey, finished: list[RequestState]) -> None:
         # the finished requests have left the scheduler: whatever fails here must answer them, here

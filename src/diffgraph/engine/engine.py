@@ -95,7 +95,7 @@ class Engine:
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
-                 preview_decoder: str | None = None):
+                 preview_decoder: str | None = None, max_step_failures: int = 3):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -133,7 +133,7 @@ class Engine:
                 batching=batching, max_rows=self.runner.max_rows, max_wait_ms=max_wait_ms, max_queue=max_queue,
                 buckets=self.runner.graph_config.batch_buckets if graphed else (),
                 padded=self.runner.graphed_resolutions(), grow_fill=grow_fill, grow_hold_ms=grow_hold_ms),
-                image_threads=image_threads, metadata=bool(metadata), loop=loop)
+                image_threads=image_threads, metadata=bool(metadata), loop=loop, max_step_failures=max_step_failures)
             if preview_decoder:  # live previews from a tiny decoder (TAESD), its graphs captured with the others
                 try:
                     self.core.previews.use_decoder(preview_decoder)

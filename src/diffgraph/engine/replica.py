@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -58,6 +59,11 @@ def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_t
         send(("failed", f"{type(e).__name__}: {e}"))
         return
     client = AsyncEngine(engine)
+
+    def failed(reason: str) -> None:  # the failure policy tripped: its requests are answered; say why, exit
+        send(("failed", reason))
+        os._exit(3)  # the parent restarts it (with backoff); a poisoned device context is not worth a clean close
+    engine.core.on_failure.append(failed)
     client.add_step_listener(lambda event: send(("step", event)))
     send(("ready", engine.info))
     while True:
@@ -160,7 +166,10 @@ class ReplicaClient:
             self._ready_event.set()
         elif kind == "failed":
             self.error = message[1]
-            logger.error("replica %s could not build its engine: %s", self.name, self.error)
+            logger.error("replica %s %s: %s", self.name, "failed" if self.state == "ready" else
+                         "could not build its engine", self.error)
+            if self.state == "ready":  # its engine failed: routed around until it restarts
+                self.state = "restarting"
         elif kind in ("accepted", "rejected"):
             with self._lock:
                 future = self._pending.pop(message[1], None)

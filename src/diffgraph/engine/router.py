@@ -27,6 +27,7 @@ class Router:
             raise ValueError(f"min_ready {min_ready} must be in 1..{len(replicas)} (the number of replicas)")
         self.replicas = replicas
         self.min_ready = min_ready
+        self.moved = 0  # requests moved to another replica before they started (their replica closed or failed)
         self._lock = threading.Lock()
         self._work: dict[str, tuple[Any, GroupKey, int, int]] = {}  # request id -> (replica, key, rows, steps left)
         # kept in step with _work, so a choice costs O(replicas), not O(requests in flight)
@@ -113,7 +114,7 @@ class Router:
         except BaseException:
             self._done(request.request_id)
             raise
-        return _Tracked(handle, self, request.request_id, progress)
+        return _Tracked(handle, self, request, progress)
 
     def _progress(self, request_id: str, event: ProgressEvent) -> None:
         with self._lock:
@@ -181,24 +182,43 @@ class Router:
 
 class _Tracked:
     """A replica's handle, seen through the router: progress updates the replica's outstanding work; the caller
-    gets progress events only when it asked for them."""
+    gets progress events only when it asked for them. A request that its replica answers EngineClosed before it
+    ran a step (the replica died, or its failure policy tripped, while the request waited there) is submitted to
+    another ready replica instead of failing; one that had started fails (retryable)."""
 
-    def __init__(self, handle: Any, router: Router, request_id: str, progress: bool):
-        self.request_id = request_id
+    def __init__(self, handle: Any, router: Router, request: GenerationRequest, progress: bool):
+        self.request_id, self._request = request.request_id, request
         self._handle, self._router, self._progress = handle, router, progress
+        self._started = False  # it made progress on a replica (then it is not moved: it fails, retryable)
 
     async def events(self):
-        events = self._handle.events()
-        try:
-            async for item in events:
-                if isinstance(item, ProgressEvent):
-                    self._router._progress(self.request_id, item)
-                    if not self._progress:
-                        continue
-                yield item
-        finally:
-            self._router._done(self.request_id)
-            await events.aclose()
+        moves = 0
+        while True:
+            events = self._handle.events()
+            try:
+                async for item in events:
+                    if isinstance(item, ProgressEvent):
+                        self._started = True
+                        self._router._progress(self.request_id, item)
+                        if not self._progress:
+                            continue
+                    yield item
+                return
+            except EngineClosed:
+                moves += 1
+                if self._started or moves > len(self._router.replicas) or not any(r.ready for r in self._router.replicas):
+                    raise
+            finally:
+                self._router._done(self.request_id)
+                await events.aclose()
+            replica = self._router.choose(self._request)  # it never ran: elsewhere (at most once per replica)
+            self._router.track(self._request, replica)
+            self._router.moved += 1
+            try:
+                self._handle = await replica.submit(self._request, progress=True)
+            except BaseException:
+                self._router._done(self.request_id)
+                raise
 
     async def result(self):
         async for item in self.events():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import logging
 import math
 import os
 import threading
@@ -47,6 +48,8 @@ from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError
     unusable
 from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach, takes
+
+logger = logging.getLogger(__name__)
 
 UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
 # the `conv` option's UNet layers: what diffusers' LCM-LoRA training (and TCD's, Hyper-SD's) and kohya's LoCon target
@@ -400,7 +403,7 @@ class LoraManager:
 
     def admit(self, state: Any) -> list[int] | None:
         """Pins a slot per adapter of the request (all or none) and returns them; None: it waits. Slots that must
-        be loaded first are queued for `take_writes`."""
+        be loaded first are queued for `load_admitted`."""
         if not state.loras:
             return []
         got = self.slots.acquire_all([r.prepared.key for r in state.loras])
@@ -413,9 +416,19 @@ class LoraManager:
         for slot in taken:
             self.slots.release(slot)
 
-    def take_writes(self) -> list[tuple[int, Prepared]]:
-        out, self._writes = self._writes, []
-        return out
+    def load_admitted(self) -> set[int]:
+        """Loads the adapters admitted this step into their slots (host to device copies, between steps, on the
+        loop thread); returns the slots whose load failed (their requests fail alone)."""
+        writes, self._writes, broken = self._writes, [], set()
+        for slot, prepared in writes:
+            try:
+                with torch.no_grad():
+                    self.write(slot, prepared)
+            except Exception:
+                logger.exception("loading adapter %s into slot %d failed", prepared.key[0], slot)
+                self.forget(slot)
+                broken.add(slot)
+        return broken
 
     def forget(self, slot: int) -> None:
         """A slot whose load failed: it holds nothing usable."""

@@ -34,7 +34,8 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
            "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
-           "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder")
+           "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
+           "max_step_failures")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -96,6 +97,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=None, metavar="S",
                    help=f"seconds a request may take, queueing included, before it is aborted with 504 "
                         f"(default: {default('request_timeout'):g})")
+    p.add_argument("--max-step-failures", type=int, default=None, metavar="K",
+                   help="consecutive failed denoising steps that mark the engine failed: /ready answers 503 with the "
+                        "reason, routers and Ray route around it, a replica process restarts; an error that leaves "
+                        f"the GPU unusable trips it at once (default: {default('max_step_failures')})")
     p.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
                    help=f"longest prompt or negative prompt in UTF-8 bytes; longer ones get 400 "
                         f"(default: {default('max_prompt_bytes')})")

@@ -95,6 +95,7 @@ class ServerConfig:
     compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
     metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
     preview_decoder: str | None = None   # live previews from this tiny decoder (TAESD, an AutoencoderTiny folder)
+    max_step_failures: int = 3           # consecutive failed steps that mark the engine failed (engine/failures.py)
     image_ttl: float = 3600.0            # response_format "url": seconds a stored image is served
     image_store: str | None = None       # ... stored in this folder (shared by ingress replicas), else in memory
     image_store_bytes: int = 256 * 1024 * 1024  # ... the in-memory store's bound (the oldest images go first)
@@ -117,6 +118,9 @@ class ServerConfig:
             raise ValueError(f"max_prompt_bytes {self.max_prompt_bytes} must be >= 1")
         if not self.request_timeout >= 1:  # NaN fails this too
             raise ValueError(f"request_timeout {self.request_timeout} must be >= 1 second")
+        if self.max_step_failures < 1:
+            raise ValueError(f"max-step-failures {self.max_step_failures} must be >= 1 (1: the first failed step "
+                             "fails the engine)")
         if not self.drain_timeout > 0:
             raise ValueError(f"drain_timeout {self.drain_timeout} must be > 0 seconds")
         if self.device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -224,7 +228,7 @@ class ServerConfig:
                     lora_conv=self.lora_conv,
                     fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
                     embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
-                    preview_decoder=self.preview_decoder,
+                    preview_decoder=self.preview_decoder, max_step_failures=self.max_step_failures,
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
@@ -277,7 +281,7 @@ def _parse(key: str, value: Any) -> Any:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
-               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models"):
+               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:

@@ -107,8 +107,9 @@ class ServerState:
         """The engine, or an APIError: draining, not built (yet, or ever), or stopped after an internal error."""
         engine = self.accepting()
         if not engine.ready:
-            raise APIError(503, "the engine stopped after an internal error (see the server log); restart the "
-                                "server, and retry on another replica meanwhile", code="engine_failed")
+            why = "; ".join(f"{r['replica']}: {r['error']}" for r in engine.replica_states() if r.get("error"))
+            raise APIError(503, f"the engine failed ({why or 'an internal error; see the server log'}); retry on "
+                                "another replica (a replica process restarts by itself)", code="engine_failed")
         return engine
 
     def accepting(self) -> Router:
