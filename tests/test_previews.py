@@ -5,6 +5,7 @@ model's own VAE; OpenAI's partial_images spreads its previews over the steps."""
 
 from __future__ import annotations
 
+import base64
 import io
 import threading
 
@@ -180,3 +181,29 @@ def test_a_bad_preview_decoder_is_refused_saying_what_to_give(tmp_path, tiny_dec
                     num_encoder_blocks=(1,) * 4, num_decoder_blocks=(1,) * 4).save_pretrained(tmp_path / "sd3")
     with pytest.raises(ParamError, match="16-channel latents but digits makes 4-channel"):
         Engine("digits", device="cpu", preview_decoder=str(tmp_path / "sd3"))
+
+
+def test_a_stream_every_two_steps_over_twenty_has_ten_previews_approaching_the_final_one():
+    """The same over HTTP (issue 34's test): `preview: {"every": 2}` on a 20-step digits request streams 10
+    image_generation.partial_image events before the image, each closer to the last preview."""
+    import httpx
+    from sse_util import read_stream
+
+    from diffgraph.server.process import ServerProcess
+
+    server = ServerProcess("--request-timeout", "600", model="digits")
+    try:
+        server.wait_ready()
+        body = {"prompt": "a handwritten digit four", "num_inference_steps": 20, "seed": 4, "stream": True,
+                "preview": {"every": 2, "format": "png"}}
+        with httpx.stream("POST", server.url + "/v1/images/generations", json=body, timeout=600) as r:
+            stream = read_stream(r.iter_lines())
+    finally:
+        server.stop(timeout=30)
+    assert [p["step"] for p in stream.partials] == list(range(2, 21, 2))
+    assert stream.events.index("image_generation.completed") > max(
+        i for i, e in enumerate(stream.events) if e == "image_generation.partial_image")
+    frames = [np.asarray(Image.open(io.BytesIO(base64.b64decode(p["b64_json"]))).convert("RGB"), np.float32)
+              for p in stream.partials]
+    distance = [np.abs(f - frames[-1]).mean() for f in frames]
+    assert sum(b < a for a, b in zip(distance, distance[1:])) >= 8, distance
