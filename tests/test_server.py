@@ -29,6 +29,7 @@ MODEL = "random:tiny"
 TIMEOUT_S = 4        # the short-timeout server's --request-timeout (only the timeout tests use it)
 LONG_TIMEOUT_S = 600  # the module server's: happy paths never depend on a wall-clock limit
 MAX_PROMPT = 256     # the module server's --max-prompt-bytes
+MAX_PIXELS = 200_000  # the module server's --max-pixels (512x512 is over it)
 
 
 class ServerProcess(_ServerProcess):
@@ -44,7 +45,7 @@ class ServerProcess(_ServerProcess):
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--request-timeout", str(LONG_TIMEOUT_S), "--max-prompt-bytes", str(MAX_PROMPT),
-                      "--max-queue", "64")
+                      "--max-queue", "64", "--max-pixels", str(MAX_PIXELS))
     try:
         s.wait_ready()
         yield s
@@ -55,7 +56,7 @@ def server():
 @pytest.fixture(scope="module")
 def short_server():
     """A server whose request timeout the timeout tests reach on purpose."""
-    s = ServerProcess("--request-timeout", str(TIMEOUT_S))
+    s = ServerProcess("--request-timeout", str(TIMEOUT_S), "--max-pixels", "0")  # 0: its long requests are on purpose
     try:
         s.wait_ready()
         yield s
@@ -210,6 +211,27 @@ def test_a_preview_stream_and_its_errors(server):
                                 ({"preview": {"every": 2, "format": "gif"}}, "preview", "jpeg, png, webp")):
         r = httpx.post(server.url + "/v1/images/generations", json={**body, **extra}, timeout=600)
         assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.json()["error"]["message"]
+
+
+def test_an_image_over_max_pixels_is_a_400_naming_size_with_the_limit(server):
+    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "a fox", "size": "512x512"}, timeout=600)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "size"
+    assert r.json()["error"]["message"] == ("size 512x512 is 262144 pixels; this server takes at most 200000 pixels "
+                                            "an image (--max-pixels)")
+    assert httpx.post(server.url + "/v1/images/generations", json={"prompt": "a fox", "size": "384x512",
+                                                                   "num_inference_steps": 1},
+                      timeout=600).status_code == 200  # 196608 pixels: under it
+
+
+def test_the_cpu_pixel_limit_follows_the_step_time_and_the_timeout():
+    from diffgraph.request import ModelInfo
+    from diffgraph.server.requests import cpu_pixel_limit
+
+    info = ModelInfo(name="m", family="sd", native_size=512, default_guidance=7.5, max_rows=16, mode="eager",
+                     device="cpu")
+    # a 2 s step at 512x512 and a 600 s timeout: 20 steps may take 150 s, 3.75x the pixels of 512x512
+    assert cpu_pixel_limit(info, 2.0, 600.0) == int(512 * 512 * 3.75)
+    assert cpu_pixel_limit(info, 60.0, 600.0) == 512 * 512  # never below the native size
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

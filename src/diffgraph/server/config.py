@@ -96,6 +96,7 @@ class ServerConfig:
     metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
     preview_decoder: str | None = None   # live previews from this tiny decoder (TAESD, an AutoencoderTiny folder)
     max_step_failures: int = 3           # consecutive failed steps that mark the engine failed (engine/failures.py)
+    max_pixels: int | None = None        # the most pixels an image may have; None: measured on the CPU; 0: no limit
     image_ttl: float = 3600.0            # response_format "url": seconds a stored image is served
     image_store: str | None = None       # ... stored in this folder (shared by ingress replicas), else in memory
     image_store_bytes: int = 256 * 1024 * 1024  # ... the in-memory store's bound (the oldest images go first)
@@ -118,6 +119,8 @@ class ServerConfig:
             raise ValueError(f"max_prompt_bytes {self.max_prompt_bytes} must be >= 1")
         if not self.request_timeout >= 1:  # NaN fails this too
             raise ValueError(f"request_timeout {self.request_timeout} must be >= 1 second")
+        if self.max_pixels is not None and self.max_pixels < 0:
+            raise ValueError(f"max-pixels {self.max_pixels} must be >= 0 (0: no limit)")
         if self.max_step_failures < 1:
             raise ValueError(f"max-step-failures {self.max_step_failures} must be >= 1 (1: the first failed step "
                              "fails the engine)")
@@ -277,11 +280,11 @@ def _parse(key: str, value: Any) -> Any:
         return None
     if key == "fuse_loras":
         return parse_name_scales(value, "fuse-lora")
-    if key in ("torch_threads", "max_loras", "max_connections", "clip_skip") and value is None:
+    if key in ("torch_threads", "max_loras", "max_connections", "clip_skip", "max_pixels") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
-               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures"):
+               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:

@@ -42,6 +42,19 @@ class ClientGone(Exception):
     """The client closed the connection; its request was aborted."""
 
 
+REFERENCE_STEPS = 20  # the request the CPU's pixel limit is measured for
+CPU_TIMEOUT_SHARE = 0.25  # ... which may take this share of the request timeout
+
+
+def cpu_pixel_limit(info: ModelInfo, step_s: float, request_timeout: float) -> int:
+    """--max-pixels' CPU default: the pixels at which a REFERENCE_STEPS-step image takes CPU_TIMEOUT_SHARE of the
+    request timeout, from a step's time at the native size (scaled by pixels: attention grows faster, so the limit
+    errs low), never below the native size."""
+    native = info.native_size ** 2
+    allowed = native * CPU_TIMEOUT_SHARE * request_timeout / (REFERENCE_STEPS * max(step_s, 1e-6))
+    return max(native, int(allowed))
+
+
 class ServerState:
     """The engine client (None until built), the drain flag and the requests in flight."""
 
@@ -56,6 +69,8 @@ class ServerState:
         self.drain_aborted = False  # the drain timeout passed: in-flight requests were aborted
         self.inflight = 0
         self.handles: dict[str, RequestHandle] = {}
+        # the most pixels an image may have (--max-pixels; on the CPU measured at start-up); None: no limit here
+        self.max_pixels: int | None = config.max_pixels or None
         self.created = int(time.time())
         self.metrics = ServerMetrics(lambda: self.engine, config.batch_buckets, lambda: self.ready)
         self._factory = engine_factory
@@ -80,7 +95,10 @@ class ServerState:
             if isinstance(built, Engine):
                 # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
                 # allocator growth) and a broken model should fail here, not on a client's request.
-                built.generate("warm-up", num_inference_steps=1, seed=0)
+                warm = built.generate("warm-up", num_inference_steps=2, seed=0)
+                if self.config.max_pixels is None and built.info.device.startswith("cpu"):
+                    self.max_pixels = cpu_pixel_limit(built.info, warm.timings["denoise_ms"] / 2e3,
+                                                      self.config.request_timeout)
                 built = AsyncEngine(built)
             if not isinstance(built, EngineClient):
                 raise TypeError(f"the engine factory returned {type(built).__name__}, not an Engine or EngineClient")
@@ -100,8 +118,8 @@ class ServerState:
         self.client = built.sole if built.sole is not None else built
         self.info = built.info
         self.engine = built  # last: a built engine means ready (with client and info set)
-        logger.info("engine ready in %.1f s: model %s, mode %s", time.perf_counter() - t0, built.info.name,
-                    built.info.mode)
+        logger.info("engine ready in %.1f s: model %s, mode %s%s", time.perf_counter() - t0, built.info.name,
+                    built.info.mode, f", at most {self.max_pixels} pixels an image" if self.max_pixels else "")
 
     def require_engine(self) -> Router:
         """The engine, or an APIError: draining, not built (yet, or ever), or stopped after an internal error."""
@@ -149,6 +167,12 @@ async def submit(state: ServerState, request: GenerationRequest, progress: bool,
                  client: EngineClient | None = None) -> RequestHandle:
     """Submits to the engine client (`client`: another model's, else the server's) before any response starts, so a
     full queue is a plain 429 even when streaming."""
+    pixels = request.width * request.height
+    if state.max_pixels is not None and pixels > state.max_pixels:
+        how = ("--max-pixels" if state.config.max_pixels else "measured at start-up from this CPU's step time, so "
+               f"that a {REFERENCE_STEPS}-step image ends well within the request timeout; --max-pixels sets it")
+        raise APIError(400, f"size {request.width}x{request.height} is {pixels} pixels; this server takes at most "
+                            f"{state.max_pixels} pixels an image ({how})", param="size")
     if state.drain_aborted:  # its body finished arriving after the drain timeout's aborts
         raise APIError(503, "the server shut down before this request started; retry on another replica",
                        code="aborted")
