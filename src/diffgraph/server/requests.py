@@ -95,10 +95,10 @@ class ServerState:
             if isinstance(built, Engine):
                 # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
                 # allocator growth) and a broken model should fail here, not on a client's request.
-                warm = built.generate("warm-up", num_inference_steps=2, seed=0)
-                if self.config.max_pixels is None and built.info.device.startswith("cpu"):
-                    self.max_pixels = cpu_pixel_limit(built.info, warm.timings["denoise_ms"] / 2e3,
-                                                      self.config.request_timeout)
+                built.generate("warm-up", num_inference_steps=1, seed=0)
+                if self.config.max_pixels is None and built.info.device.startswith("cpu"):  # a warm step, timed
+                    step_ms = built.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"]
+                    self.max_pixels = cpu_pixel_limit(built.info, step_ms / 1e3, self.config.request_timeout)
                 built = AsyncEngine(built)
             if not isinstance(built, EngineClient):
                 raise TypeError(f"the engine factory returned {type(built).__name__}, not an Engine or EngineClient")
