@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
@@ -45,11 +44,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import RequestHandle
-from ..request import EditInput, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
+from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
-                       error_from_param_error, error_from_validation)
+                       error_from_validation)
 from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
@@ -59,7 +58,7 @@ from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import add_docs, embedding_listing, lora_listing, playground_file, server_info, server_status
 from . import stream as sse
-from .requests import ClientGone, ServerState, abort, logger, outcome, results, submit
+from .requests import ClientGone, ServerState, abort, generation_request, logger, outcome, results, submit
 
 
 # -- request handling ----------------------------------------------------------------------------------
@@ -70,33 +69,6 @@ async def _read_json(http: Request, limit: int) -> Any:
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
                             "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
-
-
-def _generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
-                        edit: EditInput | None = None) -> GenerationRequest:
-    """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
-    if params.model is not None and params.model != info.name:
-        raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
-                            "(GET /v1/models)", param="model", code="model_not_found")
-    if params.response_format not in ("b64_json", "url"):
-        raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json, url",
-                       param="response_format")
-    kwargs = params.request_params()
-    if kwargs["prompt_syntax"] is None:
-        kwargs["prompt_syntax"] = config.prompt_syntax
-    if kwargs["clip_skip"] is None:
-        kwargs["clip_skip"] = config.clip_skip
-    try:
-        request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
-                                           image=edit, **kwargs)
-    except ParamError as e:
-        raise error_from_param_error(e) from None
-    for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
-        size = len((getattr(request, name) or "").encode("utf-8"))
-        if size > config.max_prompt_bytes:
-            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
-                           param=name)
-    return request
 
 
 def _response(result: GenerationResult, urls: Callable[[bytes, str], str] | None = None) -> dict[str, Any]:
@@ -279,7 +251,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             raise error_from_validation(e) from None
 
         async def finish(info: ModelInfo) -> GenerationRequest:
-            return _generation_request(info, config, params)
+            return generation_request(info, config, params)
         return params.stream, params.response_format == "url", params.model, finish
 
     async def read_edit(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
@@ -291,7 +263,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                param="image")
             edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
                                            config.max_image_bytes, config.max_image_pixels)
-            return _generation_request(info, config, form.generation(), edit)
+            return generation_request(info, config, form.generation(), edit)
         return form.stream, form.response_format == "url", form.model, finish
 
     @app.post("/v1/images/generations", openapi_extra=schema)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
 from typing import Any, AsyncIterator, Callable
@@ -19,11 +20,11 @@ from fastapi import Request
 
 from ..engine.client import EngineClient, RequestHandle
 from ..engine.router import Router
-from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
-                       ProgressEvent, QueueFullError, RequestAborted)
+from ..request import (EditInput, EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo,
+                       ParamError, ProgressEvent, QueueFullError, RequestAborted)
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .protocol import APIError, error_from_param_error
+from .protocol import APIError, ImageGenerationRequest, error_from_param_error
 
 logger = logging.getLogger("diffgraph.server")
 
@@ -53,6 +54,33 @@ def cpu_pixel_limit(info: ModelInfo, step_s: float, request_timeout: float) -> i
     native = info.native_size ** 2
     allowed = native * CPU_TIMEOUT_SHARE * request_timeout / (REFERENCE_STEPS * max(step_s, 1e-6))
     return max(native, int(allowed))
+
+
+def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
+                        edit: EditInput | None = None) -> GenerationRequest:
+    """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
+    if params.model is not None and params.model != info.name:
+        raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
+                            "(GET /v1/models)", param="model", code="model_not_found")
+    if params.response_format not in ("b64_json", "url"):
+        raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json, url",
+                       param="response_format")
+    kwargs = params.request_params()
+    if kwargs["prompt_syntax"] is None:
+        kwargs["prompt_syntax"] = config.prompt_syntax
+    if kwargs["clip_skip"] is None:
+        kwargs["clip_skip"] = config.clip_skip
+    try:
+        request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
+                                           image=edit, **kwargs)
+    except ParamError as e:
+        raise error_from_param_error(e) from None
+    for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
+        size = len((getattr(request, name) or "").encode("utf-8"))
+        if size > config.max_prompt_bytes:
+            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
+                           param=name)
+    return request
 
 
 class ServerState:
