@@ -36,6 +36,7 @@ MAX_LORA_SCALE = 8.0
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 PROMPT_SYNTAXES = ("plain", "a1111")  # diffusers' plain text (truncated at 77 tokens); AUTOMATIC1111's syntax
 EMPHASES = ("original", "no_norm")    # AUTOMATIC1111's emphasis modes: weights then mean restored, or weights only
+PRIORITIES = ("interactive", "batch")     # scheduling classes: people first, job items in what they leave free
 MAX_CLIP_SKIP = 11                    # CLIP ViT-L has 12 layers (the model's own count is checked at submit)
 MAX_PROMPT_CHARS = 20_000
 MAX_PROMPT_CHUNKS = 4                 # the buffers hold lcm(1..max) windows per row: 12 at 4, 60 at 5 or 6
@@ -228,6 +229,10 @@ class GenerationRequest:
     timestep_spacing: str | None = None
     eta: float | None = None       # TCD's gamma (its stochasticity, 0..1); None: 0.3, the scheduler's default
     preview: PreviewSpec | None = None  # live previews in its progress events (None: none)
+    # the scheduling class: "interactive" rows go first and may take batch rows' slots at a step boundary; "batch"
+    # rows (a job's items) fill what interactive rows leave free; `job` groups batch rows for round-robin fairness
+    priority: str = "interactive"
+    job: str | None = None
     # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
     key: GroupKey = field(init=False, compare=False, repr=False)
 
@@ -267,6 +272,10 @@ class GenerationRequest:
                     or not 0 <= float(eta) <= 1:  # NaN fails this too
                 raise ParamError("eta", f"eta {_show(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma)")
             object.__setattr__(self, "eta", float(eta))
+        if self.priority not in PRIORITIES:
+            raise ParamError("priority", f"priority {_show(self.priority)} is unknown; allowed: {', '.join(PRIORITIES)}")
+        if self.job is not None and (not isinstance(self.job, str) or not self.job):
+            raise ParamError("job", f"job must be a non-empty string (a job id) or None, got {_show(self.job)}")
         if self.preview is not None and not isinstance(self.preview, PreviewSpec):
             raise ParamError("preview", f"preview must be a PreviewSpec, got {type(self.preview).__name__}")
         guidance_scale = self.guidance_scale

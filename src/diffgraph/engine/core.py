@@ -58,8 +58,7 @@ class EngineCore:
         self._pending: list[tuple[Callable[[], Any], Future]] = []  # work for the loop thread between steps
         self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0}
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
-        # set to [] to record (start event, end event, loop waited for work before it) per step (benchmarks)
-        self.step_events: list[tuple[Any, Any, bool]] | None = None
+        self.step_events: list[tuple[Any, Any, bool]] | None = None  # [] records (start, end, waited) per step
         if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
             self.scheduler.gates = (runner.loras,)
 
@@ -234,8 +233,13 @@ class EngineCore:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.runner.device))
         try:
+            for s, row in plan.preempted:  # batch rows giving way: their whole state, saved where they were
+                s.saved = self.runner.buffers(plan.key).save_rows(row, s.rows)
             for src, dst, count in plan.moves:  # compaction first: admitted rows go after the packed ones
                 self.runner.move_rows(plan.key, src, dst, count)
+            for s in plan.resumed:  # preempted rows back where they stopped: nothing is drawn or encoded again
+                self.runner.buffers(plan.key).restore_rows(s.first_row, s.saved)
+                s.saved = None
             if plan.admitted and not self._admit(plan.key, plan.admitted):
                 return self._release_idle((plan.key,))  # some admissions failed and left: plan again without them
             variant = self.runner.program.variant([s.variant_parts for s in plan.live])

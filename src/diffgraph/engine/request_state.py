@@ -51,12 +51,17 @@ class RequestState:
     prompts: tuple = ()        # (prompt, negative prompt) as text/prepared.PromptText, prepared at submit
     empty_prompt: Any = None   # the empty prompt that pads the shorter of the two (their windows differ)
     preview_future: Any = None  # its last live preview's send (engine/previews.py), awaited before its result
+    batch: bool = False        # its scheduling class (priority.py): a job's item (batch) or interactive
+    job: str | None = None     # its job (batch rows share the class round-robin by job)
+    preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
+    saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
            branches: np.ndarray | None = None) -> "RequestState":
         return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
-                   arrival=arrival, request=request, sink=sink, branches=branches)
+                   arrival=arrival, request=request, sink=sink, branches=branches,
+                   batch=request.priority == "batch", job=request.job)
 
     @property
     def branches_now(self) -> int:

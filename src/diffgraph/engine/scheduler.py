@@ -1,7 +1,9 @@
 """The scheduler: which rows run next. CPU only (numpy, no torch), so it is tested with a fake runner.
 
 Requests wait in one queue per resolution group. Each iteration `schedule()` picks one group, admits
-waiting requests of that group into free rows at the step boundary (FIFO), and hands the model runner a
+waiting requests of that group into free rows at the step boundary (FIFO within a scheduling class: interactive
+requests first, batch rows fair-shared between jobs, taking batch rows' places when they must: priority.py), and
+hands the model runner a
 `StepPlan`: row moves that keep live rows contiguous, the admitted requests and their first rows, and
 the coefficient table of every live row for this step. `update()` advances the rows and retires the
 finished requests. The denoiser rows a group's live requests need (a guiding row costs two, any other row one) never
@@ -24,12 +26,12 @@ that for this reason). Only resolutions whose steps pad to buckets (`padded`) ap
 Across groups the oldest request goes first: the group holding the earliest-arrived live or admissible
 request runs, which finishes old requests sooner than round-robin would (lower tail latency when
 several resolutions are busy). The bound: a group with work that has been passed over `max_skips`
-times in a row runs next, so no group starves whatever arrives elsewhere.
+times in a row runs next, so no group starves whatever arrives elsewhere. Groups with interactive work go before
+groups of batch rows only (the bound holds within each class).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,51 +39,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..config import smallest_bucket
-from ..request import GenerationRequest, GroupKey, ParamError, QueueFullError, RequestAborted
-from ..sampling.samplers import SamplerPlan
+from ..request import GroupKey, ParamError, QueueFullError, RequestAborted
+from .priority import admission_order, growth_limit, victims_order
 from .request_state import RequestState
+from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, SchedulerConfig
 
 __all__ = ["BATCHING_MODES", "MAX_HOLD_MS", "QueueFullError", "RequestAborted", "RequestState", "Scheduler",
            "SchedulerConfig", "StepPlan"]
-
-BATCHING_MODES = ("step", "request", "off")
-MAX_HOLD_MS = 60_000.0  # the longest max_wait_ms / grow_hold_ms: how long a request may wait for company
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    batching: str = "step"
-    max_rows: int = 16          # rows live per group: the largest batch bucket
-    max_wait_ms: float = 0.0    # admission into an EMPTY group waits this long for company
-    max_queue: int = 256        # waiting requests, all groups together
-    max_skips: int = 4          # a group with work is passed over at most this many iterations in a row
-    buckets: tuple[int, ...] = ()   # batch buckets the model runner pads to (graphs); () = a step costs its rows
-    padded: tuple[GroupKey, ...] = ()  # the resolutions whose steps pad to `buckets` (graphed); () = all
-    grow_fill: float = 0.85     # step mode: grow into a larger bucket only when filling this fraction of it...
-    grow_hold_ms: float = 2000.0  # ...or when the head of the queue has waited this long
-
-    def __post_init__(self) -> None:
-        if self.batching not in BATCHING_MODES:
-            raise ValueError(f"batching {self.batching!r} is unknown; allowed: {', '.join(BATCHING_MODES)}")
-        for name in ("max_rows", "max_queue"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
-        for name in ("max_wait_ms", "grow_hold_ms", "max_skips"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise ValueError(f"{name} {getattr(self, name)} must be a finite number >= 0")
-        for name in ("max_wait_ms", "grow_hold_ms"):  # a request may be held this long: keep it bounded
-            if getattr(self, name) > MAX_HOLD_MS:
-                raise ValueError(f"{name} {getattr(self, name)} is above {MAX_HOLD_MS:g} (a minute): requests would "
-                                 f"wait that long for company; use a smaller value")
-        if not 0.0 <= self.grow_fill <= 1.0:  # NaN fails this too
-            raise ValueError(f"grow_fill {self.grow_fill} must be in [0, 1] (0 turns the growth policy off)")
-        if list(self.buckets) != sorted(set(self.buckets)) or any(b < 1 for b in self.buckets):
-            raise ValueError(f"buckets {self.buckets} must be distinct positive integers in increasing order")
-
-    def bucket_for(self, rows: int) -> int:
-        """The rows a step of `rows` live rows costs: the smallest bucket >= rows, else rows (eager)."""
-        return smallest_bucket(self.buckets, rows) or rows
 
 
 @dataclass
@@ -94,6 +58,9 @@ class StepPlan:
     live: list[RequestState]              # every live request in row order (admitted included)
     coefs: np.ndarray                     # [n_rows, NUM_COEFS] this step's coefficients, row order
     cost_rows: int = 0                    # set by the engine core once it ran: its graph bucket, or n_rows if eager
+    # batch requests preempted this iteration and the first row they held: their rows are saved before the moves
+    preempted: list[tuple[RequestState, int]] = field(default_factory=list)
+    resumed: list[RequestState] = field(default_factory=list)  # preempted ones back: restore at state.first_row
 
     @property
     def n_rows(self) -> int:
@@ -138,13 +105,10 @@ class _Group:
         return sum(s.cost for s in self.live)
 
     def profile(self) -> np.ndarray:
-        """Denoiser rows its live requests need at each future step (this one first): their schedules are known,
-        and every live row advances one step per step of the group."""
-        demands = [s.demand() for s in self.live]
-        out = np.zeros(max((len(d) for d in demands), default=0), dtype=np.int64)
-        for d in demands:
-            out[:len(d)] += d
-        return out
+        return _profile(self.live)
+
+    def interactive(self) -> bool:  # an interactive request is live or waiting here (before batch-only groups)
+        return any(not s.batch for s in (*self.live, *self.waiting))
 
 
 class Scheduler:
@@ -169,8 +133,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._aborted) or any(g.waiting or g.live for g in self.groups.values())
 
-    def is_idle(self, key: GroupKey) -> bool:
-        """No live or waiting request in this group."""
+    def is_idle(self, key: GroupKey) -> bool:  # no live or waiting request in this group
         g = self.groups.get(key)
         return g is None or not (g.live or g.waiting)
 
@@ -200,6 +163,7 @@ class Scheduler:
                     g.waiting.remove(s)
                     s.aborted = True
                     self._aborted.append(s)
+                    self._release([s])  # a preempted request still holds what its gates gave it
                     return True
             for s in g.live:
                 if s.request_id == request_id and not s.aborted and (owner is None or s.sink is owner):
@@ -224,17 +188,20 @@ class Scheduler:
         ready = [(since, g) for g in self.groups.values() if (since := self._ready_since(g, now)) is not None]
         if not ready:
             return None
+        if any(g.interactive() for _, g in ready):  # batch-only groups wait while interactive ones have work
+            ready = [(since, g) for since, g in ready if g.interactive()]
         starved = [(g.skipped, since, g) for since, g in ready if g.skipped >= self.config.max_skips]
         best = max(starved, key=lambda t: (t[0], -t[1]))[2] if starved else min(ready, key=lambda t: t[0])[1]
         for _, g in ready:
             g.skipped = 0 if g is best else g.skipped + 1
+        preempted = self._preempt(best)
         moves = self._compact(best)
-        admitted = self._admit(best, now)
+        admitted, resumed = self._admit(best, now)
         if not best.live:
             return None
         coefs = np.concatenate([np.broadcast_to(s.plan.coefs[s.step], (s.rows, s.plan.coefs.shape[1]))
                                 for s in best.live])
-        return StepPlan(best.key, moves, admitted, list(best.live), coefs)
+        return StepPlan(best.key, moves, admitted, list(best.live), coefs, preempted=preempted, resumed=resumed)
 
     def update(self, plan: StepPlan) -> list[RequestState]:
         """After a successful step: advances every live row; returns the finished requests (rows freed)."""
@@ -263,6 +230,10 @@ class Scheduler:
         """After a failed step: every request of that batch leaves; the group starts empty."""
         g = self.groups[plan.key]
         failed, g.live = g.live, []
+        for s, _ in plan.preempted:  # preempted this step but their rows were not saved: they cannot resume
+            if s.saved is None and s in g.waiting:
+                g.waiting.remove(s)
+                failed.append(s)
         g.dirty = False
         self._release(failed)
         return failed
@@ -303,28 +274,32 @@ class Scheduler:
             return [s for s in g.waiting if s.steps == head.steps]
         return list(g.waiting)
 
-    def _admit(self, g: _Group, now: float) -> list[RequestState]:
+    def _admit(self, g: _Group, now: float) -> tuple[list[RequestState], list[RequestState]]:
+        """Admits waiting requests: (new ones, preempted ones resuming)."""
         mode = self.config.batching
-        if mode in ("request", "off") and g.live:
-            return []
-        if not g.waiting:
-            return []
-        if not g.live and not self._may_start(g, now):
-            return []
+        if (mode in ("request", "off") and g.live) or not g.waiting or (not g.live and not self._may_start(g, now)):
+            return [], []
         profile = g.profile()
-        # step mode, a live group: denoiser rows it may add at this step (the bucket growth policy), or None
-        growth = self._growth_limit(g, now) if mode == "step" and g.live else None
+        # one class (no batch rows here): the queue's own order
+        order = admission_order(g.waiting, g.live) if any(s.batch for s in (*g.waiting, *g.live)) else list(g.waiting)
+        # step mode, a live group: denoiser rows it may add at this step (the bucket growth policy), or None; an
+        # interactive request is not held back beside batch rows (they fill the bucket for it)
+        held = order[0].batch or not any(s.batch for s in g.live)
+        growth = None
+        if mode == "step" and g.live and held:
+            growth, holds = growth_limit(self.config, g.key, g.cost_now, order, now)
+            self.growth_holds += holds
         added = 0
-        admitted = []
-        head_steps = g.waiting[0].steps
-        for s in list(g.waiting):
+        admitted, resumed = [], []
+        head_steps = order[0].steps
+        for s in order:
             if mode == "off" and admitted:
                 break
             if mode == "request" and s.steps != head_steps:
                 continue
             need = s.demand()
-            fits = _fits(profile, need, self.config.max_rows) and (growth is None or added + s.cost <= growth)
-            if not fits:
+            room = _fits(profile, need, self.config.max_rows) and (growth is None or added + s.cost <= growth)
+            if not room:
                 if mode == "step":
                     break  # FIFO: a large request is not overtaken by smaller ones behind it
                 continue
@@ -333,33 +308,34 @@ class Scheduler:
             g.waiting.remove(s)
             s.first_row = g.live_rows
             g.live.append(s)
-            admitted.append(s)
+            (resumed if s.preempted else admitted).append(s)
+            s.preempted = False
             profile = _plus(profile, need)
             added += s.cost
-        return admitted
+        return admitted, resumed
 
-    def _growth_limit(self, g: _Group, now: float) -> int | None:
-        """Denoiser rows a live group may add at this step: the longest FIFO prefix of its queue that either stays
-        within the current bucket or fills at least grow_fill of the bucket it grows into (counted in this step's
-        denoiser rows); None (no limit) once the queue head has waited grow_hold_ms or where steps do not pad to
-        buckets. Whether the rows fit at every later step is the profile check's."""
-        cfg = self.config
-        if cfg.grow_fill <= 0 or not cfg.buckets or (cfg.padded and g.key not in cfg.padded):
-            return None  # no buckets here: an eager step costs its live rows, growing wastes nothing
-        if (now - g.waiting[0].arrival) * 1e3 >= cfg.grow_hold_ms:
-            return None
-        live = g.cost_now
-        current = cfg.bucket_for(live)
-        rows, best = live, live
-        for s in g.waiting:  # the prefixes FIFO admission could take
-            if rows + s.cost > cfg.max_rows:
+    def _preempt(self, g: _Group) -> list[tuple[RequestState, int]]:
+        """Step mode: live batch requests that give their rows to the group's waiting interactive requests
+        (priority.py), back in the queue; returns them with the first row they held."""
+        if self.config.batching != "step" or not any(s.batch for s in g.live):
+            return []
+        out: list[tuple[RequestState, int]] = []
+        live = list(g.live)  # the live rows once this iteration's interactive requests are in
+        for s in [s for s in g.waiting if not s.batch]:  # oldest first, as admission takes them; one waiting for
+            # adapter slots, not rows, or too large even without batch rows, preempts nothing (nor those behind it)
+            gone = _victims(live, s.demand(), self.config.max_rows) if all(
+                gate.can_admit(s) for gate in self.gates) else None
+            if gone is None:
                 break
-            rows += s.cost
-            if rows <= current or rows >= cfg.grow_fill * cfg.bucket_for(rows):
-                best = rows
-        if best < rows:
-            self.growth_holds += 1
-        return best - live
+            for v in gone:
+                out.append((v, v.first_row))
+                v.preempted = True
+                live.remove(v)
+                g.live.remove(v)
+                g.waiting.appendleft(v)
+                g.dirty = True
+            live.append(s)
+        return out
 
     def _drop_aborted(self, g: _Group) -> None:
         gone = [s for s in g.live if s.aborted]
@@ -370,7 +346,9 @@ class Scheduler:
             self._release(gone)
 
     def _take(self, s: RequestState) -> bool:
-        """Every gate admits `s`, or none keeps what it took (all or nothing)."""
+        """Every gate admits `s`, or none keeps what it took (all or nothing). A preempted request kept its own."""
+        if s.preempted:
+            return True
         taken: dict[str, Any] = {}
         for gate in self.gates:
             got = gate.admit(s)
@@ -407,6 +385,16 @@ class Scheduler:
         return moves
 
 
+def _profile(states: list[RequestState]) -> np.ndarray:
+    """Denoiser rows the requests need at each future step (this one first): their schedules are known, and every
+    live row advances one step per step of the group."""
+    demands = [s.demand() for s in states]
+    out = np.zeros(max((len(d) for d in demands), default=0), dtype=np.int64)
+    for d in demands:
+        out[:len(d)] += d
+    return out
+
+
 def _fits(profile: np.ndarray, need: np.ndarray, capacity: int) -> bool:
     """Whether `need` added to `profile` (both per future step, this one first) stays within `capacity` throughout."""
     n = min(len(profile), len(need))
@@ -418,3 +406,15 @@ def _plus(profile: np.ndarray, need: np.ndarray) -> np.ndarray:
     out[:len(profile)] += profile
     out[:len(need)] += need
     return out
+
+
+def _victims(live: list[RequestState], need: np.ndarray, capacity: int) -> list[RequestState] | None:
+    """The fewest live batch requests whose rows, taken away, let a request of per-step demand `need` fit within
+    `capacity` (priority.py's order): [] when it fits already, None when it cannot even without every batch row."""
+    taken: list[RequestState] = []
+    for s in [None, *victims_order(live)]:
+        if s is not None:
+            taken.append(s)
+        if _fits(_profile([o for o in live if o not in taken]), need, capacity):
+            return taken
+    return None

@@ -85,6 +85,16 @@ class StepBuffers:
         for t in self.fields.values():
             t[dst:dst + count] = t[src:src + count].clone()
 
+    def save_rows(self, start: int, count: int) -> dict[str, torch.Tensor]:
+        """A copy of rows [start, start+count) of every buffer: a preempted row's whole state (latents, sampler
+        history, conditioning, every feature's fields), for `restore_rows`."""
+        return {k: t[start:start + count].clone() for k, t in self.fields.items()}
+
+    def restore_rows(self, start: int, saved: dict[str, torch.Tensor]) -> None:
+        """Writes rows saved by `save_rows` back at rows [start, ...) (wherever the row resumes)."""
+        for k, t in saved.items():
+            self.fields[k][start:start + t.shape[0]] = t
+
     def write(self, rows: slice, values: dict[str, torch.Tensor | float]) -> None:
         """Writes an admitted request's feature fields (one row broadcast, or every row); the features' fields it
         leaves out take their neutral value."""

@@ -1,0 +1,181 @@
+"""Scheduling classes (engine/priority.py): interactive rows first, batch rows fair-shared between jobs, and batch
+rows preempted at a step boundary for an interactive request, resuming from their saved state; the scheduler with a
+fake worker, then the engine on the CPU (a preempted row's image equals the uninterrupted one)."""
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from diffgraph.engine.priority import admission_order
+from diffgraph.engine.scheduler import _victims as victims
+from diffgraph.engine.scheduler import Scheduler, SchedulerConfig
+from test_scheduler import Clock, FakeWorker, state
+
+
+def batch(rid, job="j1", **kw):
+    return dataclasses.replace(state(rid, **kw), batch=True, job=job)
+
+
+def ids(states):
+    return [s.request_id for s in states]
+
+
+def test_admission_order_puts_people_first_then_resumed_then_jobs_round_robin():
+    live = [batch("L1", job="A", rows=2)]  # job A already holds 2 rows here
+    waiting = [batch("a1", job="A", arrival=0), batch("a2", job="A", arrival=1), batch("a3", job="A", arrival=2),
+               batch("b1", job="B", arrival=3), batch("b2", job="B", arrival=4), state("i1", arrival=5),
+               dataclasses.replace(batch("r1", job="B", arrival=6), preempted=True), state("i2", arrival=7)]
+    # B holds no rows: it goes first until it catches up with A's 2, then they alternate (ties: the older head)
+    assert ids(admission_order(waiting, live)) == ["i1", "i2", "r1", "b1", "b2", "a1", "a2", "a3"]
+    assert ids(admission_order(waiting[:5], [])) == ["a1", "b1", "a2", "b2", "a3"]
+
+
+def test_victims_are_the_fewest_batch_rows_with_the_most_steps_left():
+    live = [state("i", steps=10, rows=2), batch("short", steps=3, rows=2), batch("long", steps=9, rows=2),
+            batch("mid", steps=6, rows=2)]
+    need = np.full(5, 4)  # 4 rows for 5 steps beside 8 live rows of a capacity of 10
+    assert ids(victims(live, need, 10)) == ["long"]
+    assert victims(live, np.full(5, 2), 10) == []          # fits already
+    assert victims(live, np.full(5, 9), 10) is None        # not even without every batch row (the 2 interactive)
+
+
+def test_an_interactive_request_takes_a_batch_row_at_the_next_step_and_the_row_resumes_where_it_stopped():
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    w = FakeWorker()
+    for i in range(4):
+        sched.add(batch(f"b{i}", steps=6 + i))
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    sched.add(state("person", steps=3))
+    p = sched.schedule()  # the very next step: b3 (most steps left) gives way, its place is the person's
+    assert [(s.request_id, row) for s, row in p.preempted] == [("b3", 3)]
+    assert ids(p.admitted) == ["person"] and ids(p.live) == ["b0", "b1", "b2", "person"]
+    victim = p.preempted[0][0]
+    assert victim.preempted and victim.step == 1
+    for s, _ in p.preempted:
+        s.saved = "rows"  # what the engine core does before the step
+    steps_of_person = 0
+    while not any(s.request_id == "b3" for s in p.resumed):
+        w.execute(p)
+        done = ids(sched.update(p))
+        steps_of_person += "person" in ids(p.live)
+        p = sched.schedule()
+    assert steps_of_person == 3  # it ran its 3 steps back to back
+    assert victim.step == 1 and not victim.preempted and victim.first_row == 3  # resumes at its step, same rows
+    assert "person" in done or steps_of_person == 3
+
+
+def test_groups_with_interactive_work_run_before_batch_only_groups():
+    sched = Scheduler(SchedulerConfig(max_rows=4, max_skips=1), Clock())
+    w = FakeWorker()
+    sched.add(batch("b", steps=8, key=(64, 64)))
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    sched.add(state("person", steps=3, key=(32, 32)))
+    keys = []
+    for _ in range(3):
+        p = sched.schedule()
+        w.execute(p)
+        sched.update(p)
+        keys.append(p.key)
+    assert keys == [(32, 32)] * 3  # the batch group's older rows and max_skips do not delay the person
+    p = sched.schedule()
+    assert p.key == (64, 64)
+
+
+class SlotGate:
+    name = "lora"
+
+    def __init__(self, slots):
+        self.free = slots
+
+    def can_admit(self, s):
+        return self.free > 0
+
+    def admit(self, s):
+        if self.free == 0:
+            return None
+        self.free -= 1
+        return [0]
+
+    def release(self, s, taken):
+        self.free += 1
+
+
+def test_a_preempted_request_keeps_its_gates_until_it_is_aborted_or_done():
+    sched = Scheduler(SchedulerConfig(max_rows=2), Clock())
+    gate = SlotGate(3)
+    sched.gates = (gate,)
+    w = FakeWorker()
+    sched.add(batch("b0", steps=5))
+    sched.add(batch("b1", steps=6))
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    assert gate.free == 1
+    sched.add(state("person", steps=2))
+    p = sched.schedule()
+    assert ids(s for s, _ in p.preempted) == ["b1"] and gate.free == 0  # b1 kept its slot, the person took one
+    assert sched.abort("b1") and gate.free == 1  # aborted while preempted: its slot comes back
+
+
+def test_a_failed_step_fails_the_rows_it_preempted_before_they_were_saved():
+    sched = Scheduler(SchedulerConfig(max_rows=1), Clock())
+    w = FakeWorker()
+    sched.add(batch("b", steps=5))
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    sched.add(state("person", steps=2))
+    p = sched.schedule()
+    assert ids(s for s, _ in p.preempted) == ["b"]
+    assert sorted(ids(sched.fail(p))) == ["b", "person"] and not sched.has_work()
+
+
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler_a"])  # sampler history, and noise drawn every step
+def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_engine, sampler):
+    from diffgraph import GenerationRequest
+    eng = tiny_engine
+    size = eng.info.native_size
+    per = eng.core.scheduler.config.max_rows // 4 // 2  # 4 requests of guided rows (2 denoiser rows each) fill it
+
+    def make(i, priority, steps):
+        r = GenerationRequest.create("a cat" if i % 2 else "a dog", width=size, height=size, seed=10 + i,
+                                     num_inference_steps=steps, sampler=sampler, guidance_scale=5.0,
+                                     num_images=per if priority == "batch" else 1, model=eng.info,
+                                     request_id=f"{priority}-{i}-{sampler}")
+        return dataclasses.replace(r, priority=priority, job="j" if priority == "batch" else None)
+
+    jobs = [make(i, "batch", 6) for i in range(4)]
+    alone = [eng.run(dataclasses.replace(r, request_id=r.request_id + "-alone")).arrays for r in jobs]
+    person = make(99, "interactive", 3)
+    person_alone = eng.run(dataclasses.replace(person, request_id="alone")).arrays
+    plans, futures = [], []
+
+    def listener(plan, _):  # on the loop thread, between steps
+        plans.append(([s.request_id for s in plan.live], [s.request_id for s, _ in plan.preempted]))
+        if len(plans) == 2:  # the group is full of batch rows and has stepped twice: a person arrives
+            futures.append(eng.submit(person))
+
+    eng.core.step_listeners.append(listener)
+    hold = threading.Event()
+    held = eng.core.call_between_steps(hold.wait)  # the loop waits here until every batch request is queued
+    try:
+        batch_futures = [eng.submit(r) for r in jobs]
+        hold.set()
+        held.result()
+        results = [f.result() for f in batch_futures]
+        person_result = futures[0].result()
+    finally:
+        hold.set()
+        eng.core.step_listeners.remove(listener)
+    assert len(plans[0][0]) == 4 and not plans[0][1]
+    live, preempted = plans[2]
+    assert person.request_id in live and preempted  # the next step: the person runs, a batch request gave way
+    for res, ref in zip(results, alone):  # within the isolation tolerance (batch shapes change the float sums)
+        np.testing.assert_allclose(res.arrays, ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(person_result.arrays, person_alone, atol=1e-4, rtol=0)
