@@ -6,6 +6,7 @@ is keyed by what compiled code depends on."""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -391,3 +392,32 @@ def test_inductor_options_reach_inductor_only_and_name_the_version():
     assert inductor.options == {"triton.cudagraphs": False, "force_layout_optimization": True}
     assert Compiled(fn, CompileConfig(), "f").options == {"triton.cudagraphs": False}
     assert Compiled(fn, CompileConfig(backend="aot_eager"), "f", options=STEP_OPTIONS).options is None
+
+
+def test_precompiled_files_are_written_to_a_temporary_name_and_renamed(tmp_path, monkeypatch):
+    """Replicas sharing a cache folder never read a half-written precompiled file (issue 28 point 5): the save goes
+    to a temporary name of this process and thread, then one rename; a failed save leaves neither file."""
+    from diffgraph.graphs.compiled import write_atomically
+    path = str(tmp_path / "step-abc.bin")
+    seen = []
+
+    def save(tmp):
+        assert tmp != path and os.path.dirname(tmp) == str(tmp_path) and not os.path.exists(path)
+        with open(tmp, "wb") as f:
+            f.write(b"version")
+        seen.append(tmp)
+
+    renames = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renames.append((a, b)), real(a, b)))
+    write_atomically(save, path)
+    assert renames == [(seen[0], path)] and open(path, "rb").read() == b"version"
+
+    def broken(tmp):
+        with open(tmp, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_atomically(broken, str(tmp_path / "other.bin"))
+    assert sorted(os.listdir(tmp_path)) == ["step-abc.bin"]

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -170,7 +171,7 @@ class Compiled:
         self.compile_s += time.perf_counter() - t0
         try:
             os.makedirs(self.precompile_dir, exist_ok=True)
-            version.save_compiled_function(self._path(own))
+            write_atomically(version.save_compiled_function, self._path(own))
         except Exception as e:  # a read-only or full disk: this process runs compiled; the next compiles again
             logger.warning("precompiled %s could not be saved to %s (%s: %s)", self.name, self._path(own),
                            type(e).__name__, e)
@@ -335,6 +336,19 @@ def load_artifacts(folder: str) -> int:
                        type(e).__name__, e)
         return 0
     return len(blob)
+
+
+def write_atomically(save: Callable[[str], Any], path: str) -> None:
+    """`save(temporary path)` then a rename onto `path`: a reader (another replica sharing the cache folder) sees
+    the old file or the whole new one, never a partial write; the temporary file is this process's and thread's own,
+    and is removed when `save` fails."""
+    tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"
+    try:
+        save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def save_artifacts_if_new(folder: str) -> int:
