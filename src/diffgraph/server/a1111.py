@@ -257,7 +257,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             runs: list[ImageRun] = []
             try:
                 for request in requests:
-                    handle = await submit(state, request, progress=True, client=chosen.client)
+                    handle = await submit(state, request, progress=True, client=chosen.client, deadline=deadline,
+                                          http=http)
                     runs.append(ImageRun(handle, request.denoising_steps))
             except APIError as e:  # the engine refused the request (its adapters, its steps): name our field
                 for run in runs:

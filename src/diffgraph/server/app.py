@@ -295,7 +295,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             target = await routing.target(model, deadline - time.monotonic(), default) if routing else default
             try:  # the target is held (never evicted) until its request is queued
                 request = await finish(target.info)
-                handle = await submit(state, request, progress=stream, client=target.client)
+                handle = await submit(state, request, progress=stream, client=target.client, deadline=deadline,
+                                      http=http)
             finally:
                 if target.hold is not None:  # another model's, held until its request is queued
                     target.release(routing)

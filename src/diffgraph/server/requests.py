@@ -14,7 +14,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 
@@ -192,9 +192,12 @@ class ServerState:
 
 
 async def submit(state: ServerState, request: GenerationRequest, progress: bool,
-                 client: EngineClient | None = None) -> RequestHandle:
+                 client: EngineClient | None = None, deadline: float | None = None,
+                 http: Request | None = None) -> RequestHandle:
     """Submits to the engine client (`client`: another model's, else the server's) before any response starts, so a
-    full queue is a plain 429 even when streaming."""
+    full queue is a plain 429 even when streaming. With `deadline` (and `http`) the submission itself is bounded by
+    the request timeout (504) and the client's disconnect: a replica that stopped answering or a saturated remote
+    deployment never holds the HTTP request; a submission that completes after that is aborted at once."""
     pixels = request.width * request.height
     if state.max_pixels is not None and pixels > state.max_pixels:
         how = ("--max-pixels" if state.config.max_pixels else "measured at start-up from this CPU's step time, so "
@@ -205,7 +208,8 @@ async def submit(state: ServerState, request: GenerationRequest, progress: bool,
         raise APIError(503, "the server shut down before this request started; retry on another replica",
                        code="aborted")
     try:
-        handle = await (client or state.client).submit(request, progress=progress)
+        pending = (client or state.client).submit(request, progress=progress)
+        handle = await (pending if deadline is None else _bounded(state, pending, deadline, http))
     except QueueFullError as e:
         raise APIError(429, str(e), code="queue_full") from None
     except ParamError as e:  # the engine refused the request itself (e.g. its step count on this model)
@@ -214,6 +218,32 @@ async def submit(state: ServerState, request: GenerationRequest, progress: bool,
         raise APIError(503, str(e), code="draining" if state.draining else "engine_failed") from None
     state.handles[request.request_id] = handle
     return handle
+
+
+async def _bounded(state: ServerState, submission: Awaitable[RequestHandle], deadline: float,
+                   http: Request | None) -> RequestHandle:
+    task = asyncio.ensure_future(submission)
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timeout = state.config.request_timeout
+                raise APIError(504, f"the engine did not accept the request within the {timeout:g} s request timeout "
+                                    "(a replica not answering, or a saturated deployment); retry, or raise "
+                                    "--request-timeout", code="timeout")
+            done, _ = await asyncio.wait({task}, timeout=min(POLL_S, remaining))
+            if done:
+                return task.result()
+            if http is not None and await http.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():  # never cancelled mid-protocol: once it is queued after all, it is aborted
+            task.add_done_callback(_abort_late)
+
+
+def _abort_late(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().abort()
 
 
 async def results(state: ServerState, handle: RequestHandle, deadline: float,
