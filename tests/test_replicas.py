@@ -4,6 +4,7 @@ as one engine, a replica killed mid-load loses no request silently and comes bac
 import asyncio
 import io
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +24,8 @@ def pixels(result) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def router():
-    r = Router([ReplicaClient("cpu", MODEL, name=f"cpu#{i}", torch_threads=1) for i in range(2)])
+    # replica_timeout: beats every 2 s; 8 s of silence is far beyond what a loaded 2-core machine delays a thread
+    r = Router([ReplicaClient("cpu", MODEL, name=f"cpu#{i}", torch_threads=1, replica_timeout=8.0) for i in range(2)])
     # every replica, not only min_ready of them: the tests below need both serving
     assert all(replica.wait_ready(BOUND_S) for replica in r.replicas), r.replica_states()
     yield r
@@ -70,6 +72,45 @@ def test_a_killed_replica_answers_its_requests_and_comes_back(router, tiny_engin
     assert all("stopped" in str(e) and "retry" in str(e) for e in lost)
     victim = router.replicas[0]
     assert victim.wait_ready(BOUND_S) and victim.restarts == 1
+    again = run_all(router, [tiny_engine.make_request("a cat", num_inference_steps=2, seed=9, output_format="png")
+                             for _ in range(4)])
+    assert all(not isinstance(r, Exception) for r in again)
+
+
+def test_a_stopped_replica_is_routed_around_its_requests_end_and_it_comes_back(router, tiny_engine):
+    """SIGSTOP of one of two replicas under load (issue 28 point 1): no heartbeat within the replica timeout makes it
+    unresponsive: its requests end with 503 (those not started move to the other replica and succeed), new
+    requests succeed on the other, and SIGCONT brings it back."""
+    import os
+    requests = [tiny_engine.make_request("a dog", num_inference_steps=40, seed=i, output_format="png")
+                for i in range(8)]
+    victim = router.replicas[1]
+    moved = router.moved
+
+    async def go():
+        handles = [await router.submit(q, progress=True) for q in requests]
+        first = handles[[router._work[h.request_id][0] for h in handles].index(victim)]
+        async for item in first.events():  # the victim is busy: one of its requests made progress
+            break
+        os.kill(victim._process.pid, signal.SIGSTOP)
+        results = await asyncio.gather(*(h.result() for h in handles), return_exceptions=True)
+        assert victim.state == "unresponsive" and router.ready and "no heartbeat" in victim.error
+        later = [tiny_engine.make_request("a cat", num_inference_steps=2, seed=i, output_format="png")
+                 for i in range(3)]
+        extra = await asyncio.gather(*[(await router.submit(q)).result() for q in later], return_exceptions=True)
+        return results, extra
+    try:
+        results, extra = asyncio.run(go())
+    finally:
+        os.kill(victim._process.pid, signal.SIGCONT)
+    lost = [r for r in results if isinstance(r, EngineClosed)]
+    assert lost and all(isinstance(r, EngineClosed) or r.encoded for r in results), results
+    assert all("stopped answering" in str(e) and "retry" in str(e) for e in lost)
+    assert all(not isinstance(r, Exception) for r in extra), extra  # new requests went to the other replica
+    deadline = time.monotonic() + BOUND_S
+    while victim.state != "ready" and time.monotonic() < deadline:  # SIGCONT: its beats resume, it is ready again
+        time.sleep(0.1)
+    assert victim.state == "ready" and victim.restarts == 0 and router.moved >= moved
     again = run_all(router, [tiny_engine.make_request("a cat", num_inference_steps=2, seed=9, output_format="png")
                              for _ in range(4)])
     assert all(not isinstance(r, Exception) for r in again)

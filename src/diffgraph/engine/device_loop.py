@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class DeviceLoop:
         self._turn = 0
         self._running = False
         self.thread: threading.Thread | None = None  # the current thread (a plain attribute: cores read it)
+        self.busy_since: float | None = None  # when the pass running now began (None: waiting): a wedged step shows
 
     def attach(self, core: LoopCore) -> None:
         thread = None
@@ -100,11 +102,13 @@ class DeviceLoop:
                 self._retire(core, failure)
                 del picked, core
                 continue
+            self.busy_since = time.monotonic()
             try:
                 core.run(work, waited)
             except BaseException as e:  # a bug in the core's pass: answer its requests, refuse its new work
                 logger.exception("the engine loop stopped after an internal error")
                 self._retire(core, e)
+            self.busy_since = None
             del picked, core, work  # while it waits, the loop holds no core (an evicted model's memory goes)
 
     def _retire(self, core: LoopCore, error: BaseException | None) -> None:

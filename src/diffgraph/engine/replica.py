@@ -6,12 +6,20 @@ The parent talks to the replica over one duplex pipe; everything on it is the pr
     replica -> parent   ("ready", ModelInfo) | ("failed", message) | ("accepted", request_id)
                         | ("rejected", request_id, error) | ("progress", ProgressEvent) | ("step", StepEvent)
                         | ("done", request_id, result, error) | ("stats", token, EngineStats)
+                        | ("beat", seconds its engine loop has been inside one pass, 0 when waiting)
 
 Results carry the images encoded by the replica (its image threads), and no float pixels when the request asked
 for an encoded format: the bytes move once. The parent's reader thread answers each request's handle; when the
 pipe breaks (the process died), every request in flight on it is answered at once with EngineClosed (HTTP 503,
 retryable), and the replica is started again after a backoff, unless it crashed `max_restarts` times within
 `restart_window_s`: then it is left down and reported so (`state`), not restarted in a loop.
+
+Heartbeat: a ready replica sends a beat every quarter of `replica_timeout` from a thread of its own. A replica that
+sends nothing for `replica_timeout` (stopped by SIGSTOP, starved) or whose engine loop has been inside one pass for
+longer (wedged in a driver call) is "unresponsive": not ready (routed around), its requests in flight answered at once
+with EngineClosed (503, retryable; the router moves those that had not started) and aborted on its side. When it
+answers again within `replica_timeout` it is ready again; one that stays unresponsive for 4 x `replica_timeout` is
+killed and restarted like a crashed one.
 """
 
 from __future__ import annotations
@@ -32,10 +40,11 @@ from .client import EngineStats, StepEvent
 
 logger = logging.getLogger(__name__)
 
-STATES = ("starting", "ready", "restarting", "down", "closed")
+STATES = ("starting", "ready", "unresponsive", "restarting", "down", "closed")
 
 
-def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_threads: int | None) -> None:
+def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_threads: int | None,
+                  beat_s: float = 1.0) -> None:
     """The replica process: build the engine, then serve the pipe until "close" or the parent goes away."""
     if torch_threads is not None:
         import torch
@@ -66,6 +75,13 @@ def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_t
     engine.core.on_failure.append(failed)
     client.add_step_listener(lambda event: send(("step", event)))
     send(("ready", engine.info))
+    beating = threading.Event()
+
+    def beat() -> None:  # its own thread: beats while the loop steps, and says how long the current pass runs
+        while not beating.wait(beat_s):
+            since = engine.core.loop.busy_since
+            send(("beat", 0.0 if since is None else time.monotonic() - since))
+    threading.Thread(target=beat, name="diffgraph-replica-beat", daemon=True).start()
     while True:
         try:
             message = conn.recv()
@@ -90,6 +106,7 @@ def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_t
             send(("stats", message[1], client.stats()))
         elif kind == "close":
             break
+    beating.set()
     engine.close()
 
 
@@ -108,7 +125,10 @@ class ReplicaClient:
 
     def __init__(self, device: str, engine_kwargs: dict[str, Any] | None = None, name: str | None = None,
                  max_restarts: int = 3, restart_window_s: float = 300.0, backoff_s: float = 1.0,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, replica_timeout: float = 30.0):
+        if not replica_timeout > 0:
+            raise ValueError(f"replica_timeout {replica_timeout} must be > 0 seconds (--replica-timeout)")
+        self.replica_timeout = replica_timeout
         self.device = device
         self._threads = torch_threads
         self.name = name or device
@@ -135,7 +155,8 @@ class ReplicaClient:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
         parent, child = ctx.Pipe(duplex=True)
         self._conn = parent
-        self._process = ctx.Process(target=_replica_main, args=(child, self.device, self._kwargs, self._threads),
+        self._process = ctx.Process(target=_replica_main, args=(child, self.device, self._kwargs, self._threads,
+                                                                self.replica_timeout / 4),
                                     name=f"diffgraph-replica-{self.name}", daemon=True)
         self._process.start()
         child.close()
@@ -148,14 +169,42 @@ class ReplicaClient:
         return self.state == "ready"
 
     def _read(self, conn: Any, process: Any) -> None:
+        heard = time.monotonic()
         while True:
             try:
+                if not conn.poll(self.replica_timeout / 4):
+                    self._check(time.monotonic() - heard, 0.0, process)
+                    continue
                 message = conn.recv()
             except (EOFError, OSError):
                 break
-            self._dispatch(message)
+            heard = time.monotonic()
+            if message[0] == "beat":
+                self._check(0.0, message[1], process)
+            else:
+                self._dispatch(message)
         process.join(5)
         self._on_exit(process.exitcode)
+
+    def _check(self, silent_s: float, busy_s: float, process: Any) -> None:
+        """The heartbeat's verdict (module docstring): unresponsive, back, or killed after 4 timeouts."""
+        stuck = max(silent_s, busy_s)
+        if stuck < self.replica_timeout:
+            if self.state == "unresponsive":
+                logger.warning("replica %s answers again; ready", self.name)
+                self.state, self.error = "ready", None
+            return
+        if self.state == "ready":
+            self.state = "unresponsive"
+            self.error = (f"no heartbeat for {silent_s:.0f} s" if silent_s else
+                          f"its engine loop has been in one step for {busy_s:.0f} s") + \
+                f" (--replica-timeout {self.replica_timeout:g})"
+            logger.error("replica %s is unresponsive: %s; its requests are answered 503", self.name, self.error)
+            self._answer_all(EngineClosed(f"replica {self.name} stopped answering ({self.error}); retry this "
+                                          "request (other replicas keep serving)"), abort=True)
+        elif self.state == "unresponsive" and stuck >= 4 * self.replica_timeout:
+            logger.error("replica %s unresponsive for %.0f s: killing it to restart it", self.name, stuck)
+            process.kill()
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -197,12 +246,24 @@ class ReplicaClient:
             if future is not None:
                 future.set_result(message[2])
 
-    def _on_exit(self, exitcode: int | None) -> None:
+    def _answer_all(self, error: EngineClosed, abort: bool = False) -> int:
+        """Answers every request in flight, pending submit and stats call with `error` (and, with `abort`, asks the
+        replica to drop them when it reads its pipe again); returns how many requests it answered."""
         with self._lock:
             handles, self._handles = self._handles, {}
             pending, self._pending = self._pending, {}
             stats, self._stats = self._stats, {}
-            closing = self.state == "closed"
+        for handle in handles.values():
+            handle.finish(None, error)
+        for future in (*pending.values(), *stats.values()):
+            if not future.done():
+                future.set_result(error)
+        for request_id in (handles if abort else ()):
+            self._send(("abort", request_id))
+        return len(handles)
+
+    def _on_exit(self, exitcode: int | None) -> None:
+        closing = self.state == "closed"
         delay = None
         if not closing:  # the state first: whoever the answers below wake (a retry) sees the replica as down
             now = time.monotonic()
@@ -215,18 +276,13 @@ class ReplicaClient:
                 self._ready_event.clear()
                 delay = self._backoff_s * 2 ** (len(self._crashes) - 1)
                 self.restarts += 1
-        error = EngineClosed(f"replica {self.name} stopped (exit code {exitcode}) before this request finished; "
-                             "retry it (other replicas keep serving)")
-        for handle in handles.values():
-            handle.finish(None, error)
-        for future in (*pending.values(), *stats.values()):
-            if not future.done():
-                future.set_result(error)
+        answered = self._answer_all(EngineClosed(f"replica {self.name} stopped (exit code {exitcode}) before this "
+                                                 "request finished; retry it (other replicas keep serving)"))
         if closing:
             self._ready_event.set()
             return
         logger.error("replica %s died (exit code %s); %d request(s) in flight answered 503", self.name, exitcode,
-                     len(handles))
+                     answered)
         if delay is None:
             logger.error("replica %s %s", self.name, self.error)
             self._ready_event.set()
