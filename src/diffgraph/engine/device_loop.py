@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 Work = tuple[Any, list, list]  # (a StepPlan or None, aborted requests, between-step work)
 STOPPED = "stopped"  # what a closed core's poll answers: the loop finishes and detaches it
+LOOP_NAME = "diffgraph-engine"  # the loop threads' names (a prefix)
 
 
 class LoopCore(Protocol):
@@ -40,8 +41,14 @@ class LoopCore(Protocol):
         """On the loop thread, outside the lock, once: answer everything left (`error`: the loop's own failure)."""
 
 
+def loops_running() -> list[str]:
+    """The names of this process's engine loop threads still alive (a step still running when the process is asked
+    to exit: `diffgraph serve` then ends without the interpreter's teardown, which aborts under a busy native op)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(LOOP_NAME) and t.is_alive()]
+
+
 class DeviceLoop:
-    def __init__(self, name: str = "diffgraph-engine"):
+    def __init__(self, name: str = LOOP_NAME):
         self.cv = threading.Condition()
         self.name = name
         self._cores: list[LoopCore] = []

@@ -456,7 +456,22 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "ray", False):
         return _serve_ray(config, args)
-    return serve(config)
+    return _exit(serve(config))
+
+
+def _exit(code: int) -> int:
+    """`code`, or, while an engine step still runs (a drain that outlasted its timeout during a long step), the
+    process ends here with `code` without the interpreter's teardown, which would abort under the busy native op
+    ("terminate called without an active exception", SIGABRT) instead of exiting as drained."""
+    from ..engine.device_loop import loops_running
+    busy = loops_running()
+    if busy:
+        logging.getLogger("diffgraph.server").warning("exiting while a step still runs (%s)", ", ".join(busy))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _serve_ray(config: ServerConfig, args: argparse.Namespace) -> int:

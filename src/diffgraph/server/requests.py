@@ -277,6 +277,10 @@ async def _next(state: ServerState, handle: RequestHandle, pending: asyncio.Futu
             done, _ = await asyncio.wait({pending}, timeout=min(POLL_S, remaining))
             if done:
                 break
+            if state.drain_aborted:  # the drain timeout passed: answer now, not when a long step ends
+                abort(state, handle)
+                raise APIError(503, f"the server shut down (its {state.config.drain_timeout:g} s drain timeout passed) "
+                                    "before this request finished; retry on another replica", code="aborted")
             if await http.is_disconnected():
                 abort(state, handle)
                 raise ClientGone()
