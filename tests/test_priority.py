@@ -162,9 +162,14 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
             futures.append(eng.submit(person))
 
     eng.core.step_listeners.append(listener)
-    hold = threading.Event()
-    held = eng.core.call_between_steps(hold.wait)  # the loop waits here until every batch request is queued
+    entered, hold = threading.Event(), threading.Event()
+
+    def blocker():  # the loop waits here (its pass planned with nothing queued) until every batch request is queued
+        entered.set()
+        hold.wait()
+    held = eng.core.call_between_steps(blocker)
     try:
+        entered.wait()
         batch_futures = [eng.submit(r) for r in jobs]
         hold.set()
         held.result()

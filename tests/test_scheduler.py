@@ -126,12 +126,14 @@ def test_no_group_starves():
     # the bound: b (younger than a's requests) is passed over at most max_skips times in a row
     runs = [i for i, k in enumerate(served) if k == (64, 96)]
     gaps = [runs[0]] + [b - a - 1 for a, b in zip(runs, runs[1:])]
-    assert max(gaps) <= sched.config.max_skips
+    assert max(gaps) <= sched.config.max_skips == 1  # one step of the other size at most (issue 28 point 4)
 
 
 def test_oldest_request_first_across_groups():
+    """Within the starvation bound the oldest request's group goes first (max_skips 4 here; the default of 1 lets
+    no size wait more than one step of another)."""
     clock = Clock()
-    sched = Scheduler(SchedulerConfig(max_rows=4), clock)
+    sched = Scheduler(SchedulerConfig(max_rows=4, max_skips=4), clock)
     w = FakeWorker()
     sched.add(state("young", steps=10, key=(64, 96), arrival=0.5))
     sched.add(state("old", steps=3, key=(64, 64), arrival=0.1))

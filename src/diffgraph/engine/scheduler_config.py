@@ -19,7 +19,8 @@ class SchedulerConfig:
     max_rows: int = 16          # rows live per group: the largest batch bucket
     max_wait_ms: float = 0.0    # admission into an EMPTY group waits this long for company
     max_queue: int = 256        # waiting requests, all groups together
-    max_skips: int = 4          # a group with work is passed over at most this many iterations in a row
+    max_skips: int = 1          # a group with work is passed over at most this many iterations in a row (one step
+    #                             of another resolution at most: no size starves another beyond one step each)
     buckets: tuple[int, ...] = ()   # batch buckets the model runner pads to (graphs); () = a step costs its rows
     padded: tuple[GroupKey, ...] = ()  # the resolutions whose steps pad to `buckets` (graphed); () = all
     grow_fill: float = 0.85     # step mode: grow into a larger bucket only when filling this fraction of it...
