@@ -116,6 +116,38 @@ def test_a_stopped_replica_is_routed_around_its_requests_end_and_it_comes_back(r
     assert all(not isinstance(r, Exception) for r in again)
 
 
+def test_results_do_not_carry_their_inputs_back(router, tiny_engine):
+    """An edit's result comes back without its request (the parent re-attaches its own: the input image crosses
+    once), and matches the in-process engine's."""
+    size = tiny_engine.info.native_size
+    image = (np.arange(size * size * 3) % 251).astype(np.uint8).reshape(size, size, 3)
+    q = tiny_engine.make_request("a cat", num_inference_steps=4, seed=3, image=image, output_format="png")
+    result = run_all(router, [q])[0]
+    assert result.request is q  # the parent's own object, not a copy that travelled back
+    assert np.abs(pixels(result) - pixels(tiny_engine.run(q))).max() <= 1
+
+
+def test_the_output_thread_sends_small_messages_together_and_results_alone():
+    import queue
+
+    from diffgraph.engine.replica import _send_all
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    outbox, pipe = queue.SimpleQueue(), Pipe()
+    for m in [("progress", "a", 1, 4), ("progress", "b", 1, 4), ("step", "e"), ("done", "a", "result", None),
+              ("beat", 0.0), None]:
+        outbox.put(m)
+    _send_all(pipe, outbox)  # returns at the None
+    assert pipe.sent == [("batch", [("progress", "a", 1, 4), ("progress", "b", 1, 4), ("step", "e")]),
+                         ("done", "a", "result", None), ("beat", 0.0)]
+
+
 def test_data_parallel_and_device_settings():
     from diffgraph.server.cli import data_parallel_devices
     from diffgraph.server.config import ServerConfig, load_config

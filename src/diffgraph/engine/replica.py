@@ -9,7 +9,9 @@ The parent talks to the replica over one duplex pipe; everything on it is the pr
                         | ("beat", seconds its engine loop has been inside one pass, 0 when waiting)
 
 Results carry the images encoded by the replica (its image threads), and no float pixels when the request asked
-for an encoded format: the bytes move once. The parent's reader thread answers each request's handle; when the
+for an encoded format: the bytes move once; nor their request (the parent keeps it: an edit's input image never
+comes back). The replica's engine threads only queue their messages; its output thread sends them, the small ones
+queued together as one ("batch", [...]) message, each result on its own, so the GPU loop never waits for the pipe. The parent's reader thread answers each request's handle; when the
 pipe breaks (the process died), every request in flight on it is answered at once with EngineClosed (HTTP 503,
 retryable), and the replica is started again after a backoff, unless it crashed `max_restarts` times within
 `restart_window_s`: then it is left down and reported so (`state`), not restarted in a loop.
@@ -29,6 +31,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -52,25 +55,25 @@ def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_t
     from .async_engine import AsyncEngine
     from .engine import Engine
 
-    send_lock = threading.Lock()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    send = outbox.put  # the engine's threads only queue their messages: the output thread sends them
+    output = threading.Thread(target=_send_all, args=(conn, outbox), name="diffgraph-replica-output", daemon=True)
+    output.start()
 
-    def send(message: tuple) -> None:
-        with send_lock:
-            try:
-                conn.send(message)
-            except (OSError, ValueError):  # the parent is gone: nothing to answer
-                pass
+    def last(message: tuple) -> None:  # a final message: queued after everything else, sent before the exit
+        outbox.put(message)
+        outbox.put(None)
+        output.join(30)
 
     try:
         engine = Engine(device=device, **engine_kwargs)
         engine.generate("warm-up", num_inference_steps=1, seed=0)
     except Exception as e:
-        send(("failed", f"{type(e).__name__}: {e}"))
-        return
+        return last(("failed", f"{type(e).__name__}: {e}"))
     client = AsyncEngine(engine)
 
     def failed(reason: str) -> None:  # the failure policy tripped: its requests are answered; say why, exit
-        send(("failed", reason))
+        last(("failed", reason))
         os._exit(3)  # the parent restarts it (with backoff); a poisoned device context is not worth a clean close
     engine.core.on_failure.append(failed)
     client.add_step_listener(lambda event: send(("step", event)))
@@ -108,6 +111,33 @@ def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_t
             break
     beating.set()
     engine.close()
+    outbox.put(None)  # the output thread ends after what is queued
+    output.join(30)
+
+
+def _send_all(conn: Any, outbox: queue.SimpleQueue) -> None:
+    """The replica's output thread: what the engine's threads queued, in order; the small messages queued together
+    (progress, steps, beats, acceptances) go as one ("batch", [...]) message, a result on its own. The GPU loop
+    never waits for the pipe, however slowly the parent reads."""
+    while True:
+        message = outbox.get()
+        small: list[tuple] = []
+        while message is not None and message[0] != "done" and len(small) < 256:
+            small.append(message)
+            try:
+                message = outbox.get_nowait()
+            except queue.Empty:
+                message = ()
+                break
+        try:
+            if small:
+                conn.send(small[0] if len(small) == 1 else ("batch", small))
+            if message:
+                conn.send(message)
+        except (OSError, ValueError):  # the parent is gone: nothing to answer
+            return
+        if message is None:
+            return
 
 
 def _outcome(future: Future) -> tuple[Any, BaseException | None]:
@@ -117,6 +147,7 @@ def _outcome(future: Future) -> tuple[Any, BaseException | None]:
     result = future.result()
     if result.encoded is not None:
         result.arrays = None  # the encoded bytes are what the caller sends on: do not move the pixels too
+    result.request = None  # the parent has it (with an edit's input image): results do not carry inputs back
     return result, None
 
 
@@ -138,6 +169,7 @@ class ReplicaClient:
         self._backoff_s = backoff_s
         self._lock = threading.Lock()
         self._handles: dict[str, RequestHandleImpl] = {}
+        self._requests: dict[str, GenerationRequest] = {}  # what its results are answers to (not sent back)
         self._pending: dict[str, Future] = {}     # submits waiting for accepted / rejected
         self._stats: dict[int, Future] = {}
         self._tokens = itertools.count()
@@ -232,8 +264,14 @@ class ReplicaClient:
         elif kind == "done":
             with self._lock:
                 handle = self._handles.pop(message[1], None)
+                request = self._requests.pop(message[1], None)
             if handle is not None:
+                if message[2] is not None:
+                    message[2].request = request
                 handle.finish(message[2], message[3])
+        elif kind == "batch":
+            for part in message[1]:
+                self._dispatch(part)
         elif kind == "step":
             for listener in list(self._listeners):
                 try:
@@ -253,6 +291,7 @@ class ReplicaClient:
             handles, self._handles = self._handles, {}
             pending, self._pending = self._pending, {}
             stats, self._stats = self._stats, {}
+            self._requests.clear()
         for handle in handles.values():
             handle.finish(None, error)
         for future in (*pending.values(), *stats.values()):
@@ -320,16 +359,19 @@ class ReplicaClient:
         answer: Future = Future()
         with self._lock:
             self._handles[request.request_id] = handle
+            self._requests[request.request_id] = request
             self._pending[request.request_id] = answer
         if not self._send(("submit", request, progress)):
             with self._lock:
                 self._handles.pop(request.request_id, None)
+                self._requests.pop(request.request_id, None)
                 self._pending.pop(request.request_id, None)
             raise EngineClosed(f"replica {self.name} is not reachable; retry shortly")
         rejected = await asyncio.wrap_future(answer)
         if rejected is not None:
             with self._lock:
                 self._handles.pop(request.request_id, None)
+                self._requests.pop(request.request_id, None)
             raise rejected
         return handle
 
