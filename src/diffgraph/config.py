@@ -177,8 +177,13 @@ class LoraConfig:
     # side paths on the convolutions too (resnets, samplers, time embeddings: LoCon, LCM-LoRA, TCD, Hyper-SD): their
     # slots cost more than the attention ones (SD1.5 at rank 64: 77 MiB a slot) and every adapter step pays for them
     conv: bool = False
+    # the prepared host copies (padded, pinned on a GPU) kept between requests, in bytes; queued requests hold only
+    # names and file versions, and a copy dropped from here is read again at admission (off the loop)
+    host_bytes: int = 2 * 2**30
 
     def __post_init__(self) -> None:
+        if self.host_bytes < 0:
+            raise ValueError(f"lora host bytes {self.host_bytes} must be >= 0 (--lora-host-bytes)")
         if self.max_loras is not None and (self.max_loras < 0 or 0 < self.max_loras < MIN_LORA_SLOTS):
             raise ValueError(f"max_loras {self.max_loras}: give 0 (no adapter slots) or at least {MIN_LORA_SLOTS}")
         if not 1 <= self.max_lora_rank <= 1024:

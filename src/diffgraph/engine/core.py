@@ -61,6 +61,7 @@ class EngineCore:
         self.step_events: list[tuple[Any, Any, bool]] | None = None  # [] records (start, end, waited) per step
         if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
             self.scheduler.gates = (runner.loras,)
+            runner.loras.wake = self.loop.wake  # an adapter's host copy was read again: plan again
 
     def start(self) -> None:
         self.loop.attach(self)
@@ -149,8 +150,7 @@ class EngineCore:
             self.scheduler.growth_holds = old.growth_holds  # a counter: it never goes back
             self.scheduler.gates = old.gates
 
-    def has_work(self) -> bool:
-        """Requests waiting or running (a ModelSet never evicts such an engine)."""
+    def has_work(self) -> bool:  # requests waiting or running (a ModelSet never evicts such an engine)
         with self._cv:
             return self.scheduler.has_work()
 
@@ -299,7 +299,7 @@ class EngineCore:
         that happened (the plan is then stale)."""
         runner = self.runner
         loras = runner.loras  # the adapters admitted this step, loaded into their slots first
-        broken = loras.load_admitted() if loras is not None and loras.enabled else set()
+        broken = loras.load_admitted() if loras is not None and loras.enabled else {}
         keys = [k for s in states for k in _prompt_keys(s)]
         try:
             embeds = runner.embed(keys)
@@ -310,8 +310,8 @@ class EngineCore:
         for s in states:
             r = s.request
             try:
-                if broken.intersection(s.admitted.get("lora", [])):
-                    raise RuntimeError("loading its LoRA adapter into a device slot failed (see the log)")
+                if broken.keys() & set(s.admitted.get("lora", [])):
+                    raise RuntimeError(next(broken[k] for k in s.admitted["lora"] if k in broken))
                 mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
                 if s.plan.brownian is not None:  # dpmpp_sde: one Brownian tree per request, seeded by its seed
@@ -324,7 +324,7 @@ class EngineCore:
                 pos, neg, *empty = _prompt_keys(s)
                 cond, uncond, chunks = runner.row_conditioning(mine[pos], mine[neg], mine[empty[0]] if empty else None)
                 admission = Admission(r, s.rows, uncond, edit or {}, [
-                    (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.prepared.has_unet],
+                    (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
                     chunks)
                 s.variant_parts = runner.write_rows(key, s.first_row, latents, cond, admission)
                 s.admitted_at = now
@@ -400,8 +400,8 @@ class EngineCore:
 def _prompt_keys(state: RequestState) -> tuple[PromptKey, ...]:
     """The request's prompt and negative prompt (as token ids), with its text-encoder adapters ((key, scale, slot),
     ...), and the empty prompt that pads the shorter of the two when their lengths differ."""
-    text = tuple((a.prepared.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", []))
-                 if a.prepared.has_text)
+    text = tuple((a.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", []))
+                 if a.has_text)
     pos, neg = state.prompts
     keys = (("+", pos, text), ("-", neg, text))
     if pos.chunks != neg.chunks:

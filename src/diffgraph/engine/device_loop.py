@@ -69,6 +69,11 @@ class DeviceLoop:
         if thread is not None:  # outside the lock: its first pass runs at once, as the caller goes on
             thread.start()
 
+    def wake(self) -> None:
+        """Makes the loop look at its cores again (something a scheduler waits for, other than a request, changed)."""
+        with self.cv:
+            self.cv.notify_all()
+
     def _next(self) -> tuple[LoopCore, Work | None, BaseException | None, bool] | None:
         """Under the lock: the next core to serve, in turn: (core, its work, a poll failure, whether the loop waited
         for it), or None when no core is attached (the thread then ends)."""

@@ -95,7 +95,8 @@ class Engine:
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
-                 preview_decoder: str | None = None, max_step_failures: int = 3):
+                 preview_decoder: str | None = None, max_step_failures: int = 3,
+                 lora_host_bytes: int = 2 * 2**30):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -118,7 +119,7 @@ class Engine:
             if name:  # the name requests, images and listings use (a model folder's entry, not its path)
                 self.model.name = name
             self.mode = mode
-            loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv)
+            loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv, lora_host_bytes)
             if not isinstance(compile, (bool, CompileConfig)):
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
@@ -159,12 +160,13 @@ class Engine:
                               size_multiple=int(adapter.size_multiple))
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
-                      fuse_loras: Any, conv: bool = False) -> LoraManager | None:
+                      fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30) -> LoraManager | None:
         """Adapter slots and side paths (with a lora_dir or max_loras > 0), adapters fused into the weights."""
         try:
             config = LoraConfig(lora_dir=lora_dir, max_loras=max_loras, max_lora_rank=max_lora_rank,
                                 fuse=tuple((str(n), float(s)) for n, s in fuse_loras),
-                                builtin_dir=builtin_lora_folder(self.model.name), conv=bool(conv))
+                                builtin_dir=builtin_lora_folder(self.model.name), conv=bool(conv),
+                                host_bytes=int(host_bytes))
             if not config.slots and not config.fuse:
                 return None
             return LoraManager(self.model, config)

@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -82,9 +82,14 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Resolved:
-    """One adapter of a request: what it is and its scale; `slot` is set by the admission gate."""
+    """One adapter of a request, checked at submit: its name and file version (`key`), where it is read from, what
+    it has weights for, and its scale. A queued request holds this, never the prepared weights: those live in the
+    manager's host cache, bounded by bytes (`host_bytes`), and are read again at admission if it dropped them."""
 
-    prepared: Prepared
+    key: AdapterKey
+    source: Any      # its file's path (or an added adapter's state dict, which the manager holds anyway)
+    has_unet: bool
+    has_text: bool
     scale: float
 
 
@@ -115,6 +120,9 @@ class LoraManager:
         self._added: dict[str, _Added] = {}
         self._versions = itertools.count(1)
         self._host: OrderedDict[AdapterKey, Prepared] = OrderedDict()  # recently read adapters
+        self._fetching: set[AdapterKey] = set()  # host copies being read again for admission
+        self._failed: dict[AdapterKey, str] = {}  # ... and why one could not be
+        self.wake: Callable[[], None] | None = None  # called when a host copy is ready (the core wakes its loop)
         self._listed: dict[str, tuple[AdapterKey, Any]] = {}  # path -> (name, stamp), its listing entry or error
         self._listing = threading.Lock()  # one listing computes at a time; callers that arrive meanwhile share it
         self._flight: Future | None = None
@@ -200,7 +208,8 @@ class LoraManager:
         if len(loras) > self.config.slots:
             raise AdapterError(f"{len(loras)} adapters in one request, but this engine has {self.config.slots} "
                                "adapter slots; use fewer or start it with a larger --max-loras")
-        return tuple(Resolved(self._lookup(name), scale) for name, scale in loras)
+        return tuple(Resolved(p.key, source, p.has_unet, p.has_text, scale)
+                     for (p, source), (_, scale) in zip(map(self._lookup, (n for n, _ in loras)), loras))
 
     def listing(self) -> dict[str, Any]:
         """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters. Files
@@ -287,11 +296,11 @@ class LoraManager:
             raise AdapterError("this engine has no adapter slots; start it with --lora-dir DIR or --max-loras N "
                                "(Engine(lora_dir=..., max_loras=...))")
 
-    def _lookup(self, name: str) -> Prepared:
+    def _lookup(self, name: str) -> tuple[Prepared, Any]:
         with self._lock:
             added = self._added.get(name)
         if added is not None:
-            return self._prepare((name, added.version), added.source)
+            return self._prepare((name, added.version), added.source), added.source
         folders = [d for d in (self.dir, self.builtin) if d is not None]  # the lora dir first, then built-ins
         for folder in folders:
             try:
@@ -305,7 +314,7 @@ class LoraManager:
                 except UnusableFile as e:
                     raise unusable(name, path, e) from None
                 try:
-                    return self._prepare((name, stamp), path)
+                    return self._prepare((name, stamp), path), path
                 except AdapterChanged:
                     continue
             raise AdapterError(f"adapter {name!r} keeps changing on disk while it is read; retry when it is written")
@@ -340,11 +349,16 @@ class LoraManager:
                 raise AdapterError(f"adapter {key[0]!r} has non-finite {component} weights (or they overflow "
                                    f"{row.dtype})")
         prepared = Prepared(key, adapter, rows)
-        with self._lock:
+        with self._lock:  # pinned host rows (an SDXL rank-64 adapter is 340 MB): bounded by bytes, the newest kept
             self._host[key] = prepared
-            while len(self._host) > max(self.config.slots, 1):  # pinned host rows: an SDXL rank-64 adapter is 340 MB
+            while len(self._host) > 1 and (self.host_bytes() > self.config.host_bytes
+                                           or len(self._host) > max(self.config.slots, 1)):
                 self._host.popitem(last=False)
         return prepared
+
+    def host_bytes(self) -> int:
+        """Bytes of the prepared host copies kept (what `--lora-host-bytes` bounds)."""
+        return sum(t.numel() * t.element_size() for p in list(self._host.values()) for t in p.rows.values())
 
     def _pad(self, adapter: AdapterFile) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Checks the adapter against the side paths: per bank, side-path module -> (A [r, in], B^T [r, out] with
@@ -399,35 +413,80 @@ class LoraManager:
 
     # -- slots: the scheduler's admission gate (the engine loop's thread) --------------------------
     def can_admit(self, state: Any) -> bool:
-        return not state.loras or self.slots.can_acquire([r.prepared.key for r in state.loras])
+        """Slots for all its adapters, and the host copy of each one not in a slot already (missing ones are read
+        again on the file pool, off the loop; `wake` is called when one is ready)."""
+        if not state.loras:
+            return True
+        if not self.slots.can_acquire([r.key for r in state.loras]):
+            return False
+        missing = [r for r in state.loras if self.slots.slot_of(r.key) is None and self._host_copy(r) is None
+                   and r.key not in self._failed]  # (one that failed is admitted to fail at its load)
+        for r in missing:
+            self._fetch(r)
+        return not missing
 
     def admit(self, state: Any) -> list[int] | None:
         """Pins a slot per adapter of the request (all or none) and returns them; None: it waits. Slots that must
-        be loaded first are queued for `load_admitted`."""
-        if not state.loras:
-            return []
-        got = self.slots.acquire_all([r.prepared.key for r in state.loras])
+        be loaded first are queued for `load_admitted` with their host copies (a copy that could not be read
+        again, e.g. the file changed since the request was queued, fails that request at its load)."""
+        if not state.loras or not self.can_admit(state):
+            return [] if not state.loras else None
+        got = self.slots.acquire_all([r.key for r in state.loras])
         if got is None:
             return None
-        self._writes += [(slot, r.prepared) for (slot, write), r in zip(got, state.loras) if write]
+        self._writes += [(slot, self._host_copy(r) or self._failed.get(r.key, f"adapter {r.key[0]!r} was dropped "
+                                                                              "from host memory; retry"))
+                         for (slot, write), r in zip(got, state.loras) if write]
         return [slot for slot, _ in got]
+
+    def _host_copy(self, r: Resolved) -> Prepared | None:
+        with self._lock:
+            return self._host.get(r.key)
+
+    def _fetch(self, r: Resolved) -> None:
+        """Reads an adapter's host copy again on the file pool (once per key at a time); a read that fails is kept
+        as the reason its requests fail."""
+        with self._lock:
+            if r.key in self._fetching or r.key in self._failed:
+                return
+            self._fetching.add(r.key)
+
+        def read() -> None:
+            try:
+                self._build(r.key, r.source)
+            except Exception as e:  # the file changed or went away since the request was queued
+                with self._lock:
+                    while len(self._failed) >= 256:  # a few recent reasons are enough: a key is one file version
+                        del self._failed[next(iter(self._failed))]
+                    self._failed[r.key] = (f"adapter {r.key[0]!r} could not be read again at admission ({e}); "
+                                           "it changed on disk since the request was queued: send the request again")
+            finally:
+                with self._lock:
+                    self._fetching.discard(r.key)
+                if self.wake is not None:
+                    self.wake()
+        self.reader.submit(read)
 
     def release(self, state: Any, taken: list[int]) -> None:
         for slot in taken:
             self.slots.release(slot)
 
-    def load_admitted(self) -> set[int]:
+    def load_admitted(self) -> dict[int, str]:
         """Loads the adapters admitted this step into their slots (host to device copies, between steps, on the
-        loop thread); returns the slots whose load failed (their requests fail alone)."""
-        writes, self._writes, broken = self._writes, [], set()
+        loop thread); returns the slots whose load failed with the reason (their requests fail alone)."""
+        writes, self._writes, broken = self._writes, [], {}
         for slot, prepared in writes:
+            if isinstance(prepared, str):  # its host copy could not be read again
+                self.forget(slot)
+                broken[slot] = prepared
+                continue
             try:
                 with torch.no_grad():
                     self.write(slot, prepared)
-            except Exception:
+            except Exception as e:
                 logger.exception("loading adapter %s into slot %d failed", prepared.key[0], slot)
                 self.forget(slot)
-                broken.add(slot)
+                broken[slot] = f"loading its LoRA adapter into a device slot failed ({type(e).__name__}: {e})"
         return broken
 
     def forget(self, slot: int) -> None:
