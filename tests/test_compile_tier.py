@@ -421,3 +421,21 @@ def test_precompiled_files_are_written_to_a_temporary_name_and_renamed(tmp_path,
     with pytest.raises(OSError):
         write_atomically(broken, str(tmp_path / "other.bin"))
     assert sorted(os.listdir(tmp_path)) == ["step-abc.bin"]
+
+
+def test_a_partial_prewarm_compiles_everything_before_ready(tmp_path):
+    """With a partial prewarm, what serving would compile (a resolution whose graphs were not prewarmed, bucket 1's
+    own version) compiles at start-up instead (issue 28 point 5: the README says "never while serving"); serving
+    then only captures."""
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64), (64, 96)), backend="emulated",
+                      prewarm=((64, 64, 2),))
+    with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg,
+                compile=CompileConfig(backend="aot_eager", cache_dir=str(tmp_path))) as engine:
+        before = {c.name: c.compiles for c in engine.runner.compiled}
+        assert before["the whole step"] == 4  # 64x64 and 64x96, each its dynamic batch and bucket 1
+        engine.generate(PROMPT, num_inference_steps=2, seed=1, width=96, height=64)  # 64x96, bucket 2: not prewarmed
+        engine.generate(PROMPT, num_inference_steps=2, seed=1, guidance_scale=1.0)  # 64x64, bucket 1
+        assert {c.name: c.compiles for c in engine.runner.compiled} == before  # serving compiled nothing
+        steps = {(r["height"], r["width"], r["bucket"]): r for r in engine.graph_table() if r["kind"] == "step"}
+        assert steps[(64, 96, 2)]["on_demand"] == 1 and steps[(64, 64, 1)]["on_demand"] == 1

@@ -117,12 +117,10 @@ class ModelRunner:
                 self.compiled = [self._eager_step]
 
     # -- device, lifetime ------------------------------------------------------------------------
-    def on_device(self):
-        """A context in which CUDA calls go to this runner's device (nothing happens on the CPU)."""
+    def on_device(self):  # a context in which CUDA calls go to this runner's device (nothing happens on the CPU)
         return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
-    def bind_thread(self) -> None:
-        """Makes the runner's device the calling thread's current device (the engine loop calls it once)."""
+    def bind_thread(self) -> None:  # makes the runner's device the calling thread's current one (the engine loop's)
         if self.cuda:
             torch.cuda.set_device(self.device)
 
@@ -132,6 +130,8 @@ class ModelRunner:
                 for key in self.graph_runner.kinds["step"].resolutions():
                     self.buffers(key)
                 self.graph_runner.prewarm()
+                if self.compiled and self.graph_config.prewarm is not True:  # never compile while serving
+                    self.graph_runner.warm_pending()
             # what a copy of the cache folder needs to start warm (precompiled versions are their own files)
             if any(c.compiles and c.precompile_dir is None for c in self.compiled):
                 save_artifacts_if_new(self.compile_folder)
