@@ -32,6 +32,30 @@ def test_fifty_abandoned_requests_at_fifty_sizes_leave_no_buffers(engine):
     assert len(seen) == 50  # each ran a step: its size's buffers were allocated
     engine.core.call_between_steps(lambda: None).result(timeout=600)  # the loop has passed the last abort
     assert engine.core.runner.groups == idle  # back to the idle figure: nothing held for the 50 sizes
+    held = engine.memory()  # what the metrics show (diffgraph_buffer_groups, diffgraph_engine_memory_bytes)
+    assert held["buffer_groups"] == len(idle) and held["prompt_cache_bytes"] > 0
+
+
+def test_the_metrics_show_what_the_engine_holds(engine):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from diffgraph.engine.async_engine import AsyncEngine
+    from diffgraph.server.metrics import _EngineCollector
+    client = AsyncEngine(engine)
+    running = []
+    engine.step_listeners.append(lambda plan, _: running.append(engine.memory()))
+    try:
+        engine.generate("a digit", num_inference_steps=2, seed=1)
+    finally:
+        engine.step_listeners.pop()
+    during = running[0]
+    assert during["buffer_groups"] >= 1 and during["buffer_bytes"] > 0  # a group's buffers while it steps
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(lambda: client))
+    text = generate_latest(registry).decode()
+    assert "diffgraph_buffer_groups " in text
+    for part in ("buffer", "pinned", "prompt_cache", "lora_host"):
+        assert f'diffgraph_engine_memory_bytes{{part="{part}"}}' in text
 
 
 def test_a_failed_step_releases_its_sizes_buffers(engine, monkeypatch):

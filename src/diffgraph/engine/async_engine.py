@@ -218,7 +218,7 @@ class AsyncEngine:
                            prompt_cache_hits=s["prompt_cache_hits"], prompt_cache_misses=s["prompt_cache_misses"],
                            compile_fallbacks=s["compile_fallbacks"],
                            device_memory_bytes=_device_memory_bytes(e), graphs=e.graph_table(),
-                           step_seconds=step_seconds)
+                           step_seconds=step_seconds, memory=e.memory())
 
     def graph_table(self) -> list[dict[str, Any]]:
         return self.engine.graph_table()

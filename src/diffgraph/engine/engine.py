@@ -291,6 +291,16 @@ class Engine:
         """Live rows per (height, width): every graphed resolution (0 when idle), other sizes while they run."""
         return self.core.live_rows()
 
+    def memory(self) -> dict[str, int]:
+        """What the engine holds now, in bytes (EngineStats.memory: /metrics' diffgraph_engine_memory_bytes)."""
+        r = self.runner
+        buffers = list(r.groups.values())
+        loras = r.loras.host_bytes() if r.loras is not None and r.loras.enabled else 0
+        pinned = sum(p.nbytes() for p in list(r.staging.values())) if r.cuda else 0
+        return {"buffer_groups": len(buffers), "prompt_cache_bytes": r.prompts.nbytes(), "lora_host_bytes": loras,
+                "buffer_bytes": sum(t.numel() * t.element_size() for b in buffers for t in b.fields.values()),
+                "pinned_bytes": pinned + (loras if r.cuda else 0)}
+
     def close(self, timeout: float | None = 10.0) -> None:
         self.core.close(timeout)
 

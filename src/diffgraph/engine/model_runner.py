@@ -79,7 +79,7 @@ class ModelRunner:
         self.denoise_eager = partial(self.adapter.denoise, model)
         self.weights_version = dict.fromkeys(WEIGHT_KINDS, 0)
         self.groups: dict[GroupKey, StepBuffers] = {}
-        self._staging: dict[GroupKey, StagingPair] = {}
+        self.staging: dict[GroupKey, StagingPair] = {}
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
         self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per size ever asked for
         self.prompts = PromptCache(prompt_cache_size)
@@ -242,7 +242,7 @@ class ModelRunner:
         if key in self.graphed_resolutions():
             return
         self.groups.pop(key, None)
-        self._staging.pop(key, None)
+        self.staging.pop(key, None)
         self._row_values.pop(key, None)
 
     def _record_event(self) -> torch.cuda.Event:
@@ -327,9 +327,9 @@ class ModelRunner:
         graphed = self.graph_runner is not None and key in self.graphed_resolutions()
         planned = smallest_bucket(self.graph_config.batch_buckets, d) if graphed else None
         size = planned or d
-        pair = self._staging.get(key)
+        pair = self.staging.get(key)
         if pair is None:
-            pair = self._staging[key] = StagingPair(self.max_rows, self.program.num_columns, self.latent_shape(key),
+            pair = self.staging[key] = StagingPair(self.max_rows, self.program.num_columns, self.latent_shape(key),
                                                     pin=self.cuda)
         slot = pair.next()
         slot.coefs[:n].numpy()[:] = coefs

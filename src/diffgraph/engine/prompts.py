@@ -31,6 +31,11 @@ class PromptCache:
         self.hits = 0
         self.misses = 0
 
+    def nbytes(self) -> int:
+        """The bytes its cached rows hold (each row owns its storage: prompt_rows.py copies it out of its batch)."""
+        return sum(t.numel() * t.element_size() for row in list(self._cache.values()) for t in row.values()
+                   if hasattr(t, "element_size"))
+
     def embed(self, keys: list[PromptKey], version: int,
               encode: Callable[[list[PromptText], TextLoras], list[Conditioning]],
               negative: Callable[[Conditioning, list], Conditioning]) -> dict[PromptKey, Conditioning]:

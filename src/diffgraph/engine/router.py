@@ -166,7 +166,7 @@ class Router:
                            prompt_cache_misses=total("prompt_cache_misses"),
                            compile_fallbacks=total("compile_fallbacks"),
                            device_memory_bytes=total("device_memory_bytes"), graphs=graphs, replicas=replicas,
-                           step_seconds=step_seconds)
+                           step_seconds=step_seconds, memory=_summed([s.memory for s in got]))
 
     def graph_table(self) -> list[dict[str, Any]]:
         return self.stats().graphs
@@ -227,3 +227,11 @@ class _Tracked:
 
     def abort(self) -> bool:
         return self._handle.abort()
+
+
+def _summed(parts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0) + v
+    return out

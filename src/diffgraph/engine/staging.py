@@ -29,6 +29,10 @@ class StagingPair:
                                    torch.zeros((rows, 4), dtype=torch.int64, pin_memory=pin)) for _ in range(2)]
         self._turn = 0
 
+    def nbytes(self) -> int:
+        """Its (pinned, on a GPU) host bytes."""
+        return sum(t.numel() * t.element_size() for s in self._slots for t in (s.coefs, s.noise, s.index))
+
     def next(self) -> StagingSlot:
         slot = self._slots[self._turn]
         self._turn = 1 - self._turn

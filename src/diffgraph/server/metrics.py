@@ -76,6 +76,17 @@ class _EngineCollector:
             yield fallbacks
             if stats.replicas:
                 yield from _replica_families(stats.replicas)
+        if stats is not None and stats.memory:
+            held = GaugeMetricFamily("diffgraph_engine_memory_bytes", "What the engine holds, by part: step "
+                                     "buffers (device), pinned host bytes, the prompt cache, prepared adapter copies",
+                                     labels=["part"])
+            for name, value in sorted(stats.memory.items()):
+                if name.endswith("_bytes"):
+                    held.add_metric([name[:-len("_bytes")]], value)
+            yield held
+            groups = GaugeMetricFamily("diffgraph_buffer_groups", "Resolution groups holding step buffers")
+            groups.add_metric([], stats.memory.get("buffer_groups", 0))
+            yield groups
         yield from (queue, rows, memory, *graph.values())
 
 
