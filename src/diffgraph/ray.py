@@ -31,7 +31,7 @@ import threading
 from typing import Any, Mapping
 
 from .engine.client import EngineStats
-from .request import EngineClosed, GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
+from .request import EngineClosed, GenerationRequest, GenerationResult, ModelInfo, ProgressEvent, QueueFullError
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ ENGINE_DEPLOYMENT = "DiffgraphEngine"
 INGRESS_DEPLOYMENT = "DiffgraphIngress"
 RAY_KEYS = ("num_replicas", "min_replicas", "max_replicas", "num_gpus", "num_cpus", "ingress_replicas", "config")
 STATS_PERIOD_S = 2.0  # how often the ingress refreshes the engine figures it shows on /metrics and /status
+UNHEALTHY_AFTER = 3   # stats polls in a row that no ready engine replica answers: the ingress is not ready
 
 
 # -- the engine deployment (one engine per replica) -------------------------------------------------------
@@ -113,10 +114,12 @@ class RayEngineClient:
 
     restarts = 0
 
-    def __init__(self, handle: Any, name: str = f"ray:{ENGINE_DEPLOYMENT}"):
+    def __init__(self, handle: Any, name: str = f"ray:{ENGINE_DEPLOYMENT}", stats_timeout_s: float = 30.0):
         self._handle = handle
         self.name = name
-        self.error: str | None = None
+        self.error: str | None = None  # why the engine deployment is not healthy (None: it is)
+        self._misses = 0
+        self._stats_timeout_s = stats_timeout_s
         self.info: ModelInfo = handle.info.remote().result()  # waits for the first engine replica
         self._streams: dict[str, Any] = {}
         self._stats: EngineStats | None = None
@@ -126,22 +129,38 @@ class RayEngineClient:
 
     @property
     def ready(self) -> bool:
-        return not self._closed.is_set()
+        """The engine deployment's health as the ingress sees it: its replicas answer and report ready (a replica
+        that is down or whose failure policy tripped is what Ray's health check replaces)."""
+        return not self._closed.is_set() and self.error is None
 
     @property
     def state(self) -> str:
-        return "closed" if self._closed.is_set() else "ready"
+        return "closed" if self._closed.is_set() else "ready" if self.error is None else "unhealthy"
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self.ready
 
     def _poll_stats(self) -> None:
         while not self._closed.is_set():
-            try:
-                self._stats = self._handle.stats.remote().result(timeout_s=30)
-            except Exception as e:  # a replica restarting: keep the last figures, try again
-                logger.debug("engine stats not available: %s", e)
+            self.poll_once()
             self._closed.wait(STATS_PERIOD_S)
+
+    def poll_once(self) -> None:
+        """One stats call: the figures, and the deployment's health (UNHEALTHY_AFTER failed or not-ready answers
+        in a row make the ingress not ready; one good answer makes it ready again)."""
+        try:
+            stats = self._handle.stats.remote().result(timeout_s=self._stats_timeout_s)
+        except Exception as e:  # no replica answers (all restarting, or none left)
+            logger.debug("engine stats not available: %s", e)
+            why = f"no engine replica answers ({type(e).__name__})"
+        else:
+            self._stats = stats
+            why = None if stats.ready else "the engine replica reports not ready (its failure policy tripped)"
+        self._misses = 0 if why is None else self._misses + 1
+        if why is None:
+            self.error = None
+        elif self._misses >= UNHEALTHY_AFTER:
+            self.error = why
 
     async def submit(self, request: GenerationRequest, progress: bool = False) -> "_RayRequest":
         if self._closed.is_set():
@@ -150,6 +169,9 @@ class RayEngineClient:
         try:
             first = await stream.__anext__()
         except Exception as e:
+            if _back_pressure(e):  # every replica busy and Ray's queue for them full: diffgraph's 429
+                raise QueueFullError("every engine replica is busy and the deployment's queue is full; retry later "
+                                     "(or add replicas)") from None
             raise _unavailable(e) from None
         if first[0] == "rejected":
             raise first[1]
@@ -217,6 +239,14 @@ class _RayRequest:
         self._finished = True
         self._stream.cancel()  # the replica's generator is cancelled: it aborts the request there
         return True
+
+
+def _back_pressure(error: BaseException) -> bool:
+    try:
+        from ray.serve.exceptions import BackPressureError
+    except ImportError:  # an older Ray without a bounded queue
+        return False
+    return isinstance(error, BackPressureError)
 
 
 def _unavailable(error: BaseException) -> EngineClosed:
@@ -295,6 +325,8 @@ def application(config: Any, opts: dict[str, Any]) -> Any:
         ray_actor_options={"num_gpus": opts["num_gpus"], "num_cpus": opts["num_cpus"]},
         # the rows a replica batches, plus as many waiting: its scheduler fills rows as soon as others retire
         max_ongoing_requests=2 * rows, health_check_period_s=10, health_check_timeout_s=60,
+        # Ray's own queue in front of the replicas, bounded like an engine's: past it a request is a 429, not a wait
+        max_queued_requests=config.max_queue,
         graceful_shutdown_timeout_s=config.drain_timeout, **scaling)
 
     def asgi_app() -> Any:  # evaluated in each ingress replica

@@ -1,0 +1,107 @@
+"""The Ray ingress's engine client without a Ray cluster (a fake deployment handle): its readiness follows the
+engine deployment's health, and a saturated deployment (Ray's bounded queue full) is diffgraph's 429 (issue 28
+point 5), not a request held forever."""
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from diffgraph import ray as dray  # noqa: E402
+from diffgraph.engine.client import EngineStats  # noqa: E402
+from diffgraph.request import GenerationRequest, ModelInfo, QueueFullError  # noqa: E402
+
+INFO = ModelInfo(name="m", family="sd", native_size=64, default_guidance=7.5, max_rows=4, mode="eager",
+                 device="cpu")
+
+
+def stats(ready: bool) -> EngineStats:
+    return EngineStats(ready=ready, queue_depth=0, live_rows={}, steps=0, failed_steps=0, growth_holds=0,
+                       prompt_cache_hits=0, prompt_cache_misses=0, device_memory_bytes=0)
+
+
+class Call:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def result(self, timeout_s=None):
+        return self.fn()
+
+
+class FakeHandle:
+    """What RayEngineClient calls on a deployment handle."""
+
+    def __init__(self):
+        self.answer = lambda: stats(True)
+        self.calls = 0
+        self.first_item = None
+        outer = self
+
+        class Method:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def remote(self, *args):
+                return self.fn(*args)
+
+        def stats_call():
+            outer.calls += 1
+            return Call(lambda: outer.answer())
+        self.info = Method(lambda: Call(lambda: INFO))
+        self.stats = Method(stats_call)
+        self.run = Method(lambda request, progress: outer._stream())
+
+    def options(self, **_):
+        return self
+
+    def _stream(self):
+        async def gen():
+            raise self.first_item
+            yield  # noqa: unreachable: an async generator
+        return gen()
+
+
+@pytest.fixture
+def client(monkeypatch):
+    monkeypatch.setattr(dray, "STATS_PERIOD_S", 3600.0)  # the client's own poller polls once, at start
+    handle = FakeHandle()
+    c = dray.RayEngineClient(handle, stats_timeout_s=1.0)
+    deadline = time.monotonic() + 60
+    while handle.calls < 1 and time.monotonic() < deadline:  # its first poll has run
+        time.sleep(0.01)
+    yield c, handle
+    c.close()
+
+
+def test_readiness_follows_the_engine_deployments_health(client):
+    c, handle = client
+    assert c.ready and c.state == "ready"
+
+    def down():
+        raise TimeoutError("no replica")
+    handle.answer = down
+    for i in range(dray.UNHEALTHY_AFTER):
+        assert c.ready  # one missed poll is not a verdict
+        c.poll_once()
+    assert not c.ready and c.state == "unhealthy" and "no engine replica answers" in c.error
+    handle.answer = lambda: stats(True)
+    c.poll_once()
+    assert c.ready and c.error is None
+    handle.answer = lambda: stats(False)  # a replica whose failure policy tripped
+    for _ in range(dray.UNHEALTHY_AFTER):
+        c.poll_once()
+    assert not c.ready and "not ready" in c.error
+
+
+def test_a_saturated_deployment_is_a_queue_full_error(client):
+    from ray.serve.exceptions import BackPressureError
+    c, handle = client
+    handle.first_item = BackPressureError(num_queued_requests=8, max_queued_requests=8)
+    request = GenerationRequest.create("a cat", model=INFO)
+    with pytest.raises(QueueFullError, match="deployment's queue is full"):
+        asyncio.run(c.submit(request))
+    handle.first_item = ConnectionError("replica died")
+    with pytest.raises(Exception, match="unavailable"):
+        asyncio.run(c.submit(request))
