@@ -194,3 +194,27 @@ def test_digits_image_to_image_and_inpainting_oracle():
         assert np.abs(inpainted.arrays[0, :, 32:] - source.arrays[0, :, 32:]).mean() * 255 > 10
     finally:
         engine.close()
+
+
+def test_edit_pixels_are_preprocessed_on_the_submitting_thread_not_the_engine_loop(tiny_engine, monkeypatch):
+    """Issue 28: the resize of an edit's image (up to 16 MP) and mask runs at submit, never on the loop that every
+    live row waits for; the admitted request does not keep the pixels."""
+    import threading
+
+    from diffgraph.engine import core
+    threads = []
+    real = core.preprocess_edit
+
+    def recorded(request, factor):
+        threads.append(threading.current_thread())
+        return real(request, factor)
+    monkeypatch.setattr(core, "preprocess_edit", recorded)
+    size = tiny_engine.info.native_size
+    image = (np.arange(size * size * 3) % 251).astype(np.uint8).reshape(size, size, 3)
+    mask = np.zeros((size, size), np.uint8)
+    mask[:, size // 2:] = 255
+    before = tiny_engine.generate("a cat", image=image, mask_image=mask, num_inference_steps=3, seed=4).arrays
+    assert threads == [threading.current_thread()] and threads[0] is not tiny_engine.core.loop.thread
+    monkeypatch.setattr(core, "preprocess_edit", real)
+    again = tiny_engine.generate("a cat", image=image, mask_image=mask, num_inference_steps=3, seed=4).arrays
+    np.testing.assert_array_equal(before, again)

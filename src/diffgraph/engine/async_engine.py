@@ -179,7 +179,10 @@ class AsyncEngine:
         loras = await asyncio.to_thread(core.resolve_loras, request) if request.loras else ()
         self._opened(1)
         try:
-            core.submit(request, handle, loras)
+            if request.edit is not None:  # its pixels are preprocessed at submit: off the event loop
+                await asyncio.to_thread(core.submit, request, handle, loras)
+            else:
+                core.submit(request, handle, loras)
         except BaseException:
             self._opened(-1)
             raise

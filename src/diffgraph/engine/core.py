@@ -30,7 +30,7 @@ from ..features.base import Admission
 from ..image_metadata import encode_image
 from ..sampling.sde import BrownianNoise
 from .device_loop import STOPPED, DeviceLoop
-from .edits import prepare_edit
+from .edits import prepare_edit, preprocess_edit
 from .failures import FailurePolicy
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
@@ -97,8 +97,9 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         prompts = self.runner.prepare_prompts(request)
-        state = RequestState.of(request, plan, time.monotonic(), sink, self.runner.request_branches(request, plan))
-        state.prompts = prompts
+        state = RequestState.of(request, plan, time.monotonic(), sink, self.runner.request_branches(request, plan),
+                                prompts)
+        state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = self.runner.empty_prompt(prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
@@ -180,8 +181,7 @@ class EngineCore:
         return self.scheduler.next_deadline()
 
     def poll(self) -> tuple[StepPlan | None, list[RequestState], list] | str | None:
-        """Under the loop's lock: the between-step work, the next plan and the aborted requests; None (idle);
-        STOPPED once closed."""
+        """Under the loop's lock: the between-step work, the next plan and the aborted ones; None (idle); STOPPED."""
         if self._stop:
             return STOPPED
         pending, self._pending = self._pending, []
@@ -320,7 +320,7 @@ class EngineCore:
                 if r.edit is None:
                     latents, edit = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma), None
                 else:
-                    latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows)
+                    latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows, s.take_edit_pixels())
                 pos, neg, *empty = _prompt_keys(s)
                 cond, uncond, chunks = runner.row_conditioning(mine[pos], mine[neg], mine[empty[0]] if empty else None)
                 admission = Admission(r, s.rows, uncond, edit or {}, [

@@ -1,8 +1,8 @@
 """Image-to-image and inpainting rows: from a request's image (and mask) to its initial latents and per-row fields.
 
-At admission, as diffusers' StableDiffusion(XL)Img2Img / Inpaint pipelines do for the same seed: the image (and
-the mask) are preprocessed by diffusers' own VaeImageProcessor (resized to the request's size, binarized mask),
-encoded by the VAE encoder (its graph where it covers the size; image and masked image in one call), and sampled
+As diffusers' StableDiffusion(XL)Img2Img / Inpaint pipelines do for the same seed: at submit, on the submitting
+thread, the image (and the mask) are preprocessed by diffusers' own VaeImageProcessor (resized to the request's size,
+binarized mask); at admission they are encoded by the VAE encoder (its graph where it covers the size; image and masked image in one call), and sampled
 from the request's generator in the pipelines' order: image posterior, then the initial noise, then (inpainting)
 the masked image's posterior, drawn even where a 4-channel UNet does not use it, so ancestral samplers continue
 from the same generator state. Rows start at the step the strength implies (`ModelRunner.request_plan`) from the
@@ -25,22 +25,32 @@ from ..request import GenerationRequest, GroupKey
 from ..sampling.samplers import SamplerPlan
 
 
-def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generator: torch.Generator,
-                 plan: SamplerPlan, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(initial latents [rows, C, h, w] fp32, the edit row feature's fields: features/edit.py) of an edit request."""
+def preprocess_edit(request: GenerationRequest, vae_scale_factor: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(image [1, 3, h, w] in -1..1, binarized mask [1, 1, h, w] or None) of an edit request at its size, by diffusers'
+    VaeImageProcessor: at submit, on the submitting thread (a resize of up to 16 MP never runs on the engine loop)."""
     from diffusers.image_processor import VaeImageProcessor
     from PIL import Image
 
-    edit, model, adapter = request.edit, runner.model, runner.adapter
-    h, w = key
-    f = model.vae_scale_factor
-    image = VaeImageProcessor(vae_scale_factor=f).preprocess(Image.fromarray(edit.image), height=h, width=w)
-    image = image.float()
-    batch = [image]
+    edit, (h, w), f = request.edit, request.key, vae_scale_factor
+    image = VaeImageProcessor(vae_scale_factor=f).preprocess(Image.fromarray(edit.image), height=h, width=w).float()
     mask = None
     if edit.inpaint:
         mask = VaeImageProcessor(vae_scale_factor=f, do_normalize=False, do_binarize=True,
                                  do_convert_grayscale=True).preprocess(Image.fromarray(edit.mask), height=h, width=w)
+    return image, mask
+
+
+def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generator: torch.Generator,
+                 plan: SamplerPlan, rows: int, pixels: tuple[torch.Tensor, torch.Tensor | None]
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(initial latents [rows, C, h, w] fp32, the edit row feature's fields: features/edit.py) of an edit request,
+    from its preprocessed `pixels` (`preprocess_edit`)."""
+    edit, model, adapter = request.edit, runner.model, runner.adapter
+    h, w = key
+    f = model.vae_scale_factor
+    image, mask = pixels
+    batch = [image]
+    if edit.inpaint:
         batch.append(image * (mask < 0.5))
     pure_noise = edit.inpaint and edit.strength == 1.0  # diffusers' is_strength_max
     # the image's own latents: image-to-image, a 4-channel inpainting UNet (the blend), or strength < 1

@@ -55,13 +55,19 @@ class RequestState:
     job: str | None = None     # its job (batch rows share the class round-robin by job)
     preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
     saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
+    edit_pixels: Any = None    # an edit's preprocessed image and mask (engine/edits.py, at submit)
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
-           branches: np.ndarray | None = None) -> "RequestState":
+           branches: np.ndarray | None = None, prompts: tuple = ()) -> "RequestState":
         return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
                    arrival=arrival, request=request, sink=sink, branches=branches,
-                   batch=request.priority == "batch", job=request.job)
+                   batch=request.priority == "batch", job=request.job, prompts=prompts)
+
+    def take_edit_pixels(self) -> Any:
+        """Its edit's preprocessed pixels, once (admission encodes them; the request does not keep them after)."""
+        pixels, self.edit_pixels = self.edit_pixels, None
+        return pixels
 
     @property
     def branches_now(self) -> int:
