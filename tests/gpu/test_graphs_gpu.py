@@ -86,6 +86,50 @@ def test_mixed_rows_equal_alone_under_graphs(sd15):
     assert worst <= 2e-2, worst
 
 
+def test_a_preempted_batch_row_resumes_exactly_under_graphs(sd15):
+    """Issue 35 point 3 under CUDA graphs: a full bucket of batch rows, an interactive request arrives, a batch
+    request gives its rows at the next step boundary (saved from the static buffers, restored into other rows
+    later) and its images equal the uninterrupted ones; the interactive one starts at the next step."""
+    import dataclasses
+    reqs = [dataclasses.replace(sd15.make_request("a red fox", width=512, height=512, num_inference_steps=8,
+                                                  sampler=["dpmpp_2m", "euler_a"][i % 2], guidance_scale=7.5,
+                                                  seed=300 + i, num_images=2), priority="batch", job="j")
+            for i in range(4)]  # 4 x 2 guided images: 16 denoiser rows, the full bucket
+    alone = [sd15.run(r).arrays for r in reqs]
+    person = sd15.make_request("a castle", width=512, height=512, num_inference_steps=4, guidance_scale=7.5, seed=9)
+    person_alone = sd15.run(person).arrays
+    plans, late = [], []
+    mine = {r.request_id for r in reqs}
+
+    def listener(plan, _):
+        if mine.intersection(s.request_id for s in plan.live):
+            plans.append(([s.request_id for s in plan.live], [s.request_id for s, _ in plan.preempted]))
+            if len(plans) == 2:
+                late.append(sd15.submit(person))
+    entered, hold = threading.Event(), threading.Event()
+
+    def blocker():
+        entered.set()
+        hold.wait()
+    sd15.step_listeners.append(listener)
+    try:
+        held = sd15.core.call_between_steps(blocker)
+        entered.wait(60)
+        futures = [sd15.submit(r) for r in reqs]
+        hold.set()
+        held.result(timeout=60)
+        results = [f.result(timeout=300) for f in futures]
+        person_result = late[0].result(timeout=300)
+    finally:
+        hold.set()
+        sd15.step_listeners.remove(listener)
+    assert len(plans[0][0]) == 4 and person.request_id in plans[2][0] and plans[2][1]
+    worst = max(float(np.abs(res.arrays - ref).max()) for res, ref in zip(results + [person_result],
+                                                                         alone + [person_alone]))
+    REPORT["preempted batch rows vs uninterrupted, max abs (pixels, fp16)"] = worst
+    assert worst <= 2e-2, worst
+
+
 def test_padding_rows_never_change_live_rows(sd15):
     w = sd15.runner
     key = (512, 512)
