@@ -195,7 +195,7 @@ class PreviewSpec:
     def due(self, step: int, total: int) -> bool:
         """Whether the evaluation `step` (1-based) of `total` brings a preview."""
         if self.every == 0:  # the k-th of `limit` previews at k / (limit + 1) of the way, rounded
-            return step in {max(1, math.floor(k * total / (self.limit + 1) + 0.5)) for k in range(1, self.limit + 1)}
+            return any(step == max(1, math.floor(k * total / (self.limit + 1) + 0.5)) for k in range(1, self.limit + 1))
         return step % self.every == 0 and (self.limit == 0 or step // self.every <= self.limit)
 
 

@@ -137,8 +137,9 @@ class TinyDecoder:
     def render(self, key: GroupKey, start: int, count: int) -> Callable[[], np.ndarray]:
         d = self.runner.buffers(key).d_prev[start:start + count]
         graphs, parts = self.runner.graph_runner, []
-        for i in range(0, count, max(self.graph.buckets()) if self.graph is not None else count):
-            part = d[i:i + (max(self.graph.buckets()) if self.graph is not None else count)]
+        chunk = max(self.graph.buckets()) if self.graph is not None else count  # the largest graph's rows at once
+        for i in range(0, count, chunk):
+            part = d[i:i + chunk]
             bucket = graphs.bucket("preview", key[0], key[1], part.shape[0]) if graphs is not None else None
             if bucket is None:
                 parts.append(self._pixels(part))
