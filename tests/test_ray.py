@@ -129,7 +129,10 @@ def ray_server():
 
     from diffgraph.ray import build_app
 
+    from diffgraph.ray import patient_ray_env
+
     port = _free_port()
+    patient_ray_env()  # the proxy's readiness and health checks bounded for a loaded 2-core machine (issue 28)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

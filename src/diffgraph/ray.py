@@ -352,6 +352,19 @@ def application(config: Any, opts: dict[str, Any]) -> Any:
     return ingress.bind(engine.bind(engine_kwargs, threads))
 
 
+# Ray Serve's proxy checks (5 s to be ready, 10 s per health check, 3 misses and it is killed): a local Ray on a
+# loaded machine (CPU-bound engine replicas beside it) misses them; these bounds are what diffgraph starts it with
+PATIENT_RAY_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+                   "RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S": "20"}
+
+
+def patient_ray_env() -> None:
+    """Sets PATIENT_RAY_ENV where the environment does not say otherwise, before a local Ray starts (its processes
+    inherit it)."""
+    for key, value in PATIENT_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def serve_local(config: Any, opts: dict[str, Any], address: str | None = None) -> int:
     """`diffgraph serve --ray`: connects to the Ray cluster at `address` (or RAY_ADDRESS), else starts a local
     one; runs the application at config.host:config.port until SIGTERM or Ctrl-C, then shuts Serve down (the
@@ -362,6 +375,8 @@ def serve_local(config: Any, opts: dict[str, Any], address: str | None = None) -
     from ray import serve
 
     stop = threading.Event()
+    if address is None and not os.environ.get("RAY_ADDRESS"):  # a local Ray of our own
+        patient_ray_env()
     ray.init(address=address, include_dashboard=False, log_to_driver=config.log_level == "debug")
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which installs handlers of its own
         signal.signal(sig, lambda *_: stop.set())
