@@ -3,6 +3,7 @@
     diffgraph generate "PROMPT" -o out.png [--model --width --height --steps --guidance --sampler --schedule --seed -n]
     diffgraph generate "PROMPT" -o out.png --url http://127.0.0.1:8000 [--api-key KEY]   (a running `diffgraph serve`)
     diffgraph models
+    diffgraph batch FILE.jsonl --out DIR [--model ... | --url URL] [--grid]   (jobs/cli_batch.py)
 
 Bad input exits with code 2 and a one-line message that says what to do instead, checked before the model loads
 where it can be (cli_checks.py: the output folder, the device, adapter names given as paths). Everything heavy is
@@ -24,6 +25,7 @@ from typing import Any, Callable
 from .cli_flags import add_checkpoint_arguments
 from .cli_progress import post_once, post_streaming, progress_for
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
+from .jobs.cli_batch import add_batch_arguments, run_batch
 from .models.presets import DEFAULT_MODEL, available_presets
 from .sampling.names import BUILTIN_FAMILIES, DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES, TIMESTEP_SPACINGS
 
@@ -134,6 +136,8 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve (each has --help)")
     b.add_argument("which", choices=["latency", "throughput", "serve"])
     b.add_argument("args", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+    add_batch_arguments(sub.add_parser("batch", help="make the images of a job file (JSONL: a request a line) here or "
+                                                     "on a server (--url); re-running resumes"))
 
     add_serve_arguments = None
     if serve:
@@ -173,7 +177,6 @@ def _output_paths(output: str, n: int) -> list[str]:
         if os.path.isdir(path):
             raise _ArgError(f"output {path!r} is a folder; choose another -o (a file name, e.g. out.png)")
     return paths
-
 
 
 # GenerationRequest parameter -> the flag that sets it: errors name what the user typed
@@ -377,7 +380,6 @@ def _lora_flags(args: argparse.Namespace) -> tuple[tuple[str, float], ...]:
     return pairs
 
 
-
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key:
         return args.api_key
@@ -472,13 +474,8 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
 
 
 def _bench(which: str, argv: list[str]) -> int:
-    if which == "latency":
-        from .bench.latency import main as bench_main
-    elif which == "throughput":
-        from .bench.throughput import main as bench_main
-    else:
-        from .bench.serve import main as bench_main
-    return bench_main(argv)
+    import importlib  # bench/latency.py, throughput.py or serve.py (`which` is one of the parser's choices)
+    return importlib.import_module(f".bench.{which}", __package__).main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _bench(args.which, args.args)
+        if args.command == "batch":
+            return run_batch(args)
         if args.command == "serve":
             if not hasattr(args, "port"):  # the server's parser could not be imported
                 raise _ArgError("serving needs the serve extras: pip install 'diffgraph[serve]'")

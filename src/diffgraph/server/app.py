@@ -14,6 +14,7 @@
     GET  /info                    the model, its defaults and what a request may ask for (the playground's form)
     GET  /                        the playground page (playground/), unless --no-playground
     /sdapi/v1/*                   AUTOMATIC1111's API: txt2img, img2img, models, samplers, progress ... (a1111.py)
+    /v1/jobs*                     batch jobs that survive restarts, with --state-dir (jobs_routes.py, jobs/)
 With API keys (auth.py), /v1/* and /sdapi/v1/* need the key (and /metrics, /status with --protect-metrics).
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
@@ -54,6 +55,7 @@ from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
 from .edits import ImageEditForm, edit_input, read_form
 from .image_store import ImageLinks, UrlSigner, make_store
+from .jobs_routes import add_job_routes
 from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import add_docs, embedding_listing, lora_listing, playground_file, server_info, server_status
@@ -146,7 +148,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.start()
+        await jobs.start()
         yield
+        await jobs.stop()  # before the engine closes: its requests are aborted, their candidates stay pending
         await asyncio.to_thread(state.close)
 
     app = FastAPI(title="diffgraph", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -217,6 +221,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             return _error_response(e)
 
     add_a1111_routes(app, state, routing, key_bytes, embedding_dir)  # /sdapi/v1: AUTOMATIC1111's API (a1111.py)
+    jobs = add_job_routes(app, state, key_bytes)  # /v1/jobs: batch jobs (jobs_routes.py), with --state-dir
 
     @app.get("/info")
     async def info() -> Response:

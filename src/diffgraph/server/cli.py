@@ -22,6 +22,7 @@ from typing import Any, Callable
 from urllib.parse import unquote_plus
 
 from ..cli_flags import add_checkpoint_arguments
+from ..jobs.flags import JOB_FIELDS, add_job_arguments
 from .config import ServerConfig, load_config
 
 DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may take to end before the process exits
@@ -35,7 +36,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
            "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
            "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
-           "max_step_failures", "max_pixels")
+           "max_step_failures", "max_pixels") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -176,6 +177,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"threads that encode finished images (default: {default('image_threads')})")
     add_lora_arguments(p)
     add_prompt_arguments(p)
+    add_job_arguments(p)
     p.add_argument("--compile", action="store_true", default=None,
                    help="the compile tier: the whole step, the text encoder(s) and the VAE compiled by Inductor, then "
                         "captured in the graphs as usual (slow start on an empty cache; see --compile-cache)")

@@ -109,6 +109,12 @@ class ServerConfig:
     model_config: str | None = None      # a single-file checkpoint's diffusers config folder (else detected)
     prediction_type: str | None = None   # epsilon | v_prediction, over the model's (or the checkpoint's marks)
     zero_snr: bool | None = None         # zero terminal SNR betas (v-prediction fine-tunes), over the model's
+    state_dir: str | None = None         # batch jobs (/v1/jobs): SQLite and images under it; None: no jobs
+    job_retention: float = 7 * 86400.0   # seconds a finished job's rows and images are kept ("90m", "12h", "7d")
+    max_batch_items: int = 100_000       # items one job may hold
+    batch_inflight: int | None = None    # job requests in the engine at once; None: 2 x the largest bucket per replica
+    webhook_allow: tuple[str, ...] = ()  # hosts job webhooks may call ("host" or "host:port"); () = no webhooks
+    webhook_secret: str | None = field(default=None, repr=False)  # signs webhook calls; None: derived from the keys
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -200,6 +206,32 @@ class ServerConfig:
             raise ValueError(f"public-url {self.public_url!r} must be an http(s) URL such as https://images.example.com")
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
+        self._check_jobs()
+
+    def _check_jobs(self) -> None:
+        if self.state_dir is not None:
+            existing = os.path.abspath(self.state_dir)
+            while not os.path.exists(existing):
+                existing = os.path.dirname(existing)
+            from ..cli_checks import can_create_in  # a file made and removed: os.access says yes to root anywhere
+
+            if not os.path.isdir(existing) or not can_create_in(existing):
+                raise ValueError(f"state-dir {self.state_dir!r} is not a writable folder (nor can it be made in one); "
+                                 "give a folder on a local disk")
+        if not 1 <= self.job_retention <= 10 * 365 * 86400:  # NaN fails this too
+            raise ValueError(f"job-retention {self.job_retention:g} s is out of range; allowed: 1 s .. 10 years "
+                             "(e.g. 3600, 12h, 7d)")
+        if not 1 <= self.max_batch_items <= 10_000_000:
+            raise ValueError(f"max-batch-items {self.max_batch_items} is out of range; allowed: 1..10000000")
+        if self.batch_inflight is not None and not 1 <= self.batch_inflight <= 4096:
+            raise ValueError(f"batch-inflight {self.batch_inflight} is out of range; allowed: 1..4096")
+        for host in self.webhook_allow:
+            if not re.fullmatch(r"[a-z0-9.\-]+(:[0-9]{1,5})?|\[[0-9a-f:.]+\](:[0-9]{1,5})?", host):
+                raise ValueError(f"webhook-allow: {host!r} is not a host name; give names or addresses such as "
+                                 "hooks.example.com,10.0.0.5:8080 (lower case)")
+        if self.webhook_allow and not (self.webhook_secret or self.api_keys):
+            raise ValueError("webhook-allow needs a signing secret: give --webhook-secret (or API keys, from which "
+                             "one is derived), so receivers can tell this server's calls from forged ones")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ServerConfig":
@@ -280,11 +312,20 @@ def _parse(key: str, value: Any) -> Any:
         return None
     if key == "fuse_loras":
         return parse_name_scales(value, "fuse-lora")
-    if key in ("torch_threads", "max_loras", "max_connections", "clip_skip", "max_pixels") and value is None:
+    if key == "job_retention":
+        return parse_duration(value, "job-retention")
+    if key == "webhook_allow":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(h, str) for h in items):
+            raise ValueError("webhook-allow must be a comma-separated list of hosts, e.g. hooks.example.com,127.0.0.1")
+        return tuple(h.strip().lower() for h in items if h.strip())
+    if key in ("torch_threads", "max_loras", "max_connections", "clip_skip", "max_pixels",
+               "batch_inflight") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
-               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels"):
+               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels",
+               "max_batch_items", "batch_inflight"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
@@ -302,6 +343,20 @@ def _parse(key: str, value: Any) -> Any:
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{key.replace('_', '-')} must be a string, got {value!r}")
     return value
+
+
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Any, name: str) -> float:
+    """Seconds from a number or a string such as "90", "90s", "30m", "12h", "7d"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*", value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"{name} must be a duration: seconds, or a number with s, m, h or d (e.g. 12h, 7d), got "
+                         f"{value!r}")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
 
 
 def read_key_file(path: str) -> tuple[str, ...]:

@@ -1,0 +1,336 @@
+"""The durable state of jobs (issue 35, point 2): SQLite in WAL mode under `--state-dir`, images beside it.
+
+    STATE_DIR/jobs.sqlite3                 jobs, their items (the images request of each, as JSON) and candidates
+    STATE_DIR/images/JOB/ITEM-K.png        candidate K of item ITEM, with its settings inside (image_metadata.py)
+
+A job belongs to the API key that made it, stored as a hash of the key (`owner_of`), never the key. A candidate
+is pending, done or failed (with its error); the job counts its done and failed candidates as they change, in the
+same transaction, so its status is one row read. A candidate becomes done only after its image is whole on disk
+(files.py: temporary name, fsync, rename, fsync of the folder, THEN the commit here): after a crash an image is
+either stored and marked, stored and not yet marked (adopted on restart once it decodes with the candidate's
+settings: `adopt`), or absent (made again); never half written, never made twice once stored. Commits use
+synchronous=FULL, so a commit that returned survives a power cut too.
+
+Several processes may share one state folder (replicas or Ray Serve ingress replicas on one host): SQLite's locks
+order their writes (busy timeout 30 s), and each process holds one connection behind a lock. WAL needs the
+processes on one machine (its index is shared memory): a state folder on a network file system is not supported.
+Finished jobs are deleted with their images after `--job-retention` (the coordinator sweeps), or by DELETE.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .files import make_folder, matches, write_image
+from .spec import JobSpec
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, name TEXT, model TEXT NOT NULL, status TEXT NOT NULL,
+    created REAL NOT NULL, started REAL, finished REAL, items INTEGER NOT NULL, candidates INTEGER NOT NULL,
+    done INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
+    webhook TEXT, webhook_state TEXT, webhook_error TEXT);
+CREATE INDEX IF NOT EXISTS jobs_owner ON jobs (owner, created);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status);
+CREATE TABLE IF NOT EXISTS items (
+    job TEXT NOT NULL, item INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (job, item)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS candidates (
+    job TEXT NOT NULL, item INTEGER NOT NULL, k INTEGER NOT NULL, seed INTEGER NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending', error TEXT, finished REAL,
+    PRIMARY KEY (job, item, k)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS candidates_status ON candidates (job, status, finished);
+"""
+UNFINISHED = ("queued", "running")
+RATE_WINDOW_S = 60.0  # images/s is measured over the last minute while a job runs
+_JOB_COLUMNS = ("id, owner, name, model, status, created, started, finished, items, candidates, done, failed, "
+                "webhook, webhook_state, webhook_error")
+
+
+class StoreError(Exception):
+    """The job store cannot be opened or written (one line: where, why, what to do)."""
+
+
+def owner_of(key: bytes | None) -> str:
+    """Who owns a job: a hash of the API key that made it ("" on a server without keys: one owner, everyone)."""
+    return hashlib.sha256(b"diffgraph job owner\n" + key).hexdigest()[:32] if key else ""
+
+
+@dataclass(frozen=True)
+class JobRow:
+    id: str
+    owner: str
+    name: str | None
+    model: str
+    status: str          # queued | running | completed | failed | cancelled
+    created: float
+    started: float | None
+    finished: float | None
+    items: int
+    candidates: int
+    done: int
+    failed: int
+    webhook: str | None
+    webhook_state: str | None  # None (no webhook) | pending | sent | failed
+    webhook_error: str | None
+
+    @property
+    def pending(self) -> int:
+        return self.candidates - self.done - self.failed
+
+    @property
+    def unfinished(self) -> bool:
+        return self.status in UNFINISHED
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One image to make: item `item`'s candidate `k`, with its seed and the item's images request fields."""
+
+    job: str
+    item: int
+    k: int
+    seed: int
+    body: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.job, self.item, self.k
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    item: int
+    prompt: str | None
+    seeds: tuple[int, ...]
+    statuses: tuple[str, ...]        # per candidate: pending | done | failed
+    errors: tuple[str | None, ...]
+
+
+def image_name(item: int, k: int) -> str:
+    return f"{item}-{k}.png"
+
+
+def job_summary(row: JobRow, rate: float | None) -> dict[str, Any]:
+    """A job as GET /v1/jobs/ID answers it (and as its webhook is called): status, counts, images/s and ETA."""
+    def stamp(t: float | None) -> int | None:
+        return None if t is None else int(t)
+    return {"id": row.id, "object": "job", "status": row.status, "name": row.name, "model": row.model,
+            "created": stamp(row.created), "started": stamp(row.started), "finished": stamp(row.finished),
+            "counts": {"items": row.items, "candidates": row.candidates, "done": row.done, "failed": row.failed,
+                       "pending": row.pending},
+            "images_per_s": None if rate is None else round(rate, 3),
+            "eta_s": round(row.pending / rate, 1) if rate and row.unfinished else None,
+            "webhook": None if row.webhook is None else {"url": row.webhook, "state": row.webhook_state,
+                                                         "error": row.webhook_error},
+            "results_url": f"/v1/jobs/{row.id}/results"}
+
+
+class JobStore:
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.images = os.path.join(self.root, "images")
+        self._lock = threading.RLock()
+        path = os.path.join(self.root, "jobs.sqlite3")
+        try:
+            make_folder(self.root)
+            self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode != "wal":
+                raise sqlite3.OperationalError(f"the file system does not support WAL mode (got {mode!r})")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(f"the job store {path} cannot be opened: {e}; give --state-dir a writable folder on a "
+                             "local disk") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE: the write lock first, so two processes never deadlock)."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.rollback()
+                    raise
+                self._db.commit()
+            except sqlite3.Error as e:
+                raise StoreError(f"the job store {self.root} could not be written: {e}; free disk space or change "
+                                 "--state-dir") from None
+
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- jobs ---------------------------------------------------------------------------------------------------
+    def create(self, owner: str, spec: JobSpec, model: str, now: float | None = None) -> JobRow:
+        job = f"job_{secrets.token_hex(12)}"
+        with self._write() as db:
+            db.execute(f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, 'queued', ?, NULL, NULL, ?, ?, 0, 0, "
+                       "?, NULL, NULL)", (job, owner, spec.name, model, time.time() if now is None else now,
+                                          len(spec.items), spec.candidates, spec.webhook))
+            db.executemany("INSERT INTO items VALUES (?, ?, ?)", ((job, i, json.dumps(item.body, ensure_ascii=False))
+                                                                  for i, item in enumerate(spec.items)))
+            db.executemany("INSERT INTO candidates (job, item, k, seed) VALUES (?, ?, ?, ?)",
+                           ((job, i, k, seed) for i, item in enumerate(spec.items)
+                            for k, seed in enumerate(item.seeds)))
+        row = self.job(job)
+        assert row is not None
+        return row
+
+    def job(self, job: str) -> JobRow | None:
+        rows = self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job,))
+        return JobRow(*rows[0]) if rows else None
+
+    def jobs(self, owner: str, limit: int = 100) -> list[JobRow]:
+        """The owner's jobs, newest first."""
+        return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE owner = ? ORDER BY created "
+                                               "DESC LIMIT ?", (owner, limit))]
+
+    def unfinished(self) -> list[JobRow]:
+        """The jobs still to run, oldest first."""
+        return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE status IN ('queued', "
+                                               "'running') ORDER BY created")]
+
+    def mark_running(self, job: str, now: float | None = None) -> None:
+        with self._write() as db:
+            db.execute("UPDATE jobs SET status = 'running', started = coalesce(started, ?) WHERE id = ? AND status "
+                       "= 'queued'", (time.time() if now is None else now, job))
+
+    def finish(self, job: str, now: float | None = None) -> JobRow | None:
+        """Ends a job whose candidates are all done or failed: completed (at least one image) or failed (none); its
+        webhook is due. None when it is not finished (or no longer unfinished)."""
+        with self._write() as db:
+            changed = db.execute(
+                "UPDATE jobs SET status = CASE WHEN done = 0 THEN 'failed' ELSE 'completed' END, finished = ?, "
+                "webhook_state = CASE WHEN webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? AND status IN "
+                "('queued', 'running') AND done + failed = candidates", (time.time() if now is None else now, job)
+            ).rowcount
+        return self.job(job) if changed else None
+
+    def cancel(self, job: str, now: float | None = None) -> JobRow | None:
+        """Cancels an unfinished job (its pending candidates stay pending, never made); its webhook is due."""
+        with self._write() as db:
+            db.execute("UPDATE jobs SET status = 'cancelled', finished = ?, webhook_state = CASE WHEN webhook IS NULL "
+                       "THEN NULL ELSE 'pending' END WHERE id = ? AND status IN ('queued', 'running')",
+                       (time.time() if now is None else now, job))
+        return self.job(job)
+
+    def delete(self, job: str) -> bool:
+        """Deletes a job's rows, then its images."""
+        with self._write() as db:
+            db.execute("DELETE FROM candidates WHERE job = ?", (job,))
+            db.execute("DELETE FROM items WHERE job = ?", (job,))
+            found = db.execute("DELETE FROM jobs WHERE id = ?", (job,)).rowcount > 0
+        shutil.rmtree(os.path.join(self.images, job), ignore_errors=True)
+        return found
+
+    def expired(self, before: float) -> list[str]:
+        """Finished jobs that ended before `before` (--job-retention)."""
+        return [r[0] for r in self._read("SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND "
+                                         "finished < ?", (before,))]
+
+    def due_webhooks(self) -> list[JobRow]:
+        return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE webhook_state = 'pending'")]
+
+    def webhook_sent(self, job: str, error: str | None) -> None:
+        with self._write() as db:
+            db.execute("UPDATE jobs SET webhook_state = ?, webhook_error = ? WHERE id = ?",
+                       ("failed" if error else "sent", error, job))
+
+    def rate(self, row: JobRow, now: float | None = None) -> float | None:
+        """Images a second: over the whole run once it finished, else over the last RATE_WINDOW_S."""
+        now = time.time() if now is None else now
+        if row.started is None or row.done == 0:
+            return None
+        if not row.unfinished:
+            return row.done / max(1e-3, (row.finished or now) - row.started)
+        since = max(now - RATE_WINDOW_S, row.started)
+        count = self._read("SELECT count(*) FROM candidates WHERE job = ? AND status = 'done' AND finished >= ?",
+                           (row.id, since))[0][0]
+        return count / max(1e-3, now - since)
+
+    # -- candidates ---------------------------------------------------------------------------------------------
+    def pending(self, job: str, after: tuple[int, int], limit: int) -> list[Candidate]:
+        """Up to `limit` pending candidates of `job` after (item, k), in order."""
+        rows = self._read("SELECT c.item, c.k, c.seed, i.body FROM candidates c JOIN items i ON i.job = c.job AND "
+                          "i.item = c.item WHERE c.job = ? AND c.status = 'pending' AND (c.item, c.k) > (?, ?) "
+                          "ORDER BY c.item, c.k LIMIT ?", (job, after[0], after[1], limit))
+        bodies: dict[int, dict[str, Any]] = {}
+        return [Candidate(job, item, k, seed, bodies.setdefault(item, json.loads(body)))
+                for item, k, seed, body in rows]
+
+    def image_path(self, job: str, item: int, k: int) -> str:
+        return os.path.join(self.images, job, image_name(item, k))
+
+    def store_image(self, c: Candidate, data: bytes, now: float | None = None) -> None:
+        """Writes the candidate's image (files.py's order), then commits it as done. ImageWriteError when the image
+        cannot be written (the candidate stays pending: the caller fails it); StoreError when the commit fails."""
+        path = self.image_path(c.job, c.item, c.k)
+        write_image(path, data)
+        self._done(c, path, now)
+
+    def adopt(self, c: Candidate, expected: dict[str, Any] | None) -> bool:
+        """A pending candidate whose image is already stored (a crash after the rename, before the commit): marked
+        done when the file decodes with the candidate's settings (`expected`); otherwise the file is removed."""
+        path = self.image_path(c.job, c.item, c.k)
+        if not os.path.exists(path):
+            return False
+        if matches(path, expected):
+            self._done(c, path, None)
+            return True
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return False
+
+    def _done(self, c: Candidate, path: str, now: float | None) -> None:
+        with self._write() as db:
+            changed = db.execute("UPDATE candidates SET status = 'done', finished = ? WHERE job = ? AND item = ? AND "
+                                 "k = ? AND status = 'pending'", (time.time() if now is None else now, *c.key)).rowcount
+            if changed:
+                db.execute("UPDATE jobs SET done = done + 1 WHERE id = ?", (c.job,))
+            exists = changed or db.execute("SELECT 1 FROM jobs WHERE id = ?", (c.job,)).fetchone() is not None
+        if not exists:  # the job was deleted while its image was made: nothing may be left of it
+            try:
+                os.unlink(path)
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass
+
+    def fail(self, c: Candidate, error: str, now: float | None = None) -> None:
+        with self._write() as db:
+            changed = db.execute("UPDATE candidates SET status = 'failed', error = ?, finished = ? WHERE job = ? AND "
+                                 "item = ? AND k = ? AND status = 'pending'",
+                                 (error, time.time() if now is None else now, *c.key)).rowcount
+            if changed:
+                db.execute("UPDATE jobs SET failed = failed + 1 WHERE id = ?", (c.job,))
+
+    def results(self, job: str, offset: int, limit: int) -> list[ItemResult]:
+        """Items offset..offset+limit-1: each candidate's seed, status and error."""
+        prompts = {item: json.loads(body).get("prompt") for item, body in self._read(
+            "SELECT item, body FROM items WHERE job = ? AND item >= ? AND item < ? ORDER BY item",
+            (job, offset, offset + limit))}
+        rows: dict[int, list[tuple]] = {item: [] for item in prompts}
+        for item, seed, status, error in self._read(
+                "SELECT item, seed, status, error FROM candidates WHERE job = ? AND item >= ? AND item < ? ORDER BY "
+                "item, k", (job, offset, offset + limit)):
+            rows[item].append((seed, status, error))
+        return [ItemResult(item, prompts[item], tuple(r[0] for r in cs), tuple(r[1] for r in cs),
+                           tuple(r[2] for r in cs)) for item, cs in rows.items()]

@@ -1,0 +1,304 @@
+"""The job store and its coordinator, in process, over a fake engine (no model: its images are PNGs of one grey
+level per seed, with the request's settings inside, as the engine encodes them): the write order (temporary name,
+fsync, rename, fsync of the folder, THEN the commit), resume after a crash at each point of it (no image made
+twice once stored, none lost, none half written), a full disk or an unwritable folder failing the job's candidates
+with a clear error and nothing else, retries and refusals, round-robin across jobs within the in-flight bound,
+cancel aborting the requests in flight, one coordinator per state folder (the lock), retention."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import sqlite3
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffgraph.image_metadata import encode_image
+from diffgraph.jobs import files
+from diffgraph.jobs.backend import EngineBackend
+from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings
+from diffgraph.jobs.spec import JobItem, JobSpec
+from diffgraph.jobs.store import JobStore
+from diffgraph.request import EngineStepError, GenerationResult, ModelInfo, ParamError, QueueFullError
+from diffgraph.server.config import ServerConfig
+
+INFO = ModelInfo(name="digits", family="sd", native_size=64, default_guidance=7.5, max_rows=32, mode="eager",
+                 device="cpu")
+CONFIG = ServerConfig(model="digits")
+BOUND_S = 60.0  # a failure bound for waits on a state, never a timing assumption
+FAST = CoordinatorSettings(inflight=4, poll_s=0.05, lock_retry_s=0.05, retry_base_s=0.01, retry_cap_s=0.05)
+
+
+class FakeHandle:
+    def __init__(self, engine: "FakeEngine", request):
+        self.engine, self.request, self.request_id = engine, request, request.request_id
+
+    async def result(self) -> GenerationResult:
+        await self.engine.gate.wait()
+        r = self.request
+        if self.engine.errors.get(r.seed):
+            raise self.engine.errors[r.seed].pop(0)
+        png = encode_image(np.full((r.height, r.width, 3), (r.seed % 251) / 255.0), "png", r, INFO.name)
+        self.engine.made.append((r.job, r.seed))
+        return GenerationResult(r.request_id, None, r.seed, {}, r, [png])
+
+    def abort(self) -> bool:
+        if self.request not in self.engine.aborted:  # a second abort of a request is a no-op, as the engine's
+            self.engine.aborted.append(self.request)
+        return True
+
+
+class FakeEngine:
+    """Answers requests with images (when `gate` is open), or with the errors queued for a seed."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.submitted, self.made, self.aborted = [], [], []
+        self.errors: dict[int, list[Exception]] = {}
+
+    async def submit(self, request) -> FakeHandle:
+        self.submitted.append(request)
+        queued = self.errors.get(request.seed)
+        if queued and not isinstance(queued[0], EngineStepError):  # a step's failure comes with the result
+            raise queued.pop(0)
+        return FakeHandle(self, request)
+
+    def backend(self) -> EngineBackend:
+        return EngineBackend(CONFIG, info=lambda: INFO, submit=self.submit)
+
+
+def spec(n_items: int, seeds=(1, 2), steps: int = 2, base: int = 0) -> JobSpec:
+    return JobSpec(tuple(JobItem({"prompt": f"a digit {i}", "num_inference_steps": steps},
+                                 tuple(s + 1000 * (base + i) for s in seeds)) for i in range(n_items)))
+
+
+async def until(predicate, what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BOUND_S
+    while not predicate():
+        if loop.time() > deadline:
+            for task in asyncio.all_tasks():  # where each task waits: what a failure needs to be understood
+                task.print_stack(file=sys.stderr)
+            raise AssertionError(f"not within {BOUND_S} s: {what}")
+        await asyncio.sleep(0.005)
+
+
+def run_jobs(store: JobStore, engine: FakeEngine, jobs: list[str], settings=FAST, done=None) -> None:
+    """Coordinates until every job in `jobs` has finished (and `done()`, when given)."""
+    async def main():
+        coordinator = Coordinator(store, engine.backend(), None, settings)
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: all(not store.job(j).unfinished for j in jobs) and (done is None or done()),
+                    "the jobs finish")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+
+
+def stored(store: JobStore, job: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(store.images, job)))
+
+
+# -- the write order ----------------------------------------------------------------------------------------------
+def test_an_image_is_whole_under_its_name_and_fsynced_before_its_commit(tmp_path, monkeypatch):
+    store = JobStore(str(tmp_path))
+    job = store.create("", spec(1, seeds=(7,)), "digits")
+    c = store.pending(job.id, (-1, -1), 10)[0]
+    final = store.image_path(job.id, 0, 0)
+    observer = sqlite3.connect(os.path.join(str(tmp_path), "jobs.sqlite3"))
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def status() -> str:
+        return observer.execute("SELECT status FROM candidates WHERE job = ?", (job.id,)).fetchone()[0]
+
+    def fsync(fd):
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        events.append(("fsync", os.path.basename(target) if os.path.isfile(target) else "folder",
+                       os.path.exists(final), status()))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(src), os.path.basename(dst), status()))
+        assert open(src, "rb").read() == data  # the whole image, fsynced, under its temporary name
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    data = b"\x89PNG...the image"
+    store.store_image(c, data)
+    temp = f".0-0.png.{os.getpid()}.tmp"
+    assert events == [("fsync", "folder", False, "pending")] * 2 + [  # images/ and images/JOB/ made durable
+        ("fsync", temp, False, "pending"), ("replace", temp, "0-0.png", "pending"),
+        ("fsync", "folder", True, "pending")]
+    assert status() == "done" and store.job(job.id).done == 1  # committed last
+    assert open(final, "rb").read() == data and stored(store, job.id) == ["0-0.png"]
+
+
+# -- resume after a crash -----------------------------------------------------------------------------------------
+class Crash(BaseException):
+    """SIGKILL at a point of the write: nothing after it runs."""
+
+
+def test_resume_after_a_crash_at_each_point_makes_each_missing_image_once(tmp_path, monkeypatch):
+    store = JobStore(str(tmp_path))
+    job = store.create("", spec(4), "digits").id
+    engine = FakeEngine()
+    cands = store.pending(job, (-1, -1), 10)
+    backend = engine.backend()
+
+    def png(c) -> bytes:
+        request = backend.build(c)
+        return asyncio.run(FakeHandle(engine, request).result()).encoded[0]
+
+    # candidate 0: stored and committed; 1: renamed, crash before the commit; 2: crash before the rename (a
+    # temporary file left); 3: a file under its name that is not its image (another seed); 4..7: never started
+    store.store_image(cands[0], png(cands[0]))
+    with monkeypatch.context() as m:
+        m.setattr(JobStore, "_done", lambda *a: (_ for _ in ()).throw(Crash()))
+        with pytest.raises(Crash):
+            store.store_image(cands[1], png(cands[1]))
+        m.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(Crash()))
+        with pytest.raises(Crash):
+            store.store_image(cands[2], png(cands[2]))
+    files.write_image(store.image_path(job, cands[3].item, cands[3].k), png(cands[0]))
+    assert store.job(job).done == 1
+    assert stored(store, job) == sorted(["0-0.png", "0-1.png", "1-1.png", f".1-0.png.{os.getpid()}.tmp"])
+    engine.made.clear()
+
+    run_jobs(JobStore(str(tmp_path)), engine, [job])  # the restart
+    row = store.job(job)
+    assert (row.status, row.done, row.failed) == ("completed", 8, 0)
+    assert stored(store, job) == sorted(f"{i}-{k}.png" for i in range(4) for k in range(2))  # temporary swept
+    remade = sorted(seed for _, seed in engine.made)
+    assert remade == sorted(c.seed for c in cands[2:])  # not 0 (done) nor 1 (adopted); 3 made again
+    for c in cands:
+        with Image.open(store.image_path(job, c.item, c.k)) as im:
+            im.load()
+            assert im.getpixel((0, 0))[0] == round((c.seed % 251) / 255 * 255)  # each its own image
+
+
+# -- a full disk, an unwritable folder ----------------------------------------------------------------------------
+@pytest.mark.parametrize("code, hint", [(errno.ENOSPC, "free disk space or change --state-dir"),
+                                        (errno.EACCES, "make the folder writable or change --state-dir")])
+def test_a_full_disk_fails_the_jobs_candidates_with_a_clear_error_and_nothing_else(tmp_path, monkeypatch, code, hint):
+    store = JobStore(str(tmp_path))
+    full = store.create("", spec(3), "digits").id
+    real_open = os.open
+
+    def open_(path, flags, *args):
+        if full in str(path) and flags & os.O_CREAT:
+            raise OSError(code, os.strerror(code), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_)
+    engine = FakeEngine()
+    run_jobs(store, engine, [full])
+    row = store.job(full)
+    assert (row.status, row.done, row.failed) == ("failed", 0, 6)
+    errors = {e for r in store.results(full, 0, 10) for e in r.errors}
+    folder = os.path.join(store.images, full)
+    assert errors == {f"could not write the image to {folder}/{i}-{k}.png: {os.strerror(code)}; {hint}"
+                      for i in range(3) for k in range(2)}
+    assert os.listdir(folder) == []  # no temporary file left behind
+    fine = store.create("", spec(2, base=10), "digits").id  # the store, the coordinator: still working
+    run_jobs(store, engine, [fine])
+    assert (store.job(fine).status, store.job(fine).done) == ("completed", 4)
+
+
+# -- retries, refusals --------------------------------------------------------------------------------------------
+def test_retryable_answers_are_retried_and_refusals_fail_with_the_engines_message(tmp_path):
+    store = JobStore(str(tmp_path))
+    job = store.create("", spec(3, seeds=(1,)), "digits").id
+    engine = FakeEngine()
+    engine.errors = {1: [QueueFullError("the queue is full"), QueueFullError("the queue is full")],
+                     1001: [ParamError("loras", "adapter 'ink' is not in --lora-dir")],
+                     2001: [EngineStepError("CUDA error: an illegal memory access")]}
+    run_jobs(store, engine, [job])
+    results = store.results(job, 0, 10)
+    assert [r.statuses for r in results] == [("done",), ("failed",), ("failed",)]
+    assert results[1].errors == ("adapter 'ink' is not in --lora-dir",)
+    assert results[2].errors == ("the engine failed to make the image: CUDA error: an illegal memory access",)
+    assert [r.seed for r in engine.submitted].count(1) == 3 and store.job(job).status == "completed"
+    always = store.create("", spec(1, seeds=(5,), base=7), "digits").id
+    engine.errors = {7005: [QueueFullError("the queue is full")] * FAST.max_attempts}
+    run_jobs(store, engine, [always])
+    assert store.results(always, 0, 1)[0].errors == (f"the queue is full (gave up after {FAST.max_attempts} "
+                                                     "attempts)",)
+    assert store.job(always).status == "failed"
+
+
+# -- fairness, the in-flight bound, cancel --------------------------------------------------------------------------
+def test_two_jobs_share_the_engine_round_robin_within_the_inflight_bound_and_cancel_aborts(tmp_path):
+    store = JobStore(str(tmp_path))
+    a = store.create("", spec(6), "digits").id
+    b = store.create("", spec(6, base=100), "digits").id
+    engine = FakeEngine()
+
+    async def main():
+        engine.gate.clear()  # every request waits in the engine: the bound holds the rest back
+        coordinator = Coordinator(store, engine.backend(), None, FAST)
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: len(engine.submitted) == 4, "the bound fills")
+        await asyncio.sleep(0.1)  # two polls: every chance to submit a fifth
+        assert len(engine.submitted) == 4 == coordinator.running()
+        assert [r.job for r in engine.submitted] == [a, b, a, b]  # round-robin, not first come first served
+        assert all(r.priority == "batch" and r.num_images == 1 for r in engine.submitted)
+        store.cancel(a)
+        coordinator.drop(a)
+        await until(lambda: len(engine.aborted) == 2, "a's two requests in flight are aborted")
+        assert {r.job for r in engine.aborted} == {a}
+        engine.gate.set()
+        await until(lambda: not store.job(b).unfinished, "b finishes")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert (store.job(a).status, store.job(a).done) == ("cancelled", 0)
+    assert (store.job(b).status, store.job(b).done) == ("completed", 12)
+    assert [r.job for r in engine.submitted].count(a) == 2  # nothing of a after its cancel
+
+
+# -- one coordinator per state folder, retention ------------------------------------------------------------------
+def test_one_process_coordinates_and_another_takes_over_when_it_ends(tmp_path):
+    job = JobStore(str(tmp_path)).create("", spec(4), "digits").id
+
+    async def main():
+        first, second = JobStore(str(tmp_path)), JobStore(str(tmp_path))  # two processes' connections
+        e1, e2 = FakeEngine(), FakeEngine()
+        e1.gate.clear()
+        c1 = Coordinator(first, e1.backend(), None, FAST)
+        c2 = Coordinator(second, e2.backend(), None, FAST)
+        t1 = asyncio.create_task(c1.run())
+        await until(lambda: c1.coordinating and len(e1.submitted) == 4, "the first coordinates")
+        t2 = asyncio.create_task(c2.run())
+        await asyncio.sleep(0.2)  # four lock retries
+        assert not c2.coordinating and e2.submitted == []
+        t1.cancel()  # its process ends: its lock is released, its requests aborted
+        await asyncio.gather(t1, return_exceptions=True)
+        assert len(e1.aborted) == 4
+        await until(lambda: not second.job(job).unfinished, "the second takes over and finishes")
+        assert c2.coordinating
+        t2.cancel()
+        await asyncio.gather(t2, return_exceptions=True)
+        return second.job(job)
+
+    row = asyncio.run(main())
+    assert (row.status, row.done) == ("completed", 8)
+
+
+def test_finished_jobs_past_the_retention_are_deleted_with_their_images(tmp_path):
+    store = JobStore(str(tmp_path))
+    old, recent = store.create("", spec(1), "digits").id, store.create("", spec(1, base=5), "digits").id
+    run_jobs(store, FakeEngine(), [old, recent])
+    with store._write() as db:  # the old job ended two days ago
+        db.execute("UPDATE jobs SET finished = finished - 2 * 86400 WHERE id = ?", (old,))
+    run_jobs(store, FakeEngine(), [], CoordinatorSettings(retention_s=86400.0, poll_s=0.05),
+             done=lambda: store.job(old) is None)  # the sweep at the coordinator's start
+    assert store.job(old) is None and not os.path.exists(os.path.join(store.images, old))
+    assert store.job(recent).status == "completed" and stored(store, recent) == ["0-0.png", "0-1.png"]
