@@ -119,7 +119,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 from ..engine.router import Router
                 threads = max(1, config.resolved_torch_threads() // max(1, config.devices.count("cpu")))
                 return Router([ReplicaClient(d, config.engine_kwargs(), torch_threads=threads if d == "cpu" else None,
-                                             name=f"{d}#{i}" if config.devices.count(d) > 1 else d)
+                                             name=f"{d}#{i}" if config.devices.count(d) > 1 else d,
+                                             replica_timeout=config.replica_timeout)
                                for i, d in enumerate(config.devices)], min_ready=config.min_ready)
             from ..engine.engine import Engine
             return Engine(**config.engine_kwargs())

@@ -36,7 +36,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
            "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
            "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
-           "max_step_failures", "max_pixels") + JOB_FIELDS
+           "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -106,6 +106,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="consecutive failed denoising steps that mark the engine failed: /ready answers 503 with the "
                         "reason, routers and Ray route around it, a replica process restarts; an error that leaves "
                         f"the GPU unusable trips it at once (default: {default('max_step_failures')})")
+    p.add_argument("--replica-timeout", type=float, default=None, metavar="S",
+                   help="--devices: a replica process that sends no heartbeat for S seconds (stopped, wedged in a "
+                        "driver call) is routed around and its requests answered 503; killed and restarted after 4 S "
+                        f"(default: {default('replica_timeout'):g})")
     p.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
                    help=f"longest prompt or negative prompt in UTF-8 bytes; longer ones get 400 "
                         f"(default: {default('max_prompt_bytes')})")
@@ -210,6 +214,10 @@ def add_lora_arguments(p: argparse.ArgumentParser) -> None:
                         "distinct adapters in flight make requests wait")
     p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
                    help="the largest adapter rank the slots take (default: 64); a smaller one makes steps cheaper")
+    p.add_argument("--lora-host-bytes", type=int, default=None, metavar="N",
+                   help="bytes of prepared adapter copies kept on the host between requests (queued requests hold "
+                        "names and file versions; a copy dropped is read again at admission; default: "
+                        "2 GiB)")
     p.add_argument("--lora-conv", action="store_true", default=None,
                    help="side paths on the convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD, "
                         "Hyper-SD); costs slot memory (SD1.5 rank 64: 77 MiB a slot) and step time with adapters")

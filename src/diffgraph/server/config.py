@@ -96,6 +96,8 @@ class ServerConfig:
     metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
     preview_decoder: str | None = None   # live previews from this tiny decoder (TAESD, an AutoencoderTiny folder)
     max_step_failures: int = 3           # consecutive failed steps that mark the engine failed (engine/failures.py)
+    replica_timeout: float = 30.0        # --devices: a replica without a heartbeat this long is unresponsive
+    lora_host_bytes: int = 2 * 2**30     # prepared adapter copies kept on the host (queued requests hold names)
     max_pixels: int | None = None        # the most pixels an image may have; None: measured on the CPU; 0: no limit
     image_ttl: float = 3600.0            # response_format "url": seconds a stored image is served
     image_store: str | None = None       # ... stored in this folder (shared by ingress replicas), else in memory
@@ -127,6 +129,10 @@ class ServerConfig:
             raise ValueError(f"request_timeout {self.request_timeout} must be >= 1 second")
         if self.max_pixels is not None and self.max_pixels < 0:
             raise ValueError(f"max-pixels {self.max_pixels} must be >= 0 (0: no limit)")
+        if not self.replica_timeout > 0:
+            raise ValueError(f"replica-timeout {self.replica_timeout} must be > 0 seconds")
+        if self.lora_host_bytes < 0:
+            raise ValueError(f"lora-host-bytes {self.lora_host_bytes} must be >= 0")
         if self.max_step_failures < 1:
             raise ValueError(f"max-step-failures {self.max_step_failures} must be >= 1 (1: the first failed step "
                              "fails the engine)")
@@ -264,6 +270,7 @@ class ServerConfig:
                     fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
                     embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
                     preview_decoder=self.preview_decoder, max_step_failures=self.max_step_failures,
+                    lora_host_bytes=self.lora_host_bytes,
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
@@ -325,14 +332,15 @@ def _parse(key: str, value: Any) -> Any:
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
                "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels",
-               "max_batch_items", "batch_inflight"):
+               "max_batch_items", "batch_inflight", "lora_host_bytes"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
             return int(value)
         except ValueError:
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
-    if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout", "header_timeout",
+    if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout", "replica_timeout",
+               "header_timeout",
                "body_timeout", "image_ttl", "model_memory"):
         if isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
