@@ -3,7 +3,9 @@
 # host copies read again at admission, edit preprocessing at submit), and the process hop: the same saturating HTTP
 # load (tools/bench_dp.py: SD1.5 512x512 20 steps) on an in-process engine and on one replica process
 # (--devices cuda:0: the output thread, results without their inputs).
-# Usage: bash tools/gpu_issue28.sh tests hop   (env: TESTS_S, HOP_RATE, HOP_S)
+# jobs / mixed: issue 35's targets (tools/bench_jobs.py): a job against the same requests at once, and interactive
+# requests at 1/s beside a running job.
+# Usage: bash tools/gpu_issue28.sh tests hop jobs mixed   (env: TESTS_S, HOP_RATE, HOP_S, JOBS_N, MIXED_N)
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -16,5 +18,9 @@ for what in "$@"; do
            timeout ${HOP_S:-280} python3 tools/bench_dp.py --label $label --sat-rate ${HOP_RATE:-14} --duration 30 \
              --repeats 1 --json "$OUT/hop_$label.json" "${flags[@]}" 2>&1 | grep -v Warning | tail -3
          done ;;
+    jobs) timeout ${JOBS_S:-540} python3 tools/bench_jobs.py cost --n ${JOBS_N:-1000} --json "$OUT/jobs_cost.json" 2>&1 \
+            | grep -v Warning | tail -3 ;;
+    mixed) timeout ${MIXED_S:-540} python3 tools/bench_jobs.py mixed --n ${MIXED_N:-600} --rate 1 \
+             --json "$OUT/jobs_mixed.json" 2>&1 | grep -v Warning | tail -3 ;;
   esac
 done

@@ -1,0 +1,164 @@
+"""What the batch-job machinery costs, and what interactive requests get beside a job (issue 35's targets), on one
+engine in this process (no HTTP: the same store, coordinator and backend the server runs).
+
+    python3 tools/bench_jobs.py cost --n 1000 --json out/jobs_cost.json     # burst vs job, same requests
+    python3 tools/bench_jobs.py mixed --n 600 --rate 1 --json out/jobs_mixed.json
+
+cost: the same N one-image requests (random:sd15 512x512, euler, 20 steps, CFG 7.5, PNG) submitted at once to the
+engine (the reference) and made as one N-item job (store, coordinator at --batch-inflight's default, images
+written and committed); images/s of each to the last image (target: job >= 0.97x burst).
+mixed: a job of N items running, interactive requests (the same settings, another prompt) arriving at `rate` per
+second for as long as the job runs; their latency percentiles against the latency of one request inside a full
+batch (a burst of as many requests as fill the largest bucket: target p99 <= 1.3x), and the job's images/s against
+`cost`'s figure for the job alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+from diffgraph import Engine  # noqa: E402
+from diffgraph.engine.async_engine import AsyncEngine  # noqa: E402
+from diffgraph.jobs.backend import EngineBackend, build_request  # noqa: E402
+from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings  # noqa: E402
+from diffgraph.jobs.spec import SpecLimits, parse_job  # noqa: E402
+from diffgraph.jobs.store import JobStore  # noqa: E402
+from diffgraph.server.config import ServerConfig  # noqa: E402
+
+ITEM = {"num_inference_steps": 20, "guidance_scale": 7.5, "sampler": "euler", "size": "512x512"}
+
+
+def job_file(n: int) -> bytes:
+    return "\n".join(json.dumps({"prompt": f"a photo of a fox, number {i}", "seeds": [i], **ITEM})
+                     for i in range(n)).encode()
+
+
+async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None) -> dict:
+    """An n-item job through the store and coordinator, timed from its creation to its last committed image;
+    `during(job_done)`: a coroutine run beside it (interactive arrivals) until the job ends."""
+    with tempfile.TemporaryDirectory() as root:
+        store = JobStore(root)
+        backend = EngineBackend(config, lambda: client.info, client.submit)
+        coordinator = Coordinator(store, backend, None, CoordinatorSettings(poll_s=0.05))
+        t0 = time.perf_counter()
+        job = store.create("", parse_job(job_file(n), "jsonl", SpecLimits()), client.info.name)
+        task = asyncio.ensure_future(coordinator.run())
+        finished = asyncio.Event()
+        side = asyncio.ensure_future(during(finished)) if during else None
+        try:
+            while True:
+                row = store.job(job.id)
+                if row.done + row.failed >= n:
+                    break
+                await asyncio.sleep(0.05)
+            seconds = time.perf_counter() - t0
+            finished.set()
+            extra = await side if side else None
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            store.close()
+    return {"images": row.done, "failed": row.failed, "seconds": seconds, "images_per_s": row.done / seconds,
+            "side": extra}
+
+
+async def burst(client: AsyncEngine, requests: list) -> dict:
+    t0 = time.perf_counter()
+    handles = [await client.submit(r) for r in requests]
+    results = await asyncio.gather(*(h.result() for h in handles))
+    seconds = time.perf_counter() - t0
+    return {"images": len(results), "seconds": seconds, "images_per_s": len(results) / seconds,
+            "latency_s": sorted(r.timings["total_ms"] / 1e3 for r in results)}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def cost(client: AsyncEngine, n: int, config: ServerConfig) -> dict:
+    reqs = [build_request(config, client.info, {"prompt": f"a photo of a fox, number {i}", **ITEM}, i, "x")
+            for i in range(n)]
+    # (the job's own requests, as the engine gets them: batch class, one image each)
+    await burst(client, reqs[:32])  # warm every bucket the burst walks
+    ref = await burst(client, reqs)
+    job = await run_job(client, n, config)
+    return {"n": n, "burst": {k: v for k, v in ref.items() if k != "latency_s"}, "job": job,
+            "ratio": job["images_per_s"] / ref["images_per_s"]}
+
+
+async def mixed(client: AsyncEngine, n: int, rate: float, config: ServerConfig) -> dict:
+    rows = client.info.max_rows // 2  # guided images that fill the largest bucket
+    full = [build_request(config, client.info, {"prompt": "a castle", **ITEM}, 1000 + i, "x") for i in range(rows)]
+    full = [dataclasses.replace(r, priority="interactive", job=None) for r in full]
+    await burst(client, full)
+    inside_full = await burst(client, full)  # one request's latency inside a full batch
+    alone_job = await run_job(client, n, config)
+    rng = random.Random(0)
+
+    async def arrivals(finished: asyncio.Event) -> list[float]:
+        latencies, tasks, i = [], [], 0
+        while not finished.is_set():
+            await asyncio.sleep(rng.expovariate(rate))
+            if finished.is_set():
+                break
+            r = build_request(config, client.info, {"prompt": "a castle at dusk", **ITEM}, 5000 + i, "x")
+            r = dataclasses.replace(r, priority="interactive", job=None)
+            i += 1
+
+            async def one(request):
+                t = time.perf_counter()
+                await (await client.submit(request)).result()
+                latencies.append(time.perf_counter() - t)
+            tasks.append(asyncio.ensure_future(one(r)))
+        await asyncio.gather(*tasks)
+        return latencies
+
+    with_people = await run_job(client, n, config, during=arrivals)
+    lat = with_people.pop("side")
+    ref_p99 = pct(inside_full["latency_s"], 0.99)
+    return {"n": n, "rate": rate, "interactive": len(lat), "p50_s": pct(lat, 0.5), "p99_s": pct(lat, 0.99),
+            "inside_full_batch_p99_s": ref_p99, "p99_ratio": pct(lat, 0.99) / ref_p99,
+            "job_alone_images_per_s": alone_job["images_per_s"], "job_with_people_images_per_s":
+            with_people["images_per_s"], "job_ratio": with_people["images_per_s"] / alone_job["images_per_s"],
+            "people_share_of_images": len(lat) / (len(lat) + n)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("what", choices=["cost", "mixed"])
+    p.add_argument("--model", default="random:sd15")
+    p.add_argument("--n", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--size", default="512x512")
+    a = p.parse_args()
+    ITEM["size"] = a.size
+    config = ServerConfig(model=a.model, device=a.device)
+    engine = Engine(a.model, device=a.device, max_queue=max(256, a.n + 64))
+    client = AsyncEngine(engine)
+    t0 = time.perf_counter()
+    out = asyncio.run(cost(client, a.n, config) if a.what == "cost" else mixed(client, a.n, a.rate, config))
+    out["wall_s"] = time.perf_counter() - t0
+    text = json.dumps(out, indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+    print(json.dumps({k: v for k, v in out.items() if not isinstance(v, list)}))
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
