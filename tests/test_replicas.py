@@ -215,3 +215,55 @@ def test_the_server_over_two_cpu_replicas():
         assert late["r"].status_code == 200 and s.proc.wait(120) == 0
     finally:
         s.stop()
+
+
+def test_the_heartbeat_verdicts_wedged_back_and_killed():
+    """ReplicaClient._check without a process: a beat saying the loop has been in one pass past the timeout (a
+    driver call that never returns) makes the replica unresponsive and answers its requests 503 (aborted on its side);
+    a beat under it brings it back; 4 timeouts of silence kill the process to restart it."""
+    import threading as th
+
+    from diffgraph.engine.async_engine import RequestHandleImpl
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, message):
+            self.sent.append(message)
+
+    class Process:
+        killed = False
+
+        def kill(self):
+            self.killed = True
+
+    r = object.__new__(ReplicaClient)
+    r.name, r.state, r.error, r.replica_timeout = "cpu#9", "ready", None, 10.0
+    r._lock, r._conn = th.Lock(), Pipe()
+    r._handles, r._pending, r._stats, r._requests = {}, {}, {}, {}
+    errors = []
+
+    async def go():
+        handle = RequestHandleImpl(lambda h: True, _request(), progress=False)
+        handle.finish = lambda result, error: errors.append(error)
+        r._handles["q1"] = handle
+        process = Process()
+        r._check(0.0, 3.0, process)
+        assert r.state == "ready"  # a long step under the timeout: nothing to say
+        r._check(0.0, 12.0, process)
+        assert r.state == "unresponsive" and "in one step for 12 s" in r.error and not r._handles
+        assert r._conn.sent == [("abort", "q1")]
+        r._check(0.0, 0.0, process)
+        assert r.state == "ready" and r.error is None  # it answers again
+        r._check(15.0, 0.0, process)
+        assert r.state == "unresponsive" and "no heartbeat for 15 s" in r.error and not process.killed
+        r._check(41.0, 0.0, process)
+        assert process.killed  # 4 timeouts: killed, restarted as a crashed replica is
+    asyncio.run(go())
+    assert len(errors) == 1 and isinstance(errors[0], EngineClosed) and "stopped answering" in str(errors[0])
+
+
+def _request():
+    from diffgraph.request import GenerationRequest
+    return GenerationRequest.create("a cat", width=64, height=64, guidance_scale=5.0, request_id="q1")
