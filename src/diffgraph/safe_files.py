@@ -318,6 +318,40 @@ def private_view(folder: str, copies: Iterable[str], omit: Iterable[str] = (), m
         shutil.rmtree(view, ignore_errors=True)
 
 
+def fsync_folder(folder: str) -> None:
+    """Makes a folder's entries (a rename into it, a new file) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str, data: bytes, temp: str, sync: bool = True) -> None:
+    """Writes `data` at `path` so that a reader sees the old file or the whole new one: to `temp` (a name of the same
+    folder), then os.replace; with `sync`, the file is fsynced before the rename and the folder after it, so a crash
+    once this returns loses nothing. Raises OSError, `temp` removed."""
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+        if sync:
+            fsync_folder(os.path.dirname(path) or ".")
+    except OSError:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+
+
 class FileReader:
     """A bounded pool of daemon threads for file reads, with a time limit per call (queueing included).
 

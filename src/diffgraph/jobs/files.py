@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from ..image_metadata import JSON_KEY
+from ..safe_files import fsync_folder, write_durably
 
 TEMP_SUFFIX = ".tmp"
 
@@ -31,14 +32,6 @@ def _hint(e: OSError, flag: str) -> str:
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"make the folder writable or change {flag}"
     return f"check the disk or change {flag}"
-
-
-def fsync_folder(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_folder(folder: str) -> None:
@@ -60,21 +53,8 @@ def write_image(path: str, data: bytes, flag: str = "--state-dir") -> None:
     temp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}{TEMP_SUFFIX}")
     try:
         make_folder(folder)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-        fsync_folder(folder)
+        write_durably(path, data, temp)
     except OSError as e:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
         raise ImageWriteError(f"could not write the image to {path}: {e.strerror or e}; {_hint(e, flag)}") from None
 
 

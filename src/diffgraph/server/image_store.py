@@ -22,11 +22,12 @@ import hmac
 import os
 import re
 import secrets
-import tempfile
 import threading
 import time
 from collections import OrderedDict
 from typing import Callable, Protocol
+
+from ..safe_files import write_durably
 
 FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 _ID = re.compile(r"^([0-9a-f]{8,12})([A-Za-z0-9_-]{24})$")
@@ -102,16 +103,10 @@ class DiskImageStore:
         now = self._clock()
         expires = int(now + self.ttl) + 1
         image_id = new_id(expires)
-        fd, tmp = tempfile.mkstemp(prefix=".put-", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, os.path.join(self.root, f"{image_id}.{fmt}"))
+        tmp = os.path.join(self.root, f".put-{secrets.token_hex(8)}")
+        try:  # a cache with a TTL: atomic (replicas read it), not synced to the disk
+            write_durably(os.path.join(self.root, f"{image_id}.{fmt}"), data, tmp, sync=False)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             raise ValueError(f"the image could not be stored in --image-store {self.root!r}: {e.strerror}") from None
         self._sweep(now)
         return image_id, expires
