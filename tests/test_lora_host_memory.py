@@ -4,7 +4,6 @@ admission, off the engine loop, and the images are those of an unbounded engine.
 MB for 100 queued requests over 100 tiny adapters, kept at the high-water mark."""
 
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from diffgraph import Engine
+from loop_util import held_loop
 
 MODEL = "random:tiny"
 ADAPTERS, REQUESTS = 200, 256
@@ -46,20 +46,10 @@ def test_queued_requests_hold_no_prepared_weights_and_the_cache_stays_under_its_
         manager = e.runner.loras
         requests = [e.make_request("a cat", num_inference_steps=1, seed=i, loras=[(f"a{i % ADAPTERS:03d}", 1.0)])
                     for i in range(REQUESTS)]
-        entered, hold = threading.Event(), threading.Event()
-
-        def blocker():
-            entered.set()
-            hold.wait()
-        held = e.core.call_between_steps(blocker)
-        entered.wait()
-        try:
+        with held_loop(e):
             futures = [e.submit(r) for r in requests]  # every adapter read and checked at submit...
             peak = manager.host_bytes()
             queued = [s for g in e.core.scheduler.groups.values() for s in g.waiting]
-        finally:
-            hold.set()
-        held.result()
         assert len(queued) == REQUESTS and each > 0
         assert peak <= bound, (peak, bound)  # ...but only the bounded cache keeps them
         assert all(not hasattr(a, "prepared") and a.key[0] == r.loras[0][0] for s, r in zip(queued, requests)
@@ -77,20 +67,10 @@ def test_an_adapter_rewritten_while_its_request_waits_fails_that_request_with_a_
     for i in range(3):
         shutil.copy(os.path.join(folder, f"a{i:03d}.safetensors"), root)
     with Engine(MODEL, device="cpu", lora_dir=root, max_loras=4, max_lora_rank=4, lora_host_bytes=0) as e:
-        entered, hold = threading.Event(), threading.Event()
-
-        def blocker():
-            entered.set()
-            hold.wait()
-        held = e.core.call_between_steps(blocker)
-        entered.wait()
-        try:
+        with held_loop(e):
             doomed = e.submit(e.make_request("a cat", num_inference_steps=1, seed=1, loras=[("a000", 1.0)]))
             fine = e.submit(e.make_request("a cat", num_inference_steps=1, seed=2, loras=[("a001", 1.0)]))
             os.remove(os.path.join(root, "a000.safetensors"))  # its version is gone before admission reads it again
-        finally:
-            hold.set()
-        held.result()
         assert fine.result().arrays.shape[0] == 1
         with pytest.raises(ValueError, match="could not be read again at admission.*send the request again"):
             doomed.result()

@@ -3,7 +3,6 @@ rows preempted at a step boundary for an interactive request, resuming from thei
 fake worker, then the engine on the CPU (a preempted row's image equals the uninterrupted one)."""
 
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from diffgraph.engine.priority import admission_order
 from diffgraph.engine.scheduler import _victims as victims
 from diffgraph.engine.scheduler import Scheduler, SchedulerConfig
+from loop_util import held_loop
 from test_scheduler import Clock, FakeWorker, state
 
 
@@ -166,21 +166,12 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
             futures.append(eng.submit(person))
 
     eng.core.step_listeners.append(listener)
-    entered, hold = threading.Event(), threading.Event()
-
-    def blocker():  # the loop waits here (its pass planned with nothing queued) until every batch request is queued
-        entered.set()
-        hold.wait()
-    held = eng.core.call_between_steps(blocker)
     try:
-        entered.wait()
-        batch_futures = [eng.submit(r) for r in jobs]
-        hold.set()
-        held.result()
+        with held_loop(eng):  # every batch request queued before the loop plans a step
+            batch_futures = [eng.submit(r) for r in jobs]
         results = [f.result() for f in batch_futures]
         person_result = futures[0].result()
     finally:
-        hold.set()
         eng.core.step_listeners.remove(listener)
     assert len(plans[0][0]) == 4 and not plans[0][1]
     live, preempted = plans[2]

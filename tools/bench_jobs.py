@@ -89,7 +89,6 @@ def pct(values: list[float], q: float) -> float:
 async def cost(client: AsyncEngine, n: int, config: ServerConfig) -> dict:
     reqs = [build_request(config, client.info, {"prompt": f"a photo of a fox, number {i}", **ITEM}, i, "x")
             for i in range(n)]
-    # (the job's own requests, as the engine gets them: batch class, one image each)
     await burst(client, reqs[:32])  # warm every bucket the burst walks
     ref = await burst(client, reqs)
     job = await run_job(client, n, config)

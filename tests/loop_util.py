@@ -1,0 +1,25 @@
+"""Holding an engine's loop between two steps, for tests that queue several requests before any of them is planned."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+
+@contextmanager
+def held_loop(engine) -> Iterator[None]:
+    """Inside the block the engine's loop waits between steps (its current pass already planned, with what was
+    queued before the block); it plans again, with everything submitted inside, once the block ends."""
+    entered, hold = threading.Event(), threading.Event()
+
+    def blocker():
+        entered.set()
+        hold.wait()
+    held = engine.core.call_between_steps(blocker)
+    entered.wait()
+    try:
+        yield
+    finally:
+        hold.set()
+    held.result()
