@@ -1,7 +1,8 @@
 """SIGTERM while a long step runs and a client waits (issue 28 point 4): once the drain timeout passes the client
 gets 503 (retry elsewhere) without waiting for the step, and the process exits 0, not by SIGABRT from tearing the
 interpreter down under a busy native op. The long step is made by a test-side wrapper around the server's normal
-entry point (the server itself has no test hooks): steps of a "slow" request first run torch matmuls for minutes."""
+entry point (the server itself has no test hooks): steps of a "slow" request first run torch matmuls for minutes, in
+the engine's process (the wrapper's module is the spawned process's __mp_main__ too)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from diffgraph.server.process import SRC
 WRAPPER = '''
 import sys, time, torch
 from diffgraph.engine import core
-step = core.EngineCore._step
+step = core.EngineCore._step  # patched here and in the engine process (spawned: it runs this file as __mp_main__)
 def slow(self, plan):
     if any("slow" in s.request.prompt for s in plan.live):
         a, end = torch.randn(768, 768), time.monotonic() + 300
@@ -28,8 +29,9 @@ def slow(self, plan):
             a = (a @ a).tanh()  # native work on torch's threads, as a long denoising step
     return step(self, plan)
 core.EngineCore._step = slow
-from diffgraph.server.cli import main
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    from diffgraph.server.cli import main
+    sys.exit(main(sys.argv[1:]))
 '''
 
 

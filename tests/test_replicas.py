@@ -130,7 +130,7 @@ def test_results_do_not_carry_their_inputs_back(router, tiny_engine):
 def test_the_output_thread_sends_small_messages_together_and_results_alone():
     import queue
 
-    from diffgraph.engine.replica import _send_all
+    from diffgraph.engine.replica_process import _send_all
 
     class Pipe:
         def __init__(self):
@@ -223,7 +223,7 @@ def test_the_heartbeat_verdicts_wedged_back_and_killed():
     a beat under it brings it back; 4 timeouts of silence kill the process to restart it."""
     import threading as th
 
-    from diffgraph.engine.async_engine import RequestHandleImpl
+    from diffgraph.engine.handles import RequestHandleImpl
 
     class Pipe:
         def __init__(self):

@@ -39,7 +39,10 @@ TARGET = 12  # issue 27, point 4: at most 12 crossings from HTTP to the replay
 ROUTE = ("server/app.py", "generations")
 REPLAY = ("graphs/runner.py", "GraphRunner.replay")
 _COMPREHENSIONS = re.compile(r"\.<locals>\.<(listcomp|setcomp|dictcomp|genexpr)>$")
-ROLES = {"fwd": ("event loop", "engine loop", "other"), "back": ("engine loop", "other", "event loop")}
+ROLES = {"fwd": ("event loop", "replica intake", "other", "engine loop"),
+         "back": ("engine loop", "image thread", "pipe reader", "other", "event loop")}
+THREAD_ROLES = (("diffgraph-images", "image thread"), ("diffgraph-replica-intake", "replica intake"),
+                ("diffgraph-replica-reader", "pipe reader"))  # by thread name: each role one thread, so in order
 
 
 def _module(code) -> str | None:
@@ -70,6 +73,7 @@ class Tracer:
 
     def __init__(self):
         self.events: list[tuple[str, int, tuple[str, str]]] = []  # (phase, thread, crossing) as they happen
+        self.names: dict[int, str] = {}  # thread ident -> its name
         self.armed = False
         self.http = None            # the event loop's thread (the route's)
         self.http_forward = True    # until the engine hands the server the request's handle
@@ -152,6 +156,7 @@ class Tracer:
         self._record(t, (caller, f"{module}:{function}"))
 
     def _record(self, t: int, edge: tuple[str, str]) -> None:
+        self.names.setdefault(t, threading.current_thread().name)
         if t == self.http:
             if not self.route_done.is_set():
                 self.events.append(("fwd" if self.http_forward else "back", t, edge))
@@ -168,7 +173,8 @@ class Tracer:
                 if phase != wanted or edge in seen:
                     continue
                 seen.add(edge)
-                role = "event loop" if t == self.http else "engine loop" if t == self.replay_thread else "other"
+                role = "event loop" if t == self.http else "engine loop" if t == self.replay_thread else next(
+                    (r for prefix, r in THREAD_ROLES if self.names.get(t, "").startswith(prefix)), "other")
                 trace.edges[phase][role].append(edge)
         return trace
 
@@ -202,13 +208,45 @@ def _is_suspension(value) -> bool:
 
 
 # -- the traced request ----------------------------------------------------------------------------
-def _graph_engine():
+def _graph_kwargs() -> dict:
     from diffgraph.config import GraphConfig
-    from diffgraph.engine.engine import Engine
 
     graphs = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated",
                          capture_text_encoder=False, capture_vae=False)
-    return Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=graphs)
+    return dict(model="random:tiny", dtype="fp32", mode="graph", graphs=graphs)
+
+
+class _ThreadProcess(threading.Thread):
+    """The replica "process" as a thread of this one (what `ReplicaClient` asks of a process)."""
+
+    exitcode = None
+    pid = None
+
+    def kill(self) -> None:  # never called on the traced path (no heartbeat misses)
+        raise AssertionError("the traced replica was to be killed")
+
+
+def _served_engine():
+    """The served path (`diffgraph serve`'s default engine factory: a Router over one ReplicaClient), its replica's
+    `replica_main` on a thread instead of a spawned process: the same code over the same pipe (every message
+    pickled), so one profiler sees the HTTP side, the pipe's threads and the engine's."""
+    import multiprocessing
+
+    from diffgraph.engine.replica import ReplicaClient
+    from diffgraph.engine.replica_process import replica_main
+    from diffgraph.engine.router import Router
+
+    class ThreadReplica(ReplicaClient):
+        def _start(self) -> None:
+            parent, child = multiprocessing.Pipe(duplex=True)
+            self._conn = parent
+            self._process = _ThreadProcess(target=replica_main, daemon=True, name="diffgraph-replica-intake",
+                                           args=(child, "cpu", self._kwargs, None, self.replica_timeout / 4))
+            self._process.start()
+            threading.Thread(target=self._read, args=(parent, self._process), daemon=True,
+                             name="diffgraph-replica-reader").start()
+
+    return Router([ThreadReplica("cpu", _graph_kwargs(), replica_timeout=600.0)])
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +260,7 @@ def traced():
     tracer = Tracer()
     threading.setprofile(tracer)
     try:
-        app = create_app(ServerConfig(model="random:tiny", device="cpu"), engine_factory=_graph_engine)
+        app = create_app(ServerConfig(model="random:tiny", device="cpu", max_pixels=0), engine_factory=_served_engine)
         with TestClient(app) as client:
             for _ in range(6000):  # the engine is built on a background thread (a failure bound, not a timing)
                 if client.get("/ready").status_code == 200:
@@ -263,9 +301,12 @@ def render(trace: Trace) -> str:
     """The lists as docs/ARCHITECTURE.md writes them."""
     titles = {("fwd", "event loop"): "On the event loop, until the engine hands back the request's handle:",
               ("fwd", "engine loop"): "On the engine loop thread, until the first replay:",
+              ("fwd", "replica intake"): "On the replica's intake thread (it reads the pipe):",
               ("fwd", "other"): "On other threads:",
               ("back", "engine loop"): "On the engine loop thread, the rest of that iteration:",
-              ("back", "other"): "On the image thread:",
+              ("back", "image thread"): "On the image thread:",
+              ("back", "pipe reader"): "On the server's pipe reader thread:",
+              ("back", "other"): "On other threads:",
               ("back", "event loop"): "On the event loop, from the handle to the response:"}
     out = []
     for phase, head in (("fwd", "Forward, HTTP to the replay"), ("back", "Back, the replay's end to the response")):
@@ -331,14 +372,14 @@ def test_the_family_default_sampler_when_none_is_sent(traced):
 
 def test_an_import_failure_while_building_is_reported(monkeypatch):
     """The build thread's imports fail like any build: the error is kept (/ready and the CLI report it)."""
+    from diffgraph.server.app import create_app
     from diffgraph.server.config import ServerConfig
-    from diffgraph.server.requests import ServerState
 
-    monkeypatch.setitem(sys.modules, "diffgraph.engine.async_engine", None)  # importing it raises ImportError
-    state = ServerState(ServerConfig(model="random:tiny", device="cpu"), lambda: pytest.fail("not reached"))
+    state = create_app(ServerConfig(model="random:tiny", device="cpu")).state.server  # the default engine factory
+    monkeypatch.setitem(sys.modules, "diffgraph.engine.replica", None)  # importing it raises ImportError
     state.start()
     state._thread.join(60)
-    assert state.engine is None and state.error is not None and "diffgraph.engine.async_engine" in state.error, state.error
+    assert state.engine is None and state.error is not None and "diffgraph.engine.replica" in state.error, state.error
 
 
 if __name__ == "__main__":  # prints the lists for docs/ARCHITECTURE.md

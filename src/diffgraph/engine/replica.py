@@ -1,11 +1,14 @@
-"""`ReplicaClient`: one engine in its own process (one per device), behind the `EngineClient` protocol.
+"""`ReplicaClient`: one engine in its own process (one per device), behind the `EngineClient` protocol. This is the
+parent's side; what runs in the replica process is replica_process.py.
 
 The parent talks to the replica over one duplex pipe; everything on it is the protocol's picklable data:
 
-    parent -> replica   ("submit", request, progress) | ("abort", request_id) | ("stats", token) | ("close",)
-    replica -> parent   ("ready", ModelInfo) | ("failed", message) | ("accepted", request_id)
-                        | ("rejected", request_id, error) | ("progress", ProgressEvent) | ("step", StepEvent)
-                        | ("done", request_id, result, error) | ("stats", token, EngineStats)
+    parent -> replica   ("submit", request, progress) | ("abort", request_id) | ("stats", token) | ("loras", token)
+                        | ("close",)
+    replica -> parent   ("ready", ModelInfo, warm step seconds on a CPU else None) | ("failed", message)
+                        | ("accepted", request_id) | ("rejected", request_id, error) | ("progress", ProgressEvent)
+                        | ("step", StepEvent) | ("done", request_id, result, error) | ("stats", token, EngineStats)
+                        | ("loras", token, the adapter listing or its error)
                         | ("beat", seconds its engine loop has been inside one pass, 0 when waiting)
 
 Results carry the images encoded by the replica (its image threads), and no float pixels when the request asked
@@ -30,15 +33,14 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import os
-import queue
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
 from ..request import EngineClosed, GenerationRequest, ModelInfo
-from .async_engine import RequestHandleImpl
+from .handles import RequestHandleImpl
+from .replica_process import replica_main
 from .client import EngineStats, StepEvent
 
 logger = logging.getLogger(__name__)
@@ -46,123 +48,24 @@ logger = logging.getLogger(__name__)
 STATES = ("starting", "ready", "unresponsive", "restarting", "down", "closed")
 
 
-def _replica_main(conn: Any, device: str, engine_kwargs: dict[str, Any], torch_threads: int | None,
-                  beat_s: float = 1.0) -> None:
-    """The replica process: build the engine, then serve the pipe until "close" or the parent goes away."""
-    if torch_threads is not None:
-        import torch
-        torch.set_num_threads(torch_threads)
-    from .async_engine import AsyncEngine
-    from .engine import Engine
-
-    outbox: queue.SimpleQueue = queue.SimpleQueue()
-    send = outbox.put  # the engine's threads only queue their messages: the output thread sends them
-    output = threading.Thread(target=_send_all, args=(conn, outbox), name="diffgraph-replica-output", daemon=True)
-    output.start()
-
-    def last(message: tuple) -> None:  # a final message: queued after everything else, sent before the exit
-        outbox.put(message)
-        outbox.put(None)
-        output.join(30)
-
-    try:
-        engine = Engine(device=device, **engine_kwargs)
-        engine.generate("warm-up", num_inference_steps=1, seed=0)
-    except Exception as e:
-        return last(("failed", f"{type(e).__name__}: {e}"))
-    client = AsyncEngine(engine)
-
-    def failed(reason: str) -> None:  # the failure policy tripped: its requests are answered; say why, exit
-        last(("failed", reason))
-        os._exit(3)  # the parent restarts it (with backoff); a poisoned device context is not worth a clean close
-    engine.core.on_failure.append(failed)
-    client.add_step_listener(lambda event: send(("step", event)))
-    send(("ready", engine.info))
-    beating = threading.Event()
-
-    def beat() -> None:  # its own thread: beats while the loop steps, and says how long the current pass runs
-        while not beating.wait(beat_s):
-            since = engine.core.loop.busy_since
-            send(("beat", 0.0 if since is None else time.monotonic() - since))
-    threading.Thread(target=beat, name="diffgraph-replica-beat", daemon=True).start()
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            break
-        kind = message[0]
-        if kind == "submit":
-            _, request, progress = message
-            on_progress = (lambda rid, step, total: send(("progress", rid, step, total))) if progress else None
-            on_preview = (lambda e: send(("progress", e.request_id, e.step, e.total, e.previews, e.preview_format))
-                          ) if progress else None
-            try:
-                future = engine.submit(request, on_progress=on_progress, on_preview=on_preview)
-            except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
-                send(("rejected", request.request_id, e))
-                continue
-            send(("accepted", request.request_id))
-            future.add_done_callback(lambda f, rid=request.request_id: send(("done", rid, *_outcome(f))))
-        elif kind == "abort":
-            engine.abort(message[1])
-        elif kind == "stats":
-            send(("stats", message[1], client.stats()))
-        elif kind == "close":
-            break
-    beating.set()
-    engine.close()
-    outbox.put(None)  # the output thread ends after what is queued
-    output.join(30)
-
-
-def _send_all(conn: Any, outbox: queue.SimpleQueue) -> None:
-    """The replica's output thread: what the engine's threads queued, in order; the small messages queued together
-    (progress, steps, beats, acceptances) go as one ("batch", [...]) message, a result on its own. The GPU loop
-    never waits for the pipe, however slowly the parent reads."""
-    while True:
-        message = outbox.get()
-        small: list[tuple] = []
-        while message is not None and message[0] != "done" and len(small) < 256:
-            small.append(message)
-            try:
-                message = outbox.get_nowait()
-            except queue.Empty:
-                message = ()
-                break
-        try:
-            if small:
-                conn.send(small[0] if len(small) == 1 else ("batch", small))
-            if message:
-                conn.send(message)
-        except (OSError, ValueError):  # the parent is gone: nothing to answer
-            return
-        if message is None:
-            return
-
-
-def _outcome(future: Future) -> tuple[Any, BaseException | None]:
-    error = future.exception()
-    if error is not None:
-        return None, error
-    result = future.result()
-    if result.encoded is not None:
-        result.arrays = None  # the encoded bytes are what the caller sends on: do not move the pixels too
-    result.request = None  # the parent has it (with an edit's input image): results do not carry inputs back
-    return result, None
+def _parent_log_level() -> int | None:
+    root = logging.getLogger()
+    return root.level if root.handlers else None
 
 
 class ReplicaClient:
     """An engine replica process on `device`; thread-safe; restarts after a crash (with backoff)."""
 
-    def __init__(self, device: str, engine_kwargs: dict[str, Any] | None = None, name: str | None = None,
+    def __init__(self, device: str | None, engine_kwargs: dict[str, Any] | None = None, name: str | None = None,
                  max_restarts: int = 3, restart_window_s: float = 300.0, backoff_s: float = 1.0,
-                 torch_threads: int | None = None, replica_timeout: float = 30.0):
+                 torch_threads: int | None = None, replica_timeout: float = 30.0, measure_step: bool = False):
         if not replica_timeout > 0:
             raise ValueError(f"replica_timeout {replica_timeout} must be > 0 seconds (--replica-timeout)")
         self.replica_timeout = replica_timeout
-        self.device = device
-        self._threads = torch_threads
-        self.name = name or device
+        self.device = device  # None: the replica's default (cuda when it has one, else cpu)
+        self._threads = torch_threads  # applied when the replica's device is the CPU
+        self._measure = measure_step   # a CPU replica times a warm step at start-up (warm_step_s)
+        self.name = name or device or "engine"
         self._kwargs = {k: v for k, v in (engine_kwargs or {}).items() if k != "device"}
         self._max_restarts = max_restarts
         self._window_s = restart_window_s
@@ -171,7 +74,7 @@ class ReplicaClient:
         self._handles: dict[str, RequestHandleImpl] = {}
         self._requests: dict[str, GenerationRequest] = {}  # what its results are answers to (not sent back)
         self._pending: dict[str, Future] = {}     # submits waiting for accepted / rejected
-        self._stats: dict[int, Future] = {}
+        self._asked: dict[int, Future] = {}      # stats and listing calls waiting for their answer
         self._tokens = itertools.count()
         self._listeners: list[Callable[[StepEvent], None]] = []
         self._crashes: list[float] = []
@@ -179,6 +82,7 @@ class ReplicaClient:
         self.error: str | None = None
         self.restarts = 0
         self.info: ModelInfo | None = None
+        self.warm_step_s: float | None = None  # a warm step's seconds, measured at start-up by a CPU replica
         self._ready_event = threading.Event()
         self._start()
 
@@ -187,8 +91,9 @@ class ReplicaClient:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
         parent, child = ctx.Pipe(duplex=True)
         self._conn = parent
-        self._process = ctx.Process(target=_replica_main, args=(child, self.device, self._kwargs, self._threads,
-                                                                self.replica_timeout / 4),
+        self._process = ctx.Process(target=replica_main, args=(child, self.device, self._kwargs, self._threads,
+                                                                self.replica_timeout / 4, _parent_log_level(),
+                                                                self._measure),
                                     name=f"diffgraph-replica-{self.name}", daemon=True)
         self._process.start()
         child.close()
@@ -241,7 +146,7 @@ class ReplicaClient:
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == "ready":
-            self.info, self.error = message[1], None
+            self.info, self.warm_step_s, self.error = message[1], message[2], None
             if self.state != "closed":
                 self.state = "ready"
             self._ready_event.set()
@@ -278,9 +183,9 @@ class ReplicaClient:
                     listener(message[1])
                 except Exception:
                     logger.exception("step listener %r failed", listener)
-        elif kind == "stats":
+        elif kind in ("stats", "loras"):
             with self._lock:
-                future = self._stats.pop(message[1], None)
+                future = self._asked.pop(message[1], None)
             if future is not None:
                 future.set_result(message[2])
 
@@ -290,11 +195,11 @@ class ReplicaClient:
         with self._lock:
             handles, self._handles = self._handles, {}
             pending, self._pending = self._pending, {}
-            stats, self._stats = self._stats, {}
+            asked, self._asked = self._asked, {}
             self._requests.clear()
         for handle in handles.values():
             handle.finish(None, error)
-        for future in (*pending.values(), *stats.values()):
+        for future in (*pending.values(), *asked.values()):
             if not future.done():
                 future.set_result(error)
         for request_id in (handles if abort else ()):
@@ -341,6 +246,11 @@ class ReplicaClient:
         return self.state == "ready"
 
     @property
+    def pid(self) -> int | None:
+        """The replica process's id (operators, and tests that kill it)."""
+        return self._process.pid
+
+    @property
     def ready_s(self) -> float:
         return self.info.ready_s if self.info else 0.0
 
@@ -378,23 +288,37 @@ class ReplicaClient:
     def abort(self, request_id: str) -> bool:
         return request_id in self._handles and self._send(("abort", request_id))
 
-    def stats(self) -> EngineStats | None:
-        """The replica's stats, or None when it is not ready or does not answer within 10 s."""
+    def _ask(self, kind: str, timeout: float) -> Any:
+        """Sends (kind, token) and waits up to `timeout` s for its answer; None when not ready or not answered."""
         if self.state != "ready":
             return None
         token = next(self._tokens)
         future: Future = Future()
         with self._lock:
-            self._stats[token] = future
-        if not self._send(("stats", token)):
+            self._asked[token] = future
+        if not self._send((kind, token)):
             return None
         try:
-            answer = future.result(timeout=10)
+            return future.result(timeout=timeout)
         except Exception:
             with self._lock:
-                self._stats.pop(token, None)
+                self._asked.pop(token, None)
             return None
+
+    def stats(self) -> EngineStats | None:
+        """The replica's stats, or None when it is not ready or does not answer within 10 s."""
+        answer = self._ask("stats", 10.0)
         return answer if isinstance(answer, EngineStats) else None
+
+    def loras(self) -> dict[str, Any]:
+        """The replica engine's adapter listing (`Engine.loras()`, with which are loaded in its slots); blocks: call
+        it off the event loop. EngineClosed when the replica is not ready; its error when the listing failed."""
+        answer = self._ask("loras", 60.0)
+        if isinstance(answer, BaseException):
+            raise answer
+        if answer is None:
+            raise EngineClosed(f"replica {self.name} did not list its adapters (it is {self.state}); retry shortly")
+        return answer
 
     def graph_table(self) -> list[dict[str, Any]]:
         stats = self.stats()

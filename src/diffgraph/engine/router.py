@@ -66,7 +66,7 @@ class Router:
 
     def replica_states(self) -> list[dict[str, Any]]:
         return [{"replica": r.name, "state": r.state, "restarts": getattr(r, "restarts", 0), "error": r.error,
-                 "in_flight": self._in_flight(r)} for r in self.replicas]
+                 "in_flight": self._in_flight(r), "pid": getattr(r, "pid", None)} for r in self.replicas]
 
     def _in_flight(self, replica: Any) -> int | None:
         """Requests in flight on a replica: counted here when routed, else as the sole replica counts them."""

@@ -109,21 +109,21 @@ class _ClosingStream(StreamingResponse):
 
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
-    """The app for `config`. `engine_factory` builds the engine (default: `Engine(**config.engine_kwargs())`; with
-    `model_dir`, the default model of a ModelRouting)."""
+    """The app for `config`. `engine_factory` builds the engine client (default: a Router over one replica process
+    per device of `config.devices`, or one for `config.device`; with `model_dir`, the default model of a
+    ModelRouting in this process). A factory may return an in-process `Engine` (tests, embedding)."""
     engine_factory_given = engine_factory
     if engine_factory is None:
-        def engine_factory():
-            if config.devices:  # one engine replica process per device, behind a router
-                from ..engine.replica import ReplicaClient
-                from ..engine.router import Router
-                threads = max(1, config.resolved_torch_threads() // max(1, config.devices.count("cpu")))
-                return Router([ReplicaClient(d, config.engine_kwargs(), torch_threads=threads if d == "cpu" else None,
-                                             name=f"{d}#{i}" if config.devices.count(d) > 1 else d,
-                                             replica_timeout=config.replica_timeout)
-                               for i, d in enumerate(config.devices)], min_ready=config.min_ready)
-            from ..engine.engine import Engine
-            return Engine(**config.engine_kwargs())
+        def engine_factory():  # the engine in its own process, one per device (one code path for one GPU and many)
+            from ..engine.replica import ReplicaClient
+            from ..engine.router import Router
+            devices = config.devices or (config.device,)
+            threads = max(1, config.resolved_torch_threads() // max(1, sum(d in ("cpu", None) for d in devices)))
+            return Router([ReplicaClient(d, config.engine_kwargs(), torch_threads=threads,
+                                         name=f"{d}#{i}" if devices.count(d) > 1 else d,
+                                         replica_timeout=config.replica_timeout,
+                                         measure_step=config.max_pixels is None)
+                           for i, d in enumerate(devices)], min_ready=config.min_ready)
 
     routing = ModelRouting(config.model_dir, config.model, config.engine_kwargs(), config.max_models,
                            int(config.model_memory * 2**30) if config.model_memory else None) \

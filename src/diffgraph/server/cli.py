@@ -38,6 +38,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
            "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder holding diffgraph/
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,8 +245,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def data_parallel_devices(value: str, visible: int | None = None) -> str:
     """--data-parallel N | all -> "cuda:0,...,cuda:N-1" (N at most the visible GPUs)."""
     if visible is None:
-        import torch
-        visible = torch.cuda.device_count()
+        visible = _in_a_child("import torch; print(torch.cuda.device_count())")
     n = visible if value == "all" else int(value) if value.isdigit() else -1
     if n < 1 or n > visible:
         raise ValueError(f"--data-parallel {value!r}: this machine has {visible} visible GPU(s); give 1..{visible} "
@@ -361,7 +361,7 @@ def key_file_warning(config: ServerConfig) -> str | None:
 
 
 def apply_thread_settings(config: ServerConfig, cpu_count: int | None = None) -> dict[str, Any]:
-    """torch's thread pools for the server process (before the engine is built): on a CPU engine, intra-op threads
+    """torch's thread pools for a server process that holds its engines (a factory's, or --model-dir's): on a CPU engine, intra-op threads
     from `resolved_torch_threads` and one inter-op thread (the engine loop is the only caller). Returns what was
     applied. On CUDA nothing changes (the host threads only launch work)."""
     import torch
@@ -402,8 +402,8 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
     for warning in (open_server_warning(config), key_file_warning(config)):
         if warning:
             log.warning("%s", warning)
-    applied = apply_thread_settings(config)
-    log.info("threads: %s", applied)
+    if engine_factory is not None or config.model_dir:  # engines in this process; else each replica sets its own
+        log.info("threads: %s", apply_thread_settings(config))
     app = create_app(config, engine_factory)
     state = app.state.server
     logging.getLogger("uvicorn.access").addFilter(_QuietPolls())
@@ -439,15 +439,36 @@ def _check_model(model: str) -> None:
                      f"presets: {', '.join(available_presets())}{did_you_mean(model, available_presets())}")
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    from ..cli_checks import cuda_device_error
+def _in_a_child(code: str, *args: str) -> Any:
+    """The JSON that `code` prints, run in a short child process with `args` as sys.argv[1:]: what needs torch (a
+    CUDA check, the visible GPUs) is asked there, since the server's own process never imports torch (its engines
+    live in replica processes)."""
+    import json
+    import subprocess
 
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_SRC, os.environ.get(
+                             "PYTHONPATH")]))})
+    if run.returncode != 0:
+        last = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else f"exit code {run.returncode}"
+        raise ValueError(f"asking torch about the devices failed ({last}); check the torch install")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _cuda_device_error(devices: tuple[str | None, ...]) -> str | None:
+    """`cli_checks.cuda_device_error` for the devices that name CUDA (None when none does)."""
+    cuda = [d for d in devices if d and d.strip().lower().startswith("cuda")]
+    return _in_a_child("import json, sys; from diffgraph.cli_checks import cuda_device_error as e; "
+                       "print(json.dumps(next(filter(None, map(e, sys.argv[1:])), None)))", *cuda) if cuda else None
+
+
+def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         # the CUDA check of `diffgraph serve`'s flags, for a device the TOML file sets too (or under `python -m
         # diffgraph.server.cli`): one line naming the fix, not a traceback from the engine's start
         for flag, devices in (("--device", (config.device,)), ("--devices", config.devices)):
-            error = next(filter(None, map(cuda_device_error, devices)), None)
+            error = _cuda_device_error(devices)
             if error:
                 raise ValueError(f"{flag} {','.join(d for d in devices if d)}: {error}")
         _check_model(config.model)

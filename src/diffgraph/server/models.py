@@ -16,16 +16,18 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.client import EngineClient
-from ..engine.device_loop import DeviceLoop
-from ..engine.engine import Engine, default_device
-from ..engine.model_set import ModelLoadError, ModelSet, Resident
 from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
 from ..models.clip_vocab import default_cache_root
 from ..request import ModelInfo
 from .protocol import APIError
+
+if TYPE_CHECKING:  # the engines of a model set live in this process; they are imported only when one is built
+    from ..engine.device_loop import DeviceLoop
+    from ..engine.engine import Engine
+    from ..engine.model_set import Resident
 
 logger = logging.getLogger("diffgraph.server")
 
@@ -45,6 +47,9 @@ class Target:
 class ModelRouting:
     def __init__(self, root: str, default: str, engine_kwargs: dict[str, Any], max_models: int,
                  memory_bytes: int | None):
+        from ..engine.engine import default_device
+        from ..engine.model_set import ModelSet
+
         self.catalog = ModelDir(root)
         self.default = default
         self._kwargs = engine_kwargs
@@ -55,6 +60,8 @@ class ModelRouting:
         self._hashing = False
 
     def _build(self, name: str, loop: DeviceLoop) -> Engine:
+        from ..engine.engine import Engine
+
         path = self.default if name == self.default else self.catalog.resolve(name).path
         engine = Engine(**{**self._kwargs, "model": path, "loop": loop, "name": name})
         try:  # one image end to end before it serves: a broken model fails here, not on a request
@@ -80,6 +87,8 @@ class ModelRouting:
         return entry.name
 
     async def target(self, name: str | None, seconds: float, default: Target) -> Target:
+        from ..engine.model_set import ModelLoadError  # imported with the set in __init__
+
         if name is None or name == self.default:
             return default
         resolved = await self.resolve(name)

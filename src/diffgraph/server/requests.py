@@ -83,6 +83,26 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
     return request
 
 
+def _is_local_engine(built: Any) -> bool:
+    """An `Engine` of this process: only a factory that built one has imported the engine module (and torch)."""
+    import sys
+
+    engine_class = getattr(sys.modules.get("diffgraph.engine.engine"), "Engine", None)  # None: not (yet) imported
+    return engine_class is not None and isinstance(built, engine_class)
+
+
+def _in_process(engine: Any, state: "ServerState") -> EngineClient:
+    """An in-process Engine as a client: one image end to end before /ready says yes (the first pass is slow; a
+    broken model fails here, not on a client's request), and on the CPU a timed warm step for --max-pixels."""
+    from ..engine.async_engine import AsyncEngine
+
+    engine.generate("warm-up", num_inference_steps=1, seed=0)
+    if state.config.max_pixels is None and engine.info.device.startswith("cpu"):
+        step_ms = engine.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"]
+        state.max_pixels = cpu_pixel_limit(engine.info, step_ms / 1e3, state.config.request_timeout)
+    return AsyncEngine(engine)
+
+
 class ServerState:
     """The engine client (None until built), the drain flag and the requests in flight."""
 
@@ -117,17 +137,9 @@ class ServerState:
         t0 = time.perf_counter()
         built = None
         try:  # the imports too: a broken install is reported like any build failure, not a silent dead thread
-            from ..engine.async_engine import AsyncEngine
-            from ..engine.engine import Engine
             built = self._factory()
-            if isinstance(built, Engine):
-                # One image end to end before /ready says yes: the first forward pass is slow (lazy kernels,
-                # allocator growth) and a broken model should fail here, not on a client's request.
-                built.generate("warm-up", num_inference_steps=1, seed=0)
-                if self.config.max_pixels is None and built.info.device.startswith("cpu"):  # a warm step, timed
-                    step_ms = built.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"]
-                    self.max_pixels = cpu_pixel_limit(built.info, step_ms / 1e3, self.config.request_timeout)
-                built = AsyncEngine(built)
+            if _is_local_engine(built):  # an in-process Engine (tests, embedding): warmed and measured here
+                built = _in_process(built, self)
             if not isinstance(built, EngineClient):
                 raise TypeError(f"the engine factory returned {type(built).__name__}, not an Engine or EngineClient")
             if not isinstance(built, Router):  # one engine (or one remote deployment): a router of one replica
@@ -136,6 +148,9 @@ class ServerState:
                 states = "; ".join(f"{r['replica']}: {r['state']} {r['error'] or ''}".strip()
                                    for r in built.replica_states())
                 raise RuntimeError(f"fewer than {built.min_ready} replica(s) became ready ({states})")
+            measured = [s for s in (getattr(r, "warm_step_s", None) for r in built.replicas) if s]
+            if self.config.max_pixels is None and measured and built.info is not None:  # CPU replicas' warm steps
+                self.max_pixels = cpu_pixel_limit(built.info, max(measured), self.config.request_timeout)
         except Exception as e:
             logger.exception("the engine could not be built")
             self.error = f"{type(e).__name__}: {e}"

@@ -25,13 +25,14 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..lora.catalog import PICKLES, AdapterDir, AdapterNameError, AdapterNotFound, AdapterUnusable
 from ..safe_files import FileChanged, FileStamp, SafetensorsHeader, TensorInfo, UnusableFile, check_regular, \
     read_header, read_safetensors, stamp_of
+
+if TYPE_CHECKING:  # the listing runs in the HTTP process, which never imports torch (only _read needs it)
+    import torch
 
 MAX_EMBEDDING_BYTES = 64 << 20   # a 75-vector SDXL embedding in fp32 is 0.6 MB
 MAX_VECTORS = 75                 # what one 77-token CLIP window holds besides its start and end tokens
@@ -179,6 +180,7 @@ class EmbeddingDir:
         return header.stamp, {"name": name, "vectors": count, "dims": dims, "bytes": header.stamp.size}
 
     def _read(self, name: str, path: str) -> Embedding:
+        import torch
         from safetensors.torch import load
 
         header, data = _reading(read_safetensors, name, path)

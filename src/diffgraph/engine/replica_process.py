@@ -1,0 +1,155 @@
+"""What runs inside a replica process (replica.py holds the parent's side, `ReplicaClient`): `replica_main` builds
+the engine, warms it up, then serves the pipe; the engine's threads only queue their messages and the output thread
+(`_send_all`) sends them, so the GPU loop never waits for the pipe. The protocol is replica.py's docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], torch_threads: int | None,
+                  beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True) -> None:
+    """The replica process: build the engine, then serve the pipe until "close" or the parent goes away. With
+    `log_level` (the parent's, when it configured logging) its records go to the inherited stderr as the parent's;
+    `measure_step`: a CPU replica times a warm step at start-up (the server's --max-pixels default needs it)."""
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    from .engine import default_device
+
+    device = device or default_device()
+    if torch_threads is not None and device.startswith("cpu"):
+        _cpu_threads(torch_threads)
+    from .async_engine import AsyncEngine
+    from .engine import Engine
+
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    send = outbox.put  # the engine's threads only queue their messages: the output thread sends them
+    output = threading.Thread(target=_send_all, args=(conn, outbox), name="diffgraph-replica-output", daemon=True)
+    output.start()
+
+    def last(message: tuple) -> None:  # a final message: queued after everything else, sent before the exit
+        outbox.put(message)
+        outbox.put(None)
+        output.join(30)
+
+    try:
+        engine = Engine(device=device, **engine_kwargs)
+        # one image end to end before it says ready: the first pass is slow (lazy kernels, allocator growth) and a
+        # broken model fails here, not on a client's request; on the CPU a second, warm step is timed (the server's
+        # --max-pixels default is measured from it)
+        engine.generate("warm-up", num_inference_steps=1, seed=0)
+        step_s = engine.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"] / 1e3 \
+            if measure_step and device.startswith("cpu") else None
+    except Exception as e:
+        return last(("failed", f"{type(e).__name__}: {e}"))
+    client = AsyncEngine(engine)
+
+    def failed(reason: str) -> None:  # the failure policy tripped: its requests are answered; say why, exit
+        last(("failed", reason))
+        os._exit(3)  # the parent restarts it (with backoff); a poisoned device context is not worth a clean close
+    engine.core.on_failure.append(failed)
+    client.add_step_listener(lambda event: send(("step", event)))
+    send(("ready", engine.info, step_s))
+    beating = threading.Event()
+
+    def beat() -> None:  # its own thread: beats while the loop steps, and says how long the current pass runs
+        while not beating.wait(beat_s):
+            since = engine.core.loop.busy_since
+            send(("beat", 0.0 if since is None else time.monotonic() - since))
+    threading.Thread(target=beat, name="diffgraph-replica-beat", daemon=True).start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        kind = message[0]
+        if kind == "submit":
+            _, request, progress = message
+            on_progress = (lambda rid, step, total: send(("progress", rid, step, total))) if progress else None
+            on_preview = (lambda e: send(("progress", e.request_id, e.step, e.total, e.previews, e.preview_format))
+                          ) if progress else None
+            try:
+                future = engine.submit(request, on_progress=on_progress, on_preview=on_preview)
+            except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
+                send(("rejected", request.request_id, e))
+                continue
+            send(("accepted", request.request_id))
+            future.add_done_callback(lambda f, rid=request.request_id: send(("done", rid, *_outcome(f))))
+        elif kind == "abort":
+            engine.abort(message[1])
+        elif kind == "stats":
+            send(("stats", message[1], client.stats()))
+        elif kind == "loras":  # reads adapter headers from disk: on a thread of its own, never blocking the pipe
+            threading.Thread(target=_answer_listing, args=(send, message[1], engine), daemon=True,
+                             name="diffgraph-replica-listing").start()
+        elif kind == "close":
+            break
+    beating.set()
+    engine.close()
+    outbox.put(None)  # the output thread ends after what is queued
+    output.join(30)
+    from .device_loop import loops_running
+    if loops_running():  # a step still runs past the close's timeout (a long step during a drain): end here, as
+        logging.shutdown()  # tearing the interpreter down under a busy native op would abort (SIGABRT)
+        os._exit(0)
+
+
+def _cpu_threads(threads: int) -> None:
+    """A CPU replica's torch pools: `threads` intra-op threads (the server's --torch-threads share) and one inter-op
+    thread (the engine loop is the only caller)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # inter-op work already ran in this process: keep what is there
+        pass
+
+
+def _answer_listing(send: Callable[[tuple], None], token: int, engine: Any) -> None:
+    try:
+        send(("loras", token, engine.loras()))
+    except Exception as e:  # an unreadable folder: the caller's error, with its reason
+        send(("loras", token, RuntimeError(f"listing the adapters failed: {type(e).__name__}: {e}")))
+
+
+def _send_all(conn: Any, outbox: queue.SimpleQueue) -> None:
+    """The replica's output thread: what the engine's threads queued, in order; the small messages queued together
+    (progress, steps, beats, acceptances) go as one ("batch", [...]) message, a result on its own. The GPU loop
+    never waits for the pipe, however slowly the parent reads."""
+    while True:
+        message = outbox.get()
+        small: list[tuple] = []
+        while message is not None and message[0] != "done" and len(small) < 256:
+            small.append(message)
+            try:
+                message = outbox.get_nowait()
+            except queue.Empty:
+                message = ()
+                break
+        try:
+            if small:
+                conn.send(small[0] if len(small) == 1 else ("batch", small))
+            if message:
+                conn.send(message)
+        except (OSError, ValueError):  # the parent is gone: nothing to answer
+            return
+        if message is None:
+            return
+
+
+def _outcome(future: Future) -> tuple[Any, BaseException | None]:
+    error = future.exception()
+    if error is not None:
+        return None, error
+    result = future.result()
+    if result.encoded is not None:
+        result.arrays = None  # the encoded bytes are what the caller sends on: do not move the pixels too
+    result.request = None  # the parent has it (with an edit's input image): results do not carry inputs back
+    return result, None
