@@ -112,3 +112,41 @@ def test_a_killed_engine_process_on_one_device_answers_503_restarts_and_serves_a
         assert generate(s.url, num_inference_steps=2, size="64x64").status_code == 200
     finally:
         s.stop()
+
+
+# `diffgraph serve` whose engine loop breaks on a request for "break the loop" (in the engine's process: spawned, it
+# runs this file as __mp_main__; the server itself has no test hooks)
+BREAKING_SERVER = '''
+import sys
+from diffgraph.engine import core
+poll = core.EngineCore.poll
+def breaking(self):
+    if any("break the loop" in s.request.prompt for g in self.scheduler.groups.values() for s in g.waiting):
+        raise RuntimeError("a bug in the loop (a test)")
+    return poll(self)
+core.EngineCore.poll = breaking
+if __name__ == "__main__":
+    from diffgraph.server.cli import main
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_an_engine_process_whose_loop_dies_fails_and_is_restarted(tmp_path):
+    """The black hole of a dead loop in a live process: the replica reports its engine failed and exits, /ready says
+    why until the restarted one is ready, and the next request succeeds there."""
+    script = tmp_path / "breaking_server.py"
+    script.write_text(BREAKING_SERVER)
+    s = ServerProcess("--max-pixels", "0", entry=(str(script),))
+    try:
+        s.wait_ready()
+        broken = generate(s.url, prompt="break the loop", num_inference_steps=2, size="64x64")
+        assert broken.status_code == 503, broken.text
+        assert broken.json()["error"]["message"].startswith(
+            "the engine failed (its loop stopped after an internal error (RuntimeError: a bug in the loop (a test)))")
+        wait_for(lambda: httpx.get(s.url + "/ready", timeout=60).status_code == 200 and
+                 httpx.get(s.url + "/ready", timeout=60).json()["replicas"][0]["restarts"] == 1, timeout=600,
+                 what="the engine process restarted")
+        assert "its loop stopped after an internal error (RuntimeError: a bug in the loop (a test))" in s.output()
+        assert generate(s.url, num_inference_steps=2, size="64x64").status_code == 200
+    finally:
+        s.stop()

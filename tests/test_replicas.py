@@ -241,7 +241,7 @@ def test_the_heartbeat_verdicts_wedged_back_and_killed():
     r = object.__new__(ReplicaClient)
     r.name, r.state, r.error, r.replica_timeout = "cpu#9", "ready", None, 10.0
     r._lock, r._conn = th.Lock(), Pipe()
-    r._handles, r._pending, r._stats, r._requests = {}, {}, {}, {}
+    r._handles, r._pending, r._asked, r._requests = {}, {}, {}, {}
     errors = []
 
     async def go():

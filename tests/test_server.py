@@ -572,7 +572,10 @@ def test_a_dead_engine_loop_is_not_ready():
     from diffgraph.server.app import create_app
     from diffgraph.server.config import ServerConfig
 
-    app = create_app(ServerConfig(model=MODEL, device="cpu"))
+    from diffgraph import Engine
+
+    # the engine in this process (a factory's), so that the test can break its loop
+    app = create_app(ServerConfig(model=MODEL, device="cpu"), engine_factory=lambda: Engine(MODEL, device="cpu"))
     with TestClient(app) as client:
         deadline = time.monotonic() + 120
         while client.get("/ready").status_code != 200:

@@ -55,13 +55,18 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=60.0)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--in-process", action="store_true",
+                   help="the engine in the server's process (tools/serve_in_process.py), not a replica process")
     p.add_argument("flags", nargs="*", help="diffgraph serve flags (after --)")
     a = p.parse_args()
     mix = parse_mix(a.mix)
     report: dict = {"label": a.label, "flags": a.flags, "duration_s": a.duration}
     t0 = time.perf_counter()
+    entry = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_in_process.py"),) if a.in_process \
+        else ("-m", "diffgraph.server.cli")
+    report["in_process"] = a.in_process
     with ServerProcess("--no-access-log", "--max-queue", "100000", *a.flags, model=a.model, device=a.device,
-                       log_level="warning") as server:
+                       log_level="warning", entry=entry) as server:
         import httpx
         while not all(r["state"] == "ready" for r in httpx.get(server.url + "/ready", timeout=10).json()["replicas"]):
             time.sleep(0.5)

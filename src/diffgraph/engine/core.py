@@ -7,9 +7,8 @@
 Owns: admission and retirement bookkeeping, abort, progress events (and live previews: previews.py), the
 per-request answer channels (`RequestSink`), weight invalidations (run between steps on the loop thread), step
 listeners and counters. It touches the device only through its `ModelRunner`, only from the loop thread; the image
-thread pool turns finished pixels into results (PNG/JPEG/WebP bytes), so the loop never waits for a decode. An
-exception inside a step fails only that batch's requests; a bug in the loop itself fails every request and turns
-`ready` False.
+thread pool turns finished pixels into results (PNG/JPEG/WebP bytes), so the loop never waits for a decode. A
+failed step fails only its requests; a bug in the loop itself fails the engine (failures.py) and every request.
 """
 from __future__ import annotations
 
@@ -97,8 +96,8 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         prompts = self.runner.prepare_prompts(request)
-        state = RequestState.of(request, plan, time.monotonic(), sink, self.runner.request_branches(request, plan),
-                                prompts)
+        branches = self.runner.request_branches(request, plan)
+        state = RequestState.of(request, plan, time.monotonic(), sink, branches, prompts)
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = self.runner.empty_prompt(prompts[0])
@@ -200,6 +199,8 @@ class EngineCore:
             pending = []
         for _, future in pending:
             future.set_exception(EngineClosed("the engine loop stopped after an internal error (see the log)"))
+        if error is not None and self.failures.loop_failed(error):  # failed, as a tripped policy (on_failure)
+            self._trip()
         self._fail_everything(EngineClosed("the engine was closed" if self._closing and error is None else
                                            "the engine loop stopped after an internal error (see the log)"))
         self._finished.set()
@@ -286,8 +287,7 @@ class EngineCore:
             _call_safely(fn, self.failures.reason)
 
     def _release_idle(self, keys: Iterable[GroupKey]) -> None:
-        """Frees the buffers of the sizes among `keys` left with no work (a finish, an abort or a failure emptied
-        them) and no graphs: any multiple of 8 is a valid size, so they must never pile up."""
+        """Frees the buffers of sizes in `keys` left with no work and no graphs (any size is valid: none piles up)."""
         with self._cv:
             idle = [k for k in keys if self.scheduler.is_idle(k)]
         for key in idle:

@@ -46,3 +46,11 @@ class FailurePolicy:
         elif self.streak >= self.max_step_failures:
             self.reason = f"{self.streak} consecutive steps failed (the last: {type(error).__name__}: {error})"
         return self.reason is not None
+
+    def loop_failed(self, error: BaseException) -> bool:
+        """A bug in the engine loop itself (it stopped): the engine is failed, as a tripped policy; True the first
+        time (a replica process then exits to be restarted, instead of staying up with a dead loop)."""
+        if self.reason is not None:
+            return False
+        self.reason = f"its loop stopped after an internal error ({type(error).__name__}: {error})"
+        return True

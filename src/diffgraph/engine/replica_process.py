@@ -94,9 +94,9 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
     engine.close()
     outbox.put(None)  # the output thread ends after what is queued
     output.join(30)
-    from .device_loop import loops_running
-    if loops_running():  # a step still runs past the close's timeout (a long step during a drain): end here, as
-        logging.shutdown()  # tearing the interpreter down under a busy native op would abort (SIGABRT)
+    loop = engine.core.loop.thread
+    if loop is not None and loop.is_alive():  # its step still runs past the close's timeout (a long step during a
+        logging.shutdown()  # drain): end here, as tearing the interpreter down under a busy native op would abort
         os._exit(0)
 
 

@@ -80,8 +80,8 @@ class Router:
         with self._lock:
             return self._load[id(replica)], self._count[id(replica)]
 
-    def choose(self, request: GenerationRequest) -> Any:
-        ready = [r for r in self.replicas if r.ready]
+    def choose(self, request: GenerationRequest, exclude: tuple = ()) -> Any:
+        ready = [r for r in self.replicas if r.ready and r not in exclude]
         if not ready:
             raise EngineClosed("no replica is ready; retry shortly")
         cost = request.num_images * request.num_inference_steps
@@ -105,15 +105,24 @@ class Router:
     async def submit(self, request: GenerationRequest, progress: bool = False) -> Any:
         if self.sole is not None:  # nothing to choose or to count: the replica's own handle
             return await self.sole.submit(request, progress=progress)
-        replica = self.choose(request)
-        self.track(request, replica)
-        try:
-            # progress events keep the outstanding work per replica exact; with one replica there is no choice to
-            # make, so the engine sends them only when the caller asked (no per-step events on the hot path)
-            handle = await replica.submit(request, progress=progress or len(self.replicas) > 1)
-        except BaseException:
-            self._done(request.request_id)
-            raise
+        refused: tuple = ()
+        while True:  # a replica that refuses it as closed (it failed or died since the choice): another one
+            replica = self.choose(request, exclude=refused)
+            self.track(request, replica)
+            try:
+                # progress events keep the outstanding work per replica exact; with one replica there is no choice
+                # to make, so the engine sends them only when the caller asked (no per-step events on the hot path)
+                handle = await replica.submit(request, progress=progress or len(self.replicas) > 1)
+                break
+            except EngineClosed:
+                self._done(request.request_id)
+                refused += (replica,)
+                if not any(r.ready and r not in refused for r in self.replicas):
+                    raise
+                self.moved += 1
+            except BaseException:
+                self._done(request.request_id)
+                raise
         return _Tracked(handle, self, request, progress)
 
     def _progress(self, request_id: str, event: ProgressEvent) -> None:

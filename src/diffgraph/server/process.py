@@ -23,7 +23,9 @@ SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 class ServerProcess:
-    def __init__(self, *flags: str, model: str = "random:tiny", device: str = "cpu", log_level: str = "warning"):
+    def __init__(self, *flags: str, model: str = "random:tiny", device: str = "cpu", log_level: str = "warning",
+                 entry: tuple[str, ...] = ("-m", "diffgraph.server.cli")):
+        """`entry`: what the interpreter runs, given the serve flags (a benchmark's in-process variant, say)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -32,7 +34,7 @@ class ServerProcess:
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diffgraph.server.cli", "--model", model, "--device", device, "--port",
+            [sys.executable, *entry, "--model", model, "--device", device, "--port",
              str(self.port), "--log-level", log_level, *flags], env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.first_ready_status: int | None = None  # the first answer of /ready (503 while the model loads)
         self.first_ready_body: dict | None = None
