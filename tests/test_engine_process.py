@@ -8,8 +8,12 @@ import signal
 import subprocess
 import sys
 
-import httpx
+import shutil
 
+import httpx
+import pytest
+
+from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.server.process import SRC, ServerProcess
 from lora_util import _write_kohya
 from test_server import generate, metrics, wait_for
@@ -60,29 +64,41 @@ def drive():
                      "/sdapi/v1/samplers", "/sdapi/v1/loras", "/sdapi/v1/progress", "/ready"):
             answers[path] = c.get(path).status_code
         answers["loaded"] = c.get("/v1/loras").json()
+        if len(sys.argv) > 3:  # --model-dir: a model of the folder, loaded in the engine's process on first use
+            answers["other model"] = c.post("/v1/images/generations", json={**body, "model": "digits-copy"}
+                                            ).status_code
+            answers["resident"] = sorted(m["id"] for m in c.get("/v1/models").json()["data"] if m["resident"])
     finally:
         os.kill(os.getpid(), signal.SIGTERM)  # the drain: cli.main returns
 
 threading.Thread(target=drive).start()
 rc = cli.main(["--model", "random:tiny", "--port", str(port), "--max-pixels", "0", "--lora-dir", sys.argv[1],
-               "--embeddings-dir", sys.argv[1], "--state-dir", sys.argv[2], "--log-level", "warning"])
+               "--embeddings-dir", sys.argv[1], "--state-dir", sys.argv[2], "--log-level", "warning",
+               *(["--model-dir", sys.argv[3]] if len(sys.argv) > 3 else [])])
 heavy = ("torch", "diffusers", "transformers", "safetensors.torch", "diffgraph.engine.engine")
 print(json.dumps({"rc": rc, "answers": answers, "imported": [m for m in heavy if m in sys.modules]}))
 '''
 
 
-def test_the_http_process_never_imports_torch(tmp_path, tiny_engine):
+@pytest.mark.parametrize("models", ["one model", "model dir"])
+def test_the_http_process_never_imports_torch(tmp_path, tiny_engine, models):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
     (tmp_path / "loras").mkdir()
     _write_kohya(tiny_engine, str(tmp_path / "loras" / "ink.safetensors"), rank=4, seed=10)
-    run = subprocess.run([sys.executable, "-c", HTTP_PROCESS, str(tmp_path / "loras"), str(tmp_path / "state")],
-                         env=env, capture_output=True, text=True, timeout=1200)
+    folder = []
+    if models == "model dir":  # the model set lives in the engine's process too
+        shutil.copytree(shipped_preset_folder("digits"), tmp_path / "models" / "digits-copy")
+        folder = [str(tmp_path / "models")]
+    run = subprocess.run([sys.executable, "-c", HTTP_PROCESS, str(tmp_path / "loras"), str(tmp_path / "state"),
+                          *folder], env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     answers = report.pop("answers")
     listing = answers.pop("loaded")  # the replica engine's own listing, over the pipe: it knows what its slots hold
     assert [(a["name"], a["loaded"]) for a in listing["data"]] == [("ink", True)] and listing["max_loras"] == 8
     assert answers.pop("job") == "completed"
+    if folder:
+        assert answers.pop("resident") == ["digits-copy", "random:tiny"]
     assert set(answers.values()) == {200}, answers
     assert report == {"rc": 0, "imported": []}
 

@@ -1,4 +1,5 @@
-"""`ParamError`: the one error a bad request parameter raises, from validation to the engine (a 400 at the HTTP edge).
+"""`ParamError`: the one error a bad request parameter raises, from validation to the engine (a 400 at the HTTP edge);
+`ModelLoadError`: a model of a model set that could not be loaded (torch-free: it crosses from a replica process).
 
 Its own module so that what validates a request's parts (request.py, text/) shares it without importing each other.
 """
@@ -16,3 +17,7 @@ class ParamError(ValueError):
 
     def __reduce__(self):  # picklable with both arguments (across a replica process boundary)
         return (type(self), (self.param, str(self)))
+
+
+class ModelLoadError(ValueError):
+    """The model could not be loaded (its file, its architecture); the message says why, in one line."""

@@ -27,15 +27,33 @@ from typing import Callable
 
 import torch
 
+from ..errors import ModelLoadError
 from .async_engine import AsyncEngine
 from .device_loop import DeviceLoop
 from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["ModelLoadError", "ModelSet", "Resident", "folder_builder"]
 
-class ModelLoadError(ValueError):
-    """The model could not be loaded (its file, its architecture); the message says why, in one line."""
+
+def folder_builder(root: str, default: str, engine_kwargs: dict) -> Callable[[str, DeviceLoop], Engine]:
+    """The build function of a `--model-dir` set: the default `--model` by its own path, the folder's models by
+    their catalog names; each engine warmed up with one image (a broken model fails here, not on a request)."""
+    from ..models.catalog import ModelDir
+
+    catalog = ModelDir(root)
+
+    def build(name: str, loop: DeviceLoop) -> Engine:
+        path = default if name == default else catalog.resolve(name).path
+        engine = Engine(**{**engine_kwargs, "model": path, "loop": loop, "name": name})
+        try:
+            engine.generate("warm-up", num_inference_steps=1, seed=0)
+        except Exception:
+            engine.close()
+            raise
+        return engine
+    return build
 
 
 @dataclass

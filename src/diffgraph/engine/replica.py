@@ -3,12 +3,14 @@ parent's side; what runs in the replica process is replica_process.py.
 
 The parent talks to the replica over one duplex pipe; everything on it is the protocol's picklable data:
 
-    parent -> replica   ("submit", request, progress) | ("abort", request_id) | ("stats", token) | ("loras", token)
-                        | ("close",)
+    parent -> replica   ("submit", request, progress, hold or None) | ("abort", request_id) | ("stats", token)
+                        | ("loras", token) | ("acquire", token, model, seconds) | ("models", token)
+                        | ("release", hold) | ("close",)
     replica -> parent   ("ready", ModelInfo, warm step seconds on a CPU else None) | ("failed", message)
                         | ("accepted", request_id) | ("rejected", request_id, error) | ("progress", ProgressEvent)
                         | ("step", StepEvent) | ("done", request_id, result, error) | ("stats", token, EngineStats)
                         | ("loras", token, the adapter listing or its error)
+                        | ("acquire", token, (hold, ModelInfo, bytes) or its error) | ("models", token, ModelsView)
                         | ("beat", seconds its engine loop has been inside one pass, 0 when waiting)
 
 Results carry the images encoded by the replica (its image threads), and no float pixels when the request asked
@@ -40,6 +42,7 @@ from typing import Any, Callable
 
 from ..request import EngineClosed, GenerationRequest, ModelInfo
 from .handles import RequestHandleImpl
+from .remote_models import ModelSetSpec
 from .replica_process import replica_main
 from .client import EngineStats, StepEvent
 
@@ -58,13 +61,15 @@ class ReplicaClient:
 
     def __init__(self, device: str | None, engine_kwargs: dict[str, Any] | None = None, name: str | None = None,
                  max_restarts: int = 3, restart_window_s: float = 300.0, backoff_s: float = 1.0,
-                 torch_threads: int | None = None, replica_timeout: float = 30.0, measure_step: bool = False):
+                 torch_threads: int | None = None, replica_timeout: float = 30.0, measure_step: bool = False,
+                 models: ModelSetSpec | None = None):
         if not replica_timeout > 0:
             raise ValueError(f"replica_timeout {replica_timeout} must be > 0 seconds (--replica-timeout)")
         self.replica_timeout = replica_timeout
         self.device = device  # None: the replica's default (cuda when it has one, else cpu)
         self._threads = torch_threads  # applied when the replica's device is the CPU
         self._measure = measure_step   # a CPU replica times a warm step at start-up (warm_step_s)
+        self._models = models          # a --model-dir set held in the replica (remote_models.py)
         self.name = name or device or "engine"
         self._kwargs = {k: v for k, v in (engine_kwargs or {}).items() if k != "device"}
         self._max_restarts = max_restarts
@@ -93,7 +98,7 @@ class ReplicaClient:
         self._conn = parent
         self._process = ctx.Process(target=replica_main, args=(child, self.device, self._kwargs, self._threads,
                                                                 self.replica_timeout / 4, _parent_log_level(),
-                                                                self._measure),
+                                                                self._measure, self._models),
                                     name=f"diffgraph-replica-{self.name}", daemon=True)
         self._process.start()
         child.close()
@@ -183,7 +188,7 @@ class ReplicaClient:
                     listener(message[1])
                 except Exception:
                     logger.exception("step listener %r failed", listener)
-        elif kind in ("stats", "loras"):
+        elif kind in ("stats", "loras", "acquire", "models"):
             with self._lock:
                 future = self._asked.pop(message[1], None)
             if future is not None:
@@ -262,7 +267,10 @@ class ReplicaClient:
         except (OSError, ValueError, EOFError):
             return False
 
-    async def submit(self, request: GenerationRequest, progress: bool = False) -> RequestHandleImpl:
+    async def submit(self, request: GenerationRequest, progress: bool = False,
+                     hold: int | None = None) -> RequestHandleImpl:
+        """Queues a request on the replica's engine, or with `hold` (a model set's, remote_models.py) on that held
+        model's engine."""
         if self.state != "ready":
             raise EngineClosed(f"replica {self.name} is {self.state}; retry shortly")
         handle = RequestHandleImpl(lambda h: self.abort(h.request_id), request, progress)
@@ -271,7 +279,7 @@ class ReplicaClient:
             self._handles[request.request_id] = handle
             self._requests[request.request_id] = request
             self._pending[request.request_id] = answer
-        if not self._send(("submit", request, progress)):
+        if not self._send(("submit", request, progress, hold)):
             with self._lock:
                 self._handles.pop(request.request_id, None)
                 self._requests.pop(request.request_id, None)
@@ -288,15 +296,18 @@ class ReplicaClient:
     def abort(self, request_id: str) -> bool:
         return request_id in self._handles and self._send(("abort", request_id))
 
-    def _ask(self, kind: str, timeout: float) -> Any:
-        """Sends (kind, token) and waits up to `timeout` s for its answer; None when not ready or not answered."""
+    def ask(self, kind: str, timeout: float | None, *args: Any) -> Any:
+        """Sends (kind, token, *args) and waits up to `timeout` s (None: until answered or the replica goes) for
+        its answer; None when not ready, unreachable or not answered in time; EngineClosed when it went meanwhile."""
         if self.state != "ready":
             return None
         token = next(self._tokens)
         future: Future = Future()
         with self._lock:
             self._asked[token] = future
-        if not self._send((kind, token)):
+        if not self._send((kind, token, *args)):
+            with self._lock:
+                self._asked.pop(token, None)
             return None
         try:
             return future.result(timeout=timeout)
@@ -305,15 +316,19 @@ class ReplicaClient:
                 self._asked.pop(token, None)
             return None
 
+    def tell(self, message: tuple) -> bool:
+        """Sends a message that has no answer (a model set's release)."""
+        return self._send(message)
+
     def stats(self) -> EngineStats | None:
         """The replica's stats, or None when it is not ready or does not answer within 10 s."""
-        answer = self._ask("stats", 10.0)
+        answer = self.ask("stats", 10.0)
         return answer if isinstance(answer, EngineStats) else None
 
     def loras(self) -> dict[str, Any]:
         """The replica engine's adapter listing (`Engine.loras()`, with which are loaded in its slots); blocks: call
         it off the event loop. EngineClosed when the replica is not ready; its error when the listing failed."""
-        answer = self._ask("loras", 60.0)
+        answer = self.ask("loras", 60.0)
         if isinstance(answer, BaseException):
             raise answer
         if answer is None:

@@ -5,6 +5,7 @@ the engine, warms it up, then serves the pipe; the engine's threads only queue t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -13,11 +14,17 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from ..request import EngineClosed
+from .remote_models import ModelSetSpec, ModelsView
+
 def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], torch_threads: int | None,
-                  beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True) -> None:
+                  beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True,
+                  models: ModelSetSpec | None = None) -> None:
     """The replica process: build the engine, then serve the pipe until "close" or the parent goes away. With
     `log_level` (the parent's, when it configured logging) its records go to the inherited stderr as the parent's;
-    `measure_step`: a CPU replica times a warm step at start-up (the server's --max-pixels default needs it)."""
+    `measure_step`: a CPU replica times a warm step at start-up (the server's --max-pixels default needs it);
+    `models`: a `--model-dir` set (engine/model_set.py) lives here, its default model the replica's engine, the
+    others loaded when the parent acquires them (remote_models.py)."""
     if log_level is not None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     from .engine import default_device
@@ -39,16 +46,22 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         output.join(30)
 
     try:
-        engine = Engine(device=device, **engine_kwargs)
-        # one image end to end before it says ready: the first pass is slow (lazy kernels, allocator growth) and a
-        # broken model fails here, not on a client's request; on the CPU a second, warm step is timed (the server's
-        # --max-pixels default is measured from it)
-        engine.generate("warm-up", num_inference_steps=1, seed=0)
+        if models is None:
+            engine = Engine(device=device, **engine_kwargs)
+            # one image end to end before it says ready: the first pass is slow (lazy kernels, allocator growth)
+            # and a broken model fails here, not on a client's request
+            engine.generate("warm-up", num_inference_steps=1, seed=0)
+            held = None
+        else:
+            held = _HeldModels(models, device, engine_kwargs)  # each build warms its engine up the same way
+            engine = held.default
+        # on the CPU a second, warm step is timed (the server's --max-pixels default is measured from it)
         step_s = engine.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"] / 1e3 \
             if measure_step and device.startswith("cpu") else None
     except Exception as e:
         return last(("failed", f"{type(e).__name__}: {e}"))
-    client = AsyncEngine(engine)
+    client = AsyncEngine(engine) if held is None else held.default_client
+    owners: dict[str, Any] = {}  # request id -> the engine it was submitted to (a model set's other models)
 
     def failed(reason: str) -> None:  # the failure policy tripped: its requests are answered; say why, exit
         last(("failed", reason))
@@ -70,19 +83,26 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
             break
         kind = message[0]
         if kind == "submit":
-            _, request, progress = message
+            _, request, progress, hold = message
             on_progress = (lambda rid, step, total: send(("progress", rid, step, total))) if progress else None
             on_preview = (lambda e: send(("progress", e.request_id, e.step, e.total, e.previews, e.preview_format))
                           ) if progress else None
             try:
-                future = engine.submit(request, on_progress=on_progress, on_preview=on_preview)
+                target = engine if hold is None else held.engine_of(hold)
+                future = target.submit(request, on_progress=on_progress, on_preview=on_preview)
             except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
                 send(("rejected", request.request_id, e))
                 continue
             send(("accepted", request.request_id))
-            future.add_done_callback(lambda f, rid=request.request_id: send(("done", rid, *_outcome(f))))
+            if target is not engine:
+                owners[request.request_id] = target
+            future.add_done_callback(lambda f, rid=request.request_id: (owners.pop(rid, None),
+                                                                       send(("done", rid, *_outcome(f)))))
         elif kind == "abort":
-            engine.abort(message[1])
+            owners.get(message[1], engine).abort(message[1])
+        elif kind in ("acquire", "models", "release"):  # a model set's: loads wait on a thread of their own
+            threading.Thread(target=_answer_models, args=(send, held, message), daemon=True,
+                             name="diffgraph-replica-models").start()
         elif kind == "stats":
             send(("stats", message[1], client.stats()))
         elif kind == "loras":  # reads adapter headers from disk: on a thread of its own, never blocking the pipe
@@ -91,13 +111,77 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         elif kind == "close":
             break
     beating.set()
-    engine.close()
+    engine.close() if held is None else held.close()
     outbox.put(None)  # the output thread ends after what is queued
     output.join(30)
     loop = engine.core.loop.thread
     if loop is not None and loop.is_alive():  # its step still runs past the close's timeout (a long step during a
         logging.shutdown()  # drain): end here, as tearing the interpreter down under a busy native op would abort
         os._exit(0)
+
+
+class _HeldModels:
+    """The replica's side of a model set: the set (engine/model_set.py), its default model held for good, and the
+    holds the parent took (`acquire` to `release`, around validation and submit), by id."""
+
+    def __init__(self, spec: ModelSetSpec, device: str, engine_kwargs: dict[str, Any]):
+        from ..models.catalog import ModelDir
+        from .model_set import ModelSet, folder_builder
+
+        self.spec, self.catalog = spec, ModelDir(spec.root)
+        self.set = ModelSet(folder_builder(spec.root, spec.default, {**engine_kwargs, "device": device}), device,
+                            spec.max_models, spec.memory_bytes)
+        self.default_client = self.set.acquire(spec.default).client  # never released: /ready follows it
+        self.default = self.default_client.engine
+        for name in spec.preload:
+            self.set.release(self.set.acquire(self.catalog.resolve(name).name))
+        self._holds: dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def acquire(self, name: str, seconds: float) -> tuple[int, Any, int]:
+        resident = self.set.acquire(name, seconds)
+        with self._lock:
+            hold = next(self._ids)
+            self._holds[hold] = resident
+        return hold, resident.client.info, resident.memory_bytes
+
+    def release(self, hold: int) -> None:
+        with self._lock:
+            resident = self._holds.pop(hold, None)
+        if resident is not None:
+            self.set.release(resident)
+
+    def engine_of(self, hold: int) -> Any:
+        with self._lock:
+            resident = self._holds.get(hold)
+        if resident is None:
+            raise EngineClosed("the model this request was validated against is no longer held here (the engine "
+                               "process restarted); retry it")
+        return resident.client.engine
+
+    def view(self) -> ModelsView:
+        return ModelsView(resident=[(r.name, r.client.info, r.memory_bytes, r.client.in_flight())
+                                    for r in self.set.resident()],
+                          loading=self.set.loading(), errors=dict(self.set.errors))
+
+    def close(self) -> None:
+        self.set.close()
+
+
+def _answer_models(send: Callable[[tuple], None], held: _HeldModels | None, message: tuple) -> None:
+    kind = message[0]
+    if kind == "release":
+        if held is not None:
+            held.release(message[1])
+        return
+    try:
+        if held is None:
+            raise RuntimeError("this replica serves one model (no --model-dir)")
+        answer: Any = held.acquire(message[2], message[3]) if kind == "acquire" else held.view()
+    except Exception as e:  # ModelLoadError, TimeoutError (still loading), a closed set: the caller's answer
+        answer = e
+    send((kind, message[1], answer))
 
 
 def _cpu_threads(threads: int) -> None:

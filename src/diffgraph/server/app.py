@@ -45,6 +45,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import RequestHandle
+from ..engine.remote_models import ModelSetSpec, RemoteModels
 from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
@@ -110,30 +111,30 @@ class _ClosingStream(StreamingResponse):
 
 def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
     """The app for `config`. `engine_factory` builds the engine client (default: a Router over one replica process
-    per device of `config.devices`, or one for `config.device`; with `model_dir`, the default model of a
-    ModelRouting in this process). A factory may return an in-process `Engine` (tests, embedding)."""
-    engine_factory_given = engine_factory
+    per device of `config.devices`, or one for `config.device`, which with `model_dir` holds the model set). A
+    factory may return an in-process `Engine` (tests, embedding)."""
+    # --model-dir: the set lives in the engine's replica process, the server routes by name (server/models.py)
+    remote = RemoteModels() if config.model_dir else None
+    if remote is not None and engine_factory is not None:
+        raise ValueError("model_dir needs the default engine factory (its model set lives in the replica process)")
+    spec = ModelSetSpec(config.model_dir, config.model, config.max_models,
+                        int(config.model_memory * 2**30) if config.model_memory else None, tuple(config.preload)) \
+        if config.model_dir else None
     if engine_factory is None:
         def engine_factory():  # the engine in its own process, one per device (one code path for one GPU and many)
             from ..engine.replica import ReplicaClient
             from ..engine.router import Router
             devices = config.devices or (config.device,)
             threads = max(1, config.resolved_torch_threads() // max(1, sum(d in ("cpu", None) for d in devices)))
-            return Router([ReplicaClient(d, config.engine_kwargs(), torch_threads=threads,
-                                         name=f"{d}#{i}" if devices.count(d) > 1 else d,
-                                         replica_timeout=config.replica_timeout,
-                                         measure_step=config.max_pixels is None)
-                           for i, d in enumerate(devices)], min_ready=config.min_ready)
+            replicas = [ReplicaClient(d, config.engine_kwargs(), torch_threads=threads,
+                                      name=f"{d}#{i}" if devices.count(d) > 1 else d,
+                                      replica_timeout=config.replica_timeout, measure_step=config.max_pixels is None,
+                                      models=spec) for i, d in enumerate(devices)]
+            if remote is not None:  # one replica (config refuses model_dir with devices)
+                remote.replica = replicas[0]
+            return Router(replicas, min_ready=config.min_ready)
 
-    routing = ModelRouting(config.model_dir, config.model, config.engine_kwargs(), config.max_models,
-                           int(config.model_memory * 2**30) if config.model_memory else None) \
-        if config.model_dir else None
-    if routing is not None and engine_factory_given is None:
-        def engine_factory():  # the default model on the set's device loop, then the preloads
-            client = routing.default_client()
-            for name in config.preload:
-                routing.models.release(routing.models.acquire(routing.catalog.resolve(name).name))
-            return client
+    routing = ModelRouting(config.model_dir, config.model, remote) if remote is not None else None
     state = ServerState(config, engine_factory, on_close=routing.close if routing else None)
     if routing is not None:
         state.metrics.registry.register(ModelCollector(

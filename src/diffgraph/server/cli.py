@@ -361,7 +361,7 @@ def key_file_warning(config: ServerConfig) -> str | None:
 
 
 def apply_thread_settings(config: ServerConfig, cpu_count: int | None = None) -> dict[str, Any]:
-    """torch's thread pools for a server process that holds its engines (a factory's, or --model-dir's): on a CPU engine, intra-op threads
+    """torch's thread pools for a server process that holds its engine (a factory's): on a CPU engine, intra-op threads
     from `resolved_torch_threads` and one inter-op thread (the engine loop is the only caller). Returns what was
     applied. On CUDA nothing changes (the host threads only launch work)."""
     import torch
@@ -402,7 +402,7 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
     for warning in (open_server_warning(config), key_file_warning(config)):
         if warning:
             log.warning("%s", warning)
-    if engine_factory is not None or config.model_dir:  # engines in this process; else each replica sets its own
+    if engine_factory is not None:  # an engine in this process; else each replica process sets its own
         log.info("threads: %s", apply_thread_settings(config))
     app = create_app(config, engine_factory)
     state = app.state.server

@@ -1,7 +1,8 @@
 """Which model a request goes to (issue 29, point 3): the default `--model`, or one of `--model-dir`'s by name.
 
-`ModelRouting` holds the `ModelSet` (engine/model_set.py: the resident engines on one device loop) and the
-folder's catalog (models/catalog.py). `target(name, seconds)` answers a request's `model` with the engine client to
+`ModelRouting` holds the folder's catalog (models/catalog.py) and a `RemoteModels` (engine/remote_models.py): the
+`ModelSet` itself (engine/model_set.py: the resident engines on one device loop) lives in the engine's replica
+process, and this process asks it over the pipe. `target(name, seconds)` answers a request's `model` with the engine client to
 submit to and that model's `ModelInfo` (what the request is validated against), loading the model first when it is
 not resident (the request waits, within its timeout); the hold it returns keeps the model resident until the
 request is submitted. Bad names are a 400 naming `model`, unknown ones a 404, a model that fails to load a 400 with
@@ -16,18 +17,15 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..engine.client import EngineClient
+from ..engine.remote_models import RemoteModels, RemoteResident
+from ..errors import ModelLoadError
 from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
 from ..models.clip_vocab import default_cache_root
 from ..request import ModelInfo
 from .protocol import APIError
-
-if TYPE_CHECKING:  # the engines of a model set live in this process; they are imported only when one is built
-    from ..engine.device_loop import DeviceLoop
-    from ..engine.engine import Engine
-    from ..engine.model_set import Resident
 
 logger = logging.getLogger("diffgraph.server")
 
@@ -36,7 +34,7 @@ logger = logging.getLogger("diffgraph.server")
 class Target:
     client: EngineClient
     info: ModelInfo
-    hold: Resident | None  # released once the request is submitted
+    hold: RemoteResident | None  # released once the request is submitted
 
     def release(self, routing: "ModelRouting") -> None:
         if self.hold is not None:
@@ -45,35 +43,13 @@ class Target:
 
 
 class ModelRouting:
-    def __init__(self, root: str, default: str, engine_kwargs: dict[str, Any], max_models: int,
-                 memory_bytes: int | None):
-        from ..engine.engine import default_device
-        from ..engine.model_set import ModelSet
-
+    def __init__(self, root: str, default: str, models: RemoteModels):
         self.catalog = ModelDir(root)
         self.default = default
-        self._kwargs = engine_kwargs
-        self.models = ModelSet(self._build, str(engine_kwargs.get("device") or default_device()), max_models,
-                               memory_bytes)
+        self.models = models  # the set, in the engine's replica process
         self._hashes: dict[str, str | None] = {}
         self._hash_lock = threading.Lock()
         self._hashing = False
-
-    def _build(self, name: str, loop: DeviceLoop) -> Engine:
-        from ..engine.engine import Engine
-
-        path = self.default if name == self.default else self.catalog.resolve(name).path
-        engine = Engine(**{**self._kwargs, "model": path, "loop": loop, "name": name})
-        try:  # one image end to end before it serves: a broken model fails here, not on a request
-            engine.generate("warm-up", num_inference_steps=1, seed=0)
-        except Exception:
-            engine.close()
-            raise
-        return engine
-
-    def default_client(self) -> EngineClient:
-        """The default model, loaded now and held for good (it is never evicted: /ready follows it)."""
-        return self.models.acquire(self.default).client
 
     async def resolve(self, name: str) -> str:
         """The folder's name of the model `name` names (APIError: 404 for an unknown one, 400 for an unusable one)."""
@@ -87,8 +63,6 @@ class ModelRouting:
         return entry.name
 
     async def target(self, name: str | None, seconds: float, default: Target) -> Target:
-        from ..engine.model_set import ModelLoadError  # imported with the set in __init__
-
         if name is None or name == self.default:
             return default
         resolved = await self.resolve(name)
@@ -115,7 +89,7 @@ class ModelRouting:
         self._hash_later([e.path for e in entries if e.form == "file" and not e.error])
         return out
 
-    def _card(self, name: str, created: int, resident: dict[str, Resident], loading: set[str], family: str | None,
+    def _card(self, name: str, created: int, resident: dict[str, RemoteResident], loading: set[str], family: str | None,
               size: int | None, error: str | None, path: str | None = None, kind: str | None = None) -> dict:
         r = resident.get(name)
         if r is not None:
