@@ -8,6 +8,7 @@ import base64
 import io
 import shutil
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -157,3 +158,47 @@ def test_the_memory_budget_evicts_idle_models_never_a_busy_one():
         models.release(c)
     finally:
         models.close()
+
+
+def test_a_model_asked_for_while_the_engine_process_is_away_is_a_retryable_503(tmp_path):
+    """The set lives in the engine's process: while that process is not there (starting, restarting after a crash),
+    a request for another model is a 503 to retry, not a 500."""
+    import asyncio
+
+    from diffgraph.engine.remote_models import RemoteModels
+    from diffgraph.server.models import ModelRouting, Target
+    from diffgraph.server.protocol import APIError
+
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "other")
+    routing = ModelRouting(str(tmp_path), "random:tiny", RemoteModels())  # no replica yet
+    default = Target(None, None, None)
+    assert asyncio.run(routing.target(None, 10.0, default)) is default
+    with pytest.raises(APIError) as e:
+        asyncio.run(routing.target("other", 10.0, default))
+    assert e.value.status == 503 and "the engine process is starting; retry shortly" in str(e.value)
+    assert [(m["id"], m["resident"]) for m in routing.listing(0)] == [("random:tiny", False), ("other", False)]
+
+
+def test_a_model_dir_over_two_replica_processes(model_dir):
+    """--devices with --model-dir: each replica holds a set of its own; a folder's model is loaded where it is asked
+    for first and its requests go there (images equal to the model alone); the listing sums the replicas."""
+    s = ServerProcess("--devices", "cpu,cpu", "--model-dir", str(model_dir), "--max-models", "2",
+                      "--request-timeout", "600", "--torch-threads", "1")
+    try:
+        s.wait_ready()
+        deadline = time.monotonic() + 600  # a failure bound: the second replica may still be loading
+        while not all(r["state"] == "ready" for r in httpx.get(s.url + "/ready", timeout=60).json()["replicas"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with Engine("digits", device="cpu") as solo:
+            alone = np.asarray(solo.generate(PROMPT, seed=5, num_inference_steps=4)[0])
+        assert np.array_equal(_pixels(_generate(s.url, model="sd/digits-copy")), alone)
+        once = _models(s.url)["sd/digits-copy"]["memory_bytes"]
+        assert np.array_equal(_pixels(_generate(s.url, model="sd/digits-copy")), alone)
+        models = _models(s.url)  # the second went where the first loaded it: one copy's bytes, not two
+        assert models["sd/digits-copy"]["resident"] and models["sd/digits-copy"]["memory_bytes"] == once > 0
+        assert models["random:tiny"]["resident"] and models["random:tiny"]["memory_bytes"] > 0
+        states = httpx.get(s.url + "/ready", timeout=60).json()["replicas"]
+        assert [r["state"] for r in states] == ["ready", "ready"]
+    finally:
+        s.stop(timeout=60)

@@ -62,24 +62,36 @@ class RemoteResident:
 
 
 class RemoteModels:
-    """`ModelSet`'s calls, answered by the set in `replica` (set once the server built it; until then every call
-    raises EngineClosed)."""
+    """`ModelSet`'s calls, answered by the sets in `replicas` (set once the server built them; until then every call
+    raises EngineClosed). With several replicas (`--devices`), each holds a set of its own on its device: a model is
+    acquired where it is resident already (the least busy such replica), else on the least busy one."""
 
-    LISTING_S = 30.0  # how long a listing waits for the replica before it counts as not answering
+    LISTING_S = 30.0  # how long a listing waits for a replica before it counts as not answering
 
     def __init__(self) -> None:
-        self.replica: Any = None
+        self.replicas: list[Any] = []
 
-    def _replica(self) -> Any:
-        if self.replica is None or not self.replica.ready:
-            state = "starting" if self.replica is None else self.replica.state
-            raise EngineClosed(f"the engine process is {state}; retry shortly")
-        return self.replica
+    def _views(self) -> list[tuple[Any, ModelsView]]:
+        """The ready replicas with their sets' views (a replica that does not answer is left out)."""
+        views = []
+        for replica in self.replicas:
+            answer = replica.ask("models", self.LISTING_S) if replica.ready else None
+            if isinstance(answer, ModelsView):
+                views.append((replica, answer))
+        return views
 
     def acquire(self, name: str, timeout: float | None = None) -> RemoteResident:
         """Blocks until the model is resident and held (loading it first), as `ModelSet.acquire`: ModelLoadError,
-        TimeoutError (still loading after `timeout` s), EngineClosed (the replica is not there)."""
-        replica = self._replica()
+        TimeoutError (still loading after `timeout` s), EngineClosed (no replica is there)."""
+        views = self._views()
+        if not views:
+            states = ", ".join(r.state for r in self.replicas) or "starting"
+            raise EngineClosed(f"the engine process is {states}; retry shortly")
+
+        def busy(view: ModelsView) -> int:
+            return sum(in_flight for *_, in_flight in view.resident)
+        holding = [(r, v) for r, v in views if any(m[0] == name for m in v.resident)]
+        replica, _ = min(holding or views, key=lambda rv: busy(rv[1]))
         seconds = 3600.0 if timeout is None else max(0.0, timeout)
         answer = replica.ask("acquire", None, name, seconds)  # the replica bounds the wait by `seconds`
         if answer is None:
@@ -93,23 +105,22 @@ class RemoteModels:
     def release(self, resident: RemoteResident) -> None:
         resident.client.replica.tell(("release", resident.client.hold))
 
-    def _view(self) -> ModelsView:
-        try:
-            answer = self._replica().ask("models", self.LISTING_S)
-        except EngineClosed:
-            return ModelsView()
-        return answer if isinstance(answer, ModelsView) else ModelsView()
-
     def resident(self) -> list[RemoteResident]:
-        return [RemoteResident(name, ModelClient(self.replica, info, 0, in_flight), memory_bytes)
-                for name, info, memory_bytes, in_flight in self._view().resident]
+        """Every model resident on some replica: its bytes and requests in flight summed over the replicas."""
+        merged: dict[str, RemoteResident] = {}
+        for replica, view in self._views():
+            for name, info, memory_bytes, in_flight in view.resident:
+                known = merged.get(name)
+                merged[name] = RemoteResident(name, ModelClient(replica, info, 0, in_flight + (
+                    known.client.in_flight() if known else 0)), memory_bytes + (known.memory_bytes if known else 0))
+        return list(merged.values())
 
     def loading(self) -> list[str]:
-        return self._view().loading
+        return sorted({name for _, view in self._views() for name in view.loading})
 
     @property
     def errors(self) -> dict[str, str]:
-        return self._view().errors
+        return {name: error for _, view in self._views() for name, error in view.errors.items()}
 
     def close(self) -> None:
-        """Nothing here: the set closes with its replica process."""
+        """Nothing here: each set closes with its replica process."""

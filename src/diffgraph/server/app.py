@@ -130,8 +130,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                       name=f"{d}#{i}" if devices.count(d) > 1 else d,
                                       replica_timeout=config.replica_timeout, measure_step=config.max_pixels is None,
                                       models=spec) for i, d in enumerate(devices)]
-            if remote is not None:  # one replica (config refuses model_dir with devices)
-                remote.replica = replicas[0]
+            if remote is not None:  # each replica holds a model set of its own (on its device)
+                remote.replicas = replicas
             return Router(replicas, min_ready=config.min_ready)
 
     routing = ModelRouting(config.model_dir, config.model, remote) if remote is not None else None

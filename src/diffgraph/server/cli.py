@@ -508,7 +508,7 @@ def _exit(code: int) -> int:
 def _serve_ray(config: ServerConfig, args: argparse.Namespace) -> int:
     if config.model_dir:
         print("diffgraph: error: --model-dir with --ray is not supported yet: each Ray engine replica serves "
-              "--model; serve the folder's models without --ray (one server per GPU)", file=sys.stderr)
+              "--model; serve the folder's models without --ray (--devices for several GPUs)", file=sys.stderr)
         return 2
     try:
         from ..ray import serve_local, split_args

@@ -193,9 +193,6 @@ class ServerConfig:
             if not os.path.isdir(self.model_dir):
                 raise ValueError(f"model-dir {self.model_dir!r} is not a folder; give a folder of checkpoint files "
                                  "and diffusers folders")
-            if self.devices:
-                raise ValueError("model-dir with devices is not supported yet: run one server per device (or drop "
-                                 "--devices); each serves the folder's models on its own GPU")
         if not 1 <= self.max_models <= 64:
             raise ValueError(f"max-models {self.max_models} is out of range; allowed: 1..64")
         if self.model_memory is not None and not self.model_memory > 0:

@@ -24,7 +24,7 @@ from ..engine.remote_models import RemoteModels, RemoteResident
 from ..errors import ModelLoadError
 from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
 from ..models.clip_vocab import default_cache_root
-from ..request import ModelInfo
+from ..request import EngineClosed, ModelInfo
 from .protocol import APIError
 
 logger = logging.getLogger("diffgraph.server")
@@ -73,6 +73,8 @@ class ModelRouting:
                                 "(GET /v1/models shows it resident when it is ready)", code="model_loading") from None
         except ModelLoadError as e:
             raise APIError(400, str(e), param="model", code="model_unusable") from None
+        except EngineClosed as e:  # the engine process went (or restarts) while the model loaded: retryable
+            raise APIError(503, f"{e}", code="engine_unavailable") from None
         return Target(resident.client, resident.client.info, resident)
 
     def listing(self, created: int) -> list[dict[str, Any]]:
