@@ -240,8 +240,9 @@ def test_a_dead_loop_is_not_ready_and_refuses_work(monkeypatch):
     assert e.ready
     monkeypatch.setattr(e.scheduler, "schedule", lambda: 1 / 0)
     fut = e.submit(e.make_request("x", num_inference_steps=2, seed=1))
-    with pytest.raises(RuntimeError, match=re.escape("the engine loop stopped after an internal error (see the log)")):
-        fut.result(timeout=60)
+    with pytest.raises(RuntimeError, match=re.escape("the engine failed (its loop stopped after an internal error "
+                                                      "(ZeroDivisionError: division by zero)); retry this request")):
+        fut.result(timeout=60)  # the engine is failed, as a tripped failure policy (a replica process restarts)
     e.core._thread.join(timeout=60)
     assert not e.ready
     with pytest.raises(RuntimeError, match="loop stopped after an internal error"):
