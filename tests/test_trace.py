@@ -43,6 +43,7 @@ ROLES = {"fwd": ("event loop", "replica intake", "other", "engine loop"),
          "back": ("engine loop", "image thread", "pipe reader", "other", "event loop")}
 THREAD_ROLES = (("diffgraph-images", "image thread"), ("diffgraph-replica-intake", "replica intake"),
                 ("diffgraph-replica-reader", "pipe reader"))  # by thread name: each role one thread, so in order
+UNORDERED = ("pipe reader",)  # its messages (a step event, a result) come from two replica threads: in either order
 
 
 def _module(code) -> str | None:
@@ -176,6 +177,9 @@ class Tracer:
                 role = "event loop" if t == self.http else "engine loop" if t == self.replay_thread else next(
                     (r for prefix, r in THREAD_ROLES if self.names.get(t, "").startswith(prefix)), "other")
                 trace.edges[phase][role].append(edge)
+        for phase in trace.edges:
+            for role in UNORDERED:
+                trace.edges[phase][role].sort()
         return trace
 
     def _returned(self, frame, arg, t: int) -> None:
