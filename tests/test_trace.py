@@ -177,9 +177,10 @@ class Tracer:
                 role = "event loop" if t == self.http else "engine loop" if t == self.replay_thread else next(
                     (r for prefix, r in THREAD_ROLES if self.names.get(t, "").startswith(prefix)), "other")
                 trace.edges[phase][role].append(edge)
-        for phase in trace.edges:
+        for roles in trace.edges.values():
             for role in UNORDERED:
-                trace.edges[phase][role].sort()
+                if role in roles:
+                    roles[role].sort()
         return trace
 
     def _returned(self, frame, arg, t: int) -> None:
