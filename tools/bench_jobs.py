@@ -43,9 +43,37 @@ def job_file(n: int) -> bytes:
                      for i in range(n)).encode()
 
 
-async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None) -> dict:
+class StepTally:
+    """The engine's steps while a run goes: how many, their live denoiser rows and bucket rows, their host time (so a
+    run's GPU work splits into rows used and slots left empty)."""
+
+    def __init__(self, client: AsyncEngine):
+        self.on = False
+        self.reset()
+        client.add_step_listener(self._step)
+
+    def reset(self) -> None:
+        self.steps, self.rows, self.bucket, self.seconds = 0, 0, 0, 0.0
+
+    def _step(self, event) -> None:
+        if self.on:
+            self.steps += 1
+            self.rows += event.rows
+            self.bucket += event.bucket
+            self.seconds += event.seconds
+
+    def figures(self) -> dict:
+        return {"steps": self.steps, "row_steps": self.rows, "bucket_row_steps": self.bucket,
+                "fill": self.rows / max(1, self.bucket), "step_seconds": self.seconds}
+
+
+async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None,
+                  tally: StepTally | None = None) -> dict:
     """An n-item job through the store and coordinator, timed from its creation to its last committed image;
     `during(job_done)`: a coroutine run beside it (interactive arrivals) until the job ends."""
+    if tally is not None:
+        tally.reset()
+        tally.on = True
     with tempfile.TemporaryDirectory() as root:
         store = JobStore(root)
         backend = EngineBackend(config, lambda: client.info, client.submit)
@@ -68,8 +96,12 @@ async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             store.close()
+    figures = None
+    if tally is not None:
+        tally.on = False
+        figures = tally.figures()
     return {"images": row.done, "failed": row.failed, "seconds": seconds, "images_per_s": row.done / seconds,
-            "side": extra}
+            "side": extra, "steps": figures}
 
 
 async def burst(client: AsyncEngine, requests: list) -> dict:
@@ -97,12 +129,13 @@ async def cost(client: AsyncEngine, n: int, config: ServerConfig) -> dict:
 
 
 async def mixed(client: AsyncEngine, n: int, rate: float, config: ServerConfig) -> dict:
+    tally = StepTally(client)
     rows = client.info.max_rows // 2  # guided images that fill the largest bucket
     full = [build_request(config, client.info, {"prompt": "a castle", **ITEM}, 1000 + i, "x") for i in range(rows)]
     full = [dataclasses.replace(r, priority="interactive", job=None) for r in full]
     await burst(client, full)
     inside_full = await burst(client, full)  # one request's latency inside a full batch
-    alone_job = await run_job(client, n, config)
+    alone_job = await run_job(client, n, config, tally=tally)
     rng = random.Random(0)
 
     async def arrivals(finished: asyncio.Event) -> list[float]:
@@ -123,10 +156,15 @@ async def mixed(client: AsyncEngine, n: int, rate: float, config: ServerConfig) 
         await asyncio.gather(*tasks)
         return latencies
 
-    with_people = await run_job(client, n, config, during=arrivals)
+    with_people = await run_job(client, n, config, during=arrivals, tally=tally)
     lat = with_people.pop("side")
     ref_p99 = pct(inside_full["latency_s"], 0.99)
+    alone_steps, mixed_steps = alone_job["steps"], with_people["steps"]
+    people_rows = mixed_steps["row_steps"] - alone_steps["row_steps"]  # the job's own rows are the same in both
     return {"n": n, "rate": rate, "interactive": len(lat), "p50_s": pct(lat, 0.5), "p99_s": pct(lat, 0.99),
+            "steps_alone": alone_steps, "steps_with_people": mixed_steps,
+            "people_share_of_row_steps": people_rows / max(1, mixed_steps["row_steps"]),
+            "added_step_seconds_share": 1 - alone_steps["step_seconds"] / max(1e-9, mixed_steps["step_seconds"]),
             "inside_full_batch_p99_s": ref_p99, "p99_ratio": pct(lat, 0.99) / ref_p99,
             "job_alone_images_per_s": alone_job["images_per_s"], "job_with_people_images_per_s":
             with_people["images_per_s"], "job_ratio": with_people["images_per_s"] / alone_job["images_per_s"],
@@ -142,14 +180,16 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--size", default="512x512")
+    p.add_argument("--compile", action="store_true", help="the compile tier (Inductor kernels in the step graphs)")
     a = p.parse_args()
     ITEM["size"] = a.size
     config = ServerConfig(model=a.model, device=a.device)
-    engine = Engine(a.model, device=a.device, max_queue=max(256, a.n + 64))
+    engine = Engine(a.model, device=a.device, max_queue=max(256, a.n + 64), compile=a.compile)
     client = AsyncEngine(engine)
     t0 = time.perf_counter()
     out = asyncio.run(cost(client, a.n, config) if a.what == "cost" else mixed(client, a.n, a.rate, config))
     out["wall_s"] = time.perf_counter() - t0
+    out["compile"] = a.compile
     text = json.dumps(out, indent=1)
     if a.json:
         with open(a.json, "w") as f:

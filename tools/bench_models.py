@@ -26,6 +26,43 @@ from diffgraph import Engine, GraphConfig
 from diffgraph.engine.model_set import ModelSet
 
 
+def _traced_blocks(min_bytes: int = 8 * 2**20) -> list[str]:
+    """The allocated blocks of at least `min_bytes` whose allocation was recorded, grouped by their innermost frames
+    in diffgraph / diffusers / torch.nn (bytes, count, frames), largest first."""
+    groups: dict[str, list[int]] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for block in seg["blocks"]:
+            frames = block.get("frames") or []
+            if block["state"] != "active_allocated" or block["size"] < min_bytes or not frames:
+                continue
+            own = [f"{f['filename'].split('site-packages/')[-1].split('/src/')[-1]}:{f['line']}:{f['name']}"
+                   for f in frames if any(k in f["filename"] for k in ("diffgraph", "diffusers", "torch/nn"))][:4]
+            key = f"pool={seg.get('segment_pool_id')} " + " < ".join(own)
+            g = groups.setdefault(key, [0, 0])
+            g[0] += block["size"]
+            g[1] += 1
+    return [f"{b / 2**20:.0f} MiB in {n}: {k}" for k, (b, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])]
+
+
+def _holders(obj, depth: int = 3) -> list[str]:
+    """What still refers to `obj` (None: nothing to say), a few levels up: why an evicted model's memory stays."""
+    if obj is None:
+        return []
+    out, frontier, seen = [], [obj], {id(obj)}
+    for level in range(depth):
+        nxt = []
+        for o in frontier:
+            for r in gc.get_referrers(o):
+                if id(r) in seen or r is frontier or type(r).__name__ == "frame":
+                    continue
+                seen.add(id(r))
+                keys = [k for k, v in r.items() if v is o][:3] if isinstance(r, dict) else ""
+                out.append(f"{level}:{type(r).__module__}.{type(r).__qualname__}{keys}")
+                nxt.append(r)
+        frontier = nxt[:20]
+    return out[:40]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="random:sd15")
@@ -35,6 +72,9 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda")
     p.add_argument("--size", type=int, default=None)
+    p.add_argument("--trace-eviction", action="store_true",
+                   help="record where the second model's device memory comes from (slows it: not for the timings) "
+                        "and list the blocks still allocated after its eviction")
     args = p.parse_args()
     size = args.size or (1024 if "xl" in args.preset else 512)
     cuda = args.device.startswith("cuda")
@@ -51,7 +91,10 @@ def main() -> int:
     sync()
     base_reserved, base_allocated = reserved(), allocated()
     models = ModelSet(build, args.device, max_models=2)
-    held = {n: models.acquire(n) for n in ("a", "b")}
+    held = {"a": models.acquire("a")}
+    if args.trace_eviction:  # where b's device memory was allocated, to say what an eviction leaves behind
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+    held["b"] = models.acquire("b")
     sync()
     memory = {"accounted": {n: r.memory_bytes for n, r in held.items()},
               "reserved_delta": reserved() - base_reserved,
@@ -79,9 +122,14 @@ def main() -> int:
     for name in held:
         models.release(held[name])
     b_engine = weakref.ref(held["b"].client.engine)  # evicted below: measured once it is gone
+    b_unet = weakref.ref(held["b"].client.engine.model.unet)
+    b_set = held["b"].client.engine.runner.graphs  # its graph set (None off CUDA)
+    b_graph = [weakref.ref(g) for g in list(b_set.runner.graphs.values())[:1]] if b_set is not None else []
+    del b_set
+    b_runner = weakref.ref(held["b"].client.engine.runner)
     held.clear()  # the benchmark's own references to the engines (the set's are the only ones left)
     models.max_models = 1
-    before = reserved()
+    before, before_allocated = reserved(), allocated()
     models.release(models.acquire("a"))  # over the bound now: the idle "b" is evicted (on a background thread)
     deadline = time.monotonic() + 60
     while (len(models.resident()) > 1 or b_engine() is not None) and time.monotonic() < deadline:
@@ -91,8 +139,11 @@ def main() -> int:
     if cuda:
         torch.cuda.empty_cache()
     sync()
-    row["evicted"] = {"freed_reserved": before - reserved(), "engine_collected": b_engine() is None, "b_accounted": memory["accounted"]["b"],
-                      "resident": [r.name for r in models.resident()]}
+    row["evicted"] = {"freed_reserved": before - reserved(), "freed_allocated": before_allocated - allocated(),
+                      "engine_collected": b_engine() is None, "runner_collected": b_runner() is None,
+                      "unet_collected": b_unet() is None, "graph_collected": all(g() is None for g in b_graph),
+                      "held_by": _holders(b_unet()) + _holders(b_graph[0]() if b_graph else None),
+                      "b_accounted": memory["accounted"]["b"], "resident": [r.name for r in models.resident()]}
     print(json.dumps(row, indent=1))
     print(f"{'':28s} {'p50 ms':>8s}")
     print(f"{'one model alone':28s} {row['alone_p50_ms']:8.2f}")
@@ -101,6 +152,21 @@ def main() -> int:
           f"{memory['reserved_delta'] / 2**30:.2f} GiB ({memory['ratio_to_reserved']:.3f}x; allocated delta "
           f"{memory['allocated_delta'] / 2**30:.2f} GiB); eviction freed {row['evicted']['freed_reserved'] / 2**30:.2f} "
           f"GiB of b's {memory['accounted']['b'] / 2**30:.2f}")
+    if cuda:  # the large device tensors still alive that are not the resident model's weights, and who holds them
+        survivor = models.resident()[0].client.engine.model
+        own = {t.data_ptr() for m in (survivor.unet, survivor.vae, *survivor.text_encoders)
+               for t in [*m.parameters(), *m.buffers()]}
+        alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda
+                 and o.numel() * o.element_size() >= 2**20 and o.data_ptr() not in own]
+        row["evicted"]["alive_big_tensors"] = len(alive)
+        row["evicted"]["alive_big_bytes"] = sum(t.numel() * t.element_size() for t in alive)
+        row["evicted"]["alive_examples"] = [(list(t.shape), str(t.dtype), _holders(t, 2)[:6]) for t in alive[:8]]
+    if args.trace_eviction:
+        row["evicted"]["still_allocated"] = _traced_blocks()
+        for line in row["evicted"]["still_allocated"][:12]:
+            print("still allocated:", line)
+    print("evicted:", json.dumps({k: v for k, v in row["evicted"].items() if k != "held_by"}))
+    print("held by:", row["evicted"]["held_by"][:20])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=1)

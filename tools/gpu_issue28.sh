@@ -18,7 +18,7 @@ for what in "$@"; do
            timeout ${HOP_S:-280} python3 tools/bench_dp.py --label $label --sat-rate ${HOP_RATE:-14} --duration 30 \
              --repeats 1 --json "$OUT/hop_$label.json" "${flags[@]}" 2>&1 | grep -v Warning | tail -3
          done ;;
-    jobs) timeout ${JOBS_S:-540} python3 tools/bench_jobs.py cost --n ${JOBS_N:-1000} --json "$OUT/jobs_cost.json" 2>&1 \
+    jobs) timeout ${JOBS_S:-540} python3 tools/bench_jobs.py cost --n ${JOBS_N:-1000} ${JOBS_FLAGS:-} --json "$OUT/jobs_cost.json" 2>&1 \
             | grep -v Warning | tail -3 ;;
     mixed) timeout ${MIXED_S:-540} python3 tools/bench_jobs.py mixed --n ${MIXED_N:-600} --rate 1 \
              --json "$OUT/jobs_mixed.json" 2>&1 | grep -v Warning | tail -3 ;;
