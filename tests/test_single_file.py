@@ -126,6 +126,28 @@ def test_a_checkpoint_without_a_vae_names_the_flag_and_loads_with_one(made, tmp_
         assert all(torch.equal(a, b) for a, b in zip(m.vae.state_dict().values(), ref.vae.state_dict().values()))
 
 
+def test_an_fp16_safe_vae_file_decodes_sdxl_in_fp16_with_no_vae_upcast(made, tmp_path):
+    """A single-file VAE carries no config: it is read with the model's, whose force_upcast (SDXL's) keeps an fp16
+    model's decode in fp32; `vae_upcast=False` (--no-vae-upcast) is how an fp16-safe file (sdxl-vae-fp16-fix) says
+    otherwise, and `True` forces the upcast on any VAE."""
+    folder, _ = made["digits-xl"]
+    ref = load_model(folder, "cpu", "fp32")
+    vae_file = str(tmp_path / "sdxl-vae-fp16-fix.safetensors")
+    state = O.to_original(ref.unet, ref.vae, ref.text_encoders, "sdxl")
+    save_file({k[len("first_stage_model."):]: v.half().contiguous() for k, v in state.items()
+               if k.startswith("first_stage_model.")}, vae_file)
+    cases = ((None, torch.float32), (False, torch.float16), (True, torch.float32))
+    for upcast, decode in cases:
+        m = load_model(folder, "cpu", "fp16", options=LoadOptions(vae=vae_file, vae_upcast=upcast))
+        assert m.vae.config.force_upcast is (upcast is not False)
+        assert m.adapter.vae_dtype(m) == decode, upcast
+        assert torch.equal(m.vae.decoder.conv_in.weight, ref.vae.decoder.conv_in.weight.half())
+    from diffgraph.server.config import load_config
+    assert load_config(None, {"vae": vae_file, "vae_upcast": False}).load_options().vae_upcast is False
+    with pytest.raises(ValueError, match="vae-upcast must be true or false"):
+        load_config(None, {"vae_upcast": "maybe"})
+
+
 def test_vae_override_on_a_folder_replaces_its_vae(made, tmp_path):
     folder, _ = made["digits"]
     other = load_model(made["sd1-inpaint"][0], "cpu", "fp32")  # another VAE of the same (tiny) architecture

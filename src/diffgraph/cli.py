@@ -326,7 +326,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                             lora_conv=args.lora_conv,
                             compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
                             load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
-                                             zero_snr=args.zero_snr, vae=args.vae))
+                                             zero_snr=args.zero_snr, vae=args.vae, vae_upcast=args.vae_upcast))
             progress.line(f"loaded {engine.info.name} in {time.monotonic() - t0:.1f} s")
             request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                           guidance_scale=args.guidance,

@@ -12,6 +12,10 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vae", default=None, metavar="FILE_OR_DIR",
                    help="a VAE (.safetensors file or diffusers folder) in place of the model's, e.g. the fp16-safe "
                         "SDXL VAE")
+    p.add_argument("--vae-upcast", default=None, action=argparse.BooleanOptionalAction,
+                   help="decode in fp32 when the model runs in fp16 (default: the VAE config's force_upcast, which "
+                        "SDXL's sets); --no-vae-upcast for an fp16-safe VAE given as a single file, e.g. "
+                        "sdxl-vae-fp16-fix, whose file carries no config")
     p.add_argument("--model-config", default=None, metavar="DIR",
                    help="a checkpoint file's diffusers config folder (default: detected from the file's keys; "
                         "diffgraph writes the SD1.5, SD2, SDXL configs itself, nothing is downloaded)")

@@ -268,6 +268,8 @@ class LoadOptions:
     prediction_type: str | None = None   # "epsilon" | "v_prediction"; None: the model's (or detected)
     zero_snr: bool | None = None         # rescaled betas to zero terminal SNR; None: the model's (or detected)
     vae: str | None = None
+    vae_upcast: bool | None = None       # decode in fp32 when the model is fp16 (False: an fp16-safe VAE, such as
+                                         # sdxl-vae-fp16-fix as a single file); None: the VAE config's force_upcast
     cache_dir: str | None = None         # where generated config folders are kept; None: the user's cache folder
 
     def __post_init__(self) -> None:

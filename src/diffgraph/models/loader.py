@@ -53,6 +53,14 @@ def load_model(model: str, device: str | torch.device = "cpu", dtype: str | torc
     prediction-type / zero-SNR overrides, a VAE in place of the model's. Errors list what is supported."""
     quiet_known_warnings()
     options = options or LoadOptions()
+    loaded = _load_any(model, device, dtype, families or default_registry(), options)
+    if options.vae_upcast is not None:  # over the VAE's own config (a single file is read with the model's config)
+        loaded.vae.register_to_config(force_upcast=options.vae_upcast)
+    return loaded
+
+
+def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, families: FamilyRegistry,
+              options: LoadOptions) -> DiffusionModel:
     families = families or default_registry()
     device = torch.device(device)
     torch_dtype = parse_dtype(dtype)
