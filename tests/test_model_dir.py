@@ -200,5 +200,37 @@ def test_a_model_dir_over_two_replica_processes(model_dir):
         assert models["random:tiny"]["resident"] and models["random:tiny"]["memory_bytes"] > 0
         states = httpx.get(s.url + "/ready", timeout=60).json()["replicas"]
         assert [r["state"] for r in states] == ["ready", "ready"]
+        _a_held_models_requests_count_like_the_defaults(s.url)
     finally:
         s.stop(timeout=60)
+
+
+def _steps(url: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics", timeout=60).text.splitlines()
+                if x.startswith("diffgraph_step_seconds_count"))
+    return float(line.split()[-1])
+
+
+def _a_held_models_requests_count_like_the_defaults(url: str) -> None:
+    """A folder model's requests are its replica's work as the router counts it (in flight on /ready), its steps
+    are in the step metrics, /status has a row per resident model and replica, /v1/loras?model= lists for it."""
+    before = _steps(url)
+    with httpx.stream("POST", url + "/v1/images/generations", timeout=600,
+                      json={"prompt": PROMPT, "seed": 5, "num_inference_steps": 300, "model": "sd/digits-copy",
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith(": progress "))  # it runs
+        in_flight = [x["in_flight"] for x in httpx.get(url + "/ready", timeout=60).json()["replicas"]]
+        rows = httpx.get(url + "/status", timeout=60).json()["models"]
+        for _ in lines:
+            pass
+    assert sorted(in_flight) == [0, 1], in_flight
+    assert _steps(url) - before >= 300  # its steps reached the server's step metrics
+    mine = [row for row in rows if row["model"] == "sd/digits-copy"]
+    assert len(mine) == 1 and mine[0]["in_flight"] == 1 and mine[0]["memory_bytes"] > 0, rows
+    assert {row["model"] for row in rows} == {"random:tiny", "sd/digits-copy"}
+    assert len([row for row in rows if row["model"] == "random:tiny"]) == 2  # the default, on both replicas
+    listing = httpx.get(url + "/v1/loras", params={"model": "sd/digits-copy"}, timeout=60)
+    assert listing.status_code == 200 and listing.json()["object"] == "list", listing.text
+    unknown = httpx.get(url + "/v1/loras", params={"model": "nope"}, timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"

@@ -13,6 +13,7 @@ import base64
 import io
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -252,3 +253,45 @@ def test_killing_an_engine_replica_answers_its_requests_503_and_ray_replaces_it(
     r = httpx.post(f"{url}/v1/images/generations", json={"prompt": "a 1", "num_inference_steps": 3}, timeout=BOUND_S,
                    headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200
+
+
+def test_a_model_dir_under_ray_sends_a_folder_models_requests_to_the_replica_that_loaded_it(ray_server, digits_engine,
+                                                                                             tmp_path):
+    """Last in the module: it replaces the application. With model_dir each engine replica holds a model set; Ray's
+    multiplexed routing sends a folder model's requests to the replica where it is loaded: one copy, every step
+    there, images equal to the model alone."""
+    import httpx
+
+    from diffgraph.models.presets import shipped_preset_folder
+    from diffgraph.ray import build_app
+
+    url, _, serve = ray_server
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sd" / "digits-copy")
+    serve.delete("diffgraph")
+    serve.run(build_app({"model": "random:tiny", "model_dir": str(tmp_path), "max_models": "2", "device": "cpu",
+                         "num_replicas": "2", "torch_threads": "1", "api_key": KEY, "batch_buckets": "1,2,4"}),
+              name="diffgraph", route_prefix="/", blocking=False)
+    _wait_ready(url, httpx)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def generate(**body) -> httpx.Response:
+        return httpx.post(f"{url}/v1/images/generations", headers=auth, timeout=BOUND_S,
+                          json={"prompt": "a handwritten 7", "num_inference_steps": 4, **body})
+    for seed in range(4):
+        r = generate(model="sd/digits-copy", seed=seed)
+        assert r.status_code == 200, r.text
+        want = digits_engine.generate("a handwritten 7", seed=seed, num_inference_steps=4).images[0]
+        assert np.abs(_pixels(r.json()["data"][0]["b64_json"]) - np.asarray(want).astype(int)).max() <= 1
+    unknown = generate(model="nope")
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    deadline = time.monotonic() + BOUND_S  # a failure bound: the stats poll refreshes the replicas' views every 2 s
+    while True:
+        rows = [row for row in httpx.get(f"{url}/status", headers=auth, timeout=60).json().get("models", [])
+                if row["model"] == "sd/digits-copy"]
+        if sum(row["steps"] for row in rows) >= 1 + 4 * 4:  # its warm-up and the 4 requests' steps, all seen
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.5)
+    assert len(rows) == 1 and rows[0]["memory_bytes"] > 0, rows  # one replica loaded it and ran every request
+    models = {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=auth, timeout=60).json()["data"]}
+    assert models["sd/digits-copy"]["resident"] and models["random:tiny"]["default"]

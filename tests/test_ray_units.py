@@ -9,8 +9,10 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from diffgraph import ray as dray  # noqa: E402
+from diffgraph import ray_ingress as dray  # noqa: E402
 from diffgraph.engine.client import EngineStats  # noqa: E402
+from diffgraph.engine.remote_models import ModelsView  # noqa: E402
+from diffgraph.errors import ModelLoadError  # noqa: E402
 from diffgraph.request import GenerationRequest, ModelInfo, QueueFullError  # noqa: E402
 
 INFO = ModelInfo(name="m", family="sd", native_size=64, default_guidance=7.5, max_rows=4, mode="eager",
@@ -51,7 +53,11 @@ class FakeHandle:
             return Call(lambda: outer.answer())
         self.info = Method(lambda: Call(lambda: INFO))
         self.stats = Method(stats_call)
-        self.run = Method(lambda request, progress: outer._stream())
+        self.run = Method(lambda request, progress, model=None: outer._stream())
+        self.model_answer = (INFO, 123)
+        self.model_info = Method(lambda name, seconds: Call(lambda: outer.model_answer))
+        self.view = ModelsView(resident=[("a", INFO, 5, 1)], stats={"a": {"steps": 7}})
+        self.models = Method(lambda: Call(lambda: ("replica-1", outer.view)))
 
     def options(self, **_):
         return self
@@ -105,3 +111,27 @@ def test_a_saturated_deployment_is_a_queue_full_error(client):
     handle.first_item = ConnectionError("replica died")
     with pytest.raises(Exception, match="unavailable"):
         asyncio.run(c.submit(request))
+
+
+def test_the_ray_model_backend_acquires_through_the_deployment_and_lists_the_polled_views(monkeypatch):
+    monkeypatch.setattr(dray, "STATS_PERIOD_S", 3600.0)
+    handle = FakeHandle()
+    client = dray.RayEngineClient(handle, stats_timeout_s=1.0, models=True)
+    models = dray.RayModels()
+    with pytest.raises(Exception, match="no engine replica is ready"):
+        dray.RayModels().acquire("a")  # before the app built its client: a retryable 503
+    models.client = client
+    try:
+        resident = models.acquire("a", 10)
+        assert (resident.name, resident.memory_bytes, resident.client.info) == ("a", 123, INFO)
+        handle.model_answer = ModelLoadError("model 'b' could not be loaded: truncated")
+        with pytest.raises(ModelLoadError, match="truncated"):
+            models.acquire("b", 10)
+        client.poll_once()  # the views come with the stats poll
+        assert [(r.name, r.memory_bytes, r.client.in_flight()) for r in models.resident()] == [("a", 5, 1)]
+        assert models.status() == [{"model": "a", "replica": "replica-1", "in_flight": 1, "memory_bytes": 5,
+                                    "steps": 7}]
+        monkeypatch.setattr(dray, "VIEW_TTL_S", 0.0)  # a replica not heard from within the TTL is left out
+        assert models.resident() == [] and models.status() == []
+    finally:
+        client.close()

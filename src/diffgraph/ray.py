@@ -19,7 +19,8 @@ overrides (autoscaling_config, ray_actor_options, ...) apply on top, by the depl
 `max_ongoing_requests` of an engine replica is set from its row capacity (Ray's default of 5 would cap our batches).
 The API key: `api_key=...` or, better, DIFFGRAPH_API_KEY in the ingress replica's environment (a Kubernetes secret).
 A replica that dies answers its requests in flight with 503 (retryable) at once; Ray Serve starts a new one, and its
-health check is the engine's readiness.
+health check is the engine's readiness. With `model_dir` every engine replica holds a model set and Ray's model
+multiplexing routes a folder model's requests (ray_ingress.py says how).
 """
 
 from __future__ import annotations
@@ -31,33 +32,41 @@ import threading
 from typing import Any, Mapping
 
 from .engine.client import EngineStats
-from .request import EngineClosed, GenerationRequest, GenerationResult, ModelInfo, ProgressEvent, QueueFullError
+from .engine.remote_models import ModelSetSpec, ModelsView
+from .ray_ingress import ENGINE_DEPLOYMENT, RayEngineClient, RayModels
+from .request import GenerationRequest, ModelInfo, ProgressEvent
 
 logger = logging.getLogger(__name__)
 
-ENGINE_DEPLOYMENT = "DiffgraphEngine"
 INGRESS_DEPLOYMENT = "DiffgraphIngress"
 RAY_KEYS = ("num_replicas", "min_replicas", "max_replicas", "num_gpus", "num_cpus", "ingress_replicas", "config")
-STATS_PERIOD_S = 2.0  # how often the ingress refreshes the engine figures it shows on /metrics and /status
-UNHEALTHY_AFTER = 3   # stats polls in a row that no ready engine replica answers: the ingress is not ready
 
 
 # -- the engine deployment (one engine per replica) -------------------------------------------------------
 class EngineDeployment:
-    """One engine in a Ray Serve replica. Its methods are what the ingress calls through the deployment handle."""
+    """One engine in a Ray Serve replica, or with `models` (--model-dir) a model set whose default model is that
+    engine (engine/held_models.py). Its methods are what the ingress calls through the deployment handle."""
 
-    def __init__(self, engine_kwargs: dict[str, Any], torch_threads: int | None = None):
+    def __init__(self, engine_kwargs: dict[str, Any], torch_threads: int | None = None,
+                 models: ModelSetSpec | None = None):
         from .engine.async_engine import AsyncEngine
-        from .engine.engine import Engine
         from .models.quiet import quiet_known_warnings
 
         quiet_known_warnings()
         if torch_threads is not None:
             import torch
             torch.set_num_threads(torch_threads)
-        engine = Engine(**engine_kwargs)
-        engine.generate("warm-up", num_inference_steps=1, seed=0)  # a broken model fails here, not on a request
-        self._client = AsyncEngine(engine, name=_replica_name())
+        self._held: Any = None
+        if models is None:
+            from .engine.engine import Engine
+            engine = Engine(**engine_kwargs)
+            engine.generate("warm-up", num_inference_steps=1, seed=0)  # a broken model fails here, not on a request
+            self._client = AsyncEngine(engine, name=_replica_name())
+        else:
+            from .engine.held_models import HeldModels
+            kwargs = {k: v for k, v in engine_kwargs.items() if k != "device"}
+            self._held = HeldModels(models, engine_kwargs.get("device", "cuda"), kwargs)  # each build warms up
+            self._client = self._held.default_client
 
     async def info(self) -> ModelInfo:
         return self._client.info
@@ -65,13 +74,53 @@ class EngineDeployment:
     async def stats(self) -> EngineStats:
         return dataclasses.replace(self._client.stats(), replicas=[])
 
-    async def run(self, request: GenerationRequest, progress: bool):
-        """Streams ("accepted",) or ("rejected", error), then progress events, then ("done", result, error)."""
+    async def models(self) -> tuple[str, ModelsView]:
+        """This replica's model set as the ingress lists it (/v1/models, /status)."""
+        return _replica_name(), self._held.view() if self._held is not None else ModelsView()
+
+    async def _routed(self, model_id: str) -> str:
+        """Ray's multiplexed loader (wrapped by `serve.multiplexed` in `application`): the model resident in the set,
+        so Ray routes its requests here; the set's LRU, not Ray's, decides what stays (the name is all Ray keeps)."""
+        import asyncio
+
+        hold = (await asyncio.to_thread(self._held.acquire, model_id, 3600.0))[0]
+        self._held.release(hold)
+        return model_id
+
+    async def model_info(self, name: str, seconds: float) -> Any:
+        """(ModelInfo, bytes) of a folder model once resident here, or the load's error as a value."""
+        import asyncio
+
         try:
-            handle = await self._client.submit(request, progress=progress)
-        except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
+            await asyncio.wait_for(asyncio.shield(self._routed(name)), seconds)  # the load goes on past the wait
+            hold, info, memory_bytes = await asyncio.to_thread(self._held.acquire, name, seconds)
+            self._held.release(hold)
+            return info, memory_bytes
+        except TimeoutError:
+            return TimeoutError(f"model {name!r} is still loading")
+        except Exception as e:  # ModelLoadError, no model set: the caller's answer
+            return e
+
+    async def run(self, request: GenerationRequest, progress: bool, model: str | None = None):
+        """Streams ("accepted",) or ("rejected", error), then progress events, then ("done", result, error)."""
+        import asyncio
+
+        hold = None
+        try:
+            client = self._client
+            if model is not None:  # a folder model: held from before its submit until after (never evicted under it)
+                if self._held is None:
+                    raise ValueError(f"model {model!r}: this deployment serves one model (no model_dir)")
+                await self._routed(model)
+                hold = (await asyncio.to_thread(self._held.acquire, model, 3600.0))[0]
+                client = self._held.client_of(hold)
+            handle = await client.submit(request, progress=progress)
+        except Exception as e:  # ParamError, QueueFullError, EngineClosed, ModelLoadError: the caller's answer
             yield ("rejected", e)
             return
+        finally:
+            if hold is not None:
+                self._held.release(hold)
         yield ("accepted",)
         events = handle.events()
         try:
@@ -88,13 +137,18 @@ class EngineDeployment:
             await events.aclose()
 
     async def check_health(self) -> None:
-        """Ray Serve's replica health check: the engine's readiness (its loop runs)."""
-        if not self._client.ready:
-            raise RuntimeError(f"engine {self._client.name} is {self._client.state}")
+        """Ray Serve's replica health check: the engine's readiness (its loop runs), every resident model's with a
+        set (they share the device: one model's failure policy tripping replaces the replica)."""
+        clients = [self._client] if self._held is None else [r.client for r in self._held.set.resident()]
+        for client in clients:
+            if not client.ready and client.state != "closed":  # closed: evicted between the listing and now
+                raise RuntimeError(f"engine {client.name} is {client.state}")
 
     def __del__(self) -> None:
-        client = getattr(self, "_client", None)
-        if client is not None:
+        held, client = getattr(self, "_held", None), getattr(self, "_client", None)
+        if held is not None:
+            held.close()
+        elif client is not None:
             client.close()
 
 
@@ -104,156 +158,6 @@ def _replica_name() -> str:
         return str(serve.get_replica_context().replica_id.unique_id)
     except Exception:  # outside a replica (tests)
         return "ray"
-
-
-# -- the ingress side ---------------------------------------------------------------------------------------
-class RayEngineClient:
-    """The `EngineClient` of an ingress replica: requests go to the engine deployment through its handle (Ray
-    routes them among the engine replicas). Engine figures (stats, graph table) are one replica's, refreshed every
-    STATS_PERIOD_S; Ray's own metrics and dashboard cover the deployment as a whole."""
-
-    restarts = 0
-
-    def __init__(self, handle: Any, name: str = f"ray:{ENGINE_DEPLOYMENT}", stats_timeout_s: float = 30.0):
-        self._handle = handle
-        self.name = name
-        self.error: str | None = None  # why the engine deployment is not healthy (None: it is)
-        self._misses = 0
-        self._stats_timeout_s = stats_timeout_s
-        self.info: ModelInfo = handle.info.remote().result()  # waits for the first engine replica
-        self._streams: dict[str, Any] = {}
-        self._stats: EngineStats | None = None
-        self._closed = threading.Event()
-        self._poll = threading.Thread(target=self._poll_stats, name="diffgraph-ray-stats", daemon=True)
-        self._poll.start()
-
-    @property
-    def ready(self) -> bool:
-        """The engine deployment's health as the ingress sees it: its replicas answer and report ready (a replica
-        that is down or whose failure policy tripped is what Ray's health check replaces)."""
-        return not self._closed.is_set() and self.error is None
-
-    @property
-    def state(self) -> str:
-        return "closed" if self._closed.is_set() else "ready" if self.error is None else "unhealthy"
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        return self.ready
-
-    def _poll_stats(self) -> None:
-        while not self._closed.is_set():
-            self.poll_once()
-            self._closed.wait(STATS_PERIOD_S)
-
-    def poll_once(self) -> None:
-        """One stats call: the figures, and the deployment's health (UNHEALTHY_AFTER failed or not-ready answers
-        in a row make the ingress not ready; one good answer makes it ready again)."""
-        try:
-            stats = self._handle.stats.remote().result(timeout_s=self._stats_timeout_s)
-        except Exception as e:  # no replica answers (all restarting, or none left)
-            logger.debug("engine stats not available: %s", e)
-            why = f"no engine replica answers ({type(e).__name__})"
-        else:
-            self._stats = stats
-            why = None if stats.ready else "the engine replica reports not ready (its failure policy tripped)"
-        self._misses = 0 if why is None else self._misses + 1
-        if why is None:
-            self.error = None
-        elif self._misses >= UNHEALTHY_AFTER:
-            self.error = why
-
-    async def submit(self, request: GenerationRequest, progress: bool = False) -> "_RayRequest":
-        if self._closed.is_set():
-            raise EngineClosed("the engine client is closed")
-        stream = self._handle.options(stream=True).run.remote(request, progress)
-        try:
-            first = await stream.__anext__()
-        except Exception as e:
-            if _back_pressure(e):  # every replica busy and Ray's queue for them full: diffgraph's 429
-                raise QueueFullError("every engine replica is busy and the deployment's queue is full; retry later "
-                                     "(or add replicas)") from None
-            raise _unavailable(e) from None
-        if first[0] == "rejected":
-            raise first[1]
-        handle = _RayRequest(self, stream, request.request_id)
-        self._streams[request.request_id] = handle
-        return handle
-
-    def abort(self, request_id: str) -> bool:
-        handle = self._streams.get(request_id)
-        return handle is not None and handle.abort()
-
-    def stats(self) -> EngineStats | None:
-        return self._stats
-
-    def graph_table(self) -> list[dict[str, Any]]:
-        return [] if self._stats is None else self._stats.graphs
-
-    def add_step_listener(self, listener: Any) -> None:
-        """Steps run in the engine replicas: their per-step histograms are not collected at the ingress."""
-
-    def close(self) -> None:
-        self._closed.set()
-        for handle in list(self._streams.values()):
-            handle.abort()
-
-
-class _RayRequest:
-    """One request's stream from an engine replica, as a RequestHandle."""
-
-    def __init__(self, client: RayEngineClient, stream: Any, request_id: str):
-        self.request_id = request_id
-        self._client, self._stream = client, stream
-        self._finished = False
-
-    async def events(self):
-        try:
-            while True:
-                try:
-                    item = await self._stream.__anext__()
-                except StopAsyncIteration:
-                    raise EngineClosed("the engine replica ended the request without a result; retry it") from None
-                except Exception as e:
-                    raise _unavailable(e) from None
-                if isinstance(item, ProgressEvent):
-                    yield item
-                    continue
-                self._finished = True
-                _, result, error = item
-                if error is not None:
-                    raise error
-                yield result
-                return
-        finally:
-            self._client._streams.pop(self.request_id, None)
-            if not self._finished:
-                self.abort()
-
-    async def result(self) -> GenerationResult:
-        async for item in self.events():
-            if not isinstance(item, ProgressEvent):
-                return item
-        raise EngineClosed("the engine replica ended the request without a result; retry it")
-
-    def abort(self) -> bool:
-        self._finished = True
-        self._stream.cancel()  # the replica's generator is cancelled: it aborts the request there
-        return True
-
-
-def _back_pressure(error: BaseException) -> bool:
-    try:
-        from ray.serve.exceptions import BackPressureError
-    except ImportError:  # an older Ray without a bounded queue
-        return False
-    return isinstance(error, BackPressureError)
-
-
-def _unavailable(error: BaseException) -> EngineClosed:
-    """A Ray failure on the way to or from an engine replica (it died, or is being replaced): a retryable 503."""
-    logger.warning("engine replica unavailable: %s: %s", type(error).__name__, error)
-    return EngineClosed(f"the engine replica serving this request is unavailable ({type(error).__name__}); retry it "
-                        "(Ray Serve replaces the replica, the others keep serving)")
 
 
 # -- the application builder --------------------------------------------------------------------------------
@@ -320,8 +224,13 @@ def application(config: Any, opts: dict[str, Any]) -> Any:
         scaling = {"num_replicas": opts["num_replicas"] or 1}
     engine_kwargs = dict(config.engine_kwargs(), device="cpu" if config.device == "cpu" else "cuda")
     threads = config.resolved_torch_threads() if config.device == "cpu" else None
+    spec = config.model_set()
+    deployment: type = EngineDeployment
+    if spec is not None:  # Ray's multiplexed routing of folder models (ray_ingress.py's doc); the default is not one
+        routed = serve.multiplexed(max_num_models_per_replica=max(1, spec.max_models - 1))(EngineDeployment._routed)
+        deployment = type("EngineDeployment", (EngineDeployment,), {"_routed": routed})
     engine = serve.deployment(
-        EngineDeployment, name=ENGINE_DEPLOYMENT,
+        deployment, name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_gpus": opts["num_gpus"], "num_cpus": opts["num_cpus"]},
         # the rows a replica batches, plus as many waiting: its scheduler fills rows as soon as others retire
         max_ongoing_requests=2 * rows, health_check_period_s=10, health_check_timeout_s=60,
@@ -337,8 +246,15 @@ def application(config: Any, opts: dict[str, Any]) -> Any:
             cfg = dataclasses.replace(cfg, api_keys=tuple(k.strip() for k in os.environ["DIFFGRAPH_API_KEY"].split(",")
                                                           if k.strip()))
         app_name = serve.get_replica_context().app_name
-        return create_app(cfg, engine_factory=lambda: RayEngineClient(
-            serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)))
+        models = RayModels() if spec is not None else None
+
+        def engine_client() -> RayEngineClient:
+            client = RayEngineClient(serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name),
+                                     models=models is not None)
+            if models is not None:
+                models.client = client
+            return client
+        return create_app(cfg, engine_factory=engine_client, models=models)
 
     class Ingress:
         def __init__(self, engine_handle: Any):
@@ -349,7 +265,7 @@ def application(config: Any, opts: dict[str, Any]) -> Any:
         ray_actor_options={"num_cpus": 0.25},
         max_ongoing_requests=config.max_queue + 4 * rows,  # waiting HTTP requests are cheap; the engines queue
         graceful_shutdown_timeout_s=config.drain_timeout + 5)
-    return ingress.bind(engine.bind(engine_kwargs, threads))
+    return ingress.bind(engine.bind(engine_kwargs, threads, spec))
 
 
 # Ray Serve's proxy checks (5 s to be ready, 10 s per health check, 3 misses and it is killed): a local Ray on a

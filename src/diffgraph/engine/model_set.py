@@ -72,10 +72,12 @@ class Resident:
 
 class ModelSet:
     def __init__(self, build: Callable[[str, DeviceLoop], Engine], device: str, max_models: int = 2,
-                 memory_bytes: int | None = None):
+                 memory_bytes: int | None = None, on_load: Callable[[AsyncEngine], None] | None = None):
+        """`on_load`: called with each model's client once it is built, before any request reaches it (the replica
+        hooks its failure policy and step events there)."""
         if max_models < 1:
             raise ValueError(f"max-models {max_models} must be >= 1")
-        self._build, self.device = build, torch.device(device)
+        self._build, self.device, self._on_load = build, torch.device(device), on_load
         self.max_models, self.memory_bytes = max_models, memory_bytes
         self.loop = DeviceLoop()
         self._lock = threading.Lock()
@@ -144,6 +146,8 @@ class ModelSet:
                 t0 = time.perf_counter()
                 engine = self._build(name, self.loop)
                 client = AsyncEngine(engine, name=name)
+                if self._on_load is not None:
+                    self._on_load(client)
                 resident = Resident(name, client, self._measure(engine, before), time.perf_counter() - t0)
                 with self._lock:
                     closed = self._closed

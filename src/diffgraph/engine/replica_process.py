@@ -5,7 +5,7 @@ the engine, warms it up, then serves the pipe; the engine's threads only queue t
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import os
 import queue
@@ -14,8 +14,8 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from ..request import EngineClosed
-from .remote_models import ModelSetSpec, ModelsView
+from .held_models import HeldModels
+from .remote_models import ModelSetSpec
 
 def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], torch_threads: int | None,
                   beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True,
@@ -45,29 +45,35 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         outbox.put(None)
         output.join(30)
 
+    def failed(reason: str) -> None:  # a failure policy tripped: its requests are answered; say why, exit
+        last(("failed", reason))
+        os._exit(3)  # the parent restarts it (with backoff); a poisoned device context is not worth a clean close
+
+    def hook(client: Any) -> None:  # every model's engine here, the default and a set's others alike: its failure
+        client.engine.core.on_failure.append(failed)  # ends the replica (they share the device), its steps are
+        client.add_step_listener(lambda event: send(("step", event)))  # the parent's step metrics
+
     try:
         if models is None:
             engine = Engine(device=device, **engine_kwargs)
             # one image end to end before it says ready: the first pass is slow (lazy kernels, allocator growth)
             # and a broken model fails here, not on a client's request
             engine.generate("warm-up", num_inference_steps=1, seed=0)
-            held = None
+            held, client = None, AsyncEngine(engine)
+            hook(client)
         else:
-            held = _HeldModels(models, device, engine_kwargs)  # each build warms its engine up the same way
-            engine = held.default
+            held = HeldModels(models, device, engine_kwargs, hook)  # each build warms its engine up the same way
+            engine, client = held.default, held.default_client
         # on the CPU a second, warm step is timed (the server's --max-pixels default is measured from it)
         step_s = engine.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"] / 1e3 \
             if measure_step and device.startswith("cpu") else None
     except Exception as e:
         return last(("failed", f"{type(e).__name__}: {e}"))
-    client = AsyncEngine(engine) if held is None else held.default_client
     owners: dict[str, Any] = {}  # request id -> the engine it was submitted to (a model set's other models)
 
-    def failed(reason: str) -> None:  # the failure policy tripped: its requests are answered; say why, exit
-        last(("failed", reason))
-        os._exit(3)  # the parent restarts it (with backoff); a poisoned device context is not worth a clean close
-    engine.core.on_failure.append(failed)
-    client.add_step_listener(lambda event: send(("step", event)))
+    def finished(request_id: str, future: Future) -> None:  # a request's outcome, to the parent
+        owners.pop(request_id, None)
+        send(("done", request_id, *_outcome(future)))
     send(("ready", engine.info, step_s))
     beating = threading.Event()
 
@@ -96,8 +102,7 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
             send(("accepted", request.request_id))
             if target is not engine:
                 owners[request.request_id] = target
-            future.add_done_callback(lambda f, rid=request.request_id: (owners.pop(rid, None),
-                                                                       send(("done", rid, *_outcome(f)))))
+            future.add_done_callback(functools.partial(finished, request.request_id))
         elif kind == "abort":
             owners.get(message[1], engine).abort(message[1])
         elif kind in ("acquire", "models", "release"):  # a model set's: loads wait on a thread of their own
@@ -106,7 +111,7 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         elif kind == "stats":
             send(("stats", message[1], client.stats()))
         elif kind == "loras":  # reads adapter headers from disk: on a thread of its own, never blocking the pipe
-            threading.Thread(target=_answer_listing, args=(send, message[1], engine), daemon=True,
+            threading.Thread(target=_answer_listing, args=(send, message, engine, held), daemon=True,
                              name="diffgraph-replica-listing").start()
         elif kind == "close":
             break
@@ -120,56 +125,7 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         os._exit(0)
 
 
-class _HeldModels:
-    """The replica's side of a model set: the set (engine/model_set.py), its default model held for good, and the
-    holds the parent took (`acquire` to `release`, around validation and submit), by id."""
-
-    def __init__(self, spec: ModelSetSpec, device: str, engine_kwargs: dict[str, Any]):
-        from ..models.catalog import ModelDir
-        from .model_set import ModelSet, folder_builder
-
-        self.spec, self.catalog = spec, ModelDir(spec.root)
-        self.set = ModelSet(folder_builder(spec.root, spec.default, {**engine_kwargs, "device": device}), device,
-                            spec.max_models, spec.memory_bytes)
-        self.default_client = self.set.acquire(spec.default).client  # never released: /ready follows it
-        self.default = self.default_client.engine
-        for name in spec.preload:
-            self.set.release(self.set.acquire(self.catalog.resolve(name).name))
-        self._holds: dict[int, Any] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def acquire(self, name: str, seconds: float) -> tuple[int, Any, int]:
-        resident = self.set.acquire(name, seconds)
-        with self._lock:
-            hold = next(self._ids)
-            self._holds[hold] = resident
-        return hold, resident.client.info, resident.memory_bytes
-
-    def release(self, hold: int) -> None:
-        with self._lock:
-            resident = self._holds.pop(hold, None)
-        if resident is not None:
-            self.set.release(resident)
-
-    def engine_of(self, hold: int) -> Any:
-        with self._lock:
-            resident = self._holds.get(hold)
-        if resident is None:
-            raise EngineClosed("the model this request was validated against is no longer held here (the engine "
-                               "process restarted); retry it")
-        return resident.client.engine
-
-    def view(self) -> ModelsView:
-        return ModelsView(resident=[(r.name, r.client.info, r.memory_bytes, r.client.in_flight())
-                                    for r in self.set.resident()],
-                          loading=self.set.loading(), errors=dict(self.set.errors))
-
-    def close(self) -> None:
-        self.set.close()
-
-
-def _answer_models(send: Callable[[tuple], None], held: _HeldModels | None, message: tuple) -> None:
+def _answer_models(send: Callable[[tuple], None], held: HeldModels | None, message: tuple) -> None:
     kind = message[0]
     if kind == "release":
         if held is not None:
@@ -196,9 +152,13 @@ def _cpu_threads(threads: int) -> None:
         pass
 
 
-def _answer_listing(send: Callable[[tuple], None], token: int, engine: Any) -> None:
+def _answer_listing(send: Callable[[tuple], None], message: tuple, engine: Any, held: HeldModels | None) -> None:
+    """("loras", token[, model]): the adapter listing of the replica's engine, or of a resident model of its set
+    (None when that model is not resident here)."""
+    token, model = message[1], message[2] if len(message) > 2 else None
     try:
-        send(("loras", token, engine.loras()))
+        target = engine if model is None or held is None else held.resident_engine(model)
+        send(("loras", token, None if target is None else target.loras()))
     except Exception as e:  # an unreadable folder: the caller's error, with its reason
         send(("loras", token, RuntimeError(f"listing the adapters failed: {type(e).__name__}: {e}")))
 

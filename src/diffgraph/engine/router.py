@@ -102,6 +102,19 @@ class Router:
             self._count[rid] += 1
             self._groups[rid][request.key] = self._groups[rid].get(request.key, 0) + 1
 
+    async def submit_held(self, replica: Any, hold: int, request: GenerationRequest, progress: bool = False) -> Any:
+        """A request for a model that `replica` holds for it (a `--model-dir` model's, remote_models.py): counted
+        with the replica's work like any other, never moved (no other replica holds the model for it)."""
+        if self.sole is not None:
+            return await replica.submit(request, progress=progress, hold=hold)
+        self.track(request, replica)
+        try:
+            handle = await replica.submit(request, progress=True, hold=hold)
+        except BaseException:
+            self._done(request.request_id)
+            raise
+        return _Tracked(handle, self, request, progress, movable=False)
+
     async def submit(self, request: GenerationRequest, progress: bool = False) -> Any:
         if self.sole is not None:  # nothing to choose or to count: the replica's own handle
             return await self.sole.submit(request, progress=progress)
@@ -195,9 +208,9 @@ class _Tracked:
     ran a step (the replica died, or its failure policy tripped, while the request waited there) is submitted to
     another ready replica instead of failing; one that had started fails (retryable)."""
 
-    def __init__(self, handle: Any, router: Router, request: GenerationRequest, progress: bool):
+    def __init__(self, handle: Any, router: Router, request: GenerationRequest, progress: bool, movable: bool = True):
         self.request_id, self._request = request.request_id, request
-        self._handle, self._router, self._progress = handle, router, progress
+        self._handle, self._router, self._progress, self._movable = handle, router, progress, movable
         self._started = False  # it made progress on a replica (then it is not moved: it fails, retryable)
 
     async def events(self):
@@ -215,7 +228,7 @@ class _Tracked:
                 return
             except EngineClosed:
                 moves += 1
-                if self._started or moves > len(self._router.replicas) or not any(r.ready for r in self._router.replicas):
+                if self._started or not self._movable or moves > len(self._router.replicas) or not any(r.ready for r in self._router.replicas):
                     raise
             finally:
                 self._router._done(self.request_id)

@@ -45,7 +45,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import RequestHandle
-from ..engine.remote_models import ModelSetSpec, RemoteModels
+from ..engine.remote_models import ModelsBackend, RemoteModels
 from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
@@ -109,17 +109,17 @@ class _ClosingStream(StreamingResponse):
             self._on_close()
 
 
-def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
+def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = None,
+               models: ModelsBackend | None = None) -> FastAPI:
     """The app for `config`. `engine_factory` builds the engine client (default: a Router over one replica process
     per device of `config.devices`, or one for `config.device`, which with `model_dir` holds the model set). A
-    factory may return an in-process `Engine` (tests, embedding)."""
-    # --model-dir: the set lives in the engine's replica process, the server routes by name (server/models.py)
-    remote = RemoteModels() if config.model_dir else None
-    if remote is not None and engine_factory is not None:
-        raise ValueError("model_dir needs the default engine factory (its model set lives in the replica process)")
-    spec = ModelSetSpec(config.model_dir, config.model, config.max_models,
-                        int(config.model_memory * 2**30) if config.model_memory else None, tuple(config.preload)) \
-        if config.model_dir else None
+    factory may return an in-process `Engine` (tests, embedding); with `model_dir` a factory comes with the
+    `models` backend its engine processes answer (Ray's, ray_ingress.py)."""
+    # --model-dir: the set lives in the engine's processes, the server routes by name (server/models.py)
+    remote = RemoteModels() if config.model_dir and engine_factory is None else models
+    if config.model_dir and remote is None:
+        raise ValueError("model_dir with an engine factory needs the models backend of its engine processes")
+    spec = config.model_set()
     if engine_factory is None:
         def engine_factory():  # the engine in its own process, one per device (one code path for one GPU and many)
             from ..engine.replica import ReplicaClient
@@ -130,11 +130,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                       name=f"{d}#{i}" if devices.count(d) > 1 else d,
                                       replica_timeout=config.replica_timeout, measure_step=config.max_pixels is None,
                                       models=spec) for i, d in enumerate(devices)]
-            if remote is not None:  # each replica holds a model set of its own (on its device)
-                remote.replicas = replicas
-            return Router(replicas, min_ready=config.min_ready)
+            router = Router(replicas, min_ready=config.min_ready)
+            if isinstance(remote, RemoteModels):  # each replica holds a model set of its own (on its device)
+                remote.router = router
+            return router
 
-    routing = ModelRouting(config.model_dir, config.model, remote) if remote is not None else None
+    routing = ModelRouting(config.model_dir, config.model, remote) if config.model_dir and remote is not None else None
     state = ServerState(config, engine_factory, on_close=routing.close if routing else None)
     if routing is not None:
         state.metrics.registry.register(ModelCollector(
@@ -205,10 +206,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         return ModelList(data=[ModelCard(id=name, created=state.created)]).model_dump()
 
     @app.get("/v1/loras")
-    async def loras() -> Response:
-        """The LoRA adapters requests may name (`loras: [{"name", "scale"}]`), from their headers (pages.py)."""
+    async def loras(model: str | None = None) -> Response:
+        """The LoRA adapters requests may name (`loras: [{"name", "scale"}]`), from their headers (pages.py); with
+        `?model=`, as that model's engine sees them (a --model-dir model's own slots)."""
         try:
-            return JSONResponse({"object": "list", **await lora_listing(state)})
+            return JSONResponse({"object": "list", **await lora_listing(state, model, routing)})
         except APIError as e:
             return _error_response(e)
 
@@ -231,7 +233,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     @app.get("/status")
     async def status() -> Response:
-        return JSONResponse(await asyncio.to_thread(server_status, state))
+        return JSONResponse(await asyncio.to_thread(server_status, state, routing))
 
     if config.playground:
         @app.get("/", include_in_schema=False)

@@ -34,7 +34,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
            "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
-           "metadata", "vae", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
+           "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
            "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
            "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -506,10 +506,6 @@ def _exit(code: int) -> int:
 
 
 def _serve_ray(config: ServerConfig, args: argparse.Namespace) -> int:
-    if config.model_dir:
-        print("diffgraph: error: --model-dir with --ray is not supported yet: each Ray engine replica serves "
-              "--model; serve the folder's models without --ray (--devices for several GPUs)", file=sys.stderr)
-        return 2
     try:
         from ..ray import serve_local, split_args
         import ray.serve  # noqa: F401

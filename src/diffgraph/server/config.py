@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions, LoraConfig,
                       default_cpu_threads, parse_buckets,
                       parse_name_scales, parse_prewarm, parse_resolutions)
+from ..engine.remote_models import ModelSetSpec
 from ..engine.scheduler import SchedulerConfig
 from ..request import MAX_CLIP_SKIP, MAX_EDIT_PIXELS, MAX_PROMPT_CHUNKS, PROMPT_SYNTAXES
 
@@ -108,6 +109,7 @@ class ServerConfig:
     model_memory: float | None = None    # with model_dir: GiB of weights and graph pools the resident models may use
     preload: tuple[str, ...] = ()        # with model_dir: models loaded at start, beside the default
     vae: str | None = None               # a VAE (single file or diffusers folder) in place of the model's
+    vae_upcast: bool | None = None       # fp32 decode of an fp16 model; None: the VAE config's (False: fp16-safe VAE)
     model_config: str | None = None      # a single-file checkpoint's diffusers config folder (else detected)
     prediction_type: str | None = None   # epsilon | v_prediction, over the model's (or the checkpoint's marks)
     zero_snr: bool | None = None         # zero terminal SNR betas (v-prediction fine-tunes), over the model's
@@ -254,7 +256,14 @@ class ServerConfig:
 
     def load_options(self) -> LoadOptions:
         return LoadOptions(model_config=self.model_config, prediction_type=self.prediction_type,
-                           zero_snr=self.zero_snr, vae=self.vae)
+                           zero_snr=self.zero_snr, vae=self.vae, vae_upcast=self.vae_upcast)
+
+    def model_set(self) -> ModelSetSpec | None:
+        """What an engine process needs to hold the --model-dir set (None without one)."""
+        if not self.model_dir:
+            return None
+        return ModelSetSpec(self.model_dir, self.model, self.max_models,
+                            int(self.model_memory * 2**30) if self.model_memory else None, tuple(self.preload))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `Engine(...)`: live rows never exceed the largest batch bucket."""
@@ -290,9 +299,10 @@ def _parse(key: str, value: Any) -> Any:
             raise ValueError("api-key is empty; give a key, or leave api-key (and DIFFGRAPH_API_KEY) out for an "
                              "open server")
         return keys
-    if key == "zero_snr" and value is None:
+    if key in ("zero_snr", "vae_upcast") and value is None:
         return None
-    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata", "zero_snr", "lora_conv"):
+    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata", "zero_snr", "lora_conv",
+               "vae_upcast"):
         if not isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
         return value

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.client import EngineClient
-from ..engine.remote_models import RemoteModels, RemoteResident
+from ..engine.remote_models import ModelsBackend, RemoteResident
 from ..errors import ModelLoadError
 from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
 from ..models.clip_vocab import default_cache_root
@@ -43,10 +43,10 @@ class Target:
 
 
 class ModelRouting:
-    def __init__(self, root: str, default: str, models: RemoteModels):
+    def __init__(self, root: str, default: str, models: ModelsBackend):
         self.catalog = ModelDir(root)
         self.default = default
-        self.models = models  # the set, in the engine's replica process
+        self.models = models  # the set, in the engine's processes (replica processes or Ray engine replicas)
         self._hashes: dict[str, str | None] = {}
         self._hash_lock = threading.Lock()
         self._hashing = False
@@ -76,6 +76,10 @@ class ModelRouting:
         except EngineClosed as e:  # the engine process went (or restarts) while the model loaded: retryable
             raise APIError(503, f"{e}", code="engine_unavailable") from None
         return Target(resident.client, resident.client.info, resident)
+
+    def family(self, name: str) -> str | None:
+        """The family of a folder model (from its files, without loading it)."""
+        return self.catalog.resolve(name).family
 
     def listing(self, created: int) -> list[dict[str, Any]]:
         resident = {r.name: r for r in self.models.resident()}

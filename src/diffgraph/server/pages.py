@@ -96,7 +96,16 @@ def server_info(state: Any) -> dict[str, Any]:
     }
 
 
-def server_status(state: Any) -> dict[str, Any]:
+def server_status(state: Any, routing: Any = None) -> dict[str, Any]:
+    """GET /status; with --model-dir (`routing`, server/models.py), a row per resident model and replica too."""
+    out = _engine_status(state)
+    if routing is not None:
+        out["models"] = [{**row, "live_rows": {_size(h, w): n for (h, w), n in sorted(row.get("live_rows", {}).items())
+                                               }} for row in routing.models.status()]
+    return out
+
+
+def _engine_status(state: Any) -> dict[str, Any]:
     engine = state.engine
     recent = list(state.metrics.recent_steps)
     out: dict[str, Any] = {"ready": state.ready, "draining": state.draining, "inflight": state.inflight,
@@ -131,14 +140,25 @@ def folder_listing(config: Any, family: str | None) -> dict[str, Any]:
             "max_loras": LoraConfig(config.lora_dir, config.max_loras).slots, "max_lora_rank": config.max_lora_rank}
 
 
-async def lora_listing(state: Any) -> dict[str, Any]:
-    """The LoRA adapters requests may name. Listings read adapter headers only (an engine caches them per file version
-    and reads on its own file pool); a listing that a stalled disk holds past the bound is a 503 (APIError)."""
+async def lora_listing(state: Any, model: str | None = None, routing: Any = None) -> dict[str, Any]:
+    """The LoRA adapters requests may name, with `model`'s (a --model-dir model; `routing`: server/models.py) slots
+    and family where it is not the default. Listings read adapter headers only (an engine caches them per file
+    version and reads on its own file pool); a listing that a stalled disk holds past the bound is a 503 (APIError);
+    an unknown model a 404 naming `model`."""
     engine = state.require_engine()
+    other = model is not None and model != (routing.default if routing is not None else engine.info.name)
+    if other and routing is None:
+        raise APIError(404, f"model {model!r} is not served here: this server serves {engine.info.name!r} (GET "
+                            "/v1/models)", param="model", code="model_not_found")
+    name = await routing.resolve(model) if other else None
     try:
-        listing = await asyncio.wait_for(asyncio.to_thread(engine.loras), LISTING_BOUND_S)
-        if listing is None:  # replicas in other processes: what the folder holds, from the files' headers
+        if name is not None:  # a resident model's own slots, else the folder with that model's family
+            listing = await asyncio.wait_for(asyncio.to_thread(routing.models.loras, name), LISTING_BOUND_S)
+            family = None if listing is not None else await asyncio.to_thread(routing.family, name)
+        else:
+            listing = await asyncio.wait_for(asyncio.to_thread(engine.loras), LISTING_BOUND_S)
             family = engine.info.family if engine.info else None
+        if listing is None:  # replicas in other processes: what the folder holds, from the files' headers
             listing = await asyncio.wait_for(asyncio.to_thread(folder_listing, state.config, family), LISTING_BOUND_S)
     except TimeoutError:
         raise APIError(503, f"listing the adapters took longer than {LISTING_BOUND_S:g} s (a slow or stalled disk "
