@@ -26,11 +26,13 @@ class HeldModels:
         self.spec, self.catalog = spec, ModelDir(spec.root)
         self.set = ModelSet(folder_builder(spec.root, spec.default, {**engine_kwargs, "device": device}), device,
                             spec.max_models, spec.memory_bytes, on_load)
-        self.default_client = self.set.acquire(spec.default).client  # never released: /ready follows it
+        self._default = self.set.acquire(spec.default)  # never released: /ready follows it
+        self.default_client = self._default.client
         self.default = self.default_client.engine
         for name in spec.preload:
             self.set.release(self.set.acquire(self.catalog.resolve(name).name))
         self._holds: dict[int, Any] = {}
+        self._requests: dict[str, Any] = {}  # request id -> the resident it was submitted to, until answered
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -59,12 +61,38 @@ class HeldModels:
     def engine_of(self, hold: int) -> Any:
         return self.client_of(hold).engine
 
+    def submit(self, hold: int | None, request: Any, **callbacks: Any) -> Any:
+        """Submits to the held model's engine (hold None: the default's; `Engine.submit`: a Future), counted as that
+        model's in flight until answered (the listing and /status show it)."""
+        with self._lock:
+            resident = self._default if hold is None else self._holds.get(hold)
+        if resident is None:
+            self.client_of(hold)  # raises the hold's EngineClosed
+        future = resident.client.engine.submit(request, **callbacks)
+        with self._lock:
+            self._requests[request.request_id] = resident
+        future.add_done_callback(lambda _: self._answered(request.request_id))
+        return future
+
+    def _answered(self, request_id: str) -> None:
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    def owner(self, request_id: str) -> Any | None:
+        """The engine a held request was submitted to (None: not one of the set's other models')."""
+        with self._lock:
+            resident = self._requests.get(request_id)
+        return None if resident is None else resident.client.engine
+
     def resident_engine(self, name: str) -> Any | None:
         return next((r.client.engine for r in self.set.resident() if r.name == name), None)
 
     def view(self) -> ModelsView:
         residents = self.set.resident()
-        return ModelsView(resident=[(r.name, r.client.info, r.memory_bytes, r.client.in_flight()) for r in residents],
+        with self._lock:
+            held = [r.name for r in self._requests.values()]
+        return ModelsView(resident=[(r.name, r.client.info, r.memory_bytes, r.client.in_flight() + held.count(r.name))
+                                    for r in residents],
                           loading=self.set.loading(), errors=dict(self.set.errors),
                           stats={r.name: _model_stats(r.client.stats()) for r in residents})
 

@@ -69,10 +69,7 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
             if measure_step and device.startswith("cpu") else None
     except Exception as e:
         return last(("failed", f"{type(e).__name__}: {e}"))
-    owners: dict[str, Any] = {}  # request id -> the engine it was submitted to (a model set's other models)
-
     def finished(request_id: str, future: Future) -> None:  # a request's outcome, to the parent
-        owners.pop(request_id, None)
         send(("done", request_id, *_outcome(future)))
     send(("ready", engine.info, step_s))
     beating = threading.Event()
@@ -94,17 +91,15 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
             on_preview = (lambda e: send(("progress", e.request_id, e.step, e.total, e.previews, e.preview_format))
                           ) if progress else None
             try:
-                target = engine if hold is None else held.engine_of(hold)
-                future = target.submit(request, on_progress=on_progress, on_preview=on_preview)
+                future = engine.submit(request, on_progress=on_progress, on_preview=on_preview) if held is None \
+                    else held.submit(hold, request, on_progress=on_progress, on_preview=on_preview)
             except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
                 send(("rejected", request.request_id, e))
                 continue
             send(("accepted", request.request_id))
-            if target is not engine:
-                owners[request.request_id] = target
             future.add_done_callback(functools.partial(finished, request.request_id))
         elif kind == "abort":
-            owners.get(message[1], engine).abort(message[1])
+            ((held.owner(message[1]) if held is not None else None) or engine).abort(message[1])
         elif kind in ("acquire", "models", "release"):  # a model set's: loads wait on a thread of their own
             threading.Thread(target=_answer_models, args=(send, held, message), daemon=True,
                              name="diffgraph-replica-models").start()
