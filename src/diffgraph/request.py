@@ -160,6 +160,84 @@ class EditInput:
         return self.mask is not None
 
 
+# -- ControlNet controls (issue 32): which ControlNet, its control image, its scale and window ----------------
+MAX_CONTROLS = 3
+MAX_CONTROL_SCALE = 5.0
+MAX_CONTROL_PIXELS = 16 * 1024 * 1024  # a control image, decoded (as an edit's image)
+
+
+def _control_number(name: str, value: Any, lo: float, hi: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(float(value)) or not lo <= float(value) <= hi:
+        raise ParamError(name, f"{name} {value!r} is out of range; allowed: {what}")
+    return float(value)
+
+
+@dataclass(frozen=True, eq=False)
+class ControlInput:
+    """One control of a request, checked on construction (plain numpy: it crosses processes with the request):
+    `model` (a name under `--controlnet-dir`), `image` (the control map itself, RGB [H, W, 3] uint8 or a PIL image:
+    an edge map, a depth or pose map), `scale` (diffusers' `controlnet_conditioning_scale`), `start` and `end`
+    (`control_guidance_start` / `control_guidance_end`: the fractions of the schedule where it runs)."""
+
+    model: str
+    image: np.ndarray
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ParamError("controls", "a control needs its ControlNet's name (model); GET /v1/controlnets lists "
+                                         "them")
+        img = self.image
+        if hasattr(img, "convert") and hasattr(img, "size"):  # a PIL image, as diffusers' processor converts it
+            img = np.asarray(img.convert("RGB"))
+            object.__setattr__(self, "image", img)
+        if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+            raise ParamError("controls", "a control image must be RGB pixels: a PIL image or a uint8 array of shape "
+                                         "(height, width, 3)")
+        h, w = img.shape[:2]
+        if min(h, w) < 8 or h * w > MAX_CONTROL_PIXELS:
+            raise ParamError("controls", f"control image is {w}x{h}; each side must be at least 8 pixels and the "
+                                         f"image at most {MAX_CONTROL_PIXELS // 2**20} megapixels")
+        object.__setattr__(self, "scale", _control_number("controls.scale", self.scale, 0.0, MAX_CONTROL_SCALE,
+                                                  f"a number in [0, {MAX_CONTROL_SCALE:g}]"))
+        start = _control_number("controls.start", self.start, 0.0, 1.0, "a fraction in [0, 1)")
+        end = _control_number("controls.end", self.end, 0.0, 1.0, "a fraction in (0, 1]")
+        if start >= end:
+            raise ParamError("controls", f"control start {start:g} must be below its end {end:g} (fractions of the "
+                                         "schedule)")
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "end", end)
+
+
+def check_controls(value: Any) -> tuple[ControlInput, ...]:
+    """A request's controls as a tuple of ControlInput (dicts of its fields accepted); raises ParamError."""
+    if value is None:
+        return ()
+    if isinstance(value, (ControlInput, dict)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ParamError("controls", f"controls must be a list of controls, got {type(value).__name__}")
+    if len(value) > MAX_CONTROLS:
+        raise ParamError("controls", f"{len(value)} controls given; at most {MAX_CONTROLS} per request")
+    out = []
+    for c in value:
+        if isinstance(c, dict):
+            unknown = set(c) - {"model", "image", "scale", "start", "end"}
+            if unknown:
+                raise ParamError("controls", f"unknown control fields {sorted(unknown)}; allowed: model, image, "
+                                             "scale, start, end")
+            if "model" not in c or "image" not in c:
+                raise ParamError("controls", "a control needs model (a ControlNet's name) and image")
+            c = ControlInput(**c)
+        elif not isinstance(c, ControlInput):
+            raise ParamError("controls", f"a control must be a ControlInput or a dict, got {type(c).__name__}")
+        out.append(c)
+    return tuple(out)
+
+
 PREVIEW_FORMATS = ("jpeg", "png", "webp")
 
 
@@ -233,6 +311,7 @@ class GenerationRequest:
     # rows (a job's items) fill what interactive rows leave free; `job` groups batch rows for round-robin fairness
     priority: str = "interactive"
     job: str | None = None
+    controls: tuple[ControlInput, ...] = ()  # ControlNet controls (ControlInput), at most MAX_CONTROLS
     # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
     key: GroupKey = field(init=False, compare=False, repr=False)
 
@@ -304,6 +383,7 @@ class GenerationRequest:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "key", (self.height, self.width))
         object.__setattr__(self, "loras", check_loras(self.loras))
+        object.__setattr__(self, "controls", check_controls(self.controls))
         object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
         rescale = self.guidance_rescale
         if isinstance(rescale, bool) or not isinstance(rescale, (int, float, np.floating, np.integer)) \
@@ -335,7 +415,7 @@ class GenerationRequest:
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
-               preview: Any = None) -> "GenerationRequest":
+               preview: Any = None, controls: Any = ()) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -382,7 +462,7 @@ class GenerationRequest:
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
-                      preview=make_preview(preview), **kwargs)
+                      preview=make_preview(preview), controls=controls, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

@@ -104,7 +104,7 @@ class AsyncEngine:
         loras = await asyncio.to_thread(core.resolve_loras, request) if request.loras else ()
         self._opened(1)
         try:
-            if request.edit is not None:  # its pixels are preprocessed at submit: off the event loop
+            if request.edit is not None or request.controls:  # images prepared, nets read at submit: off the loop
                 await asyncio.to_thread(core.submit, request, handle, loras)
             else:
                 core.submit(request, handle, loras)

@@ -28,6 +28,8 @@ from ..request import (EngineClosed, EngineStepError, GenerationRequest, Generat
 from ..features.base import Admission
 from ..image_metadata import encode_image
 from ..sampling.sde import BrownianNoise
+from ..lora.manager import resolve_loras
+from .controlnets import resolve_controls
 from .device_loop import STOPPED, DeviceLoop
 from .edits import prepare_edit, preprocess_edit
 from .failures import FailurePolicy
@@ -61,6 +63,8 @@ class EngineCore:
         if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
             self.scheduler.gates = (runner.loras,)
             runner.loras.wake = self.loop.wake  # an adapter's host copy was read again: plan again
+        if runner.controls is not None:  # and for ControlNet slots (controlnets.py)
+            self.scheduler.gates += (runner.controls,)
 
     def start(self) -> None:
         self.loop.attach(self)
@@ -78,18 +82,7 @@ class EngineCore:
 
     # -- requests ------------------------------------------------------------------------------
     def resolve_loras(self, request: GenerationRequest) -> tuple:
-        """The request's LoRA adapters read and checked (files are read here, on the caller's thread, never on the
-        loop). Raises ParamError("loras") naming the problem."""
-        if not request.loras:
-            return ()
-        manager = self.runner.loras
-        if manager is None or not manager.enabled:
-            raise ParamError("loras", "this engine serves no LoRA adapters; start it with --lora-dir DIR or "
-                                      "--max-loras N (Engine(lora_dir=..., max_loras=...))")
-        try:
-            return manager.resolve(request.loras)
-        except ValueError as e:  # AdapterError, AdapterNameError
-            raise ParamError("loras", str(e)) from None
+        return resolve_loras(self.runner.loras, request) if request.loras else ()
 
     def submit(self, request: GenerationRequest, sink: RequestSink, loras: tuple | None = None) -> None:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
@@ -102,6 +95,7 @@ class EngineCore:
         if prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = self.runner.empty_prompt(prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
+        state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
         with self._cv:
             if not self._live():
                 raise EngineClosed(f"the engine failed: {self.failures.reason}" if self.failures.reason else
@@ -300,6 +294,7 @@ class EngineCore:
         runner = self.runner
         loras = runner.loras  # the adapters admitted this step, loaded into their slots first
         broken = loras.load_admitted() if loras is not None and loras.enabled else {}
+        broken_nets = runner.controls.load_admitted() if runner.controls is not None else {}
         keys = [k for s in states for k in _prompt_keys(s)]
         try:
             embeds = runner.embed(keys)
@@ -312,6 +307,8 @@ class EngineCore:
             try:
                 if broken.keys() & set(s.admitted.get("lora", [])):
                     raise RuntimeError(next(broken[k] for k in s.admitted["lora"] if k in broken))
+                if broken_nets.keys() & set(s.admitted.get("control", [])):
+                    raise RuntimeError(next(broken_nets[k] for k in s.admitted["control"] if k in broken_nets))
                 mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
                 if s.plan.brownian is not None:  # dpmpp_sde: one Brownian tree per request, seeded by its seed
@@ -325,7 +322,7 @@ class EngineCore:
                 cond, uncond, chunks = runner.row_conditioning(mine[pos], mine[neg], mine[empty[0]] if empty else None)
                 admission = Admission(r, s.rows, uncond, edit or {}, [
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
-                    chunks)
+                    chunks, runner.controls.admitted(s, s.admitted["control"]) if s.controls else [])
                 s.variant_parts = runner.write_rows(key, s.first_row, latents, cond, admission)
                 s.admitted_at = now
             except Exception as e:

@@ -27,6 +27,7 @@ from ..text.embeddings import EmbeddingDir
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
                        ProgressEvent, QueueFullError, RequestAborted)
 from .core import EngineCore
+from .controlnets import ControlNets
 from .device_loop import DeviceLoop
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig, StepPlan
@@ -96,7 +97,7 @@ class Engine:
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
                  preview_decoder: str | None = None, max_step_failures: int = 3,
-                 lora_host_bytes: int = 2 * 2**30):
+                 lora_host_bytes: int = 2 * 2**30, controlnet_dir: str | None = None, max_controlnets: int = 2):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -122,8 +123,9 @@ class Engine:
             loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv, lora_host_bytes)
             if not isinstance(compile, (bool, CompileConfig)):
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
+            controls = _controlnets(self.model, controlnet_dir, max_controlnets) if controlnet_dir else None
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
-                                      prompt_cache_size=prompt_cache_size, loras=loras,
+                                      prompt_cache_size=prompt_cache_size, loras=loras, controls=controls,
                                       compile=CompileConfig() if compile is True else compile or None,
                                       max_prompt_chunks=max_prompt_chunks,
                                       embeddings=EmbeddingDir(embeddings_dir) if embeddings_dir else None)
@@ -333,3 +335,16 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineClosed", "EngineStepError", "QueueFullError", "RequestAborted"]
+
+
+def _controlnets(model: DiffusionModel, folder: str, slots: int) -> ControlNets:
+    """The ControlNets of `--controlnet-dir` for this model (its family must take ControlNet residuals)."""
+    if not hasattr(model.adapter, "control"):
+        raise ParamError("controlnet_dir", f"the {model.adapter.name} family takes no ControlNet; leave "
+                                           "--controlnet-dir out for this model")
+    if not isinstance(slots, int) or slots < 1:
+        raise ParamError("max_controlnets", f"max-controlnets {slots!r} must be an integer >= 1")
+    try:
+        return ControlNets(folder, model.device, model.dtype, model.unet.config, slots, model.vae_scale_factor)
+    except ValueError as e:
+        raise ParamError("controlnet_dir", str(e)) from None

@@ -36,6 +36,7 @@ from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
 from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
+from .controlnets import ControlNets
 from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, empty_prompt, plain_ids, prepare
@@ -50,7 +51,7 @@ class ModelRunner:
     def __init__(self, model: DiffusionModel, mode: str = "eager", graphs: GraphConfig | None = None,
                  max_rows: int | None = None, prompt_cache_size: int = 512, loras: Any = None,
                  compile: CompileConfig | None = None, max_prompt_chunks: int = 3,
-                 embeddings: EmbeddingDir | None = None):
+                 embeddings: EmbeddingDir | None = None, controls: ControlNets | None = None):
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
         self.model = model
@@ -74,8 +75,7 @@ class ModelRunner:
                 b for b in self.graph_config.batch_buckets if b <= max_rows))
         self.max_rows = max_rows or self.graph_config.max_bucket
         self._planner = self.adapter.planner(model)
-        # eager callables, and the callables captured in graphs: separate objects (a compiled callable may be put
-        # in the graphs' place; an eager fallback never runs it)
+        # the eager callable; the graphs capture their own (a compiled one may take its place there, never here)
         self.denoise_eager = partial(self.adapter.denoise, model)
         self.weights_version = dict.fromkeys(WEIGHT_KINDS, 0)
         self.groups: dict[GroupKey, StepBuffers] = {}
@@ -83,7 +83,7 @@ class ModelRunner:
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
         self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per size ever asked for
         self.prompts = PromptCache(prompt_cache_size)
-        self.loras = loras  # LoRA adapter slots and side paths, or None
+        self.loras, self.controls = loras, controls  # LoRA adapter slots and side paths; ControlNet slots; or None
         slots = loras is not None and loras.enabled
         self.slot_shape = (loras.config.slots, loras.config.max_lora_rank, int(loras.config.conv)) if slots else None
         # the row features of this family's step (guidance, edits, LoRA rows, ...), composed
@@ -94,8 +94,8 @@ class ModelRunner:
         self.text_setup = TextSetup(tuple(model.tokenizers), self.adapter.embedding_dims(model), self.max_chunks,
                                     self.adapter.encoder_layers(model), embeddings)
         side_paths = loras.unet_rows if slots else None
-        self.program = StepProgram(self.adapter.features(model, side_paths, self.max_chunks) if self.max_chunks > 1
-                                   else self.adapter.features(model, side_paths))
+        self.program = StepProgram(self.adapter.features(model, side_paths, self.max_chunks, controls=controls)
+                                   if self.max_chunks > 1 or controls else self.adapter.features(model, side_paths))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
         self.graphs: GraphSet | None = None
@@ -159,8 +159,7 @@ class ModelRunner:
         return None if self.graphs is None else self.graphs.runner
 
     @property
-    def encoder(self) -> Any:
-        """The VAE module an edit's image is encoded with (the decoder's module, in the decode dtype)."""
+    def encoder(self) -> Any:  # the VAE module an edit's image is encoded with (the decoder, in the decode dtype)
         return self.decoder
 
     def graph_table(self) -> list[dict[str, Any]]:
@@ -336,8 +335,7 @@ class ModelRunner:
         slot.index[:size].numpy()[:] = layout(rows, size)
         if size > n:  # padding rows: zero state and coefficients keep them at x = 0, finite
             slot.coefs[n:size] = 0
-            buf.x[n:size].zero_()
-            buf.d_prev[n:size].zero_()
+            buf.x[n:size], buf.d_prev[n:size] = 0, 0
         image_rows = max(size, n)
         buf.coefs[:image_rows].copy_(slot.coefs[:image_rows], non_blocking=True)
         buf.index[:size].copy_(slot.index[:size], non_blocking=True)
@@ -349,6 +347,8 @@ class ModelRunner:
         bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
         if self.cuda:
             slot.event = self._record_event()
+        if self.controls is not None:  # the ControlNets' residuals (features/control.py), outside the step's graph
+            self.program.prepass(buf.fields, buf.cond_names, buf.row_names, buf.dtype, n, bucket or d, variant)
         if bucket is not None:
             self.graph_runner.replay(kind, key[0], key[1], bucket)
             return bucket

@@ -42,6 +42,9 @@ class FieldSpec:
     dtype: torch.dtype
     neutral: float | tuple[float, ...] = 0.0  # a number, or one per leading channel
     tokens: bool = False  # its first per-row axis is the prompt's token axis (the step reads its first positions)
+    # indexed by denoiser row and written anew every step (ControlNet residuals): no row state, never compacted,
+    # saved or written at admission
+    transient: bool = False
 
     def fill(self, t: torch.Tensor) -> None:
         """Writes the neutral value into `t` ([rows, *shape])."""
@@ -62,6 +65,7 @@ class Admission:
     edit: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/edits.py's per-row fields
     loras: list[tuple[int, float]] = field(default_factory=list)  # (slot, scale) of its UNet adapters
     chunks: int = 1                                              # 77-token prompt windows of its conditioning
+    controls: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (ControlNet slot, image [1, 3, H, W])
 
 
 @dataclass
@@ -130,8 +134,14 @@ class RowFeature:
     def model_input(self, view: StepView, x_in: torch.Tensor) -> torch.Tensor:
         return x_in
 
-    def denoiser_inputs(self, view: StepView) -> dict[str, torch.Tensor]:
+    def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, torch.Tensor]:
+        """Per denoiser row inputs of the family's denoiser (`part`: this step's part, as the graphs see it)."""
         return {}
+
+    def prepass(self, view: StepView, part: Any, d: int, x: torch.Tensor, t: torch.Tensor,
+                cond: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+        """Before the step, outside its graph, with the step's full part: work the step reads (the ControlNets'
+        residuals into transient fields). `x`, `t`, `cond`, `inputs`: the denoiser's batch over denoiser rows [0, d)."""
 
     def before_denoise(self, view: StepView, part: Any) -> None:
         """Called just before the denoiser with this step's variant part (e.g. sets the LoRA side paths' rows)."""
@@ -159,6 +169,11 @@ class RowFeature:
     def variant(self, parts: Sequence[Any]) -> Any:
         """The step's part, from the live requests' parts: one of `variants()` that runs all of them."""
         return self.variants()[0]
+
+    def graph_part(self, part: Any) -> Any:
+        """The part the step's code and graphs see (one of `variants()`): `part` itself, unless the feature's step
+        part says more than the code needs (the ControlNet pairs a prepass runs)."""
+        return part
 
     def tokens(self, part: Any) -> int | None:
         """For a feature whose parts only change shapes: the prompt tokens a step with `part` reads (the token-axis

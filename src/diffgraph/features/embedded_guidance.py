@@ -6,7 +6,7 @@ classifier-free guidance and pass `timestep_cond`, an embedding of `guidance_sca
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -43,5 +43,5 @@ class EmbeddedGuidance(RowFeature):
         value = self._encode(admission.request.guidance_scale).to(self._dtype)
         return {f"embedded.{self.input_name}": value.reshape(1, *self._shape)}
 
-    def denoiser_inputs(self, view: StepView) -> dict[str, torch.Tensor]:
+    def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, torch.Tensor]:
         return {self.input_name: view.gather(view.fields[f"embedded.{self.input_name}"])}

@@ -53,12 +53,15 @@ class StepProgram:
         object.__setattr__(self, "_neutral", neutral)
         object.__setattr__(self, "_variants", tuple(variants))
         object.__setattr__(self, "_shaping", shaping[0] if shaping else None)
-        object.__setattr__(self, "kinds", {v: self.kind(v) for v in variants})  # variant key -> graph kind
 
         def overriding(hook: str) -> tuple[int, ...]:  # the features that override a host-side hook
             return tuple(i for i, f in enumerate(self.features) if getattr(type(f), hook) is not getattr(RowFeature, hook))
         object.__setattr__(self, "_overrides", {h: overriding(h) for h in ("plan_columns", "branches", "part",
-                                                                            "variant", "rows")})
+                                                                            "variant", "rows", "prepass",
+                                                                            "graph_part")})
+        object.__setattr__(self, "_transient", frozenset(
+            name for f in self.features for name, spec in f.fields((4, 8, 8)).items() if spec.transient))
+        object.__setattr__(self, "kinds", {v: self.kind(v) for v in variants})  # variant key -> graph kind
 
     # -- layout --------------------------------------------------------------------------------
     @property
@@ -136,9 +139,19 @@ class StepProgram:
         each at every part of the shape-only feature (the prompt context)."""
         return list(self._variants)
 
+    def graph_key(self, key: VariantKey) -> VariantKey:
+        """The key the step's graphs see: each part as its feature's `graph_part` (one of its `variants()`)."""
+        if not self._overrides["graph_part"]:
+            return key
+        out = list(key)
+        for i in self._overrides["graph_part"]:
+            out[i] = self.features[i].graph_part(key[i])
+        return tuple(out)
+
     def code_key(self, key: VariantKey) -> VariantKey:
-        """The key the step's code depends on: `key` with the shape-only part neutral (the compiled step, which sees
-        the token count as a dynamic dimension, is the same for every count)."""
+        """The key the step's code depends on: the graph key with the shape-only part neutral (the compiled step,
+        which sees the token count as a dynamic dimension, is the same for every count)."""
+        key = self.graph_key(key)
         i = self._shaping
         return key if i is None else key[:i] + (self._neutral[i],) + key[i + 1:]
 
@@ -149,23 +162,25 @@ class StepProgram:
 
     def kind(self, key: VariantKey) -> str:
         """The graph kind of a variant: "step" for the neutral key, else "step_<feature><part>"."""
+        key = self.graph_key(key)
         parts = [f"{f.name}{part}" for f, part, neutral in zip(self.features, key, self._neutral) if part != neutral]
         return "_".join(["step", *parts])
 
     # -- the step --------------------------------------------------------------------------------
-    def run(self, denoise: Denoiser, fields: dict[str, torch.Tensor], cond_names: Sequence[str],
-            row_names: Sequence[str], dtype: torch.dtype, n: int, d: int, key: VariantKey) -> None:
-        """One whole step for image rows [0, n) over denoiser rows [0, d): reads and writes `fields` in place."""
+    def _batch(self, fields: dict[str, torch.Tensor], cond_names: Sequence[str], row_names: Sequence[str],
+               dtype: torch.dtype, n: int, d: int) -> tuple:
+        """The step's view and its denoiser batch: (view, x_in [n] after the input hooks, x [D] the scaled latents
+        before them, t [D], conditioning [D] per branch, the family's row inputs [D])."""
         co = fields["coefs"][:n]
         index = fields["index"]
-        view = StepView(fields={k: v[:n] for k, v in fields.items()}, coefs=co, columns=self.columns, n=n,
-                        den_row=index[:d, 0], den_alt=index[:d, 1], out_main=index[:n, 2], out_alt=index[:n, 3],
-                        dtype=dtype)
-        x = view.fields["x"]
-        x_in = (x * co[:, int(Coef.C_IN)].view(n, 1, 1, 1)).to(dtype)
+        transient = self._transient
+        view = StepView(fields={k: v[:d] if k in transient else v[:n] for k, v in fields.items()}, coefs=co,
+                        columns=self.columns, n=n, den_row=index[:d, 0], den_alt=index[:d, 1], out_main=index[:n, 2],
+                        out_alt=index[:n, 3], dtype=dtype)
+        x_scaled = (view.fields["x"] * co[:, int(Coef.C_IN)].view(n, 1, 1, 1)).to(dtype)
+        x_in = x_scaled
         for f in self.features:
             x_in = f.model_input(view, x_in)
-        x_den = view.gather(x_in)
         t_den = view.gather(co[:, int(Coef.T)])
         alt = self.alt
         cond = {}
@@ -177,8 +192,27 @@ class StepProgram:
                 both = torch.cat([main, alt.alt_cond(view, name)])
                 cond[name] = both.index_select(0, view.den_row + n * view.den_alt)
         inputs = {name: view.gather(view.fields[f"rows.{name}"]) for name in row_names}
-        for f in self.features:
-            inputs.update(f.denoiser_inputs(view))
+        return view, x_in, x_scaled, t_den, cond, inputs
+
+    def prepass(self, fields: dict[str, torch.Tensor], cond_names: Sequence[str], row_names: Sequence[str],
+                dtype: torch.dtype, n: int, d: int, key: VariantKey) -> None:
+        """Before the step (outside its graph): the features' prepasses with the step's full key (ControlNets)."""
+        if not any(key[i] != self._neutral[i] for i in self._overrides["prepass"]):
+            return
+        with torch.no_grad():
+            view, _, x_scaled, t_den, cond, inputs = self._batch(fields, cond_names, row_names, dtype, n, d)
+            x_den = view.gather(x_scaled)
+            for i in self._overrides["prepass"]:
+                self.features[i].prepass(view, key[i], d, x_den, t_den, cond, inputs)
+
+    def run(self, denoise: Denoiser, fields: dict[str, torch.Tensor], cond_names: Sequence[str],
+            row_names: Sequence[str], dtype: torch.dtype, n: int, d: int, key: VariantKey) -> None:
+        """One whole step for image rows [0, n) over denoiser rows [0, d): reads and writes `fields` in place."""
+        view, x_in, _, t_den, cond, inputs = self._batch(fields, cond_names, row_names, dtype, n, d)
+        co, x = view.coefs, view.fields["x"]
+        x_den = view.gather(x_in)
+        for f, part in zip(self.features, key):
+            inputs.update(f.denoiser_inputs(view, part))
         for f, part in zip(self.features, key):
             f.before_denoise(view, part)
         try:

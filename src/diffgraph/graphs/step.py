@@ -42,6 +42,8 @@ class StepBuffers:
         f = self.fields
         self.x, self.d_prev, self.noise, self.coefs, self.index = (f["x"], f["d_prev"], f["noise"], f["coefs"],
                                                                    f["index"])
+        # the row state (what compaction moves and a preemption saves): every field but the per-step ones
+        self.state = {k: v for k, v in f.items() if not (k in self.specs and self.specs[k].transient)}
 
     @classmethod
     def allocate(cls, rows: int, latent_shape: tuple[int, ...], program: StepProgram,
@@ -82,13 +84,13 @@ class StepBuffers:
         """Copies rows [src, src+count) to [dst, dst+count) in every buffer (compaction)."""
         if src == dst or count == 0:
             return
-        for t in self.fields.values():
+        for t in self.state.values():
             t[dst:dst + count] = t[src:src + count].clone()
 
     def save_rows(self, start: int, count: int) -> dict[str, torch.Tensor]:
         """A copy of rows [start, start+count) of every buffer: a preempted row's whole state (latents, sampler
         history, conditioning, every feature's fields), for `restore_rows`."""
-        return {k: t[start:start + count].clone() for k, t in self.fields.items()}
+        return {k: t[start:start + count].clone() for k, t in self.state.items()}
 
     def restore_rows(self, start: int, saved: dict[str, torch.Tensor]) -> None:
         """Writes rows saved by `save_rows` back at rows [start, ...) (wherever the row resumes)."""
@@ -99,6 +101,8 @@ class StepBuffers:
         """Writes an admitted request's feature fields (one row broadcast, or every row); the features' fields it
         leaves out take their neutral value."""
         for name, spec in self.specs.items():
+            if spec.transient:
+                continue
             if name in values:
                 if name in self.sequence:
                     write_tokens(self.fields[name][rows], values[name])

@@ -43,6 +43,8 @@ import torch
 from torch import nn
 
 from ..config import LoraConfig
+from ..errors import ParamError
+from ..request import GenerationRequest
 from ..safe_files import FileReader, FileStamp, ReadTimeout, UnusableFile, check_regular, stamp_of
 from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, SlotCache, \
     unusable
@@ -548,3 +550,17 @@ def _targets(root: nn.Module, ends: tuple[str, ...], convolutions: bool = False,
     one is left out, and an adapter on it refused by name)."""
     modules = ((n, root.get_submodule(n)) for n in names) if names is not None else root.named_modules()
     return [n for n, m in modules if n.endswith(ends) and takes(m, convolutions)]
+
+
+def resolve_loras(manager: "LoraManager | None", request: GenerationRequest) -> tuple:
+    """The request's LoRA adapters (a lora.manager.LoraManager's) read and checked (files are read on the caller's
+    thread, never on the loop). Raises ParamError("loras") naming the problem."""
+    if not request.loras:
+        return ()
+    if manager is None or not manager.enabled:
+        raise ParamError("loras", "this engine serves no LoRA adapters; start it with --lora-dir DIR or "
+                                  "--max-loras N (Engine(lora_dir=..., max_loras=...))")
+    try:
+        return manager.resolve(request.loras)
+    except ValueError as e:  # AdapterError, AdapterNameError
+        raise ParamError("loras", str(e)) from None

@@ -13,8 +13,6 @@ engine gets is an `EditInput` (request.py) at the processing size; what comes ba
 
 from __future__ import annotations
 
-import base64
-import binascii
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +20,7 @@ from PIL import Image, ImageFilter, ImageOps
 
 from ..request import EditInput, ParamError
 from .a1111_protocol import Img2ImgBody, a1111_error
-from .edits import decode_upload, eight_bit
+from .edits import decode_b64, eight_bit
 from .protocol import APIError
 
 Box = tuple[int, int, int, int]  # (left, top, right, bottom) pixels, right and bottom exclusive (PIL's crop box)
@@ -67,23 +65,6 @@ class PreparedEdit:
         w = self.weight[..., None]
         out = self.base.astype(np.float32) * (1 - w) + layer * w
         return np.clip(np.rint(out), 0, 255).astype(np.uint8)
-
-
-def decode_b64(field: str, text: str, max_bytes: int, max_pixels: int) -> Image.Image:
-    """A base64 image (a `data:image/...;base64,` prefix allowed), checked as an upload is (edits.py)."""
-    if "," in text[:100] and text.startswith("data:"):
-        text = text.split(",", 1)[1]
-    if text.startswith(("http://", "https://")):
-        raise APIError(400, f"{field}: this server does not fetch URLs; send the image as base64", param=field)
-    if len(text) > 4 * (max_bytes // 3 + 2) + 1024:
-        raise APIError(400, f"{field} is larger than {max_bytes} bytes (--max-image-bytes)", param=field,
-                       code="image_too_large")
-    try:
-        data = base64.b64decode(text, validate=False)
-    except (binascii.Error, ValueError):
-        raise APIError(400, f"{field} is not base64 text; send a base64-encoded PNG, JPEG or WebP",
-                       param=field) from None
-    return decode_upload(field, data, max_bytes, max_pixels)
 
 
 def flatten(image: Image.Image) -> Image.Image:

@@ -260,7 +260,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             raise error_from_validation(e) from None
 
         async def finish(info: ModelInfo) -> GenerationRequest:
-            return generation_request(info, config, params)
+            controls = await asyncio.to_thread(decode_controls, params.controls, config.max_image_bytes,
+                                               config.max_image_pixels) if params.controls else ()
+            return generation_request(info, config, params, controls=controls)
         return params.stream, params.response_format == "url", params.model, finish
 
     async def read_edit(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:

@@ -14,6 +14,8 @@ the JSON route does), "٢" is text.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 from typing import Any
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, Valida
 
 from ..request import EditInput, ParamError
 from .bodies import FormLimits, read_multipart
-from .protocol import APIError, ImageGenerationRequest, LoraRef, PreviewBody, error_from_param_error, error_from_validation
+from .protocol import APIError, ControlRef, ImageGenerationRequest, LoraRef, PreviewBody, error_from_param_error, error_from_validation
 
 FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask")
@@ -196,3 +198,30 @@ def edit_input(files: dict[str, bytes], strength: float | None, defaults: tuple[
         return EditInput(image=rgb, mask=mask_array, strength=strength)
     except ParamError as e:
         raise error_from_param_error(e) from None
+
+
+def decode_b64(field: str, text: str, max_bytes: int, max_pixels: int) -> Image.Image:
+    """A base64 image (a `data:image/...;base64,` prefix allowed), checked as an upload is (edits.py)."""
+    if "," in text[:100] and text.startswith("data:"):
+        text = text.split(",", 1)[1]
+    if text.startswith(("http://", "https://")):
+        raise APIError(400, f"{field}: this server does not fetch URLs; send the image as base64", param=field)
+    if len(text) > 4 * (max_bytes // 3 + 2) + 1024:
+        raise APIError(400, f"{field} is larger than {max_bytes} bytes (--max-image-bytes)", param=field,
+                       code="image_too_large")
+    try:
+        data = base64.b64decode(text, validate=False)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{field} is not base64 text; send a base64-encoded PNG, JPEG or WebP",
+                       param=field) from None
+    return decode_upload(field, data, max_bytes, max_pixels)
+
+
+def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: int) -> list[dict[str, Any]]:
+    """A generation body's `controls` with their base64 images decoded (GenerationRequest.create checks the rest)."""
+    out = []
+    for i, ref in enumerate(refs or ()):
+        image = decode_b64(f"controls[{i}].image", ref.image, max_bytes, max_pixels)
+        out.append(dict(model=ref.model, image=eight_bit(image).convert("RGB"), scale=ref.scale, start=ref.start,
+                        end=ref.end))
+    return out

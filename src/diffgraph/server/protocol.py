@@ -31,6 +31,19 @@ class LoraRef(BaseModel):
     scale: StrictFloat = 1.0  # ints are accepted as numbers
 
 
+class ControlRef(BaseModel):
+    """One ControlNet control of a request: the ControlNet's name as GET /v1/controlnets lists it, the control map
+    (a base64 PNG, JPEG or WebP; a data: URL prefix allowed), its scale and its window (fractions of the steps)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr
+    image: StrictStr
+    scale: StrictFloat = 1.0
+    start: StrictFloat = 0.0
+    end: StrictFloat = 1.0
+
+
 class PreviewBody(BaseModel):
     """A request's live previews in its stream: every `every` steps, in `format` (jpeg, png, webp)."""
 
@@ -64,6 +77,7 @@ class ImageGenerationRequest(BaseModel):
     output_format: StrictStr = "png"
     stream: StrictBool = False
     loras: list[LoraRef] | None = None  # up to 4 adapters for this request alone
+    controls: list[ControlRef] | None = None  # up to 3 ControlNet controls (--controlnet-dir)
     prompt_syntax: StrictStr | None = None       # "plain" | "a1111"; None: the server's --prompt-syntax
     clip_skip: StrictInt | None = None           # None: the server's --clip-skip
     emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"

@@ -41,6 +41,7 @@ import torch
 
 from ...features.base import RowFeature
 from ...features.context import PromptContext, lcm_all
+from ...features.control import ControlRows, ControlSlots
 from ...features.edit import EditRows
 from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
@@ -235,7 +236,7 @@ class FamilyAdapter:
         return noising(plan)
 
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
-                 max_chunks: int = 1) -> tuple[RowFeature, ...]:
+                 max_chunks: int = 1, controls: ControlSlots | None = None) -> tuple[RowFeature, ...]:
         """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded
         for guidance-distilled UNets: `time_cond_proj_dim`), the samplers' history slots (features/history.py), edits' rows where the family takes images, LoRA rows
         where the engine has adapter slots (`side_paths`, the denoiser's side-path rows), and the prompt context
@@ -252,6 +253,9 @@ class FamilyAdapter:
             out.append(EditRows(self.extra_channels(model), model.dtype))
         if side_paths is not None:
             out.append(LoraRows(side_paths, MAX_LORAS))
+        if controls is not None:  # ControlNet rows (features/control.py): the nets in `controls`' slots
+            out.append(ControlRows(model.unet.config, model.dtype, lambda slot, *a: self.control(
+                model, controls.module(slot), *a)))
         if max_chunks > 1 and self.sequence_fields:
             out.append(PromptContext(self.token_lengths(model)[0], max_chunks))
         return tuple(out)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ...features.control import residual_kwargs
 from ..model import DiffusionModel
 from .base import CondSpec, Conditioning, FamilyAdapter, final_layer_norm
 
@@ -55,7 +56,11 @@ class SDFamily(FamilyAdapter):
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         return model.unet(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
-                          return_dict=False)[0]
+                          **residual_kwargs(rows), return_dict=False)[0]
+
+    def control(self, model: DiffusionModel, net: Any, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                rows: dict[str, torch.Tensor], image: torch.Tensor) -> tuple:
+        return net(x, t, encoder_hidden_states=cond["embeds"], controlnet_cond=image, return_dict=False)
 
     def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any, task: str = "text") -> Any:
         import diffusers

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...request import GroupKey
+from ...features.control import residual_kwargs
 from ..model import DiffusionModel
 from .base import CondSpec, Conditioning, FamilyAdapter
 
@@ -73,7 +74,13 @@ class SDXLFamily(FamilyAdapter):
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         added = {"text_embeds": cond["pooled"], "time_ids": rows["time_ids"]}
         return model.unet(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
-                          added_cond_kwargs=added, return_dict=False)[0]
+                          added_cond_kwargs=added, **residual_kwargs(rows), return_dict=False)[0]
+
+    def control(self, model: DiffusionModel, net: Any, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                rows: dict[str, torch.Tensor], image: torch.Tensor) -> tuple:
+        added = {"text_embeds": cond["pooled"], "time_ids": rows["time_ids"]}
+        return net(x, t, encoder_hidden_states=cond["embeds"], controlnet_cond=image, added_cond_kwargs=added,
+                   return_dict=False)
 
     def vae_dtype(self, model: DiffusionModel) -> torch.dtype:
         if model.dtype == torch.float16 and getattr(model.vae.config, "force_upcast", False):

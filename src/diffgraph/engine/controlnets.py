@@ -1,0 +1,158 @@
+"""`ControlNets`: the ControlNet models of a `--controlnet-dir` and which device slot holds which (issue 32).
+
+The folder's ControlNets are diffusers folders (a `config.json` whose `_class_name` is ControlNetModel and its
+safetensors weights), each named by its path relative to the folder with "/" between folders; one added later is
+found without a restart. Names follow `--lora-dir`'s rules: relative, no "..", backslashes or NUL, nothing resolving
+outside the folder; pickled weights are never loaded (diffusers' `use_safetensors=True`).
+
+A request's controls are resolved on the submitting thread (`resolve`): each name found, its weights read into a
+host copy (kept for the most recent `slots` ControlNets), its architecture checked against the UNet (a ControlNet of
+another family is the caller's 400), and its control image prepared as diffusers' ControlNet pipelines prepare it
+(`VaeImageProcessor` without normalisation: resized to the output size, RGB in [0, 1]). On the loop thread the set is
+an admission gate (`can_admit`, `admit`, `release`) over `slots` device slots (lora.catalog.SlotCache: a slot in use
+is never evicted; when every slot is pinned the request waits, it does not fail), and `load_admitted` copies the host
+copies of the ControlNets admitted this step into their slots between steps. `module(slot)` is what the step's
+ControlNet prepass runs (features/control.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ParamError
+from ..lora.catalog import SlotCache
+from ..models.controlnet_dir import WEIGHTS, ControlNetDir
+from ..request import GenerationRequest
+from ..safe_files import stamp_of
+
+# the UNet config fields a ControlNet must share with the UNet it steers (its residuals' shapes, its conditioning)
+MATCHING = ("block_out_channels", "layers_per_block", "cross_attention_dim")
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvedControl:
+    key: tuple          # (name, version of its weights file)
+    image: torch.Tensor  # [1, 3, H, W] float32 in [0, 1] at the request's size
+
+
+class ControlNets:
+    name = "control"  # its admission gate's name (RequestState.admitted)
+
+    def __init__(self, root: str, device: torch.device, dtype: torch.dtype, unet_config: Any, slots: int = 2,
+                 vae_scale_factor: int = 8):
+        self.catalog = ControlNetDir(root)
+        self.root = self.catalog.root
+        self.device, self.dtype, self._unet = device, dtype, unet_config
+        self.slots = SlotCache(slots)
+        self._vae_scale = vae_scale_factor
+        self._host: OrderedDict[tuple, torch.nn.Module] = OrderedDict()  # key -> host copy, most recent last
+        self._modules: dict[int, torch.nn.Module] = {}
+        self._writes: list[tuple[int, tuple]] = []
+        self._lock = threading.Lock()  # host copies: submitting threads read, the loop thread takes
+
+    # -- on the submitting thread ----------------------------------------------------------------------
+    def resolve(self, request: GenerationRequest) -> tuple[ResolvedControl, ...]:
+        """The request's controls found, read and checked, their images prepared. Raises ParamError("controls")."""
+        out = []
+        for c in request.controls:
+            folder = self.catalog.folder(c.model)
+            key = (c.model, tuple(stamp_of(os.stat(os.path.join(folder, WEIGHTS)))))
+            self._host_copy(key, folder)
+            out.append(ResolvedControl(key, self._prepare(c.image, request.width, request.height)))
+        return tuple(out)
+
+    def _host_copy(self, key: tuple, folder: str) -> torch.nn.Module:
+        with self._lock:
+            if key in self._host:
+                self._host.move_to_end(key)
+                return self._host[key]
+        from diffusers import ControlNetModel
+        try:
+            net = ControlNetModel.from_pretrained(folder, torch_dtype=self.dtype, use_safetensors=True)
+        except Exception as e:
+            raise ParamError("controls", f"ControlNet {key[0]!r} could not be read: {str(e).splitlines()[0]}") \
+                from None
+        wrong = [f for f in MATCHING if _norm(getattr(net.config, f, None)) != _norm(getattr(self._unet, f, None))]
+        if wrong:
+            raise ParamError("controls", f"ControlNet {key[0]!r} is for another model family: its {', '.join(wrong)} "
+                                         "differ from this model's UNet; use a ControlNet trained for this model")
+        net = net.eval().requires_grad_(False)
+        with self._lock:
+            self._host[key] = net
+            while len(self._host) > self.slots.slots:
+                self._host.popitem(last=False)
+        return net
+
+    def _prepare(self, pixels: Any, width: int, height: int) -> torch.Tensor:
+        from diffusers.image_processor import VaeImageProcessor
+        from PIL import Image
+        processor = VaeImageProcessor(vae_scale_factor=self._vae_scale, do_convert_rgb=True, do_normalize=False)
+        return processor.preprocess(Image.fromarray(pixels), height=height, width=width).float()
+
+    # -- the admission gate (the loop thread, under the scheduler's lock) -------------------------------
+    @staticmethod
+    def _keys(state: Any) -> list[tuple]:
+        return list(dict.fromkeys(r.key for r in state.controls))
+
+    def can_admit(self, state: Any) -> bool:
+        return not state.controls or self.slots.can_acquire(self._keys(state))
+
+    def admit(self, state: Any) -> list[int] | None:
+        """Pins a slot per distinct ControlNet of the request (all or none); None: it waits."""
+        if not state.controls:
+            return []
+        keys = self._keys(state)
+        got = self.slots.acquire_all(keys)
+        if got is None:
+            return None
+        self._writes += [(slot, key) for (slot, write), key in zip(got, keys) if write]
+        return [slot for slot, _ in got]
+
+    def release(self, state: Any, taken: list[int]) -> None:
+        for slot in taken:
+            self.slots.release(slot)
+
+    def load_admitted(self) -> dict[int, str]:
+        """Copies the ControlNets admitted this step into their slots; returns slot -> reason for those that failed
+        (their host copy was dropped since their request was resolved: the request fails alone)."""
+        writes, self._writes, broken = self._writes, [], {}
+        for slot, key in writes:
+            with self._lock:
+                host = self._host.get(key)
+            if host is None:
+                self.slots.forget(slot)
+                broken[slot] = f"ControlNet {key[0]!r} was dropped from host memory since it was resolved; retry"
+                continue
+            self._modules.pop(slot, None)
+            self._modules[slot] = copy.deepcopy(host).to(self.device)
+        return broken
+
+    def admitted(self, state: Any, taken: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """(slot, control image) per control of an admitted request."""
+        slot_of = dict(zip(self._keys(state), taken))
+        return [(slot_of[r.key], r.image) for r in state.controls]
+
+    def module(self, slot: int) -> torch.nn.Module:
+        return self._modules[slot]
+
+
+def _norm(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def resolve_controls(controls: ControlNets | None, request: GenerationRequest) -> tuple[ResolvedControl, ...]:
+    """A request's controls resolved on the submitting thread. Raises ParamError("controls")."""
+    if not request.controls:
+        return ()
+    if controls is None:
+        raise ParamError("controls", "this engine serves no ControlNets; start it with --controlnet-dir DIR "
+                                     "(Engine(controlnet_dir=...))")
+    return controls.resolve(request)
+

@@ -1,0 +1,134 @@
+"""ControlNet rows as a row feature (issue 32): per row, up to `MAX_CONTROLS` controls, each a loaded ControlNet's
+slot, a control image and a scale per step; rows with different ControlNets, scales and windows, and rows without
+control, share one step.
+
+Fields per control k: `control.slot{k}` (the ControlNet's device slot, 0 = none), `control.image{k}` (the prepared
+control image, [3, H, W] in [0, 1], as diffusers' ControlNet image processor makes it). Columns: `control.scale{k}`,
+the row's `scale` at the plan rows inside its window and 0 outside, as diffusers' `controlnet_keep`: plan row p of P
+runs control when not (p / P < start or (p + 1) / P > end). The residual fields (`control.res{i}`, one per UNet
+down-block residual and the mid block's) are per denoiser row and written anew every step (`transient`: never
+compacted or saved).
+
+The ControlNets run before the step (`prepass`, outside the step's graph): for each (control k, slot s) pair in use
+this step, the ControlNet of slot s over the step's denoiser rows (the UNet's own scaled input, timestep and
+conditioning per branch, as diffusers' pipelines pass them without guess mode), its residuals times the per-row scale
+of the rows whose control k is slot s (0 for every other row) added into the residual fields. The step's variant
+part is only whether residuals are read ("on"), so every ControlNet mix shares one step graph, and a step without
+control rows is today's step, residuals not even read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ..request import MAX_CONTROLS, GenerationRequest
+from .base import Admission, FieldSpec, RowFeature, StepView
+# (slot, x [D, C, h, w], t [D], conditioning per denoiser row, row inputs, control image [D, 3, H, W])
+#   -> (down-block residuals, mid-block residual)
+ControlCall = Callable[[int, torch.Tensor, torch.Tensor, dict, dict, torch.Tensor],
+                       tuple[Sequence[torch.Tensor], torch.Tensor]]
+
+
+class ControlSlots(Protocol):
+    """The loaded ControlNets by device slot (engine/controlnets.py)."""
+
+    def module(self, slot: int) -> Any: ...
+
+
+def residual_shapes(unet_config: Any, latent_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The shapes of a ControlNet's residuals for this UNet at `latent_shape` (the UNet's down path: conv_in's output,
+    each layer's, each downsampler's, then the mid block's)."""
+    channels = list(unet_config.block_out_channels)
+    layers = unet_config.layers_per_block
+    layers = list(layers) if isinstance(layers, (list, tuple)) else [layers] * len(channels)
+    h, w = latent_shape[1:]
+    shapes = [(channels[0], h, w)]
+    for i, c in enumerate(channels):
+        shapes += [(c, h, w)] * layers[i]
+        if i < len(channels) - 1:
+            h, w = (h + 1) // 2, (w + 1) // 2
+            shapes.append((c, h, w))
+    return shapes + [(channels[-1], h, w)]
+
+
+def keep_window(start: float, end: float, plan_rows: int) -> np.ndarray:
+    """[plan rows] 1.0 where the control runs, as diffusers' `controlnet_keep`."""
+    p = np.arange(plan_rows)
+    return 1.0 - ((p / plan_rows < start) | ((p + 1) / plan_rows > end)).astype(np.float64)
+
+
+class ControlRows(RowFeature):
+    name = "control"
+
+    def __init__(self, unet_config: Any, dtype: torch.dtype, run: ControlCall):
+        self._unet, self._dtype, self._run = unet_config, dtype, run
+
+    def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
+        h, w = latent_shape[1:]
+        scale = 8  # pixels per latent (the SD families' VAEs)
+        out = {}
+        for k in range(MAX_CONTROLS):
+            out[f"control.slot{k}"] = FieldSpec((1,), torch.float32)
+            out[f"control.image{k}"] = FieldSpec((3, h * scale, w * scale), self._dtype)
+        for i, shape in enumerate(residual_shapes(self._unet, latent_shape)):
+            out[f"control.res{i}"] = FieldSpec(shape, self._dtype, transient=True)
+        return out
+
+    def columns(self) -> tuple[str, ...]:
+        return tuple(f"control.scale{k}" for k in range(MAX_CONTROLS))
+
+    def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
+        return {f"control.scale{k}": c.scale * keep_window(c.start, c.end, len(index))
+                for k, c in enumerate(request.controls)}
+
+    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
+        out: dict[str, torch.Tensor | float] = {}
+        for k, (slot, image) in enumerate(admission.controls):
+            out[f"control.slot{k}"] = float(slot)
+            out[f"control.image{k}"] = image.to(self._dtype)
+        return out
+
+    # -- variants ----------------------------------------------------------------------------------
+    def variants(self) -> Sequence[Any]:
+        return (None, "on")
+
+    def part(self, admission: Admission) -> Any:
+        return tuple((k, slot) for k, (slot, _) in enumerate(admission.controls)) or None
+
+    def variant(self, parts: Sequence[Any]) -> Any:
+        """The (control, slot) pairs the live rows use (the prepass runs them); `graph_part` folds it to "on"."""
+        pairs = sorted({pair for p in parts if p for pair in p})
+        return tuple(pairs) or None
+
+    def graph_part(self, part: Any) -> Any:
+        return "on" if part else None
+
+    # -- the step ----------------------------------------------------------------------------------
+    def prepass(self, view: StepView, part: Any, d: int, x: torch.Tensor, t: torch.Tensor, cond: dict,
+                inputs: dict) -> None:
+        res = [t for name, t in view.fields.items() if name.startswith("control.res")]  # [d, ...] each
+        for r in res:
+            r.zero_()
+        for k, slot in part or ():
+            picked = (view.fields[f"control.slot{k}"][:, 0] == float(slot)).float()
+            scale = view.gather(view.column(f"control.scale{k}").view(-1) * picked)
+            image = view.gather(view.fields[f"control.image{k}"])
+            downs, mid = self._run(slot, x, t, cond, inputs, image)
+            for r, out in zip(res, [*downs, mid]):
+                r += out * scale.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
+
+    def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, torch.Tensor]:
+        if part is None:
+            return {}
+        return {name: t for name, t in view.fields.items() if name.startswith("control.res")}
+
+
+def residual_kwargs(inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The UNet's keyword arguments for the residuals among a step's denoiser inputs (none: no control this step)."""
+    res = [inputs[f"control.res{i}"] for i in range(len(inputs)) if f"control.res{i}" in inputs]
+    if not res:
+        return {}
+    return {"down_block_additional_residuals": res[:-1], "mid_block_additional_residual": res[-1]}

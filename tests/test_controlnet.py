@@ -1,0 +1,167 @@
+"""ControlNet rows (issue 32) on the CPU: parity with diffusers' StableDiffusion(XL)ControlNetPipeline built from the
+same modules (fp32, same seeds; one and two ControlNets, scales 0.5 / 1.0, windows [0, 1] and [0.2, 0.8]), rows
+with different ControlNets, scales and windows and plain rows submitted together equal each alone, and bad input.
+
+The ControlNets are made from the presets' UNets as diffusers' `ControlNetModel.from_unet` starts one, with its
+zero-initialised parts (the residual projections and the conditioning embedding's last conv) re-initialised with
+seeded random weights: a ControlNet left at zeros would add nothing, and an engine ignoring it would pass."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffgraph import Engine
+from diffgraph.request import ParamError
+
+PROMPT = "a red fox in the snow"
+STEPS = 5
+
+
+def make_controlnet(unet, folder: str, seed: int) -> None:
+    from diffusers import ControlNetModel
+    net = ControlNetModel.from_unet(unet)
+    g = torch.Generator().manual_seed(seed)
+    zeroed = [*net.controlnet_down_blocks, net.controlnet_mid_block, net.controlnet_cond_embedding.conv_out]
+    with torch.no_grad():
+        for m in zeroed:
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.3)
+            m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+    net.save_pretrained(folder, safe_serialization=True)
+
+
+def control_image(size: int, seed: int) -> Image.Image:
+    """An edge-map-like control image: white strokes on black."""
+    rng = np.random.default_rng(seed)
+    a = np.zeros((size, size, 3), np.uint8)
+    for _ in range(6):
+        y, x = rng.integers(0, size - 8, 2)
+        a[y:y + 8, x:x + 2] = 255
+        a[y:y + 2, x:x + 8] = 255
+    return Image.fromarray(a)
+
+
+@pytest.fixture(scope="module", params=["random:tiny", "random:tiny-xl"])
+def engine(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("controlnets")
+    with Engine(model=request.param, device="cpu", dtype="fp32") as plain:
+        for i, name in enumerate(("edges", "depth")):
+            make_controlnet(plain.model.unet, str(folder / name), seed=10 + i)
+        (folder / "not-a-net").mkdir()
+        with Engine(model=plain.model, controlnet_dir=str(folder)) as e:
+            yield e
+
+
+def _reference(engine, controls, seed, steps=STEPS, guidance=None, negative=None):
+    import diffusers
+    from diffusers import ControlNetModel
+    pipe = engine.diffusers_pipeline("euler")
+    nets = [ControlNetModel.from_pretrained(os.path.join(engine.runner.controls.root, c["model"])) for c in controls]
+    cls = (diffusers.StableDiffusionXLControlNetPipeline if engine.model.adapter.name == "sdxl"
+           else diffusers.StableDiffusionControlNetPipeline)
+    cpipe = cls.from_pipe(pipe, controlnet=nets if len(nets) > 1 else nets[0])
+    one = len(nets) == 1
+    pick = (lambda k: controls[0][k]) if one else (lambda k: [c[k] for c in controls])
+    return cpipe(PROMPT, negative_prompt=negative, image=pick("image"), num_inference_steps=steps,
+                 controlnet_conditioning_scale=pick("scale"), control_guidance_start=pick("start"),
+                 control_guidance_end=pick("end"), generator=torch.Generator().manual_seed(seed),
+                 guidance_scale=engine.model.default_guidance if guidance is None else guidance,
+                 output_type="np").images
+
+
+CASES = [
+    [dict(model="edges", scale=1.0, start=0.0, end=1.0)],
+    [dict(model="edges", scale=0.5, start=0.2, end=0.8)],
+    [dict(model="edges", scale=1.0, start=0.0, end=1.0), dict(model="depth", scale=0.5, start=0.2, end=0.8)],
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_controls_equal_diffusers_controlnet_pipeline(engine, case):
+    controls = [dict(c, image=control_image(64, 3 + i)) for i, c in enumerate(CASES[case])]
+    ours = engine.generate(PROMPT, num_inference_steps=STEPS, seed=7, sampler="euler", controls=controls)
+    ref = _reference(engine, controls, seed=7)
+    plain = engine.generate(PROMPT, num_inference_steps=STEPS, seed=7, sampler="euler")
+    assert ours.arrays.shape == ref.shape == (1, 64, 64, 3)
+    assert np.abs(ours.arrays - plain.arrays).max() * 255 > 8  # the control reaches the image
+    assert np.abs(ours.arrays - ref).max() * 255 <= 1.0, np.abs(ours.arrays - ref).max() * 255
+
+
+def test_control_rows_mixed_with_plain_rows_equal_each_alone(engine):
+    e = engine
+    kinds = [dict(controls=[dict(model="edges", image=control_image(64, 1))]),
+             dict(),
+             dict(controls=[dict(model="depth", image=control_image(64, 2), scale=0.5, start=0.2, end=0.8)]),
+             dict(controls=[dict(model="edges", image=control_image(64, 3), scale=0.7),
+                            dict(model="depth", image=control_image(64, 4), end=0.5)], guidance_scale=1.0),
+             dict(guidance_scale=1.0)]
+    reqs = [e.make_request(PROMPT, num_inference_steps=4, seed=30 + i, sampler="euler", **k)
+            for i, k in enumerate(kinds)]
+    alone = [e.run(r).arrays for r in reqs]
+    futures: list = []
+    # queued between two steps, so all are admitted at one step boundary and share every step
+    e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
+    together = [f.result().arrays for f in futures]
+    for i, (a, t) in enumerate(zip(alone, together)):
+        assert np.abs(a - t).max() * 255 <= 1.0, (i, np.abs(a - t).max() * 255)
+    assert np.abs(alone[1] - alone[0]).max() > 0  # different requests, different images
+
+
+@pytest.mark.parametrize("controls,match", [
+    ([dict(model="edgez", image=np.zeros((64, 64, 3), np.uint8))], "unknown; did you mean 'edges'"),
+    ([dict(model="../edges", image=np.zeros((64, 64, 3), np.uint8))], "not allowed"),
+    ([dict(model="not-a-net", image=np.zeros((64, 64, 3), np.uint8))], "unknown"),
+    ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8))] * 4, "at most 3"),
+    ([dict(model="edges", image=np.zeros((64, 64), np.uint8))], "RGB pixels"),
+    ([dict(model="edges", image="a.png")], "RGB pixels"),
+    ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), start=0.5, end=0.5)], "below its end"),
+    ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), scale=float("nan"))], "out of range"),
+    ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), weight=1)], "unknown control fields"),
+])
+def test_bad_controls_are_param_errors_and_the_engine_keeps_serving(engine, controls, match):
+    with pytest.raises(ParamError, match=match) as info:
+        engine.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls)
+    assert info.value.param.startswith("controls")
+    assert engine.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
+
+
+def test_a_controlnet_of_another_family_is_refused(tmp_path):
+    with Engine(model="random:tiny-xl", device="cpu", dtype="fp32") as xl:
+        make_controlnet(xl.model.unet, str(tmp_path / "xl-edges"), seed=1)
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", controlnet_dir=str(tmp_path)) as e:
+        with pytest.raises(ParamError, match="another model family"):
+            e.generate(PROMPT, num_inference_steps=1, seed=1,
+                       controls=[dict(model="xl-edges", image=np.zeros((64, 64, 3), np.uint8))])
+
+
+def test_controls_need_a_controlnet_dir():
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
+        with pytest.raises(ParamError, match="--controlnet-dir"):
+            e.generate(PROMPT, num_inference_steps=1, seed=1,
+                       controls=[dict(model="edges", image=np.zeros((64, 64, 3), np.uint8))])
+
+
+def test_control_rows_replay_the_control_step_graph_as_eager_runs_them(engine):
+    """Graph mode (the CPU's emulated backend: the same capture and replay bookkeeping): control rows replay the one
+    `step_controlon` graph of their bucket after the ControlNet prepass; plain rows replay `step`."""
+    from diffgraph import GraphConfig
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    kinds = [dict(controls=[dict(model="edges", image=control_image(64, 1), scale=0.8)]), dict(),
+             dict(controls=[dict(model="depth", image=control_image(64, 2), start=0.25)], guidance_scale=1.0)]
+    with Engine(model=engine.model, mode="graph", graphs=cfg, controlnet_dir=engine.runner.controls.root) as g:
+        reqs = [g.make_request(PROMPT, num_inference_steps=4, seed=40 + i, sampler="euler", **k)
+                for i, k in enumerate(kinds)]
+        futures: list = []
+        g.core.call_between_steps(lambda: futures.extend(g.submit(r) for r in reqs)).result()
+        graphed = [f.result().arrays for f in futures]
+        plain = g.generate(PROMPT, num_inference_steps=2, seed=1)
+        replays = {r["kind"]: r["replays"] for r in g.runner.graph_table() if r["replays"]}
+    eager = [engine.run(r).arrays for r in reqs]
+    for a, b in zip(eager, graphed):
+        assert np.abs(a - b).max() * 255 <= 1.0
+    assert replays.get("step_controlon", 0) >= 4 and replays.get("step", 0) >= 2, replays
+    assert plain.arrays.shape == (1, 64, 64, 3)
