@@ -8,6 +8,7 @@ seeded random weights: a ControlNet left at zeros would add nothing, and an engi
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -165,3 +166,58 @@ def test_control_rows_replay_the_control_step_graph_as_eager_runs_them(engine):
         assert np.abs(a - b).max() * 255 <= 1.0
     assert replays.get("step_controlon", 0) >= 4 and replays.get("step", 0) >= 2, replays
     assert plain.arrays.shape == (1, 64, 64, 3)
+
+
+@pytest.fixture(scope="module")
+def http_folder(tmp_path_factory, tiny_engine):
+    root = tmp_path_factory.mktemp("http-controlnets")
+    make_controlnet(tiny_engine.model.unet, str(root / "lines" / "edges"), seed=21)
+    return str(root)
+
+
+def _b64(image: Image.Image) -> str:
+    import base64
+    import io
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_controls_over_http_equal_the_engine_and_bad_ones_are_400s(http_folder):
+    import base64
+    import io
+
+    import httpx
+
+    from diffgraph.server.process import ServerProcess
+    image = control_image(64, 5)
+    with Engine("random:tiny", device="cpu", dtype="fp32", controlnet_dir=http_folder) as e:
+        want = e.generate(PROMPT, num_inference_steps=3, seed=3, sampler="euler",
+                          controls=[dict(model="lines/edges", image=image, scale=0.8, start=0.0, end=0.7)])
+    expected = (want.arrays[0] * 255).round().astype(int)
+    s = ServerProcess("--controlnet-dir", http_folder, model="random:tiny")
+    try:
+        s.wait_ready()
+        listed = httpx.get(f"{s.url}/v1/controlnets", timeout=60).json()
+        assert [c["name"] for c in listed["data"]] == ["lines/edges"] and listed["max_controlnets"] == 2
+        body = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 3, "sampler": "euler",
+                "controls": [{"model": "lines/edges", "image": "data:image/png;base64," + _b64(image), "scale": 0.8,
+                              "end": 0.7}]}
+        r = httpx.post(f"{s.url}/v1/images/generations", json=body, timeout=600)
+        assert r.status_code == 200, r.text
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).convert("RGB"))
+        assert np.abs(got.astype(int) - expected).max() <= 1
+        for control, needle in [({"model": "lines/edgez"}, "did you mean 'lines/edges'"),
+                                ({"image": "not base64!"}, "base64"),
+                                ({"scale": 1e9}, "out of range"), ({"start": 0.9, "end": 0.1}, "below its end")]:
+            bad = dict(body, controls=[dict(body["controls"][0], **control)])
+            r = httpx.post(f"{s.url}/v1/images/generations", content=json.dumps(bad), timeout=600,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 400, (control, r.text)
+            error = r.json()["error"]
+            assert (error["param"] or "").startswith("controls"), (control, error)
+            assert needle is None or needle in error["message"], error
+        r = httpx.post(f"{s.url}/v1/images/generations", json=dict(body, controls=None), timeout=600)
+        assert r.status_code == 200  # still serving
+    finally:
+        s.stop(timeout=30)

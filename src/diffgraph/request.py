@@ -169,7 +169,7 @@ MAX_CONTROL_PIXELS = 16 * 1024 * 1024  # a control image, decoded (as an edit's 
 def _control_number(name: str, value: Any, lo: float, hi: float, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) \
             or not math.isfinite(float(value)) or not lo <= float(value) <= hi:
-        raise ParamError(name, f"{name} {value!r} is out of range; allowed: {what}")
+        raise ParamError("controls", f"{name} {value!r} is out of range; allowed: {what}")
     return float(value)
 
 

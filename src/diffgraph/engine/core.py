@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ParamError,
-                       ProgressEvent, RequestAborted)
+from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ProgressEvent,
+                       RequestAborted)
 from ..features.base import Admission
 from ..image_metadata import encode_image
 from ..sampling.sde import BrownianNoise

@@ -58,8 +58,11 @@ class ControlNetDir:
         """GET /v1/controlnets' rows: each ControlNet's name and what its config says it steers."""
         rows = []
         for name, folder in self.listing().items():
-            with open(os.path.join(folder, "config.json")) as f:
-                config = json.load(f)
+            try:
+                with open(os.path.join(folder, "config.json")) as f:
+                    config = json.load(f)
+            except (OSError, ValueError):  # changed since the listing
+                continue
             rows.append({"name": name, "cross_attention_dim": config.get("cross_attention_dim"),
                          "block_out_channels": config.get("block_out_channels"),
                          "conditioning_channels": config.get("conditioning_channels", 3),

@@ -5,6 +5,7 @@
     GET  /v1/images/files/ID.EXT  an image stored for `response_format: "url"` (image_store.py), until --image-ttl
     GET  /v1/models               the served model
     GET  /v1/loras                the LoRA adapters requests may name
+    GET  /v1/controlnets          the ControlNets requests' controls may name
     GET  /v1/embeddings           the textual-inversion embeddings a1111-syntax prompts may name
     GET  /health                  200 while the process is alive
     GET  /ready                   200 once the engine is built, its prewarm graphs captured and one warm-up
@@ -46,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import RequestHandle
 from ..engine.remote_models import ModelsBackend, RemoteModels
+from ..models.controlnet_dir import ControlNetDir
 from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
@@ -54,7 +56,7 @@ from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerat
 from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
 from .bodies import read_body
-from .edits import ImageEditForm, edit_input, read_form
+from .edits import ImageEditForm, decode_controls, edit_input, read_form
 from .image_store import ImageLinks, UrlSigner, make_store
 from .jobs_routes import add_job_routes
 from .metrics import ModelCollector
@@ -213,6 +215,15 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             return JSONResponse({"object": "list", **await lora_listing(state, model, routing)})
         except APIError as e:
             return _error_response(e)
+
+    controlnet_dir = ControlNetDir(config.controlnet_dir) if config.controlnet_dir else None
+
+    @app.get("/v1/controlnets")
+    async def controlnets() -> Response:
+        """The ControlNets requests may name (`controls: [{"model", "image", "scale", "start", "end"}]`)."""
+        rows = await asyncio.to_thread(controlnet_dir.describe) if controlnet_dir is not None else []
+        return JSONResponse({"object": "list", "data": rows, "max_controlnets": config.max_controlnets
+                             if controlnet_dir is not None else 0})
 
     embedding_dir = EmbeddingDir(config.embeddings_dir) if config.embeddings_dir else None
 

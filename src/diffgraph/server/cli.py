@@ -36,7 +36,8 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
            "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
            "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
-           "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes") + JOB_FIELDS
+           "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes", "controlnet_dir",
+           "max_controlnets") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder holding diffgraph/
 
@@ -181,6 +182,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-threads", type=int, default=None, metavar="N",
                    help=f"threads that encode finished images (default: {default('image_threads')})")
     add_lora_arguments(p)
+    add_controlnet_arguments(p)
     add_prompt_arguments(p)
     add_job_arguments(p)
     p.add_argument("--compile", action="store_true", default=None,
@@ -203,6 +205,16 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
                         "layer, AUTOMATIC1111's 'CLIP skip 2'; default: none)")
     p.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
                    help="how the images routes read prompts that do not say (default: plain, diffusers' reading)")
+
+
+def add_controlnet_arguments(p: argparse.ArgumentParser) -> None:
+    """The ControlNet flags shared by serve and generate."""
+    p.add_argument("--controlnet-dir", default=None, metavar="DIR",
+                   help="a folder of diffusers ControlNet folders; requests name them by their path under DIR "
+                        "(controls: [{model, image, scale, start, end}]); folders added later are found")
+    p.add_argument("--max-controlnets", type=int, default=None, metavar="N",
+                   help="ControlNets resident on the device at once (default: 2); more distinct ones in flight "
+                        "make requests wait")
 
 
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:

@@ -88,6 +88,8 @@ class ServerConfig:
     max_lora_rank: int = 64              # the slots' rank
     lora_conv: bool = False              # side paths on the convolutions too (LoCon, LCM-LoRA, TCD, Hyper-SD)
     fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
+    controlnet_dir: str | None = None    # a folder of diffusers ControlNet folders, served by name (`controls`)
+    max_controlnets: int = 2             # ControlNets resident on the device at once (LRU; one in use stays)
     compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
     embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
     max_prompt_chunks: int = 3           # a1111-syntax prompts: 75-token chunks a row may hold (its context length)
@@ -179,6 +181,11 @@ class ServerConfig:
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"lora-dir {self.lora_dir!r} is not a folder; give a folder of .safetensors adapters")
         LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)  # checks the numbers
+        if self.controlnet_dir is not None and not os.path.isdir(self.controlnet_dir):
+            raise ValueError(f"controlnet-dir {self.controlnet_dir!r} is not a folder; give a folder of diffusers "
+                             "ControlNet folders")
+        if not isinstance(self.max_controlnets, int) or self.max_controlnets < 1:
+            raise ValueError(f"max-controlnets {self.max_controlnets!r} must be an integer >= 1")
         if self.embeddings_dir is not None and not os.path.isdir(self.embeddings_dir):
             raise ValueError(f"embeddings-dir {self.embeddings_dir!r} is not a folder; give a folder of .safetensors "
                              "textual-inversion embeddings")
@@ -276,7 +283,8 @@ class ServerConfig:
                     fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
                     embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
                     preview_decoder=self.preview_decoder, max_step_failures=self.max_step_failures,
-                    lora_host_bytes=self.lora_host_bytes,
+                    lora_host_bytes=self.lora_host_bytes, controlnet_dir=self.controlnet_dir,
+                    max_controlnets=self.max_controlnets,
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:

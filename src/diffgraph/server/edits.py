@@ -200,7 +200,7 @@ def edit_input(files: dict[str, bytes], strength: float | None, defaults: tuple[
         raise error_from_param_error(e) from None
 
 
-def decode_b64(field: str, text: str, max_bytes: int, max_pixels: int) -> Image.Image:
+def decode_b64(field: str, text: str, max_bytes: int, max_pixels: int) -> Any:
     """A base64 image (a `data:image/...;base64,` prefix allowed), checked as an upload is (edits.py)."""
     if "," in text[:100] and text.startswith("data:"):
         text = text.split(",", 1)[1]
