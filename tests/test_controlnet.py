@@ -221,3 +221,41 @@ def test_controls_over_http_equal_the_engine_and_bad_ones_are_400s(http_folder):
         assert r.status_code == 200  # still serving
     finally:
         s.stop(timeout=30)
+
+
+@pytest.mark.parametrize("preprocess", ["canny", "invert"])
+def test_a_preprocessed_control_equals_its_map_sent_as_the_image(engine, preprocess):
+    import cv2
+    rng = np.random.default_rng(0)
+    photo = np.kron(rng.integers(0, 256, (8, 8, 3)), np.ones((8, 8, 1))).astype(np.uint8)  # blocks: real edges
+    made = np.repeat(cv2.Canny(photo, 50, 150)[:, :, None], 3, 2) if preprocess == "canny" else 255 - photo
+    assert 0 < made.mean() < 255
+    kw = dict(num_inference_steps=2, seed=5, sampler="euler")
+    a = engine.generate(PROMPT, controls=[dict(model="edges", image=photo, preprocess=preprocess, canny_low=50,
+                                               canny_high=150)], **kw)
+    b = engine.generate(PROMPT, controls=[dict(model="edges", image=made)], **kw)
+    c = engine.generate(PROMPT, controls=[dict(model="edges", image=photo)], **kw)
+    np.testing.assert_array_equal(a.arrays, b.arrays)
+    assert np.abs(a.arrays - c.arrays).max() > 0
+
+
+def test_the_cli_generates_with_a_control_locally(http_folder, tmp_path):
+    """`diffgraph generate --control NAME:IMAGE:SCALE:START:END --controlnet-dir DIR` equals the engine's image."""
+    import subprocess
+    import sys
+    control_image(64, 5).save(tmp_path / "edges.png")
+    out = tmp_path / "out.png"
+    run = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
+                          "--device", "cpu", "--steps", "3", "--seed", "3", "--sampler", "euler",
+                          "--controlnet-dir", http_folder, "--control", f"lines/edges:{tmp_path / 'edges.png'}:0.8:0:0.7",
+                          "-o", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    with Engine("random:tiny", device="cpu", dtype="fp32", controlnet_dir=http_folder) as e:
+        want = e.generate(PROMPT, num_inference_steps=3, seed=3, sampler="euler",
+                          controls=[dict(model="lines/edges", image=control_image(64, 5), scale=0.8, end=0.7)])
+    got = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    assert np.abs(got - (want.arrays[0] * 255).round().astype(int)).max() <= 1
+    bad = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
+                          "--controlnet-dir", http_folder, "--control", "lines/edges"], capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode != 0 and "must look like NAME:IMAGE" in bad.stderr

@@ -72,6 +72,14 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
                         "--url), or a built-in adapter of the model; scale 1 when left out")
     g.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="a folder of .safetensors adapters that --lora names (not with --url: the server has its own)")
+    g.add_argument("--control", action="append", default=None, metavar="NAME:IMAGE[:SCALE[:START:END]]",
+                   help="a ControlNet control (repeatable, up to 3): a ControlNet in --controlnet-dir (or the "
+                        "server's, with --url), its control image, scale (1) and window (0:1, fractions of the steps)")
+    g.add_argument("--preprocess", default="none", choices=("none", "canny", "invert"),
+                   help="what makes the control maps from the --control images: none (they are the maps), canny "
+                        "(OpenCV's edges, thresholds 100 / 200), invert (black-on-white line art)")
+    g.add_argument("--controlnet-dir", default=None, metavar="DIR",
+                   help="a folder of diffusers ControlNet folders that --control names (not with --url)")
     g.add_argument("--lora-conv", action="store_true",
                    help="side paths on convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD)")
     g.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
@@ -185,7 +193,7 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "schedule": "--schedule", "seed": "--seed", "num_images": "-n/--num-images", "device": "--device",
          "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
          "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax",
-         "timestep_spacing": "--timestep-spacing", "eta": "--eta"}
+         "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -298,7 +306,8 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
-                  loras=_lora_flags(args), prompt_syntax=args.prompt_syntax or "plain", clip_skip=args.clip_skip,
+                  loras=_lora_flags(args), controls=_control_flags(args), prompt_syntax=args.prompt_syntax or "plain",
+                  clip_skip=args.clip_skip,
                   timestep_spacing=args.timestep_spacing, eta=args.eta, **getattr(args, "extra", {}))
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
@@ -323,7 +332,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                 torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
             engine = Engine(model=model, device=args.device, dtype=args.dtype,
                             lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
-                            lora_conv=args.lora_conv,
+                            lora_conv=args.lora_conv, controlnet_dir=args.controlnet_dir,
                             compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
                             load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
                                              zero_snr=args.zero_snr, vae=args.vae, vae_upcast=args.vae_upcast))
@@ -339,6 +348,41 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
     _save_all(result.encoded, paths, _write_bytes)  # encoded by the engine, with the settings inside
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
     return 0
+
+
+def _control_specs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, float]]]:
+    """--control NAME:IMAGE[:SCALE[:START:END]] as (name, image path, numbers)."""
+    out = []
+    for text in args.control or ():
+        parts = text.split(":")
+        numbers = parts[2:] if len(parts) in (3, 5) else None
+        if len(parts) < 2 or numbers is None and len(parts) != 2 or not parts[0] or not parts[1]:
+            raise _ArgError(f"--control {text!r} must look like NAME:IMAGE, NAME:IMAGE:SCALE or "
+                            "NAME:IMAGE:SCALE:START:END (e.g. canny:edges.png:0.8:0:0.6)")
+        try:
+            values = dict(zip(("scale", "start", "end"), map(float, numbers or ())))
+        except ValueError:
+            raise _ArgError(f"--control {text!r}: scale, start and end must be numbers") from None
+        out.append((parts[0], parts[1], values))
+    return out
+
+
+def _control_flags(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The --control flags as a request's controls (images read here: a bad file fails before the model loads)."""
+    if args.control and args.controlnet_dir is None:
+        raise _ArgError("--control needs --controlnet-dir DIR, the folder of ControlNets it names (or --url, a "
+                        "server's)")
+    return [dict(model=name, image=_read_image(path, "--control").convert("RGB"), preprocess=args.preprocess,
+                 **values) for name, path, values in _control_specs(args)]
+
+
+def _file_b64(path: str, flag: str) -> str:
+    import base64
+    try:
+        with open(path, "rb") as f:
+            return base64.b64encode(f.read()).decode()
+    except OSError as e:
+        raise _ArgError(f"{flag} {path!r} cannot be read: {e.strerror or e}") from None
 
 
 def _read_image(path: str, flag: str) -> Any:
@@ -413,6 +457,9 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     if args.embeddings_dir is not None:
         raise _ArgError("--embeddings-dir cannot be used with --url: the server reads its own --embeddings-dir "
                         "(GET /v1/embeddings lists them)")
+    if args.controlnet_dir is not None:
+        raise _ArgError("--controlnet-dir cannot be used with --url: the server serves the ControlNets of its own "
+                        "--controlnet-dir (GET /v1/controlnets lists them)")
     body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "model": args.model,
             "size": None if args.width is None else f"{args.width}x{args.height}",
             "num_inference_steps": args.steps, "guidance_scale": args.guidance, "sampler": args.sampler,
@@ -420,6 +467,8 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "output_format": OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()],
             "response_format": "b64_json",
             "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None,
+            "controls": [{"model": n, "image": _file_b64(p, "--control"), "preprocess": args.preprocess, **v}
+                         for n, p, v in _control_specs(args)] or None,
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta,
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
@@ -431,6 +480,9 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         body["stream"] = True
     post: dict[str, Any] = {"json": body}
     if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
+        if args.control:
+            raise _ArgError("--control with --image is not served over --url yet (the edits route takes no "
+                            "controls); run the edit locally with --controlnet-dir")
         if args.image is None:
             raise _ArgError("--mask and --strength need --image (the image to edit)")
         files = {}

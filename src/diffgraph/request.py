@@ -164,6 +164,8 @@ class EditInput:
 MAX_CONTROLS = 3
 MAX_CONTROL_SCALE = 5.0
 MAX_CONTROL_PIXELS = 16 * 1024 * 1024  # a control image, decoded (as an edit's image)
+CONTROL_PREPROCESSORS = ("none", "canny", "invert")
+CONTROL_FIELDS = ("model", "image", "scale", "start", "end", "preprocess", "canny_low", "canny_high")
 
 
 def _control_number(name: str, value: Any, lo: float, hi: float, what: str) -> float:
@@ -178,13 +180,19 @@ class ControlInput:
     """One control of a request, checked on construction (plain numpy: it crosses processes with the request):
     `model` (a name under `--controlnet-dir`), `image` (the control map itself, RGB [H, W, 3] uint8 or a PIL image:
     an edge map, a depth or pose map), `scale` (diffusers' `controlnet_conditioning_scale`), `start` and `end`
-    (`control_guidance_start` / `control_guidance_end`: the fractions of the schedule where it runs)."""
+    (`control_guidance_start` / `control_guidance_end`: the fractions of the schedule where it runs), and
+    `preprocess`: what makes the control map from `image` at submit ("none": it is the map; "canny": OpenCV's Canny
+    edges with thresholds `canny_low` / `canny_high`, AUTOMATIC1111's defaults 100 / 200; "invert": 255 - pixels,
+    for black-on-white line art)."""
 
     model: str
     image: np.ndarray
     scale: float = 1.0
     start: float = 0.0
     end: float = 1.0
+    preprocess: str = "none"
+    canny_low: int = 100
+    canny_high: int = 200
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -210,6 +218,15 @@ class ControlInput:
                                          "schedule)")
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "end", end)
+        if self.preprocess not in CONTROL_PREPROCESSORS:
+            raise ParamError("controls", f"control preprocess {self.preprocess!r} is unknown; allowed: "
+                                         f"{', '.join(CONTROL_PREPROCESSORS)} (depth and pose maps: send the map)")
+        low, high = (_control_number(f"controls.canny_{k}", v, 0, 255, "an integer in [0, 255]")
+                     for k, v in (("low", self.canny_low), ("high", self.canny_high)))
+        if low > high:
+            raise ParamError("controls", f"canny_low {low:g} must not be above canny_high {high:g}")
+        object.__setattr__(self, "canny_low", int(low))
+        object.__setattr__(self, "canny_high", int(high))
 
 
 def check_controls(value: Any) -> tuple[ControlInput, ...]:
@@ -225,10 +242,10 @@ def check_controls(value: Any) -> tuple[ControlInput, ...]:
     out = []
     for c in value:
         if isinstance(c, dict):
-            unknown = set(c) - {"model", "image", "scale", "start", "end"}
+            unknown = set(c) - set(CONTROL_FIELDS)
             if unknown:
-                raise ParamError("controls", f"unknown control fields {sorted(unknown)}; allowed: model, image, "
-                                             "scale, start, end")
+                raise ParamError("controls", f"unknown control fields {sorted(unknown)}; allowed: "
+                                             f"{', '.join(CONTROL_FIELDS)}")
             if "model" not in c or "image" not in c:
                 raise ParamError("controls", "a control needs model (a ControlNet's name) and image")
             c = ControlInput(**c)

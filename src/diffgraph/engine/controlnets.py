@@ -24,12 +24,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ParamError
 from ..lora.catalog import SlotCache
 from ..models.controlnet_dir import WEIGHTS, ControlNetDir
-from ..request import GenerationRequest
+from ..request import ControlInput, GenerationRequest
 from ..safe_files import stamp_of
 
 # the UNet config fields a ControlNet must share with the UNet it steers (its residuals' shapes, its conditioning)
@@ -65,7 +66,7 @@ class ControlNets:
             folder = self.catalog.folder(c.model)
             key = (c.model, tuple(stamp_of(os.stat(os.path.join(folder, WEIGHTS)))))
             self._host_copy(key, folder)
-            out.append(ResolvedControl(key, self._prepare(c.image, request.width, request.height)))
+            out.append(ResolvedControl(key, self._prepare(control_map(c), request.width, request.height)))
         return tuple(out)
 
     def _host_copy(self, key: tuple, folder: str) -> torch.nn.Module:
@@ -156,3 +157,19 @@ def resolve_controls(controls: ControlNets | None, request: GenerationRequest) -
                                      "(Engine(controlnet_dir=...))")
     return controls.resolve(request)
 
+
+def control_map(control: ControlInput) -> np.ndarray:
+    """The control map of a control: its image, or the image through its preprocessor (canny: OpenCV, imported
+    only here; invert)."""
+    image = control.image
+    if control.preprocess == "invert":
+        return 255 - image
+    if control.preprocess == "canny":
+        try:
+            import cv2
+        except ImportError:
+            raise ParamError("controls", "preprocess 'canny' needs OpenCV on the server: pip install "
+                                         "opencv-python-headless (or send the edge map with preprocess 'none')") from None
+        edges = cv2.Canny(image, control.canny_low, control.canny_high)
+        return np.repeat(edges[:, :, None], 3, axis=2)
+    return image

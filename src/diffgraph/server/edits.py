@@ -222,6 +222,5 @@ def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: i
     out = []
     for i, ref in enumerate(refs or ()):
         image = decode_b64(f"controls[{i}].image", ref.image, max_bytes, max_pixels)
-        out.append(dict(model=ref.model, image=eight_bit(image).convert("RGB"), scale=ref.scale, start=ref.start,
-                        end=ref.end))
+        out.append({**ref.model_dump(), "image": eight_bit(image).convert("RGB")})
     return out

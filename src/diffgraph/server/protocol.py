@@ -42,6 +42,9 @@ class ControlRef(BaseModel):
     scale: StrictFloat = 1.0
     start: StrictFloat = 0.0
     end: StrictFloat = 1.0
+    preprocess: StrictStr = "none"  # "canny" (edges of the image, OpenCV), "invert"; "none": image is the map
+    canny_low: StrictInt = 100
+    canny_high: StrictInt = 200
 
 
 class PreviewBody(BaseModel):
