@@ -8,7 +8,7 @@ set -uo pipefail
 case "${1:-train}" in
   train)
     python3 tools/train_digits_control.py --device cuda --steps "${CONTROL_STEPS:-6000}" \
-      --batch "${CONTROL_BATCH:-256}" --budget "${CONTROL_BUDGET:-240}" --data .whl/digits.npz --out "$OUT/outline" ;;
+      --batch "${CONTROL_BATCH:-256}" --budget "${CONTROL_BUDGET:-240}" --lr "${CONTROL_LR:-3e-4}" --data .whl/digits.npz --out "$OUT/outline" ;;
   tests)
     python3 -m pytest -q -x tests/gpu -k control 2>&1 | tail -20 ;;
 esac

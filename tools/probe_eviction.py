@@ -6,6 +6,7 @@ beyond the one engine that stays, the Python-visible CUDA tensor bytes (every te
 the allocator's active blocks by pool.
 
     set          ModelSet: b evicted by the trim thread an acquire of "a" starts (what --model-dir does)
+    set_wait     as set, and the trim thread waited for (30 s at most) before measuring; its stack printed if alive
     set_main     ModelSet: b evicted by calling _make_room on the main thread
     set_plain    ModelSet whose device is switched to "cpu" after the builds (no gc.collect / empty_cache /
                  memory_reserved calls in the eviction)
@@ -29,7 +30,7 @@ import time
 import weakref
 
 GiB = 2**30
-CASES = ("set", "set_main", "set_plain", "set_close", "set_first", "manual", "manual_load")
+CASES = ("set", "set_wait", "set_main", "set_plain", "set_close", "set_first", "manual", "manual_load")
 
 
 def run_case(case: str) -> dict:
@@ -71,7 +72,7 @@ def run_case(case: str) -> dict:
         models.release(rb)
         del rb
         built = torch.cuda.memory_allocated() - a0
-        if case == "set":
+        if case in ("set", "set_wait"):
             models.max_models = 1
             models.release(models.acquire("a"))
         elif case == "set_main":
@@ -105,6 +106,14 @@ def run_case(case: str) -> dict:
         if all(g() is None for g in gone):
             break
         time.sleep(0.1)
+    if case == "set_wait":
+        import faulthandler
+        for t in threading.enumerate():
+            if "_trim" in t.name:
+                t.join(30)
+                if t.is_alive():
+                    print("the trim thread is still alive after 30 s; every thread's stack:", flush=True)
+                    faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
     left = settle() - a0
     seen, py_bytes = set(), 0
     for o in gc.get_objects():
