@@ -160,6 +160,30 @@ def test_the_memory_budget_evicts_idle_models_never_a_busy_one():
         models.close()
 
 
+def test_an_eviction_has_given_its_engine_back_once_the_set_has_settled():
+    """An eviction started by an acquire (the set over its bound) closes and collects the engine on its own thread:
+    once `wait_settled` returns, nothing of it is alive (on CUDA: its memory is back; tools/probe_eviction.py)."""
+    import gc
+    import weakref
+
+    from diffgraph.engine.model_set import ModelSet
+
+    models = ModelSet(lambda name, loop: Engine(name, device="cpu", loop=loop, image_threads=1), "cpu", max_models=2)
+    try:
+        models.release(models.acquire("random:tiny"))
+        b = models.acquire("digits")
+        gone = weakref.ref(b.client.engine.model.unet)
+        models.release(b)
+        del b
+        models.max_models = 1
+        models.release(models.acquire("random:tiny"))  # over the bound: the idle "digits" goes, on another thread
+        assert models.wait_settled(600)
+        gc.collect()
+        assert gone() is None and [r.name for r in models.resident()] == ["random:tiny"]
+    finally:
+        models.close()
+
+
 def test_a_model_asked_for_while_the_engine_process_is_away_is_a_retryable_503(tmp_path):
     """The set lives in the engine's process: while that process is not there (starting, restarting after a crash),
     a request for another model is a 503 to retry, not a 500."""

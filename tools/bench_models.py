@@ -135,11 +135,12 @@ def main() -> int:
     while (len(models.resident()) > 1 or b_engine() is not None) and time.monotonic() < deadline:
         gc.collect()
         time.sleep(0.1)
+    settled = models.wait_settled(max(0.0, deadline - time.monotonic()))  # the evicting thread's collection ends
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     sync()
-    row["evicted"] = {"freed_reserved": before - reserved(), "freed_allocated": before_allocated - allocated(),
+    row["evicted"] = {"settled": settled, "freed_reserved": before - reserved(), "freed_allocated": before_allocated - allocated(),
                       "engine_collected": b_engine() is None, "runner_collected": b_runner() is None,
                       "unet_collected": b_unet() is None, "graph_collected": all(g() is None for g in b_graph),
                       "held_by": _holders(b_unet()) + _holders(b_graph[0]() if b_graph else None),

@@ -183,6 +183,7 @@ def model_set(stay: list):
                 break
             gc.collect()
             time.sleep(0.1)
+        models.wait_settled(60)  # the eviction's own collection, on its thread, ends
         census()
         return lambda: (gc.collect(), unet() is None)[1]
     return build

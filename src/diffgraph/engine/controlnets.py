@@ -46,9 +46,9 @@ class ResolvedControl:
 class ControlNets:
     name = "control"  # its admission gate's name (RequestState.admitted)
 
-    def __init__(self, root: str, device: torch.device, dtype: torch.dtype, unet_config: Any, slots: int = 2,
+    def __init__(self, roots: tuple[str, ...], device: torch.device, dtype: torch.dtype, unet_config: Any, slots: int = 2,
                  vae_scale_factor: int = 8):
-        self.catalog = ControlNetDir(root)
+        self.catalog = ControlNetDir(*roots)
         self.root = self.catalog.root
         self.device, self.dtype, self._unet = device, dtype, unet_config
         self.slots = SlotCache(slots)

@@ -22,7 +22,7 @@ from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
 from ..models.model import DiffusionModel
-from ..models.presets import DEFAULT_MODEL, builtin_lora_folder
+from ..models.presets import DEFAULT_MODEL, builtin_control_folder, builtin_lora_folder
 from ..text.embeddings import EmbeddingDir
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
                        ProgressEvent, QueueFullError, RequestAborted)
@@ -123,7 +123,8 @@ class Engine:
             loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv, lora_host_bytes)
             if not isinstance(compile, (bool, CompileConfig)):
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
-            controls = _controlnets(self.model, controlnet_dir, max_controlnets) if controlnet_dir else None
+            roots = tuple(r for r in (controlnet_dir, builtin_control_folder(self.model.name)) if r)
+            controls = _controlnets(self.model, roots, max_controlnets) if roots else None
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size, loras=loras, controls=controls,
                                       compile=CompileConfig() if compile is True else compile or None,
@@ -337,14 +338,14 @@ class Engine:
 __all__ = ["Engine", "EngineClosed", "EngineStepError", "QueueFullError", "RequestAborted"]
 
 
-def _controlnets(model: DiffusionModel, folder: str, slots: int) -> ControlNets:
-    """The ControlNets of `--controlnet-dir` for this model (its family must take ControlNet residuals)."""
+def _controlnets(model: DiffusionModel, roots: tuple[str, ...], slots: int) -> ControlNets:
+    """The ControlNets of `--controlnet-dir` and the model's built-in ones (its family must take residuals)."""
     if not hasattr(model.adapter, "control"):
         raise ParamError("controlnet_dir", f"the {model.adapter.name} family takes no ControlNet; leave "
                                            "--controlnet-dir out for this model")
     if not isinstance(slots, int) or slots < 1:
         raise ParamError("max_controlnets", f"max-controlnets {slots!r} must be an integer >= 1")
     try:
-        return ControlNets(folder, model.device, model.dtype, model.unet.config, slots, model.vae_scale_factor)
+        return ControlNets(roots, model.device, model.dtype, model.unet.config, slots, model.vae_scale_factor)
     except ValueError as e:
         raise ParamError("controlnet_dir", str(e)) from None

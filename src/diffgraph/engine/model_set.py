@@ -126,6 +126,15 @@ class ModelSet:
         with self._lock:
             return list(self._loading)
 
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        """Waits until no load or eviction is running (an eviction's memory is given back when it ends: the engine's
+        objects are collected on the evicting thread, and another thread's gc.collect() returns at once while that
+        collection runs); False if one still runs after `timeout` seconds."""
+        if not self._loader.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._loader.release()
+        return True
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -20,15 +20,28 @@ CLASS_NAME = "ControlNetModel"
 
 
 class ControlNetDir:
-    def __init__(self, root: str):
-        if not os.path.isdir(root):
-            raise ValueError(f"controlnet dir {root!r} is not a folder; give a folder of diffusers ControlNet folders")
-        self.root = os.path.realpath(root)
+    """`roots`: the `--controlnet-dir` first, then a model's built-in controls; a name in an earlier root shadows
+    the same name in a later one."""
+
+    def __init__(self, *roots: str):
+        for root in roots:
+            if not os.path.isdir(root):
+                raise ValueError(f"controlnet dir {root!r} is not a folder; give a folder of diffusers ControlNet "
+                                 "folders")
+        self.roots = tuple(os.path.realpath(r) for r in roots)
+        self.root = self.roots[0]
 
     def listing(self) -> dict[str, str]:
-        """name -> folder of every ControlNet under the root."""
+        """name -> folder of every ControlNet under the roots (an earlier root's name wins)."""
+        out: dict[str, str] = {}
+        for root in reversed(self.roots):
+            out.update(self._listing(root))
+        return dict(sorted(out.items()))
+
+    @staticmethod
+    def _listing(root: str) -> dict[str, str]:
         out = {}
-        for folder, dirs, files in os.walk(self.root, followlinks=False):
+        for folder, dirs, files in os.walk(root, followlinks=False):
             dirs.sort()
             if "config.json" in files and WEIGHTS in files:
                 try:
@@ -37,17 +50,18 @@ class ControlNetDir:
                             continue
                 except (OSError, ValueError):
                     continue
-                out[os.path.relpath(folder, self.root).replace(os.sep, "/")] = folder
+                out[os.path.relpath(folder, root).replace(os.sep, "/")] = folder
         return out
 
     def folder(self, name: str) -> str:
         if "\x00" in name or "\\" in name or name.startswith("/") or os.path.isabs(name) or ".." in name.split("/"):
             raise ParamError("controls", f"ControlNet name {name!r} is not allowed: names are relative, with '/' "
                                          "between folders, without '..', backslashes or NUL (GET /v1/controlnets)")
-        full = os.path.join(self.root, *name.split("/"))
-        real = os.path.realpath(full)
-        if os.path.isfile(os.path.join(full, WEIGHTS)) and os.path.commonpath([real, self.root]) == self.root:
-            return real
+        for root in self.roots:
+            full = os.path.join(root, *name.split("/"))
+            real = os.path.realpath(full)
+            if os.path.isfile(os.path.join(full, WEIGHTS)) and os.path.commonpath([real, root]) == root:
+                return real
         names = list(self.listing())
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \

@@ -183,6 +183,12 @@ def builtin_lora_folder(model_name: str) -> str | None:
     return None
 
 
+def builtin_control_folder(model_name: str) -> str | None:
+    """The package folder of a shipped preset's built-in ControlNets (tools/train_digits_control.py), or None."""
+    folder = os.path.join(ASSETS, "controlnets", model_name)
+    return folder if model_name in SHIPPED_PRESETS and os.path.isdir(folder) else None
+
+
 def available_presets() -> dict[str, str]:
     """Preset name -> one-line description, for `diffgraph models` and error messages."""
     out = {name: p.description for name, p in RANDOM_PRESETS.items()}

@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.client import RequestHandle
 from ..engine.remote_models import ModelsBackend, RemoteModels
 from ..models.controlnet_dir import ControlNetDir
+from ..models.presets import builtin_control_folder
 from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
@@ -216,7 +217,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         except APIError as e:
             return _error_response(e)
 
-    controlnet_dir = ControlNetDir(config.controlnet_dir) if config.controlnet_dir else None
+    control_roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
+    controlnet_dir = ControlNetDir(*control_roots) if control_roots else None
 
     @app.get("/v1/controlnets")
     async def controlnets() -> Response:
