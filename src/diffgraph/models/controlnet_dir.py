@@ -80,5 +80,5 @@ class ControlNetDir:
             rows.append({"name": name, "cross_attention_dim": config.get("cross_attention_dim"),
                          "block_out_channels": config.get("block_out_channels"),
                          "conditioning_channels": config.get("conditioning_channels", 3),
-                         "sdxl": config.get("addition_embed_type") == "text_time"})
+                         "added_conditions": config.get("addition_embed_type")})  # SDXL's: "text_time"
         return rows

@@ -347,7 +347,7 @@ def _parse(key: str, value: Any) -> Any:
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
                "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels",
-               "max_batch_items", "batch_inflight", "lora_host_bytes"):
+               "max_batch_items", "batch_inflight", "lora_host_bytes", "max_controlnets"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:
