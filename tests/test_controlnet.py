@@ -165,7 +165,33 @@ def test_control_rows_replay_the_control_step_graph_as_eager_runs_them(engine):
     for a, b in zip(eager, graphed):
         assert np.abs(a - b).max() * 255 <= 1.0
     assert replays.get("step_controlon", 0) >= 4 and replays.get("step", 0) >= 2, replays
+    # each ControlNet replayed its own graph over only its gathered rows
+    assert sum(v for k, v in replays.items() if k.startswith("control")) >= 6, replays
     assert plain.arrays.shape == (1, 64, 64, 3)
+
+
+def test_switching_controlnets_in_one_slot_copies_weights_in_place_and_never_captures(engine):
+    """One device slot, ControlNets of one architecture taking turns: the second and later loads copy weights into
+    the slot's module (its graphs stay valid), so nothing is captured after the first load, and each image equals
+    eager."""
+    from diffgraph import GraphConfig
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    order = ["edges", "depth", "edges"]
+    with Engine(model=engine.model, mode="graph", graphs=cfg, controlnet_dir=engine.runner.controls.root,
+                max_controlnets=1) as g:
+        reqs = [g.make_request(PROMPT, num_inference_steps=3, seed=50 + i, sampler="euler",
+                               controls=[dict(model=m, image=control_image(64, 5 + i))]) for i, m in enumerate(order)]
+        graphed, captures, modules = [], [], []
+        for r in reqs:
+            graphed.append(g.run(r).arrays)
+            table = [t for t in g.runner.graph_table() if t["kind"].startswith("control")]
+            captures.append(sum(t["status"] == "captured" for t in table))
+            modules.append(g.runner.controls.module(1))
+            assert all(t["on_demand"] == 0 and t["invalidations"] == 0 for t in table), table
+    assert captures == [3, 3, 3] and modules[0] is modules[1] is modules[2]  # buckets 1, 2, 4 at 64x64, once
+    for r, b in zip(reqs, graphed):
+        assert np.abs(engine.run(r).arrays - b).max() * 255 <= 1.0
+    assert np.abs(graphed[0] - graphed[1]).max() * 255 > 1  # the slot really ran another ControlNet
 
 
 @pytest.fixture(scope="module")

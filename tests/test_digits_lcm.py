@@ -57,7 +57,7 @@ def test_a_four_step_request_is_four_single_branch_rows_and_equals_diffusers(eng
     request = engine.make_request("a handwritten digit three", sampler="lcm", num_inference_steps=4,
                                   guidance_scale=1.0, seed=5, loras=[("lcm", 1.0)])
     plan = engine.runner.request_plan(request)
-    assert plan.num_steps == 4 and engine.runner.request_branches(request, plan).tolist() == [1, 1, 1, 1]
+    assert plan.num_steps == 4 and engine.runner.program.branches(request, plan.step_index).tolist() == [1, 1, 1, 1]
     ours = engine.run(request).arrays
     from diffusers import StableDiffusionPipeline
 

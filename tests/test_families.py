@@ -249,7 +249,7 @@ def test_embedded_guidance_is_one_branch_fed_to_the_denoiser(engine):
     request = engine.make_request("a red cat", num_inference_steps=5, seed=2, guidance_scale=7.0)
     plan = engine.runner.request_plan(request)
     assert engine.runner.program.alt is None  # no classifier-free guidance feature at all
-    assert engine.runner.request_branches(request, plan).tolist() == [1] * 5  # one denoiser row per image row
+    assert engine.runner.program.branches(request, plan.step_index).tolist() == [1] * 5  # one denoiser row per image row
     strong, weak = engine.run(request).arrays, engine.generate("a red cat", num_inference_steps=5, seed=2,
                                                                 guidance_scale=1.0).arrays
     np.testing.assert_allclose(strong, reference(engine, "a red cat", 5, 7.0, 2), atol=1e-5, rtol=0)

@@ -1,9 +1,12 @@
 """The cost of ControlNet rows in a step (issue 32's targets): a bucket-16 step with no control rows, with 4 rows
-using one ControlNet, and with all 16, in one process on one engine (graph tier), one denoiser row per image
-(guidance 1), each step's time from CUDA events (the engine's step_events). The ControlNet is made from the preset's
-UNet (`ControlNetModel.from_unet`), so it has a real ControlNet's architecture and cost.
+using one ControlNet, and with all 16, in one process on one engine (graph tier, or the compile tier with
+--compile), one denoiser row per image (guidance 1), each step's time from CUDA events (the engine's step_events),
+rounds interleaved; beside it the same plain batch on an engine of the same model without ControlNets (what a step
+costs without the feature). Then switching: one device slot, two ControlNets of one architecture taking turns,
+with the graph captures counted before and after. The ControlNets are made from the preset's UNet
+(`ControlNetModel.from_unet`), so they have a real ControlNet's architecture and cost.
 
-    python3 tools/bench_control.py --preset random:sd15 --steps 20    # on the GPU host
+    python3 tools/bench_control.py --preset random:sd15 --steps 10 [--compile]    # on the GPU host
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--size", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="the compile tier (Inductor's kernels in the graphs)")
     args = p.parse_args()
     from diffusers import ControlNetModel
     size = args.size or (1024 if "xl" in args.preset else 512)
@@ -33,15 +37,17 @@ def main() -> int:
     folder = tempfile.mkdtemp()
     cuda = args.device.startswith("cuda")
     model = load_model(args.preset, torch.device(args.device), "fp16" if cuda else "fp32")
-    ControlNetModel.from_unet(model.unet).save_pretrained(f"{folder}/net", safe_serialization=True)
-    graphs = GraphConfig(batch_buckets=(16,), resolutions=((size, size),)) if cuda else None
-    e = Engine(model, graphs=graphs, controlnet_dir=folder)
+    for name in ("net", "net2"):
+        ControlNetModel.from_unet(model.unet).save_pretrained(f"{folder}/{name}", safe_serialization=True)
+    graphs = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), resolutions=((size, size),)) if cuda else None
+    plain = Engine(model, graphs=graphs, compile=args.compile)
+    e = Engine(model, graphs=graphs, controlnet_dir=folder, compile=args.compile)
     image = np.zeros((size, size, 3), np.uint8)
     image[size // 4: size // 2, size // 4:] = 255
 
-    def batch(controlled: int) -> float:
+    def batch(e: Engine, controlled: int, net: str = "net") -> float:
         reqs = [e.make_request("a cat", seed=i, num_inference_steps=args.steps, guidance_scale=1.0,
-                               controls=[dict(model="net", image=image)] if i < controlled else ())
+                               controls=[dict(model=net, image=image)] if i < controlled else ())
                 for i in range(16)]
         e.core.step_events = []
         futures: list = []
@@ -54,19 +60,39 @@ def main() -> int:
         times = [s.elapsed_time(t) for s, t, _ in e.core.step_events]
         return statistics.median(times)
 
-    for c in (0, 4, 16):  # warm every variant (captures happen here, not in the timed rounds)
-        batch(c)
-    rows = {c: [] for c in (0, 4, 16)}
+    cases = ("plain", 0, 4, 16)
+    run = {"plain": lambda: batch(plain, 0), 0: lambda: batch(e, 0), 4: lambda: batch(e, 4), 16: lambda: batch(e, 16)}
+    for c in cases:  # warm every variant (captures and compiles happen here, not in the timed rounds)
+        run[c]()
+    rows = {c: [] for c in cases}
     for _ in range(args.rounds):
-        for c in (0, 4, 16):
-            rows[c].append(batch(c))
+        for c in cases:
+            rows[c].append(run[c]())
     med = {c: statistics.median(v) for c, v in rows.items()}
-    print(json.dumps({"preset": args.preset, "size": size, "step_ms": rows, "graphs": [
-        (r["kind"], r["bucket"], r["replays"]) for r in e.runner.graph_table() if r["replays"]]}))
-    print(f"{'bucket-16 step':28s} {'ms':>8s} {'ratio':>7s}")
-    for c, label in ((0, "no control rows"), (4, "4 rows with a ControlNet"), (16, "16 rows with a ControlNet")):
-        print(f"{label:28s} {med[c]:8.2f} {med[c] / med[0]:7.3f}")
+    print(json.dumps({"preset": args.preset, "size": size, "compile": args.compile,
+                      "step_ms": {str(k): v for k, v in rows.items()}, "graphs": [
+                          (r["kind"], r["bucket"], r["replays"]) for r in e.runner.graph_table() if r["replays"]]}))
+    plain.close()
     e.close()
+    # switching: one slot, two ControlNets of one architecture taking turns
+    s = Engine(model, graphs=graphs, controlnet_dir=folder, compile=args.compile, max_controlnets=1)
+
+    def captures() -> tuple[int, int]:
+        table = [r for r in s.runner.graph_table() if r["kind"].startswith("control")]
+        return sum(r["status"] == "captured" for r in table), sum(r["on_demand"] + r["invalidations"] for r in table)
+
+    batch(s, 4, "net")
+    before = captures()
+    for net in ("net2", "net", "net2"):
+        batch(s, 4, net)
+    after = captures()
+    s.close()
+    print(f"{'bucket-16 step':34s} {'ms':>8s} {'ratio':>7s}")
+    print(f"{'plain engine (no ControlNets)':34s} {med['plain']:8.2f} {1.0:7.3f}")
+    for c, label in ((0, "no control rows"), (4, "4 rows with a ControlNet"), (16, "16 rows with a ControlNet")):
+        print(f"{label:34s} {med[c]:8.2f} {med[c] / med['plain']:7.3f}")
+    print(f"switching ControlNets in one slot: control graphs captured {before[0]} -> {after[0]}, "
+          f"captured on demand or invalidated {before[1]} -> {after[1]}")
     return 0
 
 

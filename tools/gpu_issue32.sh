@@ -3,6 +3,7 @@
 # not installed):
 #   bash tools/gpu_issue32.sh train   # the digits outline ControlNet (tools/train_digits_control.py) -> $OUT/outline
 #   bash tools/gpu_issue32.sh tests   # the GPU tests of the ControlNet rows (graph tier)
+#   bash tools/gpu_issue32.sh bench   # the GPU tests, then tools/bench_control.py in the graph and compile tiers
 set -uo pipefail
 . tools/gpu_setup.sh
 case "${1:-train}" in
@@ -11,4 +12,9 @@ case "${1:-train}" in
       --batch "${CONTROL_BATCH:-256}" --budget "${CONTROL_BUDGET:-240}" --lr "${CONTROL_LR:-3e-4}" --data .whl/digits.npz --out "$OUT/outline" ;;
   tests)
     python3 -m pytest -q -x tests/gpu -k control 2>&1 | tail -20 ;;
+  bench)
+    python3 -m pytest -q -x tests/gpu/test_control_gpu.py 2>&1 | tail -8
+    timeout "${GRAPH_S:-150}" python3 tools/bench_control.py --preset random:sd15 --steps 10 --rounds 3 2>&1 | tail -9
+    timeout "${COMPILE_S:-300}" python3 tools/bench_control.py --preset random:sd15 --steps 10 --rounds 3 --compile \
+      2>&1 | grep -v Warning | tail -9 ;;
 esac

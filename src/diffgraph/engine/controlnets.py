@@ -11,8 +11,9 @@ another family is the caller's 400), and its control image prepared as diffusers
 (`VaeImageProcessor` without normalisation: resized to the output size, RGB in [0, 1]). On the loop thread the set is
 an admission gate (`can_admit`, `admit`, `release`) over `slots` device slots (lora.catalog.SlotCache: a slot in use
 is never evicted; when every slot is pinned the request waits, it does not fail), and `load_admitted` copies the host
-copies of the ControlNets admitted this step into their slots between steps. `module(slot)` is what the step's
-ControlNet prepass runs (features/control.py).
+copies of the ControlNets admitted this step into their slots between steps: into the slot's module in place where
+it holds one of the same architecture (its CUDA graphs stay valid: engine/control_graphs.py), else as a new module.
+`module(slot)` is what the step's ControlNet prepass runs (features/control.py, through control_graphs.py).
 """
 
 from __future__ import annotations
@@ -131,8 +132,14 @@ class ControlNets:
                 self.slots.forget(slot)
                 broken[slot] = f"ControlNet {key[0]!r} was dropped from host memory since it was resolved; retry"
                 continue
-            self._modules.pop(slot, None)
-            self._modules[slot] = copy.deepcopy(host).to(self.device)
+            current = self._modules.get(slot)
+            if current is not None and same_architecture(current, host):  # in place: the slot's graphs stay valid
+                with torch.no_grad():
+                    for dst, src in zip(current.state_dict().values(), host.state_dict().values()):
+                        dst.copy_(src)
+            else:
+                self._modules.pop(slot, None)
+                self._modules[slot] = copy.deepcopy(host).to(self.device)
         return broken
 
     def admitted(self, state: Any, taken: list[int]) -> list[tuple[int, torch.Tensor]]:
@@ -142,6 +149,15 @@ class ControlNets:
 
     def module(self, slot: int) -> torch.nn.Module:
         return self._modules[slot]
+
+
+def same_architecture(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether `b`'s weights can be copied into `a` in place: the same config and the same tensors, in order."""
+    if {k: v for k, v in a.config.items() if not k.startswith("_")} != {
+            k: v for k, v in b.config.items() if not k.startswith("_")}:
+        return False
+    sa, sb = a.state_dict(), b.state_dict()
+    return list(sa) == list(sb) and all(sa[k].shape == sb[k].shape and sa[k].dtype == sb[k].dtype for k in sa)
 
 
 def _norm(value: Any) -> Any:

@@ -89,7 +89,7 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         prompts = self.runner.prepare_prompts(request)
-        branches = self.runner.request_branches(request, plan)
+        branches = self.runner.program.branches(request, plan.step_index)  # 2 where CFG runs
         state = RequestState.of(request, plan, time.monotonic(), sink, branches, prompts)
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if prompts[0].chunks != prompts[1].chunks:
@@ -241,7 +241,7 @@ class EngineCore:
             plan.cost_rows = self.runner.step(
                 plan.key, plan.coefs, [(s.first_row, s.rows, s.branches_now) for s in plan.live],
                 [(s.first_row, s.rows, s.generator if s.noise is None else partial(s.noise.draw, s.step))
-                 for s in plan.noise_requests], variant)
+                 for s in plan.noise_requests], variant, [s.variant_parts for s in plan.live])
         except Exception as e:  # only this batch fails; the loop keeps serving
             logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
             self.stats["failed_steps"] += 1

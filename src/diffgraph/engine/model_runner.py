@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import inspect
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
 from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
+from .control_graphs import ControlRunner
 from .controlnets import ControlNets
 from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
 from ..text.embeddings import EmbeddingDir
@@ -94,8 +95,9 @@ class ModelRunner:
         self.text_setup = TextSetup(tuple(model.tokenizers), self.adapter.embedding_dims(model), self.max_chunks,
                                     self.adapter.encoder_layers(model), embeddings)
         side_paths = loras.unet_rows if slots else None
-        self.program = StepProgram(self.adapter.features(model, side_paths, self.max_chunks, controls=controls)
-                                   if self.max_chunks > 1 or controls else self.adapter.features(model, side_paths))
+        self.control_runner = ControlRunner(controls, partial(self.adapter.control, model)) if controls else None
+        extra = {"max_chunks": self.max_chunks, "controls": self.control_runner} if self.max_chunks > 1 or controls else {}
+        self.program = StepProgram(self.adapter.features(model, side_paths, **extra))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
         self.graphs: GraphSet | None = None
@@ -110,6 +112,8 @@ class ModelRunner:
             if mode == "graph":
                 self.graphs = self.text_encoder.graphs = make_graphs(self, compile)
                 self._graphed = tuple(self.graphs.runner.kinds["step"].resolutions())
+                if self.control_runner is not None:
+                    self.control_runner.attach(self.graphs.runner, self._graphed, self.graph_config.batch_buckets)
                 self.compiled, self.compile_folder = self.graphs.compiled, self.graphs.compile_folder
             elif compile is not None:  # eager mode (the CPU): the step itself runs compiled, shapes as they come
                 self.compile_folder = open_cache(compile, model, self.device)
@@ -204,10 +208,6 @@ class ModelRunner:
         plan = start_plan(plan, start) if start else plan
         return dataclasses.replace(plan, coefs=self.program.request_coefs(request, plan.coefs, plan.step_index))
 
-    def request_branches(self, request: GenerationRequest, plan: SamplerPlan) -> np.ndarray:
-        """Denoiser rows per image row at each row of `plan` (2 where classifier-free guidance runs)."""
-        return self.program.branches(request, plan.step_index)
-
     def _start(self, request: GenerationRequest) -> int:
         """The step of the full schedule a request's rows start at (an edit's strength rule; else 0)."""
         if request.edit is None:
@@ -250,11 +250,8 @@ class ModelRunner:
         return event
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Host -> device without blocking the host: from pinned memory, asynchronously (a pageable copy
-        would wait for the GPU queue to drain and leave it idle while the host catches up)."""
-        if not self.cuda or t.is_cuda:
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        """Host -> device from pinned memory, asynchronously (a pageable copy would wait for the GPU queue)."""
+        return t if not self.cuda or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)
 
     # -- encode --------------------------------------------------------------------------------
     def prepare_prompts(self, request: GenerationRequest) -> tuple[PromptText, PromptText]:
@@ -312,11 +309,13 @@ class ModelRunner:
         return self.program.parts(admission)
 
     def step(self, key: GroupKey, coefs: np.ndarray, rows: list[tuple[int, int, int]],
-             noise: list[tuple[int, int, Any]] | None = None, variant: VariantKey | None = None) -> int:
+             noise: list[tuple[int, int, Any]] | None = None, variant: VariantKey | None = None,
+             parts: Sequence[tuple] | None = None) -> int:
         """Runs one step. coefs: [n, columns] for image rows [0, n); rows: (first row, rows, denoiser rows per row
         this step) of each live request, packed from row 0; noise: (first row, rows, its generator or a callable
         giving its noise) of the requests whose row draws noise this step; variant: the step variant (None: the
-        neutral one). Returns the denoiser rows the step cost: its graph bucket when replayed, else its denoiser rows."""
+        neutral one); parts: the live requests' variant parts (a prepass gathers rows by them). Returns the
+        denoiser rows the step cost: its graph bucket when replayed, else its denoiser rows."""
         buf = self.buffers(key)
         n, d = coefs.shape[0], sum(k * b for _, k, b in rows)  # denoiser rows: a guiding row costs two
         variant = self.program.neutral() if variant is None else variant
@@ -348,7 +347,8 @@ class ModelRunner:
         if self.cuda:
             slot.event = self._record_event()
         if self.controls is not None:  # the ControlNets' residuals (features/control.py), outside the step's graph
-            self.program.prepass(buf.fields, buf.cond_names, buf.row_names, buf.dtype, n, bucket or d, variant)
+            self.program.prepass(buf.fields, buf.cond_names, buf.row_names, buf.dtype, n, bucket or d, variant,
+                                 None if parts is None else [(k * b, p) for (_, k, b), p in zip(rows, parts)])
         if bucket is not None:
             self.graph_runner.replay(kind, key[0], key[1], bucket)
             return bucket

@@ -139,9 +139,11 @@ class RowFeature:
         return {}
 
     def prepass(self, view: StepView, part: Any, d: int, x: torch.Tensor, t: torch.Tensor,
-                cond: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+                cond: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
+                live: Sequence[tuple[int, Any]] | None = None) -> None:
         """Before the step, outside its graph, with the step's full part: work the step reads (the ControlNets'
-        residuals into transient fields). `x`, `t`, `cond`, `inputs`: the denoiser's batch over denoiser rows [0, d)."""
+        residuals into transient fields). `x`, `t`, `cond`, `inputs`: the denoiser's batch over denoiser rows [0, d);
+        `live`: (denoiser rows, this feature's part) per live request, in row order (None: not known)."""
 
     def before_denoise(self, view: StepView, part: Any) -> None:
         """Called just before the denoiser with this step's variant part (e.g. sets the LoRA side paths' rows)."""

@@ -10,9 +10,11 @@ down-block residual and the mid block's) are per denoiser row and written anew e
 compacted or saved).
 
 The ControlNets run before the step (`prepass`, outside the step's graph): for each (control k, slot s) pair in use
-this step, the ControlNet of slot s over the step's denoiser rows (the UNet's own scaled input, timestep and
-conditioning per branch, as diffusers' pipelines pass them without guess mode), its residuals times the per-row scale
-of the rows whose control k is slot s (0 for every other row) added into the residual fields. The step's variant
+this step, the ControlNet of slot s over only the denoiser rows whose control k is slot s, gathered (the UNet's own
+scaled input, timestep and conditioning per branch, as diffusers' pipelines pass them without guess mode; the count
+from the live requests' parts, so nothing waits for the device), its residuals times each row's scale added into
+those rows of the residual fields. `run` is the engine's (engine/control_graphs.py: a CUDA graph per slot and
+gathered bucket, or eager). The step's variant
 part is only whether residuals are read ("on"), so every ControlNet mix shares one step graph, and a step without
 control rows is today's step, residuals not even read.
 """
@@ -33,9 +35,10 @@ ControlCall = Callable[[int, torch.Tensor, torch.Tensor, dict, dict, torch.Tenso
 
 
 class ControlSlots(Protocol):
-    """The loaded ControlNets by device slot (engine/controlnets.py)."""
+    """What runs the loaded ControlNets by device slot (engine/control_graphs.py:ControlRunner)."""
 
-    def module(self, slot: int) -> Any: ...
+    def run(self, slot: int, x: torch.Tensor, t: torch.Tensor, cond: dict, inputs: dict,
+            image: torch.Tensor) -> tuple[Sequence[torch.Tensor], torch.Tensor]: ...
 
 
 def residual_shapes(unet_config: Any, latent_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -108,17 +111,27 @@ class ControlRows(RowFeature):
 
     # -- the step ----------------------------------------------------------------------------------
     def prepass(self, view: StepView, part: Any, d: int, x: torch.Tensor, t: torch.Tensor, cond: dict,
-                inputs: dict) -> None:
+                inputs: dict, live: Sequence[tuple[int, Any]] | None = None) -> None:
         res = [t for name, t in view.fields.items() if name.startswith("control.res")]  # [d, ...] each
         for r in res:
             r.zero_()
         for k, slot in part or ():
-            picked = (view.fields[f"control.slot{k}"][:, 0] == float(slot)).float()
-            scale = view.gather(view.column(f"control.scale{k}").view(-1) * picked)
-            image = view.gather(view.fields[f"control.image{k}"])
-            downs, mid = self._run(slot, x, t, cond, inputs, image)
+            picked = view.gather((view.fields[f"control.slot{k}"][:, 0] == float(slot)).to(torch.int8))  # [d]
+            # its denoiser rows, counted on the host (no sync): the live requests whose part holds the pair
+            count = (sum(den for den, p in live if p and (k, slot) in p) if live is not None
+                     else int(picked.sum()))
+            if count == 0:
+                continue
+            # the picked rows first, in order (a padding row points at row 0: after every live row); no sync
+            rows = (1 - picked).argsort(stable=True)[:count]
+            image_rows = view.den_row.index_select(0, rows)
+            sub = {name: c.index_select(0, rows) for name, c in cond.items()}
+            sub_inputs = {name: r.index_select(0, rows) for name, r in inputs.items()}
+            image = view.fields[f"control.image{k}"].index_select(0, image_rows)
+            downs, mid = self._run(slot, x.index_select(0, rows), t.index_select(0, rows), sub, sub_inputs, image)
+            scale = view.coefs[:, view.columns[f"control.scale{k}"]].index_select(0, image_rows)
             for r, out in zip(res, [*downs, mid]):
-                r += out * scale.to(out.dtype).view(-1, *([1] * (out.dim() - 1)))
+                r.index_add_(0, rows, out[:count] * scale.to(out.dtype).view(-1, *([1] * (out.dim() - 1))))
 
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, torch.Tensor]:
         if part is None:

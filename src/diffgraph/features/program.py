@@ -195,15 +195,18 @@ class StepProgram:
         return view, x_in, x_scaled, t_den, cond, inputs
 
     def prepass(self, fields: dict[str, torch.Tensor], cond_names: Sequence[str], row_names: Sequence[str],
-                dtype: torch.dtype, n: int, d: int, key: VariantKey) -> None:
-        """Before the step (outside its graph): the features' prepasses with the step's full key (ControlNets)."""
+                dtype: torch.dtype, n: int, d: int, key: VariantKey,
+                live: Sequence[tuple[int, tuple]] | None = None) -> None:
+        """Before the step (outside its graph): the features' prepasses with the step's full key (ControlNets);
+        `live`: (denoiser rows, variant parts) per live request, in row order, or None."""
         if not any(key[i] != self._neutral[i] for i in self._overrides["prepass"]):
             return
         with torch.no_grad():
             view, _, x_scaled, t_den, cond, inputs = self._batch(fields, cond_names, row_names, dtype, n, d)
             x_den = view.gather(x_scaled)
             for i in self._overrides["prepass"]:
-                self.features[i].prepass(view, key[i], d, x_den, t_den, cond, inputs)
+                self.features[i].prepass(view, key[i], d, x_den, t_den, cond, inputs,
+                                         None if live is None else [(rows, parts[i]) for rows, parts in live])
 
     def run(self, denoise: Denoiser, fields: dict[str, torch.Tensor], cond_names: Sequence[str],
             row_names: Sequence[str], dtype: torch.dtype, n: int, d: int, key: VariantKey) -> None:

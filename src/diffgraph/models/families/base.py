@@ -254,8 +254,7 @@ class FamilyAdapter:
         if side_paths is not None:
             out.append(LoraRows(side_paths, MAX_LORAS))
         if controls is not None:  # ControlNet rows (features/control.py): the nets in `controls`' slots
-            out.append(ControlRows(model.unet.config, model.dtype, lambda slot, *a: self.control(
-                model, controls.module(slot), *a)))
+            out.append(ControlRows(model.unet.config, model.dtype, controls.run))
         if max_chunks > 1 and self.sequence_fields:
             out.append(PromptContext(self.token_lengths(model)[0], max_chunks))
         return tuple(out)
