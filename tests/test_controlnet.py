@@ -64,10 +64,18 @@ def _reference(engine, controls, seed, steps=STEPS, guidance=None, negative=None
     nets = [ControlNetModel.from_pretrained(os.path.join(engine.runner.controls.root, c["model"])) for c in controls]
     cls = (diffusers.StableDiffusionXLControlNetPipeline if engine.model.adapter.name == "sdxl"
            else diffusers.StableDiffusionControlNetPipeline)
+    names = {"My prompt is more important": "prompt", 1: "prompt"}
+    modes = {names.get(c.get("control_mode"), c.get("control_mode", "balanced")) for c in controls}
+    assert len(modes) == 1, "diffusers' pipelines take one guess mode for all their ControlNets"
+    if modes == {"prompt"}:  # diffusers' guess-mode scales inside the net, in both branches (the pipeline's default)
+        for net in nets:
+            forward = net.forward
+            net.forward = lambda *a, _f=forward, **k: _f(*a, **{**k, "guess_mode": True})
     cpipe = cls.from_pipe(pipe, controlnet=nets if len(nets) > 1 else nets[0])
     one = len(nets) == 1
     pick = (lambda k: controls[0][k]) if one else (lambda k: [c[k] for c in controls])
     return cpipe(PROMPT, negative_prompt=negative, image=pick("image"), num_inference_steps=steps,
+                 guess_mode=modes == {"control"},
                  controlnet_conditioning_scale=pick("scale"), control_guidance_start=pick("start"),
                  control_guidance_end=pick("end"), generator=torch.Generator().manual_seed(seed),
                  guidance_scale=engine.model.default_guidance if guidance is None else guidance,
@@ -78,6 +86,11 @@ CASES = [
     [dict(model="edges", scale=1.0, start=0.0, end=1.0)],
     [dict(model="edges", scale=0.5, start=0.2, end=0.8)],
     [dict(model="edges", scale=1.0, start=0.0, end=1.0), dict(model="depth", scale=0.5, start=0.2, end=0.8)],
+    # AUTOMATIC1111's control modes: "ControlNet is more important" is diffusers' guess mode; "My prompt is more
+    # important" its scales in both branches
+    [dict(model="edges", scale=1.5, start=0.0, end=1.0, control_mode="control")],
+    [dict(model="edges", scale=1.5, start=0.0, end=1.0, control_mode="My prompt is more important"),
+     dict(model="depth", scale=1.0, start=0.0, end=1.0, control_mode=1)],
 ]
 
 
@@ -122,6 +135,8 @@ def test_control_rows_mixed_with_plain_rows_equal_each_alone(engine):
     ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), start=0.5, end=0.5)], "below its end"),
     ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), scale=float("nan"))], "out of range"),
     ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), weight=1)], "unknown control fields"),
+    ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), resize_mode="stretch")], "resize_mode 'stretch'"),
+    ([dict(model="edges", image=np.zeros((64, 64, 3), np.uint8), control_mode=3)], "control_mode 3 is unknown"),
 ])
 def test_bad_controls_are_param_errors_and_the_engine_keeps_serving(engine, controls, match):
     with pytest.raises(ParamError, match=match) as info:
@@ -201,6 +216,13 @@ def http_folder(tmp_path_factory, tiny_engine):
     return str(root)
 
 
+def _png(image: Image.Image) -> bytes:
+    import io
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def _b64(image: Image.Image) -> str:
     import base64
     import io
@@ -220,6 +242,8 @@ def test_controls_over_http_equal_the_engine_and_bad_ones_are_400s(http_folder):
     with Engine("random:tiny", device="cpu", dtype="fp32", controlnet_dir=http_folder) as e:
         want = e.generate(PROMPT, num_inference_steps=3, seed=3, sampler="euler",
                           controls=[dict(model="lines/edges", image=image, scale=0.8, start=0.0, end=0.7)])
+        edited = e.generate(PROMPT, num_inference_steps=3, seed=4, sampler="euler", image=_edit_image(1), strength=0.6,
+                            controls=[dict(model="lines/edges", image=image, control_mode="control")])
     expected = (want.arrays[0] * 255).round().astype(int)
     s = ServerProcess("--controlnet-dir", http_folder, model="random:tiny")
     try:
@@ -243,6 +267,20 @@ def test_controls_over_http_equal_the_engine_and_bad_ones_are_400s(http_folder):
             error = r.json()["error"]
             assert (error["param"] or "").startswith("controls"), (control, error)
             assert needle is None or needle in error["message"], error
+        # the edits form: the controls as a JSON field, each map as its file part (A1111's control-mode label)
+        form = {"prompt": PROMPT, "num_inference_steps": "3", "seed": "4", "sampler": "euler", "strength": "0.6",
+                "controls": json.dumps([{"model": "lines/edges", "control_mode": "ControlNet is more important"}])}
+        parts = {"image": ("in.png", _png(_edit_image(1))), "control_image_0": ("edges.png", _png(image))}
+        r = httpx.post(f"{s.url}/v1/images/edits", data=form, files=parts, timeout=600)
+        assert r.status_code == 200, r.text
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).convert("RGB"))
+        assert np.abs(got.astype(int) - (edited.arrays[0] * 255).round().astype(int)).max() <= 1
+        for data, files, needle in [(form, {"image": parts["image"]}, "needs its control image once"),
+                                    (dict(form, controls="[]"), parts, "has no control in controls"),
+                                    (dict(form, controls=json.dumps([{"model": "lines/edges", "resize_mode": "x"}])),
+                                     parts, "resize_mode 'x' is unknown")]:
+            r = httpx.post(f"{s.url}/v1/images/edits", data=data, files=files, timeout=600)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
         r = httpx.post(f"{s.url}/v1/images/generations", json=dict(body, controls=None), timeout=600)
         assert r.status_code == 200  # still serving
     finally:
@@ -274,14 +312,70 @@ def test_the_cli_generates_with_a_control_locally(http_folder, tmp_path):
     run = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
                           "--device", "cpu", "--steps", "3", "--seed", "3", "--sampler", "euler",
                           "--controlnet-dir", http_folder, "--control", f"lines/edges:{tmp_path / 'edges.png'}:0.8:0:0.7",
-                          "-o", str(out)], capture_output=True, text=True, timeout=600)
+                          "--control-mode", "control", "--resize-mode", "crop_and_resize", "-o", str(out)],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     with Engine("random:tiny", device="cpu", dtype="fp32", controlnet_dir=http_folder) as e:
         want = e.generate(PROMPT, num_inference_steps=3, seed=3, sampler="euler",
-                          controls=[dict(model="lines/edges", image=control_image(64, 5), scale=0.8, end=0.7)])
+                          controls=[dict(model="lines/edges", image=control_image(64, 5), scale=0.8, end=0.7,
+                                         control_mode="control", resize_mode="crop_and_resize")])
     got = np.asarray(Image.open(out).convert("RGB")).astype(int)
     assert np.abs(got - (want.arrays[0] * 255).round().astype(int)).max() <= 1
     bad = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
                           "--controlnet-dir", http_folder, "--control", "lines/edges"], capture_output=True, text=True,
                          timeout=600)
     assert bad.returncode != 0 and "must look like NAME:IMAGE" in bad.stderr
+
+
+def test_resize_modes_prepare_the_map_as_automatic1111_does(engine):
+    """A 64x32 map for a 64x64 image: "crop_and_resize" is its centre 32x32 square resized, "resize_and_fill" the
+    map itself centred on its border's median colour ("just_resize" stretches it: diffusers' pipelines' way)."""
+    wide = np.zeros((32, 64, 3), np.uint8)
+    wide[8:24, 24:40] = 255          # a square in the middle, far from the crop's edges
+    wide[0, :5] = 200                # a few border pixels off the median (which stays black)
+
+    def prepared(image, **mode):
+        request = engine.make_request(PROMPT, num_inference_steps=1, controls=[dict(model="edges", image=image,
+                                                                                    **mode)])
+        return engine.runner.controls.resolve(request)[0].image
+
+    cropped = prepared(wide, resize_mode="Crop and Resize")
+    assert np.abs((cropped - prepared(np.ascontiguousarray(wide[:, 16:48]))).numpy()).max() <= 1 / 255 + 1e-6
+    filled = np.zeros((64, 64, 3), np.uint8)
+    filled[16:48] = wide
+    assert torch.equal(prepared(wide, resize_mode="resize_and_fill"), prepared(filled))
+    assert not torch.equal(prepared(wide), prepared(filled))  # just_resize stretches it
+    assert prepared(wide, resize_mode=2).shape == (1, 3, 64, 64)
+
+
+def _edit_image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((64, 64), Image.BICUBIC)
+
+
+@pytest.mark.parametrize("task", ["img2img", "inpaint"])
+def test_controls_with_edits_equal_diffusers_controlnet_img2img_and_inpaint_pipelines(engine, task):
+    import diffusers
+    from diffusers import ControlNetModel
+    image, control = _edit_image(4), control_image(64, 6)
+    mask = None
+    if task == "inpaint":
+        m = np.zeros((64, 64), np.uint8)
+        m[16:48, 8:40] = 255
+        mask = Image.fromarray(m)
+    ours = engine.generate(PROMPT, image=image, mask_image=mask, strength=0.7, num_inference_steps=STEPS, seed=9,
+                           sampler="euler", controls=[dict(model="edges", image=control, scale=0.8, end=0.8)])
+    xl = engine.model.adapter.name == "sdxl"
+    cls = getattr(diffusers, f"StableDiffusion{'XL' if xl else ''}ControlNet{'Img2Img' if task == 'img2img' else 'Inpaint'}"
+                             "Pipeline")
+    net = ControlNetModel.from_pretrained(os.path.join(engine.runner.controls.root, "edges"))
+    pipe = cls.from_pipe(engine.diffusers_pipeline("euler"), controlnet=net)
+    extra = dict(mask_image=mask) if task == "inpaint" else {}
+    ref = pipe(PROMPT, image=image, control_image=control, strength=0.7, num_inference_steps=STEPS,
+               controlnet_conditioning_scale=0.8, control_guidance_end=0.8, guidance_scale=engine.model.default_guidance,
+               generator=torch.Generator().manual_seed(9), output_type="np", **extra).images
+    plain = engine.generate(PROMPT, image=image, mask_image=mask, strength=0.7, num_inference_steps=STEPS, seed=9,
+                            sampler="euler")
+    assert ours.arrays.shape == ref.shape == (1, 64, 64, 3)
+    assert np.abs(ours.arrays - plain.arrays).max() * 255 > 4  # the control reaches the edited image
+    assert np.abs(ours.arrays - ref).max() * 255 <= 1.0, np.abs(ours.arrays - ref).max() * 255

@@ -78,6 +78,12 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--preprocess", default="none", choices=("none", "canny", "invert"),
                    help="what makes the control maps from the --control images: none (they are the maps), canny "
                         "(OpenCV's edges, thresholds 100 / 200), invert (black-on-white line art)")
+    g.add_argument("--resize-mode", default="just_resize", choices=("just_resize", "crop_and_resize", "resize_and_fill"),
+                   help="how the control maps meet the output size (AUTOMATIC1111's): stretched to it, covering it "
+                        "centre-cropped, or inside it on the map's border colour")
+    g.add_argument("--control-mode", default="balanced", choices=("balanced", "prompt", "control"),
+                   help="AUTOMATIC1111's control mode: balanced, prompt (my prompt is more important) or control "
+                        "(ControlNet is more important: diffusers' guess mode)")
     g.add_argument("--controlnet-dir", default=None, metavar="DIR",
                    help="a folder of diffusers ControlNet folders that --control names (not with --url)")
     g.add_argument("--lora-conv", action="store_true",
@@ -372,8 +378,13 @@ def _control_flags(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.control and args.controlnet_dir is None:
         raise _ArgError("--control needs --controlnet-dir DIR, the folder of ControlNets it names (or --url, a "
                         "server's)")
-    return [dict(model=name, image=_read_image(path, "--control").convert("RGB"), preprocess=args.preprocess,
+    return [dict(model=name, image=_read_image(path, "--control").convert("RGB"), **_control_options(args),
                  **values) for name, path, values in _control_specs(args)]
+
+
+def _control_options(args: argparse.Namespace) -> dict[str, str]:
+    """The flags that apply to every --control."""
+    return {"preprocess": args.preprocess, "resize_mode": args.resize_mode, "control_mode": args.control_mode}
 
 
 def _file_b64(path: str, flag: str) -> str:
@@ -467,7 +478,7 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "output_format": OUTPUT_FORMATS[os.path.splitext(args.output)[1].lower()],
             "response_format": "b64_json",
             "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None,
-            "controls": [{"model": n, "image": _file_b64(p, "--control"), "preprocess": args.preprocess, **v}
+            "controls": [{"model": n, "image": _file_b64(p, "--control"), **_control_options(args), **v}
                          for n, p, v in _control_specs(args)] or None,
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta,
@@ -480,22 +491,24 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         body["stream"] = True
     post: dict[str, Any] = {"json": body}
     if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
-        if args.control:
-            raise _ArgError("--control with --image is not served over --url yet (the edits route takes no "
-                            "controls); run the edit locally with --controlnet-dir")
         if args.image is None:
             raise _ArgError("--mask and --strength need --image (the image to edit)")
         files = {}
-        for name, path in (("image", args.image), ("mask", args.mask)):
+        specs = _control_specs(args)  # the form's controls: each map as its own file part, control_image_<i>
+        if specs:
+            body["controls"] = [{"model": n, **_control_options(args), **v} for n, _, v in specs]
+        for name, path in (("image", args.image), ("mask", args.mask),
+                           *((f"control_image_{i}", p) for i, (_, p, _) in enumerate(specs))):
             if path is not None:
                 try:
                     with open(path, "rb") as f:
                         files[name] = (os.path.basename(path), f.read())
                 except OSError as e:
-                    raise _ArgError(f"--{name} {path!r} cannot be read: {e.strerror or e}") from None
+                    flag = name if name in ("image", "mask") else "control"
+                    raise _ArgError(f"--{flag} {path!r} cannot be read: {e.strerror or e}") from None
         if args.strength is not None:
             body["strength"] = args.strength
-        post = {"data": {k: json.dumps(v) if k == "loras" else str(v).lower() if isinstance(v, bool) else str(v)
+        post = {"data": {k: json.dumps(v) if k in ("loras", "controls") else str(v).lower() if isinstance(v, bool) else str(v)
                          for k, v in body.items()},
                 "files": files}
     try:

@@ -165,7 +165,22 @@ MAX_CONTROLS = 3
 MAX_CONTROL_SCALE = 5.0
 MAX_CONTROL_PIXELS = 16 * 1024 * 1024  # a control image, decoded (as an edit's image)
 CONTROL_PREPROCESSORS = ("none", "canny", "invert")
-CONTROL_FIELDS = ("model", "image", "scale", "start", "end", "preprocess", "canny_low", "canny_high")
+CONTROL_FIELDS = ("model", "image", "scale", "start", "end", "preprocess", "canny_low", "canny_high", "resize_mode",
+                  "control_mode")
+# AUTOMATIC1111's ControlNet names (its API sends the labels or their indices) -> ours
+RESIZE_MODES = {"just_resize": ("Just Resize", 0), "crop_and_resize": ("Crop and Resize", 1),
+                "resize_and_fill": ("Resize and Fill", 2)}
+CONTROL_MODES = {"balanced": ("Balanced", 0), "prompt": ("My prompt is more important", 1),
+                 "control": ("ControlNet is more important", 2)}
+
+
+def _control_mode(name: str, value: Any, modes: dict[str, tuple[str, int]]) -> str:
+    for ours, (label, index) in modes.items():
+        if value == ours or (isinstance(value, str) and value.strip().lower() == label.lower()) or (
+                isinstance(value, int) and not isinstance(value, bool) and value == index):
+            return ours
+    raise ParamError("controls", f"control {name} {value!r} is unknown; allowed: {', '.join(modes)} (or "
+                                 f"AUTOMATIC1111's {', '.join(repr(label) for label, _ in modes.values())})")
 
 
 def _control_number(name: str, value: Any, lo: float, hi: float, what: str) -> float:
@@ -183,7 +198,12 @@ class ControlInput:
     (`control_guidance_start` / `control_guidance_end`: the fractions of the schedule where it runs), and
     `preprocess`: what makes the control map from `image` at submit ("none": it is the map; "canny": OpenCV's Canny
     edges with thresholds `canny_low` / `canny_high`, AUTOMATIC1111's defaults 100 / 200; "invert": 255 - pixels,
-    for black-on-white line art)."""
+    for black-on-white line art). `resize_mode`, AUTOMATIC1111's: "just_resize" (to the output size, as diffusers'
+    pipelines), "crop_and_resize" (covering it, centre-cropped), "resize_and_fill" (inside it, centred on the median
+    of the map's border). `control_mode`, AUTOMATIC1111's: "balanced" (diffusers' default), "prompt" ("My prompt is
+    more important": residual i of R scaled by 10^((i + 1 - R) / (R - 1)), diffusers' guess-mode scales, in both
+    guidance branches) and "control" ("ControlNet is more important": diffusers' `guess_mode=True`, those scales in
+    the conditional branch only)."""
 
     model: str
     image: np.ndarray
@@ -193,6 +213,8 @@ class ControlInput:
     preprocess: str = "none"
     canny_low: int = 100
     canny_high: int = 200
+    resize_mode: str = "just_resize"
+    control_mode: str = "balanced"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -227,6 +249,8 @@ class ControlInput:
             raise ParamError("controls", f"canny_low {low:g} must not be above canny_high {high:g}")
         object.__setattr__(self, "canny_low", int(low))
         object.__setattr__(self, "canny_high", int(high))
+        object.__setattr__(self, "resize_mode", _control_mode("resize_mode", self.resize_mode, RESIZE_MODES))
+        object.__setattr__(self, "control_mode", _control_mode("control_mode", self.control_mode, CONTROL_MODES))
 
 
 def check_controls(value: Any) -> tuple[ControlInput, ...]:

@@ -31,7 +31,7 @@ import torch
 from ..errors import ParamError
 from ..lora.catalog import SlotCache
 from ..models.controlnet_dir import WEIGHTS, ControlNetDir
-from ..request import ControlInput, GenerationRequest
+from ..request import CONTROL_MODES, ControlInput, GenerationRequest
 from ..safe_files import stamp_of
 
 # the UNet config fields a ControlNet must share with the UNet it steers (its residuals' shapes, its conditioning)
@@ -42,6 +42,7 @@ MATCHING = ("block_out_channels", "layers_per_block", "cross_attention_dim")
 class ResolvedControl:
     key: tuple          # (name, version of its weights file)
     image: torch.Tensor  # [1, 3, H, W] float32 in [0, 1] at the request's size
+    mode: int = 0       # its control mode's index in CONTROL_MODES (balanced, prompt, control)
 
 
 class ControlNets:
@@ -67,7 +68,8 @@ class ControlNets:
             folder = self.catalog.folder(c.model)
             key = (c.model, tuple(stamp_of(os.stat(os.path.join(folder, WEIGHTS)))))
             self._host_copy(key, folder)
-            out.append(ResolvedControl(key, self._prepare(control_map(c), request.width, request.height)))
+            out.append(ResolvedControl(key, self._prepare(control_map(c), request.width, request.height,
+                                                          c.resize_mode), list(CONTROL_MODES).index(c.control_mode)))
         return tuple(out)
 
     def _host_copy(self, key: tuple, folder: str) -> torch.nn.Module:
@@ -92,11 +94,15 @@ class ControlNets:
                 self._host.popitem(last=False)
         return net
 
-    def _prepare(self, pixels: Any, width: int, height: int) -> torch.Tensor:
+    def _prepare(self, pixels: np.ndarray, width: int, height: int, resize_mode: str = "just_resize") -> torch.Tensor:
+        """The control map as diffusers' ControlNet pipelines prepare it, after AUTOMATIC1111's resize mode."""
         from diffusers.image_processor import VaeImageProcessor
         from PIL import Image
         processor = VaeImageProcessor(vae_scale_factor=self._vae_scale, do_convert_rgb=True, do_normalize=False)
-        return processor.preprocess(Image.fromarray(pixels), height=height, width=width).float()
+        if resize_mode == "resize_and_fill":
+            pixels = fill_resize(pixels, width, height)
+        return processor.preprocess(Image.fromarray(pixels), height=height, width=width,
+                                    resize_mode="crop" if resize_mode == "crop_and_resize" else "default").float()
 
     # -- the admission gate (the loop thread, under the scheduler's lock) -------------------------------
     @staticmethod
@@ -142,10 +148,10 @@ class ControlNets:
                 self._modules[slot] = copy.deepcopy(host).to(self.device)
         return broken
 
-    def admitted(self, state: Any, taken: list[int]) -> list[tuple[int, torch.Tensor]]:
-        """(slot, control image) per control of an admitted request."""
+    def admitted(self, state: Any, taken: list[int]) -> list[tuple[int, torch.Tensor, int]]:
+        """(slot, control image, control mode) per control of an admitted request."""
         slot_of = dict(zip(self._keys(state), taken))
-        return [(slot_of[r.key], r.image) for r in state.controls]
+        return [(slot_of[r.key], r.image, r.mode) for r in state.controls]
 
     def module(self, slot: int) -> torch.nn.Module:
         return self._modules[slot]
@@ -172,6 +178,21 @@ def resolve_controls(controls: ControlNets | None, request: GenerationRequest) -
         raise ParamError("controls", "this engine serves no ControlNets; start it with --controlnet-dir DIR "
                                      "(Engine(controlnet_dir=...))")
     return controls.resolve(request)
+
+
+def fill_resize(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
+    """AUTOMATIC1111's "Resize and Fill" for control maps: the map scaled to fit inside width x height (its aspect
+    kept), centred on a background of its border's median colour."""
+    from PIL import Image
+    h0, w0 = pixels.shape[:2]
+    k = min(width / w0, height / h0)
+    w1, h1 = max(1, min(width, round(w0 * k))), max(1, min(height, round(h0 * k)))
+    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
+    out = np.empty((height, width, 3), np.uint8)
+    out[:] = np.median(border, axis=0).astype(np.uint8)
+    top, left = (height - h1) // 2, (width - w1) // 2
+    out[top:top + h1, left:left + w1] = np.asarray(Image.fromarray(pixels).resize((w1, h1), Image.LANCZOS))
+    return out
 
 
 def control_map(control: ControlInput) -> np.ndarray:

@@ -348,7 +348,7 @@ class ModelRunner:
             slot.event = self._record_event()
         if self.controls is not None:  # the ControlNets' residuals (features/control.py), outside the step's graph
             self.program.prepass(buf.fields, buf.cond_names, buf.row_names, buf.dtype, n, bucket or d, variant,
-                                 None if parts is None else [(k * b, p) for (_, k, b), p in zip(rows, parts)])
+                                 None if parts is None else [(k, b, p) for (_, k, b), p in zip(rows, parts)])
         if bucket is not None:
             self.graph_runner.replay(kind, key[0], key[1], bucket)
             return bucket

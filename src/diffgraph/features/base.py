@@ -65,7 +65,8 @@ class Admission:
     edit: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/edits.py's per-row fields
     loras: list[tuple[int, float]] = field(default_factory=list)  # (slot, scale) of its UNet adapters
     chunks: int = 1                                              # 77-token prompt windows of its conditioning
-    controls: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (ControlNet slot, image [1, 3, H, W])
+    # (ControlNet slot, image [1, 3, H, W], control mode: 0 balanced, 1 prompt, 2 control) per control
+    controls: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -140,10 +141,11 @@ class RowFeature:
 
     def prepass(self, view: StepView, part: Any, d: int, x: torch.Tensor, t: torch.Tensor,
                 cond: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
-                live: Sequence[tuple[int, Any]] | None = None) -> None:
+                live: Sequence[tuple[int, int, Any]] | None = None) -> None:
         """Before the step, outside its graph, with the step's full part: work the step reads (the ControlNets'
         residuals into transient fields). `x`, `t`, `cond`, `inputs`: the denoiser's batch over denoiser rows [0, d);
-        `live`: (denoiser rows, this feature's part) per live request, in row order (None: not known)."""
+        `live`: (image rows, branches this step, this feature's part) per live request, in row order (None: not
+        known)."""
 
     def before_denoise(self, view: StepView, part: Any) -> None:
         """Called just before the denoiser with this step's variant part (e.g. sets the LoRA side paths' rows)."""

@@ -2,8 +2,11 @@
 slot, a control image and a scale per step; rows with different ControlNets, scales and windows, and rows without
 control, share one step.
 
-Fields per control k: `control.slot{k}` (the ControlNet's device slot, 0 = none), `control.image{k}` (the prepared
-control image, [3, H, W] in [0, 1], as diffusers' ControlNet image processor makes it). Columns: `control.scale{k}`,
+Fields per control k: `control.slot{k}` (the ControlNet's device slot, 0 = none), `control.mode{k}` (its control
+mode: 0 balanced, 1 prompt, 2 control; request.py), `control.image{k}` (the prepared control image, [3, H, W] in
+[0, 1], as diffusers' ControlNet image processor makes it). Modes "prompt" and "control" weight residual i of R by
+diffusers' guess-mode scales (torch.logspace(-1, 0, R)); "control" reaches the conditional branch only, its ControlNet
+not even run over the second branch's rows (diffusers' `guess_mode=True`). Columns: `control.scale{k}`,
 the row's `scale` at the plan rows inside its window and 0 outside, as diffusers' `controlnet_keep`: plan row p of P
 runs control when not (p / P < start or (p + 1) / P > end). The residual fields (`control.res{i}`, one per UNet
 down-block residual and the mid block's) are per denoiser row and written anew every step (`transient`: never
@@ -28,6 +31,8 @@ import torch
 
 from ..request import MAX_CONTROLS, GenerationRequest
 from .base import Admission, FieldSpec, RowFeature, StepView
+
+CONTROL_ONLY = 2  # the control mode ("ControlNet is more important") whose residuals reach the conditional branch only
 # (slot, x [D, C, h, w], t [D], conditioning per denoiser row, row inputs, control image [D, 3, H, W])
 #   -> (down-block residuals, mid-block residual)
 ControlCall = Callable[[int, torch.Tensor, torch.Tensor, dict, dict, torch.Tensor],
@@ -68,6 +73,7 @@ class ControlRows(RowFeature):
 
     def __init__(self, unet_config: Any, dtype: torch.dtype, run: ControlCall):
         self._unet, self._dtype, self._run = unet_config, dtype, run
+        self._mode_weights: torch.Tensor | None = None
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
         h, w = latent_shape[1:]
@@ -75,6 +81,7 @@ class ControlRows(RowFeature):
         out = {}
         for k in range(MAX_CONTROLS):
             out[f"control.slot{k}"] = FieldSpec((1,), torch.float32)
+            out[f"control.mode{k}"] = FieldSpec((1,), torch.float32)  # 0 balanced, 1 prompt, 2 control
             out[f"control.image{k}"] = FieldSpec((3, h * scale, w * scale), self._dtype)
         for i, shape in enumerate(residual_shapes(self._unet, latent_shape)):
             out[f"control.res{i}"] = FieldSpec(shape, self._dtype, transient=True)
@@ -89,8 +96,9 @@ class ControlRows(RowFeature):
 
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
         out: dict[str, torch.Tensor | float] = {}
-        for k, (slot, image) in enumerate(admission.controls):
+        for k, (slot, image, mode) in enumerate(admission.controls):
             out[f"control.slot{k}"] = float(slot)
+            out[f"control.mode{k}"] = float(mode)
             out[f"control.image{k}"] = image.to(self._dtype)
         return out
 
@@ -99,11 +107,12 @@ class ControlRows(RowFeature):
         return (None, "on")
 
     def part(self, admission: Admission) -> Any:
-        return tuple((k, slot) for k, (slot, _) in enumerate(admission.controls)) or None
+        """(control, slot, conditional branch only) per control of the request."""
+        return tuple((k, slot, mode == CONTROL_ONLY) for k, (slot, _, mode) in enumerate(admission.controls)) or None
 
     def variant(self, parts: Sequence[Any]) -> Any:
         """The (control, slot) pairs the live rows use (the prepass runs them); `graph_part` folds it to "on"."""
-        pairs = sorted({pair for p in parts if p for pair in p})
+        pairs = sorted({(k, slot) for p in parts if p for k, slot, _ in p})
         return tuple(pairs) or None
 
     def graph_part(self, part: Any) -> Any:
@@ -111,14 +120,19 @@ class ControlRows(RowFeature):
 
     # -- the step ----------------------------------------------------------------------------------
     def prepass(self, view: StepView, part: Any, d: int, x: torch.Tensor, t: torch.Tensor, cond: dict,
-                inputs: dict, live: Sequence[tuple[int, Any]] | None = None) -> None:
+                inputs: dict, live: Sequence[tuple[int, int, Any]] | None = None) -> None:
         res = [t for name, t in view.fields.items() if name.startswith("control.res")]  # [d, ...] each
         for r in res:
             r.zero_()
+        weights = self._weights(len(res), res[0].device)
         for k, slot in part or ():
+            mode = view.fields[f"control.mode{k}"][:, 0]
+            # the rows with this pair: their conditional branch, and their second one unless mode "control"
             picked = view.gather((view.fields[f"control.slot{k}"][:, 0] == float(slot)).to(torch.int8))  # [d]
-            # its denoiser rows, counted on the host (no sync): the live requests whose part holds the pair
-            count = (sum(den for den, p in live if p and (k, slot) in p) if live is not None
+            picked = picked * ((view.gather(mode) != CONTROL_ONLY) | (view.den_alt == 0)).to(torch.int8)
+            # counted on the host (no sync): the live requests whose part holds the pair
+            count = (sum(rows * (1 if cond_only else branches) for rows, branches, p in live
+                         for kk, ss, cond_only in p or () if (kk, ss) == (k, slot)) if live is not None
                      else int(picked.sum()))
             if count == 0:
                 continue
@@ -130,8 +144,18 @@ class ControlRows(RowFeature):
             image = view.fields[f"control.image{k}"].index_select(0, image_rows)
             downs, mid = self._run(slot, x.index_select(0, rows), t.index_select(0, rows), sub, sub_inputs, image)
             scale = view.coefs[:, view.columns[f"control.scale{k}"]].index_select(0, image_rows)
-            for r, out in zip(res, [*downs, mid]):
-                r.index_add_(0, rows, out[:count] * scale.to(out.dtype).view(-1, *([1] * (out.dim() - 1))))
+            # [rows, residuals]: the row's scale times its control mode's weight per residual
+            scale = scale[:, None] * weights.index_select(0, mode.index_select(0, image_rows).long())
+            for i, (r, out) in enumerate(zip(res, [*downs, mid])):
+                r.index_add_(0, rows, out[:count] * scale[:, i].to(out.dtype).view(-1, *([1] * (out.dim() - 1))))
+
+    def _weights(self, residuals: int, device: torch.device) -> torch.Tensor:
+        """[3, residuals] per control mode: balanced 1; prompt and control diffusers' guess-mode scales."""
+        w = self._mode_weights
+        if w is None or w.shape[1] != residuals or w.device != device:
+            soft = torch.logspace(-1, 0, residuals)
+            w = self._mode_weights = torch.stack([torch.ones(residuals), soft, soft]).to(device)
+        return w
 
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, torch.Tensor]:
         if part is None:

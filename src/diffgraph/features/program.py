@@ -196,9 +196,9 @@ class StepProgram:
 
     def prepass(self, fields: dict[str, torch.Tensor], cond_names: Sequence[str], row_names: Sequence[str],
                 dtype: torch.dtype, n: int, d: int, key: VariantKey,
-                live: Sequence[tuple[int, tuple]] | None = None) -> None:
+                live: Sequence[tuple[int, int, tuple]] | None = None) -> None:
         """Before the step (outside its graph): the features' prepasses with the step's full key (ControlNets);
-        `live`: (denoiser rows, variant parts) per live request, in row order, or None."""
+        `live`: (image rows, branches this step, variant parts) per live request, in row order, or None."""
         if not any(key[i] != self._neutral[i] for i in self._overrides["prepass"]):
             return
         with torch.no_grad():
@@ -206,7 +206,7 @@ class StepProgram:
             x_den = view.gather(x_scaled)
             for i in self._overrides["prepass"]:
                 self.features[i].prepass(view, key[i], d, x_den, t_den, cond, inputs,
-                                         None if live is None else [(rows, parts[i]) for rows, parts in live])
+                                         None if live is None else [(k, b, parts[i]) for k, b, parts in live])
 
     def run(self, denoise: Denoiser, fields: dict[str, torch.Tensor], cond_names: Sequence[str],
             row_names: Sequence[str], dtype: torch.dtype, n: int, d: int, key: VariantKey) -> None:

@@ -287,7 +287,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                param="image")
             edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
                                            config.max_image_bytes, config.max_image_pixels)
-            return generation_request(info, config, form.generation(), edit)
+            controls = await asyncio.to_thread(decode_controls, form.controls, config.max_image_bytes,
+                                               config.max_image_pixels, files)
+            return generation_request(info, config, form.generation(), edit, controls=controls)
         return form.stream, form.response_format == "url", form.model, finish
 
     @app.post("/v1/images/generations", openapi_extra=schema)

@@ -21,15 +21,22 @@ import json
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
-from ..request import EditInput, ParamError
+from ..request import MAX_CONTROLS, EditInput, ParamError
 from .bodies import FormLimits, read_multipart
 from .protocol import APIError, ControlRef, ImageGenerationRequest, LoraRef, PreviewBody, error_from_param_error, error_from_validation
 
 FORM_CONTENT = "multipart/form-data"
-FILES = ("image", "mask")
+CONTROL_FILES = tuple(f"control_image_{i}" for i in range(MAX_CONTROLS))  # control i's map, beside `controls`
+FILES = ("image", "mask", *CONTROL_FILES)
 _NON_FINITE = ("nan", "inf", "infinity")
+
+
+class FormControlRef(ControlRef):
+    """A control in the edits form: its map as the file part control_image_<i> or as base64 in `image`."""
+
+    image: StrictStr | None = None
 
 
 class ImageEditForm(BaseModel):
@@ -63,6 +70,9 @@ class ImageEditForm(BaseModel):
     eta: StrictFloat | None = None
     partial_images: StrictInt | None = None     # OpenAI's: 0-3 previews in the stream
     preview: Json[PreviewBody] | None = None    # a JSON text field: {"every": 2, "format": "jpeg"}
+    # a JSON text field: [{"model": "edges", "scale": 0.8}], control i's map in the file part control_image_<i>
+    # (or as base64 in its "image")
+    controls: Json[list[FormControlRef]] | None = None
 
     @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
                      "clip_skip", "eta", "partial_images", mode="before")
@@ -83,7 +93,8 @@ class ImageEditForm(BaseModel):
 
     def generation(self) -> ImageGenerationRequest:
         """The same fields as a generations request (for the shared checks and request building)."""
-        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras", "preview"}),
+        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras", "preview",
+                                                                                 "controls"}),
                                                       loras=self.loras, preview=self.preview)
 
 
@@ -96,7 +107,7 @@ async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dic
                             f"'image', an optional 'mask', and the text fields), not {content_type or 'no body type'}; "
                             "for text-to-image, POST JSON to /v1/images/generations", code="invalid_content_type")
     # the body: an image and a mask at the limit, and the text fields
-    limits = FormLimits(body_bytes=2 * max_image_bytes + 1_048_576, file_names=FILES,
+    limits = FormLimits(body_bytes=len(FILES) * max_image_bytes + 1_048_576, file_names=FILES,
                         file_bytes=max_image_bytes, flag="--max-image-bytes")
     fields: dict[str, Any] = {}
     files: dict[str, bytes] = {}
@@ -105,7 +116,7 @@ async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dic
             raise APIError(400, f"{name} is given more than once; send one", param=name)
         if isinstance(value, bytes):  # an upload
             if name not in FILES:
-                raise APIError(400, f"unexpected file part {name!r}; files: image, mask", param=name)
+                raise APIError(400, f"unexpected file part {name!r}; files: {', '.join(FILES)}", param=name)
             files[name] = value
         elif name in FILES:
             raise APIError(400, f"{name} must be a file part (an uploaded image), not a text field", param=name)
@@ -217,10 +228,24 @@ def decode_b64(field: str, text: str, max_bytes: int, max_pixels: int) -> Any:
     return decode_upload(field, data, max_bytes, max_pixels)
 
 
-def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: int) -> list[dict[str, Any]]:
-    """A generation body's `controls` with their base64 images decoded (GenerationRequest.create checks the rest)."""
+def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: int,
+                    files: dict[str, bytes] | None = None) -> list[dict[str, Any]]:
+    """A body's `controls` with their images decoded (GenerationRequest.create checks the rest): base64 in each
+    control's `image`, or (the edits form) the file part control_image_<i>."""
     out = []
+    files = files or {}
+    if len(refs or ()) > MAX_CONTROLS:
+        raise APIError(400, f"{len(refs)} controls given; at most {MAX_CONTROLS} per request", param="controls")
     for i, ref in enumerate(refs or ()):
-        image = decode_b64(f"controls[{i}].image", ref.image, max_bytes, max_pixels)
+        part = CONTROL_FILES[i]
+        if (ref.image is None) == (part not in files):
+            raise APIError(400, f"controls[{i}] needs its control image once: as the file part {part} or as base64 "
+                                "in its image field", param=f"controls[{i}].image")
+        image = (decode_upload(part, files[part], max_bytes, max_pixels) if ref.image is None
+                 else decode_b64(f"controls[{i}].image", ref.image, max_bytes, max_pixels))
         out.append({**ref.model_dump(), "image": eight_bit(image).convert("RGB")})
+    extra = sorted(set(files) & set(CONTROL_FILES[len(refs or ()):]))
+    if extra:
+        raise APIError(400, f"file part {extra[0]} has no control in controls; add one, or leave the part out",
+                       param=extra[0])
     return out

@@ -45,6 +45,8 @@ class ControlRef(BaseModel):
     preprocess: StrictStr = "none"  # "canny" (edges of the image, OpenCV), "invert"; "none": image is the map
     canny_low: StrictInt = 100
     canny_high: StrictInt = 200
+    resize_mode: StrictStr | StrictInt = "just_resize"  # or crop_and_resize, resize_and_fill (A1111's labels too)
+    control_mode: StrictStr | StrictInt = "balanced"    # or prompt, control (A1111's labels or 0-2 too)
 
 
 class PreviewBody(BaseModel):
