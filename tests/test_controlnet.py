@@ -421,3 +421,49 @@ def test_twenty_four_mixed_requests_together_equal_each_alone(engine, tmp_path_f
         together = [f.result().arrays for f in futures]
     for i, (a, t) in enumerate(zip(alone, together)):
         assert np.abs(a - t).max() * 255 <= 1.0, (i, np.abs(a - t).max() * 255)
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (70, 40), (64, 64)])
+def test_fitted_maps_equal_diffusers_resize_modes(shape):
+    """control_maps.fit_map (torch-free: the HTTP process shows it) is diffusers' own resize for its two modes."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    from diffgraph.control_maps import fit_map
+    rng = np.random.default_rng(1)
+    pixels = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    processor = VaeImageProcessor(vae_scale_factor=8, do_convert_rgb=True, do_normalize=False)
+    for ours, theirs in (("just_resize", "default"), ("crop_and_resize", "crop")):
+        want = np.asarray(processor.resize(Image.fromarray(pixels), 48, 56, resize_mode=theirs))
+        np.testing.assert_array_equal(fit_map(pixels, 56, 48, ours), want)
+    assert fit_map(pixels, 56, 48, "resize_and_fill").shape == (48, 56, 3)
+
+
+def test_the_map_preview_route_is_the_engines_map(engine):
+    """POST /v1/controlnets/preview (the playground shows it before generating) gives the map the engine prepares:
+    the preprocessor, then the resize mode; bad input is a 400 naming its field."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+    from diffgraph.server.config import ServerConfig
+    rng = np.random.default_rng(2)
+    photo = np.kron(rng.integers(0, 256, (6, 12, 3)), np.ones((8, 8, 1))).astype(np.uint8)  # 96x48, blocky
+    config = ServerConfig(model="random:tiny", controlnet_dir=engine.runner.controls.root)
+    with TestClient(create_app(config, engine_factory=lambda: engine)) as client:
+        body = {"image": _b64(Image.fromarray(photo)), "preprocess": "canny", "canny_low": 50, "canny_high": 150,
+                "resize_mode": "Crop and Resize", "size": "64x64"}
+        r = client.post("/v1/controlnets/preview", json=body)
+        assert r.status_code == 200, r.text
+        got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["image"]))).convert("RGB"))
+        request = engine.make_request(PROMPT, controls=[dict(model="edges", image=photo, preprocess="canny",
+                                                             canny_low=50, canny_high=150,
+                                                             resize_mode="crop_and_resize")])
+        want = engine.runner.controls.resolve(request)[0].image[0].permute(1, 2, 0).numpy()
+        assert got.shape == (64, 64, 3) and 0 < got.mean() < 255
+        assert np.abs(got / 255.0 - want).max() <= 0.5 / 255 + 1e-6
+        for bad, param in [(dict(body, size="64by64"), "size"), (dict(body, preprocess="depth"), "controls"),
+                           (dict(body, image="nope!"), "image"), (dict(body, extra=1), "extra")]:
+            r = client.post("/v1/controlnets/preview", json=bad)
+            assert r.status_code == 400 and (r.json()["error"]["param"] or "").startswith(param), r.text

@@ -591,3 +591,49 @@ def test_model_picker_chooses_sends_and_restores_the_model(browser, multi_server
     assert page.input_value("#prompt") == "old request 1"
     assert errors == []
 
+
+
+def test_control_upload_shows_the_map_and_sends_the_control(browser, server, tmp_path):
+    """The digits model's built-in `outline` ControlNet is in the control picker (GET /v1/controlnets); an uploaded
+    digit with preprocess canny shows its edge map (POST /v1/controlnets/preview, at the chosen size) before
+    generating; Generate sends the control with its image, modes and window, and the card names it; an edit with the
+    control sends the map as the form's file part control_image_0."""
+    page = pg.open_playground(browser, server.url)
+    traffic = Traffic(page)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    forms: list[bytes] = []
+    page.route("**/v1/images/edits", lambda route: (forms.append(route.request.post_data_buffer or b""),
+                                                      route.continue_()))
+    page.wait_for_selector("[data-testid=controls]:not([hidden])", timeout=pg.WAIT_MS)
+    assert page.eval_on_selector_all("#control-model option", "os => os.map(o => o.value)") == ["", "outline"]
+
+    digit = np.zeros((64, 64, 3), np.uint8)
+    digit[12:52, 24:40] = 255  # a filled bar: canny draws its outline
+    Image.fromarray(digit).save(tmp_path / "bar.png")
+    pg.fill_form(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
+    page.select_option("#control-model", "outline")
+    page.select_option("#control-preprocess", "canny")
+    page.set_input_files("#control-image", str(tmp_path / "bar.png"))
+    page.wait_for_selector("[data-testid=control-map]:not([hidden])", timeout=pg.WAIT_MS)
+    src = page.get_attribute("#control-map", "src")
+    shown = np.asarray(Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("L"))
+    # the bar's edge, not its inside
+    assert shown.shape == (64, 64) and shown[30, 22:26].max() == 255 and shown[30, 28:36].max() == 0, shown[30]
+    page.select_option("#control-mode", "control")
+    page.fill("#control-end", "0.8")
+    local = pg.submit(page)
+    assert pg.wait_finished(page, local) == "done"
+    sent = traffic.bodies[-1]["controls"]
+    assert len(sent) == 1 and sent[0]["model"] == "outline" and sent[0]["preprocess"] == "canny"
+    assert sent[0]["control_mode"] == "control" and sent[0]["end"] == 0.8
+    assert sent[0]["image"].startswith("data:image/png;base64,")
+    assert "control outline" in pg.card(page, local).inner_text()
+
+    page.set_input_files("#image", str(tmp_path / "bar.png"))  # an edit with the control: multipart
+    page.wait_for_selector("[data-testid=edit-area]:not([hidden])", timeout=pg.WAIT_MS)
+    local = pg.submit(page)
+    assert pg.wait_finished(page, local) == "done"
+    assert forms and b'name="control_image_0"' in forms[-1] and b'"model": "outline"' not in forms[-1]
+    assert b'"model":"outline"' in forms[-1]
+    assert not errors, errors

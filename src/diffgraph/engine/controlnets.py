@@ -31,7 +31,8 @@ import torch
 from ..errors import ParamError
 from ..lora.catalog import SlotCache
 from ..models.controlnet_dir import WEIGHTS, ControlNetDir
-from ..request import CONTROL_MODES, ControlInput, GenerationRequest
+from ..control_maps import control_map, fit_map
+from ..request import CONTROL_MODES, GenerationRequest
 from ..safe_files import stamp_of
 
 # the UNet config fields a ControlNet must share with the UNet it steers (its residuals' shapes, its conditioning)
@@ -99,10 +100,9 @@ class ControlNets:
         from diffusers.image_processor import VaeImageProcessor
         from PIL import Image
         processor = VaeImageProcessor(vae_scale_factor=self._vae_scale, do_convert_rgb=True, do_normalize=False)
-        if resize_mode == "resize_and_fill":
-            pixels = fill_resize(pixels, width, height)
-        return processor.preprocess(Image.fromarray(pixels), height=height, width=width,
-                                    resize_mode="crop" if resize_mode == "crop_and_resize" else "default").float()
+        # fitted first (control_maps.py: what the playground shows), then diffusers' processor (its resize a no-op)
+        return processor.preprocess(Image.fromarray(fit_map(pixels, width, height, resize_mode)), height=height,
+                                    width=width).float()
 
     # -- the admission gate (the loop thread, under the scheduler's lock) -------------------------------
     @staticmethod
@@ -178,35 +178,3 @@ def resolve_controls(controls: ControlNets | None, request: GenerationRequest) -
         raise ParamError("controls", "this engine serves no ControlNets; start it with --controlnet-dir DIR "
                                      "(Engine(controlnet_dir=...))")
     return controls.resolve(request)
-
-
-def fill_resize(pixels: np.ndarray, width: int, height: int) -> np.ndarray:
-    """AUTOMATIC1111's "Resize and Fill" for control maps: the map scaled to fit inside width x height (its aspect
-    kept), centred on a background of its border's median colour."""
-    from PIL import Image
-    h0, w0 = pixels.shape[:2]
-    k = min(width / w0, height / h0)
-    w1, h1 = max(1, min(width, round(w0 * k))), max(1, min(height, round(h0 * k)))
-    border = np.concatenate([pixels[0], pixels[-1], pixels[:, 0], pixels[:, -1]])
-    out = np.empty((height, width, 3), np.uint8)
-    out[:] = np.median(border, axis=0).astype(np.uint8)
-    top, left = (height - h1) // 2, (width - w1) // 2
-    out[top:top + h1, left:left + w1] = np.asarray(Image.fromarray(pixels).resize((w1, h1), Image.LANCZOS))
-    return out
-
-
-def control_map(control: ControlInput) -> np.ndarray:
-    """The control map of a control: its image, or the image through its preprocessor (canny: OpenCV, imported
-    only here; invert)."""
-    image = control.image
-    if control.preprocess == "invert":
-        return 255 - image
-    if control.preprocess == "canny":
-        try:
-            import cv2
-        except ImportError:
-            raise ParamError("controls", "preprocess 'canny' needs OpenCV on the server: pip install "
-                                         "opencv-python-headless (or send the edge map with preprocess 'none')") from None
-        edges = cv2.Canny(image, control.canny_low, control.canny_high)
-        return np.repeat(edges[:, :, None], 3, axis=2)
-    return image

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
@@ -47,16 +46,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import RequestHandle
 from ..engine.remote_models import ModelsBackend, RemoteModels
-from ..models.controlnet_dir import ControlNetDir
-from ..models.presets import builtin_control_folder
-from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
+from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        error_from_validation)
 from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
-from .bodies import read_body
+from .control_routes import add_control_routes
+from .bodies import read_json
 from .edits import ImageEditForm, decode_controls, edit_input, read_form
 from .image_store import ImageLinks, UrlSigner, make_store
 from .jobs_routes import add_job_routes
@@ -68,15 +66,6 @@ from .requests import ClientGone, ServerState, abort, generation_request, logger
 
 
 # -- request handling ----------------------------------------------------------------------------------
-async def _read_json(http: Request, limit: int) -> Any:
-    body = await read_body(http, limit)
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
-                            "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
-
-
 def _response(result: GenerationResult, urls: Callable[[bytes, str], str] | None = None) -> dict[str, Any]:
     """The answer; with `urls` (response_format "url") each image is stored and named by its URL."""
     r = result.request
@@ -217,15 +206,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         except APIError as e:
             return _error_response(e)
 
-    control_roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
-    controlnet_dir = ControlNetDir(*control_roots) if control_roots else None
-
-    @app.get("/v1/controlnets")
-    async def controlnets() -> Response:
-        """The ControlNets requests may name (`controls: [{"model", "image", "scale", "start", "end"}]`)."""
-        rows = await asyncio.to_thread(controlnet_dir.describe) if controlnet_dir is not None else []
-        return JSONResponse({"object": "list", "data": rows, "max_controlnets": config.max_controlnets
-                             if controlnet_dir is not None else 0})
+    # /v1/controlnets and its map preview (control_routes.py); a body with controls may carry their images
+    if add_control_routes(app, config, body_limit):
+        body_limit += MAX_CONTROLS * 4 * (config.max_image_bytes // 3 + 2)
 
     embedding_dir = EmbeddingDir(config.embeddings_dir) if config.embeddings_dir else None
 
@@ -266,7 +249,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         "application/json": {"schema": ImageGenerationRequest.model_json_schema()}}}}
 
     async def read_generation(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
-        body = await _read_json(http, body_limit)
+        body = await read_json(http, body_limit)
         try:
             params = ImageGenerationRequest.model_validate(body)
         except ValidationError as e:

@@ -12,6 +12,7 @@ what would follow it is known. A client that leaves while sending is ClientGone.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -61,6 +62,16 @@ class FormLimits:
     flag: str = ""               # the flag that sets file_bytes, named in the messages
     max_fields: int = 64
     field_bytes: int = MAX_FIELD_BYTES
+
+
+async def read_json(http: Any, limit: int) -> Any:
+    """A JSON body of at most `limit` bytes, parsed. Raises APIError (400 not JSON, 413 past the limit)."""
+    body = await read_body(http, limit)
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
+                            "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
 
 
 def _named(flag: str) -> str:

@@ -24,10 +24,10 @@
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
     image: "image", mask: "image", strength: "strength", loras: "lora", prompt_syntax: "prompt-syntax",
-    model: "model",
+    model: "model", controls: "control-model",
   };
   const FIELDS = ["model", "prompt", "negative-prompt", "prompt-syntax", "size", "steps", "guidance", "sampler",
-    "schedule", "seed", "n", "image", "strength", "lora"];
+    "schedule", "seed", "n", "image", "strength", "lora", "control-model"];
   const AUTO_SIZE = "auto";  // an edit's size: the image's, rounded down to multiples of 8 (the server's rule)
   const EXTENSIONS = { png: "png", jpeg: "jpg", webp: "webp" };
 
@@ -72,6 +72,7 @@
     const parts = [s.size === AUTO_SIZE ? "the image's size" : s.size, `${s.steps} steps`, `${s.sampler}/${s.schedule}`];
     if (s.edit) parts.unshift(s.strength ? `${s.edit} (strength ${s.strength})` : s.edit);
     if (s.lora) parts.push(`${s.lora} ×${s.lora_scale}`);
+    if (s.control) parts.push(`control ${s.control.model} ×${s.control.scale}`);
     if (s.guidance !== "") parts.push(`cfg ${s.guidance}`);
     if (Number(s.n) > 1) parts.push(`${s.n} images`);
     if (s.model && app.picker && app.picker.several()) parts.unshift(s.model);
@@ -134,6 +135,7 @@
         }
         storeKey(key);
         loadLoras();
+        app.controls.load();
         app.picker.refresh();
         finish(key);
       };
@@ -245,6 +247,7 @@
     if (becameReady) {
       document.body.dataset.ready = "true";
       loadLoras();
+      app.controls.load();
       app.picker.refresh();
     }
 
@@ -299,6 +302,7 @@
       edit: app.edit.file ? (app.edit.painted ? "inpainting" : "image-to-image") : "",
       lora: $("lora").value,
       lora_scale: $("lora-scale").value.trim(),
+      control: app.controls.settings(),  // without its image (the history keeps settings only)
     };
   }
 
@@ -344,6 +348,7 @@
     const adapters = Array.from($("lora").options).map((o) => o.value);
     $("lora").value = s.lora && adapters.includes(s.lora) ? s.lora : "";
     $("lora-scale").value = s.lora_scale || "1";
+    app.controls.restore(s.control);
     for (const id of ["size", "steps", "guidance", "sampler", "schedule"]) $(id).dataset.touched = "true";
     clearErrors();
   }
@@ -361,7 +366,7 @@
 
   /* Shows `message` at the field that edits body field `param`, or near the Generate button. */
   function showError(param, message) {
-    const field = FIELD_FOR_PARAM[param];
+    const field = FIELD_FOR_PARAM[param] || (param && param.startsWith("controls") ? "control-model" : undefined);
     if (!field || $(field).closest("[hidden]")) {  // a field not shown (one model: no picker) says it near Generate
       $("error-general").textContent = message;
       return;
@@ -392,7 +397,7 @@
     if (s.lora && (s.lora_scale === "" || !Number.isFinite(Number(s.lora_scale)))) {
       errors.push(["loras", "Enter the adapter's scale as a number, e.g. 0.8 (from -8 to 8)."]);
     }
-    return errors;
+    return errors.concat(app.controls.localErrors());
   }
 
   /* The model a request names: none for the default (the server's own choice; a one-model server takes no other). */
@@ -401,7 +406,7 @@
   }
 
   /* The JSON body. The seed goes in as its digits: seeds reach 2**63 - 1, beyond a JS number's exact range. */
-  function requestBody(s) {
+  function requestBody(s, control) {
     const body = {
       prompt: s.prompt, size: s.size.replace(/\s+/g, "").replace("×", "x").toLowerCase(), n: Number(s.n),
       num_inference_steps: Number(s.steps), sampler: s.sampler, schedule: s.schedule,
@@ -414,6 +419,7 @@
     if (s.syntax) body.prompt_syntax = s.syntax;
     if (s.guidance !== "") body.guidance_scale = Number(s.guidance);
     if (s.lora) body.loras = [{ name: s.lora, scale: Number(s.lora_scale) }];
+    if (control) body.controls = [control];
     let json = JSON.stringify(body);
     if (s.seed !== "") json = `${json.slice(0, -1)},"seed":${BigInt(s.seed).toString()}}`;
     return json;
@@ -435,7 +441,8 @@
       if (!key) { showError(null, "This server needs an API key: generation was not started."); return; }
     }
     const edit = app.edit.file ? { file: app.edit.file, mask: app.edit.painted ? await maskBlob() : null } : null;
-    startRequest(settings, edit);
+    if (edit) edit.control = app.controls.forForm();
+    startRequest(settings, edit, edit ? null : await app.controls.forBody());
   }
 
   /* The multipart body of an edit: the text fields as strings, the image file and the painted mask (PNG). */
@@ -451,8 +458,10 @@
     if (s.seed !== "") fields.seed = s.seed;
     if (s.strength !== "") fields.strength = s.strength;
     if (s.lora) fields.loras = JSON.stringify([{ name: s.lora, scale: Number(s.lora_scale) }]);
+    if (edit.control) fields.controls = JSON.stringify([edit.control.settings]);  // its map: control_image_0
     for (const [k, v] of Object.entries(fields)) form.append(k, String(v));
     form.append("image", edit.file, edit.file.name || "image.png");
+    if (edit.control) form.append("control_image_0", edit.control.file, edit.control.file.name || "control.png");
     if (edit.mask) form.append("mask", edit.mask, "mask.png");
     return form;
   }
@@ -570,8 +579,8 @@
     return card;
   }
 
-  function startRequest(settings, edit = null) {
-    const req = { localId: app.nextLocalId++, settings, edit, controller: new AbortController(),
+  function startRequest(settings, edit = null, control = null) {
+    const req = { localId: app.nextLocalId++, settings, edit, control, controller: new AbortController(),
       progressEvents: 0 };
     req.card = makeCard(req);
     document.body.dataset.lastRequest = String(req.localId);  // lets a test find this request's card
@@ -587,7 +596,7 @@
           headers: authHeaders({ Accept: "text/event-stream" }),
         })
         : await fetch("/v1/images/generations", {
-          method: "POST", body: requestBody(req.settings), signal: req.controller.signal, cache: "no-store",
+          method: "POST", body: requestBody(req.settings, req.control), signal: req.controller.signal, cache: "no-store",
           headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
         });
     } catch (e) {
@@ -956,6 +965,9 @@
 
   // -- wiring ---------------------------------------------------------------------------------------------
   function init() {
+    app.controls = window.DiffgraphControls.create({ $, headers: (extra) => authHeaders(extra),
+      size: () => currentSize(), onError: (m) => { $("error-control-model").textContent = m; } });
+    $("size").addEventListener("change", () => app.controls.refreshPreview());
     app.picker = window.DiffgraphModels.createPicker({ select: $("model"), field: $("model-field"),
       hint: $("model-hint"), headers: () => authHeaders(), onChange: onModel });
     $("gen-form").addEventListener("submit", onGenerate);
