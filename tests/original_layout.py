@@ -107,6 +107,29 @@ def unet_original(state: dict[str, torch.Tensor], config: Any) -> dict[str, torc
     return {_unet_key(k, per_block, up_attention): v for k, v in state.items()}
 
 
+def controlnet_original(state: dict[str, torch.Tensor], config: Any, prefix: str = "control_model."
+                        ) -> dict[str, torch.Tensor]:
+    """A ControlNetModel's state dict in the original ControlNet layout (AUTOMATIC1111's and ComfyUI's files): its
+    UNet half as the UNet's, the residual projections as `zero_convs` / `middle_block_out`, the conditioning
+    embedding as `input_hint_block` (convs at 0, 2, 4, ..., the last at 14), under `prefix`."""
+    per_block = config["layers_per_block"]
+    out = {}
+    for k, v in state.items():
+        m = re.fullmatch(r"controlnet_down_blocks\.(\d+)\.(weight|bias)", k)
+        if m:
+            name = f"zero_convs.{m[1]}.0.{m[2]}"
+        elif k.startswith("controlnet_mid_block."):
+            name = "middle_block_out.0." + k.split(".")[-1]
+        elif k.startswith("controlnet_cond_embedding."):
+            part, leaf = k.split(".")[1], k.split(".")[-1]
+            index = {"conv_in": 0, "conv_out": 14}.get(part)
+            name = f"input_hint_block.{2 * (int(k.split('.')[2]) + 1) if index is None else index}.{leaf}"
+        else:
+            name = _unet_key(k, per_block, set())
+        out[prefix + name] = v
+    return out
+
+
 # -- the VAE -----------------------------------------------------------------------------------------------------
 
 _VAE_TOP = {name: name for name in ("encoder.conv_in", "encoder.conv_out", "decoder.conv_in", "decoder.conv_out",

@@ -154,6 +154,24 @@ def test_a_controlnet_of_another_family_is_refused(tmp_path):
                        controls=[dict(model="xl-edges", image=np.zeros((64, 64, 3), np.uint8))])
 
 
+def test_a_single_file_controlnet_of_another_family_is_refused(tmp_path):
+    import sys
+
+    from safetensors.torch import save_file
+    sys.path.insert(0, os.path.dirname(__file__))
+    from original_layout import controlnet_original
+
+    from diffusers import ControlNetModel
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as sd:
+        net = ControlNetModel.from_unet(sd.model.unet)
+    save_file(controlnet_original(net.state_dict(), net.config), str(tmp_path / "sd-edges.safetensors"))
+    with Engine(model="random:tiny-xl", device="cpu", dtype="fp32", controlnet_dir=str(tmp_path)) as e:
+        with pytest.raises(ParamError, match="does not fit this model's ControlNet"):
+            e.generate(PROMPT, num_inference_steps=1, seed=1,
+                       controls=[dict(model="sd-edges", image=np.zeros((64, 64, 3), np.uint8))])
+        assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
+
+
 def test_controls_need_a_controlnet_dir():
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
         with pytest.raises(ParamError, match="--controlnet-dir"):
@@ -467,3 +485,40 @@ def test_the_map_preview_route_is_the_engines_map(engine):
                            (dict(body, image="nope!"), "image"), (dict(body, extra=1), "extra")]:
             r = client.post("/v1/controlnets/preview", json=bad)
             assert r.status_code == 400 and (r.json()["error"]["param"] or "").startswith(param), r.text
+
+
+def test_single_file_controlnets_as_automatic1111_and_comfyui_keep_them(engine, tmp_path):
+    """A ControlNet as one .safetensors file, in the original layout (with AUTOMATIC1111's `control_model.` prefix
+    and without it) or in diffusers' layout, loads offline (its config is the UNet's) and gives exactly the image its
+    diffusers folder gives; files that hold no ControlNet are not listed."""
+    import shutil
+    import sys
+
+    from safetensors.torch import save_file
+    sys.path.insert(0, os.path.dirname(__file__))
+    from original_layout import controlnet_original
+
+    from diffusers import ControlNetModel
+    source = os.path.join(engine.runner.controls.root, "edges")
+    shutil.copytree(source, tmp_path / "edges")
+    net = ControlNetModel.from_pretrained(source)
+    state = {k: v.contiguous() for k, v in net.state_dict().items()}
+    (tmp_path / "files").mkdir()
+    save_file(controlnet_original(state, net.config), str(tmp_path / "files" / "a1111.safetensors"))
+    save_file(controlnet_original(state, net.config, prefix=""), str(tmp_path / "files" / "comfy.safetensors"))
+    save_file(state, str(tmp_path / "files" / "diffusers-layout.safetensors"))
+    save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(tmp_path / "files" / "not-a-net.safetensors"))
+    with Engine(model=engine.model, controlnet_dir=str(tmp_path)) as e:
+        names = [r["name"] for r in e.runner.controls.catalog.describe()]
+        assert names == ["edges", "files/a1111", "files/comfy", "files/diffusers-layout"], names
+        rows = {r["name"]: r for r in e.runner.controls.catalog.describe()}
+        assert rows["files/a1111"]["format"] == "single_file"
+        assert rows["files/a1111"]["cross_attention_dim"] == net.config.cross_attention_dim
+        kw = dict(num_inference_steps=3, seed=12, sampler="euler")
+        image = control_image(64, 8)
+        want = e.generate(PROMPT, controls=[dict(model="edges", image=image)], **kw).arrays
+        for name in ("files/a1111", "files/comfy", "files/diffusers-layout"):
+            got = e.generate(PROMPT, controls=[dict(model=name, image=image)], **kw).arrays
+            assert np.abs(got - want).max() == 0, name
+        with pytest.raises(ParamError, match="unknown"):
+            e.generate(PROMPT, controls=[dict(model="files/not-a-net", image=image)], **kw)

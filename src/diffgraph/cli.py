@@ -85,7 +85,7 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
                    help="AUTOMATIC1111's control mode: balanced, prompt (my prompt is more important) or control "
                         "(ControlNet is more important: diffusers' guess mode)")
     g.add_argument("--controlnet-dir", default=None, metavar="DIR",
-                   help="a folder of diffusers ControlNet folders that --control names (not with --url)")
+                   help="a folder of ControlNets (diffusers folders, or AUTOMATIC1111 / ComfyUI single .safetensors files) that --control names (not with --url)")
     g.add_argument("--lora-conv", action="store_true",
                    help="side paths on convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD)")
     g.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import ParamError
 from ..lora.catalog import SlotCache
-from ..models.controlnet_dir import WEIGHTS, ControlNetDir
+from ..models.controlnet_dir import CLASS_NAME, WEIGHTS, ControlNetDir
 from ..control_maps import control_map, fit_map
 from ..request import CONTROL_MODES, GenerationRequest
 from ..safe_files import stamp_of
@@ -60,14 +60,17 @@ class ControlNets:
         self._modules: dict[int, torch.nn.Module] = {}
         self._writes: list[tuple[int, tuple]] = []
         self._lock = threading.Lock()  # host copies: submitting threads read, the loop thread takes
+        self._config_dir: Any = None  # a TemporaryDirectory of single files' config folders, made on first use
+        self._configs: dict[int, str] = {}
 
     # -- on the submitting thread ----------------------------------------------------------------------
     def resolve(self, request: GenerationRequest) -> tuple[ResolvedControl, ...]:
         """The request's controls found, read and checked, their images prepared. Raises ParamError("controls")."""
         out = []
         for c in request.controls:
-            folder = self.catalog.folder(c.model)
-            key = (c.model, tuple(stamp_of(os.stat(os.path.join(folder, WEIGHTS)))))
+            folder = self.catalog.folder(c.model)  # a diffusers folder, or a single file
+            weights = folder if os.path.isfile(folder) else os.path.join(folder, WEIGHTS)
+            key = (c.model, tuple(stamp_of(os.stat(weights))))
             self._host_copy(key, folder)
             out.append(ResolvedControl(key, self._prepare(control_map(c), request.width, request.height,
                                                           c.resize_mode), list(CONTROL_MODES).index(c.control_mode)))
@@ -80,7 +83,10 @@ class ControlNets:
                 return self._host[key]
         from diffusers import ControlNetModel
         try:
-            net = ControlNetModel.from_pretrained(folder, torch_dtype=self.dtype, use_safetensors=True)
+            net = (self._single_file(folder) if os.path.isfile(folder)
+                   else ControlNetModel.from_pretrained(folder, torch_dtype=self.dtype, use_safetensors=True))
+        except ParamError:
+            raise
         except Exception as e:
             raise ParamError("controls", f"ControlNet {key[0]!r} could not be read: {str(e).splitlines()[0]}") \
                 from None
@@ -94,6 +100,63 @@ class ControlNets:
             while len(self._host) > self.slots.slots:
                 self._host.popitem(last=False)
         return net
+
+    def _single_file(self, path: str) -> torch.nn.Module:
+        """An AUTOMATIC1111 / ComfyUI single-file ControlNet, through diffusers' single-file reader, offline: its
+        config is this UNet's (a ControlNet mirrors the UNet it steers; its input channels from the file), written
+        to a folder of this object's, and the file read whole into memory first (never mapped: a file rewritten
+        while it is read is refused, not a crash)."""
+        from diffusers import ControlNetModel
+        from safetensors.torch import load as load_bytes
+
+        from ..safe_files import UnusableFile, read_safetensors
+        try:
+            _, data = read_safetensors(path, 64 << 30)
+        except UnusableFile as e:
+            raise ParamError("controls", f"ControlNet file {os.path.basename(path)!r} {e}") from None
+        from diffusers.loaders.single_file_utils import convert_controlnet_checkpoint
+        state = load_bytes(data)
+        del data
+        conv_in = next((state[k] for k in ("control_model.input_blocks.0.0.weight", "input_blocks.0.0.weight",
+                                           "conv_in.weight") if k in state), None)
+        config = ControlNetModel.load_config(self._config_folder(int(conv_in.shape[1]) if conv_in is not None else 4))
+        converted = convert_controlnet_checkpoint(state, config)
+        for p in ("control_model.", ""):  # SDXL's added embedding, which diffusers' converter leaves out
+            for i, j in ((0, 1), (2, 2)):
+                for leaf in ("weight", "bias"):
+                    if f"{p}label_emb.0.{i}.{leaf}" in state:
+                        converted.setdefault(f"add_embedding.linear_{j}.{leaf}", state[f"{p}label_emb.0.{i}.{leaf}"])
+        with torch.device("meta"):
+            net = ControlNetModel.from_config(config)
+        try:
+            net.load_state_dict(converted, strict=True, assign=True)
+        except RuntimeError as e:
+            raise ParamError("controls", f"ControlNet file {os.path.basename(path)!r} does not fit this model's "
+                                         f"ControlNet (another model family?): {' '.join(str(e).split())[:240]}") from None
+        return net.to(self.dtype)
+
+    def _config_folder(self, in_channels: int) -> str:
+        """A diffusers ControlNet config folder for this UNet (ControlNetModel.from_unet's fields)."""
+        with self._lock:  # submitting threads may ask at once
+            return self._configs.get(in_channels) or self._write_config(in_channels)
+
+    def _write_config(self, in_channels: int) -> str:
+        import inspect
+        import json
+        import tempfile
+
+        from diffusers import ControlNetModel
+        if self._config_dir is None:
+            self._config_dir = tempfile.TemporaryDirectory(prefix="diffgraph-controlnet-config-")
+        params = set(inspect.signature(ControlNetModel.__init__).parameters) - {"self"}
+        config = {k: v for k, v in dict(self._unet).items() if k in params and not k.startswith("_")}
+        config.update(_class_name=CLASS_NAME, in_channels=in_channels, conditioning_channels=3)
+        folder = os.path.join(self._config_dir.name, str(in_channels))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+        self._configs[in_channels] = folder
+        return folder
 
     def _prepare(self, pixels: np.ndarray, width: int, height: int, resize_mode: str = "just_resize") -> torch.Tensor:
         """The control map as diffusers' ControlNet pipelines prepare it, after AUTOMATIC1111's resize mode."""

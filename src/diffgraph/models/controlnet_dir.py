@@ -2,8 +2,11 @@
 HTTP process lists them for GET /v1/controlnets).
 
 Each diffusers ControlNet folder under the root (a `config.json` whose `_class_name` is ControlNetModel, beside its
-safetensors weights) is a ControlNet named by its path relative to the root, "/" between folders; one added later is
-found without a restart. Names follow `--lora-dir`'s rules: relative, without "..", backslashes or NUL, nothing that
+safetensors weights) is a ControlNet named by its path relative to the root, "/" between folders; so is each single
+`.safetensors` file that holds a ControlNet, as AUTOMATIC1111 and ComfyUI keep them (the original ControlNet layout,
+with or without its `control_model.` prefix, or diffusers' layout in one file; named by its path without the
+extension; told apart from other files by its header's keys, the tensors never read here). One added later is found
+without a restart. Names follow `--lora-dir`'s rules: relative, without "..", backslashes or NUL, nothing that
 resolves outside the root (symbolic links included). Pickled weights are never read.
 """
 
@@ -17,6 +20,30 @@ from ..errors import ParamError
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "ControlNetModel"
+SINGLE_FILE = ".safetensors"
+HEADER_BYTES = 64 << 30  # a single file's size limit when its header is read (ControlNets are GBs at most)
+# a key only a ControlNet has: the original layout's hint encoder, or diffusers' conditioning embedding
+MARKS = ("input_hint_block.0.weight", "control_model.input_hint_block.0.weight",
+         "controlnet_cond_embedding.conv_in.weight")
+
+
+def single_file_marks(path: str) -> dict | None:
+    """What a single file's header says of the ControlNet in it ({"cross_attention_dim", "added_conditions"}), or
+    None when it holds no ControlNet (or cannot be read as safetensors)."""
+    from ..safe_files import UnusableFile, read_header
+    try:
+        header, _ = read_header(path, HEADER_BYTES)
+    except (UnusableFile, OSError):
+        return None
+    keys = header.tensors
+    if not any(k in keys for k in MARKS):
+        return None
+    prefix = "control_model." if "control_model.input_hint_block.0.weight" in keys else ""
+    # a cross-attention's key projection: its input width is the text's (the same name in both layouts)
+    cross = next((t.shape for k, t in keys.items() if k.endswith("attn2.to_k.weight")), None)
+    added = any(k in keys for k in (prefix + "label_emb.0.0.weight", "add_embedding.linear_1.weight"))
+    return {"cross_attention_dim": cross[1] if cross and len(cross) == 2 else None,
+            "added_conditions": "text_time" if added else None}
 
 
 class ControlNetDir:
@@ -40,7 +67,7 @@ class ControlNetDir:
 
     @staticmethod
     def _listing(root: str) -> dict[str, str]:
-        out = {}
+        out, singles = {}, {}
         for folder, dirs, files in os.walk(root, followlinks=False):
             dirs.sort()
             if "config.json" in files and WEIGHTS in files:
@@ -51,9 +78,15 @@ class ControlNetDir:
                 except (OSError, ValueError):
                     continue
                 out[os.path.relpath(folder, root).replace(os.sep, "/")] = folder
-        return out
+                continue  # its files are its weights
+            for name in sorted(files):
+                path = os.path.join(folder, name)
+                if name.endswith(SINGLE_FILE) and not os.path.islink(path) and single_file_marks(path) is not None:
+                    singles[os.path.relpath(path, root)[:-len(SINGLE_FILE)].replace(os.sep, "/")] = path
+        return {**singles, **out}  # a folder's name wins over a file of the same name
 
     def folder(self, name: str) -> str:
+        """The ControlNet's diffusers folder, or its single file. Raises ParamError("controls")."""
         if "\x00" in name or "\\" in name or name.startswith("/") or os.path.isabs(name) or ".." in name.split("/"):
             raise ParamError("controls", f"ControlNet name {name!r} is not allowed: names are relative, with '/' "
                                          "between folders, without '..', backslashes or NUL (GET /v1/controlnets)")
@@ -62,6 +95,9 @@ class ControlNetDir:
             real = os.path.realpath(full)
             if os.path.isfile(os.path.join(full, WEIGHTS)) and os.path.commonpath([real, root]) == root:
                 return real
+            file = os.path.realpath(full + SINGLE_FILE)
+            if os.path.isfile(file) and os.path.commonpath([file, root]) == root and single_file_marks(file):
+                return file
         names = list(self.listing())
         close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \
@@ -72,12 +108,17 @@ class ControlNetDir:
         """GET /v1/controlnets' rows: each ControlNet's name and what its config says it steers."""
         rows = []
         for name, folder in self.listing().items():
+            if os.path.isfile(folder):  # a single file: what its header says
+                marks = single_file_marks(folder)
+                if marks is not None:
+                    rows.append({"name": name, "format": "single_file", **marks})
+                continue
             try:
                 with open(os.path.join(folder, "config.json")) as f:
                     config = json.load(f)
             except (OSError, ValueError):  # changed since the listing
                 continue
-            rows.append({"name": name, "cross_attention_dim": config.get("cross_attention_dim"),
+            rows.append({"name": name, "format": "diffusers", "cross_attention_dim": config.get("cross_attention_dim"),
                          "block_out_channels": config.get("block_out_channels"),
                          "conditioning_channels": config.get("conditioning_channels", 3),
                          "added_conditions": config.get("addition_embed_type")})  # SDXL's: "text_time"

@@ -210,8 +210,9 @@ def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
 def add_controlnet_arguments(p: argparse.ArgumentParser) -> None:
     """The ControlNet flags shared by serve and generate."""
     p.add_argument("--controlnet-dir", default=None, metavar="DIR",
-                   help="a folder of diffusers ControlNet folders; requests name them by their path under DIR "
-                        "(controls: [{model, image, scale, start, end}]); folders added later are found")
+                   help="a folder of ControlNets (diffusers folders, or single .safetensors files as "
+                        "AUTOMATIC1111 and ComfyUI keep them); requests name them by their path under DIR "
+                        "(controls: [{model, image, scale, start, end}]); ones added later are found")
     p.add_argument("--max-controlnets", type=int, default=None, metavar="N",
                    help="ControlNets resident on the device at once (default: 2); more distinct ones in flight "
                         "make requests wait")

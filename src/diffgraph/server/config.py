@@ -88,7 +88,7 @@ class ServerConfig:
     max_lora_rank: int = 64              # the slots' rank
     lora_conv: bool = False              # side paths on the convolutions too (LoCon, LCM-LoRA, TCD, Hyper-SD)
     fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
-    controlnet_dir: str | None = None    # a folder of diffusers ControlNet folders, served by name (`controls`)
+    controlnet_dir: str | None = None    # a folder of ControlNets (diffusers folders, single files), by name
     max_controlnets: int = 2             # ControlNets resident on the device at once (LRU; one in use stays)
     compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
     embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
