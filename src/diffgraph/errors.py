@@ -21,3 +21,11 @@ class ParamError(ValueError):
 
 class ModelLoadError(ValueError):
     """The model could not be loaded (its file, its architecture); the message says why, in one line."""
+
+
+def unknown_hint(name: str, names: list[str]) -> str:
+    """"; did you mean ...?" with the names close to `name`, else "; known: ..." (the first ten)."""
+    import difflib
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    return (f"; did you mean {', '.join(repr(c) for c in close)}?" if close
+            else f"; known: {', '.join(names[:10]) or 'none'}")

@@ -253,6 +253,67 @@ class ControlInput:
         object.__setattr__(self, "control_mode", _control_mode("control_mode", self.control_mode, CONTROL_MODES))
 
 
+MAX_PROMPT_IMAGES = 2
+MAX_IMAGE_PROMPT_SCALE = 5.0
+
+
+@dataclass(frozen=True, eq=False)
+class ImagePromptInput:
+    """A request's image prompt (IP-Adapter, issue 32), checked on construction: `model` (an IP-Adapter's name under
+    `--ip-adapter-dir`), `images` (1 or 2 RGB images, PIL or uint8 [H, W, 3]: their tokens are one attention, as
+    diffusers passes several images to one adapter) and `scale` (diffusers' `set_ip_adapter_scale`; 0: the plain
+    image)."""
+
+    model: str
+    images: tuple[np.ndarray, ...]
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ParamError("image_prompt", "an image prompt needs its IP-Adapter's name (model)")
+        images = self.images
+        if isinstance(images, np.ndarray) or hasattr(images, "convert"):
+            images = (images,)
+        if not isinstance(images, (list, tuple)) or not 1 <= len(images) <= MAX_PROMPT_IMAGES:
+            raise ParamError("image_prompt", f"an image prompt takes 1 to {MAX_PROMPT_IMAGES} images")
+        out = []
+        for img in images:
+            if hasattr(img, "convert") and hasattr(img, "size"):
+                img = np.asarray(img.convert("RGB"))
+            if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+                raise ParamError("image_prompt", "an image prompt's images must be RGB pixels: PIL images or uint8 "
+                                                 "arrays of shape (height, width, 3)")
+            if min(img.shape[:2]) < 8 or img.shape[0] * img.shape[1] > MAX_CONTROL_PIXELS:
+                raise ParamError("image_prompt", f"an image prompt's image is {img.shape[1]}x{img.shape[0]}; each "
+                                                 f"side at least 8 pixels, at most {MAX_CONTROL_PIXELS // 2**20} "
+                                                 "megapixels")
+            out.append(img)
+        object.__setattr__(self, "images", tuple(out))
+        scale = self.scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(scale)) or not 0 <= float(scale) <= MAX_IMAGE_PROMPT_SCALE:
+            raise ParamError("image_prompt", f"image prompt scale {scale!r} is out of range; allowed: a number in "
+                                             f"[0, {MAX_IMAGE_PROMPT_SCALE:g}]")
+        object.__setattr__(self, "scale", float(scale))
+
+
+def check_image_prompt(value: Any) -> ImagePromptInput | None:
+    if value is None or isinstance(value, ImagePromptInput):
+        return value
+    if isinstance(value, dict):
+        unknown = set(value) - {"model", "images", "image", "scale"}
+        if unknown:
+            raise ParamError("image_prompt", f"unknown image prompt fields {sorted(unknown)}; allowed: model, "
+                                             "images (or image), scale")
+        value = dict(value)
+        if "image" in value:
+            value["images"] = (value.pop("image"),) if "images" not in value else value["images"]
+        if "model" not in value or "images" not in value:
+            raise ParamError("image_prompt", "an image prompt needs model (an IP-Adapter's name) and images")
+        return ImagePromptInput(**value)
+    raise ParamError("image_prompt", f"image_prompt must be an ImagePromptInput or a dict, got {type(value).__name__}")
+
+
 def check_controls(value: Any) -> tuple[ControlInput, ...]:
     """A request's controls as a tuple of ControlInput (dicts of its fields accepted); raises ParamError."""
     if value is None:
@@ -353,6 +414,7 @@ class GenerationRequest:
     priority: str = "interactive"
     job: str | None = None
     controls: tuple[ControlInput, ...] = ()  # ControlNet controls (ControlInput), at most MAX_CONTROLS
+    image_prompt: ImagePromptInput | None = None  # an IP-Adapter image prompt
     # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
     key: GroupKey = field(init=False, compare=False, repr=False)
 
@@ -425,6 +487,7 @@ class GenerationRequest:
         object.__setattr__(self, "key", (self.height, self.width))
         object.__setattr__(self, "loras", check_loras(self.loras))
         object.__setattr__(self, "controls", check_controls(self.controls))
+        object.__setattr__(self, "image_prompt", check_image_prompt(self.image_prompt))
         object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
         rescale = self.guidance_rescale
         if isinstance(rescale, bool) or not isinstance(rescale, (int, float, np.floating, np.integer)) \
@@ -456,7 +519,7 @@ class GenerationRequest:
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
-               preview: Any = None, controls: Any = ()) -> "GenerationRequest":
+               preview: Any = None, controls: Any = (), image_prompt: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -503,7 +566,7 @@ class GenerationRequest:
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
-                      preview=make_preview(preview), controls=controls, **kwargs)
+                      preview=make_preview(preview), controls=controls, image_prompt=image_prompt, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

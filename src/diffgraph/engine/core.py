@@ -30,6 +30,7 @@ from ..image_metadata import encode_image
 from ..sampling.sde import BrownianNoise
 from ..lora.manager import resolve_loras
 from .controlnets import resolve_controls
+from .ip_adapters import resolve_image_prompt
 from .device_loop import STOPPED, DeviceLoop
 from .edits import prepare_edit, preprocess_edit
 from .failures import FailurePolicy
@@ -96,6 +97,7 @@ class EngineCore:
             state.empty_prompt = self.runner.empty_prompt(prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
+        state.image_prompt = resolve_image_prompt(self.runner.image_prompts, request) if request.image_prompt else {}
         with self._cv:
             if not self._live():
                 raise EngineClosed(f"the engine failed: {self.failures.reason}" if self.failures.reason else
@@ -322,7 +324,7 @@ class EngineCore:
                 cond, uncond, chunks = runner.row_conditioning(mine[pos], mine[neg], mine[empty[0]] if empty else None)
                 admission = Admission(r, s.rows, uncond, edit or {}, [
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
-                    chunks, runner.controls.admitted(s, s.admitted["control"]) if s.controls else [])
+                    chunks, runner.controls.admitted(s, s.admitted["control"]) if s.controls else [], s.image_prompt)
                 s.variant_parts = runner.write_rows(key, s.first_row, latents, cond, admission)
                 s.admitted_at = now
             except Exception as e:

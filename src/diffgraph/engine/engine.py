@@ -28,6 +28,7 @@ from ..request import (EngineClosed, EngineStepError, GenerationRequest, Generat
                        ProgressEvent, QueueFullError, RequestAborted)
 from .core import EngineCore
 from .controlnets import ControlNets
+from .ip_adapters import IPAdapters
 from .device_loop import DeviceLoop
 from .model_runner import ModelRunner
 from .scheduler import SchedulerConfig, StepPlan
@@ -97,7 +98,8 @@ class Engine:
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
                  preview_decoder: str | None = None, max_step_failures: int = 3,
-                 lora_host_bytes: int = 2 * 2**30, controlnet_dir: str | None = None, max_controlnets: int = 2):
+                 lora_host_bytes: int = 2 * 2**30, controlnet_dir: str | None = None, max_controlnets: int = 2,
+                 ip_adapter_dir: str | None = None):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -125,8 +127,10 @@ class Engine:
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
             roots = tuple(r for r in (controlnet_dir, builtin_control_folder(self.model.name)) if r)
             controls = _controlnets(self.model, roots, max_controlnets) if roots else None
+            image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size, loras=loras, controls=controls,
+                                      image_prompts=image_prompts,
                                       compile=CompileConfig() if compile is True else compile or None,
                                       max_prompt_chunks=max_prompt_chunks,
                                       embeddings=EmbeddingDir(embeddings_dir) if embeddings_dir else None)
@@ -336,6 +340,17 @@ class Engine:
 
 
 __all__ = ["Engine", "EngineClosed", "EngineStepError", "QueueFullError", "RequestAborted"]
+
+
+def _ip_adapters(model: DiffusionModel, root: str) -> IPAdapters:
+    """The IP-Adapters of `--ip-adapter-dir` (the family's UNet must have cross-attention layers to extend)."""
+    if not hasattr(model.adapter, "control"):
+        raise ParamError("ip_adapter_dir", f"the {model.adapter.name} family takes no IP-Adapter; leave "
+                                           "--ip-adapter-dir out for this model")
+    try:
+        return IPAdapters(root, model.unet, model.device, model.dtype)
+    except ValueError as e:
+        raise ParamError("ip_adapter_dir", str(e)) from None
 
 
 def _controlnets(model: DiffusionModel, roots: tuple[str, ...], slots: int) -> ControlNets:

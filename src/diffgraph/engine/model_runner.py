@@ -38,6 +38,7 @@ from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError
 from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
+from .ip_adapters import IPAdapters
 from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, empty_prompt, plain_ids, prepare
@@ -51,8 +52,8 @@ WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the wei
 class ModelRunner:
     def __init__(self, model: DiffusionModel, mode: str = "eager", graphs: GraphConfig | None = None,
                  max_rows: int | None = None, prompt_cache_size: int = 512, loras: Any = None,
-                 compile: CompileConfig | None = None, max_prompt_chunks: int = 3,
-                 embeddings: EmbeddingDir | None = None, controls: ControlNets | None = None):
+                 compile: CompileConfig | None = None, max_prompt_chunks: int = 3, embeddings: EmbeddingDir | None = None,
+                 controls: ControlNets | None = None, image_prompts: IPAdapters | None = None):
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
         self.model = model
@@ -84,7 +85,7 @@ class ModelRunner:
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
         self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per size ever asked for
         self.prompts = PromptCache(prompt_cache_size)
-        self.loras, self.controls = loras, controls  # LoRA adapter slots and side paths; ControlNet slots; or None
+        self.loras, self.controls, self.image_prompts = loras, controls, image_prompts  # (LoRA, ControlNet, IP) or None
         slots = loras is not None and loras.enabled
         self.slot_shape = (loras.config.slots, loras.config.max_lora_rank, int(loras.config.conv)) if slots else None
         # the row features of this family's step (guidance, edits, LoRA rows, ...), composed
@@ -96,7 +97,8 @@ class ModelRunner:
                                     self.adapter.encoder_layers(model), embeddings)
         side_paths = loras.unet_rows if slots else None
         self.control_runner = ControlRunner(controls, partial(self.adapter.control, model)) if controls else None
-        extra = {"max_chunks": self.max_chunks, "controls": self.control_runner} if self.max_chunks > 1 or controls else {}
+        extra = {"max_chunks": self.max_chunks, "controls": self.control_runner, "image_prompts": image_prompts} \
+            if self.max_chunks > 1 or controls or image_prompts else {}
         self.program = StepProgram(self.adapter.features(model, side_paths, **extra))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
@@ -174,8 +176,7 @@ class ModelRunner:
 
     # -- shapes and buffers --------------------------------------------------------------------
     def latent_shape(self, key: GroupKey) -> tuple[int, ...]:
-        shape = self._latent_shapes.get(key)
-        if shape is None:
+        if (shape := self._latent_shapes.get(key)) is None:
             shape = self._latent_shapes[key] = self.adapter.latent_shape(self.model, key)
         return shape
 
@@ -231,8 +232,7 @@ class ModelRunner:
     def _row_fields(self, key: GroupKey) -> dict[str, torch.Tensor]:
         """The family's per-resolution row fields (SDXL's time ids), made once per group: building them is a
         host-to-device copy, which must not happen (and wait for the GPU) at every admission."""
-        values = self._row_values.get(key)
-        if values is None:
+        if (values := self._row_values.get(key)) is None:
             values = self._row_values[key] = self.adapter.row_spec(self.model, key)
         return values
 

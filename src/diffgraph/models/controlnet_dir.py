@@ -12,11 +12,10 @@ resolves outside the root (symbolic links included). Pickled weights are never r
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 
-from ..errors import ParamError
+from ..errors import ParamError, unknown_hint
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "ControlNetModel"
@@ -98,11 +97,7 @@ class ControlNetDir:
             file = os.path.realpath(full + SINGLE_FILE)
             if os.path.isfile(file) and os.path.commonpath([file, root]) == root and single_file_marks(file):
                 return file
-        names = list(self.listing())
-        close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \
-            f"; known: {', '.join(names[:10]) or 'none'}"
-        raise ParamError("controls", f"ControlNet {name!r} is unknown{hint}")
+        raise ParamError("controls", f"ControlNet {name!r} is unknown{unknown_hint(name, list(self.listing()))}")
 
     def describe(self) -> list[dict]:
         """GET /v1/controlnets' rows: each ControlNet's name and what its config says it steers."""

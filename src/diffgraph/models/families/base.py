@@ -42,6 +42,7 @@ import torch
 from ...features.base import RowFeature
 from ...features.context import PromptContext, lcm_all
 from ...features.control import ControlRows, ControlSlots
+from ...features.image_prompt import ImagePromptSource
 from ...features.edit import EditRows
 from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
@@ -236,11 +237,11 @@ class FamilyAdapter:
         return noising(plan)
 
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
-                 max_chunks: int = 1, controls: ControlSlots | None = None) -> tuple[RowFeature, ...]:
-        """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded
-        for guidance-distilled UNets: `time_cond_proj_dim`), the samplers' history slots (features/history.py), edits' rows where the family takes images, LoRA rows
-        where the engine has adapter slots (`side_paths`, the denoiser's side-path rows), and the prompt context
-        where rows may hold up to `max_chunks` 77-token prompt windows (families with `sequence_fields`)."""
+                 max_chunks: int = 1, controls: ControlSlots | None = None,
+                 image_prompts: ImagePromptSource | None = None) -> tuple[RowFeature, ...]:
+        """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded for
+        guidance-distilled UNets), the samplers' history slots, edits' rows, LoRA rows (`side_paths`), ControlNet and
+        image-prompt rows (`controls`, `image_prompts`), the prompt context (up to `max_chunks` 77-token windows)."""
         dim = getattr(getattr(model.unet, "config", None), "time_cond_proj_dim", None)
         if dim is not None:
             out: list[RowFeature] = [EmbeddedGuidance("timestep_cond", (int(dim),), model.dtype,
@@ -255,6 +256,8 @@ class FamilyAdapter:
             out.append(LoraRows(side_paths, MAX_LORAS))
         if controls is not None:  # ControlNet rows (features/control.py): the nets in `controls`' slots
             out.append(ControlRows(model.unet.config, model.dtype, controls.run))
+        if image_prompts is not None:  # IP-Adapter rows (features/image_prompt.py)
+            out.append(image_prompts.feature())
         if max_chunks > 1 and self.sequence_fields:
             out.append(PromptContext(self.token_lengths(model)[0], max_chunks))
         return tuple(out)

@@ -1,0 +1,171 @@
+"""`IPAdapters`: the IP-Adapters of an `--ip-adapter-dir` and a request's image prompt made into row fields (issue
+32; the row feature is features/image_prompt.py).
+
+On the submitting thread (`resolve`): the adapter's file read whole into memory (never mapped) and converted with
+diffusers' own IP-Adapter readers (the image projection by `UNet2DConditionModel._convert_ip_adapter_image_proj_to_
+diffusers`, the per-layer `to_k_ip` / `to_v_ip` weights by the state dict's layer numbering, `{1 + 2j}` for the
+UNet's j-th cross-attention layer), kept for the most recent `cache` adapters; the image encoder (the adapter's
+`image_encoder` folder, transformers' CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its
+image size) loaded once; each image embedded once (cached by its pixels' hash), as diffusers' pipelines embed it
+(the image embedding for the base adapters, the penultimate hidden states for "plus" ones; the negative: zeros, or
+the encoder's hidden states of a black image); then projected to tokens and every layer's keys and values computed,
+for both guidance branches. Those are the row fields the request's rows take at admission: nothing about an
+adapter stays on the device between requests and no admission gate is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ParamError
+from ..features.image_prompt import MAX_TOKENS, ImagePromptRows, cross_attention_layers, install
+from ..models.ip_adapter_dir import IPAdapterDir
+from ..request import GenerationRequest
+from ..safe_files import UnusableFile, read_safetensors, stamp_of
+
+
+@dataclass(eq=False)
+class _Adapter:
+    proj: torch.nn.Module                 # the image projection (diffusers' ImageProjection, IPAdapterPlus..., ...)
+    keys: list[torch.Tensor]              # per cross-attention layer: to_k_ip's weight [dim, cross]
+    values: list[torch.Tensor]
+    hidden_states: bool                   # "plus": the encoder's penultimate hidden states, not its embedding
+    encoder: str                          # its image encoder folder
+
+
+class IPAdapters:
+    def __init__(self, root: str, unet: Any, device: torch.device, dtype: torch.dtype, cache: int = 2):
+        self.catalog = IPAdapterDir(root)
+        self.device, self.dtype, self._unet, self._cache = device, dtype, unet, cache
+        self.context = install(unet)
+        layers = cross_attention_layers(unet)
+        self._dims = [attn.to_k.out_features for _, attn in layers]
+        self._heads = [attn.heads for _, attn in layers]
+        self._adapters: OrderedDict[tuple, _Adapter] = OrderedDict()
+        self._encoders: dict[str, tuple[Any, Any]] = {}
+        self._embeds: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def feature(self) -> ImagePromptRows:
+        return ImagePromptRows(self.context, self._dims, self._heads, self.dtype)
+
+    # -- on the submitting thread ------------------------------------------------------------------------
+    def resolve(self, request: GenerationRequest) -> dict[str, torch.Tensor]:
+        """The request's image-prompt row fields ([1, ...] each, on the device). Raises ParamError("image_prompt")."""
+        prompt = request.image_prompt
+        path = self.catalog.file(prompt.model)
+        key = (prompt.model, tuple(stamp_of(os.stat(path))))
+        with self._lock, torch.no_grad():
+            adapter = self._adapter(key, path)
+            embeds, negative = self._embed(adapter, prompt.images)
+            proj_dtype = next(adapter.proj.parameters()).dtype
+            tokens = adapter.proj(embeds.to(proj_dtype)).flatten(0, 1)      # [images * T, cross]
+            neg_tokens = adapter.proj(negative.to(proj_dtype)).flatten(0, 1)
+            n = tokens.shape[0]
+            if n > MAX_TOKENS:
+                raise ParamError("image_prompt", f"this IP-Adapter makes {n} image tokens for {len(prompt.images)} "
+                                                 f"image(s); at most {MAX_TOKENS} per request: send fewer images")
+            out = {"ip.mask": torch.zeros((1, MAX_TOKENS), dtype=self.dtype, device=self.device)}
+            out["ip.mask"][0, :n] = 1
+            for j, (wk, wv) in enumerate(zip(adapter.keys, adapter.values)):
+                for name, w, t in (("k", wk, tokens), ("v", wv, tokens), ("nk", wk, neg_tokens), ("nv", wv, neg_tokens)):
+                    field = torch.zeros((1, MAX_TOKENS, w.shape[0]), dtype=self.dtype, device=self.device)
+                    field[0, :n] = torch.nn.functional.linear(t.to(w.dtype), w).to(self.dtype)
+                    out[f"ip.{name}{j}"] = field
+        return out
+
+    def _adapter(self, key: tuple, path: str) -> _Adapter:
+        adapter = self._adapters.get(key)
+        if adapter is not None:
+            self._adapters.move_to_end(key)
+            return adapter
+        from safetensors.torch import load as load_bytes
+        try:
+            _, data = read_safetensors(path, 16 << 30)
+        except UnusableFile as e:
+            raise ParamError("image_prompt", f"IP-Adapter {key[0]!r}: its file {e}") from None
+        state = load_bytes(data)
+        del data
+        proj_state = {k[len("image_proj."):]: v for k, v in state.items() if k.startswith("image_proj.")}
+        ip_state = {k[len("ip_adapter."):]: v for k, v in state.items() if k.startswith("ip_adapter.")}
+        keys, values = [], []
+        for j, dim in enumerate(self._dims):
+            k, v = ip_state.get(f"{1 + 2 * j}.to_k_ip.weight"), ip_state.get(f"{1 + 2 * j}.to_v_ip.weight")
+            if k is None or v is None or k.shape[0] != dim or v.shape[0] != dim or k.shape[1] != v.shape[1]:
+                raise ParamError("image_prompt", f"IP-Adapter {key[0]!r} does not fit this model's UNet (its layer "
+                                                 f"{1 + 2 * j} is missing or has other sizes): use one made for it")
+            keys.append(k.to(self.device, self.dtype))
+            values.append(v.to(self.device, self.dtype))
+        if len(ip_state) != 2 * len(self._dims):
+            raise ParamError("image_prompt", f"IP-Adapter {key[0]!r} has {len(ip_state) // 2} layers, this model's UNet "
+                                             f"{len(self._dims)}: use one made for it")
+        try:
+            proj = self._unet._convert_ip_adapter_image_proj_to_diffusers(proj_state, low_cpu_mem_usage=False)
+        except Exception as e:  # a projection diffusers does not know
+            raise ParamError("image_prompt", f"IP-Adapter {key[0]!r}: its image projection could not be read "
+                                             f"({type(e).__name__}: {str(e)[:160]})") from None
+        from diffusers.models.embeddings import ImageProjection
+        adapter = _Adapter(proj.to(self.device, self.dtype).eval().requires_grad_(False), keys, values,
+                           not isinstance(proj, ImageProjection), self.catalog.encoder(path))
+        self._adapters[key] = adapter
+        while len(self._adapters) > self._cache:
+            self._adapters.popitem(last=False)
+        return adapter
+
+    def _encoder(self, folder: str) -> tuple[Any, Any]:
+        got = self._encoders.get(folder)
+        if got is None:
+            from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+            try:
+                model = CLIPVisionModelWithProjection.from_pretrained(folder, torch_dtype=self.dtype,
+                                                                      use_safetensors=True)
+            except Exception as e:
+                raise ParamError("image_prompt", f"the image encoder in {folder!r} could not be read "
+                                                 f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+            size = model.config.image_size  # diffusers' load_ip_adapter's processor when the pipeline has none
+            got = self._encoders[folder] = (model.to(self.device).eval(), CLIPImageProcessor(size=size, crop_size=size))
+        return got
+
+    def _embed(self, adapter: _Adapter, images: tuple[np.ndarray, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image embeddings, negative ones) [images, ...] as diffusers' `encode_image` makes them."""
+        digest = hashlib.sha256()
+        for img in images:
+            digest.update(str(img.shape).encode())
+            digest.update(np.ascontiguousarray(img).tobytes())
+        key = (adapter.encoder, adapter.hidden_states, digest.hexdigest())
+        got = self._embeds.get(key)
+        if got is not None:
+            self._embeds.move_to_end(key)
+            return got
+        model, processor = self._encoder(adapter.encoder)
+        from PIL import Image
+        pixels = processor([Image.fromarray(i) for i in images], return_tensors="pt").pixel_values
+        pixels = pixels.to(self.device, model.dtype)
+        if adapter.hidden_states:
+            embeds = model(pixels, output_hidden_states=True).hidden_states[-2]
+            negative = model(torch.zeros_like(pixels), output_hidden_states=True).hidden_states[-2]
+        else:
+            embeds = model(pixels).image_embeds
+            negative = torch.zeros_like(embeds)
+        got = self._embeds[key] = (embeds, negative)
+        while len(self._embeds) > 64:
+            self._embeds.popitem(last=False)
+        return got
+
+
+def resolve_image_prompt(prompts: IPAdapters | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
+    """A request's image-prompt fields, resolved on the submitting thread. Raises ParamError("image_prompt")."""
+    if request.image_prompt is None:
+        return {}
+    if prompts is None:
+        raise ParamError("image_prompt", "this engine serves no IP-Adapters; start it with --ip-adapter-dir DIR "
+                                         "(Engine(ip_adapter_dir=...))")
+    return prompts.resolve(request)
