@@ -19,31 +19,10 @@ from PIL import Image
 from diffgraph import Engine
 from diffgraph.request import ParamError
 
+from control_util import control_image, make_controlnet
+
 PROMPT = "a red fox in the snow"
 STEPS = 5
-
-
-def make_controlnet(unet, folder: str, seed: int) -> None:
-    from diffusers import ControlNetModel
-    net = ControlNetModel.from_unet(unet)
-    g = torch.Generator().manual_seed(seed)
-    zeroed = [*net.controlnet_down_blocks, net.controlnet_mid_block, net.controlnet_cond_embedding.conv_out]
-    with torch.no_grad():
-        for m in zeroed:
-            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.3)
-            m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
-    net.save_pretrained(folder, safe_serialization=True)
-
-
-def control_image(size: int, seed: int) -> Image.Image:
-    """An edge-map-like control image: white strokes on black."""
-    rng = np.random.default_rng(seed)
-    a = np.zeros((size, size, 3), np.uint8)
-    for _ in range(6):
-        y, x = rng.integers(0, size - 8, 2)
-        a[y:y + 8, x:x + 2] = 255
-        a[y:y + 2, x:x + 8] = 255
-    return Image.fromarray(a)
 
 
 @pytest.fixture(scope="module", params=["random:tiny", "random:tiny-xl"])
@@ -397,48 +376,6 @@ def test_controls_with_edits_equal_diffusers_controlnet_img2img_and_inpaint_pipe
     assert ours.arrays.shape == ref.shape == (1, 64, 64, 3)
     assert np.abs(ours.arrays - plain.arrays).max() * 255 > 4  # the control reaches the edited image
     assert np.abs(ours.arrays - ref).max() * 255 <= 1.0, np.abs(ours.arrays - ref).max() * 255
-
-
-def test_twenty_four_mixed_requests_together_equal_each_alone(engine, tmp_path_factory):
-    """Control rows (every mode, windows, two ControlNets), LoRA rows, image-to-image and inpainting rows, eight
-    samplers, guidance-free and plain rows, with and without each other, all submitted at one step boundary: each
-    image equals the same request run alone."""
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
-    from lora_util import _write_diffusers
-    loras = tmp_path_factory.mktemp("mixed-loras")
-    _write_diffusers(engine, str(loras / "style.safetensors"), rank=4, seed=3)
-    samplers = ["euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "heun", "unipc", "lms"]
-    mask = np.zeros((64, 64), np.uint8)
-    mask[8:40, 16:56] = 255
-    with Engine(model=engine.model, controlnet_dir=engine.runner.controls.root, lora_dir=str(loras),
-                max_controlnets=2) as e:
-        reqs = []
-        for i in range(24):
-            kw: dict = dict(sampler=samplers[i % 8], seed=100 + i, num_inference_steps=3 + i % 2)
-            if i % 3 == 0:
-                kw["controls"] = [dict(model=("edges", "depth")[i % 2], image=control_image(64, i),
-                                       control_mode=("balanced", "prompt", "control")[(i // 3) % 3],
-                                       scale=0.5 + (i % 4) / 4, end=(1.0, 0.6)[i % 2])]
-            if i % 6 == 1:
-                kw["controls"] = [dict(model="edges", image=control_image(64, i)),
-                                  dict(model="depth", image=control_image(64, i + 50), start=0.3)]
-            if i % 4 == 1:
-                kw["loras"] = [("style", 0.8)]
-            if i % 5 in (2, 3):
-                kw.update(image=_edit_image(i), strength=0.7, mask_image=mask if i % 5 == 3 else None)
-            if i % 7 == 4:
-                kw["guidance_scale"] = 1.0
-            reqs.append(e.make_request(PROMPT if i % 2 else "a castle on a hill", **kw))
-        assert sum(bool(r.controls) for r in reqs) >= 10 and sum(bool(r.loras) for r in reqs) >= 5
-        assert {c.control_mode for r in reqs for c in r.controls} == {"balanced", "prompt", "control"}
-        assert sum(r.edit is not None for r in reqs) >= 8
-        alone = [e.run(r).arrays for r in reqs]
-        futures: list = []
-        e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
-        together = [f.result().arrays for f in futures]
-    for i, (a, t) in enumerate(zip(alone, together)):
-        assert np.abs(a - t).max() * 255 <= 1.0, (i, np.abs(a - t).max() * 255)
 
 
 @pytest.mark.parametrize("shape", [(32, 64), (70, 40), (64, 64)])

@@ -38,10 +38,45 @@ def make_ip_adapter(unet, root, name: str, seed: int, gain: float = 0.5) -> None
              "image_proj.norm.weight": 1 + torch.randn(cross, generator=g) * 0.1,
              "image_proj.norm.bias": torch.randn(cross, generator=g) * 0.1}
     for j, (_, attn) in enumerate(cross_attention_layers(unet)):
-        dim = attn.to_k.out_features
+        dim = attn.inner_kv_dim
         state[f"ip_adapter.{1 + 2 * j}.to_k_ip.weight"] = torch.randn(dim, cross, generator=g) * gain
         state[f"ip_adapter.{1 + 2 * j}.to_v_ip.weight"] = torch.randn(dim, cross, generator=g) * gain
     save_file(state, str(root / f"{name}.safetensors"))
+
+
+def make_plus_ip_adapter(unet, root, name: str, seed: int, gain: float = 0.5) -> None:
+    """An IP-Adapter "plus" (a perceiver resampler over the encoder's penultimate hidden states, 16 tokens): made as
+    diffusers' IPAdapterPlusImageProjection, written back in h94's names (the inverse of diffusers' reader)."""
+    import re
+
+    from diffusers.models.embeddings import IPAdapterPlusImageProjection
+    from safetensors.torch import save_file
+    torch.manual_seed(seed)
+    proj = IPAdapterPlusImageProjection(embed_dims=32, output_dims=unet.config.cross_attention_dim, hidden_dims=64,
+                                        depth=4, dim_head=64, heads=1, num_queries=16)
+    ours = proj.state_dict()
+    state = {}
+    for k, v in ours.items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", k)
+        if not m:
+            state[f"image_proj.{k}"] = v
+            continue
+        i, rest = m[1], m[2]
+        if rest.startswith("attn.to_v"):
+            continue
+        rest = (rest.replace("ln0", "0.norm1").replace("ln1", "0.norm2").replace("attn.to_q", "0.to_q")
+                .replace("attn.to_out.0", "0.to_out").replace("ff.1.net.0.proj", "1.1").replace("ff.1.net.2", "1.3")
+                .replace("ff.0", "1.0"))
+        if rest.startswith("attn.to_k"):
+            rest, v = "0.to_kv.weight", torch.cat([v, ours[f"layers.{i}.attn.to_v.weight"]])
+        state[f"image_proj.layers.{i}.{rest}"] = v
+    g = torch.Generator().manual_seed(seed)
+    cross = unet.config.cross_attention_dim
+    for j, (_, attn) in enumerate(cross_attention_layers(unet)):
+        dim = attn.inner_kv_dim
+        state[f"ip_adapter.{1 + 2 * j}.to_k_ip.weight"] = torch.randn(dim, cross, generator=g) * gain
+        state[f"ip_adapter.{1 + 2 * j}.to_v_ip.weight"] = torch.randn(dim, cross, generator=g) * gain
+    save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
 
 
 def picture(seed: int, size: int = 48) -> Image.Image:
@@ -55,6 +90,7 @@ def engine(request, tmp_path_factory):
     with Engine(model=request.param, device="cpu", dtype="fp32") as plain:
         make_ip_adapter(plain.model.unet, root, "base", seed=1)
         make_ip_adapter(plain.model.unet, root, "other", seed=2)
+        make_plus_ip_adapter(plain.model.unet, root, "plus", seed=3)
         with Engine(model=plain.model, ip_adapter_dir=str(root)) as e:
             e.ip_root = root
             yield e
@@ -70,12 +106,13 @@ def _reference(engine, images, scale, seed, weight="base"):
                 guidance_scale=engine.model.default_guidance, output_type="np").images
 
 
-@pytest.mark.parametrize("scale,count", [(1.0, 1), (0.6, 2)])
-def test_image_prompts_equal_diffusers_load_ip_adapter(engine, scale, count):
+@pytest.mark.parametrize("weight,scale,count", [("base", 1.0, 1), ("base", 0.6, 2), ("plus", 0.8, 1),
+                                                ("plus", 1.0, 2)])
+def test_image_prompts_equal_diffusers_load_ip_adapter(engine, weight, scale, count):
     images = [picture(3 + i) for i in range(count)]
     ours = engine.generate(PROMPT, num_inference_steps=STEPS, seed=5, sampler="euler",
-                           image_prompt=dict(model="base", images=images, scale=scale))
-    ref = _reference(engine, images, scale, seed=5)
+                           image_prompt=dict(model=weight, images=images, scale=scale))
+    ref = _reference(engine, images, scale, seed=5, weight=weight)
     plain = engine.generate(PROMPT, num_inference_steps=STEPS, seed=5, sampler="euler")
     assert ours.arrays.shape == ref.shape
     assert np.abs(ours.arrays - plain.arrays).max() * 255 > 8  # the image prompt reaches the image
@@ -125,3 +162,69 @@ def test_an_image_prompt_needs_an_ip_adapter_dir():
         with pytest.raises(ParamError, match="--ip-adapter-dir"):
             e.generate(PROMPT, num_inference_steps=1, seed=1,
                        image_prompt=dict(model="base", images=[np.zeros((32, 32, 3), np.uint8)]))
+
+
+def test_image_prompt_rows_replay_the_image_prompt_step_graph_as_eager_runs_them(engine):
+    """Graph mode (the emulated backend): image-prompt rows replay the `step_ipon` graph of their bucket, plain
+    rows `step`, each image as eager gives it."""
+    from diffgraph import GraphConfig
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    kinds = [dict(image_prompt=dict(model="base", images=[picture(1)], scale=0.7)), dict(),
+             dict(image_prompt=dict(model="other", images=[picture(2)]), guidance_scale=1.0)]
+    with Engine(model=engine.model, mode="graph", graphs=cfg, ip_adapter_dir=str(engine.ip_root)) as g:
+        reqs = [g.make_request(PROMPT, num_inference_steps=3, seed=60 + i, sampler="euler", **k)
+                for i, k in enumerate(kinds)]
+        futures: list = []
+        g.core.call_between_steps(lambda: futures.extend(g.submit(r) for r in reqs)).result()
+        graphed = [f.result().arrays for f in futures]
+        g.generate(PROMPT, num_inference_steps=2, seed=1)
+        replays = {r["kind"]: r["replays"] for r in g.runner.graph_table() if r["replays"]}
+    for r, b in zip(reqs, graphed):
+        assert np.abs(engine.run(r).arrays - b).max() * 255 <= 1.0
+    assert replays.get("step_ipon", 0) >= 3 and replays.get("step", 0) >= 2, replays
+
+
+def test_twenty_four_mixed_requests_together_equal_each_alone(engine, tmp_path_factory):
+    """Image prompts (base and plus, one and two images, scales), ControlNet controls (every control mode, windows,
+    two ControlNets), LoRA rows, image-to-image and inpainting rows, eight samplers, guidance-free and plain rows,
+    with and without each other, all submitted at one step boundary: each image equals the same request alone."""
+    from control_util import control_image, make_controlnet
+    from lora_util import _write_diffusers
+    nets, loras = tmp_path_factory.mktemp("mixed-nets"), tmp_path_factory.mktemp("mixed-loras")
+    for i, name in enumerate(("edges", "depth")):
+        make_controlnet(engine.model.unet, str(nets / name), seed=30 + i)
+    _write_diffusers(engine, str(loras / "style.safetensors"), rank=4, seed=3)
+    samplers = ["euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "heun", "unipc", "lms"]
+    mask = np.zeros((64, 64), np.uint8)
+    mask[8:40, 16:56] = 255
+    with Engine(model=engine.model, controlnet_dir=str(nets), lora_dir=str(loras),
+                ip_adapter_dir=str(engine.ip_root)) as e:
+        reqs = []
+        for i in range(24):
+            kw: dict = dict(sampler=samplers[i % 8], seed=100 + i, num_inference_steps=3 + i % 2)
+            if i % 3 == 0:
+                kw["controls"] = [dict(model=("edges", "depth")[i % 2], image=control_image(64, i),
+                                       control_mode=("balanced", "prompt", "control")[(i // 3) % 3],
+                                       scale=0.5 + (i % 4) / 4, end=(1.0, 0.6)[i % 2])]
+            if i % 6 == 1:
+                kw["controls"] = [dict(model="edges", image=control_image(64, i)),
+                                  dict(model="depth", image=control_image(64, i + 50), start=0.3)]
+            if i % 4 == 1:
+                kw["loras"] = [("style", 0.8)]
+            if i % 5 in (2, 3):
+                kw.update(image=picture(i, 64), strength=0.7, mask_image=mask if i % 5 == 3 else None)
+            if i % 7 == 4:
+                kw["guidance_scale"] = 1.0
+            if i % 2 == 0:
+                kw["image_prompt"] = dict(model=("base", "plus", "other")[i % 3],
+                                          images=[picture(200 + i)] * (1 + (i // 2) % 2), scale=(1.0, 0.5)[i % 4 // 2])
+            reqs.append(e.make_request(PROMPT if i % 2 else "a castle on a hill", **kw))
+        assert sum(bool(r.controls) for r in reqs) >= 10 and sum(bool(r.loras) for r in reqs) >= 5
+        assert sum(r.edit is not None for r in reqs) >= 8 and sum(r.image_prompt is not None for r in reqs) == 12
+        assert {c.control_mode for r in reqs for c in r.controls} == {"balanced", "prompt", "control"}
+        alone = [e.run(r).arrays for r in reqs]
+        futures: list = []
+        e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
+        together = [f.result().arrays for f in futures]
+    for i, (a, t) in enumerate(zip(alone, together)):
+        assert np.abs(a - t).max() * 255 <= 1.0, (i, np.abs(a - t).max() * 255)

@@ -47,7 +47,7 @@ class IPAdapters:
         self.device, self.dtype, self._unet, self._cache = device, dtype, unet, cache
         self.context = install(unet)
         layers = cross_attention_layers(unet)
-        self._dims = [attn.to_k.out_features for _, attn in layers]
+        self._dims = [attn.inner_kv_dim for _, attn in layers]  # to_k's width (a LoRA side path may wrap it)
         self._heads = [attn.heads for _, attn in layers]
         self._adapters: OrderedDict[tuple, _Adapter] = OrderedDict()
         self._encoders: dict[str, tuple[Any, Any]] = {}
