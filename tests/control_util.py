@@ -1,5 +1,5 @@
 """Test helpers: ControlNets made from the presets' UNets, and control images (tests/test_controlnet.py and
-tests/test_ip_adapter.py).
+tests/test_ip_adapter.py), and the check that requests submitted together equal each alone.
 
 A ControlNet is made as diffusers' `ControlNetModel.from_unet` starts one, with its zero-initialised parts (the
 residual projections and the conditioning embedding's last conv) re-initialised with seeded random weights: a
@@ -33,3 +33,16 @@ def control_image(size: int, seed: int) -> Image.Image:
         a[y:y + 8, x:x + 2] = 255
         a[y:y + 2, x:x + 8] = 255
     return Image.fromarray(a)
+
+
+def assert_together_equals_alone(engine, reqs) -> list[np.ndarray]:
+    """Runs each request alone, then all of them queued between two steps (admitted at one step boundary, so they
+    share every step they can), and asserts each image equals its solo run within 1 uint8 level; returns the solo
+    images."""
+    alone = [engine.run(r).arrays for r in reqs]
+    futures: list = []
+    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in reqs)).result()
+    together = [f.result().arrays for f in futures]
+    for i, (a, t) in enumerate(zip(alone, together)):
+        assert np.abs(a - t).max() * 255 <= 1.0, (i, np.abs(a - t).max() * 255)
+    return alone

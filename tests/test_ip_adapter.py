@@ -19,6 +19,8 @@ from diffgraph import Engine
 from diffgraph.features.image_prompt import cross_attention_layers
 from diffgraph.request import ParamError
 
+from control_util import assert_together_equals_alone
+
 PROMPT = "a red fox in the snow"
 STEPS = 4
 
@@ -134,12 +136,7 @@ def test_image_prompt_rows_mixed_with_other_rows_equal_each_alone(engine):
              dict(image_prompt=dict(model="other", images=[picture(5)]), image=picture(6, 64), strength=0.6)]
     reqs = [e.make_request(PROMPT, num_inference_steps=3, seed=40 + i, **{"sampler": "euler", **k})
             for i, k in enumerate(kinds)]
-    alone = [e.run(r).arrays for r in reqs]
-    futures: list = []
-    e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
-    together = [f.result().arrays for f in futures]
-    for i, (a, t) in enumerate(zip(alone, together)):
-        assert np.abs(a - t).max() * 255 <= 1.0, (i, np.abs(a - t).max() * 255)
+    assert_together_equals_alone(e, reqs)
 
 
 @pytest.mark.parametrize("prompt,match", [
@@ -222,9 +219,4 @@ def test_twenty_four_mixed_requests_together_equal_each_alone(engine, tmp_path_f
         assert sum(bool(r.controls) for r in reqs) >= 10 and sum(bool(r.loras) for r in reqs) >= 5
         assert sum(r.edit is not None for r in reqs) >= 8 and sum(r.image_prompt is not None for r in reqs) == 12
         assert {c.control_mode for r in reqs for c in r.controls} == {"balanced", "prompt", "control"}
-        alone = [e.run(r).arrays for r in reqs]
-        futures: list = []
-        e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
-        together = [f.result().arrays for f in futures]
-    for i, (a, t) in enumerate(zip(alone, together)):
-        assert np.abs(a - t).max() * 255 <= 1.0, (i, np.abs(a - t).max() * 255)
+        assert_together_equals_alone(e, reqs)
