@@ -9,6 +9,8 @@ The adapters are written by the test for the tiny presets' UNets in h94/IP-Adapt
 from __future__ import annotations
 
 import copy
+import json
+import time
 
 import numpy as np
 import pytest
@@ -220,3 +222,84 @@ def test_twenty_four_mixed_requests_together_equal_each_alone(engine, tmp_path_f
         assert sum(r.edit is not None for r in reqs) >= 8 and sum(r.image_prompt is not None for r in reqs) == 12
         assert {c.control_mode for r in reqs for c in r.controls} == {"balanced", "prompt", "control"}
         assert_together_equals_alone(e, reqs)
+
+
+def _png(image: Image.Image) -> bytes:
+    import io
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_image_prompts_over_http_equal_the_engine_and_bad_ones_are_400s(engine):
+    """GET /v1/ip-adapters lists them; `image_prompt` in a generations body (base64 images) and in the edits form
+    (a JSON field, its images the file parts image_prompt_<i>) give the engine's images; bad ones are 400s naming
+    image_prompt, and the server keeps serving."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+    from diffgraph.server.config import ServerConfig
+    if engine.model.adapter.name != "sd":
+        pytest.skip("the HTTP side does not depend on the family: SD covers it")
+    a, b = picture(11), picture(12, 64)
+    kw = dict(num_inference_steps=3, seed=8, sampler="euler")
+    want = engine.generate(PROMPT, image_prompt=dict(model="plus", images=[a], scale=0.7), **kw).arrays[0]
+    edited = engine.generate(PROMPT, image=b, strength=0.6, image_prompt=dict(model="base", images=[a, a]),
+                             **kw).arrays[0]
+    config = ServerConfig(model="random:tiny", ip_adapter_dir=str(engine.ip_root))
+    decode = lambda r: np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+    b64 = base64.b64encode(_png(a)).decode()
+    factory = lambda: Engine(model=engine.model, ip_adapter_dir=str(engine.ip_root))  # the app closes its own
+    with TestClient(create_app(config, engine_factory=factory)) as client:
+        deadline = time.monotonic() + 300  # the engine is built on a thread of the app's
+        while client.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, client.get("/ready").text
+            time.sleep(0.1)
+        assert [x["name"] for x in client.get("/v1/ip-adapters").json()["data"]] == ["base", "other", "plus"]
+        body = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 8, "sampler": "euler",
+                "image_prompt": {"model": "plus", "images": [b64], "scale": 0.7}}
+        r = client.post("/v1/images/generations", json=body)
+        assert r.status_code == 200, r.text
+        assert np.abs(decode(r).astype(int) - (want * 255).round().astype(int)).max() <= 1
+        form = {"prompt": PROMPT, "num_inference_steps": "3", "seed": "8", "sampler": "euler", "strength": "0.6",
+                "image_prompt": json.dumps({"model": "base"})}
+        files = {"image": ("b.png", _png(b)), "image_prompt_0": ("a.png", _png(a)), "image_prompt_1": ("a.png", _png(a))}
+        r = client.post("/v1/images/edits", data=form, files=files)
+        assert r.status_code == 200, r.text
+        assert np.abs(decode(r).astype(int) - (edited * 255).round().astype(int)).max() <= 1
+        for bad, needle in [(dict(body["image_prompt"], model="plu"), "did you mean 'plus'"),
+                            (dict(body["image_prompt"], images=["not base64!"]), "base64"),
+                            (dict(body["image_prompt"], scale=9.0), "out of range"),
+                            (dict(body["image_prompt"], images=[b64] * 3), "1 to 2 images")]:
+            r = client.post("/v1/images/generations", json=dict(body, image_prompt=bad))
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith("image_prompt"), r.text
+            assert needle in r.json()["error"]["message"], r.text
+        r = client.post("/v1/images/edits", data=dict(form, image_prompt=json.dumps({"model": "base"})),
+                        files={"image": files["image"]})
+        assert r.status_code == 400 and "needs its images once" in r.json()["error"]["message"]
+        assert client.post("/v1/images/generations", json=dict(body, image_prompt=None)).status_code == 200
+
+
+def test_the_cli_generates_with_an_image_prompt(engine, tmp_path):
+    import subprocess
+    import sys
+    if engine.model.adapter.name != "sd":
+        pytest.skip("the CLI does not depend on the family: SD covers it")
+    picture(13).save(tmp_path / "face.png")
+    out = tmp_path / "out.png"
+    run = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
+                          "--device", "cpu", "--steps", "3", "--seed", "3", "--sampler", "euler",
+                          "--ip-adapter-dir", str(engine.ip_root), "--image-prompt", f"base:{tmp_path / 'face.png'}:0.8",
+                          "-o", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    want = engine.generate(PROMPT, num_inference_steps=3, seed=3, sampler="euler",
+                           image_prompt=dict(model="base", images=[picture(13)], scale=0.8))
+    got = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    assert np.abs(got - (want.arrays[0] * 255).round().astype(int)).max() <= 1
+    bad = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
+                          "--ip-adapter-dir", str(engine.ip_root), "--image-prompt", "base"], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode != 0 and "must look like NAME:IMAGE" in bad.stderr

@@ -86,6 +86,12 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
                         "(ControlNet is more important: diffusers' guess mode)")
     g.add_argument("--controlnet-dir", default=None, metavar="DIR",
                    help="a folder of ControlNets (diffusers folders, or AUTOMATIC1111 / ComfyUI single .safetensors files) that --control names (not with --url)")
+    g.add_argument("--image-prompt", action="append", default=None, metavar="NAME:IMAGE[:SCALE]",
+                   help="an IP-Adapter image prompt (repeatable with the same NAME for a second image): an adapter "
+                        "in --ip-adapter-dir (or the server's, with --url), the image and its scale (1)")
+    g.add_argument("--ip-adapter-dir", default=None, metavar="DIR",
+                   help="a folder of IP-Adapters (h94's layout, with their image_encoder folder) that --image-prompt "
+                        "names (not with --url)")
     g.add_argument("--lora-conv", action="store_true",
                    help="side paths on convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD)")
     g.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
@@ -199,7 +205,8 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "schedule": "--schedule", "seed": "--seed", "num_images": "-n/--num-images", "device": "--device",
          "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
          "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax",
-         "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control"}
+         "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control",
+         "image_prompt": "--image-prompt"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -312,7 +319,8 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
-                  loras=_lora_flags(args), controls=_control_flags(args), prompt_syntax=args.prompt_syntax or "plain",
+                  loras=_lora_flags(args), controls=_control_flags(args), image_prompt=_image_prompt_flags(args),
+                  prompt_syntax=args.prompt_syntax or "plain",
                   clip_skip=args.clip_skip,
                   timestep_spacing=args.timestep_spacing, eta=args.eta, **getattr(args, "extra", {}))
     try:
@@ -339,6 +347,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
             engine = Engine(model=model, device=args.device, dtype=args.dtype,
                             lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
                             lora_conv=args.lora_conv, controlnet_dir=args.controlnet_dir,
+                            ip_adapter_dir=args.ip_adapter_dir,
                             compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
                             load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
                                              zero_snr=args.zero_snr, vae=args.vae, vae_upcast=args.vae_upcast))
@@ -385,6 +394,39 @@ def _control_flags(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _control_options(args: argparse.Namespace) -> dict[str, str]:
     """The flags that apply to every --control."""
     return {"preprocess": args.preprocess, "resize_mode": args.resize_mode, "control_mode": args.control_mode}
+
+
+def _image_prompt_specs(args: argparse.Namespace) -> tuple[str, list[str], float] | None:
+    """--image-prompt NAME:IMAGE[:SCALE] (repeated: one adapter, several images) as (name, image paths, scale)."""
+    specs = []
+    for text in args.image_prompt or ():
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+            raise _ArgError(f"--image-prompt {text!r} must look like NAME:IMAGE or NAME:IMAGE:SCALE "
+                            "(e.g. sd15/ip-adapter_sd15:face.png:0.6)")
+        try:
+            specs.append((parts[0], parts[1], float(parts[2]) if len(parts) == 3 else None))
+        except ValueError:
+            raise _ArgError(f"--image-prompt {text!r}: the scale must be a number") from None
+    if not specs:
+        return None
+    names, scales = {s[0] for s in specs}, {s[2] for s in specs if s[2] is not None}
+    if len(names) > 1 or len(scales) > 1:
+        raise _ArgError("--image-prompt: one IP-Adapter and one scale per request; repeat the flag with the same "
+                        "NAME (and scale) for a second image")
+    return specs[0][0], [s[1] for s in specs], next(iter(scales), 1.0)
+
+
+def _image_prompt_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+    spec = _image_prompt_specs(args)
+    if spec is None:
+        return None
+    if args.ip_adapter_dir is None:
+        raise _ArgError("--image-prompt needs --ip-adapter-dir DIR, the folder of IP-Adapters it names (or --url, "
+                        "a server's)")
+    name, paths, scale = spec
+    return {"model": name, "images": [_read_image(p, "--image-prompt").convert("RGB") for p in paths],
+            "scale": scale}
 
 
 def _file_b64(path: str, flag: str) -> str:
@@ -468,9 +510,10 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     if args.embeddings_dir is not None:
         raise _ArgError("--embeddings-dir cannot be used with --url: the server reads its own --embeddings-dir "
                         "(GET /v1/embeddings lists them)")
-    if args.controlnet_dir is not None:
-        raise _ArgError("--controlnet-dir cannot be used with --url: the server serves the ControlNets of its own "
-                        "--controlnet-dir (GET /v1/controlnets lists them)")
+    if args.controlnet_dir is not None or args.ip_adapter_dir is not None:
+        raise _ArgError("--controlnet-dir and --ip-adapter-dir cannot be used with --url: the server serves its own "
+                        "(GET /v1/controlnets, GET /v1/ip-adapters list them)")
+    prompt_spec = _image_prompt_specs(args)
     body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "model": args.model,
             "size": None if args.width is None else f"{args.width}x{args.height}",
             "num_inference_steps": args.steps, "guidance_scale": args.guidance, "sampler": args.sampler,
@@ -480,6 +523,9 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None,
             "controls": [{"model": n, "image": _file_b64(p, "--control"), **_control_options(args), **v}
                          for n, p, v in _control_specs(args)] or None,
+            "image_prompt": None if prompt_spec is None else {
+                "model": prompt_spec[0], "scale": prompt_spec[2],
+                "images": [_file_b64(p, "--image-prompt") for p in prompt_spec[1]]},
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta,
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
@@ -497,18 +543,22 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         specs = _control_specs(args)  # the form's controls: each map as its own file part, control_image_<i>
         if specs:
             body["controls"] = [{"model": n, **_control_options(args), **v} for n, _, v in specs]
+        if prompt_spec is not None:  # its images as the file parts image_prompt_<i>
+            body["image_prompt"] = {"model": prompt_spec[0], "scale": prompt_spec[2]}
         for name, path in (("image", args.image), ("mask", args.mask),
-                           *((f"control_image_{i}", p) for i, (_, p, _) in enumerate(specs))):
+                           *((f"control_image_{i}", p) for i, (_, p, _) in enumerate(specs)),
+                           *((f"image_prompt_{i}", p) for i, p in enumerate(prompt_spec[1] if prompt_spec else ()))):
             if path is not None:
                 try:
                     with open(path, "rb") as f:
                         files[name] = (os.path.basename(path), f.read())
                 except OSError as e:
-                    flag = name if name in ("image", "mask") else "control"
+                    flag = name if name in ("image", "mask") else "control" if name.startswith("control") \
+                        else "image-prompt"
                     raise _ArgError(f"--{flag} {path!r} cannot be read: {e.strerror or e}") from None
         if args.strength is not None:
             body["strength"] = args.strength
-        post = {"data": {k: json.dumps(v) if k in ("loras", "controls") else str(v).lower() if isinstance(v, bool) else str(v)
+        post = {"data": {k: json.dumps(v) if k in ("loras", "controls", "image_prompt") else str(v).lower() if isinstance(v, bool) else str(v)
                          for k, v in body.items()},
                 "files": files}
     try:

@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.client import RequestHandle
 from ..engine.remote_models import ModelsBackend, RemoteModels
-from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
+from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
 from .config import ServerConfig
 from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
@@ -55,7 +55,7 @@ from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
 from .control_routes import add_control_routes
 from .bodies import read_json
-from .edits import ImageEditForm, decode_controls, edit_input, read_form
+from .edits import ImageEditForm, decode_controls, decode_image_prompt, edit_input, read_form
 from .image_store import ImageLinks, UrlSigner, make_store
 from .jobs_routes import add_job_routes
 from .metrics import ModelCollector
@@ -207,8 +207,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             return _error_response(e)
 
     # /v1/controlnets and its map preview (control_routes.py); a body with controls may carry their images
-    if add_control_routes(app, config, body_limit):
-        body_limit += MAX_CONTROLS * 4 * (config.max_image_bytes // 3 + 2)
+    body_limit += add_control_routes(app, config, body_limit) * 4 * (config.max_image_bytes // 3 + 2)
 
     embedding_dir = EmbeddingDir(config.embeddings_dir) if config.embeddings_dir else None
 
@@ -258,7 +257,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         async def finish(info: ModelInfo) -> GenerationRequest:
             controls = await asyncio.to_thread(decode_controls, params.controls, config.max_image_bytes,
                                                config.max_image_pixels) if params.controls else ()
-            return generation_request(info, config, params, controls=controls)
+            prompt = await asyncio.to_thread(decode_image_prompt, params.image_prompt, config.max_image_bytes,
+                                             config.max_image_pixels) if params.image_prompt else None
+            return generation_request(info, config, params, controls=controls, image_prompt=prompt)
         return params.stream, params.response_format == "url", params.model, finish
 
     async def read_edit(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
@@ -272,7 +273,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                            config.max_image_bytes, config.max_image_pixels)
             controls = await asyncio.to_thread(decode_controls, form.controls, config.max_image_bytes,
                                                config.max_image_pixels, files)
-            return generation_request(info, config, form.generation(), edit, controls=controls)
+            prompt = await asyncio.to_thread(decode_image_prompt, form.image_prompt, config.max_image_bytes,
+                                             config.max_image_pixels, files)
+            return generation_request(info, config, form.generation(), edit, controls=controls, image_prompt=prompt)
         return form.stream, form.response_format == "url", form.model, finish
 
     @app.post("/v1/images/generations", openapi_extra=schema)

@@ -37,7 +37,7 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
            "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
            "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes", "controlnet_dir",
-           "max_controlnets") + JOB_FIELDS
+           "max_controlnets", "ip_adapter_dir") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder holding diffgraph/
 
@@ -216,6 +216,10 @@ def add_controlnet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-controlnets", type=int, default=None, metavar="N",
                    help="ControlNets resident on the device at once (default: 2); more distinct ones in flight "
                         "make requests wait")
+    p.add_argument("--ip-adapter-dir", default=None, metavar="DIR",
+                   help="a folder of IP-Adapters (h94's .safetensors layout, their CLIP vision model in an "
+                        "image_encoder folder beside or above them); requests name them by their path without the "
+                        "suffix (image_prompt: {model, images, scale})")
 
 
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:

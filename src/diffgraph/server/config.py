@@ -90,6 +90,7 @@ class ServerConfig:
     fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
     controlnet_dir: str | None = None    # a folder of ControlNets (diffusers folders, single files), by name
     max_controlnets: int = 2             # ControlNets resident on the device at once (LRU; one in use stays)
+    ip_adapter_dir: str | None = None    # a folder of IP-Adapters (h94's layout) and their image encoders
     compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
     embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
     max_prompt_chunks: int = 3           # a1111-syntax prompts: 75-token chunks a row may hold (its context length)
@@ -182,8 +183,11 @@ class ServerConfig:
             raise ValueError(f"lora-dir {self.lora_dir!r} is not a folder; give a folder of .safetensors adapters")
         LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)  # checks the numbers
         if self.controlnet_dir is not None and not os.path.isdir(self.controlnet_dir):
-            raise ValueError(f"controlnet-dir {self.controlnet_dir!r} is not a folder; give a folder of diffusers "
-                             "ControlNet folders")
+            raise ValueError(f"controlnet-dir {self.controlnet_dir!r} is not a folder; give a folder of ControlNets "
+                             "(diffusers folders or single .safetensors files)")
+        if self.ip_adapter_dir is not None and not os.path.isdir(self.ip_adapter_dir):
+            raise ValueError(f"ip-adapter-dir {self.ip_adapter_dir!r} is not a folder; give a folder of IP-Adapter "
+                             ".safetensors files with their image_encoder folder")
         if not isinstance(self.max_controlnets, int) or self.max_controlnets < 1:
             raise ValueError(f"max-controlnets {self.max_controlnets!r} must be an integer >= 1")
         if self.embeddings_dir is not None and not os.path.isdir(self.embeddings_dir):
@@ -284,7 +288,7 @@ class ServerConfig:
                     embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
                     preview_decoder=self.preview_decoder, max_step_failures=self.max_step_failures,
                     lora_host_bytes=self.lora_host_bytes, controlnet_dir=self.controlnet_dir,
-                    max_controlnets=self.max_controlnets,
+                    max_controlnets=self.max_controlnets, ip_adapter_dir=self.ip_adapter_dir,
                     compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False)
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:

@@ -1,7 +1,8 @@
-"""The ControlNet routes (issue 32): `GET /v1/controlnets` (the ControlNets requests' `controls` may name: the
-`--controlnet-dir` folder's and the model's built-in ones) and `POST /v1/controlnets/preview` (a control image
-through its preprocessor and resize mode, as the engine will prepare it: the playground shows it before
-generating). Both are torch-free: the preview runs control_maps.py (OpenCV for canny, imported then) on a thread.
+"""The conditioning routes (issue 32): `GET /v1/controlnets` (the ControlNets requests' `controls` may name: the
+`--controlnet-dir` folder's and the model's built-in ones), `POST /v1/controlnets/preview` (a control image through
+its preprocessor and resize mode, as the engine will prepare it: the playground shows it before generating) and
+`GET /v1/ip-adapters` (the IP-Adapters an `image_prompt` may name). All torch-free: the preview runs
+control_maps.py (OpenCV for canny, imported then) on a thread.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 from ..control_maps import control_map, fit_map
 from ..models.controlnet_dir import ControlNetDir
 from ..models.presets import builtin_control_folder
-from ..request import MAX_CONTROLS, ControlInput, ParamError
+from ..models.ip_adapter_dir import IPAdapterDir
+from ..request import MAX_CONTROLS, MAX_PROMPT_IMAGES, ControlInput, ParamError
 from .bodies import read_json
 from .config import ServerConfig
 from .edits import decode_b64, eight_bit
@@ -39,11 +41,19 @@ class ControlPreviewBody(BaseModel):
     size: StrictStr | None = None
 
 
-def add_control_routes(app: FastAPI, config: ServerConfig, prompt_limit: int) -> bool:
-    """Mounts the routes on `app`; True where the server has ControlNets (requests may carry control images)."""
+def add_control_routes(app: FastAPI, config: ServerConfig, prompt_limit: int) -> int:
+    """Mounts the routes on `app`; returns how many images a generations body may carry beside its prompt (control
+    maps where the server has ControlNets, image prompts where it has IP-Adapters)."""
     roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
     catalog = ControlNetDir(*roots) if roots else None
-    limit = prompt_limit + MAX_CONTROLS * 4 * (config.max_image_bytes // 3 + 2)
+    adapters = IPAdapterDir(config.ip_adapter_dir) if config.ip_adapter_dir else None
+    limit = prompt_limit + 4 * (config.max_image_bytes // 3 + 2)
+
+    @app.get("/v1/ip-adapters")
+    async def ip_adapters() -> Response:
+        """The IP-Adapters image prompts may name (`image_prompt: {"model", "images", "scale"}`)."""
+        names = await asyncio.to_thread(adapters.listing) if adapters is not None else {}
+        return JSONResponse({"object": "list", "data": [{"name": n} for n in names]})
 
     @app.get("/v1/controlnets")
     async def controlnets() -> Response:
@@ -64,7 +74,7 @@ def add_control_routes(app: FastAPI, config: ServerConfig, prompt_limit: int) ->
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
 
-    return catalog is not None
+    return (MAX_CONTROLS if catalog is not None else 0) + (MAX_PROMPT_IMAGES if adapters is not None else 0)
 
 
 def _preview(body: ControlPreviewBody, config: ServerConfig) -> dict[str, Any]:

@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
-from ..request import MAX_CONTROLS, EditInput, ParamError
+from ..request import MAX_CONTROLS, MAX_PROMPT_IMAGES, EditInput, ParamError
 from .bodies import FormLimits, read_multipart
-from .protocol import APIError, ControlRef, ImageGenerationRequest, LoraRef, PreviewBody, error_from_param_error, error_from_validation
+from .protocol import APIError, ControlRef, ImageGenerationRequest, ImagePromptRef, LoraRef, PreviewBody, error_from_param_error, error_from_validation
 
 FORM_CONTENT = "multipart/form-data"
 CONTROL_FILES = tuple(f"control_image_{i}" for i in range(MAX_CONTROLS))  # control i's map, beside `controls`
-FILES = ("image", "mask", *CONTROL_FILES)
+PROMPT_FILES = tuple(f"image_prompt_{i}" for i in range(MAX_PROMPT_IMAGES))  # the image prompt's images
+FILES = ("image", "mask", *CONTROL_FILES, *PROMPT_FILES)
 _NON_FINITE = ("nan", "inf", "infinity")
 
 
@@ -37,6 +38,12 @@ class FormControlRef(ControlRef):
     """A control in the edits form: its map as the file part control_image_<i> or as base64 in `image`."""
 
     image: StrictStr | None = None
+
+
+class FormImagePromptRef(ImagePromptRef):
+    """The image prompt in the edits form: its images as the file parts image_prompt_<i> or as base64."""
+
+    images: list[StrictStr] | None = None
 
 
 class ImageEditForm(BaseModel):
@@ -73,6 +80,8 @@ class ImageEditForm(BaseModel):
     # a JSON text field: [{"model": "edges", "scale": 0.8}], control i's map in the file part control_image_<i>
     # (or as base64 in its "image")
     controls: Json[list[FormControlRef]] | None = None
+    # a JSON text field: {"model": "sd15/ip-adapter_sd15", "scale": 0.6}, its images the file parts image_prompt_<i>
+    image_prompt: Json[FormImagePromptRef] | None = None
 
     @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
                      "clip_skip", "eta", "partial_images", mode="before")
@@ -94,7 +103,7 @@ class ImageEditForm(BaseModel):
     def generation(self) -> ImageGenerationRequest:
         """The same fields as a generations request (for the shared checks and request building)."""
         return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras", "preview",
-                                                                                 "controls"}),
+                                                                                 "controls", "image_prompt"}),
                                                       loras=self.loras, preview=self.preview)
 
 
@@ -249,3 +258,22 @@ def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: i
         raise APIError(400, f"file part {extra[0]} has no control in controls; add one, or leave the part out",
                        param=extra[0])
     return out
+
+
+def decode_image_prompt(ref: ImagePromptRef | None, max_bytes: int, max_pixels: int,
+                        files: dict[str, bytes] | None = None) -> dict[str, Any] | None:
+    """A body's `image_prompt` with its images decoded (GenerationRequest.create checks the rest): base64 in its
+    `images`, or (the edits form) the file parts image_prompt_<i>."""
+    files = files or {}
+    parts = [p for p in PROMPT_FILES if p in files]
+    if ref is None:
+        if parts:
+            raise APIError(400, f"file part {parts[0]} has no image_prompt field; add one ({{\"model\": ...}}), or "
+                                "leave the part out", param=parts[0])
+        return None
+    if (ref.images is None) == (not parts):
+        raise APIError(400, "image_prompt needs its images once: as the file parts image_prompt_0, image_prompt_1 or "
+                            "as base64 in its images field", param="image_prompt.images")
+    images = ([decode_upload(p, files[p], max_bytes, max_pixels) for p in parts] if ref.images is None else
+              [decode_b64(f"image_prompt.images[{i}]", t, max_bytes, max_pixels) for i, t in enumerate(ref.images)])
+    return {"model": ref.model, "scale": ref.scale, "images": [eight_bit(i).convert("RGB") for i in images]}

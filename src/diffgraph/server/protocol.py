@@ -49,6 +49,17 @@ class ControlRef(BaseModel):
     control_mode: StrictStr | StrictInt = "balanced"    # or prompt, control (A1111's labels or 0-2 too)
 
 
+class ImagePromptRef(BaseModel):
+    """An IP-Adapter image prompt: the adapter's name (GET /v1/ip-adapters), 1 or 2 images (base64 PNG, JPEG or
+    WebP; data: URL prefixes allowed) and its scale."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr
+    images: list[StrictStr]
+    scale: StrictFloat = 1.0
+
+
 class PreviewBody(BaseModel):
     """A request's live previews in its stream: every `every` steps, in `format` (jpeg, png, webp)."""
 
@@ -83,6 +94,7 @@ class ImageGenerationRequest(BaseModel):
     stream: StrictBool = False
     loras: list[LoraRef] | None = None  # up to 4 adapters for this request alone
     controls: list[ControlRef] | None = None  # up to 3 ControlNet controls (--controlnet-dir)
+    image_prompt: ImagePromptRef | None = None  # an IP-Adapter image prompt (--ip-adapter-dir)
     prompt_syntax: StrictStr | None = None       # "plain" | "a1111"; None: the server's --prompt-syntax
     clip_skip: StrictInt | None = None           # None: the server's --clip-skip
     emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"

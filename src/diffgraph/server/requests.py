@@ -57,7 +57,8 @@ def cpu_pixel_limit(info: ModelInfo, step_s: float, request_timeout: float) -> i
 
 
 def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
-                        edit: EditInput | None = None, controls: list | tuple = ()) -> GenerationRequest:
+                        edit: EditInput | None = None, controls: list | tuple = (),
+                        image_prompt: dict | None = None) -> GenerationRequest:
     """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
     if params.model is not None and params.model != info.name:
         raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
@@ -72,7 +73,7 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
         kwargs["clip_skip"] = config.clip_skip
     try:
         request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
-                                           image=edit, controls=controls, **kwargs)
+                                           image=edit, controls=controls, image_prompt=image_prompt, **kwargs)
     except ParamError as e:
         raise error_from_param_error(e) from None
     for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
