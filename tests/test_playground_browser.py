@@ -637,3 +637,39 @@ def test_control_upload_shows_the_map_and_sends_the_control(browser, server, tmp
     assert forms and b'name="control_image_0"' in forms[-1] and b'"model": "outline"' not in forms[-1]
     assert b'"model":"outline"' in forms[-1]
     assert not errors, errors
+
+
+def test_image_prompt_upload_sends_the_image_prompt(browser, tmp_path):
+    """With --ip-adapter-dir the image-prompt picker lists the adapters (GET /v1/ip-adapters); two uploaded images and
+    a scale are sent as `image_prompt` (the images as data URLs), the card names it, and the result is done."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_ip_adapter import make_ip_adapter
+
+    from diffgraph import Engine
+    with Engine(model="digits", device="cpu") as digits:
+        make_ip_adapter(digits.model.unet, tmp_path, "faces", seed=4)
+    s = _server("--request-timeout", "600", "--ip-adapter-dir", str(tmp_path))
+    try:
+        page = pg.open_playground(browser, s.url)
+        traffic = Traffic(page)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.wait_for_selector("[data-testid=image-prompt]:not([hidden])", timeout=pg.WAIT_MS)
+        assert page.eval_on_selector_all("#ip-model option", "os => os.map(o => o.value)") == ["", "faces"]
+        for i in range(2):
+            Image.fromarray(np.full((40, 40, 3), 60 * (i + 1), np.uint8)).save(tmp_path / f"p{i}.png")
+        pg.fill_form(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
+        page.select_option("#ip-model", "faces")
+        page.set_input_files("#ip-images-input", [str(tmp_path / "p0.png"), str(tmp_path / "p1.png")])
+        page.wait_for_selector("#ip-images:not([hidden]) img", timeout=pg.WAIT_MS)
+        page.fill("#ip-scale", "0.5")
+        local = pg.submit(page)
+        assert pg.wait_finished(page, local) == "done"
+        sent = traffic.bodies[-1]["image_prompt"]
+        assert sent["model"] == "faces" and sent["scale"] == 0.5 and len(sent["images"]) == 2
+        assert all(i.startswith("data:image/png;base64,") for i in sent["images"])
+        assert "image prompt faces" in pg.card(page, local).inner_text()
+        assert not errors, errors
+    finally:
+        s.stop()

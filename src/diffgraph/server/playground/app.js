@@ -24,10 +24,10 @@
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
     image: "image", mask: "image", strength: "strength", loras: "lora", prompt_syntax: "prompt-syntax",
-    model: "model", controls: "control-model",
+    model: "model", controls: "control-model", image_prompt: "ip-model",
   };
   const FIELDS = ["model", "prompt", "negative-prompt", "prompt-syntax", "size", "steps", "guidance", "sampler",
-    "schedule", "seed", "n", "image", "strength", "lora", "control-model"];
+    "schedule", "seed", "n", "image", "strength", "lora", "control-model", "ip-model"];
   const AUTO_SIZE = "auto";  // an edit's size: the image's, rounded down to multiples of 8 (the server's rule)
   const EXTENSIONS = { png: "png", jpeg: "jpg", webp: "webp" };
 
@@ -73,6 +73,7 @@
     if (s.edit) parts.unshift(s.strength ? `${s.edit} (strength ${s.strength})` : s.edit);
     if (s.lora) parts.push(`${s.lora} ×${s.lora_scale}`);
     if (s.control) parts.push(`control ${s.control.model} ×${s.control.scale}`);
+    if (s.image_prompt) parts.push(`image prompt ${s.image_prompt.model} ×${s.image_prompt.scale}`);
     if (s.guidance !== "") parts.push(`cfg ${s.guidance}`);
     if (Number(s.n) > 1) parts.push(`${s.n} images`);
     if (s.model && app.picker && app.picker.several()) parts.unshift(s.model);
@@ -136,6 +137,7 @@
         storeKey(key);
         loadLoras();
         app.controls.load();
+        app.imagePrompt.load();
         app.picker.refresh();
         finish(key);
       };
@@ -248,6 +250,7 @@
       document.body.dataset.ready = "true";
       loadLoras();
       app.controls.load();
+      app.imagePrompt.load();
       app.picker.refresh();
     }
 
@@ -303,6 +306,7 @@
       lora: $("lora").value,
       lora_scale: $("lora-scale").value.trim(),
       control: app.controls.settings(),  // without its image (the history keeps settings only)
+      image_prompt: app.imagePrompt.settings(),
     };
   }
 
@@ -349,6 +353,7 @@
     $("lora").value = s.lora && adapters.includes(s.lora) ? s.lora : "";
     $("lora-scale").value = s.lora_scale || "1";
     app.controls.restore(s.control);
+    app.imagePrompt.restore(s.image_prompt);
     for (const id of ["size", "steps", "guidance", "sampler", "schedule"]) $(id).dataset.touched = "true";
     clearErrors();
   }
@@ -366,7 +371,8 @@
 
   /* Shows `message` at the field that edits body field `param`, or near the Generate button. */
   function showError(param, message) {
-    const field = FIELD_FOR_PARAM[param] || (param && param.startsWith("controls") ? "control-model" : undefined);
+    const field = FIELD_FOR_PARAM[param] || (param && param.startsWith("controls") ? "control-model"
+      : param && param.startsWith("image_prompt") ? "ip-model" : undefined);
     if (!field || $(field).closest("[hidden]")) {  // a field not shown (one model: no picker) says it near Generate
       $("error-general").textContent = message;
       return;
@@ -397,7 +403,7 @@
     if (s.lora && (s.lora_scale === "" || !Number.isFinite(Number(s.lora_scale)))) {
       errors.push(["loras", "Enter the adapter's scale as a number, e.g. 0.8 (from -8 to 8)."]);
     }
-    return errors.concat(app.controls.localErrors());
+    return errors.concat(app.controls.localErrors(), app.imagePrompt.localErrors());
   }
 
   /* The model a request names: none for the default (the server's own choice; a one-model server takes no other). */
@@ -406,7 +412,7 @@
   }
 
   /* The JSON body. The seed goes in as its digits: seeds reach 2**63 - 1, beyond a JS number's exact range. */
-  function requestBody(s, control) {
+  function requestBody(s, control, imagePrompt) {
     const body = {
       prompt: s.prompt, size: s.size.replace(/\s+/g, "").replace("×", "x").toLowerCase(), n: Number(s.n),
       num_inference_steps: Number(s.steps), sampler: s.sampler, schedule: s.schedule,
@@ -420,6 +426,7 @@
     if (s.guidance !== "") body.guidance_scale = Number(s.guidance);
     if (s.lora) body.loras = [{ name: s.lora, scale: Number(s.lora_scale) }];
     if (control) body.controls = [control];
+    if (imagePrompt) body.image_prompt = imagePrompt;
     let json = JSON.stringify(body);
     if (s.seed !== "") json = `${json.slice(0, -1)},"seed":${BigInt(s.seed).toString()}}`;
     return json;
@@ -441,8 +448,8 @@
       if (!key) { showError(null, "This server needs an API key: generation was not started."); return; }
     }
     const edit = app.edit.file ? { file: app.edit.file, mask: app.edit.painted ? await maskBlob() : null } : null;
-    if (edit) edit.control = app.controls.forForm();
-    startRequest(settings, edit, edit ? null : await app.controls.forBody());
+    if (edit) Object.assign(edit, { control: app.controls.forForm(), imagePrompt: app.imagePrompt.forForm() });
+    startRequest(settings, edit, edit ? null : await app.controls.forBody(), edit ? null : app.imagePrompt.forBody());
   }
 
   /* The multipart body of an edit: the text fields as strings, the image file and the painted mask (PNG). */
@@ -459,9 +466,13 @@
     if (s.strength !== "") fields.strength = s.strength;
     if (s.lora) fields.loras = JSON.stringify([{ name: s.lora, scale: Number(s.lora_scale) }]);
     if (edit.control) fields.controls = JSON.stringify([edit.control.settings]);  // its map: control_image_0
+    if (edit.imagePrompt) fields.image_prompt = JSON.stringify(edit.imagePrompt.settings);  // image_prompt_<i>
     for (const [k, v] of Object.entries(fields)) form.append(k, String(v));
     form.append("image", edit.file, edit.file.name || "image.png");
     if (edit.control) form.append("control_image_0", edit.control.file, edit.control.file.name || "control.png");
+    if (edit.imagePrompt) {
+      edit.imagePrompt.files.forEach((f, i) => form.append(`image_prompt_${i}`, f, f.name || `prompt${i}.png`));
+    }
     if (edit.mask) form.append("mask", edit.mask, "mask.png");
     return form;
   }
@@ -579,8 +590,8 @@
     return card;
   }
 
-  function startRequest(settings, edit = null, control = null) {
-    const req = { localId: app.nextLocalId++, settings, edit, control, controller: new AbortController(),
+  function startRequest(settings, edit = null, control = null, imagePrompt = null) {
+    const req = { localId: app.nextLocalId++, settings, edit, control, imagePrompt, controller: new AbortController(),
       progressEvents: 0 };
     req.card = makeCard(req);
     document.body.dataset.lastRequest = String(req.localId);  // lets a test find this request's card
@@ -596,7 +607,7 @@
           headers: authHeaders({ Accept: "text/event-stream" }),
         })
         : await fetch("/v1/images/generations", {
-          method: "POST", body: requestBody(req.settings, req.control), signal: req.controller.signal, cache: "no-store",
+          method: "POST", body: requestBody(req.settings, req.control, req.imagePrompt), signal: req.controller.signal, cache: "no-store",
           headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
         });
     } catch (e) {
@@ -965,6 +976,7 @@
 
   // -- wiring ---------------------------------------------------------------------------------------------
   function init() {
+    app.imagePrompt = window.DiffgraphControls.createImagePrompt({ $, headers: (extra) => authHeaders(extra) });
     app.controls = window.DiffgraphControls.create({ $, headers: (extra) => authHeaders(extra),
       size: () => currentSize(), onError: (m) => { $("error-control-model").textContent = m; } });
     $("size").addEventListener("change", () => app.controls.refreshPreview());

@@ -124,5 +124,62 @@ window.DiffgraphControls = (() => {
     return { ids, settings, localErrors, forBody, forForm, load, restore, refreshPreview };
   }
 
-  return { create };
+  /* The image prompt (IP-Adapter): an adapter the server serves (GET /v1/ip-adapters), one or two images and a
+   * scale; sent as `image_prompt` (JSON: the images as data URLs; the edits form: its file parts image_prompt_<i>). */
+  function createImagePrompt({ $, headers }) {
+    const state = { files: [], dataUrls: [] };
+
+    function settings() {
+      if (!$("ip-model").value || !state.files.length) return null;
+      return { model: $("ip-model").value, scale: Number($("ip-scale").value) };
+    }
+
+    function localErrors() {
+      const s = settings();
+      if ($("ip-model").value && !state.files.length) {
+        return [["image_prompt", "Choose one or two images for the image prompt, or set the adapter to none."]];
+      }
+      if (s && !Number.isFinite(s.scale)) return [["image_prompt", "Enter the image prompt's scale as a number."]];
+      return [];
+    }
+
+    async function onFiles(files) {
+      state.files = Array.from(files || []).slice(0, 2);
+      state.dataUrls = await Promise.all(state.files.map(readDataUrl));
+      const shown = $("ip-images");
+      shown.replaceChildren(...state.dataUrls.map((src) => Object.assign(document.createElement("img"),
+        { src, alt: "an image of the image prompt", className: "control-map" })));
+      shown.hidden = state.files.length === 0;
+    }
+
+    async function load() {
+      let listing = null;
+      try {
+        const r = await fetch("/v1/ip-adapters", { headers: headers(), cache: "no-store" });
+        if (r.ok) listing = await r.json();
+      } catch (e) { /* the image prompt stays hidden */ }
+      const names = listing ? listing.data.map((c) => c.name) : [];
+      const select = $("ip-model");
+      const chosen = select.value;
+      const option = (value, text) => Object.assign(document.createElement("option"), { value, textContent: text });
+      select.replaceChildren(option("", "none"), ...names.map((n) => option(n, n)));
+      if (names.includes(chosen)) select.value = chosen;
+      $("image-prompt").hidden = names.length === 0;
+    }
+
+    function restore(s) {
+      const models = Array.from($("ip-model").options).map((o) => o.value);
+      $("ip-model").value = s && models.includes(s.model) ? s.model : "";
+      if (s && s.scale !== undefined) $("ip-scale").value = String(s.scale);
+    }
+
+    $("ip-images-input").addEventListener("change", () => onFiles($("ip-images-input").files));
+    return {
+      settings, localErrors, load, restore,
+      forBody: () => (settings() ? { ...settings(), images: state.dataUrls.slice() } : null),
+      forForm: () => (settings() ? { settings: settings(), files: state.files.slice() } : null),
+    };
+  }
+
+  return { create, createImagePrompt };
 })();
