@@ -303,3 +303,37 @@ def test_the_cli_generates_with_an_image_prompt(engine, tmp_path):
                           "--ip-adapter-dir", str(engine.ip_root), "--image-prompt", "base"], capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode != 0 and "must look like NAME:IMAGE" in bad.stderr
+
+
+def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
+    """`diffgraph batch` items with `controls` and `image_prompt` (base64 images, as the generations body has them)
+    give the engine's images: the job path decodes them, it does not drop them."""
+    import base64
+    import os
+    import subprocess
+    import sys
+
+    from control_util import control_image, make_controlnet
+    if engine.model.adapter.name != "sd":
+        pytest.skip("the job path does not depend on the family: SD covers it")
+    make_controlnet(engine.model.unet, str(tmp_path / "nets" / "edges"), seed=7)
+    b64 = lambda im: base64.b64encode(_png(im)).decode()
+    item = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 9, "sampler": "euler",
+            "controls": [{"model": "edges", "image": b64(control_image(64, 2)), "scale": 0.8}],
+            "image_prompt": {"model": "base", "images": [b64(picture(21))], "scale": 0.7}}
+    (tmp_path / "job.jsonl").write_text(json.dumps(item) + "\n")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "diffgraph.cli", "batch", str(tmp_path / "job.jsonl"), "--out",
+                          str(tmp_path / "out"), "--model", "random:tiny", "--device", "cpu", "--controlnet-dir",
+                          str(tmp_path / "nets"), "--ip-adapter-dir", str(engine.ip_root), "-q"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    with Engine(model=engine.model, controlnet_dir=str(tmp_path / "nets"), ip_adapter_dir=str(engine.ip_root)) as e:
+        want = e.generate(PROMPT, num_inference_steps=3, seed=9, sampler="euler",
+                          controls=[dict(model="edges", image=control_image(64, 2), scale=0.8)],
+                          image_prompt=dict(model="base", images=[picture(21)], scale=0.7)).arrays[0]
+        plain = e.generate(PROMPT, num_inference_steps=3, seed=9, sampler="euler").arrays[0]
+    got = np.asarray(Image.open(tmp_path / "out" / "00000-0.png").convert("RGB")).astype(int)
+    assert np.abs(got - (want * 255).round().astype(int)).max() <= 1
+    assert np.abs(got - (plain * 255).round().astype(int)).max() > 8

@@ -51,6 +51,9 @@ def add_batch_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
     b.add_argument("--lora-dir", default=None, metavar="DIR", help="the adapters items name in `loras`")
     b.add_argument("--lora-conv", action="store_true", help="side paths on convolutions too (LoCon, LCM-LoRA)")
+    b.add_argument("--controlnet-dir", default=None, metavar="DIR", help="the ControlNets items name in `controls`")
+    b.add_argument("--ip-adapter-dir", default=None, metavar="DIR",
+                   help="the IP-Adapters items name in `image_prompt`")
     b.add_argument("--embeddings-dir", default=None, metavar="DIR",
                    help="the textual-inversion embeddings a1111-syntax prompts name")
     b.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
@@ -71,7 +74,9 @@ def run_batch(args: argparse.Namespace) -> int:
 
     remote = [f for f, v in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
                              ("--lora-dir", args.lora_dir), ("--embeddings-dir", args.embeddings_dir),
-                             ("--vae", args.vae), ("--model-config", args.model_config)) if v is not None]
+                             ("--vae", args.vae), ("--model-config", args.model_config),
+                             ("--controlnet-dir", args.controlnet_dir), ("--ip-adapter-dir", args.ip_adapter_dir))
+              if v is not None]
     if args.url is not None and remote:
         raise ValueError(f"{' and '.join(remote)} cannot be used with --url: the server serves its own model with "
                          "its own settings (GET /info)")
@@ -120,7 +125,8 @@ def run_local(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: str
     config = ServerConfig(model=model, device=args.device, dtype=args.dtype, lora_dir=args.lora_dir,
                           lora_conv=args.lora_conv, embeddings_dir=args.embeddings_dir,
                           prompt_syntax=args.prompt_syntax or "plain", vae=args.vae, model_config=args.model_config,
-                          prediction_type=args.prediction_type, zero_snr=args.zero_snr)
+                          prediction_type=args.prediction_type, zero_snr=args.zero_snr,
+                          controlnet_dir=args.controlnet_dir, ip_adapter_dir=args.ip_adapter_dir)
     import torch
 
     from ..config import default_cpu_threads

@@ -35,7 +35,7 @@ from PIL import Image
 from ..image_metadata import encode_image, infotext
 from ..request import GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .a1111_inpaint import PreparedEdit, mask_options, prepare
-from .edits import decode_b64
+from .uploads import decode_b64
 from .a1111_jobs import ImageRun, JobBoard, Key
 from .a1111_protocol import (DEFAULT_OPTIONS, OPTIONS, Img2ImgBody, Plan, TextToImageResponse, Txt2ImgBody,
                              ProcessingBody, a1111_error, a1111_field, clip_stop, info_json, plan_body, sampler_items,

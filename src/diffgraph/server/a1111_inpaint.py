@@ -20,7 +20,7 @@ from PIL import Image, ImageFilter, ImageOps
 
 from ..request import EditInput, ParamError
 from .a1111_protocol import Img2ImgBody, a1111_error
-from .edits import eight_bit
+from .uploads import eight_bit
 from .protocol import APIError
 
 Box = tuple[int, int, int, int]  # (left, top, right, bottom) pixels, right and bottom exclusive (PIL's crop box)

@@ -55,7 +55,8 @@ from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
 from .control_routes import add_control_routes
 from .bodies import read_json
-from .edits import ImageEditForm, decode_controls, decode_image_prompt, edit_input, read_form
+from .edits import ImageEditForm, edit_input, read_form
+from .uploads import decode_controls, decode_image_prompt
 from .image_store import ImageLinks, UrlSigner, make_store
 from .jobs_routes import add_job_routes
 from .metrics import ModelCollector

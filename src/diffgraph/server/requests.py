@@ -25,6 +25,7 @@ from ..request import (EditInput, EngineClosed, EngineStepError, GenerationReque
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import APIError, ImageGenerationRequest, error_from_param_error
+from .uploads import decode_controls, decode_image_prompt
 
 logger = logging.getLogger("diffgraph.server")
 
@@ -66,6 +67,10 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
     if params.response_format not in ("b64_json", "url"):
         raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json, url",
                        param="response_format")
+    if params.controls and not controls:  # not decoded by the route (a batch job's item): its images are base64
+        controls = decode_controls(params.controls, config.max_image_bytes, config.max_image_pixels)
+    if params.image_prompt is not None and image_prompt is None:
+        image_prompt = decode_image_prompt(params.image_prompt, config.max_image_bytes, config.max_image_pixels)
     kwargs = params.request_params()
     if kwargs["prompt_syntax"] is None:
         kwargs["prompt_syntax"] = config.prompt_syntax
