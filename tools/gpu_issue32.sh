@@ -13,8 +13,9 @@ case "${1:-train}" in
   tests)
     python3 -m pytest -q -x tests/gpu -k control 2>&1 | tail -20 ;;
   bench)
-    python3 -m pytest -q -x tests/gpu/test_control_gpu.py 2>&1 | tail -8
-    timeout "${GRAPH_S:-150}" python3 tools/bench_control.py --preset random:sd15 --steps 10 --rounds 3 2>&1 | tail -9
+    python3 -m pytest -q -x tests/gpu/test_control_gpu.py tests/gpu/test_ip_adapter_gpu.py 2>&1 | tail -8
+    timeout "${GRAPH_S:-150}" python3 tools/bench_control.py --preset random:sd15 --steps 10 --rounds 3 \
+      --image-prompts 2>&1 | tail -11
     timeout "${COMPILE_S:-300}" python3 tools/bench_control.py --preset random:sd15 --steps 10 --rounds 3 --compile \
-      2>&1 | grep -v Warning | tail -9 ;;
+      --image-prompts 2>&1 | grep -v Warning | tail -11 ;;
 esac
