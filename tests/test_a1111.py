@@ -146,6 +146,35 @@ def test_txt2img_equals_images_generations(server, api):
     assert np.array_equal(pixels(r.image), pixels(expected))
 
 
+def test_controlnet_units_from_webuiapi_equal_images_generations_controls(server, api):
+    """webuiapi's ControlNetUnit (its defaults: Resize and Fill, thresholds 64 / 64) against the digits model's
+    built-in `outline` ControlNet gives /v1/images/generations' image for the same controls; the extension's model
+    and module lists answer."""
+    outline = Image.new("RGB", (48, 64))
+    outline.paste(Image.new("RGB", (20, 40), (255, 255, 255)), (14, 12))
+    unit = webuiapi.ControlNetUnit(image=outline, module="canny", model="outline [0123abcd]", weight=0.9,
+                                   guidance_end=0.8)
+    r = api.txt2img(prompt="a handwritten digit one", sampler_name="Euler", width=64, height=64, steps=6, seed=5,
+                    cfg_scale=5, controlnet_units=[unit], alwayson_scripts={})  # webuiapi's own default dict keeps
+    # the units it adds for every later call (a mutable default): a fresh one keeps them to this call
+    body = {"prompt": "a handwritten digit one", "size": "64x64", "seed": 5, "num_inference_steps": 6,
+            "guidance_scale": 5, "sampler": "euler", "prompt_syntax": "a1111",
+            "controls": [{"model": "outline", "image": b64png(outline), "preprocess": "canny", "canny_low": 64,
+                          "canny_high": 64, "scale": 0.9, "end": 0.8, "resize_mode": "resize_and_fill"}]}
+    v1 = httpx.post(server.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY_A}"},
+                    timeout=BOUND_S, json=body)
+    assert v1.status_code == 200, v1.text
+    expected = Image.open(io.BytesIO(base64.b64decode(v1.json()["data"][0]["b64_json"])))
+    assert np.array_equal(pixels(r.image), pixels(expected))
+    plain = httpx.post(server.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY_A}"},
+                       timeout=BOUND_S, json=dict(body, controls=None))
+    assert not np.array_equal(pixels(r.image), pixels(Image.open(io.BytesIO(base64.b64decode(
+        plain.json()["data"][0]["b64_json"])))))
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    assert httpx.get(server.url + "/controlnet/model_list", headers=headers).json() == {"model_list": ["outline"]}
+    assert "canny" in httpx.get(server.url + "/controlnet/module_list", headers=headers).json()["module_list"]
+
+
 def test_img2img_with_a_mask_only_masked_and_whole(api):
     src, mask = source(96), square_mask(96, 40, 60)
     common = dict(images=[src], mask_image=mask, prompt="a handwritten digit eight", width=64, height=64, steps=6,
@@ -315,8 +344,12 @@ UNSUPPORTED = [
     ({"firstpass_image": "abc"}, "firstpass_image", "send null"),
     ({"disable_extra_networks": True}, "disable_extra_networks", "<lora:...>"),
     ({"script_name": "x/y/z plot"}, "script_name", "scripts are not supported"),
-    ({"alwayson_scripts": {"ControlNet": {"args": [{"enabled": True, "module": "canny"}]}}},
-     "alwayson_scripts.ControlNet", "ControlNet is not supported yet"),
+    ({"alwayson_scripts": {"ControlNet": {"args": [{"module": "depth_midas", "model": "outline",
+                                                    "input_image": "eA=="}]}}},
+     "alwayson_scripts.controlnet.args[0].module", "send its map with module"),
+    ({"alwayson_scripts": {"ControlNet": {"args": [{"module": "canny", "model": "control_v11p_sd15_canny [d14c016b]",
+                                                    "input_image": "eA=="}]}}},
+     "alwayson_scripts.controlnet.args[0].model", "not served here; served: outline"),
     ({"alwayson_scripts": {"ADetailer": {"args": [True, {}]}}}, "alwayson_scripts.ADetailer", "not supported"),
     ({"sampler_name": "Euler a", "eta": 0.5}, "eta", "eta 1"), ({"sampler_name": "DDIM", "eta": 1.0}, "eta", "eta 0"),
     ({"override_settings": {"sd_vae": "x.vae"}}, "override_settings.sd_vae", "cannot be overridden"),

@@ -45,9 +45,8 @@ def test_seeds_count_and_clip_stop():
     overridden = plan_body(Txt2ImgBody(prompt="a", override_settings={"CLIP_stop_at_last_layers": 1}), None, 3, 1)
     assert overridden.create["clip_skip"] is None
     assert plan_body(Txt2ImgBody(prompt="a"), None, None, 1).clip_stop == 2  # the server's --clip-skip
-    with pytest.raises(APIError, match="ControlNet is not supported yet"):
-        plan_body(Txt2ImgBody(prompt="a", alwayson_scripts={"controlnet": {"args": [{"enabled": True}]}}), None, None,
-                  None)
+    with pytest.raises(APIError, match="the 'ADetailer' script is not supported"):
+        plan_body(Txt2ImgBody(prompt="a", alwayson_scripts={"ADetailer": {"args": [True, {}]}}), None, None, None)
     off = {"controlnet": {"args": [{"enabled": False}]}, "ADetailer": {"args": [False]}, "x": {}}
     assert plan_body(Txt2ImgBody(prompt="a", alwayson_scripts=off), None, None, None).warnings == ()
 
@@ -120,3 +119,38 @@ def test_the_key_a_request_carries():
     assert caller_key(scope(b"Basic " + base64.b64encode(b"alpha:")), keys) is None  # the password is the key
     assert caller_key(scope(b"Basic !!!"), keys) is None and caller_key(scope(b"Bearer "), keys) is None
     assert caller_key({"headers": []}, keys) is None
+
+
+def test_controlnet_units_become_controls():
+    """AUTOMATIC1111's ControlNet units (a1111_controlnet.py): the extension's model names (with their hash, or a
+    served path's last part), modules, weights, windows, modes and canny thresholds; bad units are 400s naming the
+    unit's field."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph.server.a1111_controlnet import controlnet_units, units_to_controls
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (255, 255, 255)).save(buf, format="PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+    served = lambda: ["sd15/control_v11p_sd15_canny", "outline"]
+    scripts = {"ControlNet": {"args": [
+        {"input_image": image, "model": "control_v11p_sd15_canny [d14c016b]", "module": "canny", "weight": 0.7,
+         "threshold_a": 50, "threshold_b": -1, "guidance_end": 0.8, "processor_res": 512, "pixel_perfect": True},
+        {"image": {"image": image, "mask": None}, "model": "outline", "guessmode": True, "low_vram": False},
+        {"enabled": False, "model": "outline"}]}}
+    units = controlnet_units(scripts)
+    assert len(units) == 2
+    a, b = units_to_controls(units, served, 1 << 20, 1 << 20)
+    assert (a["model"], a["preprocess"], a["scale"], a["end"], a["canny_low"], a["canny_high"]) == (
+        "sd15/control_v11p_sd15_canny", "canny", 0.7, 0.8, 50, 200)
+    assert a["resize_mode"] == "Crop and Resize" and a["control_mode"] == "Balanced" and a["image"].size == (16, 16)
+    assert (b["model"], b["preprocess"], b["control_mode"]) == ("outline", "none", "control")
+    for unit, field, needle in [({"model": "outline"}, "input_image", "needs its control image"),
+                                ({"model": "nope [abc]", "input_image": image}, "model", "served: sd15/"),
+                                ({"model": "outline", "input_image": image, "sketch": 1}, "sketch", "not supported"),
+                                ({"model": "outline", "input_image": image, "mask": image}, "mask", "masked")]:
+        with pytest.raises(APIError, match=needle) as info:
+            units_to_controls([unit], served, 1 << 20, 1 << 20)
+        assert info.value.param == f"alwayson_scripts.controlnet.args[0].{field}"

@@ -33,9 +33,11 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
 from ..image_metadata import encode_image, infotext
-from ..request import GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
+from ..models.controlnet_dir import ControlNetDir
+from ..models.presets import builtin_control_folder
+from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
+from .a1111_controlnet import MODULES, controlnet_units, units_to_controls
 from .a1111_inpaint import PreparedEdit, mask_options, prepare
-from .uploads import decode_b64
 from .a1111_jobs import ImageRun, JobBoard, Key
 from .a1111_protocol import (DEFAULT_OPTIONS, OPTIONS, Img2ImgBody, Plan, TextToImageResponse, Txt2ImgBody,
                              ProcessingBody, a1111_error, a1111_field, clip_stop, info_json, plan_body, sampler_items,
@@ -46,6 +48,7 @@ from .models import ModelRouting, Target
 from .pages import embedding_listing, lora_listing
 from .protocol import APIError
 from .requests import ClientGone, ServerState, abort, outcome, results, submit
+from .uploads import decode_b64
 
 if TYPE_CHECKING:
     from ..text.embeddings import EmbeddingDir
@@ -82,6 +85,10 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
     board = JobBoard(lambda handle: abort(state, handle))
     prompt_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
     image_limit = (MAX_INIT_IMAGES + 1) * 4 * (config.max_image_bytes // 3 + 2)
+    roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
+    controlnets = ControlNetDir(*roots) if roots else None  # what ControlNet units may name (a1111_controlnet.py)
+    served = (lambda: list(controlnets.listing())) if controlnets is not None else list
+    unit_limit = MAX_CONTROLS * 4 * (config.max_image_bytes // 3 + 2) if controlnets is not None else 0
     read_timeout = min(config.body_timeout, config.request_timeout)
 
     def key_of(http: Request) -> Key:
@@ -138,14 +145,16 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         return [{**c, "title": c["id"] + (f" [{c['hash']}]" if c.get("hash") else "")} for c in cards
                 if not c.get("error")]
 
-    def build(body: ProcessingBody, plan: Plan, info: ModelInfo, edits: list[PreparedEdit]) -> list[GenerationRequest]:
+    def build(body: ProcessingBody, plan: Plan, info: ModelInfo, edits: list[PreparedEdit],
+              controls: list[dict[str, Any]]) -> list[GenerationRequest]:
         """One request per image: the first validated by `create` (the one validation), the others its copies with
         their own seed (and init image), checked again on construction."""
         sampler, schedule = sampler_schedule(body, info)
         try:
             first = GenerationRequest.create(body.prompt or "", model=info, seed=plan.seeds[0], sampler=sampler,
                                              schedule=schedule, image=edits[0].edit if edits else None,
-                                             request_id=f"a1111-{secrets.token_hex(8)}", **plan.create)
+                                             request_id=f"a1111-{secrets.token_hex(8)}", controls=controls,
+                                             **plan.create)
             out = [first]
             for i, seed in enumerate(plan.seeds[1:], 1):
                 edit = _edit_for(i, body, edits)
@@ -244,7 +253,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         """One txt2img / img2img answer: read, plan, validate every image, submit them, wait, answer."""
         state.accepting()
         key = key_of(http)
-        body = validate(await read_json(http, prompt_limit + (image_limit if kind == "img2img" else 0)), model)
+        body = validate(await read_json(http, prompt_limit + unit_limit + (image_limit if kind == "img2img" else 0)),
+                        model)
         options = board.options(key)
         plan = plan_body(body, options.model, options.clip_stop, config.clip_skip)
         deadline = t0 + config.request_timeout
@@ -254,7 +264,10 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
                                param="init_images")
             edits = await asyncio.to_thread(prepare_edits, body, plan) if kind == "img2img" else []
-            requests = build(body, plan, chosen.info, edits)
+            units = controlnet_units(body.alwayson_scripts)
+            controls = await asyncio.to_thread(units_to_controls, units, served, config.max_image_bytes,
+                                               config.max_image_pixels) if units else []
+            requests = build(body, plan, chosen.info, edits, controls)
             runs: list[ImageRun] = []
             try:
                 for request in requests:
@@ -315,6 +328,19 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             return [{"title": c["title"], "model_name": c["id"].replace("/", "_"), "hash": c.get("hash"),
                      "sha256": None, "filename": c["id"], "config": None} for c in await titles()]
         return await answer(work)
+
+    @app.get("/controlnet/model_list")
+    async def controlnet_models() -> Response:
+        """The ControlNet extension's model list: the ControlNets units may name."""
+        return JSONResponse({"model_list": await asyncio.to_thread(served)})
+
+    @app.get("/controlnet/module_list")
+    async def controlnet_modules() -> Response:
+        return JSONResponse({"module_list": list(MODULES)})
+
+    @app.get("/controlnet/version")
+    async def controlnet_version() -> Response:
+        return JSONResponse({"version": 2})
 
     @app.get("/sdapi/v1/samplers")
     async def samplers() -> Response:

@@ -258,10 +258,8 @@ def check_supported(body: ProcessingBody) -> None:
         raise _refuse("script_name", "scripts are not supported; send null")
     for name, script in (get("alwayson_scripts") or {}).items():
         args = script.get("args") if isinstance(script, dict) else script
-        if _enabled(args):
-            what = "ControlNet is not supported yet" if name.lower() == "controlnet" else \
-                f"the {name!r} script is not supported here"
-            raise _refuse(f"alwayson_scripts.{name}", f"{what}; leave it out")
+        if _enabled(args) and name.lower() != "controlnet":  # ControlNet units: a1111_controlnet.py
+            raise _refuse(f"alwayson_scripts.{name}", f"the {name!r} script is not supported here; leave it out")
     if get("mask_round") is False:
         raise _refuse("mask_round", "masks are rounded to 0 / 1 at the latent size here; send true")
     if get("inpainting_fill") not in (None, 0, 1):
