@@ -115,7 +115,7 @@ def _reference(engine, images, scale, seed, weight="base"):
 def test_image_prompts_equal_diffusers_load_ip_adapter(engine, weight, scale, count):
     images = [picture(3 + i) for i in range(count)]
     ours = engine.generate(PROMPT, num_inference_steps=STEPS, seed=5, sampler="euler",
-                           image_prompt=dict(model=weight, images=images, scale=scale))
+                           image_prompts=dict(model=weight, images=images, scale=scale))
     ref = _reference(engine, images, scale, seed=5, weight=weight)
     plain = engine.generate(PROMPT, num_inference_steps=STEPS, seed=5, sampler="euler")
     assert ours.arrays.shape == ref.shape
@@ -125,17 +125,17 @@ def test_image_prompts_equal_diffusers_load_ip_adapter(engine, weight, scale, co
 
 def test_scale_zero_is_exactly_the_plain_image(engine):
     kw = dict(num_inference_steps=STEPS, seed=6, sampler="euler")
-    zero = engine.generate(PROMPT, image_prompt=dict(model="base", images=[picture(1)], scale=0.0), **kw)
+    zero = engine.generate(PROMPT, image_prompts=dict(model="base", images=[picture(1)], scale=0.0), **kw)
     np.testing.assert_array_equal(zero.arrays, engine.generate(PROMPT, **kw).arrays)
 
 
 def test_image_prompt_rows_mixed_with_other_rows_equal_each_alone(engine):
     e = engine
-    kinds = [dict(image_prompt=dict(model="base", images=[picture(1)])), dict(),
-             dict(image_prompt=dict(model="other", images=[picture(2), picture(3)], scale=0.5), sampler="dpmpp_2m"),
-             dict(image_prompt=dict(model="base", images=[picture(4)], scale=0.8), guidance_scale=1.0),
+    kinds = [dict(image_prompts=dict(model="base", images=[picture(1)])), dict(),
+             dict(image_prompts=dict(model="other", images=[picture(2), picture(3)], scale=0.5), sampler="dpmpp_2m"),
+             dict(image_prompts=dict(model="base", images=[picture(4)], scale=0.8), guidance_scale=1.0),
              dict(guidance_scale=1.0, sampler="euler_a"),
-             dict(image_prompt=dict(model="other", images=[picture(5)]), image=picture(6, 64), strength=0.6)]
+             dict(image_prompts=dict(model="other", images=[picture(5)]), image=picture(6, 64), strength=0.6)]
     reqs = [e.make_request(PROMPT, num_inference_steps=3, seed=40 + i, **{"sampler": "euler", **k})
             for i, k in enumerate(kinds)]
     assert_together_equals_alone(e, reqs)
@@ -148,11 +148,12 @@ def test_image_prompt_rows_mixed_with_other_rows_equal_each_alone(engine):
     (dict(model="base", images=[np.zeros((32, 32), np.uint8)]), "RGB pixels"),
     (dict(model="base", images=[np.zeros((32, 32, 3), np.uint8)], scale=float("nan")), "out of range"),
     (dict(model="base", images=[np.zeros((32, 32, 3), np.uint8)], weight=1), "unknown image prompt fields"),
+    (dict(images=[np.zeros((32, 32, 3), np.uint8)]), "name the IP-Adapter"),  # the folder has three
 ])
 def test_bad_image_prompts_are_param_errors_and_the_engine_keeps_serving(engine, prompt, match):
     with pytest.raises(ParamError, match=match) as info:
-        engine.generate(PROMPT, num_inference_steps=1, seed=1, image_prompt=prompt)
-    assert info.value.param == "image_prompt"
+        engine.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt)
+    assert info.value.param == "image_prompts"
     assert engine.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape[0] == 1
 
 
@@ -160,7 +161,7 @@ def test_an_image_prompt_needs_an_ip_adapter_dir():
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
         with pytest.raises(ParamError, match="--ip-adapter-dir"):
             e.generate(PROMPT, num_inference_steps=1, seed=1,
-                       image_prompt=dict(model="base", images=[np.zeros((32, 32, 3), np.uint8)]))
+                       image_prompts=dict(model="base", images=[np.zeros((32, 32, 3), np.uint8)]))
 
 
 def test_image_prompt_rows_replay_the_image_prompt_step_graph_as_eager_runs_them(engine):
@@ -168,8 +169,8 @@ def test_image_prompt_rows_replay_the_image_prompt_step_graph_as_eager_runs_them
     rows `step`, each image as eager gives it."""
     from diffgraph import GraphConfig
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
-    kinds = [dict(image_prompt=dict(model="base", images=[picture(1)], scale=0.7)), dict(),
-             dict(image_prompt=dict(model="other", images=[picture(2)]), guidance_scale=1.0)]
+    kinds = [dict(image_prompts=dict(model="base", images=[picture(1)], scale=0.7)), dict(),
+             dict(image_prompts=dict(model="other", images=[picture(2)]), guidance_scale=1.0)]
     with Engine(model=engine.model, mode="graph", graphs=cfg, ip_adapter_dir=str(engine.ip_root)) as g:
         reqs = [g.make_request(PROMPT, num_inference_steps=3, seed=60 + i, sampler="euler", **k)
                 for i, k in enumerate(kinds)]
@@ -215,11 +216,11 @@ def test_twenty_four_mixed_requests_together_equal_each_alone(engine, tmp_path_f
             if i % 7 == 4:
                 kw["guidance_scale"] = 1.0
             if i % 2 == 0:
-                kw["image_prompt"] = dict(model=("base", "plus", "other")[i % 3],
+                kw["image_prompts"] = dict(model=("base", "plus", "other")[i % 3],
                                           images=[picture(200 + i)] * (1 + (i // 2) % 2), scale=(1.0, 0.5)[i % 4 // 2])
             reqs.append(e.make_request(PROMPT if i % 2 else "a castle on a hill", **kw))
         assert sum(bool(r.controls) for r in reqs) >= 10 and sum(bool(r.loras) for r in reqs) >= 5
-        assert sum(r.edit is not None for r in reqs) >= 8 and sum(r.image_prompt is not None for r in reqs) == 12
+        assert sum(r.edit is not None for r in reqs) >= 8 and sum(r.image_prompts is not None for r in reqs) == 12
         assert {c.control_mode for r in reqs for c in r.controls} == {"balanced", "prompt", "control"}
         assert_together_equals_alone(e, reqs)
 
@@ -232,9 +233,9 @@ def _png(image: Image.Image) -> bytes:
 
 
 def test_image_prompts_over_http_equal_the_engine_and_bad_ones_are_400s(engine):
-    """GET /v1/ip-adapters lists them; `image_prompt` in a generations body (base64 images) and in the edits form
+    """GET /v1/ip-adapters lists them; `image_prompts` in a generations body (base64 images) and in the edits form
     (a JSON field, its images the file parts image_prompt_<i>) give the engine's images; bad ones are 400s naming
-    image_prompt, and the server keeps serving."""
+    image_prompts, and the server keeps serving."""
     import base64
     import io
 
@@ -246,8 +247,8 @@ def test_image_prompts_over_http_equal_the_engine_and_bad_ones_are_400s(engine):
         pytest.skip("the HTTP side does not depend on the family: SD covers it")
     a, b = picture(11), picture(12, 64)
     kw = dict(num_inference_steps=3, seed=8, sampler="euler")
-    want = engine.generate(PROMPT, image_prompt=dict(model="plus", images=[a], scale=0.7), **kw).arrays[0]
-    edited = engine.generate(PROMPT, image=b, strength=0.6, image_prompt=dict(model="base", images=[a, a]),
+    want = engine.generate(PROMPT, image_prompts=dict(model="plus", images=[a], scale=0.7), **kw).arrays[0]
+    edited = engine.generate(PROMPT, image=b, strength=0.6, image_prompts=dict(model="base", images=[a, a]),
                              **kw).arrays[0]
     config = ServerConfig(model="random:tiny", ip_adapter_dir=str(engine.ip_root))
     decode = lambda r: np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
@@ -260,27 +261,27 @@ def test_image_prompts_over_http_equal_the_engine_and_bad_ones_are_400s(engine):
             time.sleep(0.1)
         assert [x["name"] for x in client.get("/v1/ip-adapters").json()["data"]] == ["base", "other", "plus"]
         body = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 8, "sampler": "euler",
-                "image_prompt": {"model": "plus", "images": [b64], "scale": 0.7}}
+                "image_prompts": {"model": "plus", "images": [b64], "scale": 0.7}}
         r = client.post("/v1/images/generations", json=body)
         assert r.status_code == 200, r.text
         assert np.abs(decode(r).astype(int) - (want * 255).round().astype(int)).max() <= 1
         form = {"prompt": PROMPT, "num_inference_steps": "3", "seed": "8", "sampler": "euler", "strength": "0.6",
-                "image_prompt": json.dumps({"model": "base"})}
+                "image_prompts": json.dumps({"model": "base"})}
         files = {"image": ("b.png", _png(b)), "image_prompt_0": ("a.png", _png(a)), "image_prompt_1": ("a.png", _png(a))}
         r = client.post("/v1/images/edits", data=form, files=files)
         assert r.status_code == 200, r.text
         assert np.abs(decode(r).astype(int) - (edited * 255).round().astype(int)).max() <= 1
-        for bad, needle in [(dict(body["image_prompt"], model="plu"), "did you mean 'plus'"),
-                            (dict(body["image_prompt"], images=["not base64!"]), "base64"),
-                            (dict(body["image_prompt"], scale=9.0), "out of range"),
-                            (dict(body["image_prompt"], images=[b64] * 3), "1 to 2 images")]:
-            r = client.post("/v1/images/generations", json=dict(body, image_prompt=bad))
-            assert r.status_code == 400 and r.json()["error"]["param"].startswith("image_prompt"), r.text
+        for bad, needle in [(dict(body["image_prompts"], model="plu"), "did you mean 'plus'"),
+                            (dict(body["image_prompts"], images=["not base64!"]), "base64"),
+                            (dict(body["image_prompts"], scale=9.0), "out of range"),
+                            (dict(body["image_prompts"], images=[b64] * 3), "1 to 2 images")]:
+            r = client.post("/v1/images/generations", json=dict(body, image_prompts=bad))
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith("image_prompts"), r.text
             assert needle in r.json()["error"]["message"], r.text
-        r = client.post("/v1/images/edits", data=dict(form, image_prompt=json.dumps({"model": "base"})),
+        r = client.post("/v1/images/edits", data=dict(form, image_prompts=json.dumps({"model": "base"})),
                         files={"image": files["image"]})
         assert r.status_code == 400 and "needs its images once" in r.json()["error"]["message"]
-        assert client.post("/v1/images/generations", json=dict(body, image_prompt=None)).status_code == 200
+        assert client.post("/v1/images/generations", json=dict(body, image_prompts=None)).status_code == 200
 
 
 def test_the_cli_generates_with_an_image_prompt(engine, tmp_path):
@@ -292,21 +293,22 @@ def test_the_cli_generates_with_an_image_prompt(engine, tmp_path):
     out = tmp_path / "out.png"
     run = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
                           "--device", "cpu", "--steps", "3", "--seed", "3", "--sampler", "euler",
-                          "--ip-adapter-dir", str(engine.ip_root), "--image-prompt", f"base:{tmp_path / 'face.png'}:0.8",
+                          "--ip-adapter-dir", str(engine.ip_root), "--ip-adapter", "base",
+                          "--image-prompt", f"{tmp_path / 'face.png'}:0.8",
                           "-o", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     want = engine.generate(PROMPT, num_inference_steps=3, seed=3, sampler="euler",
-                           image_prompt=dict(model="base", images=[picture(13)], scale=0.8))
+                           image_prompts=dict(model="base", images=[picture(13)], scale=0.8))
     got = np.asarray(Image.open(out).convert("RGB")).astype(int)
     assert np.abs(got - (want.arrays[0] * 255).round().astype(int)).max() <= 1
     bad = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model", "random:tiny",
-                          "--ip-adapter-dir", str(engine.ip_root), "--image-prompt", "base"], capture_output=True,
-                         text=True, timeout=600)
-    assert bad.returncode != 0 and "must look like NAME:IMAGE" in bad.stderr
+                          "--ip-adapter-dir", str(engine.ip_root), "--image-prompt", str(tmp_path / "missing.png")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "--image-prompt" in bad.stderr and "missing.png" in bad.stderr, bad.stderr
 
 
 def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
-    """`diffgraph batch` items with `controls` and `image_prompt` (base64 images, as the generations body has them)
+    """`diffgraph batch` items with `controls` and `image_prompts` (base64 images, as the generations body has them)
     give the engine's images: the job path decodes them, it does not drop them."""
     import base64
     import os
@@ -320,7 +322,7 @@ def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
     b64 = lambda im: base64.b64encode(_png(im)).decode()
     item = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 9, "sampler": "euler",
             "controls": [{"model": "edges", "image": b64(control_image(64, 2)), "scale": 0.8}],
-            "image_prompt": {"model": "base", "images": [b64(picture(21))], "scale": 0.7}}
+            "image_prompts": {"model": "base", "images": [b64(picture(21))], "scale": 0.7}}
     (tmp_path / "job.jsonl").write_text(json.dumps(item) + "\n")
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
@@ -332,8 +334,17 @@ def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
     with Engine(model=engine.model, controlnet_dir=str(tmp_path / "nets"), ip_adapter_dir=str(engine.ip_root)) as e:
         want = e.generate(PROMPT, num_inference_steps=3, seed=9, sampler="euler",
                           controls=[dict(model="edges", image=control_image(64, 2), scale=0.8)],
-                          image_prompt=dict(model="base", images=[picture(21)], scale=0.7)).arrays[0]
+                          image_prompts=dict(model="base", images=[picture(21)], scale=0.7)).arrays[0]
         plain = e.generate(PROMPT, num_inference_steps=3, seed=9, sampler="euler").arrays[0]
     got = np.asarray(Image.open(tmp_path / "out" / "00000-0.png").convert("RGB")).astype(int)
     assert np.abs(got - (want * 255).round().astype(int)).max() <= 1
     assert np.abs(got - (plain * 255).round().astype(int)).max() > 8
+
+
+def test_an_image_prompt_without_a_model_takes_the_folders_only_adapter(engine, tmp_path):
+    make_ip_adapter(engine.model.unet, tmp_path, "solo", seed=1)  # the same weights as the fixture's "base"
+    kw = dict(num_inference_steps=2, seed=4, sampler="euler")
+    with Engine(model=engine.model, ip_adapter_dir=str(tmp_path)) as e:
+        unnamed = e.generate(PROMPT, image_prompts={"images": [picture(7)], "scale": 0.7}, **kw).arrays
+    named = engine.generate(PROMPT, image_prompts={"model": "base", "images": [picture(7)], "scale": 0.7}, **kw).arrays
+    np.testing.assert_array_equal(unnamed, named)

@@ -641,7 +641,7 @@ def test_control_upload_shows_the_map_and_sends_the_control(browser, server, tmp
 
 def test_image_prompt_upload_sends_the_image_prompt(browser, tmp_path):
     """With --ip-adapter-dir the image-prompt picker lists the adapters (GET /v1/ip-adapters); two uploaded images and
-    a scale are sent as `image_prompt` (the images as data URLs), the card names it, and the result is done."""
+    a scale are sent as `image_prompts` (the images as data URLs), the card names it, and the result is done."""
     import sys
     sys.path.insert(0, os.path.dirname(__file__))
     from test_ip_adapter import make_ip_adapter
@@ -666,7 +666,7 @@ def test_image_prompt_upload_sends_the_image_prompt(browser, tmp_path):
         page.fill("#ip-scale", "0.5")
         local = pg.submit(page)
         assert pg.wait_finished(page, local) == "done"
-        sent = traffic.bodies[-1]["image_prompt"]
+        sent = traffic.bodies[-1]["image_prompts"]
         assert sent["model"] == "faces" and sent["scale"] == 0.5 and len(sent["images"]) == 2
         assert all(i.startswith("data:image/png;base64,") for i in sent["images"])
         assert "image prompt faces" in pg.card(page, local).inner_text()

@@ -64,7 +64,7 @@ def main() -> int:
     def batch(e: Engine, controlled: int, net: str = "net", prompted: int = 0) -> float:
         reqs = [e.make_request("a cat", seed=i, num_inference_steps=args.steps, guidance_scale=1.0,
                                controls=[dict(model=net, image=image)] if i < controlled else (),
-                               image_prompt=dict(model="plus", images=[prompt_image]) if i < prompted else None)
+                               image_prompts=dict(model="plus", images=[prompt_image]) if i < prompted else None)
                 for i in range(16)]
         e.core.step_events = []
         futures: list = []

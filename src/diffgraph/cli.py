@@ -86,11 +86,13 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
                         "(ControlNet is more important: diffusers' guess mode)")
     g.add_argument("--controlnet-dir", default=None, metavar="DIR",
                    help="a folder of ControlNets (diffusers folders, or AUTOMATIC1111 / ComfyUI single .safetensors files) that --control names (not with --url)")
-    g.add_argument("--image-prompt", action="append", default=None, metavar="NAME:IMAGE[:SCALE]",
-                   help="an IP-Adapter image prompt (repeatable with the same NAME for a second image): an adapter "
-                        "in --ip-adapter-dir (or the server's, with --url), the image and its scale (1)")
+    g.add_argument("--image-prompt", action="append", default=None, metavar="IMAGE[:SCALE]",
+                   help="an IP-Adapter image prompt (repeat for a second image; one scale for both, default 1)")
+    g.add_argument("--ip-adapter", default=None, metavar="NAME",
+                   help="the IP-Adapter of --image-prompt, by its name under --ip-adapter-dir (or the server's, with "
+                        "--url); default: the folder's only one")
     g.add_argument("--ip-adapter-dir", default=None, metavar="DIR",
-                   help="a folder of IP-Adapters (h94's layout, with their image_encoder folder) that --image-prompt "
+                   help="a folder of IP-Adapters (h94's layout, with their image_encoder folder) that --ip-adapter "
                         "names (not with --url)")
     g.add_argument("--lora-conv", action="store_true",
                    help="side paths on convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD)")
@@ -206,7 +208,7 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
          "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax",
          "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control",
-         "image_prompt": "--image-prompt"}
+         "image_prompts": "--image-prompt"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -319,7 +321,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
-                  loras=_lora_flags(args), controls=_control_flags(args), image_prompt=_image_prompt_flags(args),
+                  loras=_lora_flags(args), controls=_control_flags(args), image_prompts=_image_prompt_flags(args),
                   prompt_syntax=args.prompt_syntax or "plain",
                   clip_skip=args.clip_skip,
                   timestep_spacing=args.timestep_spacing, eta=args.eta, **getattr(args, "extra", {}))
@@ -396,25 +398,25 @@ def _control_options(args: argparse.Namespace) -> dict[str, str]:
     return {"preprocess": args.preprocess, "resize_mode": args.resize_mode, "control_mode": args.control_mode}
 
 
-def _image_prompt_specs(args: argparse.Namespace) -> tuple[str, list[str], float] | None:
-    """--image-prompt NAME:IMAGE[:SCALE] (repeated: one adapter, several images) as (name, image paths, scale)."""
+def _image_prompt_specs(args: argparse.Namespace) -> tuple[str | None, list[str], float] | None:
+    """--image-prompt IMAGE[:SCALE] (repeated: several images) and --ip-adapter as (name, image paths, scale)."""
     specs = []
     for text in args.image_prompt or ():
-        parts = text.split(":")
-        if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
-            raise _ArgError(f"--image-prompt {text!r} must look like NAME:IMAGE or NAME:IMAGE:SCALE "
-                            "(e.g. sd15/ip-adapter_sd15:face.png:0.6)")
+        path, _, scale = text.rpartition(":") if ":" in text else (text, "", "")
         try:
-            specs.append((parts[0], parts[1], float(parts[2]) if len(parts) == 3 else None))
-        except ValueError:
-            raise _ArgError(f"--image-prompt {text!r}: the scale must be a number") from None
+            specs.append((path, float(scale) if scale else None))
+        except ValueError:  # a colon in the path itself, not a scale
+            specs.append((text, None))
+        if not specs[-1][0]:
+            raise _ArgError(f"--image-prompt {text!r} must look like IMAGE or IMAGE:SCALE (e.g. face.png:0.6)")
     if not specs:
+        if args.ip_adapter is not None:
+            raise _ArgError("--ip-adapter needs --image-prompt IMAGE (the image that steers it)")
         return None
-    names, scales = {s[0] for s in specs}, {s[2] for s in specs if s[2] is not None}
-    if len(names) > 1 or len(scales) > 1:
-        raise _ArgError("--image-prompt: one IP-Adapter and one scale per request; repeat the flag with the same "
-                        "NAME (and scale) for a second image")
-    return specs[0][0], [s[1] for s in specs], next(iter(scales), 1.0)
+    scales = {s for _, s in specs if s is not None}
+    if len(scales) > 1:
+        raise _ArgError("--image-prompt: one scale per request; give it once, or the same on both images")
+    return args.ip_adapter, [p for p, _ in specs], next(iter(scales), 1.0)
 
 
 def _image_prompt_flags(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -422,8 +424,8 @@ def _image_prompt_flags(args: argparse.Namespace) -> dict[str, Any] | None:
     if spec is None:
         return None
     if args.ip_adapter_dir is None:
-        raise _ArgError("--image-prompt needs --ip-adapter-dir DIR, the folder of IP-Adapters it names (or --url, "
-                        "a server's)")
+        raise _ArgError("--image-prompt needs --ip-adapter-dir DIR, the folder of IP-Adapters (or --url, a "
+                        "server's)")
     name, paths, scale = spec
     return {"model": name, "images": [_read_image(p, "--image-prompt").convert("RGB") for p in paths],
             "scale": scale}
@@ -523,9 +525,9 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "loras": [{"name": n, "scale": s} for n, s in _lora_flags(args)] or None,
             "controls": [{"model": n, "image": _file_b64(p, "--control"), **_control_options(args), **v}
                          for n, p, v in _control_specs(args)] or None,
-            "image_prompt": None if prompt_spec is None else {
-                "model": prompt_spec[0], "scale": prompt_spec[2],
-                "images": [_file_b64(p, "--image-prompt") for p in prompt_spec[1]]},
+            "image_prompts": None if prompt_spec is None else {
+                "scale": prompt_spec[2], "images": [_file_b64(p, "--image-prompt") for p in prompt_spec[1]],
+                **({"model": prompt_spec[0]} if prompt_spec[0] else {})},
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta,
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
@@ -544,7 +546,7 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         if specs:
             body["controls"] = [{"model": n, **_control_options(args), **v} for n, _, v in specs]
         if prompt_spec is not None:  # its images as the file parts image_prompt_<i>
-            body["image_prompt"] = {"model": prompt_spec[0], "scale": prompt_spec[2]}
+            body["image_prompts"] = {"scale": prompt_spec[2], **({"model": prompt_spec[0]} if prompt_spec[0] else {})}
         for name, path in (("image", args.image), ("mask", args.mask),
                            *((f"control_image_{i}", p) for i, (_, p, _) in enumerate(specs)),
                            *((f"image_prompt_{i}", p) for i, p in enumerate(prompt_spec[1] if prompt_spec else ()))):
@@ -558,7 +560,7 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
                     raise _ArgError(f"--{flag} {path!r} cannot be read: {e.strerror or e}") from None
         if args.strength is not None:
             body["strength"] = args.strength
-        post = {"data": {k: json.dumps(v) if k in ("loras", "controls", "image_prompt") else str(v).lower() if isinstance(v, bool) else str(v)
+        post = {"data": {k: json.dumps(v) if k in ("loras", "controls", "image_prompts") else str(v).lower() if isinstance(v, bool) else str(v)
                          for k, v in body.items()},
                 "files": files}
     try:

@@ -259,32 +259,33 @@ MAX_IMAGE_PROMPT_SCALE = 5.0
 
 @dataclass(frozen=True, eq=False)
 class ImagePromptInput:
-    """A request's image prompt (IP-Adapter, issue 32), checked on construction: `model` (an IP-Adapter's name under
-    `--ip-adapter-dir`), `images` (1 or 2 RGB images, PIL or uint8 [H, W, 3]: their tokens are one attention, as
-    diffusers passes several images to one adapter) and `scale` (diffusers' `set_ip_adapter_scale`; 0: the plain
-    image)."""
+    """A request's image prompts (IP-Adapter, issue 32; the request's `image_prompts`), checked on construction:
+    `images` (1 or 2 RGB images, PIL or uint8 [H, W, 3]: their tokens are one attention, as diffusers passes several
+    images to one adapter), `scale` (diffusers' `set_ip_adapter_scale`; 0: the plain image) and `model` (an
+    IP-Adapter's name under `--ip-adapter-dir`; None: the folder's only one)."""
 
-    model: str
     images: tuple[np.ndarray, ...]
     scale: float = 1.0
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model.strip():
-            raise ParamError("image_prompt", "an image prompt needs its IP-Adapter's name (model)")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ParamError("image_prompts", "image_prompts.model must be an IP-Adapter's name (GET /v1/ip-adapters), "
+                                              "or left out when the server has one")
         images = self.images
         if isinstance(images, np.ndarray) or hasattr(images, "convert"):
             images = (images,)
         if not isinstance(images, (list, tuple)) or not 1 <= len(images) <= MAX_PROMPT_IMAGES:
-            raise ParamError("image_prompt", f"an image prompt takes 1 to {MAX_PROMPT_IMAGES} images")
+            raise ParamError("image_prompts", f"an image prompt takes 1 to {MAX_PROMPT_IMAGES} images")
         out = []
         for img in images:
             if hasattr(img, "convert") and hasattr(img, "size"):
                 img = np.asarray(img.convert("RGB"))
             if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
-                raise ParamError("image_prompt", "an image prompt's images must be RGB pixels: PIL images or uint8 "
+                raise ParamError("image_prompts", "an image prompt's images must be RGB pixels: PIL images or uint8 "
                                                  "arrays of shape (height, width, 3)")
             if min(img.shape[:2]) < 8 or img.shape[0] * img.shape[1] > MAX_CONTROL_PIXELS:
-                raise ParamError("image_prompt", f"an image prompt's image is {img.shape[1]}x{img.shape[0]}; each "
+                raise ParamError("image_prompts", f"an image prompt's image is {img.shape[1]}x{img.shape[0]}; each "
                                                  f"side at least 8 pixels, at most {MAX_CONTROL_PIXELS // 2**20} "
                                                  "megapixels")
             out.append(img)
@@ -292,7 +293,7 @@ class ImagePromptInput:
         scale = self.scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
                 or not math.isfinite(float(scale)) or not 0 <= float(scale) <= MAX_IMAGE_PROMPT_SCALE:
-            raise ParamError("image_prompt", f"image prompt scale {scale!r} is out of range; allowed: a number in "
+            raise ParamError("image_prompts", f"image prompt scale {scale!r} is out of range; allowed: a number in "
                                              f"[0, {MAX_IMAGE_PROMPT_SCALE:g}]")
         object.__setattr__(self, "scale", float(scale))
 
@@ -303,15 +304,16 @@ def check_image_prompt(value: Any) -> ImagePromptInput | None:
     if isinstance(value, dict):
         unknown = set(value) - {"model", "images", "image", "scale"}
         if unknown:
-            raise ParamError("image_prompt", f"unknown image prompt fields {sorted(unknown)}; allowed: model, "
+            raise ParamError("image_prompts", f"unknown image prompt fields {sorted(unknown)}; allowed: model, "
                                              "images (or image), scale")
         value = dict(value)
         if "image" in value:
             value["images"] = (value.pop("image"),) if "images" not in value else value["images"]
-        if "model" not in value or "images" not in value:
-            raise ParamError("image_prompt", "an image prompt needs model (an IP-Adapter's name) and images")
+        if "images" not in value:
+            raise ParamError("image_prompts", "image_prompts needs images (1 or 2), and model where the server has "
+                                              "several IP-Adapters")
         return ImagePromptInput(**value)
-    raise ParamError("image_prompt", f"image_prompt must be an ImagePromptInput or a dict, got {type(value).__name__}")
+    raise ParamError("image_prompts", f"image_prompts must be an ImagePromptInput or a dict, got {type(value).__name__}")
 
 
 def check_controls(value: Any) -> tuple[ControlInput, ...]:
@@ -414,7 +416,7 @@ class GenerationRequest:
     priority: str = "interactive"
     job: str | None = None
     controls: tuple[ControlInput, ...] = ()  # ControlNet controls (ControlInput), at most MAX_CONTROLS
-    image_prompt: ImagePromptInput | None = None  # an IP-Adapter image prompt
+    image_prompts: ImagePromptInput | None = None  # an IP-Adapter image prompt
     # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
     key: GroupKey = field(init=False, compare=False, repr=False)
 
@@ -487,7 +489,7 @@ class GenerationRequest:
         object.__setattr__(self, "key", (self.height, self.width))
         object.__setattr__(self, "loras", check_loras(self.loras))
         object.__setattr__(self, "controls", check_controls(self.controls))
-        object.__setattr__(self, "image_prompt", check_image_prompt(self.image_prompt))
+        object.__setattr__(self, "image_prompts", check_image_prompt(self.image_prompts))
         object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
         rescale = self.guidance_rescale
         if isinstance(rescale, bool) or not isinstance(rescale, (int, float, np.floating, np.integer)) \
@@ -519,7 +521,7 @@ class GenerationRequest:
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
-               preview: Any = None, controls: Any = (), image_prompt: Any = None) -> "GenerationRequest":
+               preview: Any = None, controls: Any = (), image_prompts: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -566,7 +568,7 @@ class GenerationRequest:
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
-                      preview=make_preview(preview), controls=controls, image_prompt=image_prompt, **kwargs)
+                      preview=make_preview(preview), controls=controls, image_prompts=image_prompts, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

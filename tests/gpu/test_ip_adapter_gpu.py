@@ -25,8 +25,8 @@ def test_image_prompt_graphs_equal_eager(tmp_path):
         make_ip_adapter(eager.model.unet, tmp_path, "base", seed=1, gain=0.05)
         make_plus_ip_adapter(eager.model.unet, tmp_path, "plus", seed=2, gain=0.05)
         cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((512, 512),), prewarm=False)
-        kinds = [dict(image_prompt=dict(model="base", images=[picture(1)])), dict(),
-                 dict(image_prompt=dict(model="plus", images=[picture(2), picture(3)], scale=0.6), guidance_scale=1.0)]
+        kinds = [dict(image_prompts=dict(model="base", images=[picture(1)])), dict(),
+                 dict(image_prompts=dict(model="plus", images=[picture(2), picture(3)], scale=0.6), guidance_scale=1.0)]
         with Engine(eager.model, mode="eager", ip_adapter_dir=str(tmp_path)) as e, \
                 Engine(eager.model, mode="graph", graphs=cfg, ip_adapter_dir=str(tmp_path)) as g:
             reqs = [g.make_request("a red fox", num_inference_steps=6, seed=80 + i, sampler="euler", **k)

@@ -97,7 +97,7 @@ class EngineCore:
             state.empty_prompt = self.runner.empty_prompt(prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
-        state.image_prompt = resolve_image_prompt(self.runner.image_prompts, request) if request.image_prompt else {}
+        state.image_prompts = resolve_image_prompt(self.runner.image_prompts, request) if request.image_prompts else {}
         with self._cv:
             if not self._live():
                 raise EngineClosed(f"the engine failed: {self.failures.reason}" if self.failures.reason else
@@ -324,7 +324,7 @@ class EngineCore:
                 cond, uncond, chunks = runner.row_conditioning(mine[pos], mine[neg], mine[empty[0]] if empty else None)
                 admission = Admission(r, s.rows, uncond, edit or {}, [
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
-                    chunks, runner.controls.admitted(s, s.admitted["control"]) if s.controls else [], s.image_prompt)
+                    chunks, runner.controls.admitted(s, s.admitted["control"]) if s.controls else [], s.image_prompts)
                 s.variant_parts = runner.write_rows(key, s.first_row, latents, cond, admission)
                 s.admitted_at = now
             except Exception as e:

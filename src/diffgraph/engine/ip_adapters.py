@@ -59,10 +59,11 @@ class IPAdapters:
 
     # -- on the submitting thread ------------------------------------------------------------------------
     def resolve(self, request: GenerationRequest) -> dict[str, torch.Tensor]:
-        """The request's image-prompt row fields ([1, ...] each, on the device). Raises ParamError("image_prompt")."""
-        prompt = request.image_prompt
-        path = self.catalog.file(prompt.model)
-        key = (prompt.model, tuple(stamp_of(os.stat(path))))
+        """The request's image-prompt row fields ([1, ...] each, on the device). Raises ParamError("image_prompts")."""
+        prompt = request.image_prompts
+        name = prompt.model if prompt.model is not None else self.catalog.only()
+        path = self.catalog.file(name)
+        key = (name, tuple(stamp_of(os.stat(path))))
         with self._lock, torch.no_grad():
             adapter = self._adapter(key, path)
             embeds, negative = self._embed(adapter, prompt.images)
@@ -71,7 +72,7 @@ class IPAdapters:
             neg_tokens = adapter.proj(negative.to(proj_dtype)).flatten(0, 1)
             n = tokens.shape[0]
             if n > MAX_TOKENS:
-                raise ParamError("image_prompt", f"this IP-Adapter makes {n} image tokens for {len(prompt.images)} "
+                raise ParamError("image_prompts", f"this IP-Adapter makes {n} image tokens for {len(prompt.images)} "
                                                  f"image(s); at most {MAX_TOKENS} per request: send fewer images")
             out = {"ip.mask": torch.zeros((1, MAX_TOKENS), dtype=self.dtype, device=self.device)}
             out["ip.mask"][0, :n] = 1
@@ -91,7 +92,7 @@ class IPAdapters:
         try:
             _, data = read_safetensors(path, 16 << 30)
         except UnusableFile as e:
-            raise ParamError("image_prompt", f"IP-Adapter {key[0]!r}: its file {e}") from None
+            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its file {e}") from None
         state = load_bytes(data)
         del data
         proj_state = {k[len("image_proj."):]: v for k, v in state.items() if k.startswith("image_proj.")}
@@ -100,17 +101,17 @@ class IPAdapters:
         for j, dim in enumerate(self._dims):
             k, v = ip_state.get(f"{1 + 2 * j}.to_k_ip.weight"), ip_state.get(f"{1 + 2 * j}.to_v_ip.weight")
             if k is None or v is None or k.shape[0] != dim or v.shape[0] != dim or k.shape[1] != v.shape[1]:
-                raise ParamError("image_prompt", f"IP-Adapter {key[0]!r} does not fit this model's UNet (its layer "
+                raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} does not fit this model's UNet (its layer "
                                                  f"{1 + 2 * j} is missing or has other sizes): use one made for it")
             keys.append(k.to(self.device, self.dtype))
             values.append(v.to(self.device, self.dtype))
         if len(ip_state) != 2 * len(self._dims):
-            raise ParamError("image_prompt", f"IP-Adapter {key[0]!r} has {len(ip_state) // 2} layers, this model's UNet "
+            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} has {len(ip_state) // 2} layers, this model's UNet "
                                              f"{len(self._dims)}: use one made for it")
         try:
             proj = self._unet._convert_ip_adapter_image_proj_to_diffusers(proj_state, low_cpu_mem_usage=False)
         except Exception as e:  # a projection diffusers does not know
-            raise ParamError("image_prompt", f"IP-Adapter {key[0]!r}: its image projection could not be read "
+            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its image projection could not be read "
                                              f"({type(e).__name__}: {str(e)[:160]})") from None
         from diffusers.models.embeddings import ImageProjection
         adapter = _Adapter(proj.to(self.device, self.dtype).eval().requires_grad_(False), keys, values,
@@ -128,7 +129,7 @@ class IPAdapters:
                 model = CLIPVisionModelWithProjection.from_pretrained(folder, torch_dtype=self.dtype,
                                                                       use_safetensors=True)
             except Exception as e:
-                raise ParamError("image_prompt", f"the image encoder in {folder!r} could not be read "
+                raise ParamError("image_prompts", f"the image encoder in {folder!r} could not be read "
                                                  f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
             size = model.config.image_size  # diffusers' load_ip_adapter's processor when the pipeline has none
             got = self._encoders[folder] = (model.to(self.device).eval(), CLIPImageProcessor(size=size, crop_size=size))
@@ -162,10 +163,10 @@ class IPAdapters:
 
 
 def resolve_image_prompt(prompts: IPAdapters | None, request: GenerationRequest) -> dict[str, torch.Tensor]:
-    """A request's image-prompt fields, resolved on the submitting thread. Raises ParamError("image_prompt")."""
-    if request.image_prompt is None:
+    """A request's image-prompt fields, resolved on the submitting thread. Raises ParamError("image_prompts")."""
+    if request.image_prompts is None:
         return {}
     if prompts is None:
-        raise ParamError("image_prompt", "this engine serves no IP-Adapters; start it with --ip-adapter-dir DIR "
+        raise ParamError("image_prompts", "this engine serves no IP-Adapters; start it with --ip-adapter-dir DIR "
                                          "(Engine(ip_adapter_dir=...))")
     return prompts.resolve(request)

@@ -46,7 +46,7 @@ class RequestState:
     admitted_at: float = 0.0
     loras: tuple = ()          # the request's resolved LoRA adapters (lora.manager.Resolved), if any
     controls: tuple = ()       # its resolved ControlNet controls (controlnets.ResolvedControl), if any
-    image_prompt: dict = field(default_factory=dict)  # its image prompt's row fields (ip_adapters.py), if any
+    image_prompts: dict = field(default_factory=dict)  # its image prompt's row fields (ip_adapters.py), if any
     admitted: dict[str, Any] = field(default_factory=dict)  # what each admission gate took for it (by gate name)
     branches: np.ndarray | None = None  # [steps] denoiser rows per image row at each step (None: 1 everywhere)
     variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)

@@ -67,7 +67,7 @@ class Admission:
     chunks: int = 1                                              # 77-token prompt windows of its conditioning
     # (ControlNet slot, image [1, 3, H, W], control mode: 0 balanced, 1 prompt, 2 control) per control
     controls: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
-    image_prompt: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/ip_adapters.py's row fields
+    image_prompts: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/ip_adapters.py's row fields
 
 
 @dataclass

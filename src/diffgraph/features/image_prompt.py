@@ -140,17 +140,17 @@ class ImagePromptRows(RowFeature):
         return ("ip.scale",)
 
     def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
-        prompt = request.image_prompt
+        prompt = request.image_prompts
         return {} if prompt is None else {"ip.scale": np.full(len(index), prompt.scale)}
 
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
-        return {name: t.to(self._dtype) for name, t in admission.image_prompt.items()}
+        return {name: t.to(self._dtype) for name, t in admission.image_prompts.items()}
 
     def variants(self) -> Sequence[Any]:
         return (None, "on")
 
     def part(self, admission: Admission) -> Any:
-        return "on" if admission.image_prompt else None
+        return "on" if admission.image_prompts else None
 
     def variant(self, parts: Sequence[Any]) -> Any:
         return "on" if any(parts) else None

@@ -53,7 +53,7 @@ def add_batch_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--lora-conv", action="store_true", help="side paths on convolutions too (LoCon, LCM-LoRA)")
     b.add_argument("--controlnet-dir", default=None, metavar="DIR", help="the ControlNets items name in `controls`")
     b.add_argument("--ip-adapter-dir", default=None, metavar="DIR",
-                   help="the IP-Adapters items name in `image_prompt`")
+                   help="the IP-Adapters items name in `image_prompts`")
     b.add_argument("--embeddings-dir", default=None, metavar="DIR",
                    help="the textual-inversion embeddings a1111-syntax prompts name")
     b.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),

@@ -48,12 +48,20 @@ class IPAdapterDir:
 
     def file(self, name: str) -> str:
         if "\x00" in name or "\\" in name or name.startswith("/") or os.path.isabs(name) or ".." in name.split("/"):
-            raise ParamError("image_prompt", f"IP-Adapter name {name!r} is not allowed: names are relative, with '/' "
+            raise ParamError("image_prompts", f"IP-Adapter name {name!r} is not allowed: names are relative, with '/' "
                                              "between folders, without '..', backslashes or NUL")
         path = os.path.realpath(os.path.join(self.root, *name.split("/")) + SUFFIX)
         if os.path.isfile(path) and os.path.commonpath([path, self.root]) == self.root and is_ip_adapter(path):
             return path
-        raise ParamError("image_prompt", f"IP-Adapter {name!r} is unknown{unknown_hint(name, list(self.listing()))}")
+        raise ParamError("image_prompts", f"IP-Adapter {name!r} is unknown{unknown_hint(name, list(self.listing()))}")
+
+    def only(self) -> str:
+        """The folder's one IP-Adapter, for requests that name none. Raises ParamError when it has none or several."""
+        names = list(self.listing())
+        if len(names) != 1:
+            raise ParamError("image_prompts", f"name the IP-Adapter (image_prompts.model): this server has "
+                                              f"{len(names)}" + (f": {', '.join(names[:10])}" if names else ""))
+        return names[0]
 
     def encoder(self, path: str) -> str:
         """The image encoder folder of the adapter at `path`."""
@@ -65,5 +73,5 @@ class IPAdapterDir:
             if folder == self.root or os.path.commonpath([folder, self.root]) != self.root:
                 break
             folder = os.path.dirname(folder)
-        raise ParamError("image_prompt", f"IP-Adapter {os.path.relpath(path, self.root)!r} has no image encoder: put "
+        raise ParamError("image_prompts", f"IP-Adapter {os.path.relpath(path, self.root)!r} has no image encoder: put "
                                          f"its CLIP vision model in an '{ENCODER}' folder beside it (or above it)")

@@ -219,7 +219,7 @@ def add_controlnet_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ip-adapter-dir", default=None, metavar="DIR",
                    help="a folder of IP-Adapters (h94's .safetensors layout, their CLIP vision model in an "
                         "image_encoder folder beside or above them); requests name them by their path without the "
-                        "suffix (image_prompt: {model, images, scale})")
+                        "suffix (image_prompts: {model, images, scale})")
 
 
 def add_lora_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """The conditioning routes (issue 32): `GET /v1/controlnets` (the ControlNets requests' `controls` may name: the
 `--controlnet-dir` folder's and the model's built-in ones), `POST /v1/controlnets/preview` (a control image through
 its preprocessor and resize mode, as the engine will prepare it: the playground shows it before generating) and
-`GET /v1/ip-adapters` (the IP-Adapters an `image_prompt` may name). All torch-free: the preview runs
+`GET /v1/ip-adapters` (the IP-Adapters an `image_prompts` may name). All torch-free: the preview runs
 control_maps.py (OpenCV for canny, imported then) on a thread.
 """
 
@@ -51,7 +51,7 @@ def add_control_routes(app: FastAPI, config: ServerConfig, prompt_limit: int) ->
 
     @app.get("/v1/ip-adapters")
     async def ip_adapters() -> Response:
-        """The IP-Adapters image prompts may name (`image_prompt: {"model", "images", "scale"}`)."""
+        """The IP-Adapters image prompts may name (`image_prompts: {"model", "images", "scale"}`)."""
         names = await asyncio.to_thread(adapters.listing) if adapters is not None else {}
         return JSONResponse({"object": "list", "data": [{"name": n} for n in names]})
 

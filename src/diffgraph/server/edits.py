@@ -78,7 +78,7 @@ class ImageEditForm(BaseModel):
     # (or as base64 in its "image")
     controls: Json[list[FormControlRef]] | None = None
     # a JSON text field: {"model": "sd15/ip-adapter_sd15", "scale": 0.6}, its images the file parts image_prompt_<i>
-    image_prompt: Json[FormImagePromptRef] | None = None
+    image_prompts: Json[FormImagePromptRef] | None = None
 
     @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
                      "clip_skip", "eta", "partial_images", mode="before")
@@ -100,7 +100,7 @@ class ImageEditForm(BaseModel):
     def generation(self) -> ImageGenerationRequest:
         """The same fields as a generations request (for the shared checks and request building)."""
         return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras", "preview",
-                                                                                 "controls", "image_prompt"}),
+                                                                                 "controls", "image_prompts"}),
                                                       loras=self.loras, preview=self.preview)
 
 

@@ -55,9 +55,9 @@ class ImagePromptRef(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: StrictStr
     images: list[StrictStr]
     scale: StrictFloat = 1.0
+    model: StrictStr | None = None  # None: the server's only IP-Adapter
 
 
 class PreviewBody(BaseModel):
@@ -94,7 +94,7 @@ class ImageGenerationRequest(BaseModel):
     stream: StrictBool = False
     loras: list[LoraRef] | None = None  # up to 4 adapters for this request alone
     controls: list[ControlRef] | None = None  # up to 3 ControlNet controls (--controlnet-dir)
-    image_prompt: ImagePromptRef | None = None  # an IP-Adapter image prompt (--ip-adapter-dir)
+    image_prompts: ImagePromptRef | None = None  # an IP-Adapter image prompt (--ip-adapter-dir)
     prompt_syntax: StrictStr | None = None       # "plain" | "a1111"; None: the server's --prompt-syntax
     clip_skip: StrictInt | None = None           # None: the server's --clip-skip
     emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"

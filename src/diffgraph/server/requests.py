@@ -59,7 +59,7 @@ def cpu_pixel_limit(info: ModelInfo, step_s: float, request_timeout: float) -> i
 
 def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
                         edit: EditInput | None = None, controls: list | tuple = (),
-                        image_prompt: dict | None = None) -> GenerationRequest:
+                        image_prompts: dict | None = None) -> GenerationRequest:
     """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
     if params.model is not None and params.model != info.name:
         raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
@@ -69,8 +69,8 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
                        param="response_format")
     if params.controls and not controls:  # not decoded by the route (a batch job's item): its images are base64
         controls = decode_controls(params.controls, config.max_image_bytes, config.max_image_pixels)
-    if params.image_prompt is not None and image_prompt is None:
-        image_prompt = decode_image_prompt(params.image_prompt, config.max_image_bytes, config.max_image_pixels)
+    if params.image_prompts is not None and image_prompts is None:
+        image_prompts = decode_image_prompt(params.image_prompts, config.max_image_bytes, config.max_image_pixels)
     kwargs = params.request_params()
     if kwargs["prompt_syntax"] is None:
         kwargs["prompt_syntax"] = config.prompt_syntax
@@ -78,7 +78,7 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
         kwargs["clip_skip"] = config.clip_skip
     try:
         request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
-                                           image=edit, controls=controls, image_prompt=image_prompt, **kwargs)
+                                           image=edit, controls=controls, image_prompts=image_prompts, **kwargs)
     except ParamError as e:
         raise error_from_param_error(e) from None
     for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)

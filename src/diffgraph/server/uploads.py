@@ -109,18 +109,18 @@ def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: i
 
 def decode_image_prompt(ref: ImagePromptRef | None, max_bytes: int, max_pixels: int,
                         files: dict[str, bytes] | None = None) -> dict[str, Any] | None:
-    """A body's `image_prompt` with its images decoded (GenerationRequest.create checks the rest): base64 in its
+    """A body's `image_prompts` with its images decoded (GenerationRequest.create checks the rest): base64 in its
     `images`, or (the edits form) the file parts image_prompt_<i>."""
     files = files or {}
     parts = [p for p in PROMPT_FILES if p in files]
     if ref is None:
         if parts:
-            raise APIError(400, f"file part {parts[0]} has no image_prompt field; add one ({{\"model\": ...}}), or "
+            raise APIError(400, f"file part {parts[0]} has no image_prompts field; add one ({{\"model\": ...}}), or "
                                 "leave the part out", param=parts[0])
         return None
     if (ref.images is None) == (not parts):
-        raise APIError(400, "image_prompt needs its images once: as the file parts image_prompt_0, image_prompt_1 or "
-                            "as base64 in its images field", param="image_prompt.images")
+        raise APIError(400, "image_prompts needs its images once: as the file parts image_prompt_0, image_prompt_1 or "
+                            "as base64 in its images field", param="image_prompts.images")
     images = ([decode_upload(p, files[p], max_bytes, max_pixels) for p in parts] if ref.images is None else
-              [decode_b64(f"image_prompt.images[{i}]", t, max_bytes, max_pixels) for i, t in enumerate(ref.images)])
+              [decode_b64(f"image_prompts.images[{i}]", t, max_bytes, max_pixels) for i, t in enumerate(ref.images)])
     return {"model": ref.model, "scale": ref.scale, "images": [eight_bit(i).convert("RGB") for i in images]}

@@ -24,7 +24,7 @@
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
     image: "image", mask: "image", strength: "strength", loras: "lora", prompt_syntax: "prompt-syntax",
-    model: "model", controls: "control-model", image_prompt: "ip-model",
+    model: "model", controls: "control-model", image_prompts: "ip-model",
   };
   const FIELDS = ["model", "prompt", "negative-prompt", "prompt-syntax", "size", "steps", "guidance", "sampler",
     "schedule", "seed", "n", "image", "strength", "lora", "control-model", "ip-model"];
@@ -73,7 +73,7 @@
     if (s.edit) parts.unshift(s.strength ? `${s.edit} (strength ${s.strength})` : s.edit);
     if (s.lora) parts.push(`${s.lora} ×${s.lora_scale}`);
     if (s.control) parts.push(`control ${s.control.model} ×${s.control.scale}`);
-    if (s.image_prompt) parts.push(`image prompt ${s.image_prompt.model} ×${s.image_prompt.scale}`);
+    if (s.image_prompts) parts.push(`image prompt ${s.image_prompts.model} ×${s.image_prompts.scale}`);
     if (s.guidance !== "") parts.push(`cfg ${s.guidance}`);
     if (Number(s.n) > 1) parts.push(`${s.n} images`);
     if (s.model && app.picker && app.picker.several()) parts.unshift(s.model);
@@ -306,7 +306,7 @@
       lora: $("lora").value,
       lora_scale: $("lora-scale").value.trim(),
       control: app.controls.settings(),  // without its image (the history keeps settings only)
-      image_prompt: app.imagePrompt.settings(),
+      image_prompts: app.imagePrompt.settings(),
     };
   }
 
@@ -353,7 +353,7 @@
     $("lora").value = s.lora && adapters.includes(s.lora) ? s.lora : "";
     $("lora-scale").value = s.lora_scale || "1";
     app.controls.restore(s.control);
-    app.imagePrompt.restore(s.image_prompt);
+    app.imagePrompt.restore(s.image_prompts);
     for (const id of ["size", "steps", "guidance", "sampler", "schedule"]) $(id).dataset.touched = "true";
     clearErrors();
   }
@@ -372,7 +372,7 @@
   /* Shows `message` at the field that edits body field `param`, or near the Generate button. */
   function showError(param, message) {
     const field = FIELD_FOR_PARAM[param] || (param && param.startsWith("controls") ? "control-model"
-      : param && param.startsWith("image_prompt") ? "ip-model" : undefined);
+      : param && param.startsWith("image_prompts") ? "ip-model" : undefined);
     if (!field || $(field).closest("[hidden]")) {  // a field not shown (one model: no picker) says it near Generate
       $("error-general").textContent = message;
       return;
@@ -426,7 +426,7 @@
     if (s.guidance !== "") body.guidance_scale = Number(s.guidance);
     if (s.lora) body.loras = [{ name: s.lora, scale: Number(s.lora_scale) }];
     if (control) body.controls = [control];
-    if (imagePrompt) body.image_prompt = imagePrompt;
+    if (imagePrompt) body.image_prompts = imagePrompt;
     let json = JSON.stringify(body);
     if (s.seed !== "") json = `${json.slice(0, -1)},"seed":${BigInt(s.seed).toString()}}`;
     return json;
@@ -466,7 +466,7 @@
     if (s.strength !== "") fields.strength = s.strength;
     if (s.lora) fields.loras = JSON.stringify([{ name: s.lora, scale: Number(s.lora_scale) }]);
     if (edit.control) fields.controls = JSON.stringify([edit.control.settings]);  // its map: control_image_0
-    if (edit.imagePrompt) fields.image_prompt = JSON.stringify(edit.imagePrompt.settings);  // image_prompt_<i>
+    if (edit.imagePrompt) fields.image_prompts = JSON.stringify(edit.imagePrompt.settings);  // image_prompt_<i>
     for (const [k, v] of Object.entries(fields)) form.append(k, String(v));
     form.append("image", edit.file, edit.file.name || "image.png");
     if (edit.control) form.append("control_image_0", edit.control.file, edit.control.file.name || "control.png");

@@ -125,7 +125,7 @@ window.DiffgraphControls = (() => {
   }
 
   /* The image prompt (IP-Adapter): an adapter the server serves (GET /v1/ip-adapters), one or two images and a
-   * scale; sent as `image_prompt` (JSON: the images as data URLs; the edits form: its file parts image_prompt_<i>). */
+   * scale; sent as `image_prompts` (JSON: the images as data URLs; the edits form: its file parts image_prompt_<i>). */
   function createImagePrompt({ $, headers }) {
     const state = { files: [], dataUrls: [] };
 
@@ -137,9 +137,9 @@ window.DiffgraphControls = (() => {
     function localErrors() {
       const s = settings();
       if ($("ip-model").value && !state.files.length) {
-        return [["image_prompt", "Choose one or two images for the image prompt, or set the adapter to none."]];
+        return [["image_prompts", "Choose one or two images for the image prompt, or set the adapter to none."]];
       }
-      if (s && !Number.isFinite(s.scale)) return [["image_prompt", "Enter the image prompt's scale as a number."]];
+      if (s && !Number.isFinite(s.scale)) return [["image_prompts", "Enter the image prompt's scale as a number."]];
       return [];
     }
 
