@@ -76,11 +76,11 @@ def test_failing_step_fails_only_its_batch():
         real = e.runner.step
         calls = {"n": 0}
 
-        def flaky(key, n, coefs, noise=None, stack=0):
+        def flaky(key, n, coefs, noise=None, stack=0, parts=None):
             if key == (96, 64) and calls["n"] == 0:
                 calls["n"] += 1
                 raise RuntimeError("simulated CUDA error")
-            return real(key, n, coefs, noise, stack)
+            return real(key, n, coefs, noise, stack, parts)
 
         e.runner.step = flaky
         bad = [e.submit(e.make_request("x", height=96, num_inference_steps=3, seed=i)) for i in range(2)]

@@ -167,10 +167,10 @@ def test_a_part_with_a_declared_length_over_its_limit_is_a_400_naming_its_size(s
                    data={"prompt": "a fox"}, headers=AUTH, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "image", r.text
     assert f"image has {len(image)} bytes; the limit is {20 * MiB}" in r.json()["error"]["message"]
-    files = {"image": ("a.png", b"x", "image/png"), "mask": ("m.png", b"x", "image/png"),
-             "extra": ("e.png", b"x", "image/png")}
+    from diffgraph.server.edits import FILES  # image, mask, the control maps and the image prompt's images
+    files = {**{name: (f"{name}.png", b"x", "image/png") for name in FILES}, "extra": ("e.png", b"x", "image/png")}
     r = httpx.post(f"{server.url}/v1/images/edits", files=files, data={"prompt": "a fox"}, headers=AUTH, timeout=60)
-    assert r.status_code == 400 and "more than 2 file parts" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and f"more than {len(FILES)} file parts" in r.json()["error"]["message"], r.text
 
 
 def test_a_slow_body_gets_408_after_the_body_timeout():

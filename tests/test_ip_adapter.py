@@ -318,7 +318,9 @@ def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
     from control_util import control_image, make_controlnet
     if engine.model.adapter.name != "sd":
         pytest.skip("the job path does not depend on the family: SD covers it")
-    make_controlnet(engine.model.unet, str(tmp_path / "nets" / "edges"), seed=7)
+    # a model of its own: the fixture's UNet may carry an earlier test's LoRA side paths, which from_unet cannot copy
+    fresh = Engine(model="random:tiny", device="cpu", dtype="fp32")
+    make_controlnet(fresh.model.unet, str(tmp_path / "nets" / "edges"), seed=7)
     b64 = lambda im: base64.b64encode(_png(im)).decode()
     item = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 9, "sampler": "euler",
             "controls": [{"model": "edges", "image": b64(control_image(64, 2)), "scale": 0.8}],
@@ -331,7 +333,7 @@ def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
                           str(tmp_path / "nets"), "--ip-adapter-dir", str(engine.ip_root), "-q"],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr
-    with Engine(model=engine.model, controlnet_dir=str(tmp_path / "nets"), ip_adapter_dir=str(engine.ip_root)) as e:
+    with fresh, Engine(model=fresh.model, controlnet_dir=str(tmp_path / "nets"), ip_adapter_dir=str(engine.ip_root)) as e:
         want = e.generate(PROMPT, num_inference_steps=3, seed=9, sampler="euler",
                           controls=[dict(model="edges", image=control_image(64, 2), scale=0.8)],
                           image_prompts=dict(model="base", images=[picture(21)], scale=0.7)).arrays[0]
