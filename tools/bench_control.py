@@ -34,6 +34,8 @@ def main() -> int:
     p.add_argument("--size", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="the compile tier (Inductor's kernels in the graphs)")
     p.add_argument("--image-prompts", action="store_true", help="also rows with an IP-Adapter image prompt")
+    p.add_argument("--buckets", default="1,2,4,8,16",
+                   help="graph buckets (the cases need 4 and 16; fewer buckets make the compile tier's start shorter)")
     args = p.parse_args()
     from diffusers import ControlNetModel
     size = args.size or (1024 if "xl" in args.preset else 512)
@@ -43,7 +45,7 @@ def main() -> int:
     model = load_model(args.preset, torch.device(args.device), "fp16" if cuda else "fp32")
     for name in ("net", "net2"):
         ControlNetModel.from_unet(model.unet).save_pretrained(f"{folder}/{name}", safe_serialization=True)
-    graphs = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), resolutions=((size, size),)) if cuda else None
+    graphs = GraphConfig(batch_buckets=tuple(int(b) for b in args.buckets.split(",")), resolutions=((size, size),)) if cuda else None
     ip_dir = None
     if args.image_prompts:  # the test's random "plus" adapter, at this UNet's size
         import pathlib
@@ -92,6 +94,12 @@ def main() -> int:
                           (r["kind"], r["bucket"], r["replays"]) for r in e.runner.graph_table() if r["replays"]]}))
     plain.close()
     e.close()
+    print(f"{'bucket-16 step':34s} {'ms':>8s} {'ratio':>7s}")
+    print(f"{'plain engine (no ControlNets)':34s} {med['plain']:8.2f} {1.0:7.3f}")
+    for c, label in ((0, "no control rows"), (4, "4 rows with a ControlNet"), (16, "16 rows with a ControlNet"),
+                     ("ip4", "4 rows with an image prompt"), ("ip16", "16 rows with an image prompt")):
+        if c in med:
+            print(f"{label:34s} {med[c]:8.2f} {med[c] / med['plain']:7.3f}")
     # switching: one slot, two ControlNets of one architecture taking turns
     s = Engine(model, graphs=graphs, controlnet_dir=folder, compile=args.compile, max_controlnets=1)
 
@@ -105,12 +113,6 @@ def main() -> int:
         batch(s, 4, net)
     after = captures()
     s.close()
-    print(f"{'bucket-16 step':34s} {'ms':>8s} {'ratio':>7s}")
-    print(f"{'plain engine (no ControlNets)':34s} {med['plain']:8.2f} {1.0:7.3f}")
-    for c, label in ((0, "no control rows"), (4, "4 rows with a ControlNet"), (16, "16 rows with a ControlNet"),
-                     ("ip4", "4 rows with an image prompt"), ("ip16", "16 rows with an image prompt")):
-        if c in med:
-            print(f"{label:34s} {med[c]:8.2f} {med[c] / med['plain']:7.3f}")
     print(f"switching ControlNets in one slot: control graphs captured {before[0]} -> {after[0]}, "
           f"captured on demand or invalidated {before[1]} -> {after[1]}")
     return 0

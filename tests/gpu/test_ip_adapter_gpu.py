@@ -35,8 +35,8 @@ def test_image_prompt_graphs_equal_eager(tmp_path):
             futures = [g.submit(r) for r in reqs]
             graphed = [f.result().arrays for f in futures]
             replays = {t["kind"]: t["replays"] for t in g.runner.graph_table() if t["replays"]}
-        for a, b in zip(alone, graphed):
-            assert np.abs(a - b).max() * 255 <= 6, np.abs(a - b).max() * 255  # fp16, graph vs eager kernels
+        diffs = [float(np.abs(a - b).max() * 255) for a, b in zip(alone, graphed)]
+        assert max(diffs) <= 6, (diffs, replays)  # fp16, graph vs eager kernels
         assert replays.get("step_ipon", 0) >= 6, replays
     finally:
         eager.close()
