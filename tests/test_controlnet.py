@@ -453,3 +453,27 @@ def test_single_file_controlnets_as_automatic1111_and_comfyui_keep_them(engine, 
             assert np.abs(got - want).max() == 0, name
         with pytest.raises(ParamError, match="unknown"):
             e.generate(PROMPT, controls=[dict(model="files/not-a-net", image=image)], **kw)
+
+
+def test_the_compile_tier_graphs_the_controlnet_compiled_and_switching_compiles_nothing(engine, tmp_path):
+    """The compile tier (aot_eager on the CPU's emulated graphs): the control graphs capture the ControlNet through
+    its `Compiled` (it compiled, no fallback), the images equal eager within 1 level, and a ControlNet of the same
+    architecture taking the slot's turn compiles and captures nothing."""
+    from diffgraph import GraphConfig
+    from diffgraph.config import CompileConfig
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=engine.model, mode="graph", graphs=cfg, controlnet_dir=engine.runner.controls.root,
+                max_controlnets=1, compile=CompileConfig(backend="aot_eager", cache_dir=str(tmp_path))) as g:
+        reqs = [g.make_request(PROMPT, num_inference_steps=2, seed=60 + i, sampler="euler", guidance_scale=1.0,
+                               controls=[dict(model=m, image=control_image(64, 9 + i))])
+                for i, m in enumerate(["edges", "depth"])]
+        first = g.run(reqs[0]).arrays
+        (net,) = [c for c in g.runner.compiled if c.name == "the ControlNet"]
+        compiles, captured = net.compiles, [t["replays"] for t in g.runner.graph_table() if t["kind"] == "control1"]
+        second = g.run(reqs[1]).arrays
+        table = [t for t in g.runner.graph_table() if t["kind"] == "control1"]
+        assert net.compiles == compiles >= 1 and net.fallbacks == 0 and net.failed is None
+        assert all(t["on_demand"] == 0 and t["invalidations"] == 0 for t in table), table
+        assert sum(t["replays"] for t in table) > sum(captured) >= 1
+    for r, b in zip(reqs, (first, second)):
+        assert np.abs(engine.run(r).arrays - b).max() * 255 <= 1.0

@@ -34,6 +34,9 @@ def main() -> int:
     p.add_argument("--size", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="the compile tier (Inductor's kernels in the graphs)")
     p.add_argument("--image-prompts", action="store_true", help="also rows with an IP-Adapter image prompt")
+    p.add_argument("--cases", default="plain,0,4,16,ip4,ip16",
+                   help="which to time (the ratios are to 'plain', else to '0': a step of this engine with no control "
+                        "rows); 'ip' cases need --image-prompts")
     p.add_argument("--buckets", default="1,2,4,8,16",
                    help="graph buckets (the cases need 4 and 16; fewer buckets make the compile tier's start shorter)")
     args = p.parse_args()
@@ -57,7 +60,7 @@ def main() -> int:
         make_ip_adapter(model.unet, ip_dir, "base", seed=1)  # writes the image encoder folder too
         make_plus_ip_adapter(model.unet, ip_dir, "plus", seed=2)
         prompt_image = np.asarray(picture(1))
-    plain = Engine(model, graphs=graphs, compile=args.compile)
+    plain = Engine(model, graphs=graphs, compile=args.compile) if "plain" in args.cases.split(",") else None
     e = Engine(model, graphs=graphs, controlnet_dir=folder, compile=args.compile,
                ip_adapter_dir=str(ip_dir) if ip_dir else None)
     image = np.zeros((size, size, 3), np.uint8)
@@ -79,7 +82,9 @@ def main() -> int:
         times = [s.elapsed_time(t) for s, t, _ in e.core.step_events]
         return statistics.median(times)
 
-    cases = ("plain", 0, 4, 16) + (("ip4", "ip16") if args.image_prompts else ())
+    cases = tuple(c if c in ("plain", "ip4", "ip16") else int(c) for c in args.cases.split(","))
+    cases = tuple(c for c in cases if args.image_prompts or c not in ("ip4", "ip16"))
+    base = "plain" if "plain" in cases else 0
     run = {"plain": lambda: batch(plain, 0), 0: lambda: batch(e, 0), 4: lambda: batch(e, 4), 16: lambda: batch(e, 16),
            "ip4": lambda: batch(e, 0, prompted=4), "ip16": lambda: batch(e, 0, prompted=16)}
     for c in cases:  # warm every variant (captures and compiles happen here, not in the timed rounds)
@@ -92,20 +97,23 @@ def main() -> int:
     print(json.dumps({"preset": args.preset, "size": size, "compile": args.compile,
                       "step_ms": {str(k): v for k, v in rows.items()}, "graphs": [
                           (r["kind"], r["bucket"], r["replays"]) for r in e.runner.graph_table() if r["replays"]]}))
-    plain.close()
+    if plain is not None:
+        plain.close()
     e.close()
     print(f"{'bucket-16 step':34s} {'ms':>8s} {'ratio':>7s}")
-    print(f"{'plain engine (no ControlNets)':34s} {med['plain']:8.2f} {1.0:7.3f}")
+    if "plain" in med:
+        print(f"{'plain engine (no ControlNets)':34s} {med['plain']:8.2f} {1.0:7.3f}")
     for c, label in ((0, "no control rows"), (4, "4 rows with a ControlNet"), (16, "16 rows with a ControlNet"),
                      ("ip4", "4 rows with an image prompt"), ("ip16", "16 rows with an image prompt")):
         if c in med:
-            print(f"{label:34s} {med[c]:8.2f} {med[c] / med['plain']:7.3f}")
+            print(f"{label:34s} {med[c]:8.2f} {med[c] / med[base]:7.3f}")
     # switching: one slot, two ControlNets of one architecture taking turns
     s = Engine(model, graphs=graphs, controlnet_dir=folder, compile=args.compile, max_controlnets=1)
 
-    def captures() -> tuple[int, int]:
+    def captures() -> tuple[int, int, int]:
         table = [r for r in s.runner.graph_table() if r["kind"].startswith("control")]
-        return sum(r["status"] == "captured" for r in table), sum(r["on_demand"] + r["invalidations"] for r in table)
+        return (sum(r["status"] == "captured" for r in table), sum(r["on_demand"] + r["invalidations"] for r in table),
+                sum(c.compiles for c in s.runner.compiled))
 
     batch(s, 4, "net")
     before = captures()
@@ -114,7 +122,7 @@ def main() -> int:
     after = captures()
     s.close()
     print(f"switching ControlNets in one slot: control graphs captured {before[0]} -> {after[0]}, "
-          f"captured on demand or invalidated {before[1]} -> {after[1]}")
+          f"captured on demand or invalidated {before[1]} -> {after[1]}, compiled {before[2]} -> {after[2]}")
     return 0
 
 

@@ -12,6 +12,10 @@ object in that slot (the first ControlNet loaded into it, or one of another arch
 architecture is copied into the slot's module in place (engine/controlnets.py), so switching between loaded
 ControlNets never captures. Where a call does not fit the static inputs (a step with longer prompt windows than the
 first one seen: another token count) or no graph covers it, the ControlNet runs eagerly on the gathered rows.
+
+In the compile tier the graphs capture the ControlNet compiled by Inductor (one `Compiled` for every slot: the batch
+is dynamic, so one compile serves the buckets above 1 of a resolution, and ControlNets of one architecture share
+it, the weights being graph inputs); the eager paths run the plain call.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from ..config import CompileConfig
+from ..graphs.compiled import Compiled
 from ..graphs.runner import GraphRunner, StatelessGraphable
 
 logger = logging.getLogger(__name__)
@@ -28,6 +34,12 @@ logger = logging.getLogger(__name__)
 # (net, x, t, conditioning, row inputs, control image) -> (down-block residuals, mid-block residual): the family's
 NetCall = Callable[[Any, torch.Tensor, torch.Tensor, dict, dict, torch.Tensor],
                    tuple[Sequence[torch.Tensor], torch.Tensor]]
+
+
+def _batch_tensors(args: tuple) -> list[torch.Tensor]:
+    """The tensors of a `NetCall`'s arguments whose first dimension is the gathered rows (all of them)."""
+    _net, x, t, cond, inputs, image = args
+    return [x, t, image, *cond.values(), *inputs.values()]
 
 
 class SlotModules(Protocol):
@@ -94,6 +106,7 @@ class ControlRunner:
 
     def __init__(self, nets: SlotModules, call: NetCall):
         self._nets, self._net_call = nets, call
+        self._graphed_call: NetCall = call  # what the graphs capture: `call`, or it compiled (compile tier)
         self._graphs: GraphRunner | None = None
         self._resolutions: tuple[tuple[int, int], ...] = ()
         self._buckets: tuple[int, ...] = ()
@@ -101,12 +114,20 @@ class ControlRunner:
         # (slot, resolution) -> the module its graphs were captured on
         self._captured: dict[tuple[int, tuple[int, int]], torch.nn.Module] = {}
 
-    def attach(self, graphs: GraphRunner, resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...]) -> None:
-        """Graph the ControlNets at these resolutions and gathered buckets (the step graphs' own)."""
+    def attach(self, graphs: GraphRunner, resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...],
+               compile: CompileConfig | None = None) -> list[Compiled]:
+        """Graph the ControlNets at these resolutions and gathered buckets (the step graphs' own); with `compile`,
+        the graphs hold the ControlNet compiled, and the list returned has its `Compiled` (the engine's compile
+        stats count it)."""
         self._graphs, self._resolutions, self._buckets = graphs, resolutions, buckets
+        if compile is None:
+            return []
+        compiled = Compiled(self._net_call, compile, "the ControlNet", _batch_tensors)
+        self._graphed_call = compiled
+        return [compiled]
 
     def _call(self, slot: int, args: tuple) -> tuple:
-        return self._net_call(self._nets.module(slot), *args)
+        return self._graphed_call(self._nets.module(slot), *args)
 
     def run(self, slot: int, x: torch.Tensor, t: torch.Tensor, cond: dict, inputs: dict,
             image: torch.Tensor) -> tuple[Sequence[torch.Tensor], torch.Tensor]:

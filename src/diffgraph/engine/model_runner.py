@@ -10,10 +10,9 @@ shape, decode, sampler plan) comes from its family adapter; the runner knows no 
 
 All CUDA work runs on the runner's device: the engine core's loop thread calls `bind_thread()` first, start-up
 work runs under `on_device()`, and events are recorded on that device's current stream. Per step the host
-fills one pinned coefficient table (double-buffered, guarded by an event) and issues async copies: no
-allocation on the device and no synchronisation on the replay path. In graph mode each kind (step, text,
-vae) replays a CUDA graph where the runner covers the shape (rows padded to the bucket), eagerly otherwise,
-with identical results.
+fills one pinned coefficient table (double-buffered, guarded by an event) and issues async copies: no allocation
+on the device and no synchronisation on the replay path. In graph mode each kind (step, text, vae) replays a CUDA
+graph where the runner covers the shape (rows padded to the bucket), eagerly otherwise, with identical results.
 """
 
 from __future__ import annotations
@@ -114,8 +113,9 @@ class ModelRunner:
             if mode == "graph":
                 self.graphs = self.text_encoder.graphs = make_graphs(self, compile)
                 self._graphed = tuple(self.graphs.runner.kinds["step"].resolutions())
-                if self.control_runner is not None:
-                    self.control_runner.attach(self.graphs.runner, self._graphed, self.graph_config.batch_buckets)
+                if self.control_runner is not None:  # with compile, its compiled ControlNet joins the set's
+                    self.graphs.compiled += self.control_runner.attach(
+                        self.graphs.runner, self._graphed, self.graph_config.batch_buckets, compile)
                 self.compiled, self.compile_folder = self.graphs.compiled, self.graphs.compile_folder
             elif compile is not None:  # eager mode (the CPU): the step itself runs compiled, shapes as they come
                 self.compile_folder = open_cache(compile, model, self.device)
