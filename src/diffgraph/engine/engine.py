@@ -22,6 +22,7 @@ from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
 from ..models.model import DiffusionModel
+from ..quantize.fp8 import Fp8Config, Fp8Report, quantize_linears
 from ..models.presets import DEFAULT_MODEL, builtin_control_folder, builtin_lora_folder
 from ..text.embeddings import EmbeddingDir
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
@@ -99,7 +100,7 @@ class Engine:
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
                  preview_decoder: str | None = None, max_step_failures: int = 3,
                  lora_host_bytes: int = 2 * 2**30, controlnet_dir: str | None = None, max_controlnets: int = 2,
-                 ip_adapter_dir: str | None = None):
+                 ip_adapter_dir: str | None = None, quantize: "str | Fp8Config | None" = None):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -123,6 +124,8 @@ class Engine:
                 self.model.name = name
             self.mode = mode
             loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv, lora_host_bytes)
+            # after the adapters' fusing and side paths: fused weights are quantised, side paths stay 16-bit
+            self.quantized = _quantize(self.model, quantize, shared=isinstance(model, DiffusionModel))
             if not isinstance(compile, (bool, CompileConfig)):
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
             roots = tuple(r for r in (controlnet_dir, builtin_control_folder(self.model.name)) if r)
@@ -351,6 +354,27 @@ def _ip_adapters(model: DiffusionModel, root: str) -> IPAdapters:
         return IPAdapters(root, model.unet, model.device, model.dtype)
     except ValueError as e:
         raise ParamError("ip_adapter_dir", str(e)) from None
+
+
+def _quantize(model: DiffusionModel, quantize: "str | Fp8Config | None", shared: bool) -> Fp8Report | None:
+    """The denoiser's linears in fp8 (`quantize` "fp8" or an Fp8Config), in place; None for 16 bits."""
+    if quantize is None:
+        return None
+    if isinstance(quantize, str):
+        if quantize != "fp8":
+            raise ParamError("quantize", f"quantize {quantize!r} is unknown; allowed: fp8 (or leave it unset for 16 "
+                                         "bits)")
+        quantize = Fp8Config()
+    if shared:
+        raise ParamError("quantize", "quantize changes the model's layers in place: give the engine a model name or "
+                                     "path (it loads its own copy), not a loaded DiffusionModel")
+    try:
+        report = quantize_linears(model.unet, min_features=quantize.min_features,
+                                  weight_granularity=quantize.weight_granularity)
+    except ValueError as e:
+        raise ParamError("quantize", str(e)) from None
+    logger.info("%s: %s", model.name, report.summary())
+    return report
 
 
 def _controlnets(model: DiffusionModel, roots: tuple[str, ...], slots: int) -> ControlNets:

@@ -271,6 +271,9 @@ def cache_key(model: Any, device: torch.device) -> str:
 
     configs = {"unet": settings(model.unet), "vae": settings(model.vae),
                "text": [settings(e) for e in model.text_encoders]}
+    fp8 = [n for n, b in model.unet.named_buffers() if b.dtype == torch.float8_e4m3fn]
+    if fp8:  # the denoiser's layers in fp8 (quantize/fp8.py): the traced code differs from the 16-bit model's
+        configs["fp8"] = fp8
     try:
         import triton
         triton_version = triton.__version__

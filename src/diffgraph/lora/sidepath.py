@@ -198,7 +198,9 @@ class LoraLayer(nn.Module):
             return self.base(x)
         if self._spatial:
             return self._spatial_forward(x)
-        if self.fused and kernels.available(x) and x.shape[0] == rows.idx.shape[0] \
+        # the fused kernel reads the base's weight: not for a base quantised after attach (quantize/fp8.py)
+        if self.fused and isinstance(self.base, (nn.Linear, nn.Conv2d)) and kernels.available(x) \
+                and x.shape[0] == rows.idx.shape[0] \
                 and rows.idx.shape[1] * self._slot.a.shape[1] <= kernels.max_fused_rank():
             base = self.base
             if self._conv:  # [N, C, H, W] read as [N, C, HW] in place

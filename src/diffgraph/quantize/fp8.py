@@ -145,8 +145,24 @@ class Fp8Report:
 
 
 def transformer_linears(name: str, linear: nn.Linear) -> bool:
-    """The default selection: the linears of diffusers' transformer blocks (TRANSFORMER_LINEARS), by qualified name."""
+    """The default selection: the linears of diffusers' transformer blocks (TRANSFORMER_LINEARS), by qualified name
+    (a LoRA side path's wrapped layer, `<name>.base`, by its layer's name: its side path stays 16-bit)."""
+    name = name.removesuffix(".base")
     return any(name == s or name.endswith("." + s) for s in TRANSFORMER_LINEARS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """The fp8 tier's settings (`Engine(quantize=Fp8Config(...))`; `quantize="fp8"` is the default config):
+    `quantize_linears`' `min_features` and `weight_granularity`."""
+    min_features: int = 640
+    weight_granularity: str = "channel"
+
+    def __post_init__(self) -> None:
+        _check_granularity(self.weight_granularity)
+        if self.min_features < 16:
+            raise ValueError(f"min_features {self.min_features} is below 16, the smallest width fp8 runs at; use 16 "
+                             f"or more")
 
 
 def quantize_linears(module: nn.Module, *, min_features: int = 640,
