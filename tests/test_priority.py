@@ -136,8 +136,9 @@ def test_a_failed_step_fails_the_rows_it_preempted_before_they_were_saved():
     assert sorted(ids(sched.fail(p))) == ["b", "person"] and not sched.has_work()
 
 
-@pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler_a"])  # sampler history, and noise drawn every step
-def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_engine, sampler):
+# D_prev, noise drawn every step, three history slots (LMS), a two-evaluation sampler's slot (Heun)
+@pytest.mark.parametrize("sampler, slots", [("dpmpp_2m", 0), ("euler_a", 0), ("lms", 3), ("heun", 1)])
+def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_engine, sampler, slots):
     from diffgraph import GenerationRequest
     eng = tiny_engine
     size = eng.info.native_size
@@ -154,7 +155,7 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
     alone = [eng.run(dataclasses.replace(r, request_id=r.request_id + "-alone")).arrays for r in jobs]
     person = make(99, "interactive", 3)
     person_alone = eng.run(dataclasses.replace(person, request_id="alone")).arrays
-    plans, futures = [], []
+    plans, futures, saved = [], [], []
 
     mine = {r.request_id for r in jobs}
 
@@ -162,6 +163,7 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
         if not mine.intersection(s.request_id for s in plan.live):
             return
         plans.append(([s.request_id for s in plan.live], [s.request_id for s, _ in plan.preempted]))
+        saved.extend(sorted(k for k in s.saved if k.startswith("hist.")) for s, _ in plan.preempted)
         if len(plans) == 2:  # the group is full of batch rows and has stepped twice: a person arrives
             futures.append(eng.submit(person))
 
@@ -176,6 +178,8 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
     assert len(plans[0][0]) == 4 and not plans[0][1]
     live, preempted = plans[2]
     assert person.request_id in live and preempted  # the next step: the person runs, a batch request gave way
+    # its saved state: the history slots its sampler declares, and no others
+    assert saved and all(names == [f"hist.h{k}" for k in range(1, slots + 1)] for names in saved)
     for res, ref in zip(results, alone):  # within the isolation tolerance (batch shapes change the float sums)
         np.testing.assert_allclose(res.arrays, ref, atol=1e-4, rtol=0)
     np.testing.assert_allclose(person_result.arrays, person_alone, atol=1e-4, rtol=0)

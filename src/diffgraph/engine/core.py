@@ -231,7 +231,7 @@ class EngineCore:
             start.record(torch.cuda.current_stream(self.runner.device))
         try:
             for s, row in plan.preempted:  # batch rows giving way: their whole state, saved where they were
-                s.saved = self.runner.buffers(plan.key).save_rows(row, s.rows)
+                s.saved = self.runner.buffers(plan.key).save_rows(row, s.rows, s.plan.history)
             for src, dst, count in plan.moves:  # compaction first: admitted rows go after the packed ones
                 self.runner.move_rows(plan.key, src, dst, count)
             for s in plan.resumed:  # preempted rows back where they stopped: nothing is drawn or encoded again

@@ -45,6 +45,10 @@ class FieldSpec:
     # indexed by denoiser row and written anew every step (ControlNet residuals): no row state, never compacted,
     # saved or written at admission
     transient: bool = False
+    # a sampler's history slot (1..HISTORY_SLOTS; 0: not one): row state only for the rows of a request whose sampler
+    # declares at least this many slots (`SamplerPlan.history`); the others hold the neutral value, and a preemption
+    # neither saves nor restores the slot for them (it is written neutral where they resume)
+    history_slot: int = 0
 
     def fill(self, t: torch.Tensor) -> None:
         """Writes the neutral value into `t` ([rows, *shape])."""

@@ -8,6 +8,8 @@ keeps none, so rows of every sampler share one step and its replays. Fields: `hi
 with empty history); after the base update, x_next gains E1 * H1 + E2 * H2 + E3 * H3 and the slots take their new
 values (`sampling.table.apply_history`, the tested reference itself). The update costs a few elementwise passes over
 the latents, nothing beside the denoiser, so it runs in every step rather than as a variant with its own graphs.
+The group's step buffers hold the slots for every row (a shared replay reads them all); a request's own row state
+holds only the slots its sampler declares (`FieldSpec.history_slot`): a preempted row saves and restores those alone.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class SamplerHistory(RowFeature):
     name = "hist"
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
-        return {name: FieldSpec(latent_shape, torch.float32) for name in SLOT_FIELDS}
+        return {name: FieldSpec(latent_shape, torch.float32, history_slot=k) for k, name in enumerate(SLOT_FIELDS, 1)}
 
     def after_update(self, view: StepView, x_next: torch.Tensor, denoised: torch.Tensor) -> torch.Tensor:
         f = view.fields

@@ -87,15 +87,25 @@ class StepBuffers:
         for t in self.state.values():
             t[dst:dst + count] = t[src:src + count].clone()
 
-    def save_rows(self, start: int, count: int) -> dict[str, torch.Tensor]:
-        """A copy of rows [start, start+count) of every buffer: a preempted row's whole state (latents, sampler
-        history, conditioning, every feature's fields), for `restore_rows`."""
-        return {k: t[start:start + count].clone() for k, t in self.state.items()}
+    def save_rows(self, start: int, count: int, history: int) -> dict[str, torch.Tensor]:
+        """A copy of rows [start, start+count) of every buffer a request's rows carry: a preempted row's whole state
+        (latents, conditioning, every feature's fields, and the `history` sampler slots its sampler declares), for
+        `restore_rows`."""
+        return {k: t[start:start + count].clone() for k, t in self.state.items() if self._carried(k, history)}
 
     def restore_rows(self, start: int, saved: dict[str, torch.Tensor]) -> None:
-        """Writes rows saved by `save_rows` back at rows [start, ...) (wherever the row resumes)."""
-        for k, t in saved.items():
-            self.fields[k][start:start + t.shape[0]] = t
+        """Writes rows saved by `save_rows` back at rows [start, ...) (wherever the row resumes); the state fields it
+        did not carry (history slots its sampler does not use) take their neutral value there."""
+        count = next(iter(saved.values())).shape[0]
+        for k, t in self.state.items():
+            if k in saved:
+                t[start:start + count] = saved[k]
+            else:
+                self.specs[k].fill(t[start:start + count])
+
+    def _carried(self, name: str, history: int) -> bool:
+        spec = self.specs.get(name)
+        return spec is None or spec.history_slot <= history
 
     def write(self, rows: slice, values: dict[str, torch.Tensor | float]) -> None:
         """Writes an admitted request's feature fields (one row broadcast, or every row); the features' fields it
