@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from diffgraph.models.loader import load_model
-from diffgraph.quantize import Fp8Linear, SkipReason, quantize_linears, relative_error
+from diffgraph.quantize import Fp8Linear, SkipReason, quantize_linears, quantize_rows, relative_error
 
 E4M3 = torch.float8_e4m3fn
 
@@ -56,9 +56,9 @@ def test_fp8_linear_equals_the_dequantised_reference(granularity, bias, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_16_bit_layer_keeps_its_dtype(dtype):
+def test_a_16_bit_layer_answers_in_its_dtype(dtype):
     layer = Fp8Linear.from_linear(_linear(64, 32, dtype=dtype))
-    assert layer.bias.dtype == dtype
+    assert layer.bias.dtype == torch.float32  # kept in the matmul's output dtype (bfloat16 on CUDA): never cast per call
     x = _randn(2, 5, 64, dtype=dtype)
     y = layer(x)
     assert y.dtype == dtype
@@ -121,7 +121,8 @@ def test_the_op_traces_under_torch_compile():
     x = _randn(2, 7, 64)
     layer = Fp8Linear.from_linear(_linear(64, 32))
     # opcheck's test_schema multiplies the inputs, which torch cannot do on float8 tensors: the other checks run
-    torch.library.opcheck(torch.ops.diffgraph.fp8_linear.default, (x, layer.weight, layer.weight_scale, layer.bias),
+    qx, scale_x = quantize_rows(x.reshape(-1, 64))
+    torch.library.opcheck(torch.ops.diffgraph.fp8_mm.default, (qx, scale_x, layer.weight, layer.weight_scale, layer.bias),
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
     model = nn.Sequential(layer, nn.GELU(), Fp8Linear.from_linear(_linear(32, 16, bias=False), "tensor"))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)

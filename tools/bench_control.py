@@ -60,7 +60,8 @@ def main() -> int:
         make_ip_adapter(model.unet, ip_dir, "base", seed=1)  # writes the image encoder folder too
         make_plus_ip_adapter(model.unet, ip_dir, "plus", seed=2)
         prompt_image = np.asarray(picture(1))
-    plain = Engine(model, graphs=graphs, compile=args.compile) if "plain" in args.cases.split(",") else None
+    names = args.cases.split(",")
+    plain = Engine(model, graphs=graphs, compile=args.compile) if "plain" in names else None
     e = Engine(model, graphs=graphs, controlnet_dir=folder, compile=args.compile,
                ip_adapter_dir=str(ip_dir) if ip_dir else None)
     image = np.zeros((size, size, 3), np.uint8)
@@ -82,7 +83,7 @@ def main() -> int:
         times = [s.elapsed_time(t) for s, t, _ in e.core.step_events]
         return statistics.median(times)
 
-    cases = tuple(c if c in ("plain", "ip4", "ip16") else int(c) for c in args.cases.split(","))
+    cases = tuple(c if c in ("plain", "ip4", "ip16") else int(c) for c in names)
     cases = tuple(c for c in cases if args.image_prompts or c not in ("ip4", "ip16"))
     base = "plain" if "plain" in cases else 0
     run = {"plain": lambda: batch(plain, 0), 0: lambda: batch(e, 0), 4: lambda: batch(e, 4), 16: lambda: batch(e, 16),

@@ -1,80 +1,162 @@
-"""A first look at fp8 linears on the GPU (issue 33): random:sd15's UNet in fp16 at a batch of 16 rows, 512x512,
-eager and in one CUDA graph each, with the transformer linears of in_features >= --min-features in fp8
-(diffgraph.quantize) against the 16-bit UNet: the forward's time (CUDA events, median of --reps) and the relative L2
-error of its output, and whether the fp8 graph's replay equals its eager forward.
+"""Where fp8 linears pay on the GPU (issue 33), in two parts, fp16 against fp8 side by side in one process:
 
-    python3 tools/probe_fp8.py [--rows 16] [--min-features 640]    # on the GPU host
+  widths: one transformer linear of SD1.5 at 512x512 (a LayerNorm, then the Linear: what a block's projection sees),
+          for each (tokens, in, out) the UNet runs, at a bucket of --rows images with CFG (2 denoiser rows each):
+          its time in one CUDA graph, eager and (with --compile) compiled by Inductor then captured, as the compile
+          tier does; so the table says from which width on fp8 pays, eager and fused.
+  step:   a bucket-`--rows` step of the engine (CFG 7.5, so 2 x rows denoiser rows; the engine's CUDA step events,
+          median over rounds), a 16-bit engine and an fp8 engine (`Engine(quantize=Fp8Config(min_features))`),
+          each loading its own copy of the preset, in the graph tier or, with --compile, the compile tier; and the relative
+          L2 error of one UNet output of the fp8 model against the 16-bit one; with --split, where each step's
+          device time goes (convolutions, matmuls, fp8 matmuls, attention, Inductor's fused code, copies).
+
+    python3 tools/probe_fp8.py widths [--compile]                  # on the GPU host
+    python3 tools/probe_fp8.py step --preset random:sd15 [--compile] [--split] [--rows 16] [--min-features 640]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import pathlib
 import statistics
+import sys
 
 import torch
+from torch import nn
 
-from diffgraph.models.loader import load_model
-from diffgraph.quantize import quantize_linears, relative_error
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from probe_layout import graph_ms  # noqa: E402  (the probes' timer: one capture, replays)
+
+from diffgraph import Engine, GraphConfig  # noqa: E402
+from diffgraph.quantize import Fp8Config, Fp8Linear, relative_error  # noqa: E402
+
+# SD1.5's transformer linears at 512x512: (tokens a row, in_features, out_features); geglu's proj is out 2 x 4C
+SD15_LINEARS = ((4096, 320, 320), (4096, 320, 2560), (4096, 1280, 320), (1024, 640, 640), (1024, 640, 5120),
+                (1024, 2560, 640), (256, 1280, 1280), (256, 1280, 10240), (256, 5120, 1280))
 
 
-def timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
+def _compiled(fn):
+    return torch.compile(fn, backend="inductor", dynamic=False, options={"triton.cudagraphs": False})
+
+
+def widths(args: argparse.Namespace) -> None:
+    dev = torch.device("cuda")
+    rows = 2 * args.rows
+    print(f"{'tokens x in -> out (' + str(rows) + ' rows)':34s} {'fp16 ms':>8s} {'fp8 ms':>8s} {'fp8/fp16':>9s}"
+          + (f" {'fp16 comp':>9s} {'fp8 comp':>9s} {'fp8/fp16':>9s}" if args.compile else ""))
+    for tokens, k, n in SD15_LINEARS:
+        x = torch.randn(rows, tokens, k, device=dev, dtype=torch.float16)
+        norm = nn.LayerNorm(k).to(dev, torch.float16)
+        lin = nn.Linear(k, n).to(dev, torch.float16)
+        q = Fp8Linear.from_linear(lin)
+        plain = [graph_ms(lambda m=m: m(norm(x))) for m in (lin, q)]
+        line = f"{f'{tokens} x {k} -> {n}':34s} {plain[0]:8.3f} {plain[1]:8.3f} {plain[1] / plain[0]:9.3f}"
+        if args.compile:
+            fused = []
+            for m in (lin, q):
+                fn = _compiled(lambda m=m: m(norm(x)))
+                with torch.no_grad():
+                    fn()
+                fused.append(graph_ms(fn))
+            line += f" {fused[0]:9.3f} {fused[1]:9.3f} {fused[1] / fused[0]:9.3f}"
+        print(line)
+
+
+# kernel name fragments -> the category a step's device time is split into (the first match wins)
+KERNEL_KINDS = (("fp8 matmul", ("scaled_mm", "f8", "e4m3")), ("attention", ("flash", "fmha", "attention", "sdpa")),
+                ("convolution", ("conv", "implicit", "dgrad", "wgrad", "nchw", "nhwc")),
+                ("matmul", ("gemm", "cutlass", "xmma", "sm90", "matmul")), ("Inductor's fused code", ("triton",)))
+
+
+def kernel_split(run, steps: int) -> dict[str, float]:
+    """Device milliseconds per step of each kernel category over one `run()` (torch.profiler's CUDA kernels, those
+    of graph replays included), with the names of the largest 'other' kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    split: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
+        if not us:
+            continue
+        name = evt.key.lower()
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+        if "memcpy" in name or "memset" in name:
+            kind = "copies"
+        split[kind] = split.get(kind, 0.0) + us / 1000 / steps
+    return split
+
+
+def step(args: argparse.Namespace) -> None:
+    dev = torch.device("cuda")
+    size = args.size or (1024 if "xl" in args.preset else 512)
+    graphs = GraphConfig(batch_buckets=(args.rows,), resolutions=((size, size),))
+    engines = {"16-bit": Engine(args.preset, device="cuda", graphs=graphs, compile=args.compile),
+               "fp8": Engine(args.preset, device="cuda", graphs=graphs, compile=args.compile,
+                             quantize=Fp8Config(min_features=args.min_features))}
+    print(engines["fp8"].quantized.summary())
+    with torch.no_grad():  # one UNet output of each engine's model (each loaded its own copy of the preset)
+        unet, fp8_unet = (e.model.unet for e in engines.values())
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(2, unet.config.in_channels, size // 8, size // 8, device=dev, generator=g, dtype=torch.float16)
+        t = torch.full((2,), 500.0, device=dev)
+        ctx = torch.randn(2, 77, unet.config.cross_attention_dim, device=dev, generator=g, dtype=torch.float16)
+        kw = {}
+        if unet.config.addition_embed_type == "text_time":
+            kw["added_cond_kwargs"] = {"text_embeds": torch.randn(2, 1280, device=dev, dtype=torch.float16),
+                                       "time_ids": torch.tensor([[size, size, 0, 0, size, size]] * 2, device=dev,
+                                                                dtype=torch.float16)}
+        err = relative_error(unet(x, t, ctx, **kw).sample.float(), fp8_unet(x, t, ctx, **kw).sample.float())
+
+    def batch(e: Engine) -> float:
+        reqs = [e.make_request("a cat", seed=i, num_inference_steps=args.steps, guidance_scale=7.5,
+                               height=size, width=size) for i in range(args.rows)]
+        e.core.step_events = []
+        futures: list = []
+        e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
+        for f in futures:
+            f.result()
         torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+        return statistics.median(s.elapsed_time(t) for s, t, _ in e.core.step_events)
 
-
-def graphed(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
+    for e in engines.values():  # warm: captures and compiles happen here
+        batch(e)
+    times = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, e in engines.items():
+            times[name].append(batch(e))
+    splits = {name: kernel_split(lambda e=e: batch(e), args.steps) for name, e in engines.items()} if args.split else {}
+    for e in engines.values():
+        e.close()
+    tier = "compile" if args.compile else "graph"
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"{args.preset} {size}x{size}, bucket {args.rows} (CFG: {2 * args.rows} denoiser rows), {tier} tier, "
+          f"min_features {args.min_features}; UNet output's relative L2 error fp8 vs 16-bit: {err:.4f}")
+    print(f"{'step':10s} {'ms':>8s} {'ratio':>7s}   rounds")
+    for name, v in med.items():
+        print(f"{name:10s} {v:8.2f} {v / med['16-bit']:7.3f}   {' '.join(f'{r:.2f}' for r in times[name])}")
+    if splits:
+        kinds = sorted({k for sp in splits.values() for k in sp}, key=lambda k: -splits["16-bit"].get(k, 0.0))
+        print(f"{'device ms per step':24s} " + " ".join(f"{n:>8s}" for n in splits))
+        for k in kinds + ["total"]:
+            print(f"{k:24s} " + " ".join(f"{(sum(sp.values()) if k == 'total' else sp.get(k, 0.0)):8.2f}"
+                                          for sp in splits.values()))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("part", choices=("widths", "step"))
     p.add_argument("--preset", default="random:sd15")
-    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--rows", type=int, default=16, help="images in the bucket (CFG doubles the denoiser rows)")
+    p.add_argument("--size", type=int, default=None)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-features", type=int, default=640)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--compile", action="store_true", help="Inductor's code, captured in the graphs")
+    p.add_argument("--split", action="store_true", help="step: also each engine's device time per kernel category")
     args = p.parse_args()
-    dev = torch.device("cuda")
-    model = load_model(args.preset, dev, "fp16")
-    unet = model.unet.eval()
-    q = copy.deepcopy(unet)
-    report = quantize_linears(q, min_features=args.min_features)
-    print(report.summary())
-    g = torch.Generator(device=dev).manual_seed(0)
-    size = 64 if "xl" not in args.preset else 128
-    x = torch.randn(args.rows, unet.config.in_channels, size, size, device=dev, generator=g, dtype=torch.float16)
-    t = torch.full((args.rows,), 500.0, device=dev)
-    ctx = torch.randn(args.rows, 77, unet.config.cross_attention_dim, device=dev, generator=g, dtype=torch.float16)
-    rows = []
     with torch.no_grad():
-        ref = unet(x, t, ctx).sample
-        out = q(x, t, ctx).sample
-        for name, m in (("fp16", unet), ("fp8 linears", q)):
-            eager = timed(lambda: m(x, t, ctx).sample, args.reps)
-            graph, static = graphed(lambda: m(x, t, ctx).sample)
-            replay = timed(graph.replay, args.reps)
-            rows.append((name, eager, replay, relative_error(m(x, t, ctx).sample.float(), static.float())))
-    print(f"relative L2 error of the fp8 UNet's output against fp16: {relative_error(ref.float(), out.float()):.4f}")
-    print(f"{'UNet forward, ' + str(args.rows) + ' rows':24s} {'eager ms':>9s} {'graph ms':>9s} {'replay vs eager':>16s}")
-    for name, eager, replay, err in rows:
-        print(f"{name:24s} {eager:9.2f} {replay:9.2f} {err:16.2e}")
-    print(f"fp8 / fp16 graph replay: {rows[1][2] / rows[0][2]:.3f}")
+        (widths if args.part == "widths" else step)(args)
     return 0
 
 

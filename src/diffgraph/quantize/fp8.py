@@ -1,18 +1,19 @@
 """fp8 (float8_e4m3fn) Linear layers for denoisers that run inside our own CUDA graphs (issue 33).
 
-Owns the op `diffgraph::fp8_linear`, the module `Fp8Linear` that calls it, and `quantize_linears`, which swaps the
-transformer linears of a denoiser (a diffusers UNet2DConditionModel's names) for Fp8Linear in place and hands back
-an `Fp8Report`. `relative_error` is the accuracy measure the tests and `diffgraph compare --quantize fp8` share.
+Owns the op `diffgraph::fp8_mm` with `fp8_linear` around it, the module `Fp8Linear` that calls it, and
+`quantize_linears`, which swaps the transformer linears of a denoiser (a diffusers UNet2DConditionModel's names) for
+Fp8Linear in place and hands back an `Fp8Report`. `relative_error` is the accuracy measure the tests and
+`diffgraph compare --quantize fp8` share.
 
 Scales: the weight's are static (one per output channel, or one per tensor), computed once here; the activation's
 are dynamic and per token (one per row of the flattened [tokens, in_features] input), so a batch row's numbers never
 depend on its batch companions, and one request's outlier cannot cost the others their precision. Nothing here
 syncs with the host (no `.item()`, no data-dependent shape), so a step that calls it is capturable in a CUDA graph.
 
-The op is an opaque custom op (its fake gives torch.compile the output shape and dtype): Inductor traces around it
-and never tries to compile `torch._scaled_mm` itself (reported to hang under torchao's compile). The price: the
-per-token quantisation inside it runs as a few eager elementwise kernels that Inductor cannot fuse into the layer
-before.
+Only the matmul is an opaque custom op (its fake gives torch.compile the output shape and dtype): Inductor never
+tries to compile `torch._scaled_mm` itself (reported to hang under torchao's compile), while the per-token
+quantisation before it and the cast after it are plain tensor ops, which the compile tier fuses with the layers
+around them (eager, they stay a few elementwise kernels per layer).
 
 CUDA constraints of `_scaled_mm` (H100/H200), met here: mat1 row-major, mat2 column-major (the row-major
 [out, in] fp8 weight transposed with `.t()`), in and out features multiples of 16 (`from_linear` refuses others),
@@ -52,28 +53,46 @@ def quantize_weight(weight: torch.Tensor, granularity: str) -> tuple[torch.Tenso
     return q, scale
 
 
-@torch.library.custom_op("diffgraph::fp8_linear", mutates_args=(),
-                         schema="(Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
+def quantize_rows(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn rows [M, K], float32 scales [M, 1]) of a [M, K] activation, one scale per row (token), so a
+    row's numbers never depend on the other rows. Plain tensor ops: Inductor fuses them into one reduction and one
+    pointwise kernel (and into the op that made `x2d`); eager, they are a few elementwise kernels."""
+    # abs and amax are exact in x's dtype; the division promotes to float32 (one kernel, no separate upcast)
+    scale = x2d.abs().amax(dim=1, keepdim=True).float().clamp(min=AMAX_FLOOR) / E4M3_MAX
+    return (x2d / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+@torch.library.custom_op("diffgraph::fp8_mm", mutates_args=(),
+                         schema="(Tensor qx, Tensor scale_x, Tensor weight, Tensor weight_scale, Tensor? bias) -> Tensor")
+def fp8_mm(qx: torch.Tensor, scale_x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """`torch._scaled_mm` of e4m3 rows `qx` [M, K] (scales [M, 1]) by the fp8 weight [N, K] (scales [N] or [1]), plus
+    `bias`: [M, N] in bfloat16 on CUDA (the row-wise kernels write bfloat16 only), in float32 on the CPU. Opaque to torch.compile (its fake gives the shape): Inductor never tries to compile _scaled_mm."""
+    n = weight.shape[0]
+    scale_w = weight_scale.reshape(1, -1).expand(1, n).contiguous()  # a tensor-wise scale as a [1, N] row
+    out_dtype = _mm_dtype(qx)
+    return torch._scaled_mm(qx, weight.t(), scale_a=scale_x, scale_b=scale_w,
+                            bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
+
+
+def _mm_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.bfloat16 if t.is_cuda else torch.float32
+
+
+@fp8_mm.register_fake
+def _fp8_mm_shape(qx: torch.Tensor, scale_x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return qx.new_empty((qx.shape[0], weight.shape[0]), dtype=_mm_dtype(qx))
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x @ W^T + bias with x quantised per token to e4m3 and W the fp8 weight [out, in] times `weight_scale`
-    ([out] or [1], float32). Returns x's dtype and shape [..., out]."""
-    n = weight.shape[0]
-    x2d = x.reshape(-1, x.shape[-1])
-    # abs and amax are exact in x's dtype; the division promotes to float32 (one kernel, no separate upcast)
-    scale_x = x2d.abs().amax(dim=1, keepdim=True).float().clamp_(min=AMAX_FLOOR) / E4M3_MAX
-    qx = (x2d / scale_x).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    scale_w = weight_scale.reshape(1, -1).expand(1, n).contiguous()  # a tensor-wise scale as a [1, N] row
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype  # CUDA's row-wise kernels write bfloat16 only
-    y = torch._scaled_mm(qx, weight.t(), scale_a=scale_x, scale_b=scale_w,
-                         bias=None if bias is None else bias.to(out_dtype), out_dtype=out_dtype)
-    return y.reshape(*x.shape[:-1], n).to(x.dtype)
-
-
-@fp8_linear.register_fake
-def _fp8_linear_shape(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    """y = x @ W^T + bias with x quantised per token to e4m3 (`quantize_rows`) and W the fp8 weight [out, in] times
+    `weight_scale` ([out] or [1], float32), through the opaque `diffgraph::fp8_mm`. Returns x's dtype and shape
+    [..., out]; the quantisation and the final cast are traceable, so the compile tier fuses them."""
+    qx, scale_x = quantize_rows(x.reshape(-1, x.shape[-1]))
+    y = torch.ops.diffgraph.fp8_mm(qx, scale_x, weight, weight_scale, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 
 class Fp8Linear(nn.Module):
@@ -87,11 +106,12 @@ class Fp8Linear(nn.Module):
         self.granularity = granularity
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # kept in the matmul's output dtype (bfloat16 on CUDA), so no call casts it again
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(_mm_dtype(bias)), requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, weight_granularity: str = "channel") -> Fp8Linear:
-        """The fp8 copy of `linear` (on its device; the bias stays in its dtype). Both dims must be multiples of
+        """The fp8 copy of `linear` (on its device; the bias in the matmul's output dtype). Both dims must be multiples of
         16 (`_scaled_mm` on CUDA)."""
         if linear.in_features % 16 or linear.out_features % 16:
             raise ValueError(f"Linear [{linear.out_features}, {linear.in_features}] cannot run in fp8: in_features and "

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests and tools/probe_fp8.py's parts.
+#   bash tools/gpu_issue33.sh tests widths step   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", *_S limits)
+set -uo pipefail
+. "$(dirname "$0")/gpu_setup.sh"
+for what in "$@"; do
+  case $what in
+    tests) timeout ${TESTS_S:-120} python3 -m pytest -q -x -m gpu tests/gpu/test_fp8_gpu.py -p no:cacheprovider 2>&1 \
+             | grep -E "assert|Error|passed|failed" | tail -12 ;;
+    widths) timeout ${WIDTHS_S:-150} python3 tools/probe_fp8.py widths --rows ${ROWS:-16} ${TIER---compile} 2>&1 \
+              | grep -v Warning | tail -12 ;;
+    step) timeout ${STEP_S:-360} python3 tools/probe_fp8.py step --preset ${PRESET:-random:sd15} --rows ${ROWS:-16} \
+            --min-features ${MIN_FEATURES:-640} ${TIER---compile} --split 2>&1 | grep -v Warning | tail -16 ;;
+  esac
+done
