@@ -439,3 +439,23 @@ def test_a_partial_prewarm_compiles_everything_before_ready(tmp_path):
         assert {c.name: c.compiles for c in engine.runner.compiled} == before  # serving compiled nothing
         steps = {(r["height"], r["width"], r["bucket"]): r for r in engine.graph_table() if r["kind"] == "step"}
         assert steps[(64, 96, 2)]["on_demand"] == 1 and steps[(64, 64, 1)]["on_demand"] == 1
+
+
+def test_sdxl_text_encoders_precompile_and_a_warm_start_loads_them(tmp_path):
+    """SDXL's encoders ask for hidden states, and transformers installs its output-capturing hooks at a model's
+    first such call under a threading lock Dynamo cannot trace: the precompile failed ("Unsupported context
+    manager") and every start traced the encoders again. Now the engine installs them before compiling: the first
+    engine precompiles the text encoder (no fallback to Dynamo's guards), a second loads it and compiles nothing."""
+    from diffgraph.graphs.compiled import precompile_available
+
+    if not precompile_available():
+        pytest.skip("this torch has no torch.compiler.load_compiled_function (2.10+): no precompiled versions")
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(1,), resolutions=((64, 64),), backend="emulated", capture_vae=False)
+    config = CompileConfig(cache_dir=str(tmp_path))
+    for run in ("cold", "warm"):
+        with Engine("random:tiny-xl", device="cpu", dtype="fp32", mode="graph", graphs=cfg, compile=config) as engine:
+            text = next(c for c in engine.runner.compiled if c.name == "the text encoder")
+            engine.generate("a cat", seed=0, num_inference_steps=1, guidance_scale=1.0)
+            assert text.precompile_dir is not None, "precompiling the text encoder fell back to Dynamo's guards"
+            assert (text.compiles, text.loaded) == ((1, 0) if run == "cold" else (0, 1)), run

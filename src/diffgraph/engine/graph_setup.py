@@ -100,6 +100,8 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
                                   lambda: host.plan_for(sampler, schedule, 10, resolutions[0]), resolutions,
                                   cfg.batch_buckets, step_fn))
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
+        if compile is not None:
+            _install_output_hooks(host)
         out.text = TextGraph(maybe(partial(adapter.encode_ids, model), "the text encoder", lambda args: args[0]),
                              adapter.token_lengths(model), host.device, cfg.batch_buckets)
         graphs.register(out.text)
@@ -114,6 +116,15 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
                                         host.device, resolutions, ENCODE_BUCKETS)
             graphs.register(out.encode)
     return out
+
+
+def _install_output_hooks(host: GraphHost) -> None:
+    """One eager call of the text encoders that asks for their hidden states, before they are compiled: transformers
+    installs its output-capturing hooks at a model's first such call, under a threading lock Dynamo cannot trace
+    ("Unsupported context manager"), which made the precompile of SDXL's encoders fail, so every start traced them
+    again. Installed here, the compiled call finds them in place."""
+    ids = [torch.zeros(1, n, dtype=torch.long, device=host.device) for n in host.adapter.token_lengths(host.model)]
+    host.adapter.encode_ids(host.model, ids, clip_skip=1)
 
 
 def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, resolutions: tuple) -> tuple[str, str]:
