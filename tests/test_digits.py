@@ -1,71 +1,39 @@
 """The shipped `digits` / `digits-xl` presets draw the digit the prompt asks for.
 
-An oracle (an SVC trained here on scikit-learn's 8x8 digits, passed through the same upscale and
-augmentation as tools/train_digits.py, so the same white-on-black polarity) reads each generated
-64x64 image, area-downsampled to 8x8. For each model and sampler, 50 images (5 per digit) at 20 steps
-must be at least 90% the asked digit, and classifier-free guidance 5.0 must beat 1.0.
+An oracle (models/digits_oracle.py: an SVC trained on scikit-learn's 8x8 digits, passed through the same upscale
+and augmentation as tools/train_digits.py, so the same white-on-black polarity) reads each generated 64x64 image,
+area-downsampled to 8x8. For each model and sampler, 50 images (5 per digit) at 20 steps must be at least 90% the
+asked digit, and classifier-free guidance 5.0 must beat 1.0.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from functools import lru_cache
 
 import numpy as np
 import pytest
-import torch
 
 from diffgraph.models import presets
+from diffgraph.models.digits_oracle import DIGITS_PRESETS as MODELS
+from diffgraph.models.digits_oracle import PROMPTS, WORDS, features, train_oracle
 
-MODELS = ("digits", "digits-xl")
 _missing = [name for name in MODELS if presets.shipped_preset_folder(name) is None]
 if _missing:
     pytest.skip(f"trained assets missing: {', '.join(os.path.join(presets.ASSETS, m) for m in _missing)} "
                 "(make them with tools/train_digits.py)", allow_module_level=True)
 
-from sklearn.svm import SVC  # noqa: E402
-
 from diffgraph import Engine  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = {"digits": "a handwritten digit {w}", "digits-xl": "the number {d}"}
-WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 PER_DIGIT = 5
-
-
-def _training_script():
-    spec = importlib.util.spec_from_file_location("train_digits", os.path.join(ROOT, "tools", "train_digits.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def features(arrays: np.ndarray) -> np.ndarray:
-    """[n, 64, 64, 3] in 0..1 -> [n, 64]: grey, 8x8 block means, on the 0..16 scale of load_digits."""
-    grey = np.asarray(arrays, dtype=np.float64).mean(axis=-1)
-    n = grey.shape[0]
-    return grey.reshape(n, 8, 8, 8, 8).mean(axis=(2, 4)).reshape(n, 64) * 16.0
+__all__ = ["PROMPTS", "WORDS", "features", "oracle_and_heldout"]  # what the other digits tests import from here
 
 
 @lru_cache(maxsize=1)
-def oracle_and_heldout() -> tuple[SVC, float]:
-    train = _training_script()
-    images, labels = train.load_digits_arrays(None)
-    x64 = train.upscale(torch.from_numpy(images))
-    gen = torch.Generator().manual_seed(0)
-    copies = [x64] + [train.augment(x64, gen) for _ in range(3)]
-
-    def feats(x):
-        return features(x[:, 0, :, :, None].numpy())
-
-    order = np.random.default_rng(0).permutation(len(labels))
-    train_idx, test_idx = order[:1500], order[1500:]
-    X = np.concatenate([feats(c[train_idx]) for c in copies])
-    y = np.concatenate([labels[train_idx]] * len(copies))
-    clf = SVC(gamma=0.001, C=10.0).fit(X, y)
-    heldout = float((clf.predict(feats(copies[1][test_idx])) == labels[test_idx]).mean())
-    return clf, heldout
+def oracle_and_heldout():
+    """(the oracle's SVC, its held-out accuracy), trained once per test process."""
+    oracle = train_oracle()
+    return oracle.classifier, oracle.heldout
 
 
 @lru_cache(maxsize=2)

@@ -3,7 +3,8 @@ the shipped `digits` / `digits-xl` models with their transformer linears forced 
 faster: `min_features=64` takes the layers of 64 inputs and more) still draw the asked digit (the oracle of
 tests/test_digits.py over 20 seeds), their pixels stay close to the 16-bit tier's (here fp32), mixed requests
 submitted together equal each alone (per-token activation scales), the built-in LoRA's side path runs beside the
-fp8 base, and bad settings are refused by name."""
+fp8 base, and bad settings are refused by name. The measures are quantize/compare.py's, which `diffgraph compare`
+prints for a user's own model."""
 
 from __future__ import annotations
 
@@ -11,43 +12,35 @@ import numpy as np
 import pytest
 
 from diffgraph import Engine
+from diffgraph.models.digits_oracle import DigitsOracle
 from diffgraph.quantize import Fp8Config, Fp8Linear
+from diffgraph.quantize.compare import generate_images, pixel_difference, seed_prompts
 from diffgraph.request import ParamError
 
-from test_digits import PROMPTS, WORDS, features, oracle_and_heldout
+from test_digits import oracle_and_heldout
 
 FORCED = Fp8Config(min_features=64)
 SEEDS = 20  # two per digit
 
 
-def _digits(e: Engine, model: str) -> tuple[np.ndarray, np.ndarray]:
-    asked, images = [], []
-    for i in range(SEEDS):
-        d = i % 10
-        r = e.generate(PROMPTS[model].format(w=WORDS[d], d=d), num_inference_steps=20, guidance_scale=5.0, seed=700 + i,
-                       width=64, height=64)
-        images.append(np.asarray(r.arrays)[0])
-        asked.append(d)
-    return np.array(asked), np.stack(images)
-
-
 @pytest.mark.parametrize("model", ["digits", "digits-xl"])
 def test_fp8_digits_pass_the_oracle_and_stay_close_to_16_bits(model):
-    clf, _ = oracle_and_heldout()
+    oracle = DigitsOracle(*oracle_and_heldout())  # trained once per test process
+    prompts = seed_prompts(model, SEEDS)
+    asked = np.array([d for _, d in prompts])
     with Engine(model, device="cpu") as plain, Engine(model, device="cpu", quantize=FORCED) as fp8:
         assert fp8.quantized is not None and len(fp8.quantized.quantized) >= 10
         assert sum(isinstance(m, Fp8Linear) for m in fp8.model.unet.modules()) == len(fp8.quantized.quantized)
         assert not any(isinstance(m, Fp8Linear) for m in plain.model.unet.modules())
-        asked, ref = _digits(plain, model)
-        _, out = _digits(fp8, model)
-    ref_score = float((clf.predict(features(ref)) == asked).mean())
-    score = float((clf.predict(features(out)) == asked).mean())
-    diff = np.abs(out - ref) * 255
-    print(f"{model}: oracle {score:.2f} (16 bits {ref_score:.2f}), pixel difference mean {diff.mean():.2f} "
-          f"max {diff.max():.0f} levels")
+        ref = generate_images(plain, prompts, steps=20, size=(64, 64), guidance=5.0)
+        out = generate_images(fp8, prompts, steps=20, size=(64, 64), guidance=5.0)
+    ref_score, score = oracle.score(asked, ref), oracle.score(asked, out)
+    diff_mean, diff_max = pixel_difference(ref, out)
+    print(f"{model}: oracle {score:.2f} (16 bits {ref_score:.2f}), pixel difference mean {diff_mean:.2f} "
+          f"max {diff_max:.0f} levels")
     assert score >= 0.9 and score >= ref_score - 0.1, (score, ref_score)
-    assert diff.mean() <= 8.0, diff.mean()  # measured about 1-3 levels; a wrong scale gives noise (tens of levels)
-    assert 0 < diff.max()  # fp8 really ran
+    assert diff_mean <= 8.0, diff_mean  # measured about 1-3 levels; a wrong scale gives noise (tens of levels)
+    assert 0 < diff_max  # fp8 really ran
 
 
 def test_fp8_rows_together_equal_each_alone_and_a_lora_rides_beside():

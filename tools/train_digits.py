@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
 from diffgraph.models import tokenizer as tok  # noqa: E402
+from diffgraph.models.digits_oracle import augment, upscale  # noqa: E402,F401  (the oracle's own image pipeline)
 
 SIZE = 64
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -111,25 +112,6 @@ def load_digits_arrays(path: str | None) -> tuple[np.ndarray, np.ndarray]:
 
     d = load_digits()
     return d.images.astype(np.float32), d.target.astype(np.int64)
-
-
-def upscale(images8: torch.Tensor) -> torch.Tensor:
-    """[N, 8, 8] in 0..16 -> [N, 1, 64, 64] in 0..1 (white digit on black), bilinear."""
-    x = (images8 / 16.0).clamp(0, 1)[:, None]
-    return F.interpolate(x, size=(SIZE, SIZE), mode="bilinear", align_corners=False).clamp(0, 1)
-
-
-def augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Small random rotation (+-10 deg), scale (0.9-1.1) and shift (+-3 px) of [N, 1, 64, 64] in 0..1."""
-    n = x.shape[0]
-    r = torch.rand(n, 4, generator=gen, device=gen.device)
-    angle = (r[:, 0] * 2 - 1) * math.radians(10)
-    scale = 1.0 / (0.9 + 0.2 * r[:, 1])  # the grid maps output -> input, so invert the zoom
-    shift = (r[:, 2:] * 2 - 1) * (3.0 / (SIZE / 2))
-    cos, sin = torch.cos(angle) * scale, torch.sin(angle) * scale
-    theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], 1), torch.stack([sin, cos, shift[:, 1]], 1)], 1)
-    grid = F.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
 def to_rgb(x01: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
     diffgraph generate "PROMPT" -o out.png [--model --width --height --steps --guidance --sampler --schedule --seed -n]
     diffgraph generate "PROMPT" -o out.png --url http://127.0.0.1:8000 [--api-key KEY]   (a running `diffgraph serve`)
     diffgraph models
+    diffgraph compare --quantize fp8 --model M [--seeds 20]   (cli_compare.py: the fp8 tier's cost to M, measured)
     diffgraph batch FILE.jsonl --out DIR [--model ... | --url URL] [--grid]   (jobs/cli_batch.py)
 
 Bad input exits with code 2 and a one-line message that says what to do instead, checked before the model loads
@@ -22,7 +23,9 @@ import sys
 import time
 from typing import Any, Callable
 
-from .cli_flags import add_checkpoint_arguments
+from .cli_compare import add_compare_arguments, run_compare
+from .cli_flags import (add_checkpoint_arguments, add_quantize_arguments, checkpoint_options, quantize_error,
+                        quantize_from_args)
 from .cli_progress import post_once, post_streaming, progress_for
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .jobs.cli_batch import add_batch_arguments, run_batch
@@ -108,6 +111,7 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
     g.add_argument("--compile", action="store_true", help="the compile tier (a slow first start; see serve --help)")
+    add_quantize_arguments(g)
     g.add_argument("--url", default=None,
                    help="send the request to a running `diffgraph serve` at this URL (e.g. http://127.0.0.1:8000) "
                         "instead of loading the model here")
@@ -147,6 +151,7 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     i.add_argument("--resolutions", default="", help="WxH list to capture (default: the model's native size)")
     i.add_argument("--verify", action="store_true", help="compare each replay with an eager run at capture")
     i.add_argument("--compile", action="store_true", help="the compile tier: capture compiled code (slow first start)")
+    add_quantize_arguments(i)
 
     c = sub.add_parser("compile", help="fill a compile-tier cache ahead of time (for a fleet of the same GPU)")
     c.add_argument("--model", default=None, help=f"preset or local diffusers folder (default: {default_model()})")
@@ -154,6 +159,9 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     c.add_argument("--resolutions", default="", help="WxH list (default: the model's native size)")
     c.add_argument("--out", required=True, metavar="DIR",
                    help="the cache folder (serve and generate read it with --compile-cache DIR)")
+    add_quantize_arguments(c)  # the fp8 tier's compiled code is its own (the cache key names its fp8 layers)
+    add_compare_arguments(sub.add_parser("compare", help="measure what --quantize fp8 costs a model: the fp8 and "
+                                                         "16-bit engines side by side, one step and whole images"))
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve (each has --help)")
     b.add_argument("which", choices=["latency", "throughput", "serve"])
@@ -334,6 +342,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
         check_devices(args)
     except ParamError as e:
         raise _flag_error(e, args) from None
+    quantize = quantize_from_args(args)
     model = args.model or default_model()
     with progress_for(args) as progress:
         t0 = time.monotonic()
@@ -341,7 +350,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
         try:
             import torch
 
-            from .config import LoadOptions, default_cpu_threads
+            from .config import default_cpu_threads
             from .engine.engine import Engine, default_device
 
             if (args.device or default_device()).startswith("cpu"):
@@ -350,9 +359,9 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                             lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
                             lora_conv=args.lora_conv, controlnet_dir=args.controlnet_dir,
                             ip_adapter_dir=args.ip_adapter_dir,
-                            compile=args.compile, embeddings_dir=args.embeddings_dir, metadata=args.metadata,
-                            load=LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type,
-                                             zero_snr=args.zero_snr, vae=args.vae, vae_upcast=args.vae_upcast))
+                            compile=args.compile, quantize=quantize, embeddings_dir=args.embeddings_dir,
+                            metadata=args.metadata,
+                            load=checkpoint_options(args))
             progress.line(f"loaded {engine.info.name} in {time.monotonic() - t0:.1f} s")
             request = engine.make_request(args.prompt, width=args.width, height=args.height,
                                           guidance_scale=args.guidance,
@@ -499,9 +508,11 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         raise _ArgError(f"--url {args.url!r} must look like http://HOST:PORT")
     local = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value is not None]
     local += ["--compile"] if args.compile else []
+    local += [flag for flag, value in (("--quantize", args.quantize),
+                                       ("--quantize-min-features", args.quantize_min_features)) if value is not None]
     if local:
-        raise _ArgError(f"{' and '.join(local)} cannot be used with --url: the server chose its device, dtype and "
-                        "compile tier when it started")
+        raise _ArgError(f"{' and '.join(local)} cannot be used with --url: the server chose its device, dtype, "
+                        "compile and quantize tiers when it started")
     if (args.width is None) != (args.height is None):
         raise _ArgError("with --url give both --width and --height (or neither, for the model's native size)")
     if not args.metadata:
@@ -611,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
             check_devices(args)
             from .server.cli import run_serve
             return run_serve(args)
+        if args.command == "compare":
+            return run_compare(args)
         if args.command in ("info", "compile"):
             from .graph_commands import compile_cache, info
             return (info if args.command == "info" else compile_cache)(args)
@@ -628,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return _generate(args, argv[1:])
     except (_ArgError, ValueError) as e:
-        print(f"diffgraph: error: {e}", file=sys.stderr)
+        print(f"diffgraph: error: {quantize_error(str(e))}", file=sys.stderr)
         return 2
 
 

@@ -1,9 +1,12 @@
-"""Command-line flags shared by `diffgraph generate` and `diffgraph serve` (argparse only: nothing heavy is imported,
-so `--help` stays fast)."""
+"""Command-line flags shared by `diffgraph generate`, `serve`, `info`, `compile`, `compare` and `bench throughput`
+(argparse and the settings they make: nothing heavy is imported, so `--help` stays fast)."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+from .config import QUANTIZE_CHOICES, LoadOptions, parse_quantize, quantize_argument
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,3 +28,36 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-snr", default=None, action=argparse.BooleanOptionalAction,
                    help="zero terminal SNR betas and trailing timesteps, as v-prediction / ztsnr fine-tunes train "
                         "(default: the model's, or the checkpoint's ztsnr mark)")
+
+
+def checkpoint_options(args: argparse.Namespace) -> LoadOptions:
+    """The checkpoint flags as the engine's LoadOptions (the paths checked)."""
+    return LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type, zero_snr=args.zero_snr,
+                       vae=args.vae, vae_upcast=args.vae_upcast)
+
+
+def add_quantize_arguments(p: argparse.ArgumentParser,
+                           min_features: tuple[str, ...] | None = ("--quantize-min-features",)) -> None:
+    """--quantize none|fp8 (default None: not given, so serve's TOML value stands) and, where the engine is built in
+    this process, the least input width of an fp8 layer under the flags `min_features` (None leaves it out: the
+    server's engine processes get the setting as a string, see config.quantize_argument)."""
+    p.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE_CHOICES),
+                   help="fp8: the denoiser's transformer linears (attention projections, feed-forward) in fp8 with "
+                        "per-token activation scales, after LoRA fusing; `diffgraph compare --quantize fp8` measures "
+                        "what it costs your model (default: none, 16 bits)")
+    if min_features:
+        p.add_argument(*min_features, type=int, default=None, metavar="N", dest="quantize_min_features",
+                       help="with --quantize fp8: only linears of at least N inputs run in fp8 (default: 640; fp8 "
+                            "paid 1.5x at 1280 on the H200, nothing at 320; the tiny digits presets need 64)")
+
+
+def quantize_from_args(args: argparse.Namespace) -> Any:
+    """`Engine(quantize=)` from the flags: None, "fp8" or an Fp8Config (this one imports torch); a bad value is a
+    ValueError naming its flag and the choices."""
+    quantize = parse_quantize(args.quantize or "none")
+    return quantize_argument(quantize, getattr(args, "quantize_min_features", None))
+
+
+def quantize_error(message: str) -> str:
+    """The engine's fp8 refusal (ParamError "quantize": no layer is wide enough) in the words of the command line."""
+    return message.replace("lower min_features or pass a wider select", "lower --quantize-min-features")

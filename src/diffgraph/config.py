@@ -255,6 +255,35 @@ class CompileConfig:
                              f"{', '.join(ATTENTION_BACKENDS)} (or leave it out: the family's measured default)")
 
 
+# --quantize (TOML `quantize`): none, 16 bits (the model's dtype); fp8, the denoiser's transformer linears in
+# float8_e4m3fn (quantize/fp8.py; `diffgraph compare --quantize fp8` measures what it costs a model)
+QUANTIZE_CHOICES = ("none", "fp8")
+
+
+def parse_quantize(value: Any, name: str = "--quantize") -> str:
+    """A quantize setting, one of QUANTIZE_CHOICES; anything else is refused naming `name` (the flag or TOML key)."""
+    if value not in QUANTIZE_CHOICES:
+        raise ValueError(f"{name} {value!r} is unknown; allowed: {', '.join(QUANTIZE_CHOICES)} (none: 16 bits; fp8: "
+                         "the denoiser's transformer linears in fp8)")
+    return value
+
+
+def quantize_argument(quantize: str, min_features: int | None = None, flag: str = "--quantize-min-features") -> Any:
+    """`Engine(quantize=)` for a parsed setting: None (16 bits), "fp8" (Fp8Config's defaults), or an Fp8Config with
+    `min_features`, the fp8 layers' least input width. Imports torch only for that Fp8Config (quantize/fp8.py's), so
+    the HTTP process, which never imports torch, passes the setting as the string."""
+    if min_features is None:
+        return None if quantize == "none" else quantize
+    if quantize == "none":
+        raise ValueError(f"{flag} needs --quantize fp8 (it sets which layers run in fp8)")
+    from .quantize.fp8 import Fp8Config
+
+    try:
+        return Fp8Config(min_features=min_features)
+    except ValueError as e:
+        raise ValueError(str(e).replace("min_features", flag, 1)) from None
+
+
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 

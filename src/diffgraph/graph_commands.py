@@ -7,6 +7,7 @@ import argparse
 import logging
 from typing import Any
 
+from .cli_flags import quantize_from_args
 from .models.presets import DEFAULT_MODEL
 
 
@@ -33,9 +34,10 @@ def compile_cache(args: argparse.Namespace) -> int:
         raise ValueError("diffgraph compile needs a CUDA device: compiled code is made for the GPU that runs it")
     logging.getLogger("diffgraph").setLevel(logging.INFO)
     config = CompileConfig(cache_dir=args.out)
+    quantize = quantize_from_args(args)
     t0 = time.perf_counter()
     with Engine(model=args.model or DEFAULT_MODEL, device="cuda", mode="graph", graphs=graph_config(args),
-                compile=config) as engine:
+                compile=config, quantize=quantize) as engine:
         folder = cache_dir(config, engine.model, engine.runner.device)
         failed = [c.name for c in engine.runner.compiled if c.failed]
         stats = engine.stats
@@ -49,12 +51,15 @@ def info(args: argparse.Namespace) -> int:
     from .engine.engine import Engine, default_device, parse_device
 
     cuda = parse_device(args.device or default_device()).type == "cuda"
+    quantize = quantize_from_args(args)
     logging.getLogger("diffgraph").setLevel(logging.INFO)  # one line per captured graph
     with Engine(model=args.model or DEFAULT_MODEL, device=args.device, mode="graph" if cuda else "eager",
-                graphs=graph_config(args), compile=args.compile) as engine:
+                graphs=graph_config(args), compile=args.compile, quantize=quantize) as engine:
         m = engine.model
         print(f"model {m.name}: family {m.family}, native {m.native_size}px, {m.dtype}, device {m.device}, "
               f"UNet {sum(p.numel() for p in m.unet.parameters()) / 1e6:.1f}M parameters")
+        print(f"tiers: compile {'on' if args.compile else 'off'}, quantize "
+              + (engine.quantized.summary() if engine.quantized is not None else "none (16 bits)"))
         print(f"ready in {engine.ready_s:.1f} s (load and prewarm captures)")
         table = engine.graph_table()
         if not table:

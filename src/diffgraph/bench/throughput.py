@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cli_flags import add_quantize_arguments, quantize_from_args
 from ..engine.model_runner import VAE_BUCKETS
 
 MODES = ("step", "request", "off")
@@ -313,10 +314,16 @@ def main(argv: list[str] | None = None) -> int:
                         "without previews")
     p.add_argument("--compile", action="store_true", help="the compile tier (Engine(compile=True))")
     p.add_argument("--compile-cache", default=None, metavar="DIR")
+    add_quantize_arguments(p)
     p.add_argument("--json", default="bench_throughput.json")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw latency percentiles and images/s against the arrival rate, per mode (matplotlib)")
     args = p.parse_args(argv)
+    try:
+        quantize = quantize_from_args(args)
+    except ValueError as e:
+        print(f"diffgraph: error: {e}")
+        return 2
     if not torch.cuda.is_available():
         print("diffgraph: error: bench throughput needs a CUDA device")
         return 2
@@ -332,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         from ..config import CompileConfig
         compile_args = {"compile": CompileConfig(cache_dir=args.compile_cache) if args.compile_cache else True}
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
-                    **lora_args, **compile_args)
+                    quantize=quantize, **lora_args, **compile_args)
     if args.guidance_mix or args.prompt_mix or args.sampler_mix or args.preview_cost:
         from . import guidance_mix, preview_cost, prompt_mix, sampler_mix
         bench, n = next((b, k) for b, k in ((guidance_mix, args.guidance_mix), (prompt_mix, args.prompt_mix),
                                              (sampler_mix, args.sampler_mix), (preview_cost, args.preview_cost)) if k)
-        report = {"model": args.model, "compile": args.compile, "env": {"gpu": torch.cuda.get_device_name(),
-                                                                        "torch": torch.__version__}}
+        report = {"model": args.model, "compile": args.compile, "quantize": args.quantize or "none",
+                  "env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
         report.update(bench.run(engine, n, sizes[0]))
         engine.close()
         bench.print_report(report)
@@ -350,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     cb = compute_bound_rate(engine, sizes, steps)
     rate_cb = cb["images_per_s"]
     rates = [float(r) for r in args.rates.split(",") if r] or [round(f * rate_cb, 2) for f in (0.5, 0.65, 0.8, 3.0)]
-    report: dict[str, Any] = {"model": args.model, "sizes": args.sizes, "steps": steps, "samplers": samplers,
-                              "compute_bound_images_per_s": rate_cb, "compute_bound": cb, "runs": []}
+    report: dict[str, Any] = {"model": args.model, "quantize": args.quantize or "none", "sizes": args.sizes,
+                              "steps": steps, "samplers": samplers, "compute_bound_images_per_s": rate_cb,
+                              "compute_bound": cb, "runs": []}
     print(f"compute-bound rate {rate_cb:.2f} images/s with decode, {cb['steps_only_images_per_s']:.2f} steps only "
           f"(bucket {engine.runner.max_rows} step ms: {cb['full_bucket_step_ms']}, decode ms per image: "
           f"{cb['decode_ms_per_image']})", flush=True)

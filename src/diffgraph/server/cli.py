@@ -21,23 +21,23 @@ import time
 from typing import Any, Callable
 from urllib.parse import unquote_plus
 
-from ..cli_flags import add_checkpoint_arguments
+from ..cli_flags import add_checkpoint_arguments, add_quantize_arguments
 from ..jobs.flags import JOB_FIELDS, add_job_arguments
 from .config import ServerConfig, load_config
 
 DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may take to end before the process exits
 
 # the ServerConfig fields a flag can set (flag --batch-buckets -> batch_buckets)
-_FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions",
-           "prewarm", "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
+_FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions", "prewarm",
+           "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
-           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_cache", "header_timeout", "body_timeout",
-           "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip", "prompt_syntax",
-           "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr", "image_ttl", "image_store",
-           "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory", "preload", "preview_decoder",
-           "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes", "controlnet_dir",
-           "max_controlnets", "ip_adapter_dir") + JOB_FIELDS
+           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "quantize", "compile_cache", "header_timeout",
+           "body_timeout", "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip",
+           "prompt_syntax", "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr",
+           "image_ttl", "image_store", "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory",
+           "preload", "preview_decoder", "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes",
+           "controlnet_dir", "max_controlnets", "ip_adapter_dir") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder holding diffgraph/
 
@@ -191,6 +191,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); "
                         "`diffgraph compile` fills one ahead of time")
+    add_quantize_arguments(p, min_features=None)  # the engine processes get the setting as a string
 
 
 def add_prompt_arguments(p: argparse.ArgumentParser) -> None:

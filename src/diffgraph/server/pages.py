@@ -93,6 +93,7 @@ def server_info(state: Any) -> dict[str, Any]:
         "auth_required": bool(config.api_keys),
         "edits": bool(info.edits) if info else None, "edit_strength": list(info.edit_strength) if info else None,
         "max_image_bytes": config.max_image_bytes, "max_image_pixels": config.max_image_pixels,
+        "compile": config.compile, "quantize": config.quantize,  # the engines' tiers (every replica's the same)
     }
 
 
