@@ -10,6 +10,6 @@ for what in "$@"; do
     widths) timeout ${WIDTHS_S:-150} python3 tools/probe_fp8.py widths --rows ${ROWS:-16} ${TIER---compile} 2>&1 \
               | grep -v Warning | tail -12 ;;
     step) timeout ${STEP_S:-360} python3 tools/probe_fp8.py step --preset ${PRESET:-random:sd15} --rows ${ROWS:-16} \
-            --min-features ${MIN_FEATURES:-640} ${TIER---compile} --split 2>&1 | grep -v Warning | tail -16 ;;
+            --min-features ${MIN_FEATURES:-640} ${TIER---compile} --split 2>&1 | grep -v Warning | tail -18 ;;
   esac
 done

@@ -4,11 +4,12 @@
           for each (tokens, in, out) the UNet runs, at a bucket of --rows images with CFG (2 denoiser rows each):
           its time in one CUDA graph, eager and (with --compile) compiled by Inductor then captured, as the compile
           tier does; so the table says from which width on fp8 pays, eager and fused.
-  step:   a bucket-`--rows` step of the engine (CFG 7.5, so 2 x rows denoiser rows; the engine's CUDA step events,
+  step:   a bucket-`--rows` step of the engine (rows / 2 images with CFG 7.5; the engine's CUDA step events,
           median over rounds), a 16-bit engine and an fp8 engine (`Engine(quantize=Fp8Config(min_features))`),
           each loading its own copy of the preset, in the graph tier or, with --compile, the compile tier; and the relative
-          L2 error of one UNet output of the fp8 model against the 16-bit one; with --split, where each step's
-          device time goes (convolutions, matmuls, fp8 matmuls, attention, Inductor's fused code, copies).
+          L2 error of one UNet output of the fp8 model against the 16-bit one; with --split, where a step's device
+          time goes (convolutions, matmuls, fp8 matmuls, attention, Inductor's fused code, copies, other: eager
+          elementwise kernels), from the profiles of a run of --steps steps and of a 1-step run.
 
     python3 tools/probe_fp8.py widths [--compile]                  # on the GPU host
     python3 tools/probe_fp8.py step --preset random:sd15 [--compile] [--split] [--rows 16] [--min-features 640]
@@ -54,6 +55,7 @@ def widths(args: argparse.Namespace) -> None:
         if args.compile:
             fused = []
             for m in (lin, q):
+                torch._dynamo.reset()  # the lambda's one code object would recompile past Dynamo's limit, then run eager
                 fn = _compiled(lambda m=m: m(norm(x)))
                 with torch.no_grad():
                     fn()
@@ -68,23 +70,34 @@ KERNEL_KINDS = (("fp8 matmul", ("scaled_mm", "f8", "e4m3")), ("attention", ("fla
                 ("matmul", ("gemm", "cutlass", "xmma", "sm90", "matmul")), ("Inductor's fused code", ("triton",)))
 
 
-def kernel_split(run, steps: int) -> dict[str, float]:
-    """Device milliseconds per step of each kernel category over one `run()` (torch.profiler's CUDA kernels, those
-    of graph replays included), with the names of the largest 'other' kernels."""
+def _kernel_ms(run) -> dict[str, float]:
+    """Device milliseconds of each CUDA kernel (by name) over one `run()` (torch.profiler; a graph replay's kernels
+    are recorded one by one)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
-    split: dict[str, float] = {}
+    out: dict[str, float] = {}
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", 0) or getattr(evt, "self_cuda_time_total", 0)
-        if not us:
-            continue
-        name = evt.key.lower()
-        kind = next((k for k, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
-        if "memcpy" in name or "memset" in name:
+        if us:
+            out[evt.key] = out.get(evt.key, 0.0) + us / 1000
+    return out
+
+
+def kernel_split(run, steps: int, top: int = 6) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Where one denoising step's device time goes: the kernels of `run(steps)` minus those of `run(1)` (the text
+    encoders, the VAE decode and the first step cancel), divided by steps - 1, summed by category (KERNEL_KINDS);
+    and the `top` kernels by time."""
+    many, one = _kernel_ms(lambda: run(steps)), _kernel_ms(lambda: run(1))
+    per = {k: (v - one.get(k, 0.0)) / (steps - 1) for k, v in many.items()}
+    split: dict[str, float] = {}
+    for name, ms in per.items():
+        low = name.lower()
+        kind = next((k for k, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+        if "memcpy" in low or "memset" in low:
             kind = "copies"
-        split[kind] = split.get(kind, 0.0) + us / 1000 / steps
-    return split
+        split[kind] = split.get(kind, 0.0) + ms
+    return split, sorted(per.items(), key=lambda kv: -kv[1])[:top]
 
 
 def step(args: argparse.Namespace) -> None:
@@ -108,9 +121,9 @@ def step(args: argparse.Namespace) -> None:
                                                                 dtype=torch.float16)}
         err = relative_error(unet(x, t, ctx, **kw).sample.float(), fp8_unet(x, t, ctx, **kw).sample.float())
 
-    def batch(e: Engine) -> float:
-        reqs = [e.make_request("a cat", seed=i, num_inference_steps=args.steps, guidance_scale=7.5,
-                               height=size, width=size) for i in range(args.rows)]
+    def batch(e: Engine, steps: int | None = None) -> float:
+        reqs = [e.make_request("a cat", seed=i, num_inference_steps=steps or args.steps, guidance_scale=7.5,
+                               height=size, width=size) for i in range(args.rows // 2)]  # CFG: 2 rows an image
         e.core.step_events = []
         futures: list = []
         e.core.call_between_steps(lambda: futures.extend(e.submit(r) for r in reqs)).result()
@@ -125,29 +138,32 @@ def step(args: argparse.Namespace) -> None:
     for _ in range(args.rounds):
         for name, e in engines.items():
             times[name].append(batch(e))
-    splits = {name: kernel_split(lambda e=e: batch(e), args.steps) for name, e in engines.items()} if args.split else {}
+    splits = {name: kernel_split(lambda n, e=e: batch(e, n), args.steps) for name, e in engines.items()} if args.split else {}
     for e in engines.values():
         e.close()
     tier = "compile" if args.compile else "graph"
     med = {name: statistics.median(v) for name, v in times.items()}
-    print(f"{args.preset} {size}x{size}, bucket {args.rows} (CFG: {2 * args.rows} denoiser rows), {tier} tier, "
+    print(f"{args.preset} {size}x{size}, bucket {args.rows} ({args.rows // 2} images with CFG), {tier} tier, "
           f"min_features {args.min_features}; UNet output's relative L2 error fp8 vs 16-bit: {err:.4f}")
     print(f"{'step':10s} {'ms':>8s} {'ratio':>7s}   rounds")
     for name, v in med.items():
         print(f"{name:10s} {v:8.2f} {v / med['16-bit']:7.3f}   {' '.join(f'{r:.2f}' for r in times[name])}")
     if splits:
-        kinds = sorted({k for sp in splits.values() for k in sp}, key=lambda k: -splits["16-bit"].get(k, 0.0))
+        kinds = sorted({k for sp, _ in splits.values() for k in sp}, key=lambda k: -splits["16-bit"][0].get(k, 0.0))
         print(f"{'device ms per step':24s} " + " ".join(f"{n:>8s}" for n in splits))
         for k in kinds + ["total"]:
             print(f"{k:24s} " + " ".join(f"{(sum(sp.values()) if k == 'total' else sp.get(k, 0.0)):8.2f}"
-                                          for sp in splits.values()))
+                                          for sp, _ in splits.values()))
+        for name, (_, top) in splits.items():
+            print(f"{name} top kernels: " + "; ".join(f"{k[:60]} {ms:.2f}" for k, ms in top))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("widths", "step"))
     p.add_argument("--preset", default="random:sd15")
-    p.add_argument("--rows", type=int, default=16, help="images in the bucket (CFG doubles the denoiser rows)")
+    p.add_argument("--rows", type=int, default=16,
+                   help="the bucket: denoiser rows a step runs (widths: the images; step: 2 rows an image, CFG)")
     p.add_argument("--size", type=int, default=None)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)

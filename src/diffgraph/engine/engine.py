@@ -126,6 +126,9 @@ class Engine:
             loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv, lora_host_bytes)
             # after the adapters' fusing and side paths: fused weights are quantised, side paths stay 16-bit
             self.quantized = _quantize(self.model, quantize, shared=isinstance(model, DiffusionModel))
+            if self.quantized is not None and not compile and cuda:
+                logger.warning("quantize fp8 without the compile tier runs its per-token quantisation as eager kernels: "
+                               "SDXL's step was 1.7x slower than 16 bits on the H200 (BENCHMARKS.md); add --compile")
             if not isinstance(compile, (bool, CompileConfig)):
                 raise ParamError("compile", f"compile must be True, False or a CompileConfig, got {compile!r}")
             roots = tuple(r for r in (controlnet_dir, builtin_control_folder(self.model.name)) if r)

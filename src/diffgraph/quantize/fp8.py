@@ -190,8 +190,9 @@ def quantize_linears(module: nn.Module, *, min_features: int = 640,
                      weight_granularity: str = "channel") -> Fp8Report:
     """Replaces in place each nn.Linear of `module` (exactly nn.Linear: a subclass may have its own forward, or a
     parent that reads its weight) that `select(name, linear)` picks (default `transformer_linears`), whose dims are
-    multiples of 16 and whose in_features >= min_features (measured on the H200: fp8 paid 1.5x at in_features 1280
-    but 1.03x at 320, so small layers stay 16-bit). Quantise after the model's final `.to(device, dtype)`: a cast
+    multiples of 16 and whose in_features >= min_features (on the H200 a bare `_scaled_mm` paid 1.5x at in_features
+    1280 but 1.03x at 320; with its quantisation fused by Inductor, only SD1.5's widest layers ran faster in fp8:
+    BENCHMARKS.md, session 24, `tools/probe_fp8.py widths --compile`). Quantise after the model's final `.to(device, dtype)`: a cast
     afterwards would turn the fp8 weights into floats. Quantising a module twice is refused (not a no-op)."""
     _check_granularity(weight_granularity)
     done = sum(isinstance(m, Fp8Linear) for m in module.modules())
