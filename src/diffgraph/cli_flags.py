@@ -43,12 +43,14 @@ def add_quantize_arguments(p: argparse.ArgumentParser,
     server's engine processes get the setting as a string, see config.quantize_argument)."""
     p.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE_CHOICES),
                    help="fp8: the denoiser's transformer linears (attention projections, feed-forward) in fp8 with "
-                        "per-token activation scales, after LoRA fusing; `diffgraph compare --quantize fp8` measures "
-                        "what it costs your model (default: none, 16 bits)")
+                        "per-token activation scales, after LoRA fusing: less weight memory, not yet faster (README); "
+                        "`diffgraph compare --quantize fp8` measures what it costs your model (default: none, 16 "
+                        "bits)")
     if min_features:
         p.add_argument(*min_features, type=int, default=None, metavar="N", dest="quantize_min_features",
-                       help="with --quantize fp8: only linears of at least N inputs run in fp8 (default: 640; fp8 "
-                            "paid 1.5x at 1280 on the H200, nothing at 320; the tiny digits presets need 64)")
+                       help="with --quantize fp8: only linears of at least N inputs run in fp8 (default: 640; a "
+                            "bare fp8 matmul paid 1.5x at 1280 on the H200, nothing at 320; the tiny digits presets "
+                            "need 64)")
 
 
 def quantize_from_args(args: argparse.Namespace) -> Any:
