@@ -477,3 +477,34 @@ def test_the_compile_tier_graphs_the_controlnet_compiled_and_switching_compiles_
         assert sum(t["replays"] for t in table) > sum(captured) >= 1
     for r, b in zip(reqs, (first, second)):
         assert np.abs(engine.run(r).arrays - b).max() * 255 <= 1.0
+
+
+@pytest.mark.parametrize("order", ["rgb", "bgr"])
+def test_the_step_controlnet_takes_the_admission_embedding_as_diffusers_takes_the_image(order):
+    """engine/controlnets.py computes a row's `controlnet_cond_embedding` once at admission; `after_embedding`'s
+    ControlNet given it equals diffusers' ControlNet given the image, for either channel order, and shares weights."""
+    from diffusers import ControlNetModel
+
+    from diffgraph.engine.controlnets import after_embedding, control_embedding
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
+        net = ControlNetModel.from_unet(e.model.unet, conditioning_channels=3).eval()
+        net.register_to_config(controlnet_conditioning_channel_order=order)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        net.controlnet_cond_embedding.conv_out.weight.normal_(0, 0.3, generator=g)
+        net.controlnet_down_blocks[0].weight.normal_(0, 0.3, generator=g)
+    image = torch.rand(2, 3, 64, 64, generator=g)
+    image[:, 0] = 1.0  # the channels differ: a flip shows
+    x, t = torch.randn(2, 4, 8, 8, generator=g), torch.tensor([500.0, 20.0])
+    states = torch.randn(2, 77, net.config.cross_attention_dim, generator=g)
+    view = after_embedding(net)
+    with torch.no_grad():
+        ref = net(x, t, encoder_hidden_states=states, controlnet_cond=image, return_dict=False)
+        embed = control_embedding(net, image)
+        got = view(x, t, encoder_hidden_states=states, controlnet_cond=embed, return_dict=False)
+    for a, b in zip([*ref[0], ref[1]], [*got[0], got[1]]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert net.config.controlnet_conditioning_channel_order == order  # the view changed nothing of the net's
+    assert view.controlnet_down_blocks[0].weight is net.controlnet_down_blocks[0].weight
+    assert isinstance(net.controlnet_cond_embedding, torch.nn.Module) and not isinstance(
+        net.controlnet_cond_embedding, torch.nn.Identity)

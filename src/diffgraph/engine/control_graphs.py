@@ -31,7 +31,7 @@ from ..graphs.runner import GraphRunner, StatelessGraphable
 
 logger = logging.getLogger(__name__)
 
-# (net, x, t, conditioning, row inputs, control image) -> (down-block residuals, mid-block residual): the family's
+# (net, x, t, conditioning, row inputs, control embedding) -> (down-block residuals, mid-block residual): the family's
 NetCall = Callable[[Any, torch.Tensor, torch.Tensor, dict, dict, torch.Tensor],
                    tuple[Sequence[torch.Tensor], torch.Tensor]]
 
@@ -44,6 +44,8 @@ def _batch_tensors(args: tuple) -> list[torch.Tensor]:
 
 class SlotModules(Protocol):
     """The loaded ControlNets by device slot (engine/controlnets.py:ControlNets)."""
+
+    pixels_per_latent: int
 
     def module(self, slot: int) -> torch.nn.Module: ...
 
@@ -133,7 +135,8 @@ class ControlRunner:
             image: torch.Tensor) -> tuple[Sequence[torch.Tensor], torch.Tensor]:
         """The residuals of slot `slot`'s ControlNet for these rows ([rows, ...] each; graphed ones are the pool's,
         valid until the next replay of any graph: read them at once)."""
-        key = (image.shape[-2], image.shape[-1])  # the output size in pixels, as the step graphs' resolutions
+        scale = self._nets.pixels_per_latent  # `image` is the control embedding, at the latent size
+        key = (x.shape[-2] * scale, x.shape[-1] * scale)  # the output size in pixels, as the step graphs' resolutions
         graphs = self._graphs
         if graphs is None or key not in self._resolutions:
             return self._net_call(self._nets.module(slot), x, t, cond, inputs, image)

@@ -55,9 +55,10 @@ class ControlNets:
         self.root = self.catalog.root
         self.device, self.dtype, self._unet = device, dtype, unet_config
         self.slots = SlotCache(slots)
-        self._vae_scale = vae_scale_factor
+        self._vae_scale = self.pixels_per_latent = vae_scale_factor
         self._host: OrderedDict[tuple, torch.nn.Module] = OrderedDict()  # key -> host copy, most recent last
         self._modules: dict[int, torch.nn.Module] = {}
+        self._stepping: dict[int, torch.nn.Module] = {}  # slot -> its module after the conditioning embedding
         self._writes: list[tuple[int, tuple]] = []
         self._lock = threading.Lock()  # host copies: submitting threads read, the loop thread takes
         self._config_dir: Any = None  # a TemporaryDirectory of single files' config folders, made on first use
@@ -208,16 +209,49 @@ class ControlNets:
                         dst.copy_(src)
             else:
                 self._modules.pop(slot, None)
+                self._stepping.pop(slot, None)
                 self._modules[slot] = copy.deepcopy(host).to(self.device)
+                self._stepping[slot] = after_embedding(self._modules[slot])
         return broken
 
     def admitted(self, state: Any, taken: list[int]) -> list[tuple[int, torch.Tensor, int]]:
-        """(slot, control image, control mode) per control of an admitted request."""
+        """(slot, control embedding, control mode) per control of an admitted request: the embedding is the slot's
+        `controlnet_cond_embedding` of the control image ([1, block_out_channels[0], h, w] at the latent size, in the
+        ControlNet's dtype), computed once here, as diffusers' forward computes it at every step (a bgr ControlNet's
+        channels flipped first). The step then runs `module(slot)`, which takes it in place of the image."""
         slot_of = dict(zip(self._keys(state), taken))
-        return [(slot_of[r.key], r.image, r.mode) for r in state.controls]
+        out = []
+        for r in state.controls:
+            slot = slot_of[r.key]
+            out.append((slot, control_embedding(self._modules[slot], r.image.to(self.device)), r.mode))
+        return out
 
     def module(self, slot: int) -> torch.nn.Module:
-        return self._modules[slot]
+        """Slot `slot`'s ControlNet after its conditioning embedding: its `controlnet_cond` is the embedding that
+        `admitted` computed (`after_embedding`)."""
+        return self._stepping[slot]
+
+
+def control_embedding(net: torch.nn.Module, image: torch.Tensor) -> torch.Tensor:
+    """What diffusers' ControlNetModel.forward makes of `controlnet_cond` before adding it to its input: the image
+    ([b, 3, H, W]) in the net's channel order, through its `controlnet_cond_embedding`."""
+    image = image.to(net.dtype)
+    if net.config.controlnet_conditioning_channel_order == "bgr":
+        image = torch.flip(image, dims=[1])
+    with torch.no_grad():
+        return net.controlnet_cond_embedding(image)
+
+
+def after_embedding(net: torch.nn.Module) -> torch.nn.Module:
+    """A view of diffusers' ControlNetModel `net` whose `controlnet_cond` is the output of its
+    `controlnet_cond_embedding`, not the control image: the embedding an identity, the channel order rgb (the flip
+    belongs before the embedding). It shares every parameter and buffer with `net`, so weights copied into `net` in
+    place are its weights too."""
+    view = copy.copy(net)
+    view._modules = dict(net._modules)
+    view._modules["controlnet_cond_embedding"] = torch.nn.Identity()
+    view._internal_dict = type(net.config)({**net.config, "controlnet_conditioning_channel_order": "rgb"})
+    return view
 
 
 def same_architecture(a: torch.nn.Module, b: torch.nn.Module) -> bool:

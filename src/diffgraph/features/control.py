@@ -3,8 +3,9 @@ slot, a control image and a scale per step; rows with different ControlNets, sca
 control, share one step.
 
 Fields per control k: `control.slot{k}` (the ControlNet's device slot, 0 = none), `control.mode{k}` (its control
-mode: 0 balanced, 1 prompt, 2 control; request.py), `control.image{k}` (the prepared control image, [3, H, W] in
-[0, 1], as diffusers' ControlNet image processor makes it). Modes "prompt" and "control" weight residual i of R by
+mode: 0 balanced, 1 prompt, 2 control; request.py), `control.embed{k}` (the ControlNet's `controlnet_cond_embedding` of the
+row's control image, [block_out_channels[0], h, w] at the latent size, computed once at admission: diffusers computes
+it at every step; engine/controlnets.py). Modes "prompt" and "control" weight residual i of R by
 diffusers' guess-mode scales (torch.logspace(-1, 0, R)); "control" reaches the conditional branch only, its ControlNet
 not even run over the second branch's rows (diffusers' `guess_mode=True`). Columns: `control.scale{k}`,
 the row's `scale` at the plan rows inside its window and 0 outside, as diffusers' `controlnet_keep`: plan row p of P
@@ -33,7 +34,7 @@ from ..request import MAX_CONTROLS, GenerationRequest
 from .base import Admission, FieldSpec, RowFeature, StepView
 
 CONTROL_ONLY = 2  # the control mode ("ControlNet is more important") whose residuals reach the conditional branch only
-# (slot, x [D, C, h, w], t [D], conditioning per denoiser row, row inputs, control image [D, 3, H, W])
+# (slot, x [D, C, h, w], t [D], conditioning per denoiser row, row inputs, control embedding [D, C0, h, w])
 #   -> (down-block residuals, mid-block residual)
 ControlCall = Callable[[int, torch.Tensor, torch.Tensor, dict, dict, torch.Tensor],
                        tuple[Sequence[torch.Tensor], torch.Tensor]]
@@ -77,12 +78,12 @@ class ControlRows(RowFeature):
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
         h, w = latent_shape[1:]
-        scale = 8  # pixels per latent (the SD families' VAEs)
+        channels = int(self._unet.block_out_channels[0])  # the embedding's (a ControlNet mirrors its UNet)
         out = {}
         for k in range(MAX_CONTROLS):
             out[f"control.slot{k}"] = FieldSpec((1,), torch.float32)
             out[f"control.mode{k}"] = FieldSpec((1,), torch.float32)  # 0 balanced, 1 prompt, 2 control
-            out[f"control.image{k}"] = FieldSpec((3, h * scale, w * scale), self._dtype)
+            out[f"control.embed{k}"] = FieldSpec((channels, h, w), self._dtype)
         for i, shape in enumerate(residual_shapes(self._unet, latent_shape)):
             out[f"control.res{i}"] = FieldSpec(shape, self._dtype, transient=True)
         return out
@@ -96,10 +97,10 @@ class ControlRows(RowFeature):
 
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
         out: dict[str, torch.Tensor | float] = {}
-        for k, (slot, image, mode) in enumerate(admission.controls):
+        for k, (slot, embed, mode) in enumerate(admission.controls):
             out[f"control.slot{k}"] = float(slot)
             out[f"control.mode{k}"] = float(mode)
-            out[f"control.image{k}"] = image.to(self._dtype)
+            out[f"control.embed{k}"] = embed.to(self._dtype)
         return out
 
     # -- variants ----------------------------------------------------------------------------------
@@ -141,8 +142,8 @@ class ControlRows(RowFeature):
             image_rows = view.den_row.index_select(0, rows)
             sub = {name: c.index_select(0, rows) for name, c in cond.items()}
             sub_inputs = {name: r.index_select(0, rows) for name, r in inputs.items()}
-            image = view.fields[f"control.image{k}"].index_select(0, image_rows)
-            downs, mid = self._run(slot, x.index_select(0, rows), t.index_select(0, rows), sub, sub_inputs, image)
+            embed = view.fields[f"control.embed{k}"].index_select(0, image_rows)
+            downs, mid = self._run(slot, x.index_select(0, rows), t.index_select(0, rows), sub, sub_inputs, embed)
             scale = view.coefs[:, view.columns[f"control.scale{k}"]].index_select(0, image_rows)
             # [rows, residuals]: the row's scale times its control mode's weight per residual
             scale = scale[:, None] * weights.index_select(0, mode.index_select(0, image_rows).long())
