@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests and tools/probe_fp8.py's parts.
-#   bash tools/gpu_issue33.sh tests widths step   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", *_S limits)
+# Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests, tools/probe_fp8.py's parts, the compile tier's GPU
+# tests (ctests) and the tiers side by side (tiers: bench throughput --tiers $TIERS, default graph,compile).
+#   bash tools/gpu_issue33.sh tests widths step ctests tiers
+#   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE, *_S limits)
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -11,5 +13,10 @@ for what in "$@"; do
               | grep -v Warning | tail -12 ;;
     step) timeout ${STEP_S:-360} python3 tools/probe_fp8.py step --preset ${PRESET:-random:sd15} --rows ${ROWS:-16} \
             --min-features ${MIN_FEATURES:-640} ${TIER---compile} --split 2>&1 | grep -v Warning | tail -18 ;;
+    ctests) timeout ${CTESTS_S:-300} python3 -m pytest -q -x -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider \
+              2>&1 | grep -E "assert|Error|passed|failed" | tail -12 ;;
+    tiers) timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
+             --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} --json "$OUT/tiers.json" 2>&1 \
+             | grep -v Warning | tail -14 ;;
   esac
 done

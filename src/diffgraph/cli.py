@@ -24,8 +24,8 @@ import time
 from typing import Any, Callable
 
 from .cli_compare import add_compare_arguments, run_compare
-from .cli_flags import (add_checkpoint_arguments, add_quantize_arguments, checkpoint_options, quantize_error,
-                        quantize_from_args)
+from .cli_flags import (add_checkpoint_arguments, add_compile_mode_argument, add_quantize_arguments, checkpoint_options,
+                        compile_from_args, quantize_error, quantize_from_args)
 from .cli_progress import post_once, post_streaming, progress_for
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .jobs.cli_batch import add_batch_arguments, run_batch
@@ -111,6 +111,7 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
     g.add_argument("--compile", action="store_true", help="the compile tier (a slow first start; see serve --help)")
+    add_compile_mode_argument(g)
     add_quantize_arguments(g)
     g.add_argument("--url", default=None,
                    help="send the request to a running `diffgraph serve` at this URL (e.g. http://127.0.0.1:8000) "
@@ -151,6 +152,7 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     i.add_argument("--resolutions", default="", help="WxH list to capture (default: the model's native size)")
     i.add_argument("--verify", action="store_true", help="compare each replay with an eager run at capture")
     i.add_argument("--compile", action="store_true", help="the compile tier: capture compiled code (slow first start)")
+    add_compile_mode_argument(i)
     add_quantize_arguments(i)
 
     c = sub.add_parser("compile", help="fill a compile-tier cache ahead of time (for a fleet of the same GPU)")
@@ -159,6 +161,8 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     c.add_argument("--resolutions", default="", help="WxH list (default: the model's native size)")
     c.add_argument("--out", required=True, metavar="DIR",
                    help="the cache folder (serve and generate read it with --compile-cache DIR)")
+    c.add_argument("--compile", action="store_true", default=True, help=argparse.SUPPRESS)  # what it fills
+    add_compile_mode_argument(c)  # each mode's code is its own (its options are in the precompiled files' keys)
     add_quantize_arguments(c)  # the fp8 tier's compiled code is its own (the cache key names its fp8 layers)
     add_compare_arguments(sub.add_parser("compare", help="measure what --quantize fp8 costs a model: the fp8 and "
                                                          "16-bit engines side by side, one step and whole images"))
@@ -342,7 +346,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
         check_devices(args)
     except ParamError as e:
         raise _flag_error(e, args) from None
-    quantize = quantize_from_args(args)
+    quantize, compile = quantize_from_args(args), compile_from_args(args)
     model = args.model or default_model()
     with progress_for(args) as progress:
         t0 = time.monotonic()
@@ -359,7 +363,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                             lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
                             lora_conv=args.lora_conv, controlnet_dir=args.controlnet_dir,
                             ip_adapter_dir=args.ip_adapter_dir,
-                            compile=args.compile, quantize=quantize, embeddings_dir=args.embeddings_dir,
+                            compile=compile, quantize=quantize, embeddings_dir=args.embeddings_dir,
                             metadata=args.metadata,
                             load=checkpoint_options(args))
             progress.line(f"loaded {engine.info.name} in {time.monotonic() - t0:.1f} s")
@@ -508,6 +512,7 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         raise _ArgError(f"--url {args.url!r} must look like http://HOST:PORT")
     local = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value is not None]
     local += ["--compile"] if args.compile else []
+    local += ["--compile-mode"] if getattr(args, "compile_mode", None) is not None else []
     local += [flag for flag, value in (("--quantize", args.quantize),
                                        ("--quantize-min-features", args.quantize_min_features)) if value is not None]
     if local:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .config import QUANTIZE_CHOICES, LoadOptions, parse_quantize, quantize_argument
+from .config import (COMPILE_MODES, QUANTIZE_CHOICES, CompileConfig, LoadOptions, parse_compile_mode, parse_quantize,
+                     quantize_argument)
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,25 @@ def checkpoint_options(args: argparse.Namespace) -> LoadOptions:
     """The checkpoint flags as the engine's LoadOptions (the paths checked)."""
     return LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type, zero_snr=args.zero_snr,
                        vae=args.vae, vae_upcast=args.vae_upcast)
+
+
+def add_compile_mode_argument(p: argparse.ArgumentParser) -> None:
+    """--compile-mode (with --compile): Inductor's mode for the compile tier's code."""
+    p.add_argument("--compile-mode", default=None, metavar="|".join(COMPILE_MODES),
+                   help="with --compile: max-autotune-no-cudagraphs benchmarks Inductor's GEMM and convolution "
+                        "templates (a much longer first compile, kept in the compile cache; BENCHMARKS.md has what it "
+                        "buys); default: default")
+
+
+def compile_from_args(args: argparse.Namespace, cache_dir: str | None = None) -> CompileConfig | bool:
+    """`Engine(compile=)` from --compile, --compile-mode and a cache folder: False without --compile; a bad mode, or a
+    mode without --compile, is a ValueError naming the flag."""
+    mode = getattr(args, "compile_mode", None)
+    if mode is not None:
+        parse_compile_mode(mode)
+        if not args.compile:
+            raise ValueError("--compile-mode needs --compile (it chooses how the compile tier compiles)")
+    return CompileConfig(cache_dir=cache_dir, mode=mode or "default") if args.compile else False
 
 
 def add_quantize_arguments(p: argparse.ArgumentParser,

@@ -238,7 +238,10 @@ class CompileConfig:
     depends on its batch companions beyond the fp16 tolerance): None takes the family's measured default
     (`engine.graph_setup.COMPILE_LAYOUT`). Channels-last converts the given model's UNet weights in place (same
     parameters, new storage): graphs another engine captured on that model object earlier must not be replayed
-    after it."""
+    after it. `mode`: Inductor's mode, one of COMPILE_MODES: "default", or "max-autotune-no-cudagraphs" (Inductor
+    benchmarks its GEMM / convolution templates and tunes its kernels' launch settings: a much longer cold compile,
+    kept in the cache; its options join the cache key). torch's "max-autotune" and "reduce-overhead" turn Inductor's
+    own CUDA graphs on, and the graphs here are ours, so they are refused."""
 
     backend: str = "inductor"
     cache_dir: str | None = None
@@ -246,13 +249,34 @@ class CompileConfig:
     precompile: bool = True
     channels_last: bool | None = None
     attention: str | None = None
+    mode: str = "default"
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"compile backend {self.backend!r} must be a torch.compile backend name, e.g. inductor")
+        parse_compile_mode(self.mode, "compile mode")
         if self.attention not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"compile attention {self.attention!r} is not an attention backend; use one of "
                              f"{', '.join(ATTENTION_BACKENDS)} (or leave it out: the family's measured default)")
+
+
+    def inductor_options(self) -> dict[str, Any]:
+        """Inductor's options for `mode` (torch._inductor.list_mode_options), its own CUDA graphs always off."""
+        import torch._inductor
+        return {**torch._inductor.list_mode_options(self.mode), "triton.cudagraphs": False}
+
+
+# --compile-mode (TOML `compile-mode`): Inductor's modes whose code our graphs can capture
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def parse_compile_mode(value: Any, name: str = "--compile-mode") -> str:
+    """An Inductor mode of COMPILE_MODES; anything else is refused naming `name` (the flag or TOML key)."""
+    if value in COMPILE_MODES:
+        return value
+    why = (" turns Inductor's own CUDA graphs on, and diffgraph captures its own; use max-autotune-no-cudagraphs"
+           if value in ("max-autotune", "reduce-overhead") else " is unknown")
+    raise ValueError(f"{name} {value!r}{why} (allowed: {', '.join(COMPILE_MODES)})")
 
 
 # --quantize (TOML `quantize`): none, 16 bits (the model's dtype); fp8, the denoiser's transformer linears in

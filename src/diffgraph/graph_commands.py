@@ -7,7 +7,7 @@ import argparse
 import logging
 from typing import Any
 
-from .cli_flags import quantize_from_args
+from .cli_flags import compile_from_args, quantize_from_args
 from .models.presets import DEFAULT_MODEL
 
 
@@ -26,14 +26,13 @@ def compile_cache(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .config import CompileConfig
     from .engine.engine import Engine
     from .graphs.compiled import cache_dir, folder_bytes
 
     if not torch.cuda.is_available():
         raise ValueError("diffgraph compile needs a CUDA device: compiled code is made for the GPU that runs it")
     logging.getLogger("diffgraph").setLevel(logging.INFO)
-    config = CompileConfig(cache_dir=args.out)
+    config = compile_from_args(args, cache_dir=args.out)
     quantize = quantize_from_args(args)
     t0 = time.perf_counter()
     with Engine(model=args.model or DEFAULT_MODEL, device="cuda", mode="graph", graphs=graph_config(args),
@@ -54,7 +53,7 @@ def info(args: argparse.Namespace) -> int:
     quantize = quantize_from_args(args)
     logging.getLogger("diffgraph").setLevel(logging.INFO)  # one line per captured graph
     with Engine(model=args.model or DEFAULT_MODEL, device=args.device, mode="graph" if cuda else "eager",
-                graphs=graph_config(args), compile=args.compile, quantize=quantize) as engine:
+                graphs=graph_config(args), compile=compile_from_args(args), quantize=quantize) as engine:
         m = engine.model
         print(f"model {m.name}: family {m.family}, native {m.native_size}px, {m.dtype}, device {m.device}, "
               f"UNet {sum(p.numel() for p in m.unet.parameters()) / 1e6:.1f}M parameters")

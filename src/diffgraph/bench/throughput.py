@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cli_flags import add_quantize_arguments, quantize_from_args
+from ..cli_flags import add_compile_mode_argument, add_quantize_arguments, compile_from_args, quantize_from_args
 from ..engine.model_runner import VAE_BUCKETS
 
 MODES = ("step", "request", "off")
@@ -314,13 +314,26 @@ def main(argv: list[str] | None = None) -> int:
                         "without previews")
     p.add_argument("--compile", action="store_true", help="the compile tier (Engine(compile=True))")
     p.add_argument("--compile-cache", default=None, metavar="DIR")
+    add_compile_mode_argument(p)
     add_quantize_arguments(p)
+    p.add_argument("--tiers", default=None, metavar="T1,T2,...",
+                   help="only the tiers side by side (bench/tiers.py: graph, compile, fp8, autotune, autotune-fp8): "
+                        "images/s of a burst at saturation, the step's share of the dense peak, start seconds")
+    p.add_argument("--burst", type=int, default=64, metavar="N", help="with --tiers: requests per burst")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="with --tiers: the GPU's dense 16-bit peak (default: its data sheet's, by device name)")
     p.add_argument("--json", default="bench_throughput.json")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw latency percentiles and images/s against the arrival rate, per mode (matplotlib)")
     args = p.parse_args(argv)
     try:
-        quantize = quantize_from_args(args)
+        quantize, compile = quantize_from_args(args), compile_from_args(args, args.compile_cache)
+        if args.tiers is not None:
+            from . import tiers as tier_bench
+            tiers = tier_bench.parse_tiers(args.tiers)
+            if args.compile or args.quantize:
+                raise ValueError("--tiers chooses each tier's compile and quantize settings: leave out --compile, "
+                                 "--compile-mode and --quantize")
     except ValueError as e:
         print(f"diffgraph: error: {e}")
         return 2
@@ -331,13 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.engine import Engine
 
     sizes = parse_resolutions(args.sizes)
+    if args.tiers is not None:
+        report = tier_bench.run(args.model, tiers, sizes[0], args.burst, peak=args.peak_tflops)
+        tier_bench.print_report(report)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        return 0
     steps = tuple(int(s) for s in args.steps.split(","))
     samplers = tuple(args.samplers.split(","))
     lora_args = dict(max_loras=args.max_loras or 8, max_lora_rank=args.max_lora_rank) if args.loras else {}
-    compile_args = {}
-    if args.compile:
-        from ..config import CompileConfig
-        compile_args = {"compile": CompileConfig(cache_dir=args.compile_cache) if args.compile_cache else True}
+    compile_args = {"compile": compile} if compile else {}
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
                     quantize=quantize, **lora_args, **compile_args)
     if args.guidance_mix or args.prompt_mix or args.sampler_mix or args.preview_cost:

@@ -63,8 +63,8 @@ class Compiled:
         self._batch_of = None if config.per_bucket else batch_of
         self._tokens_of = tokens_of  # tensors whose second dimension (prompt tokens) is dynamic, at every length
         self._dynamic = dynamic
-        # Inductor's options (its own CUDA graphs off: ours capture the code), plus `options` (Inductor only)
-        self.options = {"triton.cudagraphs": False, **(options or {})} if config.backend == "inductor" else None
+        # Inductor's options: its mode's (its own CUDA graphs off: ours capture the code), plus `options`
+        self.options = {**config.inductor_options(), **(options or {})} if config.backend == "inductor" else None
         self.compiled = torch.compile(fn, backend=config.backend, dynamic=dynamic, options=self.options)
         self._key_prefix = (tag, sorted((self.options or {}).items()))  # part of every precompiled version's key
         # precompiled versions (see `precompile_dir`): one per argument signature, called without guards

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import unquote_plus
 
-from ..cli_flags import add_checkpoint_arguments, add_quantize_arguments
+from ..cli_flags import add_checkpoint_arguments, add_compile_mode_argument, add_quantize_arguments
 from ..jobs.flags import JOB_FIELDS, add_job_arguments
 from .config import ServerConfig, load_config
 
@@ -32,9 +32,9 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
-           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "quantize", "compile_cache", "header_timeout",
-           "body_timeout", "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks", "clip_skip",
-           "prompt_syntax", "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr",
+           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_mode", "quantize", "compile_cache",
+           "header_timeout", "body_timeout", "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks",
+           "clip_skip", "prompt_syntax", "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr",
            "image_ttl", "image_store", "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory",
            "preload", "preview_decoder", "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes",
            "controlnet_dir", "max_controlnets", "ip_adapter_dir") + JOB_FIELDS
@@ -191,6 +191,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-cache", default=None, metavar="DIR",
                    help="with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); "
                         "`diffgraph compile` fills one ahead of time")
+    add_compile_mode_argument(p)
     add_quantize_arguments(p, min_features=None)  # the engine processes get the setting as a string
 
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions, LoraConfig,
-                      default_cpu_threads, parse_buckets, parse_name_scales, parse_prewarm, parse_quantize,
+                      default_cpu_threads, parse_buckets, parse_compile_mode, parse_name_scales, parse_prewarm,
+                      parse_quantize,
                       parse_resolutions, quantize_argument)
 from ..engine.remote_models import ModelSetSpec
 from ..engine.scheduler import SchedulerConfig
@@ -92,6 +93,7 @@ class ServerConfig:
     max_controlnets: int = 2             # ControlNets resident on the device at once (LRU; one in use stays)
     ip_adapter_dir: str | None = None    # a folder of IP-Adapters (h94's layout) and their image encoders
     compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
+    compile_mode: str = "default"        # its Inductor mode (config.COMPILE_MODES): max-autotune-no-cudagraphs
     quantize: str = "none"               # "fp8": the denoiser's transformer linears in fp8 (config.QUANTIZE_CHOICES)
     embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
     max_prompt_chunks: int = 3           # a1111-syntax prompts: 75-token chunks a row may hold (its context length)
@@ -201,6 +203,10 @@ class ServerConfig:
             raise ValueError(f"clip-skip {self.clip_skip} is out of range; allowed: 0..{MAX_CLIP_SKIP} (1 = the "
                              "penultimate layer)")
         parse_quantize(self.quantize, "quantize")
+        parse_compile_mode(self.compile_mode, "compile-mode")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile-mode {self.compile_mode!r} needs compile (it chooses how the compile tier "
+                             "compiles): add --compile, or compile = true in the TOML")
         if self.prompt_syntax not in PROMPT_SYNTAXES:
             raise ValueError(f"prompt-syntax {self.prompt_syntax!r} is unknown; allowed: {', '.join(PROMPT_SYNTAXES)}")
         self.load_options()  # checks the paths and the prediction type
@@ -291,7 +297,8 @@ class ServerConfig:
                     preview_decoder=self.preview_decoder, max_step_failures=self.max_step_failures,
                     lora_host_bytes=self.lora_host_bytes, controlnet_dir=self.controlnet_dir,
                     max_controlnets=self.max_controlnets, ip_adapter_dir=self.ip_adapter_dir,
-                    compile=CompileConfig(cache_dir=self.compile_cache) if self.compile else False,
+                    compile=(CompileConfig(cache_dir=self.compile_cache, mode=self.compile_mode) if self.compile
+                             else False),
                     quantize=quantize_argument(self.quantize))
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
