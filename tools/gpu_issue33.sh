@@ -13,7 +13,7 @@ for what in "$@"; do
               | grep -v Warning | tail -12 ;;
     step) timeout ${STEP_S:-360} python3 tools/probe_fp8.py step --preset ${PRESET:-random:sd15} --rows ${ROWS:-16} \
             --min-features ${MIN_FEATURES:-640} ${TIER---compile} --split 2>&1 | grep -v Warning | tail -18 ;;
-    ctests) timeout ${CTESTS_S:-300} python3 -m pytest -q -x -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider \
+    ctests) timeout ${CTESTS_S:-420} python3 -m pytest -q -x -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider \
               2>&1 | grep -E "assert|Error|passed|failed" | tail -12 ;;
     tiers) timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} --json "$OUT/tiers.json" 2>&1 \
