@@ -259,7 +259,6 @@ class CompileConfig:
             raise ValueError(f"compile attention {self.attention!r} is not an attention backend; use one of "
                              f"{', '.join(ATTENTION_BACKENDS)} (or leave it out: the family's measured default)")
 
-
     def inductor_options(self) -> dict[str, Any]:
         """Inductor's options for `mode` (torch._inductor.list_mode_options), its own CUDA graphs always off."""
         import torch._inductor

@@ -55,7 +55,7 @@ class ControlNets:
         self.root = self.catalog.root
         self.device, self.dtype, self._unet = device, dtype, unet_config
         self.slots = SlotCache(slots)
-        self._vae_scale = self.pixels_per_latent = vae_scale_factor
+        self.pixels_per_latent = vae_scale_factor
         self._host: OrderedDict[tuple, torch.nn.Module] = OrderedDict()  # key -> host copy, most recent last
         self._modules: dict[int, torch.nn.Module] = {}
         self._stepping: dict[int, torch.nn.Module] = {}  # slot -> its module after the conditioning embedding
@@ -163,7 +163,7 @@ class ControlNets:
         """The control map as diffusers' ControlNet pipelines prepare it, after AUTOMATIC1111's resize mode."""
         from diffusers.image_processor import VaeImageProcessor
         from PIL import Image
-        processor = VaeImageProcessor(vae_scale_factor=self._vae_scale, do_convert_rgb=True, do_normalize=False)
+        processor = VaeImageProcessor(vae_scale_factor=self.pixels_per_latent, do_convert_rgb=True, do_normalize=False)
         # fitted first (control_maps.py: what the playground shows), then diffusers' processor (its resize a no-op)
         return processor.preprocess(Image.fromarray(fit_map(pixels, width, height, resize_mode)), height=height,
                                     width=width).float()
@@ -209,7 +209,7 @@ class ControlNets:
                         dst.copy_(src)
             else:
                 self._modules.pop(slot, None)
-                self._stepping.pop(slot, None)
+                self._stepping.pop(slot, None)  # the old view holds the old weights too: free both first
                 self._modules[slot] = copy.deepcopy(host).to(self.device)
                 self._stepping[slot] = after_embedding(self._modules[slot])
         return broken
