@@ -44,8 +44,9 @@ def job_file(n: int) -> bytes:
 
 
 class StepTally:
-    """The engine's steps while a run goes: how many, their live denoiser rows and bucket rows, their host time (so a
-    run's GPU work splits into rows used and slots left empty)."""
+    """The engine's steps while a run goes: how many, their live rows (and how many of them were the job's), bucket
+    rows and host time, each step also kept with the time it ended (so a run's GPU work splits into rows used and
+    slots left empty, and into the job's rows and the people's over any window of the run)."""
 
     def __init__(self, client: AsyncEngine):
         self.on = False
@@ -53,18 +54,29 @@ class StepTally:
         client.add_step_listener(self._step)
 
     def reset(self) -> None:
-        self.steps, self.rows, self.bucket, self.seconds = 0, 0, 0, 0.0
+        self.log: list[tuple[float, int, int, int, float]] = []  # (ended at, rows, batch rows, bucket, seconds)
 
     def _step(self, event) -> None:
         if self.on:
-            self.steps += 1
-            self.rows += event.rows
-            self.bucket += event.bucket
-            self.seconds += event.seconds
+            self.log.append((time.perf_counter(), event.rows, event.batch_rows, event.bucket, event.seconds))
 
-    def figures(self) -> dict:
-        return {"steps": self.steps, "row_steps": self.rows, "bucket_row_steps": self.bucket,
-                "fill": self.rows / max(1, self.bucket), "step_seconds": self.seconds}
+    def figures(self, until: float = float("inf")) -> dict:
+        log = [e for e in self.log if e[0] <= until]
+        rows, bucket = sum(e[1] for e in log), sum(e[3] for e in log)
+        return {"steps": len(log), "row_steps": rows, "job_row_steps": sum(e[2] for e in log),
+                "bucket_row_steps": bucket, "fill": rows / max(1, bucket), "step_seconds": sum(e[4] for e in log)}
+
+    def fill(self, start: float, end: float) -> float:
+        """Live rows over bucket rows, over the steps that ended in [start, end]."""
+        log = [e for e in self.log if start <= e[0] <= end]
+        return sum(e[1] for e in log) / max(1, sum(e[3] for e in log))
+
+    def people_share(self, start: float, end: float) -> float:
+        """The people's (non-batch rows') share of the step time of the steps that ended in [start, end]: each
+        step's time split over its live rows."""
+        log = [e for e in self.log if start <= e[0] <= end]
+        total = sum(e[4] for e in log)
+        return sum(e[4] * (e[1] - e[2]) / max(1, e[1]) for e in log) / max(1e-9, total)
 
 
 async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None,
@@ -79,6 +91,7 @@ async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None
         backend = EngineBackend(config, lambda: client.info, client.submit)
         coordinator = Coordinator(store, backend, None, CoordinatorSettings(poll_s=0.05))
         t0 = time.perf_counter()
+        progress: list[tuple[float, int]] = []  # (time, images done), polled
         job = store.create("", parse_job(job_file(n), "jsonl", SpecLimits()), client.info.name)
         task = asyncio.ensure_future(coordinator.run())
         finished = asyncio.Event()
@@ -86,22 +99,32 @@ async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None
         try:
             while True:
                 row = store.job(job.id)
+                progress.append((time.perf_counter(), row.done))
                 if row.done + row.failed >= n:
                     break
                 await asyncio.sleep(0.05)
-            seconds = time.perf_counter() - t0
+            end = time.perf_counter()
+            seconds = end - t0
             finished.set()
             extra = await side if side else None
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             store.close()
-    figures = None
+    figures = window = None
     if tally is not None:
         tally.on = False
-        figures = tally.figures()
+        figures = tally.figures(until=end)  # the job's own run (people still finishing after it are not its steps)
+        lo, hi = when_done(progress, 0.1 * n), when_done(progress, 0.9 * n)
+        window = {"start": lo, "end": hi, "images_per_s": 0.8 * n / (hi - lo), "people_share": tally.people_share(lo, hi),
+                  "whole_run_people_share": tally.people_share(t0, end), "fill": tally.fill(lo, hi)}
     return {"images": row.done, "failed": row.failed, "seconds": seconds, "images_per_s": row.done / seconds,
-            "side": extra, "steps": figures}
+            "side": extra, "steps": figures, "window": window}
+
+
+def when_done(progress: list[tuple[float, int]], count: float) -> float:
+    """The time the job's done count first reached `count` (polled every 50 ms)."""
+    return next(t for t, done in progress if done >= count)
 
 
 async def burst(client: AsyncEngine, requests: list) -> dict:
@@ -160,15 +183,20 @@ async def mixed(client: AsyncEngine, n: int, rate: float, config: ServerConfig) 
     lat = with_people.pop("side")
     ref_p99 = pct(inside_full["latency_s"], 0.99)
     alone_steps, mixed_steps = alone_job["steps"], with_people["steps"]
-    people_rows = mixed_steps["row_steps"] - alone_steps["row_steps"]  # the job's own rows are the same in both
+    aw, mw = alone_job["window"], with_people["window"]
     return {"n": n, "rate": rate, "interactive": len(lat), "p50_s": pct(lat, 0.5), "p99_s": pct(lat, 0.99),
-            "steps_alone": alone_steps, "steps_with_people": mixed_steps,
-            "people_share_of_row_steps": people_rows / max(1, mixed_steps["row_steps"]),
-            "added_step_seconds_share": 1 - alone_steps["step_seconds"] / max(1e-9, mixed_steps["step_seconds"]),
             "inside_full_batch_p99_s": ref_p99, "p99_ratio": pct(lat, 0.99) / ref_p99,
-            "job_alone_images_per_s": alone_job["images_per_s"], "job_with_people_images_per_s":
-            with_people["images_per_s"], "job_ratio": with_people["images_per_s"] / alone_job["images_per_s"],
-            "people_share_of_images": len(lat) / (len(lat) + n)}
+            "steps_alone": alone_steps, "steps_with_people": mixed_steps,
+            # the whole job, start to last image: its drop against the people's share of the step time meanwhile
+            "job_alone_images_per_s": alone_job["images_per_s"],
+            "job_with_people_images_per_s": with_people["images_per_s"],
+            "job_drop": 1 - with_people["images_per_s"] / alone_job["images_per_s"],
+            "people_share_of_step_time": mw["whole_run_people_share"],
+            "people_share_of_row_steps": 1 - mixed_steps["job_row_steps"] / max(1, mixed_steps["row_steps"]),
+            # steady state: from the job's 10% to its 90% image (no start, no last bucket draining)
+            "window_job_drop": 1 - mw["images_per_s"] / aw["images_per_s"],
+            "window_people_share_of_step_time": mw["people_share"],
+            "window_fill_alone": aw["fill"], "window_fill_with_people": mw["fill"]}
 
 
 def main() -> int:

@@ -72,7 +72,7 @@ class AsyncEngine:
             n, total = self._step_times.get(bucket, (0, 0.0))
             self._step_times[bucket] = (n + 1, total + seconds)
         if self._listeners:
-            event = StepEvent(plan.key, plan.n_rows, bucket, seconds)
+            event = StepEvent(plan.key, plan.n_rows, bucket, seconds, sum(s.rows for s in plan.live if s.batch))
             for listener in self._listeners:
                 try:
                     listener(event)

@@ -19,13 +19,14 @@ from ..request import GenerationRequest, GenerationResult, GroupKey, ModelInfo, 
 
 @dataclass(frozen=True)
 class StepEvent:
-    """One denoising step: its group, live rows, the rows it cost (its batch bucket, or the rows when eager)
-    and its host-side wall time."""
+    """One denoising step: its group, live rows, the rows it cost (its batch bucket, or the rows when eager),
+    its host-side wall time, and how many of its live rows were batch rows (a job's items: priority.py)."""
 
     key: GroupKey
     rows: int
     bucket: int
     seconds: float
+    batch_rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,12 @@
     runner.execute(...)                # device: row moves, admission (encode, initial noise), one step
     finished = scheduler.update(plan)  # CPU: advance rows, retire finished requests
 
-Owns: admission and retirement bookkeeping, abort, progress events (and live previews: previews.py), the
-per-request answer channels (`RequestSink`), weight invalidations (run between steps on the loop thread), step
-listeners and counters. It touches the device only through its `ModelRunner`, only from the loop thread; the image
-thread pool turns finished pixels into results (PNG/JPEG/WebP bytes), so the loop never waits for a decode. A
-failed step fails only its requests; a bug in the loop itself fails the engine (failures.py) and every request.
+Owns: admission bookkeeping, abort, progress events (and live previews: previews.py), the per-request answer
+channels (`RequestSink`), weight invalidations (run between steps on the loop thread), step listeners and counters.
+It touches the device only through its `ModelRunner`, only from the loop thread; finished requests go to
+`Retirement` (retirement.py: their decodes, batch rows gathered first, and results), so the loop never waits for a
+decode. A failed step fails only its requests; a bug in the loop itself fails the engine (failures.py) and every
+request.
 """
 from __future__ import annotations
 
@@ -16,17 +17,15 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from functools import partial
 from typing import Any, Callable, Iterable
 
-import numpy as np
 import torch
 
-from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, GroupKey, ProgressEvent,
+from ..request import (EngineClosed, EngineStepError, GenerationRequest, GroupKey, ProgressEvent,
                        RequestAborted)
 from ..features.base import Admission
-from ..image_metadata import encode_image
 from ..sampling.sde import BrownianNoise
 from ..lora.manager import resolve_loras
 from .controlnets import resolve_controls
@@ -37,7 +36,8 @@ from .failures import FailurePolicy
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
 from .prompts import PromptKey
-from .request_state import RequestSink
+from .retirement import Retirement
+from .request_state import RequestSink, call_safely, fail_request
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,9 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig, image_threads: int = 2, metadata: bool = True,
                  loop: DeviceLoop | None = None, max_step_failures: int = 3):
         self.runner = runner
-        self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self.scheduler = Scheduler(config)
-        self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self.previews = PreviewMaker.of(runner)  # live previews of the requests that ask (previews.py)
+        self.retirement = Retirement(runner, self.previews, image_threads, metadata)  # finished rows to answers
         self.failures = FailurePolicy(max_step_failures)  # when failing steps fail the engine (failures.py)
         self.on_failure: list[Callable[[str], None]] = []  # called once, on the loop thread, when it trips
         self.loop = loop or DeviceLoop()  # shared by the cores of several models on one device (a ModelSet)
@@ -168,7 +167,7 @@ class EngineCore:
             self._cv.notify_all()
         if self._started and threading.current_thread() is not self.loop.thread:
             self._finished.wait(timeout)
-        self._images.shutdown(wait=True)
+        self.retirement.shutdown()
         self.previews.close()
 
     # -- the loop (device_loop.py runs these on its thread) ---------------------------------------
@@ -182,7 +181,8 @@ class EngineCore:
         pending, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         aborted = self.scheduler.take_aborted()
-        return (plan, aborted, pending) if plan is not None or aborted or pending else None
+        held = self.retirement.holding  # nothing to step: held decodes go now (run)
+        return (plan, aborted, pending) if plan is not None or aborted or pending or held else None
 
     def finish(self, error: BaseException | None) -> None:
         """On the loop thread, once: the last between-step work, then every request answered."""
@@ -193,6 +193,7 @@ class EngineCore:
         if error is None:
             self._run_pending(pending, aborted)
             pending = []
+        self.retirement.stop()  # finished rows waiting for companions: decoded, answered
         for _, future in pending:
             future.set_exception(EngineClosed("the engine loop stopped after an internal error (see the log)"))
         if error is not None and self.failures.loop_failed(error):  # failed, as a tripped policy (on_failure)
@@ -208,7 +209,7 @@ class EngineCore:
             except Exception as e:
                 future.set_exception(e)
         for s in aborted:
-            _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
+            fail_request(s, RequestAborted(f"request {s.request_id} was aborted"))
 
     def run(self, work: tuple[StepPlan | None, list[RequestState], list], waited: bool) -> None:
         """One pass: between-step work, then the plan: execute, advance, report, retire."""
@@ -222,6 +223,8 @@ class EngineCore:
             self._release_idle({s.key for s in aborted})
         if plan is not None:
             self._step(plan)
+        elif self.retirement.holding:
+            self.retirement.after_step(None, [], self.scheduler.steps_run, False)
 
     def _step(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
@@ -251,7 +254,7 @@ class EngineCore:
                 failed = self.scheduler.fail(plan)
             err = EngineStepError(f"the denoising step failed for this batch: {type(e).__name__}: {e}")
             for s in failed:
-                _fail(s, err)
+                fail_request(s, err)
             if self.failures.step_failed(e):
                 self._trip()
             return self._release_idle((plan.key,))
@@ -259,11 +262,11 @@ class EngineCore:
         with self._cv:
             finished = self.scheduler.update(plan)
         for s in plan.live:  # progress first: a request's last progress event comes before its result
-            _call_safely(s.sink.progress, ProgressEvent(s.request_id, s.step, s.steps))
+            call_safely(s.sink.progress, ProgressEvent(s.request_id, s.step, s.steps))
         if any(s.request.preview for s in plan.live):  # before the rows retire: their D is still in the buffers
             self.previews.capture(plan.key, plan.live)
-        if finished:
-            self._retire(plan.key, finished)
+        self.retirement.after_step(plan.key, finished, self.scheduler.steps_run,
+                                   any(s.batch and not s.done for s in plan.live))
         if cuda_events:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.runner.device))
@@ -271,7 +274,7 @@ class EngineCore:
         self.stats["steps"] += 1
         self.stats["rows_stepped"] += plan.n_rows
         for listener in self.step_listeners:
-            _call_safely(listener, plan, time.perf_counter() - t0)
+            call_safely(listener, plan, time.perf_counter() - t0)
         self._release_idle((plan.key,))
 
     def _trip(self) -> None:
@@ -280,7 +283,7 @@ class EngineCore:
         self._fail_everything(EngineClosed(f"the engine failed ({self.failures.reason}); retry this request on "
                                            "another replica"))
         for fn in self.on_failure:
-            _call_safely(fn, self.failures.reason)
+            call_safely(fn, self.failures.reason)
 
     def _release_idle(self, keys: Iterable[GroupKey]) -> None:
         """Frees the buffers of sizes in `keys` left with no work and no graphs (any size is valid: none piles up)."""
@@ -331,64 +334,17 @@ class EngineCore:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)
                 with self._cv:
                     self.scheduler.remove(s)
-                _fail(s, ValueError(f"request {s.request_id} could not be admitted: {type(e).__name__}: {e}"))
+                fail_request(s, ValueError(f"request {s.request_id} could not be admitted: {type(e).__name__}: {e}"))
                 ok = False
         return ok
-
-    def _retire(self, key: GroupKey, finished: list[RequestState]) -> None:
-        # the finished requests have left the scheduler: whatever fails here must answer them, here
-        try:
-            latents = torch.cat([self.runner.read_latents(key, s.first_row, s.rows) for s in finished])
-            wait = self.runner.decode_async(key, latents)
-        except Exception as e:
-            logger.exception("decode failed for group %s", key)
-            for s in finished:
-                _fail(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
-            return
-        done_at = time.monotonic()
-        try:
-            self._images.submit(self._deliver, finished, wait, done_at)
-        except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
-            self._deliver(finished, wait, done_at)
-
-    def _deliver(self, finished: list[RequestState], wait: Callable[[], np.ndarray], done_at: float) -> None:
-        try:
-            arrays = wait()
-        except Exception as e:
-            for s in finished:
-                _fail(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
-            return
-        row = 0
-        for s in finished:
-            r = s.request
-            try:
-                part = arrays[row:row + s.rows]
-                if not np.isfinite(part).all():  # NaN pixels would cast to a black image: say so instead
-                    raise EngineStepError(
-                        f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "
-                        "overflowed its dtype; lower the LoRA scales or the guidance, or use a float32/bfloat16 model")
-                encoded = ([encode_image(a, r.output_format, r, self.runner.model.name, self.metadata) for a in part]
-                           if r.output_format else None)
-                now = time.monotonic()
-                timings = {"queue_ms": (s.admitted_at - s.arrival) * 1e3,
-                           "denoise_ms": (done_at - s.admitted_at) * 1e3,
-                           "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
-                result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
-                                          request=r, encoded=encoded)
-                if s.preview_future is not None:  # its previews go first
-                    self.previews.settle(s)
-                _call_safely(s.sink.finish, result, None)
-            except Exception as e:
-                _fail(s, e)
-            row += s.rows
 
     def _fail_everything(self, error: Exception) -> None:
         with self._cv:
             for s in self.scheduler.take_aborted():  # aborted while waiting, not yet answered
-                _fail(s, RequestAborted(f"request {s.request_id} was aborted"))
+                fail_request(s, RequestAborted(f"request {s.request_id} was aborted"))
             for g in self.scheduler.groups.values():
                 for s in list(g.waiting) + list(g.live):
-                    _fail(s, error)
+                    fail_request(s, error)
                 g.waiting.clear()
                 g.live.clear()
             pending, self._pending = self._pending, []
@@ -406,14 +362,3 @@ def _prompt_keys(state: RequestState) -> tuple[PromptKey, ...]:
     if pos.chunks != neg.chunks:
         keys += (("+", state.empty_prompt, text),)
     return keys
-
-
-def _call_safely(fn: Callable[..., Any], *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception:  # a caller's callback must not stop the engine
-        logger.exception("callback %r failed", fn)
-
-
-def _fail(state: RequestState, error: BaseException) -> None:
-    _call_safely(state.sink.finish, None, error)

@@ -7,13 +7,16 @@ for it (where its answer goes, its noise generator once admitted, its adapters a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
 from ..request import GenerationRequest, GenerationResult, GroupKey, ProgressEvent
 from ..sampling.samplers import SamplerPlan
+
+logger = logging.getLogger(__name__)
 
 
 class RequestSink(Protocol):
@@ -104,3 +107,16 @@ class RequestState:
     @property
     def done(self) -> bool:
         return self.step >= self.plan.num_steps
+
+
+def call_safely(fn: Callable[..., Any], *args: Any) -> None:
+    """Calls a caller's callback (a sink, a listener): its failure is logged, never the engine's."""
+    try:
+        fn(*args)
+    except Exception:  # a caller's callback must not stop the engine
+        logger.exception("callback %r failed", fn)
+
+
+def fail_request(state: RequestState, error: BaseException) -> None:
+    """Answers the request with `error`."""
+    call_safely(state.sink.finish, None, error)

@@ -1,0 +1,70 @@
+"""Finished batch rows wait a few steps for companions before their decode. CPU bookkeeping only, used by the engine
+core on its loop thread; the core decodes what `due` returns.
+
+Why: one VAE replay of 4 images costs less per image than 4 replays of one. Requests admitted together finish
+together and decode together. Interactive requests break a job's waves apart: each one takes a batch row's place
+at its own step and gives it back 20 steps later, so without gathering the job's rows finish, and decode, one at a
+time. Held rows have left the scheduler already: their latents are copied out, their buffer rows reused.
+
+Rules (a row is an image; `size` is the largest decode replay):
+- an interactive request never waits: it decodes at once, and takes every held row of its group with it;
+- batch rows are held until their group holds `size` rows, or its oldest held row has waited `hold_steps` engine
+  steps, or no live batch row is left in its group (nothing would join them);
+- `due(None, ...)` (the engine has nothing to step) and `take_all()` (the engine stops) give back everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..request import GroupKey
+from .request_state import RequestState
+
+
+@dataclass
+class _Held:
+    since: int  # the engine step at which the first of them was held
+    states: list[RequestState] = field(default_factory=list)
+    latents: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.states)
+
+
+class DecodeBatches:
+    def __init__(self, size: int, hold_steps: int):
+        if size < 1 or hold_steps < 0:
+            raise ValueError(f"decode batches need size >= 1 and hold_steps >= 0 (got {size}, {hold_steps})")
+        self.size, self.hold_steps = size, hold_steps
+        self._held: dict[GroupKey, _Held] = {}
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def due(self, key: GroupKey | None, finished: list[RequestState], latents: torch.Tensor | None, step: int,
+            more_coming: bool) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
+        """After engine step `step` of group `key` (None: no step ran), whose `finished` requests' rows are
+        `latents` (in their order); `more_coming`: live batch rows are left in that group. Returns the decodes to
+        launch now: (group, requests, their latents)."""
+        if key is not None and finished:
+            held = self._held.setdefault(key, _Held(step))
+            held.states.extend(finished)
+            held.latents.append(latents)
+        out = []
+        for k, held in list(self._held.items()):
+            waited = step - held.since >= self.hold_steps
+            if key is None or waited or (k == key and (not more_coming or held.rows >= self.size or
+                                                       any(not s.batch for s in held.states))):
+                del self._held[k]
+                out.append((k, held.states, torch.cat(held.latents)))
+        return out
+
+    def take_all(self) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
+        """Everything held (the engine is stopping)."""
+        out = [(k, h.states, torch.cat(h.latents)) for k, h in self._held.items()]
+        self._held.clear()
+        return out

@@ -1,0 +1,108 @@
+"""`Retirement`: finished requests from their last step to their answers. Used by the engine core on its loop thread.
+
+Owns: the finished rows' latents copied out of the step buffers, the decodes (batch rows gathered for a few steps
+first: decode_batches.py), the image thread pool that waits for the pixels and encodes them (PNG/JPEG/WebP), and
+each request's `GenerationResult` with its timings. The loop never waits for a decode: the runner enqueues it and
+an image thread waits for the pixels. Whatever fails here answers its requests: they have left the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..image_metadata import encode_image
+from ..request import EngineStepError, GenerationResult, GroupKey
+from .decode_batches import DecodeBatches
+from .graph_setup import VAE_BUCKETS
+from .model_runner import ModelRunner
+from .previews import PreviewMaker
+from .request_state import RequestState, call_safely, fail_request
+
+logger = logging.getLogger(__name__)
+HOLD_STEPS = 4  # the steps a finished batch row may wait for companions to decode with
+
+
+class Retirement:
+    def __init__(self, runner: ModelRunner, previews: PreviewMaker, image_threads: int, metadata: bool):
+        self.runner, self.previews = runner, previews
+        self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
+        self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
+        self._batches = DecodeBatches(max(VAE_BUCKETS), HOLD_STEPS)
+
+    @property
+    def holding(self) -> bool:
+        """Finished batch rows are waiting for companions (the loop must come back for them)."""
+        return self._batches.holding
+
+    def after_step(self, key: GroupKey | None, finished: list[RequestState], step: int, more_coming: bool) -> None:
+        """After engine step `step` of group `key` (None: the engine had nothing to step): its finished requests'
+        latents are copied out, then the decodes that are due launch; `more_coming`: live batch rows are left in
+        the group."""
+        try:
+            latents = torch.cat([self.runner.read_latents(key, s.first_row, s.rows) for s in finished]) \
+                if finished else None
+        except Exception as e:
+            return self._failed(key, finished, e)
+        for held in self._batches.due(key, finished, latents, step, more_coming):
+            self._decode(*held)
+
+    def stop(self) -> None:
+        """The engine stops: every held row is decoded and answered now."""
+        for held in self._batches.take_all():
+            self._decode(*held)
+
+    def shutdown(self) -> None:
+        self._images.shutdown(wait=True)
+
+    def _decode(self, key: GroupKey, finished: list[RequestState], latents: torch.Tensor) -> None:
+        try:
+            wait = self.runner.decode_async(key, latents)
+        except Exception as e:
+            return self._failed(key, finished, e)
+        done_at = time.monotonic()
+        try:
+            self._images.submit(self._deliver, finished, wait, done_at)
+        except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
+            self._deliver(finished, wait, done_at)
+
+    def _failed(self, key: GroupKey | None, finished: list[RequestState], e: Exception) -> None:
+        logger.exception("decode failed for group %s", key)
+        for s in finished:
+            fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+
+    def _deliver(self, finished: list[RequestState], wait: Callable[[], np.ndarray], done_at: float) -> None:
+        try:
+            arrays = wait()
+        except Exception as e:
+            for s in finished:
+                fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+            return
+        row = 0
+        for s in finished:
+            r = s.request
+            try:
+                part = arrays[row:row + s.rows]
+                if not np.isfinite(part).all():  # NaN pixels would cast to a black image: say so instead
+                    raise EngineStepError(
+                        f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "
+                        "overflowed its dtype; lower the LoRA scales or the guidance, or use a float32/bfloat16 model")
+                encoded = ([encode_image(a, r.output_format, r, self.runner.model.name, self.metadata) for a in part]
+                           if r.output_format else None)
+                now = time.monotonic()
+                timings = {"queue_ms": (s.admitted_at - s.arrival) * 1e3,
+                           "denoise_ms": (done_at - s.admitted_at) * 1e3,
+                           "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
+                result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
+                                          request=r, encoded=encoded)
+                if s.preview_future is not None:  # its previews go first
+                    self.previews.settle(s)
+                call_safely(s.sink.finish, result, None)
+            except Exception as e:
+                fail_request(s, e)
+            row += s.rows

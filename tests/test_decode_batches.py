@@ -1,0 +1,138 @@
+"""Finished batch rows wait a few steps for companions before their decode (engine/decode_batches.py, retirement.py):
+the rules on their own, then the engine's decodes and images with batch and interactive requests finishing at
+different steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph.engine.decode_batches import DecodeBatches
+
+A, B = (64, 64), (80, 80)
+
+
+def _row(batch=True, rows=1):
+    return SimpleNamespace(batch=batch, rows=rows)
+
+
+def _lat(n):
+    return torch.zeros(n, 4, 8, 8)
+
+
+def _sizes(out):
+    return [(k, sum(s.rows for s in states), int(lat.shape[0])) for k, states, lat in out]
+
+
+def test_batch_rows_wait_for_a_full_decode_then_go_together():
+    d = DecodeBatches(size=4, hold_steps=4)
+    assert d.due(A, [_row()], _lat(1), step=1, more_coming=True) == []
+    assert d.due(A, [_row(rows=2)], _lat(2), step=2, more_coming=True) == []
+    assert d.holding
+    assert _sizes(d.due(A, [_row()], _lat(1), step=3, more_coming=True)) == [(A, 4, 4)]
+    assert not d.holding
+
+
+def test_an_interactive_row_goes_at_once_and_takes_the_held_rows_with_it():
+    d = DecodeBatches(size=4, hold_steps=4)
+    assert d.due(A, [_row()], _lat(1), step=1, more_coming=True) == []
+    out = d.due(A, [_row(batch=False)], _lat(1), step=2, more_coming=True)
+    assert _sizes(out) == [(A, 2, 2)] and [s.batch for s in out[0][1]] == [True, False]
+
+
+def test_held_rows_go_after_hold_steps_when_their_group_runs_out_of_batch_rows_and_when_nothing_steps():
+    d = DecodeBatches(size=4, hold_steps=4)
+    d.due(A, [_row()], _lat(1), step=1, more_coming=True)
+    assert d.due(A, [], None, step=4, more_coming=True) == []
+    assert _sizes(d.due(A, [], None, step=5, more_coming=True)) == [(A, 1, 1)]  # waited 4 steps
+    d.due(A, [_row()], _lat(1), step=6, more_coming=True)
+    d.due(B, [_row()], _lat(1), step=7, more_coming=True)
+    assert _sizes(d.due(B, [], None, step=8, more_coming=False)) == [(B, 1, 1)]  # B has no batch rows left; A waits
+    assert _sizes(d.due(None, [], None, step=8, more_coming=False)) == [(A, 1, 1)]  # the engine has nothing to step
+    d.due(A, [_row()], _lat(1), step=9, more_coming=True)
+    assert _sizes(d.take_all()) == [(A, 1, 1)] and not d.holding
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="size >= 1"):
+        DecodeBatches(size=0, hold_steps=4)
+
+
+# -- the engine ---------------------------------------------------------------------------------------------------
+def _run_together(engine, requests):
+    """Submits the requests while the loop is held between two steps, so they are admitted at one step; returns
+    their results and the decodes launched meanwhile (the images in each, the engine step it followed)."""
+    runner, decodes = engine.runner, []
+    decode_async = runner.decode_async
+
+    def recording(key, latents):
+        decodes.append((int(latents.shape[0]), engine.core.scheduler.steps_run))
+        return decode_async(key, latents)
+
+    gate = threading.Event()
+    runner.decode_async = recording
+    try:
+        held = engine.core.call_between_steps(lambda: gate.wait(60))
+        futures = [engine.submit(r) for r in requests]
+        gate.set()
+        held.result(60)
+        results = [f.result(120) for f in futures]
+    finally:
+        del runner.decode_async
+    return results, decodes
+
+
+def _request(engine, steps, seed, priority="batch"):
+    r = engine.make_request("a red circle", num_inference_steps=steps, seed=seed, width=64, height=64,
+                            guidance_scale=1.0, sampler="euler")
+    return dataclasses.replace(r, priority=priority, job="j" if priority == "batch" else None)
+
+
+def test_batch_rows_finishing_one_a_step_decode_as_one_batch_and_give_the_images_made_alone(tiny_engine):
+    base = tiny_engine.core.scheduler.steps_run
+    requests = [_request(tiny_engine, steps, seed) for seed, steps in enumerate((2, 3, 4, 5, 6))]
+    results, decodes = _run_together(tiny_engine, requests)
+    assert [(n, step - base) for n, step in decodes] == [(4, 5), (1, 6)]
+    for request, result in zip(requests, results):
+        alone = tiny_engine.submit(_request(tiny_engine, request.num_inference_steps, request.seed,
+                                            "interactive")).result(120)
+        np.testing.assert_allclose(result.arrays, alone.arrays, atol=1e-5)
+
+
+def test_an_interactive_request_decodes_at_its_last_step_with_the_held_batch_rows(tiny_engine):
+    base = tiny_engine.core.scheduler.steps_run
+    requests = [_request(tiny_engine, 2, 0), _request(tiny_engine, 3, 1, "interactive"), _request(tiny_engine, 9, 2)]
+    _, decodes = _run_together(tiny_engine, requests)
+    assert [(n, step - base) for n, step in decodes] == [(2, 3), (1, 9)]
+
+
+def test_a_held_row_is_answered_when_the_rest_of_its_group_is_aborted(tiny_engine):
+    requests = [_request(tiny_engine, 2, 0), _request(tiny_engine, 200, 1)]
+    base = tiny_engine.core.scheduler.steps_run
+    reached, proceed = threading.Event(), threading.Event()
+
+    def listener(plan, _):  # on the loop thread: the loop waits at the end of the third step
+        if tiny_engine.core.scheduler.steps_run - base == 3:
+            reached.set()
+            proceed.wait(60)
+    tiny_engine.step_listeners.append(listener)
+    try:
+        gate = threading.Event()
+        held = tiny_engine.core.call_between_steps(lambda: gate.wait(60))
+        futures = [tiny_engine.submit(r) for r in requests]
+        gate.set()
+        held.result(60)
+        assert reached.wait(60)
+        assert not futures[0].done()  # finished at step 2, held: a batch row of its group is live
+        tiny_engine.abort(requests[1].request_id)
+        proceed.set()
+        assert futures[0].result(120).arrays.shape == (1, 64, 64, 3)
+        assert tiny_engine.core.scheduler.steps_run - base == 3  # no step ran: decoded once there was none to run
+    finally:
+        proceed.set()
+        tiny_engine.step_listeners.remove(listener)
