@@ -5,14 +5,14 @@
 # `diffgraph serve`'s own layout, one replica process (the output thread, results without their inputs).
 # jobs / mixed: issue 35's targets (tools/bench_jobs.py): a job against the same requests at once, and interactive
 # requests at 1/s beside a running job.
-# Usage: bash tools/gpu_issue28.sh tests hop jobs mixed   (env: TESTS_S, HOP_RATE, HOP_S, JOBS_N, MIXED_N)
+# Usage: bash tools/gpu_issue28.sh tests hop jobs mixed   (env: TESTS_S, GPU_TESTS, HOP_RATE, HOP_S, JOBS_N, MIXED_N)
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
   case $what in
-    tests) timeout ${TESTS_S:-420} python3 -m pytest -q -m gpu tests/gpu/test_graphs_gpu.py tests/gpu/test_lora_gpu.py \
-             tests/gpu/test_edits_gpu.py tests/gpu/test_samplers_gpu.py -p no:cacheprovider 2>&1 | grep -v Warning \
-             | tee "$OUT/gpu_tests.log" | tail -8 ;;
+    tests) timeout ${TESTS_S:-420} python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/gpu/test_graphs_gpu.py \
+             tests/gpu/test_lora_gpu.py tests/gpu/test_edits_gpu.py tests/gpu/test_samplers_gpu.py} -p no:cacheprovider \
+             2>&1 | grep -v Warning | tee "$OUT/gpu_tests.log" | tail -8 ;;
     hop) for label in inproc replica; do
            flags=(); [ $label = inproc ] && flags=(--in-process)
            timeout ${HOP_S:-280} python3 tools/bench_dp.py --label $label --sat-rate ${HOP_RATE:-14} --duration 30 \
