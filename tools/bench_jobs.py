@@ -10,7 +10,8 @@ written and committed); images/s of each to the last image (target: job >= 0.97x
 mixed: a job of N items running, interactive requests (the same settings, another prompt) arriving at `rate` per
 second for as long as the job runs; their latency percentiles against the latency of one request inside a full
 batch (a burst of as many requests as fill the largest bucket: target p99 <= 1.3x), and the job's images/s against
-`cost`'s figure for the job alone.
+`cost`'s figure for the job alone (target: its drop no more than the people's share of the GPU: on CUDA their rows'
+part of every replay plus their own decodes, over the GPU's busy time, from CUDA events; host step time elsewhere).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import random
 import sys
 import tempfile
 import time
+
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
@@ -46,37 +49,86 @@ def job_file(n: int) -> bytes:
 class StepTally:
     """The engine's steps while a run goes: how many, their live rows (and how many of them were the job's), bucket
     rows and host time, each step also kept with the time it ended (so a run's GPU work splits into rows used and
-    slots left empty, and into the job's rows and the people's over any window of the run)."""
+    slots left empty, and into the job's rows and the people's over any window of the run). On CUDA each step also
+    keeps its CUDA events (the engine's own, from its first copy to its last launch) and those of the decodes it
+    launched, so the GPU's time splits by whose work it was: a step's replay over its live rows, a decode over the
+    rows it decodes."""
 
     def __init__(self, client: AsyncEngine):
         self.on = False
+        self.core = client.engine.core
+        self.cuda = client.engine.runner.cuda
         self.reset()
         client.add_step_listener(self._step)
 
     def reset(self) -> None:
-        self.log: list[tuple[float, int, int, int, float]] = []  # (ended at, rows, batch rows, bucket, seconds)
+        self.log: list[tuple] = []  # (ended at, rows, batch rows, bucket, seconds, step events, decode events)
+        self._decodes = 0
+        if self.cuda:
+            self.core.step_events, self.core.retirement.decode_events = [], []
 
-    def _step(self, event) -> None:
-        if self.on:
-            self.log.append((time.perf_counter(), event.rows, event.batch_rows, event.bucket, event.seconds))
+    def stop(self) -> None:
+        self.on = False
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.core.step_events = self.core.retirement.decode_events = None
+
+    def _step(self, event) -> None:  # on the engine's loop thread, right after the step's end event
+        if not self.on:
+            return
+        step = decodes = None
+        if self.cuda:
+            step, done = self.core.step_events[-1], self.core.retirement.decode_events
+            decodes, self._decodes = done[self._decodes:], len(done)
+        self.log.append((time.perf_counter(), event.rows, event.batch_rows, event.bucket, event.seconds, step,
+                         decodes))
+
+    def _between(self, start: float, end: float) -> list[tuple]:
+        return [e for e in self.log if start <= e[0] <= end]
 
     def figures(self, until: float = float("inf")) -> dict:
-        log = [e for e in self.log if e[0] <= until]
+        log = self._between(-float("inf"), until)
         rows, bucket = sum(e[1] for e in log), sum(e[3] for e in log)
         return {"steps": len(log), "row_steps": rows, "job_row_steps": sum(e[2] for e in log),
                 "bucket_row_steps": bucket, "fill": rows / max(1, bucket), "step_seconds": sum(e[4] for e in log)}
 
     def fill(self, start: float, end: float) -> float:
         """Live rows over bucket rows, over the steps that ended in [start, end]."""
-        log = [e for e in self.log if start <= e[0] <= end]
+        log = self._between(start, end)
         return sum(e[1] for e in log) / max(1, sum(e[3] for e in log))
 
     def people_share(self, start: float, end: float) -> float:
         """The people's (non-batch rows') share of the step time of the steps that ended in [start, end]: each
         step's time split over its live rows."""
-        log = [e for e in self.log if start <= e[0] <= end]
+        log = self._between(start, end)
         total = sum(e[4] for e in log)
         return sum(e[4] * (e[1] - e[2]) / max(1, e[1]) for e in log) / max(1e-9, total)
+
+    def gpu(self, start: float, end: float) -> dict | None:
+        """GPU milliseconds of the steps that ended in [start, end] (CUDA events, after `stop`), by whose work:
+        each step's replay (its events less the decodes inside them) split over its live rows, each decode over the
+        rows it decoded; `people_share`: the people's part of the GPU's busy time. None off CUDA."""
+        if not self.cuda:
+            return None
+        replay = [0.0, 0.0]  # (job's, people's) ms
+        decode = [0.0, 0.0]
+        busy = 0.0
+        log = self._between(start, end)
+        for _, rows, batch, _, _, (s0, s1, _), decodes in log:
+            step_ms = s0.elapsed_time(s1)
+            inside = 0.0
+            for d0, d1, drows, dbatch in decodes:
+                ms = d0.elapsed_time(d1)
+                inside += ms if s0.elapsed_time(d0) >= 0 else 0.0  # a decode launched within this step's events
+                busy += 0.0 if s0.elapsed_time(d0) >= 0 else ms
+                decode[0] += ms * dbatch / drows
+                decode[1] += ms * (drows - dbatch) / drows
+            busy += step_ms
+            replay[0] += (step_ms - inside) * batch / max(1, rows)
+            replay[1] += (step_ms - inside) * (rows - batch) / max(1, rows)
+        return {"steps": len(log), "busy_ms": busy, "replay_ms_per_step": sum(replay) / max(1, len(log)),
+                "job_replay_ms": replay[0], "people_replay_ms": replay[1], "job_decode_ms": decode[0],
+                "people_decode_ms": decode[1], "people_share": (replay[1] + decode[1]) / max(1e-9, busy)}
 
 
 async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None,
@@ -113,11 +165,12 @@ async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None
             store.close()
     figures = window = None
     if tally is not None:
-        tally.on = False
+        tally.stop()
         figures = tally.figures(until=end)  # the job's own run (people still finishing after it are not its steps)
         lo, hi = when_done(progress, 0.1 * n), when_done(progress, 0.9 * n)
         window = {"start": lo, "end": hi, "images_per_s": 0.8 * n / (hi - lo), "people_share": tally.people_share(lo, hi),
-                  "whole_run_people_share": tally.people_share(t0, end), "fill": tally.fill(lo, hi)}
+                  "whole_run_people_share": tally.people_share(t0, end), "fill": tally.fill(lo, hi),
+                  "gpu": tally.gpu(lo, hi)}
     return {"images": row.done, "failed": row.failed, "seconds": seconds, "images_per_s": row.done / seconds,
             "side": extra, "steps": figures, "window": window}
 
@@ -196,7 +249,11 @@ async def mixed(client: AsyncEngine, n: int, rate: float, config: ServerConfig) 
             # steady state: from the job's 10% to its 90% image (no start, no last bucket draining)
             "window_job_drop": 1 - mw["images_per_s"] / aw["images_per_s"],
             "window_people_share_of_step_time": mw["people_share"],
-            "window_fill_alone": aw["fill"], "window_fill_with_people": mw["fill"]}
+            "window_fill_alone": aw["fill"], "window_fill_with_people": mw["fill"],
+            # on CUDA, the window's GPU time by whose work it is (StepTally.gpu): the target compares the drop
+            # with the people's share of the GPU, their rows' part of each replay and their own decodes
+            "window_people_share_of_gpu": mw["gpu"]["people_share"] if mw["gpu"] else None,
+            "window_gpu_alone": aw["gpu"], "window_gpu_with_people": mw["gpu"]}
 
 
 def main() -> int:

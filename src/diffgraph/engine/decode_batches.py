@@ -40,10 +40,7 @@ class DecodeBatches:
             raise ValueError(f"decode batches need size >= 1 and hold_steps >= 0 (got {size}, {hold_steps})")
         self.size, self.hold_steps = size, hold_steps
         self._held: dict[GroupKey, _Held] = {}
-
-    @property
-    def holding(self) -> bool:
-        return bool(self._held)
+        self.holding = False  # rows are held (an attribute, kept by due and take_all: read every engine poll)
 
     def due(self, key: GroupKey | None, finished: list[RequestState], latents: torch.Tensor | None, step: int,
             more_coming: bool) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
@@ -61,10 +58,12 @@ class DecodeBatches:
                                                        any(not s.batch for s in held.states))):
                 del self._held[k]
                 out.append((k, held.states, torch.cat(held.latents)))
+        self.holding = bool(self._held)
         return out
 
     def take_all(self) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
         """Everything held (the engine is stopping)."""
         out = [(k, h.states, torch.cat(h.latents)) for k, h in self._held.items()]
         self._held.clear()
+        self.holding = False
         return out

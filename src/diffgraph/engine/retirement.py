@@ -34,11 +34,9 @@ class Retirement:
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self._batches = DecodeBatches(max(VAE_BUCKETS), HOLD_STEPS)
-
-    @property
-    def holding(self) -> bool:
-        """Finished batch rows are waiting for companions (the loop must come back for them)."""
-        return self._batches.holding
+        self.holding = False  # finished batch rows wait for companions (the loop must come back for them)
+        # [] records (start, end, rows, batch rows) CUDA events per decode (benchmarks: whose GPU time it is)
+        self.decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, int]] | None = None
 
     def after_step(self, key: GroupKey | None, finished: list[RequestState], step: int, more_coming: bool) -> None:
         """After engine step `step` of group `key` (None: the engine had nothing to step): its finished requests'
@@ -51,20 +49,30 @@ class Retirement:
             return self._failed(key, finished, e)
         for held in self._batches.due(key, finished, latents, step, more_coming):
             self._decode(*held)
+        self.holding = self._batches.holding
 
     def stop(self) -> None:
         """The engine stops: every held row is decoded and answered now."""
         for held in self._batches.take_all():
             self._decode(*held)
+        self.holding = False
 
     def shutdown(self) -> None:
         self._images.shutdown(wait=True)
 
     def _decode(self, key: GroupKey, finished: list[RequestState], latents: torch.Tensor) -> None:
+        timed = self.decode_events is not None and self.runner.cuda
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.runner.device))
         try:
             wait = self.runner.decode_async(key, latents)
         except Exception as e:
             return self._failed(key, finished, e)
+        if timed:
+            end.record(torch.cuda.current_stream(self.runner.device))
+            self.decode_events.append((start, end, sum(s.rows for s in finished),
+                                       sum(s.rows for s in finished if s.batch)))
         done_at = time.monotonic()
         try:
             self._images.submit(self._deliver, finished, wait, done_at)
