@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from diffgraph.config import GraphConfig
 from diffgraph.engine.decode_batches import DecodeBatches
+from diffgraph.engine.model_runner import ModelRunner, decode_chunks
 
 A, B = (64, 64), (80, 80)
 
@@ -56,6 +58,30 @@ def test_held_rows_go_after_hold_steps_when_their_group_runs_out_of_batch_rows_a
     assert _sizes(d.due(None, [], None, step=8, more_coming=False)) == [(A, 1, 1)]  # the engine has nothing to step
     d.due(A, [_row()], _lat(1), step=9, more_coming=True)
     assert _sizes(d.take_all()) == [(A, 1, 1)] and not d.holding
+
+
+def test_a_decode_is_split_into_whole_buckets_largest_first():
+    assert [decode_chunks(n) for n in range(1, 10)] == [[1], [2], [2, 1], [4], [4, 1], [4, 2], [4, 2, 1], [4, 4],
+                                                         [4, 4, 1]]
+    assert decode_chunks(0) == []
+
+
+def test_three_rows_decode_as_replays_of_two_and_one_and_equal_each_row_decoded_alone(tiny_engine):
+    """No replay carries a padded row (it would cost a decoded one): 3 rows replay the VAE's buckets 2 and 1."""
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    runner, key = ModelRunner(tiny_engine.model, mode="graph", graphs=cfg), (64, 64)
+    latents = torch.randn((3, *runner.latent_shape(key)), generator=torch.Generator().manual_seed(0))
+    replays, replay = [], runner.graph_runner.replay
+
+    def recording(kind, *args):
+        replays.append((kind, args[-1]))
+        return replay(kind, *args)
+    runner.graph_runner.replay = recording
+    pixels = runner.decode(key, latents)
+    assert [b for kind, b in replays if kind == "vae"] == [2, 1]
+    alone = np.concatenate([runner.decode_pixels(latents[i:i + 1]).permute(0, 2, 3, 1).float().numpy()
+                            for i in range(3)])
+    np.testing.assert_allclose(pixels, alone, atol=1e-5)
 
 
 def test_bad_settings_are_refused():

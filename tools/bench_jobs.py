@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from diffgraph import Engine  # noqa: E402
 from diffgraph.engine.async_engine import AsyncEngine  # noqa: E402
+from diffgraph.engine.graph_setup import VAE_BUCKETS  # noqa: E402
+from diffgraph.engine.model_runner import decode_chunks  # noqa: E402
 from diffgraph.jobs.backend import EngineBackend, build_request  # noqa: E402
 from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings  # noqa: E402
 from diffgraph.jobs.spec import SpecLimits, parse_job  # noqa: E402
@@ -62,24 +64,24 @@ class StepTally:
         client.add_step_listener(self._step)
 
     def reset(self) -> None:
-        self.log: list[tuple] = []  # (ended at, rows, batch rows, bucket, seconds, step events, decode events)
+        self.log: list[tuple] = []  # (ended at, rows, batch rows, bucket, seconds, step events, decodes)
         self._decodes = 0
+        self.core.retirement.decode_log = []
         if self.cuda:
-            self.core.step_events, self.core.retirement.decode_events = [], []
+            self.core.step_events = []
 
     def stop(self) -> None:
         self.on = False
         if self.cuda:
             torch.cuda.synchronize()
-            self.core.step_events = self.core.retirement.decode_events = None
+        self.core.step_events = self.core.retirement.decode_log = None
 
     def _step(self, event) -> None:  # on the engine's loop thread, right after the step's end event
         if not self.on:
             return
-        step = decodes = None
-        if self.cuda:
-            step, done = self.core.step_events[-1], self.core.retirement.decode_events
-            decodes, self._decodes = done[self._decodes:], len(done)
+        step = self.core.step_events[-1] if self.cuda else None
+        done = self.core.retirement.decode_log
+        decodes, self._decodes = done[self._decodes:], len(done)
         self.log.append((time.perf_counter(), event.rows, event.batch_rows, event.bucket, event.seconds, step,
                          decodes))
 
@@ -104,6 +106,21 @@ class StepTally:
         total = sum(e[4] for e in log)
         return sum(e[4] * (e[1] - e[2]) / max(1, e[1]) for e in log) / max(1e-9, total)
 
+    def gathering(self, start: float, end: float) -> dict:
+        """How the decodes launched by the steps that ended in [start, end] gathered their rows (any device): how
+        many, their sizes, and the job's decode replay rows per job image (each replay padded to its VAE bucket,
+        split over its rows as the GPU figures split its time: 1.0 means every job row decoded in a full bucket)."""
+        sizes: dict[int, int] = {}
+        job_rows = job_replay_rows = 0.0
+        for *_, decodes in self._between(start, end):
+            for rows, batch, _ in decodes:
+                sizes[rows] = sizes.get(rows, 0) + 1
+                padded = sum(next(b for b in VAE_BUCKETS if b >= n) for n in decode_chunks(rows))
+                job_rows += batch
+                job_replay_rows += padded * batch / rows
+        return {"decodes": sum(sizes.values()), "rows_per_decode": dict(sorted(sizes.items())),
+                "job_rows": job_rows, "job_replay_rows_per_image": job_replay_rows / max(1, job_rows)}
+
     def gpu(self, start: float, end: float) -> dict | None:
         """GPU milliseconds of the steps that ended in [start, end] (CUDA events, after `stop`), by whose work:
         each step's replay (its events less the decodes inside them) split over its live rows, each decode over the
@@ -117,7 +134,7 @@ class StepTally:
         for _, rows, batch, _, _, (s0, s1, _), decodes in log:
             step_ms = s0.elapsed_time(s1)
             inside = 0.0
-            for d0, d1, drows, dbatch in decodes:
+            for drows, dbatch, (d0, d1) in decodes:
                 ms = d0.elapsed_time(d1)
                 inside += ms if s0.elapsed_time(d0) >= 0 else 0.0  # a decode launched within this step's events
                 busy += 0.0 if s0.elapsed_time(d0) >= 0 else ms
@@ -170,7 +187,7 @@ async def run_job(client: AsyncEngine, n: int, config: ServerConfig, during=None
         lo, hi = when_done(progress, 0.1 * n), when_done(progress, 0.9 * n)
         window = {"start": lo, "end": hi, "images_per_s": 0.8 * n / (hi - lo), "people_share": tally.people_share(lo, hi),
                   "whole_run_people_share": tally.people_share(t0, end), "fill": tally.fill(lo, hi),
-                  "gpu": tally.gpu(lo, hi)}
+                  "gpu": tally.gpu(lo, hi), "decodes": tally.gathering(lo, hi)}
     return {"images": row.done, "failed": row.failed, "seconds": seconds, "images_per_s": row.done / seconds,
             "side": extra, "steps": figures, "window": window}
 
@@ -253,7 +270,9 @@ async def mixed(client: AsyncEngine, n: int, rate: float, config: ServerConfig) 
             # on CUDA, the window's GPU time by whose work it is (StepTally.gpu): the target compares the drop
             # with the people's share of the GPU, their rows' part of each replay and their own decodes
             "window_people_share_of_gpu": mw["gpu"]["people_share"] if mw["gpu"] else None,
-            "window_gpu_alone": aw["gpu"], "window_gpu_with_people": mw["gpu"]}
+            "window_gpu_alone": aw["gpu"], "window_gpu_with_people": mw["gpu"],
+            # how the job's finished rows gathered into decodes, alone and with people (any device)
+            "window_decodes_alone": aw["decodes"], "window_decodes_with_people": mw["decodes"]}
 
 
 def main() -> int:

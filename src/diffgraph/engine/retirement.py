@@ -35,8 +35,9 @@ class Retirement:
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self._batches = DecodeBatches(max(VAE_BUCKETS), HOLD_STEPS)
         self.holding = False  # finished batch rows wait for companions (the loop must come back for them)
-        # [] records (start, end, rows, batch rows) CUDA events per decode (benchmarks: whose GPU time it is)
-        self.decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event, int, int]] | None = None
+        # [] records each decode as (rows, batch rows, (start, end) CUDA events or None off CUDA): benchmarks read
+        # how finished rows were gathered and whose GPU time a decode is
+        self.decode_log: list[tuple[int, int, tuple[torch.cuda.Event, torch.cuda.Event] | None]] | None = None
 
     def after_step(self, key: GroupKey | None, finished: list[RequestState], step: int, more_coming: bool) -> None:
         """After engine step `step` of group `key` (None: the engine had nothing to step): its finished requests'
@@ -61,7 +62,7 @@ class Retirement:
         self._images.shutdown(wait=True)
 
     def _decode(self, key: GroupKey, finished: list[RequestState], latents: torch.Tensor) -> None:
-        timed = self.decode_events is not None and self.runner.cuda
+        timed = self.decode_log is not None and self.runner.cuda
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.runner.device))
@@ -69,10 +70,11 @@ class Retirement:
             wait = self.runner.decode_async(key, latents)
         except Exception as e:
             return self._failed(key, finished, e)
-        if timed:
-            end.record(torch.cuda.current_stream(self.runner.device))
-            self.decode_events.append((start, end, sum(s.rows for s in finished),
-                                       sum(s.rows for s in finished if s.batch)))
+        if self.decode_log is not None:
+            if timed:
+                end.record(torch.cuda.current_stream(self.runner.device))
+            self.decode_log.append((sum(s.rows for s in finished), sum(s.rows for s in finished if s.batch),
+                                    (start, end) if timed else None))
         done_at = time.monotonic()
         try:
             self._images.submit(self._deliver, finished, wait, done_at)
