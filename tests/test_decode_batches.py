@@ -40,11 +40,25 @@ def test_batch_rows_wait_for_a_full_decode_then_go_together():
     assert not d.holding
 
 
-def test_an_interactive_row_goes_at_once_and_takes_the_held_rows_with_it():
+def test_an_interactive_row_goes_at_once_and_takes_held_rows_only_to_fill_its_replay():
     d = DecodeBatches(size=4, hold_steps=4)
-    assert d.due(A, [_row()], _lat(1), step=1, more_coming=True) == []
-    out = d.due(A, [_row(batch=False)], _lat(1), step=2, more_coming=True)
-    assert _sizes(out) == [(A, 2, 2)] and [s.batch for s in out[0][1]] == [True, False]
+    assert d.due(A, [_row(), _row()], _lat(2), step=1, more_coming=True) == []
+    out = d.due(A, [_row(batch=False)], _lat(1), step=2, more_coming=True)  # 2 held: they wait for a full replay
+    assert _sizes(out) == [(A, 1, 1)] and [s.batch for s in out[0][1]] == [False] and d.holding
+    assert d.due(A, [_row()], _lat(1), step=3, more_coming=True) == []
+    people = [_row(batch=False), _row()]  # an interactive and a batch row finish together: 4 held, 3 go with it
+    out = d.due(A, people, torch.arange(2.0).view(2, 1, 1, 1).expand(2, 4, 8, 8), step=4, more_coming=True)
+    assert _sizes(out) == [(A, 4, 4)] and [s.batch for s in out[0][1]] == [False, True, True, True]
+    assert out[0][2][:, 0, 0, 0].tolist() == [0, 0, 0, 0] and d.holding  # the oldest went; the newest (1) waits
+    out = d.due(A, [_row(), _row(), _row(rows=2)], _lat(4), step=5, more_coming=True)  # 5 rows: they go
+    assert _sizes(out) == [(A, 5, 5)] and out[0][2][0, 0, 0, 0] == 1 and not d.holding
+    held = [_row(), _row()]
+    d.due(A, held, _lat(2), step=6, more_coming=True)
+    out = d.due(A, [_row(batch=False, rows=2)], _lat(2), step=7, more_coming=True)  # 2 + the 2 held fill 4
+    assert _sizes(out) == [(A, 4, 4)] and [s.batch for s in out[0][1]] == [False, True, True] and not d.holding
+    d.due(A, [_row(rows=2)], _lat(2), step=8, more_coming=True)
+    out = d.due(A, [_row(batch=False)], _lat(1), step=9, more_coming=True)  # 3 needed, a 2-row request held: none
+    assert _sizes(out) == [(A, 1, 1)] and d.holding
 
 
 def test_held_rows_go_after_hold_steps_when_their_group_runs_out_of_batch_rows_and_when_nothing_steps():
@@ -130,11 +144,20 @@ def test_batch_rows_finishing_one_a_step_decode_as_one_batch_and_give_the_images
         np.testing.assert_allclose(result.arrays, alone.arrays, atol=1e-5)
 
 
-def test_an_interactive_request_decodes_at_its_last_step_with_the_held_batch_rows(tiny_engine):
+def test_an_interactive_request_decodes_at_its_last_step_with_held_batch_rows_that_fill_its_replay(tiny_engine):
     base = tiny_engine.core.scheduler.steps_run
     requests = [_request(tiny_engine, 2, 0), _request(tiny_engine, 3, 1, "interactive"), _request(tiny_engine, 9, 2)]
     _, decodes = _run_together(tiny_engine, requests)
-    assert [(n, step - base) for n, step in decodes] == [(2, 3), (1, 9)]
+    assert [(n, step - base) for n, step in decodes] == [(1, 3), (1, 6), (1, 9)]  # the held row waited 4 steps
+    base = tiny_engine.core.scheduler.steps_run
+    requests = [_request(tiny_engine, 2, seed) for seed in range(3)]
+    requests += [_request(tiny_engine, 3, 3, "interactive"), _request(tiny_engine, 9, 4)]
+    results, decodes = _run_together(tiny_engine, requests)
+    assert [(n, step - base) for n, step in decodes] == [(4, 3), (1, 9)]
+    for request, result in zip(requests, results):
+        alone = tiny_engine.submit(_request(tiny_engine, request.num_inference_steps, request.seed,
+                                            "interactive")).result(120)
+        np.testing.assert_allclose(result.arrays, alone.arrays, atol=1e-5)
 
 
 def test_a_held_row_is_answered_when_the_rest_of_its_group_is_aborted(tiny_engine):

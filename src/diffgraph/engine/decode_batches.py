@@ -1,13 +1,16 @@
 """Finished batch rows wait a few steps for companions before their decode. CPU bookkeeping only, used by the engine
 core on its loop thread; the core decodes what `due` returns.
 
-Why: one VAE replay of 4 images costs less per image than 4 replays of one. Requests admitted together finish
-together and decode together. Interactive requests break a job's waves apart: each one takes a batch row's place
-at its own step and gives it back 20 steps later, so without gathering the job's rows finish, and decode, one at a
-time. Held rows have left the scheduler already: their latents are copied out, their buffer rows reused.
+Why: one VAE replay of 4 images costs less per image than smaller ones (SD1.5 512x512 on the H200, graph tier:
+20.5 ms for 1 image, 36.3 for 2, 60.9 for 4; `tools/probe_decode.py`). Requests admitted together finish together
+and decode together. Interactive requests break a job's waves apart: each one takes a batch row's place at its own
+step and gives it back 20 steps later, so without gathering the job's rows finish, and decode, one at a time. Held
+rows have left the scheduler already: their latents are copied out, their buffer rows reused.
 
 Rules (a row is an image; `size` is the largest decode replay):
-- an interactive request never waits: it decodes at once, and takes every held row of its group with it;
+- an interactive request never waits: it decodes at once; it takes held batch rows of its group with it only when
+  they fill its decode's last replay to `size` rows (1 interactive row takes 3 held ones, never 1 or 2: 2 held rows
+  riding along cost 56.6 ms with it, against 20.5 + 30.4 ms when they fill a full replay later);
 - batch rows are held until their group holds `size` rows, or its oldest held row has waited `hold_steps` engine
   steps, or no live batch row is left in its group (nothing would join them);
 - `due(None, ...)` (the engine has nothing to step) and `take_all()` (the engine stops) give back everything.
@@ -47,19 +50,44 @@ class DecodeBatches:
         """After engine step `step` of group `key` (None: no step ran), whose `finished` requests' rows are
         `latents` (in their order); `more_coming`: live batch rows are left in that group. Returns the decodes to
         launch now: (group, requests, their latents)."""
-        if key is not None and finished:
-            held = self._held.setdefault(key, _Held(step))
-            held.states.extend(finished)
-            held.latents.append(latents)
         out = []
+        if key is not None and finished:
+            people, row = [], 0
+            held = self._held.setdefault(key, _Held(step))
+            for s in finished:  # latents rows follow the requests' order
+                part = latents[row:row + s.rows]
+                row += s.rows
+                if s.batch:
+                    held.states.append(s)
+                    held.latents.append(part)
+                else:
+                    people.append((s, part))
+            if people:
+                out.append(self._with_people(key, people))
         for k, held in list(self._held.items()):
             waited = step - held.since >= self.hold_steps
-            if key is None or waited or (k == key and (not more_coming or held.rows >= self.size or
-                                                       any(not s.batch for s in held.states))):
+            if not held.states or key is None or waited or (k == key and (not more_coming or held.rows >= self.size)):
                 del self._held[k]
-                out.append((k, held.states, torch.cat(held.latents)))
+                if held.states:
+                    out.append((k, held.states, torch.cat(held.latents)))
         self.holding = bool(self._held)
         return out
+
+    def _with_people(self, key: GroupKey, people: list[tuple[RequestState, torch.Tensor]]
+                     ) -> tuple[GroupKey, list[RequestState], torch.Tensor]:
+        """The interactive rows' decode, with the oldest held rows of their group when those fill its last replay
+        to `size` rows exactly."""
+        states, parts = [s for s, _ in people], [p for _, p in people]
+        need = -sum(s.rows for s in states) % self.size
+        held = self._held[key]
+        taken, rows = 0, 0
+        while need and taken < len(held.states) and rows + held.states[taken].rows <= need:
+            rows += held.states[taken].rows
+            taken += 1
+        if need and rows == need:
+            states, parts = states + held.states[:taken], parts + held.latents[:taken]
+            del held.states[:taken], held.latents[:taken]
+        return key, states, torch.cat(parts)
 
     def take_all(self) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
         """Everything held (the engine is stopping)."""
