@@ -264,6 +264,23 @@ def test_the_heartbeat_verdicts_wedged_back_and_killed():
     assert len(errors) == 1 and isinstance(errors[0], EngineClosed) and "stopped answering" in str(errors[0])
 
 
+def test_a_replica_left_down_still_says_why_its_engine_failed():
+    """The engine's own error (here, a build failure its process reported before exiting) stays in the replica's
+    error once it is left down, not only in the log."""
+    import threading as th
+
+    r = object.__new__(ReplicaClient)
+    r.name, r.state, r.error, r.restarts = "cpu#3", "starting", None, 0
+    r._crashes, r._window_s, r._max_restarts, r._backoff_s = [], 60.0, 0, 1.0
+    r._lock, r._ready_event = th.Lock(), th.Event()
+    r._handles, r._pending, r._asked, r._requests = {}, {}, {}, {}
+    r._dispatch(("failed", "could not build the engine: no model at /models/x.safetensors"))
+    r._on_exit(1)
+    assert r.state == "down" and r._ready_event.is_set()
+    assert r.error == ("crashed 1 time within 60 s; left down (its last error: could not build the engine: no model "
+                       "at /models/x.safetensors)")
+
+
 def _request():
     from diffgraph.request import GenerationRequest
     return GenerationRequest.create("a cat", width=64, height=64, guidance_scale=5.0, request_id="q1")

@@ -219,7 +219,9 @@ class ReplicaClient:
             self._crashes = [t for t in self._crashes if now - t < self._window_s] + [now]
             if len(self._crashes) > self._max_restarts:
                 self.state = "down"
-                self.error = f"crashed {len(self._crashes)} times within {self._window_s:g} s; left down"
+                last = f" (its last error: {self.error})" if self.error else ""  # e.g. why its engine did not build
+                n = len(self._crashes)
+                self.error = f"crashed {n} time{'s' * (n != 1)} within {self._window_s:g} s; left down{last}"
             else:
                 self.state = "restarting"
                 self._ready_event.clear()
