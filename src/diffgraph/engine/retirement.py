@@ -25,7 +25,10 @@ from .previews import PreviewMaker
 from .request_state import RequestState, call_safely, fail_request
 
 logger = logging.getLogger(__name__)
-HOLD_STEPS = 4  # the steps a finished batch row may wait for companions to decode with
+# the steps a finished batch row may wait for companions to decode with: beside interactive requests a job's rows
+# finish scattered (about 0.8 a step at 16 live rows and 20 steps), so 4 steps flushed many replays of 1-3 rows
+# (each image 1.2-1.35x a full replay's on the H200); 8 fill most (tools/bench_jobs.py's window_decodes_*)
+HOLD_STEPS = 8
 
 
 class Retirement:
