@@ -14,7 +14,8 @@ import torch
 
 from diffgraph.config import GraphConfig
 from diffgraph.engine.decode_batches import DecodeBatches
-from diffgraph.engine.model_runner import ModelRunner, decode_chunks
+from diffgraph.engine.graph_setup import decode_chunks
+from diffgraph.engine.model_runner import ModelRunner
 
 A, B = (64, 64), (80, 80)
 
@@ -104,9 +105,19 @@ def test_bad_settings_are_refused():
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny_engine):
+    """The tiny model's engine with the growth policy off (grow_fill 0): requests queued together are admitted at one
+    step whatever the wall clock says (the policy's hold is in milliseconds), so the steps the tests count are fixed."""
+    from diffgraph import Engine
+    with Engine(model=tiny_engine.model, grow_fill=0.0) as e:
+        yield e
+
+
 def _run_together(engine, requests):
     """Submits the requests while the loop is held between two steps, so they are admitted at one step; returns
-    their results and the decodes launched meanwhile (the images in each, the engine step it followed)."""
+    their results and the decodes launched meanwhile (the images in each, the engine step it followed, counted from
+    the held loop's)."""
     runner, decodes = engine.runner, []
     decode_async = runner.decode_async
 
@@ -114,17 +125,23 @@ def _run_together(engine, requests):
         decodes.append((int(latents.shape[0]), engine.core.scheduler.steps_run))
         return decode_async(key, latents)
 
-    gate = threading.Event()
+    entered, gate, base = threading.Event(), threading.Event(), []
+
+    def hold():  # on the loop thread, between two steps: no step runs until the gate opens
+        base.append(engine.core.scheduler.steps_run)
+        entered.set()
+        gate.wait(60)
     runner.decode_async = recording
     try:
-        held = engine.core.call_between_steps(lambda: gate.wait(60))
+        held = engine.core.call_between_steps(hold)
+        assert entered.wait(60)  # submitted only once the loop waits: one poll sees them all
         futures = [engine.submit(r) for r in requests]
         gate.set()
         held.result(60)
         results = [f.result(120) for f in futures]
     finally:
         del runner.decode_async
-    return results, decodes
+    return results, [(n, step - base[0]) for n, step in decodes]
 
 
 def _request(engine, steps, seed, priority="batch"):
@@ -133,55 +150,52 @@ def _request(engine, steps, seed, priority="batch"):
     return dataclasses.replace(r, priority=priority, job="j" if priority == "batch" else None)
 
 
-def test_batch_rows_finishing_one_a_step_decode_as_one_batch_and_give_the_images_made_alone(tiny_engine):
-    base = tiny_engine.core.scheduler.steps_run
-    requests = [_request(tiny_engine, steps, seed) for seed, steps in enumerate((2, 3, 4, 5, 6))]
-    results, decodes = _run_together(tiny_engine, requests)
-    assert [(n, step - base) for n, step in decodes] == [(4, 5), (1, 6)]
+def _equal_each_alone(engine, requests, results):
     for request, result in zip(requests, results):
-        alone = tiny_engine.submit(_request(tiny_engine, request.num_inference_steps, request.seed,
-                                            "interactive")).result(120)
+        alone = engine.submit(_request(engine, request.num_inference_steps, request.seed, "interactive")).result(120)
         np.testing.assert_allclose(result.arrays, alone.arrays, atol=1e-5)
 
 
-def test_an_interactive_request_decodes_at_its_last_step_with_held_batch_rows_that_fill_its_replay(tiny_engine):
-    base = tiny_engine.core.scheduler.steps_run
-    requests = [_request(tiny_engine, 2, 0), _request(tiny_engine, 3, 1, "interactive"), _request(tiny_engine, 9, 2)]
-    _, decodes = _run_together(tiny_engine, requests)
-    assert [(n, step - base) for n, step in decodes] == [(1, 3), (2, 9)]  # the held row waits for the last
-    base = tiny_engine.core.scheduler.steps_run
-    requests = [_request(tiny_engine, 2, seed) for seed in range(3)]
-    requests += [_request(tiny_engine, 3, 3, "interactive"), _request(tiny_engine, 9, 4)]
-    results, decodes = _run_together(tiny_engine, requests)
-    assert [(n, step - base) for n, step in decodes] == [(4, 3), (1, 9)]
-    for request, result in zip(requests, results):
-        alone = tiny_engine.submit(_request(tiny_engine, request.num_inference_steps, request.seed,
-                                            "interactive")).result(120)
-        np.testing.assert_allclose(result.arrays, alone.arrays, atol=1e-5)
+def test_batch_rows_finishing_one_a_step_decode_as_one_batch_and_give_the_images_made_alone(engine):
+    requests = [_request(engine, steps, seed) for seed, steps in enumerate((2, 3, 4, 5, 6))]
+    results, decodes = _run_together(engine, requests)
+    assert decodes == [(4, 5), (1, 6)]
+    _equal_each_alone(engine, requests, results)
 
 
-def test_a_held_row_is_answered_when_the_rest_of_its_group_is_aborted(tiny_engine):
-    requests = [_request(tiny_engine, 2, 0), _request(tiny_engine, 200, 1)]
-    base = tiny_engine.core.scheduler.steps_run
+def test_an_interactive_request_decodes_at_its_last_step_with_held_batch_rows_that_fill_its_replay(engine):
+    requests = [_request(engine, 2, 0), _request(engine, 3, 1, "interactive"), _request(engine, 9, 2)]
+    _, decodes = _run_together(engine, requests)
+    assert decodes == [(1, 3), (2, 9)]  # the held row waits for the last
+    requests = [_request(engine, 2, seed) for seed in range(3)]
+    requests += [_request(engine, 3, 3, "interactive"), _request(engine, 9, 4)]
+    results, decodes = _run_together(engine, requests)
+    assert decodes == [(4, 3), (1, 9)]
+    _equal_each_alone(engine, requests, results)
+
+
+def test_a_held_row_is_answered_when_the_rest_of_its_group_is_aborted(engine):
+    requests = [_request(engine, 2, 0), _request(engine, 200, 1)]
+    base = engine.core.scheduler.steps_run
     reached, proceed = threading.Event(), threading.Event()
 
     def listener(plan, _):  # on the loop thread: the loop waits at the end of the third step
-        if tiny_engine.core.scheduler.steps_run - base == 3:
+        if engine.core.scheduler.steps_run - base == 3:
             reached.set()
             proceed.wait(60)
-    tiny_engine.step_listeners.append(listener)
+    engine.step_listeners.append(listener)
     try:
         gate = threading.Event()
-        held = tiny_engine.core.call_between_steps(lambda: gate.wait(60))
-        futures = [tiny_engine.submit(r) for r in requests]
+        held = engine.core.call_between_steps(lambda: gate.wait(60))
+        futures = [engine.submit(r) for r in requests]
         gate.set()
         held.result(60)
         assert reached.wait(60)
         assert not futures[0].done()  # finished at step 2, held: a batch row of its group is live
-        tiny_engine.abort(requests[1].request_id)
+        engine.abort(requests[1].request_id)
         proceed.set()
         assert futures[0].result(120).arrays.shape == (1, 64, 64, 3)
-        assert tiny_engine.core.scheduler.steps_run - base == 3  # no step ran: decoded once there was none to run
+        assert engine.core.scheduler.steps_run - base == 3  # no step ran: decoded once there was none to run
     finally:
         proceed.set()
-        tiny_engine.step_listeners.remove(listener)
+        engine.step_listeners.remove(listener)

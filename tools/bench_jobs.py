@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from diffgraph import Engine  # noqa: E402
 from diffgraph.engine.async_engine import AsyncEngine  # noqa: E402
-from diffgraph.engine.graph_setup import VAE_BUCKETS  # noqa: E402
-from diffgraph.engine.model_runner import decode_chunks  # noqa: E402
+from diffgraph.engine.graph_setup import VAE_BUCKETS, decode_chunks  # noqa: E402
 from diffgraph.jobs.backend import EngineBackend, build_request  # noqa: E402
 from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings  # noqa: E402
 from diffgraph.jobs.spec import SpecLimits, parse_job  # noqa: E402

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..cli_flags import add_compile_mode_argument, add_quantize_arguments, compile_from_args, quantize_from_args
-from ..engine.model_runner import VAE_BUCKETS
+from ..engine.graph_setup import VAE_BUCKETS
 
 MODES = ("step", "request", "off")
 

@@ -38,7 +38,7 @@ from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
-from .graph_setup import VAE_BUCKETS, GraphSet, make_graphs
+from .graph_setup import GraphSet, decode_chunks, make_graphs
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, empty_prompt, plain_ids, prepare
 from .prompt_rows import PromptEncoder, pad_pair
@@ -46,16 +46,6 @@ from .prompts import PromptCache, PromptKey
 from .staging import StagingPair
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
-
-
-def decode_chunks(n: int) -> list[int]:
-    """A decode of n rows as VAE replays of whole buckets, largest first (7: [4, 2, 1]), so that no replay carries
-    a padded row: a padded row costs what a decoded one does (3 rows as 2 + 1, not as 4)."""
-    chunks = []
-    while n > 0:
-        chunks.append(next((b for b in reversed(VAE_BUCKETS) if b <= n), n))
-        n -= chunks[-1]
-    return chunks
 
 
 class ModelRunner:
@@ -399,10 +389,8 @@ class ModelRunner:
         latents = latents.to(self.device)
         runner = self.graph_runner
         n_total = latents.shape[0]
-        # replays of whole buckets (3 rows: 2 + 1, not 4 with one padded: a padded row costs a decoded one)
-        chunks = decode_chunks(n_total) if runner is not None else [n_total]
-        host = None
-        start = 0
+        chunks = decode_chunks(n_total) if runner is not None else [n_total]  # whole VAE buckets, none padded
+        host, start = None, 0
         for n in chunks:
             part = latents[start:start + n]
             bucket = runner.bucket("vae", key[0], key[1], n) if runner is not None and self.graphs.vae else None

@@ -226,6 +226,13 @@ def quantize_linears(module: nn.Module, *, min_features: int = 640,
     return Fp8Report(quantized=tuple(chosen), skipped=tuple(skipped), bytes_saved=saved)
 
 
+def weight_count(module: nn.Module) -> int:
+    """The module's weight count: its parameters and its fp8 layers' weights, which are buffers (`diffgraph info`
+    would otherwise leave the quantised layers out)."""
+    return (sum(p.numel() for p in module.parameters())
+            + sum(m.weight.numel() for m in module.modules() if isinstance(m, Fp8Linear)))
+
+
 def relative_error(reference: torch.Tensor, output: torch.Tensor) -> float:
     """||output - reference||_2 / ||reference||_2, in float64 (0.0 when both are zero)."""
     if reference.shape != output.shape:
