@@ -75,6 +75,23 @@ def test_held_rows_go_after_hold_steps_when_their_group_runs_out_of_batch_rows_a
     assert _sizes(d.take_all()) == [(A, 1, 1)] and not d.holding
 
 
+def test_rows_left_after_an_interactive_decode_took_the_oldest_wait_from_their_own_step():
+    d = DecodeBatches(size=4, hold_steps=4)
+    d.due(A, [_row()], _lat(1), step=1, more_coming=True)
+    d.due(A, [_row(), _row()], _lat(2), step=3, more_coming=True)
+    d.due(A, [_row()], _lat(1), step=4, more_coming=True)  # 4 held: they go together
+    d.due(A, [_row()], _lat(1), step=6, more_coming=True)
+    d.due(A, [_row(), _row()], _lat(2), step=7, more_coming=True)
+    out = d.due(A, [_row(batch=False)], _lat(1), step=8, more_coming=True)  # takes the 3 held: none left
+    assert _sizes(out) == [(A, 4, 4)] and not d.holding
+    d.due(A, [_row()], _lat(1), step=9, more_coming=True)
+    d.due(A, [_row(), _row()], _lat(2), step=10, more_coming=True)
+    out = d.due(A, [_row(batch=False), _row()], _lat(2), step=11, more_coming=True)  # 1 + 2 oldest; step 11's waits
+    assert _sizes(out) == [(A, 4, 4)] and d.holding
+    assert d.due(A, [], None, step=14, more_coming=True) == []  # held at 11: 3 steps, it waits on (not from 9)
+    assert _sizes(d.due(A, [], None, step=15, more_coming=True)) == [(A, 1, 1)]
+
+
 def test_a_decode_is_split_into_whole_buckets_largest_first():
     assert [decode_chunks(n) for n in range(1, 10)] == [[1], [2], [2, 1], [4], [4, 1], [4, 2], [4, 2, 1], [4, 4],
                                                          [4, 4, 1]]

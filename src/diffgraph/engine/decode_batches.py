@@ -28,9 +28,9 @@ from .request_state import RequestState
 
 @dataclass
 class _Held:
-    since: int  # the engine step at which the first of them was held
     states: list[RequestState] = field(default_factory=list)
     latents: list[torch.Tensor] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # the engine step at which each was held (oldest first)
 
     @property
     def rows(self) -> int:
@@ -53,19 +53,20 @@ class DecodeBatches:
         out = []
         if key is not None and finished:
             people, row = [], 0
-            held = self._held.setdefault(key, _Held(step))
+            held = self._held.setdefault(key, _Held())
             for s in finished:  # latents rows follow the requests' order
                 part = latents[row:row + s.rows]
                 row += s.rows
                 if s.batch:
                     held.states.append(s)
                     held.latents.append(part)
+                    held.steps.append(step)
                 else:
                     people.append((s, part))
             if people:
                 out.append(self._with_people(key, people))
         for k, held in list(self._held.items()):
-            waited = step - held.since >= self.hold_steps
+            waited = bool(held.steps) and step - held.steps[0] >= self.hold_steps  # its oldest row's wait
             if not held.states or key is None or waited or (k == key and (not more_coming or held.rows >= self.size)):
                 del self._held[k]
                 if held.states:
@@ -86,7 +87,7 @@ class DecodeBatches:
             taken += 1
         if need and rows == need:
             states, parts = states + held.states[:taken], parts + held.latents[:taken]
-            del held.states[:taken], held.latents[:taken]
+            del held.states[:taken], held.latents[:taken], held.steps[:taken]
         return key, states, torch.cat(parts)
 
     def take_all(self) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
