@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from diffgraph import Engine
 from diffgraph.request import ParamError
+from diffgraph.text.prepared import empty_prompt, prepare
 
 PROMPT = "a photo of a red fox in the snow"
 LONG = ", ".join(["a detailed painting of a small red house in the dark forest at night"] * 5)  # 99 tokens
@@ -167,7 +168,7 @@ def test_emphasis_and_chunks_equal_the_reference(shifted):
     runner = engine.runner
     text = f"(red cat:1.4), [snow], {LONG} BREAK ((night sky))"  # no embedding names
     req = engine.make_request(text, negative_prompt="blurry", prompt_syntax="a1111", num_inference_steps=2)
-    pos, neg = runner.prepare_prompts(req)
+    pos, neg = prepare(runner.text_setup, req)
     assert pos.chunks == 3 and neg.chunks == 1
     cond = runner.embed([("+", pos, ())])[("+", pos, ())]
     widths = engine.model.adapter.encoder_widths(engine.model)
@@ -186,7 +187,7 @@ def test_emphasis_and_chunks_equal_the_reference(shifted):
 def test_no_norm_emphasis_skips_the_rescale(shifted):
     req = shifted.make_request("(red cat:1.5) in the snow", prompt_syntax="a1111", emphasis="no_norm",
                                num_inference_steps=2)
-    pos, _ = shifted.runner.prepare_prompts(req)
+    pos, _ = prepare(shifted.runner.text_setup, req)
     cond = shifted.runner.embed([("+", pos, ())])[("+", pos, ())]
     z = _encode_windows(shifted, [pos.ids[t][0] for t in range(len(pos.ids))])["embeds"]
     torch.testing.assert_close(cond["embeds"], z * torch.tensor(pos.weights[0]).view(1, -1, 1))
@@ -195,8 +196,8 @@ def test_no_norm_emphasis_skips_the_rescale(shifted):
 def test_padding_the_shorter_prompt_with_empty_chunks(sd):
     """AUTOMATIC1111's "pad conds": a 2-chunk prompt's 1-chunk negative prompt gets the empty prompt's window."""
     req = sd.make_request(LONG, negative_prompt="blurry", prompt_syntax="a1111", num_inference_steps=2)
-    pos, neg = sd.runner.prepare_prompts(req)
-    empty = sd.runner.empty_prompt(pos)
+    pos, neg = prepare(sd.runner.text_setup, req)
+    empty = empty_prompt(sd.runner.text_setup, pos)
     enc = sd.runner.embed([("+", pos, ()), ("-", neg, ()), ("+", empty, ())])
     cond, uncond, chunks = sd.runner.row_conditioning(enc[("+", pos, ())], enc[("-", neg, ())],
                                                       enc[("+", empty, ())])
@@ -308,7 +309,7 @@ def test_a_replaced_embedding_takes_effect_for_the_next_request(tmp_path):
         runner = engine.runner
 
         def cond():
-            pos, _ = runner.prepare_prompts(engine.make_request("a photo of fox", prompt_syntax="a1111"))
+            pos, _ = prepare(runner.text_setup, engine.make_request("a photo of fox", prompt_syntax="a1111"))
             return pos, runner.embed([("+", pos, ())])[("+", pos, ())]["embeds"]
 
         first, a = cond()
@@ -330,13 +331,13 @@ def test_prompts_prepared_on_many_threads_get_their_own_tokens(sd):
 
     plain = sd.make_request("a photo of a red fox", num_inference_steps=2)
     weighted = sd.make_request("a photo of a (red fox:1.2)", prompt_syntax="a1111", num_inference_steps=2)
-    want = {id(r): [p.ids for p in sd.runner.prepare_prompts(r)] for r in (plain, weighted)}
+    want = {id(r): [p.ids for p in prepare(sd.runner.text_setup, r)] for r in (plain, weighted)}
     bad = []
 
     def work(i):
         for k in range(60):
             r = (plain, weighted)[(i + k) % 2]
-            if [p.ids for p in sd.runner.prepare_prompts(r)] != want[id(r)]:
+            if [p.ids for p in prepare(sd.runner.text_setup, r)] != want[id(r)]:
                 bad.append(r.prompt_syntax)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
@@ -356,7 +357,7 @@ def test_embedding_folder_oddities(tmp_path, tiny_xl_engine):
     save_file({"clip_l": torch.randn(1, 32), "clip_g": torch.randn(1, 64)}, str(folder / "cat.safetensors"))
     save_file({"emb_params": torch.randn(2, 32)}, str(folder / "neg" / "smudge.safetensors"))
     with Engine(model="random:tiny", device="cpu", dtype="fp32", embeddings_dir=str(folder)) as engine:
-        pos, neg = engine.runner.prepare_prompts(engine.make_request(
+        pos, neg = prepare(engine.runner.text_setup, engine.make_request(
             "a photo of a cat", negative_prompt="smudge, blurry", prompt_syntax="a1111"))
         assert pos.splices == ()  # the SDXL-shaped "cat" is not this model's: the word stays text
         assert [(s[0], s[4]) for s in neg.splices] == [("neg/smudge", 2)]
@@ -365,7 +366,7 @@ def test_embedding_folder_oddities(tmp_path, tiny_xl_engine):
 def test_sdxl_a1111_empty_negative_prompt_is_zeros(sdxl):
     """AUTOMATIC1111 zeroes SDXL's conditioning of an empty negative prompt (force_zero_negative_prompt)."""
     req = sdxl.make_request("a photo of a cat", prompt_syntax="a1111", num_inference_steps=2)
-    pos, neg = sdxl.runner.prepare_prompts(req)
+    pos, neg = prepare(sdxl.runner.text_setup, req)
     assert neg.text is None
     cond = sdxl.runner.embed([("-", neg, ())])[("-", neg, ())]
     assert float(cond["embeds"].abs().max()) == 0.0 and float(cond["pooled"].abs().max()) == 0.0

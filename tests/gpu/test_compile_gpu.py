@@ -18,6 +18,7 @@ import torch
 
 from diffgraph import Engine, GraphConfig
 from diffgraph.config import CompileConfig
+from diffgraph.text.prepared import prepare
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
@@ -206,7 +207,7 @@ def test_long_prompts_share_the_replay_and_add_no_compiles(compiled, graphed):
                                         num_inference_steps=6, guidance_scale=[1.0, 5.0][i % 2], seed=300 + i,
                                         negative_prompt=[None, "blurry, smudged"][(i // 2) % 2])
                     for i in range(12)]
-        assert {engine.runner.prepare_prompts(r)[0].chunks for r in requests} == {1, 2, 3}
+        assert {prepare(engine.runner.text_setup, r)[0].chunks for r in requests} == {1, 2, 3}
         alone = [engine.run(r).arrays for r in requests]
         compiles = engine.stats["compiles"]
         worst = max(together(engine, requests, alone))

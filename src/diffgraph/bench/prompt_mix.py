@@ -6,7 +6,7 @@
     replays of half the bucket, one per chunk count): the measurement behind features/context.py's design;
   * images/s at saturation: bursts of N requests of AUTOMATIC1111-syntax prompts, all of one chunk, then with 30% of
     them 2 or 3 chunks long (target >= 0.95x), decode included, best of `repeats`;
-  * the submitting thread's cost of a 3-chunk prompt: parsing and tokenising it (`ModelRunner.prepare_prompts`),
+  * the submitting thread's cost of a 3-chunk prompt: parsing and tokenising it (`text/prepared.py:prepare`),
     median of 200 (target < 5 ms on the CPU).
 """
 
@@ -16,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+from ..text.prepared import prepare
 from .guidance_mix import burst
 from .latency import _timed
 
@@ -38,11 +39,11 @@ def replay_ms(engine: Any, kind: str, key: tuple[int, int], bucket: int, repeats
 
 def prepare_ms(engine: Any, chunks: int = 3, n: int = 200) -> float:
     request = engine.make_request(long_prompt(chunks), prompt_syntax="a1111", num_inference_steps=2)
-    assert engine.runner.prepare_prompts(request)[0].chunks == chunks, "the bench prompt's chunk count changed"
+    assert prepare(engine.runner.text_setup, request)[0].chunks == chunks, "the bench prompt's chunk count changed"
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
-        engine.runner.prepare_prompts(request)
+        prepare(engine.runner.text_setup, request)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 

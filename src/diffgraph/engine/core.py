@@ -27,6 +27,7 @@ from ..request import (EngineClosed, EngineStepError, GenerationRequest, GroupKe
                        RequestAborted)
 from ..features.base import Admission
 from ..sampling.sde import BrownianNoise
+from ..text.prepared import empty_prompt, prepare
 from ..lora.manager import resolve_loras
 from .controlnets import resolve_controls
 from .ip_adapters import resolve_image_prompt
@@ -88,12 +89,11 @@ class EngineCore:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
-        prompts = self.runner.prepare_prompts(request)
-        branches = self.runner.program.branches(request, plan.step_index)  # 2 where CFG runs
-        state = RequestState.of(request, plan, time.monotonic(), sink, branches, prompts)
+        prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
+        state = RequestState.of(request, plan, time.monotonic(), sink, plan.branches, prompts)  # branches: 2 for CFG
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if prompts[0].chunks != prompts[1].chunks:
-            state.empty_prompt = self.runner.empty_prompt(prompts[0])
+            state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
         state.image_prompts = resolve_image_prompt(self.runner.image_prompts, request) if request.image_prompts else {}

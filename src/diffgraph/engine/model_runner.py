@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..config import CompileConfig, GraphConfig, smallest_bucket
+from ..config import CompileConfig, GraphConfig, bucket_table
 from ..features.base import Admission
 from ..features.program import StepProgram, VariantKey, layout
 from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
@@ -40,7 +40,7 @@ from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
 from .graph_setup import GraphSet, decode_chunks, make_graphs
 from ..text.embeddings import EmbeddingDir
-from ..text.prepared import PromptText, TextSetup, empty_prompt, plain_ids, prepare
+from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
 from .prompts import PromptCache, PromptKey
 from .staging import StagingPair
@@ -74,7 +74,7 @@ class ModelRunner:
             # the buffers hold max_rows rows: graphs of larger buckets could not run on them
             self.graph_config = dataclasses.replace(self.graph_config, batch_buckets=tuple(
                 b for b in self.graph_config.batch_buckets if b <= max_rows))
-        self.max_rows = max_rows or self.graph_config.max_bucket
+        self.max_rows, self._fits = max_rows or self.graph_config.max_bucket, bucket_table(self.graph_config.batch_buckets)
         self._planner = self.adapter.planner(model)
         # the eager callable; the graphs capture their own (a compiled one may take its place there, never here)
         self.denoise_eager = partial(self.adapter.denoise, model)
@@ -103,7 +103,7 @@ class ModelRunner:
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
         self.graphs: GraphSet | None = None
         self._graphed: tuple[GroupKey, ...] = ()  # the resolutions the step graphs cover
-        self.text_encoder = PromptEncoder(model, self.to_device, self.graph_config.batch_buckets,
+        self.text_encoder = PromptEncoder(model, self.device, self.graph_config.batch_buckets,
                                           loras.text_rows if slots else None, self.text_setup.lock)
         self._window = self.adapter.token_lengths(model)[0] if model.tokenizers else 0  # a prompt window's tokens
         self.compiled: list[Compiled] = []  # the compile tier's callables (compile=...)
@@ -201,13 +201,13 @@ class ModelRunner:
 
     def request_plan(self, request: GenerationRequest) -> SamplerPlan:
         """The plan a request's rows walk (all of it, or from the step an edit's strength starts at), with the row
-        features' per-step columns in its coefficient table."""
+        features' per-step columns in its coefficient table and its denoiser rows per step (`branches`)."""
         options = None if request.timestep_spacing is None and request.eta is None else \
             PlanOptions(request.timestep_spacing, request.eta)
         plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key, options)
         start = self._start(request)
         plan = start_plan(plan, start) if start else plan
-        return dataclasses.replace(plan, coefs=self.program.request_coefs(request, plan.coefs, plan.step_index))
+        return self.program.request_plan(request, plan)
 
     def _start(self, request: GenerationRequest) -> int:
         """The step of the full schedule a request's rows start at (an edit's strength rule; else 0)."""
@@ -254,13 +254,6 @@ class ModelRunner:
         return t if not self.cuda or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)
 
     # -- encode --------------------------------------------------------------------------------
-    def prepare_prompts(self, request: GenerationRequest) -> tuple[PromptText, PromptText]:
-        """The request's prompt and negative prompt as token ids (text/prepared.py): on the submitting thread."""
-        return prepare(self.text_setup, request)
-
-    def empty_prompt(self, like: PromptText) -> PromptText:
-        return empty_prompt(self.text_setup, like)
-
     def encode_texts(self, texts: list[str]) -> Conditioning:
         """Plain prompts (diffusers' reading) -> their conditioning as one batch (tools and tests)."""
         return concat(self.text_encoder.encode([PromptText(t, ids=plain_ids(self.text_setup, t)) for t in texts]))
@@ -323,7 +316,7 @@ class ModelRunner:
         # the bucket a replay would take: its inputs are written first, since a graph captured on first use (in
         # GraphRunner.bucket) warms up on them, and stale denoiser-row indices would read past the rows
         graphed = self.graph_runner is not None and key in self.graphed_resolutions()
-        planned = smallest_bucket(self.graph_config.batch_buckets, d) if graphed else None
+        planned = self._fits[d] if graphed and d < len(self._fits) else None
         size = planned or d
         pair = self.staging.get(key)
         if pair is None:

@@ -102,9 +102,9 @@ class PromptEncoder:
     the runner's graph set (`graphs`, set once made); `text_rows`: the LoRA manager's text side-path rows (None
     without adapters)."""
 
-    def __init__(self, model: DiffusionModel, to_device: Callable[[torch.Tensor], torch.Tensor],
-                 buckets: tuple[int, ...], text_rows: RowLoras | None, tokenizer_lock: Any):
-        self.model, self.to_device, self._chunk, self._text_rows = model, to_device, max(buckets), text_rows
+    def __init__(self, model: DiffusionModel, device: torch.device, buckets: tuple[int, ...],
+                 text_rows: RowLoras | None, tokenizer_lock: Any):
+        self.model, self.device, self._chunk, self._text_rows = model, device, max(buckets), text_rows
         self.graphs: GraphSet | None = None  # the runner's, once made
         self._masked = model.adapter.needs_attention_mask(model)
         self._lock = tokenizer_lock  # the submitting threads tokenise with the same tokenizers (text/prepared.py)
@@ -163,3 +163,7 @@ class PromptEncoder:
             out = runner.replay("text", 0, 0, bucket)
             parts.append({k: v[:n].clone() for k, v in out.items()})
         return concat(parts)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Token ids and side-path rows to the device, from pinned memory, asynchronously (as the runner's rows)."""
+        return t if self.device.type != "cuda" or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)

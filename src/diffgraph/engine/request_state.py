@@ -61,6 +61,10 @@ class RequestState:
     preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
     saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
     edit_pixels: Any = None    # an edit's preprocessed image and mask (engine/edits.py, at submit)
+    steps: int = field(init=False)  # its plan's steps (a plain attribute: the scheduler reads it per request)
+
+    def __post_init__(self) -> None:
+        self.steps = self.plan.num_steps
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
@@ -99,10 +103,6 @@ class RequestState:
         if self.branches is None:
             return self.rows
         return self.rows * int(self.branches[min(self.step, len(self.branches) - 1):].max())
-
-    @property
-    def steps(self) -> int:
-        return self.plan.num_steps
 
     @property
     def done(self) -> bool:

@@ -61,14 +61,13 @@ class StepPlan:
     # batch requests preempted this iteration and the first row they held: their rows are saved before the moves
     preempted: list[tuple[RequestState, int]] = field(default_factory=list)
     resumed: list[RequestState] = field(default_factory=list)  # preempted ones back: restore at state.first_row
+    # plain data, fixed when the plan is made (the core and the step listeners read them per step)
+    n_rows: int = field(init=False)
+    noise_requests: list[RequestState] = field(init=False)  # the live requests whose row draws noise this step
 
-    @property
-    def n_rows(self) -> int:
-        return self.coefs.shape[0]
-
-    @property
-    def noise_requests(self) -> list[RequestState]:  # the live requests whose row draws noise this step
-        return [s for s in self.live if s.plan.draws_noise and s.plan.noise_steps[s.step]]
+    def __post_init__(self) -> None:
+        self.n_rows = self.coefs.shape[0]
+        self.noise_requests = [s for s in self.live if s.plan.draws_noise and s.plan.noise_steps[s.step]]
 
 
 class AdmissionGate(Protocol):

@@ -2,7 +2,7 @@
 
 It owns the layout every feature shares: the buffer fields (the base fields x, d_prev, noise and the family's
 conditioning, then each feature's), the coefficient table's columns (the sampler's `Coef` columns, then each
-feature's), the per-request host inputs (`request_columns`, `branches`), the variant key (a tuple of the features'
+feature's), the per-request host inputs (`request_plan`: its columns and `branches`), the variant key (a tuple of the features'
 parts: the neutral key shares one set of graphs) and the step itself (`run`): input scaling, the features' input
 hooks, the denoiser over the step's denoiser rows (a row with one branch costs one denoiser row, a CFG row two),
 the output combiner, the sampler update (`sampling.samplers.apply_step`) and the after-update hooks.
@@ -10,6 +10,7 @@ the output combiner, the sampler update (`sampling.samplers.apply_step`) and the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from ..request import GenerationRequest
-from ..sampling.samplers import NUM_COEFS, Coef, apply_step
+from ..sampling.samplers import NUM_COEFS, Coef, SamplerPlan, apply_step
 from .base import Admission, FieldSpec, RowFeature, StepView
 
 # (model input [D, C, h, w], timesteps [D], conditioning fields [D, ...], per-row inputs [D, ...]) -> output [D, ...]
@@ -88,6 +89,12 @@ class StepProgram:
         return self._alt
 
     # -- per request (host) ----------------------------------------------------------------------
+    def request_plan(self, request: GenerationRequest, plan: SamplerPlan) -> SamplerPlan:
+        """The request's plan with the features' per-row columns in its coefficient table and its denoiser rows per
+        image row at each plan row (`branches`)."""
+        return dataclasses.replace(plan, coefs=self.request_coefs(request, plan.coefs, plan.step_index),
+                                   branches=self.branches(request, plan.step_index))
+
     def request_coefs(self, request: GenerationRequest, sampler_coefs: np.ndarray, index: np.ndarray) -> np.ndarray:
         """The request's coefficient table: the sampler's columns, then each feature's per-row columns (`index`: the
         step of the request's steps each plan row belongs to, `SamplerPlan.step_index`)."""

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import GraphConfig, smallest_bucket
+from ..config import GraphConfig, bucket_table
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class GraphRunner:
         # that freed them, so a stream per capture would give each graph memory of its own.
         self.stream = None if self.emulated else torch.cuda.Stream(self.device)
         self.kinds: dict[str, Graphable] = {}
-        self._covers: dict[str, tuple[frozenset, tuple[int, ...]]] = {}  # kind -> (resolutions, buckets)
+        self._covers: dict[str, tuple[frozenset, tuple[int, ...]]] = {}  # kind -> (resolutions, bucket_table)
         self.graphs: dict[GraphKey, Any] = {}  # torch.cuda.CUDAGraph (or EmulatedGraph)
         self.outputs: dict[GraphKey, Any] = {}
         self.stats: dict[GraphKey, GraphStats] = {}
@@ -152,7 +152,7 @@ class GraphRunner:
     def register(self, graphable: Graphable) -> None:
         self.kinds[graphable.kind] = graphable
         # what dispatch reads per call, kept as plain data (a graphable's sizes and buckets never change)
-        self._covers[graphable.kind] = (frozenset(graphable.resolutions()), tuple(graphable.buckets()))
+        self._covers[graphable.kind] = (frozenset(graphable.resolutions()), bucket_table(tuple(graphable.buckets())))
         for (h, w) in graphable.resolutions():
             for b in graphable.buckets():
                 key = (graphable.kind, h, w, b)
@@ -163,8 +163,8 @@ class GraphRunner:
         """The bucket whose graph runs n rows, or None: run eagerly (and that is counted)."""
         covers = self._covers.get(kind)
         bucket = None
-        if covers is not None and (height, width) in covers[0]:
-            bucket = smallest_bucket(covers[1], n)
+        if covers is not None and (height, width) in covers[0] and n < len(covers[1]):
+            bucket = covers[1][n]
         if bucket is None:
             self.uncovered[(kind, height, width)] = self.uncovered.get((kind, height, width), 0) + 1
             return None

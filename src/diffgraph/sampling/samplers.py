@@ -67,6 +67,9 @@ class SamplerPlan:
     eta: float | None = None  # TCD's gamma, as asked (None: its default)
     brownian: np.ndarray | None = None  # [num_steps, 2] Brownian-tree noise spans (dpmpp_sde); None: normal draws
     brownian_range: tuple[float, float] | None = None
+    # int [num_steps]: denoiser rows per image row at each row (2 where classifier-free guidance runs both branches),
+    # set with the row features' columns (features/program.py:StepProgram.request_plan); None: one everywhere
+    branches: np.ndarray | None = None
 
 
 
