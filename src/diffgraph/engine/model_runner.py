@@ -30,7 +30,7 @@ from ..config import CompileConfig, GraphConfig, bucket_table
 from ..features.base import Admission
 from ..features.program import StepProgram, VariantKey, layout
 from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
-from ..graphs.step import StepBuffers, whole_step, write_tokens
+from ..graphs.step import StepBuffers, whole_step
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
 from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError
@@ -288,17 +288,12 @@ class ModelRunner:
         buf.d_prev[rows] = 0
         buf.noise[rows] = 0
         buf.coefs[rows] = 0
-        for name in buf.cond_names:
-            field = buf.fields[f"cond.{name}"]
-            if f"cond.{name}" in buf.sequence:
-                write_tokens(field[rows], cond[name])
-            else:
-                field[rows] = cond[name]
-        for name, value in self._row_fields(key).items():
-            buf.fields[f"rows.{name}"][rows] = value
-        values = self.program.rows(admission)
-        # host tensors go through pinned memory, asynchronously (a pageable copy would wait for the GPU queue)
-        buf.write(rows, {n: self.to_device(v) if isinstance(v, torch.Tensor) else v for n, v in values.items()})
+        values = {f"cond.{name}": cond[name] for name in buf.cond_names}
+        values.update({f"rows.{name}": value for name, value in self._row_fields(key).items()})
+        # the features' host tensors go through pinned memory, asynchronously (a pageable copy would wait for the GPU)
+        values.update({n: self.to_device(v) if isinstance(v, torch.Tensor) else v
+                       for n, v in self.program.rows(admission).items()})
+        buf.write(rows, values)
         return self.program.parts(admission)
 
     def step(self, key: GroupKey, coefs: np.ndarray, rows: list[tuple[int, int, int]],

@@ -108,21 +108,22 @@ class StepBuffers:
         return spec is None or spec.history_slot <= history
 
     def write(self, rows: slice, values: dict[str, torch.Tensor | float]) -> None:
-        """Writes an admitted request's feature fields (one row broadcast, or every row); the features' fields it
-        leaves out take their neutral value."""
-        for name, spec in self.specs.items():
-            if spec.transient:
-                continue
-            if name in values:
-                if name in self.sequence:
-                    write_tokens(self.fields[name][rows], values[name])
-                else:
-                    self.fields[name][rows] = values[name]
-            else:
-                spec.fill(self.fields[name][rows])
-        unknown = set(values) - set(self.specs)
+        """Writes an admitted request's rows: its conditioning ("cond.<name>", token-axis fields repeated to the span:
+        `write_tokens`), the per-resolution row values ("rows.<name>") and its feature fields, each one row
+        broadcast or every row; the features' fields it leaves out take their neutral value."""
+        unknown = set(values) - set(self.fields)
         if unknown:
             raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
+        for name, value in values.items():
+            if name in self.specs and self.specs[name].transient:
+                continue
+            if name in self.sequence:
+                write_tokens(self.fields[name][rows], value)
+            else:
+                self.fields[name][rows] = value
+        for name, spec in self.specs.items():
+            if not spec.transient and name not in values:
+                spec.fill(self.fields[name][rows])
 
 
 def write_tokens(dst: torch.Tensor, value: torch.Tensor) -> None:
