@@ -50,6 +50,7 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         self.previews = PreviewMaker.of(runner)  # live previews of the requests that ask (previews.py)
         self.retirement = Retirement(runner, self.previews, image_threads, metadata)  # finished rows to answers
+        self._holding = False  # finished batch rows wait for companions (Retirement.after_step): come back for them
         self.failures = FailurePolicy(max_step_failures)  # when failing steps fail the engine (failures.py)
         self.on_failure: list[Callable[[str], None]] = []  # called once, on the loop thread, when it trips
         self.loop = loop or DeviceLoop()  # shared by the cores of several models on one device (a ModelSet)
@@ -181,7 +182,7 @@ class EngineCore:
         pending, self._pending = self._pending, []
         plan = self.scheduler.schedule()
         aborted = self.scheduler.take_aborted()
-        held = self.retirement.holding  # nothing to step: held decodes go now (run)
+        held = self._holding  # nothing to step: held decodes go now (run)
         return (plan, aborted, pending) if plan is not None or aborted or pending or held else None
 
     def finish(self, error: BaseException | None) -> None:
@@ -194,6 +195,7 @@ class EngineCore:
             self._run_pending(pending, aborted)
             pending = []
         self.retirement.stop()  # finished rows waiting for companions: decoded, answered
+        self._holding = False
         for _, future in pending:
             future.set_exception(EngineClosed("the engine loop stopped after an internal error (see the log)"))
         if error is not None and self.failures.loop_failed(error):  # failed, as a tripped policy (on_failure)
@@ -223,8 +225,8 @@ class EngineCore:
             self._release_idle({s.key for s in aborted})
         if plan is not None:
             self._step(plan)
-        elif self.retirement.holding:
-            self.retirement.after_step(None, [], self.scheduler.steps_run, False)
+        elif self._holding:
+            self._holding = self.retirement.after_step(None, [], self.scheduler.steps_run, False)
 
     def _step(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
@@ -265,8 +267,8 @@ class EngineCore:
             call_safely(s.sink.progress, ProgressEvent(s.request_id, s.step, s.steps))
         if any(s.request.preview for s in plan.live):  # before the rows retire: their D is still in the buffers
             self.previews.capture(plan.key, plan.live)
-        self.retirement.after_step(plan.key, finished, self.scheduler.steps_run,
-                                   any(s.batch and not s.done for s in plan.live))
+        self._holding = self.retirement.after_step(plan.key, finished, self.scheduler.steps_run,
+                                                   any(s.batch and not s.done for s in plan.live))
         if cuda_events:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.runner.device))

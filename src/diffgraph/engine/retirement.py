@@ -37,29 +37,28 @@ class Retirement:
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self._batches = DecodeBatches(max(VAE_BUCKETS), HOLD_STEPS)
-        self.holding = False  # finished batch rows wait for companions (the loop must come back for them)
         # [] records each decode as (rows, batch rows, (start, end) CUDA events or None off CUDA): benchmarks read
         # how finished rows were gathered and whose GPU time a decode is
         self.decode_log: list[tuple[int, int, tuple[torch.cuda.Event, torch.cuda.Event] | None]] | None = None
 
-    def after_step(self, key: GroupKey | None, finished: list[RequestState], step: int, more_coming: bool) -> None:
+    def after_step(self, key: GroupKey | None, finished: list[RequestState], step: int, more_coming: bool) -> bool:
         """After engine step `step` of group `key` (None: the engine had nothing to step): its finished requests'
         latents are copied out, then the decodes that are due launch; `more_coming`: live batch rows are left in
-        the group."""
+        the group. Returns whether finished rows are held for companions (the loop must come back for them)."""
         try:
             latents = torch.cat([self.runner.read_latents(key, s.first_row, s.rows) for s in finished]) \
                 if finished else None
         except Exception as e:
-            return self._failed(key, finished, e)
+            self._failed(key, finished, e)
+            return self._batches.holding
         for held in self._batches.due(key, finished, latents, step, more_coming):
             self._decode(*held)
-        self.holding = self._batches.holding
+        return self._batches.holding
 
     def stop(self) -> None:
         """The engine stops: every held row is decoded and answered now."""
         for held in self._batches.take_all():
             self._decode(*held)
-        self.holding = False
 
     def shutdown(self) -> None:
         self._images.shutdown(wait=True)
