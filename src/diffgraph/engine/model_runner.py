@@ -74,7 +74,8 @@ class ModelRunner:
             # the buffers hold max_rows rows: graphs of larger buckets could not run on them
             self.graph_config = dataclasses.replace(self.graph_config, batch_buckets=tuple(
                 b for b in self.graph_config.batch_buckets if b <= max_rows))
-        self.max_rows, self._fits = max_rows or self.graph_config.max_bucket, bucket_table(self.graph_config.batch_buckets)
+        self.max_rows = max_rows or self.graph_config.max_bucket
+        self._fits = bucket_table(self.graph_config.batch_buckets)  # a step's bucket by its denoiser rows
         self._planner = self.adapter.planner(model)
         # the eager callable; the graphs capture their own (a compiled one may take its place there, never here)
         self.denoise_eager = partial(self.adapter.denoise, model)
