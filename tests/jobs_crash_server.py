@@ -6,13 +6,16 @@ path killing the process by SIGKILL at its Nth call, so the server's own code ca
 POINT: "write" (an image's bytes written to its temporary name, at their fsync), "replace" (before an image's
 rename), "renamed" (just after it, before the commit), "commit" (an SQLite commit, before it is made), or "none".
 Every completed rename of an image is appended to LOG (one final path a line), so the test can tell that no image
-was stored twice.
+was stored twice. SIGUSR1 is the test's kill from outside: SIGKILL at once, at whatever the server is doing, except
+between an image's rename and its LOG line (that window is the wrapper's, not the server's: a kill there would
+leave a stored image that no line records).
 """
 
 import os
 import signal
 import sqlite3
 import sys
+import threading
 
 
 class Killer:
@@ -28,15 +31,25 @@ class Killer:
 
 def install(killer: Killer) -> None:
     real_replace, real_fsync, real_connect = os.replace, os.fsync, sqlite3.connect
+    logging = threading.Lock()  # held from an image's rename to its LOG line
+
+    def kill_from_outside() -> None:
+        with logging:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    # the handler runs on the main thread, which may hold the lock: a thread of its own waits for it
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=kill_from_outside, daemon=True).start())
 
     def replace(src, dst, *args, **kwargs):
         image = str(dst).endswith(".png") and f"{os.sep}images{os.sep}" in str(dst)
         if image:
             killer.at("replace")
-        real_replace(src, dst, *args, **kwargs)
+        with logging:
+            real_replace(src, dst, *args, **kwargs)
+            if image:
+                with open(killer.log, "a") as f:
+                    f.write(f"{dst}\n")
         if image:
-            with open(killer.log, "a") as f:
-                f.write(f"{dst}\n")
             killer.at("renamed")
 
     def fsync(fd):
