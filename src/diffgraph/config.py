@@ -31,7 +31,7 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def bucket_table(buckets: tuple[int, ...]) -> tuple[int, ...]:
+def bucket_table(buckets: tuple[int, ...]) -> tuple[int | None, ...]:
     """`smallest_bucket` for every n from 0 to the largest bucket, as a tuple indexed by n (what a step's dispatch
     reads: an index, not a call; n past its end fits no bucket)."""
     return tuple(smallest_bucket(buckets, n) for n in range(max(buckets, default=0) + 1))

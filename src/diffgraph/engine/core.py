@@ -91,7 +91,7 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
-        state = RequestState.of(request, plan, time.monotonic(), sink, plan.branches, prompts)  # branches: 2 for CFG
+        state = RequestState.of(request, plan, time.monotonic(), sink, prompts)
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])

@@ -51,7 +51,6 @@ class RequestState:
     controls: tuple = ()       # its resolved ControlNet controls (controlnets.ResolvedControl), if any
     image_prompts: dict = field(default_factory=dict)  # its image prompt's row fields (ip_adapters.py), if any
     admitted: dict[str, Any] = field(default_factory=dict)  # what each admission gate took for it (by gate name)
-    branches: np.ndarray | None = None  # [steps] denoiser rows per image row at each step (None: 1 everywhere)
     variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)
     prompts: tuple = ()        # (prompt, negative prompt) as text/prepared.PromptText, prepared at submit
     empty_prompt: Any = None   # the empty prompt that pads the shorter of the two (their windows differ)
@@ -61,16 +60,19 @@ class RequestState:
     preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
     saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
     edit_pixels: Any = None    # an edit's preprocessed image and mask (engine/edits.py, at submit)
-    steps: int = field(init=False)  # its plan's steps (a plain attribute: the scheduler reads it per request)
+    # its plan's (plain attributes: the scheduler reads them per request): steps, and denoiser rows per image row at
+    # each step (SamplerPlan.branches: 2 where classifier-free guidance runs both branches; None: 1 everywhere)
+    steps: int = field(init=False)
+    branches: np.ndarray | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.steps = self.plan.num_steps
+        self.steps, self.branches = self.plan.num_steps, self.plan.branches
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
-           branches: np.ndarray | None = None, prompts: tuple = ()) -> "RequestState":
+           prompts: tuple = ()) -> "RequestState":
         return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
-                   arrival=arrival, request=request, sink=sink, branches=branches,
+                   arrival=arrival, request=request, sink=sink,
                    batch=request.priority == "batch", job=request.job, prompts=prompts)
 
     def take_edit_pixels(self) -> Any:

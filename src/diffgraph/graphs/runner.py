@@ -142,7 +142,7 @@ class GraphRunner:
         # that freed them, so a stream per capture would give each graph memory of its own.
         self.stream = None if self.emulated else torch.cuda.Stream(self.device)
         self.kinds: dict[str, Graphable] = {}
-        self._covers: dict[str, tuple[frozenset, tuple[int, ...]]] = {}  # kind -> (resolutions, bucket_table)
+        self._covers: dict[str, tuple[frozenset, tuple[int | None, ...]]] = {}  # kind -> (resolutions, bucket_table)
         self.graphs: dict[GraphKey, Any] = {}  # torch.cuda.CUDAGraph (or EmulatedGraph)
         self.outputs: dict[GraphKey, Any] = {}
         self.stats: dict[GraphKey, GraphStats] = {}

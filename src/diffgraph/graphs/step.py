@@ -44,6 +44,8 @@ class StepBuffers:
                                                                    f["index"])
         # the row state (what compaction moves and a preemption saves): every field but the per-step ones
         self.state = {k: v for k, v in f.items() if not (k in self.specs and self.specs[k].transient)}
+        # what an admission writes (`write`): the conditioning, the per-resolution values and the features' fields
+        self.writable = {*self.specs, *(f"cond.{k}" for k in self.cond_names), *(f"rows.{k}" for k in self.row_names)}
 
     @classmethod
     def allocate(cls, rows: int, latent_shape: tuple[int, ...], program: StepProgram,
@@ -111,7 +113,7 @@ class StepBuffers:
         """Writes an admitted request's rows: its conditioning ("cond.<name>", token-axis fields repeated to the span:
         `write_tokens`), the per-resolution row values ("rows.<name>") and its feature fields, each one row
         broadcast or every row; the features' fields it leaves out take their neutral value."""
-        unknown = set(values) - set(self.fields)
+        unknown = set(values) - self.writable
         if unknown:
             raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
         for name, value in values.items():
