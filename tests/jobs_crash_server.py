@@ -6,9 +6,9 @@ path killing the process by SIGKILL at its Nth call, so the server's own code ca
 POINT: "write" (an image's bytes written to its temporary name, at their fsync), "replace" (before an image's
 rename), "renamed" (just after it, before the commit), "commit" (an SQLite commit, before it is made), or "none".
 Every completed rename of an image is appended to LOG (one final path a line), so the test can tell that no image
-was stored twice. SIGUSR1 is the test's kill from outside: SIGKILL at once, at whatever the server is doing, except
-between an image's rename and its LOG line (that window is the wrapper's, not the server's: a kill there would
-leave a stored image that no line records).
+was stored twice. SIGUSR1 is the test's kill from outside: SIGKILL at once, at whatever the server is doing. No kill
+lands between an image's rename and its LOG line (that window is the wrapper's, not the server's: a kill there, from
+outside or from another thread's point, would leave a stored image that no line records).
 """
 
 import os
@@ -21,30 +21,35 @@ import threading
 class Killer:
     def __init__(self, point: str, nth: int, log: str):
         self.point, self.nth, self.log, self.calls = point, nth, log, 0
+        self._counting = threading.Lock()
+        # held from an image's rename to its LOG line. Every kill waits for it, its own points' as much as the one from
+        # outside: with two images in flight, one thread's kill (at a commit, say) could otherwise land between
+        # another thread's rename and its line, leaving a stored image that no line records
+        self.window = threading.Lock()
 
     def at(self, point: str) -> None:
         if point == self.point:
-            self.calls += 1
-            if self.calls == self.nth:
-                os.kill(os.getpid(), signal.SIGKILL)
+            with self._counting:
+                self.calls += 1
+                due = self.calls == self.nth
+            if due:
+                self.kill()
+
+    def kill(self) -> None:
+        with self.window:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def install(killer: Killer) -> None:
     real_replace, real_fsync, real_connect = os.replace, os.fsync, sqlite3.connect
-    logging = threading.Lock()  # held from an image's rename to its LOG line
-
-    def kill_from_outside() -> None:
-        with logging:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    # the handler runs on the main thread, which may hold the lock: a thread of its own waits for it
-    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=kill_from_outside, daemon=True).start())
+    # the handler runs on the main thread, which may be inside the window: a thread of its own waits for it
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=killer.kill, daemon=True).start())
 
     def replace(src, dst, *args, **kwargs):
         image = str(dst).endswith(".png") and f"{os.sep}images{os.sep}" in str(dst)
         if image:
             killer.at("replace")
-        with logging:
+        with killer.window:
             real_replace(src, dst, *args, **kwargs)
             if image:
                 with open(killer.log, "a") as f:
