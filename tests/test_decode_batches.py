@@ -92,6 +92,24 @@ def test_rows_left_after_an_interactive_decode_took_the_oldest_wait_from_their_o
     assert _sizes(d.due(A, [], None, step=15, more_coming=True)) == [(A, 1, 1)]
 
 
+def test_a_full_group_sends_its_oldest_rows_in_whole_replays_and_the_rest_wait_from_their_own_steps():
+    d = DecodeBatches(size=4, hold_steps=4)
+    d.due(A, [_row(), _row(), _row()], torch.arange(3.0).view(3, 1, 1, 1).expand(3, 4, 8, 8), step=1,
+          more_coming=True)
+    rows = torch.arange(3.0, 6.0).view(3, 1, 1, 1).expand(3, 4, 8, 8)
+    out = d.due(A, [_row(), _row(), _row()], rows, step=2, more_coming=True)  # 6 held: the oldest 4 go
+    assert _sizes(out) == [(A, 4, 4)] and out[0][2][:, 0, 0, 0].tolist() == [0, 1, 2, 3] and d.holding
+    assert d.due(A, [], None, step=5, more_coming=True) == []  # held at 2: 3 steps
+    out = d.due(A, [], None, step=6, more_coming=True)
+    assert _sizes(out) == [(A, 2, 2)] and out[0][2][:, 0, 0, 0].tolist() == [4, 5] and not d.holding
+    d.due(A, [_row(rows=3)], _lat(3), step=7, more_coming=True)
+    out = d.due(A, [_row(rows=2)], _lat(2), step=8, more_coming=True)  # 3 + 2: no prefix fills 4, both go
+    assert _sizes(out) == [(A, 5, 5)] and not d.holding
+    d.due(A, [_row(), _row()], _lat(2), step=9, more_coming=True)
+    out = d.due(A, [_row(), _row()], _lat(2), step=10, more_coming=True)  # exactly 4: all go, nothing held
+    assert _sizes(out) == [(A, 4, 4)] and not d.holding
+
+
 def test_a_decode_is_split_into_whole_buckets_largest_first():
     assert [decode_chunks(n) for n in range(1, 10)] == [[1], [2], [2, 1], [4], [4, 1], [4, 2], [4, 2, 1], [4, 4],
                                                          [4, 4, 1]]

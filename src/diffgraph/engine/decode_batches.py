@@ -11,8 +11,9 @@ Rules (a row is an image; `size` is the largest decode replay):
 - an interactive request never waits: it decodes at once; it takes held batch rows of its group with it only when
   they fill its decode's last replay to `size` rows (1 interactive row takes 3 held ones, never 1 or 2: 2 held rows
   riding along cost 56.6 ms with it, against 20.5 + 30.4 ms when they fill a full replay later);
-- batch rows are held until their group holds `size` rows, or its oldest held row has waited `hold_steps` engine
-  steps, or no live batch row is left in its group (nothing would join them);
+- batch rows are held until their group holds `size` rows (then the oldest that fill whole replays go, the rest
+  wait on: a job's rows finishing 5 at once beside people went as replays of 4 + 1), or its oldest held row has
+  waited `hold_steps` engine steps, or no live batch row is left in its group (nothing would join them);
 - `due(None, ...)` (the engine has nothing to step) and `take_all()` (the engine stops) give back everything.
 """
 
@@ -67,10 +68,12 @@ class DecodeBatches:
                 out.append(self._with_people(key, people))
         for k, held in list(self._held.items()):
             waited = bool(held.steps) and step - held.steps[0] >= self.hold_steps  # its oldest row's wait
-            if not held.states or key is None or waited or (k == key and (not more_coming or held.rows >= self.size)):
+            if not held.states or key is None or waited or (k == key and not more_coming):
                 del self._held[k]
                 if held.states:
                     out.append((k, held.states, torch.cat(held.latents)))
+            elif k == key and held.rows >= self.size:
+                out.append(self._full(k, held))
         self.holding = bool(self._held)
         return out
 
@@ -89,6 +92,22 @@ class DecodeBatches:
             states, parts = states + held.states[:taken], parts + held.latents[:taken]
             del held.states[:taken], held.latents[:taken], held.steps[:taken]
         return key, states, torch.cat(parts)
+
+    def _full(self, key: GroupKey, held: _Held) -> tuple[GroupKey, list[RequestState], torch.Tensor]:
+        """A group holding `size` rows or more: its oldest rows that fill whole replays go; the rest wait on from
+        their own steps (9 held: 8 go, the newest waits for companions), unless no prefix of the held requests
+        fills whole replays (a 3-row request, then a 2-row one): then all go."""
+        whole, taken, rows = held.rows - held.rows % self.size, 0, 0
+        while taken < len(held.states) and rows + held.states[taken].rows <= whole:
+            rows += held.states[taken].rows
+            taken += 1
+        if rows % self.size:
+            taken = len(held.states)
+        states, latents = held.states[:taken], torch.cat(held.latents[:taken])
+        del held.states[:taken], held.latents[:taken], held.steps[:taken]
+        if not held.states:
+            del self._held[key]
+        return key, states, latents
 
     def take_all(self) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
         """Everything held (the engine is stopping)."""
