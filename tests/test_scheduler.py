@@ -1,5 +1,7 @@
 """The scheduler alone, with a fake worker that tracks which request owns each row."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -103,6 +105,81 @@ def test_fifo_within_group_and_bucket_limit():
     order, finished = run(sched, w)
     assert max(n for _, n in order) <= 4
     assert finished[:4] == ["r0", "r1", "r2", "r3"] and sorted(finished[4:]) == ["r4", "r5"]
+
+
+def guided(rid, steps=4, rows=1, branches=2, arrival=0.0):
+    """A request whose rows run `branches` denoiser rows at every step (2: classifier-free guidance; an array: per
+    step)."""
+    p = plan(steps)
+    per_step = np.broadcast_to(np.asarray(branches, dtype=np.int64), (steps,)).copy()
+    return RequestState(request_id=rid, key=(64, 64), rows=rows, plan=dataclasses.replace(p, branches=per_step),
+                        arrival=arrival)
+
+
+def _admitted_per_step(sched, w):
+    """Each step's admitted request ids and its denoiser rows, until the scheduler has no work."""
+    out = []
+    while sched.has_work():
+        p = sched.schedule()
+        w.execute(p)
+        out.append(([s.request_id for s in p.admitted], sum(s.cost for s in p.live)))
+        sched.update(p)
+    return out
+
+
+def test_requests_behind_one_that_does_not_fit_fill_the_rows_it_cannot_use_without_delaying_it():
+    """Guided (2 denoiser rows) and guidance-free (1) requests in a group of 4: the guided r2 does not fit beside
+    r0 and r1's 3 rows, so the guidance-free r3 behind it fills the fourth row, which it leaves when that wave ends:
+    r2 starts at the step it would have anyway, and two full waves run instead of 3 + 4 + 1 rows."""
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    for i, b in enumerate([2, 1, 2, 1, 1, 1]):
+        sched.add(guided(f"r{i}", steps=3, branches=b))
+    steps = _admitted_per_step(sched, FakeWorker())
+    assert steps[0] == (["r0", "r1", "r3"], 4)  # r2 (2 rows) does not fit beside 3: r3 (1 row) fills the fourth
+    assert steps[3] == (["r2", "r4", "r5"], 4) and len(steps) == 6  # strict FIFO: 9 steps, the last 3 at 1 row
+    # a request behind the blocked head that would still hold rows when the head could start waits
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    for rid, steps_, rows, b in (("a", 3, 1, 2), ("b", 3, 1, 1), ("head", 3, 2, 2), ("long", 6, 1, 1),
+                                 ("short", 3, 1, 1)):
+        sched.add(guided(rid, steps=steps_, rows=rows, branches=b))
+    steps = _admitted_per_step(sched, FakeWorker())  # "head" needs all 4 rows: "long" would delay it, it waits
+    assert [a for a, _ in steps[:4]] == [["a", "b", "short"], [], [], ["head"]] and steps[0][1] == 4
+
+
+def test_backfill_is_bounded_and_never_passes_a_preempted_request_or_the_growth_policy():
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    sched.add(guided("a", steps=3, branches=1, rows=3))
+    for i in range(100):
+        sched.add(guided(f"g{i}", steps=3, branches=2))  # none fits beside a's 3 rows
+    sched.add(guided("late", steps=3, branches=1))  # more than BACKFILL_SCAN requests behind the head: not seen
+    assert [s.request_id for s in sched.schedule().admitted] == ["a"]
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    sched.add(guided("a", steps=3, branches=1, rows=3))
+    head = guided("head", steps=3, branches=2)
+    head.preempted = True  # a preempted request resumes before any other joins
+    sched.add(head)
+    sched.add(guided("b", steps=3, branches=1))
+    assert [s.request_id for s in sched.schedule().admitted] == ["a"]
+    # the growth policy holding the queue back is not a request that does not fit: nothing is backfilled
+    cfg = SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0.9, grow_hold_ms=50_000)
+    sched, w = Scheduler(cfg, Clock()), FakeWorker()
+    sched.add(guided("a", steps=4, branches=1, rows=3))
+    w.execute(p := sched.schedule())
+    sched.update(p)
+    sched.add(guided("b", steps=4, branches=1, rows=2))  # 3 + 2 = 5 (and 6 with c): bucket 8 under 0.9 full, held
+    sched.add(guided("c", steps=4, branches=1))  # would stay within bucket 4, but it is behind the held one
+    p = sched.schedule()
+    assert p.admitted == [] and sched.growth_holds == 1
+
+
+def test_first_fit_is_the_first_step_with_room_at_every_step_after():
+    from diffgraph.engine.priority import first_fit
+    profile = np.array([4, 4, 2, 4, 1, 1])
+    assert first_fit(profile, np.array([2, 2]), 4) == 4  # step 2 has room, step 3 does not
+    assert first_fit(profile, np.array([3]), 4) == 4
+    assert first_fit(profile, np.array([1, 1, 1]), 4) == 4
+    assert first_fit(np.array([4, 4]), np.array([4, 4, 4]), 4) == 2  # when the live rows have ended
+    assert first_fit(np.array([1]), np.array([2]), 4) == 0
 
 
 def test_no_group_starves():

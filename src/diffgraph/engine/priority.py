@@ -14,7 +14,17 @@ routes) go first; batch rows (a job's items) fill what they leave free, so the G
   whole state saved (the engine core copies them out before the step and back in at its re-admission), so it
   resumes where it stopped. Victims resume before new batch requests start and no request overtakes one that does
   not fit, so a group holds at most its `max_rows` rows saved.
-- Growth into a larger bucket (`growth_limit`, step mode, graphs): see scheduler.py.
+- Growth into a larger bucket (`growth_limit`, step mode, graphs): the step costs what its bucket costs, so 9 live
+  rows on bucket 16 pay nearly what 16 rows pay. A live group admits the longest prefix of its queue that stays
+  within its current bucket or fills at least `grow_fill` of the larger bucket it grows into; once the head of the
+  queue has waited `grow_hold_ms`, everything that fits (no request waits longer than that for this reason). Only
+  resolutions whose steps pad to buckets (`padded`) apply it.
+- Backfill (step mode): when a request does not fit its group now, the requests behind it (up to `BACKFILL_SCAN`)
+  may join only where the first step at which it fits (`first_fit`) stays the same, so it starts no later than
+  without them (conservative backfilling, as batch schedulers of clusters do). A burst of guided and guidance-free
+  requests alternating (2 and 1 denoiser rows) left a row of bucket 32 empty at every other wave, and its last
+  request ran alone for a whole schedule. A preempted request that does not fit is not backfilled past (its saved
+  rows stay the only ones).
 """
 
 from __future__ import annotations
@@ -23,9 +33,13 @@ import heapq
 from collections import Counter
 from typing import Iterable
 
+import numpy as np
+
 from ..request import GroupKey
 from .request_state import RequestState
 from .scheduler_config import SchedulerConfig
+
+BACKFILL_SCAN = 64  # requests behind one that does not fit that admission considers in one step
 
 
 def admission_order(waiting: Iterable[RequestState], live: Iterable[RequestState]) -> list[RequestState]:
@@ -81,3 +95,14 @@ def growth_limit(cfg: SchedulerConfig, key: GroupKey, live: int, order: list[Req
         if rows <= current or rows >= cfg.grow_fill * cfg.bucket_for(rows):
             best = rows
     return best - live, int(best < rows)
+
+
+def first_fit(profile: np.ndarray, need: np.ndarray, capacity: int) -> int:
+    """The first step from now (0: this one) at which a request of per-step demand `need` fits beside `profile`
+    (the live rows' demand per future step, this one first); at the latest when the profile ends (`need` is within
+    `capacity`: the scheduler refuses requests larger than its largest bucket)."""
+    for t in range(len(profile)):
+        rest = profile[t:t + len(need)]
+        if (rest + need[:len(rest)] <= capacity).all():
+            return t
+    return len(profile)

@@ -17,11 +17,7 @@ Batching modes, on the same path:
            until max_wait_ms after the first arrived, run to the end together (the seed design);
   off      one request at a time in the whole engine.
 
-Growth into a larger bucket (step mode, graphs): the step costs what its bucket costs, so 9 live rows
-on bucket 16 pay nearly what 16 rows pay. A live group admits the longest FIFO prefix of its queue that
-stays within its current bucket or fills at least `grow_fill` of the larger bucket it grows into; once the
-head of the queue has waited `grow_hold_ms`, everything that fits (the bound: no request waits longer than
-that for this reason). Only resolutions whose steps pad to buckets (`padded`) apply it.
+Growth into a larger bucket (step mode, graphs) and backfill behind a request that does not fit: priority.py.
 
 Across groups the oldest request goes first: the group holding the earliest-arrived live or admissible
 request runs, which finishes old requests sooner than round-robin would (lower tail latency when
@@ -40,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..request import GroupKey, ParamError, QueueFullError, RequestAborted
-from .priority import admission_order, growth_limit, victims_order
+from .priority import BACKFILL_SCAN, admission_order, first_fit, growth_limit, victims_order
 from .request_state import RequestState
 from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, SchedulerConfig
 
@@ -265,13 +261,8 @@ class Scheduler:
         head = g.waiting[0]
         if now >= head.arrival + self.config.max_wait_ms / 1e3:
             return True
-        # the batch is already full: no reason to wait longer
-        return sum(s.peak for s in self._compatible(g, head)) >= self.config.max_rows
-
-    def _compatible(self, g: _Group, head: RequestState) -> list[RequestState]:
-        if self.config.batching == "request":
-            return [s for s in g.waiting if s.steps == head.steps]
-        return list(g.waiting)
+        # the batch is already full (in request mode: of requests with the head's step count): no reason to wait
+        return sum(s.peak for s in g.waiting if mode != "request" or s.steps == head.steps) >= self.config.max_rows
 
     def _admit(self, g: _Group, now: float) -> tuple[list[RequestState], list[RequestState]]:
         """Admits waiting requests: (new ones, preempted ones resuming)."""
@@ -288,19 +279,28 @@ class Scheduler:
         if mode == "step" and g.live and held:
             growth, holds = growth_limit(self.config, g.key, g.cost_now, order, now)
             self.growth_holds += holds
-        added = 0
+        added, cap, scanned = 0, self.config.max_rows, 0
         admitted, resumed = [], []
         head_steps = order[0].steps
+        blocked = None  # step mode: the demand of the first request that does not fit, and its first fit
         for s in order:
             if mode == "off" and admitted:
                 break
             if mode == "request" and s.steps != head_steps:
                 continue
             need = s.demand()
-            room = _fits(profile, need, self.config.max_rows) and (growth is None or added + s.cost <= growth)
+            fits = _fits(profile, need, cap)
+            room = fits and (growth is None or added + s.cost <= growth)
+            if room and blocked is not None:  # backfill: it must leave the blocked request's first fit as it was
+                room = _fits(_plus(profile, need)[blocked[1]:], blocked[0], cap)
             if not room:
-                if mode == "step":
-                    break  # FIFO: a large request is not overtaken by smaller ones behind it
+                if mode != "step":
+                    continue
+                if blocked is None and not fits and not s.preempted:  # rows hold it back, not the growth policy
+                    blocked = need, first_fit(profile, need, cap)
+                scanned += 1  # FIFO but for backfill: a large request is never delayed by smaller ones behind it
+                if blocked is None or scanned > BACKFILL_SCAN or (len(profile) and profile[0] >= cap):
+                    break
                 continue
             if not self._take(s):
                 continue  # it waits for what it needs (adapter slots); those behind it may join
