@@ -108,6 +108,13 @@ def test_a_full_group_sends_its_oldest_rows_in_whole_replays_and_the_rest_wait_f
     d.due(A, [_row(), _row()], _lat(2), step=9, more_coming=True)
     out = d.due(A, [_row(), _row()], _lat(2), step=10, more_coming=True)  # exactly 4: all go, nothing held
     assert _sizes(out) == [(A, 4, 4)] and not d.holding
+    out = d.due(A, [_row(rows=5)], _lat(5), step=11, more_coming=True)  # one request of more than a replay
+    assert _sizes(out) == [(A, 5, 5)] and not d.holding
+    d.due(A, [_row(), _row(), _row()], _lat(3), step=12, more_coming=True)
+    out = d.due(A, [_row(), _row(rows=5)], _lat(6), step=13, more_coming=True)  # 4 go, the 5-row one waits
+    assert _sizes(out) == [(A, 4, 4)] and d.holding
+    out = d.due(A, [_row()], _lat(1), step=14, more_coming=True)  # 5 + 1: no prefix fills whole replays: all go
+    assert _sizes(out) == [(A, 6, 6)] and not d.holding
 
 
 def test_a_decode_is_split_into_whole_buckets_largest_first():

@@ -144,6 +144,14 @@ def test_requests_behind_one_that_does_not_fit_fill_the_rows_it_cannot_use_witho
         sched.add(guided(rid, steps=steps_, rows=rows, branches=b))
     steps = _admitted_per_step(sched, FakeWorker())  # "head" needs all 4 rows: "long" would delay it, it waits
     assert [a for a, _ in steps[:4]] == [["a", "b", "short"], [], [], ["head"]] and steps[0][1] == 4
+    # every request passed over keeps its place, not only the first: "y" fits beside x1's reservation but not
+    # beside x2's, so it waits (passing only x1 would start x2 at step 100 instead of 20)
+    sched = Scheduler(SchedulerConfig(max_rows=8), Clock())
+    for rid, steps_, rows in (("live", 10, 4), ("x1", 10, 6), ("x2", 10, 7), ("y", 100, 2), ("z", 10, 2)):
+        sched.add(guided(rid, steps=steps_, rows=rows, branches=1))
+    steps = _admitted_per_step(sched, FakeWorker())
+    assert [(i, a) for i, (a, _) in enumerate(steps) if a] == [(0, ["live", "z"]), (10, ["x1"]), (20, ["x2"]),
+                                                               (30, ["y"])]
 
 
 def test_backfill_is_bounded_and_never_passes_a_preempted_request_or_the_growth_policy():
@@ -160,6 +168,24 @@ def test_backfill_is_bounded_and_never_passes_a_preempted_request_or_the_growth_
     sched.add(head)
     sched.add(guided("b", steps=3, branches=1))
     assert [s.request_id for s in sched.schedule().admitted] == ["a"]
+    # nor past a preempted request further back (an interactive head passed over, a preempted batch row behind it)
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    sched.add(guided("a", steps=3, branches=1, rows=3))
+    sched.add(guided("person", steps=3, branches=2))
+    resumed = guided("resumed", steps=3, branches=2)
+    resumed.preempted = True
+    sched.add(resumed)
+    sched.add(guided("b", steps=3, branches=1))
+    assert [s.request_id for s in sched.schedule().admitted] == ["a"]
+    # nor one that would take what the gates keep for a request passed over: "head" waits for rows, and the one
+    # slot its adapter needs stays free for it; "c" needs no slot and joins
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    slot = CountingGate("slot", 1, lambda s: 0 if s.request_id in ("a", "c") else 1)
+    sched.gates = (slot,)
+    for rid, rows in (("a", 3), ("head", 2), ("b", 1), ("c", 1)):
+        sched.add(guided(rid, steps=3, rows=rows, branches=1))
+    assert [s.request_id for s in sched.schedule().admitted] == ["a", "c"]
+    assert slot.free == 1 and slot.released == [("b", 1)]  # "b" took the slot and gave it back at once
     # the growth policy holding the queue back is not a request that does not fit: nothing is backfilled
     cfg = SchedulerConfig(max_rows=16, buckets=(1, 2, 4, 8, 16), grow_fill=0.9, grow_hold_ms=50_000)
     sched, w = Scheduler(cfg, Clock()), FakeWorker()
@@ -180,6 +206,8 @@ def test_first_fit_is_the_first_step_with_room_at_every_step_after():
     assert first_fit(profile, np.array([1, 1, 1]), 4) == 4
     assert first_fit(np.array([4, 4]), np.array([4, 4, 4]), 4) == 2  # when the live rows have ended
     assert first_fit(np.array([1]), np.array([2]), 4) == 0
+    assert first_fit(np.array([], dtype=np.int64), np.array([4, 4]), 4) == 0
+    assert first_fit(np.array([3, 3, 3]), np.array([], dtype=np.int64), 4) == 0
 
 
 def test_no_group_starves():

@@ -96,12 +96,12 @@ class DecodeBatches:
     def _full(self, key: GroupKey, held: _Held) -> tuple[GroupKey, list[RequestState], torch.Tensor]:
         """A group holding `size` rows or more: its oldest rows that fill whole replays go; the rest wait on from
         their own steps (9 held: 8 go, the newest waits for companions), unless no prefix of the held requests
-        fills whole replays (a 3-row request, then a 2-row one): then all go."""
+        fills whole replays (a 3-row request, then a 2-row one; a 5-row request first): then all go."""
         whole, taken, rows = held.rows - held.rows % self.size, 0, 0
         while taken < len(held.states) and rows + held.states[taken].rows <= whole:
             rows += held.states[taken].rows
             taken += 1
-        if rows % self.size:
+        if rows % self.size or not taken:  # (the oldest request alone has more rows than whole replays hold)
             taken = len(held.states)
         states, latents = held.states[:taken], torch.cat(held.latents[:taken])
         del held.states[:taken], held.latents[:taken], held.steps[:taken]

@@ -19,19 +19,21 @@ routes) go first; batch rows (a job's items) fill what they leave free, so the G
   within its current bucket or fills at least `grow_fill` of the larger bucket it grows into; once the head of the
   queue has waited `grow_hold_ms`, everything that fits (no request waits longer than that for this reason). Only
   resolutions whose steps pad to buckets (`padded`) apply it.
-- Backfill (step mode): when a request does not fit its group now, the requests behind it (up to `BACKFILL_SCAN`)
-  may join only where the first step at which it fits (`first_fit`) stays the same, so it starts no later than
-  without them (conservative backfilling, as batch schedulers of clusters do). A burst of guided and guidance-free
-  requests alternating (2 and 1 denoiser rows) left a row of bucket 32 empty at every other wave, and its last
-  request ran alone for a whole schedule. A preempted request that does not fit is not backfilled past (its saved
-  rows stay the only ones).
+- Backfill (`Backfill`, step mode, conservative backfilling as cluster batch schedulers do it): a request that does
+  not fit its group now is passed over with its rows reserved from the first step at which it fits (`first_fit`);
+  a later request joins only where it fits beside every reservation and leaves the gates (adapter slots) admitting
+  every passed-over request they admitted, so none ahead of it starts later because of it. Admission looks at
+  `BACKFILL_SCAN` requests past the first one passed over at most, and none at all while a preempted request waits
+  in the group (its saved rows stay the only ones) or the growth policy holds the queue. A burst of guided and
+  guidance-free requests alternating (2 and 1 denoiser rows) left a row of bucket 32 empty at every other wave
+  under strict FIFO, and its last request ran alone for a whole schedule.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -39,7 +41,7 @@ from ..request import GroupKey
 from .request_state import RequestState
 from .scheduler_config import SchedulerConfig
 
-BACKFILL_SCAN = 64  # requests behind one that does not fit that admission considers in one step
+BACKFILL_SCAN = 64  # requests not admitted that one admission pass looks at once one was passed over
 
 
 def admission_order(waiting: Iterable[RequestState], live: Iterable[RequestState]) -> list[RequestState]:
@@ -97,12 +99,61 @@ def growth_limit(cfg: SchedulerConfig, key: GroupKey, live: int, order: list[Req
     return best - live, int(best < rows)
 
 
+class Backfill:
+    """Conservative backfill in one admission pass (see the module docstring): every request passed over is reserved
+    its rows from its first fit on, so no later one admitted now delays it; one admitted now must also leave the
+    gates (adapter slots) admitting every passed-over request they admitted. Reservations are made only when a
+    later request fits this step beside the live rows (most do not, in a full group: they cost a comparison)."""
+
+    def __init__(self, capacity: int, gates_admit: Callable[[RequestState], bool]):
+        self.capacity, self.gates_admit = capacity, gates_admit
+        self.pending: list[tuple[RequestState, np.ndarray]] = []  # passed over, not yet reserved
+        self.gated: list[RequestState] = []  # reserved, with the gates admitting them then
+        self.looked = 0
+
+    def pass_over(self, state: RequestState, need: np.ndarray) -> None:
+        self.pending.append((state, need))
+
+    def fits(self, state: RequestState, need: np.ndarray, profile: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Whether `state` (per-step demand `need`) fits now beside `profile` and every reservation; returns the
+        profile with the reservations made so far. One that does not fit is passed over."""
+        if len(need) and len(profile) and profile[0] + need[0] > self.capacity:
+            self.pass_over(state, need)
+            return profile, False
+        for s, n in self.pending:  # reserve those passed over, in order, each from its first fit
+            t = first_fit(profile, n, self.capacity)
+            out = np.zeros(max(len(profile), t + len(n)), dtype=np.int64)
+            out[:len(profile)] += profile
+            out[t:t + len(n)] += n
+            profile = out
+            if self.gates_admit(s):
+                self.gated.append(s)
+        self.pending = []
+        if first_fit(profile, need, self.capacity) == 0:
+            return profile, True
+        self.pass_over(state, need)
+        return profile, False
+
+    def open(self, profile: np.ndarray) -> bool:
+        """After a request was not admitted: whether to look further (a row is free now, under BACKFILL_SCAN)."""
+        self.looked += 1
+        return self.looked < BACKFILL_SCAN and (not len(profile) or profile[0] < self.capacity)
+
+    def keeps_gates(self, state: RequestState, release: Callable[[list[RequestState]], None]) -> bool:
+        """After `state`'s gates took their part: whether every reserved request they admitted still is; if not,
+        `state` gives back what it took."""
+        if all(self.gates_admit(s) for s in self.gated):
+            return True
+        release([state])
+        return False
+
+
 def first_fit(profile: np.ndarray, need: np.ndarray, capacity: int) -> int:
     """The first step from now (0: this one) at which a request of per-step demand `need` fits beside `profile`
-    (the live rows' demand per future step, this one first); at the latest when the profile ends (`need` is within
-    `capacity`: the scheduler refuses requests larger than its largest bucket)."""
-    for t in range(len(profile)):
-        rest = profile[t:t + len(need)]
-        if (rest + need[:len(rest)] <= capacity).all():
-            return t
-    return len(profile)
+    (per future step, this one first); at the latest when the profile ends (`need` is within `capacity`: the
+    scheduler refuses requests larger than its largest bucket)."""
+    if not len(need):
+        return 0
+    padded = np.concatenate([profile, np.zeros(len(need), dtype=np.int64)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, len(need))[:len(profile) + 1]
+    return int(np.argmax((windows + need <= capacity).all(axis=1)))

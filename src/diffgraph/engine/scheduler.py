@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..request import GroupKey, ParamError, QueueFullError, RequestAborted
-from .priority import BACKFILL_SCAN, admission_order, first_fit, growth_limit, victims_order
+from .priority import Backfill, admission_order, growth_limit, victims_order
 from .request_state import RequestState
 from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, SchedulerConfig
 
@@ -274,43 +274,42 @@ class Scheduler:
         order = admission_order(g.waiting, g.live) if any(s.batch for s in (*g.waiting, *g.live)) else list(g.waiting)
         # step mode, a live group: denoiser rows it may add at this step (the bucket growth policy), or None; an
         # interactive request is not held back beside batch rows (they fill the bucket for it)
-        held = order[0].batch or not any(s.batch for s in g.live)
-        growth = None
+        held, growth = order[0].batch or not any(s.batch for s in g.live), None
         if mode == "step" and g.live and held:
             growth, holds = growth_limit(self.config, g.key, g.cost_now, order, now)
             self.growth_holds += holds
-        added, cap, scanned = 0, self.config.max_rows, 0
-        admitted, resumed = [], []
-        head_steps = order[0].steps
-        blocked = None  # step mode: the demand of the first request that does not fit, and its first fit
+        added, cap, head_steps, admitted, resumed = 0, self.config.max_rows, order[0].steps, [], []
+        backfill = None  # step mode: requests passed over, their rows reserved from their first fits (priority.py)
         for s in order:
             if mode == "off" and admitted:
                 break
             if mode == "request" and s.steps != head_steps:
                 continue
             need = s.demand()
-            fits = _fits(profile, need, cap)
-            room = fits and (growth is None or added + s.cost <= growth)
-            if room and blocked is not None:  # backfill: it must leave the blocked request's first fit as it was
-                room = _fits(_plus(profile, need)[blocked[1]:], blocked[0], cap)
-            if not room:
-                if mode != "step":
+            if backfill is not None:  # it must fit beside the reservations of those passed over (or is passed over)
+                profile, room = backfill.fits(s, need, profile)
+            else:
+                room = _fits(profile, need, cap) and (growth is None or added + s.cost <= growth)
+            if room:  # (one that waits for what its gates give, adapter slots, lets those behind it join)
+                if self._take(s) and (backfill is None or backfill.keeps_gates(s, self._release)):
+                    g.waiting.remove(s)
+                    s.first_row = g.live_rows
+                    g.live.append(s)
+                    (resumed if s.preempted else admitted).append(s)
+                    s.preempted = False
+                    profile = _plus(profile, need)
+                    added += s.cost
                     continue
-                if blocked is None and not fits and not s.preempted:  # rows hold it back, not the growth policy
-                    blocked = need, first_fit(profile, need, cap)
-                scanned += 1  # FIFO but for backfill: a large request is never delayed by smaller ones behind it
-                if blocked is None or scanned > BACKFILL_SCAN or (len(profile) and profile[0] >= cap):
-                    break
+            elif mode != "step":
                 continue
-            if not self._take(s):
-                continue  # it waits for what it needs (adapter slots); those behind it may join
-            g.waiting.remove(s)
-            s.first_row = g.live_rows
-            g.live.append(s)
-            (resumed if s.preempted else admitted).append(s)
-            s.preempted = False
-            profile = _plus(profile, need)
-            added += s.cost
+            elif backfill is None:
+                if growth is not None or s.preempted or (not s.batch and any(o.preempted for o in g.waiting)):
+                    break  # FIFO: nothing passes the growth policy or a preempted request (its saved rows; they
+                    # come before new batch requests, after interactive ones)
+                backfill = Backfill(cap, self._gates_admit)
+                backfill.pass_over(s, need)
+            if backfill is not None and not backfill.open(profile):
+                break
         return admitted, resumed
 
     def _preempt(self, g: _Group) -> list[tuple[RequestState, int]]:
@@ -322,8 +321,7 @@ class Scheduler:
         live = list(g.live)  # the live rows once this iteration's interactive requests are in
         for s in [s for s in g.waiting if not s.batch]:  # oldest first, as admission takes them; one waiting for
             # adapter slots, not rows, or too large even without batch rows, preempts nothing (nor those behind it)
-            gone = _victims(live, s.demand(), self.config.max_rows) if all(
-                gate.can_admit(s) for gate in self.gates) else None
+            gone = _victims(live, s.demand(), self.config.max_rows) if self._gates_admit(s) else None
             if gone is None:
                 break
             for v in gone:
@@ -368,7 +366,10 @@ class Scheduler:
 
     def _admissible(self, g: _Group) -> list[RequestState]:
         """The waiting requests every gate would let in now (all of them without gates)."""
-        return [s for s in g.waiting if all(gate.can_admit(s) for gate in self.gates)]
+        return [s for s in g.waiting if self._gates_admit(s)]
+
+    def _gates_admit(self, s: RequestState) -> bool:
+        return all(gate.can_admit(s) for gate in self.gates)
 
     def _compact(self, g: _Group) -> list[tuple[int, int, int]]:
         """Row moves that pack the live requests at rows [0, n) in their current order."""
