@@ -381,13 +381,14 @@ def test_layout_defaults_and_conv_layout_keep_the_parameters(tiny_engine):
 
 
 def test_inductor_options_reach_inductor_only_and_name_the_version():
-    from diffgraph.engine.graph_setup import STEP_OPTIONS
+    from diffgraph.engine.graph_setup import STEP_OPTIONS, VAE_OPTIONS
     from diffgraph.graphs.compiled import Compiled
 
     def fn(x):
         return x + 1
 
     assert STEP_OPTIONS == {"force_layout_optimization": True}  # what the step's compile asks of Inductor
+    assert VAE_OPTIONS == STEP_OPTIONS  # and a 16-bit VAE decoder's (channels-last activations, session 30)
     inductor = Compiled(fn, CompileConfig(), "f", options=STEP_OPTIONS)
     assert inductor.options == {"triton.cudagraphs": False, "force_layout_optimization": True}
     assert Compiled(fn, CompileConfig(), "f").options == {"triton.cudagraphs": False}

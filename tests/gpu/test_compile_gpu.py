@@ -62,6 +62,8 @@ def test_every_compiled_graph_equals_the_uncompiled_function(compiled):
     step = next(c for c in compiled.runner.compiled if c.name == "the whole step")
     kinds = {r["kind"] for r in table if r["kind"].startswith("step")}
     assert step.compiles <= 2 * len(kinds)  # buckets above 1 share one compile per step variant
+    vae = next(c for c in compiled.runner.compiled if c.name == "the VAE decoder")
+    assert vae.options["force_layout_optimization"]  # a 16-bit decoder's activations channels-last (session 30)
 
 
 def _mix(engine, n=20):

@@ -32,6 +32,11 @@ from ..sampling.samplers import SamplerPlan
 # step at bucket 16 (CFG batch 32) went 71.57 -> 65.03 ms with channels-last weights + cuDNN attention (NCHW:
 # 69.44 -> 65.33), bucket 1 unchanged (6.05 / 5.99) (tools/probe_compile_layout.py engineforce; session 9)
 STEP_OPTIONS = {"force_layout_optimization": True}
+# The same for the VAE decoder's one dynamic-batch compile: SD1.5 512x512 fp16, ms per image at buckets 1 / 4 / 8,
+# 9.65 / 8.86 / 8.85 -> 8.24 / 7.98 / 7.85; its weights in channels-last too: 8.13 / 7.99 / 7.91 (not kept)
+# (tools/probe_vae_layout.py; BENCHMARKS.md, session 30). A VAE upcast to fp32 (SDXL's) keeps Inductor's choice: not
+# measured there
+VAE_OPTIONS = {"force_layout_optimization": True}
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 
@@ -116,7 +121,8 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
                              adapter.token_lengths(model), host.device, cfg.batch_buckets)
         graphs.register(out.text)
     if cfg.capture_vae:
-        out.vae = VaeGraph(maybe(host.decode_pixels, "the VAE decoder", lambda args: args[:1]),
+        out.vae = VaeGraph(maybe(host.decode_pixels, "the VAE decoder", lambda args: args[:1],
+                                 VAE_OPTIONS if host.cuda and model.vae_dtype != torch.float32 else None),
                            host.latent_shape, model.vae_dtype, host.device, resolutions,
                            tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
         graphs.register(out.vae)

@@ -1,0 +1,114 @@
+"""The compile tier's VAE decode per image, by Inductor layout and bucket: the decoder compiled as the engine compiles
+it (graphs/compiled.py `Compiled`, the batch dimension marked dynamic, which makes Inductor skip its channels-last
+layout optimisation) against the same with `force_layout_optimization` (what the step's compile asks since session 9)
+and with the decoder's convolution weights in channels-last memory too; each bucket captured in a CUDA graph of our
+own and replayed. As in the engine, a batch of 1 runs the dynamic batch's precompiled version. Also the largest difference of each variant's pixels from the first's (same latents).
+
+    python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
+        [--variants dynamic,force,force_cl] [--mode default] [--repeats 20] [--json out.json]
+
+Each figure: the median of `repeats` replays timed with CUDA events, after 3 warm-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
+
+from diffgraph.config import CompileConfig  # noqa: E402
+from diffgraph.engine.graph_setup import set_conv_layout  # noqa: E402
+from diffgraph.graphs.compiled import Compiled  # noqa: E402
+from diffgraph.models.loader import load_model  # noqa: E402
+
+VARIANTS = {  # name -> (Inductor options, convolution weights channels-last)
+    "dynamic": ({}, False),
+    "force": ({"force_layout_optimization": True}, False),
+    "force_cl": ({"force_layout_optimization": True}, True),
+}
+
+
+def replay_ms(fn, latents: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
+    """Median ms of one replay of `fn(latents)` captured in a CUDA graph, and its output."""
+    static = latents.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), out.clone()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="random:sd15")
+    p.add_argument("--size", default="512x512")
+    p.add_argument("--buckets", default="1,2,4,8")
+    p.add_argument("--variants", default="dynamic,force,force_cl")
+    p.add_argument("--mode", default="default", help="Inductor mode (default, max-autotune-no-cudagraphs)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    w, h = (int(v) for v in a.size.split("x"))
+    buckets = [int(b) for b in a.buckets.split(",")]
+    model = load_model(a.model, device="cuda", dtype="fp16")
+    adapter = model.adapter
+    decoder = adapter.decoder(model)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lat = torch.randn((max(buckets), 4, h // 8, w // 8), device="cuda", dtype=model.dtype, generator=gen)
+    rows, first = [], {}
+    for name in a.variants.split(","):
+        options, cl = VARIANTS[name]
+        set_conv_layout(decoder, channels_last=cl)
+        torch._dynamo.reset()
+        fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode), "the VAE decoder",
+                      lambda args: args[:1], folder=tempfile.mkdtemp(prefix=f"vae_{name}_"), options=options)
+        t0 = time.perf_counter()
+        fn(lat[:max(buckets)])  # the dynamic batch's compile first, as the engine's prewarm does
+        compile_s = time.perf_counter() - t0
+        for b in buckets:
+            ms, out = replay_ms(fn, lat[:b], a.repeats)
+            diff = float((out.float() - first[b].float()).abs().max()) if b in first else 0.0
+            first.setdefault(b, out)
+            rows.append({"variant": name, "bucket": b, "ms": ms, "ms_per_image": ms / b, "max_diff": diff,
+                         "compile_s": compile_s, "compiles": fn.compiles, "fallbacks": fn.fallbacks})
+            print(f"{name} bucket {b}: {ms:.2f} ms, {ms / b:.2f} ms/image, max diff {diff:.4f} "
+                  f"(compile {compile_s:.0f} s, {fn.compiles} compiles)", flush=True)
+    print(f"\n{a.model} {a.size} VAE decode, compile tier ({a.mode}), ms per image\n")
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    print("| bucket | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+    for b in buckets:
+        cells = [next((f"{r['ms_per_image']:.2f}" for r in rows if r["variant"] == n and r["bucket"] == b), "")
+                 for n in names]
+        print(f"| {b} | " + " | ".join(cells) + " |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "size": a.size, "mode": a.mode, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
