@@ -110,3 +110,41 @@ def test_replay_with_random_adapters_over_fewer_slots():
         assert (r["completed"], r["errors"]) == (len(trace), [])
         assert engine.stats["lora_loads"] >= len({i.lora for i in picked})
         assert captures(engine) == 0
+
+
+def test_guidance_mix_steps_each_scenario_at_its_denoiser_rows(tiny_engine):
+    """The guidance mix (issue 27's bench) on the CPU: each scenario's steps run at the denoiser rows its guidance
+    gives (a guided row two, a guidance-free one one, an interval row two only inside [0.2, 0.8) of its steps), and
+    the ratios compare the right scenarios. No CUDA: no replay times, no split."""
+    from diffgraph.bench import guidance_mix
+
+    report = guidance_mix.run(tiny_engine, 4, (64, 64), repeats=1)
+    steps = {name: (r["steps"]["count"], r["steps"]["buckets"]) for name, r in report["scenarios"].items()}
+    assert steps == {"4 steps, CFG 7.5": (4, [8]), "4 steps, guidance 0": (4, [4]),
+                     "20 steps, CFG 7.5": (20, [8]), "20 steps, half guidance-free": (20, [6]),
+                     "20 steps, CFG 7.5 in [0.2, 0.8]": (20, [4, 8])}
+    assert all("split" not in r and r["images_per_s"] > 0 for r in report["scenarios"].values())
+    ratio = report["ratios"]["4 steps, guidance 0 / 4 steps, CFG 7.5 (images_per_s)"]
+    scenarios = report["scenarios"]
+    assert ratio["ratio"] == pytest.approx(scenarios["4 steps, guidance 0"]["images_per_s"] /
+                                           scenarios["4 steps, CFG 7.5"]["images_per_s"])
+    assert ratio["target"] == 1.5 and len(report["ratios"]) == 4  # no steps-only ratio without replay times
+
+
+def test_guidance_mix_splits_a_burst_by_its_events():
+    """`_split` over stand-ins for CUDA events (times in seconds): the lead up to the first step, the steps' spans,
+    the decodes' GPU time, and the host's tail after the last GPU work."""
+    from diffgraph.bench.guidance_mix import _split
+
+    class Event:
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, other):  # milliseconds, as torch.cuda.Event's
+            return (other.t - self.t) * 1e3
+
+    e = Event
+    steps = [(e(0.05), e(0.15), False), (e(0.15), e(0.30), False)]
+    decodes = [(e(0.12), e(0.14)), (e(0.30), e(0.36))]  # one inside a step's span, one after the last step
+    split = _split(e(0.0), steps, decodes, seconds=0.40)
+    assert split == pytest.approx({"lead": 0.05, "loop": 0.25, "decode": 0.08, "gpu_span": 0.36, "tail": 0.04})

@@ -19,6 +19,6 @@ for what in "$@"; do
         done ;;
     mix) timeout ${MIX_S:-420} python3 -m diffgraph.bench.throughput --sizes 512x512 --compile \
            --compile-cache /tmp/cc --guidance-mix ${MIX_N:-64} --json "$OUT/guidance_mix.json" 2>&1 \
-           | grep -v Warning | tee "$OUT/guidance_mix.log" | tail -14 ;;
+           | grep -v Warning | tee "$OUT/guidance_mix.log" | tail -19 ;;
   esac
 done

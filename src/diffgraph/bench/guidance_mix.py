@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from .latency import step_replay_ms
 
 SCENARIOS: tuple[tuple[str, int, tuple[dict[str, Any], ...]], ...] = (
@@ -34,22 +36,55 @@ TARGETS = (("4 steps, guidance 0", "4 steps, CFG 7.5", "steps_only_request_steps
 
 
 def burst(engine: Any, requests: list) -> dict[str, Any]:
-    """Submits every request at once (between two steps) and waits for the last image."""
+    """Submits every request at once (between two steps) and waits for the last image. On CUDA it also splits the
+    burst's time on the GPU's stream (`split`): see `_split`."""
     steps_run: list[tuple[int, int]] = []
     engine.step_listeners.append(lambda plan, seconds: steps_run.append((plan.n_rows, plan.cost_rows)))
+    core, cuda = engine.core, engine.runner.cuda
+    marks: list = []
+    if cuda:
+        core.step_events, core.retirement.decode_log = [], []
     try:
         futures: list = []
+
+        def submit_all() -> None:
+            if cuda:  # the burst's start on the engine's stream
+                marks.append(torch.cuda.Event(enable_timing=True))
+                marks[0].record(torch.cuda.current_stream(engine.runner.device))
+            futures.extend(engine.submit(r) for r in requests)
         t0 = time.perf_counter()
-        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in requests)).result()
+        core.call_between_steps(submit_all).result()
         results = [f.result() for f in futures]
         seconds = time.perf_counter() - t0
-        engine.core.call_between_steps(lambda: None).result()  # the last step's listener has run
+        core.call_between_steps(lambda: None).result()  # the last step's listener has run
     finally:
         engine.step_listeners.pop()
+        steps, decodes = core.step_events, core.retirement.decode_log
+        core.step_events = core.retirement.decode_log = None
     images = sum(len(r) for r in results)
-    steps = sum(r.request.num_inference_steps * len(r) for r in results)
-    return {"seconds": seconds, "images_per_s": images / seconds, "request_steps_per_s": steps / seconds,
-            "steps": steps_run}
+    n_steps = sum(r.request.num_inference_steps * len(r) for r in results)
+    out = {"seconds": seconds, "images_per_s": images / seconds, "request_steps_per_s": n_steps / seconds,
+           "steps": steps_run}
+    if cuda:
+        torch.cuda.synchronize(engine.runner.device)
+        out["split"] = _split(marks[0], steps, [e for *_, e in decodes if e is not None], seconds)
+    return out
+
+
+def _split(start: Any, steps: list, decodes: list, seconds: float) -> dict[str, float]:
+    """Where a burst's seconds went, from CUDA events on the engine's stream: `lead` from the submission to the first
+    step's start (the prompts prepared and the first admissions on the host, the GPU idle), `loop` the steps' spans
+    (from a step's admissions to its retirement, replays and the decodes enqueued in them included), `decode` the
+    decodes' GPU time (inside the steps' spans or after the last), `tail` from the last GPU work's end to the last
+    image delivered (host). Seconds."""
+    first = steps[0][0] if steps else start
+    ends = [e for _, e, _ in steps] + [e for _, e in decodes]
+    last = max(ends, key=lambda e: start.elapsed_time(e)) if ends else start
+    gpu_s = start.elapsed_time(last) / 1e3
+    return {"lead": start.elapsed_time(first) / 1e3,
+            "loop": sum(a.elapsed_time(b) for a, b, _ in steps) / 1e3,
+            "decode": sum(a.elapsed_time(b) for a, b in decodes) / 1e3,
+            "gpu_span": gpu_s, "tail": max(0.0, seconds - gpu_s)}
 
 
 def run(engine: Any, n: int, size: tuple[int, int], repeats: int = 2) -> dict[str, Any]:
@@ -92,6 +127,12 @@ def print_report(report: dict[str, Any]) -> None:
               f"({r['seconds']:.2f} s; steps only {steps_only or float('nan'):8.1f} request-steps/s over "
               f"{r.get('steps_gpu_s', float('nan')):.2f} s of replays, {r['steps']['count']} steps, buckets "
               f"{r['steps']['buckets']})")
+        if "split" in r:
+            sp = r["split"]
+            beyond = r["seconds"] - r.get("steps_gpu_s", float("nan"))
+            print(f"  {'':34s} beyond the replays {beyond:.3f} s: lead {sp['lead']:.3f} s, decodes {sp['decode']:.3f} "
+                  f"s, tail {sp['tail']:.3f} s, rest {beyond - sp['lead'] - sp['decode'] - sp['tail']:.3f} s "
+                  f"(steps' spans {sp['loop']:.3f} s)")
     if "replay_ms" in report:
         print("  step replay ms per bucket: " + ", ".join(f"{b}: {v:.2f}" for b, v in report["replay_ms"].items()))
     for name, r in report["ratios"].items():
