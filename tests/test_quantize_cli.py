@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -76,6 +78,35 @@ def test_serve_flag_and_toml_key_reach_the_engine_settings_and_info(tmp_path):
     path.write_text('model = "digits"\nquantize = "int8"\n')
     with pytest.raises(ValueError, match=re.escape("quantize 'int8' is unknown; allowed: none, fp8")):
         load_config(str(path))
+
+
+def test_serve_takes_the_least_fp8_width_without_importing_torch(tmp_path):
+    """`--quantize-min-features` / TOML `quantize-min-features` / Ray's `quantize_min_features=` reach the engine
+    settings as an Fp8Config built in the HTTP process, which never imports torch (a fresh interpreter checks it);
+    bad values are one line naming the setting."""
+    code = ("import sys; from diffgraph.ray import split_args; "
+            "_, c = split_args({'model': 'digits', 'device': 'cpu', 'quantize': 'fp8', 'quantize_min_features': '64'}); "
+            "print(repr(c.engine_kwargs()['quantize']), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "Fp8Config(min_features=64, weight_granularity='channel') False", out.stderr
+    path = tmp_path / "serve.toml"
+    path.write_text('model = "digits"\nquantize = "fp8"\nquantize-min-features = 1280\n')
+    config = load_config(str(path))
+    assert config.engine_kwargs()["quantize"] == Fp8Config(min_features=1280)
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    config = config_from_args(p.parse_args(["--config", str(path), "--quantize-min-features", "64"]))
+    assert config.engine_kwargs()["quantize"] == Fp8Config(min_features=64)
+    info = server_info(SimpleNamespace(config=config, engine=None, ready=False))
+    assert (info["quantize"], info["quantize_min_features"]) == ("fp8", 64)
+    for toml, needle in (('quantize-min-features = 64', 'quantize-min-features needs quantize fp8 (--quantize fp8, '
+                                                        'or quantize = "fp8")'),
+                         ('quantize = "fp8"\nquantize-min-features = 8', "quantize-min-features 8 is below 16"),
+                         ('quantize = "fp8"\nquantize-min-features = "wide"',
+                          "quantize-min-features must be an integer, got 'wide'")):
+        path.write_text(f'model = "digits"\n{toml}\n')
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            load_config(str(path))
 
 
 def test_a_replica_process_builds_its_engine_with_the_setting(caplog):

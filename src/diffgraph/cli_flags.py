@@ -58,9 +58,8 @@ def compile_from_args(args: argparse.Namespace, cache_dir: str | None = None) ->
 
 def add_quantize_arguments(p: argparse.ArgumentParser,
                            min_features: tuple[str, ...] | None = ("--quantize-min-features",)) -> None:
-    """--quantize none|fp8 (default None: not given, so serve's TOML value stands) and, where the engine is built in
-    this process, the least input width of an fp8 layer under the flags `min_features` (None leaves it out: the
-    server's engine processes get the setting as a string, see config.quantize_argument)."""
+    """--quantize none|fp8 (default None: not given, so serve's TOML value stands) and the least input width of an
+    fp8 layer under the flags `min_features` (None leaves it out)."""
     p.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE_CHOICES),
                    help="fp8: the denoiser's transformer linears (attention projections, feed-forward) in fp8 with "
                         "per-token activation scales, after LoRA fusing: less weight memory, not yet faster (README); "
@@ -74,7 +73,7 @@ def add_quantize_arguments(p: argparse.ArgumentParser,
 
 
 def quantize_from_args(args: argparse.Namespace) -> Any:
-    """`Engine(quantize=)` from the flags: None, "fp8" or an Fp8Config (this one imports torch); a bad value is a
+    """`Engine(quantize=)` from the flags: None, "fp8" or an Fp8Config; a bad value is a
     ValueError naming its flag and the choices."""
     quantize = parse_quantize(args.quantize or "none")
     return quantize_argument(quantize, getattr(args, "quantize_min_features", None))

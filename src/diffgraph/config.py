@@ -297,16 +297,41 @@ def parse_quantize(value: Any, name: str = "--quantize") -> str:
     return value
 
 
-def quantize_argument(quantize: str, min_features: int | None = None, flag: str = "--quantize-min-features") -> Any:
+GRANULARITIES = ("channel", "tensor")  # an fp8 weight's scales: one per output channel, or one per tensor
+
+
+def check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"weight_granularity {granularity!r} is not known; use one of {', '.join(GRANULARITIES)}")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The fp8 tier's settings (`Engine(quantize=Fp8Config(...))`; `quantize="fp8"` is the default config):
+    quantize/fp8.py's `quantize_linears`' `min_features` and `weight_granularity`. Here, torch-free, so the HTTP
+    process builds it for its engine processes."""
+    min_features: int = 640
+    weight_granularity: str = "channel"
+
+    def __post_init__(self) -> None:
+        check_granularity(self.weight_granularity)
+        if not isinstance(self.min_features, int) or isinstance(self.min_features, bool):
+            raise ValueError(f"min_features {self.min_features!r} must be an integer (the least input width of an fp8 "
+                             f"layer), e.g. 640")
+        if self.min_features < 16:
+            raise ValueError(f"min_features {self.min_features} is below 16, the smallest width fp8 runs at; use 16 "
+                             f"or more")
+
+
+def quantize_argument(quantize: str, min_features: int | None = None,
+                      flag: str = "--quantize-min-features") -> "str | Fp8Config | None":
     """`Engine(quantize=)` for a parsed setting: None (16 bits), "fp8" (Fp8Config's defaults), or an Fp8Config with
-    `min_features`, the fp8 layers' least input width. Imports torch only for that Fp8Config (quantize/fp8.py's), so
-    the HTTP process, which never imports torch, passes the setting as the string."""
+    `min_features`, the fp8 layers' least input width."""
     if min_features is None:
         return None if quantize == "none" else quantize
     if quantize == "none":
-        raise ValueError(f"{flag} needs --quantize fp8 (it sets which layers run in fp8)")
-    from .quantize.fp8 import Fp8Config
-
+        needs = "--quantize fp8" if flag.startswith("--") else 'quantize fp8 (--quantize fp8, or quantize = "fp8")'
+        raise ValueError(f"{flag} needs {needs} (it sets which layers run in fp8)")
     try:
         return Fp8Config(min_features=min_features)
     except ValueError as e:

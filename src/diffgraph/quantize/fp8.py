@@ -30,22 +30,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..config import GRANULARITIES, Fp8Config, check_granularity  # noqa: F401  (Fp8Config: re-exported)
+
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-12  # an all-zero row gets this amax: its scale stays finite and it quantises to zeros, not NaN
-GRANULARITIES = ("channel", "tensor")
 # diffusers' transformer-block linears (attention projections, feed-forward, and the Transformer2DModel's
 # proj_in / proj_out where they are Linear); time, class and added embeddings are not among them
 TRANSFORMER_LINEARS = ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out")
 
 
-def _check_granularity(granularity: str) -> None:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"weight_granularity {granularity!r} is not known; use one of {', '.join(GRANULARITIES)}")
-
-
 def quantize_weight(weight: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight [out, in], float32 scale [out] for "channel" or [1] for "tensor"), weight ~ q * scale."""
-    _check_granularity(granularity)
+    check_granularity(granularity)
     w = weight.detach().float()
     amax = w.abs().amax(dim=1) if granularity == "channel" else w.abs().amax().reshape(1)
     scale = amax.clamp(min=AMAX_FLOOR) / E4M3_MAX
@@ -171,20 +167,6 @@ def transformer_linears(name: str, linear: nn.Linear) -> bool:
     return any(name == s or name.endswith("." + s) for s in TRANSFORMER_LINEARS)
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Config:
-    """The fp8 tier's settings (`Engine(quantize=Fp8Config(...))`; `quantize="fp8"` is the default config):
-    `quantize_linears`' `min_features` and `weight_granularity`."""
-    min_features: int = 640
-    weight_granularity: str = "channel"
-
-    def __post_init__(self) -> None:
-        _check_granularity(self.weight_granularity)
-        if self.min_features < 16:
-            raise ValueError(f"min_features {self.min_features} is below 16, the smallest width fp8 runs at; use 16 "
-                             f"or more")
-
-
 def quantize_linears(module: nn.Module, *, min_features: int = 640,
                      select: Callable[[str, nn.Linear], bool] | None = None,
                      weight_granularity: str = "channel") -> Fp8Report:
@@ -194,7 +176,7 @@ def quantize_linears(module: nn.Module, *, min_features: int = 640,
     1280 but 1.03x at 320; with its quantisation fused by Inductor, only SD1.5's widest layers ran faster in fp8:
     BENCHMARKS.md, session 24, `tools/probe_fp8.py widths --compile`). Quantise after the model's final `.to(device, dtype)`: a cast
     afterwards would turn the fp8 weights into floats. Quantising a module twice is refused (not a no-op)."""
-    _check_granularity(weight_granularity)
+    check_granularity(weight_granularity)
     done = sum(isinstance(m, Fp8Linear) for m in module.modules())
     if done:
         raise ValueError(f"the module already holds {done} Fp8Linear layers (quantize_linears ran on it); quantise "

@@ -32,7 +32,8 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
            "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
-           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_mode", "quantize", "compile_cache",
+           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_mode", "quantize",
+           "quantize_min_features", "compile_cache",
            "header_timeout", "body_timeout", "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks",
            "clip_skip", "prompt_syntax", "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr",
            "image_ttl", "image_store", "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory",
@@ -192,7 +193,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); "
                         "`diffgraph compile` fills one ahead of time")
     add_compile_mode_argument(p)
-    add_quantize_arguments(p, min_features=None)  # the engine processes get the setting as a string
+    add_quantize_arguments(p)
 
 
 def add_prompt_arguments(p: argparse.ArgumentParser) -> None:

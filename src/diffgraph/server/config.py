@@ -95,6 +95,7 @@ class ServerConfig:
     compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
     compile_mode: str = "default"        # its Inductor mode (config.COMPILE_MODES): max-autotune-no-cudagraphs
     quantize: str = "none"               # "fp8": the denoiser's transformer linears in fp8 (config.QUANTIZE_CHOICES)
+    quantize_min_features: int | None = None  # with fp8: only linears of at least this many inputs (None: 640)
     embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
     max_prompt_chunks: int = 3           # a1111-syntax prompts: 75-token chunks a row may hold (its context length)
     clip_skip: int | None = None         # the default clip skip of requests that give none (diffusers' numbering)
@@ -203,6 +204,7 @@ class ServerConfig:
             raise ValueError(f"clip-skip {self.clip_skip} is out of range; allowed: 0..{MAX_CLIP_SKIP} (1 = the "
                              "penultimate layer)")
         parse_quantize(self.quantize, "quantize")
+        quantize_argument(self.quantize, self.quantize_min_features, "quantize-min-features")
         parse_compile_mode(self.compile_mode, "compile-mode")
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"compile-mode {self.compile_mode!r} needs compile (it chooses how the compile tier "
@@ -299,7 +301,7 @@ class ServerConfig:
                     max_controlnets=self.max_controlnets, ip_adapter_dir=self.ip_adapter_dir,
                     compile=(CompileConfig(cache_dir=self.compile_cache, mode=self.compile_mode) if self.compile
                              else False),
-                    quantize=quantize_argument(self.quantize))
+                    quantize=quantize_argument(self.quantize, self.quantize_min_features, "quantize-min-features"))
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
         """torch's intra-op threads for a CPU engine: the setting, else one core fewer than the machine has (at
@@ -356,12 +358,12 @@ def _parse(key: str, value: Any) -> Any:
             raise ValueError("webhook-allow must be a comma-separated list of hosts, e.g. hooks.example.com,127.0.0.1")
         return tuple(h.strip().lower() for h in items if h.strip())
     if key in ("torch_threads", "max_loras", "max_connections", "clip_skip", "max_pixels",
-               "batch_inflight") and value is None:
+               "batch_inflight", "quantize_min_features") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
                "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels",
-               "max_batch_items", "batch_inflight", "lora_host_bytes", "max_controlnets"):
+               "max_batch_items", "batch_inflight", "lora_host_bytes", "max_controlnets", "quantize_min_features"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:

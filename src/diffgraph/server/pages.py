@@ -93,7 +93,8 @@ def server_info(state: Any) -> dict[str, Any]:
         "auth_required": bool(config.api_keys),
         "edits": bool(info.edits) if info else None, "edit_strength": list(info.edit_strength) if info else None,
         "max_image_bytes": config.max_image_bytes, "max_image_pixels": config.max_image_pixels,
-        "compile": config.compile, "quantize": config.quantize,  # the engines' tiers (every replica's the same)
+        "compile": config.compile, "quantize": config.quantize,
+        "quantize_min_features": config.quantize_min_features,  # the engines' tiers (every replica's the same)
     }
 
 
