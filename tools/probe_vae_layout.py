@@ -5,7 +5,12 @@ and with the decoder's convolution weights in channels-last memory too; each buc
 own and replayed. As in the engine, a batch of 1 runs the dynamic batch's precompiled version. Also the largest difference of each variant's pixels from the first's (same latents).
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
-        [--variants dynamic,force,force_cl] [--mode default] [--repeats 20] [--json out.json]
+        [--variants dynamic,force,force_cl] [--mode default] [--no-vae-upcast] [--repeats 20] [--json out.json]
+
+SDXL decodes in fp32 (its VAE config's force_upcast); `--no-vae-upcast` decodes it in fp16, as `--no-vae-upcast`
+does for an fp16-safe VAE (sdxl-vae-fp16-fix): on a random preset the speed is what counts, not the pixels. The
+engine asks for the layout only for 16-bit decoders (engine/graph_setup.py `VAE_OPTIONS`): the fp32 rows say
+whether an fp32 decoder should too.
 
 Each figure: the median of `repeats` replays timed with CUDA events, after 3 warm-ups.
 """
@@ -25,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-from diffgraph.config import CompileConfig  # noqa: E402
+from diffgraph.config import CompileConfig, LoadOptions  # noqa: E402
 from diffgraph.engine.graph_setup import set_conv_layout  # noqa: E402
 from diffgraph.graphs.compiled import Compiled  # noqa: E402
 from diffgraph.models.loader import load_model  # noqa: E402
@@ -69,12 +74,14 @@ def main() -> int:
     p.add_argument("--buckets", default="1,2,4,8")
     p.add_argument("--variants", default="dynamic,force,force_cl")
     p.add_argument("--mode", default="default", help="Inductor mode (default, max-autotune-no-cudagraphs)")
+    p.add_argument("--no-vae-upcast", action="store_true", help="decode an fp16 model in fp16 (SDXL upcasts)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     w, h = (int(v) for v in a.size.split("x"))
     buckets = [int(b) for b in a.buckets.split(",")]
-    model = load_model(a.model, device="cuda", dtype="fp16")
+    model = load_model(a.model, device="cuda", dtype="fp16",
+                       options=LoadOptions(vae_upcast=False) if a.no_vae_upcast else None)
     adapter = model.adapter
     decoder = adapter.decoder(model)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -97,7 +104,8 @@ def main() -> int:
                          "compile_s": compile_s, "compiles": fn.compiles, "fallbacks": fn.fallbacks})
             print(f"{name} bucket {b}: {ms:.2f} ms, {ms / b:.2f} ms/image, max diff {diff:.4f} "
                   f"(compile {compile_s:.0f} s, {fn.compiles} compiles)", flush=True)
-    print(f"\n{a.model} {a.size} VAE decode, compile tier ({a.mode}), ms per image\n")
+    dtype = str(adapter.vae_dtype(model)).removeprefix("torch.")
+    print(f"\n{a.model} {a.size} VAE decode in {dtype}, compile tier ({a.mode}), ms per image\n")
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print("| bucket | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for b in buckets:
@@ -106,7 +114,7 @@ def main() -> int:
         print(f"| {b} | " + " | ".join(cells) + " |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": a.model, "size": a.size, "mode": a.mode, "rows": rows}, f, indent=1)
+            json.dump({"model": a.model, "size": a.size, "mode": a.mode, "vae_dtype": dtype, "rows": rows}, f, indent=1)
     return 0
 
 
