@@ -163,7 +163,7 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
         if not mine.intersection(s.request_id for s in plan.live):
             return
         plans.append(([s.request_id for s in plan.live], [s.request_id for s, _ in plan.preempted]))
-        saved.extend(sorted(k for k in s.saved if k.startswith("hist.")) for s, _ in plan.preempted)
+        saved.extend(sorted(s.saved) for s, _ in plan.preempted)
         if len(plans) == 2:  # the group is full of batch rows and has stepped twice: a person arrives
             futures.append(eng.submit(person))
 
@@ -178,8 +178,46 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
     assert len(plans[0][0]) == 4 and not plans[0][1]
     live, preempted = plans[2]
     assert person.request_id in live and preempted  # the next step: the person runs, a batch request gave way
-    # its saved state: the history slots its sampler declares, and no others
-    assert saved and all(names == [f"hist.h{k}" for k in range(1, slots + 1)] for names in saved)
+    # its saved state: the history slots its sampler declares and no others; its guidance's fields, and none of the
+    # features it does not use (an image-to-image row's: they hold their neutral values, written back on resume)
+    assert saved and all([k for k in names if k.startswith("hist.")] == [f"hist.h{k}" for k in range(1, slots + 1)]
+                         for names in saved)
+    assert all(any(k.startswith("uncond.") for k in names) and not any(k.startswith("edit.") for k in names)
+               for names in saved), saved
     for res, ref in zip(results, alone):  # within the isolation tolerance (batch shapes change the float sums)
         np.testing.assert_allclose(res.arrays, ref, atol=1e-4, rtol=0)
     np.testing.assert_allclose(person_result.arrays, person_alone, atol=1e-4, rtol=0)
+
+
+def test_a_preemption_saves_only_the_feature_fields_its_request_wrote(tiny_engine):
+    """StepBuffers keeps, per row, the features' fields its admission wrote: `save_rows` copies those (and the base
+    fields, the conditioning, the sampler's slots), not the fields of features the request does not use, which hold
+    their neutral values; compaction moves the record with the rows, and a restore writes the rest back neutral."""
+    import torch
+
+    from diffgraph.graphs.step import StepBuffers
+
+    size = tiny_engine.info.native_size
+    live = tiny_engine.runner.buffers((size, size))
+    buf = StepBuffers({k: v.clone() for k, v in live.fields.items()}, live.specs, live.cond_names, live.row_names,
+                      live.dtype, live.sequence)
+    assert buf.num_rows >= 8
+    shape = buf.fields["edit.known"].shape[1:]
+    edit = {"edit.known", "edit.noise0"}
+
+    def edits(saved):
+        return {k for k in saved if k.startswith("edit.")}
+
+    buf.write(slice(0, 2), {"edit.known": torch.full(shape, 3.0), "edit.noise0": torch.ones(shape)})
+    buf.write(slice(2, 3), {})
+    assert edits(buf.save_rows(2, 1, 0)) == set() and "x" in buf.save_rows(2, 1, 0)
+    saved = buf.save_rows(0, 2, 0)
+    assert edits(saved) == edit
+    buf.move_rows(0, 4, 2)  # compaction carries the record with the rows
+    assert edits(buf.save_rows(4, 2, 0)) == edit
+    buf.write(slice(0, 2), {})  # another request takes rows 0-1
+    assert edits(buf.save_rows(0, 2, 0)) == set()
+    buf.restore_rows(6, saved)
+    torch.testing.assert_close(buf.fields["edit.known"][6:8], torch.full((2, *shape), 3.0))
+    assert float(buf.fields["edit.mask"][6:8].min()) == 1.0  # not carried: written back as its neutral value
+    assert edits(buf.save_rows(6, 2, 0)) == edit

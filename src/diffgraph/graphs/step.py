@@ -46,6 +46,10 @@ class StepBuffers:
         self.state = {k: v for k, v in f.items() if not (k in self.specs and self.specs[k].transient)}
         # what an admission writes (`write`): the conditioning, the per-resolution values and the features' fields
         self.writable = {*self.specs, *(f"cond.{k}" for k in self.cond_names), *(f"rows.{k}" for k in self.row_names)}
+        # per row, the features' fields its request wrote: the others hold their neutral values (nothing in a step
+        # writes them), so a preemption saves only these (a row without ControlNets beside rows with them saves
+        # none of their embeddings: 10.5 MB a row and control at SDXL 1024x1024)
+        self._written: list[frozenset[str]] = [frozenset()] * self.x.shape[0]
 
     @classmethod
     def allocate(cls, rows: int, latent_shape: tuple[int, ...], program: StepProgram,
@@ -88,26 +92,34 @@ class StepBuffers:
             return
         for t in self.state.values():
             t[dst:dst + count] = t[src:src + count].clone()
+        self._written[dst:dst + count] = self._written[src:src + count]
 
     def save_rows(self, start: int, count: int, history: int) -> dict[str, torch.Tensor]:
         """A copy of rows [start, start+count) of every buffer a request's rows carry: a preempted row's whole state
-        (latents, conditioning, every feature's fields, and the `history` sampler slots its sampler declares), for
-        `restore_rows`."""
-        return {k: t[start:start + count].clone() for k, t in self.state.items() if self._carried(k, history)}
+        (latents, conditioning, the features' fields its request wrote, and the `history` sampler slots its sampler
+        declares), for `restore_rows`."""
+        written = frozenset().union(*self._written[start:start + count])
+        return {k: t[start:start + count].clone() for k, t in self.state.items()
+                if self._carried(k, history, written)}
 
     def restore_rows(self, start: int, saved: dict[str, torch.Tensor]) -> None:
         """Writes rows saved by `save_rows` back at rows [start, ...) (wherever the row resumes); the state fields it
-        did not carry (history slots its sampler does not use) take their neutral value there."""
+        did not carry (features the request does not use, history slots its sampler does not use) take their
+        neutral value there, the value they held."""
         count = next(iter(saved.values())).shape[0]
         for k, t in self.state.items():
             if k in saved:
                 t[start:start + count] = saved[k]
             else:
                 self.specs[k].fill(t[start:start + count])
+        self._written[start:start + count] = [frozenset(
+            k for k in saved if k in self.specs and not self.specs[k].history_slot)] * count
 
-    def _carried(self, name: str, history: int) -> bool:
+    def _carried(self, name: str, history: int, written: frozenset[str]) -> bool:
         spec = self.specs.get(name)
-        return spec is None or spec.history_slot <= history
+        if spec is None:  # the base fields, the conditioning, the per-resolution values
+            return True
+        return spec.history_slot <= history if spec.history_slot else name in written
 
     def write(self, rows: slice, values: dict[str, torch.Tensor | float]) -> None:
         """Writes an admitted request's rows: its conditioning ("cond.<name>", token-axis fields repeated to the span:
@@ -126,6 +138,9 @@ class StepBuffers:
         for name, spec in self.specs.items():
             if not spec.transient and name not in values:
                 spec.fill(self.fields[name][rows])
+        first, stop, _ = rows.indices(self.num_rows)
+        self._written[first:stop] = [frozenset(
+            n for n in values if n in self.specs and not self.specs[n].transient)] * max(stop - first, 0)
 
 
 def write_tokens(dst: torch.Tensor, value: torch.Tensor) -> None:
