@@ -64,9 +64,41 @@ class RequestState:
     # each step (SamplerPlan.branches: 2 where classifier-free guidance runs both branches; None: 1 everywhere)
     steps: int = field(init=False)
     branches: np.ndarray | None = field(init=False)
+    # what follows from `step` (plain attributes as well; `advance` is the one way `step` moves): denoiser rows per
+    # image row at this step, what the request costs now, the most it costs at any step from now on (what admission
+    # reserves, so a row that starts guiding mid-schedule never overflows its group), the denoiser rows it needs at
+    # each of its remaining steps, this one first (admission checks them against the group's capacity at every
+    # future step; a view, never written), and whether it is done
+    branches_now: int = field(init=False)
+    cost: int = field(init=False)
+    peak: int = field(init=False)
+    demand: np.ndarray = field(init=False)
+    done: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.steps, self.branches = self.plan.num_steps, self.plan.branches
+        # the most denoiser rows per image row from each step on
+        self._peaks = None if self.branches is None or not len(self.branches) else \
+            np.maximum.accumulate(np.asarray(self.branches)[::-1])[::-1]
+        self._demands = np.full(self.steps, self.rows, dtype=np.int64) if self.branches is None else \
+            self.rows * np.asarray(self.branches[:self.steps], dtype=np.int64)
+        self._demands.flags.writeable = False  # `demand` is a view of it, shared with whoever reads it
+        self._derive()
+
+    def advance(self) -> None:
+        """One step done: its step, and what follows from it."""
+        self.step += 1
+        self._derive()
+
+    def _derive(self) -> None:
+        if self.branches is None or not len(self.branches):
+            now = most = 1
+        else:
+            i = min(self.step, len(self.branches) - 1)
+            now, most = int(self.branches[i]), int(self._peaks[i])
+        self.branches_now, self.cost, self.peak = now, self.rows * now, self.rows * most
+        self.demand = self._demands[self.step:]
+        self.done = self.step >= self.steps
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
@@ -79,36 +111,6 @@ class RequestState:
         """Its edit's preprocessed pixels, once (admission encodes them; the request does not keep them after)."""
         pixels, self.edit_pixels = self.edit_pixels, None
         return pixels
-
-    @property
-    def branches_now(self) -> int:
-        """Denoiser rows per image row at this step (2 where classifier-free guidance runs both branches)."""
-        return 1 if self.branches is None else int(self.branches[min(self.step, len(self.branches) - 1)])
-
-    @property
-    def cost(self) -> int:
-        """Denoiser rows this request costs at this step."""
-        return self.rows * self.branches_now
-
-    def demand(self) -> np.ndarray:
-        """Denoiser rows it needs at each of its remaining steps (this one first): admission checks these against
-        the group's capacity at every future step, so a row that starts guiding mid-schedule never overflows it."""
-        left = max(self.plan.num_steps - self.step, 0)
-        if self.branches is None:
-            return np.full(left, self.rows, dtype=np.int64)
-        return self.rows * np.asarray(self.branches[self.step:self.step + left], dtype=np.int64)
-
-    @property
-    def peak(self) -> int:
-        """The most denoiser rows it costs at any step from now on: what admission reserves, so a row that starts
-        guiding mid-schedule never overflows its group."""
-        if self.branches is None:
-            return self.rows
-        return self.rows * int(self.branches[min(self.step, len(self.branches) - 1):].max())
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.plan.num_steps
 
 
 def call_safely(fn: Callable[..., Any], *args: Any) -> None:

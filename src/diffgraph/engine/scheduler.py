@@ -204,7 +204,7 @@ class Scheduler:
         g = self.groups[plan.key]
         finished = []
         for s in plan.live:
-            s.step += 1
+            s.advance()
             if s.done:
                 finished.append(s)
         if finished:
@@ -285,7 +285,7 @@ class Scheduler:
                 break
             if mode == "request" and s.steps != head_steps:
                 continue
-            need = s.demand()
+            need = s.demand
             if backfill is not None:  # it must fit beside the reservations of those passed over (or is passed over)
                 profile, room = backfill.fits(s, need, profile)
             else:
@@ -321,7 +321,7 @@ class Scheduler:
         live = list(g.live)  # the live rows once this iteration's interactive requests are in
         for s in [s for s in g.waiting if not s.batch]:  # oldest first, as admission takes them; one waiting for
             # adapter slots, not rows, or too large even without batch rows, preempts nothing (nor those behind it)
-            gone = _victims(live, s.demand(), self.config.max_rows) if self._gates_admit(s) else None
+            gone = _victims(live, s.demand, self.config.max_rows) if self._gates_admit(s) else None
             if gone is None:
                 break
             for v in gone:
@@ -388,7 +388,7 @@ class Scheduler:
 def _profile(states: list[RequestState]) -> np.ndarray:
     """Denoiser rows the requests need at each future step (this one first): their schedules are known, and every
     live row advances one step per step of the group."""
-    demands = [s.demand() for s in states]
+    demands = [s.demand for s in states]
     out = np.zeros(max((len(d) for d in demands), default=0), dtype=np.int64)
     for d in demands:
         out[:len(d)] += d
