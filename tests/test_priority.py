@@ -217,7 +217,13 @@ def test_a_preemption_saves_only_the_feature_fields_its_request_wrote(tiny_engin
     assert edits(buf.save_rows(4, 2, 0)) == edit
     buf.write(slice(0, 2), {})  # another request takes rows 0-1
     assert edits(buf.save_rows(0, 2, 0)) == set()
+    # rows 6-7 last held an inpainting request's mask and a sampler's history slot
+    buf.write(slice(6, 8), {"edit.mask": torch.zeros(buf.fields["edit.mask"].shape[1:])})
+    buf.fields["hist.h1"][6:8] = 5.0
     buf.restore_rows(6, saved)
     torch.testing.assert_close(buf.fields["edit.known"][6:8], torch.full((2, *shape), 3.0))
     assert float(buf.fields["edit.mask"][6:8].min()) == 1.0  # not carried: written back as its neutral value
+    assert float(buf.fields["hist.h1"][6:8].abs().max()) == 0.0  # a slot its sampler does not use: neutral too
     assert edits(buf.save_rows(6, 2, 0)) == edit
+    view = buf.head(8)  # the step's view of the first rows shares the record
+    assert edits(view.save_rows(6, 2, 0)) == edit

@@ -99,6 +99,10 @@ def test_serve_takes_the_least_fp8_width_without_importing_torch(tmp_path):
     assert config.engine_kwargs()["quantize"] == Fp8Config(min_features=64)
     info = server_info(SimpleNamespace(config=config, engine=None, ready=False))
     assert (info["quantize"], info["quantize_min_features"]) == ("fp8", 64)
+    for quantize, width in (("fp8", 640), ("none", None)):  # the default width where fp8 runs; none without it
+        info = server_info(SimpleNamespace(config=ServerConfig(model="digits", quantize=quantize), engine=None,
+                                           ready=False))
+        assert info["quantize_min_features"] == width
     for toml, needle in (('quantize-min-features = 64', 'quantize-min-features needs quantize fp8 (--quantize fp8, '
                                                         'or quantize = "fp8")'),
                          ('quantize = "fp8"\nquantize-min-features = 8', "quantize-min-features 8 is below 16"),

@@ -298,6 +298,7 @@ def parse_quantize(value: Any, name: str = "--quantize") -> str:
 
 
 GRANULARITIES = ("channel", "tensor")  # an fp8 weight's scales: one per output channel, or one per tensor
+FP8_MIN_FEATURES = 640  # the least input width of an fp8 layer by default (BENCHMARKS.md, session 24)
 
 
 def check_granularity(granularity: str) -> None:
@@ -310,7 +311,7 @@ class Fp8Config:
     """The fp8 tier's settings (`Engine(quantize=Fp8Config(...))`; `quantize="fp8"` is the default config):
     quantize/fp8.py's `quantize_linears`' `min_features` and `weight_granularity`. Here, torch-free, so the HTTP
     process builds it for its engine processes."""
-    min_features: int = 640
+    min_features: int = FP8_MIN_FEATURES
     weight_granularity: str = "channel"
 
     def __post_init__(self) -> None:

@@ -73,8 +73,9 @@ def burst(engine: Any, requests: list) -> dict[str, Any]:
 
 def _split(start: Any, steps: list, decodes: list, seconds: float) -> dict[str, float]:
     """Where a burst's seconds went, from CUDA events on the engine's stream: `lead` from the submission to the first
-    step's start (the prompts prepared and the first admissions on the host, the GPU idle), `loop` the steps' spans
-    (from a step's admissions to its retirement, replays and the decodes enqueued in them included), `decode` the
+    step's start (the requests submitted on the loop thread: their prompts prepared, the GPU idle), `loop` the steps'
+    spans (from a step's admissions, the first ones included, to its retirement, replays and the decodes enqueued in
+    them included), `decode` the
     decodes' GPU time (inside the steps' spans or after the last), `tail` from the last GPU work's end to the last
     image delivered (host). Seconds."""
     first = steps[0][0] if steps else start

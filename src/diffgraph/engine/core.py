@@ -230,8 +230,8 @@ class EngineCore:
 
     def _step(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
-        cuda_events = self.step_events is not None and self.runner.cuda
-        if cuda_events:
+        events = self.step_events if self.runner.cuda else None  # a bench may drop the list while this step runs
+        if events is not None:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.runner.device))
         try:
@@ -269,10 +269,10 @@ class EngineCore:
             self.previews.capture(plan.key, plan.live)
         self._holding = self.retirement.after_step(plan.key, finished, self.scheduler.steps_run,
                                                    any(s.batch and not s.done for s in plan.live))
-        if cuda_events:
+        if events is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.runner.device))
-            self.step_events.append((start, end, self._idle))
+            events.append((start, end, self._idle))
         self.stats["steps"] += 1
         self.stats["rows_stepped"] += plan.n_rows
         for listener in self.step_listeners:

@@ -83,8 +83,10 @@ class StepBuffers:
     def head(self, n: int, tokens: int | None = None) -> "StepBuffers":
         """The same buffers, rows [0, n) only, and with `tokens` the first `tokens` prompt tokens of the token-axis
         fields (views: writes reach the full buffers)."""
-        return dataclasses.replace(self, fields={
+        view = dataclasses.replace(self, fields={
             k: v[:n, :tokens] if tokens is not None and k in self.sequence else v[:n] for k, v in self.fields.items()})
+        view._written = self._written  # the same rows: one record
+        return view
 
     def move_rows(self, src: int, dst: int, count: int) -> None:
         """Copies rows [src, src+count) to [dst, dst+count) in every buffer (compaction)."""

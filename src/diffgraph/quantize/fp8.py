@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import GRANULARITIES, Fp8Config, check_granularity  # noqa: F401  (Fp8Config: re-exported)
+from ..config import FP8_MIN_FEATURES, GRANULARITIES, Fp8Config, check_granularity  # noqa: F401 (re-exports)
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 AMAX_FLOOR = 1e-12  # an all-zero row gets this amax: its scale stays finite and it quantises to zeros, not NaN
@@ -167,7 +167,7 @@ def transformer_linears(name: str, linear: nn.Linear) -> bool:
     return any(name == s or name.endswith("." + s) for s in TRANSFORMER_LINEARS)
 
 
-def quantize_linears(module: nn.Module, *, min_features: int = 640,
+def quantize_linears(module: nn.Module, *, min_features: int = FP8_MIN_FEATURES,
                      select: Callable[[str, nn.Linear], bool] | None = None,
                      weight_granularity: str = "channel") -> Fp8Report:
     """Replaces in place each nn.Linear of `module` (exactly nn.Linear: a subclass may have its own forward, or a

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from ..config import DEFAULT_BUCKETS
+from ..config import DEFAULT_BUCKETS, FP8_MIN_FEATURES
 from ..request import MAX_IMAGES, MAX_STEPS, OUTPUT_FORMATS
 from .protocol import APIError, ImageGenerationRequest
 
@@ -94,7 +94,8 @@ def server_info(state: Any) -> dict[str, Any]:
         "edits": bool(info.edits) if info else None, "edit_strength": list(info.edit_strength) if info else None,
         "max_image_bytes": config.max_image_bytes, "max_image_pixels": config.max_image_pixels,
         "compile": config.compile, "quantize": config.quantize,
-        "quantize_min_features": config.quantize_min_features,  # the engines' tiers (every replica's the same)
+        "quantize_min_features": (None if config.quantize == "none" else
+                                  config.quantize_min_features or FP8_MIN_FEATURES),  # the engines' tiers (every replica's the same)
     }
 
 
