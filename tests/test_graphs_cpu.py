@@ -36,7 +36,8 @@ def _fill(worker, key, n, seed):
     uncond = worker.adapter.negative(worker.model, worker.encode_texts([""] * n), [None] * n)
     request = GenerationRequest.create("a cat", width=key[1], height=key[0], guidance_scale=1.0)
     for i in range(n):
-        worker.write_rows(key, i, lat[i:i + 1], select_row(cond, i), Admission(request, 1, select_row(uncond, i)))
+        worker.write_rows(key, i, Admission(request, 1), (select_row(cond, i), select_row(uncond, i), None),
+                          lat[i:i + 1])
     return lat
 
 

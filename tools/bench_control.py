@@ -9,7 +9,10 @@ with the graph captures counted before and after. The ControlNets are made from 
 With --image-prompts, also 4 and all 16 rows with an IP-Adapter "plus" image prompt (16 image tokens a row; random
 weights of the true size, made as tests/test_ip_adapter.py makes its adapters): the issue's "<= 1.1x".
 
-    python3 tools/bench_control.py --preset random:sd15 --steps 10 [--compile] [--image-prompts]    # on the GPU host
+    python3 tools/bench_control.py --preset random:sd15 --steps 10 [--compile [--force-layout]] [--image-prompts]
+
+(on the GPU host). --force-layout compiles the ControlNet with Inductor's channels-last layout forced
+(engine/control_graphs.py `CONTROL_OPTIONS`), as the step and the VAE decoder are: run it beside a run without.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main() -> int:
     p.add_argument("--size", type=int, default=None)
     p.add_argument("--compile", action="store_true", help="the compile tier (Inductor's kernels in the graphs)")
     p.add_argument("--image-prompts", action="store_true", help="also rows with an IP-Adapter image prompt")
+    p.add_argument("--force-layout", action="store_true",
+                   help="with --compile: the ControlNet's compile forces Inductor's channels-last layout")
     p.add_argument("--cases", default="plain,0,4,16,ip4,ip16",
                    help="which to time (the ratios are to 'plain', else to '0': a step of this engine with no control "
                         "rows); 'ip' cases need --image-prompts")
@@ -61,6 +66,9 @@ def main() -> int:
         make_plus_ip_adapter(model.unet, ip_dir, "plus", seed=2)
         prompt_image = np.asarray(picture(1))
     names = args.cases.split(",")
+    if args.force_layout:
+        from diffgraph.engine import control_graphs
+        control_graphs.CONTROL_OPTIONS = {"force_layout_optimization": True}
     plain = Engine(model, graphs=graphs, compile=args.compile) if "plain" in names else None
     e = Engine(model, graphs=graphs, controlnet_dir=folder, compile=args.compile,
                ip_adapter_dir=str(ip_dir) if ip_dir else None)

@@ -5,6 +5,7 @@
 #   bash tools/gpu_issue32.sh tests   # the GPU tests of the ControlNet rows (graph tier)
 #   bash tools/gpu_issue32.sh bench   # the GPU tests, then tools/bench_control.py in the graph and compile tiers
 #   bash tools/gpu_issue32.sh compile # the compile tier's ControlNet cases alone, then $GPU_TESTS (default: image prompts)
+#                                     # (CONTROL_FLAGS=--force-layout: the ControlNet's compile with the layout forced)
 set -uo pipefail
 . tools/gpu_setup.sh
 case "${1:-train}" in
@@ -21,7 +22,7 @@ case "${1:-train}" in
       --image-prompts 2>&1 | grep -v Warning | tail -11 ;;
   compile)  # the compile tier's bench (buckets 4 and 16 only: the cases need no others), then the GPU tests named
     timeout "${COMPILE_S:-420}" python3 tools/bench_control.py --preset random:sd15 --steps 10 --rounds 3 --compile \
-      --buckets 4,16 --cases "${CASES:-0,4,16}" 2>&1 | grep -v Warning | tail -11
+      --buckets 4,16 --cases "${CASES:-0,4,16}" ${CONTROL_FLAGS:-} 2>&1 | grep -v Warning | tail -11
     timeout "${TESTS_S:-150}" python3 -m pytest -q -x ${GPU_TESTS:-tests/gpu/test_ip_adapter_gpu.py} 2>&1 \
       | grep -E "assert|Error|passed|failed" | tail -12 ;;
 esac

@@ -29,6 +29,11 @@ from ..config import CompileConfig
 from ..graphs.compiled import Compiled
 from ..graphs.runner import GraphRunner, StatelessGraphable
 
+# Inductor options of the ControlNet's compile beyond its mode's: none. Its batch is dynamic, so Inductor skips its
+# channels-last layout optimisation, which the step and the 16-bit VAE decoder force (engine/graph_setup.py); not
+# measured for the ControlNet yet (`tools/bench_control.py --compile --force-layout` sets this to measure it)
+CONTROL_OPTIONS: dict[str, Any] = {}
+
 logger = logging.getLogger(__name__)
 
 # (net, x, t, conditioning, row inputs, control embedding) -> (down-block residuals, mid-block residual): the family's
@@ -124,7 +129,7 @@ class ControlRunner:
         self._graphs, self._resolutions, self._buckets = graphs, resolutions, buckets
         if compile is None:
             return []
-        compiled = Compiled(self._net_call, compile, "the ControlNet", _batch_tensors)
+        compiled = Compiled(self._net_call, compile, "the ControlNet", _batch_tensors, options=CONTROL_OPTIONS)
         self._graphed_call = compiled
         return [compiled]
 

@@ -321,16 +321,16 @@ class EngineCore:
                 if s.plan.brownian is not None:  # dpmpp_sde: one Brownian tree per request, seeded by its seed
                     s.noise = BrownianNoise(s.plan.brownian, s.plan.brownian_range, r.seed,
                                             (s.rows, *runner.latent_shape(key)))
-                if r.edit is None:
-                    latents, edit = runner.initial_latents(s.rows, key, s.generator, s.plan.init_noise_sigma), None
-                else:
-                    latents, edit = prepare_edit(runner, r, key, s.generator, s.plan, s.rows, s.take_edit_pixels())
+                latents, edit = (None, {}) if r.edit is None else \
+                    prepare_edit(runner, r, key, s.generator, s.plan, s.rows, s.take_edit_pixels())
                 pos, neg, *empty = _prompt_keys(s)
-                cond, uncond, chunks = runner.row_conditioning(mine[pos], mine[neg], mine[empty[0]] if empty else None)
-                admission = Admission(r, s.rows, uncond, edit or {}, [
+                admission = Admission(r, s.rows, edit=edit, loras=[
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
-                    chunks, runner.controls.admitted(s, s.admitted["control"]) if s.controls else [], s.image_prompts)
-                s.variant_parts = runner.write_rows(key, s.first_row, latents, cond, admission)
+                    controls=runner.controls.admitted(s, s.admitted["control"]) if s.controls else [],
+                    image_prompts=s.image_prompts)
+                s.variant_parts = runner.write_rows(key, s.first_row, admission, (
+                    mine[pos], mine[neg], mine[empty[0]] if empty else None), latents, s.generator,
+                    s.plan.init_noise_sigma)  # latents None: drawn from its generator there
                 s.admitted_at = now
             except Exception as e:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)

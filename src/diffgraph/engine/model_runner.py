@@ -277,11 +277,19 @@ class ModelRunner:
         latents = torch.randn((rows, *self.latent_shape(key)), generator=generator, dtype=self.model.dtype)
         return latents.float() * sigma
 
-    def write_rows(self, key: GroupKey, start: int, latents: torch.Tensor, cond: Conditioning,
-                   admission: Admission) -> tuple:
-        """Fills rows [start, start+k) with initial latents, one prompt's conditioning (broadcast) and each row
-        feature's fields for the admitted request (their neutral values where it does not use them); returns the
-        request's parts of the step variant key."""
+    def write_rows(self, key: GroupKey, start: int, admission: Admission,
+                   prompts: tuple[Conditioning, Conditioning, Conditioning | None],
+                   latents: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                   sigma: float = 1.0) -> tuple:
+        """Fills rows [start, start+k) of an admitted request: its initial latents (an edit's `latents`, else the
+        first draw from its `generator` at its plan's first `sigma`), its prompt's conditioning (broadcast) and, by
+        each row feature, its negative prompt's at the same length (`prompts`: both and the empty prompt that pads
+        the shorter: `row_conditioning`) and the rest of its fields (neutral where it does not use them); returns
+        the request's parts of the step variant key."""
+        if latents is None:
+            latents = self.initial_latents(admission.rows, key, generator, sigma)
+        cond, uncond, chunks = self.row_conditioning(*prompts)
+        admission = dataclasses.replace(admission, uncond=uncond, chunks=chunks)
         buf = self.buffers(key)
         k = latents.shape[0]
         rows = slice(start, start + k)

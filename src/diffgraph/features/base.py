@@ -65,7 +65,7 @@ class Admission:
 
     request: GenerationRequest
     rows: int
-    uncond: Conditioning                                        # the negative prompt's conditioning
+    uncond: Conditioning | None = None  # the negative prompt's conditioning (the runner pads it to the prompt's)
     edit: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/edits.py's per-row fields
     loras: list[tuple[int, float]] = field(default_factory=list)  # (slot, scale) of its UNet adapters
     chunks: int = 1                                              # 77-token prompt windows of its conditioning
