@@ -66,6 +66,8 @@ def main() -> int:
         make_plus_ip_adapter(model.unet, ip_dir, "plus", seed=2)
         prompt_image = np.asarray(picture(1))
     names = args.cases.split(",")
+    if args.force_layout and not args.compile:
+        p.error("--force-layout needs --compile (it sets how the compile tier compiles the ControlNet)")
     if args.force_layout:
         from diffgraph.engine import control_graphs
         control_graphs.CONTROL_OPTIONS = {"force_layout_optimization": True}
@@ -103,7 +105,7 @@ def main() -> int:
         for c in cases:
             rows[c].append(run[c]())
     med = {c: statistics.median(v) for c, v in rows.items()}
-    print(json.dumps({"preset": args.preset, "size": size, "compile": args.compile,
+    print(json.dumps({"preset": args.preset, "size": size, "compile": args.compile, "force_layout": args.force_layout,
                       "step_ms": {str(k): v for k, v in rows.items()}, "graphs": [
                           (r["kind"], r["bucket"], r["replays"]) for r in e.runner.graph_table() if r["replays"]]}))
     if plain is not None:

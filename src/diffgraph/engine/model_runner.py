@@ -280,13 +280,16 @@ class ModelRunner:
     def write_rows(self, key: GroupKey, start: int, admission: Admission,
                    prompts: tuple[Conditioning, Conditioning, Conditioning | None],
                    latents: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                   sigma: float = 1.0) -> tuple:
+                   sigma: float | None = None) -> tuple:
         """Fills rows [start, start+k) of an admitted request: its initial latents (an edit's `latents`, else the
         first draw from its `generator` at its plan's first `sigma`), its prompt's conditioning (broadcast) and, by
         each row feature, its negative prompt's at the same length (`prompts`: both and the empty prompt that pads
         the shorter: `row_conditioning`) and the rest of its fields (neutral where it does not use them); returns
         the request's parts of the step variant key."""
         if latents is None:
+            if generator is None or sigma is None:
+                raise ValueError("write_rows draws the first latents from the request's generator at its plan's "
+                                 "first sigma: pass both, or the latents")
             latents = self.initial_latents(admission.rows, key, generator, sigma)
         cond, uncond, chunks = self.row_conditioning(*prompts)
         admission = dataclasses.replace(admission, uncond=uncond, chunks=chunks)
