@@ -127,6 +127,20 @@ def test_a_replica_process_builds_its_engine_with_the_setting(caplog):
            "min_features=640)" in caplog.text
 
 
+def test_serve_reports_an_fp8_refusal_in_its_own_words():
+    """A server whose engine refuses fp8 (no linear as wide as the width) keeps the reason in serve's words: its
+    setting's flag and TOML key, not the Python API's `min_features`."""
+    from diffgraph.server.app import create_app
+
+    config = ServerConfig(model="digits", device="cpu", quantize="fp8")
+    state = create_app(config, lambda: Engine(**config.engine_kwargs())).state.server
+    state.start()
+    state._thread.join(120)
+    assert state.engine is None and state.error is not None, state.error
+    assert state.error.endswith("below min_features=640); lower --quantize-min-features (TOML "
+                                "quantize-min-features)"), state.error
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["generate", "x", "--quantize", "int4"], "--quantize 'int4' is unknown; allowed: none, fp8"),
     (["generate", "x", "--quantize-min-features", "64"], "--quantize-min-features needs --quantize fp8"),

@@ -9,6 +9,7 @@ choice is recorded in BENCHMARKS.md.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -17,7 +18,9 @@ import torch
 from diffgraph.models.loader import load_model
 
 
-def graph_ms(fn, iters=20):
+def graph_ms(fn, iters=20, median=False):
+    """Ms of one replay of `fn` captured in a CUDA graph (after warm-ups): the mean over `iters` back-to-back
+    replays, or with `median` the median of `iters` replays timed one by one."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -30,6 +33,17 @@ def graph_ms(fn, iters=20):
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
+    if median:
+        times = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        del g
+        return statistics.median(times)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(iters):

@@ -12,7 +12,8 @@ does for an fp16-safe VAE (sdxl-vae-fp16-fix): on a random preset the speed is w
 engine asks for the layout only for 16-bit decoders (engine/graph_setup.py `VAE_OPTIONS`): the fp32 rows say
 whether an fp32 decoder should too.
 
-Each figure: the median of `repeats` replays timed with CUDA events, after 3 warm-ups.
+Each figure: the median of `repeats` replays timed one by one with CUDA events, after 3 warm-ups (probe_layout.py
+`graph_ms`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +34,7 @@ from diffgraph.config import CompileConfig, LoadOptions  # noqa: E402
 from diffgraph.engine.graph_setup import set_conv_layout  # noqa: E402
 from diffgraph.graphs.compiled import Compiled  # noqa: E402
 from diffgraph.models.loader import load_model  # noqa: E402
+from probe_layout import graph_ms  # noqa: E402  (the probes' timer: one capture, replays)
 
 VARIANTS = {  # name -> (Inductor options, convolution weights channels-last)
     "dynamic": ({}, False),
@@ -43,28 +44,11 @@ VARIANTS = {  # name -> (Inductor options, convolution weights channels-last)
 
 
 def replay_ms(fn, latents: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
-    """Median ms of one replay of `fn(latents)` captured in a CUDA graph, and its output."""
+    """Median ms of one replay of `fn(latents)` captured in a CUDA graph (probe_layout.py's timer), and its output
+    (one more call outside the graph: the same compiled kernels)."""
     static = latents.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(static)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), out.clone()
+    ms = graph_ms(lambda: fn(static), repeats, median=True)
+    return ms, fn(static).clone()
 
 
 def main() -> int:

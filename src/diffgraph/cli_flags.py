@@ -79,6 +79,8 @@ def quantize_from_args(args: argparse.Namespace) -> Any:
     return quantize_argument(quantize, getattr(args, "quantize_min_features", None))
 
 
-def quantize_error(message: str) -> str:
-    """The engine's fp8 refusal (ParamError "quantize": no layer is wide enough) in the words of the command line."""
-    return message.replace("lower min_features or pass a wider select", "lower --quantize-min-features")
+def quantize_error(message: str, toml: bool = False) -> str:
+    """The engine's fp8 refusal (ParamError "quantize": no layer is wide enough) in the words of the command line
+    (`toml`: serve's, whose setting may come from a TOML file too)."""
+    flag = "--quantize-min-features (TOML quantize-min-features)" if toml else "--quantize-min-features"
+    return message.replace("lower min_features or pass a wider select", f"lower {flag}")

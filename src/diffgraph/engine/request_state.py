@@ -77,12 +77,12 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.steps, self.branches = self.plan.num_steps, self.plan.branches
-        # the most denoiser rows per image row from each step on
-        self._peaks = None if self.branches is None or not len(self.branches) else \
-            np.maximum.accumulate(np.asarray(self.branches)[::-1])[::-1]
-        self._demands = np.full(self.steps, self.rows, dtype=np.int64) if self.branches is None else \
-            self.rows * np.asarray(self.branches[:self.steps], dtype=np.int64)
+        per_row = np.ones(self.steps, dtype=np.int64) if self.branches is None else \
+            np.asarray(self.branches, dtype=np.int64)
+        self._demands = self.rows * per_row  # its denoiser rows at each step
         self._demands.flags.writeable = False  # `demand` is a view of it, shared with whoever reads it
+        # the most from each step on (its last step's once done; one row's worth for a plan of no steps)
+        self._peaks = np.maximum.accumulate(self._demands[::-1])[::-1] if self.steps else np.full(1, self.rows)
         self._derive()
 
     def advance(self) -> None:
@@ -91,12 +91,9 @@ class RequestState:
         self._derive()
 
     def _derive(self) -> None:
-        if self.branches is None or not len(self.branches):
-            now = most = 1
-        else:
-            i = min(self.step, len(self.branches) - 1)
-            now, most = int(self.branches[i]), int(self._peaks[i])
-        self.branches_now, self.cost, self.peak = now, self.rows * now, self.rows * most
+        i = min(self.step, len(self._peaks) - 1)
+        self.cost = int(self._demands[i]) if self.steps else self.rows
+        self.branches_now, self.peak = self.cost // self.rows, int(self._peaks[i])
         self.demand = self._demands[self.step:]
         self.done = self.step >= self.steps
 

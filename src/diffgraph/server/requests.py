@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 
+from ..cli_flags import quantize_error
 from ..engine.client import EngineClient, RequestHandle
 from ..engine.router import Router
 from ..request import (EditInput, EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo,
@@ -159,7 +160,7 @@ class ServerState:
                 self.max_pixels = cpu_pixel_limit(built.info, max(measured), self.config.request_timeout)
         except Exception as e:
             logger.exception("the engine could not be built")
-            self.error = f"{type(e).__name__}: {e}"
+            self.error = quantize_error(f"{type(e).__name__}: {e}", toml=True)  # serve's words for an fp8 refusal
             if built is not None:
                 built.close()
             return
