@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from diffgraph import Engine
 from diffgraph.request import ParamError
-from diffgraph.text.prepared import empty_prompt, prepare
+from diffgraph.text.prepared import TokenCache, empty_prompt, prepare
 
 PROMPT = "a photo of a red fox in the snow"
 LONG = ", ".join(["a detailed painting of a small red house in the dark forest at night"] * 5)  # 99 tokens
@@ -324,20 +324,56 @@ def test_a_replaced_embedding_takes_effect_for_the_next_request(tmp_path):
         assert third.splices[0][4] == 2
 
 
+def test_kept_token_ids_equal_the_tokenizers(sd, caplog):
+    """Prompts prepared again come from the token cache and equal a fresh tokenisation (plain, long plain, a1111
+    with weights, BREAK and a repeated piece); a truncated plain prompt still warns each time."""
+    import dataclasses
+
+    setup = sd.runner.text_setup
+    fresh = dataclasses.replace(setup, tokens=TokenCache(0))
+    requests = [sd.make_request("a photo of a red fox", num_inference_steps=2),
+                sd.make_request(" ".join(["fox"] * 90), num_inference_steps=2),
+                sd.make_request("(red fox:1.2), forest BREAK red fox, (forest:0.8)", negative_prompt="blurry",
+                                prompt_syntax="a1111", num_inference_steps=2)]
+    for r in requests:
+        first, again = prepare(setup, r), prepare(setup, r)
+        assert first == again == prepare(fresh, r), r.prompt
+    assert caplog.text.count("prompt truncated") == 3  # twice from `setup` (once from its cache), once from `fresh`
+    assert (("plain", 0), "a photo of a red fox") in setup.tokens._ids
+
+
+def test_the_token_cache_tokenises_only_what_it_lacks():
+    calls = []
+
+    def tokenize(texts):
+        calls.append(list(texts))
+        return [[len(t)] * len(t) for t in texts]
+
+    cache = TokenCache(size=2)
+    assert cache.get("k", ["a", "bb"], tokenize) == [(1,), (2, 2)] and calls == [["a", "bb"]]
+    assert cache.get("k", ["bb", "a"], tokenize) == [(2, 2), (1,)] and len(calls) == 1  # both kept
+    assert cache.get("k", ["ccc", "a"], tokenize) == [(3, 3, 3), (1,)] and calls[-1] == ["ccc"]
+    assert cache.get("k", ["bb"], tokenize) == [(2, 2)] and calls[-1] == ["bb"]  # the least recent went
+    assert cache.get("other", ["a"], tokenize) == [(1,)] and calls[-1] == ["a"]  # each kind of call on its own
+
+
 def test_prompts_prepared_on_many_threads_get_their_own_tokens(sd):
     """transformers' fast tokenizers keep their padding setting on the object: plain (padded) and a1111 (unpadded)
     prompts tokenised at once on several threads must not get each other's lengths."""
     import threading
 
+    import dataclasses
+
+    setup = dataclasses.replace(sd.runner.text_setup, tokens=TokenCache(0))  # no kept ids: every call tokenises
     plain = sd.make_request("a photo of a red fox", num_inference_steps=2)
     weighted = sd.make_request("a photo of a (red fox:1.2)", prompt_syntax="a1111", num_inference_steps=2)
-    want = {id(r): [p.ids for p in prepare(sd.runner.text_setup, r)] for r in (plain, weighted)}
+    want = {id(r): [p.ids for p in prepare(setup, r)] for r in (plain, weighted)}
     bad = []
 
     def work(i):
         for k in range(60):
             r = (plain, weighted)[(i + k) % 2]
-            if [p.ids for p in prepare(sd.runner.text_setup, r)] != want[id(r)]:
+            if [p.ids for p in prepare(setup, r)] != want[id(r)]:
                 bad.append(r.prompt_syntax)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from .syntax import BREAK
 
-Tokenize = Callable[[list[str]], list[list[int]]]
+Tokenize = Callable[[list[str]], Sequence[Sequence[int]]]
 
 
 @dataclass(frozen=True)

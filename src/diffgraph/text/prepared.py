@@ -10,7 +10,9 @@ the request (tokenising and parsing cost CPU; the loop only encodes ids, and the
     zeroes it, as AUTOMATIC1111's `force_zero_negative_prompt`; SD1.x/SD2.x encode the empty prompt), and the
     shorter of the two is padded with empty-prompt windows at admission ("pad conds": `empty_prompt`).
 Every tokenizer call holds `TextSetup.lock`: transformers' fast tokenizers keep their padding setting on the shared
-object, so two threads tokenising at once could give each other's lengths.
+object, so two threads tokenising at once could give each other's lengths. Token ids are kept (`TokenCache`, by
+text): a prompt sent again with other seeds (a shot's candidates), the same negative prompt under every request and
+AUTOMATIC1111's repeated pieces ("masterpiece, best quality") skip the tokenizer.
 A prompt of more than `max_chunks` chunks is a ParamError naming it.
 """
 
@@ -20,6 +22,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -64,6 +67,7 @@ class TextSetup:
     max_clip_skip: int = 11
     embeddings: EmbeddingDir | None = None
     matchers: MatcherCache = field(default_factory=lambda: MatcherCache(), compare=False, repr=False)
+    tokens: TokenCache = field(default_factory=lambda: TokenCache(), compare=False, repr=False)
     lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)  # around every tokenizer call
 
 
@@ -89,17 +93,46 @@ def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
 
 def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
     out = []
-    for tokenizer in setup.tokenizers:
+    for i, tokenizer in enumerate(setup.tokenizers):
         length = tokenizer.model_max_length
         with setup.lock:
-            ids = tokenizer(text, padding="max_length", max_length=length, truncation=False).input_ids
+            ids = setup.tokens.get(("plain", i), [text], lambda texts: tokenizer(
+                texts, padding="max_length", max_length=length, truncation=False).input_ids)[0]
         if len(ids) > length:
             # counts only: prompt text never goes to a log (the request id is not known here)
             logger.warning("prompt truncated: CLIP reads %d tokens, the prompt has %d, %d dropped; "
                            "prompt_syntax \"a1111\" reads long prompts in chunks", length, len(ids), len(ids) - length)
-            ids = ids[:length - 1] + [tokenizer.eos_token_id]
-        out.append((tuple(ids),))
+            ids = ids[:length - 1] + (tokenizer.eos_token_id,)
+        out.append((ids,))
     return tuple(out)
+
+
+class TokenCache:
+    """Token ids by (what the tokenizer was asked, text), the most recent `size` kept. A tokenizer call costs about
+    0.15 ms of the submitting thread's CPU a text (transformers' wrapper more than the Rust tokenizer); the engine
+    loop waits for it when requests are submitted between its steps. The caller holds `TextSetup.lock`."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._ids: OrderedDict[tuple[Any, str], tuple[int, ...]] = OrderedDict()
+
+    def get(self, kind: Any, texts: list[str], tokenize: Any) -> list[tuple[int, ...]]:
+        """The ids of each text: kept, or from one `tokenize(missing texts)` call (texts -> lists of ids)."""
+        out: list[tuple[int, ...] | None] = []
+        missing: list[int] = []
+        for i, text in enumerate(texts):
+            ids = self._ids.get((kind, text))
+            if ids is None:
+                missing.append(i)
+            else:
+                self._ids.move_to_end((kind, text))
+            out.append(ids)
+        if missing:
+            for i, ids in zip(missing, tokenize([texts[i] for i in missing])):
+                out[i] = self._ids[(kind, texts[i])] = tuple(ids)
+            while len(self._ids) > self.size:
+                self._ids.popitem(last=False)
+        return out
 
 
 class _Stale(Exception):
@@ -122,9 +155,10 @@ def _a1111_once(setup: TextSetup, text: str, name: str, request: GenerationReque
     parsed = parse_a1111(text, name)
     first = setup.tokenizers[0]
 
-    def tokenize(texts: list[str]) -> list[list[int]]:
+    def tokenize(texts: list[str]) -> list[tuple[int, ...]]:
         with setup.lock:
-            return first(texts, add_special_tokens=False, truncation=False, verbose=False).input_ids
+            return setup.tokens.get("pieces", texts, lambda missing: first(
+                missing, add_special_tokens=False, truncation=False, verbose=False).input_ids)
 
     matcher, found = None, {}
     if setup.embeddings is not None:
