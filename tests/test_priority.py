@@ -227,3 +227,32 @@ def test_a_preemption_saves_only_the_feature_fields_its_request_wrote(tiny_engin
     assert edits(buf.save_rows(6, 2, 0)) == edit
     view = buf.head(8)  # the step's view of the first rows shares the record
     assert edits(view.save_rows(6, 2, 0)) == edit
+
+
+def test_an_admission_writes_neutral_values_only_where_a_request_wrote_before(tiny_engine):
+    """A field the rows' last requests did not write holds its neutral value, so an admission that leaves it out
+    writes nothing there (an SDXL row without ControlNets skips three 10.5 MB fills); where one wrote it, it is
+    written back neutral. Buffers built from arbitrary tensors count every field as written."""
+    import torch
+
+    from diffgraph.graphs.step import StepBuffers
+
+    size = tiny_engine.info.native_size
+    live = tiny_engine.runner.buffers((size, size))
+    fields = {k: v.clone() for k, v in live.fields.items()}
+    fields["edit.mask"][:] = 0.0  # not its neutral 1.0
+    buf = StepBuffers(fields, live.specs, live.cond_names, live.row_names, live.dtype, live.sequence)
+    mask = buf.fields["edit.mask"]
+    buf.write(slice(0, 2), {})
+    assert float(mask[0:2].min()) == 1.0 and float(mask[2:4].max()) == 0.0  # unknown content: written neutral
+    mask[0:2] = 0.0  # a stray value no admission recorded: the next admission does not look at it
+    buf.write(slice(0, 2), {})
+    assert float(mask[0:2].max()) == 0.0
+    buf.write(slice(0, 2), {"edit.mask": torch.full(mask.shape[1:], 0.5)})
+    buf.write(slice(0, 2), {})  # its last request wrote the mask: back to neutral
+    assert float(mask[0:2].min()) == 1.0
+    fresh = StepBuffers.allocate(3, tuple(buf.x.shape[1:]), tiny_engine.runner.program,
+                                 {}, {}, live.dtype, live.x.device)
+    assert float(fresh.fields["edit.mask"].min()) == 1.0 and fresh.save_rows(0, 3, 0).keys().isdisjoint(
+        {"edit.mask", "edit.known", "edit.noise0"})
+

@@ -49,7 +49,9 @@ class StepBuffers:
         # per row, the features' fields its request wrote: the others hold their neutral values (nothing in a step
         # writes them), so a preemption saves only these (a row without ControlNets beside rows with them saves
         # none of their embeddings: 10.5 MB a row and control at SDXL 1024x1024)
-        self._written: list[frozenset[str]] = [frozenset()] * self.x.shape[0]
+        # (buffers made of any tensors: every field may hold anything; `allocate` fills them neutral and clears it)
+        self._written: list[frozenset[str]] = [frozenset(
+            k for k, spec in self.specs.items() if not spec.transient and not spec.history_slot)] * self.x.shape[0]
 
     @classmethod
     def allocate(cls, rows: int, latent_shape: tuple[int, ...], program: StepProgram,
@@ -67,7 +69,9 @@ class StepBuffers:
             spec.fill(fields[name])
         sequence = tuple(f"cond.{k}" for k in cond_spec if k in sequence_fields) + tuple(
             name for name, spec in specs.items() if spec.tokens)
-        return cls(fields, specs, tuple(cond_spec), tuple(row_values), dtype, sequence)
+        buf = cls(fields, specs, tuple(cond_spec), tuple(row_values), dtype, sequence)
+        buf._written = [frozenset()] * rows  # every field neutral
+        return buf
 
     def cond(self, name: str) -> torch.Tensor:
         return self.fields[f"cond.{name}"]
@@ -126,7 +130,8 @@ class StepBuffers:
     def write(self, rows: slice, values: dict[str, torch.Tensor | float]) -> None:
         """Writes an admitted request's rows: its conditioning ("cond.<name>", token-axis fields repeated to the span:
         `write_tokens`), the per-resolution row values ("rows.<name>") and its feature fields, each one row
-        broadcast or every row; the features' fields it leaves out take their neutral value."""
+        broadcast or every row; the features' fields it leaves out take their neutral value (written only where the
+        rows' record says a request before wrote them: a field no request wrote holds it since allocation)."""
         unknown = set(values) - self.writable
         if unknown:
             raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
@@ -137,10 +142,11 @@ class StepBuffers:
                 write_tokens(self.fields[name][rows], value)
             else:
                 self.fields[name][rows] = value
-        for name, spec in self.specs.items():
-            if not spec.transient and name not in values:
-                spec.fill(self.fields[name][rows])
         first, stop, _ = rows.indices(self.num_rows)
+        before = frozenset().union(*self._written[first:stop])  # what the rows' last requests wrote
+        for name, spec in self.specs.items():  # the rest hold their neutral values already (history slots: any)
+            if not spec.transient and name not in values and (spec.history_slot or name in before):
+                spec.fill(self.fields[name][rows])
         self._written[first:stop] = [frozenset(
             n for n in values if n in self.specs and not self.specs[n].transient)] * max(stop - first, 0)
 
