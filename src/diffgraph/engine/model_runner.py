@@ -383,7 +383,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode_async(self, key: GroupKey, latents: torch.Tensor) -> Callable[[], np.ndarray]:
-        """Enqueues the decode and a copy of the pixels to pinned host memory; returns a waiter that gives
+        """Enqueues the decode and a copy of its float32 pixels to pinned host memory; returns a waiter that gives
         float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np'). The engine
         loop does not wait: the waiter runs on the image thread pool."""
         latents = latents.to(self.device)
@@ -399,20 +399,20 @@ class ModelRunner:
             else:
                 self.graphs.vae.write(key[0], key[1], part, bucket)
                 image = runner.replay("vae", key[0], key[1], bucket)[:n]
-            image = image.permute(0, 2, 3, 1)
+            # float32 [n, H, W, 3] made on the device: no CPU-wide conversion competes with the loop thread
+            image = image.permute(0, 2, 3, 1).to(torch.float32, memory_format=torch.contiguous_format)
             if host is None:
-                host = torch.empty((n_total, *image.shape[1:]), dtype=image.dtype, pin_memory=self.cuda)
+                host = torch.empty((n_total, *image.shape[1:]), dtype=torch.float32, pin_memory=self.cuda)
             host[start:start + n].copy_(image, non_blocking=self.cuda)  # consumed before any later replay
             start += n
         if not self.cuda:
-            arrays = host.float().numpy()
-            return lambda: arrays
+            return lambda: host.numpy()
         event = self._record_event()
 
         def wait() -> np.ndarray:  # on an image thread: make the runner's device current there, not GPU 0
             with self.on_device():
                 event.synchronize()
-            return host.float().numpy()
+            return host.numpy()
         return wait
 
     def decode(self, key: GroupKey, latents: torch.Tensor) -> np.ndarray:
