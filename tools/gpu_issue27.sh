@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 on the GPU host: GPU tests, the compile tier's latency of the old tree (.old/src, carried) and the new
-# one alternated in one call, and the guidance-mix throughput. Usage: bash tools/gpu_issue27.sh tests ab mix
+# one alternated in one call, the guidance-mix throughput, and whether decoding beside the steps would pay (overlap:
+# tools/probe_overlap.py, eager then compiled). Usage: bash tools/gpu_issue27.sh tests ab mix overlap
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -20,5 +21,9 @@ for what in "$@"; do
     mix) timeout ${MIX_S:-420} python3 -m diffgraph.bench.throughput --sizes 512x512 --compile \
            --compile-cache /tmp/cc --guidance-mix ${MIX_N:-64} --json "$OUT/guidance_mix.json" 2>&1 \
            | grep -v Warning | tee "$OUT/guidance_mix.log" | tail -19 ;;
+    overlap) for flag in "" --compile; do
+               timeout ${OVERLAP_S:-240} python3 tools/probe_overlap.py $flag --json "$OUT/overlap${flag:+_compiled}.json" \
+                 2>&1 | grep -v Warning | tail -3
+             done ;;
   esac
 done
