@@ -7,7 +7,9 @@ prompts tokenised, state, queue) and their admission (conditioning looked up, ro
 Submission is timed with fresh prompts, with prompts sent before (the token cache: text/prepared.py `TokenCache`),
 and with fresh prompts and the token cache off (every tokenizer call made, as before the cache); admission is
 `EngineCore._admit`, the first step's admissions of the burst. Each figure is the median over `rounds` bursts of
-`requests` 4-step requests at guidance 0, 64x64 (the prompts' host cost does not depend on the size).
+`requests` 4-step requests at guidance 0, 64x64 (the prompts' host cost does not depend on the size). Last, what an
+image thread spent per image before decoded pixels became float32 on the device (780c123): fp16 [32, size, size, 3]
+to float32 on the CPU, with torch's default threads (as the image threads ran it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ def main() -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pixels", type=int, default=512, help="the image side of the fp16 -> float32 conversion row")
     a = p.parse_args()
+    threads = torch.get_num_threads()
+    half = torch.rand(32, a.pixels, a.pixels, 3).half()
+    convert = []
+    for _ in range(a.rounds + 1):
+        t0 = time.perf_counter()
+        half.float().numpy()
+        convert.append((time.perf_counter() - t0) * 1e3 / 32)
     torch.set_num_threads(1)  # the loop thread's own cost, not the box's spare cores
     with Engine(model=a.model, device=a.device) as engine:
         core, runner = engine.core, engine.runner
@@ -77,6 +87,8 @@ def main() -> int:
     for name, values in rows.items():
         print(f"| submit, {name} | {statistics.median(values):.3f} |")
     print(f"| admission (first step's, per admitted request) | {statistics.median(admission):.3f} |")
+    print(f"| before 780c123, an image thread: fp16 -> float32 pixels at {a.pixels}x{a.pixels}, {threads} torch "
+          f"threads, per image | {statistics.median(convert[1:]):.3f} |")
     return 0
 
 
