@@ -128,13 +128,13 @@ def test_guidance_mix_steps_each_scenario_at_its_denoiser_rows(tiny_engine):
     scenarios = report["scenarios"]
     assert ratio["ratio"] == pytest.approx(scenarios["4 steps, guidance 0"]["images_per_s"] /
                                            scenarios["4 steps, CFG 7.5"]["images_per_s"])
-    assert ratio["target"] == 1.5 and len(report["ratios"]) == 4  # no steps-only ratio without replay times
+    assert ratio["target"] == 1.5 and len(report["ratios"]) == 4  # no steps-only or span ratios without CUDA
 
 
 def test_guidance_mix_splits_a_burst_by_its_events():
     """`_split` over stand-ins for CUDA events (times in seconds): the lead up to the first step, the steps' spans,
     the decodes' GPU time, and the host's tail after the last GPU work."""
-    from diffgraph.bench.guidance_mix import _split
+    from diffgraph.bench.guidance_mix import _split, span_rate
 
     class Event:
         def __init__(self, t):
@@ -148,3 +148,19 @@ def test_guidance_mix_splits_a_burst_by_its_events():
     decodes = [(e(0.12), e(0.14)), (e(0.30), e(0.36))]  # one inside a step's span, one after the last step
     split = _split(e(0.0), steps, decodes, seconds=0.40)
     assert split == pytest.approx({"lead": 0.05, "loop": 0.25, "decode": 0.08, "gpu_span": 0.36, "tail": 0.04})
+    assert span_rate(62, split) == pytest.approx(200.0)  # 62 images over 0.31 s, the first step to the last decode
+
+
+def test_guidance_mix_report_prints_the_split_and_the_span_ratios(capsys):
+    from diffgraph.bench.guidance_mix import print_report
+
+    burst = {"images_per_s": 155.0, "request_steps_per_s": 620.0, "seconds": 0.4, "steps_gpu_s": 0.2,
+             "steps_only_request_steps_per_s": 1240.0, "steps": {"count": 2, "buckets": [32]}, "span_images_per_s": 200.0,
+             "split": {"lead": 0.05, "loop": 0.25, "decode": 0.08, "gpu_span": 0.36, "tail": 0.04}}
+    print_report({"requests": 62, "size": "512x512", "scenarios": {"4 steps, guidance 0": burst},
+                  "ratios": {"4 steps, guidance 0 / 4 steps, CFG 7.5 (span_images_per_s)":
+                             {"ratio": 1.52, "target": 1.5, "holds": True}}})
+    out = capsys.readouterr().out
+    assert "beyond the replays 0.200 s: lead 0.050 s, decodes 0.080 s, tail 0.040 s, rest 0.030 s" in out
+    assert "200.00 images/s over the GPU span" in out and "1.520x (target >= 1.5x: holds)" in out
+    assert "span_images_per_s: images over each burst's GPU span" in out

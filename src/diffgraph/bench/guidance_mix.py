@@ -10,6 +10,10 @@ their `guidance_interval`.
     4-step requests, guidance 0 vs 7.5          request-steps/s and images/s (targets >= 1.8x and >= 1.5x)
     20-step, half guidance-free vs all CFG      images/s (target >= 1.3x)
     20-step CFG, guidance_interval [0.2, 0.8]   images/s vs without it (target >= 1.15x)
+
+On CUDA each images/s ratio is also given over the bursts' GPU spans (`span_rate`): a burst starts with the GPU idle
+while its requests are submitted and ends with the host delivering its last images, two costs that a saturated
+engine hides behind other requests' steps; a longer burst (N) shrinks them too.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ TARGETS = (("4 steps, guidance 0", "4 steps, CFG 7.5", "steps_only_request_steps
            ("4 steps, guidance 0", "4 steps, CFG 7.5", "images_per_s", 1.5),
            ("20 steps, half guidance-free", "20 steps, CFG 7.5", "images_per_s", 1.3),
            ("20 steps, CFG 7.5 in [0.2, 0.8]", "20 steps, CFG 7.5", "images_per_s", 1.15))
+# the same images/s targets over each burst's GPU span (CUDA only: `span_rate`)
+TARGETS += tuple((new, base, "span_images_per_s", target) for new, base, metric, target in TARGETS
+                 if metric == "images_per_s")
 
 
 def burst(engine: Any, requests: list) -> dict[str, Any]:
@@ -68,7 +75,16 @@ def burst(engine: Any, requests: list) -> dict[str, Any]:
     if cuda:
         torch.cuda.synchronize(engine.runner.device)
         out["split"] = _split(marks[0], steps, [e for *_, e in decodes if e is not None], seconds)
+        out["span_images_per_s"] = span_rate(images, out["split"])
     return out
+
+
+def span_rate(images: int, split: dict[str, float]) -> float:
+    """A burst's images/s over its GPU span: from the first step's start to the end of the last GPU work (its last
+    decode). It leaves out the burst's lead (every request submitted while the GPU waits) and the last images'
+    delivery after the GPU's last work: at saturation, other requests' steps fill both. The first admissions and
+    every decode stay in."""
+    return images / (split["gpu_span"] - split["lead"])
 
 
 def _split(start: Any, steps: list, decodes: list, seconds: float) -> dict[str, float]:
@@ -133,8 +149,11 @@ def print_report(report: dict[str, Any]) -> None:
             beyond = r["seconds"] - r.get("steps_gpu_s", float("nan"))
             print(f"  {'':34s} beyond the replays {beyond:.3f} s: lead {sp['lead']:.3f} s, decodes {sp['decode']:.3f} "
                   f"s, tail {sp['tail']:.3f} s, rest {beyond - sp['lead'] - sp['decode'] - sp['tail']:.3f} s "
-                  f"(steps' spans {sp['loop']:.3f} s)")
+                  f"(steps' spans {sp['loop']:.3f} s; {r['span_images_per_s']:.2f} images/s over the GPU span)")
     if "replay_ms" in report:
         print("  step replay ms per bucket: " + ", ".join(f"{b}: {v:.2f}" for b, v in report["replay_ms"].items()))
     for name, r in report["ratios"].items():
         print(f"  {name:80s} {r['ratio']:.3f}x (target >= {r['target']}x: {'holds' if r['holds'] else 'MISSED'})")
+    if any("span_images_per_s" in name for name in report["ratios"]):
+        print("  (span_images_per_s: images over each burst's GPU span, its first step's start to its last decode's "
+              "end: the burst's lead and last delivery left out)")
