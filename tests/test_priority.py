@@ -251,6 +251,10 @@ def test_an_admission_writes_neutral_values_only_where_a_request_wrote_before(ti
     buf.write(slice(0, 2), {"edit.mask": torch.full(mask.shape[1:], 0.5)})
     buf.write(slice(0, 2), {})  # its last request wrote the mask: back to neutral
     assert float(mask[0:2].min()) == 1.0
+    with pytest.raises(RuntimeError):  # an admission that fails half-way: the mask written, a bad value after it
+        buf.write(slice(0, 2), {"edit.mask": torch.full(mask.shape[1:], 0.5), "edit.known": torch.ones(7)})
+    buf.write(slice(0, 2), {})  # the rows' next request: the mask counts as written, so it is filled
+    assert float(mask[0:2].min()) == 1.0
     fresh = StepBuffers.allocate(3, tuple(buf.x.shape[1:]), tiny_engine.runner.program,
                                  {}, {}, live.dtype, live.x.device)
     assert float(fresh.fields["edit.mask"].min()) == 1.0 and fresh.save_rows(0, 3, 0).keys().isdisjoint(

@@ -135,6 +135,11 @@ class StepBuffers:
         unknown = set(values) - self.writable
         if unknown:
             raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
+        first, stop, _ = rows.indices(self.num_rows)
+        count = max(stop - first, 0)
+        before = frozenset().union(*self._written[first:stop])  # what the rows' last requests wrote
+        written = frozenset(n for n in values if n in self.specs and not self.specs[n].transient)
+        self._written[first:stop] = [before | written] * count  # until every value is in (one may fail half-way)
         for name, value in values.items():
             if name in self.specs and self.specs[name].transient:
                 continue
@@ -142,13 +147,10 @@ class StepBuffers:
                 write_tokens(self.fields[name][rows], value)
             else:
                 self.fields[name][rows] = value
-        first, stop, _ = rows.indices(self.num_rows)
-        before = frozenset().union(*self._written[first:stop])  # what the rows' last requests wrote
         for name, spec in self.specs.items():  # the rest hold their neutral values already (history slots: any)
             if not spec.transient and name not in values and (spec.history_slot or name in before):
                 spec.fill(self.fields[name][rows])
-        self._written[first:stop] = [frozenset(
-            n for n in values if n in self.specs and not self.specs[n].transient)] * max(stop - first, 0)
+        self._written[first:stop] = [written] * count
 
 
 def write_tokens(dst: torch.Tensor, value: torch.Tensor) -> None:
