@@ -2,15 +2,18 @@
 memory pool, replayed one after the other on one stream (what the engine does today: every graph shares one pool,
 so they must never run at once) against the same replays on two streams at once.
 
-    python3 tools/probe_overlap.py [--model random:sd15] [--size 512] [--step-rows 32] [--vae-bucket 8]
-        [--steps 4] [--decodes 4] [--rounds 5] [--compile] [--json out.json]
+    python3 tools/probe_overlap.py [--model random:sd15] [--size 512] [--step-rows 32] [--vae-bucket 4]
+        [--steps 4] [--decodes 8] [--rounds 5] [--compile] [--json out.json]
 
 One round: `steps` step replays at `step-rows` denoiser rows and `decodes` decode replays of `vae-bucket` images,
 which at the defaults is one wave of a 4-step guidance-free burst at bucket 32 (4 steps of 32 images, their 32
-decodes). Serial: all on one stream; overlapped: the steps on one stream, the decodes on another. The engine would
+decodes in VAE replays of 4). Serial: all on one stream; overlapped: the steps on one stream, the decodes on another. The engine would
 need the VAE graphs in a pool of their own (`overlap_mem_mb`: the decode pool's size) and its decodes on a side
-stream; this probe says first whether the GPU runs the two faster together. `--compile`: both compiled by Inductor
-(default mode, static shapes) before capture, as the compile tier runs them. Medians of `rounds`, CUDA events.
+stream; this probe says first whether the GPU runs the two faster together. Without `--compile`, the graph tier's
+layout (NCHW weights, eager kernels); with it, the compile tier's: the UNet's convolution weights as its family
+chooses (`graph_setup.layout`), both compiled by Inductor in default mode with `force_layout_optimization` (the
+engine's STEP_OPTIONS and VAE_OPTIONS), but for static shapes (the engine marks the batch dynamic). Medians of
+`rounds`, CUDA events.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-from diffgraph.engine.graph_setup import set_conv_layout  # noqa: E402
+from diffgraph.config import CompileConfig  # noqa: E402
+from diffgraph.engine.graph_setup import STEP_OPTIONS, VAE_OPTIONS, layout, set_conv_layout  # noqa: E402
 from diffgraph.models.loader import load_model  # noqa: E402
 
 
@@ -62,9 +66,9 @@ def main() -> int:
     p.add_argument("--model", default="random:sd15")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--step-rows", type=int, default=32)
-    p.add_argument("--vae-bucket", type=int, default=8)
+    p.add_argument("--vae-bucket", type=int, default=4, help="a decode replay's images (the engine's VAE buckets: 1, 2, 4)")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--decodes", type=int, default=4)
+    p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--json", default=None)
@@ -72,10 +76,10 @@ def main() -> int:
     m = load_model(a.model, device="cuda", dtype="fp16")
     adapter, unet = m.adapter, m.unet
     decoder = adapter.decoder(m)
-    set_conv_layout(unet, True)
-    set_conv_layout(decoder, True)
+    if a.compile:
+        set_conv_layout(unet, layout(CompileConfig(), adapter)[0])
     lat, b, v = a.size // 8, a.step_rows, a.vae_bucket
-    x = torch.randn(b, 4, lat, lat, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(b, 4, lat, lat, device="cuda", dtype=torch.float16)
     t = torch.full((b,), 500.0, device="cuda")
     ctx = torch.randn(b, 77, unet.config.cross_attention_dim, device="cuda", dtype=torch.float16)
     added = None
@@ -86,7 +90,8 @@ def main() -> int:
     step_fn = lambda: unet(x, t, encoder_hidden_states=ctx, added_cond_kwargs=added, return_dict=False)  # noqa: E731
     decode_fn = lambda: adapter.decode(m, decoder, z)  # noqa: E731
     if a.compile:
-        step_fn, decode_fn = torch.compile(step_fn), torch.compile(decode_fn)
+        step_fn = torch.compile(step_fn, options=STEP_OPTIONS)
+        decode_fn = torch.compile(decode_fn, options=VAE_OPTIONS)
     with torch.no_grad():
         before = torch.cuda.memory_reserved()
         g_step = capture(step_fn, torch.cuda.graph_pool_handle())
