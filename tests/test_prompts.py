@@ -355,6 +355,13 @@ def test_the_token_cache_tokenises_only_what_it_lacks():
     assert cache.get("k", ["ccc", "a"], tokenize) == [(3, 3, 3), (1,)] and calls[-1] == ["ccc"]
     assert cache.get("k", ["bb"], tokenize) == [(2, 2)] and calls[-1] == ["bb"]  # the least recent went
     assert cache.get("other", ["a"], tokenize) == [(1,)] and calls[-1] == ["a"]  # each kind of call on its own
+    few = TokenCache(size=100, max_ids=5)  # at most 5 ids kept, whatever the texts
+    assert few.get("k", ["aaa", "bb", "aaa"], tokenize) == [(3, 3, 3), (2, 2), (3, 3, 3)]
+    assert few._held == 5 and list(few._ids) == [("k", "aaa"), ("k", "bb")]
+    few.get("k", ["cccc"], tokenize)  # 9 ids: the oldest go until 5 or fewer are left
+    assert list(few._ids) == [("k", "cccc")] and few._held == 4
+    few.get("k", ["dddddd"], tokenize)  # longer than the bound: not kept
+    assert not few._ids and few._held == 0
 
 
 def test_prompts_prepared_on_many_threads_get_their_own_tokens(sd):

@@ -99,7 +99,7 @@ class Retirement:
         for s in finished:
             r = s.request
             try:
-                part = arrays[row:row + s.rows]
+                part = arrays[row:row + s.rows].copy()  # its own memory: not the batch's pinned block
                 if not np.isfinite(part).all():  # NaN pixels would cast to a black image: say so instead
                     raise EngineStepError(
                         f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "

@@ -108,13 +108,16 @@ def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...],
 
 
 class TokenCache:
-    """Token ids by (what the tokenizer was asked, text), the most recent `size` kept. A tokenizer call costs about
-    0.15 ms of the submitting thread's CPU a text (transformers' wrapper more than the Rust tokenizer); the engine
-    loop waits for it when requests are submitted between its steps. The caller holds `TextSetup.lock`."""
+    """Token ids by (what the tokenizer was asked, text), the most recent kept: at most `size` texts and `max_ids` ids
+    in all (a plain prompt keeps every id, truncated or not: a few long prompts must not hold hundreds of MB). A
+    tokenizer call costs about 0.15 ms of the submitting thread's CPU a text (transformers' wrapper more than the Rust
+    tokenizer); the engine loop waits for it when requests are submitted between its steps. The caller holds
+    `TextSetup.lock`."""
 
-    def __init__(self, size: int = 4096):
-        self.size = size
+    def __init__(self, size: int = 4096, max_ids: int = 500_000):
+        self.size, self.max_ids = size, max_ids
         self._ids: OrderedDict[tuple[Any, str], tuple[int, ...]] = OrderedDict()
+        self._held = 0  # ids kept
 
     def get(self, kind: Any, texts: list[str], tokenize: Any) -> list[tuple[int, ...]]:
         """The ids of each text: kept, or from one `tokenize(missing texts)` call (texts -> lists of ids)."""
@@ -129,9 +132,12 @@ class TokenCache:
             out.append(ids)
         if missing:
             for i, ids in zip(missing, tokenize([texts[i] for i in missing])):
-                out[i] = self._ids[(kind, texts[i])] = tuple(ids)
-            while len(self._ids) > self.size:
-                self._ids.popitem(last=False)
+                out[i] = tuple(ids)
+                if (kind, texts[i]) not in self._ids:  # (a text twice in one call is kept once)
+                    self._ids[(kind, texts[i])] = out[i]
+                    self._held += len(out[i])
+            while self._ids and (len(self._ids) > self.size or self._held > self.max_ids):
+                self._held -= len(self._ids.popitem(last=False)[1])
         return out
 
 
