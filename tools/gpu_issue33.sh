@@ -2,7 +2,7 @@
 # Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests, tools/probe_fp8.py's parts, the compile tier's GPU
 # tests (ctests) and the tiers side by side (tiers: bench throughput --tiers $TIERS, default graph,compile).
 #   bash tools/gpu_issue33.sh tests widths step ctests tiers vae
-#   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE; vae: VAE_PRESET, VAE_SIZE;
+#   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE; vae: VAE_PRESET, VAE_SIZE, VAE_VARIANTS;
 #   *_S limits)
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
@@ -20,9 +20,9 @@ for what in "$@"; do
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} --json "$OUT/tiers.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
     vae) for upcast in "" --no-vae-upcast; do  # SDXL's decoder in fp32 (today's), then fp16: layout and bucket
-           timeout ${VAE_S:-240} python3 tools/probe_vae_layout.py --model ${VAE_PRESET:-random:sdxl} \
+           timeout ${VAE_S:-280} python3 tools/probe_vae_layout.py --model ${VAE_PRESET:-random:sdxl} \
              --size ${VAE_SIZE:-1024x1024} \
-             --buckets 1,2,4 --variants dynamic,force $upcast --json "$OUT/vae${upcast:+_fp16}.json" 2>&1 \
+             --buckets 1,2,4 --variants ${VAE_VARIANTS:-dynamic,force,static} $upcast --json "$OUT/vae${upcast:+_fp16}.json" 2>&1 \
              | grep -v Warning | tail -7
          done ;;
   esac

@@ -2,10 +2,13 @@
 it (graphs/compiled.py `Compiled`, the batch dimension marked dynamic, which makes Inductor skip its channels-last
 layout optimisation) against the same with `force_layout_optimization` (what the step's compile asks since session 9)
 and with the decoder's convolution weights in channels-last memory too; each bucket captured in a CUDA graph of our
-own and replayed. As in the engine, a batch of 1 runs the dynamic batch's precompiled version. Also the largest difference of each variant's pixels from the first's (same latents).
+own and replayed. As in the engine, a batch of 1 runs the dynamic batch's precompiled version. `static`: a compile
+per bucket (`CompileConfig(per_bucket=True)`: static shapes, Inductor's own layout choice; the other buckets' compiles
+run in their warm-ups, outside `compile_s`). Also the largest difference of each variant's pixels from the first's
+(same latents).
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
-        [--variants dynamic,force,force_cl] [--mode default] [--no-vae-upcast] [--repeats 20] [--json out.json]
+        [--variants dynamic,force,force_cl,static] [--mode default] [--no-vae-upcast] [--repeats 20] [--json out.json]
 
 SDXL decodes in fp32 (its VAE config's force_upcast); `--no-vae-upcast` decodes it in fp16, as `--no-vae-upcast`
 does for an fp16-safe VAE (sdxl-vae-fp16-fix): on a random preset the speed is what counts, not the pixels. The
@@ -36,10 +39,11 @@ from diffgraph.graphs.compiled import Compiled  # noqa: E402
 from diffgraph.models.loader import load_model  # noqa: E402
 from probe_layout import graph_ms  # noqa: E402  (the probes' timer: one capture, replays)
 
-VARIANTS = {  # name -> (Inductor options, convolution weights channels-last)
-    "dynamic": ({}, False),
-    "force": ({"force_layout_optimization": True}, False),
-    "force_cl": ({"force_layout_optimization": True}, True),
+VARIANTS = {  # name -> (Inductor options, convolution weights channels-last, a compile per bucket: static shapes)
+    "dynamic": ({}, False, False),
+    "force": ({"force_layout_optimization": True}, False, False),
+    "force_cl": ({"force_layout_optimization": True}, True, False),
+    "static": ({}, False, True),  # CompileConfig(per_bucket=True): Inductor's own choices for each batch
 }
 
 
@@ -72,10 +76,10 @@ def main() -> int:
     lat = torch.randn((max(buckets), 4, h // 8, w // 8), device="cuda", dtype=model.dtype, generator=gen)
     rows, first = [], {}
     for name in a.variants.split(","):
-        options, cl = VARIANTS[name]
+        options, cl, per_bucket = VARIANTS[name]
         set_conv_layout(decoder, channels_last=cl)
         torch._dynamo.reset()
-        fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode), "the VAE decoder",
+        fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode, per_bucket=per_bucket), "the VAE decoder",
                       lambda args: args[:1], folder=tempfile.mkdtemp(prefix=f"vae_{name}_"), options=options)
         t0 = time.perf_counter()
         fn(lat[:max(buckets)])  # the dynamic batch's compile first, as the engine's prewarm does
