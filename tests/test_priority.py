@@ -255,6 +255,16 @@ def test_an_admission_writes_neutral_values_only_where_a_request_wrote_before(ti
         buf.write(slice(0, 2), {"edit.mask": torch.full(mask.shape[1:], 0.5), "edit.known": torch.ones(7)})
     buf.write(slice(0, 2), {})  # the rows' next request: the mask counts as written, so it is filled
     assert float(mask[0:2].min()) == 1.0
+    buf.write(slice(0, 2), {"edit.mask": torch.full(mask.shape[1:], 0.5),
+                            "edit.known": torch.ones(buf.fields["edit.known"].shape[1:])})
+    saved = buf.save_rows(0, 2, 0)
+    saved["edit.known"] = torch.ones(7)  # a restore that fails after the mask went in
+    buf.write(slice(4, 6), {})
+    with pytest.raises(RuntimeError):
+        buf.restore_rows(4, saved)
+    assert float(mask[4:6].max()) == 0.5
+    buf.write(slice(4, 6), {})
+    assert float(mask[4:6].min()) == 1.0
     fresh = StepBuffers.allocate(3, tuple(buf.x.shape[1:]), tiny_engine.runner.program,
                                  {}, {}, live.dtype, live.x.device)
     assert float(fresh.fields["edit.mask"].min()) == 1.0 and fresh.save_rows(0, 3, 0).keys().isdisjoint(

@@ -360,8 +360,8 @@ def test_the_token_cache_tokenises_only_what_it_lacks():
     assert few._held == 5 and list(few._ids) == [("k", "aaa"), ("k", "bb")]
     few.get("k", ["cccc"], tokenize)  # 9 ids: the oldest go until 5 or fewer are left
     assert list(few._ids) == [("k", "cccc")] and few._held == 4
-    few.get("k", ["dddddd"], tokenize)  # longer than the bound: not kept
-    assert not few._ids and few._held == 0
+    few.get("k", ["dddddd"], tokenize)  # longer than the whole bound: not kept, and nothing is evicted for it
+    assert list(few._ids) == [("k", "cccc")] and few._held == 4
 
 
 def test_prompts_prepared_on_many_threads_get_their_own_tokens(sd):

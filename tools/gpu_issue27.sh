@@ -22,7 +22,8 @@ for what in "$@"; do
            --compile-cache /tmp/cc --guidance-mix ${MIX_N:-64} --json "$OUT/guidance_mix.json" 2>&1 \
            | grep -v Warning | tee "$OUT/guidance_mix.log" | tail -19 ;;
     overlap) for flag in "" --compile; do
-               TORCHINDUCTOR_CACHE_DIR=/tmp/cc timeout ${OVERLAP_S:-300} python3 tools/probe_overlap.py $flag --json "$OUT/overlap${flag:+_compiled}.json" \
+               TORCHINDUCTOR_CACHE_DIR=/tmp/cc timeout $([ -n "$flag" ] && echo ${OVERLAP_S:-300} || echo 150) \
+                 python3 tools/probe_overlap.py $flag --json "$OUT/overlap${flag:+_compiled}.json" \
                  2>&1 | grep -v Warning | tail -3
              done ;;
   esac

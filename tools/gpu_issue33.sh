@@ -20,7 +20,7 @@ for what in "$@"; do
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} --json "$OUT/tiers.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
     vae) for upcast in "" --no-vae-upcast; do  # SDXL's decoder in fp32 (today's), then fp16: layout and bucket
-           timeout ${VAE_S:-280} python3 tools/probe_vae_layout.py --model ${VAE_PRESET:-random:sdxl} \
+           timeout ${VAE_S:-270} python3 tools/probe_vae_layout.py --model ${VAE_PRESET:-random:sdxl} \
              --size ${VAE_SIZE:-1024x1024} \
              --buckets 1,2,4 --variants ${VAE_VARIANTS:-dynamic,force,static} $upcast --json "$OUT/vae${upcast:+_fp16}.json" 2>&1 \
              | grep -v Warning | tail -7

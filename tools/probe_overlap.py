@@ -7,13 +7,13 @@ so they must never run at once) against the same replays on two streams at once.
 
 One round: `steps` step replays at `step-rows` denoiser rows and `decodes` decode replays of `vae-bucket` images,
 which at the defaults is one wave of a 4-step guidance-free burst at bucket 32 (4 steps of 32 images, their 32
-decodes in VAE replays of 4). Serial: all on one stream; overlapped: the steps on one stream, the decodes on another. The engine would
-need the VAE graphs in a pool of their own (`overlap_mem_mb`: the decode pool's size) and its decodes on a side
-stream; this probe says first whether the GPU runs the two faster together. Without `--compile`, the graph tier's
-layout (NCHW weights, eager kernels); with it, the compile tier's: the UNet's convolution weights as its family
-chooses (`graph_setup.layout`), both compiled by Inductor in default mode with `force_layout_optimization` (the
-engine's STEP_OPTIONS and VAE_OPTIONS), but for static shapes (the engine marks the batch dynamic). Medians of
-`rounds`, CUDA events.
+decodes in VAE replays of 4). Serial: all on one stream; overlapped: the steps on one stream, the decodes on another.
+The engine would need the VAE graphs in a pool of their own (`overlap_mem_mb`: the decode pool's size) and its
+decodes on a side stream; this probe says first whether the GPU runs the two faster together. Without `--compile`,
+the graph tier's layout (NCHW weights, eager kernels); with it, the compile tier's: the UNet's convolution weights as
+its family chooses (`graph_setup.layout`), both compiled by Inductor in default mode (the engine's STEP_OPTIONS, and
+VAE_OPTIONS for a 16-bit decoder: `force_layout_optimization`), but for static shapes (the engine marks the batch
+dynamic). Medians of `rounds`, CUDA events.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> int:
     decode_fn = lambda: adapter.decode(m, decoder, z)  # noqa: E731
     if a.compile:
         step_fn = torch.compile(step_fn, options=STEP_OPTIONS)
-        decode_fn = torch.compile(decode_fn, options=VAE_OPTIONS)
+        decode_fn = torch.compile(decode_fn, options=VAE_OPTIONS if m.vae_dtype != torch.float32 else None)
     with torch.no_grad():
         before = torch.cuda.memory_reserved()
         g_step = capture(step_fn, torch.cuda.graph_pool_handle())

@@ -75,12 +75,20 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     lat = torch.randn((max(buckets), 4, h // 8, w // 8), device="cuda", dtype=model.dtype, generator=gen)
     rows, first = [], {}
+    dtype = str(adapter.vae_dtype(model)).removeprefix("torch.")
+
+    def save() -> None:  # after every row: a run the call's time limit stops keeps what it measured
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"model": a.model, "size": a.size, "mode": a.mode, "vae_dtype": dtype, "rows": rows}, f,
+                          indent=1)
     for name in a.variants.split(","):
         options, cl, per_bucket = VARIANTS[name]
         set_conv_layout(decoder, channels_last=cl)
         torch._dynamo.reset()
-        fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode, per_bucket=per_bucket), "the VAE decoder",
-                      lambda args: args[:1], folder=tempfile.mkdtemp(prefix=f"vae_{name}_"), options=options)
+        fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode, per_bucket=per_bucket),
+                      "the VAE decoder", lambda args: args[:1], folder=tempfile.mkdtemp(prefix=f"vae_{name}_"),
+                      options=options)
         t0 = time.perf_counter()
         fn(lat[:max(buckets)])  # the dynamic batch's compile first, as the engine's prewarm does
         compile_s = time.perf_counter() - t0
@@ -92,7 +100,7 @@ def main() -> int:
                          "compile_s": compile_s, "compiles": fn.compiles, "fallbacks": fn.fallbacks})
             print(f"{name} bucket {b}: {ms:.2f} ms, {ms / b:.2f} ms/image, max diff {diff:.4f} "
                   f"(compile {compile_s:.0f} s, {fn.compiles} compiles)", flush=True)
-    dtype = str(adapter.vae_dtype(model)).removeprefix("torch.")
+            save()
     print(f"\n{a.model} {a.size} VAE decode in {dtype}, compile tier ({a.mode}), ms per image\n")
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print("| bucket | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
@@ -100,9 +108,6 @@ def main() -> int:
         cells = [next((f"{r['ms_per_image']:.2f}" for r in rows if r["variant"] == n and r["bucket"] == b), "")
                  for n in names]
         print(f"| {b} | " + " | ".join(cells) + " |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"model": a.model, "size": a.size, "mode": a.mode, "vae_dtype": dtype, "rows": rows}, f, indent=1)
     return 0
 
 

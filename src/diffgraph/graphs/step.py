@@ -96,9 +96,11 @@ class StepBuffers:
         """Copies rows [src, src+count) to [dst, dst+count) in every buffer (compaction)."""
         if src == dst or count == 0:
             return
-        for t in self.state.values():
+        moved = self._written[src:src + count]
+        self._written[dst:dst + count] = [a | b for a, b in zip(self._written[dst:dst + count], moved)]  # (a failure
+        for t in self.state.values():  # half-way leaves both counted)
             t[dst:dst + count] = t[src:src + count].clone()
-        self._written[dst:dst + count] = self._written[src:src + count]
+        self._written[dst:dst + count] = moved
 
     def save_rows(self, start: int, count: int, history: int) -> dict[str, torch.Tensor]:
         """A copy of rows [start, start+count) of every buffer a request's rows carry: a preempted row's whole state
@@ -113,13 +115,14 @@ class StepBuffers:
         did not carry (features the request does not use, history slots its sampler does not use) take their
         neutral value there, the value they held."""
         count = next(iter(saved.values())).shape[0]
+        written = frozenset(k for k in saved if k in self.specs and not self.specs[k].history_slot)
+        self._written[start:start + count] = [w | written for w in self._written[start:start + count]]  # (as `write`)
         for k, t in self.state.items():
             if k in saved:
                 t[start:start + count] = saved[k]
             else:
                 self.specs[k].fill(t[start:start + count])
-        self._written[start:start + count] = [frozenset(
-            k for k in saved if k in self.specs and not self.specs[k].history_slot)] * count
+        self._written[start:start + count] = [written] * count
 
     def _carried(self, name: str, history: int, written: frozenset[str]) -> bool:
         spec = self.specs.get(name)

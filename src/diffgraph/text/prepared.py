@@ -133,7 +133,8 @@ class TokenCache:
         if missing:
             for i, ids in zip(missing, tokenize([texts[i] for i in missing])):
                 out[i] = tuple(ids)
-                if (kind, texts[i]) not in self._ids:  # (a text twice in one call is kept once)
+                if (kind, texts[i]) not in self._ids and len(out[i]) <= self.max_ids:  # (a text twice in one call
+                    # is kept once; one longer than the whole bound is not kept)
                     self._ids[(kind, texts[i])] = out[i]
                     self._held += len(out[i])
             while self._ids and (len(self._ids) > self.size or self._held > self.max_ids):
