@@ -8,7 +8,7 @@ run in their warm-ups, outside `compile_s`). Also the largest difference of each
 (same latents).
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
-        [--variants dynamic,force,force_cl,static] [--mode default] [--no-vae-upcast] [--repeats 20] [--json out.json]
+        [--variants dynamic,force,force_cl,static,force_at] [--mode default] [--no-vae-upcast] [--repeats 20] [--json out.json]
 
 SDXL decodes in fp32 (its VAE config's force_upcast); `--no-vae-upcast` decodes it in fp16, as `--no-vae-upcast`
 does for an fp16-safe VAE (sdxl-vae-fp16-fix): on a random preset the speed is what counts, not the pixels. The
@@ -44,6 +44,9 @@ VARIANTS = {  # name -> (Inductor options, convolution weights channels-last, a 
     "force": ({"force_layout_optimization": True}, False, False),
     "force_cl": ({"force_layout_optimization": True}, True, False),
     "static": ({}, False, True),  # CompileConfig(per_bucket=True): Inductor's own choices for each batch
+    # Inductor's GEMM / convolution templates benchmarked, without max-autotune-no-cudagraphs' coordinate-descent
+    # tuning of every other kernel (the mode's longest part): what autotuning the convolutions alone buys, and costs
+    "force_at": ({"force_layout_optimization": True, "max_autotune": True}, False, False),
 }
 
 
