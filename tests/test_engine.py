@@ -357,3 +357,30 @@ def test_growth_hold_happens_and_changes_no_image(tiny_engine):
         for f, a in zip(futures, ref):
             np.testing.assert_allclose(f.result(timeout=300).arrays, a, atol=1e-4, rtol=0)
         assert e.scheduler.growth_holds >= 1
+
+
+_EXIT_WHILE_STEPPING = """
+import time
+from diffgraph import Engine
+engine = Engine(model="random:tiny", device="cpu")
+engine.generate("a fox", num_inference_steps=2, width=64, height=64)
+start = engine.stats["steps"]
+future = engine.submit(engine.make_request("a fox", num_inference_steps=200, width=256, height=256))
+while engine.stats["steps"] < start + 3:  # its steps are running
+    time.sleep(0.01)
+print("exiting while a step runs", flush=True)
+"""
+
+
+def test_a_script_that_exits_while_its_engine_steps_exits_cleanly():
+    """An Engine never closed (a script's last line returns while a request steps) is closed at the interpreter's
+    exit: its loop finishes the step it runs, instead of the teardown aborting the process under that native op
+    ("terminate called without an active exception", SIGABRT: what README blocks that end without close() met)."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EXIT_WHILE_STEPPING], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0 and "exiting while a step runs" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+    assert "terminate called" not in proc.stderr

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -162,6 +163,10 @@ class Engine:
                             time.perf_counter() - t0 - loaded_s, len(self.runner.graph_table()))
         self.ready_s = time.perf_counter() - t0  # load to ready (prewarm graphs captured)
         self.core.start()
+        # an engine never closed is closed when it is dropped or, at the latest, when the interpreter exits (its
+        # atexit call): its loop finishes the step it runs first, where the teardown would abort the process under
+        # a native op ("terminate called without an active exception")
+        self._closer = weakref.finalize(self, self.core.close)
         self._ready = True
         adapter = self.model.adapter  # what requests may ask of its family, checked by GenerationRequest.create
         self.info = ModelInfo(name=self.model.name, family=self.model.family, native_size=self.model.native_size,
@@ -315,6 +320,9 @@ class Engine:
                 "pinned_bytes": pinned + (loras if r.cuda else 0)}
 
     def close(self, timeout: float | None = 10.0) -> None:
+        closer = getattr(self, "_closer", None)  # (none when the engine failed while starting)
+        if closer is not None:
+            closer.detach()
         self.core.close(timeout)
 
     def __enter__(self) -> "Engine":
