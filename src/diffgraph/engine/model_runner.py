@@ -399,8 +399,8 @@ class ModelRunner:
             else:
                 self.graphs.vae.write(key[0], key[1], part, bucket)
                 image = runner.replay("vae", key[0], key[1], bucket)[:n]
-            # float32 [n, H, W, 3] made on the device: no CPU-wide conversion competes with the loop thread
-            image = image.permute(0, 2, 3, 1).to(torch.float32, memory_format=torch.contiguous_format)
+            image = image.permute(0, 2, 3, 1)  # on CUDA made float32 there: no CPU-wide conversion beside the loop
+            image = image.to(torch.float32, memory_format=torch.contiguous_format) if self.cuda else image
             if host is None:
                 host = torch.empty((n_total, *image.shape[1:]), dtype=torch.float32, pin_memory=self.cuda)
             host[start:start + n].copy_(image, non_blocking=self.cuda)  # consumed before any later replay

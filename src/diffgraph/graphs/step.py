@@ -15,6 +15,8 @@ and features, share one call. Padding rows (coefficients all zero) produce x = 0
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -96,11 +98,9 @@ class StepBuffers:
         """Copies rows [src, src+count) to [dst, dst+count) in every buffer (compaction)."""
         if src == dst or count == 0:
             return
-        moved = self._written[src:src + count]
-        self._written[dst:dst + count] = [a | b for a, b in zip(self._written[dst:dst + count], moved)]  # (a failure
-        for t in self.state.values():  # half-way leaves both counted)
-            t[dst:dst + count] = t[src:src + count].clone()
-        self._written[dst:dst + count] = moved
+        with self._rewriting(dst, self._written[src:src + count]):
+            for t in self.state.values():
+                t[dst:dst + count] = t[src:src + count].clone()
 
     def save_rows(self, start: int, count: int, history: int) -> dict[str, torch.Tensor]:
         """A copy of rows [start, start+count) of every buffer a request's rows carry: a preempted row's whole state
@@ -116,13 +116,12 @@ class StepBuffers:
         neutral value there, the value they held."""
         count = next(iter(saved.values())).shape[0]
         written = frozenset(k for k in saved if k in self.specs and not self.specs[k].history_slot)
-        self._written[start:start + count] = [w | written for w in self._written[start:start + count]]  # (as `write`)
-        for k, t in self.state.items():
-            if k in saved:
-                t[start:start + count] = saved[k]
-            else:
-                self.specs[k].fill(t[start:start + count])
-        self._written[start:start + count] = [written] * count
+        with self._rewriting(start, [written] * count):
+            for k, t in self.state.items():
+                if k in saved:
+                    t[start:start + count] = saved[k]
+                else:
+                    self.specs[k].fill(t[start:start + count])
 
     def _carried(self, name: str, history: int, written: frozenset[str]) -> bool:
         spec = self.specs.get(name)
@@ -142,18 +141,27 @@ class StepBuffers:
         count = max(stop - first, 0)
         before = frozenset().union(*self._written[first:stop])  # what the rows' last requests wrote
         written = frozenset(n for n in values if n in self.specs and not self.specs[n].transient)
-        self._written[first:stop] = [before | written] * count  # until every value is in (one may fail half-way)
-        for name, value in values.items():
-            if name in self.specs and self.specs[name].transient:
-                continue
-            if name in self.sequence:
-                write_tokens(self.fields[name][rows], value)
-            else:
-                self.fields[name][rows] = value
-        for name, spec in self.specs.items():  # the rest hold their neutral values already (history slots: any)
-            if not spec.transient and name not in values and (spec.history_slot or name in before):
-                spec.fill(self.fields[name][rows])
-        self._written[first:stop] = [written] * count
+        with self._rewriting(first, [written] * count):
+            for name, value in values.items():
+                if name in self.specs and self.specs[name].transient:
+                    continue
+                if name in self.sequence:
+                    write_tokens(self.fields[name][rows], value)
+                else:
+                    self.fields[name][rows] = value
+            for name, spec in self.specs.items():  # the rest hold their neutral values already (history slots: any)
+                if not spec.transient and name not in values and (spec.history_slot or name in before):
+                    spec.fill(self.fields[name][rows])
+
+    @contextmanager
+    def _rewriting(self, start: int, after: list[frozenset[str]]) -> Iterator[None]:
+        """Rows [start, start + len(after)) are rewritten to hold the fields `after` records: while the copies run the
+        record counts the union of old and new, so a copy that fails half-way never leaves a written value unrecorded
+        (that row's next request would skip its neutral fill); once all are in, the record is `after`."""
+        stop = start + len(after)
+        self._written[start:stop] = [a | b for a, b in zip(self._written[start:stop], after)]
+        yield
+        self._written[start:stop] = after
 
 
 def write_tokens(dst: torch.Tensor, value: torch.Tensor) -> None:
