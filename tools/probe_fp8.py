@@ -89,7 +89,11 @@ def kernel_split(run, steps: int, top: int = 6) -> tuple[dict[str, float], list[
     encoders, the VAE decode and the first step cancel), divided by steps - 1, summed by category (KERNEL_KINDS);
     and the `top` kernels by time."""
     many, one = _kernel_ms(lambda: run(steps)), _kernel_ms(lambda: run(1))
-    per = {k: (v - one.get(k, 0.0)) / (steps - 1) for k, v in many.items()}
+    return split_kernels({k: (v - one.get(k, 0.0)) / (steps - 1) for k, v in many.items()}, top)
+
+
+def split_kernels(per: dict[str, float], top: int = 6) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """Kernel ms by name -> ms by category (KERNEL_KINDS; copies apart) and the `top` kernels by time."""
     split: dict[str, float] = {}
     for name, ms in per.items():
         low = name.lower()

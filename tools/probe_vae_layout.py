@@ -8,7 +8,8 @@ run in their warm-ups, outside `compile_s`). Also the largest difference of each
 (same latents).
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
-        [--variants dynamic,force,force_cl,static,force_at] [--mode default] [--no-vae-upcast] [--repeats 20] [--json out.json]
+        [--variants dynamic,force,force_cl,static,force_at] [--mode default] [--no-vae-upcast] [--repeats 20]
+        [--kernels B] [--json out.json]
 
 SDXL decodes in fp32 (its VAE config's force_upcast); `--no-vae-upcast` decodes it in fp16, as `--no-vae-upcast`
 does for an fp16-safe VAE (sdxl-vae-fp16-fix): on a random preset the speed is what counts, not the pixels. The
@@ -16,7 +17,9 @@ engine asks for the layout only for 16-bit decoders (engine/graph_setup.py `VAE_
 whether an fp32 decoder should too.
 
 Each figure: the median of `repeats` replays timed one by one with CUDA events, after 3 warm-ups (probe_layout.py
-`graph_ms`).
+`graph_ms`). `--kernels B`: where one decode of B images spends its device time, per variant (torch.profiler over one
+call of the compiled decoder outside a graph: the same kernels), by category (convolutions, Inductor's fused code,
+copies, ...; probe_fp8.py `split_kernels`) and the top kernels, in ms per image.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def main() -> int:
     p.add_argument("--mode", default="default", help="Inductor mode (default, max-autotune-no-cudagraphs)")
     p.add_argument("--no-vae-upcast", action="store_true", help="decode an fp16 model in fp16 (SDXL upcasts)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--kernels", type=int, default=0, help="profile one decode of this many images per variant")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     w, h = (int(v) for v in a.size.split("x"))
@@ -104,11 +108,22 @@ def main() -> int:
             print(f"{name} bucket {b}: {ms:.2f} ms, {ms / b:.2f} ms/image, max diff {diff:.4f} "
                   f"(compile {compile_s:.0f} s, {fn.compiles} compiles)", flush=True)
             save()
+        if a.kernels:
+            from probe_fp8 import _kernel_ms, split_kernels  # the GPU host's probes: diffgraph's Engine imported
+            fn(lat[:a.kernels])
+            split, top = split_kernels(_kernel_ms(lambda: fn(lat[:a.kernels])), top=8)
+            per = {k: round(v / a.kernels, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
+            rows.append({"variant": name, "kernels_of": a.kernels, "ms_per_image_by_kind": per,
+                         "top_ms_per_image": [(k[:90], round(v / a.kernels, 3)) for k, v in top]})
+            print(f"{name} kernels, {a.kernels} images, ms per image: {per}")
+            for k, v in top:
+                print(f"    {v / a.kernels:7.3f}  {k[:110]}")
+            save()
     print(f"\n{a.model} {a.size} VAE decode in {dtype}, compile tier ({a.mode}), ms per image\n")
     names = list(dict.fromkeys(r["variant"] for r in rows))
     print("| bucket | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
     for b in buckets:
-        cells = [next((f"{r['ms_per_image']:.2f}" for r in rows if r["variant"] == n and r["bucket"] == b), "")
+        cells = [next((f"{r['ms_per_image']:.2f}" for r in rows if r["variant"] == n and r.get("bucket") == b), "")
                  for n in names]
         print(f"| {b} | " + " | ".join(cells) + " |")
     return 0
