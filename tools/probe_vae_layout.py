@@ -5,7 +5,7 @@ and with the decoder's convolution weights in channels-last memory too; each buc
 own and replayed. As in the engine, a batch of 1 runs the dynamic batch's precompiled version. `static`: a compile
 per bucket (`CompileConfig(per_bucket=True)`: static shapes, Inductor's own layout choice; the other buckets' compiles
 run in their warm-ups, outside `compile_s`). Also the largest difference of each variant's pixels from the first's
-(same latents).
+(same latents). `force_gn`: `force` with the decoder's group norms traced per channel first (graphs/group_norm.py).
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
         [--variants dynamic,force,force_cl,static,force_at] [--mode default] [--no-vae-upcast] [--repeats 20]
@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from diffgraph.config import CompileConfig, LoadOptions  # noqa: E402
 from diffgraph.engine.graph_setup import set_conv_layout  # noqa: E402
 from diffgraph.graphs.compiled import Compiled  # noqa: E402
+from diffgraph.graphs.group_norm import ChannelGroupNorm  # noqa: E402
 from diffgraph.models.loader import load_model  # noqa: E402
 from probe_layout import graph_ms  # noqa: E402  (the probes' timer: one capture, replays)
 
@@ -50,6 +51,8 @@ VARIANTS = {  # name -> (Inductor options, convolution weights channels-last, a 
     # Inductor's GEMM / convolution templates benchmarked, without max-autotune-no-cudagraphs' coordinate-descent
     # tuning of every other kernel (the mode's longest part): what autotuning the convolutions alone buys, and costs
     "force_at": ({"force_layout_optimization": True, "max_autotune": True}, False, False),
+    # the engine's since this variant: `force` with the group norms traced per channel first (graphs/group_norm.py)
+    "force_gn": ({"force_layout_optimization": True}, False, False),
 }
 
 
@@ -92,6 +95,9 @@ def main() -> int:
     for name in a.variants.split(","):
         options, cl, per_bucket = VARIANTS[name]
         set_conv_layout(decoder, channels_last=cl)
+        for m in decoder.modules():  # nn.GroupNorm's own forward, or the per-channel form (`_gn` variants)
+            if isinstance(m, torch.nn.GroupNorm):
+                m.__class__ = ChannelGroupNorm if name.endswith("_gn") else torch.nn.GroupNorm
         torch._dynamo.reset()
         fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode, per_bucket=per_bucket),
                       "the VAE decoder", lambda args: args[:1], folder=tempfile.mkdtemp(prefix=f"vae_{name}_"),

@@ -21,6 +21,7 @@ from ..config import CompileConfig, GraphConfig
 from ..features.program import StepProgram
 from ..graphs.compiled import Compiled, open_cache
 from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
+from ..graphs.group_norm import use_channel_group_norms
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, step_rows
 from ..models.families.base import FamilyAdapter
@@ -96,10 +97,11 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     out = GraphSet(GraphRunner(cfg, host.device))
     tag, attention = _prepare_compile(host, out, compile, resolutions) if compile is not None else ("", "auto")
 
-    def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None, tokens_of: Any = None) -> Any:
+    def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None, tokens_of: Any = None,
+              form: str = "") -> Any:
         if compile is None:
             return fn
-        out.compiled.append(Compiled(fn, compile, name, batch_of, folder=out.compile_folder, tag=tag,
+        out.compiled.append(Compiled(fn, compile, name, batch_of, folder=out.compile_folder, tag=tag + form,
                                      options=options, tokens_of=tokens_of))
         return out.compiled[-1]
 
@@ -121,8 +123,12 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
                              adapter.token_lengths(model), host.device, cfg.batch_buckets)
         graphs.register(out.text)
     if cfg.capture_vae:
+        channels_last_vae = host.cuda and model.vae_dtype != torch.float32  # (an fp32 decoder: Inductor's layout)
+        if compile is not None and channels_last_vae:  # its group norms traced per channel first: group_norm.py
+            use_channel_group_norms(adapter.decoder(model))
         out.vae = VaeGraph(maybe(host.decode_pixels, "the VAE decoder", lambda args: args[:1],
-                                 VAE_OPTIONS if host.cuda and model.vae_dtype != torch.float32 else None),
+                                 VAE_OPTIONS if channels_last_vae else None,
+                                 form=" group_norm=channel" if channels_last_vae else ""),
                            host.latent_shape, model.vae_dtype, host.device, resolutions,
                            tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
         graphs.register(out.vae)
