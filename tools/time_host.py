@@ -11,7 +11,10 @@ the prompt cache: no text encoding, as in the bench's timed bursts). Each figure
 `requests` 4-step requests at guidance 0, 64x64 (the prompts' host cost does not depend on the size). Last, what an
 image thread spent per image before decoded pixels became float32 on the device (780c123): fp16 [32, size, size, 3]
 to float32 on the CPU, with torch's default threads (as the image threads ran it), and what they spend now: each
-request's float32 pixels copied out of the decoded batch (pinned memory is not handed to callers).
+request's float32 pixels copied out of the decoded batch (pinned memory is not handed to callers). And a burst's tail:
+one decode's 32 one-image requests answered (each request's copy and finiteness check, as `Retirement._deliver`)
+one after another on one image thread (before: one task a decode) against a task a request
+on the engine's 2 image threads (since), ms for the 32.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import dataclasses
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from diffgraph import Engine
@@ -47,6 +52,20 @@ def main() -> int:
             pixels[i:i + 1].copy()
         convert.append((t1 - t0) * 1e3 / 32)
         copy.append((time.perf_counter() - t1) * 1e3 / 32)
+    block = half.float().numpy()
+
+    def answer(i: int) -> bool:  # Retirement._deliver's array work for one one-image request
+        return bool(np.isfinite(block[i:i + 1].copy()).all())
+    serial, shared = [], []
+    with ThreadPoolExecutor(max_workers=2) as images:
+        for _ in range(a.rounds + 1):
+            t0 = time.perf_counter()
+            images.submit(lambda: [answer(i) for i in range(32)]).result()
+            t1 = time.perf_counter()
+            for f in [images.submit(answer, i) for i in range(32)]:
+                f.result()
+            serial.append((t1 - t0) * 1e3)
+            shared.append((time.perf_counter() - t1) * 1e3)
     torch.set_num_threads(1)  # the loop thread's own cost, not the box's spare cores
     with Engine(model=a.model, device=a.device) as engine:
         core, runner = engine.core, engine.runner
@@ -97,6 +116,9 @@ def main() -> int:
           f"threads, per image | {statistics.median(convert[1:]):.3f} |")
     print(f"| since, an image thread: a request's float32 pixels copied out of the batch's pinned block, per image "
           f"| {statistics.median(copy[1:]):.3f} |")
+    print(f"| a decode's 32 one-image requests answered at {a.pixels}x{a.pixels}, one task (before), ms for the 32 "
+          f"| {statistics.median(serial[1:]):.3f} |")
+    print(f"| the same, a task a request on 2 image threads (since), ms for the 32 | {statistics.median(shared[1:]):.3f} |")
     return 0
 
 

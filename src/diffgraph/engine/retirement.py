@@ -77,44 +77,44 @@ class Retirement:
                 end.record(torch.cuda.current_stream(self.runner.device))
             self.decode_log.append((sum(s.rows for s in finished), sum(s.rows for s in finished if s.batch),
                                     (start, end) if timed else None))
-        done_at = time.monotonic()
-        try:
-            self._images.submit(self._deliver, finished, wait, done_at)
-        except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
-            self._deliver(finished, wait, done_at)
+        done_at, row = time.monotonic(), 0
+        for s in finished:  # a task a request: the image threads share one decode's copies, checks and encodes
+            try:
+                self._images.submit(self._deliver, s, row, wait, done_at)
+            except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
+                self._deliver(s, row, wait, done_at)
+            row += s.rows
 
     def _failed(self, key: GroupKey | None, finished: list[RequestState], e: Exception) -> None:
         logger.exception("decode failed for group %s", key)
         for s in finished:
             fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
 
-    def _deliver(self, finished: list[RequestState], wait: Callable[[], np.ndarray], done_at: float) -> None:
+    def _deliver(self, s: RequestState, row: int, wait: Callable[[], np.ndarray], done_at: float) -> None:
+        """Answers request `s`, whose images are rows [row, row + s.rows) of the decode `wait` gives (on an image
+        thread: every request of a decode waits for the same pixels, and each takes its own copy)."""
         try:
             arrays = wait()
         except Exception as e:
-            for s in finished:
-                fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+            fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
             return
-        row = 0
-        for s in finished:
-            r = s.request
-            try:
-                part = arrays[row:row + s.rows].copy()  # its own memory: not the batch's pinned block
-                if not np.isfinite(part).all():  # NaN pixels would cast to a black image: say so instead
-                    raise EngineStepError(
-                        f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "
-                        "overflowed its dtype; lower the LoRA scales or the guidance, or use a float32/bfloat16 model")
-                encoded = ([encode_image(a, r.output_format, r, self.runner.model.name, self.metadata) for a in part]
-                           if r.output_format else None)
-                now = time.monotonic()
-                timings = {"queue_ms": (s.admitted_at - s.arrival) * 1e3,
-                           "denoise_ms": (done_at - s.admitted_at) * 1e3,
-                           "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
-                result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
-                                          request=r, encoded=encoded)
-                if s.preview_future is not None:  # its previews go first
-                    self.previews.settle(s)
-                call_safely(s.sink.finish, result, None)
-            except Exception as e:
-                fail_request(s, e)
-            row += s.rows
+        r = s.request
+        try:
+            part = arrays[row:row + s.rows].copy()  # its own memory: not the batch's pinned block
+            if not np.isfinite(part).all():  # NaN pixels would cast to a black image: say so instead
+                raise EngineStepError(
+                    f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "
+                    "overflowed its dtype; lower the LoRA scales or the guidance, or use a float32/bfloat16 model")
+            encoded = ([encode_image(a, r.output_format, r, self.runner.model.name, self.metadata) for a in part]
+                       if r.output_format else None)
+            now = time.monotonic()
+            timings = {"queue_ms": (s.admitted_at - s.arrival) * 1e3,
+                       "denoise_ms": (done_at - s.admitted_at) * 1e3,
+                       "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
+            result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
+                                      request=r, encoded=encoded)
+            if s.preview_future is not None:  # its previews go first
+                self.previews.settle(s)
+            call_safely(s.sink.finish, result, None)
+        except Exception as e:
+            fail_request(s, e)
