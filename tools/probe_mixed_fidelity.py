@@ -14,7 +14,8 @@ optimisation; `casts` plus Inductor's `emulate_precision_casts` (fused kernels r
 eager code does); `perbucket` static compiles per bucket; `det` Inductor's deterministic mode (no on-device
 benchmarking of configs that change numerics) for every compile; `nosplit` Inductor's split reductions off (a
 reduction's order then never depends on the batch); `pad1` no bucket 1 (a single image pads to bucket 2, so every
-replay runs the one dynamic-batch compile). A `_slots` suffix gives the engine the model's adapter slots (as the GPU
+replay runs the one dynamic-batch compile); `inductorgn` the compile tier with the VAE decoder's group norms as
+Inductor lowers them (before 25d8dd9: not graphs/group_norm.py's per-channel form). A `_slots` suffix gives the engine the model's adapter slots (as the GPU
 tests have). A variant named twice runs twice, in two processes. Prints a line per run; with $OUT, writes
 mixed_<index>_<variant>.json."""
 
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-VARIANTS = ("graph", "force", "cudnn", "noforce", "casts", "perbucket", "det", "nosplit", "pad1")
+VARIANTS = ("graph", "force", "cudnn", "noforce", "casts", "perbucket", "det", "nosplit", "pad1", "inductorgn")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "gpu"))
 
 
@@ -54,6 +55,8 @@ def run_variant(variant: str) -> dict:
             graph_setup.STEP_OPTIONS = {}
         elif variant == "casts":
             graph_setup.STEP_OPTIONS = {**graph_setup.STEP_OPTIONS, "emulate_precision_casts": True}
+        elif variant == "inductorgn":
+            graph_setup.use_channel_group_norms = lambda module: 0
     buckets = (2, 4, 8, 16) if variant == "pad1" else (1, 2, 4, 8, 16)
     graphs = GraphConfig(batch_buckets=buckets, resolutions=((64, 64),), verify=True)
     device = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a quick check of the probe itself (eager, fp32)

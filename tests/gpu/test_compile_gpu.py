@@ -18,6 +18,7 @@ import torch
 
 from diffgraph import Engine, GraphConfig
 from diffgraph.config import CompileConfig
+from diffgraph.graphs.group_norm import ChannelGroupNorm
 from diffgraph.text.prepared import prepare
 
 pytestmark = pytest.mark.gpu
@@ -64,6 +65,8 @@ def test_every_compiled_graph_equals_the_uncompiled_function(compiled):
     assert step.compiles <= 2 * len(kinds)  # buckets above 1 share one compile per step variant
     vae = next(c for c in compiled.runner.compiled if c.name == "the VAE decoder")
     assert vae.options["force_layout_optimization"]  # a 16-bit decoder's activations channels-last (session 30)
+    norms = [m for m in compiled.runner.decoder.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(isinstance(m, ChannelGroupNorm) for m in norms)  # traced per channel first (session 32)
 
 
 def _mix(engine, n=20):
