@@ -7,7 +7,7 @@ captures its compiled UNet (and VAE decoder, where asked) in a CUDA graph of its
 replays with CUDA events, with cuDNN's heuristics and again with `cudnn.benchmark`. Nothing is timed while another
 process compiles. Prints one line per measurement and a table last.
 
-    python3 -u tools/probe_compile_layout.py [sd15] [sdxl] [engine] [engineforce] [enginexl]   # on the GPU host (GROUPS)
+    python3 -u tools/probe_compile_layout.py [sd15] [sdxl] [engine] [engineforce] [enginexl] [enginegn]   # GPU host
 
 `engine` / `enginexl` time the compile tier's own step graphs (buckets 1 and 16, the batch dimension dynamic above 1)
 per layout, where the static-shape groups time the bare UNet; their second column is not `cudnn.benchmark` but the
@@ -30,12 +30,14 @@ def _v(family, layout, attention="auto", tuned=False, batches=(2, 32), vae=False
     return dict(family=family, layout=layout, attention=attention, tuned=tuned, batches=batches, vae=vae)
 
 
-def _e(family, layout, attention, pdl=False, force=False):  # the engine itself: its compiled step (dynamic batch
-    # above 1), buckets 1 and 16; pdl: Inductor's Triton kernels with programmatic dependent launch (Hopper), which
-    # lets a kernel's launch overlap the tail of the one before it inside the graph; force: Inductor's layout
-    # optimisation (channels-last activations around convolutions) forced on, which it skips for dynamic shapes
+def _e(family, layout, attention, pdl=False, force=False, gn=False):  # the engine itself: its compiled step (dynamic
+    # batch above 1), buckets 1 and 16; pdl: Inductor's Triton kernels with programmatic dependent launch (Hopper),
+    # which lets a kernel's launch overlap the tail of the one before it inside the graph; force: Inductor's layout
+    # optimisation (channels-last activations around convolutions) forced on, which it skips for dynamic shapes;
+    # gn: the UNet's group norms traced per channel first (graphs/group_norm.py, as the 16-bit VAE decoder's since
+    # session 32); layout None / attention None: the family's own choices (the engine as shipped)
     return dict(family=family, layout=layout, attention=attention, tuned=False, batches=(1, 16), engine=True, pdl=pdl,
-                force=force)
+                force=force, gn=gn)
 
 
 GROUPS = {  # first call: SD1.5; the second: SDXL's layouts and SD1.5's two best choices together
@@ -50,6 +52,8 @@ GROUPS = {  # first call: SD1.5; the second: SDXL's layouts and SD1.5's two best
     "engineforce": [_e("sd15", "nchw", "auto"), _e("sd15", "cl", "cudnn"), _e("sd15", "nchw", "auto", force=True),
                     _e("sd15", "cl", "cudnn", force=True), _e("sd15", "cl", "auto", force=True)],
     "enginexl": [_e("sdxl", "nchw", "auto"), _e("sdxl", "cl", "auto")],
+    # the shipped step against the same with the UNet's group norms traced per channel first
+    "enginegn": [_e("sd15", None, None, force=True), _e("sd15", None, None, force=True, gn=True)],
 }
 SIZES = {"sd15": 512, "sdxl": 1024}
 
@@ -68,6 +72,8 @@ def engine_worker(spec: dict, conn) -> None:
 
     from diffgraph import Engine
     from diffgraph.config import CompileConfig, GraphConfig
+    from diffgraph.graphs.group_norm import use_channel_group_norms
+    from diffgraph.models.loader import load_model
     try:
         from diffgraph.engine import graph_setup  # the step's Inductor options, per variant (the engine forces it)
         graph_setup.STEP_OPTIONS = {"force_layout_optimization": bool(spec.get("force"))}
@@ -80,10 +86,12 @@ def engine_worker(spec: dict, conn) -> None:
         device = os.environ.get("PROBE_DEVICE", "cuda")  # cpu: a smoke test of the probe up to "ready"
         graphs = GraphConfig(batch_buckets=spec["batches"], resolutions=((size, size),), capture_text_encoder=False,
                              capture_vae=False, backend="cuda" if device == "cuda" else "emulated")
-        config = CompileConfig(cache_dir=tempfile.mkdtemp(), channels_last=spec["layout"] == "cl",
-                               attention=spec["attention"])
-        engine = Engine(f"random:{spec['family']}", device=device, dtype="fp16" if device == "cuda" else "fp32",
-                        mode="graph", graphs=graphs, compile=config)
+        config = CompileConfig(cache_dir=tempfile.mkdtemp(), attention=spec["attention"],
+                               channels_last=None if spec["layout"] is None else spec["layout"] == "cl")
+        model = load_model(f"random:{spec['family']}", device=device, dtype="fp16" if device == "cuda" else "fp32")
+        if spec.get("gn"):
+            use_channel_group_norms(model.unet)
+        engine = Engine(model, mode="graph", graphs=graphs, compile=config)
         runner = engine.runner.graph_runner
         conn.send(("ready", {"compile_s": engine.stats["compile_s"], "fallbacks": engine.stats["compile_fallbacks"]}))
         if conn.recv() != "go":
@@ -204,7 +212,7 @@ def worker(spec: dict, conn) -> None:
 def name_of(spec: dict) -> str:
     return (f"{spec['family']} {spec['layout']} attn={spec['attention']}{' tuned' if spec['tuned'] else ''}"
             f"{' engine' if spec.get('engine') else ''}{' pdl' if spec.get('pdl') else ''}"
-            f"{' force-layout' if spec.get('force') else ''}")
+            f"{' force-layout' if spec.get('force') else ''}{' channel-gn' if spec.get('gn') else ''}")
 
 
 def main(groups: list[str], deadline_s: float = float(os.environ.get("PROBE_DEADLINE_S", 430))) -> None:
