@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 27 on the GPU host: GPU tests, the compile tier's latency of the old tree (.old/src, carried) and the new
 # one alternated in one call, the guidance-mix throughput, and whether decoding beside the steps would pay (overlap:
-# tools/probe_overlap.py, eager then compiled). Usage: bash tools/gpu_issue27.sh tests ab mix overlap
+# tools/probe_overlap.py, eager then compiled), and a request's image alone vs in a mixed batch with the decoder's
+# group norms as shipped (force) and as Inductor lowers them (inductorgn: fidelity, tools/probe_mixed_fidelity.py).
+# Usage: bash tools/gpu_issue27.sh tests ctests ab mix overlap fidelity
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -26,5 +28,7 @@ for what in "$@"; do
                  python3 tools/probe_overlap.py $flag --json "$OUT/overlap${flag:+_compiled}.json" \
                  2>&1 | grep -v Warning | tail -3
              done ;;
+    fidelity) PROBE_SCHEDULES=${PROBE_SCHEDULES:-3} timeout ${FIDELITY_S:-300} python3 -u tools/probe_mixed_fidelity.py \
+                ${FIDELITY_VARIANTS:-force inductorgn} 2>&1 | grep -v Warning | grep -v verify | tail -8 ;;
   esac
 done
