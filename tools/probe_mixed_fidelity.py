@@ -15,9 +15,9 @@ eager code does); `perbucket` static compiles per bucket; `det` Inductor's deter
 benchmarking of configs that change numerics) for every compile; `nosplit` Inductor's split reductions off (a
 reduction's order then never depends on the batch); `pad1` no bucket 1 (a single image pads to bucket 2, so every
 replay runs the one dynamic-batch compile); `inductorgn` the compile tier with the VAE decoder's group norms as
-Inductor lowers them (before 25d8dd9: not graphs/group_norm.py's per-channel form). A `_slots` suffix gives the engine the model's adapter slots (as the GPU
-tests have). A variant named twice runs twice, in two processes. Prints a line per run; with $OUT, writes
-mixed_<index>_<variant>.json."""
+Inductor lowers them (before 25d8dd9: not graphs/group_norm.py's per-channel form). A `_slots` suffix gives the
+engine the model's adapter slots (as the GPU tests have). A variant named twice runs twice, in two processes. Prints
+a line per run; with $OUT, writes mixed_<index>_<variant>.json."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def main() -> int:
     adapter = model.adapter
     decoder = adapter.decoder(model)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    lat = torch.randn((max(buckets), 4, h // 8, w // 8), device="cuda", dtype=model.dtype, generator=gen)
+    lat = torch.randn((max(*buckets, a.kernels), 4, h // 8, w // 8), device="cuda", dtype=model.dtype, generator=gen)
     rows, first = [], {}
     dtype = str(adapter.vae_dtype(model)).removeprefix("torch.")
 
@@ -96,7 +96,7 @@ def main() -> int:
         options, cl, per_bucket = VARIANTS[name]
         set_conv_layout(decoder, channels_last=cl)
         for m in decoder.modules():  # nn.GroupNorm's own forward, or the per-channel form (`_gn` variants)
-            if isinstance(m, torch.nn.GroupNorm):
+            if type(m) in (torch.nn.GroupNorm, ChannelGroupNorm):  # (a subclass keeps its own forward)
                 m.__class__ = ChannelGroupNorm if name.endswith("_gn") else torch.nn.GroupNorm
         torch._dynamo.reset()
         fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode, per_bucket=per_bucket),

@@ -118,7 +118,8 @@ def main() -> int:
           f"| {statistics.median(copy[1:]):.3f} |")
     print(f"| a decode's 32 one-image requests answered at {a.pixels}x{a.pixels}, one task (before), ms for the 32 "
           f"| {statistics.median(serial[1:]):.3f} |")
-    print(f"| the same, a task a request on 2 image threads (since), ms for the 32 | {statistics.median(shared[1:]):.3f} |")
+    print(f"| the same, a task a request on 2 image threads (since), ms for the 32 "
+          f"| {statistics.median(shared[1:]):.3f} |")
     return 0
 
 
