@@ -62,6 +62,7 @@ class GraphHost(Protocol):
     cuda: bool
     program: StepProgram
     slot_shape: tuple[int, int, int] | None  # LoRA slots (count, max rank, conv side paths 0/1), or None
+    decoder: torch.nn.Module  # the VAE module decode_pixels runs (in the decode dtype)
 
     def buffers(self, key: tuple[int, int]) -> StepBuffers: ...
 
@@ -125,7 +126,7 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     if cfg.capture_vae:
         channels_last_vae = host.cuda and model.vae_dtype != torch.float32  # (an fp32 decoder: Inductor's layout)
         if compile is not None and channels_last_vae:  # its group norms traced per channel first: group_norm.py
-            use_channel_group_norms(adapter.decoder(model))
+            use_channel_group_norms(host.decoder)
         out.vae = VaeGraph(maybe(host.decode_pixels, "the VAE decoder", lambda args: args[:1],
                                  VAE_OPTIONS if channels_last_vae else None,
                                  form=" group_norm=channel" if channels_last_vae else ""),
