@@ -97,7 +97,10 @@ def split_kernels(per: dict[str, float], top: int = 6) -> tuple[dict[str, float]
     split: dict[str, float] = {}
     for name, ms in per.items():
         low = name.lower()
-        kind = next((k for k, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
+        # Inductor names a kernel after every op fused into it: a group norm fused with a convolution's bias is
+        # "triton_..._convolution_native_group_norm_...", Inductor's code, not a convolution
+        kind = "Inductor's fused code" if low.startswith("triton") else next(
+            (k for k, parts in KERNEL_KINDS if any(p in low for p in parts)), "other")
         if "memcpy" in low or "memset" in low:
             kind = "copies"
         split[kind] = split.get(kind, 0.0) + ms
