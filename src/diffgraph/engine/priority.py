@@ -121,7 +121,11 @@ class Backfill:
             self.pass_over(state, need)
             return profile, False
         for s, n in self.pending:  # reserve those passed over, in order, each from its first fit
-            profile = add_at(profile, n, first_fit(profile, n, self.capacity))
+            t = first_fit(profile, n, self.capacity)
+            out = np.zeros(max(len(profile), t + len(n)), dtype=np.int64)
+            out[:len(profile)] += profile
+            out[t:t + len(n)] += n
+            profile = out
             if self.gates_admit(s):
                 self.gated.append(s)
         self.pending = []
@@ -142,15 +146,6 @@ class Backfill:
             return True
         release([state])
         return False
-
-
-def add_at(profile: np.ndarray, need: np.ndarray, at: int = 0) -> np.ndarray:
-    """The per-step profile with a request of per-step demand `need` added from step `at` on (a new array, as long
-    as both need)."""
-    out = np.zeros(max(len(profile), at + len(need)), dtype=np.int64)
-    out[:len(profile)] += profile
-    out[at:at + len(need)] += need
-    return out
 
 
 def first_fit(profile: np.ndarray, need: np.ndarray, capacity: int) -> int:

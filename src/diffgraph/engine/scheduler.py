@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..request import GroupKey, ParamError, QueueFullError, RequestAborted
-from .priority import Backfill, add_at, admission_order, growth_limit, victims_order
+from .priority import Backfill, admission_order, growth_limit, victims_order
 from .request_state import RequestState
 from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, SchedulerConfig
 
@@ -297,7 +297,7 @@ class Scheduler:
                     g.live.append(s)
                     (resumed if s.preempted else admitted).append(s)
                     s.preempted = False
-                    profile = add_at(profile, need)
+                    profile = _plus(profile, need)
                     added += s.cost
                     continue
             elif mode != "step":
@@ -399,6 +399,13 @@ def _fits(profile: np.ndarray, need: np.ndarray, capacity: int) -> bool:
     """Whether `need` added to `profile` (both per future step, this one first) stays within `capacity` throughout."""
     n = min(len(profile), len(need))
     return bool((profile[:n] + need[:n] <= capacity).all() and (need[n:] <= capacity).all())
+
+
+def _plus(profile: np.ndarray, need: np.ndarray) -> np.ndarray:
+    out = np.zeros(max(len(profile), len(need)), dtype=np.int64)
+    out[:len(profile)] += profile
+    out[:len(need)] += need
+    return out
 
 
 def _victims(live: list[RequestState], need: np.ndarray, capacity: int) -> list[RequestState] | None:
