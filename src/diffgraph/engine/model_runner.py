@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import inspect
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
 from .prompts import PromptCache, PromptKey
-from .staging import StagingPair
+from .staging import DecodedPixels, StagingPair
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
 
@@ -382,15 +382,15 @@ class ModelRunner:
         return self.adapter.decode(self.model, self.decoder, latents)
 
     @torch.no_grad()
-    def decode_async(self, key: GroupKey, latents: torch.Tensor) -> Callable[[], np.ndarray]:
-        """Enqueues the decode and a copy of its float32 pixels to pinned host memory; returns a waiter that gives
-        float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np'). The engine
-        loop does not wait: the waiter runs on the image thread pool."""
+    def decode_async(self, key: GroupKey, latents: torch.Tensor) -> DecodedPixels:
+        """Enqueues the decode, chunk by chunk, each chunk's float32 pixels copied to pinned host memory after it;
+        returns them as float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np')
+        whose reader waits only for the chunks it reads. The engine loop does not wait: the image threads do."""
         latents = latents.to(self.device)
         runner = self.graph_runner
         n_total = latents.shape[0]
         chunks = decode_chunks(n_total) if runner is not None else [n_total]  # whole VAE buckets, none padded
-        host, start = None, 0
+        host, chunks_in, start = None, [], 0  # chunks_in: (end row, the event after its copy; None on the CPU)
         for n in chunks:
             part = latents[start:start + n]
             bucket = runner.bucket("vae", key[0], key[1], n) if runner is not None and self.graphs.vae else None
@@ -405,15 +405,8 @@ class ModelRunner:
                 host = torch.empty((n_total, *image.shape[1:]), dtype=torch.float32, pin_memory=self.cuda)
             host[start:start + n].copy_(image, non_blocking=self.cuda)  # consumed before any later replay
             start += n
-        if not self.cuda:
-            return lambda: host.numpy()
-        event = self._record_event()
-
-        def wait() -> np.ndarray:  # on an image thread: make the runner's device current there, not GPU 0
-            with self.on_device():
-                event.synchronize()
-            return host.numpy()
-        return wait
+            chunks_in.append((start, self._record_event() if self.cuda else None))
+        return DecodedPixels(host, chunks_in, self.on_device)
 
     def decode(self, key: GroupKey, latents: torch.Tensor) -> np.ndarray:
         """Latents -> float pixels [n, H, W, 3] in [0, 1], waiting for them."""

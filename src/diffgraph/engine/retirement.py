@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from .graph_setup import VAE_BUCKETS
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
 from .request_state import RequestState, call_safely, fail_request
+from .staging import DecodedPixels
 
 logger = logging.getLogger(__name__)
 # the steps a finished batch row may wait for companions to decode with: beside interactive requests a job's rows
@@ -69,7 +69,7 @@ class Retirement:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.runner.device))
         try:
-            wait = self.runner.decode_async(key, latents)
+            decoded = self.runner.decode_async(key, latents)
         except Exception as e:
             return self._failed(key, finished, e)
         if self.decode_log is not None:
@@ -80,9 +80,9 @@ class Retirement:
         done_at, row = time.monotonic(), 0
         for s in finished:  # a task a request: the image threads share one decode's copies, checks and encodes
             try:
-                self._images.submit(self._deliver, s, row, wait, done_at)
+                self._images.submit(self._deliver, s, row, decoded, done_at)
             except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
-                self._deliver(s, row, wait, done_at)
+                self._deliver(s, row, decoded, done_at)
             row += s.rows
 
     def _failed(self, key: GroupKey | None, finished: list[RequestState], e: Exception) -> None:
@@ -90,17 +90,17 @@ class Retirement:
         for s in finished:
             fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
 
-    def _deliver(self, s: RequestState, row: int, wait: Callable[[], np.ndarray], done_at: float) -> None:
-        """Answers request `s`, whose images are rows [row, row + s.rows) of the decode `wait` gives (on an image
-        thread: every request of a decode waits for the same pixels, and each takes its own copy)."""
+    def _deliver(self, s: RequestState, row: int, decoded: DecodedPixels, done_at: float) -> None:
+        """Answers request `s`, whose images are rows [row, row + s.rows) of `decoded` (on an image thread: it waits
+        for the chunk holding its rows only, and takes its own copy of them)."""
         try:
-            arrays = wait()
+            pixels = decoded.rows(row, s.rows)
         except Exception as e:
             fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
             return
         r = s.request
         try:
-            part = arrays[row:row + s.rows].copy()  # its own memory: not the batch's pinned block
+            part = pixels.copy()  # its own memory: not the batch's pinned block
             if not np.isfinite(part).all():  # NaN pixels would cast to a black image: say so instead
                 raise EngineStepError(
                     f"request {r.request_id} produced non-finite pixels (NaN or infinity): the model's numbers "

@@ -1,4 +1,5 @@
-"""Pinned host staging for the step's per-step inputs: two slots per resolution group, used in turn.
+"""Pinned host staging for the step's per-step inputs (two slots per resolution group, used in turn) and for a
+decode's pixels on their way back (`DecodedPixels`).
 
 Each step the model runner fills one slot (the coefficient table, the denoiser-row index table, ancestral noise
 rows) and issues asynchronous copies to the device; the slot is reused two steps later, after the event of its last
@@ -8,7 +9,9 @@ copy has passed, so the host never overwrites what the GPU has not read yet and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, ContextManager
 
+import numpy as np
 import torch
 
 
@@ -39,3 +42,26 @@ class StagingPair:
         if slot.event is not None:
             slot.event.synchronize()  # the copy issued from this slot two steps ago has been consumed
         return slot
+
+
+class DecodedPixels:
+    """A decode's float pixels [n, H, W, 3] in host memory (pinned on a GPU), copied chunk by chunk (the VAE's
+    replays) on the device's stream: reading rows waits only for the chunk that holds the last of them (the chunks
+    before it are in by stream order), so the requests of a decode's first chunks are answered while its later chunks
+    decode. Calling it waits for every row. Read on the image threads, from several at once."""
+
+    def __init__(self, host: torch.Tensor, chunks: list[tuple[int, torch.cuda.Event | None]],
+                 on_device: Callable[[], ContextManager]):
+        """`chunks`: in order, each chunk's end row and the event after its copy (None: copied already, on the CPU)."""
+        self.host, self._chunks, self._on_device = host, chunks, on_device
+
+    def rows(self, first: int, count: int) -> np.ndarray:
+        """Rows [first, first + count), waiting for the copy of the chunk holding the last of them."""
+        event = next((e for end, e in self._chunks if end >= first + count), None)
+        if event is not None:
+            with self._on_device():  # on an image thread: the runner's device current there, not GPU 0
+                event.synchronize()
+        return self.host.numpy()[first:first + count]
+
+    def __call__(self) -> np.ndarray:
+        return self.rows(0, self.host.shape[0])
