@@ -5,10 +5,12 @@ one is evicted; a model with requests in flight never is."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -18,6 +20,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from diffgraph import Engine
+from diffgraph.config import default_cpu_threads
 from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.server.process import ServerProcess
 
@@ -46,6 +49,18 @@ def server(model_dir):
         yield s
     finally:
         s.stop(timeout=60)
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads of the server under test, for a solo engine in this process: the same reductions,
+    so exactly the same pixels (with other counts a pixel may round one level apart)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _generate(url: str, **body) -> httpx.Response:
@@ -85,7 +100,7 @@ def test_requests_to_two_models_at_once_equal_each_models_solo_image(server):
     for t in threads:
         t.join()
     for name, preset in (("sd/digits-copy", "digits"), ("xl/digits-xl", "digits-xl")):
-        with Engine(preset, device="cpu") as solo:
+        with _threads(default_cpu_threads()), Engine(preset, device="cpu") as solo:
             alone = np.asarray(solo.generate(PROMPT, seed=5, num_inference_steps=4)[0])
         assert np.array_equal(_pixels(results[name]), alone), name
     assert np.array_equal(_pixels(_generate(server.url)), _pixels(_generate(server.url, model="random:tiny")))
@@ -214,7 +229,7 @@ def test_a_model_dir_over_two_replica_processes(model_dir):
         while not all(r["state"] == "ready" for r in httpx.get(s.url + "/ready", timeout=60).json()["replicas"]):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        with Engine("digits", device="cpu") as solo:
+        with _threads(1), Engine("digits", device="cpu") as solo:
             alone = np.asarray(solo.generate(PROMPT, seed=5, num_inference_steps=4)[0])
         assert np.array_equal(_pixels(_generate(s.url, model="sd/digits-copy")), alone)
         once = _models(s.url)["sd/digits-copy"]["memory_bytes"]
