@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pytest
 import torch
 
 from diffgraph.engine.staging import DecodedPixels
@@ -34,3 +35,10 @@ def test_on_the_cpu_the_rows_are_there_already():
     host = torch.rand(3, 4, 4, 3)
     pixels = DecodedPixels(host, [(2, None), (3, None)], contextlib.nullcontext)
     assert np.array_equal(pixels.rows(2, 1), host[2:].numpy()) and np.array_equal(pixels(), host.numpy())
+
+
+def test_rows_outside_the_decode_are_refused_not_read_unsynchronised():
+    pixels = DecodedPixels(torch.rand(3, 2, 2, 3), [(2, _Event([], "a")), (3, _Event([], "b"))], contextlib.nullcontext)
+    for first, count in ((2, 2), (-1, 1), (0, 0)):
+        with pytest.raises(IndexError, match="not in this decode's 3 rows"):
+            pixels.rows(first, count)

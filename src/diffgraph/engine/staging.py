@@ -57,7 +57,10 @@ class DecodedPixels:
 
     def rows(self, first: int, count: int) -> np.ndarray:
         """Rows [first, first + count), waiting for the copy of the chunk holding the last of them."""
-        event = next((e for end, e in self._chunks if end >= first + count), None)
+        chunk = next((c for c in self._chunks if c[0] >= first + count), None)
+        if chunk is None or first < 0 or count < 1:
+            raise IndexError(f"rows [{first}, {first + count}) are not in this decode's {self.host.shape[0]} rows")
+        event = chunk[1]
         if event is not None:
             with self._on_device():  # on an image thread: the runner's device current there, not GPU 0
                 event.synchronize()
