@@ -5,8 +5,9 @@ and with the decoder's convolution weights in channels-last memory too; each buc
 own and replayed. As in the engine, a batch of 1 runs the dynamic batch's precompiled version. `static`: a compile
 per bucket (`CompileConfig(per_bucket=True)`: static shapes, Inductor's own layout choice; the other buckets' compiles
 run in their warm-ups, outside `compile_s`). Also the largest difference of each variant's pixels from the first's
-(same latents). `force_gn`: `force` with the decoder's group norms traced per channel first (graphs/group_norm.py);
-`force_gn1`: a one-pass candidate of that form (`OnePassGroupNorm`).
+(same latents). `force_gn`: `force` with the decoder's group norms traced per channel first (graphs/group_norm.py; the
+engine's since session 32, one pass for the statistics since session 33, which measured the two-pass form as
+`force_gn1`'s baseline: BENCHMARKS.md).
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
         [--variants dynamic,force,force_cl,static,force_at] [--mode default] [--no-vae-upcast] [--repeats 20]
@@ -52,33 +53,9 @@ VARIANTS = {  # name -> (Inductor options, convolution weights channels-last, a 
     # Inductor's GEMM / convolution templates benchmarked, without max-autotune-no-cudagraphs' coordinate-descent
     # tuning of every other kernel (the mode's longest part): what autotuning the convolutions alone buys, and costs
     "force_at": ({"force_layout_optimization": True, "max_autotune": True}, False, False),
-    # the engine's since this variant: `force` with the group norms traced per channel first (graphs/group_norm.py)
+    # the engine's: `force` with the group norms traced per channel first (graphs/group_norm.py)
     "force_gn": ({"force_layout_optimization": True}, False, False),
-    # a candidate: per channel in one pass (Welford's var_mean), the group's variance by the law of total variance
-    # (one read of the activation for the statistics instead of two)
-    "force_gn1": ({"force_layout_optimization": True}, False, False),
 }
-
-
-class OnePassGroupNorm(torch.nn.GroupNorm):
-    """`force_gn1`'s candidate form (traced only; eagerly nn.GroupNorm's own): per-channel mean and variance in one
-    pass, then per group: the mean of the channels' means, and the mean of their variances plus the variance of
-    their means."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            return super().forward(x)
-        n, c, g = x.shape[0], x.shape[1], self.num_groups
-        shape = (n, c) + (1,) * (x.dim() - 2)
-        var_c, mean_c = torch.var_mean(x.float(), dim=tuple(range(2, x.dim())), correction=0)  # [N, C]
-        mean_c, var_c = mean_c.view(n, g, c // g), var_c.view(n, g, c // g)
-        mean = mean_c.mean(-1, keepdim=True)
-        var = var_c.mean(-1, keepdim=True) + (mean_c - mean).square().mean(-1, keepdim=True)
-        scale = torch.rsqrt(var + self.eps).expand(n, g, c // g).reshape(n, c)
-        shift = (-mean * torch.rsqrt(var + self.eps)).expand(n, g, c // g).reshape(n, c)
-        if self.weight is not None:
-            scale, shift = scale * self.weight.float(), shift * self.weight.float() + self.bias.float()
-        return (x.float() * scale.view(shape) + shift.view(shape)).to(x.dtype)
 
 
 def replay_ms(fn, latents: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
@@ -120,9 +97,9 @@ def main() -> int:
     for name in a.variants.split(","):
         options, cl, per_bucket = VARIANTS[name]
         set_conv_layout(decoder, channels_last=cl)
-        form = {"force_gn": ChannelGroupNorm, "force_gn1": OnePassGroupNorm}.get(name, torch.nn.GroupNorm)
+        form = ChannelGroupNorm if name == "force_gn" else torch.nn.GroupNorm
         for m in decoder.modules():  # nn.GroupNorm's own forward, or a per-channel form (`_gn` variants)
-            if type(m) in (torch.nn.GroupNorm, ChannelGroupNorm, OnePassGroupNorm):  # (a subclass keeps its own)
+            if type(m) in (torch.nn.GroupNorm, ChannelGroupNorm):  # (a subclass keeps its own)
                 m.__class__ = form
         torch._dynamo.reset()
         fn = Compiled(partial(adapter.decode, model, decoder), CompileConfig(mode=a.mode, per_bucket=per_bucket),
@@ -143,7 +120,7 @@ def main() -> int:
         if a.kernels:
             from probe_fp8 import _kernel_ms, split_kernels  # the GPU host's probes: diffgraph's Engine imported
             fn(lat[:a.kernels])
-            split, top = split_kernels(_kernel_ms(lambda: fn(lat[:a.kernels])), top=8)
+            split, top = split_kernels(_kernel_ms(lambda: fn(lat[:a.kernels])), top=14)
             per = {k: round(v / a.kernels, 3) for k, v in sorted(split.items(), key=lambda kv: -kv[1])}
             rows.append({"variant": name, "kernels_of": a.kernels, "ms_per_image_by_kind": per,
                          "top_ms_per_image": [(k[:90], round(v / a.kernels, 3)) for k, v in top]})

@@ -10,7 +10,9 @@ the decoder's group norms over 4 channels x 512 x 512 of one group, strided in c
 reductions that ran about 1 ms an image each (a memory-bound pass over one 67 MB activation should take well under
 0.1 ms), together a third of the decode (`python3 tools/probe_vae_layout.py --kernels 4`). Reducing each channel over
 its pixels first (an outer reduction, contiguous across channels in channels-last memory), then the few channels of a
-group, gives the same statistics in float32 with a different summation order: the same image within rounding.
+group, gives the same statistics in float32 with a different summation order: the same image within rounding. One
+pass over the activation for the statistics (var_mean) rather than two (the mean, then the squared deviations): 6.63
+-> 5.97 ms an image (H200, bucket 4, session 33; 8.54 with Inductor's own lowering).
 """
 
 from __future__ import annotations
@@ -23,26 +25,28 @@ __all__ = ["ChannelGroupNorm", "group_norm_by_channel", "use_channel_group_norms
 
 def group_norm_by_channel(x: torch.Tensor, groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                           eps: float) -> torch.Tensor:
-    """F.group_norm(x, groups, weight, bias, eps) for x [N, C, *spatial], computed in float32 as per-channel means
-    over the spatial axes, then per group over its channels (two passes: the mean, then the squared deviations),
+    """F.group_norm(x, groups, weight, bias, eps) for x [N, C, *spatial], computed in float32 from per-channel
+    statistics: each channel's mean and variance over the spatial axes in one pass (var_mean, Welford), then per
+    group the mean of its channels' means and, by the law of total variance (every channel counts the same pixels),
+    the mean of their variances plus the variance of their means; applied as one per-channel scale and shift,
     returned in x's dtype."""
     n, c = x.shape[0], x.shape[1]
     spatial = tuple(range(2, x.dim()))
     per_group = c // groups
-    shape = (n, c) + (1,) * len(spatial)
     xf = x.float()
-
-    def by_channel(group_values: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N, C, 1, ...]
-        return group_values[:, :, None].expand(n, groups, per_group).reshape(shape)
-    mean = by_channel(xf.mean(dim=spatial).view(n, groups, per_group).mean(dim=-1))
-    centred = xf - mean
-    var = centred.square().mean(dim=spatial).view(n, groups, per_group).mean(dim=-1)
-    y = centred * by_channel(torch.rsqrt(var + eps))
+    var_c, mean_c = torch.var_mean(xf, dim=spatial, correction=0)  # [N, C]
+    var_c, mean_c = var_c.view(n, groups, per_group), mean_c.view(n, groups, per_group)
+    mean = mean_c.mean(dim=-1, keepdim=True)  # [N, G, 1]
+    inv_std = torch.rsqrt(var_c.mean(dim=-1, keepdim=True) + (mean_c - mean).square().mean(dim=-1, keepdim=True)
+                          + eps)
+    scale = inv_std.expand(n, groups, per_group).reshape(n, c)
+    shift = (-mean * inv_std).expand(n, groups, per_group).reshape(n, c)
     if weight is not None:
-        y = y * weight.float().view(shape[1:]).unsqueeze(0)
+        scale, shift = scale * weight.float(), shift * weight.float()
     if bias is not None:
-        y = y + bias.float().view(shape[1:]).unsqueeze(0)
-    return y.to(x.dtype)
+        shift = shift + bias.float()
+    shape = (n, c) + (1,) * len(spatial)
+    return (xf * scale.view(shape) + shift.view(shape)).to(x.dtype)
 
 
 class ChannelGroupNorm(nn.GroupNorm):
