@@ -6,8 +6,8 @@ own and replayed. As in the engine, a batch of 1 runs the dynamic batch's precom
 per bucket (`CompileConfig(per_bucket=True)`: static shapes, Inductor's own layout choice; the other buckets' compiles
 run in their warm-ups, outside `compile_s`). Also the largest difference of each variant's pixels from the first's
 (same latents). `force_gn`: `force` with the decoder's group norms traced per channel first (graphs/group_norm.py; the
-engine's since session 32, one pass for the statistics since session 33, which measured the two-pass form as
-`force_gn1`'s baseline: BENCHMARKS.md).
+engine's since session 32, the statistics in one pass since session 33); `force_gn_cd`: that with Inductor's
+coordinate-descent tuning of its own kernels.
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
         [--variants dynamic,force,force_cl,static,force_at] [--mode default] [--no-vae-upcast] [--repeats 20]
@@ -55,6 +55,9 @@ VARIANTS = {  # name -> (Inductor options, convolution weights channels-last, a 
     "force_at": ({"force_layout_optimization": True, "max_autotune": True}, False, False),
     # the engine's: `force` with the group norms traced per channel first (graphs/group_norm.py)
     "force_gn": ({"force_layout_optimization": True}, False, False),
+    # force_gn with Inductor's coordinate-descent tuning of its own (Triton) kernels' configs: the group norms' and
+    # the pointwise code's, not the convolutions
+    "force_gn_cd": ({"force_layout_optimization": True, "coordinate_descent_tuning": True}, False, False),
 }
 
 
@@ -97,7 +100,7 @@ def main() -> int:
     for name in a.variants.split(","):
         options, cl, per_bucket = VARIANTS[name]
         set_conv_layout(decoder, channels_last=cl)
-        form = ChannelGroupNorm if name == "force_gn" else torch.nn.GroupNorm
+        form = ChannelGroupNorm if name.startswith("force_gn") else torch.nn.GroupNorm
         for m in decoder.modules():  # nn.GroupNorm's own forward, or a per-channel form (`_gn` variants)
             if type(m) in (torch.nn.GroupNorm, ChannelGroupNorm):  # (a subclass keeps its own)
                 m.__class__ = form
