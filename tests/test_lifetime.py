@@ -80,3 +80,22 @@ def test_graph_mode_max_rows_below_the_largest_bucket(tiny_engine):
     assert [r["bucket"] for r in runner.graph_table() if r["kind"] == "step"] == [1, 2]
     with pytest.raises(ValueError, match="max_rows 3 is not a batch bucket"):
         ModelRunner(tiny_engine.model, mode="graph", graphs=cfg, max_rows=3)
+
+
+def test_a_replaced_vae_gets_the_compiled_decoders_form():
+    """`invalidate("vae")` gives a VAE that replaces the model's what the graph set gave the first decoder (the
+    compile tier's per-channel group norms on CUDA: set here by hand on a CPU engine), and its images stay the same."""
+    import copy
+
+    from diffgraph.graphs.group_norm import ChannelGroupNorm, use_channel_group_norms
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated")
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg) as e:
+        kw = dict(num_inference_steps=2, seed=3)
+        before = e.generate("a cat", **kw).arrays
+        e.runner.graphs.decoder_form = use_channel_group_norms
+        e.model.vae = copy.deepcopy(e.model.vae)
+        norms = [m for m in e.model.vae.decoder.modules() if isinstance(m, torch.nn.GroupNorm)]
+        assert norms and not any(isinstance(m, ChannelGroupNorm) for m in norms)
+        e.invalidate("vae")
+        assert all(type(m) is ChannelGroupNorm for m in norms)
+        np.testing.assert_array_equal(e.generate("a cat", **kw).arrays, before)

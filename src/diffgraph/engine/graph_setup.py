@@ -87,6 +87,9 @@ class GraphSet:
     encode: VaeEncodeGraph | None = None
     compiled: list[Compiled] = field(default_factory=list)
     compile_folder: str | None = None
+    # what the compiled decoder's module was given (its group norms per channel), for the runner to give a VAE that
+    # replaces it (`ModelRunner.invalidate("vae")`); None where the decoder runs as loaded
+    decoder_form: Callable[[torch.nn.Module], object] | None = None
 
 
 def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphSet:
@@ -126,7 +129,8 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     if cfg.capture_vae:
         channels_last_vae = host.cuda and model.vae_dtype != torch.float32  # (an fp32 decoder: Inductor's layout)
         if compile is not None and channels_last_vae:  # its group norms traced per channel first: group_norm.py
-            use_channel_group_norms(host.decoder)
+            out.decoder_form = use_channel_group_norms
+            out.decoder_form(host.decoder)
         out.vae = VaeGraph(maybe(host.decode_pixels, "the VAE decoder", lambda args: args[:1],
                                  VAE_OPTIONS if channels_last_vae else None,
                                  form=" group_norm=channel" if channels_last_vae else ""),

@@ -155,6 +155,8 @@ class ModelRunner:
         if "vae" in kinds:
             with self.on_device():
                 self.decoder = self.adapter.decoder(self.model)
+            if self.graphs is not None and self.graphs.decoder_form is not None:
+                self.graphs.decoder_form(self.decoder)
         if self.graph_runner is not None:
             extra = (("vae_encode",) if "vae" in kinds else ()) + (
                 tuple(self.program.kind(v) for v in self.program.variants()[1:]) if "step" in kinds else ())
