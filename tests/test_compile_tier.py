@@ -117,6 +117,31 @@ def test_cache_folder_is_keyed_by_what_compiled_code_depends_on(tiny_engine, tin
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == folder and os.path.isdir(folder)
 
 
+def test_the_cache_folder_follows_diffgraphs_own_source(tiny_engine, tmp_path, monkeypatch):
+    """Precompiled code runs without Dynamo's guards: code traced from another diffgraph (an upgrade, an edit) must
+    land in another folder."""
+    from diffgraph.graphs import compiled
+
+    package = tmp_path / "pkg"
+    (package / "graphs").mkdir(parents=True)
+    (package / "graphs" / "step.py").write_text("x = 1\n")
+    (package / "notes.txt").write_text("not code")
+    first = compiled.code_version(str(package))
+    assert first == compiled.code_version(str(package)) and len(first) == 16
+    (package / "notes.txt").write_text("still not code")
+    assert compiled.code_version(str(package)) == first  # only .py files count
+    (package / "graphs" / "step.py").write_text("x = 2\n")
+    assert compiled.code_version(str(package)) != first
+    (package / "graphs" / "step.py").write_text("x = 1\n")
+    (package / "graphs" / "step.py").rename(package / "graphs" / "other.py")
+    assert compiled.code_version(str(package)) != first  # the same bytes under another name
+    assert compiled.code_version() == compiled.code_version()  # this package's: stable
+    cpu = torch.device("cpu")
+    key = compiled.cache_key(tiny_engine.model, cpu)
+    monkeypatch.setattr(compiled, "code_version", lambda package=None: "another release")
+    assert compiled.cache_key(tiny_engine.model, cpu) != key
+
+
 def test_serve_and_generate_flags_reach_the_engine(tmp_path):
     from diffgraph.server.config import load_config
 

@@ -13,7 +13,7 @@ in-place updates (LoRA slots, fused adapters, a user's copy_) are seen by compil
 runs without its own CUDA graphs (`triton.cudagraphs` off): the graphs are ours.
 
 The persistent cache: `cache_dir(config, model)` is a folder per (model config, dtype, torch and triton versions,
-device), under `CompileConfig.cache_dir` (default: the user's cache folder); `use_cache_dir` points Inductor's
+device, diffgraph's source), under `CompileConfig.cache_dir` (default: the user's cache folder); `use_cache_dir` points Inductor's
 on-disk caches (FX graphs, AOTAutograd, Triton kernels) there for this process.
 
 Precompiled versions (the graph kinds, with Inductor on a torch that has `torch.compiler.load_compiled_function`):
@@ -263,8 +263,24 @@ def _graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def code_version(package: str | None = None) -> str:
+    """A hash of diffgraph's own source (every .py file under `package`, default this package's folder: path and
+    bytes). Precompiled versions are called without Dynamo's guards, so code traced from another diffgraph (an
+    upgrade, a local edit) must never be loaded: any source change gives a new cache folder."""
+    root = package or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def cache_key(model: Any, device: torch.device) -> str:
-    """What compiled code depends on: the modules' configs, the dtype, torch's and triton's versions, the device."""
+    """What compiled code depends on: the modules' configs, the dtype, torch's and triton's versions, the device and
+    diffgraph's own source (`code_version`)."""
     def settings(module: Any) -> dict[str, Any]:  # "_" keys are bookkeeping, some in set order (hash seeded)
         config = module.config if isinstance(module.config, dict) else module.config.to_dict()
         return {"class": type(module).__name__, **{k: v for k, v in config.items() if not k.startswith("_")}}
@@ -281,7 +297,8 @@ def cache_key(model: Any, device: torch.device) -> str:
         triton_version = None
     where = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) \
         if device.type == "cuda" else ("cpu",)
-    blob = json.dumps([configs, str(model.dtype), torch.__version__, triton_version, where, model.family],
+    blob = json.dumps([configs, str(model.dtype), torch.__version__, triton_version, where, model.family,
+                       code_version()],
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
