@@ -10,8 +10,8 @@ engine's since session 32, the statistics in one pass since session 33); `force_
 coordinate-descent tuning of its own kernels.
 
     python3 tools/probe_vae_layout.py [--model random:sd15] [--size 512x512] [--buckets 1,2,4,8]
-        [--variants dynamic,force,force_cl,static,force_at] [--mode default] [--no-vae-upcast] [--repeats 20]
-        [--kernels B] [--json out.json]
+        [--variants dynamic,force,force_cl,static,force_at,force_gn,force_gn_cd] [--mode default]
+        [--no-vae-upcast] [--repeats 20] [--kernels B] [--json out.json]
 
 SDXL decodes in fp32 (its VAE config's force_upcast); `--no-vae-upcast` decodes it in fp16, as `--no-vae-upcast`
 does for an fp16-safe VAE (sdxl-vae-fp16-fix): on a random preset the speed is what counts, not the pixels. The
@@ -101,7 +101,7 @@ def main() -> int:
         options, cl, per_bucket = VARIANTS[name]
         set_conv_layout(decoder, channels_last=cl)
         form = ChannelGroupNorm if name.startswith("force_gn") else torch.nn.GroupNorm
-        for m in decoder.modules():  # nn.GroupNorm's own forward, or a per-channel form (`_gn` variants)
+        for m in decoder.modules():  # nn.GroupNorm's own forward, or the per-channel form (`force_gn*`)
             if type(m) in (torch.nn.GroupNorm, ChannelGroupNorm):  # (a subclass keeps its own)
                 m.__class__ = form
         torch._dynamo.reset()
