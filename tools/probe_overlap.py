@@ -12,8 +12,8 @@ The engine would need the VAE graphs in a pool of their own (`overlap_mem_mb`: t
 decodes on a side stream; this probe says first whether the GPU runs the two faster together. Without `--compile`,
 the graph tier's layout (NCHW weights, eager kernels); with it, the compile tier's: the UNet's convolution weights as
 its family chooses (`graph_setup.layout`), both compiled by Inductor in default mode (the engine's STEP_OPTIONS, and
-VAE_OPTIONS for a 16-bit decoder: `force_layout_optimization`), but for static shapes (the engine marks the batch
-dynamic). Medians of `rounds`, CUDA events.
+for a 16-bit decoder VAE_OPTIONS, `force_layout_optimization`, with its group norms per channel), but for static
+shapes (the engine marks the batch dynamic). Medians of `rounds`, CUDA events.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from diffgraph.config import CompileConfig  # noqa: E402
 from diffgraph.engine.graph_setup import STEP_OPTIONS, VAE_OPTIONS, layout, set_conv_layout  # noqa: E402
+from diffgraph.graphs.group_norm import use_channel_group_norms  # noqa: E402
 from diffgraph.models.loader import load_model  # noqa: E402
 
 
@@ -91,6 +92,8 @@ def main() -> int:
     decode_fn = lambda: adapter.decode(m, decoder, z)  # noqa: E731
     if a.compile:
         step_fn = torch.compile(step_fn, options=STEP_OPTIONS)
+        if m.vae_dtype != torch.float32:  # the engine's 16-bit decoder: its group norms per channel (group_norm.py)
+            use_channel_group_norms(decoder)
         decode_fn = torch.compile(decode_fn, options=VAE_OPTIONS if m.vae_dtype != torch.float32 else None)
     with torch.no_grad():
         before = torch.cuda.memory_reserved()
