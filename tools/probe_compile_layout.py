@@ -210,7 +210,9 @@ def worker(spec: dict, conn) -> None:
 
 
 def name_of(spec: dict) -> str:
-    return (f"{spec['family']} {spec['layout']} attn={spec['attention']}{' tuned' if spec['tuned'] else ''}"
+    layout = "family-layout" if spec["layout"] is None else spec["layout"]  # None: the family's own choices
+    attention = "family" if spec["attention"] is None else spec["attention"]
+    return (f"{spec['family']} {layout} attn={attention}{' tuned' if spec['tuned'] else ''}"
             f"{' engine' if spec.get('engine') else ''}{' pdl' if spec.get('pdl') else ''}"
             f"{' force-layout' if spec.get('force') else ''}{' channel-gn' if spec.get('gn') else ''}")
 
