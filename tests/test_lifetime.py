@@ -1,7 +1,10 @@
 """Graph lifetime on the CPU (emulated graphs): invalidation drops graphs between steps and counts it, keys
 captured on first use are counted, and prompt embeddings are keyed by the text encoders' weights version."""
 
+import copy
+
 import numpy as np
+import pytest
 import torch
 
 from diffgraph import Engine, GraphConfig
@@ -85,8 +88,6 @@ def test_graph_mode_max_rows_below_the_largest_bucket(tiny_engine):
 def test_a_replaced_vae_gets_the_compiled_decoders_form():
     """`invalidate("vae")` gives a VAE that replaces the model's what the graph set gave the first decoder (the
     compile tier's per-channel group norms on CUDA: set here by hand on a CPU engine), and its images stay the same."""
-    import copy
-
     from diffgraph.graphs.group_norm import ChannelGroupNorm, use_channel_group_norms
     cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated")
     with Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg) as e:
@@ -99,3 +100,33 @@ def test_a_replaced_vae_gets_the_compiled_decoders_form():
         e.invalidate("vae")
         assert all(type(m) is ChannelGroupNorm for m in norms)
         np.testing.assert_array_equal(e.generate("a cat", **kw).arrays, before)
+
+
+def test_a_replaced_unet_serves_its_own_weights_unless_the_engine_gave_the_old_one_adapters():
+    """A replaced UNet gets what the graph set gave the first (the compile tier's channels-last convolution weights
+    on CUDA: set here by hand on a CPU engine), and its weights make the images; an engine that gave the old UNet
+    adapters refuses it by name."""
+    from functools import partial
+
+    from diffgraph.engine.graph_setup import set_conv_layout
+    kw = dict(num_inference_steps=2, seed=4)
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated")
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg) as e:
+        before = e.generate("a cat", **kw).arrays
+        e.runner.graphs.denoiser_form = partial(set_conv_layout, channels_last=True)
+        new = copy.deepcopy(e.model.unet)
+        with torch.no_grad():
+            new.conv_in.weight.mul_(1.5)
+        e.model.unet = new
+        e.invalidate("step")
+        assert new.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+        after = e.generate("a cat", **kw).arrays
+        e.invalidate("step")  # the new UNet is the engine's own now
+    assert np.abs(after - before).max() > 0.02
+    with Engine(model=e.model, device="cpu") as fresh:
+        np.testing.assert_array_equal(fresh.generate("a cat", **kw).arrays, after)
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", max_loras=4) as e:
+        e.model.unet = copy.deepcopy(e.model.unet)  # without the adapter slots' side paths
+        with pytest.raises(ValueError, match="model.unet was replaced.*LoRA adapters.*build a new Engine"):
+            e.invalidate("step")
+        e.invalidate("text")  # other kinds go on

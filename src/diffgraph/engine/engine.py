@@ -135,6 +135,7 @@ class Engine:
             roots = tuple(r for r in (controlnet_dir, builtin_control_folder(self.model.name)) if r)
             controls = _controlnets(self.model, roots, max_controlnets) if roots else None
             image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
+            self._unet = self.model.unet  # the UNet the engine prepared (invalidate: a replaced one)
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size, loras=loras, controls=controls,
                                       image_prompts=image_prompts,
@@ -271,7 +272,18 @@ class Engine:
     def invalidate(self, kind: str | None = None) -> None:
         """Tells the engine that weights or modules of `kind` ("step" = the denoiser, "text", "vae"; None = all)
         changed: between two steps their graphs are dropped (recaptured on next use) and prompt embeddings of old
-        text-encoder weights are no longer used. Waits until that is done."""
+        text-encoder weights are no longer used. Waits until that is done. A replaced `model.unet` is refused where
+        the engine gave the one it was built with something the new one lacks (LoRA slots or fused adapters, fp8
+        linears, IP-Adapter processors): its requests would run without them."""
+        if kind in (None, "step") and self.model.unet is not self._unet:
+            given = [what for what, there in (("LoRA adapters (slots or fused)", self.runner.loras is not None),
+                                              ("fp8 linears", self.quantized is not None),
+                                              ("IP-Adapter processors", self.runner.image_prompts is not None)) if there]
+            if given:
+                raise ValueError(f"model.unet was replaced, but this engine gave the UNet it was built with "
+                                 f"{' and '.join(given)}, which the new one lacks; build a new Engine with the new "
+                                 "UNet (in-place weight updates, param.copy_, need no new engine)")
+            self._unet = self.model.unet
         self.core.call_between_steps(lambda: self.runner.invalidate(kind)).result()
 
     def reconfigure(self, **changes: Any) -> None:

@@ -87,9 +87,11 @@ class GraphSet:
     encode: VaeEncodeGraph | None = None
     compiled: list[Compiled] = field(default_factory=list)
     compile_folder: str | None = None
-    # what the compiled decoder's module was given (its group norms per channel), for the runner to give a VAE that
-    # replaces it (`ModelRunner.invalidate("vae")`); None where the decoder runs as loaded
+    # what the compiled decoder's module and the denoiser were given (per-channel group norms; channels-last
+    # convolution weights), for the runner to give a VAE or UNet that replaces them (`ModelRunner.invalidate`); None
+    # where they run as loaded
     decoder_form: Callable[[torch.nn.Module], object] | None = None
+    denoiser_form: Callable[[torch.nn.Module], object] | None = None
 
 
 def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphSet:
@@ -161,7 +163,8 @@ def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, res
     out.compile_folder = open_cache(compile, model, host.device)
     channels_last, attention = layout(compile, host.adapter) if host.cuda else (False, "auto")
     if channels_last:
-        set_conv_layout(model.unet, channels_last=True)
+        out.denoiser_form = partial(set_conv_layout, channels_last=True)
+        out.denoiser_form(model.unet)
     slots = host.slot_shape
     tag = f"channels_last={channels_last} attention={attention} " + (
         f"loras={slots[0]}x{slots[1]}" + (" lora_conv" if slots[2] else "") if slots is not None else "loras=0") + (
