@@ -301,6 +301,7 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
         return info
     spec = ",".join(map(str, buckets))
     info["warm_same_folder"] = fresh_start(model_name, size, spec, root, device)
+    print("fresh start on the same folder:", json.dumps(info["warm_same_folder"], default=str), flush=True)
     shutil.copytree(root, root + "-copy")
     info["warm_copied_folder"] = fresh_start(model_name, size, spec, root + "-copy", device)
     return info
