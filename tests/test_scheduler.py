@@ -271,6 +271,38 @@ def test_a_request_id_in_flight_is_refused_waiting_or_live():
     assert sched.num_waiting == 0
 
 
+def test_a_request_id_is_free_again_once_its_request_leaves_and_the_index_keeps_nothing():
+    """add and abort find a request by its id without scanning the queue (a job's thousands of waiting requests):
+    the id is free again after each way out (finished, aborted waiting, aborted live, a failed step), an aborted
+    live request's late release leaves the newer request of its id alone, and nothing stays indexed once idle."""
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    w = FakeWorker()
+    sched.add(state("done", steps=1))
+    run(sched, w)
+    sched.add(state("done", steps=1))  # finished: its id is free
+    sched.add(state("w", steps=3))
+    assert sched.abort("w") and not sched.abort("w")  # aborted while waiting: gone at once
+    assert [s.request_id for s in sched.take_aborted()] == ["w"]
+    sched.add(state("w", steps=3))
+    p = sched.schedule()
+    w.execute(p)
+    sched.update(p)
+    assert sched.abort("w")  # live: its rows are freed at the next boundary, but its id is free now
+    newer = state("w", steps=2)
+    sched.add(newer)
+    assert not sched.abort("w", owner=object())  # not that sink's
+    p = sched.schedule()  # drops the aborted one: its release must not forget the newer "w"
+    assert [s.request_id for s in sched.take_aborted()] == ["w"]
+    with pytest.raises(ValueError, match="request_id 'w' is already in flight"):
+        sched.add(state("w"))
+    assert [s.request_id for s in sched.fail(p)] == ["w"]  # a failed step: the newer "w" leaves
+    sched.add(state("w", steps=1))
+    run(sched, w)
+    assert sched.schedule() is None and sched._ids == {}
+    for rid in ("done", "w"):
+        sched.add(state(rid, steps=1))
+
+
 def test_groups_without_work_are_forgotten():
     """Every size a client asks for makes a group; once it has no work it is dropped (made again on demand)."""
     sched = Scheduler(SchedulerConfig(max_rows=4), Clock())

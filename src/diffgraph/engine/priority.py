@@ -121,11 +121,7 @@ class Backfill:
             self.pass_over(state, need)
             return profile, False
         for s, n in self.pending:  # reserve those passed over, in order, each from its first fit
-            t = first_fit(profile, n, self.capacity)
-            out = np.zeros(max(len(profile), t + len(n)), dtype=np.int64)
-            out[:len(profile)] += profile
-            out[t:t + len(n)] += n
-            profile = out
+            profile = add_at(profile, n, first_fit(profile, n, self.capacity))
             if self.gates_admit(s):
                 self.gated.append(s)
         self.pending = []
@@ -157,3 +153,11 @@ def first_fit(profile: np.ndarray, need: np.ndarray, capacity: int) -> int:
     padded = np.concatenate([profile, np.zeros(len(need), dtype=np.int64)])
     windows = np.lib.stride_tricks.sliding_window_view(padded, len(need))[:len(profile) + 1]
     return int(np.argmax((windows + need <= capacity).all(axis=1)))
+
+
+def add_at(profile: np.ndarray, need: np.ndarray, at: int = 0) -> np.ndarray:
+    """`profile` (denoiser rows per future step, this one first) with `need` added from step `at` on."""
+    out = np.zeros(max(len(profile), at + len(need)), dtype=np.int64)
+    out[:len(profile)] += profile
+    out[at:at + len(need)] += need
+    return out

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..request import GroupKey, ParamError, QueueFullError, RequestAborted
-from .priority import Backfill, admission_order, growth_limit, victims_order
+from .priority import Backfill, add_at, admission_order, growth_limit, victims_order
 from .request_state import RequestState
 from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, SchedulerConfig
 
@@ -112,6 +112,7 @@ class Scheduler:
         self.clock = clock
         self.groups: dict[GroupKey, _Group] = {}
         self._aborted: list[RequestState] = []
+        self._ids: dict[str, RequestState] = {}  # request id -> its newest state in flight (add and abort: no scan)
         self.steps_run = 0
         self.growth_holds = 0  # admissions cut short by the bucket growth policy (requests left waiting)
         self.gates: tuple[AdmissionGate, ...] = ()
@@ -140,31 +141,32 @@ class Scheduler:
                                                f" ({state.peak} denoiser rows: classifier-free guidance costs {per} "
                                                f"per image; use num_images <= {self.config.max_rows // per})"
                                                if per > 1 else ""))
-        if any(s.request_id == state.request_id and not s.aborted
-               for g in self.groups.values() for s in (*g.waiting, *g.live)):
+        if self._in_flight(self._ids.get(state.request_id)):
             raise ParamError("request_id", f"request_id {state.request_id!r} is already in flight; give each request its own id "
                              "(or leave request_id unset)")
         if self.num_waiting >= self.config.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} requests); retry later "
                                  "or raise max_queue")
         self.groups.setdefault(state.key, _Group(state.key)).waiting.append(state)
+        self._ids[state.request_id] = state
 
     def abort(self, request_id: str, owner: Any = None) -> bool:
         """Marks a request aborted; its rows are freed at the next step boundary. False if unknown. With `owner`,
         only the request whose sink is that object."""
-        for g in self.groups.values():
-            for s in list(g.waiting):
-                if s.request_id == request_id and (owner is None or s.sink is owner):
-                    g.waiting.remove(s)
-                    s.aborted = True
-                    self._aborted.append(s)
-                    self._release([s])  # a preempted request still holds what its gates gave it
-                    return True
-            for s in g.live:
-                if s.request_id == request_id and not s.aborted and (owner is None or s.sink is owner):
-                    s.aborted = True
-                    return True
-        return False
+        s = self._ids.get(request_id)
+        if not self._in_flight(s) or (owner is not None and s.sink is not owner):
+            return False
+        s.aborted = True
+        if s in (g := self.groups[s.key]).waiting:  # a live one is dropped at the next step boundary
+            g.waiting.remove(s)
+            self._aborted.append(s)
+            self._release([s])  # a preempted request still holds what its gates gave it
+        return True
+
+    def _in_flight(self, s: RequestState | None) -> bool:
+        """`s` waits or is live, not aborted (an index entry outlives its state only until `_release`)."""
+        return s is not None and not s.aborted and (g := self.groups.get(s.key)) is not None and (
+            s in g.waiting or s in g.live)
 
     def take_aborted(self) -> list[RequestState]:
         """Requests aborted since the last call (their rows are already free)."""
@@ -297,7 +299,7 @@ class Scheduler:
                     g.live.append(s)
                     (resumed if s.preempted else admitted).append(s)
                     s.preempted = False
-                    profile = _plus(profile, need)
+                    profile = add_at(profile, need)
                     added += s.cost
                     continue
             elif mode != "step":
@@ -360,6 +362,8 @@ class Scheduler:
 
     def _release(self, states: list[RequestState]) -> None:
         for s in states:
+            if self._ids.get(s.request_id) is s:  # it leaves: its id may be used again
+                del self._ids[s.request_id]
             for gate in self.gates:
                 if gate.name in s.admitted:
                     gate.release(s, s.admitted.pop(gate.name))
@@ -399,13 +403,6 @@ def _fits(profile: np.ndarray, need: np.ndarray, capacity: int) -> bool:
     """Whether `need` added to `profile` (both per future step, this one first) stays within `capacity` throughout."""
     n = min(len(profile), len(need))
     return bool((profile[:n] + need[:n] <= capacity).all() and (need[n:] <= capacity).all())
-
-
-def _plus(profile: np.ndarray, need: np.ndarray) -> np.ndarray:
-    out = np.zeros(max(len(profile), len(need)), dtype=np.int64)
-    out[:len(profile)] += profile
-    out[:len(need)] += need
-    return out
 
 
 def _victims(live: list[RequestState], need: np.ndarray, capacity: int) -> list[RequestState] | None:
