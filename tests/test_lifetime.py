@@ -130,3 +130,26 @@ def test_a_replaced_unet_serves_its_own_weights_unless_the_engine_gave_the_old_o
         with pytest.raises(ValueError, match="model.unet was replaced.*LoRA adapters.*build a new Engine"):
             e.invalidate("step")
         e.invalidate("text")  # other kinds go on
+
+
+def test_a_replaced_text_encoder_makes_the_prompts_unless_the_engine_gave_the_old_one_lora_side_paths():
+    """A text encoder replaced in `model.text_encoders` encodes the prompts after `invalidate("text")` (a fresh
+    engine on the same model gives the same image); an engine whose LoRA slots gave the old encoder side paths
+    refuses it by name (its adapters' text parts would be dropped silently), and the UNet's kind goes on."""
+    kw = dict(num_inference_steps=2, seed=6)
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
+        before = e.generate("a red fox", **kw).arrays
+        new = copy.deepcopy(e.model.text_encoders[0])
+        with torch.no_grad():
+            dict(new.named_parameters())["final_layer_norm.weight"].mul_(3.0)
+        e.model.text_encoders[0] = new
+        e.invalidate("text")
+        after = e.generate("a red fox", **kw).arrays
+    assert np.abs(after - before).max() > 0.02
+    with Engine(model=e.model, device="cpu") as fresh:
+        np.testing.assert_array_equal(fresh.generate("a red fox", **kw).arrays, after)
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", max_loras=4) as e:
+        e.model.text_encoders[0] = copy.deepcopy(e.model.text_encoders[0])
+        with pytest.raises(ValueError, match="model.text_encoders was replaced.*LoRA adapters.*build a new Engine"):
+            e.invalidate()
+        e.invalidate("step")

@@ -135,7 +135,7 @@ class Engine:
             roots = tuple(r for r in (controlnet_dir, builtin_control_folder(self.model.name)) if r)
             controls = _controlnets(self.model, roots, max_controlnets) if roots else None
             image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
-            self._unet = self.model.unet  # the UNet the engine prepared (invalidate: a replaced one)
+            self._prepared = self._modules()  # the modules the engine prepared (invalidate: a replaced one)
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size, loras=loras, controls=controls,
                                       image_prompts=image_prompts,
@@ -274,17 +274,23 @@ class Engine:
         changed: between two steps their graphs are dropped (recaptured on next use) and prompt embeddings of old
         text-encoder weights are no longer used. Waits until that is done. A replaced `model.unet` is refused where
         the engine gave the one it was built with something the new one lacks (LoRA slots or fused adapters, fp8
-        linears, IP-Adapter processors): its requests would run without them."""
-        if kind in (None, "step") and self.model.unet is not self._unet:
-            given = [what for what, there in (("LoRA adapters (slots or fused)", self.runner.loras is not None),
-                                              ("fp8 linears", self.quantized is not None),
-                                              ("IP-Adapter processors", self.runner.image_prompts is not None)) if there]
-            if given:
-                raise ValueError(f"model.unet was replaced, but this engine gave the UNet it was built with "
-                                 f"{' and '.join(given)}, which the new one lacks; build a new Engine with the new "
-                                 "UNet (in-place weight updates, param.copy_, need no new engine)")
-            self._unet = self.model.unet
+        linears, IP-Adapter processors): its requests would run without them. So is a replaced text encoder where
+        the engine gave the old one LoRA adapters' text side paths."""
+        loras = ["LoRA adapters (slots or fused)"] if self.runner.loras is not None else []
+        given = {"step": loras + [what for what, there in (("fp8 linears", self.quantized is not None), (
+            "IP-Adapter processors", self.runner.image_prompts is not None)) if there], "text": loras}
+        for k, now in self._modules().items():
+            if kind in (None, k) and [id(m) for m in now] != [id(m) for m in self._prepared[k]]:
+                if given[k]:
+                    raise ValueError(f"model.{'unet' if k == 'step' else 'text_encoders'} was replaced, but this "
+                                     f"engine gave the module it was built with {' and '.join(given[k])}, which the "
+                                     "new one lacks; build a new Engine with the new module (in-place weight "
+                                     "updates, param.copy_, need no new engine)")
+                self._prepared[k] = now
         self.core.call_between_steps(lambda: self.runner.invalidate(kind)).result()
+
+    def _modules(self) -> dict[str, tuple[torch.nn.Module, ...]]:
+        return {"step": (self.model.unet,), "text": tuple(self.model.text_encoders)}
 
     def reconfigure(self, **changes: Any) -> None:
         """Changes scheduler settings (batching, max_wait_ms, max_queue, grow_fill, grow_hold_ms, max_skips) of
