@@ -13,8 +13,8 @@ in-place updates (LoRA slots, fused adapters, a user's copy_) are seen by compil
 runs without its own CUDA graphs (`triton.cudagraphs` off): the graphs are ours.
 
 The persistent cache: `cache_dir(config, model)` is a folder per (model config, dtype, torch and triton versions,
-device, diffgraph's source), under `CompileConfig.cache_dir` (default: the user's cache folder); `use_cache_dir` points Inductor's
-on-disk caches (FX graphs, AOTAutograd, Triton kernels) there for this process.
+device, diffgraph's source), under `CompileConfig.cache_dir` (default: the user's cache folder); `use_cache_dir`
+points Inductor's on-disk caches (FX graphs, AOTAutograd, Triton kernels) there for this process.
 
 Precompiled versions (the graph kinds, with Inductor on a torch that has `torch.compiler.load_compiled_function`):
 Dynamo's tracing, which Inductor's caches cannot skip, is most of a warm start. So each version of a graph kind is
