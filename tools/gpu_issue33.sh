@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests, tools/probe_fp8.py's parts, the compile tier's GPU
 # tests (ctests) and the tiers side by side (tiers: bench throughput --tiers $TIERS, default graph,compile).
-#   bash tools/gpu_issue33.sh tests widths step ctests tiers vae
+#   bash tools/gpu_issue33.sh tests widths step ctests tiers start vae
+#   (start: a cold compile-tier start, one image, then starts in fresh processes on the warm cache: traced or loaded)
 #   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE; vae: VAE_PRESET, VAE_SIZE, VAE_VARIANTS;
 #   *_S limits)
 set -uo pipefail
@@ -19,6 +20,9 @@ for what in "$@"; do
     tiers) timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} --json "$OUT/tiers.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
+    start) timeout ${START_S:-540} python3 -m diffgraph.bench.latency --cases ${PRESET:-random:sdxl}@${START_SIZE:-1024} \
+             --images 1 --buckets ${START_BUCKETS:-1} --repeats 3 --contenders diffgraph_compile --json "$OUT/start.json" \
+             2>&1 | grep -v Warning | grep -E "compile tier|fresh|cold|warm|rror" | cut -c1-1200 | tail -12 ;;
     vae) for upcast in "" --no-vae-upcast; do  # SDXL's decoder in fp32 (today's), then fp16: layout and bucket
            timeout ${VAE_S:-270} python3 tools/probe_vae_layout.py --model ${VAE_PRESET:-random:sdxl} \
              --size ${VAE_SIZE:-1024x1024} \
