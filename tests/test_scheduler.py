@@ -578,3 +578,22 @@ def test_a_gate_that_refuses_makes_the_others_give_back():
     assert sched.schedule() is None
     # the slot taken for "a" went back inside the attempt; "a" still waits with nothing held
     assert slots.free == 4 and slots.released == [("a", 1)] and sched.num_waiting == 1
+
+
+def test_a_request_that_backfill_gives_its_gate_units_back_stays_indexed_and_drain_forgets_everything():
+    """Backfill can take a request's gate units and give them back while it keeps waiting (the gates must keep
+    admitting a request passed over): it is still in flight, so its id stays refused and abort still finds it.
+    `drain` (the engine closing or failing for good) takes every request out and forgets every id."""
+    sched = Scheduler(SchedulerConfig(max_rows=4), Clock())
+    gate = CountingGate("lora", 2, lambda r: 1)
+    sched.gates = (gate,)
+    for rid, rows in (("a", 3), ("head", 2), ("x", 1)):
+        sched.add(state(rid, steps=3, rows=rows))
+    p = sched.schedule()
+    assert [s.request_id for s in p.admitted] == ["a"] and ("x", 1) in gate.released  # x took a unit, gave it back
+    with pytest.raises(ValueError, match="request_id 'x' is already in flight"):
+        sched.add(state("x", steps=3))
+    assert sched.abort("x") and [s.request_id for s in sched.take_aborted()] == ["x"]
+    assert sorted(s.request_id for s in sched.drain()) == ["a", "head"]
+    assert sched._ids == {} and not sched.has_work()
+    sched.add(state("a"))

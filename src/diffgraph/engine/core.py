@@ -344,11 +344,8 @@ class EngineCore:
         with self._cv:
             for s in self.scheduler.take_aborted():  # aborted while waiting, not yet answered
                 fail_request(s, RequestAborted(f"request {s.request_id} was aborted"))
-            for g in self.scheduler.groups.values():
-                for s in list(g.waiting) + list(g.live):
-                    fail_request(s, error)
-                g.waiting.clear()
-                g.live.clear()
+            for s in self.scheduler.drain():
+                fail_request(s, error)
             pending, self._pending = self._pending, []
         for _, future in pending:
             future.set_exception(error)

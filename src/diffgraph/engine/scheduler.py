@@ -31,12 +31,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..request import GroupKey, ParamError, QueueFullError, RequestAborted
-from .priority import Backfill, add_at, admission_order, growth_limit, victims_order
+from .priority import Backfill, add_at, admission_order, fits, growth_limit, profile_of, victims
 from .request_state import RequestState
 from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, SchedulerConfig
 
@@ -100,7 +101,7 @@ class _Group:
         return sum(s.cost for s in self.live)
 
     def profile(self) -> np.ndarray:
-        return _profile(self.live)
+        return profile_of(self.live)
 
     def interactive(self) -> bool:  # an interactive request is live or waiting here (before batch-only groups)
         return any(not s.batch for s in (*self.live, *self.waiting))
@@ -116,6 +117,7 @@ class Scheduler:
         self.steps_run = 0
         self.growth_holds = 0  # admissions cut short by the bucket growth policy (requests left waiting)
         self.gates: tuple[AdmissionGate, ...] = ()
+        self._keep = partial(self._release, leaving=False)  # gives back gate units of a request that stays waiting
 
     # -- intake --------------------------------------------------------------------------------
     @property
@@ -163,10 +165,15 @@ class Scheduler:
             self._release([s])  # a preempted request still holds what its gates gave it
         return True
 
-    def _in_flight(self, s: RequestState | None) -> bool:
-        """`s` waits or is live, not aborted (an index entry outlives its state only until `_release`)."""
+    def _in_flight(self, s: RequestState | None) -> bool:  # waits or is live, not aborted
         return s is not None and not s.aborted and (g := self.groups.get(s.key)) is not None and (
             s in g.waiting or s in g.live)
+
+    def drain(self) -> list[RequestState]:
+        """Every waiting and live request, taken out with nothing given back (the engine fails them: closed)."""
+        out = [s for g in self.groups.values() for s in (*g.waiting, *g.live)]
+        self.groups, self._ids = {}, {}
+        return out
 
     def take_aborted(self) -> list[RequestState]:
         """Requests aborted since the last call (their rows are already free)."""
@@ -291,9 +298,9 @@ class Scheduler:
             if backfill is not None:  # it must fit beside the reservations of those passed over (or is passed over)
                 profile, room = backfill.fits(s, need, profile)
             else:
-                room = _fits(profile, need, cap) and (growth is None or added + s.cost <= growth)
+                room = fits(profile, need, cap) and (growth is None or added + s.cost <= growth)
             if room:  # (one that waits for what its gates give, adapter slots, lets those behind it join)
-                if self._take(s) and (backfill is None or backfill.keeps_gates(s, self._release)):
+                if self._take(s) and (backfill is None or backfill.keeps_gates(s, self._keep)):
                     g.waiting.remove(s)
                     s.first_row = g.live_rows
                     g.live.append(s)
@@ -323,7 +330,7 @@ class Scheduler:
         live = list(g.live)  # the live rows once this iteration's interactive requests are in
         for s in [s for s in g.waiting if not s.batch]:  # oldest first, as admission takes them; one waiting for
             # adapter slots, not rows, or too large even without batch rows, preempts nothing (nor those behind it)
-            gone = _victims(live, s.demand, self.config.max_rows) if self._gates_admit(s) else None
+            gone = victims(live, s.demand, self.config.max_rows) if self._gates_admit(s) else None
             if gone is None:
                 break
             for v in gone:
@@ -360,9 +367,10 @@ class Scheduler:
         s.admitted.update(taken)
         return True
 
-    def _release(self, states: list[RequestState]) -> None:
+    def _release(self, states: list[RequestState], leaving: bool = True) -> None:
+        """Gives back what the gates gave `states`; `leaving`: they leave (their ids may be used again)."""
         for s in states:
-            if self._ids.get(s.request_id) is s:  # it leaves: its id may be used again
+            if leaving and self._ids.get(s.request_id) is s:
                 del self._ids[s.request_id]
             for gate in self.gates:
                 if gate.name in s.admitted:
@@ -388,30 +396,3 @@ class Scheduler:
             row += s.rows
         return moves
 
-
-def _profile(states: list[RequestState]) -> np.ndarray:
-    """Denoiser rows the requests need at each future step (this one first): their schedules are known, and every
-    live row advances one step per step of the group."""
-    demands = [s.demand for s in states]
-    out = np.zeros(max((len(d) for d in demands), default=0), dtype=np.int64)
-    for d in demands:
-        out[:len(d)] += d
-    return out
-
-
-def _fits(profile: np.ndarray, need: np.ndarray, capacity: int) -> bool:
-    """Whether `need` added to `profile` (both per future step, this one first) stays within `capacity` throughout."""
-    n = min(len(profile), len(need))
-    return bool((profile[:n] + need[:n] <= capacity).all() and (need[n:] <= capacity).all())
-
-
-def _victims(live: list[RequestState], need: np.ndarray, capacity: int) -> list[RequestState] | None:
-    """The fewest live batch requests whose rows, taken away, let a request of per-step demand `need` fit within
-    `capacity` (priority.py's order): [] when it fits already, None when it cannot even without every batch row."""
-    taken: list[RequestState] = []
-    for s in [None, *victims_order(live)]:
-        if s is not None:
-            taken.append(s)
-        if _fits(_profile([o for o in live if o not in taken]), need, capacity):
-            return taken
-    return None
