@@ -150,6 +150,6 @@ def test_a_replaced_text_encoder_makes_the_prompts_unless_the_engine_gave_the_ol
         np.testing.assert_array_equal(fresh.generate("a red fox", **kw).arrays, after)
     with Engine(model="random:tiny", device="cpu", dtype="fp32", max_loras=4) as e:
         e.model.text_encoders[0] = copy.deepcopy(e.model.text_encoders[0])
-        with pytest.raises(ValueError, match="model.text_encoders was replaced.*LoRA adapters.*build a new Engine"):
+        with pytest.raises(ValueError, match=r"model.text_encoders\[0\] was replaced.*LoRA adapters.*build a new Engine"):
             e.invalidate()
         e.invalidate("step")

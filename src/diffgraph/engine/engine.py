@@ -282,10 +282,11 @@ class Engine:
         for k, now in self._modules().items():
             if kind in (None, k) and [id(m) for m in now] != [id(m) for m in self._prepared[k]]:
                 if given[k]:
-                    raise ValueError(f"model.{'unet' if k == 'step' else 'text_encoders'} was replaced, but this "
-                                     f"engine gave the module it was built with {' and '.join(given[k])}, which the "
-                                     "new one lacks; build a new Engine with the new module (in-place weight "
-                                     "updates, param.copy_, need no new engine)")
+                    where = "unet" if k == "step" else "text_encoders" + "".join(
+                        f"[{i}]" for i, m in enumerate(now) if m not in self._prepared[k])  # (modules: by identity)
+                    raise ValueError(f"model.{where} was replaced, but this engine gave the module it was built with "
+                                     f"{' and '.join(given[k])}, which the new one lacks; build a new Engine with the "
+                                     "new module (in-place weight updates, param.copy_, need no new engine)")
                 self._prepared[k] = now
         self.core.call_between_steps(lambda: self.runner.invalidate(kind)).result()
 
