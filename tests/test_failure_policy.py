@@ -96,3 +96,33 @@ def test_the_policy_counts_and_names_what_poisons_a_device():
     assert not poisons_the_device(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     with pytest.raises(ValueError, match=">= 1"):
         FailurePolicy(0)
+
+
+def test_rows_held_for_companions_are_answered_retryable_when_the_device_fails_not_decoded_on_it(monkeypatch):
+    """A job's finished rows wait a few steps for companions to decode with (engine/decode_batches.py). When an error
+    poisons the device meanwhile, they are answered like every request the engine holds (EngineClosed: retry on
+    another replica), with no decode run on the failed device, and the engine's loop ends cleanly."""
+    import dataclasses
+    with Engine("random:tiny", device="cpu", max_step_failures=5) as engine:
+        runner, calls = engine.core.runner, {"steps": 0, "decodes_after": 0}
+        real_step, real_decode = runner.step, runner.decode_async
+
+        def step(*args, **kw):
+            calls["steps"] += 1
+            if calls["steps"] >= 3:  # the 2-step request finished at step 2 and is held (the 10-step one is live)
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return real_step(*args, **kw)
+
+        def decode_async(*args, **kw):
+            calls["decodes_after"] += calls["steps"] >= 3
+            return real_decode(*args, **kw)
+        monkeypatch.setattr(runner, "step", step)
+        monkeypatch.setattr(runner, "decode_async", decode_async)
+        batch = [dataclasses.replace(_request(engine, seed, steps=steps), priority="batch", job="j")
+                 for seed, steps in ((1, 2), (2, 10))]
+        with engine.core._cv:  # both admitted at the loop's next boundary, together
+            held, live = [engine.submit(r) for r in batch]
+        assert isinstance(live.exception(timeout=600), EngineStepError)  # its step failed
+        error = held.exception(timeout=600)
+        assert isinstance(error, EngineClosed) and "retry this request on another replica" in str(error)
+        assert calls["decodes_after"] == 0 and not engine.ready

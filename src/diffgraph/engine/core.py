@@ -194,12 +194,15 @@ class EngineCore:
         if error is None:
             self._run_pending(pending, aborted)
             pending = []
-        self.retirement.stop()  # finished rows waiting for companions: decoded, answered
+        if error is not None and self.failures.loop_failed(error):  # failed, as a tripped policy (on_failure)
+            self._trip()  # held rows too: nothing more runs on the device
+        try:
+            self.retirement.stop()  # finished rows waiting for companions: decoded, answered
+        except Exception:  # (each decode answers its own failures: this is a bug's last guard)
+            logger.exception("retiring the held rows failed")
         self._holding = False
         for _, future in pending:
             future.set_exception(EngineClosed("the engine loop stopped after an internal error (see the log)"))
-        if error is not None and self.failures.loop_failed(error):  # failed, as a tripped policy (on_failure)
-            self._trip()
         self._fail_everything(EngineClosed("the engine was closed" if self._closing and error is None else
                                            "the engine loop stopped after an internal error (see the log)"))
         self._finished.set()
@@ -282,8 +285,10 @@ class EngineCore:
     def _trip(self) -> None:
         """The failure policy tripped: not ready from now on, every request held ends retryable elsewhere."""
         logger.error("engine failed: %s", self.failures.reason)
-        self._fail_everything(EngineClosed(f"the engine failed ({self.failures.reason}); retry this request on "
-                                           "another replica"))
+        error = EngineClosed(f"the engine failed ({self.failures.reason}); retry this request on another replica")
+        self.retirement.fail_held(error)  # finished rows held for companions: not decoded on a failed device
+        self._holding = False
+        self._fail_everything(error)
         for fn in self.on_failure:
             call_safely(fn, self.failures.reason)
 

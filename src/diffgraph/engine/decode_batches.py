@@ -5,7 +5,9 @@ Why: one VAE replay of 4 images costs less per image than smaller ones (SD1.5 51
 20.5 ms for 1 image, 36.3 for 2, 60.9 for 4; `tools/probe_decode.py`). Requests admitted together finish together
 and decode together. Interactive requests break a job's waves apart: each one takes a batch row's place at its own
 step and gives it back 20 steps later, so without gathering the job's rows finish, and decode, one at a time. Held
-rows have left the scheduler already: their latents are copied out, their buffer rows reused.
+rows have left the scheduler already: their latents are copied out, their buffer rows reused. No device work here:
+a decode is returned as its requests and their latents' parts, which the caller joins inside its own failure handling
+(a device that failed must answer the requests, never lose them).
 
 Rules (a row is an image; `size` is the largest decode replay):
 - an interactive request never waits: it decodes at once; it takes held batch rows of its group with it only when
@@ -25,6 +27,8 @@ import torch
 
 from ..request import GroupKey
 from .request_state import RequestState
+
+Decode = tuple[GroupKey, list[RequestState], list[torch.Tensor]]  # a decode to launch: group, requests, latents' parts
 
 
 @dataclass
@@ -47,10 +51,10 @@ class DecodeBatches:
         self.holding = False  # rows are held (an attribute, kept by due and take_all: read every engine poll)
 
     def due(self, key: GroupKey | None, finished: list[RequestState], latents: torch.Tensor | None, step: int,
-            more_coming: bool) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
+            more_coming: bool) -> list[Decode]:
         """After engine step `step` of group `key` (None: no step ran), whose `finished` requests' rows are
         `latents` (in their order); `more_coming`: live batch rows are left in that group. Returns the decodes to
-        launch now: (group, requests, their latents)."""
+        launch now: (group, requests, their latents' parts in order)."""
         out = []
         if key is not None and finished:
             people, row = [], 0
@@ -71,14 +75,13 @@ class DecodeBatches:
             if not held.states or key is None or waited or (k == key and not more_coming):
                 del self._held[k]
                 if held.states:
-                    out.append((k, held.states, torch.cat(held.latents)))
+                    out.append((k, held.states, held.latents))
             elif k == key and held.rows >= self.size:
                 out.append(self._full(k, held))
         self.holding = bool(self._held)
         return out
 
-    def _with_people(self, key: GroupKey, people: list[tuple[RequestState, torch.Tensor]]
-                     ) -> tuple[GroupKey, list[RequestState], torch.Tensor]:
+    def _with_people(self, key: GroupKey, people: list[tuple[RequestState, torch.Tensor]]) -> Decode:
         """The interactive rows' decode, with the oldest held rows of their group when those fill its last replay
         to `size` rows exactly."""
         states, parts = [s for s, _ in people], [p for _, p in people]
@@ -91,9 +94,9 @@ class DecodeBatches:
         if need and rows == need:
             states, parts = states + held.states[:taken], parts + held.latents[:taken]
             del held.states[:taken], held.latents[:taken], held.steps[:taken]
-        return key, states, torch.cat(parts)
+        return key, states, parts
 
-    def _full(self, key: GroupKey, held: _Held) -> tuple[GroupKey, list[RequestState], torch.Tensor]:
+    def _full(self, key: GroupKey, held: _Held) -> Decode:
         """A group holding `size` rows or more: its oldest rows that fill whole replays go; the rest wait on from
         their own steps (9 held: 8 go, the newest waits for companions), unless no prefix of the held requests
         fills whole replays (a 3-row request, then a 2-row one; a 5-row request first): then all go."""
@@ -103,15 +106,15 @@ class DecodeBatches:
             taken += 1
         if rows % self.size or not taken:  # (the oldest request alone has more rows than whole replays hold)
             taken = len(held.states)
-        states, latents = held.states[:taken], torch.cat(held.latents[:taken])
+        states, latents = held.states[:taken], held.latents[:taken]
         del held.states[:taken], held.latents[:taken], held.steps[:taken]
         if not held.states:
             del self._held[key]
         return key, states, latents
 
-    def take_all(self) -> list[tuple[GroupKey, list[RequestState], torch.Tensor]]:
-        """Everything held (the engine is stopping)."""
-        out = [(k, h.states, torch.cat(h.latents)) for k, h in self._held.items()]
+    def take_all(self) -> list[Decode]:
+        """Everything held (the engine is stopping, or has failed: the caller answers them)."""
+        out = [(k, h.states, h.latents) for k, h in self._held.items()]
         self._held.clear()
         self.holding = False
         return out

@@ -60,16 +60,22 @@ class Retirement:
         for held in self._batches.take_all():
             self._decode(*held)
 
+    def fail_held(self, error: Exception) -> None:
+        """The engine failed for good: every held row is answered with `error`, nothing more runs on the device."""
+        for _, states, _ in self._batches.take_all():
+            for s in states:
+                fail_request(s, error)
+
     def shutdown(self) -> None:
         self._images.shutdown(wait=True)
 
-    def _decode(self, key: GroupKey, finished: list[RequestState], latents: torch.Tensor) -> None:
+    def _decode(self, key: GroupKey, finished: list[RequestState], latents: list[torch.Tensor]) -> None:
         timed = self.decode_log is not None and self.runner.cuda
         if timed:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.runner.device))
         try:
-            decoded = self.runner.decode_async(key, latents)
+            decoded = self.runner.decode_async(key, torch.cat(latents))
         except Exception as e:
             return self._failed(key, finished, e)
         if self.decode_log is not None:
