@@ -123,6 +123,19 @@ def test_a_decode_is_split_into_whole_buckets_largest_first():
     assert decode_chunks(0) == []
 
 
+def test_decodes_follow_the_vae_graphs_buckets_when_the_batch_buckets_stop_below_four(tiny_engine):
+    """With batch buckets (1, 2) the VAE graphs stop at 2: 4 held rows decode as two replays of 2 (not one uncovered,
+    eager decode of 4), and a job's rows are held for 2 companions, not 4."""
+    from diffgraph.engine.previews import PreviewMaker
+    from diffgraph.engine.retirement import Retirement
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated")
+    runner, key = ModelRunner(tiny_engine.model, mode="graph", graphs=cfg), (64, 64)
+    runner.decode(key, torch.randn((4, *runner.latent_shape(key))))
+    vae = {k[-1]: s.replays for k, s in runner.graph_runner.stats.items() if k[0] == "vae"}
+    assert runner.decode_buckets == (1, 2) and vae == {1: 0, 2: 2} and not runner.graph_runner.uncovered
+    assert Retirement(runner, PreviewMaker(runner, None), 1, False)._batches.size == 2
+
+
 def test_three_rows_decode_as_replays_of_two_and_one_and_equal_each_row_decoded_alone(tiny_engine):
     """No replay carries a padded row (it would cost a decoded one): 3 rows replay the VAE's buckets 2 and 1."""
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")

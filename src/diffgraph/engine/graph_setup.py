@@ -42,12 +42,17 @@ VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 
 
-def decode_chunks(n: int) -> list[int]:
-    """A decode of n rows as VAE replays of whole buckets, largest first (7: [4, 2, 1]), so that no replay carries
+def vae_buckets(cfg: GraphConfig) -> tuple[int, ...]:
+    """The VAE graphs' buckets under `cfg`: VAE_BUCKETS up to its largest batch bucket."""
+    return tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket)
+
+
+def decode_chunks(n: int, buckets: tuple[int, ...] = VAE_BUCKETS) -> list[int]:
+    """A decode of n rows as VAE replays of whole `buckets`, largest first (7: [4, 2, 1]), so that no replay carries
     a padded row: a padded row costs what a decoded one does (3 rows as 2 + 1, not as 4)."""
     chunks = []
     while n > 0:
-        chunks.append(next((b for b in reversed(VAE_BUCKETS) if b <= n), n))
+        chunks.append(next((b for b in reversed(buckets) if b <= n), n))
         n -= chunks[-1]
     return chunks
 
@@ -137,7 +142,7 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
                                  VAE_OPTIONS if channels_last_vae else None,
                                  form=" group_norm=channel" if channels_last_vae else ""),
                            host.latent_shape, model.vae_dtype, host.device, resolutions,
-                           tuple(b for b in VAE_BUCKETS if b <= cfg.max_bucket))
+                           vae_buckets(cfg))
         graphs.register(out.vae)
         if adapter.supports_edits:
             # not compiled: an edit encodes once per request, and its two compiles would lengthen every cold start

@@ -38,7 +38,7 @@ from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
-from .graph_setup import GraphSet, decode_chunks, make_graphs
+from .graph_setup import GraphSet, decode_chunks, make_graphs, vae_buckets
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
@@ -103,6 +103,7 @@ class ModelRunner:
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
         self.graphs: GraphSet | None = None
+        self.decode_buckets = vae_buckets(self.graph_config)  # the VAE replays a decode is cut into (decode_chunks)
         self._graphed: tuple[GroupKey, ...] = ()  # the resolutions the step graphs cover
         self.text_encoder = PromptEncoder(model, self.device, self.graph_config.batch_buckets,
                                           loras.text_rows if slots else None, self.text_setup.lock)
@@ -393,7 +394,7 @@ class ModelRunner:
         latents = latents.to(self.device)
         runner = self.graph_runner
         n_total = latents.shape[0]
-        chunks = decode_chunks(n_total) if runner is not None else [n_total]  # whole VAE buckets, none padded
+        chunks = decode_chunks(n_total, self.decode_buckets) if runner is not None else [n_total]  # none padded
         host, chunks_in, start = None, [], 0  # chunks_in: (end row, the event after its copy; None on the CPU)
         for n in chunks:
             part = latents[start:start + n]

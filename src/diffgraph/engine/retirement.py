@@ -18,7 +18,6 @@ import torch
 from ..image_metadata import encode_image
 from ..request import EngineStepError, GenerationResult, GroupKey
 from .decode_batches import DecodeBatches
-from .graph_setup import VAE_BUCKETS
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
 from .request_state import RequestState, call_safely, fail_request
@@ -36,7 +35,7 @@ class Retirement:
         self.runner, self.previews = runner, previews
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
-        self._batches = DecodeBatches(max(VAE_BUCKETS), HOLD_STEPS)
+        self._batches = DecodeBatches(max(runner.decode_buckets), HOLD_STEPS)
         # [] records each decode as (rows, batch rows, (start, end) CUDA events or None off CUDA): benchmarks read
         # how finished rows were gathered and whose GPU time a decode is
         self.decode_log: list[tuple[int, int, tuple[torch.cuda.Event, torch.cuda.Event] | None]] | None = None
