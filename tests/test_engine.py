@@ -250,6 +250,21 @@ def test_a_dead_loop_is_not_ready_and_refuses_work(monkeypatch):
     e.close()
 
 
+def test_a_request_aborted_while_waiting_is_answered_when_the_loop_dies(monkeypatch):
+    """The loop's last work answers requests aborted while waiting even when it ends on an internal error."""
+    e = Engine(model="random:tiny", device="cpu")
+    try:
+        request = e.make_request("x", num_inference_steps=2, seed=1)
+        with e.core._cv:  # the loop polls only once both are done
+            fut = e.submit(request)
+            assert e.abort(request.request_id)
+            monkeypatch.setattr(e.scheduler, "schedule", lambda: 1 / 0)
+        with pytest.raises(RequestAborted, match=f"request {request.request_id} was aborted"):
+            fut.result(timeout=60)
+    finally:
+        e.close()
+
+
 def test_failed_admission_fails_only_that_request():
     with Engine(model="random:tiny", device="cpu", max_wait_ms=100) as e:
         real = e.runner.text_encoder.encode

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from ..cli_flags import add_compile_mode_argument, add_quantize_arguments, compile_from_args, quantize_from_args
-from ..engine.graph_setup import VAE_BUCKETS
 
 MODES = ("step", "request", "off")
 
@@ -262,7 +261,7 @@ def compute_bound_rate(engine, sizes, steps=(20, 30, 50), iters: int = 30) -> di
         torch.cuda.synchronize()
         name = size_name(key)
         step_ms[name] = (time.perf_counter() - t0) / iters * 1e3
-        vb = max(VAE_BUCKETS)
+        vb = max(w.decode_buckets)
         latents = buf.x[:vb].clone()
         for _ in range(2):
             w.decode(key, latents)

@@ -191,8 +191,8 @@ class EngineCore:
             self._stop = True
             pending, self._pending = self._pending, []
             aborted = self.scheduler.take_aborted()
+        self._run_pending(pending if error is None else [], aborted)  # the aborted are answered either way
         if error is None:
-            self._run_pending(pending, aborted)
             pending = []
         if error is not None and self.failures.loop_failed(error):  # failed, as a tripped policy (on_failure)
             self._trip()  # held rows too: nothing more runs on the device

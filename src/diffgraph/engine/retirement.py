@@ -69,19 +69,19 @@ class Retirement:
         self._images.shutdown(wait=True)
 
     def _decode(self, key: GroupKey, finished: list[RequestState], latents: list[torch.Tensor]) -> None:
-        timed = self.decode_log is not None and self.runner.cuda
-        if timed:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(torch.cuda.current_stream(self.runner.device))
-        try:
+        try:  # whatever fails here answers `finished`: they have left the scheduler and the decode batches
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+                if self.decode_log is not None and self.runner.cuda else None
+            if events is not None:
+                events[0].record(torch.cuda.current_stream(self.runner.device))
             decoded = self.runner.decode_async(key, torch.cat(latents))
+            if events is not None:
+                events[1].record(torch.cuda.current_stream(self.runner.device))
+            if self.decode_log is not None:
+                self.decode_log.append((sum(s.rows for s in finished), sum(s.rows for s in finished if s.batch),
+                                        events))
         except Exception as e:
             return self._failed(key, finished, e)
-        if self.decode_log is not None:
-            if timed:
-                end.record(torch.cuda.current_stream(self.runner.device))
-            self.decode_log.append((sum(s.rows for s in finished), sum(s.rows for s in finished if s.batch),
-                                    (start, end) if timed else None))
         done_at, row = time.monotonic(), 0
         for s in finished:  # a task a request: the image threads share one decode's copies, checks and encodes
             try:
