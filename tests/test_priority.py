@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from diffgraph.engine.priority import admission_order
-from diffgraph.engine.priority import victims
+from diffgraph.engine.scheduler import _victims as victims
 from diffgraph.engine.scheduler import Scheduler, SchedulerConfig
 from loop_util import held_loop
 from test_scheduler import Clock, FakeWorker, state

@@ -8,7 +8,7 @@ routes) go first; batch rows (a job's items) fill what they leave free, so the G
   batch requests (they resume before new ones start); then new batch requests shared fairly between jobs: the job
   with the fewest live rows in the group goes next (round-robin between jobs, not first come first served), oldest
   first within a job.
-- Preemption (`victims_order`, `victims`): an interactive request that does not fit its group takes rows from live batch
+- Preemption (`victims_order`, the scheduler's `_victims`): an interactive request that does not fit its group takes rows from live batch
   requests at the step boundary, never mid-step: the fewest batch requests that make it fit, those with the most steps
   left first. A victim keeps what its gates gave it (its adapter slots) and goes back to the waiting queue with its
   rows' whole state saved (the engine core copies them out before the step and back in at its re-admission), so it
@@ -161,31 +161,3 @@ def add_at(profile: np.ndarray, need: np.ndarray, at: int = 0) -> np.ndarray:
     out[:len(profile)] += profile
     out[at:at + len(need)] += need
     return out
-
-
-def profile_of(states: list[RequestState]) -> np.ndarray:
-    """Denoiser rows the requests need at each future step (this one first): their schedules are known, and every
-    live row advances one step per step of the group."""
-    demands = [s.demand for s in states]
-    out = np.zeros(max((len(d) for d in demands), default=0), dtype=np.int64)
-    for d in demands:
-        out[:len(d)] += d
-    return out
-
-
-def fits(profile: np.ndarray, need: np.ndarray, capacity: int) -> bool:
-    """Whether `need` added to `profile` (both per future step, this one first) stays within `capacity` throughout."""
-    n = min(len(profile), len(need))
-    return bool((profile[:n] + need[:n] <= capacity).all() and (need[n:] <= capacity).all())
-
-
-def victims(live: list[RequestState], need: np.ndarray, capacity: int) -> list[RequestState] | None:
-    """The fewest live batch requests whose rows, taken away, let a request of per-step demand `need` fit within
-    `capacity` (priority.py's order): [] when it fits already, None when it cannot even without every batch row."""
-    taken: list[RequestState] = []
-    for s in [None, *victims_order(live)]:
-        if s is not None:
-            taken.append(s)
-        if fits(profile_of([o for o in live if o not in taken]), need, capacity):
-            return taken
-    return None

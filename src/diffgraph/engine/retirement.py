@@ -101,7 +101,8 @@ class Retirement:
         try:
             pixels = decoded.rows(row, s.rows)
         except Exception as e:
-            self.previews.settle(s)  # its previews go first, as before a result
+            if s.preview_future is not None:  # its previews go first, as before a result
+                self.previews.settle(s)
             fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
             return
         r = s.request
@@ -119,8 +120,10 @@ class Retirement:
                        "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
             result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
                                       request=r, encoded=encoded)
-            self.previews.settle(s)  # its previews go first
+            if s.preview_future is not None:  # its previews go first
+                self.previews.settle(s)
             call_safely(s.sink.finish, result, None)
         except Exception as e:
-            self.previews.settle(s)
+            if s.preview_future is not None:
+                self.previews.settle(s)
             fail_request(s, e)

@@ -32,14 +32,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from ..request import GroupKey, ParamError, QueueFullError, RequestAborted
-from .priority import Backfill, add_at, admission_order, fits, growth_limit, profile_of, victims
+from .priority import Backfill, admission_order, growth_limit, victims_order
 from .request_state import RequestState
-from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, SchedulerConfig
+from .scheduler_config import BATCHING_MODES, MAX_HOLD_MS, AdmissionGate, SchedulerConfig
 
 __all__ = ["BATCHING_MODES", "MAX_HOLD_MS", "QueueFullError", "RequestAborted", "RequestState", "Scheduler",
            "SchedulerConfig", "StepPlan"]
@@ -67,22 +67,6 @@ class StepPlan:
         self.noise_requests = [s for s in self.live if s.plan.draws_noise and s.plan.noise_steps[s.step]]
 
 
-class AdmissionGate(Protocol):
-    """What a request needs besides rows before it may join (e.g. LoRA adapter slots): CPU bookkeeping only,
-    called on the engine loop's thread under the scheduler's lock. Gates compose: a request joins when every gate
-    admits it; what each took is kept in `RequestState.admitted[gate.name]` by the scheduler and handed back."""
-
-    name: str
-
-    def can_admit(self, state: "RequestState") -> bool: ...
-
-    def admit(self, state: "RequestState") -> Any | None:
-        """Takes what the request needs and returns it; None: it keeps waiting (requests behind it may join)."""
-
-    def release(self, state: "RequestState", taken: Any) -> None:
-        """The request's rows left (finished, failed, aborted): `taken` is what `admit` returned."""
-
-
 @dataclass
 class _Group:
     key: GroupKey
@@ -101,7 +85,7 @@ class _Group:
         return sum(s.cost for s in self.live)
 
     def profile(self) -> np.ndarray:
-        return profile_of(self.live)
+        return _profile(self.live)
 
     def interactive(self) -> bool:  # an interactive request is live or waiting here (before batch-only groups)
         return any(not s.batch for s in (*self.live, *self.waiting))
@@ -298,7 +282,7 @@ class Scheduler:
             if backfill is not None:  # it must fit beside the reservations of those passed over (or is passed over)
                 profile, room = backfill.fits(s, need, profile)
             else:
-                room = fits(profile, need, cap) and (growth is None or added + s.cost <= growth)
+                room = _fits(profile, need, cap) and (growth is None or added + s.cost <= growth)
             if room:  # (one that waits for what its gates give, adapter slots, lets those behind it join)
                 if self._take(s) and (backfill is None or backfill.keeps_gates(s, self._keep)):
                     g.waiting.remove(s)
@@ -306,7 +290,7 @@ class Scheduler:
                     g.live.append(s)
                     (resumed if s.preempted else admitted).append(s)
                     s.preempted = False
-                    profile = add_at(profile, need)
+                    profile = _plus(profile, need)
                     added += s.cost
                     continue
             elif mode != "step":
@@ -330,7 +314,7 @@ class Scheduler:
         live = list(g.live)  # the live rows once this iteration's interactive requests are in
         for s in [s for s in g.waiting if not s.batch]:  # oldest first, as admission takes them; one waiting for
             # adapter slots, not rows, or too large even without batch rows, preempts nothing (nor those behind it)
-            gone = victims(live, s.demand, self.config.max_rows) if self._gates_admit(s) else None
+            gone = _victims(live, s.demand, self.config.max_rows) if self._gates_admit(s) else None
             if gone is None:
                 break
             for v in gone:
@@ -396,3 +380,37 @@ class Scheduler:
             row += s.rows
         return moves
 
+
+def _profile(states: list[RequestState]) -> np.ndarray:
+    """Denoiser rows the requests need at each future step (this one first): their schedules are known, and every
+    live row advances one step per step of the group."""
+    demands = [s.demand for s in states]
+    out = np.zeros(max((len(d) for d in demands), default=0), dtype=np.int64)
+    for d in demands:
+        out[:len(d)] += d
+    return out
+
+
+def _fits(profile: np.ndarray, need: np.ndarray, capacity: int) -> bool:
+    """Whether `need` added to `profile` (both per future step, this one first) stays within `capacity` throughout."""
+    n = min(len(profile), len(need))
+    return bool((profile[:n] + need[:n] <= capacity).all() and (need[n:] <= capacity).all())
+
+
+def _plus(profile: np.ndarray, need: np.ndarray) -> np.ndarray:  # (priority.add_at from step 0: no crossing)
+    out = np.zeros(max(len(profile), len(need)), dtype=np.int64)
+    out[:len(profile)] += profile
+    out[:len(need)] += need
+    return out
+
+
+def _victims(live: list[RequestState], need: np.ndarray, capacity: int) -> list[RequestState] | None:
+    """The fewest live batch requests whose rows, taken away, let a request of per-step demand `need` fit within
+    `capacity` (priority.py's order): [] when it fits already, None when it cannot even without every batch row."""
+    taken: list[RequestState] = []
+    for s in [None, *victims_order(live)]:
+        if s is not None:
+            taken.append(s)
+        if _fits(_profile([o for o in live if o not in taken]), need, capacity):
+            return taken
+    return None

@@ -1,13 +1,16 @@
 """`SchedulerConfig`: the scheduler's settings (batching mode, rows, queue, waits, buckets, the growth policy), checked
-when made. Pure Python; scheduler.py re-exports it."""
+when made, and `AdmissionGate`, what the scheduler is given besides them. Pure Python; scheduler.py re-exports the
+config."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..config import smallest_bucket
 from ..request import GroupKey
+from .request_state import RequestState
 
 BATCHING_MODES = ("step", "request", "off")
 MAX_HOLD_MS = 60_000.0  # the longest max_wait_ms / grow_hold_ms: how long a request may wait for company
@@ -47,3 +50,19 @@ class SchedulerConfig:
     def bucket_for(self, rows: int) -> int:
         """The rows a step of `rows` live rows costs: the smallest bucket >= rows, else rows (eager)."""
         return smallest_bucket(self.buckets, rows) or rows
+
+
+class AdmissionGate(Protocol):
+    """What a request needs besides rows before it may join (e.g. LoRA adapter slots): CPU bookkeeping only,
+    called on the engine loop's thread under the scheduler's lock. Gates compose: a request joins when every gate
+    admits it; what each took is kept in `RequestState.admitted[gate.name]` by the scheduler and handed back."""
+
+    name: str
+
+    def can_admit(self, state: RequestState) -> bool: ...
+
+    def admit(self, state: RequestState) -> Any | None:
+        """Takes what the request needs and returns it; None: it keeps waiting (requests behind it may join)."""
+
+    def release(self, state: RequestState, taken: Any) -> None:
+        """The request's rows left (finished, failed, aborted): `taken` is what `admit` returned."""
