@@ -254,3 +254,21 @@ def test_a_held_row_is_answered_when_the_rest_of_its_group_is_aborted(engine):
     finally:
         proceed.set()
         engine.step_listeners.remove(listener)
+
+
+def test_once_the_held_rows_are_failed_a_later_decode_answers_with_that_error_and_runs_nothing(tiny_engine):
+    """After the failure policy trips (Retirement.fail_held), decodes already due in the same pass are answered with
+    the trip's error (retryable), and nothing reaches the device."""
+    from diffgraph.engine.previews import PreviewMaker
+    from diffgraph.engine.retirement import Retirement
+    from diffgraph.request import EngineClosed
+    runner = ModelRunner(tiny_engine.model, mode="eager")
+    retirement, answers = Retirement(runner, PreviewMaker(runner, None), 1, False), []
+    runner.decode_async = lambda *a: pytest.fail("decoded after the trip")
+    row = SimpleNamespace(rows=1, batch=True, request_id="r",
+                          sink=SimpleNamespace(finish=lambda result, error: answers.append((result, error))))
+    error = EngineClosed("the engine failed (a test); retry this request on another replica")
+    retirement.fail_held(error)
+    retirement._decode(A, [row], [_lat(1)])
+    assert answers == [(None, error)]
+    retirement.shutdown()

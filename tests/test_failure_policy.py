@@ -126,3 +126,24 @@ def test_rows_held_for_companions_are_answered_retryable_when_the_device_fails_n
         error = held.exception(timeout=600)
         assert isinstance(error, EngineClosed) and "retry this request on another replica" in str(error)
         assert calls["decodes_after"] == 0 and not engine.ready
+
+
+def test_a_decode_that_poisons_the_device_fails_the_engine_and_another_decode_error_does_not(monkeypatch):
+    """A decode error that leaves the device unusable marks the engine failed at once, as such a step error does (not
+    ready, the next submit refused with the reason), so nothing more waits for that device; any other decode error
+    fails its own request only."""
+    with Engine("random:tiny", device="cpu", max_step_failures=5) as engine:
+        runner, errors = engine.core.runner, [RuntimeError("a decode that fails (a test)"),
+                                              RuntimeError("CUDA error: an illegal memory access was encountered")]
+
+        def decode_async(*args, **kw):
+            raise errors.pop(0)
+        monkeypatch.setattr(runner, "decode_async", decode_async)
+        assert isinstance(engine.submit(_request(engine, 1, steps=2)).exception(timeout=600), EngineStepError)
+        assert engine.ready
+        error = engine.submit(_request(engine, 2, steps=2)).exception(timeout=600)
+        assert isinstance(error, EngineStepError) and "illegal memory access" in str(error)
+        assert not engine.ready and "a decode failed with an error that leaves the device unusable" in \
+            engine.core.failures.reason
+        with pytest.raises(EngineClosed, match="the engine failed: a decode failed"):
+            engine.submit(_request(engine, 3, steps=2))

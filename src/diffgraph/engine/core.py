@@ -49,7 +49,8 @@ class EngineCore:
         self.runner = runner
         self.scheduler = Scheduler(config)
         self.previews = PreviewMaker.of(runner)  # live previews of the requests that ask (previews.py)
-        self.retirement = Retirement(runner, self.previews, image_threads, metadata)  # finished rows to answers
+        self.retirement = Retirement(runner, self.previews, image_threads, metadata,  # finished rows to answers
+                                     self._decode_failed)
         self._holding = False  # finished batch rows wait for companions (Retirement.after_step): come back for them
         self.failures = FailurePolicy(max_step_failures)  # when failing steps fail the engine (failures.py)
         self.on_failure: list[Callable[[str], None]] = []  # called once, on the loop thread, when it trips
@@ -281,6 +282,10 @@ class EngineCore:
         for listener in self.step_listeners:
             call_safely(listener, plan, time.perf_counter() - t0)
         self._release_idle((plan.key,))
+
+    def _decode_failed(self, error: Exception) -> None:  # (the loop thread: Retirement.after_step, finish)
+        if self.failures.decode_failed(error):
+            self._trip()
 
     def _trip(self) -> None:
         """The failure policy tripped: not ready from now on, every request held ends retryable elsewhere."""

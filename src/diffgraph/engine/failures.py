@@ -2,7 +2,7 @@
 
 A failed step fails only that step's requests. `max_step_failures` consecutive failed steps, or one error of the
 kinds that leave a CUDA context unusable (an illegal address, an ECC fault, a device-side assert: every later call
-fails too), mark the engine failed, with the reason: its `ready` turns False (the server's /ready answers 503 with
+fails too) in a step or a decode, mark the engine failed, with the reason: its `ready` turns False (the server's /ready answers 503 with
 the reason, the router stops choosing it, Ray's health check fails it, a replica process exits and is restarted
 with backoff), every request it still holds ends with EngineClosed (503, retryable elsewhere), and the next submit
 raises EngineClosed naming the reason. A successful step resets the count.
@@ -46,6 +46,15 @@ class FailurePolicy:
         elif self.streak >= self.max_step_failures:
             self.reason = f"{self.streak} consecutive steps failed (the last: {type(error).__name__}: {error})"
         return self.reason is not None
+
+    def decode_failed(self, error: BaseException) -> bool:
+        """A decode (or the copy of finished rows before it) failed: only an error that leaves the device unusable
+        marks the engine failed (True, once); any other fails that decode's requests alone and counts nothing."""
+        if self.reason is not None or not poisons_the_device(error):
+            return False
+        self.reason = f"a decode failed with an error that leaves the device unusable ({type(error).__name__}: " \
+                      f"{error}); the engine must be restarted"
+        return True
 
     def loop_failed(self, error: BaseException) -> bool:
         """A bug in the engine loop itself (it stopped): the engine is failed, as a tripped policy; True the first

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,8 +32,11 @@ HOLD_STEPS = 8
 
 
 class Retirement:
-    def __init__(self, runner: ModelRunner, previews: PreviewMaker, image_threads: int, metadata: bool):
+    def __init__(self, runner: ModelRunner, previews: PreviewMaker, image_threads: int, metadata: bool,
+                 device_failed: Callable[[Exception], None] = lambda e: None):
         self.runner, self.previews = runner, previews
+        self.device_failed = device_failed  # told of a failed copy or decode on the loop thread (the failure policy)
+        self._closed_by: Exception | None = None  # fail_held's error: later decodes answer with it, never run
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
         self._batches = DecodeBatches(max(runner.decode_buckets), HOLD_STEPS)
@@ -60,7 +64,9 @@ class Retirement:
             self._decode(*held)
 
     def fail_held(self, error: Exception) -> None:
-        """The engine failed for good: every held row is answered with `error`, nothing more runs on the device."""
+        """The engine failed for good: every held row is answered with `error`, and so is every later decode
+        (nothing more runs on the device)."""
+        self._closed_by = error
         for _, states, _ in self._batches.take_all():
             for s in states:
                 fail_request(s, error)
@@ -69,6 +75,10 @@ class Retirement:
         self._images.shutdown(wait=True)
 
     def _decode(self, key: GroupKey, finished: list[RequestState], latents: list[torch.Tensor]) -> None:
+        if self._closed_by is not None:
+            for s in finished:
+                fail_request(s, self._closed_by)
+            return
         try:  # whatever fails here answers `finished`: they have left the scheduler and the decode batches
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
                 if self.decode_log is not None and self.runner.cuda else None
@@ -94,6 +104,7 @@ class Retirement:
         logger.exception("decode failed for group %s", key)
         for s in finished:
             fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
+        self.device_failed(e)
 
     def _deliver(self, s: RequestState, row: int, decoded: DecodedPixels, done_at: float) -> None:
         """Answers request `s`, whose images are rows [row, row + s.rows) of `decoded` (on an image thread: it waits
