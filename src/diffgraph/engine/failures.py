@@ -1,9 +1,9 @@
 """The engine's failure policy (issue 28, point 1): when a failing engine stops being "ready".
 
-A failed step fails only that step's requests. `max_step_failures` consecutive failed steps, or one error of the
-kinds that leave a CUDA context unusable (an illegal address, an ECC fault, a device-side assert: every later call
-fails too) in a step or a decode, mark the engine failed, with the reason: its `ready` turns False (the server's /ready answers 503 with
-the reason, the router stops choosing it, Ray's health check fails it, a replica process exits and is restarted
+A failed step fails only that step's requests. `max_step_failures` consecutive failed steps, or one error of the kinds
+that leave a CUDA context unusable (an illegal address, an ECC fault, a device-side assert: every later call fails too)
+in a step or a decode, mark the engine failed, with the reason: its `ready` turns False (the server's /ready answers 503
+with the reason, the router stops choosing it, Ray's health check fails it, a replica process exits and is restarted
 with backoff), every request it still holds ends with EngineClosed (503, retryable elsewhere), and the next submit
 raises EngineClosed naming the reason. A successful step resets the count.
 """

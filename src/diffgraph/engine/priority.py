@@ -8,12 +8,12 @@ routes) go first; batch rows (a job's items) fill what they leave free, so the G
   batch requests (they resume before new ones start); then new batch requests shared fairly between jobs: the job
   with the fewest live rows in the group goes next (round-robin between jobs, not first come first served), oldest
   first within a job.
-- Preemption (`victims_order`, the scheduler's `_victims`): an interactive request that does not fit its group takes rows from live batch
-  requests at the step boundary, never mid-step: the fewest batch requests that make it fit, those with the most steps
-  left first. A victim keeps what its gates gave it (its adapter slots) and goes back to the waiting queue with its
-  rows' whole state saved (the engine core copies them out before the step and back in at its re-admission), so it
-  resumes where it stopped. Victims resume before new batch requests start and no request overtakes one that does not
-  fit, so a group holds at most its `max_rows` rows saved.
+- Preemption (`victims_order`, the scheduler's `_victims`): an interactive request that does not fit its group takes
+  rows from live batch requests at the step boundary, never mid-step: the fewest batch requests that make it fit, those
+  with the most steps left first. A victim keeps what its gates gave it (its adapter slots) and goes back to the waiting
+  queue with its rows' whole state saved (the engine core copies them out before the step and back in at its
+  re-admission), so it resumes where it stopped. Victims resume before new batch requests start and no request overtakes
+  one that does not fit, so a group holds at most its `max_rows` rows saved.
 - Growth into a larger bucket (`growth_limit`, step mode, graphs): the step costs what its bucket costs, so 9 live
   rows on bucket 16 pay nearly what 16 rows pay. A live group admits the longest prefix of its queue that stays
   within its current bucket or fills at least `grow_fill` of the larger bucket it grows into; once the head of the

@@ -97,7 +97,7 @@ class Scheduler:
         self.clock = clock
         self.groups: dict[GroupKey, _Group] = {}
         self._aborted: list[RequestState] = []
-        self._ids: dict[str, RequestState] = {}  # request id -> its newest state in flight (add and abort: no scan)
+        self._ids: dict[str, RequestState] = {}  # request id -> its newest state in flight (found without a scan)
         self.steps_run = 0
         self.growth_holds = 0  # admissions cut short by the bucket growth policy (requests left waiting)
         self.gates: tuple[AdmissionGate, ...] = ()
