@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from diffgraph.engine.scheduler import QueueFullError, RequestState, Scheduler, SchedulerConfig
+from diffgraph.errors import ParamError
 from diffgraph.sampling.samplers import NUM_COEFS, make_plan
 from diffgraph.sampling.schedules import NoiseSchedule
 
@@ -250,6 +251,17 @@ def test_oldest_request_first_across_groups():
         order.append(p.key)
         sched.update(p)
     assert order == [(64, 64)] * 3 + [(64, 96)]  # the old request finishes first, then the young one runs
+
+
+def test_a_request_above_the_largest_bucket_is_refused_with_a_fix_that_exists():
+    """With guidance a one-image request needs 2 denoiser rows: where the largest bucket is 1 no num_images fits, so
+    the error names the bucket to add (it used to say `use num_images <= 0`)."""
+    with pytest.raises(ParamError, match=r"num_images 2 exceeds the largest batch bucket 2 \(4 denoiser rows: "
+                                         r"classifier-free guidance costs 2 per image; use num_images <= 1\)"):
+        Scheduler(SchedulerConfig(max_rows=2), Clock()).add(guided("a", rows=2))
+    with pytest.raises(ParamError, match=r"costs 2 per image; start the engine with a batch bucket of at least 2"):
+        Scheduler(SchedulerConfig(max_rows=1), Clock()).add(guided("a"))
+    Scheduler(SchedulerConfig(max_rows=1), Clock()).add(guided("b", branches=1))  # one branch: one row fits
 
 
 def test_queue_full_rejects():

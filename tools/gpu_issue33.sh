@@ -21,7 +21,7 @@ for what in "$@"; do
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} --json "$OUT/tiers.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
     start) timeout ${START_S:-540} python3 -m diffgraph.bench.latency --cases ${PRESET:-random:sdxl}@${START_SIZE:-1024} \
-             --images 1 --buckets ${START_BUCKETS:-1} --repeats 3 --contenders diffgraph_compile --json "$OUT/start.json" \
+             --images 1 --buckets ${START_BUCKETS:-2} --repeats 3 --contenders diffgraph_compile --json "$OUT/start.json" \
              2>&1 | grep -v Warning | grep -E "compile tier|fresh|cold|warm|rror" | cut -c1-1200 | tail -12 ;;
     vae) for upcast in "" --no-vae-upcast; do  # SDXL's decoder in fp32 (today's), then fp16: layout and bucket
            timeout ${VAE_S:-270} python3 tools/probe_vae_layout.py --model ${VAE_PRESET:-random:sdxl} \

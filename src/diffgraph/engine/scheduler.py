@@ -125,7 +125,9 @@ class Scheduler:
             raise ParamError("num_images", f"num_images {state.rows} exceeds the largest batch bucket "
                                            f"{self.config.max_rows}" + (
                                                f" ({state.peak} denoiser rows: classifier-free guidance costs {per} "
-                                               f"per image; use num_images <= {self.config.max_rows // per})"
+                                               + (f"per image; use num_images <= {self.config.max_rows // per})"
+                                                  if self.config.max_rows >= per else
+                                                  f"per image; start the engine with a batch bucket of at least {per}: --buckets)")
                                                if per > 1 else ""))
         if self._in_flight(self._ids.get(state.request_id)):
             raise ParamError("request_id", f"request_id {state.request_id!r} is already in flight; give each request its own id "
