@@ -399,3 +399,34 @@ def test_a_script_that_exits_while_its_engine_steps_exits_cleanly():
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0 and "exiting while a step runs" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
     assert "terminate called" not in proc.stderr
+
+
+def test_the_loop_waits_for_the_image_threads_once_their_backlog_passes_its_bound(monkeypatch):
+    """Decoded pixels waiting for the image threads are bounded: past `max_backlog` bytes the loop waits for them
+    before it decodes more (the backlog of a fast GPU and slow PNG encoders used to grow without limit)."""
+    import diffgraph.engine.retirement as retirement
+    entered, release = threading.Event(), threading.Event()
+    real = retirement.encode_image
+
+    def gated(*args, **kwargs):
+        entered.set()
+        assert release.wait(120), "the test never released the image threads"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(retirement, "encode_image", gated)
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", image_threads=1) as e:
+        ret = e.core.retirement
+        ret.max_backlog, ret.decode_log = 1, []  # a byte: the second decode waits for the first's delivery
+        first = e.submit(e.make_request("a cat", num_inference_steps=2, seed=1, output_format="png"))
+        second = e.submit(e.make_request("a dog", num_inference_steps=4, seed=2, output_format="png"))
+        assert entered.wait(120)  # the first request's image is being encoded, and stays so
+        deadline = time.monotonic() + 120
+        while ret.backlog_waits == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ret.backlog_waits == 1 and len(ret.decode_log) == 1  # the loop waits: the second is not decoded
+        assert not first.done() and not second.done()
+        release.set()
+        a, b = first.result(timeout=120), second.result(timeout=120)
+        assert len(ret.decode_log) == 2 and ret._backlog == 0
+    assert a.encoded[0][:8] == b.encoded[0][:8] == b"\x89PNG\r\n\x1a\n"
+    assert e.core.retirement.backlog_waits == 1

@@ -9,6 +9,7 @@ an image thread waits for the pixels. Whatever fails here answers its requests: 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -29,6 +30,11 @@ logger = logging.getLogger(__name__)
 # finish scattered (about 0.8 a step at 16 live rows and 20 steps), so 4 steps flushed many replays of 1-3 rows
 # (each image 1.2-1.35x a full replay's on the H200); 8 fill most (tools/bench_jobs.py's window_decodes_*)
 HOLD_STEPS = 8
+# the decoded pixels (float32, pinned on a GPU) waiting for the image threads, in bytes, past which the loop waits
+# for them before it decodes more: a 4-step guidance-free SD1.5 burst decodes about 64 images/s on an H100 and two
+# threads encode about 37 PNGs/s of 512x512 (this box), so without a bound the backlog grew by ~80 MB/s and every
+# answer waited longer; with it, the work waits in the scheduler's bounded queue instead (429s when full)
+MAX_BACKLOG_BYTES = 1 << 30
 
 
 class Retirement:
@@ -39,6 +45,10 @@ class Retirement:
         self._closed_by: Exception | None = None  # fail_held's error: later decodes answer with it, never run
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
         self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
+        self.max_backlog = MAX_BACKLOG_BYTES
+        self._backlog = 0  # bytes of decoded pixels handed to the image threads and not delivered yet
+        self._drained = threading.Condition()  # notified as the image threads deliver
+        self.backlog_waits = 0  # how often the loop waited for the image threads (warned once)
         self._batches = DecodeBatches(max(runner.decode_buckets), HOLD_STEPS)
         # [] records each decode as (rows, batch rows, (start, end) CUDA events or None off CUDA): benchmarks read
         # how finished rows were gathered and whose GPU time a decode is
@@ -82,6 +92,7 @@ class Retirement:
         try:  # whatever fails here answers `finished`: they have left the scheduler and the decode batches
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
                 if self.decode_log is not None and self.runner.cuda else None
+            self._wait_for_images()
             if events is not None:
                 events[0].record(torch.cuda.current_stream(self.runner.device))
             decoded = self.runner.decode_async(key, torch.cat(latents))
@@ -93,12 +104,29 @@ class Retirement:
         except Exception as e:
             return self._failed(key, finished, e)
         done_at, row = time.monotonic(), 0
+        row_bytes = decoded.host[0].numel() * decoded.host.element_size()
         for s in finished:  # a task a request: the image threads share one decode's copies, checks and encodes
+            with self._drained:
+                self._backlog += s.rows * row_bytes
             try:
-                self._images.submit(self._deliver, s, row, decoded, done_at)
+                self._images.submit(self._deliver, s, row, decoded, done_at, s.rows * row_bytes)
             except RuntimeError:  # the pool is shut down (close() timed out while this step ran): deliver here
-                self._deliver(s, row, decoded, done_at)
+                self._deliver(s, row, decoded, done_at, s.rows * row_bytes)
             row += s.rows
+
+    def _wait_for_images(self) -> None:
+        """Back-pressure on the loop thread: while the image threads' backlog is above `max_backlog`, the loop waits
+        for them to deliver before it decodes more (one decode always goes when the backlog is below it)."""
+        with self._drained:
+            if self._backlog <= self.max_backlog:
+                return
+            self.backlog_waits += 1
+            if self.backlog_waits == 1:
+                logger.warning("the image threads are behind the decodes (%d MiB of pixels waiting): the engine waits "
+                               "for them; raise image_threads (--image-threads) or ask for jpeg output",
+                               self._backlog >> 20)
+            while self._backlog > self.max_backlog:
+                self._drained.wait()
 
     def _failed(self, key: GroupKey | None, finished: list[RequestState], e: Exception) -> None:
         logger.exception("decode failed for group %s", key)
@@ -106,9 +134,17 @@ class Retirement:
             fail_request(s, EngineStepError(f"decoding failed: {type(e).__name__}: {e}"))
         self.device_failed(e)
 
-    def _deliver(self, s: RequestState, row: int, decoded: DecodedPixels, done_at: float) -> None:
+    def _deliver(self, s: RequestState, row: int, decoded: DecodedPixels, done_at: float, nbytes: int) -> None:
         """Answers request `s`, whose images are rows [row, row + s.rows) of `decoded` (on an image thread: it waits
-        for the chunk holding its rows only, and takes its own copy of them)."""
+        for the chunk holding its rows only, and takes its own copy of them); then its `nbytes` leave the backlog."""
+        try:
+            self._answer(s, row, decoded, done_at)
+        finally:
+            with self._drained:
+                self._backlog -= nbytes
+                self._drained.notify_all()
+
+    def _answer(self, s: RequestState, row: int, decoded: DecodedPixels, done_at: float) -> None:
         try:
             pixels = decoded.rows(row, s.rows)
         except Exception as e:
