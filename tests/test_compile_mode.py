@@ -5,6 +5,7 @@ are refused), and `bench throughput --tiers`' parts that need no GPU (its tiers,
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -96,3 +97,16 @@ def test_the_step_flops_are_the_unets_over_the_steps_denoiser_rows():
         with counter, torch.no_grad():
             unet(x, torch.full((4,), 500.0), encoder_hidden_states=states)
     assert got == counter.get_total_flops() > 0
+
+
+def test_a_tier_runs_its_burst_its_step_replay_and_one_image_alone(capsys):
+    """`run_tier`'s figures on the CPU (the emulated graph backend): the burst's images/s, the top bucket's step
+    replay and one image alone, submit to result (the issue's one-image target), each a positive measurement."""
+    from diffgraph.bench.tiers import print_tier, run_tier
+    from diffgraph.config import GraphConfig
+    graphs = GraphConfig(resolutions=((64, 64),), batch_buckets=(1, 2, 4), backend="emulated")
+    r = run_tier("random:tiny", "graph", (64, 64), 2, 1, "/nonexistent", graphs=graphs, device="cpu")
+    assert r["tier"] == "graph" and r["bucket"] == 4 and r["compiles"] == 0
+    assert r["images_per_s"] > 0 and r["seconds"] > 0 and r["step_ms"] > 0 and r["one_image_ms"] > 0
+    print_tier({**r, "peak_share": None}, r)
+    assert re.search(r"graph .*\(1\.000x\).*bucket-4 step .* one image +\d+\.\d ms", capsys.readouterr().out)

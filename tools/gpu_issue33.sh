@@ -4,7 +4,8 @@
 #   bash tools/gpu_issue33.sh tests widths step ctests tiers start vae
 #   (start: a cold compile-tier start, one image, then starts in fresh processes on the warm cache: traced or loaded)
 #   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE; vae: VAE_PRESET, VAE_SIZE, VAE_VARIANTS;
-#   *_S limits)
+#   *_S limits; TIERS_CACHE=.cc keeps the tiers' compile caches in the (git-ignored) tree, which a warm device machine
+#   keeps between calls: an autotuned compile cut short by a call's limit resumes in the next)
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -18,7 +19,8 @@ for what in "$@"; do
     ctests) timeout ${CTESTS_S:-420} python3 -m pytest -q -x -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider \
               2>&1 | grep -E "assert|Error|passed|failed" | tail -12 ;;
     tiers) timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
-             --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} --json "$OUT/tiers.json" 2>&1 \
+             --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} \
+             ${TIERS_CACHE:+--compile-cache $TIERS_CACHE} --json "$OUT/tiers.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
     start) timeout ${START_S:-540} python3 -m diffgraph.bench.latency --cases ${PRESET:-random:sdxl}@${START_SIZE:-1024} \
              --images 1 --buckets ${START_BUCKETS:-2} --repeats 3 --contenders diffgraph_compile --json "$OUT/start.json" \

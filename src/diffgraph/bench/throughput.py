@@ -312,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the live-preview scenarios (bench/preview_cost.py): bursts of N requests with and "
                         "without previews")
     p.add_argument("--compile", action="store_true", help="the compile tier (Engine(compile=True))")
-    p.add_argument("--compile-cache", default=None, metavar="DIR")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="the compile tier's cache folder; with --tiers each tier's is DIR/<tier>, kept, so a start "
+                        "there is warm once compiled (default: a fresh folder, cold starts)")
     add_compile_mode_argument(p)
     add_quantize_arguments(p)
     p.add_argument("--tiers", default=None, metavar="T1,T2,...",
@@ -344,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = parse_resolutions(args.sizes)
     if args.tiers is not None:
-        report = tier_bench.run(args.model, tiers, sizes[0], args.burst, peak=args.peak_tflops)
+        report = tier_bench.run(args.model, tiers, sizes[0], args.burst, peak=args.peak_tflops,
+                                cache_root=args.compile_cache)
         tier_bench.print_report(report)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
