@@ -4,8 +4,9 @@
 #   bash tools/gpu_issue33.sh tests widths step ctests tiers start vae
 #   (start: a cold compile-tier start, one image, then starts in fresh processes on the warm cache: traced or loaded)
 #   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE; vae: VAE_PRESET, VAE_SIZE, VAE_VARIANTS;
-#   *_S limits; TIERS_CACHE=.cc keeps the tiers' compile caches in the (git-ignored) tree, which a warm device machine
-#   keeps between calls: an autotuned compile cut short by a call's limit resumes in the next)
+#   *_S limits; CSE=1: step also times fp8 with each shared input quantised once; TIERS_CACHE=.cc keeps the tiers'
+#   compile caches in the (git-ignored) tree, which a warm device machine keeps between calls: an autotuned compile
+#   cut short by a call's limit resumes in the next)
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -15,7 +16,8 @@ for what in "$@"; do
     widths) timeout ${WIDTHS_S:-150} python3 tools/probe_fp8.py widths --rows ${ROWS:-16} ${TIER---compile} 2>&1 \
               | grep -v Warning | tail -12 ;;
     step) timeout ${STEP_S:-360} python3 tools/probe_fp8.py step --preset ${PRESET:-random:sd15} --rows ${ROWS:-16} \
-            --min-features ${MIN_FEATURES:-640} ${TIER---compile} --split 2>&1 | grep -v Warning | tail -18 ;;
+            --min-features ${MIN_FEATURES:-640} ${TIER---compile} --split ${CSE:+--cse} 2>&1 \
+            | grep -v Warning | tail -22 ;;
     ctests) timeout ${CTESTS_S:-420} python3 -m pytest -q -x -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider \
               2>&1 | grep -E "assert|Error|passed|failed" | tail -12 ;;
     tiers) timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \

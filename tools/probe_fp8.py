@@ -11,8 +11,12 @@
           time goes (convolutions, matmuls, fp8 matmuls, attention, Inductor's fused code, copies, other: eager
           elementwise kernels), from the profiles of a run of --steps steps and of a 1-step run.
 
+          With --cse (compile tier), a third engine "fp8+cse": the fp8 engine with a post-grad pass that merges
+          repeated pure ops (`QuantCse`), so an input that several fp8 linears read (self-attention's q, k and v) is
+          quantised once: Inductor does not merge them itself (three amax reductions of one input, seen on the CPU).
+
     python3 tools/probe_fp8.py widths [--compile]                  # on the GPU host
-    python3 tools/probe_fp8.py step --preset random:sd15 [--compile] [--split] [--rows 16] [--min-features 640]
+    python3 tools/probe_fp8.py step --preset random:sd15 [--compile] [--split] [--rows 16] [--min-features 640] [--cse]
 """
 
 from __future__ import annotations
@@ -28,8 +32,51 @@ from torch import nn
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from probe_layout import graph_ms  # noqa: E402  (the probes' timer: one capture, replays)
 
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
+
 from diffgraph import Engine, GraphConfig  # noqa: E402
+from diffgraph.engine import graph_setup  # noqa: E402
 from diffgraph.quantize import Fp8Config, Fp8Linear, relative_error  # noqa: E402
+
+aten, prims = torch.ops.aten, torch.ops.prims
+# ops with no side effect that the per-token quantisation is made of (and the views before it)
+PURE = {aten.view.default, aten.reshape.default, aten.abs.default, aten.amax.default, aten.clamp_min.default,
+        aten.clamp_max.default, aten.clamp.default, aten.div.Tensor, aten.div.Scalar, aten.mul.Tensor,
+        prims.convert_element_type.default, aten._to_copy.default}
+
+
+def _frozen(a):
+    if isinstance(a, (list, tuple)):
+        return tuple(_frozen(x) for x in a)
+    if isinstance(a, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in a.items()))
+    return a
+
+
+class QuantCse(CustomGraphPass):
+    """Inductor's post-grad pre-pass: a PURE op whose target and arguments equal an earlier one's is replaced by it
+    (in graph order, so chains merge: view -> abs -> amax -> ... -> fp8 of one input, once). `removed` counts."""
+
+    removed = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        seen = {}
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in PURE:
+                continue
+            key = (node.target, _frozen(node.args), _frozen(node.kwargs))
+            if key in seen:
+                node.replace_all_uses_with(seen[key])
+                graph.erase_node(node)
+                QuantCse.removed += 1
+            else:
+                seen[key] = node
+
+    def uuid(self) -> str:
+        return "diffgraph-probe-quant-cse-1"
+
+    def __repr__(self) -> str:  # stable: part of the compiled code's cache key
+        return "QuantCse()"
 
 # SD1.5's transformer linears at 512x512: (tokens a row, in_features, out_features); geglu's proj is out 2 x 4C
 SD15_LINEARS = ((4096, 320, 320), (4096, 320, 2560), (4096, 1280, 320), (1024, 640, 640), (1024, 640, 5120),
@@ -115,8 +162,17 @@ def step(args: argparse.Namespace) -> None:
                "fp8": Engine(args.preset, device="cuda", graphs=graphs, compile=args.compile,
                              quantize=Fp8Config(min_features=args.min_features))}
     print(engines["fp8"].quantized.summary())
+    if args.cse and args.compile:
+        options = graph_setup.STEP_OPTIONS
+        graph_setup.STEP_OPTIONS = {**options, "post_grad_custom_pre_pass": QuantCse()}
+        try:
+            engines["fp8+cse"] = Engine(args.preset, device="cuda", graphs=graphs, compile=True,
+                                        quantize=Fp8Config(min_features=args.min_features))
+        finally:
+            graph_setup.STEP_OPTIONS = options
+        print(f"fp8+cse: {QuantCse.removed} repeated ops merged in the step's graphs")
     with torch.no_grad():  # one UNet output of each engine's model (each loaded its own copy of the preset)
-        unet, fp8_unet = (e.model.unet for e in engines.values())
+        unet, fp8_unet = engines["16-bit"].model.unet, engines["fp8"].model.unet
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(2, unet.config.in_channels, size // 8, size // 8, device=dev, generator=g, dtype=torch.float16)
         t = torch.full((2,), 500.0, device=dev)
@@ -177,6 +233,8 @@ def main() -> int:
     p.add_argument("--min-features", type=int, default=640)
     p.add_argument("--compile", action="store_true", help="Inductor's code, captured in the graphs")
     p.add_argument("--split", action="store_true", help="step: also each engine's device time per kernel category")
+    p.add_argument("--cse", action="store_true", help="step, with --compile: also an fp8 engine whose step graphs "
+                   "quantise an input shared by several linears once (QuantCse)")
     args = p.parse_args()
     with torch.no_grad():
         (widths if args.part == "widths" else step)(args)
