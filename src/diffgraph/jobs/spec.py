@@ -112,6 +112,8 @@ def parse_job(data: bytes, form: str, limits: SpecLimits, check: ItemCheck | Non
         raise SpecError("the job has no items; give at least one item (a JSON object with a prompt)", "items")
     if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME):
         raise SpecError(f"name must be a string of at most {MAX_NAME} characters", "name")
+    if name is not None:
+        _check_text("name", name)
     if webhook is not None and not isinstance(webhook, str):
         raise SpecError("webhook must be a URL string such as \"https://hooks.example.com/done\"", "webhook")
     return JobSpec(tuple(items), name, webhook)
@@ -304,6 +306,7 @@ def _item(where: str, fields: Any, check: ItemCheck | None, drawn: bool) -> JobI
     body = {k: v for k, v in fields.items() if k in REQUEST_FIELDS and v is not None}
     if "loras" in body:
         body["loras"] = _loras(where, body["loras"])
+    _check_text(where, body)
     if body.get("output_format", "png") != "png":
         raise SpecError(f"{where}: output_format {body['output_format']!r}: a job stores PNG images (with their "
                         "settings inside); leave output_format out", f"{where}.output_format")
@@ -317,6 +320,15 @@ def _item(where: str, fields: Any, check: ItemCheck | None, drawn: bool) -> JobI
     except APIError as e:
         raise SpecError(f"{where}: {e.message}", f"{where}.{e.param}" if e.param else where) from None
     return JobItem(body, seeds, drawn or drawn_here)
+
+
+def _check_text(where: str, value: Any) -> None:
+    """SpecError when `value` holds a string with an unpaired surrogate (JSON's "\\ud800"): not text SQLite stores."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpecError(f"{where} holds text with an unpaired surrogate (a \\ud800-\\udfff escape without its "
+                        "pair); send valid UTF-8 text", where) from None
 
 
 def _candidates(where: str, fields: dict[str, Any]) -> tuple[int, tuple[int, ...], bool]:

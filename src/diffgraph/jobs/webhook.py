@@ -54,6 +54,10 @@ def check_webhook(url: str, allow: tuple[str, ...]) -> str:
     except ValueError:
         raise WebhookRefused(f"webhook {url[:80]!r} is not a URL; give one such as https://hooks.example.com/done") \
             from None
+    bad = next((ch for ch in url if ch < " " or ch == "\x7f" or "\ud800" <= ch <= "\udfff"), None)
+    if bad is not None:  # httpx refuses to send to it: the job would end with its webhook never called
+        raise WebhookRefused(f"webhook {url[:80]!r} holds the character {bad!r}, which a URL cannot carry; "
+                             "percent-encode it or leave it out")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise WebhookRefused(f"webhook {url[:80]!r} must be an http or https URL with a host")
     if parts.username or parts.password:
@@ -92,6 +96,8 @@ class WebhookSender:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
                 try:
                     response = await client.post(url, content=body, headers=headers)
+                except httpx.InvalidURL as e:  # not an httpx.HTTPError; calling again cannot help
+                    return f"the webhook URL cannot be called: {e}"
                 except httpx.HTTPError as e:
                     error = f"{type(e).__name__}: {e}"
                     continue

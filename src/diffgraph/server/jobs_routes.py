@@ -105,7 +105,7 @@ def _form(content_type: str) -> str:
 def _bounded(value: str | None, default: int, most: int, name: str) -> int:
     if value is None:
         return default
-    if not value.isdigit() or not 0 <= int(value) <= most:
+    if not re.fullmatch(r"[0-9]{1,12}", value) or int(value) > most:  # isdigit() takes "²", int() not
         raise APIError(400, f"{name} must be an integer in 0..{most}", param=name)
     return int(value)
 

@@ -1,0 +1,61 @@
+"""Bad input to /v1/jobs that used to answer 500 (or leave a webhook pending forever) instead of a one-line 400:
+query numbers Python's int() cannot read, text holding an unpaired surrogate (SQLite cannot store it), webhook URLs
+that pass the allow list but that httpx refuses to send to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from diffgraph.jobs.webhook import WebhookRefused, WebhookSender, check_webhook
+
+BAD_URL = "http://127.0.0.1:9/done\x01"  # the allowed host, a control character in the path
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine, tmp_path_factory):
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server import ServerConfig, create_app
+    config = ServerConfig(model="random:tiny", device="cpu", state_dir=str(tmp_path_factory.mktemp("state")),
+                          webhook_allow=("127.0.0.1",), webhook_secret="s3cret")
+    with TestClient(create_app(config, engine_factory=lambda: tiny_engine), raise_server_exceptions=False) as c:
+        while c.get("/ready").status_code != 200:
+            threading.Event().wait(0.05)
+        yield c
+
+
+@pytest.mark.parametrize("limit", ["\u00b2", "9" * 5000])
+def test_a_query_number_int_cannot_read_is_a_400(client, limit):
+    r = client.get("/v1/jobs", params={"limit": limit})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "limit"
+
+
+def test_a_job_name_with_an_unpaired_surrogate_is_a_400(client, tiny_engine):
+    size = tiny_engine.info.native_size
+    body = '{"name": "shots \\ud800", "items": [{"prompt": "a fox", "size": "%dx%d"}]}' % (size, size)
+    r = client.post("/v1/jobs", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"] and r.json()["error"]["param"] == "name"
+
+
+def test_a_webhook_url_httpx_cannot_send_to_is_a_400(client, tiny_engine):
+    size = tiny_engine.info.native_size
+    body = json.dumps({"webhook": BAD_URL, "items": [{"prompt": "a fox", "size": f"{size}x{size}"}]})
+    r = client.post("/v1/jobs", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "webhook"
+
+
+def test_a_stored_webhook_httpx_cannot_send_to_fails_with_a_reason_rather_than_raising():
+    """A job stored before the check (or by an older server): its delivery must end as failed, with why, not raise
+    (the coordinator would then start it again at every poll, forever)."""
+    with pytest.raises(WebhookRefused):
+        check_webhook(BAD_URL, ("127.0.0.1",))
+    sender = WebhookSender(("127.0.0.1",), None, attempts=1)
+    error = asyncio.run(sender.deliver(BAD_URL, {"id": "job_x", "status": "completed"}))
+    assert isinstance(error, str) and "webhook" in error
