@@ -15,6 +15,11 @@
           repeated pure ops (`QuantCse`), so an input that several fp8 linears read (self-attention's q, k and v) is
           quantised once: Inductor does not merge them itself (three amax reductions of one input, seen on the CPU).
 
+  shared: how much of the per-token quantisation is of inputs already quantised (one eager UNet call of --preset at
+          its native size, bf16, batch 2, on any device: each quantised input's storage and shape, kept alive so none
+          is reused): what `QuantCse` could save at most.
+
+    python3 tools/probe_fp8.py shared --preset random:sdxl         # on the CPU too (a few minutes for SDXL)
     python3 tools/probe_fp8.py widths [--compile]                  # on the GPU host
     python3 tools/probe_fp8.py step --preset random:sd15 [--compile] [--split] [--rows 16] [--min-features 640] [--cse]
 """
@@ -221,9 +226,39 @@ def step(args: argparse.Namespace) -> None:
             print(f"{name} top kernels: " + "; ".join(f"{k[:60]} {ms:.2f}" for k, ms in top))
 
 
+def shared(args: argparse.Namespace) -> None:
+    import diffgraph.quantize.fp8 as fp8
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    seen: list[torch.Tensor] = []  # every quantised input, kept: a freed one's storage could be reused by the next
+    real = fp8.quantize_rows
+
+    def recording(x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(x2d)
+        return real(x2d)
+
+    fp8.quantize_rows = recording
+    with Engine(args.preset, device=dev, dtype="bf16", mode="eager", quantize=Fp8Config(args.min_features)) as e:
+        unet = e.model.unet
+        size = args.size or e.info.native_size
+        x = torch.zeros(2, unet.config.in_channels, size // 8, size // 8, dtype=torch.bfloat16, device=dev)
+        ctx = torch.zeros(2, 77, unet.config.cross_attention_dim, dtype=torch.bfloat16, device=dev)
+        kw = {}
+        if unet.config.addition_embed_type == "text_time":
+            kw["added_cond_kwargs"] = {"text_embeds": torch.zeros(2, 1280, dtype=torch.bfloat16, device=dev),
+                                       "time_ids": torch.zeros(2, 6, dtype=torch.bfloat16, device=dev)}
+        with torch.no_grad():
+            unet(x, torch.full((2,), 500.0, device=dev), encoder_hidden_states=ctx, **kw)
+    fp8.quantize_rows = real
+    total = sum(t.numel() for t in seen)
+    distinct = {(t.data_ptr(), tuple(t.shape)): t.numel() for t in seen}
+    print(f"{args.preset} {size}x{size}: {len(seen)} quantisations of {len(distinct)} distinct inputs; "
+          f"{total / 1e6:.1f}M elements quantised, {sum(distinct.values()) / 1e6:.1f}M distinct "
+          f"({1 - sum(distinct.values()) / total:.1%} of the quantisation's work repeats an earlier one)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=("widths", "step"))
+    p.add_argument("part", choices=("widths", "step", "shared"))
     p.add_argument("--preset", default="random:sd15")
     p.add_argument("--rows", type=int, default=16,
                    help="the bucket: denoiser rows a step runs (widths: the images; step: 2 rows an image, CFG)")
@@ -237,7 +272,7 @@ def main() -> int:
                    "quantise an input shared by several linears once (QuantCse)")
     args = p.parse_args()
     with torch.no_grad():
-        (widths if args.part == "widths" else step)(args)
+        {"widths": widths, "step": step, "shared": shared}[args.part](args)
     return 0
 
 
