@@ -59,3 +59,33 @@ def test_a_stored_webhook_httpx_cannot_send_to_fails_with_a_reason_rather_than_r
     sender = WebhookSender(("127.0.0.1",), None, attempts=1)
     error = asyncio.run(sender.deliver(BAD_URL, {"id": "job_x", "status": "completed"}))
     assert isinstance(error, str) and "webhook" in error
+
+
+def test_a_failed_commit_leaves_no_transaction_open(tmp_path):
+    """When COMMIT itself fails SQLite may keep the transaction open; the store rolls it back, so the next write
+    works (before, every later BEGIN IMMEDIATE failed: 'cannot start a transaction within a transaction')."""
+    import sqlite3
+
+    from diffgraph.jobs.spec import JobItem, JobSpec
+    from diffgraph.jobs.store import JobStore, StoreError
+
+    class CommitFailsOnce:
+        def __init__(self, db):
+            self.db, self.failed = db, False
+
+        def commit(self):
+            if not self.failed:
+                self.failed = True
+                raise sqlite3.OperationalError("disk I/O error")
+            self.db.commit()
+
+        def __getattr__(self, name):
+            return getattr(self.db, name)
+
+    store = JobStore(str(tmp_path))
+    spec = JobSpec((JobItem({"prompt": "a cat"}, (1,), False),), "shots", None)
+    store._db = CommitFailsOnce(store._db)
+    with pytest.raises(StoreError, match="could not be written: disk I/O error"):
+        store.create("me", spec, "digits")
+    job = store.create("me", spec, "digits")  # the next write works
+    assert [j.id for j in store.jobs("me")] == [job.id]

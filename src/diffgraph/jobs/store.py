@@ -168,7 +168,12 @@ class JobStore:
                 except BaseException:
                     self._db.rollback()
                     raise
-                self._db.commit()
+                try:
+                    self._db.commit()
+                except sqlite3.Error:  # SQLite may leave the transaction open: every later BEGIN would fail
+                    if self._db.in_transaction:
+                        self._db.rollback()
+                    raise
             except sqlite3.Error as e:
                 raise StoreError(f"the job store {self.root} could not be written: {e}; free disk space or change "
                                  "--state-dir") from None
