@@ -16,10 +16,13 @@ The parent talks to the replica over one duplex pipe; everything on it is the pr
 Results carry the images encoded by the replica (its image threads), and no float pixels when the request asked
 for an encoded format: the bytes move once; nor their request (the parent keeps it: an edit's input image never
 comes back). The replica's engine threads only queue their messages; its output thread sends them, the small ones
-queued together as one ("batch", [...]) message, each result on its own, so the GPU loop never waits for the pipe. The parent's reader thread answers each request's handle; when the
-pipe breaks (the process died), every request in flight on it is answered at once with EngineClosed (HTTP 503,
-retryable), and the replica is started again after a backoff, unless it crashed `max_restarts` times within
-`restart_window_s`: then it is left down and reported so (`state`), not restarted in a loop.
+queued together as one ("batch", [...]) message, each result on its own, so the GPU loop never waits for the pipe.
+The parent's sends go through a writer thread too (`_Sender`): a replica that stops reading its pipe (SIGSTOP, a busy
+intake) fills it, and that must block neither the event loop nor the reader thread that finds it unresponsive. The
+parent's reader thread answers each request's handle; when the pipe breaks (the process died), every request in
+flight on it is answered at once with EngineClosed (HTTP 503, retryable), and the replica is started again after a
+backoff, unless it crashed `max_restarts` times within `restart_window_s`: then it is left down and reported so
+(`state`), not restarted in a loop.
 
 Heartbeat: a ready replica sends a beat every quarter of `replica_timeout` from a thread of its own. A replica that
 sends nothing for `replica_timeout` (stopped by SIGSTOP, starved) or whose engine loop has been inside one pass for
@@ -35,6 +38,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -95,22 +99,22 @@ class ReplicaClient:
     def _start(self) -> None:
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
         parent, child = ctx.Pipe(duplex=True)
-        self._conn = parent
+        self._conn = _Sender(parent, f"diffgraph-replica-{self.name}-writer", self._unsent)
         self._process = ctx.Process(target=replica_main, args=(child, self.device, self._kwargs, self._threads,
                                                                 self.replica_timeout / 4, _parent_log_level(),
                                                                 self._measure, self._models),
                                     name=f"diffgraph-replica-{self.name}", daemon=True)
         self._process.start()
         child.close()
-        threading.Thread(target=self._read, args=(parent, self._process), name=f"diffgraph-replica-{self.name}",
-                         daemon=True).start()
+        threading.Thread(target=self._read, args=(parent, self._process, self._conn),
+                         name=f"diffgraph-replica-{self.name}", daemon=True).start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Waits until the replica is ready or has given up (a bound for callers, not a timing assumption)."""
         self._ready_event.wait(timeout)
         return self.state == "ready"
 
-    def _read(self, conn: Any, process: Any) -> None:
+    def _read(self, conn: Any, process: Any, sender: "_Sender | None" = None) -> None:
         heard = time.monotonic()
         while True:
             try:
@@ -125,6 +129,8 @@ class ReplicaClient:
                 self._check(0.0, message[1], process)
             else:
                 self._dispatch(message)
+        if sender is not None:  # before the answers below: a later send fails at once (EngineClosed to its caller)
+            sender.end()
         process.join(5)
         self._on_exit(process.exitcode)
 
@@ -242,6 +248,20 @@ class ReplicaClient:
         timer.daemon = True
         timer.start()
 
+    def _unsent(self, message: tuple, error: BaseException) -> None:
+        """A submit or question the writer could not send: answered here (EngineClosed), not left waiting."""
+        future = None
+        with self._lock:
+            if message[0] == "submit":
+                self._handles.pop(message[1].request_id, None)
+                self._requests.pop(message[1].request_id, None)
+                future = self._pending.pop(message[1].request_id, None)
+            elif message[0] in ("stats", "loras", "acquire", "models"):
+                future = self._asked.pop(message[1], None)
+        if future is not None and not future.done():
+            logger.warning("replica %s: a %r message was not sent: %s", self.name, message[0], error)
+            future.set_result(EngineClosed(f"replica {self.name} is not reachable; retry shortly"))
+
     def _restart(self) -> None:
         if self.state == "restarting":
             logger.warning("restarting replica %s", self.name)
@@ -357,3 +377,34 @@ class ReplicaClient:
         self._process.join(30)
         if self._process.is_alive():
             self._process.kill()
+
+
+class _Sender:
+    """The parent's side of a replica's pipe for sending: `send` queues (never blocks its caller on a full pipe), a
+    writer thread sends in order; after `end` (the replica is gone) `send` raises OSError as a closed pipe does."""
+
+    def __init__(self, conn: Any, name: str, unsent: Callable[[tuple, BaseException], None]):
+        self._conn, self._unsent = conn, unsent
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._ended = False
+        threading.Thread(target=self._write, name=name, daemon=True).start()
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            if self._ended:
+                raise OSError("the replica's pipe is closed")
+            self._queue.put(message)
+
+    def end(self) -> None:
+        """The writer sends what is queued (to a dead process: those fail, answered by the reader), then ends."""
+        with self._lock:
+            self._ended = True
+            self._queue.put(None)
+
+    def _write(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self._conn.send(message)
+            except Exception as e:  # a dead process, or a message that does not pickle: answered, never lost
+                self._unsent(message, e)

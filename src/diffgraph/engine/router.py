@@ -228,7 +228,8 @@ class _Tracked:
                 return
             except EngineClosed:
                 moves += 1
-                if self._started or not self._movable or moves > len(self._router.replicas) or not any(r.ready for r in self._router.replicas):
+                if self._started or not self._movable or moves > len(self._router.replicas) \
+                        or not any(r.ready for r in self._router.replicas):
                     raise
             finally:
                 self._router._done(self.request_id)
@@ -248,6 +249,9 @@ class _Tracked:
                 return item
 
     def abort(self) -> bool:
+        # its work leaves the replica's count now: an aborted handle's events may never be read (a late submission)
+        self._movable = False
+        self._router._done(self.request_id)
         return self._handle.abort()
 
 
