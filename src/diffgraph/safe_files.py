@@ -22,6 +22,7 @@ Only the standard library is imported: the HTTP process, which never imports tor
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import shutil
@@ -30,7 +31,7 @@ import struct
 import tempfile
 import threading
 from concurrent.futures import CancelledError, Future, TimeoutError as FutureTimeout
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
@@ -159,10 +160,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -218,15 +216,14 @@ def _header(f: _Open) -> SafetensorsHeader:
     if not isinstance(raw, dict):
         raise NotSafetensors("is not a readable safetensors file (its header is not a JSON object)")
     metadata = raw.pop("__metadata__", None) or {}
-    tensors, end = {}, 0
-    for key, entry in raw.items():
-        t = _tensor(key, entry)
-        tensors[key] = t
-        end = max(end, t.end)
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):  # (as safetensors)
+        raise NotSafetensors("is not a readable safetensors file (its __metadata__ is not a map of strings)")
+    tensors = {key: _tensor(key, entry) for key, entry in raw.items()}
+    end = max((t.end for t in tensors.values()), default=0)
     if 8 + n + end != f.size:
         raise NotSafetensors(f"is not a readable safetensors file ({f.size} bytes, its header describes "
                              f"{8 + n + end}): it is truncated or still being written; copy it again")
-    return SafetensorsHeader(tensors, metadata if isinstance(metadata, dict) else {}, 8 + n, stamp_of(f.st))
+    return SafetensorsHeader(tensors, metadata, 8 + n, stamp_of(f.st))
 
 
 def _tensor(key: str, entry: Any) -> TensorInfo:
@@ -345,10 +342,8 @@ def write_durably(path: str, data: bytes, temp: str, sync: bool = True) -> None:
         if sync:
             fsync_folder(os.path.dirname(path) or ".")
     except OSError:
-        try:
+        with suppress(OSError):
             os.unlink(temp)
-        except OSError:
-            pass
         raise
 
 

@@ -150,7 +150,13 @@ def _adapter(state: dict[str, torch.Tensor], pipeline_class: str, name: str, pat
     for component in COMPONENTS:
         part = {k[len(component) + 1:]: v for k, v in state.items() if k.startswith(component + ".")}
         if part:
-            layers[component] = _layers(component, part, alphas or {}, name, convolutions)
+            try:
+                layers[component] = _layers(component, part, alphas or {}, name, convolutions)
+            except AdapterError:
+                raise
+            except (KeyError, RuntimeError, ValueError) as e:  # diffusers' converters on a layout they do not know
+                raise AdapterError(f"adapter {name!r}: its {component} weights could not be read as a LoRA "
+                                   f"({type(e).__name__}: {e})") from None
     known = {k for k in state if k.split(".", 1)[0] in COMPONENTS}
     if set(state) - known:
         extra = sorted(set(state) - known)[:3]
@@ -173,12 +179,16 @@ def _convert(component: str, part: dict[str, Any]) -> dict[str, Any]:
     """diffusers' converters: any of its LoRA key layouts -> PEFT keys (`module.lora_A.weight`)."""
     from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft, \
         convert_unet_state_dict_to_peft
+    from diffusers.utils.state_dict_utils import StateDictType
 
     if any(".lora_A." in k or ".lora_B." in k for k in part):
         return part
     if component == "unet":
         return convert_unet_state_dict_to_peft(part)
-    return convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
+    # diffusers makes kohya text-encoder keys its old layout (`self_attn.to_q_lora.down`), which its converter
+    # recognises only by a `to_out_lora` key: a file without out_proj layers (q/k/v only) is said so here
+    old = StateDictType.DIFFUSERS_OLD if any("_lora.down." in k or "_lora.up." in k for k in part) else None
+    return convert_state_dict_to_peft(convert_state_dict_to_diffusers(part, old))
 
 
 def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, float],
@@ -210,6 +220,9 @@ def _layers(component: str, part: dict[str, torch.Tensor], alphas: dict[str, flo
         if a.ndim == 4 and a.shape[2:] != (1, 1) and not convolutions:
             raise AdapterError(f"adapter {name!r}: {component}.{module} is a {a.shape[2]}x{a.shape[3]} convolution "
                                "LoRA (LoCon), read only with read_adapter(..., convolutions=True)")
+        if 0 in a.shape or 0 in b.shape:
+            raise AdapterError(f"adapter {name!r}: {component}.{module} has an empty weight (down {list(a.shape)}, "
+                               f"up {list(b.shape)}); the file is not a usable LoRA: export it again")
         kernel = tuple(a.shape[2:]) if a.ndim == 4 else None
         a2, b2 = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
         if b2.shape[1] != a2.shape[0]:

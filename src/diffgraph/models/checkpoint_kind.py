@@ -106,7 +106,7 @@ def classify(path: str, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, st
                              f"encoder); refiners are not supported; {SUPPORTED}")
         context = shapes.get(UNET + "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight") or \
             shapes.get(UNET + "input_blocks.4.1.transformer_blocks.0.attn2.to_k.weight")
-        guess = _CONTEXT_DIMS.get(context[1] if context else 0, "a Stable Diffusion")
+        guess = _CONTEXT_DIMS.get(context[1] if context and len(context) == 2 else 0, "Stable Diffusion")
         raise ValueError(f"model {path!r} is a {guess} checkpoint without its text encoders inside "
                          "(no cond_stage_model / conditioner keys); use the full checkpoint or its diffusers folder")
     prediction = _marked_prediction(shapes, metadata)
