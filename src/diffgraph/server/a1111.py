@@ -40,8 +40,8 @@ from .a1111_controlnet import MODULES, controlnet_units, units_to_controls
 from .a1111_inpaint import PreparedEdit, mask_options, prepare
 from .a1111_jobs import ImageRun, JobBoard, Key
 from .a1111_protocol import (DEFAULT_OPTIONS, OPTIONS, Img2ImgBody, Plan, TextToImageResponse, Txt2ImgBody,
-                             ProcessingBody, a1111_error, a1111_field, clip_stop, info_json, plan_body, sampler_items,
-                             sampler_schedule, scheduler_items, validate)
+                             ProcessingBody, a1111_error, a1111_field, clip_stop, info_json, model_name, plan_body,
+                             sampler_items, sampler_schedule, scheduler_items, validate)
 from .auth import caller_key
 from .bodies import read_body
 from .models import ModelRouting, Target
@@ -61,16 +61,6 @@ def _failure(e: APIError) -> JSONResponse:
     # a body refused while it arrives (too long, too slow): close rather than read the rest of it
     return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status in (408, 413)
                         else None)
-
-
-def _model_name(title: str | None) -> str | None:
-    """A model name from AUTOMATIC1111's title ("name.safetensors [0123456789]"), name or file name."""
-    if title is None:
-        return None
-    name = title.strip()
-    if name.endswith("]") and " [" in name:
-        name = name[:name.rindex(" [")]
-    return name[:-len(".safetensors")] if name.endswith(".safetensors") else name
 
 
 def _edit_for(index: int, body: ProcessingBody, edits: list[PreparedEdit]) -> PreparedEdit | None:
@@ -115,7 +105,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
 
     async def resolve(title: str | None, field: str = MODEL_FIELD) -> str | None:
         """The model a title names (its name; None for the default), or an APIError naming `field`."""
-        name, default = _model_name(title), state.info.name if state.info else config.model
+        name, default = model_name(title), state.info.name if state.info else config.model
         if name is None or name in (default, config.model):
             return None
         if routing is None:
@@ -123,7 +113,11 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                 "/sdapi/v1/sd-models)", param=field, code="model_not_found")
         try:
             return await routing.resolve(name)
-        except APIError as e:
+        except APIError as e:  # else the model_name GET /sdapi/v1/sd-models lists ("sub_model": sub/model)
+            listed = await titles() if e.status == 404 else []
+            ids = [c["id"] for c in listed if c["id"] != name == c["id"].replace("/", "_")]
+            if ids:
+                return await resolve(ids[0], field)
             e.param = field
             raise
 

@@ -79,7 +79,7 @@ def units_to_controls(units: list[dict[str, Any]], served: Callable[[], list[str
             raise APIError(400, f"{field}.input_image: a unit needs its control image (base64)",
                            param=f"{field}.input_image")
         module = unit.get("module", "none")
-        if module not in MODULES:
+        if not isinstance(module, str) or module not in MODULES:  # a list or object: a 400, not a TypeError
             raise APIError(400, f"{field}.module: preprocessor {module!r} is not available here (its estimator's "
                                 "weights cannot be fetched); send its map with module \"none\", or use "
                                 f"{', '.join(repr(m) for m in MODULES)}", param=f"{field}.module")

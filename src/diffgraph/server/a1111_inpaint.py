@@ -85,6 +85,8 @@ def resize(image: Image.Image, mode: int, width: int, height: int) -> Image.Imag
         return image
     if mode == 0:
         return image.resize((width, height), Image.Resampling.LANCZOS)
+    if image.mode in ("P", "CMYK"):  # np.pad below keeps the values, not the palette (a palette mask read as gray)
+        image = image.convert("RGB")
     w, h = image.size
     scale = max(width / w, height / h) if mode == 1 else min(width / w, height / h)
     sw, sh = max(1, round(w * scale)), max(1, round(h * scale))

@@ -44,6 +44,8 @@ A1111_SCHEDULER_ITEMS = {
     "exponential": ("exponential", None, -1.0, False), "sgm_uniform": ("sgm_uniform", ["SGMUniform"], -1.0, True),
     "simple": ("simple", None, -1.0, True), "beta": ("beta", None, -1.0, True),
 }
+_SAMPLER_ALIASES = {a.lower(): s for s, (aliases, _) in A1111_SAMPLER_ITEMS.items() for a in aliases}
+_SCHEDULER_ALIASES = {a.lower(): s for s, (_, aliases, _, _) in A1111_SCHEDULER_ITEMS.items() for a in aliases or ()}
 # eta is AUTOMATIC1111's noise amount of its ancestral and SDE samplers (1 by default) and DDIM's (0 by default);
 # the other samplers ignore it there, and here
 ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0, "ddim": 0.0}
@@ -202,6 +204,16 @@ def validate(body: Any, model: type[ProcessingBody]) -> ProcessingBody:
         raise error_from_validation(e, model) from None
 
 
+def model_name(title: str | None) -> str | None:
+    """A model name from AUTOMATIC1111's title ("name.safetensors [0123456789]"), name or file name."""
+    if title is None:
+        return None
+    name = title.strip()
+    if name.endswith("]") and " [" in name:
+        name = name[:name.rindex(" [")]
+    return name[:-len(".safetensors")] if name.endswith(".safetensors") else name
+
+
 def a1111_field(name: str | None) -> str | None:
     """The AUTOMATIC1111 field that carries a GenerationRequest parameter (or an images API field)."""
     return _ENGINE_TO_A1111.get(name or "", {"n": "batch_size", "size": "width"}.get(name or "", name))
@@ -353,9 +365,11 @@ def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | 
     Euler) and scheduler, where "Automatic" (or none) is the sampler's own schedule as AUTOMATIC1111 picks it
     (DPM++ 2M: Karras) and otherwise the model's. Raises APIError naming the field; checks eta against it."""
     label = body.sampler_name or body.sampler_index or "Euler"
-    automatic = body.scheduler is None or body.scheduler.strip().lower() == "automatic"
+    label = _SAMPLER_ALIASES.get(label.strip().lower(), label)  # the aliases GET /sdapi/v1/samplers lists
+    automatic = not (body.scheduler or "").strip() or body.scheduler.strip().lower() == "automatic"  # "": as A1111
+    scheduler = _SCHEDULER_ALIASES.get((body.scheduler or "").strip().lower(), body.scheduler)
     try:  # a label may name its schedule ("DPM++ 2M Karras"); else "Automatic" is the sampler's own default
-        sampler, schedule = canonical(label, None if automatic else body.scheduler, info.samplers, info.schedules)
+        sampler, schedule = canonical(label, None if automatic else scheduler, info.samplers, info.schedules)
     except ParamError as e:
         raise a1111_error(e) from None
     if automatic and schedule is None:

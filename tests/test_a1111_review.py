@@ -1,0 +1,86 @@
+"""Review of the AUTOMATIC1111 routes: requests AUTOMATIC1111 (or diffgraph's own listings) accept that were refused
+or crashed here. In-process on `digits` (CPU), except the model_name case, which needs --model-dir's routing."""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffgraph.models.presets import shipped_preset_folder
+from diffgraph.server.a1111_inpaint import read_mask, resize
+
+SMALL = {"prompt": "a handwritten digit three", "width": 64, "height": 64, "steps": 2, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def client():
+    from fastapi.testclient import TestClient
+
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig, create_app
+    engine = Engine("digits", device="cpu")
+    with TestClient(create_app(ServerConfig(model="digits", device="cpu"), engine_factory=lambda: engine),
+                    raise_server_exceptions=False) as c:
+        while c.get("/ready").status_code != 200:
+            threading.Event().wait(0.05)
+        yield c
+
+
+def _b64(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_every_sampler_and_scheduler_name_the_listings_give_is_accepted(client):
+    """GET /samplers lists k_dpmpp_3m_sde, k_dpm_2_a, k_lcm and /schedulers SGMUniform: each was a 400."""
+    samplers = client.get("/sdapi/v1/samplers").json()
+    for name in {a for s in samplers for a in [s["name"], *s["aliases"]]}:
+        r = client.post("/sdapi/v1/txt2img", json={**SMALL, "sampler_name": name, "steps": 1})
+        assert r.status_code == 200, (name, r.text)
+    for s in client.get("/sdapi/v1/schedulers").json():
+        for name in [s["name"], s["label"], *(s["aliases"] or [])]:
+            r = client.post("/sdapi/v1/txt2img", json={**SMALL, "sampler_name": "Euler", "scheduler": name})
+            assert r.status_code == 200, (name, r.text)
+    plain = client.post("/sdapi/v1/txt2img", json={**SMALL, "sampler_name": "DPM++ 2M"}).json()
+    blank = client.post("/sdapi/v1/txt2img", json={**SMALL, "sampler_name": "DPM++ 2M", "scheduler": ""})
+    assert blank.status_code == 200, blank.text  # AUTOMATIC1111 reads "" as Automatic (Karras for DPM++ 2M)
+    assert blank.json()["images"] == plain["images"]
+
+
+def test_a_controlnet_module_that_is_not_a_string_is_a_400(client):
+    unit = {"model": "outline", "module": ["canny"], "input_image": _b64(Image.new("RGB", (64, 64)))}
+    r = client.post("/sdapi/v1/txt2img", json={**SMALL, "alwayson_scripts": {"controlnet": {"args": [unit]}}})
+    assert r.status_code == 400, r.text  # was 500 (TypeError: unhashable type: 'list')
+    assert r.json()["error"]["param"] == "alwayson_scripts.controlnet.args[0].module"
+
+
+def test_a_palette_mask_is_read_by_its_colours_in_resize_and_fill():
+    mask = Image.new("P", (32, 64), 0)
+    mask.putpalette([255, 255, 255, 0, 0, 0] + [0] * 762)  # index 0 is white: repaint everywhere
+    assert np.asarray(read_mask(mask, False)).min() == 255
+    filled = read_mask(resize(mask, 2, 64, 64), False)  # was the indices as gray: 0, repaint nowhere
+    assert np.asarray(filled).min() == 255
+
+
+def test_sd_model_checkpoint_takes_the_model_name_sd_models_lists(tmp_path):
+    from diffgraph.server.process import ServerProcess
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sub" / "other")
+    server = ServerProcess("--model-dir", str(tmp_path), model="digits")
+    try:
+        server.wait_ready()
+        listed = httpx.get(f"{server.url}/sdapi/v1/sd-models", timeout=300).json()
+        name = next(m["model_name"] for m in listed if m["title"] == "sub/other")
+        assert name == "sub_other"  # AUTOMATIC1111's model_name; it takes it back as sd_model_checkpoint
+        r = httpx.post(f"{server.url}/sdapi/v1/options", json={"sd_model_checkpoint": name}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{server.url}/sdapi/v1/options", timeout=300).json()["sd_model_checkpoint"] == "sub/other"
+    finally:
+        server.stop(timeout=30)
