@@ -7,6 +7,7 @@ import base64
 import io
 import shutil
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -28,7 +29,9 @@ def client():
     engine = Engine("digits", device="cpu")
     with TestClient(create_app(ServerConfig(model="digits", device="cpu"), engine_factory=lambda: engine),
                     raise_server_exceptions=False) as c:
+        deadline = time.monotonic() + 300  # a failure bound: a closed engine is never ready
         while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, c.get("/ready").text
             threading.Event().wait(0.05)
         yield c
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -16,14 +17,23 @@ BAD_URL = "http://127.0.0.1:9/done\x01"  # the allowed host, a control character
 
 
 @pytest.fixture(scope="module")
-def client(tiny_engine, tmp_path_factory):
+def engine():
+    """An engine of its own: the server closes its engine when it stops (the session's shared one must live on)."""
+    from diffgraph import Engine
+    return Engine("random:tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(engine, tmp_path_factory):
     from fastapi.testclient import TestClient
 
     from diffgraph.server import ServerConfig, create_app
     config = ServerConfig(model="random:tiny", device="cpu", state_dir=str(tmp_path_factory.mktemp("state")),
                           webhook_allow=("127.0.0.1",), webhook_secret="s3cret")
-    with TestClient(create_app(config, engine_factory=lambda: tiny_engine), raise_server_exceptions=False) as c:
+    with TestClient(create_app(config, engine_factory=lambda: engine), raise_server_exceptions=False) as c:
+        deadline = time.monotonic() + 300  # a failure bound: a closed engine is never ready
         while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, c.get("/ready").text
             threading.Event().wait(0.05)
         yield c
 
@@ -35,16 +45,16 @@ def test_a_query_number_int_cannot_read_is_a_400(client, limit):
     assert r.json()["error"]["param"] == "limit"
 
 
-def test_a_job_name_with_an_unpaired_surrogate_is_a_400(client, tiny_engine):
-    size = tiny_engine.info.native_size
+def test_a_job_name_with_an_unpaired_surrogate_is_a_400(client, engine):
+    size = engine.info.native_size
     body = '{"name": "shots \\ud800", "items": [{"prompt": "a fox", "size": "%dx%d"}]}' % (size, size)
     r = client.post("/v1/jobs", content=body.encode(), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert "surrogate" in r.json()["error"]["message"] and r.json()["error"]["param"] == "name"
 
 
-def test_a_webhook_url_httpx_cannot_send_to_is_a_400(client, tiny_engine):
-    size = tiny_engine.info.native_size
+def test_a_webhook_url_httpx_cannot_send_to_is_a_400(client, engine):
+    size = engine.info.native_size
     body = json.dumps({"webhook": BAD_URL, "items": [{"prompt": "a fox", "size": f"{size}x{size}"}]})
     r = client.post("/v1/jobs", content=body.encode(), headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text

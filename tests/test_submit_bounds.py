@@ -4,6 +4,7 @@ instead of holding it forever, and the request, if it is queued after all, is ab
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -50,7 +51,9 @@ def stuck(tiny_engine):
 
 
 def _wait_ready(client):
+    deadline = time.monotonic() + 300  # a failure bound: a closed engine is never ready
     while client.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, client.get("/ready").text
         threading.Event().wait(0.05)
     return True
 
