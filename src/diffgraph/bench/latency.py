@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--buckets", default="1,2,4,8,16", help="the engine's batch buckets, in denoiser rows (an image with "
-                   "classifier-free guidance needs 2)")
+    p.add_argument("--buckets", default="1,2,4,8,16",
+                   help="the engine's batch buckets, in denoiser rows (an image with classifier-free guidance needs 2)")
     p.add_argument("--diffusers-compile-images", default="", help="image counts for diffusers_compile (default: "
                    "--images; each one recompiles)")
     p.add_argument("--no-fresh-starts", action="store_true", help="diffgraph_compile: skip the two starts in fresh "

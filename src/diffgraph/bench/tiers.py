@@ -11,11 +11,11 @@ run times a warm start).
 
 Per tier: a burst of `--burst` requests (20 steps, CFG 7.5, seeds 0..N-1) submitted at once, timed to the last image
 (decode included), best of `--repeats`; one replay of the step graph at the largest bucket; and one image alone (20
-steps, CFG 7.5), submit to result, median of 3 (`one_image_ms`: the issue's one-image target per tier). The step's FLOPs are
-counted once per family and resolution (not per tier: fp8 changes how a matmul runs, not how much it computes), with
-torch's FlopCounterMode over one eager step of a 16-bit engine at that bucket (matmuls, convolutions, attention);
-`peak_share` = FLOPs / replay time / the GPU's dense fp16 tensor peak (PEAK_TFLOPS by device name, or
-`--peak-tflops`).
+steps, CFG 7.5), submit to result, median of 3 (`one_image_ms`: the issue's one-image target per tier). The step's
+FLOPs are counted once per family and resolution (not per tier: fp8 changes how a matmul runs, not how much it
+computes), with torch's FlopCounterMode over one eager step of a 16-bit engine at that bucket (matmuls,
+convolutions, attention); `peak_share` = FLOPs / replay time / the GPU's dense fp16 tensor peak (PEAK_TFLOPS by
+device name, or `--peak-tflops`).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def print_tier(r: dict[str, Any], first: dict[str, Any]) -> None:
     print(f"  {r['tier']:13s} {r['images_per_s']:7.2f} images/s ({r['images_per_s'] / first['images_per_s']:.3f}x)  "
           f"bucket-{r['bucket']} step {r['step_ms'] or float('nan'):7.2f} ms  {share:>6s} of the dense peak  "
           f"start {r['start_s']:6.0f} s  compiles {r['compiles']}, fallbacks {r['compile_fallbacks']}  "
-          f"one image {r.get('one_image_ms', float('nan')):7.1f} ms", flush=True)
+          f"one image {r['one_image_ms']:7.1f} ms", flush=True)
 
 
 def print_report(report: dict[str, Any]) -> None:
