@@ -5,6 +5,7 @@ are refused), and `bench throughput --tiers`' parts that need no GPU (its tiers,
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 import pytest
@@ -110,3 +111,18 @@ def test_a_tier_runs_its_burst_its_step_replay_and_one_image_alone(capsys):
     assert r["images_per_s"] > 0 and r["seconds"] > 0 and r["step_ms"] > 0 and r["one_image_ms"] > 0
     print_tier({**r, "peak_share": None}, r)
     assert re.search(r"graph .*\(1\.000x\).*bucket-4 step .* one image +\d+\.\d ms", capsys.readouterr().out)
+
+
+def test_the_throughput_bench_takes_the_checkpoint_flags(monkeypatch, capsys):
+    """`bench throughput --vae F --no-vae-upcast` (SDXL's decode in fp16 with an fp16-safe VAE, issue 33's one-image
+    target): the flags reach the tiers' engines as LoadOptions; a VAE path that does not exist is refused first."""
+    from diffgraph.bench import throughput, tiers
+    from diffgraph.config import LoadOptions
+    assert throughput.main(["--tiers", "compile", "--vae", "/nonexistent/vae.safetensors"]) == 2
+    assert "vae '/nonexistent/vae.safetensors' does not exist" in capsys.readouterr().out
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tiers, "run", lambda *a, **k: seen.update(k) or {"tiers": []})
+    monkeypatch.setattr(tiers, "print_report", lambda report: None)
+    assert throughput.main(["--tiers", "compile", "--no-vae-upcast", "--json", os.devnull]) == 0
+    assert seen["load"] == LoadOptions(vae_upcast=False)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests, tools/probe_fp8.py's parts, the compile tier's GPU
 # tests (ctests) and the tiers side by side (tiers: bench throughput --tiers $TIERS, default graph,compile).
-#   bash tools/gpu_issue33.sh tests widths step ctests tiers start vae
+#   bash tools/gpu_issue33.sh tests widths step ctests tiers start vae kernels
+#   (kernels: tools/probe_fp8_kernels.py, whether fp8 attention / fp8 convolutions would pay: PRESET, ROWS)
 #   (start: a cold compile-tier start, one image, then starts in fresh processes on the warm cache: traced or loaded)
 #   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE; vae: VAE_PRESET, VAE_SIZE, VAE_VARIANTS;
+#   TIERS_ARGS: more bench throughput flags, e.g. --no-vae-upcast;
 #   *_S limits; CSE=1: step also times fp8 with each shared input quantised once; TIERS_CACHE=.cc keeps the tiers'
 #   compile caches in the (git-ignored) tree, which a warm device machine keeps between calls: an autotuned compile
 #   cut short by a call's limit resumes in the next)
@@ -22,7 +24,7 @@ for what in "$@"; do
               2>&1 | grep -E "assert|Error|passed|failed" | tail -12 ;;
     tiers) timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} \
-             ${TIERS_CACHE:+--compile-cache $TIERS_CACHE} --json "$OUT/tiers.json" 2>&1 \
+             ${TIERS_CACHE:+--compile-cache $TIERS_CACHE} ${TIERS_ARGS:-} --json "$OUT/tiers.json" 2>&1 \
              | grep -v Warning | tail -14 ;;
     start) timeout ${START_S:-540} python3 -m diffgraph.bench.latency --cases ${PRESET:-random:sdxl}@${START_SIZE:-1024} \
              --images 1 --buckets ${START_BUCKETS:-2} --repeats 3 --contenders diffgraph_compile --json "$OUT/start.json" \
@@ -33,5 +35,7 @@ for what in "$@"; do
              --buckets 1,2,4 --variants ${VAE_VARIANTS:-dynamic,force,static} $upcast --json "$OUT/vae${upcast:+_fp16}.json" 2>&1 \
              | grep -v Warning | tail -7
          done ;;
+    kernels) timeout ${KERNELS_S:-300} python3 tools/probe_fp8_kernels.py --preset ${PRESET:-random:sdxl} \
+               --rows ${ROWS:-16} 2>&1 | grep -v Warning | tee "$OUT/kernels.log" | tail -40 ;;
   esac
 done

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cli_flags import add_compile_mode_argument, add_quantize_arguments, compile_from_args, quantize_from_args
+from ..cli_flags import (add_checkpoint_arguments, add_compile_mode_argument, add_quantize_arguments,
+                         checkpoint_options, compile_from_args, quantize_from_args)
 
 MODES = ("step", "request", "off")
 
@@ -317,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                         "there is warm once compiled (default: a fresh folder, cold starts)")
     add_compile_mode_argument(p)
     add_quantize_arguments(p)
+    add_checkpoint_arguments(p)
     p.add_argument("--tiers", default=None, metavar="T1,T2,...",
                    help="only the tiers side by side (bench/tiers.py: graph, compile, fp8, autotune, autotune-fp8): "
                         "images/s of a burst at saturation, the step's share of the dense peak, start seconds")
@@ -329,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         quantize, compile = quantize_from_args(args), compile_from_args(args, args.compile_cache)
+        load = checkpoint_options(args)
         if args.tiers is not None:
             from . import tiers as tier_bench
             tiers = tier_bench.parse_tiers(args.tiers)
@@ -347,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = parse_resolutions(args.sizes)
     if args.tiers is not None:
         report = tier_bench.run(args.model, tiers, sizes[0], args.burst, peak=args.peak_tflops,
-                                cache_root=args.compile_cache)
+                                cache_root=args.compile_cache, load=load)
         tier_bench.print_report(report)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -357,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     lora_args = dict(max_loras=args.max_loras or 8, max_lora_rank=args.max_lora_rank) if args.loras else {}
     compile_args = {"compile": compile} if compile else {}
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
-                    quantize=quantize, **lora_args, **compile_args)
+                    quantize=quantize, load=load, **lora_args, **compile_args)
     if args.guidance_mix or args.prompt_mix or args.sampler_mix or args.preview_cost:
         from . import guidance_mix, preview_cost, prompt_mix, sampler_mix
         bench, n = next((b, k) for b, k in ((guidance_mix, args.guidance_mix), (prompt_mix, args.prompt_mix),

@@ -130,6 +130,8 @@ def run(model: str, tiers: tuple[str, ...], size: tuple[int, int], n: int, repea
     out: dict[str, Any] = {"model": model, "size": f"{size[1]}x{size[0]}", "burst": n, "device": name,
                            "peak_tflops": peak, "torch": torch.__version__, "tiers": []}
     out["cache"] = "cold" if cache_root is None else cache_root
+    load = engine_kwargs.get("load")
+    out["vae_upcast"] = None if load is None else load.vae_upcast  # None: the VAE config's (SDXL's: fp32 decode)
     cache_root = cache_root or tempfile.mkdtemp(prefix="diffgraph-tiers-")
     flops: float | None = None
     for tier in tiers:
@@ -156,6 +158,6 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"tiers side by side: {report['model']} {report['size']}, bursts of {report['burst']} 20-step CFG requests, "
           f"{report['device']} (dense peak {report['peak_tflops'] or 'unknown'} TFLOPS), one step "
           f"{report.get('step_tflop', float('nan')):.2f} TFLOP at the largest bucket; compile caches "
-          f"{report.get('cache', 'cold')}")
+          f"{report.get('cache', 'cold')}; VAE upcast {report.get('vae_upcast')}")
     for r in report["tiers"]:
         print_tier(r, report["tiers"][0])
