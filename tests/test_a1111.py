@@ -351,7 +351,7 @@ UNSUPPORTED = [
                                                     "input_image": "eA=="}]}}},
      "alwayson_scripts.controlnet.args[0].model", "not served here; served: outline"),
     ({"alwayson_scripts": {"ADetailer": {"args": [True, {}]}}}, "alwayson_scripts.ADetailer", "not supported"),
-    ({"sampler_name": "Euler a", "eta": 0.5}, "eta", "eta 1"), ({"sampler_name": "DDIM", "eta": 1.0}, "eta", "eta 0"),
+    ({"sampler_name": "Euler a", "eta": 0.5}, "eta", "eta 1"), ({"sampler_name": "DDIM", "eta": 1.5}, "eta", "[0, 1]"),
     ({"override_settings": {"sd_vae": "x.vae"}}, "override_settings.sd_vae", "cannot be overridden"),
     ({"override_settings": {"sd_model_checkpoint": "nope"}}, "override_settings.sd_model_checkpoint", "'nope'"),
     ({"override_settings": {"CLIP_stop_at_last_layers": 0}}, "override_settings.CLIP_stop_at_last_layers", "1..12"),
@@ -409,7 +409,10 @@ def test_fields_that_shape_the_answer(server):
     assert "Sampler: DPM++ 2M, Schedule type: Karras" in karras
     exponential = answer(sampler_name="DPM++ 2M", scheduler="exponential")["info"]["infotexts"][0]
     assert "Schedule type: Exponential" in exponential
-    assert answer(sampler_name="DDIM", eta=0)["info"]["sampler_name"] == "DDIM"
+    still = answer(sampler_name="DDIM", eta=0)
+    assert still["info"]["sampler_name"] == "DDIM"
+    noisy = answer(sampler_name="DDIM", eta=1.0)  # webuiapi's default eta: DDIM with eta 1 (diffusers' DDIM eta)
+    assert noisy["images"][0] != still["images"][0] and "Eta DDIM: 1" in noisy["info"]["infotexts"][0]
     assert answer(sampler_name="Euler", eta=0.3, s_tmax=0, s_tmin=0, s_noise=1)["info"]["sampler_name"] == "Euler"
     text = ("a handwritten digit two\nNegative prompt: blurry\n"
             "Steps: 2, Sampler: DPM++ 2M, CFG scale: 4, Seed: 9, Size: 64x64")

@@ -136,3 +136,17 @@ def test_the_switches():
     assert Image.open(io.BytesIO(encode_image(pixels, "png", r, "digits"))).text["parameters"].startswith("x\nSteps")
     assert Image.open(io.BytesIO(encode_image(pixels, "png", r, "digits", metadata=False))).text == {}
     assert Image.open(io.BytesIO(encode_image(pixels, "png"))).text == {}
+
+
+def test_ddim_eta_is_written_and_read_as_automatic1111s_eta_ddim():
+    noisy = GenerationRequest.create("a dog", width=64, height=64, num_inference_steps=4, sampler="ddim", eta=0.5,
+                                     guidance_scale=7.0, seed=5)
+    text = meta.infotext(noisy, "digits")
+    assert text.endswith("Model: digits, Eta DDIM: 0.5")
+    assert meta.parse_infotext(text)["eta"] == 0.5 and meta.parse_infotext(text)["sampler"] == "ddim"
+    still = GenerationRequest.create("a dog", width=64, height=64, num_inference_steps=4, sampler="ddim", seed=5,
+                                     guidance_scale=7.0)
+    assert "Eta" not in meta.infotext(still, "digits")  # eta 0 (or none): AUTOMATIC1111 leaves it out
+    tcd = GenerationRequest.create("a dog", width=64, height=64, num_inference_steps=4, guidance_scale=1.0,
+                                   sampler="tcd", eta=0.5)
+    assert "Eta" not in meta.infotext(tcd, "digits") and "eta" not in meta.parse_infotext(meta.infotext(tcd, "d"))

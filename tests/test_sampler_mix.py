@@ -35,8 +35,8 @@ def test_every_sampler_and_schedule_together_equal_each_alone(tiny_engine):
 
 
 def test_a_requests_timestep_spacing_and_eta_are_diffusers_own(tiny_engine):
-    """timestep_spacing overrides the model's scheduler config for one request; eta is TCD's gamma; both are refused
-    where they mean nothing, naming the field."""
+    """timestep_spacing overrides the model's scheduler config for one request; eta is TCD's gamma and DDIM's eta;
+    both are refused where they mean nothing, naming the field."""
     import pytest
     import torch
 
@@ -60,7 +60,10 @@ def test_a_requests_timestep_spacing_and_eta_are_diffusers_own(tiny_engine):
     for eta in (0.0, 0.7):
         assert np.abs(ours("tcd", eta=eta) - ref("tcd", eta=eta)).max() * 255 <= 1.0
     assert np.abs(ours("tcd", eta=0.0) - ours("tcd", eta=0.7)).max() > 1e-3
-    with pytest.raises(ParamError, match="eta is the gamma of sampler tcd") as e:
+    ddim = ours("ddim", eta=1.0)  # webuiapi's default eta, sent with every AUTOMATIC1111 request
+    assert np.abs(ddim - ref("ddim", eta=1.0)).max() * 255 <= 1.0
+    assert np.abs(ddim - ours("ddim")).max() > 1e-3
+    with pytest.raises(ParamError, match="eta is the noise amount of sampler tcd and ddim") as e:
         ours("euler", eta=0.3)
     assert e.value.param == "eta"
     with pytest.raises(ParamError, match="timestep_spacing 'uniform' is unknown; allowed: leading, linspace, "

@@ -390,3 +390,36 @@ def test_trailing_step_counts_diffusers_gets_wrong_are_refused():
     noise = NoiseSchedule.from_config(CONFIGS["trailing"])
     with pytest.raises(ValueError, match="use 60 or 62"):
         make_plan(noise, "euler", "default", 61)
+
+
+@pytest.mark.parametrize("name, schedule, pred", [("sd15", "default", "epsilon"), ("sd15", "karras", "epsilon"),
+                                                  ("sd15", "default", "v_prediction"),
+                                                  ("sd15", "sgm_uniform", "epsilon")])
+def test_ddim_eta_is_diffusers_ddim_eta(name, schedule, pred):
+    """A request's eta on DDIM (AUTOMATIC1111 clients such as webuiapi send eta 1.0): the plan walks as
+    DDIMScheduler.step(eta=...) does, one draw a step from the request's generator after the initial latents, the
+    same draws as diffusers'; eta 0 (or none) draws nothing and is the deterministic walk; eta out of [0, 1] is
+    refused."""
+    from diffgraph.sampling.samplers import PlanOptions
+    config = CONFIGS[name] | {"prediction_type": pred}
+    noise = NoiseSchedule.from_config(config)
+    assert not make_plan(noise, "ddim", schedule, 6, options=PlanOptions(eta=0.0)).draws_noise
+    assert np.array_equal(make_plan(noise, "ddim", schedule, 6, options=PlanOptions(eta=0.0)).coefs,
+                          make_plan(noise, "ddim", schedule, 6).coefs)
+    for eta, n in ((0.5, 6), (1.0, 6), (1.0, 20)):
+        plan = make_plan(noise, "ddim", schedule, n, options=PlanOptions(eta=eta))
+        assert plan.draws_noise and plan.noise_steps.all()
+        sched = copy.deepcopy(_built(tuple(sorted(config.items())), "ddim", schedule))
+        sched.set_timesteps(n)
+        x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)) * sched.init_noise_sigma
+        gen = torch.Generator().manual_seed(1)
+        ref = [x]
+        for t in sched.timesteps:
+            x = sched.step(fake_model(sched.scale_model_input(x, t), t), t, x, eta=eta, generator=gen).prev_sample
+            ref.append(x)
+        assert_same_latents(run_plan(plan), ref, f"ddim {schedule} {pred} eta={eta} n={n}")
+    deterministic = run_plan(make_plan(noise, "ddim", schedule, 6))[0][-1]
+    assert (run_plan(make_plan(noise, "ddim", schedule, 6, options=PlanOptions(eta=1.0)))[0][-1]
+            - deterministic).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"ddim's eta must be in \[0, 1\], got 1.5"):
+        make_plan(noise, "ddim", schedule, 6, options=PlanOptions(eta=1.5))

@@ -341,3 +341,20 @@ def test_generate_from_a_checkpoint_file_on_the_command_line(made, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model",
                           str(tmp_path / "x.ckpt"), "--device", "cpu"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("text, words", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list"),
+                                         (b"\xff\xfe{}", "is not valid JSON")])
+def test_a_folder_whose_model_index_is_not_a_json_object_is_refused_naming_the_file(tmp_path, text, words):
+    """A broken model_index.json (a model folder, or a checkpoint's --model-config) is a one-line error naming the file,
+    not a bare JSONDecodeError."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    index = folder / "model_index.json"
+    index.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=f"model_index.json' {words}") as e:
+        load_model(str(folder), "cpu", torch.float32)
+    assert str(index) in str(e.value) and "restore the folder's model_index.json" in str(e.value)
+    from diffgraph.models.single_file import _pipeline_class
+    with pytest.raises(ValueError, match=words):
+        _pipeline_class(str(folder))

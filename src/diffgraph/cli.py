@@ -58,7 +58,8 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--timestep-spacing", default=None, choices=TIMESTEP_SPACINGS,
                    help="the sampler's timestep spacing (default: the model's scheduler config's; trailing for "
                         "few-step models)")
-    g.add_argument("--eta", type=float, default=None, help="TCD's gamma, 0-1 (default 0.3; sampler tcd only)")
+    g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3) "
+                   "and ddim (its eta, default 0), 0-1")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")

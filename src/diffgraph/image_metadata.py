@@ -96,6 +96,8 @@ def infotext(request: Any, model_name: str, model_hash: str | None = None) -> st
         "Clip skip": None if not request.clip_skip else request.clip_skip + 1,
         "Emphasis": (EMPHASIS_LABELS[request.emphasis]
                      if request.prompt_syntax == "a1111" and request.emphasis != "original" else None),
+        # AUTOMATIC1111 writes DDIM's eta where it is not 0
+        "Eta DDIM": _number(request.eta) if request.sampler == "ddim" and getattr(request, "eta", None) else None,
     }
     line = ", ".join(f"{k}: {_quote(v)}" for k, v in params.items() if v is not None)
     negative = f"\nNegative prompt: {request.negative_prompt}" if request.negative_prompt else ""
@@ -266,6 +268,8 @@ def parse_infotext(text: str) -> dict[str, Any]:
             fields["strength"] = float(params["Denoising strength"])
         if "Clip skip" in params:
             fields["clip_skip"] = int(params["Clip skip"]) - 1 or None  # AUTOMATIC1111's 1 = the last layer
+        if "Eta DDIM" in params and fields.get("sampler") == "ddim":
+            fields["eta"] = float(params["Eta DDIM"])
     except ValueError as e:
         raise MetadataError(f"its AUTOMATIC1111 parameters hold a value that is not a number: {e}") from None
     size = _SIZE.match(params.get("Size", ""))

@@ -409,7 +409,7 @@ class GenerationRequest:
     emphasis: str = "original"     # a1111 syntax: "original" restores the chunk's mean after weighting, "no_norm" not
     # the sampler's timestep spacing ("leading", "linspace", "trailing"); None: the model's scheduler config's
     timestep_spacing: str | None = None
-    eta: float | None = None       # TCD's gamma (its stochasticity, 0..1); None: 0.3, the scheduler's default
+    eta: float | None = None       # TCD's gamma or DDIM's eta (stochasticity, 0..1); None: 0.3 / 0, the defaults
     preview: PreviewSpec | None = None  # live previews in its progress events (None: none)
     # the scheduling class: "interactive" rows go first and may take batch rows' slots at a step boundary; "batch"
     # rows (a job's items) fill what interactive rows leave free; `job` groups batch rows for round-robin fairness
@@ -454,7 +454,8 @@ class GenerationRequest:
             eta = self.eta
             if isinstance(eta, bool) or not isinstance(eta, (int, float, np.floating, np.integer)) \
                     or not 0 <= float(eta) <= 1:  # NaN fails this too
-                raise ParamError("eta", f"eta {_show(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma)")
+                raise ParamError("eta", f"eta {_show(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma, "
+                                        "DDIM's eta)")
             object.__setattr__(self, "eta", float(eta))
         if self.priority not in PRIORITIES:
             raise ParamError("priority", f"priority {_show(self.priority)} is unknown; allowed: {', '.join(PRIORITIES)}")

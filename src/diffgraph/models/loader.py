@@ -30,7 +30,7 @@ from ..config import LoadOptions
 from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
-from .single_file import load_single_file, load_vae
+from .single_file import load_single_file, load_vae, read_model_index
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +164,7 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
     if not os.path.isfile(index_path):
         raise ValueError(f"{folder!r} has no model_index.json, so it is not a diffusers pipeline folder; "
                          f"{_supported_message(families)}")
-    with open(index_path, encoding="utf-8") as f:
-        index = json.load(f)
+    index = read_model_index(folder)
     cls_name = index.get("_class_name")
     adapter = families.for_pipeline(cls_name)
     if adapter is None:

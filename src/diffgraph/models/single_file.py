@@ -145,9 +145,23 @@ def _private_link(path: str, max_bytes: int) -> Iterator[str]:
         shutil.rmtree(view, ignore_errors=True)
 
 
+def read_model_index(folder: str) -> dict[str, Any]:
+    """A diffusers folder's model_index.json as a dict; a file that is not a JSON object is a ValueError naming it."""
+    path = os.path.join(folder, "model_index.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path!r} is not valid JSON ({e}); restore the folder's model_index.json from its "
+                         "source") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{path!r} holds a JSON {type(index).__name__}, not an object; restore the folder's "
+                         "model_index.json from its source")
+    return index
+
+
 def _pipeline_class(config: str) -> str:
-    with open(os.path.join(config, "model_index.json"), encoding="utf-8") as f:
-        return str(json.load(f).get("_class_name"))
+    return str(read_model_index(config).get("_class_name"))
 
 
 def _check_finite(path: str, modules: list[Any]) -> None:

@@ -30,7 +30,7 @@ SAMPLER_DESCRIPTIONS = {
     "euler": "Euler (k-diffusion; EulerDiscreteScheduler)",
     "euler_a": "Euler ancestral (EulerAncestralDiscreteScheduler)",
     "dpmpp_2m": "DPM-Solver++(2M) (DPMSolverMultistepScheduler)",
-    "ddim": "DDIM, eta 0 (DDIMScheduler)",
+    "ddim": "DDIM (DDIMScheduler), eta 0 unless the request's eta sets it",
     "dpmpp_2m_sde": "DPM-Solver++(2M) SDE, midpoint (DPMSolverMultistepScheduler, sde-dpmsolver++)",
     "dpmpp_3m_sde": "DPM-Solver++(3M) SDE (DPMSolverMultistepScheduler, sde-dpmsolver++, order 3)",
     "dpmpp_sde": "DPM-Solver++ SDE, two evaluations a step, Brownian-tree noise per request (DPMSolverSDEScheduler)",
@@ -54,5 +54,7 @@ def markdown_table() -> str:
                  "= beta = 0.6) respace the sigmas as diffusers' use_karras_sigmas / use_exponential_sigmas / "
                  "use_beta_sigmas; `sgm_uniform` and `simple` are the default schedule on trailing timesteps "
                  "(diffusers' mapping of ComfyUI's names). The default sampler is "
-                 f"`{DEFAULT_SAMPLER}`, the default schedule `{DEFAULT_SCHEDULE}`.")
+                 f"`{DEFAULT_SAMPLER}`, the default schedule `{DEFAULT_SCHEDULE}`. A request's `eta` (0-1) is `tcd`'s "
+                 "gamma and `ddim`'s eta (fresh noise each step, as DDIMScheduler's eta and AUTOMATIC1111's Eta DDIM); "
+                 "other samplers refuse it.")
     return "\n".join(lines) + "\n\n" + schedules

@@ -76,8 +76,6 @@ class KarrasDDIMScheduler(DDIMScheduler):
     ) -> DDIMSchedulerOutput | tuple:
         if self.num_inference_steps is None:
             raise ValueError("call set_timesteps before step")
-        if eta != 0.0:
-            raise ValueError(f"KarrasDDIMScheduler implements eta=0 only, got eta={eta}; pass eta=0.0")
         if self._step_index is None:
             # First occurrence: a pipeline starts at the first of repeated timesteps.
             matches = (self.timesteps == timestep).nonzero()
@@ -87,7 +85,7 @@ class KarrasDDIMScheduler(DDIMScheduler):
         i = self._step_index
         prev_timestep = int(self.timesteps[i + 1]) if i + 1 < len(self.timesteps) else -1
 
-        # The same float32 arithmetic as DDIMScheduler.step with eta=0.
+        # The same float32 arithmetic as DDIMScheduler.step (eta: its variance, one draw a step where eta > 0).
         alpha_prod_t = self.alphas_cumprod[int(timestep)]
         alpha_prod_t_prev = self.alphas_cumprod[prev_timestep] if prev_timestep >= 0 else self.final_alpha_cumprod
         beta_prod_t = 1 - alpha_prod_t
@@ -100,7 +98,13 @@ class KarrasDDIMScheduler(DDIMScheduler):
         else:
             raise ValueError(f"prediction_type {self.config.prediction_type!r} is not supported; "
                              "use 'epsilon' or 'v_prediction'")
-        prev_sample = alpha_prod_t_prev ** (0.5) * pred_original_sample + (1 - alpha_prod_t_prev) ** (0.5) * pred_epsilon
+        std_dev_t = eta * ((1 - alpha_prod_t_prev) / beta_prod_t * (1 - alpha_prod_t / alpha_prod_t_prev)) ** 0.5
+        direction = (1 - alpha_prod_t_prev - std_dev_t**2) ** (0.5) * pred_epsilon
+        prev_sample = alpha_prod_t_prev ** (0.5) * pred_original_sample + direction
+        if eta > 0:
+            noise = variance_noise if variance_noise is not None else torch.randn(
+                model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype)
+            prev_sample = prev_sample + std_dev_t * noise
         self._step_index += 1
         if not return_dict:
             return (prev_sample, pred_original_sample)

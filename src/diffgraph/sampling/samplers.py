@@ -44,7 +44,7 @@ __all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "
            "cut", "noising", "start_plan", "strength_start"]
 
 TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
-ETA_SAMPLERS = ("tcd",)                                # the samplers that take a request's `eta`
+ETA_SAMPLERS = ("tcd", "ddim")                         # the samplers that take a request's `eta`
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SamplerPlan:
     steps: int = 0          # the request's steps (num_inference_steps) the full plan has
     start: int = 0          # the step its first row belongs to (an edit's rows start later)
     noise: NoiseSchedule | None = None  # what it was made from (start_plan remakes it)
-    eta: float | None = None  # TCD's gamma, as asked (None: its default)
+    eta: float | None = None  # TCD's gamma or DDIM's eta, as asked (None: the sampler's default, 0.3 / 0)
     brownian: np.ndarray | None = None  # [num_steps, 2] Brownian-tree noise spans (dpmpp_sde); None: normal draws
     brownian_range: tuple[float, float] | None = None
     # int [num_steps]: denoiser rows per image row at each row (2 where classifier-free guidance runs both branches),
@@ -84,7 +84,7 @@ def _plan_functions() -> dict[str, PlanFunction]:
 @dataclass(frozen=True)
 class PlanOptions:
     """A request's sampler options beside the names: the timestep spacing (None: the model's scheduler config's)
-    and TCD's gamma `eta` (None: 0.3)."""
+    and `eta`, TCD's gamma (None: 0.3) or DDIM's eta (None: 0, deterministic)."""
 
     timestep_spacing: str | None = None
     eta: float | None = None
@@ -96,8 +96,8 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int,
     check_sampler(sampler, schedule)
     options = options or PlanOptions()
     if options.eta is not None and sampler not in ETA_SAMPLERS:
-        raise ParamError("eta", f"eta is the gamma of sampler {', '.join(ETA_SAMPLERS)}; sampler {sampler!r} takes "
-                                "none: leave eta out")
+        raise ParamError("eta", f"eta is the noise amount of sampler {' and '.join(ETA_SAMPLERS)} (TCD's gamma, "
+                                f"DDIM's eta); sampler {sampler!r} takes none: leave eta out")
     if options.timestep_spacing is not None:
         noise = dataclasses.replace(noise, timestep_spacing=options.timestep_spacing)
     max_steps = min(MAX_STEPS, noise.num_train_timesteps)
@@ -252,8 +252,13 @@ def _dpmpp_2m_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> P
     return cut(PlanParts(t, sig, table(t, np.ones(n), p, q, a, b, c), 1.0, ve=False), start)
 
 
-def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanParts:
-    """DDIM with eta=0, Song et al. 2021, on VP latents."""
+def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int, eta: float | None = None) -> PlanParts:
+    """DDIM, Song et al. 2021, on VP latents: eta 0 (the default) is deterministic; eta > 0 adds, as DDIMScheduler's
+    step does, eta * sqrt((1 - abar_prev) / (1 - abar) * (1 - abar / abar_prev)) of fresh noise at every step (one
+    draw a step, the last included, where it is zero) and takes that variance out of the direction to x_t."""
+    eta = 0.0 if eta is None else float(eta)
+    if not 0.0 <= eta <= 1.0:
+        raise ValueError(f"ddim's eta must be in [0, 1], got {eta}; pass a value in that range")
     n_train = noise.num_train_timesteps
     if schedule == "karras":
         # oracle.KarrasDDIMScheduler: DPM-Solver's Karras timesteps, each step going to the next of them.
@@ -275,9 +280,12 @@ def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanP
     alpha, sigma_vp = np.sqrt(ac_t), np.sqrt(1 - ac_t)
     alpha_prev, sigma_vp_prev = np.sqrt(ac_prev), np.sqrt(1 - ac_prev)
     p, q = denoiser(noise.prediction_type, alpha, sigma_vp, ve=False)
-    # x_prev = alpha_prev * D + sigma_prev * eps, with eps = (x - alpha * D) / sigma
-    a = sigma_vp_prev / sigma_vp
+    # x_prev = alpha_prev * D + sqrt(1 - abar_prev - std^2) * eps + std * noise, with eps = (x - alpha * D) / sigma
+    std = eta * np.sqrt((1 - ac_prev) / (1 - ac_t) * (1 - ac_t / ac_prev))
+    a = np.sqrt(np.maximum(1 - ac_prev - std ** 2, 0.0)) / sigma_vp
     b = alpha_prev - a * alpha
     with np.errstate(divide="ignore"):  # zero terminal SNR: alpha 0 at the top timestep is an infinite VE sigma
         sig = np.append(sigma_vp / alpha, sigma_vp_prev[-1] / alpha_prev[-1])
-    return cut(PlanParts(t, sig, table(t, np.ones(n), p, q, a, b), 1.0, ve=False), start)
+    draws = np.full(n, eta > 0)
+    return cut(PlanParts(t, sig, table(t, np.ones(n), p, q, a, b, d=std), 1.0, ve=False,
+                         noise_steps=draws if eta > 0 else None), start)

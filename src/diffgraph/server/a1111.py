@@ -143,10 +143,10 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
               controls: list[dict[str, Any]]) -> list[GenerationRequest]:
         """One request per image: the first validated by `create` (the one validation), the others its copies with
         their own seed (and init image), checked again on construction."""
-        sampler, schedule = sampler_schedule(body, info)
+        sampler, schedule, eta = sampler_schedule(body, info)
         try:
             first = GenerationRequest.create(body.prompt or "", model=info, seed=plan.seeds[0], sampler=sampler,
-                                             schedule=schedule, image=edits[0].edit if edits else None,
+                                             schedule=schedule, eta=eta, image=edits[0].edit if edits else None,
                                              request_id=f"a1111-{secrets.token_hex(8)}", controls=controls,
                                              **plan.create)
             out = [first]

@@ -46,9 +46,9 @@ A1111_SCHEDULER_ITEMS = {
 }
 _SAMPLER_ALIASES = {a.lower(): s for s, (aliases, _) in A1111_SAMPLER_ITEMS.items() for a in aliases}
 _SCHEDULER_ALIASES = {a.lower(): s for s, (_, aliases, _, _) in A1111_SCHEDULER_ITEMS.items() for a in aliases or ()}
-# eta is AUTOMATIC1111's noise amount of its ancestral and SDE samplers (1 by default) and DDIM's (0 by default);
-# the other samplers ignore it there, and here
-ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0, "ddim": 0.0}
+# eta is AUTOMATIC1111's noise amount of its ancestral and SDE samplers (1 by default: the only one they run here) and
+# DDIM's (0 by default; any in [0, 1] runs, as diffusers' DDIM eta); the other samplers ignore it there, and here
+ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0}
 # the options a request may override (override_settings) or a key may set (POST /sdapi/v1/options)
 OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers")
 # /progress's current_image: a live preview every this many steps (AUTOMATIC1111's show_progress_every_n_steps
@@ -316,7 +316,7 @@ def _apply_infotext(body: ProcessingBody) -> None:
         raise APIError(400, f"infotext: {e}", param="infotext") from None
     names = {"prompt": "prompt", "negative_prompt": "negative_prompt", "sampler": "sampler_name",
              "schedule": "scheduler", "num_inference_steps": "steps", "guidance_scale": "cfg_scale", "seed": "seed",
-             "width": "width", "height": "height", "strength": "denoising_strength"}
+             "width": "width", "height": "height", "strength": "denoising_strength", "eta": "eta"}
     for ours, field in names.items():
         if fields.get(ours) is not None and field not in body.model_fields_set and field in type(body).model_fields:
             setattr(body, field, fields[ours])
@@ -360,10 +360,10 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
                 subseeds=tuple(subseed + i for i in range(count)), clip_stop=stop, warnings=tuple(warnings))
 
 
-def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | None]:
-    """(sampler, schedule) in the model family's names: sampler_name (else the deprecated sampler_index, else
+def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | None, float | None]:
+    """(sampler, schedule, eta) in the model family's names: sampler_name (else the deprecated sampler_index, else
     Euler) and scheduler, where "Automatic" (or none) is the sampler's own schedule as AUTOMATIC1111 picks it
-    (DPM++ 2M: Karras) and otherwise the model's. Raises APIError naming the field; checks eta against it."""
+    (DPM++ 2M: Karras) and otherwise the model's; DDIM's eta (None: 0). Raises APIError naming the field."""
     label = body.sampler_name or body.sampler_index or "Euler"
     label = _SAMPLER_ALIASES.get(label.strip().lower(), label)  # the aliases GET /sdapi/v1/samplers lists
     automatic = not (body.scheduler or "").strip() or body.scheduler.strip().lower() == "automatic"  # "": as A1111
@@ -380,7 +380,7 @@ def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | 
         label = A1111_SAMPLERS.get(sampler, sampler)
         raise _refuse("eta", f"{label} runs with eta {eta:g} here (AUTOMATIC1111's default for it); send eta "
                              f"{eta:g} or null")
-    return sampler, schedule
+    return sampler, schedule, body.eta if sampler == "ddim" else None
 
 
 def sampler_items(info: ModelInfo) -> list[dict[str, Any]]:

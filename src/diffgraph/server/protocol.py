@@ -99,7 +99,7 @@ class ImageGenerationRequest(BaseModel):
     clip_skip: StrictInt | None = None           # None: the server's --clip-skip
     emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"
     timestep_spacing: StrictStr | None = None    # "leading" | "linspace" | "trailing"; None: the model's own
-    eta: StrictFloat | None = None               # TCD's gamma, 0..1; None: 0.3
+    eta: StrictFloat | None = None               # TCD's gamma or DDIM's eta, 0..1; None: 0.3 / 0
     partial_images: StrictInt | None = None      # OpenAI's: 0-3 previews in the stream, spread over the steps
     preview: PreviewBody | None = None           # previews every K steps in the stream
 
