@@ -146,6 +146,20 @@ def test_txt2img_equals_images_generations(server, api):
     assert np.array_equal(pixels(r.image), pixels(expected))
 
 
+def test_webuiapi_ddim_with_its_default_eta_equals_images_generations_with_eta(server, api):
+    """webuiapi sends eta 1.0 with every request: DDIM runs it as diffusers' DDIM eta 1 (it was refused), the image
+    the images API gives for the same eta, and the infotext says so as AUTOMATIC1111's does."""
+    r = api.txt2img(prompt="a handwritten digit three", sampler_name="DDIM", width=64, height=64, steps=6,
+                    cfg_scale=5, seed=31)
+    assert "Sampler: DDIM" in r.info["infotexts"][0] and "Eta DDIM: 1" in r.info["infotexts"][0]
+    v1 = httpx.post(server.url + "/v1/images/generations", headers={"Authorization": f"Bearer {KEY_A}"},
+                    timeout=BOUND_S, json={"prompt": "a handwritten digit three", "size": "64x64", "seed": 31,
+                                           "num_inference_steps": 6, "guidance_scale": 5, "sampler": "ddim",
+                                           "eta": 1.0, "prompt_syntax": "a1111"})
+    assert v1.status_code == 200, v1.text
+    expected = Image.open(io.BytesIO(base64.b64decode(v1.json()["data"][0]["b64_json"])))
+    assert np.array_equal(pixels(r.image), pixels(expected))
+
 def test_controlnet_units_from_webuiapi_equal_images_generations_controls(server, api):
     """webuiapi's ControlNetUnit (its defaults: Resize and Fill, thresholds 64 / 64) against the digits model's
     built-in `outline` ControlNet gives /v1/images/generations' image for the same controls; the extension's model
