@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests, tools/probe_fp8.py's parts, the compile tier's GPU
 # tests (ctests) and the tiers side by side (tiers: bench throughput --tiers $TIERS, default graph,compile).
-#   bash tools/gpu_issue33.sh tests widths step ctests tiers start vae kernels
+#   bash tools/gpu_issue33.sh tests widths step ctests tiers tierswarm start vae kernels
 #   (kernels: tools/probe_fp8_kernels.py, whether fp8 attention / fp8 convolutions would pay: PRESET, ROWS)
 #   (start: a cold compile-tier start, one image, then starts in fresh processes on the warm cache: traced or loaded)
 #   (env: PRESET, ROWS, MIN_FEATURES, TIER="--compile" or "", TIERS, BURST, SIZE; vae: VAE_PRESET, VAE_SIZE, VAE_VARIANTS;
@@ -22,10 +22,12 @@ for what in "$@"; do
             | grep -v Warning | tail -22 ;;
     ctests) timeout ${CTESTS_S:-420} python3 -m pytest -q -x -m gpu tests/gpu/test_compile_gpu.py -p no:cacheprovider \
               2>&1 | grep -E "assert|Error|passed|failed" | tail -12 ;;
-    tiers) timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
+    tiers|tierswarm)  # tierswarm: the same run again over $TIERS_CACHE (set it), so every start is warm
+      [ $what = tierswarm ] && [ -z "${TIERS_CACHE:-}" ] && { echo "tierswarm needs TIERS_CACHE"; continue; }
+      timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} \
-             ${TIERS_CACHE:+--compile-cache $TIERS_CACHE} ${TIERS_ARGS:-} --json "$OUT/tiers.json" 2>&1 \
-             | grep -v -E "Warning|AUTOTUNE|triton_|strides:|dtypes:|SingleProcess" | tee "$OUT/tiers.log" | tail -14 ;;
+             ${TIERS_CACHE:+--compile-cache $TIERS_CACHE} ${TIERS_ARGS:-} --json "$OUT/$what.json" 2>&1 \
+             | grep -v -E "Warning|AUTOTUNE|triton_|strides:|dtypes:|SingleProcess" | tee "$OUT/$what.log" | tail -14 ;;
     start) timeout ${START_S:-540} python3 -m diffgraph.bench.latency --cases ${PRESET:-random:sdxl}@${START_SIZE:-1024} \
              --images 1 --buckets ${START_BUCKETS:-2} --repeats 3 --contenders diffgraph_compile --json "$OUT/start.json" \
              2>&1 | grep -v Warning | grep -E "compile tier|fresh|cold|warm|rror" | cut -c1-1200 | tail -12 ;;
