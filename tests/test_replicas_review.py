@@ -90,3 +90,55 @@ def test_a_stopped_replica_does_not_block_the_event_loop_on_its_pipe():
         replica.close()
     assert answered, "the event loop was blocked sending to a stopped replica"
     assert len(outcome) == len(requests) and all(isinstance(r, EngineClosed) for r in outcome), outcome[:3]
+
+
+def test_a_replica_that_stops_beating_while_it_builds_is_killed_and_restarted(monkeypatch):
+    """A replica whose build went silent (stopped, or stuck holding the interpreter's lock) stayed "starting"
+    forever: the heartbeat began only once it was ready. Now a process that began beating and then says nothing for
+    4 x replica_timeout while building is killed (and so restarted like a crashed one); a process that has not yet
+    said anything (its interpreter still starting) and a building one that beats are left alone."""
+    monkeypatch.setattr(ReplicaClient, "_start", lambda self: None)
+    replica = ReplicaClient("cpu", MODEL, name="builder", replica_timeout=2.0)
+    killed: list[int] = []
+    process = SimpleNamespace(kill=lambda: killed.append(1))
+    for state in ("starting", "restarting"):
+        replica.state, replica.error = state, None
+        replica._check(7.9, 0.0, process, spoke=True)  # under 4 timeouts: a slow build
+        replica._check(60.0, 0.0, process, spoke=False)  # its interpreter has not begun: not judged
+        assert killed == [] and replica.error is None
+        replica._check(8.0, 0.0, process, spoke=True)
+        assert killed == [1] and "no heartbeat for 8 s while building its engine" in replica.error
+        killed.clear()
+    replica.state = "ready"
+    replica._check(8.0, 0.0, process, spoke=True)  # a ready one goes unresponsive first, as before
+    assert replica.state == "unresponsive" and killed == []
+
+
+def test_a_replica_beats_while_it_builds_its_engine(monkeypatch):
+    """replica_main beats from the moment it starts building (the parent's judge of a stuck build above), and
+    stops once the build ends (here: fails, reported as "failed")."""
+    import multiprocessing
+
+    import diffgraph.engine.engine as engine_module
+    from diffgraph.engine.replica_process import replica_main
+    release = threading.Event()
+
+    class SlowEngine:
+        def __init__(self, **kwargs):
+            release.wait(BOUND_S)
+            raise ValueError("the model folder went away")
+
+    monkeypatch.setattr(engine_module, "Engine", SlowEngine)
+    parent, child = multiprocessing.Pipe(duplex=True)
+    thread = threading.Thread(target=replica_main, args=(child, "cpu", {}, None, 0.01), daemon=True)
+    thread.start()
+    kinds: list[str] = []
+    while "beat" not in kinds and parent.poll(BOUND_S):  # a failure bound: beats come every 0.01 s
+        message = parent.recv()
+        kinds += [m[0] for m in message[1]] if message[0] == "batch" else [message[0]]
+    release.set()
+    while "failed" not in kinds and parent.poll(BOUND_S):
+        message = parent.recv()
+        kinds += [m[0] for m in message[1]] if message[0] == "batch" else [message[0]]
+    thread.join(BOUND_S)
+    assert "beat" in kinds and "failed" in kinds and "ready" not in kinds, kinds

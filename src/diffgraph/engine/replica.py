@@ -24,12 +24,14 @@ flight on it is answered at once with EngineClosed (HTTP 503, retryable), and th
 backoff, unless it crashed `max_restarts` times within `restart_window_s`: then it is left down and reported so
 (`state`), not restarted in a loop.
 
-Heartbeat: a ready replica sends a beat every quarter of `replica_timeout` from a thread of its own. A replica that
-sends nothing for `replica_timeout` (stopped by SIGSTOP, starved) or whose engine loop has been inside one pass for
-longer (wedged in a driver call) is "unresponsive": not ready (routed around), its requests in flight answered at once
-with EngineClosed (503, retryable; the router moves those that had not started) and aborted on its side. When it
-answers again within `replica_timeout` it is ready again; one that stays unresponsive for 4 x `replica_timeout` is
-killed and restarted like a crashed one.
+Heartbeat: a replica sends a beat every quarter of `replica_timeout` from a thread of its own, from the moment it
+starts building its engine (a build that stops beating for 4 x `replica_timeout`, stopped or stuck with the
+interpreter's lock held, is killed and restarted like a crashed one; a slow build that beats is waited for). A ready
+replica that sends nothing for `replica_timeout` (stopped by SIGSTOP, starved) or whose engine loop has been inside
+one pass for longer (wedged in a driver call) is "unresponsive": not ready (routed around), its requests in flight
+answered at once with EngineClosed (503, retryable; the router moves those that had not started) and aborted on its
+side. When it answers again within `replica_timeout` it is ready again; one that stays unresponsive for 4 x
+`replica_timeout` is killed and restarted like a crashed one.
 """
 
 from __future__ import annotations
@@ -115,16 +117,16 @@ class ReplicaClient:
         return self.state == "ready"
 
     def _read(self, conn: Any, process: Any, sender: "_Sender | None" = None) -> None:
-        heard = time.monotonic()
+        heard, spoke = time.monotonic(), False  # spoke: the process began (its interpreter's start is not judged)
         while True:
             try:
                 if not conn.poll(self.replica_timeout / 4):
-                    self._check(time.monotonic() - heard, 0.0, process)
+                    self._check(time.monotonic() - heard, 0.0, process, spoke)
                     continue
                 message = conn.recv()
             except (EOFError, OSError):
                 break
-            heard = time.monotonic()
+            heard, spoke = time.monotonic(), True
             if message[0] == "beat":
                 self._check(0.0, message[1], process)
             else:
@@ -134,8 +136,9 @@ class ReplicaClient:
         process.join(5)
         self._on_exit(process.exitcode)
 
-    def _check(self, silent_s: float, busy_s: float, process: Any) -> None:
-        """The heartbeat's verdict (module docstring): unresponsive, back, or killed after 4 timeouts."""
+    def _check(self, silent_s: float, busy_s: float, process: Any, spoke: bool = True) -> None:
+        """The heartbeat's verdict (module docstring): unresponsive, back, or killed after 4 timeouts; a process
+        that began beating while it builds its engine and then went silent for 4 timeouts is killed too."""
         stuck = max(silent_s, busy_s)
         if stuck < self.replica_timeout:
             if self.state == "unresponsive":
@@ -152,6 +155,12 @@ class ReplicaClient:
                                           "request (other replicas keep serving)"), abort=True)
         elif self.state == "unresponsive" and stuck >= 4 * self.replica_timeout:
             logger.error("replica %s unresponsive for %.0f s: killing it to restart it", self.name, stuck)
+            process.kill()
+        elif self.state in ("starting", "restarting") and spoke and silent_s >= 4 * self.replica_timeout:
+            self.error = f"no heartbeat for {silent_s:.0f} s while building its engine (--replica-timeout " \
+                         f"{self.replica_timeout:g})"
+            logger.error("replica %s is stuck building its engine (%s): killing it to restart it", self.name,
+                         self.error)
             process.kill()
 
     def _dispatch(self, message: tuple) -> None:

@@ -53,6 +53,9 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         client.engine.core.on_failure.append(failed)  # ends the replica (they share the device), its steps are
         client.add_step_listener(lambda event: send(("step", event)))  # the parent's step metrics
 
+    building = threading.Event()  # beats while the engine builds: a build stopped or stuck with the GIL is found
+    threading.Thread(target=_beat_until, args=(building, send, beat_s), name="diffgraph-replica-build-beat",
+                     daemon=True).start()
     try:
         if models is None:
             engine = Engine(device=device, **engine_kwargs)
@@ -68,7 +71,9 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         step_s = engine.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"] / 1e3 \
             if measure_step and device.startswith("cpu") else None
     except Exception as e:
+        building.set()
         return last(("failed", f"{type(e).__name__}: {e}"))
+    building.set()
     def finished(request_id: str, future: Future) -> None:  # a request's outcome, to the parent
         send(("done", request_id, *_outcome(future)))
     send(("ready", engine.info, step_s))
@@ -133,6 +138,11 @@ def _answer_models(send: Callable[[tuple], None], held: HeldModels | None, messa
     except Exception as e:  # ModelLoadError, TimeoutError (still loading), a closed set: the caller's answer
         answer = e
     send((kind, message[1], answer))
+
+
+def _beat_until(done: threading.Event, send: Callable[[tuple], None], beat_s: float) -> None:
+    while not done.wait(beat_s):
+        send(("beat", 0.0))
 
 
 def _cpu_threads(threads: int) -> None:
