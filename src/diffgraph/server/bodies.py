@@ -4,10 +4,11 @@ Every limit holds while the body streams, whether it came with a Content-Length 
 the limit is refused before a byte is read, and a body that runs past it is refused at the byte that crosses it,
 never spooled first and measured after. A multipart form is parsed here, in memory, part by part (python-multipart's
 parser, the one Starlette uses), with its parts bounded in count and size as they open: a file part is never stored
-past its limit. Refusals are APIErrors: 413 for a body past its limit; 400 for a form that is malformed or has too
-many parts, or a file part over its limit once the whole (declared, bounded) body has been read, so that the
-answer can name the part's size; a chunked body's file part over its limit is a 413 at once, since no bound on
-what would follow it is known. A client that leaves while sending is ClientGone.
+past its limit. Refusals are APIErrors: 413 for a body past its limit; 400 for a form that is malformed (cut off
+before its closing boundary, a text field not UTF-8) or has too many parts, or a file part over its limit once the
+whole (declared, bounded) body has been read, so that the answer can name the part's size; a chunked body's file
+part over its limit is a 413 at once, since no bound on what would follow it is known. A client that leaves while
+sending is ClientGone.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class _FormReader:
         self.header_name = self.header_value = b""
         self.files = self.fields = 0
         self.oversized: _Part | None = None  # the first file part over its limit (read to the end, not stored)
+        self.ended = False  # the closing boundary was read (a form cut off before it lacks its last part)
 
     def on_part_begin(self) -> None:
         self.part = _Part()
@@ -145,7 +147,16 @@ class _FormReader:
         self.oversized = self.oversized or part
 
     def on_part_end(self) -> None:
+        if not self.part.is_file:
+            try:
+                self.part.data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise APIError(400, f"{self.part.name} is not UTF-8 text; send the form's text fields in UTF-8",
+                               param=self.part.name, code="invalid_form") from None
         self.parts.append(self.part)
+
+    def on_end(self) -> None:
+        self.ended = True
 
 
 async def read_multipart(http: Any, limits: FormLimits) -> list[tuple[str, str | bytes]]:
@@ -158,7 +169,7 @@ async def read_multipart(http: Any, limits: FormLimits) -> list[tuple[str, str |
     reader = _FormReader(limits, declared)
     callbacks = {name: getattr(reader, name) for name in (
         "on_part_begin", "on_header_field", "on_header_value", "on_header_end", "on_headers_finished",
-        "on_part_data", "on_part_end")}
+        "on_part_data", "on_part_end", "on_end")}
     try:
         parser = MultipartParser(boundary, callbacks)
         hint = _named(limits.flag and f"{limits.flag} {limits.file_bytes} per file")
@@ -167,8 +178,11 @@ async def read_multipart(http: Any, limits: FormLimits) -> list[tuple[str, str |
         parser.finalize()
     except FormParserError as e:
         raise APIError(400, f"the multipart form could not be read: {e}", code="invalid_form") from None
+    if not reader.ended:
+        raise APIError(400, "the multipart form ends before its closing boundary (--BOUNDARY--): its last part may "
+                            "be cut off; send the whole form", code="invalid_form")
     if reader.oversized is not None:
         part = reader.oversized
         raise APIError(400, f"{part.name} has {part.size} bytes; the limit is {limits.file_bytes}"
                             f"{_named(limits.flag)}", param=part.name, code="image_too_large")
-    return [(p.name, bytes(p.data) if p.is_file else p.data.decode("utf-8", "replace")) for p in reader.parts]
+    return [(p.name, bytes(p.data) if p.is_file else p.data.decode("utf-8")) for p in reader.parts]

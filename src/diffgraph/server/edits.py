@@ -108,7 +108,7 @@ async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dic
     """The parsed form: its text fields (typed) and the bytes of its files, read within their limits as they
     arrive (bodies.py). Raises APIError (400 / 413)."""
     content_type = http.headers.get("content-type", "")
-    if not content_type.startswith(FORM_CONTENT):
+    if not content_type.lower().startswith(FORM_CONTENT):
         raise APIError(400, f"this endpoint takes {FORM_CONTENT} (OpenAI's images.edit: the image as a file part "
                             f"'image', an optional 'mask', and the text fields), not {content_type or 'no body type'}; "
                             "for text-to-image, POST JSON to /v1/images/generations", code="invalid_content_type")
@@ -135,8 +135,9 @@ async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dic
 
 
 def _alpha(image: Any) -> np.ndarray | None:
-    """The alpha channel (uint8 [H, W]) of an image that has one, else None."""
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+    """The alpha channel (uint8 [H, W]) of an image that has one (a PNG's tRNS colour of an L or RGB image too: an
+    optimizer's form of a mask whose alpha is 0 or 255), else None."""
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode in ("P", "L", "RGB") and "transparency" in image.info):
         return np.asarray(image.convert("RGBA"))[..., 3]
     return None
 

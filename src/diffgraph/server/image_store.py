@@ -145,7 +145,7 @@ class UrlSigner:
         return hmac.new(self._secret, f"{image_id}:{expires}".encode(), hashlib.sha256).hexdigest()[:32]
 
     def check(self, image_id: str, expires: str, sig: str) -> bool:
-        if not expires.isdigit() or expiry_of(image_id) != int(expires):
+        if not (expires.isascii() and expires.isdigit()) or expiry_of(image_id) != int(expires):
             return False
         return hmac.compare_digest(self.sign(image_id, int(expires)), sig)
 

@@ -19,6 +19,11 @@ from .protocol import APIError, ControlRef, ImagePromptRef
 
 CONTROL_FILES = tuple(f"control_image_{i}" for i in range(MAX_CONTROLS))  # control i's map, beside `controls`
 PROMPT_FILES = tuple(f"image_prompt_{i}" for i in range(MAX_PROMPT_IMAGES))  # the image prompt's images
+# the formats read: each declares its size in a header read before any pixel is decoded (an ICO decodes its
+# entry while it opens, whatever size its directory claims: past --max-image-pixels before the check)
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG opens a phone's MPO too (its factory)
+# modes PIL opens but cannot convert to L or RGB (premultiplied alpha, CIELab): read as these
+_CONVERTIBLE = {"La": "LA", "RGBa": "RGBA", "LAB": "RGB", "HSV": "RGB"}
 
 
 def decode_upload(name: str, data: bytes | None, max_bytes: int, max_pixels: int) -> Any:
@@ -31,13 +36,13 @@ def decode_upload(name: str, data: bytes | None, max_bytes: int, max_pixels: int
         raise APIError(400, f"{name} has {len(data)} bytes; the limit is {max_bytes} (--max-image-bytes)",
                        param=name, code="image_too_large")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError:
         raise APIError(400, f"{name} declares too many pixels (a decompression bomb?); the limit is {max_pixels}",
                        param=name, code="image_too_large") from None
     except Exception:
-        raise APIError(400, f"{name} is not an image this server can read; upload a PNG, JPEG or WebP",
-                       param=name) from None
+        raise APIError(400, f"{name} is not an image this server can read; upload a PNG, JPEG or WebP (or GIF, "
+                            "BMP, TIFF)", param=name) from None
     width, height = image.size
     if width * height > max_pixels:
         raise APIError(400, f"{name} is {width}x{height} ({width * height} pixels); the limit is {max_pixels} "
@@ -47,7 +52,7 @@ def decode_upload(name: str, data: bytes | None, max_bytes: int, max_pixels: int
     except Exception as e:
         raise APIError(400, f"{name} could not be decoded ({type(e).__name__}); upload an intact PNG, JPEG or WebP",
                        param=name) from None
-    return image
+    return image.convert(_CONVERTIBLE[image.mode]) if image.mode in _CONVERTIBLE else image
 
 
 def eight_bit(image: Any) -> Any:
