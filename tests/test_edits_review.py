@@ -122,3 +122,23 @@ def test_a_signed_url_whose_expiry_is_not_ascii_digits_is_a_401_not_a_500(exp):
     name = url.split("/")[-1].split("?")[0]
     with pytest.raises(NotSigned):
         links.serve(name, exp, "0" * 32, key_given=False)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_a_photo_with_an_exif_orientation_is_read_upright_as_diffusers_load_image_reads_it(orientation):
+    """A phone stores its photo sideways with an EXIF orientation mark; every viewer (and diffusers' load_image)
+    shows it turned. Uploads were read as stored, so an edit came back sideways (and a mask drawn on the photo as
+    shown did not fit it)."""
+    from diffusers.utils import load_image
+
+    from diffgraph.server.uploads import decode_upload
+    pixels = np.zeros((48, 64, 3), np.uint8)
+    pixels[:8, :16] = 255  # a mark in the stored image's top-left corner
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG", exif=exif)
+    got = decode_upload("image", buf.getvalue(), 1 << 20, 1 << 20)
+    expected = load_image(Image.open(io.BytesIO(buf.getvalue())))
+    assert got.size == expected.size == ((64, 48) if orientation == 3 else (48, 64))
+    assert np.array_equal(np.asarray(got.convert("RGB")), np.asarray(expected.convert("RGB")))

@@ -24,10 +24,12 @@ PROMPT_FILES = tuple(f"image_prompt_{i}" for i in range(MAX_PROMPT_IMAGES))  # t
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG opens a phone's MPO too (its factory)
 # modes PIL opens but cannot convert to L or RGB (premultiplied alpha, CIELab): read as these
 _CONVERTIBLE = {"La": "LA", "RGBa": "RGBA", "LAB": "RGB", "HSV": "RGB"}
+EXIF_ORIENTATION = 0x0112
 
 
 def decode_upload(name: str, data: bytes | None, max_bytes: int, max_pixels: int) -> Any:
-    """A PIL image, its size checked from the header before its pixels are decoded."""
+    """A PIL image, its size checked from the header before its pixels are decoded, turned upright as its EXIF
+    orientation says (a phone's photo is stored sideways with a mark: diffusers' load_image turns it too)."""
     from PIL import Image
 
     if not data:
@@ -52,6 +54,9 @@ def decode_upload(name: str, data: bytes | None, max_bytes: int, max_pixels: int
     except Exception as e:
         raise APIError(400, f"{name} could not be decoded ({type(e).__name__}); upload an intact PNG, JPEG or WebP",
                        param=name) from None
+    if image.getexif().get(EXIF_ORIENTATION, 1) != 1:  # a camera's photo as it is shown (diffusers' load_image too)
+        from PIL import ImageOps
+        image = ImageOps.exif_transpose(image)
     return image.convert(_CONVERTIBLE[image.mode]) if image.mode in _CONVERTIBLE else image
 
 
