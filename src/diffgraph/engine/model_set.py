@@ -100,8 +100,13 @@ class ModelSet:
                 if resident is not None and resident.client.ready:
                     resident.holds += 1
                     resident.last_used = time.monotonic()
-                    if len(self._resident) > self.max_models and not self._loading:  # over, since a busy model
-                        threading.Thread(target=self._trim, args=(name,), daemon=True).start()  # stayed
+                    used = sum(r.memory_bytes for r in self._resident.values())
+                    over = len(self._resident) > self.max_models or (self.memory_bytes is not None and
+                                                                     used > self.memory_bytes)
+                    # over its count or budget, since a busy model stayed: trimmed once another one is idle
+                    if over and not self._loading and any(not r.busy for r in self._resident.values()
+                                                          if r is not resident):
+                        threading.Thread(target=self._trim, args=(name,), name="diffgraph-trim", daemon=True).start()
                     return resident
                 future = self._loading.get(name)
                 if future is None:
@@ -182,13 +187,14 @@ class ModelSet:
 
     def _make_room(self, exclude: str, need_slot: bool) -> None:
         """Evicts idle models (never `exclude`), least recently used first: before a load until the new one has a
-        slot under `max_models` (need_slot), after it until the set fits its count and memory budget."""
+        slot under `max_models` (need_slot) and what is resident fits the memory budget (a busy model kept it over),
+        after it until the set fits its count and memory budget."""
         while True:
             with self._lock:
                 others = [r for r in self._resident.values() if r.name != exclude]
                 count = len(others) + 1 if need_slot else len(self._resident)
                 used = sum(r.memory_bytes for r in self._resident.values())
-                over_memory = not need_slot and self.memory_bytes is not None and used > self.memory_bytes
+                over_memory = self.memory_bytes is not None and used > self.memory_bytes
                 idle = sorted((r for r in others if not r.busy), key=lambda r: r.last_used)
                 if not (count > self.max_models or over_memory) or not idle:
                     return

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ class ModelRouting:
         self.catalog = ModelDir(root)
         self.default = default
         self.models = models  # the set, in the engine's processes (replica processes or Ray engine replicas)
-        self._hashes: dict[str, str | None] = {}
+        self._hashes: dict[tuple[str, Any], str | None] = {}  # (path, file version) -> short hash
         self._hash_lock = threading.Lock()
         self._hashing = False
 
@@ -67,7 +68,7 @@ class ModelRouting:
             return default
         resolved = await self.resolve(name)
         try:
-            resident = await asyncio.to_thread(self.models.acquire, resolved, max(0.0, seconds))
+            resident = await self._acquire(resolved, max(0.0, seconds))
         except TimeoutError:
             raise APIError(504, f"model {name!r} is still loading after the request timeout; retry in a while "
                                 "(GET /v1/models shows it resident when it is ready)", code="model_loading") from None
@@ -76,6 +77,24 @@ class ModelRouting:
         except EngineClosed as e:  # the engine process went (or restarts) while the model loaded: retryable
             raise APIError(503, f"{e}", code="engine_unavailable") from None
         return Target(resident.client, resident.client.info, resident)
+
+    async def _acquire(self, name: str, seconds: float) -> RemoteResident:
+        """`models.acquire` on a thread of its own: a load takes minutes, and requests waiting for it must not take
+        the default executor's few threads (every other request's listings, reads and encodes need them). A hold
+        acquired for a request that is gone meanwhile (cancelled) is released, else its model stays held for good."""
+        done: Future = Future()
+
+        def work() -> None:
+            try:
+                done.set_result(self.models.acquire(name, seconds))
+            except BaseException as e:
+                done.set_exception(e)
+        threading.Thread(target=work, name="diffgraph-acquire", daemon=True).start()
+        try:
+            return await asyncio.shield(asyncio.wrap_future(done))
+        except asyncio.CancelledError:
+            done.add_done_callback(lambda f: f.exception() is None and self.models.release(f.result()))
+            raise
 
     def family(self, name: str) -> str | None:
         """The family of a folder model (from its files, without loading it)."""
@@ -90,39 +109,43 @@ class ModelRouting:
             if e.name == self.default:
                 continue
             out.append(self._card(e.name, created, resident, loading, e.family, e.native_size,
-                                  e.error or self.models.errors.get(e.name), e.path if e.form == "file" else None,
-                                  e.kind))
-        self._hash_later([e.path for e in entries if e.form == "file" and not e.error])
+                                  e.error or self.models.errors.get(e.name),
+                                  (e.path, e.stamp) if e.form == "file" else None, e.kind))
+        self._hash_later([(e.path, e.stamp) for e in entries if e.form == "file" and not e.error])
         return out
 
     def _card(self, name: str, created: int, resident: dict[str, RemoteResident], loading: set[str], family: str | None,
-              size: int | None, error: str | None, path: str | None = None, kind: str | None = None) -> dict:
+              size: int | None, error: str | None, file: tuple | None = None, kind: str | None = None) -> dict:
         r = resident.get(name)
         if r is not None:
             family, size = r.client.info.family, r.client.info.native_size
         return {"id": name, "object": "model", "created": created, "owned_by": "diffgraph", "family": family,
                 "native_size": size, "kind": kind, "resident": r is not None, "loading": name in loading,
                 "memory_bytes": r.memory_bytes if r else None, "default": name == self.default,
-                "hash": self._hashes.get(path) if path else None, "error": error}
+                "hash": self._hashes.get(file) if file else None, "error": error}
 
-    def _hash_later(self, paths: list[str]) -> None:
-        """AUTOMATIC1111's short hashes of the files not hashed yet, on one background thread (7 GB take a while)."""
+    def _hash_later(self, files: list[tuple[str, Any]]) -> None:
+        """AUTOMATIC1111's short hashes of the file versions (path, stamp) not hashed yet, on one background thread
+        (7 GB take a while); versions no longer listed are forgotten (a file replaced under its name is hashed anew)."""
+        listed = set(files)
         with self._hash_lock:
-            todo = [p for p in paths if p not in self._hashes]
+            self._hashes = {f: h for f, h in self._hashes.items() if f in listed}
+            todo = [f for f in files if f not in self._hashes]
             if not todo or self._hashing:
                 return
             self._hashing = True
 
         def work() -> None:
             try:
-                for path in todo:
+                for file in todo:
+                    path = file[0]
                     try:
                         value = short_hash(path, default_cache_root())
                     except (OSError, ValueError) as e:
                         logger.warning("hashing %s failed: %s", path, e)
                         value = None
                     with self._hash_lock:
-                        self._hashes[path] = value
+                        self._hashes[file] = value
             finally:
                 with self._hash_lock:
                     self._hashing = False
