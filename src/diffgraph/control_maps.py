@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .request import ControlInput, ParamError
+from .request import MAX_CONTROL_PIXELS, ControlInput, ParamError
 
 
 def control_map(control: ControlInput) -> np.ndarray:
@@ -43,6 +43,10 @@ def fit_map(pixels: np.ndarray, width: int, height: int, resize_mode: str = "jus
         covers = width / height > w0 / h0
         w1 = width if covers else w0 * height // h0
         h1 = height if not covers else h0 * width // w0
+        if w1 * h1 > MAX_CONTROL_PIXELS:  # far from the output's aspect: its resized whole would be huge
+            raise ParamError("controls", f"control image {w0}x{h0} is too far from the output's aspect ({width}x"
+                                         f"{height}) for resize_mode crop_and_resize; crop it nearer that aspect, or "
+                                         "use just_resize or resize_and_fill")
         out = Image.new("RGB", (width, height))
         out.paste(image.resize((w1, h1), Image.LANCZOS), box=(width // 2 - w1 // 2, height // 2 - h1 // 2))
         return np.asarray(out)

@@ -6,7 +6,8 @@ found without a restart. Names follow `--lora-dir`'s rules: relative, no "..", b
 outside the folder; pickled weights are never loaded (diffusers' `use_safetensors=True`).
 
 A request's controls are resolved on the submitting thread (`resolve`): each name found, its weights read into a
-host copy (kept for the most recent `slots` ControlNets), its architecture checked against the UNet (a ControlNet of
+host copy (cached for the most recent `slots` ControlNets; a resolved request holds its own until it is done, so
+an admitted one always has its weights), its architecture checked against the UNet (a ControlNet of
 another family is the caller's 400), and its control image prepared as diffusers' ControlNet pipelines prepare it
 (`VaeImageProcessor` without normalisation: resized to the output size, RGB in [0, 1]). On the loop thread the set is
 an admission gate (`can_admit`, `admit`, `release`) over `slots` device slots (lora.catalog.SlotCache: a slot in use
@@ -21,6 +22,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,7 @@ class ResolvedControl:
     key: tuple          # (name, version of its weights file)
     image: torch.Tensor  # [1, 3, H, W] float32 in [0, 1] at the request's size
     mode: int = 0       # its control mode's index in CONTROL_MODES (balanced, prompt, control)
+    net: torch.nn.Module | None = None  # its host copy, held until the request is done (the cache may drop it)
 
 
 class ControlNets:
@@ -57,9 +60,11 @@ class ControlNets:
         self.slots = SlotCache(slots)
         self.pixels_per_latent = vae_scale_factor
         self._host: OrderedDict[tuple, torch.nn.Module] = OrderedDict()  # key -> host copy, most recent last
+        # key -> host copies that resolved requests still hold (those the cache dropped are shared, not read again)
+        self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._modules: dict[int, torch.nn.Module] = {}
         self._stepping: dict[int, torch.nn.Module] = {}  # slot -> its module after the conditioning embedding
-        self._writes: list[tuple[int, tuple]] = []
+        self._writes: list[tuple[int, tuple, torch.nn.Module | None]] = []
         self._lock = threading.Lock()  # host copies: submitting threads read, the loop thread takes
         self._config_dir: Any = None  # a TemporaryDirectory of single files' config folders, made on first use
         self._configs: dict[int, str] = {}
@@ -67,14 +72,20 @@ class ControlNets:
     # -- on the submitting thread ----------------------------------------------------------------------
     def resolve(self, request: GenerationRequest) -> tuple[ResolvedControl, ...]:
         """The request's controls found, read and checked, their images prepared. Raises ParamError("controls")."""
+        names = list(dict.fromkeys(c.model for c in request.controls))
+        if len(names) > self.slots.slots:  # it could never be admitted: it would wait forever
+            raise ParamError("controls", f"this request names {len(names)} different ControlNets; this server holds "
+                                         f"at most {self.slots.slots} at once (--max-controlnets): use at most "
+                                         f"{self.slots.slots}, or start the server with --max-controlnets {len(names)}")
         out = []
         for c in request.controls:
             folder = self.catalog.folder(c.model)  # a diffusers folder, or a single file
             weights = folder if os.path.isfile(folder) else os.path.join(folder, WEIGHTS)
             key = (c.model, tuple(stamp_of(os.stat(weights))))
-            self._host_copy(key, folder)
+            net = self._host_copy(key, folder)
             out.append(ResolvedControl(key, self._prepare(control_map(c), request.width, request.height,
-                                                          c.resize_mode), list(CONTROL_MODES).index(c.control_mode)))
+                                                          c.resize_mode), list(CONTROL_MODES).index(c.control_mode),
+                                       net))
         return tuple(out)
 
     def _host_copy(self, key: tuple, folder: str) -> torch.nn.Module:
@@ -82,6 +93,10 @@ class ControlNets:
             if key in self._host:
                 self._host.move_to_end(key)
                 return self._host[key]
+            held = self._held.get(key)
+            if held is not None:
+                self._keep(key, held)
+                return held
         from diffusers import ControlNetModel
         try:
             net = (self._single_file(folder) if os.path.isfile(folder)
@@ -92,15 +107,22 @@ class ControlNets:
             raise ParamError("controls", f"ControlNet {key[0]!r} could not be read: {str(e).splitlines()[0]}") \
                 from None
         wrong = [f for f in MATCHING if _norm(getattr(net.config, f, None)) != _norm(getattr(self._unet, f, None))]
+        # it takes the latents (the UNet's output channels, an inpainting UNet's too) and an RGB control image
+        wrong += [f for f, want in (("in_channels", getattr(self._unet, "out_channels", 4)),
+                                    ("conditioning_channels", 3)) if getattr(net.config, f, want) != want]
         if wrong:
             raise ParamError("controls", f"ControlNet {key[0]!r} is for another model family: its {', '.join(wrong)} "
                                          "differ from this model's UNet; use a ControlNet trained for this model")
         net = net.eval().requires_grad_(False)
         with self._lock:
-            self._host[key] = net
-            while len(self._host) > self.slots.slots:
-                self._host.popitem(last=False)
+            self._keep(key, net)
         return net
+
+    def _keep(self, key: tuple, net: torch.nn.Module) -> None:
+        """Caches a host copy (under the lock): the most recent `slots` ones stay; requests hold their own."""
+        self._host[key] = self._held[key] = net
+        while len(self._host) > self.slots.slots:
+            self._host.popitem(last=False)
 
     def _single_file(self, path: str) -> torch.nn.Module:
         """An AUTOMATIC1111 / ComfyUI single-file ControlNet, through diffusers' single-file reader, offline: its
@@ -184,7 +206,8 @@ class ControlNets:
         got = self.slots.acquire_all(keys)
         if got is None:
             return None
-        self._writes += [(slot, key) for (slot, write), key in zip(got, keys) if write]
+        nets = {r.key: r.net for r in state.controls}
+        self._writes += [(slot, key, nets[key]) for (slot, write), key in zip(got, keys) if write]
         return [slot for slot, _ in got]
 
     def release(self, state: Any, taken: list[int]) -> None:
@@ -193,14 +216,12 @@ class ControlNets:
 
     def load_admitted(self) -> dict[int, str]:
         """Copies the ControlNets admitted this step into their slots; returns slot -> reason for those that failed
-        (their host copy was dropped since their request was resolved: the request fails alone)."""
+        (a request resolved without its host copy: it fails alone)."""
         writes, self._writes, broken = self._writes, [], {}
-        for slot, key in writes:
-            with self._lock:
-                host = self._host.get(key)
+        for slot, key, host in writes:
             if host is None:
                 self.slots.forget(slot)
-                broken[slot] = f"ControlNet {key[0]!r} was dropped from host memory since it was resolved; retry"
+                broken[slot] = f"ControlNet {key[0]!r} has no host copy (not resolved by this engine); retry"
                 continue
             current = self._modules.get(slot)
             if current is not None and same_architecture(current, host):  # in place: the slot's graphs stay valid

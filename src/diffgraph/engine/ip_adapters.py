@@ -28,7 +28,7 @@ import torch
 from ..errors import ParamError
 from ..features.image_prompt import MAX_TOKENS, ImagePromptRows, cross_attention_layers, install
 from ..models.ip_adapter_dir import IPAdapterDir
-from ..request import GenerationRequest
+from ..request import MAX_CONTROL_PIXELS, GenerationRequest
 from ..safe_files import UnusableFile, read_safetensors, stamp_of
 
 
@@ -147,6 +147,13 @@ class IPAdapters:
             self._embeds.move_to_end(key)
             return got
         model, processor = self._encoder(adapter.encoder)
+        side = int(processor.size.get("shortest_edge", 0))  # its shortest side resized to this, aspect kept
+        for img in images:
+            h, w = img.shape[:2]
+            if side * side * max(h, w) / min(h, w) > MAX_CONTROL_PIXELS:  # that resized whole would be huge
+                raise ParamError("image_prompts", f"an image prompt's image {w}x{h} is too long and narrow for the "
+                                                 f"image encoder; crop it to an aspect of at most "
+                                                 f"{MAX_CONTROL_PIXELS // side ** 2}:1")
         from PIL import Image
         pixels = processor([Image.fromarray(i) for i in images], return_tensors="pt").pixel_values
         pixels = pixels.to(self.device, model.dtype)
