@@ -184,3 +184,25 @@ def test_a_busy_model_kept_over_the_memory_budget_goes_once_idle():
         assert [r.name for r in models.resident()] == ["digits"]
     finally:
         models.close()
+
+
+def test_a_preload_that_cannot_load_is_listed_with_its_error_and_the_default_still_serves(tmp_path):
+    """`--preload` of a model whose weights are cut short (or a name not in the folder) failed the replica's whole
+    start: it was restarted and left down, so the server never became ready because of an optional model."""
+    import shutil
+
+    from diffgraph.engine.held_models import HeldModels
+    from diffgraph.engine.remote_models import ModelSetSpec
+    from diffgraph.models.presets import shipped_preset_folder
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "digits")
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "broken")
+    unet = tmp_path / "broken" / "unet" / "diffusion_pytorch_model.safetensors"
+    unet.write_bytes(unet.read_bytes()[:4096])
+    held = HeldModels(ModelSetSpec(str(tmp_path), "digits", preload=("broken", "nope")), "cpu", {})
+    try:
+        assert held.default.generate("a digit", num_inference_steps=1, seed=0).arrays.shape[0] == 1
+        assert "broken" in held.set.errors and "nope" in held.set.errors
+        assert "not in the model folder" in held.set.errors["nope"]
+        assert [name for name, *_ in held.view().resident] == ["digits"]
+    finally:
+        held.close()

@@ -7,11 +7,14 @@ as a `ModelsView` (remote_models.py) for the server's listing and /status.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from typing import Any, Callable
 
 from ..request import EngineClosed
 from .remote_models import ModelSetSpec, ModelsView
+
+logger = logging.getLogger(__name__)
 
 
 class HeldModels:
@@ -29,8 +32,12 @@ class HeldModels:
         self._default = self.set.acquire(spec.default)  # never released: /ready follows it
         self.default_client = self._default.client
         self.default = self.default_client.engine
-        for name in spec.preload:
-            self.set.release(self.set.acquire(self.catalog.resolve(name).name))
+        for name in spec.preload:  # one that cannot load is listed with its error; the default still serves
+            try:
+                self.set.release(self.set.acquire(self.catalog.resolve(name).name))
+            except ValueError as e:  # ModelNameError (not in the folder, unusable), ModelLoadError
+                logger.error("preloading model %r failed: %s", name, e)
+                self.set.errors.setdefault(name, str(e))
         self._holds: dict[int, Any] = {}
         self._requests: dict[str, Any] = {}  # request id -> the resident it was submitted to, until answered
         self._ids = itertools.count(1)
