@@ -8,6 +8,11 @@
   still sending its request head) is closed `header_timeout` seconds after it became so. Bytes arriving do not
   restart that clock, so a head trickled a byte at a time is closed as surely as a silent socket. (uvicorn's own
   keep-alive timer starts only after a first response, and restarts on every byte.)
+- The send stall. A connection whose writes stay paused for `send_timeout` seconds (60, nginx's send_timeout; its
+  client reads none of its response: the kernel's buffers and the transport's are full) is reset, its buffered
+  bytes dropped. Neither the request timeout (the wait for the engine) nor the header timeout covers a response
+  being written, and a stream's connection is busy, so a client that stopped reading held its connection and the
+  bytes behind it for ever.
 - The connection bound. At most `max_connections` are open. A newcomer past the bound closes the connection that
   has been idle longest, so idle sockets cannot hold a slot a request needs (nginx reuses idle keep-alive
   connections the same way); only when every connection is busy with a request is the newcomer answered 503
@@ -31,6 +36,7 @@ from typing import Any
 
 DEFAULT_MAX_CONNECTIONS = 1000
 FD_RESERVE = 64   # descriptors kept from connections at least: model and adapter files, replica pipes, logs
+SEND_TIMEOUT_S = 60.0  # a connection whose writes stay paused this long (its client reads nothing) is reset
 REFUSING = 32     # of those: newcomers past a bound of busy connections, waiting for their head to be answered 503
 
 
@@ -100,13 +106,15 @@ def resolve_max_connections(setting: int | None, nofile: int | None) -> int:
 class ConnectionGuard:
     """The open connections, idle (longest first) or busy with a request, and their header timers."""
 
-    def __init__(self, max_connections: int, header_timeout: float):
+    def __init__(self, max_connections: int, header_timeout: float, send_timeout: float = SEND_TIMEOUT_S):
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.send_timeout = send_timeout
         self.idle: dict[Any, None] = {}  # insertion-ordered: the connection idle longest first
         self.busy: set[Any] = set()
         self.refused: set[Any] = set()   # past the bound while every connection was busy: answered 503
         self.timers: dict[Any, asyncio.TimerHandle] = {}
+        self.stalls: dict[Any, asyncio.TimerHandle] = {}  # writes paused: reset when they stay so
 
     @property
     def open(self) -> int:
@@ -146,8 +154,19 @@ class ConnectionGuard:
             self.idle[conn] = None  # now the newest idle connection
             self._arm(conn)
 
+    def write_paused(self, conn: Any) -> None:
+        """The connection's send buffers are full: reset it unless its client reads within `send_timeout`."""
+        self.write_resumed(conn)
+        self.stalls[conn] = asyncio.get_running_loop().call_later(self.send_timeout, self._reset, conn)
+
+    def write_resumed(self, conn: Any) -> None:
+        timer = self.stalls.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+
     def closed(self, conn: Any) -> None:
         self._disarm(conn)
+        self.write_resumed(conn)
         self.idle.pop(conn, None)
         self.busy.discard(conn)
         self.refused.discard(conn)
@@ -166,6 +185,10 @@ class ConnectionGuard:
         self.closed(conn)  # its slot is free now; uvicorn's connection_lost follows
         if not conn.transport.is_closing():
             conn.transport.close()
+
+    def _reset(self, conn: Any) -> None:
+        self.closed(conn)
+        conn.transport.abort()  # not close(): that waits to write the buffered bytes its client never reads
 
     def _arm(self, conn: Any) -> None:
         self._disarm(conn)
@@ -190,6 +213,14 @@ def guarded_protocol(guard: ConnectionGuard) -> type:
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
             guard.update(self)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            guard.write_paused(self)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            guard.write_resumed(self)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

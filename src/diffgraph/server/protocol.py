@@ -8,7 +8,7 @@ turns into OpenAI-shaped errors with the parameter named as the client spelled i
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
@@ -61,12 +61,14 @@ class ImagePromptRef(BaseModel):
 
 
 class PreviewBody(BaseModel):
-    """A request's live previews in its stream: every `every` steps, in `format` (jpeg, png, webp)."""
+    """A request's live previews in its stream: every `every` steps, in `format` (jpeg, png, webp), at most `limit`
+    of them (0: no limit; `every` 0 spreads `limit` previews over the steps)."""
 
     model_config = ConfigDict(extra="forbid")
 
     every: StrictInt = 1
     format: StrictStr = "jpeg"
+    limit: StrictInt = 0
 
 
 class ImageGenerationRequest(BaseModel):
@@ -192,8 +194,8 @@ def error_from_validation(err: ValidationError, model: type[BaseModel] | None = 
     """The first pydantic error, as one sentence naming the field, what it must be and what came."""
     e = err.errors(include_url=False)[0]
     param = ".".join(str(p) for p in e["loc"]) or None
-    if e["type"] == "extra_forbidden":
-        allowed = ", ".join((model or ImageGenerationRequest).model_fields)
+    if e["type"] == "extra_forbidden":  # the fields of the object that holds it (a nested one: preview, loras.0)
+        allowed = ", ".join(_fields_at(model or ImageGenerationRequest, e["loc"][:-1]))
         return APIError(400, f"unknown parameter {param!r}; accepted: {allowed}", param=param)
     if e["type"] == "missing":
         return APIError(400, f"{param} is required", param=param)
@@ -202,6 +204,23 @@ def error_from_validation(err: ValidationError, model: type[BaseModel] | None = 
     got = e.get("input")
     shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
     return APIError(400, f"{param}: {_expected(e['type'], e['msg'])}, got {shown}", param=param)
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    """The fields of the object at `loc` inside `model` (list indexes skipped)."""
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        inner = _model_in(field.annotation) if field is not None else None
+        if inner is not None:
+            model = inner
+    return list(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (`X`, `X | None`, `list[X]`), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
 
 
 def _expected(kind: str, msg: str) -> str:
