@@ -127,3 +127,18 @@ def test_a_stream_whose_client_reads_nothing_is_reset_after_the_send_timeout(ser
             f"the whole stream ({len(received)} bytes) fit in the buffers: nothing was stalled"
     finally:
         client.close()
+
+
+def test_a_bad_preview_is_refused_whether_the_request_streams_or_not(served):
+    """A request that does not stream gets no previews, but a bad `preview` was silently ignored there (a 200)
+    while the same body with stream true was a 400."""
+    server, _ = served
+    for stream in (True, False):
+        body = {"prompt": "a red fox", "size": "64x64", "num_inference_steps": 1, "stream": stream,
+                "preview": {"every": 0}}
+        r = httpx.post(server + "/v1/images/generations", json=body, timeout=600)
+        assert r.status_code == 400, (stream, r.text)
+        assert r.json()["error"]["param"] == "preview" and "needs a limit" in r.json()["error"]["message"]
+    ok = httpx.post(server + "/v1/images/generations", timeout=600, json={
+        "prompt": "a red fox", "size": "64x64", "num_inference_steps": 1, "preview": {"every": 1, "format": "png"}})
+    assert ok.status_code == 200, ok.text

@@ -109,7 +109,12 @@ class ImageGenerationRequest(BaseModel):
         """The request's `preview` (stream.py sends them; a request that does not stream gets none)."""
         if self.preview is not None and self.partial_images:
             raise APIError(400, "give preview or partial_images, not both", param="partial_images")
-        if not self.stream:
+        if not self.stream:  # no previews to send; a bad `preview` is still the caller's 400, as when streaming
+            if self.preview is not None:
+                try:
+                    PreviewSpec(**self.preview.model_dump())
+                except ParamError as e:
+                    raise error_from_param_error(e) from None
             return None
         if self.preview is not None:
             return self.preview.model_dump()
