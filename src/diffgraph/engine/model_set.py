@@ -100,9 +100,7 @@ class ModelSet:
                 if resident is not None and resident.client.ready:
                     resident.holds += 1
                     resident.last_used = time.monotonic()
-                    used = sum(r.memory_bytes for r in self._resident.values())
-                    over = len(self._resident) > self.max_models or (self.memory_bytes is not None and
-                                                                     used > self.memory_bytes)
+                    over = len(self._resident) > self.max_models or self._over_memory()
                     # over its count or budget, since a busy model stayed: trimmed once another one is idle
                     if over and not self._loading and any(not r.busy for r in self._resident.values()
                                                           if r is not resident):
@@ -185,6 +183,11 @@ class ModelSet:
             with self._lock:
                 self._loading.pop(name, None)
 
+    def _over_memory(self) -> bool:
+        """Whether what is resident exceeds the memory budget (under the lock)."""
+        return self.memory_bytes is not None and sum(r.memory_bytes for r in self._resident.values()) > \
+            self.memory_bytes
+
     def _make_room(self, exclude: str, need_slot: bool) -> None:
         """Evicts idle models (never `exclude`), least recently used first: before a load until the new one has a
         slot under `max_models` (need_slot) and what is resident fits the memory budget (a busy model kept it over),
@@ -193,8 +196,7 @@ class ModelSet:
             with self._lock:
                 others = [r for r in self._resident.values() if r.name != exclude]
                 count = len(others) + 1 if need_slot else len(self._resident)
-                used = sum(r.memory_bytes for r in self._resident.values())
-                over_memory = self.memory_bytes is not None and used > self.memory_bytes
+                over_memory = self._over_memory()
                 idle = sorted((r for r in others if not r.busy), key=lambda r: r.last_used)
                 if not (count > self.max_models or over_memory) or not idle:
                     return

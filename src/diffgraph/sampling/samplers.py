@@ -286,6 +286,5 @@ def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int, eta: flo
     b = alpha_prev - a * alpha
     with np.errstate(divide="ignore"):  # zero terminal SNR: alpha 0 at the top timestep is an infinite VE sigma
         sig = np.append(sigma_vp / alpha, sigma_vp_prev[-1] / alpha_prev[-1])
-    draws = np.full(n, eta > 0)
     return cut(PlanParts(t, sig, table(t, np.ones(n), p, q, a, b, d=std), 1.0, ve=False,
-                         noise_steps=draws if eta > 0 else None), start)
+                         noise_steps=np.ones(n, bool) if eta > 0 else None), start)
