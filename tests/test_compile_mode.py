@@ -126,3 +126,22 @@ def test_the_throughput_bench_takes_the_checkpoint_flags(monkeypatch, capsys):
     monkeypatch.setattr(tiers, "print_report", lambda report: None)
     assert throughput.main(["--tiers", "compile", "--no-vae-upcast", "--json", os.devnull]) == 0
     assert seen["load"] == LoadOptions(vae_upcast=False)
+
+
+def test_autotune_tunes_the_step_and_the_decoder_not_the_text_encoder(tmp_path):
+    """Issue 33 point 3 names the step and the VAE: the text encoders (once a request) keep Inductor's default code
+    under max-autotune-no-cudagraphs, so a cold autotuned start does not spend minutes on them."""
+    from diffgraph import Engine
+    from diffgraph.config import GraphConfig
+    tuned = CompileConfig(cache_dir=str(tmp_path), mode="max-autotune-no-cudagraphs")
+    graphs = GraphConfig(prewarm=False, backend="emulated")
+    # nothing compiles before a first call: only the callables are built
+    with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=graphs, compile=tuned) as engine:
+        options = {c.name: c.options for c in engine.runner.compiled}
+    assert options["the text encoder"]["max_autotune"] is False
+    assert options["the text encoder"]["coordinate_descent_tuning"] is False
+    assert options["the whole step"]["max_autotune"] is True
+    assert options["the VAE decoder"]["max_autotune"] is True
+    with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=graphs,
+                compile=CompileConfig(cache_dir=str(tmp_path))) as engine:  # the default mode: as before
+        assert {c.name: c.options for c in engine.runner.compiled}["the text encoder"] == {"triton.cudagraphs": False}

@@ -39,6 +39,11 @@ STEP_OPTIONS = {"force_layout_optimization": True}
 # measured there
 VAE_OPTIONS = {"force_layout_optimization": True}
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
+# The text encoders run once a request, not once a step: under --compile-mode max-autotune-no-cudagraphs they keep
+# Inductor's default code, since autotuning their matmuls took most of SD1.5's cold autotuned start and was cut at
+# a 573 s device limit (BENCHMARKS.md, session 36) for a call that is a few ms of a request (issue 33: "for the step
+# and the VAE")
+TEXT_OPTIONS = {"max_autotune": False, "coordinate_descent_tuning": False}
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 
 
@@ -130,7 +135,8 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
         if compile is not None:
             _install_output_hooks(host)
-        out.text = TextGraph(maybe(partial(adapter.encode_ids, model), "the text encoder", lambda args: args[0]),
+        out.text = TextGraph(maybe(partial(adapter.encode_ids, model), "the text encoder", lambda args: args[0],
+                                     TEXT_OPTIONS if compile is not None and compile.mode != "default" else None),
                              adapter.token_lengths(model), host.device, cfg.batch_buckets)
         graphs.register(out.text)
     if cfg.capture_vae:
