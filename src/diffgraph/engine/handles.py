@@ -1,17 +1,23 @@
 """`RequestHandleImpl`: one request's answers, carried from the thread that produces them (an engine's loop in
 this process, or a replica's pipe reader) to the asyncio event loop that waits for them. Torch-free: the HTTP
 process holds these for requests whose engine lives in a replica process.
+
+The engine never waits for a reader, so a reader that lags (a slow stream client) would hold every preview the
+engine made meanwhile. A later preview supersedes an earlier one: the handle holds at most the newest
+PREVIEWS_KEPT unread ones and drops the oldest; progress events (small, one a step) and the result are never dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from typing import Any, AsyncIterator, Callable
 
 from ..request import GenerationRequest, GenerationResult, ProgressEvent
 
 _DONE = object()
+PREVIEWS_KEPT = 4  # a few: a reader briefly behind (a busy event loop) loses none, one that stays behind the oldest
 
 
 class RequestHandleImpl:
@@ -25,7 +31,10 @@ class RequestHandleImpl:
         self._abort = abort
         self._on_finish = on_finish
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: deque = deque()  # touched on the event loop only (`_append`, `next`)
+        self._ready = asyncio.Event()
+        self._previews = 0  # unread preview events in the queue
+        self.dropped_previews = 0
         self._progress = progress
         self._lock = threading.Lock()
         self._finished = False
@@ -47,14 +56,28 @@ class RequestHandleImpl:
 
     def _put(self, item: Any) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._append, item)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
+    def _append(self, item: Any) -> None:
+        if _is_preview(item):
+            if self._previews >= PREVIEWS_KEPT:  # the reader lags: the oldest unread preview is superseded
+                del self._queue[next(i for i, queued in enumerate(self._queue) if _is_preview(queued))]
+                self.dropped_previews += 1
+            else:
+                self._previews += 1
+        self._queue.append(item)
+        self._ready.set()
+
     async def next(self) -> ProgressEvent | GenerationResult:
         """The next progress event, or the result (raising the request's error)."""
-        item = await self._queue.get()
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._queue.popleft()
         if isinstance(item, ProgressEvent):
+            self._previews -= _is_preview(item)
             return item
         _, result, error = item
         self._done = True
@@ -85,3 +108,7 @@ class RequestHandleImpl:
 
     def abort(self) -> bool:
         return self._abort(self)
+
+
+def _is_preview(item: Any) -> bool:
+    return isinstance(item, ProgressEvent) and bool(item.previews)
