@@ -264,6 +264,45 @@ def test_two_jobs_share_the_engine_round_robin_within_the_inflight_bound_and_can
     assert [r.job for r in engine.submitted].count(a) == 2  # nothing of a after its cancel
 
 
+def test_an_items_images_are_decoded_off_the_event_loop_and_candidates_still_go_round_robin(tmp_path, monkeypatch):
+    """A job item's base64 images (its image prompts, its controls) are decoded when each candidate's request is
+    built: that ran on the event loop, stalling every HTTP request of the server for each decode. (The fake engine
+    makes images of any request: the IP-Adapter named is never looked up.)"""
+    import base64
+    import io
+    import threading
+
+    from diffgraph.server import uploads
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, format="PNG")
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    decoded_on, real = [], uploads.decode_upload
+    monkeypatch.setattr(uploads, "decode_upload", lambda *a: decoded_on.append(threading.get_ident()) or real(*a))
+    store = JobStore(str(tmp_path))
+    items = tuple(JobItem({"prompt": f"a digit {i}", "num_inference_steps": 2, "seed": 1,
+                           "image_prompts": {"model": "face", "images": [b64]}}, (1000 * i + 1, 1000 * i + 2))
+                  for i in range(2))
+    a = store.create("", JobSpec(items), "digits").id
+    b = store.create("", spec(2, base=100), "digits").id
+    engine = FakeEngine()
+    loop_thread = []
+
+    async def main():
+        loop_thread.append(threading.get_ident())
+        engine.gate.clear()
+        coordinator = Coordinator(store, engine.backend(), None, FAST)
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: len(engine.submitted) == 4, "the bound fills")
+        assert [r.job for r in engine.submitted] == [a, b, a, b]  # still round-robin, in the order chosen
+        engine.gate.set()
+        await until(lambda: not store.job(a).unfinished and not store.job(b).unfinished, "both finish")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    asyncio.run(main())
+    assert len(decoded_on) == 4 and loop_thread[0] not in decoded_on  # each of a's candidates, off the loop
+    assert len(stored(store, a)) == len(stored(store, b)) == 4
+
+
 # -- one coordinator per state folder, retention ------------------------------------------------------------------
 def test_one_process_coordinates_and_another_takes_over_when_it_ends(tmp_path):
     job = JobStore(str(tmp_path)).create("", spec(4), "digits").id

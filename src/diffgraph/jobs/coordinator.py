@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable
 
 from ..engine.client import RequestHandle
+from ..request import GenerationRequest
 from .backend import CandidateError, EngineBackend
 from .files import ImageWriteError, sweep_temporary
 from .store import Candidate, JobRow, JobStore, StoreError, job_summary
@@ -90,6 +91,7 @@ class Coordinator:
         self._handles: dict[tuple[str, int, int], RequestHandle] = {}  # the requests of those tasks in the engine
         self._deliveries: dict[str, asyncio.Task] = {}
         self._wake = asyncio.Event()
+        self._building = asyncio.Lock()  # one candidate's request built at a time, in the order chosen (FIFO)
         self._dirty = True
         self._lock_fd: int | None = None
         self._skipped: set[str] = set()  # jobs made for another model (logged once)
@@ -263,7 +265,7 @@ class Coordinator:
 
     async def _make(self, run: _Run, c: Candidate) -> None:
         try:
-            request = self.backend.build(c)
+            request = await self._build(c)
             # a stat here, the image's check on a thread only when there is a file: the candidates reach the engine
             # in the order they were chosen (round-robin), not in the order threads happen to finish
             if os.path.exists(self.store.image_path(*c.key)) and \
@@ -290,6 +292,13 @@ class Coordinator:
         except Exception as e:  # a bug must fail one candidate, never the coordinator
             logger.exception("candidate %s/%d-%d failed", *c.key)
             await self._fail(c, f"internal error: {type(e).__name__}: {e}")
+
+    async def _build(self, c: Candidate) -> GenerationRequest:
+        """The candidate's request, built on a thread: an item's base64 images (image prompts, controls) are decoded
+        there, never on the event loop. One at a time, in the order the candidates were chosen (asyncio's lock wakes
+        its waiters first come first served), so they still reach the engine round-robin."""
+        async with self._building:
+            return await asyncio.to_thread(self.backend.build, c)
 
     async def _fail(self, c: Candidate, message: str) -> None:
         try:
