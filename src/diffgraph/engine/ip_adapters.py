@@ -4,9 +4,10 @@
 On the submitting thread (`resolve`): the adapter's file read whole into memory (never mapped) and converted with
 diffusers' own IP-Adapter readers (the image projection by `UNet2DConditionModel._convert_ip_adapter_image_proj_to_
 diffusers`, the per-layer `to_k_ip` / `to_v_ip` weights by the state dict's layer numbering, `{1 + 2j}` for the
-UNet's j-th cross-attention layer), kept for the most recent `cache` adapters; the image encoder (the adapter's
-`image_encoder` folder, transformers' CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its
-image size) loaded once; each image embedded once (cached by its pixels' hash), as diffusers' pipelines embed it
+UNet's j-th cross-attention layer) and checked (`_check`: the projection takes its encoder's output, its tokens
+fit those layers, every weight finite, so a broken file is a ParamError naming it, never a 500 or NaN images), kept
+for the most recent `cache` adapters; the image encoder (the adapter's `image_encoder` folder, transformers'
+CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its image size) loaded once; each image embedded once (cached by its pixels' hash), as diffusers' pipelines embed it
 (the image embedding for the base adapters, the penultimate hidden states for "plus" ones; the negative: zeros, or
 the encoder's hidden states of a black image); then projected to tokens and every layer's keys and values computed,
 for both guidance branches. Those are the row fields the request's rows take at admission: nothing about an
@@ -112,14 +113,41 @@ class IPAdapters:
             proj = self._unet._convert_ip_adapter_image_proj_to_diffusers(proj_state, low_cpu_mem_usage=False)
         except Exception as e:  # a projection diffusers does not know
             raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its image projection could not be read "
-                                             f"({type(e).__name__}: {str(e)[:160]})") from None
+                                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         from diffusers.models.embeddings import ImageProjection
         adapter = _Adapter(proj.to(self.device, self.dtype).eval().requires_grad_(False), keys, values,
                            not isinstance(proj, ImageProjection), self.catalog.encoder(path))
+        self._check(key[0], adapter)
         self._adapters[key] = adapter
         while len(self._adapters) > self._cache:
             self._adapters.popitem(last=False)
         return adapter
+
+    def _check(self, name: str, adapter: _Adapter) -> None:
+        """At load, what would fail a request later (a RuntimeError inside the projection, a 500, or NaN images):
+        the projection takes its image encoder's output, its tokens fit the to_k_ip / to_v_ip layers, all finite."""
+        config = self._encoder(adapter.encoder)[0].config
+        what, width = ("penultimate hidden states", config.hidden_size) if adapter.hidden_states else \
+            ("image embeddings", config.projection_dim)
+        shape = (1, 1, width) if adapter.hidden_states else (1, width)
+        probe = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        try:
+            tokens = adapter.proj(probe).shape[-1]
+        except Exception as e:  # a shape mismatch inside the projection (torch's RuntimeError, or another)
+            raise ParamError("image_prompts", f"IP-Adapter {name!r}: its image projection does not take its image "
+                                             f"encoder's {what} ({width} wide): use the image_encoder it was made "
+                                             f"with ({type(e).__name__}: {' '.join(str(e).split())[:120]})") from None
+        taken = sorted({k.shape[1] for k in adapter.keys + adapter.values})
+        if taken != [tokens]:
+            raise ParamError("image_prompts", f"IP-Adapter {name!r}: its image projection makes {tokens}-wide tokens "
+                                             f"but its to_k_ip / to_v_ip layers take {'/'.join(map(str, taken))}-wide "
+                                             "ones: the file is inconsistent; use an intact copy")
+        weights = [("the image projection", p) for p in adapter.proj.parameters()] + \
+            [(f"layer {1 + 2 * j}", w) for j, pair in enumerate(zip(adapter.keys, adapter.values)) for w in pair]
+        bad = next((where for where, w in weights if not bool(torch.isfinite(w).all())), None)
+        if bad is not None:
+            raise ParamError("image_prompts", f"IP-Adapter {name!r} has non-finite weights (NaN or infinity, or past "
+                                             f"this model's dtype) in {bad}: the file is damaged; use an intact copy")
 
     def _encoder(self, folder: str) -> tuple[Any, Any]:
         got = self._encoders.get(folder)

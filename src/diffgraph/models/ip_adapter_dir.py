@@ -51,8 +51,12 @@ class IPAdapterDir:
             raise ParamError("image_prompts", f"IP-Adapter name {name!r} is not allowed: names are relative, with '/' "
                                              "between folders, without '..', backslashes or NUL")
         path = os.path.realpath(os.path.join(self.root, *name.split("/")) + SUFFIX)
-        if os.path.isfile(path) and os.path.commonpath([path, self.root]) == self.root and is_ip_adapter(path):
-            return path
+        if os.path.isfile(path) and os.path.commonpath([path, self.root]) == self.root:
+            if is_ip_adapter(path):
+                return path
+            raise ParamError("image_prompts", f"'{name}{SUFFIX}' in --ip-adapter-dir is not an IP-Adapter: one is a "
+                                              "safetensors file with image_proj.* and ip_adapter.* tensors (as "
+                                              "h94/IP-Adapter publishes them); name one of GET /v1/ip-adapters")
         raise ParamError("image_prompts", f"IP-Adapter {name!r} is unknown{unknown_hint(name, list(self.listing()))}")
 
     def only(self) -> str:
