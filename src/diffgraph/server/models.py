@@ -2,13 +2,13 @@
 
 `ModelRouting` holds the folder's catalog (models/catalog.py) and a `RemoteModels` (engine/remote_models.py): the
 `ModelSet` itself (engine/model_set.py: the resident engines on one device loop) lives in the engine's replica
-process, and this process asks it over the pipe. `target(name, seconds)` answers a request's `model` with the engine client to
-submit to and that model's `ModelInfo` (what the request is validated against), loading the model first when it is
-not resident (the request waits, within its timeout); the hold it returns keeps the model resident until the
-request is submitted. Bad names are a 400 naming `model`, unknown ones a 404, a model that fails to load a 400 with
-its reason; the others keep serving. `listing()` is `GET /v1/models`: every model with its family, native size,
-whether it is resident, its weights-and-graphs bytes and AUTOMATIC1111's short hash (computed once per file version
-on a background thread; null until known).
+process, and this process asks it over the pipe. `target(name, seconds)` answers a request's `model` with the engine
+client to submit to and that model's `ModelInfo` (what the request is validated against), loading the model first
+when it is not resident (the request waits, within its timeout); the hold it returns keeps the model resident until
+the request is submitted. Bad names are a 400 naming `model`, unknown ones (or removed since they were resolved) a
+404, a model that fails to load a 400 with its reason; the others keep serving. `listing()` is `GET /v1/models`:
+every model with its family, native size, whether it is resident, its weights-and-graphs bytes and AUTOMATIC1111's
+short hash (computed once per file version on a background thread; null until known).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class ModelRouting:
             raise APIError(504, f"model {name!r} is still loading after the request timeout; retry in a while "
                                 "(GET /v1/models shows it resident when it is ready)", code="model_loading") from None
         except ModelLoadError as e:
+            await self.resolve(name)  # removed or renamed since it was resolved: the 404 of a name not listed
             raise APIError(400, str(e), param="model", code="model_unusable") from None
         except EngineClosed as e:  # the engine process went (or restarts) while the model loaded: retryable
             raise APIError(503, f"{e}", code="engine_unavailable") from None

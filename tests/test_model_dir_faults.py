@@ -1,0 +1,111 @@
+"""Review of `--model-dir`'s faults: a model file that goes between the folder's listing and a stat or hash of it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+
+import pytest
+
+from diffgraph.engine.model_set import ModelSet, folder_builder
+from diffgraph.engine.remote_models import ModelClient, RemoteResident
+from diffgraph.models import catalog
+from diffgraph.server.models import ModelRouting, Target
+from diffgraph.server.protocol import APIError
+from test_model_sets_review import _checkpoint  # a few-byte file the catalog reads as an SD1 checkpoint
+
+DEFAULT = Target(None, None, None)
+
+
+class _LocalSet:
+    """The models backend of a `ModelSet` in this process (what `RemoteModels` asks of a replica's set)."""
+
+    def __init__(self, models: ModelSet) -> None:
+        self.set = models
+
+    def acquire(self, name: str, timeout: float | None = None) -> RemoteResident:
+        resident = self.set.acquire(name, timeout)
+        return RemoteResident(name, ModelClient(None, None, resident.client.info, 0), resident.memory_bytes)
+
+    def release(self, resident: RemoteResident) -> None:
+        self.set.release(next(r for r in self.set.resident() if r.name == resident.name))
+
+    def resident(self) -> list[RemoteResident]:
+        return [RemoteResident(r.name, ModelClient(None, None, r.client.info, 0), r.memory_bytes)
+                for r in self.set.resident()]
+
+    def loading(self) -> list[str]:
+        return self.set.loading()
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return dict(self.set.errors)
+
+    def close(self) -> None:
+        self.set.close()
+
+
+def _set(root, default: str = "random:tiny") -> _LocalSet:
+    return _LocalSet(ModelSet(folder_builder(str(root), default, {"device": "cpu", "image_threads": 1}), "cpu"))
+
+
+def _target_error(routing: ModelRouting, name: str) -> APIError:
+    with pytest.raises(APIError) as e:
+        asyncio.run(routing.target(name, 600.0, DEFAULT))
+    return e.value
+
+
+def _gone_before_stat(monkeypatch, victim: str) -> None:
+    """Removes `victim` just before the catalog's stat of it: as `rm` between the folder's walk and the stat."""
+    check = catalog.check_regular
+
+    def racing(path: str, max_bytes: int):
+        if os.path.basename(path) == victim and os.path.exists(path):
+            os.remove(path)
+        return check(path, max_bytes)
+    monkeypatch.setattr(catalog, "check_regular", racing)
+
+
+# -- 1. a file that goes between the listing and a stat or hash of it ------------------------------------------------
+def test_a_file_removed_between_the_folders_walk_and_its_stat_is_not_listed(tmp_path, monkeypatch):
+    _checkpoint(tmp_path / "kept.safetensors", 0.0)
+    _checkpoint(tmp_path / "gone.safetensors", 0.0)
+    _gone_before_stat(monkeypatch, "gone.safetensors")
+    listed = catalog.ModelDir(str(tmp_path)).listing()
+    assert [(e.name, e.error) for e in listed] == [("kept", None)]  # was ("gone", "gone.safetensors does not exist")
+
+
+def test_a_file_removed_while_it_is_hashed_is_a_file_changed_and_the_offline_listing_goes_on(tmp_path, monkeypatch):
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    sha256 = catalog._sha256
+
+    def removed_first(path: str, st: os.stat_result) -> str:
+        os.remove(path)  # after the stat, before the hash opens it
+        return sha256(path, st)
+    monkeypatch.setattr(catalog, "_sha256", removed_first)
+    with pytest.raises(catalog.FileChanged, match="m.safetensors was removed while it was hashed"):
+        catalog.full_hash(str(tmp_path / "m.safetensors"), str(tmp_path / "cache"))  # was FileNotFoundError
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    out = io.StringIO()
+    assert catalog.print_model_dir(str(tmp_path), out, hashes=True, cache_root=str(tmp_path / "cache")) == 0
+    assert out.getvalue().split()[0] == "m" and out.getvalue().split()[-1] == "-"  # no hash this time, no crash
+
+
+def test_a_model_removed_after_its_name_resolved_is_a_404_naming_model(tmp_path):
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    backend = _set(tmp_path)
+    acquire = backend.acquire
+
+    def removed_first(name: str, timeout: float | None = None) -> RemoteResident:
+        os.remove(tmp_path / "m.safetensors")  # after the request's name was resolved, before its model loads
+        return acquire(name, timeout)
+    backend.acquire = removed_first
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+    try:
+        error = _target_error(routing, "m")
+        assert (error.status, error.param, error.code) == (404, "model", "model_not_found")  # was a 400
+        assert "model 'm' is not in the model folder" in str(error) and "GET /v1/models lists them" in str(error)
+        assert [c["id"] for c in routing.listing(0)] == ["random:tiny"]
+    finally:
+        routing.close()
