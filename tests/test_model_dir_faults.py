@@ -1,16 +1,21 @@
-"""Review of `--model-dir`'s faults: a model file that goes between the folder's listing and a stat or hash of it."""
+"""Review of `--model-dir`'s faults: a model file that goes between the folder's listing and a stat or hash of it,
+and a model whose load failed once (still offered, and tried again once its file is fixed)."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import os
+import shutil
 
 import pytest
+from fastapi.testclient import TestClient
 
 from diffgraph.engine.model_set import ModelSet, folder_builder
 from diffgraph.engine.remote_models import ModelClient, RemoteResident
 from diffgraph.models import catalog
+from diffgraph.models.presets import shipped_preset_folder
+from diffgraph.server import ServerConfig, create_app
 from diffgraph.server.models import ModelRouting, Target
 from diffgraph.server.protocol import APIError
 from test_model_sets_review import _checkpoint  # a few-byte file the catalog reads as an SD1 checkpoint
@@ -109,3 +114,45 @@ def test_a_model_removed_after_its_name_resolved_is_a_404_naming_model(tmp_path)
         assert [c["id"] for c in routing.listing(0)] == ["random:tiny"]
     finally:
         routing.close()
+
+
+# -- 2. a model whose load failed once ---------------------------------------------------------------------------------
+def test_a_model_whose_load_failed_is_still_offered_and_loads_once_its_file_is_fixed(tmp_path):
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "digits")
+    unet = tmp_path / "digits" / "unet" / "diffusion_pytorch_model.safetensors"
+    whole = unet.read_bytes()
+    unet.write_bytes(whole[:4096])
+    backend = _set(tmp_path)
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+    app = create_app(ServerConfig(model="random:tiny", model_dir=str(tmp_path), device="cpu"),
+                     engine_factory=lambda: None, models=backend)  # no lifespan: the engine is never built
+    http = TestClient(app, raise_server_exceptions=False)
+    try:
+        error = _target_error(routing, "digits")
+        assert (error.status, error.param) == (400, "model") and "could not be loaded" in str(error)
+        titles = [m["title"] for m in http.get("/sdapi/v1/sd-models").json()]
+        assert titles == ["random:tiny", "digits"]  # was ["random:tiny"]: hidden until a load succeeded
+        card = {c["id"]: c for c in http.get("/v1/models").json()["data"]}["digits"]
+        assert "truncated" in card["error"] and card["error_kind"] == "load"  # its reason, listed
+        unet.write_bytes(whole)  # the file fixed: the next request tries again
+        target = asyncio.run(routing.target("digits", 600.0, DEFAULT))
+        assert target.info.name == "digits" and target.info.family == "sd"
+        target.release(routing)
+        card = {c["id"]: c for c in http.get("/v1/models").json()["data"]}["digits"]
+        assert (card["resident"], card["error"], card["error_kind"]) == (True, None, None)
+    finally:
+        routing.close()
+
+
+def test_a_file_the_catalog_cannot_serve_stays_out_of_the_a1111_titles(tmp_path):
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    backend = _set(tmp_path)
+    http = TestClient(create_app(ServerConfig(model="random:tiny", model_dir=str(tmp_path), device="cpu"),
+                                 engine_factory=lambda: None, models=backend), raise_server_exceptions=False)
+    try:
+        card = {c["id"]: c for c in http.get("/v1/models").json()["data"]}["cut"]
+        assert "truncated" in card["error"] and card["error_kind"] == "file"
+        assert [m["filename"] for m in http.get("/sdapi/v1/sd-models").json()] == ["random:tiny", "m"]
+    finally:
+        backend.close()

@@ -7,8 +7,9 @@ client to submit to and that model's `ModelInfo` (what the request is validated 
 when it is not resident (the request waits, within its timeout); the hold it returns keeps the model resident until
 the request is submitted. Bad names are a 400 naming `model`, unknown ones (or removed since they were resolved) a
 404, a model that fails to load a 400 with its reason; the others keep serving. `listing()` is `GET /v1/models`:
-every model with its family, native size, whether it is resident, its weights-and-graphs bytes and AUTOMATIC1111's
-short hash (computed once per file version on a background thread; null until known).
+every model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short
+hash (computed once per file version on a background thread; null until known) and its `error`, with `error_kind`:
+"file" (the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again).
 """
 
 from __future__ import annotations
@@ -105,25 +106,30 @@ class ModelRouting:
         resident = {r.name: r for r in self.models.resident()}
         loading = set(self.models.loading())
         entries = self.catalog.listing()
+        failed = self.models.errors  # once: a remote backend asks every replica
         out = [self._card(self.default, created, resident, loading, family=None, size=None, error=None)]
         for e in entries:
             if e.name == self.default:
                 continue
-            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size,
-                                  e.error or self.models.errors.get(e.name),
-                                  (e.path, e.stamp) if e.form == "file" else None, e.kind))
+            # "file": the entry cannot be served as it is (listed anew when the file changes); "load": its last load
+            # failed, and the next request for it tries again (so it stays on offer: A1111's titles list it)
+            error, error_kind = (e.error, "file") if e.error else (failed.get(e.name), "load")
+            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size, error,
+                                  (e.path, e.stamp) if e.form == "file" else None, e.kind, error_kind))
         self._hash_later([(e.path, e.stamp) for e in entries if e.form == "file" and not e.error])
         return out
 
     def _card(self, name: str, created: int, resident: dict[str, RemoteResident], loading: set[str], family: str | None,
-              size: int | None, error: str | None, file: tuple | None = None, kind: str | None = None) -> dict:
+              size: int | None, error: str | None, file: tuple | None = None, kind: str | None = None,
+              error_kind: str | None = None) -> dict:
         r = resident.get(name)
         if r is not None:
             family, size = r.client.info.family, r.client.info.native_size
         return {"id": name, "object": "model", "created": created, "owned_by": "diffgraph", "family": family,
                 "native_size": size, "kind": kind, "resident": r is not None, "loading": name in loading,
                 "memory_bytes": r.memory_bytes if r else None, "default": name == self.default,
-                "hash": self._hashes.get(file) if file else None, "error": error}
+                "hash": self._hashes.get(file) if file else None, "error": error,
+                "error_kind": error_kind if error else None}
 
     def _hash_later(self, files: list[tuple[str, Any]]) -> None:
         """AUTOMATIC1111's short hashes of the file versions (path, stamp) not hashed yet, on one background thread
