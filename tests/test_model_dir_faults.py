@@ -1,5 +1,6 @@
-"""Review of `--model-dir`'s faults: a model file that goes between the folder's listing and a stat or hash of it,
-and a model whose load failed once (still offered, and tried again once its file is fixed)."""
+"""Review of `--model-dir`'s faults: a model file that goes between the folder's listing and a stat or hash of it, a
+model whose load failed once (still offered, and tried again once its file is fixed), and `--model` given as a path
+inside `--model-dir` (one model, one name: not listed twice, nor loaded a second time under its folder name)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import shutil
 import pytest
 from fastapi.testclient import TestClient
 
+from diffgraph.engine.held_models import HeldModels
 from diffgraph.engine.model_set import ModelSet, folder_builder
-from diffgraph.engine.remote_models import ModelClient, RemoteResident
+from diffgraph.engine.remote_models import ModelClient, ModelSetSpec, RemoteResident
 from diffgraph.models import catalog
 from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.server import ServerConfig, create_app
@@ -156,3 +158,40 @@ def test_a_file_the_catalog_cannot_serve_stays_out_of_the_a1111_titles(tmp_path)
         assert [m["filename"] for m in http.get("/sdapi/v1/sd-models").json()] == ["random:tiny", "m"]
     finally:
         backend.close()
+
+
+# -- 3. --model PATH inside --model-dir DIR ----------------------------------------------------------------------------
+def test_a_default_model_inside_the_model_dir_is_one_model_under_one_name(tmp_path):
+    _checkpoint(tmp_path / "sub" / "m.safetensors", 0.0)
+    _checkpoint(tmp_path / "other.safetensors", 0.0)
+    default = str(tmp_path / "sub" / ".." / "sub" / "m.safetensors")  # any spelling of the path
+    routing = ModelRouting(str(tmp_path), default, _set(tmp_path, default))
+    try:
+        assert [c["id"] for c in routing.listing(0)] == [default, "other"]  # was [default, "other", "sub/m"]
+        assert asyncio.run(routing.resolve("sub/m")) == default
+        assert asyncio.run(routing.target("sub/m", 600.0, DEFAULT)) is DEFAULT  # not a second engine of the file
+        assert routing.family(default) is None and routing.family("other") == "sd"
+    finally:
+        routing.close()
+
+
+def test_a_default_preset_name_that_is_also_a_path_into_the_model_dir_is_the_preset(tmp_path, monkeypatch):
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sub" / "digits")
+    monkeypatch.chdir(tmp_path / "sub")  # "digits" is a path here too, but the loader reads a preset's name first
+    routing = ModelRouting(str(tmp_path), "digits", _set(tmp_path, "digits"))
+    try:
+        assert [c["id"] for c in routing.listing(0)] == ["digits", "sub/digits"]
+        assert asyncio.run(routing.resolve("sub/digits")) == "sub/digits"
+    finally:
+        routing.close()
+
+
+def test_a_preload_of_the_default_under_its_folder_name_loads_nothing_more(tmp_path):
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sd" / "digits")
+    default = str(tmp_path / "sd" / "digits")
+    held = HeldModels(ModelSetSpec(str(tmp_path), default, preload=("sd/digits",)), "cpu", {"image_threads": 1})
+    try:
+        assert [r.name for r in held.set.resident()] == [default]  # was [default, "sd/digits"]: two engines
+        assert held.set.errors == {}
+    finally:
+        held.close()

@@ -9,8 +9,8 @@ opened; one removed between the walk and its stat is not listed. Headers are ins
 (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`); folders' three small JSON
 files are read each listing. `resolve(name)` maps a request's model name to its entry (listing again: a model added
 later is found without a restart). `short_hash` / `full_hash`: AUTOMATIC1111's model hashes, computed once per file
-version and kept under a cache folder. Standard library only (the HTTP process and `diffgraph models --dir DIR` use
-this).
+version and kept under a cache folder. `model_path(--model)`: the path that tells which entry is the default model.
+Standard library only (the HTTP process and `diffgraph models --dir DIR` use this).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ..safe_files import FileChanged, FileStamp, UnusableFile, check_regular, re
 from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
 from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
 from .clip_vocab import default_cache_root
+from .presets import RANDOM_PRESETS, SHIPPED_PRESETS
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,14 @@ def native_size_of(unet_config: Any, vae_config: Any) -> int | None:
         return None
     blocks = vae_config.get("block_out_channels") if isinstance(vae_config, dict) else None
     return sample * (2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8)
+
+
+def model_path(model: str) -> str | None:
+    """The real path of a `--model` that names a file or folder, None for a preset (the loader reads a preset's name
+    first): a folder entry with this path is that model, served and listed under the `--model` name only."""
+    if model in RANDOM_PRESETS or model in SHIPPED_PRESETS or not os.path.exists(model):
+        return None
+    return os.path.realpath(model)
 
 
 class ModelDir:

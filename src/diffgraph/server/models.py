@@ -6,10 +6,11 @@ process, and this process asks it over the pipe. `target(name, seconds)` answers
 client to submit to and that model's `ModelInfo` (what the request is validated against), loading the model first
 when it is not resident (the request waits, within its timeout); the hold it returns keeps the model resident until
 the request is submitted. Bad names are a 400 naming `model`, unknown ones (or removed since they were resolved) a
-404, a model that fails to load a 400 with its reason; the others keep serving. `listing()` is `GET /v1/models`:
-every model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short
-hash (computed once per file version on a background thread; null until known) and its `error`, with `error_kind`:
-"file" (the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again).
+404, a model that fails to load a 400 with its reason; the others keep serving. A `--model PATH` inside the folder is
+the default under its `--model` name only (its folder name resolves to it). `listing()` is `GET /v1/models`: every
+model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short hash
+(computed once per file version on a background thread; null until known) and its `error`, with `error_kind`: "file"
+(the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 from ..engine.client import EngineClient
 from ..engine.remote_models import ModelsBackend, RemoteResident
 from ..errors import ModelLoadError
-from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
+from ..models.catalog import ModelDir, ModelEntry, ModelNameError, ModelNotFound, model_path, short_hash
 from ..models.clip_vocab import default_cache_root
 from ..request import EngineClosed, ModelInfo
 from .protocol import APIError
@@ -48,6 +49,7 @@ class ModelRouting:
     def __init__(self, root: str, default: str, models: ModelsBackend):
         self.catalog = ModelDir(root)
         self.default = default
+        self._default_path = model_path(default)  # `--model PATH` inside the folder: its entry is the default
         self.models = models  # the set, in the engine's processes (replica processes or Ray engine replicas)
         self._hashes: dict[tuple[str, Any], str | None] = {}  # (path, file version) -> short hash
         self._hash_lock = threading.Lock()
@@ -62,12 +64,18 @@ class ModelRouting:
                            code="model_not_found") from None
         except ModelNameError as e:
             raise APIError(400, str(e), param="model", code="model_unusable") from None
-        return entry.name
+        return self.default if self._is_default(entry) else entry.name
+
+    def _is_default(self, entry: ModelEntry) -> bool:
+        """Whether a folder entry is the default model: one model, one name (and one engine)."""
+        return entry.name == self.default or entry.path == self._default_path
 
     async def target(self, name: str | None, seconds: float, default: Target) -> Target:
         if name is None or name == self.default:
             return default
         resolved = await self.resolve(name)
+        if resolved == self.default:  # the default's file by its folder name
+            return default
         try:
             resident = await self._acquire(resolved, max(0.0, seconds))
         except TimeoutError:
@@ -99,8 +107,8 @@ class ModelRouting:
             raise
 
     def family(self, name: str) -> str | None:
-        """The family of a folder model (from its files, without loading it)."""
-        return self.catalog.resolve(name).family
+        """The family of a folder model (from its files, without loading it); None for the default."""
+        return None if name == self.default else self.catalog.resolve(name).family
 
     def listing(self, created: int) -> list[dict[str, Any]]:
         resident = {r.name: r for r in self.models.resident()}
@@ -109,7 +117,7 @@ class ModelRouting:
         failed = self.models.errors  # once: a remote backend asks every replica
         out = [self._card(self.default, created, resident, loading, family=None, size=None, error=None)]
         for e in entries:
-            if e.name == self.default:
+            if self._is_default(e):
                 continue
             # "file": the entry cannot be served as it is (listed anew when the file changes); "load": its last load
             # failed, and the next request for it tries again (so it stays on offer: A1111's titles list it)
