@@ -23,7 +23,7 @@ class HeldModels:
 
     def __init__(self, spec: ModelSetSpec, device: str, engine_kwargs: dict[str, Any],
                  on_load: Callable[[Any], None] | None = None):
-        from ..models.catalog import ModelDir
+        from ..models.catalog import ModelDir, model_path
         from .model_set import ModelSet, folder_builder
 
         self.spec, self.catalog = spec, ModelDir(spec.root)
@@ -32,9 +32,12 @@ class HeldModels:
         self._default = self.set.acquire(spec.default)  # never released: /ready follows it
         self.default_client = self._default.client
         self.default = self.default_client.engine
+        default_path = model_path(spec.default)
         for name in spec.preload:  # one that cannot load is listed with its error; the default still serves
             try:
-                self.set.release(self.set.acquire(self.catalog.resolve(name).name))
+                entry = self.catalog.resolve(name)
+                if entry.path != default_path:  # else it is the default (`--model PATH` inside the folder)
+                    self.set.release(self.set.acquire(entry.name))
             except ValueError as e:  # ModelNameError (not in the folder, unusable), ModelLoadError
                 logger.error("preloading model %r failed: %s", name, e)
                 self.set.errors.setdefault(name, str(e))

@@ -5,11 +5,12 @@ between folders, without the suffix (`sdxl/juggernaut`); each folder holding `mo
 named by its relative path (not descended into: its files are its parts). Pickles (.ckpt/.pt/.pth/.bin/.pkl) are
 listed under their full name with the conversion hint as their error, never opened. What resolves outside the folder
 (links) is left out; links to folders are not followed; a FIFO, device or dangling link is refused by a stat, never
-opened. Headers are inspected (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`);
-folders' three small JSON files are read each listing. `resolve(name)` maps a request's model name to its entry
-(listing again: a model added later is found without a restart). `short_hash` / `full_hash`: AUTOMATIC1111's model
-hashes, computed once per file version and kept under a cache folder. Standard library only (the HTTP process and
-`diffgraph models --dir DIR` use this).
+opened; one removed between the walk and its stat is not listed. Headers are inspected
+(`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`); folders' three small JSON
+files are read each listing. `resolve(name)` maps a request's model name to its entry (listing again: a model added
+later is found without a restart). `short_hash` / `full_hash`: AUTOMATIC1111's model hashes, computed once per file
+version and kept under a cache folder. `model_path(--model)`: the path that tells which entry is the default model.
+Standard library only (the HTTP process and `diffgraph models --dir DIR` use this).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from ..safe_files import FileChanged, FileStamp, UnusableFile, check_regular, re
 from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
 from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
 from .clip_vocab import default_cache_root
+from .presets import RANDOM_PRESETS, SHIPPED_PRESETS
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,14 @@ def native_size_of(unet_config: Any, vae_config: Any) -> int | None:
     return sample * (2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 8)
 
 
+def model_path(model: str) -> str | None:
+    """The real path of a `--model` that names a file or folder, None for a preset (the loader reads a preset's name
+    first): a folder entry with this path is that model, served and listed under the `--model` name only."""
+    if model in RANDOM_PRESETS or model in SHIPPED_PRESETS or not os.path.exists(model):
+        return None
+    return os.path.realpath(model)
+
+
 class ModelDir:
     def __init__(self, root: str):
         if not os.path.isdir(root):
@@ -115,13 +125,17 @@ class ModelDir:
             if folder != self.root and INDEX in files:
                 dirs[:] = []
                 if self._inside(os.path.join(folder, INDEX)):
-                    entries.append(_folder_entry(rel_dir, folder))
+                    folder_entry = _folder_entry(rel_dir, folder)
+                    if os.path.lexists(os.path.join(folder, INDEX)):  # else removed since the walk: not listed
+                        entries.append(folder_entry)
                 continue
             for f in files:
                 full = os.path.join(folder, f)
                 if (f.endswith(SUFFIX) or f.lower().endswith(PICKLE_EXTENSIONS)) and self._inside(full):
-                    entries.append(self._file_entry(f if rel_dir == "." else f"{rel_dir}/{f}", full))
-                    files_seen.add(full)
+                    entry = self._file_entry(f if rel_dir == "." else f"{rel_dir}/{f}", full)
+                    if entry is not None:
+                        entries.append(entry)
+                        files_seen.add(full)
         for gone in self._files.keys() - files_seen:  # removed files: their versions are not kept
             self._files.pop(gone, None)
         twice = {name for name, n in Counter(e.name for e in entries).items() if n > 1}
@@ -129,14 +143,15 @@ class ModelDir:
                    if e.name in twice else e for e in entries]
         return sorted(entries, key=lambda e: (e.name, e.form))
 
-    def _file_entry(self, rel: str, full: str) -> ModelEntry:
+    def _file_entry(self, rel: str, full: str) -> ModelEntry | None:
+        """The entry of file `full` (`rel` under the folder), None when it was removed (or renamed) since the walk."""
         name = rel[: -len(SUFFIX)] if rel.endswith(SUFFIX) else rel
         real = os.path.realpath(full)
         path = real if os.path.lexists(real) else full  # a dangling link stays a link, so that its error says so
         try:
             st = check_regular(path, MAX_MODEL_BYTES)
         except UnusableFile as e:
-            return ModelEntry(name, path, "file", 0, None, error=f"{rel} {e}")
+            return ModelEntry(name, path, "file", 0, None, error=f"{rel} {e}") if os.path.lexists(full) else None
         stamp = stamp_of(st)
         seen = self._files.get(full)
         if seen is not None and seen[0] == stamp and seen[1].path == path:
@@ -219,8 +234,8 @@ def _folder_bytes(folder: str) -> int:
 
 def full_hash(path: str, cache_root: str) -> str | None:
     """The file's sha256 (hex; AUTOMATIC1111's `sha256`), cached by file version (size, mtime_ns, inode) in
-    `cache_root`/hashes.json; None for a folder (A1111 hashes none). Raises UnusableFile (not a regular file) and
-    FileChanged (written while it was hashed)."""
+    `cache_root`/hashes.json; None for a folder (A1111 hashes none). Raises UnusableFile (not a regular file, not
+    readable) and FileChanged (written, replaced or removed while it was hashed)."""
     if os.path.isdir(path):
         return None
     key = os.path.realpath(path)
@@ -264,7 +279,12 @@ def _read_cache(cache_file: str) -> dict[str, Any]:
 
 def _sha256(path: str, st: os.stat_result) -> str:
     """The sha256 of the regular file `st` describes, read in 1 MiB chunks."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in after the stat: no block
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in after the stat: no block
+    except FileNotFoundError:
+        raise FileChanged(f"{path} was removed while it was hashed; list the folder again") from None
+    except OSError as e:
+        raise UnusableFile(f"{path} cannot be opened ({e.strerror or e}); check its permissions") from None
     try:
         digest, opened = hashlib.sha256(), os.fstat(fd)
         while stat.S_ISREG(opened.st_mode) and (chunk := os.read(fd, HASH_CHUNK)):

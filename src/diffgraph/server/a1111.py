@@ -133,11 +133,11 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             raise
 
     async def titles() -> list[dict[str, Any]]:
-        """The models as GET /v1/models lists them (usable ones), with AUTOMATIC1111's title of each."""
+        """The models GET /v1/models lists, titled as AUTOMATIC1111 does, but for files unservable as they are."""
         cards = (await asyncio.to_thread(routing.listing, state.created) if routing else
-                 [{"id": state.info.name if state.info else config.model, "hash": None, "error": None}])
+                 [{"id": state.info.name if state.info else config.model, "hash": None}])
         return [{**c, "title": c["id"] + (f" [{c['hash']}]" if c.get("hash") else "")} for c in cards
-                if not c.get("error")]
+                if c.get("error_kind") != "file"]  # a model whose load failed stays: a request tries again
 
     def build(body: ProcessingBody, plan: Plan, info: ModelInfo, edits: list[PreparedEdit],
               controls: list[dict[str, Any]]) -> list[GenerationRequest]:

@@ -2,13 +2,15 @@
 
 `ModelRouting` holds the folder's catalog (models/catalog.py) and a `RemoteModels` (engine/remote_models.py): the
 `ModelSet` itself (engine/model_set.py: the resident engines on one device loop) lives in the engine's replica
-process, and this process asks it over the pipe. `target(name, seconds)` answers a request's `model` with the engine client to
-submit to and that model's `ModelInfo` (what the request is validated against), loading the model first when it is
-not resident (the request waits, within its timeout); the hold it returns keeps the model resident until the
-request is submitted. Bad names are a 400 naming `model`, unknown ones a 404, a model that fails to load a 400 with
-its reason; the others keep serving. `listing()` is `GET /v1/models`: every model with its family, native size,
-whether it is resident, its weights-and-graphs bytes and AUTOMATIC1111's short hash (computed once per file version
-on a background thread; null until known).
+process, and this process asks it over the pipe. `target(name, seconds)` answers a request's `model` with the engine
+client to submit to and that model's `ModelInfo` (what the request is validated against), loading the model first
+when it is not resident (the request waits, within its timeout); the hold it returns keeps the model resident until
+the request is submitted. Bad names are a 400 naming `model`, unknown ones (or removed since they were resolved) a
+404, a model that fails to load a 400 with its reason; the others keep serving. A `--model PATH` inside the folder is
+the default under its `--model` name only (its folder name resolves to it). `listing()` is `GET /v1/models`: every
+model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short hash
+(computed once per file version on a background thread; null until known) and its `error`, with `error_kind`: "file"
+(the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from ..engine.client import EngineClient
 from ..engine.remote_models import ModelsBackend, RemoteResident
 from ..errors import ModelLoadError
-from ..models.catalog import ModelDir, ModelNameError, ModelNotFound, short_hash
+from ..models.catalog import ModelDir, ModelEntry, ModelNameError, ModelNotFound, model_path, short_hash
 from ..models.clip_vocab import default_cache_root
 from ..request import EngineClosed, ModelInfo
 from .protocol import APIError
@@ -47,6 +49,7 @@ class ModelRouting:
     def __init__(self, root: str, default: str, models: ModelsBackend):
         self.catalog = ModelDir(root)
         self.default = default
+        self._default_path = model_path(default)  # `--model PATH` inside the folder: its entry is the default
         self.models = models  # the set, in the engine's processes (replica processes or Ray engine replicas)
         self._hashes: dict[tuple[str, Any], str | None] = {}  # (path, file version) -> short hash
         self._hash_lock = threading.Lock()
@@ -61,18 +64,25 @@ class ModelRouting:
                            code="model_not_found") from None
         except ModelNameError as e:
             raise APIError(400, str(e), param="model", code="model_unusable") from None
-        return entry.name
+        return self.default if self._is_default(entry) else entry.name
+
+    def _is_default(self, entry: ModelEntry) -> bool:
+        """Whether a folder entry is the default model: one model, one name (and one engine)."""
+        return entry.name == self.default or entry.path == self._default_path
 
     async def target(self, name: str | None, seconds: float, default: Target) -> Target:
         if name is None or name == self.default:
             return default
         resolved = await self.resolve(name)
+        if resolved == self.default:  # the default's file by its folder name
+            return default
         try:
             resident = await self._acquire(resolved, max(0.0, seconds))
         except TimeoutError:
             raise APIError(504, f"model {name!r} is still loading after the request timeout; retry in a while "
                                 "(GET /v1/models shows it resident when it is ready)", code="model_loading") from None
         except ModelLoadError as e:
+            await self.resolve(name)  # removed or renamed since it was resolved: the 404 of a name not listed
             raise APIError(400, str(e), param="model", code="model_unusable") from None
         except EngineClosed as e:  # the engine process went (or restarts) while the model loaded: retryable
             raise APIError(503, f"{e}", code="engine_unavailable") from None
@@ -97,32 +107,37 @@ class ModelRouting:
             raise
 
     def family(self, name: str) -> str | None:
-        """The family of a folder model (from its files, without loading it)."""
-        return self.catalog.resolve(name).family
+        """The family of a folder model (from its files, without loading it); None for the default."""
+        return None if name == self.default else self.catalog.resolve(name).family
 
     def listing(self, created: int) -> list[dict[str, Any]]:
         resident = {r.name: r for r in self.models.resident()}
         loading = set(self.models.loading())
         entries = self.catalog.listing()
+        failed = self.models.errors  # once: a remote backend asks every replica
         out = [self._card(self.default, created, resident, loading, family=None, size=None, error=None)]
         for e in entries:
-            if e.name == self.default:
+            if self._is_default(e):
                 continue
-            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size,
-                                  e.error or self.models.errors.get(e.name),
-                                  (e.path, e.stamp) if e.form == "file" else None, e.kind))
+            # "file": the entry cannot be served as it is (listed anew when the file changes); "load": its last load
+            # failed, and the next request for it tries again (so it stays on offer: A1111's titles list it)
+            error, error_kind = (e.error, "file") if e.error else (failed.get(e.name), "load")
+            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size, error,
+                                  (e.path, e.stamp) if e.form == "file" else None, e.kind, error_kind))
         self._hash_later([(e.path, e.stamp) for e in entries if e.form == "file" and not e.error])
         return out
 
     def _card(self, name: str, created: int, resident: dict[str, RemoteResident], loading: set[str], family: str | None,
-              size: int | None, error: str | None, file: tuple | None = None, kind: str | None = None) -> dict:
+              size: int | None, error: str | None, file: tuple | None = None, kind: str | None = None,
+              error_kind: str | None = None) -> dict:
         r = resident.get(name)
         if r is not None:
             family, size = r.client.info.family, r.client.info.native_size
         return {"id": name, "object": "model", "created": created, "owned_by": "diffgraph", "family": family,
                 "native_size": size, "kind": kind, "resident": r is not None, "loading": name in loading,
                 "memory_bytes": r.memory_bytes if r else None, "default": name == self.default,
-                "hash": self._hashes.get(file) if file else None, "error": error}
+                "hash": self._hashes.get(file) if file else None, "error": error,
+                "error_kind": error_kind if error else None}
 
     def _hash_later(self, files: list[tuple[str, Any]]) -> None:
         """AUTOMATIC1111's short hashes of the file versions (path, stamp) not hashed yet, on one background thread
