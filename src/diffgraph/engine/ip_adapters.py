@@ -5,9 +5,10 @@ On the submitting thread (`resolve`): the adapter's file read whole into memory 
 diffusers' own IP-Adapter readers (the image projection by `UNet2DConditionModel._convert_ip_adapter_image_proj_to_
 diffusers`, the per-layer `to_k_ip` / `to_v_ip` weights by the state dict's layer numbering, `{1 + 2j}` for the
 UNet's j-th cross-attention layer) and checked (`_check`: the projection takes its encoder's output, its tokens
-fit those layers, every weight finite, so a broken file is a ParamError naming it, never a 500 or NaN images), kept
-for the most recent `cache` adapters; the image encoder (the adapter's `image_encoder` folder, transformers'
-CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its image size) loaded once; each image embedded once (cached by its pixels' hash), as diffusers' pipelines embed it
+fit those layers, every weight finite, so a broken file is a ParamError naming it, never a 500 or NaN images),
+kept for the most recent `cache` adapters; the image encoder (the adapter's `image_encoder` folder, transformers'
+CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its image size) loaded once; each image
+embedded once (cached by its pixels' hash), as diffusers' pipelines embed it
 (the image embedding for the base adapters, the penultimate hidden states for "plus" ones; the negative: zeros, or
 the encoder's hidden states of a black image); then projected to tokens and every layer's keys and values computed,
 for both guidance branches. Those are the row fields the request's rows take at admission: nothing about an
@@ -78,7 +79,8 @@ class IPAdapters:
             out = {"ip.mask": torch.zeros((1, MAX_TOKENS), dtype=self.dtype, device=self.device)}
             out["ip.mask"][0, :n] = 1
             for j, (wk, wv) in enumerate(zip(adapter.keys, adapter.values)):
-                for name, w, t in (("k", wk, tokens), ("v", wv, tokens), ("nk", wk, neg_tokens), ("nv", wv, neg_tokens)):
+                for name, w, t in (("k", wk, tokens), ("v", wv, tokens),
+                                   ("nk", wk, neg_tokens), ("nv", wv, neg_tokens)):
                     field = torch.zeros((1, MAX_TOKENS, w.shape[0]), dtype=self.dtype, device=self.device)
                     field[0, :n] = torch.nn.functional.linear(t.to(w.dtype), w).to(self.dtype)
                     out[f"ip.{name}{j}"] = field
@@ -107,8 +109,8 @@ class IPAdapters:
             keys.append(k.to(self.device, self.dtype))
             values.append(v.to(self.device, self.dtype))
         if len(ip_state) != 2 * len(self._dims):
-            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} has {len(ip_state) // 2} layers, this model's UNet "
-                                             f"{len(self._dims)}: use one made for it")
+            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} has {len(ip_state) // 2} layers, this model's "
+                                             f"UNet {len(self._dims)}: use one made for it")
         try:
             proj = self._unet._convert_ip_adapter_image_proj_to_diffusers(proj_state, low_cpu_mem_usage=False)
         except Exception as e:  # a projection diffusers does not know

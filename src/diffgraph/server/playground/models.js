@@ -1,8 +1,9 @@
 /* The playground's model picker (issue 29): the models GET /v1/models lists, in the form's <select>.
  *
  * With --model-dir the listing names every model of the folder: which is the default, which are resident ("loaded")
- * and which load on their first request, and the ones that cannot be served (their `error`: shown disabled, the
- * reason as the option's tooltip and in the hint when one is picked from the history). Without it the listing is
+ * and which load on their first request, and the ones that cannot be served (an `error` of `error_kind` "file": shown
+ * disabled, the reason as the option's tooltip and in the hint when one is picked from the history); one whose last
+ * load failed (`error_kind` "load") stays selectable, since its next request tries again, its error in the hint. Without it the listing is
  * OpenAI's plain one-model shape and the picker stays hidden. The list is read again when the page gains focus,
  * every 30 s and after each request (a cheap GET). app.js owns the form; this file hands it the chosen model's id
  * (`chosen`), its listing entry (`find`) and tells it when the choice or the listing changes (`onChange`).
@@ -40,9 +41,15 @@ window.DiffgraphModels = (() => {
   }
 
   /* What the hint under the picker says of the chosen model. */
+  /* A model the server cannot serve as its file is; one whose last load failed is retried by its next request. */
+  function unservable(m) {
+    return Boolean(m.error) && m.error_kind !== "load";
+  }
+
   function describe(m) {
     if (!m) return "";
     const bits = [];
+    if (m.error) bits.push(`Its last load failed (${m.error}); a request tries again.`);
     if (m.resident) bits.push(`Loaded${m.memory_bytes ? ` (${megabytes(m.memory_bytes)})` : ""}: it starts at once.`);
     else if (m.loading) bits.push("Loading now: a request waits until it is ready.");
     else bits.push("Not loaded: the first request loads it, which can take a while.");
@@ -57,13 +64,13 @@ window.DiffgraphModels = (() => {
 
     function usable(id) {
       const m = picker.byId.get(id);
-      return Boolean(m && !m.error);
+      return Boolean(m && !unservable(m));
     }
 
     function render() {
       const previous = select.value;
-      const served = picker.models.filter((m) => !m.error);
-      const broken = picker.models.filter((m) => m.error);
+      const served = picker.models.filter((m) => !unservable(m));
+      const broken = picker.models.filter(unservable);
       select.replaceChildren(...served.map((m) => option(m.id, label(m), m.default ? "the server's default" : "")));
       if (broken.length) {
         const group = document.createElement("optgroup");
