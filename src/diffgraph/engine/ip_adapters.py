@@ -4,14 +4,14 @@
 On the submitting thread (`resolve`): the adapter's file read whole into memory (never mapped) and converted with
 diffusers' own IP-Adapter readers (the image projection by `UNet2DConditionModel._convert_ip_adapter_image_proj_to_
 diffusers`, the per-layer `to_k_ip` / `to_v_ip` weights by the state dict's layer numbering, `{1 + 2j}` for the
-UNet's j-th cross-attention layer) and checked (`_check`: the projection takes its encoder's output, its tokens
-fit those layers, every weight finite, so a broken file is a ParamError naming it, never a 500 or NaN images),
-kept for the most recent `cache` adapters; the image encoder (the adapter's `image_encoder` folder, transformers'
-CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its image size) loaded once; each image
-embedded once (cached by its pixels' hash), as diffusers' pipelines embed it
-(the image embedding for the base adapters, the penultimate hidden states for "plus" ones; the negative: zeros, or
-the encoder's hidden states of a black image); then projected to tokens and every layer's keys and values computed,
-for both guidance branches. Those are the row fields the request's rows take at admission: nothing about an
+UNet's j-th cross-attention layer) and checked (every weight finite, on the host; `_check`: the projection takes
+its encoder's output, its tokens fit those layers), so a broken file is a ParamError naming it, never a 500 or NaN
+images; kept for the most recent `cache` adapters; the image encoder (the adapter's `image_encoder` folder,
+transformers' CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its image size) loaded
+once; each image embedded once (cached by its pixels' hash), as diffusers' pipelines embed it (the image
+embedding for the base adapters, the penultimate hidden states for "plus" ones; the negative: zeros, or the
+encoder's hidden states of a black image); then projected to tokens and every layer's keys and values computed, for
+both guidance branches. Those are the row fields the request's rows take at admission: nothing about an
 adapter stays on the device between requests and no admission gate is needed.
 """
 
@@ -98,6 +98,12 @@ class IPAdapters:
             raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its file {e}") from None
         state = load_bytes(data)
         del data
+        # on the host, before anything reaches the device: a check there would sync the device, which another
+        # thread's graph capture forbids (cudaErrorStreamCaptureUnsupported broke that capture on the GPU)
+        bad = next((k for k, v in state.items() if not bool(torch.isfinite(v.to(self.dtype)).all())), None)
+        if bad is not None:
+            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} has non-finite weights (NaN or infinity, or past "
+                                             f"this model's dtype) in {bad}: the file is damaged; use an intact copy")
         proj_state = {k[len("image_proj."):]: v for k, v in state.items() if k.startswith("image_proj.")}
         ip_state = {k[len("ip_adapter."):]: v for k, v in state.items() if k.startswith("ip_adapter.")}
         keys, values = [], []
@@ -117,9 +123,10 @@ class IPAdapters:
             raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its image projection could not be read "
                                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         from diffusers.models.embeddings import ImageProjection
-        adapter = _Adapter(proj.to(self.device, self.dtype).eval().requires_grad_(False), keys, values,
-                           not isinstance(proj, ImageProjection), self.catalog.encoder(path))
-        self._check(key[0], adapter)
+        adapter = _Adapter(proj.eval().requires_grad_(False), keys, values, not isinstance(proj, ImageProjection),
+                           self.catalog.encoder(path))
+        self._check(key[0], adapter)  # on the host, before the projection moves to the device
+        adapter.proj.to(self.device, self.dtype)
         self._adapters[key] = adapter
         while len(self._adapters) > self._cache:
             self._adapters.popitem(last=False)
@@ -127,12 +134,15 @@ class IPAdapters:
 
     def _check(self, name: str, adapter: _Adapter) -> None:
         """At load, what would fail a request later (a RuntimeError inside the projection, a 500, or NaN images):
-        the projection takes its image encoder's output, its tokens fit the to_k_ip / to_v_ip layers, all finite."""
+        the projection (still on the host: nothing here touches the device, which another thread may be capturing)
+        takes its image encoder's output and its tokens fit the to_k_ip / to_v_ip layers. Its weights were checked
+        finite on the host (`_adapter`)."""
         config = self._encoder(adapter.encoder)[0].config
         what, width = ("penultimate hidden states", config.hidden_size) if adapter.hidden_states else \
             ("image embeddings", config.projection_dim)
         shape = (1, 1, width) if adapter.hidden_states else (1, width)
-        probe = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        weight = next(adapter.proj.parameters(), None)
+        probe = torch.zeros(shape, dtype=weight.dtype if weight is not None else torch.float32)
         try:
             tokens = adapter.proj(probe).shape[-1]
         except Exception as e:  # a shape mismatch inside the projection (torch's RuntimeError, or another)
@@ -144,12 +154,6 @@ class IPAdapters:
             raise ParamError("image_prompts", f"IP-Adapter {name!r}: its image projection makes {tokens}-wide tokens "
                                              f"but its to_k_ip / to_v_ip layers take {'/'.join(map(str, taken))}-wide "
                                              "ones: the file is inconsistent; use an intact copy")
-        weights = [("the image projection", p) for p in adapter.proj.parameters()] + \
-            [(f"layer {1 + 2 * j}", w) for j, pair in enumerate(zip(adapter.keys, adapter.values)) for w in pair]
-        bad = next((where for where, w in weights if not bool(torch.isfinite(w).all())), None)
-        if bad is not None:
-            raise ParamError("image_prompts", f"IP-Adapter {name!r} has non-finite weights (NaN or infinity, or past "
-                                             f"this model's dtype) in {bad}: the file is damaged; use an intact copy")
 
     def _encoder(self, folder: str) -> tuple[Any, Any]:
         got = self._encoders.get(folder)
