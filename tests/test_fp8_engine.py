@@ -72,3 +72,28 @@ def test_bad_quantize_settings_are_refused_by_name():
             Engine(plain.model, quantize=Fp8Config(min_features=16))
     with pytest.raises(ValueError, match="min_features 8 is below 16"):
         Fp8Config(min_features=8)
+
+
+def test_the_fp8_step_precompiles_and_a_warm_start_loads_it(tmp_path):
+    """Issue 33's warm start (<= 30 s) rests on this: the fp8 step (its quantisation and `_scaled_mm` op inside the
+    traced code) is saved whole as a precompiled version, and a second engine on the cache folder loads it and
+    compiles nothing (Inductor on the CPU), with the same images."""
+    import torch
+
+    from diffgraph.config import CompileConfig, GraphConfig
+    from diffgraph.graphs.compiled import precompile_available
+
+    if not precompile_available():
+        pytest.skip("this torch has no torch.compiler.load_compiled_function (2.10+): no precompiled versions")
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated", capture_vae=False,
+                      capture_text_encoder=False)
+    images = []
+    for run in ("cold", "warm"):
+        with Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg,
+                    quantize=Fp8Config(min_features=16), compile=CompileConfig(cache_dir=str(tmp_path))) as engine:
+            step = next(c for c in engine.runner.compiled if c.name == "the whole step")
+            assert len(engine.quantized.quantized) >= 10
+            assert (step.compiles, step.loaded, step.fallbacks) == ((1, 0, 0) if run == "cold" else (0, 1, 0)), run
+            images.append(engine.generate("a cat", seed=3, num_inference_steps=2).arrays)
+    np.testing.assert_allclose(images[0], images[1], atol=1e-6)
