@@ -153,3 +153,58 @@ def test_a_replaced_text_encoder_makes_the_prompts_unless_the_engine_gave_the_ol
         with pytest.raises(ValueError, match=r"model.text_encoders\[0\] was replaced.*LoRA adapters.*build a new Engine"):
             e.invalidate()
         e.invalidate("step")
+
+
+def _close_in_result_callback(engine, request):
+    """Submits `request` with a done callback that closes `engine` (on the image thread that answers it); returns
+    what the callback saw: its thread's name and the error close() raised, once the callback has ended."""
+    import threading
+    seen, ended = {}, threading.Event()
+
+    def close_it(_future):
+        seen["thread"] = threading.current_thread().name
+        try:
+            engine.close(timeout=60)  # (a failure guard: the happy path never waits for it)
+            seen["error"] = None
+        except BaseException as e:  # what the engine raised into the caller's callback
+            seen["error"] = repr(e)
+        seen["finished"] = engine.core._finished.is_set()
+        ended.set()
+    future = engine.submit(request)
+    future.add_done_callback(close_it)
+    assert ended.wait(120), "close() from the result callback did not return"
+    return future, seen
+
+
+def test_close_from_a_result_callback_on_the_image_thread_stops_the_engine_without_joining_itself(tiny_engine):
+    e = Engine(model=tiny_engine.model)
+    future, seen = _close_in_result_callback(e, e.make_request("a cat", num_inference_steps=2, seed=1, width=64,
+                                                                height=64))
+    assert seen == {"thread": seen["thread"], "error": None, "finished": True}
+    assert seen["thread"].startswith("diffgraph-images")
+    assert future.result().arrays.shape == (1, 64, 64, 3)
+    assert not e.ready and e.core.previews._pool._shutdown  # the preview thread is let go too
+    e.close()  # again, from the caller: nothing left to do
+
+
+def test_close_from_the_only_image_thread_while_held_rows_wait_for_it_does_not_deadlock(tiny_engine):
+    """One image thread, a backlog bound of 0: the loop's last decode (a batch row held for companions) would wait
+    for the image thread to deliver, while that thread waits in close() for the loop to finish."""
+    import dataclasses
+    e = Engine(model=tiny_engine.model, image_threads=1, grow_fill=0.0)
+    e.core.retirement.max_backlog = 0
+
+    def request(steps, seed, priority):
+        r = e.make_request("a cat", num_inference_steps=steps, seed=seed, width=64, height=64, guidance_scale=1.0)
+        return dataclasses.replace(r, priority=priority, job="j" if priority == "batch" else None)
+    gate = __import__("threading").Event()
+    held = e.core.call_between_steps(lambda: gate.wait(60))  # all three admitted at one step
+    batch = [e.submit(request(1, 1, "batch")), e.submit(request(50, 2, "batch"))]
+    interactive = request(2, 3, "interactive")
+    gate.set()
+    held.result(60)
+    _, seen = _close_in_result_callback(e, interactive)
+    assert seen["error"] is None and seen["finished"]  # the loop finished before close() returned
+    assert batch[0].result(60).arrays.shape == (1, 64, 64, 3)  # the held row was decoded and answered
+    with pytest.raises(Exception, match="closed"):
+        batch[1].result(60)

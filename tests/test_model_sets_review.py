@@ -206,3 +206,50 @@ def test_a_preload_that_cannot_load_is_listed_with_its_error_and_the_default_sti
         assert [name for name, *_ in held.view().resident] == ["digits"]
     finally:
         held.close()
+
+
+def test_a_model_just_loaded_is_not_evicted_by_the_next_load_before_its_waiting_request_holds_it(monkeypatch):
+    """max-models 1, two models asked for at once: the second load, queued behind the first, made room by evicting
+    the first model the moment it was built, before the request waiting for it had taken its hold: that request
+    then loaded it again (and could evict the second one the same way)."""
+    from diffgraph.engine import model_set
+
+    builds: list[str] = []
+    second_built = threading.Event()
+
+    class LateWaiter(model_set.Future):  # the request waiting for the first load comes back after the second began
+        def result(self, timeout=None):
+            out = super().result(timeout)
+            if threading.current_thread().name == "acquire-first":
+                assert second_built.wait(BOUND_S)
+            return out
+    monkeypatch.setattr(model_set, "Future", LateWaiter)
+    got: dict[str, object] = {}
+
+    def build(name, loop):
+        builds.append(name)
+        if name == "digits":
+            second_built.set()
+        elif builds.count("random:tiny") == 1:  # the second model is asked for while the first builds
+            threading.Thread(target=lambda: got.update(second=models.acquire("digits", BOUND_S)),
+                             name="acquire-second", daemon=True).start()
+            for _ in range(int(BOUND_S / 0.01)):  # (a failure bound: its load queues behind this one at once)
+                if "digits" in models.loading():
+                    break
+                threading.Event().wait(0.01)
+        return Engine(name, device="cpu", loop=loop, image_threads=1)
+    models = model_set.ModelSet(build, "cpu", max_models=1)
+    try:
+        first = threading.Thread(target=lambda: got.update(first=models.acquire("random:tiny", BOUND_S * 3)),
+                                 name="acquire-first")
+        first.start()
+        first.join(BOUND_S * 6)
+        assert not first.is_alive() and "first" in got
+        for t in threading.enumerate():
+            if t.name == "acquire-second":
+                t.join(BOUND_S * 3)
+        assert builds == ["random:tiny", "digits"]  # each model built once
+        assert got["first"].client.ready and got["first"].holds == 1
+        assert sorted(r.name for r in models.resident()) == ["digits", "random:tiny"]  # held both: over the count
+    finally:
+        models.close()

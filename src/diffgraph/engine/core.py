@@ -167,6 +167,7 @@ class EngineCore:
         with self._cv:
             self._closing = self._stop = True
             self._cv.notify_all()
+        self.retirement.closing()  # (called on an image thread, the loop's last decodes must not wait for it)
         if self._started and threading.current_thread() is not self.loop.thread:
             self._finished.wait(timeout)
         self.retirement.shutdown()

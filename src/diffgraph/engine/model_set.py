@@ -11,7 +11,8 @@ request for it tries again.
 Residency is bounded by `max_models` and by a memory budget (`memory_bytes`) that counts each engine's weights and
 graph pools: on CUDA the allocator's reserved bytes the engine's build added (weights, buffers, prewarm graphs), on
 the CPU its parameters' and buffers' bytes. The least recently used engine goes first, never one with requests in
-flight (submitted and not answered) or one a caller holds (`acquire` to `release`, around validation and submit):
+flight (submitted and not answered), one a caller holds (`acquire` to `release`, around validation and submit) or
+one just loaded whose callers have not taken their holds yet (another load queued behind it would evict it first):
 when every other resident model is busy, the new one loads anyway and the set is over its bound until one frees.
 """
 
@@ -83,6 +84,8 @@ class ModelSet:
         self._lock = threading.Lock()
         self._resident: dict[str, Resident] = {}
         self._loading: dict[str, Future] = {}
+        # callers waiting for a model's load: once built it is theirs before any other load or trim may evict it
+        self._waiters: dict[str, int] = {}
         self._loader = threading.Lock()  # one load at a time (a load takes the device's memory and bandwidth)
         self.errors: dict[str, str] = {}  # the last load failure per model (GET /v1/models shows it)
         self._closed = False
@@ -92,8 +95,12 @@ class ModelSet:
         """The resident model `name`, loading it first if needed; held (not evicted) until `release`. Raises
         ModelLoadError, TimeoutError (still loading after `timeout` seconds) or RuntimeError once closed."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        waited = False  # counted in `_waiters` (taken off under the lock that then takes the hold)
         while True:
             with self._lock:
+                if waited:
+                    self._unwait(name)
+                    waited = False
                 if self._closed:
                     raise RuntimeError("the model set is closed")
                 resident = self._resident.get(name)
@@ -111,11 +118,22 @@ class ModelSet:
                     future = self._loading[name] = Future()
                     threading.Thread(target=self._load, args=(name, future), name=f"diffgraph-load-{name}",
                                      daemon=True).start()
+                self._waiters[name] = self._waiters.get(name, 0) + 1
+                waited = True
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 future.result(left)
-            except TimeoutError:
-                raise TimeoutError(f"model {name!r} is still loading") from None
+            except BaseException as e:
+                with self._lock:
+                    self._unwait(name)
+                if isinstance(e, TimeoutError):
+                    raise TimeoutError(f"model {name!r} is still loading") from None
+                raise
+
+    def _unwait(self, name: str) -> None:  # (under the lock)
+        self._waiters[name] -= 1
+        if not self._waiters[name]:
+            del self._waiters[name]
 
     def release(self, resident: Resident) -> None:
         with self._lock:
@@ -197,7 +215,8 @@ class ModelSet:
                 others = [r for r in self._resident.values() if r.name != exclude]
                 count = len(others) + 1 if need_slot else len(self._resident)
                 over_memory = self._over_memory()
-                idle = sorted((r for r in others if not r.busy), key=lambda r: r.last_used)
+                idle = sorted((r for r in others if not r.busy and r.name not in self._waiters),
+                              key=lambda r: r.last_used)
                 if not (count > self.max_models or over_memory) or not idle:
                     return
                 victim = idle[0]

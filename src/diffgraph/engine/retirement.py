@@ -44,7 +44,10 @@ class Retirement:
         self.device_failed = device_failed  # told of a failed copy or decode on the loop thread (the failure policy)
         self._closed_by: Exception | None = None  # fail_held's error: later decodes answer with it, never run
         self.metadata = metadata  # encoded images carry their settings (image_metadata.py)
-        self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images")
+        self._image_threads: set[int] = set()  # their idents: close() may come from one (a result callback)
+        self._images = ThreadPoolExecutor(max_workers=image_threads, thread_name_prefix="diffgraph-images",
+                                          initializer=lambda: self._image_threads.add(threading.get_ident()))
+        self._closing = False  # the engine is closing: the loop no longer waits for the image threads
         self.max_backlog = MAX_BACKLOG_BYTES
         self._backlog = 0  # bytes of decoded pixels handed to the image threads and not delivered yet
         self._drained = threading.Condition()  # notified as the image threads deliver
@@ -81,8 +84,17 @@ class Retirement:
             for s in states:
                 fail_request(s, error)
 
+    def closing(self) -> None:
+        """The engine is closing, maybe from an image thread (a result callback) that waits for the loop: from now on
+        the loop decodes without waiting for the image threads' backlog (the last decodes: held rows, one step's)."""
+        with self._drained:
+            self._closing = True
+            self._drained.notify_all()
+
     def shutdown(self) -> None:
-        self._images.shutdown(wait=True)
+        """Waits for the image threads to deliver what they have, unless called on one: it cannot join itself (the
+        others, and this one once its callback returns, still deliver the rest)."""
+        self._images.shutdown(wait=threading.get_ident() not in self._image_threads)
 
     def _decode(self, key: GroupKey, finished: list[RequestState], latents: list[torch.Tensor]) -> None:
         if self._closed_by is not None:
@@ -118,14 +130,14 @@ class Retirement:
         """Back-pressure on the loop thread: while the image threads' backlog is above `max_backlog`, the loop waits
         for them to deliver before it decodes more (one decode always goes when the backlog is below it)."""
         with self._drained:
-            if self._backlog <= self.max_backlog:
+            if self._backlog <= self.max_backlog or self._closing:
                 return
             self.backlog_waits += 1
             if self.backlog_waits == 1:
                 logger.warning("the image threads are behind the decodes (%d MiB of pixels waiting): the engine waits "
                                "for them; raise image_threads (--image-threads) or ask for jpeg output",
                                self._backlog >> 20)
-            while self._backlog > self.max_backlog:
+            while self._backlog > self.max_backlog and not self._closing:
                 self._drained.wait()
 
     def _failed(self, key: GroupKey | None, finished: list[RequestState], e: Exception) -> None:
