@@ -253,3 +253,28 @@ def test_a_model_just_loaded_is_not_evicted_by_the_next_load_before_its_waiting_
         assert sorted(r.name for r in models.resident()) == ["digits", "random:tiny"]  # held both: over the count
     finally:
         models.close()
+
+
+def test_a_resident_model_whose_engine_failed_is_closed_before_it_loads_again():
+    """A resident model whose engine stopped (not ready) is loaded again by the next request; the failed engine was
+    left open beside the new one under the same name, its weights and graphs never given back."""
+    from diffgraph.engine import model_set
+
+    built: list = []
+
+    def build(name, loop):
+        built.append(Engine(name, device="cpu", loop=loop, image_threads=1))
+        return built[-1]
+    models = model_set.ModelSet(build, "cpu", max_models=2)
+    try:
+        first = models.acquire("random:tiny", BOUND_S)
+        models.release(first)
+        first.client.core._live = lambda: False  # its loop stopped: the state a device failure leaves
+        assert not first.client.ready
+        again = models.acquire("random:tiny", BOUND_S)
+        assert again is not first and again.client.ready and len(built) == 2
+        assert first.client.state == "closed"  # closed (was "failed": open, holding its memory)
+        assert [r.name for r in models.resident()] == ["random:tiny"]
+        models.release(again)
+    finally:
+        models.close()

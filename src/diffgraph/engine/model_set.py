@@ -171,6 +171,7 @@ class ModelSet:
     def _load(self, name: str, future: Future) -> None:
         try:
             with self._loader:
+                self._drop_failed(name)
                 self._make_room(exclude=name, need_slot=True)
                 before = self._used_bytes()
                 t0 = time.perf_counter()
@@ -200,6 +201,17 @@ class ModelSet:
         finally:
             with self._lock:
                 self._loading.pop(name, None)
+
+    def _drop_failed(self, name: str) -> None:
+        """A resident `name` whose engine failed (its loop stopped: not ready) is closed before it loads again, so
+        its weights and graphs are given back rather than kept beside the new copy under the same name."""
+        with self._lock:
+            failed = self._resident.get(name)
+            if failed is None or failed.client.ready:
+                return
+            del self._resident[name]
+        logger.warning("model %s stopped serving (its engine failed); closing it and loading it again", name)
+        failed.client.close()
 
     def _over_memory(self) -> bool:
         """Whether what is resident exceeds the memory budget (under the lock)."""
