@@ -77,15 +77,30 @@ class EngineBackend:
         return await self.result(await self.submit(request))
 
     async def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queues the request (CandidateError when the engine refuses it, retryable or not)."""
+        """Queues the request (CandidateError when the engine refuses it, retryable or not). Cancelled while the
+        engine has the request but has not yet answered (a job cancelled then), the submission still completes
+        and its request is aborted at once: cancelling the wait would not take the request back from the engine,
+        which would make the candidate's image for nobody."""
+        submission = asyncio.ensure_future(self._submit(request))
         try:
-            return await self._submit(request)
+            return await asyncio.shield(submission)
+        except asyncio.CancelledError:
+            submission.add_done_callback(self._abandoned)
+            raise
         except APIError as e:
             raise CandidateError(e.message, e.status in RETRYABLE_STATUS) from None
         except (QueueFullError, EngineClosed) as e:
             raise CandidateError(str(e) or type(e).__name__, retryable=True) from None
         except ParamError as e:
             raise CandidateError(error_from_param_error(e).message, retryable=False) from None
+
+    def _abandoned(self, submission: asyncio.Future) -> None:
+        """A submission whose caller was cancelled: its request, once queued, is aborted and forgotten."""
+        if submission.cancelled() or submission.exception() is not None:
+            return  # refused or never queued: nothing runs
+        handle = submission.result()
+        handle.abort()
+        self._release(handle)
 
     async def result(self, handle: RequestHandle) -> bytes:
         """The PNG of a submitted request (CandidateError); cancelling aborts it."""
