@@ -1,5 +1,6 @@
 """Faults of batch jobs found in review, each with the test that showed it: a job cancelled while one of its
-candidates is being submitted (the engine has the request, its answer has not come back)."""
+candidates is being submitted (the engine has the request, its answer has not come back); `diffgraph batch`'s
+planning decoding an item's images once per candidate."""
 
 from __future__ import annotations
 
@@ -57,3 +58,38 @@ def test_a_job_cancelled_while_its_candidate_is_being_submitted_aborts_that_requ
     assert released == engine.queued  # forgotten by the server's table of requests in flight too
     assert engine.made == []
     assert (store.job(a).status, store.job(a).done, store.job(a).failed) == ("cancelled", 0, 0)
+
+
+def test_batch_planning_decodes_an_items_images_once_and_shares_them_across_its_candidates(tmp_path, monkeypatch):
+    """`diffgraph batch` builds every candidate's request up front: an item's base64 images (controls, image prompts)
+    were decoded once per seed (up to 64 copies), every copy held until the run ended."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph.jobs.batch_work import plan
+    from diffgraph.jobs.spec import JobItem, JobSpec
+    from diffgraph.server import uploads
+
+    def b64(colour) -> str:
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), colour).save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    decoded, real = [], uploads.decode_upload
+    monkeypatch.setattr(uploads, "decode_upload", lambda *a: decoded.append(a[0]) or real(*a))
+    body = {"prompt": "a digit", "num_inference_steps": 2, "image_prompts": {"model": "face", "images": [b64("red")]},
+            "controls": [{"model": "outline", "image": b64("blue")}]}
+    seeds = (1, 2, 3, 4)
+    spec = JobSpec((JobItem(body, seeds), JobItem({"prompt": "plain", "num_inference_steps": 2}, (5, 6))))
+    work = plan(spec, CONFIG, INFO, str(tmp_path), lambda body: ())
+    assert len(decoded) == 2  # the item's two images, once each
+    assert [w.request.seed for w in work] == [*seeds, 5, 6]
+    first = work[0].request
+    assert first.image_prompts.images[0][0, 0].tolist() == [255, 0, 0]
+    assert first.controls[0].image[0, 0].tolist() == [0, 0, 255]
+    for w in work[1:4]:  # the same arrays, not copies
+        assert w.request.image_prompts.images[0] is first.image_prompts.images[0]
+        assert w.request.controls[0].image is first.controls[0].image
+    assert all(w.request.controls == () and w.request.image_prompts is None for w in work[4:])

@@ -123,11 +123,14 @@ class EngineBackend:
 
 
 def build_request(config: ServerConfig, info: ModelInfo, body: dict[str, Any], seed: int,
-                  job: str) -> GenerationRequest:
-    """An item's images request fields with one seed -> the validated batch-class request of one image."""
+                  job: str, like: GenerationRequest | None = None) -> GenerationRequest:
+    """An item's images request fields with one seed -> the validated batch-class request of one image. `like`: a
+    request built from the same body (another seed), whose decoded images (controls, image prompts) this one shares
+    rather than decoding its own copies."""
     try:
         params = ImageGenerationRequest.model_validate({**body, "n": 1, "seed": seed})
-        request = generation_request(info, config, params)
+        shared = {} if like is None else {"controls": like.controls, "image_prompts": like.image_prompts}
+        request = generation_request(info, config, params, **shared)
     except ValidationError as e:
         raise CandidateError(error_from_validation(e).message, retryable=False) from None
     except APIError as e:
