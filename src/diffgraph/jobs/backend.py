@@ -77,15 +77,30 @@ class EngineBackend:
         return await self.result(await self.submit(request))
 
     async def submit(self, request: GenerationRequest) -> RequestHandle:
-        """Queues the request (CandidateError when the engine refuses it, retryable or not)."""
+        """Queues the request (CandidateError when the engine refuses it, retryable or not). Cancelled while the
+        engine has the request but has not yet answered (a job cancelled then), the submission still completes
+        and its request is aborted at once: cancelling the wait would not take the request back from the engine,
+        which would make the candidate's image for nobody."""
+        submission = asyncio.ensure_future(self._submit(request))
         try:
-            return await self._submit(request)
+            return await asyncio.shield(submission)
+        except asyncio.CancelledError:
+            submission.add_done_callback(self._abandoned)
+            raise
         except APIError as e:
             raise CandidateError(e.message, e.status in RETRYABLE_STATUS) from None
         except (QueueFullError, EngineClosed) as e:
             raise CandidateError(str(e) or type(e).__name__, retryable=True) from None
         except ParamError as e:
             raise CandidateError(error_from_param_error(e).message, retryable=False) from None
+
+    def _abandoned(self, submission: asyncio.Future) -> None:
+        """A submission whose caller was cancelled: its request, once queued, is aborted and forgotten."""
+        if submission.cancelled() or submission.exception() is not None:
+            return  # refused or never queued: nothing runs
+        handle = submission.result()
+        handle.abort()
+        self._release(handle)
 
     async def result(self, handle: RequestHandle) -> bytes:
         """The PNG of a submitted request (CandidateError); cancelling aborts it."""
@@ -108,11 +123,14 @@ class EngineBackend:
 
 
 def build_request(config: ServerConfig, info: ModelInfo, body: dict[str, Any], seed: int,
-                  job: str) -> GenerationRequest:
-    """An item's images request fields with one seed -> the validated batch-class request of one image."""
+                  job: str, like: GenerationRequest | None = None) -> GenerationRequest:
+    """An item's images request fields with one seed -> the validated batch-class request of one image. `like`: a
+    request built from the same body (another seed), whose decoded images (controls, image prompts) this one shares
+    rather than decoding its own copies."""
     try:
         params = ImageGenerationRequest.model_validate({**body, "n": 1, "seed": seed})
-        request = generation_request(info, config, params)
+        shared = {} if like is None else {"controls": like.controls, "image_prompts": like.image_prompts}
+        request = generation_request(info, config, params, **shared)
     except ValidationError as e:
         raise CandidateError(error_from_validation(e).message, retryable=False) from None
     except APIError as e:

@@ -116,15 +116,18 @@ def read_spec(args: argparse.Namespace, data: bytes, form: str, out: str, check:
 
 def plan(spec: JobSpec, config: ServerConfig, info: ModelInfo, out: str, ignore: Callable[[dict], tuple[str, ...]]
          ) -> list[Work]:
-    """Every candidate's request and image path."""
+    """Every candidate's request and image path. An item's images (controls, image prompts) are decoded once, with
+    its first candidate's request, and shared by the others: not one copy per seed held for the whole run."""
     from ..image_metadata import request_fields
     from .backend import CandidateError, build_request
 
     work = []
     for i, item in enumerate(spec.items):
+        first = None
         for k, seed in enumerate(item.seeds):
             try:
-                request = build_request(config, info, item.body, seed, "batch")
+                request = build_request(config, info, item.body, seed, "batch", like=first)
+                first = first or request
             except CandidateError as e:
                 raise ValueError(f"item {i}: {e.message}") from None
             work.append(Work(i, k, seed, item.body, os.path.join(out, f"{i:05d}-{k}.png"), request,

@@ -262,27 +262,17 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             controls = await asyncio.to_thread(units_to_controls, units, served, config.max_image_bytes,
                                                config.max_image_pixels) if units else []
             requests = build(body, plan, chosen.info, edits, controls)
-            runs: list[ImageRun] = []
             try:
-                for request in requests:
-                    handle = await submit(state, request, progress=True, client=chosen.client, deadline=deadline,
-                                          http=http)
-                    runs.append(ImageRun(handle, request.denoising_steps))
+                job = await board.submit(key, kind, requests, lambda request: submit(
+                    state, request, progress=True, client=chosen.client, deadline=deadline, http=http))
             except APIError as e:  # the engine refused the request (its adapters, its steps): name our field
-                for run in runs:
-                    abort(state, run.handle)
                 e.param = a1111_field(e.param)
-                raise
-            except BaseException:
-                for run in runs:
-                    abort(state, run.handle)
                 raise
         finally:
             if routing is not None:
                 chosen.release(routing)
-        job = board.start(key, kind, runs)
         try:
-            done = await run_all(runs, deadline, http)
+            done = await run_all(job.images, deadline, http)
         finally:
             board.end(job)
         return await asyncio.to_thread(respond, body, plan, chosen.info, requests, done, edits)

@@ -1,7 +1,8 @@
 """The calling key's AUTOMATIC1111 requests in flight, and its options (issue 34, point 1).
 
 AUTOMATIC1111 runs one job at a time for everyone; here each API key (without keys: the server) has its own list of
-/sdapi/v1/txt2img and /img2img requests, oldest first, each a list of one-image engine requests. `progress` is
+/sdapi/v1/txt2img and /img2img requests, oldest first, each a list of one-image engine requests, the key's from
+its first image in the engine (`JobBoard.submit`: AUTOMATIC1111's job begins there). `progress` is
 GET /sdapi/v1/progress for the key (AUTOMATIC1111's fields: progress 0..1 with its 0.01 floor while running,
 eta_relative, `state` with job_count = the images in flight and job_no = those done); `interrupt` aborts the images
 of the key's oldest request that have not finished (its answer returns with the images that did); `skip` aborts the
@@ -16,9 +17,10 @@ import base64
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Callable
+from typing import Awaitable, Callable
 
 from ..engine.client import RequestHandle
+from ..request import GenerationRequest
 from .a1111_protocol import ProgressResponse, ProgressState
 
 Key = int | None  # the index of the caller's API key; None on a server without keys
@@ -67,9 +69,28 @@ class JobBoard:
     def set_options(self, key: Key, options: KeyOptions) -> None:
         self._options[key] = options
 
-    def start(self, key: Key, kind: str, runs: list[ImageRun]) -> Job:
-        job = Job(key, kind, runs)
-        self._jobs.setdefault(key, []).append(job)
+    async def submit(self, key: Key, kind: str, requests: list[GenerationRequest],
+                     submit_one: Callable[[GenerationRequest], Awaitable[RequestHandle]]) -> Job:
+        """Submits a request's images in order and answers its job. The job begins (is the key's, for /progress,
+        /interrupt and /skip) with its first image in the engine, AUTOMATIC1111's `state.begin`: an /interrupt
+        before that stops the key's current job, not this one. An /interrupt while its other images are submitted
+        stops those too, each aborted as it is queued. On a failure the images queued are aborted and the job
+        ends."""
+        job = Job(key, kind, [])
+        try:
+            for request in requests:
+                run = ImageRun(await submit_one(request), request.denoising_steps)
+                job.images.append(run)
+                if len(job.images) == 1:
+                    self._jobs.setdefault(key, []).append(job)
+                elif job.interrupted:
+                    run.dropped = True
+                    self._abort(run.handle)
+        except BaseException:
+            for run in job.open():
+                self._abort(run.handle)
+            self.end(job)
+            raise
         return job
 
     def end(self, job: Job) -> None:
