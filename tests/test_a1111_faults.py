@@ -21,6 +21,7 @@ class HeldHandle:
     def __init__(self, request, finish: threading.Event):
         self.request, self.request_id, self.finish = request, request.request_id, finish
         self.aborted = threading.Event()
+        self.dropped_previews = 0
 
     def abort(self) -> bool:
         self.aborted.set()

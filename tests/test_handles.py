@@ -66,3 +66,33 @@ def test_a_reader_that_keeps_up_gets_every_preview():
     items = asyncio.run(main())
     assert [i.step for i in items if isinstance(i, ProgressEvent) and i.previews] == list(range(1, STEPS + 1))
     assert isinstance(items[-1], GenerationResult)
+
+
+def test_the_previews_a_lagging_reader_missed_are_counted_in_the_servers_metrics():
+    """`diffgraph_previews_dropped_total`: what the server's reader of a handle (server/requests.py `results`) was
+    never given, added when its reading ends; through the router the count follows the request."""
+    from types import SimpleNamespace
+
+    from diffgraph.engine.router import _Tracked
+    from diffgraph.server.metrics import ServerMetrics
+    from diffgraph.server.requests import results
+
+    class Connected:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def main(metrics):
+        request = _request()
+        handle = RequestHandleImpl(lambda h: True, request, progress=True)
+        await asyncio.to_thread(_produce, handle, request, range(1, STEPS + 1))
+        handle.finish(GenerationResult("r1", None, 1, {}, request), None)
+        router = SimpleNamespace(_progress=lambda *a: None, _done=lambda *a: None, replicas=[])
+        tracked = _Tracked(handle, router, request, progress=True)
+        state = SimpleNamespace(metrics=metrics, drain_aborted=False, handles={"r1": tracked})
+        return [item async for item in results(state, tracked, float("inf"), Connected())]
+
+    metrics = ServerMetrics(lambda: None, (1,))
+    items = asyncio.run(main(metrics))
+    assert isinstance(items[-1], GenerationResult)
+    dropped = metrics.registry.get_sample_value("diffgraph_previews_dropped_total")
+    assert dropped == STEPS - PREVIEWS_KEPT  # 36 superseded previews, none of them sent

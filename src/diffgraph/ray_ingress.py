@@ -164,6 +164,7 @@ class _RayRequest:
         self.request_id = request_id
         self._client, self._stream = client, stream
         self._finished = False
+        self.dropped_previews = 0  # a lagging reader's previews are dropped in the engine replica, counted there
 
     async def events(self):
         try:

@@ -59,6 +59,9 @@ class RequestHandle(Protocol):
     GenerationResult, or raises its error; leaving the iteration early aborts the request."""
 
     request_id: str
+    # live previews its reader never got: superseded by newer ones while it lagged (engine/handles.py keeps the newest
+    # few unread); 0 where the previews are bounded in another process (Ray's engine replicas)
+    dropped_previews: int
 
     def events(self) -> AsyncIterator[ProgressEvent | GenerationResult]: ...
 

@@ -212,6 +212,11 @@ class _Tracked:
         self.request_id, self._request = request.request_id, request
         self._handle, self._router, self._progress, self._movable = handle, router, progress, movable
         self._started = False  # it made progress on a replica (then it is not moved: it fails, retryable)
+        self._dropped = 0  # previews dropped by the handles of replicas it moved away from
+
+    @property
+    def dropped_previews(self) -> int:
+        return self._dropped + self._handle.dropped_previews
 
     async def events(self):
         moves = 0
@@ -237,6 +242,7 @@ class _Tracked:
             replica = self._router.choose(self._request)  # it never ran: elsewhere (at most once per replica)
             self._router.track(self._request, replica)
             self._router.moved += 1
+            self._dropped += self._handle.dropped_previews
             try:
                 self._handle = await replica.submit(self._request, progress=True)
             except BaseException:

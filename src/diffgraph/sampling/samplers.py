@@ -281,7 +281,8 @@ def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int, eta: flo
     alpha_prev, sigma_vp_prev = np.sqrt(ac_prev), np.sqrt(1 - ac_prev)
     p, q = denoiser(noise.prediction_type, alpha, sigma_vp, ve=False)
     # x_prev = alpha_prev * D + sqrt(1 - abar_prev - std^2) * eps + std * noise, with eps = (x - alpha * D) / sigma
-    std = eta * np.sqrt((1 - ac_prev) / (1 - ac_t) * (1 - ac_t / ac_prev))
+    with np.errstate(divide="ignore", invalid="ignore"):  # a repeated timestep: refused by make_plan's finite check
+        std = eta * np.sqrt((1 - ac_prev) / (1 - ac_t) * (1 - ac_t / ac_prev))
     a = np.sqrt(np.maximum(1 - ac_prev - std ** 2, 0.0)) / sigma_vp
     b = alpha_prev - a * alpha
     with np.errstate(divide="ignore"):  # zero terminal SNR: alpha 0 at the top timestep is an infinite VE sigma

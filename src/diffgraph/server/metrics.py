@@ -174,6 +174,8 @@ class ServerMetrics:
         self.step_time = Histogram("diffgraph_step_seconds", "Wall time of each denoising step (host view)",
                                    buckets=STEP_BUCKETS, registry=r)
         self.inflight = Gauge("diffgraph_inflight_requests", "Generation requests being served", registry=r)
+        self.previews_dropped = Counter("diffgraph_previews_dropped", "Live previews a lagging reader (a slow stream "
+                                        "client) never got: superseded by newer ones", registry=r)
         self.ready = Gauge("diffgraph_ready", "1 when the engine is built and accepting requests", registry=r)
         self.ready.set_function(lambda: float(is_ready()))  # read at scrape time: a dead engine loop shows at once
         r.register(_EngineCollector(get_engine))

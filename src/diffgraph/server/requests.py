@@ -282,6 +282,8 @@ async def results(state: ServerState, handle: RequestHandle, deadline: float,
                 return
     finally:
         await events.aclose()
+        if handle.dropped_previews:
+            state.metrics.previews_dropped.inc(handle.dropped_previews)
 
 
 async def _next(state: ServerState, handle: RequestHandle, pending: asyncio.Future, deadline: float,
