@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 33 on the GPU host (carry [".whl"]): the fp8 GPU tests, tools/probe_fp8.py's parts, the compile tier's GPU
 # tests (ctests) and the tiers side by side (tiers: bench throughput --tiers $TIERS, default graph,compile).
-#   bash tools/gpu_issue33.sh tests widths step gtests ctests tiers tierswarm start vae kernels
+#   bash tools/gpu_issue33.sh tests widths step gtests ctests tiers tierswarm start vae kernels atops
+#   (atops: tools/probe_autotune_ops.py, max-autotune on the family's largest GEMMs / convolutions one at a time:
+#   PRESET, ROWS, TOP; read the log with tools/autotune_gain.py)
 #   (gtests: every GPU test but the compile tier's and fp8's, which ctests and tests run)
 #   (kernels: tools/probe_fp8_kernels.py, whether fp8 attention / fp8 convolutions would pay: PRESET, ROWS)
 #   (start: a cold compile-tier start, one image, then starts in fresh processes on the warm cache: traced or loaded)
@@ -41,6 +43,8 @@ for what in "$@"; do
              --buckets 1,2,4 --variants ${VAE_VARIANTS:-dynamic,force,static} $upcast --json "$OUT/vae${upcast:+_fp16}.json" 2>&1 \
              | grep -v Warning | tail -7
          done ;;
+    atops) timeout ${ATOPS_S:-200} python3 tools/probe_autotune_ops.py --preset ${PRESET:-random:sdxl} --rows ${ROWS:-16} \
+             --top ${TOP:-10} 2>&1 | grep -v Warning | tee "$OUT/atops.log" | grep "^probe" ;;
     kernels) timeout ${KERNELS_S:-300} python3 tools/probe_fp8_kernels.py --preset ${PRESET:-random:sdxl} \
                --rows ${ROWS:-16} 2>&1 | grep -v Warning | tee "$OUT/kernels.log" | tail -40 ;;
   esac
