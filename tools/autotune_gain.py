@@ -65,7 +65,8 @@ def parse_log(text: str) -> list[Tuned]:
             name, ms = row.split()[:2]
             rows.append((name, float(ms)))
         aten = [ms for name, ms in rows if not name.startswith("triton")]
-        found.append(Tuned(head.group(1), _key(head.group(1), shapes), stats["best_kernel"], stats["best_time"],
+        chosen_ms = next((ms for name, ms in rows if name == stats["best_kernel"]), stats["best_time"])
+        found.append(Tuned(head.group(1), _key(head.group(1), shapes), stats["best_kernel"], chosen_ms,
                            min(aten) if aten else max(ms for _, ms in rows), bool(aten)))
     return found
 
