@@ -128,6 +128,40 @@ def count_ops(preset: str, rows: int, decode: int) -> dict[str, collections.Coun
     return counts
 
 
+@dataclass
+class Gain:
+    """One part's autotuned ops weighted by their calls: ATen's time, the chosen kernels' time (ms), the Triton
+    choices as (tuned op, calls), whether the ATen time is a lower bound, and the calls in no table, by op."""
+
+    aten_ms: float
+    chosen_ms: float
+    triton: list[tuple[Tuned, int]]
+    bound: bool
+    untuned: dict[str, int]
+    shapes: int
+
+
+def gain(tuned: list[Tuned], counter: collections.Counter) -> Gain:
+    seen: set = set()
+    result = Gain(0.0, 0.0, [], False, {}, 0)
+    for t in tuned:
+        key = _lookup(counter, t)
+        calls = counter.get(key, 0)
+        if calls == 0 or key in seen:  # a shape tuned twice (other strides): its first table counts
+            continue
+        seen.add(key)
+        result.aten_ms += calls * t.aten_ms
+        result.chosen_ms += calls * t.chosen_ms
+        result.bound |= not t.aten_shown
+        if t.chosen.startswith("triton"):
+            result.triton.append((t, calls))
+    for key, calls in counter.items():
+        if key not in seen:
+            result.untuned[key[0]] = result.untuned.get(key[0], 0) + calls
+    result.shapes = len(seen)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("logs", nargs="+")
@@ -140,28 +174,17 @@ def main() -> None:
     print(f"{len(tuned)} autotuned ops in {len(args.logs)} log(s); Triton chosen for "
           f"{sum(t.chosen.startswith('triton') for t in tuned)}")
     for part, counter in counts.items():
-        seen, aten_ms, chosen_ms, bound = set(), 0.0, 0.0, False
+        g = gain(tuned, counter)
         print(f"\n{part}: op, calls per {part}, chosen kernel, chosen ms, best ATen ms, saved ms per {part}")
-        for t in tuned:
-            key = _lookup(counter, t)
-            n = counter.get(key, 0)
-            if n == 0 or key in seen:  # a shape tuned twice (other strides): its first table counts
-                continue
-            seen.add(key)
-            aten_ms, chosen_ms = aten_ms + n * t.aten_ms, chosen_ms + n * t.chosen_ms
-            bound |= not t.aten_shown
-            if t.chosen.startswith("triton"):
-                mark = "" if t.aten_shown else ">="
-                print(f"  {t.op}{list(t.key)} x{n}  {t.chosen}  {t.chosen_ms:.4f}  {mark}{t.aten_ms:.4f}  "
-                      f"{mark}{n * (t.aten_ms - t.chosen_ms):.3f}")
-        missing = collections.Counter({k[0]: 0 for k in counter})
-        for k, n in counter.items():
-            missing[k[0]] += 0 if k in seen else n
-        untuned = ", ".join(f"{n} {op}" for op, n in missing.items() if n) or "none"
+        for t, calls in g.triton:
+            mark = "" if t.aten_shown else ">="
+            print(f"  {t.op}{list(t.key)} x{calls}  {t.chosen}  {t.chosen_ms:.4f}  {mark}{t.aten_ms:.4f}  "
+                  f"{mark}{calls * (t.aten_ms - t.chosen_ms):.3f}")
+        untuned = ", ".join(f"{n} {op}" for op, n in g.untuned.items()) or "none"
         print(f"  calls not autotuned (in no table: attention's bmm runs as SDPA): {untuned}")
-        print(f"  total over {len(seen)} shapes: ATen {aten_ms:.2f} ms, "
-              f"chosen {chosen_ms:.2f} ms, saved {'>=' if bound else ''}{aten_ms - chosen_ms:.3f} ms "
-              f"({(aten_ms - chosen_ms) / max(aten_ms, 1e-9):.1%} of these ops' time)")
+        print(f"  total over {g.shapes} shapes: ATen {g.aten_ms:.2f} ms, chosen {g.chosen_ms:.2f} ms, saved "
+              f"{'>=' if g.bound else ''}{g.aten_ms - g.chosen_ms:.3f} ms "
+              f"({(g.aten_ms - g.chosen_ms) / max(g.aten_ms, 1e-9):.1%} of these ops' time)")
 
 
 if __name__ == "__main__":
