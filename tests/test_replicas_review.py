@@ -142,3 +142,42 @@ def test_a_replica_beats_while_it_builds_its_engine(monkeypatch):
         kinds += [m[0] for m in message[1]] if message[0] == "batch" else [message[0]]
     thread.join(BOUND_S)
     assert "beat" in kinds and "failed" in kinds and "ready" not in kinds, kinds
+
+
+def test_an_abort_by_id_reaches_a_request_while_it_moves_to_another_replica():
+    """Its first replica closed before it ran (EngineClosed): while the router submits it to the next one, an abort
+    by id (A1111's /interrupt, a cancelled job) found no replica holding it and answered False, and the request ran
+    to its end there. Now the abort is taken and the next replica's handle is aborted as it arrives."""
+    async def go():
+        closing, slow = _FakeReplica("a"), _FakeReplica("b")
+        entered, gate, aborted_ids = asyncio.Event(), asyncio.Event(), []
+
+        async def closes(req, progress=False, hold=None):
+            handle = RequestHandleImpl(lambda h: False, req, progress)
+            handle.finish(None, EngineClosed("replica a stopped"))
+            closing.state = "stopped"  # it stopped with the request waiting there
+            return handle
+
+        async def waits(req, progress=False, hold=None):
+            entered.set()
+            await gate.wait()
+            def abort(h):  # as an engine does: the aborted request ends
+                aborted_ids.append(h.request_id)
+                h.finish(None, RuntimeError("aborted"))
+                return True
+            return RequestHandleImpl(abort, req, progress)
+        closing.submit, slow.submit = closes, waits
+        router = Router([closing, slow])
+        req = request()
+        handle = await router.submit(req)
+        result = asyncio.ensure_future(handle.result())
+        await asyncio.wait_for(entered.wait(), BOUND_S)  # a failure bound: it is on its way to replica b
+        taken = router.abort(req.request_id)
+        gate.set()
+        with pytest.raises(RuntimeError, match="aborted"):
+            await asyncio.wait_for(result, BOUND_S)
+        return taken, aborted_ids, router.moved, [router.outstanding(r) for r in (closing, slow)]
+    taken, aborted_ids, moved, outstanding = asyncio.run(go())
+    assert taken is True and moved == 1
+    assert aborted_ids and set(aborted_ids) == {aborted_ids[0]}, aborted_ids
+    assert outstanding == [(0, 0), (0, 0)], outstanding

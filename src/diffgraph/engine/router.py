@@ -13,6 +13,7 @@ while at least `min_ready` replicas are ready, so one dead GPU does not take the
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable
 
 from ..request import EngineClosed, GenerationRequest, GroupKey, ModelInfo, ProgressEvent
@@ -34,6 +35,8 @@ class Router:
         self._load: dict[int, int] = {id(r): 0 for r in replicas}          # remaining row-steps per replica
         self._count: dict[int, int] = {id(r): 0 for r in replicas}         # requests in flight per replica
         self._groups: dict[int, dict[GroupKey, int]] = {id(r): {} for r in replicas}  # requests per group
+        # request id -> its routed handle, so an abort by id finds a request also while it moves between replicas
+        self._handles: weakref.WeakValueDictionary[str, _Tracked] = weakref.WeakValueDictionary()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Waits until `min_ready` replicas are ready, or until every replica is ready or has given up."""
@@ -113,7 +116,12 @@ class Router:
         except BaseException:
             self._done(request.request_id)
             raise
-        return _Tracked(handle, self, request, progress, movable=False)
+        return self._routed(_Tracked(handle, self, request, progress, movable=False))
+
+    def _routed(self, tracked: "_Tracked") -> "_Tracked":
+        with self._lock:
+            self._handles[tracked.request_id] = tracked
+        return tracked
 
     async def submit(self, request: GenerationRequest, progress: bool = False) -> Any:
         if self.sole is not None:  # nothing to choose or to count: the replica's own handle
@@ -136,7 +144,7 @@ class Router:
             except BaseException:
                 self._done(request.request_id)
                 raise
-        return _Tracked(handle, self, request, progress)
+        return self._routed(_Tracked(handle, self, request, progress))
 
     def _progress(self, request_id: str, event: ProgressEvent) -> None:
         with self._lock:
@@ -161,7 +169,9 @@ class Router:
         if self.sole is not None:
             return self.sole.abort(request_id)
         with self._lock:
-            w = self._work.get(request_id)
+            w, tracked = self._work.get(request_id), self._handles.get(request_id)
+        if tracked is not None:
+            return tracked.abort()
         return w is not None and w[0].abort(request_id)
 
     def stats(self) -> EngineStats:
@@ -206,13 +216,16 @@ class _Tracked:
     """A replica's handle, seen through the router: progress updates the replica's outstanding work; the caller
     gets progress events only when it asked for them. A request that its replica answers EngineClosed before it
     ran a step (the replica died, or its failure policy tripped, while the request waited there) is submitted to
-    another ready replica instead of failing; one that had started fails (retryable)."""
+    another ready replica instead of failing; one that had started fails (retryable). The router finds it by id
+    (`Router.abort`) also while it moves: the next replica's handle is aborted as it arrives."""
 
     def __init__(self, handle: Any, router: Router, request: GenerationRequest, progress: bool, movable: bool = True):
         self.request_id, self._request = request.request_id, request
         self._handle, self._router, self._progress, self._movable = handle, router, progress, movable
         self._started = False  # it made progress on a replica (then it is not moved: it fails, retryable)
         self._dropped = 0  # previews dropped by the handles of replicas it moved away from
+        self._aborted = False
+        self._moving = False  # between the replica that closed and the next one's handle: an abort waits for it
 
     @property
     def dropped_previews(self) -> int:
@@ -236,18 +249,24 @@ class _Tracked:
                 if self._started or not self._movable or moves > len(self._router.replicas) \
                         or not any(r.ready for r in self._router.replicas):
                     raise
+                self._moving = True
             finally:
                 self._router._done(self.request_id)
                 await events.aclose()
-            replica = self._router.choose(self._request)  # it never ran: elsewhere (at most once per replica)
-            self._router.track(self._request, replica)
-            self._router.moved += 1
             self._dropped += self._handle.dropped_previews
             try:
+                replica = self._router.choose(self._request)  # it never ran: elsewhere (at most once per replica)
+                self._router.track(self._request, replica)
+                self._router.moved += 1
                 self._handle = await replica.submit(self._request, progress=True)
             except BaseException:
                 self._router._done(self.request_id)
                 raise
+            finally:
+                self._moving = False
+            if self._aborted:  # aborted while it moved: the new replica's handle is aborted too
+                self._router._done(self.request_id)
+                self._handle.abort()
 
     async def result(self):
         async for item in self.events():
@@ -256,9 +275,9 @@ class _Tracked:
 
     def abort(self) -> bool:
         # its work leaves the replica's count now: an aborted handle's events may never be read (a late submission)
-        self._movable = False
+        self._movable, self._aborted = False, True
         self._router._done(self.request_id)
-        return self._handle.abort()
+        return self._handle.abort() or self._moving
 
 
 def _summed(parts: list[dict[str, int]]) -> dict[str, int]:
