@@ -75,3 +75,11 @@ def test_the_tiny_unet_and_decoder_are_counted_on_the_meta_device():
     assert step[("convolution", 2, width, side, side, 4, width, 3, 3)] == 1  # conv_out
     assert sum(n for k, n in step.items() if k[0] in ("mm", "addmm")) > 0
     assert decode[("addmm", side * side, 4, 4)] == 1  # post_quant_conv, a 1x1 convolution, counted as its GEMM
+
+
+def test_the_tiny_xl_unet_is_counted_with_its_own_pooled_width():
+    """SDXL's added conditioning: the pooled text width comes from the preset (the tiny one's is not 1280)."""
+    unet = RANDOM_PRESETS["random:tiny-xl"].unet
+    side, width = unet["sample_size"], unet["block_out_channels"][0]
+    step = ag.count_ops("random:tiny-xl", rows=2, decode=1)["step"]
+    assert step[("convolution", 2, 4, side, side, width, 4, 3, 3)] == 1

@@ -117,7 +117,8 @@ def count_ops(preset: str, rows: int, decode: int) -> dict[str, collections.Coun
         hidden = torch.empty(rows, 77, spec.unet["cross_attention_dim"], dtype=torch.half)
         extra = {}
         if spec.unet.get("addition_embed_type") == "text_time":
-            extra = {"added_cond_kwargs": {"text_embeds": torch.empty(rows, 1280, dtype=torch.half),
+            pooled = spec.unet["projection_class_embeddings_input_dim"] - 6 * spec.unet["addition_time_embed_dim"]
+            extra = {"added_cond_kwargs": {"text_embeds": torch.empty(rows, pooled, dtype=torch.half),
                                            "time_ids": torch.empty(rows, 6, dtype=torch.half)}}
         with torch.no_grad():
             with _Counter() as unet_counter:

@@ -33,7 +33,8 @@ for what in "$@"; do
       timeout ${TIERS_S:-420} python3 -m diffgraph.bench.throughput --model ${PRESET:-random:sd15} \
              --sizes ${SIZE:-512x512} --tiers ${TIERS:-graph,compile} --burst ${BURST:-64} \
              ${TIERS_CACHE:+--compile-cache $TIERS_CACHE} ${TIERS_ARGS:-} --json "$OUT/$what.json" 2>&1 \
-             | tee "$OUT/$what.full.log" | grep -v -E "Warning|AUTOTUNE|triton_|strides:|dtypes:|SingleProcess" | tee "$OUT/$what.log" | tail -14 ;;
+             | tee "$OUT/$what.full.log" | grep -v -E "Warning|AUTOTUNE|triton_|strides:|dtypes:|SingleProcess" \
+             | tee "$OUT/$what.log" | tail -14 ;;
     start) timeout ${START_S:-540} python3 -m diffgraph.bench.latency --cases ${PRESET:-random:sdxl}@${START_SIZE:-1024} \
              --images 1 --buckets ${START_BUCKETS:-2} --repeats 3 --contenders diffgraph_compile --json "$OUT/start.json" \
              2>&1 | grep -v Warning | grep -E "compile tier|fresh|cold|warm|rror" | cut -c1-1200 | tail -12 ;;
