@@ -18,10 +18,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_engine():
     from diffgraph import Engine
-    return Engine(model="random:tiny", device="cpu", dtype="fp32")
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")
 def tiny_xl_engine():
     from diffgraph import Engine
-    return Engine(model="random:tiny-xl", device="cpu", dtype="fp32")
+    with Engine(model="random:tiny-xl", device="cpu", dtype="fp32") as engine:
+        yield engine

@@ -1,5 +1,5 @@
 """The structure docs/ARCHITECTURE.md describes, checked: no import circles (every import counts, those inside
-functions and under TYPE_CHECKING too), no module-level mutable state, the split modules stay small, the
+functions and under TYPE_CHECKING too), no module-level mutable state, functions within their line budget, the
 scheduler never imports torch, and no family string checks outside the family adapters."""
 
 import ast
@@ -92,12 +92,34 @@ def test_no_module_level_mutable_state():
     assert offenders == []
 
 
-def test_layers_stay_split_and_small():
-    for module in ("engine/core.py", "engine/model_runner.py", "engine/client.py", "engine/engine.py",
-                   "engine/async_engine.py", "engine/scheduler.py", "engine/replica.py", "engine/router.py", "models/families/base.py",
-                   "models/families/sd.py", "models/families/sdxl.py", "server/app.py"):
-        lines = len((SRC / module).read_text().splitlines())
-        assert lines <= 420, f"{module} has {lines} lines: split it by responsibility"
+FUNCTION_LINES = 80  # a function's budget; the longer ones are named in docs/ARCHITECTURE.md with the reason
+
+
+def _long_functions() -> set[str]:
+    """`path:qualified name` of every function in src/ over the budget (decorators not counted)."""
+    out = set()
+    for path in SRC.rglob("*.py"):
+        def walk(node, prefix):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = prefix + child.name
+                    if not isinstance(child, ast.ClassDef) and child.end_lineno - child.lineno + 1 > FUNCTION_LINES:
+                        out.add(f"{path.relative_to(SRC).as_posix()}:{name}")
+                    walk(child, name + ".")
+        walk(ast.parse(path.read_text()), "")
+    return out
+
+
+def test_functions_stay_within_their_budget():
+    """No function over FUNCTION_LINES lines unless docs/ARCHITECTURE.md names it with its reason; a named one that
+    was split leaves the list (the list is what is, not what was)."""
+    text = (SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Functions over 80 lines"):]
+    section = section[:section.index("\n## ", 3)]
+    named = set(re.findall(r"`([\w/]+\.py:[\w.]+)`", section))
+    long = _long_functions()
+    assert long - named == set(), f"functions over {FUNCTION_LINES} lines: split them, or name each with its reason"
+    assert named - long == set(), "named in docs/ARCHITECTURE.md but no longer over the budget: take them off"
 
 
 def test_the_scheduler_never_imports_torch():

@@ -204,3 +204,83 @@ def test_rows_that_stop_guiding_make_room_for_rows_that_start():
     assert costs == [(3, 4)] * 4  # all three in every step, 4 denoiser rows each step
     for a, t in zip(alone, together):
         np.testing.assert_allclose(t, a, atol=1e-5, rtol=0)
+
+
+# -- what a model without classifier-free guidance refuses, and what a one-branch request never encodes -----------
+
+
+@pytest.mark.parametrize("params, name", [({"negative_prompt": "blurry"}, "negative_prompt"),
+                                          ({"guidance_interval": [0.2, 0.8]}, "guidance_interval"),
+                                          ({"guidance_rescale": 0.5}, "guidance_rescale")])
+def test_cfg_parameters_on_an_embedded_guidance_model_are_refused_by_name(lcm_engine, params, name):
+    from diffgraph.request import GenerationRequest, ParamError
+
+    assert lcm_engine.info.guidance == "embedded"
+    assert lcm_engine.info.capabilities[0] == "embedded_guidance"
+    with pytest.raises(ParamError) as e:
+        lcm_engine.generate(PROMPT, num_inference_steps=2, seed=1, **params)
+    assert e.value.param == name and "classifier-free guidance" in str(e.value)
+    # a request built without the model's info is refused at submit all the same
+    bare = GenerationRequest.create(PROMPT, width=64, height=64, guidance_scale=1.0, num_inference_steps=2, **params)
+    with pytest.raises(ParamError) as e:
+        lcm_engine.submit(bare)
+    assert e.value.param == name
+
+
+def test_neutral_cfg_parameters_are_accepted_on_an_embedded_guidance_model(lcm_engine):
+    plain = lcm_engine.generate(PROMPT, num_inference_steps=2, seed=7)
+    neutral = lcm_engine.generate(PROMPT, num_inference_steps=2, seed=7, negative_prompt="  ", guidance_rescale=0.0,
+                                  guidance_interval=None)
+    np.testing.assert_array_equal(plain.arrays, neutral.arrays)
+
+
+def _encoded_rows(engine):
+    """The prompts the text encoder is run on from now on (one entry per batch row); `hook.remove()` ends it."""
+    rows = []
+
+    def count(module, args, kwargs):
+        rows.append((args[0] if args else kwargs["input_ids"]).shape[0])
+    return rows, engine.model.text_encoders[0].register_forward_pre_hook(count, with_kwargs=True)
+
+
+def test_a_request_without_a_second_branch_never_encodes_its_negative_prompt(tiny_engine):
+    rows, hook = _encoded_rows(tiny_engine)
+    try:
+        one = tiny_engine.generate("a lone lighthouse on a cliff", negative_prompt="a negative never read before",
+                                   guidance_scale=1.0, num_inference_steps=2, seed=2)
+        encoded_one = sum(rows)
+        two = tiny_engine.generate("a lone lighthouse on a cliff", negative_prompt="another negative, guided",
+                                   guidance_scale=5.0, num_inference_steps=2, seed=2)
+    finally:
+        hook.remove()
+    assert encoded_one == 1          # the prompt alone
+    assert sum(rows) == 2            # then the guided request's negative prompt (the prompt was cached)
+    plain = tiny_engine.generate("a lone lighthouse on a cliff", guidance_scale=1.0, num_inference_steps=2, seed=2)
+    np.testing.assert_array_equal(one.arrays, plain.arrays)  # the negative prompt of a one-branch row changes nothing
+    assert np.abs(two.arrays - plain.arrays).max() > 1e-3
+
+
+def test_the_images_route_refuses_and_the_a1111_route_ignores_cfg_parameters_on_an_embedded_guidance_model():
+    from server_util import served
+    from diffgraph.server import ServerConfig
+
+    engine = Engine("random:tiny-lcm", device="cpu", dtype="fp32")
+    with engine, served(engine, ServerConfig(model="random:tiny-lcm", device="cpu")) as c:
+        assert "embedded_guidance" in c.get("/v1/models").json()["data"][0]["capabilities"]
+        body = {"prompt": PROMPT, "size": "64x64", "num_inference_steps": 2, "seed": 3}
+        for extra, name in (({"negative_prompt": "blurry"}, "negative_prompt"),
+                            ({"guidance_interval": [0.1, 0.9]}, "guidance_interval"),
+                            ({"guidance_rescale": 0.3}, "guidance_rescale")):
+            r = c.post("/v1/images/generations", json={**body, **extra})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == name and "classifier-free guidance" in r.json()["error"]["message"]
+        assert c.post("/v1/images/generations", json={**body, "negative_prompt": ""}).status_code == 200
+        rows, hook = _encoded_rows(engine)
+        try:
+            r = c.post("/sdapi/v1/txt2img", json={"prompt": PROMPT, "negative_prompt": "a negative nobody reads",
+                                                  "width": 64, "height": 64, "steps": 2, "seed": 3, "cfg_scale": 1})
+        finally:
+            hook.remove()
+        assert r.status_code == 200, r.text
+        assert any("negative_prompt was ignored" in w for w in r.json()["warnings"])
+        assert sum(rows) <= 1  # the prompt at most (it may be cached), never the negative prompt

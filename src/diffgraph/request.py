@@ -583,6 +583,7 @@ class GenerationRequest:
             check_family_params(request.sampler, request.schedule, request.key)
         else:
             model.check(request.sampler, request.schedule, request.key)
+            model.check_guidance(request)
             if request.num_images > model.max_rows:
                 raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
                                                f"batch bucket {model.max_rows}")
@@ -715,10 +716,41 @@ class ModelInfo:
     default_sampler: str = DEFAULT_SAMPLER
     default_schedule: str = DEFAULT_SCHEDULE
     size_multiple: int = SIZE_MULTIPLE
+    # how the model guides: "cfg" (a second denoiser branch for the negative prompt), "embedded" (the value goes
+    # into the denoiser: guidance-distilled models) or "none"
+    guidance: str = "cfg"
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """What requests may ask of this model beyond a prompt, as `GET /v1/models` lists it."""
+        guidance = {"cfg": ("classifier_free_guidance",), "embedded": ("embedded_guidance",)}.get(self.guidance, ())
+        return guidance + (("edits",) if self.edits else ())
 
     def check(self, sampler: str, schedule: str, key: GroupKey) -> None:
         """ParamError unless the model's family takes this sampler, schedule and size."""
         check_family_params(sampler, schedule, key, self.samplers, self.schedules, self.size_multiple, self.family)
+
+    def check_guidance(self, request: "GenerationRequest") -> None:
+        """ParamError naming the first parameter that needs classifier-free guidance on a model without it (an empty
+        negative prompt, no interval and rescale 0 are their neutral values, accepted everywhere)."""
+        if self.guidance == "cfg":
+            return
+        for name in cfg_params_used(request):
+            raise ParamError(name, f"{name} needs classifier-free guidance, which model {self.name!r} does not run "
+                                   f"({self.guidance} guidance); leave {name} out")
+
+
+# the parameters only classifier-free guidance reads, with their neutral values (accepted on any model)
+CFG_NEUTRAL: dict[str, Any] = {"negative_prompt": None, "guidance_interval": None, "guidance_rescale": 0.0}
+
+
+def cfg_params_used(params: "GenerationRequest | dict[str, Any]") -> tuple[str, ...]:
+    """The parameters (of a request, or `create` keywords) off their neutral values that only classifier-free
+    guidance reads (a blank negative prompt is neutral)."""
+    def value(name: str) -> Any:
+        got = params.get(name, CFG_NEUTRAL[name]) if isinstance(params, dict) else getattr(params, name)
+        return None if name == "negative_prompt" and not (got or "").strip() else got
+    return tuple(name for name, neutral in CFG_NEUTRAL.items() if value(name) != neutral)
 
 
 @dataclass(frozen=True)

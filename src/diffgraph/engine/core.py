@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GroupKey, ProgressEvent,
@@ -94,7 +95,7 @@ class EngineCore:
         prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
         state = RequestState.of(request, plan, time.monotonic(), sink, prompts)
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
-        if prompts[0].chunks != prompts[1].chunks:
+        if _second_branch(state) and prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
@@ -368,7 +369,14 @@ def _prompt_keys(state: RequestState) -> tuple[PromptKey, ...]:
     text = tuple((a.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", []))
                  if a.has_text)
     pos, neg = state.prompts
+    if not _second_branch(state):  # the negative prompt is never read: not encoded, nothing padded
+        return ("+", pos, text), ("+", pos, text)
     keys = (("+", pos, text), ("-", neg, text))
     if pos.chunks != neg.chunks:
         keys += (("+", state.empty_prompt, text),)
     return keys
+
+
+def _second_branch(state: RequestState) -> bool:
+    """Whether a row feature runs the request's second denoiser branch (its negative prompt) at any step."""
+    return state.branches is not None and bool((np.asarray(state.branches) > 1).any())

@@ -195,8 +195,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
     async def models() -> dict[str, Any]:
         if routing is not None:  # every model of --model-dir, resident or not
             return {"object": "list", "data": await asyncio.to_thread(routing.listing, state.created)}
-        name = state.engine.info.name if state.engine is not None else config.model
-        return ModelList(data=[ModelCard(id=name, created=state.created)]).model_dump()
+        info = state.engine.info if state.engine is not None else None
+        return ModelList(data=[ModelCard(id=info.name if info else config.model, created=state.created,
+                                         capabilities=list(info.capabilities) if info else None)]).model_dump()
 
     @app.get("/v1/loras")
     async def loras(model: str | None = None) -> Response:

@@ -134,7 +134,7 @@ class ModelRouting:
         if r is not None:
             family, size = r.client.info.family, r.client.info.native_size
         return {"id": name, "object": "model", "created": created, "owned_by": "diffgraph", "family": family,
-                "native_size": size, "kind": kind, "resident": r is not None, "loading": name in loading,
+                "native_size": size, "capabilities": list(r.client.info.capabilities) if r else None, "kind": kind, "resident": r is not None, "loading": name in loading,
                 "memory_bytes": r.memory_bytes if r else None, "default": name == self.default,
                 "hash": self._hashes.get(file) if file else None, "error": error,
                 "error_kind": error_kind if error else None}

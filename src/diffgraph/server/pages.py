@@ -80,6 +80,7 @@ def server_info(state: Any) -> dict[str, Any]:
         "family": info.family if info else None, "mode": info.mode if info else None,
         "native_size": info.native_size if info else None,
         "default_guidance": info.default_guidance if info else None,
+        "guidance": info.guidance if info else None, "capabilities": list(info.capabilities) if info else None,
         "default_steps": ImageGenerationRequest.model_fields["num_inference_steps"].default,
         "max_images": min(MAX_IMAGES, info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS)),
         # the model family's names and sizes (unknown until the model is loaded)

@@ -167,6 +167,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "diffgraph"
+    capabilities: list[str] | None = None  # what requests may ask of it beyond a prompt (None: not loaded yet)
 
 
 class ModelList(BaseModel):

@@ -236,16 +236,26 @@ class FamilyAdapter:
         samplers: the add_noise of their diffusers scheduler; a flow-matching family: (1 - sigma, sigma))."""
         return noising(plan)
 
+    def guidance(self, model: DiffusionModel) -> str:
+        """How the model guides (`ModelInfo.guidance`): "embedded" for guidance-distilled UNets (LCM's
+        `time_cond_proj_dim`), else "cfg" (classifier-free guidance, a second branch for the negative prompt)."""
+        return "embedded" if self._lcm_dim(model) is not None else "cfg"
+
+    @staticmethod
+    def _lcm_dim(model: DiffusionModel) -> int | None:
+        dim = getattr(getattr(model.unet, "config", None), "time_cond_proj_dim", None)
+        return None if dim is None else int(dim)
+
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
                  max_chunks: int = 1, controls: ControlSlots | None = None,
                  image_prompts: ImagePromptSource | None = None) -> tuple[RowFeature, ...]:
         """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded for
         guidance-distilled UNets), the samplers' history slots, edits' rows, LoRA rows (`side_paths`), ControlNet and
         image-prompt rows (`controls`, `image_prompts`), the prompt context (up to `max_chunks` 77-token windows)."""
-        dim = getattr(getattr(model.unet, "config", None), "time_cond_proj_dim", None)
+        dim = self._lcm_dim(model)
         if dim is not None:
-            out: list[RowFeature] = [EmbeddedGuidance("timestep_cond", (int(dim),), model.dtype,
-                                                      partial(lcm_embedding, dim=int(dim)))]
+            out: list[RowFeature] = [EmbeddedGuidance("timestep_cond", (dim,), model.dtype,
+                                                      partial(lcm_embedding, dim=dim))]
         else:
             out = [ClassifierFreeGuidance(self.row_cond_spec(model, max_chunks), self.sequence_fields)]
         if set(self.samplers) & set(HISTORY_SAMPLERS):  # the history slots some of its samplers keep
