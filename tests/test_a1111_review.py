@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import io
 import shutil
-import threading
-import time
 
 import httpx
 import numpy as np
@@ -16,23 +14,17 @@ from PIL import Image
 
 from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.server.a1111_inpaint import read_mask, resize
+from server_util import served
 
 SMALL = {"prompt": "a handwritten digit three", "width": 64, "height": 64, "steps": 2, "seed": 1}
 
 
 @pytest.fixture(scope="module")
 def client():
-    from fastapi.testclient import TestClient
-
     from diffgraph import Engine
-    from diffgraph.server import ServerConfig, create_app
+    from diffgraph.server import ServerConfig
     engine = Engine("digits", device="cpu")
-    with TestClient(create_app(ServerConfig(model="digits", device="cpu"), engine_factory=lambda: engine),
-                    raise_server_exceptions=False) as c:
-        deadline = time.monotonic() + 300  # a failure bound: a closed engine is never ready
-        while c.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, c.get("/ready").text
-            threading.Event().wait(0.05)
+    with served(engine, ServerConfig(model="digits", device="cpu")) as c:
         yield c
 
 
@@ -87,3 +79,43 @@ def test_sd_model_checkpoint_takes_the_model_name_sd_models_lists(tmp_path):
         assert httpx.get(f"{server.url}/sdapi/v1/options", timeout=300).json()["sd_model_checkpoint"] == "sub/other"
     finally:
         server.stop(timeout=30)
+
+
+def test_unknown_keys_are_ignored_and_named_in_a_header_and_values_are_coerced(client):
+    """AUTOMATIC1111's models ignore keys they do not know and coerce values (its own test bodies send
+    `seed_enable_extras`, `sampler_noise_scheduler_override`, `inpainting_mask_invert: false`)."""
+    typed = client.post("/sdapi/v1/txt2img", json=SMALL)
+    loose = client.post("/sdapi/v1/txt2img", json={
+        **SMALL, "steps": str(SMALL["steps"]), "width": 64.0, "height": "64", "cfg_scale": 7, "seed": "1",
+        "seed_enable_extras": True, "sampler_noise_scheduler_override": None, "negative_prompt_2": "x"})
+    assert typed.status_code == loose.status_code == 200, loose.text
+    assert loose.json()["images"] == typed.json()["images"]
+    assert loose.headers["x-diffgraph-ignored-fields"] == \
+        "seed_enable_extras, sampler_noise_scheduler_override, negative_prompt_2"
+    assert "x-diffgraph-ignored-fields" not in typed.headers
+    assert "seed_enable_extras" not in loose.json()["parameters"]  # not echoed as if it were read
+    init = {"init_images": [_b64(Image.new("RGB", (64, 64), (90, 120, 200)))], "denoising_strength": 0.5}
+    r = client.post("/sdapi/v1/img2img", json={**SMALL, **init, "inpainting_mask_invert": False,
+                                                "include_init_images": "false"})
+    assert r.status_code == 200, r.text
+    many = {f"unknown_{i:02d}_" + "n" * 80: i for i in range(25)} | {"a b/ü": 1}
+    r = client.post("/sdapi/v1/txt2img", json={**SMALL, **many})
+    names = r.headers["x-diffgraph-ignored-fields"].split(", ")
+    assert r.status_code == 200 and len(names) == 21 and names[-1] == "(+6 more)", names
+    assert all(len(n) == 64 for n in names[:20]) and names[0] == "unknown_00_" + "n" * 53
+    for bad, needle in (({"steps": "twenty"}, "integer"), ({"width": 64.5}, "integer"), ({"tiling": "maybe"}, "true or false")):
+        r = client.post("/sdapi/v1/txt2img", json={**SMALL, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+        assert needle in r.json()["error"]["message"].lower(), r.text
+
+
+def test_euler_a_with_eta_0_is_euler(client):
+    """AUTOMATIC1111 runs its ancestral samplers with the request's eta; its own test body sends eta 0 with Euler a."""
+    euler = client.post("/sdapi/v1/txt2img", json={**SMALL, "steps": 4, "sampler_name": "Euler"})
+    silent = client.post("/sdapi/v1/txt2img", json={**SMALL, "steps": 4, "sampler_name": "Euler a", "eta": 0})
+    usual = client.post("/sdapi/v1/txt2img", json={**SMALL, "steps": 4, "sampler_name": "Euler a"})
+    assert euler.status_code == silent.status_code == usual.status_code == 200, silent.text
+    pixels = [np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["images"][0]))), dtype=np.int16)
+              for r in (euler, silent, usual)]
+    assert np.abs(pixels[0] - pixels[1]).max() <= 1
+    assert np.abs(pixels[0] - pixels[2]).max() > 10

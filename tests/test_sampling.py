@@ -423,3 +423,42 @@ def test_ddim_eta_is_diffusers_ddim_eta(name, schedule, pred):
             - deterministic).abs().max() > 1e-3
     with pytest.raises(ValueError, match=r"ddim's eta must be in \[0, 1\], got 1.5"):
         make_plan(noise, "ddim", schedule, 6, options=PlanOptions(eta=1.5))
+
+
+def _k_euler_ancestral(plan, eta, seed=0):
+    """k-diffusion's `sample_euler_ancestral` with `get_ancestral_step(sigma, sigma_next, eta)`, written out, on the
+    plan's sigmas and timesteps (an epsilon model on VE latents); the same draws as `run_plan`."""
+    sigmas = [float(s) for s in plan.sigmas]
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * plan.init_noise_sigma
+    gen = torch.Generator().manual_seed(seed + 1)
+    xs = [x]
+    for i in range(len(sigmas) - 1):
+        sigma, sigma_next = sigmas[i], sigmas[i + 1]
+        denoised = x - sigma * fake_model(x / (sigma**2 + 1) ** 0.5, plan.timesteps[i])
+        sigma_up = min(sigma_next, eta * (sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2) ** 0.5)
+        sigma_down = (sigma_next**2 - sigma_up**2) ** 0.5
+        x = x + (x - denoised) / sigma * (sigma_down - sigma)
+        x = x + torch.randn(SHAPE, generator=gen) * sigma_up  # drawn at every step, as the plan draws
+        xs.append(x)
+    return xs
+
+
+@pytest.mark.parametrize("schedule", ["default", "karras"])
+def test_euler_a_eta_is_k_diffusions_ancestral_step(schedule):
+    """AUTOMATIC1111 runs "Euler a" with the request's eta (its test body sends eta 0): eta scales the fresh noise of
+    k-diffusion's ancestral step, 0 is Euler, 1 (or none) the usual walk, outside [0, 1] refused by name."""
+    from diffgraph.errors import ParamError
+    from diffgraph.sampling.samplers import PlanOptions
+    noise = NoiseSchedule.from_config(SD15)
+    assert np.array_equal(make_plan(noise, "euler_a", schedule, 8, options=PlanOptions(eta=1.0)).coefs,
+                          make_plan(noise, "euler_a", schedule, 8).coefs)
+    for eta in (0.0, 0.5, 1.0):
+        plan = make_plan(noise, "euler_a", schedule, 8, options=PlanOptions(eta=eta))
+        assert_same_latents(run_plan(plan), _k_euler_ancestral(plan, eta), f"euler_a {schedule} eta={eta}")
+    euler = run_plan(make_plan(noise, "euler", schedule, 8))[0][-1]
+    silent = run_plan(make_plan(noise, "euler_a", schedule, 8, options=PlanOptions(eta=0.0)))[0][-1]
+    torch.testing.assert_close(silent, euler, atol=1e-4, rtol=0)
+    assert (run_plan(make_plan(noise, "euler_a", schedule, 8))[0][-1] - euler).abs().max() > 1e-2
+    with pytest.raises(ParamError, match=r"Euler a's eta must be in \[0, 1\]") as e:
+        make_plan(noise, "euler_a", schedule, 8, options=PlanOptions(eta=1.5))
+    assert e.value.param == "eta"

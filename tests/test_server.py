@@ -271,8 +271,31 @@ BAD = [
     ({"prompt": "a", "output_format": "gif"}, 400, "output_format", "output_format 'gif' is unknown"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
     ({"prompt": "a", "steps": 10}, 400, "steps", "unknown parameter 'steps'; accepted: prompt"),
+    ({"prompt": "a", "quality": "ultra"}, 400, "quality", "quality 'ultra' is unknown; allowed: low"),
+    ({"prompt": "a", "background": "transparent"}, 400, "background", "cannot be honoured"),
+    ({"prompt": "a", "style": "cute"}, 400, "style", "allowed: vivid, natural"),
+    ({"prompt": "a", "moderation": "off"}, 400, "moderation", "allowed: auto, low"),
+    ({"prompt": "a", "output_compression": 101}, 400, "output_compression", "allowed: 0..100"),
     (b"{" * 100_000, 413, None, "limit"),
 ]
+
+
+def test_openai_fields_and_explicit_nulls(server):
+    """Every field of OpenAI's images API is taken: explicit nulls mean the default, `quality` sets the steps where
+    none are given (low: half the default), `output_compression` is applied to JPEG, `style` and `moderation` are
+    accepted with no effect."""
+    plain = generate(server.url, seed=4, num_inference_steps=10)
+    nulls = generate(server.url, seed=4, num_inference_steps=10, n=None, response_format=None, output_format=None,
+                     stream=None, quality=None, background=None, style=None, moderation=None, user=None,
+                     output_compression=None, guidance_rescale=None, emphasis=None)
+    low = generate(server.url, seed=4, quality="low", background="opaque", style="natural", moderation="low")
+    assert plain.status_code == nulls.status_code == low.status_code == 200, (nulls.text, low.text)
+    assert nulls.json()["data"] == plain.json()["data"] == low.json()["data"]  # low: 10 of the default 20 steps
+    hd = generate(server.url, seed=4, quality="hd", num_inference_steps=10)  # explicit steps win
+    assert hd.json()["data"] == plain.json()["data"]
+    sizes = [len(base64.b64decode(generate(server.url, seed=4, num_inference_steps=1, output_format="jpeg",
+                                           output_compression=c).json()["data"][0]["b64_json"])) for c in (0, 90)]
+    assert sizes[0] > sizes[1], sizes
 
 
 def test_bad_input_gets_a_clear_error(server):

@@ -51,10 +51,12 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 8 (default: native size)")
     g.add_argument("--steps", type=int, default=20, help="denoising steps, 1-200 (default 20)")
     g.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale >= 0 (default: 7.5 SD, 5.0 SDXL)")
-    g.add_argument("--sampler", default=DEFAULT_SAMPLER,
-                   help=f"one of {', '.join(SAMPLERS)} (the built-in families'; default {DEFAULT_SAMPLER})")
-    g.add_argument("--schedule", default=DEFAULT_SCHEDULE,
-                   help=f"one of {', '.join(SCHEDULES)} (the built-in families'; default {DEFAULT_SCHEDULE!r})")
+    g.add_argument("--sampler", default=None,
+                   help=f"one of {', '.join(SAMPLERS)} (the built-in families'), or a label that names its schedule "
+                        f"(\"DPM++ 2M Karras\"); default: the model's ({DEFAULT_SAMPLER} for SD)")
+    g.add_argument("--schedule", default=None,
+                   help=f"one of {', '.join(SCHEDULES)} (the built-in families'); default: the one the sampler's "
+                        f"label names, else the model's ({DEFAULT_SCHEDULE!r} for SD)")
     g.add_argument("--timestep-spacing", default=None, choices=TIMESTEP_SPACINGS,
                    help="the sampler's timestep spacing (default: the model's scheduler config's; trailing for "
                         "few-step models)")

@@ -294,5 +294,13 @@ def encode_image(pixels: np.ndarray, fmt: str, request: GenerationRequest | None
     options = save_options(fmt, request, model_name) if metadata and request is not None else {}
     buf = io.BytesIO()
     Image.fromarray((pixels * 255).round().astype("uint8")).save(
-        buf, format=IMAGE_FORMATS[fmt], **({"quality": 95} if fmt in ("jpeg", "webp") else {}), **options)
+        buf, format=IMAGE_FORMATS[fmt], **({"quality": _quality(request)} if fmt in ("jpeg", "webp") else {}),
+        **options)
     return buf.getvalue()
+
+
+def _quality(request: GenerationRequest | None) -> int:
+    """The JPEG / WebP quality: OpenAI's `output_compression` (0..100, the compression) read as 100 - quality,
+    else 95."""
+    compression = None if request is None else request.output_compression
+    return 95 if compression is None else max(1, 100 - compression)

@@ -417,6 +417,8 @@ class GenerationRequest:
     job: str | None = None
     controls: tuple[ControlInput, ...] = ()  # ControlNet controls (ControlInput), at most MAX_CONTROLS
     image_prompts: ImagePromptInput | None = None  # an IP-Adapter image prompt
+    # JPEG / WebP compression, OpenAI's `output_compression`: 0..100 (100: the least), None: the encoder's 95 quality
+    output_compression: int | None = None
     # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
     key: GroupKey = field(init=False, compare=False, repr=False)
 
@@ -476,6 +478,9 @@ class GenerationRequest:
         for name in ("sampler", "schedule"):  # which names exist is the model family's to say (create, the planner)
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ParamError(name, f"{name} must be a {name} name, got {_show(getattr(self, name))}")
+        if self.output_compression is not None:
+            object.__setattr__(self, "output_compression", _check_int("output_compression", self.output_compression,
+                                                                      0, 100))
         if self.output_format is not None and self.output_format not in OUTPUT_FORMATS:
             raise ParamError("output_format", f"output_format {_show(self.output_format)} is unknown; allowed: "
                                               f"{', '.join(OUTPUT_FORMATS)}")
@@ -522,7 +527,8 @@ class GenerationRequest:
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
-               preview: Any = None, controls: Any = (), image_prompts: Any = None) -> "GenerationRequest":
+               preview: Any = None, controls: Any = (), image_prompts: Any = None,
+               output_compression: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -569,7 +575,8 @@ class GenerationRequest:
                       output_format=output_format, edit=edit, loras=loras, guidance_interval=guidance_interval,
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
-                      preview=make_preview(preview), controls=controls, image_prompts=image_prompts, **kwargs)
+                      preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
+                      output_compression=output_compression, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

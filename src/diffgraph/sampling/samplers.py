@@ -44,7 +44,7 @@ __all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "
            "cut", "noising", "start_plan", "strength_start"]
 
 TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
-ETA_SAMPLERS = ("tcd", "ddim")                         # the samplers that take a request's `eta`
+ETA_SAMPLERS = ("tcd", "ddim", "euler_a")             # the samplers that take a request's `eta`
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class SamplerPlan:
     steps: int = 0          # the request's steps (num_inference_steps) the full plan has
     start: int = 0          # the step its first row belongs to (an edit's rows start later)
     noise: NoiseSchedule | None = None  # what it was made from (start_plan remakes it)
-    eta: float | None = None  # TCD's gamma or DDIM's eta, as asked (None: the sampler's default, 0.3 / 0)
+    eta: float | None = None  # TCD's gamma, DDIM's or Euler a's eta, as asked (None: the sampler's default, 0.3 / 0 / 1)
     brownian: np.ndarray | None = None  # [num_steps, 2] Brownian-tree noise spans (dpmpp_sde); None: normal draws
     brownian_range: tuple[float, float] | None = None
     # int [num_steps]: denoiser rows per image row at each row (2 where classifier-free guidance runs both branches),
@@ -84,7 +84,7 @@ def _plan_functions() -> dict[str, PlanFunction]:
 @dataclass(frozen=True)
 class PlanOptions:
     """A request's sampler options beside the names: the timestep spacing (None: the model's scheduler config's)
-    and `eta`, TCD's gamma (None: 0.3) or DDIM's eta (None: 0, deterministic)."""
+    and `eta`, TCD's gamma (None: 0.3), DDIM's eta (None: 0, deterministic) or Euler a's (None: 1; 0 is Euler)."""
 
     timestep_spacing: str | None = None
     eta: float | None = None
@@ -96,8 +96,8 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int,
     check_sampler(sampler, schedule)
     options = options or PlanOptions()
     if options.eta is not None and sampler not in ETA_SAMPLERS:
-        raise ParamError("eta", f"eta is the noise amount of sampler {' and '.join(ETA_SAMPLERS)} (TCD's gamma, "
-                                f"DDIM's eta); sampler {sampler!r} takes none: leave eta out")
+        raise ParamError("eta", f"eta is the noise amount of samplers {', '.join(ETA_SAMPLERS)} (TCD's gamma, "
+                                f"DDIM's and Euler a's eta); sampler {sampler!r} takes none: leave eta out")
     if options.timestep_spacing is not None:
         noise = dataclasses.replace(noise, timestep_spacing=options.timestep_spacing)
     max_steps = min(MAX_STEPS, noise.num_train_timesteps)
@@ -209,19 +209,27 @@ def _euler_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> Plan
     return cut(_euler_like(noise, n, schedule, ancestral=False), start)
 
 
-def _euler_a_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanParts:
-    return cut(_euler_like(noise, n, schedule, ancestral=True), start)
+def _euler_a_plan(noise: NoiseSchedule, n: int, schedule: str, start: int, eta: float | None = None) -> PlanParts:
+    eta = 1.0 if eta is None else float(eta)
+    if not 0.0 <= eta <= 1.0:
+        raise ParamError("eta", f"Euler a's eta must be in [0, 1] (1: its usual noise, 0: Euler), got {eta:g}")
+    return cut(_euler_like(noise, n, schedule, ancestral=True, eta=eta), start)
 
 
-def _euler_like(noise: NoiseSchedule, n: int, schedule: str, ancestral: bool) -> PlanParts:
-    """Euler (Karras et al. 2022, Alg. 2 without churn) / Euler ancestral (k-diffusion), on VE latents."""
+def _euler_like(noise: NoiseSchedule, n: int, schedule: str, ancestral: bool, eta: float = 1.0) -> PlanParts:
+    """Euler (Karras et al. 2022, Alg. 2 without churn) / Euler ancestral with k-diffusion's `get_ancestral_step`
+    (eta scales the fresh noise; 0 is Euler), on VE latents."""
     t, sig = euler_sigmas(noise, n, schedule)
     sigma, sigma_next = sig[:-1], sig[1:]
     alpha = 1 / np.sqrt(sigma**2 + 1)
     p, q = denoiser(noise.prediction_type, alpha, sigma * alpha, ve=True)
     if ancestral:
-        sigma_down = sigma_next**2 / sigma  # == sqrt(sigma_next^2 - sigma_up^2)
-        sigma_up = sigma_next * np.sqrt(1 - (sigma_next / sigma) ** 2)
+        if eta == 1.0:  # the closed forms (bit for bit as before): sigma_down = sqrt(sigma_next^2 - sigma_up^2)
+            sigma_down = sigma_next**2 / sigma
+            sigma_up = sigma_next * np.sqrt(1 - (sigma_next / sigma) ** 2)
+        else:
+            sigma_up = np.minimum(sigma_next, eta * sigma_next * np.sqrt(1 - (sigma_next / sigma) ** 2))
+            sigma_down = np.sqrt(sigma_next**2 - sigma_up**2)
         a = sigma_down / sigma
         coefs = table(t, alpha, p, q, a, 1 - a, d=sigma_up)
     else:

@@ -23,6 +23,7 @@ import dataclasses
 import inspect
 import io
 import json
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -39,9 +40,10 @@ from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelIn
 from .a1111_controlnet import MODULES, controlnet_units, units_to_controls
 from .a1111_inpaint import PreparedEdit, mask_options, prepare
 from .a1111_jobs import ImageRun, JobBoard, Key
-from .a1111_protocol import (DEFAULT_OPTIONS, OPTIONS, Img2ImgBody, Plan, TextToImageResponse, Txt2ImgBody,
-                             ProcessingBody, a1111_error, a1111_field, clip_stop, info_json, model_name, plan_body,
-                             sampler_items, sampler_schedule, scheduler_items, validate)
+from .a1111_protocol import (DEFAULT_OPTIONS, IGNORED_HEADER, OPTIONS, Img2ImgBody, Plan, TextToImageResponse,
+                             Txt2ImgBody, ProcessingBody, a1111_error, a1111_field, clip_stop, fit_to_model,
+                             ignored_header, info_json, model_name, plan_body, sampler_items, sampler_schedule,
+                             scheduler_items, validate)
 from .auth import caller_key
 from .bodies import read_body
 from .models import ModelRouting, Target
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
 
 MAX_INIT_IMAGES = 4
 MODEL_FIELD = "override_settings.sd_model_checkpoint"
+
+logger = logging.getLogger(__name__)
 
 
 def _failure(e: APIError) -> JSONResponse:
@@ -243,17 +247,23 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                        info=info_json(body, plan, requests[0], info.name, texts, extra))
         return response.model_dump(exclude=None if warnings else {"warnings"})
 
-    async def images(http: Request, model: type[ProcessingBody], kind: str, t0: float) -> dict[str, Any]:
-        """One txt2img / img2img answer: read, plan, validate every image, submit them, wait, answer."""
+    async def images(http: Request, model: type[ProcessingBody], kind: str, t0: float,
+                     headers: dict[str, str]) -> dict[str, Any]:
+        """One txt2img / img2img answer: read, plan, validate every image, submit them, wait, answer (`headers`:
+        the answer's own, filled here)."""
         state.accepting()
         key = key_of(http)
         body = validate(await read_json(http, prompt_limit + unit_limit + (image_limit if kind == "img2img" else 0)),
                         model)
+        headers.update(ignored_header(body))
+        if headers:
+            logger.info("%s: ignored unknown keys %s", http.url.path, headers[IGNORED_HEADER])
         options = board.options(key)
         plan = plan_body(body, options.model, options.clip_stop, config.clip_skip)
         deadline = t0 + config.request_timeout
         chosen = await target(plan.model, deadline - time.monotonic())
         try:  # the model is held (never evicted) until its requests are queued
+            plan = fit_to_model(plan, chosen.info)
             if not chosen.info.edits and kind == "img2img":
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
                                param="init_images")
@@ -284,7 +294,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         state.metrics.inflight.inc()
         ended = "aborted"  # also when the process exits under the request (cancelled)
         try:
-            response = JSONResponse(await images(http, model, kind, t0))
+            headers: dict[str, str] = {}
+            response = JSONResponse(await images(http, model, kind, t0, headers), headers=headers)
             ended = "success"
             return response
         except APIError as e:

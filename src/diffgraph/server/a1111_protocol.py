@@ -1,4 +1,4 @@
-"""AUTOMATIC1111's web API at the HTTP edge (issue 34, point 1): the pydantic models of the `/sdapi/v1/txt2img` and
+"""AUTOMATIC1111's web API at the HTTP edge: the pydantic models of the `/sdapi/v1/txt2img` and
 `/img2img` bodies and of the answers, with AUTOMATIC1111's field names and defaults (v1.10's modules/api/models.py;
 tests/fixtures/a1111_api_fields.json is the transcription a test holds them to), and a body read in diffgraph's
 words (`plan_body`): the values diffgraph cannot honour refused with a 400 naming the field and what to send
@@ -6,24 +6,27 @@ instead, the seeds of its images (AUTOMATIC1111's all_seeds: seed + i, each imag
 the sampler and scheduler names (sampling/aliases.py; "Automatic" is the sampler's own schedule, as AUTOMATIC1111
 picks it) and `infotext`.
 
-Types are checked strictly, as protocol.py checks them; null is the field's default. Ranges are checked once, by
-`GenerationRequest.create`, whose ParamErrors `a1111_error` names in AUTOMATIC1111's fields. a1111.py serves these.
+Values are read as AUTOMATIC1111's own models read them: coerced ("3" is 3), unknown keys ignored (named in the answer's
+header, `ignored_header`); null is the field's default. Ranges are checked once, by `GenerationRequest.create`, whose ParamErrors `a1111_error` names in AUTOMATIC1111's fields. a1111.py serves these.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import quote
 
-from pydantic import BaseModel, ConfigDict, JsonValue, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, JsonValue, PrivateAttr, ValidationError
 
 from .. import __version__
 from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, parse_infotext
-from ..request import MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError
+from ..request import CFG_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError, cfg_params_used
 from ..sampling.aliases import canonical
+from ..sampling.samplers import ETA_SAMPLERS
 from .protocol import APIError, error_from_validation
 
 A1111_VERSION = "v1.10"  # the AUTOMATIC1111 API these routes follow
@@ -66,89 +69,92 @@ _ENGINE_TO_A1111 = {"sampler": "sampler_name", "schedule": "scheduler", "num_inf
 class ProcessingBody(BaseModel):
     """The fields txt2img and img2img share (AUTOMATIC1111's StableDiffusionProcessing and the API's additions)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # AUTOMATIC1111's models (pydantic) ignore keys they do not know and coerce values ("3" for 3, 64.0 for 64,
+    # false for 0): so do these; `validate` sets aside the ignored keys' names for the answer's header and the log
+    model_config = ConfigDict(extra="allow")
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
 
-    prompt: StrictStr | None = ""
-    negative_prompt: StrictStr | None = ""
-    styles: list[StrictStr] | None = None
-    seed: StrictInt | None = -1
-    subseed: StrictInt | None = -1
-    subseed_strength: StrictFloat | None = 0.0
-    seed_resize_from_h: StrictInt | None = -1
-    seed_resize_from_w: StrictInt | None = -1
-    sampler_name: StrictStr | None = None
-    scheduler: StrictStr | None = None
-    batch_size: StrictInt | None = 1
-    n_iter: StrictInt | None = 1
-    steps: StrictInt | None = 50
-    cfg_scale: StrictFloat | None = 7.0
-    width: StrictInt | None = 512
-    height: StrictInt | None = 512
-    restore_faces: StrictBool | None = None
-    tiling: StrictBool | None = None
-    do_not_save_samples: StrictBool | None = False
-    do_not_save_grid: StrictBool | None = False
-    eta: StrictFloat | None = None
-    s_min_uncond: StrictFloat | None = None
-    s_churn: StrictFloat | None = None
-    s_tmax: StrictFloat | None = None
-    s_tmin: StrictFloat | None = None
-    s_noise: StrictFloat | None = None
+    prompt: str | None = ""
+    negative_prompt: str | None = ""
+    styles: list[str] | None = None
+    seed: int | None = -1
+    subseed: int | None = -1
+    subseed_strength: float | None = 0.0
+    seed_resize_from_h: int | None = -1
+    seed_resize_from_w: int | None = -1
+    sampler_name: str | None = None
+    scheduler: str | None = None
+    batch_size: int | None = 1
+    n_iter: int | None = 1
+    steps: int | None = 50
+    cfg_scale: float | None = 7.0
+    width: int | None = 512
+    height: int | None = 512
+    restore_faces: bool | None = None
+    tiling: bool | None = None
+    do_not_save_samples: bool | None = False
+    do_not_save_grid: bool | None = False
+    eta: float | None = None
+    s_min_uncond: float | None = None
+    s_churn: float | None = None
+    s_tmax: float | None = None
+    s_tmin: float | None = None
+    s_noise: float | None = None
     override_settings: dict[str, JsonValue] | None = None
-    override_settings_restore_afterwards: StrictBool | None = True
-    refiner_checkpoint: StrictStr | None = None
-    refiner_switch_at: StrictFloat | None = None
-    disable_extra_networks: StrictBool | None = False
-    firstpass_image: StrictStr | None = None
+    override_settings_restore_afterwards: bool | None = True
+    refiner_checkpoint: str | None = None
+    refiner_switch_at: float | None = None
+    disable_extra_networks: bool | None = False
+    firstpass_image: str | None = None
     comments: dict[str, JsonValue] | None = None
-    force_task_id: StrictStr | None = None
-    sampler_index: StrictStr | None = "Euler"
-    script_name: StrictStr | None = None
+    force_task_id: str | None = None
+    sampler_index: str | None = "Euler"
+    script_name: str | None = None
     script_args: list[JsonValue] | None = []
-    send_images: StrictBool | None = True
-    save_images: StrictBool | None = False
+    send_images: bool | None = True
+    save_images: bool | None = False
     alwayson_scripts: dict[str, JsonValue] | None = {}
-    infotext: StrictStr | None = None
+    infotext: str | None = None
 
 
 class Txt2ImgBody(ProcessingBody):
     """POST /sdapi/v1/txt2img."""
 
-    denoising_strength: StrictFloat | None = None  # only the hires fix's second pass reads it
-    enable_hr: StrictBool | None = False
-    firstphase_width: StrictInt | None = 0
-    firstphase_height: StrictInt | None = 0
-    hr_scale: StrictFloat | None = 2.0
-    hr_upscaler: StrictStr | None = None
-    hr_second_pass_steps: StrictInt | None = 0
-    hr_resize_x: StrictInt | None = 0
-    hr_resize_y: StrictInt | None = 0
-    hr_checkpoint_name: StrictStr | None = None
-    hr_sampler_name: StrictStr | None = None
-    hr_scheduler: StrictStr | None = None
-    hr_prompt: StrictStr | None = ""
-    hr_negative_prompt: StrictStr | None = ""
+    denoising_strength: float | None = None  # only the hires fix's second pass reads it
+    enable_hr: bool | None = False
+    firstphase_width: int | None = 0
+    firstphase_height: int | None = 0
+    hr_scale: float | None = 2.0
+    hr_upscaler: str | None = None
+    hr_second_pass_steps: int | None = 0
+    hr_resize_x: int | None = 0
+    hr_resize_y: int | None = 0
+    hr_checkpoint_name: str | None = None
+    hr_sampler_name: str | None = None
+    hr_scheduler: str | None = None
+    hr_prompt: str | None = ""
+    hr_negative_prompt: str | None = ""
 
 
 class Img2ImgBody(ProcessingBody):
     """POST /sdapi/v1/img2img: image-to-image, and inpainting with `mask` (white or opaque = repaint)."""
 
-    init_images: list[StrictStr] | None = None   # base64 images (a data: URL prefix is allowed)
-    resize_mode: StrictInt | None = 0            # 0 resize, 1 crop and resize, 2 resize and fill
-    denoising_strength: StrictFloat | None = 0.75
-    image_cfg_scale: StrictFloat | None = None   # instruct-pix2pix models only (none are served here): ignored
-    mask: StrictStr | None = None
-    mask_blur_x: StrictInt | None = 4
-    mask_blur_y: StrictInt | None = 4
-    mask_blur: StrictInt | None = None           # both blurs at once
-    mask_round: StrictBool | None = True
-    inpainting_fill: StrictInt | None = 0        # 0 fill, 1 original
-    inpaint_full_res: StrictBool | StrictInt | None = True  # "only masked": the mask's box at full resolution
-    inpaint_full_res_padding: StrictInt | None = 0
-    inpainting_mask_invert: StrictInt | None = 0
-    initial_noise_multiplier: StrictFloat | None = None
-    latent_mask: StrictStr | None = None
-    include_init_images: StrictBool | None = False  # echo init_images and mask in `parameters`
+    init_images: list[str] | None = None   # base64 images (a data: URL prefix is allowed)
+    resize_mode: int | None = 0            # 0 resize, 1 crop and resize, 2 resize and fill
+    denoising_strength: float | None = 0.75
+    image_cfg_scale: float | None = None   # instruct-pix2pix models only (none are served here): ignored
+    mask: str | None = None
+    mask_blur_x: int | None = 4
+    mask_blur_y: int | None = 4
+    mask_blur: int | None = None           # both blurs at once
+    mask_round: bool | None = True
+    inpainting_fill: int | None = 0        # 0 fill, 1 original
+    inpaint_full_res: bool | int | None = True  # "only masked": the mask's box at full resolution
+    inpaint_full_res_padding: int | None = 0
+    inpainting_mask_invert: int | None = 0
+    initial_noise_multiplier: float | None = None
+    latent_mask: str | None = None
+    include_init_images: bool | None = False  # echo init_images and mask in `parameters`
 
     def parameters(self) -> dict[str, Any]:
         """The body as AUTOMATIC1111 echoes it: without include_init_images, and without the images unless asked."""
@@ -197,11 +203,31 @@ class Plan:
     warnings: tuple[str, ...]       # what was accepted but ignored
 
 
+IGNORED_HEADER = "X-Diffgraph-Ignored-Fields"  # the body's keys AUTOMATIC1111's models would ignore too
+MAX_IGNORED_NAMES, MAX_IGNORED_NAME = 20, 64
+
+
 def validate(body: Any, model: type[ProcessingBody]) -> ProcessingBody:
+    """The body as AUTOMATIC1111 reads it: values coerced, unknown keys set aside (`ignored_header`)."""
     try:
-        return model.model_validate(body)
+        parsed = model.model_validate(body)
     except ValidationError as e:
         raise error_from_validation(e, model) from None
+    extra = parsed.__pydantic_extra__ or {}
+    parsed._ignored = tuple(extra)
+    extra.clear()  # neither read nor echoed in `parameters`
+    return parsed
+
+
+def ignored_header(body: ProcessingBody) -> dict[str, str]:
+    """The response header that names the keys the body's model ignored (at most MAX_IGNORED_NAMES, each cut to
+    MAX_IGNORED_NAME characters and percent-escaped); none when every key was known."""
+    names = body._ignored
+    if not names:
+        return {}
+    shown = [quote(name[:MAX_IGNORED_NAME], safe="") for name in names[:MAX_IGNORED_NAMES]]
+    more = len(names) - len(shown)
+    return {IGNORED_HEADER: ", ".join(shown) + (f", (+{more} more)" if more else "")}
 
 
 def model_name(title: str | None) -> str | None:
@@ -360,6 +386,17 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
                 subseeds=tuple(subseed + i for i in range(count)), clip_stop=stop, warnings=tuple(warnings))
 
 
+def fit_to_model(plan: Plan, info: ModelInfo) -> Plan:
+    """The plan without what the model cannot honour, each named in a warning: AUTOMATIC1111 and Forge ignore the
+    parameters of classifier-free guidance on a model that runs none (the images API refuses them)."""
+    if info.guidance == "cfg" or not (unused := cfg_params_used(plan.create)):
+        return plan
+    return dataclasses.replace(plan, create={**plan.create, **{name: CFG_NEUTRAL[name] for name in unused}},
+                               warnings=plan.warnings + tuple(
+                                   f"{name} was ignored: model {info.name!r} runs no classifier-free guidance "
+                                   f"({info.guidance} guidance)" for name in unused))
+
+
 def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | None, float | None]:
     """(sampler, schedule, eta) in the model family's names: sampler_name (else the deprecated sampler_index, else
     Euler) and scheduler, where "Automatic" (or none) is the sampler's own schedule as AUTOMATIC1111 picks it
@@ -376,11 +413,11 @@ def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | 
         picked = A1111_SAMPLER_ITEMS.get(sampler, ([], {}))[1].get("scheduler")
         schedule = picked if picked in info.schedules else None
     eta = ETA.get(sampler)
-    if body.eta is not None and eta is not None and body.eta != eta:
+    if body.eta is not None and eta is not None and body.eta != eta and sampler not in ETA_SAMPLERS:
         label = A1111_SAMPLERS.get(sampler, sampler)
         raise _refuse("eta", f"{label} runs with eta {eta:g} here (AUTOMATIC1111's default for it); send eta "
                              f"{eta:g} or null")
-    return sampler, schedule, body.eta if sampler == "ddim" else None
+    return sampler, schedule, body.eta if sampler in ETA_SAMPLERS else None
 
 
 def sampler_items(info: ModelInfo) -> list[dict[str, Any]]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      model_validator)
 
 from ..errors import ParamError
 from ..request import PreviewSpec
@@ -71,8 +72,16 @@ class PreviewBody(BaseModel):
     limit: StrictInt = 0
 
 
+# OpenAI's `quality` -> the share of the default steps it runs (when the body gives no num_inference_steps)
+QUALITY_STEPS = {"low": 0.5, "medium": 1.0, "standard": 1.0, "auto": 1.0, "high": 1.5, "hd": 1.5}
+BACKGROUNDS = ("auto", "opaque")   # "transparent" cannot be honoured: the models make opaque images
+STYLES = ("vivid", "natural")      # DALL-E 3's; accepted, with no effect here
+MODERATIONS = ("auto", "low")      # accepted; this server runs no moderation
+
+
 class ImageGenerationRequest(BaseModel):
-    """POST /v1/images/generations: OpenAI's fields, then diffgraph's extensions."""
+    """POST /v1/images/generations: OpenAI's fields, then diffgraph's extensions. An explicit null means the
+    field's default, as OpenAI's API reads it; unknown keys are a 400, as there."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -82,6 +91,11 @@ class ImageGenerationRequest(BaseModel):
     response_format: StrictStr = "b64_json"     # or "url": stored for --image-ttl, served at /v1/images/files/
     model: StrictStr | None = None
     user: StrictStr | None = None
+    quality: StrictStr | None = None            # QUALITY_STEPS; None: "auto"
+    background: StrictStr | None = None         # BACKGROUNDS
+    style: StrictStr | None = None              # STYLES
+    moderation: StrictStr | None = None         # MODERATIONS
+    output_compression: StrictInt | None = None  # jpeg / webp: 0..100 (OpenAI's); None: quality 95
     # extensions
     negative_prompt: StrictStr | None = None
     num_inference_steps: StrictInt = 20
@@ -104,6 +118,32 @@ class ImageGenerationRequest(BaseModel):
     eta: StrictFloat | None = None               # TCD's gamma or DDIM's eta, 0..1; None: 0.3 / 0
     partial_images: StrictInt | None = None      # OpenAI's: 0-3 previews in the stream, spread over the steps
     preview: PreviewBody | None = None           # previews every K steps in the stream
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        """An explicit null on a field whose default is not null takes that default (OpenAI's clients send them)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)}
+
+    def openai_choices(self) -> None:
+        """APIError 400 naming the OpenAI field whose value is not one this server takes."""
+        for name, allowed in (("quality", tuple(QUALITY_STEPS)), ("background", BACKGROUNDS + ("transparent",)),
+                              ("style", STYLES), ("moderation", MODERATIONS)):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise APIError(400, f"{name} {value!r} is unknown; allowed: {', '.join(allowed)}", param=name)
+        if self.background == "transparent":
+            raise APIError(400, "background 'transparent' cannot be honoured: the models served here make opaque "
+                                "images; send 'opaque' or 'auto'", param="background")
+
+    def steps(self) -> int:
+        """num_inference_steps, or the default's share that `quality` asks for where the body gives no steps."""
+        if "num_inference_steps" in self.model_fields_set or self.quality is None:
+            return self.num_inference_steps
+        return max(1, round(self.num_inference_steps * QUALITY_STEPS[self.quality]))
 
     def preview_params(self) -> dict[str, Any] | PreviewSpec | None:
         """The request's `preview` (stream.py sends them; a request that does not stream gets none)."""
@@ -129,13 +169,15 @@ class ImageGenerationRequest(BaseModel):
         """The `GenerationRequest.create` keywords these fields carry (`size` parsed, `n` as num_images). Raises
         APIError for a malformed size."""
         width, height = self.width_height()
+        self.openai_choices()
         return dict(negative_prompt=self.negative_prompt, width=width, height=height,
-                    num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale,
+                    num_inference_steps=self.steps(), guidance_scale=self.guidance_scale,
                     guidance_interval=self.guidance_interval, guidance_rescale=self.guidance_rescale,
                     sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
                     output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
                     prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis,
-                    timestep_spacing=self.timestep_spacing, eta=self.eta, preview=self.preview_params())
+                    timestep_spacing=self.timestep_spacing, eta=self.eta, preview=self.preview_params(),
+                    output_compression=self.output_compression)
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""
