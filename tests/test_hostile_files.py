@@ -259,8 +259,8 @@ def test_json_from_a_folder_is_parsed_with_a_depth_limit(tmp_path):
     from diffgraph.safe_files import NotJson, parse_json, read_json
 
     assert parse_json(b'{"a": [1, {"b": 2}]}', max_depth=3) == {"a": [1, {"b": 2}]}
-    for text, words in (("[" * 200_000 + "]" * 200_000, "deeper than 64 levels"), ("[" * 65 + "]" * 65, "deeper than 64"),
-                        ("{not json", "is not valid JSON")):
+    for text, words in (("[" * 200_000 + "]" * 200_000, "deeper than 64 levels"),
+                        ("[" * 65 + "]" * 65, "deeper than 64"), ("{not json", "is not valid JSON")):
         (tmp_path / "config.json").write_text(text)
         with pytest.raises(NotJson, match=words):
             read_json(str(tmp_path / "config.json"), 1 << 30)

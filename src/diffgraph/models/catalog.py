@@ -1,4 +1,4 @@
-"""The models of a `--model-dir` folder (issue 29, point 3): what each entry is, read without torch.
+"""The models of a `--model-dir` folder: what each entry is, read without torch.
 
 `ModelDir(root).listing()`: each `*.safetensors` file under the folder is a model named by its relative path, "/"
 between folders, without the suffix (`sdxl/juggernaut`); each folder holding `model_index.json` is a diffusers model
@@ -7,10 +7,12 @@ listed under their full name with the conversion hint as their error, never open
 (links) is left out; links to folders are not followed; a FIFO, device or dangling link is refused by a stat, never
 opened; one removed between the walk and its stat is not listed. Headers are inspected
 (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`); folders' three small JSON
-files are read each listing. `resolve(name)` maps a request's model name to its entry (listing again: a model added
-later is found without a restart). `short_hash` / `full_hash`: AUTOMATIC1111's model hashes, computed once per file
-version and kept under a cache folder. `model_path(--model)`: the path that tells which entry is the default model.
-Standard library only (the HTTP process and `diffgraph models --dir DIR` use this).
+files are read each listing, their nesting bounded (`safe_files.parse_json`); an entry whose reading fails in a way
+no reader foresaw is listed as unservable with a one-line reason, never failing the listing. `resolve(name)` maps a
+request's model name to its entry (listing again: a model added later is found without a restart). `short_hash` /
+`full_hash`: AUTOMATIC1111's model hashes, computed once per file version and kept under a cache folder.
+`model_path(--model)`: the path that tells which entry is the default model. Standard library only (the HTTP
+process and `diffgraph models --dir DIR` use this).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which model a request goes to (issue 29, point 3): the default `--model`, or one of `--model-dir`'s by name.
+"""Which model a request goes to: the default `--model`, or one of `--model-dir`'s by name.
 
 `ModelRouting` holds the folder's catalog (models/catalog.py) and a `RemoteModels` (engine/remote_models.py): the
 `ModelSet` itself (engine/model_set.py: the resident engines on one device loop) lives in the engine's replica
@@ -10,7 +10,8 @@ the request is submitted. Bad names are a 400 naming `model`, unknown ones (or r
 the default under its `--model` name only (its folder name resolves to it). `listing()` is `GET /v1/models`: every
 model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short hash
 (computed once per file version on a background thread; null until known) and its `error`, with `error_kind`: "file"
-(the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again).
+(the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again). Every
+message a client gets names files relative to the folder (`shown`); whole paths go to the server's log only.
 """
 
 from __future__ import annotations
