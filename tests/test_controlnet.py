@@ -145,6 +145,36 @@ def test_a_single_file_controlnet_of_another_family_is_refused(tmp_path):
         assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
 
 
+def test_a_controlnet_folder_whose_config_cannot_be_read_is_left_out_of_the_listing(tmp_path):
+    """A config.json of 200,000 brackets, or one that is not an object, costs its own folder only (they were a
+    RecursionError and an AttributeError out of GET /v1/controlnets)."""
+    from diffgraph.models.controlnet_dir import WEIGHTS, ControlNetDir
+
+    for name, config in (("deep", "[" * 200_000 + "]" * 200_000), ("list", "[1]"),
+                         ("edges", json.dumps({"_class_name": "ControlNetModel", "cross_attention_dim": 32}))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
+        (tmp_path / name / WEIGHTS).write_bytes(b"")
+    catalog = ControlNetDir(str(tmp_path))
+    assert list(catalog.listing()) == ["edges"]
+    assert [(r["name"], r["cross_attention_dim"]) for r in catalog.describe()] == [("edges", 32)]
+
+
+def test_a_controlnet_that_cannot_be_read_is_named_relative_to_its_folder(tiny_engine, tmp_path):
+    """diffusers' reader names the whole path of the file it could not read; the 400 names it relative to
+    --controlnet-dir (it showed where the server keeps its files)."""
+    from diffgraph.models.controlnet_dir import WEIGHTS
+
+    make_controlnet(tiny_engine.model.unet, str(tmp_path / "lines" / "cut"), seed=1)
+    weights = tmp_path / "lines" / "cut" / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with Engine(model=tiny_engine.model, controlnet_dir=str(tmp_path)) as e:
+        with pytest.raises(ParamError, match="ControlNet 'lines/cut' could not be read") as got:
+            e.generate(PROMPT, num_inference_steps=1, controls=[dict(model="lines/cut", image=control_image(64, 1))])
+    assert str(tmp_path) not in str(got.value) and os.path.realpath(tmp_path) not in str(got.value)
+    assert f"'lines/cut/{WEIGHTS}'" in str(got.value)
+
+
 def test_controls_need_a_controlnet_dir():
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
         with pytest.raises(ParamError, match="--controlnet-dir"):

@@ -234,6 +234,39 @@ def test_a_file_that_grows_while_read_is_refused():
             t.join(BOUND_S)
 
 
+@pytest.mark.parametrize("header, words", [
+    (b'{"x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "its header nests JSON deeper than 3 levels"),
+    (b'{"x": {"dtype": "F32", "shape": [[[1]]], "data_offsets": [0, 4]}}', "its header nests JSON deeper than 3"),
+    (b'{"x": {"dtype": "F32", "shape": [' + b"1, " * 16 + b'1], "data_offsets": [0, 4]}}', "at most 16 dimensions"),
+    (b'{"' + b"x" * 5000 + b'": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "at most 4096 characters"),
+    (b'{"x": {"dtype": "' + b"F" * 5000 + b'", "shape": [1], "data_offsets": [0, 4]}}', "at most 4096 characters"),
+    (b"{" + b", ".join(b'"t%d": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}' % i for i in range(9)) + b"}",
+     "lists 9 tensors, above the limit of 8"),
+], ids=["200000-brackets", "nested-shape", "17-dims", "long-name", "long-dtype", "9-tensors"])
+def test_safetensors_headers_are_bounded_before_they_are_used(tmp_path, monkeypatch, header, words):
+    """safe_files: a header's nesting, tensor count, dimensions and names are bounded; each is a NotSafetensors
+    naming the bound (a header of 200,000 brackets was a RecursionError out of every listing that read it)."""
+    from diffgraph import safe_files
+
+    monkeypatch.setattr(safe_files, "MAX_TENSORS", 8)
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(safe_files.NotSafetensors, match=words):
+        safe_files.read_header(str(path), 1 << 30)
+
+
+def test_json_from_a_folder_is_parsed_with_a_depth_limit(tmp_path):
+    from diffgraph.safe_files import NotJson, parse_json, read_json
+
+    assert parse_json(b'{"a": [1, {"b": 2}]}', max_depth=3) == {"a": [1, {"b": 2}]}
+    for text, words in (("[" * 200_000 + "]" * 200_000, "deeper than 64 levels"),
+                        ("[" * 65 + "]" * 65, "deeper than 64"), ("{not json", "is not valid JSON")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(NotJson, match=words):
+            read_json(str(tmp_path / "config.json"), 1 << 30)
+    assert parse_json("[" * 64 + "]" * 64)  # the limit itself is allowed
+
+
 def test_the_file_pool_bounds_each_read_in_time():
     from diffgraph.safe_files import FileReader, ReadTimeout
 

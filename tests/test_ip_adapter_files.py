@@ -98,3 +98,18 @@ def test_a_broken_ip_adapter_over_http_is_a_400_naming_it_not_a_500(folder):
             assert r.status_code == 400 and r.json()["error"]["param"] == "image_prompts", r.text
             assert f"'{name}'" in r.json()["error"]["message"] and needle in r.json()["error"]["message"], r.text
         assert client.post("/v1/images/generations", json=dict(body, image_prompts=None)).status_code == 200
+
+
+def test_an_image_encoder_that_cannot_be_read_is_named_relative_to_the_folder(folder, tmp_path):
+    """transformers' reader names the whole path of the encoder it could not read; the error names it relative to
+    --ip-adapter-dir (it showed where the server keeps its files)."""
+    import os
+
+    model, _ = folder
+    make_ip_adapter(model.unet, tmp_path / "styles", "cut", seed=1)
+    weights = tmp_path / "styles" / "image_encoder" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
+        with pytest.raises(ParamError, match="the image encoder in 'styles/image_encoder' could not be read") as info:
+            e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=dict(model="styles/cut", images=[IMAGE]))
+    assert str(tmp_path) not in str(info.value) and os.path.realpath(tmp_path) not in str(info.value), info.value

@@ -106,7 +106,42 @@ def test_unservable_entries_say_why(folder):
     sd3 = entries["sd3"]
     assert (sd3.kind, sd3.family, sd3.native_size) == ("StableDiffusion3Pipeline", None, None)
     assert "supported: StableDiffusionXLPipeline" in sd3.error
-    assert entries["broken"].error == "broken/model_index.json is not JSON; copy the folder again"
+    assert entries["broken"].error.startswith("broken/model_index.json is not valid JSON (")
+
+
+def test_a_deeply_nested_json_file_costs_its_own_entry_only(folder):
+    (folder / "deep").mkdir()
+    (folder / "deep" / "model_index.json").write_text("[" * 200_000 + "]" * 200_000)  # was a RecursionError
+    shutil.copytree(shipped_preset_folder("digits"), folder / "configs")
+    (folder / "configs" / "unet" / "config.json").write_text('{"a": ' * 200_000 + "1" + "}" * 200_000)
+    (folder / "nested.safetensors").write_bytes(_header_file(b'{"t": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"))
+    d = ModelDir(str(folder))
+    entries = {e.name: e for e in d.listing()}
+    assert entries["deep"].error == ("deep/model_index.json nests JSON deeper than 64 levels (the limit for this "
+                                     "file; a damaged or hostile one): copy or download it again")
+    assert "nests JSON deeper than 3 levels" in entries["nested"].error
+    assert entries["configs"].error is None and entries["configs"].native_size is None  # its unet config unread
+    assert entries["sd15"].error is None and d.resolve("sd15").kind == "sd1"
+    with pytest.raises(ModelUnusable, match="deeper than 64 levels"):
+        d.resolve("deep")
+
+
+def _header_file(header: bytes) -> bytes:
+    return len(header).to_bytes(8, "little") + header
+
+
+def test_an_entry_whose_reader_fails_unforeseen_is_listed_as_unusable(folder, monkeypatch):
+    real = catalog.inspect_checkpoint
+
+    def failing(path, *a):
+        if path.endswith("juggernaut.safetensors"):
+            raise RuntimeError("a reader's own bug")
+        return real(path, *a)
+    monkeypatch.setattr(catalog, "inspect_checkpoint", failing)
+    entries = {e.name: e for e in ModelDir(str(folder)).listing()}  # was the RuntimeError, for the whole listing
+    assert entries["sdxl/juggernaut"].error == ("sdxl/juggernaut.safetensors cannot be read (RuntimeError): check or "
+                                                "replace it; the server's log has the details")
+    assert entries["sd15"].error is None and entries["sub/digits"].family == "sd"
 
 
 def test_a_fifo_is_listed_with_an_error_and_never_opened(folder):

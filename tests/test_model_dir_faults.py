@@ -5,9 +5,11 @@ inside `--model-dir` (one model, one name: not listed twice, nor loaded a second
 from __future__ import annotations
 
 import asyncio
+import json
 import io
 import os
 import shutil
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -195,3 +197,47 @@ def test_a_preload_of_the_default_under_its_folder_name_loads_nothing_more(tmp_p
         assert held.set.errors == {}
     finally:
         held.close()
+
+
+# -- 4. answers name files relative to their folders -------------------------------------------------------------------
+def test_no_answer_shows_where_the_server_keeps_its_files(tmp_path):
+    """Listings and errors name models and adapters as clients name them, relative to --model-dir and --lora-dir:
+    the server's absolute paths are for its own log (they were in /v1/models' errors and in the 400s of unusable and
+    unloadable models)."""
+    from diffgraph import Engine
+
+    models, loras = tmp_path / "models", tmp_path / "loras"
+    shutil.copytree(shipped_preset_folder("digits"), models / "broken")
+    unet = models / "broken" / "unet" / "diffusion_pytorch_model.safetensors"
+    unet.write_bytes(unet.read_bytes()[:4096])  # fails to load
+    _checkpoint(models / "ok.safetensors", 0.0)
+    (models / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    (models / "old.ckpt").write_bytes(b"PK\x03\x04 never unpickled")
+    loras.mkdir()
+    (loras / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    backend = _set(models)
+    config = ServerConfig(model="random:tiny", model_dir=str(models), lora_dir=str(loras), device="cpu")
+    app = create_app(config, engine_factory=lambda: Engine("random:tiny", device="cpu", lora_dir=str(loras)),
+                     models=backend)
+    roots = {str(tmp_path), os.path.realpath(tmp_path)}
+    bodies = []
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for _ in range(6000):  # the engine is built on a background thread (a failure bound, not a timing)
+            if http.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        for path in ("/v1/models", "/v1/loras", "/sdapi/v1/sd-models", "/sdapi/v1/loras", "/v1/loras?model=cut"):
+            bodies.append(http.get(path).text)
+        for extra in ({"model": "broken"}, {"model": "cut"}, {"model": "old.ckpt"}, {"model": "nope"},
+                      {"loras": [{"name": "cut", "scale": 1.0}]}, {"loras": [{"name": "nope", "scale": 1.0}]}):
+            r = http.post("/v1/images/generations", json={"prompt": "x", "num_inference_steps": 1, **extra})
+            assert r.status_code in (400, 404), r.text
+            bodies.append(r.text)
+        cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+        bodies.append(json.dumps(cards))
+    leaks = [b for b in bodies if any(root in b for root in roots)]
+    assert leaks == []
+    assert cards["broken"]["error"].startswith("model folder 'broken': unet/diffusion_pytorch_model.safetensors is "
+                                               "truncated")
+    assert cards["cut"]["error"].startswith("model 'cut.safetensors' is not a readable safetensors file")
+    assert "old.ckpt" in cards["old.ckpt"]["error"] and "convert it to .safetensors" in cards["old.ckpt"]["error"]

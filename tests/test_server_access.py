@@ -81,6 +81,56 @@ def test_polls_never_reach_the_access_log():
     assert f.filter(record("/v1/images/generations")) and f.filter(record("/"))
 
 
+def test_the_access_log_holds_no_key_and_no_signature():
+    """uvicorn's access log of a server with an API key, as `serve` sets it up: a key given as `?k=`, one in the path
+    and a signed image URL's `sig` are redacted (they were logged whole), the rest of each line is kept."""
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from diffgraph.server.app import create_app
+    from diffgraph.server.cli import quiet_access_log
+
+    key, sig = "k-8f3a9c1d77", "5e0b6c2a9d41f7aa"
+    config = ServerConfig(model=MODEL, device="cpu", api_keys=(key,))
+    app = create_app(config, engine_factory=lambda: (_ for _ in ()).throw(RuntimeError("not needed")))
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    access, handler = logging.getLogger("uvicorn.access"), Lines()
+    quiet = quiet_access_log(config)
+    access.addHandler(handler)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, log_level="info", lifespan="on", ws="none"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        for _ in range(6000):  # a failure bound, not a timing
+            if server.started:
+                break
+            time.sleep(0.05)
+        paths = [f"/v1/models?k={key}", f"/v1/images/files/abc.png?exp=99&sig={sig}", f"/{key}/v1/models",
+                 f"/v1/models?a=1&K={key}&SIG={sig}"]
+        for path in paths:
+            assert httpx.get(url + path, timeout=60).status_code in (401, 404)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        access.removeHandler(handler)
+        access.removeFilter(quiet)
+    logged = [line for line in lines if '"GET ' in line]
+    assert len(logged) == len(paths) and not [line for line in logged if key in line or sig in line], logged
+    assert any("/v1/images/files/abc.png?exp=99&sig=[redacted] " in line for line in logged)
+    assert any("/v1/models?a=1&K=[redacted]&SIG=[redacted] " in line for line in logged)
+    assert any('"GET /[redacted]/v1/models ' in line for line in logged)
+
+
 def test_an_open_server_on_all_interfaces_warns():
     from diffgraph.server.cli import open_server_warning
 

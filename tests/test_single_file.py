@@ -344,7 +344,8 @@ def test_generate_from_a_checkpoint_file_on_the_command_line(made, tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list"),
-                                         (b"\xff\xfe{}", "is not valid JSON")])
+                                         (b"\xff\xfe{}", "is not valid JSON"),
+                                         ("[" * 200_000, "nests JSON deeper than 64 levels")])
 def test_a_folder_whose_model_index_is_not_a_json_object_is_refused_naming_the_file(tmp_path, text, words):
     """A broken model_index.json (a model folder, or a checkpoint's --model-config) is a one-line error naming the file,
     not a bare JSONDecodeError."""

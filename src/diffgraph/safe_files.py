@@ -1,5 +1,7 @@
-"""Reading files that someone else may rewrite, replace or fake while we read them (issue 36): adapter files, and
-model folders' weights (`private_view`); embedding and control files can use the same calls.
+"""Reading files that someone else may rewrite, replace or fake while we read them: adapter files, and model
+folders' weights (`private_view`); embedding and control files can use the same calls. JSON read from a user's
+folder (configs, model indexes, safetensors headers) goes through `parse_json`, which bounds its nesting: a file of
+200,000 brackets is an UnusableFile, never a RecursionError in whatever lists it.
 
 A memory-mapped file whose pages a writer truncates kills the process with SIGBUS, so nothing here maps a file:
 `read_file` and `read_safetensors` copy the bytes into memory (a private copy that no writer can touch), and
@@ -36,6 +38,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 HEADER_LIMIT = 100 << 20       # safetensors' own limit on its JSON header
+JSON_DEPTH = 64                # nesting of JSON read from a user's folder (diffusers' configs nest 3 deep)
+MAX_TENSORS = 1 << 20          # tensors of one safetensors header (an SDXL checkpoint has ~2,500)
+MAX_DIMS = 16                  # dimensions of one tensor (safetensors' own files have at most 5)
+MAX_KEY_CHARS = 1 << 12        # a tensor's name, its dtype
 CHUNK = 1 << 30                # one read call (Linux reads at most ~2 GiB at a time)
 COPY_CHUNK = 64 << 20          # one write into a private copy (bounds the copy's transient memory)
 IDLE_S = 30.0                  # a FileReader thread idle this long leaves
@@ -57,6 +63,17 @@ class NotSafetensors(UnusableFile):
     """A regular file whose bytes are not a whole safetensors file (truncated, still being written, foreign)."""
 
 
+class NotJson(UnusableFile):
+    """Bytes that are not JSON, or that nest deeper than the limit; `why` is the phrase without the advice."""
+
+    def __init__(self, why: str):
+        super().__init__(f"{why}: copy or download it again")
+        self.why = why
+
+    def __reduce__(self):  # picklable (across a replica process boundary)
+        return (type(self), (self.why,))
+
+
 class ReadTimeout(UnusableFile):
     """A read on a `FileReader` did not finish within its time limit."""
 
@@ -66,6 +83,43 @@ class FileStamp(NamedTuple):
     mtime_ns: int
     inode: int
     device: int
+
+
+def parse_json(data: bytes | str, max_depth: int = JSON_DEPTH) -> Any:
+    """`data` parsed as JSON, refused when it is not JSON or nests deeper than `max_depth` (lists and objects). Raises
+    NotJson, whose message is a phrase after the file's name, as the other refusals here."""
+    try:
+        value = json.loads(data)
+    except RecursionError:  # (the decoder recurses per level: far past max_depth, before any value exists)
+        value = None
+        depth = max_depth + 1
+    except (UnicodeDecodeError, ValueError) as e:
+        raise NotJson(f"is not valid JSON ({e})") from None
+    else:
+        depth = _depth(value, max_depth)
+    if depth > max_depth:
+        raise NotJson(f"nests JSON deeper than {max_depth} levels (the limit for this file; a damaged or hostile one)")
+    return value
+
+
+def _depth(value: Any, max_depth: int) -> int:
+    """The nesting depth of parsed JSON, counted without recursion; it stops once past `max_depth`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if deepest > max_depth:
+                break
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+                         if isinstance(v, (dict, list)))
+    return deepest
+
+
+def read_json(path: str, max_bytes: int) -> tuple[Any, FileStamp]:
+    """The JSON file at `path` parsed (`parse_json`), and the version read. Raises UnusableFile / FileChanged."""
+    data, stamp = read_file(path, max_bytes)
+    return parse_json(data), stamp
 
 
 def stamp_of(st: os.stat_result) -> FileStamp:
@@ -209,15 +263,18 @@ def _header(f: _Open) -> SafetensorsHeader:
         raise NotSafetensors(f"is not a readable safetensors file (its header length {n} does not fit its {f.size} "
                              "bytes): it may be truncated; copy it again")
     try:
-        raw = json.loads(f.read(n, 8))
-    except (UnicodeDecodeError, ValueError):
-        raise NotSafetensors("is not a readable safetensors file (its header is not JSON): it may be truncated or "
-                             "still being written; copy it again") from None
+        raw = parse_json(f.read(n, 8), max_depth=3)  # {name: {"shape": [...]}}; __metadata__: {name: "text"}
+    except NotJson as e:
+        raise NotSafetensors(f"is not a readable safetensors file (its header {e.why}): it may be truncated or still "
+                             "being written; copy it again") from None
     if not isinstance(raw, dict):
         raise NotSafetensors("is not a readable safetensors file (its header is not a JSON object)")
     metadata = raw.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):  # (as safetensors)
         raise NotSafetensors("is not a readable safetensors file (its __metadata__ is not a map of strings)")
+    if len(raw) > MAX_TENSORS:
+        raise NotSafetensors(f"is not a readable safetensors file (its header lists {len(raw)} tensors, above the "
+                             f"limit of {MAX_TENSORS})")
     tensors = {key: _tensor(key, entry) for key, entry in raw.items()}
     end = max((t.end for t in tensors.values()), default=0)
     if 8 + n + end != f.size:
@@ -228,13 +285,17 @@ def _header(f: _Open) -> SafetensorsHeader:
 
 def _tensor(key: str, entry: Any) -> TensorInfo:
     try:
-        dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-        ok = isinstance(dtype, str) and all(type(d) is int and d >= 0 for d in shape) and \
-            type(begin) is int and type(end) is int and 0 <= begin <= end
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        ok = isinstance(dtype, str) and len(dtype) <= MAX_KEY_CHARS and len(key) <= MAX_KEY_CHARS and \
+            isinstance(shape, list) and len(shape) <= MAX_DIMS and all(type(d) is int and d >= 0 for d in shape) \
+            and type(begin) is int and type(end) is int and 0 <= begin <= end
+        shape = tuple(shape)
     except (TypeError, KeyError, ValueError):
         ok = False
     if not ok:
-        raise NotSafetensors(f"is not a readable safetensors file (tensor {key!r} has a malformed header entry)")
+        raise NotSafetensors(f"is not a readable safetensors file (tensor {key[:200]!r} has a malformed header entry: "
+                             f"a dtype, at most {MAX_DIMS} dimensions, data offsets; names of at most "
+                             f"{MAX_KEY_CHARS} characters)")
     t = TensorInfo(dtype, shape, begin, end)
     size = ITEM_BYTES.get(dtype)
     if size is not None and t.numel * size != end - begin:

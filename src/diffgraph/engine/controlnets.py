@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ParamError
+from ..errors import ParamError, relative_paths
 from ..lora.catalog import SlotCache
 from ..models.controlnet_dir import CLASS_NAME, WEIGHTS, ControlNetDir
 from ..control_maps import control_map, fit_map
@@ -104,8 +104,8 @@ class ControlNets:
         except ParamError:
             raise
         except Exception as e:
-            raise ParamError("controls", f"ControlNet {key[0]!r} could not be read: {str(e).splitlines()[0]}") \
-                from None
+            why = relative_paths(str(e).splitlines()[0], *self.catalog.roots)  # (diffusers names whole paths)
+            raise ParamError("controls", f"ControlNet {key[0]!r} could not be read: {why}") from None
         wrong = [f for f in MATCHING if _norm(getattr(net.config, f, None)) != _norm(getattr(self._unet, f, None))]
         # it takes the latents (the UNet's output channels, an inpainting UNet's too) and an RGB control image
         wrong += [f for f, want in (("in_channels", getattr(self._unet, "out_channels", 4)),

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ParamError
+from ..errors import ParamError, relative_paths
 from ..features.image_prompt import MAX_TOKENS, ImagePromptRows, cross_attention_layers, install
 from ..models.ip_adapter_dir import IPAdapterDir
 from ..request import MAX_CONTROL_PIXELS, GenerationRequest
@@ -163,8 +163,9 @@ class IPAdapters:
                 model = CLIPVisionModelWithProjection.from_pretrained(folder, torch_dtype=self.dtype,
                                                                       use_safetensors=True)
             except Exception as e:
-                raise ParamError("image_prompts", f"the image encoder in {folder!r} could not be read "
-                                                 f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+                why = relative_paths(f"the image encoder in {folder!r} could not be read ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0][:160]})", self.catalog.root)
+                raise ParamError("image_prompts", why) from None
             size = model.config.image_size  # diffusers' load_ip_adapter's processor when the pipeline has none
             got = self._encoders[folder] = (model.to(self.device).eval(), CLIPImageProcessor(size=size, crop_size=size))
         return got

@@ -1,4 +1,4 @@
-"""The models of a `--model-dir` folder (issue 29, point 3): what each entry is, read without torch.
+"""The models of a `--model-dir` folder: what each entry is, read without torch.
 
 `ModelDir(root).listing()`: each `*.safetensors` file under the folder is a model named by its relative path, "/"
 between folders, without the suffix (`sdxl/juggernaut`); each folder holding `model_index.json` is a diffusers model
@@ -7,10 +7,12 @@ listed under their full name with the conversion hint as their error, never open
 (links) is left out; links to folders are not followed; a FIFO, device or dangling link is refused by a stat, never
 opened; one removed between the walk and its stat is not listed. Headers are inspected
 (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`); folders' three small JSON
-files are read each listing. `resolve(name)` maps a request's model name to its entry (listing again: a model added
-later is found without a restart). `short_hash` / `full_hash`: AUTOMATIC1111's model hashes, computed once per file
-version and kept under a cache folder. `model_path(--model)`: the path that tells which entry is the default model.
-Standard library only (the HTTP process and `diffgraph models --dir DIR` use this).
+files are read each listing, their nesting bounded (`safe_files.parse_json`); an entry whose reading fails in a way
+no reader foresaw is listed as unservable with a one-line reason, never failing the listing. `resolve(name)` maps a
+request's model name to its entry (listing again: a model added later is found without a restart). `short_hash` /
+`full_hash`: AUTOMATIC1111's model hashes, computed once per file version and kept under a cache folder.
+`model_path(--model)`: the path that tells which entry is the default model. Standard library only (the HTTP
+process and `diffgraph models --dir DIR` use this).
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ import stat
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TextIO
+from typing import Any, Callable, Literal, TextIO
 
-from ..safe_files import FileChanged, FileStamp, UnusableFile, check_regular, read_file, stamp_of
+from ..safe_files import FileChanged, FileStamp, UnusableFile, check_regular, read_json, stamp_of
 from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
 from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
 from .clip_vocab import default_cache_root
@@ -125,14 +127,15 @@ class ModelDir:
             if folder != self.root and INDEX in files:
                 dirs[:] = []
                 if self._inside(os.path.join(folder, INDEX)):
-                    folder_entry = _folder_entry(rel_dir, folder)
+                    folder_entry = _contained(rel_dir, folder, "folder", lambda: _folder_entry(rel_dir, folder))
                     if os.path.lexists(os.path.join(folder, INDEX)):  # else removed since the walk: not listed
                         entries.append(folder_entry)
                 continue
             for f in files:
                 full = os.path.join(folder, f)
                 if (f.endswith(SUFFIX) or f.lower().endswith(PICKLE_EXTENSIONS)) and self._inside(full):
-                    entry = self._file_entry(f if rel_dir == "." else f"{rel_dir}/{f}", full)
+                    rel = f if rel_dir == "." else f"{rel_dir}/{f}"
+                    entry = _contained(rel, full, "file", lambda: self._file_entry(rel, full))
                     if entry is not None:
                         entries.append(entry)
                         files_seen.add(full)
@@ -193,14 +196,23 @@ class ModelDir:
         raise ModelNotFound(f"model {name!r} is not in the model folder; {hint}")
 
 
+def _contained(rel: str, path: str, form: Literal["file", "folder"],
+               read: Callable[[], ModelEntry | None]) -> ModelEntry | None:
+    """read(): an entry; should it fail in a way no reader foresaw, an unservable entry saying so, so that one odd
+    file costs its own entry only, never the listing (and every other model with it)."""
+    try:
+        return read()
+    except Exception as e:
+        logger.warning("model dir entry %s cannot be read: %r", path, e)
+        name = rel[: -len(SUFFIX)] if rel.endswith(SUFFIX) else rel
+        return ModelEntry(name, path, form, 0, None, error=f"{rel} cannot be read ({type(e).__name__}): check or "
+                          "replace it; the server's log has the details")
+
+
 def _folder_entry(name: str, folder: str) -> ModelEntry:
     """A diffusers folder's entry: its pipeline class and native size from its configs, and why it cannot be served."""
     def config(rel: str) -> tuple[Any, FileStamp]:
-        data, version = read_file(os.path.join(folder, rel), MAX_JSON_BYTES)
-        try:
-            return json.loads(data), version
-        except (UnicodeDecodeError, ValueError):
-            raise UnusableFile("is not JSON; copy the folder again") from None
+        return read_json(os.path.join(folder, rel), MAX_JSON_BYTES)
 
     size = _folder_bytes(folder)
     try:
@@ -271,8 +283,8 @@ def short_hash(path: str, cache_root: str) -> str | None:
 
 def _read_cache(cache_file: str) -> dict[str, Any]:
     try:
-        data = json.loads(read_file(cache_file, MAX_JSON_BYTES)[0])
-    except (UnusableFile, UnicodeDecodeError, ValueError):
+        data = read_json(cache_file, MAX_JSON_BYTES)[0]
+    except UnusableFile:
         return {}  # missing or damaged: rewritten whole on the next hash
     return data if isinstance(data, dict) else {}
 

@@ -12,15 +12,17 @@ resolves outside the root (symbolic links included). Pickled weights are never r
 
 from __future__ import annotations
 
-import json
 import os
+from typing import Any
 
 from ..errors import ParamError, unknown_hint
+from ..safe_files import UnusableFile, read_header, read_json
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "ControlNetModel"
 SINGLE_FILE = ".safetensors"
 HEADER_BYTES = 64 << 30  # a single file's size limit when its header is read (ControlNets are GBs at most)
+CONFIG_BYTES = 1 << 20   # a config.json (diffusers' are about 2 KB)
 # a key only a ControlNet has: the original layout's hint encoder, or diffusers' conditioning embedding
 MARKS = ("input_hint_block.0.weight", "control_model.input_hint_block.0.weight",
          "controlnet_cond_embedding.conv_in.weight")
@@ -29,7 +31,6 @@ MARKS = ("input_hint_block.0.weight", "control_model.input_hint_block.0.weight",
 def single_file_marks(path: str) -> dict | None:
     """What a single file's header says of the ControlNet in it ({"cross_attention_dim", "added_conditions"}), or
     None when it holds no ControlNet (or cannot be read as safetensors)."""
-    from ..safe_files import UnusableFile, read_header
     try:
         header, _ = read_header(path, HEADER_BYTES)
     except (UnusableFile, OSError):
@@ -70,11 +71,7 @@ class ControlNetDir:
         for folder, dirs, files in os.walk(root, followlinks=False):
             dirs.sort()
             if "config.json" in files and WEIGHTS in files:
-                try:
-                    with open(os.path.join(folder, "config.json")) as f:
-                        if json.load(f).get("_class_name") != CLASS_NAME:
-                            continue
-                except (OSError, ValueError):
+                if _config(folder).get("_class_name") != CLASS_NAME:
                     continue
                 out[os.path.relpath(folder, root).replace(os.sep, "/")] = folder
                 continue  # its files are its weights
@@ -108,13 +105,20 @@ class ControlNetDir:
                 if marks is not None:
                     rows.append({"name": name, "format": "single_file", **marks})
                 continue
-            try:
-                with open(os.path.join(folder, "config.json")) as f:
-                    config = json.load(f)
-            except (OSError, ValueError):  # changed since the listing
+            config = _config(folder)
+            if not config:  # changed since the listing
                 continue
             rows.append({"name": name, "format": "diffusers", "cross_attention_dim": config.get("cross_attention_dim"),
                          "block_out_channels": config.get("block_out_channels"),
                          "conditioning_channels": config.get("conditioning_channels", 3),
                          "added_conditions": config.get("addition_embed_type")})  # SDXL's: "text_time"
         return rows
+
+
+def _config(folder: str) -> dict[str, Any]:
+    """A ControlNet folder's config.json, or {} when it is not a readable JSON object (not listed, then)."""
+    try:
+        config = read_json(os.path.join(folder, "config.json"), CONFIG_BYTES)[0]
+    except (UnusableFile, OSError):
+        return {}
+    return config if isinstance(config, dict) else {}

@@ -16,7 +16,6 @@ parameters stay on the CPU at the file's dtype, it is their memory).
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import zipfile
@@ -30,7 +29,7 @@ from ..config import LoadOptions
 from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
-from .single_file import load_single_file, load_vae, read_model_index
+from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +221,10 @@ def _check_weights(folder: str, sub: str, component: Any) -> None:
     path = os.path.join(folder, sub)
     if not os.path.isfile(os.path.join(path, "config.json")):
         return
+    try:  # read here, bounded, before diffusers reads it unbounded
+        safe_files.read_json(os.path.join(path, "config.json"), CONFIG_BYTES)
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"model folder {folder!r}: {sub}/config.json {e}") from None
     weights = sorted(f for f in os.listdir(path) if f.endswith(_WEIGHTS_EXT))
     if not weights:
         library = component[0] if isinstance(component, list) and component else None
@@ -253,9 +256,9 @@ def _weights_problem(path: str) -> str | None:
         if header_len > 100_000_000:  # safetensors' own bound: not a header, so not a safetensors file
             return "is not a readable safetensors file (its header is damaged)"
         try:
-            header = json.loads(f.read(header_len))
+            header = safe_files.parse_json(f.read(header_len), max_depth=3)
             end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # (NotJson is a ValueError)
             return "is not a readable safetensors file (its header is damaged)"
     if 8 + header_len + end > size:
         return f"is truncated ({size} bytes of the {8 + header_len + end} its header describes)"

@@ -11,7 +11,6 @@ or infinite are refused by name.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -29,6 +28,7 @@ from .families import FamilyRegistry
 from .model import DiffusionModel
 
 logger = logging.getLogger(__name__)
+CONFIG_BYTES = 16 << 20  # a model folder's model_index.json (diffusers' are under 1 KB)
 
 
 def load_single_file(path: str, device: torch.device, dtype: torch.dtype, name: str, families: FamilyRegistry,
@@ -134,7 +134,8 @@ def _private_link(path: str, max_bytes: int) -> Iterator[str]:
     try:
         fd, _stamp = safe_files.private_copy(path, max_bytes)
     except safe_files.UnusableFile as e:
-        raise ValueError(f"{path!r} {e}") from None
+        why = e.why if isinstance(e, safe_files.NotJson) else str(e)
+        raise ValueError(f"{path!r} {why}; restore the folder's model_index.json from its source") from None
     view = tempfile.mkdtemp(prefix="diffgraph-file-")
     link = os.path.join(view, "weights.safetensors")
     try:
@@ -149,11 +150,10 @@ def read_model_index(folder: str) -> dict[str, Any]:
     """A diffusers folder's model_index.json as a dict; a file that is not a JSON object is a ValueError naming it."""
     path = os.path.join(folder, "model_index.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path!r} is not valid JSON ({e}); restore the folder's model_index.json from its "
-                         "source") from None
+        index = safe_files.read_json(path, CONFIG_BYTES)[0]
+    except safe_files.UnusableFile as e:
+        why = e.why if isinstance(e, safe_files.NotJson) else str(e)
+        raise ValueError(f"{path!r} {why}; restore the folder's model_index.json from its source") from None
     if not isinstance(index, dict):
         raise ValueError(f"{path!r} holds a JSON {type(index).__name__}, not an object; restore the folder's "
                          "model_index.json from its source")

@@ -7,8 +7,9 @@ The first SIGTERM (or Ctrl-C) drains: the server keeps listening but answers new
 and exits 0. A second signal exits at once.
 
 Before anything loads, the port is bound (a port in use is one line naming --port, exit 2); connections are bounded
-by connections.py's guard (--header-timeout, --max-connections), the access log drops polls and redacts secrets in
-query strings, and one INFO line says when the server is ready, where, and how long start-up took.
+by connections.py's guard (--header-timeout, --max-connections), the access log drops polls and redacts secrets (in
+query strings, signed URLs' signatures, API keys in paths), and one INFO line says when the server is ready, where,
+and how long start-up took.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -327,36 +329,55 @@ def _server_class():
 QUIET_PATHS = ("/health", "/ready", "/metrics", "/status")
 
 
-# query parameters whose values never reach the log: a name holding any of these (api_key, token, access_token ...)
+# query parameters whose values never reach the log: a name holding any of these (api_key, token, access_token ...),
+# or one of the names: a key given as `k`, a signed image URL's signature
 SECRET_PARAMS = ("key", "token", "secret", "password", "auth")
+SECRET_NAMES = ("k", "sig")
+REDACTED = "[redacted]"
 
 
-def redact_query(path: str) -> str:
-    """`path` with the values of secret-looking query parameters replaced (names are read percent-decoded)."""
+def redact_query(path: str, keys: tuple[str, ...] = ()) -> str:
+    """`path` with the values of secret-looking query parameters replaced (names are read percent-decoded), and each
+    part of it that is one of `keys` (the API keys: a client that put its key in the path) replaced too."""
+    if keys:
+        path = re.sub(r"[^/?&=;]+", lambda m: REDACTED if unquote_plus(m.group()) in keys else m.group(), path)
     base, sep, query = path.partition("?")
     if not sep:
         return path
     parts = []
     for item in query.split("&"):
         name, eq, _ = item.partition("=")
-        if any(word in unquote_plus(name).lower() for word in SECRET_PARAMS):
-            item = f"{name}{eq or '='}[redacted]"
+        name_read = unquote_plus(name).lower()
+        if name_read in SECRET_NAMES or any(word in name_read for word in SECRET_PARAMS):
+            item = f"{name}{eq or '='}{REDACTED}"
         parts.append(item)
     return f"{base}?{'&'.join(parts)}"
 
 
 class _QuietPolls(logging.Filter):
     """uvicorn's access log (the record's args: client, method, path, ...): drops the records of the polled paths,
-    and redacts secrets from the query strings of the others."""
+    and redacts secrets from the others: query parameters that hold them, and the API `keys` wherever they stand."""
+
+    def __init__(self, keys: tuple[str, ...] = ()):
+        super().__init__()
+        self.keys = frozenset(keys)
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args if isinstance(record.args, tuple) else ()
         path = str(args[2]) if len(args) > 2 else ""
         if path.split("?", 1)[0] in QUIET_PATHS:
             return False
-        if "?" in path:
-            record.args = (*args[:2], redact_query(path), *args[3:])
+        if "?" in path or self.keys:
+            record.args = (*args[:2], redact_query(path, self.keys), *args[3:])
         return True
+
+
+def quiet_access_log(config: ServerConfig) -> logging.Filter:
+    """Puts the access log's filter (`_QuietPolls`, with the server's API keys) on uvicorn's access logger; returns
+    it, for whoever removes it again."""
+    quiet = _QuietPolls(tuple(config.api_keys))
+    logging.getLogger("uvicorn.access").addFilter(quiet)
+    return quiet
 
 
 def open_server_warning(config: ServerConfig) -> str | None:
@@ -426,7 +447,7 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
         log.info("threads: %s", apply_thread_settings(config))
     app = create_app(config, engine_factory)
     state = app.state.server
-    logging.getLogger("uvicorn.access").addFilter(_QuietPolls())
+    quiet_access_log(config)
     guard = ConnectionGuard(max_connections, config.header_timeout)
     # no limit_concurrency: the guard bounds connections (uvicorn's bound counts idle sockets against requests)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,

@@ -1,4 +1,4 @@
-"""Which model a request goes to (issue 29, point 3): the default `--model`, or one of `--model-dir`'s by name.
+"""Which model a request goes to: the default `--model`, or one of `--model-dir`'s by name.
 
 `ModelRouting` holds the folder's catalog (models/catalog.py) and a `RemoteModels` (engine/remote_models.py): the
 `ModelSet` itself (engine/model_set.py: the resident engines on one device loop) lives in the engine's replica
@@ -10,7 +10,8 @@ the request is submitted. Bad names are a 400 naming `model`, unknown ones (or r
 the default under its `--model` name only (its folder name resolves to it). `listing()` is `GET /v1/models`: every
 model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short hash
 (computed once per file version on a background thread; null until known) and its `error`, with `error_kind`: "file"
-(the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again).
+(the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again). Every
+message a client gets names files relative to the folder (`shown`); whole paths go to the server's log only.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..engine.client import EngineClient
 from ..engine.remote_models import ModelsBackend, RemoteResident
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, relative_paths
 from ..models.catalog import ModelDir, ModelEntry, ModelNameError, ModelNotFound, model_path, short_hash
 from ..models.clip_vocab import default_cache_root
 from ..request import EngineClosed, ModelInfo
@@ -48,6 +49,7 @@ class Target:
 class ModelRouting:
     def __init__(self, root: str, default: str, models: ModelsBackend):
         self.catalog = ModelDir(root)
+        self._roots = (root, self.catalog.root)  # as given and its real path: what messages are relative to
         self.default = default
         self._default_path = model_path(default)  # `--model PATH` inside the folder: its entry is the default
         self.models = models  # the set, in the engine's processes (replica processes or Ray engine replicas)
@@ -60,11 +62,15 @@ class ModelRouting:
         try:
             entry = await asyncio.to_thread(self.catalog.resolve, name)
         except ModelNotFound as e:
-            raise APIError(404, f"{e} (or the default, {self.default!r}; GET /v1/models lists them)", param="model",
-                           code="model_not_found") from None
+            raise APIError(404, f"{self.shown(e)} (or the default, {self.default!r}; GET /v1/models lists them)",
+                           param="model", code="model_not_found") from None
         except ModelNameError as e:
-            raise APIError(400, str(e), param="model", code="model_unusable") from None
+            raise APIError(400, self.shown(e), param="model", code="model_unusable") from None
         return self.default if self._is_default(entry) else entry.name
+
+    def shown(self, error: Exception | str | None) -> str | None:
+        """An error as a client sees it: paths under the folder relative to it (the log keeps them whole)."""
+        return None if error is None else relative_paths(str(error), *self._roots)
 
     def _is_default(self, entry: ModelEntry) -> bool:
         """Whether a folder entry is the default model: one model, one name (and one engine)."""
@@ -83,7 +89,7 @@ class ModelRouting:
                                 "(GET /v1/models shows it resident when it is ready)", code="model_loading") from None
         except ModelLoadError as e:
             await self.resolve(name)  # removed or renamed since it was resolved: the 404 of a name not listed
-            raise APIError(400, str(e), param="model", code="model_unusable") from None
+            raise APIError(400, self.shown(e), param="model", code="model_unusable") from None
         except EngineClosed as e:  # the engine process went (or restarts) while the model loaded: retryable
             raise APIError(503, f"{e}", code="engine_unavailable") from None
         return Target(resident.client, resident.client.info, resident)
@@ -122,7 +128,7 @@ class ModelRouting:
             # "file": the entry cannot be served as it is (listed anew when the file changes); "load": its last load
             # failed, and the next request for it tries again (so it stays on offer: A1111's titles list it)
             error, error_kind = (e.error, "file") if e.error else (failed.get(e.name), "load")
-            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size, error,
+            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size, self.shown(error),
                                   (e.path, e.stamp) if e.form == "file" else None, e.kind, error_kind))
         self._hash_later([(e.path, e.stamp) for e in entries if e.form == "file" and not e.error])
         return out

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 from functools import partial
@@ -39,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from ... import safe_files
 from ...features.base import RowFeature
 from ...features.context import PromptContext, lcm_all
 from ...features.control import ControlRows, ControlSlots
@@ -179,8 +179,11 @@ class FamilyAdapter:
             cls = classes[cls_name]
             encoders.append(cls.from_pretrained(os.path.join(folder, enc_sub), local_files_only=True, dtype=dtype))
             tokenizers.append(CLIPTokenizer.from_pretrained(os.path.join(folder, tok_sub), local_files_only=True))
-        with open(os.path.join(folder, "scheduler", "scheduler_config.json"), encoding="utf-8") as f:
-            scheduler_config = json.load(f)
+        try:
+            scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
+                                                    1 << 20)[0]
+        except safe_files.UnusableFile as e:
+            raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
         native = int(unet.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1)
         return DiffusionModel(
             name=name, family=self.name, adapter=self, unet=unet, vae=vae, text_encoders=encoders,
