@@ -27,3 +27,21 @@ def tiny_xl_engine():
     from diffgraph import Engine
     with Engine(model="random:tiny-xl", device="cpu", dtype="fp32") as engine:
         yield engine
+
+
+@pytest.fixture
+def cut_on_load(monkeypatch):
+    """`cut_on_load(cls, *paths)`: from then on `cls.from_pretrained` first truncates the files at `paths` (as
+    `cp new old` or `rsync --inplace` starts rewriting them) and then reads. A loader that hands it the user's
+    files reads them cut (or, mapped, dies of SIGBUS later); one that hands it private copies made before is
+    untouched."""
+    def cut_on_load(cls, *paths):
+        read = cls.from_pretrained
+
+        def cut_then_read(*args, **kwargs):
+            for path in paths:
+                with open(path, "r+b") as f:
+                    f.truncate(0)
+            return read(*args, **kwargs)
+        monkeypatch.setattr(cls, "from_pretrained", cut_then_read)
+    return cut_on_load

@@ -175,6 +175,32 @@ def test_a_controlnet_that_cannot_be_read_is_named_relative_to_its_folder(tiny_e
     assert f"'lines/cut/{WEIGHTS}'" in str(got.value)
 
 
+def test_a_controlnet_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(tmp_path, cut_on_load):
+    """diffusers maps a ControlNet's weights, and on the CPU at the file's dtype its parameters stay views of that
+    map: a folder rewritten in place (`cp new old`) while a request loaded it killed the replica with SIGBUS. It is
+    read from a private copy made first: cut as from_pretrained starts, it still loads the weights it had (the same
+    image); cut before a request reads it, that request is a ParamError (a 400) naming the file, and the engine
+    keeps serving."""
+    from diffusers import ControlNetModel
+    controls = [dict(model="edges", image=control_image(64, 1))]
+    weights = str(tmp_path / "edges" / "diffusion_pytorch_model.safetensors")
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
+        make_controlnet(plain.model.unet, str(tmp_path / "edges"), seed=10)
+        with Engine(model=plain.model, controlnet_dir=str(tmp_path)) as e:
+            want = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
+        cut_on_load(ControlNetModel, weights)
+        with Engine(model=plain.model, controlnet_dir=str(tmp_path)) as e:
+            got = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
+            assert os.path.getsize(weights) == 0 and np.array_equal(got, want)
+        with Engine(model=plain.model, controlnet_dir=str(tmp_path)) as e:
+            with pytest.raises(ParamError) as info:
+                e.generate(PROMPT, num_inference_steps=1, seed=1, controls=controls)
+            assert info.value.param == "controls" and "\n" not in str(info.value)
+            assert str(info.value).startswith("ControlNet 'edges': diffusion_pytorch_model.safetensors is not a "
+                                              "readable safetensors file (0 bytes"), str(info.value)
+            assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
+
+
 def test_controls_need_a_controlnet_dir():
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
         with pytest.raises(ParamError, match="--controlnet-dir"):

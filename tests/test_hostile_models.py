@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from diffgraph import safe_files
 from diffgraph.cli import main
-from diffgraph.models import loader
+from diffgraph.models.weights_view import weights_read
 
 DIGITS = os.path.join(os.path.dirname(__file__), os.pardir, "src", "diffgraph", "assets", "digits")
 WEIGHTS = ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
@@ -102,7 +102,7 @@ def test_only_the_weights_from_pretrained_reads_are_copied(tmp_path, files, read
     (tmp_path / "unet").mkdir()
     for name in files:
         (tmp_path / "unet" / name).write_bytes(b"x")
-    copies, omit = loader._weights_read(str(tmp_path))
+    copies, omit = weights_read(str(tmp_path))
     assert copies == [os.path.join("unet", f) for f in read]
     assert sorted(omit) == sorted(os.path.join("unet", f) for f in files if f not in read)
 

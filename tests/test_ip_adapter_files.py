@@ -113,3 +113,33 @@ def test_an_image_encoder_that_cannot_be_read_is_named_relative_to_the_folder(fo
         with pytest.raises(ParamError, match="the image encoder in 'styles/image_encoder' could not be read") as info:
             e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=dict(model="styles/cut", images=[IMAGE]))
     assert str(tmp_path) not in str(info.value) and os.path.realpath(tmp_path) not in str(info.value), info.value
+
+
+def test_an_image_encoder_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(folder, tmp_path,
+                                                                                      cut_on_load):
+    """transformers maps the image encoder's weights: a folder rewritten in place while it loaded could kill the
+    process with SIGBUS. It is read from a private copy made first: cut as from_pretrained starts, it still loads
+    the weights it had (the same image); cut before an engine reads it, the request is a one-line ParamError naming
+    the file, and the engine keeps serving."""
+    import shutil
+
+    from transformers import CLIPVisionModelWithProjection
+    model, root = folder
+    shutil.copytree(root / "image_encoder", tmp_path / "image_encoder")
+    shutil.copy(root / "base.safetensors", tmp_path / "base.safetensors")
+    weights = tmp_path / "image_encoder" / "model.safetensors"
+    prompt = dict(model="base", images=[IMAGE])
+    with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
+        want = e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt).arrays
+    cut_on_load(CLIPVisionModelWithProjection, str(weights))
+    with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
+        got = e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt).arrays
+        assert weights.stat().st_size == 0 and np.array_equal(got, want)
+    with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
+        with pytest.raises(ParamError) as info:
+            e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt)
+        message = str(info.value)
+        assert info.value.param == "image_prompts" and "\n" not in message, message
+        assert "image encoder in 'image_encoder': model.safetensors is not a readable safetensors file " \
+               "(0 bytes" in message and str(tmp_path) not in message, message
+        assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape[0] == 1

@@ -183,6 +183,31 @@ def test_a_bad_preview_decoder_is_refused_saying_what_to_give(tmp_path, tiny_dec
         Engine("digits", device="cpu", preview_decoder=str(tmp_path / "sd3"))
 
 
+def test_a_preview_decoder_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(tmp_path, tiny_decoder,
+                                                                                         cut_on_load):
+    """diffusers maps the tiny decoder's weights (on the CPU its parameters stay views of that map): a folder
+    rewritten in place while or after it loaded could kill the server with SIGBUS. It is read from a private copy
+    made first: cut as from_pretrained starts, it still loads the weights it had; cut before, the engine is refused
+    in one line naming the file."""
+    import shutil
+
+    from diffusers import AutoencoderTiny
+    folder = tmp_path / "taesd"
+    shutil.copytree(tiny_decoder, folder)
+    want = AutoencoderTiny.from_pretrained(tiny_decoder).state_dict()
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    cut_on_load(AutoencoderTiny, str(weights))
+    with Engine("digits", device="cpu", preview_decoder=str(folder)) as e:
+        got = e.core.previews.decoder.module.state_dict()
+        assert weights.stat().st_size == 0
+        assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(got.values(), want.values(), strict=True))
+    with pytest.raises(ParamError) as info:
+        Engine("digits", device="cpu", preview_decoder=str(folder))
+    assert info.value.param == "preview_decoder" and "\n" not in str(info.value)
+    assert str(info.value).startswith(f"--preview-decoder {str(folder)!r}: diffusion_pytorch_model.safetensors is not "
+                                      "a readable safetensors file (0 bytes"), str(info.value)
+
+
 def test_a_stream_every_two_steps_over_twenty_has_ten_previews_approaching_the_final_one():
     """The same over HTTP (issue 34's test): `preview: {"every": 2}` on a 20-step digits request streams 10
     image_generation.partial_image events before the image, each closer to the last preview."""

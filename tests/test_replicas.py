@@ -264,21 +264,58 @@ def test_the_heartbeat_verdicts_wedged_back_and_killed():
     assert len(errors) == 1 and isinstance(errors[0], EngineClosed) and "stopped answering" in str(errors[0])
 
 
-def test_a_replica_left_down_still_says_why_its_engine_failed():
-    """The engine's own error (here, a build failure its process reported before exiting) stays in the replica's
-    error once it is left down, not only in the log."""
+def _left_down(name: str, last_error: str | None = None) -> ReplicaClient:
+    """A replica client (no process) whose replica exited once with no restarts allowed: left down. `last_error`: what
+    its process reported before it exited."""
     import threading as th
 
     r = object.__new__(ReplicaClient)
-    r.name, r.state, r.error, r.restarts = "cpu#3", "starting", None, 0
+    r.name, r.state, r.error, r.restarts = name, "starting", None, 0
     r._crashes, r._window_s, r._max_restarts, r._backoff_s = [], 60.0, 0, 1.0
     r._lock, r._ready_event = th.Lock(), th.Event()
     r._handles, r._pending, r._asked, r._requests = {}, {}, {}, {}
-    r._dispatch(("failed", "could not build the engine: no model at /models/x.safetensors"))
+    if last_error is not None:
+        r._dispatch(("failed", last_error))
     r._on_exit(1)
+    return r
+
+
+def test_a_replica_left_down_still_says_why_its_engine_failed():
+    """The engine's own error (here, a build failure its process reported before exiting) stays in the replica's
+    error once it is left down, not only in the log."""
+    r = _left_down("cpu#3", "could not build the engine: no model at /models/x.safetensors")
     assert r.state == "down" and r._ready_event.is_set()
     assert r.error == ("crashed 1 time within 60 s; left down (its last error: could not build the engine: no model "
                        "at /models/x.safetensors)")
+
+
+def test_replicas_left_down_fail_health_once_fewer_than_min_ready_can_serve():
+    """A replica left down after repeated crashes is never started again. With too few left to be ready, /ready and
+    every request answered 503 for good while /health answered 200, so a liveness probe never restarted the server.
+    /health answers 503 with the reason then; while enough replicas can serve, or may come back (restarting), 200."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from diffgraph.server.app import create_app
+    from diffgraph.server.config import ServerConfig
+    down = _left_down("cpu#0")
+    up = SimpleNamespace(name="cpu#1", state="ready", ready=True, error=None, info=None)
+    back = SimpleNamespace(name="cpu#1", state="restarting", ready=False, error="exit code -9", info=None)
+    app = create_app(ServerConfig(model="random:tiny", device="cpu"), engine_factory=lambda: None)
+    client = TestClient(app)  # outside a `with`: no lifespan, nothing is built; the routers below are its engine
+    for replicas, min_ready, healthy in (([down, up], 1, True), ([down, back], 1, True), ([down, up], 2, False),
+                                         ([down], 1, False)):
+        app.state.server.engine = Router(replicas, min_ready)
+        r = client.get("/health")
+        assert r.json()["ready"] is (up in replicas and min_ready == 1), r.text
+        if healthy:
+            assert r.status_code == 200 and r.json()["status"] == "ok", r.text
+            continue
+        assert r.status_code == 503 and r.json()["status"] == "down", r.text
+        assert "cpu#0: crashed 1 time within 60 s; left down" in r.json()["error"], r.text
+        assert "restart the server" in r.json()["error"], r.text
+    assert client.get("/ready").status_code == 503
 
 
 def _request():

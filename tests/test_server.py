@@ -589,7 +589,8 @@ def test_config_file_prewarm_list_and_trailing_comma(tmp_path):
 
 def test_a_dead_engine_loop_is_not_ready():
     """A bug in the engine loop itself: /ready and the diffgraph_ready gauge say so at once, and new requests get a
-    503 that says what happened instead of being queued to a loop that will never run them."""
+    503 that says what happened instead of being queued to a loop that will never run them. The loop never runs
+    again in this process, so /health answers 503 too (a liveness probe restarts the server)."""
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
@@ -613,6 +614,8 @@ def test_a_dead_engine_loop_is_not_ready():
         r = client.get("/ready")
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
         assert "diffgraph_ready 0.0" in client.get("/metrics").text
-        assert client.get("/health").json()["ready"] is False
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["ready"] is False, health.text
+        assert "the engine loop stopped" in health.json()["error"] or "internal error" in health.json()["error"]
         r = client.post("/v1/images/generations", json={"prompt": "x", "size": "64x64", "num_inference_steps": 1})
         assert r.status_code == 503 and "internal error" in r.json()["error"]["message"]

@@ -158,6 +158,36 @@ def test_vae_override_on_a_folder_replaces_its_vae(made, tmp_path):
         load_model("random:tiny", "cpu", "fp32", options=LoadOptions(vae=os.path.join(folder, "vae")))
 
 
+@pytest.mark.parametrize("layout", ["vae folder", "pipeline folder"])
+def test_a_vae_folder_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(made, tmp_path, cut_on_load,
+                                                                                    layout):
+    """diffusers maps a `--vae` folder's weights, and on the CPU at the file's dtype the VAE's parameters stay views of
+    that map: a folder rewritten in place while (or after) it loaded could kill the process with SIGBUS. It is read
+    from a private copy made first: cut as from_pretrained starts, it still loads the weights it had; cut before, the
+    load is a one-line ValueError naming the file."""
+    import shutil
+
+    from diffusers import AutoencoderKL
+
+    from diffgraph.models.single_file import load_vae
+    folder, _ = made["digits"]
+    ref = load_model(folder, "cpu", "fp32").vae
+    source = tmp_path / "vae" if layout == "vae folder" else tmp_path
+    shutil.copytree(os.path.join(folder, "vae"), tmp_path / "vae")
+    if layout == "pipeline folder":
+        shutil.copy(os.path.join(folder, "model_index.json"), tmp_path)
+    weights = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
+    cut_on_load(AutoencoderKL, str(weights))
+    vae = load_vae(str(source), torch.float32, folder, 1 << 40)
+    assert weights.stat().st_size == 0
+    assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), ref.state_dict().values(), strict=True))
+    rel = "diffusion_pytorch_model.safetensors" if layout == "vae folder" else "vae/diffusion_pytorch_model.safetensors"
+    with pytest.raises(ValueError) as e:
+        load_vae(str(source), torch.float32, folder, 1 << 40)
+    assert str(e.value).startswith(f"vae {str(source)!r}: {rel} is not a readable safetensors file (0 bytes"), e.value
+    assert "\n" not in str(e.value) and "copy" in str(e.value)
+
+
 def test_without_model_config_the_detected_config_is_used_and_never_downloaded(made):
     # the tiny model is not SD1.5's architecture: the detected SD1.5 config (written here, offline) says so in a line
     _, path = made["digits"]

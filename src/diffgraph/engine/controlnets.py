@@ -5,15 +5,16 @@ safetensors weights), each named by its path relative to the folder with "/" bet
 found without a restart. Names follow `--lora-dir`'s rules: relative, no "..", backslashes or NUL, nothing resolving
 outside the folder; pickled weights are never loaded (diffusers' `use_safetensors=True`).
 
-A request's controls are resolved on the submitting thread (`resolve`): each name found, its weights read into a
-host copy (cached for the most recent `slots` ControlNets; a resolved request holds its own until it is done, so
-an admitted one always has its weights), its architecture checked against the UNet (a ControlNet of
-another family is the caller's 400), and its control image prepared as diffusers' ControlNet pipelines prepare it
+A request's controls are resolved on the submitting thread (`resolve`): each name found, its weights read into a host
+copy (from a private copy of the file, never a map of the user's: `weights_view`; a file rewritten meanwhile is the
+caller's 400, not a SIGBUS), cached for the most recent `slots` ControlNets (a resolved request holds its own until it
+is done, so an admitted one always has its weights), its architecture checked against the UNet (a ControlNet of another
+family is the caller's 400), and its control image prepared as diffusers' ControlNet pipelines prepare it
 (`VaeImageProcessor` without normalisation: resized to the output size, RGB in [0, 1]). On the loop thread the set is
-an admission gate (`can_admit`, `admit`, `release`) over `slots` device slots (lora.catalog.SlotCache: a slot in use
-is never evicted; when every slot is pinned the request waits, it does not fail), and `load_admitted` copies the host
-copies of the ControlNets admitted this step into their slots between steps: into the slot's module in place where
-it holds one of the same architecture (its CUDA graphs stay valid: engine/control_graphs.py), else as a new module.
+an admission gate (`can_admit`, `admit`, `release`) over `slots` device slots (lora.catalog.SlotCache: a slot in use is
+never evicted; when every slot is pinned the request waits, it does not fail), and `load_admitted` copies the host
+copies of the ControlNets admitted this step into their slots between steps: into the slot's module in place where it
+holds one of the same architecture (its CUDA graphs stay valid: engine/control_graphs.py), else as a new module.
 `module(slot)` is what the step's ControlNet prepass runs (features/control.py, through control_graphs.py).
 """
 
@@ -33,6 +34,7 @@ import torch
 from ..errors import ParamError, relative_paths
 from ..lora.catalog import SlotCache
 from ..models.controlnet_dir import CLASS_NAME, WEIGHTS, ControlNetDir
+from ..models.weights_view import UnreadableWeights, weights_view
 from ..control_maps import control_map, fit_map
 from ..request import CONTROL_MODES, GenerationRequest
 from ..safe_files import stamp_of
@@ -99,10 +101,15 @@ class ControlNets:
                 return held
         from diffusers import ControlNetModel
         try:
-            net = (self._single_file(folder) if os.path.isfile(folder)
-                   else ControlNetModel.from_pretrained(folder, torch_dtype=self.dtype, use_safetensors=True))
+            if os.path.isfile(folder):
+                net = self._single_file(folder)
+            else:  # read through a private copy: a folder rewritten in place meanwhile cannot SIGBUS us
+                with weights_view(folder, f"ControlNet {key[0]!r}", ["."]) as view:
+                    net = ControlNetModel.from_pretrained(view, torch_dtype=self.dtype, use_safetensors=True)
         except ParamError:
             raise
+        except UnreadableWeights as e:
+            raise ParamError("controls", relative_paths(str(e), *self.catalog.roots)) from None
         except Exception as e:
             why = relative_paths(str(e).splitlines()[0], *self.catalog.roots)  # (diffusers names whole paths)
             raise ParamError("controls", f"ControlNet {key[0]!r} could not be read: {why}") from None

@@ -30,6 +30,7 @@ import torch
 
 from ..graphs.runner import GraphRunner
 from ..models.model import DiffusionModel
+from ..models.weights_view import UnreadableWeights, weights_view
 from ..request import GroupKey, ProgressEvent
 from .request_state import RequestState
 
@@ -107,8 +108,11 @@ class TinyDecoder:
         from diffusers import AutoencoderTiny
 
         model = runner.model
-        try:
-            self.module = AutoencoderTiny.from_pretrained(folder, local_files_only=True).eval()
+        try:  # through a private copy: parameters left on the CPU would map the user's file
+            with weights_view(folder, f"--preview-decoder {folder!r}", ["."]) as view:
+                self.module = AutoencoderTiny.from_pretrained(view, local_files_only=True).eval()
+        except UnreadableWeights:
+            raise
         except (OSError, ValueError) as e:
             raise ValueError(f"--preview-decoder {folder!r} is not a diffusers AutoencoderTiny folder (TAESD / "
                              f"TAESDXL: config.json and diffusion_pytorch_model.safetensors): {e}") from None

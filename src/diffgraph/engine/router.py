@@ -7,7 +7,8 @@ Routing: least outstanding work, counted as the remaining row-steps of each repl
 steps left, updated from their progress events); among replicas within one request's work of the least loaded,
 one that already runs the request's resolution group wins (co-located rows fill batch buckets). `ready` holds
 while at least `min_ready` replicas are ready, so one dead GPU does not take the host out of its load balancer;
-`replica_states()` lists each one. Stats are the replicas' summed, with the per-replica figures beside them.
+`down` says why it never will again (too few replicas left that can be ready: the server's /health fails, so that a
+supervisor restarts it); `replica_states()` lists each one. Stats are the replicas' summed, with the per-replica figures beside them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from typing import Any, Callable
 
 from ..request import EngineClosed, GenerationRequest, GroupKey, ModelInfo, ProgressEvent
 from .client import EngineStats, StepEvent
+
+# replica states that nothing in this process leaves: a replica left down (replica.py), an in-process engine whose
+# loop stopped (async_engine.py)
+GONE = ("down", "failed")
 
 
 class Router:
@@ -58,6 +63,16 @@ class Router:
     @property
     def ready(self) -> bool:
         return sum(r.ready for r in self.replicas) >= self.min_ready
+
+    @property
+    def down(self) -> str | None:
+        """Why `ready` cannot hold again until the server restarts, else None: fewer than `min_ready` replicas are
+        left that can become ready (the others left down after repeated crashes, or in-process engines whose loop
+        stopped; a replica that is restarting or unresponsive may come back)."""
+        gone = [r for r in self.replicas if r.state in GONE]
+        if len(self.replicas) - len(gone) >= self.min_ready:
+            return None
+        return "; ".join(f"{r.name}: {r.error or r.state}" for r in gone)
 
     def loras(self) -> dict[str, Any] | None:
         """The adapter listing of the first replica that can give one (an in-process engine), else None."""

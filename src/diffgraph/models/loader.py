@@ -6,11 +6,9 @@ is ever downloaded: folders are read with local_files_only, presets are built in
 
 A folder's weight files are checked before diffusers reads them (present, and as long as their header says), so
 that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback.
-Then diffusers and transformers read the folder through `safe_files.private_view`: the weights they read are
-private in-memory copies, so a model file cut or rewritten while (or after) it loads cannot kill the process with
-SIGBUS (both libraries memory-map safetensors, and on the CPU at the file's dtype the parameters stay views of that
-map: issue 36). The copy costs host memory the size of the files read, while the model loads (for as long as the
-parameters stay on the CPU at the file's dtype, it is their memory).
+Then diffusers and transformers read the folder, and a `--vae` folder, through `weights_view`: the weights they read
+are private in-memory copies, so a model file cut or rewritten while (or after) it loads cannot kill the process
+with SIGBUS.
 """
 
 from __future__ import annotations
@@ -30,13 +28,12 @@ from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
 from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
+from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group, weights_view
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DiffusionModel", "load_model", "parse_dtype"]
 
-MODEL_FILE_LIMIT = 1 << 40  # bytes per weights file (a 1 TB sparse file is refused by its size, before it is read)
-_WEIGHTS_EXT = (".safetensors", ".bin")
 
 
 def _supported_message(families: FamilyRegistry) -> str:
@@ -170,45 +167,11 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
         raise ValueError(f"{folder!r} holds a {cls_name}, which is not supported; {_supported_message(families)}")
     for sub in ("unet", "vae", *(part[0] for part in adapter.text_parts)):
         _check_weights(folder, sub, index.get(sub))
-    copies, omit = _weights_read(folder)
-
-    def refused(rel: str, e: safe_files.UnusableFile) -> ValueError:
-        again = "wait until it is written completely, or copy it again" if isinstance(e, safe_files.FileChanged) \
-            else "copy or download that file again"
-        return ValueError(f"model folder {folder!r}: {rel} {e}; {again}")
-    with safe_files.private_view(folder, copies, omit, MODEL_FILE_LIMIT, refused) as view:
-        try:
-            model = adapter.load_folder(view, index, device, dtype, name)
-        except ValueError as e:  # the family's own messages name the folder: the user's, not the view
-            if view not in str(e):
-                raise
-            raise ValueError(str(e).replace(view, folder)) from None
+    with weights_view(folder, f"model folder {folder!r}") as view:
+        model = adapter.load_folder(view, index, device, dtype, name)
     if options.vae:
         model.vae = load_vae(options.vae, dtype, folder, MODEL_FILE_LIMIT)
     return _finish(_overridden(model, options))
-
-
-def _weights_read(folder: str) -> tuple[list[str], list[str]]:
-    """The weights files (relative paths) that from_pretrained reads from each component folder, to copy, and the
-    other weights files there, to hide from it. Copying only these keeps a folder that also holds .bin or variant
-    copies from costing several times its model in memory."""
-    copies, omit = [], []
-    for sub in sorted(os.listdir(folder)):
-        path = os.path.join(folder, sub)
-        if not os.path.isdir(path):
-            continue
-        weights = sorted(f for f in os.listdir(path) if f.endswith(_WEIGHTS_EXT))
-        group = _weights_group(weights)
-        copies += [os.path.join(sub, f) for f in group]
-        omit += [os.path.join(sub, f) for f in weights if f not in group]
-    return copies, omit
-
-
-def _weights_group(weights: list[str]) -> list[str]:
-    """Of a component folder's weights files, those from_pretrained reads: the plain files, else the fp16 variant's
-    (the family's `variant` rule); safetensors where there are any, else .bin (both libraries prefer safetensors)."""
-    group = [f for f in weights if f.count(".") == 1] or [f for f in weights if ".fp16." in f] or weights
-    return [f for f in group if f.endswith(".safetensors")] or group
 
 
 # a component's library (model_index.json) -> the weights file its save_pretrained writes
@@ -225,13 +188,13 @@ def _check_weights(folder: str, sub: str, component: Any) -> None:
         safe_files.read_json(os.path.join(path, "config.json"), CONFIG_BYTES)
     except safe_files.UnusableFile as e:
         raise ValueError(f"model folder {folder!r}: {sub}/config.json {e}") from None
-    weights = sorted(f for f in os.listdir(path) if f.endswith(_WEIGHTS_EXT))
+    weights = sorted(f for f in os.listdir(path) if f.endswith(WEIGHTS_EXT))
     if not weights:
         library = component[0] if isinstance(component, list) and component else None
         expected = _WEIGHTS_NAME.get(library, "a .safetensors file")
         raise ValueError(f"model folder {folder!r} lacks the weights of its {sub!r}: {sub}/ has a config.json but no "
                          f"{expected}; copy the folder again completely (or re-save it with save_pretrained)")
-    for name in _weights_group(weights):
+    for name in weights_group(weights):
         problem = _weights_problem(os.path.join(path, name))
         if problem:
             raise ValueError(f"model folder {folder!r}: {sub}/{name} {problem}; copy or download that file again")

@@ -4,8 +4,8 @@
 `from_single_file` with a config folder written by `checkpoint_configs.py` (or the user's `--model-config`), so
 nothing is downloaded, from a private in-memory copy of the file (a writer of the original cannot SIGBUS us:
 `safe_files`). The checkpoint's marks and the `LoadOptions` overrides (prediction type, zero SNR) go into the
-scheduler config; `--vae` replaces the VAE (`load_vae`: a single file or a diffusers folder). Weights that are NaN
-or infinite are refused by name.
+scheduler config; `--vae` replaces the VAE (`load_vae`: a single file, or a diffusers folder read through
+`weights_view`, copied too). Weights that are NaN or infinite are refused by name.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from . import checkpoint_configs as C
 from .checkpoint_kind import VAE, SUPPORTED, inspect_checkpoint, refuse_pickle
 from .families import FamilyRegistry
 from .model import DiffusionModel
+from .weights_view import weights_view
 
 logger = logging.getLogger(__name__)
 CONFIG_BYTES = 16 << 20  # a model folder's model_index.json (diffusers' are under 1 KB)
@@ -94,7 +95,8 @@ def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int) -> An
         if not os.path.isfile(os.path.join(source, sub or "", "config.json")):
             raise ValueError(f"vae {source!r} is a folder without a VAE config.json (or a vae/ subfolder with one); "
                              "give a diffusers AutoencoderKL folder or a .safetensors VAE file")
-        return AutoencoderKL.from_pretrained(source, subfolder=sub, local_files_only=True, torch_dtype=dtype)
+        with weights_view(source, f"vae {source!r}", [sub or "."]) as view:
+            return AutoencoderKL.from_pretrained(view, subfolder=sub, local_files_only=True, torch_dtype=dtype)
     refuse_pickle(source)
     try:
         with _private_link(source, max_bytes) as link:

@@ -7,7 +7,10 @@
     GET  /v1/loras                the LoRA adapters requests may name
     GET  /v1/controlnets          the ControlNets requests' controls may name
     GET  /v1/embeddings           the textual-inversion embeddings a1111-syntax prompts may name
-    GET  /health                  200 while the process is alive
+    GET  /health                  200 while the server can serve (loading, draining included); 503 with the
+                                  reason once it cannot until it restarts: its engine failed to start, or fewer
+                                  than --min-ready replicas are left that can serve (the others left down after
+                                  repeated crashes, or an in-process engine whose loop stopped)
     GET  /ready                   200 once the engine is built, its prewarm graphs captured and one warm-up
                                   image made; 503 before, and while draining
     GET  /metrics                 Prometheus text (metrics.py)
@@ -166,8 +169,10 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         return _error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "ready": state.ready, "draining": state.draining}
+    async def health() -> Response:
+        down = state.down
+        body = {"status": "down" if down else "ok", "ready": state.ready, "draining": state.draining}
+        return JSONResponse({**body, "error": down}, status_code=503) if down else JSONResponse(body)
 
     @app.get("/ready")
     async def ready() -> Response:

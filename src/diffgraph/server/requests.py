@@ -136,6 +136,15 @@ class ServerState:
     def ready(self) -> bool:
         return self.engine is not None and self.engine.ready and not self.draining
 
+    @property
+    def down(self) -> str | None:
+        """Why this server cannot serve again until it restarts (/health's 503), else None."""
+        if self.error is not None:
+            return f"the engine failed to start: {self.error}"
+        lost = self.engine.down if self.engine is not None else None
+        return None if lost is None else (f"too few replicas can serve again ({lost}); restart the server (a "
+                                          "liveness probe on GET /health does)")
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._build, name="diffgraph-build", daemon=True)
         self._thread.start()
