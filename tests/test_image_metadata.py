@@ -3,6 +3,8 @@ WebP, `--no-metadata`, and `diffgraph generate --from-image` reproducing an imag
 
 import io
 import json
+import random
+import re
 
 import numpy as np
 import pytest
@@ -150,3 +152,41 @@ def test_ddim_eta_is_written_and_read_as_automatic1111s_eta_ddim():
     tcd = GenerationRequest.create("a dog", width=64, height=64, num_inference_steps=4, guidance_scale=1.0,
                                    sampler="tcd", eta=0.5)
     assert "Eta" not in meta.infotext(tcd, "digits") and "eta" not in meta.parse_infotext(meta.infotext(tcd, "d"))
+
+
+# AUTOMATIC1111's infotext_utils.re_param, which parse_infotext reads without (it is quadratic in a line with no ':')
+RE_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+BODY_LIMIT = 96_000  # about the A1111 route's body limit at the default --max-prompt-bytes
+
+
+def test_infotext_pairs_are_those_automatic1111s_re_param_finds():
+    """The settings line is split into the pairs re_param's findall gives, on every kind of line: keys with spaces,
+    dashes and slashes, JSON-quoted values with escapes and commas, quotes that do not close, stray colons."""
+    alphabet = ["a", "B", "é", "1", "_", " ", "\t", "-", "/", ":", ",", '"', "\\", "!", "Steps: 3", '"x, y"']
+    rng = random.Random(0)
+    for _ in range(20_000):
+        line = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        assert meta._params(line) == RE_PARAM.findall(line), line
+
+
+@pytest.mark.parametrize("last", ["a" * BODY_LIMIT, "a " * (BODY_LIMIT // 2), " " * BODY_LIMIT + "!",
+                                  "<a:" * (BODY_LIMIT // 3), "Steps" * (BODY_LIMIT // 5)])
+def test_a_hostile_last_line_at_the_body_limit_is_prompt_text(last):
+    """A last line with no `Key: value` pairs (re_param scanned each of its runs again from every start: 96,000
+    characters took minutes) is prompt text, as AUTOMATIC1111 reads it; the lines above keep their meaning."""
+    fields = meta.parse_infotext(f"a fox\nNegative prompt: blur\n{last}")
+    assert fields["prompt"] == "a fox" and fields["negative_prompt"] == f"blur\n{last}".strip()
+    assert set(fields) == {"prompt", "negative_prompt", "prompt_syntax"}
+    only = meta.parse_infotext(last)
+    assert only["prompt"] == last.strip() and only["negative_prompt"] is None
+
+
+def test_settings_after_a_hostile_prompt_at_the_body_limit_are_read():
+    prompt = "a" * BODY_LIMIT
+    text = (f'{prompt}\nSteps: 7, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 6.5, Seed: 42, '
+            f'Size: 64x96, Model: "m, {"q" * 1000}", Note: {"b " * 1000}')
+    fields = meta.parse_infotext(text)
+    assert fields["prompt"] == prompt and fields["negative_prompt"] is None
+    assert (fields["num_inference_steps"], fields["sampler"], fields["schedule"], fields["guidance_scale"],
+            fields["seed"], fields["width"], fields["height"]) == (7, "dpmpp_2m", "karras", 6.5, 42, 64, 96)
+    assert fields["model"] == "m, " + "q" * 1000

@@ -816,6 +816,38 @@ def test_weights_automatic1111_cannot_read_are_refused(prompt):
     assert info.value.param == "negative_prompt" and "\n" not in str(info.value)
 
 
+LONGEST = 20_000  # request.MAX_PROMPT_CHARS: the longest prompt any caller can hand the parser
+
+
+@pytest.mark.parametrize("prompt,pieces,embeddings", [
+    ("<a:" * (LONGEST // 3), (("<a:" * (LONGEST // 3), 1.0),), ()),     # a tag that never closes, many times
+    (" " * (LONGEST - 1) + "x", ((" " * (LONGEST - 1) + "x", 1.0),), ()),  # a run of spaces with no BREAK
+    ("a" + " " * 10_000 + "BREAK" + " " * 9_000 + "b", (("a", 1.0), syntax.BREAK, ("b", 1.0)), ()),
+    ("embedding:AND " * (LONGEST // 14), (("AND " * (LONGEST // 14), 1.0),), ("AND",)),
+    ("embedding:" * (LONGEST // 10), (("embedding:" * (LONGEST // 20), 1.0),), ("embedding",)),  # name, prefix, ...
+    ("[a:b]" * (LONGEST // 5), (("a:b" * (LONGEST // 5), syntax.SQUARE),), ()),  # each read for editing
+], ids=["open tags", "spaces", "spaced BREAK", "embeddings named AND", "embedding prefixes", "square brackets"])
+def test_hostile_prompts_of_the_longest_length_are_read(prompt, pieces, embeddings):
+    """Prompts that each took one of the patterns quadratic time (a '<' scanning to the end for a '>', a BREAK split
+    rescanning spaces, a copy of every nested bracket's text): read as AUTOMATIC1111 reads them."""
+    parsed = parse_a1111(prompt)
+    assert (parsed.pieces, parsed.loras, parsed.embeddings) == (pieces, (), embeddings)
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    ("<lora:a:" + "1" * (LONGEST - 10) + "x>", "is not a number"),
+    ("x <lora" + " " * (LONGEST - 7), "does not close"),
+    ("x <lora" + " " * (LONGEST - 8) + ">", "names no adapter"),
+    ("(" * LONGEST, "more than 100 '(' open at once"),
+    ("embedding: " * (LONGEST // 11), "'embedding:' with no name"),
+    ("[a:" * (LONGEST // 8) + "]" * (LONGEST // 8), "more than 100 '[' open at once"),  # each level's text copied
+], ids=["long scale", "spaces after <lora", "spaced empty tag", "open brackets", "embedding prefixes", "nested"])
+def test_hostile_prompts_of_the_longest_length_are_refused_by_name(prompt, needle):
+    with pytest.raises(ParamError, match=re.escape(needle)) as info:
+        parse_a1111(prompt)
+    assert info.value.param == "prompt"
+
+
 def test_break_inside_brackets_is_weighted_text():
     """AUTOMATIC1111 multiplies the BREAK marker's -1 like any piece, so "(a BREAK b)" holds ("BREAK", -1.1); its
     tokenize_line splits only on ("BREAK", -1) and encodes this one as the word BREAK at weight -1.1."""

@@ -619,3 +619,32 @@ def test_a_dead_engine_loop_is_not_ready():
         assert "the engine loop stopped" in health.json()["error"] or "internal error" in health.json()["error"]
         r = client.post("/v1/images/generations", json={"prompt": "x", "size": "64x64", "num_inference_steps": 1})
         assert r.status_code == 503 and "internal error" in r.json()["error"]["message"]
+
+
+def test_a1111_prompts_are_sized_then_parsed_off_the_event_loop(monkeypatch):
+    """/v1/images/generations with prompt_syntax "a1111": a prompt over --max-prompt-bytes is refused before it is
+    parsed (20,000 characters of '<a:' were parsed first, quadratic in the tag pattern, on the event loop), and the
+    worst prompt within the limit is parsed on a worker thread while /health answers. In process (digits)."""
+    from fastapi.testclient import TestClient
+
+    from diffgraph import Engine
+    from diffgraph.server.app import create_app
+    from diffgraph.server.config import ServerConfig
+    from diffgraph.text import syntax
+    from offloop_util import HeldParser, post_while_probing
+
+    app = create_app(ServerConfig(model="digits", device="cpu", max_prompt_bytes=MAX_PROMPT),
+                     engine_factory=lambda: Engine("digits", device="cpu"))
+    body = {"size": "64x64", "num_inference_steps": 1, "prompt_syntax": "a1111"}
+    with TestClient(app) as client:
+        wait_for(lambda: client.get("/ready").status_code == 200, what="the engine is ready")
+        held = HeldParser(syntax.parse_a1111)
+        monkeypatch.setattr(syntax, "parse_a1111", held)
+        r = client.post("/v1/images/generations", json={**body, "prompt": "<a:" * 6666})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert f"has 19998 bytes (UTF-8); the limit is {MAX_PROMPT}" in r.json()["error"]["message"]
+        assert held.calls == 0
+        worst = "x <lora" + " " * (MAX_PROMPT - 7)
+        r, health = post_while_probing(client, held, "/v1/images/generations", {**body, "prompt": worst})
+        assert (health, held.first) == (200, (False, True))
+        assert r.status_code == 400 and "does not close" in r.json()["error"]["message"], r.text

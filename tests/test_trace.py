@@ -37,14 +37,15 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 SECTION = "## One HTTP request, traced"
 # ceilings on a plain request's way: the modules it visits forward (HTTP to the first replay) and back, and the
 # threads it passes through (docs/ARCHITECTURE.md states the same numbers)
-FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 26, 18, 7
+FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 26, 18, 8
 ROUTE = ("server/app.py", "generations")
 REPLAY = ("graphs/runner.py", "GraphRunner.replay")
 _COMPREHENSIONS = re.compile(r"\.<locals>\.<(listcomp|setcomp|dictcomp|genexpr)>$")
-ROLES = {"fwd": ("event loop", "replica intake", "other", "engine loop"),
+ROLES = {"fwd": ("event loop", "worker", "replica intake", "other", "engine loop"),
          "back": ("engine loop", "image thread", "pipe reader", "other", "event loop")}
 THREAD_ROLES = (("diffgraph-images", "image thread"), ("diffgraph-replica-intake", "replica intake"),
-                ("diffgraph-replica-reader", "pipe reader"))  # by thread name: each role one thread, so in order
+                ("diffgraph-replica-reader", "pipe reader"),  # by thread name: each role one thread, so in order
+                ("asyncio_", "worker"))  # the event loop's default executor (asyncio.to_thread): one item here
 UNORDERED = ("pipe reader",)  # its messages (a step event, a result) come from two replica threads: in either order
 # not on the request's way back: the replica's step event feeds the server's step metrics, and the pipe reader
 # dispatches it before or after the response is out (measured both ways in CI), so it is left out of the lists
@@ -202,6 +203,14 @@ class Tracer:
     def _hand_off(self, frame, event, arg, code) -> None:
         """Remembers which diffgraph function created an asyncio task or an executor work item."""
         name = code.co_name
+        if name == "__init__" and event == "call" and frame.f_back is not None and \
+                code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py")):
+            # a work item, made inside submit: its future is known before a worker can run it (submit's return
+            # comes after the item is queued, and an idle worker may have started it by then)
+            caller, future = self._pending.get(id(frame.f_back)), frame.f_locals.get("future")
+            if caller is not None and future is not None:
+                self._origins[id(future)] = (caller, future)
+            return
         if name == "create_task" and code.co_filename.endswith(os.path.join("asyncio", "base_events.py")) or \
                 name == "submit" and code.co_filename.endswith(os.path.join("concurrent", "futures", "thread.py")):
             if event == "call":
@@ -298,6 +307,8 @@ def render(trace: Trace) -> str:
     """The lists as docs/ARCHITECTURE.md writes them."""
     titles = {("fwd", "event loop"): "On the event loop, until the engine hands back the request's handle:",
               ("fwd", "engine loop"): "On the engine loop thread, until the first replay:",
+              ("fwd", "worker"): "On a worker thread of the event loop (asyncio.to_thread: the request's text parsed off "
+                                 "the loop):",
               ("fwd", "replica intake"): "On the replica's intake thread (it reads the pipe):",
               ("fwd", "other"): "On other threads:",
               ("back", "engine loop"): "On the engine loop thread, the rest of that iteration:",

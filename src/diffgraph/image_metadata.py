@@ -216,9 +216,40 @@ def read_request(source: "str | Path | bytes | Any") -> dict[str, Any]:
                         "`parameters` entry)")
 
 
-# AUTOMATIC1111's `infotext_utils.re_param`: `Key: value` or `Key: "json string"`, comma separated
-_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')
+# AUTOMATIC1111's `infotext_utils.re_param`, r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)' (`Key: value`
+# or `Key: "json string"`, comma separated), read by `_params` in its pieces: that regex, run by findall, scans a
+# key's run of characters again from each of its starts, quadratic in a line without a colon
+_SPACES = re.compile(r"\s*")
+_KEY = re.compile(r"\w[\w \-/]+")
+_QUOTED = re.compile(r'"(?:\\.|[^\\"])+"')
 _SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def _params(line: str) -> list[tuple[str, str]]:
+    """The (key, value) pairs `re_param.findall(line)` gives, in time linear in the line: a key that is not
+    followed by a colon fails for every start inside its run too, so the scan moves past the run."""
+    pairs: list[tuple[str, str]] = []
+    pos, end = 0, len(line)
+    while pos < end:
+        start = _SPACES.match(line, pos).end()
+        key = _KEY.match(line, start)
+        if key is None:
+            pos = start + 1
+            continue
+        if not line.startswith(":", key.end()):
+            pos = key.end()
+            continue
+        at = _SPACES.match(line, key.end() + 1).end()
+        quoted = _QUOTED.match(line, at)  # each value's scan ends at its closing quote: no scan is repeated
+        if quoted is not None and (quoted.end() == end or line[quoted.end()] == ","):
+            value, stop = quoted.group(0), quoted.end()
+        else:
+            stop = line.find(",", at)
+            stop = end if stop < 0 else stop
+            value = line[at:stop]
+        pairs.append((key.group(0), value))
+        pos = stop + 1
+    return pairs
 
 
 def parse_infotext(text: str) -> dict[str, Any]:
@@ -227,16 +258,17 @@ def parse_infotext(text: str) -> dict[str, Any]:
     schedule (its names mapped back; an old "DPM++ 2M Karras" sampler name split), CFG scale, seed, size, model,
     denoising strength and clip skip. Keys diffgraph has no setting for are ignored."""
     *lines, last = text.strip().split("\n")
-    if len(_PARAM.findall(last)) < 3:  # as AUTOMATIC1111: a last line of fewer than 3 pairs is prompt text
+    pairs = _params(last)
+    if len(pairs) < 3:  # as AUTOMATIC1111: a last line of fewer than 3 pairs is prompt text
         lines.append(last)
-        last = ""
+        pairs = []
     prompt, negative, in_negative = [], [], False
     for line in lines:
         if line.startswith("Negative prompt:"):
             in_negative, line = True, line[len("Negative prompt:"):].strip()
         (negative if in_negative else prompt).append(line)
     params: dict[str, str] = {}
-    for key, value in _PARAM.findall(last):
+    for key, value in pairs:
         value = value.strip()
         if len(value) > 1 and value[0] == '"' and value[-1] == '"':
             try:

@@ -9,7 +9,8 @@ errors as the images API, AUTOMATIC1111's request and response shapes (v1.10; we
     POST /sdapi/v1/interrupt, /skip    its oldest request: all of it, or its current image
 
 A body is type-checked and read in diffgraph's words by a1111_protocol.py (unsupported values: a 400 naming the
-field), its images prepared by a1111_inpaint.py on a worker thread, each image validated by
+field; an infotext and the prompts sized before they are parsed, on a worker thread), its images prepared by
+a1111_inpaint.py on a worker thread, each image validated (on a worker thread too) by
 `GenerationRequest.create` (the one validation) and submitted, watched and aborted through requests.py, on the model
 `ModelRouting` answers (override_settings' sd_model_checkpoint, else the key's). Prompts are read in AUTOMATIC1111's
 syntax (`(word:1.2)`, `<lora:name:w>`). Every request ends in one outcome counted in the metrics. app.py mounts this.
@@ -145,8 +146,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
 
     def build(body: ProcessingBody, plan: Plan, info: ModelInfo, edits: list[PreparedEdit],
               controls: list[dict[str, Any]]) -> list[GenerationRequest]:
-        """One request per image: the first validated by `create` (the one validation), the others its copies with
-        their own seed (and init image), checked again on construction."""
+        """One request per image: the first validated by `create` (the one validation; it parses the prompts, which
+        plan_body held to --max-prompt-bytes, so this runs on a worker thread), the others its copies with their own
+        seed (and init image), checked again on construction."""
         sampler, schedule, eta = sampler_schedule(body, info)
         try:
             first = GenerationRequest.create(body.prompt or "", model=info, seed=plan.seeds[0], sampler=sampler,
@@ -160,10 +162,6 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                                request_id=f"a1111-{secrets.token_hex(8)}"))
         except ParamError as e:
             raise a1111_error(e) from None
-        for name in ("prompt", "negative_prompt"):  # the server's limit, as the images API applies it
-            if len((getattr(first, name) or "").encode("utf-8")) > config.max_prompt_bytes:
-                raise APIError(400, f"{name} is longer than {config.max_prompt_bytes} bytes (UTF-8; "
-                                    "--max-prompt-bytes)", param=name)
         return out
 
     def prepare_edits(body: Img2ImgBody, plan: Plan) -> list[PreparedEdit]:
@@ -259,7 +257,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         if headers:
             logger.info("%s: ignored unknown keys %s", http.url.path, headers[IGNORED_HEADER])
         options = board.options(key)
-        plan = plan_body(body, options.model, options.clip_stop, config.clip_skip)
+        # the infotext and the prompts are user text: sized, then parsed, on a worker thread
+        plan = await asyncio.to_thread(plan_body, body, options.model, options.clip_stop, config.clip_skip,
+                                       config.max_prompt_bytes)
         deadline = t0 + config.request_timeout
         chosen = await target(plan.model, deadline - time.monotonic())
         try:  # the model is held (never evicted) until its requests are queued
@@ -271,7 +271,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             units = controlnet_units(body.alwayson_scripts)
             controls = await asyncio.to_thread(units_to_controls, units, served, config.max_image_bytes,
                                                config.max_image_pixels) if units else []
-            requests = build(body, plan, chosen.info, edits, controls)
+            requests = await asyncio.to_thread(build, body, plan, chosen.info, edits, controls)
             try:
                 job = await board.submit(key, kind, requests, lambda request: submit(
                     state, request, progress=True, client=chosen.client, deadline=deadline, http=http))

@@ -27,10 +27,11 @@ from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, par
 from ..request import CFG_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError, cfg_params_used
 from ..sampling.aliases import canonical
 from ..sampling.samplers import ETA_SAMPLERS
-from .protocol import APIError, error_from_validation
+from .protocol import APIError, check_prompt_bytes, error_from_validation
 
 A1111_VERSION = "v1.10"  # the AUTOMATIC1111 API these routes follow
 MAX_RANDOM_SEED = 4294967294  # AUTOMATIC1111 draws seed -1 below this
+SETTINGS_LINE_BYTES = 16384  # an infotext's settings line: AUTOMATIC1111's extensions add keys (hashes, units)
 # diffgraph's sampler -> AUTOMATIC1111's aliases and options (its sd_samplers_kdiffusion / _timesteps tables); the
 # option "scheduler" is what its "Automatic" scheduler means for the sampler
 A1111_SAMPLER_ITEMS = {
@@ -334,10 +335,25 @@ def clip_stop(value: Any, field: str, clip_skip: int | None = None) -> int:
     return int(value)
 
 
-def _apply_infotext(body: ProcessingBody) -> None:
-    """AUTOMATIC1111's `infotext` field: the settings it holds fill the fields the body does not set."""
+def infotext_limit(max_prompt_bytes: int) -> int:
+    """The most UTF-8 bytes an `infotext` field may hold: its prompt and negative prompt (each within
+    --max-prompt-bytes) and its settings line."""
+    return 2 * max_prompt_bytes + SETTINGS_LINE_BYTES
+
+
+def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
+    """AUTOMATIC1111's `infotext` field: the settings it holds fill the fields the body does not set. Its size is
+    checked before it is read."""
+    text = body.infotext or ""
+    if max_prompt_bytes is not None:
+        size, limit = len(text.encode("utf-8", errors="surrogatepass")), infotext_limit(max_prompt_bytes)
+        if size > limit:
+            raise APIError(400, f"infotext has {size} bytes (UTF-8); the limit is {limit} (twice --max-prompt-bytes, "
+                                f"for its prompt and negative prompt, and {SETTINGS_LINE_BYTES} for its settings "
+                                "line): send a shorter infotext, or its settings as the body's fields",
+                           param="infotext")
     try:
-        fields = parse_infotext(body.infotext or "")
+        fields = parse_infotext(text)
     except MetadataError as e:
         raise APIError(400, f"infotext: {e}", param="infotext") from None
     names = {"prompt": "prompt", "negative_prompt": "negative_prompt", "sampler": "sampler_name",
@@ -350,10 +366,15 @@ def _apply_infotext(body: ProcessingBody) -> None:
         body.override_settings = {**(body.override_settings or {}), "CLIP_stop_at_last_layers": fields["clip_skip"] + 1}
 
 
-def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | None, clip_skip: int | None) -> Plan:
-    """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's)."""
+def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | None, clip_skip: int | None,
+              max_prompt_bytes: int | None = None) -> Plan:
+    """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's). With
+    `max_prompt_bytes` (--max-prompt-bytes) the infotext and the prompts are held to it before they are parsed.
+    Pure CPU work on user text: the routes call it on a worker thread."""
     if body.infotext:
-        _apply_infotext(body)
+        _apply_infotext(body, max_prompt_bytes)
+    if max_prompt_bytes is not None:
+        check_prompt_bytes(max_prompt_bytes, prompt=body.prompt, negative_prompt=body.negative_prompt)
     check_supported(body)
     warnings = []
     if body.styles:

@@ -266,7 +266,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                                config.max_image_pixels) if params.controls else ()
             prompt = await asyncio.to_thread(decode_image_prompt, params.image_prompts, config.max_image_bytes,
                                              config.max_image_pixels) if params.image_prompts else None
-            return generation_request(info, config, params, controls=controls, image_prompts=prompt)
+            return await asyncio.to_thread(generation_request, info, config, params, controls=controls,
+                                           image_prompts=prompt)  # prompt syntax is read off the event loop
         return params.stream, params.response_format == "url", params.model, finish
 
     async def read_edit(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
@@ -282,7 +283,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                                config.max_image_pixels, files)
             prompt = await asyncio.to_thread(decode_image_prompt, form.image_prompts, config.max_image_bytes,
                                              config.max_image_pixels, files)
-            return generation_request(info, config, form.generation(), edit, controls=controls, image_prompts=prompt)
+            return await asyncio.to_thread(generation_request, info, config, form.generation(), edit,
+                                           controls=controls, image_prompts=prompt)
         return form.stream, form.response_format == "url", form.model, finish
 
     @app.post("/v1/images/generations", openapi_extra=schema)

@@ -238,6 +238,16 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+def check_prompt_bytes(limit: int, **prompts: str | None) -> None:
+    """--max-prompt-bytes on each prompt (keyword: its field), checked before any of them is parsed: a prompt's
+    syntax is read only once it is known to be within the limit."""
+    for name, text in prompts.items():
+        size = len((text or "").encode("utf-8", errors="surrogatepass"))  # create() names an unpaired surrogate
+        if size > limit:
+            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {limit} (--max-prompt-bytes): "
+                                f"shorten it", param=name)
+
+
 def error_from_validation(err: ValidationError, model: type[BaseModel] | None = None) -> APIError:
     """The first pydantic error, as one sentence naming the field, what it must be and what came."""
     e = err.errors(include_url=False)[0]

@@ -25,7 +25,7 @@ from ..request import (EditInput, EngineClosed, EngineStepError, GenerationReque
                        ParamError, ProgressEvent, QueueFullError, RequestAborted)
 from .config import ServerConfig
 from .metrics import ServerMetrics
-from .protocol import APIError, ImageGenerationRequest, error_from_param_error
+from .protocol import APIError, ImageGenerationRequest, check_prompt_bytes, error_from_param_error
 from .uploads import decode_controls, decode_image_prompt
 
 logger = logging.getLogger("diffgraph.server")
@@ -77,17 +77,12 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
         kwargs["prompt_syntax"] = config.prompt_syntax
     if kwargs["clip_skip"] is None:
         kwargs["clip_skip"] = config.clip_skip
+    check_prompt_bytes(config.max_prompt_bytes, prompt=params.prompt, negative_prompt=kwargs["negative_prompt"])
     try:
-        request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
-                                           image=edit, controls=controls, image_prompts=image_prompts, **kwargs)
+        return GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
+                                        image=edit, controls=controls, image_prompts=image_prompts, **kwargs)
     except ParamError as e:
         raise error_from_param_error(e) from None
-    for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
-        size = len((getattr(request, name) or "").encode("utf-8"))
-        if size > config.max_prompt_bytes:
-            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
-                           param=name)
-    return request
 
 
 def _is_local_engine(built: Any) -> bool:

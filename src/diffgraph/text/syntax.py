@@ -20,6 +20,7 @@ Pure Python, no torch: it runs on the submitting thread and in the HTTP process.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
@@ -33,14 +34,18 @@ SQUARE = 1 / 1.1               # [x]: the web UI multiplies by this constant (no
 MAX_OPEN = 100                 # brackets of one kind open at once: weight work is pieces x depth, keep it bounded
 _SHOWN = 60                    # characters of a prompt quoted in an error
 
+# Every pattern here runs in time linear in the prompt, whatever its text: no two neighbouring parts of a pattern
+# may match the same run of characters (`\s*:?\s*`, `\d+\.?\d*`), and a search whose failure scans to the end is
+# bounded so that it is not repeated from each start (`_take_loras`, `_split_breaks`). tools/bench_parsers.py.
 # <name:args>: AUTOMATIC1111's extra-network tag (modules/extra_networks.py)
 _EXTRA_NET = re.compile(r"<(\w+):([^>]+)>")
 _LORA_LEFT = re.compile(r"<lora(?=\s*(?::|>|$))", re.IGNORECASE)  # what is left of a tag that did not close
-_LORA_EMPTY = re.compile(r"<lora\s*:?\s*>", re.IGNORECASE)
+_LORA_EMPTY = re.compile(r"<lora\s*(?::\s*)?>", re.IGNORECASE)
 _EMBEDDING = re.compile(r"(?<!\w)embedding:([A-Za-z0-9_\-./]*)")
 _AND = re.compile(r"\bAND\b")
-_BREAK = re.compile(r"\s*\bBREAK\b\s*")
-_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_BREAK = re.compile(r"\bBREAK\b")  # with the spaces around it (_split_breaks)
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+_SPACED_NUMBER = re.compile(rf"\s*{_NUMBER.pattern}\s*")  # matched in place: no copy of a bracket's text
 # the token stream of parse_prompt_attention (its branches, in its order)
 _ATTENTION = re.compile(r"""
     \\[\\()\[\]]                  # an escaped bracket or backslash: that character
@@ -83,7 +88,9 @@ def _take_loras(prompt: str, field: str) -> tuple[str, tuple[tuple[str, float], 
     loras: list[tuple[str, float]] = []
     kept: list[str] = []
     end = 0
-    for m in _EXTRA_NET.finditer(prompt):
+    # a '<' with no '>' after it opens no tag: searching only up to the last '>' keeps each '<' from scanning to the
+    # end of the prompt (quadratic in a prompt of many '<a:')
+    for m in _EXTRA_NET.finditer(prompt, 0, prompt.rfind(">") + 1):
         kept.append(prompt[end:m.start()])
         end = m.end()
         loras.append(_lora(m.group(0), m.group(1), m.group(2), field))
@@ -176,8 +183,10 @@ def _take_embeddings(text: str, field: str) -> tuple[str, tuple[str, ...], list[
 # -- what AUTOMATIC1111 reads and diffgraph does not ---------------------------------------------------
 
 def _refuse_and(text: str, names: list[tuple[int, int]], field: str) -> None:
+    starts = [a for a, _ in names]  # in order, not overlapping
     for m in _AND.finditer(text):
-        if not any(a <= m.start() < b for a, b in names):
+        at = bisect.bisect_right(starts, m.start()) - 1
+        if at < 0 or m.start() >= names[at][1]:
             raise ParamError(field, f"{field} uses 'AND' ({_show(text[max(0, m.start() - 20):m.end() + 20])}): "
                                     "AUTOMATIC1111's composable diffusion, which diffgraph does not support; send "
                                     "one prompt, or write 'and' in lowercase to keep the word")
@@ -237,6 +246,8 @@ def _close(stack: list[_Open], frame: _Open, end: int, text: str, field: str) ->
 
 def _check_square(text: str, start: int, end: int, colons: list[int], bars: list[int], field: str) -> None:
     """`text[start:end + 1]` is a well-formed `[...]` with these top-level colons and bars."""
+    if not bars and (len(colons) not in (1, 2) or _SPACED_NUMBER.fullmatch(text, colons[-1] + 1, end) is None):
+        return  # emphasis or text: nothing is copied, so nested brackets cost nothing more
     shown = _show(text[start:end + 1])
     escape = r"or escape the brackets as \[ \] to keep them as text"
     if bars and not colons:
@@ -246,7 +257,7 @@ def _check_square(text: str, start: int, end: int, colons: list[int], bars: list
         raise ParamError(field, f"{field} uses alternation {shown} (AUTOMATIC1111's [a|b], which swaps the words "
                                 f"every step); diffgraph does not support it: write one of them (e.g. {first}), "
                                 f"{escape}")
-    if bars or len(colons) not in (1, 2) or _NUMBER.fullmatch(text[colons[-1] + 1:end].strip()) is None:
+    if bars:
         return
     cuts = [start, *colons, end]
     parts = [text[a + 1:b] for a, b in pairwise(cuts)][:-1]
@@ -285,7 +296,7 @@ def _attention(text: str, field: str) -> tuple[tuple[str, float], ...]:
         elif token == "]" and squares:
             multiply(squares.pop(), SQUARE)
         else:
-            for i, part in enumerate(_BREAK.split(token)):
+            for i, part in enumerate(_split_breaks(token)):
                 if i:
                     res.append(list(BREAK))
                 res.append([part, 1.0])
@@ -297,13 +308,26 @@ def _attention(text: str, field: str) -> tuple[tuple[str, float], ...]:
         if not math.isfinite(w):
             raise ParamError(field, f"{field} gives {_show(piece_text)} the weight {w} (the nested weights multiply "
                                     "past a float's range); use smaller weights, e.g. (text:1.5)")
-    merged: list[list] = []
-    for piece in res or [["", 1.0]]:
-        if merged and merged[-1][1] == piece[1]:
-            merged[-1][0] += piece[0]
+    merged: list[tuple[list[str], float]] = []  # texts joined once: `+=` on each piece copies the run again
+    for piece_text, w in res or [["", 1.0]]:
+        if merged and merged[-1][1] == w:
+            merged[-1][0].append(piece_text)
         else:
-            merged.append(piece)
-    return tuple((t, float(w)) for t, w in merged)
+            merged.append(([piece_text], w))
+    return tuple(("".join(t), float(w)) for t, w in merged)
+
+
+def _split_breaks(text: str) -> list[str]:
+    """`re.split(r"\\s*\\bBREAK\\b\\s*", text)`: the text between BREAKs, without the spaces next to them. That
+    pattern's leading `\\s*` scans a run of spaces again from each of its starts; this is linear."""
+    parts, start = [], 0
+    for m in _BREAK.finditer(text):
+        parts.append(text[start:m.start()])
+        start = m.end()
+    parts.append(text[start:])
+    if len(parts) == 1:
+        return parts
+    return [parts[0].rstrip()] + [p.strip() for p in parts[1:-1]] + [parts[-1].lstrip()]
 
 
 def _weight(value: str, text: str, at: int, field: str) -> float:
