@@ -14,7 +14,7 @@ from test_a1111_review import SMALL, client  # noqa: F401  (the module's in-proc
 
 from diffgraph.request import GenerationResult, RequestAborted
 from diffgraph.server import a1111, a1111_protocol
-from diffgraph.text import syntax
+from diffgraph import prompt_syntax as syntax
 
 BOUND_S = 300  # a failure bound for waits on a state, never a timing assumption
 

@@ -232,8 +232,7 @@ def test_generate_url_asks_for_the_format_of_the_output_file(tmp_path, capsys, c
     body = canned.seen[0]["body"]
     assert body["output_format"] == fmt
     # the model's defaults are the server's: nothing the user did not give is sent
-    assert set(body) == {"prompt", "num_inference_steps", "sampler", "schedule", "n", "output_format",
-                         "response_format"}
+    assert set(body) == {"prompt", "num_inference_steps", "n", "output_format", "response_format"}
     assert capsys.readouterr().err.strip() == "seed 42, 123 ms"
 
 
@@ -330,3 +329,16 @@ def test_generate_url_refuses_what_it_cannot_send(tmp_path, capsys, canned, args
     err = capsys.readouterr().err.strip()
     assert rc == 2 and needle in err and len(err.splitlines()) == 1
     assert canned.seen == []  # refused before anything was sent
+
+
+def test_a_sampler_label_that_names_its_schedule_is_taken_alone(tmp_path, canned):
+    """`--sampler "DPM++ 2M Karras"` without --schedule: the label's schedule (it was refused as contradicting the
+    flag's default schedule); the sampler and schedule flags default to the model's."""
+    from diffgraph.request import GenerationRequest
+
+    canned.answer = _images_answer(b"bytes")
+    assert main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--url", canned.url,
+                 "--sampler", "DPM++ 2M Karras"]) == 0
+    assert canned.seen[0]["body"]["sampler"] == "DPM++ 2M Karras" and "schedule" not in canned.seen[0]["body"]
+    request = GenerationRequest.create("a cat", width=64, height=64, guidance_scale=7.5, sampler="DPM++ 2M Karras")
+    assert (request.sampler, request.schedule) == ("dpmpp_2m", "karras")

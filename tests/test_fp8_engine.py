@@ -3,7 +3,7 @@ the shipped `digits` / `digits-xl` models with their transformer linears forced 
 faster: `min_features=64` takes the layers of 64 inputs and more) still draw the asked digit (the oracle of
 tests/test_digits.py over 20 seeds), their pixels stay close to the 16-bit tier's (here fp32), mixed requests
 submitted together equal each alone (per-token activation scales), the built-in LoRA's side path runs beside the
-fp8 base, and bad settings are refused by name. The measures are quantize/compare.py's, which `diffgraph compare`
+fp8 base, and bad settings are refused by name. The measures are bench/fp8_compare.py's, which `diffgraph compare`
 prints for a user's own model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from diffgraph import Engine
 from diffgraph.models.digits_oracle import DigitsOracle
 from diffgraph.quantize import Fp8Config, Fp8Linear
-from diffgraph.quantize.compare import generate_images, pixel_difference, seed_prompts
+from diffgraph.bench.fp8_compare import generate_images, pixel_difference, seed_prompts
 from diffgraph.request import ParamError
 
 from test_digits import oracle_and_heldout

@@ -1,4 +1,4 @@
-"""AUTOMATIC1111's prompt syntax (text/syntax.py) and its 75-token chunks (text/chunks.py), against a reference
+"""AUTOMATIC1111's prompt syntax (prompt_syntax.py) and its 75-token chunks (text/chunks.py), against a reference
 written here from AUTOMATIC1111's rules (modules/prompt_parser.py parse_prompt_attention, modules/extra_networks.py,
 modules/sd_hijack_clip.py tokenize_line, the wiki's "Attention/emphasis", "BREAK" and "Infinite prompt length").
 
@@ -35,7 +35,7 @@ import pytest
 
 from diffgraph.request import ParamError
 
-syntax = pytest.importorskip("diffgraph.text.syntax")
+syntax = pytest.importorskip("diffgraph.prompt_syntax")
 chunks_mod = pytest.importorskip("diffgraph.text.chunks")
 
 parse_a1111 = syntax.parse_a1111

@@ -18,7 +18,7 @@ from diffgraph.bench import throughput
 from diffgraph.cli import main
 from diffgraph.engine.replica import ReplicaClient
 from diffgraph.quantize import Fp8Config
-from diffgraph.quantize.compare import pixel_difference, seed_prompts
+from diffgraph.bench.fp8_compare import pixel_difference, seed_prompts
 from diffgraph.ray import split_args
 from diffgraph.server.cli import add_serve_arguments, config_from_args
 from diffgraph.server.config import ServerConfig, load_config

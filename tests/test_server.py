@@ -630,7 +630,7 @@ def test_a1111_prompts_are_sized_then_parsed_off_the_event_loop(monkeypatch):
     from diffgraph import Engine
     from diffgraph.server.app import create_app
     from diffgraph.server.config import ServerConfig
-    from diffgraph.text import syntax
+    from diffgraph import prompt_syntax as syntax
     from offloop_util import HeldParser, post_while_probing
 
     app = create_app(ServerConfig(model="digits", device="cpu", max_prompt_bytes=MAX_PROMPT),

@@ -1,4 +1,4 @@
-"""text/syntax.py and text/chunks.py: AUTOMATIC1111's prompt reading and its 75-token chunks, values asserted.
+"""prompt_syntax.py and text/chunks.py: AUTOMATIC1111's prompt reading and its 75-token chunks, values asserted.
 
 Parsing against the web UI's own doctest values and the rules of its parse_prompt_attention, each refusal's
 field and wording; chunking with the presets' tokenizer (one token per "dog") and with a word-per-token fake
@@ -11,7 +11,7 @@ import pytest
 
 from diffgraph.request import ParamError
 from diffgraph.text.chunks import EmbeddingMatcher, EmbeddingRef, TokenChunks, chunk_tokens, pad_to, with_pad
-from diffgraph.text.syntax import BREAK, MAX_OPEN, SQUARE, ParsedPrompt, parse_a1111
+from diffgraph.prompt_syntax import BREAK, MAX_OPEN, SQUARE, ParsedPrompt, parse_a1111
 
 # -- syntax --------------------------------------------------------------------------------------------
 

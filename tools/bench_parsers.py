@@ -19,7 +19,7 @@ from typing import Callable
 
 from diffgraph.errors import ParamError
 from diffgraph.image_metadata import parse_infotext
-from diffgraph.text.syntax import parse_a1111
+from diffgraph.prompt_syntax import parse_a1111
 
 # the former patterns, as they were
 OLD_PARAM = re.compile(r'\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)')

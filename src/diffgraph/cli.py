@@ -322,6 +322,17 @@ def _apply_from_image(args: argparse.Namespace, argv: list[str]) -> None:
     args.extra = {name: saved[name] for name in NO_FLAG if name in saved}
 
 
+def _serve_ray(config: Any, data_parallel: int | None, address: str | None) -> int:
+    """`diffgraph serve --ray` (ray.py's launcher; it needs Ray Serve)."""
+    try:
+        from .ray import serve_flags
+        import ray.serve  # noqa: F401
+    except ImportError as e:
+        print(f"diffgraph: error: --ray needs Ray Serve ({e}); pip install 'diffgraph[ray]'", file=sys.stderr)
+        return 2
+    return serve_flags(config, data_parallel, address)
+
+
 def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
     if args.from_image is not None:
         _apply_from_image(args, list(argv))
@@ -629,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise _ArgError("serving needs the serve extras: pip install 'diffgraph[serve]'")
             check_devices(args)
             from .server.cli import run_serve
-            return run_serve(args)
+            return run_serve(args, ray_server=_serve_ray)
         if args.command == "compare":
             return run_compare(args)
         if args.command in ("info", "compile"):

@@ -1,4 +1,4 @@
-"""`diffgraph compare --quantize fp8 --model M`: the command line of quantize/compare.py (argparse and checks only:
+"""`diffgraph compare --quantize fp8 --model M`: the command line of bench/fp8_compare.py (argparse and checks only:
 torch is imported when the command runs, not for `--help`).
 
     diffgraph compare --quantize fp8 --model models/dreamshaper_8.safetensors --seeds 20
@@ -50,7 +50,7 @@ def run_compare(args: argparse.Namespace) -> int:
         size = sizes[0][::-1]  # (width, height)
     check_devices(args)
     quantize = quantize_from_args(args)
-    from .quantize.compare import compare_fp8
+    from .bench.fp8_compare import compare_fp8
 
     load = checkpoint_options(args)
     result = compare_fp8(args.model, quantize, seeds=args.seeds, steps=args.steps, size=size, device=args.device,

@@ -189,7 +189,7 @@ def post_streaming(target: str, progress: Progress, **send: Any) -> tuple[int, s
     error (an error before the stream starts comes as plain JSON)."""
     import httpx
 
-    from .server.stream import COMPLETED, join_completed
+    from .image_events import COMPLETED, join_completed
 
     done: list[dict[str, Any]] = []
     with httpx.stream("POST", target, **send) as response:

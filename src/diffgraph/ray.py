@@ -281,6 +281,19 @@ def patient_ray_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def serve_flags(config: Any, data_parallel: int | None, address: str | None) -> int:
+    """`diffgraph serve --ray`: Ray Serve with `--data-parallel` engine replicas (default 1), one line and exit code 2
+    for a bad value."""
+    import sys
+    try:
+        opts = split_args({"device": config.device or "cuda",
+                           "num_replicas": data_parallel if data_parallel is not None else 1})[0]
+    except ValueError as e:
+        print(f"diffgraph: error: --data-parallel: {e}", file=sys.stderr)
+        return 2
+    return serve_local(config, opts, address=address)
+
+
 def serve_local(config: Any, opts: dict[str, Any], address: str | None = None) -> int:
     """`diffgraph serve --ray`: connects to the Ray cluster at `address` (or RAY_ADDRESS), else starts a local
     one; runs the application at config.host:config.port until SIGTERM or Ctrl-C, then shuts Serve down (the
@@ -309,4 +322,4 @@ def serve_local(config: Any, opts: dict[str, Any], address: str | None = None) -
     return 0
 
 
-__all__ = ["build_app", "serve_local", "application", "split_args", "RayEngineClient", "EngineDeployment"]
+__all__ = ["build_app", "serve_flags", "serve_local", "application", "split_args", "RayEngineClient", "EngineDeployment"]

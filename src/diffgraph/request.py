@@ -613,7 +613,7 @@ def make_preview(value: Any) -> PreviewSpec | None:
 def prompt_loras(request: GenerationRequest) -> tuple[tuple[str, float], ...]:
     """The `<lora:name:scale>` tags of an a1111-syntax request's prompt and negative prompt (ParamError naming the
     prompt whose syntax is wrong)."""
-    from .text.syntax import parse_a1111  # pure Python, and only a1111-syntax requests need it
+    from .prompt_syntax import parse_a1111  # pure Python, and only a1111-syntax requests need it
 
     tags = parse_a1111(request.prompt, "prompt").loras
     if request.negative_prompt is not None:

@@ -503,7 +503,12 @@ def _cuda_device_error(devices: tuple[str | None, ...]) -> str | None:
                        "print(json.dumps(next(filter(None, map(e, sys.argv[1:])), None)))", *cuda) if cuda else None
 
 
-def run_serve(args: argparse.Namespace) -> int:
+# (config, --data-parallel, --ray-address) -> exit code: Ray Serve's launcher, which the command line above this
+# package hands in (ray.py imports the server, so the server cannot import it)
+RayServer = Callable[[ServerConfig, "int | None", "str | None"], int]
+
+
+def run_serve(args: argparse.Namespace, ray_server: RayServer | None = None) -> int:
     try:
         config = config_from_args(args)
         # the CUDA check of `diffgraph serve`'s flags, for a device the TOML file sets too (or under `python -m
@@ -527,7 +532,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "ray", False):
-        return _serve_ray(config, args)
+        if ray_server is None:
+            print("diffgraph: error: --ray is served by `diffgraph serve --ray`", file=sys.stderr)
+            return 2
+        return ray_server(config, args.data_parallel, args.ray_address)
     return _exit(serve(config))
 
 
@@ -544,22 +552,6 @@ def _exit(code: int) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
-
-
-def _serve_ray(config: ServerConfig, args: argparse.Namespace) -> int:
-    try:
-        from ..ray import serve_local, split_args
-        import ray.serve  # noqa: F401
-    except ImportError as e:
-        print(f"diffgraph: error: --ray needs Ray Serve ({e}); pip install 'diffgraph[ray]'", file=sys.stderr)
-        return 2
-    dp = args.data_parallel
-    try:
-        opts = split_args({"device": config.device or "cuda", "num_replicas": dp if dp is not None else 1})[0]
-    except ValueError as e:
-        print(f"diffgraph: error: --data-parallel: {e}", file=sys.stderr)
-        return 2
-    return serve_local(config, opts, address=args.ray_address)
 
 
 def main(argv: list[str] | None = None) -> int:

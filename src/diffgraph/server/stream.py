@@ -11,7 +11,7 @@
 OpenAI's client (`client.images.generate(..., stream=True)`) skips the comment lines and reads each event as its
 typed `ImageGenPartialImageEvent` / `ImageGenCompletedEvent` (diffgraph's extra fields ride along), and raises on an
 event whose data holds `error`. diffgraph's own readers (the playground, `diffgraph generate`, the benchmarks)
-parse the comment lines for progress and join the completed events into the plain answer (`join_completed`).
+parse the comment lines for progress and join the completed events into the plain answer (image_events.py `join_completed`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ import json
 import time
 from typing import Any
 
+from ..image_events import COMPLETED, PARTIAL, join_completed
 from ..request import GenerationRequest, ProgressEvent
 
-PARTIAL = "image_generation.partial_image"
-COMPLETED = "image_generation.completed"
+__all__ = ["COMPLETED", "PARTIAL", "completed", "error", "event", "join_completed", "partials", "progress"]
+
 _IMAGE_FIELDS = {"background": "opaque", "quality": "auto"}
 _USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
           "total_tokens": 0}  # OpenAI bills tokens for its GPT image models; diffgraph counts none
@@ -64,14 +65,3 @@ def completed(body: dict[str, Any], request: GenerationRequest) -> bytes:
 
 def error(status: int, body: dict[str, Any]) -> bytes:
     return event("error", {"type": "error", "status": status, **body})
-
-
-def join_completed(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The plain answer (as a non-streaming POST gives it) from a request's completed events."""
-    first = events[0]
-    body = {k: v for k, v in first.items() if k not in ("type", "b64_json", "url", "image_index", "n", "usage",
-                                                        "size", "background", "quality", "created_at")}
-    body["created"] = first["created_at"]
-    body["data"] = [{k: e[k] for k in ("b64_json", "url", "revised_prompt") if e.get(k) is not None}
-                    for e in sorted(events, key=lambda e: e["image_index"])]
-    return body

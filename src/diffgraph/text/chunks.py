@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .syntax import BREAK
+from ..prompt_syntax import BREAK
 
 Tokenize = Callable[[list[str]], Sequence[Sequence[int]]]
 

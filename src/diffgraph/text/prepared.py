@@ -4,7 +4,7 @@
 the request (tokenising and parsing cost CPU; the loop only encodes ids, and the prompt cache keys on them):
   * "plain" syntax: diffusers' pipelines' tokenisation (one 77-token window, truncated with a warning); the
     request's `clip_skip` applies to the prompt only, as diffusers' pipelines apply it;
-  * "a1111" syntax: AUTOMATIC1111's prompt (text/syntax.py), in 75-token chunks (text/chunks.py) with each token's
+  * "a1111" syntax: AUTOMATIC1111's prompt (prompt_syntax.py), in 75-token chunks (text/chunks.py) with each token's
     emphasis weight, textual-inversion embeddings found by name (text/embeddings.py), and `clip_skip` for both
     prompts, as AUTOMATIC1111 applies its "CLIP skip"; an empty or missing negative prompt is text None (SDXL
     zeroes it, as AUTOMATIC1111's `force_zero_negative_prompt`; SD1.x/SD2.x encode the empty prompt), and the
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from ..request import GenerationRequest, ParamError
 from .chunks import EmbeddingMatcher, TokenChunks, chunk_tokens, with_pad
 from .embeddings import Embedding, EmbeddingDir, EmbeddingError
-from .syntax import parse_a1111
+from ..prompt_syntax import parse_a1111
 
 logger = logging.getLogger(__name__)
 

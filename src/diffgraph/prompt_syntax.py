@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from itertools import pairwise
 
-from ..errors import ParamError
+from .errors import ParamError
 
 BREAK = ("BREAK", -1.0)        # the piece that marks a BREAK (AUTOMATIC1111's marker)
 ROUND = 1.1                    # (x)

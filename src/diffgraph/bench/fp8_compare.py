@@ -1,4 +1,4 @@
-"""What the fp8 tier costs one model, measured against its 16-bit engine (`diffgraph compare --quantize fp8`, issue 33).
+"""What the fp8 tier costs one model, measured against its 16-bit engine (`diffgraph compare --quantize fp8`).
 
 `compare_fp8` builds the fp8 engine and then the 16-bit engine of the same model, one after the other (quantising
 rewrites the denoiser's layers in place, so the two cannot share weights): each makes the same images (same prompts,
@@ -25,7 +25,7 @@ import torch
 from ..config import LoadOptions
 from ..engine.engine import Engine
 from ..models.digits_oracle import DIGITS_PRESETS, digit_prompt, train_oracle
-from .fp8 import Fp8Config, Fp8Report, relative_error
+from ..quantize.fp8 import Fp8Config, Fp8Report, relative_error
 
 FIRST_SEED = 700
 # prompts for a model that is not a digits preset, taken in turn over the seeds
