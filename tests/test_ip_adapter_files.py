@@ -110,7 +110,8 @@ def test_an_image_encoder_that_cannot_be_read_is_named_relative_to_the_folder(fo
     weights = tmp_path / "styles" / "image_encoder" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
-        with pytest.raises(ParamError, match="the image encoder in 'styles/image_encoder' could not be read") as info:
+        with pytest.raises(ParamError, match="the image encoder in 'styles/image_encoder': model.safetensors is "
+                                             "not a readable safetensors file") as info:
             e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=dict(model="styles/cut", images=[IMAGE]))
     assert str(tmp_path) not in str(info.value) and os.path.realpath(tmp_path) not in str(info.value), info.value
 
