@@ -120,3 +120,11 @@ def test_options_hold_every_a1111_option_and_keep_the_unsupported_ones(client):
         assert same.status_code == 200 and "X-Diffgraph-Ignored-Fields" not in same.headers
     finally:
         client.post("/sdapi/v1/options", json={"CLIP_stop_at_last_layers": 1})
+
+
+def test_override_settings_take_any_a1111_option_at_its_default_value(client):
+    defaults = {"eta_ancestral": 1.0, "jpeg_quality": 80}
+    ok = client.post("/sdapi/v1/txt2img", json={**SMALL, "override_settings": defaults})
+    assert ok.status_code == 200, ok.text
+    changed = client.post("/sdapi/v1/txt2img", json={**SMALL, "override_settings": {"jpeg_quality": 95}})
+    assert changed.status_code == 400 and changed.json()["error"]["param"] == "override_settings.jpeg_quality"
