@@ -131,7 +131,10 @@ def cuda(state: ServerState) -> dict[str, Any]:
     info = state.info
     if info is None or not info.device.startswith("cuda") or state.engine is None:
         return {"error": "unavailable"}
-    stats = state.engine.stats()
+    try:
+        stats = state.engine.stats()
+    except Exception as e:  # a replica not answering: AUTOMATIC1111's error shape, as for a failed torch call
+        return {"error": f"{type(e).__name__}: {e}"}
     return {"error": f"the engine reports no CUDA allocator statistics; it has {stats.device_memory_bytes} bytes "
                      "allocated on its devices (diffgraph_device_memory_bytes in /metrics)"}
 
