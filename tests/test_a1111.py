@@ -228,7 +228,7 @@ def test_lists_have_automatic1111s_fields(api):
     assert sorted(api.get_embeddings()) == sorted(FIXTURE["embeddings_response"])
     assert api.get_upscalers() == [] and sorted(api.get_scripts()) == sorted(FIXTURE["scripts_list"])
     options = api.get_options()
-    assert set(options) <= set(FIXTURE["options"]) and options["sd_model_checkpoint"] == "digits"
+    assert set(FIXTURE["options"]) <= set(options) and options["sd_model_checkpoint"] == "digits"
     assert api.util_get_current_model() == "digits"
     progress = api.get_progress()
     assert sorted(progress) == sorted(FIXTURE["progress_response"])
@@ -320,11 +320,14 @@ def test_options_are_per_key(server, api, other):
         api.set_options({"CLIP_stop_at_last_layers": 1})
     api.util_set_model("digits")
     assert api.util_get_current_model() == "digits"
-    for body, param in (({"sd_model_checkpoint": "nope"}, "sd_model_checkpoint"), ({"sd_vae": "x.vae"}, "sd_vae"),
+    for body, param in (({"sd_model_checkpoint": "nope"}, "sd_model_checkpoint"),
                         ({"CLIP_stop_at_last_layers": 13}, "CLIP_stop_at_last_layers")):
         r = post(server, "options", body)
         assert r.status_code == (404 if param == "sd_model_checkpoint" else 400), r.text
         assert r.json()["error"]["param"] == param, r.text
+    r = post(server, "options", {"sd_vae": "x.vae"})  # accepted, its value kept (as a client's whole set is)
+    assert r.status_code == 200 and r.headers["X-Diffgraph-Ignored-Fields"] == "sd_vae", r.text
+    assert api.get_options()["sd_vae"] == "Automatic"
     r = post(server, "options", {"sd_vae": "Automatic", "sd_model_checkpoint": "digits", "samples_format": "png"})
     assert r.status_code == 200 and r.json() is None
     assert post(server, "options", ["sd_model_checkpoint"]).status_code == 400

@@ -252,11 +252,9 @@ def _params(line: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def parse_infotext(text: str) -> dict[str, Any]:
-    """AUTOMATIC1111's infotext -> `GenerationRequest.create` keyword arguments (plus "model"): the prompt and
-    negative prompt (read in its prompt syntax, "a1111", which carries `<lora:...>` tags), steps, sampler and
-    schedule (its names mapped back; an old "DPM++ 2M Karras" sampler name split), CFG scale, seed, size, model,
-    denoising strength and clip skip. Keys diffgraph has no setting for are ignored."""
+def infotext_parts(text: str) -> tuple[str, str | None, dict[str, str]]:
+    """AUTOMATIC1111's infotext read as its parse_generation_parameters splits it: (the prompt, the negative prompt
+    or None, each `Key: value` of the settings line, a quoted value unquoted), in time linear in the text."""
     *lines, last = text.strip().split("\n")
     pairs = _params(last)
     if len(pairs) < 3:  # as AUTOMATIC1111: a last line of fewer than 3 pairs is prompt text
@@ -276,8 +274,16 @@ def parse_infotext(text: str) -> dict[str, Any]:
             except ValueError:
                 pass
         params[key.strip()] = value
-    fields: dict[str, Any] = {"prompt": "\n".join(prompt).strip(), "negative_prompt": "\n".join(negative) or None,
-                              "prompt_syntax": "a1111"}
+    return "\n".join(prompt).strip(), "\n".join(negative) or None, params
+
+
+def parse_infotext(text: str) -> dict[str, Any]:
+    """AUTOMATIC1111's infotext -> `GenerationRequest.create` keyword arguments (plus "model"): the prompt and
+    negative prompt (read in its prompt syntax, "a1111", which carries `<lora:...>` tags), steps, sampler and
+    schedule (its names mapped back; an old "DPM++ 2M Karras" sampler name split), CFG scale, seed, size, model,
+    denoising strength and clip skip. Keys diffgraph has no setting for are ignored."""
+    prompt, negative, params = infotext_parts(text)
+    fields: dict[str, Any] = {"prompt": prompt, "negative_prompt": negative, "prompt_syntax": "a1111"}
     samplers = {v: k for k, v in A1111_SAMPLERS.items()}
     schedules = {v: k for k, v in A1111_SCHEDULES.items()}
     sampler = params.get("Sampler")

@@ -4,8 +4,10 @@ errors as the images API, AUTOMATIC1111's request and response shapes (v1.10; we
     POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together
     GET  /sdapi/v1/sd-models           the models (--model, and --model-dir's), AUTOMATIC1111's titles
     GET  /sdapi/v1/samplers, /schedulers, /loras, /embeddings, /upscalers (none), /scripts (none)
-    GET  /sdapi/v1/options             the calling key's options; POST sets its model and clip skip
+    GET  /sdapi/v1/options             the calling key's options (every AUTOMATIC1111 option); POST sets its model and
+                                       clip skip, keeps the others' values (named in X-Diffgraph-Ignored-Fields)
     GET  /sdapi/v1/progress            the calling key's requests (a1111_jobs.py)
+    ...  /sdapi/v1/png-info, /memory, /cmd-flags, /refresh-*, ...: a1111_info.py's router
     POST /sdapi/v1/interrupt, /skip    its oldest request: all of it, or its current image
 
 A body is type-checked and read in diffgraph's words by a1111_protocol.py (unsupported values: a 400 naming the
@@ -39,12 +41,13 @@ from ..models.controlnet_dir import ControlNetDir
 from ..models.presets import builtin_control_folder
 from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .a1111_controlnet import MODULES, controlnet_units, units_to_controls
+from .a1111_info import InfoSources, info_router
 from .a1111_inpaint import PreparedEdit, mask_options, prepare
 from .a1111_jobs import ImageRun, JobBoard, Key
-from .a1111_protocol import (DEFAULT_OPTIONS, IGNORED_HEADER, OPTIONS, Img2ImgBody, Plan, TextToImageResponse,
-                             Txt2ImgBody, ProcessingBody, a1111_error, a1111_field, clip_stop, fit_to_model,
-                             ignored_header, info_json, model_name, plan_body, sampler_items, sampler_schedule,
-                             scheduler_items, validate)
+from .a1111_protocol import (DEFAULT_OPTIONS, IGNORED_HEADER, MAX_IGNORED_NAMES, OPTIONS, Img2ImgBody, Plan,
+                             TextToImageResponse, Txt2ImgBody, ProcessingBody, a1111_error, a1111_field, clip_stop,
+                             fit_to_model, ignored_header, info_json, model_name, names_header, plan_body,
+                             sampler_items, sampler_schedule, scheduler_items, validate)
 from .auth import caller_key
 from .bodies import read_body
 from .models import ModelRouting, Target
@@ -383,8 +386,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
 
     @app.post("/sdapi/v1/options")
     async def set_options(http: Request) -> Response:
-        """Sets the calling key's default model and clip skip; any other option only to the value it has."""
-        async def work() -> None:
+        """Sets the calling key's default model and clip skip; any other option keeps its value (a change to it is
+        accepted, as AUTOMATIC1111's clients send back the whole set, and named in the IGNORED_HEADER and the log)."""
+        try:
             key = key_of(http)
             body = await read_json(http, prompt_limit)
             if not isinstance(body, dict):
@@ -392,6 +396,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                     "\"digits\"}")
             current = await current_options(key)
             changes = dataclasses.replace(board.options(key))
+            ignored = []
             for name, value in body.items():
                 if name == "sd_model_checkpoint":
                     if not isinstance(value, str):
@@ -401,10 +406,16 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                 elif name == "CLIP_stop_at_last_layers":
                     changes.clip_stop = clip_stop(value, name)
                 elif current.get(name, object()) != value:
-                    raise APIError(400, f"option {name!r} cannot be set here; the options that can: "
-                                        f"{', '.join(OPTIONS)}", param=name, code="unsupported_parameter")
+                    ignored.append(name)
             board.set_options(key, changes)  # all or nothing: nothing is set when one value is refused
-        return await answer(work)
+        except APIError as e:
+            return _failure(e)
+        if ignored:
+            logger.info("POST /sdapi/v1/options: kept the values of %s (only %s can be set here)",
+                        ", ".join(ignored[:MAX_IGNORED_NAMES]), ", ".join(OPTIONS))
+        return JSONResponse(None, headers=names_header(ignored))
+
+    app.include_router(info_router(InfoSources(state, routing, embedding_dir)))  # png-info, memory, ... (a1111_info.py)
 
     @app.get("/sdapi/v1/progress")
     async def progress(http: Request, skip_current_image: bool = False) -> Response:

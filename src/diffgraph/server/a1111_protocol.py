@@ -17,7 +17,8 @@ import json
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from importlib.resources import files
+from typing import Any, Sequence
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, JsonValue, PrivateAttr, ValidationError
@@ -58,8 +59,11 @@ OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers")
 # /progress's current_image: a live preview every this many steps (AUTOMATIC1111's show_progress_every_n_steps
 # default), a PNG at the latent resolution (its "Approx cheap" kind; engine/previews.py)
 PREVIEW = {"every": 10, "format": "png"}
-# what GET /sdapi/v1/options answers for the options diffgraph has no setting for (AUTOMATIC1111's defaults)
-DEFAULT_OPTIONS = {"samples_format": "png", "sd_vae": "Automatic", "eta_noise_seed_delta": 0}
+# what GET /sdapi/v1/options answers for the options diffgraph has no setting for: AUTOMATIC1111's defaults
+# (a1111_options.json, transcribed from its shared_options.py); the options the key sets are filled in by a1111.py
+DEFAULT_OPTIONS = {name: value for name, value in
+                   json.loads(files(__package__).joinpath("a1111_options.json").read_text("utf-8"))["defaults"].items()
+                   if name not in (*OPTIONS, "sd_checkpoint_hash")}
 # GenerationRequest parameter -> the AUTOMATIC1111 field that carries it
 _ENGINE_TO_A1111 = {"sampler": "sampler_name", "schedule": "scheduler", "num_inference_steps": "steps",
                     "guidance_scale": "cfg_scale", "strength": "denoising_strength", "image": "init_images",
@@ -221,9 +225,13 @@ def validate(body: Any, model: type[ProcessingBody]) -> ProcessingBody:
 
 
 def ignored_header(body: ProcessingBody) -> dict[str, str]:
-    """The response header that names the keys the body's model ignored (at most MAX_IGNORED_NAMES, each cut to
-    MAX_IGNORED_NAME characters and percent-escaped); none when every key was known."""
-    names = body._ignored
+    """The response header that names the keys the body's model ignored; none when every key was known."""
+    return names_header(body._ignored)
+
+
+def names_header(names: Sequence[str]) -> dict[str, str]:
+    """The IGNORED_HEADER naming `names` (at most MAX_IGNORED_NAMES, each cut to MAX_IGNORED_NAME characters and
+    percent-escaped); none for no names."""
     if not names:
         return {}
     shown = [quote(name[:MAX_IGNORED_NAME], safe="") for name in names[:MAX_IGNORED_NAMES]]
