@@ -40,6 +40,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -104,7 +105,7 @@ class ReplicaClient:
         self._conn = _Sender(parent, f"diffgraph-replica-{self.name}-writer", self._unsent)
         self._process = ctx.Process(target=replica_main, args=(child, self.device, self._kwargs, self._threads,
                                                                 self.replica_timeout / 4, _parent_log_level(),
-                                                                self._measure, self._models),
+                                                                self._measure, self._models, os.getpid()),
                                     name=f"diffgraph-replica-{self.name}", daemon=True)
         self._process.start()
         child.close()

@@ -1,6 +1,9 @@
 """What runs inside a replica process (replica.py holds the parent's side, `ReplicaClient`): `replica_main` builds
 the engine, warms it up, then serves the pipe; the engine's threads only queue their messages and the output thread
 (`_send_all`) sends them, so the GPU loop never waits for the pipe. The protocol is replica.py's docstring.
+
+A replica exits at once when its parent dies (`watch_parent`), whatever it is doing (building, stepping, closing):
+a killed server's replica must not hold the device memory the restarted server needs.
 """
 
 from __future__ import annotations
@@ -17,14 +20,32 @@ from typing import Any, Callable
 from .held_models import HeldModels
 from .remote_models import ModelSetSpec
 
+PARENT_POLL_S = 0.2  # how often a replica looks whether its parent still lives
+
+
+def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S, exit: Callable[[int], Any] = os._exit) -> None:
+    """Exits the process (`exit`, os._exit: no cleanup, the kernel frees the device) once `parent_pid` is no longer
+    its parent: an orphan is re-parented (to init or a subreaper), so its parent pid changes. A thread polling
+    getppid, not prctl(PR_SET_PDEATHSIG): that signal follows the parent *thread* that started the process, and a
+    replica is restarted from a supervising thread that ends before it."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        exit(1)
+    threading.Thread(target=watch, name="diffgraph-replica-parent-watch", daemon=True).start()
+
+
 def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], torch_threads: int | None,
                   beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True,
-                  models: ModelSetSpec | None = None) -> None:
+                  models: ModelSetSpec | None = None, parent_pid: int | None = None) -> None:
     """The replica process: build the engine, then serve the pipe until "close" or the parent goes away. With
     `log_level` (the parent's, when it configured logging) its records go to the inherited stderr as the parent's;
     `measure_step`: a CPU replica times a warm step at start-up (the server's --max-pixels default needs it);
     `models`: a `--model-dir` set (engine/model_set.py) lives here, its default model the replica's engine, the
-    others loaded when the parent acquires them (remote_models.py)."""
+    others loaded when the parent acquires them (remote_models.py); `parent_pid`: the process whose death ends this
+    one at once (watch_parent)."""
+    if parent_pid is not None:
+        watch_parent(parent_pid)
     if log_level is not None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     from .engine import default_device
