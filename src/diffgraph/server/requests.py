@@ -77,6 +77,38 @@ def cpu_pixel_limit(info: ModelInfo, samples: Sequence[tuple[int, float]], reque
     return max(native, int(allowed))
 
 
+def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
+                        edit: EditInput | None = None, controls: list | tuple = (),
+                        image_prompts: dict | None = None) -> GenerationRequest:
+    """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
+    if params.model is not None and params.model != info.name:
+        raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
+                            "(GET /v1/models)", param="model", code="model_not_found")
+    if params.response_format not in ("b64_json", "url"):
+        raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json, url",
+                       param="response_format")
+    if params.controls and not controls:  # not decoded by the route (a batch job's item): its images are base64
+        controls = decode_controls(params.controls, config.max_image_bytes, config.max_image_pixels)
+    if params.image_prompts is not None and image_prompts is None:
+        image_prompts = decode_image_prompt(params.image_prompts, config.max_image_bytes, config.max_image_pixels)
+    kwargs = params.request_params()
+    if kwargs["prompt_syntax"] is None:
+        kwargs["prompt_syntax"] = config.prompt_syntax
+    if kwargs["clip_skip"] is None:
+        kwargs["clip_skip"] = config.clip_skip
+    try:
+        request = GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
+                                           image=edit, controls=controls, image_prompts=image_prompts, **kwargs)
+    except ParamError as e:
+        raise error_from_param_error(e) from None
+    for name in ("prompt", "negative_prompt"):  # a server limit (the request itself is valid UTF-8 by now)
+        size = len((getattr(request, name) or "").encode("utf-8"))
+        if size > config.max_prompt_bytes:
+            raise APIError(400, f"{name} has {size} bytes (UTF-8); the limit is {config.max_prompt_bytes}",
+                           param=name)
+    return request
+
+
 def _is_local_engine(built: Any) -> bool:
     """An `Engine` of this process: only a factory that built one has imported the engine module (and torch)."""
     import sys
