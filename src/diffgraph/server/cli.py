@@ -456,7 +456,9 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
         return 2
     host, port = sockets[0].getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    log.info("listening on %s (at most %d connections); loading %s", url, max_connections, config.model)
+    per_client = resolve_max_client_connections(config.max_client_connections, max_connections)
+    log.info("listening on %s (at most %d connections, %d a client); loading %s", url, max_connections, per_client,
+             config.model)
     for warning in (open_server_warning(config), key_file_warning(config)):
         if warning:
             log.warning("%s", warning)
@@ -465,9 +467,7 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
     app = create_app(config, engine_factory)
     state = app.state.server
     quiet_access_log(config)
-    guard = ConnectionGuard(max_connections, config.header_timeout,
-                            max_client_connections=resolve_max_client_connections(config.max_client_connections,
-                                                                                   max_connections),
+    guard = ConnectionGuard(max_connections, config.header_timeout, max_client_connections=per_client,
                             body_deadline=config.body_deadline, min_body_rate=config.min_body_rate,
                             trusted_proxies=config.trusted_proxies)
     # no limit_concurrency: the guard bounds connections (uvicorn's bound counts idle sockets against requests)
