@@ -79,7 +79,9 @@ def key_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(key_file):
+    # one client may take every slot here, and its held bodies are not closed early: the bounds tested below
     s = ServerProcess("--header-timeout", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
+                      "--max-client-connections", str(MAX_CONNECTIONS), "--body-deadline", "600",
                       "--api-key-file", str(key_file), model=MODEL, log_level="info")
     try:
         s.wait_ready()
@@ -255,7 +257,7 @@ def test_past_max_connections_busy_a_newcomer_gets_503_and_idle_ones_make_room(s
             """The last slot taken by a busy request, a newcomer's answer; None (retry) when the newcomer came
             before that request's head was read, while the connection still counted as idle (it was closed)."""
             busy.append(_busy(server.url))
-            r = httpx.get(f"{server.url}/health", timeout=30)
+            r = httpx.get(f"{server.url}/v1/models", timeout=30)
             if r.status_code == 503:
                 return r
             busy.pop().close()
@@ -264,10 +266,145 @@ def test_past_max_connections_busy_a_newcomer_gets_503_and_idle_ones_make_room(s
         r = wait_for(refused, timeout=60, what="a newcomer refused")
         assert r.headers["connection"] == "close" and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"]["code"] == "too_many_connections" and "--max-connections" in r.text
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # a probe is answered at the limit
     finally:
         for sock in idle + busy:
             sock.close()
     wait_for(lambda: httpx.get(f"{server.url}/health", timeout=30).status_code == 200, timeout=60, what="served again")
+
+
+def _connect_from(url: str, source: str, timeout: float = 120) -> socket.socket:
+    """A connection from another loopback address (127.0.0.2, ...): another client to the server."""
+    return socket.create_connection(_host_port(url), timeout=timeout, source_address=(source, 0))
+
+
+def _held_body(url: str, source: str = "127.0.0.1", forwarded: str = "") -> socket.socket:
+    """A connection busy with a request whose body is still to come (no key: the servers below are open)."""
+    sock = _connect_from(url, source)
+    extra = f"X-Forwarded-For: {forwarded}\r\n" if forwarded else ""
+    sock.sendall(f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n{extra}Content-Type: application/json\r\n"
+                 "Content-Length: 1000\r\n\r\n{".encode())
+    return sock
+
+
+def _get_from(url: str, source: str, path: str, forwarded: str = "") -> tuple[int, str]:
+    """(status, body) of one GET from `source` on a connection of its own."""
+    extra = f"X-Forwarded-For: {forwarded}\r\n" if forwarded else ""
+    with _connect_from(url, source, timeout=60) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{extra}Connection: close\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode(errors="replace")
+
+
+def test_slow_bodies_are_closed_early_while_health_answers():
+    """Bodies trickled a byte every 0.5 s on every connection slot (4 here) are closed by the body pace (--body-deadline
+    2 s, a second more per 1000 bytes), long before --body-timeout (600 s), and /health answers throughout."""
+    s = ServerProcess("--max-connections", "4", "--max-client-connections", "4", "--body-deadline", "2",
+                      "--min-body-rate", "1000", "--body-timeout", "600", "--header-timeout", "600", model=MODEL)
+    slow: list[socket.socket] = []
+    stop = threading.Event()
+    try:
+        s.wait_ready()
+        t0 = time.monotonic()
+        slow = [_held_body(s.url) for _ in range(4)]
+        closed: dict[int, bytes] = {}
+
+        def drip() -> None:
+            while not stop.wait(0.5) and len(closed) < len(slow):
+                for i, sock in enumerate(slow):
+                    if i in closed:
+                        continue
+                    try:
+                        sock.send(b" ")
+                        sock.setblocking(False)
+                        try:
+                            got = sock.recv(65536)
+                            closed[i] = got  # b"": closed by the server (what it sent before, if anything)
+                        except BlockingIOError:
+                            pass
+                        finally:
+                            sock.setblocking(True)
+                    except OSError:
+                        closed[i] = b""
+        threading.Thread(target=drip, daemon=True).start()
+        deadline = time.monotonic() + 120  # a failure bound
+        while len(closed) < len(slow) and time.monotonic() < deadline:
+            assert httpx.get(f"{s.url}/health", timeout=60).status_code == 200
+            time.sleep(0.2)
+        assert len(closed) == len(slow), f"only {len(closed)} of the slow bodies were closed"
+        assert time.monotonic() - t0 >= 2  # the server's own deadline, not anything sooner
+        assert all(not answer.startswith(b"HTTP/1.1 408") for answer in closed.values())  # not the body timeout
+        r = httpx.post(f"{s.url}/v1/images/generations", json={"prompt": "a fox", "num_inference_steps": 1},
+                       timeout=600)
+        assert r.status_code == 200, r.text
+    finally:
+        stop.set()
+        for sock in slow:
+            sock.close()
+        s.stop(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def capped():
+    """Two connections a client, 127.0.0.4 a trusted proxy; held bodies are never closed early."""
+    s = ServerProcess("--max-connections", "16", "--max-client-connections", "2", "--trusted-proxies", "127.0.0.4",
+                      "--body-deadline", "600", model=MODEL)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop(timeout=30)
+
+
+def test_one_clients_connections_are_capped_while_another_is_served(capped):
+    held = [_held_body(capped.url, "127.0.0.2") for _ in range(2)]
+    try:
+        wait_for(lambda: _inflight(capped.url) == 2, timeout=60, what="the held requests in flight")
+        status, body = _get_from(capped.url, "127.0.0.2", "/v1/models")
+        assert status == 503 and "too_many_client_connections" in body and "--max-client-connections" in body
+        assert _get_from(capped.url, "127.0.0.2", "/health")[0] == 200  # its probes still answered
+        assert _get_from(capped.url, "127.0.0.3", "/v1/models")[0] == 200  # another client served
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for(lambda: _get_from(capped.url, "127.0.0.2", "/v1/models")[0] == 200, timeout=60, what="served again")
+
+
+def test_a_forwarded_client_is_counted_only_from_a_trusted_proxy(capped):
+    proxy = "127.0.0.4"
+    held = [_held_body(capped.url, proxy, forwarded="10.0.0.1") for _ in range(2)]
+    try:
+        wait_for(lambda: _inflight(capped.url) == 2, timeout=60, what="the held requests in flight")
+        # the proxy carries many clients: 10.0.0.1 is at its bound (also as the first of a chain through the proxy),
+        # 10.0.0.2 is not, and the proxy's own connections count against nobody
+        for forwarded in ("10.0.0.1", "10.0.0.1, 127.0.0.4"):
+            status, body = _get_from(capped.url, proxy, "/v1/models", forwarded)
+            assert status == 503 and "too_many_client_connections" in body, (forwarded, body)
+        assert _get_from(capped.url, proxy, "/v1/models", "10.0.0.2")[0] == 200
+        # anyone else's header is not believed: 127.0.0.5 naming 10.0.0.1 is itself, and served
+        assert _get_from(capped.url, "127.0.0.5", "/v1/models", "10.0.0.1")[0] == 200
+        held += [_held_body(capped.url, "127.0.0.5", forwarded=f"10.0.0.{i}") for i in (7, 8)]
+        wait_for(lambda: _inflight(capped.url) == 4, timeout=60, what="the untrusted held requests in flight")
+        status, body = _get_from(capped.url, "127.0.0.5", "/v1/models", "10.0.0.9")
+        assert status == 503 and "too_many_client_connections" in body
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_forwarded_client_takes_the_nearest_untrusted_hop():
+    from diffgraph.server.connections import forwarded_client, parse_networks
+
+    proxies = parse_networks(("10.0.0.0/8", "::1"))
+    xff = [(b"x-forwarded-for", b"1.2.3.4, 5.6.7.8"), (b"X-Forwarded-For", b"10.1.1.1")]
+    assert forwarded_client(xff, "10.9.9.9", proxies) == "5.6.7.8"  # 1.2.3.4 is only 5.6.7.8's word
+    assert forwarded_client([(b"x-forwarded-for", b"10.0.0.2, 10.0.0.3")], "::1", proxies) == "10.0.0.2"
+    assert forwarded_client([], "10.9.9.9", proxies) == "10.9.9.9"
+    with pytest.raises(ValueError, match="trusted-proxies: 'a.b' is not an address"):
+        parse_networks(("a.b",))
 
 
 def test_more_idle_sockets_than_descriptors_lock_nobody_out():

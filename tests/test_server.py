@@ -223,15 +223,75 @@ def test_an_image_over_max_pixels_is_a_400_naming_size_with_the_limit(server):
                       timeout=600).status_code == 200  # 196608 pixels: under it
 
 
-def test_the_cpu_pixel_limit_follows_the_step_time_and_the_timeout():
+def _cpu_info(native: int = 512):
     from diffgraph.request import ModelInfo
+    return ModelInfo(name="m", family="sd", native_size=native, default_guidance=7.5, max_rows=16, mode="eager",
+                     device="cpu")
+
+
+def test_the_cpu_pixel_limit_follows_the_step_time_and_the_timeout():
     from diffgraph.server.requests import cpu_pixel_limit
 
-    info = ModelInfo(name="m", family="sd", native_size=512, default_guidance=7.5, max_rows=16, mode="eager",
-                     device="cpu")
-    # a 2 s step at 512x512 and a 600 s timeout: 20 steps may take 150 s, 3.75x the pixels of 512x512
-    assert cpu_pixel_limit(info, 2.0, 600.0) == int(512 * 512 * 3.75)
-    assert cpu_pixel_limit(info, 60.0, 600.0) == 512 * 512  # never below the native size
+    info = _cpu_info()
+    # steps whose cost grows with the pixels alone: 2 s at 512x512 and a 600 s timeout: 20 steps may take 150 s,
+    # 3.75x the pixels of 512x512
+    linear = [(512 * 512, 2.0), (512 * 256, 1.0)]
+    assert abs(cpu_pixel_limit(info, linear, 600.0) - 512 * 512 * 3.75) <= 1
+    assert cpu_pixel_limit(info, [(512 * 512, 60.0), (512 * 256, 30.0)], 600.0) == 512 * 512  # never below native
+
+
+def test_the_cpu_pixel_limit_follows_a_cost_that_grows_faster_than_the_pixels():
+    from diffgraph.server.requests import cpu_pixel_limit, step_cost_fit
+
+    info = _cpu_info()
+    native = 512 * 512  # a 1.6 s step there, half of it attention, whose share grows with the size
+    a, b = 0.8 / native, 0.8 / native ** 2  # seconds per pixel, per pixel squared
+
+    def cost(p):
+        return a * p + b * p * p
+    samples = [(512 * 512, cost(512 * 512)), (512 * 256, cost(512 * 256))]
+    fit_a, fit_b = step_cost_fit(samples)
+    assert fit_a == pytest.approx(a) and fit_b == pytest.approx(b)
+    limit = cpu_pixel_limit(info, samples, 600.0)
+    assert cost(limit) * 20 == pytest.approx(150.0, rel=1e-6)  # 20 steps take a quarter of the timeout
+    # the linear estimate from the native step alone would have allowed far more (1024x1024 here)
+    linear = 512 * 512 * 150.0 / (20 * cost(512 * 512))
+    assert limit < 1024 * 1024 < linear
+    # noise that bends the fit down, or one size only: never a larger limit than the costlier sample per pixel says
+    assert step_cost_fit([(100, 2.0), (200, 3.0)]) == (0.02, 0.0)
+    assert step_cost_fit([(100, 1.0)]) == (0.0, 1e-4)
+    assert step_cost_fit([(100, 1.0), (200, 5.0)]) == (0.0, 5.0 / 200 ** 2)  # steeper than quadratic: all quadratic
+
+
+def test_step_timing_takes_two_sizes_and_the_median_of_each():
+    from types import SimpleNamespace
+
+    from diffgraph.engine.replica_process import time_step_sizes
+    from diffgraph.request import ParamError
+    from diffgraph.server.requests import cpu_pixel_limit
+
+    engine = SimpleNamespace(info=_cpu_info())
+    calls = []
+
+    def timed(slow):  # a fake timing: 1 us a pixel, one step in three `slow` times slower (a loaded machine)
+        def step_seconds(height, width):
+            calls.append((height, width))
+            return height * width * 1e-6 * (slow if len(calls) % 3 == 1 else 1.0)
+        return step_seconds
+    quiet = time_step_sizes(engine, step_seconds=timed(1.0))
+    assert sorted(set(calls)) == [(512, 256), (512, 512)] and len(calls) == 6
+    assert quiet == ((512 * 512, 512 * 512 * 1e-6), (512 * 256, 512 * 256 * 1e-6))
+    loaded = time_step_sizes(engine, step_seconds=timed(5.0))  # another start on a loaded machine: the same limit
+    assert cpu_pixel_limit(engine.info, loaded, 600.0) == cpu_pixel_limit(engine.info, quiet, 600.0)
+    calls.clear()  # a 64-pixel model has no half size: twice its width instead
+    assert [p for p, _ in time_step_sizes(SimpleNamespace(info=_cpu_info(64)), step_seconds=timed(1.0))] == \
+        [64 * 64, 64 * 128]
+
+    def refusing(height, width):  # an engine that takes its native size only
+        if width != 512:
+            raise ParamError("width", "not this size")
+        return 1.0
+    assert time_step_sizes(engine, step_seconds=refusing) == ((512 * 512, 1.0),)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

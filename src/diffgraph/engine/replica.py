@@ -6,7 +6,7 @@ The parent talks to the replica over one duplex pipe; everything on it is the pr
     parent -> replica   ("submit", request, progress, hold or None) | ("abort", request_id) | ("stats", token)
                         | ("loras", token) | ("acquire", token, model, seconds) | ("models", token)
                         | ("release", hold) | ("close",)
-    replica -> parent   ("ready", ModelInfo, warm step seconds on a CPU else None) | ("failed", message)
+    replica -> parent   ("ready", ModelInfo, (pixels, warm step seconds) at two sizes on a CPU else None) | ("failed", message)
                         | ("accepted", request_id) | ("rejected", request_id, error) | ("progress", ProgressEvent)
                         | ("step", StepEvent) | ("done", request_id, result, error) | ("stats", token, EngineStats)
                         | ("loras", token, the adapter listing or its error)
@@ -40,6 +40,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -74,7 +75,7 @@ class ReplicaClient:
         self.replica_timeout = replica_timeout
         self.device = device  # None: the replica's default (cuda when it has one, else cpu)
         self._threads = torch_threads  # applied when the replica's device is the CPU
-        self._measure = measure_step   # a CPU replica times a warm step at start-up (warm_step_s)
+        self._measure = measure_step   # a CPU replica times warm steps at start-up (step_samples)
         self._models = models          # a --model-dir set held in the replica (remote_models.py)
         self.name = name or device or "engine"
         self._kwargs = {k: v for k, v in (engine_kwargs or {}).items() if k != "device"}
@@ -93,7 +94,8 @@ class ReplicaClient:
         self.error: str | None = None
         self.restarts = 0
         self.info: ModelInfo | None = None
-        self.warm_step_s: float | None = None  # a warm step's seconds, measured at start-up by a CPU replica
+        # (pixels, seconds) of warm steps at two sizes, measured at start-up by a CPU replica (time_step_sizes)
+        self.step_samples: tuple[tuple[int, float], ...] | None = None
         self._ready_event = threading.Event()
         self._start()
 
@@ -104,7 +106,7 @@ class ReplicaClient:
         self._conn = _Sender(parent, f"diffgraph-replica-{self.name}-writer", self._unsent)
         self._process = ctx.Process(target=replica_main, args=(child, self.device, self._kwargs, self._threads,
                                                                 self.replica_timeout / 4, _parent_log_level(),
-                                                                self._measure, self._models),
+                                                                self._measure, self._models, os.getpid()),
                                     name=f"diffgraph-replica-{self.name}", daemon=True)
         self._process.start()
         child.close()
@@ -166,7 +168,7 @@ class ReplicaClient:
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
         if kind == "ready":
-            self.info, self.warm_step_s, self.error = message[1], message[2], None
+            self.info, self.step_samples, self.error = message[1], message[2], None
             if self.state != "closed":
                 self.state = "ready"
             self._ready_event.set()

@@ -1,6 +1,9 @@
 """What runs inside a replica process (replica.py holds the parent's side, `ReplicaClient`): `replica_main` builds
 the engine, warms it up, then serves the pipe; the engine's threads only queue their messages and the output thread
 (`_send_all`) sends them, so the GPU loop never waits for the pipe. The protocol is replica.py's docstring.
+
+A replica exits at once when its parent dies (`watch_parent`), whatever it is doing (building, stepping, closing):
+a killed server's replica must not hold the device memory the restarted server needs.
 """
 
 from __future__ import annotations
@@ -17,14 +20,59 @@ from typing import Any, Callable
 from .held_models import HeldModels
 from .remote_models import ModelSetSpec
 
+PARENT_POLL_S = 0.2  # how often a replica looks whether its parent still lives
+
+
+def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S, exit: Callable[[int], Any] = os._exit) -> None:
+    """Exits the process (`exit`, os._exit: no cleanup, the kernel frees the device) once `parent_pid` is no longer
+    its parent: an orphan is re-parented (to init or a subreaper), so its parent pid changes. A thread polling
+    getppid, not prctl(PR_SET_PDEATHSIG): that signal follows the parent *thread* that started the process, and a
+    replica is restarted from a supervising thread that ends before it."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        exit(1)
+    threading.Thread(target=watch, name="diffgraph-replica-parent-watch", daemon=True).start()
+
+
+STEP_REPEATS = 3  # timed steps per size; their median is kept (one step slowed by a loaded machine moves nothing)
+
+
+def time_step_sizes(engine: Any, repeats: int = STEP_REPEATS,
+                    step_seconds: Callable[[int, int], float] | None = None) -> tuple[tuple[int, float], ...]:
+    """(pixels, seconds) of one warm denoising step at two sizes, each the median of `repeats` timed steps: the native
+    square and, beside it, half its width (twice, for a model whose half would be under 64 pixels), so that the
+    server can fit how the cost grows with size. A size the engine refuses (ParamError) is left out.
+    `step_seconds(height, width)`: the timing (default: a one-step image on `engine`, its denoise time)."""
+    from ..request import MIN_SIZE, ParamError
+
+    if step_seconds is None:
+        def step_seconds(height: int, width: int) -> float:
+            result = engine.generate("warm-up", num_inference_steps=1, seed=0, height=height, width=width)
+            return result.timings["denoise_ms"] / 1e3
+    native = engine.info.native_size
+    half = native // 2 // 8 * 8
+    samples = []
+    for height, width in ((native, native), (native, half if half >= MIN_SIZE else 2 * native)):
+        try:
+            times = sorted(step_seconds(height, width) for _ in range(repeats))
+        except ParamError:
+            continue
+        samples.append((height * width, times[len(times) // 2]))
+    return tuple(samples)
+
+
 def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], torch_threads: int | None,
                   beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True,
-                  models: ModelSetSpec | None = None) -> None:
+                  models: ModelSetSpec | None = None, parent_pid: int | None = None) -> None:
     """The replica process: build the engine, then serve the pipe until "close" or the parent goes away. With
     `log_level` (the parent's, when it configured logging) its records go to the inherited stderr as the parent's;
     `measure_step`: a CPU replica times a warm step at start-up (the server's --max-pixels default needs it);
     `models`: a `--model-dir` set (engine/model_set.py) lives here, its default model the replica's engine, the
-    others loaded when the parent acquires them (remote_models.py)."""
+    others loaded when the parent acquires them (remote_models.py); `parent_pid`: the process whose death ends this
+    one at once (watch_parent)."""
+    if parent_pid is not None:
+        watch_parent(parent_pid)
     if log_level is not None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     from .engine import default_device
@@ -67,9 +115,8 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         else:
             held = HeldModels(models, device, engine_kwargs, hook)  # each build warms its engine up the same way
             engine, client = held.default, held.default_client
-        # on the CPU a second, warm step is timed (the server's --max-pixels default is measured from it)
-        step_s = engine.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"] / 1e3 \
-            if measure_step and device.startswith("cpu") else None
+        # on the CPU warm steps are timed at two sizes (the server's --max-pixels default is fitted to them)
+        step_s = time_step_sizes(engine) if measure_step and device.startswith("cpu") else None
     except Exception as e:
         building.set()
         return last(("failed", f"{type(e).__name__}: {e}"))

@@ -24,7 +24,8 @@ With API keys (auth.py), /v1/* and /sdapi/v1/* need the key (and /metrics, /stat
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
 server listens (and answers /health, /ready with 503) while the model loads and graphs are captured.
 Bodies are read within their limits as they arrive (bodies.py: 413 at the limit, chunked or not) and within
---body-timeout; connections themselves (idle, slow heads, how many) are bounded below the app (connections.py).
+--body-timeout; connections themselves (idle, slow heads and bodies, how many, how many a client) are bounded
+below the app (connections.py).
 The app talks to the engine only through the `EngineClient` protocol (engine/client.py). A generation
 request is type-checked (protocol.py), validated once (`GenerationRequest.create` with the model's `ModelInfo`;
 its ParamError becomes a 400 naming the body field), submitted (requests.py: the engine's threads do the work; the

@@ -7,7 +7,7 @@ The first SIGTERM (or Ctrl-C) drains: the server keeps listening but answers new
 and exits 0. A second signal exits at once.
 
 Before anything loads, the port is bound (a port in use is one line naming --port, exit 2); connections are bounded
-by connections.py's guard (--header-timeout, --max-connections), the access log drops polls and redacts secrets (in
+by connections.py's guard (--header-timeout, --body-deadline, --max-connections, --max-client-connections), the access log drops polls and redacts secrets (in
 query strings, signed URLs' signatures, API keys in paths), and one INFO line says when the server is ready, where,
 and how long start-up took.
 """
@@ -36,7 +36,8 @@ _FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batc
            "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
            "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_mode", "quantize",
            "quantize_min_features", "compile_cache",
-           "header_timeout", "body_timeout", "max_connections", "api_key_file", "embeddings_dir", "max_prompt_chunks",
+           "header_timeout", "body_timeout", "max_connections", "max_client_connections", "trusted_proxies",
+           "body_deadline", "min_body_rate", "api_key_file", "embeddings_dir", "max_prompt_chunks",
            "clip_skip", "prompt_syntax", "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr",
            "image_ttl", "image_store", "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory",
            "preload", "preview_decoder", "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes",
@@ -130,6 +131,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="open connections at most: a newcomer closes the connection idle longest, and gets 503 when "
                         "all are busy (default: 1000, fewer under a low `ulimit -n`)")
+    p.add_argument("--max-client-connections", type=int, default=None, metavar="N",
+                   help="open connections from one client address at most, so that one client cannot take every "
+                        "slot: its newcomer closes its own connection idle longest, else gets 503 (default: half of "
+                        "--max-connections)")
+    p.add_argument("--trusted-proxies", default=None, metavar="ADDRS",
+                   help="comma-separated proxy addresses or networks (10.0.0.5,10.1.0.0/16) whose X-Forwarded-For "
+                        "names the client that --max-client-connections counts; never read from others "
+                        "(default: none)")
+    p.add_argument("--body-deadline", type=float, default=None, metavar="S",
+                   help="seconds a request body may take on its connection before the connection is closed, one "
+                        "more for every --min-body-rate bytes that arrived: a trickled body gives its slot back early "
+                        f"(default: {default('body_deadline'):g})")
+    p.add_argument("--min-body-rate", type=int, default=None, metavar="BYTES",
+                   help="bytes a second that keep a body's --body-deadline moving; 0: no such deadline, only "
+                        f"--body-timeout (default: {default('min_body_rate')})")
     p.add_argument("--log-level", default=None, choices=("critical", "error", "warning", "info", "debug"),
                    help="log level (default: info)")
     p.add_argument("--access-log", default=None, action=argparse.BooleanOptionalAction,
@@ -427,7 +443,8 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
     import uvicorn
 
     from .app import create_app
-    from .connections import ConnectionGuard, descriptor_limit, guarded_protocol, listen, resolve_max_connections
+    from .connections import (ConnectionGuard, descriptor_limit, guarded_protocol, listen,
+                              resolve_max_client_connections, resolve_max_connections)
 
     started = time.monotonic()
     log = logging.getLogger("diffgraph.server")
@@ -439,7 +456,9 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
         return 2
     host, port = sockets[0].getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    log.info("listening on %s (at most %d connections); loading %s", url, max_connections, config.model)
+    per_client = resolve_max_client_connections(config.max_client_connections, max_connections)
+    log.info("listening on %s (at most %d connections, %d a client); loading %s", url, max_connections, per_client,
+             config.model)
     for warning in (open_server_warning(config), key_file_warning(config)):
         if warning:
             log.warning("%s", warning)
@@ -448,7 +467,9 @@ def serve(config: ServerConfig, engine_factory: Callable[[], Any] | None = None)
     app = create_app(config, engine_factory)
     state = app.state.server
     quiet_access_log(config)
-    guard = ConnectionGuard(max_connections, config.header_timeout)
+    guard = ConnectionGuard(max_connections, config.header_timeout, max_client_connections=per_client,
+                            body_deadline=config.body_deadline, min_body_rate=config.min_body_rate,
+                            trusted_proxies=config.trusted_proxies)
     # no limit_concurrency: the guard bounds connections (uvicorn's bound counts idle sockets against requests)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                         access_log=config.access_log, timeout_graceful_shutdown=5, lifespan="on",

@@ -72,6 +72,10 @@ class ServerConfig:
     header_timeout: float = 5.0          # seconds a connection may be idle or sending a request head; then closed
     body_timeout: float = 60.0           # seconds a request body may take to arrive; then 408
     max_connections: int | None = None   # open connections, past them 503; None: from the descriptor limit
+    max_client_connections: int | None = None  # open connections from one client address; None: half the above
+    trusted_proxies: tuple[str, ...] = ()  # proxies (addresses, networks) whose X-Forwarded-For names the client
+    body_deadline: float = 10.0          # seconds a request body may take on its connection before it is closed ...
+    min_body_rate: int = 4096            # ... plus one per this many bytes of it that arrived; 0: only body_timeout
     log_level: str = "info"
     access_log: bool = True              # one line per request; health, ready, status and metrics polls never
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys /v1/* requires; () = open
@@ -163,6 +167,14 @@ class ServerConfig:
             raise ValueError(f"body-timeout {self.body_timeout} must be >= 1 second")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max-connections {self.max_connections} must be >= 1")
+        if self.max_client_connections is not None and self.max_client_connections < 1:
+            raise ValueError(f"max-client-connections {self.max_client_connections} must be >= 1")
+        if not 0.1 <= self.body_deadline <= 3600:  # NaN fails this too
+            raise ValueError(f"body-deadline {self.body_deadline} is out of range; allowed: 0.1..3600 seconds")
+        if self.min_body_rate < 0:
+            raise ValueError(f"min-body-rate {self.min_body_rate} must be >= 0 bytes a second (0: off)")
+        from .connections import parse_networks
+        parse_networks(self.trusted_proxies)
         if self.api_key_file is not None:  # its keys join the others (a frozen dataclass: set once, here)
             keys = self.api_keys + tuple(k for k in read_key_file(self.api_key_file) if k not in self.api_keys)
             object.__setattr__(self, "api_keys", keys)
@@ -352,16 +364,22 @@ def _parse(key: str, value: Any) -> Any:
         return parse_name_scales(value, "fuse-lora")
     if key == "job_retention":
         return parse_duration(value, "job-retention")
+    if key == "trusted_proxies":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(h, str) for h in items):
+            raise ValueError("trusted-proxies must be a comma-separated list of addresses, e.g. 10.0.0.5,10.1.0.0/16")
+        return tuple(h.strip() for h in items if h.strip())
     if key == "webhook_allow":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(h, str) for h in items):
             raise ValueError("webhook-allow must be a comma-separated list of hosts, e.g. hooks.example.com,127.0.0.1")
         return tuple(h.strip().lower() for h in items if h.strip())
-    if key in ("torch_threads", "max_loras", "max_connections", "clip_skip", "max_pixels",
+    if key in ("torch_threads", "max_loras", "max_connections", "max_client_connections", "clip_skip", "max_pixels",
                "batch_inflight", "quantize_min_features") and value is None:
         return None
     if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
+               "max_client_connections", "min_body_rate",
                "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels",
                "max_batch_items", "batch_inflight", "lora_host_bytes", "max_controlnets", "quantize_min_features"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -372,7 +390,7 @@ def _parse(key: str, value: Any) -> Any:
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
     if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout", "replica_timeout",
                "header_timeout",
-               "body_timeout", "image_ttl", "model_memory"):
+               "body_timeout", "body_deadline", "image_ttl", "model_memory"):
         if isinstance(value, bool):
             raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
         try:

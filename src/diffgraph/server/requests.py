@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Request
 
@@ -49,12 +50,30 @@ REFERENCE_STEPS = 20  # the request the CPU's pixel limit is measured for
 CPU_TIMEOUT_SHARE = 0.25  # ... which may take this share of the request timeout
 
 
-def cpu_pixel_limit(info: ModelInfo, step_s: float, request_timeout: float) -> int:
+def step_cost_fit(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of a step's seconds = a * pixels + b * pixels^2 through the (pixels, seconds) of steps timed at two
+    sizes (attention grows with the square of the pixels, the rest with the pixels). Both are kept >= 0: a fit that
+    bends down (timing noise) is a line through the costlier sample per pixel, and one that would need a < 0, or a
+    single sample, is all quadratic; both err towards a lower limit."""
+    ordered = sorted(samples)
+    (p1, t1), (p2, t2) = ordered[0], ordered[-1]
+    if p1 == p2:
+        return 0.0, max(t for _, t in ordered) / p1 ** 2
+    b = (t2 / p2 - t1 / p1) / (p2 - p1)
+    if b < 0:
+        return max(t1 / p1, t2 / p2), 0.0
+    a = t1 / p1 - b * p1
+    return (a, b) if a >= 0 else (0.0, max(t1 / p1 ** 2, t2 / p2 ** 2))
+
+
+def cpu_pixel_limit(info: ModelInfo, samples: Sequence[tuple[int, float]], request_timeout: float) -> int:
     """--max-pixels' CPU default: the pixels at which a REFERENCE_STEPS-step image takes CPU_TIMEOUT_SHARE of the
-    request timeout, from a step's time at the native size (scaled by pixels: attention grows faster, so the limit
-    errs low), never below the native size."""
+    request timeout, by the step cost fitted to steps timed at two sizes (step_cost_fit), never below the native
+    size."""
     native = info.native_size ** 2
-    allowed = native * CPU_TIMEOUT_SHARE * request_timeout / (REFERENCE_STEPS * max(step_s, 1e-6))
+    a, b = step_cost_fit(samples)
+    budget = CPU_TIMEOUT_SHARE * request_timeout / REFERENCE_STEPS  # seconds one step may take
+    allowed = budget / max(a, 1e-12) if b == 0 else (math.sqrt(a * a + 4 * b * budget) - a) / (2 * b)
     return max(native, int(allowed))
 
 
@@ -95,13 +114,14 @@ def _is_local_engine(built: Any) -> bool:
 
 def _in_process(engine: Any, state: "ServerState") -> EngineClient:
     """An in-process Engine as a client: one image end to end before /ready says yes (the first pass is slow; a
-    broken model fails here, not on a client's request), and on the CPU a timed warm step for --max-pixels."""
+    broken model fails here, not on a client's request), and on the CPU warm steps timed for --max-pixels."""
     from ..engine.async_engine import AsyncEngine
+    from ..engine.replica_process import time_step_sizes
 
     engine.generate("warm-up", num_inference_steps=1, seed=0)
     if state.config.max_pixels is None and engine.info.device.startswith("cpu"):
-        step_ms = engine.generate("warm-up", num_inference_steps=1, seed=0).timings["denoise_ms"]
-        state.max_pixels = cpu_pixel_limit(engine.info, step_ms / 1e3, state.config.request_timeout)
+        samples = time_step_sizes(engine)
+        state.max_pixels = cpu_pixel_limit(engine.info, samples, state.config.request_timeout) if samples else None
     return AsyncEngine(engine)
 
 
@@ -159,9 +179,9 @@ class ServerState:
                 states = "; ".join(f"{r['replica']}: {r['state']} {r['error'] or ''}".strip()
                                    for r in built.replica_states())
                 raise RuntimeError(f"fewer than {built.min_ready} replica(s) became ready ({states})")
-            measured = [s for s in (getattr(r, "warm_step_s", None) for r in built.replicas) if s]
+            measured = [s for s in (getattr(r, "step_samples", None) for r in built.replicas) if s]
             if self.config.max_pixels is None and measured and built.info is not None:  # CPU replicas' warm steps
-                self.max_pixels = cpu_pixel_limit(built.info, max(measured), self.config.request_timeout)
+                self.max_pixels = min(cpu_pixel_limit(built.info, s, self.config.request_timeout) for s in measured)
         except Exception as e:
             logger.exception("the engine could not be built")
             self.error = quantize_error(f"{type(e).__name__}: {e}", toml=True)  # serve's words for an fp8 refusal
