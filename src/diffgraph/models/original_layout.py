@@ -26,15 +26,20 @@ from typing import Any
 
 import torch
 
-LAYOUTS = ("sd1", "sd2", "sdxl")
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
-# per layout: where each text encoder lives, and in which layout ("hf": transformers' CLIP, "openclip")
-TEXT_PREFIXES: dict[str, tuple[tuple[str, str], ...]] = {
-    "sd1": (("cond_stage_model.transformer.", "hf"),),
-    "sd2": (("cond_stage_model.model.", "openclip"),),
-    "sdxl": (("conditioner.embedders.0.transformer.", "hf"), ("conditioner.embedders.1.model.", "openclip")),
-}
+
+
+def text_prefixes() -> dict[str, tuple[tuple[str, str], ...]]:
+    """Per layout: where each text encoder lives, and in which layout; the built-in family adapters declare them."""
+    from .families import default_registry
+
+    return {layout: prefixes for adapter in default_registry().adapters()
+            for layout, prefixes in adapter.original_layouts}
+
+
+TEXT_PREFIXES = text_prefixes()
+LAYOUTS = tuple(TEXT_PREFIXES)
 
 # -- the UNet ----------------------------------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ the object, its storage keys, then the storages). Storages are bounded by the fi
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 import zipfile
