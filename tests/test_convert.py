@@ -90,15 +90,21 @@ class _EvalPayload:
         return eval, (self.code,)
 
 
+class _StatePayload:
+    def __reduce__(self):  # BUILD on an allowed object: its state is dropped, never set
+        return OrderedDict, (), {"__class__": "x", "injected": 1}
+
+
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_malicious_pickle_is_stubbed_and_runs_nothing(tmp_path, legacy):
     marker = tmp_path / "pwned"
     evil = {"state_dict": {"w": torch.ones(2), "hook": _Payload(f"touch {marker}")},
-            "callbacks": _EvalPayload(f"open({str(marker)!r}, 'w')"), "dtype": torch.float16}
+            "callbacks": _EvalPayload(f"open({str(marker)!r}, 'w')"), "dtype": torch.float16, "odd": _StatePayload()}
     path = _save(evil, tmp_path / "evil.ckpt", legacy)
     obj = read_pickle_checkpoint(path)
     assert isinstance(obj["state_dict"]["hook"], Stub) and isinstance(obj["callbacks"], Stub)
     assert obj["state_dict"]["hook"].qualname.endswith(".system") and obj["dtype"] is torch.float16
+    assert type(obj["odd"]) is OrderedDict and not hasattr(obj["odd"], "injected")
     out = str(tmp_path / "evil.safetensors")
     assert "1 non-tensor values left out" in convert(path, out)
     assert set(load_file(out)) == {"w"}
@@ -167,3 +173,15 @@ def test_errors_are_one_line_and_say_what_to_do(tmp_path, capsys):
         assert words in err and err.count("\n") == 1, err
     assert main(["convert", weights, str(tmp_path / "ok.safetensors")]) == 0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_an_a1111_embedding_pickle_converts_to_a_file_the_embedding_reader_takes(tmp_path):
+    from diffgraph.text.embeddings import EmbeddingDir
+
+    vectors = torch.randn(2, 768)
+    pt = _save({"string_to_token": {"*": torch.tensor(265)}, "string_to_param": {"*": vectors}, "name": "style",
+                "step": 3000, "sd_checkpoint": None}, tmp_path / "style.pt")
+    (tmp_path / "emb").mkdir()
+    convert(pt, str(tmp_path / "emb" / "style.safetensors"))
+    emb = EmbeddingDir(str(tmp_path / "emb")).load("style", {"default": 768})
+    assert emb.count == 2 and torch.equal(emb.vectors["default"], vectors)

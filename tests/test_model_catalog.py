@@ -80,7 +80,7 @@ def test_listing_names_kinds_families_and_sizes(folder):
                                     for d, _, fs in os.walk(folder / "sub" / "digits") for f in fs)
     assert "looks like a LoRA adapter" in entries["styles"].error and entries["styles"].kind is None
     old = entries["old.ckpt"]
-    assert "pickle checkpoint" in old.error and "convert it to .safetensors" in old.error
+    assert "pickle checkpoint" in old.error and "diffgraph convert" in old.error
     assert old.size_bytes == len(b"PK\x03\x04 not unpickled")
 
 

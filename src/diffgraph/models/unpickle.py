@@ -123,11 +123,17 @@ _REBUILDERS: dict[tuple[str, str], Callable[..., Any]] = {
 }
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(pickle._Unpickler):  # the Python one: its BUILD can be narrowed (state dicts' pickles are small)
     def __init__(self, stream: Any, load_storage: Callable[[tuple], _Storage], scan: bool = False):
         super().__init__(stream)
         self._load_storage = load_storage
         self._scan = scan  # only the storages' ids are wanted: tensors are not rebuilt
+        self.dispatch = {**pickle._Unpickler.dispatch, pickle.BUILD[0]: _Unpickler._build}
+
+    def _build(self) -> None:
+        """BUILD sets an object's state: only a Stub takes it (and drops it); on a tensor or a dict it would run
+        their __setstate__ or fill their __dict__, so there it is left out."""
+        self.stack.pop()
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _REBUILDERS:
