@@ -116,6 +116,14 @@ def test_a_malicious_pickle_is_stubbed_and_runs_nothing(tmp_path, legacy):
     assert not marker.exists()
 
 
+def test_dictionaries_nested_without_end_are_one_line(tmp_path):
+    deep = {"w": torch.ones(1)}
+    for _ in range(200):
+        deep = {"x": deep}
+    with pytest.raises(ValueError, match="deeper than 32 levels .* pick the weights' part with --key$"):
+        convert(_save(deep, tmp_path / "deep.pt"), str(tmp_path / "deep.safetensors"))
+
+
 def test_a_storage_that_a_tensor_overruns_is_refused(tmp_path):
     path = _save({"w": torch.ones(4)}, tmp_path / "m.pt", legacy=True)
     data = open(path, "rb").read()

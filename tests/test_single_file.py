@@ -410,3 +410,17 @@ def test_a_model_dir_file_with_a_sidecar_loads_with_its_config_folder(made, tmp_
     (root / "digits.diffgraph.toml").write_text('config = "configs/none"\n')
     with pytest.raises(ValueError, match="is not a diffusers folder"):
         load_model(entry.path, "cpu", "fp32")
+
+
+def test_a_sidecar_preset_reads_the_file_with_that_presets_config(made, tmp_path):
+    from diffgraph.models import loader
+    from diffgraph.models.checkpoint_configs import config_folder
+
+    path = tmp_path / "model.safetensors"
+    shutil.copy(made["digits"][1], path)
+    (tmp_path / "model.diffgraph.toml").write_text('preset = "sd2-v"\n')
+    options = loader._with_sidecar(str(path), LoadOptions(model_config=made["digits"][0]))
+    assert options.model_config == config_folder("sd2-v", os.environ["DIFFGRAPH_CACHE"])  # over --model-config
+    with pytest.raises(ValueError, match=r"does not fit the --model-config .* from its sidecar model.diffgraph.toml: "
+                                         "fix or remove it"):
+        load_model(str(path), "cpu", "fp32")

@@ -24,6 +24,7 @@ from .checkpoint_kind import PICKLE_EXTENSIONS
 from .model import parse_dtype
 
 MAX_SOURCE_BYTES = 1 << 40
+MAX_DEPTH = 32  # nested state dicts (a Lightning checkpoint's are 2 or 3 deep)
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -105,15 +106,18 @@ def _keys_hint(obj: Any) -> str:
     return f"give --key one of: {', '.join(names)}" if names else "it holds no dictionaries of weights"
 
 
-def flatten(obj: Any, prefix: str, into: dict[str, torch.Tensor]) -> int:
+def flatten(obj: Any, prefix: str, into: dict[str, torch.Tensor], depth: int = 0) -> int:
     """Tensors of nested dicts into `into` under dotted names; returns how many other values were left out."""
+    if depth > MAX_DEPTH:
+        raise ValueError(f"the checkpoint nests dictionaries deeper than {MAX_DEPTH} levels (at {prefix[:80]!r}...); "
+                         "pick the weights' part with --key")
     if isinstance(obj, torch.Tensor):
         if prefix[:-1] in into:
             raise ValueError(f"two tensors would be named {prefix[:-1]!r}; pick one part with --key")
         into[prefix[:-1]] = obj
         return 0
     if isinstance(obj, dict):
-        return sum(flatten(v, f"{prefix}{k}.", into) for k, v in obj.items())
+        return sum(flatten(v, f"{prefix}{k}.", into, depth + 1) for k, v in obj.items())
     return 1
 
 

@@ -30,7 +30,7 @@ from .clip_vocab import default_cache_root
 from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
-from .sidecar import read_sidecar
+from .sidecar import read_sidecar, sidecar_path
 from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
 from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group, weights_view
 
@@ -82,8 +82,15 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
     if os.path.isdir(model):
         return _load_folder(model, device, torch_dtype, model, families, options)
     if os.path.exists(model):  # a file: a single-file checkpoint (anything else is refused by what it holds)
+        given = options
         options = _with_sidecar(model, options)
-        return _finish(load_single_file(model, device, torch_dtype, model, families, options, MODEL_FILE_LIMIT))
+        try:
+            return _finish(load_single_file(model, device, torch_dtype, model, families, options, MODEL_FILE_LIMIT))
+        except ValueError as e:
+            if options is given:
+                raise
+            raise ValueError(f"{e} (the config came from its sidecar {os.path.basename(sidecar_path(model))}: fix "
+                             "or remove it)") from None
     close = difflib.get_close_matches(model, list(P.available_presets()), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}"
