@@ -117,13 +117,13 @@ def test_names_links_fifos_pickles_and_sizes_are_refused(tmp_path):
     assert [e["name"] for e in listing["embeddings"]] == ["easynegative", "styles/ink"]  # the link out is not one
     reasons = {e["name"]: e["reason"] for e in listing["ignored"]}
     assert set(reasons) == {"huge", "old.pt", "pipe"}
-    assert "convert it to .safetensors" in reasons["old.pt"] and "FIFO" in reasons["pipe"]
+    assert "diffgraph convert" in reasons["old.pt"] and "FIFO" in reasons["pipe"]
     assert "above the limit" in reasons["huge"]
 
     for bad in ("../outside", "/etc/passwd", str(folder / "easynegative"), "styles\\ink", "ink\x00", "", "escape",
                 "styles/../easynegative"):
         _refused(lambda: d.load(bad, SD1), "not allowed")
-    _refused(lambda: d.load("old", SD1), "'old'", "old.pt", "never read", "convert it to .safetensors")
+    _refused(lambda: d.load("old", SD1), "'old'", "old.pt", "never read", "diffgraph convert")
     _refused(lambda: d.load("huge", SD1), "'huge'", "above the limit")
     with pytest.raises(UnknownEmbedding, match=r"unknown embedding 'easynegativ'; did you mean 'easynegative'\?"):
         d.load("easynegativ", SD1)

@@ -80,7 +80,7 @@ def test_listing_names_kinds_families_and_sizes(folder):
                                     for d, _, fs in os.walk(folder / "sub" / "digits") for f in fs)
     assert "looks like a LoRA adapter" in entries["styles"].error and entries["styles"].kind is None
     old = entries["old.ckpt"]
-    assert "pickle checkpoint" in old.error and "convert it to .safetensors" in old.error
+    assert "pickle checkpoint" in old.error and "diffgraph convert" in old.error
     assert old.size_bytes == len(b"PK\x03\x04 not unpickled")
 
 
@@ -287,3 +287,39 @@ def test_importing_the_catalog_loads_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_sidecar_names_the_config_folder_or_preset_and_a_bad_one_costs_its_own_entry(folder):
+    shutil.copytree(shipped_preset_folder("digits-xl"), folder / "configs" / "xl")
+    (folder / "sd15.diffgraph.toml").write_text('config = "configs/xl"\n')  # relative to the sidecar
+    checkpoint(folder / "as-preset.safetensors")
+    (folder / "as-preset.diffgraph.toml").write_text('preset = "sd1-inpaint"\n')
+    (folder / "split.safetensors").write_bytes((folder / "sd15.safetensors").read_bytes())
+    (folder / "te.safetensors").write_bytes(b"")
+    (folder / "split.diffgraph.toml").write_text('text_encoder = "te.safetensors"\nvae = "te.safetensors"\n')
+    bad = {"unknown": ('config = "configs/xl"\ncolour = "red"\n', "unknown key 'colour'; allowed: config, preset"),
+           "missing": ('config = "nowhere"\n', "config 'nowhere' is not a diffusers folder"),
+           "wrong-type": ("config = 3\n", "config must be a non-empty string"),
+           "not-toml": ("config = \n", "is not TOML"),
+           "both": ('config = "configs/xl"\npreset = "sd1"\n', "gives both config and preset; keep one"),
+           "bad-preset": ('preset = "sd9"\n', "preset 'sd9' is unknown; one of sd1"),
+           "no-vae-file": ('vae = "vae.safetensors"\n', "vae 'vae.safetensors' is not a file")}
+    for name, (text, _) in bad.items():
+        checkpoint(folder / f"{name}.safetensors")
+        (folder / f"{name}.diffgraph.toml").write_text(text)
+    models = ModelDir(str(folder))
+    entries = {e.name: e for e in models.listing()}
+    assert (entries["sd15"].family, entries["sd15"].native_size, entries["sd15"].error) == ("sdxl", 64, None)
+    assert (entries["as-preset"].kind, entries["as-preset"].error) == ("sd1-inpaint", None)
+    assert entries["split"].error is None
+    for name, (_, words) in bad.items():
+        error = entries[name].error
+        assert error and words in error and "\n" not in error, (name, error)
+        with pytest.raises(ModelUnusable, match="sidecar"):
+            models.resolve(name)
+    assert models.resolve("sdxl/juggernaut").error is None  # the other models keep serving
+    (folder / "sd15.diffgraph.toml").write_text('colour = "red"\n')  # a sidecar edited: listed again
+    assert "unknown key" in {e.name: e for e in models.listing()}["sd15"].error
+    (folder / "sd15.diffgraph.toml").unlink()
+    assert {e.name: e for e in models.listing()}["sd15"].family == "sd"
+    assert not [e for e in models.listing() if e.name.endswith(".diffgraph")]  # sidecars are not models

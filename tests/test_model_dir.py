@@ -35,6 +35,8 @@ def model_dir(tmp_path_factory):
     save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(4, 32)},
               str(root / "a-lora.safetensors"))
     (root / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    (root / "sidecar-bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    (root / "sidecar-bad.diffgraph.toml").write_text('config = "configs/missing"\n')
     shutil.copytree(shipped_preset_folder("digits"), root / "broken")  # its UNet weights cut short: fails to load
     unet = root / "broken" / "unet" / "diffusion_pytorch_model.safetensors"
     unet.write_bytes(unet.read_bytes()[:4096])
@@ -79,7 +81,9 @@ def _models(url: str) -> dict[str, dict]:
 
 def test_the_listing_names_every_model_and_why_some_cannot_serve(server):
     models = _models(server.url)
-    assert set(models) == {"random:tiny", "sd/digits-copy", "xl/digits-xl", "a-lora", "cut", "broken"}
+    assert set(models) == {"random:tiny", "sd/digits-copy", "xl/digits-xl", "a-lora", "cut", "broken", "sidecar-bad"}
+    assert "sidecar sidecar-bad.diffgraph.toml: config 'configs/missing' is not a diffusers folder" in \
+        models["sidecar-bad"]["error"]
     assert models["random:tiny"]["default"] and models["random:tiny"]["resident"]
     assert models["random:tiny"]["memory_bytes"] > 0
     assert (models["xl/digits-xl"]["family"], models["xl/digits-xl"]["native_size"]) == ("sdxl", 64)
@@ -108,6 +112,7 @@ def test_requests_to_two_models_at_once_equal_each_models_solo_image(server):
 
 def test_bad_model_names_are_refused_naming_model_and_the_others_keep_serving(server):
     cases = [("nope", 404, "not in the model folder"), ("a-lora", 400, "LoRA adapter"), ("cut", 400, "truncated"),
+             ("sidecar-bad", 400, "sidecar"),
              ("../etc", 400, "not allowed"), ("broken", 400, "could not be loaded")]
     for name, status, words in cases:
         r = _generate(server.url, model=name)

@@ -240,4 +240,4 @@ def test_no_answer_shows_where_the_server_keeps_its_files(tmp_path):
     assert cards["broken"]["error"].startswith("model folder 'broken': unet/diffusion_pytorch_model.safetensors is "
                                                "truncated")
     assert cards["cut"]["error"].startswith("model 'cut.safetensors' is not a readable safetensors file")
-    assert "old.ckpt" in cards["old.ckpt"]["error"] and "convert it to .safetensors" in cards["old.ckpt"]["error"]
+    assert "old.ckpt" in cards["old.ckpt"]["error"] and "diffgraph convert" in cards["old.ckpt"]["error"]

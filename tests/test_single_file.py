@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -348,7 +349,7 @@ def test_bad_files_are_refused_in_one_line(made, tmp_path):
             load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
         assert words in str(e.value) and "\n" not in str(e.value), path
     # NaN weights: named, one line
-    state = O.to_original(*O._load_folder_modules(folder), "sd1")
+    state = O.to_original(*O.load_folder_modules(folder), "sd1")
     state["model.diffusion_model.out.2.weight"] = state["model.diffusion_model.out.2.weight"].clone()
     state["model.diffusion_model.out.2.weight"][0, 0, 0, 0] = float("nan")
     nan = str(tmp_path / "nan.safetensors")
@@ -389,3 +390,37 @@ def test_a_folder_whose_model_index_is_not_a_json_object_is_refused_naming_the_f
     from diffgraph.models.single_file import _pipeline_class
     with pytest.raises(ValueError, match=words):
         _pipeline_class(str(folder))
+
+
+def test_a_model_dir_file_with_a_sidecar_loads_with_its_config_folder(made, tmp_path):
+    from diffgraph.models.catalog import ModelDir
+
+    folder, path = made["digits"]
+    root = tmp_path / "models"
+    (root / "configs").mkdir(parents=True)
+    shutil.copytree(folder, root / "configs" / "digits")
+    shutil.copy(path, root / "digits.safetensors")
+    entry = ModelDir(str(root)).resolve("digits")
+    with pytest.raises(ValueError, match=r"does not fit the SD1.x .* is \[77, 64\] in the file, \[77, 768\] in"):
+        load_model(entry.path, "cpu", "fp32")
+    (root / "digits.diffgraph.toml").write_text('config = "configs/digits"\n')
+    entry = ModelDir(str(root)).resolve("digits")
+    assert (entry.family, entry.native_size) == ("sd", 64)
+    assert np.array_equal(_image(entry.path), _image(load_model(folder, "cpu", "fp32")))
+    (root / "digits.diffgraph.toml").write_text('config = "configs/none"\n')
+    with pytest.raises(ValueError, match="is not a diffusers folder"):
+        load_model(entry.path, "cpu", "fp32")
+
+
+def test_a_sidecar_preset_reads_the_file_with_that_presets_config(made, tmp_path):
+    from diffgraph.models import loader
+    from diffgraph.models.checkpoint_configs import config_folder
+
+    path = tmp_path / "model.safetensors"
+    shutil.copy(made["digits"][1], path)
+    (tmp_path / "model.diffgraph.toml").write_text('preset = "sd2-v"\n')
+    options = loader._with_sidecar(str(path), LoadOptions(model_config=made["digits"][0]))
+    assert options.model_config == config_folder("sd2-v", os.environ["DIFFGRAPH_CACHE"])  # over --model-config
+    with pytest.raises(ValueError, match=r"does not fit the --model-config .* from its sidecar model.diffgraph.toml: "
+                                         "fix or remove it"):
+        load_model(str(path), "cpu", "fp32")

@@ -5,6 +5,7 @@
     diffgraph models
     diffgraph compare --quantize fp8 --model M [--seeds 20]   (cli_compare.py: the fp8 tier's cost to M, measured)
     diffgraph batch FILE.jsonl --out DIR [--model ... | --url URL] [--grid]   (jobs/cli_batch.py)
+    diffgraph convert SOURCE OUT [--key K] [--dtype fp16] [--layout sdxl]   (models/convert.py)
 
 Bad input exits with code 2 and a one-line message that says what to do instead, checked before the model loads
 where it can be (cli_checks.py: the output folder, the device, adapter names given as paths). Everything heavy is
@@ -169,6 +170,21 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     add_quantize_arguments(c)  # the fp8 tier's compiled code is its own (the cache key names its fp8 layers)
     add_compare_arguments(sub.add_parser("compare", help="measure what --quantize fp8 costs a model: the fp8 and "
                                                          "16-bit engines side by side, one step and whole images"))
+
+    v = sub.add_parser("convert", help="a pickle checkpoint (.ckpt .pt .pth .bin) to .safetensors, never running its "
+                                       "code; a diffusers folder to one original-layout file, or back")
+    v.add_argument("source", help="a .ckpt/.pt/.pth/.bin file, an original-layout .safetensors checkpoint, or a "
+                                  "diffusers SD1.x/SD2.x/SDXL folder")
+    v.add_argument("out", help="a .safetensors file (from a pickle or a folder) or a folder (from a .safetensors file)")
+    v.add_argument("--key", default=None, help="a pickle's part to keep, dotted for nested ones (params_ema, "
+                                               "model.ema; default: state_dict when present, else everything)")
+    v.add_argument("--dtype", default=None, choices=["fp32", "fp16", "bf16"],
+                   help="cast floating tensors (default: as stored)")
+    v.add_argument("--layout", default=None, choices=["sd1", "sd2", "sdxl"],
+                   help="a folder's original layout (default: from its text encoders)")
+    v.add_argument("--model-config", default=None, metavar="FOLDER",
+                   help="the diffusers config folder to read a .safetensors checkpoint with (default: detected)")
+    v.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
 
     b = sub.add_parser("bench", help="benchmarks: latency | throughput | serve (each has --help)")
     b.add_argument("which", choices=["latency", "throughput", "serve"])
@@ -643,6 +659,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args, ray_server=_serve_ray)
         if args.command == "compare":
             return run_compare(args)
+        if args.command == "convert":
+            from .models.convert import convert
+            print(convert(args.source, args.out, args.key, args.dtype, args.layout, args.model_config, args.overwrite))
+            return 0
         if args.command in ("info", "compile"):
             from .graph_commands import compile_cache, info
             return (info if args.command == "info" else compile_cache)(args)

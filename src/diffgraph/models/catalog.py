@@ -4,7 +4,8 @@
 between folders, without the suffix (`sdxl/juggernaut`); each folder holding `model_index.json` is a diffusers model
 named by its relative path (not descended into: its files are its parts). Pickles (.ckpt/.pt/.pth/.bin/.pkl) are
 listed under their full name with the conversion hint as their error, never opened. What resolves outside the folder
-(links) is left out; links to folders are not followed; a FIFO, device or dangling link is refused by a stat, never
+(links) is left out; a file's sidecar (`NAME.diffgraph.toml`: sidecar.py) names its config folder or preset,
+and a bad one makes the file unservable with its reason; links to folders are not followed; a FIFO, device or dangling link is refused by a stat, never
 opened; one removed between the walk and its stat is not listed. Headers are inspected
 (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`); folders' three small JSON
 files are read each listing, their nesting bounded (`safe_files.parse_json`); an entry whose reading fails in a way
@@ -33,6 +34,7 @@ from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
 from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
 from .clip_vocab import default_cache_root
 from .presets import RANDOM_PRESETS, SHIPPED_PRESETS
+from .sidecar import read_sidecar, sidecar_path
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,8 @@ class ModelDir:
             raise ValueError(f"model dir {root!r} is itself a diffusers model (it holds {INDEX}); give it as "
                              "--model, or its parent folder as --model-dir")
         self.root = os.path.realpath(root)
-        self._files: dict[str, tuple[FileStamp, ModelEntry]] = {}  # path under root -> the version inspected
+        # path under root -> the version inspected (the file's, its sidecar's) and its entry
+        self._files: dict[str, tuple[tuple[FileStamp, FileStamp | None], ModelEntry]] = {}
 
     def _inside(self, path: str) -> bool:
         return os.path.commonpath([os.path.realpath(path), self.root]) == self.root
@@ -156,18 +159,19 @@ class ModelDir:
         except UnusableFile as e:
             return ModelEntry(name, path, "file", 0, None, error=f"{rel} {e}") if os.path.lexists(full) else None
         stamp = stamp_of(st)
+        version = (stamp, _sidecar_stamp(path))
         seen = self._files.get(full)
-        if seen is not None and seen[0] == stamp and seen[1].path == path:
+        if seen is not None and seen[0] == version and seen[1].path == path:
             return seen[1]
         try:
             refuse_pickle(path)
+            side = read_sidecar(path)
             info = inspect_checkpoint(path, MAX_MODEL_BYTES)
-            configs = folder_files(info.kind)
-            entry = ModelEntry(name, path, "file", st.st_size, stamp, info.kind, pipeline_family(KINDS[info.kind][1]),
-                               native_size_of(configs["unet/config.json"], configs["vae/config.json"]))
+            kind = (side.preset if side else None) or info.kind
+            entry = _file_kind(ModelEntry(name, path, "file", st.st_size, stamp), kind, side.config if side else None)
         except ValueError as e:
             entry = ModelEntry(name, path, "file", st.st_size, stamp, error=str(e))
-        self._files[full] = (stamp, entry)
+        self._files[full] = (version, entry)
         return entry
 
     def resolve(self, name: str) -> ModelEntry:
@@ -194,6 +198,25 @@ class ModelDir:
         hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"known: {', '.join(list(entries)[:10]) or 'none'}"
         raise ModelNotFound(f"model {name!r} is not in the model folder; {hint}")
+
+
+def _sidecar_stamp(path: str) -> FileStamp | None:
+    try:
+        return stamp_of(os.stat(sidecar_path(path)))  # a stat never opens: read_sidecar refuses what is odd
+    except OSError:
+        return None
+
+
+def _file_kind(entry: ModelEntry, kind: str, config: str | None) -> ModelEntry:
+    """A checkpoint's kind, family and native size: from its kind's configs, or from the config folder its sidecar
+    names (whose pipeline decides the family)."""
+    if config is None:
+        configs = folder_files(kind)
+        return replace(entry, kind=kind, family=pipeline_family(KINDS[kind][1]),
+                       native_size=native_size_of(configs["unet/config.json"], configs["vae/config.json"]))
+    folder = _folder_entry(os.path.basename(config), config)
+    error = f"its sidecar's config folder: {folder.error}" if folder.error else None
+    return replace(entry, kind=kind, family=folder.family, native_size=folder.native_size, error=error)
 
 
 def _contained(rel: str, path: str, form: Literal["file", "folder"],

@@ -54,8 +54,8 @@ class CheckpointInfo:
 def refuse_pickle(path: str) -> None:
     if path.lower().endswith(PICKLE_EXTENSIONS):
         raise ValueError(f"model {path!r} is a pickle checkpoint ({os.path.splitext(path)[1]}); diffgraph never "
-                         "unpickles files (they can run code): convert it to .safetensors first (e.g. load it with "
-                         "torch.load(..., weights_only=True) and save its state_dict with safetensors.torch.save_file)")
+                         "unpickles files to load them (they can run code): convert it first with `diffgraph convert "
+                         f"{path} OUT.safetensors` (it rebuilds the tensors and runs nothing in the file)")
 
 
 def inspect_checkpoint(path: str, max_bytes: int = 1 << 40) -> CheckpointInfo:

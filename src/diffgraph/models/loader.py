@@ -8,11 +8,12 @@ A folder's weight files are checked before diffusers reads them (present, and as
 that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback.
 Then diffusers and transformers read the folder, and a `--vae` folder, through `weights_view`: the weights they read
 are private in-memory copies, so a model file cut or rewritten while (or after) it loads cannot kill the process
-with SIGBUS.
+with SIGBUS. A single file's sidecar (`NAME.diffgraph.toml`, sidecar.py) names the config folder it is read with.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -24,9 +25,12 @@ import torch
 from .. import safe_files
 from . import presets as P
 from ..config import LoadOptions
+from .checkpoint_configs import config_folder
+from .clip_vocab import default_cache_root
 from .families import FamilyRegistry, default_registry
 from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
+from .sidecar import read_sidecar, sidecar_path
 from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
 from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group, weights_view
 
@@ -78,11 +82,28 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
     if os.path.isdir(model):
         return _load_folder(model, device, torch_dtype, model, families, options)
     if os.path.exists(model):  # a file: a single-file checkpoint (anything else is refused by what it holds)
-        return _finish(load_single_file(model, device, torch_dtype, model, families, options, MODEL_FILE_LIMIT))
+        given = options
+        options = _with_sidecar(model, options)
+        try:
+            return _finish(load_single_file(model, device, torch_dtype, model, families, options, MODEL_FILE_LIMIT))
+        except ValueError as e:
+            if options is given:
+                raise
+            raise ValueError(f"{e} (the config came from its sidecar {os.path.basename(sidecar_path(model))}: fix "
+                             "or remove it)") from None
     close = difflib.get_close_matches(model, list(P.available_presets()), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}"
                      f"{hint}")
+
+
+def _with_sidecar(path: str, options: LoadOptions) -> LoadOptions:
+    """The file's sidecar (sidecar.py), if it has one: its config folder (or its preset's) replaces --model-config."""
+    side = read_sidecar(os.path.realpath(path))
+    if side is None or not (side.config or side.preset):
+        return options
+    config = side.config or config_folder(str(side.preset), options.cache_dir or default_cache_root())
+    return dataclasses.replace(options, model_config=config)
 
 
 def preset_modules(preset: P.RandomPreset, device: str | torch.device = "cpu",

@@ -125,7 +125,7 @@ def _mismatch(e: Exception) -> str:
     shape = re.search(r"because (\S+) expected shape (torch\.Size\(\[[^]]*\]\)), but got (torch\.Size\(\[[^]]*\]\))",
                       text)
     if shape:
-        return f"{shape.group(1)} is {shape.group(3)[10:-1]} in the file, {shape.group(2)[10:-1]} in the config"
+        return f"{shape.group(1)} is {shape.group(3)[11:-1]} in the file, {shape.group(2)[11:-1]} in the config"
     return f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}"
 
 

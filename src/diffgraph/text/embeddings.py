@@ -43,8 +43,8 @@ ENCODER_KEYS = ("clip_l", "clip_g")
 CACHED = 256                     # embeddings kept in memory (least recently used leave first)
 READ_TRIES = 3                   # reads of a file that changes while it is read
 WIDTHS_HINT = "SD1.x embeddings are 768 wide, SD2.x ones 1024; SDXL ones pair clip_l 768 with clip_g 1280"
-PICKLE_REASON = ("a pickle, which is never read (loading one can run code): convert it to .safetensors where you "
-                 "trust it (torch.load, then safetensors.torch.save_file)")
+PICKLE_REASON = ("a pickle, which is never read (loading one can run code): convert it with `diffgraph convert "
+                 "FILE NAME.safetensors` (it rebuilds the tensors and runs nothing in the file)")
 
 
 class EmbeddingError(ValueError):

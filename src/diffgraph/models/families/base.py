@@ -119,6 +119,9 @@ class FamilyAdapter:
     # (encoder subfolder, tokenizer subfolder, transformers class) per text encoder, in order
     text_parts: tuple[tuple[str, str, str], ...] = (("text_encoder", "tokenizer", "CLIPTextModel"),)
     force_zeros_default: bool = False  # SDXL: a missing negative prompt is all zeros (unless the index says no)
+    # its single-file layouts (original_layout.py): layout name -> each text part's key prefix and its layout ("hf":
+    # transformers' CLIP, "openclip"), in text_parts' order
+    original_layouts: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
     supports_edits: bool = False       # image-to-image and inpainting (a VAE encoder, the family's `noising` and its
                                        # plans' KNOWN columns for the inpainting blend): SD and SDXL say True
     edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
@@ -431,3 +434,6 @@ class FamilyRegistry:
 
     def pipeline_classes(self) -> list[str]:
         return [c for a in self._by_name.values() for c in a.pipeline_classes]
+
+    def adapters(self) -> tuple[FamilyAdapter, ...]:
+        return tuple(self._by_name.values())

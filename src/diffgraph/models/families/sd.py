@@ -20,6 +20,8 @@ class SDFamily(FamilyAdapter):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
     lora_pipeline_class = "StableDiffusionPipeline"
+    original_layouts = (("sd1", (("cond_stage_model.transformer.", "hf"),)),
+                        ("sd2", (("cond_stage_model.model.", "openclip"),)))
     default_guidance = 7.5
     supports_edits = True
     sequence_fields = ("embeds",)

@@ -30,6 +30,8 @@ class SDXLFamily(FamilyAdapter):
     pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
                         "StableDiffusionXLInpaintPipeline")
     lora_pipeline_class = "StableDiffusionXLPipeline"
+    original_layouts = (("sdxl", (("conditioner.embedders.0.transformer.", "hf"),
+                                  ("conditioner.embedders.1.model.", "openclip"))),)
     default_guidance = 5.0
     supports_edits = True
     edit_strength = (0.3, 0.9999)  # diffusers' StableDiffusionXLImg2ImgPipeline / StableDiffusionXLInpaintPipeline

@@ -1,0 +1,76 @@
+"""A model file's sidecar: `NAME.diffgraph.toml` beside `NAME.safetensors` (for a link, beside its target).
+
+    config = "configs/my-sdxl"     # a diffusers config folder to read the file with (in place of --model-config)
+    preset = "sdxl-base"           # or: the architecture preset (a checkpoint_configs.KINDS key) to read it as
+    text_encoder = "te.safetensors"  # split files (a DiT's text encoder and VAE): stored and checked; no family
+    vae = "vae.safetensors"          #   reads them yet
+
+Relative paths are relative to the sidecar's folder. `read_sidecar(model_file)` returns None when there is none, a
+`Sidecar` when it is valid, and raises a one-line ValueError (unknown key, wrong type, missing folder or file, not
+TOML, too large) otherwise: the catalog lists such a model as unusable with that reason, the loader refuses it.
+Standard library only (the catalog reads it in the HTTP process).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass
+
+from ..safe_files import FileStamp, UnusableFile, read_file
+from .checkpoint_configs import KINDS
+
+SUFFIX = ".diffgraph.toml"
+MAX_BYTES = 64 << 10
+_FILES = ("text_encoder", "vae")
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    path: str
+    stamp: FileStamp
+    config: str | None = None        # absolute: a diffusers folder with model_index.json
+    preset: str | None = None        # a checkpoint_configs.KINDS key
+    text_encoder: str | None = None  # absolute paths of regular files
+    vae: str | None = None
+
+
+def sidecar_path(model_file: str) -> str:
+    stem = model_file[: -len(".safetensors")] if model_file.endswith(".safetensors") else model_file
+    return stem + SUFFIX
+
+
+def read_sidecar(model_file: str) -> Sidecar | None:
+    path = sidecar_path(model_file)
+    if not os.path.lexists(path):
+        return None
+    name = os.path.basename(path)
+    try:
+        raw, stamp = read_file(path, MAX_BYTES)
+        table = tomllib.loads(raw.decode("utf-8"))
+    except UnusableFile as e:
+        raise ValueError(f"sidecar {name} {e}") from None
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"sidecar {name} is not TOML ({str(e).splitlines()[0][:100]}); fix or remove it") from None
+    allowed = ("config", "preset", *_FILES)
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise ValueError(f"sidecar {name} has unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
+    wrong = next((k for k, v in table.items() if not isinstance(v, str) or not v), None)
+    if wrong:
+        raise ValueError(f"sidecar {name}: {wrong} must be a non-empty string (a quoted path or name), not "
+                         f"{table[wrong]!r}")
+    here = os.path.dirname(os.path.abspath(path))
+    found = {k: os.path.join(here, v) for k, v in table.items() if k != "preset"}
+    if "config" in table and "preset" in table:
+        raise ValueError(f"sidecar {name} gives both config and preset; keep one")
+    if "config" in found and not os.path.isfile(os.path.join(found["config"], "model_index.json")):
+        raise ValueError(f"sidecar {name}: config {table['config']!r} is not a diffusers folder (no model_index.json "
+                         "there); give the folder's path, relative to the sidecar")
+    if "preset" in table and table["preset"] not in KINDS:
+        raise ValueError(f"sidecar {name}: preset {table['preset']!r} is unknown; one of {', '.join(KINDS)}")
+    for key in _FILES:
+        if key in found and not os.path.isfile(found[key]):
+            raise ValueError(f"sidecar {name}: {key} {table[key]!r} is not a file; give its path, relative to the "
+                             "sidecar")
+    return Sidecar(path, stamp, found.get("config"), table.get("preset"), found.get("text_encoder"), found.get("vae"))
