@@ -326,6 +326,38 @@ def test_tiny_prompt_cache_and_released_sizes():
         assert e.runner.groups == {}
 
 
+def test_the_prompt_cache_is_bounded_by_bytes_as_well_as_entries():
+    """An LLM encoder's prompt row is megabytes: the cache keeps at most `max_bytes` of rows (least recently used out
+    first), a row larger than the whole budget is not kept, and its byte count stays exact."""
+    import torch
+
+    from diffgraph.engine.prompts import PromptCache
+    from diffgraph.text.prepared import PromptText
+
+    def row(n):  # n float32 values: 4n bytes
+        return {"embeds": torch.zeros(1, n)}
+
+    cache = PromptCache(size=10, max_bytes=1000)
+    keys = [("+", PromptText(f"p{i}", ids=((i,),)), ()) for i in range(5)]
+    rows = {k: row(n) for k, n in zip(keys, (100, 100, 50, 300, 10))}
+    encoded = []
+
+    def encode(texts, loras):
+        encoded.extend(t.text for t in texts)
+        return [rows[next(k for k in keys if k[1] is t)] for t in texts]
+
+    cache.embed(keys[:3], 0, encode, None)                # 400 + 400 + 200 bytes: the budget, all kept
+    assert cache.nbytes() == 1000 and encoded == ["p0", "p1", "p2"]
+    cache.embed([keys[0]], 0, encode, None)               # p0 used again: p1 is now the least recent
+    cache.embed([keys[4]], 0, encode, None)               # +40 bytes: p1 (400) goes
+    assert cache.nbytes() == 640
+    cache.embed([keys[0], keys[1], keys[2]], 0, encode, None)
+    assert encoded[-1:] == ["p1"]                         # only the evicted row is encoded again
+    cache.embed([keys[3]], 0, encode, None)               # 1200 bytes alone: never kept
+    assert cache.nbytes() == sum(4 * r["embeds"].numel() for r in cache._cache.values()) <= 1000
+    assert all(k[1].text != "p3" for k in cache._cache)
+
+
 def test_bucket_growth_policy_keeps_every_image(tiny_engine):
     """Graph mode (emulated on the CPU) hands the buckets to the scheduler; holding growth into a larger
     bucket changes who shares a batch, never an image."""

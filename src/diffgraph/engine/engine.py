@@ -33,6 +33,7 @@ from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
 from .device_loop import DeviceLoop
 from .model_runner import ModelRunner
+from .prompts import DEFAULT_CACHE_BYTES
 from .scheduler import SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class Engine:
     def __init__(self, model: "str | DiffusionModel" = DEFAULT_MODEL, device: str | None = None, dtype: str | None = None,
                  mode: str | None = None, graphs: GraphConfig | None = None, batching: str = "step",
                  max_wait_ms: float = 0.0, max_queue: int = 256, max_rows: int | None = None,
-                 prompt_cache_size: int = 512, image_threads: int = 2, grow_fill: float = 0.85,
+                 prompt_cache_size: int = 512, prompt_cache_bytes: int = DEFAULT_CACHE_BYTES, image_threads: int = 2,
+                 grow_fill: float = 0.85,
                  grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
                  max_loras: int | None = None, max_lora_rank: int = 64, lora_conv: bool = False,
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
@@ -137,7 +139,8 @@ class Engine:
             image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
             self._prepared = self._modules()  # the modules the engine prepared (invalidate: a replaced one)
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
-                                      prompt_cache_size=prompt_cache_size, loras=loras, controls=controls,
+                                      prompt_cache_size=prompt_cache_size,
+                                      prompt_cache_bytes=prompt_cache_bytes, loras=loras, controls=controls,
                                       image_prompts=image_prompts,
                                       compile=CompileConfig() if compile is True else compile or None,
                                       max_prompt_chunks=max_prompt_chunks,

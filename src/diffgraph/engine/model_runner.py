@@ -42,7 +42,7 @@ from .graph_setup import GraphSet, decode_chunks, make_graphs, vae_buckets
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
-from .prompts import PromptCache, PromptKey
+from .prompts import DEFAULT_CACHE_BYTES, PromptCache, PromptKey
 from .staging import DecodedPixels, StagingPair
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
@@ -50,7 +50,8 @@ WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the wei
 
 class ModelRunner:
     def __init__(self, model: DiffusionModel, mode: str = "eager", graphs: GraphConfig | None = None,
-                 max_rows: int | None = None, prompt_cache_size: int = 512, loras: Any = None,
+                 max_rows: int | None = None, prompt_cache_size: int = 512,
+                 prompt_cache_bytes: int = DEFAULT_CACHE_BYTES, loras: Any = None,
                  compile: CompileConfig | None = None, max_prompt_chunks: int = 3, embeddings: EmbeddingDir | None = None,
                  controls: ControlNets | None = None, image_prompts: IPAdapters | None = None):
         if mode not in ("graph", "eager"):
@@ -84,7 +85,7 @@ class ModelRunner:
         self.staging: dict[GroupKey, StagingPair] = {}
         self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
         self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per size ever asked for
-        self.prompts = PromptCache(prompt_cache_size)
+        self.prompts = PromptCache(prompt_cache_size, prompt_cache_bytes)
         self.loras, self.controls, self.image_prompts = loras, controls, image_prompts  # (LoRA, ControlNet, IP) or None
         slots = loras is not None and loras.enabled
         self.slot_shape = (loras.config.slots, loras.config.max_lora_rank, int(loras.config.conv)) if slots else None

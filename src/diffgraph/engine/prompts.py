@@ -1,4 +1,4 @@
-"""`PromptCache`: prompt conditioning, encoded in batches and kept in an LRU cache.
+"""`PromptCache`: prompt conditioning, encoded in batches and kept in an LRU cache bounded by entries and by bytes.
 
 A key is (sign, prompt, text adapters): sign "+" (prompt) or "-" (negative prompt), the prompt as its token ids
 (text/prepared.py `PromptText`: text None = no negative prompt; its syntax, clip skip, emphasis weights and
@@ -22,19 +22,38 @@ TextLoras = tuple[tuple[Any, float, int], ...]  # ((adapter key, scale, slot), .
 PromptKey = tuple[str, PromptText, TextLoras]
 
 
+DEFAULT_CACHE_BYTES = 256 << 20  # an LLM encoder's prompt row is megabytes: the cache is bounded by bytes too
+
+
 class PromptCache:
-    def __init__(self, size: int):
+    """At most `size` entries and `max_bytes` bytes of rows, least recently used out first; a row larger than
+    `max_bytes` alone is not kept."""
+
+    def __init__(self, size: int, max_bytes: int = DEFAULT_CACHE_BYTES):
         if size < 0:
             raise ValueError(f"prompt_cache_size {size} must be >= 0")
-        self.size = size
+        if max_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes {max_bytes} must be >= 0")
+        self.size, self.max_bytes = size, max_bytes
         self._cache: OrderedDict[tuple, Conditioning] = OrderedDict()
+        self._bytes = 0
         self.hits = 0
         self.misses = 0
 
     def nbytes(self) -> int:
         """The bytes its cached rows hold (each row owns its storage: prompt_rows.py copies it out of its batch)."""
-        return sum(t.numel() * t.element_size() for row in list(self._cache.values()) for t in row.values()
-                   if hasattr(t, "element_size"))
+        return self._bytes
+
+    def _keep(self, key: tuple, row: Conditioning) -> None:
+        size = _row_bytes(row)
+        if not self.size or size > self.max_bytes:
+            return
+        old = self._cache.pop(key, None)
+        self._bytes -= 0 if old is None else _row_bytes(old)
+        self._cache[key] = row
+        self._bytes += size
+        while len(self._cache) > self.size or self._bytes > self.max_bytes:
+            self._bytes -= _row_bytes(self._cache.popitem(last=False)[1])
 
     def embed(self, keys: list[PromptKey], version: int,
               encode: Callable[[list[PromptText], TextLoras], list[Conditioning]],
@@ -57,11 +76,12 @@ class PromptCache:
             rows = encode([k[1] for k in group], loras)
             for k, row in zip(group, rows):
                 out[k] = row if sign == "+" else negative(row, [k[1].text])
-                if self.size:
-                    self._cache[_cache_key(k, version)] = out[k]
-        while len(self._cache) > self.size:
-            self._cache.popitem(last=False)
+                self._keep(_cache_key(k, version), out[k])
         return out
+
+
+def _row_bytes(row: Conditioning) -> int:
+    return sum(t.numel() * t.element_size() for t in row.values() if hasattr(t, "element_size"))
 
 
 def _cache_key(key: PromptKey, version: int) -> tuple:
