@@ -99,7 +99,10 @@ class EngineCore:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
-        state.image_prompts = resolve_image_prompt(self.runner.image_prompts, request) if request.image_prompts else {}
+        if request.image_prompts:  # its adapter's weights and image embeddings reach the device: on the loop thread
+            # on a GPU, whose graph captures (first use of a shape) forbid another thread's device work meanwhile
+            resolve = partial(resolve_image_prompt, self.runner.image_prompts, request)
+            state.image_prompts = self.call_between_steps(resolve).result() if self.runner.cuda else resolve()
         with self._cv:
             if not self._live():
                 raise EngineClosed(f"the engine failed: {self.failures.reason}" if self.failures.reason else
