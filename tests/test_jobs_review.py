@@ -99,3 +99,17 @@ def test_a_failed_commit_leaves_no_transaction_open(tmp_path):
         store.create("me", spec, "digits")
     job = store.create("me", spec, "digits")  # the next write works
     assert [j.id for j in store.jobs("me")] == [job.id]
+
+
+def test_a_job_naming_a_lora_the_server_cannot_serve_is_refused_whole_before_it_is_stored(client, engine):
+    """It was accepted and its items failed one by one in the engine (the README says a bad job is refused whole)."""
+    size = engine.info.native_size
+    before = client.get("/v1/jobs").json()["data"]
+    items = [{"prompt": "a fox", "size": f"{size}x{size}"},
+             {"prompt": "an owl", "size": f"{size}x{size}", "loras": [["ink", 0.5]]}]
+    r = client.post("/v1/jobs", json={"items": items})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith("items[1]: adapter 'ink': this server has no adapter slots")
+    assert error["param"] == "items[1].loras"
+    assert client.get("/v1/jobs").json()["data"] == before  # nothing stored

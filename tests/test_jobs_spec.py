@@ -218,3 +218,75 @@ def test_webhooks_go_only_to_allowed_hosts_and_are_signed():
     derived = webhook_secret(None, ("b", "a"))
     assert derived == hashlib.sha256(b"diffgraph webhooks\na\nb").hexdigest().encode()
     assert webhook_secret("given", ("a",)) == b"given" and webhook_secret(None, ()) is None
+
+
+# -- references: what the items name, looked up before anything is stored -----------------------------------------
+def test_an_item_naming_a_reference_the_server_cannot_serve_refuses_the_whole_job(tmp_path):
+    """A job naming an unknown LoRA, ControlNet, IP-Adapter or embedding was accepted and failed item by item in the
+    engine; now the route's check (server/jobs_routes.py: References.checker) refuses it whole, naming the item and
+    the reference."""
+    from diffgraph.errors import ParamError
+    from diffgraph.jobs.references import References
+    from diffgraph.server.protocol import error_from_param_error
+
+    loras, embeddings = tmp_path / "loras", tmp_path / "embeddings"
+    (loras / "styles").mkdir(parents=True)
+    embeddings.mkdir()
+    (loras / "styles" / "ink.safetensors").write_bytes(b"adapter")   # a stat finds it; its weights are the engine's
+    (embeddings / "calm.safetensors").write_bytes(b"embedding")
+    config = ServerConfig(model="digits", lora_dir=str(loras), embeddings_dir=str(embeddings))
+
+    def checked(body: dict):
+        named = References(config).checker()
+
+        def check_named(params):
+            request = generation_request(INFO, config, params)
+            try:
+                named(request)
+            except ParamError as e:
+                raise error_from_param_error(e) from None
+        return parse_job(json.dumps(body).encode(), "json", LIMITS, check_named)
+
+    good = {"prompt": "a digit <lora:styles/ink:0.5> embedding:calm", "prompt_syntax": "a1111"}
+    png = tiny_png()
+    assert len(checked({"items": [good, good]}).items) == 2
+    grid = {"grid": {"prompts": ["a digit"], "vary": {"loras": [[["styles/ink", 1]], [["styles/inc", 1]]]}}}
+    cases = [
+        (grid, "grid item 1 (prompts[0], vary.loras[1]): adapter 'styles/inc' is unknown; did you mean "
+         "'styles/ink'?",
+         "grid item 1 (prompts[0], vary.loras[1]).loras"),
+        ({"items": [good, {"prompt": "a digit", "loras": [["../etc/passwd", 1]]}]}, "items[1]: adapter name "
+         "'../etc/passwd' is not allowed", "items[1].loras"),
+        ({"items": [good, {"prompt": "a digit <lora:nope:1>", "prompt_syntax": "a1111"}]},
+         "items[1]: adapter 'nope' is unknown", "items[1].loras"),
+        ({"items": [{"prompt": "a digit", "controls": [{"model": "nope", "image": png}]}]},
+         "items[0]: ControlNet 'nope' is unknown", "items[0].controls"),
+        ({"items": [{"prompt": "a digit", "image_prompts": {"model": "face", "images": [png]}}]},
+         "items[0]: IP-Adapter 'face': this server serves no IP-Adapters", "items[0].image_prompts"),
+        ({"items": [good, {"prompt": "a digit embedding:stormy", "prompt_syntax": "a1111"}]},
+         "items[1]: prompt: unknown embedding 'stormy'", "items[1].prompt"),
+        ({"items": [{"prompt": "a digit", "model": "sdxl"}]}, "items[0]: model 'sdxl' is not served here",
+         "items[0].model"),
+    ]
+    for body, needle, param in cases:
+        with pytest.raises(SpecError) as info:
+            checked(body)
+        assert info.value.message.startswith(needle) and info.value.param == param, (info.value.message, param)
+    off = References(ServerConfig(model="random:tiny")).checker()
+    with pytest.raises(ParamError, match="adapter 'styles/ink': this server has no adapter slots"):
+        off(generation_request(INFO, config, parse_params({"prompt": "a", "loras": [{"name": "styles/ink", "scale": 1}]})))
+
+
+def tiny_png() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), "white").save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def parse_params(body: dict):
+    from diffgraph.server.protocol import ImageGenerationRequest
+    return ImageGenerationRequest.model_validate(body)

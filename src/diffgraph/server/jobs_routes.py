@@ -30,13 +30,14 @@ from fastapi.responses import JSONResponse, Response
 
 from ..jobs.backend import EngineBackend
 from ..jobs.coordinator import Coordinator, CoordinatorSettings
+from ..jobs.references import References
 from ..jobs.spec import JobSpec, SpecError, SpecLimits, parse_job
 from ..jobs.store import JobRow, JobStore, StoreError, image_name, job_summary, owner_of
 from ..jobs.webhook import WebhookRefused, WebhookSender, check_webhook, webhook_secret
-from ..request import ModelInfo
+from ..request import ModelInfo, ParamError
 from .auth import caller_key
 from .bodies import read_body
-from .protocol import APIError, ImageGenerationRequest
+from .protocol import APIError, ImageGenerationRequest, error_from_param_error
 from .requests import ServerState, generation_request, submit
 
 logger = logging.getLogger("diffgraph.jobs")
@@ -121,6 +122,7 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
             return JSONResponse(APIError(404, DISABLED, code="jobs_disabled").body(), status_code=404)
         return service
     limits = SpecLimits(max_items=config.max_batch_items)
+    references = References(config)
     read_timeout = min(config.body_timeout, config.request_timeout)
 
     def owner(http: Request) -> str:
@@ -146,12 +148,18 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         return store, coordinator, row
 
     def check(info: ModelInfo) -> Callable[[ImageGenerationRequest], object]:
-        def item(params: ImageGenerationRequest) -> object:  # the images route's rules, and its pixel limit
+        named = references.checker()  # one job's: each LoRA, ControlNet, ... looked up once
+
+        def item(params: ImageGenerationRequest) -> object:  # the images route's rules, its pixel limit, the names
             request = generation_request(info, config, params)
             pixels = request.width * request.height
             if state.max_pixels is not None and pixels > state.max_pixels:
                 raise APIError(400, f"size {request.width}x{request.height} is {pixels} pixels; this server takes at "
                                     f"most {state.max_pixels} pixels an image (--max-pixels)", param="size")
+            try:
+                named(request)
+            except ParamError as e:
+                raise error_from_param_error(e) from None
             return request
         return item
 
