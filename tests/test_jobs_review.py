@@ -113,3 +113,14 @@ def test_a_job_naming_a_lora_the_server_cannot_serve_is_refused_whole_before_it_
     assert error["message"].startswith("items[1]: adapter 'ink': this server has no adapter slots")
     assert error["param"] == "items[1].loras"
     assert client.get("/v1/jobs").json()["data"] == before  # nothing stored
+
+
+def test_a_grid_over_the_candidate_limit_is_a_400_and_stores_nothing(client, engine):
+    size = engine.info.native_size
+    before = client.get("/v1/jobs").json()["data"]
+    grid = {"grid": {"prompts": [f"p{i}" for i in range(316)], "seeds": list(range(64)),
+                     "vary": {"guidance_scale": [1 + i / 100 for i in range(316)]}, "base": {"size": f"{size}x{size}"}}}
+    r = client.post("/v1/jobs", json=grid)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "grid" and "(--max-job-candidates)" in r.json()["error"]["message"]
+    assert client.get("/v1/jobs").json()["data"] == before

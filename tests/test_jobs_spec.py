@@ -166,6 +166,30 @@ def test_a_million_and_one_items_are_refused_at_once_in_every_form(monkeypatch):
     assert calls == {"loads": 0, "check": 0}
 
 
+def test_a_grid_over_the_candidate_limit_is_refused_from_its_sizes_before_any_item_is_made():
+    """316 prompts x 316 guidance values x 64 seeds: a 5 KB body of 6.4 million candidates (1.4 GB of SQLite) was
+    expanded, checked and stored."""
+    calls = []
+
+    def counted_check(params):
+        calls.append(params)
+        return check(params)
+    grid = {"grid": {"prompts": [f"p{i}" for i in range(316)], "seeds": list(range(64)),
+                     "vary": {"guidance_scale": [1 + i / 100 for i in range(316)]}}}
+    body = json.dumps(grid).encode()
+    with pytest.raises(SpecError) as info:
+        parse_job(body, "json", LIMITS, counted_check)
+    assert info.value.message == ("the grid is 316 prompts x 316 guidance_scale values x 64 seeds = 6390784 candidate "
+                                  "images; this server takes at most 100000 a job (--max-job-candidates): vary fewer "
+                                  "values or split it into several jobs")
+    assert info.value.param == "grid" and calls == []
+    items = jsonl(*[{"prompt": "a", "n": 40}] * 3)
+    e = refused(items, "jsonl", SpecLimits(max_items=10, max_candidates=100))
+    assert e.message.startswith("the job has more than 100 candidate images (at line 3); this server takes at most "
+                                "100 a job (--max-job-candidates)") and e.param == "items"
+    assert parse_job(items, "jsonl", SpecLimits(max_items=10, max_candidates=120), check).candidates == 120
+
+
 def test_the_default_limit_and_an_item_over_it():
     e = refused(b"\n".join([b'{"prompt": "a"}'] * 100_001), "jsonl")
     assert e.message.startswith("the job has more than 100000 items; this server takes at most 100000 a job")
@@ -179,14 +203,21 @@ def test_job_settings_parse_and_refuse_with_their_flag_named(tmp_path):
 
     config = load_config(None, {"model": "digits", "state_dir": str(tmp_path / "state"), "job_retention": "12h",
                                 "max_batch_items": "500", "batch_inflight": 8, "webhook_secret": "s",
+                                "max_job_candidates": "6000", "max_key_jobs": 3, "max_key_bytes": 2**30,
                                 "webhook_allow": "127.0.0.1, Hooks.Example.com:8080"})
     assert (config.job_retention, config.max_batch_items, config.batch_inflight) == (43200.0, 500, 8)
+    assert (config.max_job_candidates, config.max_key_jobs, config.max_key_bytes) == (6000, 3, 2**30)
+    default = ServerConfig(model="digits")  # a studio's episode: 4,000 shots x 15 candidates, several at once
+    assert (default.max_job_candidates, default.max_key_jobs, default.max_key_bytes) == (100_000, 16, 256 * 2**30)
     assert config.webhook_allow == ("127.0.0.1", "hooks.example.com:8080") and "'s'" not in repr(config)
     assert load_config(None, {"model": "digits", "job_retention": "90m"}).job_retention == 5400.0
     for values, needle in (({"job_retention": "12x"}, "job-retention must be a duration"),
                            ({"job_retention": 0}, "job-retention 0 s is out of range"),
                            ({"max_batch_items": 0}, "max-batch-items 0 is out of range"),
                            ({"batch_inflight": 0}, "batch-inflight 0 is out of range"),
+                           ({"max_job_candidates": 0}, "max-job-candidates 0 is out of range"),
+                           ({"max_key_jobs": 0}, "max-key-jobs 0 is out of range"),
+                           ({"max_key_bytes": 1000}, "max-key-bytes 1000 must be >= 1048576"),
                            ({"webhook_allow": "127.0.0.1"}, "webhook-allow needs a signing secret"),
                            ({"webhook_allow": "a b", "webhook_secret": "s"}, "'a b' is not a host name"),
                            ({"state_dir": "/proc/diffgraph-state"}, "state-dir '/proc/diffgraph-state' is not a "

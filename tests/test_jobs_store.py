@@ -22,7 +22,7 @@ from diffgraph.jobs import files
 from diffgraph.jobs.backend import EngineBackend
 from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings
 from diffgraph.jobs.spec import JobItem, JobSpec
-from diffgraph.jobs.store import JobStore
+from diffgraph.jobs.store import JobStore, KeyLimits, QuotaError
 from diffgraph.request import EngineStepError, GenerationResult, ModelInfo, ParamError, QueueFullError
 from diffgraph.server.config import ServerConfig
 
@@ -102,6 +102,68 @@ def run_jobs(store: JobStore, engine: FakeEngine, jobs: list[str], settings=FAST
 
 def stored(store: JobStore, job: str) -> list[str]:
     return sorted(os.listdir(os.path.join(store.images, job)))
+
+
+# -- creating a job, the keys' limits ------------------------------------------------------------------------------
+def test_a_large_job_is_stored_in_short_transactions_that_let_other_keys_in_between(tmp_path, monkeypatch):
+    """A 6.4-million-candidate job was inserted in one transaction: 49-97 s holding the store's lock while other
+    keys' requests waited. Now every transaction writes at most INSERT_CHUNK rows, the lock is free between them (a
+    read of another key is served there), and the job is invisible until it is whole."""
+    import threading
+    from contextlib import contextmanager
+
+    from diffgraph.jobs import store as store_module
+    monkeypatch.setattr(store_module, "INSERT_CHUNK", 100)
+    store = JobStore(str(tmp_path))
+    other = store.create("b", spec(1), "digits")
+    transactions, served = [], []
+    real_write = store._write
+
+    @contextmanager
+    def write():
+        with real_write() as db:
+            before = db.total_changes
+            yield db
+            transactions.append(db.total_changes - before)
+        reader = threading.Thread(target=lambda: served.append((
+            [j.id for j in store.jobs("b")], [j.id for j in store.unfinished()], [j.id for j in store.jobs("a")])))
+        reader.start()  # another thread: it would wait for the store's lock if a transaction still held it
+        reader.join(BOUND_S)
+        assert not reader.is_alive(), "the store's lock is held between the chunks"
+
+    monkeypatch.setattr(store, "_write", write)
+    job = store.create("a", spec(50, seeds=tuple(range(20))), "digits")  # 50 items, 1,000 candidates
+    assert (job.status, job.items, job.candidates) == ("queued", 50, 1000)
+    assert len(transactions) == 1 + 1 + 10 + 1  # the row, the items, ten chunks of candidates, queued
+    assert max(transactions) <= 100
+    during = served[:-1]  # reads between the chunks: the other key served, the job not yet runnable or listed
+    assert all(r == ([other.id], [other.id], []) for r in during) and len(during) == 12
+    assert served[-1] == ([other.id], [other.id, job.id], [job.id])
+    assert len(store.pending(job.id, (-1, -1), 2000)) == 1000
+
+
+def test_a_keys_unfinished_jobs_and_stored_bytes_are_bounded_and_other_keys_go_on(tmp_path):
+    store = JobStore(str(tmp_path))
+    limits = KeyLimits(jobs=2, bytes=10_000)
+    first = store.create("a", spec(2), "digits", limits=limits)
+    store.create("a", spec(2), "digits", limits=limits)
+    with pytest.raises(QuotaError, match=r"this API key has 2 unfinished jobs; at most 2 at once \(--max-key-jobs\)") \
+            as info:
+        store.create("a", spec(2), "digits", limits=limits)
+    assert info.value.status == 429
+    store.create("b", spec(2), "digits", limits=limits)  # another key is not held back
+    store.cancel(first.id)
+    big = store.create("a", spec(2), "digits", limits=limits)  # one ended: room again
+    c = store.pending(big.id, (-1, -1), 1)[0]
+    store.store_image(c, b"\x89PNG" + bytes(9000))  # its images count
+    assert store.job(big.id).bytes == first.bytes + 9004
+    store.cancel(big.id)
+    with pytest.raises(QuotaError, match=r"this API key's jobs keep .* \(--max-key-bytes\)") as info:
+        store.create("a", spec(2), "digits", limits=limits)
+    assert info.value.status == 507
+    store.delete(big.id)
+    store.create("a", spec(2), "digits", limits=limits)
+    assert [j.status for j in store.jobs("a")] == ["queued", "queued", "cancelled"]
 
 
 # -- the write order ----------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, name TEXT, model TEXT NOT NULL, status TEXT NOT NULL,
     created REAL NOT NULL, started REAL, finished REAL, items INTEGER NOT NULL, candidates INTEGER NOT NULL,
     done INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
-    webhook TEXT, webhook_state TEXT, webhook_error TEXT);
+    webhook TEXT, webhook_state TEXT, webhook_error TEXT, bytes INTEGER NOT NULL DEFAULT 0, reason TEXT);
 CREATE INDEX IF NOT EXISTS jobs_owner ON jobs (owner, created);
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status);
 CREATE TABLE IF NOT EXISTS items (
@@ -51,13 +51,32 @@ CREATE TABLE IF NOT EXISTS candidates (
 CREATE INDEX IF NOT EXISTS candidates_status ON candidates (job, status, finished);
 """
 UNFINISHED = ("queued", "running")
+HELD = ("creating", "queued", "running")  # what counts against a key's --max-key-jobs
 RATE_WINDOW_S = 60.0  # images/s is measured over the last minute while a job runs
+INSERT_CHUNK = 2000   # rows one transaction of `create` writes: the store's lock is never held for long
+ROW_BYTES = 64        # what a candidate's row costs on disk, counted against --max-key-bytes with the item bodies
+CREATING_STALE_S = 3600.0  # a job still being created after this long was left by a crash: swept
 _JOB_COLUMNS = ("id, owner, name, model, status, created, started, finished, items, candidates, done, failed, "
-                "webhook, webhook_state, webhook_error")
+                "webhook, webhook_state, webhook_error, bytes, reason")
+_ADDED_COLUMNS = (("bytes", "INTEGER NOT NULL DEFAULT 0"), ("reason", "TEXT"))  # to a store made before them
 
 
 class StoreError(Exception):
     """The job store cannot be opened or written (one line: where, why, what to do)."""
+
+
+class QuotaError(Exception):
+    """A key past one of its limits: `status` 429 (unfinished jobs: retry when one ends) or 507 (bytes kept)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    jobs: int = 16              # --max-key-jobs: unfinished jobs at once
+    bytes: int = 256 * 2**30    # --max-key-bytes: images and rows kept
 
 
 def owner_of(key: bytes | None) -> str:
@@ -82,6 +101,8 @@ class JobRow:
     webhook: str | None
     webhook_state: str | None  # None (no webhook) | pending | sent | failed
     webhook_error: str | None
+    bytes: int = 0             # its images and rows on disk
+    reason: str | None = None  # why it is paused
 
     @property
     def pending(self) -> int:
@@ -149,6 +170,14 @@ class JobStore:
                 raise sqlite3.OperationalError(f"the file system does not support WAL mode (got {mode!r})")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            columns = {r[1] for r in self._db.execute("PRAGMA table_info(jobs)")}
+            for name, declared in _ADDED_COLUMNS:
+                if name not in columns:
+                    try:
+                        self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declared}")
+                    except sqlite3.OperationalError as e:  # another process added it meanwhile
+                        if "duplicate column" not in str(e):
+                            raise
         except (OSError, sqlite3.Error) as e:
             raise StoreError(f"the job store {path} cannot be opened: {e}; give --state-dir a writable folder on a "
                              "local disk") from None
@@ -183,17 +212,37 @@ class JobStore:
             return self._db.execute(sql, args).fetchall()
 
     # -- jobs ---------------------------------------------------------------------------------------------------
-    def create(self, owner: str, spec: JobSpec, model: str, now: float | None = None) -> JobRow:
+    def create(self, owner: str, spec: JobSpec, model: str, now: float | None = None,
+               limits: KeyLimits | None = None) -> JobRow:
+        """Stores a job: its row first ("creating", invisible to the coordinator and the listings, checked against
+        the owner's `limits` in the same transaction), its items and candidates in transactions of INSERT_CHUNK rows
+        (the store's lock is released between them, so other keys' reads and writes go on), then "queued". A
+        failure deletes what was written. Raises QuotaError, StoreError."""
         job = f"job_{secrets.token_hex(12)}"
+        bodies = [json.dumps(item.body, ensure_ascii=False) for item in spec.items]
+        size = sum(len(b.encode("utf-8")) for b in bodies) + ROW_BYTES * spec.candidates
         with self._write() as db:
-            db.execute(f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, 'queued', ?, NULL, NULL, ?, ?, 0, 0, "
-                       "?, NULL, NULL)", (job, owner, spec.name, model, time.time() if now is None else now,
-                                          len(spec.items), spec.candidates, spec.webhook))
-            db.executemany("INSERT INTO items VALUES (?, ?, ?)", ((job, i, json.dumps(item.body, ensure_ascii=False))
-                                                                  for i, item in enumerate(spec.items)))
-            db.executemany("INSERT INTO candidates (job, item, k, seed) VALUES (?, ?, ?, ?)",
-                           ((job, i, k, seed) for i, item in enumerate(spec.items)
-                            for k, seed in enumerate(item.seeds)))
+            if limits is not None:
+                _check_quota(db, owner, limits, size)
+            db.execute(f"INSERT INTO jobs ({_JOB_COLUMNS}) VALUES (?, ?, ?, ?, 'creating', ?, NULL, NULL, ?, ?, 0, 0, "
+                       "?, NULL, NULL, ?, NULL)", (job, owner, spec.name, model, time.time() if now is None else now,
+                                                   len(spec.items), spec.candidates, spec.webhook, size))
+        try:
+            for chunk in _chunks(((job, i, body) for i, body in enumerate(bodies)), INSERT_CHUNK):
+                with self._write() as db:
+                    db.executemany("INSERT INTO items VALUES (?, ?, ?)", chunk)
+            for chunk in _chunks(((job, i, k, seed) for i, item in enumerate(spec.items)
+                                  for k, seed in enumerate(item.seeds)), INSERT_CHUNK):
+                with self._write() as db:
+                    db.executemany("INSERT INTO candidates (job, item, k, seed) VALUES (?, ?, ?, ?)", chunk)
+            with self._write() as db:
+                db.execute("UPDATE jobs SET status = 'queued' WHERE id = ? AND status = 'creating'", (job,))
+        except BaseException:
+            try:
+                self.delete(job)
+            except StoreError:  # swept later (CREATING_STALE_S)
+                pass
+            raise
         row = self.job(job)
         assert row is not None
         return row
@@ -204,8 +253,8 @@ class JobStore:
 
     def jobs(self, owner: str, limit: int = 100) -> list[JobRow]:
         """The owner's jobs, newest first."""
-        return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE owner = ? ORDER BY created "
-                                               "DESC LIMIT ?", (owner, limit))]
+        return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE owner = ? AND status != "
+                                               "'creating' ORDER BY created DESC LIMIT ?", (owner, limit))]
 
     def unfinished(self) -> list[JobRow]:
         """The jobs still to run, oldest first."""
@@ -245,10 +294,11 @@ class JobStore:
         shutil.rmtree(os.path.join(self.images, job), ignore_errors=True)
         return found
 
-    def expired(self, before: float) -> list[str]:
-        """Finished jobs that ended before `before` (--job-retention)."""
-        return [r[0] for r in self._read("SELECT id FROM jobs WHERE status NOT IN ('queued', 'running') AND "
-                                         "finished < ?", (before,))]
+    def expired(self, before: float, now: float | None = None) -> list[str]:
+        """Finished jobs that ended before `before` (--job-retention), and jobs a crash left half created."""
+        stale = (time.time() if now is None else now) - CREATING_STALE_S
+        return [r[0] for r in self._read("SELECT id FROM jobs WHERE (status NOT IN ('creating', 'queued', 'running') "
+                                         "AND finished < ?) OR (status = 'creating' AND created < ?)", (before, stale))]
 
     def due_webhooks(self) -> list[JobRow]:
         return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE webhook_state = 'pending'")]
@@ -288,7 +338,7 @@ class JobStore:
         cannot be written (the candidate stays pending: the caller fails it); StoreError when the commit fails."""
         path = self.image_path(c.job, c.item, c.k)
         write_image(path, data)
-        self._done(c, path, now)
+        self._done(c, path, len(data), now)
 
     def adopt(self, c: Candidate, expected: dict[str, Any] | None) -> bool:
         """A pending candidate whose image is already stored (a crash after the rename, before the commit): marked
@@ -297,7 +347,7 @@ class JobStore:
         if not os.path.exists(path):
             return False
         if matches(path, expected):
-            self._done(c, path, None)
+            self._done(c, path, os.path.getsize(path), None)
             return True
         try:
             os.unlink(path)
@@ -305,12 +355,12 @@ class JobStore:
             pass
         return False
 
-    def _done(self, c: Candidate, path: str, now: float | None) -> None:
+    def _done(self, c: Candidate, path: str, size: int, now: float | None) -> None:
         with self._write() as db:
             changed = db.execute("UPDATE candidates SET status = 'done', finished = ? WHERE job = ? AND item = ? AND "
                                  "k = ? AND status = 'pending'", (time.time() if now is None else now, *c.key)).rowcount
             if changed:
-                db.execute("UPDATE jobs SET done = done + 1 WHERE id = ?", (c.job,))
+                db.execute("UPDATE jobs SET done = done + 1, bytes = bytes + ? WHERE id = ?", (size, c.job))
             exists = changed or db.execute("SELECT 1 FROM jobs WHERE id = ?", (c.job,)).fetchone() is not None
         if not exists:  # the job was deleted while its image was made: nothing may be left of it
             try:
@@ -339,3 +389,26 @@ class JobStore:
             rows[item].append((seed, status, error))
         return [ItemResult(item, prompts[item], tuple(r[0] for r in cs), tuple(r[1] for r in cs),
                            tuple(r[2] for r in cs)) for item, cs in rows.items()]
+
+
+def _check_quota(db: sqlite3.Connection, owner: str, limits: KeyLimits, size: int) -> None:
+    held, kept = db.execute(f"SELECT count(*) FILTER (WHERE status IN {HELD}), coalesce(sum(bytes), 0) FROM jobs "
+                            "WHERE owner = ?", (owner,)).fetchone()
+    if held >= limits.jobs:
+        raise QuotaError(f"this API key has {held} unfinished jobs; at most {limits.jobs} at once (--max-key-jobs): "
+                         "submit this one when one ends, or cancel one", 429)
+    if kept + size > limits.bytes:
+        raise QuotaError(f"this API key's jobs keep {kept} bytes and this one needs {size} more; at most "
+                         f"{limits.bytes} a key (--max-key-bytes): delete finished jobs (DELETE /v1/jobs/ID) or wait "
+                         "until they expire", 507)
+
+
+def _chunks(rows: Iterator[tuple], size: int) -> Iterator[list[tuple]]:
+    chunk: list[tuple] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk

@@ -32,7 +32,7 @@ from ..jobs.backend import EngineBackend
 from ..jobs.coordinator import Coordinator, CoordinatorSettings
 from ..jobs.references import References
 from ..jobs.spec import JobSpec, SpecError, SpecLimits, parse_job
-from ..jobs.store import JobRow, JobStore, StoreError, image_name, job_summary, owner_of
+from ..jobs.store import JobRow, JobStore, KeyLimits, QuotaError, StoreError, image_name, job_summary, owner_of
 from ..jobs.webhook import WebhookRefused, WebhookSender, check_webhook, webhook_secret
 from ..request import ModelInfo, ParamError
 from .auth import caller_key
@@ -121,8 +121,9 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         async def jobs_off(http: Request) -> Response:
             return JSONResponse(APIError(404, DISABLED, code="jobs_disabled").body(), status_code=404)
         return service
-    limits = SpecLimits(max_items=config.max_batch_items)
+    limits = SpecLimits(max_items=config.max_batch_items, max_candidates=config.max_job_candidates)
     references = References(config)
+    key_limits = KeyLimits(jobs=config.max_key_jobs, bytes=config.max_key_bytes)
     read_timeout = min(config.body_timeout, config.request_timeout)
 
     def owner(http: Request) -> str:
@@ -192,7 +193,10 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
             store, coordinator = service.require()
             state.accepting()  # the model's rules are needed to check the items: 503 while it loads
             spec = await read_spec(http)
-            row = await asyncio.to_thread(store.create, owner(http), spec, state.info.name)
+            try:
+                row = await asyncio.to_thread(store.create, owner(http), spec, state.info.name, None, key_limits)
+            except QuotaError as e:
+                raise APIError(e.status, str(e), code="job_quota") from None
             coordinator.wake()
             return job_summary(row, None)
         return await answer(work)
