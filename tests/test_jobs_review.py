@@ -124,3 +124,32 @@ def test_a_grid_over_the_candidate_limit_is_a_400_and_stores_nothing(client, eng
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "grid" and "(--max-job-candidates)" in r.json()["error"]["message"]
     assert client.get("/v1/jobs").json()["data"] == before
+
+
+def test_a_damaged_store_is_a_503_saying_what_to_do_never_a_500(tmp_path):
+    """Reads raised sqlite3.DatabaseError through the routes: a 500 with a traceback in the log."""
+    from fastapi.testclient import TestClient
+    from test_jobs_store import damage, spec
+
+    from diffgraph import Engine
+    from diffgraph.jobs.store import JobStore
+    from diffgraph.server import ServerConfig, create_app
+
+    store = JobStore(str(tmp_path))
+    store.create("", spec(20), "random:tiny")
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    damage(str(tmp_path))
+    engine = Engine("random:tiny", device="cpu")
+    config = ServerConfig(model="random:tiny", device="cpu", state_dir=str(tmp_path))
+    with TestClient(create_app(config, engine_factory=lambda: engine), raise_server_exceptions=False) as c:
+        deadline = time.monotonic() + 300
+        while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, c.get("/ready").text
+            threading.Event().wait(0.05)
+        size = engine.info.native_size
+        for r in (c.get("/v1/jobs"), c.post("/v1/jobs", json={"items": [{"prompt": "a", "size": f"{size}x{size}"}]})):
+            assert r.status_code == 503, r.text
+            error = r.json()["error"]
+            assert error["code"] == "job_store_damaged" and "database disk image is malformed" in error["message"]
+            assert "move jobs.sqlite3" in error["message"] and "Traceback" not in r.text

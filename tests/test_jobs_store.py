@@ -166,6 +166,75 @@ def test_a_keys_unfinished_jobs_and_stored_bytes_are_bounded_and_other_keys_go_o
     assert [j.status for j in store.jobs("a")] == ["queued", "queued", "cancelled"]
 
 
+# -- a damaged or locked store ------------------------------------------------------------------------------------
+def damage(root: str) -> str:
+    """Every page of jobs.sqlite3 after its first overwritten (the schema on page 1 still reads: the store opens)."""
+    path = os.path.join(root, "jobs.sqlite3")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * (size - 4096))
+    return path
+
+
+def test_a_damaged_store_says_so_with_what_to_do_on_read_and_write(tmp_path):
+    """Reads of a damaged store raised sqlite3.DatabaseError (a 500 with a traceback); its writes said "free disk
+    space"."""
+    from diffgraph.jobs.store import StoreError
+    store = JobStore(str(tmp_path))
+    job = store.create("", spec(20), "digits").id
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    path = damage(str(tmp_path))
+    store = JobStore(str(tmp_path))
+    for action in (lambda: store.job(job), lambda: store.jobs(""), lambda: store.create("", spec(1), "digits")):
+        with pytest.raises(StoreError) as info:
+            action()
+        e = info.value
+        assert (e.status, e.code) == (503, "job_store_damaged")
+        assert f"the job store {path} could not be" in str(e) and "database disk image is malformed" in str(e)
+        assert "the file is damaged: stop the servers sharing --state-dir" in str(e) and "free disk" not in str(e)
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 100)  # its header too: not a database at all
+    with pytest.raises(StoreError, match="cannot be opened: file is not a database; the file is damaged") as info:
+        JobStore(str(tmp_path))
+    assert info.value.code == "job_store_damaged"
+
+
+def test_reads_are_served_while_a_write_waits_for_another_processs_lock_which_is_a_clear_503(tmp_path):
+    """A status read waited 44 s behind this process's own write, which waited for another process's lock."""
+    import threading
+
+    from diffgraph.jobs.store import StoreError, store_error
+    store = JobStore(str(tmp_path), busy_s=BOUND_S)
+    job = store.create("", spec(1), "digits").id
+    other = sqlite3.connect(store.path, isolation_level=None)  # another process, inside a write
+    other.execute("BEGIN IMMEDIATE")
+    writer = threading.Thread(target=lambda: store.create("", spec(1, base=5), "digits"))
+    writer.start()
+    while store._lock.acquire(blocking=False):  # until the writer holds the store and waits for SQLite's lock
+        store._lock.release()
+        writer.join(0.001)
+    read = []
+    reader = threading.Thread(target=lambda: read.append(store.job(job).status))
+    reader.start()
+    reader.join(BOUND_S)
+    assert read == ["queued"] and writer.is_alive()  # served while the write still waits
+    other.execute("ROLLBACK")
+    writer.join(BOUND_S)
+    assert len(store.jobs("")) == 2
+    impatient = JobStore(str(tmp_path), busy_s=0.01)
+    other.execute("BEGIN IMMEDIATE")
+    with pytest.raises(StoreError, match="database is locked; another process holds the store's lock: retry in a "
+                                         "moment") as info:
+        impatient.create("", spec(1), "digits")
+    assert (info.value.status, info.value.code) == (503, "job_store_busy")
+    other.execute("ROLLBACK")
+    full = store_error(sqlite3.OperationalError("database or disk is full"), store.path, "could not be written")
+    assert (full.status, full.code) == (507, "job_store_full") and str(full).endswith("free disk space or change "
+                                                                                        "--state-dir")
+
+
 # -- the write order ----------------------------------------------------------------------------------------------
 def test_an_image_is_whole_under_its_name_and_fsynced_before_its_commit(tmp_path, monkeypatch):
     store = JobStore(str(tmp_path))

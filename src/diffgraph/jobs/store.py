@@ -55,6 +55,8 @@ HELD = ("creating", "queued", "running")  # what counts against a key's --max-ke
 RATE_WINDOW_S = 60.0  # images/s is measured over the last minute while a job runs
 INSERT_CHUNK = 2000   # rows one transaction of `create` writes: the store's lock is never held for long
 ROW_BYTES = 64        # what a candidate's row costs on disk, counted against --max-key-bytes with the item bodies
+WRITE_BUSY_S = 30.0   # how long a write waits for another process's write lock (SQLite's busy timeout)
+READ_BUSY_S = 2.0     # how long a read waits (in WAL mode only a crash's recovery or an exclusive lock holds one)
 CREATING_STALE_S = 3600.0  # a job still being created after this long was left by a crash: swept
 _JOB_COLUMNS = ("id, owner, name, model, status, created, started, finished, items, candidates, done, failed, "
                 "webhook, webhook_state, webhook_error, bytes, reason")
@@ -62,7 +64,30 @@ _ADDED_COLUMNS = (("bytes", "INTEGER NOT NULL DEFAULT 0"), ("reason", "TEXT"))  
 
 
 class StoreError(Exception):
-    """The job store cannot be opened or written (one line: where, why, what to do)."""
+    """The job store cannot be opened, read or written (one line: where, why, what to do). `status`: 503 (damaged,
+    locked by another process, unreadable: the images API serves on) or 507 (the disk is full); `code` says which."""
+
+    def __init__(self, message: str, status: int = 503, code: str = "job_store_error"):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def store_error(e: sqlite3.Error, path: str, what: str) -> StoreError:
+    """SQLite's error as a StoreError whose hint fits its cause (SQLite's result code where Python gives it)."""
+    name, text = getattr(e, "sqlite_errorname", "") or "", str(e)
+    where = f"the job store {path} {what}: {text}"
+    if name in ("SQLITE_CORRUPT", "SQLITE_NOTADB") or "malformed" in text or "not a database" in text:
+        return StoreError(f"{where}; the file is damaged: stop the servers sharing --state-dir, then move jobs.sqlite3 "
+                          "(with its -wal and -shm files) aside to start with no jobs, or restore it from a backup "
+                          "(`sqlite3 jobs.sqlite3 .recover` may save its rows)", 503, "job_store_damaged")
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text or "busy" in text:
+        return StoreError(f"{where}; another process holds the store's lock: retry in a moment (`fuser {path}` shows "
+                          "which processes have it open)", 503, "job_store_busy")
+    if name == "SQLITE_FULL" or "disk is full" in text:
+        return StoreError(f"{where}; free disk space or change --state-dir", 507, "job_store_full")
+    if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")) or "readonly" in text:
+        return StoreError(f"{where}; make the folder writable or change --state-dir", 503, "job_store_unwritable")
+    return StoreError(f"{where}; check the disk (dmesg) or change --state-dir", 503, "job_store_error")
 
 
 class QuotaError(Exception):
@@ -157,14 +182,15 @@ def job_summary(row: JobRow, rate: float | None) -> dict[str, Any]:
 
 
 class JobStore:
-    def __init__(self, root: str):
+    def __init__(self, root: str, busy_s: float = WRITE_BUSY_S, read_busy_s: float = READ_BUSY_S):
         self.root = os.path.abspath(root)
         self.images = os.path.join(self.root, "images")
-        self._lock = threading.RLock()
-        path = os.path.join(self.root, "jobs.sqlite3")
+        self._lock = threading.RLock()      # the write connection's
+        self._read_lock = threading.Lock()  # the read connection's: reads never wait behind this process's writes
+        self.path = os.path.join(self.root, "jobs.sqlite3")
         try:
             make_folder(self.root)
-            self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(self.path, timeout=busy_s, isolation_level=None, check_same_thread=False)
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode != "wal":
                 raise sqlite3.OperationalError(f"the file system does not support WAL mode (got {mode!r})")
@@ -178,13 +204,19 @@ class JobStore:
                     except sqlite3.OperationalError as e:  # another process added it meanwhile
                         if "duplicate column" not in str(e):
                             raise
-        except (OSError, sqlite3.Error) as e:
-            raise StoreError(f"the job store {path} cannot be opened: {e}; give --state-dir a writable folder on a "
-                             "local disk") from None
+            self._reader = sqlite3.connect(self.path, timeout=read_busy_s, isolation_level=None,
+                                           check_same_thread=False)
+            self._reader.execute("PRAGMA query_only=1")
+        except OSError as e:
+            raise StoreError(f"the job store {self.path} cannot be opened: {e}; give --state-dir a writable folder "
+                             "on a local disk") from None
+        except sqlite3.Error as e:
+            raise store_error(e, self.path, "cannot be opened") from None
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._read_lock:
             self._db.close()
+            self._reader.close()
 
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
@@ -204,12 +236,14 @@ class JobStore:
                         self._db.rollback()
                     raise
             except sqlite3.Error as e:
-                raise StoreError(f"the job store {self.root} could not be written: {e}; free disk space or change "
-                                 "--state-dir") from None
+                raise store_error(e, self.path, "could not be written") from None
 
     def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        with self._read_lock:
+            try:
+                return self._reader.execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise store_error(e, self.path, "could not be read") from None
 
     # -- jobs ---------------------------------------------------------------------------------------------------
     def create(self, owner: str, spec: JobSpec, model: str, now: float | None = None,

@@ -137,8 +137,9 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status,
                                 headers={"connection": "close"} if e.status in (408, 413) else None)
-        except StoreError as e:
-            return JSONResponse(APIError(507, str(e), code="job_store_error").body(), status_code=507)
+        except StoreError as e:  # damaged or locked: 503 with what to do; full: 507
+            return JSONResponse(APIError(e.status, str(e), code=e.code).body(), status_code=e.status,
+                                headers={"retry-after": "1"} if e.code == "job_store_busy" else None)
 
     async def owned(http: Request, job: str) -> tuple[JobStore, Coordinator, JobRow]:
         store, coordinator = service.require()
