@@ -315,9 +315,8 @@ def test_resume_after_a_crash_at_each_point_makes_each_missing_image_once(tmp_pa
 
 
 # -- a full disk, an unwritable folder ----------------------------------------------------------------------------
-@pytest.mark.parametrize("code, hint", [(errno.ENOSPC, "free disk space or change --state-dir"),
-                                        (errno.EACCES, "make the folder writable or change --state-dir")])
-def test_a_full_disk_fails_the_jobs_candidates_with_a_clear_error_and_nothing_else(tmp_path, monkeypatch, code, hint):
+def test_an_unwritable_folder_fails_the_jobs_candidates_with_a_clear_error_and_nothing_else(tmp_path, monkeypatch):
+    code, hint = errno.EACCES, "make the folder writable or change --state-dir"
     store = JobStore(str(tmp_path))
     full = store.create("", spec(3), "digits").id
     real_open = os.open
@@ -340,6 +339,51 @@ def test_a_full_disk_fails_the_jobs_candidates_with_a_clear_error_and_nothing_el
     fine = store.create("", spec(2, base=10), "digits").id  # the store, the coordinator: still working
     run_jobs(store, engine, [fine])
     assert (store.job(fine).status, store.job(fine).done) == ("completed", 4)
+
+
+def test_a_full_disk_pauses_the_jobs_with_why_and_they_resume_when_space_returns(tmp_path, monkeypatch):
+    """With the disk full a job stayed "running" with no error, making images and throwing them away (5 ERROR lines a
+    second). Now every job is paused, its status says why, nothing is submitted meanwhile, the images made are kept
+    and written once a probe finds space: each candidate is made exactly once."""
+    from diffgraph.jobs.store import job_summary
+    store = JobStore(str(tmp_path))
+    job = store.create("", spec(3), "digits").id
+    other = store.create("", spec(1, base=10), "digits").id
+    full = [True]
+    real_open = os.open
+
+    def open_(path, flags, *args):
+        if full[0] and flags & os.O_CREAT and (str(path).startswith(store.images) or "space-probe" in str(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_)
+    engine = FakeEngine()
+    settings = CoordinatorSettings(inflight=4, poll_s=0.01, retry_base_s=0.01, space_probe_s=0.01)
+
+    async def main():
+        coordinator = Coordinator(store, engine.backend(), None, settings)
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: store.job(job).status == "paused" and coordinator.running() == 0, "the jobs pause")
+        made = len(engine.made)
+        for _ in range(20):  # many polls and probes: nothing more is submitted while the disk is full
+            await asyncio.sleep(0.01)
+        assert len(engine.made) == len(engine.submitted) == made == 4
+        summary = job_summary(store.job(job), None)
+        assert summary["status"] == "paused" and store.job(other).status == "paused"
+        assert "No space left on device; free disk space or change --state-dir" in summary["reason"]
+        full[0] = False  # space again
+        await until(lambda: not store.job(job).unfinished and not store.job(other).unfinished, "they resume")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    for j, candidates in ((job, 6), (other, 2)):
+        row = store.job(j)
+        assert (row.status, row.done, row.failed, row.reason) == ("completed", candidates, 0, None)
+    assert sorted(seed for _, seed in engine.made) == sorted(c for i in (0, 1, 2, 10) for c in (1000 * i + 1,
+                                                                                                 1000 * i + 2))
+    assert len(stored(store, job)) == 6 and not os.path.exists(os.path.join(str(tmp_path), ".space-probe"))
 
 
 # -- retries, refusals --------------------------------------------------------------------------------------------

@@ -9,7 +9,10 @@ first), each a one-image request of the batch class marked with its job (backend
 the slots interactive rows leave free. A candidate whose request was answered "retry" (queue full, engine closed or
 restarting, aborted under it) is retried with exponential backoff, at most `max_attempts` times; one the engine
 refuses (ParamError) or fails (EngineStepError) fails with the engine's message; one whose image cannot be written
-(disk full, unwritable folder) fails with that error, and nothing else is affected. Cancelling a job aborts its
+(an unwritable folder) fails with that error, and nothing else is affected. A full disk (ENOSPC or a quota on an
+image, SQLITE_FULL on a commit) pauses every job instead: their status is "paused" with the error as its reason,
+nothing is submitted, the images already made are kept here (not made again), and every `space_probe_s` a probe file
+is written; once it can be, the kept images are stored and the jobs resume. Cancelling a job aborts its
 requests in flight, which frees their rows at the next step boundary. When a job ends, its webhook is due
 (webhook.py). Finished jobs are deleted after `--job-retention`.
 
@@ -28,6 +31,7 @@ one ingress cannot count them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import heapq
 import logging
@@ -40,13 +44,14 @@ from typing import Awaitable
 from ..engine.client import RequestHandle
 from ..request import GenerationRequest
 from .backend import CandidateError, EngineBackend
-from .files import ImageWriteError, sweep_temporary
+from .files import ImageWriteError, sweep_temporary, write_image
 from .store import Candidate, JobRow, JobStore, StoreError, job_summary
 from .webhook import WebhookSender
 
 logger = logging.getLogger("diffgraph.jobs")
 
 PAGE = 256  # pending candidates read from the store at a time, per job
+PROBE_BYTES = 4 << 20  # written to see whether a full disk has space again (an image of 1024x1024 is ~1.5 MiB)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class CoordinatorSettings:
     retry_base_s: float = 0.25    # backoff: base x 2^(attempt - 1), at most retry_cap_s
     retry_cap_s: float = 30.0
     sweep_s: float = 600.0        # how often finished jobs past the retention are deleted
+    space_probe_s: float = 5.0    # while the disk is full: how often a probe file is written to see if space returned
 
 
 @dataclass
@@ -74,10 +80,11 @@ class _Run:
     retries: list[tuple[float, int, int, Candidate]] = field(default_factory=list)  # (when, item, k, c): a heap
     attempts: dict[tuple[str, int, int], int] = field(default_factory=dict)
     started: bool = False
+    unwritten: dict[tuple[str, int, int], tuple[Candidate, bytes]] = field(default_factory=dict)  # disk full
 
     @property
     def idle(self) -> bool:
-        return self.exhausted and not self.buffer and not self.inflight and not self.retries
+        return self.exhausted and not self.buffer and not self.inflight and not self.retries and not self.unwritten
 
 
 class Coordinator:
@@ -95,6 +102,8 @@ class Coordinator:
         self._dirty = True
         self._lock_fd: int | None = None
         self._skipped: set[str] = set()  # jobs made for another model (logged once)
+        self._full: str | None = None    # why the jobs are paused (the disk is full): nothing is submitted meanwhile
+        self._next_probe = 0.0
 
     # -- what the routes call (the event loop) --------------------------------------------------------------------
     def wake(self) -> None:
@@ -166,13 +175,16 @@ class Coordinator:
             if self._dirty or now >= next_poll:
                 self._dirty, next_poll = False, now + self.settings.poll_s
                 await self._guarded(self._refresh())
+            if self._full is not None and now >= self._next_probe:
+                await self._guarded(self._probe())
             await self._guarded(self._fill())
             await self._guarded(self._finish())
             # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that arrives as the wait
             # ends, and this loop must stop when the app stops
             waiter = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait({waiter}, timeout=max(0.0, min(next_poll, self._next_retry()) - time.monotonic()))
+                due = min(next_poll, self._next_retry(), self._next_probe if self._full is not None else next_poll)
+                await asyncio.wait({waiter}, timeout=max(0.0, due - time.monotonic()))
             finally:
                 waiter.cancel()
 
@@ -205,6 +217,8 @@ class Coordinator:
             await asyncio.to_thread(sweep_temporary, os.path.join(self.store.images, job))
             self._runs[job] = _Run(row)
             self._order.append(job)
+            if row.status == "paused" or self._full is not None:  # paused before a restart: probe at once
+                await self._pause(row.reason or "the disk was full", [job])
         for row in await asyncio.to_thread(self.store.due_webhooks):
             if row.id not in self._deliveries:
                 self._deliveries[row.id] = asyncio.create_task(self._deliver(row))
@@ -216,6 +230,8 @@ class Coordinator:
             logger.info("deleted job %s (past --job-retention)", job)
 
     async def _fill(self) -> None:
+        if self._full is not None:
+            return
         limit = self.backend.capacity(self.settings.inflight)
         while limit is not None and len(self._tasks) < limit:
             picked = await self._next()
@@ -276,7 +292,7 @@ class Coordinator:
                 data = await self.backend.result(self._handles[c.key])
             finally:
                 self._handles.pop(c.key, None)
-            await asyncio.to_thread(self.store.store_image, c, data)
+            await self._store(run, c, data)
         except CandidateError as e:
             attempts = run.attempts.get(c.key, 0) + 1
             if e.retryable and attempts < self.settings.max_attempts:
@@ -292,6 +308,49 @@ class Coordinator:
         except Exception as e:  # a bug must fail one candidate, never the coordinator
             logger.exception("candidate %s/%d-%d failed", *c.key)
             await self._fail(c, f"internal error: {type(e).__name__}: {e}")
+
+    async def _store(self, run: _Run, c: Candidate, data: bytes) -> None:
+        """Stores a made image; with the disk full it is kept here (not made again) and every job is paused."""
+        try:
+            await asyncio.to_thread(self.store.store_image, c, data)
+        except (ImageWriteError, StoreError) as e:
+            if not (e.full if isinstance(e, ImageWriteError) else e.status == 507):
+                raise
+            run.unwritten[c.key] = (c, data)
+            await self._pause(str(e), list(self._runs))
+
+    async def _pause(self, reason: str, jobs: list[str]) -> None:
+        """Pauses `jobs` (their status says why) and stops submitting until a probe finds space again."""
+        if self._full is None:
+            logger.error("jobs paused: %s; they resume once a %d MiB probe file can be written", reason,
+                         PROBE_BYTES >> 20)
+            self._full, self._next_probe = reason, time.monotonic()
+        try:
+            await asyncio.to_thread(self.store.pause, jobs, self._full)
+        except StoreError as e:  # the store's disk is full too: the status catches up at the resume
+            logger.warning("%s", e)
+
+    async def _probe(self) -> None:
+        """While paused: a probe file written and removed, then the images kept here written; then the jobs resume."""
+        self._next_probe = time.monotonic() + self.settings.space_probe_s
+        probe = os.path.join(self.store.root, ".space-probe")
+        try:
+            await asyncio.to_thread(write_image, probe, bytes(PROBE_BYTES))
+        except ImageWriteError:
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        for run in list(self._runs.values()):
+            for key, (c, data) in list(run.unwritten.items()):
+                try:
+                    await asyncio.to_thread(self.store.store_image, c, data)
+                except (ImageWriteError, StoreError):
+                    return  # still full (or the store cannot be written): the next probe tries again
+                del run.unwritten[key]
+        await asyncio.to_thread(self.store.resume, list(self._runs))
+        logger.info("jobs resumed: the disk has space again")
+        self._full = None
 
     async def _build(self, c: Candidate) -> GenerationRequest:
         """The candidate's request, built on a thread: an item's base64 images (image prompts, controls) are decoded

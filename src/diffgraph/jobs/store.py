@@ -50,8 +50,8 @@ CREATE TABLE IF NOT EXISTS candidates (
     PRIMARY KEY (job, item, k)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS candidates_status ON candidates (job, status, finished);
 """
-UNFINISHED = ("queued", "running")
-HELD = ("creating", "queued", "running")  # what counts against a key's --max-key-jobs
+UNFINISHED = ("queued", "running", "paused")  # paused: its disk is full (the reason says so); resumed with space
+HELD = ("creating",) + UNFINISHED  # what counts against a key's --max-key-jobs
 RATE_WINDOW_S = 60.0  # images/s is measured over the last minute while a job runs
 INSERT_CHUNK = 2000   # rows one transaction of `create` writes: the store's lock is never held for long
 ROW_BYTES = 64        # what a candidate's row costs on disk, counted against --max-key-bytes with the item bodies
@@ -115,7 +115,7 @@ class JobRow:
     owner: str
     name: str | None
     model: str
-    status: str          # queued | running | completed | failed | cancelled
+    status: str          # creating | queued | running | paused | completed | failed | cancelled
     created: float
     started: float | None
     finished: float | None
@@ -175,7 +175,8 @@ def job_summary(row: JobRow, rate: float | None) -> dict[str, Any]:
             "counts": {"items": row.items, "candidates": row.candidates, "done": row.done, "failed": row.failed,
                        "pending": row.pending},
             "images_per_s": None if rate is None else round(rate, 3),
-            "eta_s": round(row.pending / rate, 1) if rate and row.unfinished else None,
+            "eta_s": round(row.pending / rate, 1) if rate and row.status in ("queued", "running") else None,
+            "reason": row.reason,
             "webhook": None if row.webhook is None else {"url": row.webhook, "state": row.webhook_state,
                                                          "error": row.webhook_error},
             "results_url": f"/v1/jobs/{row.id}/results"}
@@ -292,13 +293,24 @@ class JobStore:
 
     def unfinished(self) -> list[JobRow]:
         """The jobs still to run, oldest first."""
-        return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE status IN ('queued', "
-                                               "'running') ORDER BY created")]
+        return [JobRow(*r) for r in self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE status IN {UNFINISHED} "
+                                               "ORDER BY created")]
 
     def mark_running(self, job: str, now: float | None = None) -> None:
         with self._write() as db:
             db.execute("UPDATE jobs SET status = 'running', started = coalesce(started, ?) WHERE id = ? AND status "
                        "= 'queued'", (time.time() if now is None else now, job))
+
+    def pause(self, jobs: list[str], reason: str) -> None:
+        """Marks unfinished jobs paused, with why (their disk is full): their status says so until `resume`."""
+        with self._write() as db:
+            db.executemany(f"UPDATE jobs SET status = 'paused', reason = ? WHERE id = ? AND status IN {UNFINISHED}",
+                           [(reason, job) for job in jobs])
+
+    def resume(self, jobs: list[str]) -> None:
+        with self._write() as db:
+            db.executemany("UPDATE jobs SET status = CASE WHEN started IS NULL THEN 'queued' ELSE 'running' END, "
+                           "reason = NULL WHERE id = ? AND status = 'paused'", [(job,) for job in jobs])
 
     def finish(self, job: str, now: float | None = None) -> JobRow | None:
         """Ends a job whose candidates are all done or failed: completed (at least one image) or failed (none); its
@@ -307,7 +319,7 @@ class JobStore:
             changed = db.execute(
                 "UPDATE jobs SET status = CASE WHEN done = 0 THEN 'failed' ELSE 'completed' END, finished = ?, "
                 "webhook_state = CASE WHEN webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? AND status IN "
-                "('queued', 'running') AND done + failed = candidates", (time.time() if now is None else now, job)
+                f"{UNFINISHED} AND done + failed = candidates", (time.time() if now is None else now, job)
             ).rowcount
         return self.job(job) if changed else None
 
@@ -315,7 +327,7 @@ class JobStore:
         """Cancels an unfinished job (its pending candidates stay pending, never made); its webhook is due."""
         with self._write() as db:
             db.execute("UPDATE jobs SET status = 'cancelled', finished = ?, webhook_state = CASE WHEN webhook IS NULL "
-                       "THEN NULL ELSE 'pending' END WHERE id = ? AND status IN ('queued', 'running')",
+                       f"THEN NULL ELSE 'pending' END WHERE id = ? AND status IN {UNFINISHED}",
                        (time.time() if now is None else now, job))
         return self.job(job)
 
@@ -331,7 +343,7 @@ class JobStore:
     def expired(self, before: float, now: float | None = None) -> list[str]:
         """Finished jobs that ended before `before` (--job-retention), and jobs a crash left half created."""
         stale = (time.time() if now is None else now) - CREATING_STALE_S
-        return [r[0] for r in self._read("SELECT id FROM jobs WHERE (status NOT IN ('creating', 'queued', 'running') "
+        return [r[0] for r in self._read(f"SELECT id FROM jobs WHERE (status NOT IN {HELD} "
                                          "AND finished < ?) OR (status = 'creating' AND created < ?)", (before, stale))]
 
     def due_webhooks(self) -> list[JobRow]:
