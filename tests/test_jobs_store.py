@@ -439,6 +439,36 @@ def test_two_jobs_share_the_engine_round_robin_within_the_inflight_bound_and_can
     assert [r.job for r in engine.submitted].count(a) == 2  # nothing of a after its cancel
 
 
+def test_the_batch_capacity_is_shared_by_the_keys_then_by_each_keys_jobs(tmp_path):
+    """Capacity was shared per job: one key's 20-image job took 10x longer beside another key's ten jobs. Now the
+    key with the fewest candidates in flight goes next, then its job with the fewest."""
+    store = JobStore(str(tmp_path))
+    many = [store.create("a", spec(2, base=100 * j), "digits").id for j in range(10)]  # 10 jobs x 4 candidates
+    one = store.create("b", spec(10, base=5000), "digits").id                        # 1 job x 20 candidates
+    engine = FakeEngine()
+
+    async def main():
+        engine.gate.clear()
+        coordinator = Coordinator(store, engine.backend(), None, FAST)
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: len(engine.submitted) == 4, "the bound fills")
+        assert sorted(r.job == one for r in engine.submitted) == [False, False, True, True]  # two each
+        assert len({r.job for r in engine.submitted if r.job != one}) == 2  # a's two from two of its jobs
+        assert {r.share for r in engine.submitted} == {"a", "b"}  # and the engine shares its rows the same way
+        engine.gate.set()
+        await until(lambda: not store.job(one).unfinished, "b's job finishes")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    order = [r.job == one for r in engine.submitted]
+    # b's one job got as much as a's ten together: when it was done, a had had about as many (shared per job: all 40)
+    assert sum(order) == 20 and len(order) <= 42
+    firsts = [r.job for r in engine.submitted if r.job != one][:10]
+    assert len(set(firsts)) >= 8  # and a's share goes round its jobs
+    assert set(many) >= set(firsts)
+
+
 def test_an_items_images_are_decoded_off_the_event_loop_and_candidates_still_go_round_robin(tmp_path, monkeypatch):
     """A job item's base64 images (its image prompts, its controls) are decoded when each candidate's request is
     built: that ran on the event loop, stalling every HTTP request of the server for each decode. (The fake engine

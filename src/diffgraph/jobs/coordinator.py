@@ -4,9 +4,11 @@ On start it resumes every unfinished job where it stopped (the store holds which
 stored but not yet committed before a crash is adopted, not made again; temporary files are swept). It keeps a
 bounded number of candidates in the engine (`--batch-inflight`, default two of the largest bucket's rows per
 replica: enough to fill every bucket, far below the waiting queue's bound, so interactive requests are never
-refused because of a job), choosing the next one round-robin across jobs (a second job does not wait for the
-first), each a one-image request of the batch class marked with its job (backend.py), which the scheduler runs in
-the slots interactive rows leave free. A candidate whose request was answered "retry" (queue full, engine closed or
+refused because of a job), choosing the next one fairly by API key, then by that key's jobs (the key with the
+fewest candidates in flight, then its job with the fewest: one key's ten jobs get what another key's one job gets,
+and a second job does not wait for the first), each a one-image request of the batch class marked with its job and
+its key's share (backend.py), which the scheduler runs in the slots interactive rows leave free, shared the same
+way (engine/priority.py). A candidate whose request was answered "retry" (queue full, engine closed or
 restarting, aborted under it) is retried with exponential backoff, at most `max_attempts` times; one the engine
 refuses (ParamError) or fails (EngineStepError) fails with the engine's message; one whose image cannot be written
 (an unwritable folder) fails with that error, and nothing else is affected. A full disk (ENOSPC or a quota on an
@@ -80,6 +82,7 @@ class _Run:
     retries: list[tuple[float, int, int, Candidate]] = field(default_factory=list)  # (when, item, k, c): a heap
     attempts: dict[tuple[str, int, int], int] = field(default_factory=dict)
     started: bool = False
+    served: int = -1  # the coordinator's turn when a candidate of it was last picked
     unwritten: dict[tuple[str, int, int], tuple[Candidate, bytes]] = field(default_factory=dict)  # disk full
 
     @property
@@ -93,7 +96,8 @@ class Coordinator:
         self.store, self.backend, self.webhooks, self.settings = store, backend, webhooks, settings
         self.coordinating = False
         self._runs: dict[str, _Run] = {}
-        self._order: deque[str] = deque()  # round-robin over the runs
+        self._turn = 0                             # a clock of picks: who was served longest ago goes first
+        self._owner_served: dict[str, int] = {}    # owner -> the turn it was last served
         self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
         self._handles: dict[tuple[str, int, int], RequestHandle] = {}  # the requests of those tasks in the engine
         self._deliveries: dict[str, asyncio.Task] = {}
@@ -116,7 +120,6 @@ class Coordinator:
         at the next step boundary), their tasks cancelled."""
         run = self._runs.pop(job, None)
         if run is not None:
-            self._order.remove(job)
             for key in run.inflight:
                 handle, task = self._handles.pop(key, None), self._tasks.get(key)
                 if handle is not None:
@@ -216,7 +219,6 @@ class Coordinator:
                 continue
             await asyncio.to_thread(sweep_temporary, os.path.join(self.store.images, job))
             self._runs[job] = _Run(row)
-            self._order.append(job)
             if row.status == "paused" or self._full is not None:  # paused before a restart: probe at once
                 await self._pause(row.reason or "the disk was full", [job])
         for row in await asyncio.to_thread(self.store.due_webhooks):
@@ -244,17 +246,25 @@ class Coordinator:
             self._tasks[c.key] = asyncio.create_task(self._candidate(run, c))
 
     async def _next(self) -> tuple[_Run, Candidate] | None:
-        """The next candidate, round-robin across the jobs: a retry that is due, else the next pending one."""
+        """The next candidate, shared fairly by the keys, then by each key's jobs: the key with the fewest candidates
+        in flight (ties: the one served longest ago), its job with the fewest in flight (likewise); from it a retry
+        that is due, else its next pending one. One key's ten jobs get what another key's one job gets."""
         now = time.monotonic()
-        for _ in range(len(self._order)):
-            job = self._order[0]
-            self._order.rotate(-1)
-            run = self._runs[job]
-            c = heapq.heappop(run.retries)[3] if run.retries and run.retries[0][0] <= now else await self._take(run)
-            if c is not None:
+        by_owner: dict[str, list[_Run]] = {}
+        for run in self._runs.values():
+            by_owner.setdefault(run.row.owner, []).append(run)
+        for owner in sorted(by_owner, key=lambda o: (sum(len(r.inflight) for r in by_owner[o]),
+                                                     self._owner_served.get(o, -1))):
+            for run in sorted(by_owner[owner], key=lambda r: (len(r.inflight), r.served)):
+                c = heapq.heappop(run.retries)[3] if run.retries and run.retries[0][0] <= now else \
+                    await self._take(run)
+                if c is None:
+                    continue
+                self._turn += 1
+                run.served = self._owner_served[owner] = self._turn
                 if not run.started:
                     run.started = True
-                    await asyncio.to_thread(self.store.mark_running, job)
+                    await asyncio.to_thread(self.store.mark_running, run.row.id)
                 return run, c
         return None
 
@@ -281,9 +291,9 @@ class Coordinator:
 
     async def _make(self, run: _Run, c: Candidate) -> None:
         try:
-            request = await self._build(c)
+            request = await self._build(c, run.row.owner or None)
             # a stat here, the image's check on a thread only when there is a file: the candidates reach the engine
-            # in the order they were chosen (round-robin), not in the order threads happen to finish
+            # in the order they were chosen (fair shares), not in the order threads happen to finish
             if os.path.exists(self.store.image_path(*c.key)) and \
                     await asyncio.to_thread(self.store.adopt, c, self.backend.expected(request)):
                 return  # stored before a crash, not yet committed: adopted
@@ -352,12 +362,12 @@ class Coordinator:
         logger.info("jobs resumed: the disk has space again")
         self._full = None
 
-    async def _build(self, c: Candidate) -> GenerationRequest:
+    async def _build(self, c: Candidate, share: str | None) -> GenerationRequest:
         """The candidate's request, built on a thread: an item's base64 images (image prompts, controls) are decoded
         there, never on the event loop. One at a time, in the order the candidates were chosen (asyncio's lock wakes
-        its waiters first come first served), so they still reach the engine round-robin."""
+        its waiters first come first served), so they still reach the engine in their fair order."""
         async with self._building:
-            return await asyncio.to_thread(self.backend.build, c)
+            return await asyncio.to_thread(self.backend.build, c, share)
 
     async def _fail(self, c: Candidate, message: str) -> None:
         try:
@@ -370,7 +380,6 @@ class Coordinator:
             if not run.idle:
                 continue
             del self._runs[job]
-            self._order.remove(job)
             row = await asyncio.to_thread(self.store.finish, job)
             if row is not None:
                 logger.info("job %s %s: %d done, %d failed", job, row.status, row.done, row.failed)

@@ -29,7 +29,7 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes one API key's jobs may keep (their images and rows); past it new jobs are refused "
                         "with 507 until jobs are deleted or expire (default: 274877906944, 256 GiB)")
     p.add_argument("--batch-inflight", type=int, default=None, metavar="N",
-                   help="job requests in the engine at once, shared round-robin by the jobs (default: twice the "
+                   help="job requests in the engine at once, shared fairly by the API keys, then by their jobs (default: twice the "
                         "largest batch bucket's rows per replica)")
     p.add_argument("--webhook-allow", default=None, metavar="HOSTS",
                    help="hosts job webhooks may call, comma-separated (host or host:port); without it a job naming "
