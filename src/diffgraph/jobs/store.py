@@ -282,6 +282,14 @@ class JobStore:
         assert row is not None
         return row
 
+    def check_quota(self, owner: str, limits: KeyLimits) -> None:
+        """QuotaError when the owner is at a limit already (before a job's body is read; `create` checks again)."""
+        with self._read_lock:
+            try:
+                _check_quota(self._reader, owner, limits, 0)
+            except sqlite3.Error as e:
+                raise store_error(e, self.path, "could not be read") from None
+
     def job(self, job: str) -> JobRow | None:
         rows = self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job,))
         return JobRow(*rows[0]) if rows else None

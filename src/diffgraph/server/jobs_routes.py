@@ -193,8 +193,9 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         async def work() -> Any:
             store, coordinator = service.require()
             state.accepting()  # the model's rules are needed to check the items: 503 while it loads
-            spec = await read_spec(http)
             try:
+                await asyncio.to_thread(store.check_quota, owner(http), key_limits)  # before the body is read
+                spec = await read_spec(http)
                 row = await asyncio.to_thread(store.create, owner(http), spec, state.info.name, None, key_limits)
             except QuotaError as e:
                 raise APIError(e.status, str(e), code="job_quota") from None
