@@ -27,6 +27,7 @@ from ..server.config import ServerConfig
 from ..text.embeddings import EmbeddingDir, EmbeddingError
 
 RequestCheck = Callable[[GenerationRequest], None]  # raises ParamError naming the request field
+Once = Callable[[str, str, Callable[[str], object]], None]  # (kind, name, look-up): a look-up made once per job
 
 
 class References:
@@ -58,7 +59,7 @@ class References:
             self._embeddings(request, once)
         return check
 
-    def _loras(self, request: GenerationRequest, once: Callable) -> None:
+    def _loras(self, request: GenerationRequest, once: Once) -> None:
         if not request.loras:
             return
         if not self.lora_slots:
@@ -87,7 +88,7 @@ class References:
             f"known: {', '.join(known[:10]) or 'none'} (GET /v1/loras lists them)"
         raise ParamError("loras", f"adapter {name!r} is unknown; {hint}")
 
-    def _controls(self, request: GenerationRequest, once: Callable) -> None:
+    def _controls(self, request: GenerationRequest, once: Once) -> None:
         if not request.controls:
             return
         names = list(dict.fromkeys(c.model for c in request.controls))
@@ -100,18 +101,20 @@ class References:
         for name in names:
             once("controlnet", name, self.controlnets.folder)
 
-    def _image_prompt(self, request: GenerationRequest, once: Callable) -> None:
+    def _image_prompt(self, request: GenerationRequest, once: Once) -> None:
         if request.image_prompts is None:
             return
         name = request.image_prompts.model
         if self.ip_adapters is None:
             raise ParamError("image_prompts", f"IP-Adapter {name or '(the only one)'!r}: this server serves no "
                                               "IP-Adapters; start it with --ip-adapter-dir DIR")
-        catalog = self.ip_adapters
-        once("ip-adapter", name if name is not None else "", lambda n: catalog.encoder(catalog.file(n or
-                                                                                              catalog.only())))
+        once("ip-adapter", name or "", self._ip_adapter)
 
-    def _embeddings(self, request: GenerationRequest, once: Callable) -> None:
+    def _ip_adapter(self, name: str) -> None:
+        catalog = self.ip_adapters
+        catalog.encoder(catalog.file(name or catalog.only()))  # its file, what the file holds, its image encoder
+
+    def _embeddings(self, request: GenerationRequest, once: Once) -> None:
         if request.prompt_syntax != "a1111":
             return
         from ..text.syntax import parse_a1111  # pure Python

@@ -11,8 +11,14 @@ either stored and marked, stored and not yet marked (adopted on restart once it 
 settings: `adopt`), or absent (made again); never half written, never made twice once stored. Commits use
 synchronous=FULL, so a commit that returned survives a power cut too.
 
+A job is written in transactions of INSERT_CHUNK rows ("creating" until it is whole, then "queued"), its owner's
+limits (`KeyLimits`: unfinished jobs, bytes kept) checked in the first; a job whose disk is full is "paused" with
+the reason (the coordinator resumes it). SQLite's errors become a `StoreError` whose status and hint fit the cause
+(`store_error`: damaged, locked, full, unwritable).
+
 Several processes may share one state folder (replicas or Ray Serve ingress replicas on one host): SQLite's locks
-order their writes (busy timeout 30 s), and each process holds one connection behind a lock. WAL needs the
+order their writes (busy timeout 30 s); each process writes on one connection behind a lock and reads on another,
+so a read never waits behind this process's writes (WAL readers do not wait for writers). WAL needs the
 processes on one machine (its index is shared memory): a state folder on a network file system is not supported.
 Finished jobs are deleted with their images after `--job-retention` (the coordinator sweeps), or by DELETE.
 """
