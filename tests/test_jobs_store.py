@@ -142,6 +142,38 @@ def test_a_large_job_is_stored_in_short_transactions_that_let_other_keys_in_betw
     assert len(store.pending(job.id, (-1, -1), 2000)) == 1000
 
 
+def test_a_job_whose_creation_fails_midway_leaves_nothing_and_a_crashs_leftover_is_swept(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from diffgraph.jobs import store as store_module
+    from diffgraph.jobs.store import CREATING_STALE_S, StoreError
+    monkeypatch.setattr(store_module, "INSERT_CHUNK", 10)
+    store = JobStore(str(tmp_path))
+    real_write, writes = store._write, []
+
+    @contextmanager
+    def failing():
+        writes.append(1)
+        if len(writes) == 4:  # the row, the items, then a chunk of candidates fails
+            raise StoreError("the job store could not be written: disk I/O error", 503)
+        with real_write() as db:
+            yield db
+
+    monkeypatch.setattr(store, "_write", failing)
+    with pytest.raises(StoreError, match="disk I/O error"):
+        store.create("a", spec(10, seeds=(1, 2, 3)), "digits")
+    assert store._read("SELECT count(*) FROM jobs")[0][0] == 0
+    assert store._read("SELECT count(*) FROM candidates")[0][0] == store._read("SELECT count(*) FROM items")[0][0] == 0
+    monkeypatch.setattr(store, "_write", real_write)
+    job = store.create("a", spec(1), "digits").id
+    with store._write() as db:  # as a crash mid-creation leaves it
+        db.execute("UPDATE jobs SET status = 'creating' WHERE id = ?", (job,))
+    assert store.jobs("a") == [] and store.unfinished() == []  # never listed, never run
+    created = store._read("SELECT created FROM jobs WHERE id = ?", (job,))[0][0]
+    assert store.expired(0.0, now=created + CREATING_STALE_S / 2) == []  # perhaps still being written elsewhere
+    assert store.expired(0.0, now=created + CREATING_STALE_S + 1) == [job]
+
+
 def test_a_keys_unfinished_jobs_and_stored_bytes_are_bounded_and_other_keys_go_on(tmp_path):
     store = JobStore(str(tmp_path))
     limits = KeyLimits(jobs=2, bytes=10_000)
