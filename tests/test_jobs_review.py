@@ -99,3 +99,57 @@ def test_a_failed_commit_leaves_no_transaction_open(tmp_path):
         store.create("me", spec, "digits")
     job = store.create("me", spec, "digits")  # the next write works
     assert [j.id for j in store.jobs("me")] == [job.id]
+
+
+def test_a_job_naming_a_lora_the_server_cannot_serve_is_refused_whole_before_it_is_stored(client, engine):
+    """It was accepted and its items failed one by one in the engine (the README says a bad job is refused whole)."""
+    size = engine.info.native_size
+    before = client.get("/v1/jobs").json()["data"]
+    items = [{"prompt": "a fox", "size": f"{size}x{size}"},
+             {"prompt": "an owl", "size": f"{size}x{size}", "loras": [["ink", 0.5]]}]
+    r = client.post("/v1/jobs", json={"items": items})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["message"].startswith("items[1]: adapter 'ink': this server has no adapter slots")
+    assert error["param"] == "items[1].loras"
+    assert client.get("/v1/jobs").json()["data"] == before  # nothing stored
+
+
+def test_a_grid_over_the_candidate_limit_is_a_400_and_stores_nothing(client, engine):
+    size = engine.info.native_size
+    before = client.get("/v1/jobs").json()["data"]
+    grid = {"grid": {"prompts": [f"p{i}" for i in range(316)], "seeds": list(range(64)),
+                     "vary": {"guidance_scale": [1 + i / 100 for i in range(316)]}, "base": {"size": f"{size}x{size}"}}}
+    r = client.post("/v1/jobs", json=grid)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "grid" and "(--max-job-candidates)" in r.json()["error"]["message"]
+    assert client.get("/v1/jobs").json()["data"] == before
+
+
+def test_a_damaged_store_is_a_503_saying_what_to_do_never_a_500(tmp_path):
+    """Reads raised sqlite3.DatabaseError through the routes: a 500 with a traceback in the log."""
+    from fastapi.testclient import TestClient
+    from test_jobs_store import damage, spec
+
+    from diffgraph import Engine
+    from diffgraph.jobs.store import JobStore
+    from diffgraph.server import ServerConfig, create_app
+
+    store = JobStore(str(tmp_path))
+    store.create("", spec(20), "random:tiny")
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    damage(str(tmp_path))
+    engine = Engine("random:tiny", device="cpu")
+    config = ServerConfig(model="random:tiny", device="cpu", state_dir=str(tmp_path))
+    with TestClient(create_app(config, engine_factory=lambda: engine), raise_server_exceptions=False) as c:
+        deadline = time.monotonic() + 300
+        while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, c.get("/ready").text
+            threading.Event().wait(0.05)
+        size = engine.info.native_size
+        for r in (c.get("/v1/jobs"), c.post("/v1/jobs", json={"items": [{"prompt": "a", "size": f"{size}x{size}"}]})):
+            assert r.status_code == 503, r.text
+            error = r.json()["error"]
+            assert error["code"] == "job_store_damaged" and "database disk image is malformed" in error["message"]
+            assert "move jobs.sqlite3" in error["message"] and "Traceback" not in r.text

@@ -166,6 +166,30 @@ def test_a_million_and_one_items_are_refused_at_once_in_every_form(monkeypatch):
     assert calls == {"loads": 0, "check": 0}
 
 
+def test_a_grid_over_the_candidate_limit_is_refused_from_its_sizes_before_any_item_is_made():
+    """316 prompts x 316 guidance values x 64 seeds: a 5 KB body of 6.4 million candidates (1.4 GB of SQLite) was
+    expanded, checked and stored."""
+    calls = []
+
+    def counted_check(params):
+        calls.append(params)
+        return check(params)
+    grid = {"grid": {"prompts": [f"p{i}" for i in range(316)], "seeds": list(range(64)),
+                     "vary": {"guidance_scale": [1 + i / 100 for i in range(316)]}}}
+    body = json.dumps(grid).encode()
+    with pytest.raises(SpecError) as info:
+        parse_job(body, "json", LIMITS, counted_check)
+    assert info.value.message == ("the grid is 316 prompts x 316 guidance_scale values x 64 seeds = 6390784 candidate "
+                                  "images; this server takes at most 100000 a job (--max-job-candidates): vary fewer "
+                                  "values or split it into several jobs")
+    assert info.value.param == "grid" and calls == []
+    items = jsonl(*[{"prompt": "a", "n": 40}] * 3)
+    e = refused(items, "jsonl", SpecLimits(max_items=10, max_candidates=100))
+    assert e.message.startswith("the job has more than 100 candidate images (at line 3); this server takes at most "
+                                "100 a job (--max-job-candidates)") and e.param == "items"
+    assert parse_job(items, "jsonl", SpecLimits(max_items=10, max_candidates=120), check).candidates == 120
+
+
 def test_the_default_limit_and_an_item_over_it():
     e = refused(b"\n".join([b'{"prompt": "a"}'] * 100_001), "jsonl")
     assert e.message.startswith("the job has more than 100000 items; this server takes at most 100000 a job")
@@ -179,14 +203,21 @@ def test_job_settings_parse_and_refuse_with_their_flag_named(tmp_path):
 
     config = load_config(None, {"model": "digits", "state_dir": str(tmp_path / "state"), "job_retention": "12h",
                                 "max_batch_items": "500", "batch_inflight": 8, "webhook_secret": "s",
+                                "max_job_candidates": "6000", "max_key_jobs": 3, "max_key_bytes": 2**30,
                                 "webhook_allow": "127.0.0.1, Hooks.Example.com:8080"})
     assert (config.job_retention, config.max_batch_items, config.batch_inflight) == (43200.0, 500, 8)
+    assert (config.max_job_candidates, config.max_key_jobs, config.max_key_bytes) == (6000, 3, 2**30)
+    default = ServerConfig(model="digits")  # a studio's episode: 4,000 shots x 15 candidates, several at once
+    assert (default.max_job_candidates, default.max_key_jobs, default.max_key_bytes) == (100_000, 16, 256 * 2**30)
     assert config.webhook_allow == ("127.0.0.1", "hooks.example.com:8080") and "'s'" not in repr(config)
     assert load_config(None, {"model": "digits", "job_retention": "90m"}).job_retention == 5400.0
     for values, needle in (({"job_retention": "12x"}, "job-retention must be a duration"),
                            ({"job_retention": 0}, "job-retention 0 s is out of range"),
                            ({"max_batch_items": 0}, "max-batch-items 0 is out of range"),
                            ({"batch_inflight": 0}, "batch-inflight 0 is out of range"),
+                           ({"max_job_candidates": 0}, "max-job-candidates 0 is out of range"),
+                           ({"max_key_jobs": 0}, "max-key-jobs 0 is out of range"),
+                           ({"max_key_bytes": 1000}, "max-key-bytes 1000 must be >= 1048576"),
                            ({"webhook_allow": "127.0.0.1"}, "webhook-allow needs a signing secret"),
                            ({"webhook_allow": "a b", "webhook_secret": "s"}, "'a b' is not a host name"),
                            ({"state_dir": "/proc/diffgraph-state"}, "state-dir '/proc/diffgraph-state' is not a "
@@ -218,3 +249,75 @@ def test_webhooks_go_only_to_allowed_hosts_and_are_signed():
     derived = webhook_secret(None, ("b", "a"))
     assert derived == hashlib.sha256(b"diffgraph webhooks\na\nb").hexdigest().encode()
     assert webhook_secret("given", ("a",)) == b"given" and webhook_secret(None, ()) is None
+
+
+# -- references: what the items name, looked up before anything is stored -----------------------------------------
+def test_an_item_naming_a_reference_the_server_cannot_serve_refuses_the_whole_job(tmp_path):
+    """A job naming an unknown LoRA, ControlNet, IP-Adapter or embedding was accepted and failed item by item in the
+    engine; now the route's check (server/jobs_routes.py: References.checker) refuses it whole, naming the item and
+    the reference."""
+    from diffgraph.errors import ParamError
+    from diffgraph.jobs.references import References
+    from diffgraph.server.protocol import error_from_param_error
+
+    loras, embeddings = tmp_path / "loras", tmp_path / "embeddings"
+    (loras / "styles").mkdir(parents=True)
+    embeddings.mkdir()
+    (loras / "styles" / "ink.safetensors").write_bytes(b"adapter")   # a stat finds it; its weights are the engine's
+    (embeddings / "calm.safetensors").write_bytes(b"embedding")
+    config = ServerConfig(model="digits", lora_dir=str(loras), embeddings_dir=str(embeddings))
+
+    def checked(body: dict):
+        named = References(config).checker()
+
+        def check_named(params):
+            request = generation_request(INFO, config, params)
+            try:
+                named(request)
+            except ParamError as e:
+                raise error_from_param_error(e) from None
+        return parse_job(json.dumps(body).encode(), "json", LIMITS, check_named)
+
+    good = {"prompt": "a digit <lora:styles/ink:0.5> embedding:calm", "prompt_syntax": "a1111"}
+    png = tiny_png()
+    assert len(checked({"items": [good, good]}).items) == 2
+    grid = {"grid": {"prompts": ["a digit"], "vary": {"loras": [[["styles/ink", 1]], [["styles/inc", 1]]]}}}
+    cases = [
+        (grid, "grid item 1 (prompts[0], vary.loras[1]): adapter 'styles/inc' is unknown; did you mean "
+         "'styles/ink'?",
+         "grid item 1 (prompts[0], vary.loras[1]).loras"),
+        ({"items": [good, {"prompt": "a digit", "loras": [["../etc/passwd", 1]]}]}, "items[1]: adapter name "
+         "'../etc/passwd' is not allowed", "items[1].loras"),
+        ({"items": [good, {"prompt": "a digit <lora:nope:1>", "prompt_syntax": "a1111"}]},
+         "items[1]: adapter 'nope' is unknown", "items[1].loras"),
+        ({"items": [{"prompt": "a digit", "controls": [{"model": "nope", "image": png}]}]},
+         "items[0]: ControlNet 'nope' is unknown", "items[0].controls"),
+        ({"items": [{"prompt": "a digit", "image_prompts": {"model": "face", "images": [png]}}]},
+         "items[0]: IP-Adapter 'face': this server serves no IP-Adapters", "items[0].image_prompts"),
+        ({"items": [good, {"prompt": "a digit embedding:stormy", "prompt_syntax": "a1111"}]},
+         "items[1]: prompt: unknown embedding 'stormy'", "items[1].prompt"),
+        ({"items": [{"prompt": "a digit", "model": "sdxl"}]}, "items[0]: model 'sdxl' is not served here",
+         "items[0].model"),
+    ]
+    for body, needle, param in cases:
+        with pytest.raises(SpecError) as info:
+            checked(body)
+        assert info.value.message.startswith(needle) and info.value.param == param, (info.value.message, param)
+    off = References(ServerConfig(model="random:tiny")).checker()
+    with pytest.raises(ParamError, match="adapter 'styles/ink': this server has no adapter slots"):
+        off(generation_request(INFO, config, parse_params({"prompt": "a", "loras": [{"name": "styles/ink", "scale": 1}]})))
+
+
+def tiny_png() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), "white").save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def parse_params(body: dict):
+    from diffgraph.server.protocol import ImageGenerationRequest
+    return ImageGenerationRequest.model_validate(body)

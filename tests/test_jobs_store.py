@@ -22,7 +22,7 @@ from diffgraph.jobs import files
 from diffgraph.jobs.backend import EngineBackend
 from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings
 from diffgraph.jobs.spec import JobItem, JobSpec
-from diffgraph.jobs.store import JobStore
+from diffgraph.jobs.store import JobStore, KeyLimits, QuotaError
 from diffgraph.request import EngineStepError, GenerationResult, ModelInfo, ParamError, QueueFullError
 from diffgraph.server.config import ServerConfig
 
@@ -102,6 +102,172 @@ def run_jobs(store: JobStore, engine: FakeEngine, jobs: list[str], settings=FAST
 
 def stored(store: JobStore, job: str) -> list[str]:
     return sorted(os.listdir(os.path.join(store.images, job)))
+
+
+# -- creating a job, the keys' limits ------------------------------------------------------------------------------
+def test_a_large_job_is_stored_in_short_transactions_that_let_other_keys_in_between(tmp_path, monkeypatch):
+    """A 6.4-million-candidate job was inserted in one transaction: 49-97 s holding the store's lock while other
+    keys' requests waited. Now every transaction writes at most INSERT_CHUNK rows, the lock is free between them (a
+    read of another key is served there), and the job is invisible until it is whole."""
+    import threading
+    from contextlib import contextmanager
+
+    from diffgraph.jobs import store as store_module
+    monkeypatch.setattr(store_module, "INSERT_CHUNK", 100)
+    store = JobStore(str(tmp_path))
+    other = store.create("b", spec(1), "digits")
+    transactions, served = [], []
+    real_write = store._write
+
+    @contextmanager
+    def write():
+        with real_write() as db:
+            before = db.total_changes
+            yield db
+            transactions.append(db.total_changes - before)
+        reader = threading.Thread(target=lambda: served.append((
+            [j.id for j in store.jobs("b")], [j.id for j in store.unfinished()], [j.id for j in store.jobs("a")])))
+        reader.start()  # another thread: it would wait for the store's lock if a transaction still held it
+        reader.join(BOUND_S)
+        assert not reader.is_alive(), "the store's lock is held between the chunks"
+
+    monkeypatch.setattr(store, "_write", write)
+    job = store.create("a", spec(50, seeds=tuple(range(20))), "digits")  # 50 items, 1,000 candidates
+    assert (job.status, job.items, job.candidates) == ("queued", 50, 1000)
+    assert len(transactions) == 1 + 1 + 10 + 1  # the row, the items, ten chunks of candidates, queued
+    assert max(transactions) <= 100
+    during = served[:-1]  # reads between the chunks: the other key served, the job not yet runnable or listed
+    assert all(r == ([other.id], [other.id], []) for r in during) and len(during) == 12
+    assert served[-1] == ([other.id], [other.id, job.id], [job.id])
+    assert len(store.pending(job.id, (-1, -1), 2000)) == 1000
+
+
+def test_a_job_whose_creation_fails_midway_leaves_nothing_and_a_crashs_leftover_is_swept(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from diffgraph.jobs import store as store_module
+    from diffgraph.jobs.store import CREATING_STALE_S, StoreError
+    monkeypatch.setattr(store_module, "INSERT_CHUNK", 10)
+    store = JobStore(str(tmp_path))
+    real_write, writes = store._write, []
+
+    @contextmanager
+    def failing():
+        writes.append(1)
+        if len(writes) == 4:  # the row, the items, then a chunk of candidates fails
+            raise StoreError("the job store could not be written: disk I/O error", 503)
+        with real_write() as db:
+            yield db
+
+    monkeypatch.setattr(store, "_write", failing)
+    with pytest.raises(StoreError, match="disk I/O error"):
+        store.create("a", spec(10, seeds=(1, 2, 3)), "digits")
+    assert store._read("SELECT count(*) FROM jobs")[0][0] == 0
+    assert store._read("SELECT count(*) FROM candidates")[0][0] == store._read("SELECT count(*) FROM items")[0][0] == 0
+    monkeypatch.setattr(store, "_write", real_write)
+    job = store.create("a", spec(1), "digits").id
+    with store._write() as db:  # as a crash mid-creation leaves it
+        db.execute("UPDATE jobs SET status = 'creating' WHERE id = ?", (job,))
+    assert store.jobs("a") == [] and store.unfinished() == []  # never listed, never run
+    created = store._read("SELECT created FROM jobs WHERE id = ?", (job,))[0][0]
+    assert store.expired(0.0, now=created + CREATING_STALE_S / 2) == []  # perhaps still being written elsewhere
+    assert store.expired(0.0, now=created + CREATING_STALE_S + 1) == [job]
+
+
+def test_a_keys_unfinished_jobs_and_stored_bytes_are_bounded_and_other_keys_go_on(tmp_path):
+    store = JobStore(str(tmp_path))
+    limits = KeyLimits(jobs=2, bytes=10_000)
+    first = store.create("a", spec(2), "digits", limits=limits)
+    store.create("a", spec(2), "digits", limits=limits)
+    with pytest.raises(QuotaError, match=r"this API key has 2 unfinished jobs; at most 2 at once \(--max-key-jobs\)") \
+            as info:
+        store.create("a", spec(2), "digits", limits=limits)
+    assert info.value.status == 429
+    with pytest.raises(QuotaError, match="--max-key-jobs"):  # the route's check before it reads a job's body
+        store.check_quota("a", limits)
+    store.check_quota("b", limits)
+    store.create("b", spec(2), "digits", limits=limits)  # another key is not held back
+    store.cancel(first.id)
+    big = store.create("a", spec(2), "digits", limits=limits)  # one ended: room again
+    c = store.pending(big.id, (-1, -1), 1)[0]
+    store.store_image(c, b"\x89PNG" + bytes(9000))  # its images count
+    assert store.job(big.id).bytes == first.bytes + 9004
+    store.cancel(big.id)
+    with pytest.raises(QuotaError, match=r"this API key's jobs keep .* \(--max-key-bytes\)") as info:
+        store.create("a", spec(2), "digits", limits=limits)
+    assert info.value.status == 507
+    store.delete(big.id)
+    store.create("a", spec(2), "digits", limits=limits)
+    assert [j.status for j in store.jobs("a")] == ["queued", "queued", "cancelled"]
+
+
+# -- a damaged or locked store ------------------------------------------------------------------------------------
+def damage(root: str) -> str:
+    """Every page of jobs.sqlite3 after its first overwritten (the schema on page 1 still reads: the store opens)."""
+    path = os.path.join(root, "jobs.sqlite3")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * (size - 4096))
+    return path
+
+
+def test_a_damaged_store_says_so_with_what_to_do_on_read_and_write(tmp_path):
+    """Reads of a damaged store raised sqlite3.DatabaseError (a 500 with a traceback); its writes said "free disk
+    space"."""
+    from diffgraph.jobs.store import StoreError
+    store = JobStore(str(tmp_path))
+    job = store.create("", spec(20), "digits").id
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.close()
+    path = damage(str(tmp_path))
+    store = JobStore(str(tmp_path))
+    for action in (lambda: store.job(job), lambda: store.jobs(""), lambda: store.create("", spec(1), "digits")):
+        with pytest.raises(StoreError) as info:
+            action()
+        e = info.value
+        assert (e.status, e.code) == (503, "job_store_damaged")
+        assert f"the job store {path} could not be" in str(e) and "database disk image is malformed" in str(e)
+        assert "the file is damaged: stop the servers sharing --state-dir" in str(e) and "free disk" not in str(e)
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 100)  # its header too: not a database at all
+    with pytest.raises(StoreError, match="cannot be opened: file is not a database; the file is damaged") as info:
+        JobStore(str(tmp_path))
+    assert info.value.code == "job_store_damaged"
+
+
+def test_reads_are_served_while_a_write_waits_for_another_processs_lock_which_is_a_clear_503(tmp_path):
+    """A status read waited 44 s behind this process's own write, which waited for another process's lock."""
+    import threading
+
+    from diffgraph.jobs.store import StoreError, store_error
+    store = JobStore(str(tmp_path), busy_s=BOUND_S)
+    job = store.create("", spec(1), "digits").id
+    other = sqlite3.connect(store.path, isolation_level=None)  # another process, inside a write
+    other.execute("BEGIN IMMEDIATE")
+    writer = threading.Thread(target=lambda: store.create("", spec(1, base=5), "digits"))
+    writer.start()
+    while store._lock.acquire(blocking=False):  # until the writer holds the store and waits for SQLite's lock
+        store._lock.release()
+        writer.join(0.001)
+    read = []
+    reader = threading.Thread(target=lambda: read.append(store.job(job).status))
+    reader.start()
+    reader.join(BOUND_S)
+    assert read == ["queued"] and writer.is_alive()  # served while the write still waits
+    other.execute("ROLLBACK")
+    writer.join(BOUND_S)
+    assert len(store.jobs("")) == 2
+    impatient = JobStore(str(tmp_path), busy_s=0.01)
+    other.execute("BEGIN IMMEDIATE")
+    with pytest.raises(StoreError, match="database is locked; another process holds the store's lock: retry in a "
+                                         "moment") as info:
+        impatient.create("", spec(1), "digits")
+    assert (info.value.status, info.value.code) == (503, "job_store_busy")
+    other.execute("ROLLBACK")
+    full = store_error(sqlite3.OperationalError("database or disk is full"), store.path, "could not be written")
+    assert (full.status, full.code) == (507, "job_store_full") and str(full).endswith("free disk space or change "
+                                                                                        "--state-dir")
 
 
 # -- the write order ----------------------------------------------------------------------------------------------
@@ -184,9 +350,8 @@ def test_resume_after_a_crash_at_each_point_makes_each_missing_image_once(tmp_pa
 
 
 # -- a full disk, an unwritable folder ----------------------------------------------------------------------------
-@pytest.mark.parametrize("code, hint", [(errno.ENOSPC, "free disk space or change --state-dir"),
-                                        (errno.EACCES, "make the folder writable or change --state-dir")])
-def test_a_full_disk_fails_the_jobs_candidates_with_a_clear_error_and_nothing_else(tmp_path, monkeypatch, code, hint):
+def test_an_unwritable_folder_fails_the_jobs_candidates_with_a_clear_error_and_nothing_else(tmp_path, monkeypatch):
+    code, hint = errno.EACCES, "make the folder writable or change --state-dir"
     store = JobStore(str(tmp_path))
     full = store.create("", spec(3), "digits").id
     real_open = os.open
@@ -209,6 +374,51 @@ def test_a_full_disk_fails_the_jobs_candidates_with_a_clear_error_and_nothing_el
     fine = store.create("", spec(2, base=10), "digits").id  # the store, the coordinator: still working
     run_jobs(store, engine, [fine])
     assert (store.job(fine).status, store.job(fine).done) == ("completed", 4)
+
+
+def test_a_full_disk_pauses_the_jobs_with_why_and_they_resume_when_space_returns(tmp_path, monkeypatch):
+    """With the disk full a job stayed "running" with no error, making images and throwing them away (5 ERROR lines a
+    second). Now every job is paused, its status says why, nothing is submitted meanwhile, the images made are kept
+    and written once a probe finds space: each candidate is made exactly once."""
+    from diffgraph.jobs.store import job_summary
+    store = JobStore(str(tmp_path))
+    job = store.create("", spec(3), "digits").id
+    other = store.create("", spec(1, base=10), "digits").id
+    full = [True]
+    real_open = os.open
+
+    def open_(path, flags, *args):
+        if full[0] and flags & os.O_CREAT and (str(path).startswith(store.images) or "space-probe" in str(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_)
+    engine = FakeEngine()
+    settings = CoordinatorSettings(inflight=4, poll_s=0.01, retry_base_s=0.01, space_probe_s=0.01)
+
+    async def main():
+        coordinator = Coordinator(store, engine.backend(), None, settings)
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: store.job(job).status == "paused" and coordinator.running() == 0, "the jobs pause")
+        made = len(engine.made)
+        for _ in range(20):  # many polls and probes: nothing more is submitted while the disk is full
+            await asyncio.sleep(0.01)
+        assert len(engine.made) == len(engine.submitted) == made == 4
+        summary = job_summary(store.job(job), None)
+        assert summary["status"] == "paused" and store.job(other).status == "paused"
+        assert "No space left on device; free disk space or change --state-dir" in summary["reason"]
+        full[0] = False  # space again
+        await until(lambda: not store.job(job).unfinished and not store.job(other).unfinished, "they resume")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    for j, candidates in ((job, 6), (other, 2)):
+        row = store.job(j)
+        assert (row.status, row.done, row.failed, row.reason) == ("completed", candidates, 0, None)
+    assert sorted(seed for _, seed in engine.made) == sorted(c for i in (0, 1, 2, 10) for c in (1000 * i + 1,
+                                                                                                 1000 * i + 2))
+    assert len(stored(store, job)) == 6 and not os.path.exists(os.path.join(str(tmp_path), ".space-probe"))
 
 
 # -- retries, refusals --------------------------------------------------------------------------------------------
@@ -262,6 +472,37 @@ def test_two_jobs_share_the_engine_round_robin_within_the_inflight_bound_and_can
     assert (store.job(a).status, store.job(a).done) == ("cancelled", 0)
     assert (store.job(b).status, store.job(b).done) == ("completed", 12)
     assert [r.job for r in engine.submitted].count(a) == 2  # nothing of a after its cancel
+
+
+def test_the_batch_capacity_is_shared_by_the_keys_then_by_each_keys_jobs(tmp_path):
+    """Capacity was shared per job: one key's 20-image job took 10x longer beside another key's ten jobs. Now the
+    key with the fewest candidates in flight goes next, then its job with the fewest."""
+    store = JobStore(str(tmp_path))
+    many = [store.create("a", spec(2, base=100 * j), "digits").id for j in range(10)]  # 10 jobs x 4 candidates
+    one = store.create("b", spec(10, base=5000), "digits").id                        # 1 job x 20 candidates
+    engine = FakeEngine()
+
+    async def main():
+        engine.gate.clear()
+        coordinator = Coordinator(store, engine.backend(), None, FAST)
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: len(engine.submitted) == 4, "the bound fills")
+        assert sorted(r.job == one for r in engine.submitted) == [False, False, True, True]  # two each
+        assert len({r.job for r in engine.submitted if r.job != one}) == 2  # a's two from two of its jobs
+        assert {r.share for r in engine.submitted} == {"a", "b"}  # and the engine shares its rows the same way
+        engine.gate.set()
+        await until(lambda: not store.job(one).unfinished, "b's job finishes")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    order = [r.job == one for r in engine.submitted]
+    # b's one job got as much as a's ten together: its 20 were submitted among the first ~40 (shared per job, a's 40
+    # went first, ten to one: b's last was the 60th)
+    assert sum(order) == 20 and len(order) - order[::-1].index(True) <= 45
+    firsts = [r.job for r in engine.submitted if r.job != one][:10]
+    assert len(set(firsts)) >= 8  # and a's share goes round its jobs
+    assert set(many) >= set(firsts)
 
 
 def test_an_items_images_are_decoded_off_the_event_loop_and_candidates_still_go_round_robin(tmp_path, monkeypatch):

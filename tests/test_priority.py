@@ -32,6 +32,18 @@ def test_admission_order_puts_people_first_then_resumed_then_jobs_round_robin():
     assert ids(admission_order(waiting[:5], [])) == ["a1", "b1", "a2", "b2", "a3"]
 
 
+def test_batch_rows_are_shared_by_key_first_then_by_the_keys_jobs():
+    """Shared per job, one key's three jobs took three rows for each one of another key's single job."""
+    def keyed(rid, share, job, arrival):
+        return dataclasses.replace(batch(rid, job=job, arrival=arrival), share=share)
+    waiting = [keyed("a1", "A", "j1", 0), keyed("a2", "A", "j2", 1), keyed("a3", "A", "j3", 2),
+               keyed("b1", "B", "k1", 3), keyed("b2", "B", "k1", 4), keyed("b3", "B", "k1", 5),
+               keyed("a4", "A", "j1", 6)]
+    assert ids(admission_order(waiting, [])) == ["a1", "b1", "a2", "b2", "a3", "b3", "a4"]
+    live = [keyed("L1", "A", "j1", 0), keyed("L2", "A", "j2", 0)]  # A holds 2 rows: B catches up first
+    assert ids(admission_order(waiting, live)) == ["b1", "b2", "a3", "b3", "a1", "a2", "a4"]
+
+
 def test_victims_are_the_fewest_batch_rows_with_the_most_steps_left():
     live = [state("i", steps=10, rows=2), batch("short", steps=3, rows=2), batch("long", steps=9, rows=2),
             batch("mid", steps=6, rows=2)]

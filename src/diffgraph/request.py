@@ -412,9 +412,11 @@ class GenerationRequest:
     eta: float | None = None       # TCD's gamma or DDIM's eta (stochasticity, 0..1); None: 0.3 / 0, the defaults
     preview: PreviewSpec | None = None  # live previews in its progress events (None: none)
     # the scheduling class: "interactive" rows go first and may take batch rows' slots at a step boundary; "batch"
-    # rows (a job's items) fill what interactive rows leave free; `job` groups batch rows for round-robin fairness
+    # rows (a job's items) fill what interactive rows leave free, shared fairly by `share` (a job's API key), then by
+    # `job` within a share
     priority: str = "interactive"
     job: str | None = None
+    share: str | None = None
     controls: tuple[ControlInput, ...] = ()  # ControlNet controls (ControlInput), at most MAX_CONTROLS
     image_prompts: ImagePromptInput | None = None  # an IP-Adapter image prompt
     # JPEG / WebP compression, OpenAI's `output_compression`: 0..100 (100: the least), None: the encoder's 95 quality
@@ -463,6 +465,9 @@ class GenerationRequest:
             raise ParamError("priority", f"priority {_show(self.priority)} is unknown; allowed: {', '.join(PRIORITIES)}")
         if self.job is not None and (not isinstance(self.job, str) or not self.job):
             raise ParamError("job", f"job must be a non-empty string (a job id) or None, got {_show(self.job)}")
+        if self.share is not None and (not isinstance(self.share, str) or not self.share):
+            raise ParamError("share", f"share must be a non-empty string (who the job is for) or None, got "
+                                      f"{_show(self.share)}")
         if self.preview is not None and not isinstance(self.preview, PreviewSpec):
             raise ParamError("preview", f"preview must be a PreviewSpec, got {type(self.preview).__name__}")
         guidance_scale = self.guidance_scale

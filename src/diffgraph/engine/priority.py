@@ -5,9 +5,10 @@ Two classes (`GenerationRequest.priority`): interactive rows (the images APIs, t
 routes) go first; batch rows (a job's items) fill what they leave free, so the GPU stays full.
 
 - Admission order inside a group (`admission_order`): interactive requests first, oldest first; then preempted
-  batch requests (they resume before new ones start); then new batch requests shared fairly between jobs: the job
-  with the fewest live rows in the group goes next (round-robin between jobs, not first come first served), oldest
-  first within a job.
+  batch requests (they resume before new ones start); then new batch requests shared fairly, first between shares
+  (a job's API key), then between the share's jobs: the share with the fewest live rows in the group goes next, its
+  job with the fewest live rows (round-robin, not first come first served; one key's ten jobs get the rows another
+  key's one job gets), oldest first within a job.
 - Preemption (`victims_order`, the scheduler's `_victims`): an interactive request that does not fit its group takes
   rows from live batch requests at the step boundary, never mid-step: the fewest batch requests that make it fit, those
   with the most steps left first. A victim keeps what its gates gave it (its adapter slots) and goes back to the waiting
@@ -46,29 +47,39 @@ BACKFILL_SCAN = 64  # requests not admitted that one admission pass looks at onc
 
 def admission_order(waiting: Iterable[RequestState], live: Iterable[RequestState]) -> list[RequestState]:
     """The order in which a group's waiting requests are considered for admission (see the module docstring)."""
-    interactive, resumed, fresh = [], [], {}
+    interactive, resumed = [], []
+    fresh: dict[str | None, dict[str | None, list[RequestState]]] = {}  # share -> job -> its queue
     for s in waiting:  # the queue is in arrival order
         if not s.batch:
             interactive.append(s)
         elif s.preempted:
             resumed.append(s)
         else:
-            fresh.setdefault(s.job, []).append(s)
-    held: Counter = Counter()
+            fresh.setdefault(s.share, {}).setdefault(s.job, []).append(s)
+    held: Counter = Counter()  # live rows by share and by (share, job)
     for s in live:
         if s.batch:
-            held[s.job] += s.rows
-    heap = [(held[job], queue[0].arrival, i, job) for i, (job, queue) in enumerate(fresh.items())]
-    heapq.heapify(heap)
-    shared, at = [], dict.fromkeys(fresh, 0)
-    while heap:
-        rows, _, i, job = heapq.heappop(heap)
-        queue = fresh[job]
-        s = queue[at[job]]
+            held[s.share] += s.rows
+            held[(s.share, s.job)] += s.rows
+    # a heap of shares, each with a heap of its jobs: (live rows, the head's arrival, a tie-breaker, name)
+    jobs = {share: [(held[(share, job)], queue[0].arrival, i, job) for i, (job, queue) in enumerate(queues.items())]
+            for share, queues in fresh.items()}
+    for heap in jobs.values():
+        heapq.heapify(heap)
+    shares = [(held[share], jobs[share][0][1], i, share) for i, share in enumerate(fresh)]
+    heapq.heapify(shares)
+    shared, at = [], Counter()
+    while shares:
+        rows, _, i, share = heapq.heappop(shares)
+        job_rows, _, j, job = heapq.heappop(jobs[share])
+        queue = fresh[share][job]
+        s = queue[at[(share, job)]]
         shared.append(s)
-        at[job] += 1
-        if at[job] < len(queue):
-            heapq.heappush(heap, (rows + s.rows, queue[at[job]].arrival, i, job))
+        at[(share, job)] += 1
+        if at[(share, job)] < len(queue):
+            heapq.heappush(jobs[share], (job_rows + s.rows, queue[at[(share, job)]].arrival, j, job))
+        if jobs[share]:
+            heapq.heappush(shares, (rows + s.rows, jobs[share][0][1], i, share))
     return interactive + resumed + shared
 
 

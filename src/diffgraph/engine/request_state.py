@@ -56,7 +56,8 @@ class RequestState:
     empty_prompt: Any = None   # the empty prompt that pads the shorter of the two (their windows differ)
     preview_future: Any = None  # its last live preview's send (engine/previews.py), awaited before its result
     batch: bool = False        # its scheduling class (priority.py): a job's item (batch) or interactive
-    job: str | None = None     # its job (batch rows share the class round-robin by job)
+    job: str | None = None     # its job (batch rows share the class fairly by share, then by job)
+    share: str | None = None   # its job's API key
     preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
     saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
     edit_pixels: Any = None    # an edit's preprocessed image and mask (engine/edits.py, at submit)
@@ -102,7 +103,8 @@ class RequestState:
            prompts: tuple = ()) -> "RequestState":
         return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
                    arrival=arrival, request=request, sink=sink,
-                   batch=request.priority == "batch", job=request.job, prompts=prompts)
+                   batch=request.priority == "batch", job=request.job, share=request.share,
+                   prompts=prompts)
 
     def take_edit_pixels(self) -> Any:
         """Its edit's preprocessed pixels, once (admission encodes them; the request does not keep them after)."""

@@ -4,7 +4,8 @@ and `diffgraph batch` turn an item into a `GenerationRequest` and run it.
 `EngineBackend.build` reads the item's images request fields as the images route reads a body (protocol.py, then
 requests.generation_request against the served model's ModelInfo: the same validation, the same defaults, so the
 image equals the one /v1/images/generations makes alone with that seed) and marks it a batch row of its job
-(`priority="batch"`, `job=ID`: the scheduler fills what interactive rows leave free, round-robin over jobs).
+(`priority="batch"`, `job=ID`, `share=` its owner: the scheduler fills what interactive rows leave free, shared
+fairly by key, then by job).
 `generate` submits it and waits for its PNG; every way it can end is a `CandidateError`, retryable (the queue was
 full, the engine closed or restarts, the request was aborted under it) or not (the request itself is refused, a
 step failed), with the engine's message. Cancelling `generate` aborts the request (its rows are freed at the next
@@ -60,12 +61,13 @@ class EngineBackend:
             return None
         return inflight or 2 * info.max_rows * max(1, self._replicas())
 
-    def build(self, c: Candidate) -> GenerationRequest:
-        """The candidate's engine request (CandidateError, not retryable, when the model refuses it)."""
+    def build(self, c: Candidate, share: str | None = None) -> GenerationRequest:
+        """The candidate's engine request, its rows shared fairly with other keys' by `share` (its job's owner; None:
+        one share). CandidateError, not retryable, when the model refuses it."""
         info = self.info()
         if info is None:
             raise CandidateError("the engine is not ready", retryable=True)
-        return build_request(self.config, info, c.body, c.seed, c.job)
+        return build_request(self.config, info, c.body, c.seed, c.job, share=share)
 
     def expected(self, request: GenerationRequest) -> dict[str, Any] | None:
         """The settings a stored image of `request` carries (None when images are written without them)."""
@@ -123,7 +125,7 @@ class EngineBackend:
 
 
 def build_request(config: ServerConfig, info: ModelInfo, body: dict[str, Any], seed: int,
-                  job: str, like: GenerationRequest | None = None) -> GenerationRequest:
+                  job: str, like: GenerationRequest | None = None, share: str | None = None) -> GenerationRequest:
     """An item's images request fields with one seed -> the validated batch-class request of one image. `like`: a
     request built from the same body (another seed), whose decoded images (controls, image prompts) this one shares
     rather than decoding its own copies."""
@@ -135,4 +137,4 @@ def build_request(config: ServerConfig, info: ModelInfo, body: dict[str, Any], s
         raise CandidateError(error_from_validation(e).message, retryable=False) from None
     except APIError as e:
         raise CandidateError(e.message, retryable=False) from None
-    return dataclasses.replace(request, priority="batch", job=job)
+    return dataclasses.replace(request, priority="batch", job=job, share=share)

@@ -87,10 +87,11 @@ def read_spec(args: argparse.Namespace, data: bytes, form: str, out: str, check:
     import dataclasses
 
     from .files import write_image
-    from .spec import SpecError, SpecLimits, parse_job
+    from .spec import MAX_CANDIDATES, SpecError, SpecLimits, parse_job
 
     try:
-        spec = parse_job(data, form, SpecLimits(max_items=args.max_items), check)
+        limits = SpecLimits(max_items=args.max_items, max_candidates=args.max_items * MAX_CANDIDATES)  # this machine's
+        spec = parse_job(data, form, limits, check)
     except SpecError as e:
         raise ValueError(f"{args.file}: {e.message}") from None
     path = os.path.join(out, MANIFEST)

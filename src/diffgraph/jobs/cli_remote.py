@@ -150,12 +150,16 @@ def run_remote(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: st
 def _follow(client: httpx.Client, url: str, job: str, todo: list[Work], tally: Tally) -> None:
     """Polls the job until it ends, downloading each image once it is made."""
     from .files import ImageWriteError, write_image
+    from .store import UNFINISHED
 
     settled = [False] * len(todo)
     first = 0  # the first candidate not yet downloaded or failed: results are read from there
     while True:
-        status = _answer(client.get(f"/v1/jobs/{job}"), url)["status"]
-        ended = status not in ("queued", "running")
+        summary = _answer(client.get(f"/v1/jobs/{job}"), url)
+        status = summary["status"]
+        ended = status not in UNFINISHED
+        if status == "paused":  # the server's disk is full: it resumes by itself once there is space
+            tally.progress.phase(f"paused on the server: {summary.get('reason')}; waiting")
         offset = first
         while offset < len(todo):
             page = _answer(client.get(f"/v1/jobs/{job}/results", params={"offset": offset, "limit": PAGE}), url)

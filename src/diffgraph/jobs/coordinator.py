@@ -4,12 +4,17 @@ On start it resumes every unfinished job where it stopped (the store holds which
 stored but not yet committed before a crash is adopted, not made again; temporary files are swept). It keeps a
 bounded number of candidates in the engine (`--batch-inflight`, default two of the largest bucket's rows per
 replica: enough to fill every bucket, far below the waiting queue's bound, so interactive requests are never
-refused because of a job), choosing the next one round-robin across jobs (a second job does not wait for the
-first), each a one-image request of the batch class marked with its job (backend.py), which the scheduler runs in
-the slots interactive rows leave free. A candidate whose request was answered "retry" (queue full, engine closed or
+refused because of a job), choosing the next one fairly by API key, then by that key's jobs (the key with the
+fewest candidates in flight, then its job with the fewest: one key's ten jobs get what another key's one job gets,
+and a second job does not wait for the first), each a one-image request of the batch class marked with its job and
+its key's share (backend.py), which the scheduler runs in the slots interactive rows leave free, shared the same
+way (engine/priority.py). A candidate whose request was answered "retry" (queue full, engine closed or
 restarting, aborted under it) is retried with exponential backoff, at most `max_attempts` times; one the engine
 refuses (ParamError) or fails (EngineStepError) fails with the engine's message; one whose image cannot be written
-(disk full, unwritable folder) fails with that error, and nothing else is affected. Cancelling a job aborts its
+(an unwritable folder) fails with that error, and nothing else is affected. A full disk (ENOSPC or a quota on an
+image, SQLITE_FULL on a commit) pauses every job instead: their status is "paused" with the error as its reason,
+nothing is submitted, the images already made are kept here (not made again), and every `space_probe_s` a probe file
+is written; once it can be, the kept images are stored and the jobs resume. Cancelling a job aborts its
 requests in flight, which frees their rows at the next step boundary. When a job ends, its webhook is due
 (webhook.py). Finished jobs are deleted after `--job-retention`.
 
@@ -28,6 +33,7 @@ one ingress cannot count them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import heapq
 import logging
@@ -40,13 +46,14 @@ from typing import Awaitable
 from ..engine.client import RequestHandle
 from ..request import GenerationRequest
 from .backend import CandidateError, EngineBackend
-from .files import ImageWriteError, sweep_temporary
+from .files import ImageWriteError, sweep_temporary, write_image
 from .store import Candidate, JobRow, JobStore, StoreError, job_summary
 from .webhook import WebhookSender
 
 logger = logging.getLogger("diffgraph.jobs")
 
 PAGE = 256  # pending candidates read from the store at a time, per job
+PROBE_BYTES = 4 << 20  # written to see whether a full disk has space again (an image of 1024x1024 is ~1.5 MiB)
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class CoordinatorSettings:
     retry_base_s: float = 0.25    # backoff: base x 2^(attempt - 1), at most retry_cap_s
     retry_cap_s: float = 30.0
     sweep_s: float = 600.0        # how often finished jobs past the retention are deleted
+    space_probe_s: float = 5.0    # while the disk is full: how often a probe file is written to see if space returned
 
 
 @dataclass
@@ -74,10 +82,12 @@ class _Run:
     retries: list[tuple[float, int, int, Candidate]] = field(default_factory=list)  # (when, item, k, c): a heap
     attempts: dict[tuple[str, int, int], int] = field(default_factory=dict)
     started: bool = False
+    served: int = -1  # the coordinator's turn when a candidate of it was last picked
+    unwritten: dict[tuple[str, int, int], tuple[Candidate, bytes]] = field(default_factory=dict)  # disk full
 
     @property
     def idle(self) -> bool:
-        return self.exhausted and not self.buffer and not self.inflight and not self.retries
+        return self.exhausted and not self.buffer and not self.inflight and not self.retries and not self.unwritten
 
 
 class Coordinator:
@@ -86,7 +96,8 @@ class Coordinator:
         self.store, self.backend, self.webhooks, self.settings = store, backend, webhooks, settings
         self.coordinating = False
         self._runs: dict[str, _Run] = {}
-        self._order: deque[str] = deque()  # round-robin over the runs
+        self._turn = 0                             # a clock of picks: who was served longest ago goes first
+        self._owner_served: dict[str, int] = {}    # owner -> the turn it was last served
         self._tasks: dict[tuple[str, int, int], asyncio.Task] = {}
         self._handles: dict[tuple[str, int, int], RequestHandle] = {}  # the requests of those tasks in the engine
         self._deliveries: dict[str, asyncio.Task] = {}
@@ -95,6 +106,8 @@ class Coordinator:
         self._dirty = True
         self._lock_fd: int | None = None
         self._skipped: set[str] = set()  # jobs made for another model (logged once)
+        self._full: str | None = None    # why the jobs are paused (the disk is full): nothing is submitted meanwhile
+        self._next_probe = 0.0
 
     # -- what the routes call (the event loop) --------------------------------------------------------------------
     def wake(self) -> None:
@@ -107,7 +120,6 @@ class Coordinator:
         at the next step boundary), their tasks cancelled."""
         run = self._runs.pop(job, None)
         if run is not None:
-            self._order.remove(job)
             for key in run.inflight:
                 handle, task = self._handles.pop(key, None), self._tasks.get(key)
                 if handle is not None:
@@ -166,13 +178,16 @@ class Coordinator:
             if self._dirty or now >= next_poll:
                 self._dirty, next_poll = False, now + self.settings.poll_s
                 await self._guarded(self._refresh())
+            if self._full is not None and now >= self._next_probe:
+                await self._guarded(self._probe())
             await self._guarded(self._fill())
             await self._guarded(self._finish())
             # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that arrives as the wait
             # ends, and this loop must stop when the app stops
             waiter = asyncio.ensure_future(self._wake.wait())
             try:
-                await asyncio.wait({waiter}, timeout=max(0.0, min(next_poll, self._next_retry()) - time.monotonic()))
+                due = min(next_poll, self._next_retry(), self._next_probe if self._full is not None else next_poll)
+                await asyncio.wait({waiter}, timeout=max(0.0, due - time.monotonic()))
             finally:
                 waiter.cancel()
 
@@ -204,7 +219,8 @@ class Coordinator:
                 continue
             await asyncio.to_thread(sweep_temporary, os.path.join(self.store.images, job))
             self._runs[job] = _Run(row)
-            self._order.append(job)
+            if row.status == "paused" or self._full is not None:  # paused before a restart: probe at once
+                await self._pause(row.reason or "the disk was full", [job])
         for row in await asyncio.to_thread(self.store.due_webhooks):
             if row.id not in self._deliveries:
                 self._deliveries[row.id] = asyncio.create_task(self._deliver(row))
@@ -216,6 +232,8 @@ class Coordinator:
             logger.info("deleted job %s (past --job-retention)", job)
 
     async def _fill(self) -> None:
+        if self._full is not None:
+            return
         limit = self.backend.capacity(self.settings.inflight)
         while limit is not None and len(self._tasks) < limit:
             picked = await self._next()
@@ -228,17 +246,25 @@ class Coordinator:
             self._tasks[c.key] = asyncio.create_task(self._candidate(run, c))
 
     async def _next(self) -> tuple[_Run, Candidate] | None:
-        """The next candidate, round-robin across the jobs: a retry that is due, else the next pending one."""
+        """The next candidate, shared fairly by the keys, then by each key's jobs: the key with the fewest candidates
+        in flight (ties: the one served longest ago), its job with the fewest in flight (likewise); from it a retry
+        that is due, else its next pending one. One key's ten jobs get what another key's one job gets."""
         now = time.monotonic()
-        for _ in range(len(self._order)):
-            job = self._order[0]
-            self._order.rotate(-1)
-            run = self._runs[job]
-            c = heapq.heappop(run.retries)[3] if run.retries and run.retries[0][0] <= now else await self._take(run)
-            if c is not None:
+        by_owner: dict[str, list[_Run]] = {}
+        for run in self._runs.values():
+            by_owner.setdefault(run.row.owner, []).append(run)
+        for owner in sorted(by_owner, key=lambda o: (sum(len(r.inflight) for r in by_owner[o]),
+                                                     self._owner_served.get(o, -1))):
+            for run in sorted(by_owner[owner], key=lambda r: (len(r.inflight), r.served)):
+                c = heapq.heappop(run.retries)[3] if run.retries and run.retries[0][0] <= now else \
+                    await self._take(run)
+                if c is None:
+                    continue
+                self._turn += 1
+                run.served = self._owner_served[owner] = self._turn
                 if not run.started:
                     run.started = True
-                    await asyncio.to_thread(self.store.mark_running, job)
+                    await asyncio.to_thread(self.store.mark_running, run.row.id)
                 return run, c
         return None
 
@@ -265,9 +291,9 @@ class Coordinator:
 
     async def _make(self, run: _Run, c: Candidate) -> None:
         try:
-            request = await self._build(c)
+            request = await self._build(c, run.row.owner or None)
             # a stat here, the image's check on a thread only when there is a file: the candidates reach the engine
-            # in the order they were chosen (round-robin), not in the order threads happen to finish
+            # in the order they were chosen (fair shares), not in the order threads happen to finish
             if os.path.exists(self.store.image_path(*c.key)) and \
                     await asyncio.to_thread(self.store.adopt, c, self.backend.expected(request)):
                 return  # stored before a crash, not yet committed: adopted
@@ -276,7 +302,7 @@ class Coordinator:
                 data = await self.backend.result(self._handles[c.key])
             finally:
                 self._handles.pop(c.key, None)
-            await asyncio.to_thread(self.store.store_image, c, data)
+            await self._store(run, c, data)
         except CandidateError as e:
             attempts = run.attempts.get(c.key, 0) + 1
             if e.retryable and attempts < self.settings.max_attempts:
@@ -293,12 +319,55 @@ class Coordinator:
             logger.exception("candidate %s/%d-%d failed", *c.key)
             await self._fail(c, f"internal error: {type(e).__name__}: {e}")
 
-    async def _build(self, c: Candidate) -> GenerationRequest:
+    async def _store(self, run: _Run, c: Candidate, data: bytes) -> None:
+        """Stores a made image; with the disk full it is kept here (not made again) and every job is paused."""
+        try:
+            await asyncio.to_thread(self.store.store_image, c, data)
+        except (ImageWriteError, StoreError) as e:
+            if not (e.full if isinstance(e, ImageWriteError) else e.status == 507):
+                raise
+            run.unwritten[c.key] = (c, data)
+            await self._pause(str(e), list(self._runs))
+
+    async def _pause(self, reason: str, jobs: list[str]) -> None:
+        """Pauses `jobs` (their status says why) and stops submitting until a probe finds space again."""
+        if self._full is None:
+            logger.error("jobs paused: %s; they resume once a %d MiB probe file can be written", reason,
+                         PROBE_BYTES >> 20)
+            self._full, self._next_probe = reason, time.monotonic()
+        try:
+            await asyncio.to_thread(self.store.pause, jobs, self._full)
+        except StoreError as e:  # the store's disk is full too: the status catches up at the resume
+            logger.warning("%s", e)
+
+    async def _probe(self) -> None:
+        """While paused: a probe file written and removed, then the images kept here written; then the jobs resume."""
+        self._next_probe = time.monotonic() + self.settings.space_probe_s
+        probe = os.path.join(self.store.root, ".space-probe")
+        try:
+            await asyncio.to_thread(write_image, probe, bytes(PROBE_BYTES))
+        except ImageWriteError:
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
+        for run in list(self._runs.values()):
+            for key, (c, data) in list(run.unwritten.items()):
+                try:
+                    await asyncio.to_thread(self.store.store_image, c, data)
+                except (ImageWriteError, StoreError):
+                    return  # still full (or the store cannot be written): the next probe tries again
+                del run.unwritten[key]
+        await asyncio.to_thread(self.store.resume, list(self._runs))
+        logger.info("jobs resumed: the disk has space again")
+        self._full = None
+
+    async def _build(self, c: Candidate, share: str | None) -> GenerationRequest:
         """The candidate's request, built on a thread: an item's base64 images (image prompts, controls) are decoded
         there, never on the event loop. One at a time, in the order the candidates were chosen (asyncio's lock wakes
-        its waiters first come first served), so they still reach the engine round-robin."""
+        its waiters first come first served), so they still reach the engine in their fair order."""
         async with self._building:
-            return await asyncio.to_thread(self.backend.build, c)
+            return await asyncio.to_thread(self.backend.build, c, share)
 
     async def _fail(self, c: Candidate, message: str) -> None:
         try:
@@ -311,7 +380,6 @@ class Coordinator:
             if not run.idle:
                 continue
             del self._runs[job]
-            self._order.remove(job)
             row = await asyncio.to_thread(self.store.finish, job)
             if row is not None:
                 logger.info("job %s %s: %d done, %d failed", job, row.status, row.done, row.failed)

@@ -23,11 +23,18 @@ TEMP_SUFFIX = ".tmp"
 
 class ImageWriteError(Exception):
     """An image could not be written (disk full, a read-only or unwritable folder): one line naming the path, the
-    reason and what to do."""
+    reason and what to do. `full`: the disk (or the quota) is full, so no other image can be written either."""
+
+    def __init__(self, message: str, full: bool = False):
+        super().__init__(message)
+        self.full = full
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _hint(e: OSError, flag: str) -> str:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if e.errno in FULL:
         return f"free disk space or change {flag}"
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"make the folder writable or change {flag}"
@@ -55,7 +62,8 @@ def write_image(path: str, data: bytes, flag: str = "--state-dir") -> None:
         make_folder(folder)
         write_durably(path, data, temp)
     except OSError as e:
-        raise ImageWriteError(f"could not write the image to {path}: {e.strerror or e}; {_hint(e, flag)}") from None
+        raise ImageWriteError(f"could not write the image to {path}: {e.strerror or e}; {_hint(e, flag)}",
+                              e.errno in FULL) from None
 
 
 def matches(path: str, expected: dict[str, Any] | None, ignore: tuple[str, ...] = ()) -> bool:

@@ -22,7 +22,7 @@ Everything is refused before anything runs, with a SpecError (a 400 at the HTTP 
 or item and the field and says what to do: malformed JSON with its line number, unknown fields, values the images
 API refuses (the item is checked as the images route checks a body, by `check`: the served model's own rules),
 more items than the limit (--max-batch-items; counted before the items are read, so 1,000,001 lines are refused at
-once). Pure Python and the server's pydantic body model.
+once), more candidate images than the limit (--max-job-candidates; a grid's are counted before it is expanded). Pure Python and the server's pydantic body model.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class SpecLimits:
-    max_items: int = 100_000   # --max-batch-items
+    max_items: int = 100_000        # --max-batch-items
+    max_candidates: int = 100_000   # --max-job-candidates
 
 
 def parse_job(data: bytes, form: str, limits: SpecLimits, check: ItemCheck | None = None,
@@ -107,7 +108,14 @@ def parse_job(data: bytes, form: str, limits: SpecLimits, check: ItemCheck | Non
         name, webhook = top.get("name", name), top.get("webhook", webhook)
     else:
         raw = _jsonl_items(text, limits)
-    items = [_item(where, fields, check, drawn) for where, fields, drawn in raw]
+    items, candidates = [], 0
+    for where, fields, drawn in raw:
+        items.append(_item(where, fields, check, drawn))
+        candidates += items[-1].n
+        if candidates > limits.max_candidates:
+            raise SpecError(f"the job has more than {limits.max_candidates} candidate images (at {where}); this "
+                            f"server takes at most {limits.max_candidates} a job (--max-job-candidates): split it "
+                            "into several jobs", "items")
     if not items:
         raise SpecError("the job has no items; give at least one item (a JSON object with a prompt)", "items")
     if name is not None and (not isinstance(name, str) or len(name) > MAX_NAME):
@@ -279,6 +287,12 @@ def _grid(grid: Any, limits: SpecLimits) -> Iterator[tuple[str, Any, bool]]:
     if count > limits.max_items:
         raise _too_many(str(count), limits)
     _, seeds, drawn = _candidates("grid", candidates)  # drawn once: every cell of the grid has the same seeds
+    if count * len(seeds) > limits.max_candidates:  # counted, never expanded
+        sizes = " x ".join([f"{len(prompts)} prompts"] + [f"{len(v)} {k} values" for k, v in vary.items()] +
+                           [f"{len(seeds)} seeds"])
+        raise SpecError(f"the grid is {sizes} = {count * len(seeds)} candidate images; this server takes at most "
+                        f"{limits.max_candidates} a job (--max-job-candidates): vary fewer values or split it into "
+                        "several jobs", "grid")
     template = {**{k: v for k, v in base.items() if k not in ("n", "seed", "seeds")}, "seeds": list(seeds)}
     names = list(vary)
     index = 0

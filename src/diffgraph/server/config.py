@@ -127,6 +127,9 @@ class ServerConfig:
     state_dir: str | None = None         # batch jobs (/v1/jobs): SQLite and images under it; None: no jobs
     job_retention: float = 7 * 86400.0   # seconds a finished job's rows and images are kept ("90m", "12h", "7d")
     max_batch_items: int = 100_000       # items one job may hold
+    max_job_candidates: int = 100_000    # candidate images one job may hold (4,000 shots x 15 candidates fit)
+    max_key_jobs: int = 16               # unfinished jobs one API key may have at once
+    max_key_bytes: int = 256 * 2**30     # bytes one API key's jobs may keep (images and rows)
     batch_inflight: int | None = None    # job requests in the engine at once; None: 2 x the largest bucket per replica
     webhook_allow: tuple[str, ...] = ()  # hosts job webhooks may call ("host" or "host:port"); () = no webhooks
     webhook_secret: str | None = field(default=None, repr=False)  # signs webhook calls; None: derived from the keys
@@ -261,6 +264,12 @@ class ServerConfig:
                              "(e.g. 3600, 12h, 7d)")
         if not 1 <= self.max_batch_items <= 10_000_000:
             raise ValueError(f"max-batch-items {self.max_batch_items} is out of range; allowed: 1..10000000")
+        if not 1 <= self.max_job_candidates <= 100_000_000:
+            raise ValueError(f"max-job-candidates {self.max_job_candidates} is out of range; allowed: 1..100000000")
+        if not 1 <= self.max_key_jobs <= 100_000:
+            raise ValueError(f"max-key-jobs {self.max_key_jobs} is out of range; allowed: 1..100000")
+        if self.max_key_bytes < 1 << 20:
+            raise ValueError(f"max-key-bytes {self.max_key_bytes} must be >= 1048576 (1 MiB)")
         if self.batch_inflight is not None and not 1 <= self.batch_inflight <= 4096:
             raise ValueError(f"batch-inflight {self.batch_inflight} is out of range; allowed: 1..4096")
         for host in self.webhook_allow:
@@ -381,7 +390,8 @@ def _parse(key: str, value: Any) -> Any:
                "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
                "max_client_connections", "min_body_rate",
                "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels",
-               "max_batch_items", "batch_inflight", "lora_host_bytes", "max_controlnets", "quantize_min_features"):
+               "max_batch_items", "max_job_candidates", "max_key_jobs", "max_key_bytes", "batch_inflight",
+               "lora_host_bytes", "max_controlnets", "quantize_min_features"):
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
         try:

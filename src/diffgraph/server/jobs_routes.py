@@ -2,9 +2,11 @@
 
     POST   /v1/jobs                      a job: JSON {"items": [...]} or {"grid": {...}} (with "name", "webhook"), or
                                          JSONL (Content-Type application/x-ndjson or application/jsonl: one item a
-                                         line; ?name=&webhook=); checked whole before it is stored (jobs/spec.py)
+                                         line; ?name=&webhook=); checked whole before it is stored (jobs/spec.py,
+                                         what it names by jobs/references.py), within its key's limits (429, 507)
     GET    /v1/jobs                      the caller's jobs, newest first (?limit=)
-    GET    /v1/jobs/{id}                 status, counts (done / failed / pending), images_per_s, eta_s
+    GET    /v1/jobs/{id}                 status (paused: its reason), counts (done / failed / pending), images_per_s,
+                                         eta_s
     GET    /v1/jobs/{id}/results         per item: status, seeds, image URLs, error (?offset=&limit=, pages of items)
     GET    /v1/jobs/{id}/images/{name}   a stored image, ITEM-K.png (candidate K of item ITEM), settings inside
     POST   /v1/jobs/{id}/cancel          stops it: its requests in flight are aborted at the next step
@@ -30,13 +32,14 @@ from fastapi.responses import JSONResponse, Response
 
 from ..jobs.backend import EngineBackend
 from ..jobs.coordinator import Coordinator, CoordinatorSettings
+from ..jobs.references import References
 from ..jobs.spec import JobSpec, SpecError, SpecLimits, parse_job
-from ..jobs.store import JobRow, JobStore, StoreError, image_name, job_summary, owner_of
+from ..jobs.store import JobRow, JobStore, KeyLimits, QuotaError, StoreError, image_name, job_summary, owner_of
 from ..jobs.webhook import WebhookRefused, WebhookSender, check_webhook, webhook_secret
-from ..request import ModelInfo
+from ..request import ModelInfo, ParamError
 from .auth import caller_key
 from .bodies import read_body
-from .protocol import APIError, ImageGenerationRequest
+from .protocol import APIError, ImageGenerationRequest, error_from_param_error
 from .requests import ServerState, generation_request, submit
 
 logger = logging.getLogger("diffgraph.jobs")
@@ -120,7 +123,9 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         async def jobs_off(http: Request) -> Response:
             return JSONResponse(APIError(404, DISABLED, code="jobs_disabled").body(), status_code=404)
         return service
-    limits = SpecLimits(max_items=config.max_batch_items)
+    limits = SpecLimits(max_items=config.max_batch_items, max_candidates=config.max_job_candidates)
+    references = References(config)
+    key_limits = KeyLimits(jobs=config.max_key_jobs, bytes=config.max_key_bytes)
     read_timeout = min(config.body_timeout, config.request_timeout)
 
     def owner(http: Request) -> str:
@@ -134,8 +139,9 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status,
                                 headers={"connection": "close"} if e.status in (408, 413) else None)
-        except StoreError as e:
-            return JSONResponse(APIError(507, str(e), code="job_store_error").body(), status_code=507)
+        except StoreError as e:  # damaged or locked: 503 with what to do; full: 507
+            return JSONResponse(APIError(e.status, str(e), code=e.code).body(), status_code=e.status,
+                                headers={"retry-after": "1"} if e.code == "job_store_busy" else None)
 
     async def owned(http: Request, job: str) -> tuple[JobStore, Coordinator, JobRow]:
         store, coordinator = service.require()
@@ -146,12 +152,18 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         return store, coordinator, row
 
     def check(info: ModelInfo) -> Callable[[ImageGenerationRequest], object]:
-        def item(params: ImageGenerationRequest) -> object:  # the images route's rules, and its pixel limit
+        named = references.checker()  # one job's: each LoRA, ControlNet, ... looked up once
+
+        def item(params: ImageGenerationRequest) -> object:  # the images route's rules, its pixel limit, the names
             request = generation_request(info, config, params)
             pixels = request.width * request.height
             if state.max_pixels is not None and pixels > state.max_pixels:
                 raise APIError(400, f"size {request.width}x{request.height} is {pixels} pixels; this server takes at "
                                     f"most {state.max_pixels} pixels an image (--max-pixels)", param="size")
+            try:
+                named(request)
+            except ParamError as e:
+                raise error_from_param_error(e) from None
             return request
         return item
 
@@ -183,8 +195,12 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
         async def work() -> Any:
             store, coordinator = service.require()
             state.accepting()  # the model's rules are needed to check the items: 503 while it loads
-            spec = await read_spec(http)
-            row = await asyncio.to_thread(store.create, owner(http), spec, state.info.name)
+            try:
+                await asyncio.to_thread(store.check_quota, owner(http), key_limits)  # before the body is read
+                spec = await read_spec(http)
+                row = await asyncio.to_thread(store.create, owner(http), spec, state.info.name, None, key_limits)
+            except QuotaError as e:
+                raise APIError(e.status, str(e), code="job_quota") from None
             coordinator.wake()
             return job_summary(row, None)
         return await answer(work)

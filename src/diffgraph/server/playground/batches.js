@@ -15,6 +15,7 @@
   const PICKS = (id) => `diffgraph.batchPicks.${id}`;
   const SPEC = (id) => `diffgraph.batchSpec.${id}`;
   const POLL_MS = 1000;
+  const UNFINISHED = ["queued", "running", "paused"];  // paused: the server's disk is full (job.reason says so)
   const $ = (id) => document.getElementById(id);
 
   const app = {
@@ -259,9 +260,9 @@
     }
     if (app.job && app.job.id !== id) return;  // another job was chosen meanwhile
     if (!app.job) app.job = job;
-    const wasRunning = ["queued", "running"].includes(app.job.status);
+    const wasRunning = UNFINISHED.includes(app.job.status);
     app.job = job;
-    const running = ["queued", "running"].includes(job.status);
+    const running = UNFINISHED.includes(job.status);
     renderJob(job);
     const finished = job.counts.done + job.counts.failed;
     // the results again when more are in: at most every 3 s while it runs (a big job's pages are many), and at its end
@@ -286,10 +287,11 @@
     $("job-progress").value = c.done + c.failed;
     $("job-progress-text").textContent = countsText(job);
     const parts = [`${c.items} items`, job.model];
+    if (job.status === "paused" && job.reason) parts.push(`paused: ${job.reason}`);
     if (job.images_per_s) parts.push(`${job.images_per_s} images/s`);
     if (job.eta_s !== null && job.eta_s !== undefined) parts.push(`ETA ${eta(job.eta_s)}`);
     $("job-meta").textContent = parts.join(" · ");
-    const running = ["queued", "running"].includes(job.status);
+    const running = UNFINISHED.includes(job.status);
     $("cancel-job").hidden = !running;
     $("delete-job").hidden = false;
   }
