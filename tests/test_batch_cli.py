@@ -82,8 +82,8 @@ def test_a_bad_job_file_is_refused_before_the_model_loads(tmp_path):
     r = batch(str(job), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines() == [
-        f"diffgraph: error: {job}: line 2: unknown field 'steps'; an item takes prompt, size, model, negative_prompt, "
-        "num_inference_steps, guidance_scale, guidance_interval, guidance_rescale, sampler, schedule, output_format, "
+        f"diffgraph: error: {job}: line 2: unknown field 'steps'; an item takes prompt, size, model, quality, "
+        "background, style, moderation, output_compression, negative_prompt, num_inference_steps, guidance_scale, guidance_interval, guidance_rescale, sampler, schedule, output_format, "
         "loras, controls, image_prompts, prompt_syntax, clip_skip, emphasis, timestep_spacing, eta, n, seed, seeds"]
     job.write_text('{"prompt": "a handwritten digit two", "size": "60x64"}\n')  # the model's rules, after it loads
     r = batch(str(job), "--out", str(tmp_path / "out"))
