@@ -25,16 +25,11 @@ def engine():
 
 @pytest.fixture(scope="module")
 def client(engine, tmp_path_factory):
-    from fastapi.testclient import TestClient
-
-    from diffgraph.server import ServerConfig, create_app
+    from diffgraph.server import ServerConfig
+    from server_util import served
     config = ServerConfig(model="random:tiny", device="cpu", state_dir=str(tmp_path_factory.mktemp("state")),
                           webhook_allow=("127.0.0.1",), webhook_secret="s3cret")
-    with TestClient(create_app(config, engine_factory=lambda: engine), raise_server_exceptions=False) as c:
-        deadline = time.monotonic() + 300  # a failure bound: a closed engine is never ready
-        while c.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, c.get("/ready").text
-            threading.Event().wait(0.05)
+    with served(engine, config) as c:
         yield c
 
 
