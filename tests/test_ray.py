@@ -91,7 +91,8 @@ def test_diffgraph_serve_ray_starts_a_local_ray_serves_and_exits_0_on_sigterm():
 
     from diffgraph.server.process import ServerProcess
 
-    server = ServerProcess("--ray", "--data-parallel", "2", "--torch-threads", "1", model="digits", device="cpu")
+    server = ServerProcess("--ray", "--data-parallel", "2", "--torch-threads", "1", model="digits", device="cpu",
+                           entry=("-m", "diffgraph.cli", "serve"))  # `diffgraph serve` (the server's own CLI has no Ray)
     try:
         server.wait_ready(BOUND_S)
         ready = httpx.get(server.url + "/ready", timeout=60).json()

@@ -63,7 +63,7 @@ def test_a_requests_timestep_spacing_and_eta_are_diffusers_own(tiny_engine):
     ddim = ours("ddim", eta=1.0)  # webuiapi's default eta, sent with every AUTOMATIC1111 request
     assert np.abs(ddim - ref("ddim", eta=1.0)).max() * 255 <= 1.0
     assert np.abs(ddim - ours("ddim")).max() > 1e-3
-    with pytest.raises(ParamError, match="eta is the noise amount of sampler tcd and ddim") as e:
+    with pytest.raises(ParamError, match="eta is the noise amount of samplers tcd, ddim, euler_a") as e:
         ours("euler", eta=0.3)
     assert e.value.param == "eta"
     with pytest.raises(ParamError, match="timestep_spacing 'uniform' is unknown; allowed: leading, linspace, "

@@ -117,7 +117,7 @@ class References:
     def _embeddings(self, request: GenerationRequest, once: Once) -> None:
         if request.prompt_syntax != "a1111":
             return
-        from ..text.syntax import parse_a1111  # pure Python
+        from ..prompt_syntax import parse_a1111  # pure Python
 
         for field in ("prompt", "negative_prompt"):
             text = getattr(request, field)
