@@ -1,6 +1,9 @@
-"""Serving an engine of the test's process over HTTP (FastAPI's TestClient), once it is ready."""
+"""Serving an engine of the test's process over HTTP (FastAPI's TestClient), once it is ready; images as bodies carry
+them."""
 
+import base64
 import contextlib
+import io
 import threading
 import time
 
@@ -17,3 +20,10 @@ def served(engine, config):
             assert time.monotonic() < deadline, client.get("/ready").text
             threading.Event().wait(0.05)
         yield client
+
+
+def b64png(image) -> str:
+    """A PIL image as a base64 PNG, as JSON bodies carry images."""
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()

@@ -4,8 +4,6 @@ as absolute paths (cmd-flags shows neither the key nor the paths)."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 from importlib.resources import files
 
@@ -13,7 +11,7 @@ import pytest
 from PIL import Image
 
 from diffgraph.server.a1111_info import LATENT_UPSCALE_MODES
-from server_util import served
+from server_util import b64png, served
 
 KEY = "sk-info-test-key-0123456789"
 SMALL = {"prompt": "a handwritten digit three", "negative_prompt": "blurry", "width": 64, "height": 64, "steps": 3,
@@ -36,12 +34,6 @@ def client(tmp_path_factory):
         yield c
 
 
-def _b64(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def test_png_info_reads_back_what_txt2img_wrote(client):
     made = client.post("/sdapi/v1/txt2img", json=SMALL)
     assert made.status_code == 200, made.text
@@ -56,9 +48,9 @@ def test_png_info_reads_back_what_txt2img_wrote(client):
 
 
 def test_png_info_of_a_bare_image_is_empty_and_of_a_huge_one_a_400(client):
-    r = client.post("/sdapi/v1/png-info", json={"image": _b64(Image.new("RGB", (8, 8)))})
+    r = client.post("/sdapi/v1/png-info", json={"image": b64png(Image.new("RGB", (8, 8)))})
     assert r.status_code == 200 and r.json() == {"info": "", "items": {}, "parameters": {}}, r.text
-    huge = client.post("/sdapi/v1/png-info", json={"image": _b64(Image.new("L", (512, 512)))})
+    huge = client.post("/sdapi/v1/png-info", json={"image": b64png(Image.new("L", (512, 512)))})
     assert huge.status_code == 400 and huge.json()["error"]["code"] == "image_too_large", huge.text
     for body in ({"image": "not base64 at all!"}, {}, ["image"]):
         assert client.post("/sdapi/v1/png-info", json=body).status_code == 400

@@ -14,7 +14,7 @@ from PIL import Image
 
 from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.server.a1111_inpaint import read_mask, resize
-from server_util import served
+from server_util import b64png, served
 
 SMALL = {"prompt": "a handwritten digit three", "width": 64, "height": 64, "steps": 2, "seed": 1}
 
@@ -26,12 +26,6 @@ def client():
     engine = Engine("digits", device="cpu")
     with served(engine, ServerConfig(model="digits", device="cpu")) as c:
         yield c
-
-
-def _b64(image: Image.Image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 def test_every_sampler_and_scheduler_name_the_listings_give_is_accepted(client):
@@ -51,7 +45,7 @@ def test_every_sampler_and_scheduler_name_the_listings_give_is_accepted(client):
 
 
 def test_a_controlnet_module_that_is_not_a_string_is_a_400(client):
-    unit = {"model": "outline", "module": ["canny"], "input_image": _b64(Image.new("RGB", (64, 64)))}
+    unit = {"model": "outline", "module": ["canny"], "input_image": b64png(Image.new("RGB", (64, 64)))}
     r = client.post("/sdapi/v1/txt2img", json={**SMALL, "alwayson_scripts": {"controlnet": {"args": [unit]}}})
     assert r.status_code == 400, r.text  # was 500 (TypeError: unhashable type: 'list')
     assert r.json()["error"]["param"] == "alwayson_scripts.controlnet.args[0].module"
@@ -94,7 +88,7 @@ def test_unknown_keys_are_ignored_and_named_in_a_header_and_values_are_coerced(c
         "seed_enable_extras, sampler_noise_scheduler_override, negative_prompt_2"
     assert "x-diffgraph-ignored-fields" not in typed.headers
     assert "seed_enable_extras" not in loose.json()["parameters"]  # not echoed as if it were read
-    init = {"init_images": [_b64(Image.new("RGB", (64, 64), (90, 120, 200)))], "denoising_strength": 0.5}
+    init = {"init_images": [b64png(Image.new("RGB", (64, 64), (90, 120, 200)))], "denoising_strength": 0.5}
     r = client.post("/sdapi/v1/img2img", json={**SMALL, **init, "inpainting_mask_invert": False,
                                                 "include_init_images": "false"})
     assert r.status_code == 200, r.text

@@ -20,6 +20,7 @@ from diffgraph import Engine
 from diffgraph.request import ParamError
 
 from control_util import assert_together_equals_alone, control_image, make_controlnet
+from server_util import b64png
 
 PROMPT = "a red fox in the snow"
 STEPS = 5
@@ -270,14 +271,6 @@ def _png(image: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def _b64(image: Image.Image) -> str:
-    import base64
-    import io
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def test_controls_over_http_equal_the_engine_and_bad_ones_are_400s(http_folder):
     import base64
     import io
@@ -298,7 +291,7 @@ def test_controls_over_http_equal_the_engine_and_bad_ones_are_400s(http_folder):
         listed = httpx.get(f"{s.url}/v1/controlnets", timeout=60).json()
         assert [c["name"] for c in listed["data"]] == ["lines/edges"] and listed["max_controlnets"] == 2
         body = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 3, "sampler": "euler",
-                "controls": [{"model": "lines/edges", "image": "data:image/png;base64," + _b64(image), "scale": 0.8,
+                "controls": [{"model": "lines/edges", "image": "data:image/png;base64," + b64png(image), "scale": 0.8,
                               "end": 0.7}]}
         r = httpx.post(f"{s.url}/v1/images/generations", json=body, timeout=600)
         assert r.status_code == 200, r.text
@@ -457,7 +450,7 @@ def test_the_map_preview_route_is_the_engines_map(engine):
     photo = np.kron(rng.integers(0, 256, (6, 12, 3)), np.ones((8, 8, 1))).astype(np.uint8)  # 96x48, blocky
     config = ServerConfig(model="random:tiny", controlnet_dir=engine.runner.controls.root)
     with TestClient(create_app(config, engine_factory=lambda: engine)) as client:
-        body = {"image": _b64(Image.fromarray(photo)), "preprocess": "canny", "canny_low": 50, "canny_high": 150,
+        body = {"image": b64png(Image.fromarray(photo)), "preprocess": "canny", "canny_low": 50, "canny_high": 150,
                 "resize_mode": "Crop and Resize", "size": "64x64"}
         r = client.post("/v1/controlnets/preview", json=body)
         assert r.status_code == 200, r.text
