@@ -91,7 +91,7 @@ def test_the_step_flops_are_the_unets_over_the_steps_denoiser_rows():
     from diffgraph.bench.tiers import step_flops
     got = step_flops("random:tiny", (64, 64), 4, device="cpu")
     with Engine("random:tiny", device="cpu") as e:
-        unet = e.model.unet
+        unet = e.model.denoiser
         x = torch.zeros(4, unet.config.in_channels, 8, 8)
         states = torch.zeros(4, 77, unet.config.cross_attention_dim)
         counter = FlopCounterMode(display=False)

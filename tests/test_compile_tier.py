@@ -31,9 +31,9 @@ def _follows_an_in_place_change(compiled: Engine, reference: Engine, atol: float
     """conv_in's weight x1.5 in place in both engines (as a LoRA slot or a fused adapter is written): the compiled
     engine's images equal the reference's; the reference's weight is restored exactly (other tests share it)."""
     with torch.no_grad():
-        compiled.model.unet.conv_in.weight.mul_(1.5)
+        compiled.model.denoiser.conv_in.weight.mul_(1.5)
     changed = _images(compiled)
-    shared = reference.model.unet.conv_in.weight
+    shared = reference.model.denoiser.conv_in.weight
     original = shared.detach().clone()
     with torch.no_grad():
         shared.mul_(1.5)

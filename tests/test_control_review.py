@@ -26,12 +26,12 @@ def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("review-controlnets")
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
         for i, name in enumerate(("a", "b", "c")):
-            make_controlnet(plain.model.unet, str(folder / name), seed=i)
-        net = ControlNetModel.from_unet(plain.model.unet)
+            make_controlnet(plain.model.denoiser, str(folder / name), seed=i)
+        net = ControlNetModel.from_unet(plain.model.denoiser)
         net.conv_in = torch.nn.Conv2d(9, net.conv_in.out_channels, 3, padding=1)
         net.register_to_config(in_channels=9)
         net.save_pretrained(str(folder / "nine"), safe_serialization=True)
-        ControlNetModel.from_unet(plain.model.unet, conditioning_channels=1).save_pretrained(str(folder / "gray"))
+        ControlNetModel.from_unet(plain.model.denoiser, conditioning_channels=1).save_pretrained(str(folder / "gray"))
         with Engine(model=plain.model, controlnet_dir=str(folder), max_controlnets=2) as e:
             yield e
 
@@ -101,7 +101,7 @@ def test_crop_and_resize_of_an_extreme_aspect_is_a_param_error_not_a_huge_resize
 def test_an_extreme_aspect_image_prompt_is_a_param_error_not_a_huge_resize(tmp_path, no_huge_resizes):
     from test_ip_adapter import make_ip_adapter
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
-        make_ip_adapter(plain.model.unet, tmp_path, "base", seed=1)
+        make_ip_adapter(plain.model.denoiser, tmp_path, "base", seed=1)
         with Engine(model=plain.model, ip_adapter_dir=str(tmp_path)) as e:
             # the test encoder's side is 32: 8x140000 would be resized to 32x560000 (a real encoder's 224: 224x3.9M)
             narrow = np.zeros((8, 140_000, 3), np.uint8)

@@ -31,7 +31,7 @@ def engine(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("controlnets")
     with Engine(model=request.param, device="cpu", dtype="fp32") as plain:
         for i, name in enumerate(("edges", "depth")):
-            make_controlnet(plain.model.unet, str(folder / name), seed=10 + i)
+            make_controlnet(plain.model.denoiser, str(folder / name), seed=10 + i)
         (folder / "not-a-net").mkdir()
         with Engine(model=plain.model, controlnet_dir=str(folder)) as e:
             yield e
@@ -121,7 +121,7 @@ def test_bad_controls_are_param_errors_and_the_engine_keeps_serving(engine, cont
 
 def test_a_controlnet_of_another_family_is_refused(tmp_path):
     with Engine(model="random:tiny-xl", device="cpu", dtype="fp32") as xl:
-        make_controlnet(xl.model.unet, str(tmp_path / "xl-edges"), seed=1)
+        make_controlnet(xl.model.denoiser, str(tmp_path / "xl-edges"), seed=1)
     with Engine(model="random:tiny", device="cpu", dtype="fp32", controlnet_dir=str(tmp_path)) as e:
         with pytest.raises(ParamError, match="another model family"):
             e.generate(PROMPT, num_inference_steps=1, seed=1,
@@ -137,7 +137,7 @@ def test_a_single_file_controlnet_of_another_family_is_refused(tmp_path):
 
     from diffusers import ControlNetModel
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as sd:
-        net = ControlNetModel.from_unet(sd.model.unet)
+        net = ControlNetModel.from_unet(sd.model.denoiser)
     save_file(controlnet_original(net.state_dict(), net.config), str(tmp_path / "sd-edges.safetensors"))
     with Engine(model="random:tiny-xl", device="cpu", dtype="fp32", controlnet_dir=str(tmp_path)) as e:
         with pytest.raises(ParamError, match="does not fit this model's ControlNet"):
@@ -166,7 +166,7 @@ def test_a_controlnet_that_cannot_be_read_is_named_relative_to_its_folder(tiny_e
     --controlnet-dir (it showed where the server keeps its files)."""
     from diffgraph.models.controlnet_dir import WEIGHTS
 
-    make_controlnet(tiny_engine.model.unet, str(tmp_path / "lines" / "cut"), seed=1)
+    make_controlnet(tiny_engine.model.denoiser, str(tmp_path / "lines" / "cut"), seed=1)
     weights = tmp_path / "lines" / "cut" / WEIGHTS
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with Engine(model=tiny_engine.model, controlnet_dir=str(tmp_path)) as e:
@@ -186,7 +186,7 @@ def test_a_controlnet_rewritten_in_place_while_it_loads_is_read_from_a_private_c
     controls = [dict(model="edges", image=control_image(64, 1))]
     weights = str(tmp_path / "edges" / "diffusion_pytorch_model.safetensors")
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
-        make_controlnet(plain.model.unet, str(tmp_path / "edges"), seed=10)
+        make_controlnet(plain.model.denoiser, str(tmp_path / "edges"), seed=10)
         with Engine(model=plain.model, controlnet_dir=str(tmp_path)) as e:
             want = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
         cut_on_load(ControlNetModel, weights)
@@ -260,7 +260,7 @@ def test_switching_controlnets_in_one_slot_copies_weights_in_place_and_never_cap
 @pytest.fixture(scope="module")
 def http_folder(tmp_path_factory, tiny_engine):
     root = tmp_path_factory.mktemp("http-controlnets")
-    make_controlnet(tiny_engine.model.unet, str(root / "lines" / "edges"), seed=21)
+    make_controlnet(tiny_engine.model.denoiser, str(root / "lines" / "edges"), seed=21)
     return str(root)
 
 
@@ -536,7 +536,7 @@ def test_the_step_controlnet_takes_the_admission_embedding_as_diffusers_takes_th
 
     from diffgraph.engine.controlnets import after_embedding, control_embedding
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
-        net = ControlNetModel.from_unet(e.model.unet, conditioning_channels=3).eval()
+        net = ControlNetModel.from_unet(e.model.denoiser, conditioning_channels=3).eval()
         net.register_to_config(controlnet_conditioning_channel_order=order)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

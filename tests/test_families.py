@@ -130,7 +130,7 @@ class ToyFlowFamily(FamilyAdapter):
     def load_folder(self, folder, index, device, dtype, name):
         g = torch.Generator().manual_seed(int(index["seed"]))
         tokenizer = preset_tokenizer()
-        model = DiffusionModel(name=name, family=self.name, adapter=self, unet=ToyVelocity(g),
+        model = DiffusionModel(name=name, family=self.name, adapter=self, denoiser=ToyVelocity(g),
                                vae=ToyVAE(), text_encoders=[ToyText(len(tokenizer), g)], tokenizers=[tokenizer],
                                scheduler_config={}, device=device, dtype=dtype, native_size=64)
         return model
@@ -167,7 +167,7 @@ class ToyFlowFamily(FamilyAdapter):
             return {"vec": model.text_encoders[0](ids[0]).to(model.dtype)}
 
     def denoise(self, model, x, t, cond, rows):
-        return model.unet(x, t, cond["vec"], rows["guidance"])
+        return model.denoiser(x, t, cond["vec"], rows["guidance"])
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def reference(engine: Engine, prompt: str, steps: int, guidance: float, seed: in
         vec = m.text_encoders[0](ids)
         g = torch.tensor([[guidance]])
         for s_now, s_next in zip(s[start:-1], s[start + 1:]):
-            v = m.unet(x, torch.tensor([s_now * 1000.0], dtype=torch.float32), vec, g)
+            v = m.denoiser(x, torch.tensor([s_now * 1000.0], dtype=torch.float32), vec, g)
             x = x + (s_next - s_now) * v
         rgb = m.vae.decode(x / SCALING + SHIFT)[0] * 0.5 + 0.5
     return rgb.clamp(0, 1).permute(0, 2, 3, 1).numpy()

@@ -30,8 +30,8 @@ def test_fp8_digits_pass_the_oracle_and_stay_close_to_16_bits(model):
     asked = np.array([d for _, d in prompts])
     with Engine(model, device="cpu") as plain, Engine(model, device="cpu", quantize=FORCED) as fp8:
         assert fp8.quantized is not None and len(fp8.quantized.quantized) >= 10
-        assert sum(isinstance(m, Fp8Linear) for m in fp8.model.unet.modules()) == len(fp8.quantized.quantized)
-        assert not any(isinstance(m, Fp8Linear) for m in plain.model.unet.modules())
+        assert sum(isinstance(m, Fp8Linear) for m in fp8.model.denoiser.modules()) == len(fp8.quantized.quantized)
+        assert not any(isinstance(m, Fp8Linear) for m in plain.model.denoiser.modules())
         ref = generate_images(plain, prompts, steps=20, size=(64, 64), guidance=5.0)
         out = generate_images(fp8, prompts, steps=20, size=(64, 64), guidance=5.0)
     ref_score, score = oracle.score(asked, ref), oracle.score(asked, out)

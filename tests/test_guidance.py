@@ -97,10 +97,10 @@ def _interval_reference(engine, lo, hi, steps, guidance, seed):
         latents = torch.randn((1, 4, 8, 8), generator=gen) * sched.init_noise_sigma
         for i, t in enumerate(sched.timesteps):
             x = sched.scale_model_input(latents, t)
-            text = engine.model.unet(x, t, encoder_hidden_states=cond).sample
+            text = engine.model.denoiser(x, t, encoder_hidden_states=cond).sample
             out = text
             if lo * steps <= i < hi * steps:
-                neg = engine.model.unet(x, t, encoder_hidden_states=uncond).sample
+                neg = engine.model.denoiser(x, t, encoder_hidden_states=uncond).sample
                 out = neg + guidance * (text - neg)
             latents = sched.step(out, t, latents, generator=gen).prev_sample
         image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample

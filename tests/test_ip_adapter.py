@@ -92,9 +92,9 @@ def picture(seed: int, size: int = 48) -> Image.Image:
 def engine(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("ip-adapters")
     with Engine(model=request.param, device="cpu", dtype="fp32") as plain:
-        make_ip_adapter(plain.model.unet, root, "base", seed=1)
-        make_ip_adapter(plain.model.unet, root, "other", seed=2)
-        make_plus_ip_adapter(plain.model.unet, root, "plus", seed=3)
+        make_ip_adapter(plain.model.denoiser, root, "base", seed=1)
+        make_ip_adapter(plain.model.denoiser, root, "other", seed=2)
+        make_plus_ip_adapter(plain.model.denoiser, root, "plus", seed=3)
         with Engine(model=plain.model, ip_adapter_dir=str(root)) as e:
             e.ip_root = root
             yield e
@@ -192,7 +192,7 @@ def test_twenty_four_mixed_requests_together_equal_each_alone(engine, tmp_path_f
     from lora_util import _write_diffusers
     nets, loras = tmp_path_factory.mktemp("mixed-nets"), tmp_path_factory.mktemp("mixed-loras")
     for i, name in enumerate(("edges", "depth")):
-        make_controlnet(engine.model.unet, str(nets / name), seed=30 + i)
+        make_controlnet(engine.model.denoiser, str(nets / name), seed=30 + i)
     _write_diffusers(engine, str(loras / "style.safetensors"), rank=4, seed=3)
     samplers = ["euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "heun", "unipc", "lms"]
     mask = np.zeros((64, 64), np.uint8)
@@ -320,7 +320,7 @@ def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
         pytest.skip("the job path does not depend on the family: SD covers it")
     # a model of its own: the fixture's UNet may carry an earlier test's LoRA side paths, which from_unet cannot copy
     fresh = Engine(model="random:tiny", device="cpu", dtype="fp32")
-    make_controlnet(fresh.model.unet, str(tmp_path / "nets" / "edges"), seed=7)
+    make_controlnet(fresh.model.denoiser, str(tmp_path / "nets" / "edges"), seed=7)
     b64 = lambda im: base64.b64encode(_png(im)).decode()
     item = {"prompt": PROMPT, "num_inference_steps": 3, "seed": 9, "sampler": "euler",
             "controls": [{"model": "edges", "image": b64(control_image(64, 2)), "scale": 0.8}],
@@ -344,7 +344,7 @@ def test_a_batch_job_takes_controls_and_image_prompts(engine, tmp_path):
 
 
 def test_an_image_prompt_without_a_model_takes_the_folders_only_adapter(engine, tmp_path):
-    make_ip_adapter(engine.model.unet, tmp_path, "solo", seed=1)  # the same weights as the fixture's "base"
+    make_ip_adapter(engine.model.denoiser, tmp_path, "solo", seed=1)  # the same weights as the fixture's "base"
     kw = dict(num_inference_steps=2, seed=4, sampler="euler")
     with Engine(model=engine.model, ip_adapter_dir=str(tmp_path)) as e:
         unnamed = e.generate(PROMPT, image_prompts={"images": [picture(7)], "scale": 0.7}, **kw).arrays

@@ -26,9 +26,9 @@ def folder(tmp_path_factory):
     from safetensors.torch import load_file, save_file
     root = tmp_path_factory.mktemp("broken-ip-adapters")
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
-        make_ip_adapter(plain.model.unet, root, "base", seed=1)
+        make_ip_adapter(plain.model.denoiser, root, "base", seed=1)
         base = load_file(str(root / "base.safetensors"))
-        cross = plain.model.unet.config.cross_attention_dim  # 32; the encoder's projection_dim is 24
+        cross = plain.model.denoiser.config.cross_attention_dim  # 32; the encoder's projection_dim is 24
 
         def write(name: str, **changes: torch.Tensor) -> None:
             state = {**base, **{k.replace("__", "."): v for k, v in changes.items()}}

@@ -114,10 +114,10 @@ def test_a_replaced_unet_serves_its_own_weights_unless_the_engine_gave_the_old_o
     with Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg) as e:
         before = e.generate("a cat", **kw).arrays
         e.runner.graphs.denoiser_form = partial(set_conv_layout, channels_last=True)
-        new = copy.deepcopy(e.model.unet)
+        new = copy.deepcopy(e.model.denoiser)
         with torch.no_grad():
             new.conv_in.weight.mul_(1.5)
-        e.model.unet = new
+        e.model.denoiser = new
         e.invalidate("step")
         assert new.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
         after = e.generate("a cat", **kw).arrays
@@ -126,7 +126,7 @@ def test_a_replaced_unet_serves_its_own_weights_unless_the_engine_gave_the_old_o
     with Engine(model=e.model, device="cpu") as fresh:
         np.testing.assert_array_equal(fresh.generate("a cat", **kw).arrays, after)
     with Engine(model="random:tiny", device="cpu", dtype="fp32", max_loras=4) as e:
-        e.model.unet = copy.deepcopy(e.model.unet)  # without the adapter slots' side paths
+        e.model.denoiser = copy.deepcopy(e.model.denoiser)  # without the adapter slots' side paths
         with pytest.raises(ValueError, match="model.unet was replaced.*LoRA adapters.*build a new Engine"):
             e.invalidate("step")
         e.invalidate("text")  # other kinds go on

@@ -43,7 +43,7 @@ def _uint8(arrays: np.ndarray) -> np.ndarray:
 
 def _conv_weights(engine, targets, rank, seed, gain=0.5):
     """peft's LoRA state dict of the UNet's `targets` (random A and B, scaled by `gain`: a tiny random UNet)."""
-    return {k: v * gain for k, v in _peft_weights(engine.model.unet, targets, rank, seed).items()}
+    return {k: v * gain for k, v in _peft_weights(engine.model.denoiser, targets, rank, seed).items()}
 
 
 def _kohya(weights: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:

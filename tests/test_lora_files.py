@@ -43,7 +43,7 @@ def test_adapters_read_as_diffusers_loads_them(request, tmp_path, model, layout)
     expected = _diffusers_deltas(engine, path)
     ours = {}
     for component, layers in adapter.layers.items():
-        root = engine.model.unet if component == "unet" else engine.model.text_encoders[component != "text_encoder"]
+        root = engine.model.denoiser if component == "unet" else engine.model.text_encoders[component != "text_encoder"]
         for module, w in layers.items():
             resolved = module_path(root, module)
             assert resolved is not None, f"{component}.{module} is not a module of the model"

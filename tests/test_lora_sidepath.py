@@ -40,7 +40,7 @@ def _merged(unet: nn.Module, stack: list[tuple[dict, float]]) -> nn.Module:
 
 @pytest.fixture(scope="module")
 def unet(tiny_engine):
-    return copy.deepcopy(tiny_engine.model.unet).eval()
+    return copy.deepcopy(tiny_engine.model.denoiser).eval()
 
 
 def test_rows_with_different_adapters_equal_their_merged_weights(unet):

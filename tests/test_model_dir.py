@@ -159,7 +159,7 @@ def test_the_memory_budget_evicts_idle_models_never_a_busy_one():
     try:
         a = models.acquire("random:tiny")
         assert a.memory_bytes == sum(t.numel() * t.element_size() for m in
-                                     (a.client.engine.model.unet, a.client.engine.model.vae,
+                                     (a.client.engine.model.denoiser, a.client.engine.model.vae,
                                       *a.client.engine.model.text_encoders)
                                      for t in [*m.parameters(), *m.buffers()])
         engine = a.client.engine
@@ -192,7 +192,7 @@ def test_an_eviction_has_given_its_engine_back_once_the_set_has_settled():
     try:
         models.release(models.acquire("random:tiny"))
         b = models.acquire("digits")
-        gone = weakref.ref(b.client.engine.model.unet)
+        gone = weakref.ref(b.client.engine.model.denoiser)
         models.release(b)
         del b
         models.max_models = 1

@@ -19,7 +19,7 @@ def test_a_non_finite_row_fails_alone_and_its_batch_companions_are_unchanged():
 
         clean = e.make_request("a red fox", num_inference_steps=3, seed=1)
         alone = e.run(clean).arrays
-        handle = e.model.unet.register_forward_hook(poison, with_kwargs=True)
+        handle = e.model.denoiser.register_forward_hook(poison, with_kwargs=True)
         try:
             futures = []  # both queued at one step boundary: one batch
             requests = (e.make_request("poison", num_inference_steps=3, seed=2), clean)

@@ -648,7 +648,7 @@ def test_image_prompt_upload_sends_the_image_prompt(browser, tmp_path):
 
     from diffgraph import Engine
     with Engine(model="digits", device="cpu") as digits:
-        make_ip_adapter(digits.model.unet, tmp_path, "faces", seed=4)
+        make_ip_adapter(digits.model.denoiser, tmp_path, "faces", seed=4)
     s = _server("--request-timeout", "600", "--ip-adapter-dir", str(tmp_path))
     try:
         page = pg.open_playground(browser, s.url)

@@ -122,7 +122,7 @@ def main() -> int:
     for name in held:
         models.release(held[name])
     b_engine = weakref.ref(held["b"].client.engine)  # evicted below: measured once it is gone
-    b_unet = weakref.ref(held["b"].client.engine.model.unet)
+    b_unet = weakref.ref(held["b"].client.engine.model.denoiser)
     b_set = held["b"].client.engine.runner.graphs  # its graph set (None off CUDA)
     b_graph = [weakref.ref(g) for g in list(b_set.runner.graphs.values())[:1]] if b_set is not None else []
     del b_set

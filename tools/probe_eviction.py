@@ -60,13 +60,13 @@ def run_case(case: str) -> dict:
         models = ModelSet(build, "cuda", max_models=1 if case == "set_first" else 2)
         keep.append(models)
         ra = models.acquire("a")
-        gone_a = weakref.ref(ra.client.engine.model.unet)
+        gone_a = weakref.ref(ra.client.engine.model.denoiser)
         models.release(ra)
         del ra
         one = settle() - a0
         rb = models.acquire("b")
         if case != "set_first":
-            gone.append(weakref.ref(rb.client.engine.model.unet))
+            gone.append(weakref.ref(rb.client.engine.model.denoiser))
         else:
             gone.append(gone_a)
         models.release(rb)
@@ -99,7 +99,7 @@ def run_case(case: str) -> dict:
                 one = settle() - a0
         built = torch.cuda.memory_allocated() - a0
         keep.append(box.pop("a"))
-        gone.append(weakref.ref(box["b"].engine.model.unet))
+        gone.append(weakref.ref(box["b"].engine.model.denoiser))
         box.pop("b").close()
     for _ in range(300):
         gc.collect()

@@ -177,7 +177,7 @@ def step(args: argparse.Namespace) -> None:
             graph_setup.STEP_OPTIONS = options
         print(f"fp8+cse: {QuantCse.removed} repeated ops merged in the step's graphs")
     with torch.no_grad():  # one UNet output of each engine's model (each loaded its own copy of the preset)
-        unet, fp8_unet = engines["16-bit"].model.unet, engines["fp8"].model.unet
+        unet, fp8_unet = engines["16-bit"].model.denoiser, engines["fp8"].model.denoiser
         g = torch.Generator(device=dev).manual_seed(0)
         x = torch.randn(2, unet.config.in_channels, size // 8, size // 8, device=dev, generator=g, dtype=torch.float16)
         t = torch.full((2,), 500.0, device=dev)
@@ -238,7 +238,7 @@ def shared(args: argparse.Namespace) -> None:
 
     fp8.quantize_rows = recording
     with Engine(args.preset, device=dev, dtype="bf16", mode="eager", quantize=Fp8Config(args.min_features)) as e:
-        unet = e.model.unet
+        unet = e.model.denoiser
         size = args.size or e.info.native_size
         x = torch.zeros(2, unet.config.in_channels, size // 8, size // 8, dtype=torch.bfloat16, device=dev)
         ctx = torch.zeros(2, 77, unet.config.cross_attention_dim, dtype=torch.bfloat16, device=dev)

@@ -56,7 +56,7 @@ def record_calls(preset: str, rows: int, size: int | None) -> tuple[collections.
         convs[(tuple(x.shape), tuple(module.weight.shape), module.stride, module.padding, module.groups)] += 1
 
     with Engine(preset, device="cuda", dtype="fp16", mode="eager") as e:
-        unet = e.model.unet
+        unet = e.model.denoiser
         size = size or e.info.native_size
         hooks = [m.register_forward_pre_hook(conv_hook) for m in unet.modules() if isinstance(m, torch.nn.Conv2d)]
         x = torch.zeros(rows, unet.config.in_channels, size // 8, size // 8, dtype=torch.float16, device="cuda")

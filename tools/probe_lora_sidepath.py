@@ -56,7 +56,7 @@ def shapes(rank: int = 16) -> None:
 def main() -> None:
     shapes()
     engine = Engine("random:sd15", device="cuda", dtype="fp16", mode="eager")
-    unet = engine.model.unet.eval()
+    unet = engine.model.denoiser.eval()
     rows = 32
     x = torch.randn((rows, 4, 64, 64), device="cuda", dtype=torch.float16)
     t = torch.full((rows,), 500, device="cuda")

@@ -59,7 +59,7 @@ def engine(graphs: bool):
         e = Engine("random:sd15", device="cuda", mode="graph" if graphs else "eager",
                    graphs=GraphConfig(batch_buckets=(1, 2)) if graphs else None)
         e.generate("a cat", num_inference_steps=2, seed=0)
-        unet = weakref.ref(e.model.unet)
+        unet = weakref.ref(e.model.denoiser)
         e.close()
         del e
         return lambda: (gc.collect(), unet() is None)[1]
@@ -112,7 +112,7 @@ def on_thread():
         t = threading.Thread(target=lambda: box.append(_graph_engine()))
         t.start()
         t.join()
-        unet = weakref.ref(box[0].model.unet)
+        unet = weakref.ref(box[0].model.denoiser)
         box.pop().close()
         return lambda: (gc.collect(), unet() is None)[1]
     return build
@@ -126,7 +126,7 @@ def shared_loop(stay: list):
         a0 = torch.cuda.memory_allocated()
         e = _graph_engine(loop=loop, name="goes")
         print("loop: the second engine allocated", (torch.cuda.memory_allocated() - a0) / GiB, "GiB")
-        unet = weakref.ref(e.model.unet)
+        unet = weakref.ref(e.model.denoiser)
         e.close()
         del e
         return lambda: (gc.collect(), unet() is None)[1]
@@ -151,7 +151,7 @@ def loop_variant(stay: list, on_thread: bool, wrapped: bool, close_elsewhere: bo
         else:
             make()
         e = box.pop()
-        unet = weakref.ref(e.model.unet)
+        unet = weakref.ref(e.model.denoiser)
         target = AsyncEngine(e, name="goes") if wrapped else e
         del e
         if close_elsewhere:
@@ -173,7 +173,7 @@ def model_set(stay: list):
         stay.append(models)
         models.release(models.acquire("a"))
         b = models.acquire("b")
-        unet = weakref.ref(b.client.engine.model.unet)
+        unet = weakref.ref(b.client.engine.model.denoiser)
         models.release(b)
         del b
         models.max_models = 1

@@ -57,7 +57,7 @@ def info(args: argparse.Namespace) -> int:
                 graphs=graph_config(args), compile=compile_from_args(args), quantize=quantize) as engine:
         m = engine.model
         print(f"model {m.name}: family {m.family}, native {m.native_size}px, {m.dtype}, device {m.device}, "
-              f"UNet {weight_count(m.unet) / 1e6:.1f}M parameters")
+              f"UNet {weight_count(m.denoiser) / 1e6:.1f}M parameters")
         print(f"tiers: compile {'on' if args.compile else 'off'}, quantize "
               + (engine.quantized.summary() if engine.quantized is not None else "none (16 bits)"))
         print(f"ready in {engine.ready_s:.1f} s (load and prewarm captures)")

@@ -151,7 +151,7 @@ def test_in_place_weights_and_adapter_slots_reach_compiled_graphs(compiled, grap
     adapter_diff = float(np.abs(with_adapter - image(graphed, loras=[("pencil", 1.0)])).max())
     REPORT["pencil adapter, compile tier vs graph tier, max abs"] = adapter_diff
     assert adapter_diff <= 2e-2 and float(np.abs(with_adapter - before).max()) > 0.05
-    weights = [e.model.unet.conv_in.weight for e in (compiled, graphed)]
+    weights = [e.model.denoiser.conv_in.weight for e in (compiled, graphed)]
     saved = [w.detach().clone() for w in weights]
     try:
         with torch.no_grad():

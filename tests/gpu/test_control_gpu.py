@@ -22,7 +22,7 @@ def nets(tmp_path_factory):
     folder = tmp_path_factory.mktemp("controlnets")
     eager = Engine(model="random:sd15", device=DEVICE, dtype="fp16", mode="eager")
     for i, name in enumerate(("edges", "depth")):
-        net = ControlNetModel.from_unet(eager.model.unet)
+        net = ControlNetModel.from_unet(eager.model.denoiser)
         g = torch.Generator().manual_seed(i)
         with torch.no_grad():
             for m in [*net.controlnet_down_blocks, net.controlnet_mid_block, net.controlnet_cond_embedding.conv_out]:

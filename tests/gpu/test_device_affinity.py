@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
         table = engine.graph_table()
         assert all(r.arrays.shape[1:] == (64, 64, 3) for r in results)
         assert np.abs(again.arrays - results[0].arrays).max() <= 2e-2
-        params_on = {str(p.device) for p in engine.model.unet.parameters()}
+        params_on = {str(p.device) for p in engine.model.denoiser.parameters()}
     def pids(h):
         return sorted(p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h))
     print(json.dumps({"pid": os.getpid(), "gpu0": pids(handles[0]), "gpu1": pids(handles[1]),

@@ -175,7 +175,7 @@ def test_capture_failure_falls_back_and_keeps_serving():
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), prewarm=False)
     with Engine(model="random:tiny", device=DEVICE, mode="graph", graphs=cfg) as graphed, \
             Engine(model="random:tiny", device=DEVICE, mode="eager") as eager:
-        graphed.model.unet = SyncingUNet(graphed.model.unet)
+        graphed.model.denoiser = SyncingUNet(graphed.model.denoiser)
         for n in (2, 1, 2):
             a = graphed.generate("x", num_images=n, num_inference_steps=4, seed=3).arrays
             b = eager.generate("x", num_images=n, num_inference_steps=4, seed=3).arrays
@@ -246,15 +246,15 @@ def test_replaced_weights_take_effect_after_invalidate():
         assert np.abs(a - b).max() <= 2e-2
         with torch.no_grad():  # in place, in both engines: the same pointers, the graphs see it at once
             for e in (graphed, eager):
-                e.model.unet.conv_out.weight.mul_(-1.0)
+                e.model.denoiser.conv_out.weight.mul_(-1.0)
         a2, b2 = both()
         assert np.abs(a2 - b2).max() <= 2e-2 and np.abs(a2 - a).max() > 0.05
-        new = graphed.model.unet.conv_out.weight.detach() * 0.5
+        new = graphed.model.denoiser.conv_out.weight.detach() * 0.5
         # a new tensor: the captured graph still reads the old one (kept alive here: once freed, its memory may be
         # reused, and a stale graph then reads garbage, which is why a replaced module needs `invalidate`)
-        old = [e.model.unet.conv_out.weight for e in (graphed, eager)]
+        old = [e.model.denoiser.conv_out.weight for e in (graphed, eager)]
         for e in (graphed, eager):
-            e.model.unet.conv_out.weight = torch.nn.Parameter(new.clone().to(e.model.device), requires_grad=False)
+            e.model.denoiser.conv_out.weight = torch.nn.Parameter(new.clone().to(e.model.device), requires_grad=False)
         stale, b3 = both()
         assert np.abs(stale - a2).max() <= 2e-2 and np.abs(b3 - b2).max() > 0.05
         graphed.invalidate("step")

@@ -22,8 +22,8 @@ def test_image_prompt_graphs_equal_eager(tmp_path):
     from test_ip_adapter import make_ip_adapter, make_plus_ip_adapter, picture
     eager = Engine(model="random:sd15", device=DEVICE, dtype="fp16", mode="eager")
     try:
-        make_ip_adapter(eager.model.unet, tmp_path, "base", seed=1, gain=0.05)
-        make_plus_ip_adapter(eager.model.unet, tmp_path, "plus", seed=2, gain=0.05)
+        make_ip_adapter(eager.model.denoiser, tmp_path, "base", seed=1, gain=0.05)
+        make_plus_ip_adapter(eager.model.denoiser, tmp_path, "plus", seed=2, gain=0.05)
         cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((512, 512),), prewarm=False)
         kinds = [dict(image_prompts=dict(model="base", images=[picture(1)])), dict(),
                  dict(image_prompts=dict(model="plus", images=[picture(2), picture(3)], scale=0.6), guidance_scale=1.0)]

@@ -37,6 +37,6 @@ def test_a_full_size_sd15_single_file_gives_the_folders_image(tmp_path, monkeypa
         with Engine(source, device=DEVICE, graphs=GraphConfig(batch_buckets=(1, 2), prewarm=False),
                     load=load) as engine:
             assert engine.model.family == "sd" and engine.model.native_size == 512
-            assert next(engine.model.unet.parameters()).dtype == torch.float16
+            assert next(engine.model.denoiser.parameters()).dtype == torch.float16
             images.append(np.asarray(engine.generate("a photo of a cat", seed=5, num_inference_steps=4)[0]))
     assert np.array_equal(images[0], images[1])

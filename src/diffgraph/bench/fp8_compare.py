@@ -149,7 +149,7 @@ def compare_fp8(model: str, quantize: "str | Fp8Config" = "fp8", *, seeds: int =
     with Engine(model, quantize=quantize, **settings) as fp8:
         report, place = fp8.quantized, str(fp8.model.device)
         native = fp8.model.native_size
-        first = _FirstCall(fp8.model.unet)
+        first = _FirstCall(fp8.model.denoiser)
         try:
             out = generate_images(fp8, prompts, steps, size, guidance)
         finally:
@@ -158,7 +158,7 @@ def compare_fp8(model: str, quantize: "str | Fp8Config" = "fp8", *, seeds: int =
     _release(place)
     with Engine(model, **settings) as plain:
         with torch.inference_mode():
-            reference_step = _sample(plain.model.unet(*first.args, **first.kwargs))
+            reference_step = _sample(plain.model.denoiser(*first.args, **first.kwargs))
         ref = generate_images(plain, prompts, steps, size, guidance)
         reference_dtype = str(plain.model.dtype).removeprefix("torch.")
     del plain

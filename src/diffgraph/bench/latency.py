@@ -293,7 +293,7 @@ def _compile_tier(out: dict[str, Any], graph, model, model_name: str, size: int,
             if cuda else float("nan")
     info["cache_mib"] = folder_bytes(engine.runner.compile_folder) / 2**20
     engine.close()
-    set_conv_layout(model.unet, channels_last=False)  # diffusers + torch.compile measured as before, on NCHW
+    set_conv_layout(model.denoiser, channels_last=False)  # diffusers + torch.compile measured as before, on NCHW
     print("compile tier before the fresh starts:", json.dumps(
         {"info": info, "e2e": {n: out["results"][n].get("diffgraph_compile") for n in image_counts}}, default=str),
         flush=True)  # kept if a fresh start runs past the device command's limit

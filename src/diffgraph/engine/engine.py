@@ -276,7 +276,7 @@ class Engine:
     def invalidate(self, kind: str | None = None) -> None:
         """Tells the engine that weights or modules of `kind` ("step" = the denoiser, "text", "vae"; None = all)
         changed: between two steps their graphs are dropped (recaptured on next use) and prompt embeddings of old
-        text-encoder weights are no longer used. Waits until that is done. A replaced `model.unet` is refused where
+        text-encoder weights are no longer used. Waits until that is done. A replaced `model.denoiser` is refused where
         the engine gave the one it was built with something the new one lacks (LoRA slots or fused adapters, fp8
         linears, IP-Adapter processors): its requests would run without them. So is a replaced text encoder where
         the engine gave the old one LoRA adapters' text side paths."""
@@ -295,7 +295,7 @@ class Engine:
         self.core.call_between_steps(lambda: self.runner.invalidate(kind)).result()
 
     def _modules(self) -> dict[str, tuple[torch.nn.Module, ...]]:
-        return {"step": (self.model.unet,), "text": tuple(self.model.text_encoders)}
+        return {"step": (self.model.denoiser,), "text": tuple(self.model.text_encoders)}
 
     def reconfigure(self, **changes: Any) -> None:
         """Changes scheduler settings (batching, max_wait_ms, max_queue, grow_fill, grow_hold_ms, max_skips) of
@@ -385,7 +385,7 @@ def _ip_adapters(model: DiffusionModel, root: str) -> IPAdapters:
         raise ParamError("ip_adapter_dir", f"the {model.adapter.name} family takes no IP-Adapter; leave "
                                            "--ip-adapter-dir out for this model")
     try:
-        return IPAdapters(root, model.unet, model.device, model.dtype)
+        return IPAdapters(root, model.denoiser, model.device, model.dtype)
     except ValueError as e:
         raise ParamError("ip_adapter_dir", str(e)) from None
 
@@ -403,7 +403,7 @@ def _quantize(model: DiffusionModel, quantize: "str | Fp8Config | None", shared:
         raise ParamError("quantize", "quantize changes the model's layers in place: give the engine a model name or "
                                      "path (it loads its own copy), not a loaded DiffusionModel")
     try:
-        report = quantize_linears(model.unet, min_features=quantize.min_features,
+        report = quantize_linears(model.denoiser, min_features=quantize.min_features,
                                   weight_granularity=quantize.weight_granularity)
     except ValueError as e:
         raise ParamError("quantize", str(e)) from None
@@ -419,6 +419,6 @@ def _controlnets(model: DiffusionModel, roots: tuple[str, ...], slots: int) -> C
     if not isinstance(slots, int) or slots < 1:
         raise ParamError("max_controlnets", f"max-controlnets {slots!r} must be an integer >= 1")
     try:
-        return ControlNets(roots, model.device, model.dtype, model.unet.config, slots, model.vae_scale_factor)
+        return ControlNets(roots, model.device, model.dtype, model.denoiser.config, slots, model.vae_scale_factor)
     except ValueError as e:
         raise ParamError("controlnet_dir", str(e)) from None

@@ -175,7 +175,7 @@ def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, res
     channels_last, attention = layout(compile, host.adapter) if host.cuda else (False, "auto")
     if channels_last:
         out.denoiser_form = partial(set_conv_layout, channels_last=True)
-        out.denoiser_form(model.unet)
+        out.denoiser_form(model.denoiser)
     slots = host.slot_shape
     tag = f"channels_last={channels_last} attention={attention} " + (
         f"loras={slots[0]}x{slots[1]}" + (" lora_conv" if slots[2] else "") if slots is not None else "loras=0") + (

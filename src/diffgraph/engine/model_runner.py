@@ -160,7 +160,7 @@ class ModelRunner:
             if self.graphs is not None and self.graphs.decoder_form is not None:
                 self.graphs.decoder_form(self.decoder)
         if "step" in kinds and self.graphs is not None and self.graphs.denoiser_form is not None:
-            self.graphs.denoiser_form(self.model.unet)  # a replaced UNet's (in place: idempotent)
+            self.graphs.denoiser_form(self.model.denoiser)  # a replaced UNet's (in place: idempotent)
         if self.graph_runner is not None:
             extra = (("vae_encode",) if "vae" in kinds else ()) + (
                 tuple(self.program.kind(v) for v in self.program.variants()[1:]) if "step" in kinds else ())

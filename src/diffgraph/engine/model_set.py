@@ -248,5 +248,5 @@ class ModelSet:
         if self.device.type == "cuda":
             return max(0, torch.cuda.memory_reserved(self.device) - before)
         model = engine.model
-        modules = [model.unet, model.vae, *model.text_encoders]
+        modules = [model.denoiser, model.vae, *model.text_encoders]
         return sum(t.numel() * t.element_size() for m in modules for t in [*m.parameters(), *m.buffers()])

@@ -285,9 +285,9 @@ def cache_key(model: Any, device: torch.device) -> str:
         config = module.config if isinstance(module.config, dict) else module.config.to_dict()
         return {"class": type(module).__name__, **{k: v for k, v in config.items() if not k.startswith("_")}}
 
-    configs = {"unet": settings(model.unet), "vae": settings(model.vae),
+    configs = {"unet": settings(model.denoiser), "vae": settings(model.vae),
                "text": [settings(e) for e in model.text_encoders]}
-    fp8 = [n for n, b in model.unet.named_buffers() if b.dtype == torch.float8_e4m3fn]
+    fp8 = [n for n, b in model.denoiser.named_buffers() if b.dtype == torch.float8_e4m3fn]
     if fp8:  # the denoiser's layers in fp8 (quantize/fp8.py): the traced code differs from the 16-bit model's
         configs["fp8"] = fp8
     try:

@@ -130,7 +130,7 @@ class LoraManager:
         self._flight: Future | None = None
         self.reader = FileReader(READ_WORKERS, READ_TIMEOUT_S, name="diffgraph-lora-files")
         self.banks: dict[str, LoraSlots] = {}
-        self.components = {"unet": self.model.unet}
+        self.components = {"unet": self.model.denoiser}
         for i, encoder in enumerate(self.model.text_encoders):
             self.components["text_encoder" if i == 0 else f"text_encoder_{i + 1}"] = encoder
         # module names per component, for looking up an adapter's layers (before side paths wrap them: the
@@ -147,7 +147,7 @@ class LoraManager:
         if self.slots is not None:
             n, rank = self.config.slots, self.config.max_lora_rank
             unet_targets = UNET_TARGETS + (CONV_TARGETS if self.conv else ())
-            self.banks["unet"] = attach(self.model.unet, _targets(self.model.unet, unet_targets, self.conv), n,
+            self.banks["unet"] = attach(self.model.denoiser, _targets(self.model.denoiser, unet_targets, self.conv), n,
                                         rank, self.unet_rows, convolutions=self.conv)
             for component, root in self.components.items():
                 if component != "unet":

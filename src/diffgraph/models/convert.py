@@ -185,7 +185,7 @@ def file_to_folder(source: str, out: str, cast: torch.dtype | None, config: str 
     info = inspect_checkpoint(source, MAX_SOURCE_BYTES)
     target = cast or _ST_DTYPES.get(info.dtype, torch.float32)
     model = load_model(source, "cpu", target, options=LoadOptions(model_config=config))
-    pipe = pipeline_of(model.unet, model.vae, list(model.text_encoders), list(model.tokenizers),
+    pipe = pipeline_of(model.denoiser, model.vae, list(model.text_encoders), list(model.tokenizers),
                        model.scheduler_config, model.force_zeros_for_empty_prompt)
     pipe.save_pretrained(out, safe_serialization=True)
     return f"wrote {out}: a {type(pipe).__name__} folder ({info.kind}), {str(target).removeprefix('torch.')}"

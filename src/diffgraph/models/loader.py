@@ -137,7 +137,7 @@ def _build_random(preset: P.RandomPreset, device: torch.device, dtype: torch.dty
     logger.warning("model %s has random weights: its images are noise (use it for tests and timing)", preset.name)
     unet, vae, encoders = preset_modules(preset, device)
     model = DiffusionModel(
-        name=preset.name, family=adapter.name, adapter=adapter, unet=unet, vae=vae, text_encoders=encoders,
+        name=preset.name, family=adapter.name, adapter=adapter, denoiser=unet, vae=vae, text_encoders=encoders,
         tokenizers=[preset_tokenizer(pad) for pad in preset.tokenizer_pads],
         scheduler_config=dict(P.SD_SCHEDULER_CONFIG), device=device, dtype=dtype,
         native_size=preset.native_size, force_zeros_for_empty_prompt=adapter.force_zeros_default, is_random=True,
@@ -158,7 +158,7 @@ def _place(module: Any, device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _finish(model: DiffusionModel) -> DiffusionModel:
-    for module in (model.unet, model.vae, *model.text_encoders):
+    for module in (model.denoiser, model.vae, *model.text_encoders):
         if isinstance(module, torch.nn.Module):
             _place(module, model.device, model.dtype)
     return model

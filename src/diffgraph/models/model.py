@@ -6,6 +6,7 @@ its family adapter's (`model.adapter`, models/families/), which the loader picks
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,12 +31,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class DiffusionModel:
-    """The loaded modules of one diffusion pipeline. `unet` is the denoiser whatever its architecture."""
+    """The loaded modules of one diffusion pipeline: `denoiser` is its UNet or transformer (`unet` is a deprecated
+    alias of it)."""
 
     name: str
     family: str  # the adapter's name: "sd" | "sdxl" | a registered family
     adapter: Any  # its families.base.FamilyAdapter (not imported: the families import this module)
-    unet: Any
+    denoiser: Any
     vae: Any
     text_encoders: list[Any]
     tokenizers: list[Any]
@@ -46,6 +48,17 @@ class DiffusionModel:
     force_zeros_for_empty_prompt: bool = False
     is_random: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def unet(self) -> Any:
+        """Deprecated alias of `denoiser` (the denoiser need not be a UNet)."""
+        warnings.warn("DiffusionModel.unet is deprecated; use DiffusionModel.denoiser", DeprecationWarning, stacklevel=2)
+        return self.denoiser
+
+    @unet.setter
+    def unet(self, module: Any) -> None:
+        warnings.warn("DiffusionModel.unet is deprecated; use DiffusionModel.denoiser", DeprecationWarning, stacklevel=2)
+        self.denoiser = module
 
     @property
     def vae_scale_factor(self) -> int:

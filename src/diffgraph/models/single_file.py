@@ -78,7 +78,7 @@ def load_single_file(path: str, device: torch.device, dtype: torch.dtype, name: 
     native = int(unet.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1)
     index = dict(pipe.config)
     return DiffusionModel(
-        name=name, family=adapter.name, adapter=adapter, unet=unet, vae=vae,
+        name=name, family=adapter.name, adapter=adapter, denoiser=unet, vae=vae,
         text_encoders=[getattr(pipe, p[0]) for p in adapter.text_parts],
         tokenizers=[getattr(pipe, p[1]) for p in adapter.text_parts], scheduler_config=schedule, device=device,
         dtype=dtype, native_size=native,

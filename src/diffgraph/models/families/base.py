@@ -189,7 +189,7 @@ class FamilyAdapter:
             raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
         native = int(unet.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1)
         return DiffusionModel(
-            name=name, family=self.name, adapter=self, unet=unet, vae=vae, text_encoders=encoders,
+            name=name, family=self.name, adapter=self, denoiser=unet, vae=vae, text_encoders=encoders,
             tokenizers=tokenizers, scheduler_config=scheduler_config, device=device, dtype=dtype,
             native_size=native,
             force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", self.force_zeros_default)))
@@ -202,16 +202,16 @@ class FamilyAdapter:
         vae_config = getattr(model.vae, "config", None)
         if vae_config is not None and hasattr(vae_config, "latent_channels"):
             return int(vae_config.latent_channels)
-        return int(model.unet.config.in_channels)
+        return int(model.denoiser.config.in_channels)
 
     def extra_channels(self, model: DiffusionModel) -> int:
         """Denoiser input channels beyond the latents: 0, or mask + masked-image latents (9-channel inpainting
         UNets, detected from the UNet config). Families without edits: 0."""
         if not self.supports_edits:
             return 0
-        extra = int(model.unet.config.in_channels) - self.latent_channels(model)
+        extra = int(model.denoiser.config.in_channels) - self.latent_channels(model)
         if extra not in (0, 1 + self.latent_channels(model)):
-            raise ValueError(f"the UNet takes {model.unet.config.in_channels} input channels; diffgraph supports "
+            raise ValueError(f"the UNet takes {model.denoiser.config.in_channels} input channels; diffgraph supports "
                              f"{self.latent_channels(model)} (the latents) or {2 * self.latent_channels(model) + 1} "
                              "(an inpainting UNet: latents, mask, masked-image latents)")
         return extra
@@ -249,7 +249,7 @@ class FamilyAdapter:
 
     @staticmethod
     def _lcm_dim(model: DiffusionModel) -> int | None:
-        dim = getattr(getattr(model.unet, "config", None), "time_cond_proj_dim", None)
+        dim = getattr(getattr(model.denoiser, "config", None), "time_cond_proj_dim", None)
         return None if dim is None else int(dim)
 
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
@@ -271,7 +271,7 @@ class FamilyAdapter:
         if side_paths is not None:
             out.append(LoraRows(side_paths, MAX_LORAS))
         if controls is not None:  # ControlNet rows (features/control.py): the nets in `controls`' slots
-            out.append(ControlRows(model.unet.config, model.dtype, controls.run))
+            out.append(ControlRows(model.denoiser.config, model.dtype, controls.run))
         if image_prompts is not None:  # IP-Adapter rows (features/image_prompt.py)
             out.append(image_prompts.feature())
         if max_chunks > 1 and self.sequence_fields:

@@ -30,7 +30,7 @@ class SDFamily(FamilyAdapter):
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length
-        return {"embeds": ((seq, int(model.unet.config.cross_attention_dim)), model.dtype)}
+        return {"embeds": ((seq, int(model.denoiser.config.cross_attention_dim)), model.dtype)}
 
     def needs_attention_mask(self, model: DiffusionModel) -> bool:
         return any(getattr(e.config, "use_attention_mask", False) for e in model.text_encoders)
@@ -57,7 +57,7 @@ class SDFamily(FamilyAdapter):
 
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model.unet(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
+        return model.denoiser(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
                           **residual_kwargs(rows), return_dict=False)[0]
 
     def control(self, model: DiffusionModel, net: Any, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
@@ -69,5 +69,5 @@ class SDFamily(FamilyAdapter):
         cls = {"text": "StableDiffusionPipeline", "img2img": "StableDiffusionImg2ImgPipeline",
                "inpaint": "StableDiffusionInpaintPipeline"}[task]
         return getattr(diffusers, cls)(
-            vae=model.vae, text_encoder=model.text_encoders[0], tokenizer=model.tokenizers[0], unet=model.unet,
+            vae=model.vae, text_encoder=model.text_encoders[0], tokenizer=model.tokenizers[0], unet=model.denoiser,
             scheduler=scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False)

@@ -45,7 +45,7 @@ class SDXLFamily(FamilyAdapter):
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length
-        return {"embeds": ((seq, int(model.unet.config.cross_attention_dim)), model.dtype),
+        return {"embeds": ((seq, int(model.denoiser.config.cross_attention_dim)), model.dtype),
                 "pooled": ((int(model.text_encoders[-1].config.projection_dim),), model.dtype)}
 
     def row_spec(self, model: DiffusionModel, key: GroupKey) -> dict[str, torch.Tensor]:
@@ -75,7 +75,7 @@ class SDXLFamily(FamilyAdapter):
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         added = {"text_embeds": cond["pooled"], "time_ids": rows["time_ids"]}
-        return model.unet(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
+        return model.denoiser(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
                           added_cond_kwargs=added, **residual_kwargs(rows), return_dict=False)[0]
 
     def control(self, model: DiffusionModel, net: Any, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
@@ -95,5 +95,5 @@ class SDXLFamily(FamilyAdapter):
                "inpaint": "StableDiffusionXLInpaintPipeline"}[task]
         return getattr(diffusers, cls)(
             vae=model.vae, text_encoder=model.text_encoders[0], text_encoder_2=model.text_encoders[1],
-            tokenizer=model.tokenizers[0], tokenizer_2=model.tokenizers[1], unet=model.unet, scheduler=scheduler,
+            tokenizer=model.tokenizers[0], tokenizer_2=model.tokenizers[1], unet=model.denoiser, scheduler=scheduler,
             force_zeros_for_empty_prompt=model.force_zeros_for_empty_prompt, add_watermarker=False)
