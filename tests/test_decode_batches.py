@@ -176,9 +176,9 @@ def _run_together(engine, requests):
     runner, decodes = engine.runner, []
     decode_async = runner.decode_async
 
-    def recording(key, latents):
+    def recording(key, latents, size=None):
         decodes.append((int(latents.shape[0]), engine.core.scheduler.steps_run))
-        return decode_async(key, latents)
+        return decode_async(key, latents, size)
 
     entered, gate, base = threading.Event(), threading.Event(), []
 

@@ -177,7 +177,8 @@ def test_digits_image_to_image_and_inpainting_oracle():
         mask[:, 32:] = 255
         decoded: list[torch.Tensor] = []
         decode = engine.runner.decode_async
-        engine.runner.decode_async = lambda key, latents: (decoded.append(latents.clone()), decode(key, latents))[1]
+        engine.runner.decode_async = lambda key, latents, size=None: (decoded.append(latents.clone()),
+                                                                      decode(key, latents, size))[1]
         try:
             inpainted = engine.generate("a handwritten digit eight", image=source.images[0], mask_image=mask, seed=3,
                                         num_inference_steps=20)

@@ -79,7 +79,7 @@ def test_rows_without_previews_are_unchanged_beside_rows_with_them(engine):
 def test_fitted_factors_track_the_models_own_decoder(engine):
     runner = engine.core.runner
     key = engine.make_request("a digit").key
-    rgb = fit_factors(runner, key)
+    rgb = fit_factors(runner, key)  # the key is the size (a UNet family)
     assert rgb.source == "fitted" and rgb.weight.shape == (runner.latent_shape(key)[0], 3)
     z = torch.randn((4, *runner.latent_shape(key)), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():

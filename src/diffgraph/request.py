@@ -24,7 +24,10 @@ from .sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDUL
 from .sampling.aliases import canonical, closest
 from .sampling.schedules import MAX_STEPS
 
-GroupKey = tuple[int, int]  # (height, width) in pixels: the resolution group a request's rows run in
+Size = tuple[int, int]  # (height, width) in pixels: a request's image
+# the group a request's rows run in (step buffers, steps, graphs), chosen by the model's family from the size: a pair
+# of ints, the size itself for UNet families, (0, image tokens) for a transformer family's token bucket
+GroupKey = tuple[int, int]
 MIN_SIZE = 64
 MAX_SIZE = 2048
 SIZE_MULTIPLE = 8        # every request's sizes (an SD VAE's latent grid); a family may ask for more (size_multiple)
@@ -421,8 +424,9 @@ class GenerationRequest:
     image_prompts: ImagePromptInput | None = None  # an IP-Adapter image prompt
     # JPEG / WebP compression, OpenAI's `output_compression`: 0..100 (100: the least), None: the encoder's 95 quality
     output_compression: int | None = None
-    # the resolution group of the request's rows, (height, width): derived, a plain attribute (read on every hop)
-    key: GroupKey = field(init=False, compare=False, repr=False)
+    # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
+    # family's key for it (`FamilyAdapter.group_key`)
+    key: Size = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are

@@ -93,7 +93,7 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
-        state = RequestState.of(request, plan, time.monotonic(), sink, prompts)
+        state = RequestState.of(request, plan, time.monotonic(), sink, prompts, self.runner.group_key(request.key))
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if _second_branch(state) and prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])
@@ -256,7 +256,7 @@ class EngineCore:
             variant = self.runner.program.variant([s.variant_parts for s in plan.live])
             plan.cost_rows = self.runner.step(
                 plan.key, plan.coefs, [(s.first_row, s.rows, s.branches_now) for s in plan.live],
-                [(s.first_row, s.rows, s.generator if s.noise is None else partial(s.noise.draw, s.step))
+                [(s.first_row, s.rows, s.generator if s.noise is None else partial(s.noise.draw, s.step), s.size)
                  for s in plan.noise_requests], variant, [s.variant_parts for s in plan.live])
         except Exception as e:  # only this batch fails; the loop keeps serving
             logger.exception("step failed for group %s (%d rows)", plan.key, plan.n_rows)
@@ -345,7 +345,7 @@ class EngineCore:
                     image_prompts=s.image_prompts)
                 s.variant_parts = runner.write_rows(key, s.first_row, admission, (
                     mine[pos], mine[neg], mine[empty[0]] if empty else None), latents, s.generator,
-                    s.plan.init_noise_sigma)  # latents None: drawn from its generator there
+                    s.plan.init_noise_sigma, s.size)  # latents None: drawn from its generator there
                 s.admitted_at = now
             except Exception as e:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)

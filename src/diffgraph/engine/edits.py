@@ -43,10 +43,10 @@ def preprocess_edit(request: GenerationRequest, vae_scale_factor: int) -> tuple[
 def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generator: torch.Generator,
                  plan: SamplerPlan, rows: int, pixels: tuple[torch.Tensor, torch.Tensor | None]
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(initial latents [rows, C, h, w] fp32, the edit row feature's fields: features/edit.py) of an edit request,
+    """(initial latents as step rows (the image latents [rows, C, h, w] fp32, packed where the family packs), the edit row feature's fields: features/edit.py) of an edit request,
     from its preprocessed `pixels` (`preprocess_edit`)."""
     edit, model, adapter = request.edit, runner.model, runner.adapter
-    h, w = key
+    size = h, w = request.key
     f = model.vae_scale_factor
     image, mask = pixels
     batch = [image]
@@ -55,7 +55,7 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
     pure_noise = edit.inpaint and edit.strength == 1.0  # diffusers' is_strength_max
     # the image's own latents: image-to-image, a 4-channel inpainting UNet (the blend), or strength < 1
     need_image = not edit.inpaint or not runner.extra_channels or not pure_noise
-    params = runner.encode_pixels(key, torch.cat(batch if need_image else batch[1:]))
+    params = runner.encode_pixels(size, torch.cat(batch if need_image else batch[1:]))
 
     def sample(p: torch.Tensor) -> torch.Tensor:  # the posterior sample from the request's generator
         mean, logvar = p.float().chunk(2, dim=1)
@@ -64,7 +64,7 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
         return adapter.image_latents(model, runner.encoder, latent)
 
     image_latents = sample(params[:1]) if need_image else None
-    noise = runner.to_device(torch.randn((rows, *runner.latent_shape(key)), generator=generator,
+    noise = runner.to_device(torch.randn((rows, *adapter.image_latent_shape(model, size)), generator=generator,
                                           dtype=model.dtype)).float()
     masked_latents = sample(params[-1:]) if edit.inpaint else None
     if pure_noise:
@@ -79,4 +79,4 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
             fields["extra"] = torch.cat([small, masked_latents], dim=1).to(model.dtype)
         else:
             fields.update(mask=small, known=image_latents, noise0=noise)
-    return latents, fields
+    return adapter.pack(model, latents, size, key), fields

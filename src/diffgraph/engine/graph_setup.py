@@ -84,6 +84,10 @@ class GraphHost(Protocol):
 
     def latent_shape(self, key: tuple[int, int]) -> tuple[int, ...]: ...
 
+    def group_key(self, size: tuple[int, int]) -> tuple[int, int]: ...
+
+    def graphed_sizes(self) -> tuple[tuple[int, int], ...]: ...
+
     max_chunks: int  # the prompt windows a row may hold (the conditioning buffers' layout)
 
 
@@ -108,7 +112,7 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     """The graph set of `host`: every step variant of its row features' program, the text encoder(s), the VAE
     decoder and encoder, with compiled callables under a compile config."""
     cfg, model, adapter = host.graph_config, host.model, host.adapter
-    resolutions = cfg.resolutions or ((model.native_size, model.native_size),)
+    resolutions = host.graphed_sizes()
     cfg.check_prewarm(resolutions)
     out = GraphSet(GraphRunner(cfg, host.device))
     tag, attention = _prepare_compile(host, out, compile, resolutions) if compile is not None else ("", "auto")
@@ -128,9 +132,10 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     if attention != "auto":  # chosen when the step is traced (outside the traced code)
         step_fn = partial(_within, attention_first(attention), step_fn)
     sampler, schedule = adapter.default_sampler, adapter.default_schedule
+    groups = tuple(dict.fromkeys(host.group_key(size) for size in resolutions))  # the step's graphs: per group
     for key in host.program.variants():
         graphs.register(StepGraph(host.buffers, host.program, partial(adapter.denoise, model), key,
-                                  lambda: host.plan_for(sampler, schedule, 10, resolutions[0]), resolutions,
+                                  lambda: host.plan_for(sampler, schedule, 10, resolutions[0]), groups,
                                   cfg.batch_buckets, step_fn))
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
         if compile is not None:
@@ -147,7 +152,7 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
         out.vae = VaeGraph(maybe(host.decode_pixels, "the VAE decoder", lambda args: args[:1],
                                  VAE_OPTIONS if channels_last_vae else None,
                                  form=" group_norm=channel" if channels_last_vae else ""),
-                           host.latent_shape, model.vae_dtype, host.device, resolutions,
+                           partial(adapter.image_latent_shape, model), model.vae_dtype, host.device, resolutions,
                            vae_buckets(cfg))
         graphs.register(out.vae)
         if adapter.supports_edits:

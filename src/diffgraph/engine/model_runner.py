@@ -33,7 +33,7 @@ from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
 from ..graphs.step import StepBuffers, whole_step
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
-from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError
+from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError, Size
 from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
@@ -83,7 +83,8 @@ class ModelRunner:
         self.weights_version = dict.fromkeys(WEIGHT_KINDS, 0)
         self.groups: dict[GroupKey, StepBuffers] = {}
         self.staging: dict[GroupKey, StagingPair] = {}
-        self._row_values: dict[GroupKey, dict[str, torch.Tensor]] = {}  # per-resolution row fields, on the device
+        # the family's per-size row fields, on the device, by (group, size); (group, None): the allocation's
+        self._row_values: dict[tuple[GroupKey, Size | None], dict[str, torch.Tensor]] = {}
         self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per size ever asked for
         self.prompts = PromptCache(prompt_cache_size, prompt_cache_bytes)
         self.loras, self.controls, self.image_prompts = loras, controls, image_prompts  # (LoRA, ControlNet, IP) or None
@@ -182,6 +183,22 @@ class ModelRunner:
         return self._graphed
 
     # -- shapes and buffers --------------------------------------------------------------------
+    def group_key(self, size: Size) -> GroupKey:
+        """The group rows of an image `size` run in (the family's choice: the size, or a transformer's token bucket)."""
+        return self.adapter.group_key(self.model, size)
+
+    def image_latent_shape(self, size: Size) -> tuple[int, ...]:
+        """The VAE's latents of one image of `size` (what the decoder reads)."""
+        return self.adapter.image_latent_shape(self.model, size)
+
+    def image_latents(self, rows: torch.Tensor, key: GroupKey, size: Size) -> torch.Tensor:
+        """Step rows of group `key` that are images of `size` -> their image latents (the family's `unpack`)."""
+        return rows if size == key else self.adapter.unpack(self.model, rows, size, key)
+
+    def graphed_sizes(self) -> tuple[Size, ...]:
+        """The image sizes the graphs are made for (the decoder's; the step's are their groups)."""
+        return self.graph_config.resolutions or ((self.model.native_size, self.model.native_size),)
+
     def latent_shape(self, key: GroupKey) -> tuple[int, ...]:
         if (shape := self._latent_shapes.get(key)) is None:
             shape = self._latent_shapes[key] = self.adapter.latent_shape(self.model, key)
@@ -223,6 +240,9 @@ class ModelRunner:
         if not self.adapter.supports_edits:
             raise ParamError("image", f"model family {self.adapter.name!r} takes no image inputs; send a "
                                       "text-to-image request")
+        if request.edit.inpaint and self.adapter.packs(self.model):  # its blend works on image latents
+            raise ParamError("mask", f"model family {self.adapter.name!r} takes no inpainting mask; send the image "
+                                     "alone (image-to-image)")
         return request.num_inference_steps - request.denoising_steps
 
     def buffers(self, key: GroupKey) -> StepBuffers:
@@ -231,16 +251,18 @@ class ModelRunner:
         if buf is None:
             m = self.model
             buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.program,
-                                       self.adapter.row_cond_spec(m, self.max_chunks), self._row_fields(key), m.dtype,
+                                       self.adapter.row_cond_spec(m, self.max_chunks), self._row_fields(key, None),
+                                       m.dtype,
                                        self.device, self.adapter.sequence_fields)
             self.groups[key] = buf
         return buf
 
-    def _row_fields(self, key: GroupKey) -> dict[str, torch.Tensor]:
-        """The family's per-resolution row fields (SDXL's time ids), made once per group: building them is a
-        host-to-device copy, which must not happen (and wait for the GPU) at every admission."""
-        if (values := self._row_values.get(key)) is None:
-            values = self._row_values[key] = self.adapter.row_spec(self.model, key)
+    def _row_fields(self, key: GroupKey, size: Size | None) -> dict[str, torch.Tensor]:
+        """The family's per-size row fields (SDXL's time ids, a transformer's positions), made once per (group,
+        size): building them is a host-to-device copy, which must not happen (and wait for the GPU) at every
+        admission. `size` None: the allocation's (any size of the group)."""
+        if (values := self._row_values.get((key, size))) is None:
+            values = self._row_values[key, size] = self.adapter.row_spec(self.model, key, size)
         return values
 
     def release_group(self, key: GroupKey) -> None:
@@ -249,7 +271,8 @@ class ModelRunner:
             return
         self.groups.pop(key, None)
         self.staging.pop(key, None)
-        self._row_values.pop(key, None)
+        for k in [k for k in self._row_values if k[0] == key]:
+            del self._row_values[k]
 
     def _record_event(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -278,25 +301,32 @@ class ModelRunner:
                                   partial(self.adapter.negative, self.model))
 
     # -- rows ----------------------------------------------------------------------------------
-    def initial_latents(self, rows: int, key: GroupKey, generator: torch.Generator, sigma: float) -> torch.Tensor:
+    def draw(self, rows: int, key: GroupKey, size: Size, generator: torch.Generator) -> torch.Tensor:
+        """Normal draws from a request's generator in its image latents' shape (diffusers' order), as step rows."""
+        latents = torch.randn((rows, *self.adapter.image_latent_shape(self.model, size)), generator=generator,
+                              dtype=self.model.dtype)
+        return self.adapter.pack(self.model, latents, size, key)
+
+    def initial_latents(self, rows: int, key: GroupKey, generator: torch.Generator, sigma: float,
+                        size: Size | None = None) -> torch.Tensor:
         """The first draw from a request's generator (diffusers' order), scaled to the plan's first sigma."""
-        latents = torch.randn((rows, *self.latent_shape(key)), generator=generator, dtype=self.model.dtype)
-        return latents.float() * sigma
+        return self.draw(rows, key, key if size is None else size, generator).float() * sigma
 
     def write_rows(self, key: GroupKey, start: int, admission: Admission,
                    prompts: tuple[Conditioning, Conditioning, Conditioning | None],
                    latents: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                   sigma: float | None = None) -> tuple:
+                   sigma: float | None = None, size: Size | None = None) -> tuple:
         """Fills rows [start, start+k) of an admitted request: its initial latents (an edit's `latents`, else the
         first draw from its `generator` at its plan's first `sigma`), its prompt's conditioning (broadcast) and, by
         each row feature, its negative prompt's at the same length (`prompts`: both and the empty prompt that pads
-        the shorter: `row_conditioning`) and the rest of its fields (neutral where it does not use them); returns
-        the request's parts of the step variant key."""
+        the shorter: `row_conditioning`), its image size's row values (`size`; None: the key is its size) and the
+        rest of its fields (neutral where it does not use them); returns the request's parts of the step variant
+        key."""
         if latents is None:
             if generator is None or sigma is None:
                 raise ValueError("write_rows draws the first latents from the request's generator at its plan's "
                                  "first sigma: pass both, or the latents")
-            latents = self.initial_latents(admission.rows, key, generator, sigma)
+            latents = self.initial_latents(admission.rows, key, generator, sigma, size)
         cond, uncond, chunks = self.row_conditioning(*prompts)
         admission = dataclasses.replace(admission, uncond=uncond, chunks=chunks)
         buf = self.buffers(key)
@@ -307,7 +337,7 @@ class ModelRunner:
         buf.noise[rows] = 0
         buf.coefs[rows] = 0
         values = {f"cond.{name}": cond[name] for name in buf.cond_names}
-        values.update({f"rows.{name}": value for name, value in self._row_fields(key).items()})
+        values.update({f"rows.{name}": value for name, value in self._row_fields(key, size or key).items()})
         # the features' host tensors go through pinned memory, asynchronously (a pageable copy would wait for the GPU)
         values.update({n: self.to_device(v) if isinstance(v, torch.Tensor) else v
                        for n, v in self.program.rows(admission).items()})
@@ -319,7 +349,7 @@ class ModelRunner:
              parts: Sequence[tuple] | None = None) -> int:
         """Runs one step. coefs: [n, columns] for image rows [0, n); rows: (first row, rows, denoiser rows per row
         this step) of each live request, packed from row 0; noise: (first row, rows, its generator or a callable
-        giving its noise) of the requests whose row draws noise this step; variant: the step variant (None: the
+        giving its noise[, its image size]) of the requests whose row draws noise this step; variant: the step variant (None: the
         neutral one); parts: the live requests' variant parts (a prepass gathers rows by them). Returns the
         denoiser rows the step cost: its graph bucket when replayed, else its denoiser rows."""
         buf = self.buffers(key)
@@ -344,10 +374,9 @@ class ModelRunner:
         image_rows = max(size, n)
         buf.coefs[:image_rows].copy_(slot.coefs[:image_rows], non_blocking=True)
         buf.index[:size].copy_(slot.index[:size], non_blocking=True)
-        shape = self.latent_shape(key)
-        for first, k, source in noise or ():  # a generator's normal draws, or a Brownian tree's increment (callable)
-            slot.noise[first:first + k].copy_(source() if callable(source) else torch.randn(
-                (k, *shape), generator=source, dtype=self.model.dtype))
+        for first, k, source, *size in noise or ():  # a generator's normal draws, or a Brownian tree's increment
+            slot.noise[first:first + k].copy_(source() if callable(source) else self.draw(
+                k, key, size[0] if size else key, source))
             buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
         bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
         if self.cuda:
@@ -388,10 +417,13 @@ class ModelRunner:
         return self.adapter.decode(self.model, self.decoder, latents)
 
     @torch.no_grad()
-    def decode_async(self, key: GroupKey, latents: torch.Tensor) -> DecodedPixels:
-        """Enqueues the decode, chunk by chunk, each chunk's float32 pixels copied to pinned host memory after it;
+    def decode_async(self, key: GroupKey, latents: torch.Tensor, size: Size | None = None) -> DecodedPixels:
+        """Enqueues the decode of step rows of group `key` that are images of one `size` (None: the key is the size),
+        chunk by chunk, each chunk's float32 pixels copied to pinned host memory after it;
         returns them as float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np')
         whose reader waits only for the chunks it reads. The engine loop does not wait: the image threads do."""
+        if size is not None and size != key:  # a family that packs: its rows back to image latents, then by size
+            latents, key = self.image_latents(latents.to(self.device), key, size), size
         latents = latents.to(self.device)
         runner = self.graph_runner
         n_total = latents.shape[0]
@@ -414,6 +446,6 @@ class ModelRunner:
             chunks_in.append((start, self._record_event() if self.cuda else None))
         return DecodedPixels(host, chunks_in, self.on_device)
 
-    def decode(self, key: GroupKey, latents: torch.Tensor) -> np.ndarray:
+    def decode(self, key: GroupKey, latents: torch.Tensor, size: Size | None = None) -> np.ndarray:
         """Latents -> float pixels [n, H, W, 3] in [0, 1], waiting for them."""
-        return self.decode_async(key, latents)()
+        return self.decode_async(key, latents, size)()

@@ -31,7 +31,7 @@ import torch
 from ..graphs.runner import GraphRunner
 from ..models.model import DiffusionModel
 from ..models.weights_view import UnreadableWeights, weights_view
-from ..request import GroupKey, ProgressEvent
+from ..request import GroupKey, ProgressEvent, Size
 from .request_state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,9 @@ class PreviewRunner(Protocol):
     graph_runner: GraphRunner | None
 
     def buffers(self, key: GroupKey): ...
-    def latent_shape(self, key: GroupKey) -> tuple[int, ...]: ...
+    def image_latent_shape(self, size: Size) -> tuple[int, ...]: ...
+    def image_latents(self, rows: torch.Tensor, key: GroupKey, size: Size) -> torch.Tensor: ...
+    def graphed_sizes(self) -> tuple[Size, ...]: ...
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor: ...
     def on_device(self): ...
 
@@ -76,10 +78,10 @@ def published_factors(factors: tuple | None, vae_config: object, is_random: bool
     return LatentRGB.published(factors)
 
 
-def fit_factors(runner: PreviewRunner, key: GroupKey, seed: int = 0) -> LatentRGB:
-    """Least-squares factors for the runner's VAE at resolution `key`: random latents decoded, each latent cell's
+def fit_factors(runner: PreviewRunner, size: Size, seed: int = 0) -> LatentRGB:
+    """Least-squares factors for the runner's VAE at image `size`: random latents decoded, each latent cell's
     mean pixel regressed on its channels (with a bias)."""
-    shape = runner.latent_shape(key)
+    shape = runner.image_latent_shape(size)
     g = torch.Generator("cpu").manual_seed(seed)
     latents = torch.randn((FIT_SAMPLES, *shape), generator=g)
     with torch.no_grad():
@@ -92,11 +94,11 @@ def fit_factors(runner: PreviewRunner, key: GroupKey, seed: int = 0) -> LatentRG
     return LatentRGB(solution[:-1].astype(np.float32), solution[-1].astype(np.float32), "fitted")
 
 
-def render(runner: PreviewRunner, key: GroupKey, start: int, count: int, weight: torch.Tensor, bias: torch.Tensor
-           ) -> Callable[[], np.ndarray]:
-    """Enqueues the preview of rows [start, start + count) of group `key` (their D) with factors already on the
-    device; returns a waiter giving uint8 pixels [count, h, w, 3]. Nothing waits for the device here."""
-    d = runner.buffers(key).d_prev[start:start + count]
+def render(runner: PreviewRunner, key: GroupKey, size: Size, start: int, count: int, weight: torch.Tensor,
+           bias: torch.Tensor) -> Callable[[], np.ndarray]:
+    """Enqueues the preview of rows [start, start + count) of group `key` (their D), images of `size`, with factors
+    already on the device; returns a waiter giving uint8 pixels [count, h, w, 3]. Nothing waits for the device here."""
+    d = runner.image_latents(runner.buffers(key).d_prev[start:start + count], key, size)
     pixels = torch.einsum("nchw,cr->nhwr", d.float(), weight) + bias
     return _to_host(runner, (pixels.clamp(0, 1) * 255).round().to(torch.uint8))
 
@@ -127,8 +129,8 @@ class TinyDecoder:
         if graphs is not None:  # its own small graphs beside the decoder's, captured with them
             from ..graphs.graphables import VaeGraph
 
-            self.graph = VaeGraph(self._pixels, runner.latent_shape, self.dtype, runner.device,
-                                  graphs.kinds["step"].resolutions(), buckets)
+            self.graph = VaeGraph(self._pixels, runner.image_latent_shape, self.dtype, runner.device,
+                                  runner.graphed_sizes(), buckets)
             self.graph.kind = "preview"
             graphs.register(self.graph)
 
@@ -138,18 +140,18 @@ class TinyDecoder:
         image = self.module.decode(latents.to(self.dtype)).sample
         return ((image.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
 
-    def render(self, key: GroupKey, start: int, count: int) -> Callable[[], np.ndarray]:
-        d = self.runner.buffers(key).d_prev[start:start + count]
+    def render(self, key: GroupKey, size: Size, start: int, count: int) -> Callable[[], np.ndarray]:
+        d = self.runner.image_latents(self.runner.buffers(key).d_prev[start:start + count], key, size)
         graphs, parts = self.runner.graph_runner, []
         chunk = max(self.graph.buckets()) if self.graph is not None else count  # the largest graph's rows at once
         for i in range(0, count, chunk):
             part = d[i:i + chunk]
-            bucket = graphs.bucket("preview", key[0], key[1], part.shape[0]) if graphs is not None else None
+            bucket = graphs.bucket("preview", size[0], size[1], part.shape[0]) if graphs is not None else None
             if bucket is None:
                 parts.append(self._pixels(part))
             else:
-                self.graph.write(key[0], key[1], part.to(self.dtype), bucket)
-                parts.append(graphs.replay("preview", key[0], key[1], bucket)[:part.shape[0]].clone())
+                self.graph.write(size[0], size[1], part.to(self.dtype), bucket)
+                parts.append(graphs.replay("preview", size[0], size[1], bucket)[:part.shape[0]].clone())
         return _to_host(self.runner, torch.cat(parts))
 
 
@@ -198,9 +200,9 @@ class PreviewMaker:
         """Previews from the tiny decoder in `folder` (before the graphs are captured). Raises ValueError."""
         self.decoder = TinyDecoder(folder, self.runner)
 
-    def factors(self, key: GroupKey) -> LatentRGB:
+    def factors(self, size: Size) -> LatentRGB:
         if self._rgb is None:
-            self._rgb = fit_factors(self.runner, key)
+            self._rgb = fit_factors(self.runner, size)
         return self._rgb
 
     def capture(self, key: GroupKey, live: list[RequestState]) -> None:
@@ -211,13 +213,13 @@ class PreviewMaker:
                 continue
             try:
                 if self.decoder is not None:
-                    wait = self.decoder.render(key, s.first_row, s.rows)
+                    wait = self.decoder.render(key, s.size, s.first_row, s.rows)
                 else:
                     if self._on_device is None:
-                        rgb = self.factors(key)
+                        rgb = self.factors(s.size)
                         self._on_device = (torch.from_numpy(rgb.weight).to(self.runner.device),
                                            torch.from_numpy(rgb.bias).to(self.runner.device))
-                    wait = render(self.runner, key, s.first_row, s.rows, *self._on_device)
+                    wait = render(self.runner, key, s.size, s.first_row, s.rows, *self._on_device)
                 s.preview_future = self._pool.submit(self._send, s, wait, s.step, s.steps, spec.format)
             except Exception:  # a preview must never fail the request or the step
                 logger.exception("preview of %s failed", s.request_id)

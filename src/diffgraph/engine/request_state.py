@@ -13,7 +13,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..request import GenerationRequest, GenerationResult, GroupKey, ProgressEvent
+from ..request import GenerationRequest, GenerationResult, GroupKey, ProgressEvent, Size
 from ..sampling.samplers import SamplerPlan
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class RequestState:
     the engine's opaque handles for it (where its answer goes, its noise generator once admitted)."""
 
     request_id: str
-    key: GroupKey
+    key: GroupKey              # the group its rows run in (the family's key for its size)
     rows: int
     plan: SamplerPlan
     arrival: float
@@ -58,6 +58,7 @@ class RequestState:
     batch: bool = False        # its scheduling class (priority.py): a job's item (batch) or interactive
     job: str | None = None     # its job (batch rows share the class fairly by share, then by job)
     share: str | None = None   # its job's API key
+    size: Size | None = None   # its image (height, width); None: the key (a UNet family's group is its size)
     preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
     saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
     edit_pixels: Any = None    # an edit's preprocessed image and mask (engine/edits.py, at submit)
@@ -77,6 +78,8 @@ class RequestState:
     done: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.size is None:
+            self.size = self.key
         self.steps, self.branches = self.plan.num_steps, self.plan.branches
         per_row = np.ones(self.steps, dtype=np.int64) if self.branches is None else \
             np.asarray(self.branches, dtype=np.int64)
@@ -100,8 +103,10 @@ class RequestState:
 
     @classmethod
     def of(cls, request: GenerationRequest, plan: SamplerPlan, arrival: float, sink: Any = None,
-           prompts: tuple = ()) -> "RequestState":
-        return cls(request_id=request.request_id, key=request.key, rows=request.num_images, plan=plan,
+           prompts: tuple = (), key: GroupKey | None = None) -> "RequestState":
+        """`key`: the group its rows run in (the model family's for its size; None: the size itself)."""
+        return cls(request_id=request.request_id, key=request.key if key is None else key, size=request.key,
+                   rows=request.num_images, plan=plan,
                    arrival=arrival, request=request, sink=sink,
                    batch=request.priority == "batch", job=request.job, share=request.share,
                    prompts=prompts)

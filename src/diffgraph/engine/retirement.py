@@ -101,13 +101,21 @@ class Retirement:
             for s in finished:
                 fail_request(s, self._closed_by)
             return
+        sizes = {s.size for s in finished}
+        if len(sizes) > 1:  # a group of several image sizes (a transformer's token bucket): one decode per size
+            rows = torch.cat(latents)
+            starts = np.cumsum([0] + [s.rows for s in finished])
+            for size in sizes:
+                mine = [i for i, s in enumerate(finished) if s.size == size]
+                self._decode(key, [finished[i] for i in mine], [rows[starts[i]:starts[i + 1]] for i in mine])
+            return
         try:  # whatever fails here answers `finished`: they have left the scheduler and the decode batches
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
                 if self.decode_log is not None and self.runner.cuda else None
             self._wait_for_images()
             if events is not None:
                 events[0].record(torch.cuda.current_stream(self.runner.device))
-            decoded = self.runner.decode_async(key, torch.cat(latents))
+            decoded = self.runner.decode_async(key, torch.cat(latents), finished[0].size)
             if events is not None:
                 events[1].record(torch.cuda.current_stream(self.runner.device))
             if self.decode_log is not None:

@@ -48,7 +48,7 @@ from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
 from ...features.history import SamplerHistory
 from ...features.lora import LoraRows, SidePathRows
-from ...request import MAX_LORAS, SIZE_MULTIPLE, GroupKey, check_family_params
+from ...request import MAX_LORAS, SIZE_MULTIPLE, GroupKey, Size, check_family_params
 from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
 from ...sampling.samplers import PlanOptions, SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
@@ -216,9 +216,37 @@ class FamilyAdapter:
                              "(an inpainting UNet: latents, mask, masked-image latents)")
         return extra
 
-    def latent_shape(self, model: DiffusionModel, key: GroupKey) -> tuple[int, int, int]:
+    # -- groups and the rows' latent layout ------------------------------------------------------
+    # A request's size (height, width) is its image's; its group key is the family's choice: rows of one key share
+    # step buffers, steps and graphs. UNet families group by the size itself (convolutions need one shape); a
+    # transformer family that packs latents into tokens may group every size of one token bucket (rows of different
+    # aspect ratios in one step), its rows then carrying their own positions and image-token mask (`row_spec`).
+    def group_key(self, model: DiffusionModel, size: Size) -> GroupKey:
+        """The group rows of an image `size` run in (default: the size itself)."""
+        return size
+
+    def image_latent_shape(self, model: DiffusionModel, size: Size) -> tuple[int, ...]:
+        """The VAE's latents of one image of `size`: the shape a request's seed draws its noise in (diffusers' order)
+        and the decoder reads."""
         f = model.vae_scale_factor
-        return (model.latent_channels, key[0] // f, key[1] // f)
+        return (model.latent_channels, size[0] // f, size[1] // f)
+
+    def latent_shape(self, model: DiffusionModel, key: GroupKey) -> tuple[int, ...]:
+        """One row of a group's step buffers (default: the image latents of the size the key is)."""
+        return self.image_latent_shape(model, key)
+
+    def pack(self, model: DiffusionModel, latents: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
+        """Image latents [n, *image_latent_shape(size)] -> step rows [n, *latent_shape(key)] (default: the same)."""
+        return latents
+
+    def unpack(self, model: DiffusionModel, rows: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
+        """Step rows [n, *latent_shape(key)] -> image latents [n, *image_latent_shape(size)] (`pack`'s inverse)."""
+        return rows
+
+    def packs(self, model: DiffusionModel) -> bool:
+        """Whether step rows differ from image latents (`pack` is not the identity): then several sizes may share a
+        group, and what works on image latents in place (the inpainting blend, the latent previews) does not apply."""
+        return type(self).pack is not FamilyAdapter.pack
 
     def check(self, sampler: str, schedule: str, key: GroupKey) -> None:
         """ParamError (naming `sampler`, `schedule`, `width` or `height`) unless this family takes the sampler,
@@ -297,8 +325,10 @@ class FamilyAdapter:
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         raise NotImplementedError
 
-    def row_spec(self, model: DiffusionModel, key: GroupKey) -> dict[str, torch.Tensor]:
-        """Per-row conditioning that depends only on the resolution (same for both CFG branches)."""
+    def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
+        """Per-row values that depend only on the row's image size (the same for both CFG branches: SDXL's time ids,
+        a transformer's token positions and image-token mask), on the model's device. `size` None: any size of the
+        group (the buffers' allocation reads only the shapes)."""
         return {}
 
     def tokenize(self, model: DiffusionModel, prompts: list[str]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...request import GroupKey
+from ...request import GroupKey, Size
 from ...features.control import residual_kwargs
 from ..model import DiffusionModel
 from .base import CondSpec, Conditioning, FamilyAdapter
@@ -48,8 +48,8 @@ class SDXLFamily(FamilyAdapter):
         return {"embeds": ((seq, int(model.denoiser.config.cross_attention_dim)), model.dtype),
                 "pooled": ((int(model.text_encoders[-1].config.projection_dim),), model.dtype)}
 
-    def row_spec(self, model: DiffusionModel, key: GroupKey) -> dict[str, torch.Tensor]:
-        return {"time_ids": torch.tensor(add_time_ids(*key), dtype=model.dtype, device=model.device)}
+    def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
+        return {"time_ids": torch.tensor(add_time_ids(*(size or key)), dtype=model.dtype, device=model.device)}
 
     def encode_ids(self, model: DiffusionModel, ids: list[torch.Tensor], clip_skip: int | None = None) -> Conditioning:
         embeds_list: list[torch.Tensor] = []
