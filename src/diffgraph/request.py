@@ -599,7 +599,7 @@ class GenerationRequest:
             check_family_params(request.sampler, request.schedule, request.key)
         else:
             model.check(request.sampler, request.schedule, request.key)
-            model.check_guidance(request)
+            model.check_request(request)
             if request.num_images > model.max_rows:
                 raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
                                                f"batch bucket {model.max_rows}")
@@ -735,6 +735,7 @@ class ModelInfo:
     # how the model guides: "cfg" (a second denoiser branch for the negative prompt), "embedded" (the value goes
     # into the denoiser: guidance-distilled models) or "none"
     guidance: str = "cfg"
+    prompt_syntaxes: tuple[str, ...] = PROMPT_SYNTAXES  # the prompt syntaxes its text side reads
 
     @property
     def capabilities(self) -> tuple[str, ...]:
@@ -745,6 +746,13 @@ class ModelInfo:
     def check(self, sampler: str, schedule: str, key: GroupKey) -> None:
         """ParamError unless the model's family takes this sampler, schedule and size."""
         check_family_params(sampler, schedule, key, self.samplers, self.schedules, self.size_multiple, self.family)
+
+    def check_request(self, request: "GenerationRequest") -> None:
+        """ParamError naming the first parameter this model cannot honour (beyond its sampler and size: `check`)."""
+        self.check_guidance(request)
+        if request.prompt_syntax not in self.prompt_syntaxes:
+            raise ParamError("prompt_syntax", f"prompt_syntax {request.prompt_syntax!r} is not read by model "
+                                              f"{self.name!r}; allowed: {', '.join(self.prompt_syntaxes)}")
 
     def check_guidance(self, request: "GenerationRequest") -> None:
         """ParamError naming the first parameter that needs classifier-free guidance on a model without it (an empty

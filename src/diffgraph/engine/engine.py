@@ -179,7 +179,8 @@ class Engine:
                               edit_strength=adapter.edit_strength, edits=adapter.supports_edits,
                               samplers=tuple(adapter.samplers), schedules=tuple(adapter.schedules),
                               default_sampler=adapter.default_sampler, default_schedule=adapter.default_schedule,
-                              size_multiple=int(adapter.size_multiple), guidance=adapter.guidance(self.model))
+                              size_multiple=int(adapter.size_multiple), guidance=adapter.guidance(self.model),
+                              prompt_syntaxes=tuple(adapter.prompt_syntaxes))
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
                       fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30) -> LoraManager | None:
@@ -258,7 +259,7 @@ class Engine:
         `on_progress(request_id, step, total)` runs on the engine's loop thread after each step: keep it short
         (hand anything slow to another thread), since every request waits for it. `on_preview(event)` gets a
         request's live previews (its `preview`), on the preview thread, all before the result."""
-        self.info.check_guidance(request)  # a request built without this model's info
+        self.info.check_request(request)  # a request built without this model's info
         sink = _FutureSink(on_progress, on_preview)
         self.core.submit(request, sink)
         return sink.future

@@ -85,7 +85,9 @@ class ModelRunner:
         self.staging: dict[GroupKey, StagingPair] = {}
         # the family's per-size row fields, on the device, by (group, size); (group, None): the allocation's
         self._row_values: dict[tuple[GroupKey, Size | None], dict[str, torch.Tensor]] = {}
-        self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per size ever asked for
+        self._latent_shapes: dict[GroupKey, tuple[int, ...]] = {}  # tiny tuples, one per group ever asked for
+        self._image_shapes: dict[Size, tuple[int, ...]] = {}  # and per image size
+        self._packs = self.adapter.packs(model)  # step rows are packed image latents (several sizes to a group)
         self.prompts = PromptCache(prompt_cache_size, prompt_cache_bytes)
         self.loras, self.controls, self.image_prompts = loras, controls, image_prompts  # (LoRA, ControlNet, IP) or None
         slots = loras is not None and loras.enabled
@@ -96,7 +98,8 @@ class ModelRunner:
                              "(75 tokens each)")
         self.max_chunks = self.adapter.max_chunks(model, max_prompt_chunks)
         self.text_setup = TextSetup(tuple(model.tokenizers), self.adapter.embedding_dims(model), self.max_chunks,
-                                    self.adapter.encoder_layers(model), embeddings)
+                                    self.adapter.encoder_layers(model), embeddings,
+                                    lengths=tuple(self.adapter.token_lengths(model)))
         side_paths = loras.unet_rows if slots else None
         self.control_runner = ControlRunner(controls, partial(self.adapter.control, model)) if controls else None
         extra = {"max_chunks": self.max_chunks, "controls": self.control_runner, "image_prompts": image_prompts} \
@@ -184,12 +187,15 @@ class ModelRunner:
 
     # -- shapes and buffers --------------------------------------------------------------------
     def group_key(self, size: Size) -> GroupKey:
-        """The group rows of an image `size` run in (the family's choice: the size, or a transformer's token bucket)."""
-        return self.adapter.group_key(self.model, size)
+        """The group rows of an image `size` run in: the family's (a transformer's token bucket) where its step rows
+        pack image latents; else the size itself (unpacked latents of two sizes cannot share buffers)."""
+        return self.adapter.group_key(self.model, size) if self._packs else size
 
     def image_latent_shape(self, size: Size) -> tuple[int, ...]:
         """The VAE's latents of one image of `size` (what the decoder reads)."""
-        return self.adapter.image_latent_shape(self.model, size)
+        if (shape := self._image_shapes.get(size)) is None:
+            shape = self._image_shapes[size] = self.adapter.image_latent_shape(self.model, size)
+        return shape
 
     def image_latents(self, rows: torch.Tensor, key: GroupKey, size: Size) -> torch.Tensor:
         """Step rows of group `key` that are images of `size` -> their image latents (the family's `unpack`)."""
@@ -303,9 +309,8 @@ class ModelRunner:
     # -- rows ----------------------------------------------------------------------------------
     def draw(self, rows: int, key: GroupKey, size: Size, generator: torch.Generator) -> torch.Tensor:
         """Normal draws from a request's generator in its image latents' shape (diffusers' order), as step rows."""
-        latents = torch.randn((rows, *self.adapter.image_latent_shape(self.model, size)), generator=generator,
-                              dtype=self.model.dtype)
-        return self.adapter.pack(self.model, latents, size, key)
+        latents = torch.randn((rows, *self.image_latent_shape(size)), generator=generator, dtype=self.model.dtype)
+        return self.adapter.pack(self.model, latents, size, key) if self._packs else latents
 
     def initial_latents(self, rows: int, key: GroupKey, generator: torch.Generator, sigma: float,
                         size: Size | None = None) -> torch.Tensor:

@@ -93,8 +93,9 @@ class StepView:
     dtype: torch.dtype             # the denoiser's input dtype
 
     def column(self, name: str) -> torch.Tensor:
-        """A feature's coefficient column, [n, 1, 1, 1] for broadcasting over latents."""
-        return self.coefs[:, self.columns[name]].view(self.n, 1, 1, 1)
+        """A feature's coefficient column, [n, 1, ...] for broadcasting over latents (of any rank: [C, h, w] image
+        latents, [tokens, C] packed ones)."""
+        return self.coefs[:, self.columns[name]].view(self.n, *(1,) * (self.fields["x"].dim() - 1))
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """A per-image-row tensor, per denoiser row."""

@@ -41,7 +41,7 @@ class EditRows(RowFeature):
 
     def after_update(self, view: StepView, x_next: torch.Tensor, denoised: torch.Tensor) -> torch.Tensor:
         n, co, f = view.n, view.coefs, view.fields
-        m = f["edit.mask"]
-        known = (co[:, int(Coef.KNOWN)].view(n, 1, 1, 1) * f["edit.known"]
-                 + co[:, int(Coef.KNOWN_NOISE)].view(n, 1, 1, 1) * f["edit.noise0"])
+        m, ones = f["edit.mask"], (1,) * (x_next.dim() - 1)
+        known = (co[:, int(Coef.KNOWN)].view(n, *ones) * f["edit.known"]
+                 + co[:, int(Coef.KNOWN_NOISE)].view(n, *ones) * f["edit.noise0"])
         return (1 - m) * known + m * x_next

@@ -184,7 +184,8 @@ class StepProgram:
         view = StepView(fields={k: v[:d] if k in transient else v[:n] for k, v in fields.items()}, coefs=co,
                         columns=self.columns, n=n, den_row=index[:d, 0], den_alt=index[:d, 1], out_main=index[:n, 2],
                         out_alt=index[:n, 3], dtype=dtype)
-        x_scaled = (view.fields["x"] * co[:, int(Coef.C_IN)].view(n, 1, 1, 1)).to(dtype)
+        x = view.fields["x"]
+        x_scaled = (x * co[:, int(Coef.C_IN)].view(n, *(1,) * (x.dim() - 1))).to(dtype)
         x_in = x_scaled
         for f in self.features:
             x_in = f.model_input(view, x_in)

@@ -418,6 +418,9 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
 def fit_to_model(plan: Plan, info: ModelInfo) -> Plan:
     """The plan without what the model cannot honour, each named in a warning: AUTOMATIC1111 and Forge ignore the
     parameters of classifier-free guidance on a model that runs none (the images API refuses them)."""
+    if plan.create.get("prompt_syntax", "plain") not in info.prompt_syntaxes:  # AUTOMATIC1111's syntax: CLIP's
+        plan = dataclasses.replace(plan, create={**plan.create, "prompt_syntax": "plain"}, warnings=plan.warnings + (
+            f"the prompt is read as plain text: model {info.name!r} does not read AUTOMATIC1111's prompt syntax",))
     if info.guidance == "cfg" or not (unused := cfg_params_used(plan.create)):
         return plan
     return dataclasses.replace(plan, create={**plan.create, **{name: CFG_NEUTRAL[name] for name in unused}},

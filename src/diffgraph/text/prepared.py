@@ -61,7 +61,7 @@ class PromptText:
 class TextSetup:
     """What preparing a prompt needs from the model and the engine (the model runner builds it once)."""
 
-    tokenizers: tuple[Any, ...]            # the model's CLIP tokenizers, in encoder order
+    tokenizers: tuple[Any, ...]            # the model's tokenizers, in encoder order
     embedding_dims: dict[str, int]         # textual-inversion key -> vector width (FamilyAdapter.embedding_dims)
     max_chunks: int = 3
     max_clip_skip: int = 11
@@ -69,6 +69,7 @@ class TextSetup:
     matchers: MatcherCache = field(default_factory=lambda: MatcherCache(), compare=False, repr=False)
     tokens: TokenCache = field(default_factory=lambda: TokenCache(), compare=False, repr=False)
     lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)  # around every tokenizer call
+    lengths: tuple[int, ...] = ()          # the tokens each encoder reads (the family's); () its model_max_length
 
 
 def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, PromptText]:
@@ -94,14 +95,15 @@ def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
 def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
     out = []
     for i, tokenizer in enumerate(setup.tokenizers):
-        length = tokenizer.model_max_length
+        length = setup.lengths[i] if setup.lengths else tokenizer.model_max_length
         with setup.lock:
             ids = setup.tokens.get(("plain", i), [text], lambda texts: tokenizer(
                 texts, padding="max_length", max_length=length, truncation=False).input_ids)[0]
         if len(ids) > length:
             # counts only: prompt text never goes to a log (the request id is not known here)
-            logger.warning("prompt truncated: CLIP reads %d tokens, the prompt has %d, %d dropped; "
-                           "prompt_syntax \"a1111\" reads long prompts in chunks", length, len(ids), len(ids) - length)
+            logger.warning("prompt truncated: the text encoder reads %d tokens, the prompt has %d, %d dropped%s",
+                           length, len(ids), len(ids) - length,
+                           "; prompt_syntax \"a1111\" reads long prompts in chunks" if setup.max_chunks > 1 else "")
             ids = ids[:length - 1] + (tokenizer.eos_token_id,)
         out.append((ids,))
     return tuple(out)

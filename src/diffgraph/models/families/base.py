@@ -148,6 +148,8 @@ class FamilyAdapter:
     compile_layout: tuple[bool, str] = (True, "auto")
     # conditioning fields with a token axis (their first per-row dimension): long prompts make them longer
     sequence_fields: tuple[str, ...] = ()
+    # the prompt syntaxes its text side reads (request.PROMPT_SYNTAXES: "a1111" needs CLIP's 75-token windows)
+    prompt_syntaxes: tuple[str, ...] = ("plain", "a1111")
     # the textual-inversion key of each text encoder, in order (text/embeddings.py): "default" for one encoder
     embedding_keys: tuple[str, ...] = ("default",)
 

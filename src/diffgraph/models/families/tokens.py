@@ -1,0 +1,143 @@
+"""`TokenFamily`: the host half every transformer family over packed latent tokens shares (Flux, Z-Image, Qwen-Image).
+
+Such a model reads an image's latents as tokens, `patch` x `patch` latent cells each; its attention does not care how
+the tokens were laid out on the grid as long as each carries its position. So its rows group by token count, not by
+size: the group key is (0, image tokens rounded up to `token_bucket`), and rows of different aspect ratios (and, with
+padding, of different sizes) of one bucket share step buffers, steps and graphs. Each row carries, from its own size,
+its tokens' grid positions (`rows.positions`, [tokens, 2] as (row, column), padding at (-1, -1)) and which tokens are
+its image's (`rows.image_mask`); padding tokens hold zeros, the step's update keeps them there (the family's denoiser
+returns 0 for them), and `unpack` drops them.
+
+Its text side reads variable-length prompts: a row holds `text_tokens` prompt tokens with a mask (the conditioning
+fields `embeds` and `mask`), so prompts of different lengths share a step; the family's `encode` pads each prompt
+(`pad_tokens`).
+
+Its sampler is flow matching (sampling/flow.py): `flow_euler` over the scheduler config's `FlowSchedule`, the time
+shift from the row's own token count.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ...request import GroupKey, Size
+from ...sampling.flow import FLOW_SAMPLERS, FLOW_SCHEDULES, FlowSchedule, flow_noising, flow_plan
+from ...sampling.samplers import SamplerPlan
+from ..model import DiffusionModel
+from .base import Conditioning, FamilyAdapter, Planner
+
+TOKEN_GROUP = 0  # the first element of a token family's group key (a UNet family's is a height, never 0)
+
+
+class TokenFamily(FamilyAdapter):
+    """A transformer family over packed latent tokens: subclass it, set `name`, `pipeline_classes`, `patch`,
+    `token_bucket`, `text_tokens`, implement loading, `cond_spec` / `encode` and `denoise` (rows in the packed layout,
+    padding tokens out as 0); override `pack` / `unpack` where its token order differs from Flux's."""
+
+    patch: int = 2                 # latent cells per token side
+    token_bucket: int = 256        # image tokens of a group: a multiple of this
+    text_tokens: int = 512         # prompt tokens a row holds (masked)
+    samplers = FLOW_SAMPLERS
+    schedules = FLOW_SCHEDULES
+    default_sampler = FLOW_SAMPLERS[0]
+    default_schedule = FLOW_SCHEDULES[0]
+    prompt_syntaxes = ("plain",)
+
+    # -- groups and layout -------------------------------------------------------------------------
+    def grid(self, model: DiffusionModel, size: Size) -> tuple[int, int]:
+        """Tokens per column and per row of an image of `size`."""
+        cell = model.vae_scale_factor * self.patch
+        return size[0] // cell, size[1] // cell
+
+    def group_key(self, model: DiffusionModel, size: Size) -> GroupKey:
+        h, w = self.grid(model, size)
+        return (TOKEN_GROUP, math.ceil(h * w / self.token_bucket) * self.token_bucket)
+
+    def latent_shape(self, model: DiffusionModel, key: GroupKey) -> tuple[int, ...]:
+        if key[0] != TOKEN_GROUP:
+            raise ValueError(f"group {key} is not a token bucket of family {self.name!r}")
+        return (key[1], model.latent_channels * self.patch ** 2)
+
+    def pack(self, model: DiffusionModel, latents: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
+        """[n, C, h, w] -> [n, bucket tokens, C * p * p], Flux's order (row-major tokens, channels outermost within a
+        token), zero padding after the image's tokens."""
+        n, c, h, w = latents.shape
+        p = self.patch
+        tokens = latents.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(n, -1, c * p * p)
+        out = tokens.new_zeros((n, *self.latent_shape(model, key)))
+        out[:, :tokens.shape[1]] = tokens
+        return out
+
+    def unpack(self, model: DiffusionModel, rows: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
+        gh, gw = self.grid(model, size)
+        p, n = self.patch, rows.shape[0]
+        c = rows.shape[2] // (p * p)
+        tokens = rows[:, :gh * gw].reshape(n, gh, gw, c, p, p)
+        return tokens.permute(0, 3, 1, 4, 2, 5).reshape(n, c, gh * p, gw * p)
+
+    def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
+        """Each token's grid position (row, column) and whether it is the image's; padding at (-1, -1), False."""
+        total = key[1]
+        positions = torch.full((total, 2), -1, dtype=torch.int64)
+        mask = torch.zeros(total, dtype=torch.bool)
+        if size is not None:
+            gh, gw = self.grid(model, size)
+            rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+            positions[:gh * gw] = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=1)
+            mask[:gh * gw] = True
+        return {"positions": positions.to(model.device), "image_mask": mask.to(model.device)}
+
+    # -- sampling ------------------------------------------------------------------------------------
+    def planner(self, model: DiffusionModel) -> Planner:
+        """Flow Euler over the model's flow schedule, shifted by each row's own token count."""
+        schedule_config = FlowSchedule.from_config(model.scheduler_config)
+
+        @functools.lru_cache(maxsize=256)
+        def plan(sampler: str, schedule: str, steps: int, size: Size) -> SamplerPlan:
+            self.check(sampler, schedule, size)
+            h, w = self.grid(model, size)
+            return flow_plan(sampler, schedule, schedule_config.sigmas(steps, h * w))
+        return plan
+
+    def noising(self, plan: SamplerPlan) -> tuple[float, float]:
+        return flow_noising(float(plan.sigmas[0]))
+
+    def extra_channels(self, model: DiffusionModel) -> int:
+        return 0
+
+    # -- text -----------------------------------------------------------------------------------------
+    def token_lengths(self, model: DiffusionModel) -> list[int]:
+        return [self.text_tokens] * len(model.tokenizers)
+
+    def needs_attention_mask(self, model: DiffusionModel) -> bool:
+        return True
+
+    def encoder_layers(self, model: DiffusionModel) -> int:
+        return 0  # clip_skip is CLIP's: refused
+
+    def embedding_dims(self, model: DiffusionModel) -> dict[str, int]:
+        return {}
+
+    def pad_tokens(self, model: DiffusionModel, embeds: torch.Tensor, mask: torch.Tensor) -> Conditioning:
+        """An encoder's [n, L, D] hidden states and [n, L] mask (L <= text_tokens) -> the rows' `embeds` and `mask`
+        fields at `text_tokens`, padding zeroed."""
+        n, length, dim = embeds.shape
+        if length > self.text_tokens:
+            raise ValueError(f"{length} prompt tokens are more than the {self.text_tokens} a row holds")
+        out = embeds.new_zeros((n, self.text_tokens, dim))
+        keep = mask.to(torch.bool)
+        out[:, :length] = embeds * keep.unsqueeze(-1)
+        full = torch.zeros((n, self.text_tokens), dtype=torch.bool, device=embeds.device)
+        full[:, :length] = keep
+        return {"embeds": out.to(model.dtype), "mask": full}
+
+    def tokenize_padded(self, model: DiffusionModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, attention mask) [n, L] of the prompts, L the longest's, each cut to `text_tokens` (the prompt's
+        preparation warned of what is dropped: text/prepared.py)."""
+        tokenizer = model.tokenizers[0]
+        out = tokenizer(prompts, padding="longest", max_length=self.text_tokens, truncation=True,
+                        return_tensors="pt")
+        return out.input_ids, out.attention_mask
