@@ -1,7 +1,9 @@
 """POST /v1/images/edits (issue 15) against a `diffgraph serve` process (random:tiny on the CPU): the same images
 as the in-process engine for image-to-image and inpainting, OpenAI's mask conventions (alpha: transparent =
 repaint; no alpha: white = repaint; no mask: the image's transparent pixels), streaming, `diffgraph generate --url
---image`, and every bad input answered 400 in OpenAI's shape with the server healthy after."""
+--image`, and every bad input answered 400 in OpenAI's shape with the server healthy after. Against the suite's
+tiny engine served in this process, what OpenAI's client sends and reads: `image_edit.*` stream events, each
+answer validated with the client's own types."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import pytest
 from PIL import Image
 
 from diffgraph import Engine
+from diffgraph.server.config import ServerConfig
 from diffgraph.server.process import ServerProcess
+from server_util import served
 from sse_util import read_stream
 
 MODEL = "random:tiny"
@@ -200,3 +204,33 @@ def test_the_openai_client_edits(server, engine, tmp_path):
                                  extra_body={"strength": 0.9, "num_inference_steps": 6, "seed": 4})
     expected = _expected(engine, image=_source(), mask_image=_repaint_rows(), strength=0.9)
     assert np.abs(_pixels(out.data[0].b64_json) - expected).max() <= 1
+
+
+@pytest.fixture(scope="module")
+def app(tiny_engine):
+    with served(tiny_engine, ServerConfig(model=MODEL, device="cpu")) as client:
+        yield client
+
+
+def _client(app):
+    import openai
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=app, max_retries=0)
+
+
+def test_a_streamed_edit_sends_image_edit_events_that_the_openai_client_types_read(app):
+    from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent
+
+    fields = {"prompt": "a fox", "strength": "0.5", "num_inference_steps": "4", "seed": "3", "partial_images": "1"}
+    with app.stream("POST", "/v1/images/edits", files={"image": ("a.png", _png(_source()), "image/png")},
+                    data={**fields, "stream": "true"}) as r:
+        stream = read_stream(r.iter_lines())
+    assert [e for e in stream.events if e != "progress"] == ["image_edit.partial_image", "image_edit.completed"]
+    ImageEditPartialImageEvent.model_validate(stream.partials[0])  # OpenAI's types: every field they require
+    done = ImageEditCompletedEvent.model_validate(stream.completed[0])
+    plain = app.post("/v1/images/edits", files={"image": ("a.png", _png(_source()), "image/png")}, data=fields)
+    assert done.b64_json == plain.json()["data"][0]["b64_json"]  # the image a plain edit answers
+    events = list(_client(app).images.edit(image=_png(_source()), prompt="a fox", stream=True, partial_images=1,
+                                           extra_body={"strength": 0.5, "num_inference_steps": 4, "seed": 3}))
+    assert [type(e).__name__ for e in events] == ["ImageEditPartialImageEvent", "ImageEditCompletedEvent"]
+    assert events[1].b64_json == done.b64_json
+

@@ -290,17 +290,18 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     @app.post("/v1/images/generations", openapi_extra=schema)
     async def generations(http: Request) -> Response:
-        return await _serve(http, read_generation)
+        return await _serve(http, read_generation, sse.GENERATION)
 
     edit_schema = {"requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": ImageEditForm.model_json_schema()}}}}
 
     @app.post("/v1/images/edits", openapi_extra=edit_schema)
     async def edits(http: Request) -> Response:
-        return await _serve(http, read_edit)
+        return await _serve(http, read_edit, sse.EDIT)
 
-    async def _serve(http: Request, read: Callable[[Request, ModelInfo], Any]) -> Response:
-        """One generation request: read and validate it (`read`), submit, wait (or stream), answer."""
+    async def _serve(http: Request, read: Callable[[Request, ModelInfo], Any], kind: str) -> Response:
+        """One generation request: read and validate it (`read`), submit, wait (or stream the route's `kind` of
+        events), answer."""
         t0 = time.monotonic()
         state.inflight += 1
         state.metrics.inflight.inc()
@@ -326,7 +327,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             if stream:
                 streaming = True  # the stream ends the request's accounting
                 end = _StreamEnd(handle, t0)
-                return _ClosingStream(_stream(handle, request, deadline, http, end, urls), end.close,
+                return _ClosingStream(_stream(handle, request, deadline, http, end, urls, kind), end.close,
                                       media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             items = results(state, handle, deadline, http)
             try:
@@ -368,21 +369,21 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             _leave()
 
     async def _stream(handle: RequestHandle, request: GenerationRequest, deadline: float, http: Request,
-                      end: "_StreamEnd", urls: Callable[[bytes, str], str] | None) -> AsyncIterator[bytes]:
+                      end: "_StreamEnd", urls: Callable[[bytes, str], str] | None, kind: str) -> AsyncIterator[bytes]:
         """The request's events in OpenAI's image stream shape (stream.py)."""
         items, previews = results(state, handle, deadline, http), 0
         try:
             async for item in items:
                 if isinstance(item, ProgressEvent):
                     if item.previews:
-                        yield await asyncio.to_thread(sse.partials, item, previews, request)
+                        yield await asyncio.to_thread(sse.partials, item, previews, request, kind)
                         previews += 1
                     else:
                         yield sse.progress(item)
                     continue
                 body = await asyncio.to_thread(_response, item, urls)
                 end.outcome = "success"
-                yield sse.completed(body, request)
+                yield sse.completed(body, request, kind)
                 return
         except APIError as e:
             end.outcome = outcome(e)
