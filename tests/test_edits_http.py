@@ -2,8 +2,8 @@
 as the in-process engine for image-to-image and inpainting, OpenAI's mask conventions (alpha: transparent =
 repaint; no alpha: white = repaint; no mask: the image's transparent pixels), streaming, `diffgraph generate --url
 --image`, and every bad input answered 400 in OpenAI's shape with the server healthy after. Against the suite's
-tiny engine served in this process, what OpenAI's client sends and reads: `image_edit.*` stream events, each
-answer validated with the client's own types."""
+tiny engine served in this process, what OpenAI's client sends and reads: `image_edit.*` stream events and
+`image[]` parts, each answer validated with the client's own types."""
 
 from __future__ import annotations
 
@@ -233,4 +233,21 @@ def test_a_streamed_edit_sends_image_edit_events_that_the_openai_client_types_re
                                            extra_body={"strength": 0.5, "num_inference_steps": 4, "seed": 3}))
     assert [type(e).__name__ for e in events] == ["ImageEditPartialImageEvent", "ImageEditCompletedEvent"]
     assert events[1].b64_json == done.b64_json
+
+
+def test_image_list_parts_are_read_as_the_image_and_more_than_one_is_refused_naming_them(app):
+    import openai
+
+    client, source = _client(app), _png(_source())
+    params = dict(prompt="a fox", response_format="b64_json", extra_body={"num_inference_steps": 2, "seed": 5})
+    listed = client.images.edit(image=[source], **params)  # sent as one `image[]` part
+    assert listed.data[0].b64_json == client.images.edit(image=source, **params).data[0].b64_json
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(image=[source, _png(_source(1))], **params)
+    error = info.value.body
+    assert error["param"] == "image[]" and "image[] has 2 images; model 'random:tiny' takes one image" in error[
+        "message"]
+    both = app.post("/v1/images/edits", files=[("image", ("a.png", source)), ("image[]", ("b.png", source))],
+                    data={"prompt": "a fox"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "image[]"
 

@@ -279,11 +279,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
                                param="image")
             edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
-                                           config.max_image_bytes, config.max_image_pixels)
+                                           config.max_image_bytes, config.max_image_pixels, info.name)
             controls = await asyncio.to_thread(decode_controls, form.controls, config.max_image_bytes,
-                                               config.max_image_pixels, files)
+                                               config.max_image_pixels, files.parts)
             prompt = await asyncio.to_thread(decode_image_prompt, form.image_prompts, config.max_image_bytes,
-                                             config.max_image_pixels, files)
+                                             config.max_image_pixels, files.parts)
             return await asyncio.to_thread(generation_request, info, config, form.generation(), edit,
                                            controls=controls, image_prompts=prompt)
         return form.stream, form.response_format == "url", form.model, finish
