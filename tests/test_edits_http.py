@@ -2,8 +2,8 @@
 as the in-process engine for image-to-image and inpainting, OpenAI's mask conventions (alpha: transparent =
 repaint; no alpha: white = repaint; no mask: the image's transparent pixels), streaming, `diffgraph generate --url
 --image`, and every bad input answered 400 in OpenAI's shape with the server healthy after. Against the suite's
-tiny engine served in this process, what OpenAI's client sends and reads: `image_edit.*` stream events and
-`image[]` parts, each answer validated with the client's own types."""
+tiny engine served in this process, what OpenAI's client sends and reads: `image_edit.*` stream events, `image[]`
+parts, and POST /v1/images/variations, each answer validated with the client's own types."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from PIL import Image
 
 from diffgraph import Engine
 from diffgraph.server.config import ServerConfig
+from diffgraph.server.edits import VARIATION_STRENGTH
 from diffgraph.server.process import ServerProcess
 from server_util import served
 from sse_util import read_stream
@@ -172,7 +173,6 @@ def _bomb_png(width: int, height: int) -> bytes:
      "strength 0.02 with num_inference_steps 20 leaves no denoising step"),
     ({"image": _png(_source())}, {"strength": "lots"}, "strength", "strength: must be a number"),
     ({"image": _png(_source())}, {"steps": "3"}, "steps", "unknown parameter 'steps'"),
-    ({"image": _png(_source())}, {"prompt": ""}, "prompt", "prompt is empty"),
 ])
 def test_bad_edits_get_a_400_naming_the_field_and_the_server_stays_healthy(server, files, fields, param, needle):
     body = {"prompt": "a fox", **fields}
@@ -251,3 +251,23 @@ def test_image_list_parts_are_read_as_the_image_and_more_than_one_is_refused_nam
                     data={"prompt": "a fox"})
     assert both.status_code == 400 and both.json()["error"]["param"] == "image[]"
 
+
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # OpenAI marks create_variation deprecated
+def test_a_variation_is_the_image_to_image_of_its_image_with_an_empty_prompt(app, tiny_engine):
+    from openai.types import ImagesResponse
+
+    client = _client(app)
+    out = client.images.create_variation(image=_png(_source()), n=2, response_format="b64_json",
+                                         extra_body={"num_inference_steps": 5, "seed": 7})
+    expected = tiny_engine.generate("", image=_source(), strength=VARIATION_STRENGTH, num_inference_steps=5, seed=7,
+                                    num_images=2).images
+    assert [np.abs(_pixels(d.b64_json) - np.asarray(e).astype(int)).max() for d, e in zip(out.data, expected)] == [0, 0]
+    raw = app.post("/v1/images/variations", files={"image": ("a.png", _png(_source()), "image/png")},
+                   data={"num_inference_steps": "2", "response_format": "url", "size": "64x64"})
+    by_url = ImagesResponse.model_validate(raw.json())  # OpenAI's answer: created, data with url
+    assert by_url.created > 0 and len(by_url.data) == 1 and app.get(by_url.data[0].url).status_code == 200
+    for field, value in (("prompt", "a fox"), ("stream", "true")):
+        r = app.post("/v1/images/variations", files={"image": ("a.png", _png(_source()), "image/png")},
+                     data={field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and "/v1/images/edits" in r.json()[
+            "error"]["message"]

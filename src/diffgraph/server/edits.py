@@ -1,5 +1,7 @@
 """POST /v1/images/edits: OpenAI's multipart form (image, optional mask, prompt, n, size, response_format, model)
-plus the generations endpoint's extensions and `strength`, read into typed parameters and an `EditInput`.
+plus the generations endpoint's extensions and `strength`, read into typed parameters and an `EditInput`; and
+POST /v1/images/variations, the same form without a prompt (OpenAI's `images.create_variation`: image, n, size,
+response_format, model, user): image-to-image of the image with an empty prompt at `VARIATION_STRENGTH`.
 
 The image comes as the file part `image`, or as `image[]` (OpenAI's client sends a list of images as `image[]`
 parts, one image too when it is given in a list). The SD families edit one image: a second is a 400 naming `image[]`.
@@ -34,6 +36,9 @@ FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask", *CONTROL_FILES, *PROMPT_FILES)
 IMAGE_LIST = "image[]"   # OpenAI's client's name for each image of a list
 MAX_IMAGES = 16          # image[] parts read (OpenAI's limit for its edits); a model takes its own number of them
+VARIATION_STRENGTH = 0.6  # a variation's strength: the image's composition kept, its details drawn anew
+# the edits form's fields that a variation does not take (OpenAI's variations have no prompt and do not stream)
+NOT_VARIATION = ("prompt", "mask", "stream", "partial_images", "preview")
 _NON_FINITE = ("nan", "inf", "infinity")
 
 
@@ -124,21 +129,34 @@ class FormFiles:
         return IMAGE_LIST if self.listed else "image"
 
 
-async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, FormFiles]:
+def variation_schema() -> dict[str, Any]:
+    """The variations form's JSON schema (the OpenAPI page's): the edits form's without its NOT_VARIATION fields."""
+    schema = ImageEditForm.model_json_schema()
+    schema["properties"] = {k: v for k, v in schema["properties"].items() if k not in NOT_VARIATION}
+    schema["required"] = [k for k in schema.get("required", []) if k not in NOT_VARIATION]
+    return schema
+
+
+async def read_form(http: Any, max_image_bytes: int, variation: bool = False) -> tuple[ImageEditForm, FormFiles]:
     """The parsed form: its text fields (typed) and the bytes of its files, read within their limits as they
-    arrive (bodies.py). Raises APIError (400 / 413)."""
+    arrive (bodies.py). With `variation`, the variations route's form: no prompt (an empty one), mask or stream.
+    Raises APIError (400 / 413)."""
+    route = "variations" if variation else "edits"
     content_type = http.headers.get("content-type", "")
     if not content_type.lower().startswith(FORM_CONTENT):
-        raise APIError(400, f"this endpoint takes {FORM_CONTENT} (OpenAI's images.edit: the image as a file part "
+        raise APIError(400, f"this endpoint takes {FORM_CONTENT} (OpenAI's images.{route}: the image as a file part "
                             f"'image', an optional 'mask', and the text fields), not {content_type or 'no body type'}; "
                             "for text-to-image, POST JSON to /v1/images/generations", code="invalid_content_type")
     # the body: the images and a mask at the limit, and the text fields
     names = (*FILES, *(IMAGE_LIST,) * MAX_IMAGES)
     limits = FormLimits(body_bytes=len(names) * max_image_bytes + 1_048_576, file_names=names,
                         file_bytes=max_image_bytes, flag="--max-image-bytes")
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"prompt": ""} if variation else {}
     files = FormFiles()
     for name, value in await read_multipart(http, limits):
+        if variation and name in NOT_VARIATION:
+            raise APIError(400, f"{name} is not a field of /v1/images/variations (a variation has no prompt, mask or "
+                                f"stream); use /v1/images/edits for it", param=name)
         if name in files.parts or name in fields:
             raise APIError(400, f"{name} is given more than once; send one", param=name)
         if isinstance(value, bytes):  # an upload
@@ -183,9 +201,9 @@ def edit_arrays(image: Any, mask: Any = None) -> tuple[np.ndarray, np.ndarray | 
 
 
 def edit_input(files: FormFiles, strength: float | None, defaults: tuple[float, float], max_bytes: int,
-               max_pixels: int, model: str = "") -> EditInput:
+               max_pixels: int, model: str = "", inpaint: bool = True) -> EditInput:
     """The EditInput of the form's files (see the module doc for the mask conventions); `model` names the model in
-    the refusal of several images."""
+    the refusal of several images; without `inpaint` (a variation) transparent pixels are not a mask."""
     if not files.images:
         raise APIError(400, "image is required: upload the image to edit as the file part 'image' (or 'image[]')",
                        param="image")
@@ -195,6 +213,7 @@ def edit_input(files: FormFiles, strength: float | None, defaults: tuple[float, 
     image = decode_upload(files.image_name, files.images[0], max_bytes, max_pixels)
     mask = decode_upload("mask", files.parts["mask"], max_bytes, max_pixels) if "mask" in files.parts else None
     rgb, mask_array = edit_arrays(image, mask)
+    mask_array = mask_array if inpaint else None
     if strength is None:
         strength = defaults[1] if mask_array is not None else defaults[0]
     try:
