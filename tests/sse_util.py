@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from diffgraph.server.stream import COMPLETED, PARTIAL, join_completed
+from diffgraph.image_events import COMPLETIONS, PARTIALS, join_completed
 
 
 @dataclass
@@ -35,7 +35,10 @@ def read_stream(lines: Iterable[str]) -> Stream:
         elif line.startswith("data: "):
             data = json.loads(line[len("data: "):])
             out.events.append(event)
-            {PARTIAL: out.partials, COMPLETED: out.completed}.get(event, []).append(data)
+            if event in PARTIALS:
+                out.partials.append(data)
+            elif event in COMPLETIONS:
+                out.completed.append(data)
             if event == "error":
                 out.error = data
     return out

@@ -1,7 +1,9 @@
 """POST /v1/images/edits (issue 15) against a `diffgraph serve` process (random:tiny on the CPU): the same images
 as the in-process engine for image-to-image and inpainting, OpenAI's mask conventions (alpha: transparent =
 repaint; no alpha: white = repaint; no mask: the image's transparent pixels), streaming, `diffgraph generate --url
---image`, and every bad input answered 400 in OpenAI's shape with the server healthy after."""
+--image`, and every bad input answered 400 in OpenAI's shape with the server healthy after. Against the suite's
+tiny engine served in this process, what OpenAI's client sends and reads: `image_edit.*` stream events, `image[]`
+parts, and POST /v1/images/variations, each answer validated with the client's own types."""
 
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ import pytest
 from PIL import Image
 
 from diffgraph import Engine
+from diffgraph.server.config import ServerConfig
+from diffgraph.server.edits import VARIATION_STRENGTH
 from diffgraph.server.process import ServerProcess
+from server_util import served
 from sse_util import read_stream
 
 MODEL = "random:tiny"
@@ -168,7 +173,6 @@ def _bomb_png(width: int, height: int) -> bytes:
      "strength 0.02 with num_inference_steps 20 leaves no denoising step"),
     ({"image": _png(_source())}, {"strength": "lots"}, "strength", "strength: must be a number"),
     ({"image": _png(_source())}, {"steps": "3"}, "steps", "unknown parameter 'steps'"),
-    ({"image": _png(_source())}, {"prompt": ""}, "prompt", "prompt is empty"),
 ])
 def test_bad_edits_get_a_400_naming_the_field_and_the_server_stays_healthy(server, files, fields, param, needle):
     body = {"prompt": "a fox", **fields}
@@ -200,3 +204,70 @@ def test_the_openai_client_edits(server, engine, tmp_path):
                                  extra_body={"strength": 0.9, "num_inference_steps": 6, "seed": 4})
     expected = _expected(engine, image=_source(), mask_image=_repaint_rows(), strength=0.9)
     assert np.abs(_pixels(out.data[0].b64_json) - expected).max() <= 1
+
+
+@pytest.fixture(scope="module")
+def app(tiny_engine):
+    with served(tiny_engine, ServerConfig(model=MODEL, device="cpu")) as client:
+        yield client
+
+
+def _client(app):
+    import openai
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=app, max_retries=0)
+
+
+def test_a_streamed_edit_sends_image_edit_events_that_the_openai_client_types_read(app):
+    from openai.types import ImageEditCompletedEvent, ImageEditPartialImageEvent
+
+    fields = {"prompt": "a fox", "strength": "0.5", "num_inference_steps": "4", "seed": "3", "partial_images": "1"}
+    with app.stream("POST", "/v1/images/edits", files={"image": ("a.png", _png(_source()), "image/png")},
+                    data={**fields, "stream": "true"}) as r:
+        stream = read_stream(r.iter_lines())
+    assert [e for e in stream.events if e != "progress"] == ["image_edit.partial_image", "image_edit.completed"]
+    ImageEditPartialImageEvent.model_validate(stream.partials[0])  # OpenAI's types: every field they require
+    done = ImageEditCompletedEvent.model_validate(stream.completed[0])
+    plain = app.post("/v1/images/edits", files={"image": ("a.png", _png(_source()), "image/png")}, data=fields)
+    assert done.b64_json == plain.json()["data"][0]["b64_json"]  # the image a plain edit answers
+    events = list(_client(app).images.edit(image=_png(_source()), prompt="a fox", stream=True, partial_images=1,
+                                           extra_body={"strength": 0.5, "num_inference_steps": 4, "seed": 3}))
+    assert [type(e).__name__ for e in events] == ["ImageEditPartialImageEvent", "ImageEditCompletedEvent"]
+    assert events[1].b64_json == done.b64_json
+
+
+def test_image_list_parts_are_read_as_the_image_and_more_than_one_is_refused_naming_them(app):
+    import openai
+
+    client, source = _client(app), _png(_source())
+    params = dict(prompt="a fox", response_format="b64_json", extra_body={"num_inference_steps": 2, "seed": 5})
+    listed = client.images.edit(image=[source], **params)  # sent as one `image[]` part
+    assert listed.data[0].b64_json == client.images.edit(image=source, **params).data[0].b64_json
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.edit(image=[source, _png(_source(1))], **params)
+    error = info.value.body
+    assert error["param"] == "image[]" and "image[] has 2 images; model 'random:tiny' takes one image" in error[
+        "message"]
+    both = app.post("/v1/images/edits", files=[("image", ("a.png", source)), ("image[]", ("b.png", source))],
+                    data={"prompt": "a fox"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "image[]"
+
+
+@pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # OpenAI marks create_variation deprecated
+def test_a_variation_is_the_image_to_image_of_its_image_with_an_empty_prompt(app, tiny_engine):
+    from openai.types import ImagesResponse
+
+    client = _client(app)
+    out = client.images.create_variation(image=_png(_source()), n=2, response_format="b64_json",
+                                         extra_body={"num_inference_steps": 5, "seed": 7})
+    expected = tiny_engine.generate("", image=_source(), strength=VARIATION_STRENGTH, num_inference_steps=5, seed=7,
+                                    num_images=2).images
+    assert [np.abs(_pixels(d.b64_json) - np.asarray(e).astype(int)).max() for d, e in zip(out.data, expected)] == [0, 0]
+    raw = app.post("/v1/images/variations", files={"image": ("a.png", _png(_source()), "image/png")},
+                   data={"num_inference_steps": "2", "response_format": "url", "size": "64x64"})
+    by_url = ImagesResponse.model_validate(raw.json())  # OpenAI's answer: created, data with url
+    assert by_url.created > 0 and len(by_url.data) == 1 and app.get(by_url.data[0].url).status_code == 200
+    for field, value in (("prompt", "a fox"), ("stream", "true")):
+        r = app.post("/v1/images/variations", files={"image": ("a.png", _png(_source()), "image/png")},
+                     data={field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and "/v1/images/edits" in r.json()[
+            "error"]["message"]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from diffgraph.server.edits import edit_input, read_form
+from diffgraph.server.edits import FormFiles, edit_input, read_form
 from diffgraph.server.image_store import ImageLinks, MemoryImageStore, NotSigned, UrlSigner
 from diffgraph.server.protocol import APIError
 from diffgraph.server.uploads import decode_upload
@@ -44,6 +44,11 @@ def test_an_icon_is_refused_before_its_pixels_are_decoded_past_the_pixel_limit(m
     assert all(pixels <= 256 * 256 for pixels in decoded), decoded  # 1024x1024 was decoded, then refused
 
 
+def _form(**parts: bytes) -> FormFiles:
+    """The files of a form with these parts (its image as the part `image`)."""
+    return FormFiles([parts["image"]], parts)
+
+
 def _la_tiff() -> bytes:
     """A gray + premultiplied-alpha TIFF (ExtraSamples = 1: PIL mode La)."""
     data = bytearray(_encoded(Image.new("LA", (64, 64), (100, 128)), "TIFF"))
@@ -59,7 +64,7 @@ def _la_tiff() -> bytes:
 ])
 def test_uploads_in_modes_pil_cannot_convert_directly_are_read(files):
     assert Image.open(io.BytesIO(files.get("mask", files["image"]))).mode in ("La", "LAB")
-    edit = edit_input(files, None, (0.8, 1.0), 10_000_000, 1 << 20)  # was a ValueError: a 500
+    edit = edit_input(_form(**files), None, (0.8, 1.0), 10_000_000, 1 << 20)  # was a ValueError: a 500
     assert edit.image.shape == (64, 64, 3)
 
 
@@ -67,11 +72,11 @@ def test_a_mask_whose_transparency_is_a_trns_colour_repaints_its_transparent_pix
     mask = np.full((64, 64, 3), 255, np.uint8)
     mask[:16] = 0  # black, and transparent by its tRNS chunk: OpenAI's "repaint here"
     image = _encoded(Image.new("RGB", (64, 64), (50, 60, 70)))
-    edit = edit_input({"image": image, "mask": _encoded(Image.fromarray(mask), transparency=(0, 0, 0))}, None,
+    edit = edit_input(_form(image=image, mask=_encoded(Image.fromarray(mask), transparency=(0, 0, 0))), None,
                       (0.8, 1.0), 10_000_000, 1 << 20)
     assert (edit.mask[:16] == 255).all() and (edit.mask[16:] == 0).all()
     gray = _encoded(Image.fromarray(mask[..., 0]), transparency=0)  # L with a tRNS gray, no mask: inpaint there
-    edit = edit_input({"image": gray}, None, (0.8, 1.0), 10_000_000, 1 << 20)
+    edit = edit_input(_form(image=gray), None, (0.8, 1.0), 10_000_000, 1 << 20)
     assert edit.mask is not None and (edit.mask[:16] == 255).all() and (edit.mask[16:] == 0).all()
 
 
@@ -100,7 +105,7 @@ def test_a_form_cut_off_before_its_closing_boundary_is_refused_not_read_without_
         asyncio.run(read_form(_Http(body), 1_000_000))
     assert error.value.status == 400 and "closing boundary" in error.value.message
     form, files = asyncio.run(read_form(_Http(_FORM), 1_000_000))
-    assert form.prompt == "a fox" and set(files) == {"image", "mask"}
+    assert form.prompt == "a fox" and set(files.parts) == {"image", "mask"} and files.images == [_PNG]
 
 
 def test_a_text_field_that_is_not_utf8_is_refused_naming_it():
@@ -112,7 +117,7 @@ def test_a_text_field_that_is_not_utf8_is_refused_naming_it():
 
 def test_the_content_type_is_matched_without_regard_to_case():
     form, files = asyncio.run(read_form(_Http(_FORM, "Multipart/Form-Data; boundary=XX"), 1_000_000))
-    assert form.prompt == "a fox" and set(files) == {"image", "mask"}
+    assert form.prompt == "a fox" and set(files.parts) == {"image", "mask"} and files.images == [_PNG]
 
 
 @pytest.mark.parametrize("exp", ["\u00b2", "\u0663" * 10])

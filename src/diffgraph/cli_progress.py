@@ -189,7 +189,7 @@ def post_streaming(target: str, progress: Progress, **send: Any) -> tuple[int, s
     error (an error before the stream starts comes as plain JSON)."""
     import httpx
 
-    from .image_events import COMPLETED, join_completed
+    from .image_events import COMPLETIONS, join_completed
 
     done: list[dict[str, Any]] = []
     with httpx.stream("POST", target, **send) as response:
@@ -206,7 +206,7 @@ def post_streaming(target: str, progress: Progress, **send: Any) -> tuple[int, s
                     event = line[len("event:"):].strip()
                 elif line.startswith("data:"):
                     data = json.loads(line[len("data:"):])
-                    if event == COMPLETED:
+                    if event in COMPLETIONS:
                         done.append(data)
                         if len(done) == int(data["n"]):
                             return 200, "", join_completed(done)

@@ -1,5 +1,7 @@
 """The images routes' stream events as their readers see them: the event names of OpenAI's image stream and the plain
-answer joined from a request's completed events. Standard library only, below the server (server/stream.py writes
+answer joined from a request's completed events. OpenAI names a stream's events by its route: `image_generation.*` on
+/v1/images/generations, `image_edit.*` on /v1/images/edits (its client reads an edit's stream as
+`ImageEditStreamEvent`s and never sees an `image_generation.completed` there). Standard library only, below the server (server/stream.py writes
 the events) and below the command line's readers (cli_progress.py, the jobs' remote client) that read them.
 """
 
@@ -7,8 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
-PARTIAL = "image_generation.partial_image"
-COMPLETED = "image_generation.completed"
+GENERATION = "image_generation"  # the events' prefix per route
+EDIT = "image_edit"
+
+
+def partial_event(kind: str) -> str:
+    return f"{kind}.partial_image"
+
+
+def completed_event(kind: str) -> str:
+    return f"{kind}.completed"
+
+
+PARTIAL, COMPLETED = partial_event(GENERATION), completed_event(GENERATION)
+PARTIALS = (PARTIAL, partial_event(EDIT))        # what a reader of either route takes as a preview
+COMPLETIONS = (COMPLETED, completed_event(EDIT))  # and as an image
 
 
 def join_completed(events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -443,7 +443,7 @@ class GenerationRequest:
             except UnicodeEncodeError as e:
                 raise ParamError(name, f"{name} is not valid text: it holds an unpaired surrogate at character "
                                        f"{e.start}; send UTF-8 text") from None
-        if not prompt.strip():
+        if not prompt.strip() and self.edit is None:  # an image-to-image request has its image to go on
             raise ParamError("prompt", "prompt is empty; describe the image to generate")
         for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt or "")):
             if len(text) > MAX_PROMPT_CHARS:

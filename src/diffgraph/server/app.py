@@ -2,6 +2,7 @@
 
     POST /v1/images/generations   JSON answer, or server-sent events with "stream": true
     POST /v1/images/edits         image-to-image and inpainting: OpenAI's multipart form (edits.py), same answers
+    POST /v1/images/variations    image-to-image of an image without a prompt (edits.py), same answers
     GET  /v1/images/files/ID.EXT  an image stored for `response_format: "url"` (image_store.py), until --image-ttl
     GET  /v1/models               the served model
     GET  /v1/loras                the LoRA adapters requests may name
@@ -59,7 +60,7 @@ from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
 from .control_routes import add_control_routes
 from .bodies import read_json
-from .edits import ImageEditForm, edit_input, read_form
+from .edits import VARIATION_STRENGTH, ImageEditForm, edit_input, read_form, variation_schema
 from .uploads import decode_controls, decode_image_prompt
 from .image_store import ImageLinks, UrlSigner, make_store
 from .jobs_routes import add_job_routes
@@ -271,36 +272,45 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                            image_prompts=prompt)  # prompt syntax is read off the event loop
         return params.stream, params.response_format == "url", params.model, finish
 
-    async def read_edit(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
-        form, files = await read_form(http, config.max_image_bytes)
+    async def read_edit(http: Request, variation: bool = False) -> tuple[bool, bool, str | None,
+                                                                          Callable[[ModelInfo], Any]]:
+        """An edit's form, or a variation's (`variation`: no prompt, no mask, `VARIATION_STRENGTH` by default)."""
+        form, files = await read_form(http, config.max_image_bytes, variation)
 
         async def finish(info: ModelInfo) -> GenerationRequest:
             if not info.edits:
                 raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
                                param="image")
-            edit = await asyncio.to_thread(edit_input, files, form.strength, info.edit_strength,
-                                           config.max_image_bytes, config.max_image_pixels)
+            defaults = (VARIATION_STRENGTH,) * 2 if variation else info.edit_strength
+            edit = await asyncio.to_thread(edit_input, files, form.strength, defaults, config.max_image_bytes,
+                                           config.max_image_pixels, info.name, not variation)
             controls = await asyncio.to_thread(decode_controls, form.controls, config.max_image_bytes,
-                                               config.max_image_pixels, files)
+                                               config.max_image_pixels, files.parts)
             prompt = await asyncio.to_thread(decode_image_prompt, form.image_prompts, config.max_image_bytes,
-                                             config.max_image_pixels, files)
+                                             config.max_image_pixels, files.parts)
             return await asyncio.to_thread(generation_request, info, config, form.generation(), edit,
                                            controls=controls, image_prompts=prompt)
         return form.stream, form.response_format == "url", form.model, finish
 
     @app.post("/v1/images/generations", openapi_extra=schema)
     async def generations(http: Request) -> Response:
-        return await _serve(http, read_generation)
+        return await _serve(http, read_generation, sse.GENERATION)
 
     edit_schema = {"requestBody": {"required": True, "content": {
         "multipart/form-data": {"schema": ImageEditForm.model_json_schema()}}}}
 
     @app.post("/v1/images/edits", openapi_extra=edit_schema)
     async def edits(http: Request) -> Response:
-        return await _serve(http, read_edit)
+        return await _serve(http, read_edit, sse.EDIT)
 
-    async def _serve(http: Request, read: Callable[[Request, ModelInfo], Any]) -> Response:
-        """One generation request: read and validate it (`read`), submit, wait (or stream), answer."""
+    @app.post("/v1/images/variations", openapi_extra={"requestBody": {"required": True, "content": {
+        "multipart/form-data": {"schema": variation_schema()}}}})
+    async def variations(http: Request) -> Response:
+        return await _serve(http, lambda h: read_edit(h, variation=True), sse.EDIT)
+
+    async def _serve(http: Request, read: Callable[[Request, ModelInfo], Any], kind: str) -> Response:
+        """One generation request: read and validate it (`read`), submit, wait (or stream the route's `kind` of
+        events), answer."""
         t0 = time.monotonic()
         state.inflight += 1
         state.metrics.inflight.inc()
@@ -326,7 +336,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             if stream:
                 streaming = True  # the stream ends the request's accounting
                 end = _StreamEnd(handle, t0)
-                return _ClosingStream(_stream(handle, request, deadline, http, end, urls), end.close,
+                return _ClosingStream(_stream(handle, request, deadline, http, end, urls, kind), end.close,
                                       media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             items = results(state, handle, deadline, http)
             try:
@@ -368,21 +378,21 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             _leave()
 
     async def _stream(handle: RequestHandle, request: GenerationRequest, deadline: float, http: Request,
-                      end: "_StreamEnd", urls: Callable[[bytes, str], str] | None) -> AsyncIterator[bytes]:
+                      end: "_StreamEnd", urls: Callable[[bytes, str], str] | None, kind: str) -> AsyncIterator[bytes]:
         """The request's events in OpenAI's image stream shape (stream.py)."""
         items, previews = results(state, handle, deadline, http), 0
         try:
             async for item in items:
                 if isinstance(item, ProgressEvent):
                     if item.previews:
-                        yield await asyncio.to_thread(sse.partials, item, previews, request)
+                        yield await asyncio.to_thread(sse.partials, item, previews, request, kind)
                         previews += 1
                     else:
                         yield sse.progress(item)
                     continue
                 body = await asyncio.to_thread(_response, item, urls)
                 end.outcome = "success"
-                yield sse.completed(body, request)
+                yield sse.completed(body, request, kind)
                 return
         except APIError as e:
             end.outcome = outcome(e)

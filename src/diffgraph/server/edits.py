@@ -1,5 +1,10 @@
 """POST /v1/images/edits: OpenAI's multipart form (image, optional mask, prompt, n, size, response_format, model)
-plus the generations endpoint's extensions and `strength`, read into typed parameters and an `EditInput`.
+plus the generations endpoint's extensions and `strength`, read into typed parameters and an `EditInput`; and
+POST /v1/images/variations, the same form without a prompt (OpenAI's `images.create_variation`: image, n, size,
+response_format, model, user): image-to-image of the image with an empty prompt at `VARIATION_STRENGTH`.
+
+The image comes as the file part `image`, or as `image[]` (OpenAI's client sends a list of images as `image[]`
+parts, one image too when it is given in a list). The SD families edit one image: a second is a 400 naming `image[]`.
 
 Images are checked before their pixels are decoded: at most --max-image-bytes bytes, and at most
 --max-image-pixels pixels read from the header (a decompression bomb is refused before it expands). Masks follow
@@ -15,6 +20,7 @@ the JSON route does), "٢" is text.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,6 +34,11 @@ from .uploads import CONTROL_FILES, PROMPT_FILES, decode_upload, eight_bit
 
 FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask", *CONTROL_FILES, *PROMPT_FILES)
+IMAGE_LIST = "image[]"   # OpenAI's client's name for each image of a list
+MAX_IMAGES = 16          # image[] parts read (OpenAI's limit for its edits); a model takes its own number of them
+VARIATION_STRENGTH = 0.6  # a variation's strength: the image's composition kept, its details drawn anew
+# the edits form's fields that a variation does not take (OpenAI's variations have no prompt and do not stream)
+NOT_VARIATION = ("prompt", "mask", "stream", "partial_images", "preview")
 _NON_FINITE = ("nan", "inf", "infinity")
 
 
@@ -104,27 +115,60 @@ class ImageEditForm(BaseModel):
                                                       loras=self.loras, preview=self.preview)
 
 
-async def read_form(http: Any, max_image_bytes: int) -> tuple[ImageEditForm, dict[str, bytes]]:
+@dataclass
+class FormFiles:
+    """The form's file parts: the images to edit in order (`image` or `image[]` parts) and the others by name."""
+
+    images: list[bytes] = field(default_factory=list)
+    parts: dict[str, bytes] = field(default_factory=dict)
+    listed: bool = False  # the images came as image[] parts
+
+    @property
+    def image_name(self) -> str:
+        """The field the images came in, as errors name it."""
+        return IMAGE_LIST if self.listed else "image"
+
+
+def variation_schema() -> dict[str, Any]:
+    """The variations form's JSON schema (the OpenAPI page's): the edits form's without its NOT_VARIATION fields."""
+    schema = ImageEditForm.model_json_schema()
+    schema["properties"] = {k: v for k, v in schema["properties"].items() if k not in NOT_VARIATION}
+    schema["required"] = [k for k in schema.get("required", []) if k not in NOT_VARIATION]
+    return schema
+
+
+async def read_form(http: Any, max_image_bytes: int, variation: bool = False) -> tuple[ImageEditForm, FormFiles]:
     """The parsed form: its text fields (typed) and the bytes of its files, read within their limits as they
-    arrive (bodies.py). Raises APIError (400 / 413)."""
+    arrive (bodies.py). With `variation`, the variations route's form: no prompt (an empty one), mask or stream.
+    Raises APIError (400 / 413)."""
+    route = "variations" if variation else "edits"
     content_type = http.headers.get("content-type", "")
     if not content_type.lower().startswith(FORM_CONTENT):
-        raise APIError(400, f"this endpoint takes {FORM_CONTENT} (OpenAI's images.edit: the image as a file part "
+        raise APIError(400, f"this endpoint takes {FORM_CONTENT} (OpenAI's images.{route}: the image as a file part "
                             f"'image', an optional 'mask', and the text fields), not {content_type or 'no body type'}; "
                             "for text-to-image, POST JSON to /v1/images/generations", code="invalid_content_type")
-    # the body: an image and a mask at the limit, and the text fields
-    limits = FormLimits(body_bytes=len(FILES) * max_image_bytes + 1_048_576, file_names=FILES,
+    # the body: the images and a mask at the limit, and the text fields
+    names = (*FILES, *(IMAGE_LIST,) * MAX_IMAGES)
+    limits = FormLimits(body_bytes=len(names) * max_image_bytes + 1_048_576, file_names=names,
                         file_bytes=max_image_bytes, flag="--max-image-bytes")
-    fields: dict[str, Any] = {}
-    files: dict[str, bytes] = {}
+    fields: dict[str, Any] = {"prompt": ""} if variation else {}
+    files = FormFiles()
     for name, value in await read_multipart(http, limits):
-        if name in files or name in fields:
+        if variation and name in NOT_VARIATION:
+            raise APIError(400, f"{name} is not a field of /v1/images/variations (a variation has no prompt, mask or "
+                                f"stream); use /v1/images/edits for it", param=name)
+        if name in files.parts or name in fields:
             raise APIError(400, f"{name} is given more than once; send one", param=name)
         if isinstance(value, bytes):  # an upload
-            if name not in FILES:
-                raise APIError(400, f"unexpected file part {name!r}; files: {', '.join(FILES)}", param=name)
-            files[name] = value
-        elif name in FILES:
+            if name not in FILES and name != IMAGE_LIST:
+                raise APIError(400, f"unexpected file part {name!r}; files: {', '.join(FILES)}, {IMAGE_LIST}",
+                               param=name)
+            if name in ("image", IMAGE_LIST):
+                files.images.append(value)
+                files.listed = files.listed or name == IMAGE_LIST
+            if name != IMAGE_LIST:
+                files.parts[name] = value
+        elif name in FILES or name == IMAGE_LIST:
             raise APIError(400, f"{name} must be a file part (an uploaded image), not a text field", param=name)
         else:
             fields[name] = value
@@ -156,19 +200,23 @@ def edit_arrays(image: Any, mask: Any = None) -> tuple[np.ndarray, np.ndarray | 
     return np.asarray(eight_bit(image).convert("RGB")), mask_array
 
 
-def edit_input(files: dict[str, bytes], strength: float | None, defaults: tuple[float, float], max_bytes: int,
-               max_pixels: int) -> EditInput:
-    """The EditInput of the form's files (see the module doc for the mask conventions)."""
-    if "image" not in files:
-        raise APIError(400, "image is required: upload the image to edit as the file part 'image'", param="image")
-    image = decode_upload("image", files["image"], max_bytes, max_pixels)
-    mask = decode_upload("mask", files["mask"], max_bytes, max_pixels) if "mask" in files else None
+def edit_input(files: FormFiles, strength: float | None, defaults: tuple[float, float], max_bytes: int,
+               max_pixels: int, model: str = "", inpaint: bool = True) -> EditInput:
+    """The EditInput of the form's files (see the module doc for the mask conventions); `model` names the model in
+    the refusal of several images; without `inpaint` (a variation) transparent pixels are not a mask."""
+    if not files.images:
+        raise APIError(400, "image is required: upload the image to edit as the file part 'image' (or 'image[]')",
+                       param="image")
+    if len(files.images) > 1:  # the SD families edit one image; several mean something only to other families
+        raise APIError(400, f"image[] has {len(files.images)} images; model {model or 'this model'!r} takes one "
+                            "image: send one image (as 'image' or one 'image[]' part)", param=IMAGE_LIST)
+    image = decode_upload(files.image_name, files.images[0], max_bytes, max_pixels)
+    mask = decode_upload("mask", files.parts["mask"], max_bytes, max_pixels) if "mask" in files.parts else None
     rgb, mask_array = edit_arrays(image, mask)
+    mask_array = mask_array if inpaint else None
     if strength is None:
         strength = defaults[1] if mask_array is not None else defaults[0]
     try:
         return EditInput(image=rgb, mask=mask_array, strength=strength)
     except ParamError as e:
         raise error_from_param_error(e) from None
-
-

@@ -701,7 +701,8 @@
   }
 
   /* Reads the server-sent events of one POST (server/stream.py): progress comment lines move the bar, previews
-   * show the image forming, one `image_generation.completed` event per image (the last ends it) or `error`. */
+   * show the image forming, one `image_generation.completed` event per image (`image_edit.*` on the edits route;
+   * the last ends it) or `error`. */
   async function readStream(req, response) {
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
@@ -732,11 +733,11 @@
       progressed(req, data);
       return false;
     }
-    if (ev.event === "image_generation.partial_image") {
+    if (ev.event === "image_generation.partial_image" || ev.event === "image_edit.partial_image") {
       previewed(req, data);
       return false;
     }
-    if (ev.event === "image_generation.completed") {
+    if (ev.event === "image_generation.completed" || ev.event === "image_edit.completed") {
       req.done = (req.done || []).concat([data]);
       if (req.done.length < data.n) return false;
       const images = req.done.slice().sort((a, b) => a.image_index - b.image_index);
