@@ -424,6 +424,8 @@ class GenerationRequest:
     image_prompts: ImagePromptInput | None = None  # an IP-Adapter image prompt
     # JPEG / WebP compression, OpenAI's `output_compression`: 0..100 (100: the least), None: the encoder's 95 quality
     output_compression: int | None = None
+    # the registered capabilities' parameters (features/capability.py), (name, value) pairs: the engine checks them
+    extras: tuple[tuple[str, Any], ...] = ()
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -537,7 +539,7 @@ class GenerationRequest:
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
                preview: Any = None, controls: Any = (), image_prompts: Any = None,
-               output_compression: Any = None) -> "GenerationRequest":
+               output_compression: Any = None, extras: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -546,7 +548,8 @@ class GenerationRequest:
         size multiple (diffusers' rule), and strength defaults to the model's (diffusers' pipelines: 0.8 / 0.3 for
         SDXL image-to-image, 1.0 / 0.9999 for SDXL inpainting). With `prompt_syntax="a1111"`, the prompts'
         `<lora:name:scale>` tags join `loras` (after the listed ones). `preview`: a PreviewSpec, a dict of its
-        fields ({"every": 2, "format": "jpeg"}) or None."""
+        fields ({"every": 2, "format": "jpeg"}) or None. `extras`: the registered capabilities' parameters by
+        name (a dict; the engine checks and prepares them at submit)."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit = None
         if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
@@ -585,7 +588,7 @@ class GenerationRequest:
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
-                      output_compression=output_compression, **kwargs)
+                      output_compression=output_compression, extras=_extras(extras, model), **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:
@@ -736,12 +739,16 @@ class ModelInfo:
     # into the denoiser: guidance-distilled models) or "none"
     guidance: str = "cfg"
     prompt_syntaxes: tuple[str, ...] = PROMPT_SYNTAXES  # the prompt syntaxes its text side reads
+    # the registered capabilities (features/capability.py) this model has, and every registered capability's
+    # parameter names (the server passes them on; the engine refuses those of capabilities the model lacks)
+    extensions: tuple[str, ...] = ()
+    extension_params: tuple[str, ...] = ()
 
     @property
     def capabilities(self) -> tuple[str, ...]:
         """What requests may ask of this model beyond a prompt, as `GET /v1/models` lists it."""
         guidance = {"cfg": ("classifier_free_guidance",), "embedded": ("embedded_guidance",)}.get(self.guidance, ())
-        return guidance + (("edits",) if self.edits else ())
+        return guidance + (("edits",) if self.edits else ()) + self.extensions
 
     def check(self, sampler: str, schedule: str, key: GroupKey) -> None:
         """ParamError unless the model's family takes this sampler, schedule and size."""
@@ -762,6 +769,20 @@ class ModelInfo:
         for name in cfg_params_used(request):
             raise ParamError(name, f"{name} needs classifier-free guidance, which model {self.name!r} does not run "
                                    f"({self.guidance} guidance); leave {name} out")
+
+
+def _extras(extras: Any, model: "ModelInfo | None") -> tuple[tuple[str, Any], ...]:
+    """A request's capability parameters as (name, value) pairs; a name no registered capability has is a
+    ParamError naming it (the values are the engine's to check)."""
+    if not extras:
+        return ()
+    if not isinstance(extras, dict) or not all(isinstance(k, str) for k in extras):
+        raise ParamError("extras", "extras must be a dict of capability parameters by name")
+    known = model.extension_params if model is not None else ()
+    for name in extras:
+        if model is not None and name not in known:
+            raise ParamError(name, f"{name} is not a parameter of model {model.name!r}; leave it out")
+    return tuple(sorted(extras.items()))
 
 
 # the parameters only classifier-free guidance reads, with their neutral values (accepted on any model)

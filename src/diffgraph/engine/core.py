@@ -94,6 +94,8 @@ class EngineCore:
         plan = self.runner.request_plan(request)
         prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
         state = RequestState.of(request, plan, time.monotonic(), sink, prompts, self.runner.group_key(request.key))
+        if request.extras:  # registered capabilities' parameters (none: every capability is neutral)
+            state.prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name)
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if _second_branch(state) and prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])
@@ -342,7 +344,7 @@ class EngineCore:
                 admission = Admission(r, s.rows, edit=edit, loras=[
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
                     controls=runner.controls.admitted(s, s.admitted["control"]) if s.controls else [],
-                    image_prompts=s.image_prompts)
+                    image_prompts=s.image_prompts, prepared=s.prepared)
                 s.variant_parts = runner.write_rows(key, s.first_row, admission, (
                     mine[pos], mine[neg], mine[empty[0]] if empty else None), latents, s.generator,
                     s.plan.init_noise_sigma, s.size)  # latents None: drawn from its generator there

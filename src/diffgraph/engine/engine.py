@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import CompileConfig, GraphConfig, LoadOptions, LoraConfig
+from ..features.capability import Capabilities
 from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
@@ -103,7 +104,8 @@ class Engine:
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
                  preview_decoder: str | None = None, max_step_failures: int = 3,
                  lora_host_bytes: int = 2 * 2**30, controlnet_dir: str | None = None, max_controlnets: int = 2,
-                 ip_adapter_dir: str | None = None, quantize: "str | Fp8Config | None" = None):
+                 ip_adapter_dir: str | None = None, quantize: "str | Fp8Config | None" = None,
+                 capabilities: Capabilities | None = None, capability_settings: "dict[str, Any] | None" = None):
         if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
             device, dtype = str(model.device), model.dtype
         device = device or default_device()
@@ -138,13 +140,19 @@ class Engine:
             controls = _controlnets(self.model, roots, max_controlnets) if roots else None
             image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
             self._prepared = self._modules()  # the modules the engine prepared (invalidate: a replaced one)
+            registry = capabilities if capabilities is not None else Capabilities()
+            try:  # registered capabilities (features/capability.py): the ones this model has, with their settings
+                present = registry.for_model(self.model, registry.settings(capability_settings))
+            except (TypeError, ValueError) as e:
+                raise ParamError("capability_settings", str(e)) from None
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size,
                                       prompt_cache_bytes=prompt_cache_bytes, loras=loras, controls=controls,
                                       image_prompts=image_prompts,
                                       compile=CompileConfig() if compile is True else compile or None,
                                       max_prompt_chunks=max_prompt_chunks,
-                                      embeddings=EmbeddingDir(embeddings_dir) if embeddings_dir else None)
+                                      embeddings=EmbeddingDir(embeddings_dir) if embeddings_dir else None,
+                                      capabilities=present)
             # in graph mode a step costs its bucket: the scheduler grows a group into a larger bucket only when it
             # fills it (grow_fill) or its queue head has waited grow_hold_ms
             graphed = mode == "graph"
@@ -180,7 +188,9 @@ class Engine:
                               samplers=tuple(adapter.samplers), schedules=tuple(adapter.schedules),
                               default_sampler=adapter.default_sampler, default_schedule=adapter.default_schedule,
                               size_multiple=int(adapter.size_multiple), guidance=adapter.guidance(self.model),
-                              prompt_syntaxes=tuple(adapter.prompt_syntaxes))
+                              prompt_syntaxes=tuple(adapter.prompt_syntaxes),
+                              extensions=self.runner.capabilities.names(),
+                              extension_params=self.runner.capabilities.params())
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
                       fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30) -> LoraManager | None:

@@ -28,6 +28,7 @@ import torch
 
 from ..config import CompileConfig, GraphConfig, bucket_table
 from ..features.base import Admission
+from ..features.capability import Capabilities, ModelCapabilities
 from ..features.program import StepProgram, VariantKey, layout
 from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
 from ..graphs.step import StepBuffers, whole_step
@@ -53,7 +54,8 @@ class ModelRunner:
                  max_rows: int | None = None, prompt_cache_size: int = 512,
                  prompt_cache_bytes: int = DEFAULT_CACHE_BYTES, loras: Any = None,
                  compile: CompileConfig | None = None, max_prompt_chunks: int = 3, embeddings: EmbeddingDir | None = None,
-                 controls: ControlNets | None = None, image_prompts: IPAdapters | None = None):
+                 controls: ControlNets | None = None, image_prompts: IPAdapters | None = None,
+                 capabilities: ModelCapabilities | None = None):
         if mode not in ("graph", "eager"):
             raise ValueError(f"mode {mode!r} is unknown; allowed: graph, eager")
         self.model = model
@@ -62,19 +64,7 @@ class ModelRunner:
         # an explicit index: the loop thread binds this device, and "cuda" alone would mean whatever is current
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if self.cuda and model.device.index is None else model.device)
-        self.graph_config = graphs or GraphConfig()
-        # the most live rows of a group: the largest batch bucket in graph mode (never more, so a step always
-        # fits a graph), max_rows (default: the same) in eager mode
-        if mode == "graph" and max_rows is not None and max_rows > self.graph_config.max_bucket:
-            raise ValueError(f"max_rows {max_rows} is above the largest batch bucket {self.graph_config.max_bucket}; "
-                             "add a larger bucket to batch_buckets instead")
-        if mode == "graph" and max_rows is not None and max_rows < self.graph_config.max_bucket:
-            if max_rows not in self.graph_config.batch_buckets:
-                raise ValueError(f"max_rows {max_rows} is not a batch bucket "
-                                 f"({','.join(map(str, self.graph_config.batch_buckets))}); use one, or leave it out")
-            # the buffers hold max_rows rows: graphs of larger buckets could not run on them
-            self.graph_config = dataclasses.replace(self.graph_config, batch_buckets=tuple(
-                b for b in self.graph_config.batch_buckets if b <= max_rows))
+        self.graph_config = _row_buckets(graphs or GraphConfig(), mode, max_rows)
         self.max_rows = max_rows or self.graph_config.max_bucket
         self._fits = bucket_table(self.graph_config.batch_buckets)  # a step's bucket by its denoiser rows
         self._planner = self.adapter.planner(model)
@@ -104,7 +94,10 @@ class ModelRunner:
         self.control_runner = ControlRunner(controls, partial(self.adapter.control, model)) if controls else None
         extra = {"max_chunks": self.max_chunks, "controls": self.control_runner, "image_prompts": image_prompts} \
             if self.max_chunks > 1 or controls or image_prompts else {}
-        self.program = StepProgram(self.adapter.features(model, side_paths, **extra))
+        # the registered capabilities the model has (features/capability.py): their row features after the family's
+        self.capabilities = capabilities if capabilities is not None else Capabilities().for_model(model, {})
+        self.program = StepProgram(self.adapter.features(model, side_paths, **extra)
+                                   + self.capabilities.features(model))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
         self.graphs: GraphSet | None = None
@@ -454,3 +447,18 @@ class ModelRunner:
     def decode(self, key: GroupKey, latents: torch.Tensor, size: Size | None = None) -> np.ndarray:
         """Latents -> float pixels [n, H, W, 3] in [0, 1], waiting for them."""
         return self.decode_async(key, latents, size)()
+
+
+def _row_buckets(config: GraphConfig, mode: str, max_rows: int | None) -> GraphConfig:
+    """The graph config whose buckets hold at most `max_rows`: the most live rows of a group are the largest batch
+    bucket in graph mode (never more, so a step always fits a graph), max_rows (default: the same) in eager mode."""
+    if mode != "graph" or max_rows is None or max_rows == config.max_bucket:
+        return config
+    if max_rows > config.max_bucket:
+        raise ValueError(f"max_rows {max_rows} is above the largest batch bucket {config.max_bucket}; "
+                         "add a larger bucket to batch_buckets instead")
+    if max_rows not in config.batch_buckets:
+        raise ValueError(f"max_rows {max_rows} is not a batch bucket "
+                         f"({','.join(map(str, config.batch_buckets))}); use one, or leave it out")
+    # the buffers hold max_rows rows: graphs of larger buckets could not run on them
+    return dataclasses.replace(config, batch_buckets=tuple(b for b in config.batch_buckets if b <= max_rows))

@@ -59,6 +59,7 @@ class RequestState:
     job: str | None = None     # its job (batch rows share the class fairly by share, then by job)
     share: str | None = None   # its job's API key
     size: Size | None = None   # its image (height, width); None: the key (a UNet family's group is its size)
+    prepared: dict = field(default_factory=dict)  # its registered capabilities' preparations (features/capability.py)
     preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
     saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
     edit_pixels: Any = None    # an edit's preprocessed image and mask (engine/edits.py, at submit)

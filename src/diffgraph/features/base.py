@@ -72,6 +72,7 @@ class Admission:
     # (ControlNet slot, image [1, 3, H, W], control mode: 0 balanced, 1 prompt, 2 control) per control
     controls: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
     image_prompts: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/ip_adapters.py's row fields
+    prepared: dict[str, Any] = field(default_factory=dict)  # registered capabilities' preparations, by name
 
 
 @dataclass

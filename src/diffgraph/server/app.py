@@ -258,6 +258,9 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     async def read_generation(http: Request) -> tuple[bool, bool, str | None, Callable[[ModelInfo], Any]]:
         body = await read_json(http, body_limit)
+        # the registered capabilities' parameters (features/capability.py) beside the images API's own fields
+        known = state.info.extension_params if state.info is not None else ()
+        extras = {k: body.pop(k) for k in known if k in body} if isinstance(body, dict) else {}
         try:
             params = ImageGenerationRequest.model_validate(body)
         except ValidationError as e:
@@ -269,7 +272,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             prompt = await asyncio.to_thread(decode_image_prompt, params.image_prompts, config.max_image_bytes,
                                              config.max_image_pixels) if params.image_prompts else None
             return await asyncio.to_thread(generation_request, info, config, params, controls=controls,
-                                           image_prompts=prompt)  # prompt syntax is read off the event loop
+                                           image_prompts=prompt, extras=extras)  # prompts read off the loop
         return params.stream, params.response_format == "url", params.model, finish
 
     async def read_edit(http: Request, variation: bool = False) -> tuple[bool, bool, str | None,

@@ -293,12 +293,14 @@ def _expected(kind: str, msg: str) -> str:
     return msg[0].lower() + msg[1:]
 
 
-def error_from_param_error(err: ValueError) -> APIError:
+def error_from_param_error(err: ValueError, extensions: tuple[str, ...] = ()) -> APIError:
     """A request's ParamError ("num_images 17 is out of range; ...") -> 400 naming the body field that carries it
-    (n, size, ...), with the message in the client's words."""
+    (n, size, ...), with the message in the client's words; `extensions`: the registered capabilities' parameters
+    (body fields of their own names)."""
     message = str(err)
     name = getattr(err, "param", None)
-    known = name in ImageGenerationRequest.model_fields or name in ("image", "mask", "strength")  # + the edits'
+    known = name in ImageGenerationRequest.model_fields or name in ("image", "mask", "strength") or (
+        name in extensions)  # + the edits'
     param = _ENGINE_TO_API.get(name, name if known else None)
     if name == "num_images" and message.startswith("num_images"):
         message = "n" + message[len("num_images"):]

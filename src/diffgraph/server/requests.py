@@ -79,7 +79,7 @@ def cpu_pixel_limit(info: ModelInfo, samples: Sequence[tuple[int, float]], reque
 
 def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
                         edit: EditInput | None = None, controls: list | tuple = (),
-                        image_prompts: dict | None = None) -> GenerationRequest:
+                        image_prompts: dict | None = None, extras: dict | None = None) -> GenerationRequest:
     """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
     if params.model is not None and params.model != info.name:
         raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
@@ -99,9 +99,10 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
     check_prompt_bytes(config.max_prompt_bytes, prompt=params.prompt, negative_prompt=kwargs["negative_prompt"])
     try:
         return GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
-                                        image=edit, controls=controls, image_prompts=image_prompts, **kwargs)
+                                        image=edit, controls=controls, image_prompts=image_prompts, extras=extras,
+                                        **kwargs)
     except ParamError as e:
-        raise error_from_param_error(e) from None
+        raise error_from_param_error(e, info.extension_params) from None
 
 
 def _is_local_engine(built: Any) -> bool:
@@ -259,7 +260,7 @@ async def submit(state: ServerState, request: GenerationRequest, progress: bool,
     except QueueFullError as e:
         raise APIError(429, str(e), code="queue_full") from None
     except ParamError as e:  # the engine refused the request itself (e.g. its step count on this model)
-        raise error_from_param_error(e) from None
+        raise error_from_param_error(e, state.info.extension_params if state.info is not None else ()) from None
     except EngineClosed as e:  # the engine was closed under us (a drain) or its loop stopped
         raise APIError(503, str(e), code="draining" if state.draining else "engine_failed") from None
     state.handles[request.request_id] = handle

@@ -1,0 +1,193 @@
+"""Capabilities as plug-ins: one object declares both halves of a per-request capability.
+
+A `Capability` names its request parameters (`Param`: the flat field name a request and an HTTP body carry, the value
+that asks nothing of it, its type), its settings (a dataclass whose fields, defaults and `help` metadata make its
+server flags `--NAME-FIELD` and its `Engine(capability_settings={NAME: ...})` entry), which models have it
+(`applies`), the check of its values on a model that has it (`check`: a ParamError naming the field), its
+preparation on the submitting thread (`prepare`: whatever its row feature needs at admission, `Admission.prepared`),
+and its row feature in the denoising step (`feature`). A `Capabilities` registry holds them; the engine asks it at
+build (the features of the step), at submit (values checked and prepared) and for `ModelInfo` (the parameters each
+model takes, which the server lets through); no module of the engine, the request or the server names a capability.
+
+On a model without the capability its parameters are a 400 naming them unless they carry their neutral value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import ParamError
+from .base import RowFeature
+
+
+@dataclass(frozen=True)
+class Param:
+    """One request parameter of a capability."""
+
+    name: str        # the request's field (and the HTTP body's key), flat beside the built-in ones
+    neutral: Any     # the value that asks nothing of the capability (any model accepts it)
+    kind: type = float  # what a value is read as (float, int, str, bool)
+    help: str = ""
+
+
+class Capability:
+    """The interface; every hook has the neutral behaviour."""
+
+    name: str = ""
+    params: tuple[Param, ...] = ()
+    settings: type | None = None  # a dataclass (fields with defaults; metadata "help"), or None
+
+    def applies(self, model: Any) -> bool:
+        """Whether a loaded model (models.model.DiffusionModel) has this capability."""
+        return True
+
+    def check(self, values: dict[str, Any], settings: Any) -> None:
+        """ParamError naming the field whose value this model cannot honour."""
+
+    def prepare(self, values: dict[str, Any], settings: Any) -> Any:
+        """On the submitting thread: what the row feature reads at admission (`Admission.prepared[name]`)."""
+        return values
+
+    def feature(self, model: Any, settings: Any) -> RowFeature | None:
+        """Its row feature in the model's step (None: it has no step half)."""
+        return None
+
+
+def read_value(param: Param, value: Any) -> Any:
+    """A request's value as the parameter's kind; ParamError naming it otherwise."""
+    if value is None:
+        return param.neutral
+    if param.kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ParamError(param.name, f"{param.name} must be true or false, got {value!r}")
+    if param.kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ParamError(param.name, f"{param.name} must be a number, got {value!r}")
+    if param.kind is str and not isinstance(value, str):
+        raise ParamError(param.name, f"{param.name} must be a string, got {value!r}")
+    try:
+        return param.kind(value)
+    except (TypeError, ValueError):
+        raise ParamError(param.name, f"{param.name} must be a {param.kind.__name__}, got {value!r}") from None
+
+
+class Capabilities:
+    """A registry of capabilities (nothing shared between registries). Register them, then hand it to
+    `Engine(capabilities=...)` (and to the server's flags: `add_flags`, `settings_from_args`)."""
+
+    def __init__(self, capabilities: tuple[Capability, ...] = ()):
+        self._by_name: dict[str, Capability] = {}
+        self._param_of: dict[str, tuple[Capability, Param]] = {}
+        for c in capabilities:
+            self.register(c)
+
+    def register(self, capability: Capability) -> None:
+        if not capability.name or not capability.name.replace("_", "").isalnum():
+            raise ValueError(f"{type(capability).__name__} needs a `name` of letters, digits and underscores")
+        if capability.name in self._by_name:
+            raise ValueError(f"a capability named {capability.name!r} is registered already")
+        for p in capability.params:
+            if p.name in self._param_of:
+                raise ValueError(f"parameter {p.name!r} of {capability.name!r} is {self._param_of[p.name][0].name!r}'s")
+        self._by_name[capability.name] = capability
+        self._param_of.update({p.name: (capability, p) for p in capability.params})
+
+    def __iter__(self):
+        return iter(self._by_name.values())
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(self._param_of)
+
+    # -- settings ----------------------------------------------------------------------------------
+    def settings(self, given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Each capability's settings: `given[name]` (its dataclass, or a dict of its fields), else its defaults."""
+        given = dict(given or {})
+        unknown = set(given) - set(self._by_name)
+        if unknown:
+            raise ValueError(f"settings for capabilities that are not registered: {', '.join(sorted(unknown))}; "
+                             f"registered: {', '.join(self._by_name) or 'none'}")
+        out = {}
+        for name, c in self._by_name.items():
+            value = given.get(name)
+            if c.settings is None:
+                if value:
+                    raise ValueError(f"capability {name!r} takes no settings")
+                out[name] = None
+            elif value is None or isinstance(value, dict):
+                out[name] = c.settings(**(value or {}))
+            elif isinstance(value, c.settings):
+                out[name] = value
+            else:
+                raise ValueError(f"settings of capability {name!r} must be a {c.settings.__name__} or a dict")
+        return out
+
+    def add_flags(self, parser: argparse.ArgumentParser) -> None:
+        """`--NAME-FIELD` flags (dashes for underscores) of every capability's settings, one argument group each."""
+        for name, c in self._by_name.items():
+            if c.settings is None:
+                continue
+            group = parser.add_argument_group(f"capability {name}")
+            for f in dataclasses.fields(c.settings):
+                flag = f"--{name}-{f.name}".replace("_", "-")
+                kind = f.type if isinstance(f.type, type) else type(f.default)
+                group.add_argument(flag, dest=f"capability__{name}__{f.name}", type=kind, default=None,
+                                   help=f"{f.metadata.get('help', '')} (default: {f.default})")
+
+    def settings_from_args(self, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+        """The flags `add_flags` made, as `settings()`'s `given` (only those set)."""
+        out: dict[str, dict[str, Any]] = {}
+        for key, value in vars(args).items():
+            if key.startswith("capability__") and value is not None:
+                _, name, field = key.split("__", 2)
+                out.setdefault(name, {})[field] = value
+        return out
+
+    # -- per model, per request ------------------------------------------------------------------------
+    def for_model(self, model: Any, settings: Mapping[str, Any]) -> "ModelCapabilities":
+        return ModelCapabilities(self, tuple(c for c in self if c.applies(model)), dict(settings))
+
+
+@dataclass
+class ModelCapabilities:
+    """The registry seen from one loaded model: which capabilities it has, with their settings."""
+
+    registry: Capabilities
+    present: tuple[Capability, ...]
+    settings: dict[str, Any]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.present)
+
+    def params(self) -> tuple[str, ...]:
+        """Every registered capability's parameter names (the server lets them through; the engine decides)."""
+        return self.registry.param_names()
+
+    def features(self, model: Any) -> tuple[RowFeature, ...]:
+        return tuple(f for c in self.present if (f := c.feature(model, self.settings[c.name])) is not None)
+
+    def prepare(self, extras: Mapping[str, Any], model_name: str) -> dict[str, Any]:
+        """On the submitting thread: a request's capability parameters checked (unknown names, values, neutral ones on
+        a model without the capability) and prepared, by capability name. Raises ParamError naming the field."""
+        unknown = [k for k in extras if k not in self.registry._param_of]
+        if unknown:
+            raise ParamError(unknown[0], f"{unknown[0]} is not a parameter of this server; leave it out")
+        out: dict[str, Any] = {}
+        for c in self.registry:
+            values = {p.name: read_value(p, extras.get(p.name)) for p in c.params}
+            if c not in self.present:
+                for p in c.params:
+                    if values[p.name] != p.neutral:
+                        raise ParamError(p.name, f"{p.name} needs capability {c.name!r}, which model {model_name!r} "
+                                                 f"does not have; leave {p.name} out")
+                continue
+            if all(values[p.name] == p.neutral for p in c.params):
+                continue  # asks nothing: its row feature keeps its neutral fields
+            c.check(values, self.settings[c.name])
+            out[c.name] = c.prepare(values, self.settings[c.name])
+        return out

@@ -1,0 +1,171 @@
+"""A capability registered at run time, with nothing in engine/, request.py or server/ edited for it.
+
+`Tint` declares both halves in one class (features/capability.py): a request parameter (`tint`, neutral 0), a
+setting (`max_tint`, its flag `--tint-max-tint` generated), a check (a ParamError naming `tint` above the setting), a
+preparation on the submitting thread (the per-channel shift as a tensor) and a row feature (the shift added to the
+request's latents at its last step, through a per-step coefficient column). The SD family has it, SDXL does not. The
+test checks the values: the tinted request's final latents are the plain request's plus the shift, a tinted row in
+a batch with plain rows equals itself alone, and the 400s name the parameter (over HTTP too).
+"""
+
+import argparse
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import Engine, GenerationRequest, ParamError
+from diffgraph.features.base import FieldSpec, RowFeature
+from diffgraph.features.capability import Capabilities, Capability, Param
+
+from server_util import served
+
+PREPARED_ON: list[str] = []
+
+
+@dataclass
+class TintSettings:
+    max_tint: float = field(default=1.0, metadata={"help": "the largest |tint| a request may ask"})
+
+
+class TintRows(RowFeature):
+    name = "tint"
+
+    def __init__(self, channels: int):
+        self.channels = channels
+
+    def fields(self, latent_shape):
+        return {"tint.shift": FieldSpec((latent_shape[0], *(1,) * (len(latent_shape) - 1)), torch.float32)}
+
+    def columns(self):
+        return ("tint.last",)
+
+    def plan_columns(self, request, index):
+        return {"tint.last": (index == request.num_inference_steps - 1).astype(np.float64)}
+
+    def rows(self, admission):
+        prepared = admission.prepared.get("tint")
+        return {} if prepared is None else {"tint.shift": prepared}
+
+    def after_update(self, view, x_next, denoised):
+        return x_next + view.column("tint.last") * view.fields["tint.shift"]
+
+
+class Tint(Capability):
+    name = "tint"
+    params = (Param("tint", 0.0, float, "added to every latent channel at the last step"),)
+    settings = TintSettings
+
+    def applies(self, model):
+        return model.family == "sd"
+
+    def check(self, values, settings):
+        if abs(values["tint"]) > settings.max_tint:
+            raise ParamError("tint", f"tint {values['tint']} is beyond this server's {settings.max_tint}")
+
+    def prepare(self, values, settings):
+        PREPARED_ON.append(threading.current_thread().name)
+        return torch.full((4, 1, 1), values["tint"])
+
+    def feature(self, model, settings):
+        return TintRows(model.latent_channels)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return Capabilities((Tint(),))
+
+
+@pytest.fixture(scope="module")
+def engine(registry):
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", capabilities=registry,
+                capability_settings={"tint": {"max_tint": 0.5}}) as e:
+        yield e
+
+
+def _latents_of(engine, requests):
+    """Each request's final latents (read where the engine retires rows) and its image, submitted at one step."""
+    seen, futures = [], []
+    read = engine.runner.read_latents
+
+    def recording(key, start, count):
+        out = read(key, start, count)
+        seen.append((start, out.clone()))
+        return out
+    engine.runner.read_latents = recording
+    try:
+        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in requests)).result()
+        results = [f.result(timeout=600) for f in futures]
+    finally:
+        del engine.runner.read_latents
+    return seen, results
+
+
+def _request(engine, **kw):
+    return GenerationRequest.create("a lighthouse", model=engine.info,
+                                    **{"num_inference_steps": 3, "seed": 5, "width": 64, "height": 64, **kw})
+
+
+def test_the_capability_shifts_its_rows_latents_at_the_last_step_only(engine):
+    (_, plain), = _latents_of(engine, [_request(engine)])[0]
+    (_, tinted), = _latents_of(engine, [_request(engine, extras={"tint": 0.25})])[0]
+    torch.testing.assert_close(tinted, plain + 0.25, rtol=0, atol=1e-5)
+    assert PREPARED_ON and "loop" not in PREPARED_ON[-1]  # prepared on the submitting thread
+    # the neutral value asks nothing: the same image as no parameter
+    (_, neutral), = _latents_of(engine, [_request(engine, extras={"tint": 0.0})])[0]
+    torch.testing.assert_close(neutral, plain, rtol=0, atol=0)
+
+
+def test_a_tinted_row_beside_plain_rows_equals_itself_alone(engine):
+    alone = _latents_of(engine, [_request(engine, extras={"tint": -0.3}, seed=9)])[1][0].arrays
+    mixed = _latents_of(engine, [_request(engine, seed=1), _request(engine, extras={"tint": -0.3}, seed=9),
+                                 _request(engine, seed=2)])[1]
+    assert np.abs(mixed[1].arrays - alone).max() <= 1 / 255
+    assert np.abs(mixed[0].arrays - mixed[1].arrays).max() > 0.01
+
+
+def test_its_check_and_its_types_name_the_parameter(engine):
+    for extras, words in (({"tint": 0.9}, "beyond this server's 0.5"), ({"tint": "red"}, "must be a number")):
+        with pytest.raises(ParamError) as e:
+            engine.submit(_request(engine, extras=extras))
+        assert e.value.param == "tint" and words in str(e.value)
+    with pytest.raises(ParamError) as e:
+        _request(engine, extras={"tone": 1.0})
+    assert e.value.param == "tone"
+    assert "tint" in engine.info.capabilities and engine.info.extension_params == ("tint",)
+
+
+def test_its_settings_make_flags(registry):
+    parser = argparse.ArgumentParser()
+    registry.add_flags(parser)
+    args = parser.parse_args(["--tint-max-tint", "0.75"])
+    settings = registry.settings(registry.settings_from_args(args))
+    assert settings["tint"] == TintSettings(max_tint=0.75)
+    assert "the largest |tint|" in parser.format_help() and "capability tint" in parser.format_help()
+    assert registry.settings({})["tint"] == TintSettings()
+    with pytest.raises(ValueError, match="not registered"):
+        registry.settings({"tone": {}})
+
+
+def test_served_over_http_with_its_400_on_a_model_without_it(registry, engine):
+    from diffgraph.server import ServerConfig
+
+    body = {"prompt": "a lighthouse", "size": "64x64", "num_inference_steps": 3, "seed": 5}
+    with served(engine, ServerConfig(model="random:tiny", device="cpu")) as client:
+        plain = client.post("/v1/images/generations", json=body)
+        tinted = client.post("/v1/images/generations", json={**body, "tint": 0.25})
+        assert plain.status_code == 200 and tinted.status_code == 200, tinted.text
+        assert plain.json()["data"][0]["b64_json"] != tinted.json()["data"][0]["b64_json"]
+        too_much = client.post("/v1/images/generations", json={**body, "tint": 0.9})
+        assert too_much.status_code == 400 and too_much.json()["error"]["param"] == "tint"
+        assert "tint" in client.get("/v1/models").text
+    with Engine(model="random:tiny-xl", device="cpu", dtype="fp32", capabilities=registry) as xl, \
+            served(xl, ServerConfig(model="random:tiny-xl", device="cpu")) as client:
+        refused = client.post("/v1/images/generations", json={**body, "tint": 0.25})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "tint" and "does not have" in error["message"]
+        neutral = client.post("/v1/images/generations", json={**body, "tint": 0.0, "num_inference_steps": 1})
+        assert neutral.status_code == 200, neutral.text
