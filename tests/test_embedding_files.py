@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from diffgraph import safe_tensors
 from diffgraph.text import embeddings as emb_mod
 from diffgraph.text.embeddings import MAX_EMBEDDING_BYTES, EmbeddingDir, EmbeddingError, UnknownEmbedding
 
@@ -139,8 +140,8 @@ def test_a_replaced_file_is_read_again_and_the_same_version_is_not(tmp_path, mon
     path = _save(tmp_path, "style.safetensors", {"emb_params": first})
     d = EmbeddingDir(str(tmp_path))
     reads = []
-    real = emb_mod.read_safetensors
-    monkeypatch.setattr(emb_mod, "read_safetensors", lambda *a: reads.append(a[0]) or real(*a))
+    real = safe_tensors.TensorFile
+    monkeypatch.setattr(safe_tensors, "TensorFile", lambda *a: reads.append(a[0]) or real(*a))
     one = d.load("style", SD1)
     assert d.load("style", SD1) is one and len(reads) == 1
     _save(tmp_path, "new.tmp", {"emb_params": second})
@@ -159,7 +160,7 @@ def test_listings_read_headers_only_and_each_version_once(tmp_path, monkeypatch)
     headers = []
     real = emb_mod.read_header
     monkeypatch.setattr(emb_mod, "read_header", lambda *a: headers.append(a[0]) or real(*a))
-    monkeypatch.setattr(emb_mod, "read_safetensors", lambda *a: pytest.fail("a listing read tensors"))
+    monkeypatch.setattr(safe_tensors, "TensorFile", lambda *a: pytest.fail("a listing read tensors"))
     assert [e["vectors"] for e in d.listing()["embeddings"]] == [2, 1]
     assert [e["vectors"] for e in d.listing()["embeddings"]] == [2, 1] and len(headers) == 2
 
