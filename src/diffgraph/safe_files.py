@@ -255,16 +255,6 @@ def read_header(path: str, max_bytes: int, small_bytes: int = 0) -> tuple[Safete
         return header, small
 
 
-def read_safetensors(path: str, max_bytes: int) -> tuple[SafetensorsHeader, bytes]:
-    """A safetensors file's header and all its bytes (a private copy, for `safetensors.torch.load`): the header is
-    read and checked first, so a file that is not safetensors is refused before its body is read."""
-    with OpenFile(path, max_bytes) as f:
-        header = checked_header(f)
-        data = f.read(f.size, 0)
-        f.unchanged(whole=True)
-        return header, data
-
-
 def checked_header(f: OpenFile) -> SafetensorsHeader:
     """The safetensors header of the open file, checked against its size (bounded: tensors, dimensions, names; data
     offsets that tile the data section exactly, as safetensors' own reader demands). Raises NotSafetensors, or
