@@ -22,7 +22,8 @@ fp8: every float8 tensor read is checked for NaN (e4m3fn) or infinity and NaN (e
 quantisation scale read (a key ending in `scale_weight`, `weight_scale`, `input_scale` or `.scale` whose layer holds
 an fp8 tensor; a `.scale` of a layer without one, a norm's, is a weight) must be finite and above zero. A bad value
 raises `BadWeights` naming the tensor. Errors are `safe_files`' classes, whose message is a phrase to follow the
-file's name (callers name the file, as they name it to their users), ending in how to fix it.
+file's name (callers name the file, as they name it to their users), ending in how to fix it, except FileChanged's:
+a caller reads the file again, or reports it with `CHANGED_FIX`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.
 # fp8 bytes that are not finite: (mask, value) with byte & mask == value (e4m3fn: NaN only; e5m2: exponent all ones)
 FP8_NONFINITE = {"F8_E4M3": (0x7F, 0x7F), "F8_E5M2": (0x7C, 0x7C)}
 SCALE_SUFFIXES = ("scale_weight", "weight_scale", "input_scale", ".scale")
-CHANGED_FIX = "wait until it is written completely, then load it again"
+CHANGED_FIX = "wait until it is written completely, then load it again"  # what a caller reporting FileChanged adds
 
 
 class BadWeights(UnusableFile):
@@ -65,7 +66,7 @@ class TensorFile:
         self.path, self.chunk = path, chunk
         self._file = OpenFile(path, max_bytes)
         try:
-            self.header: SafetensorsHeader = _changed_fix(checked_header, self._file)
+            self.header: SafetensorsHeader = checked_header(self._file)
         except BaseException:
             self._file.close()
             raise
@@ -92,7 +93,7 @@ class TensorFile:
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             out[key] = t
-        _changed_fix(self._unchanged)
+        self._unchanged()
         return out
 
     def _tensor(self, key: str, info: TensorInfo) -> torch.Tensor:
@@ -107,8 +108,8 @@ class TensorFile:
         start = self.header.data_start + info.begin
         for offset in range(0, len(view), self.chunk):
             n = min(self.chunk, len(view) - offset)
-            _changed_fix(self._file.readinto, view[offset:offset + n], start + offset)
-            _changed_fix(self._file.unchanged)
+            self._file.readinto(view[offset:offset + n], start + offset)
+            self._file.unchanged()  # a writer caught at the next chunk
             if info.dtype in FP8_NONFINITE:
                 _check_fp8(key, info.dtype, flat[offset:offset + n])
         if key in self._scales:
@@ -140,14 +141,6 @@ def read_safetensors(path: str, max_bytes: int = FILE_LIMIT, *, keys: Iterable[s
     """The safetensors file at `path` as a dict of tensors (`TensorFile.read`): streamed, checked, never mapped."""
     with TensorFile(path, max_bytes) as f:
         return f.read(keys, device, dtype)
-
-
-def _changed_fix(fn: Any, *args: Any) -> Any:
-    """fn(*args), its FileChanged carrying the fix."""
-    try:
-        return fn(*args)
-    except FileChanged as e:
-        raise FileChanged(f"{e}; {CHANGED_FIX}") from None
 
 
 def _quantisation_scales(tensors: dict[str, TensorInfo]) -> set[str]:

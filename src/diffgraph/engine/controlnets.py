@@ -139,12 +139,13 @@ class ControlNets:
         from diffusers import ControlNetModel
         from diffusers.loaders.single_file_utils import convert_controlnet_checkpoint
 
-        from ..safe_files import UnusableFile
-        from ..safe_tensors import read_safetensors
+        from ..safe_files import FileChanged, UnusableFile
+        from ..safe_tensors import CHANGED_FIX, read_safetensors
         try:
             state = read_safetensors(path, 64 << 30)
         except UnusableFile as e:
-            raise ParamError("controls", f"ControlNet file {os.path.basename(path)!r} {e}") from None
+            fix = f"; {CHANGED_FIX}" if isinstance(e, FileChanged) else ""
+            raise ParamError("controls", f"ControlNet file {os.path.basename(path)!r} {e}{fix}") from None
         conv_in = next((state[k] for k in ("control_model.input_blocks.0.0.weight", "input_blocks.0.0.weight",
                                            "conv_in.weight") if k in state), None)
         config = ControlNetModel.load_config(self._config_folder(int(conv_in.shape[1]) if conv_in is not None else 4))

@@ -32,8 +32,8 @@ from ..features.image_prompt import MAX_TOKENS, ImagePromptRows, cross_attention
 from ..models.ip_adapter_dir import IPAdapterDir
 from ..models.weights_view import UnreadableWeights, weights_view
 from ..request import MAX_CONTROL_PIXELS, GenerationRequest
-from ..safe_files import UnusableFile, stamp_of
-from ..safe_tensors import read_safetensors
+from ..safe_files import FileChanged, UnusableFile, stamp_of
+from ..safe_tensors import CHANGED_FIX, read_safetensors
 
 
 @dataclass(eq=False)
@@ -96,7 +96,8 @@ class IPAdapters:
         try:
             state = read_safetensors(path, 16 << 30)
         except UnusableFile as e:
-            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its file {e}") from None
+            fix = f"; {CHANGED_FIX}" if isinstance(e, FileChanged) else ""
+            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its file {e}{fix}") from None
         # on the host, before anything reaches the device: a check there would sync the device, which another
         # thread's graph capture forbids (cudaErrorStreamCaptureUnsupported broke that capture on the GPU)
         bad = next((k for k, v in state.items() if not bool(torch.isfinite(v.to(self.dtype)).all())), None)

@@ -101,6 +101,8 @@ def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int) -> An
     refuse_pickle(source)
     try:
         state = read_safetensors(source, max_bytes)
+    except safe_files.FileChanged as e:
+        raise ValueError(f"vae {source!r} {e}; {CHANGED_FIX}") from None
     except safe_files.UnusableFile as e:
         raise ValueError(f"vae {source!r} {e}") from None
     try:  # (a model class's from_single_file takes a state dict; only the pipeline's wants a path)
