@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from diffgraph import safe_tensors
 from diffgraph.text import embeddings as emb_mod
 from diffgraph.text.embeddings import MAX_EMBEDDING_BYTES, EmbeddingDir, EmbeddingError, UnknownEmbedding
 
@@ -139,8 +140,8 @@ def test_a_replaced_file_is_read_again_and_the_same_version_is_not(tmp_path, mon
     path = _save(tmp_path, "style.safetensors", {"emb_params": first})
     d = EmbeddingDir(str(tmp_path))
     reads = []
-    real = emb_mod.read_safetensors
-    monkeypatch.setattr(emb_mod, "read_safetensors", lambda *a: reads.append(a[0]) or real(*a))
+    real = safe_tensors.TensorFile
+    monkeypatch.setattr(safe_tensors, "TensorFile", lambda *a: reads.append(a[0]) or real(*a))
     one = d.load("style", SD1)
     assert d.load("style", SD1) is one and len(reads) == 1
     _save(tmp_path, "new.tmp", {"emb_params": second})
@@ -152,6 +153,30 @@ def test_a_replaced_file_is_read_again_and_the_same_version_is_not(tmp_path, mon
     assert d.listing()["embeddings"][0]["vectors"] == 3
 
 
+def test_a_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeypatch):
+    """Streamed (safe_tensors), never mapped: a file whose mtime moves between two reads is read again, and one that
+    keeps changing is a one-line error naming it."""
+    from diffgraph.safe_files import OpenFile
+
+    path = _save(tmp_path, "style.safetensors", {"emb_params": _vectors(2, 768, 1)})
+    real, reads, rewrites = OpenFile.readinto, [], []
+
+    def rewriting(self, view, offset):
+        real(self, view, offset)
+        reads.append(offset)
+        if len(rewrites) < want:
+            rewrites.append(offset)
+            os.utime(path, ns=(len(rewrites), len(rewrites)))  # a writer's new mtime (the bytes stay)
+
+    monkeypatch.setattr(OpenFile, "readinto", rewriting)
+    want = 1
+    assert EmbeddingDir(str(tmp_path)).load("style", SD1).count == 2 and len(reads) == 2
+    want = 100
+    with pytest.raises(EmbeddingError, match=r"^embedding 'style': style.safetensors changed while it was read, "
+                                             r"\d times; wait until it is written completely"):
+        EmbeddingDir(str(tmp_path)).load("style", SD1)
+
+
 def test_listings_read_headers_only_and_each_version_once(tmp_path, monkeypatch):
     _save(tmp_path, "a.safetensors", {"emb_params": _vectors(2, 768, 1)})
     _save(tmp_path, "b.safetensors", {"emb_params": torch.full((1, 768), float("nan"))})  # a header is fine
@@ -159,7 +184,7 @@ def test_listings_read_headers_only_and_each_version_once(tmp_path, monkeypatch)
     headers = []
     real = emb_mod.read_header
     monkeypatch.setattr(emb_mod, "read_header", lambda *a: headers.append(a[0]) or real(*a))
-    monkeypatch.setattr(emb_mod, "read_safetensors", lambda *a: pytest.fail("a listing read tensors"))
+    monkeypatch.setattr(safe_tensors, "TensorFile", lambda *a: pytest.fail("a listing read tensors"))
     assert [e["vectors"] for e in d.listing()["embeddings"]] == [2, 1]
     assert [e["vectors"] for e in d.listing()["embeddings"]] == [2, 1] and len(headers) == 2
 

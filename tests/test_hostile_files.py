@@ -155,9 +155,9 @@ def test_listings_read_each_file_version_once_and_keep_the_host_copies(engine, f
     try:
         first = engine.generate(PROMPT, num_inference_steps=1, seed=3, loras=[("a0", 1.0)]).arrays
         engine.loras()
-        headers, bodies = _Counting(files.read_header), _Counting(files.read_safetensors)
+        headers, bodies = _Counting(files.read_header), _Counting(files.TensorFile)
         monkeypatch.setattr(files, "read_header", headers)
-        monkeypatch.setattr(files, "read_safetensors", bodies)
+        monkeypatch.setattr(files, "TensorFile", bodies)
         garble()
         listing = engine.loras()  # more adapters than host copies: a listing that read them would evict a0's
         assert (headers.calls, bodies.calls) == (0, 0)
@@ -202,10 +202,11 @@ def test_a_huge_but_finite_adapter_is_refused_by_name(engine, folder):
 
 
 def test_a_file_that_grows_while_read_is_refused():
-    """safe_files: a file appended to while it is read raises FileChanged (or reads as not safetensors)."""
+    """safe_tensors: a file appended to while it is read raises FileChanged (or reads as not safetensors)."""
     import tempfile
 
-    from diffgraph.safe_files import FileChanged, NotSafetensors, read_safetensors
+    from diffgraph.safe_files import FileChanged, NotSafetensors
+    from diffgraph.safe_tensors import read_safetensors
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "grow.safetensors")

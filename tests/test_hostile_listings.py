@@ -134,9 +134,9 @@ def test_listings_during_generations_read_headers_once_and_no_weights(client, mo
     _generation_s(c)  # warm-up (first-call costs)
     _listing_ok(c)
     idle = statistics.median(_generation_s(c) for _ in range(SAMPLES))
-    headers, bodies = _Reads(files.read_header), _Reads(files.read_safetensors)
+    headers, bodies = _Reads(files.read_header), _Reads(files.TensorFile)
     monkeypatch.setattr(files, "read_header", headers)
-    monkeypatch.setattr(files, "read_safetensors", bodies)
+    monkeypatch.setattr(files, "TensorFile", bodies)
 
     cold = statistics.median(_with_listings(c, new_versions=root))
     assert (headers.count(root), len(bodies.paths)) == (ADAPTERS * SAMPLES, 0)  # 12 listings: one read per version

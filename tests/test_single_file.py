@@ -127,6 +127,34 @@ def test_a_checkpoint_without_a_vae_names_the_flag_and_loads_with_one(made, tmp_
         assert all(torch.equal(a, b) for a, b in zip(m.vae.state_dict().values(), ref.vae.state_dict().values()))
 
 
+def test_a_vae_file_rewritten_while_it_is_read_is_a_one_line_error(made, tmp_path, monkeypatch):
+    """A single-file VAE is streamed into tensors (safe_tensors), never mapped: rewritten in place between two of its
+    reads, the load is a ValueError naming the file and what to do, never a SIGBUS; read again, it loads."""
+    from diffgraph.models.single_file import load_vae
+    from diffgraph.safe_files import OpenFile
+
+    folder, _ = made["digits"]
+    ref = load_model(folder, "cpu", "fp32").vae
+    vae_file = str(tmp_path / "vae.safetensors")
+    save_file(ref.state_dict(), vae_file)  # (diffusers' layout: a model class's from_single_file reads it too)
+    os.utime(vae_file, ns=(0, 0))
+    real, reads = OpenFile.readinto, []
+
+    def rewriting(self, view, offset):
+        real(self, view, offset)
+        reads.append(offset)
+        if len(reads) == 1:
+            os.utime(vae_file)  # (a writer's mtime; the bytes stay, so the next load reads the same weights)
+
+    monkeypatch.setattr(OpenFile, "readinto", rewriting)
+    with pytest.raises(ValueError) as e:
+        load_vae(vae_file, torch.float32, folder, 1 << 40)
+    assert str(e.value) == f"vae {vae_file!r} changed while it was read; wait until it is written completely, then " \
+        "load it again" and len(reads) == 1
+    vae = load_vae(vae_file, torch.float32, folder, 1 << 40)
+    assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), ref.state_dict().values(), strict=True))
+
+
 def test_an_fp16_safe_vae_file_decodes_sdxl_in_fp16_with_no_vae_upcast(made, tmp_path):
     """A single-file VAE carries no config: it is read with the model's, whose force_upcast (SDXL's) keeps an fp16
     model's decode in fp32; `vae_upcast=False` (--no-vae-upcast) is how an fp16-safe file (sdxl-vae-fp16-fix) says

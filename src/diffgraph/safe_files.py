@@ -1,20 +1,22 @@
-"""Reading files that someone else may rewrite, replace or fake while we read them: adapter files, and model
-folders' weights (`private_view`); embedding and control files can use the same calls. JSON read from a user's
-folder (configs, model indexes, safetensors headers) goes through `parse_json`, which bounds its nesting: a file of
-200,000 brackets is an UnusableFile, never a RecursionError in whatever lists it.
+"""Reading files that someone else may rewrite, replace or fake while we read them: small files whole (`read_file`,
+`read_json`), safetensors headers (`read_header`), the open file that `safe_tensors` streams weights from
+(`OpenFile`, `checked_header`), and model folders' weights for libraries that want a path (`private_view`). JSON
+read from a user's folder (configs, model indexes, safetensors headers) goes through `parse_json`, which bounds its
+nesting: a file of 200,000 brackets is an UnusableFile, never a RecursionError in whatever lists it.
 
 A memory-mapped file whose pages a writer truncates kills the process with SIGBUS, so nothing here maps a file:
-`read_file` and `read_safetensors` copy the bytes into memory (a private copy that no writer can touch), and
-`read_header` reads a safetensors header without the tensors. Before anything is opened, `check_regular` refuses by
-type (FIFOs, which block an open for reading; devices; sockets; dangling links) and by size (a 1 TB sparse file);
-the open itself is non-blocking and checked to be the file that was looked at. A file that changes while it is
+`read_file` copies the bytes into memory (a private copy that no writer can touch), `OpenFile.readinto` reads into
+the caller's buffer, and `read_header` reads a safetensors header without the tensors. Before anything is opened,
+`check_regular` refuses by type (FIFOs, which block an open for reading; devices; sockets; dangling links) and by
+size (a 1 TB sparse file); the open itself is non-blocking and checked to be the file that was looked at. A file that changes while it is
 read (its size or mtime moves, it grows past its size, a read comes up short) raises `FileChanged`: callers read
 it again, or report it. `FileStamp` (size, mtime_ns, inode, device) is the version that was read, for caches.
 
-Libraries that insist on a path and map what it names (diffusers' and transformers' `from_pretrained`) are given
-`private_view(folder, copies)`: a temporary folder of links to the original files, where the weights files are links
-to private copies (`private_copy`: an anonymous in-memory file, Linux's memfd, that nobody else can open). They map
-the copy, which no writer of the original can cut, and keep their own reading rules (variants, shards, formats).
+Libraries that insist on a path and map what it names (diffusers' and transformers' `from_pretrained`, a diffusers
+pipeline's `from_single_file`) are given `private_view(folder, copies)`: a temporary folder of links to the original
+files, where the weights files are links to private copies (`private_copy`: an anonymous in-memory file, Linux's
+memfd, that nobody else can open). They map the copy, which no writer of the original can cut, and keep their own
+reading rules (variants, shards, formats); the copy costs host memory of the file's size while they load.
 
 `FileReader` runs reads on a small pool of its own, with a time limit per call, so a stalled disk neither takes
 the caller's threads nor blocks shutdown (daemon threads). It owns its threads; nothing here is module state.
@@ -145,8 +147,9 @@ def check_regular(path: str, max_bytes: int) -> os.stat_result:
     return st
 
 
-class _Open:
-    """A regular file opened without blocking, checked to be the one `check_regular` looked at."""
+class OpenFile:
+    """A regular file opened without blocking, checked to be the one `check_regular` looked at; `read` and
+    `readinto` read at an offset, `unchanged` checks the open file against the stat taken before it was opened."""
 
     def __init__(self, path: str, max_bytes: int):
         self.st = check_regular(path, max_bytes)
@@ -180,6 +183,22 @@ class _Open:
             got += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def readinto(self, view: memoryview, offset: int) -> None:
+        """Fills the writable byte buffer `view` with the bytes at offset, straight from the kernel where the
+        system has preadv (no intermediate bytes object); FileChanged when the file ends first."""
+        got, n = 0, len(view)
+        while got < n:
+            part = view[got:got + min(n - got, CHUNK)]
+            if hasattr(os, "preadv"):
+                count = os.preadv(self.fd, [part], offset + got)
+            else:
+                data = os.pread(self.fd, len(part), offset + got)
+                count = len(data)
+                part[:count] = data
+            if not count:
+                raise FileChanged("got shorter while it was read")
+            got += count
+
     def unchanged(self, whole: bool = False) -> FileStamp:
         """The stamp read, once the file is checked to be as it was when opened (and, `whole`, not longer)."""
         now = os.fstat(self.fd)
@@ -191,7 +210,7 @@ class _Open:
     def close(self) -> None:
         os.close(self.fd)
 
-    def __enter__(self) -> "_Open":
+    def __enter__(self) -> "OpenFile":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -200,7 +219,7 @@ class _Open:
 
 def read_file(path: str, max_bytes: int) -> tuple[bytes, FileStamp]:
     """The whole file as a private copy, and the version read. Raises UnusableFile / FileChanged."""
-    with _Open(path, max_bytes) as f:
+    with OpenFile(path, max_bytes) as f:
         data = f.read(f.size, 0)
         return data, f.unchanged(whole=True)
 
@@ -228,25 +247,18 @@ class SafetensorsHeader:
 def read_header(path: str, max_bytes: int, small_bytes: int = 0) -> tuple[SafetensorsHeader, dict[str, bytes]]:
     """A safetensors file's header, checked against the file's size, without its tensors; and the bytes of the
     tensors of at most `small_bytes` (scalars such as LoRA alphas). Raises UnusableFile / FileChanged."""
-    with _Open(path, max_bytes) as f:
-        header = _checked_header(f)
+    with OpenFile(path, max_bytes) as f:
+        header = checked_header(f)
         small = {key: f.read(t.end - t.begin, header.data_start + t.begin) for key, t in header.tensors.items()
                  if 0 < t.end - t.begin <= small_bytes}
         f.unchanged()
         return header, small
 
 
-def read_safetensors(path: str, max_bytes: int) -> tuple[SafetensorsHeader, bytes]:
-    """A safetensors file's header and all its bytes (a private copy, for `safetensors.torch.load`): the header is
-    read and checked first, so a file that is not safetensors is refused before its body is read."""
-    with _Open(path, max_bytes) as f:
-        header = _checked_header(f)
-        data = f.read(f.size, 0)
-        f.unchanged(whole=True)
-        return header, data
-
-
-def _checked_header(f: _Open) -> SafetensorsHeader:
+def checked_header(f: OpenFile) -> SafetensorsHeader:
+    """The safetensors header of the open file, checked against its size (bounded: tensors, dimensions, names; data
+    offsets that tile the data section exactly, as safetensors' own reader demands). Raises NotSafetensors, or
+    FileChanged when the file moved while its header was read."""
     try:
         return _header(f)
     except NotSafetensors:
@@ -254,7 +266,7 @@ def _checked_header(f: _Open) -> SafetensorsHeader:
         raise
 
 
-def _header(f: _Open) -> SafetensorsHeader:
+def _header(f: OpenFile) -> SafetensorsHeader:
     if f.size < 8:
         raise NotSafetensors(f"is not a readable safetensors file ({f.size} bytes, too few): it may be truncated; "
                              "copy it again")
@@ -276,11 +288,28 @@ def _header(f: _Open) -> SafetensorsHeader:
         raise NotSafetensors(f"is not a readable safetensors file (its header lists {len(raw)} tensors, above the "
                              f"limit of {MAX_TENSORS})")
     tensors = {key: _tensor(key, entry) for key, entry in raw.items()}
-    end = max((t.end for t in tensors.values()), default=0)
-    if 8 + n + end != f.size:
-        raise NotSafetensors(f"is not a readable safetensors file ({f.size} bytes, its header describes "
-                             f"{8 + n + end}): it is truncated or still being written; copy it again")
+    _check_offsets(tensors, f.size - 8 - n, f.size)
     return SafetensorsHeader(tensors, metadata, 8 + n, stamp_of(f.st))
+
+
+def _check_offsets(tensors: dict[str, TensorInfo], room: int, size: int) -> None:
+    """The tensors' data offsets tile the data section (`room` bytes) exactly: no overlap, no gap, nothing past the
+    file's end, nothing after the last tensor (safetensors' own rule)."""
+    expected, previous = 0, None
+    for key, t in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if t.end > room:
+            raise NotSafetensors(f"is not a readable safetensors file (tensor {key[:200]!r} ends at byte "
+                                 f"{size - room + t.end}, past the file's end at {size}): it is truncated or still "
+                                 "being written; copy it again")
+        if t.begin != expected:
+            what = f"overlaps tensor {previous[:200]!r}" if t.begin < expected else \
+                f"starts {t.begin - expected} bytes after the tensor before it"
+            raise NotSafetensors(f"is not a readable safetensors file (tensor {key[:200]!r} {what} in its data "
+                                 "section): it was written wrongly; save or download it again")
+        expected, previous = t.end, key
+    if expected != room:
+        raise NotSafetensors(f"is not a readable safetensors file ({size} bytes, its header describes "
+                             f"{size - room + expected}): it is damaged or was written wrongly; copy it again")
 
 
 def _tensor(key: str, entry: Any) -> TensorInfo:
@@ -300,7 +329,8 @@ def _tensor(key: str, entry: Any) -> TensorInfo:
     size = ITEM_BYTES.get(dtype)
     if size is not None and t.numel * size != end - begin:
         raise NotSafetensors(f"is not a readable safetensors file (tensor {key!r}: {dtype} {list(shape)} is "
-                             f"{t.numel * size} bytes, its offsets span {end - begin})")
+                             f"{t.numel * size} bytes, its offsets span {end - begin}): it was written wrongly; "
+                             "save or download it again")
     return t
 
 
@@ -309,9 +339,9 @@ def private_copy(path: str, max_bytes: int) -> tuple[int, FileStamp]:
     in-memory file (memfd) where Linux has one, else an unlinked temporary file. No other process can open it, so a
     map of it cannot lose its pages to a writer of the original. A `.safetensors` file's header is checked before
     its body is copied. Raises UnusableFile / FileChanged / NotSafetensors."""
-    with _Open(path, max_bytes) as f:
+    with OpenFile(path, max_bytes) as f:
         if path.endswith(".safetensors"):
-            _checked_header(f)
+            checked_header(f)
         fd = _anonymous_file(os.path.basename(path))
         try:
             offset = 0

@@ -134,19 +134,18 @@ class ControlNets:
     def _single_file(self, path: str) -> torch.nn.Module:
         """An AUTOMATIC1111 / ComfyUI single-file ControlNet, through diffusers' single-file reader, offline: its
         config is this UNet's (a ControlNet mirrors the UNet it steers; its input channels from the file), written
-        to a folder of this object's, and the file read whole into memory first (never mapped: a file rewritten
-        while it is read is refused, not a crash)."""
+        to a folder of this object's, and the file streamed into host tensors first (`safe_tensors`, never mapped: a
+        file rewritten while it is read is refused, not a crash)."""
         from diffusers import ControlNetModel
-        from safetensors.torch import load as load_bytes
-
-        from ..safe_files import UnusableFile, read_safetensors
-        try:
-            _, data = read_safetensors(path, 64 << 30)
-        except UnusableFile as e:
-            raise ParamError("controls", f"ControlNet file {os.path.basename(path)!r} {e}") from None
         from diffusers.loaders.single_file_utils import convert_controlnet_checkpoint
-        state = load_bytes(data)
-        del data
+
+        from ..safe_files import FileChanged, UnusableFile
+        from ..safe_tensors import CHANGED_FIX, read_safetensors
+        try:
+            state = read_safetensors(path, 64 << 30)
+        except UnusableFile as e:
+            fix = f"; {CHANGED_FIX}" if isinstance(e, FileChanged) else ""
+            raise ParamError("controls", f"ControlNet file {os.path.basename(path)!r} {e}{fix}") from None
         conv_in = next((state[k] for k in ("control_model.input_blocks.0.0.weight", "input_blocks.0.0.weight",
                                            "conv_in.weight") if k in state), None)
         config = ControlNetModel.load_config(self._config_folder(int(conv_in.shape[1]) if conv_in is not None else 4))

@@ -1,8 +1,8 @@
 """`IPAdapters`: the IP-Adapters of an `--ip-adapter-dir` and a request's image prompt made into row fields (issue
 32; the row feature is features/image_prompt.py).
 
-On the submitting thread (`resolve`): the adapter's file read whole into memory (never mapped) and converted with
-diffusers' own IP-Adapter readers (the image projection by `UNet2DConditionModel._convert_ip_adapter_image_proj_to_
+On the submitting thread (`resolve`): the adapter's file streamed into host tensors (`safe_tensors`, never mapped)
+and converted with diffusers' own IP-Adapter readers (the image projection by `UNet2DConditionModel._convert_ip_adapter_image_proj_to_
 diffusers`, the per-layer `to_k_ip` / `to_v_ip` weights by the state dict's layer numbering, `{1 + 2j}` for the
 UNet's j-th cross-attention layer) and checked (every weight finite, on the host; `_check`: the projection takes
 its encoder's output, its tokens fit those layers), so a broken file is a ParamError naming it, never a 500 or NaN
@@ -32,7 +32,8 @@ from ..features.image_prompt import MAX_TOKENS, ImagePromptRows, cross_attention
 from ..models.ip_adapter_dir import IPAdapterDir
 from ..models.weights_view import UnreadableWeights, weights_view
 from ..request import MAX_CONTROL_PIXELS, GenerationRequest
-from ..safe_files import UnusableFile, read_safetensors, stamp_of
+from ..safe_files import FileChanged, UnusableFile, stamp_of
+from ..safe_tensors import CHANGED_FIX, read_safetensors
 
 
 @dataclass(eq=False)
@@ -92,13 +93,11 @@ class IPAdapters:
         if adapter is not None:
             self._adapters.move_to_end(key)
             return adapter
-        from safetensors.torch import load as load_bytes
         try:
-            _, data = read_safetensors(path, 16 << 30)
+            state = read_safetensors(path, 16 << 30)
         except UnusableFile as e:
-            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its file {e}") from None
-        state = load_bytes(data)
-        del data
+            fix = f"; {CHANGED_FIX}" if isinstance(e, FileChanged) else ""
+            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its file {e}{fix}") from None
         # on the host, before anything reaches the device: a check there would sync the device, which another
         # thread's graph capture forbids (cudaErrorStreamCaptureUnsupported broke that capture on the GPU)
         bad = next((k for k, v in state.items() if not bool(torch.isfinite(v.to(self.dtype)).all())), None)

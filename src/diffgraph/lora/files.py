@@ -12,8 +12,8 @@ other than plain LoRA (LoHa, LoKr, DoRA, LoCon's Tucker mid weights, IA3, full w
 weight) are refused at read time with a message naming what is unsupported. Each layer's scale is alpha / rank
 (kohya alphas), else 1.
 
-A file is read into memory (safe_files.read_safetensors: a private copy, never a memory map that a writer can cut
-under us), after its header says its tensors are floating point (catalog.check_dtype). A file that changes while
+A file is read into memory (safe_tensors.TensorFile: streamed into the tensors, never a memory map that a writer
+can cut under us), after its header says its tensors are floating point (catalog.check_dtype). A file that changes while
 it is read raises `AdapterChanged`: the caller reads it again. Each layer's largest change, ||B|| ||A|| alpha/rank,
 must be finite and at most `EFFECT_LIMIT` (a huge-but-finite adapter would overflow the model into a black
 image). `header_adapter` is the same reading from the header alone (meta tensors: layouts, names and shapes
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from ..safe_files import FileChanged, FileStamp, UnusableFile, read_header, read_safetensors
+from ..safe_files import FileChanged, FileStamp, SafetensorsHeader, UnusableFile, read_header
+from ..safe_tensors import DTYPES, TensorFile
 from .catalog import MAX_ADAPTER_BYTES, check_dtype
 
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
@@ -39,10 +40,7 @@ UNSUPPORTED = {"hada_": "LoHa", "lokr_": "LoKr", "dora_scale": "DoRA", "lora_mag
                ".diff_b": "a bias difference"}
 # a layer's change at request scale 8 (request.MAX_LORA_SCALE) stays within fp16's range for a unit input
 EFFECT_LIMIT = 65504.0 / 8
-TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-                "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8,
-                "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class AdapterError(ValueError):
@@ -92,18 +90,16 @@ def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, nam
             check_dtype(name, key, DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), t.numel())
         return _adapter(dict(source), pipeline_class, name, None, None, convolutions)
     _refuse_pickle(source, name)
-    from safetensors.torch import load
-
-    header, data = _read(read_safetensors, source, name)
-    for key, t in header.tensors.items():
-        check_dtype(name, key, t.dtype, t.numel)
-    try:
-        state = load(data)
-    except Exception as e:  # what the header check let through (overlapping tensors ...)
-        raise AdapterError(f"adapter {name!r}: {os.path.basename(source)} is not a readable safetensors file "
-                           f"({type(e).__name__}: {e}); it may be truncated: copy it again") from None
-    del data
+    header, state = _read(_tensors, source, name, name)
     return _adapter(state, pipeline_class, name, source, header.stamp, convolutions)
+
+
+def _tensors(path: str, max_bytes: int, name: str) -> tuple[SafetensorsHeader, dict[str, torch.Tensor]]:
+    """The file's header and tensors, its dtypes checked on the header before any tensor is read."""
+    with TensorFile(path, max_bytes) as f:
+        for key, t in f.header.tensors.items():
+            check_dtype(name, key, t.dtype, t.numel)
+        return f.header, f.read()
 
 
 def header_adapter(path: str, pipeline_class: str, name: str, convolutions: bool = False) -> AdapterFile:
@@ -114,7 +110,7 @@ def header_adapter(path: str, pipeline_class: str, name: str, convolutions: bool
     state = {}
     for key, t in header.tensors.items():
         check_dtype(name, key, t.dtype, t.numel)
-        dtype = TORCH_DTYPES[t.dtype]
+        dtype = DTYPES[t.dtype]
         state[key] = torch.frombuffer(bytearray(small[key]), dtype=dtype).reshape(t.shape) if key in small else \
             torch.empty(t.shape, dtype=dtype, device="meta")
     return _adapter(state, pipeline_class, name, path, header.stamp, convolutions)

@@ -3,9 +3,9 @@
 `load_single_file` reads a checkpoint that `checkpoint_kind.inspect_checkpoint` recognised through diffusers'
 `from_single_file` with a config folder written by `checkpoint_configs.py` (or the user's `--model-config`), so
 nothing is downloaded, from a private in-memory copy of the file (a writer of the original cannot SIGBUS us:
-`safe_files`). The checkpoint's marks and the `LoadOptions` overrides (prediction type, zero SNR) go into the
-scheduler config; `--vae` replaces the VAE (`load_vae`: a single file, or a diffusers folder read through
-`weights_view`, copied too). Weights that are NaN or infinite are refused by name.
+`safe_files`; the pipeline's reader takes only a path, which it maps). The checkpoint's marks and the `LoadOptions`
+overrides (prediction type, zero SNR) go into the scheduler config; `--vae` replaces the VAE (`load_vae`: a single
+file streamed into tensors by `safe_tensors`, or a diffusers folder read through `weights_view`, copied). Weights that are NaN or infinite are refused by name.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from .. import safe_files
 from ..config import LoadOptions
+from ..safe_tensors import CHANGED_FIX, TensorFile, read_safetensors
 from . import checkpoint_configs as C
 from .checkpoint_kind import VAE, SUPPORTED, inspect_checkpoint, refuse_pickle
 from .families import FamilyRegistry
@@ -99,9 +100,14 @@ def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int) -> An
             return AutoencoderKL.from_pretrained(view, subfolder=sub, local_files_only=True, torch_dtype=dtype)
     refuse_pickle(source)
     try:
-        with _private_link(source, max_bytes) as link:
-            return AutoencoderKL.from_single_file(link, config=config, subfolder="vae", local_files_only=True,
-                                                  torch_dtype=dtype)
+        state = read_safetensors(source, max_bytes)
+    except safe_files.FileChanged as e:
+        raise ValueError(f"vae {source!r} {e}; {CHANGED_FIX}") from None
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"vae {source!r} {e}") from None
+    try:  # (a model class's from_single_file takes a state dict; only the pipeline's wants a path)
+        return AutoencoderKL.from_single_file(state, config=config, subfolder="vae", local_files_only=True,
+                                              torch_dtype=dtype)
     except (KeyError, RuntimeError, ValueError) as e:
         raise ValueError(f"vae {source!r} is not a VAE of this model's architecture ({_mismatch(e)})") from None
 
@@ -110,11 +116,10 @@ def _second_encoder(link: str, config: str, dtype: torch.dtype) -> Any:
     """SDXL's second text encoder from its own keys (`conditioner.embedders.1.`): diffusers' loader picks a text
     encoder's keys by its width, which both encoders share in small models (then it reads the first one twice)."""
     from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
-    from safetensors import safe_open
     from transformers import CLIPTextModelWithProjection
 
-    with safe_open(link, framework="pt") as f:  # only its own tensors are read
-        own = {k: f.get_tensor(k) for k in f.keys() if k.startswith("conditioner.embedders.1.")}
+    with TensorFile(link) as f:  # only its own tensors are read
+        own = f.read(k for k in f.header.tensors if k.startswith("conditioner.embedders.1."))
     return create_diffusers_clip_model_from_ldm(CLIPTextModelWithProjection, own, subfolder="text_encoder_2",
                                                 config=config, torch_dtype=dtype, local_files_only=True)
 
@@ -132,12 +137,15 @@ def _mismatch(e: Exception) -> str:
 @contextlib.contextmanager
 def _private_link(path: str, max_bytes: int) -> Iterator[str]:
     """A `.safetensors` path (diffusers picks its reader by the extension) to a private in-memory copy of the file;
-    maps of it outlive the block."""
+    maps of it outlive the block. A pipeline's `from_single_file` takes only a path, which it maps, so the whole
+    checkpoint is a private copy here rather than streamed tensors (`safe_tensors`): host memory of the file's size
+    while the pipeline loads."""
     try:
         fd, _stamp = safe_files.private_copy(path, max_bytes)
+    except safe_files.FileChanged as e:
+        raise ValueError(f"model {path!r} {e}; {CHANGED_FIX}") from None
     except safe_files.UnusableFile as e:
-        why = e.why if isinstance(e, safe_files.NotJson) else str(e)
-        raise ValueError(f"{path!r} {why}; restore the folder's model_index.json from its source") from None
+        raise ValueError(f"model {path!r} {e}") from None
     view = tempfile.mkdtemp(prefix="diffgraph-file-")
     link = os.path.join(view, "weights.safetensors")
     try:

@@ -7,7 +7,7 @@ the folder is an embedding named by its relative path without the suffix, "/" be
 absolute, holds "..", a backslash or a NUL, or resolves outside the folder (links included) is refused; pickles
 (.pt/.bin/.ckpt/.pth) are never read, the listing reports them as ignored; an entry that is not a regular file is
 refused by a stat, never opened; files above `MAX_EMBEDDING_BYTES` are refused (embeddings are kilobytes). Files are
-read into memory by `safe_files` (a private copy, no memory map), never by torch.load.
+read into memory by `safe_tensors` (streamed into the tensors, never a memory map), never by torch.load.
 
 File layouts, as diffusers' `load_textual_inversion` and AUTOMATIC1111 read them:
   - kohya / A1111 `emb_params`: one tensor [vectors, width];
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..lora.catalog import PICKLES, AdapterDir, AdapterNameError, AdapterNotFound, AdapterUnusable
 from ..safe_files import FileChanged, FileStamp, SafetensorsHeader, TensorInfo, UnusableFile, check_regular, \
-    read_header, read_safetensors, stamp_of
+    read_header, stamp_of
 
 if TYPE_CHECKING:  # the listing runs in the HTTP process, which never imports torch (only _read needs it)
     import torch
@@ -181,16 +181,15 @@ class EmbeddingDir:
 
     def _read(self, name: str, path: str) -> Embedding:
         import torch
-        from safetensors.torch import load
 
-        header, data = _reading(read_safetensors, name, path)
-        layout, count = _layout(name, header)  # checked on the header before the tensors are parsed
-        try:
-            state = load(data)
-        except Exception as e:  # what the header check let through (overlapping tensors ...)
-            raise EmbeddingError(f"embedding {name!r}: {os.path.basename(path)} is not a readable safetensors file "
-                                 f"({type(e).__name__}: {_one_line(e)}); it may be truncated: copy it again") from None
-        del data
+        def read(path: str, limit: int) -> tuple[FileStamp, dict[str, str], int, dict[str, torch.Tensor]]:
+            from ..safe_tensors import TensorFile
+
+            with TensorFile(path, limit) as f:
+                layout, count = _layout(name, f.header)  # checked on the header before any tensor is read
+                return f.stamp, layout, count, f.read(keys=layout.values())
+
+        stamp, layout, count, state = _reading(read, name, path)
         vectors = {}
         for enc, key in layout.items():
             t = state[key].to(torch.float32).reshape(count, -1).contiguous()
@@ -204,7 +203,7 @@ class EmbeddingDir:
                                      f"(±{MAX_VALUE:g}); embedding values are small (|x| < 1 typically): retrain or "
                                      "export it again")
             vectors[enc] = t
-        return Embedding(name, header.stamp, vectors, count)
+        return Embedding(name, stamp, vectors, count)
 
 
 def _close(name: str, names: list[str]) -> list[str]:
@@ -295,7 +294,3 @@ def _widths(dims: Mapping[str, int]) -> str:
     if set(dims) == {DEFAULT}:
         return f"{dims[DEFAULT]}-wide vectors (one text encoder)"
     return " + ".join(f"{key} {width}" for key, width in dims.items())
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300]
