@@ -126,6 +126,7 @@ class ToyFlowFamily(FamilyAdapter):
     default_schedule = "default"
     size_multiple = PATCH
     supports_edits = True
+    plan_options = False  # its planner takes no timestep spacing or eta
 
     def load_folder(self, folder, index, device, dtype, name):
         g = torch.Generator().manual_seed(int(index["seed"]))

@@ -392,7 +392,7 @@ __all__ = ["Engine", "EngineClosed", "EngineStepError", "QueueFullError", "Reque
 
 def _ip_adapters(model: DiffusionModel, root: str) -> IPAdapters:
     """The IP-Adapters of `--ip-adapter-dir` (the family's UNet must have cross-attention layers to extend)."""
-    if not hasattr(model.adapter, "control"):
+    if "ip_adapter" not in model.adapter.side_paths:
         raise ParamError("ip_adapter_dir", f"the {model.adapter.name} family takes no IP-Adapter; leave "
                                            "--ip-adapter-dir out for this model")
     try:
@@ -424,7 +424,7 @@ def _quantize(model: DiffusionModel, quantize: "str | Fp8Config | None", shared:
 
 def _controlnets(model: DiffusionModel, roots: tuple[str, ...], slots: int) -> ControlNets:
     """The ControlNets of `--controlnet-dir` and the model's built-in ones (its family must take residuals)."""
-    if not hasattr(model.adapter, "control"):
+    if "controlnet" not in model.adapter.side_paths:
         raise ParamError("controlnet_dir", f"the {model.adapter.name} family takes no ControlNet; leave "
                                            "--controlnet-dir out for this model")
     if not isinstance(slots, int) or slots < 1:

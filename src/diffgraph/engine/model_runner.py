@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from functools import partial
 from typing import Any, Sequence
 
@@ -206,7 +205,7 @@ class ModelRunner:
     def plan_for(self, sampler: str, schedule: str, steps: int, key: GroupKey,
                  options: PlanOptions | None = None) -> SamplerPlan:
         """The family's sampler plan at a resolution (its planner may depend on it: a flow model's time shift)."""
-        if options is not None and len(inspect.signature(self._planner).parameters) < 5:
+        if options is not None and not self.adapter.plan_options:
             raise ParamError("eta" if options.eta is not None else "timestep_spacing", f"model family "
                              f"{self.adapter.name!r} takes no eta or timestep_spacing; leave them out")
         return self._planner(sampler, schedule, steps, key, *(() if options is None else (options,)))

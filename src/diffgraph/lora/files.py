@@ -32,8 +32,9 @@ import torch
 from ..safe_files import FileChanged, FileStamp, SafetensorsHeader, UnusableFile, read_header
 from ..safe_tensors import DTYPES, TensorFile
 from .catalog import MAX_ADAPTER_BYTES, check_dtype
+from .targets import LoraLayout, unet_layout
 
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2")  # the SD families' (lora/targets.py: unet_layout)
 # key fragments of adapter kinds that are not plain LoRA -> their names
 UNSUPPORTED = {"hada_": "LoHa", "lokr_": "LoKr", "dora_scale": "DoRA", "lora_magnitude_vector": "DoRA",
                ".lora_mid.": "LoCon with a Tucker mid weight", "ia3": "IA3", ".diff": "a full weight difference",
@@ -80,7 +81,7 @@ class AdapterFile:
         return [f"{c}.{m}" for c, part in self.layers.items() for m in part]
 
 
-def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, name: str,
+def read_adapter(source: str | dict[str, torch.Tensor], layout: LoraLayout | str, name: str,
                  convolutions: bool = False) -> AdapterFile:
     """The adapter in `source` (a .safetensors path or a state dict) for a model of `pipeline_class` (e.g.
     "StableDiffusionPipeline", "StableDiffusionXLPipeline"); `convolutions`: read k x k convolution weights (LoCon)
@@ -88,10 +89,10 @@ def read_adapter(source: str | dict[str, torch.Tensor], pipeline_class: str, nam
     if not isinstance(source, str):
         for key, t in source.items():
             check_dtype(name, key, DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch.")), t.numel())
-        return _adapter(dict(source), pipeline_class, name, None, None, convolutions)
+        return _adapter(dict(source), layout, name, None, None, convolutions)
     _refuse_pickle(source, name)
     header, state = _read(_tensors, source, name, name)
-    return _adapter(state, pipeline_class, name, source, header.stamp, convolutions)
+    return _adapter(state, layout, name, source, header.stamp, convolutions)
 
 
 def _tensors(path: str, max_bytes: int, name: str) -> tuple[SafetensorsHeader, dict[str, torch.Tensor]]:
@@ -102,7 +103,7 @@ def _tensors(path: str, max_bytes: int, name: str) -> tuple[SafetensorsHeader, d
         return f.header, f.read()
 
 
-def header_adapter(path: str, pipeline_class: str, name: str, convolutions: bool = False) -> AdapterFile:
+def header_adapter(path: str, layout: LoraLayout | str, name: str, convolutions: bool = False) -> AdapterFile:
     """The adapter of file `path` as its header describes it: its layers' weights are meta tensors (shapes and
     layout checked, as read_adapter does, but no values), its alphas real. For listings: reads the header only."""
     _refuse_pickle(path, name)
@@ -113,7 +114,7 @@ def header_adapter(path: str, pipeline_class: str, name: str, convolutions: bool
         dtype = DTYPES[t.dtype]
         state[key] = torch.frombuffer(bytearray(small[key]), dtype=dtype).reshape(t.shape) if key in small else \
             torch.empty(t.shape, dtype=dtype, device="meta")
-    return _adapter(state, pipeline_class, name, path, header.stamp, convolutions)
+    return _adapter(state, layout, name, path, header.stamp, convolutions)
 
 
 def _refuse_pickle(path: str, name: str) -> None:
@@ -132,18 +133,25 @@ def _read(reader: Any, path: str, name: str, *args: Any) -> Any:
         raise AdapterError(f"adapter {name!r}: {os.path.basename(path)} {e}") from None
 
 
-def _adapter(state: dict[str, torch.Tensor], pipeline_class: str, name: str, path: str | None,
+def _adapter(state: dict[str, torch.Tensor], layout: LoraLayout | str, name: str, path: str | None,
              stamp: FileStamp | None, convolutions: bool = False) -> AdapterFile:
     import diffusers
 
     _refuse_unsupported(list(state), name)
+    if isinstance(layout, str):  # an SD pipeline class: its components
+        layout = unet_layout(layout, len(COMPONENTS) - 1)
+    pipeline_class, components = layout.pipeline_class, layout.names
     try:
-        state, alphas = getattr(diffusers, pipeline_class).lora_state_dict(state)[:2]
+        if pipeline_class is None:  # PEFT keys as they are (`component.module.lora_A.weight`, `....alpha`)
+            alphas = {k: float(v) for k, v in state.items() if k.endswith(".alpha")}
+            state = {k: v for k, v in state.items() if not k.endswith(".alpha")}
+        else:
+            state, alphas = getattr(diffusers, pipeline_class).lora_state_dict(state)[:2]
     except Exception as e:
         raise AdapterError(f"adapter {name!r} could not be read as a LoRA for {pipeline_class}: "
                            f"{type(e).__name__}: {e}") from None
     layers: dict[str, dict[str, LayerWeights]] = {}
-    for component in COMPONENTS:
+    for component in components:
         part = {k[len(component) + 1:]: v for k, v in state.items() if k.startswith(component + ".")}
         if part:
             try:
@@ -153,11 +161,11 @@ def _adapter(state: dict[str, torch.Tensor], pipeline_class: str, name: str, pat
             except (KeyError, RuntimeError, ValueError) as e:  # diffusers' converters on a layout they do not know
                 raise AdapterError(f"adapter {name!r}: its {component} weights could not be read as a LoRA "
                                    f"({type(e).__name__}: {e})") from None
-    known = {k for k in state if k.split(".", 1)[0] in COMPONENTS}
+    known = {k for k in state if k.split(".", 1)[0] in components}
     if set(state) - known:
         extra = sorted(set(state) - known)[:3]
         raise AdapterError(f"adapter {name!r} has weights for no component diffgraph knows ({', '.join(extra)}...); "
-                           f"components: {', '.join(COMPONENTS)}")
+                           f"components: {', '.join(components)}")
     if not layers:
         raise AdapterError(f"adapter {name!r} holds no LoRA weights")
     return AdapterFile(name=name, path=path, version=tuple(stamp[:2]) if stamp else None, layers=layers, stamp=stamp)

@@ -50,16 +50,10 @@ from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError
     unusable
 from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach, takes
+from .targets import CONV_TARGETS, DENOISER, TEXT_TARGETS, UNET_TARGETS, LoraLayout  # noqa: F401 (the SD names)
 
 logger = logging.getLogger(__name__)
 
-UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
-# the `conv` option's UNet layers: what diffusers' LCM-LoRA training (and TCD's, Hyper-SD's) and kohya's LoCon target
-# beyond UNET_TARGETS (ResNet blocks' 3x3 convs, time projection and 1x1 shortcut; the samplers' convs), and the
-# conv_in / conv_out that some distilled adapters (DMD2) add
-CONV_TARGETS = ("conv1", "conv2", "conv_shortcut", "time_emb_proj", "downsamplers.0.conv", "upsamplers.0.conv",
-                "conv_in", "conv_out")
-TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 READ_WORKERS, READ_TIMEOUT_S = 2, 60.0  # adapter reads at once (each may hold a file in memory), and their bound
 READ_ATTEMPTS, READ_BACKOFF_S = 3, 0.05  # reads of a file that changes while read, before it is refused; pauses
 
@@ -71,15 +65,16 @@ class Prepared:
 
     key: AdapterKey
     adapter: AdapterFile
-    rows: dict[str, torch.Tensor]  # bank ("unet", "text_encoder", ...) -> its slot row
+    rows: dict[str, torch.Tensor]  # bank (the files' component: "unet", "text_encoder", ...) -> its slot row
+    denoiser: str = "unet"         # the denoiser's bank
 
     @property
-    def has_unet(self) -> bool:
-        return "unet" in self.rows
+    def has_unet(self) -> bool:  # weights for the denoiser (whatever its architecture)
+        return self.denoiser in self.rows
 
     @property
     def has_text(self) -> bool:
-        return any(c != "unet" for c in self.rows)
+        return any(c != self.denoiser for c in self.rows)
 
 
 @dataclass(frozen=True)
@@ -115,7 +110,7 @@ class LoraManager:
         if self.conv is None:
             self.conv = bool(getattr(self.config, "conv", False))
         self.family = self.model.family
-        self.pipeline_class = self.model.adapter.lora_pipeline_class  # whose LoRA reader diffusers applies
+        self.layout: LoraLayout | None = self.model.adapter.lora_layout(self.model)  # the family's (lora/targets.py)
         self.dir = AdapterDir(self.config.lora_dir) if self.config.lora_dir else None
         self.builtin = AdapterDir(self.config.builtin_dir) if self.config.builtin_dir else None
         self._lock = threading.Lock()
@@ -130,28 +125,29 @@ class LoraManager:
         self._flight: Future | None = None
         self.reader = FileReader(READ_WORKERS, READ_TIMEOUT_S, name="diffgraph-lora-files")
         self.banks: dict[str, LoraSlots] = {}
-        self.components = {"unet": self.model.denoiser}
-        for i, encoder in enumerate(self.model.text_encoders):
-            self.components["text_encoder" if i == 0 else f"text_encoder_{i + 1}"] = encoder
+        layout = self.layout or LoraLayout((), ())
+        self.denoiser = layout.denoiser_component if layout.components else "unet"
+        self.components = {c: self.model.denoiser if m == DENOISER else self.model.text_encoders[int(m[5:])]
+                           for c, m in layout.components}
         # module names per component, for looking up an adapter's layers (before side paths wrap them: the
         # wrapped layer keeps its name, and its base gains a `.base` child that no adapter names)
         self._names = {c: {name for name, _ in root.named_modules()} for c, root in self.components.items()}
         if any(isinstance(m, LoraLayer) for root in self.components.values() for m in root.modules()):
             raise ValueError("this model already has LoRA side paths (another engine made them); load the model "
                              "again for this engine")
-        if (self.config.slots or self.config.fuse) and self.pipeline_class is None:
+        if (self.config.slots or self.config.fuse) and self.layout is None:
             raise ValueError(f"LoRA adapters are not supported for model family {self.family!r}")
         for name, scale in self.config.fuse:
             self.fuse(name, scale)
         self.slots = SlotCache(self.config.slots) if self.config.slots else None
         if self.slots is not None:
             n, rank = self.config.slots, self.config.max_lora_rank
-            unet_targets = UNET_TARGETS + (CONV_TARGETS if self.conv else ())
-            self.banks["unet"] = attach(self.model.denoiser, _targets(self.model.denoiser, unet_targets, self.conv), n,
-                                        rank, self.unet_rows, convolutions=self.conv)
+            targets = layout.denoiser + (layout.conv if self.conv else ())
+            self.banks[self.denoiser] = attach(self.model.denoiser, _targets(self.model.denoiser, targets, self.conv),
+                                               n, rank, self.unet_rows, convolutions=self.conv)
             for component, root in self.components.items():
-                if component != "unet":
-                    self.banks[component] = attach(root, _targets(root, TEXT_TARGETS), n, rank, self.text_rows)
+                if component != self.denoiser:
+                    self.banks[component] = attach(root, _targets(root, layout.text), n, rank, self.text_rows)
         self.loads = 0  # slot writes (adapters loaded into a slot)
         if self.slots is not None:
             self._warm()
@@ -163,7 +159,8 @@ class LoraManager:
         later rows of the same size reuse)."""
         import diffusers
 
-        getattr(diffusers, self.pipeline_class)
+        if self.layout.pipeline_class is not None:
+            getattr(diffusers, self.layout.pipeline_class)
         if self.model.device.type == "cuda":
             for bank in self.banks.values():
                 if bank.flat is not None:
@@ -274,7 +271,7 @@ class LoraManager:
     def _describe(self, name: str, path: str, stamp: FileStamp) -> dict[str, Any] | str:
         """(On the pool.) An adapter file's entry from its header, checked against this model, and cached."""
         try:
-            adapter = header_adapter(path, self.pipeline_class, name, convolutions=True)
+            adapter = header_adapter(path, self.layout, name, convolutions=True)
             self._pad(adapter)
             entry: dict[str, Any] | str = self._summary(name, adapter, self._source(path))
             stamp = adapter.stamp or stamp
@@ -341,7 +338,7 @@ class LoraManager:
 
     def _build(self, key: AdapterKey, source: Any) -> Prepared:
         """(On the pool.) Reads and checks an adapter, and makes its host rows."""
-        adapter = read_adapter(source, self.pipeline_class, key[0], convolutions=True)
+        adapter = read_adapter(source, self.layout, key[0], convolutions=True)
         if isinstance(key[1], FileStamp) and adapter.stamp != key[1]:  # (an added file is read as it is)
             raise AdapterChanged(f"adapter {key[0]!r} changed between its stat and its read")
         cuda = self.model.device.type == "cuda"
@@ -350,7 +347,7 @@ class LoraManager:
             if not _finite(row):
                 raise AdapterError(f"adapter {key[0]!r} has non-finite {component} weights (or they overflow "
                                    f"{row.dtype})")
-        prepared = Prepared(key, adapter, rows)
+        prepared = Prepared(key, adapter, rows, self.denoiser)
         with self._lock:  # pinned host rows (an SDXL rank-64 adapter is 340 MB): bounded by bytes, the newest kept
             self._host[key] = prepared
             while len(self._host) > 1 and (self.host_bytes() > self.config.host_bytes
@@ -403,7 +400,8 @@ class LoraManager:
                     "merge the adapter into a checkpoint with its own tool instead")
         kind = f", a {module.kernel_size[0]}x{module.kernel_size[1]} convolution" if isinstance(module, nn.Conv2d) \
             else ""
-        if component == "unet" and not self.conv and _targets(self.components["unet"], CONV_TARGETS, True, [path]):
+        if component == self.denoiser and not self.conv and _targets(self.components[component], self.layout.conv,
+                                                                     True, [path]):
             return (f"{what}{kind}, whose side path is off in this engine (convolution LoRA, LoCon: LCM-LoRA, TCD, "
                     "Hyper-SD and kohya LoCon files have them): start the engine with --lora-conv "
                     "(LoraManager(conv=True); its slots cost more device memory), or merge the adapter into the "
@@ -515,7 +513,7 @@ class LoraManager:
             if self.dir is None:
                 raise AdapterNameError(f"fused adapter {name!r}: give a .safetensors path, or a name in --lora-dir")
             source = self.dir.path(name)
-        adapter = read_adapter(source, self.pipeline_class, name, convolutions=True)
+        adapter = read_adapter(source, self.layout, name, convolutions=True)
         with torch.no_grad():
             for component, layers in adapter.layers.items():
                 root = self.components.get(component)

@@ -48,6 +48,7 @@ from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
 from ...features.history import SamplerHistory
 from ...features.lora import LoraRows, SidePathRows
+from ...lora.targets import LoraLayout, unet_layout
 from ...request import MAX_LORAS, SIZE_MULTIPLE, GroupKey, Size, check_family_params
 from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
 from ...sampling.samplers import PlanOptions, SamplerPlan, make_plan, noising
@@ -148,6 +149,11 @@ class FamilyAdapter:
     compile_layout: tuple[bool, str] = (True, "auto")
     # conditioning fields with a token axis (their first per-row dimension): long prompts make them longer
     sequence_fields: tuple[str, ...] = ()
+    # what its denoiser takes beside its own path (engine/controlnets.py, engine/ip_adapters.py need its UNet's
+    # residual inputs and cross-attention layers, and its `control` call): a subset of ("controlnet", "ip_adapter")
+    side_paths: tuple[str, ...] = ()
+    # its planner takes PlanOptions (a request's timestep spacing and eta) as a fifth argument; else they are refused
+    plan_options: bool = True
     # the prompt syntaxes its text side reads (request.PROMPT_SYNTAXES: "a1111" needs CLIP's 75-token windows)
     prompt_syntaxes: tuple[str, ...] = ("plain", "a1111")
     # the textual-inversion key of each text encoder, in order (text/embeddings.py): "default" for one encoder
@@ -271,6 +277,12 @@ class FamilyAdapter:
         """(k, e): an image-to-image row starts at k * image latents + e * noise, the plan's first state (SD's
         samplers: the add_noise of their diffusers scheduler; a flow-matching family: (1 - sigma, sigma))."""
         return noising(plan)
+
+    def lora_layout(self, model: DiffusionModel) -> LoraLayout | None:
+        """What its LoRA files name and which layers side paths wrap (lora/targets.py); None: it takes no LoRA. The
+        SD families: the UNet's attention and feed-forward layers, CLIP's, read by `lora_pipeline_class`."""
+        return None if self.lora_pipeline_class is None else unet_layout(self.lora_pipeline_class,
+                                                                         len(model.text_encoders))
 
     def guidance(self, model: DiffusionModel) -> str:
         """How the model guides (`ModelInfo.guidance`): "embedded" for guidance-distilled UNets (LCM's

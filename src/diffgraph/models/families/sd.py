@@ -20,6 +20,7 @@ class SDFamily(FamilyAdapter):
     name = "sd"
     pipeline_classes = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
     lora_pipeline_class = "StableDiffusionPipeline"
+    side_paths = ("controlnet", "ip_adapter")
     original_layouts = (("sd1", (("cond_stage_model.transformer.", "hf"),)),
                         ("sd2", (("cond_stage_model.model.", "openclip"),)))
     default_guidance = 7.5

@@ -27,6 +27,7 @@ def add_time_ids(height: int, width: int) -> list[float]:
 
 class SDXLFamily(FamilyAdapter):
     name = "sdxl"
+    side_paths = ("controlnet", "ip_adapter")
     pipeline_classes = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline",
                         "StableDiffusionXLInpaintPipeline")
     lora_pipeline_class = "StableDiffusionXLPipeline"

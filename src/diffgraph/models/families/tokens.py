@@ -45,6 +45,7 @@ class TokenFamily(FamilyAdapter):
     default_sampler = FLOW_SAMPLERS[0]
     default_schedule = FLOW_SCHEDULES[0]
     prompt_syntaxes = ("plain",)
+    plan_options = False
 
     # -- groups and layout -------------------------------------------------------------------------
     def grid(self, model: DiffusionModel, size: Size) -> tuple[int, int]:
