@@ -12,8 +12,11 @@ files are read each listing, their nesting bounded (`safe_files.parse_json`); an
 no reader foresaw is listed as unservable with a one-line reason, never failing the listing. `resolve(name)` maps a
 request's model name to its entry (listing again: a model added later is found without a restart). AUTOMATIC1111's
 model hashes are file_hashes.py's.
-`model_path(--model)`: the path that tells which entry is the default model. Standard library only (the HTTP
-process and `diffgraph models --dir DIR` use this).
+`model_path(--model)`: the path that tells which entry is the default model. A folder laid out as ComfyUI's
+`models/` (split_files.py `comfy_layout`) lists `checkpoints/` as any file, a `diffusion_models/` or `unet/` file as a
+split diffusion model with the companions chosen for it (`ModelEntry.split`) or why it has none, and never the
+companion folders or ComfyUI's folders of other things. Standard library only (the HTTP process and
+`diffgraph models --dir DIR` use this).
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from .clip_vocab import default_cache_root
 from .file_hashes import SHORT, FileHashes
 from .presets import RANDOM_PRESETS, SHIPPED_PRESETS
 from .sidecar import read_sidecar, sidecar_path
+from .split_files import (COMPANION_FOLDERS, OTHER_FOLDERS, SPLIT_FOLDERS, SPLIT_KINDS, PartFiles, SplitFiles,
+                          comfy_layout, header_shapes, split_kind)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,7 @@ class ModelEntry:
     family: str | None = None        # a family adapter's name ("sd", "sdxl"); None when unknown or unservable
     native_size: int | None = None   # pixels (512 / 768 / 1024 ...); None when the configs do not say
     error: str | None = None         # why it cannot be served (one line), None when it can
+    split: SplitFiles | None = None  # a split diffusion model's files, once its companions are chosen
 
     @property
     def description(self) -> str:
@@ -111,6 +117,8 @@ class ModelDir:
             raise ValueError(f"model dir {root!r} is itself a diffusers model (it holds {INDEX}); give it as "
                              "--model, or its parent folder as --model-dir")
         self.root = os.path.realpath(root)
+        self.comfy = comfy_layout(self.root)  # ComfyUI's models folder: split folders and companion folders
+        self._parts = PartFiles(self.root)
         # path under root -> the version inspected (the file's, its sidecar's) and its entry
         self._files: dict[str, tuple[tuple[FileStamp, FileStamp | None], ModelEntry]] = {}
 
@@ -123,6 +131,8 @@ class ModelDir:
         files_seen: set[str] = set()
         for folder, dirs, files in os.walk(self.root, followlinks=False):
             rel_dir = os.path.relpath(folder, self.root).replace(os.sep, "/")
+            if folder == self.root and self.comfy:  # companions and other things: never models themselves
+                dirs[:] = [d for d in dirs if d not in OTHER_FOLDERS + COMPANION_FOLDERS]
             if folder != self.root and INDEX in files:
                 dirs[:] = []
                 if self._inside(os.path.join(folder, INDEX)):
@@ -156,19 +166,27 @@ class ModelDir:
             return ModelEntry(name, path, "file", 0, None, error=f"{rel} {e}") if os.path.lexists(full) else None
         stamp = stamp_of(st)
         version = (stamp, _sidecar_stamp(path))
+        split = self.comfy and rel.split("/")[0] in SPLIT_FOLDERS
         seen = self._files.get(full)
         if seen is not None and seen[0] == version and seen[1].path == path:
-            return seen[1]
+            entry = seen[1]
+        else:
+            entry = _read_file_entry(ModelEntry(name, path, "file", st.st_size, stamp), rel, split)
+            self._files[full] = (version, entry)
+        return self._with_parts(entry) if split and entry.error is None else entry
+
+    def _with_parts(self, entry: ModelEntry) -> ModelEntry:
+        """A split diffusion model's entry with its companions chosen now (files come and go in their folders)."""
+        kind = next(k for k in SPLIT_KINDS if k.name == entry.kind)
         try:
-            refuse_pickle(path)
-            side = read_sidecar(path)
-            info = inspect_checkpoint(path, MAX_MODEL_BYTES)
-            kind = (side.preset if side else None) or info.kind
-            entry = _file_kind(ModelEntry(name, path, "file", st.st_size, stamp), kind, side.config if side else None)
-        except ValueError as e:
-            entry = ModelEntry(name, path, "file", st.st_size, stamp, error=str(e))
-        self._files[full] = (version, entry)
-        return entry
+            files = self._parts.choose(entry.path, kind, read_sidecar(entry.path))
+        except ValueError as e:  # Incomplete, or a sidecar changed since it was read
+            return replace(entry, error=str(e))
+        if kind.family is None:
+            names = f"{self._parts.shown(files.text_encoder)} and {self._parts.shown(files.vae)}"
+            return replace(entry, split=files, error=f"{entry.name} is a {kind.label} diffusion model (with {names}); "
+                           "no model family loads split files of it yet")
+        return replace(entry, split=files, family=kind.family)
 
     def resolve(self, name: str) -> ModelEntry:
         """The entry that `name` names (with or without ".safetensors"). Raises ModelNameError for a name that is
@@ -194,6 +212,23 @@ class ModelDir:
         hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"known: {', '.join(list(entries)[:10]) or 'none'}"
         raise ModelNotFound(f"model {name!r} is not in the model folder; {hint}")
+
+
+def _read_file_entry(entry: ModelEntry, rel: str, split: bool) -> ModelEntry:
+    """A file's kind, family and native size from its header and sidecar; in a split folder its split kind only."""
+    try:
+        refuse_pickle(entry.path)
+        side = read_sidecar(entry.path)
+        if split:
+            try:
+                return replace(entry, kind=split_kind(rel, header_shapes(entry.path)).name)
+            except UnusableFile as e:
+                raise ValueError(f"{rel} {e}") from None
+        info = inspect_checkpoint(entry.path, MAX_MODEL_BYTES)
+        kind = (side.preset if side else None) or info.kind
+        return _file_kind(entry, kind, side.config if side else None)
+    except ValueError as e:
+        return replace(entry, error=str(e))
 
 
 def _sidecar_stamp(path: str) -> FileStamp | None:

@@ -8,7 +8,8 @@ when it is not resident (the request waits, within its timeout); the hold it ret
 the request is submitted. Bad names are a 400 naming `model`, unknown ones (or removed since they were resolved) a
 404, a model that fails to load a 400 with its reason; the others keep serving. A `--model PATH` inside the folder is
 the default under its `--model` name only (its folder name resolves to it). `listing()` is `GET /v1/models`: every
-model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short hash
+model with its family, native size, whether it is resident, its weights-and-graphs bytes, a split diffusion model's
+text encoder and VAE files (`files`; models/split_files.py), AUTOMATIC1111's short hash
 (`FileHashes`, models/file_hashes.py: hashed once per file version on a background thread and kept across starts;
 null until known, never waited for) and its `error`, with `error_kind`: "file" (the file cannot be served as it is)
 or "load" (its last load failed; the next request for it tries again). Every
@@ -128,8 +129,11 @@ class ModelRouting:
             # "file": the entry cannot be served as it is (listed anew when the file changes); "load": its last load
             # failed, and the next request for it tries again (so it stays on offer: A1111's titles list it)
             error, error_kind = (e.error, "file") if e.error else (failed.get(e.name), "load")
-            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size, self.shown(error),
-                                  e.path if e.form == "file" and not e.error else None, e.kind, error_kind))
+            card = self._card(e.name, created, resident, loading, e.family, e.native_size, self.shown(error),
+                              e.path if e.form == "file" and not e.error else None, e.kind, error_kind)
+            # a split diffusion model's companion files, named relative to the folder (null for a whole model)
+            card["files"] = {role: self.shown(p) for role, p in e.split.files().items()} if e.split else None
+            out.append(card)
         return out
 
     def _card(self, name: str, created: int, resident: dict[str, RemoteResident], loading: set[str], family: str | None,
@@ -141,7 +145,7 @@ class ModelRouting:
         return {"id": name, "object": "model", "created": created, "owned_by": "diffgraph", "family": family,
                 "native_size": size, "capabilities": list(r.client.info.capabilities) if r else None, "kind": kind, "resident": r is not None, "loading": name in loading,
                 "memory_bytes": r.memory_bytes if r else None, "default": name == self.default,
-                "hash": self.hashes.short(file) if file else None, "error": error,
+                "hash": self.hashes.short(file) if file else None, "files": None, "error": error,
                 "error_kind": error_kind if error else None}
 
     def close(self) -> None:
