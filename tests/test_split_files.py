@@ -72,6 +72,7 @@ def test_a_diffusion_model_is_listed_with_the_only_compatible_file_of_each_kind(
     assert entries["checkpoints/sd15"].kind == "sd1" and entries["checkpoints/sd15"].error is None  # as today
     z = entries["diffusion_models/z_image_turbo"]
     assert isinstance(z.split, SplitFiles) and z.kind == "z-image" and z.split.kind.name == "z-image"
+    assert z.description == "Z-Image (split)"  # as `diffgraph models --dir` prints it
     assert (z.split.text_encoder, z.split.vae) == (str(comfy / "text_encoders" / "qwen_3_4b.safetensors"),
                                                    str(comfy / "vae" / "ae.safetensors"))
     assert z.split.chosen_by == (("text_encoder", "only file"), ("vae", "only file"))

@@ -78,7 +78,8 @@ class ModelEntry:
 
     @property
     def description(self) -> str:
-        return DESCRIPTIONS.get(self.kind or "", self.kind or "-")
+        split = next((k.label + " (split)" for k in SPLIT_KINDS if k.name == self.kind), None)
+        return DESCRIPTIONS.get(self.kind or "", split or self.kind or "-")
 
 
 def pipeline_family(class_name: str | None) -> str | None:
