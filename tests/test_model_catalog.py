@@ -1,7 +1,7 @@
 """The models of a --model-dir folder (diffgraph.models.catalog, issue 29 point 3): names and nesting, the name rules,
 links out of the folder left out, FIFOs never opened, pickles, LoRAs and truncated files listed with why they cannot
 be served, diffusers folders, kinds / families / native sizes from headers, headers read once per file version,
-AUTOMATIC1111's hashes cached by file version, the CLI listing, and no torch in the importing process."""
+the CLI listing (with hashes: test_file_hashes.py has their cache), and no torch in the importing process."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ import torch
 from safetensors.torch import save_file
 
 from diffgraph.models import catalog
-from diffgraph.models.catalog import (ModelDir, ModelNameError, ModelNotFound, ModelUnusable, full_hash,
-                                      native_size_of, pipeline_family, print_model_dir, short_hash,
-                                      supported_pipelines)
+from diffgraph.models.catalog import (ModelDir, ModelNameError, ModelNotFound, ModelUnusable, native_size_of,
+                                      pipeline_family, print_model_dir, supported_pipelines)
 from diffgraph.models.checkpoint_configs import KINDS, folder_files
 from diffgraph.models.presets import shipped_preset_folder
 
@@ -233,32 +232,6 @@ def test_family_table_matches_the_adapters():
     for cls in registry.pipeline_classes():
         assert pipeline_family(cls) == registry.for_pipeline(cls).name
     assert pipeline_family("StableDiffusion3Pipeline") is None and pipeline_family(None) is None
-
-
-def test_short_hash_is_a1111s_and_cached_by_version(tmp_path, monkeypatch):
-    path = tmp_path / "m.safetensors"
-    path.write_bytes(os.urandom(3 << 20) + b"tail")  # more than one 1 MiB chunk
-    cache = tmp_path / "cache"
-    expected = hashlib.sha256(path.read_bytes()).hexdigest()
-    made = []
-    real = hashlib.sha256
-    monkeypatch.setattr(catalog.hashlib, "sha256", lambda *a: made.append(1) or real(*a))
-    assert short_hash(str(path), str(cache)) == expected[:10]
-    assert full_hash(str(path), str(cache)) == expected
-    assert len(made) == 1  # the second call read the cache, not the file
-    stored = json.loads((cache / "hashes.json").read_text())
-    assert stored[str(path.resolve())]["sha256"] == expected
-    assert [f for f in os.listdir(cache)] == ["hashes.json"]  # no temporary file left behind
-    # rewritten in place, same size: its mtime moves, so it is hashed again
-    st = os.stat(path)
-    path.write_bytes(b"x" * st.st_size)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    assert short_hash(str(path), str(cache)) == real(path.read_bytes()).hexdigest()[:10]
-    assert len(made) == 2
-    (cache / "hashes.json").write_text("{damaged")  # a damaged cache is ignored and rewritten
-    assert full_hash(str(path), str(cache)) == real(path.read_bytes()).hexdigest()
-    assert len(made) == 3 and str(path.resolve()) in json.loads((cache / "hashes.json").read_text())
-    assert short_hash(str(tmp_path), str(cache)) is None  # a folder has no A1111 hash
 
 
 def test_print_model_dir(folder, tmp_path):

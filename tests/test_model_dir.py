@@ -279,3 +279,53 @@ def _a_held_models_requests_count_like_the_defaults(url: str) -> None:
     assert listing.status_code == 200 and listing.json()["object"] == "list", listing.text
     unknown = httpx.get(url + "/v1/loras", params={"model": "nope"}, timeout=60)
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+
+
+def test_comfyuis_models_folder_over_http_lists_checkpoints_and_split_models(tmp_path):
+    """`--model-dir` on ComfyUI's models folder: GET /v1/models lists its checkpoints as any file and a split diffusion
+    model with its companion files (relative names) and why it cannot serve yet; the A1111 titles keep what serves."""
+    from fastapi.testclient import TestClient
+
+    from diffgraph.engine.remote_models import RemoteModels
+    from diffgraph.server import ServerConfig, create_app
+    from test_model_sets_review import _checkpoint
+    from test_split_files import FLUX_VAE, QWEN3_4B, ZIMAGE, header_file
+
+    _checkpoint(tmp_path / "checkpoints" / "sd15.safetensors", 0.0)
+    header_file(tmp_path / "diffusion_models" / "z.safetensors", ZIMAGE)
+    header_file(tmp_path / "text_encoders" / "qwen_3_4b.safetensors", QWEN3_4B)
+    header_file(tmp_path / "vae" / "ae.safetensors", FLUX_VAE)
+    http = TestClient(create_app(ServerConfig(model="random:tiny", model_dir=str(tmp_path), device="cpu"),
+                                 engine_factory=lambda: None, models=RemoteModels()), raise_server_exceptions=False)
+    cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+    assert list(cards) == ["random:tiny", "checkpoints/sd15", "diffusion_models/z"]
+    assert (cards["checkpoints/sd15"]["family"], cards["checkpoints/sd15"]["error"]) == ("sd", None)
+    z = cards["diffusion_models/z"]
+    assert z["files"] == {"text_encoder": "text_encoders/qwen_3_4b.safetensors", "vae": "vae/ae.safetensors"}
+    assert (z["kind"], z["error_kind"], z["hash"]) == ("z-image", "file", None)
+    assert "no model family loads split files of it yet" in z["error"] and str(tmp_path) not in z["error"]
+    assert cards["checkpoints/sd15"]["files"] is None
+    assert [m["filename"] for m in http.get("/sdapi/v1/sd-models").json()] == ["random:tiny", "checkpoints/sd15"]
+
+
+def test_the_listing_never_waits_for_a_hash_and_shows_it_once_known(tmp_path):
+    import hashlib
+
+    from diffgraph.engine.remote_models import RemoteModels
+    from diffgraph.models.file_hashes import FileHashes
+    from diffgraph.server.models import ModelRouting
+    from test_file_hashes import BOUND_S, GatedReader
+    from test_model_sets_review import _checkpoint
+
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    reader = GatedReader()  # a hash that takes as long as the test says (a 7 GB file: a minute)
+    routing = ModelRouting(str(tmp_path), "random:tiny", RemoteModels(),
+                           hashes=FileHashes(str(tmp_path / "cache"), read=reader))
+    assert {c["id"]: c["hash"] for c in routing.listing(0)}["m"] is None
+    assert reader.started.wait(BOUND_S)
+    assert {c["id"]: c["hash"] for c in routing.listing(0)}["m"] is None  # answered while the hash is under way
+    reader.gate.set()
+    assert routing.hashes.wait_idle(BOUND_S)
+    digest = hashlib.sha256((tmp_path / "m.safetensors").read_bytes()).hexdigest()[:10]
+    assert {c["id"]: c["hash"] for c in routing.listing(0)}["m"] == digest
+    assert len(reader.calls) == 1

@@ -17,8 +17,9 @@ from fastapi.testclient import TestClient
 from diffgraph.engine.held_models import HeldModels
 from diffgraph.engine.model_set import ModelSet, folder_builder
 from diffgraph.engine.remote_models import ModelClient, ModelSetSpec, RemoteResident
-from diffgraph.models import catalog
+from diffgraph.models import catalog, file_hashes
 from diffgraph.models.presets import shipped_preset_folder
+from diffgraph.safe_files import FileChanged
 from diffgraph.server import ServerConfig, create_app
 from diffgraph.server.models import ModelRouting, Target
 from diffgraph.server.protocol import APIError
@@ -87,14 +88,14 @@ def test_a_file_removed_between_the_folders_walk_and_its_stat_is_not_listed(tmp_
 
 def test_a_file_removed_while_it_is_hashed_is_a_file_changed_and_the_offline_listing_goes_on(tmp_path, monkeypatch):
     _checkpoint(tmp_path / "m.safetensors", 0.0)
-    sha256 = catalog._sha256
+    sha256 = file_hashes.sha256_of
 
     def removed_first(path: str, st: os.stat_result) -> str:
         os.remove(path)  # after the stat, before the hash opens it
         return sha256(path, st)
-    monkeypatch.setattr(catalog, "_sha256", removed_first)
-    with pytest.raises(catalog.FileChanged, match="m.safetensors was removed while it was hashed"):
-        catalog.full_hash(str(tmp_path / "m.safetensors"), str(tmp_path / "cache"))  # was FileNotFoundError
+    monkeypatch.setattr(file_hashes, "sha256_of", removed_first)
+    with pytest.raises(FileChanged, match="m.safetensors was removed while it was hashed"):
+        file_hashes.FileHashes(str(tmp_path / "cache")).compute(str(tmp_path / "m.safetensors"))  # was FileNotFound
     _checkpoint(tmp_path / "m.safetensors", 0.0)
     out = io.StringIO()
     assert catalog.print_model_dir(str(tmp_path), out, hashes=True, cache_root=str(tmp_path / "cache")) == 0

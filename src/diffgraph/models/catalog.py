@@ -10,31 +10,34 @@ opened; one removed between the walk and its stat is not listed. Headers are ins
 (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`); folders' three small JSON
 files are read each listing, their nesting bounded (`safe_files.parse_json`); an entry whose reading fails in a way
 no reader foresaw is listed as unservable with a one-line reason, never failing the listing. `resolve(name)` maps a
-request's model name to its entry (listing again: a model added later is found without a restart). `short_hash` /
-`full_hash`: AUTOMATIC1111's model hashes, computed once per file version and kept under a cache folder.
-`model_path(--model)`: the path that tells which entry is the default model. Standard library only (the HTTP
-process and `diffgraph models --dir DIR` use this).
+request's model name to its entry (listing again: a model added later is found without a restart). AUTOMATIC1111's
+model hashes are file_hashes.py's.
+`model_path(--model)`: the path that tells which entry is the default model. A folder laid out as ComfyUI's
+`models/` (split_files.py `comfy_layout`) lists `checkpoints/` as any file, a `diffusion_models/` or `unet/` file as a
+split diffusion model with the companions chosen for it (`ModelEntry.split`) or why it has none, and never the
+companion folders or ComfyUI's folders of other things. Standard library only (the HTTP process and
+`diffgraph models --dir DIR` use this).
 """
 from __future__ import annotations
 
 import contextlib
 import difflib
-import hashlib
-import json
 import logging
 import os
 import stat
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, TextIO
 
-from ..safe_files import FileChanged, FileStamp, UnusableFile, check_regular, read_json, stamp_of
+from ..safe_files import FileStamp, UnusableFile, check_regular, read_json, stamp_of
 from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
 from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
 from .clip_vocab import default_cache_root
+from .file_hashes import SHORT, FileHashes
 from .presets import RANDOM_PRESETS, SHIPPED_PRESETS
 from .sidecar import read_sidecar, sidecar_path
+from .split_files import (COMPANION_FOLDERS, OTHER_FOLDERS, SPLIT_FOLDERS, SPLIT_KINDS, PartFiles, SplitFiles,
+                          comfy_layout, header_shapes, split_kind)
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +45,6 @@ SUFFIX = ".safetensors"
 INDEX = "model_index.json"
 MAX_MODEL_BYTES = 1 << 40
 MAX_JSON_BYTES = 16 << 20
-HASH_CACHE = "hashes.json"
-HASH_CHUNK = 1 << 20
 # The diffusers pipeline classes of each built-in family (models/families/: `pipeline_classes`), kept here as
 # (class name prefix, family name) because the adapters import torch; longest prefix first.
 FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl"), ("StableDiffusion", "sd"))
@@ -73,10 +74,12 @@ class ModelEntry:
     family: str | None = None        # a family adapter's name ("sd", "sdxl"); None when unknown or unservable
     native_size: int | None = None   # pixels (512 / 768 / 1024 ...); None when the configs do not say
     error: str | None = None         # why it cannot be served (one line), None when it can
+    split: SplitFiles | None = None  # a split diffusion model's files, once its companions are chosen
 
     @property
     def description(self) -> str:
-        return DESCRIPTIONS.get(self.kind or "", self.kind or "-")
+        split = next((k.label + " (split)" for k in SPLIT_KINDS if k.name == self.kind), None)
+        return DESCRIPTIONS.get(self.kind or "", split or self.kind or "-")
 
 
 def pipeline_family(class_name: str | None) -> str | None:
@@ -115,6 +118,8 @@ class ModelDir:
             raise ValueError(f"model dir {root!r} is itself a diffusers model (it holds {INDEX}); give it as "
                              "--model, or its parent folder as --model-dir")
         self.root = os.path.realpath(root)
+        self.comfy = comfy_layout(self.root)  # ComfyUI's models folder: split folders and companion folders
+        self._parts = PartFiles(self.root)
         # path under root -> the version inspected (the file's, its sidecar's) and its entry
         self._files: dict[str, tuple[tuple[FileStamp, FileStamp | None], ModelEntry]] = {}
 
@@ -127,6 +132,8 @@ class ModelDir:
         files_seen: set[str] = set()
         for folder, dirs, files in os.walk(self.root, followlinks=False):
             rel_dir = os.path.relpath(folder, self.root).replace(os.sep, "/")
+            if folder == self.root and self.comfy:  # companions and other things: never models themselves
+                dirs[:] = [d for d in dirs if d not in OTHER_FOLDERS + COMPANION_FOLDERS]
             if folder != self.root and INDEX in files:
                 dirs[:] = []
                 if self._inside(os.path.join(folder, INDEX)):
@@ -160,19 +167,27 @@ class ModelDir:
             return ModelEntry(name, path, "file", 0, None, error=f"{rel} {e}") if os.path.lexists(full) else None
         stamp = stamp_of(st)
         version = (stamp, _sidecar_stamp(path))
+        split = self.comfy and rel.split("/")[0] in SPLIT_FOLDERS
         seen = self._files.get(full)
         if seen is not None and seen[0] == version and seen[1].path == path:
-            return seen[1]
+            entry = seen[1]
+        else:
+            entry = _read_file_entry(ModelEntry(name, path, "file", st.st_size, stamp), rel, split)
+            self._files[full] = (version, entry)
+        return self._with_parts(entry) if split and entry.error is None else entry
+
+    def _with_parts(self, entry: ModelEntry) -> ModelEntry:
+        """A split diffusion model's entry with its companions chosen now (files come and go in their folders)."""
+        kind = next(k for k in SPLIT_KINDS if k.name == entry.kind)
         try:
-            refuse_pickle(path)
-            side = read_sidecar(path)
-            info = inspect_checkpoint(path, MAX_MODEL_BYTES)
-            kind = (side.preset if side else None) or info.kind
-            entry = _file_kind(ModelEntry(name, path, "file", st.st_size, stamp), kind, side.config if side else None)
-        except ValueError as e:
-            entry = ModelEntry(name, path, "file", st.st_size, stamp, error=str(e))
-        self._files[full] = (version, entry)
-        return entry
+            files = self._parts.choose(entry.path, kind, read_sidecar(entry.path))
+        except ValueError as e:  # Incomplete, or a sidecar changed since it was read
+            return replace(entry, error=str(e))
+        if kind.family is None:
+            names = f"{self._parts.shown(files.text_encoder)} and {self._parts.shown(files.vae)}"
+            return replace(entry, split=files, error=f"{entry.name} is a {kind.label} diffusion model (with {names}); "
+                           "no model family loads split files of it yet")
+        return replace(entry, split=files, family=kind.family)
 
     def resolve(self, name: str) -> ModelEntry:
         """The entry that `name` names (with or without ".safetensors"). Raises ModelNameError for a name that is
@@ -198,6 +213,23 @@ class ModelDir:
         hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"known: {', '.join(list(entries)[:10]) or 'none'}"
         raise ModelNotFound(f"model {name!r} is not in the model folder; {hint}")
+
+
+def _read_file_entry(entry: ModelEntry, rel: str, split: bool) -> ModelEntry:
+    """A file's kind, family and native size from its header and sidecar; in a split folder its split kind only."""
+    try:
+        refuse_pickle(entry.path)
+        side = read_sidecar(entry.path)
+        if split:
+            try:
+                return replace(entry, kind=split_kind(rel, header_shapes(entry.path)).name)
+            except UnusableFile as e:
+                raise ValueError(f"{rel} {e}") from None
+        info = inspect_checkpoint(entry.path, MAX_MODEL_BYTES)
+        kind = (side.preset if side else None) or info.kind
+        return _file_kind(entry, kind, side.config if side else None)
+    except ValueError as e:
+        return replace(entry, error=str(e))
 
 
 def _sidecar_stamp(path: str) -> FileStamp | None:
@@ -267,78 +299,12 @@ def _folder_bytes(folder: str) -> int:
     return total
 
 
-def full_hash(path: str, cache_root: str) -> str | None:
-    """The file's sha256 (hex; AUTOMATIC1111's `sha256`), cached by file version (size, mtime_ns, inode) in
-    `cache_root`/hashes.json; None for a folder (A1111 hashes none). Raises UnusableFile (not a regular file, not
-    readable) and FileChanged (written, replaced or removed while it was hashed)."""
-    if os.path.isdir(path):
-        return None
-    key = os.path.realpath(path)
-    st = check_regular(key, MAX_MODEL_BYTES)
-    version = [st.st_size, st.st_mtime_ns, st.st_ino]
-    cache_file = os.path.join(cache_root, HASH_CACHE)
-    hit = _read_cache(cache_file).get(key)
-    if isinstance(hit, dict) and hit.get("version") == version and isinstance(hit.get("sha256"), str):
-        return hit["sha256"]
-    digest = _sha256(key, st)
-    cache = _read_cache(cache_file)  # read again: another process may have added hashes meanwhile
-    cache[key] = {"version": version, "sha256": digest}
-    tmp = None
-    try:
-        os.makedirs(cache_root, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{HASH_CACHE}-", dir=cache_root)
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, cache_file)  # writers race harmlessly: the last one's file wins, whole
-    except OSError as e:
-        logger.warning("cannot write the hash cache %s (%s); hashes are recomputed next time", cache_file, e)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    return digest
-
-
-def short_hash(path: str, cache_root: str) -> str | None:
-    """AUTOMATIC1111's short model hash: the first 10 hex digits of `full_hash`; None for a folder."""
-    digest = full_hash(path, cache_root)
-    return digest[:10] if digest else None
-
-
-def _read_cache(cache_file: str) -> dict[str, Any]:
-    try:
-        data = read_json(cache_file, MAX_JSON_BYTES)[0]
-    except UnusableFile:
-        return {}  # missing or damaged: rewritten whole on the next hash
-    return data if isinstance(data, dict) else {}
-
-
-def _sha256(path: str, st: os.stat_result) -> str:
-    """The sha256 of the regular file `st` describes, read in 1 MiB chunks."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in after the stat: no block
-    except FileNotFoundError:
-        raise FileChanged(f"{path} was removed while it was hashed; list the folder again") from None
-    except OSError as e:
-        raise UnusableFile(f"{path} cannot be opened ({e.strerror or e}); check its permissions") from None
-    try:
-        digest, opened = hashlib.sha256(), os.fstat(fd)
-        while stat.S_ISREG(opened.st_mode) and (chunk := os.read(fd, HASH_CHUNK)):
-            digest.update(chunk)
-        after = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if not stat.S_ISREG(opened.st_mode) or (opened.st_ino, after.st_size, after.st_mtime_ns) != \
-            (st.st_ino, st.st_size, st.st_mtime_ns):
-        raise FileChanged(f"{path} was replaced or written while it was hashed; hash it again")
-    return digest.hexdigest()
-
-
 def print_model_dir(root: str, out: TextIO, hashes: bool = False, cache_root: str | None = None) -> int:
     """`diffgraph models --dir DIR`: one line per entry (name, form, kind and description, family, native size,
     size in GB, the short hash with `hashes`, the error). Hashes read whole files (minutes for a 7 GB checkpoint
     the first time), hence off by default. Raises ValueError when `root` is not a folder; returns 0."""
     entries = ModelDir(root).listing()
-    hash_root = cache_root or default_cache_root()
+    hasher = FileHashes(cache_root or default_cache_root())
     width = max([len(e.name) for e in entries] + [4])
     for e in entries:
         kind = f"{e.kind}  {e.description}" if e.form == "file" and e.kind else e.kind or "-"
@@ -347,8 +313,8 @@ def print_model_dir(root: str, out: TextIO, hashes: bool = False, cache_root: st
         if hashes:
             digest = None
             with contextlib.suppress(UnusableFile):  # (a file written meanwhile: no hash this time)
-                digest = short_hash(e.path, hash_root) if e.form == "file" and not e.error else None
-            line += f"  {digest or '-':10s}"
+                digest = hasher.compute(e.path) if e.form == "file" and not e.error else None
+            line += f"  {digest[:SHORT] if digest else '-':10s}"
         out.write((line + (f"  error: {e.error}" if e.error else "")).rstrip() + "\n")
     if not entries:
         out.write(f"no models in {root} (*.safetensors checkpoints and diffusers folders are listed)\n")

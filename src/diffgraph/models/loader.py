@@ -8,7 +8,8 @@ A folder's weight files are checked before diffusers reads them (present, and as
 that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback.
 Then diffusers and transformers read the folder, and a `--vae` folder, through `weights_view`: the weights they read
 are private in-memory copies, so a model file cut or rewritten while (or after) it loads cannot kill the process
-with SIGBUS. A single file's sidecar (`NAME.diffgraph.toml`, sidecar.py) names the config folder it is read with.
+with SIGBUS. A single file's sidecar (`NAME.diffgraph.toml`, sidecar.py) names the config folder it is read with. A file
+in a ComfyUI split folder (`diffusion_models/`, `unet/`) is read with the companions split_files.py chooses for it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
 from .sidecar import read_sidecar, sidecar_path
 from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
+from .split_files import SplitFiles, split_model
 from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group, weights_view
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,9 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
     if os.path.isdir(model):
         return _load_folder(model, device, torch_dtype, model, families, options)
     if os.path.exists(model):  # a file: a single-file checkpoint (anything else is refused by what it holds)
+        split = split_model(model)
+        if split is not None:
+            return _load_split(split)
         given = options
         options = _with_sidecar(model, options)
         try:
@@ -95,6 +100,13 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}"
                      f"{hint}")
+
+
+def _load_split(files: SplitFiles) -> DiffusionModel:
+    """A split diffusion model (split_files.py): the family that reads its kind loads it from `files`; none does
+    yet, so it is refused naming the files that were chosen."""
+    raise ValueError(f"{files.diffusion_model} is a {files.kind.label} diffusion model (text encoder "
+                     f"{files.text_encoder}, VAE {files.vae}); no model family loads split files of it yet")
 
 
 def _with_sidecar(path: str, options: LoadOptions) -> LoadOptions:

@@ -2,8 +2,8 @@
 
     config = "configs/my-sdxl"     # a diffusers config folder to read the file with (in place of --model-config)
     preset = "sdxl-base"           # or: the architecture preset (a checkpoint_configs.KINDS key) to read it as
-    text_encoder = "te.safetensors"  # split files (a DiT's text encoder and VAE): stored and checked; no family
-    vae = "vae.safetensors"          #   reads them yet
+    text_encoder = "te.safetensors"  # split files (a DiT's text encoder and VAE): their kind checked by
+    vae = "vae.safetensors"          #   split_files.py against what the model needs
 
 Relative paths are relative to the sidecar's folder. `read_sidecar(model_file)` returns None when there is none, a
 `Sidecar` when it is valid, and raises a one-line ValueError (unknown key, wrong type, missing folder or file, not

@@ -8,9 +8,11 @@ when it is not resident (the request waits, within its timeout); the hold it ret
 the request is submitted. Bad names are a 400 naming `model`, unknown ones (or removed since they were resolved) a
 404, a model that fails to load a 400 with its reason; the others keep serving. A `--model PATH` inside the folder is
 the default under its `--model` name only (its folder name resolves to it). `listing()` is `GET /v1/models`: every
-model with its family, native size, whether it is resident, its weights-and-graphs bytes, AUTOMATIC1111's short hash
-(computed once per file version on a background thread; null until known) and its `error`, with `error_kind`: "file"
-(the file cannot be served as it is) or "load" (its last load failed; the next request for it tries again). Every
+model with its family, native size, whether it is resident, its weights-and-graphs bytes, a split diffusion model's
+text encoder and VAE files (`files`; models/split_files.py), AUTOMATIC1111's short hash
+(`FileHashes`, models/file_hashes.py: hashed once per file version on a background thread and kept across starts;
+null until known, never waited for) and its `error`, with `error_kind`: "file" (the file cannot be served as it is)
+or "load" (its last load failed; the next request for it tries again). Every
 message a client gets names files relative to the folder (`shown`); whole paths go to the server's log only.
 """
 
@@ -26,8 +28,9 @@ from typing import Any
 from ..engine.client import EngineClient
 from ..engine.remote_models import ModelsBackend, RemoteResident
 from ..errors import ModelLoadError, relative_paths
-from ..models.catalog import ModelDir, ModelEntry, ModelNameError, ModelNotFound, model_path, short_hash
+from ..models.catalog import ModelDir, ModelEntry, ModelNameError, ModelNotFound, model_path
 from ..models.clip_vocab import default_cache_root
+from ..models.file_hashes import FileHashes
 from ..request import EngineClosed, ModelInfo
 from .protocol import APIError
 
@@ -47,15 +50,13 @@ class Target:
 
 
 class ModelRouting:
-    def __init__(self, root: str, default: str, models: ModelsBackend):
+    def __init__(self, root: str, default: str, models: ModelsBackend, hashes: FileHashes | None = None):
         self.catalog = ModelDir(root)
         self._roots = (root, self.catalog.root)  # as given and its real path: what messages are relative to
         self.default = default
         self._default_path = model_path(default)  # `--model PATH` inside the folder: its entry is the default
         self.models = models  # the set, in the engine's processes (replica processes or Ray engine replicas)
-        self._hashes: dict[tuple[str, Any], str | None] = {}  # (path, file version) -> short hash
-        self._hash_lock = threading.Lock()
-        self._hashing = False
+        self.hashes = hashes or FileHashes(default_cache_root())  # A1111's hashes, hashed in the background
 
     async def resolve(self, name: str) -> str:
         """The folder's name of the model `name` names (APIError: 404 for an unknown one, 400 for an unusable one)."""
@@ -128,13 +129,15 @@ class ModelRouting:
             # "file": the entry cannot be served as it is (listed anew when the file changes); "load": its last load
             # failed, and the next request for it tries again (so it stays on offer: A1111's titles list it)
             error, error_kind = (e.error, "file") if e.error else (failed.get(e.name), "load")
-            out.append(self._card(e.name, created, resident, loading, e.family, e.native_size, self.shown(error),
-                                  (e.path, e.stamp) if e.form == "file" else None, e.kind, error_kind))
-        self._hash_later([(e.path, e.stamp) for e in entries if e.form == "file" and not e.error])
+            card = self._card(e.name, created, resident, loading, e.family, e.native_size, self.shown(error),
+                              e.path if e.form == "file" and not e.error else None, e.kind, error_kind)
+            # a split diffusion model's companion files, named relative to the folder (null for a whole model)
+            card["files"] = {role: self.shown(p) for role, p in e.split.files().items()} if e.split else None
+            out.append(card)
         return out
 
     def _card(self, name: str, created: int, resident: dict[str, RemoteResident], loading: set[str], family: str | None,
-              size: int | None, error: str | None, file: tuple | None = None, kind: str | None = None,
+              size: int | None, error: str | None, file: str | None = None, kind: str | None = None,
               error_kind: str | None = None) -> dict:
         r = resident.get(name)
         if r is not None:
@@ -142,35 +145,8 @@ class ModelRouting:
         return {"id": name, "object": "model", "created": created, "owned_by": "diffgraph", "family": family,
                 "native_size": size, "capabilities": list(r.client.info.capabilities) if r else None, "kind": kind, "resident": r is not None, "loading": name in loading,
                 "memory_bytes": r.memory_bytes if r else None, "default": name == self.default,
-                "hash": self._hashes.get(file) if file else None, "error": error,
+                "hash": self.hashes.short(file) if file else None, "files": None, "error": error,
                 "error_kind": error_kind if error else None}
-
-    def _hash_later(self, files: list[tuple[str, Any]]) -> None:
-        """AUTOMATIC1111's short hashes of the file versions (path, stamp) not hashed yet, on one background thread
-        (7 GB take a while); versions no longer listed are forgotten (a file replaced under its name is hashed anew)."""
-        listed = set(files)
-        with self._hash_lock:
-            self._hashes = {f: h for f, h in self._hashes.items() if f in listed}
-            todo = [f for f in files if f not in self._hashes]
-            if not todo or self._hashing:
-                return
-            self._hashing = True
-
-        def work() -> None:
-            try:
-                for file in todo:
-                    path = file[0]
-                    try:
-                        value = short_hash(path, default_cache_root())
-                    except (OSError, ValueError) as e:
-                        logger.warning("hashing %s failed: %s", path, e)
-                        value = None
-                    with self._hash_lock:
-                        self._hashes[file] = value
-            finally:
-                with self._hash_lock:
-                    self._hashing = False
-        threading.Thread(target=work, name="diffgraph-hash", daemon=True).start()
 
     def close(self) -> None:
         self.models.close()

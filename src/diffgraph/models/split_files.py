@@ -1,0 +1,255 @@
+"""Split diffusion models: a DiT file with its text encoder and VAE in files of their own, as ComfyUI keeps them.
+
+ComfyUI's `models/` folder holds `checkpoints/` (whole checkpoints), `diffusion_models/` (or the older `unet/`: the
+denoiser alone), `text_encoders/` (or `clip/`) and `vae/`. A file of a split folder says what it is from its
+safetensors header (`SPLIT_KINDS`: key markers and sizes, as checkpoint_kind.py reads SD checkpoints), and so which
+text encoder and VAE it needs (`TEXT_ENCODERS`, `VAES`, read from their headers alike). `choose(...)` picks its
+companions: the files its sidecar names (`NAME.diffgraph.toml`: sidecar.py), checked to be of the kind it needs,
+else the only file of that kind in the companion folders; else it raises `Incomplete`, one line saying what to add
+or name. The result, `SplitFiles`, is what the catalog lists (catalog.py `ModelEntry.split`) and what the loader
+hands to the family that reads the kind (`SplitKind.family`, None while no family reads it; the family issues add
+their kinds and set it). Headers are read once per file version (`PartFiles`). Standard library only (the HTTP
+process lists these).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from ..safe_files import FileStamp, UnusableFile, check_regular, read_header, stamp_of
+from .sidecar import SUFFIX as SIDECAR_SUFFIX
+from .sidecar import Sidecar, read_sidecar
+
+SPLIT_FOLDERS = ("diffusion_models", "unet")
+Role = Literal["text_encoder", "vae"]
+PART_FOLDERS: tuple[tuple[Role, tuple[str, ...]], ...] = (("text_encoder", ("text_encoders", "clip")),
+                                                          ("vae", ("vae",)))
+COMPANION_FOLDERS = tuple(f for _, folders in PART_FOLDERS for f in folders)
+# ComfyUI's folders of other things (adapters, upscalers, vision encoders...): in its layout, never listed as models
+OTHER_FOLDERS = ("loras", "controlnet", "embeddings", "upscale_models", "clip_vision", "vae_approx", "style_models",
+                 "gligen", "hypernetworks", "photomaker", "model_patches", "audio_encoders", "latent_upscale_models",
+                 "configs", "t2i_adapter", "ipadapter")
+MAX_FILE_BYTES = 1 << 40
+SUFFIX = ".safetensors"
+ROLE_WORDS = {"text_encoder": "text encoder", "vae": "VAE"}
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a header must hold: each marker inside some key, and the tensor of each dims entry (the first key that
+    ends with its suffix) with that size on that axis."""
+
+    markers: tuple[str, ...]
+    dims: tuple[tuple[str, int, int], ...] = ()  # (key suffix, axis, size)
+
+    def matches(self, shapes: dict[str, tuple[int, ...]]) -> bool:
+        if not all(any(m in k for k in shapes) for m in self.markers):
+            return False
+        for suffix, axis, size in self.dims:
+            shape = next((s for k, s in shapes.items() if k.endswith(suffix)), None)
+            if shape is None or len(shape) <= axis or shape[axis] != size:
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class PartKind:
+    name: str
+    label: str  # "a Qwen3-4B text encoder": how messages name it
+    signature: Signature
+
+
+@dataclass(frozen=True)
+class SplitKind:
+    name: str
+    label: str            # "Z-Image": a kind of diffusion model
+    signature: Signature
+    text_encoder: str     # a TEXT_ENCODERS name
+    vae: str              # a VAES name
+    family: str | None = None  # the family adapter that loads it; None while none does
+
+
+TEXT_ENCODERS = (
+    PartKind("qwen3-4b", "a Qwen3-4B text encoder",
+             Signature(("self_attn.q_norm.",), (("embed_tokens.weight", 0, 151936), ("embed_tokens.weight", 1, 2560)))),
+    PartKind("qwen3-8b", "a Qwen3-8B text encoder",
+             Signature(("self_attn.q_norm.",), (("embed_tokens.weight", 0, 151936), ("embed_tokens.weight", 1, 4096)))),
+    PartKind("mistral-small-3", "a Mistral Small 3 text encoder",
+             Signature(("embed_tokens.weight",), (("embed_tokens.weight", 0, 131072),
+                                                  ("embed_tokens.weight", 1, 5120)))),
+)
+VAES = (
+    PartKind("flux-vae", "a FLUX.1 VAE (16 latent channels)",
+             Signature(("encoder.conv_in.",), (("decoder.conv_in.weight", 1, 16),))),
+    PartKind("flux2-vae", "a FLUX.2 VAE (32 latent channels)",
+             Signature(("encoder.conv_in.",), (("decoder.conv_in.weight", 1, 32),))),
+    PartKind("sd-vae", "an SD VAE (4 latent channels)",
+             Signature(("encoder.conv_in.",), (("decoder.conv_in.weight", 1, 4),))),
+)
+SPLIT_KINDS = (
+    SplitKind("z-image", "Z-Image",
+              Signature(("cap_embedder.", "context_refiner.", "noise_refiner."), (("cap_embedder.1.weight", 1, 2560),)),
+              "qwen3-4b", "flux-vae"),
+    SplitKind("flux2-dev", "FLUX.2 dev", Signature(("double_blocks.", "single_blocks."), (
+        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 15360))), "mistral-small-3", "flux2-vae"),
+    SplitKind("flux2-klein-4b", "FLUX.2 klein 4B", Signature(("double_blocks.", "single_blocks."), (
+        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 7680))), "qwen3-4b", "flux2-vae"),
+    SplitKind("flux2-klein-9b", "FLUX.2 klein 9B", Signature(("double_blocks.", "single_blocks."), (
+        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 12288))), "qwen3-8b", "flux2-vae"),
+)
+PARTS: dict[Role, tuple[PartKind, ...]] = {"text_encoder": TEXT_ENCODERS, "vae": VAES}
+
+
+class Incomplete(ValueError):
+    """A split diffusion model without a usable file of a kind it needs; the message says what to add or name."""
+
+
+@dataclass(frozen=True)
+class SplitFiles:
+    """What a split diffusion model is loaded from: its own file and the companions chosen for it (absolute paths)."""
+
+    kind: SplitKind
+    diffusion_model: str
+    text_encoder: str
+    vae: str
+    chosen_by: tuple[tuple[Role, Literal["sidecar", "only file"]], ...]  # how each companion was chosen
+
+    def files(self) -> dict[Role, str]:
+        return {"text_encoder": self.text_encoder, "vae": self.vae}
+
+
+def comfy_layout(root: str) -> bool:
+    """Whether `root` is laid out as ComfyUI's models folder (a checkpoints/ or split folder directly inside)."""
+    return any(os.path.isdir(os.path.join(root, f)) for f in ("checkpoints", *SPLIT_FOLDERS))
+
+
+def models_root(path: str) -> str | None:
+    """The ComfyUI models folder of a file inside one of its split folders (at any depth), else None (a diffusers
+    folder's unet/ is not one: its parent holds model_index.json)."""
+    here = os.path.dirname(os.path.realpath(path))
+    while os.path.dirname(here) != here:
+        parent = os.path.dirname(here)
+        if os.path.basename(here) in SPLIT_FOLDERS and not os.path.exists(os.path.join(parent, "model_index.json")):
+            return parent
+        here = parent
+    return None
+
+
+def split_model(path: str) -> SplitFiles | None:
+    """The files of `path` when it is a split folder's diffusion model (the loader's view, as the catalog lists it),
+    None when it is not in a split folder. Raises ValueError (one line): an unknown kind, a bad sidecar, Incomplete."""
+    root = models_root(path)
+    if root is None:
+        return None
+    parts = PartFiles(root)
+    rel = parts.shown(path)
+    try:
+        kind = split_kind(rel, header_shapes(os.path.realpath(path)))
+    except UnusableFile as e:
+        raise ValueError(f"{rel} {e}") from None
+    return parts.choose(path, kind, read_sidecar(os.path.realpath(path)))
+
+
+def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The tensor shapes of a .safetensors file's header. Raises UnusableFile (its message follows the file name)."""
+    if not path.endswith(SUFFIX):
+        raise UnusableFile(f"is not a .safetensors file; convert it first with `diffgraph convert {path} "
+                           "OUT.safetensors`")
+    header, _ = read_header(path, MAX_FILE_BYTES)
+    return {k: t.shape for k, t in header.tensors.items()}
+
+
+def split_kind(rel: str, shapes: dict[str, tuple[int, ...]]) -> SplitKind:
+    """The kind of a split folder's file from its header; ValueError (one line, naming `rel`) for an unknown one."""
+    kind = next((k for k in SPLIT_KINDS if k.signature.matches(shapes)), None)
+    if kind is None:
+        sample = ", ".join(sorted({k.split(".")[0] for k in shapes})[:5]) or "no tensors"
+        raise ValueError(f"{rel} is not a split diffusion model diffgraph recognises (its keys start with {sample}); "
+                         f"recognised: {', '.join(k.label for k in SPLIT_KINDS)}; whole checkpoints go in "
+                         "checkpoints/")
+    return kind
+
+
+class PartFiles:
+    """The companion files of a models folder and what each is, read from headers once per file version."""
+
+    def __init__(self, root: str):
+        self.root = os.path.realpath(root)
+        self._kinds: dict[str, tuple[FileStamp, str | None]] = {}  # real path -> version, PartKind name or None
+
+    def kind_of(self, path: str, role: Role) -> PartKind | None:
+        """The kind of `role` that file `path` is, None when it is none of them (or cannot be read)."""
+        real = os.path.realpath(path)
+        try:
+            stamp = stamp_of(check_regular(real, MAX_FILE_BYTES))
+        except UnusableFile:
+            return None
+        seen = self._kinds.get(real)
+        if seen is None or seen[0] != stamp:
+            try:
+                shapes = header_shapes(real)
+            except (UnusableFile, OSError):
+                shapes = {}
+            found = next((k.name for kinds in PARTS.values() for k in kinds if k.signature.matches(shapes)), None)
+            seen = self._kinds[real] = (stamp, found)
+        return next((k for k in PARTS[role] if k.name == seen[1]), None)
+
+    def present(self, role: Role) -> list[str]:
+        """The .safetensors files of the role's folders (real paths inside the root, sorted)."""
+        out = []
+        for name in dict(PART_FOLDERS)[role]:
+            for here, dirs, files in os.walk(os.path.join(self.root, name), followlinks=False):
+                dirs.sort()
+                for f in sorted(files):
+                    real = os.path.realpath(os.path.join(here, f))
+                    if f.endswith(SUFFIX) and os.path.commonpath([real, self.root]) == self.root:
+                        out.append(real)
+        return out
+
+    def shown(self, path: str) -> str:
+        real = os.path.realpath(path)
+        inside = os.path.commonpath([real, self.root]) == self.root
+        return os.path.relpath(real, self.root).replace(os.sep, "/") if inside else os.path.basename(real)
+
+    def choose(self, model_file: str, kind: SplitKind, side: Sidecar | None) -> SplitFiles:
+        """The companions of `model_file` (a `kind` diffusion model): its sidecar's, else the only compatible file of
+        each role. Raises Incomplete with one line per role that has none (joined by '; ')."""
+        chosen: dict[Role, str] = {}
+        how: list[tuple[Role, Literal["sidecar", "only file"]]] = []
+        problems = []
+        for role, _ in PART_FOLDERS:
+            try:
+                chosen[role], by = self._one(model_file, role, kind, getattr(side, role) if side else None)
+                how.append((role, by))
+            except Incomplete as e:
+                problems.append(str(e))
+        if problems:
+            raise Incomplete(f"{self.shown(model_file)}: " + "; ".join(problems))
+        return SplitFiles(kind, os.path.realpath(model_file), chosen["text_encoder"], chosen["vae"], tuple(how))
+
+    def _one(self, model_file: str, role: Role, kind: SplitKind,
+             named: str | None) -> tuple[str, Literal["sidecar", "only file"]]:
+        need = next(k for k in PARTS[role] if k.name == getattr(kind, role))
+        word, sidecar = ROLE_WORDS[role], _sidecar_name(model_file)
+        if named is not None:
+            found = self.kind_of(named, role)
+            if found is None or found.name != need.name:
+                what = found.label if found else f"not a {word} diffgraph recognises"
+                raise Incomplete(f"the {word} its sidecar names, {self.shown(named)}, is {what}; {kind.label} needs "
+                                 f"{need.label}")
+            return os.path.realpath(named), "sidecar"
+        fits = [p for p in self.present(role) if self.kind_of(p, role) == need]
+        folder = dict(PART_FOLDERS)[role][0]
+        if not fits:
+            raise Incomplete(f"{kind.label} needs {need.label}: add its {word} to {folder}/ or name it in {sidecar}")
+        if len(fits) > 1:
+            raise Incomplete(f"{len(fits)} files fit as its {word} ({', '.join(self.shown(p) for p in fits[:4])}); "
+                             f"name one in {sidecar}")
+        return fits[0], "only file"
+
+
+def _sidecar_name(model_file: str) -> str:
+    base = os.path.basename(model_file)
+    return (base[: -len(SUFFIX)] if base.endswith(SUFFIX) else base) + SIDECAR_SUFFIX

@@ -1,0 +1,150 @@
+"""Split diffusion models in ComfyUI's models folder (diffgraph.models.split_files, listed by catalog.py): a file in
+diffusion_models/ (or unet/) is listed with the text encoder and VAE its sidecar names, or with the only compatible
+file of each, else as incomplete with one line saying what to add; companions are never listed as models; the loader
+gets the same choice as typed `SplitFiles`.
+
+The files are safetensors headers with the real architectures' key names and sizes over sparse data (nothing is
+written but the header), so the kinds are read exactly as from the published files."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+
+from diffgraph.models.catalog import ModelDir, ModelUnusable
+from diffgraph.models.split_files import SplitFiles, split_model
+from test_model_sets_review import _checkpoint  # a few-byte file the catalog reads as an SD1 checkpoint
+
+ZIMAGE = {"x_embedder.weight": (3840, 64), "cap_embedder.0.weight": (2560,), "cap_embedder.1.weight": (3840, 2560),
+          "context_refiner.0.attention.qkv.weight": (11520, 3840),
+          "noise_refiner.0.attention.qkv.weight": (11520, 3840), "layers.0.attention.qkv.weight": (11520, 3840)}
+KLEIN_4B = {"img_in.weight": (3072, 128), "txt_in.weight": (3072, 7680),
+            "double_blocks.0.img_attn.qkv.weight": (9216, 3072), "single_blocks.0.linear1.weight": (27648, 3072)}
+QWEN3_4B = {"model.embed_tokens.weight": (151936, 2560), "model.layers.0.self_attn.q_norm.weight": (128,)}
+T5_XXL = {"encoder.block.0.layer.0.SelfAttention.q.weight": (4096, 4096), "shared.weight": (32128, 4096)}
+FLUX_VAE = {"encoder.conv_in.weight": (128, 3, 3, 3), "decoder.conv_in.weight": (512, 16, 3, 3)}
+FLUX2_VAE = {"encoder.conv_in.weight": (128, 3, 3, 3), "decoder.conv_in.weight": (512, 32, 3, 3)}
+SD_VAE = {"encoder.conv_in.weight": (128, 3, 3, 3), "decoder.conv_in.weight": (512, 4, 3, 3)}
+
+
+def header_file(path, shapes: dict[str, tuple[int, ...]]) -> str:
+    """A safetensors file of these tensors (U8: one byte each) whose data is a hole: GB-sized tensors, no GB written."""
+    header, offset = {}, 0
+    for key, shape in shapes.items():
+        size = 1
+        for d in shape:
+            size *= d
+        header[key] = {"dtype": "U8", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+    return str(path)
+
+
+@pytest.fixture
+def comfy(tmp_path):
+    """ComfyUI's models folder: a checkpoint, a Z-Image model with its only encoder and VAE beside other kinds, and
+    the folders of other things."""
+    root = tmp_path / "models"
+    _checkpoint(root / "checkpoints" / "sd15.safetensors", 0.0)
+    header_file(root / "diffusion_models" / "z_image_turbo.safetensors", ZIMAGE)
+    header_file(root / "text_encoders" / "qwen_3_4b.safetensors", QWEN3_4B)
+    header_file(root / "clip" / "t5xxl.safetensors", T5_XXL)  # the older folder name, another encoder
+    header_file(root / "vae" / "ae.safetensors", FLUX_VAE)
+    header_file(root / "vae" / "sd_vae.safetensors", SD_VAE)
+    header_file(root / "loras" / "style.safetensors", {"lora_unet_x.lora_down.weight": (4, 8)})
+    return root
+
+
+def _listing(root) -> dict[str, object]:
+    return {e.name: e for e in ModelDir(str(root)).listing()}
+
+
+def test_a_diffusion_model_is_listed_with_the_only_compatible_file_of_each_kind(comfy):
+    entries = _listing(comfy)
+    assert sorted(entries) == ["checkpoints/sd15", "diffusion_models/z_image_turbo"]  # no companion, no LoRA
+    assert entries["checkpoints/sd15"].kind == "sd1" and entries["checkpoints/sd15"].error is None  # as today
+    z = entries["diffusion_models/z_image_turbo"]
+    assert isinstance(z.split, SplitFiles) and z.kind == "z-image" and z.split.kind.name == "z-image"
+    assert z.description == "Z-Image (split)"  # as `diffgraph models --dir` prints it
+    assert (z.split.text_encoder, z.split.vae) == (str(comfy / "text_encoders" / "qwen_3_4b.safetensors"),
+                                                   str(comfy / "vae" / "ae.safetensors"))
+    assert z.split.chosen_by == (("text_encoder", "only file"), ("vae", "only file"))
+    assert z.error == ("diffusion_models/z_image_turbo is a Z-Image diffusion model (with "
+                       "text_encoders/qwen_3_4b.safetensors and vae/ae.safetensors); no model family loads split "
+                       "files of it yet")  # complete; refused until the Z-Image family lands
+
+
+def test_missing_and_ambiguous_companions_are_incomplete_with_what_to_do(comfy):
+    os.remove(comfy / "text_encoders" / "qwen_3_4b.safetensors")
+    header_file(comfy / "vae" / "flux" / "ae_copy.safetensors", FLUX_VAE)  # a second fit, in a subfolder
+    z = _listing(comfy)["diffusion_models/z_image_turbo"]
+    assert z.split is None
+    assert z.error == ("diffusion_models/z_image_turbo.safetensors: Z-Image needs a Qwen3-4B text encoder: add its "
+                       "text encoder to text_encoders/ or name it in z_image_turbo.diffgraph.toml; 2 files fit as its "
+                       "VAE (vae/ae.safetensors, vae/flux/ae_copy.safetensors); name one in "
+                       "z_image_turbo.diffgraph.toml")
+    with pytest.raises(ModelUnusable, match="needs a Qwen3-4B text encoder"):
+        ModelDir(str(comfy)).resolve("diffusion_models/z_image_turbo")
+    header_file(comfy / "clip" / "qwen.safetensors", QWEN3_4B)  # added later: found without a restart
+    catalog = ModelDir(str(comfy))
+    assert "text encoder" not in catalog.listing()[1].error
+    side = comfy / "diffusion_models" / "z_image_turbo.diffgraph.toml"
+    side.write_text('vae = "../vae/flux/ae_copy.safetensors"\n')
+    z = {e.name: e for e in catalog.listing()}["diffusion_models/z_image_turbo"]
+    assert z.split.vae == str(comfy / "vae" / "flux" / "ae_copy.safetensors")
+    assert z.split.text_encoder == str(comfy / "clip" / "qwen.safetensors")
+    assert z.split.chosen_by == (("text_encoder", "only file"), ("vae", "sidecar"))
+
+
+def test_a_sidecar_names_the_files_and_a_wrong_kind_is_refused(comfy):
+    header_file(comfy / "diffusion_models" / "klein.safetensors", KLEIN_4B)
+    header_file(comfy / "elsewhere" / "flux2_vae.safetensors", FLUX2_VAE)  # not in vae/: only a sidecar finds it
+    side = comfy / "diffusion_models" / "klein.diffgraph.toml"
+    side.write_text('text_encoder = "../text_encoders/qwen_3_4b.safetensors"\nvae = "../vae/ae.safetensors"\n')
+    entries = _listing(comfy)
+    assert entries["diffusion_models/klein"].error == (
+        "diffusion_models/klein.safetensors: the VAE its sidecar names, vae/ae.safetensors, is a FLUX.1 VAE (16 "
+        "latent channels); FLUX.2 klein 4B needs a FLUX.2 VAE (32 latent channels)")
+    side.write_text('text_encoder = "../text_encoders/qwen_3_4b.safetensors"\n'
+                    'vae = "../elsewhere/flux2_vae.safetensors"\n')
+    klein = _listing(comfy)["diffusion_models/klein"]
+    assert klein.kind == "flux2-klein-4b" and klein.split.vae == str(comfy / "elsewhere" / "flux2_vae.safetensors")
+    assert klein.split.chosen_by == (("text_encoder", "sidecar"), ("vae", "sidecar"))
+    side.write_text('vae = "../vae/missing.safetensors"\n')  # a bad sidecar: its own reason
+    assert "vae '../vae/missing.safetensors' is not a file" in _listing(comfy)["diffusion_models/klein"].error
+    assert _listing(comfy)["diffusion_models/z_image_turbo"].split is not None  # the others keep their files
+
+
+def test_unknown_and_pickle_files_in_a_split_folder_say_what_they_are(comfy):
+    _checkpoint(comfy / "unet" / "sd15_copy.safetensors", 0.0)  # a whole checkpoint in the older folder name
+    (comfy / "unet" / "old.ckpt").write_bytes(b"PK")
+    entries = _listing(comfy)
+    assert entries["unet/sd15_copy"].error.startswith(
+        "unet/sd15_copy.safetensors is not a split diffusion model diffgraph recognises (its keys start with "
+        "cond_stage_model, first_stage_model, model); recognised: Z-Image, FLUX.2 dev")
+    assert entries["unet/sd15_copy"].error.endswith("whole checkpoints go in checkpoints/")
+    assert "diffgraph convert" in entries["unet/old.ckpt"].error
+
+
+def test_a_folder_that_is_not_comfyuis_lists_everything_as_before(tmp_path):
+    header_file(tmp_path / "vae" / "ae.safetensors", FLUX_VAE)  # no checkpoints/ or diffusion_models/ here
+    assert [e.name for e in ModelDir(str(tmp_path)).listing()] == ["vae/ae"]
+
+
+def test_the_loader_gets_the_same_files_and_refuses_until_a_family_reads_them(comfy):
+    from diffgraph.models.loader import load_model
+
+    path = str(comfy / "diffusion_models" / "z_image_turbo.safetensors")
+    files = split_model(path)
+    assert files == ModelDir(str(comfy)).listing()[1].split
+    assert split_model(str(comfy / "checkpoints" / "sd15.safetensors")) is None
+    with pytest.raises(ValueError, match=r"is a Z-Image diffusion model \(text encoder .*qwen_3_4b.safetensors, VAE "
+                                         r".*ae.safetensors\); no model family loads split files of it yet"):
+        load_model(path)
