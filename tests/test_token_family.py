@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from diffgraph import Engine, GenerationRequest, ParamError
+from diffgraph.lora.targets import DENOISER, LoraLayout
 from diffgraph.models.families import default_registry
 from diffgraph.models.families.tokens import TokenFamily
 from diffgraph.models.model import DiffusionModel
@@ -32,6 +33,7 @@ WIDTH, HEADS, TEXT_DIM, TEXT_TOKENS = 32, 2, 32, 64
 SCHEDULER = {"use_dynamic_shifting": True, "base_image_seq_len": 16, "max_image_seq_len": 256, "base_shift": 0.5,
              "max_shift": 1.15}
 SIZES = [(64, 128), (128, 64), (96, 96)]  # 32, 32 and 36 image tokens: one bucket of 64
+MODEL_SEED = 3
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -159,29 +161,67 @@ class TinyDiTFamily(TokenFamily):
     def denoise(self, model, x, t, cond, rows):
         return model.denoiser(x, t, cond["embeds"], cond["mask"], rows["positions"], rows["image_mask"])
 
+    def lora_layout(self, model):  # its files name `transformer.<module>` in PEFT's layout; attention and MLP layers
+        return LoraLayout(((("transformer", DENOISER),)), LORA_TARGETS)
+
+
+LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out", "ff_in", "ff_out")
+LORA_RANK = 4
+
+
+def lora_weights(seed: int = 11) -> dict[str, torch.Tensor]:
+    """A rank-4 adapter on every targeted layer of both blocks, in PEFT's keys."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for block in range(2):
+        for name in LORA_TARGETS:
+            rows, cols = {"ff_in": (2 * WIDTH, WIDTH), "ff_out": (WIDTH, 2 * WIDTH)}.get(name, (WIDTH, WIDTH))
+            key = f"transformer.blocks.{block}.{name}"
+            out[f"{key}.lora_A.weight"] = torch.randn((LORA_RANK, cols), generator=g) * 0.3
+            out[f"{key}.lora_B.weight"] = torch.randn((rows, LORA_RANK), generator=g) * 0.3
+    return out
+
+
+def merged(seed: int, scale: float) -> torch.nn.Module:
+    """The model's denoiser made anew from its seed (the engine's carries side paths now) with the adapter merged into
+    its weights (W + scale * B A): the reference for its rows."""
+    out = TinyDiT(torch.Generator().manual_seed(seed))
+    weights = lora_weights()
+    with torch.no_grad():
+        for name, module in out.named_modules():
+            a = weights.get(f"transformer.{name}.lora_A.weight")
+            if a is not None:
+                module.weight += scale * weights[f"transformer.{name}.lora_B.weight"] @ a
+    return out
+
 
 @pytest.fixture(scope="module")
 def dit(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tinydit")
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "TinyDiTPipeline", "seed": 3}))
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "TinyDiTPipeline", "seed": MODEL_SEED}))
     families = default_registry()
     families.register(TinyDiTFamily())
     return str(folder), families
 
 
 @pytest.fixture(scope="module")
-def engine(dit):
+def engine(dit, tmp_path_factory):
+    from safetensors.torch import save_file
+
     folder, families = dit
-    with Engine(model=folder, families=families, device="cpu") as e:
+    loras = tmp_path_factory.mktemp("dit-loras")
+    save_file(lora_weights(), str(loras / "ink.safetensors"))
+    with Engine(model=folder, families=families, device="cpu", lora_dir=str(loras)) as e:
         yield e
 
 
 def reference(engine: Engine, prompt: str, negative: str, size: tuple[int, int], steps: int, guidance: float,
-              seed: int) -> np.ndarray:
+              seed: int, denoiser: torch.nn.Module | None = None) -> np.ndarray:
     """The model's sampling loop for one request written out plainly: noise drawn in the image latents' shape, packed
     2x2 by hand (no padding), each prompt encoded alone at its own length, flow Euler on the dynamically shifted
     sigmas with classifier-free guidance, unpacked and decoded."""
     m = engine.model
+    net = denoiser or m.denoiser
     h, w = size[0] // SCALE, size[1] // SCALE
     gh, gw = h // PATCH, w // PATCH
     gen = torch.Generator().manual_seed(seed)
@@ -204,8 +244,8 @@ def reference(engine: Engine, prompt: str, negative: str, size: tuple[int, int],
         (cond, cmask), (uncond, umask) = text(prompt), text(negative)
         for s_now, s_next in zip(s[:-1], s[1:]):
             t = torch.tensor([s_now * 1000.0])
-            vc = m.denoiser(x, t, cond, cmask, positions, image_mask)
-            vu = m.denoiser(x, t, uncond, umask, positions, image_mask)
+            vc = net(x, t, cond, cmask, positions, image_mask)
+            vu = net(x, t, uncond, umask, positions, image_mask)
             x = x + (s_next - s_now) * (vu + guidance * (vc - vu))
         latents = torch.zeros((1, LATENT, h, w))
         for i, (r, c) in enumerate((r, c) for r in range(gh) for c in range(gw)):
@@ -303,8 +343,27 @@ def test_the_flow_schedule_is_diffusers(engine):
         np.testing.assert_allclose(config.sigmas(steps, tokens)[:-1] * 1000, scheduler.timesteps.numpy(), rtol=1e-5)
 
 
+def test_its_own_lora_targets_run_per_row(engine):
+    """An adapter file in the family's own layout (`transformer.blocks.N.to_q`, ...) runs as side paths on the rows
+    that ask for it, beside a plain row in the same step: each equals the reference with the adapter merged (or not)."""
+    assert engine.runner.loras.banks["transformer"].layers  # the family's layers wrapped, no UNet names
+    futures = []
+    with_lora = GenerationRequest.create(prompt="a red fox", height=64, width=128, num_inference_steps=3, seed=4,
+                                         guidance_scale=2.0, loras=[("ink", 0.7)], model=engine.info)
+    plain = GenerationRequest.create(prompt="a red fox", height=128, width=64, num_inference_steps=3, seed=4,
+                                     guidance_scale=2.0, model=engine.info)
+    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in (with_lora, plain))).result()
+    got = [f.result(timeout=600).arrays[0] for f in futures]
+    want = reference(engine, "a red fox", "", (64, 128), 3, 2.0, 4, denoiser=merged(MODEL_SEED, 0.7))
+    assert np.abs(_uint8(got[0]) - _uint8(want)).max() <= 1
+    assert np.abs(_uint8(got[1]) - _uint8(reference(engine, "a red fox", "", (128, 64), 3, 2.0, 4))).max() <= 1
+    unmerged = reference(engine, "a red fox", "", (64, 128), 3, 2.0, 4)
+    assert np.abs(_uint8(got[0]) - _uint8(unmerged)).max() > 3  # the adapter counts
+
+
+
 def test_served_over_http_with_rows_sharing_steps(dit, engine):
-    """The OpenAI route serves the family: three sizes of one bucket at once, each image its reference; a
+    """(Last: the app closes the engine it serves.) The OpenAI route serves the family: three sizes of one bucket at once, each image its reference; a
     prompt_syntax it does not read is a 400 naming it; the AUTOMATIC1111 route reads the prompt as plain text with
     a warning."""
     import concurrent.futures
