@@ -362,6 +362,32 @@ def test_its_own_lora_targets_run_per_row(engine):
 
 
 
+def test_graph_mode_captures_the_bucket_s_step_graphs(dit):
+    """In graph mode (the CPU's emulated graphs, verified against eager at capture) the step graphs are the group
+    key's, (0, 64), and rows of the three sizes replay them together; the decoder's are by image size; each image
+    equals its reference."""
+    from diffgraph import GraphConfig
+
+    folder, families = dit
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=tuple(SIZES), prewarm=False, verify=True,
+                      backend="emulated", capture_text_encoder=False)
+    with Engine(model=folder, families=families, device="cpu", mode="graph", graphs=cfg) as graphed:
+        assert graphed.runner.graphed_resolutions() == ((0, 64),)
+        futures = []
+        graphed.core.call_between_steps(lambda: futures.extend(
+            graphed.submit(_request(graphed, r)) for r in REQUESTS)).result()
+        got = [f.result(timeout=600).arrays[0] for f in futures]
+        table = graphed.runner.graph_table()
+    steps = [row for row in table if row["kind"] == "step" and row["replays"]]
+    assert steps and {(row["height"], row["width"]) for row in steps} == {(0, 64)}, table
+    assert all(row["verify_max_abs"] is not None and row["verify_max_abs"] < 1e-4 for row in steps)
+    decodes = {(row["height"], row["width"]) for row in table if row["kind"] == "vae" and row["replays"]}
+    assert decodes == set(SIZES), table  # the decoder's graphs are the images' sizes, after unpacking
+    for r, image in zip(REQUESTS, got):
+        want = reference(graphed, r["prompt"], r["negative_prompt"], r["size"], r["steps"], r["guidance"], r["seed"])
+        assert np.abs(_uint8(image) - _uint8(want)).max() <= 1
+
+
 def test_served_over_http_with_rows_sharing_steps(dit, engine):
     """(Last: the app closes the engine it serves.) The OpenAI route serves the family: three sizes of one bucket at once, each image its reference; a
     prompt_syntax it does not read is a 400 naming it; the AUTOMATIC1111 route reads the prompt as plain text with
