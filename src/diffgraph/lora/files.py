@@ -34,7 +34,6 @@ from ..safe_tensors import DTYPES, TensorFile
 from .catalog import MAX_ADAPTER_BYTES, check_dtype
 from .targets import LoraLayout, unet_layout
 
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2")  # the SD families' (lora/targets.py: unet_layout)
 # key fragments of adapter kinds that are not plain LoRA -> their names
 UNSUPPORTED = {"hada_": "LoHa", "lokr_": "LoKr", "dora_scale": "DoRA", "lora_magnitude_vector": "DoRA",
                ".lora_mid.": "LoCon with a Tucker mid weight", "ia3": "IA3", ".diff": "a full weight difference",
@@ -139,7 +138,7 @@ def _adapter(state: dict[str, torch.Tensor], layout: LoraLayout | str, name: str
 
     _refuse_unsupported(list(state), name)
     if isinstance(layout, str):  # an SD pipeline class: its components
-        layout = unet_layout(layout, len(COMPONENTS) - 1)
+        layout = unet_layout(layout, 1)
     pipeline_class, components = layout.pipeline_class, layout.names
     try:
         if pipeline_class is None:  # PEFT keys as they are (`component.module.lora_A.weight`, `....alpha`)

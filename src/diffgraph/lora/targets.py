@@ -27,10 +27,13 @@ class LoraLayout:
     conv: tuple[str, ...] = ()                # and those the `conv` option adds (convolutions)
     text: tuple[str, ...] = ()                # the text encoders'
     pipeline_class: str | None = None         # the diffusers pipeline whose lora_state_dict reads the files
+    # the component names its files may hold: its own, and its sibling models' (an SDXL file read for an SD model is
+    # then refused as made for another model, not as unreadable); () its own
+    reads: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(c for c, _ in self.components)
+        return self.reads or tuple(c for c, _ in self.components)
 
     @property
     def denoiser_component(self) -> str:
@@ -40,4 +43,5 @@ class LoraLayout:
 def unet_layout(pipeline_class: str, text_encoders: int) -> LoraLayout:
     """The SD families': `unet` and `text_encoder`, `text_encoder_2`, ... in diffusers' names."""
     texts = tuple(("text_encoder" if i == 0 else f"text_encoder_{i + 1}", f"text:{i}") for i in range(text_encoders))
-    return LoraLayout((("unet", DENOISER),) + texts, UNET_TARGETS, CONV_TARGETS, TEXT_TARGETS, pipeline_class)
+    return LoraLayout((("unet", DENOISER),) + texts, UNET_TARGETS, CONV_TARGETS, TEXT_TARGETS, pipeline_class,
+                      reads=("unet", "text_encoder", "text_encoder_2"))
