@@ -161,6 +161,12 @@ class TinyDiTFamily(TokenFamily):
     def denoise(self, model, x, t, cond, rows):
         return model.denoiser(x, t, cond["embeds"], cond["mask"], rows["positions"], rows["image_mask"])
 
+    def random_presets(self):
+        return {"random:tinydit": "the test DiT family's tiny model (two blocks, a two-layer Qwen3), random weights"}
+
+    def build_random(self, name, device, dtype):
+        return self.load_folder(None, {"seed": MODEL_SEED}, device, dtype, name)
+
     def lora_layout(self, model):  # its files name `transformer.<module>` in PEFT's layout; attention and MLP layers
         return LoraLayout(((("transformer", DENOISER),)), LORA_TARGETS)
 
@@ -329,6 +335,19 @@ def test_the_family_declares_what_it_reads(engine):
         GenerationRequest.create(prompt="fox", sampler="euler", height=64, width=64, model=engine.info)
     assert e.value.param == "sampler" and "flow_euler" in str(e.value)
     assert engine.info.samplers == ("flow_euler",) and "classifier_free_guidance" in engine.info.capabilities
+
+
+def test_the_family_builds_its_own_random_preset(dit, engine):
+    from diffgraph.models.loader import load_model
+
+    _, families = dit
+    model = load_model("random:tinydit", "cpu", "fp32", families=families)
+    assert model.is_random and model.family == "tinydit" and isinstance(model.denoiser, TinyDiT)
+    for a, b in zip(model.denoiser.state_dict().values(), TinyDiT(torch.Generator().manual_seed(MODEL_SEED))
+                    .state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="did you mean 'random:tinydit'"):
+        load_model("random:tinydt", "cpu", "fp32", families=families)
 
 
 def test_the_flow_schedule_is_diffusers(engine):

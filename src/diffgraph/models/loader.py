@@ -43,7 +43,7 @@ __all__ = ["DiffusionModel", "load_model", "parse_dtype"]
 
 
 def _supported_message(families: FamilyRegistry) -> str:
-    names = ", ".join(P.available_presets())
+    names = ", ".join({**P.available_presets(), **families.random_presets()})
     return (f"supported: a local diffusers folder of {' or '.join(families.pipeline_classes())} "
             f"(with model_index.json), an SD1.x / SD2.x / SDXL checkpoint file (.safetensors), or a preset: {names}")
 
@@ -71,10 +71,16 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
                          "(device cpu, or leave the device out: it defaults to cuda only where there is one)")
     if device.type == "cuda" and device.index is None:  # the model lives on one numbered device
         device = torch.device("cuda", torch.cuda.current_device())
-    if model in P.RANDOM_PRESETS:
+    owner = families.random_owner(model)
+    if owner is not None or model in P.RANDOM_PRESETS:
         if options.vae or options.model_config:
             raise ValueError(f"{'vae' if options.vae else 'model-config'} needs a model folder or checkpoint file; "
                              f"preset {model!r} is built in code")
+        if owner is not None:  # a family's own (a transformer family's tiny preset)
+            logger.warning("model %s has random weights: its images are noise (use it for tests and timing)", model)
+            built = owner.build_random(model, device, torch_dtype)
+            built.is_random = True
+            return _overridden(_finish(built), options)
         return _overridden(_build_random(P.RANDOM_PRESETS[model], device, torch_dtype, families), options)
     if model in P.SHIPPED_PRESETS:
         folder = P.shipped_preset_folder(model)
@@ -96,7 +102,7 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
                 raise
             raise ValueError(f"{e} (the config came from its sidecar {os.path.basename(sidecar_path(model))}: fix "
                              "or remove it)") from None
-    close = difflib.get_close_matches(model, list(P.available_presets()), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(model, [*P.available_presets(), *families.random_presets()], n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}"
                      f"{hint}")

@@ -202,6 +202,16 @@ class FamilyAdapter:
             native_size=native,
             force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", self.force_zeros_default)))
 
+    # -- random presets (tests and timing) -------------------------------------------------------------
+    def random_presets(self) -> dict[str, str]:
+        """The random-weight presets this family builds itself (name -> one-line description; tiny ones for the CPU
+        tests, true architectures for GPU timing). The SD families' are the loader's table (presets.py)."""
+        return {}
+
+    def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
+        """One of `random_presets()`, its modules made from a fixed seed on `device` (`DiffusionModel.is_random`)."""
+        raise ValueError(f"family {self.name!r} has no random preset {name!r}")
+
     # -- shapes and sampling -----------------------------------------------------------------------
     def vae_scale_factor(self, model: DiffusionModel) -> int:
         return 2 ** (len(model.vae.config.block_out_channels) - 1)
@@ -481,3 +491,11 @@ class FamilyRegistry:
 
     def adapters(self) -> tuple[FamilyAdapter, ...]:
         return tuple(self._by_name.values())
+
+    def random_presets(self) -> dict[str, str]:
+        """Every registered family's own random presets (name -> description)."""
+        return {name: d for a in self._by_name.values() for name, d in a.random_presets().items()}
+
+    def random_owner(self, name: str) -> FamilyAdapter | None:
+        """The family that builds random preset `name` itself, if one does."""
+        return next((a for a in self._by_name.values() if name in a.random_presets()), None)
