@@ -130,6 +130,7 @@ def test_results_do_not_carry_their_inputs_back(router, tiny_engine):
 def test_the_output_thread_sends_small_messages_together_and_results_alone():
     import queue
 
+    from diffgraph.engine.replica_messages import Batch, Beat, Done, Progress, Step
     from diffgraph.engine.replica_process import _send_all
 
     class Pipe:
@@ -140,12 +141,11 @@ def test_the_output_thread_sends_small_messages_together_and_results_alone():
             self.sent.append(message)
 
     outbox, pipe = queue.SimpleQueue(), Pipe()
-    for m in [("progress", "a", 1, 4), ("progress", "b", 1, 4), ("step", "e"), ("done", "a", "result", None),
-              ("beat", 0.0), None]:
+    for m in [Progress("a", 1, 4), Progress("b", 1, 4), Step("e"), Done("a", "result", None), Beat(0.0), None]:
         outbox.put(m)
     _send_all(pipe, outbox)  # returns at the None
-    assert pipe.sent == [("batch", [("progress", "a", 1, 4), ("progress", "b", 1, 4), ("step", "e")]),
-                         ("done", "a", "result", None), ("beat", 0.0)]
+    assert pipe.sent == [Batch((Progress("a", 1, 4), Progress("b", 1, 4), Step("e"))), Done("a", "result", None),
+                         Beat(0.0)]
 
 
 def test_data_parallel_and_device_settings():
@@ -222,6 +222,7 @@ def test_the_heartbeat_verdicts_wedged_back_and_killed():
     driver call that never returns) makes the replica unresponsive and answers its requests 503 (aborted on its side);
     a beat under it brings it back; 4 timeouts of silence kill the process to restart it."""
     import threading as th
+    from diffgraph.engine.replica_messages import Abort
 
     from diffgraph.engine.handles import RequestHandleImpl
 
@@ -253,7 +254,7 @@ def test_the_heartbeat_verdicts_wedged_back_and_killed():
         assert r.state == "ready"  # a long step under the timeout: nothing to say
         r._check(0.0, 12.0, process)
         assert r.state == "unresponsive" and "in one step for 12 s" in r.error and not r._handles
-        assert r._conn.sent == [("abort", "q1")]
+        assert r._conn.sent == [Abort("q1")]
         r._check(0.0, 0.0, process)
         assert r.state == "ready" and r.error is None  # it answers again
         r._check(15.0, 0.0, process)
@@ -275,7 +276,8 @@ def _left_down(name: str, last_error: str | None = None) -> ReplicaClient:
     r._lock, r._ready_event = th.Lock(), th.Event()
     r._handles, r._pending, r._asked, r._requests = {}, {}, {}, {}
     if last_error is not None:
-        r._dispatch(("failed", last_error))
+        from diffgraph.engine.replica_messages import Failed
+        r._dispatch(Failed(last_error))
     r._on_exit(1)
     return r
 

@@ -132,16 +132,20 @@ def test_a_replica_beats_while_it_builds_its_engine(monkeypatch):
     parent, child = multiprocessing.Pipe(duplex=True)
     thread = threading.Thread(target=replica_main, args=(child, "cpu", {}, None, 0.01), daemon=True)
     thread.start()
+    from diffgraph.engine.replica_messages import Batch
+
     kinds: list[str] = []
-    while "beat" not in kinds and parent.poll(BOUND_S):  # a failure bound: beats come every 0.01 s
+
+    def read() -> None:
         message = parent.recv()
-        kinds += [m[0] for m in message[1]] if message[0] == "batch" else [message[0]]
+        kinds.extend(type(m).__name__ for m in (message.messages if isinstance(message, Batch) else (message,)))
+    while "Beat" not in kinds and parent.poll(BOUND_S):  # a failure bound: beats come every 0.01 s
+        read()
     release.set()
-    while "failed" not in kinds and parent.poll(BOUND_S):
-        message = parent.recv()
-        kinds += [m[0] for m in message[1]] if message[0] == "batch" else [message[0]]
+    while "Failed" not in kinds and parent.poll(BOUND_S):
+        read()
     thread.join(BOUND_S)
-    assert "beat" in kinds and "failed" in kinds and "ready" not in kinds, kinds
+    assert "Beat" in kinds and "Failed" in kinds and "Ready" not in kinds, kinds
 
 
 def test_an_abort_by_id_reaches_a_request_while_it_moves_to_another_replica():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..request import EngineClosed, GenerationRequest, ModelInfo
+from .replica_messages import Release
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class RemoteModels:
         return RemoteResident(name, ModelClient(self.router, replica, info, hold), memory_bytes)
 
     def release(self, resident: RemoteResident) -> None:
-        resident.client.replica.tell(("release", resident.client.hold))
+        resident.client.replica.tell(Release(resident.client.hold))
 
     def resident(self) -> list[RemoteResident]:
         """Every model resident on some replica: its bytes and requests in flight summed over the replicas."""

@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 from ..request import EngineClosed, GenerationRequest, ModelInfo
 from .handles import RequestHandleImpl
+from . import replica_messages as M
 from .remote_models import ModelSetSpec
 from .replica_process import replica_main
 from .client import EngineStats, StepEvent
@@ -129,8 +130,8 @@ class ReplicaClient:
             except (EOFError, OSError):
                 break
             heard, spoke = time.monotonic(), True
-            if message[0] == "beat":
-                self._check(0.0, message[1], process)
+            if isinstance(message, M.Beat):
+                self._check(0.0, message.busy_s, process)
             else:
                 self._dispatch(message)
         if sender is not None:  # before the answers below: a later send fails at once (EngineClosed to its caller)
@@ -165,51 +166,51 @@ class ReplicaClient:
                          self.error)
             process.kill()
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "ready":
-            self.info, self.step_samples, self.error = message[1], message[2], None
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, M.Ready):
+            self.info, self.step_samples, self.error = message.info, message.step_s, None
             if self.state != "closed":
                 self.state = "ready"
             self._ready_event.set()
-        elif kind == "failed":
-            self.error = message[1]
+        elif isinstance(message, M.Failed):
+            self.error = message.reason
             logger.error("replica %s %s: %s", self.name, "failed" if self.state == "ready" else
                          "could not build its engine", self.error)
             if self.state == "ready":  # its engine failed: routed around until it restarts
                 self.state = "restarting"
-        elif kind in ("accepted", "rejected"):
+        elif isinstance(message, (M.Accepted, M.Rejected)):
             with self._lock:
-                future = self._pending.pop(message[1], None)
+                future = self._pending.pop(message.request_id, None)
             if future is not None:
-                future.set_result(message[2] if kind == "rejected" else None)
-        elif kind == "progress":
-            from ..request import ProgressEvent
-            handle = self._handles.get(message[1])
+                future.set_result(message.error if isinstance(message, M.Rejected) else None)
+        elif isinstance(message, M.Progress):
+            handle = self._handles.get(message.request_id)
             if handle is not None:
-                handle.progress(ProgressEvent(*message[1:]))
-        elif kind == "done":
+                handle.progress(message.event())
+        elif isinstance(message, M.Done):
             with self._lock:
-                handle = self._handles.pop(message[1], None)
-                request = self._requests.pop(message[1], None)
+                handle = self._handles.pop(message.request_id, None)
+                request = self._requests.pop(message.request_id, None)
             if handle is not None:
-                if message[2] is not None:
-                    message[2].request = request
-                handle.finish(message[2], message[3])
-        elif kind == "batch":
-            for part in message[1]:
+                if message.result is not None:
+                    message.result.request = request
+                handle.finish(message.result, message.error)
+        elif isinstance(message, M.Batch):
+            for part in message.messages:
                 self._dispatch(part)
-        elif kind == "step":
+        elif isinstance(message, M.Step):
             for listener in list(self._listeners):
                 try:
-                    listener(message[1])
+                    listener(message.event)
                 except Exception:
                     logger.exception("step listener %r failed", listener)
-        elif kind in ("stats", "loras", "acquire", "models"):
+        elif isinstance(message, M.Answer):
             with self._lock:
-                future = self._asked.pop(message[1], None)
+                future = self._asked.pop(message.token, None)
             if future is not None:
-                future.set_result(message[2])
+                future.set_result(message.value)
+        else:
+            logger.error("replica %s sent a message of unknown kind %s", self.name, type(message).__name__)
 
     def _answer_all(self, error: EngineClosed, abort: bool = False) -> int:
         """Answers every request in flight, pending submit and stats call with `error` (and, with `abort`, asks the
@@ -225,7 +226,7 @@ class ReplicaClient:
             if not future.done():
                 future.set_result(error)
         for request_id in (handles if abort else ()):
-            self._send(("abort", request_id))
+            self._send(M.Abort(request_id))
         return len(handles)
 
     def _on_exit(self, exitcode: int | None) -> None:
@@ -259,18 +260,18 @@ class ReplicaClient:
         timer.daemon = True
         timer.start()
 
-    def _unsent(self, message: tuple, error: BaseException) -> None:
+    def _unsent(self, message: object, error: BaseException) -> None:
         """A submit or question the writer could not send: answered here (EngineClosed), not left waiting."""
         future = None
         with self._lock:
-            if message[0] == "submit":
-                self._handles.pop(message[1].request_id, None)
-                self._requests.pop(message[1].request_id, None)
-                future = self._pending.pop(message[1].request_id, None)
-            elif message[0] in ("stats", "loras", "acquire", "models"):
-                future = self._asked.pop(message[1], None)
+            if isinstance(message, M.Submit):
+                self._handles.pop(message.request.request_id, None)
+                self._requests.pop(message.request.request_id, None)
+                future = self._pending.pop(message.request.request_id, None)
+            elif isinstance(message, M.Ask):
+                future = self._asked.pop(message.token, None)
         if future is not None and not future.done():
-            logger.warning("replica %s: a %r message was not sent: %s", self.name, message[0], error)
+            logger.warning("replica %s: a %s message was not sent: %s", self.name, type(message).__name__, error)
             future.set_result(EngineClosed(f"replica {self.name} is not reachable; retry shortly"))
 
     def _restart(self) -> None:
@@ -292,7 +293,7 @@ class ReplicaClient:
     def ready_s(self) -> float:
         return self.info.ready_s if self.info else 0.0
 
-    def _send(self, message: tuple) -> bool:
+    def _send(self, message: object) -> bool:
         try:
             with self._lock:
                 self._conn.send(message)
@@ -312,7 +313,7 @@ class ReplicaClient:
             self._handles[request.request_id] = handle
             self._requests[request.request_id] = request
             self._pending[request.request_id] = answer
-        if not self._send(("submit", request, progress, hold)):
+        if not self._send(M.Submit(request, progress, hold)):
             with self._lock:
                 self._handles.pop(request.request_id, None)
                 self._requests.pop(request.request_id, None)
@@ -327,18 +328,21 @@ class ReplicaClient:
         return handle
 
     def abort(self, request_id: str) -> bool:
-        return request_id in self._handles and self._send(("abort", request_id))
+        return request_id in self._handles and self._send(M.Abort(request_id))
 
     def ask(self, kind: str, timeout: float | None, *args: Any) -> Any:
-        """Sends (kind, token, *args) and waits up to `timeout` s (None: until answered or the replica goes) for
-        its answer; None when not ready, unreachable or not answered in time; EngineClosed when it went meanwhile."""
+        """Asks the replica `kind` (replica_messages.ASKS) with `args` and waits up to `timeout` s (None: until
+        answered or the replica goes) for its answer; None when not ready, unreachable or not answered in time;
+        EngineClosed when it went meanwhile."""
+        if kind not in M.ASKS:
+            raise ValueError(f"a replica answers {', '.join(M.ASKS)}; not {kind!r}")
         if self.state != "ready":
             return None
         token = next(self._tokens)
         future: Future = Future()
         with self._lock:
             self._asked[token] = future
-        if not self._send((kind, token, *args)):
+        if not self._send(M.Ask(kind, token, args)):
             with self._lock:
                 self._asked.pop(token, None)
             return None
@@ -349,7 +353,7 @@ class ReplicaClient:
                 self._asked.pop(token, None)
             return None
 
-    def tell(self, message: tuple) -> bool:
+    def tell(self, message: M.Release) -> bool:
         """Sends a message that has no answer (a model set's release)."""
         return self._send(message)
 
@@ -384,7 +388,7 @@ class ReplicaClient:
 
     def close(self) -> None:
         self.state = "closed"
-        self._send(("close",))
+        self._send(M.Close())
         self._process.join(30)
         if self._process.is_alive():
             self._process.kill()
@@ -394,14 +398,14 @@ class _Sender:
     """The parent's side of a replica's pipe for sending: `send` queues (never blocks its caller on a full pipe), a
     writer thread sends in order; after `end` (the replica is gone) `send` raises OSError as a closed pipe does."""
 
-    def __init__(self, conn: Any, name: str, unsent: Callable[[tuple, BaseException], None]):
+    def __init__(self, conn: Any, name: str, unsent: Callable[[object, BaseException], None]):
         self._conn, self._unsent = conn, unsent
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ended = False
         threading.Thread(target=self._write, name=name, daemon=True).start()
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: object) -> None:
         with self._lock:
             if self._ended:
                 raise OSError("the replica's pipe is closed")

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from . import replica_messages as M
 from .held_models import HeldModels
 from .remote_models import ModelSetSpec
 
@@ -88,18 +89,18 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
     output = threading.Thread(target=_send_all, args=(conn, outbox), name="diffgraph-replica-output", daemon=True)
     output.start()
 
-    def last(message: tuple) -> None:  # a final message: queued after everything else, sent before the exit
+    def last(message: object) -> None:  # a final message: queued after everything else, sent before the exit
         outbox.put(message)
         outbox.put(None)
         output.join(30)
 
     def failed(reason: str) -> None:  # a failure policy tripped: its requests are answered; say why, exit
-        last(("failed", reason))
+        last(M.Failed(reason))
         os._exit(3)  # the parent restarts it (with backoff); a poisoned device context is not worth a clean close
 
     def hook(client: Any) -> None:  # every model's engine here, the default and a set's others alike: its failure
         client.engine.core.on_failure.append(failed)  # ends the replica (they share the device), its steps are
-        client.add_step_listener(lambda event: send(("step", event)))  # the parent's step metrics
+        client.add_step_listener(lambda event: send(M.Step(event)))  # the parent's step metrics
 
     building = threading.Event()  # beats while the engine builds: a build stopped or stuck with the GIL is found
     threading.Thread(target=_beat_until, args=(building, send, beat_s), name="diffgraph-replica-build-beat",
@@ -119,48 +120,47 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         step_s = time_step_sizes(engine) if measure_step and device.startswith("cpu") else None
     except Exception as e:
         building.set()
-        return last(("failed", f"{type(e).__name__}: {e}"))
+        return last(M.Failed(f"{type(e).__name__}: {e}"))
     building.set()
     def finished(request_id: str, future: Future) -> None:  # a request's outcome, to the parent
-        send(("done", request_id, *_outcome(future)))
-    send(("ready", engine.info, step_s))
+        send(M.Done(request_id, *_outcome(future)))
+    send(M.Ready(engine.info, step_s))
     beating = threading.Event()
 
     def beat() -> None:  # its own thread: beats while the loop steps, and says how long the current pass runs
         while not beating.wait(beat_s):
             since = engine.core.loop.busy_since
-            send(("beat", 0.0 if since is None else time.monotonic() - since))
+            send(M.Beat(0.0 if since is None else time.monotonic() - since))
     threading.Thread(target=beat, name="diffgraph-replica-beat", daemon=True).start()
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             break
-        kind = message[0]
-        if kind == "submit":
-            _, request, progress, hold = message
-            on_progress = (lambda rid, step, total: send(("progress", rid, step, total))) if progress else None
-            on_preview = (lambda e: send(("progress", e.request_id, e.step, e.total, e.previews, e.preview_format))
+        if isinstance(message, M.Submit):
+            request, progress, hold = message.request, message.progress, message.hold
+            on_progress = (lambda rid, step, total: send(M.Progress(rid, step, total))) if progress else None
+            on_preview = (lambda e: send(M.Progress(e.request_id, e.step, e.total, e.previews, e.preview_format))
                           ) if progress else None
             try:
                 future = engine.submit(request, on_progress=on_progress, on_preview=on_preview) if held is None \
                     else held.submit(hold, request, on_progress=on_progress, on_preview=on_preview)
             except Exception as e:  # ParamError, QueueFullError, EngineClosed: the caller's answer
-                send(("rejected", request.request_id, e))
+                send(M.Rejected(request.request_id, e))
                 continue
-            send(("accepted", request.request_id))
+            send(M.Accepted(request.request_id))
             future.add_done_callback(functools.partial(finished, request.request_id))
-        elif kind == "abort":
-            ((held.owner(message[1]) if held is not None else None) or engine).abort(message[1])
-        elif kind in ("acquire", "models", "release"):  # a model set's: loads wait on a thread of their own
-            threading.Thread(target=_answer_models, args=(send, held, message), daemon=True,
-                             name="diffgraph-replica-models").start()
-        elif kind == "stats":
-            send(("stats", message[1], client.stats()))
-        elif kind == "loras":  # reads adapter headers from disk: on a thread of its own, never blocking the pipe
-            threading.Thread(target=_answer_listing, args=(send, message, engine, held), daemon=True,
-                             name="diffgraph-replica-listing").start()
-        elif kind == "close":
+        elif isinstance(message, M.Abort):
+            ((held.owner(message.request_id) if held is not None else None) or engine).abort(message.request_id)
+        elif isinstance(message, M.Release) or (isinstance(message, M.Ask) and message.what in ("acquire", "models")):
+            threading.Thread(target=_answer_models, args=(send, held, message), daemon=True,  # a set's: loads wait
+                             name="diffgraph-replica-models").start()  # on a thread of their own
+        elif isinstance(message, M.Ask) and message.what == "stats":
+            send(M.Answer(message.token, client.stats()))
+        elif isinstance(message, M.Ask) and message.what == "loras":  # reads adapter headers from disk: on a
+            threading.Thread(target=_answer_listing, args=(send, message, engine, held), daemon=True,  # thread of
+                             name="diffgraph-replica-listing").start()  # its own, never blocking the pipe
+        elif isinstance(message, M.Close):
             break
     beating.set()
     engine.close() if held is None else held.close()
@@ -172,24 +172,23 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         os._exit(0)
 
 
-def _answer_models(send: Callable[[tuple], None], held: HeldModels | None, message: tuple) -> None:
-    kind = message[0]
-    if kind == "release":
+def _answer_models(send: Callable[[object], None], held: HeldModels | None, message: "M.Ask | M.Release") -> None:
+    if isinstance(message, M.Release):
         if held is not None:
-            held.release(message[1])
+            held.release(message.hold)
         return
     try:
         if held is None:
             raise RuntimeError("this replica serves one model (no --model-dir)")
-        answer: Any = held.acquire(message[2], message[3]) if kind == "acquire" else held.view()
+        answer: Any = held.acquire(*message.args) if message.what == "acquire" else held.view()
     except Exception as e:  # ModelLoadError, TimeoutError (still loading), a closed set: the caller's answer
         answer = e
-    send((kind, message[1], answer))
+    send(M.Answer(message.token, answer))
 
 
-def _beat_until(done: threading.Event, send: Callable[[tuple], None], beat_s: float) -> None:
+def _beat_until(done: threading.Event, send: Callable[[object], None], beat_s: float) -> None:
     while not done.wait(beat_s):
-        send(("beat", 0.0))
+        send(M.Beat(0.0))
 
 
 def _cpu_threads(threads: int) -> None:
@@ -204,25 +203,25 @@ def _cpu_threads(threads: int) -> None:
         pass
 
 
-def _answer_listing(send: Callable[[tuple], None], message: tuple, engine: Any, held: HeldModels | None) -> None:
-    """("loras", token[, model]): the adapter listing of the replica's engine, or of a resident model of its set
-    (None when that model is not resident here)."""
-    token, model = message[1], message[2] if len(message) > 2 else None
+def _answer_listing(send: Callable[[object], None], message: M.Ask, engine: Any, held: HeldModels | None) -> None:
+    """Ask("loras", token[, (model,)]): the adapter listing of the replica's engine, or of a resident model of its
+    set (None when that model is not resident here)."""
+    token, model = message.token, message.args[0] if message.args else None
     try:
         target = engine if model is None or held is None else held.resident_engine(model)
-        send(("loras", token, None if target is None else target.loras()))
+        send(M.Answer(token, None if target is None else target.loras()))
     except Exception as e:  # an unreadable folder: the caller's error, with its reason
-        send(("loras", token, RuntimeError(f"listing the adapters failed: {type(e).__name__}: {e}")))
+        send(M.Answer(token, RuntimeError(f"listing the adapters failed: {type(e).__name__}: {e}")))
 
 
 def _send_all(conn: Any, outbox: queue.SimpleQueue) -> None:
     """The replica's output thread: what the engine's threads queued, in order; the small messages queued together
-    (progress, steps, beats, acceptances) go as one ("batch", [...]) message, a result on its own. The GPU loop
-    never waits for the pipe, however slowly the parent reads."""
+    (progress, steps, beats, acceptances) go as one `Batch` message, a result on its own. The GPU loop never waits
+    for the pipe, however slowly the parent reads."""
     while True:
         message = outbox.get()
-        small: list[tuple] = []
-        while message is not None and message[0] != "done" and len(small) < 256:
+        small: list[object] = []
+        while message is not None and not isinstance(message, M.Done) and len(small) < 256:
             small.append(message)
             try:
                 message = outbox.get_nowait()
@@ -231,7 +230,7 @@ def _send_all(conn: Any, outbox: queue.SimpleQueue) -> None:
                 break
         try:
             if small:
-                conn.send(small[0] if len(small) == 1 else ("batch", small))
+                conn.send(small[0] if len(small) == 1 else M.Batch(tuple(small)))
             if message:
                 conn.send(message)
         except (OSError, ValueError):  # the parent is gone: nothing to answer
