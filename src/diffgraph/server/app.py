@@ -20,7 +20,8 @@
     GET  /                        the playground page (playground/), unless --no-playground
     /sdapi/v1/*                   AUTOMATIC1111's API: txt2img, img2img, models, samplers, progress ... (a1111.py)
     /v1/jobs*                     batch jobs that survive restarts, with --state-dir (jobs_routes.py, jobs/)
-With API keys (auth.py), /v1/* and /sdapi/v1/* need the key (and /metrics, /status with --protect-metrics).
+With API keys (auth.py), /v1/* and /sdapi/v1/* need the key (and /metrics, /status with --protect-metrics); /docs
+and its schema stay public, the schema declaring the keys (pages.py), so the page's calls carry one.
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
 server listens (and answers /health, /ready with 503) while the model loads and graphs are captured.
@@ -156,7 +157,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     app = FastAPI(title="diffgraph", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-shaped image generation on CUDA graphs with step-level batching")
-    add_docs(app)  # Swagger UI at /docs from local files (pages.py)
+    add_docs(app, bool(config.api_keys), config.protect_metrics)  # Swagger UI at /docs from local files (pages.py)
     app.state.server = state
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.protect_metrics)
