@@ -189,6 +189,26 @@ def test_controlnet_units_from_webuiapi_equal_images_generations_controls(server
     assert "canny" in httpx.get(server.url + "/controlnet/module_list", headers=headers).json()["module_list"]
 
 
+def test_controlnet_units_as_the_extension_reads_them(server):
+    """An img2img unit without its own image takes the init image; thresholds of -1 are canny's 100 / 200, and 200 /
+    100 (a low above the high) the same edges (OpenCV swaps them); an unknown unit key is ignored and named."""
+    outline = Image.new("RGB", (64, 64))
+    outline.paste(Image.new("RGB", (20, 40), (255, 255, 255)), (22, 12))
+    body = {**SMALL, "steps": 4, "sampler_name": "Euler", "init_images": [b64png(outline)], "denoising_strength": 0.9}
+    unit = {"model": "outline", "module": "canny", "threshold_a": -1, "threshold_b": -1, "weight": 1.5}
+
+    def img2img(*units: dict) -> httpx.Response:
+        r = post(server, "img2img", {**body, "alwayson_scripts": {"controlnet": {"args": list(units)}}})
+        assert r.status_code == 200, r.text
+        return r
+    bare = img2img({**unit, "sketch": True})
+    assert bare.headers["X-Diffgraph-Ignored-Fields"] == "alwayson_scripts.controlnet.args%5B0%5D.sketch"
+    given = img2img({**unit, "input_image": b64png(outline)})
+    swapped = img2img({**unit, "input_image": b64png(outline), "threshold_a": 200, "threshold_b": 100})
+    assert bare.json()["images"] == given.json()["images"] == swapped.json()["images"]
+    assert img2img().json()["images"] != bare.json()["images"]  # the unit ran
+
+
 def test_img2img_with_a_mask_only_masked_and_whole(api):
     src, mask = source(96), square_mask(96, 40, 60)
     common = dict(images=[src], mask_image=mask, prompt="a handwritten digit eight", width=64, height=64, steps=6,

@@ -200,7 +200,8 @@ class ControlInput:
     an edge map, a depth or pose map), `scale` (diffusers' `controlnet_conditioning_scale`), `start` and `end`
     (`control_guidance_start` / `control_guidance_end`: the fractions of the schedule where it runs), and
     `preprocess`: what makes the control map from `image` at submit ("none": it is the map; "canny": OpenCV's Canny
-    edges with thresholds `canny_low` / `canny_high`, AUTOMATIC1111's defaults 100 / 200; "invert": 255 - pixels,
+    edges with thresholds `canny_low` / `canny_high`, AUTOMATIC1111's defaults 100 / 200, a low above the high taken as
+    OpenCV takes it, swapped, as AUTOMATIC1111's ControlNet extension passes it on; "invert": 255 - pixels,
     for black-on-white line art). `resize_mode`, AUTOMATIC1111's: "just_resize" (to the output size, as diffusers'
     pipelines), "crop_and_resize" (covering it, centre-cropped), "resize_and_fill" (inside it, centred on the median
     of the map's border). `control_mode`, AUTOMATIC1111's: "balanced" (diffusers' default), "prompt" ("My prompt is
@@ -248,8 +249,6 @@ class ControlInput:
                                          f"{', '.join(CONTROL_PREPROCESSORS)} (depth and pose maps: send the map)")
         low, high = (_control_number(f"controls.canny_{k}", v, 0, 255, "an integer in [0, 255]")
                      for k, v in (("low", self.canny_low), ("high", self.canny_high)))
-        if low > high:
-            raise ParamError("controls", f"canny_low {low:g} must not be above canny_high {high:g}")
         object.__setattr__(self, "canny_low", int(low))
         object.__setattr__(self, "canny_high", int(high))
         object.__setattr__(self, "resize_mode", _control_mode("resize_mode", self.resize_mode, RESIZE_MODES))

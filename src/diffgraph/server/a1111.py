@@ -40,7 +40,7 @@ from ..image_metadata import encode_image, infotext
 from ..models.controlnet_dir import ControlNetDir
 from ..models.presets import builtin_control_folder
 from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
-from .a1111_controlnet import MODULES, controlnet_units, units_to_controls
+from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
 from .a1111_info import InfoSources, info_router
 from .a1111_inpaint import PreparedEdit, mask_options, prepare
 from .a1111_jobs import ImageRun, JobBoard, Key
@@ -256,7 +256,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         key = key_of(http)
         body = validate(await read_json(http, prompt_limit + unit_limit + (image_limit if kind == "img2img" else 0)),
                         model)
-        headers.update(ignored_header(body))
+        units = controlnet_units(body.alwayson_scripts)
+        headers.update(ignored_header(body, ignored_keys(units)))
         if headers:
             logger.info("%s: ignored unknown keys %s", http.url.path, headers[IGNORED_HEADER])
         options = board.options(key)
@@ -271,9 +272,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
                                param="init_images")
             edits = await asyncio.to_thread(prepare_edits, body, plan) if kind == "img2img" else []
-            units = controlnet_units(body.alwayson_scripts)
+            init = (getattr(body, "init_images", None) or [None])[0]  # an img2img unit's image by default
             controls = await asyncio.to_thread(units_to_controls, units, served, config.max_image_bytes,
-                                               config.max_image_pixels) if units else []
+                                               config.max_image_pixels, init) if units else []
             requests = await asyncio.to_thread(build, body, plan, chosen.info, edits, controls)
             try:
                 job = await board.submit(key, kind, requests, lambda request: submit(

@@ -224,9 +224,10 @@ def validate(body: Any, model: type[ProcessingBody]) -> ProcessingBody:
     return parsed
 
 
-def ignored_header(body: ProcessingBody) -> dict[str, str]:
-    """The response header that names the keys the body's model ignored; none when every key was known."""
-    return names_header(body._ignored)
+def ignored_header(body: ProcessingBody, more: Sequence[str] = ()) -> dict[str, str]:
+    """The response header that names the keys the body's model ignored (and `more`: its scripts' ignored keys);
+    none when every key was known."""
+    return names_header([*body._ignored, *more])
 
 
 def names_header(names: Sequence[str]) -> dict[str, str]:
