@@ -400,7 +400,7 @@ BAD = [
     ({"steps": 0}, "steps", "steps 0 is out of range"), ({"steps": "twenty"}, "steps", "must be an integer"),
     ({"cfg_scale": -1}, "cfg_scale", "cfg_scale -1"), ({"width": 500}, "width", "use 496 or 504"),
     ({"batch_size": 0}, "batch_size", "at least 1"), ({"batch_size": 9, "n_iter": 2}, "n_iter", "at most 16"),
-    ({"seed": -2}, "seed", "-1 (random)"), ({"prompt": ""}, "prompt", "prompt is empty"),
+    ({"seed": -2}, "seed", "-1 (random)"),
     ({"prompt": "a [cat:dog:0.5]"}, "prompt", None), ({"prompt": "a <lora:nope:1>"}, "prompt", "'nope' is unknown"),
     ({"infotext": "x\nSteps: nine, Sampler: Euler, Seed: 1"}, "infotext", "not a number"),
 ]

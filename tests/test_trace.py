@@ -37,7 +37,7 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 SECTION = "## One HTTP request, traced"
 # ceilings on a plain request's way: the modules it visits forward (HTTP to the first replay) and back, and the
 # threads it passes through (docs/ARCHITECTURE.md states the same numbers)
-FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 26, 18, 8
+FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 27, 18, 8
 ROUTE = ("server/app.py", "generations")
 REPLAY = ("graphs/runner.py", "GraphRunner.replay")
 _COMPREHENSIONS = re.compile(r"\.<locals>\.<(listcomp|setcomp|dictcomp|genexpr)>$")

@@ -383,9 +383,18 @@ class PreviewSpec:
         return step % self.every == 0 and (self.limit == 0 or step // self.every <= self.limit)
 
 
+def require_prompt(prompt: str, image: Any = None) -> None:
+    """ParamError for an empty prompt without an input `image` (an EditInput, or its pixels), where the caller asks for one (OpenAI's generations
+    route, the CLI). A request itself takes an empty prompt, as AUTOMATIC1111 and diffusers do: the image of the empty
+    prompt's conditioning."""
+    if not prompt.strip() and image is None:
+        raise ParamError("prompt", "prompt is empty; describe the image to generate")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator."""
+    """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator. Its prompt may
+    be empty (`require_prompt` is for the callers that ask for one)."""
 
     prompt: str
     negative_prompt: str | None
@@ -442,8 +451,6 @@ class GenerationRequest:
             except UnicodeEncodeError as e:
                 raise ParamError(name, f"{name} is not valid text: it holds an unpaired surrogate at character "
                                        f"{e.start}; send UTF-8 text") from None
-        if not prompt.strip() and self.edit is None:  # an image-to-image request has its image to go on
-            raise ParamError("prompt", "prompt is empty; describe the image to generate")
         for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt or "")):
             if len(text) > MAX_PROMPT_CHARS:
                 raise ParamError(name, f"{name} has {len(text)} characters; at most {MAX_PROMPT_CHARS}")
