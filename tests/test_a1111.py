@@ -12,8 +12,10 @@ engine's most steps) and end by /interrupt, so no test waits on a wall-clock gue
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
+import os
 import shutil
 import threading
 import time
@@ -26,6 +28,7 @@ from PIL import Image
 
 from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.server.process import ServerProcess
+from server_util import served
 
 webuiapi = pytest.importorskip("webuiapi")
 
@@ -458,3 +461,86 @@ def test_fields_that_shape_the_answer(server):
         == ("a handwritten digit two", "blurry", 9, 3, "DPM++ 2M", 64)
     assert answer("img2img")["parameters"]["init_images"] is None
     assert answer("img2img", include_init_images=True)["parameters"]["init_images"] == _init()["init_images"]
+
+
+# -- answers as AUTOMATIC1111 gives them, on random:tiny in process ------------------------------------------------
+TINY = {"prompt": "a red fox", "width": 64, "height": 64, "steps": 2, "seed": 3, "sampler_name": "Euler"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_engine, tmp_path_factory):
+    """random:tiny with a LoRA folder (styles/ink.safetensors), served as if --model were a checkpoint file (its
+    hash is the file's; the engine is the tiny one); hashes cached in a folder of the test's."""
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from lora_util import _write_kohya
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "loras" / "styles").mkdir(parents=True)
+    _write_kohya(tiny_engine, str(root / "loras" / "styles" / "ink.safetensors"))
+    (root / "tiny.safetensors").write_bytes(os.urandom(4096))
+    config = ServerConfig(model=str(root / "tiny.safetensors"), device="cpu", lora_dir=str(root / "loras"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIFFGRAPH_CACHE", str(root / "cache"))
+        with Engine("random:tiny", device="cpu", dtype="fp32", lora_dir=str(root / "loras"), max_loras=4) as engine, \
+                served(engine, config) as client:
+            yield client, root
+
+
+def _tiny_txt2img(client, **body) -> tuple[dict, dict]:
+    r = client.post("/sdapi/v1/txt2img", json={**TINY, **body})
+    assert r.status_code == 200, r.text
+    return r.json(), json.loads(r.json()["info"])
+
+
+def test_model_and_lora_hashes_as_automatic1111_writes_them(tiny):
+    """sd_model_hash and `Model hash` are the first 10 hex digits of the checkpoint's sha256; `Lora hashes` each
+    adapter's first 12 of its sha256 after the safetensors header (AUTOMATIC1111's LoRA hash), in the infotext and
+    in the image; restore_faces false."""
+    client, root = tiny
+    answer, info = _tiny_txt2img(client, prompt="a red fox <lora:styles/ink:0.6>")
+    model_hash = hashlib.sha256((root / "tiny.safetensors").read_bytes()).hexdigest()[:10]
+    data = (root / "loras" / "styles" / "ink.safetensors").read_bytes()
+    lora_hash = hashlib.sha256(data[8 + int.from_bytes(data[:8], "little"):]).hexdigest()[:12]
+    text = info["infotexts"][0]
+    assert info["sd_model_hash"] == model_hash and info["restore_faces"] is False
+    assert f'Size: 64x64, Model hash: {model_hash}, Model: "random:tiny"' in text
+    assert f'Lora hashes: "styles/ink: {lora_hash}"' in text
+    assert Image.open(io.BytesIO(base64.b64decode(answer["images"][0]))).text["parameters"] == text
+    _, plain = _tiny_txt2img(client)
+    assert "Lora hashes" not in plain["infotexts"][0] and plain["sd_model_hash"] == model_hash
+
+
+def test_a_checkpoint_is_hashed_once_per_file_version(tiny, monkeypatch):
+    from diffgraph.models import catalog
+    client, root = tiny
+    _tiny_txt2img(client)
+    reads = []
+    sha256 = catalog._sha256
+    monkeypatch.setattr(catalog, "_sha256", lambda *a: reads.append(a[0]) or sha256(*a))
+    assert _tiny_txt2img(client)[1]["sd_model_hash"] and reads == []  # known: nothing read
+    checkpoint = root / "tiny.safetensors"
+    before = checkpoint.read_bytes()
+    try:
+        checkpoint.write_bytes(b"another version")  # a new size and mtime: read again
+        _, info = _tiny_txt2img(client)
+        assert info["sd_model_hash"] == hashlib.sha256(b"another version").hexdigest()[:10] and len(reads) == 1
+    finally:
+        checkpoint.write_bytes(before)
+
+
+def test_lora_paths_are_relative_to_the_lora_folder(tiny):
+    client, root = tiny
+    loras = client.get("/sdapi/v1/loras").json()
+    assert [(x["name"], x["path"]) for x in loras] == [("styles/ink", "styles/ink.safetensors")]
+    assert str(root) not in client.get("/sdapi/v1/loras").text
+
+
+def test_an_empty_prompt_makes_the_empty_prompts_image(tiny):
+    """AUTOMATIC1111 takes an empty prompt on txt2img (the empty prompt's conditioning), as the Python API does;
+    OpenAI's generations route still asks for one (tests/test_server.py)."""
+    client, _ = tiny
+    answer, info = _tiny_txt2img(client, prompt="")
+    assert info["prompt"] == "" and info["infotexts"][0].startswith("Steps: 2, ")
+    other, _ = _tiny_txt2img(client)
+    assert answer["images"][0] != other["images"][0]
+    assert _tiny_txt2img(client, prompt=None)[0]["images"] == answer["images"]  # null: the default, ""

@@ -12,6 +12,7 @@ a process boundary unchanged. Sizes are (height, width) inside; "WxH" strings ex
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import dataclasses
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ EMPHASES = ("original", "no_norm")    # AUTOMATIC1111's emphasis modes: weights 
 PRIORITIES = ("interactive", "batch")     # scheduling classes: people first, job items in what they leave free
 MAX_CLIP_SKIP = 11                    # CLIP ViT-L has 12 layers (the model's own count is checked at submit)
 MAX_PROMPT_CHARS = 20_000
+_HASH = re.compile(r"[0-9a-fA-F]{1,64}")  # a file hash as an infotext shows it
 MAX_PROMPT_CHUNKS = 4                 # the buffers hold lcm(1..max) windows per row: 12 at 4, 60 at 5 or 6
 
 
@@ -432,6 +434,10 @@ class GenerationRequest:
     image_prompts: ImagePromptInput | None = None  # an IP-Adapter image prompt
     # JPEG / WebP compression, OpenAI's `output_compression`: 0..100 (100: the least), None: the encoder's 95 quality
     output_compression: int | None = None
+    # AUTOMATIC1111's short hashes of the files it uses, written into its images' infotext (`Model hash`, `Lora
+    # hashes`): the server fills them where it resolves the files (models/file_hashes.py); None / (): not written
+    model_hash: str | None = None
+    lora_hashes: tuple[tuple[str, str], ...] = ()  # (an adapter's name as the prompt names it, its short hash)
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -512,6 +518,7 @@ class GenerationRequest:
         object.__setattr__(self, "controls", check_controls(self.controls))
         object.__setattr__(self, "image_prompts", check_image_prompt(self.image_prompts))
         object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
+        _check_hashes(self.model_hash, self.lora_hashes)
         rescale = self.guidance_rescale
         if isinstance(rescale, bool) or not isinstance(rescale, (int, float, np.floating, np.integer)) \
                 or not 0 <= float(rescale) <= 1:  # NaN fails this too
@@ -610,6 +617,15 @@ class GenerationRequest:
                 raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
                                                f"batch bucket {model.max_rows}")
         return request
+
+
+def _check_hashes(model_hash: Any, lora_hashes: Any) -> None:
+    if model_hash is not None and not (isinstance(model_hash, str) and _HASH.fullmatch(model_hash)):
+        raise ParamError("model_hash", f"model_hash must be hex digits or None, got {_show(model_hash)}")
+    if not isinstance(lora_hashes, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], str)
+            and _HASH.fullmatch(p[1]) for p in lora_hashes):
+        raise ParamError("lora_hashes", "lora_hashes must be a tuple of (adapter name, hex digits) pairs")
 
 
 def make_preview(value: Any) -> PreviewSpec | None:

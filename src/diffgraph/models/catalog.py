@@ -304,6 +304,13 @@ def short_hash(path: str, cache_root: str) -> str | None:
     return digest[:10] if digest else None
 
 
+def tail_hash(path: str, offset: int) -> str:
+    """The sha256 of a regular file from byte `offset` on (a safetensors file's tensors, after its header: kohya-ss's
+    "addnet" hash of a LoRA). Raises UnusableFile and FileChanged, as `full_hash`."""
+    st = check_regular(path, MAX_MODEL_BYTES)
+    return _sha256(path, st, offset)
+
+
 def _read_cache(cache_file: str) -> dict[str, Any]:
     try:
         data = read_json(cache_file, MAX_JSON_BYTES)[0]
@@ -312,8 +319,8 @@ def _read_cache(cache_file: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _sha256(path: str, st: os.stat_result) -> str:
-    """The sha256 of the regular file `st` describes, read in 1 MiB chunks."""
+def _sha256(path: str, st: os.stat_result, offset: int = 0) -> str:
+    """The sha256 of the regular file `st` describes from byte `offset` on, read in 1 MiB chunks."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in after the stat: no block
     except FileNotFoundError:
@@ -322,6 +329,8 @@ def _sha256(path: str, st: os.stat_result) -> str:
         raise UnusableFile(f"{path} cannot be opened ({e.strerror or e}); check its permissions") from None
     try:
         digest, opened = hashlib.sha256(), os.fstat(fd)
+        if stat.S_ISREG(opened.st_mode) and offset:
+            os.lseek(fd, offset, os.SEEK_SET)
         while stat.S_ISREG(opened.st_mode) and (chunk := os.read(fd, HASH_CHUNK)):
             digest.update(chunk)
         after = os.fstat(fd)
