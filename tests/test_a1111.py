@@ -12,8 +12,10 @@ engine's most steps) and end by /interrupt, so no test waits on a wall-clock gue
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
+import os
 import shutil
 import threading
 import time
@@ -26,6 +28,7 @@ from PIL import Image
 
 from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.server.process import ServerProcess
+from server_util import served
 
 webuiapi = pytest.importorskip("webuiapi")
 
@@ -187,6 +190,26 @@ def test_controlnet_units_from_webuiapi_equal_images_generations_controls(server
     headers = {"Authorization": f"Bearer {KEY_A}"}
     assert httpx.get(server.url + "/controlnet/model_list", headers=headers).json() == {"model_list": ["outline"]}
     assert "canny" in httpx.get(server.url + "/controlnet/module_list", headers=headers).json()["module_list"]
+
+
+def test_controlnet_units_as_the_extension_reads_them(server):
+    """An img2img unit without its own image takes the init image; thresholds of -1 are canny's 100 / 200, and 200 /
+    100 (a low above the high) the same edges (OpenCV swaps them); an unknown unit key is ignored and named."""
+    outline = Image.new("RGB", (64, 64))
+    outline.paste(Image.new("RGB", (20, 40), (255, 255, 255)), (22, 12))
+    body = {**SMALL, "steps": 4, "sampler_name": "Euler", "init_images": [b64png(outline)], "denoising_strength": 0.9}
+    unit = {"model": "outline", "module": "canny", "threshold_a": -1, "threshold_b": -1, "weight": 1.5}
+
+    def img2img(*units: dict) -> httpx.Response:
+        r = post(server, "img2img", {**body, "alwayson_scripts": {"controlnet": {"args": list(units)}}})
+        assert r.status_code == 200, r.text
+        return r
+    bare = img2img({**unit, "sketch": True})
+    assert bare.headers["X-Diffgraph-Ignored-Fields"] == "alwayson_scripts.controlnet.args%5B0%5D.sketch"
+    given = img2img({**unit, "input_image": b64png(outline)})
+    swapped = img2img({**unit, "input_image": b64png(outline), "threshold_a": 200, "threshold_b": 100})
+    assert bare.json()["images"] == given.json()["images"] == swapped.json()["images"]
+    assert img2img().json()["images"] != bare.json()["images"]  # the unit ran
 
 
 def test_img2img_with_a_mask_only_masked_and_whole(api):
@@ -380,7 +403,7 @@ BAD = [
     ({"steps": 0}, "steps", "steps 0 is out of range"), ({"steps": "twenty"}, "steps", "must be an integer"),
     ({"cfg_scale": -1}, "cfg_scale", "cfg_scale -1"), ({"width": 500}, "width", "use 496 or 504"),
     ({"batch_size": 0}, "batch_size", "at least 1"), ({"batch_size": 9, "n_iter": 2}, "n_iter", "at most 16"),
-    ({"seed": -2}, "seed", "-1 (random)"), ({"prompt": ""}, "prompt", "prompt is empty"),
+    ({"seed": -2}, "seed", "-1 (random)"),
     ({"prompt": "a [cat:dog:0.5]"}, "prompt", None), ({"prompt": "a <lora:nope:1>"}, "prompt", "'nope' is unknown"),
     ({"infotext": "x\nSteps: nine, Sampler: Euler, Seed: 1"}, "infotext", "not a number"),
 ]
@@ -438,3 +461,94 @@ def test_fields_that_shape_the_answer(server):
         == ("a handwritten digit two", "blurry", 9, 3, "DPM++ 2M", 64)
     assert answer("img2img")["parameters"]["init_images"] is None
     assert answer("img2img", include_init_images=True)["parameters"]["init_images"] == _init()["init_images"]
+
+
+# -- answers as AUTOMATIC1111 gives them, on random:tiny in process ------------------------------------------------
+TINY = {"prompt": "a red fox", "width": 64, "height": 64, "steps": 2, "seed": 3, "sampler_name": "Euler"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_engine, tmp_path_factory):
+    """random:tiny with a LoRA folder (styles/ink.safetensors), served as if --model were a checkpoint file (its
+    hash is the file's; the engine is the tiny one); hashes cached in a folder of the test's."""
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from lora_util import _write_kohya
+    root = tmp_path_factory.mktemp("tiny")
+    (root / "loras" / "styles").mkdir(parents=True)
+    _write_kohya(tiny_engine, str(root / "loras" / "styles" / "ink.safetensors"))
+    (root / "tiny.safetensors").write_bytes(os.urandom(4096))
+    config = ServerConfig(model=str(root / "tiny.safetensors"), device="cpu", lora_dir=str(root / "loras"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DIFFGRAPH_CACHE", str(root / "cache"))
+        with Engine("random:tiny", device="cpu", dtype="fp32", lora_dir=str(root / "loras"), max_loras=4) as engine, \
+                served(engine, config) as client:
+            yield client, root
+
+
+def _tiny_txt2img(client, **body) -> tuple[dict, dict]:
+    r = client.post("/sdapi/v1/txt2img", json={**TINY, **body})
+    assert r.status_code == 200, r.text
+    return r.json(), json.loads(r.json()["info"])
+
+
+def _hash_becomes(client, want: str, before: str | None = None) -> None:
+    """Waits until the answers carry `want` as sd_model_hash (null, or `before`, until the background hash is done)."""
+    deadline = time.monotonic() + 120  # a failure bound: the hash is made on a background thread
+    while (got := _tiny_txt2img(client, steps=1)[1]["sd_model_hash"]) != want:
+        assert got in (None, before) and time.monotonic() < deadline, got
+        threading.Event().wait(0.05)
+
+
+def test_model_and_lora_hashes_as_automatic1111_writes_them(tiny):
+    """sd_model_hash and `Model hash` are the first 10 hex digits of the checkpoint's sha256; `Lora hashes` each
+    adapter's first 12 of its sha256 after the safetensors header (AUTOMATIC1111's LoRA hash), in the infotext and
+    in the image; restore_faces false."""
+    client, root = tiny
+    model_hash = hashlib.sha256((root / "tiny.safetensors").read_bytes()).hexdigest()[:10]
+    _hash_becomes(client, model_hash)
+    answer, info = _tiny_txt2img(client, prompt="a red fox <lora:styles/ink:0.6>")
+    data = (root / "loras" / "styles" / "ink.safetensors").read_bytes()
+    lora_hash = hashlib.sha256(data[8 + int.from_bytes(data[:8], "little"):]).hexdigest()[:12]
+    text = info["infotexts"][0]
+    assert info["sd_model_hash"] == model_hash and info["restore_faces"] is False
+    assert f'Size: 64x64, Model hash: {model_hash}, Model: "random:tiny"' in text
+    assert f'Lora hashes: "styles/ink: {lora_hash}"' in text
+    assert Image.open(io.BytesIO(base64.b64decode(answer["images"][0]))).text["parameters"] == text
+    _, plain = _tiny_txt2img(client)
+    assert "Lora hashes" not in plain["infotexts"][0] and plain["sd_model_hash"] == model_hash
+
+
+def test_a_checkpoint_is_hashed_per_file_version(tiny):
+    """`sd_model_hash` is the checkpoint's short hash once the background hash is known (null before: no request
+    waits for it), and a rewritten checkpoint is hashed again (tests/test_file_hashes.py counts the reads)."""
+    client, root = tiny
+    checkpoint = root / "tiny.safetensors"
+    before = checkpoint.read_bytes()
+    old = hashlib.sha256(before).hexdigest()[:10]
+    _hash_becomes(client, old)
+    try:
+        checkpoint.write_bytes(b"another version")  # a new size and mtime: hashed again
+        new = hashlib.sha256(b"another version").hexdigest()[:10]
+        _hash_becomes(client, new, old)
+    finally:
+        checkpoint.write_bytes(before)
+    _hash_becomes(client, old, new)  # known again before the next test compares whole images
+
+
+def test_lora_paths_are_relative_to_the_lora_folder(tiny):
+    client, root = tiny
+    loras = client.get("/sdapi/v1/loras").json()
+    assert [(x["name"], x["path"]) for x in loras] == [("styles/ink", "styles/ink.safetensors")]
+    assert str(root) not in client.get("/sdapi/v1/loras").text
+
+
+def test_an_empty_prompt_makes_the_empty_prompts_image(tiny):
+    """AUTOMATIC1111 takes an empty prompt on txt2img (the empty prompt's conditioning), as the Python API does;
+    OpenAI's generations route still asks for one (tests/test_server.py)."""
+    client, _ = tiny
+    answer, info = _tiny_txt2img(client, prompt="")
+    assert info["prompt"] == "" and info["infotexts"][0].startswith("Steps: 2, ")
+    other, _ = _tiny_txt2img(client)
+    assert answer["images"][0] != other["images"][0]
+    assert _tiny_txt2img(client, prompt=None)[0]["images"] == answer["images"]  # null: the default, ""

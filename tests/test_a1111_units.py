@@ -6,6 +6,7 @@ and which key a request carries (Bearer, or HTTP Basic's password)."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 from pathlib import Path
 
@@ -149,8 +150,48 @@ def test_controlnet_units_become_controls():
     assert (b["model"], b["preprocess"], b["control_mode"]) == ("outline", "none", "control")
     for unit, field, needle in [({"model": "outline"}, "input_image", "needs its control image"),
                                 ({"model": "nope [abc]", "input_image": image}, "model", "served: sd15/"),
-                                ({"model": "outline", "input_image": image, "sketch": 1}, "sketch", "not supported"),
                                 ({"model": "outline", "input_image": image, "mask": image}, "mask", "masked")]:
         with pytest.raises(APIError, match=needle) as info:
             units_to_controls([unit], served, 1 << 20, 1 << 20)
         assert info.value.param == f"alwayson_scripts.controlnet.args[0].{field}"
+
+
+def test_controlnet_units_as_the_extension_reads_them():
+    """Thresholds outside the canny sliders' 1..255 (-1 among them) take their defaults 100 / 200, a low above the high
+    goes to OpenCV as it is (its Canny swaps them: the map is the same), unknown unit keys are named and ignored,
+    and an img2img unit without its image takes the first init image."""
+    import cv2
+
+    from diffgraph.control_maps import control_map
+    from diffgraph.request import ControlInput
+    from diffgraph.server.a1111_controlnet import ignored_keys, units_to_controls
+    rng = np.random.default_rng(1)
+    picture = Image.fromarray((rng.random((32, 32, 3)) * 255).astype(np.uint8))
+    image, init = _b64(picture), _b64(Image.new("RGB", (24, 24), (9, 9, 9)))
+    served = lambda: ["outline"]
+    units = [{"input_image": image, "model": "outline", "module": "canny", "threshold_a": a, "threshold_b": b}
+             for a, b in ((-1, -1), (0, 300), (200, 100), (None, 150.0))]
+    controls = units_to_controls(units, served, 1 << 20, 1 << 20)
+    assert [(c["canny_low"], c["canny_high"]) for c in controls] == [(100, 200), (100, 200), (200, 100), (100, 150.0)]
+    swapped = ControlInput(**{**controls[2], "image": np.asarray(controls[2]["image"])})  # no refusal
+    pixels = np.asarray(picture)
+    assert np.array_equal(control_map(swapped)[:, :, 0], cv2.Canny(pixels, 100, 200))
+    assert control_map(swapped).any()
+    odd = [{"model": "outline", "input_image": image, "sketch": 1, "advanced_weighting": None, "enabled": True}]
+    assert ignored_keys(odd) == ["alwayson_scripts.controlnet.args[0].sketch",
+                                 "alwayson_scripts.controlnet.args[0].advanced_weighting"]
+    assert len(units_to_controls(odd, served, 1 << 20, 1 << 20)) == 1
+    bare = [{"model": "outline", "module": "none"}]
+    fallback, = units_to_controls(bare, served, 1 << 20, 1 << 20, init_image=init)
+    assert fallback["image"].size == (24, 24) and fallback["image"].getpixel((0, 0)) == (9, 9, 9)
+    with pytest.raises(APIError, match="needs its control image"):
+        units_to_controls(bare, served, 1 << 20, 1 << 20)  # txt2img: no image to fall back to
+    with pytest.raises(APIError) as info:
+        units_to_controls(bare, served, 1 << 20, 1 << 20, init_image="////")
+    assert info.value.param == "init_images[0]"
+
+
+def _b64(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()

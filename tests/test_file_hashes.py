@@ -91,3 +91,30 @@ def test_folders_missing_files_and_failed_hashes_have_no_hash(tmp_path):
     assert hashes.get(path) is None and hashes.wait_idle(BOUND_S)
     assert hashes.get(path) is None and hashes.wait_idle(BOUND_S)
     assert calls == [os.path.realpath(path)]  # a version that failed is not retried until the file changes
+
+
+def _safetensors(path, metadata: dict | None = None, data: bytes = b"\x00\x01" * 64) -> bytes:
+    header = {"w": {"dtype": "F16", "shape": [len(data) // 2], "data_offsets": [0, len(data)]}}
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return data
+
+
+def test_infotext_hashes_as_automatic1111_reads_them(tmp_path):
+    """`Model hash`: the checkpoint's short hash once hashed (a request never waits for it); `Lora hashes`: 12 hex
+    digits of the sha256 after the safetensors header, or the file's own `sshs_model_hash`."""
+    hashes = FileHashes(str(tmp_path / "cache"))
+    checkpoint = tmp_path / "model.safetensors"
+    checkpoint.write_bytes(b"weights" * 100)
+    hashes.compute(str(checkpoint))
+    assert hashes.model(str(checkpoint)) == hashlib.sha256(b"weights" * 100).hexdigest()[:10]
+    data = _safetensors(tmp_path / "ink.safetensors")
+    assert hashes.lora(str(tmp_path / "ink.safetensors")) == hashlib.sha256(data).hexdigest()[:12]
+    _safetensors(tmp_path / "given.safetensors", {"sshs_model_hash": "ABCDEF0123456789"})
+    assert hashes.lora(str(tmp_path / "given.safetensors")) == "ABCDEF012345"
+    for nothing in (str(tmp_path), str(tmp_path / "gone.safetensors"), "random:tiny", None):
+        assert hashes.model(nothing) is None and hashes.lora(nothing) is None
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    assert hashes.lora(str(tmp_path / "bad.safetensors")) is None

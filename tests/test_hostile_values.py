@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from diffgraph.server.edits import ImageEditForm, edit_arrays, edit_input, read_form
+from diffgraph.server.edits import FormFiles, ImageEditForm, edit_arrays, edit_input, read_form
 from diffgraph.server.protocol import APIError, ImageGenerationRequest, error_from_validation
 
 RAMP16 = (np.arange(64 * 64, dtype=np.uint32) * 16).reshape(64, 64).astype(np.uint16)  # 0 .. 65520
@@ -43,7 +43,7 @@ def test_a_16_bit_png_upload_is_scaled_and_its_16_bit_mask_repaints_only_its_whi
     mask16 = np.zeros((64, 64), np.uint16)
     mask16[:16] = 65535
     mask16[16:32] = 1000  # dark grey: clipped to L it was white, and repainted
-    files = {"image": _png(Image.fromarray(RAMP16)), "mask": _png(Image.fromarray(mask16))}
+    files = FormFiles([_png(Image.fromarray(RAMP16))], {"mask": _png(Image.fromarray(mask16))})
     edit = edit_input(files, None, (0.8, 1.0), max_bytes=10_000_000, max_pixels=1 << 20)
     assert np.abs(np.asarray(edit.image)[..., 0].astype(float) - RAMP16 / 257).max() <= 0.5 + 1e-6
     mask = np.asarray(edit.mask)

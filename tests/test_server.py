@@ -161,6 +161,26 @@ def test_streaming_yields_one_progress_event_per_step(server):
     assert final["data"][0]["b64_json"] == plain["data"][0]["b64_json"]  # streaming does not change the image
 
 
+def test_a_plain_prompt_with_automatic1111_syntax_gets_a_warning_header(server):
+    """Under the default prompt_syntax "plain", `<lora:...>` and `(word:1.3)` are words: the answer says so in
+    X-Diffgraph-Warnings (OpenAI's answer has no field for it), streamed or not; prompts without them, or read as
+    "a1111", get none."""
+    tagged = generate(server.url, prompt="a fox <lora:ink:0.8>, (snow:1.3)", num_inference_steps=1, seed=2,
+                      negative_prompt="(blurry:1.2)")
+    assert tagged.status_code == 200, tagged.text
+    prompt, negative = tagged.headers["x-diffgraph-warnings"].split(" | ")
+    assert prompt.startswith("prompt holds AUTOMATIC1111 syntax (<lora:...> tags and (word:1.3) weights)")
+    assert '"prompt_syntax": "a1111"' in prompt and negative.startswith("negative_prompt holds AUTOMATIC1111 "
+                                                                       "syntax ((word:1.3) weights)")
+    for quiet in (generate(server.url, prompt="a fox (in snow)", num_inference_steps=1, seed=2),
+                  generate(server.url, prompt="a fox, (snow:1.3)", prompt_syntax="a1111", num_inference_steps=1)):
+        assert quiet.status_code == 200 and "x-diffgraph-warnings" not in quiet.headers, quiet.text
+    with httpx.stream("POST", server.url + "/v1/images/generations", timeout=600,
+                      json={"prompt": "<lora:ink>", "num_inference_steps": 1, "stream": True}) as r:
+        assert r.status_code == 200 and "<lora:...> tags" in r.headers["x-diffgraph-warnings"]
+        read_stream(r.iter_lines())
+
+
 def test_models_health_ready(server):
     models = httpx.get(server.url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]

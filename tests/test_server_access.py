@@ -171,7 +171,8 @@ def test_keys_fail_closed_also_under_a_root_path_or_a_mount():
         assert c.get("/api/health").status_code in (200, 503)  # open (a failed build makes it "down"), never 401
     with TestClient(app(), root_path="/api") as c:
         assert c.get("/api/v1/models").status_code == 401 and c.get("/v1/models").status_code == 401
-        assert c.get("/openapi.json").status_code == 401  # anything not listed as open needs the key
+        assert c.get("/v1/loras").status_code == 401  # anything not listed as open needs the key
+        assert c.get("/openapi.json").status_code == 200  # the docs page's schema is public (its calls are not)
         assert c.get("/health").status_code in (200, 503) and c.get("/").status_code == 200
 
 
@@ -202,4 +203,25 @@ def test_docs_are_served_from_local_files_not_a_cdn():
     assert client.get("/docs/assets/swagger-ui.css").status_code == 200
     for bad in ("../pages.py", "swagger-ui-bundle.js.map", "index.html"):
         assert client.get(f"/docs/assets/{bad}").status_code == 404
-    assert client.get("/openapi.json").json()["info"]["title"] == "diffgraph"
+    schema = client.get("/openapi.json").json()
+    assert schema["info"]["title"] == "diffgraph" and "securitySchemes" not in schema.get("components", {})
+
+
+def test_docs_are_public_with_keys_and_their_calls_carry_the_key(client):
+    """/docs with --api-key: the page, its files and its schema open; the schema declares the keys (Bearer, Basic)
+    on each operation that needs one, so Swagger UI's Authorize button sends the key with its calls."""
+    page = client.get("/docs")
+    assert page.status_code == 200 and "openapi.json" in page.text
+    assert client.get("/docs/assets/swagger-ui.css").status_code == 200
+    schema = client.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer", "description": "an API key of this server"},
+        "basic": {"type": "http", "scheme": "basic",
+                  "description": "any user name, an API key as the password (as AUTOMATIC1111's clients send it)"}}
+    paths, keyed = schema["paths"], [{"bearer": []}, {"basic": []}]
+    for path, method in (("/v1/images/generations", "post"), ("/sdapi/v1/txt2img", "post"), ("/v1/models", "get")):
+        assert paths[path][method]["security"] == keyed, path
+    for path in ("/health", "/ready", "/info", "/metrics", "/status"):
+        assert paths[path]["get"]["security"] == [], path
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k-two"}).status_code == 200  # as Swagger sends

@@ -359,7 +359,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
     paths = _output_paths(args.output, args.num_images if args.num_images > 0 else 1)
     if args.url is not None:
         return _generate_remote(args, paths)
-    from .request import GenerationRequest, ParamError
+    from .request import GenerationRequest, ParamError, require_prompt
 
     params = dict(negative_prompt=args.negative_prompt, num_inference_steps=args.steps, sampler=args.sampler,
                   schedule=args.schedule, seed=args.seed, num_images=args.num_images, **_edit_params(args),
@@ -370,6 +370,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params
+        require_prompt(args.prompt, params.get("image"))  # as OpenAI's route: text-to-image needs a prompt
         GenerationRequest.create(args.prompt, width=args.width or 512 if sized else None,
                                  height=args.height or 512 if sized else None,
                                  guidance_scale=7.5 if args.guidance is None else args.guidance, **params)

@@ -38,6 +38,7 @@ A1111_SAMPLERS = {"euler": "Euler", "euler_a": "Euler a", "dpmpp_2m": "DPM++ 2M"
 A1111_SCHEDULES = {"default": "Automatic", "karras": "Karras", "exponential": "Exponential", "beta": "Beta",
                    "sgm_uniform": "SGM Uniform", "simple": "Simple"}
 EMPHASIS_LABELS = {"original": "Original", "no_norm": "No norm"}
+_NAME_SYMBOLS = str.maketrans("", "", ":,")  # what AUTOMATIC1111 drops from a LoRA's name in `Lora hashes`
 
 
 class MetadataError(ValueError):
@@ -72,12 +73,13 @@ def _quote(value: Any) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def infotext(request: Any, model_name: str, model_hash: str | None = None) -> str:
-    """AUTOMATIC1111's infotext of `request`. `model_hash` is its short hash (the first 10 hex digits of the
-    sha256 of the model file): diffgraph models are diffusers folders or presets, not one weights file, so the
-    engine has no such hash to give and the key is left out (as AUTOMATIC1111 leaves out values it has not).
+def infotext(request: Any, model_name: str) -> str:
+    """AUTOMATIC1111's infotext of `request`. `Model hash` and `Lora hashes` are the short hashes the request
+    carries (`model_hash`, `lora_hashes`: the server fills them from the files, models/file_hashes.py), left out
+    where it carries none (a folder model or a preset has no file to hash), as AUTOMATIC1111 leaves out values it
+    has not; `Lora hashes` lists "name: hash" pairs, each name as the prompt names it, without ":" and ",".
     LoRAs are written as AUTOMATIC1111 writes them, as `<lora:name:scale>` tags in the prompt (those that are not
-    already tags there); its `Lora hashes` key is left out (a hash of each adapter file, not at hand here)."""
+    already tags there)."""
     listed, _ = _split_loras(request)
     prompt = request.prompt + "".join(f" <lora:{name}:{_number(scale)}>" for name, scale in listed)
     edit = getattr(request, "edit", None)
@@ -89,11 +91,13 @@ def infotext(request: Any, model_name: str, model_hash: str | None = None) -> st
         "CFG scale": _number(request.guidance_scale),
         "Seed": request.seed,
         "Size": f"{request.width}x{request.height}",
-        "Model hash": model_hash,
+        "Model hash": getattr(request, "model_hash", None),
         "Model": model_name or None,
         "Denoising strength": None if strength is None else _number(strength),
         # AUTOMATIC1111 counts the last layer as 1 (diffusers' clip_skip + 1) and writes it from 2 on
         "Clip skip": None if not request.clip_skip else request.clip_skip + 1,
+        "Lora hashes": ", ".join(f"{name.translate(_NAME_SYMBOLS)}: {digest}"
+                                 for name, digest in getattr(request, "lora_hashes", ())) or None,
         "Emphasis": (EMPHASIS_LABELS[request.emphasis]
                      if request.prompt_syntax == "a1111" and request.emphasis != "original" else None),
         # AUTOMATIC1111 writes DDIM's eta where it is not 0

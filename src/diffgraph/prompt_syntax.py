@@ -57,6 +57,11 @@ _ATTENTION = re.compile(r"""
 """, re.VERBOSE)
 # the lark grammar's view, for finding [from:to:when] and [a|b]: a backslash escapes any one character
 _SCHEDULE = re.compile(r"\\.|[()\[\]:|]|[^\\()\[\]:|]+|\\", re.DOTALL)
+# what marks a prompt written for AUTOMATIC1111 (`a1111_marks`): a LoRA tag, a weight; a failed match stops at the
+# next "<" or bracket, so each character is scanned from one start only
+_LORA_MARK = re.compile(r"<lora:[^<>]*>", re.IGNORECASE)
+_WEIGHT_MARK = re.compile(rf"\([^()\\:]+:{_SPACED_NUMBER.pattern}\)")
+MARKS = {"lora": "<lora:...> tags", "weight": "(word:1.3) weights"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,12 @@ def parse_a1111(prompt: str, field: str = "prompt") -> ParsedPrompt:
     _refuse_and(text, spans, field)
     _refuse_scheduling(text, field)
     return ParsedPrompt(_attention(text, field), loras, embeddings)
+
+
+def a1111_marks(prompt: str) -> tuple[str, ...]:
+    """Which of AUTOMATIC1111's marks (`MARKS`: LoRA tags, weights) a prompt holds: what a prompt read as plain text
+    takes as words. Linear in the prompt."""
+    return tuple(mark for mark, pattern in (("lora", _LORA_MARK), ("weight", _WEIGHT_MARK)) if pattern.search(prompt))
 
 
 def _show(text: str) -> str:

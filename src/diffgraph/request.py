@@ -12,6 +12,7 @@ a process boundary unchanged. Sizes are (height, width) inside; "WxH" strings ex
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import dataclasses
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ EMPHASES = ("original", "no_norm")    # AUTOMATIC1111's emphasis modes: weights 
 PRIORITIES = ("interactive", "batch")     # scheduling classes: people first, job items in what they leave free
 MAX_CLIP_SKIP = 11                    # CLIP ViT-L has 12 layers (the model's own count is checked at submit)
 MAX_PROMPT_CHARS = 20_000
+_HASH = re.compile(r"[0-9a-fA-F]{1,64}")  # a file hash as an infotext shows it
 MAX_PROMPT_CHUNKS = 4                 # the buffers hold lcm(1..max) windows per row: 12 at 4, 60 at 5 or 6
 
 
@@ -200,7 +202,8 @@ class ControlInput:
     an edge map, a depth or pose map), `scale` (diffusers' `controlnet_conditioning_scale`), `start` and `end`
     (`control_guidance_start` / `control_guidance_end`: the fractions of the schedule where it runs), and
     `preprocess`: what makes the control map from `image` at submit ("none": it is the map; "canny": OpenCV's Canny
-    edges with thresholds `canny_low` / `canny_high`, AUTOMATIC1111's defaults 100 / 200; "invert": 255 - pixels,
+    edges with thresholds `canny_low` / `canny_high`, AUTOMATIC1111's defaults 100 / 200, a low above the high taken as
+    OpenCV takes it, swapped, as AUTOMATIC1111's ControlNet extension passes it on; "invert": 255 - pixels,
     for black-on-white line art). `resize_mode`, AUTOMATIC1111's: "just_resize" (to the output size, as diffusers'
     pipelines), "crop_and_resize" (covering it, centre-cropped), "resize_and_fill" (inside it, centred on the median
     of the map's border). `control_mode`, AUTOMATIC1111's: "balanced" (diffusers' default), "prompt" ("My prompt is
@@ -248,8 +251,6 @@ class ControlInput:
                                          f"{', '.join(CONTROL_PREPROCESSORS)} (depth and pose maps: send the map)")
         low, high = (_control_number(f"controls.canny_{k}", v, 0, 255, "an integer in [0, 255]")
                      for k, v in (("low", self.canny_low), ("high", self.canny_high)))
-        if low > high:
-            raise ParamError("controls", f"canny_low {low:g} must not be above canny_high {high:g}")
         object.__setattr__(self, "canny_low", int(low))
         object.__setattr__(self, "canny_high", int(high))
         object.__setattr__(self, "resize_mode", _control_mode("resize_mode", self.resize_mode, RESIZE_MODES))
@@ -384,9 +385,18 @@ class PreviewSpec:
         return step % self.every == 0 and (self.limit == 0 or step // self.every <= self.limit)
 
 
+def require_prompt(prompt: str, image: Any = None) -> None:
+    """ParamError for an empty prompt without an input `image` (an EditInput, or its pixels), where the caller asks for one (OpenAI's generations
+    route, the CLI). A request itself takes an empty prompt, as AUTOMATIC1111 and diffusers do: the image of the empty
+    prompt's conditioning."""
+    if not prompt.strip() and image is None:
+        raise ParamError("prompt", "prompt is empty; describe the image to generate")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator."""
+    """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator. Its prompt may
+    be empty (`require_prompt` is for the callers that ask for one)."""
 
     prompt: str
     negative_prompt: str | None
@@ -426,6 +436,10 @@ class GenerationRequest:
     output_compression: int | None = None
     # the registered capabilities' parameters (features/capability.py), (name, value) pairs: the engine checks them
     extras: tuple[tuple[str, Any], ...] = ()
+    # AUTOMATIC1111's short hashes of the files it uses, written into its images' infotext (`Model hash`, `Lora
+    # hashes`): the server fills them where it resolves the files (models/file_hashes.py); None / (): not written
+    model_hash: str | None = None
+    lora_hashes: tuple[tuple[str, str], ...] = ()  # (an adapter's name as the prompt names it, its short hash)
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -445,8 +459,6 @@ class GenerationRequest:
             except UnicodeEncodeError as e:
                 raise ParamError(name, f"{name} is not valid text: it holds an unpaired surrogate at character "
                                        f"{e.start}; send UTF-8 text") from None
-        if not prompt.strip() and self.edit is None:  # an image-to-image request has its image to go on
-            raise ParamError("prompt", "prompt is empty; describe the image to generate")
         for name, text in (("prompt", prompt), ("negative_prompt", negative_prompt or "")):
             if len(text) > MAX_PROMPT_CHARS:
                 raise ParamError(name, f"{name} has {len(text)} characters; at most {MAX_PROMPT_CHARS}")
@@ -508,6 +520,7 @@ class GenerationRequest:
         object.__setattr__(self, "controls", check_controls(self.controls))
         object.__setattr__(self, "image_prompts", check_image_prompt(self.image_prompts))
         object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
+        _check_hashes(self.model_hash, self.lora_hashes)
         rescale = self.guidance_rescale
         if isinstance(rescale, bool) or not isinstance(rescale, (int, float, np.floating, np.integer)) \
                 or not 0 <= float(rescale) <= 1:  # NaN fails this too
@@ -607,6 +620,15 @@ class GenerationRequest:
                 raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
                                                f"batch bucket {model.max_rows}")
         return request
+
+
+def _check_hashes(model_hash: Any, lora_hashes: Any) -> None:
+    if model_hash is not None and not (isinstance(model_hash, str) and _HASH.fullmatch(model_hash)):
+        raise ParamError("model_hash", f"model_hash must be hex digits or None, got {_show(model_hash)}")
+    if not isinstance(lora_hashes, tuple) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], str)
+            and _HASH.fullmatch(p[1]) for p in lora_hashes):
+        raise ParamError("lora_hashes", "lora_hashes must be a tuple of (adapter name, hex digits) pairs")
 
 
 def make_preview(value: Any) -> PreviewSpec | None:

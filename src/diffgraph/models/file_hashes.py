@@ -11,6 +11,12 @@ and a hash read while the file changed is refused (`FileChanged`), never stored.
 `cache_root`/hashes.json (by real path; rewritten whole through a temporary file, merged with what other processes
 wrote meanwhile), so a restart hashes nothing it hashed before. A folder has no hash (A1111 hashes none). Standard
 library only (the HTTP process uses this).
+
+For an infotext (AUTOMATIC1111's `Model hash`, `Lora hashes`): `model(path)` is `short` (None until hashed: a
+request never waits for a checkpoint's hash; the server queues the default model's at start), `lora(path)` a LoRA
+file's 12 hex digits, `sshs_model_hash` from its safetensors metadata where it has one, else kohya-ss's "addnet" hash
+(the sha256 of the file after its header), which AUTOMATIC1111 reads; adapter files are small, so that is hashed on
+the caller's thread once per version.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ HASH_CHUNK = 1 << 20
 MAX_FILE_BYTES = 1 << 40
 MAX_CACHE_BYTES = 16 << 20
 SHORT = 10  # hex digits of A1111's short hash
+LORA_SHORT = 12  # ... of its LoRA hashes
 
 Version = tuple[int, int, int]  # size, mtime_ns, inode
 Reader = Callable[[str, os.stat_result], str]
@@ -44,9 +51,9 @@ def version_of(st: os.stat_result) -> Version:
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
-def sha256_of(path: str, st: os.stat_result) -> str:
-    """The sha256 of the regular file `st` describes, read in 1 MiB chunks. Raises FileChanged when it was removed,
-    replaced or written meanwhile, UnusableFile when it cannot be opened."""
+def sha256_of(path: str, st: os.stat_result, offset: int = 0) -> str:
+    """The sha256 of the regular file `st` describes (from byte `offset` on), read in 1 MiB chunks. Raises
+    FileChanged when it was removed, replaced or written meanwhile, UnusableFile when it cannot be opened."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in after the stat: no block
     except FileNotFoundError:
@@ -55,6 +62,8 @@ def sha256_of(path: str, st: os.stat_result) -> str:
         raise UnusableFile(f"{path} cannot be opened ({e.strerror or e}); check its permissions") from None
     try:
         digest, opened = hashlib.sha256(), os.fstat(fd)
+        if stat.S_ISREG(opened.st_mode) and offset:
+            os.lseek(fd, offset, os.SEEK_SET)
         while stat.S_ISREG(opened.st_mode) and (chunk := os.read(fd, HASH_CHUNK)):
             digest.update(chunk)
         after = os.fstat(fd)
@@ -78,6 +87,7 @@ class FileHashes:
         self._queued: set[str] = set()
         self._todo: deque[str] = deque()
         self._worker: threading.Thread | None = None
+        self._loras: dict[str, tuple[Version, str | None]] = {}  # real path -> version, its LoRA hash
 
     @property
     def cache_file(self) -> str:
@@ -98,6 +108,32 @@ class FileHashes:
         """A1111's short model hash of the file (`get`'s first 10 hex digits), or None while unknown."""
         digest = self.get(path)
         return digest[:SHORT] if digest else None
+
+    def model(self, path: str | None) -> str | None:
+        """A checkpoint file's `Model hash` (`short`); None for a folder, a preset name or while not yet hashed."""
+        return self.short(path) if path and os.path.exists(path) else None
+
+    def lora(self, path: str | None) -> str | None:
+        """A LoRA file's `Lora hashes` entry (see the module docstring); None where it cannot be read."""
+        if not path:
+            return None
+        try:
+            key = os.path.realpath(path)
+            version = version_of(check_regular(key, MAX_FILE_BYTES))
+        except (UnusableFile, OSError, ValueError):
+            return None
+        with self._lock:
+            hit = self._loras.get(key)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        try:
+            digest: str | None = lora_hash(key)[:LORA_SHORT]
+        except (UnusableFile, OSError) as e:  # changed while read, or unreadable: no hash this time
+            logger.warning("cannot hash %s: %s", key, e)
+            digest = None
+        with self._lock:
+            self._loras[key] = (version, digest)
+        return digest
 
     def compute(self, path: str) -> str | None:
         """The file's sha256, hashed on this thread when not known; None for a folder. Raises UnusableFile (not a
@@ -207,3 +243,13 @@ def _read_cache(cache_file: str) -> dict[str, tuple[Version, str]]:
         if isinstance(v, list) and len(v) == 3 and all(type(x) is int for x in v) and isinstance(digest, str):
             out[key] = ((v[0], v[1], v[2]), digest)
     return out
+
+
+def lora_hash(path: str) -> str:
+    """A LoRA file's hash as AUTOMATIC1111 reads it: `sshs_model_hash` from its metadata, else the sha256 of its
+    tensors (the file after its header). Raises UnusableFile (FileChanged among them)."""
+    from ..safe_files import read_header
+
+    header, _ = read_header(path, MAX_FILE_BYTES)
+    given = str(header.metadata.get("sshs_model_hash", "")).strip()
+    return given or sha256_of(path, os.stat(path), header.data_start)

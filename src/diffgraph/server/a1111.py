@@ -27,7 +27,9 @@ import inspect
 import io
 import json
 import logging
+import os
 import secrets
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -37,10 +39,14 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 
 from ..image_metadata import encode_image, infotext
+from ..lora.catalog import AdapterDir, AdapterNameError
+from ..models.catalog import ModelNameError
+from ..models.clip_vocab import default_cache_root
 from ..models.controlnet_dir import ControlNetDir
-from ..models.presets import builtin_control_folder
+from ..models.file_hashes import FileHashes
+from ..models.presets import builtin_control_folder, builtin_lora_folder
 from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
-from .a1111_controlnet import MODULES, controlnet_units, units_to_controls
+from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
 from .a1111_info import InfoSources, info_router
 from .a1111_inpaint import PreparedEdit, mask_options, prepare
 from .a1111_jobs import ImageRun, JobBoard, Key
@@ -88,6 +94,32 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
     served = (lambda: list(controlnets.listing())) if controlnets is not None else list
     unit_limit = MAX_CONTROLS * 4 * (config.max_image_bytes // 3 + 2) if controlnets is not None else 0
     read_timeout = min(config.body_timeout, config.request_timeout)
+    # `Model hash`, `Lora hashes` (models/file_hashes.py): the model set's when there is one (one hashing thread)
+    hashes = routing.hashes if routing is not None else FileHashes(default_cache_root())
+
+    def checkpoint(name: str | None) -> str | None:
+        """The checkpoint file of the model `name` (None: the default, --model): None for a folder or a preset."""
+        path = config.model
+        if name is not None and routing is not None:
+            try:
+                entry = routing.catalog.resolve(name)
+            except ModelNameError:
+                return None
+            path = entry.path if entry.form == "file" else None
+        return path if path and os.path.isfile(path) else None
+
+    def lora_file(name: str, model: str) -> str | None:
+        """The file of the adapter `name` as the model's engine finds it: --lora-dir's, then the model's built-in."""
+        for root in (r for r in (config.lora_dir, builtin_lora_folder(model)) if r):
+            try:
+                return AdapterDir(root).path(name)
+            except (AdapterNameError, ValueError):  # not in this folder (a bad name: the engine says why)
+                continue
+        return None
+
+    default_file = checkpoint(None)
+    if default_file is not None:  # queued for hashing while the model loads (a restart finds it in the cache folder)
+        hashes.get(default_file)
 
     def key_of(http: Request) -> Key:
         return caller_key(http.scope, keys) if keys else None
@@ -129,13 +161,14 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             e.param = field
             raise
 
-    async def target(title: str | None, seconds: float) -> Target:
+    async def target(title: str | None, seconds: float) -> tuple[Target, str | None]:
+        """The model a title names, held, and its name (None: the default)."""
         default = Target(state.client, state.info, None)
         name = await resolve(title)
         if name is None or routing is None:
-            return default
+            return default, None
         try:
-            return await routing.target(name, seconds, default)
+            return await routing.target(name, seconds, default), name
         except APIError as e:
             e.param = MODEL_FIELD
             raise
@@ -147,17 +180,21 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         return [{**c, "title": c["id"] + (f" [{c['hash']}]" if c.get("hash") else "")} for c in cards
                 if c.get("error_kind") != "file"]  # a model whose load failed stays: a request tries again
 
-    def build(body: ProcessingBody, plan: Plan, info: ModelInfo, edits: list[PreparedEdit],
+    def build(body: ProcessingBody, plan: Plan, info: ModelInfo, name: str | None, edits: list[PreparedEdit],
               controls: list[dict[str, Any]]) -> list[GenerationRequest]:
         """One request per image: the first validated by `create` (the one validation; it parses the prompts, which
-        plan_body held to --max-prompt-bytes, so this runs on a worker thread), the others its copies with their own
-        seed (and init image), checked again on construction."""
+        plan_body held to --max-prompt-bytes, so this runs on a worker thread), with the short hashes of its model
+        (`name`; None: the default) and adapters' files; the others its copies with their own seed (and init image),
+        checked again on construction."""
         sampler, schedule, eta = sampler_schedule(body, info)
         try:
             first = GenerationRequest.create(body.prompt or "", model=info, seed=plan.seeds[0], sampler=sampler,
                                              schedule=schedule, eta=eta, image=edits[0].edit if edits else None,
                                              request_id=f"a1111-{secrets.token_hex(8)}", controls=controls,
                                              **plan.create)
+            loras = ((n, hashes.lora(lora_file(n, name or config.model))) for n, _ in first.loras)
+            first = dataclasses.replace(first, model_hash=hashes.model(checkpoint(name)),
+                                        lora_hashes=tuple((n, h) for n, h in loras if h))
             out = [first]
             for i, seed in enumerate(plan.seeds[1:], 1):
                 edit = _edit_for(i, body, edits)
@@ -256,7 +293,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         key = key_of(http)
         body = validate(await read_json(http, prompt_limit + unit_limit + (image_limit if kind == "img2img" else 0)),
                         model)
-        headers.update(ignored_header(body))
+        units = controlnet_units(body.alwayson_scripts)
+        headers.update(ignored_header(body, ignored_keys(units)))
         if headers:
             logger.info("%s: ignored unknown keys %s", http.url.path, headers[IGNORED_HEADER])
         options = board.options(key)
@@ -264,17 +302,17 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         plan = await asyncio.to_thread(plan_body, body, options.model, options.clip_stop, config.clip_skip,
                                        config.max_prompt_bytes)
         deadline = t0 + config.request_timeout
-        chosen = await target(plan.model, deadline - time.monotonic())
+        chosen, name = await target(plan.model, deadline - time.monotonic())
         try:  # the model is held (never evicted) until its requests are queued
             plan = fit_to_model(plan, chosen.info)
             if not chosen.info.edits and kind == "img2img":
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
                                param="init_images")
             edits = await asyncio.to_thread(prepare_edits, body, plan) if kind == "img2img" else []
-            units = controlnet_units(body.alwayson_scripts)
+            init = (getattr(body, "init_images", None) or [None])[0]  # an img2img unit's image by default
             controls = await asyncio.to_thread(units_to_controls, units, served, config.max_image_bytes,
-                                               config.max_image_pixels) if units else []
-            requests = await asyncio.to_thread(build, body, plan, chosen.info, edits, controls)
+                                               config.max_image_pixels, init) if units else []
+            requests = await asyncio.to_thread(build, body, plan, chosen.info, name, edits, controls)
             try:
                 job = await board.submit(key, kind, requests, lambda request: submit(
                     state, request, progress=True, client=chosen.client, deadline=deadline, http=http))
@@ -351,7 +389,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
     @app.get("/sdapi/v1/loras")
     async def loras() -> Response:
         async def work() -> list[dict[str, Any]]:
-            return [{"name": a["name"], "alias": a["name"], "path": None, "metadata": {}}
+            # the file relative to its folder (--lora-dir, or the model's built-in one): never a path on the server
+            return [{"name": a["name"], "alias": a["name"], "metadata": {},
+                     "path": a["name"] + ".safetensors" if a.get("source") in ("lora_dir", "builtin") else None}
                     for a in (await lora_listing(state))["data"]]
         return await answer(work)
 

@@ -7,12 +7,15 @@ extension lists it, "name [hash]": the name is matched against the served Contro
 last path component when that is unique), `module` ("none", "canny", "invert (from white bg & black line)"; other
 preprocessors need their estimator's weights: send their map with module "none"), `weight` (the scale),
 `guidance_start` / `guidance_end`, `resize_mode` and `control_mode` (labels or indices; the extension's defaults
-"Crop and Resize" and "Balanced"), `threshold_a` / `threshold_b` (canny's thresholds; -1: 100 / 200), `enabled`,
-and `mask` (refused when set). Accepted and without effect here: `processor_res` and `pixel_perfect` (the
-preprocessor runs at the image's own resolution), `lowvram` / `low_vram`, `save_detected_map`, `hr_option` (no hires
-pass), `input_mode`, `batch_images`.
-`guessmode: true` (the extension's old field) is control mode "ControlNet is more important". Anything else is a
-400 naming the field.
+"Crop and Resize" and "Balanced"), `threshold_a` / `threshold_b` (canny's low and high thresholds; as the extension
+reads them, a value outside its slider's range, 1..255, such as its -1, takes the slider's default, 100 / 200, and a
+low above the high goes to OpenCV as it is: its Canny swaps them), `enabled`, and `mask` (refused when set). A unit
+of an img2img request without its own image takes the first init image, as the extension does. Accepted and without
+effect here: `processor_res` and `pixel_perfect` (the preprocessor runs at the image's own resolution), `lowvram` /
+`low_vram`, `save_detected_map`, `hr_option` (no hires pass), `input_mode`, `batch_images`.
+`guessmode: true` (the extension's old field) is control mode "ControlNet is more important". Other keys are
+ignored, as AUTOMATIC1111 ignores unknown keys (`ignored_keys` names them for the answer's
+X-Diffgraph-Ignored-Fields header).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ IGNORED = ("processor_res", "pixel_perfect", "lowvram", "low_vram", "save_detect
 TAKEN = ("input_image", "image", "mask", "model", "module", "weight", "guidance_start", "guidance_end", "resize_mode",
          "control_mode", "threshold_a", "threshold_b", "guessmode")
 _HASH = re.compile(r"\s*\[[0-9a-fA-F]+\]\s*$")
+CANNY_SLIDERS = ((100, 1, 255), (200, 1, 255))  # the extension's canny sliders: (default, min, max), low then high
 
 
 def controlnet_units(scripts: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -58,40 +62,54 @@ def model_name(name: Any, served: list[str], field: str) -> str:
         f" ({len(by_last)} match its name: give the path)" if by_last else "") + f"; served: {known}", param=field)
 
 
+def _slider(value: Any, default: int, lo: int, hi: int) -> Any:
+    """A threshold as the extension reads it: outside its slider's range (-1 among others), the slider's default; a
+    value that is not a number is left for the request's check (a 400)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return default if value is None or number and not lo <= value <= hi else value
+
+
+def ignored_keys(units: list[dict[str, Any]]) -> list[str]:
+    """The keys of the units that are neither taken nor known (`alwayson_scripts.controlnet.args[i].KEY`)."""
+    return [f"alwayson_scripts.controlnet.args[{i}].{key}" for i, unit in enumerate(units) for key in unit
+            if key not in TAKEN and key not in IGNORED]
+
+
 def units_to_controls(units: list[dict[str, Any]], served: Callable[[], list[str]], max_bytes: int,
-                      max_pixels: int) -> list[dict[str, Any]]:
-    """The units as GenerationRequest controls (their images decoded; the ranges are `create`'s to check)."""
+                      max_pixels: int, init_image: str | None = None) -> list[dict[str, Any]]:
+    """The units as GenerationRequest controls (their images decoded; the ranges are `create`'s to check).
+    `init_image`: an img2img request's first init image (base64), the image of a unit that has none."""
     out = []
     names = served() if units else []
     for i, unit in enumerate(units):
         field = f"alwayson_scripts.controlnet.args[{i}]"
-        unknown = sorted(set(unit) - set(TAKEN) - set(IGNORED))
-        if unknown:
-            raise APIError(400, f"{field}.{unknown[0]}: not supported here; the unit fields taken: "
-                                f"{', '.join(TAKEN)}", param=f"{field}.{unknown[0]}")
         image = unit.get("input_image", unit.get("image"))
         if unit.get("mask") or isinstance(image, dict) and image.get("mask"):
             raise APIError(400, f"{field}.mask: masked control images are not supported; send the image alone",
                            param=f"{field}.mask")
         if isinstance(image, dict):
             image = image.get("image")
+        image_field = f"{field}.input_image"
+        if not image and init_image:
+            image, image_field = init_image, "init_images[0]"
         if not isinstance(image, str) or not image:
-            raise APIError(400, f"{field}.input_image: a unit needs its control image (base64)",
-                           param=f"{field}.input_image")
+            raise APIError(400, f"{field}.input_image: a unit needs its control image (base64; on img2img the init "
+                                "image is taken)", param=f"{field}.input_image")
         module = unit.get("module", "none")
         if not isinstance(module, str) or module not in MODULES:  # a list or object: a 400, not a TypeError
             raise APIError(400, f"{field}.module: preprocessor {module!r} is not available here (its estimator's "
                                 "weights cannot be fetched); send its map with module \"none\", or use "
                                 f"{', '.join(repr(m) for m in MODULES)}", param=f"{field}.module")
-        low, high = unit.get("threshold_a", -1), unit.get("threshold_b", -1)
         control = {"model": model_name(unit.get("model"), names, f"{field}.model"),
-                   "image": eight_bit(decode_b64(f"{field}.input_image", image, max_bytes, max_pixels)).convert("RGB"),
+                   "image": eight_bit(decode_b64(image_field, image, max_bytes, max_pixels)).convert("RGB"),
                    "scale": unit.get("weight", 1.0), "start": unit.get("guidance_start", 0.0),
                    "end": unit.get("guidance_end", 1.0), "preprocess": MODULES[module],
                    "resize_mode": unit.get("resize_mode", "Crop and Resize"),
                    "control_mode": "control" if unit.get("guessmode") is True else
                    unit.get("control_mode", "Balanced")}
         if MODULES[module] == "canny":
-            control.update(canny_low=100 if low in (-1, None) else low, canny_high=200 if high in (-1, None) else high)
+            low, high = (_slider(unit.get(key), *slider) for key, slider in zip(("threshold_a", "threshold_b"),
+                                                                                CANNY_SLIDERS))
+            control.update(canny_low=low, canny_high=high)
         out.append(control)
     return out

@@ -224,9 +224,10 @@ def validate(body: Any, model: type[ProcessingBody]) -> ProcessingBody:
     return parsed
 
 
-def ignored_header(body: ProcessingBody) -> dict[str, str]:
-    """The response header that names the keys the body's model ignored; none when every key was known."""
-    return names_header(body._ignored)
+def ignored_header(body: ProcessingBody, more: Sequence[str] = ()) -> dict[str, str]:
+    """The response header that names the keys the body's model ignored (and `more`: its scripts' ignored keys);
+    none when every key was known."""
+    return names_header([*body._ignored, *more])
 
 
 def names_header(names: Sequence[str]) -> dict[str, str]:
@@ -478,8 +479,9 @@ def info_json(body: ProcessingBody, plan: Plan, first: GenerationRequest, model:
         "all_seeds": list(plan.seeds), "subseed": plan.subseeds[0], "all_subseeds": list(plan.subseeds),
         "subseed_strength": body.subseed_strength or 0, "width": first.width, "height": first.height,
         "sampler_name": A1111_SAMPLERS.get(first.sampler, first.sampler), "cfg_scale": first.guidance_scale,
-        "steps": first.num_inference_steps, "batch_size": body.batch_size or 1, "restore_faces": body.restore_faces,
-        "face_restoration_model": None, "sd_model_name": model, "sd_model_hash": None, "sd_vae_name": None,
+        "steps": first.num_inference_steps, "batch_size": body.batch_size or 1,
+        "restore_faces": bool(body.restore_faces),  # AUTOMATIC1111's: null is its option's value, false here
+        "face_restoration_model": None, "sd_model_name": model, "sd_model_hash": first.model_hash, "sd_vae_name": None,
         "sd_vae_hash": None, "seed_resize_from_w": body.seed_resize_from_w,
         "seed_resize_from_h": body.seed_resize_from_h,
         "denoising_strength": body.denoising_strength, "extra_generation_params": extra, "index_of_first_image": 0,

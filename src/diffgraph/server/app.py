@@ -20,7 +20,8 @@
     GET  /                        the playground page (playground/), unless --no-playground
     /sdapi/v1/*                   AUTOMATIC1111's API: txt2img, img2img, models, samplers, progress ... (a1111.py)
     /v1/jobs*                     batch jobs that survive restarts, with --state-dir (jobs_routes.py, jobs/)
-With API keys (auth.py), /v1/* and /sdapi/v1/* need the key (and /metrics, /status with --protect-metrics).
+With API keys (auth.py), /v1/* and /sdapi/v1/* need the key (and /metrics, /status with --protect-metrics); /docs
+and its schema stay public, the schema declaring the keys (pages.py), so the page's calls carry one.
 
 `create_app` returns at once; the engine is built on a background thread when the app starts, so the
 server listens (and answers /health, /ready with 503) while the model loads and graphs are captured.
@@ -68,7 +69,8 @@ from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import add_docs, embedding_listing, lora_listing, playground_file, server_info, server_status
 from . import stream as sse
-from .requests import ClientGone, ServerState, abort, generation_request, logger, outcome, results, submit
+from .requests import (ClientGone, ServerState, abort, generation_request, logger, outcome, results, submit,
+                       syntax_warnings, warnings_header)
 
 
 # -- request handling ----------------------------------------------------------------------------------
@@ -84,6 +86,13 @@ def _response(result: GenerationResult, urls: Callable[[bytes, str], str] | None
     return ImageGenerationResponse(
         created=int(time.time()), id=result.request_id, seed=result.seed, output_format=fmt, data=data,
         timings={k: round(v, 3) for k, v in result.timings.items()}).model_dump(exclude_none=True)
+
+
+def _warned(build: Callable[..., GenerationRequest], *args: Any, **kwargs: Any) -> tuple[GenerationRequest, list[str]]:
+    """`build(*args, **kwargs)`'s request and the warnings its prompts earn (a worker thread: text is read off the
+    event loop)."""
+    request = build(*args, **kwargs)
+    return request, syntax_warnings(request)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -156,7 +165,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     app = FastAPI(title="diffgraph", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-shaped image generation on CUDA graphs with step-level batching")
-    add_docs(app)  # Swagger UI at /docs from local files (pages.py)
+    add_docs(app, bool(config.api_keys), config.protect_metrics)  # Swagger UI at /docs from local files (pages.py)
     app.state.server = state
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, keys=config.api_keys, protect_metrics=config.protect_metrics)
@@ -266,12 +275,12 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         except ValidationError as e:
             raise error_from_validation(e) from None
 
-        async def finish(info: ModelInfo) -> GenerationRequest:
+        async def finish(info: ModelInfo) -> tuple[GenerationRequest, list[str]]:
             controls = await asyncio.to_thread(decode_controls, params.controls, config.max_image_bytes,
                                                config.max_image_pixels) if params.controls else ()
             prompt = await asyncio.to_thread(decode_image_prompt, params.image_prompts, config.max_image_bytes,
                                              config.max_image_pixels) if params.image_prompts else None
-            return await asyncio.to_thread(generation_request, info, config, params, controls=controls,
+            return await asyncio.to_thread(_warned, generation_request, info, config, params, controls=controls,
                                            image_prompts=prompt, extras=extras)  # prompts read off the loop
         return params.stream, params.response_format == "url", params.model, finish
 
@@ -280,7 +289,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         """An edit's form, or a variation's (`variation`: no prompt, no mask, `VARIATION_STRENGTH` by default)."""
         form, files = await read_form(http, config.max_image_bytes, variation)
 
-        async def finish(info: ModelInfo) -> GenerationRequest:
+        async def finish(info: ModelInfo) -> tuple[GenerationRequest, list[str]]:
             if not info.edits:
                 raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
                                param="image")
@@ -291,7 +300,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                                                config.max_image_pixels, files.parts)
             prompt = await asyncio.to_thread(decode_image_prompt, form.image_prompts, config.max_image_bytes,
                                              config.max_image_pixels, files.parts)
-            return await asyncio.to_thread(generation_request, info, config, form.generation(), edit,
+            return await asyncio.to_thread(_warned, generation_request, info, config, form.generation(), edit,
                                            controls=controls, image_prompts=prompt)
         return form.stream, form.response_format == "url", form.model, finish
 
@@ -329,18 +338,19 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
             default = Target(state.client, state.info, None)
             target = await routing.target(model, deadline - time.monotonic(), default) if routing else default
             try:  # the target is held (never evicted) until its request is queued
-                request = await finish(target.info)
+                request, warnings = await finish(target.info)
                 handle = await submit(state, request, progress=stream, client=target.client, deadline=deadline,
                                       http=http)
             finally:
                 if target.hold is not None:  # another model's, held until its request is queued
                     target.release(routing)
             urls = links.maker(str(http.base_url)) if by_url else None
+            headers = warnings_header(warnings)  # OpenAI's answer has no field for them
             if stream:
                 streaming = True  # the stream ends the request's accounting
                 end = _StreamEnd(handle, t0)
                 return _ClosingStream(_stream(handle, request, deadline, http, end, urls, kind), end.close,
-                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
             items = results(state, handle, deadline, http)
             try:
                 async for item in items:
@@ -350,7 +360,7 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
                 await items.aclose()
             body = await asyncio.to_thread(_response, item, urls)
             state.metrics.observe_request("success", time.monotonic() - t0)
-            return JSONResponse(body)
+            return JSONResponse(body, headers=headers)
         except APIError as e:
             state.metrics.observe_request(outcome(e))
             return _error_response(e)

@@ -3,8 +3,10 @@ HTTP Basic with the key as the password (any user name) is taken too, as AUTOMAT
 `set_auth`).
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would hide client disconnects from the
-streaming handlers). It fails closed: every path needs a key except the open ones, /health, /ready, /info and
-the playground page (/ and /playground/*), and /metrics and /status unless `protect_metrics`; stored images
+streaming handlers). It fails closed: every path needs a key except the open ones, /health, /ready, /info, the
+playground page (/ and /playground/*), the API's documentation (/docs, its files and /openapi.json: the page is
+public, the calls it makes carry the key its "Authorize" button takes), and /metrics and /status unless
+`protect_metrics`; stored images
 (/v1/images/files/*) check a signed URL or a key in their own route; paths are read as
 the router sees them (without the app's root_path, so a mounted app is guarded the same). Keys are compared in
 constant time (hmac.compare_digest, against every key) and never logged or echoed; `caller_key` says which key
@@ -19,7 +21,8 @@ import hmac
 import json
 from typing import Any
 
-OPEN_PATHS = ("/health", "/ready", "/info", "/")  # and the playground's files, /playground/*
+OPEN_PATHS = ("/health", "/ready", "/info", "/", "/docs", "/openapi.json")
+OPEN_PREFIXES = ("/playground/", "/docs/assets/")  # the playground's and the docs page's files
 # stored images (`response_format: "url"`): the route itself requires a signed URL or a key (image_store.UrlSigner)
 SELF_CHECKED_PREFIXES = ("/v1/images/files/",)
 MONITORING_PATHS = ("/metrics", "/status")
@@ -29,6 +32,13 @@ def route_path(scope: dict[str, Any]) -> str:
     """The path as the router matches it: without the root_path a parent app or proxy put in front of it."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+def guarded(path: str, protect_metrics: bool = False) -> bool:
+    """Whether a route path needs a key when the server has keys (the docs page's schema says so per operation)."""
+    if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) or path.startswith(SELF_CHECKED_PREFIXES):
+        return False
+    return protect_metrics or path not in MONITORING_PATHS
 
 
 def _credential(scope: dict[str, Any]) -> bytes:
@@ -72,13 +82,8 @@ class APIKeyMiddleware:
         self.keys = tuple(k.encode() for k in keys)
         self.protect_metrics = protect_metrics
 
-    def _guarded(self, path: str) -> bool:
-        if path in OPEN_PATHS or path.startswith("/playground/") or path.startswith(SELF_CHECKED_PREFIXES):
-            return False
-        return self.protect_metrics or path not in MONITORING_PATHS
-
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not self.keys or not self._guarded(route_path(scope)):
+        if scope["type"] != "http" or not self.keys or not guarded(route_path(scope), self.protect_metrics):
             await self.app(scope, receive, send)
             return
         if authorized(scope, self.keys):

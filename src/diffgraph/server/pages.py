@@ -28,12 +28,23 @@ DOC_ASSETS = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8", "swagger
               "favicon.png": "image/png"}
 
 
-def add_docs(app: Any) -> None:
+def add_docs(app: Any, secured: bool = False, protect_metrics: bool = False) -> None:
     """GET /docs: FastAPI's Swagger UI with its script and styles served here, from the fastapi-offline package's
     copy of Swagger UI 5 (FastAPI's default loads them from a CDN: offline the page stayed blank; the
     swagger-ui-bundle package's Swagger UI 4 cannot read OpenAPI 3.1, FastAPI's schema, and rendered nothing). URLs
-    are relative, so a mounted app (root_path) works too."""
+    are relative, so a mounted app (root_path) works too. With API keys (`secured`) the page and its schema stay
+    public (auth.py) and the schema declares the keys as security schemes, Bearer and Basic, on every operation
+    that needs one: Swagger UI's "Authorize" button takes the key and its calls send it."""
     from importlib.resources import files
+
+    if secured:
+        schema = app.openapi  # FastAPI's: builds the schema once and keeps it on the app
+
+        def secured_schema() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                _declare_keys(schema(), protect_metrics)
+            return app.openapi_schema
+        app.openapi = secured_schema
 
     from fastapi.openapi.docs import get_swagger_ui_html
 
@@ -53,6 +64,20 @@ def add_docs(app: Any) -> None:
                                            "param": None, "code": None}}, status_code=404)
         return Response((static / name).read_bytes(), media_type=DOC_ASSETS[name],
                         headers={"Cache-Control": "public, max-age=86400"})
+
+
+def _declare_keys(schema: dict[str, Any], protect_metrics: bool) -> None:
+    """The API keys in an OpenAPI schema (in place): the two schemes and each operation's requirement."""
+    from .auth import guarded
+
+    schema.setdefault("components", {})["securitySchemes"] = {
+        "bearer": {"type": "http", "scheme": "bearer", "description": "an API key of this server"},
+        "basic": {"type": "http", "scheme": "basic",
+                  "description": "any user name, an API key as the password (as AUTOMATIC1111's clients send it)"}}
+    for path, operations in schema.get("paths", {}).items():
+        needed = [{"bearer": []}, {"basic": []}] if guarded(path, protect_metrics) else []
+        for operation in operations.values():
+            operation["security"] = needed
 
 
 def playground_file(name: str) -> Response:

@@ -22,8 +22,9 @@ from fastapi import Request
 from ..cli_flags import quantize_error
 from ..engine.client import EngineClient, RequestHandle
 from ..engine.router import Router
+from ..prompt_syntax import MARKS, a1111_marks
 from ..request import (EditInput, EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo,
-                       ParamError, ProgressEvent, QueueFullError, RequestAborted)
+                       ParamError, ProgressEvent, QueueFullError, RequestAborted, require_prompt)
 from .config import ServerConfig
 from .metrics import ServerMetrics
 from .protocol import APIError, ImageGenerationRequest, check_prompt_bytes, error_from_param_error
@@ -32,6 +33,9 @@ from .uploads import decode_controls, decode_image_prompt
 logger = logging.getLogger("diffgraph.server")
 
 POLL_S = 0.1  # how often a waiting handler checks for a disconnected client
+# what a request asked that was taken, but likely not as meant (the images routes; AUTOMATIC1111's answer its
+# `warnings`): sentences joined by " | "
+WARNINGS_HEADER = "X-Diffgraph-Warnings"
 
 _OUTCOME = {400: "bad_request", 404: "bad_request", 405: "bad_request", 408: "timeout", 413: "bad_request",
             429: "queue_full", 499: "aborted", 503: "unavailable", 504: "timeout"}
@@ -77,6 +81,26 @@ def cpu_pixel_limit(info: ModelInfo, samples: Sequence[tuple[int, float]], reque
     return max(native, int(allowed))
 
 
+def syntax_warnings(request: GenerationRequest) -> list[str]:
+    """A warning for each prompt read as plain text that holds AUTOMATIC1111's syntax (prompt_syntax.MARKS): the
+    tags and weights are words there, silently, unless the answer says so."""
+    if request.prompt_syntax != "plain":
+        return []
+    out = []
+    for field, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt or "")):
+        marks = a1111_marks(text) if ":" in text else ()  # both marks hold a colon: most prompts need no search
+        if marks:
+            out.append(f"{field} holds AUTOMATIC1111 syntax ({' and '.join(MARKS[m] for m in marks)}), read as plain "
+                       "words here (prompt_syntax \"plain\"): no adapter loaded, no weight applied; send "
+                       "\"prompt_syntax\": \"a1111\" to read it as AUTOMATIC1111 does")
+    return out
+
+
+def warnings_header(warnings: Sequence[str]) -> dict[str, str]:
+    """The WARNINGS_HEADER of an answer (none without warnings)."""
+    return {WARNINGS_HEADER: " | ".join(warnings)} if warnings else {}
+
+
 def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
                         edit: EditInput | None = None, controls: list | tuple = (),
                         image_prompts: dict | None = None, extras: dict | None = None) -> GenerationRequest:
@@ -98,6 +122,7 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
         kwargs["clip_skip"] = config.clip_skip
     check_prompt_bytes(config.max_prompt_bytes, prompt=params.prompt, negative_prompt=kwargs["negative_prompt"])
     try:
+        require_prompt(params.prompt, edit)  # OpenAI's API requires a prompt; an edit has its image to go on
         return GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
                                         image=edit, controls=controls, image_prompts=image_prompts, extras=extras,
                                         **kwargs)
