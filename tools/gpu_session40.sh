@@ -2,7 +2,8 @@
 # Session 40 on the GPU host (carry [".whl", ".old"]; .old/src = `git archive c08ca74 src`, the tree before this
 # session): the GPU tests, and the compile tier's old/new pair (issue 62's "within 2%": one image and a burst's
 # images/s, old and new alternating, each over its own kept compile cache).
-#   bash tools/gpu_session40.sh gtests pair     (env: GTESTS_S, PAIR_S per run, ROUNDS, BURST)
+#   bash tools/gpu_session40.sh gtests pair focus   (env: GTESTS_S, PAIR_S per run, ROUNDS, BURST, TREES, FOCUS_S)
+#   (focus: tests/gpu/test_edits_gpu.py on the new and the old tree, whole logs kept; the token family's GPU test)
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
 for what in "$@"; do
@@ -22,5 +23,13 @@ for what in "$@"; do
                 | tail -6
             done
           done ;;
+    focus) for tree in new old; do  # the edits test (whole log) on both trees, then the token family's on the new
+             src=$([ $tree = old ] && echo "$PWD/.old/src" || echo "$PWD/src")
+             PYTHONPATH=/tmp/site:$src timeout ${FOCUS_S:-200} python3 -m pytest -q -x -m gpu \
+               tests/gpu/test_edits_gpu.py -p no:cacheprovider > "$OUT/edits_$tree.log" 2>&1
+             echo "[edits $tree rc=$?]"; grep -E "passed|failed" "$OUT/edits_$tree.log" | tail -2
+           done
+           timeout ${FOCUS_S:-200} python3 -m pytest -q -m gpu tests/gpu/test_token_family_gpu.py -p no:cacheprovider \
+             > "$OUT/token.log" 2>&1; echo "[token rc=$?]"; grep -E "Error|passed|failed" "$OUT/token.log" | tail -6 ;;
   esac
 done

@@ -136,9 +136,9 @@ class TokenFamily(FamilyAdapter):
         return {"embeds": out.to(model.dtype), "mask": full}
 
     def tokenize_padded(self, model: DiffusionModel, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids, attention mask) [n, L] of the prompts, L the longest's, each cut to `text_tokens` (the prompt's
-        preparation warned of what is dropped: text/prepared.py)."""
+        """(ids, attention mask) [n, L] of the prompts on the model's device, L the longest's, each cut to
+        `text_tokens` (the prompt's preparation warned of what is dropped: text/prepared.py)."""
         tokenizer = model.tokenizers[0]
         out = tokenizer(prompts, padding="longest", max_length=self.text_tokens, truncation=True,
                         return_tensors="pt")
-        return out.input_ids, out.attention_mask
+        return out.input_ids.to(model.device), out.attention_mask.to(model.device)
