@@ -11,12 +11,10 @@ import asyncio
 import base64
 import io
 import json
-import re
 import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -569,102 +567,6 @@ def test_drain_aborts_count_as_aborted():
     assert _outcome(APIError(503, "the server shut down before this request finished", code="aborted")) == "aborted"
     assert _outcome(APIError(503, "draining", code="draining")) == "unavailable"
     assert _outcome(APIError(408, "body", code="body_timeout")) == "timeout"
-
-
-# -- configuration (in process) -----------------------------------------------------------------------------------
-def test_the_example_config_holds_every_setting_and_loads():
-    import dataclasses
-
-    from diffgraph.server.config import ServerConfig, load_config
-
-    path = Path(__file__).resolve().parents[1] / "examples" / "serve.toml"
-    text = path.read_text()
-    for f in dataclasses.fields(ServerConfig):  # each setting is there, set or as a commented line
-        name = {"api_keys": "api-key"}.get(f.name, f.name.replace("_", "-"))
-        assert re.search(rf"^#? ?{re.escape(name)} = ", text, re.M), f"examples/serve.toml lacks {name}"
-    config = load_config(str(path))
-    assert config == ServerConfig(model="digits") and config.api_keys == ()
-
-
-def test_api_keys_from_flags_file_and_environment(tmp_path, monkeypatch):
-    from diffgraph.server.config import load_config
-
-    monkeypatch.setenv("DIFFGRAPH_API_KEY", "env1,env2")
-    assert load_config(None, {"model": MODEL}).api_keys == ("env1", "env2")
-    assert load_config(None, {"model": MODEL, "api_keys": ["flag"]}).api_keys == ("flag",)
-    path = tmp_path / "s.toml"
-    path.write_text(f'model = "{MODEL}"\napi-key = ["file"]\n')
-    assert load_config(str(path)).api_keys == ("file",)
-    assert "file" not in repr(load_config(str(path)))  # never printed
-    with pytest.raises(ValueError, match="api-key"):
-        load_config(None, {"model": MODEL, "api_keys": ["has space"]})
-
-
-def test_config_file_and_flags(tmp_path):
-    import argparse
-
-    from diffgraph.server.cli import add_serve_arguments, config_from_args, main
-
-    path = tmp_path / "serve.toml"
-    path.write_text('model = "random:tiny"\nport = 9001\nbatch-buckets = [1, 2, 4]\nresolutions = ["96x64"]\n'
-                    'prewarm = "none"\nrequest_timeout = 30\n')
-    p = argparse.ArgumentParser()
-    add_serve_arguments(p)
-    config = config_from_args(p.parse_args(["--config", str(path), "--port", "9002", "--max-queue", "8"]))
-    assert (config.model, config.port, config.max_queue, config.request_timeout) == (MODEL, 9002, 8, 30.0)
-    assert config.batch_buckets == (1, 2, 4) and config.resolutions == ((64, 96),) and config.prewarm is False
-    assert config.engine_kwargs()["graphs"].max_bucket == 4  # the engine derives max_rows from it
-    assert (config.grow_fill, config.grow_hold_ms) == (0.85, 2000.0)
-    config = config_from_args(p.parse_args(["--config", str(path), "--grow-fill", "0.5", "--grow-hold-ms", "200"]))
-    assert (config.engine_kwargs()["grow_fill"], config.engine_kwargs()["grow_hold_ms"]) == (0.5, 200.0)
-
-    path.write_text('port = 9001\nbatch_size = 4\n')
-    with pytest.raises(ValueError, match="unknown setting 'batch_size'; allowed: model"):
-        config_from_args(p.parse_args(["--config", str(path)]))
-    assert main(["--model", "no-such-model"]) == 2
-    assert main(["--model", MODEL, "--request-timeout", "0"]) == 2
-    assert main(["--model", MODEL, "--grow-fill", "2"]) == 2
-    assert main(["--model", MODEL, "--grow-hold-ms", "nan"]) == 2
-    assert main(["--model", MODEL, "--max-wait-ms", "nan"]) == 2
-    assert main(["--model", MODEL, "--max-wait-ms", "1e13"]) == 2
-
-
-@pytest.mark.parametrize("toml, needle", [
-    ("batch-buckets = 5", "batch buckets 5 must be a comma-separated string or a list"),
-    ("batch-buckets = [1.5]", "must be positive integers"),
-    ("batch-buckets = [true]", "must be positive integers"),
-    ("batch-buckets = [1, 4096]", "batch bucket 4096 is above 256"),
-    ("resolutions = 512", "resolutions 512 must be a comma-separated string or a list"),
-    ('resolutions = ["8x8"]', "resolution '8x8': width and height must be multiples of 8 in 64..2048"),
-    ('resolutions = ["100000x64"]', "must be multiples of 8 in 64..2048"),
-    ("prewarm = 5", "prewarm 5 must be 'all', 'none' or a list"),
-    ('batch-buckets = [1, 2, 4]\nprewarm = "64x64@3"', "prewarm 64x64@3: bucket 3 is not a batch bucket (1,2,4)"),
-    ('resolutions = ["64x64"]\nprewarm = "96x96"', "prewarm 96x96 is not among the graphed resolutions (64x64)"),
-    ("serve = 5", "'serve' must be a table"),
-    ('log-level = "trace"', "log_level 'trace' is unknown"),
-    ('device = "tpu"', "device 'tpu' is not understood"),
-    ('dtype = "fp64"', "dtype 'fp64' is unknown"),
-    ('mode = "fast"', "mode 'fast' is unknown"),
-    ("request-timeout = 1e-9", "request_timeout 1e-09 must be >= 1 second"),
-])
-def test_config_file_nonsense_is_refused_before_loading(tmp_path, toml, needle):
-    from diffgraph.server.config import load_config
-
-    path = tmp_path / "serve.toml"
-    path.write_text(f'model = "{MODEL}"\n{toml}\n')
-    with pytest.raises(ValueError) as info:
-        load_config(str(path))
-    assert needle in str(info.value)
-
-
-def test_config_file_prewarm_list_and_trailing_comma(tmp_path):
-    from diffgraph.server.config import load_config
-
-    path = tmp_path / "serve.toml"
-    path.write_text(f'model = "{MODEL}"\nresolutions = ["64x64", "96x64"]\nprewarm = ["64x64@1/2", "96x64"]\n')
-    assert load_config(str(path)).prewarm == ((64, 64, 1), (64, 64, 2), (64, 96, 0))
-    path.write_text(f'model = "{MODEL}"\nresolutions = ["64x64"]\nprewarm = "64x64,"\n')
-    assert load_config(str(path)).prewarm == ((64, 64, 0),)
 
 
 def test_a_dead_engine_loop_is_not_ready():

@@ -8,27 +8,48 @@ from typing import Any
 
 from .config import (COMPILE_MODES, QUANTIZE_CHOICES, CompileConfig, LoadOptions, parse_compile_mode, parse_quantize,
                      quantize_argument)
+from .settings import Setting
+
+
+# the settings these flags set, declared once: ServerConfig's fields carry them (serve's flags and TOML keys), and
+# the other commands add the same flags from them
+CHECKPOINT_SETTINGS = {
+    "vae": Setting(
+        "a VAE (.safetensors file or diffusers folder) in place of the model's, e.g. the fp16-safe SDXL VAE",
+        "model", engine="load", metavar="FILE_OR_DIR"),
+    "vae_upcast": Setting(
+        "decode in fp32 when the model runs in fp16 (default: the VAE config's force_upcast, which SDXL's sets); "
+        "--no-vae-upcast for an fp16-safe VAE given as a single file, e.g. sdxl-vae-fp16-fix, whose file carries no "
+        "config", "model", engine="load", action="bool"),
+    "model_config": Setting(
+        "a checkpoint file's diffusers config folder (default: detected from the file's keys; diffgraph writes the "
+        "SD1.5, SD2, SDXL configs itself, nothing is downloaded)", "model", engine="load", metavar="DIR"),
+    "prediction_type": Setting(
+        "what the model predicts (default: the model's scheduler config, or the checkpoint's marks; SD2 checkpoints "
+        "that do not say: v_prediction)", "model", engine="load", choices=("epsilon", "v_prediction")),
+    "zero_snr": Setting(
+        "zero terminal SNR betas and trailing timesteps, as v-prediction / ztsnr fine-tunes train (default: the "
+        "model's, or the checkpoint's ztsnr mark)", "model", engine="load", action="bool"),
+}
+COMPILE_MODE = Setting(
+    "with --compile: max-autotune-no-cudagraphs benchmarks Inductor's GEMM and convolution templates (a much longer "
+    "first compile, kept in the compile cache; BENCHMARKS.md has what it buys); default: default",
+    "graphs", engine="compile", metavar="|".join(COMPILE_MODES))
+QUANTIZE = Setting(
+    "fp8: the denoiser's transformer linears (attention projections, feed-forward) in fp8 with per-token activation "
+    "scales, after LoRA fusing: less weight memory, not yet faster (README); `diffgraph compare --quantize fp8` "
+    "measures what it costs your model (default: none, 16 bits)", "graphs", engine="quantize",
+    metavar="|".join(QUANTIZE_CHOICES))
+QUANTIZE_MIN_FEATURES = Setting(
+    "with --quantize fp8: only linears of at least N inputs run in fp8 (default: 640; a bare fp8 matmul paid 1.5x at "
+    "1280 on the H200, nothing at 320; the tiny digits presets need 64)", "graphs", engine="quantize", metavar="N")
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     """How the model's files are read (serve and generate): a VAE override, a single file's config folder, the
     prediction type and zero-SNR overrides."""
-    p.add_argument("--vae", default=None, metavar="FILE_OR_DIR",
-                   help="a VAE (.safetensors file or diffusers folder) in place of the model's, e.g. the fp16-safe "
-                        "SDXL VAE")
-    p.add_argument("--vae-upcast", default=None, action=argparse.BooleanOptionalAction,
-                   help="decode in fp32 when the model runs in fp16 (default: the VAE config's force_upcast, which "
-                        "SDXL's sets); --no-vae-upcast for an fp16-safe VAE given as a single file, e.g. "
-                        "sdxl-vae-fp16-fix, whose file carries no config")
-    p.add_argument("--model-config", default=None, metavar="DIR",
-                   help="a checkpoint file's diffusers config folder (default: detected from the file's keys; "
-                        "diffgraph writes the SD1.5, SD2, SDXL configs itself, nothing is downloaded)")
-    p.add_argument("--prediction-type", default=None, choices=("epsilon", "v_prediction"),
-                   help="what the model predicts (default: the model's scheduler config, or the checkpoint's marks; "
-                        "SD2 checkpoints that do not say: v_prediction)")
-    p.add_argument("--zero-snr", default=None, action=argparse.BooleanOptionalAction,
-                   help="zero terminal SNR betas and trailing timesteps, as v-prediction / ztsnr fine-tunes train "
-                        "(default: the model's, or the checkpoint's ztsnr mark)")
+    for name, s in CHECKPOINT_SETTINGS.items():
+        s.add_to(p, name)
 
 
 def checkpoint_options(args: argparse.Namespace) -> LoadOptions:
@@ -39,10 +60,7 @@ def checkpoint_options(args: argparse.Namespace) -> LoadOptions:
 
 def add_compile_mode_argument(p: argparse.ArgumentParser) -> None:
     """--compile-mode (with --compile): Inductor's mode for the compile tier's code."""
-    p.add_argument("--compile-mode", default=None, metavar="|".join(COMPILE_MODES),
-                   help="with --compile: max-autotune-no-cudagraphs benchmarks Inductor's GEMM and convolution "
-                        "templates (a much longer first compile, kept in the compile cache; BENCHMARKS.md has what it "
-                        "buys); default: default")
+    COMPILE_MODE.add_to(p, "compile_mode")
 
 
 def compile_from_args(args: argparse.Namespace, cache_dir: str | None = None) -> CompileConfig | bool:
@@ -60,16 +78,9 @@ def add_quantize_arguments(p: argparse.ArgumentParser,
                            min_features: tuple[str, ...] | None = ("--quantize-min-features",)) -> None:
     """--quantize none|fp8 (default None: not given, so serve's TOML value stands) and the least input width of an
     fp8 layer under the flags `min_features` (None leaves it out)."""
-    p.add_argument("--quantize", default=None, metavar="|".join(QUANTIZE_CHOICES),
-                   help="fp8: the denoiser's transformer linears (attention projections, feed-forward) in fp8 with "
-                        "per-token activation scales, after LoRA fusing: less weight memory, not yet faster (README); "
-                        "`diffgraph compare --quantize fp8` measures what it costs your model (default: none, 16 "
-                        "bits)")
+    QUANTIZE.add_to(p, "quantize")
     if min_features:
-        p.add_argument(*min_features, type=int, default=None, metavar="N", dest="quantize_min_features",
-                       help="with --quantize fp8: only linears of at least N inputs run in fp8 (default: 640; a "
-                            "bare fp8 matmul paid 1.5x at 1280 on the H200, nothing at 320; the tiny digits presets "
-                            "need 64)")
+        QUANTIZE_MIN_FEATURES.add_to(p, "quantize_min_features", int, flags=min_features)
 
 
 def quantize_from_args(args: argparse.Namespace) -> Any:

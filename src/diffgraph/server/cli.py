@@ -23,251 +23,37 @@ import time
 from typing import Any, Callable
 from urllib.parse import unquote_plus
 
-from ..cli_flags import add_checkpoint_arguments, add_compile_mode_argument, add_quantize_arguments
-from ..jobs.flags import JOB_FIELDS, add_job_arguments
+from ..settings import add_flags, declared
 from .config import ServerConfig, load_config
 
 DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may take to end before the process exits
 
-# the ServerConfig fields a flag can set (flag --batch-buckets -> batch_buckets)
-_FIELDS = ("model", "host", "port", "device", "dtype", "mode", "batching", "batch_buckets", "resolutions", "prewarm",
-           "max_queue", "max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "max_prompt_bytes",
-           "drain_timeout", "log_level", "access_log", "api_keys", "protect_metrics", "playground", "torch_threads",
-           "image_threads", "devices", "min_ready", "max_image_bytes", "max_image_pixels", "lora_dir", "max_loras",
-           "max_lora_rank", "lora_conv", "fuse_loras", "compile", "compile_mode", "quantize",
-           "quantize_min_features", "compile_cache",
-           "header_timeout", "body_timeout", "max_connections", "max_client_connections", "trusted_proxies",
-           "body_deadline", "min_body_rate", "api_key_file", "embeddings_dir", "max_prompt_chunks",
-           "clip_skip", "prompt_syntax", "metadata", "vae", "vae_upcast", "model_config", "prediction_type", "zero_snr",
-           "image_ttl", "image_store", "image_store_bytes", "public_url", "model_dir", "max_models", "model_memory",
-           "preload", "preview_decoder", "max_step_failures", "max_pixels", "replica_timeout", "lora_host_bytes",
-           "controlnet_dir", "max_controlnets", "ip_adapter_dir") + JOB_FIELDS
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder holding diffgraph/
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `diffgraph serve`. Every default is None so that a flag not given leaves the config file's
-    value (or the built-in default shown in the help) in place."""
-    d = ServerConfig.__dataclass_fields__
-
-    def default(name: str) -> Any:
-        f = d[name]
-        return f.default_factory() if callable(f.default_factory) else f.default
-
+    """The flags of `diffgraph serve`: every ServerConfig setting's (in its argument group; settings.py), and those
+    that choose how to serve rather than set a setting. Every default is None so that a flag not given leaves the
+    config file's value (or the built-in default shown in the help) in place."""
     p.add_argument("--config", default=None, metavar="FILE",
                    help="TOML file with any of these settings, named like the flags (e.g. batch-buckets = [1, 2, 4]); "
                         "flags given on the command line override it")
-    p.add_argument("--model", default=None,
-                   help=f"preset, local diffusers folder or checkpoint file (.safetensors: SD1.x, SD2.x, SDXL) "
-                        f"(default: {default('model')}; `diffgraph models` lists presets)")
-    add_checkpoint_arguments(p)
-    p.add_argument("--model-dir", default=None, metavar="DIR",
-                   help="also serve every checkpoint file and diffusers folder under DIR, by its relative name "
-                        "(requests pick one with `model`; `diffgraph models --dir DIR` lists them); --model is the "
-                        "default")
-    p.add_argument("--max-models", type=int, default=None, metavar="N",
-                   help="with --model-dir: models resident at once, the least recently used going first (default: 2)")
-    p.add_argument("--model-memory", type=float, default=None, metavar="GIB",
-                   help="with --model-dir: GiB of weights and graph pools the resident models may hold (default: "
-                        "no bound but --max-models)")
-    p.add_argument("--preload", default=None, metavar="NAMES",
-                   help="with --model-dir: models loaded at start beside the default, comma-separated")
-    p.add_argument("--host", default=None, help=f"address to listen on (default: {default('host')})")
-    p.add_argument("--port", type=int, default=None, help=f"port to listen on (default: {default('port')})")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="fp16, bf16 or fp32 (default: fp16 on cuda, fp32 on cpu)")
-    p.add_argument("--mode", default=None, choices=("graph", "eager"),
-                   help="graph: replay captured CUDA graphs; eager: plain PyTorch (default: graph on cuda, eager on cpu)")
-    p.add_argument("--batching", default=None, choices=("step", "request", "off"),
-                   help="step: requests join and leave between denoising steps; request: a batch runs to the end "
-                        "together; off: one request at a time (default: step)")
-    p.add_argument("--batch-buckets", default=None, metavar="LIST",
-                   help="batch sizes that get a CUDA graph; the largest bounds live rows per resolution and n "
-                        "(default: 1,2,4,8,16,32: denoiser rows, a guided image costs two)")
-    p.add_argument("--resolutions", default=None, metavar="WxH,...",
-                   help="resolutions that get CUDA graphs, e.g. 512x512,768x512; other sizes run eagerly "
-                        "(default: the model's native size)")
-    p.add_argument("--prewarm", default=None, metavar="SPEC",
-                   help="graphs captured before /ready answers 200: all, none, or WxH[@b1/b2...],... "
-                        "(others are captured on first use; default: all)")
-    p.add_argument("--max-queue", type=int, default=None, metavar="N",
-                   help=f"waiting requests before new ones get 429 (default: {default('max_queue')})")
-    p.add_argument("--max-wait-ms", type=float, default=None, metavar="MS",
-                   help="request batching: how long an empty batch waits for company (default: 0)")
-    p.add_argument("--grow-fill", type=float, default=None, metavar="F",
-                   help="step batching with graphs: a resolution group grows into a larger batch bucket only when "
-                        f"the rows fill at least this fraction of it; 0 turns this off (default: {default('grow_fill')})")
-    p.add_argument("--grow-hold-ms", type=float, default=None, metavar="MS",
-                   help="...or once the oldest waiting request has waited this long "
-                        f"(default: {default('grow_hold_ms'):g})")
-    p.add_argument("--request-timeout", type=float, default=None, metavar="S",
-                   help=f"seconds a request may take, queueing included, before it is aborted with 504 "
-                        f"(default: {default('request_timeout'):g})")
-    p.add_argument("--max-pixels", type=int, default=None, metavar="N",
-                   help="the most pixels (width x height) an image may have, else a 400 naming size (default: on "
-                        "the CPU, measured at start-up so that a 20-step image takes at most a quarter of the request "
-                        "timeout; on a GPU no limit beyond 2048x2048; 0: no limit)")
-    p.add_argument("--max-step-failures", type=int, default=None, metavar="K",
-                   help="consecutive failed denoising steps that mark the engine failed: /ready answers 503 with the "
-                        "reason, routers and Ray route around it, a replica process restarts; an error that leaves "
-                        f"the GPU unusable trips it at once (default: {default('max_step_failures')})")
-    p.add_argument("--replica-timeout", type=float, default=None, metavar="S",
-                   help="--devices: a replica process that sends no heartbeat for S seconds (stopped, wedged in a "
-                        "driver call) is routed around and its requests answered 503; killed and restarted after 4 S "
-                        f"(default: {default('replica_timeout'):g})")
-    p.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
-                   help=f"longest prompt or negative prompt in UTF-8 bytes; longer ones get 400 "
-                        f"(default: {default('max_prompt_bytes')})")
-    p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
-                   help=f"after SIGTERM, seconds in-flight requests may take before they are aborted "
-                        f"(default: {default('drain_timeout'):g})")
-    p.add_argument("--header-timeout", type=float, default=None, metavar="S",
-                   help="seconds a connection may sit without a request (idle, or still sending its request head) "
-                        f"before it is closed (default: {default('header_timeout'):g})")
-    p.add_argument("--body-timeout", type=float, default=None, metavar="S",
-                   help="seconds a request body may take to arrive before the request gets 408 "
-                        f"(default: {default('body_timeout'):g})")
-    p.add_argument("--max-connections", type=int, default=None, metavar="N",
-                   help="open connections at most: a newcomer closes the connection idle longest, and gets 503 when "
-                        "all are busy (default: 1000, fewer under a low `ulimit -n`)")
-    p.add_argument("--max-client-connections", type=int, default=None, metavar="N",
-                   help="open connections from one client address at most, so that one client cannot take every "
-                        "slot: its newcomer closes its own connection idle longest, else gets 503 (default: half of "
-                        "--max-connections)")
-    p.add_argument("--trusted-proxies", default=None, metavar="ADDRS",
-                   help="comma-separated proxy addresses or networks (10.0.0.5,10.1.0.0/16) whose X-Forwarded-For "
-                        "names the client that --max-client-connections counts; never read from others "
-                        "(default: none)")
-    p.add_argument("--body-deadline", type=float, default=None, metavar="S",
-                   help="seconds a request body may take on its connection before the connection is closed, one "
-                        "more for every --min-body-rate bytes that arrived: a trickled body gives its slot back early "
-                        f"(default: {default('body_deadline'):g})")
-    p.add_argument("--min-body-rate", type=int, default=None, metavar="BYTES",
-                   help="bytes a second that keep a body's --body-deadline moving; 0: no such deadline, only "
-                        f"--body-timeout (default: {default('min_body_rate')})")
-    p.add_argument("--log-level", default=None, choices=("critical", "error", "warning", "info", "debug"),
-                   help="log level (default: info)")
-    p.add_argument("--access-log", default=None, action=argparse.BooleanOptionalAction,
-                   help="log one line per request; health, ready, status and metrics polls are never logged "
-                        "(default: on)")
-    p.add_argument("--api-key", dest="api_keys", action="append", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on every /v1/* route (repeat for several keys; "
-                        "default: the comma-separated keys in $DIFFGRAPH_API_KEY, else open); a key given here shows "
-                        "in `ps`: prefer DIFFGRAPH_API_KEY or --api-key-file")
-    p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="require the keys in FILE (one a line; # comments), as --api-key does, without putting them "
-                        "on the command line")
-    p.add_argument("--protect-metrics", default=None, action=argparse.BooleanOptionalAction,
-                   help="also require a key for /metrics and /status (default: off; /health and /ready stay open)")
-    p.add_argument("--playground", default=None, action=argparse.BooleanOptionalAction,
-                   help="serve the playground page at / (default: on; --no-playground turns it off)")
-    p.add_argument("--metadata", default=None, action=argparse.BooleanOptionalAction,
-                   help="write the settings into every image (AUTOMATIC1111's PNG `parameters` text and the request "
-                        "as JSON; EXIF in JPEG/WebP) (default: on; --no-metadata turns it off)")
-    p.add_argument("--preview-decoder", default=None, metavar="DIR",
-                   help="live previews at full resolution from this tiny decoder: TAESD (SD1.x/SD2.x) or TAESDXL, a "
-                        "diffusers AutoencoderTiny folder (default: AUTOMATIC1111's cheap latent-to-RGB approximation)")
-    p.add_argument("--image-ttl", type=float, default=None, metavar="S",
-                   help="response_format url: seconds a stored image is served at /v1/images/files/ (default: 3600)")
-    p.add_argument("--image-store", default=None, metavar="DIR",
-                   help="response_format url: store images in this folder (every ingress replica mounting it serves "
-                        "them) instead of in memory")
-    p.add_argument("--image-store-bytes", type=int, default=None, metavar="N",
-                   help="response_format url: the in-memory store's size; the oldest images go first (default: 256 MiB)")
-    p.add_argument("--public-url", default=None, metavar="URL",
-                   help="response_format url: the base of image URLs, e.g. https://images.example.com (default: the "
-                        "request's own scheme and host)")
-    p.add_argument("--torch-threads", type=int, default=None, metavar="N",
-                   help="torch intra-op threads of a CPU engine (default: the cores minus one, at least 1)")
-    p.add_argument("--devices", default=None, metavar="LIST",
-                   help="one engine replica process per device, e.g. cuda:0,cuda:1 or cpu,cpu; requests go to the "
-                        "replica with the least outstanding work (default: one engine in this process)")
-    p.add_argument("--data-parallel", default=None, metavar="N|all",
-                   help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU); with --ray: the number "
-                        "of engine replicas, or auto (autoscaled)")
-    p.add_argument("--min-ready", type=int, default=None, metavar="K",
-                   help="with several replicas: /ready answers 200 while at least K are ready (default: 1)")
-    p.add_argument("--max-image-bytes", type=int, default=None, metavar="N",
-                   help="/v1/images/edits: the most bytes of an uploaded image or mask (default: 20 MiB)")
-    p.add_argument("--max-image-pixels", type=int, default=None, metavar="N",
-                   help="/v1/images/edits: the most pixels of an image, read from its header before decoding "
-                        "(default and most: 16 megapixels)")
-    p.add_argument("--ray", action="store_true",
-                   help="serve through Ray Serve (pip install 'diffgraph[ray]'): an ingress and --data-parallel N "
-                        "engine replicas (auto: autoscaled), one GPU each (none with --device cpu)")
-    p.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray started here)")
-    p.add_argument("--image-threads", type=int, default=None, metavar="N",
-                   help=f"threads that encode finished images (default: {default('image_threads')})")
-    add_lora_arguments(p)
-    add_controlnet_arguments(p)
-    add_prompt_arguments(p)
-    add_job_arguments(p)
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="the compile tier: the whole step, the text encoder(s) and the VAE compiled by Inductor, then "
-                        "captured in the graphs as usual (slow start on an empty cache; see --compile-cache)")
-    p.add_argument("--compile-cache", default=None, metavar="DIR",
-                   help="with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); "
-                        "`diffgraph compile` fills one ahead of time")
-    add_compile_mode_argument(p)
-    add_quantize_arguments(p)
-
-
-def add_prompt_arguments(p: argparse.ArgumentParser) -> None:
-    """The prompt flags of `diffgraph serve` (text/: AUTOMATIC1111's syntax, embeddings, clip skip)."""
-    p.add_argument("--embeddings-dir", default=None, metavar="DIR",
-                   help="a folder of .safetensors textual-inversion embeddings; a1111-syntax prompts use them by name "
-                        "(easynegative, or embedding:easynegative); files added later are found without a restart")
-    p.add_argument("--max-prompt-chunks", type=int, default=None, metavar="N",
-                   help="a1111-syntax prompts: the 75-token chunks one prompt may use, 1-4 (default: 3, 225 tokens)")
-    p.add_argument("--clip-skip", type=int, default=None, metavar="N",
-                   help="the clip skip of requests that give none, in diffusers' numbering (1 = the penultimate "
-                        "layer, AUTOMATIC1111's 'CLIP skip 2'; default: none)")
-    p.add_argument("--prompt-syntax", default=None, choices=("plain", "a1111"),
-                   help="how the images routes read prompts that do not say (default: plain, diffusers' reading)")
-
-
-def add_controlnet_arguments(p: argparse.ArgumentParser) -> None:
-    """The ControlNet flags shared by serve and generate."""
-    p.add_argument("--controlnet-dir", default=None, metavar="DIR",
-                   help="a folder of ControlNets (diffusers folders, or single .safetensors files as "
-                        "AUTOMATIC1111 and ComfyUI keep them); requests name them by their path under DIR "
-                        "(controls: [{model, image, scale, start, end}]); ones added later are found")
-    p.add_argument("--max-controlnets", type=int, default=None, metavar="N",
-                   help="ControlNets resident on the device at once (default: 2); more distinct ones in flight "
-                        "make requests wait")
-    p.add_argument("--ip-adapter-dir", default=None, metavar="DIR",
-                   help="a folder of IP-Adapters (h94's .safetensors layout, their CLIP vision model in an "
-                        "image_encoder folder beside or above them); requests name them by their path without the "
-                        "suffix (image_prompts: {model, images, scale})")
-
-
-def add_lora_arguments(p: argparse.ArgumentParser) -> None:
-    """The LoRA adapter flags shared by serve and generate."""
-    p.add_argument("--lora-dir", default=None, metavar="DIR",
-                   help="a folder of .safetensors LoRA adapters; requests name them by their path under DIR without "
-                        "the suffix (styles/ink); files added later are found without a restart")
-    p.add_argument("--max-loras", type=int, default=None, metavar="N",
-                   help="device slots for adapters in flight (default: 8 with --lora-dir; at least 4); more "
-                        "distinct adapters in flight make requests wait")
-    p.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
-                   help="the largest adapter rank the slots take (default: 64); a smaller one makes steps cheaper")
-    p.add_argument("--lora-host-bytes", type=int, default=None, metavar="N",
-                   help="bytes of prepared adapter copies kept on the host between requests (queued requests hold "
-                        "names and file versions; a copy dropped is read again at admission; default: "
-                        "2 GiB)")
-    p.add_argument("--lora-conv", action="store_true", default=None,
-                   help="side paths on the convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD, "
-                        "Hyper-SD); costs slot memory (SD1.5 rank 64: 77 MiB a slot) and step time with adapters")
-    p.add_argument("--fuse-lora", action="append", default=None, metavar="NAME[:SCALE]",
-                   help="merge an adapter (a name in --lora-dir, or a .safetensors path) into the weights at "
-                        "start-up, at no cost per step; repeatable")
+    groups = add_flags(p, ServerConfig)
+    replicas = groups["replicas"]
+    replicas.add_argument("--data-parallel", default=None, metavar="N|all",
+                          help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU); with --ray: the "
+                               "number of engine replicas, or auto (autoscaled)")
+    replicas.add_argument("--ray", action="store_true",
+                          help="serve through Ray Serve (pip install 'diffgraph[ray]'): an ingress and --data-parallel "
+                               "N engine replicas (auto: autoscaled), one GPU each (none with --device cpu)")
+    replicas.add_argument("--ray-address", default=None, metavar="ADDR",
+                          help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else a local Ray started "
+                               "here)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    overrides = {name: getattr(args, name, None) for name in _FIELDS}
-    overrides["fuse_loras"] = getattr(args, "fuse_lora", None)
+    overrides = {f.name: getattr(args, f.name, None) for f, _ in declared(ServerConfig)}
     dp = getattr(args, "data_parallel", None)
     if getattr(args, "ray", False):
         if overrides.get("devices"):

@@ -9,8 +9,9 @@ A TOML file holds the same settings as the flags, named like them (`batch-bucket
     prewarm = "all"                      # "none" | "512x512@1/2/4,..."
     request-timeout = 120
 
-examples/serve.toml lists every setting. `ServerConfig.engine_kwargs()` is what the app hands to `Engine(...)`;
-nothing else reads the file. API keys also come from a file of keys (`api-key-file`, one a line, added to any given
+Each setting is declared once, by its field (settings.py: help, argument group, how a value is read, the `Engine`
+keyword it feeds); `diffgraph serve`'s flags, these TOML keys and `ServerConfig.engine_kwargs()`, what the app hands
+to `Engine(...)`, come from the declarations. examples/serve.toml lists every setting; nothing else reads the file. API keys also come from a file of keys (`api-key-file`, one a line, added to any given
 as `api-key`), or from the environment variable DIFFGRAPH_API_KEY (comma-separated) when neither the file nor a flag
 gives one: both keep keys out of `ps` and shell history, which a key on the command line is not. Keys are never
 printed (the field is left out of the repr).
@@ -18,10 +19,10 @@ printed (the field is left out of the repr).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -29,9 +30,11 @@ from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, 
                       default_cpu_threads, parse_buckets, parse_compile_mode, parse_name_scales, parse_prewarm,
                       parse_quantize,
                       parse_resolutions, quantize_argument)
+from ..cli_flags import CHECKPOINT_SETTINGS, COMPILE_MODE, QUANTIZE, QUANTIZE_MIN_FEATURES
 from ..engine.remote_models import ModelSetSpec
 from ..engine.scheduler import SchedulerConfig
 from ..request import MAX_CLIP_SKIP, MAX_EDIT_PIXELS, MAX_PROMPT_CHUNKS, PROMPT_SYNTAXES
+from ..settings import comma_list, declared, read, setting
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")  # those logging and uvicorn both know
 
@@ -50,89 +53,271 @@ def default_model() -> str:
     return DEFAULT_MODEL
 
 
+def _api_keys(value: Any) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(k, str) for k in items):
+        raise ValueError("api-key must be a string or a list of strings")
+    keys = tuple(k.strip() for k in items if k.strip())
+    if items and not keys:  # given, but empty ("$KEY" of an unset variable): never start open by mistake
+        raise ValueError("api-key is empty; give a key, or leave api-key (and DIFFGRAPH_API_KEY) out for an open "
+                         "server")
+    return keys
+
+
+def _prewarm(value: Any) -> Any:
+    return value if isinstance(value, bool) else parse_prewarm(value)
+
+
+def _fuse_loras(value: Any) -> tuple[tuple[str, float], ...]:
+    return parse_name_scales(value, "fuse-lora")
+
+
+def _job_retention(value: Any) -> float:
+    return parse_duration(value, "job-retention")
+
+
+_devices = comma_list("devices must be a comma-separated list like cuda:0,cuda:1 or cpu,cpu")
+_preload = comma_list("preload must be a comma-separated list of model names, e.g. sdxl/juggernaut,dreamshaper")
+_trusted_proxies = comma_list("trusted-proxies must be a comma-separated list of addresses, e.g. 10.0.0.5,10.1.0.0/16")
+_webhook_allow = comma_list("webhook-allow must be a comma-separated list of hosts, e.g. hooks.example.com,127.0.0.1",
+                            lower=True)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = field(default_factory=default_model)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device: str | None = None            # None: cuda when available
-    dtype: str | None = None             # None: fp16 on cuda, fp32 on cpu
-    mode: str | None = None              # None: graph on cuda, eager on cpu
-    batching: str = "step"
-    batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
-    resolutions: tuple[tuple[int, int], ...] = ()   # (height, width); empty: the model's native size
-    prewarm: bool | tuple[tuple[int, int, int], ...] = True
-    max_queue: int = 256
-    max_wait_ms: float = 0.0
-    grow_fill: float = 0.85              # step batching: grow into a larger bucket only when filling this much of it
-    grow_hold_ms: float = 2000.0         # ... or once the queue head has waited this long
-    request_timeout: float = 600.0       # seconds a request may take, queue included; then 504 and abort
-    max_prompt_bytes: int = 4096         # UTF-8 bytes of prompt / negative_prompt
-    drain_timeout: float = 30.0          # after SIGTERM: seconds in-flight requests may still take
-    header_timeout: float = 5.0          # seconds a connection may be idle or sending a request head; then closed
-    body_timeout: float = 60.0           # seconds a request body may take to arrive; then 408
-    max_connections: int | None = None   # open connections, past them 503; None: from the descriptor limit
-    max_client_connections: int | None = None  # open connections from one client address; None: half the above
-    trusted_proxies: tuple[str, ...] = ()  # proxies (addresses, networks) whose X-Forwarded-For names the client
-    body_deadline: float = 10.0          # seconds a request body may take on its connection before it is closed ...
-    min_body_rate: int = 4096            # ... plus one per this many bytes of it that arrived; 0: only body_timeout
-    log_level: str = "info"
-    access_log: bool = True              # one line per request; health, ready, status and metrics polls never
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer keys /v1/* requires; () = open
-    api_key_file: str | None = field(default=None, repr=False)  # a file of keys (one a line), added to api_keys
-    protect_metrics: bool = False        # also require a key for /metrics and /status
-    playground: bool = True              # GET / serves the playground page
-    torch_threads: int | None = None     # torch intra-op threads on the CPU; None: derived from the cores
-    image_threads: int = 2               # threads that wait for decodes and encode images
-    devices: tuple[str, ...] = ()        # one engine replica process per device (cpu,cpu / cuda:0,cuda:1); () = one
-    min_ready: int = 1                   # with devices: /ready is 200 while at least this many replicas are ready
-    max_image_bytes: int = 20 * 1024 * 1024   # /v1/images/edits: bytes of an uploaded image (or mask)
-    max_image_pixels: int = 16 * 1024 * 1024  # /v1/images/edits: pixels of an image, read from its header
-    lora_dir: str | None = None          # a folder of .safetensors LoRA adapters, served by name
-    max_loras: int | None = None         # adapter device slots; None: 8 with a lora_dir, else none
-    max_lora_rank: int = 64              # the slots' rank
-    lora_conv: bool = False              # side paths on the convolutions too (LoCon, LCM-LoRA, TCD, Hyper-SD)
-    fuse_loras: tuple[tuple[str, float], ...] = ()  # (name or path, scale) merged into the weights at start-up
-    controlnet_dir: str | None = None    # a folder of ControlNets (diffusers folders, single files), by name
-    max_controlnets: int = 2             # ControlNets resident on the device at once (LRU; one in use stays)
-    ip_adapter_dir: str | None = None    # a folder of IP-Adapters (h94's layout) and their image encoders
-    compile: bool = False                # the compile tier: step, text encoder and VAE compiled by Inductor
-    compile_mode: str = "default"        # its Inductor mode (config.COMPILE_MODES): max-autotune-no-cudagraphs
-    quantize: str = "none"               # "fp8": the denoiser's transformer linears in fp8 (config.QUANTIZE_CHOICES)
-    quantize_min_features: int | None = None  # with fp8: only linears of at least this many inputs (None: 640)
-    embeddings_dir: str | None = None    # a folder of .safetensors textual-inversion embeddings, named in prompts
-    max_prompt_chunks: int = 3           # a1111-syntax prompts: 75-token chunks a row may hold (its context length)
-    clip_skip: int | None = None         # the default clip skip of requests that give none (diffusers' numbering)
-    prompt_syntax: str = "plain"         # the default prompt syntax of the images routes ("plain" or "a1111")
-    compile_cache: str | None = None     # its compiled artifacts (default: the user's cache folder)
-    metadata: bool = True                # the settings inside every image (image_metadata.py); False: bare images
-    preview_decoder: str | None = None   # live previews from this tiny decoder (TAESD, an AutoencoderTiny folder)
-    max_step_failures: int = 3           # consecutive failed steps that mark the engine failed (engine/failures.py)
-    replica_timeout: float = 30.0        # --devices: a replica without a heartbeat this long is unresponsive
-    lora_host_bytes: int = 2 * 2**30     # prepared adapter copies kept on the host (queued requests hold names)
-    max_pixels: int | None = None        # the most pixels an image may have; None: measured on the CPU; 0: no limit
-    image_ttl: float = 3600.0            # response_format "url": seconds a stored image is served
-    image_store: str | None = None       # ... stored in this folder (shared by ingress replicas), else in memory
-    image_store_bytes: int = 256 * 1024 * 1024  # ... the in-memory store's bound (the oldest images go first)
-    public_url: str | None = None        # ... the base of the URLs (default: the request's own scheme and host)
-    model_dir: str | None = None         # every checkpoint file and diffusers folder under it, by relative name
-    max_models: int = 2                  # with model_dir: models resident at once (least recently used goes first)
-    model_memory: float | None = None    # with model_dir: GiB of weights and graph pools the resident models may use
-    preload: tuple[str, ...] = ()        # with model_dir: models loaded at start, beside the default
-    vae: str | None = None               # a VAE (single file or diffusers folder) in place of the model's
-    vae_upcast: bool | None = None       # fp32 decode of an fp16 model; None: the VAE config's (False: fp16-safe VAE)
-    model_config: str | None = None      # a single-file checkpoint's diffusers config folder (else detected)
-    prediction_type: str | None = None   # epsilon | v_prediction, over the model's (or the checkpoint's marks)
-    zero_snr: bool | None = None         # zero terminal SNR betas (v-prediction fine-tunes), over the model's
-    state_dir: str | None = None         # batch jobs (/v1/jobs): SQLite and images under it; None: no jobs
-    job_retention: float = 7 * 86400.0   # seconds a finished job's rows and images are kept ("90m", "12h", "7d")
-    max_batch_items: int = 100_000       # items one job may hold
-    max_job_candidates: int = 100_000    # candidate images one job may hold (4,000 shots x 15 candidates fit)
-    max_key_jobs: int = 16               # unfinished jobs one API key may have at once
-    max_key_bytes: int = 256 * 2**30     # bytes one API key's jobs may keep (images and rows)
-    batch_inflight: int | None = None    # job requests in the engine at once; None: 2 x the largest bucket per replica
-    webhook_allow: tuple[str, ...] = ()  # hosts job webhooks may call ("host" or "host:port"); () = no webhooks
-    webhook_secret: str | None = field(default=None, repr=False)  # signs webhook calls; None: derived from the keys
+    """Every setting, each declared once by its field: its type, default and `setting(help, group, ...)` (settings.py),
+    from which `diffgraph serve`'s flags, the TOML keys and `engine_kwargs()` come."""
+
+    model: str = field(default_factory=default_model, metadata=setting(
+        "preset, local diffusers folder or checkpoint file (.safetensors: SD1.x, SD2.x, SDXL) (default: {default}; "
+        "`diffgraph models` lists presets)", "model", engine="model"))
+    host: str = field(default="127.0.0.1", metadata=setting("address to listen on (default: {default})", "server"))
+    port: int = field(default=8000, metadata=setting("port to listen on (default: {default})", "server"))
+    device: str | None = field(default=None, metadata=setting(
+        "cuda or cpu (default: cuda when available)", "model", engine="device"))
+    dtype: str | None = field(default=None, metadata=setting(
+        "fp16, bf16 or fp32 (default: fp16 on cuda, fp32 on cpu)", "model", engine="dtype"))
+    mode: str | None = field(default=None, metadata=setting(
+        "graph: replay captured CUDA graphs; eager: plain PyTorch (default: graph on cuda, eager on cpu)",
+        "graphs", engine="mode", choices=("graph", "eager")))
+    batching: str = field(default="step", metadata=setting(
+        "step: requests join and leave between denoising steps; request: a batch runs to the end together; off: one "
+        "request at a time (default: step)", "graphs", engine="batching", choices=("step", "request", "off")))
+    batch_buckets: tuple[int, ...] = field(default=DEFAULT_BUCKETS, metadata=setting(
+        "batch sizes that get a CUDA graph; the largest bounds live rows per resolution and n (default: "
+        "1,2,4,8,16,32: denoiser rows, a guided image costs two)",
+        "graphs", engine="graphs", parse=parse_buckets, metavar="LIST"))
+    resolutions: tuple[tuple[int, int], ...] = field(default=(), metadata=setting(
+        "resolutions that get CUDA graphs, e.g. 512x512,768x512; other sizes run eagerly (default: the model's native "
+        "size)", "graphs", engine="graphs", parse=parse_resolutions, metavar="WxH,..."))
+    prewarm: bool | tuple[tuple[int, int, int], ...] = field(default=True, metadata=setting(
+        "graphs captured before /ready answers 200: all, none, or WxH[@b1/b2...],... (others are captured on first "
+        "use; default: all)", "graphs", engine="graphs", parse=_prewarm, metavar="SPEC"))
+    max_queue: int = field(default=256, metadata=setting(
+        "waiting requests before new ones get 429 (default: {default})", "limits", engine="max_queue", metavar="N"))
+    max_wait_ms: float = field(default=0.0, metadata=setting(
+        "request batching: how long an empty batch waits for company (default: 0)",
+        "graphs", engine="max_wait_ms", metavar="MS"))
+    grow_fill: float = field(default=0.85, metadata=setting(
+        "step batching with graphs: a resolution group grows into a larger batch bucket only when the rows fill at "
+        "least this fraction of it; 0 turns this off (default: {default})", "graphs", engine="grow_fill", metavar="F"))
+    grow_hold_ms: float = field(default=2000.0, metadata=setting(
+        "...or once the oldest waiting request has waited this long (default: {default:g})",
+        "graphs", engine="grow_hold_ms", metavar="MS"))
+    request_timeout: float = field(default=600.0, metadata=setting(
+        "seconds a request may take, queueing included, before it is aborted with 504 (default: {default:g})",
+        "limits", metavar="S"))
+    max_prompt_bytes: int = field(default=4096, metadata=setting(
+        "longest prompt or negative prompt in UTF-8 bytes; longer ones get 400 (default: {default})",
+        "limits", metavar="N"))
+    drain_timeout: float = field(default=30.0, metadata=setting(
+        "after SIGTERM, seconds in-flight requests may take before they are aborted (default: {default:g})",
+        "server", metavar="S"))
+    header_timeout: float = field(default=5.0, metadata=setting(
+        "seconds a connection may sit without a request (idle, or still sending its request head) before it is closed "
+        "(default: {default:g})", "limits", metavar="S"))
+    body_timeout: float = field(default=60.0, metadata=setting(
+        "seconds a request body may take to arrive before the request gets 408 (default: {default:g})",
+        "limits", metavar="S"))
+    max_connections: int | None = field(default=None, metadata=setting(
+        "open connections at most: a newcomer closes the connection idle longest, and gets 503 when all are busy "
+        "(default: 1000, fewer under a low `ulimit -n`)", "limits", metavar="N"))
+    max_client_connections: int | None = field(default=None, metadata=setting(
+        "open connections from one client address at most, so that one client cannot take every slot: its newcomer "
+        "closes its own connection idle longest, else gets 503 (default: half of --max-connections)",
+        "limits", metavar="N"))
+    trusted_proxies: tuple[str, ...] = field(default=(), metadata=setting(
+        "comma-separated proxy addresses or networks (10.0.0.5,10.1.0.0/16) whose X-Forwarded-For names the client "
+        "that --max-client-connections counts; never read from others (default: none)",
+        "limits", parse=_trusted_proxies, metavar="ADDRS"))
+    body_deadline: float = field(default=10.0, metadata=setting(
+        "seconds a request body may take on its connection before the connection is closed, one more for every "
+        "--min-body-rate bytes that arrived: a trickled body gives its slot back early (default: {default:g})",
+        "limits", metavar="S"))
+    min_body_rate: int = field(default=4096, metadata=setting(
+        "bytes a second that keep a body's --body-deadline moving; 0: no such deadline, only --body-timeout (default: "
+        "{default})", "limits", metavar="BYTES"))
+    log_level: str = field(default="info", metadata=setting("log level (default: info)", "server", choices=LOG_LEVELS))
+    access_log: bool = field(default=True, metadata=setting(
+        "log one line per request; health, ready, status and metrics polls are never logged (default: on)", "server"))
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata=setting(
+        "require `Authorization: Bearer KEY` on every /v1/* route (repeat for several keys; default: the "
+        "comma-separated keys in $DIFFGRAPH_API_KEY, else open); a key given here shows in `ps`: prefer "
+        "DIFFGRAPH_API_KEY or --api-key-file",
+        "limits", parse=_api_keys, flags=("--api-key",), metavar="KEY", action="append"))
+    api_key_file: str | None = field(default=None, repr=False, metadata=setting(
+        "require the keys in FILE (one a line; # comments), as --api-key does, without putting them on the command "
+        "line", "limits", metavar="FILE"))
+    protect_metrics: bool = field(default=False, metadata=setting(
+        "also require a key for /metrics and /status (default: off; /health and /ready stay open)", "limits"))
+    playground: bool = field(default=True, metadata=setting(
+        "serve the playground page at / (default: on; --no-playground turns it off)", "server"))
+    torch_threads: int | None = field(default=None, metadata=setting(
+        "torch intra-op threads of a CPU engine (default: the cores minus one, at least 1)", "server", metavar="N"))
+    image_threads: int = field(default=2, metadata=setting(
+        "threads that encode finished images (default: {default})", "server", engine="image_threads", metavar="N"))
+    devices: tuple[str, ...] = field(default=(), metadata=setting(
+        "one engine replica process per device, e.g. cuda:0,cuda:1 or cpu,cpu; requests go to the replica with the "
+        "least outstanding work (default: one engine in this process)", "replicas", parse=_devices, metavar="LIST"))
+    min_ready: int = field(default=1, metadata=setting(
+        "with several replicas: /ready answers 200 while at least K are ready (default: 1)", "replicas", metavar="K"))
+    max_image_bytes: int = field(default=20 * 1024 * 1024, metadata=setting(
+        "/v1/images/edits: the most bytes of an uploaded image or mask (default: 20 MiB)", "limits", metavar="N"))
+    max_image_pixels: int = field(default=16 * 1024 * 1024, metadata=setting(
+        "/v1/images/edits: the most pixels of an image, read from its header before decoding (default and most: 16 "
+        "megapixels)", "limits", metavar="N"))
+    lora_dir: str | None = field(default=None, metadata=setting(
+        "a folder of .safetensors LoRA adapters; requests name them by their path under DIR without the suffix "
+        "(styles/ink); files added later are found without a restart",
+        "capabilities", engine="lora_dir", metavar="DIR"))
+    max_loras: int | None = field(default=None, metadata=setting(
+        "device slots for adapters in flight (default: 8 with --lora-dir; at least 4); more distinct adapters in "
+        "flight make requests wait", "capabilities", engine="max_loras", metavar="N"))
+    max_lora_rank: int = field(default=64, metadata=setting(
+        "the largest adapter rank the slots take (default: 64); a smaller one makes steps cheaper",
+        "capabilities", engine="max_lora_rank", metavar="R"))
+    lora_conv: bool = field(default=False, metadata=setting(
+        "side paths on the convolutions too, for adapters that touch them (LoCon, LCM-LoRA, TCD, Hyper-SD); costs "
+        "slot memory (SD1.5 rank 64: 77 MiB a slot) and step time with adapters",
+        "capabilities", engine="lora_conv", action="store_true"))
+    fuse_loras: tuple[tuple[str, float], ...] = field(default=(), metadata=setting(
+        "merge an adapter (a name in --lora-dir, or a .safetensors path) into the weights at start-up, at no cost per "
+        "step; repeatable",
+        "capabilities", engine="fuse_loras", parse=_fuse_loras, flags=("--fuse-lora",), metavar="NAME[:SCALE]",
+        action="append"))
+    controlnet_dir: str | None = field(default=None, metadata=setting(
+        "a folder of ControlNets (diffusers folders, or single .safetensors files as AUTOMATIC1111 and ComfyUI keep "
+        "them); requests name them by their path under DIR (controls: [{model, image, scale, start, end}]); ones "
+        "added later are found", "capabilities", engine="controlnet_dir", metavar="DIR"))
+    max_controlnets: int = field(default=2, metadata=setting(
+        "ControlNets resident on the device at once (default: 2); more distinct ones in flight make requests wait",
+        "capabilities", engine="max_controlnets", metavar="N"))
+    ip_adapter_dir: str | None = field(default=None, metadata=setting(
+        "a folder of IP-Adapters (h94's .safetensors layout, their CLIP vision model in an image_encoder folder "
+        "beside or above them); requests name them by their path without the suffix (image_prompts: {model, images, "
+        "scale})", "capabilities", engine="ip_adapter_dir", metavar="DIR"))
+    compile: bool = field(default=False, metadata=setting(
+        "the compile tier: the whole step, the text encoder(s) and the VAE compiled by Inductor, then captured in the "
+        "graphs as usual (slow start on an empty cache; see --compile-cache)",
+        "graphs", engine="compile", action="store_true"))
+    compile_mode: str = field(default="default", metadata={"setting": COMPILE_MODE})
+    quantize: str = field(default="none", metadata={"setting": QUANTIZE})
+    quantize_min_features: int | None = field(default=None, metadata={"setting": QUANTIZE_MIN_FEATURES})
+    embeddings_dir: str | None = field(default=None, metadata=setting(
+        "a folder of .safetensors textual-inversion embeddings; a1111-syntax prompts use them by name (easynegative, "
+        "or embedding:easynegative); files added later are found without a restart",
+        "capabilities", engine="embeddings_dir", metavar="DIR"))
+    max_prompt_chunks: int = field(default=3, metadata=setting(
+        "a1111-syntax prompts: the 75-token chunks one prompt may use, 1-4 (default: 3, 225 tokens)",
+        "capabilities", engine="max_prompt_chunks", metavar="N"))
+    clip_skip: int | None = field(default=None, metadata=setting(
+        "the clip skip of requests that give none, in diffusers' numbering (1 = the penultimate layer, "
+        "AUTOMATIC1111's 'CLIP skip 2'; default: none)", "capabilities", metavar="N"))
+    prompt_syntax: str = field(default="plain", metadata=setting(
+        "how the images routes read prompts that do not say (default: plain, diffusers' reading)",
+        "capabilities", choices=("plain", "a1111")))
+    compile_cache: str | None = field(default=None, metadata=setting(
+        "with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); `diffgraph compile` "
+        "fills one ahead of time", "graphs", engine="compile", metavar="DIR"))
+    metadata: bool = field(default=True, metadata=setting(
+        "write the settings into every image (AUTOMATIC1111's PNG `parameters` text and the request as JSON; EXIF in "
+        "JPEG/WebP) (default: on; --no-metadata turns it off)", "capabilities", engine="metadata"))
+    preview_decoder: str | None = field(default=None, metadata=setting(
+        "live previews at full resolution from this tiny decoder: TAESD (SD1.x/SD2.x) or TAESDXL, a diffusers "
+        "AutoencoderTiny folder (default: AUTOMATIC1111's cheap latent-to-RGB approximation)",
+        "capabilities", engine="preview_decoder", metavar="DIR"))
+    max_step_failures: int = field(default=3, metadata=setting(
+        "consecutive failed denoising steps that mark the engine failed: /ready answers 503 with the reason, routers "
+        "and Ray route around it, a replica process restarts; an error that leaves the GPU unusable trips it at once "
+        "(default: {default})", "replicas", engine="max_step_failures", metavar="K"))
+    replica_timeout: float = field(default=30.0, metadata=setting(
+        "--devices: a replica process that sends no heartbeat for S seconds (stopped, wedged in a driver call) is "
+        "routed around and its requests answered 503; killed and restarted after 4 S (default: {default:g})",
+        "replicas", metavar="S"))
+    lora_host_bytes: int = field(default=2 * 2**30, metadata=setting(
+        "bytes of prepared adapter copies kept on the host between requests (queued requests hold names and file "
+        "versions; a copy dropped is read again at admission; default: 2 GiB)",
+        "capabilities", engine="lora_host_bytes", metavar="N"))
+    max_pixels: int | None = field(default=None, metadata=setting(
+        "the most pixels (width x height) an image may have, else a 400 naming size (default: on the CPU, measured at "
+        "start-up so that a 20-step image takes at most a quarter of the request timeout; on a GPU no limit beyond "
+        "2048x2048; 0: no limit)", "limits", metavar="N"))
+    image_ttl: float = field(default=3600.0, metadata=setting(
+        "response_format url: seconds a stored image is served at /v1/images/files/ (default: 3600)",
+        "server", metavar="S"))
+    image_store: str | None = field(default=None, metadata=setting(
+        "response_format url: store images in this folder (every ingress replica mounting it serves them) instead of "
+        "in memory", "server", metavar="DIR"))
+    image_store_bytes: int = field(default=256 * 1024 * 1024, metadata=setting(
+        "response_format url: the in-memory store's size; the oldest images go first (default: 256 MiB)",
+        "server", metavar="N"))
+    public_url: str | None = field(default=None, metadata=setting(
+        "response_format url: the base of image URLs, e.g. https://images.example.com (default: the request's own "
+        "scheme and host)", "server", metavar="URL"))
+    model_dir: str | None = field(default=None, metadata=setting(
+        "also serve every checkpoint file and diffusers folder under DIR, by its relative name (requests pick one "
+        "with `model`; `diffgraph models --dir DIR` lists them); --model is the default", "model", metavar="DIR"))
+    max_models: int = field(default=2, metadata=setting(
+        "with --model-dir: models resident at once, the least recently used going first (default: 2)",
+        "model", metavar="N"))
+    model_memory: float | None = field(default=None, metadata=setting(
+        "with --model-dir: GiB of weights and graph pools the resident models may hold (default: no bound but "
+        "--max-models)", "model", metavar="GIB"))
+    preload: tuple[str, ...] = field(default=(), metadata=setting(
+        "with --model-dir: models loaded at start beside the default, comma-separated",
+        "model", parse=_preload, metavar="NAMES"))
+    vae: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["vae"]})
+    vae_upcast: bool | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["vae_upcast"]})
+    model_config: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["model_config"]})
+    prediction_type: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["prediction_type"]})
+    zero_snr: bool | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["zero_snr"]})
+    state_dir: str | None = field(default=None, metadata=setting(
+        "batch jobs (/v1/jobs, `diffgraph batch --url`): keep jobs in DIR/jobs.sqlite3 and their images in "
+        "DIR/images, so they survive restarts; servers sharing DIR on one host share the jobs (default: no jobs)",
+        "jobs", metavar="DIR"))
+    job_retention: float = field(default=7 * 86400.0, metadata=setting(
+        "how long a finished job and its images are kept: seconds, or 90m, 12h, 7d (default: 7d)",
+        "jobs", parse=_job_retention, metavar="TIME"))
+    max_batch_items: int = field(default=100_000, metadata=setting(
+        "the most items one job may hold (default: 100000)", "jobs", metavar="N"))
+    max_job_candidates: int = field(default=100_000, metadata=setting(
+        "the most candidate images one job may hold, all its items' together (a grid's is counted before it is "
+        "expanded; default: 100000)", "jobs", metavar="N"))
+    max_key_jobs: int = field(default=16, metadata=setting(
+        "unfinished jobs one API key may have at once; more are refused with 429 until one ends (default: 16)",
+        "jobs", metavar="N"))
+    max_key_bytes: int = field(default=256 * 2**30, metadata=setting(
+        "bytes one API key's jobs may keep (their images and rows); past it new jobs are refused with 507 until jobs "
+        "are deleted or expire (default: 274877906944, 256 GiB)", "jobs", metavar="BYTES"))
+    batch_inflight: int | None = field(default=None, metadata=setting(
+        "job requests in the engine at once, shared fairly by the API keys, then by their jobs (default: twice the "
+        "largest batch bucket's rows per replica)", "jobs", metavar="N"))
+    webhook_allow: tuple[str, ...] = field(default=(), metadata=setting(
+        "hosts job webhooks may call, comma-separated (host or host:port); without it a job naming a webhook is "
+        "refused", "jobs", parse=_webhook_allow, metavar="HOSTS"))
+    webhook_secret: str | None = field(default=None, repr=False, metadata=setting(
+        "the HMAC-SHA256 key of the webhooks' X-Diffgraph-Signature header (default: derived from the API keys)",
+        "jobs", metavar="SECRET"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -282,15 +467,19 @@ class ServerConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ServerConfig":
-        """Builds a config from raw values (TOML or flags): names with '-' or '_', lists or comma strings."""
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        """Builds a config from raw values (TOML or flags): names with '-' or '_' (or a setting's flag name, such as
+        `api-key`), lists or comma strings; each value read as its declaration says (settings.read)."""
+        hints = typing.get_type_hints(cls)
+        known = {f.name: s for f, s in declared(cls)}
+        aliases = {flag[2:].replace("-", "_"): name for name, s in known.items() for flag in s.flags}
         kwargs: dict[str, Any] = {}
         for raw_key, value in values.items():
             key = raw_key.replace("-", "_")
-            key = {"api_key": "api_keys"}.get(key, key)  # `api-key` (flag, TOML) holds one key or several
+            key = aliases.get(key, key)
             if key not in known:
-                raise ValueError(f"unknown setting {raw_key!r}; allowed: {', '.join(n.replace('_', '-') for n in known)}")
-            kwargs[key] = _parse(key, value)
+                allowed = ", ".join(n.replace("_", "-") for n in known)
+                raise ValueError(f"unknown setting {raw_key!r}; allowed: {allowed}")
+            kwargs[key] = read(key, hints[key], known[key], value)
         return cls(**kwargs)
 
     def graph_config(self) -> GraphConfig:
@@ -307,22 +496,21 @@ class ServerConfig:
         return ModelSetSpec(self.model_dir, self.model, self.max_models,
                             int(self.model_memory * 2**30) if self.model_memory else None, tuple(self.preload))
 
+    def compile_option(self) -> CompileConfig | bool:
+        return CompileConfig(cache_dir=self.compile_cache, mode=self.compile_mode) if self.compile else False
+
+    def quantize_option(self) -> Any:
+        return quantize_argument(self.quantize, self.quantize_min_features, "quantize-min-features")
+
     def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `Engine(...)`: live rows never exceed the largest batch bucket."""
-        return dict(model=self.model, device=self.device, dtype=self.dtype, mode=self.mode,
-                    graphs=self.graph_config(),
-                    batching=self.batching, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
-                    grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms, image_threads=self.image_threads,
-                    lora_dir=self.lora_dir, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                    lora_conv=self.lora_conv,
-                    fuse_loras=self.fuse_loras, max_prompt_chunks=self.max_prompt_chunks,
-                    embeddings_dir=self.embeddings_dir, metadata=self.metadata, load=self.load_options(),
-                    preview_decoder=self.preview_decoder, max_step_failures=self.max_step_failures,
-                    lora_host_bytes=self.lora_host_bytes, controlnet_dir=self.controlnet_dir,
-                    max_controlnets=self.max_controlnets, ip_adapter_dir=self.ip_adapter_dir,
-                    compile=(CompileConfig(cache_dir=self.compile_cache, mode=self.compile_mode) if self.compile
-                             else False),
-                    quantize=quantize_argument(self.quantize, self.quantize_min_features, "quantize-min-features"))
+        """Keyword arguments of `Engine(...)`: each setting's `engine` keyword, its value, or for a keyword that
+        several settings feed, the value ENGINE_PARTS builds from them. Live rows never exceed the largest bucket."""
+        out: dict[str, Any] = {}
+        for f, s in declared(type(self)):
+            if s.engine is not None:
+                build = ENGINE_PARTS.get(s.engine)
+                out[s.engine] = build(self) if build is not None else getattr(self, f.name)
+        return out
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
         """torch's intra-op threads for a CPU engine: the setting, else one core fewer than the machine has (at
@@ -334,82 +522,9 @@ class ServerConfig:
         return default_cpu_threads(cpu_count)
 
 
-def _parse(key: str, value: Any) -> Any:
-    if key == "api_keys":
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or not all(isinstance(k, str) for k in items):
-            raise ValueError("api-key must be a string or a list of strings")
-        keys = tuple(k.strip() for k in items if k.strip())
-        if items and not keys:  # given, but empty ("$KEY" of an unset variable): never start open by mistake
-            raise ValueError("api-key is empty; give a key, or leave api-key (and DIFFGRAPH_API_KEY) out for an "
-                             "open server")
-        return keys
-    if key in ("zero_snr", "vae_upcast") and value is None:
-        return None
-    if key in ("access_log", "protect_metrics", "playground", "compile", "metadata", "zero_snr", "lora_conv",
-               "vae_upcast"):
-        if not isinstance(value, bool):
-            raise ValueError(f"{key.replace('_', '-')} must be true or false, got {value!r}")
-        return value
-    if key == "batch_buckets":
-        return parse_buckets(value)
-    if key == "resolutions":
-        return parse_resolutions(value)
-    if key == "prewarm":
-        return value if isinstance(value, bool) else parse_prewarm(value)
-    if key == "devices":
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
-            raise ValueError("devices must be a comma-separated list like cuda:0,cuda:1 or cpu,cpu")
-        return tuple(d.strip() for d in items if d.strip())
-    if key == "preload":
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
-            raise ValueError("preload must be a comma-separated list of model names, e.g. sdxl/juggernaut,dreamshaper")
-        return tuple(d.strip() for d in items if d.strip())
-    if key == "model_memory" and value is None:
-        return None
-    if key == "fuse_loras":
-        return parse_name_scales(value, "fuse-lora")
-    if key == "job_retention":
-        return parse_duration(value, "job-retention")
-    if key == "trusted_proxies":
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or not all(isinstance(h, str) for h in items):
-            raise ValueError("trusted-proxies must be a comma-separated list of addresses, e.g. 10.0.0.5,10.1.0.0/16")
-        return tuple(h.strip() for h in items if h.strip())
-    if key == "webhook_allow":
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)) or not all(isinstance(h, str) for h in items):
-            raise ValueError("webhook-allow must be a comma-separated list of hosts, e.g. hooks.example.com,127.0.0.1")
-        return tuple(h.strip().lower() for h in items if h.strip())
-    if key in ("torch_threads", "max_loras", "max_connections", "max_client_connections", "clip_skip", "max_pixels",
-               "batch_inflight", "quantize_min_features") and value is None:
-        return None
-    if key in ("port", "max_queue", "max_prompt_bytes", "torch_threads", "image_threads", "min_ready",
-               "max_image_bytes", "max_image_pixels", "max_loras", "max_lora_rank", "max_connections",
-               "max_client_connections", "min_body_rate",
-               "max_prompt_chunks", "clip_skip", "image_store_bytes", "max_models", "max_step_failures", "max_pixels",
-               "max_batch_items", "max_job_candidates", "max_key_jobs", "max_key_bytes", "batch_inflight",
-               "lora_host_bytes", "max_controlnets", "quantize_min_features"):
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{key.replace('_', '-')} must be an integer, got {value!r}") from None
-    if key in ("max_wait_ms", "grow_fill", "grow_hold_ms", "request_timeout", "drain_timeout", "replica_timeout",
-               "header_timeout",
-               "body_timeout", "body_deadline", "image_ttl", "model_memory"):
-        if isinstance(value, bool):
-            raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key.replace('_', '-')} must be a number, got {value!r}") from None
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"{key.replace('_', '-')} must be a string, got {value!r}")
-    return value
+# the Engine keywords that several settings feed, each built by one method
+ENGINE_PARTS = {"graphs": ServerConfig.graph_config, "load": ServerConfig.load_options,
+                "compile": ServerConfig.compile_option, "quantize": ServerConfig.quantize_option}
 
 
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
