@@ -593,6 +593,39 @@ def test_model_picker_chooses_sends_and_restores_the_model(browser, multi_server
 
 
 
+# what overlaps or leaves its box at the page's width: visible elements past the viewport's right edge, fieldsets whose
+# content is wider than they are, and form controls (inputs, selects, buttons, text areas) whose boxes intersect (a
+# sticky bar's controls aside: content scrolls under it)
+_LAYOUT_JS = """() => {
+  const width = document.documentElement.clientWidth, out = [];
+  const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') + (e.name ? '[' + e.name + ']' : '');
+  const shown = [...document.querySelectorAll('body *')].filter(e => e.getClientRects().length &&
+      getComputedStyle(e).visibility !== 'hidden');
+  for (const e of shown) {
+    const r = e.getBoundingClientRect();
+    if (r.width > 0 && r.right > width + 0.5) out.push(name(e) + ' ends at ' + r.right + ' past ' + width);
+    if (e.tagName === 'FIELDSET' && e.scrollWidth > e.clientWidth + 1)
+      out.push(name(e) + ' holds ' + e.scrollWidth + ' px in ' + e.clientWidth);
+  }
+  // a bar kept in view over scrolling content (position sticky or fixed, opaque) covers what scrolls under it by design
+  const floating = e => { for (; e; e = e.parentElement) { const p = getComputedStyle(e).position;
+      if (p === 'sticky' || p === 'fixed') return true; } return false; };
+  const controls = shown.filter(e => ['INPUT', 'SELECT', 'BUTTON', 'TEXTAREA'].includes(e.tagName) &&
+      e.type !== 'hidden' && e.type !== 'file' && !floating(e));
+  for (let i = 0; i < controls.length; i++) for (let j = i + 1; j < controls.length; j++) {
+    const a = controls[i].getBoundingClientRect(), b = controls[j].getBoundingClientRect();
+    const x = Math.min(a.right, b.right) - Math.max(a.left, b.left), y = Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top);
+    if (x > 1 && y > 1) out.push(name(controls[i]) + ' overlaps ' + name(controls[j]));
+  }
+  return out;
+}"""
+
+
+def _layout_problems(page, width: int) -> list[str]:
+    page.set_viewport_size({"width": width, "height": 900})
+    return page.evaluate(_LAYOUT_JS)
+
+
 def test_control_upload_shows_the_map_and_sends_the_control(browser, server, tmp_path):
     """The digits model's built-in `outline` ControlNet is in the control picker (GET /v1/controlnets); an uploaded
     digit with preprocess canny shows its edge map (POST /v1/controlnets/preview, at the chosen size) before
@@ -620,6 +653,9 @@ def test_control_upload_shows_the_map_and_sends_the_control(browser, server, tmp
     shown = np.asarray(Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("L"))
     # the bar's edge, not its inside
     assert shown.shape == (64, 64) and shown[30, 22:26].max() == 255 and shown[30, 28:36].max() == 0, shown[30]
+    for width in (1024, 1280):  # every fieldset shown (the control's too): nothing overlaps or overflows
+        assert _layout_problems(page, width) == [], width
+    page.set_viewport_size({"width": 1280, "height": 900})
     page.select_option("#control-mode", "control")
     page.fill("#control-end", "0.8")
     local = pg.submit(page)
