@@ -18,7 +18,7 @@ from diffgraph.server.a1111_inpaint import MaskOptions, crop_box, fill, prepare,
 from diffgraph.server.a1111_protocol import (Img2ImgBody, ProgressResponse, ProgressState, TextToImageResponse,
                                              Txt2ImgBody, plan_body)
 from diffgraph.server.auth import caller_key
-from diffgraph.server.protocol import APIError
+from diffgraph.api.protocol import APIError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "a1111_api_fields.json").read_text())
 

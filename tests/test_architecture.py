@@ -72,9 +72,7 @@ def _package(name: str) -> str:
     return ".".join(name.split(".")[:2])
 
 
-# the one circle between packages still open: the images body's conversion (server/requests.py, protocol.py,
-# config.py), which batch jobs share, is to move below both
-OPEN_CIRCLES = {frozenset({"diffgraph.jobs", "diffgraph.server"})}
+OPEN_CIRCLES: set[frozenset[str]] = set()  # none: what the server and batch jobs share is diffgraph.api, below both
 
 
 def test_no_import_runs_back_up_the_layers():

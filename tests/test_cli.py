@@ -239,7 +239,7 @@ def test_generate_url_asks_for_the_format_of_the_output_file(tmp_path, capsys, c
 def _server_error(**bad) -> tuple[int, dict]:
     """The answer `diffgraph serve` gives for these parameters (its validation and its error shape)."""
     from diffgraph.request import GenerationRequest, ParamError
-    from diffgraph.server.protocol import error_from_param_error
+    from diffgraph.api.protocol import error_from_param_error
 
     params = {"width": 64, "height": 64, "guidance_scale": 7.5, **bad}
     with pytest.raises(ParamError) as e:

@@ -56,7 +56,7 @@ def test_generate_refuses_a_compile_mode_without_compile_and_a_bad_one(capsys, t
 
 
 def test_serve_takes_the_compile_mode_from_flags_and_toml(tmp_path):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
     config = load_config(None, {"compile": True, "compile_mode": "max-autotune-no-cudagraphs"})
     assert config.engine_kwargs()["compile"].mode == "max-autotune-no-cudagraphs"
     toml = tmp_path / "serve.toml"

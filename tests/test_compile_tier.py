@@ -143,7 +143,7 @@ def test_the_cache_folder_follows_diffgraphs_own_source(tiny_engine, tmp_path, m
 
 
 def test_serve_and_generate_flags_reach_the_engine(tmp_path):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
 
     config = load_config(None, {"model": "random:tiny", "compile": True, "compile_cache": str(tmp_path)})
     assert config.engine_kwargs()["compile"] == CompileConfig(cache_dir=str(tmp_path))

@@ -445,7 +445,7 @@ def test_the_map_preview_route_is_the_engines_map(engine):
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
     rng = np.random.default_rng(2)
     photo = np.kron(rng.integers(0, 256, (6, 12, 3)), np.ones((8, 8, 1))).astype(np.uint8)  # 96x48, blocky
     config = ServerConfig(model="random:tiny", controlnet_dir=engine.runner.controls.root)

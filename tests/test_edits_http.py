@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from diffgraph import Engine
-from diffgraph.server.config import ServerConfig
+from diffgraph.api.config import ServerConfig
 from diffgraph.server.edits import VARIATION_STRENGTH
 from diffgraph.server.process import ServerProcess
 from server_util import served

@@ -169,10 +169,16 @@ def test_a_part_with_a_declared_length_over_its_limit_is_a_400_naming_its_size(s
                    data={"prompt": "a fox"}, headers=AUTH, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "image", r.text
     assert f"image has {len(image)} bytes; the limit is {20 * MiB}" in r.json()["error"]["message"]
-    from diffgraph.server.edits import FILES  # image, mask, the control maps and the image prompt's images
-    files = {**{name: (f"{name}.png", b"x", "image/png") for name in FILES}, "extra": ("e.png", b"x", "image/png")}
+    from diffgraph.server.edits import FILES, IMAGE_LIST, MAX_IMAGES  # image, mask, the control maps, the image
+    # prompt's images, and up to MAX_IMAGES image[] parts: one part more is refused before it is read
+    limit = len(FILES) + MAX_IMAGES
+    files = [(name, (f"{name}.png", b"x", "image/png")) for name in FILES] + \
+        [(IMAGE_LIST, (f"{i}.png", b"x", "image/png")) for i in range(MAX_IMAGES + 1)]
     r = httpx.post(f"{server.url}/v1/images/edits", files=files, data={"prompt": "a fox"}, headers=AUTH, timeout=60)
-    assert r.status_code == 400 and f"more than {len(FILES)} file parts" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and f"more than {limit} file parts" in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/v1/images/edits", files={"extra": ("e.png", b"x", "image/png")},
+                   data={"prompt": "a fox"}, headers=AUTH, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "extra", r.text
 
 
 def test_a_slow_body_gets_408_after_the_body_timeout():
@@ -396,7 +402,8 @@ def test_a_forwarded_client_is_counted_only_from_a_trusted_proxy(capped):
 
 
 def test_forwarded_client_takes_the_nearest_untrusted_hop():
-    from diffgraph.server.connections import forwarded_client, parse_networks
+    from diffgraph.api.config import parse_networks
+    from diffgraph.server.connections import forwarded_client
 
     proxies = parse_networks(("10.0.0.0/8", "::1"))
     xff = [(b"x-forwarded-for", b"1.2.3.4, 5.6.7.8"), (b"X-Forwarded-For", b"10.1.1.1")]
@@ -474,7 +481,7 @@ def test_keys_from_an_api_key_file(server):
 
 
 def test_api_key_file_settings(tmp_path, monkeypatch):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
 
     path = tmp_path / "keys"
     path.write_text("one\n# a comment\ntwo, three\n")

@@ -14,7 +14,7 @@ from PIL import Image
 from pydantic import ValidationError
 
 from diffgraph.server.edits import FormFiles, ImageEditForm, edit_arrays, edit_input, read_form
-from diffgraph.server.protocol import APIError, ImageGenerationRequest, error_from_validation
+from diffgraph.api.protocol import APIError, ImageGenerationRequest, error_from_validation
 
 RAMP16 = (np.arange(64 * 64, dtype=np.uint32) * 16).reshape(64, 64).astype(np.uint16)  # 0 .. 65520
 

@@ -124,7 +124,7 @@ def _size(path):
 def test_the_switches():
     from diffgraph.image_metadata import encode_image
     from diffgraph.server.cli import add_serve_arguments
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
     import argparse
 
     p = argparse.ArgumentParser()

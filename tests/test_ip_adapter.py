@@ -242,7 +242,7 @@ def test_image_prompts_over_http_equal_the_engine_and_bad_ones_are_400s(engine):
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
     if engine.model.adapter.name != "sd":
         pytest.skip("the HTTP side does not depend on the family: SD covers it")
     a, b = picture(11), picture(12, 64)

@@ -74,7 +74,7 @@ def test_a_broken_ip_adapter_over_http_is_a_400_naming_it_not_a_500(folder):
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
     model, root = folder
     config = ServerConfig(model="random:tiny", ip_adapter_dir=str(root))
     factory = lambda: Engine(model=model, ip_adapter_dir=str(root))  # the app closes its own

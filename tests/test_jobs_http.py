@@ -271,7 +271,7 @@ def test_jobs_need_a_state_dir():
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
 
     client = TestClient(create_app(ServerConfig(model="digits")))  # no lifespan: no engine is built
     for method, path in (("GET", "/v1/jobs"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs/job_x/results")):

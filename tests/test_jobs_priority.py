@@ -16,7 +16,7 @@ from diffgraph.jobs.backend import EngineBackend
 from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings
 from diffgraph.jobs.spec import SpecLimits, parse_job
 from diffgraph.jobs.store import JobStore
-from diffgraph.server.config import ServerConfig
+from diffgraph.api.config import ServerConfig
 
 ITEMS, STEPS, PERSON_STEPS = 200, 6, 4
 

@@ -12,8 +12,8 @@ import pytest
 
 from diffgraph.jobs.spec import MAX_CANDIDATES, SpecError, SpecLimits, parse_job
 from diffgraph.request import ModelInfo
-from diffgraph.server.config import ServerConfig
-from diffgraph.server.requests import generation_request
+from diffgraph.api.config import ServerConfig
+from diffgraph.api.conversion import generation_request
 
 INFO = ModelInfo(name="digits", family="sd", native_size=64, default_guidance=7.5, max_rows=32, mode="eager",
                  device="cpu")
@@ -199,7 +199,7 @@ def test_the_default_limit_and_an_item_over_it():
 
 # -- the settings and the webhook checks the job routes use ------------------------------------------------------
 def test_job_settings_parse_and_refuse_with_their_flag_named(tmp_path):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
 
     config = load_config(None, {"model": "digits", "state_dir": str(tmp_path / "state"), "job_retention": "12h",
                                 "max_batch_items": "500", "batch_inflight": 8, "webhook_secret": "s",
@@ -258,7 +258,7 @@ def test_an_item_naming_a_reference_the_server_cannot_serve_refuses_the_whole_jo
     the reference."""
     from diffgraph.errors import ParamError
     from diffgraph.jobs.references import References
-    from diffgraph.server.protocol import error_from_param_error
+    from diffgraph.api.protocol import error_from_param_error
 
     loras, embeddings = tmp_path / "loras", tmp_path / "embeddings"
     (loras / "styles").mkdir(parents=True)
@@ -319,5 +319,5 @@ def tiny_png() -> str:
 
 
 def parse_params(body: dict):
-    from diffgraph.server.protocol import ImageGenerationRequest
+    from diffgraph.api.protocol import ImageGenerationRequest
     return ImageGenerationRequest.model_validate(body)

@@ -24,7 +24,7 @@ from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings
 from diffgraph.jobs.spec import JobItem, JobSpec
 from diffgraph.jobs.store import JobStore, KeyLimits, QuotaError
 from diffgraph.request import EngineStepError, GenerationResult, ModelInfo, ParamError, QueueFullError
-from diffgraph.server.config import ServerConfig
+from diffgraph.api.config import ServerConfig
 
 INFO = ModelInfo(name="digits", family="sd", native_size=64, default_guidance=7.5, max_rows=32, mode="eager",
                  device="cpu")

@@ -211,7 +211,7 @@ def test_a_model_asked_for_while_the_engine_process_is_away_is_a_retryable_503(t
 
     from diffgraph.engine.remote_models import RemoteModels
     from diffgraph.server.models import ModelRouting, Target
-    from diffgraph.server.protocol import APIError
+    from diffgraph.api.protocol import APIError
 
     shutil.copytree(shipped_preset_folder("digits"), tmp_path / "other")
     routing = ModelRouting(str(tmp_path), "random:tiny", RemoteModels())  # no replica yet

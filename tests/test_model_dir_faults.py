@@ -22,7 +22,7 @@ from diffgraph.models.presets import shipped_preset_folder
 from diffgraph.safe_files import FileChanged
 from diffgraph.server import ServerConfig, create_app
 from diffgraph.server.models import ModelRouting, Target
-from diffgraph.server.protocol import APIError
+from diffgraph.api.protocol import APIError
 from test_model_sets_review import _checkpoint  # a few-byte file the catalog reads as an SD1 checkpoint
 
 DEFAULT = Target(None, None, None)

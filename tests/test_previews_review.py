@@ -29,7 +29,7 @@ def served():
 
     from diffgraph import Engine
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
     from diffgraph.server.connections import ConnectionGuard, guarded_protocol, listen
 
     config = ServerConfig(model=MODEL, device="cpu", header_timeout=HEADER_TIMEOUT_S, request_timeout=600,

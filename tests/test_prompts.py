@@ -272,7 +272,7 @@ def test_http_a1111_prompts_embeddings_listing_and_errors(folders):
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
 
     config = ServerConfig(model="random:tiny", device="cpu", embeddings_dir=folders["sd"], prompt_syntax="a1111",
                           clip_skip=1)

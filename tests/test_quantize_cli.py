@@ -21,7 +21,7 @@ from diffgraph.quantize import Fp8Config
 from diffgraph.bench.fp8_compare import pixel_difference, seed_prompts
 from diffgraph.ray import split_args
 from diffgraph.server.cli import add_serve_arguments, config_from_args
-from diffgraph.server.config import ServerConfig, load_config
+from diffgraph.api.config import ServerConfig, load_config
 from diffgraph.server.pages import server_info
 
 DIGITS_LINEARS = 70  # the digits UNet's transformer linears of 64 inputs or more: all of them fp8 at min-features 64

@@ -150,7 +150,7 @@ def test_the_output_thread_sends_small_messages_together_and_results_alone():
 
 def test_data_parallel_and_device_settings():
     from diffgraph.server.cli import data_parallel_devices
-    from diffgraph.server.config import ServerConfig, load_config
+    from diffgraph.api.config import ServerConfig, load_config
 
     assert data_parallel_devices("2", visible=4) == "cuda:0,cuda:1"
     assert data_parallel_devices("all", visible=3) == "cuda:0,cuda:1,cuda:2"
@@ -300,7 +300,7 @@ def test_replicas_left_down_fail_health_once_fewer_than_min_ready_can_serve():
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
     down = _left_down("cpu#0")
     up = SimpleNamespace(name="cpu#1", state="ready", ready=True, error=None, info=None)
     back = SimpleNamespace(name="cpu#1", state="restarting", ready=False, error="exit code -9", info=None)

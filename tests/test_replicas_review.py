@@ -16,7 +16,7 @@ from diffgraph.engine.replica import ReplicaClient
 from diffgraph.engine.router import Router
 from diffgraph.request import GenerationRequest
 from diffgraph.server import requests as server_requests
-from diffgraph.server.protocol import APIError
+from diffgraph.api.protocol import APIError
 
 MODEL = dict(model="random:tiny", dtype="fp32")
 BOUND_S = 600  # a failure bound for waits, never a timing assumption

@@ -562,7 +562,7 @@ def test_a_body_finished_after_the_drain_timeout_is_refused_cleanly():
 
 def test_drain_aborts_count_as_aborted():
     from diffgraph.server.requests import outcome as _outcome
-    from diffgraph.server.protocol import APIError
+    from diffgraph.api.protocol import APIError
 
     assert _outcome(APIError(503, "the server shut down before this request finished", code="aborted")) == "aborted"
     assert _outcome(APIError(503, "draining", code="draining")) == "unavailable"
@@ -576,7 +576,7 @@ def test_a_dead_engine_loop_is_not_ready():
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
 
     from diffgraph import Engine
 
@@ -611,7 +611,7 @@ def test_a1111_prompts_are_sized_then_parsed_off_the_event_loop(monkeypatch):
 
     from diffgraph import Engine
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
     from diffgraph import prompt_syntax as syntax
     from offloop_util import HeldParser, post_while_probing
 

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from diffgraph.server.config import ServerConfig
+from diffgraph.api.config import ServerConfig
 
 MODEL = "random:tiny"
 
@@ -177,7 +177,7 @@ def test_keys_fail_closed_also_under_a_root_path_or_a_mount():
 
 
 def test_an_empty_api_key_is_refused_not_an_open_server(monkeypatch):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
 
     for given in ([""], ["  "], " , "):
         with pytest.raises(ValueError, match="api-key is empty"):

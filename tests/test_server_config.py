@@ -11,7 +11,7 @@ import re
 import pytest
 
 from diffgraph.server.cli import add_serve_arguments, config_from_args
-from diffgraph.server.config import ServerConfig, load_config
+from diffgraph.api.config import ServerConfig, load_config
 from diffgraph.settings import GROUPS, declared
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def test_the_example_config_holds_every_setting_and_loads():
 
 
 def test_api_keys_from_flags_file_and_environment(tmp_path, monkeypatch):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
 
     monkeypatch.setenv("DIFFGRAPH_API_KEY", "env1,env2")
     assert load_config(None, {"model": MODEL}).api_keys == ("env1", "env2")
@@ -235,7 +235,7 @@ def test_config_file_and_flags(tmp_path):
     ("request-timeout = 1e-9", "request_timeout 1e-09 must be >= 1 second"),
 ])
 def test_config_file_nonsense_is_refused_before_loading(tmp_path, toml, needle):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
 
     path = tmp_path / "serve.toml"
     path.write_text(f'model = "{MODEL}"\n{toml}\n')
@@ -245,7 +245,7 @@ def test_config_file_nonsense_is_refused_before_loading(tmp_path, toml, needle):
 
 
 def test_config_file_prewarm_list_and_trailing_comma(tmp_path):
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
 
     path = tmp_path / "serve.toml"
     path.write_text(f'model = "{MODEL}"\nresolutions = ["64x64", "96x64"]\nprewarm = ["64x64@1/2", "96x64"]\n')

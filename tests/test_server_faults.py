@@ -6,7 +6,7 @@ from __future__ import annotations
 from test_a1111_review import client  # noqa: F401  (the module's in-process server on digits)
 
 from diffgraph.server import app as app_module
-from diffgraph.server.protocol import APIError
+from diffgraph.api.protocol import APIError
 
 BODY = {"prompt": "a handwritten digit three", "size": "64x64", "num_inference_steps": 2, "seed": 1}
 

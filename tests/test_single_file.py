@@ -171,7 +171,7 @@ def test_an_fp16_safe_vae_file_decodes_sdxl_in_fp16_with_no_vae_upcast(made, tmp
         assert m.vae.config.force_upcast is (upcast is not False)
         assert m.adapter.vae_dtype(m) == decode, upcast
         assert torch.equal(m.vae.decoder.conv_in.weight, ref.vae.decoder.conv_in.weight.half())
-    from diffgraph.server.config import load_config
+    from diffgraph.api.config import load_config
     assert load_config(None, {"vae": vae_file, "vae_upcast": False}).load_options().vae_upcast is False
     with pytest.raises(ValueError, match="vae-upcast must be true or false"):
         load_config(None, {"vae_upcast": "maybe"})

@@ -274,7 +274,7 @@ def traced():
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
 
     tracer = Tracer()
     threading.setprofile(tracer)
@@ -394,7 +394,7 @@ def test_the_family_default_sampler_when_none_is_sent(traced):
 def test_an_import_failure_while_building_is_reported(monkeypatch):
     """The build thread's imports fail like any build: the error is kept (/ready and the CLI report it)."""
     from diffgraph.server.app import create_app
-    from diffgraph.server.config import ServerConfig
+    from diffgraph.api.config import ServerConfig
 
     state = create_app(ServerConfig(model="random:tiny", device="cpu")).state.server  # the default engine factory
     monkeypatch.setitem(sys.modules, "diffgraph.engine.replica", None)  # importing it raises ImportError

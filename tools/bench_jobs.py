@@ -37,7 +37,7 @@ from diffgraph.jobs.backend import EngineBackend, build_request  # noqa: E402
 from diffgraph.jobs.coordinator import Coordinator, CoordinatorSettings  # noqa: E402
 from diffgraph.jobs.spec import SpecLimits, parse_job  # noqa: E402
 from diffgraph.jobs.store import JobStore  # noqa: E402
-from diffgraph.server.config import ServerConfig  # noqa: E402
+from diffgraph.api.config import ServerConfig  # noqa: E402
 
 ITEM = {"num_inference_steps": 20, "guidance_scale": 7.5, "sampler": "euler", "size": "512x512"}
 

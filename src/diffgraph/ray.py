@@ -163,7 +163,7 @@ def _replica_name() -> str:
 # -- the application builder --------------------------------------------------------------------------------
 def split_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
     """`build_app`'s arguments -> (Ray options, ServerConfig). Values may be strings (`serve run k=v`)."""
-    from .server.config import load_config
+    from .api.config import load_config
 
     ray_opts = {k.replace("-", "_"): v for k, v in args.items() if k.replace("-", "_") in RAY_KEYS}
     server = {k: _boolean(v) for k, v in args.items() if k.replace("-", "_") not in RAY_KEYS}

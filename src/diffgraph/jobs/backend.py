@@ -24,9 +24,9 @@ from ..engine.client import RequestHandle
 from ..image_metadata import request_fields
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, ModelInfo, ParamError, QueueFullError,
                        RequestAborted)
-from ..server.config import ServerConfig
-from ..server.protocol import APIError, ImageGenerationRequest, error_from_param_error, error_from_validation
-from ..server.requests import generation_request
+from ..api.config import ServerConfig
+from ..api.protocol import APIError, ImageGenerationRequest, error_from_param_error, error_from_validation
+from ..api.conversion import generation_request
 from .store import Candidate
 
 RETRYABLE_STATUS = (429, 503)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from ..cli_progress import Progress
     from ..request import GenerationRequest, ModelInfo
-    from ..server.config import ServerConfig
+    from ..api.config import ServerConfig
     from .spec import JobSpec
 
 MANIFEST = ".diffgraph-batch.json"

@@ -30,7 +30,7 @@ from .batch_work import Tally, Work, already_there, plan, read_spec, spec_sheets
 if TYPE_CHECKING:
     from ..cli_progress import Progress
     from ..engine.client import EngineClient
-    from ..server.config import ServerConfig
+    from ..api.config import ServerConfig
     from .spec import JobSpec
 
 MAX_ATTEMPTS = 12    # submissions of an image answered "retry", then it fails
@@ -115,7 +115,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: str, progress: Progress) -> Tally:
-    from ..server.config import ServerConfig
+    from ..api.config import ServerConfig
 
     model = args.model
     if model is None:
@@ -132,7 +132,7 @@ def run_local(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: str
     from ..config import default_cpu_threads
     from ..engine.async_engine import AsyncEngine
     from ..engine.engine import Engine, default_device
-    from ..server.requests import generation_request
+    from ..api.conversion import generation_request
 
     if (args.device or default_device()).startswith("cpu"):
         torch.set_num_threads(default_cpu_threads())  # as the server does

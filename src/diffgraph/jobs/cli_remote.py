@@ -106,7 +106,7 @@ def run_remote(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: st
     """Makes the job's missing images on the server at --url; None when interrupted (the job goes on there)."""
     import httpx
 
-    from ..server.config import ServerConfig
+    from ..api.config import ServerConfig
 
     url = args.url.rstrip("/")
     if not url.startswith(("http://", "https://")):

@@ -23,7 +23,7 @@ from ..models.controlnet_dir import ControlNetDir
 from ..models.ip_adapter_dir import IPAdapterDir
 from ..models.presets import builtin_control_folder, builtin_lora_folder
 from ..request import GenerationRequest
-from ..server.config import ServerConfig
+from ..api.config import ServerConfig
 from ..text.embeddings import EmbeddingDir, EmbeddingError
 
 RequestCheck = Callable[[GenerationRequest], None]  # raises ParamError naming the request field

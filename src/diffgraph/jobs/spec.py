@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 from pydantic import ValidationError
 
 from ..request import MAX_SEED
-from ..server.protocol import APIError, ImageGenerationRequest, error_from_validation
+from ..api.protocol import APIError, ImageGenerationRequest, error_from_validation
 
 EXCLUDED = ("stream", "response_format", "partial_images", "preview", "user")  # no meaning for a stored image
 REQUEST_FIELDS = tuple(f for f in ImageGenerationRequest.model_fields if f not in EXCLUDED + ("n", "seed"))

@@ -6,7 +6,7 @@ CLI's argument parsing does not.
 
 from typing import Any
 
-from .config import ServerConfig, load_config
+from ..api.config import ServerConfig, load_config
 
 __all__ = ["ServerConfig", "create_app", "load_config"]
 

@@ -58,9 +58,9 @@ from .auth import caller_key
 from .bodies import read_body
 from .models import ModelRouting, Target
 from .pages import embedding_listing, lora_listing
-from .protocol import APIError
+from ..api.protocol import APIError
 from .requests import ClientGone, ServerState, abort, outcome, results, submit
-from .uploads import decode_b64
+from ..api.uploads import decode_b64
 
 if TYPE_CHECKING:
     from ..text.embeddings import EmbeddingDir

@@ -23,8 +23,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from .protocol import APIError
-from .uploads import decode_b64, eight_bit
+from ..api.protocol import APIError
+from ..api.uploads import decode_b64, eight_bit
 
 MODULES = {"none": "none", "canny": "canny", "invert": "invert", "invert (from white bg & black line)": "invert"}
 IGNORED = ("processor_res", "pixel_perfect", "lowvram", "low_vram", "save_detected_map", "hr_option", "input_mode",

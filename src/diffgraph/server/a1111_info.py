@@ -28,12 +28,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ..image_metadata import PNG_KEY, infotext_parts, read_texts
 from .bodies import read_body
-from .config import ServerConfig
+from ..api.config import ServerConfig
 from .models import ModelRouting
 from .pages import embedding_listing, lora_listing
-from .protocol import APIError
+from ..api.protocol import APIError
 from .requests import ServerState
-from .uploads import decode_b64
+from ..api.uploads import decode_b64
 
 if TYPE_CHECKING:
     from ..text.embeddings import EmbeddingDir

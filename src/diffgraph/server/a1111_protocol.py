@@ -28,7 +28,7 @@ from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, par
 from ..request import CFG_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError, cfg_params_used
 from ..sampling.aliases import canonical
 from ..sampling.samplers import ETA_SAMPLERS
-from .protocol import APIError, check_prompt_bytes, error_from_validation
+from ..api.protocol import APIError, check_prompt_bytes, error_from_validation
 
 A1111_VERSION = "v1.10"  # the AUTOMATIC1111 API these routes follow
 MAX_RANDOM_SEED = 4294967294  # AUTOMATIC1111 draws seed -1 below this

@@ -54,22 +54,23 @@ from ..engine.client import RequestHandle
 from ..engine.remote_models import ModelsBackend, RemoteModels
 from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from ..text.embeddings import EmbeddingDir
-from .config import ServerConfig
-from .protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
+from ..api.config import ServerConfig
+from ..api.protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        error_from_validation)
 from .a1111 import add_a1111_routes
 from .auth import APIKeyMiddleware, authorized
 from .control_routes import add_control_routes
 from .bodies import read_json
 from .edits import VARIATION_STRENGTH, ImageEditForm, edit_input, read_form, variation_schema
-from .uploads import decode_controls, decode_image_prompt
+from ..api.uploads import decode_controls, decode_image_prompt
 from .image_store import ImageLinks, UrlSigner, make_store
 from .jobs_routes import add_job_routes
 from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import add_docs, embedding_listing, lora_listing, playground_file, server_info, server_status
 from . import stream as sse
-from .requests import (ClientGone, ServerState, abort, generation_request, logger, outcome, results, submit,
+from ..api.conversion import generation_request
+from .requests import (ClientGone, ServerState, abort, logger, outcome, results, submit,
                        syntax_warnings, warnings_header)
 
 

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 
 from starlette.requests import ClientDisconnect
 
-from .protocol import APIError
+from ..api.protocol import APIError
 from .requests import ClientGone
 
 try:

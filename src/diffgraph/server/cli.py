@@ -24,7 +24,7 @@ from typing import Any, Callable
 from urllib.parse import unquote_plus
 
 from ..settings import add_flags, declared
-from .config import ServerConfig, load_config
+from ..api.config import ServerConfig, load_config
 
 DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may take to end before the process exits
 

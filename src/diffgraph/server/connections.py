@@ -47,6 +47,8 @@ import json
 import socket
 from typing import Any
 
+from ..api.config import Network, parse_networks
+
 DEFAULT_MAX_CONNECTIONS = 1000
 FD_RESERVE = 64   # descriptors kept from connections at least: model and adapter files, replica pipes, logs
 SEND_TIMEOUT_S = 60.0  # a connection whose writes stay paused this long (its client reads nothing) is reset
@@ -115,21 +117,6 @@ def resolve_max_connections(setting: int | None, nofile: int | None) -> int:
                          f"process may open {nofile} (ulimit -n); raise the limit or give --max-connections "
                          f"{max(room, 1)} or fewer")
     return setting
-
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def parse_networks(items: tuple[str, ...], name: str = "trusted-proxies") -> tuple[Network, ...]:
-    """Addresses or networks (10.0.0.5, 10.0.0.0/8, ::1). Raises ValueError naming the one not understood."""
-    networks = []
-    for item in items:
-        try:
-            networks.append(ipaddress.ip_network(item, strict=False))
-        except ValueError:
-            raise ValueError(f"{name}: {item!r} is not an address or network; give addresses such as "
-                             "127.0.0.1,10.0.0.0/8") from None
-    return tuple(networks)
 
 
 def _is_in(host: str, networks: tuple[Network, ...]) -> bool:

@@ -28,9 +28,9 @@ from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, Strict
 
 from ..request import EditInput, ParamError
 from .bodies import FormLimits, read_multipart
-from .protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef, LoraRef, PreviewBody,
+from ..api.protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef, LoraRef, PreviewBody,
                        error_from_param_error, error_from_validation)
-from .uploads import CONTROL_FILES, PROMPT_FILES, decode_upload, eight_bit
+from ..api.uploads import CONTROL_FILES, PROMPT_FILES, decode_upload, eight_bit
 
 FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask", *CONTROL_FILES, *PROMPT_FILES)

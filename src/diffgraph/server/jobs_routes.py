@@ -39,8 +39,9 @@ from ..jobs.webhook import WebhookRefused, WebhookSender, check_webhook, webhook
 from ..request import ModelInfo, ParamError
 from .auth import caller_key
 from .bodies import read_body
-from .protocol import APIError, ImageGenerationRequest, error_from_param_error
-from .requests import ServerState, generation_request, submit
+from ..api.protocol import APIError, ImageGenerationRequest, error_from_param_error
+from ..api.conversion import generation_request
+from .requests import ServerState, submit
 
 logger = logging.getLogger("diffgraph.jobs")
 

@@ -32,7 +32,7 @@ from ..models.catalog import ModelDir, ModelEntry, ModelNameError, ModelNotFound
 from ..models.clip_vocab import default_cache_root
 from ..models.file_hashes import FileHashes
 from ..request import EngineClosed, ModelInfo
-from .protocol import APIError
+from ..api.protocol import APIError
 
 logger = logging.getLogger("diffgraph.server")
 

@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from ..config import DEFAULT_BUCKETS, FP8_MIN_FEATURES
 from ..request import MAX_IMAGES, MAX_STEPS, OUTPUT_FORMATS
-from .protocol import APIError, ImageGenerationRequest
+from ..api.protocol import APIError, ImageGenerationRequest
 
 LISTING_BOUND_S = 90.0  # past the engine's own per-read limit (lora.manager.READ_TIMEOUT_S)
 

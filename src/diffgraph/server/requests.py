@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import secrets
 import threading
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
@@ -23,12 +22,11 @@ from ..cli_flags import quantize_error
 from ..engine.client import EngineClient, RequestHandle
 from ..engine.router import Router
 from ..prompt_syntax import MARKS, a1111_marks
-from ..request import (EditInput, EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo,
-                       ParamError, ProgressEvent, QueueFullError, RequestAborted, require_prompt)
-from .config import ServerConfig
+from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
+                       ProgressEvent, QueueFullError, RequestAborted)
+from ..api.config import ServerConfig
 from .metrics import ServerMetrics
-from .protocol import APIError, ImageGenerationRequest, check_prompt_bytes, error_from_param_error
-from .uploads import decode_controls, decode_image_prompt
+from ..api.protocol import APIError, error_from_param_error
 
 logger = logging.getLogger("diffgraph.server")
 
@@ -99,35 +97,6 @@ def syntax_warnings(request: GenerationRequest) -> list[str]:
 def warnings_header(warnings: Sequence[str]) -> dict[str, str]:
     """The WARNINGS_HEADER of an answer (none without warnings)."""
     return {WARNINGS_HEADER: " | ".join(warnings)} if warnings else {}
-
-
-def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
-                        edit: EditInput | None = None, controls: list | tuple = (),
-                        image_prompts: dict | None = None, extras: dict | None = None) -> GenerationRequest:
-    """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
-    if params.model is not None and params.model != info.name:
-        raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
-                            "(GET /v1/models)", param="model", code="model_not_found")
-    if params.response_format not in ("b64_json", "url"):
-        raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json, url",
-                       param="response_format")
-    if params.controls and not controls:  # not decoded by the route (a batch job's item): its images are base64
-        controls = decode_controls(params.controls, config.max_image_bytes, config.max_image_pixels)
-    if params.image_prompts is not None and image_prompts is None:
-        image_prompts = decode_image_prompt(params.image_prompts, config.max_image_bytes, config.max_image_pixels)
-    kwargs = params.request_params()
-    if kwargs["prompt_syntax"] is None:
-        kwargs["prompt_syntax"] = config.prompt_syntax
-    if kwargs["clip_skip"] is None:
-        kwargs["clip_skip"] = config.clip_skip
-    check_prompt_bytes(config.max_prompt_bytes, prompt=params.prompt, negative_prompt=kwargs["negative_prompt"])
-    try:
-        require_prompt(params.prompt, edit)  # OpenAI's API requires a prompt; an edit has its image to go on
-        return GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
-                                        image=edit, controls=controls, image_prompts=image_prompts, extras=extras,
-                                        **kwargs)
-    except ParamError as e:
-        raise error_from_param_error(e, info.extension_params) from None
 
 
 def _is_local_engine(built: Any) -> bool:

@@ -19,6 +19,7 @@ printed (the field is left out of the repr).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -361,7 +362,6 @@ class ServerConfig:
             raise ValueError(f"body-deadline {self.body_deadline} is out of range; allowed: 0.1..3600 seconds")
         if self.min_body_rate < 0:
             raise ValueError(f"min-body-rate {self.min_body_rate} must be >= 0 bytes a second (0: off)")
-        from .connections import parse_networks
         parse_networks(self.trusted_proxies)
         if self.api_key_file is not None:  # its keys join the others (a frozen dataclass: set once, here)
             keys = self.api_keys + tuple(k for k in read_key_file(self.api_key_file) if k not in self.api_keys)
@@ -584,3 +584,18 @@ def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = N
     if not given and os.environ.get("DIFFGRAPH_API_KEY"):
         values["api_keys"] = os.environ["DIFFGRAPH_API_KEY"]
     return ServerConfig.from_mapping(values)
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(items: tuple[str, ...], name: str = "trusted-proxies") -> tuple[Network, ...]:
+    """Addresses or networks (10.0.0.5, 10.0.0.0/8, ::1). Raises ValueError naming the one not understood."""
+    networks = []
+    for item in items:
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ValueError(f"{name}: {item!r} is not an address or network; give addresses such as "
+                             "127.0.0.1,10.0.0.0/8") from None
+    return tuple(networks)
