@@ -1,10 +1,13 @@
 """The structure docs/ARCHITECTURE.md describes, checked: no import circles (every import counts, those inside
 functions and under TYPE_CHECKING too), no module-level mutable state, functions within their line budget, the
-scheduler never imports torch, and no family string checks outside the family adapters."""
+scheduler never imports torch, no family string checks outside the family adapters, and no history (issue or
+session numbers) in src/'s comments and docstrings or in the map itself."""
 
 import ast
+import io
 import pathlib
 import re
+import tokenize
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "diffgraph"
 
@@ -202,3 +205,35 @@ def test_tables_keyed_by_family_names_live_in_the_adapters():
                     isinstance(k, ast.Constant) and k.value in names for k in node.keys if k is not None):
                 offenders.append(f"{name}:{node.lineno}")
     assert offenders == []
+
+
+HISTORY = re.compile(r"\b(issue|session)s?\s+#?\d+", re.I)  # "issue 27", "(issue 32)", "sessions 8", "session #9"
+
+
+def _comments_and_docstrings(path: pathlib.Path):
+    """(line, text) of every comment and docstring of a module."""
+    text = path.read_text()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                yield node.body[0].lineno, doc
+
+
+def test_no_issue_or_session_numbers_in_src_comments():
+    """Comments and docstrings say what and why; which issue or work session brought a line in is history, kept in
+    git and BENCHMARKS.md (a figure that justifies a choice is one clause and a pointer to its BENCHMARKS.md section)."""
+    hits = [f"{path.relative_to(SRC).as_posix()}:{line}: {m.group(0)!r}"
+            for path in sorted(SRC.rglob("*.py")) for line, text in _comments_and_docstrings(path)
+            for m in HISTORY.finditer(text)]
+    assert hits == [], "drop the issue / session citations:\n" + "\n".join(hits)
+
+
+def test_the_map_holds_no_issue_or_session_numbers():
+    """docs/ARCHITECTURE.md is a map of what is; history goes to BENCHMARKS.md or the git log."""
+    text = (SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    hits = [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}" for m in HISTORY.finditer(text)]
+    assert hits == [], "docs/ARCHITECTURE.md cites issues or sessions:\n" + "\n".join(hits)

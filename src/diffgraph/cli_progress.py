@@ -1,4 +1,4 @@
-"""`diffgraph generate`'s progress on a terminal (issue 34, point 5): loading, each step, decode, on one stderr line;
+"""`diffgraph generate`'s progress on a terminal: loading, each step, decode, on one stderr line;
 and the HTTP POSTs of `generate --url`, streamed when there is a bar to move. Nothing is printed when stderr is not
 a terminal, or with --quiet."""
 

@@ -21,8 +21,8 @@ MAX_BUCKET = 256  # rows of the largest batch bucket (the model runner's buffers
 def default_cpu_threads(cpu_count: int | None = None) -> int:
     """torch intra-op threads for CPU work in diffgraph's own processes (the server, the CLI): one core fewer than
     the machine has, at least 1. The small models' CPU steps are launch-bound: every intra-op thread beyond that
-    adds synchronisation, and spin-waits against the engine loop, the event loop and other processes (measured in
-    BENCHMARKS.md, session 4). Library users keep torch's own setting."""
+    adds synchronisation, and spin-waits against the engine loop, the event loop and other processes (BENCHMARKS.md:
+    CPU server under load). Library users keep torch's own setting."""
     return max(1, (cpu_count or os.cpu_count() or 1) - 1)
 
 
@@ -231,23 +231,23 @@ ATTENTION_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """The compile tier (issue 13): torch.compile `backend` ("inductor"; "aot_eager" and the like for tests), compiled
-    artifacts under `cache_dir` (default: the user's cache folder, one sub-folder per model config, dtype, torch and
-    triton versions and device). `per_bucket` False (the default): one compile per kind and resolution, the batch
-    dimension symbolic, so five buckets cost one compile; True: one compile per bucket (static shapes). `precompile`
-    True (the default; Inductor, torch with `torch.compiler.load_compiled_function`): each compiled version of a
-    graph kind is saved whole (torch's AOT compile: graph, code and kernels) in the cache folder and a later start
-    loads it without tracing; False, or an older torch: Dynamo traces at every start and Inductor's caches skip the
-    compiling. `channels_last` (convolution weights in channels-last memory format, on CUDA) and `attention` (the
-    denoiser's scaled-dot-product-attention backend: "flash", "efficient", "cudnn", "math", or "auto": PyTorch's
-    choice; "cudnn" was 0.7% faster per SD1.5 step at one image but is not batch invariant: a row's image then
-    depends on its batch companions beyond the fp16 tolerance): None takes the family's measured default
+    """The compile tier: torch.compile `backend` ("inductor"; "aot_eager" and the like for tests), compiled artifacts
+    under `cache_dir` (default: the user's cache folder, one sub-folder per model config, dtype, torch and triton
+    versions and device). `per_bucket` False (the default): one compile per kind and resolution, the batch dimension
+    symbolic, so five buckets cost one compile; True: one compile per bucket (static shapes). `precompile` True (the
+    default; Inductor, torch with `torch.compiler.load_compiled_function`): each compiled version of a graph kind is
+    saved whole (torch's AOT compile: graph, code and kernels) in the cache folder and a later start loads it without
+    tracing; False, or an older torch: Dynamo traces at every start and Inductor's caches skip the compiling.
+    `channels_last` (convolution weights in channels-last memory format, on CUDA) and `attention` (the denoiser's
+    scaled-dot-product-attention backend: "flash", "efficient", "cudnn", "math", or "auto": PyTorch's choice; "cudnn" is
+    barely faster per SD1.5 step and not batch invariant: a row's image then depends on its batch companions beyond the
+    fp16 tolerance; BENCHMARKS.md: Layout and attention with compile on): None takes the family's measured default
     (`engine.graph_setup.COMPILE_LAYOUT`). Channels-last converts the given model's UNet weights in place (same
-    parameters, new storage): graphs another engine captured on that model object earlier must not be replayed
-    after it. `mode`: Inductor's mode, one of COMPILE_MODES: "default", or "max-autotune-no-cudagraphs" (Inductor
-    benchmarks its GEMM / convolution templates and tunes its kernels' launch settings: a much longer cold compile,
-    kept in the cache; its options join the cache key). torch's "max-autotune" and "reduce-overhead" turn Inductor's
-    own CUDA graphs on, and the graphs here are ours, so they are refused."""
+    parameters, new storage): graphs another engine captured on that model object earlier must not be replayed after it.
+    `mode`: Inductor's mode, one of COMPILE_MODES: "default", or "max-autotune-no-cudagraphs" (Inductor benchmarks its
+    GEMM / convolution templates and tunes its kernels' launch settings: a much longer cold compile, kept in the cache;
+    its options join the cache key). torch's "max-autotune" and "reduce-overhead" turn Inductor's own CUDA graphs on,
+    and the graphs here are ours, so they are refused."""
 
     backend: str = "inductor"
     cache_dir: str | None = None
@@ -298,7 +298,8 @@ def parse_quantize(value: Any, name: str = "--quantize") -> str:
 
 
 GRANULARITIES = ("channel", "tensor")  # an fp8 weight's scales: one per output channel, or one per tensor
-FP8_MIN_FEATURES = 640  # the least input width of an fp8 layer by default (BENCHMARKS.md, session 24)
+# the least input width of an fp8 layer by default (BENCHMARKS.md: fp8 linears in the compile tier)
+FP8_MIN_FEATURES = 640
 
 
 def check_granularity(granularity: str) -> None:
@@ -344,7 +345,7 @@ PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How a model's files are read (issue 29): for a single-file checkpoint, the diffusers config folder to read it
+    """How a model's files are read: for a single-file checkpoint, the diffusers config folder to read it
     with (else detected from its keys); for any model, a prediction type or zero-SNR override and a VAE (a single
     file or a diffusers folder) in place of the model's own."""
 

@@ -1,4 +1,4 @@
-"""Control maps (issue 32), torch-free (the HTTP process shows them before a request is sent): a control's image
+"""Control maps, torch-free (the HTTP process shows them before a request is sent): a control's image
 through its preprocessor (`control_map`: none, canny with OpenCV imported only then, invert), fitted to the output
 size by AUTOMATIC1111's resize modes (`fit_map`). The engine prepares the fitted map as diffusers' ControlNet
 pipelines prepare theirs (engine/controlnets.py), so what the playground shows is what the ControlNet sees.

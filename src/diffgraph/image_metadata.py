@@ -1,4 +1,4 @@
-"""The settings inside every image diffgraph encodes, and reading them back (issue 34, point 4).
+"""The settings inside every image diffgraph encodes, and reading them back.
 
 PNG: two tEXt chunks. `parameters` holds AUTOMATIC1111's infotext, as its `create_infotext` writes it (the prompt,
 `Negative prompt: ...` when there is one, then one line of `Key: value` pairs), so its "PNG info" tab, civitai and

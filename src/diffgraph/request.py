@@ -165,7 +165,7 @@ class EditInput:
         return self.mask is not None
 
 
-# -- ControlNet controls (issue 32): which ControlNet, its control image, its scale and window ----------------
+# -- ControlNet controls: which ControlNet, its control image, its scale and window ----------------
 MAX_CONTROLS = 3
 MAX_CONTROL_SCALE = 5.0
 MAX_CONTROL_PIXELS = 16 * 1024 * 1024  # a control image, decoded (as an edit's image)
@@ -263,7 +263,7 @@ MAX_IMAGE_PROMPT_SCALE = 5.0
 
 @dataclass(frozen=True, eq=False)
 class ImagePromptInput:
-    """A request's image prompts (IP-Adapter, issue 32; the request's `image_prompts`), checked on construction:
+    """A request's image prompts (IP-Adapter; the request's `image_prompts`), checked on construction:
     `images` (1 or 2 RGB images, PIL or uint8 [H, W, 3]: their tokens are one attention, as diffusers passes several
     images to one adapter), `scale` (diffusers' `set_ip_adapter_scale`; 0: the plain image) and `model` (an
     IP-Adapter's name under `--ip-adapter-dir`; None: the folder's only one)."""

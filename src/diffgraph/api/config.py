@@ -515,8 +515,8 @@ class ServerConfig:
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:
         """torch's intra-op threads for a CPU engine: the setting, else one core fewer than the machine has (at
         least 1), leaving a core to the event loop, the engine loop and the image threads. With every core in
-        torch's pool, its threads spin-wait against those and against other processes (measured in
-        BENCHMARKS.md: 8 requests over HTTP on a loaded 2-core machine)."""
+        torch's pool, its threads spin-wait against those and against other processes (BENCHMARKS.md: CPU server
+        under load)."""
         if self.torch_threads is not None:
             return self.torch_threads
         return default_cpu_threads(cpu_count)

@@ -1,4 +1,4 @@
-"""The compile tier's start-up in a fresh process (issue 13): warm-cache figures are only honest there, since Dynamo
+"""The compile tier's start-up in a fresh process: warm-cache figures are only honest there, since Dynamo
 and Triton keep compiled code in memory. `fresh_start(...)` runs this module as a child process on a cache folder and
 returns what it measured; the child builds a graph-mode compile-tier engine (every bucket captured), generates one
 image, and prints one JSON line: seconds from its start to ready, graphs compiled and their time, precompiled

@@ -3,8 +3,8 @@
 Each scenario submits a burst of N requests at once to one engine (every graph warm, nothing compiles while timing)
 and times it to the last image (decode included); each runs `repeats` times and the best is kept. Its steps-only
 rate divides the image rows its steps advanced by the GPU time of those steps' replays (each step's bucket, timed
-alone after the bursts: the denoising's own rate, without admission and decode). The ratios are
-the row-features issue's targets: guidance-free rows cost one denoiser row instead of two, and so do CFG rows outside
+alone after the bursts: the denoising's own rate, without admission and decode). What the
+ratios test: guidance-free rows cost one denoiser row instead of two, and so do CFG rows outside
 their `guidance_interval`.
 
     4-step requests, guidance 0 vs 7.5          request-steps/s and images/s (targets >= 1.8x and >= 1.5x)

@@ -1,4 +1,4 @@
-"""`diffgraph bench throughput --preview-cost N`: what live previews cost at saturation (issue 34's target: previews
+"""`diffgraph bench throughput --preview-cost N`: what live previews cost at saturation (the target: previews
 never slow the step by more than 3% at bucket 16; rows that do not ask cost nothing).
 
 Each scenario submits a burst of N requests at once to one engine (every graph warm) and times it to the last image

@@ -1,4 +1,4 @@
-"""`diffgraph bench throughput --prompt-mix N`: long prompts beside short ones, side by side (issue 30's targets).
+"""`diffgraph bench throughput --prompt-mix N`: long prompts beside short ones, side by side (targets below).
 
   * the step: one replay at the largest bucket of 1-window rows (kind "step") against the same bucket with the
     rows' prompts at 3 windows ("step_context3": what a group mixing 1- and 3-window rows replays; target <= 1.1x),
@@ -54,7 +54,7 @@ def run(engine: Any, n: int, size: tuple[int, int], steps: int = 20, repeats: in
     out: dict[str, Any] = {"requests": n, "size": f"{w}x{h}", "steps": steps, "scenarios": {}, "ratios": {},
                            "prepare_3_chunks_ms": prepare_ms(engine)}
     buckets = engine.runner.graph_config.batch_buckets
-    top = 16 if 16 in buckets else max(buckets)  # the issue's bucket-16 step (16 denoiser rows)
+    top = 16 if 16 in buckets else max(buckets)  # the targets' bucket-16 step (16 denoiser rows)
     neutral = program.neutral()
     kinds = {c: program.kind(tuple(c if f.name == "context" else p for f, p in zip(program.features, neutral)))
              for c in (1, 3, 6)}

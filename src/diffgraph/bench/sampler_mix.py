@@ -1,5 +1,5 @@
 """`diffgraph bench throughput --sampler-mix N`: images/s at saturation with every sampler mixed in one running batch,
-against an all-euler trace of the same denoiser evaluations (issue 31's targets).
+against an all-euler trace of the same denoiser evaluations (targets below).
 
 Each scenario submits a burst of N requests at once to one engine (every graph warm) and times it to the last image
 (decode included); best of `repeats`. Evaluations are what a step costs: a one-evaluation sampler's request of n

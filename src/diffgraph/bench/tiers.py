@@ -1,5 +1,5 @@
 """`diffgraph bench throughput --tiers graph,compile,fp8,autotune`: each tier's images/s at saturation and its step's
-share of the GPU's dense 16-bit peak, side by side in one run (issue 33, point 5).
+share of the GPU's dense 16-bit peak, side by side in one run.
 
 Tiers (TIERS): `graph` (CUDA graphs of the eager code), `compile` (Inductor's code captured in the same graphs), `fp8`
 (the compile tier with `--quantize fp8`), `autotune` (the compile tier in Inductor's mode max-autotune-no-cudagraphs),
@@ -11,7 +11,7 @@ run times a warm start).
 
 Per tier: a burst of `--burst` requests (20 steps, CFG 7.5, seeds 0..N-1) submitted at once, timed to the last image
 (decode included), best of `--repeats`; one replay of the step graph at the largest bucket; and one image alone (20
-steps, CFG 7.5), submit to result, median of 3 (`one_image_ms`: the issue's one-image target per tier). The step's
+steps, CFG 7.5), submit to result, median of 3 (`one_image_ms`: the one-image target per tier). The step's
 FLOPs are counted once per family and resolution (not per tier: fp8 changes how a matmul runs, not how much it
 computes), with torch's FlopCounterMode over one eager step of a 16-bit engine at that bucket (matmuls,
 convolutions, attention); `peak_share` = FLOPs / replay time / the GPU's dense fp16 tensor peak (PEAK_TFLOPS by

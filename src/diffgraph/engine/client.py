@@ -48,7 +48,7 @@ class EngineStats:
     # several replicas: per replica {"replica", "state", "restarts", "stats": EngineStats or None (not answering)}
     replicas: list[dict[str, Any]] = field(default_factory=list)
     compile_fallbacks: int = 0  # compiled callables that fell back to uncompiled code (the compile tier)
-    # what the engine holds (issue 28 point 3): buffer_groups (resolutions with step buffers), buffer_bytes (their
+    # what the engine holds: buffer_groups (resolutions with step buffers), buffer_bytes (their
     # device bytes), pinned_bytes (host staging and adapter copies, pinned on a GPU), prompt_cache_bytes,
     # lora_host_bytes (the prepared adapter copies, bounded by --lora-host-bytes)
     memory: dict[str, int] = field(default_factory=dict)

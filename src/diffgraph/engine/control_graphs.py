@@ -1,4 +1,4 @@
-"""`ControlRunner`: how the step's ControlNet prepass runs a loaded ControlNet over its gathered rows (issue 32).
+"""`ControlRunner`: how the step's ControlNet prepass runs a loaded ControlNet over its gathered rows.
 
 Each device slot's ControlNet is its own graph kind, `control<slot>`, per (resolution, gathered bucket): the rows of
 the step that use it are gathered (features/control.py), copied into static inputs shared by every slot (one set

@@ -1,4 +1,4 @@
-"""`ControlNets`: the ControlNet models of a `--controlnet-dir` and which device slot holds which (issue 32).
+"""`ControlNets`: the ControlNet models of a `--controlnet-dir` and which device slot holds which.
 
 The folder's ControlNets are diffusers folders (a `config.json` whose `_class_name` is ControlNetModel and its
 safetensors weights), each named by its path relative to the folder with "/" between folders; one added later is

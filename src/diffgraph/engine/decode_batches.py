@@ -1,8 +1,8 @@
 """Finished batch rows wait a few steps for companions before their decode. CPU bookkeeping only, used by the engine
 core on its loop thread; the core decodes what `due` returns.
 
-Why: one VAE replay of 4 images costs less per image than smaller ones (SD1.5 512x512 on the H200, graph tier:
-20.5 ms for 1 image, 36.3 for 2, 60.9 for 4; `tools/probe_decode.py`). Requests admitted together finish together
+Why: one VAE replay of 4 images costs less per image than smaller ones (`tools/probe_decode.py`; BENCHMARKS.md: a
+2,000-image job). Requests admitted together finish together
 and decode together. Interactive requests break a job's waves apart: each one takes a batch row's place at its own
 step and gives it back 20 steps later, so without gathering the job's rows finish, and decode, one at a time. Held
 rows have left the scheduler already: their latents are copied out, their buffer rows reused. No device work here:
@@ -12,7 +12,7 @@ a decode is returned as its requests and their latents' parts, which the caller 
 Rules (a row is an image; `size` is the largest decode replay):
 - an interactive request never waits: it decodes at once; it takes held batch rows of its group with it only when
   they fill its decode's last replay to `size` rows (1 interactive row takes 3 held ones, never 1 or 2: 2 held rows
-  riding along cost 56.6 ms with it, against 20.5 + 30.4 ms when they fill a full replay later);
+  riding along cost more with it than they do filling a full replay later);
 - batch rows are held until their group holds `size` rows (then the oldest that fill whole replays go, the rest
   wait on: a job's rows finishing 5 at once beside people went as replays of 4 + 1), or its oldest held row has
   waited `hold_steps` engine steps, or no live batch row is left in its group (nothing would join them);

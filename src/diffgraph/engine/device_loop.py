@@ -1,4 +1,4 @@
-"""`DeviceLoop`: the one thread that runs the steps of every engine core on one device (issue 29, point 3).
+"""`DeviceLoop`: the one thread that runs the steps of every engine core on one device.
 
 An `Engine` serving one model makes its own loop with its one core. Several models behind one server (a
 `ModelSet`) share one loop per device, so their steps never contend for the GPU from two threads: each pass

@@ -1,4 +1,4 @@
-"""The engine's failure policy (issue 28, point 1): when a failing engine stops being "ready".
+"""The engine's failure policy: when a failing engine stops being "ready".
 
 A failed step fails only that step's requests. `max_step_failures` consecutive failed steps, or one error of the kinds
 that leave a CUDA context unusable (an illegal address, an ECC fault, a device-side assert: every later call fails too)

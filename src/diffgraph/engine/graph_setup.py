@@ -30,19 +30,18 @@ from ..sampling.samplers import SamplerPlan
 
 # Inductor skips its layout optimisation (channels-last activations around convolutions) for dynamic shapes, so the
 # one compile of buckets 2-16 kept NCHW activations between its kernels: forced on for the step, the compiled SD1.5
-# step at bucket 16 (CFG batch 32) went 71.57 -> 65.03 ms with channels-last weights + cuDNN attention (NCHW:
-# 69.44 -> 65.33), bucket 1 unchanged (6.05 / 5.99) (tools/probe_compile_layout.py engineforce; session 9)
+# step at bucket 16 is faster and bucket 1 unchanged (tools/probe_compile_layout.py engineforce; BENCHMARKS.md: The
+# compile tier's own step graphs per layout)
 STEP_OPTIONS = {"force_layout_optimization": True}
-# The same for the VAE decoder's one dynamic-batch compile: SD1.5 512x512 fp16, ms per image at buckets 1 / 4 / 8,
-# 9.65 / 8.86 / 8.85 -> 8.24 / 7.98 / 7.85; its weights in channels-last too: 8.13 / 7.99 / 7.91 (not kept)
-# (tools/probe_vae_layout.py; BENCHMARKS.md, session 30). A VAE upcast to fp32 (SDXL's) keeps Inductor's choice: not
+# The same for the VAE decoder's one dynamic-batch compile: faster at every bucket; its weights in channels-last too
+# gain nothing more (not kept) (tools/probe_vae_layout.py; BENCHMARKS.md: the compile tier's VAE decode in
+# channels-last). A VAE upcast to fp32 (SDXL's) keeps Inductor's choice: not
 # measured there
 VAE_OPTIONS = {"force_layout_optimization": True}
 VAE_BUCKETS = (1, 2, 4)  # decode in chunks of at most 4: a 16-image fp32 decode at 1024^2 needs tens of GB
 # The text encoders run once a request, not once a step: under --compile-mode max-autotune-no-cudagraphs they keep
-# Inductor's default code, since autotuning their matmuls took most of SD1.5's cold autotuned start and was cut at
-# a 573 s device limit (BENCHMARKS.md, session 36) for a call that is a few ms of a request (issue 33: "for the step
-# and the VAE")
+# Inductor's default code, since autotuning their matmuls took most of SD1.5's cold autotuned start for a call that is
+# a few ms of a request (BENCHMARKS.md: a cold autotuned start takes more than 15 minutes)
 TEXT_OPTIONS = {"max_autotune": False, "coordinate_descent_tuning": False}
 ENCODE_BUCKETS = (1, 2)  # an edit encodes its image (and an inpainting one its masked image too) once
 

@@ -1,5 +1,5 @@
-"""`IPAdapters`: the IP-Adapters of an `--ip-adapter-dir` and a request's image prompt made into row fields (issue
-32; the row feature is features/image_prompt.py).
+"""`IPAdapters`: the IP-Adapters of an `--ip-adapter-dir` and a request's image prompt made into row fields (the
+row feature is features/image_prompt.py).
 
 On the submitting thread (`resolve`): the adapter's file streamed into host tensors (`safe_tensors`, never mapped)
 and converted with diffusers' own IP-Adapter readers (the image projection by `UNet2DConditionModel._convert_ip_adapter_image_proj_to_

@@ -1,4 +1,4 @@
-"""`ModelSet`: several models behind one server on one device (issue 29, point 3: `--model-dir`).
+"""`ModelSet`: several models behind one server on one device (`--model-dir`).
 
 Every model under `--model-dir` (models/catalog.py names them) and the default `--model` can be asked for by a
 request's `model`. A model is resident as an `Engine` of its own (its graphs, prompt cache and adapter slots), and

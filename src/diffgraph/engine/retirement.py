@@ -28,12 +28,13 @@ from .staging import DecodedPixels
 logger = logging.getLogger(__name__)
 # the steps a finished batch row may wait for companions to decode with: beside interactive requests a job's rows
 # finish scattered (about 0.8 a step at 16 live rows and 20 steps), so 4 steps flushed many replays of 1-3 rows
-# (each image 1.2-1.35x a full replay's on the H200); 8 fill most (tools/bench_jobs.py's window_decodes_*)
+# (each image dearer than in a full replay); 8 fill most (tools/bench_jobs.py's window_decodes_*; BENCHMARKS.md:
+# a 2,000-image job)
 HOLD_STEPS = 8
 # the decoded pixels (float32, pinned on a GPU) waiting for the image threads, in bytes, past which the loop waits
-# for them before it decodes more: a 4-step guidance-free SD1.5 burst decodes about 64 images/s on an H100 and two
-# threads encode about 37 PNGs/s of 512x512 (this box), so without a bound the backlog grew by ~80 MB/s and every
-# answer waited longer; with it, the work waits in the scheduler's bounded queue instead (429s when full)
+# for them before it decodes more: a GPU decodes a short guidance-free burst faster than two threads encode PNGs, so
+# without a bound the backlog grew for as long as the burst lasted and every answer waited longer; with it, the
+# work waits in the scheduler's bounded queue instead (429s when full)
 MAX_BACKLOG_BYTES = 1 << 30
 
 

@@ -1,4 +1,4 @@
-"""ControlNet rows as a row feature (issue 32): per row, up to `MAX_CONTROLS` controls, each a loaded ControlNet's
+"""ControlNet rows as a row feature: per row, up to `MAX_CONTROLS` controls, each a loaded ControlNet's
 slot, a control image and a scale per step; rows with different ControlNets, scales and windows, and rows without
 control, share one step.
 

@@ -1,4 +1,4 @@
-"""Image prompts (IP-Adapter) as a row feature (issue 32): per row, the image tokens' keys and values of every
+"""Image prompts (IP-Adapter) as a row feature: per row, the image tokens' keys and values of every
 cross-attention layer, for both guidance branches, and a scale; rows with different IP-Adapters, images and scales,
 and rows without any, share one step.
 

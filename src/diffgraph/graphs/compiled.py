@@ -1,4 +1,4 @@
-"""The compile tier's callables (issue 13, first part): functions compiled by torch.compile and then captured in the
+"""The compile tier's callables: functions compiled by torch.compile and then captured in the
 bucketed graphs exactly as the eager ones are.
 
 `Compiled(fn, config, name)` is what a graph kind captures in place of `fn`: the first call of a shape compiles (the
@@ -150,7 +150,8 @@ class Compiled:
         compiled (torch's AOT compile, whole graph) and saved; None inside a capture when there is none yet. A batch
         of 1 runs the version of the dynamic batch where there is one (compiled at a larger batch: the prewarm
         captures the largest bucket first), so a row runs the same code alone and in a batch: its own compile moved
-        a single image by up to 0.032 px from the same request in a batch (BENCHMARKS.md, session 11). Else (a
+        a single image beyond the fp16 tolerance from the same request in a batch (BENCHMARKS.md: where batch
+        variance comes from). Else (a
         batch of 1 met first) it gets its own version."""
         batch = {id(t) for t in self._batch_of(args)} if self._batch_of is not None else set()
         tokens = {id(t) for t in self._tokens(args)}

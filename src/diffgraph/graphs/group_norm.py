@@ -5,14 +5,14 @@ Owns: `ChannelGroupNorm` (an `nn.GroupNorm` whose compiled forward is `group_nor
 same state dict). Eagerly, and so in the graph tier and wherever the module runs uncompiled (the VAE encoder,
 previews), the forward is nn.GroupNorm's own: only what Dynamo traces changes.
 
-Why (H200, SD1.5's VAE decoder at 512x512, bucket 4, compile tier with channels-last activations): Inductor lowered
-the decoder's group norms over 4 channels x 512 x 512 of one group, strided in channels-last memory, to persistent
-reductions that ran about 1 ms an image each (a memory-bound pass over one 67 MB activation should take well under
-0.1 ms), together a third of the decode (`python3 tools/probe_vae_layout.py --kernels 4`). Reducing each channel over
+Why (SD1.5's VAE decoder at 512x512, compile tier with channels-last activations): Inductor lowered the decoder's
+group norms over 4 channels x 512 x 512 of one group, strided in channels-last memory, to persistent reductions many
+times slower than one memory-bound pass over the activation, together a large share of the decode (`python3
+tools/probe_vae_layout.py --kernels 4`). Reducing each channel over
 its pixels first (an outer reduction, contiguous across channels in channels-last memory), then the few channels of a
 group, gives the same statistics in float32 with a different summation order: the same image within rounding. One
-pass over the activation for the statistics (var_mean) rather than two (the mean, then the squared deviations): 6.63
--> 5.97 ms an image (H200, bucket 4, session 33; 8.54 with Inductor's own lowering).
+pass over the activation for the statistics (var_mean) rather than two (the mean, then the squared deviations) makes
+the decode faster again (BENCHMARKS.md: the decoder's group norms in one pass).
 """
 
 from __future__ import annotations

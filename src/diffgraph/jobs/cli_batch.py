@@ -1,4 +1,4 @@
-"""`diffgraph batch FILE --out DIR` (issue 35, point 4): a job file (jobs/spec.py: JSONL, {"items"} or {"grid"})
+"""`diffgraph batch FILE --out DIR`: a job file (jobs/spec.py: JSONL, {"items"} or {"grid"})
 made on a local engine, or with --url on a running server, which gets the job and is followed until it ends, its
 images downloaded as they are made (cli_remote.py).
 

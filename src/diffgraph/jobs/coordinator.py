@@ -1,4 +1,4 @@
-"""The job coordinator (issue 35): the asyncio task that makes the images of unfinished jobs.
+"""The job coordinator: the asyncio task that makes the images of unfinished jobs.
 
 On start it resumes every unfinished job where it stopped (the store holds which candidates are done; an image
 stored but not yet committed before a crash is adopted, not made again; temporary files are swept). It keeps a

@@ -1,4 +1,4 @@
-"""Job files: what a job is made of, read and checked before anything of it runs (issue 35, point 1).
+"""Job files: what a job is made of, read and checked before anything of it runs.
 
 A job is a list of items. An item is an images request body (the fields of POST /v1/images/generations except
 stream, response_format, partial_images, preview and user) and its candidates: `n` images of it, each with its own

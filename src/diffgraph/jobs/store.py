@@ -1,4 +1,4 @@
-"""The durable state of jobs (issue 35, point 2): SQLite in WAL mode under `--state-dir`, images beside it.
+"""The durable state of jobs: SQLite in WAL mode under `--state-dir`, images beside it.
 
     STATE_DIR/jobs.sqlite3                 jobs, their items (the images request of each, as JSON) and candidates
     STATE_DIR/images/JOB/ITEM-K.png        candidate K of item ITEM, with its settings inside (image_metadata.py)

@@ -1,4 +1,4 @@
-"""Job webhooks (issue 35, point 1): a job may name a `webhook` URL, called once when it ends (completed, failed or
+"""Job webhooks: a job may name a `webhook` URL, called once when it ends (completed, failed or
 cancelled) with a JSON summary of it (GET /v1/jobs/ID's answer).
 
 Only hosts on `--webhook-allow` may be called (a comma list of host names or addresses, `host` or `host:port`);

@@ -1,4 +1,4 @@
-"""Which adapters exist and which device slot holds which (toward issue 12): pure bookkeeping, no tensors.
+"""Which adapters exist and which device slot holds which: pure bookkeeping, no tensors.
 
 `AdapterDir`: the adapters of a `--lora-dir` folder. Each *.safetensors file under it is an adapter named by its
 path relative to the folder, with "/" between folders and without the suffix (`styles/ink`); a file added later is

@@ -1,4 +1,4 @@
-"""Reading LoRA adapter files (toward issue 12): local .safetensors files in the formats diffusers'
+"""Reading LoRA adapter files: local .safetensors files in the formats diffusers'
 `load_lora_weights` takes for SD1.x/SD2.x and SDXL (diffusers/PEFT keys, kohya / A1111 keys with alphas), read by
 diffusers' own `lora_state_dict` and key converters, into per-layer low-rank weights for `sidepath.LoraSlots`.
 
@@ -261,7 +261,7 @@ def _check_effect(w: LayerWeights, layer: str, name: str) -> None:
 
 
 def _norm(t: torch.Tensor, dtype: torch.dtype) -> float:
-    # (a flat dot product: on the CPU, vector_norm(fp16 weights, dtype=float32) is 40x slower)
+    # (a flat dot product: on the CPU, vector_norm(fp16 weights, dtype=float32) is far slower)
     flat = t.to(dtype).reshape(-1)
     return math.sqrt(float(torch.dot(flat, flat)))
 

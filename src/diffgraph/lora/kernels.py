@@ -3,7 +3,7 @@ for every batch row n, in one GEMM.
 
 Why: at diffusion activation sizes (4096 tokens x 320 channels per row, 32 rows at batch bucket 16) a side path as
 separate kernels reads the activations again for the down projection and reads and writes the output again to add
-the up projection: a third more memory traffic on every targeted layer (measured: 1.24x the adapter-free UNet step).
+the up projection: a third more memory traffic on every targeted layer (BENCHMARKS.md: Step cost with adapters).
 Here each output tile computes its rows' low-rank activations in the same loop over the input channels that computes
 the base product (the input tile is loaded once for both), then adds low @ B before the single store.
 
@@ -109,17 +109,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a:
 
 
 def default_config(n_out: int, kr: int) -> tuple[int, int, int, int, int]:
-    """Tiles by shape, from a sweep over SD1.5's layer shapes at bucket 16 on the H200 (tools/probe_lora_sidepath.py,
-    BENCHMARKS.md): 128 x 128 x 64, 3 stages, 8 warps was the best or within 3% of it everywhere (even where 128
-    does not divide the width: 320 = 2.5 tiles); a smaller M tile for wide stacks."""
+    """Tiles by shape, from a sweep over SD1.5's layer shapes at bucket 16 on the H200 (tools/probe_lora_sidepath.py;
+    BENCHMARKS.md: Step cost with adapters): 128 x 128 x 64, 3 stages, 8 warps was the best or close to it
+    everywhere (even where 128 does not divide the width: 320 = 2.5 tiles); a smaller M tile for wide stacks."""
     if kr <= 64:
         return 128, 128, 64, 3, 8
     return 64, 128, 64, 3, 4
 
 
 def max_fused_rank() -> int:
-    """The widest stack (K * rank) the fused kernel runs; wider ones are faster as two batched matmuls (measured:
-    rank 64 x 4 adapters, 1.79x the plain UNet step fused against 1.35x unfused)."""
+    """The widest stack (K * rank) the fused kernel runs; wider ones are faster as two batched matmuls
+    (BENCHMARKS.md: Step cost with adapters)."""
     return 64
 
 

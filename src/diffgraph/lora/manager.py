@@ -18,8 +18,8 @@ file version (size, mtime_ns, inode) and never touches the host copies that requ
 `can_admit` / `admit` / `release` (the scheduler's admission gate) and `write` run on the loop thread.
 Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
 
-The `conv` option (off by default; sidepath.py says why: SD1.5's convolution banks take 692 MiB at 8 slots of rank
-64, 1.5x the attention ones, and every adapter step pays them at the full rank) is this manager's own: LoraManager(
+The `conv` option (off by default; sidepath.py says why: SD1.5's convolution banks take more memory than the attention
+ones, and every adapter step pays them at the full rank) is this manager's own: LoraManager(
 model, config, conv=True), or a `conv` field of LoraConfig once there is one (read when `conv` is left None). With it
 off, an adapter with weights on those layers is refused by name, with the option to turn on or --fuse-lora; fused
 adapters (`fuse`) may hold convolution weights either way.

@@ -43,16 +43,15 @@ Memory: a layer's slot costs max_rank * (in * kh * kw + out) elements. Counted o
     time_emb_proj, the samplers' convs, conv_in,
     conv_out)
 
-Step cost (SD1.5, 512x512, 32 rows, each with one of 4 adapters, CUDA-graph replay on the H200; plain UNet 94.1
-ms): attention side paths alone at rank 64 1.175x; with the ResNet and sampler side paths 1.40x (a stack of 4 per
-row: 2.01x); at rank 16 with them 1.24x (1.40x). The grouped convolution is the cost: 320 -> 64 channels at 64x64
-over 32 groups takes 56% of the time of the base 320 -> 320 convolution (cuDNN, NCHW; cudnn.benchmark and a loop
-over rows were no faster, NHWC only on the 16x16 layers once its layout copy is counted). For SD1.5 these banks
-take 1.5x the memory of the attention ones (42% of its 1.6 GiB of fp16 UNet weights), and every adapter step pays
-them at the full max rank for every row, whether or not its adapters touch a convolution: a graph's work is fixed
-by the slots' shape, not by what is loaded. Most adapters (kohya / diffusers LoRAs of the attention layers) do not
-touch them. So k x k convolutions get side paths only when the caller asks (`attach(..., convolutions=True)`; the
-LoRA manager's `conv` option); without it they are refused by name.
+Step cost: the ResNet and sampler side paths make an adapter step much dearer than attention side paths alone
+(BENCHMARKS.md: every sampler in one replay, "Conv side paths"). The grouped convolution is the cost: 320 -> 64 channels
+at 64x64 over 32 groups takes over half the time of the base 320 -> 320 convolution (cuDNN, NCHW; cudnn.benchmark and a
+loop over rows were no faster, NHWC only on the 16x16 layers once its layout copy is counted). For SD1.5 these banks
+take 1.5x the memory of the attention ones (42% of its 1.6 GiB of fp16 UNet weights), and every adapter step pays them
+at the full max rank for every row, whether or not its adapters touch a convolution: a graph's work is fixed by the
+slots' shape, not by what is loaded. Most adapters (kohya / diffusers LoRAs of the attention layers) do not touch them.
+So k x k convolutions get side paths only when the caller asks (`attach(..., convolutions=True)`; the LoRA manager's
+`conv` option); without it they are refused by name.
 
 Loading an adapter writes its A and B into a slot in place (`LoraSlots.write`): the tensors a captured graph reads
 never move, so nothing is recaptured. With the context's `idx` unset the side path is skipped (the variant for

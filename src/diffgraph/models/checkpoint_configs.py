@@ -1,7 +1,7 @@
 """The diffusers config folders that single-file checkpoints are read with, written here, never downloaded.
 
 diffusers' `from_single_file` needs a diffusers config folder for the pipeline it builds; without one it downloads
-it, even offline (issue 29). This module holds the published configs of the architectures AUTOMATIC1111 and
+it, even offline. This module holds the published configs of the architectures AUTOMATIC1111 and
 ComfyUI checkpoints come in, transcribed from their diffusers repositories: SD1.5 (runwayml/stable-diffusion-v1-5),
 SD2-base (stabilityai/stable-diffusion-2-1-base: 512, epsilon), SD2 (stabilityai/stable-diffusion-2-1: 768,
 v-prediction), SDXL base (stabilityai/stable-diffusion-xl-base-1.0) and the 9-channel inpainting variants

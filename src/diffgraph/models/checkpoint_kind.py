@@ -1,4 +1,4 @@
-"""What a single-file checkpoint holds, from its safetensors header alone (issue 29); standard library only.
+"""What a single-file checkpoint holds, from its safetensors header alone; standard library only.
 
 `inspect_checkpoint(path)` reads a `.safetensors` file's header and says what it holds: the architecture kind
 (`checkpoint_configs.KINDS`: SD1.x, SD2.x base or v, SDXL base, their inpainting variants) from its key layout

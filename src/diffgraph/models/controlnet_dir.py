@@ -1,4 +1,4 @@
-"""`ControlNetDir`: the ControlNet models of a `--controlnet-dir` folder (issue 32): names and folders, no torch (the
+"""`ControlNetDir`: the ControlNet models of a `--controlnet-dir` folder: names and folders, no torch (the
 HTTP process lists them for GET /v1/controlnets).
 
 Each diffusers ControlNet folder under the root (a `config.json` whose `_class_name` is ControlNetModel, beside its

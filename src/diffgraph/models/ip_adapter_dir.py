@@ -1,4 +1,4 @@
-"""`IPAdapterDir`: the IP-Adapters of an `--ip-adapter-dir` folder (issue 32): names, files and image encoders, no
+"""`IPAdapterDir`: the IP-Adapters of an `--ip-adapter-dir` folder: names, files and image encoders, no
 torch.
 
 Each `.safetensors` file under the root whose header holds `image_proj.` and `ip_adapter.` tensors (the layout

@@ -1,4 +1,4 @@
-"""Loading single-file checkpoints (issue 29): diffusers' single-file loader, offline, from a private copy.
+"""Loading single-file checkpoints: diffusers' single-file loader, offline, from a private copy.
 
 `load_single_file` reads a checkpoint that `checkpoint_kind.inspect_checkpoint` recognised through diffusers'
 `from_single_file` with a config folder written by `checkpoint_configs.py` (or the user's `--model-config`), so

@@ -7,7 +7,7 @@ text encoder and VAE it needs (`TEXT_ENCODERS`, `VAES`, read from their headers 
 companions: the files its sidecar names (`NAME.diffgraph.toml`: sidecar.py), checked to be of the kind it needs,
 else the only file of that kind in the companion folders; else it raises `Incomplete`, one line saying what to add
 or name. The result, `SplitFiles`, is what the catalog lists (catalog.py `ModelEntry.split`) and what the loader
-hands to the family that reads the kind (`SplitKind.family`, None while no family reads it; the family issues add
+hands to the family that reads the kind (`SplitKind.family`, None while no family reads it; families add
 their kinds and set it). Headers are read once per file version (`PartFiles`). Standard library only (the HTTP
 process lists these).
 """

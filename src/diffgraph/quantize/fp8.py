@@ -1,4 +1,4 @@
-"""fp8 (float8_e4m3fn) Linear layers for denoisers that run inside our own CUDA graphs (issue 33).
+"""fp8 (float8_e4m3fn) Linear layers for denoisers that run inside our own CUDA graphs.
 
 Owns the op `diffgraph::fp8_mm` with `fp8_linear` around it, the module `Fp8Linear` that calls it, and
 `quantize_linears`, which swaps the transformer linears of a denoiser (a diffusers UNet2DConditionModel's names) for
@@ -172,9 +172,9 @@ def quantize_linears(module: nn.Module, *, min_features: int = FP8_MIN_FEATURES,
                      weight_granularity: str = "channel") -> Fp8Report:
     """Replaces in place each nn.Linear of `module` (exactly nn.Linear: a subclass may have its own forward, or a
     parent that reads its weight) that `select(name, linear)` picks (default `transformer_linears`), whose dims are
-    multiples of 16 and whose in_features >= min_features (on the H200 a bare `_scaled_mm` paid 1.5x at in_features
-    1280 but 1.03x at 320; with its quantisation fused by Inductor, only SD1.5's widest layers ran faster in fp8:
-    BENCHMARKS.md, session 24, `tools/probe_fp8.py widths --compile`). Quantise after the model's final `.to(device, dtype)`: a cast
+    multiples of 16 and whose in_features >= min_features (fp8 pays on wide layers only, once the activations'
+    quantisation is counted: `tools/probe_fp8.py widths --compile`; BENCHMARKS.md: fp8 linears in the compile tier).
+    Quantise after the model's final `.to(device, dtype)`: a cast
     afterwards would turn the fp8 weights into floats. Quantising a module twice is refused (not a no-op)."""
     check_granularity(weight_granularity)
     done = sum(isinstance(m, Fp8Linear) for m in module.modules())

@@ -1,4 +1,4 @@
-"""The sampler and schedule names people type (issue 31, point 3): AUTOMATIC1111's labels ("DPM++ 2M Karras",
+"""The sampler and schedule names people type: AUTOMATIC1111's labels ("DPM++ 2M Karras",
 "Euler a", and its scheduler "Automatic" that webuiapi sends by default) and ComfyUI's names (`euler_ancestral`,
 `dpmpp_2m`, schedule `normal`), mapped to one canonical name of sampling/names.py. Plain data, no numpy or torch.
 

@@ -1,4 +1,4 @@
-"""AUTOMATIC1111-compatible routes on `diffgraph serve` (issue 34, point 1): the same port, keys, validation and
+"""AUTOMATIC1111-compatible routes on `diffgraph serve`: the same port, keys, validation and
 errors as the images API, AUTOMATIC1111's request and response shapes (v1.10; webuiapi and the tools built on it).
 
     POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together

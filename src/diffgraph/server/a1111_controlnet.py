@@ -1,4 +1,4 @@
-"""AUTOMATIC1111's ControlNet extension on /sdapi/v1 (issue 32): its units in `alwayson_scripts.controlnet.args`
+"""AUTOMATIC1111's ControlNet extension on /sdapi/v1: its units in `alwayson_scripts.controlnet.args`
 become the request's `controls`, and its listing routes answer (`GET /controlnet/model_list`, `/controlnet/
 module_list`, `/controlnet/version`), so its clients work unchanged against the server's ControlNets.
 

@@ -1,4 +1,4 @@
-"""The pixels of an AUTOMATIC1111 img2img request (issue 34, point 1), before and after the engine: base64 images
+"""The pixels of an AUTOMATIC1111 img2img request, before and after the engine: base64 images
 read within the upload limits (edits.py's checks), flattened and resized by `resize_mode`, the mask read as
 AUTOMATIC1111 reads it (an alpha channel with transparency is the mask, opaque = repaint; else its gray levels,
 white = repaint), inverted, blurred (`mask_blur_x` / `_y`, a Gaussian of that standard deviation), the masked area

@@ -1,4 +1,4 @@
-"""The calling key's AUTOMATIC1111 requests in flight, and its options (issue 34, point 1).
+"""The calling key's AUTOMATIC1111 requests in flight, and its options.
 
 AUTOMATIC1111 runs one job at a time for everyone; here each API key (without keys: the server) has its own list of
 /sdapi/v1/txt2img and /img2img requests, oldest first, each a list of one-image engine requests, the key's from

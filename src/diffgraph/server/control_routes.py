@@ -1,4 +1,4 @@
-"""The conditioning routes (issue 32): `GET /v1/controlnets` (the ControlNets requests' `controls` may name: the
+"""The conditioning routes: `GET /v1/controlnets` (the ControlNets requests' `controls` may name: the
 `--controlnet-dir` folder's and the model's built-in ones), `POST /v1/controlnets/preview` (a control image through
 its preprocessor and resize mode, as the engine will prepare it: the playground shows it before generating) and
 `GET /v1/ip-adapters` (the IP-Adapters an `image_prompts` may name). All torch-free: the preview runs

@@ -1,4 +1,4 @@
-"""Images by URL (issue 34, point 3): `response_format: "url"` stores each encoded image for `--image-ttl` seconds and
+"""Images by URL: `response_format: "url"` stores each encoded image for `--image-ttl` seconds and
 answers `{"url": ".../v1/images/files/ID.png"}`, which the same server (or any ingress replica sharing the store)
 serves until the image expires; after that a GET is a 404.
 

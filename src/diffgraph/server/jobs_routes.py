@@ -1,4 +1,4 @@
-"""Batch jobs over HTTP (issue 35, points 1 and 2), on `diffgraph serve --state-dir DIR`:
+"""Batch jobs over HTTP, on `diffgraph serve --state-dir DIR`:
 
     POST   /v1/jobs                      a job: JSON {"items": [...]} or {"grid": {...}} (with "name", "webhook"), or
                                          JSONL (Content-Type application/x-ndjson or application/jsonl: one item a

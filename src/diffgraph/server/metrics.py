@@ -134,7 +134,7 @@ def _process_rss() -> int:
 
 
 class ModelCollector:
-    """Per model of a `--model-dir` server (issue 29), read at scrape time from `residents()`: (name, resident
+    """Per model of a `--model-dir` server, read at scrape time from `residents()`: (name, resident
     bytes, requests in flight) of each resident model, and the names of the models being loaded."""
 
     def __init__(self, residents: Callable[[], list[tuple[str, int, int]]], loading: Callable[[], list[str]]):

@@ -112,9 +112,9 @@ def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...],
 class TokenCache:
     """Token ids by (what the tokenizer was asked, text), the most recent kept: at most `size` texts and `max_ids` ids
     in all (a plain prompt keeps every id, truncated or not: a few long prompts must not hold hundreds of MB). A
-    tokenizer call costs about 0.15 ms of the submitting thread's CPU a text (transformers' wrapper more than the Rust
-    tokenizer); the engine loop waits for it when requests are submitted between its steps. The caller holds
-    `TextSetup.lock`."""
+    tokenizer call is not free on the submitting thread's CPU (transformers' wrapper more than the Rust tokenizer;
+    BENCHMARKS.md: the host's share of a burst); the engine loop waits for it when requests are submitted between
+    its steps. The caller holds `TextSetup.lock`."""
 
     def __init__(self, size: int = 4096, max_ids: int = 500_000):
         self.size, self.max_ids = size, max_ids
@@ -201,9 +201,9 @@ def _a1111_once(setup: TextSetup, text: str, name: str, request: GenerationReque
 class MatcherCache:
     """The embeddings folder's names and vector counts and their matcher, rebuilt only when the folder changes: its
     folders' modification times (a file added, removed or renamed into place) are the key, one stat per folder.
-    Listing reads every file's header and tokenising every name costs about 0.1 ms each: 200 embeddings made every
-    prompt 20 ms slower. A file rewritten in place (no folder change) is caught when it is read: its vector count
-    differs, and `forget()` makes the next prompt list again."""
+    Listing reads every file's header and tokenises every name, a cost per embedding that a full folder would add to
+    every prompt (BENCHMARKS.md: prompts as people write them). A file rewritten in place (no folder change) is
+    caught when it is read: its vector count differs, and `forget()` makes the next prompt list again."""
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -137,15 +137,11 @@ class FamilyAdapter:
     # AUTOMATIC1111's "Approx cheap" latent -> RGB factors of the family's VAE ([C][3], to [-1, 1]) for live
     # previews (engine/previews.py); None: fitted to each model's VAE
     preview_factors: tuple[tuple[float, ...], ...] | None = None
-    # the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py; BENCHMARKS.md,
-    # session 8): (convolution weights channels-last, attention backend first in line). Compiled SD1.5 UNet at CFG
-    # batch 2 / 32: NCHW 7.47 / 72.29 ms, channels-last 6.47 / 69.18, channels-last + cuDNN attention 6.12 / 67.39.
-    # SDXL: NCHW 32.42 / 466.4, channels-last 31.55 / 468.0, + cuDNN attention 31.42 / 467.7 (within noise: PyTorch's).
-    # The engine's own step graphs (session 9, with STEP_OPTIONS), SD1.5 buckets 1 / 16: channels-last + cuDNN 5.99 /
-    # 65.03 ms, channels-last + PyTorch's attention 6.03 / 64.83, NCHW 6.71 / 65.33. cuDNN attention is not batch
-    # invariant: a row's image moved with the batch sizes it ran at, up to 0.0378 (pixels, `digits`, 20 mixed requests
-    # vs each alone: 5 of 29 bucket paths over the 2e-2 fp16 tolerance); with PyTorch's choice at most 0.0125 over 19
-    # paths, the graph tier 0.0107 (tools/probe_mixed_fidelity.py; session 10). So both families keep PyTorch's choice.
+    # the compile tier's layout per family, measured with compile on (tools/probe_compile_layout.py,
+    # tools/probe_mixed_fidelity.py): (convolution weights channels-last, attention backend first in line).
+    # Channels-last is faster for SD1.5's UNet and within noise for SDXL's; cuDNN attention is barely faster and not
+    # batch invariant (a row's image moves with the batch sizes it runs at, beyond the fp16 tolerance), so both
+    # families keep PyTorch's choice (BENCHMARKS.md: Layout and attention with compile on).
     compile_layout: tuple[bool, str] = (True, "auto")
     # conditioning fields with a token axis (their first per-row dimension): long prompts make them longer
     sequence_fields: tuple[str, ...] = ()
