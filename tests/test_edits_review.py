@@ -15,7 +15,7 @@ from PIL import Image, ImageFile
 from diffgraph.server.edits import FormFiles, edit_input, read_form
 from diffgraph.server.image_store import ImageLinks, MemoryImageStore, NotSigned, UrlSigner
 from diffgraph.api.protocol import APIError
-from diffgraph.api.uploads import decode_upload
+from diffgraph.api.protocol import decode_upload
 
 
 def _encoded(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
@@ -136,7 +136,7 @@ def test_a_photo_with_an_exif_orientation_is_read_upright_as_diffusers_load_imag
     shown did not fit it)."""
     from diffusers.utils import load_image
 
-    from diffgraph.api.uploads import decode_upload
+    from diffgraph.api.protocol import decode_upload
     pixels = np.zeros((48, 64, 3), np.uint8)
     pixels[:8, :16] = 255  # a mark in the stored image's top-left corner
     exif = Image.Exif()

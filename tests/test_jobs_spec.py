@@ -13,7 +13,7 @@ import pytest
 from diffgraph.jobs.spec import MAX_CANDIDATES, SpecError, SpecLimits, parse_job
 from diffgraph.request import ModelInfo
 from diffgraph.api.config import ServerConfig
-from diffgraph.api.conversion import generation_request
+from diffgraph.api.protocol import generation_request
 
 INFO = ModelInfo(name="digits", family="sd", native_size=64, default_guidance=7.5, max_rows=32, mode="eager",
                  device="cpu")

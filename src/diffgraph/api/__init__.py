@@ -1,3 +1,2 @@
-"""What the HTTP server and batch jobs share, below both: the images API's request body and its errors
-(protocol.py), the uploaded images it references (uploads.py), the server's settings (config.py) and the conversion
-of a body into a `GenerationRequest` (conversion.py)."""
+"""What the HTTP server and batch jobs share, below both: the images API's request body, its errors, the images that
+come with it and its conversion into a `GenerationRequest` (protocol.py), and the server's settings (config.py)."""

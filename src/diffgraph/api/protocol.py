@@ -1,20 +1,40 @@
-"""The HTTP wire format: pydantic models for the OpenAI-shaped images API, and its errors.
+"""The HTTP wire format, shared by the server's routes and batch jobs: pydantic models for the OpenAI-shaped images
+API and its errors, the images that come with a request, and a body made a `GenerationRequest`.
 
 Only the HTTP edge uses pydantic. Types are checked here (strictly: "2" is not a number); ranges and
 allowed values are checked once, by `GenerationRequest.create`, whose ParamErrors `error_from_param_error`
 turns into OpenAI-shaped errors with the parameter named as the client spelled it.
+
+Images that come with a request are checked before their pixels are decoded (the edits form's uploads, base64 in a
+JSON body: the generations route's control maps and image prompts, AUTOMATIC1111's init images, batch jobs' items):
+at most --max-image-bytes bytes, and at most --max-image-pixels pixels read from the header (a decompression bomb is
+refused before it expands). 16-bit and float grayscale images (PIL modes I;16, I, F) are scaled to 8 bits, not
+clipped (`eight_bit`). A refusal is an APIError naming the field.
+
+`generation_request` checks the HTTP-only fields of a body, applies the server's defaults (prompt syntax, clip skip),
+decodes its uploads and builds the request (the one validation).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import re
-from typing import Any, Literal, get_args
+import secrets
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import numpy as np
 
 from pydantic import (BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
                       model_validator)
 
 from ..errors import ParamError
-from ..request import PreviewSpec
+from ..request import MAX_CONTROLS, MAX_PROMPT_IMAGES, EditInput, GenerationRequest, ModelInfo, PreviewSpec, \
+    require_prompt
+
+if TYPE_CHECKING:
+    from .config import ServerConfig
 
 # ASCII digits only: `\d` alone also takes Arabic-Indic and full-width digits, which int() reads as numbers
 _SIZE = re.compile(r"^\s*([0-9]{1,6})\s*[xX×]\s*([0-9]{1,6})\s*$", re.ASCII)
@@ -305,3 +325,151 @@ def error_from_param_error(err: ValueError, extensions: tuple[str, ...] = ()) ->
     if name == "num_images" and message.startswith("num_images"):
         message = "n" + message[len("num_images"):]
     return APIError(400, message, param=param)
+
+
+CONTROL_FILES = tuple(f"control_image_{i}" for i in range(MAX_CONTROLS))  # control i's map, beside `controls`
+PROMPT_FILES = tuple(f"image_prompt_{i}" for i in range(MAX_PROMPT_IMAGES))  # the image prompt's images
+# the formats read: each declares its size in a header read before any pixel is decoded (an ICO decodes its
+# entry while it opens, whatever size its directory claims: past --max-image-pixels before the check)
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG opens a phone's MPO too (its factory)
+# modes PIL opens but cannot convert to L or RGB (premultiplied alpha, CIELab): read as these
+_CONVERTIBLE = {"La": "LA", "RGBa": "RGBA", "LAB": "RGB", "HSV": "RGB"}
+EXIF_ORIENTATION = 0x0112
+
+
+def decode_upload(name: str, data: bytes | None, max_bytes: int, max_pixels: int) -> Any:
+    """A PIL image, its size checked from the header before its pixels are decoded, turned upright as its EXIF
+    orientation says (a phone's photo is stored sideways with a mark: diffusers' load_image turns it too)."""
+    from PIL import Image
+
+    if not data:
+        raise APIError(400, f"{name} is empty; upload a PNG, JPEG or WebP image", param=name)
+    if len(data) > max_bytes:
+        raise APIError(400, f"{name} has {len(data)} bytes; the limit is {max_bytes} (--max-image-bytes)",
+                       param=name, code="image_too_large")
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError:
+        raise APIError(400, f"{name} declares too many pixels (a decompression bomb?); the limit is {max_pixels}",
+                       param=name, code="image_too_large") from None
+    except Exception:
+        raise APIError(400, f"{name} is not an image this server can read; upload a PNG, JPEG or WebP (or GIF, "
+                            "BMP, TIFF)", param=name) from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise APIError(400, f"{name} is {width}x{height} ({width * height} pixels); the limit is {max_pixels} "
+                            "(--max-image-pixels)", param=name, code="image_too_large")
+    try:
+        image.load()
+    except Exception as e:
+        raise APIError(400, f"{name} could not be decoded ({type(e).__name__}); upload an intact PNG, JPEG or WebP",
+                       param=name) from None
+    if image.getexif().get(EXIF_ORIENTATION, 1) != 1:  # a camera's photo as it is shown (diffusers' load_image too)
+        from PIL import ImageOps
+        image = ImageOps.exif_transpose(image)
+    return image.convert(_CONVERTIBLE[image.mode]) if image.mode in _CONVERTIBLE else image
+
+
+def eight_bit(image: Any) -> Any:
+    """An 8-bit `L` image of a 16-bit or float grayscale one (modes I;16*, I, F), scaled: PIL's convert clips them
+    to 0..255 (a 16-bit upload turned nearly all white). The full scale is the smallest of 1 (float images only),
+    255 and 65535 that holds the largest value (I;16: 65535), else that value; below 0 is black. Other modes
+    pass through."""
+    from PIL import Image
+
+    if not (image.mode.startswith("I") or image.mode == "F"):
+        return image
+    values = np.nan_to_num(np.asarray(image, dtype=np.float32), nan=0.0, posinf=0.0, neginf=0.0)
+    top = float(values.max(initial=0.0))
+    scales = (65535.0,) if image.mode.startswith("I;16") else (1.0, 255.0, 65535.0) if image.mode == "F" \
+        else (255.0, 65535.0)
+    full = next((s for s in scales if top <= s), top)
+    return Image.fromarray(np.clip(np.rint(values * (255.0 / full)), 0, 255).astype(np.uint8), "L")
+
+
+def decode_b64(field: str, text: str, max_bytes: int, max_pixels: int) -> Any:
+    """A base64 image (a `data:image/...;base64,` prefix allowed), checked as an upload is (edits.py)."""
+    if "," in text[:100] and text.startswith("data:"):
+        text = text.split(",", 1)[1]
+    if text.startswith(("http://", "https://")):
+        raise APIError(400, f"{field}: this server does not fetch URLs; send the image as base64", param=field)
+    if len(text) > 4 * (max_bytes // 3 + 2) + 1024:
+        raise APIError(400, f"{field} is larger than {max_bytes} bytes (--max-image-bytes)", param=field,
+                       code="image_too_large")
+    try:
+        data = base64.b64decode(text, validate=False)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{field} is not base64 text; send a base64-encoded PNG, JPEG or WebP",
+                       param=field) from None
+    return decode_upload(field, data, max_bytes, max_pixels)
+
+
+def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: int,
+                    files: dict[str, bytes] | None = None) -> list[dict[str, Any]]:
+    """A body's `controls` with their images decoded (GenerationRequest.create checks the rest): base64 in each
+    control's `image`, or (the edits form) the file part control_image_<i>."""
+    out = []
+    files = files or {}
+    if len(refs or ()) > MAX_CONTROLS:
+        raise APIError(400, f"{len(refs)} controls given; at most {MAX_CONTROLS} per request", param="controls")
+    for i, ref in enumerate(refs or ()):
+        part = CONTROL_FILES[i]
+        if (ref.image is None) == (part not in files):
+            raise APIError(400, f"controls[{i}] needs its control image once: as the file part {part} or as base64 "
+                                "in its image field", param=f"controls[{i}].image")
+        image = (decode_upload(part, files[part], max_bytes, max_pixels) if ref.image is None
+                 else decode_b64(f"controls[{i}].image", ref.image, max_bytes, max_pixels))
+        out.append({**ref.model_dump(), "image": eight_bit(image).convert("RGB")})
+    extra = sorted(set(files) & set(CONTROL_FILES[len(refs or ()):]))
+    if extra:
+        raise APIError(400, f"file part {extra[0]} has no control in controls; add one, or leave the part out",
+                       param=extra[0])
+    return out
+
+
+def decode_image_prompt(ref: ImagePromptRef | None, max_bytes: int, max_pixels: int,
+                        files: dict[str, bytes] | None = None) -> dict[str, Any] | None:
+    """A body's `image_prompts` with its images decoded (GenerationRequest.create checks the rest): base64 in its
+    `images`, or (the edits form) the file parts image_prompt_<i>."""
+    files = files or {}
+    parts = [p for p in PROMPT_FILES if p in files]
+    if ref is None:
+        if parts:
+            raise APIError(400, f"file part {parts[0]} has no image_prompts field; add one ({{\"model\": ...}}), or "
+                                "leave the part out", param=parts[0])
+        return None
+    if (ref.images is None) == (not parts):
+        raise APIError(400, "image_prompts needs its images once: as the file parts image_prompt_0, image_prompt_1 or "
+                            "as base64 in its images field", param="image_prompts.images")
+    images = ([decode_upload(p, files[p], max_bytes, max_pixels) for p in parts] if ref.images is None else
+              [decode_b64(f"image_prompts.images[{i}]", t, max_bytes, max_pixels) for i, t in enumerate(ref.images)])
+    return {"model": ref.model, "scale": ref.scale, "images": [eight_bit(i).convert("RGB") for i in images]}
+
+
+def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGenerationRequest,
+                        edit: EditInput | None = None, controls: list | tuple = (),
+                        image_prompts: dict | None = None, extras: dict | None = None) -> GenerationRequest:
+    """Checks the HTTP-only fields of typed parameters, then builds the request (the one validation)."""
+    if params.model is not None and params.model != info.name:
+        raise APIError(400, f"model {params.model!r} is not served here; this server serves {info.name!r} "
+                            "(GET /v1/models)", param="model", code="model_not_found")
+    if params.response_format not in ("b64_json", "url"):
+        raise APIError(400, f"response_format {params.response_format!r} is unknown; allowed: b64_json, url",
+                       param="response_format")
+    if params.controls and not controls:  # not decoded by the route (a batch job's item): its images are base64
+        controls = decode_controls(params.controls, config.max_image_bytes, config.max_image_pixels)
+    if params.image_prompts is not None and image_prompts is None:
+        image_prompts = decode_image_prompt(params.image_prompts, config.max_image_bytes, config.max_image_pixels)
+    kwargs = params.request_params()
+    if kwargs["prompt_syntax"] is None:
+        kwargs["prompt_syntax"] = config.prompt_syntax
+    if kwargs["clip_skip"] is None:
+        kwargs["clip_skip"] = config.clip_skip
+    check_prompt_bytes(config.max_prompt_bytes, prompt=params.prompt, negative_prompt=kwargs["negative_prompt"])
+    try:
+        require_prompt(params.prompt, edit)  # OpenAI's API requires a prompt; an edit has its image to go on
+        return GenerationRequest.create(params.prompt, request_id=f"img-{secrets.token_hex(8)}", model=info,
+                                        image=edit, controls=controls, image_prompts=image_prompts, extras=extras,
+                                        **kwargs)
+    except ParamError as e:
+        raise error_from_param_error(e, info.extension_params) from None

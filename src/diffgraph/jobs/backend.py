@@ -26,7 +26,7 @@ from ..request import (EngineClosed, EngineStepError, GenerationRequest, ModelIn
                        RequestAborted)
 from ..api.config import ServerConfig
 from ..api.protocol import APIError, ImageGenerationRequest, error_from_param_error, error_from_validation
-from ..api.conversion import generation_request
+from ..api.protocol import generation_request
 from .store import Candidate
 
 RETRYABLE_STATUS = (429, 503)

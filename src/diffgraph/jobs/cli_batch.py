@@ -132,7 +132,7 @@ def run_local(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: str
     from ..config import default_cpu_threads
     from ..engine.async_engine import AsyncEngine
     from ..engine.engine import Engine, default_device
-    from ..api.conversion import generation_request
+    from ..api.protocol import generation_request
 
     if (args.device or default_device()).startswith("cpu"):
         torch.set_num_threads(default_cpu_threads())  # as the server does

@@ -60,7 +60,7 @@ from .models import ModelRouting, Target
 from .pages import embedding_listing, lora_listing
 from ..api.protocol import APIError
 from .requests import ClientGone, ServerState, abort, outcome, results, submit
-from ..api.uploads import decode_b64
+from ..api.protocol import decode_b64
 
 if TYPE_CHECKING:
     from ..text.embeddings import EmbeddingDir

@@ -24,7 +24,7 @@ import re
 from typing import Any, Callable
 
 from ..api.protocol import APIError
-from ..api.uploads import decode_b64, eight_bit
+from ..api.protocol import decode_b64, eight_bit
 
 MODULES = {"none": "none", "canny": "canny", "invert": "invert", "invert (from white bg & black line)": "invert"}
 IGNORED = ("processor_res", "pixel_perfect", "lowvram", "low_vram", "save_detected_map", "hr_option", "input_mode",

@@ -33,7 +33,7 @@ from .models import ModelRouting
 from .pages import embedding_listing, lora_listing
 from ..api.protocol import APIError
 from .requests import ServerState
-from ..api.uploads import decode_b64
+from ..api.protocol import decode_b64
 
 if TYPE_CHECKING:
     from ..text.embeddings import EmbeddingDir

@@ -20,7 +20,7 @@ from PIL import Image, ImageFilter, ImageOps
 
 from ..request import EditInput, ParamError
 from .a1111_protocol import Img2ImgBody, a1111_error
-from ..api.uploads import eight_bit
+from ..api.protocol import eight_bit
 from ..api.protocol import APIError
 
 Box = tuple[int, int, int, int]  # (left, top, right, bottom) pixels, right and bottom exclusive (PIL's crop box)

@@ -62,14 +62,14 @@ from .auth import APIKeyMiddleware, authorized
 from .control_routes import add_control_routes
 from .bodies import read_json
 from .edits import VARIATION_STRENGTH, ImageEditForm, edit_input, read_form, variation_schema
-from ..api.uploads import decode_controls, decode_image_prompt
+from ..api.protocol import decode_controls, decode_image_prompt
 from .image_store import ImageLinks, UrlSigner, make_store
 from .jobs_routes import add_job_routes
 from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import add_docs, embedding_listing, lora_listing, playground_file, server_info, server_status
 from . import stream as sse
-from ..api.conversion import generation_request
+from ..api.protocol import generation_request
 from .requests import (ClientGone, ServerState, abort, logger, outcome, results, submit,
                        syntax_warnings, warnings_header)
 

@@ -23,7 +23,7 @@ from ..models.ip_adapter_dir import IPAdapterDir
 from ..request import MAX_CONTROLS, MAX_PROMPT_IMAGES, ControlInput, ParamError
 from .bodies import read_json
 from ..api.config import ServerConfig
-from ..api.uploads import decode_b64, eight_bit
+from ..api.protocol import decode_b64, eight_bit
 from ..api.protocol import _SIZE, APIError, error_from_param_error, error_from_validation
 
 

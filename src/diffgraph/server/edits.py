@@ -30,7 +30,7 @@ from ..request import EditInput, ParamError
 from .bodies import FormLimits, read_multipart
 from ..api.protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef, LoraRef, PreviewBody,
                        error_from_param_error, error_from_validation)
-from ..api.uploads import CONTROL_FILES, PROMPT_FILES, decode_upload, eight_bit
+from ..api.protocol import CONTROL_FILES, PROMPT_FILES, decode_upload, eight_bit
 
 FORM_CONTENT = "multipart/form-data"
 FILES = ("image", "mask", *CONTROL_FILES, *PROMPT_FILES)

@@ -40,7 +40,7 @@ from ..request import ModelInfo, ParamError
 from .auth import caller_key
 from .bodies import read_body
 from ..api.protocol import APIError, ImageGenerationRequest, error_from_param_error
-from ..api.conversion import generation_request
+from ..api.protocol import generation_request
 from .requests import ServerState, submit
 
 logger = logging.getLogger("diffgraph.jobs")
