@@ -32,6 +32,8 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
     (folder / "model_index.json").write_text("{}")  # a diffusers folder, for model-config
     keys = tmp / "keys"
     keys.write_text("k-file\n")
+    styles = tmp / "styles.csv"
+    styles.write_text("name,prompt,negative_prompt\nink,\"{prompt}, ink\",blurry\n")
     d = str(folder)
     return {
         "model": ("random:tiny-lcm", {}), "host": ("0.0.0.0", {}), "port": (9001, {}), "device": ("cpu", {}),
@@ -50,7 +52,8 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
         "max_controlnets": (3, {}), "ip_adapter_dir": (d, {}), "compile": (True, {}),
         "compile_mode": ("max-autotune-no-cudagraphs", {"compile": True}), "quantize": ("fp8", {}),
         "quantize_min_features": (64, {"quantize": "fp8"}), "embeddings_dir": (d, {}), "max_prompt_chunks": (2, {}),
-        "clip_skip": (1, {}), "prompt_syntax": ("a1111", {}), "compile_cache": (d, {"compile": True}),
+        "clip_skip": (1, {}), "prompt_syntax": ("a1111", {}), "styles": (str(styles), {}),
+        "compile_cache": (d, {"compile": True}),
         "metadata": (False, {}), "preview_decoder": (d, {}), "max_step_failures": (5, {}),
         "replica_timeout": (5.0, {}), "lora_host_bytes": (100, {}), "max_pixels": (4096, {}),
         "image_ttl": (60.0, {}), "image_store": (d, {}), "image_store_bytes": (2 << 20, {}),

@@ -34,6 +34,7 @@ from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, 
 from ..cli_flags import CHECKPOINT_SETTINGS, COMPILE_MODE, QUANTIZE, QUANTIZE_MIN_FEATURES
 from ..engine.remote_models import ModelSetSpec
 from ..engine.scheduler import SchedulerConfig
+from ..prompt_styles import read_styles
 from ..request import MAX_CLIP_SKIP, MAX_EDIT_PIXELS, MAX_PROMPT_CHUNKS, PROMPT_SYNTAXES
 from ..settings import comma_list, declared, read, setting
 
@@ -237,6 +238,11 @@ class ServerConfig:
     prompt_syntax: str = field(default="plain", metadata=setting(
         "how the images routes read prompts that do not say (default: plain, diffusers' reading)",
         "capabilities", choices=("plain", "a1111")))
+    styles: str | None = field(default=None, metadata=setting(
+        "AUTOMATIC1111's styles.csv (a header row name,prompt,negative_prompt; at most 1 MiB, read at start): the "
+        "AUTOMATIC1111 routes apply the styles a request names in `styles`, in order (a style's {prompt} takes the "
+        "request's prompt, else its text is appended after a comma), and GET /sdapi/v1/prompt-styles lists them",
+        "capabilities", metavar="FILE"))
     compile_cache: str | None = field(default=None, metadata=setting(
         "with --compile: where compiled artifacts are kept (default: ~/.cache/diffgraph/compile); `diffgraph compile` "
         "fills one ahead of time", "graphs", engine="compile", metavar="DIR"))
@@ -411,6 +417,8 @@ class ServerConfig:
                              "compiles): add --compile, or compile = true in the TOML")
         if self.prompt_syntax not in PROMPT_SYNTAXES:
             raise ValueError(f"prompt-syntax {self.prompt_syntax!r} is unknown; allowed: {', '.join(PROMPT_SYNTAXES)}")
+        if self.styles is not None:
+            read_styles(self.styles)  # a malformed file is refused at start, naming its line
         self.load_options()  # checks the paths and the prediction type
         if self.model_dir is not None:
             if not os.path.isdir(self.model_dir):

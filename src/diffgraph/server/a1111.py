@@ -15,7 +15,8 @@ field; an infotext and the prompts sized before they are parsed, on a worker thr
 a1111_inpaint.py on a worker thread, each image validated (on a worker thread too) by
 `GenerationRequest.create` (the one validation) and submitted, watched and aborted through requests.py, on the model
 `ModelRouting` answers (override_settings' sd_model_checkpoint, else the key's). Prompts are read in AUTOMATIC1111's
-syntax (`(word:1.2)`, `<lora:name:w>`). Every request ends in one outcome counted in the metrics. app.py mounts this.
+syntax (`(word:1.2)`, `<lora:name:w>`), after the styles the body names (--styles, read at start). Every request
+ends in one outcome counted in the metrics. app.py mounts this.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..models.clip_vocab import default_cache_root
 from ..models.controlnet_dir import ControlNetDir
 from ..models.file_hashes import FileHashes
 from ..models.presets import builtin_control_folder, builtin_lora_folder
+from ..prompt_styles import read_styles
 from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
 from .a1111_info import InfoSources, info_router
@@ -96,6 +98,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
     read_timeout = min(config.body_timeout, config.request_timeout)
     # `Model hash`, `Lora hashes` (models/file_hashes.py): the model set's when there is one (one hashing thread)
     hashes = routing.hashes if routing is not None else FileHashes(default_cache_root())
+    styles = read_styles(config.styles) if config.styles else None  # --styles: read once, at start
 
     def checkpoint(name: str | None) -> str | None:
         """The checkpoint file of the model `name` (None: the default, --model): None for a folder or a preset."""
@@ -188,7 +191,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         checked again on construction."""
         sampler, schedule, eta = sampler_schedule(body, info)
         try:
-            first = GenerationRequest.create(body.prompt or "", model=info, seed=plan.seeds[0], sampler=sampler,
+            first = GenerationRequest.create(plan.prompt, model=info, seed=plan.seeds[0], sampler=sampler,
                                              schedule=schedule, eta=eta, image=edits[0].edit if edits else None,
                                              request_id=f"a1111-{secrets.token_hex(8)}", controls=controls,
                                              **plan.create)
@@ -300,7 +303,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         options = board.options(key)
         # the infotext and the prompts are user text: sized, then parsed, on a worker thread
         plan = await asyncio.to_thread(plan_body, body, options.model, options.clip_stop, config.clip_skip,
-                                       config.max_prompt_bytes)
+                                       config.max_prompt_bytes, styles)
         deadline = t0 + config.request_timeout
         chosen, name = await target(plan.model, deadline - time.monotonic())
         try:  # the model is held (never evicted) until its requests are queued
@@ -455,7 +458,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                         ", ".join(ignored[:MAX_IGNORED_NAMES]), ", ".join(OPTIONS))
         return JSONResponse(None, headers=names_header(ignored))
 
-    app.include_router(info_router(InfoSources(state, routing, embedding_dir)))  # png-info, memory, ... (a1111_info.py)
+    # png-info, memory, prompt-styles, ... (a1111_info.py)
+    app.include_router(info_router(InfoSources(state, routing, embedding_dir, styles)))
 
     @app.get("/sdapi/v1/progress")
     async def progress(http: Request, skip_current_image: bool = False) -> Response:

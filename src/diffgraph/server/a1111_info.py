@@ -6,7 +6,8 @@ diffgraph has; the image routes, options and progress are a1111.py's, which incl
     GET  /sdapi/v1/cmd-flags           the server's settings under AUTOMATIC1111's flag names (no key, no absolute path)
     GET  /sdapi/v1/memory              this process's RAM (/proc) and the engine's CUDA figures where it reports them
     GET  /sdapi/v1/latent-upscale-modes  AUTOMATIC1111's list
-    GET  /sdapi/v1/prompt-styles, /hypernetworks, /face-restorers, /realesrgan-models, /script-info   none here
+    GET  /sdapi/v1/prompt-styles       the --styles file's styles (read at start), else none
+    GET  /sdapi/v1/hypernetworks, /face-restorers, /realesrgan-models, /script-info   none here
     POST /sdapi/v1/refresh-checkpoints, /refresh-loras, /refresh-embeddings, /refresh-vae   the listings re-read
     POST /sdapi/v1/reload-checkpoint, /unload-checkpoint   nothing to do: models load and go on demand
 
@@ -27,6 +28,7 @@ from fastapi import APIRouter, Depends, Request, params
 from fastapi.responses import JSONResponse, Response
 
 from ..image_metadata import PNG_KEY, infotext_parts, read_texts
+from ..prompt_styles import StyleBook
 from .bodies import read_body
 from ..api.config import ServerConfig
 from .models import ModelRouting
@@ -52,11 +54,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class InfoSources:
-    """What these routes read: the server, its model routing (--model-dir) and its embeddings folder."""
+    """What these routes read: the server, its model routing (--model-dir), its embeddings folder and its styles
+    (--styles)."""
 
     state: ServerState
     routing: ModelRouting | None
     embedding_dir: EmbeddingDir | None
+    styles: StyleBook | None = None
 
 
 def shown_path(path: str | None) -> str | None:
@@ -93,6 +97,7 @@ def cmd_flags(state: ServerState) -> dict[str, Any]:
     device = c.device or ""
     return {"ckpt": shown_path(c.model), "ckpt_dir": shown_path(c.model_dir), "vae_path": shown_path(c.vae),
             "lora_dir": shown_path(c.lora_dir), "embeddings_dir": shown_path(c.embeddings_dir),
+            "styles_file": [shown_path(c.styles)] if c.styles else [],
             "controlnet_dir": shown_path(c.controlnet_dir), "port": c.port, "server_name": c.host,
             "listen": c.host in ("0.0.0.0", "::"), "api": True, "api_log": c.access_log,
             "api_auth": None, "device_id": device.split(":", 1)[1] if device.startswith("cuda:") else None,
@@ -206,7 +211,11 @@ def _add_reads(router: APIRouter, sources: params.Depends) -> None:
     async def latent_upscale_modes() -> list[dict[str, str]]:
         return [{"name": name} for name in LATENT_UPSCALE_MODES]
 
-    for path in ("/prompt-styles", "/hypernetworks", "/face-restorers", "/realesrgan-models", "/script-info"):
+    @router.get("/prompt-styles")
+    async def prompt_styles(s: InfoSources = sources) -> list[dict[str, str]]:
+        return s.styles.listing() if s.styles is not None else []
+
+    for path in ("/hypernetworks", "/face-restorers", "/realesrgan-models", "/script-info"):
         router.add_api_route(path, _none, methods=["GET"])  # none of these exist here
 
 

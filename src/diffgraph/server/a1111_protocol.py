@@ -2,9 +2,9 @@
 `/img2img` bodies and of the answers, with AUTOMATIC1111's field names and defaults (v1.10's modules/api/models.py;
 tests/fixtures/a1111_api_fields.json is the transcription a test holds them to), and a body read in diffgraph's
 words (`plan_body`): the values diffgraph cannot honour refused with a 400 naming the field and what to send
-instead, the seeds of its images (AUTOMATIC1111's all_seeds: seed + i, each image its own request), the clip skip,
-the sampler and scheduler names (sampling/aliases.py; "Automatic" is the sampler's own schedule, as AUTOMATIC1111
-picks it) and `infotext`.
+instead, the prompts after the body's `styles` (--styles, prompt_styles.py), the seeds of its images
+(AUTOMATIC1111's all_seeds: seed + i, each image its own request), the clip skip, the sampler and scheduler names
+(sampling/aliases.py; "Automatic" is the sampler's own schedule, as AUTOMATIC1111 picks it) and `infotext`.
 
 Values are read as AUTOMATIC1111's own models read them: coerced ("3" is 3), unknown keys ignored (named in the answer's
 header, `ignored_header`); null is the field's default. Ranges are checked once, by `GenerationRequest.create`, whose ParamErrors `a1111_error` names in AUTOMATIC1111's fields. a1111.py serves these.
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, JsonValue, PrivateAttr, ValidationEr
 
 from .. import __version__
 from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, parse_infotext
+from ..prompt_styles import StyleBook, StyleError
 from ..request import CFG_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError, cfg_params_used
 from ..sampling.aliases import canonical
 from ..sampling.samplers import ETA_SAMPLERS
@@ -201,6 +202,8 @@ class Plan:
     """A body in diffgraph's words: what its images share, and the seed of each (one image per request)."""
 
     model: str | None               # override_settings' sd_model_checkpoint; None: the calling key's default
+    prompt: str                     # the prompts after the body's styles (AUTOMATIC1111's p.prompt)
+    negative_prompt: str
     create: dict[str, Any]          # GenerationRequest.create keywords every image shares (no seed, no image)
     seeds: tuple[int, ...]          # AUTOMATIC1111's all_seeds
     subseeds: tuple[int, ...]       # its all_subseeds (reported: subseed_strength 0 leaves them unused)
@@ -375,19 +378,35 @@ def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
         body.override_settings = {**(body.override_settings or {}), "CLIP_stop_at_last_layers": fields["clip_skip"] + 1}
 
 
+def _styled(body: ProcessingBody, styles: StyleBook | None,
+            max_prompt_bytes: int | None) -> tuple[str, str, list[str]]:
+    """(prompt, negative prompt, warnings) after the body's styles, applied in order from `styles` (--styles); a name
+    not there is skipped with a warning, as AUTOMATIC1111 skips it."""
+    prompt, negative = body.prompt or "", body.negative_prompt or ""
+    if not body.styles:
+        return prompt, negative, []
+    if styles is None:
+        return prompt, negative, [f"styles {body.styles} were ignored: this server has no styles file (--styles)"]
+    try:
+        prompt, negative, unknown = styles.apply(prompt, negative, body.styles, max_prompt_bytes)
+    except StyleError as e:
+        raise APIError(400, str(e), param="styles") from None
+    return prompt, negative, [f"styles {list(unknown)} were ignored: not in the styles file (GET "
+                              "/sdapi/v1/prompt-styles lists its styles)"] if unknown else []
+
+
 def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | None, clip_skip: int | None,
-              max_prompt_bytes: int | None = None) -> Plan:
+              max_prompt_bytes: int | None = None, styles: StyleBook | None = None) -> Plan:
     """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's). With
-    `max_prompt_bytes` (--max-prompt-bytes) the infotext and the prompts are held to it before they are parsed.
-    Pure CPU work on user text: the routes call it on a worker thread."""
+    `max_prompt_bytes` (--max-prompt-bytes) the infotext and the prompts are held to it before they are parsed, and so
+    are the prompts the body's styles (`styles`, --styles) make of them, which every later reader takes. Pure CPU work
+    on user text: the routes call it on a worker thread."""
     if body.infotext:
         _apply_infotext(body, max_prompt_bytes)
     if max_prompt_bytes is not None:
         check_prompt_bytes(max_prompt_bytes, prompt=body.prompt, negative_prompt=body.negative_prompt)
     check_supported(body)
-    warnings = []
-    if body.styles:
-        warnings.append(f"styles {body.styles} were ignored: this server keeps no styles; put their text in the prompt")
+    prompt, negative, warnings = _styled(body, styles, max_prompt_bytes)
     if body.save_images:
         warnings.append("save_images was ignored: this server does not keep images; save the ones it returns")
     batch_size = 1 if body.batch_size is None else body.batch_size
@@ -407,13 +426,14 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
     subseed = -1 if body.subseed is None else body.subseed
     subseed = secrets.randbelow(MAX_RANDOM_SEED) if subseed == -1 else subseed
     model, stop = _options(body, key_model, key_clip_stop, clip_skip)
-    create = dict(negative_prompt=body.negative_prompt or None,
+    create = dict(negative_prompt=negative or None,
                   width=512 if body.width is None else body.width, height=512 if body.height is None else body.height,
                   num_inference_steps=50 if body.steps is None else body.steps,
                   guidance_scale=7.0 if body.cfg_scale is None else body.cfg_scale, num_images=1,
                   output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW))
-    return Plan(model=model, create=create, seeds=tuple(seed + i for i in range(count)),
-                subseeds=tuple(subseed + i for i in range(count)), clip_stop=stop, warnings=tuple(warnings))
+    return Plan(model=model, prompt=prompt, negative_prompt=negative, create=create,
+                seeds=tuple(seed + i for i in range(count)), subseeds=tuple(subseed + i for i in range(count)),
+                clip_stop=stop, warnings=tuple(warnings))
 
 
 def fit_to_model(plan: Plan, info: ModelInfo) -> Plan:
@@ -474,8 +494,8 @@ def info_json(body: ProcessingBody, plan: Plan, first: GenerationRequest, model:
     """AUTOMATIC1111's `info`: its Processed.js() fields, as JSON text."""
     count = len(plan.seeds)
     return json.dumps({
-        "prompt": first.prompt, "all_prompts": [first.prompt] * count, "negative_prompt": body.negative_prompt or "",
-        "all_negative_prompts": [body.negative_prompt or ""] * count, "seed": plan.seeds[0],
+        "prompt": first.prompt, "all_prompts": [first.prompt] * count, "negative_prompt": plan.negative_prompt,
+        "all_negative_prompts": [plan.negative_prompt] * count, "seed": plan.seeds[0],
         "all_seeds": list(plan.seeds), "subseed": plan.subseeds[0], "all_subseeds": list(plan.subseeds),
         "subseed_strength": body.subseed_strength or 0, "width": first.width, "height": first.height,
         "sampler_name": A1111_SAMPLERS.get(first.sampler, first.sampler), "cfg_scale": first.guidance_scale,
