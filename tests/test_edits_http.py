@@ -207,8 +207,11 @@ def test_the_openai_client_edits(server, engine, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def app(tiny_engine):
-    with served(tiny_engine, ServerConfig(model=MODEL, device="cpu")) as client:
+def app():
+    """A server of its own engine (the app closes the engine it serves: never the suite's shared one)."""
+    from diffgraph import Engine
+
+    with served(Engine(model=MODEL, device="cpu", dtype="fp32"), ServerConfig(model=MODEL, device="cpu")) as client:
         yield client
 
 
