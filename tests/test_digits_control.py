@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from diffgraph import Engine
 
+from loop_util import together
+
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
@@ -50,15 +52,17 @@ def test_the_outline_control_is_listed_as_a_builtin(engine):
 def test_generated_digits_follow_the_outline(engine, digits, move):
     import cv2
     images, labels = digits
-    controlled, plain = [], []
+    shapes, reqs = [], []
     for seed in range(10):
         i = seed * 7
         shape = placed(images[i], **move)
         outline = np.repeat(cv2.Canny(shape, 100, 200)[:, :, None], 3, 2)
         prompt = f"a handwritten digit {WORDS[labels[i]]}"
-        ours = engine.generate(prompt, seed=seed, controls=[dict(model="outline", image=outline)])
-        alone = engine.generate(prompt, seed=seed)
-        controlled.append(iou(ours.arrays[0].mean(-1) > 0.5, shape > 127))
-        plain.append(iou(alone.arrays[0].mean(-1) > 0.5, shape > 127))
+        shapes.append(shape)
+        reqs += [engine.make_request(prompt, seed=seed, controls=[dict(model="outline", image=outline)]),
+                 engine.make_request(prompt, seed=seed)]
+    results = together(engine, reqs)  # the 20 requests share steps
+    controlled = [iou(ours.arrays[0].mean(-1) > 0.5, shape > 127) for ours, shape in zip(results[::2], shapes)]
+    plain = [iou(alone.arrays[0].mean(-1) > 0.5, shape > 127) for alone, shape in zip(results[1::2], shapes)]
     assert sum(c >= 0.6 for c in controlled) >= 8, np.round(controlled, 2)
     assert np.mean(plain) <= 0.3, np.round(plain, 2)

@@ -19,6 +19,7 @@ if FOLDER is None or not os.path.isfile(os.path.join(FOLDER, "lcm.safetensors"))
     pytest.skip("the digits model's built-in lcm adapter is not shipped in this install (make it with "
                 "tools/train_digits_lcm.py)", allow_module_level=True)
 
+from loop_util import together  # noqa: E402
 from test_digits import PROMPTS, WORDS, features, oracle_and_heldout  # noqa: E402
 
 from diffgraph import Engine  # noqa: E402
@@ -33,9 +34,9 @@ def engine():
 def _read(engine, loras) -> tuple[float, float]:
     clf, _ = oracle_and_heldout()
     asked, images = [], []
-    for d in range(10):
-        r = engine.generate(PROMPTS["digits"].format(w=WORDS[d], d=d), sampler="lcm", num_inference_steps=4,
-                            guidance_scale=1.0, seed=1000 + d, num_images=5, loras=loras)
+    for d, r in enumerate(together(engine, [  # the ten requests share steps
+            engine.make_request(PROMPTS["digits"].format(w=WORDS[d], d=d), sampler="lcm", num_inference_steps=4,
+                                guidance_scale=1.0, seed=1000 + d, num_images=5, loras=loras) for d in range(10)])):
         images.append(np.asarray(r.arrays))
         asked += [d] * 5
     x, asked = features(np.concatenate(images)), np.array(asked)

@@ -15,6 +15,7 @@ if presets.builtin_lora_folder("digits") is None or presets.shipped_preset_folde
     pytest.skip("the digits model or its built-in adapters are not shipped in this install "
                 "(make them with tools/train_digits.py and tools/train_digits_lora.py)", allow_module_level=True)
 
+from loop_util import together  # noqa: E402
 from test_digits import WORDS, features, oracle_and_heldout  # noqa: E402
 
 from diffgraph import Engine  # noqa: E402
@@ -29,11 +30,11 @@ def engine():
 
 
 def _images(engine, scale: float, seeds, digits) -> np.ndarray:
-    out = []
-    for seed, d in zip(seeds, digits):
-        loras = [("pencil", scale)] if scale else []
-        out.append(engine.generate(PROMPT.format(w=WORDS[d]), seed=seed, num_inference_steps=20, loras=loras).arrays)
-    return np.concatenate(out)
+    """One image per (seed, digit), the requests submitted together (they share steps)."""
+    loras = [("pencil", scale)] if scale else []
+    return np.concatenate([r.arrays for r in together(engine, [
+        engine.make_request(PROMPT.format(w=WORDS[d]), seed=seed, num_inference_steps=20, loras=loras)
+        for seed, d in zip(seeds, digits)])])
 
 
 def _peak(images: np.ndarray) -> np.ndarray:

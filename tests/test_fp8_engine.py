@@ -14,13 +14,23 @@ import pytest
 from diffgraph import Engine
 from diffgraph.models.digits_oracle import DigitsOracle
 from diffgraph.quantize import Fp8Config, Fp8Linear
-from diffgraph.bench.fp8_compare import generate_images, pixel_difference, seed_prompts
+from diffgraph.bench.fp8_compare import FIRST_SEED, pixel_difference, seed_prompts
 from diffgraph.request import ParamError
 
+from loop_util import together
 from test_digits import oracle_and_heldout
 
 FORCED = Fp8Config(min_features=64)
 SEEDS = 20  # two per digit
+
+
+def _images(engine, prompts) -> np.ndarray:
+    """bench/fp8_compare.py's `generate_images` (seed FIRST_SEED + i per prompt, 20 steps, 64x64, guidance 5), its
+    requests submitted together: they share steps (a third of the time one after another takes; measured: the
+    same oracle scores, the pixel difference's mean within 0.1 level of theirs)."""
+    return np.stack([np.asarray(r.arrays)[0] for r in together(engine, [
+        engine.make_request(text, num_inference_steps=20, guidance_scale=5.0, seed=FIRST_SEED + i, width=64, height=64)
+        for i, (text, _) in enumerate(prompts)])])
 
 
 @pytest.mark.parametrize("model", ["digits", "digits-xl"])
@@ -32,8 +42,7 @@ def test_fp8_digits_pass_the_oracle_and_stay_close_to_16_bits(model):
         assert fp8.quantized is not None and len(fp8.quantized.quantized) >= 10
         assert sum(isinstance(m, Fp8Linear) for m in fp8.model.denoiser.modules()) == len(fp8.quantized.quantized)
         assert not any(isinstance(m, Fp8Linear) for m in plain.model.denoiser.modules())
-        ref = generate_images(plain, prompts, steps=20, size=(64, 64), guidance=5.0)
-        out = generate_images(fp8, prompts, steps=20, size=(64, 64), guidance=5.0)
+        ref, out = _images(plain, prompts), _images(fp8, prompts)
     ref_score, score = oracle.score(asked, ref), oracle.score(asked, out)
     diff_mean, diff_max = pixel_difference(ref, out)
     print(f"{model}: oracle {score:.2f} (16 bits {ref_score:.2f}), pixel difference mean {diff_mean:.2f} "

@@ -8,7 +8,8 @@ quantisation report, the relative L2 error of that one step's output, the mean a
 images, and for the digits presets the digits oracle's score of both. Random weights say little about a trained
 model's activation outliers: this runs on the user's own checkpoint.
 
-`seed_prompts`, `generate_images` and `pixel_difference` are the measures tests/test_fp8_engine.py asserts on.
+`seed_prompts` and `pixel_difference` are the measures tests/test_fp8_engine.py asserts on (its images made as
+`generate_images` makes them, but submitted together, to share steps).
 Both engines run eagerly (a recorded denoiser call needs a real forward, not a graph replay; the graphs replay
 what the eager step computes).
 """
