@@ -15,6 +15,8 @@ from diffgraph import Engine
 from diffgraph.request import ParamError
 from diffgraph.sampling.schedules import SAMPLERS
 
+from loop_util import together
+
 PROMPT = "a red fox in the snow"
 STEPS = 8
 
@@ -162,13 +164,13 @@ def test_digits_image_to_image_and_inpainting_oracle():
     classifier, _ = oracle_and_heldout()
     engine = Engine("digits", device="cpu")
     try:
-        strong, weak = [], []
-        for seed in range(6):
-            three = engine.generate("a handwritten digit three", seed=seed, num_inference_steps=20)
-            for strength, out in ((0.9, strong), (0.3, weak)):
-                edit = engine.generate("a handwritten digit eight", image=three.images[0], strength=strength,
-                                       seed=100 + seed, num_inference_steps=20)
-                out.append(int(classifier.predict(features(edit.arrays))[0]))
+        # each stage's requests submitted together (they share steps)
+        threes = together(engine, [engine.make_request("a handwritten digit three", seed=seed, num_inference_steps=20)
+                                   for seed in range(6)])
+        edits = together(engine, [engine.make_request("a handwritten digit eight", image=three.images[0],
+                                                      strength=strength, seed=100 + seed, num_inference_steps=20)
+                                  for seed, three in enumerate(threes) for strength in (0.9, 0.3)])
+        strong, weak = ([int(classifier.predict(features(edit.arrays))[0]) for edit in edits[k::2]] for k in (0, 1))
         assert strong.count(8) >= 5, strong
         assert weak.count(3) >= 5, weak
 
