@@ -1,5 +1,6 @@
 """The playground page (GET /) in a real browser: Debian's Chromium driven by Playwright, against a real
-`python -m diffgraph.server.cli --model digits --device cpu` process (one per scenario).
+`python -m diffgraph.server.cli --model digits --device cpu` process (one for the plain scenarios, one of its own
+for each scenario that needs other flags).
 
 The driving code (server process, browser launch, form filling, waiting for a result) lives in
 tools/playground_screenshot.py, which writes docs/playground.png with it. Every wait is a Playwright wait with a
@@ -66,8 +67,10 @@ def _server(*flags: str, until: str = "/ready"):
     return server
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server():
+    """One plain server for the scenarios that need nothing else: each opens its page in a fresh browser context
+    (empty localStorage), and none reads what another left on the server."""
     s = _server("--request-timeout", "600")
     yield s
     s.stop()
