@@ -103,33 +103,6 @@ def test_the_http_process_never_imports_torch(tmp_path, tiny_engine, models):
     assert report == {"rc": 0, "imported": []}
 
 
-def test_a_killed_engine_process_on_one_device_answers_503_restarts_and_serves_again():
-    s = ServerProcess("--max-pixels", "0", "--request-timeout", "600")
-    try:
-        s.wait_ready()
-        [replica] = httpx.get(s.url + "/ready", timeout=60).json()["replicas"]
-        assert replica["replica"] == "cpu" and replica["pid"] not in (None, s.proc.pid)
-        import threading
-        warm = httpx.get(s.url + "/status", timeout=60).json()["steps"]
-        answer = {}
-        t = threading.Thread(target=lambda: answer.update(r=generate(s.url, num_inference_steps=200, size="256x256")))
-        t.start()
-        wait_for(lambda: metrics(s.url).get("diffgraph_inflight_requests") == 1.0 and
-                 httpx.get(s.url + "/status", timeout=60).json()["steps"] > warm, what="the long request stepping")
-        os.kill(replica["pid"], signal.SIGKILL)
-        t.join(600)
-        r = answer["r"]
-        assert r.status_code == 503, r.text
-        assert "stopped (exit code -9) before this request finished; retry it" in r.json()["error"]["message"]
-        wait_for(lambda: httpx.get(s.url + "/ready", timeout=60).status_code == 200, timeout=600,
-                 what="the engine process restarted")
-        [again] = httpx.get(s.url + "/ready", timeout=60).json()["replicas"]
-        assert again["restarts"] == 1 and again["pid"] != replica["pid"]
-        assert generate(s.url, num_inference_steps=2, size="64x64").status_code == 200
-    finally:
-        s.stop()
-
-
 # `diffgraph serve` whose engine loop breaks on a request for "break the loop" (in the engine's process: spawned, it
 # runs this file as __mp_main__; the server itself has no test hooks)
 BREAKING_SERVER = '''
@@ -147,22 +120,56 @@ if __name__ == "__main__":
 '''
 
 
-def test_an_engine_process_whose_loop_dies_fails_and_is_restarted(tmp_path):
-    """The black hole of a dead loop in a live process: the replica reports its engine failed and exits, /ready says
-    why until the restarted one is ready, and the next request succeeds there."""
-    script = tmp_path / "breaking_server.py"
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the tests that end its engine process (each waits for the restart it caused): its engine loop
+    breaks on a request for "break the loop" (BREAKING_SERVER), and serves every other request as `diffgraph serve`."""
+    script = tmp_path_factory.mktemp("breaking") / "breaking_server.py"
     script.write_text(BREAKING_SERVER)
-    s = ServerProcess("--max-pixels", "0", entry=(str(script),))
+    s = ServerProcess("--max-pixels", "0", "--request-timeout", "600", entry=(str(script),))
     try:
         s.wait_ready()
-        broken = generate(s.url, prompt="break the loop", num_inference_steps=2, size="64x64")
-        assert broken.status_code == 503, broken.text
-        assert broken.json()["error"]["message"].startswith(
-            "the engine failed (its loop stopped after an internal error (RuntimeError: a bug in the loop (a test)))")
-        wait_for(lambda: httpx.get(s.url + "/ready", timeout=60).status_code == 200 and
-                 httpx.get(s.url + "/ready", timeout=60).json()["replicas"][0]["restarts"] == 1, timeout=600,
-                 what="the engine process restarted")
-        assert "its loop stopped after an internal error (RuntimeError: a bug in the loop (a test))" in s.output()
-        assert generate(s.url, num_inference_steps=2, size="64x64").status_code == 200
+        yield s
     finally:
         s.stop()
+
+
+def test_a_killed_engine_process_on_one_device_answers_503_restarts_and_serves_again(server):
+    import threading
+    s = server
+    wait_for(lambda: httpx.get(s.url + "/ready", timeout=60).status_code == 200, timeout=600, what="ready")
+    [replica] = httpx.get(s.url + "/ready", timeout=60).json()["replicas"]
+    assert replica["replica"] == "cpu" and replica["pid"] not in (None, s.proc.pid)
+    warm = httpx.get(s.url + "/status", timeout=60).json()["steps"]
+    answer = {}
+    t = threading.Thread(target=lambda: answer.update(r=generate(s.url, num_inference_steps=200, size="256x256")))
+    t.start()
+    wait_for(lambda: metrics(s.url).get("diffgraph_inflight_requests") == 1.0 and
+             httpx.get(s.url + "/status", timeout=60).json()["steps"] > warm, what="the long request stepping")
+    os.kill(replica["pid"], signal.SIGKILL)
+    t.join(600)
+    r = answer["r"]
+    assert r.status_code == 503, r.text
+    assert "stopped (exit code -9) before this request finished; retry it" in r.json()["error"]["message"]
+    wait_for(lambda: httpx.get(s.url + "/ready", timeout=60).status_code == 200, timeout=600,
+             what="the engine process restarted")
+    [again] = httpx.get(s.url + "/ready", timeout=60).json()["replicas"]
+    assert again["restarts"] == replica["restarts"] + 1 and again["pid"] != replica["pid"]
+    assert generate(s.url, num_inference_steps=2, size="64x64").status_code == 200
+
+
+def test_an_engine_process_whose_loop_dies_fails_and_is_restarted(server):
+    """The black hole of a dead loop in a live process: the replica reports its engine failed and exits, /ready says
+    why until the restarted one is ready, and the next request succeeds there."""
+    s = server
+    wait_for(lambda: httpx.get(s.url + "/ready", timeout=60).status_code == 200, timeout=600, what="ready")
+    restarts = httpx.get(s.url + "/ready", timeout=60).json()["replicas"][0]["restarts"]
+    broken = generate(s.url, prompt="break the loop", num_inference_steps=2, size="64x64")
+    assert broken.status_code == 503, broken.text
+    assert broken.json()["error"]["message"].startswith(
+        "the engine failed (its loop stopped after an internal error (RuntimeError: a bug in the loop (a test)))")
+    wait_for(lambda: httpx.get(s.url + "/ready", timeout=60).status_code == 200 and
+             httpx.get(s.url + "/ready", timeout=60).json()["replicas"][0]["restarts"] == restarts + 1, timeout=600,
+             what="the engine process restarted")
+    assert "its loop stopped after an internal error (RuntimeError: a bug in the loop (a test))" in s.output()
+    assert generate(s.url, num_inference_steps=2, size="64x64").status_code == 200
