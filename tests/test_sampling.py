@@ -63,6 +63,17 @@ TOL = 1e-5
 ULPS = 8
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """This module's tensors are 512 numbers: torch's intra-op threads gain nothing on them, and with two threads
+    each fake_model's torch.sin paid a parallel region (measured on the 2-core CI box beside a busy core: 20 cases
+    took 14.5 s with two threads, 0.8 s with one; nearly all of it in sin). Both paths compared run under it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def fake_model(x: torch.Tensor, t: float) -> torch.Tensor:
     k = torch.linspace(0.5, 2.0, x[0].numel()).reshape(x.shape[1:])
     # Noise-predictor-like (out ~ the unit-variance input), so x0 and the final latents stay O(1) as with a
