@@ -207,11 +207,17 @@ def test_the_openai_client_edits(server, engine, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def app():
-    """A server of its own engine (the app closes the engine it serves: never the suite's shared one)."""
+def served_engine():
+    """The engine `app` serves, its own (the app closes the engine it serves: never the suite's shared one, which
+    earlier tests may also have changed)."""
     from diffgraph import Engine
 
-    with served(Engine(model=MODEL, device="cpu", dtype="fp32"), ServerConfig(model=MODEL, device="cpu")) as client:
+    return Engine(model=MODEL, device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def app(served_engine):
+    with served(served_engine, ServerConfig(model=MODEL, device="cpu")) as client:
         yield client
 
 
@@ -256,14 +262,14 @@ def test_image_list_parts_are_read_as_the_image_and_more_than_one_is_refused_nam
 
 
 @pytest.mark.filterwarnings("ignore:deprecated:DeprecationWarning")  # OpenAI marks create_variation deprecated
-def test_a_variation_is_the_image_to_image_of_its_image_with_an_empty_prompt(app, tiny_engine):
+def test_a_variation_is_the_image_to_image_of_its_image_with_an_empty_prompt(app, served_engine):
     from openai.types import ImagesResponse
 
     client = _client(app)
     out = client.images.create_variation(image=_png(_source()), n=2, response_format="b64_json",
                                          extra_body={"num_inference_steps": 5, "seed": 7})
-    expected = tiny_engine.generate("", image=_source(), strength=VARIATION_STRENGTH, num_inference_steps=5, seed=7,
-                                    num_images=2).images
+    expected = served_engine.generate("", image=_source(), strength=VARIATION_STRENGTH, num_inference_steps=5,
+                                      seed=7, num_images=2).images
     assert [np.abs(_pixels(d.b64_json) - np.asarray(e).astype(int)).max() for d, e in zip(out.data, expected)] == [0, 0]
     raw = app.post("/v1/images/variations", files={"image": ("a.png", _png(_source()), "image/png")},
                    data={"num_inference_steps": "2", "response_format": "url", "size": "64x64"})
