@@ -270,7 +270,7 @@ def test_a_variation_is_the_image_to_image_of_its_image_with_an_empty_prompt(app
                                          extra_body={"num_inference_steps": 5, "seed": 7})
     expected = served_engine.generate("", image=_source(), strength=VARIATION_STRENGTH, num_inference_steps=5,
                                       seed=7, num_images=2).images
-    assert [np.abs(_pixels(d.b64_json) - np.asarray(e).astype(int)).max() for d, e in zip(out.data, expected)] == [0, 0]
+    assert all(np.abs(_pixels(d.b64_json) - np.asarray(e).astype(int)).max() <= 1 for d, e in zip(out.data, expected))
     raw = app.post("/v1/images/variations", files={"image": ("a.png", _png(_source()), "image/png")},
                    data={"num_inference_steps": "2", "response_format": "url", "size": "64x64"})
     by_url = ImagesResponse.model_validate(raw.json())  # OpenAI's answer: created, data with url

@@ -70,7 +70,7 @@ def test_batch_planning_decodes_an_items_images_once_and_shares_them_across_its_
 
     from diffgraph.jobs.batch_work import plan
     from diffgraph.jobs.spec import JobItem, JobSpec
-    from diffgraph.server import uploads
+    from diffgraph.api import protocol as uploads  # the uploads are decoded there
 
     def b64(colour) -> str:
         buf = io.BytesIO()

@@ -513,7 +513,7 @@ def test_an_items_images_are_decoded_off_the_event_loop_and_candidates_still_go_
     import io
     import threading
 
-    from diffgraph.server import uploads
+    from diffgraph.api import protocol as uploads  # the uploads are decoded there
     buf = io.BytesIO()
     Image.new("RGB", (32, 32), (200, 10, 10)).save(buf, format="PNG")
     b64 = base64.b64encode(buf.getvalue()).decode()
