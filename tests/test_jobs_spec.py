@@ -1,7 +1,7 @@
 """Job files (jobs/spec.py): JSON, JSONL and the grid form parse into items with one seed per candidate; every bad
 file is refused before anything runs, with the line or item and the field named; 1,000,001 items are refused at
 once, counted before they are read. In process, no model: items are checked against a digits-shaped ModelInfo
-with the images route's own validation (server/requests.generation_request)."""
+with the images route's own validation (api/protocol.py: generation_request)."""
 
 from __future__ import annotations
 
