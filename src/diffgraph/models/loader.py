@@ -204,7 +204,7 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
     adapter = families.for_pipeline(cls_name)
     if adapter is None:
         raise ValueError(f"{folder!r} holds a {cls_name}, which is not supported; {_supported_message(families)}")
-    for sub in ("unet", "vae", *(part[0] for part in adapter.text_parts)):
+    for sub in ("unet", "transformer", "vae", *(part[0] for part in adapter.text_parts)):
         _check_weights(folder, sub, index.get(sub))
     with weights_view(folder, f"model folder {folder!r}") as view:
         model = adapter.load_folder(view, index, device, dtype, name)

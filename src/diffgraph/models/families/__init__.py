@@ -3,11 +3,13 @@
 from .base import Conditioning, FamilyAdapter, FamilyRegistry
 from .sd import SDFamily
 from .sdxl import SDXLFamily
+from .zimage import ZImageFamily
 
 
 def default_registry() -> FamilyRegistry:
-    """A fresh registry of the built-in families (SD1.x/SD2.x, SDXL); register more on it."""
-    return FamilyRegistry((SDFamily(), SDXLFamily()))
+    """A fresh registry of the built-in families (SD1.x/SD2.x, SDXL, Z-Image); register more on it."""
+    return FamilyRegistry((SDFamily(), SDXLFamily(), ZImageFamily()))
 
 
-__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "SDFamily", "SDXLFamily", "default_registry"]
+__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "SDFamily", "SDXLFamily", "ZImageFamily",
+           "default_registry"]

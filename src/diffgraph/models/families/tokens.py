@@ -140,5 +140,5 @@ class TokenFamily(FamilyAdapter):
         `text_tokens` (the prompt's preparation warned of what is dropped: text/prepared.py)."""
         tokenizer = model.tokenizers[0]
         out = tokenizer(prompts, padding="longest", max_length=self.text_tokens, truncation=True,
-                        return_tensors="pt")
+                        padding_side="right", return_tensors="pt")  # real tokens first (pad_tokens keeps a prefix)
         return out.input_ids.to(model.device), out.attention_mask.to(model.device)

@@ -1,0 +1,252 @@
+"""Z-Image (Tongyi-MAI's Z-Image-Turbo and Z-Image): a single-stream DiT over 2x2 patches of Flux's 16-channel VAE
+latents, with a Qwen3 text encoder, on flow matching.
+
+What diffusers' `ZImagePipeline` does, and how rows of different prompts and sizes share one step here:
+  * text: each prompt is wrapped in Qwen3's chat template (one user message, the generation prompt, thinking on),
+    tokenised, encoded, and the second-to-last hidden states of its real tokens kept (`encode`: the row's `embeds`
+    with its `mask`, the prompt's own length, up to `text_tokens`);
+  * the transformer reads a row as its image tokens (2x2 latent cells each, channels innermost: `pack`) padded to a
+    multiple of 32 with a learnt pad token, then its caption tokens padded to a multiple of 32 with another; the pad
+    tokens attend like real ones. RoPE positions are 3-axis: caption token k at (1 + k, 0, 0), image token (r, c) at
+    (padded caption length + 1, r, c), image pad tokens at (0, 0, 0). diffusers builds that sequence from Python
+    lengths; `denoise` builds it from the rows' tensors (the caption length from the row's mask, the image's from its
+    `image_mask`), with the bucket's slack beyond each row's padded lengths masked out of attention, so a row's
+    output never depends on its companions and one replay serves any mix;
+  * timesteps: the model reads 1 - sigma (times `t_scale`) and predicts -velocity;
+  * guidance as diffusers defines it, `pos + g' (pos - neg)` where g' > 0: diffgraph's `guidance_scale` keeps its
+    one meaning across families (1 is off, CFG's `neg + g (pos - neg)`), so a request's g is the pipeline's g' + 1;
+  * the VAE: latents / scaling_factor + shift_factor, then decode.
+
+Checkpoints of one architecture differ in their defaults (Turbo: 8 steps without guidance; base: guided):
+`CHECKPOINTS` names them, chosen from the folder's name or its sidecar's `preset`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import safe_files
+from ...request import GroupKey, Size
+from ..model import DiffusionModel
+from .base import Conditioning, CondSpec
+from .tokens import TokenFamily
+
+SEQ_MULTIPLE = 32           # the transformer pads caption and image tokens to multiples of this
+MAX_TEXT_TOKENS = 512       # diffusers' max_sequence_length (template included)
+FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                use_post_quant_conv=False, sample_size=1024)
+TURBO_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A published checkpoint's defaults (its model card)."""
+
+    name: str
+    steps: int
+    guidance: float      # diffgraph's scale (1: no guidance)
+
+
+CHECKPOINTS = {"z-image-turbo": Checkpoint("z-image-turbo", 8, 1.0),
+               "z-image": Checkpoint("z-image", 50, 5.0)}
+
+
+def checkpoint_of(path: str, preset: str | None = None) -> Checkpoint:
+    """The checkpoint at `path` (a folder or a file): `preset` (a sidecar's) if given, else the last part of the path
+    that names Z-Image (a hub cache's snapshot folder sits under the repository's name); else a ValueError naming
+    the choices."""
+    if preset is not None:
+        key = preset.strip().lower()
+        if key not in CHECKPOINTS:
+            raise ValueError(f"Z-Image preset {preset!r} is unknown; use one of {', '.join(CHECKPOINTS)}")
+        return CHECKPOINTS[key]
+    for part in reversed(os.path.normpath(os.path.abspath(path)).lower().replace("_", "-").split(os.sep)):
+        if "z-image" in part or "zimage" in part:
+            return CHECKPOINTS["z-image-turbo" if "turbo" in part else "z-image"]
+    raise ValueError(f"cannot tell which Z-Image checkpoint {os.path.basename(path)!r} is; keep the published name "
+                     f"(Z-Image-Turbo or Z-Image) in its folder or file name, or set `preset` in its sidecar to one "
+                     f"of {', '.join(CHECKPOINTS)}")
+
+
+def chat_prompt(prompt: str) -> str:
+    """Qwen3's chat template for one user message with the generation prompt, thinking on (as ZImagePipeline)."""
+    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def ceil_to(n: torch.Tensor, multiple: int) -> torch.Tensor:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class ZImageFamily(TokenFamily):
+    name = "zimage"
+    pipeline_classes = ("ZImagePipeline",)
+    default_guidance = 1.0
+    patch = 2
+    token_bucket = 256
+    text_tokens = MAX_TEXT_TOKENS
+    size_multiple = 16
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                    name: str) -> DiffusionModel:
+        from diffusers import AutoencoderKL, ZImageTransformer2DModel
+        from transformers import AutoModel, AutoTokenizer
+
+        for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"):
+            if not os.path.isdir(os.path.join(folder, sub)):
+                raise ValueError(f"{folder!r} is a ZImagePipeline folder but lacks its '{sub}' subfolder; point "
+                                 "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
+        common = dict(local_files_only=True, torch_dtype=dtype)
+        transformer = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
+        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **common)
+        encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
+        try:
+            scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
+                                                    1 << 20)[0]
+        except safe_files.UnusableFile as e:
+            raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
+        return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype,
+                           checkpoint_of(name))  # the path the user gave (`folder` may be a view of it)
+
+    def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
+               scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
+               checkpoint: Checkpoint, is_random: bool = False) -> DiffusionModel:
+        for m in (transformer, vae, encoder):
+            m.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        transformer.rope_embedder(torch.zeros((1, 3), dtype=torch.int64, device=device))  # its tables, on the device
+        return DiffusionModel(name=name, family=self.name, adapter=self, denoiser=transformer, vae=vae,
+                              text_encoders=[encoder], tokenizers=[tokenizer], scheduler_config=scheduler_config,
+                              device=device, dtype=dtype, native_size=1024, is_random=is_random,
+                              extra={"checkpoint": checkpoint})
+
+    # -- random presets ----------------------------------------------------------------------------------
+    def random_presets(self) -> dict[str, str]:
+        return {"random:zimage-turbo": "Z-Image-Turbo's true architecture (6.15B DiT, Qwen3-4B, Flux VAE), random "
+                                       "weights, for GPU timing",
+                "random:zimage-tiny": "a tiny Z-Image (two layers, a two-layer Qwen3), random weights, for CPU tests"}
+
+    def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
+        from diffusers import AutoencoderKL, ZImageTransformer2DModel
+        from transformers import Qwen3Config, Qwen3Model
+
+        from ...text.qwen_tokenizer import qwen_tokenizer
+        if name not in self.random_presets():
+            raise ValueError(f"family {self.name!r} has no random preset {name!r}")
+        tiny = name == "random:zimage-tiny"
+        torch.manual_seed(0)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                if tiny:
+                    transformer = ZImageTransformer2DModel(
+                        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2,
+                        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12],
+                        axes_lens=[1024, 256, 256])
+                    encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=2, num_attention_heads=2,
+                                                     num_key_value_heads=1, head_dim=16,
+                                                     max_position_embeddings=1024))
+                    vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32), "layers_per_block": 1,
+                                           "down_block_types": ("DownEncoderBlock2D",) * 2,
+                                           "up_block_types": ("UpDecoderBlock2D",) * 2, "norm_num_groups": 8})
+                else:
+                    transformer = ZImageTransformer2DModel()
+                    encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                                                     num_hidden_layers=36, num_attention_heads=32,
+                                                     num_key_value_heads=8, head_dim=128,
+                                                     max_position_embeddings=40960, rope_theta=1000000.0,
+                                                     tie_word_embeddings=True))
+                    vae = AutoencoderKL(**FLUX_VAE)
+        finally:
+            torch.set_default_dtype(previous)
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER),
+                           device, dtype, CHECKPOINTS["z-image-turbo"], is_random=True)
+
+    # -- layout: Z-Image's token features are (patch row, patch column, channel), channels innermost ----------
+    def latent_channels(self, model: DiffusionModel) -> int:
+        return int(model.vae.config.latent_channels)
+
+    def pack(self, model: DiffusionModel, latents: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
+        n, c, h, w = latents.shape
+        p = self.patch
+        tokens = latents.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(n, -1, p * p * c)
+        out = tokens.new_zeros((n, *self.latent_shape(model, key)))
+        out[:, :tokens.shape[1]] = tokens
+        return out
+
+    def unpack(self, model: DiffusionModel, rows: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
+        gh, gw = self.grid(model, size)
+        p, n = self.patch, rows.shape[0]
+        c = rows.shape[2] // (p * p)
+        tokens = rows[:, :gh * gw].reshape(n, gh, gw, p, p, c)
+        return tokens.permute(0, 5, 1, 3, 2, 4).reshape(n, c, gh * p, gw * p)
+
+    # -- text --------------------------------------------------------------------------------------------
+    def cond_spec(self, model: DiffusionModel) -> CondSpec:
+        dim = int(model.text_encoders[0].config.hidden_size)
+        return {"embeds": ((self.text_tokens, dim), model.dtype), "mask": ((self.text_tokens,), torch.bool)}
+
+    def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
+        ids, mask = self.tokenize_padded(model, [chat_prompt(p) for p in prompts])
+        with torch.no_grad():
+            hidden = model.text_encoders[0](input_ids=ids, attention_mask=mask.bool(),
+                                            output_hidden_states=True).hidden_states[-2]
+        return self.pad_tokens(model, hidden, mask)
+
+    def negative(self, model: DiffusionModel, cond: Conditioning, prompts: list[str | None]) -> Conditioning:
+        return cond
+
+    # -- the denoiser ------------------------------------------------------------------------------------
+    def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The velocity of rows x [n, image tokens, 64] at timesteps t (sigma * 1000) [n]: ZImageTransformer2DModel's
+        forward on a sequence built from tensors (see the module's docstring), its output negated, padding 0."""
+        net = model.denoiser
+        image_mask, positions = rows["image_mask"], rows["positions"]
+        text_mask = cond["mask"]
+        n, tokens = image_mask.shape
+        span = torch.arange(tokens, device=x.device)
+        text_span = torch.arange(text_mask.shape[1], device=x.device)
+        caption = ceil_to(text_mask.sum(dim=1, keepdim=True), SEQ_MULTIPLE)       # [n, 1] padded caption length
+        image = ceil_to(image_mask.sum(dim=1, keepdim=True), SEQ_MULTIPLE)        # [n, 1] padded image length
+        image_keys, text_keys = span < image, text_span < caption
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+
+        # positions: image tokens at (caption + 1, row, col), their pad tokens at 0; caption token k at (1 + k, 0, 0)
+        real = image_mask.unsqueeze(-1)
+        image_ids = torch.cat([(caption + 1).expand(n, tokens).unsqueeze(-1), positions], dim=-1)
+        image_ids = torch.where(real, image_ids, zero)
+        k = text_span.expand(n, -1)
+        text_ids = torch.stack([1 + k, torch.zeros_like(k), torch.zeros_like(k)], dim=-1)
+        text_ids = torch.where(text_keys.unsqueeze(-1), text_ids, zero)
+        image_freqs = net.rope_embedder(image_ids.reshape(-1, 3)).reshape(n, tokens, -1)
+        text_freqs = net.rope_embedder(text_ids.reshape(-1, 3)).reshape(n, text_mask.shape[1], -1)
+
+        adaln = net.t_embedder((1000.0 - t.float()) / 1000.0 * net.t_scale).to(x.dtype)
+        embed = net.all_x_embedder[f"{self.patch}-1"]
+        h = embed(x.to(embed.weight.dtype))
+        h = torch.where(real, h, net.x_pad_token.to(h.dtype))
+        for layer in net.noise_refiner:
+            h = layer(h, image_keys, image_freqs, adaln)
+
+        c = net.cap_embedder(cond["embeds"].to(h.dtype))
+        c = torch.where(text_mask.unsqueeze(-1), c, net.cap_pad_token.to(c.dtype))
+        for layer in net.context_refiner:
+            c = layer(c, text_keys, text_freqs)
+
+        u = torch.cat([h, c], dim=1)
+        keys = torch.cat([image_keys, text_keys], dim=1)
+        freqs = torch.cat([image_freqs, text_freqs], dim=1)
+        for layer in net.layers:
+            u = layer(u, keys, freqs, adaln)
+        out = net.all_final_layer[f"{self.patch}-1"](u[:, :tokens], c=adaln)
+        return -out * real

@@ -1,0 +1,172 @@
+"""Z-Image (models/families/zimage.py) against its oracle, diffusers' `ZImagePipeline`, on tiny random folders.
+
+Two folders of one tiny architecture (two main layers, a two-layer Qwen3, a two-level Flux-style VAE), saved with
+save_pretrained as the published ones are: "Z-Image-Turbo" (fixed shift 3, no guidance by default) and "Z-Image"
+(guided). Their tokenizer is a byte-level BPE the test trains on a few phrases, with Qwen's control tokens and a chat
+template rendering one user message as Qwen3's does. fp32 on the CPU: each image within one uint8 level of the
+pipeline's with the same seed; rows of different prompt lengths, sizes of one token bucket, steps and guidance run
+in one step and each equals its request alone.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import Engine, GenerationRequest, ParamError
+from diffgraph.models.families.zimage import CHECKPOINTS, checkpoint_of
+
+SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 image tokens (2x2 cells of 8x latents): one bucket
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["a red fox in the snow", "a lighthouse on a cliff at dusk, waves", "user assistant"] * 4,
+                            trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def pipeline(shift: float):
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    transformer = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64,
+                                           n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
+                                           axes_dims=[8, 12, 12], axes_lens=[1024, 64, 64])
+    with torch.no_grad():  # its pad tokens and final layer start at zero: give them values
+        for p in (transformer.x_pad_token, transformer.cap_pad_token):
+            p.normal_()
+        for p in transformer.all_final_layer.parameters():
+            p.normal_(std=0.05)
+    encoder = Qwen3Model(Qwen3Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                     max_position_embeddings=1024))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(16, 32, 32, 32),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=1, norm_num_groups=8, scaling_factor=0.3611, shift_factor=0.1159,
+                        use_quant_conv=False, use_post_quant_conv=False)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False)
+    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder.eval(), tokenizer=tokenizer(),
+                          transformer=transformer.eval())
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zimage")
+    out = {}
+    for name, shift in (("Z-Image-Turbo", 3.0), ("Z-Image", 6.0)):
+        pipe = pipeline(shift)
+        pipe.save_pretrained(str(root / name))
+        out[name] = (str(root / name), pipe)
+    return out
+
+
+@pytest.fixture(scope="module")
+def turbo(folders):
+    with Engine(model=folders["Z-Image-Turbo"][0], device="cpu") as e:
+        yield e
+
+
+def oracle(pipe, prompt: str, size: tuple[int, int], steps: int, guidance: float, seed: int,
+           negative: str | None = None) -> np.ndarray:
+    """diffusers' image at diffgraph's guidance `guidance` (the pipeline's guidance_scale + 1)."""
+    image = pipe(prompt=prompt, negative_prompt=negative, height=size[0], width=size[1], num_inference_steps=steps,
+                 guidance_scale=guidance - 1.0, generator=torch.Generator().manual_seed(seed),
+                 output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+def generate(engine: Engine, requests: list[dict]) -> list[np.ndarray]:
+    """The requests submitted between two steps (so they are admitted together); their images as uint8."""
+    futures = []
+    made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
+    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
+    return [f.result(timeout=600).arrays[0].__mul__(255).round().astype(np.int16) for f in futures]
+
+
+def test_turbo_equals_the_pipeline_without_guidance(folders, turbo):
+    pipe = folders["Z-Image-Turbo"][1]
+    got = generate(turbo, [dict(prompt="a red fox in the snow", height=128, width=128, num_inference_steps=3,
+                                seed=7)])[0]
+    assert turbo.info.default_guidance == 1.0 and turbo.model.extra["checkpoint"] == CHECKPOINTS["z-image-turbo"]
+    want = oracle(pipe, "a red fox in the snow", (128, 128), 3, 1.0, 7)
+    assert np.abs(got - want).max() <= 1
+
+
+def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, turbo):
+    """Prompts of 2 and 30 words, three sizes of one token bucket, 2/3/4 steps, guidance off and on with a negative
+    prompt: submitted together, each equals diffusers' image of its request alone."""
+    pipe = folders["Z-Image-Turbo"][1]
+    long = ", ".join(["a lighthouse on a cliff at dusk"] * 5)
+    requests = [dict(prompt="red fox", height=SIZES[0][0], width=SIZES[0][1], num_inference_steps=3, seed=1),
+                dict(prompt=long, negative_prompt="snow", height=SIZES[1][0], width=SIZES[1][1],
+                     num_inference_steps=2, guidance_scale=2.5, seed=2),
+                dict(prompt="a red fox at dusk", height=SIZES[2][0], width=SIZES[2][1], num_inference_steps=4,
+                     guidance_scale=4.0, seed=3)]
+    keys = {turbo.model.adapter.group_key(turbo.model, s) for s in SIZES}
+    assert keys == {(0, 256)}
+    got = generate(turbo, requests)
+    for r, image in zip(requests, got):
+        want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"],
+                      r.get("guidance_scale", 1.0), r["seed"], r.get("negative_prompt"))
+        assert image.shape == (r["height"], r["width"], 3)
+        assert np.abs(image - want).max() <= 1, r
+
+
+@pytest.mark.parametrize("guidance", [0.0, 0.5, 1.0, 1.5, 4.0])
+def test_guidance_means_what_it_means_on_every_family(folders, guidance):
+    """diffgraph's scale g is the pipeline's g - 1: 1 and below run one branch (the pipeline's <= 0), above it
+    pos + (g - 1)(pos - neg)."""
+    path, pipe = folders["Z-Image"]
+    engine = _base_engine(path)
+    got = generate(engine, [dict(prompt="a red fox", negative_prompt="dusk", height=96, width=96,
+                                 num_inference_steps=2, guidance_scale=guidance, seed=5)])[0]
+    assert np.abs(got - oracle(pipe, "a red fox", (96, 96), 2, guidance, 5, "dusk")).max() <= 1
+
+
+_BASE: dict = {}
+
+
+def _base_engine(path):
+    if path not in _BASE:
+        _BASE[path] = Engine(model=path, device="cpu")
+    return _BASE[path]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_base():
+    yield
+    for e in _BASE.values():
+        e.close()
+
+
+def test_the_checkpoint_comes_from_the_name():
+    assert checkpoint_of("/m/Z-Image-Turbo") == CHECKPOINTS["z-image-turbo"]
+    assert checkpoint_of("/hub/models--Tongyi-MAI--Z-Image/snapshots/0abc") == CHECKPOINTS["z-image"]
+    assert checkpoint_of("/m/anything", preset="Z-Image-Turbo") == CHECKPOINTS["z-image-turbo"]
+    with pytest.raises(ValueError, match="z-image-turbo, z-image"):
+        checkpoint_of("/m/my-model")
+
+
+def test_it_refuses_what_it_does_not_read(turbo):
+    with pytest.raises(ParamError) as e:
+        GenerationRequest.create(prompt="fox", sampler="euler_a", height=128, width=128, model=turbo.info)
+    assert e.value.param == "sampler" and "flow_euler" in str(e.value)
+    with pytest.raises(ParamError) as e:
+        GenerationRequest.create(prompt="fox", height=128, width=120, model=turbo.info)
+    assert e.value.param == "width" and "16" in str(e.value)
+    assert json.loads(json.dumps(turbo.info.samplers)) == ["flow_euler"]
