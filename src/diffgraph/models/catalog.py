@@ -47,7 +47,7 @@ MAX_MODEL_BYTES = 1 << 40
 MAX_JSON_BYTES = 16 << 20
 # The diffusers pipeline classes of each built-in family (models/families/: `pipeline_classes`), kept here as
 # (class name prefix, family name) because the adapters import torch; longest prefix first.
-FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl"), ("StableDiffusion", "sd"))
+FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl"), ("StableDiffusion", "sd"), ("ZImage", "zimage"))
 PIPELINE_VARIANTS = ("", "Img2Img", "Inpaint")
 
 

@@ -86,7 +86,7 @@ def ceil_to(n: torch.Tensor, multiple: int) -> torch.Tensor:
 
 class ZImageFamily(TokenFamily):
     name = "zimage"
-    pipeline_classes = ("ZImagePipeline",)
+    pipeline_classes = ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")
     default_guidance = 1.0
     patch = 2
     token_bucket = 256
