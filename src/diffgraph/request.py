@@ -31,6 +31,7 @@ Size = tuple[int, int]  # (height, width) in pixels: a request's image
 GroupKey = tuple[int, int]
 MIN_SIZE = 64
 MAX_SIZE = 2048
+DEFAULT_STEPS = 20       # the steps of a request that names none, on a model without a checkpoint default
 SIZE_MULTIPLE = 8        # every request's sizes (an SD VAE's latent grid); a family may ask for more (size_multiple)
 MAX_IMAGES = 16
 MAX_SEED = 2**63 - 1
@@ -545,7 +546,7 @@ class GenerationRequest:
 
     @classmethod
     def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
-               num_inference_steps: Any = 20, guidance_scale: Any = None, sampler: Any = None,
+               num_inference_steps: Any = None, guidance_scale: Any = None, sampler: Any = None,
                schedule: Any = None, seed: Any = None, num_images: Any = 1, output_format: Any = None,
                request_id: str | None = None, model: "ModelInfo | None" = None, image: Any = None,
                mask_image: Any = None, strength: Any = None, loras: Any = (), guidance_interval: Any = None,
@@ -593,6 +594,8 @@ class GenerationRequest:
             sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
         if schedule is None:
             schedule = model.default_schedule if model is not None else DEFAULT_SCHEDULE
+        if num_inference_steps is None:
+            num_inference_steps = model.default_steps if model is not None and model.default_steps else DEFAULT_STEPS
         request = cls(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
                       num_inference_steps=num_inference_steps,
                       guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
@@ -765,6 +768,8 @@ class ModelInfo:
     # parameter names (the server passes them on; the engine refuses those of capabilities the model lacks)
     extensions: tuple[str, ...] = ()
     extension_params: tuple[str, ...] = ()
+    # the steps a request that names none runs (its checkpoint's model card); None: each route's own default
+    default_steps: int | None = None
 
     @property
     def capabilities(self) -> tuple[str, ...]:

@@ -159,11 +159,13 @@ class ImageGenerationRequest(BaseModel):
             raise APIError(400, "background 'transparent' cannot be honoured: the models served here make opaque "
                                 "images; send 'opaque' or 'auto'", param="background")
 
-    def steps(self) -> int:
-        """num_inference_steps, or the default's share that `quality` asks for where the body gives no steps."""
-        if "num_inference_steps" in self.model_fields_set or self.quality is None:
+    def steps(self, model_default: int | None = None) -> int:
+        """num_inference_steps, else the model's default (`model_default`: its checkpoint's steps; None: the
+        field's), or that default's share `quality` asks for."""
+        if "num_inference_steps" in self.model_fields_set:
             return self.num_inference_steps
-        return max(1, round(self.num_inference_steps * QUALITY_STEPS[self.quality]))
+        default = self.num_inference_steps if model_default is None else model_default
+        return default if self.quality is None else max(1, round(default * QUALITY_STEPS[self.quality]))
 
     def preview_params(self) -> dict[str, Any] | PreviewSpec | None:
         """The request's `preview` (stream.py sends them; a request that does not stream gets none)."""
@@ -185,13 +187,14 @@ class ImageGenerationRequest(BaseModel):
         except ParamError as e:
             raise error_from_param_error(e) from None
 
-    def request_params(self) -> dict[str, Any]:
-        """The `GenerationRequest.create` keywords these fields carry (`size` parsed, `n` as num_images). Raises
-        APIError for a malformed size."""
+    def request_params(self, model_steps: int | None = None) -> dict[str, Any]:
+        """The `GenerationRequest.create` keywords these fields carry (`size` parsed, `n` as num_images; steps: the
+        model's `model_steps` where the body names none and the model has a default). Raises APIError for a
+        malformed size."""
         width, height = self.width_height()
         self.openai_choices()
         return dict(negative_prompt=self.negative_prompt, width=width, height=height,
-                    num_inference_steps=self.steps(), guidance_scale=self.guidance_scale,
+                    num_inference_steps=self.steps(model_steps), guidance_scale=self.guidance_scale,
                     guidance_interval=self.guidance_interval, guidance_rescale=self.guidance_rescale,
                     sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
                     output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
@@ -230,6 +233,10 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "diffgraph"
     capabilities: list[str] | None = None  # what requests may ask of it beyond a prompt (None: not loaded yet)
+    # what a request that names none gets (None: not loaded yet); steps: the route's default where None
+    default_steps: int | None = None
+    default_guidance: float | None = None
+    native_size: int | None = None
 
 
 class ModelList(BaseModel):
@@ -460,7 +467,7 @@ def generation_request(info: ModelInfo, config: ServerConfig, params: ImageGener
         controls = decode_controls(params.controls, config.max_image_bytes, config.max_image_pixels)
     if params.image_prompts is not None and image_prompts is None:
         image_prompts = decode_image_prompt(params.image_prompts, config.max_image_bytes, config.max_image_pixels)
-    kwargs = params.request_params()
+    kwargs = params.request_params(info.default_steps)
     if kwargs["prompt_syntax"] is None:
         kwargs["prompt_syntax"] = config.prompt_syntax
     if kwargs["clip_skip"] is None:

@@ -190,7 +190,8 @@ class Engine:
                               size_multiple=int(adapter.size_multiple), guidance=adapter.guidance(self.model),
                               prompt_syntaxes=tuple(adapter.prompt_syntaxes),
                               extensions=self.runner.capabilities.names(),
-                              extension_params=self.runner.capabilities.params())
+                              extension_params=self.runner.capabilities.params(),
+                              default_steps=self.model.default_steps)
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
                       fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30) -> LoraManager | None:

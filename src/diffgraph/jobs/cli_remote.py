@@ -70,7 +70,8 @@ def _model_info(body: dict[str, Any], url: str) -> ModelInfo:
                      default_guidance=body["default_guidance"], max_rows=body["max_images"], mode=body["mode"],
                      device="remote", samplers=tuple(body["samplers"]), schedules=tuple(body["schedules"]),
                      default_sampler=body["default_sampler"], default_schedule=body["default_schedule"],
-                     size_multiple=body["size_multiple"], guidance=body.get("guidance") or "cfg")
+                     size_multiple=body["size_multiple"], guidance=body.get("guidance") or "cfg",
+                     default_steps=body.get("default_steps"))
 
 
 def _server_settings(body: dict[str, Any]) -> tuple[str, ...]:

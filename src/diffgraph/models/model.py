@@ -75,4 +75,9 @@ class DiffusionModel:
 
     @property
     def default_guidance(self) -> float:
-        return self.adapter.default_guidance
+        return self.adapter.model_guidance(self)
+
+    @property
+    def default_steps(self) -> int | None:
+        """Its checkpoint's steps, where its family has per-checkpoint defaults (None: the route's default)."""
+        return self.adapter.default_steps(self)

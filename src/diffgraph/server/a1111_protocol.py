@@ -92,8 +92,8 @@ class ProcessingBody(BaseModel):
     scheduler: str | None = None
     batch_size: int | None = 1
     n_iter: int | None = 1
-    steps: int | None = 50
-    cfg_scale: float | None = 7.0
+    steps: int | None = 50        # left out: the model's checkpoint default where it has one (`given`)
+    cfg_scale: float | None = 7.0  # (as steps)
     width: int | None = 512
     height: int | None = 512
     restore_faces: bool | None = None
@@ -428,17 +428,30 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
     model, stop = _options(body, key_model, key_clip_stop, clip_skip)
     create = dict(negative_prompt=negative or None,
                   width=512 if body.width is None else body.width, height=512 if body.height is None else body.height,
-                  num_inference_steps=50 if body.steps is None else body.steps,
-                  guidance_scale=7.0 if body.cfg_scale is None else body.cfg_scale, num_images=1,
+                  num_inference_steps=given(body, "steps"), guidance_scale=given(body, "cfg_scale"), num_images=1,
                   output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW))
     return Plan(model=model, prompt=prompt, negative_prompt=negative, create=create,
                 seeds=tuple(seed + i for i in range(count)), subseeds=tuple(subseed + i for i in range(count)),
                 clip_stop=stop, warnings=tuple(warnings))
 
 
+def given(body: ProcessingBody, name: str) -> Any:
+    """The body's value of field `name` where the client sent one (not null), else None (the model decides)."""
+    value = getattr(body, name)
+    return value if name in body.model_fields_set and value is not None else None
+
+
 def fit_to_model(plan: Plan, info: ModelInfo) -> Plan:
     """The plan without what the model cannot honour, each named in a warning: AUTOMATIC1111 and Forge ignore the
-    parameters of classifier-free guidance on a model that runs none (the images API refuses them)."""
+    parameters of classifier-free guidance on a model that runs none (the images API refuses them). Steps and
+    cfg_scale the body left out: the model's checkpoint defaults where it has them, else AUTOMATIC1111's 50 and 7."""
+    checkpoint = info.default_steps is not None
+    plan = dataclasses.replace(plan, create={
+        **plan.create,
+        "num_inference_steps": plan.create["num_inference_steps"] if plan.create["num_inference_steps"] is not None
+        else (info.default_steps if checkpoint else 50),
+        "guidance_scale": plan.create["guidance_scale"] if plan.create["guidance_scale"] is not None else (
+            info.default_guidance if checkpoint else 7.0)})
     if plan.create.get("prompt_syntax", "plain") not in info.prompt_syntaxes:  # AUTOMATIC1111's syntax: CLIP's
         plan = dataclasses.replace(plan, create={**plan.create, "prompt_syntax": "plain"}, warnings=plan.warnings + (
             f"the prompt is read as plain text: model {info.name!r} does not read AUTOMATIC1111's prompt syntax",))

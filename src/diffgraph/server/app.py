@@ -213,8 +213,11 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         if routing is not None:  # every model of --model-dir, resident or not
             return {"object": "list", "data": await asyncio.to_thread(routing.listing, state.created)}
         info = state.engine.info if state.engine is not None else None
-        return ModelList(data=[ModelCard(id=info.name if info else config.model, created=state.created,
-                                         capabilities=list(info.capabilities) if info else None)]).model_dump()
+        if info is None:
+            return ModelList(data=[ModelCard(id=config.model, created=state.created)]).model_dump()
+        return ModelList(data=[ModelCard(id=info.name, created=state.created, capabilities=list(info.capabilities),
+                                         default_steps=info.default_steps, default_guidance=info.default_guidance,
+                                         native_size=info.native_size)]).model_dump()
 
     @app.get("/v1/loras")
     async def loras(model: str | None = None) -> Response:

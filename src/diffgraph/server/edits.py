@@ -109,10 +109,12 @@ class ImageEditForm(BaseModel):
         return parsed if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) else value
 
     def generation(self) -> ImageGenerationRequest:
-        """The same fields as a generations request (for the shared checks and request building)."""
-        return ImageGenerationRequest.model_construct(**self.model_dump(exclude={"strength", "loras", "preview",
-                                                                                 "controls", "image_prompts"}),
-                                                      loras=self.loras, preview=self.preview)
+        """The same fields as a generations request (for the shared checks and request building), those the form
+        gave still marked as given (a missing num_inference_steps is the model's default)."""
+        return ImageGenerationRequest.model_construct(
+            self.model_fields_set & set(ImageGenerationRequest.model_fields),
+            **self.model_dump(exclude={"strength", "loras", "preview", "controls", "image_prompts"}),
+            loras=self.loras, preview=self.preview)
 
 
 @dataclass

@@ -106,7 +106,8 @@ def server_info(state: Any) -> dict[str, Any]:
         "native_size": info.native_size if info else None,
         "default_guidance": info.default_guidance if info else None,
         "guidance": info.guidance if info else None, "capabilities": list(info.capabilities) if info else None,
-        "default_steps": ImageGenerationRequest.model_fields["num_inference_steps"].default,
+        "default_steps": info.default_steps if info is not None and info.default_steps is not None else
+        ImageGenerationRequest.model_fields["num_inference_steps"].default,
         "max_images": min(MAX_IMAGES, info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS)),
         # the model family's names and sizes (unknown until the model is loaded)
         "max_steps": MAX_STEPS, "samplers": list(info.samplers) if info else None,

@@ -290,6 +290,15 @@ class FamilyAdapter:
         return None if self.lora_pipeline_class is None else unet_layout(self.lora_pipeline_class,
                                                                          len(model.text_encoders))
 
+    def default_steps(self, model: DiffusionModel) -> int | None:
+        """The steps a request that names none runs on this model (its checkpoint's model card); None: the route's
+        own default (the SD families: 20 for the Python and OpenAI APIs, AUTOMATIC1111's 50)."""
+        return None
+
+    def model_guidance(self, model: DiffusionModel) -> float:
+        """The guidance scale a request that names none gets on this model (diffgraph's scale: 1 is off)."""
+        return self.default_guidance
+
     def guidance(self, model: DiffusionModel) -> str:
         """How the model guides (`ModelInfo.guidance`): "embedded" for guidance-distilled UNets (LCM's
         `time_cond_proj_dim`), else "cfg" (classifier-free guidance, a second branch for the negative prompt)."""

@@ -171,6 +171,13 @@ class ZImageFamily(TokenFamily):
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER),
                            device, dtype, CHECKPOINTS["z-image-turbo"], is_random=True)
 
+    # -- the checkpoint's defaults ---------------------------------------------------------------------------
+    def default_steps(self, model: DiffusionModel) -> int | None:
+        return model.extra["checkpoint"].steps
+
+    def model_guidance(self, model: DiffusionModel) -> float:
+        return model.extra["checkpoint"].guidance
+
     # -- layout: Z-Image's token features are (patch row, patch column, channel), channels innermost ----------
     def latent_channels(self, model: DiffusionModel) -> int:
         return int(model.vae.config.latent_channels)
