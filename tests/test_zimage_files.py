@@ -192,6 +192,9 @@ def test_fp8_transformer_equals_its_dequantised_model(tmp_path, convention, per_
         assert torch.equal(pair.dequantised(torch.float32), want[layer + ".weight"]), layer
     fresh = _fresh_transformer()
     installed = load_into(fresh, kept)
+    smaller = _fresh_transformer()
+    del smaller.layers[1]
+    one_line_error(lambda: load_into(smaller, kept), path, "layers.1.", "no place for")
     assert "layers.0.attention.to_q" in installed and "layers.0.feed_forward.w1" not in installed  # 170 rows: not /16
     assert isinstance(fresh.get_submodule("layers.0.attention.to_q"), Fp8Linear)
     assert torch.equal(fresh.get_submodule("layers.0.attention.to_q").weight.view(torch.uint8),
@@ -228,13 +231,18 @@ def _refused_layer(fmt: str) -> tuple[dict[str, torch.Tensor], str | None]:
                 layer + ".weight_scale": torch.ones(192, 4).to(E4M3), layer + ".weight_scale_2": torch.ones(())}, fmt
     if fmt == "nvfp4 without metadata":
         return _refused_layer("nvfp4")[0], None
+    if fmt == "comfy_quant marker":  # the per-layer marker names a format the dtypes alone would call int8_tensorwise
+        marker = torch.tensor(list(json.dumps({"format": "w4a8_int8"}).encode()), dtype=torch.uint8)
+        return {layer + ".weight": torch.ones(192, 64, dtype=torch.int8), layer + ".weight_scale": torch.ones(()),
+                layer + ".comfy_quant": marker}, None
     return {layer + ".qweight": torch.ones(192, 32, dtype=torch.int8), layer + ".wscales": torch.ones(1, 192),
             layer + ".smooth_factor": torch.ones(64), layer + ".proj_down": torch.ones(64, 16),
             layer + ".proj_up": torch.ones(192, 16)}, None
 
 
 @pytest.mark.parametrize("fmt,named", [("int8_blockwise", "int8_blockwise"), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4"),
-                                       ("nvfp4 without metadata", "nvfp4"), ("svdquant", "nunchaku SVDQuant")])
+                                       ("nvfp4 without metadata", "nvfp4"), ("comfy_quant marker", "w4a8_int8"),
+                                       ("svdquant", "nunchaku SVDQuant")])
 def test_refused_quantisations_name_their_format(tmp_path, fmt, named):
     tensors = {k: v for k, v in to_original(tiny_transformer().state_dict()).items() if ".layers.0.attention.qkv."
                not in k}

@@ -130,9 +130,11 @@ def load_into(module: nn.Module, weights: FileWeights) -> tuple[str, ...]:
     (a cast would turn the fp8 weights into floats). Returns the names of the layers installed in fp8."""
     result = module.load_state_dict(weights.state, strict=False)
     missing = [k for k in result.missing_keys if k.removesuffix(".weight") not in weights.fp8]
-    if missing or result.unexpected_keys:
+    unexpected = [*result.unexpected_keys, *(n + ".weight" for n in weights.fp8 if n + ".weight"
+                                             not in result.missing_keys)]
+    if missing or unexpected:
         what = (f"lacks {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") if missing
-                else f"holds {result.unexpected_keys[0]!r}, which this model has no place for")
+                else f"holds {unexpected[0]!r}, which this model has no place for")
         raise ValueError(f"{weights.path} {what}: it does not fit this {type(module).__name__}'s config; use the "
                          "file made for this model")
     installed = []
