@@ -300,7 +300,8 @@ def test_text_encoder_of_another_family_or_size_is_refused(tmp_path):
                "text_model.embeddings.token_embedding.weight": torch.ones(8, 4)}, clip)
     one_line_error(lambda: read_text_encoder(clip), clip, "a CLIP text encoder", "not a Qwen3 text encoder")
     qwen2 = str(tmp_path / "qwen_2.5_vl_7b.safetensors")
-    save_file({"model.embed_tokens.weight": torch.ones(8, 4), "model.layers.0.self_attn.q_proj.weight": torch.ones(4, 4),
+    save_file({"model.embed_tokens.weight": torch.ones(8, 4),
+               "model.layers.0.self_attn.q_proj.weight": torch.ones(4, 4),
                "model.layers.0.self_attn.q_proj.bias": torch.ones(4)}, qwen2)
     one_line_error(lambda: read_text_encoder(qwen2), qwen2, "Qwen2 / Qwen2.5")
     encoder = tiny_qwen3()
