@@ -1,0 +1,371 @@
+"""Z-Image's single files as ComfyUI users download them, read into the state dicts of the classes the Z-Image family
+builds: the transformer (`diffusion_models/z_image_turbo_bf16.safetensors`) for diffusers' ZImageTransformer2DModel,
+the text encoder (`text_encoders/qwen_3_4b.safetensors`) for transformers' Qwen3Model, the VAE (`vae/ae.safetensors`)
+for diffusers' AutoencoderKL.
+
+Layouts read:
+  * transformer: the original (Tongyi / ComfyUI NextDiT) layout, keys bare or under `model.diffusion_model.`:
+    `x_embedder` / `final_layer` (one patch size, 2x2x1) become `all_x_embedder.2-1` / `all_final_layer.2-1`, the
+    fused `attention.qkv` splits into `to_q` / `to_k` / `to_v` (q has `dim` rows, k and v share the rest),
+    `attention.out` is `to_out.0`, `q_norm` / `k_norm` are `norm_q` / `norm_k`; Lumina 2's unused `norm_final` is
+    dropped. A file already in diffusers' names (`all_x_embedder.`) is read as it is (`transformer_from_original`).
+  * text encoder: Qwen3's transformers names under any prefix ending where `embed_tokens.weight` begins (`model.` in
+    ComfyUI's file, nothing in a Qwen3Model's); a causal LM's `lm_head` is dropped (`qwen3_from_comfy`).
+  * VAE: the original BFL / LDM layout (`encoder.down.0.block.0...`, bare or under `first_stage_model.` / `vae.`),
+    converted by diffusers' own `convert_ldm_vae_checkpoint`, the converter diffgraph's single-file VAEs go through;
+    a file in diffusers' names (`encoder.down_blocks.`) is read as it is.
+
+ComfyUI's fp8 conventions: (a) a `scaled_fp8` marker tensor with per-layer `scale_weight` (and `scale_input`);
+(b) `weight_scale` (and `input_scale`) per layer, with `_quantization_metadata` in the safetensors metadata (or
+`.comfy_quant` tensors) naming each layer's format; and plain fp8 weights without scales. A layer's fp8 weight
+and its scale (one per tensor, or one per output row) are read as an `Fp8Weight` in diffgraph's fp8 tier's form
+(quantize/fp8.py: an e4m3fn [out, in] weight, a float32 [1] or [out] scale), kept with `keep_fp8`, otherwise
+dequantised (weight.float() * scale, then the compute dtype). Static input scales are not used: the fp8 tier
+quantises activations per token. Other quantisations (`int8_blockwise`, `mxfp8`, `nvfp4`, ... by the metadata, the
+dtypes or the key suffixes; nunchaku's SVDQuant by its `.qweight` / `.wscales` / `.smooth_factor` / `.proj_down` /
+`.proj_up`) are refused by name, in one line, from the header, before any tensor is read.
+
+Every file is read through `safe_tensors.TensorFile` (streamed and checked, never mapped); its header first, which
+must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks like, with
+split_files' signatures). Errors are ValueError, one line naming the file and saying what to use instead.
+`load_into` puts a `FileWeights` into a module: strict, fp8 pairs installed as `Fp8Linear` where they fit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import torch
+from torch import nn
+
+from .. import safe_files
+from ..quantize.fp8 import Fp8Linear
+from ..safe_tensors import CHANGED_FIX, FILE_LIMIT, TensorFile
+from .split_files import PARTS, SPLIT_KINDS
+
+Kind = Literal["transformer", "text_encoder", "vae"]
+Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata"]
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI's format names of the layers read here
+TRANSFORMER_PREFIX = "model.diffusion_model."
+SVDQUANT_SUFFIXES = (".qweight", ".wscales", ".wcscales", ".wtscale", ".wzeros", ".smooth_factor",
+                     ".smooth_factor_orig", ".proj_down", ".proj_up")
+USE_INSTEAD = "use the model's bf16 or fp8 (float8_e4m3fn) file"
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+_MODULE_RENAMES = ((".attention.out.", ".attention.to_out.0."), (".attention.q_norm.", ".attention.norm_q."),
+                   (".attention.k_norm.", ".attention.norm_k."))
+_TOP_RENAMES = (("x_embedder.", "all_x_embedder.2-1."), ("final_layer.", "all_final_layer.2-1."))
+_DROPPED = ("norm_final.weight",)  # Lumina 2's final RMSNorm: in its files, unused by Z-Image
+# what a file of another kind looks like, by a key fragment (after split_files' sized signatures)
+_LOOKS = (("cap_embedder.", "a Z-Image transformer"), ("double_blocks.", "a FLUX transformer"),
+          ("input_blocks.", "an SD UNet"), ("encoder.block.", "a T5 text encoder"),
+          ("text_model.encoder.layers.", "a CLIP text encoder"), ("transformer.resblocks.", "an OpenCLIP text encoder"),
+          ("self_attn.q_proj.bias", "a Qwen2 / Qwen2.5 text encoder"), ("embed_tokens.", "a language model"),
+          ("encoder.conv_in.", "a VAE"))
+_WANTED = {"transformer": "a Z-Image transformer", "text_encoder": "a Qwen3 text encoder", "vae": "a VAE"}
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """One layer's fp8 weight as the fp8 tier takes it: weight ~ weight.float() * scale[:, None]."""
+
+    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor   # float32 [1] (per tensor) or [out] (per output row)
+
+    @property
+    def granularity(self) -> str:
+        return "tensor" if self.scale.numel() == 1 else "channel"
+
+    def dequantised(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.float() * self.scale.reshape(-1, 1)).to(dtype)
+
+
+@dataclass(frozen=True)
+class FileWeights:
+    """A file read for one module: `state` in the module's key names (floating tensors at the compute dtype, fp8
+    layers dequantised unless kept), `fp8` the kept layers by the Linear's qualified name (their `.weight` is not in
+    `state`), `quantisation` the file's convention."""
+
+    path: str
+    state: dict[str, torch.Tensor]
+    fp8: dict[str, Fp8Weight] = field(default_factory=dict)
+    quantisation: Quantisation = "none"
+
+
+# -- the readers ---------------------------------------------------------------------------------------------------
+
+def read_transformer(path: str, dtype: torch.dtype = torch.bfloat16, keep_fp8: bool = False,
+                     max_bytes: int = FILE_LIMIT) -> FileWeights:
+    """A Z-Image transformer file as ZImageTransformer2DModel's state dict (`transformer_from_original`)."""
+    state, convention = _read(path, "transformer", max_bytes)
+    return _finish(path, transformer_from_original(state), convention, dtype, keep_fp8)
+
+
+def read_text_encoder(path: str, dtype: torch.dtype = torch.bfloat16, keep_fp8: bool = False,
+                      config: Any = None, max_bytes: int = FILE_LIMIT) -> FileWeights:
+    """A Qwen3 text encoder file as Qwen3Model's state dict (`qwen3_from_comfy`). With `config` (a Qwen3Config or its
+    dict), a file of another size is refused from its header: width, vocabulary, layers."""
+    state, convention = _read(path, "text_encoder", max_bytes, config)
+    return _finish(path, qwen3_from_comfy(state), convention, dtype, keep_fp8)
+
+
+def read_vae(path: str, config: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16,
+             max_bytes: int = FILE_LIMIT) -> FileWeights:
+    """A VAE file as AutoencoderKL's state dict for `config` (its config dict: block types, latent channels); a VAE
+    with other latent channels is refused from its header. fp8 layers are always dequantised."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    state, convention = _read(path, "vae", max_bytes, config)
+    weights = _finish(path, state, convention, dtype, keep_fp8=False)  # (before the conversion: it knows no scales)
+    if any(".down_blocks." in k for k in weights.state):
+        return weights
+    return FileWeights(path, convert_ldm_vae_checkpoint(weights.state, dict(config)), {}, convention)
+
+
+def load_into(module: nn.Module, weights: FileWeights) -> tuple[str, ...]:
+    """Loads `weights` into `module`, every parameter and buffer of it (else ValueError naming the file and the first
+    missing or unexpected key); each kept fp8 layer becomes an `Fp8Linear` where it is an nn.Linear whose dims are
+    multiples of 16 (the fp8 matmul's), else its dequantised weight. Call it after the module's last `.to(dtype)`
+    (a cast would turn the fp8 weights into floats). Returns the names of the layers installed in fp8."""
+    result = module.load_state_dict(weights.state, strict=False)
+    missing = [k for k in result.missing_keys if k.removesuffix(".weight") not in weights.fp8]
+    unexpected = [*result.unexpected_keys, *(n + ".weight" for n in weights.fp8 if n + ".weight"
+                                             not in result.missing_keys)]
+    if missing or unexpected:
+        what = (f"lacks {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") if missing
+                else f"holds {unexpected[0]!r}, which this model has no place for")
+        raise ValueError(f"{weights.path} {what}: it does not fit this {type(module).__name__}'s config; use the "
+                         "file made for this model")
+    installed = []
+    for name, pair in weights.fp8.items():
+        linear = module.get_submodule(name)
+        if type(linear) is nn.Linear and linear.in_features % 16 == 0 and linear.out_features % 16 == 0:
+            module.set_submodule(name, Fp8Linear(pair.weight.to(linear.weight.device), pair.scale.to(
+                linear.weight.device), linear.bias, pair.granularity))
+            installed.append(name)
+        else:
+            with torch.no_grad():
+                linear.weight.copy_(pair.dequantised(linear.weight.dtype))
+    return tuple(installed)
+
+
+# -- key conversions (rename, split and drop only: they work on meta tensors too) -----------------------------------
+
+def transformer_from_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The original / ComfyUI layout's keys (bare or under `model.diffusion_model.`) as ZImageTransformer2DModel's.
+    A fused qkv splits by rows: q has the layer's in_features (`dim`) rows, k and v half the rest each; a per-row
+    `weight_scale` splits alike, a per-tensor one goes to all three."""
+    state = {k.removeprefix(TRANSFORMER_PREFIX): v for k, v in state.items()}
+    if any(k.startswith("all_x_embedder.") for k in state):
+        return state  # diffusers' own names
+    out = {}
+    for key, value in state.items():
+        if key in _DROPPED:
+            continue
+        if ".attention.qkv." in key:
+            if key.endswith(".weight"):
+                out.update(_split_qkv(key, value, state))
+            continue
+        for old, new in _TOP_RENAMES:
+            if key.startswith(old):
+                key = new + key[len(old):]
+        for old, new in _MODULE_RENAMES:
+            key = key.replace(old, new)
+        out[key] = value
+    return out
+
+
+def _split_qkv(key: str, weight: torch.Tensor, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    layer = key.removesuffix(".weight")
+    rows, q = weight.shape[0], weight.shape[1]
+    if rows <= q or (rows - q) % 2:
+        raise ValueError(f"fused attention {key!r} is {list(weight.shape)}: not q ({q} rows) plus k and v of one size")
+    sizes = [q, (rows - q) // 2, (rows - q) // 2]
+    parts = {"weight": weight.split(sizes)}
+    scale = state.get(layer + ".weight_scale")
+    if scale is not None:
+        parts["weight_scale"] = scale.split(sizes) if scale.numel() == rows else (scale,) * 3
+    base = layer.removesuffix(".qkv")
+    return {f"{base}.to_{x}.{param}": tensors[i] for param, tensors in parts.items() for i, x in enumerate("qkv")}
+
+
+def qwen3_from_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Qwen3 text encoder's keys under their prefix (`model.` in ComfyUI's file, as in a causal LM; none in a
+    Qwen3Model's) as Qwen3Model's; an `lm_head` (tied to the embeddings in Qwen3-4B) is dropped."""
+    embed = next((k for k in state if k.endswith("embed_tokens.weight")), None)
+    if embed is None:
+        raise ValueError("Qwen3 weights without embed_tokens.weight: not a Qwen3 text encoder")
+    prefix = embed.removesuffix("embed_tokens.weight")
+    out, stray = {}, []
+    for key, value in state.items():
+        if key.startswith(prefix):
+            out[key[len(prefix):]] = value
+        elif not key.endswith("lm_head.weight"):
+            stray.append(key)
+    if stray:
+        raise ValueError(f"Qwen3 weights with {len(stray)} tensors outside {prefix!r} (e.g. {stray[0]!r}): more than "
+                         "a text encoder")
+    return out
+
+
+# -- reading a file: header checks, tensors, fp8 ---------------------------------------------------------------------
+
+def _read(path: str, kind: Kind, max_bytes: int, config: Any = None) -> tuple[dict[str, torch.Tensor], Quantisation]:
+    """The file's tensors in its own names, after its header was checked (kind, size, quantisation), each fp8 layer
+    as `<layer>.weight` (fp8) with `<layer>.weight_scale` (float32 [1] or [out]); input scales and markers dropped."""
+    try:
+        with TensorFile(path, max_bytes) as f:
+            shapes = {k: t.shape for k, t in f.header.tensors.items()}
+            _check_kind(path, kind, shapes, config)
+            marks = f.read(k for k in f.header.tensors if k.endswith(".comfy_quant"))
+            formats = _layer_formats(path, f.header.metadata, marks)
+            _refuse_quantised(path, f.header.tensors, formats)
+            state = f.read(k for k in f.header.tensors if not k.endswith(".comfy_quant"))
+    except safe_files.FileChanged as e:
+        raise ValueError(f"{path} {e}; {CHANGED_FIX}") from None
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"{path} {e}") from None
+    return _fp8_layers(path, state, formats)
+
+
+def _check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config: Any) -> None:
+    keys = list(shapes)
+    if kind == "transformer":
+        ok = any("noise_refiner." in k for k in keys) and any("cap_embedder." in k for k in keys)
+    elif kind == "text_encoder":
+        ok = any(k.endswith("self_attn.q_norm.weight") for k in keys) and any(
+            k.endswith("embed_tokens.weight") for k in keys)
+    else:
+        ok = any(k.endswith("encoder.conv_in.weight") for k in keys) and any(
+            k.endswith("decoder.conv_in.weight") for k in keys)
+    if not ok:
+        raise ValueError(f"{path} is {_looks_like(shapes)}, not {_WANTED[kind]}; give {_WANTED[kind]}'s file here")
+    if config is not None:
+        _check_size(path, kind, shapes, config)
+
+
+def _check_size(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config: Any) -> None:
+    get = config.get if isinstance(config, Mapping) else lambda name, default=None: getattr(config, name, default)
+    if kind == "vae":
+        found = next(s for k, s in shapes.items() if k.endswith("decoder.conv_in.weight"))[1]
+        if found != get("latent_channels"):
+            raise ValueError(f"{path} is a VAE of {found} latent channels; this model's has "
+                             f"{get('latent_channels')}; give the VAE its model page names")
+        return
+    if kind == "text_encoder":
+        vocab, width = next(s for k, s in shapes.items() if k.endswith("embed_tokens.weight"))
+        layers = len({m[1] for k in shapes if (m := re.search(r"layers\.(\d+)\.", k))})
+        want = (get("vocab_size"), get("hidden_size"), get("num_hidden_layers"))
+        if (vocab, width, layers) != want:
+            raise ValueError(f"{path} is a Qwen3 text encoder of vocabulary {vocab}, width {width} and {layers} "
+                             f"layers{_known(shapes, ' ({})')}; this model's has {want[0]}, {want[1]} and {want[2]}; "
+                             "give the text encoder its model page names")
+
+
+def _known(shapes: dict[str, tuple[int, ...]], template: str = "{}") -> str:
+    """The kind split_files recognises by its key markers and sizes ("a FLUX.1 VAE ..."), in `template`; else ""."""
+    for kinds in (*PARTS.values(), SPLIT_KINDS):
+        found = next((k.label for k in kinds if k.signature.matches(shapes)), None)
+        if found:
+            return template.format(found if found.startswith(("a ", "an ")) else f"a {found} transformer")
+    return ""
+
+
+def _looks_like(shapes: dict[str, tuple[int, ...]]) -> str:
+    """What a file is, in a few words: a kind split_files recognises, else by a key fragment, else its keys."""
+    found = _known(shapes) or next((what for fragment, what in _LOOKS if any(fragment in k for k in shapes)), None)
+    if found:
+        return found
+    sample = ", ".join(sorted({k.split(".")[0] for k in shapes})[:4]) or "no tensors"
+    return f"a file of another kind (its keys start with {sample})"
+
+
+def _layer_formats(path: str, metadata: dict[str, str], marks: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each quantised layer's format as the file names it: `_quantization_metadata`, then `.comfy_quant` tensors."""
+    layers: dict[str, Any] = {}
+    raw = metadata.get("_quantization_metadata")
+    if raw is not None:
+        try:
+            parsed = safe_files.parse_json(raw)
+        except safe_files.NotJson as e:
+            raise ValueError(f"{path} has _quantization_metadata that {e}; download or convert it again") from None
+        layers.update(parsed.get("layers", {}) if isinstance(parsed, dict) else {})
+    for key, tensor in marks.items():
+        try:
+            layers[key.removesuffix(".comfy_quant")] = safe_files.parse_json(bytes(tensor.to(torch.uint8).tolist()))
+        except safe_files.NotJson as e:
+            raise ValueError(f"{path} has a {key!r} that {e}; download or convert it again") from None
+    return {layer: str(conf.get("format") if isinstance(conf, dict) else conf) for layer, conf in layers.items()}
+
+
+def _refuse_quantised(path: str, tensors: dict[str, safe_files.TensorInfo], formats: dict[str, str]) -> None:
+    """One line naming the first quantisation diffgraph cannot read: nunchaku's SVDQuant by its keys, a named format
+    that is not fp8, else what the dtypes of a layer's weight and scale say (int8, nvfp4, mxfp8, block-wise fp8)."""
+    svd = next((k for k in tensors if k.endswith(SVDQUANT_SUFFIXES)), None)
+    if svd is not None:
+        raise ValueError(f"{path} is a nunchaku SVDQuant file (e.g. {svd!r}): its 4-bit layers need nunchaku's "
+                         f"kernels, which diffgraph does not have; {USE_INSTEAD}")
+    found = {layer: fmt for layer, fmt in formats.items() if fmt not in FP8_FORMATS}
+    for key, t in tensors.items():
+        layer = key.removesuffix(".weight")
+        if key == layer or layer in found:
+            continue
+        scale = tensors.get(layer + ".weight_scale") or tensors.get(layer + ".scale_weight")
+        if layer + ".weight_scale_2" in tensors or (t.dtype == "U8" and scale is not None):
+            found[layer] = "nvfp4"
+        elif t.dtype == "I8":
+            found[layer] = "int8_blockwise" if scale is not None and len(scale.shape) == 2 else "int8_tensorwise"
+        elif t.dtype in FP8_DTYPES and scale is not None and scale.dtype not in ("F32", "F16", "BF16"):
+            found[layer] = "mxfp8"
+        elif t.dtype in FP8_DTYPES and scale is not None and scale.numel not in (1, t.shape[0]):
+            found[layer] = "block-wise fp8"
+    if found:
+        layer, fmt = next(iter(found.items()))
+        same = sum(f == fmt for f in found.values())
+        raise ValueError(f"{path} holds {same} layer{'s' if same > 1 else ''} quantised as {fmt} (e.g. {layer!r}), "
+                         f"which diffgraph cannot read; {USE_INSTEAD}")
+
+
+def _fp8_layers(path: str, state: dict[str, torch.Tensor],
+                formats: dict[str, str]) -> tuple[dict[str, torch.Tensor], Quantisation]:
+    """The tensors with every fp8 weight's scale as `<layer>.weight_scale`, float32 [1] or [out] (1 where the file
+    has none); the `scaled_fp8` marker and input scales dropped."""
+    scaled = any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in state)
+    convention: Quantisation = "scaled_fp8" if scaled else "quantization_metadata" if formats else "none"
+    out = {}
+    for key, value in state.items():
+        if key == "scaled_fp8" or key.endswith((".scaled_fp8", ".scale_input", ".input_scale", ".scale_weight",
+                                                ".weight_scale")):
+            continue
+        out[key] = value
+        layer = key.removesuffix(".weight")
+        if key == layer or value.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            continue
+        scale = state.get(layer + ".scale_weight", state.get(layer + ".weight_scale"))
+        scale = torch.ones(1) if scale is None else scale.float().reshape(-1)
+        if scale.numel() not in (1, value.shape[0]):
+            raise ValueError(f"{path} has fp8 layer {layer!r} with {scale.numel()} scales for {value.shape[0]} rows: "
+                             f"block-wise scales, which diffgraph cannot read; {USE_INSTEAD}")
+        out[layer + ".weight_scale"] = scale
+        convention = "fp8" if convention == "none" else convention
+    return out, convention
+
+
+def _finish(path: str, state: dict[str, torch.Tensor], convention: Quantisation, dtype: torch.dtype,
+            keep_fp8: bool) -> FileWeights:
+    """Floating tensors at `dtype`; each fp8 layer kept as an `Fp8Weight` (e4m3fn [out, in] weights, with keep_fp8)
+    or dequantised."""
+    out, kept = {}, {}
+    for key, value in state.items():
+        if key.endswith(".weight_scale"):
+            continue
+        layer = key.removesuffix(".weight")
+        scale = state.get(layer + ".weight_scale") if key != layer else None
+        if scale is None:
+            out[key] = value.to(dtype) if value.is_floating_point() else value
+        elif keep_fp8 and value.dtype == torch.float8_e4m3fn and value.ndim == 2:
+            kept[layer] = Fp8Weight(value, scale)
+        else:
+            out[key] = (value.float() * scale.reshape(-1, *[1] * (value.ndim - 1))).to(dtype)
+    return FileWeights(path, out, kept, convention)
