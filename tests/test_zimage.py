@@ -2,8 +2,8 @@
 
 Two folders of one tiny architecture (two main layers, a two-layer Qwen3, a two-level Flux-style VAE), saved with
 save_pretrained as the published ones are: "Z-Image-Turbo" (fixed shift 3, no guidance by default) and "Z-Image"
-(guided). Their tokenizer is a byte-level BPE the test trains on a few phrases, with Qwen's control tokens and a chat
-template rendering one user message as Qwen3's does. fp32 on the CPU: each image within one uint8 level of the
+(guided). Their tokenizer is a byte-level BPE the test trains on a few phrases, with Qwen's control tokens and Qwen3's chat
+template. fp32 on the CPU: each image within one uint8 level of the
 pipeline's with the same seed; rows of different prompt lengths, sizes of one token bucket, steps and guidance run
 in one step and each equals its request alone.
 """
@@ -16,11 +16,9 @@ import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.models.families.zimage import CHECKPOINTS, checkpoint_of
+from diffgraph.text.qwen_tokenizer import chat_template
 
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 image tokens (2x2 cells of 8x latents): one bucket
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-            "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
 
 
 def tokenizer():
@@ -35,7 +33,7 @@ def tokenizer():
     tok.train_from_iterator(["a red fox in the snow", "a lighthouse on a cliff at dusk, waves", "user assistant"] * 4,
                             trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>")
-    fast.chat_template = TEMPLATE
+    fast.chat_template = chat_template("qwen3")  # Qwen3's own (the pipeline renders it, the engine its string)
     return fast
 
 
@@ -170,3 +168,27 @@ def test_it_refuses_what_it_does_not_read(turbo):
         GenerationRequest.create(prompt="fox", height=128, width=120, model=turbo.info)
     assert e.value.param == "width" and "16" in str(e.value)
     assert json.loads(json.dumps(turbo.info.samplers)) == ["flow_euler"]
+
+
+def test_a_prompt_beyond_the_encoder_is_refused_naming_its_count(turbo):
+    """512 tokens with the template, as the pipeline reads them: a longer prompt is a ParamError (HTTP 400) naming
+    the count and the limit, never cut silently; one just within runs."""
+    long = GenerationRequest.create(prompt="fox " * 600, height=128, width=128, num_inference_steps=1,
+                                    model=turbo.info)
+    with pytest.raises(ParamError) as e:
+        turbo.submit(long)
+    assert e.value.param == "prompt" and "at most 512" in str(e.value)
+    assert int(str(e.value).split()[2]) > 512
+    negative = GenerationRequest.create(prompt="fox", negative_prompt="snow " * 600, guidance_scale=2.0, height=128,
+                                        width=128, num_inference_steps=1, model=turbo.info)
+    with pytest.raises(ParamError) as e:
+        turbo.submit(negative)
+    assert e.value.param == "negative_prompt"
+
+
+def test_the_tiny_random_preset_runs_with_the_shipped_tokenizer():
+    with Engine(model="random:zimage-tiny", device="cpu") as engine:
+        assert engine.model.is_random and engine.info.family == "zimage" and engine.info.default_steps == 8
+        assert len(engine.model.tokenizers[0]) == 151669  # Qwen3's vocabulary and control tokens
+        image = engine.generate("a red fox", height=64, width=96, num_inference_steps=2, seed=1)
+    assert image.arrays[0].shape == (64, 96, 3)

@@ -70,6 +70,9 @@ class TextSetup:
     tokens: TokenCache = field(default_factory=lambda: TokenCache(), compare=False, repr=False)
     lock: Any = field(default_factory=threading.Lock, compare=False, repr=False)  # around every tokenizer call
     lengths: tuple[int, ...] = ()          # the tokens each encoder reads (the family's); () its model_max_length
+    # a family whose encoder reads its prompt in a template (an LLM's chat template) and refuses a longer one rather
+    # than truncating it: the text around the prompt (FamilyAdapter.prompt_template); None: CLIP's truncation
+    template: tuple[str, str] | None = None
 
 
 def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, PromptText]:
@@ -79,7 +82,8 @@ def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, P
                                       f"0..{setup.max_clip_skip} (1 = the penultimate layer)")
     if request.prompt_syntax == "plain":
         return (PromptText(request.prompt, clip_skip=request.clip_skip, ids=plain_ids(setup, request.prompt)),
-                PromptText(request.negative_prompt, ids=plain_ids(setup, request.negative_prompt or "")))
+                PromptText(request.negative_prompt, ids=plain_ids(setup, request.negative_prompt or "",
+                                                                  "negative_prompt")))
     negative = _a1111(setup, request.negative_prompt or "", "negative_prompt", request)
     if not (request.negative_prompt or "").strip():
         negative = dataclasses.replace(negative, text=None)
@@ -92,7 +96,9 @@ def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
     return PromptText("", "a1111", like.clip_skip, like.emphasis, ids, ((1.0,) * (CHUNK_TOKENS + 2),))
 
 
-def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def plain_ids(setup: TextSetup, text: str, field: str = "prompt") -> tuple[tuple[tuple[int, ...], ...], ...]:
+    if setup.template is not None:
+        return _templated_ids(setup, text, field)
     out = []
     for i, tokenizer in enumerate(setup.tokenizers):
         length = setup.lengths[i] if setup.lengths else tokenizer.model_max_length
@@ -107,6 +113,21 @@ def plain_ids(setup: TextSetup, text: str) -> tuple[tuple[tuple[int, ...], ...],
             ids = ids[:length - 1] + (tokenizer.eos_token_id,)
         out.append((ids,))
     return tuple(out)
+
+
+def _templated_ids(setup: TextSetup, text: str, field: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The prompt's ids in the family's template, every one (the encoder reads them at their own length); ParamError
+    naming `field` when they are more than the encoder reads."""
+    before, after = setup.template
+    length = setup.lengths[0] if setup.lengths else setup.tokenizers[0].model_max_length
+    tokenizer = setup.tokenizers[0]
+    with setup.lock:
+        ids = setup.tokens.get(("templated", 0), [before + text + after], lambda texts: tokenizer(
+            texts, truncation=False).input_ids)[0]
+    if len(ids) > length:
+        raise ParamError(field, f"{field} is {len(ids)} tokens with the model's template; this model reads at most "
+                                f"{length}: shorten it")
+    return ((tuple(ids),),)
 
 
 class TokenCache:

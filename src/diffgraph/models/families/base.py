@@ -378,6 +378,12 @@ class FamilyAdapter:
     def token_lengths(self, model: DiffusionModel) -> list[int]:
         return [t.model_max_length for t in model.tokenizers]
 
+    def prompt_template(self, model: DiffusionModel) -> tuple[str, str] | None:
+        """(text before, text after) the prompt where the encoder reads it in a template (an LLM's chat template):
+        then a prompt longer than `token_lengths` is refused, naming its count, rather than truncated. None: CLIP's
+        rule (truncated, with a warning)."""
+        return None
+
     def needs_attention_mask(self, model: DiffusionModel) -> bool:
         """True when the encoders need the tokenizer's mask: then the text encoder is not captured."""
         return False

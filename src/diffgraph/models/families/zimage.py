@@ -2,7 +2,8 @@
 latents, with a Qwen3 text encoder, on flow matching.
 
 What diffusers' `ZImagePipeline` does, and how rows of different prompts and sizes share one step here:
-  * text: each prompt is wrapped in Qwen3's chat template (one user message, the generation prompt, thinking on),
+  * text: each prompt is wrapped in Qwen3's chat template (one user message, the generation prompt, thinking on:
+    the shipped template, text/qwen_tokenizer.py, which a folder's must equal),
     tokenised, encoded, and the second-to-last hidden states of its real tokens kept (`encode`: the row's `embeds`
     with its `mask`, the prompt's own length, up to `text_tokens`);
   * the transformer reads a row as its image tokens (2x2 latent cells each, channels innermost: `pack`) padded to a
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from ... import safe_files
+from ...text.qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
 from ...request import GroupKey, Size
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec
@@ -75,11 +77,6 @@ def checkpoint_of(path: str, preset: str | None = None) -> Checkpoint:
                      f"of {', '.join(CHECKPOINTS)}")
 
 
-def chat_prompt(prompt: str) -> str:
-    """Qwen3's chat template for one user message with the generation prompt, thinking on (as ZImagePipeline)."""
-    return f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-
-
 def ceil_to(n: torch.Tensor, multiple: int) -> torch.Tensor:
     return (n + multiple - 1) // multiple * multiple
 
@@ -108,6 +105,10 @@ class ZImageFamily(TokenFamily):
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **common)
         encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
+        try:  # the prompt string is the shipped template's (no folder's Jinja runs): the folder's must be it
+            check_chat_template(tokenizer.chat_template or "", "qwen3")
+        except ValueError as e:
+            raise ValueError(f"model folder {folder!r}: tokenizer: {e}") from None
         try:
             scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
                                                     1 << 20)[0]
@@ -137,7 +138,6 @@ class ZImageFamily(TokenFamily):
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
         from transformers import Qwen3Config, Qwen3Model
 
-        from ...text.qwen_tokenizer import qwen_tokenizer
         if name not in self.random_presets():
             raise ValueError(f"family {self.name!r} has no random preset {name!r}")
         tiny = name == "random:zimage-tiny"
@@ -203,11 +203,15 @@ class ZImageFamily(TokenFamily):
         return {"embeds": ((self.text_tokens, dim), model.dtype), "mask": ((self.text_tokens,), torch.bool)}
 
     def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
-        ids, mask = self.tokenize_padded(model, [chat_prompt(p) for p in prompts])
+        ids, mask = self.tokenize_padded(model, [chat_prompt(p, "qwen3", enable_thinking=True) for p in prompts])
         with torch.no_grad():
             hidden = model.text_encoders[0](input_ids=ids, attention_mask=mask.bool(),
                                             output_hidden_states=True).hidden_states[-2]
         return self.pad_tokens(model, hidden, mask)
+
+    def prompt_template(self, model: DiffusionModel) -> tuple[str, str] | None:
+        before, _, after = chat_prompt("\0", "qwen3", enable_thinking=True).partition("\0")
+        return before, after
 
     def negative(self, model: DiffusionModel, cond: Conditioning, prompts: list[str | None]) -> Conditioning:
         return cond
