@@ -17,6 +17,8 @@ import safetensors.torch
 import torch
 from safetensors.torch import load_file, save_file
 
+from rewrite_util import rewrite, rewrite_on_read
+
 from diffgraph.safe_files import FileChanged, NotSafetensors, OpenFile
 from diffgraph.safe_tensors import BadWeights, TensorFile, read_safetensors
 
@@ -58,36 +60,13 @@ def test_equal_to_safetensors_own_reader_for_every_dtype(tmp_path, chunk):
     assert torch.equal(some["bf16"], expected["bf16"].float())
 
 
-def _rewrite(path: str, how: str) -> None:
-    data = open(path, "rb").read()
-    if how == "in place":  # cp new old, rsync --inplace: same size, other bytes
-        with open(path, "r+b") as f:
-            f.seek(len(data) // 2)
-            f.write(bytes(b ^ 0xFF for b in data[len(data) // 2:]))
-    elif how == "cut":
-        os.truncate(path, len(data) // 2)
-    else:  # a careful writer: a new file renamed over the old
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
-
-
 @pytest.mark.parametrize("how, words", [("in place", "changed while it was read"),
                                         ("cut", "changed while it was read"),
                                         ("replaced", "was replaced while it was read")])
 def test_a_file_rewritten_between_chunks_is_refused(tmp_path, monkeypatch, how, words):
     path = str(tmp_path / "w.safetensors")
     save_file({"a": torch.randn(64, 64), "b": torch.randn(64)}, path)
-    os.utime(path, ns=(0, 0))  # last written long ago: a rewrite now moves the mtime past the kernel's clock tick
-    real, calls = OpenFile.readinto, []
-
-    def rewriting(self, view, offset):
-        real(self, view, offset)
-        calls.append(offset)
-        if len(calls) == 2:
-            _rewrite(path, how)
-
-    monkeypatch.setattr(OpenFile, "readinto", rewriting)
+    calls = rewrite_on_read(monkeypatch, path, how)
     with pytest.raises(FileChanged) as e, TensorFile(path, chunk=1024) as f:
         f.read()
     assert str(e.value).endswith(words), e.value
@@ -102,7 +81,7 @@ def test_a_rewritten_adapter_is_a_one_line_error_naming_it(tmp_path, monkeypatch
     save_file({"unet.down.lora_A.weight": torch.randn(4, 320)}, path)
     os.utime(path, ns=(0, 0))
     real = OpenFile.readinto
-    monkeypatch.setattr(OpenFile, "readinto", lambda self, v, o: (real(self, v, o), _rewrite(path, "in place")))
+    monkeypatch.setattr(OpenFile, "readinto", lambda self, v, o: (real(self, v, o), rewrite(path, "in place")))
     with pytest.raises(AdapterChanged, match=r"^adapter 'style': style.safetensors changed while it was read$"):
         read_adapter(path, "StableDiffusionPipeline", "style")
 

@@ -152,6 +152,7 @@ class OpenFile:
     `readinto` read at an offset, `unchanged` checks the open file against the stat taken before it was opened."""
 
     def __init__(self, path: str, max_bytes: int):
+        self.path = path
         self.st = check_regular(path, max_bytes)
         # O_NONBLOCK: should a FIFO take the file's place after the stat, the open still returns at once
         try:
@@ -206,6 +207,17 @@ class OpenFile:
                 (whole and os.pread(self.fd, 1, self.st.st_size)):
             raise FileChanged("changed while it was read")
         return stamp_of(self.st)
+
+    def unchanged_in_place(self) -> FileStamp:
+        """`unchanged(whole=True)`, and the path still names the file that was opened (not removed, not replaced)."""
+        stamp = self.unchanged(whole=True)
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            raise FileChanged("was removed while it was read") from None
+        if (now.st_dev, now.st_ino) != (self.st.st_dev, self.st.st_ino):
+            raise FileChanged("was replaced while it was read")
+        return stamp
 
     def close(self) -> None:
         os.close(self.fd)

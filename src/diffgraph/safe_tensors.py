@@ -28,12 +28,11 @@ a caller reads the file again, or reports it with `CHANGED_FIX`.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable
 
 import torch
 
-from .safe_files import FileChanged, FileStamp, NotSafetensors, OpenFile, SafetensorsHeader, TensorInfo, \
+from .safe_files import FileStamp, NotSafetensors, OpenFile, SafetensorsHeader, TensorInfo, \
     UnusableFile, checked_header, stamp_of
 
 FILE_LIMIT = 1 << 40          # bytes per weights file (a 1 TB sparse file is refused by its size, before it is read)
@@ -117,13 +116,7 @@ class TensorFile:
         return out
 
     def _unchanged(self) -> None:
-        self._file.unchanged(whole=True)
-        try:
-            now = os.stat(self.path)
-        except OSError:
-            raise FileChanged("was removed while it was read") from None
-        if (now.st_dev, now.st_ino) != (self._file.st.st_dev, self._file.st.st_ino):
-            raise FileChanged("was replaced while it was read")
+        self._file.unchanged_in_place()
 
     def close(self) -> None:
         self._file.close()
