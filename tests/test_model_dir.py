@@ -302,10 +302,10 @@ def test_comfyuis_models_folder_over_http_lists_checkpoints_and_split_models(tmp
     assert (cards["checkpoints/sd15"]["family"], cards["checkpoints/sd15"]["error"]) == ("sd", None)
     z = cards["diffusion_models/z"]
     assert z["files"] == {"text_encoder": "text_encoders/qwen_3_4b.safetensors", "vae": "vae/ae.safetensors"}
-    assert (z["kind"], z["error_kind"], z["hash"]) == ("z-image", "file", None)
-    assert "no model family loads split files of it yet" in z["error"] and str(tmp_path) not in z["error"]
+    assert (z["kind"], z["error_kind"], z["hash"], z["error"]) == ("z-image", None, None, None)  # the family reads it
     assert cards["checkpoints/sd15"]["files"] is None
-    assert [m["filename"] for m in http.get("/sdapi/v1/sd-models").json()] == ["random:tiny", "checkpoints/sd15"]
+    assert [m["filename"] for m in http.get("/sdapi/v1/sd-models").json()] == ["random:tiny", "checkpoints/sd15",
+                                                                             "diffusion_models/z"]
 
 
 def test_the_listing_never_waits_for_a_hash_and_shows_it_once_known(tmp_path):

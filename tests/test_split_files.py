@@ -76,9 +76,7 @@ def test_a_diffusion_model_is_listed_with_the_only_compatible_file_of_each_kind(
     assert (z.split.text_encoder, z.split.vae) == (str(comfy / "text_encoders" / "qwen_3_4b.safetensors"),
                                                    str(comfy / "vae" / "ae.safetensors"))
     assert z.split.chosen_by == (("text_encoder", "only file"), ("vae", "only file"))
-    assert z.error == ("diffusion_models/z_image_turbo is a Z-Image diffusion model (with "
-                       "text_encoders/qwen_3_4b.safetensors and vae/ae.safetensors); no model family loads split "
-                       "files of it yet")  # complete; refused until the Z-Image family lands
+    assert z.error is None  # complete: the Z-Image family loads it
 
 
 def test_missing_and_ambiguous_companions_are_incomplete_with_what_to_do(comfy):
@@ -138,13 +136,13 @@ def test_a_folder_that_is_not_comfyuis_lists_everything_as_before(tmp_path):
     assert [e.name for e in ModelDir(str(tmp_path)).listing()] == ["vae/ae"]
 
 
-def test_the_loader_gets_the_same_files_and_refuses_until_a_family_reads_them(comfy):
+def test_the_loader_hands_the_same_files_to_the_family(comfy):
     from diffgraph.models.loader import load_model
 
     path = str(comfy / "diffusion_models" / "z_image_turbo.safetensors")
     files = split_model(path)
     assert files == ModelDir(str(comfy)).listing()[1].split
     assert split_model(str(comfy / "checkpoints" / "sd15.safetensors")) is None
-    with pytest.raises(ValueError, match=r"is a Z-Image diffusion model \(text encoder .*qwen_3_4b.safetensors, VAE "
-                                         r".*ae.safetensors\); no model family loads split files of it yet"):
-        load_model(path)
+    with pytest.raises(ValueError, match=r"z_image_turbo.safetensors lacks the tensor .*: it is not a complete file of "
+                                         r"a Z-Image transformer"):
+        load_model(path)  # the family reads it (these files are headers of a few tensors)

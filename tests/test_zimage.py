@@ -16,7 +16,7 @@ import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.models.families.zimage import CHECKPOINTS, checkpoint_of
-from diffgraph.text.qwen_tokenizer import chat_template
+from diffgraph.text.qwen_tokenizer import chat_template, qwen_tokenizer
 
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 image tokens (2x2 cells of 8x latents): one bucket
 
@@ -37,7 +37,7 @@ def tokenizer():
     return fast
 
 
-def pipeline(shift: float):
+def pipeline(shift: float, qwen_vocabulary: bool = False):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
@@ -50,15 +50,16 @@ def pipeline(shift: float):
             p.normal_()
         for p in transformer.all_final_layer.parameters():
             p.normal_(std=0.05)
-    encoder = Qwen3Model(Qwen3Config(vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+    encoder = Qwen3Model(Qwen3Config(vocab_size=151936 if qwen_vocabulary else 400, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                      max_position_embeddings=1024))
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(16, 32, 32, 32),
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(32, 32, 32, 32),
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                        layers_per_block=1, norm_num_groups=8, scaling_factor=0.3611, shift_factor=0.1159,
+                        layers_per_block=1, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
                         use_quant_conv=False, use_post_quant_conv=False)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False)
-    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder.eval(), tokenizer=tokenizer(),
+    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder.eval(),
+                          tokenizer=qwen_tokenizer("qwen3") if qwen_vocabulary else tokenizer(),
                           transformer=transformer.eval())
 
 
@@ -192,3 +193,39 @@ def test_the_tiny_random_preset_runs_with_the_shipped_tokenizer():
         assert len(engine.model.tokenizers[0]) == 151669  # Qwen3's vocabulary and control tokens
         image = engine.generate("a red fox", height=64, width=96, num_inference_steps=2, seed=1)
     assert image.arrays[0].shape == (64, 96, 3)
+
+
+def test_comfyui_split_files_equal_the_pipeline(tmp_path):
+    """The transformer in ComfyUI's layout (fused qkv, `model.diffusion_model.` keys), the Qwen3 encoder under
+    `model.`, the VAE in the original layout, as three files: loaded by the family (configs from their shapes, the
+    shipped tokenizer) the image equals the pipeline's on the same modules. (The tiny files are below the split kinds'
+    size signatures, so the SplitFiles the catalog would choose is made here.)"""
+    from safetensors.torch import save_file
+
+    from diffgraph.models.original_layout import vae_original
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+    from test_zimage_files import to_original
+
+    pipe = pipeline(3.0, qwen_vocabulary=True)
+    models = tmp_path / "models"
+    for sub in ("diffusion_models", "text_encoders", "vae"):
+        (models / sub).mkdir(parents=True)
+    paths = (str(models / "diffusion_models" / "z_image_turbo_tiny.safetensors"),
+             str(models / "text_encoders" / "qwen_3_tiny.safetensors"), str(models / "vae" / "ae.safetensors"))
+    save_file(to_original(pipe.transformer.state_dict()), paths[0])
+    save_file({f"model.{k}": v.contiguous() for k, v in pipe.text_encoder.state_dict().items()}, paths[1])
+    save_file({k: v.contiguous() for k, v in vae_original(pipe.vae.state_dict(), 4).items()}, paths[2])
+    files = SplitFiles(next(k for k in SPLIT_KINDS if k.family == "zimage"), *paths, ())
+    model = default_family().load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    with Engine(model=model) as engine:
+        got = generate(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=2, seed=4)])[0]
+        assert engine.info.default_steps == 8
+    assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
+    with pytest.raises(ValueError, match="cannot tell which Z-Image checkpoint"):
+        default_family().load_split(SplitFiles(files.kind, str(tmp_path / "mine.safetensors"), *paths[1:], ()),
+                                    torch.device("cpu"), torch.float32, "mine")
+
+
+def default_family():
+    from diffgraph.models.families import default_registry
+    return default_registry().by_name("zimage")

@@ -92,7 +92,7 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
     if os.path.exists(model):  # a file: a single-file checkpoint (anything else is refused by what it holds)
         split = split_model(model)
         if split is not None:
-            return _load_split(split)
+            return _finish(_load_split(split, device, torch_dtype, model, families))
         given = options
         options = _with_sidecar(model, options)
         try:
@@ -108,11 +108,15 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
                      f"{hint}")
 
 
-def _load_split(files: SplitFiles) -> DiffusionModel:
-    """A split diffusion model (split_files.py): the family that reads its kind loads it from `files`; none does
-    yet, so it is refused naming the files that were chosen."""
-    raise ValueError(f"{files.diffusion_model} is a {files.kind.label} diffusion model (text encoder "
-                     f"{files.text_encoder}, VAE {files.vae}); no model family loads split files of it yet")
+def _load_split(files: SplitFiles, device: torch.device, dtype: torch.dtype, name: str,
+                families: FamilyRegistry) -> DiffusionModel:
+    """A split diffusion model (split_files.py): the family that reads its kind loads it from `files`; a kind no
+    family reads is refused naming the files that were chosen."""
+    family = files.kind.family
+    if family is None or family not in {a.name for a in families.adapters()}:
+        raise ValueError(f"{files.diffusion_model} is a {files.kind.label} diffusion model (text encoder "
+                         f"{files.text_encoder}, VAE {files.vae}); no model family loads split files of it yet")
+    return families.by_name(family).load_split(files, device, dtype, name)
 
 
 def _with_sidecar(path: str, options: LoadOptions) -> LoadOptions:

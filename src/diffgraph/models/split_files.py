@@ -91,7 +91,7 @@ VAES = (
 SPLIT_KINDS = (
     SplitKind("z-image", "Z-Image",
               Signature(("cap_embedder.", "context_refiner.", "noise_refiner."), (("cap_embedder.1.weight", 1, 2560),)),
-              "qwen3-4b", "flux-vae"),
+              "qwen3-4b", "flux-vae", family="zimage"),
     SplitKind("flux2-dev", "FLUX.2 dev", Signature(("double_blocks.", "single_blocks."), (
         ("img_in.weight", 1, 128), ("txt_in.weight", 1, 15360))), "mistral-small-3", "flux2-vae"),
     SplitKind("flux2-klein-4b", "FLUX.2 klein 4B", Signature(("double_blocks.", "single_blocks."), (

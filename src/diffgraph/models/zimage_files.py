@@ -43,7 +43,7 @@ from torch import nn
 from .. import safe_files
 from ..quantize.fp8 import Fp8Linear
 from ..safe_tensors import CHANGED_FIX, FILE_LIMIT, TensorFile
-from .split_files import PARTS, SPLIT_KINDS
+from .split_files import PARTS, SPLIT_KINDS, header_shapes
 
 Kind = Literal["transformer", "text_encoder", "vae"]
 Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata"]
@@ -369,3 +369,57 @@ def _finish(path: str, state: dict[str, torch.Tensor], convention: Quantisation,
         else:
             out[key] = (value.float() * scale.reshape(-1, *[1] * (value.ndim - 1))).to(dtype)
     return FileWeights(path, out, kept, convention)
+
+
+# -- configs from the weights (a split file carries no config) --------------------------------------------------------
+
+def _count(state: Mapping[str, Any], prefix: str) -> int:
+    """How many numbered children `prefix` has ("layers." -> 30 for layers.0. .. layers.29.)."""
+    return len({k[len(prefix):].split(".", 1)[0] for k in state if k.startswith(prefix)})
+
+
+def transformer_config(state: Mapping[str, torch.Tensor], fp8: Mapping[str, Fp8Weight] = {}) -> dict[str, Any]:
+    """ZImageTransformer2DModel's config for a state dict in its names (`read_transformer`'s): widths, layers and
+    heads from the shapes; RoPE's axes split the head as the published model does (a quarter for the caption axis,
+    three eighths for each image axis)."""
+    def shape(key: str) -> tuple[int, ...]:
+        return tuple(fp8[key[:-7]].weight.shape) if key.endswith(".weight") and key[:-7] in fp8 else \
+            tuple(state[key].shape)
+    dim, cap = shape("cap_embedder.1.weight")
+    head = shape("layers.0.attention.norm_q.weight")[0]
+    return dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=shape("all_x_embedder.2-1.weight")[1] // 4,
+                dim=dim, n_layers=_count(state, "layers."), n_refiner_layers=_count(state, "noise_refiner."),
+                n_heads=dim // head, n_kv_heads=shape("layers.0.attention.to_k.weight")[0] // head, cap_feat_dim=cap,
+                axes_dims=[head // 4, head * 3 // 8, head * 3 // 8])
+
+
+def qwen3_config(state: Mapping[str, torch.Tensor], fp8: Mapping[str, Fp8Weight] = {}) -> dict[str, Any]:
+    """Qwen3Config's keywords for a Qwen3Model state dict (`read_text_encoder`'s); the rest Qwen3's defaults (RoPE
+    theta 1e6, RMS eps 1e-6, 40960 positions)."""
+    def shape(key: str) -> tuple[int, ...]:
+        return tuple(fp8[key[:-7]].weight.shape) if key[:-7] in fp8 else tuple(state[key].shape)
+    vocab, hidden = shape("embed_tokens.weight")
+    head = shape("layers.0.self_attn.q_norm.weight")[0]
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=shape("layers.0.mlp.gate_proj.weight")[0],
+                num_hidden_layers=_count(state, "layers."), head_dim=head,
+                num_attention_heads=shape("layers.0.self_attn.q_proj.weight")[0] // head,
+                num_key_value_heads=shape("layers.0.self_attn.k_proj.weight")[0] // head,
+                max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def vae_config(path: str, base: Mapping[str, Any]) -> dict[str, Any]:
+    """AutoencoderKL's config for a VAE file (original or diffusers names): `base` (the family's: scaling, shift,
+    latent channels) with the levels' widths and blocks per level from the file's header."""
+    try:
+        shapes = header_shapes(path)
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"{path} {e}") from None
+    names = {k.split("first_stage_model.", 1)[-1].split("vae.", 1)[-1]: v for k, v in shapes.items()}
+    ldm = any(k.startswith("encoder.down.") for k in names)
+    level, block = ("encoder.down.", ".block.") if ldm else ("encoder.down_blocks.", ".resnets.")
+    levels = _count(names, level)
+    if not levels:
+        raise ValueError(f"{path} holds no VAE encoder levels ({level}N.): it is not a VAE file")
+    widths = tuple(names[f"{level}{i}{block}0.conv1.weight"][0] for i in range(levels))
+    return {**dict(base), "block_out_channels": widths, "layers_per_block": _count(names, f"{level}0{block}"),
+            "down_block_types": ("DownEncoderBlock2D",) * levels, "up_block_types": ("UpDecoderBlock2D",) * levels}

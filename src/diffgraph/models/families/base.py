@@ -198,6 +198,11 @@ class FamilyAdapter:
             native_size=native,
             force_zeros_for_empty_prompt=bool(index.get("force_zeros_for_empty_prompt", self.force_zeros_default)))
 
+    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
+        """A split model of a kind this family reads (`files`: split_files.SplitFiles, its SplitKind naming this
+        family): the diffusion model, text encoder and VAE files."""
+        raise ValueError(f"family {self.name!r} loads no split files; point diffgraph at a diffusers folder")
+
     # -- random presets (tests and timing) -------------------------------------------------------------
     def random_presets(self) -> dict[str, str]:
         """The random-weight presets this family builds itself (name -> one-line description; tiny ones for the CPU
