@@ -229,3 +229,68 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
 def default_family():
     from diffgraph.models.families import default_registry
     return default_registry().by_name("zimage")
+
+
+def lora_files(pipe, folder) -> dict[str, str]:
+    """One rank-4 adapter on both main layers' attention and feed-forward, written three ways: diffusers / PEFT keys,
+    Kohya's `lora_unet_*` with alphas, and ComfyUI's original layout with the fused qkv projection (q, k and v share
+    their down weight, so the fused file holds the same adapter)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(21)
+    peft, kohya, comfy = {}, {}, {}
+    for layer in range(2):
+        shared = torch.randn((4, 64), generator=g) * 0.3
+        ups = {}
+        for module in ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                       "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"):
+            linear = pipe.transformer.get_submodule(f"layers.{layer}.{module}")
+            a = shared if module in ("attention.to_q", "attention.to_k", "attention.to_v") else \
+                torch.randn((4, linear.in_features), generator=g) * 0.3
+            b = torch.randn((linear.out_features, 4), generator=g) * 0.3
+            ups[module] = b
+            peft[f"transformer.layers.{layer}.{module}.lora_A.weight"] = a
+            peft[f"transformer.layers.{layer}.{module}.lora_B.weight"] = b
+            flat = f"lora_unet_layers_{layer}_{module.replace('.', '_')}"
+            kohya[f"{flat}.lora_down.weight"], kohya[f"{flat}.lora_up.weight"] = a * 2, b  # alpha 2 of rank 4
+            kohya[f"{flat}.alpha"] = torch.tensor(2.0)
+            if not module.startswith("attention.to_") or module == "attention.to_out.0":
+                name = module.replace("attention.to_out.0", "attention.out")
+                comfy[f"diffusion_model.layers.{layer}.{name}.lora_A.weight"] = a
+                comfy[f"diffusion_model.layers.{layer}.{name}.lora_B.weight"] = b
+        comfy[f"diffusion_model.layers.{layer}.attention.qkv.lora_A.weight"] = shared
+        comfy[f"diffusion_model.layers.{layer}.attention.qkv.lora_B.weight"] = torch.cat(
+            [ups["attention.to_q"], ups["attention.to_k"], ups["attention.to_v"]])
+    out = {}
+    for name, state in (("peft", peft), ("kohya", kohya), ("comfy", comfy)):
+        out[name] = str(folder / f"{name}.safetensors")
+        save_file({k: v.clone() for k, v in state.items()}, out[name])
+    return out
+
+
+def test_lora_files_of_three_layouts_run_per_row_and_equal_diffusers(folders, tmp_path):
+    """Rows with the adapter from each file and a row without, in one step: each adapter row equals the pipeline
+    with diffusers' load_lora_weights of the PEFT file at the same scale, the plain row the pipeline without."""
+    path, pipe = folders["Z-Image-Turbo"]
+    from safetensors.torch import save_file
+
+    files = lora_files(pipe, tmp_path)
+    sd = "lora_unet_down_blocks_0_attentions_0_proj_in"
+    save_file({f"{sd}.lora_down.weight": torch.ones(4, 320), f"{sd}.lora_up.weight": torch.ones(320, 4)},
+              str(tmp_path / "sd_style.safetensors"))
+    with Engine(model=path, device="cpu", lora_dir=str(tmp_path)) as engine:
+        common = dict(prompt="a red fox", height=96, width=96, num_inference_steps=2, seed=6)
+        got = generate(engine, [dict(common, loras=[(name, 0.8)]) for name in files] + [common])
+        with pytest.raises(ParamError, match="'sd_style' targets .* which this zimage model does not have: it was "
+                                             "made for another model"):
+            engine.submit(GenerationRequest.create(model=engine.info, **common, loras=[("sd_style", 1.0)])).result()
+    pipe.load_lora_weights(files["peft"], adapter_name="fox")
+    pipe.set_adapters(["fox"], [0.8])
+    try:
+        want = oracle(pipe, "a red fox", (96, 96), 2, 1.0, 6)
+    finally:
+        pipe.unload_lora_weights()
+    plain = oracle(pipe, "a red fox", (96, 96), 2, 1.0, 6)
+    for name, image in zip(files, got):
+        assert np.abs(image - want).max() <= 1, name
+    assert np.abs(got[-1] - plain).max() <= 1 and np.abs(want - plain).max() > 3

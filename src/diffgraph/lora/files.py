@@ -141,11 +141,15 @@ def _adapter(state: dict[str, torch.Tensor], layout: LoraLayout | str, name: str
         layout = unet_layout(layout, 1)
     pipeline_class, components = layout.pipeline_class, layout.names
     try:
+        if layout.prepare is not None:
+            state = layout.prepare(state)
         if pipeline_class is None:  # PEFT keys as they are (`component.module.lora_A.weight`, `....alpha`)
             alphas = {k: float(v) for k, v in state.items() if k.endswith(".alpha")}
             state = {k: v for k, v in state.items() if not k.endswith(".alpha")}
         else:
-            state, alphas = getattr(diffusers, pipeline_class).lora_state_dict(state)[:2]
+            read = getattr(diffusers, pipeline_class).lora_state_dict(state)
+            # the SD readers return (state, alphas); the DiT ones the state, their alphas applied to the weights
+            state, alphas = (read, {}) if isinstance(read, dict) else read[:2]
     except Exception as e:
         raise AdapterError(f"adapter {name!r} could not be read as a LoRA for {pipeline_class}: "
                            f"{type(e).__name__}: {e}") from None

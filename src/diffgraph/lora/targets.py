@@ -9,6 +9,9 @@ adds), those of its text encoders, and the diffusers pipeline whose `lora_state_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
 # the `conv` option's UNet layers: what diffusers' LCM-LoRA training (and TCD's, Hyper-SD's) and kohya's LoCon target
@@ -30,6 +33,9 @@ class LoraLayout:
     # the component names its files may hold: its own, and its sibling models' (an SDXL file read for an SD model is
     # then refused as made for another model, not as unreadable); () its own
     reads: tuple[str, ...] = ()
+    # the family's own key layouts made readable before `pipeline_class` reads them (fused projections split, names
+    # its converter does not know): state dict -> state dict; None: none
+    prepare: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ import torch
 
 from ... import safe_files
 from ...text.qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
+from ...lora.targets import DENOISER, LoraLayout
 from ...request import GroupKey, Size
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec
@@ -44,6 +45,9 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                 layers_per_block=2, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
                 use_post_quant_conv=False, sample_size=1024)
+# the layers LoRA files for it train (every block's attention and feed-forward, and the blocks' modulation)
+LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
+                "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0")
 TURBO_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
 
@@ -75,6 +79,25 @@ def checkpoint_of(path: str, preset: str | None = None) -> Checkpoint:
     raise ValueError(f"cannot tell which Z-Image checkpoint {os.path.basename(path)!r} is; keep the published name "
                      f"(Z-Image-Turbo or Z-Image) in its folder or file name, or set `preset` in its sidecar to one "
                      f"of {', '.join(CHECKPOINTS)}")
+
+
+def lora_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LoRA files in the original layout (ComfyUI's, `diffusion_model.` / `lora_unet_` keys) made readable by diffusers'
+    converter: a fused `attention.qkv` adapter becomes three (the down weight shared, the up weight's rows split in
+    thirds: Z-Image's q, k and v are equally wide) and `attention.out` is `attention.to_out.0`."""
+    out = {}
+    for key, value in state.items():
+        for fused in (".attention.qkv.", "_attention_qkv."):
+            if fused not in key:
+                continue
+            up = ".lora_B." in key or ".lora_up." in key
+            for i, name in enumerate(("to_q", "to_k", "to_v")):
+                part = value.chunk(3, dim=0)[i] if up else value
+                out[key.replace(fused, fused.replace("qkv", name))] = part.contiguous()
+            break
+        else:
+            out[key.replace(".attention.out.", ".attention.to_out.0.")] = value
+    return out
 
 
 def ceil_to(n: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -204,6 +227,12 @@ class ZImageFamily(TokenFamily):
 
     def model_guidance(self, model: DiffusionModel) -> float:
         return model.extra["checkpoint"].guidance
+
+    def lora_layout(self, model: DiffusionModel) -> LoraLayout | None:
+        """`transformer.*` (diffusers / PEFT), `diffusion_model.*` and `lora_unet_*` (Kohya, ComfyUI) files, fused
+        or split attention projections, read by ZImagePipeline's converter."""
+        return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class="ZImagePipeline",
+                          prepare=lora_keys)
 
     # -- layout: Z-Image's token features are (patch row, patch column, channel), channels innermost ----------
     def latent_channels(self, model: DiffusionModel) -> int:
