@@ -294,3 +294,24 @@ def test_lora_files_of_three_layouts_run_per_row_and_equal_diffusers(folders, tm
     for name, image in zip(files, got):
         assert np.abs(image - want).max() <= 1, name
     assert np.abs(got[-1] - plain).max() <= 1 and np.abs(want - plain).max() > 3
+
+
+def test_image_to_image_equals_the_img2img_pipeline(folders, turbo):
+    """ZImageImg2ImgPipeline's strength rule (4 steps at 0.6 run the last 3), its flow noising and VAE scaling: the
+    engine's image within one level of the pipeline's, beside a text-to-image row in the same step; a mask is
+    refused (its packed rows take no inpainting blend)."""
+    from diffusers import ZImageImg2ImgPipeline
+
+    pipe = ZImageImg2ImgPipeline(**folders["Z-Image-Turbo"][1].components)
+    source = (np.random.default_rng(3).random((96, 128, 3)) * 255).astype(np.uint8)
+    edit = dict(prompt="a red fox", image=source, strength=0.6, num_inference_steps=4, seed=8)
+    request = GenerationRequest.create(model=turbo.info, **edit)
+    assert request.denoising_steps == 3 and turbo.info.edit_steps_rule == "flow"
+    got, _ = generate(turbo, [edit, dict(prompt="a red fox", height=96, width=128, num_inference_steps=2, seed=1)])
+    from PIL import Image
+    want = pipe(prompt="a red fox", image=Image.fromarray(source), strength=0.6, num_inference_steps=4,
+                guidance_scale=0.0, generator=torch.Generator().manual_seed(8), output_type="np").images[0]
+    assert np.abs(got - (want * 255).round().astype(np.int16)).max() <= 1
+    with pytest.raises(ParamError) as e:
+        turbo.submit(GenerationRequest.create(model=turbo.info, **edit, mask_image=np.zeros((96, 128), np.uint8)))
+    assert e.value.param == "mask"

@@ -127,6 +127,9 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
 
 
 MAX_EDIT_PIXELS = 16 * 1024 * 1024  # an edit's input image, decoded (the server's --max-image-pixels default)
+# how diffusers' image-to-image pipelines turn (steps, strength) into the steps run: "sd" (the SD pipelines:
+# int(steps * strength)) or "flow" (the flow-matching ones, Flux's and Z-Image's: steps - int(steps - steps * strength))
+EDIT_STEP_RULES = ("sd", "flow")
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,6 +141,7 @@ class EditInput:
     image: np.ndarray
     mask: np.ndarray | None = None
     strength: float = 0.8
+    steps_rule: str = "sd"  # EDIT_STEP_RULES: the model family's (GenerationRequest.create sets it)
 
     def __post_init__(self) -> None:
         img = self.image
@@ -164,6 +168,12 @@ class EditInput:
     @property
     def inpaint(self) -> bool:
         return self.mask is not None
+
+    def denoising_steps(self, steps: int) -> int:
+        """The steps of a `steps`-step schedule this edit runs (its last ones), by its family's rule."""
+        if self.steps_rule == "flow":
+            return steps - int(max(steps - steps * self.strength, 0))
+        return min(int(steps * self.strength), steps)
 
 
 # -- ControlNet controls: which ControlNet, its control image, its scale and window ----------------
@@ -532,7 +542,7 @@ class GenerationRequest:
             if not isinstance(self.edit, EditInput):
                 raise ParamError("image", f"edit must be an EditInput, got {type(self.edit).__name__}")
             steps, strength = self.num_inference_steps, self.edit.strength
-            if min(int(steps * strength), steps) < 1:  # diffusers' rule: the steps the strength leaves
+            if self.edit.denoising_steps(steps) < 1:  # diffusers' rule: the steps the strength leaves
                 raise ParamError("strength", f"strength {strength:g} with num_inference_steps {steps} leaves no "
                                              f"denoising step (int({steps} * {strength:g}) = 0); raise strength or "
                                              "num_inference_steps")
@@ -542,7 +552,7 @@ class GenerationRequest:
         """The steps this request runs: all of them, or an edit's share (diffusers' strength rule)."""
         if self.edit is None:
             return self.num_inference_steps
-        return min(int(self.num_inference_steps * self.edit.strength), self.num_inference_steps)
+        return self.edit.denoising_steps(self.num_inference_steps)
 
     @classmethod
     def create(cls, prompt: Any, *, negative_prompt: Any = None, width: Any = None, height: Any = None,
@@ -571,6 +581,8 @@ class GenerationRequest:
         elif image is not None:
             edit = make_edit(image, mask_image, strength, model)
         if edit is not None:
+            if model is not None and edit.steps_rule != model.edit_steps_rule:
+                edit = dataclasses.replace(edit, steps_rule=model.edit_steps_rule)
             h, w = edit.image.shape[:2]
             width = w - w % multiple if width is None else width
             height = h - h % multiple if height is None else height
@@ -770,6 +782,7 @@ class ModelInfo:
     extension_params: tuple[str, ...] = ()
     # the steps a request that names none runs (its checkpoint's model card); None: each route's own default
     default_steps: int | None = None
+    edit_steps_rule: str = "sd"  # EDIT_STEP_RULES: how an edit's strength picks its steps (its family's pipelines)
 
     @property
     def capabilities(self) -> tuple[str, ...]:

@@ -191,7 +191,7 @@ class Engine:
                               prompt_syntaxes=tuple(adapter.prompt_syntaxes),
                               extensions=self.runner.capabilities.names(),
                               extension_params=self.runner.capabilities.params(),
-                              default_steps=self.model.default_steps)
+                              default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule)
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
                       fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30) -> LoraManager | None:

@@ -112,6 +112,9 @@ class ZImageFamily(TokenFamily):
     token_bucket = 256
     text_tokens = MAX_TEXT_TOKENS
     size_multiple = 16
+    supports_edits = True          # image-to-image (ZImageImg2ImgPipeline); its packed rows take no inpainting mask
+    edit_strength = (0.6, 1.0)     # ZImageImg2ImgPipeline's default strength
+    edit_steps_rule = "flow"
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
