@@ -104,6 +104,10 @@ def test_turbo_equals_the_pipeline_without_guidance(folders, turbo):
     assert turbo.info.default_guidance == 1.0 and turbo.model.extra["checkpoint"] == CHECKPOINTS["z-image-turbo"]
     want = oracle(pipe, "a red fox in the snow", (128, 128), 3, 1.0, 7)
     assert np.abs(got - want).max() <= 1
+    misses = turbo.stats["prompt_cache_misses"]  # the same prompt again: from the cache, no encoder pass
+    again = generate(turbo, [dict(prompt="a red fox in the snow", height=128, width=128, num_inference_steps=3,
+                                  seed=7)])[0]
+    assert turbo.stats["prompt_cache_misses"] == misses and np.array_equal(again, got)
 
 
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, turbo):
