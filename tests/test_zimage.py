@@ -319,3 +319,28 @@ def test_image_to_image_equals_the_img2img_pipeline(folders, turbo):
     with pytest.raises(ParamError) as e:
         turbo.submit(GenerationRequest.create(model=turbo.info, **edit, mask_image=np.zeros((96, 128), np.uint8)))
     assert e.value.param == "mask"
+
+
+def test_guidance_truncation_and_normalisation_as_the_pipeline(folders):
+    """ZImagePipeline's cfg_truncation (guide only while 1 - sigma <= it) and cfg_normalization (the guided norm at most
+    that ratio of the prompt branch's), per row: rows with and without them in one step each equal the pipeline."""
+    path, pipe = folders["Z-Image"]
+    engine = _base_engine(path)
+    assert "cfg_shaping" in engine.info.capabilities
+    base = dict(prompt="a red fox", negative_prompt="dusk", height=96, width=96, num_inference_steps=4,
+                guidance_scale=4.0, seed=9)
+    # (shift 6, 4 steps: 1 - sigma is 0, 0.05, 0.14, 0.33 at the four steps)
+    shaped = [dict(base, extras={"cfg_truncation": 0.1}), dict(base, extras={"cfg_normalization": 0.5}),
+              dict(base, extras={"cfg_truncation": 0.2, "cfg_normalization": 0.8}), base]
+    got = generate(engine, shaped)
+    for r, image in zip(shaped, got):
+        options = r.get("extras", {})
+        want = pipe(prompt="a red fox", negative_prompt="dusk", height=96, width=96, num_inference_steps=4,
+                    guidance_scale=3.0, cfg_truncation=options.get("cfg_truncation", 1.0),
+                    cfg_normalization=options.get("cfg_normalization", False),
+                    generator=torch.Generator().manual_seed(9), output_type="np").images[0]
+        assert np.abs(image - (want * 255).round().astype(np.int16)).max() <= 1, options
+    assert len({g.tobytes() for g in got}) == 4  # each option changes the image
+    with pytest.raises(ParamError) as e:
+        engine.submit(GenerationRequest.create(model=engine.info, **base, extras={"cfg_truncation": 1.5}))
+    assert e.value.param == "cfg_truncation"

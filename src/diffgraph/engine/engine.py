@@ -141,6 +141,9 @@ class Engine:
             image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
             self._prepared = self._modules()  # the modules the engine prepared (invalidate: a replaced one)
             registry = capabilities if capabilities is not None else Capabilities()
+            own = self.model.adapter.capabilities()  # the family's (its guidance options), beside the engine's
+            if own:
+                registry = Capabilities((*registry, *(c for c in own if c.name not in {r.name for r in registry})))
             try:  # registered capabilities (features/capability.py): the ones this model has, with their settings
                 present = registry.for_model(self.model, registry.settings(capability_settings))
             except (TypeError, ValueError) as e:

@@ -296,6 +296,12 @@ class FamilyAdapter:
         return None if self.lora_pipeline_class is None else unet_layout(self.lora_pipeline_class,
                                                                          len(model.text_encoders))
 
+    def capabilities(self) -> tuple[Any, ...]:
+        """The family's own request capabilities (features/capability.py `Capability`): their parameters, checks and
+        preparation, registered on every engine of the family's models beside the engine's (their step half is in
+        the family's `features`)."""
+        return ()
+
     def default_steps(self, model: DiffusionModel) -> int | None:
         """The steps a request that names none runs on this model (its checkpoint's model card); None: the route's
         own default (the SD families: 20 for the Python and OpenAI APIs, AUTOMATIC1111's 50)."""

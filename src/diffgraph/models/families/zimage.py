@@ -27,11 +27,17 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ... import safe_files
+from ...errors import ParamError
+from ...features.base import RowFeature, StepView
+from ...features.capability import Capability, Param
+from ...features.guidance import ClassifierFreeGuidance, guiding_steps
+from ...request import GenerationRequest
 from ...text.qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
 from ...lora.targets import DENOISER, LoraLayout
 from ...request import GroupKey, Size
@@ -98,6 +104,71 @@ def lora_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[key.replace(".attention.out.", ".attention.to_out.0.")] = value
     return out
+
+
+class GuidanceShaping(Capability):
+    """ZImagePipeline's two guidance options, per request: `cfg_truncation` (guide only while the normalised time
+    1 - sigma is at most it; 1: every step) and `cfg_normalization` (a guided prediction's norm at most this many
+    times the prompt branch's; 0: no clamp). Checked here; the family's guidance feature (`ZImageGuidance`) reads them
+    from the request in the step."""
+
+    name = "cfg_shaping"
+    params = (Param("cfg_truncation", 1.0, float, "guide only while 1 - sigma <= this (ZImagePipeline's)"),
+              Param("cfg_normalization", 0.0, float, "clamp a guided prediction's norm to this times the prompt "
+                                                     "branch's; 0: off (ZImagePipeline's)"))
+
+    def applies(self, model: Any) -> bool:
+        return isinstance(model.adapter, ZImageFamily)
+
+    def check(self, values: dict[str, Any], settings: Any) -> None:
+        truncation, norm = values["cfg_truncation"], values["cfg_normalization"]
+        if not 0.0 <= truncation <= 1.0:
+            raise ParamError("cfg_truncation", f"cfg_truncation {truncation:g} is out of range; allowed: 0..1 (1 "
+                                               "guides every step)")
+        if not 0.0 <= norm <= 100.0:
+            raise ParamError("cfg_normalization", f"cfg_normalization {norm:g} is out of range; allowed: 0 (off) "
+                                                  "or a ratio up to 100")
+
+
+def _option(request: GenerationRequest, param: Param) -> float:
+    value = dict(request.extras).get(param.name)
+    return param.neutral if value is None else float(value)
+
+
+class ZImageGuidance(ClassifierFreeGuidance):
+    """Classifier-free guidance as ZImagePipeline applies it: a row guides at a step where its scale is above 1, the
+    step is in its `guidance_interval` and 1 - sigma <= its cfg_truncation; with cfg_normalization > 0 the guided
+    prediction's norm (over the row's tokens) is clamped to that ratio of the prompt branch's."""
+
+    def __init__(self, base: ClassifierFreeGuidance, sigmas: Callable[[GenerationRequest], np.ndarray]):
+        super().__init__(base._cond, base._sequence)
+        self._sigmas = sigmas
+
+    def columns(self) -> tuple[str, ...]:
+        return super().columns() + ("cfg_normalization",)
+
+    def _on(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray:
+        truncation = _option(request, GuidanceShaping.params[0])
+        times = 1.0 - self._sigmas(request)[np.asarray(index)]
+        return guiding_steps(request, index) & (times <= truncation)
+
+    def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
+        on = self._on(request, index)
+        return {"guidance": np.where(on, request.guidance_scale, 1.0),
+                "guidance_rescale": np.where(on, request.guidance_rescale, 0.0),
+                "cfg_normalization": np.where(on, _option(request, GuidanceShaping.params[1]), 0.0)}
+
+    def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray:
+        return np.where(self._on(request, index), 2, 1)
+
+    def combine(self, view: StepView, main: torch.Tensor, alt: torch.Tensor) -> torch.Tensor:
+        guided = super().combine(view, main, alt)
+        ratio = view.column("cfg_normalization")
+        dims = list(range(1, main.dim()))
+        limit = ratio * torch.linalg.vector_norm(main.float(), dim=dims, keepdim=True)
+        norm = torch.linalg.vector_norm(guided.float(), dim=dims, keepdim=True)
+        scale = torch.where((ratio > 0) & (norm > limit), limit / norm.clamp(min=1e-30), torch.ones_like(norm))
+        return guided * scale.to(guided.dtype)
 
 
 def ceil_to(n: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -223,6 +294,20 @@ class ZImageFamily(TokenFamily):
             torch.set_default_dtype(previous)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER),
                            device, dtype, CHECKPOINTS["z-image-turbo"], is_random=True)
+
+    # -- guidance ---------------------------------------------------------------------------------------------
+    def capabilities(self) -> tuple[Capability, ...]:
+        return (GuidanceShaping(),)
+
+    def features(self, model: DiffusionModel, *args: Any, **kwargs: Any) -> tuple[RowFeature, ...]:
+        """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's."""
+        plan = self.planner(model)
+
+        def sigmas(request: GenerationRequest) -> np.ndarray:
+            return np.asarray(plan(request.sampler, request.schedule, request.num_inference_steps,
+                                   (request.height, request.width)).sigmas)
+        return tuple(ZImageGuidance(f, sigmas) if type(f) is ClassifierFreeGuidance else f
+                     for f in super().features(model, *args, **kwargs))
 
     # -- the checkpoint's defaults ---------------------------------------------------------------------------
     def default_steps(self, model: DiffusionModel) -> int | None:
