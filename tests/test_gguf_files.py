@@ -7,6 +7,7 @@ type not read is refused by name; a file rewritten while read is FileChanged; no
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 import weakref
 
@@ -17,9 +18,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from rewrite_util import rewrite_on_read
 
-from diffgraph.models import gguf_files
+from diffgraph.models import gguf_format
 from diffgraph.models.gguf_files import GgufFile, NotGguf, UnreadableType, gguf_header, read_gguf
-from diffgraph.models.gguf_quants import random_blocks
+from diffgraph.models.gguf_quants import READABLE, random_blocks
 from diffgraph.safe_files import FileChanged, UnusableFile
 
 
@@ -83,7 +84,7 @@ def test_types_gguf_cannot_write_read_back_equal_to_its_dequantize(tmp_path, qty
 
 
 def test_the_header_lists_what_ggufs_reader_lists(tmp_path, monkeypatch):
-    monkeypatch.setattr(gguf_files, "KEPT_ITEMS", 5)
+    monkeypatch.setattr(gguf_format, "KEPT_ITEMS", 5)
     rng = np.random.default_rng(1)
     blocks = rng.integers(0, 256, (2, 66), dtype=np.uint8)  # IQ2_XXS: listed, not read
     path = _write(tmp_path / "m.gguf", {
@@ -101,7 +102,8 @@ def test_the_header_lists_what_ggufs_reader_lists(tmp_path, monkeypatch):
         (t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)), t.data_offset, t.n_bytes)
         for t in reader.tensors]
     assert header.types() == {"Q8_0": 1, "F32": 1, "IQ2_XXS": 1}
-    assert [t.readable for t in header.tensors.values()] == [True, True, False]
+    assert [t.type_name in READABLE for t in header.tensors.values()] == [True, True, False]
+    assert header.shapes() == {t.name: t.shape for t in header.tensors.values()} and header.orig_shapes == {}
     version_2 = tmp_path / "v2.gguf"  # the layout of version 3 (which only added big-endian files)
     version_2.write_bytes(open(path, "rb").read()[:4] + struct.pack("<I", 2) + open(path, "rb").read()[8:])
     assert gguf_header(str(version_2)).version == 2
@@ -216,6 +218,25 @@ def test_a_hostile_alignment_or_array_is_refused(tmp_path):
     (tmp_path / "c.gguf").write_bytes(data[:at] + struct.pack("<IIQ", 9, 4, 1 << 50) + data[at + 8:])
     with pytest.raises(NotGguf, match=f"is an array of {1 << 50} items, more than its header's .* bytes left hold"):
         gguf_header(str(tmp_path / "c.gguf"))
+
+
+def test_comfyui_ggufs_reshaped_tensors_read_in_their_original_shape(tmp_path):
+    rng = np.random.default_rng(2)
+    conv = rng.standard_normal((8, 4, 4, 4)).astype(np.float32)  # stored as rows of 256 values, as its converter does
+    stored = _stored(conv.reshape(2, 256), Q.Q8_0)
+    path = _write(tmp_path / "m.gguf", {"conv.weight": (stored, Q.Q8_0), "b": (np.ones(4, np.float32), Q.F32)},
+                  metadata={"comfy.gguf.orig_shape.conv.weight": [8, 4, 4, 4]})
+    header = gguf_header(path)
+    assert header.tensors["conv.weight"].shape == (2, 256) and header.orig_shapes == {"conv.weight": (8, 4, 4, 4)}
+    assert header.shapes() == {"conv.weight": (8, 4, 4, 4), "b": (4,)}
+    got = read_gguf(path, dtype=torch.float32)["conv.weight"]
+    assert torch.equal(got, _expected(stored, Q.Q8_0).reshape(8, 4, 4, 4))
+    for name, shape, words in [("conv.weight", [8, 4, 4], "is (8, 4, 4), not a shape of the tensor's 512 values"),
+                               ("gone", [4], "gives the shape of a tensor it does not hold")]:
+        bad = _write(tmp_path / "bad.gguf", {"conv.weight": (stored, Q.Q8_0)},
+                     metadata={f"comfy.gguf.orig_shape.{name}": shape})
+        with pytest.raises(NotGguf, match=f"its metadata 'comfy.gguf.orig_shape.{name}' {re.escape(words)}"):
+            gguf_header(bad)
 
 
 @pytest.mark.parametrize("how, words", [("in place", "changed while it was read"),

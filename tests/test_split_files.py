@@ -3,8 +3,9 @@ diffusion_models/ (or unet/) is listed with the text encoder and VAE its sidecar
 file of each, else as incomplete with one line saying what to add; companions are never listed as models; the loader
 gets the same choice as typed `SplitFiles`.
 
-The files are safetensors headers with the real architectures' key names and sizes over sparse data (nothing is
-written but the header), so the kinds are read exactly as from the published files."""
+The files are safetensors (or GGUF) headers with the real architectures' key names and sizes over sparse data (nothing
+is written but the header), so the kinds are read exactly as from the published files; a GGUF quantisation in a split
+folder is listed under its full name with the same companions."""
 
 from __future__ import annotations
 
@@ -44,6 +45,30 @@ def header_file(path, shapes: dict[str, tuple[int, ...]]) -> str:
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         f.truncate(8 + len(raw) + offset)
+    return str(path)
+
+
+def gguf_header_file(path, shapes: dict[str, tuple[int, ...]]) -> str:
+    """A GGUF file of these tensors (Q4_K where 2-D rows are whole blocks of 256, else F32): a header over a hole."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), "lumina2")
+    size = 0
+    for key, shape in shapes.items():
+        qtype = Q.Q4_K if len(shape) > 1 and shape[-1] % 256 == 0 else Q.F32
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape)) // block * block_bytes
+        w.add_tensor_info(key, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        size += -(-nbytes // 32) * 32
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with open(path, "r+b") as f:
+        f.truncate(-(-os.path.getsize(path) // 32) * 32 + size)
     return str(path)
 
 
@@ -129,6 +154,39 @@ def test_unknown_and_pickle_files_in_a_split_folder_say_what_they_are(comfy):
         "cond_stage_model, first_stage_model, model); recognised: Z-Image, FLUX.2 dev")
     assert entries["unet/sd15_copy"].error.endswith("whole checkpoints go in checkpoints/")
     assert "diffgraph convert" in entries["unet/old.ckpt"].error
+
+
+def test_a_gguf_diffusion_model_is_listed_with_its_companions_and_loaded_as_its_kind(comfy):
+    from diffgraph.models.gguf_files import gguf_header
+    from diffgraph.models.loader import load_model
+
+    small = {k: (192, 64) if ".qkv." in k else v for k, v in ZIMAGE.items()}  # (what the load reads: fast)
+    gguf_header_file(comfy / "unet" / "z_image_turbo-Q4_K_M.gguf", small)
+    gguf_header_file(comfy / "diffusion_models" / "klein-Q4_K_M.gguf", KLEIN_4B)
+    (comfy / "diffusion_models" / "cut.gguf").write_bytes(
+        open(comfy / "unet" / "z_image_turbo-Q4_K_M.gguf", "rb").read()[:200])
+    header = gguf_header(str(comfy / "unet" / "z_image_turbo-Q4_K_M.gguf"))
+    assert header.shapes() == small and header.types() == {"Q4_K": 1, "F32": 5}  # a 5 MB tensor, a sparse file
+    entries = _listing(comfy)
+    assert "text_encoders/qwen_3_4b" not in entries and "text_encoders/qwen_3_4b.gguf" not in entries
+    z = entries["unet/z_image_turbo-Q4_K_M.gguf"]
+    assert z.kind == "z-image" and z.error is None and z.family == "zimage"
+    assert z.split == SplitFiles(z.split.kind, str(comfy / "unet" / "z_image_turbo-Q4_K_M.gguf"),
+                                 str(comfy / "text_encoders" / "qwen_3_4b.safetensors"),
+                                 str(comfy / "vae" / "ae.safetensors"), (("text_encoder", "only file"),
+                                                                          ("vae", "only file")))
+    assert entries["diffusion_models/klein-Q4_K_M.gguf"].error.startswith(
+        "diffusion_models/klein-Q4_K_M.gguf: FLUX.2 klein 4B needs a FLUX.2 VAE (32 latent channels): add its VAE to "
+        "vae/ or name it in klein-Q4_K_M.gguf.diffgraph.toml")
+    cut = entries["diffusion_models/cut.gguf"].error
+    assert cut.startswith("diffusion_models/cut.gguf is not a readable GGUF file (200 bytes; its header's ") and \
+        "truncated or still being written" in cut and "\n" not in cut
+    path = str(comfy / "unet" / "z_image_turbo-Q4_K_M.gguf")
+    assert split_model(path) == z.split
+    assert ModelDir(str(comfy)).resolve("unet/z_image_turbo-Q4_K_M.gguf").split == z.split
+    with pytest.raises(ValueError, match=r"z_image_turbo-Q4_K_M.gguf lacks the tensor .*: it is not a complete file "
+                                         r"of a Z-Image transformer"):
+        load_model(path)  # the family reads it (these files are headers of a few tensors)
 
 
 def test_a_folder_that_is_not_comfyuis_lists_everything_as_before(tmp_path):

@@ -1,7 +1,8 @@
 """Z-Image's single files (diffgraph.models.zimage_files): tiny random diffusers / transformers modules written in
 the layouts ComfyUI's files use (the transformer by the inverse of the key map here, checked against diffusers' own
 converter; the VAE by original_layout.py's inverse of diffusers' converter), read back equal, tensor for tensor, and
-loaded strictly; fp8 files of both ComfyUI conventions equal the model holding their dequantised weights; other
+loaded strictly; fp8 files of both ComfyUI conventions equal the model holding their dequantised weights; GGUF files
+as city96's converter writes them equal the model (BF16, F16 to its rounding) or gguf's own dequantisation; other
 quantisations, other kinds of file and damaged files are refused in one line naming the file."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from diffgraph.models.gguf_files import gguf_header
 from diffgraph.models.original_layout import vae_original
 from diffgraph.models.zimage_files import (Fp8Weight, load_into, qwen3_from_comfy, read_text_encoder,
                                            read_transformer, read_vae, transformer_from_original)
@@ -254,6 +256,108 @@ def test_refused_quantisations_name_their_format(tmp_path, fmt, named):
     save_file(tensors, path, metadata=metadata)
     message = one_line_error(lambda: read_transformer(path), path, named, "bf16 or fp8")
     assert "layers.0.attention.qkv" in message
+
+
+# -- GGUF quantisations of the transformer ---------------------------------------------------------------------------
+
+def write_gguf(path, original: dict[str, torch.Tensor], qtype, shape_fix: bool = False) -> dict[str, torch.Tensor]:
+    """`original` (ComfyUI's layout) written as city96's convert.py and llama.cpp's quantiser write it (architecture
+    lumina2, names as they are): 1-D and small tensors F32, a bf16 model's others BF16, rows that are not whole
+    blocks of `qtype` F16, the rest `qtype`; with `shape_fix` (convert.py's rule for UNets) a 2-D tensor whose rows
+    are not multiples of 256 is stored as rows of 256 with `comfy.gguf.orig_shape`. Returns what each tensor holds
+    once read: gguf's own dequantisation of the data written, float32."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    w = gguf.GGUFWriter(str(path), "lumina2")
+    held = {}
+    for key, value in original.items():
+        data = value.float().numpy()
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        kind = Q.F32 if data.ndim == 1 or data.size <= 1024 else qtype if data.shape[-1] % block == 0 else Q.F16
+        if shape_fix and data.ndim > 1 and data.size % 256 == 0 and data.shape[-1] % 256:
+            w.add_array(f"comfy.gguf.orig_shape.{key}", [int(d) for d in data.shape])
+            data = data.reshape(-1, 256)
+        stored = gguf.quants.quantize(data, kind)
+        w.add_tensor(key, stored, raw_dtype=kind)
+        held[key] = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(stored, kind))).reshape(value.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
+@pytest.mark.parametrize("qtype,prefix", [("BF16", ""), ("F16", PREFIX)])
+def test_gguf_of_plain_floats_equals_the_model(tmp_path, qtype, prefix):
+    model = tiny_transformer()
+    dtype = torch.bfloat16 if qtype == "BF16" else torch.float32
+    want = {k: v.detach().to(dtype) for k, v in model.state_dict().items()}
+    path = str(tmp_path / f"z_image_turbo-{qtype}.gguf")
+    import gguf
+
+    write_gguf(path, to_original(want, prefix), gguf.GGMLQuantizationType[qtype])
+    got = read_transformer(path, dtype=dtype, device="cpu")
+    assert got.quantisation == "gguf" and got.fp8 == {}
+    if qtype == "F16":  # a float32 model's 2-D weights in fp16, its 1-D ones kept in F32
+        want = {k: v.half().float() if v.ndim > 1 and v.numel() > 1024 else v for k, v in want.items()}
+        assert sum(not torch.equal(got.state[k], model.state_dict()[k]) for k in want) > 20  # the rounding is there
+    assert_equal_state(got.state, want)  # BF16: exactly the model
+    fresh = _fresh_transformer().to(dtype)
+    assert load_into(fresh, got) == ()
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("qtype,shape_fix", [("Q8_0", False), ("Q4_0", True)])
+def test_quantised_gguf_equals_ggufs_dequantisation(tmp_path, qtype, shape_fix):
+    import gguf
+
+    original = to_original(tiny_transformer().state_dict(), "")
+    held = write_gguf(tmp_path / "z_image_turbo-Q.gguf", original, gguf.GGMLQuantizationType[qtype], shape_fix)
+    header = gguf_header(str(tmp_path / "z_image_turbo-Q.gguf"))
+    assert header.types()[qtype] >= 20 and header.architecture == "lumina2"
+    assert bool(header.orig_shapes) == shape_fix and header.shapes() == {k: tuple(v.shape) for k, v in original.items()}
+    got = read_transformer(str(tmp_path / "z_image_turbo-Q.gguf"), dtype=torch.float32)
+    want = transformer_from_original(held)
+    assert_equal_state(got.state, want)
+    assert not torch.equal(want["layers.0.attention.to_q.weight"],  # the quantisation's error is there
+                           transformer_from_original(original)["layers.0.attention.to_q.weight"])
+    assert load_into(_fresh_transformer(), got) == ()
+
+
+def test_damaged_or_unreadable_gguf_is_refused_in_one_line(tmp_path):
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    original = to_original(tiny_transformer().state_dict(), "")
+    path = str(tmp_path / "z_image_turbo-Q8_0.gguf")
+    write_gguf(path, original, Q.Q8_0)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    one_line_error(lambda: read_transformer(path), path, "is not a readable GGUF file", "truncated")
+    w = gguf.GGUFWriter(path, "lumina2")  # one tensor in a type diffgraph does not read
+    for key, value in original.items():
+        if key == "t_embedder.mlp.0.weight":  # [1024, 256]: whole IQ2_XXS blocks
+            w.add_tensor(key, np.random.default_rng(0).integers(0, 256, (1024, 66), dtype=np.uint8),
+                         raw_dtype=Q.IQ2_XXS)
+        else:
+            w.add_tensor(key, value.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    one_line_error(lambda: read_transformer(path), path, "'t_embedder.mlp.0.weight' in IQ2_XXS",
+                   "does not read; use a Q4_K, Q8_0 or F16 file")
+    flux = str(tmp_path / "flux1-dev-Q8_0.gguf")
+    w = gguf.GGUFWriter(flux, "flux")
+    w.add_tensor("double_blocks.0.img_attn.qkv.weight", np.ones((6, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    one_line_error(lambda: read_transformer(flux), flux, "is a FLUX transformer, not a Z-Image transformer")
 
 
 # -- the text encoder ------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ JSON_DEPTH = 64                # nesting of JSON read from a user's folder (diff
 MAX_TENSORS = 1 << 20          # tensors of one safetensors header (an SDXL checkpoint has ~2,500)
 MAX_DIMS = 16                  # dimensions of one tensor (safetensors' own files have at most 5)
 MAX_KEY_CHARS = 1 << 12        # a tensor's name, its dtype
+FILE_LIMIT = 1 << 40           # bytes per weights file (a 1 TB sparse file is refused by its size, before it is read)
 CHUNK = 1 << 30                # one read call (Linux reads at most ~2 GiB at a time)
 COPY_CHUNK = 64 << 20          # one write into a private copy (bounds the copy's transient memory)
 IDLE_S = 30.0                  # a FileReader thread idle this long leaves

@@ -32,10 +32,9 @@ from typing import Any, Iterable
 
 import torch
 
-from .safe_files import FileStamp, NotSafetensors, OpenFile, SafetensorsHeader, TensorInfo, \
+from .safe_files import FILE_LIMIT, FileStamp, NotSafetensors, OpenFile, SafetensorsHeader, TensorInfo, \
     UnusableFile, checked_header, stamp_of
 
-FILE_LIMIT = 1 << 40          # bytes per weights file (a 1 TB sparse file is refused by its size, before it is read)
 CHUNK = 64 << 20              # bytes per read between checks of the file's stamp (and per fp8 check temporary)
 DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
           "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32,

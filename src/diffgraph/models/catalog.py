@@ -14,7 +14,8 @@ request's model name to its entry (listing again: a model added later is found w
 model hashes are file_hashes.py's.
 `model_path(--model)`: the path that tells which entry is the default model. A folder laid out as ComfyUI's
 `models/` (split_files.py `comfy_layout`) lists `checkpoints/` as any file, a `diffusion_models/` or `unet/` file as a
-split diffusion model with the companions chosen for it (`ModelEntry.split`) or why it has none, and never the
+split diffusion model with the companions chosen for it (`ModelEntry.split`) or why it has none (a `.gguf`
+quantisation there too, named with its suffix), and never the
 companion folders or ComfyUI's folders of other things. Standard library only (the HTTP process and
 `diffgraph models --dir DIR` use this).
 """
@@ -36,8 +37,8 @@ from .clip_vocab import default_cache_root
 from .file_hashes import SHORT, FileHashes
 from .presets import RANDOM_PRESETS, SHIPPED_PRESETS
 from .sidecar import read_sidecar, sidecar_path
-from .split_files import (COMPANION_FOLDERS, OTHER_FOLDERS, SPLIT_FOLDERS, SPLIT_KINDS, PartFiles, SplitFiles,
-                          comfy_layout, header_shapes, split_kind)
+from .split_files import (COMPANION_FOLDERS, GGUF_SUFFIX, OTHER_FOLDERS, SPLIT_FOLDERS, SPLIT_KINDS, PartFiles,
+                          SplitFiles, comfy_layout, header_shapes, split_kind)
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +142,11 @@ class ModelDir:
                     if os.path.lexists(os.path.join(folder, INDEX)):  # else removed since the walk: not listed
                         entries.append(folder_entry)
                 continue
+            quantised_dits = self.comfy and rel_dir.split("/")[0] in SPLIT_FOLDERS  # .gguf files are listed here
             for f in files:
                 full = os.path.join(folder, f)
-                if (f.endswith(SUFFIX) or f.lower().endswith(PICKLE_EXTENSIONS)) and self._inside(full):
+                if (f.endswith(SUFFIX) or f.lower().endswith(PICKLE_EXTENSIONS) or
+                        (quantised_dits and f.endswith(GGUF_SUFFIX))) and self._inside(full):
                     rel = f if rel_dir == "." else f"{rel_dir}/{f}"
                     entry = _contained(rel, full, "file", lambda: self._file_entry(rel, full))
                     if entry is not None:

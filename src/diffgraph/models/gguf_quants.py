@@ -1,7 +1,7 @@
-"""GGML's tensor types as torch ops: the table of every type a GGUF file may name (`TYPES`: id -> name, elements per
-block, bytes per block), and `dequantize`, which turns one tensor's raw blocks (a uint8 tensor, already on the
-device that computes) into values of a torch dtype, on that device. `gguf_files` reads the blocks and hands them
-here; nothing here reads a file.
+"""GGML's tensor types as torch ops: `dequantize` turns one tensor's raw blocks (a uint8 tensor, already on the device
+that computes) into values of a torch dtype, on that device, for the types of gguf_format's table (`TYPES`: id ->
+name, elements per block, bytes per block: every type a GGUF file may name). `gguf_files` reads the blocks and hands
+them here; nothing here reads a file.
 
 Read: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS. Each dequantiser
 follows ggml's reference (`dequantize_row_*` in ggml-quants.c, as the `gguf` package's numpy port writes it), in
@@ -28,27 +28,15 @@ from typing import Callable
 
 import torch
 
+from .gguf_format import TYPES, block_shape
+
 QK_K = 256                     # values per K-quant super-block
 SLICE_ELEMENTS = 1 << 24       # values dequantised per slice (bounds the float32 temporaries: ~64 MiB each)
-# GGML type id -> (name, values per block, bytes per block), as ggml.h and gguf's GGML_QUANT_SIZES list them
-TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
-         7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
-         12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
-         16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
-         20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
-         24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
-         29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
-         39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18)}
 PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
 # byte offsets of each block's fp16 scales (what `random_blocks` keeps finite)
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
-
-
-def block_shape(type_name: str) -> tuple[int, int]:
-    """(values per block, bytes per block) of a GGML type named as in `TYPES`."""
-    return next((block, size) for name, block, size in TYPES.values() if name == type_name)
 
 
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...],

@@ -1,9 +1,10 @@
 """Split diffusion models: a DiT file with its text encoder and VAE in files of their own, as ComfyUI keeps them.
 
 ComfyUI's `models/` folder holds `checkpoints/` (whole checkpoints), `diffusion_models/` (or the older `unet/`: the
-denoiser alone), `text_encoders/` (or `clip/`) and `vae/`. A file of a split folder says what it is from its
-safetensors header (`SPLIT_KINDS`: key markers and sizes, as checkpoint_kind.py reads SD checkpoints), and so which
-text encoder and VAE it needs (`TEXT_ENCODERS`, `VAES`, read from their headers alike). `choose(...)` picks its
+denoiser alone), `text_encoders/` (or `clip/`) and `vae/`. A file of a split folder (.safetensors, or a .gguf
+quantisation of the denoiser: city96 / ComfyUI-GGUF's) says what it is from its header (`SPLIT_KINDS`: key markers
+and sizes, as checkpoint_kind.py reads SD checkpoints; a GGUF's shapes in torch order, from gguf_format.py), and so
+which text encoder and VAE it needs (`TEXT_ENCODERS`, `VAES`, read from their headers alike). `choose(...)` picks its
 companions: the files its sidecar names (`NAME.diffgraph.toml`: sidecar.py), checked to be of the kind it needs,
 else the only file of that kind in the companion folders; else it raises `Incomplete`, one line saying what to add
 or name. The result, `SplitFiles`, is what the catalog lists (catalog.py `ModelEntry.split`) and what the loader
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..safe_files import FileStamp, UnusableFile, check_regular, read_header, stamp_of
-from .sidecar import SUFFIX as SIDECAR_SUFFIX
-from .sidecar import Sidecar, read_sidecar
+from .gguf_format import gguf_header
+from .sidecar import Sidecar, read_sidecar, sidecar_path
 
 SPLIT_FOLDERS = ("diffusion_models", "unet")
 Role = Literal["text_encoder", "vae"]
@@ -33,6 +34,7 @@ OTHER_FOLDERS = ("loras", "controlnet", "embeddings", "upscale_models", "clip_vi
                  "configs", "t2i_adapter", "ipadapter")
 MAX_FILE_BYTES = 1 << 40
 SUFFIX = ".safetensors"
+GGUF_SUFFIX = ".gguf"  # a diffusion model's GGUF quantisation (city96 / ComfyUI-GGUF's), read in split folders
 ROLE_WORDS = {"text_encoder": "text encoder", "vae": "VAE"}
 
 
@@ -153,9 +155,12 @@ def split_model(path: str) -> SplitFiles | None:
 
 
 def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """The tensor shapes of a .safetensors file's header. Raises UnusableFile (its message follows the file name)."""
+    """The tensor shapes of a .safetensors file's header, or of a .gguf file's (torch order, as the model holds them:
+    gguf_format.py). Raises UnusableFile (its message follows the file name)."""
+    if path.endswith(GGUF_SUFFIX):
+        return gguf_header(path, MAX_FILE_BYTES).shapes()
     if not path.endswith(SUFFIX):
-        raise UnusableFile(f"is not a .safetensors file; convert it first with `diffgraph convert {path} "
+        raise UnusableFile(f"is not a .safetensors or .gguf file; convert it first with `diffgraph convert {path} "
                            "OUT.safetensors`")
     header, _ = read_header(path, MAX_FILE_BYTES)
     return {k: t.shape for k, t in header.tensors.items()}
@@ -251,5 +256,4 @@ class PartFiles:
 
 
 def _sidecar_name(model_file: str) -> str:
-    base = os.path.basename(model_file)
-    return (base[: -len(SUFFIX)] if base.endswith(SUFFIX) else base) + SIDECAR_SUFFIX
+    return os.path.basename(sidecar_path(model_file))

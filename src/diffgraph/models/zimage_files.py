@@ -25,9 +25,15 @@ quantises activations per token. Other quantisations (`int8_blockwise`, `mxfp8`,
 dtypes or the key suffixes; nunchaku's SVDQuant by its `.qweight` / `.wscales` / `.smooth_factor` / `.proj_down` /
 `.proj_up`) are refused by name, in one line, from the header, before any tensor is read.
 
-Every file is read through `safe_tensors.TensorFile` (streamed and checked, never mapped); its header first, which
-must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks like, with
-split_files' signatures). Errors are ValueError, one line naming the file and saying what to use instead.
+GGUF: a transformer's `.gguf` file (city96 / ComfyUI-GGUF's quantisations, Q4_K_M ... F16 / BF16: the original layout
+with the prefix stripped, architecture `lumina2`; tensors its converter stored reshaped get their
+`comfy.gguf.orig_shape` back) is read through `gguf_files.GgufFile`, each tensor dequantised to the compute dtype on
+the device asked for (the family's: the GPU dequantises), then mapped as above; a tensor of a GGML type diffgraph does
+not read is refused by name from the header, before any tensor is read.
+
+Every other file is read through `safe_tensors.TensorFile` (streamed and checked, never mapped). Each file's header
+comes first, which must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks
+like, with split_files' signatures). Errors are ValueError, one line naming the file and saying what to use instead.
 `load_into` puts a `FileWeights` into a module: strict, fp8 pairs installed as `Fp8Linear` where they fit.
 """
 
@@ -43,10 +49,11 @@ from torch import nn
 from .. import safe_files
 from ..quantize.fp8 import Fp8Linear
 from ..safe_tensors import CHANGED_FIX, FILE_LIMIT, TensorFile
-from .split_files import PARTS, SPLIT_KINDS, header_shapes
+from .gguf_files import GgufFile
+from .split_files import GGUF_SUFFIX, PARTS, SPLIT_KINDS, header_shapes
 
 Kind = Literal["transformer", "text_encoder", "vae"]
-Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata"]
+Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata", "gguf"]
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI's format names of the layers read here
 TRANSFORMER_PREFIX = "model.diffusion_model."
 SVDQUANT_SUFFIXES = (".qweight", ".wscales", ".wcscales", ".wtscale", ".wzeros", ".smooth_factor",
@@ -62,7 +69,7 @@ _LOOKS = (("cap_embedder.", "a Z-Image transformer"), ("double_blocks.", "a FLUX
           ("input_blocks.", "an SD UNet"), ("encoder.block.", "a T5 text encoder"),
           ("text_model.encoder.layers.", "a CLIP text encoder"), ("transformer.resblocks.", "an OpenCLIP text encoder"),
           ("self_attn.q_proj.bias", "a Qwen2 / Qwen2.5 text encoder"), ("embed_tokens.", "a language model"),
-          ("encoder.conv_in.", "a VAE"))
+          ("encoder.conv_in.", "a VAE"), ("token_embd.", "a llama.cpp language model"))
 _WANTED = {"transformer": "a Z-Image transformer", "text_encoder": "a Qwen3 text encoder", "vae": "a VAE"}
 
 
@@ -96,8 +103,13 @@ class FileWeights:
 # -- the readers ---------------------------------------------------------------------------------------------------
 
 def read_transformer(path: str, dtype: torch.dtype = torch.bfloat16, keep_fp8: bool = False,
-                     max_bytes: int = FILE_LIMIT) -> FileWeights:
-    """A Z-Image transformer file as ZImageTransformer2DModel's state dict (`transformer_from_original`)."""
+                     max_bytes: int = FILE_LIMIT, device: torch.device | str | None = None) -> FileWeights:
+    """A Z-Image transformer file as ZImageTransformer2DModel's state dict (`transformer_from_original`). A `.gguf`
+    file's tensors are dequantised to `dtype` on `device` (default the CPU) and stay there; a safetensors file's are
+    read on the host."""
+    if path.endswith(GGUF_SUFFIX):
+        state = _read_gguf(path, "transformer", dtype, device, max_bytes)
+        return FileWeights(path, transformer_from_original(state), {}, "gguf")
     state, convention = _read(path, "transformer", max_bytes)
     return _finish(path, transformer_from_original(state), convention, dtype, keep_fp8)
 
@@ -227,6 +239,20 @@ def _read(path: str, kind: Kind, max_bytes: int, config: Any = None) -> tuple[di
     except safe_files.UnusableFile as e:
         raise ValueError(f"{path} {e}") from None
     return _fp8_layers(path, state, formats)
+
+
+def _read_gguf(path: str, kind: Kind, dtype: torch.dtype, device: torch.device | str | None,
+               max_bytes: int) -> dict[str, torch.Tensor]:
+    """A GGUF file's tensors in its own names and the shapes the model holds, dequantised to `dtype` on `device`,
+    after its header was checked: the kind asked for, every tensor of a type diffgraph reads."""
+    try:
+        with GgufFile(path, max_bytes) as f:
+            _check_kind(path, kind, f.header.shapes(), None)
+            return f.read(device=device, dtype=dtype)
+    except safe_files.FileChanged as e:
+        raise ValueError(f"{path} {e}; {CHANGED_FIX}") from None
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"{path} {e}") from None
 
 
 def _check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config: Any) -> None:

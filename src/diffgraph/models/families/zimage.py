@@ -233,7 +233,7 @@ class ZImageFamily(TokenFamily):
 
         from .. import zimage_files as zf
         checkpoint = checkpoint_of(files.diffusion_model)  # before any weight is read: the name must say it
-        weights = zf.read_transformer(files.diffusion_model, dtype)
+        weights = zf.read_transformer(files.diffusion_model, dtype, device=device)
         config = _config_of(zf.transformer_config, weights, "a Z-Image transformer")
         with torch.device(device):
             transformer = ZImageTransformer2DModel(**config).to(dtype)
