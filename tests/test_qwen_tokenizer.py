@@ -1,4 +1,4 @@
-"""Qwen's shipped tokenizer (`diffgraph.text.qwen_tokenizer`): llama.cpp's Qwen2 tokenizer test strings give their
+"""Qwen's shipped tokenizer (`diffgraph.models.qwen_tokenizer`): llama.cpp's Qwen2 tokenizer test strings give their
 published ids (tests/fixtures/ggml-vocab-qwen2.gguf.inp and .out, from ggml-org/llama.cpp's models/, MIT); an
 independent rank-order byte-pair encoder written here (tiktoken's rule: merge the adjacent pair whose join has the
 lowest rank) agrees with the recovered merges; transformers' own Qwen2Tokenizer over the same vocabulary pads,
@@ -18,7 +18,7 @@ import pytest
 import regex
 from transformers import Qwen2Tokenizer
 
-from diffgraph.text import qwen_tokenizer as qt
+from diffgraph.models import qwen_tokenizer as qt
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CONTROL_IDS = {

@@ -16,7 +16,7 @@ import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.models.families.zimage import CHECKPOINTS, checkpoint_of
-from diffgraph.text.qwen_tokenizer import chat_template, qwen_tokenizer
+from diffgraph.models.qwen_tokenizer import chat_template, qwen_tokenizer
 
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 image tokens (2x2 cells of 8x latents): one bucket
 

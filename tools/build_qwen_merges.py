@@ -3,7 +3,7 @@
 A tiktoken vocabulary holds ranks, not merges; the merge that makes a token is the last step of byte-pair encoding
 the token's own bytes with the ranks below its own (tiktoken's `_educational.bpe` recovers merges this way, and
 Qwen's merges.txt holds one merge per token in rank order). The file stores, for each rank, the length in bytes of
-the merge's left part (0 for the 256 single bytes), so `diffgraph.text.qwen_tokenizer` rebuilds the merge list
+the merge's left part (0 for the 256 single bytes), so `diffgraph.models.qwen_tokenizer` rebuilds the merge list
 without running this search at load time (about half a minute of pure Python).
 
     python tools/build_qwen_merges.py  # reads and writes src/diffgraph/assets/qwen/
@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-from diffgraph.text.qwen_tokenizer import ASSETS, read_ranks  # noqa: E402
+from diffgraph.models.qwen_tokenizer import ASSETS, read_ranks  # noqa: E402
 
 
 def last_merge(ranks: dict[bytes, int], token: bytes) -> int:

@@ -3,7 +3,7 @@ latents, with a Qwen3 text encoder, on flow matching.
 
 What diffusers' `ZImagePipeline` does, and how rows of different prompts and sizes share one step here:
   * text: each prompt is wrapped in Qwen3's chat template (one user message, the generation prompt, thinking on:
-    the shipped template, text/qwen_tokenizer.py, which a folder's must equal),
+    the shipped template, models/qwen_tokenizer.py, which a folder's must equal),
     tokenised, encoded, and the second-to-last hidden states of its real tokens kept (`encode`: the row's `embeds`
     with its `mask`, the prompt's own length, up to `text_tokens`);
   * the transformer reads a row as its image tokens (2x2 latent cells each, channels innermost: `pack`) padded to a
@@ -38,7 +38,7 @@ from ...features.base import RowFeature, StepView
 from ...features.capability import Capability, Param
 from ...features.guidance import ClassifierFreeGuidance, guiding_steps
 from ...request import GenerationRequest
-from ...text.qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
+from ..qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
 from ...lora.targets import DENOISER, LoraLayout
 from ...request import GroupKey, Size
 from ..model import DiffusionModel
