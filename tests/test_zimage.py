@@ -344,3 +344,23 @@ def test_guidance_truncation_and_normalisation_as_the_pipeline(folders):
     with pytest.raises(ParamError) as e:
         engine.submit(GenerationRequest.create(model=engine.info, **base, extras={"cfg_truncation": 1.5}))
     assert e.value.param == "cfg_truncation"
+
+
+def test_split_files_given_by_flag_are_checked(tmp_path):
+    """--text-encoder / --vae name a split model's files anywhere (LoadOptions): each is checked against the kind the
+    diffusion model needs, from its header, before any weight is read; --text-encoder on a whole checkpoint is refused."""
+    from diffgraph.config import LoadOptions
+    from diffgraph.models.loader import load_model
+    from test_split_files import FLUX_VAE, QWEN3_4B, SD_VAE, ZIMAGE, header_file
+
+    model = header_file(tmp_path / "z_image_turbo.safetensors", ZIMAGE)
+    encoder = header_file(tmp_path / "enc" / "qwen.safetensors", QWEN3_4B)
+    vae, sd_vae = header_file(tmp_path / "ae.safetensors", FLUX_VAE), header_file(tmp_path / "sd.safetensors", SD_VAE)
+    with pytest.raises(ValueError, match="--vae sd.safetensors is an SD VAE .*; Z-Image needs a FLUX.1 VAE"):
+        load_model(model, options=LoadOptions(text_encoder=encoder, vae=sd_vae))
+    with pytest.raises(ValueError, match="--text-encoder ae.safetensors is a FLUX.1 VAE .*; Z-Image needs a Qwen3-4B"):
+        load_model(model, options=LoadOptions(text_encoder=vae, vae=vae))
+    with pytest.raises(ValueError, match="give its vae file too"):
+        load_model(model, options=LoadOptions(text_encoder=encoder))
+    with pytest.raises(ValueError, match="lacks the tensor"):  # the files are right: the family reads them
+        load_model(model, options=LoadOptions(text_encoder=encoder, vae=vae))

@@ -17,6 +17,9 @@ CHECKPOINT_SETTINGS = {
     "vae": Setting(
         "a VAE (.safetensors file or diffusers folder) in place of the model's, e.g. the fp16-safe SDXL VAE",
         "model", engine="load", metavar="FILE_OR_DIR"),
+    "text_encoder": Setting(
+        "a split diffusion model's text-encoder file (ComfyUI's text_encoders/ file, e.g. qwen_3_4b.safetensors) in "
+        "place of the one found beside it or named in its sidecar", "model", engine="load", metavar="FILE"),
     "vae_upcast": Setting(
         "decode in fp32 when the model runs in fp16 (default: the VAE config's force_upcast, which SDXL's sets); "
         "--no-vae-upcast for an fp16-safe VAE given as a single file, e.g. sdxl-vae-fp16-fix, whose file carries no "
@@ -55,7 +58,7 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
 def checkpoint_options(args: argparse.Namespace) -> LoadOptions:
     """The checkpoint flags as the engine's LoadOptions (the paths checked)."""
     return LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type, zero_snr=args.zero_snr,
-                       vae=args.vae, vae_upcast=args.vae_upcast)
+                       vae=args.vae, vae_upcast=args.vae_upcast, text_encoder=args.text_encoder)
 
 
 def add_compile_mode_argument(p: argparse.ArgumentParser) -> None:

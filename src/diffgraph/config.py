@@ -356,12 +356,13 @@ class LoadOptions:
     vae_upcast: bool | None = None       # decode in fp32 when the model is fp16 (False: an fp16-safe VAE, such as
                                          # sdxl-vae-fp16-fix as a single file); None: the VAE config's force_upcast
     cache_dir: str | None = None         # where generated config folders are kept; None: the user's cache folder
+    text_encoder: str | None = None      # a split diffusion model's text-encoder file (in place of its companion)
 
     def __post_init__(self) -> None:
         if self.prediction_type is not None and self.prediction_type not in PREDICTION_TYPES:
             raise ValueError(f"prediction-type {self.prediction_type!r} is unknown; allowed: "
                              f"{', '.join(PREDICTION_TYPES)}")
-        for name in ("model_config", "vae"):
+        for name in ("model_config", "vae", "text_encoder"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise ValueError(f"{name.replace('_', '-')} {path!r} does not exist; give a local file or folder")

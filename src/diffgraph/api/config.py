@@ -295,6 +295,7 @@ class ServerConfig:
         "model", parse=_preload, metavar="NAMES"))
     vae: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["vae"]})
     vae_upcast: bool | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["vae_upcast"]})
+    text_encoder: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["text_encoder"]})
     model_config: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["model_config"]})
     prediction_type: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["prediction_type"]})
     zero_snr: bool | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["zero_snr"]})
@@ -495,7 +496,8 @@ class ServerConfig:
 
     def load_options(self) -> LoadOptions:
         return LoadOptions(model_config=self.model_config, prediction_type=self.prediction_type,
-                           zero_snr=self.zero_snr, vae=self.vae, vae_upcast=self.vae_upcast)
+                           zero_snr=self.zero_snr, vae=self.vae, vae_upcast=self.vae_upcast,
+                           text_encoder=self.text_encoder)
 
     def model_set(self) -> ModelSetSpec | None:
         """What an engine process needs to hold the --model-dir set (None without one)."""

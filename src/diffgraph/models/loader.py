@@ -33,7 +33,7 @@ from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
 from .sidecar import read_sidecar, sidecar_path
 from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
-from .split_files import SplitFiles, split_model
+from .split_files import SplitFiles, checked_part, models_root, split_kind_of, split_model
 from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group, weights_view
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
     if os.path.isdir(model):
         return _load_folder(model, device, torch_dtype, model, families, options)
     if os.path.exists(model):  # a file: a single-file checkpoint (anything else is refused by what it holds)
-        split = split_model(model)
+        split = _split(model, options)
         if split is not None:
             return _finish(_load_split(split, device, torch_dtype, model, families))
         given = options
@@ -106,6 +106,32 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise ValueError(f"model {model!r} is neither a local folder nor a known preset; {_supported_message(families)}"
                      f"{hint}")
+
+
+def _split(path: str, options: LoadOptions) -> SplitFiles | None:
+    """The split model at `path` with its companions (split_files.split_model), those given by --text-encoder /
+    --vae in place of the ones found; a file outside a split folder given with --text-encoder is one too (its kind
+    read from its header). None: not a split model."""
+    given = {"text_encoder": options.text_encoder, "vae": options.vae}
+    if not any(given.values()):
+        return split_model(path)
+    kind = split_kind_of(path) if path.endswith((".safetensors", ".gguf")) else None
+    if kind is None:
+        if options.text_encoder:
+            raise ValueError(f"--text-encoder is for split diffusion models (a DiT file with its text encoder and VAE "
+                             f"in files of their own); {os.path.basename(path)} is not one: leave it out")
+        return None  # a whole checkpoint with --vae: the VAE override as before
+    chosen = {}
+    for role, file in given.items():
+        if file is None:
+            found = split_model(path) if models_root(path) else None
+            if found is None:
+                raise ValueError(f"{os.path.basename(path)} is a {kind.label} diffusion model: give its "
+                                 f"{role.replace('_', '-')} file too (--{role.replace('_', '-')} FILE)")
+            file = found.files()[role]
+        chosen[role] = checked_part(file, role, kind)
+    return SplitFiles(kind, os.path.realpath(path), chosen["text_encoder"], chosen["vae"],
+                      tuple((role, "flag" if given[role] else "only file") for role in given))
 
 
 def _load_split(files: SplitFiles, device: torch.device, dtype: torch.dtype, name: str,

@@ -116,7 +116,7 @@ class SplitFiles:
     diffusion_model: str
     text_encoder: str
     vae: str
-    chosen_by: tuple[tuple[Role, Literal["sidecar", "only file"]], ...]  # how each companion was chosen
+    chosen_by: tuple[tuple[Role, Literal["sidecar", "only file", "flag"]], ...]  # how each companion was chosen
 
     def files(self) -> dict[Role, str]:
         return {"text_encoder": self.text_encoder, "vae": self.vae}
@@ -175,6 +175,32 @@ def split_kind(rel: str, shapes: dict[str, tuple[int, ...]]) -> SplitKind:
                          f"recognised: {', '.join(k.label for k in SPLIT_KINDS)}; whole checkpoints go in "
                          "checkpoints/")
     return kind
+
+
+def split_kind_of(path: str) -> SplitKind | None:
+    """The split kind of a diffusion-model file anywhere (its header's signature), None for any other file (a whole
+    checkpoint). Raises ValueError (one line, naming the file) when its header cannot be read."""
+    try:
+        shapes = header_shapes(os.path.realpath(path))
+    except UnusableFile as e:
+        raise ValueError(f"{os.path.basename(path)} {e}") from None
+    return next((k for k in SPLIT_KINDS if k.signature.matches(shapes)), None)
+
+
+def checked_part(path: str, role: Role, kind: SplitKind) -> str:
+    """`path` (given on the command line as a split model's `role` file), checked to be the kind `kind` needs; its
+    real path. ValueError (one line) naming the file and what it needs otherwise."""
+    need = next(k for k in PARTS[role] if k.name == getattr(kind, role))
+    try:
+        shapes = header_shapes(os.path.realpath(path))
+    except UnusableFile as e:
+        raise ValueError(f"{os.path.basename(path)} {e}") from None
+    found = next((k for kinds in PARTS.values() for k in kinds if k.signature.matches(shapes)), None)
+    if found is None or found.name != need.name:
+        what = found.label if found else f"not a {ROLE_WORDS[role]} diffgraph recognises"
+        raise ValueError(f"--{role.replace('_', '-')} {os.path.basename(path)} is {what}; {kind.label} needs "
+                         f"{need.label}")
+    return os.path.realpath(path)
 
 
 class PartFiles:
