@@ -56,7 +56,7 @@ def pipeline(shift: float, qwen_vocabulary: bool = False):
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(32, 32, 32, 32),
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                         layers_per_block=1, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
-                        use_quant_conv=False, use_post_quant_conv=False)
+                        use_quant_conv=False, use_post_quant_conv=False, sample_size=64)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False)
     return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder.eval(),
                           tokenizer=qwen_tokenizer("qwen3") if qwen_vocabulary else tokenizer(),
@@ -364,3 +364,34 @@ def test_split_files_given_by_flag_are_checked(tmp_path):
         load_model(model, options=LoadOptions(text_encoder=encoder))
     with pytest.raises(ValueError, match="lacks the tensor"):  # the files are right: the family reads them
         load_model(model, options=LoadOptions(text_encoder=encoder, vae=vae))
+
+
+def test_served_over_http_with_the_checkpoint_s_defaults(folders):
+    """The OpenAI and AUTOMATIC1111 routes on Turbo: a body without steps runs the checkpoint's 8 (the image equals
+    the pipeline's at 8 steps), `/v1/models` lists the defaults, the pipeline's guidance options are JSON keys, and
+    AUTOMATIC1111's 'Euler' is the family's flow Euler with its steps and cfg_scale left to the model."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph.server import ServerConfig
+    from server_util import served
+
+    path, pipe = folders["Z-Image-Turbo"]
+    with served(Engine(model=path, device="cpu"), ServerConfig(model=path, device="cpu")) as client:
+        card = client.get("/v1/models").json()["data"][0]
+        assert (card["default_steps"], card["default_guidance"]) == (8, 1.0) and "cfg_shaping" in card["capabilities"]
+        answer = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "96x64", "seed": 3,
+                                                              "cfg_truncation": 0.5})
+        assert answer.status_code == 200, answer.text
+        image = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"]))))
+        assert np.abs(image.astype(np.int16) - oracle(pipe, "a red fox", (64, 96), 8, 1.0, 3)).max() <= 1
+        a1111 = client.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "width": 96, "height": 64, "seed": 3,
+                                                       "sampler_name": "Euler"})
+        assert a1111.status_code == 200, a1111.text
+        info = json.loads(a1111.json()["info"])
+        assert (info["steps"], info["cfg_scale"]) == (8, 1.0)
+        bad = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "96x64",
+                                                          "sampler": "DPM++ 2M"})
+        assert bad.status_code == 400 and "flow_euler" in bad.text

@@ -69,8 +69,11 @@ def canonical(sampler: str, schedule: str | None, samplers: tuple[str, ...],
     implied, label = None, sampler
     if isinstance(sampler, str) and sampler not in samplers:
         key = fold(sampler)
+        base = SAMPLER_ALIASES.get(key, (key, None))[0]
         if key in SAMPLER_ALIASES and SAMPLER_ALIASES[key][0] in samplers:
             sampler, implied = SAMPLER_ALIASES[key]
+        elif f"flow_{base}" in samplers:  # a flow-matching family's counterpart ('Euler' -> flow_euler)
+            sampler = f"flow_{base}"
         elif key in SAMPLERS_NOT_YET:
             planned = SAMPLERS_NOT_YET[key]
             also = f" ({planned})" if planned and planned != sampler else ""

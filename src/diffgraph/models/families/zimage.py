@@ -220,9 +220,10 @@ class ZImageFamily(TokenFamily):
         for m in (transformer, vae, encoder):
             m.to(device=device, dtype=dtype).eval().requires_grad_(False)
         transformer.rope_embedder(torch.zeros((1, 3), dtype=torch.int64, device=device))  # its tables, on the device
+        native = int(getattr(vae.config, "sample_size", 1024) or 1024)  # the VAE's (Flux's: 1024)
         return DiffusionModel(name=name, family=self.name, adapter=self, denoiser=transformer, vae=vae,
                               text_encoders=[encoder], tokenizers=[tokenizer], scheduler_config=scheduler_config,
-                              device=device, dtype=dtype, native_size=1024, is_random=is_random,
+                              device=device, dtype=dtype, native_size=native, is_random=is_random,
                               extra={"checkpoint": checkpoint})
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
@@ -280,6 +281,7 @@ class ZImageFamily(TokenFamily):
                                                      num_key_value_heads=1, head_dim=16,
                                                      max_position_embeddings=1024))
                     vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32), "layers_per_block": 1,
+                                           "sample_size": 64,
                                            "down_block_types": ("DownEncoderBlock2D",) * 2,
                                            "up_block_types": ("UpDecoderBlock2D",) * 2, "norm_num_groups": 8})
                 else:
