@@ -82,6 +82,7 @@ def txt2img(client, **changes):
     ({}, (64, 64), 1), ({"negative_prompt": "example negative prompt"}, (64, 64), 1),
     ({"height": 128}, (64, 128), 1), ({"n_iter": 2}, (64, 64), 2), ({"batch_size": 2}, (64, 64), 2),
     ({"sampler_index": "DDIM"}, (64, 64), 1), ({"sampler_index": "UniPC"}, (64, 64), 1),
+    ({"sampler_index": "PLMS"}, (64, 64), 1),
 ])
 def test_txt2img_as_automatic1111s_suite_sends_it(client, changes, size, count):
     r = txt2img(client, **changes)
@@ -98,7 +99,6 @@ def test_txt2img_as_automatic1111s_suite_sends_it(client, changes, size, count):
     ({"restore_faces": True}, "restore_faces", "out of scope"),
     ({"enable_hr": True}, "enable_hr", "hires fix"),
     ({"tiling": True}, "tiling", "tiling"),
-    ({"sampler_index": "PLMS"}, "sampler_name", "'PLMS' is not supported"),
     ({"prompt": "((emphasis)), (emphasis1:1.1), [to:1], [from::2], [from:to:0.3], [alt|alt1]"}, None,
      "prompt editing"),
 ])
@@ -236,7 +236,7 @@ def test_the_list_routes_of_the_suite_answer(client):
         "prompt-styles", "embeddings")}
     assert all(r.status_code == 200 for r in got.values()), {p: r.text for p, r in got.items()}
     assert got["cmd-flags"].json()["ckpt"] == "random:tiny" and got["cmd-flags"].json()["use_cpu"] == ["all"]
-    assert {"Euler a", "DDIM", "UniPC"} <= {s["name"] for s in got["samplers"].json()}
+    assert {"Euler a", "DDIM", "UniPC", "PLMS"} <= {s["name"] for s in got["samplers"].json()}
     assert [u["name"] for u in got["upscalers"].json()] == ["None", "Lanczos", "Nearest"]
     assert [m["model_name"] for m in got["sd-models"].json()] == ["random:tiny"]
     assert [got[p].json() for p in ("hypernetworks", "face-restorers", "realesrgan-models", "prompt-styles")] == [[]] * 4

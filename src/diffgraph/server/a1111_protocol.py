@@ -42,7 +42,7 @@ A1111_SAMPLER_ITEMS = {
     "dpmpp_3m_sde": (["k_dpmpp_3m_sde"], {"scheduler": "exponential"}),
     "euler_a": (["k_euler_a", "k_euler_ancestral"], {}), "euler": (["k_euler"], {}), "lms": (["k_lms"], {}),
     "heun": (["k_heun"], {}), "dpm2": (["k_dpm_2"], {}), "dpm2_a": (["k_dpm_2_a"], {}), "ddim": (["ddim"], {}),
-    "unipc": (["unipc"], {}), "lcm": (["k_lcm"], {}),
+    "unipc": (["unipc"], {}), "lcm": (["k_lcm"], {}), "plms": (["plms"], {}),
 }
 # diffgraph's schedule -> AUTOMATIC1111's scheduler (name, aliases, default_rho, need_inner_model), sd_schedulers.py
 A1111_SCHEDULER_ITEMS = {
