@@ -249,7 +249,8 @@ def test_lists_have_automatic1111s_fields(api):
     assert {"automatic", "karras", "exponential"} <= set(api.util_get_scheduler_names())
     assert all(sorted(x) == sorted(FIXTURE["lora_item"]) for x in api.get_loras())
     assert sorted(api.get_embeddings()) == sorted(FIXTURE["embeddings_response"])
-    assert api.get_upscalers() == [] and sorted(api.get_scripts()) == sorted(FIXTURE["scripts_list"])
+    assert [u["name"] for u in api.get_upscalers()] == ["None", "Lanczos", "Nearest"]
+    assert sorted(api.get_scripts()) == sorted(FIXTURE["scripts_list"])
     options = api.get_options()
     assert set(FIXTURE["options"]) <= set(options) and options["sd_model_checkpoint"] == "digits"
     assert api.util_get_current_model() == "digits"
@@ -383,7 +384,7 @@ UNSUPPORTED = [
     ({"refiner_checkpoint": "sdxl_refiner"}, "refiner_checkpoint", "refiners"),
     ({"firstpass_image": "abc"}, "firstpass_image", "send null"),
     ({"disable_extra_networks": True}, "disable_extra_networks", "<lora:...>"),
-    ({"script_name": "x/y/z plot"}, "script_name", "scripts are not supported"),
+    ({"script_name": "x/y/z plot"}, "script_name", "is not available on this route"),
     ({"alwayson_scripts": {"ControlNet": {"args": [{"module": "depth_midas", "model": "outline",
                                                     "input_image": "eA=="}]}}},
      "alwayson_scripts.controlnet.args[0].module", "send its map with module"),

@@ -76,10 +76,14 @@ def test_lists_answer_in_a1111_shapes(client):
     assert client.get("/sdapi/v1/sd-vae").json() == [{"model_name": "my-vae", "filename": "my-vae.safetensors"}]
     assert client.get("/sdapi/v1/latent-upscale-modes").json() == [{"name": n} for n in LATENT_UPSCALE_MODES]
     assert client.get("/sdapi/v1/latent-upscale-modes").json()[0] == {"name": "Latent"}
-    for path in ("hypernetworks", "face-restorers", "realesrgan-models", "script-info"):
+    for path in ("hypernetworks", "face-restorers", "realesrgan-models"):
         r = client.get(f"/sdapi/v1/{path}")
         assert r.status_code == 200 and r.json() == [], (path, r.text)
-    assert client.get("/sdapi/v1/scripts").json() == {"txt2img": [], "img2img": []}
+    assert client.get("/sdapi/v1/scripts").json() == {"txt2img": [], "img2img": ["sd upscale"]}
+    (upscale,) = client.get("/sdapi/v1/script-info").json()
+    assert upscale["name"] == "sd upscale" and upscale["is_img2img"] and not upscale["is_alwayson"]
+    assert [a["label"] for a in upscale["args"]] == [None, "Tile overlap", "Upscaler", "Scale Factor"]
+    assert upscale["args"][2]["choices"] == ["None", "Lanczos", "Nearest"]
 
 
 def test_refresh_reload_and_unload_answer_as_a1111(client):

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from test_sampling import CONFIGS, SHAPE, ULPS, assert_same_latents, fake_model, run_plan
+from test_sampling import CONFIGS, SHAPE, ULPS, assert_same_latents, fake_model, run_diffusers, run_plan
 
 from diffgraph.sampling import SAMPLERS, Coef, NoiseSchedule, make_plan
 from diffgraph.sampling.multistep import PLANS, ZERO_SNR_SAMPLERS
@@ -119,3 +119,40 @@ def test_unipc_rounds_karras_timesteps_on_the_cosine_schedule():
         assert_same_latents(run_plan(plan), ref, f"cosine unipc/karras n={n} start={start}", ulps=4 * ULPS)
     with pytest.raises(ValueError, match="repeats its first timestep"):
         make_plan(noise, "unipc", "karras", 6)
+
+
+# ---- PLMS (PNDMScheduler, skip_prk_steps) ------------------------------------------------------------------------
+@pytest.mark.parametrize("name, pred", [("sd15", "epsilon"), ("sdxl", "v_prediction"), ("linspace", "epsilon")])
+def test_plms_starts_match_diffusers(name, pred):
+    """An image-to-image walk enters PNDM's timestep list (its second timestep repeated) at index `start` with its
+    counter at zero: the plan's rows are those, with diffusers' latents."""
+    config = CONFIGS[name] | {"prediction_type": pred}
+    for n, start in ((10, 3), (16, 5), (16, 12), (5, 1)):
+        plan = make_plan(NoiseSchedule.from_config(config), "plms", "default", n, start=start)
+        assert plan.num_steps == n + 1 - start and int(plan.step_index[0]) == start and plan.step_index[-1] == n - 1
+        _, e = noising(plan)
+        x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)) * e
+        sched, ref = run_diffusers_from(config, "plms", "default", n, start, x)
+        np.testing.assert_array_equal(plan.timesteps, sched.timesteps[start:].numpy().astype(np.float64))
+        assert_same_latents(run_plan(dataclasses.replace(plan, init_noise_sigma=e)), ref, f"plms/{name} n={n} {start}")
+
+
+def test_plms_rows_and_history():
+    noise = NoiseSchedule.from_config(CONFIGS["sd15"])
+    one, two, many = (make_plan(noise, "plms", "default", n) for n in (1, 2, 20))
+    assert (one.num_steps, one.history) == (1, 0)  # one row: PNDM's single step to the final alpha-bar
+    assert two.num_steps == 3 and list(two.step_index) == [0, 0, 1]
+    assert many.num_steps == 21 and many.history == 3 and many.timesteps[1] == many.timesteps[2]
+    # the second row redoes the first step from the kept x (H2) with the mean of both outputs (H1 holds e_0)
+    assert many.coefs[1, int(Coef.E1)] != 0 and many.coefs[1, int(Coef.E2)] != 0 and many.coefs[2, int(Coef.E2)] == 0
+    assert many.coefs[1, hist_col(1, "H1")] == 1.0
+
+
+def test_plms_evaluating_timestep_zero_matches_diffusers_in_float64():
+    """Two steps on linspace spacing evaluate timestep 0, where float32 cannot compare (test_sampling skips it)."""
+    config = CONFIGS["linspace"]
+    plan = make_plan(NoiseSchedule.from_config(config), "plms", "default", 2)
+    assert list(plan.timesteps) == [999.0, 0.0, 0.0]
+    _, ref = run_diffusers(config, "plms", "default", 2, dtype=torch.float64)
+    ours, _ = run_plan(plan, dtype=torch.float64)
+    assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-5 * max(r.abs().max().item() for r in ref)

@@ -40,7 +40,7 @@ SAMPLER_ALIASES: dict[str, tuple[str, str | None]] = {
     "dpm2 a karras": ("dpm2_a", "karras"),
     # UniPC's bh2 variant (AUTOMATIC1111's and ComfyUI's "uni_pc" default to bh1, which is not built)
     "unipc": ("unipc", None), "uni pc": ("unipc", None), "uni pc bh2": ("unipc", None), "unipcmultistep": ("unipc", None),
-    "lcm": ("lcm", None), "tcd": ("tcd", None),
+    "lcm": ("lcm", None), "tcd": ("tcd", None), "plms": ("plms", None), "pndm": ("plms", None),
 }
 # AUTOMATIC1111's and ComfyUI's other samplers (folded) -> the name it will have here ("": none is planned)
 SAMPLERS_NOT_YET: dict[str, str] = {
@@ -48,7 +48,7 @@ SAMPLERS_NOT_YET: dict[str, str] = {
                                                         "dpm++ 2m sde heun exponential")},
     "heunpp2": "heunpp2",
     **{k: "dpmpp_2s_a" for k in ("dpm++ 2s a", "dpm++ 2s a karras", "dpmpp 2s ancestral")},
-    **{k: "" for k in ("dpm fast", "dpm adaptive", "restart", "plms", "ipndm", "deis", "ddpm",
+    **{k: "" for k in ("dpm fast", "dpm adaptive", "restart", "ipndm", "deis", "ddpm",
                                      "euler cfg++", "euler ancestral cfg++", "res multistep")},
 }
 SCHEDULE_ALIASES: dict[str, str] = {"default": "default", "automatic": "default", "normal": "default",

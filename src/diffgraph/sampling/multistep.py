@@ -6,6 +6,7 @@ Owns the plan functions (`PLANS`, read by `samplers.make_plan`) of
   (midpoint) / 3, on VP latents; one noise tensor per step; D_{i-2} of the third order in history slot H1.
 - `lms`: LMSDiscreteScheduler, order 4 (its step's default), on VE latents; H1..H3 hold the three previous
   derivatives (x - D) / sigma, the current one is folded into A and B; its coefficients are diffusers' quadratures.
+- `plms`: PNDMScheduler with skip_prk_steps (AUTOMATIC1111's "PLMS"), in `PLMS_PLANS` (see the PLMS section).
 - `unipc` / `unipc_3`: UniPCMultistepScheduler, bh2, predict_x0, corrector on, solver_order 2 / 3, on VP latents.
   The model is evaluated at the predictor's sample; the corrector then replaces it by the corrected sample, kept in
   H1 (the next corrector starts from it), with D_{i-2} (and D_{i-3}) in H2 (and H3).
@@ -33,6 +34,7 @@ from .schedules import (
     euler_init_sigma,
     euler_sigmas,
     sigma_to_t,
+    spaced_timesteps,
     to_f32,
 )
 from .table import HISTORY_SLOTS, HISTORY_SOURCES, Coef, PlanFunction, PlanParts, denoiser, hist_col, table
@@ -338,3 +340,86 @@ PLANS: dict[str, PlanFunction] = {
     "unipc": _unipc_2_plan,
     "unipc_3": _unipc_3_plan,
 }
+
+
+# ---- PLMS --------------------------------------------------------------------------------------------------------
+# PLMS (pseudo linear multistep, Liu et al. 2022; AUTOMATIC1111's "PLMS"): diffusers' PNDMScheduler with
+# skip_prk_steps, on VP latents (`PLMS_PLANS`, beside `PLANS` in `samplers.make_plan`).
+#
+# diffusers walks the timesteps T_{n-1}, T_{n-2}, T_{n-2}, T_{n-3}, ..., T_0 (n + 1 rows; one at n = 1): the first row
+# steps x by the model output e_0 (a DDIM-like transfer) and keeps x (H2) and e_0 (H1); the second evaluates there and
+# redoes that step from the kept x with (e_1 + e_0) / 2; each later row steps with the Adams-Bashforth mean of its
+# output and the kept ones (orders 2, 3, then 4: H1..H3 hold the three previous), e_1 never among them. A walk that
+# begins at `start` (image-to-image) takes the timesteps from index `start` of that list with the counter at zero, as
+# a pipeline does. The transfer is PNDM's `_get_prev_sample` (v-prediction converted with the row's sample); every
+# coefficient is diffusers' float32 scalar, combined in float64. Zero terminal SNR is refused (PNDM has no option).
+
+# Adams-Bashforth weights of (this output, the previous, ...) by how many outputs PNDM holds
+_AB = {1: (1.0,), 2: (3 / 2, -1 / 2), 3: (23 / 12, -16 / 12, 5 / 12), 4: (55 / 24, -59 / 24, 37 / 24, -9 / 24)}
+
+
+def plms_timesteps(noise: NoiseSchedule, n: int) -> np.ndarray:
+    """PNDMScheduler's plms_timesteps for n steps: its n timesteps, descending, the second repeated."""
+    t = spaced_timesteps(noise, n, points=n, round_linspace=True)
+    return t if n == 1 else np.concatenate([t[:2], t[1:]])
+
+
+def _transfer(ac: torch.Tensor, final: torch.Tensor, t: int, prev: int) -> tuple[float, float, float, float]:
+    """(sample weight, model output weight, sqrt(abar_t), sqrt(1 - abar_t)) of PNDM's _get_prev_sample from timestep
+    `t` to `prev` (below 0: the final alpha-bar), in its float32 arithmetic."""
+    a_t = ac[t]
+    a_prev = ac[prev] if prev >= 0 else final
+    b_t, b_prev = 1 - a_t, 1 - a_prev
+    sample = (a_prev / a_t) ** 0.5
+    denom = a_t * b_prev ** 0.5 + (a_t * b_t * a_prev) ** 0.5
+    return float(sample), float(-(a_prev - a_t) / denom), float(a_t ** 0.5), float(b_t ** 0.5)
+
+
+def _plms_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> PlanParts:
+    """PLMS as PNDMScheduler(skip_prk_steps=True) walks it (the section's comment): H1..H3 the outputs it holds,
+    H2 the kept x at the first step."""
+    if noise.rescale_betas_zero_snr:
+        raise ValueError("sampler 'plms' cannot run a zero terminal SNR schedule (rescale_betas_zero_snr): diffusers' "
+                         "PNDMScheduler has no such option; use one of euler, ddim, unipc")
+    n_train = noise.num_train_timesteps
+    steps = plms_timesteps(noise, n)
+    if steps.max() >= n_train or steps.min() < 0:
+        raise ValueError(f"num_steps {n} with timestep_spacing {noise.timestep_spacing!r} and steps_offset "
+                         f"{noise.steps_offset} reaches timestep {int(steps.max())} >= num_train_timesteps; use fewer "
+                         "steps")
+    ratio = n_train // n
+    ac = torch.from_numpy(noise.alphas_cumprod()).float()
+    final = torch.tensor(1.0) if noise.set_alpha_to_one else ac[0]
+    t = steps[start:]
+    rows = len(t)
+    ac_rows = ac[torch.from_numpy(t.astype(np.int64))].double().numpy()
+    p, q = denoiser(noise.prediction_type, np.sqrt(ac_rows), np.sqrt(1 - ac_rows), ve=False)
+    coefs = table(t, np.ones(rows), p, q, 0.0, 0.0)
+    levels = [int(t[0])]  # the timestep of each state (below 0: the final alpha-bar)
+    for row in range(rows):
+        out = _form(X=-p[row] / q[row], D=1 / q[row])  # the row's model output, from x and D
+        step_t, prev = int(t[row]), int(t[row]) - ratio
+        if row == 1:  # the first step again, from the kept x, with the mean of both outputs
+            step_t, prev = int(t[row]) + ratio, int(t[row])
+            sample, combo = _form(H2=1.0), 0.5 * out + _form(H1=0.5)
+            slots = {1: _form(H1=1.0)}
+        else:
+            held = 1 if row == 0 else min(row, 4)
+            weights = _AB[held]
+            combo = weights[0] * out + sum((w * _form(**{f"H{k}": 1.0}) for k, w in enumerate(weights[1:], 1)),
+                                           np.zeros_like(out))
+            sample = _form(X=1.0)
+            slots = {1: out, 2: _form(X=1.0)} if row == 0 else {1: out, 2: _form(H1=1.0), 3: _form(H2=1.0)}
+        a, b, root_a, root_b = _transfer(ac, final, step_t, prev)
+        if noise.prediction_type == "v_prediction":  # PNDM turns the combined v into epsilon with the row's sample
+            combo = root_a * combo + root_b * sample
+        _write_row(coefs, row, a * sample + b * combo, slots)
+        levels.append(prev)
+    abar = np.array([float(ac[k]) if k >= 0 else float(final) for k in levels])
+    sigmas = np.sqrt((1 - abar) / abar)
+    full_steps = np.concatenate([[0], np.arange(n)]) if n > 1 else np.zeros(1, np.int64)
+    return PlanParts(t, sigmas, coefs, 1.0, ve=False, step_index=np.maximum(full_steps[start:], start),
+                     history=_settle_history(coefs))
+
+
+PLMS_PLANS: dict[str, PlanFunction] = {"plms": _plms_plan}  # apart: its rows are not one a timestep of diffusers' sigmas

@@ -8,7 +8,7 @@ options (karras, exponential, beta) and ComfyUI's names for trailing timesteps (
 """
 
 SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2",
-            "dpm2_a", "lms", "unipc", "unipc_3", "lcm", "tcd")
+            "dpm2_a", "lms", "unipc", "unipc_3", "lcm", "tcd", "plms")
 SCHEDULES = ("default", "karras", "exponential", "beta", "sgm_uniform", "simple")
 DEFAULT_SAMPLER = "euler"      # what a request that names no sampler gets on these families
 DEFAULT_SCHEDULE = "default"
@@ -21,10 +21,11 @@ SAMPLER_SCHEDULES = {
     "ddim": ("default", "karras", "sgm_uniform", "simple"),
     "lcm": ("default",),
     "tcd": ("default",),
+    "plms": ("default", "sgm_uniform", "simple"),  # PNDMScheduler takes no sigma options
 }
 # samplers whose rows keep history slots beyond D_prev (sampling/table.py): a family taking one of them allocates the
 # slots (features/history.py)
-HISTORY_SAMPLERS = ("dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2", "dpm2_a", "lms", "unipc", "unipc_3")
+HISTORY_SAMPLERS = ("dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2", "dpm2_a", "lms", "unipc", "unipc_3", "plms")
 # what each sampler is, for --help, /info and the README (one line each)
 SAMPLER_DESCRIPTIONS = {
     "euler": "Euler (k-diffusion; EulerDiscreteScheduler)",
@@ -42,6 +43,7 @@ SAMPLER_DESCRIPTIONS = {
     "unipc_3": "UniPC bh2, order 3 (UniPCMultistepScheduler, solver_order 3)",
     "lcm": "latent consistency, for LCM models and LCM-LoRA (LCMScheduler)",
     "tcd": "trajectory consistency, gamma 0.3 (TCDScheduler)",
+    "plms": "pseudo linear multistep, two evaluations at its first step (PNDMScheduler, skip_prk_steps)",
 }
 
 

@@ -221,6 +221,9 @@ def diffusers_scheduler(config: Mapping[str, Any], sampler: str, schedule: str):
         return cls.from_config(
             config, **common, set_alpha_to_one=noise.set_alpha_to_one, clip_sample=False, thresholding=False
         )
+    if sampler == "plms":  # (PNDM's own set_alpha_to_one default is False; the schedule's is the model's)
+        return diffusers.PNDMScheduler.from_config(config, **common, skip_prk_steps=True,
+                                                   set_alpha_to_one=noise.set_alpha_to_one)
     name, forced = _CLASSES[sampler]
     cls = _OWN_CLASSES.get(name) or getattr(diffusers, name)
     if sampler in ("lcm", "tcd"):

@@ -78,7 +78,7 @@ def _plan_functions() -> dict[str, PlanFunction]:
     """Sampler name -> its plan function (noise schedule, steps, schedule name)."""
     from . import consistency, multistep, sde, two_eval
     return {"euler": _euler_plan, "euler_a": _euler_a_plan, "dpmpp_2m": _dpmpp_2m_plan, "ddim": _ddim_plan,
-            "dpmpp_sde": sde.dpmpp_sde_plan, **multistep.PLANS, **two_eval.PLANS, **consistency.PLANS}
+            "dpmpp_sde": sde.dpmpp_sde_plan, **multistep.PLANS, **multistep.PLMS_PLANS, **two_eval.PLANS, **consistency.PLANS}
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,12 @@ errors as the images API, AUTOMATIC1111's request and response shapes (v1.10; we
 
     POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together
     GET  /sdapi/v1/sd-models           the models (--model, and --model-dir's), AUTOMATIC1111's titles
-    GET  /sdapi/v1/samplers, /schedulers, /loras, /embeddings, /upscalers (none), /scripts (none)
+    GET  /sdapi/v1/samplers, /schedulers, /loras, /embeddings, /scripts
     GET  /sdapi/v1/options             the calling key's options (every AUTOMATIC1111 option); POST sets its model and
                                        clip skip, keeps the others' values (named in X-Diffgraph-Ignored-Fields)
     GET  /sdapi/v1/progress            the calling key's requests (a1111_jobs.py)
     ...  /sdapi/v1/png-info, /memory, /cmd-flags, /refresh-*, ...: a1111_info.py's router
+    ...  /sdapi/v1/extra-single-image, /extra-batch-images, /upscalers: a1111_extras.py's router
     POST /sdapi/v1/interrupt, /skip    its oldest request: all of it, or its current image
 
 A body is type-checked and read in diffgraph's words by a1111_protocol.py (unsupported values: a 400 naming the
@@ -38,8 +39,9 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 
-from ..image_metadata import encode_image, infotext
+from ..image_metadata import JSON_KEY, PNG_KEY, encode_image, infotext, request_json
 from ..lora.catalog import AdapterDir, AdapterNameError
 from ..models.catalog import ModelNameError
 from ..models.clip_vocab import default_cache_root
@@ -47,15 +49,19 @@ from ..models.controlnet_dir import ControlNetDir
 from ..models.file_hashes import FileHashes
 from ..models.presets import builtin_control_folder, builtin_lora_folder
 from ..prompt_styles import read_styles
-from ..request import MAX_CONTROLS, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
+from ..upscalers import TileGrid, combine_tiles
+from ..request import MAX_CONTROLS, MAX_IMAGES, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
+from .a1111_extras import extras_router
 from .a1111_info import InfoSources, info_router
-from .a1111_inpaint import PreparedEdit, mask_options, prepare
+from .a1111_inpaint import PreparedEdit, flatten, mask_options, prepare
 from .a1111_jobs import ImageRun, JobBoard, Key
+from .a1111_scripts import SdUpscale, script_lists, sd_upscale, tile_seeds
 from .a1111_protocol import (DEFAULT_OPTIONS, IGNORED_HEADER, MAX_IGNORED_NAMES, OPTIONS, Img2ImgBody, Plan,
                              TextToImageResponse, Txt2ImgBody, ProcessingBody, a1111_error, a1111_field, clip_stop,
                              fit_to_model, ignored_header, info_json, model_name, names_header, plan_body,
-                             sampler_items, sampler_schedule, scheduler_items, validate)
+                             sampler_items, sampler_schedule, scheduler_items, UI_OPTIONS, ui_option,
+                             validate)
 from .auth import caller_key
 from .bodies import read_body
 from .models import ModelRouting, Target
@@ -79,9 +85,9 @@ def _failure(e: APIError) -> JSONResponse:
                         else None)
 
 
-def _edit_for(index: int, body: ProcessingBody, edits: list[PreparedEdit]) -> PreparedEdit | None:
-    """The init image of image `index`: the one given, or the one at its place in the batch."""
-    return edits[index % (body.batch_size or 1) % len(edits)] if edits else None
+def _edits_per_image(count: int, body: ProcessingBody, edits: list[PreparedEdit]) -> list[PreparedEdit]:
+    """The init image of each of `count` images: the one given, or the one at its place in the batch."""
+    return [edits[index % (body.batch_size or 1) % len(edits)] for index in range(count)] if edits else []
 
 
 def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | None, keys: tuple[bytes, ...],
@@ -187,8 +193,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
               controls: list[dict[str, Any]]) -> list[GenerationRequest]:
         """One request per image: the first validated by `create` (the one validation; it parses the prompts, which
         plan_body held to --max-prompt-bytes, so this runs on a worker thread), with the short hashes of its model
-        (`name`; None: the default) and adapters' files; the others its copies with their own seed (and init image),
-        checked again on construction."""
+        (`name`; None: the default) and adapters' files; the others its copies with their own seed (and init image:
+        `edits` holds each image's, or none), checked again on construction."""
         sampler, schedule, eta = sampler_schedule(body, info)
         try:
             first = GenerationRequest.create(plan.prompt, model=info, seed=plan.seeds[0], sampler=sampler,
@@ -200,7 +206,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                         lora_hashes=tuple((n, h) for n, h in loras if h))
             out = [first]
             for i, seed in enumerate(plan.seeds[1:], 1):
-                edit = _edit_for(i, body, edits)
+                edit = edits[i] if edits else None
                 out.append(dataclasses.replace(first, seed=seed, edit=edit.edit if edit else None,
                                                request_id=f"a1111-{secrets.token_hex(8)}"))
         except ParamError as e:
@@ -208,7 +214,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         return out
 
     def prepare_edits(body: Img2ImgBody, plan: Plan) -> list[PreparedEdit]:
-        """The init images (and mask) decoded and prepared for the engine (a worker thread)."""
+        """Each image's init image (and the mask), decoded and prepared for the engine (a worker thread)."""
         images = body.init_images or []
         if not images:
             raise APIError(400, "init_images is required: a list of base64 images (one is used for every image)",
@@ -220,8 +226,31 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         mask = decode_b64("mask", body.mask, *limits) if body.mask else None
         strength = 0.75 if body.denoising_strength is None else body.denoising_strength
         options = mask_options(body)
-        return [prepare(decode_b64(f"init_images[{i}]", text, *limits), mask, options, plan.create["width"],
-                        plan.create["height"], strength) for i, text in enumerate(images)]
+        return _edits_per_image(len(plan.seeds), body, [
+            prepare(decode_b64(f"init_images[{i}]", text, *limits), mask, options, plan.create["width"],
+                    plan.create["height"], strength) for i, text in enumerate(images)])
+
+    def prepare_tiles(body: Img2ImgBody, plan: Plan, script: SdUpscale) -> tuple[Plan, TileGrid, list[PreparedEdit]]:
+        """The SD upscale script's work (a worker thread): its init image upscaled and cut into tiles, one image each
+        per pass, with their seeds (a1111_scripts.py); sized before the work starts."""
+        images, width, height = body.init_images or [], plan.create["width"], plan.create["height"]
+        if len(images) != 1 or body.mask:
+            raise APIError(400, "sd upscale takes one image in init_images and no mask; send the image to upscale "
+                                "alone", param="mask" if body.mask else "init_images")
+        image = flatten(decode_b64("init_images[0]", images[0], config.max_image_bytes, config.max_image_pixels))
+        w, h = script.size(*image.size)
+        count = script.tiles(*image.size, width, height) * (body.n_iter or 1)
+        if w * h > config.max_image_pixels or count > MAX_IMAGES:
+            raise APIError(400, f"sd upscale would make {w}x{h} images of {count} tiles of {width}x{height}; the limits "
+                                f"are {config.max_image_pixels} pixels (--max-image-pixels) and {MAX_IMAGES} tiles a "
+                                "request: send a smaller scale (script_args[3]), a larger width and height or a larger "
+                                "overlap", param="script_args")
+        grid = script.grid(image, width, height)
+        strength = 0.75 if body.denoising_strength is None else body.denoising_strength
+        options = dataclasses.replace(mask_options(body), resize_mode=0)
+        tiles = [prepare(tile.image, None, options, width, height, strength) for tile in grid.flat()]
+        seeds = tile_seeds(plan.seeds[0], len(tiles), body.batch_size or 1, body.n_iter or 1)
+        return dataclasses.replace(plan, seeds=seeds), grid, tiles * (body.n_iter or 1)
 
     async def wait(run: ImageRun, deadline: float, http: Request) -> GenerationResult | None:
         """One image's result; None when /interrupt or /skip dropped it."""
@@ -254,27 +283,56 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                     abort(state, run.handle)
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def upscaled(grid: TileGrid, script: SdUpscale, done: list[GenerationResult | None],
+                 info: ModelInfo) -> tuple[list[bytes], list[str]]:
+        """The SD upscale script's images, one a pass: its tiles' results pasted back (a tile stopped by /interrupt
+        or /skip stays black, as AUTOMATIC1111 leaves it), each with its first tile's infotext and the script's
+        entries."""
+        count, out, texts = len(grid.flat()), [], []
+        blank = Image.new("RGB", (grid.tile_w, grid.tile_h))
+        for start in range(0, len(done), count):
+            tiles = done[start:start + count]
+            first = next((r for r in tiles if r is not None), None)
+            if first is None:
+                continue
+            pictures = [Image.open(io.BytesIO(r.encoded[0])).convert("RGB") if r else blank for r in tiles]
+            text = infotext(first.request, info.name) + "".join(f", {k}: {v}" for k, v in script.params().items())
+            chunks = PngInfo()
+            if config.metadata:
+                chunks.add_text(PNG_KEY, text)
+                chunks.add_text(JSON_KEY, request_json(first.request, info.name))
+            buffer = io.BytesIO()
+            combine_tiles(grid, pictures).save(buffer, format="PNG", pnginfo=chunks)
+            out.append(buffer.getvalue())
+            texts.append(text)
+        return out, texts
+
     def respond(body: ProcessingBody, plan: Plan, info: ModelInfo, requests: list[GenerationRequest],
-                done: list[GenerationResult | None], edits: list[PreparedEdit]) -> dict[str, Any]:
-        """The answer (a worker thread): each image as the engine encoded it, or laid over its input (inpainting)."""
-        images, texts = [], []
+                done: list[GenerationResult | None], edits: list[PreparedEdit],
+                tiled: tuple[SdUpscale, TileGrid] | None = None) -> dict[str, Any]:
+        """The answer (a worker thread): each image as the engine encoded it, or laid over its input (inpainting),
+        or the SD upscale script's images pasted from their tiles (`tiled`)."""
+        pictures, texts = [], []
         warnings = list(plan.warnings) + sorted({e.warning for e in edits if e.warning})
-        for i, result in enumerate(done):
+        for i, result in enumerate(done if tiled is None else ()):
             if result is None:
                 continue
             data = result.encoded[0]
-            edit = _edit_for(i, body, edits)
+            edit = edits[i] if edits else None
             if edit is not None and edit.base is not None:
                 pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
                 data = encode_image(edit.finish(pixels) / 255.0, "png", result.request, info.name, config.metadata)
             texts.append(infotext(result.request, info.name))
-            if body.send_images is not False:
-                images.append(base64.b64encode(data).decode("ascii"))
+            pictures.append(data)
+        if tiled is not None:
+            pictures, texts = upscaled(tiled[1], tiled[0], done, info)
+            plan = dataclasses.replace(plan, seeds=tuple(plan.seeds[0] + n for n in range(len(pictures))))
+        images = [base64.b64encode(data).decode("ascii") for data in pictures] if body.send_images is not False else []
         dropped = sum(r is None for r in done)
         if dropped:
             warnings.append(f"{dropped} of {len(done)} images were stopped by /sdapi/v1/interrupt or /skip and are "
                             "left out")
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = tiled[0].params() if tiled is not None else {}
         if isinstance(body, Img2ImgBody):
             extra["Denoising strength"] = requests[0].edit.strength if requests[0].edit else None
             if body.mask:
@@ -311,7 +369,14 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             if not chosen.info.edits and kind == "img2img":
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
                                param="init_images")
-            edits = await asyncio.to_thread(prepare_edits, body, plan) if kind == "img2img" else []
+            script = (sd_upscale(body.script_name, body.script_args, plan.create["width"], plan.create["height"])
+                      if isinstance(body, Img2ImgBody) else None)
+            tiled = None
+            if script is not None:  # the SD upscale script: its tiles are the images
+                plan, grid, edits = await asyncio.to_thread(prepare_tiles, body, plan, script)
+                tiled = (script, grid)
+            else:
+                edits = await asyncio.to_thread(prepare_edits, body, plan) if kind == "img2img" else []
             init = (getattr(body, "init_images", None) or [None])[0]  # an img2img unit's image by default
             controls = await asyncio.to_thread(units_to_controls, units, served, config.max_image_bytes,
                                                config.max_image_pixels, init) if units else []
@@ -329,7 +394,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             done = await run_all(job.images, deadline, http)
         finally:
             board.end(job)
-        return await asyncio.to_thread(respond, body, plan, chosen.info, requests, done, edits)
+        return await asyncio.to_thread(respond, body, plan, chosen.info, requests, done, edits, tiled)
 
     async def generate(http: Request, model: type[ProcessingBody], kind: str) -> Response:
         """`images` with the request's accounting: in flight while it runs, then exactly one outcome."""
@@ -407,13 +472,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                for e in found}, "skipped": {}}
         return await answer(work)
 
-    @app.get("/sdapi/v1/upscalers")
-    async def upscalers() -> list[Any]:
-        return []
-
     @app.get("/sdapi/v1/scripts")
     async def scripts() -> dict[str, list[Any]]:
-        return {"txt2img": [], "img2img": []}
+        return script_lists()
 
     async def current_options(key: Key) -> dict[str, Any]:
         options = board.options(key)
@@ -421,7 +482,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         title = next((c["title"] for c in await titles() if c["id"] == name), name)
         return {"sd_model_checkpoint": title, "sd_checkpoint_hash": "",
                 "CLIP_stop_at_last_layers": clip_stop(options.clip_stop, "CLIP_stop_at_last_layers", config.clip_skip),
-                **DEFAULT_OPTIONS}
+                **DEFAULT_OPTIONS, **options.ui}
 
     @app.get("/sdapi/v1/options")
     async def get_options(http: Request) -> Response:
@@ -429,7 +490,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
 
     @app.post("/sdapi/v1/options")
     async def set_options(http: Request) -> Response:
-        """Sets the calling key's default model and clip skip; any other option keeps its value (a change to it is
+        """Sets the calling key's default model and clip skip and its web UI options (UI_OPTIONS, kept and read back as
+        AUTOMATIC1111 keeps them); any other option keeps its value (a change to it is
         accepted, as AUTOMATIC1111's clients send back the whole set, and named in the IGNORED_HEADER and the log)."""
         try:
             key = key_of(http)
@@ -448,18 +510,21 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                     changes.model = await resolve(value, name)
                 elif name == "CLIP_stop_at_last_layers":
                     changes.clip_stop = clip_stop(value, name)
+                elif name in UI_OPTIONS:
+                    changes.ui = {**changes.ui, name: ui_option(name, value)}
                 elif current.get(name, object()) != value:
                     ignored.append(name)
             board.set_options(key, changes)  # all or nothing: nothing is set when one value is refused
         except APIError as e:
             return _failure(e)
         if ignored:
-            logger.info("POST /sdapi/v1/options: kept the values of %s (only %s can be set here)",
-                        ", ".join(ignored[:MAX_IGNORED_NAMES]), ", ".join(OPTIONS))
+            logger.info("POST /sdapi/v1/options: kept the values of %s (only %s and the web UI's own options can be "
+                        "set here)", ", ".join(ignored[:MAX_IGNORED_NAMES]), ", ".join(OPTIONS))
         return JSONResponse(None, headers=names_header(ignored))
 
     # png-info, memory, prompt-styles, ... (a1111_info.py)
     app.include_router(info_router(InfoSources(state, routing, embedding_dir, styles)))
+    app.include_router(extras_router(config))  # extra-single-image, extra-batch-images, upscalers
 
     @app.get("/sdapi/v1/progress")
     async def progress(http: Request, skip_current_image: bool = False) -> Response:

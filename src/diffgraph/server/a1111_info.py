@@ -7,7 +7,8 @@ diffgraph has; the image routes, options and progress are a1111.py's, which incl
     GET  /sdapi/v1/memory              this process's RAM (/proc) and the engine's CUDA figures where it reports them
     GET  /sdapi/v1/latent-upscale-modes  AUTOMATIC1111's list
     GET  /sdapi/v1/prompt-styles       the --styles file's styles (read at start), else none
-    GET  /sdapi/v1/hypernetworks, /face-restorers, /realesrgan-models, /script-info   none here
+    GET  /sdapi/v1/script-info         the scripts a body may name (a1111_scripts.py)
+    GET  /sdapi/v1/hypernetworks, /face-restorers, /realesrgan-models   none here
     POST /sdapi/v1/refresh-checkpoints, /refresh-loras, /refresh-embeddings, /refresh-vae   the listings re-read
     POST /sdapi/v1/reload-checkpoint, /unload-checkpoint   nothing to do: models load and go on demand
 
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..image_metadata import PNG_KEY, infotext_parts, read_texts
 from ..prompt_styles import StyleBook
+from .a1111_scripts import script_info
 from .bodies import read_body
 from ..api.config import ServerConfig
 from .models import ModelRouting
@@ -172,16 +174,22 @@ async def _answer(work: Awaitable[Any]) -> Response:
         return JSONResponse(e.body(), status_code=e.status)
 
 
-async def _png_info(http: Request, config: ServerConfig) -> dict[str, Any]:
-    """POST /png-info's answer: the body within --max-image-bytes of base64, its image checked as the other routes'
-    images are (bytes, then pixels from the header) before it is decoded, on a worker thread."""
+async def read_object(http: Request, config: ServerConfig, images: int = 1) -> dict[str, Any]:
+    """A JSON object body of at most `images` base64 images within --max-image-bytes (and a little text), read
+    within the body timeout and parsed on a worker thread; an APIError saying what to send otherwise."""
     seconds = min(config.body_timeout, config.request_timeout)
     try:
-        raw = await asyncio.wait_for(read_body(http, 4 * (config.max_image_bytes // 3 + 2) + 4096), seconds)
+        raw = await asyncio.wait_for(read_body(http, images * 4 * (config.max_image_bytes // 3 + 2) + 4096), seconds)
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {seconds:g} s; send the whole body at once",
                        code="body_timeout") from None
-    body = await asyncio.to_thread(_json_object, raw)
+    return await asyncio.to_thread(_json_object, raw)
+
+
+async def _png_info(http: Request, config: ServerConfig) -> dict[str, Any]:
+    """POST /png-info's answer: the body within --max-image-bytes of base64, its image checked as the other routes'
+    images are (bytes, then pixels from the header) before it is decoded, on a worker thread."""
+    body = await read_object(http, config)
     image = body.get("image")
     if not isinstance(image, str) or not image.strip():
         raise APIError(400, "image is required: a base64 PNG (or JPEG, WebP) with its parameters", param="image")
@@ -215,7 +223,11 @@ def _add_reads(router: APIRouter, sources: params.Depends) -> None:
     async def prompt_styles(s: InfoSources = sources) -> list[dict[str, str]]:
         return s.styles.listing() if s.styles is not None else []
 
-    for path in ("/hypernetworks", "/face-restorers", "/realesrgan-models", "/script-info"):
+    @router.get("/script-info")
+    async def get_script_info() -> list[dict[str, Any]]:
+        return script_info()
+
+    for path in ("/hypernetworks", "/face-restorers", "/realesrgan-models"):
         router.add_api_route(path, _none, methods=["GET"])  # none of these exist here
 
 
@@ -263,8 +275,8 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the body is not valid JSON ({e}); send {{\"image\": \"<base64 PNG>\"}}",
+        raise APIError(400, f"the body is not valid JSON ({e}); send {{\"image\": \"<base64 PNG>\", ...}}",
                        code="invalid_json") from None
     if not isinstance(body, dict):
-        raise APIError(400, "the body must be a JSON object: {\"image\": \"<base64 PNG>\"}")
+        raise APIError(400, "the body must be a JSON object: {\"image\": \"<base64 PNG>\", ...}")
     return body

@@ -8,7 +8,7 @@ eta_relative, `state` with job_count = the images in flight and job_no = those d
 of the key's oldest request that have not finished (its answer returns with the images that did); `skip` aborts the
 current image of that request only (its first unfinished one). `current_image` is that image's latest live preview
 (its requests ask for one every few steps: a1111_protocol.PREVIEW). `KeyOptions` are the defaults POST /sdapi/v1/options
-sets for the key (the model, the clip skip). Everything here runs on the event loop: no locks.
+sets for the key (the model, the clip skip, the web UI's own options). Everything here runs on the event loop: no locks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import base64
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from ..engine.client import RequestHandle
 from ..request import GenerationRequest
@@ -55,6 +55,7 @@ class Job:
 class KeyOptions:
     model: str | None = None   # sd_model_checkpoint: None is the server's default model
     clip_stop: int | None = None  # CLIP_stop_at_last_layers: None is the server's --clip-skip
+    ui: dict[str, Any] = field(default_factory=dict)  # the web UI options set (a1111_protocol.UI_OPTIONS)
 
 
 class JobBoard:

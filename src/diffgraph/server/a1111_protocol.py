@@ -42,7 +42,7 @@ A1111_SAMPLER_ITEMS = {
     "dpmpp_3m_sde": (["k_dpmpp_3m_sde"], {"scheduler": "exponential"}),
     "euler_a": (["k_euler_a", "k_euler_ancestral"], {}), "euler": (["k_euler"], {}), "lms": (["k_lms"], {}),
     "heun": (["k_heun"], {}), "dpm2": (["k_dpm_2"], {}), "dpm2_a": (["k_dpm_2_a"], {}), "ddim": (["ddim"], {}),
-    "unipc": (["unipc"], {}), "lcm": (["k_lcm"], {}),
+    "unipc": (["unipc"], {}), "lcm": (["k_lcm"], {}), "plms": (["plms"], {}),
 }
 # diffgraph's schedule -> AUTOMATIC1111's scheduler (name, aliases, default_rho, need_inner_model), sd_schedulers.py
 A1111_SCHEDULER_ITEMS = {
@@ -57,6 +57,19 @@ _SCHEDULER_ALIASES = {a.lower(): s for s, (_, aliases, _, _) in A1111_SCHEDULER_
 ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0}
 # the options a request may override (override_settings) or a key may set (POST /sdapi/v1/options)
 OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers")
+# the web UI's own options: they steer AUTOMATIC1111's browser pages, never what its API makes, so a key's value is
+# kept and read back here as there (POST /sdapi/v1/options), with the type of AUTOMATIC1111's default
+UI_OPTIONS = ("send_seed", "send_size", "js_modal_lightbox", "js_modal_lightbox_initially_zoomed",
+              "js_modal_lightbox_gamepad", "js_modal_lightbox_gamepad_repeat", "show_progress_in_title",
+              "samplers_in_dropdown", "dimensions_and_batch_together", "keyedit_precision_attention",
+              "keyedit_precision_extra", "keyedit_delimiters", "keyedit_move", "quicksettings_list", "ui_tab_order",
+              "hidden_tabs", "ui_reorder_list", "hires_fix_show_sampler", "hires_fix_show_prompts",
+              "disable_token_counters", "gallery_height", "localization", "gradio_theme",
+              "extra_networks_card_width", "extra_networks_card_height", "extra_networks_card_text_scale",
+              "extra_networks_card_show_desc", "ui_extra_networks_tab_reorder", "img2img_editor_height",
+              "img2img_sketch_default_brush_color", "img2img_inpaint_mask_brush_color",
+              "img2img_inpaint_sketch_default_brush_color", "show_progressbar", "show_progress_grid",
+              "do_not_show_images", "hide_samplers")
 # /progress's current_image: a live preview every this many steps (AUTOMATIC1111's show_progress_every_n_steps
 # default), a PNG at the latent resolution (its "Approx cheap" kind; engine/previews.py)
 PREVIEW = {"every": 10, "format": "png"}
@@ -211,6 +224,7 @@ class Plan:
     warnings: tuple[str, ...]       # what was accepted but ignored
 
 
+SD_UPSCALE = "sd upscale"  # the one script a body may name (img2img; a1111_scripts.py runs it)
 IGNORED_HEADER = "X-Diffgraph-Ignored-Fields"  # the body's keys AUTOMATIC1111's models would ignore too
 MAX_IGNORED_NAMES, MAX_IGNORED_NAME = 20, 64
 
@@ -284,7 +298,7 @@ def check_supported(body: ProcessingBody) -> None:
     """A 400 for each value diffgraph cannot honour (the first found), naming the field and the value that works."""
     get = body.__dict__.get
     off = {"enable_hr": "the hires fix is not supported yet; send false and upscale the result yourself",
-           "restore_faces": "face restoration is not supported; send false",
+           "restore_faces": "face restoration (GFPGAN, CodeFormer) is out of scope for diffgraph; send false",
            "tiling": "tiling is not supported; send false",
            "disable_extra_networks": "send false, and leave <lora:...> tags out of the prompt instead"}
     for field, why in off.items():
@@ -305,8 +319,10 @@ def check_supported(body: ProcessingBody) -> None:
     for field in ("firstpass_image", "latent_mask"):
         if get(field):
             raise _refuse(field, "not supported; send null")
-    if get("script_name"):
-        raise _refuse("script_name", "scripts are not supported; send null")
+    script = (get("script_name") or "").strip().lower()
+    if script and not (script == SD_UPSCALE and isinstance(body, Img2ImgBody)):
+        raise _refuse("script_name", f"script {get('script_name')!r} is not available on this route; the scripts here "
+                                     "are GET /sdapi/v1/scripts' (img2img: \"sd upscale\"), or send null")
     for name, script in (get("alwayson_scripts") or {}).items():
         args = script.get("args") if isinstance(script, dict) else script
         if _enabled(args) and name.lower() != "controlnet":  # ControlNet units: a1111_controlnet.py
@@ -335,6 +351,21 @@ def _options(body: ProcessingBody, key_model: str | None, key_clip_stop: int | N
                        param="override_settings.sd_model_checkpoint")
     stop = overrides.get("CLIP_stop_at_last_layers", key_clip_stop)
     return model, clip_stop(stop, "override_settings.CLIP_stop_at_last_layers", clip_skip)
+
+
+def ui_option(name: str, value: Any) -> Any:
+    """A value for the web UI option `name` (UI_OPTIONS) of its default's JSON type (an integer for a number), or an
+    APIError naming the option and the type to send."""
+    default = DEFAULT_OPTIONS[name]
+    kind = type(default)
+    fits = (isinstance(value, bool) if kind is bool else
+            isinstance(value, (int, float)) and not isinstance(value, bool) if kind in (int, float) else
+            isinstance(value, kind))
+    if not fits:
+        names = {bool: "true or false", int: "a number", float: "a number", str: "a string", list: "a list"}
+        raise APIError(400, f"{name} must be {names.get(kind, kind.__name__)} (AUTOMATIC1111's default is "
+                            f"{json.dumps(default)}), got {json.dumps(value)[:64]}", param=name)
+    return value
 
 
 def clip_stop(value: Any, field: str, clip_skip: int | None = None) -> int:
