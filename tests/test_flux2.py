@@ -20,6 +20,8 @@ from diffgraph.models.families.flux2 import (CHECKPOINTS, SCHEDULER, checkpoint_
 from diffgraph.sampling.flow import FlowSchedule
 from diffgraph.text.qwen_tokenizer import qwen_tokenizer
 
+from loop_util import images_together
+
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 tokens (16 px cells): one bucket of 256
 
 
@@ -79,19 +81,11 @@ def oracle(pipe, prompt: str, size: tuple[int, int], steps: int, guidance: float
     return (image * 255).round().astype(np.int16)
 
 
-def generate(engine: Engine, requests: list[dict]) -> list[np.ndarray]:
-    """The requests submitted between two steps (so they are admitted together); their images as uint8."""
-    futures = []
-    made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
-    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
-    return [f.result(timeout=600).arrays[0].__mul__(255).round().astype(np.int16) for f in futures]
-
-
 @pytest.mark.parametrize("size", [(128, 128), (96, 160)])
 def test_distilled_klein_equals_the_pipeline_without_guidance(folders, klein, size):
     pipe = folders["FLUX.2-klein-4B"][1]
-    got = generate(klein, [dict(prompt="a red fox in the snow", height=size[0], width=size[1],
-                                num_inference_steps=3, seed=7)])[0]
+    got = images_together(klein, [dict(prompt="a red fox in the snow", height=size[0], width=size[1],
+                                       num_inference_steps=3, seed=7)])[0]
     assert klein.info.default_guidance == 1.0 and klein.info.guidance == "none"
     assert klein.info.default_steps == 4 and klein.model.extra["checkpoint"] == CHECKPOINTS["flux.2-klein"]
     want = oracle(pipe, "a red fox in the snow", size, 3, 4.0, 7)  # the pipeline's default 4.0, ignored
@@ -101,8 +95,8 @@ def test_distilled_klein_equals_the_pipeline_without_guidance(folders, klein, si
 @pytest.mark.parametrize("size", [(128, 128), (160, 96)])
 def test_base_klein_equals_the_pipeline_with_guidance_and_a_negative_prompt(folders, base, size):
     pipe = folders["FLUX.2-klein-base-4B"][1]
-    got = generate(base, [dict(prompt="a red fox", negative_prompt="snow at dusk", height=size[0], width=size[1],
-                               num_inference_steps=2, guidance_scale=3.0, seed=5)])[0]
+    got = images_together(base, [dict(prompt="a red fox", negative_prompt="snow at dusk", height=size[0],
+                                      width=size[1], num_inference_steps=2, guidance_scale=3.0, seed=5)])[0]
     assert base.info.guidance == "cfg" and base.info.default_guidance == 4.0 and base.info.default_steps == 50
     want = oracle(pipe, "a red fox", size, 2, 3.0, 5, "snow at dusk")
     assert np.abs(got - want).max() <= 1
@@ -121,11 +115,36 @@ def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, base):
                 dict(prompt="a red fox at dusk", height=SIZES[2][0], width=SIZES[2][1], num_inference_steps=4,
                      guidance_scale=4.0, seed=3)]
     assert {base.model.adapter.group_key(base.model, s) for s in SIZES} == {(0, 256)}
-    got = generate(base, requests)
+    got = images_together(base, requests)
     for r, image in zip(requests, got):
         want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"],
                       r["guidance_scale"], r["seed"], r.get("negative_prompt"))
         assert image.shape == (r["height"], r["width"], 3)
+        assert np.abs(image - want).max() <= 1, r
+
+
+def test_graph_mode_replays_the_bucket_s_step_graphs(folders):
+    """In graph mode (the CPU's emulated graphs, verified against eager at capture) rows of two sizes, guided and
+    not, replay the step graphs of their one token bucket, (0, 256); each image equals the pipeline's."""
+    from diffgraph import GraphConfig
+
+    path, pipe = folders["FLUX.2-klein-base-4B"]
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=tuple(SIZES[:2]), prewarm=False, verify=True,
+                      backend="emulated", capture_text_encoder=False)
+    requests = [dict(prompt="red fox", height=SIZES[0][0], width=SIZES[0][1], num_inference_steps=2,
+                     guidance_scale=1.0, seed=1),
+                dict(prompt="a lighthouse", negative_prompt="snow", height=SIZES[1][0], width=SIZES[1][1],
+                     num_inference_steps=2, guidance_scale=2.5, seed=2)]
+    with Engine(model=path, device="cpu", mode="graph", graphs=cfg) as graphed:
+        assert graphed.runner.graphed_resolutions() == ((0, 256),)
+        got = images_together(graphed, requests)
+        table = graphed.runner.graph_table()
+    steps = [row for row in table if row["kind"] == "step" and row["replays"]]
+    assert steps and {(row["height"], row["width"]) for row in steps} == {(0, 256)}, table
+    assert all(row["verify_max_abs"] is not None and row["verify_max_abs"] < 1e-4 for row in steps)
+    for r, image in zip(requests, got):
+        want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"], r["guidance_scale"],
+                      r["seed"], r.get("negative_prompt"))
         assert np.abs(image - want).max() <= 1, r
 
 

@@ -41,14 +41,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ... import safe_files
 from ...request import Size
 from ...sampling.flow import FlowSchedule, flow_plan
 from ...sampling.samplers import SamplerPlan
-from ...text.qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
+from ...text.qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
-from .tokens import TokenFamily
+from .tokens import TokenFamily, qwen3_folder_parts
 
 MAX_TEXT_TOKENS = 512           # the pipeline's max_sequence_length: every prompt padded to it (template included)
 TEXT_LAYERS = (9, 18, 27)       # the encoder's hidden states the pipeline concatenates (text_encoder_out_layers)
@@ -182,33 +181,17 @@ class Flux2KleinFamily(TokenFamily):
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
                     name: str) -> DiffusionModel:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-        from transformers import AutoModel, AutoTokenizer
 
-        for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"):
-            if not os.path.isdir(os.path.join(folder, sub)):
-                raise ValueError(f"{folder!r} is a Flux2KleinPipeline folder but lacks its '{sub}' subfolder; point "
-                                 "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
         distilled = index.get("is_distilled")
         checkpoint = checkpoint_of(name, None if distilled is None else bool(distilled))
-        common = dict(local_files_only=True, torch_dtype=dtype)
-        transformer = Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
-        vae = AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", **common)
-        # the folder's Qwen3ForCausalLM without its head (the pipeline reads hidden states only)
-        encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
-        try:  # the prompt string is the shipped template's (no folder's Jinja runs): the folder's must be it
-            check_chat_template(tokenizer.chat_template or "", "qwen3")
-        except ValueError as e:
-            raise ValueError(f"model folder {folder!r}: tokenizer: {e}") from None
-        try:
-            scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
-                                                    1 << 20)[0]
-        except safe_files.UnusableFile as e:
-            raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
+        encoder, tokenizer, scheduler_config = qwen3_folder_parts(folder, "Flux2KleinPipeline", dtype)
         if scheduler_config.get("time_shift_type", "exponential") != "exponential":
             raise ValueError(f"model folder {folder!r}: scheduler time_shift_type "
                              f"{scheduler_config['time_shift_type']!r} is not the FLUX.2 pipelines' 'exponential'; "
                              "restore the published scheduler_config.json")
+        common = dict(local_files_only=True, torch_dtype=dtype)
+        transformer = Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
+        vae = AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", **common)
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype, checkpoint)
 
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
@@ -220,9 +203,9 @@ class Flux2KleinFamily(TokenFamily):
                              f"{', '.join(map(str, TEXT_LAYERS))}: use the checkpoint's own Qwen3 encoder")
         width = len(TEXT_LAYERS) * int(encoder.config.hidden_size)
         if int(transformer.config.joint_attention_dim) != width:
-            raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the encoder "
-                             f"gives {width} (3 layers of {encoder.config.hidden_size}); use the checkpoint's own "
-                             "text encoder")
+            raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the "
+                             f"encoder gives {width} (3 layers of {encoder.config.hidden_size}); use the checkpoint's "
+                             "own text encoder")
         encoder.layers = encoder.layers[:max(TEXT_LAYERS) + 1]  # the later ones never reach a read hidden state
         for m in (transformer, vae, encoder):
             m.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -315,7 +298,8 @@ class Flux2KleinFamily(TokenFamily):
 
     def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
         """Each prompt in the template, padded to 512 tokens, read by the encoder with its mask; the hidden states
-        after TEXT_LAYERS side by side per token, padding tokens included (the pipeline's `_get_qwen3_prompt_embeds`)."""
+        after TEXT_LAYERS side by side per token, padding tokens included (the pipeline's
+        `_get_qwen3_prompt_embeds`)."""
         texts = [chat_prompt(p, "qwen3", enable_thinking=False) for p in prompts]
         out = model.tokenizers[0](texts, padding="max_length", max_length=self.text_tokens, truncation=True,
                                   padding_side="right", return_tensors="pt")

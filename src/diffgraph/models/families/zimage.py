@@ -24,20 +24,18 @@ Checkpoints of one architecture differ in their defaults (Turbo: 8 steps without
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ... import safe_files
-from ...text.qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
+from ...text.qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ...lora.targets import DENOISER, LoraLayout
 from ...request import GroupKey, Size
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec
-from .tokens import TokenFamily
+from .tokens import TokenFamily, qwen3_folder_parts
 
 SEQ_MULTIPLE = 32           # the transformer pads caption and image tokens to multiples of this
 MAX_TEXT_TOKENS = 512       # diffusers' max_sequence_length (template included)
@@ -120,26 +118,11 @@ class ZImageFamily(TokenFamily):
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
                     name: str) -> DiffusionModel:
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
-        from transformers import AutoModel, AutoTokenizer
 
-        for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"):
-            if not os.path.isdir(os.path.join(folder, sub)):
-                raise ValueError(f"{folder!r} is a ZImagePipeline folder but lacks its '{sub}' subfolder; point "
-                                 "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
+        encoder, tokenizer, scheduler_config = qwen3_folder_parts(folder, "ZImagePipeline", dtype)
         common = dict(local_files_only=True, torch_dtype=dtype)
         transformer = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **common)
-        encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
-        try:  # the prompt string is the shipped template's (no folder's Jinja runs): the folder's must be it
-            check_chat_template(tokenizer.chat_template or "", "qwen3")
-        except ValueError as e:
-            raise ValueError(f"model folder {folder!r}: tokenizer: {e}") from None
-        try:
-            scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
-                                                    1 << 20)[0]
-        except safe_files.UnusableFile as e:
-            raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype,
                            checkpoint_of(name))  # the path the user gave (`folder` may be a view of it)
 
