@@ -14,6 +14,8 @@ import os
 import tempfile
 from typing import TYPE_CHECKING
 
+from ..text.byte_level import bytes_to_unicode
+
 if TYPE_CHECKING:
     from transformers import CLIPTokenizer
 
@@ -32,19 +34,6 @@ _WORDS = (
     "high quality best blurry low bad ugly lowres worst style art digital oil watercolor "
     "astronaut riding space castle robot dragon"
 ).split()
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """CLIP's (and GPT-2's) reversible byte -> printable unicode map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def build_vocab_and_merges() -> tuple[dict[str, int], list[str]]:

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-from ..models.tokenizer import bytes_to_unicode
+from .byte_level import bytes_to_unicode
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
