@@ -204,3 +204,17 @@ def test_the_tiny_random_preset_runs_with_the_shipped_tokenizer():
         assert len(engine.model.tokenizers[0]) == 151669  # Qwen3's vocabulary and control tokens
         image = engine.generate("a red fox", height=64, width=96, num_inference_steps=2, seed=1)
     assert image.arrays[0].shape == (64, 96, 3) and image.arrays[0].std() > 0
+
+
+def test_a_dev_folder_is_refused_naming_what_is_read(folders, tmp_path):
+    """FLUX.2 [dev] (`Flux2Pipeline`: Mistral encoder, embedded guidance) is not read yet: its folder is a one-line
+    error that names the klein pipeline it does read."""
+    import shutil
+
+    dev = tmp_path / "FLUX.2-dev"
+    shutil.copytree(folders["FLUX.2-klein-4B"][0], dev)
+    index = json.loads((dev / "model_index.json").read_text())
+    (dev / "model_index.json").write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
+    with pytest.raises(ValueError, match="holds a Flux2Pipeline, which is not supported.*Flux2KleinPipeline") as e:
+        Engine(model=str(dev), device="cpu")
+    assert "\n" not in str(e.value)

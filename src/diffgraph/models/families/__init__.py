@@ -12,5 +12,5 @@ def default_registry() -> FamilyRegistry:
     return FamilyRegistry((SDFamily(), SDXLFamily(), ZImageFamily(), Flux2KleinFamily()))
 
 
-__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "Flux2KleinFamily", "SDFamily", "SDXLFamily", "ZImageFamily",
-           "default_registry"]
+__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "Flux2KleinFamily", "SDFamily", "SDXLFamily",
+           "ZImageFamily", "default_registry"]

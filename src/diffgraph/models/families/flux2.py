@@ -47,7 +47,7 @@ from ...sampling.samplers import SamplerPlan
 from ...text.qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
-from .tokens import TokenFamily, qwen3_folder_parts
+from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
 MAX_TEXT_TOKENS = 512           # the pipeline's max_sequence_length: every prompt padded to it (template included)
 TEXT_LAYERS = (9, 18, 27)       # the encoder's hidden states the pipeline concatenates (text_encoder_out_layers)
@@ -229,21 +229,15 @@ class Flux2KleinFamily(TokenFamily):
         if name not in self.random_presets():
             raise ValueError(f"family {self.name!r} has no random preset {name!r}")
         tiny = name == "random:flux2-klein-tiny"
-        torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                if tiny:
-                    transformer = Flux2Transformer2DModel(**tiny_transformer(text_width=16))
-                    encoder = Qwen3Model(Qwen3Config(**tiny_qwen3(151936)))
-                    vae = AutoencoderKLFlux2(**tiny_vae())
-                else:
-                    transformer = Flux2Transformer2DModel(**KLEIN_4B)
-                    encoder = Qwen3Model(Qwen3Config(**QWEN3_4B))
-                    vae = AutoencoderKLFlux2(**FLUX2_VAE)
-        finally:
-            torch.set_default_dtype(previous)
+        with random_modules(device, dtype):
+            if tiny:
+                transformer = Flux2Transformer2DModel(**tiny_transformer(text_width=16))
+                encoder = Qwen3Model(Qwen3Config(**tiny_qwen3(151936)))
+                vae = AutoencoderKLFlux2(**tiny_vae())
+            else:
+                transformer = Flux2Transformer2DModel(**KLEIN_4B)
+                encoder = Qwen3Model(Qwen3Config(**QWEN3_4B))
+                vae = AutoencoderKLFlux2(**FLUX2_VAE)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
                            CHECKPOINTS["flux.2-klein"], is_random=True)
 

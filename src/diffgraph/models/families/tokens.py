@@ -18,6 +18,7 @@ shift from the row's own token count.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -35,6 +36,19 @@ from .base import Conditioning, FamilyAdapter, Planner
 
 TOKEN_GROUP = 0  # the first element of a token family's group key (a UNet family's is a height, never 0)
 FOLDER_PARTS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
+
+
+@contextlib.contextmanager
+def random_modules(device: torch.device, dtype: torch.dtype):
+    """Modules made inside are random from a fixed seed, in `dtype`, on `device` (a family's random presets)."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def qwen3_folder_parts(folder: str, pipeline_class: str, dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:

@@ -35,7 +35,7 @@ from ...lora.targets import DENOISER, LoraLayout
 from ...request import GroupKey, Size
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec
-from .tokens import TokenFamily, qwen3_folder_parts
+from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
 SEQ_MULTIPLE = 32           # the transformer pads caption and image tokens to multiples of this
 MAX_TEXT_TOKENS = 512       # diffusers' max_sequence_length (template included)
@@ -177,33 +177,27 @@ class ZImageFamily(TokenFamily):
         if name not in self.random_presets():
             raise ValueError(f"family {self.name!r} has no random preset {name!r}")
         tiny = name == "random:zimage-tiny"
-        torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                if tiny:
-                    transformer = ZImageTransformer2DModel(
-                        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2,
-                        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12],
-                        axes_lens=[1024, 256, 256])
-                    encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
-                                                     num_hidden_layers=2, num_attention_heads=2,
-                                                     num_key_value_heads=1, head_dim=16,
-                                                     max_position_embeddings=1024))
-                    vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32), "layers_per_block": 1,
-                                           "down_block_types": ("DownEncoderBlock2D",) * 2,
-                                           "up_block_types": ("UpDecoderBlock2D",) * 2, "norm_num_groups": 8})
-                else:
-                    transformer = ZImageTransformer2DModel()
-                    encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                                                     num_hidden_layers=36, num_attention_heads=32,
-                                                     num_key_value_heads=8, head_dim=128,
-                                                     max_position_embeddings=40960, rope_theta=1000000.0,
-                                                     tie_word_embeddings=True))
-                    vae = AutoencoderKL(**FLUX_VAE)
-        finally:
-            torch.set_default_dtype(previous)
+        with random_modules(device, dtype):
+            if tiny:
+                transformer = ZImageTransformer2DModel(
+                    all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2,
+                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12],
+                    axes_lens=[1024, 256, 256])
+                encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=2,
+                                                 num_key_value_heads=1, head_dim=16,
+                                                 max_position_embeddings=1024))
+                vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32), "layers_per_block": 1,
+                                       "down_block_types": ("DownEncoderBlock2D",) * 2,
+                                       "up_block_types": ("UpDecoderBlock2D",) * 2, "norm_num_groups": 8})
+            else:
+                transformer = ZImageTransformer2DModel()
+                encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                                                 num_hidden_layers=36, num_attention_heads=32,
+                                                 num_key_value_heads=8, head_dim=128,
+                                                 max_position_embeddings=40960, rope_theta=1000000.0,
+                                                 tie_word_embeddings=True))
+                vae = AutoencoderKL(**FLUX_VAE)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER),
                            device, dtype, CHECKPOINTS["z-image-turbo"], is_random=True)
 
