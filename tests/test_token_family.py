@@ -332,8 +332,11 @@ def test_the_family_declares_what_it_reads(engine):
         GenerationRequest.create(prompt="fox", height=64, width=72, model=engine.info)
     assert e.value.param == "width" and "16" in str(e.value)
     with pytest.raises(ParamError) as e:
-        GenerationRequest.create(prompt="fox", sampler="euler", height=64, width=64, model=engine.info)
+        GenerationRequest.create(prompt="fox", sampler="dpmpp_2m", height=64, width=64, model=engine.info)
     assert e.value.param == "sampler" and "flow_euler" in str(e.value)
+    for label in ("euler", "Euler", "k_euler"):  # an SD sampler's flow counterpart, where the family has one
+        assert GenerationRequest.create(prompt="fox", sampler=label, height=64, width=64,
+                                        model=engine.info).sampler == "flow_euler"
     assert engine.info.samplers == ("flow_euler",) and "classifier_free_guidance" in engine.info.capabilities
 
 

@@ -18,6 +18,8 @@ from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.models.families.zimage import CHECKPOINTS, checkpoint_of
 from diffgraph.models.qwen_tokenizer import chat_template, qwen_tokenizer
 
+from loop_util import images_together
+
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 image tokens (2x2 cells of 8x latents): one bucket
 
 
@@ -89,23 +91,15 @@ def oracle(pipe, prompt: str, size: tuple[int, int], steps: int, guidance: float
     return (image * 255).round().astype(np.int16)
 
 
-def generate(engine: Engine, requests: list[dict]) -> list[np.ndarray]:
-    """The requests submitted between two steps (so they are admitted together); their images as uint8."""
-    futures = []
-    made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
-    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
-    return [f.result(timeout=600).arrays[0].__mul__(255).round().astype(np.int16) for f in futures]
-
-
 def test_turbo_equals_the_pipeline_without_guidance(folders, turbo):
     pipe = folders["Z-Image-Turbo"][1]
-    got = generate(turbo, [dict(prompt="a red fox in the snow", height=128, width=128, num_inference_steps=3,
-                                seed=7)])[0]
+    got = images_together(turbo, [dict(prompt="a red fox in the snow", height=128, width=128,
+                                       num_inference_steps=3, seed=7)])[0]
     assert turbo.info.default_guidance == 1.0 and turbo.model.extra["checkpoint"] == CHECKPOINTS["z-image-turbo"]
     want = oracle(pipe, "a red fox in the snow", (128, 128), 3, 1.0, 7)
     assert np.abs(got - want).max() <= 1
     misses = turbo.stats["prompt_cache_misses"]  # the same prompt again: from the cache, no encoder pass
-    again = generate(turbo, [dict(prompt="a red fox in the snow", height=128, width=128, num_inference_steps=3,
+    again = images_together(turbo, [dict(prompt="a red fox in the snow", height=128, width=128, num_inference_steps=3,
                                   seed=7)])[0]
     assert turbo.stats["prompt_cache_misses"] == misses and np.array_equal(again, got)
 
@@ -122,7 +116,7 @@ def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, turbo):
                      guidance_scale=4.0, seed=3)]
     keys = {turbo.model.adapter.group_key(turbo.model, s) for s in SIZES}
     assert keys == {(0, 256)}
-    got = generate(turbo, requests)
+    got = images_together(turbo, requests)
     for r, image in zip(requests, got):
         want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"],
                       r.get("guidance_scale", 1.0), r["seed"], r.get("negative_prompt"))
@@ -136,8 +130,8 @@ def test_guidance_means_what_it_means_on_every_family(folders, guidance):
     pos + (g - 1)(pos - neg)."""
     path, pipe = folders["Z-Image"]
     engine = _base_engine(path)
-    got = generate(engine, [dict(prompt="a red fox", negative_prompt="dusk", height=96, width=96,
-                                 num_inference_steps=2, guidance_scale=guidance, seed=5)])[0]
+    got = images_together(engine, [dict(prompt="a red fox", negative_prompt="dusk", height=96, width=96,
+                                        num_inference_steps=2, guidance_scale=guidance, seed=5)])[0]
     assert np.abs(got - oracle(pipe, "a red fox", (96, 96), 2, guidance, 5, "dusk")).max() <= 1
 
 
@@ -222,7 +216,8 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
     files = SplitFiles(next(k for k in SPLIT_KINDS if k.family == "zimage"), *paths, ())
     model = default_family().load_split(files, torch.device("cpu"), torch.float32, paths[0])
     with Engine(model=model) as engine:
-        got = generate(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=2, seed=4)])[0]
+        got = images_together(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=2,
+                                            seed=4)])[0]
         assert engine.info.default_steps == 8
     assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
     with pytest.raises(ValueError, match="cannot tell which Z-Image checkpoint"):
@@ -284,7 +279,7 @@ def test_lora_files_of_three_layouts_run_per_row_and_equal_diffusers(folders, tm
               str(tmp_path / "sd_style.safetensors"))
     with Engine(model=path, device="cpu", lora_dir=str(tmp_path)) as engine:
         common = dict(prompt="a red fox", height=96, width=96, num_inference_steps=2, seed=6)
-        got = generate(engine, [dict(common, loras=[(name, 0.8)]) for name in files] + [common])
+        got = images_together(engine, [dict(common, loras=[(name, 0.8)]) for name in files] + [common])
         with pytest.raises(ParamError, match="'sd_style' targets .* which this zimage model does not have: it was "
                                              "made for another model"):
             engine.submit(GenerationRequest.create(model=engine.info, **common, loras=[("sd_style", 1.0)])).result()
@@ -311,7 +306,8 @@ def test_image_to_image_equals_the_img2img_pipeline(folders, turbo):
     edit = dict(prompt="a red fox", image=source, strength=0.6, num_inference_steps=4, seed=8)
     request = GenerationRequest.create(model=turbo.info, **edit)
     assert request.denoising_steps == 3 and turbo.info.edit_steps_rule == "flow"
-    got, _ = generate(turbo, [edit, dict(prompt="a red fox", height=96, width=128, num_inference_steps=2, seed=1)])
+    got, _ = images_together(turbo, [edit, dict(prompt="a red fox", height=96, width=128, num_inference_steps=2,
+                                                seed=1)])
     from PIL import Image
     want = pipe(prompt="a red fox", image=Image.fromarray(source), strength=0.6, num_inference_steps=4,
                 guidance_scale=0.0, generator=torch.Generator().manual_seed(8), output_type="np").images[0]
@@ -332,7 +328,7 @@ def test_guidance_truncation_and_normalisation_as_the_pipeline(folders):
     # (shift 6, 4 steps: 1 - sigma is 0, 0.05, 0.14, 0.33 at the four steps)
     shaped = [dict(base, extras={"cfg_truncation": 0.1}), dict(base, extras={"cfg_normalization": 0.5}),
               dict(base, extras={"cfg_truncation": 0.2, "cfg_normalization": 0.8}), base]
-    got = generate(engine, shaped)
+    got = images_together(engine, shaped)
     for r, image in zip(shaped, got):
         options = r.get("extras", {})
         want = pipe(prompt="a red fox", negative_prompt="dusk", height=96, width=96, num_inference_steps=4,

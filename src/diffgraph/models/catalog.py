@@ -47,9 +47,11 @@ INDEX = "model_index.json"
 MAX_MODEL_BYTES = 1 << 40
 MAX_JSON_BYTES = 16 << 20
 # The diffusers pipeline classes of each built-in family (models/families/: `pipeline_classes`), kept here as
-# (class name prefix, family name) because the adapters import torch; longest prefix first.
-FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl"), ("StableDiffusion", "sd"), ("ZImage", "zimage"))
+# (class name prefix, family name, the variants between prefix and "Pipeline") because the adapters import torch;
+# longest prefix first.
 PIPELINE_VARIANTS = ("", "Img2Img", "Inpaint")
+FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl", PIPELINE_VARIANTS), ("StableDiffusion", "sd", PIPELINE_VARIANTS),
+                    ("ZImage", "zimage", PIPELINE_VARIANTS), ("Flux2Klein", "flux2", ("",)))
 
 
 class ModelNameError(ValueError):
@@ -85,12 +87,12 @@ class ModelEntry:
 
 def pipeline_family(class_name: str | None) -> str | None:
     """The family name of a diffusers pipeline class, or None for one no built-in family reads."""
-    return next((f for prefix, f in FAMILY_PIPELINES for v in PIPELINE_VARIANTS
+    return next((f for prefix, f, variants in FAMILY_PIPELINES for v in variants
                  if class_name == prefix + v + "Pipeline"), None)
 
 
 def supported_pipelines() -> list[str]:
-    return [prefix + v + "Pipeline" for prefix, _ in FAMILY_PIPELINES for v in PIPELINE_VARIANTS]
+    return [prefix + v + "Pipeline" for prefix, _, variants in FAMILY_PIPELINES for v in variants]
 
 
 def native_size_of(unet_config: Any, vae_config: Any) -> int | None:

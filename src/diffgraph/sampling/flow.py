@@ -46,13 +46,14 @@ class FlowSchedule:
         slope = (self.max_shift - self.base_shift) / (self.max_image_seq_len - self.base_image_seq_len)
         return self.base_shift + slope * (image_tokens - self.base_image_seq_len)
 
-    def sigmas(self, steps: int, image_tokens: int) -> np.ndarray:
-        """steps + 1 sigmas from the first (1 shifted) to 0, as the scheduler's set_timesteps makes them."""
+    def sigmas(self, steps: int, image_tokens: int, mu: float | None = None) -> np.ndarray:
+        """steps + 1 sigmas from the first (1 shifted) to 0, as the scheduler's set_timesteps makes them; `mu`: the
+        dynamic shift's exponent where the pipeline computes its own (FLUX.2's), else `self.mu(image_tokens)`."""
         if steps < 1:
             raise ValueError(f"a flow plan needs at least 1 step, got {steps}")
         s = np.linspace(1.0, 1.0 / steps, steps)
         if self.use_dynamic_shifting:
-            m = math.exp(self.mu(image_tokens))
+            m = math.exp(self.mu(image_tokens) if mu is None else mu)
             s = m / (m + (1.0 / s - 1.0))
         else:
             s = self.shift * s / (1.0 + (self.shift - 1.0) * s)

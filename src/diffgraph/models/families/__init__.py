@@ -1,15 +1,16 @@
 """Model-family adapters (one module per family) and the registry that maps a pipeline to its adapter."""
 
 from .base import Conditioning, FamilyAdapter, FamilyRegistry
+from .flux2 import Flux2KleinFamily
 from .sd import SDFamily
 from .sdxl import SDXLFamily
 from .zimage import ZImageFamily
 
 
 def default_registry() -> FamilyRegistry:
-    """A fresh registry of the built-in families (SD1.x/SD2.x, SDXL, Z-Image); register more on it."""
-    return FamilyRegistry((SDFamily(), SDXLFamily(), ZImageFamily()))
+    """A fresh registry of the built-in families (SD1.x/SD2.x, SDXL, Z-Image, FLUX.2 klein); register more on it."""
+    return FamilyRegistry((SDFamily(), SDXLFamily(), ZImageFamily(), Flux2KleinFamily()))
 
 
-__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "SDFamily", "SDXLFamily", "ZImageFamily",
-           "default_registry"]
+__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "Flux2KleinFamily", "SDFamily", "SDXLFamily",
+           "ZImageFamily", "default_registry"]

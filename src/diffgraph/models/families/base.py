@@ -313,7 +313,8 @@ class FamilyAdapter:
 
     def guidance(self, model: DiffusionModel) -> str:
         """How the model guides (`ModelInfo.guidance`): "embedded" for guidance-distilled UNets (LCM's
-        `time_cond_proj_dim`), else "cfg" (classifier-free guidance, a second branch for the negative prompt)."""
+        `time_cond_proj_dim`), else "cfg" (classifier-free guidance, a second branch for the negative prompt); a family
+        whose models run no guidance at all (step-distilled ones) says "none"."""
         return "embedded" if self._lcm_dim(model) is not None else "cfg"
 
     @staticmethod
@@ -324,15 +325,16 @@ class FamilyAdapter:
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
                  max_chunks: int = 1, controls: ControlSlots | None = None,
                  image_prompts: ImagePromptSource | None = None) -> tuple[RowFeature, ...]:
-        """The row features of this family's step, in order (features/): guidance (classifier-free, or embedded for
-        guidance-distilled UNets), the samplers' history slots, edits' rows, LoRA rows (`side_paths`), ControlNet and
-        image-prompt rows (`controls`, `image_prompts`), the prompt context (up to `max_chunks` 77-token windows)."""
+        """The row features of this family's step, in order (features/): guidance (classifier-free, embedded for
+        guidance-distilled UNets, or none where `guidance` says "none"), the samplers' history slots, edits' rows,
+        LoRA rows (`side_paths`), ControlNet and image-prompt rows (`controls`, `image_prompts`), the prompt context
+        (up to `max_chunks` 77-token windows)."""
         dim = self._lcm_dim(model)
+        out: list[RowFeature] = []
         if dim is not None:
-            out: list[RowFeature] = [EmbeddedGuidance("timestep_cond", (dim,), model.dtype,
-                                                      partial(lcm_embedding, dim=dim))]
-        else:
-            out = [ClassifierFreeGuidance(self.row_cond_spec(model, max_chunks), self.sequence_fields)]
+            out.append(EmbeddedGuidance("timestep_cond", (dim,), model.dtype, partial(lcm_embedding, dim=dim)))
+        elif self.guidance(model) == "cfg":  # "none": one branch always (step-distilled models)
+            out.append(ClassifierFreeGuidance(self.row_cond_spec(model, max_chunks), self.sequence_fields))
         if set(self.samplers) & set(HISTORY_SAMPLERS):  # the history slots some of its samplers keep
             out.append(SamplerHistory())
         if self.supports_edits:

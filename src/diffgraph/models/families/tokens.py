@@ -18,18 +18,62 @@ shift from the row's own token count.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
+from typing import Any
 
 import torch
 
+from ... import safe_files
 from ...request import GroupKey, Size
 from ...sampling.flow import FLOW_SAMPLERS, FLOW_SCHEDULES, FlowSchedule, flow_noising, flow_plan
 from ...sampling.samplers import SamplerPlan
+from ..qwen_tokenizer import check_chat_template
 from ..model import DiffusionModel
 from .base import Conditioning, FamilyAdapter, Planner
 
 TOKEN_GROUP = 0  # the first element of a token family's group key (a UNet family's is a height, never 0)
+FOLDER_PARTS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
+
+
+@contextlib.contextmanager
+def random_modules(device: torch.device, dtype: torch.dtype):
+    """Modules made inside are random from a fixed seed, in `dtype`, on `device` (a family's random presets)."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def qwen3_folder_parts(folder: str, pipeline_class: str, dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:
+    """(text encoder, tokenizer, scheduler config) of a diffusers folder of a transformer pipeline with a Qwen3 text
+    encoder (its base model: the pipelines read hidden states only), after checking it has every part; the
+    tokenizer's chat template must be the shipped Qwen3 one (the prompt string is rendered from it, no folder's Jinja
+    runs). Each problem is a ValueError naming the folder and what to do."""
+    from transformers import AutoModel, AutoTokenizer
+
+    for sub in FOLDER_PARTS:
+        if not os.path.isdir(os.path.join(folder, sub)):
+            raise ValueError(f"{folder!r} is a {pipeline_class} folder but lacks its '{sub}' subfolder; point "
+                             "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
+    encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
+    try:
+        check_chat_template(tokenizer.chat_template or "", "qwen3")
+    except ValueError as e:
+        raise ValueError(f"model folder {folder!r}: tokenizer: {e}") from None
+    try:
+        scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
+                                                1 << 20)[0]
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
+    return encoder, tokenizer, scheduler_config
 
 
 class TokenFamily(FamilyAdapter):

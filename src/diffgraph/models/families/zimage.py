@@ -24,7 +24,6 @@ Checkpoints of one architecture differ in their defaults (Turbo: 8 steps without
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,18 +31,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ... import safe_files
 from ...errors import ParamError
 from ...features.base import RowFeature, StepView
 from ...features.capability import Capability, Param
 from ...features.guidance import ClassifierFreeGuidance, guiding_steps
-from ...request import GenerationRequest
-from ..qwen_tokenizer import chat_prompt, check_chat_template, qwen_tokenizer
 from ...lora.targets import DENOISER, LoraLayout
-from ...request import GroupKey, Size
+from ...request import GenerationRequest, GroupKey, Size
 from ..model import DiffusionModel
+from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from .base import Conditioning, CondSpec
-from .tokens import TokenFamily
+from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
 SEQ_MULTIPLE = 32           # the transformer pads caption and image tokens to multiples of this
 MAX_TEXT_TOKENS = 512       # diffusers' max_sequence_length (template included)
@@ -191,26 +188,11 @@ class ZImageFamily(TokenFamily):
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
                     name: str) -> DiffusionModel:
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
-        from transformers import AutoModel, AutoTokenizer
 
-        for sub in ("transformer", "vae", "scheduler", "text_encoder", "tokenizer"):
-            if not os.path.isdir(os.path.join(folder, sub)):
-                raise ValueError(f"{folder!r} is a ZImagePipeline folder but lacks its '{sub}' subfolder; point "
-                                 "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
+        encoder, tokenizer, scheduler_config = qwen3_folder_parts(folder, "ZImagePipeline", dtype)
         common = dict(local_files_only=True, torch_dtype=dtype)
         transformer = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
         vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **common)
-        encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
-        try:  # the prompt string is the shipped template's (no folder's Jinja runs): the folder's must be it
-            check_chat_template(tokenizer.chat_template or "", "qwen3")
-        except ValueError as e:
-            raise ValueError(f"model folder {folder!r}: tokenizer: {e}") from None
-        try:
-            scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
-                                                    1 << 20)[0]
-        except safe_files.UnusableFile as e:
-            raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype,
                            checkpoint_of(name))  # the path the user gave (`folder` may be a view of it)
 
@@ -266,34 +248,27 @@ class ZImageFamily(TokenFamily):
         if name not in self.random_presets():
             raise ValueError(f"family {self.name!r} has no random preset {name!r}")
         tiny = name == "random:zimage-tiny"
-        torch.manual_seed(0)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                if tiny:
-                    transformer = ZImageTransformer2DModel(
-                        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2,
-                        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12],
-                        axes_lens=[1024, 256, 256])
-                    encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
-                                                     num_hidden_layers=2, num_attention_heads=2,
-                                                     num_key_value_heads=1, head_dim=16,
-                                                     max_position_embeddings=1024))
-                    vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32), "layers_per_block": 1,
-                                           "sample_size": 64,
-                                           "down_block_types": ("DownEncoderBlock2D",) * 2,
-                                           "up_block_types": ("UpDecoderBlock2D",) * 2, "norm_num_groups": 8})
-                else:
-                    transformer = ZImageTransformer2DModel()
-                    encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                                                     num_hidden_layers=36, num_attention_heads=32,
-                                                     num_key_value_heads=8, head_dim=128,
-                                                     max_position_embeddings=40960, rope_theta=1000000.0,
-                                                     tie_word_embeddings=True))
-                    vae = AutoencoderKL(**FLUX_VAE)
-        finally:
-            torch.set_default_dtype(previous)
+        with random_modules(device, dtype):
+            if tiny:
+                transformer = ZImageTransformer2DModel(
+                    all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=64, n_layers=2,
+                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 12, 12],
+                    axes_lens=[1024, 256, 256])
+                encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=2,
+                                                 num_key_value_heads=1, head_dim=16,
+                                                 max_position_embeddings=1024))
+                vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32), "layers_per_block": 1,
+                                       "sample_size": 64, "down_block_types": ("DownEncoderBlock2D",) * 2,
+                                       "up_block_types": ("UpDecoderBlock2D",) * 2, "norm_num_groups": 8})
+            else:
+                transformer = ZImageTransformer2DModel()
+                encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                                                 num_hidden_layers=36, num_attention_heads=32,
+                                                 num_key_value_heads=8, head_dim=128,
+                                                 max_position_embeddings=40960, rope_theta=1000000.0,
+                                                 tie_word_embeddings=True))
+                vae = AutoencoderKL(**FLUX_VAE)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER),
                            device, dtype, CHECKPOINTS["z-image-turbo"], is_random=True)
 

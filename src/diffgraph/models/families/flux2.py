@@ -1,0 +1,367 @@
+"""FLUX.2 [klein] (Black Forest Labs' klein 4B and 9B, step-distilled and base): an MMDiT (double-stream blocks, then
+single-stream ones) over the FLUX.2 VAE's 32-channel latents patchified 2x2 into 128 channels, with a Qwen3 text
+encoder, on flow matching.
+
+What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and sizes share one step here:
+  * text: each prompt is wrapped in Qwen3's chat template with thinking off (one user message, the generation
+    prompt: the shipped template, models/qwen_tokenizer.py, which a folder's must equal), tokenised and padded to 512
+    tokens, encoded with its attention mask, and the hidden states after layers 9, 18 and 27 concatenated per token
+    (3 x the encoder's width: the transformer's joint width). All 512 tokens, padding included, are the row's
+    `embeds`: the transformer attends to every one (FLUX.2 does not trim the padding), so a row has no text mask.
+    Layers past 27 never reach the output and are dropped at load;
+  * latents: the image's latents live patchified, [128, H/16, W/16], normalised by the VAE's batch-norm statistics;
+    the seed's noise is drawn in that shape. So here the latent cell is 16 px (`vae_scale_factor`), a token is one
+    cell (`patch` 1) with its 128 channels, in row-major order (the pipeline's `_pack_latents`); the decode
+    denormalises, unpatchifies to [32, H/8, W/8] and runs the VAE;
+  * the transformer reads text tokens then image tokens with 4-axis RoPE positions (t, h, w, l): text token k at
+    (0, 0, 0, k), image token (r, c) at (0, r, c, 0). `denoise` builds them from the rows' tensors (each row's grid
+    positions) and runs the blocks with a per-row rotary table and the bucket's padding tokens masked out of
+    attention (`Flux2Transformer2DModel.forward` takes one set of ids for the whole batch), so a row's output never
+    depends on its companions and one replay serves any mix;
+  * timesteps: the model reads sigma (as t / 1000, times 1000 inside) and predicts the velocity;
+  * the schedule: sigmas linspace(1, 1 / steps) shifted by exp(mu) with the pipeline's empirical mu, which depends
+    on the image's token count and the step count (`empirical_mu`);
+  * guidance: the step-distilled checkpoints (the pipeline's `is_distilled`) run none, one denoiser row; the base
+    ones run classifier-free guidance `neg + g (pos - neg)` above 1, diffgraph's own scale, so a request's value is
+    the pipeline's `guidance_scale` unchanged. The pipeline's negative prompt is "" unless embeddings are given; a
+    request's `negative_prompt` is encoded as the prompt is.
+
+Checkpoints of one architecture differ in their defaults (distilled: 4 steps, no guidance; base: 50 steps at 4):
+`CHECKPOINTS`, chosen by the folder's `is_distilled` where it says, else by its name.
+Not here yet: reference images, single and split files, fp8 and GGUF, LoRA, and FLUX.2 [dev] (`Flux2Pipeline`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ...request import Size
+from ...sampling.flow import FlowSchedule, flow_plan
+from ...sampling.samplers import SamplerPlan
+from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
+from ..model import DiffusionModel
+from .base import Conditioning, CondSpec, Planner
+from .tokens import TokenFamily, qwen3_folder_parts, random_modules
+
+MAX_TEXT_TOKENS = 512           # the pipeline's max_sequence_length: every prompt padded to it (template included)
+TEXT_LAYERS = (9, 18, 27)       # the encoder's hidden states the pipeline concatenates (text_encoder_out_layers)
+SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+             "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096}
+FLUX2_VAE = dict(in_channels=3, out_channels=3, latent_channels=32, block_out_channels=(128, 256, 512, 512),
+                 down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                 layers_per_block=2, use_quant_conv=True, use_post_quant_conv=True, batch_norm_eps=1e-4,
+                 sample_size=1024)
+KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+                axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False)
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1000000.0, tie_word_embeddings=True)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A published checkpoint's defaults (its model card) and whether it is step-distilled (no guidance)."""
+
+    name: str
+    steps: int
+    guidance: float      # diffgraph's scale (1: no guidance)
+    distilled: bool
+
+
+CHECKPOINTS = {"flux.2-klein": Checkpoint("flux.2-klein", 4, 1.0, True),
+               "flux.2-klein-base": Checkpoint("flux.2-klein-base", 50, 4.0, False)}
+
+
+def checkpoint_of(path: str, distilled: bool | None = None) -> Checkpoint:
+    """The checkpoint at `path`: by `distilled` (a folder's `is_distilled`) where given, else by the last part of the
+    path that names klein (FLUX.2-klein-4B, FLUX.2-klein-base-9B; a hub cache's snapshot folder sits under the
+    repository's name); else a ValueError saying what to name it."""
+    if distilled is not None:
+        return CHECKPOINTS["flux.2-klein" if distilled else "flux.2-klein-base"]
+    for part in reversed(os.path.normpath(os.path.abspath(path)).lower().replace("_", "-").split(os.sep)):
+        if "klein" in part:
+            return CHECKPOINTS["flux.2-klein-base" if "base" in part else "flux.2-klein"]
+    raise ValueError(f"cannot tell which FLUX.2 klein checkpoint {os.path.basename(path)!r} is; keep the published "
+                     "name (FLUX.2-klein-4B, FLUX.2-klein-base-4B, ...) in its folder name, or set `is_distilled` "
+                     "in its model_index.json")
+
+
+def empirical_mu(image_tokens: int, steps: int) -> float:
+    """The FLUX.2 pipelines' time-shift exponent (`compute_empirical_mu`): two lines in the token count, fitted at
+    10 and 200 steps, interpolated in the step count; beyond 4300 tokens the 200-step line alone."""
+    a1, b1 = 8.73809524e-05, 1.89833333
+    a2, b2 = 0.00016927, 0.45666666
+    m_200 = a2 * image_tokens + b2
+    if image_tokens > 4300:
+        return float(m_200)
+    m_10 = a1 * image_tokens + b1
+    a = (m_200 - m_10) / 190.0
+    return float(a * steps + m_200 - 200.0 * a)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [n, S, heads, D] with per-row tables [n, S, D] (diffusers' interleaved real form, in fp32)."""
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+           keys: torch.Tensor) -> torch.Tensor:
+    """Attention over [n, S, heads, D] after RoPE, keys where `keys` [n, 1, 1, S] is set -> [n, S, heads * D]."""
+    q, k = rotate(q, *rope), rotate(k, *rope)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keys)
+    return out.transpose(1, 2).flatten(2, 3).to(q.dtype)
+
+
+def double_block(block: Any, h: torch.Tensor, c: torch.Tensor, mod_img: torch.Tensor, mod_txt: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Flux2TransformerBlock.forward` with per-row RoPE and a key mask: image stream h, text stream c."""
+    (shift, scale, gate), (shift2, scale2, gate2) = split_mod(mod_img, 2)
+    (c_shift, c_scale, c_gate), (c_shift2, c_scale2, c_gate2) = split_mod(mod_txt, 2)
+    attn = block.attn
+    nh = (1 + scale) * block.norm1(h) + shift
+    nc = (1 + c_scale) * block.norm1_context(c) + c_shift
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.unflatten(-1, (-1, attn.head_dim))
+    q = torch.cat([attn.norm_added_q(heads(attn.add_q_proj(nc))), attn.norm_q(heads(attn.to_q(nh)))], dim=1)
+    k = torch.cat([attn.norm_added_k(heads(attn.add_k_proj(nc))), attn.norm_k(heads(attn.to_k(nh)))], dim=1)
+    v = torch.cat([heads(attn.add_v_proj(nc)), heads(attn.to_v(nh))], dim=1)
+    out = attend(q, k, v, rope, keys)
+    text = c.shape[1]
+    h = h + gate * attn.to_out[0](out[:, text:])
+    h = h + gate2 * block.ff(block.norm2(h) * (1 + scale2) + shift2)
+    c = c + c_gate * attn.to_add_out(out[:, :text])
+    c = c + c_gate2 * block.ff_context(block.norm2_context(c) * (1 + c_scale2) + c_shift2)
+    if c.dtype == torch.float16:
+        c = c.clip(-65504, 65504)
+    return h, c
+
+
+def single_block(block: Any, u: torch.Tensor, mod: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 keys: torch.Tensor) -> torch.Tensor:
+    """`Flux2SingleTransformerBlock.forward` (text and image tokens in one stream) with per-row RoPE and a key mask."""
+    ((shift, scale, gate),) = split_mod(mod, 1)
+    attn = block.attn
+    proj = attn.to_qkv_mlp_proj((1 + scale) * block.norm(u) + shift)
+    qkv, mlp = torch.split(proj, [3 * attn.inner_dim, attn.mlp_hidden_dim * attn.mlp_mult_factor], dim=-1)
+    q, k, v = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+    out = attend(attn.norm_q(q), attn.norm_k(k), v, rope, keys)
+    u = u + gate * attn.to_out(torch.cat([out, attn.mlp_act_fn(mlp)], dim=-1))
+    if u.dtype == torch.float16:
+        u = u.clip(-65504, 65504)
+    return u
+
+
+def split_mod(mod: torch.Tensor, sets: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """A modulation [n, 3 * sets * dim] as `sets` (shift, scale, gate) triples of [n, 1, dim]."""
+    parts = mod.unsqueeze(1).chunk(3 * sets, dim=-1)
+    return tuple(parts[3 * i:3 * i + 3] for i in range(sets))
+
+
+class Flux2KleinFamily(TokenFamily):
+    name = "flux2"
+    pipeline_classes = ("Flux2KleinPipeline",)
+    default_guidance = 1.0
+    patch = 1                  # a token is one cell of the patchified latents (the VAE's 2x2 folded into channels)
+    token_bucket = 256
+    text_tokens = MAX_TEXT_TOKENS
+    size_multiple = 16
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                    name: str) -> DiffusionModel:
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+        distilled = index.get("is_distilled")
+        checkpoint = checkpoint_of(name, None if distilled is None else bool(distilled))
+        encoder, tokenizer, scheduler_config = qwen3_folder_parts(folder, "Flux2KleinPipeline", dtype)
+        if scheduler_config.get("time_shift_type", "exponential") != "exponential":
+            raise ValueError(f"model folder {folder!r}: scheduler time_shift_type "
+                             f"{scheduler_config['time_shift_type']!r} is not the FLUX.2 pipelines' 'exponential'; "
+                             "restore the published scheduler_config.json")
+        common = dict(local_files_only=True, torch_dtype=dtype)
+        transformer = Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
+        vae = AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", **common)
+        return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype, checkpoint)
+
+    def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
+               scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
+               checkpoint: Checkpoint, is_random: bool = False) -> DiffusionModel:
+        layers = int(encoder.config.num_hidden_layers)
+        if layers < max(TEXT_LAYERS):
+            raise ValueError(f"the text encoder has {layers} layers; FLUX.2 klein reads the hidden states after layers "
+                             f"{', '.join(map(str, TEXT_LAYERS))}: use the checkpoint's own Qwen3 encoder")
+        width = len(TEXT_LAYERS) * int(encoder.config.hidden_size)
+        if int(transformer.config.joint_attention_dim) != width:
+            raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the "
+                             f"encoder gives {width} (3 layers of {encoder.config.hidden_size}); use the checkpoint's "
+                             "own text encoder")
+        encoder.layers = encoder.layers[:max(TEXT_LAYERS) + 1]  # the later ones never reach a read hidden state
+        for m in (transformer, vae, encoder):
+            m.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        return DiffusionModel(name=name, family=self.name, adapter=self, denoiser=transformer, vae=vae,
+                              text_encoders=[encoder], tokenizers=[tokenizer], scheduler_config=scheduler_config,
+                              device=device, dtype=dtype, native_size=1024, is_random=is_random,
+                              extra={"checkpoint": checkpoint})
+
+    # -- random presets ----------------------------------------------------------------------------------
+    def random_presets(self) -> dict[str, str]:
+        return {"random:flux2-klein-4b": "FLUX.2 klein 4B's true architecture (5 double + 20 single blocks, 3072 "
+                                         "wide; Qwen3-4B; the FLUX.2 VAE), random weights, step-distilled, for GPU "
+                                         "timing",
+                "random:flux2-klein-tiny": "a tiny FLUX.2 klein (one block of each kind, a 28-layer 16-wide Qwen3), "
+                                           "random weights, step-distilled, for CPU tests"}
+
+    def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+        from transformers import Qwen3Config, Qwen3Model
+
+        if name not in self.random_presets():
+            raise ValueError(f"family {self.name!r} has no random preset {name!r}")
+        tiny = name == "random:flux2-klein-tiny"
+        with random_modules(device, dtype):
+            if tiny:
+                transformer = Flux2Transformer2DModel(**tiny_transformer(text_width=16))
+                encoder = Qwen3Model(Qwen3Config(**tiny_qwen3(151936)))
+                vae = AutoencoderKLFlux2(**tiny_vae())
+            else:
+                transformer = Flux2Transformer2DModel(**KLEIN_4B)
+                encoder = Qwen3Model(Qwen3Config(**QWEN3_4B))
+                vae = AutoencoderKLFlux2(**FLUX2_VAE)
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
+                           CHECKPOINTS["flux.2-klein"], is_random=True)
+
+    # -- the checkpoint's defaults and guidance ------------------------------------------------------------
+    def default_steps(self, model: DiffusionModel) -> int | None:
+        return model.extra["checkpoint"].steps
+
+    def model_guidance(self, model: DiffusionModel) -> float:
+        return model.extra["checkpoint"].guidance
+
+    def guidance(self, model: DiffusionModel) -> str:
+        """"none" for the step-distilled checkpoints (the pipeline ignores guidance there), else "cfg"."""
+        return "none" if model.extra["checkpoint"].distilled else "cfg"
+
+    # -- layout: the patchified latents [128, H/16, W/16], one token per cell ------------------------------
+    def vae_scale_factor(self, model: DiffusionModel) -> int:
+        return 2 ** (len(model.vae.config.block_out_channels) - 1) * 2  # the VAE's, times the 2x2 patchify
+
+    def latent_channels(self, model: DiffusionModel) -> int:
+        return int(model.denoiser.config.in_channels)  # the VAE's latent channels times 4
+
+    def decode(self, model: DiffusionModel, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Patchified, normalised latents [n, 128, h, w] -> pixels: the batch-norm statistics undone, the 2x2 cells
+        unfolded into [n, 32, 2h, 2w], the VAE's decode (the pipeline's order)."""
+        latents = latents.to(self.vae_dtype(model))
+        bn = decoder.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(latents.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + decoder.config.batch_norm_eps).to(latents.dtype)
+        latents = latents * std + mean
+        n, c, h, w = latents.shape
+        latents = latents.reshape(n, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c // 4, h * 2, w * 2)
+        image = decoder.decode(latents, return_dict=False)[0]
+        return (image * 0.5 + 0.5).clamp(0, 1)
+
+    # -- sampling: the pipeline's empirical shift -------------------------------------------------------
+    def planner(self, model: DiffusionModel) -> Planner:
+        """Flow Euler over the model's flow schedule, shifted by exp(`empirical_mu`) of each row's own token count
+        and step count (a fixed-shift config shifts as the scheduler does)."""
+        schedule_config = FlowSchedule.from_config(model.scheduler_config)
+
+        @functools.lru_cache(maxsize=256)
+        def plan(sampler: str, schedule: str, steps: int, size: Size) -> SamplerPlan:
+            self.check(sampler, schedule, size)
+            h, w = self.grid(model, size)
+            return flow_plan(sampler, schedule, schedule_config.sigmas(steps, h * w, mu=empirical_mu(h * w, steps)))
+        return plan
+
+    # -- text --------------------------------------------------------------------------------------------
+    def cond_spec(self, model: DiffusionModel) -> CondSpec:
+        width = len(TEXT_LAYERS) * int(model.text_encoders[0].config.hidden_size)
+        return {"embeds": ((self.text_tokens, width), model.dtype)}
+
+    def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
+        """Each prompt in the template, padded to 512 tokens, read by the encoder with its mask; the hidden states
+        after TEXT_LAYERS side by side per token, padding tokens included (the pipeline's
+        `_get_qwen3_prompt_embeds`)."""
+        texts = [chat_prompt(p, "qwen3", enable_thinking=False) for p in prompts]
+        out = model.tokenizers[0](texts, padding="max_length", max_length=self.text_tokens, truncation=True,
+                                  padding_side="right", return_tensors="pt")
+        with torch.no_grad():
+            hidden = model.text_encoders[0](input_ids=out.input_ids.to(model.device),
+                                            attention_mask=out.attention_mask.to(model.device),
+                                            output_hidden_states=True, use_cache=False).hidden_states
+        embeds = torch.cat([hidden[k] for k in TEXT_LAYERS], dim=-1)
+        return {"embeds": embeds.to(model.dtype)}
+
+    def prompt_template(self, model: DiffusionModel) -> tuple[str, str] | None:
+        before, _, after = chat_prompt("\0", "qwen3", enable_thinking=False).partition("\0")
+        return before, after
+
+    # -- the denoiser ------------------------------------------------------------------------------------
+    def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The velocity of rows x [n, image tokens, 128] at timesteps t (sigma * 1000) [n]:
+        Flux2Transformer2DModel's blocks on [512 text tokens, image tokens] with each row's positions and its bucket
+        padding masked (see the module's docstring); padding tokens out as 0."""
+        net = model.denoiser
+        image_mask, positions = rows["image_mask"], rows["positions"]
+        text = cond["embeds"]
+        n, tokens = image_mask.shape
+        length = text.shape[1]
+
+        zero = torch.zeros_like(positions[..., :1])
+        image_ids = torch.cat([zero, positions.clamp(min=0), zero], dim=-1).reshape(-1, 4)
+        k = torch.arange(length, device=x.device)
+        text_ids = torch.stack([torch.zeros_like(k)] * 3 + [k], dim=-1)
+        image_rope = [f.reshape(n, tokens, -1) for f in net.pos_embed(image_ids)]
+        text_rope = [f.unsqueeze(0).expand(n, -1, -1) for f in net.pos_embed(text_ids)]
+        rope = tuple(torch.cat([a, b], dim=1) for a, b in zip(text_rope, image_rope))
+        keys = torch.cat([torch.ones((n, length), dtype=torch.bool, device=x.device), image_mask], dim=1)
+        keys = keys[:, None, None, :]
+
+        # as the pipeline rounds it: t in the model's dtype, / 1000 there, * 1000 inside the forward
+        timestep = (t.to(x.dtype) / 1000).to(net.dtype) * 1000
+        temb = net.time_guidance_embed(timestep, None)
+        mod_img = net.double_stream_modulation_img(temb)
+        mod_txt = net.double_stream_modulation_txt(temb)
+        mod_single = net.single_stream_modulation(temb)
+
+        h = net.x_embedder(x.to(net.dtype))
+        c = net.context_embedder(text.to(net.dtype))
+        for block in net.transformer_blocks:
+            h, c = double_block(block, h, c, mod_img, mod_txt, rope, keys)
+        u = torch.cat([c, h], dim=1)
+        for block in net.single_transformer_blocks:
+            u = single_block(block, u, mod_single, rope, keys)
+        out = net.proj_out(net.norm_out(u[:, length:], temb))
+        return out * image_mask.unsqueeze(-1)
+
+
+def tiny_transformer(text_width: int) -> dict[str, Any]:
+    """A Flux2Transformer2DModel config of the klein layout at test size (text `text_width` wide per layer)."""
+    return dict(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                num_attention_heads=2, joint_attention_dim=len(TEXT_LAYERS) * text_width,
+                timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000,
+                guidance_embeds=False)
+
+
+def tiny_qwen3(vocab: int) -> dict[str, Any]:
+    """A Qwen3Config of 28 layers (the last one read is 27), 16 wide."""
+    return dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=max(TEXT_LAYERS) + 1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024)
+
+
+def tiny_vae() -> dict[str, Any]:
+    """An AutoencoderKLFlux2 config with the true latent layout (32 channels, 8x down) at test width."""
+    return {**FLUX2_VAE, "block_out_channels": (16, 16, 16, 16), "layers_per_block": 1, "norm_num_groups": 8}
