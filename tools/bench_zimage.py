@@ -93,12 +93,12 @@ def main() -> None:
 
     stage("baseline", lambda: baseline(False))
 
-    def engine_figures(mode: str):
+    def engine_figures(mode: str, compile: bool = False):
         from diffgraph import Engine, GraphConfig
         graphs = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((1024, 1024),), prewarm=False) \
             if mode == "graph" else None
         t = time.perf_counter()
-        with Engine(model=model, mode=mode, graphs=graphs) as engine:
+        with Engine(model=model, mode=mode, graphs=graphs, compile=compile) as engine:
             ready = time.perf_counter() - t
             t = time.perf_counter()
             engine.generate(PROMPT, height=1024, width=1024, num_inference_steps=steps, seed=0)
@@ -118,6 +118,7 @@ def main() -> None:
 
     stage("eager", lambda: engine_figures("eager"))
     stage("graph", lambda: engine_figures("graph"))
+    stage("compile", lambda: engine_figures("graph", compile=True))
 
     def mixed():
         """Prompts of ~5 and ~300 tokens, 1024x1024 and 896x1152 (one bucket of 4096 tokens), 8 and 9 steps, in one

@@ -258,9 +258,8 @@ class ZImageFamily(TokenFamily):
                                                  num_hidden_layers=2, num_attention_heads=2,
                                                  num_key_value_heads=1, head_dim=16,
                                                  max_position_embeddings=1024))
-                vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32), "layers_per_block": 1,
-                                       "sample_size": 64, "down_block_types": ("DownEncoderBlock2D",) * 2,
-                                       "up_block_types": ("UpDecoderBlock2D",) * 2, "norm_num_groups": 8})
+                vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (16, 32, 32, 32), "layers_per_block": 1,
+                                       "sample_size": 64, "norm_num_groups": 8})  # 8x, as Flux's
             else:
                 transformer = ZImageTransformer2DModel()
                 encoder = Qwen3Model(Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
