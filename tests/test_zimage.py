@@ -391,3 +391,15 @@ def test_served_over_http_with_the_checkpoint_s_defaults(folders):
         bad = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "96x64",
                                                           "sampler": "DPM++ 2M"})
         assert bad.status_code == 400 and "flow_euler" in bad.text
+
+
+def test_serve_accepts_the_family_s_presets_and_split_files(tmp_path):
+    """`diffgraph serve`'s fast check before start: the families' random presets and a split DiT file pass (its
+    companions are checked where it loads); an unknown name still fails listing them."""
+    from diffgraph.server.cli import _check_model
+    from test_split_files import ZIMAGE, header_file
+
+    _check_model("random:zimage-tiny")
+    _check_model(header_file(tmp_path / "z_image_turbo.safetensors", ZIMAGE))
+    with pytest.raises(ValueError, match="random:zimage-turbo"):
+        _check_model("random:zimage-tinny")

@@ -273,18 +273,22 @@ def _check_model(model: str) -> None:
     import os
 
     from ..cli_checks import did_you_mean
+    from ..models.families import default_registry
     from ..models.presets import RANDOM_PRESETS, SHIPPED_PRESETS, available_presets, shipped_preset_folder
-    if model in RANDOM_PRESETS or os.path.isdir(model):
+    presets = [*available_presets(), *default_registry().random_presets()]  # the families' own random presets too
+    if model in RANDOM_PRESETS or model in presets[len(available_presets()):] or os.path.isdir(model):
         return
     if model in SHIPPED_PRESETS and shipped_preset_folder(model):
         return
     if os.path.exists(model):  # a checkpoint file: what its header says it holds, or one line why not
+        from ..models.split_files import split_kind_of
+        if model.endswith((".safetensors", ".gguf")) and split_kind_of(model) is not None:
+            return  # a split diffusion model: its companions are checked where it loads
         from ..models.checkpoint_kind import inspect_checkpoint
         inspect_checkpoint(model)
         return
     raise ValueError(f"model {model!r} is neither a local diffusers folder nor a preset of this install, and no "
-                     "checkpoint file has that path; "
-                     f"presets: {', '.join(available_presets())}{did_you_mean(model, available_presets())}")
+                     f"checkpoint file has that path; presets: {', '.join(presets)}{did_you_mean(model, presets)}")
 
 
 def _in_a_child(code: str, *args: str) -> Any:
