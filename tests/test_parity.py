@@ -13,7 +13,7 @@ ONCE = [("tiny_xl", "dpmpp_2m_sde", "karras"), ("tiny", "dpmpp_3m_sde", "exponen
         ("tiny", "dpm2", "sgm_uniform"), ("tiny_xl", "dpm2_a", "default"), ("tiny", "lms", "karras"),
         ("tiny_xl", "unipc", "simple"), ("tiny_xl", "dpmpp_sde", "karras"), ("tiny", "unipc_3", "default"), ("tiny_xl", "lcm", "default"),
         ("tiny", "tcd", "default"), ("tiny_xl", "euler", "exponential"), ("tiny", "dpmpp_2m", "beta"),
-        ("tiny_xl", "euler_a", "sgm_uniform"), ("tiny", "ddim", "simple")]
+        ("tiny_xl", "euler_a", "sgm_uniform"), ("tiny", "ddim", "simple"), ("tiny", "plms", "default")]
 
 PROMPT = "a photo of a red fox in the snow"
 SIZES = [(64, 64), (64, 96)]  # (width, height): square and non-square
