@@ -218,3 +218,83 @@ def test_a_dev_folder_is_refused_naming_what_is_read(folders, tmp_path):
     with pytest.raises(ValueError, match="holds a Flux2Pipeline, which is not supported.*Flux2KleinPipeline") as e:
         Engine(model=str(dev), device="cpu")
     assert "\n" not in str(e.value)
+
+
+def lora_files(pipe, folder) -> dict[str, str]:
+    """One rank-4 adapter on the double block's attention (both streams) and feed-forwards and the single block's
+    linears, written five ways: diffusers / PEFT keys (split q/k/v); Kohya's `lora_unet_*` with alphas (fused qkv);
+    ai-toolkit's `diffusion_model.*` (BFL's names, fused qkv, lora_A/B); ComfyUI's (the same names, lora_down/up with
+    alphas); and `diffusion_model.*` in diffusers' names. q, k and v share their down weight, so the fused files hold
+    the same adapter."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(21)
+    # diffusers' module -> BFL's original name (None: one of a fused qkv)
+    double = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.linear_in": "img_mlp.0",
+              "ff.linear_out": "img_mlp.2", "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+    single = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
+    fused = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+             "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+    weights = {}  # diffusers' full module path -> (a, b)
+    for original, modules in fused.items():
+        shared = torch.randn((4, 32), generator=g) * 0.3
+        for m in modules:
+            weights[f"transformer_blocks.0.{m}"] = (shared, torch.randn((32, 4), generator=g) * 0.3)
+    for blocks, names in (("transformer_blocks.0", double), ("single_transformer_blocks.0", single)):
+        for m in names:
+            linear = pipe.transformer.get_submodule(f"{blocks}.{m}")
+            weights[f"{blocks}.{m}"] = (torch.randn((4, linear.in_features), generator=g) * 0.3,
+                                        torch.randn((linear.out_features, 4), generator=g) * 0.3)
+    original = {**{f"double_blocks.0.{o}": f"transformer_blocks.0.{m}" for m, o in double.items()},
+                **{f"single_blocks.0.{o}": f"single_transformer_blocks.0.{m}" for m, o in single.items()}}
+    peft = {f"transformer.{m}.lora_{x}.weight": w for m, (a, b) in weights.items() for x, w in (("A", a), ("B", b))}
+    split = {k.replace("transformer.", "diffusion_model.", 1): v for k, v in peft.items()}
+    kohya, toolkit, comfy = {}, {}, {}
+    fused_weights = {f"double_blocks.0.{o}": (weights[f"transformer_blocks.0.{ms[0]}"][0],
+                                               torch.cat([weights[f"transformer_blocks.0.{m}"][1] for m in ms]))
+                     for o, ms in fused.items()}
+    for name, (a, b) in {**{o: weights[m] for o, m in original.items()}, **fused_weights}.items():
+        flat = "lora_unet_" + name.replace(".", "_")
+        kohya[f"{flat}.lora_down.weight"], kohya[f"{flat}.lora_up.weight"] = a * 2, b  # alpha 2 of rank 4
+        kohya[f"{flat}.alpha"] = torch.tensor(2.0)
+        toolkit[f"diffusion_model.{name}.lora_A.weight"], toolkit[f"diffusion_model.{name}.lora_B.weight"] = a, b
+        comfy[f"diffusion_model.{name}.lora_down.weight"], comfy[f"diffusion_model.{name}.lora_up.weight"] = a / 2, b
+        comfy[f"diffusion_model.{name}.alpha"] = torch.tensor(8.0)  # alpha 8 of rank 4
+    out = {}
+    for name, state in (("peft", peft), ("kohya", kohya), ("toolkit", toolkit), ("comfy", comfy), ("split", split)):
+        out[name] = str(folder / f"{name}.safetensors")
+        save_file({k: v.clone().contiguous() for k, v in state.items()}, out[name])
+    return out
+
+
+def test_lora_files_of_five_layouts_run_per_row_and_equal_diffusers(folders, tmp_path):
+    """Rows with the adapter from each file and a row without, in one step: each adapter row equals the pipeline
+    with diffusers' load_lora_weights of the PEFT file at the same scale, the plain row the pipeline without. A
+    Z-Image adapter (PEFT or Kohya keys) is refused naming it."""
+    from safetensors.torch import save_file
+
+    path, pipe = folders["FLUX.2-klein-4B"]
+    files = lora_files(pipe, tmp_path)
+    save_file({"transformer.layers.0.attention.to_q.lora_A.weight": torch.ones(4, 64),
+               "transformer.layers.0.attention.to_q.lora_B.weight": torch.ones(64, 4)},
+              str(tmp_path / "zimage_style.safetensors"))
+    save_file({"lora_unet_layers_0_attention_to_q.lora_down.weight": torch.ones(4, 64),
+               "lora_unet_layers_0_attention_to_q.lora_up.weight": torch.ones(64, 4)},
+              str(tmp_path / "zimage_kohya.safetensors"))
+    with Engine(model=path, device="cpu", lora_dir=str(tmp_path)) as engine:
+        common = dict(prompt="a red fox", height=96, width=96, num_inference_steps=2, seed=6)
+        got = images_together(engine, [dict(common, loras=[(name, 0.8)]) for name in files] + [common])
+        for name in ("zimage_style", "zimage_kohya"):
+            with pytest.raises(ParamError, match=f"'{name}' .*made for another model") as e:
+                engine.submit(GenerationRequest.create(model=engine.info, **common, loras=[(name, 1.0)])).result()
+            assert e.value.param == "loras" and "\n" not in str(e.value)
+    pipe.load_lora_weights(files["peft"], adapter_name="fox")
+    pipe.set_adapters(["fox"], [0.8])
+    try:
+        want = oracle(pipe, "a red fox", (96, 96), 2, 1.0, 6)
+    finally:
+        pipe.unload_lora_weights()
+    plain = oracle(pipe, "a red fox", (96, 96), 2, 1.0, 6)
+    for name, image in zip(files, got):
+        assert np.abs(image - want).max() <= 1, name
+    assert np.abs(got[-1] - plain).max() <= 1 and np.abs(want - plain).max() > 3

@@ -28,7 +28,10 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
 
 Checkpoints of one architecture differ in their defaults (distilled: 4 steps, no guidance; base: 50 steps at 4):
 `CHECKPOINTS`, chosen by the folder's `is_distilled` where it says, else by its name.
-Not here yet: reference images, single and split files, fp8 and GGUF, LoRA, and FLUX.2 [dev] (`Flux2Pipeline`).
+LoRA files: diffusers / PEFT (`transformer.*`, split q/k/v), ai-toolkit's and ComfyUI's original layout
+(`diffusion_model.double_blocks.*`, fused qkv; lora_A/B or lora_down/up with alphas) and Kohya's (`lora_unet_*`), read
+by Flux2KleinPipeline's converter after `lora_keys`.
+Not here yet: reference images, single and split files, fp8 and GGUF, and FLUX.2 [dev] (`Flux2Pipeline`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...lora.targets import DENOISER, LoraLayout
 from ...request import Size
 from ...sampling.flow import FlowSchedule, flow_plan
 from ...sampling.samplers import SamplerPlan
@@ -63,6 +67,15 @@ KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=2
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rope_theta=1000000.0, tie_word_embeddings=True)
+# the layers LoRA files for it train: the double blocks' attention (both streams) and feed-forwards, the single
+# blocks' fused qkv+MLP input and output, and the embedders and output projection some adapters add
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                "ff_context.linear_out", "attn.to_qkv_mlp_proj", "attn.to_out", "x_embedder", "context_embedder",
+                "proj_out")
+# Kohya's `lora_unet_` names of FLUX.2's layers (BFL's original names, flattened): what the pipeline's converter reads
+KOHYA_FLUX2 = ("lora_unet_double_blocks_", "lora_unet_single_blocks_", "lora_unet_img_in.", "lora_unet_txt_in.",
+               "lora_unet_time_in_", "lora_unet_final_layer_")
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,31 @@ def checkpoint_of(path: str, distilled: bool | None = None) -> Checkpoint:
     raise ValueError(f"cannot tell which FLUX.2 klein checkpoint {os.path.basename(path)!r} is; keep the published "
                      "name (FLUX.2-klein-4B, FLUX.2-klein-base-4B, ...) in its folder name, or set `is_distilled` "
                      "in its model_index.json")
+
+
+def lora_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LoRA files made readable by Flux2KleinPipeline's converter, which takes Kohya's `lora_unet_*` with alphas and
+    the other layouts with `lora_A` / `lora_B` and no alphas: a `lora_down` / `lora_up` pair outside Kohya's names
+    (ComfyUI's `diffusion_model.*`) becomes lora_A / lora_B, and an `alpha` there is folded into the down weight
+    (alpha / rank). A Kohya key the converter does not know (it would drop it with a log line) is a ValueError: the
+    file was made for another model."""
+    foreign = [k for k in state if k.startswith("lora_unet_") and not k.startswith(KOHYA_FLUX2)]
+    if foreign:
+        raise ValueError(f"its Kohya keys are not FLUX.2's ({foreign[0]}, ...): it was made for another model")
+    out, alphas = {}, {}
+    for key, value in state.items():
+        if key.startswith("lora_unet_"):
+            out[key] = value
+        elif key.endswith(".alpha"):
+            alphas[key[:-len(".alpha")]] = float(value)
+        else:
+            out[key.replace(".lora_down.", ".lora_A.").replace(".lora_up.", ".lora_B.")] = value
+    for module, alpha in alphas.items():
+        down = out.get(f"{module}.lora_A.weight")
+        if down is None:
+            raise ValueError(f"{module}.alpha has no down weight ({module}.lora_down.weight or .lora_A.weight)")
+        out[f"{module}.lora_A.weight"] = down * (alpha / down.shape[0])
+    return out
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -251,6 +289,12 @@ class Flux2KleinFamily(TokenFamily):
     def guidance(self, model: DiffusionModel) -> str:
         """"none" for the step-distilled checkpoints (the pipeline ignores guidance there), else "cfg"."""
         return "none" if model.extra["checkpoint"].distilled else "cfg"
+
+    def lora_layout(self, model: DiffusionModel) -> LoraLayout | None:
+        """`transformer.*` (diffusers / PEFT), `diffusion_model.*` (ai-toolkit, ComfyUI) and `lora_unet_*` (Kohya)
+        files, fused or split attention projections, read by Flux2KleinPipeline's converter after `lora_keys`."""
+        return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class="Flux2KleinPipeline",
+                          prepare=lora_keys)
 
     # -- layout: the patchified latents [128, H/16, W/16], one token per cell ------------------------------
     def vae_scale_factor(self, model: DiffusionModel) -> int:
