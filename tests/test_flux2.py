@@ -177,7 +177,10 @@ def test_it_refuses_what_it_does_not_read(klein):
         GenerationRequest.create(prompt="fox", height=128, width=120, model=klein.info)
     assert e.value.param == "width" and "16" in str(e.value)
     assert json.loads(json.dumps(klein.info.samplers)) == ["flow_euler"]
-    with pytest.raises(ParamError) as e:  # the distilled checkpoint runs no guidance: a negative prompt is unread
+    with pytest.raises(ParamError) as e:  # the distilled checkpoint runs no guidance: a scale other than 1 is unread
+        GenerationRequest.create(prompt="fox", guidance_scale=4.0, height=128, width=128, model=klein.info)
+    assert e.value.param == "guidance_scale" and "step-distilled" in str(e.value)
+    with pytest.raises(ParamError) as e:  # and so is a negative prompt
         GenerationRequest.create(prompt="fox", negative_prompt="snow", height=128, width=128, model=klein.info)
     assert e.value.param == "negative_prompt"
 
@@ -298,3 +301,32 @@ def test_lora_files_of_five_layouts_run_per_row_and_equal_diffusers(folders, tmp
     for name, image in zip(files, got):
         assert np.abs(image - want).max() <= 1, name
     assert np.abs(got[-1] - plain).max() <= 1 and np.abs(want - plain).max() > 3
+
+
+def test_guidance_on_a_distilled_klein_is_refused_by_openai_and_ignored_by_a1111(folders):
+    """The step-distilled checkpoint runs no guidance: a guidance_scale other than 1 is a one-line 400 naming it on
+    the images route (and a ParamError from GenerationRequest.create), while AUTOMATIC1111's route runs the request
+    with cfg_scale 1 and a warning (its clients send 7 by default); the image equals the pipeline's."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph.server import ServerConfig
+    from server_util import served
+
+    path, pipe = folders["FLUX.2-klein-4B"]
+    with served(Engine(model=path, device="cpu"), ServerConfig(model=path, device="cpu")) as client:
+        body = {"prompt": "a red fox", "size": "96x64", "seed": 3, "num_inference_steps": 2}
+        bad = client.post("/v1/images/generations", json={**body, "guidance_scale": 3.5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guidance_scale", bad.text
+        message = bad.json()["error"]["message"]
+        assert "3.5" in message and "no guidance" in message and "\n" not in message
+        assert client.post("/v1/images/generations", json={**body, "guidance_scale": 1}).status_code == 200
+        a1111 = client.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "width": 96, "height": 64, "seed": 3,
+                                                       "steps": 2, "cfg_scale": 7, "sampler_name": "Euler"})
+        assert a1111.status_code == 200, a1111.text
+        assert any(w.startswith("cfg_scale was ignored") for w in a1111.json()["warnings"]), a1111.json()
+        assert json.loads(a1111.json()["info"])["cfg_scale"] == 1.0
+        image = np.array(Image.open(io.BytesIO(base64.b64decode(a1111.json()["images"][0]))))
+    assert np.abs(image.astype(np.int16) - oracle(pipe, "a red fox", (64, 96), 2, 1.0, 3)).max() <= 1

@@ -247,9 +247,10 @@ class Flux2KleinFamily(TokenFamily):
         encoder.layers = encoder.layers[:max(TEXT_LAYERS) + 1]  # the later ones never reach a read hidden state
         for m in (transformer, vae, encoder):
             m.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        native = int(getattr(vae.config, "sample_size", 1024) or 1024)  # the VAE's (FLUX.2's: 1024)
         return DiffusionModel(name=name, family=self.name, adapter=self, denoiser=transformer, vae=vae,
                               text_encoders=[encoder], tokenizers=[tokenizer], scheduler_config=scheduler_config,
-                              device=device, dtype=dtype, native_size=1024, is_random=is_random,
+                              device=device, dtype=dtype, native_size=native, is_random=is_random,
                               extra={"checkpoint": checkpoint})
 
     # -- random presets ----------------------------------------------------------------------------------
@@ -407,5 +408,7 @@ def tiny_qwen3(vocab: int) -> dict[str, Any]:
 
 
 def tiny_vae() -> dict[str, Any]:
-    """An AutoencoderKLFlux2 config with the true latent layout (32 channels, 8x down) at test width."""
-    return {**FLUX2_VAE, "block_out_channels": (16, 16, 16, 16), "layers_per_block": 1, "norm_num_groups": 8}
+    """An AutoencoderKLFlux2 config with the true latent layout (32 channels, 8x down) at test width, its sample size
+    64 (the native size: a server warms up at it)."""
+    return {**FLUX2_VAE, "block_out_channels": (16, 16, 16, 16), "layers_per_block": 1, "norm_num_groups": 8,
+            "sample_size": 64}
