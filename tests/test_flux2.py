@@ -25,7 +25,7 @@ from loop_util import images_together
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 tokens (16 px cells): one bucket of 256
 
 
-def pipeline(distilled: bool):
+def pipeline(distilled: bool, vae: dict | None = None):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, \
         Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -37,7 +37,7 @@ def pipeline(distilled: bool):
             if p.ndim == 2:
                 p.mul_(3.0)
     encoder = Qwen3ForCausalLM(Qwen3Config(**tiny_qwen3(151936)))
-    vae = AutoencoderKLFlux2(**tiny_vae())
+    vae = AutoencoderKLFlux2(**(vae or tiny_vae()))
     with torch.no_grad():  # batch-norm statistics a wrong (de)normalisation cannot pass
         vae.bn.running_mean.normal_(std=0.5)
         vae.bn.running_var.uniform_(0.5, 2.0)
@@ -330,3 +330,37 @@ def test_guidance_on_a_distilled_klein_is_refused_by_openai_and_ignored_by_a1111
         assert json.loads(a1111.json()["info"])["cfg_scale"] == 1.0
         image = np.array(Image.open(io.BytesIO(base64.b64decode(a1111.json()["images"][0]))))
     assert np.abs(image.astype(np.int16) - oracle(pipe, "a red fox", (64, 96), 2, 1.0, 3)).max() <= 1
+
+
+def test_comfyui_split_files_equal_the_pipeline(tmp_path):
+    """The transformer in BFL's layout under `model.diffusion_model.` (fused qkv), the Qwen3 encoder under `model.`,
+    the FLUX.2 VAE in BFL's layout (the LDM coders, `encoder.quant_conv`, the batch-norm statistics), as three files:
+    loaded by the family (configs from their shapes, the shipped tokenizer) the image equals the pipeline's on the
+    same modules. (The tiny files are below the split kinds' size signatures, so the SplitFiles the catalog would
+    choose is made here; the VAE is 32 wide, as a width's group norm of 32 groups, the only count a file implies.)"""
+    from safetensors.torch import save_file
+
+    from diffgraph.models import flux2_files
+    from diffgraph.models.families import default_registry
+    from diffgraph.models.original_layout import vae_original
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+
+    pipe = pipeline(True, vae={**tiny_vae(), "block_out_channels": (32,) * 4, "norm_num_groups": 32})
+    paths = [str(tmp_path / name) for name in ("flux-2-klein-tiny.safetensors", "qwen_3_tiny.safetensors",
+                                               "flux2-vae.safetensors")]
+    save_file({k: v.contiguous() for k, v in flux2_files.transformer_to_original(
+        pipe.transformer.state_dict()).items()}, paths[0])
+    save_file({f"model.{k}": v.contiguous() for k, v in pipe.text_encoder.model.state_dict().items()}, paths[1])
+    vae = pipe.vae.state_dict()
+    coders = vae_original({k: v for k, v in vae.items() if not k.startswith("bn.")}, 4)
+    save_file({k: v.contiguous() for k, v in flux2_files.vae_to_original(vae, coders).items()}, paths[2])
+    files = SplitFiles(next(k for k in SPLIT_KINDS if k.name == "flux2-klein-4b"), *paths, ())
+    assert files.kind.family == "flux2"
+    model = default_registry().by_name("flux2").load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    with Engine(model=model) as engine:
+        got = images_together(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=2,
+                                            seed=4)])[0]
+        assert engine.info.default_steps == 4 and engine.info.guidance == "none"
+    assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
+    with pytest.raises(ValueError, match="is a FLUX.2 VAE.*not a FLUX.2 transformer"):
+        flux2_files.read_transformer(paths[2])

@@ -31,7 +31,8 @@ Checkpoints of one architecture differ in their defaults (distilled: 4 steps, no
 LoRA files: diffusers / PEFT (`transformer.*`, split q/k/v), ai-toolkit's and ComfyUI's original layout
 (`diffusion_model.double_blocks.*`, fused qkv; lora_A/B or lora_down/up with alphas) and Kohya's (`lora_unet_*`), read
 by Flux2KleinPipeline's converter after `lora_keys`.
-Not here yet: reference images, single and split files, fp8 and GGUF, and FLUX.2 [dev] (`Flux2Pipeline`).
+Split files (ComfyUI's transformer, Qwen3 encoder and FLUX.2 VAE): `load_split`.
+Not here yet: reference images, BFL's single files, fp8 kept as fp8, GGUF, and FLUX.2 [dev] (`Flux2Pipeline`).
 """
 
 from __future__ import annotations
@@ -232,6 +233,31 @@ class Flux2KleinFamily(TokenFamily):
         vae = AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", **common)
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype, checkpoint)
 
+    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
+        """ComfyUI's three files (flux2_files.py: the transformer in BFL's layout, the FLUX.2 VAE by its key map; the
+        Qwen3 encoder as Z-Image's); the configs come from the weights' shapes, the tokenizer is the shipped Qwen3's,
+        the checkpoint (distilled or base) from the transformer file's name."""
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+        from transformers import Qwen3Config, Qwen3Model
+
+        from .. import flux2_files as ff, zimage_files as zf
+        checkpoint = checkpoint_of(files.diffusion_model)  # before any weight is read: the name must say it
+        weights = ff.read_transformer(files.diffusion_model, dtype)
+        with torch.device(device):
+            transformer = Flux2Transformer2DModel(**ff.transformer_config(weights.state)).to(dtype)
+        zf.load_into(transformer, weights)
+        del weights
+        weights = zf.read_text_encoder(files.text_encoder, dtype)
+        with torch.device(device):
+            encoder = Qwen3Model(Qwen3Config(**zf.qwen3_config(weights.state))).to(dtype)
+        zf.load_into(encoder, weights)
+        del weights
+        with torch.device(device):
+            vae = AutoencoderKLFlux2(**zf.vae_config(files.vae, FLUX2_VAE)).to(dtype)
+        zf.load_into(vae, ff.read_vae(files.vae, vae.config, dtype))
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
+                           checkpoint)
+
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
                scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
                checkpoint: Checkpoint, is_random: bool = False) -> DiffusionModel:
@@ -402,9 +428,11 @@ def tiny_transformer(text_width: int) -> dict[str, Any]:
 
 
 def tiny_qwen3(vocab: int) -> dict[str, Any]:
-    """A Qwen3Config of 28 layers (the last one read is 27), 16 wide."""
+    """A Qwen3Config of 28 layers (the last one read is 27), 16 wide, with Qwen3's RoPE theta (what a split file's
+    config assumes)."""
     return dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=max(TEXT_LAYERS) + 1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024)
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                rope_theta=1000000.0)
 
 
 def tiny_vae() -> dict[str, Any]:
