@@ -364,3 +364,7 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
     assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
     with pytest.raises(ValueError, match="is a FLUX.2 VAE.*not a FLUX.2 transformer"):
         flux2_files.read_transformer(paths[2])
+    with pytest.raises(ValueError, match="cannot tell which FLUX.2 klein checkpoint"):
+        default_registry().by_name("flux2").load_split(SplitFiles(files.kind, str(tmp_path / "mine.safetensors"),
+                                                                  *paths[1:], ()), torch.device("cpu"),
+                                                       torch.float32, "mine")
