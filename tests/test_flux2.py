@@ -25,7 +25,7 @@ from loop_util import images_together
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 tokens (16 px cells): one bucket of 256
 
 
-def pipeline(distilled: bool):
+def pipeline(distilled: bool, vae: dict | None = None):
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, \
         Flux2Transformer2DModel
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -37,7 +37,7 @@ def pipeline(distilled: bool):
             if p.ndim == 2:
                 p.mul_(3.0)
     encoder = Qwen3ForCausalLM(Qwen3Config(**tiny_qwen3(151936)))
-    vae = AutoencoderKLFlux2(**tiny_vae())
+    vae = AutoencoderKLFlux2(**(vae or tiny_vae()))
     with torch.no_grad():  # batch-norm statistics a wrong (de)normalisation cannot pass
         vae.bn.running_mean.normal_(std=0.5)
         vae.bn.running_var.uniform_(0.5, 2.0)
@@ -177,7 +177,10 @@ def test_it_refuses_what_it_does_not_read(klein):
         GenerationRequest.create(prompt="fox", height=128, width=120, model=klein.info)
     assert e.value.param == "width" and "16" in str(e.value)
     assert json.loads(json.dumps(klein.info.samplers)) == ["flow_euler"]
-    with pytest.raises(ParamError) as e:  # the distilled checkpoint runs no guidance: a negative prompt is unread
+    with pytest.raises(ParamError) as e:  # the distilled checkpoint runs no guidance: a scale other than 1 is unread
+        GenerationRequest.create(prompt="fox", guidance_scale=4.0, height=128, width=128, model=klein.info)
+    assert e.value.param == "guidance_scale" and "step-distilled" in str(e.value)
+    with pytest.raises(ParamError) as e:  # and so is a negative prompt
         GenerationRequest.create(prompt="fox", negative_prompt="snow", height=128, width=128, model=klein.info)
     assert e.value.param == "negative_prompt"
 
@@ -218,3 +221,150 @@ def test_a_dev_folder_is_refused_naming_what_is_read(folders, tmp_path):
     with pytest.raises(ValueError, match="holds a Flux2Pipeline, which is not supported.*Flux2KleinPipeline") as e:
         Engine(model=str(dev), device="cpu")
     assert "\n" not in str(e.value)
+
+
+def lora_files(pipe, folder) -> dict[str, str]:
+    """One rank-4 adapter on the double block's attention (both streams) and feed-forwards and the single block's
+    linears, written five ways: diffusers / PEFT keys (split q/k/v); Kohya's `lora_unet_*` with alphas (fused qkv);
+    ai-toolkit's `diffusion_model.*` (BFL's names, fused qkv, lora_A/B); ComfyUI's (the same names, lora_down/up with
+    alphas); and `diffusion_model.*` in diffusers' names. q, k and v share their down weight, so the fused files hold
+    the same adapter."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(21)
+    # diffusers' module -> BFL's original name (None: one of a fused qkv)
+    double = {"attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj", "ff.linear_in": "img_mlp.0",
+              "ff.linear_out": "img_mlp.2", "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+    single = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
+    fused = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+             "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+    weights = {}  # diffusers' full module path -> (a, b)
+    for original, modules in fused.items():
+        shared = torch.randn((4, 32), generator=g) * 0.3
+        for m in modules:
+            weights[f"transformer_blocks.0.{m}"] = (shared, torch.randn((32, 4), generator=g) * 0.3)
+    for blocks, names in (("transformer_blocks.0", double), ("single_transformer_blocks.0", single)):
+        for m in names:
+            linear = pipe.transformer.get_submodule(f"{blocks}.{m}")
+            weights[f"{blocks}.{m}"] = (torch.randn((4, linear.in_features), generator=g) * 0.3,
+                                        torch.randn((linear.out_features, 4), generator=g) * 0.3)
+    original = {**{f"double_blocks.0.{o}": f"transformer_blocks.0.{m}" for m, o in double.items()},
+                **{f"single_blocks.0.{o}": f"single_transformer_blocks.0.{m}" for m, o in single.items()}}
+    peft = {f"transformer.{m}.lora_{x}.weight": w for m, (a, b) in weights.items() for x, w in (("A", a), ("B", b))}
+    split = {k.replace("transformer.", "diffusion_model.", 1): v for k, v in peft.items()}
+    kohya, toolkit, comfy = {}, {}, {}
+    fused_weights = {f"double_blocks.0.{o}": (weights[f"transformer_blocks.0.{ms[0]}"][0],
+                                               torch.cat([weights[f"transformer_blocks.0.{m}"][1] for m in ms]))
+                     for o, ms in fused.items()}
+    for name, (a, b) in {**{o: weights[m] for o, m in original.items()}, **fused_weights}.items():
+        flat = "lora_unet_" + name.replace(".", "_")
+        kohya[f"{flat}.lora_down.weight"], kohya[f"{flat}.lora_up.weight"] = a * 2, b  # alpha 2 of rank 4
+        kohya[f"{flat}.alpha"] = torch.tensor(2.0)
+        toolkit[f"diffusion_model.{name}.lora_A.weight"], toolkit[f"diffusion_model.{name}.lora_B.weight"] = a, b
+        comfy[f"diffusion_model.{name}.lora_down.weight"], comfy[f"diffusion_model.{name}.lora_up.weight"] = a / 2, b
+        comfy[f"diffusion_model.{name}.alpha"] = torch.tensor(8.0)  # alpha 8 of rank 4
+    out = {}
+    for name, state in (("peft", peft), ("kohya", kohya), ("toolkit", toolkit), ("comfy", comfy), ("split", split)):
+        out[name] = str(folder / f"{name}.safetensors")
+        save_file({k: v.clone().contiguous() for k, v in state.items()}, out[name])
+    return out
+
+
+def test_lora_files_of_five_layouts_run_per_row_and_equal_diffusers(folders, tmp_path):
+    """Rows with the adapter from each file and a row without, in one step: each adapter row equals the pipeline
+    with diffusers' load_lora_weights of the PEFT file at the same scale, the plain row the pipeline without. A
+    Z-Image adapter (PEFT or Kohya keys) is refused naming it."""
+    from safetensors.torch import save_file
+
+    path, pipe = folders["FLUX.2-klein-4B"]
+    files = lora_files(pipe, tmp_path)
+    save_file({"transformer.layers.0.attention.to_q.lora_A.weight": torch.ones(4, 64),
+               "transformer.layers.0.attention.to_q.lora_B.weight": torch.ones(64, 4)},
+              str(tmp_path / "zimage_style.safetensors"))
+    save_file({"lora_unet_layers_0_attention_to_q.lora_down.weight": torch.ones(4, 64),
+               "lora_unet_layers_0_attention_to_q.lora_up.weight": torch.ones(64, 4)},
+              str(tmp_path / "zimage_kohya.safetensors"))
+    with Engine(model=path, device="cpu", lora_dir=str(tmp_path)) as engine:
+        common = dict(prompt="a red fox", height=96, width=96, num_inference_steps=2, seed=6)
+        got = images_together(engine, [dict(common, loras=[(name, 0.8)]) for name in files] + [common])
+        for name in ("zimage_style", "zimage_kohya"):
+            with pytest.raises(ParamError, match=f"'{name}' .*made for another model") as e:
+                engine.submit(GenerationRequest.create(model=engine.info, **common, loras=[(name, 1.0)])).result()
+            assert e.value.param == "loras" and "\n" not in str(e.value)
+    pipe.load_lora_weights(files["peft"], adapter_name="fox")
+    pipe.set_adapters(["fox"], [0.8])
+    try:
+        want = oracle(pipe, "a red fox", (96, 96), 2, 1.0, 6)
+    finally:
+        pipe.unload_lora_weights()
+    plain = oracle(pipe, "a red fox", (96, 96), 2, 1.0, 6)
+    for name, image in zip(files, got):
+        assert np.abs(image - want).max() <= 1, name
+    assert np.abs(got[-1] - plain).max() <= 1 and np.abs(want - plain).max() > 3
+
+
+def test_guidance_on_a_distilled_klein_is_refused_by_openai_and_ignored_by_a1111(folders):
+    """The step-distilled checkpoint runs no guidance: a guidance_scale other than 1 is a one-line 400 naming it on
+    the images route (and a ParamError from GenerationRequest.create), while AUTOMATIC1111's route runs the request
+    with cfg_scale 1 and a warning (its clients send 7 by default); the image equals the pipeline's."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph.server import ServerConfig
+    from server_util import served
+
+    path, pipe = folders["FLUX.2-klein-4B"]
+    with served(Engine(model=path, device="cpu"), ServerConfig(model=path, device="cpu")) as client:
+        body = {"prompt": "a red fox", "size": "96x64", "seed": 3, "num_inference_steps": 2}
+        bad = client.post("/v1/images/generations", json={**body, "guidance_scale": 3.5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guidance_scale", bad.text
+        message = bad.json()["error"]["message"]
+        assert "3.5" in message and "no guidance" in message and "\n" not in message
+        assert client.post("/v1/images/generations", json={**body, "guidance_scale": 1}).status_code == 200
+        a1111 = client.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "width": 96, "height": 64, "seed": 3,
+                                                       "steps": 2, "cfg_scale": 7, "sampler_name": "Euler"})
+        assert a1111.status_code == 200, a1111.text
+        assert any(w.startswith("cfg_scale was ignored") for w in a1111.json()["warnings"]), a1111.json()
+        assert json.loads(a1111.json()["info"])["cfg_scale"] == 1.0
+        image = np.array(Image.open(io.BytesIO(base64.b64decode(a1111.json()["images"][0]))))
+    assert np.abs(image.astype(np.int16) - oracle(pipe, "a red fox", (64, 96), 2, 1.0, 3)).max() <= 1
+
+
+def test_comfyui_split_files_equal_the_pipeline(tmp_path):
+    """The transformer in BFL's layout under `model.diffusion_model.` (fused qkv), the Qwen3 encoder under `model.`,
+    the FLUX.2 VAE in BFL's layout (the LDM coders, `encoder.quant_conv`, the batch-norm statistics), as three files:
+    loaded by the family (configs from their shapes, the shipped tokenizer) the image equals the pipeline's on the
+    same modules. (The tiny files are below the split kinds' size signatures, so the SplitFiles the catalog would
+    choose is made here; the VAE is 32 wide, as a width's group norm of 32 groups, the only count a file implies.)"""
+    from safetensors.torch import save_file
+
+    from diffgraph.models import flux2_files
+    from diffgraph.models.families import default_registry
+    from diffgraph.models.original_layout import vae_original
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+
+    pipe = pipeline(True, vae={**tiny_vae(), "block_out_channels": (32,) * 4, "norm_num_groups": 32})
+    paths = [str(tmp_path / name) for name in ("flux-2-klein-tiny.safetensors", "qwen_3_tiny.safetensors",
+                                               "flux2-vae.safetensors")]
+    save_file({k: v.contiguous() for k, v in flux2_files.transformer_to_original(
+        pipe.transformer.state_dict()).items()}, paths[0])
+    save_file({f"model.{k}": v.contiguous() for k, v in pipe.text_encoder.model.state_dict().items()}, paths[1])
+    vae = pipe.vae.state_dict()
+    coders = vae_original({k: v for k, v in vae.items() if not k.startswith("bn.")}, 4)
+    save_file({k: v.contiguous() for k, v in flux2_files.vae_to_original(vae, coders).items()}, paths[2])
+    files = SplitFiles(next(k for k in SPLIT_KINDS if k.name == "flux2-klein-4b"), *paths, ())
+    assert files.kind.family == "flux2"
+    model = default_registry().by_name("flux2").load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    with Engine(model=model) as engine:
+        got = images_together(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=2,
+                                            seed=4)])[0]
+        assert engine.info.default_steps == 4 and engine.info.guidance == "none"
+    assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
+    with pytest.raises(ValueError, match="is a FLUX.2 VAE.*not a FLUX.2 transformer"):
+        flux2_files.read_transformer(paths[2])
+    with pytest.raises(ValueError, match="cannot tell which FLUX.2 klein checkpoint"):
+        default_registry().by_name("flux2").load_split(SplitFiles(files.kind, str(tmp_path / "mine.safetensors"),
+                                                                  *paths[1:], ()), torch.device("cpu"),
+                                                       torch.float32, "mine")

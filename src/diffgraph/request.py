@@ -802,13 +802,23 @@ class ModelInfo:
                                               f"{self.name!r}; allowed: {', '.join(self.prompt_syntaxes)}")
 
     def check_guidance(self, request: "GenerationRequest") -> None:
-        """ParamError naming the first parameter that needs classifier-free guidance on a model without it (an empty
-        negative prompt, no interval and rescale 0 are their neutral values, accepted everywhere)."""
-        if self.guidance == "cfg":
-            return
-        for name in cfg_params_used(request):
+        """ParamError naming the first parameter this model's guidance does not read (`unread_guidance`)."""
+        for name in self.unread_guidance(request):
+            if name == "guidance_scale":
+                raise ParamError(name, f"guidance_scale {request.guidance_scale:g} is not read: model {self.name!r} "
+                                       "is step-distilled and runs no guidance; leave guidance_scale out (or 1)")
             raise ParamError(name, f"{name} needs classifier-free guidance, which model {self.name!r} does not run "
                                    f"({self.guidance} guidance); leave {name} out")
+
+    def unread_guidance(self, params: "GenerationRequest | dict[str, Any]") -> tuple[str, ...]:
+        """The parameters (of a request, or `create` keywords) off their neutral values (`GUIDANCE_NEUTRAL`) that this
+        model's guidance does not read: classifier-free guidance's on a model without it (an empty negative prompt,
+        no interval and rescale 0 are neutral), and a guidance_scale other than 1 on one that runs none."""
+        unread = () if self.guidance == "cfg" else cfg_params_used(params)
+        scale = params.get("guidance_scale") if isinstance(params, dict) else params.guidance_scale
+        if self.guidance == "none" and scale is not None and scale != GUIDANCE_NEUTRAL["guidance_scale"]:
+            unread += ("guidance_scale",)
+        return unread
 
 
 def _extras(extras: Any, model: "ModelInfo | None") -> tuple[tuple[str, Any], ...]:
@@ -827,6 +837,8 @@ def _extras(extras: Any, model: "ModelInfo | None") -> tuple[tuple[str, Any], ..
 
 # the parameters only classifier-free guidance reads, with their neutral values (accepted on any model)
 CFG_NEUTRAL: dict[str, Any] = {"negative_prompt": None, "guidance_interval": None, "guidance_rescale": 0.0}
+# and guidance_scale's, the only one a model that runs no guidance accepts
+GUIDANCE_NEUTRAL: dict[str, Any] = {**CFG_NEUTRAL, "guidance_scale": 1.0}
 
 
 def cfg_params_used(params: "GenerationRequest | dict[str, Any]") -> tuple[str, ...]:

@@ -97,9 +97,9 @@ SPLIT_KINDS = (
     SplitKind("flux2-dev", "FLUX.2 dev", Signature(("double_blocks.", "single_blocks."), (
         ("img_in.weight", 1, 128), ("txt_in.weight", 1, 15360))), "mistral-small-3", "flux2-vae"),
     SplitKind("flux2-klein-4b", "FLUX.2 klein 4B", Signature(("double_blocks.", "single_blocks."), (
-        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 7680))), "qwen3-4b", "flux2-vae"),
+        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 7680))), "qwen3-4b", "flux2-vae", family="flux2"),
     SplitKind("flux2-klein-9b", "FLUX.2 klein 9B", Signature(("double_blocks.", "single_blocks."), (
-        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 12288))), "qwen3-8b", "flux2-vae"),
+        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 12288))), "qwen3-8b", "flux2-vae", family="flux2"),
 )
 PARTS: dict[Role, tuple[PartKind, ...]] = {"text_encoder": TEXT_ENCODERS, "vae": VAES}
 

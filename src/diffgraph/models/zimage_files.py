@@ -34,6 +34,7 @@ not read is refused by name from the header, before any tensor is read.
 Every other file is read through `safe_tensors.TensorFile` (streamed and checked, never mapped). Each file's header
 comes first, which must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks
 like, with split_files' signatures). Errors are ValueError, one line naming the file and saying what to use instead.
+`read_file` is the same reading for another family's converter (flux2_files.py: a FLUX.2 transformer, its VAE).
 `load_into` puts a `FileWeights` into a module: strict, fp8 pairs installed as `Fp8Linear` where they fit.
 """
 
@@ -52,7 +53,7 @@ from ..safe_tensors import CHANGED_FIX, FILE_LIMIT, TensorFile
 from .gguf_files import GgufFile
 from .split_files import GGUF_SUFFIX, PARTS, SPLIT_KINDS, header_shapes
 
-Kind = Literal["transformer", "text_encoder", "vae"]
+Kind = Literal["transformer", "text_encoder", "vae", "flux2_transformer"]
 Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata", "gguf"]
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI's format names of the layers read here
 TRANSFORMER_PREFIX = "model.diffusion_model."
@@ -70,7 +71,8 @@ _LOOKS = (("cap_embedder.", "a Z-Image transformer"), ("double_blocks.", "a FLUX
           ("text_model.encoder.layers.", "a CLIP text encoder"), ("transformer.resblocks.", "an OpenCLIP text encoder"),
           ("self_attn.q_proj.bias", "a Qwen2 / Qwen2.5 text encoder"), ("embed_tokens.", "a language model"),
           ("encoder.conv_in.", "a VAE"), ("token_embd.", "a llama.cpp language model"))
-_WANTED = {"transformer": "a Z-Image transformer", "text_encoder": "a Qwen3 text encoder", "vae": "a VAE"}
+_WANTED = {"transformer": "a Z-Image transformer", "text_encoder": "a Qwen3 text encoder", "vae": "a VAE",
+           "flux2_transformer": "a FLUX.2 transformer"}
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,14 @@ def read_vae(path: str, config: Mapping[str, Any], dtype: torch.dtype = torch.bf
     if any(".down_blocks." in k for k in weights.state):
         return weights
     return FileWeights(path, convert_ldm_vae_checkpoint(weights.state, dict(config)), {}, convention)
+
+
+def read_file(path: str, kind: Kind, dtype: torch.dtype = torch.bfloat16, config: Any = None,
+              max_bytes: int = FILE_LIMIT) -> FileWeights:
+    """A safetensors file of `kind` in its own key names (another family's converter maps them: flux2_files.py),
+    its header checked as the readers above check it, fp8 layers dequantised to `dtype`."""
+    state, convention = _read(path, kind, max_bytes, config)
+    return _finish(path, state, convention, dtype, keep_fp8=False)
 
 
 def load_into(module: nn.Module, weights: FileWeights) -> tuple[str, ...]:
@@ -259,6 +269,8 @@ def _check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], confi
     keys = list(shapes)
     if kind == "transformer":
         ok = any("noise_refiner." in k for k in keys) and any("cap_embedder." in k for k in keys)
+    elif kind == "flux2_transformer":
+        ok = any("double_blocks." in k for k in keys) and any("single_stream_modulation." in k for k in keys)
     elif kind == "text_encoder":
         ok = any(k.endswith("self_attn.q_norm.weight") for k in keys) and any(
             k.endswith("embed_tokens.weight") for k in keys)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, JsonValue, PrivateAttr, ValidationEr
 from .. import __version__
 from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, parse_infotext
 from ..prompt_styles import StyleBook, StyleError
-from ..request import CFG_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError, cfg_params_used
+from ..request import GUIDANCE_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError
 from ..sampling.aliases import canonical
 from ..sampling.samplers import ETA_SAMPLERS
 from ..api.protocol import APIError, check_prompt_bytes, error_from_validation
@@ -474,8 +474,9 @@ def given(body: ProcessingBody, name: str) -> Any:
 
 def fit_to_model(plan: Plan, info: ModelInfo) -> Plan:
     """The plan without what the model cannot honour, each named in a warning: AUTOMATIC1111 and Forge ignore the
-    parameters of classifier-free guidance on a model that runs none (the images API refuses them). Steps and
-    cfg_scale the body left out: the model's checkpoint defaults where it has them, else AUTOMATIC1111's 50 and 7."""
+    parameters of classifier-free guidance on a model that runs none, and cfg_scale on one that runs no guidance at
+    all (step-distilled; the images API refuses them). Steps and cfg_scale the body left out: the model's checkpoint
+    defaults where it has them, else AUTOMATIC1111's 50 and 7."""
     checkpoint = info.default_steps is not None
     plan = dataclasses.replace(plan, create={
         **plan.create,
@@ -486,12 +487,13 @@ def fit_to_model(plan: Plan, info: ModelInfo) -> Plan:
     if plan.create.get("prompt_syntax", "plain") not in info.prompt_syntaxes:  # AUTOMATIC1111's syntax: CLIP's
         plan = dataclasses.replace(plan, create={**plan.create, "prompt_syntax": "plain"}, warnings=plan.warnings + (
             f"the prompt is read as plain text: model {info.name!r} does not read AUTOMATIC1111's prompt syntax",))
-    if info.guidance == "cfg" or not (unused := cfg_params_used(plan.create)):
+    if not (unused := info.unread_guidance(plan.create)):
         return plan
-    return dataclasses.replace(plan, create={**plan.create, **{name: CFG_NEUTRAL[name] for name in unused}},
+    return dataclasses.replace(plan, create={**plan.create, **{name: GUIDANCE_NEUTRAL[name] for name in unused}},
                                warnings=plan.warnings + tuple(
-                                   f"{name} was ignored: model {info.name!r} runs no classifier-free guidance "
-                                   f"({info.guidance} guidance)" for name in unused))
+                                   f"{'cfg_scale' if name == 'guidance_scale' else name} was ignored: model "
+                                   f"{info.name!r} runs no classifier-free guidance ({info.guidance} guidance)"
+                                   for name in unused))
 
 
 def sampler_schedule(body: ProcessingBody, info: ModelInfo) -> tuple[str, str | None, float | None]:

@@ -28,7 +28,11 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
 
 Checkpoints of one architecture differ in their defaults (distilled: 4 steps, no guidance; base: 50 steps at 4):
 `CHECKPOINTS`, chosen by the folder's `is_distilled` where it says, else by its name.
-Not here yet: reference images, single and split files, fp8 and GGUF, LoRA, and FLUX.2 [dev] (`Flux2Pipeline`).
+LoRA files: diffusers / PEFT (`transformer.*`, split q/k/v), ai-toolkit's and ComfyUI's original layout
+(`diffusion_model.double_blocks.*`, fused qkv; lora_A/B or lora_down/up with alphas) and Kohya's (`lora_unet_*`), read
+by Flux2KleinPipeline's converter after `lora_keys`.
+Split files (ComfyUI's transformer, Qwen3 encoder and FLUX.2 VAE): `load_split`.
+Not here yet: reference images, BFL's single files, fp8 kept as fp8, GGUF, and FLUX.2 [dev] (`Flux2Pipeline`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ...lora.targets import DENOISER, LoraLayout
 from ...request import Size
 from ...sampling.flow import FlowSchedule, flow_plan
 from ...sampling.samplers import SamplerPlan
@@ -63,6 +68,15 @@ KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=2
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rope_theta=1000000.0, tie_word_embeddings=True)
+# the layers LoRA files for it train: the double blocks' attention (both streams) and feed-forwards, the single
+# blocks' fused qkv+MLP input and output, and the embedders and output projection some adapters add
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                "ff_context.linear_out", "attn.to_qkv_mlp_proj", "attn.to_out", "x_embedder", "context_embedder",
+                "proj_out")
+# Kohya's `lora_unet_` names of FLUX.2's layers (BFL's original names, flattened): what the pipeline's converter reads
+KOHYA_FLUX2 = ("lora_unet_double_blocks_", "lora_unet_single_blocks_", "lora_unet_img_in.", "lora_unet_txt_in.",
+               "lora_unet_time_in_", "lora_unet_final_layer_")
 
 
 @dataclass(frozen=True)
@@ -91,6 +105,31 @@ def checkpoint_of(path: str, distilled: bool | None = None) -> Checkpoint:
     raise ValueError(f"cannot tell which FLUX.2 klein checkpoint {os.path.basename(path)!r} is; keep the published "
                      "name (FLUX.2-klein-4B, FLUX.2-klein-base-4B, ...) in its folder name, or set `is_distilled` "
                      "in its model_index.json")
+
+
+def lora_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LoRA files made readable by Flux2KleinPipeline's converter, which takes Kohya's `lora_unet_*` with alphas and
+    the other layouts with `lora_A` / `lora_B` and no alphas: a `lora_down` / `lora_up` pair outside Kohya's names
+    (ComfyUI's `diffusion_model.*`) becomes lora_A / lora_B, and an `alpha` there is folded into the down weight
+    (alpha / rank). A Kohya key the converter does not know (it would drop it with a log line) is a ValueError: the
+    file was made for another model."""
+    foreign = [k for k in state if k.startswith("lora_unet_") and not k.startswith(KOHYA_FLUX2)]
+    if foreign:
+        raise ValueError(f"its Kohya keys are not FLUX.2's ({foreign[0]}, ...): it was made for another model")
+    out, alphas = {}, {}
+    for key, value in state.items():
+        if key.startswith("lora_unet_"):
+            out[key] = value
+        elif key.endswith(".alpha"):
+            alphas[key[:-len(".alpha")]] = float(value)
+        else:
+            out[key.replace(".lora_down.", ".lora_A.").replace(".lora_up.", ".lora_B.")] = value
+    for module, alpha in alphas.items():
+        down = out.get(f"{module}.lora_A.weight")
+        if down is None:
+            raise ValueError(f"{module}.alpha has no down weight ({module}.lora_down.weight or .lora_A.weight)")
+        out[f"{module}.lora_A.weight"] = down * (alpha / down.shape[0])
+    return out
 
 
 def empirical_mu(image_tokens: int, steps: int) -> float:
@@ -194,6 +233,31 @@ class Flux2KleinFamily(TokenFamily):
         vae = AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", **common)
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype, checkpoint)
 
+    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
+        """ComfyUI's three files (flux2_files.py: the transformer in BFL's layout, the FLUX.2 VAE by its key map; the
+        Qwen3 encoder as Z-Image's); the configs come from the weights' shapes, the tokenizer is the shipped Qwen3's,
+        the checkpoint (distilled or base) from the transformer file's name."""
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+        from transformers import Qwen3Config, Qwen3Model
+
+        from .. import flux2_files as ff, zimage_files as zf
+        checkpoint = checkpoint_of(files.diffusion_model)  # before any weight is read: the name must say it
+        weights = ff.read_transformer(files.diffusion_model, dtype)
+        with torch.device(device):
+            transformer = Flux2Transformer2DModel(**ff.transformer_config(weights.state)).to(dtype)
+        zf.load_into(transformer, weights)
+        del weights
+        weights = zf.read_text_encoder(files.text_encoder, dtype)
+        with torch.device(device):
+            encoder = Qwen3Model(Qwen3Config(**zf.qwen3_config(weights.state))).to(dtype)
+        zf.load_into(encoder, weights)
+        del weights
+        with torch.device(device):
+            vae = AutoencoderKLFlux2(**zf.vae_config(files.vae, FLUX2_VAE)).to(dtype)
+        zf.load_into(vae, ff.read_vae(files.vae, vae.config, dtype))
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
+                           checkpoint)
+
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
                scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
                checkpoint: Checkpoint, is_random: bool = False) -> DiffusionModel:
@@ -209,9 +273,10 @@ class Flux2KleinFamily(TokenFamily):
         encoder.layers = encoder.layers[:max(TEXT_LAYERS) + 1]  # the later ones never reach a read hidden state
         for m in (transformer, vae, encoder):
             m.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        native = int(getattr(vae.config, "sample_size", 1024) or 1024)  # the VAE's (FLUX.2's: 1024)
         return DiffusionModel(name=name, family=self.name, adapter=self, denoiser=transformer, vae=vae,
                               text_encoders=[encoder], tokenizers=[tokenizer], scheduler_config=scheduler_config,
-                              device=device, dtype=dtype, native_size=1024, is_random=is_random,
+                              device=device, dtype=dtype, native_size=native, is_random=is_random,
                               extra={"checkpoint": checkpoint})
 
     # -- random presets ----------------------------------------------------------------------------------
@@ -251,6 +316,12 @@ class Flux2KleinFamily(TokenFamily):
     def guidance(self, model: DiffusionModel) -> str:
         """"none" for the step-distilled checkpoints (the pipeline ignores guidance there), else "cfg"."""
         return "none" if model.extra["checkpoint"].distilled else "cfg"
+
+    def lora_layout(self, model: DiffusionModel) -> LoraLayout | None:
+        """`transformer.*` (diffusers / PEFT), `diffusion_model.*` (ai-toolkit, ComfyUI) and `lora_unet_*` (Kohya)
+        files, fused or split attention projections, read by Flux2KleinPipeline's converter after `lora_keys`."""
+        return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class="Flux2KleinPipeline",
+                          prepare=lora_keys)
 
     # -- layout: the patchified latents [128, H/16, W/16], one token per cell ------------------------------
     def vae_scale_factor(self, model: DiffusionModel) -> int:
@@ -357,11 +428,15 @@ def tiny_transformer(text_width: int) -> dict[str, Any]:
 
 
 def tiny_qwen3(vocab: int) -> dict[str, Any]:
-    """A Qwen3Config of 28 layers (the last one read is 27), 16 wide."""
+    """A Qwen3Config of 28 layers (the last one read is 27), 16 wide, with Qwen3's RoPE theta (what a split file's
+    config assumes)."""
     return dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=max(TEXT_LAYERS) + 1,
-                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024)
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+                rope_theta=1000000.0)
 
 
 def tiny_vae() -> dict[str, Any]:
-    """An AutoencoderKLFlux2 config with the true latent layout (32 channels, 8x down) at test width."""
-    return {**FLUX2_VAE, "block_out_channels": (16, 16, 16, 16), "layers_per_block": 1, "norm_num_groups": 8}
+    """An AutoencoderKLFlux2 config with the true latent layout (32 channels, 8x down) at test width, its sample size
+    64 (the native size: a server warms up at it)."""
+    return {**FLUX2_VAE, "block_out_channels": (16, 16, 16, 16), "layers_per_block": 1, "norm_num_groups": 8,
+            "sample_size": 64}
