@@ -57,8 +57,9 @@ from ..text.embeddings import EmbeddingDir
 from ..api.config import ServerConfig
 from ..api.protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, ModelCard, ModelList,
                        error_from_validation)
-from .a1111 import add_a1111_routes
+from .a1111 import a1111_router
 from .auth import APIKeyMiddleware, authorized
+from .context import AppContext
 from .control_routes import add_control_routes
 from .bodies import read_json
 from .edits import VARIATION_STRENGTH, ImageEditForm, edit_input, read_form, variation_schema
@@ -241,7 +242,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
         except APIError as e:
             return _error_response(e)
 
-    add_a1111_routes(app, state, routing, key_bytes, embedding_dir)  # /sdapi/v1: AUTOMATIC1111's API (a1111.py)
+    ctx = AppContext(state, routing, key_bytes, embedding_dir)
+    app.include_router(a1111_router(ctx))  # /sdapi/v1: AUTOMATIC1111's API (a1111.py)
     jobs = add_job_routes(app, state, key_bytes)  # /v1/jobs: batch jobs (jobs_routes.py), with --state-dir
 
     @app.get("/info")
