@@ -65,7 +65,7 @@ from .bodies import read_json
 from .edits import VARIATION_STRENGTH, ImageEditForm, edit_input, read_form, variation_schema
 from ..api.protocol import decode_controls, decode_image_prompt
 from .image_store import ImageLinks, UrlSigner, make_store
-from .jobs_routes import add_job_routes
+from .jobs_routes import jobs_router
 from .metrics import ModelCollector
 from .models import ModelRouting, Target
 from .pages import add_docs, embedding_listing, lora_listing, playground_file, server_info, server_status
@@ -244,7 +244,8 @@ def create_app(config: ServerConfig, engine_factory: Callable[[], Any] | None = 
 
     ctx = AppContext(state, routing, key_bytes, embedding_dir)
     app.include_router(a1111_router(ctx))  # /sdapi/v1: AUTOMATIC1111's API (a1111.py)
-    jobs = add_job_routes(app, state, key_bytes)  # /v1/jobs: batch jobs (jobs_routes.py), with --state-dir
+    jobs_routes, jobs = jobs_router(ctx)  # /v1/jobs: batch jobs (jobs_routes.py), with --state-dir
+    app.include_router(jobs_routes)
 
     @app.get("/info")
     async def info() -> Response:
