@@ -428,9 +428,7 @@ class A1111Server:
                 **DEFAULT_OPTIONS, **options.ui}
 
     async def set_options(self, http: Request) -> Response:
-        """Sets the calling key's default model and clip skip and its web UI options (UI_OPTIONS, kept and read back as
-        AUTOMATIC1111 keeps them); any other option keeps its value (a change to it is
-        accepted, as AUTOMATIC1111's clients send back the whole set, and named in the IGNORED_HEADER and the log)."""
+        """POST /sdapi/v1/options (its route's doc says what it sets)."""
         try:
             key = self.key_of(http)
             body = await self.read_json(http, self.prompt_limit)
@@ -550,6 +548,9 @@ def _add_options(router: APIRouter, server: A1111Server) -> None:
 
     @router.post("/sdapi/v1/options")
     async def set_options(http: Request) -> Response:
+        """Sets the calling key's default model and clip skip and its web UI options (UI_OPTIONS, kept and read back as
+        AUTOMATIC1111 keeps them); any other option keeps its value (a change to it is
+        accepted, as AUTOMATIC1111's clients send back the whole set, and named in the IGNORED_HEADER and the log)."""
         return await server.set_options(http)
 
 
