@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_a1111_review import client  # noqa: F401  (the module's in-process server on digits)
 
-from diffgraph.server import app as app_module
+from diffgraph.server import image_routes
 from diffgraph.api.protocol import APIError
 
 BODY = {"prompt": "a handwritten digit three", "size": "64x64", "num_inference_steps": 2, "seed": 1}
@@ -30,7 +30,7 @@ def test_a_stream_that_fails_after_the_handoff_is_counted_by_its_failure(client,
     def full(*args, **kwargs):
         raise APIError(507, "the image store is full", code="image_store_full")
 
-    monkeypatch.setattr(app_module, "_response", full)  # the image made, its answer not: after the handoff
+    monkeypatch.setattr(image_routes, "_response", full)  # the image made, its answer not: after the handoff
     r = client.post("/v1/images/generations", json={**BODY, "stream": True})
     assert r.status_code == 200 and "event: error" in r.text and "image_store_full" in r.text
     after = _outcomes(client)

@@ -9,8 +9,8 @@ pair counts once; comprehensions count as their function. The caller is the near
 and across an asyncio task or an executor's work item the diffgraph function that created it (`asyncio.ensure_future`
 in requests.py, `ThreadPoolExecutor.submit` in core.py), so a hand-off between threads is counted where it is made.
 
-Forward, "HTTP to the replay": from the route (`server/app.py:generations`) on the event loop until the server's
-call into the engine package returns the request's handle; on the engine's threads until the first call into
+Forward, "HTTP to the replay": from the route (`server/image_routes.py:generations`) on the event loop until the
+server's call into the engine package returns the request's handle; on the engine's threads until the first call into
 `graphs/runner.py:GraphRunner.replay` (that call included; what runs inside the replay is the step itself). Back,
 "the replay's end to the response": the rest of the loop iteration that replayed, the image thread, and the event
 loop from the handle to the route's return; a crossing already counted forward is not counted again.
@@ -38,7 +38,7 @@ SECTION = "## One HTTP request, traced"
 # ceilings on a plain request's way: the modules it visits forward (HTTP to the first replay) and back, and the
 # threads it passes through (docs/ARCHITECTURE.md states the same numbers)
 FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 26, 18, 8
-ROUTE = ("server/app.py", "generations")
+ROUTE = ("server/image_routes.py", "generations")
 REPLAY = ("graphs/runner.py", "GraphRunner.replay")
 _COMPREHENSIONS = re.compile(r"\.<locals>\.<(listcomp|setcomp|dictcomp|genexpr)>$")
 ROLES = {"fwd": ("event loop", "worker", "replica intake", "other", "engine loop"),

@@ -17,7 +17,8 @@ a1111_inpaint.py on a worker thread, each image validated (on a worker thread to
 `GenerationRequest.create` (the one validation) and submitted, watched and aborted through requests.py, on the model
 `ModelRouting` answers (override_settings' sd_model_checkpoint, else the key's). Prompts are read in AUTOMATIC1111's
 syntax (`(word:1.2)`, `<lora:name:w>`), after the styles the body names (--styles, read at start). Every request
-ends in one outcome counted in the metrics. app.py mounts this.
+ends in one outcome counted in the metrics. `a1111_router` builds the routes over one `A1111Server`, the state
+they share; app.py includes it.
 """
 
 from __future__ import annotations
@@ -31,12 +32,11 @@ import json
 import logging
 import os
 import secrets
-import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
@@ -64,14 +64,12 @@ from .a1111_protocol import (DEFAULT_OPTIONS, IGNORED_HEADER, MAX_IGNORED_NAMES,
                              validate)
 from .auth import caller_key
 from .bodies import read_body
-from .models import ModelRouting, Target
+from .context import AppContext, error_response
+from .models import Target
 from .pages import embedding_listing, lora_listing
 from ..api.protocol import APIError
-from .requests import ClientGone, ServerState, abort, outcome, results, submit
+from .requests import ClientGone, abort, outcome, results, submit
 from ..api.protocol import decode_b64
-
-if TYPE_CHECKING:
-    from ..text.embeddings import EmbeddingDir
 
 MAX_INIT_IMAGES = 4
 MODEL_FIELD = "override_settings.sd_model_checkpoint"
@@ -79,10 +77,13 @@ MODEL_FIELD = "override_settings.sd_model_checkpoint"
 logger = logging.getLogger(__name__)
 
 
-def _failure(e: APIError) -> JSONResponse:
-    # a body refused while it arrives (too long, too slow): close rather than read the rest of it
-    return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.status in (408, 413)
-                        else None)
+async def _answer(work: Callable[[], Any]) -> Response:
+    """`work()`'s value (awaited when it is awaitable) as JSON, or its APIError."""
+    try:
+        value = work()
+        return JSONResponse(await value if inspect.isawaitable(value) else value)
+    except APIError as e:
+        return error_response(e)
 
 
 def _edits_per_image(count: int, body: ProcessingBody, edits: list[PreparedEdit]) -> list[PreparedEdit]:
@@ -90,106 +91,101 @@ def _edits_per_image(count: int, body: ProcessingBody, edits: list[PreparedEdit]
     return [edits[index % (body.batch_size or 1) % len(edits)] for index in range(count)] if edits else []
 
 
-def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | None, keys: tuple[bytes, ...],
-                     embedding_dir: EmbeddingDir | None) -> None:
-    """Mounts the /sdapi/v1 routes on `app` (see the module doc); `keys` are the API keys, as bytes."""
-    config = state.config
-    board = JobBoard(lambda handle: abort(state, handle))
-    prompt_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
-    image_limit = (MAX_INIT_IMAGES + 1) * 4 * (config.max_image_bytes // 3 + 2)
-    roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
-    controlnets = ControlNetDir(*roots) if roots else None  # what ControlNet units may name (a1111_controlnet.py)
-    served = (lambda: list(controlnets.listing())) if controlnets is not None else list
-    unit_limit = MAX_CONTROLS * 4 * (config.max_image_bytes // 3 + 2) if controlnets is not None else 0
-    read_timeout = min(config.body_timeout, config.request_timeout)
-    # `Model hash`, `Lora hashes` (models/file_hashes.py): the model set's when there is one (one hashing thread)
-    hashes = routing.hashes if routing is not None else FileHashes(default_cache_root())
-    styles = read_styles(config.styles) if config.styles else None  # --styles: read once, at start
+class A1111Server:
+    """What AUTOMATIC1111's routes share: the server state, the model routing, each key's requests and options
+    (`JobBoard`), the body limits, the ControlNets units may name, the file hashes and the styles (--styles)."""
 
-    def checkpoint(name: str | None) -> str | None:
+    def __init__(self, ctx: AppContext):
+        self.state, self.routing, self.keys = ctx.state, ctx.routing, ctx.keys
+        self.embedding_dir = ctx.embedding_dir
+        self.config = config = ctx.state.config
+        self.board = JobBoard(lambda handle: abort(ctx.state, handle))
+        self.prompt_limit = 8 * config.max_prompt_bytes + 65536  # JSON may escape each byte as \u00XX
+        self.image_limit = (MAX_INIT_IMAGES + 1) * 4 * (config.max_image_bytes // 3 + 2)
+        roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
+        controlnets = ControlNetDir(*roots) if roots else None  # what ControlNet units may name (a1111_controlnet.py)
+        self.served = (lambda: list(controlnets.listing())) if controlnets is not None else list
+        self.unit_limit = MAX_CONTROLS * 4 * (config.max_image_bytes // 3 + 2) if controlnets is not None else 0
+        self.read_timeout = min(config.body_timeout, config.request_timeout)
+        # `Model hash`, `Lora hashes` (models/file_hashes.py): the model set's when there is one (one hashing thread)
+        self.hashes = ctx.routing.hashes if ctx.routing is not None else FileHashes(default_cache_root())
+        self.styles = read_styles(config.styles) if config.styles else None  # --styles: read once, at start
+        default_file = self.checkpoint(None)
+        if default_file is not None:  # queued for hashing while the model loads (a restart finds it in its cache)
+            self.hashes.get(default_file)
+
+    def checkpoint(self, name: str | None) -> str | None:
         """The checkpoint file of the model `name` (None: the default, --model): None for a folder or a preset."""
-        path = config.model
-        if name is not None and routing is not None:
+        path = self.config.model
+        if name is not None and self.routing is not None:
             try:
-                entry = routing.catalog.resolve(name)
+                entry = self.routing.catalog.resolve(name)
             except ModelNameError:
                 return None
             path = entry.path if entry.form == "file" else None
         return path if path and os.path.isfile(path) else None
 
-    def lora_file(name: str, model: str) -> str | None:
+    def lora_file(self, name: str, model: str) -> str | None:
         """The file of the adapter `name` as the model's engine finds it: --lora-dir's, then the model's built-in."""
-        for root in (r for r in (config.lora_dir, builtin_lora_folder(model)) if r):
+        for root in (r for r in (self.config.lora_dir, builtin_lora_folder(model)) if r):
             try:
                 return AdapterDir(root).path(name)
             except (AdapterNameError, ValueError):  # not in this folder (a bad name: the engine says why)
                 continue
         return None
 
-    default_file = checkpoint(None)
-    if default_file is not None:  # queued for hashing while the model loads (a restart finds it in the cache folder)
-        hashes.get(default_file)
+    def key_of(self, http: Request) -> Key:
+        return caller_key(http.scope, self.keys) if self.keys else None
 
-    def key_of(http: Request) -> Key:
-        return caller_key(http.scope, keys) if keys else None
-
-    async def answer(work: Callable[[], Any]) -> Response:
-        """`work()`'s value (awaited when it is awaitable) as JSON, or its APIError."""
+    async def read_json(self, http: Request, limit: int) -> Any:
         try:
-            value = work()
-            return JSONResponse(await value if inspect.isawaitable(value) else value)
-        except APIError as e:
-            return _failure(e)
-
-    async def read_json(http: Request, limit: int) -> Any:
-        try:
-            body = await asyncio.wait_for(read_body(http, limit), read_timeout)
+            body = await asyncio.wait_for(read_body(http, limit), self.read_timeout)
             return await asyncio.to_thread(json.loads, body)
         except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {read_timeout:g} s; send the whole body at "
-                                "once", code="body_timeout") from None
+            raise APIError(408, f"the request body did not arrive within {self.read_timeout:g} s; send the whole "
+                                "body at once", code="body_timeout") from None
         except (ValueError, RecursionError) as e:
             raise APIError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
                                 "{\"prompt\": \"a red fox\"}", code="invalid_json") from None
 
-    async def resolve(title: str | None, field: str = MODEL_FIELD) -> str | None:
+    async def resolve(self, title: str | None, field: str = MODEL_FIELD) -> str | None:
         """The model a title names (its name; None for the default), or an APIError naming `field`."""
-        name, default = model_name(title), state.info.name if state.info else config.model
-        if name is None or name in (default, config.model):
+        name, default = model_name(title), self.state.info.name if self.state.info else self.config.model
+        if name is None or name in (default, self.config.model):
             return None
-        if routing is None:
+        if self.routing is None:
             raise APIError(400, f"model {name!r} is not served here; this server serves {default!r} (GET "
                                 "/sdapi/v1/sd-models)", param=field, code="model_not_found")
         try:
-            return await routing.resolve(name)
+            return await self.routing.resolve(name)
         except APIError as e:  # else the model_name GET /sdapi/v1/sd-models lists ("sub_model": sub/model)
-            listed = await titles() if e.status == 404 else []
+            listed = await self.titles() if e.status == 404 else []
             ids = [c["id"] for c in listed if c["id"] != name == c["id"].replace("/", "_")]
             if ids:
-                return await resolve(ids[0], field)
+                return await self.resolve(ids[0], field)
             e.param = field
             raise
 
-    async def target(title: str | None, seconds: float) -> tuple[Target, str | None]:
+    async def target(self, title: str | None, seconds: float) -> tuple[Target, str | None]:
         """The model a title names, held, and its name (None: the default)."""
-        default = Target(state.client, state.info, None)
-        name = await resolve(title)
-        if name is None or routing is None:
+        default = Target(self.state.client, self.state.info, None)
+        name = await self.resolve(title)
+        if name is None or self.routing is None:
             return default, None
         try:
-            return await routing.target(name, seconds, default), name
+            return await self.routing.target(name, seconds, default), name
         except APIError as e:
             e.param = MODEL_FIELD
             raise
 
-    async def titles() -> list[dict[str, Any]]:
+    async def titles(self) -> list[dict[str, Any]]:
         """The models GET /v1/models lists, titled as AUTOMATIC1111 does, but for files unservable as they are."""
-        cards = (await asyncio.to_thread(routing.listing, state.created) if routing else
-                 [{"id": state.info.name if state.info else config.model, "hash": None}])
+        cards = (await asyncio.to_thread(self.routing.listing, self.state.created) if self.routing else
+                 [{"id": self.state.info.name if self.state.info else self.config.model, "hash": None}])
         return [{**c, "title": c["id"] + (f" [{c['hash']}]" if c.get("hash") else "")} for c in cards
                 if c.get("error_kind") != "file"]  # a model whose load failed stays: a request tries again
 
-    def build(body: ProcessingBody, plan: Plan, info: ModelInfo, name: str | None, edits: list[PreparedEdit],
+    def build(self, body: ProcessingBody, plan: Plan, info: ModelInfo, name: str | None, edits: list[PreparedEdit],
               controls: list[dict[str, Any]]) -> list[GenerationRequest]:
         """One request per image: the first validated by `create` (the one validation; it parses the prompts, which
         plan_body held to --max-prompt-bytes, so this runs on a worker thread), with the short hashes of its model
@@ -201,8 +197,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                              schedule=schedule, eta=eta, image=edits[0].edit if edits else None,
                                              request_id=f"a1111-{secrets.token_hex(8)}", controls=controls,
                                              **plan.create)
-            loras = ((n, hashes.lora(lora_file(n, name or config.model))) for n, _ in first.loras)
-            first = dataclasses.replace(first, model_hash=hashes.model(checkpoint(name)),
+            loras = ((n, self.hashes.lora(self.lora_file(n, name or self.config.model))) for n, _ in first.loras)
+            first = dataclasses.replace(first, model_hash=self.hashes.model(self.checkpoint(name)),
                                         lora_hashes=tuple((n, h) for n, h in loras if h))
             out = [first]
             for i, seed in enumerate(plan.seeds[1:], 1):
@@ -213,8 +209,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             raise a1111_error(e) from None
         return out
 
-    def prepare_edits(body: Img2ImgBody, plan: Plan) -> list[PreparedEdit]:
+    def prepare_edits(self, body: Img2ImgBody, plan: Plan) -> list[PreparedEdit]:
         """Each image's init image (and the mask), decoded and prepared for the engine (a worker thread)."""
+        config = self.config
         images = body.init_images or []
         if not images:
             raise APIError(400, "init_images is required: a list of base64 images (one is used for every image)",
@@ -230,9 +227,11 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             prepare(decode_b64(f"init_images[{i}]", text, *limits), mask, options, plan.create["width"],
                     plan.create["height"], strength) for i, text in enumerate(images)])
 
-    def prepare_tiles(body: Img2ImgBody, plan: Plan, script: SdUpscale) -> tuple[Plan, TileGrid, list[PreparedEdit]]:
+    def prepare_tiles(self, body: Img2ImgBody, plan: Plan,
+                      script: SdUpscale) -> tuple[Plan, TileGrid, list[PreparedEdit]]:
         """The SD upscale script's work (a worker thread): its init image upscaled and cut into tiles, one image each
         per pass, with their seeds (a1111_scripts.py); sized before the work starts."""
+        config = self.config
         images, width, height = body.init_images or [], plan.create["width"], plan.create["height"]
         if len(images) != 1 or body.mask:
             raise APIError(400, "sd upscale takes one image in init_images and no mask; send the image to upscale "
@@ -241,10 +240,10 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         w, h = script.size(*image.size)
         count = script.tiles(*image.size, width, height) * (body.n_iter or 1)
         if w * h > config.max_image_pixels or count > MAX_IMAGES:
-            raise APIError(400, f"sd upscale would make {w}x{h} images of {count} tiles of {width}x{height}; the limits "
-                                f"are {config.max_image_pixels} pixels (--max-image-pixels) and {MAX_IMAGES} tiles a "
-                                "request: send a smaller scale (script_args[3]), a larger width and height or a larger "
-                                "overlap", param="script_args")
+            raise APIError(400, f"sd upscale would make {w}x{h} images of {count} tiles of {width}x{height}; the "
+                                f"limits are {config.max_image_pixels} pixels (--max-image-pixels) and {MAX_IMAGES} "
+                                "tiles a request: send a smaller scale (script_args[3]), a larger width and height or "
+                                "a larger overlap", param="script_args")
         grid = script.grid(image, width, height)
         strength = 0.75 if body.denoising_strength is None else body.denoising_strength
         options = dataclasses.replace(mask_options(body), resize_mode=0)
@@ -252,9 +251,9 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
         seeds = tile_seeds(plan.seeds[0], len(tiles), body.batch_size or 1, body.n_iter or 1)
         return dataclasses.replace(plan, seeds=seeds), grid, tiles * (body.n_iter or 1)
 
-    async def wait(run: ImageRun, deadline: float, http: Request) -> GenerationResult | None:
+    async def wait(self, run: ImageRun, deadline: float, http: Request) -> GenerationResult | None:
         """One image's result; None when /interrupt or /skip dropped it."""
-        items = results(state, run.handle, deadline, http)
+        items = results(self.state, run.handle, deadline, http)
         try:
             async for item in items:
                 if isinstance(item, ProgressEvent):
@@ -271,8 +270,8 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             await items.aclose()
         return None
 
-    async def run_all(runs: list[ImageRun], deadline: float, http: Request) -> list[GenerationResult | None]:
-        tasks = [asyncio.ensure_future(wait(run, deadline, http)) for run in runs]
+    async def run_all(self, runs: list[ImageRun], deadline: float, http: Request) -> list[GenerationResult | None]:
+        tasks = [asyncio.ensure_future(self.wait(run, deadline, http)) for run in runs]
         try:
             return await asyncio.gather(*tasks)
         finally:  # one failed (or the client left): the others are aborted, not left running
@@ -280,10 +279,10 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                 if not task.done():
                     task.cancel()
                 if not (run.finished or run.dropped):
-                    abort(state, run.handle)
+                    abort(self.state, run.handle)
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def upscaled(grid: TileGrid, script: SdUpscale, done: list[GenerationResult | None],
+    def upscaled(self, grid: TileGrid, script: SdUpscale, done: list[GenerationResult | None],
                  info: ModelInfo) -> tuple[list[bytes], list[str]]:
         """The SD upscale script's images, one a pass: its tiles' results pasted back (a tile stopped by /interrupt
         or /skip stays black, as AUTOMATIC1111 leaves it), each with its first tile's infotext and the script's
@@ -298,7 +297,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             pictures = [Image.open(io.BytesIO(r.encoded[0])).convert("RGB") if r else blank for r in tiles]
             text = infotext(first.request, info.name) + "".join(f", {k}: {v}" for k, v in script.params().items())
             chunks = PngInfo()
-            if config.metadata:
+            if self.config.metadata:
                 chunks.add_text(PNG_KEY, text)
                 chunks.add_text(JSON_KEY, request_json(first.request, info.name))
             buffer = io.BytesIO()
@@ -307,7 +306,7 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             texts.append(text)
         return out, texts
 
-    def respond(body: ProcessingBody, plan: Plan, info: ModelInfo, requests: list[GenerationRequest],
+    def respond(self, body: ProcessingBody, plan: Plan, info: ModelInfo, requests: list[GenerationRequest],
                 done: list[GenerationResult | None], edits: list[PreparedEdit],
                 tiled: tuple[SdUpscale, TileGrid] | None = None) -> dict[str, Any]:
         """The answer (a worker thread): each image as the engine encoded it, or laid over its input (inpainting),
@@ -321,11 +320,12 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
             edit = edits[i] if edits else None
             if edit is not None and edit.base is not None:
                 pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-                data = encode_image(edit.finish(pixels) / 255.0, "png", result.request, info.name, config.metadata)
+                data = encode_image(edit.finish(pixels) / 255.0, "png", result.request, info.name,
+                                    self.config.metadata)
             texts.append(infotext(result.request, info.name))
             pictures.append(data)
         if tiled is not None:
-            pictures, texts = upscaled(tiled[1], tiled[0], done, info)
+            pictures, texts = self.upscaled(tiled[1], tiled[0], done, info)
             plan = dataclasses.replace(plan, seeds=tuple(plan.seeds[0] + n for n in range(len(pictures))))
         images = [base64.b64encode(data).decode("ascii") for data in pictures] if body.send_images is not False else []
         dropped = sum(r is None for r in done)
@@ -346,24 +346,25 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                                        info=info_json(body, plan, requests[0], info.name, texts, extra))
         return response.model_dump(exclude=None if warnings else {"warnings"})
 
-    async def images(http: Request, model: type[ProcessingBody], kind: str, t0: float,
+    async def images(self, http: Request, model: type[ProcessingBody], kind: str, t0: float,
                      headers: dict[str, str]) -> dict[str, Any]:
         """One txt2img / img2img answer: read, plan, validate every image, submit them, wait, answer (`headers`:
         the answer's own, filled here)."""
-        state.accepting()
-        key = key_of(http)
-        body = validate(await read_json(http, prompt_limit + unit_limit + (image_limit if kind == "img2img" else 0)),
-                        model)
+        config = self.config
+        self.state.accepting()
+        key = self.key_of(http)
+        limit = self.prompt_limit + self.unit_limit + (self.image_limit if kind == "img2img" else 0)
+        body = validate(await self.read_json(http, limit), model)
         units = controlnet_units(body.alwayson_scripts)
         headers.update(ignored_header(body, ignored_keys(units)))
         if headers:
             logger.info("%s: ignored unknown keys %s", http.url.path, headers[IGNORED_HEADER])
-        options = board.options(key)
+        options = self.board.options(key)
         # the infotext and the prompts are user text: sized, then parsed, on a worker thread
         plan = await asyncio.to_thread(plan_body, body, options.model, options.clip_stop, config.clip_skip,
-                                       config.max_prompt_bytes, styles)
+                                       config.max_prompt_bytes, self.styles)
         deadline = t0 + config.request_timeout
-        chosen, name = await target(plan.model, deadline - time.monotonic())
+        chosen, name = await self.target(plan.model, deadline - time.monotonic())
         try:  # the model is held (never evicted) until its requests are queued
             plan = fit_to_model(plan, chosen.info)
             if not chosen.info.edits and kind == "img2img":
@@ -373,169 +374,198 @@ def add_a1111_routes(app: FastAPI, state: ServerState, routing: ModelRouting | N
                       if isinstance(body, Img2ImgBody) else None)
             tiled = None
             if script is not None:  # the SD upscale script: its tiles are the images
-                plan, grid, edits = await asyncio.to_thread(prepare_tiles, body, plan, script)
+                plan, grid, edits = await asyncio.to_thread(self.prepare_tiles, body, plan, script)
                 tiled = (script, grid)
             else:
-                edits = await asyncio.to_thread(prepare_edits, body, plan) if kind == "img2img" else []
+                edits = await asyncio.to_thread(self.prepare_edits, body, plan) if kind == "img2img" else []
             init = (getattr(body, "init_images", None) or [None])[0]  # an img2img unit's image by default
-            controls = await asyncio.to_thread(units_to_controls, units, served, config.max_image_bytes,
+            controls = await asyncio.to_thread(units_to_controls, units, self.served, config.max_image_bytes,
                                                config.max_image_pixels, init) if units else []
-            requests = await asyncio.to_thread(build, body, plan, chosen.info, name, edits, controls)
+            requests = await asyncio.to_thread(self.build, body, plan, chosen.info, name, edits, controls)
             try:
-                job = await board.submit(key, kind, requests, lambda request: submit(
-                    state, request, progress=True, client=chosen.client, deadline=deadline, http=http))
+                job = await self.board.submit(key, kind, requests, lambda request: submit(
+                    self.state, request, progress=True, client=chosen.client, deadline=deadline, http=http))
             except APIError as e:  # the engine refused the request (its adapters, its steps): name our field
                 e.param = a1111_field(e.param)
                 raise
         finally:
-            if routing is not None:
-                chosen.release(routing)
+            if self.routing is not None:
+                chosen.release(self.routing)
         try:
-            done = await run_all(job.images, deadline, http)
+            done = await self.run_all(job.images, deadline, http)
         finally:
-            board.end(job)
-        return await asyncio.to_thread(respond, body, plan, chosen.info, requests, done, edits, tiled)
+            self.board.end(job)
+        return await asyncio.to_thread(self.respond, body, plan, chosen.info, requests, done, edits, tiled)
 
-    async def generate(http: Request, model: type[ProcessingBody], kind: str) -> Response:
+    async def generate(self, http: Request, model: type[ProcessingBody], kind: str) -> Response:
         """`images` with the request's accounting: in flight while it runs, then exactly one outcome."""
         t0 = time.monotonic()
-        state.inflight += 1
-        state.metrics.inflight.inc()
+        self.state.inflight += 1
+        self.state.metrics.inflight.inc()
         ended = "aborted"  # also when the process exits under the request (cancelled)
         try:
             headers: dict[str, str] = {}
-            response = JSONResponse(await images(http, model, kind, t0, headers), headers=headers)
+            response = JSONResponse(await self.images(http, model, kind, t0, headers), headers=headers)
             ended = "success"
             return response
         except APIError as e:
             ended = outcome(e)
-            return _failure(e)
+            return error_response(e)
         except ClientGone:
             return Response(status_code=499)
         finally:
-            state.metrics.observe_request(ended, time.monotonic() - t0)
-            state.inflight -= 1
-            state.metrics.inflight.dec()
+            self.state.metrics.observe_request(ended, time.monotonic() - t0)
+            self.state.inflight -= 1
+            self.state.metrics.inflight.dec()
 
-    @app.post("/sdapi/v1/txt2img")
-    async def txt2img(http: Request) -> Response:
-        return await generate(http, Txt2ImgBody, "txt2img")
-
-    @app.post("/sdapi/v1/img2img")
-    async def img2img(http: Request) -> Response:
-        return await generate(http, Img2ImgBody, "img2img")
-
-    @app.get("/sdapi/v1/sd-models")
-    async def sd_models() -> Response:
-        async def work() -> list[dict[str, Any]]:
-            # `filename` is the model's name, not a path on the server
-            return [{"title": c["title"], "model_name": c["id"].replace("/", "_"), "hash": c.get("hash"),
-                     "sha256": None, "filename": c["id"], "config": None} for c in await titles()]
-        return await answer(work)
-
-    @app.get("/controlnet/model_list")
-    async def controlnet_models() -> Response:
-        """The ControlNet extension's model list: the ControlNets units may name."""
-        return JSONResponse({"model_list": await asyncio.to_thread(served)})
-
-    @app.get("/controlnet/module_list")
-    async def controlnet_modules() -> Response:
-        return JSONResponse({"module_list": list(MODULES)})
-
-    @app.get("/controlnet/version")
-    async def controlnet_version() -> Response:
-        return JSONResponse({"version": 2})
-
-    @app.get("/sdapi/v1/samplers")
-    async def samplers() -> Response:
-        return await answer(lambda: sampler_items(state.require_engine().info))
-
-    @app.get("/sdapi/v1/schedulers")
-    async def schedulers() -> Response:
-        return await answer(lambda: scheduler_items(state.require_engine().info))
-
-    @app.get("/sdapi/v1/loras")
-    async def loras() -> Response:
-        async def work() -> list[dict[str, Any]]:
-            # the file relative to its folder (--lora-dir, or the model's built-in one): never a path on the server
-            return [{"name": a["name"], "alias": a["name"], "metadata": {},
-                     "path": a["name"] + ".safetensors" if a.get("source") in ("lora_dir", "builtin") else None}
-                    for a in (await lora_listing(state))["data"]]
-        return await answer(work)
-
-    @app.get("/sdapi/v1/embeddings")
-    async def embeddings() -> Response:
-        async def work() -> dict[str, Any]:
-            found = (await embedding_listing(embedding_dir))["embeddings"]
-            return {"loaded": {e["name"]: {"step": None, "sd_checkpoint": None, "sd_checkpoint_name": None,
-                                           "shape": next(iter(e["dims"].values()), 0), "vectors": e["vectors"]}
-                               for e in found}, "skipped": {}}
-        return await answer(work)
-
-    @app.get("/sdapi/v1/scripts")
-    async def scripts() -> dict[str, list[Any]]:
-        return script_lists()
-
-    async def current_options(key: Key) -> dict[str, Any]:
-        options = board.options(key)
-        name = options.model or (state.info.name if state.info else config.model)
-        title = next((c["title"] for c in await titles() if c["id"] == name), name)
+    async def current_options(self, key: Key) -> dict[str, Any]:
+        options = self.board.options(key)
+        name = options.model or (self.state.info.name if self.state.info else self.config.model)
+        title = next((c["title"] for c in await self.titles() if c["id"] == name), name)
         return {"sd_model_checkpoint": title, "sd_checkpoint_hash": "",
-                "CLIP_stop_at_last_layers": clip_stop(options.clip_stop, "CLIP_stop_at_last_layers", config.clip_skip),
+                "CLIP_stop_at_last_layers": clip_stop(options.clip_stop, "CLIP_stop_at_last_layers",
+                                                      self.config.clip_skip),
                 **DEFAULT_OPTIONS, **options.ui}
 
-    @app.get("/sdapi/v1/options")
-    async def get_options(http: Request) -> Response:
-        return await answer(lambda: current_options(key_of(http)))
-
-    @app.post("/sdapi/v1/options")
-    async def set_options(http: Request) -> Response:
-        """Sets the calling key's default model and clip skip and its web UI options (UI_OPTIONS, kept and read back as
-        AUTOMATIC1111 keeps them); any other option keeps its value (a change to it is
-        accepted, as AUTOMATIC1111's clients send back the whole set, and named in the IGNORED_HEADER and the log)."""
+    async def set_options(self, http: Request) -> Response:
+        """POST /sdapi/v1/options (its route's doc says what it sets)."""
         try:
-            key = key_of(http)
-            body = await read_json(http, prompt_limit)
+            key = self.key_of(http)
+            body = await self.read_json(http, self.prompt_limit)
             if not isinstance(body, dict):
                 raise APIError(400, "the body must be a JSON object of options, e.g. {\"sd_model_checkpoint\": "
                                     "\"digits\"}")
-            current = await current_options(key)
-            changes = dataclasses.replace(board.options(key))
+            current = await self.current_options(key)
+            changes = dataclasses.replace(self.board.options(key))
             ignored = []
             for name, value in body.items():
                 if name == "sd_model_checkpoint":
                     if not isinstance(value, str):
                         raise APIError(400, "sd_model_checkpoint must be a model title (GET /sdapi/v1/sd-models)",
                                        param=name)
-                    changes.model = await resolve(value, name)
+                    changes.model = await self.resolve(value, name)
                 elif name == "CLIP_stop_at_last_layers":
                     changes.clip_stop = clip_stop(value, name)
                 elif name in UI_OPTIONS:
                     changes.ui = {**changes.ui, name: ui_option(name, value)}
                 elif current.get(name, object()) != value:
                     ignored.append(name)
-            board.set_options(key, changes)  # all or nothing: nothing is set when one value is refused
+            self.board.set_options(key, changes)  # all or nothing: nothing is set when one value is refused
         except APIError as e:
-            return _failure(e)
+            return error_response(e)
         if ignored:
             logger.info("POST /sdapi/v1/options: kept the values of %s (only %s and the web UI's own options can be "
                         "set here)", ", ".join(ignored[:MAX_IGNORED_NAMES]), ", ".join(OPTIONS))
         return JSONResponse(None, headers=names_header(ignored))
 
+
+def a1111_router(ctx: AppContext) -> APIRouter:
+    """The routes of the module doc, over one `A1111Server` (the state every route reads)."""
+    server = A1111Server(ctx)
+    router = APIRouter()
+    _add_images(router, server)
+    _add_listings(router, server)
+    _add_options(router, server)
     # png-info, memory, prompt-styles, ... (a1111_info.py)
-    app.include_router(info_router(InfoSources(state, routing, embedding_dir, styles)))
-    app.include_router(extras_router(config))  # extra-single-image, extra-batch-images, upscalers
+    router.include_router(info_router(InfoSources(ctx.state, ctx.routing, ctx.embedding_dir, server.styles)))
+    router.include_router(extras_router(server.config))  # extra-single-image, extra-batch-images, upscalers
+    _add_progress(router, server)
+    return router
 
-    @app.get("/sdapi/v1/progress")
+
+def _add_images(router: APIRouter, server: A1111Server) -> None:
+    """txt2img and img2img."""
+    @router.post("/sdapi/v1/txt2img")
+    async def txt2img(http: Request) -> Response:
+        return await server.generate(http, Txt2ImgBody, "txt2img")
+
+    @router.post("/sdapi/v1/img2img")
+    async def img2img(http: Request) -> Response:
+        return await server.generate(http, Img2ImgBody, "img2img")
+
+
+def _add_listings(router: APIRouter, server: A1111Server) -> None:
+    """The models, the ControlNet extension's lists, samplers, schedulers, LoRAs, embeddings and scripts."""
+    state = server.state
+
+    @router.get("/sdapi/v1/sd-models")
+    async def sd_models() -> Response:
+        async def work() -> list[dict[str, Any]]:
+            # `filename` is the model's name, not a path on the server
+            return [{"title": c["title"], "model_name": c["id"].replace("/", "_"), "hash": c.get("hash"),
+                     "sha256": None, "filename": c["id"], "config": None} for c in await server.titles()]
+        return await _answer(work)
+
+    @router.get("/controlnet/model_list")
+    async def controlnet_models() -> Response:
+        """The ControlNet extension's model list: the ControlNets units may name."""
+        return JSONResponse({"model_list": await asyncio.to_thread(server.served)})
+
+    @router.get("/controlnet/module_list")
+    async def controlnet_modules() -> Response:
+        return JSONResponse({"module_list": list(MODULES)})
+
+    @router.get("/controlnet/version")
+    async def controlnet_version() -> Response:
+        return JSONResponse({"version": 2})
+
+    @router.get("/sdapi/v1/samplers")
+    async def samplers() -> Response:
+        return await _answer(lambda: sampler_items(state.require_engine().info))
+
+    @router.get("/sdapi/v1/schedulers")
+    async def schedulers() -> Response:
+        return await _answer(lambda: scheduler_items(state.require_engine().info))
+
+    @router.get("/sdapi/v1/loras")
+    async def loras() -> Response:
+        async def work() -> list[dict[str, Any]]:
+            # the file relative to its folder (--lora-dir, or the model's built-in one): never a path on the server
+            return [{"name": a["name"], "alias": a["name"], "metadata": {},
+                     "path": a["name"] + ".safetensors" if a.get("source") in ("lora_dir", "builtin") else None}
+                    for a in (await lora_listing(state))["data"]]
+        return await _answer(work)
+
+    @router.get("/sdapi/v1/embeddings")
+    async def embeddings() -> Response:
+        async def work() -> dict[str, Any]:
+            found = (await embedding_listing(server.embedding_dir))["embeddings"]
+            return {"loaded": {e["name"]: {"step": None, "sd_checkpoint": None, "sd_checkpoint_name": None,
+                                           "shape": next(iter(e["dims"].values()), 0), "vectors": e["vectors"]}
+                               for e in found}, "skipped": {}}
+        return await _answer(work)
+
+    @router.get("/sdapi/v1/scripts")
+    async def scripts() -> dict[str, list[Any]]:
+        return script_lists()
+
+
+def _add_options(router: APIRouter, server: A1111Server) -> None:
+    """GET and POST /sdapi/v1/options: the calling key's."""
+    @router.get("/sdapi/v1/options")
+    async def get_options(http: Request) -> Response:
+        return await _answer(lambda: server.current_options(server.key_of(http)))
+
+    @router.post("/sdapi/v1/options")
+    async def set_options(http: Request) -> Response:
+        """Sets the calling key's default model and clip skip and its web UI options (UI_OPTIONS, kept and read back as
+        AUTOMATIC1111 keeps them); any other option keeps its value (a change to it is
+        accepted, as AUTOMATIC1111's clients send back the whole set, and named in the IGNORED_HEADER and the log)."""
+        return await server.set_options(http)
+
+
+def _add_progress(router: APIRouter, server: A1111Server) -> None:
+    """The calling key's requests in flight: progress, interrupt, skip (a1111_jobs.py)."""
+    @router.get("/sdapi/v1/progress")
     async def progress(http: Request, skip_current_image: bool = False) -> Response:
-        return JSONResponse(board.progress(key_of(http), not skip_current_image).model_dump())
+        return JSONResponse(server.board.progress(server.key_of(http), not skip_current_image).model_dump())
 
-    @app.post("/sdapi/v1/interrupt")
+    @router.post("/sdapi/v1/interrupt")
     async def interrupt(http: Request) -> dict[str, Any]:
-        board.interrupt(key_of(http))
+        server.board.interrupt(server.key_of(http))
         return {}
 
-    @app.post("/sdapi/v1/skip")
+    @router.post("/sdapi/v1/skip")
     async def skip(http: Request) -> dict[str, Any]:
-        board.skip(key_of(http))
+        server.board.skip(server.key_of(http))
         return {}

@@ -12,7 +12,7 @@ import base64
 import io
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
@@ -41,28 +41,29 @@ class ControlPreviewBody(BaseModel):
     size: StrictStr | None = None
 
 
-def add_control_routes(app: FastAPI, config: ServerConfig, prompt_limit: int) -> int:
-    """Mounts the routes on `app`; returns how many images a generations body may carry beside its prompt (control
-    maps where the server has ControlNets, image prompts where it has IP-Adapters)."""
+def control_router(config: ServerConfig, prompt_limit: int) -> tuple[APIRouter, int]:
+    """The routes, and how many images a generations body may carry beside its prompt (control maps where the server
+    has ControlNets, image prompts where it has IP-Adapters)."""
     roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
     catalog = ControlNetDir(*roots) if roots else None
     adapters = IPAdapterDir(config.ip_adapter_dir) if config.ip_adapter_dir else None
     limit = prompt_limit + 4 * (config.max_image_bytes // 3 + 2)
+    router = APIRouter()
 
-    @app.get("/v1/ip-adapters")
+    @router.get("/v1/ip-adapters")
     async def ip_adapters() -> Response:
         """The IP-Adapters image prompts may name (`image_prompts: {"model", "images", "scale"}`)."""
         names = await asyncio.to_thread(adapters.listing) if adapters is not None else {}
         return JSONResponse({"object": "list", "data": [{"name": n} for n in names]})
 
-    @app.get("/v1/controlnets")
+    @router.get("/v1/controlnets")
     async def controlnets() -> Response:
         """The ControlNets requests may name (`controls: [{"model", "image", "scale", "start", "end", ...}]`)."""
         rows = await asyncio.to_thread(catalog.describe) if catalog is not None else []
         return JSONResponse({"object": "list", "data": rows,
                              "max_controlnets": config.max_controlnets if catalog is not None else 0})
 
-    @app.post("/v1/controlnets/preview")
+    @router.post("/v1/controlnets/preview")
     async def preview(http: Request) -> Response:
         """The control map a control would get: {"image": base64 PNG, "width", "height"}."""
         try:
@@ -74,7 +75,7 @@ def add_control_routes(app: FastAPI, config: ServerConfig, prompt_limit: int) ->
         except APIError as e:
             return JSONResponse(e.body(), status_code=e.status)
 
-    return (MAX_CONTROLS if catalog is not None else 0) + (MAX_PROMPT_IMAGES if adapters is not None else 0)
+    return router, (MAX_CONTROLS if catalog is not None else 0) + (MAX_PROMPT_IMAGES if adapters is not None else 0)
 
 
 def _preview(body: ControlPreviewBody, config: ServerConfig) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import logging
 import re
 from typing import Any, Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..jobs.backend import EngineBackend
@@ -39,6 +39,7 @@ from ..jobs.webhook import WebhookRefused, WebhookSender, check_webhook, webhook
 from ..request import ModelInfo, ParamError
 from .auth import caller_key
 from .bodies import read_body
+from .context import AppContext, error_response
 from ..api.protocol import APIError, ImageGenerationRequest, error_from_param_error
 from ..api.protocol import generation_request
 from .requests import ServerState, submit
@@ -114,46 +115,45 @@ def _bounded(value: str | None, default: int, most: int, name: str) -> int:
     return int(value)
 
 
-def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) -> JobService:
-    """Mounts /v1/jobs on `app` (see the module doc); `keys` are the API keys, as bytes."""
-    service = JobService(state)
-    config = state.config
-    if config.state_dir is None:
-        @app.api_route("/v1/jobs", methods=["GET", "POST"], include_in_schema=False)
-        @app.api_route("/v1/jobs/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
-        async def jobs_off(http: Request) -> Response:
-            return JSONResponse(APIError(404, DISABLED, code="jobs_disabled").body(), status_code=404)
-        return service
-    limits = SpecLimits(max_items=config.max_batch_items, max_candidates=config.max_job_candidates)
-    references = References(config)
-    key_limits = KeyLimits(jobs=config.max_key_jobs, bytes=config.max_key_bytes)
-    read_timeout = min(config.body_timeout, config.request_timeout)
+async def _answer(work: Callable[[], Awaitable[Any]]) -> Response:
+    try:
+        value = await work()
+        return value if isinstance(value, Response) else JSONResponse(value)
+    except APIError as e:
+        return error_response(e)
+    except StoreError as e:  # damaged or locked: 503 with what to do; full: 507
+        return JSONResponse(APIError(e.status, str(e), code=e.code).body(), status_code=e.status,
+                            headers={"retry-after": "1"} if e.code == "job_store_busy" else None)
 
-    def owner(http: Request) -> str:
+
+class JobRequests:
+    """What the /v1/jobs routes share: the service, the API keys (whose hash owns a job), the limits a job is read
+    within and the references its items' names are checked against."""
+
+    def __init__(self, ctx: AppContext, service: JobService):
+        config = ctx.state.config
+        self.state, self.config, self.keys, self.service = ctx.state, config, ctx.keys, service
+        self.limits = SpecLimits(max_items=config.max_batch_items, max_candidates=config.max_job_candidates)
+        self.references = References(config)
+        self.key_limits = KeyLimits(jobs=config.max_key_jobs, bytes=config.max_key_bytes)
+        self.read_timeout = min(config.body_timeout, config.request_timeout)
+
+    def owner(self, http: Request) -> str:
+        keys = self.keys
         index = caller_key(http.scope, keys) if keys else None
         return owner_of(keys[index] if index is not None else None)
 
-    async def answer(work: Callable[[], Awaitable[Any]]) -> Response:
-        try:
-            value = await work()
-            return value if isinstance(value, Response) else JSONResponse(value)
-        except APIError as e:
-            return JSONResponse(e.body(), status_code=e.status,
-                                headers={"connection": "close"} if e.status in (408, 413) else None)
-        except StoreError as e:  # damaged or locked: 503 with what to do; full: 507
-            return JSONResponse(APIError(e.status, str(e), code=e.code).body(), status_code=e.status,
-                                headers={"retry-after": "1"} if e.code == "job_store_busy" else None)
-
-    async def owned(http: Request, job: str) -> tuple[JobStore, Coordinator, JobRow]:
-        store, coordinator = service.require()
+    async def owned(self, http: Request, job: str) -> tuple[JobStore, Coordinator, JobRow]:
+        store, coordinator = self.service.require()
         row = await asyncio.to_thread(store.job, job) if _JOB_ID.match(job) else None
-        if row is None or row.owner != owner(http):
+        if row is None or row.owner != self.owner(http):
             raise APIError(404, f"job {job[:40]!r} not found (GET /v1/jobs lists your jobs)", param="id",
                            code="job_not_found")
         return store, coordinator, row
 
-    def check(info: ModelInfo) -> Callable[[ImageGenerationRequest], object]:
-        named = references.checker()  # one job's: each LoRA, ControlNet, ... looked up once
+    def check(self, info: ModelInfo) -> Callable[[ImageGenerationRequest], object]:
+        config, state = self.config, self.state
+        named = self.references.checker()  # one job's: each LoRA, ControlNet, ... looked up once
 
         def item(params: ImageGenerationRequest) -> object:  # the images route's rules, its pixel limit, the names
             request = generation_request(info, config, params)
@@ -168,7 +168,8 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
             return request
         return item
 
-    async def read_spec(http: Request) -> JobSpec:
+    async def read_spec(self, http: Request) -> JobSpec:
+        read_timeout = self.read_timeout
         try:
             body = await asyncio.wait_for(read_body(http, MAX_JOB_BYTES), read_timeout)
         except asyncio.TimeoutError:
@@ -178,108 +179,132 @@ def add_job_routes(app: FastAPI, state: ServerState, keys: tuple[bytes, ...]) ->
             if e.status == 413:
                 e.message = f"{e.message}: split the job into several jobs"
             raise
-        info = state.info
+        info = self.state.info
         try:
-            spec = await asyncio.to_thread(parse_job, body, _form(http.headers.get("content-type", "")), limits,
-                                           check(info), http.query_params.get("name"),
+            spec = await asyncio.to_thread(parse_job, body, _form(http.headers.get("content-type", "")), self.limits,
+                                           self.check(info), http.query_params.get("name"),
                                            http.query_params.get("webhook"))
             if spec.webhook is not None:
-                check_webhook(spec.webhook, config.webhook_allow)
+                check_webhook(spec.webhook, self.config.webhook_allow)
         except SpecError as e:
             raise APIError(400, e.message, param=e.param, code="invalid_job") from None
         except WebhookRefused as e:
             raise APIError(400, str(e), param="webhook", code="invalid_job") from None
         return spec
 
-    @app.post("/v1/jobs")
-    async def create_job(http: Request) -> Response:
-        async def work() -> Any:
-            store, coordinator = service.require()
-            state.accepting()  # the model's rules are needed to check the items: 503 while it loads
-            try:
-                await asyncio.to_thread(store.check_quota, owner(http), key_limits)  # before the body is read
-                spec = await read_spec(http)
-                row = await asyncio.to_thread(store.create, owner(http), spec, state.info.name, None, key_limits)
-            except QuotaError as e:
-                raise APIError(e.status, str(e), code="job_quota") from None
-            coordinator.wake()
-            return job_summary(row, None)
-        return await answer(work)
+    async def create(self, http: Request) -> Any:
+        store, coordinator = self.service.require()
+        self.state.accepting()  # the model's rules are needed to check the items: 503 while it loads
+        try:
+            await asyncio.to_thread(store.check_quota, self.owner(http), self.key_limits)  # before the body is read
+            spec = await self.read_spec(http)
+            row = await asyncio.to_thread(store.create, self.owner(http), spec, self.state.info.name, None,
+                                          self.key_limits)
+        except QuotaError as e:
+            raise APIError(e.status, str(e), code="job_quota") from None
+        coordinator.wake()
+        return job_summary(row, None)
 
-    @app.get("/v1/jobs")
+    async def results(self, http: Request, job: str) -> Any:
+        store, _, row = await self.owned(http, job)
+        offset = _bounded(http.query_params.get("offset"), 0, 10**9, "offset")
+        limit = _bounded(http.query_params.get("limit"), 1000, 10_000, "limit")
+        items = await asyncio.to_thread(store.results, job, offset, limit)
+        base = (self.config.public_url or str(http.base_url)).rstrip("/") + f"/v1/jobs/{job}/images/"
+        data = []
+        for r in items:
+            if all(s == "done" for s in r.statuses):
+                status = "done"
+            elif "pending" in r.statuses:
+                status = "cancelled" if row.status == "cancelled" else "pending"
+            else:
+                status = "failed"
+            data.append({"item": r.item, "status": status, "prompt": r.prompt, "seeds": list(r.seeds),
+                         "images": [base + image_name(r.item, k) if s == "done" else None
+                                    for k, s in enumerate(r.statuses)],
+                         "error": next((e for e in r.errors if e), None)})
+        return {"object": "list", "job": job, "status": row.status, "offset": offset, "total": row.items,
+                "has_more": offset + len(data) < row.items, "data": data}
+
+    async def image(self, http: Request, job: str, name: str) -> Any:
+        store, _, row = await self.owned(http, job)
+        m = _IMAGE.match(name)
+        path = store.image_path(job, int(m.group(1)), int(m.group(2))) if m else None
+        data = await asyncio.to_thread(_read, path) if path else None
+        if data is None:
+            raise APIError(404, f"image {name[:40]!r} of job {job} not found (GET /v1/jobs/{job}/results lists "
+                                "its images)", code="image_not_found")
+        return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400"})
+
+
+def jobs_router(ctx: AppContext) -> tuple[APIRouter, JobService]:
+    """The /v1/jobs routes (see the module doc), and the service app.py starts and stops with the app."""
+    service = JobService(ctx.state)
+    router = APIRouter()
+    if ctx.state.config.state_dir is None:
+        @router.api_route("/v1/jobs", methods=["GET", "POST"], include_in_schema=False)
+        @router.api_route("/v1/jobs/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+        async def jobs_off(http: Request) -> Response:
+            return JSONResponse(APIError(404, DISABLED, code="jobs_disabled").body(), status_code=404)
+        return router, service
+    jobs = JobRequests(ctx, service)
+    _add_reads(router, jobs)
+    _add_writes(router, jobs)
+    return router, service
+
+
+def _add_reads(router: APIRouter, jobs: JobRequests) -> None:
+    """The GET routes: the caller's jobs, one job, its results and its images."""
+    @router.get("/v1/jobs")
     async def list_jobs(http: Request) -> Response:
         async def work() -> Any:
-            store, _ = service.require()
-            rows = await asyncio.to_thread(store.jobs, owner(http),
+            store, _ = jobs.service.require()
+            rows = await asyncio.to_thread(store.jobs, jobs.owner(http),
                                            _bounded(http.query_params.get("limit"), 100, 1000, "limit"))
             rates = await asyncio.to_thread(lambda: [store.rate(r) for r in rows])
             return {"object": "list", "data": [job_summary(r, rate) for r, rate in zip(rows, rates)]}
-        return await answer(work)
+        return await _answer(work)
 
-    @app.get("/v1/jobs/{job}")
+    @router.get("/v1/jobs/{job}")
     async def get_job(job: str, http: Request) -> Response:
         async def work() -> Any:
-            store, _, row = await owned(http, job)
+            store, _, row = await jobs.owned(http, job)
             return job_summary(row, await asyncio.to_thread(store.rate, row))
-        return await answer(work)
+        return await _answer(work)
 
-    @app.get("/v1/jobs/{job}/results")
+    @router.get("/v1/jobs/{job}/results")
     async def job_results(job: str, http: Request) -> Response:
-        async def work() -> Any:
-            store, _, row = await owned(http, job)
-            offset = _bounded(http.query_params.get("offset"), 0, 10**9, "offset")
-            limit = _bounded(http.query_params.get("limit"), 1000, 10_000, "limit")
-            items = await asyncio.to_thread(store.results, job, offset, limit)
-            base = (config.public_url or str(http.base_url)).rstrip("/") + f"/v1/jobs/{job}/images/"
-            data = []
-            for r in items:
-                if all(s == "done" for s in r.statuses):
-                    status = "done"
-                elif "pending" in r.statuses:
-                    status = "cancelled" if row.status == "cancelled" else "pending"
-                else:
-                    status = "failed"
-                data.append({"item": r.item, "status": status, "prompt": r.prompt, "seeds": list(r.seeds),
-                             "images": [base + image_name(r.item, k) if s == "done" else None
-                                        for k, s in enumerate(r.statuses)],
-                             "error": next((e for e in r.errors if e), None)})
-            return {"object": "list", "job": job, "status": row.status, "offset": offset, "total": row.items,
-                    "has_more": offset + len(data) < row.items, "data": data}
-        return await answer(work)
+        return await _answer(lambda: jobs.results(http, job))
 
-    @app.get("/v1/jobs/{job}/images/{name}")
+    @router.get("/v1/jobs/{job}/images/{name}")
     async def job_image(job: str, name: str, http: Request) -> Response:
-        async def work() -> Any:
-            store, _, row = await owned(http, job)
-            m = _IMAGE.match(name)
-            path = store.image_path(job, int(m.group(1)), int(m.group(2))) if m else None
-            data = await asyncio.to_thread(_read, path) if path else None
-            if data is None:
-                raise APIError(404, f"image {name[:40]!r} of job {job} not found (GET /v1/jobs/{job}/results lists "
-                                    "its images)", code="image_not_found")
-            return Response(data, media_type="image/png", headers={"Cache-Control": "private, max-age=86400"})
-        return await answer(work)
+        return await _answer(lambda: jobs.image(http, job, name))
 
-    @app.post("/v1/jobs/{job}/cancel")
+
+def _add_writes(router: APIRouter, jobs: JobRequests) -> None:
+    """The routes that create, cancel and delete a job."""
+    @router.post("/v1/jobs")
+    async def create_job(http: Request) -> Response:
+        return await _answer(lambda: jobs.create(http))
+
+    @router.post("/v1/jobs/{job}/cancel")
     async def cancel_job(job: str, http: Request) -> Response:
         async def work() -> Any:
-            store, coordinator, row = await owned(http, job)
+            store, coordinator, row = await jobs.owned(http, job)
             if row.unfinished:
                 row = await asyncio.to_thread(store.cancel, job) or row
                 coordinator.drop(job)
             return job_summary(row, await asyncio.to_thread(store.rate, row))
-        return await answer(work)
+        return await _answer(work)
 
-    @app.delete("/v1/jobs/{job}")
+    @router.delete("/v1/jobs/{job}")
     async def delete_job(job: str, http: Request) -> Response:
         async def work() -> Any:
-            store, coordinator, _ = await owned(http, job)
+            store, coordinator, _ = await jobs.owned(http, job)
             coordinator.drop(job)
             await asyncio.to_thread(store.delete, job)
             return {"id": job, "object": "job", "deleted": True}
-        return await answer(work)
-
-    return service
+        return await _answer(work)
 
 
 def _read(path: str) -> bytes | None:

@@ -4,7 +4,7 @@ for its events (with the request timeout and client-disconnect checks), its abor
 `ServerState` owns the engine (a `Router`, None until built on a background thread), the client requests are
 submitted to (the router's only replica when there is one: no choice to make, one hop less per request), the
 model's `ModelInfo` (what validation needs, read once when the engine is built), the drain flags and the handles of
-the requests in flight; app.py's routes use these functions and hold no request state of their own.
+the requests in flight; the routers' routes use these functions and hold no request state of their own.
 """
 
 from __future__ import annotations
