@@ -83,6 +83,7 @@ class TokenFamily(FamilyAdapter):
 
     patch: int = 2                 # latent cells per token side
     token_bucket: int = 256        # image tokens of a group: a multiple of this
+    channels_innermost: bool = False  # a token's features as (patch row, patch column, channel): Z-Image's order
     text_tokens: int = 512         # prompt tokens a row holds (masked)
     samplers = FLOW_SAMPLERS
     schedules = FLOW_SCHEDULES
@@ -107,11 +108,13 @@ class TokenFamily(FamilyAdapter):
         return (key[1], model.latent_channels * self.patch ** 2)
 
     def pack(self, model: DiffusionModel, latents: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
-        """[n, C, h, w] -> [n, bucket tokens, C * p * p], Flux's order (row-major tokens, channels outermost within a
-        token), zero padding after the image's tokens."""
+        """[n, C, h, w] -> [n, bucket tokens, C * p * p]: row-major tokens, each token's features in Flux's order
+        (channel, patch row, patch column) or, with `channels_innermost`, Z-Image's (patch row, patch column,
+        channel); zero padding after the image's tokens."""
         n, c, h, w = latents.shape
         p = self.patch
-        tokens = latents.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(n, -1, c * p * p)
+        order = (0, 2, 4, 3, 5, 1) if self.channels_innermost else (0, 2, 4, 1, 3, 5)
+        tokens = latents.reshape(n, c, h // p, p, w // p, p).permute(*order).reshape(n, -1, c * p * p)
         out = tokens.new_zeros((n, *self.latent_shape(model, key)))
         out[:, :tokens.shape[1]] = tokens
         return out
@@ -120,8 +123,11 @@ class TokenFamily(FamilyAdapter):
         gh, gw = self.grid(model, size)
         p, n = self.patch, rows.shape[0]
         c = rows.shape[2] // (p * p)
-        tokens = rows[:, :gh * gw].reshape(n, gh, gw, c, p, p)
-        return tokens.permute(0, 3, 1, 4, 2, 5).reshape(n, c, gh * p, gw * p)
+        if self.channels_innermost:
+            tokens = rows[:, :gh * gw].reshape(n, gh, gw, p, p, c).permute(0, 5, 1, 3, 2, 4)
+        else:
+            tokens = rows[:, :gh * gw].reshape(n, gh, gw, c, p, p).permute(0, 3, 1, 4, 2, 5)
+        return tokens.reshape(n, c, gh * p, gw * p)
 
     def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
         """Each token's grid position (row, column) and whether it is the image's; padding at (-1, -1), False."""

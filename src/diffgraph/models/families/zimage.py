@@ -177,6 +177,7 @@ class ZImageFamily(TokenFamily):
     pipeline_classes = ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")
     default_guidance = 1.0
     patch = 2
+    channels_innermost = True      # its tokens' features: (patch row, patch column, channel)
     token_bucket = 256
     text_tokens = MAX_TEXT_TOKENS
     size_multiple = 16
@@ -298,24 +299,9 @@ class ZImageFamily(TokenFamily):
         return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class="ZImagePipeline",
                           prepare=lora_keys)
 
-    # -- layout: Z-Image's token features are (patch row, patch column, channel), channels innermost ----------
+    # -- layout ---------------------------------------------------------------------------------------------
     def latent_channels(self, model: DiffusionModel) -> int:
         return int(model.vae.config.latent_channels)
-
-    def pack(self, model: DiffusionModel, latents: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
-        n, c, h, w = latents.shape
-        p = self.patch
-        tokens = latents.reshape(n, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(n, -1, p * p * c)
-        out = tokens.new_zeros((n, *self.latent_shape(model, key)))
-        out[:, :tokens.shape[1]] = tokens
-        return out
-
-    def unpack(self, model: DiffusionModel, rows: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
-        gh, gw = self.grid(model, size)
-        p, n = self.patch, rows.shape[0]
-        c = rows.shape[2] // (p * p)
-        tokens = rows[:, :gh * gw].reshape(n, gh, gw, p, p, c)
-        return tokens.permute(0, 5, 1, 3, 2, 4).reshape(n, c, gh * p, gw * p)
 
     # -- text --------------------------------------------------------------------------------------------
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
