@@ -273,10 +273,11 @@ def _check_model(model: str) -> None:
     import os
 
     from ..cli_checks import did_you_mean
-    from ..models.families import default_registry
     from ..models.presets import RANDOM_PRESETS, SHIPPED_PRESETS, available_presets, shipped_preset_folder
-    presets = [*available_presets(), *default_registry().random_presets()]  # the families' own random presets too
-    if model in RANDOM_PRESETS or model in presets[len(available_presets()):] or os.path.isdir(model):
+    presets = available_presets()
+    # a family's own random presets (random:zimage-turbo, ...) are the family's to check, in the engine's process
+    # (the families import torch, which this process never does): its loader refuses an unknown one naming them
+    if model in RANDOM_PRESETS or model.startswith("random:") or os.path.isdir(model):
         return
     if model in SHIPPED_PRESETS and shipped_preset_folder(model):
         return
