@@ -17,6 +17,7 @@ import torch
 from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.models.families.zimage import CHECKPOINTS, checkpoint_of
 from diffgraph.models.qwen_tokenizer import chat_template, qwen_tokenizer
+from diffgraph.text.prepared import prepare
 
 from loop_util import images_together
 
@@ -114,14 +115,33 @@ def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, turbo):
                      num_inference_steps=2, guidance_scale=2.5, seed=2),
                 dict(prompt="a red fox at dusk", height=SIZES[2][0], width=SIZES[2][1], num_inference_steps=4,
                      guidance_scale=4.0, seed=3)]
-    keys = {turbo.model.adapter.group_key(turbo.model, s) for s in SIZES}
-    assert keys == {(0, 256)}
+    keys = {turbo.runner.group_key(s, prepare(turbo.runner.text_setup, made))
+            for s, made in zip(SIZES, (GenerationRequest.create(model=turbo.info, **r) for r in requests))}
+    assert keys == {(128, 256)}  # every prompt within the smallest text slot: one group, one step
     got = images_together(turbo, requests)
     for r, image in zip(requests, got):
         want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"],
                       r.get("guidance_scale", 1.0), r["seed"], r.get("negative_prompt"))
         assert image.shape == (r["height"], r["width"], 3)
         assert np.abs(image - want).max() <= 1, r
+
+
+def test_text_slots_group_prompts_by_length_and_each_equals_the_pipeline(folders, turbo):
+    """A row reads the smallest text slot its prompt fits (template included): a 3-word and a ~330-token prompt run
+    in slots 128 and 512, each equal to the pipeline; the graphs' groups cover every slot of a size."""
+    pipe = folders["Z-Image-Turbo"][1]
+    adapter, model = turbo.model.adapter, turbo.model
+    assert [adapter.group_key(model, (128, 128), n) for n in (0, 1, 128, 129, 300, 512)] == \
+        [(512, 256), (128, 256), (128, 256), (256, 256), (512, 256), (512, 256)]
+    assert adapter.group_keys(model, (128, 128)) == ((128, 256), (256, 256), (512, 256))
+    long = ", ".join(["a lighthouse on a cliff at dusk"] * 40)
+    requests = [dict(prompt="a red fox", height=128, width=128, num_inference_steps=2, seed=4),
+                dict(prompt=long, height=128, width=128, num_inference_steps=2, seed=5)]
+    keys = [turbo.runner.group_key((128, 128), prepare(turbo.runner.text_setup, made))
+            for made in (GenerationRequest.create(model=turbo.info, **r) for r in requests)]
+    assert keys == [(128, 256), (512, 256)]
+    for r, image in zip(requests, images_together(turbo, requests)):
+        assert np.abs(image - oracle(pipe, r["prompt"], (128, 128), 2, 1.0, r["seed"])).max() <= 1
 
 
 @pytest.mark.parametrize("guidance", [0.0, 0.5, 1.0, 1.5, 4.0])

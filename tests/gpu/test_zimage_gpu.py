@@ -1,7 +1,8 @@
 """GPU test (marker `gpu`): Z-Image (models/families/zimage.py) on CUDA, the tiny random preset in bf16. Rows of
-prompts of about 5 and 300 tokens, two aspect ratios of one token bucket and 3 / 4 steps, submitted together in
+prompts of about 5, 60 and 300 tokens, two aspect ratios of one token bucket and 3 / 4 steps, submitted together in
 graph mode and in the compile tier, each equal to the same request run alone within one uint8 level; the step
-graphs are the bucket's."""
+graphs are the bucket's, one per text slot (the short prompts share the 128 slot's replay). Attention runs as
+flash over variable lengths where this torch has it, equal to the masked path within bf16's error."""
 
 import os
 
@@ -9,14 +10,18 @@ import numpy as np
 import pytest
 
 from diffgraph import Engine, GenerationRequest, GraphConfig
+from diffgraph.models.families.prefix_attention import prefix_attention, varlen_available
+from diffgraph.text.prepared import prepare
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
 LONG = ", ".join(["a lighthouse on a cliff at dusk, long exposure, waves breaking below"] * 20)
+MEDIUM = ", ".join(["a lighthouse on a cliff at dusk, long exposure, waves breaking below"] * 4)
 REQUESTS = [dict(prompt="a red fox", height=256, width=256, num_inference_steps=4, seed=1),
             dict(prompt=LONG, height=224, width=288, num_inference_steps=3, seed=2),
             dict(prompt="ink drawing of a cat", negative_prompt="blurry", guidance_scale=3.0, height=288, width=224,
-                 num_inference_steps=4, seed=3)]
+                 num_inference_steps=4, seed=3),
+            dict(prompt=MEDIUM, height=256, width=256, num_inference_steps=3, seed=4)]
 
 
 def _levels(a: np.ndarray) -> np.ndarray:
@@ -28,16 +33,33 @@ def test_mixed_rows_equal_each_alone(compile):
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
     with Engine(model="random:zimage-tiny", device=DEVICE, dtype="bf16", mode="graph", graphs=cfg,
                 compile=compile) as engine:
-        keys = {engine.model.adapter.group_key(engine.model, (r["height"], r["width"])) for r in REQUESTS}
-        assert keys == {(0, 256)}
+        made = [GenerationRequest.create(model=engine.info, **r) for r in REQUESTS]
+        keys = [engine.runner.group_key(m.key, prepare(engine.runner.text_setup, m)) for m in made]
+        assert keys == [(128, 256), (512, 256), (128, 256), (128, 256)]
         assert len(engine.model.tokenizers[0](LONG).input_ids) > 250
+        assert engine.model.denoiser.layers[0].attention.processor.varlen == varlen_available()
         alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
                  for r in REQUESTS]
-        made = [GenerationRequest.create(model=engine.info, **r) for r in REQUESTS]
         futures = []
         engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
         together = [f.result(timeout=600).arrays[0] for f in futures]
         steps = [row for row in engine.runner.graph_table() if row["kind"] == "step" and row["replays"]]
-    assert steps and all((row["height"], row["width"]) == (0, 256) for row in steps), steps
+    assert {(row["height"], row["width"]) for row in steps} == {(128, 256), (512, 256)}, steps
     for a, b in zip(together, alone):
         assert np.abs(_levels(a) - _levels(b)).max() <= 1
+
+
+def test_flash_over_variable_lengths_equals_the_masked_attention():
+    """Rows of 4096 slots reading prefixes of 4096, 4160 - 512 and 300 keys: flash over variable lengths equals SDPA
+    with the key mask within bf16's error (on every query of each row's prefix)."""
+    import torch
+
+    if not varlen_available():
+        pytest.skip("this torch has no varlen_attn with seqused_k")
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn((3, 4096, 4, 128), generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    lengths = torch.tensor([[4096], [3648], [300]], device=DEVICE)
+    keys = torch.arange(4096, device=DEVICE) < lengths
+    fast, masked = prefix_attention(q, k, v, keys, True), prefix_attention(q, k, v, keys, False)
+    for row, n in enumerate((4096, 3648, 300)):
+        assert (fast[row, :n].float() - masked[row, :n].float()).abs().max().item() < 2e-2

@@ -93,7 +93,7 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
-        state = RequestState.of(request, plan, time.monotonic(), sink, prompts, self.runner.group_key(request.key))
+        state = RequestState.of(request, plan, time.monotonic(), sink, prompts, self.runner.group_key(request.key, prompts))
         if request.extras:  # registered capabilities' parameters (none: every capability is neutral)
             state.prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name)
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None

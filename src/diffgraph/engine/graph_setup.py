@@ -83,7 +83,7 @@ class GraphHost(Protocol):
 
     def latent_shape(self, key: tuple[int, int]) -> tuple[int, ...]: ...
 
-    def group_key(self, size: tuple[int, int]) -> tuple[int, int]: ...
+    def group_keys(self, size: tuple[int, int]) -> tuple[tuple[int, int], ...]: ...
 
     def graphed_sizes(self) -> tuple[tuple[int, int], ...]: ...
 
@@ -131,7 +131,7 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     if attention != "auto":  # chosen when the step is traced (outside the traced code)
         step_fn = partial(_within, attention_first(attention), step_fn)
     sampler, schedule = adapter.default_sampler, adapter.default_schedule
-    groups = tuple(dict.fromkeys(host.group_key(size) for size in resolutions))  # the step's graphs: per group
+    groups = tuple(dict.fromkeys(k for size in resolutions for k in host.group_keys(size)))  # the step's: per group
     for key in host.program.variants():
         graphs.register(StepGraph(host.buffers, host.program, partial(adapter.denoise, model), key,
                                   lambda: host.plan_for(sampler, schedule, 10, resolutions[0]), groups,

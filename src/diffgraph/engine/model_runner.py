@@ -179,10 +179,18 @@ class ModelRunner:
         return self._graphed
 
     # -- shapes and buffers --------------------------------------------------------------------
-    def group_key(self, size: Size) -> GroupKey:
-        """The group rows of an image `size` run in: the family's (a transformer's token bucket) where its step rows
-        pack image latents; else the size itself (unpacked latents of two sizes cannot share buffers)."""
-        return self.adapter.group_key(self.model, size) if self._packs else size
+    def group_key(self, size: Size, prompts: tuple[PromptText, ...] = ()) -> GroupKey:
+        """The group rows of an image `size` with `prompts` (prepared) run in: the family's (a transformer's token
+        bucket and text slot) where its step rows pack image latents; else the size itself (unpacked latents of two
+        sizes cannot share buffers)."""
+        if not self._packs:
+            return size
+        tokens = max((len(window) for p in prompts for window in (p.ids[0] if p.ids else ())), default=0)
+        return self.adapter.group_key(self.model, size, tokens)
+
+    def group_keys(self, size: Size) -> tuple[GroupKey, ...]:
+        """Every group rows of an image `size` may run in (the graphs' groups)."""
+        return self.adapter.group_keys(self.model, size) if self._packs else (size,)
 
     def image_latent_shape(self, size: Size) -> tuple[int, ...]:
         """The VAE's latents of one image of `size` (what the decoder reads)."""

@@ -241,9 +241,14 @@ class FamilyAdapter:
     # step buffers, steps and graphs. UNet families group by the size itself (convolutions need one shape); a
     # transformer family that packs latents into tokens may group every size of one token bucket (rows of different
     # aspect ratios in one step), its rows then carrying their own positions and image-token mask (`row_spec`).
-    def group_key(self, model: DiffusionModel, size: Size) -> GroupKey:
-        """The group rows of an image `size` run in (default: the size itself)."""
+    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0) -> GroupKey:
+        """The group rows of an image `size` whose longest prompt is `text_tokens` tokens run in (default: the size
+        itself; 0 tokens: a prompt of any length)."""
         return size
+
+    def group_keys(self, model: DiffusionModel, size: Size) -> tuple[GroupKey, ...]:
+        """Every group rows of `size` may run in, whatever their prompts (the groups graphs are made for)."""
+        return (self.group_key(model, size),)
 
     def image_latent_shape(self, model: DiffusionModel, size: Size) -> tuple[int, ...]:
         """The VAE's latents of one image of `size`: the shape a request's seed draws its noise in (diffusers' order)

@@ -2,8 +2,11 @@
 
 Such a model reads an image's latents as tokens, `patch` x `patch` latent cells each; its attention does not care how
 the tokens were laid out on the grid as long as each carries its position. So its rows group by token count, not by
-size: the group key is (0, image tokens rounded up to `token_bucket`), and rows of different aspect ratios (and, with
-padding, of different sizes) of one bucket share step buffers, steps and graphs. Each row carries, from its own size,
+size: the group key is (text slot, image tokens rounded up to `token_bucket`), and rows of different aspect ratios
+(and, with padding, of different sizes) of one bucket share step buffers, steps and graphs. The text slot is 0 for a
+family whose rows always read `text_tokens` prompt tokens; a family with `text_buckets` reads only the group's slot
+(the smallest bucket that holds the row's longest prompt, template included), so short prompts do not pay for the
+longest one's tokens: rows of prompts of one bucket share the replay. Each row carries, from its own size,
 its tokens' grid positions (`rows.positions`, [tokens, 2] as (row, column), padding at (-1, -1)) and which tokens are
 its image's (`rows.image_mask`); padding tokens hold zeros, the step's update keeps them there (the family's denoiser
 returns 0 for them), and `unpack` drops them.
@@ -34,7 +37,7 @@ from ..qwen_tokenizer import check_chat_template
 from ..model import DiffusionModel
 from .base import Conditioning, FamilyAdapter, Planner
 
-TOKEN_GROUP = 0  # the first element of a token family's group key (a UNet family's is a height, never 0)
+TOKEN_GROUP = 0  # the first element of a token family's group key without text buckets (a UNet family's: a height)
 FOLDER_PARTS = ("transformer", "vae", "scheduler", "text_encoder", "tokenizer")
 
 
@@ -85,6 +88,8 @@ class TokenFamily(FamilyAdapter):
     token_bucket: int = 256        # image tokens of a group: a multiple of this
     channels_innermost: bool = False  # a token's features as (patch row, patch column, channel): Z-Image's order
     text_tokens: int = 512         # prompt tokens a row holds (masked)
+    text_buckets: tuple[int, ...] = ()  # the text slots its groups read (ascending, the last `text_tokens`); ()
+    #                                     every row reads all `text_tokens`
     samplers = FLOW_SAMPLERS
     schedules = FLOW_SCHEDULES
     default_sampler = FLOW_SAMPLERS[0]
@@ -98,13 +103,28 @@ class TokenFamily(FamilyAdapter):
         cell = model.vae_scale_factor * self.patch
         return size[0] // cell, size[1] // cell
 
-    def group_key(self, model: DiffusionModel, size: Size) -> GroupKey:
+    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0) -> GroupKey:
+        """(text slot, image tokens): the slot is the smallest text bucket of at least `text_tokens` (0: the
+        largest, which any prompt fits), TOKEN_GROUP for a family without text buckets."""
         h, w = self.grid(model, size)
-        return (TOKEN_GROUP, math.ceil(h * w / self.token_bucket) * self.token_bucket)
+        image = math.ceil(h * w / self.token_bucket) * self.token_bucket
+        if not self.text_buckets:
+            return (TOKEN_GROUP, image)
+        fits = [b for b in self.text_buckets if b >= text_tokens] if text_tokens else []
+        return (fits[0] if fits else self.text_buckets[-1], image)
+
+    def group_keys(self, model: DiffusionModel, size: Size) -> tuple[GroupKey, ...]:
+        key = self.group_key(model, size)
+        return tuple((slot, key[1]) for slot in self.text_buckets) or (key,)
+
+    def text_slot(self, key: GroupKey) -> int:
+        """The prompt tokens rows of group `key` read."""
+        if key[0] not in ((TOKEN_GROUP,) if not self.text_buckets else self.text_buckets):
+            raise ValueError(f"group {key} is not a token bucket of family {self.name!r}")
+        return key[0] or self.text_tokens
 
     def latent_shape(self, model: DiffusionModel, key: GroupKey) -> tuple[int, ...]:
-        if key[0] != TOKEN_GROUP:
-            raise ValueError(f"group {key} is not a token bucket of family {self.name!r}")
+        self.text_slot(key)
         return (key[1], model.latent_channels * self.patch ** 2)
 
     def pack(self, model: DiffusionModel, latents: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
@@ -130,8 +150,12 @@ class TokenFamily(FamilyAdapter):
         return tokens.reshape(n, c, gh * p, gw * p)
 
     def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
-        """Each token's grid position (row, column) and whether it is the image's; padding at (-1, -1), False."""
+        """Each token's grid position (row, column) and whether it is the image's; padding at (-1, -1), False. With
+        text buckets also `text_positions`, the prompt token positions 0..slot-1 the group's rows read (its length
+        is the slot: the denoiser reads the conditioning's first `slot` tokens)."""
         total = key[1]
+        slot = {"text_positions": torch.arange(self.text_slot(key), device=model.device)} if self.text_buckets \
+            else {}
         positions = torch.full((total, 2), -1, dtype=torch.int64)
         mask = torch.zeros(total, dtype=torch.bool)
         if size is not None:
@@ -139,7 +163,7 @@ class TokenFamily(FamilyAdapter):
             rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
             positions[:gh * gw] = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=1)
             mask[:gh * gw] = True
-        return {"positions": positions.to(model.device), "image_mask": mask.to(model.device)}
+        return {"positions": positions.to(model.device), "image_mask": mask.to(model.device), **slot}
 
     # -- sampling ------------------------------------------------------------------------------------
     def planner(self, model: DiffusionModel) -> Planner:
