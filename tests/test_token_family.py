@@ -332,12 +332,13 @@ def test_the_family_declares_what_it_reads(engine):
         GenerationRequest.create(prompt="fox", height=64, width=72, model=engine.info)
     assert e.value.param == "width" and "16" in str(e.value)
     with pytest.raises(ParamError) as e:
-        GenerationRequest.create(prompt="fox", sampler="dpmpp_2m", height=64, width=64, model=engine.info)
+        GenerationRequest.create(prompt="fox", sampler="dpmpp_sde", height=64, width=64, model=engine.info)
     assert e.value.param == "sampler" and "flow_euler" in str(e.value)
-    for label in ("euler", "Euler", "k_euler"):  # an SD sampler's flow counterpart, where the family has one
+    for label, flow in (("euler", "flow_euler"), ("Euler", "flow_euler"), ("k_euler", "flow_euler"),
+                        ("dpmpp_2m", "flow_dpmpp_2m"), ("Euler a", "flow_euler_a")):  # an SD sampler's flow one
         assert GenerationRequest.create(prompt="fox", sampler=label, height=64, width=64,
-                                        model=engine.info).sampler == "flow_euler"
-    assert engine.info.samplers == ("flow_euler",) and "classifier_free_guidance" in engine.info.capabilities
+                                        model=engine.info).sampler == flow
+    assert engine.info.samplers == ("flow_euler", "flow_euler_a", "flow_dpmpp_2m") and "classifier_free_guidance" in engine.info.capabilities
 
 
 def test_the_family_builds_its_own_random_preset(dit, engine):

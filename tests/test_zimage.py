@@ -181,12 +181,25 @@ def test_the_checkpoint_comes_from_the_name():
 
 def test_it_refuses_what_it_does_not_read(turbo):
     with pytest.raises(ParamError) as e:
-        GenerationRequest.create(prompt="fox", sampler="euler_a", height=128, width=128, model=turbo.info)
-    assert e.value.param == "sampler" and "flow_euler" in str(e.value)
+        GenerationRequest.create(prompt="fox", sampler="heun", height=128, width=128, model=turbo.info)
+    assert e.value.param == "sampler" and "flow_euler, flow_euler_a, flow_dpmpp_2m" in str(e.value)
     with pytest.raises(ParamError) as e:
         GenerationRequest.create(prompt="fox", height=128, width=120, model=turbo.info)
     assert e.value.param == "width" and "16" in str(e.value)
-    assert json.loads(json.dumps(turbo.info.samplers)) == ["flow_euler"]
+    assert json.loads(json.dumps(turbo.info.samplers)) == ["flow_euler", "flow_euler_a", "flow_dpmpp_2m"]
+
+
+def test_flow_samplers_share_a_step_and_each_equals_itself_alone(turbo):
+    """AUTOMATIC1111's 'Euler a' and 'DPM++ 2M' are the family's stochastic Euler and flow DPM-Solver++ (their
+    walks: tests/test_sampling_flow.py); rows of the three samplers submitted together equal each alone."""
+    requests = [dict(prompt="a red fox", height=128, width=128, num_inference_steps=4, seed=2, sampler=s)
+                for s in ("flow_euler", "Euler a", "DPM++ 2M")]
+    made = [GenerationRequest.create(model=turbo.info, **r) for r in requests]
+    assert [m.sampler for m in made] == ["flow_euler", "flow_euler_a", "flow_dpmpp_2m"]
+    together = images_together(turbo, requests)
+    alone = [images_together(turbo, [r])[0] for r in requests]
+    assert max(np.abs(a - b).max() for a, b in zip(together, alone)) <= 1
+    assert np.abs(together[0] - together[2]).max() > 0 and np.abs(together[0] - together[1]).max() > 0
 
 
 def test_a_prompt_beyond_the_encoder_is_refused_naming_its_count(turbo):
@@ -409,8 +422,8 @@ def test_served_over_http_with_the_checkpoint_s_defaults(folders):
         info = json.loads(a1111.json()["info"])
         assert (info["steps"], info["cfg_scale"]) == (8, 1.0)
         bad = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "96x64",
-                                                          "sampler": "DPM++ 2M"})
-        assert bad.status_code == 400 and "flow_euler" in bad.text
+                                                          "sampler": "DPM++ SDE"})
+        assert bad.status_code == 400 and "flow_euler, flow_euler_a, flow_dpmpp_2m" in bad.text
 
 
 def test_serve_accepts_the_family_s_presets_and_split_files(tmp_path):

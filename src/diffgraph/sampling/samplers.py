@@ -172,7 +172,8 @@ def strength_start(num_steps: int, strength: float) -> int:
 def start_plan(plan: SamplerPlan, start: int) -> SamplerPlan:
     """The plan from step `start` on, for rows that begin there (image-to-image, inpainting): remade by its sampler,
     as diffusers' scheduler runs when a pipeline enters its timesteps there (a multistep solver's first row there is
-    first order). A plan made elsewhere (no `noise`: a family's own planner) is cut at that step's first row."""
+    first order). A plan made elsewhere (no `noise`: a family's own planner) is cut at that step's first row, whose
+    correction by the previous D (column C: there is none yet) is folded into its D, the first-order step."""
     if start == plan.start:
         return plan
     if plan.noise is not None:
@@ -181,7 +182,10 @@ def start_plan(plan: SamplerPlan, start: int) -> SamplerPlan:
     if start < plan.start or len(rows) == 0:
         raise ValueError(f"start {start} is outside the plan's steps {plan.start}..{int(plan.step_index[-1])}")
     row = int(rows[0])
-    return dataclasses.replace(plan, num_steps=plan.num_steps - row, coefs=plan.coefs[row:].copy(),
+    coefs = plan.coefs[row:].copy()
+    coefs[0, Coef.B] += coefs[0, Coef.C]
+    coefs[0, Coef.C] = 0.0
+    return dataclasses.replace(plan, num_steps=plan.num_steps - row, coefs=coefs,
                                timesteps=plan.timesteps[row:], sigmas=plan.sigmas[row:],
                                noise_steps=plan.noise_steps[row:], step_index=plan.step_index[row:], start=start,
                                brownian=None if plan.brownian is None else plan.brownian[row:])

@@ -353,7 +353,7 @@ class Flux2KleinFamily(TokenFamily):
         def plan(sampler: str, schedule: str, steps: int, size: Size) -> SamplerPlan:
             self.check(sampler, schedule, size)
             h, w = self.grid(model, size)
-            return flow_plan(sampler, schedule, schedule_config.sigmas(steps, h * w, mu=empirical_mu(h * w, steps)))
+            return flow_plan(sampler, schedule, schedule_config, steps, h * w, mu=empirical_mu(h * w, steps))
         return plan
 
     # -- text --------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ Its text side reads variable-length prompts: a row holds `text_tokens` prompt to
 fields `embeds` and `mask`), so prompts of different lengths share a step; the family's `encode` pads each prompt
 (`pad_tokens`).
 
-Its sampler is flow matching (sampling/flow.py): `flow_euler` over the scheduler config's `FlowSchedule`, the time
-shift from the row's own token count.
+Its samplers are flow matching's (sampling/flow.py: Euler, its stochastic form, DPM-Solver++(2M)) over the scheduler
+config's `FlowSchedule`, the time shift from the row's own token count.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class TokenFamily(FamilyAdapter):
         def plan(sampler: str, schedule: str, steps: int, size: Size) -> SamplerPlan:
             self.check(sampler, schedule, size)
             h, w = self.grid(model, size)
-            return flow_plan(sampler, schedule, schedule_config.sigmas(steps, h * w))
+            return flow_plan(sampler, schedule, schedule_config, steps, h * w)
         return plan
 
     def noising(self, plan: SamplerPlan) -> tuple[float, float]:
