@@ -55,7 +55,7 @@ def test_flash_over_variable_lengths_equals_the_masked_attention():
     import torch
 
     if not varlen_available():
-        pytest.skip("this torch has no varlen_attn with seqused_k")
+        pytest.skip("this torch has no varlen_attn")
     g = torch.Generator(device=DEVICE).manual_seed(0)
     q, k, v = (torch.randn((3, 4096, 4, 128), generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     lengths = torch.tensor([[4096], [3648], [300]], device=DEVICE)
