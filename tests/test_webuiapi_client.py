@@ -116,3 +116,16 @@ def test_what_is_not_served_is_refused_in_one_line_or_answered_as_automatic1111_
     with pytest.raises(RuntimeError) as info:
         api.txt2img(prompt="a cat", controlnet_units=[unit], alwayson_scripts={}, **SMALL)
     assert info.value.args[0] == 400 and "model" in info.value.args[1]
+
+
+def test_other_extensions_helpers_are_refused_naming_their_script_or_get_the_404_of_their_absent_routes(api):
+    for kind, value, script in (("adetailer", [webuiapi.ADetailer(ad_model="face_yolov8n.pt")], "ADetailer"),
+                                ("sag", webuiapi.Sag(), "Self Attention Guidance")):
+        with pytest.raises(RuntimeError) as info:
+            api.txt2img(prompt="a cat", alwayson_scripts={}, **{kind: value}, **SMALL)
+        assert info.value.args[0] == 400 and f"alwayson_scripts.{script}" in info.value.args[1]
+    for call in (lambda: webuiapi.RemBGInterface(api).rembg(input_image=picture()),
+                 lambda: webuiapi.InstructPix2PixInterface(api).img2img(images=[picture()], prompt="x")):
+        with pytest.raises(RuntimeError) as info:
+            call()
+        assert info.value.args[0] == 404

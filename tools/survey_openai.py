@@ -54,8 +54,8 @@ def sized(r: ImagesResponse, n: int = 1, size: tuple[int, int] = (64, 64)) -> bo
 def checks(c: openai.OpenAI, ac: openai.AsyncOpenAI, url: str) -> list[tuple[str, Callable[[], Any]]]:
     """(check, a call that raises when the check fails)"""
     g = c.images.generate
-    model = c.models.list().data[0].id
-    native = c.models.retrieve(model).native_size if hasattr(c.models.retrieve(model), "native_size") else 512
+    card = c.models.list().data[0]
+    model, native = card.id, getattr(card, "native_size", None) or 512
     every = dict(model=model, prompt="a cat", n=1, size="64x64", quality="low", style="natural", background="opaque",
                  moderation="auto", output_compression=90, output_format="png", response_format="b64_json",
                  user="someone", safety_identifier="someone")

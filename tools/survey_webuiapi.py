@@ -20,7 +20,12 @@ SMALL = {"width": 64, "height": 64, "steps": 2, "seed": 1}
 # AUTOMATIC1111 1.10 answers these with a 404 too: routes it removed (artists), an extension's routes where the
 # extension is absent (promptgen), the ControlNet extension's removed /controlnet/txt2img and /controlnet/img2img
 AS_A1111_404 = {"get_artist_categories", "get_artists", "list_prompt_gen_models", "prompt_gen",
-                "ControlNetInterface.txt2img"}
+                "ControlNetInterface.txt2img", "ModelKeywordInterface.get_keywords", "InstructPix2PixInterface.img2img",
+                "RemBGInterface.rembg", "SegmentAnythingInterface.heartbeat", "TaggerInterface.tagger_interrogators"}
+# extensions' alwayson scripts: a 400 naming the script (AUTOMATIC1111 without the extension: a 422 naming it)
+REFUSED_AS_A1111 = {"txt2img (adetailer)", "txt2img (animatediff)", "txt2img (roop)", "txt2img (reactor)",
+                    "txt2img (sag)"}
+AS_A1111 = "404, as AUTOMATIC1111 1.10 answers (route removed or extension absent)"
 NOT_SERVED = {"interrogate"}  # needs captioning weights: a one-line 404 names it
 
 
@@ -109,6 +114,21 @@ def calls(api: webuiapi.WebUIApi) -> list[tuple[str, Callable[[], Any], Callable
             **SMALL), lambda r: len(r.images) >= 1),
         ("ControlNetInterface.model_list", lambda: webuiapi.ControlNetInterface(api).model_list(),
          lambda r: isinstance(r, list)),
+        # other extensions' helpers: their alwayson scripts refused naming them (AUTOMATIC1111 without the extension:
+        # a 422 "always on script ... not found"), their own routes AUTOMATIC1111's 404 without the extension
+        *[(f"txt2img ({kind})", (lambda kw: lambda: api.txt2img(prompt="a cat", alwayson_scripts={}, **kw, **SMALL))(
+            {kind: value}), lambda r: False) for kind, value in (
+            ("adetailer", [webuiapi.ADetailer(ad_model="face_yolov8n.pt")]), ("animatediff", webuiapi.AnimateDiff()),
+            ("roop", webuiapi.Roop(pic)), ("reactor", webuiapi.ReActor(pic)), ("sag", webuiapi.Sag()))],
+        ("ModelKeywordInterface.get_keywords", lambda: webuiapi.ModelKeywordInterface(api).get_keywords(),
+         lambda r: False),
+        ("InstructPix2PixInterface.img2img", lambda: webuiapi.InstructPix2PixInterface(api).img2img(
+            images=[pic], prompt="x"), lambda r: False),
+        ("RemBGInterface.rembg", lambda: webuiapi.RemBGInterface(api).rembg(input_image=pic), lambda r: False),
+        ("SegmentAnythingInterface.heartbeat", lambda: webuiapi.SegmentAnythingInterface(api).heartbeat(),
+         lambda r: False),
+        ("TaggerInterface.tagger_interrogators", lambda: webuiapi.TaggerInterface(api).tagger_interrogators(),
+         lambda r: False),
     ]
 
 
@@ -132,8 +152,11 @@ def run(url: str) -> list[tuple[str, str, str]]:
             if status == 404 and name in NOT_SERVED:
                 rows.append((name, "not served (one-line 404)", text))
                 continue
+            if status in (400, 422) and name in REFUSED_AS_A1111:
+                rows.append((name, f"refused ({status}) naming it, as AUTOMATIC1111 without the extension", text))
+                continue
             if status == 404 and name in AS_A1111_404:
-                rows.append((name, "works (404, as AUTOMATIC1111 1.10)", ""))
+                rows.append((name, AS_A1111, ""))
                 continue
             kind = "missing route (404)" if status == 404 else f"refused ({status})" if status and status < 500 \
                 else f"error ({status})" if status else "error"
@@ -146,7 +169,7 @@ def run(url: str) -> list[tuple[str, str, str]]:
         except Exception:  # noqa: BLE001
             pass
         if ok or status == 404 and name in AS_A1111_404:
-            rows.append((name, "works" if status != 404 else "works (404, as AUTOMATIC1111 1.10)", ""))
+            rows.append((name, "works" if status != 404 else AS_A1111, ""))
         elif status == 404:
             rows.append((name, "missing route (404)", last[-1].text[:140]))
         elif status >= 400:
@@ -161,8 +184,10 @@ def main() -> None:
     print("| method | result | detail |\n|---|---|---|")
     for name, kind, detail in rows:
         print(f"| `{name}` | {kind} | {detail} |")
-    works = sum(kind.startswith("works") for _, kind, _ in rows)
-    print(f"\n{works} of {len(rows)} calls work")
+    works = sum(kind == "works" for _, kind, _ in rows)
+    absent = sum("without the extension" in kind or kind == AS_A1111 for _, kind, _ in rows)
+    print(f"\n{works} of {len(rows)} calls work; {absent} answer as AUTOMATIC1111 1.10 does without the route or "
+          f"extension (its 404, or a refusal naming the script); {len(rows) - works - absent} other")
 
 
 if __name__ == "__main__":
