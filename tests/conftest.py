@@ -45,3 +45,16 @@ def cut_on_load(monkeypatch):
             return read(*args, **kwargs)
         monkeypatch.setattr(cls, "from_pretrained", cut_then_read)
     return cut_on_load
+
+
+@pytest.fixture(scope="session")
+def clients_url():
+    """One server (random:tiny on the CPU, uvicorn in this process) for the unchanged clients' tests
+    (tests/test_webuiapi_client.py, tests/test_openai_client.py): its URL. Its engine is its own (the app closes
+    the engine it serves)."""
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from server_util import listening
+    with listening(ServerConfig(model="random:tiny", device="cpu"),
+                   lambda: Engine(model="random:tiny", device="cpu", dtype="fp32")) as url:
+        yield url

@@ -27,3 +27,34 @@ def b64png(image) -> str:
     buf = io.BytesIO()
     image.save(buf, "PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+@contextlib.contextmanager
+def listening(config, engine_factory):
+    """`create_app(config)` served by uvicorn on a free port of 127.0.0.1 in a thread of this process, for clients
+    that open their own connections (webuiapi's `requests`, the `openai` client): yields its URL once it is ready."""
+    import httpx
+    import uvicorn
+
+    from diffgraph.server import create_app
+    from diffgraph.server.connections import listen
+    sockets = listen("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(config, engine_factory=engine_factory), log_level="warning",
+                                           lifespan="on", ws="none"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 300  # a failure bound: a server that never gets ready
+    while True:
+        try:
+            if httpx.get(url + "/ready", timeout=60).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not become ready"
+        threading.Event().wait(0.1)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join()

@@ -93,10 +93,14 @@ class PreviewBody(BaseModel):
 
 
 # OpenAI's `quality` -> the share of the default steps it runs (when the body gives no num_inference_steps)
-QUALITY_STEPS = {"low": 0.5, "medium": 1.0, "standard": 1.0, "auto": 1.0, "high": 1.5, "hd": 1.5}
+QUALITY_STEPS = {"low": 0.5, "medium": 1.0, "standard": 1.0, "auto": 1.0, "high": 1.5, "hd": 1.5, "xhigh": 2.0,
+                 "max": 2.0}
 BACKGROUNDS = ("auto", "opaque")   # "transparent" cannot be honoured: the models make opaque images
 STYLES = ("vivid", "natural")      # DALL-E 3's; accepted, with no effect here
 MODERATIONS = ("auto", "low")      # accepted; this server runs no moderation
+COMPLEXITIES = ("low", "medium", "high")  # OpenAI's planning effort: accepted, no effect (a diffusion model plans nothing)
+# OpenAI's GIF and SVG output fields: null (their default) accepted, a value a 400 (png, jpeg and webp are served)
+ANIMATION_FIELDS = ("frame_count", "frame_duration_ms", "svg")
 
 
 class ImageGenerationRequest(BaseModel):
@@ -116,6 +120,11 @@ class ImageGenerationRequest(BaseModel):
     style: StrictStr | None = None              # STYLES
     moderation: StrictStr | None = None         # MODERATIONS
     output_compression: StrictInt | None = None  # jpeg / webp: 0..100 (OpenAI's); None: quality 95
+    safety_identifier: StrictStr | None = None  # OpenAI's end-user id: accepted, recorded nowhere (as `user`)
+    complexity: StrictStr | None = None         # COMPLEXITIES
+    frame_count: StrictInt | None = None        # ANIMATION_FIELDS: null only
+    frame_duration_ms: StrictInt | None = None
+    svg: dict[str, Any] | None = None
     # extensions
     negative_prompt: StrictStr | None = None
     num_inference_steps: StrictInt = 20
@@ -151,10 +160,14 @@ class ImageGenerationRequest(BaseModel):
     def openai_choices(self) -> None:
         """APIError 400 naming the OpenAI field whose value is not one this server takes."""
         for name, allowed in (("quality", tuple(QUALITY_STEPS)), ("background", BACKGROUNDS + ("transparent",)),
-                              ("style", STYLES), ("moderation", MODERATIONS)):
+                              ("style", STYLES), ("moderation", MODERATIONS), ("complexity", COMPLEXITIES)):
             value = getattr(self, name)
             if value is not None and value not in allowed:
                 raise APIError(400, f"{name} {value!r} is unknown; allowed: {', '.join(allowed)}", param=name)
+        for name in ANIMATION_FIELDS:
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name}: GIF and SVG output are not served here (output_format png, jpeg or "
+                                    "webp); send null or leave it out", param=name)
         if self.background == "transparent":
             raise APIError(400, "background 'transparent' cannot be honoured: the models served here make opaque "
                                 "images; send 'opaque' or 'auto'", param="background")

@@ -52,6 +52,7 @@ from ..prompt_styles import read_styles
 from ..upscalers import TileGrid, combine_tiles
 from ..request import MAX_CONTROLS, MAX_IMAGES, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
+from .a1111_detect import analysis_router
 from .a1111_extras import extras_router
 from .a1111_info import InfoSources, info_router
 from .a1111_inpaint import PreparedEdit, flatten, mask_options, prepare
@@ -469,6 +470,7 @@ def a1111_router(ctx: AppContext) -> APIRouter:
     # png-info, memory, prompt-styles, ... (a1111_info.py)
     router.include_router(info_router(InfoSources(ctx.state, ctx.routing, ctx.embedding_dir, server.styles)))
     router.include_router(extras_router(server.config))  # extra-single-image, extra-batch-images, upscalers
+    router.include_router(analysis_router(server.config))  # /controlnet/detect, interrogate
     _add_progress(router, server)
     return router
 

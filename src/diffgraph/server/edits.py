@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
@@ -66,6 +66,17 @@ class ImageEditForm(BaseModel):
     response_format: str = "b64_json"
     model: str | None = None
     user: str | None = None
+    # OpenAI's edit fields, read as the generations route reads them (protocol.py); input_fidelity: no effect here
+    quality: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    output_compression: StrictInt | None = None
+    input_fidelity: Literal["high", "low"] | None = None
+    safety_identifier: str | None = None
+    complexity: str | None = None
+    frame_count: StrictInt | None = None
+    frame_duration_ms: StrictInt | None = None
+    svg: Json[dict[str, Any]] | None = None
     negative_prompt: str | None = None
     num_inference_steps: StrictInt = 20
     guidance_scale: StrictFloat | None = None   # ints are accepted as numbers
@@ -92,7 +103,8 @@ class ImageEditForm(BaseModel):
     image_prompts: Json[FormImagePromptRef] | None = None
 
     @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
-                     "clip_skip", "eta", "partial_images", mode="before")
+                     "clip_skip", "eta", "partial_images", "output_compression", "frame_count",
+                     "frame_duration_ms", mode="before")
     @classmethod
     def _json_number(cls, value: Any) -> Any:
         """A number's text as the JSON route parses it (then checked by the same strict types), and nan / inf in
@@ -113,7 +125,8 @@ class ImageEditForm(BaseModel):
         gave still marked as given (a missing num_inference_steps is the model's default)."""
         return ImageGenerationRequest.model_construct(
             self.model_fields_set & set(ImageGenerationRequest.model_fields),
-            **self.model_dump(exclude={"strength", "loras", "preview", "controls", "image_prompts"}),
+            **self.model_dump(include=set(ImageGenerationRequest.model_fields) - {"loras", "preview", "controls",
+                                                                                  "image_prompts"}),
             loras=self.loras, preview=self.preview)
 
 
