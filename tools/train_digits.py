@@ -157,11 +157,33 @@ def alphas_cumprod() -> torch.Tensor:
     return torch.cumprod(1 - betas, 0).float()
 
 
+def step_with_ema(opt: torch.optim.Optimizer, loss: torch.Tensor, params: list, ema: list, step: int,
+                  ema_max: float) -> None:
+    """One optimiser step on `loss` (gradients clipped to norm 1), then `ema` (copies of `params`) moved towards them
+    with a decay warming up as (1 + step) / (10 + step) to `ema_max`."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    decay = min(ema_max, (1 + step) / (10 + step))
+    with torch.no_grad():
+        torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+
+
+@torch.no_grad()
+def finish_ema(params: list, ema: list, recent: list, prog: Progress, step: int) -> dict:
+    """Copies `ema` into `params`; the stage's record (steps, mean loss of the last 100, wall time, what ended it)."""
+    for p, e in zip(params, ema):
+        p.copy_(e)
+    return dict(steps=step, final_loss=torch.stack(recent[-100:]).mean().item(), wall_s=prog.elapsed(),
+                stopped_by=prog.stopped_by(step))
+
+
 # -- stage 1: VAE --------------------------------------------------------------------------------
 def train_vae(images: torch.Tensor, args, device: torch.device, gen: torch.Generator, extra: dict) -> tuple:
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL(**VAE_CONFIG, **extra).to(device)
+    vae = AutoencoderKL(**{**VAE_CONFIG, **extra}).to(device)  # extra may override (digits-zimage's 16 channels)
     opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0, fused=device.type == "cuda")
     for g in opt.param_groups:
         g["peak_lr"] = args.vae_lr
@@ -295,22 +317,12 @@ def train_unet(kind: str, latents: torch.Tensor, labels: torch.Tensor, args, dev
             pred = unet(xt, t, encoder_hidden_states=embeds, added_cond_kwargs=added).sample.float()
         loss = ((pred - noise) ** 2).mean(dim=(1, 2, 3))
         loss = (loss * weight[t]).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
         step += 1
-        decay = min(args.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach() for p in params], 1 - decay)
+        step_with_ema(opt, loss, params, ema, step, args.ema)
         recent.append(loss.detach())
         if step % 500 == 0 or step == 1:
             log(f"{kind} unet step {step} loss {loss.item():.4f} t {prog.elapsed():.0f}s")
-    with torch.no_grad():
-        for p, e in zip(params, ema):
-            p.copy_(e)
-    final = torch.stack(recent[-100:]).mean().item()
-    info = dict(steps=step, final_loss=final, wall_s=prog.elapsed(), stopped_by=prog.stopped_by(step))
+    info = finish_ema(params, ema, recent, prog, step)
     log(f"{kind} unet done: {info}")
     return unet.eval(), [e.eval() for e in encoders], tokenizers, info
 
@@ -402,33 +414,44 @@ def train_model(kind: str, args, device: torch.device, images8: np.ndarray, labe
     return info
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("digits", "digits-xl", "both"), default="both")
-    p.add_argument("--out", required=True, help="folder that receives digits/ and/or digits-xl/")
+def common_arguments(p: argparse.ArgumentParser, vae_budget: float) -> None:
+    """The options every digits model's training shares: seed, device, data, the VAE stage, EMA, augmentation."""
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--data", default=None, help=".npz with images [N,8,8] (0..16) and target; default: sklearn")
     p.add_argument("--max-steps", type=int, default=None, help="caps both stages (smoke tests)")
     p.add_argument("--vae-steps", type=int, default=900)
-    p.add_argument("--vae-budget", type=float, default=120.0, help="seconds, a safety cap")
+    p.add_argument("--vae-budget", type=float, default=vae_budget, help="seconds, a safety cap")
     p.add_argument("--vae-batch", type=int, default=128)
     p.add_argument("--vae-lr", type=float, default=1e-3)
     p.add_argument("--kl-weight", type=float, default=1e-3)
+    p.add_argument("--ema", type=float, default=0.999)
+    p.add_argument("--aug-copies", type=int, default=24, help="augmented latent copies of each image")
+
+
+def training_device(name: str) -> torch.device:
+    """The device, with TF32 matmuls and cuDNN autotuning on a GPU."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    return device
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("digits", "digits-xl", "both"), default="both")
+    p.add_argument("--out", required=True, help="folder that receives digits/ and/or digits-xl/")
+    common_arguments(p, vae_budget=120.0)
     p.add_argument("--unet-steps", type=int, default=1800)
     p.add_argument("--unet-budget", type=float, default=400.0, help="seconds, a safety cap")
     p.add_argument("--unet-batch", type=int, default=512)
     p.add_argument("--unet-lr", type=float, default=6e-4)
     p.add_argument("--text-lr", type=float, default=3e-4)
     p.add_argument("--cond-drop", type=float, default=0.15)
-    p.add_argument("--ema", type=float, default=0.999)
-    p.add_argument("--aug-copies", type=int, default=24, help="augmented latent copies of each image")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
+    device = training_device(args.device)
     images8, labels = load_digits_arrays(args.data)
     kinds = ("digits", "digits-xl") if args.model == "both" else (args.model,)
     os.makedirs(args.out, exist_ok=True)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 DIGITS_PRESETS = ("digits", "digits-xl")
 # the prompt each preset was trained on (tools/train_digits.py's captions), by the digit's word {w} or figure {d}
-PROMPTS = {"digits": "a handwritten digit {w}", "digits-xl": "the number {d}"}
+PROMPTS = {"digits": "a handwritten digit {w}", "digits-xl": "the number {d}",
+           "digits-zimage": "a handwritten digit {w}"}
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SIZE = 64  # the presets' native size
 
@@ -93,3 +94,18 @@ def train_oracle() -> DigitsOracle:
     clf = SVC(gamma=0.001, C=10.0).fit(X, y)
     heldout = float((clf.predict(feats(copies[1][test_idx])) == labels[test_idx]).mean())
     return DigitsOracle(clf, heldout)
+
+
+def engine_score(engine: Any, model: str, oracle: DigitsOracle, per_digit: int,
+                 **params: Any) -> tuple[float, dict[int, int]]:
+    """(the fraction read as the asked digit, {asked: read} of those misread) of `per_digit` 64x64 images per digit
+    that `engine` (a diffgraph Engine of `model`) draws for `model`'s prompt, seed 1000 + the digit; `params` (steps,
+    guidance, sampler) are the request's, the model's defaults where left out."""
+    asked, images = [], []
+    for d in range(10):
+        result = engine.generate(digit_prompt(model, d), seed=1000 + d, num_images=per_digit, width=SIZE, height=SIZE,
+                                 **params)
+        images.append(np.asarray(result.arrays))
+        asked += [d] * per_digit
+    pred = oracle.predict(np.concatenate(images))
+    return float((pred == np.array(asked)).mean()), {a: int(p) for a, p in zip(asked, pred) if a != p}

@@ -161,6 +161,8 @@ RANDOM_PRESETS.update({
 SHIPPED_PRESETS: dict[str, str] = {
     "digits": "trained SD1.5-family model of handwritten digits (64x64), e.g. 'a handwritten digit seven'",
     "digits-xl": "trained SDXL-family model of handwritten digits (64x64), e.g. 'the number 7'",
+    # listed and loadable only once its folder is in the package (tools/train_digits_zimage.py trains it on a GPU)
+    "digits-zimage": "trained Z-Image-family model of handwritten digits (64x64), e.g. 'a handwritten digit seven'",
 }
 
 

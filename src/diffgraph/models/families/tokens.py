@@ -33,7 +33,7 @@ from ... import safe_files
 from ...request import GroupKey, Size
 from ...sampling.flow import FLOW_SAMPLERS, FLOW_SCHEDULES, FlowSchedule, flow_noising, flow_plan
 from ...sampling.samplers import SamplerPlan
-from ..qwen_tokenizer import check_chat_template
+from ..qwen_tokenizer import check_chat_template, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, FamilyAdapter, Planner
 
@@ -58,25 +58,31 @@ def qwen3_folder_parts(folder: str, pipeline_class: str, dtype: torch.dtype) -> 
     """(text encoder, tokenizer, scheduler config) of a diffusers folder of a transformer pipeline with a Qwen3 text
     encoder (its base model: the pipelines read hidden states only), after checking it has every part; the
     tokenizer's chat template must be the shipped Qwen3 one (the prompt string is rendered from it, no folder's Jinja
-    runs). Each problem is a ValueError naming the folder and what to do."""
+    runs). A folder without `tokenizer/` reads prompts with the shipped Qwen3 tokenizer (the same vocabulary: the
+    trained `digits-zimage` ships that way, saving the tokenizer's megabytes). Each problem is a ValueError naming
+    the folder and what to do."""
     from transformers import AutoModel, AutoTokenizer
 
     for sub in FOLDER_PARTS:
-        if not os.path.isdir(os.path.join(folder, sub)):
+        if sub != "tokenizer" and not os.path.isdir(os.path.join(folder, sub)):
             raise ValueError(f"{folder!r} is a {pipeline_class} folder but lacks its '{sub}' subfolder; point "
                              "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
     encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
+    if not os.path.isdir(os.path.join(folder, "tokenizer")):
+        return encoder, qwen_tokenizer("qwen3"), _scheduler_config(folder)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
     try:
         check_chat_template(tokenizer.chat_template or "", "qwen3")
     except ValueError as e:
         raise ValueError(f"model folder {folder!r}: tokenizer: {e}") from None
+    return encoder, tokenizer, _scheduler_config(folder)
+
+
+def _scheduler_config(folder: str) -> dict[str, Any]:
     try:
-        scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),
-                                                1 << 20)[0]
+        return safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"), 1 << 20)[0]
     except safe_files.UnusableFile as e:
         raise ValueError(f"model folder {folder!r}: scheduler/scheduler_config.json {e}") from None
-    return encoder, tokenizer, scheduler_config
 
 
 class TokenFamily(FamilyAdapter):

@@ -65,7 +65,8 @@ class Checkpoint:
 
 
 CHECKPOINTS = {"z-image-turbo": Checkpoint("z-image-turbo", 8, 1.0),
-               "z-image": Checkpoint("z-image", 50, 5.0)}
+               "z-image": Checkpoint("z-image", 50, 5.0),
+               "digits-zimage": Checkpoint("digits-zimage", 8, 3.0)}  # shipped: tools/train_digits_zimage.py
 
 
 def checkpoint_of(path: str, preset: str | None = None) -> Checkpoint:
@@ -78,6 +79,8 @@ def checkpoint_of(path: str, preset: str | None = None) -> Checkpoint:
             raise ValueError(f"Z-Image preset {preset!r} is unknown; use one of {', '.join(CHECKPOINTS)}")
         return CHECKPOINTS[key]
     for part in reversed(os.path.normpath(os.path.abspath(path)).lower().replace("_", "-").split(os.sep)):
+        if part in CHECKPOINTS:
+            return CHECKPOINTS[part]
         if "z-image" in part or "zimage" in part:
             return CHECKPOINTS["z-image-turbo" if "turbo" in part else "z-image"]
     raise ValueError(f"cannot tell which Z-Image checkpoint {os.path.basename(path)!r} is; keep the published name "
