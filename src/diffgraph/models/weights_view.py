@@ -51,19 +51,22 @@ def weights_read(folder: str, components: Iterable[str] | None = None) -> tuple[
     return copies, omit
 
 
+def unreadable(label: str, rel: str, e: safe_files.UnusableFile) -> UnreadableWeights:
+    """The error for a weights file `rel` of the folder `label` names that could not be read (`e` says why)."""
+    again = "wait until it is written completely, or copy it again" if isinstance(e, safe_files.FileChanged) \
+        else "copy or download that file again"
+    return UnreadableWeights(f"{label}: {rel} {e}; {again}")
+
+
 @contextmanager
 def weights_view(folder: str, label: str, components: Iterable[str] | None = None) -> Iterator[str]:
     """A folder to hand to from_pretrained in place of `folder` while the block runs (`weights_read` says which
     `components` are copied). `label` names the folder in errors ("model folder '/m'", "ControlNet 'edges'"): a
     weights file that cannot be copied raises UnreadableWeights("{label}: {file} {why}; {fix}"), and a ValueError or
     OSError from the block that names the view names `folder` instead."""
-    def refused(rel: str, e: safe_files.UnusableFile) -> UnreadableWeights:
-        again = "wait until it is written completely, or copy it again" if isinstance(e, safe_files.FileChanged) \
-            else "copy or download that file again"
-        return UnreadableWeights(f"{label}: {rel} {e}; {again}")
-
     copies, omit = weights_read(folder, components)
-    with safe_files.private_view(folder, copies, omit, MODEL_FILE_LIMIT, refused) as view:
+    with safe_files.private_view(folder, copies, omit, MODEL_FILE_LIMIT, lambda rel, e: unreadable(label, rel, e)) \
+            as view:
         try:
             yield view
         except (OSError, ValueError) as e:  # the libraries' messages name the folder they read: the user's, not ours
