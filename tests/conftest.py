@@ -30,18 +30,22 @@ def tiny_xl_engine():
 
 
 @pytest.fixture
-def cut_on_load(monkeypatch):
-    """`cut_on_load(cls, *paths)`: from then on `cls.from_pretrained` first truncates the files at `paths` (as
-    `cp new old` or `rsync --inplace` starts rewriting them) and then reads. A loader that hands it the user's
-    files reads them cut (or, mapped, dies of SIGBUS later); one that hands it private copies made before is
-    untouched."""
-    def cut_on_load(cls, *paths):
-        read = cls.from_pretrained
+def cut_while_loading(monkeypatch):
+    """`cut_while_loading(*paths)`: the next time a streamed load (models/stream_load.py) puts a tensor into its module,
+    the files at `paths` are truncated (as `cp new old` or `rsync --inplace` starts rewriting them) while the rest is
+    still to be read; once. Returns a list that holds the tensor's name once they are cut."""
+    from diffgraph.models import stream_load
 
-        def cut_then_read(*args, **kwargs):
-            for path in paths:
-                with open(path, "r+b") as f:
-                    f.truncate(0)
-            return read(*args, **kwargs)
-        monkeypatch.setattr(cls, "from_pretrained", cut_then_read)
-    return cut_on_load
+    def cut_while_loading(*paths):
+        assign, cuts = stream_load.assign, []
+
+        def assign_then_cut(model, name, tensor):
+            assign(model, name, tensor)
+            if not cuts:
+                for path in paths:
+                    with open(path, "r+b") as f:
+                        f.truncate(0)
+                cuts.append(name)
+        monkeypatch.setattr(stream_load, "assign", assign_then_cut)
+        return cuts
+    return cut_while_loading

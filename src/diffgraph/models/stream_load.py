@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
 from typing import Callable, Iterator, TypeVar
 
@@ -41,13 +40,17 @@ _build_lock = threading.Lock()  # one patched build at a time (the patch and the
 
 
 def load_part(cls: type[M], folder: str, label: str, sub: str | None = None, dtype: torch.dtype | None = None,
-              variant: str | None = None, device: torch.device | str | None = None) -> M:
+              variant: str | None = None, device: torch.device | str | None = None, pickle: bool = True) -> M:
     """The `cls` module (a diffusers ModelMixin or transformers PreTrainedModel class; transformers' AutoModel picks
     the class of the config) of `folder/sub`, in `dtype` (None: the config's default, float32), its parameters read to
-    `device` (default the host) and its buffers moved there. `label` names `folder` in errors ("model folder '/m'")."""
+    `device` (default the host) and its buffers moved there. `label` names `folder` in errors ("model folder '/m'").
+    `pickle=False`: a folder without safetensors weights is a ValueError (from_pretrained's use_safetensors=True)."""
     path = os.path.join(folder, sub) if sub else folder
     library = "diffusers" if _is_diffusers(cls) else "transformers"
     found = _safetensors_files(path, STEMS[library], variant, label, sub)
+    if found is None and not pickle:
+        raise ValueError(f"no file named {STEMS[library]}.safetensors in {path!r}; save the model with "
+                         "save_pretrained(safe_serialization=True)")
     if found is None:  # pickle weights only: from_pretrained reads private copies
         return _from_pretrained(cls, folder, label, sub, dtype, variant, library)
     files, sharded = found

@@ -58,11 +58,13 @@ def qwen3_folder_parts(folder: str, pipeline_class: str, dtype: torch.dtype) -> 
     runs). Each problem is a ValueError naming the folder and what to do."""
     from transformers import AutoModel, AutoTokenizer
 
+    from ..stream_load import load_part
+
     for sub in FOLDER_PARTS:
         if not os.path.isdir(os.path.join(folder, sub)):
             raise ValueError(f"{folder!r} is a {pipeline_class} folder but lacks its '{sub}' subfolder; point "
                              "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
-    encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
+    encoder = load_part(AutoModel, folder, f"model folder {folder!r}", "text_encoder", dtype)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
     try:
         check_chat_template(tokenizer.chat_template or "", "qwen3")
