@@ -31,21 +31,23 @@ def tiny_xl_engine():
 
 @pytest.fixture
 def cut_while_loading(monkeypatch):
-    """`cut_while_loading(*paths)`: the next time a streamed load (models/stream_load.py) puts a tensor into its module,
-    the files at `paths` are truncated (as `cp new old` or `rsync --inplace` starts rewriting them) while the rest is
-    still to be read; once. Returns a list that holds the tensor's name once they are cut."""
+    """`cut_while_loading(*paths)`: the next time a streamed load (models/stream_load.py) has read a tensor of one of
+    the files at `paths`, they are truncated (as `cp new old` or `rsync --inplace` starts rewriting them) while the
+    rest is still to be read; once. Returns a list that holds the tensor's name once they are cut."""
     from diffgraph.models import stream_load
 
     def cut_while_loading(*paths):
-        assign, cuts = stream_load.assign, []
+        targets, cuts = {os.path.realpath(p) for p in paths}, []
 
-        def assign_then_cut(model, name, tensor):
-            assign(model, name, tensor)
-            if not cuts:
-                for path in paths:
-                    with open(path, "r+b") as f:
-                        f.truncate(0)
-                cuts.append(name)
-        monkeypatch.setattr(stream_load, "assign", assign_then_cut)
+        class CutWhileRead(stream_load.TensorFile):
+            def read(self, keys=None, device=None, dtype=None):
+                out = super().read(keys, device, dtype)
+                if not cuts and os.path.realpath(self.path) in targets:
+                    for path in paths:
+                        with open(path, "r+b") as f:
+                            f.truncate(0)
+                    cuts.extend(out)
+                return out
+        monkeypatch.setattr(stream_load, "TensorFile", CutWhileRead)
         return cuts
     return cut_while_loading
