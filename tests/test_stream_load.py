@@ -208,3 +208,41 @@ def test_pickle_weights_are_read_by_from_pretrained_from_a_private_copy(saved, t
     module.save_pretrained(str(tmp_path / "bin"), safe_serialization=False)
     assert os.path.isfile(tmp_path / "bin" / "diffusion_pytorch_model.bin")
     _assert_same(load_part(cls, str(tmp_path / "bin"), "test", dtype=torch.float32), module)
+
+
+def test_weights_of_another_config_name_the_tensor_and_both_shapes(saved, tmp_path):
+    import json
+    import shutil
+
+    cls, path = saved["clip"]
+    shutil.copytree(path, tmp_path / "clip")
+    config = json.loads((tmp_path / "clip" / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (tmp_path / "clip" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnreadableWeights) as e:
+        load_part(cls, str(tmp_path / "clip"), "model folder 'm'", dtype=torch.float32)
+    message = str(e.value)
+    assert message.startswith("model folder 'm': model.safetensors holds '") and "\n" not in message
+    assert "holds 'encoder.layers.0.mlp.fc1.bias' as [64] where its config.json makes [48]" in message
+    assert message.endswith("use the config.json saved with them"), message
+
+
+def test_a_vae_saved_with_old_attention_names_is_renamed_as_diffusers_renames_it(saved, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cls, path = saved["vae"]
+    shutil.copytree(path, tmp_path / "vae")
+    old = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+    state = load_file(os.path.join(path, "diffusion_pytorch_model.safetensors"))
+    renamed = {}
+    for key, value in state.items():
+        for new, before in old.items():
+            key = key.replace(new, before) if "attentions" in key else key
+        renamed[key] = value
+    assert any(".query." in k for k in renamed)
+    save_file(renamed, str(tmp_path / "vae" / "diffusion_pytorch_model.safetensors"))
+    got = load_part(cls, str(tmp_path / "vae"), "test", dtype=torch.float32)
+    _assert_same(got, _from_pretrained(cls, str(tmp_path / "vae"), torch.float32))
+    _assert_same(got, _from_pretrained(cls, path, torch.float32))

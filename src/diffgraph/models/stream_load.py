@@ -53,11 +53,11 @@ def load_part(cls: type[M], folder: str, label: str, sub: str | None = None, dty
                          "save_pretrained(safe_serialization=True)")
     if found is None:  # pickle weights only: from_pretrained reads private copies
         return _from_pretrained(cls, folder, label, sub, dtype, variant, library)
-    files, sharded = found
+    files, index = found
     cls = _concrete(cls, path)
     model = _meta_module(cls, path, dtype, library)
-    loaded = _read_into(model, path, files, sharded, dtype, device, library, label, sub)
-    _check_complete(model, loaded, files, label, sub)
+    loaded = _read_into(model, path, files, index is not None, dtype, device, library, label, sub)
+    _check_complete(model, loaded, _rel(sub, index or files[0]), label)
     if library == "diffusers":
         model.register_to_config(_name_or_path=path)
     if device is not None:
@@ -83,14 +83,14 @@ def _concrete(cls: type[M], path: str) -> type[M]:
 
 
 def _safetensors_files(path: str, stem: str, variant: str | None, label: str,
-                       sub: str | None) -> tuple[list[str], bool] | None:
-    """The safetensors files from_pretrained reads in `path` (one, or the shards its index names) and whether they
-    are shards, or None when there are none (its pickle weights, if any, are from_pretrained's to read)."""
+                       sub: str | None) -> tuple[list[str], str | None] | None:
+    """The safetensors files from_pretrained reads in `path` (one, or the shards its index names) and the index's
+    name (None: one file), or None when there are none (pickle weights, if any, are from_pretrained's to read)."""
     tag = f".{variant}" if variant else ""
     index = f"{stem}.safetensors.index{tag}.json"
     if not os.path.isfile(os.path.join(path, index)):
         single = f"{stem}{tag}.safetensors"
-        return ([single], False) if os.path.lexists(os.path.join(path, single)) else None
+        return ([single], None) if os.path.lexists(os.path.join(path, single)) else None
     try:
         weight_map = safe_files.read_json(os.path.join(path, index), INDEX_LIMIT)[0]
     except safe_files.UnusableFile as e:
@@ -105,7 +105,7 @@ def _safetensors_files(path: str, stem: str, variant: str | None, label: str,
     if bad is not None:
         raise UnreadableWeights(f"{label}: {_rel(sub, index)} names {str(bad)[:200]!r}, not a .safetensors file "
                                 "beside it; copy or download that file again")
-    return names, True
+    return names, index
 
 
 def _from_pretrained(cls: type[M], folder: str, label: str, sub: str | None, dtype: torch.dtype | None,
@@ -224,7 +224,7 @@ def _read_into(model: torch.nn.Module, path: str, files: list[str], sharded: boo
                     if place is None:
                         continue  # a tensor the module has no place for (from_pretrained ignores it too)
                     if tuple(place.shape) != tuple(tensors[key].shape):
-                        raise safe_files.UnusableFile(
+                        raise ValueError(
                             f"holds {key[:200]!r} as {list(tensors[key].shape)} where its config.json makes "
                             f"{list(place.shape)}: the weights are not this config's; use the config.json saved with "
                             "them")
@@ -256,16 +256,15 @@ def assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(module, leaf, tensor)
 
 
-def _check_complete(model: torch.nn.Module, loaded: set[str], files: list[str], label: str,
-                    sub: str | None) -> None:
-    """Ties what the module ties, then refuses a parameter or persistent buffer the files did not fill."""
+def _check_complete(model: torch.nn.Module, loaded: set[str], where: str, label: str) -> None:
+    """Ties what the module ties, then refuses a parameter or persistent buffer the files (`where`: the file or the
+    shard index) did not fill."""
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     params = {name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
     missing = sorted(params | {n for n, _ in model.named_buffers() if n not in loaded and _persistent(model, n)})
     if missing:
-        where = files[0] if len(files) == 1 else f"{len(files)} shards"
-        raise UnreadableWeights(f"{label}: {_rel(sub, where)} lacks tensor {missing[0][:200]!r}"
+        raise UnreadableWeights(f"{label}: {where} lacks tensor {missing[0][:200]!r}"
                                 f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which its "
                                 "config.json needs: the weights are cut short or not this config's; copy or download "
                                 "the folder again")
