@@ -1,6 +1,8 @@
 """Peak host memory of loading a multi-GB diffusers folder: the private-copy path (`weights_view` + from_pretrained)
-against the streamed one (`stream_load.load_part`), each in a fresh subprocess (ru_maxrss after the load minus
-before it, so imports do not count).
+against the streamed one (`stream_load.load_part`), each in a fresh subprocess. Host memory is sampled every 5 ms
+while it loads: RssAnon + RssFile + the larger of RssShmem and the bytes of the process's open memfds (a private
+copy lives in one: shared memory that is in no RSS until it is mapped); the figure is its peak minus its value
+before the load (imports do not count), beside the loaded module's own size.
 
     PYTHONPATH=src python tools/bench_stream_load.py [--folder /tmp/diffgraph-bench-2gb] [--gb 2] [--dtype fp32]
 
@@ -11,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -25,28 +27,56 @@ WIDTH = 8192  # one 8192 x 8192 fp32 layer: 256 MiB
 
 class Linears(ModelMixin, ConfigMixin):
     @register_to_config
-    def __init__(self, layers: int = 8, width: int = WIDTH):
+    def __init__(self, count: int = 8, width: int = WIDTH):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(count))
 
 
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (KiB on Linux)
+def _host_mib() -> float:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("RssAnon", "RssFile", "RssShmem"):
+                fields[name] = int(value.split()[0]) / 1024  # (kB)
+    memfds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"):
+                memfds += os.fstat(int(fd)).st_size / 2 ** 20
+        except OSError:
+            continue
+    return fields["RssAnon"] + fields["RssFile"] + max(fields["RssShmem"], memfds)
+
+
+class PeakSampler(threading.Thread):
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.done = _host_mib(), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.005):
+            self.peak = max(self.peak, _host_mib())
 
 
 def child(path: str, how: str, dtype: torch.dtype) -> None:
     from diffgraph.models.stream_load import load_part
     from diffgraph.models.weights_view import weights_view
 
-    before, start = _rss_mib(), time.perf_counter()
+    before, sampler = _host_mib(), PeakSampler()
+    sampler.start()
+    start = time.perf_counter()
     if how == "private copy":
         with weights_view(path, "bench", ["."]) as view:
             model = Linears.from_pretrained(view, torch_dtype=dtype)
     else:
         model = load_part(Linears, path, "bench", dtype=dtype)
     seconds = time.perf_counter() - start
+    sampler.done.set()
+    sampler.join()
+    peak = max(sampler.peak, _host_mib())
     size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
-    print(json.dumps({"how": how, "peak_delta_mib": round(_rss_mib() - before), "module_mib": round(size),
+    print(json.dumps({"how": how, "peak_delta_mib": round(peak - before), "module_mib": round(size),
                       "seconds": round(seconds, 1)}))
 
 
