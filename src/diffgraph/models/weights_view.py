@@ -1,14 +1,16 @@
 """`weights_view`: a user's diffusers or transformers folder as `from_pretrained` should read it, through private
-copies of the weights it reads (`safe_files.private_view`).
+copies of the weights it reads (`safe_files.private_view`); and the rules both that and `stream_load` follow (which
+weights files a folder's loader reads, the `UnreadableWeights` error).
 
 Both libraries memory-map safetensors, and on the CPU at the file's dtype the parameters stay views of that map: a
 weights file cut or rewritten in place (`cp new old`, `rsync --inplace`) while or after it loads would kill the
-process with SIGBUS. Every folder handed to `from_pretrained` (a model folder, a ControlNet, an IP-Adapter's image
-encoder, a `--vae` folder, a preview decoder) goes through here instead: the weights `from_pretrained` would read
-are copied (`weights_read`: the plain files, else the fp16 variant's; safetensors where there are any), the other
-weights files are hidden from it, and everything else is linked. A file that cannot be copied (changed while it was
-read, truncated, a FIFO) is an `UnreadableWeights` naming it. The copies cost host memory the size of the files read,
-while the module loads (for as long as its parameters stay on the CPU at the file's dtype, it is their memory).
+process with SIGBUS. Component folders with safetensors weights are streamed instead (`stream_load.load_part`); a
+folder that `from_pretrained` must still read (pickle `.bin` weights only) goes through here: the weights
+`from_pretrained` would read are copied (`weights_read`: the plain files, else the fp16 variant's; safetensors where
+there are any), the other weights files are hidden from it, and everything else is linked. A file that cannot be
+copied (changed while it was read, truncated, a FIFO) is an `UnreadableWeights` naming it. The copies cost host
+memory the size of the files read, while the module loads (for as long as its parameters stay on the CPU at the
+file's dtype, it is their memory).
 """
 
 from __future__ import annotations
