@@ -246,3 +246,18 @@ def test_a_vae_saved_with_old_attention_names_is_renamed_as_diffusers_renames_it
     got = load_part(cls, str(tmp_path / "vae"), "test", dtype=torch.float32)
     _assert_same(got, _from_pretrained(cls, str(tmp_path / "vae"), torch.float32))
     _assert_same(got, _from_pretrained(cls, path, torch.float32))
+
+
+def test_only_the_loading_thread_builds_with_meta_parameters():
+    import threading
+
+    original = torch.nn.Module.register_parameter
+    other = []
+    with stream_load._meta_parameters(torch.float16):
+        here = torch.nn.Linear(4, 4)
+        thread = threading.Thread(target=lambda: other.append(torch.nn.Linear(4, 4)))
+        thread.start()
+        thread.join()
+    assert here.weight.is_meta and here.weight.dtype == torch.float16
+    assert not other[0].weight.is_meta  # (its dtype: the default dtype is process-wide, as under from_pretrained)
+    assert torch.nn.Module.register_parameter is original and torch.get_default_dtype() == torch.float32

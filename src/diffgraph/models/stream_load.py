@@ -137,7 +137,8 @@ def _meta_parameters(dtype: torch.dtype | None) -> Iterator[None]:
             yield
         finally:
             _empty.on = False
-            torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+            if torch.nn.Module.register_parameter is register:  # (else another patch, accelerate's, came between)
+                torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
             torch.set_default_dtype(previous)
 
 
