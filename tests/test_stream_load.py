@@ -261,3 +261,29 @@ def test_only_the_loading_thread_builds_with_meta_parameters():
     assert here.weight.is_meta and here.weight.dtype == torch.float16
     assert not other[0].weight.is_meta  # (its dtype: the default dtype is process-wide, as under from_pretrained)
     assert torch.nn.Module.register_parameter is original and torch.get_default_dtype() == torch.float32
+
+
+def test_a_model_folder_with_sharded_and_variant_parts_loads_as_the_plain_one(tmp_path):
+    """load_model over a pipeline folder whose UNet is sharded, whose VAE is an fp16 variant only and whose text
+    encoder is sharded gives the same modules as the shipped plain folder."""
+    import shutil
+
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    from diffgraph.models.loader import load_model
+    digits = os.path.join(os.path.dirname(__file__), os.pardir, "src", "diffgraph", "assets", "digits")
+    folder = tmp_path / "digits"
+    shutil.copytree(digits, folder)
+    for sub, cls, save in (("unet", UNet2DConditionModel, dict(max_shard_size="300KB")),
+                           ("vae", AutoencoderKL, dict(variant="fp16")),
+                           ("text_encoder", CLIPTextModel, dict(max_shard_size="100KB"))):
+        module = cls.from_pretrained(os.path.join(digits, sub), local_files_only=True)
+        shutil.rmtree(folder / sub)
+        module.save_pretrained(str(folder / sub), **save)
+    assert len([f for f in os.listdir(folder / "unet") if f.endswith(".safetensors")]) > 1
+    assert os.listdir(folder / "vae") and all(".fp16." in f for f in os.listdir(folder / "vae") if "safetensors" in f)
+    assert os.path.isfile(folder / "text_encoder" / "model.safetensors.index.json")
+    want, got = load_model(digits, "cpu", "fp32"), load_model(str(folder), "cpu", "fp32")
+    for a, b in ((got.denoiser, want.denoiser), (got.vae, want.vae), (got.text_encoders[0], want.text_encoders[0])):
+        _assert_same(a.requires_grad_(False), b.requires_grad_(False))
