@@ -162,7 +162,7 @@ class IPAdapters:
             from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
             try:  # streamed, checked: a folder rewritten in place meanwhile is an error, never SIGBUS
                 model = load_part(CLIPVisionModelWithProjection, folder, f"the image encoder in {folder!r}",
-                                  dtype=self.dtype, pickle=False)
+                                  dtype=self.dtype, device=self.device, pickle=False)
             except UnreadableWeights as e:
                 raise ParamError("image_prompts", relative_paths(str(e), self.catalog.root)) from None
             except Exception as e:
