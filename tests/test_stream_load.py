@@ -156,6 +156,10 @@ def test_nothing_maps_the_users_file(saved, monkeypatch):
         cls, path = saved[name]
         model = load_part(cls, path, "test", dtype=torch.float32)
         assert all(not p.is_meta for p in model.parameters())
+    from diffgraph.models.loader import load_model
+    digits = os.path.join(os.path.dirname(__file__), os.pardir, "src", "diffgraph", "assets", "digits")
+    model = load_model(digits, "cpu", "fp16")  # a whole model folder, as the family loads it
+    assert all(not p.is_meta for m in (model.denoiser, model.vae, *model.text_encoders) for p in m.parameters())
 
 
 def test_a_file_rewritten_while_it_loads_is_a_clean_error(saved, tmp_path, monkeypatch):
@@ -287,3 +291,11 @@ def test_a_model_folder_with_sharded_and_variant_parts_loads_as_the_plain_one(tm
     want, got = load_model(digits, "cpu", "fp32"), load_model(str(folder), "cpu", "fp32")
     for a, b in ((got.denoiser, want.denoiser), (got.vae, want.vae), (got.text_encoders[0], want.text_encoders[0])):
         _assert_same(a.requires_grad_(False), b.requires_grad_(False))
+
+
+@pytest.mark.gpu
+def test_parts_read_to_the_gpu_equal_from_pretrained_moved_there(saved):
+    for name in ("unet", "clip", "qwen3_tied"):
+        cls, path = saved[name]
+        got = load_part(cls, path, "test", dtype=torch.float16, device="cuda")
+        _assert_same(got, _from_pretrained(cls, path, torch.float16).to("cuda"))
