@@ -72,6 +72,11 @@ def _assert_same(got: torch.nn.Module, want: torch.nn.Module) -> None:
         assert a[name].dtype == b[name].dtype and a[name].device == b[name].device, name
         assert a[name].shape == b[name].shape and torch.equal(a[name], b[name]), name
     assert got.training == want.training is False
+    config = dict(got.config) if isinstance(got.config, dict) else got.config.to_dict()
+    wanted = dict(want.config) if isinstance(want.config, dict) else want.config.to_dict()
+    assert {k: v for k, v in config.items() if k != "_name_or_path"} == \
+        {k: v for k, v in wanted.items() if k != "_name_or_path"}
+    assert getattr(got.config, "_attn_implementation", None) == getattr(want.config, "_attn_implementation", None)
 
 
 def _from_pretrained(cls: type, path: str, dtype: torch.dtype | None, **kw) -> torch.nn.Module:

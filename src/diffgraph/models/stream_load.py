@@ -60,6 +60,10 @@ def load_part(cls: type[M], folder: str, label: str, sub: str | None = None, dty
     _check_complete(model, loaded, _rel(sub, index or files[0]), label)
     if library == "diffusers":
         model.register_to_config(_name_or_path=path)
+    else:  # (as from_pretrained leaves the config)
+        model.config.name_or_path = path
+        if dtype is not None:
+            model.config.dtype = dtype
     if device is not None:
         model.to(device)  # its buffers (the parameters are there already)
     return model.eval()
