@@ -16,6 +16,10 @@ weights (`tie_weights`), eval mode. Tensors the module has no place for are not 
 buffer the files lack is an `UnreadableWeights` naming the folder, the file and the tensor, as is a file that cannot
 be read (`FileChanged` included: "wait until it is written completely ..."). Folders with only pickle (`.bin`)
 weights are read by `from_pretrained` itself, through private copies (`weights_view`).
+
+Meta parameters come from a patch of `Module.register_parameter` that acts on the building thread alone (modules
+other threads make meanwhile are real); the default dtype is process-wide while a module is built, as under
+`from_pretrained`.
 """
 
 from __future__ import annotations
