@@ -30,21 +30,27 @@ def tiny_xl_engine():
 
 
 @pytest.fixture
-def cut_on_load(monkeypatch):
-    """`cut_on_load(cls, *paths)`: from then on `cls.from_pretrained` first truncates the files at `paths` (as
-    `cp new old` or `rsync --inplace` starts rewriting them) and then reads. A loader that hands it the user's
-    files reads them cut (or, mapped, dies of SIGBUS later); one that hands it private copies made before is
-    untouched."""
-    def cut_on_load(cls, *paths):
-        read = cls.from_pretrained
+def cut_while_loading(monkeypatch):
+    """`cut_while_loading(*paths)`: the next time a streamed load (models/stream_load.py) has read a tensor of one of
+    the files at `paths`, they are truncated (as `cp new old` or `rsync --inplace` starts rewriting them) while the
+    rest is still to be read; once. Returns a list that holds the tensor's name once they are cut."""
+    from diffgraph.models import stream_load
 
-        def cut_then_read(*args, **kwargs):
-            for path in paths:
-                with open(path, "r+b") as f:
-                    f.truncate(0)
-            return read(*args, **kwargs)
-        monkeypatch.setattr(cls, "from_pretrained", cut_then_read)
-    return cut_on_load
+    def cut_while_loading(*paths):
+        targets, cuts = {os.path.realpath(p) for p in paths}, []
+
+        class CutWhileRead(stream_load.TensorFile):
+            def read(self, keys=None, device=None, dtype=None):
+                out = super().read(keys, device, dtype)
+                if not cuts and os.path.realpath(self.path) in targets:
+                    for path in paths:
+                        with open(path, "r+b") as f:
+                            f.truncate(0)
+                    cuts.extend(out)
+                return out
+        monkeypatch.setattr(stream_load, "TensorFile", CutWhileRead)
+        return cuts
+    return cut_while_loading
 
 
 @pytest.fixture(scope="session")

@@ -176,30 +176,37 @@ def test_a_controlnet_that_cannot_be_read_is_named_relative_to_its_folder(tiny_e
     assert f"{WEIGHTS} is not a readable safetensors file" in str(got.value)
 
 
-def test_a_controlnet_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(tmp_path, cut_on_load):
-    """diffusers maps a ControlNet's weights, and on the CPU at the file's dtype its parameters stay views of that
-    map: a folder rewritten in place (`cp new old`) while a request loaded it killed the replica with SIGBUS. It is
-    read from a private copy made first: cut as from_pretrained starts, it still loads the weights it had (the same
-    image); cut before a request reads it, that request is a ParamError (a 400) naming the file, and the engine
-    keeps serving."""
-    from diffusers import ControlNetModel
+def test_a_controlnet_rewritten_in_place_while_it_loads_is_a_400_naming_it(tmp_path, cut_while_loading):
+    """diffusers maps a ControlNet's weights, and on the CPU at the file's dtype its parameters stayed views of that
+    map: a folder rewritten in place (`cp new old`) killed the replica with SIGBUS. It is streamed tensor by tensor
+    through the checked reader instead: cut while a request loads it, that request is a ParamError (a 400) naming
+    the file and saying to wait, the next names the cut file, and once it is whole again the engine makes the same
+    image as before."""
     controls = [dict(model="edges", image=control_image(64, 1))]
     weights = str(tmp_path / "edges" / "diffusion_pytorch_model.safetensors")
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
         make_controlnet(plain.model.denoiser, str(tmp_path / "edges"), seed=10)
         with Engine(model=plain.model, controlnet_dir=str(tmp_path)) as e:
             want = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
-        cut_on_load(ControlNetModel, weights)
-        with Engine(model=plain.model, controlnet_dir=str(tmp_path)) as e:
-            got = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
-            assert os.path.getsize(weights) == 0 and np.array_equal(got, want)
+        with open(weights, "rb") as f:
+            whole = f.read()
+        cuts = cut_while_loading(weights)
         with Engine(model=plain.model, controlnet_dir=str(tmp_path)) as e:
             with pytest.raises(ParamError) as info:
                 e.generate(PROMPT, num_inference_steps=1, seed=1, controls=controls)
-            assert info.value.param == "controls" and "\n" not in str(info.value)
+            message = str(info.value)
+            assert len(cuts) == 1 and info.value.param == "controls" and "\n" not in message, message
+            assert message.startswith("ControlNet 'edges': diffusion_pytorch_model.safetensors ") and \
+                message.endswith("; wait until it is written completely, or copy it again"), message
+            with pytest.raises(ParamError) as info:
+                e.generate(PROMPT, num_inference_steps=1, seed=1, controls=controls)
             assert str(info.value).startswith("ControlNet 'edges': diffusion_pytorch_model.safetensors is not a "
                                               "readable safetensors file (0 bytes"), str(info.value)
             assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
+            with open(weights, "r+b") as f:
+                f.write(whole)
+            got = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
+            assert np.array_equal(got, want) and len(cuts) == 1
 
 
 def test_controls_need_a_controlnet_dir():

@@ -1,7 +1,8 @@
 """Model files that change or misbehave (issue 36, point 1, model files): diffusers and transformers memory-map
 safetensors, and on the CPU at the file's dtype the parameters stay views of that map, so cutting a weights file
-after it loaded killed the process with SIGBUS (exit 135) at the next generation. The loader now hands them private
-copies (safe_files.private_view): a file cut while or after it loads changes nothing. Weights that are a FIFO or a
+after it loaded killed the process with SIGBUS (exit 135) at the next generation. The loader now streams each tensor
+through the checked reader (models/stream_load.py): a file cut after it loaded changes nothing, one cut while it
+loads is a one-line error naming it. Weights that are a FIFO or a
 dangling link are refused by type, in one line, before any open (a FIFO blocked the header check for good).
 And `diffgraph serve`'s model and device mistakes (point 5): a CUDA device set in the TOML file, or given to
 `python -m diffgraph.server.cli`, on a CPU build of torch, and a mistyped model name, each end in one line, exit 2."""
@@ -27,8 +28,9 @@ WEIGHTS = ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_mo
            "text_encoder/model.safetensors")
 
 # In a child process, so that a SIGBUS fails this test instead of killing pytest. fp16 is the digits files' dtype:
-# the case where the parameters alias the file's map. `during` is cut once its copies are made (before diffusers
-# reads them), `after` once it has loaded; both generate a 1-step image, and their weights are the shipped ones.
+# the case where the parameters aliased the file's map. `during` is cut once its files are checked (before their
+# tensors are read): a one-line error naming the file; `after` once it has loaded: it generates a 1-step image, and
+# its weights are the shipped ones.
 CHILD = textwrap.dedent("""
     import os, sys, torch
     from diffgraph import Engine
@@ -51,15 +53,18 @@ CHILD = textwrap.dedent("""
     adapter = families.for_pipeline("StableDiffusionPipeline")
     load_folder = adapter.load_folder
     adapter.load_folder = lambda *args: (cut(during), load_folder(*args))[1]
-    cut_while_loading = load_model(during, "cpu", "fp16", families=families)
-    assert os.path.getsize(os.path.join(during, weights[0])) == 0
+    try:
+        load_model(during, "cpu", "fp16", families=families)
+        raise AssertionError("a model folder cut while it loaded was loaded")
+    except ValueError as e:
+        assert str(e).startswith(f"model folder {during!r}: {weights[0]} is not a readable safetensors file (0 bytes")
+        assert "\\n" not in str(e)
     loaded = load_model(after, "cpu", "fp16")
     cut(after)
-    for model in (cut_while_loading, loaded):
-        assert all(torch.equal(a, b) for a, b in zip(params(model), expected, strict=True))
-        image = Engine(model).generate("a handwritten digit seven", num_inference_steps=1, seed=3)[0]
-        assert image.size == (model.native_size, model.native_size)
-    print("both generated")
+    assert all(torch.equal(a, b) for a, b in zip(params(loaded), expected, strict=True))
+    image = Engine(loaded).generate("a handwritten digit seven", num_inference_steps=1, seed=3)[0]
+    assert image.size == (loaded.native_size, loaded.native_size)
+    print("refused the cut folder; generated after the cut")
 """)
 
 
@@ -70,7 +75,7 @@ def test_weights_cut_while_and_after_loading_never_kill_the_process(tmp_path):
     proc = subprocess.run([sys.executable, "-c", CHILD, DIGITS, *folders, *WEIGHTS], capture_output=True, text=True)
     assert proc.returncode not in (135, -7), "SIGBUS: the parameters still read the cut file's map"
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "both generated" in proc.stdout
+    assert "refused the cut folder; generated after the cut" in proc.stdout
 
 
 def test_private_view_copies_what_is_read_links_the_rest_and_hides_the_others(tmp_path):

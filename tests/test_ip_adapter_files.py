@@ -116,31 +116,37 @@ def test_an_image_encoder_that_cannot_be_read_is_named_relative_to_the_folder(fo
     assert str(tmp_path) not in str(info.value) and os.path.realpath(tmp_path) not in str(info.value), info.value
 
 
-def test_an_image_encoder_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(folder, tmp_path,
-                                                                                      cut_on_load):
-    """transformers maps the image encoder's weights: a folder rewritten in place while it loaded could kill the
-    process with SIGBUS. It is read from a private copy made first: cut as from_pretrained starts, it still loads
-    the weights it had (the same image); cut before an engine reads it, the request is a one-line ParamError naming
-    the file, and the engine keeps serving."""
+def test_an_image_encoder_cut_after_it_loaded_changes_nothing_and_one_cut_while_it_loads_is_a_400(
+        folder, tmp_path, cut_while_loading):
+    """transformers maps the image encoder's weights: a folder rewritten in place while or after it loaded could kill
+    the process with SIGBUS. It is streamed through the checked reader instead: cut after it loaded, the engine makes
+    the same image; cut while an engine reads it, the request is a one-line ParamError naming the file and saying to
+    wait, the next names the cut file, and the engine keeps serving."""
     import shutil
 
-    from transformers import CLIPVisionModelWithProjection
     model, root = folder
     shutil.copytree(root / "image_encoder", tmp_path / "image_encoder")
     shutil.copy(root / "base.safetensors", tmp_path / "base.safetensors")
     weights = tmp_path / "image_encoder" / "model.safetensors"
+    whole = weights.read_bytes()
     prompt = dict(model="base", images=[IMAGE])
     with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
         want = e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt).arrays
-    cut_on_load(CLIPVisionModelWithProjection, str(weights))
-    with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
+        weights.write_bytes(b"")
         got = e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt).arrays
-        assert weights.stat().st_size == 0 and np.array_equal(got, want)
+        assert np.array_equal(got, want)
+    weights.write_bytes(whole)
+    cuts = cut_while_loading(str(weights))
     with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
         with pytest.raises(ParamError) as info:
             e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt)
         message = str(info.value)
-        assert info.value.param == "image_prompts" and "\n" not in message, message
+        assert cuts and info.value.param == "image_prompts" and "\n" not in message, message
+        assert "image encoder in 'image_encoder': model.safetensors " in message and str(tmp_path) not in message
+        assert message.endswith("; wait until it is written completely, or copy it again"), message
+        with pytest.raises(ParamError) as info:
+            e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt)
+        message = str(info.value)
         assert "image encoder in 'image_encoder': model.safetensors is not a readable safetensors file " \
                "(0 bytes" in message and str(tmp_path) not in message, message
         assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape[0] == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import threading
 
 import numpy as np
@@ -183,12 +184,12 @@ def test_a_bad_preview_decoder_is_refused_saying_what_to_give(tmp_path, tiny_dec
         Engine("digits", device="cpu", preview_decoder=str(tmp_path / "sd3"))
 
 
-def test_a_preview_decoder_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(tmp_path, tiny_decoder,
-                                                                                         cut_on_load):
-    """diffusers maps the tiny decoder's weights (on the CPU its parameters stay views of that map): a folder
-    rewritten in place while or after it loaded could kill the server with SIGBUS. It is read from a private copy
-    made first: cut as from_pretrained starts, it still loads the weights it had; cut before, the engine is refused
-    in one line naming the file."""
+def test_a_preview_decoder_cut_after_it_loaded_keeps_its_weights_and_one_cut_while_it_loads_is_refused(
+        tmp_path, tiny_decoder, cut_while_loading):
+    """diffusers maps the tiny decoder's weights (on the CPU its parameters stayed views of that map): a folder
+    rewritten in place while or after it loaded could kill the server with SIGBUS. It is streamed through the checked
+    reader instead: cut after it loaded, the decoder keeps its weights; cut while it loads, the engine is refused in
+    one line naming the file and saying to wait; cut before, in one line naming the file."""
     import shutil
 
     from diffusers import AutoencoderTiny
@@ -196,11 +197,18 @@ def test_a_preview_decoder_rewritten_in_place_while_it_loads_is_read_from_a_priv
     shutil.copytree(tiny_decoder, folder)
     want = AutoencoderTiny.from_pretrained(tiny_decoder).state_dict()
     weights = folder / "diffusion_pytorch_model.safetensors"
-    cut_on_load(AutoencoderTiny, str(weights))
     with Engine("digits", device="cpu", preview_decoder=str(folder)) as e:
+        weights.write_bytes(b"")
         got = e.core.previews.decoder.module.state_dict()
-        assert weights.stat().st_size == 0
         assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(got.values(), want.values(), strict=True))
+    shutil.copy(os.path.join(tiny_decoder, "diffusion_pytorch_model.safetensors"), weights)
+    cuts = cut_while_loading(str(weights))
+    with pytest.raises(ParamError) as info:
+        Engine("digits", device="cpu", preview_decoder=str(folder))
+    message = str(info.value)
+    assert cuts and info.value.param == "preview_decoder" and "\n" not in message
+    assert message.startswith(f"--preview-decoder {str(folder)!r}: diffusion_pytorch_model.safetensors ") and \
+        message.endswith("; wait until it is written completely, or copy it again"), message
     with pytest.raises(ParamError) as info:
         Engine("digits", device="cpu", preview_decoder=str(folder))
     assert info.value.param == "preview_decoder" and "\n" not in str(info.value)

@@ -188,15 +188,13 @@ def test_vae_override_on_a_folder_replaces_its_vae(made, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["vae folder", "pipeline folder"])
-def test_a_vae_folder_rewritten_in_place_while_it_loads_is_read_from_a_private_copy(made, tmp_path, cut_on_load,
-                                                                                    layout):
-    """diffusers maps a `--vae` folder's weights, and on the CPU at the file's dtype the VAE's parameters stay views of
-    that map: a folder rewritten in place while (or after) it loaded could kill the process with SIGBUS. It is read
-    from a private copy made first: cut as from_pretrained starts, it still loads the weights it had; cut before, the
-    load is a one-line ValueError naming the file."""
+def test_a_vae_folder_cut_after_it_loaded_changes_nothing_and_one_cut_while_it_loads_is_refused(
+        made, tmp_path, cut_while_loading, layout):
+    """diffusers maps a `--vae` folder's weights, and on the CPU at the file's dtype the VAE's parameters stayed views
+    of that map: a folder rewritten in place while (or after) it loaded could kill the process with SIGBUS. It is
+    streamed through the checked reader instead: cut after it loaded, the VAE keeps its weights; cut while it loads,
+    the load is a one-line ValueError naming the file and saying to wait; cut before, one naming the file."""
     import shutil
-
-    from diffusers import AutoencoderKL
 
     from diffgraph.models.single_file import load_vae
     folder, _ = made["digits"]
@@ -206,16 +204,21 @@ def test_a_vae_folder_rewritten_in_place_while_it_loads_is_read_from_a_private_c
     if layout == "pipeline folder":
         shutil.copy(os.path.join(folder, "model_index.json"), tmp_path)
     weights = tmp_path / "vae" / "diffusion_pytorch_model.safetensors"
-    cut_on_load(AutoencoderKL, str(weights))
+    whole = weights.read_bytes()
     vae = load_vae(str(source), torch.float32, folder, 1 << 40)
-    assert weights.stat().st_size == 0
+    weights.write_bytes(b"")
     assert all(torch.equal(a, b) for a, b in zip(vae.state_dict().values(), ref.state_dict().values(), strict=True))
+    weights.write_bytes(whole)
+    cuts = cut_while_loading(str(weights))
     rel = "diffusion_pytorch_model.safetensors" if layout == "vae folder" else "vae/diffusion_pytorch_model.safetensors"
+    with pytest.raises(ValueError) as e:
+        load_vae(str(source), torch.float32, folder, 1 << 40)
+    assert cuts and str(e.value).startswith(f"vae {str(source)!r}: {rel} ") and "\n" not in str(e.value)
+    assert str(e.value).endswith("; wait until it is written completely, or copy it again"), e.value
     with pytest.raises(ValueError) as e:
         load_vae(str(source), torch.float32, folder, 1 << 40)
     assert str(e.value).startswith(f"vae {str(source)!r}: {rel} is not a readable safetensors file (0 bytes"), e.value
     assert "\n" not in str(e.value) and "copy" in str(e.value)
-
 
 def test_without_model_config_the_detected_config_is_used_and_never_downloaded(made):
     # the tiny model is not SD1.5's architecture: the detected SD1.5 config (written here, offline) says so in a line

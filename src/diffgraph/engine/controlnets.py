@@ -6,7 +6,7 @@ found without a restart. Names follow `--lora-dir`'s rules: relative, no "..", b
 outside the folder; pickled weights are never loaded (diffusers' `use_safetensors=True`).
 
 A request's controls are resolved on the submitting thread (`resolve`): each name found, its weights read into a host
-copy (from a private copy of the file, never a map of the user's: `weights_view`; a file rewritten meanwhile is the
+copy (streamed tensor by tensor, never a map of the user's file: `stream_load`; a file rewritten meanwhile is the
 caller's 400, not a SIGBUS), cached for the most recent `slots` ControlNets (a resolved request holds its own until it
 is done, so an admitted one always has its weights), its architecture checked against the UNet (a ControlNet of another
 family is the caller's 400), and its control image prepared as diffusers' ControlNet pipelines prepare it
@@ -34,7 +34,8 @@ import torch
 from ..errors import ParamError, relative_paths
 from ..lora.catalog import SlotCache
 from ..models.controlnet_dir import CLASS_NAME, WEIGHTS, ControlNetDir
-from ..models.weights_view import UnreadableWeights, weights_view
+from ..models.stream_load import load_part
+from ..models.weights_view import UnreadableWeights
 from ..control_maps import control_map, fit_map
 from ..request import CONTROL_MODES, GenerationRequest
 from ..safe_files import stamp_of
@@ -103,9 +104,8 @@ class ControlNets:
         try:
             if os.path.isfile(folder):
                 net = self._single_file(folder)
-            else:  # read through a private copy: a folder rewritten in place meanwhile cannot SIGBUS us
-                with weights_view(folder, f"ControlNet {key[0]!r}", ["."]) as view:
-                    net = ControlNetModel.from_pretrained(view, torch_dtype=self.dtype, use_safetensors=True)
+            else:  # streamed, checked: a folder rewritten in place meanwhile is an error, never SIGBUS
+                net = load_part(ControlNetModel, folder, f"ControlNet {key[0]!r}", dtype=self.dtype, pickle=False)
         except ParamError:
             raise
         except UnreadableWeights as e:

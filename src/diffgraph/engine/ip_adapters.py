@@ -8,7 +8,7 @@ UNet's j-th cross-attention layer) and checked (every weight finite, on the host
 its encoder's output, its tokens fit those layers), so a broken file is a ParamError naming it, never a 500 or NaN
 images; kept for the most recent `cache` adapters; the image encoder (the adapter's `image_encoder` folder,
 transformers' CLIPVisionModelWithProjection with diffusers' default CLIPImageProcessor at its image size) loaded
-once, from a private copy of its weights (`weights_view`); each image embedded once (cached by its pixels' hash), as diffusers' pipelines embed it (the image
+once, streamed tensor by tensor (`stream_load`); each image embedded once (cached by its pixels' hash), as diffusers' pipelines embed it (the image
 embedding for the base adapters, the penultimate hidden states for "plus" ones; the negative: zeros, or the
 encoder's hidden states of a black image); then projected to tokens and every layer's keys and values computed, for
 both guidance branches. Those are the row fields the request's rows take at admission: nothing about an
@@ -30,7 +30,8 @@ import torch
 from ..errors import ParamError, relative_paths
 from ..features.image_prompt import MAX_TOKENS, ImagePromptRows, cross_attention_layers, install
 from ..models.ip_adapter_dir import IPAdapterDir
-from ..models.weights_view import UnreadableWeights, weights_view
+from ..models.stream_load import load_part
+from ..models.weights_view import UnreadableWeights
 from ..request import MAX_CONTROL_PIXELS, GenerationRequest
 from ..safe_files import FileChanged, UnusableFile, stamp_of
 from ..safe_tensors import CHANGED_FIX, read_safetensors
@@ -159,10 +160,9 @@ class IPAdapters:
         got = self._encoders.get(folder)
         if got is None:
             from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
-            try:  # read through a private copy: a folder rewritten in place meanwhile cannot SIGBUS us
-                with weights_view(folder, f"the image encoder in {folder!r}", ["."]) as view:
-                    model = CLIPVisionModelWithProjection.from_pretrained(view, torch_dtype=self.dtype,
-                                                                          use_safetensors=True)
+            try:  # streamed, checked: a folder rewritten in place meanwhile is an error, never SIGBUS
+                model = load_part(CLIPVisionModelWithProjection, folder, f"the image encoder in {folder!r}",
+                                  dtype=self.dtype, device=self.device, pickle=False)
             except UnreadableWeights as e:
                 raise ParamError("image_prompts", relative_paths(str(e), self.catalog.root)) from None
             except Exception as e:

@@ -30,7 +30,8 @@ import torch
 
 from ..graphs.runner import GraphRunner
 from ..models.model import DiffusionModel
-from ..models.weights_view import UnreadableWeights, weights_view
+from ..models.stream_load import load_part
+from ..models.weights_view import UnreadableWeights
 from ..request import GroupKey, ProgressEvent, Size
 from .request_state import RequestState
 
@@ -110,9 +111,8 @@ class TinyDecoder:
         from diffusers import AutoencoderTiny
 
         model = runner.model
-        try:  # through a private copy: parameters left on the CPU would map the user's file
-            with weights_view(folder, f"--preview-decoder {folder!r}", ["."]) as view:
-                self.module = AutoencoderTiny.from_pretrained(view, local_files_only=True).eval()
+        try:  # streamed, checked: never a map of the user's file
+            self.module = load_part(AutoencoderTiny, folder, f"--preview-decoder {folder!r}")
         except UnreadableWeights:
             raise
         except (OSError, ValueError) as e:

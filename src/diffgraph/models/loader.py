@@ -6,9 +6,9 @@ is ever downloaded: folders are read with local_files_only, presets are built in
 
 A folder's weight files are checked before diffusers reads them (present, and as long as their header says), so
 that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback.
-Then diffusers and transformers read the folder, and a `--vae` folder, through `weights_view`: the weights they read
-are private in-memory copies, so a model file cut or rewritten while (or after) it loads cannot kill the process
-with SIGBUS. A single file's sidecar (`NAME.diffgraph.toml`, sidecar.py) names the config folder it is read with. A file
+Then the family reads each component (`stream_load.load_part`, a `--vae` folder too): built from its config with
+meta parameters and filled tensor by tensor from the checked reader, never a map of the file, so a model file
+rewritten while it loads is a one-line error naming it, and one cut after it loaded changes nothing. A single file's sidecar (`NAME.diffgraph.toml`, sidecar.py) names the config folder it is read with. A file
 in a ComfyUI split folder (`diffusion_models/`, `unet/`) is read with the companions split_files.py chooses for it.
 """
 
@@ -34,7 +34,7 @@ from .quiet import quiet_known_warnings
 from .sidecar import read_sidecar, sidecar_path
 from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
 from .split_files import SplitFiles, checked_part, models_root, split_kind_of, split_model
-from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group, weights_view
+from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +236,7 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
         raise ValueError(f"{folder!r} holds a {cls_name}, which is not supported; {_supported_message(families)}")
     for sub in ("unet", "transformer", "vae", *(part[0] for part in adapter.text_parts)):
         _check_weights(folder, sub, index.get(sub))
-    with weights_view(folder, f"model folder {folder!r}") as view:
-        model = adapter.load_folder(view, index, device, dtype, name)
+    model = adapter.load_folder(folder, index, device, dtype, name)
     if options.vae:
         model.vae = load_vae(options.vae, dtype, folder, MODEL_FILE_LIMIT)
     return _finish(_overridden(model, options))

@@ -246,18 +246,27 @@ def to_original(unet: Any, vae: Any, text_encoders: list, layout: str, extras: b
 
 
 def load_folder_modules(folder: str) -> tuple[Any, Any, list]:
-    import transformers
+    """An SD1.x / SD2.x / SDXL pipeline folder's UNet, VAE and CLIP text encoders, streamed (`stream_load`), in fp32
+    (exact for fp16/bf16 files)."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    from .stream_load import load_part
 
     with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
         index = json.load(f)
-    # all in fp32 (exact for fp16/bf16 files): diffusers would upcast, transformers would keep the file's dtype
-    fp32 = torch.float32
-    unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", local_files_only=True, dtype=fp32)
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", local_files_only=True, dtype=fp32)
-    encoders = [getattr(transformers, index[sub][1]).from_pretrained(os.path.join(folder, sub), local_files_only=True,
-                                                                     dtype=fp32)
-                for sub in ("text_encoder", "text_encoder_2") if (index.get(sub) or [None])[0]]
+    label, fp32 = f"model folder {folder!r}", torch.float32
+    classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
+    encoders = []
+    for sub in ("text_encoder", "text_encoder_2"):
+        if (index.get(sub) or [None])[0]:
+            name = index[sub][1]
+            if name not in classes:
+                raise ValueError(f"{label}: its {sub} is a {name!r}, not a CLIP text encoder "
+                                 f"({' or '.join(classes)}); give an SD1.x, SD2.x or SDXL folder")
+            encoders.append(load_part(classes[name], folder, label, sub, fp32))
+    unet = load_part(UNet2DConditionModel, folder, label, "unet", fp32)
+    vae = load_part(AutoencoderKL, folder, label, "vae", fp32)
     return unet, vae, encoders
 
 

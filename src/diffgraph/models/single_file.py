@@ -5,7 +5,7 @@
 nothing is downloaded, from a private in-memory copy of the file (a writer of the original cannot SIGBUS us:
 `safe_files`; the pipeline's reader takes only a path, which it maps). The checkpoint's marks and the `LoadOptions`
 overrides (prediction type, zero SNR) go into the scheduler config; `--vae` replaces the VAE (`load_vae`: a single
-file streamed into tensors by `safe_tensors`, or a diffusers folder read through `weights_view`, copied). Weights that are NaN or infinite are refused by name.
+file streamed into tensors by `safe_tensors`, or a diffusers folder streamed by `stream_load`). Weights that are NaN or infinite are refused by name.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from . import checkpoint_configs as C
 from .checkpoint_kind import VAE, SUPPORTED, inspect_checkpoint, refuse_pickle
 from .families import FamilyRegistry
 from .model import DiffusionModel
-from .weights_view import weights_view
+from .stream_load import load_part
 
 logger = logging.getLogger(__name__)
 CONFIG_BYTES = 16 << 20  # a model folder's model_index.json (diffusers' are under 1 KB)
@@ -96,8 +96,7 @@ def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int) -> An
         if not os.path.isfile(os.path.join(source, sub or "", "config.json")):
             raise ValueError(f"vae {source!r} is a folder without a VAE config.json (or a vae/ subfolder with one); "
                              "give a diffusers AutoencoderKL folder or a .safetensors VAE file")
-        with weights_view(source, f"vae {source!r}", [sub or "."]) as view:
-            return AutoencoderKL.from_pretrained(view, subfolder=sub, local_files_only=True, torch_dtype=dtype)
+        return load_part(AutoencoderKL, source, f"vae {source!r}", sub, dtype)
     refuse_pickle(source)
     try:
         state = read_safetensors(source, max_bytes)

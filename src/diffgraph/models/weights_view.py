@@ -1,14 +1,16 @@
 """`weights_view`: a user's diffusers or transformers folder as `from_pretrained` should read it, through private
-copies of the weights it reads (`safe_files.private_view`).
+copies of the weights it reads (`safe_files.private_view`); and the rules both that and `stream_load` follow (which
+weights files a folder's loader reads, the `UnreadableWeights` error).
 
 Both libraries memory-map safetensors, and on the CPU at the file's dtype the parameters stay views of that map: a
 weights file cut or rewritten in place (`cp new old`, `rsync --inplace`) while or after it loads would kill the
-process with SIGBUS. Every folder handed to `from_pretrained` (a model folder, a ControlNet, an IP-Adapter's image
-encoder, a `--vae` folder, a preview decoder) goes through here instead: the weights `from_pretrained` would read
-are copied (`weights_read`: the plain files, else the fp16 variant's; safetensors where there are any), the other
-weights files are hidden from it, and everything else is linked. A file that cannot be copied (changed while it was
-read, truncated, a FIFO) is an `UnreadableWeights` naming it. The copies cost host memory the size of the files read,
-while the module loads (for as long as its parameters stay on the CPU at the file's dtype, it is their memory).
+process with SIGBUS. Component folders with safetensors weights are streamed instead (`stream_load.load_part`); a
+folder that `from_pretrained` must still read (pickle `.bin` weights only) goes through here: the weights
+`from_pretrained` would read are copied (`weights_read`: the plain files, else the fp16 variant's; safetensors where
+there are any), the other weights files are hidden from it, and everything else is linked. A file that cannot be
+copied (changed while it was read, truncated, a FIFO) is an `UnreadableWeights` naming it. The copies cost host
+memory the size of the files read, while the module loads (for as long as its parameters stay on the CPU at the
+file's dtype, it is their memory).
 """
 
 from __future__ import annotations
@@ -51,19 +53,22 @@ def weights_read(folder: str, components: Iterable[str] | None = None) -> tuple[
     return copies, omit
 
 
+def unreadable(label: str, rel: str, e: safe_files.UnusableFile) -> UnreadableWeights:
+    """The error for a weights file `rel` of the folder `label` names that could not be read (`e` says why)."""
+    again = "wait until it is written completely, or copy it again" if isinstance(e, safe_files.FileChanged) \
+        else "copy or download that file again"
+    return UnreadableWeights(f"{label}: {rel} {e}; {again}")
+
+
 @contextmanager
 def weights_view(folder: str, label: str, components: Iterable[str] | None = None) -> Iterator[str]:
     """A folder to hand to from_pretrained in place of `folder` while the block runs (`weights_read` says which
     `components` are copied). `label` names the folder in errors ("model folder '/m'", "ControlNet 'edges'"): a
     weights file that cannot be copied raises UnreadableWeights("{label}: {file} {why}; {fix}"), and a ValueError or
     OSError from the block that names the view names `folder` instead."""
-    def refused(rel: str, e: safe_files.UnusableFile) -> UnreadableWeights:
-        again = "wait until it is written completely, or copy it again" if isinstance(e, safe_files.FileChanged) \
-            else "copy or download that file again"
-        return UnreadableWeights(f"{label}: {rel} {e}; {again}")
-
     copies, omit = weights_read(folder, components)
-    with safe_files.private_view(folder, copies, omit, MODEL_FILE_LIMIT, refused) as view:
+    with safe_files.private_view(folder, copies, omit, MODEL_FILE_LIMIT, lambda rel, e: unreadable(label, rel, e)) \
+            as view:
         try:
             yield view
         except (OSError, ValueError) as e:  # the libraries' messages name the folder they read: the user's, not ours

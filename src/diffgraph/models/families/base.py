@@ -160,11 +160,10 @@ class FamilyAdapter:
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
                     name: str) -> DiffusionModel:
         """A diffusers pipeline folder of this family (local files only)."""
-        import importlib.util
-
         from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-        from transformers.utils import logging as transformers_logging
+
+        from ..stream_load import load_part
 
         for sub in ("unet", "vae", "scheduler", *(p for part in self.text_parts for p in part[:2])):
             if not os.path.isdir(os.path.join(folder, sub)):
@@ -176,16 +175,13 @@ class FamilyAdapter:
             plain = any(f.endswith((".safetensors", ".bin")) and f.count(".") == 1 for f in files)
             return None if plain or not any(".fp16." in f for f in files) else "fp16"
 
-        transformers_logging.disable_progress_bar()  # no per-file progress bars on every load
-        common = dict(local_files_only=True, torch_dtype=dtype,
-                      low_cpu_mem_usage=importlib.util.find_spec("accelerate") is not None)
-        unet = UNet2DConditionModel.from_pretrained(folder, subfolder="unet", variant=variant("unet"), **common)
-        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", variant=variant("vae"), **common)
+        label = f"model folder {folder!r}"  # (weights streamed to the device: the host holds one tensor at a time)
+        unet = load_part(UNet2DConditionModel, folder, label, "unet", dtype, variant("unet"), device)
+        vae = load_part(AutoencoderKL, folder, label, "vae", dtype, variant("vae"), device)
         encoders, tokenizers = [], []
         classes = {"CLIPTextModel": CLIPTextModel, "CLIPTextModelWithProjection": CLIPTextModelWithProjection}
         for enc_sub, tok_sub, cls_name in self.text_parts:
-            cls = classes[cls_name]
-            encoders.append(cls.from_pretrained(os.path.join(folder, enc_sub), local_files_only=True, dtype=dtype))
+            encoders.append(load_part(classes[cls_name], folder, label, enc_sub, dtype, device=device))
             tokenizers.append(CLIPTokenizer.from_pretrained(os.path.join(folder, tok_sub), local_files_only=True))
         try:
             scheduler_config = safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"),

@@ -221,6 +221,8 @@ class Flux2KleinFamily(TokenFamily):
                     name: str) -> DiffusionModel:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
+        from ..stream_load import load_part
+
         distilled = index.get("is_distilled")
         checkpoint = checkpoint_of(name, None if distilled is None else bool(distilled))
         encoder, tokenizer, scheduler_config = qwen3_folder_parts(folder, "Flux2KleinPipeline", dtype)
@@ -228,9 +230,9 @@ class Flux2KleinFamily(TokenFamily):
             raise ValueError(f"model folder {folder!r}: scheduler time_shift_type "
                              f"{scheduler_config['time_shift_type']!r} is not the FLUX.2 pipelines' 'exponential'; "
                              "restore the published scheduler_config.json")
-        common = dict(local_files_only=True, torch_dtype=dtype)
-        transformer = Flux2Transformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
-        vae = AutoencoderKLFlux2.from_pretrained(folder, subfolder="vae", **common)
+        label = f"model folder {folder!r}"
+        transformer = load_part(Flux2Transformer2DModel, folder, label, "transformer", dtype, device=device)
+        vae = load_part(AutoencoderKLFlux2, folder, label, "vae", dtype, device=device)
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype, checkpoint)
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:

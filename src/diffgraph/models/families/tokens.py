@@ -63,11 +63,13 @@ def qwen3_folder_parts(folder: str, pipeline_class: str, dtype: torch.dtype) -> 
     the folder and what to do."""
     from transformers import AutoModel, AutoTokenizer
 
+    from ..stream_load import load_part
+
     for sub in FOLDER_PARTS:
         if sub != "tokenizer" and not os.path.isdir(os.path.join(folder, sub)):
             raise ValueError(f"{folder!r} is a {pipeline_class} folder but lacks its '{sub}' subfolder; point "
                              "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
-    encoder = AutoModel.from_pretrained(os.path.join(folder, "text_encoder"), local_files_only=True, dtype=dtype)
+    encoder = load_part(AutoModel, folder, f"model folder {folder!r}", "text_encoder", dtype)
     if not os.path.isdir(os.path.join(folder, "tokenizer")):
         return encoder, qwen_tokenizer("qwen3"), _scheduler_config(folder)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)

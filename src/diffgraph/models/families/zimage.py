@@ -236,12 +236,14 @@ class ZImageFamily(TokenFamily):
                     name: str) -> DiffusionModel:
         from diffusers import AutoencoderKL, ZImageTransformer2DModel
 
+        from ..stream_load import load_part
+
         encoder, tokenizer, scheduler_config = qwen3_folder_parts(folder, "ZImagePipeline", dtype)
-        common = dict(local_files_only=True, torch_dtype=dtype)
-        transformer = ZImageTransformer2DModel.from_pretrained(folder, subfolder="transformer", **common)
-        vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", **common)
+        label = f"model folder {folder!r}"
+        transformer = load_part(ZImageTransformer2DModel, folder, label, "transformer", dtype, device=device)
+        vae = load_part(AutoencoderKL, folder, label, "vae", dtype, device=device)
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype,
-                           checkpoint_of(name))  # the path the user gave (`folder` may be a view of it)
+                           checkpoint_of(name))
 
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
                scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
