@@ -10,7 +10,7 @@ for what in "$@"; do
     train) timeout ${TRAIN_S:-280} python3 tools/train_digits_zimage.py --device cuda --data digits_data.npz \
              --out "$OUT/digits-zimage" > "$OUT/train.log" 2>&1
            echo "[train rc=$?]"; grep -v -E "Warning|warn" "$OUT/train.log" | tail -8 ;;
-    tests) timeout ${TESTS_S:-120} python3 -m pytest -q -m gpu tests/gpu/test_zimage_gpu.py -k "False or flash" \
+    tests) timeout ${TESTS_S:-120} python3 -m pytest -q -m gpu tests/gpu/test_zimage_gpu.py tests/test_stream_load.py -k "False or flash or gpu" \
              -p no:cacheprovider > "$OUT/gtests.log" 2>&1
            echo "[tests rc=$?]"; grep -E "assert|Error|passed|failed" "$OUT/gtests.log" | tail -8 ;;
     bench) timeout ${BENCH_S:-240} python3 tools/bench_zimage.py --out "$OUT" \
