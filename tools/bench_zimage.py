@@ -66,18 +66,8 @@ def main() -> None:
         save()
         print(name, json.dumps(results[name])[:600], flush=True)
 
-    blocks = (*model.denoiser.noise_refiner, *model.denoiser.context_refiner, *model.denoiser.layers)
-    ours = [b.attention.processor for b in blocks]  # the family's (prefix attention); the baseline runs diffusers'
-    results["varlen_attention"] = bool(getattr(ours[0], "varlen", False))
-
-    def attention(processors):
-        for b, p in zip(blocks, processors):
-            b.attention.set_processor(p)
-
     def pipeline():
         from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
-        from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
-        attention([ZSingleStreamAttnProcessor() for _ in blocks])
         return ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(model.scheduler_config),
                               vae=model.vae, text_encoder=model.text_encoders[0], tokenizer=model.tokenizers[0],
                               transformer=model.denoiser)
@@ -101,13 +91,7 @@ def main() -> None:
                 out["vae_decode_1024_s"], _ = timed(lambda: model.vae.decode(latents, return_dict=False))
         return out
 
-    def restoring(fn):
-        try:
-            return fn()
-        finally:
-            attention(ours)
-
-    stage("baseline", lambda: restoring(lambda: baseline(False)))
+    stage("baseline", lambda: baseline(False))
 
     def engine_figures(mode: str, compile: bool = False, burst: bool = True):
         from diffgraph import Engine, GraphConfig
@@ -161,7 +145,7 @@ def main() -> None:
                     "prompt_tokens": [len(engine.model.tokenizers[0](r["prompt"]).input_ids) for r in reqs]}
 
     stage("mixed", mixed)
-    stage("compiled", lambda: restoring(lambda: baseline(True)))
+    stage("compiled", lambda: baseline(True))
 
     def gguf():
         from diffgraph.models.gguf_quants import time_dequantize

@@ -1,8 +1,7 @@
 """GPU test (marker `gpu`): Z-Image (models/families/zimage.py) on CUDA, the tiny random preset in bf16. Rows of
 prompts of about 5, 60 and 300 tokens, two aspect ratios of one token bucket and 3 / 4 steps, submitted together in
 graph mode and in the compile tier, each equal to the same request run alone within one uint8 level; the step
-graphs are the bucket's, one per text slot (the short prompts share the 128 slot's replay). Attention runs as
-flash over variable lengths where this torch has it, equal to the masked path within bf16's error."""
+graphs are the bucket's, one per text slot (the short prompts share the 128 slot's replay)."""
 
 import os
 
@@ -10,7 +9,6 @@ import numpy as np
 import pytest
 
 from diffgraph import Engine, GenerationRequest, GraphConfig
-from diffgraph.models.families.prefix_attention import prefix_attention, varlen_available
 from diffgraph.text.prepared import prepare
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +35,6 @@ def test_mixed_rows_equal_each_alone(compile):
         keys = [engine.runner.group_key(m.key, prepare(engine.runner.text_setup, m)) for m in made]
         assert keys == [(128, 256), (512, 256), (128, 256), (128, 256)]
         assert len(engine.model.tokenizers[0](LONG).input_ids) > 250
-        assert engine.model.denoiser.layers[0].attention.processor.varlen == varlen_available()
         alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
                  for r in REQUESTS]
         futures = []
@@ -48,18 +45,3 @@ def test_mixed_rows_equal_each_alone(compile):
     for a, b in zip(together, alone):
         assert np.abs(_levels(a) - _levels(b)).max() <= 1
 
-
-def test_flash_over_variable_lengths_equals_the_masked_attention():
-    """Rows of 4096 slots reading prefixes of 4096, 4160 - 512 and 300 keys: flash over variable lengths equals SDPA
-    with the key mask within bf16's error (on every query of each row's prefix)."""
-    import torch
-
-    if not varlen_available():
-        pytest.skip("this torch has no varlen_attn")
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    q, k, v = (torch.randn((3, 4096, 4, 128), generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-    lengths = torch.tensor([[4096], [3648], [300]], device=DEVICE)
-    keys = torch.arange(4096, device=DEVICE) < lengths
-    fast, masked = prefix_attention(q, k, v, keys, True), prefix_attention(q, k, v, keys, False)
-    for row, n in enumerate((4096, 3648, 300)):
-        assert (fast[row, :n].float() - masked[row, :n].float()).abs().max().item() < 2e-2

@@ -36,11 +36,10 @@ from ...features.base import RowFeature, StepView
 from ...features.capability import Capability, Param
 from ...features.guidance import ClassifierFreeGuidance, guiding_steps
 from ...lora.targets import DENOISER, LoraLayout
-from ...request import GenerationRequest, GroupKey, Size
+from ...request import GenerationRequest
 from ..model import DiffusionModel
 from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from .base import Conditioning, CondSpec
-from .prefix_attention import FLASH_DTYPES, prefix_attention, varlen_available
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
 SEQ_MULTIPLE = 32           # the transformer pads caption and image tokens to multiples of this
@@ -172,47 +171,6 @@ class ZImageGuidance(ClassifierFreeGuidance):
         return guided * scale.to(guided.dtype)
 
 
-class PrefixAttnProcessor:
-    """ZImageTransformer2DModel's attention (its q/k/v projections, q/k norms, RoPE and output projection, as
-    diffusers' ZSingleStreamAttnProcessor computes them) with `prefix_attention`: the mask a block is given is each
-    row's prefix of real tokens (`denoise` lays the sequence out so), read without a mask where flash can."""
-
-    def __init__(self, varlen: bool):
-        self.varlen = varlen
-
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None, freqs_cis: torch.Tensor | None = None) -> torch.Tensor:
-        query, key, value = (proj(hidden_states).unflatten(-1, (attn.heads, -1))
-                             for proj in (attn.to_q, attn.to_k, attn.to_v))
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-        if freqs_cis is not None:
-            query, key = rotate(query, freqs_cis), rotate(key, freqs_cis)
-        keys = torch.ones(query.shape[:2], dtype=torch.bool, device=query.device) if attention_mask is None \
-            else attention_mask
-        out = prefix_attention(query, key, value, keys, self.varlen).flatten(2, 3).to(query.dtype)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out) if len(attn.to_out) > 1 else out
-
-
-def rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """RoPE as Z-Image applies it: x [n, L, heads, dim] as complex pairs times freqs [n, L, dim / 2], in fp32."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(pairs * freqs.unsqueeze(2)).flatten(3).type_as(x)
-
-
-def prefix_order(tokens: int, slot: int, image: torch.Tensor, caption: torch.Tensor) -> torch.Tensor:
-    """[n, tokens + slot] indices into cat(image tokens, caption tokens) that lay each row out as the model reads it,
-    real tokens first: its image tokens (`image` [n, 1], padded), its caption's (`caption` [n, 1], padded), then the
-    slack (the image's, then the caption's), which attention never reads."""
-    j = torch.arange(tokens + slot, device=image.device).unsqueeze(0)
-    s = j - image - caption                                   # position within the slack
-    slack = torch.where(s < tokens - image, image + s, caption + image + s)  # (text slack: tokens + caption + s')
-    return torch.where(j < image, j, torch.where(j < image + caption, tokens + j - image, slack))
-
-
 def ceil_to(n: torch.Tensor, multiple: int) -> torch.Tensor:
     return (n + multiple - 1) // multiple * multiple
 
@@ -251,9 +209,6 @@ class ZImageFamily(TokenFamily):
         for m in (transformer, vae, encoder):
             m.to(device=device, dtype=dtype).eval().requires_grad_(False)
         transformer.rope_embedder(torch.zeros((1, 3), dtype=torch.int64, device=device))  # its tables, on the device
-        varlen = device.type == "cuda" and dtype in FLASH_DTYPES and varlen_available()
-        for block in (*transformer.noise_refiner, *transformer.context_refiner, *transformer.layers):
-            block.attention.set_processor(PrefixAttnProcessor(varlen))
         native = int(getattr(vae.config, "sample_size", 1024) or 1024)  # the VAE's (Flux's: 1024)
         return DiffusionModel(name=name, family=self.name, adapter=self, denoiser=transformer, vae=vae,
                               text_encoders=[encoder], tokenizers=[tokenizer], scheduler_config=scheduler_config,
@@ -411,15 +366,12 @@ class ZImageFamily(TokenFamily):
         for layer in net.context_refiner:
             c = layer(c, text_keys, text_freqs)
 
-        # each row as the model reads it: its image tokens, its caption's, then the slack (never attended)
-        order = prefix_order(tokens, slot, image, caption)
-        u = torch.cat([h, c], dim=1).gather(1, order.unsqueeze(-1).expand(-1, -1, h.shape[-1]))
+        u = torch.cat([h, c], dim=1)
+        keys = torch.cat([image_keys, text_keys], dim=1)
         freqs = torch.cat([image_freqs, text_freqs], dim=1)
-        freqs = freqs.gather(1, order.unsqueeze(-1).expand(-1, -1, freqs.shape[-1]))
-        keys = torch.arange(tokens + slot, device=x.device) < image + caption
         for layer in net.layers:
             u = layer(u, keys, freqs, adaln)
-        out = net.all_final_layer[f"{self.patch}-1"](u[:, :tokens], c=adaln)  # the image's tokens kept their places
+        out = net.all_final_layer[f"{self.patch}-1"](u[:, :tokens], c=adaln)
         return -out * real
 
 
