@@ -29,7 +29,7 @@ class Param:
 
     name: str        # the request's field (and the HTTP body's key), flat beside the built-in ones
     neutral: Any     # the value that asks nothing of the capability (any model accepts it)
-    kind: type = float  # what a value is read as (float, int, str, bool)
+    kind: type = float  # what a value is read as (float, int, str, bool; tuple: a list of items the check reads)
     help: str = ""
 
 
@@ -66,6 +66,8 @@ def read_value(param: Param, value: Any) -> Any:
         raise ParamError(param.name, f"{param.name} must be true or false, got {value!r}")
     if param.kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise ParamError(param.name, f"{param.name} must be a number, got {value!r}")
+    if param.kind is tuple and not isinstance(value, (list, tuple)):
+        raise ParamError(param.name, f"{param.name} must be a list, got {type(value).__name__}")
     if param.kind is str and not isinstance(value, str):
         raise ParamError(param.name, f"{param.name} must be a string, got {value!r}")
     try:

@@ -34,7 +34,7 @@ import functools
 import logging
 import os
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -237,9 +237,11 @@ class FamilyAdapter:
     # step buffers, steps and graphs. UNet families group by the size itself (convolutions need one shape); a
     # transformer family that packs latents into tokens may group every size of one token bucket (rows of different
     # aspect ratios in one step), its rows then carrying their own positions and image-token mask (`row_spec`).
-    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0) -> GroupKey:
+    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
+                  prepared: Mapping[str, Any] | None = None) -> GroupKey:
         """The group rows of an image `size` whose longest prompt is `text_tokens` tokens run in (default: the size
-        itself; 0 tokens: a prompt of any length)."""
+        itself; 0 tokens: a prompt of any length); `prepared`: the request's capabilities' preparations by name (a
+        family whose rows carry inputs of their own size groups by them: FLUX.2's reference images)."""
         return size
 
     def group_keys(self, model: DiffusionModel, size: Size) -> tuple[GroupKey, ...]:
