@@ -126,6 +126,9 @@ class FamilyAdapter:
     supports_edits: bool = False       # image-to-image and inpainting (a VAE encoder, the family's `noising` and its
                                        # plans' KNOWN columns for the inpainting blend): SD and SDXL say True
     edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
+    # the capability parameter (a `Param.images` list) the edits route's image parts fill, every one of them (FLUX.2's
+    # references); None: the first image is the image-to-image start
+    edit_images: str | None = None
     edit_steps_rule: str = "sd"  # request.EDIT_STEP_RULES: how its pipelines' strength picks the steps run
     # the names its planner takes (the SD noise schedule's samplers: sampling/names.py), what a request that names
     # none gets (graph verification walks it too), and the multiple its sizes must be

@@ -221,6 +221,7 @@ class Flux2KleinFamily(TokenFamily):
     token_bucket = 256
     text_tokens = MAX_TEXT_TOKENS
     size_multiple = 16
+    edit_images = REFERENCES  # the edits route's image parts are references
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,

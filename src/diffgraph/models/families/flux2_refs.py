@@ -104,7 +104,8 @@ class ReferenceImages(Capability):
     """`reference_images`: up to 4 images (PIL or uint8 RGB arrays) a row's image is conditioned on."""
 
     name = NAME
-    params = (Param(NAME, (), tuple, f"up to {MAX_REFERENCES} reference images (PIL or uint8 RGB arrays)"),)
+    params = (Param(NAME, (), tuple, f"up to {MAX_REFERENCES} reference images (PIL or uint8 RGB arrays; base64 over "
+                                     "HTTP)", images=True),)
 
     def __init__(self, bucket: int):
         self.bucket = bucket
