@@ -121,6 +121,7 @@ def test_http_routes_take_references_as_base64_and_as_edit_image_parts(folders):
 
     body = {"prompt": PROMPT, "size": "128x128", "seed": 4, "num_inference_steps": 2}
     with served(Engine(model=path, device="cpu"), ServerConfig(model=path, device="cpu")) as client:
+        assert "reference_images" in client.get("/v1/models").json()["data"][0]["capabilities"]
         refs = [b64png(Image.fromarray(r)) for r in REFS[2]]
         got = image(client.post("/v1/images/generations", json={**body, "reference_images": refs}))
         assert np.abs(got - want).max() <= 1
