@@ -780,6 +780,8 @@ class ModelInfo:
     # parameter names (the server passes them on; the engine refuses those of capabilities the model lacks)
     extensions: tuple[str, ...] = ()
     extension_params: tuple[str, ...] = ()
+    extension_images: tuple[str, ...] = ()  # those of its capabilities that take a list of images (`Param.images`)
+    edit_images: str | None = None  # the one the edits route's image parts fill (None: the first is the edit's start)
     # the steps a request that names none runs (its checkpoint's model card); None: each route's own default
     default_steps: int | None = None
     edit_steps_rule: str = "sd"  # EDIT_STEP_RULES: how an edit's strength picks its steps (its family's pipelines)

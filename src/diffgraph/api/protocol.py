@@ -424,6 +424,14 @@ def decode_b64(field: str, text: str, max_bytes: int, max_pixels: int) -> Any:
     return decode_upload(field, data, max_bytes, max_pixels)
 
 
+def decode_images(field: str, value: Any, max_bytes: int, max_pixels: int) -> list[Any]:
+    """A capability's list of base64 images (`Param.images`) as RGB images; a 400 naming the field otherwise."""
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+        raise APIError(400, f"{field} must be a list of base64 images", param=field)
+    return [eight_bit(decode_b64(f"{field}[{i}]", t, max_bytes, max_pixels)).convert("RGB")
+            for i, t in enumerate(value)]
+
+
 def decode_controls(refs: list[ControlRef] | None, max_bytes: int, max_pixels: int,
                     files: dict[str, bytes] | None = None) -> list[dict[str, Any]]:
     """A body's `controls` with their images decoded (GenerationRequest.create checks the rest): base64 in each

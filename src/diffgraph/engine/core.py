@@ -93,9 +93,12 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
-        state = RequestState.of(request, plan, time.monotonic(), sink, prompts, self.runner.group_key(request.key, prompts))
-        if request.extras:  # registered capabilities' parameters (none: every capability is neutral)
-            state.prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name)
+        # registered capabilities' parameters (none: every capability is neutral), before the group: it may read them
+        prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
+            if request.extras else {}
+        state = RequestState.of(request, plan, time.monotonic(), sink, prompts,
+                                self.runner.group_key(request.key, prompts, prepared))
+        state.prepared = prepared
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if _second_branch(state) and prompts[0].chunks != prompts[1].chunks:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])

@@ -194,6 +194,8 @@ class Engine:
                               prompt_syntaxes=tuple(adapter.prompt_syntaxes),
                               extensions=self.runner.capabilities.names(),
                               extension_params=self.runner.capabilities.params(),
+                              extension_images=self.runner.capabilities.image_params(),
+                              edit_images=adapter.edit_images,
                               default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule)
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,

@@ -179,14 +179,15 @@ class ModelRunner:
         return self._graphed
 
     # -- shapes and buffers --------------------------------------------------------------------
-    def group_key(self, size: Size, prompts: tuple[PromptText, ...] = ()) -> GroupKey:
-        """The group rows of an image `size` with `prompts` (prepared) run in: the family's (a transformer's token
-        bucket and text slot) where its step rows pack image latents; else the size itself (unpacked latents of two
-        sizes cannot share buffers)."""
+    def group_key(self, size: Size, prompts: tuple[PromptText, ...] = (),
+                  prepared: dict[str, Any] | None = None) -> GroupKey:
+        """The group rows of an image `size` with `prompts` (prepared) and its capabilities' preparations
+        (`prepared`) run in: the family's (a transformer's token bucket and text slot) where its step rows pack
+        image latents; else the size itself (unpacked latents of two sizes cannot share buffers)."""
         if not self._packs:
             return size
         tokens = max((len(window) for p in prompts for window in (p.ids[0] if p.ids else ())), default=0)
-        return self.adapter.group_key(self.model, size, tokens)
+        return self.adapter.group_key(self.model, size, tokens, prepared)
 
     def group_keys(self, size: Size) -> tuple[GroupKey, ...]:
         """Every group rows of an image `size` may run in (the graphs' groups)."""

@@ -29,8 +29,9 @@ class Param:
 
     name: str        # the request's field (and the HTTP body's key), flat beside the built-in ones
     neutral: Any     # the value that asks nothing of the capability (any model accepts it)
-    kind: type = float  # what a value is read as (float, int, str, bool)
+    kind: type = float  # what a value is read as (float, int, str, bool; tuple: a list of items the check reads)
     help: str = ""
+    images: bool = False  # a list of images: the HTTP routes decode its base64 strings into images (`image_params`)
 
 
 class Capability:
@@ -66,6 +67,8 @@ def read_value(param: Param, value: Any) -> Any:
         raise ParamError(param.name, f"{param.name} must be true or false, got {value!r}")
     if param.kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise ParamError(param.name, f"{param.name} must be a number, got {value!r}")
+    if param.kind is tuple and not isinstance(value, (list, tuple)):
+        raise ParamError(param.name, f"{param.name} must be a list, got {type(value).__name__}")
     if param.kind is str and not isinstance(value, str):
         raise ParamError(param.name, f"{param.name} must be a string, got {value!r}")
     try:
@@ -167,6 +170,10 @@ class ModelCapabilities:
     def params(self) -> tuple[str, ...]:
         """Every registered capability's parameter names (the server lets them through; the engine decides)."""
         return self.registry.param_names()
+
+    def image_params(self) -> tuple[str, ...]:
+        """The parameters of this model's capabilities that take a list of images (`Param.images`)."""
+        return tuple(p.name for c in self.present for p in c.params if p.images)
 
     def features(self, model: Any) -> tuple[RowFeature, ...]:
         return tuple(f for c in self.present if (f := c.feature(model, self.settings[c.name])) is not None)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
 
-from ..request import EditInput, ParamError
+from ..request import EditInput, ModelInfo, ParamError
 from .bodies import FormLimits, read_multipart
 from ..api.protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef, LoraRef, PreviewBody,
                        error_from_param_error, error_from_validation)
@@ -213,6 +213,19 @@ def edit_arrays(image: Any, mask: Any = None) -> tuple[np.ndarray, np.ndarray | 
         if alpha is not None and (alpha == 0).any():  # transparent pixels: inpaint them (OpenAI)
             mask_array = np.where(alpha == 0, 255, 0).astype(np.uint8)
     return np.asarray(eight_bit(image).convert("RGB")), mask_array
+
+
+def image_parts(files: FormFiles, info: ModelInfo, strength: float | None, max_bytes: int, max_pixels: int) -> list:
+    """The form's image parts as RGB images for a family that reads them all as one capability's list
+    (`ModelInfo.edit_images`); a mask or a strength is a 400 naming it."""
+    for name, given in (("mask", "mask" in files.parts), ("strength", strength is not None)):
+        if given:
+            raise APIError(400, f"model {info.name!r} reads its images as {info.edit_images} and takes no {name}; "
+                                f"leave {name} out", param=name)
+    if not files.images:
+        raise APIError(400, "image is required: upload the images as file parts 'image[]'", param="image")
+    return [eight_bit(decode_upload(f"{files.image_name}[{i}]" if files.listed else files.image_name, data,
+                                    max_bytes, max_pixels)).convert("RGB") for i, data in enumerate(files.images)]
 
 
 def edit_input(files: FormFiles, strength: float | None, defaults: tuple[float, float], max_bytes: int,

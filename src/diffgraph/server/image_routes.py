@@ -25,14 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from ..api.protocol import (APIError, ImageData, ImageGenerationRequest, ImageGenerationResponse, decode_controls,
-                            decode_image_prompt, error_from_validation, generation_request)
+                            decode_image_prompt, decode_images, error_from_validation, generation_request)
 from ..engine.client import RequestHandle
 from ..request import GenerationRequest, GenerationResult, ModelInfo, ProgressEvent
 from . import stream as sse
 from .auth import authorized
 from .bodies import read_json
 from .context import AppContext, error_response
-from .edits import VARIATION_STRENGTH, ImageEditForm, edit_input, read_form, variation_schema
+from .edits import VARIATION_STRENGTH, ImageEditForm, edit_input, image_parts, read_form, variation_schema
 from .image_store import ImageLinks
 from .models import Target
 from .requests import ClientGone, ServerState, abort, outcome, results, submit, syntax_warnings, warnings_header
@@ -121,6 +121,9 @@ class ImageRoutes:
                                                config.max_image_pixels) if params.controls else ()
             prompt = await asyncio.to_thread(decode_image_prompt, params.image_prompts, config.max_image_bytes,
                                              config.max_image_pixels) if params.image_prompts else None
+            for name in set(info.extension_images) & set(extras):  # a capability's images, decoded off the loop
+                extras[name] = await asyncio.to_thread(decode_images, name, extras[name], config.max_image_bytes,
+                                                       config.max_image_pixels)
             return await asyncio.to_thread(_warned, generation_request, info, config, params, controls=controls,
                                            image_prompts=prompt, extras=extras)  # prompts read off the loop
         return params.stream, params.response_format == "url", params.model, finish
@@ -132,6 +135,11 @@ class ImageRoutes:
         form, files = await read_form(http, config.max_image_bytes, variation)
 
         async def finish(info: ModelInfo) -> tuple[GenerationRequest, list[str]]:
+            if info.edit_images and not variation:  # the family reads every image part as one of its inputs
+                extras = {info.edit_images: await asyncio.to_thread(image_parts, files, info, form.strength,
+                                                                   config.max_image_bytes, config.max_image_pixels)}
+                return await asyncio.to_thread(_warned, generation_request, info, config, form.generation(),
+                                               extras=extras)
             if not info.edits:
                 raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
                                param="image")

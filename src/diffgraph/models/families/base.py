@@ -34,7 +34,7 @@ import functools
 import logging
 import os
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -126,6 +126,9 @@ class FamilyAdapter:
     supports_edits: bool = False       # image-to-image and inpainting (a VAE encoder, the family's `noising` and its
                                        # plans' KNOWN columns for the inpainting blend): SD and SDXL say True
     edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
+    # the capability parameter (a `Param.images` list) the edits route's image parts fill, every one of them (FLUX.2's
+    # references); None: the first image is the image-to-image start
+    edit_images: str | None = None
     edit_steps_rule: str = "sd"  # request.EDIT_STEP_RULES: how its pipelines' strength picks the steps run
     # the names its planner takes (the SD noise schedule's samplers: sampling/names.py), what a request that names
     # none gets (graph verification walks it too), and the multiple its sizes must be
@@ -237,9 +240,11 @@ class FamilyAdapter:
     # step buffers, steps and graphs. UNet families group by the size itself (convolutions need one shape); a
     # transformer family that packs latents into tokens may group every size of one token bucket (rows of different
     # aspect ratios in one step), its rows then carrying their own positions and image-token mask (`row_spec`).
-    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0) -> GroupKey:
+    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
+                  prepared: Mapping[str, Any] | None = None) -> GroupKey:
         """The group rows of an image `size` whose longest prompt is `text_tokens` tokens run in (default: the size
-        itself; 0 tokens: a prompt of any length)."""
+        itself; 0 tokens: a prompt of any length); `prepared`: the request's capabilities' preparations by name (a
+        family whose rows carry inputs of their own size groups by them: FLUX.2's reference images)."""
         return size
 
     def group_keys(self, model: DiffusionModel, size: Size) -> tuple[GroupKey, ...]:

@@ -18,6 +18,10 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
     positions) and runs the blocks with a per-row rotary table and the bucket's padding tokens masked out of
     attention (`Flux2Transformer2DModel.forward` takes one set of ids for the whole batch), so a row's output never
     depends on its companions and one replay serves any mix;
+  * reference images (`reference_images`, flux2_refs.py): each reference's VAE tokens follow the image's in the image
+    stream at (10 + 10 i, r, c, 0), attending and attended, their outputs dropped. The group key's first element,
+    a text slot in other token families (every row here reads all 512 text tokens), is the rows' reference tokens
+    rounded up to `token_bucket`: rows whose references fill one bucket share a step, their padding masked;
   * timesteps: the model reads sigma (as t / 1000, times 1000 inside) and predicts the velocity;
   * the schedule: sigmas linspace(1, 1 / steps) shifted by exp(mu) with the pipeline's empirical mu, which depends
     on the image's token count and the step count (`empirical_mu`);
@@ -32,7 +36,7 @@ LoRA files: diffusers / PEFT (`transformer.*`, split q/k/v), ai-toolkit's and Co
 (`diffusion_model.double_blocks.*`, fused qkv; lora_A/B or lora_down/up with alphas) and Kohya's (`lora_unet_*`), read
 by Flux2KleinPipeline's converter after `lora_keys`.
 Split files (ComfyUI's transformer, Qwen3 encoder and FLUX.2 VAE): `load_split`.
-Not here yet: reference images, BFL's single files, fp8 kept as fp8, GGUF, and FLUX.2 [dev] (`Flux2Pipeline`).
+Not here yet: BFL's single files, fp8 kept as fp8, GGUF, and FLUX.2 [dev] (`Flux2Pipeline`).
 """
 
 from __future__ import annotations
@@ -40,18 +44,20 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from ...lora.targets import DENOISER, LoraLayout
-from ...request import Size
+from ...features.capability import Capability
+from ...request import GroupKey, Size
 from ...sampling.flow import FlowSchedule, flow_plan
 from ...sampling.samplers import SamplerPlan
 from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
+from .flux2_refs import NAME as REFERENCES, ReferenceImages, reference_bucket
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
 MAX_TEXT_TOKENS = 512           # the pipeline's max_sequence_length: every prompt padded to it (template included)
@@ -215,6 +221,7 @@ class Flux2KleinFamily(TokenFamily):
     token_bucket = 256
     text_tokens = MAX_TEXT_TOKENS
     size_multiple = 16
+    edit_images = REFERENCES  # the edits route's image parts are references
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -308,6 +315,32 @@ class Flux2KleinFamily(TokenFamily):
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
                            CHECKPOINTS["flux.2-klein"], is_random=True)
 
+    # -- reference images: the group key's first element is the rows' reference-token bucket ---------------
+    def capabilities(self) -> tuple[Capability, ...]:
+        return (ReferenceImages(self.token_bucket),)
+
+    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
+                  prepared: Mapping[str, Any] | None = None) -> GroupKey:
+        """(reference tokens, image tokens), each rounded up to `token_bucket`: every row reads all 512 text tokens,
+        so the first element, a text slot elsewhere, is the bucket of the row's references' tokens (0: none)."""
+        refs = (prepared or {}).get(REFERENCES, ())
+        return (reference_bucket(refs, self.token_bucket), super().group_key(model, size)[1])
+
+    def text_slot(self, key: GroupKey) -> int:
+        if key[0] < 0 or key[0] % self.token_bucket:
+            raise ValueError(f"group {key} is not a token bucket of family {self.name!r}")
+        return self.text_tokens
+
+    def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
+        """The token families' positions and image mask, and the group's reference slots, neutral (no reference:
+        masked out); a request's references overwrite them at admission (flux2_refs.py `ReferenceRows`):
+        `ref_tokens` [refs, 128], `ref_ids` [refs, 3] as (time, row, column), `ref_mask` [refs]."""
+        refs, device = key[0], model.device
+        return {**super().row_spec(model, key, size),
+                "ref_tokens": torch.zeros((refs, model.latent_channels), dtype=model.dtype, device=device),
+                "ref_ids": torch.full((refs, 3), -1, dtype=torch.int64, device=device),
+                "ref_mask": torch.zeros(refs, dtype=torch.bool, device=device)}
+
     # -- the checkpoint's defaults and guidance ------------------------------------------------------------
     def default_steps(self, model: DiffusionModel) -> int | None:
         return model.extra["checkpoint"].steps
@@ -393,14 +426,17 @@ class Flux2KleinFamily(TokenFamily):
         n, tokens = image_mask.shape
         length = text.shape[1]
 
+        # the image stream: the image's tokens at (0, row, column, 0), then the references' at (time, row, column, 0)
         zero = torch.zeros_like(positions[..., :1])
-        image_ids = torch.cat([zero, positions.clamp(min=0), zero], dim=-1).reshape(-1, 4)
+        image_ids = torch.cat([torch.cat([zero, positions.clamp(min=0)], dim=-1), rows["ref_ids"].clamp(min=0)], dim=1)
+        image_ids = torch.cat([image_ids, torch.zeros_like(image_ids[..., :1])], dim=-1)
         k = torch.arange(length, device=x.device)
         text_ids = torch.stack([torch.zeros_like(k)] * 3 + [k], dim=-1)
-        image_rope = [f.reshape(n, tokens, -1) for f in net.pos_embed(image_ids)]
+        image_rope = [f.reshape(n, image_ids.shape[1], -1) for f in net.pos_embed(image_ids.reshape(-1, 4))]
         text_rope = [f.unsqueeze(0).expand(n, -1, -1) for f in net.pos_embed(text_ids)]
         rope = tuple(torch.cat([a, b], dim=1) for a, b in zip(text_rope, image_rope))
-        keys = torch.cat([torch.ones((n, length), dtype=torch.bool, device=x.device), image_mask], dim=1)
+        keys = torch.cat([torch.ones((n, length), dtype=torch.bool, device=x.device), image_mask, rows["ref_mask"]],
+                         dim=1)
         keys = keys[:, None, None, :]
 
         # as the pipeline rounds it: t in the model's dtype, / 1000 there, * 1000 inside the forward
@@ -410,14 +446,14 @@ class Flux2KleinFamily(TokenFamily):
         mod_txt = net.double_stream_modulation_txt(temb)
         mod_single = net.single_stream_modulation(temb)
 
-        h = net.x_embedder(x.to(net.dtype))
+        h = net.x_embedder(torch.cat([x.to(net.dtype), rows["ref_tokens"].to(net.dtype)], dim=1))
         c = net.context_embedder(text.to(net.dtype))
         for block in net.transformer_blocks:
             h, c = double_block(block, h, c, mod_img, mod_txt, rope, keys)
         u = torch.cat([c, h], dim=1)
         for block in net.single_transformer_blocks:
             u = single_block(block, u, mod_single, rope, keys)
-        out = net.proj_out(net.norm_out(u[:, length:], temb))
+        out = net.proj_out(net.norm_out(u[:, length:length + tokens], temb))  # the references' outputs dropped
         return out * image_mask.unsqueeze(-1)
 
 

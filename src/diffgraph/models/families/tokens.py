@@ -4,7 +4,8 @@ Such a model reads an image's latents as tokens, `patch` x `patch` latent cells 
 the tokens were laid out on the grid as long as each carries its position. So its rows group by token count, not by
 size: the group key is (text slot, image tokens rounded up to `token_bucket`), and rows of different aspect ratios
 (and, with padding, of different sizes) of one bucket share step buffers, steps and graphs. The text slot is 0 for a
-family whose rows always read `text_tokens` prompt tokens; a family with `text_buckets` reads only the group's slot
+family whose rows always read `text_tokens` prompt tokens (FLUX.2 puts its rows' reference-token bucket there
+instead: flux2.py `group_key`); a family with `text_buckets` reads only the group's slot
 (the smallest bucket that holds the row's longest prompt, template included), so short prompts do not pay for the
 longest one's tokens: rows of prompts of one bucket share the replay. Each row carries, from its own size,
 its tokens' grid positions (`rows.positions`, [tokens, 2] as (row, column), padding at (-1, -1)) and which tokens are
@@ -25,7 +26,7 @@ import contextlib
 import functools
 import math
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -111,7 +112,8 @@ class TokenFamily(FamilyAdapter):
         cell = model.vae_scale_factor * self.patch
         return size[0] // cell, size[1] // cell
 
-    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0) -> GroupKey:
+    def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
+                  prepared: Mapping[str, Any] | None = None) -> GroupKey:
         """(text slot, image tokens): the slot is the smallest text bucket of at least `text_tokens` (0: the
         largest, which any prompt fits), TOKEN_GROUP for a family without text buckets."""
         h, w = self.grid(model, size)

@@ -1,0 +1,137 @@
+"""FLUX.2 klein's reference images (models/families/flux2_refs.py) against diffusers' `Flux2KleinPipeline(image=[...])`
+on test_flux2.py's tiny distilled folder: fp32 on the CPU, each image within one uint8 level of the pipeline's with the
+same seed and references; rows with 0, 1 and 2 references submitted together each equal their request alone; bad
+references are a one-line ParamError naming `reference_images`.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import GenerationRequest, ParamError
+
+from loop_util import images_together
+from test_flux2 import folders, klein  # noqa: F401 (fixtures)
+
+PROMPT = "the same fox, now in the snow"
+
+
+def picture(h: int, w: int, seed: int) -> np.ndarray:
+    """A smooth random RGB picture (a VAE's latents of noise tell little), uint8 [h, w, 3]."""
+    g = torch.Generator().manual_seed(seed)
+    small = torch.rand((1, 3, h // 8 + 1, w // 8 + 1), generator=g)
+    return (torch.nn.functional.interpolate(small, size=(h, w), mode="bilinear")[0].permute(1, 2, 0).numpy()
+            * 255).round().astype(np.uint8)
+
+
+# a 72x88 picture is cropped to 64x80 (multiples of 16): 20 reference tokens; 96x64: 24
+REFS = {0: [], 1: [picture(72, 88, 1)], 2: [picture(72, 88, 1), picture(96, 64, 2)]}
+
+
+def oracle(pipe, refs: list, size: tuple[int, int], steps: int, seed: int) -> np.ndarray:
+    from PIL import Image
+
+    image = pipe(prompt=PROMPT, image=[Image.fromarray(r) for r in refs] or None, height=size[0], width=size[1],
+                 num_inference_steps=steps, generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+def request(refs: list, size: tuple[int, int], seed: int) -> dict:
+    return dict(prompt=PROMPT, height=size[0], width=size[1], num_inference_steps=2, seed=seed,
+                extras={"reference_images": refs} if refs else None)
+
+
+@pytest.mark.parametrize("count,size", [(0, (128, 128)), (1, (128, 128)), (2, (96, 160))])
+def test_references_equal_the_pipeline(folders, klein, count, size):
+    pipe = folders["FLUX.2-klein-4B"][1]
+    got = images_together(klein, [request(REFS[count], size, 3)])[0]
+    want = oracle(pipe, REFS[count], size, 2, 3)
+    assert np.abs(got - want).max() <= 1
+    if count:  # the references show
+        assert np.abs(want - oracle(pipe, [], size, 2, 3)).max() > 3
+
+
+def test_rows_with_0_1_2_references_together_each_equal_the_pipeline_alone(folders, klein, monkeypatch):
+    """Rows with 1 and 2 references (20 and 44 tokens: one bucket of 256) share a step, the row without any runs in
+    its own group in the same burst; each equals diffusers' image of its request alone. The picture both send is
+    encoded once (the content-hash cache)."""
+    from diffgraph.models.families import flux2_refs
+
+    original, encoded = flux2_refs.encode, []
+
+    def counting(model, pixels):
+        encoded.append(tuple(pixels.shape))
+        return original(model, pixels)
+    monkeypatch.setattr(flux2_refs, "encode", counting)
+    pipe = folders["FLUX.2-klein-4B"][1]
+    shared = picture(72, 88, 5)
+    refs = {0: [], 1: [shared], 2: [shared, picture(96, 64, 6)]}
+    sizes = {0: (128, 128), 1: (96, 160), 2: (160, 96)}
+    requests = [request(refs[count], sizes[count], 10 + count) for count in (0, 1, 2)]
+    made = [GenerationRequest.create(model=klein.info, **r) for r in requests]
+    keys = [klein.runner.group_key(r.key, (), klein.runner.capabilities.prepare(dict(r.extras), "m")) for r in made]
+    assert keys == [(0, 256), (256, 256), (256, 256)]
+    got = images_together(klein, requests)
+    assert sorted(encoded) == [(1, 3, 64, 80), (1, 3, 96, 64)]
+    for count, image in zip((0, 1, 2), got):
+        want = oracle(pipe, refs[count], sizes[count], 2, 10 + count)
+        assert np.abs(image - want).max() <= 1, count
+
+
+@pytest.mark.parametrize("refs,words", [([picture(64, 64, 0)] * 5, "at most 4"),
+                                        (["not an image"], "reference_images[0] must be a PIL image"),
+                                        ([np.zeros((64, 64), np.uint8)], "reference_images[0] must be RGB"),
+                                        (picture(64, 64, 0), "must be a list"),
+                                        ([picture(32, 64, 0)], "reference_images[0]: Image too small"),
+                                        ([np.zeros((4097, 4096, 3), np.uint8)], "at most 16 megapixels")])
+def test_bad_references_are_a_param_error_naming_the_field(klein, refs, words):
+    with pytest.raises(ParamError) as e:
+        klein.submit(GenerationRequest.create(model=klein.info, prompt="x", height=128, width=128,
+                                              extras={"reference_images": refs}))
+    assert e.value.param == "reference_images" and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_http_routes_take_references_as_base64_and_as_edit_image_parts(folders):
+    """/v1/images/generations takes `reference_images` as base64 strings, /v1/images/edits every image[] part as a
+    reference on this family; both equal the pipeline with those references; bad ones are a 400 naming the field."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from server_util import b64png, served
+
+    path, pipe = folders["FLUX.2-klein-4B"]
+    want = oracle(pipe, REFS[2], (128, 128), 2, 4)
+
+    def png(refs):
+        out = []
+        for r in refs:
+            buf = io.BytesIO()
+            Image.fromarray(r).save(buf, "PNG")
+            out.append(buf.getvalue())
+        return out
+
+    def image(answer) -> np.ndarray:
+        assert answer.status_code == 200, answer.text
+        return np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))).astype(
+            np.int16)
+
+    body = {"prompt": PROMPT, "size": "128x128", "seed": 4, "num_inference_steps": 2}
+    with served(Engine(model=path, device="cpu"), ServerConfig(model=path, device="cpu")) as client:
+        assert "reference_images" in client.get("/v1/models").json()["data"][0]["capabilities"]
+        refs = [b64png(Image.fromarray(r)) for r in REFS[2]]
+        got = image(client.post("/v1/images/generations", json={**body, "reference_images": refs}))
+        assert np.abs(got - want).max() <= 1
+        form = {k: str(v) for k, v in body.items()}
+        files = [("image[]", (f"{i}.png", data, "image/png")) for i, data in enumerate(png(REFS[2]))]
+        got = image(client.post("/v1/images/edits", data=form, files=files))
+        assert np.abs(got - want).max() <= 1
+        for bad, field in (({"reference_images": "abc"}, "reference_images"),
+                           ({"reference_images": refs * 3}, "reference_images")):
+            answer = client.post("/v1/images/generations", json={**body, **bad})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+        answer = client.post("/v1/images/edits", data={**form, "strength": "0.5"}, files=files)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "strength", answer.text
