@@ -5,7 +5,8 @@
 nothing is downloaded, but without a path for diffusers to map: the file is opened once (`safe_tensors.TensorFile`)
 and each component (UNet, VAE, text encoders) is made by diffusers' own `load_single_file_sub_model` from a dict of
 only its own tensors (`_own_keys`), streamed from the file just before, so host memory while loading is
-the modules already made plus one component's tensors at the file's dtype. A file rewritten while it is read is a
+the modules already made plus one component's tensors at the file's dtype (for a float32 load, one tensor: they
+are widened as they are read). A file rewritten while it is read is a
 `FileChanged`, reported in one line. The checkpoint's marks and the `LoadOptions` overrides (prediction type, zero
 SNR) go into the scheduler config; `--vae` replaces the VAE (`load_vae`: a single file streamed into tensors by
 `safe_tensors`, or a diffusers folder streamed by `stream_load`). Weights that are NaN or infinite are refused by name.
@@ -123,15 +124,21 @@ def _pipeline(path: str, pipeline_class: type, config: str, dtype: torch.dtype, 
     init_dict, _unused, _ = pipeline_class.extract_init_dict(config_dict)
     init_kwargs = {**{k: init_dict.pop(k) for k in optional if k in init_dict},
                    **{k: v for k, v in passed.items() if k in optional}}
+    # To float32 as read (diffusers converts every floating tensor to it, and widening is exact), so the file's dtype
+    # is held one tensor at a time; a narrower load reads the file's dtype (diffusers keeps some modules in float32)
+    read_as = torch.float32 if dtype == torch.float32 else None
     with TensorFile(path, max_bytes) as f:
         for name, (library, class_name) in sorted(init_dict.items()):
             if name in passed or library is None or name in SINGLE_FILE_OPTIONAL_COMPONENTS:
                 continue
             own = _own_keys(name, list(f.header.tensors))
             init_kwargs[name] = load_single_file_sub_model(
-                library_name=library, class_name=class_name, name=name, checkpoint=f.read(own), pipelines=pipelines,
-                is_pipeline_module=hasattr(pipelines, library), cached_model_config_path=config,
+                library_name=library, class_name=class_name, name=name, checkpoint=f.read(own, dtype=read_as),
+                pipelines=pipelines, is_pipeline_module=hasattr(pipelines, library), cached_model_config_path=config,
                 torch_dtype=dtype, local_files_only=True)
+    missing = set(expected) - set(init_kwargs) - set(passed) - set(pipeline_class._optional_components)
+    if missing:
+        raise ValueError(f"the config folder's model_index.json names no {', '.join(sorted(missing))}")
     for name in set(expected) - set(init_kwargs):  # passed ones, and optional ones the config leaves out (None)
         init_kwargs[name] = passed.get(name)
     return pipeline_class(**init_kwargs)
