@@ -455,3 +455,80 @@ def test_a_sidecar_preset_reads_the_file_with_that_presets_config(made, tmp_path
     with pytest.raises(ValueError, match=r"does not fit the --model-config .* from its sidecar model.diffgraph.toml: "
                                          "fix or remove it"):
         load_model(str(path), "cpu", "fp32")
+
+
+def _from_single_file(path: str, folder: str, dtype: torch.dtype):
+    """diffusers' own pipeline `from_single_file` over the path (which it maps): the oracle of the streamed load."""
+    import diffusers
+
+    name = json.load(open(os.path.join(folder, "model_index.json")))["_class_name"]
+    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False} \
+        if name == "StableDiffusionPipeline" else {}
+    return getattr(diffusers, name).from_single_file(path, config=folder, local_files_only=True, torch_dtype=dtype,
+                                                     **extra)
+
+
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+
+@pytest.mark.parametrize("kind,file_dtype,dtype", [("sd1", None, "fp32"), ("sd1", torch.float16, "fp16"),
+                                                   ("sdxl", None, "fp32"), ("sdxl", torch.float16, "fp32")])
+def test_the_streamed_load_equals_diffusers_from_single_file_bit_for_bit(tmp_path, kind, file_dtype, dtype):
+    """Each component made from only its own tensors, streamed: the same parameters and buffers (values and dtypes),
+    scheduler config and tokenisers as diffusers' pipeline `from_single_file` reading the whole file."""
+    folder = O.variant_folder(str(tmp_path), kind)
+    path = str(tmp_path / f"{kind}.safetensors")
+    O.write_single_file(folder, path, O.VARIANTS[kind][1], dtype=file_dtype)
+    m = load_model(path, "cpu", dtype, options=LoadOptions(model_config=folder))
+    pipe = _from_single_file(path, folder, {"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    ours = (m.unet, m.vae, *m.text_encoders)
+    theirs = (pipe.unet, pipe.vae, pipe.text_encoder, *([pipe.text_encoder_2] if kind == "sdxl" else []))
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        x, y = _tensors(a), _tensors(b)
+        assert x.keys() == y.keys() and x
+        assert all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in y)
+    assert m.scheduler_config == dict(pipe.scheduler.config)
+    assert [t(PROMPT).input_ids for t in m.tokenizers] == \
+        [t(PROMPT).input_ids for t in (pipe.tokenizer, *([pipe.tokenizer_2] if kind == "sdxl" else []))]
+
+
+def test_nothing_maps_or_copies_the_checkpoint(made, monkeypatch):
+    """The checkpoint is streamed by safe_tensors: no mmap, no safetensors reader, no private copy of the file."""
+    import mmap
+
+    import safetensors
+    import safetensors.torch
+    from diffusers.loaders import single_file_utils
+
+    from diffgraph import safe_files
+
+    folder, path = made["digits-xl"]
+    ref = load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checkpoint was mapped or copied")
+    for owner, attr in ((mmap, "mmap"), (safetensors, "safe_open"), (safetensors.torch, "load_file"),
+                        (safetensors.torch, "safe_open"), (safe_files, "private_copy"),
+                        (safe_files, "private_view"), (single_file_utils, "load_single_file_checkpoint")):
+        monkeypatch.setattr(owner, attr, refuse)
+    m = load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+    for a, b in zip((m.unet, m.vae, *m.text_encoders), (ref.unet, ref.vae, *ref.text_encoders), strict=True):
+        x, y = a.state_dict(), b.state_dict()
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in y)
+
+
+@pytest.mark.parametrize("how", ["in place", "cut", "replaced"])
+def test_a_checkpoint_rewritten_while_it_is_read_is_a_one_line_error(made, tmp_path, monkeypatch, how):
+    from rewrite_util import rewrite_on_read
+
+    folder, original = made["digits"]
+    path = str(tmp_path / "model.safetensors")
+    shutil.copyfile(original, path)
+    reads = rewrite_on_read(monkeypatch, path, how, after=3)
+    with pytest.raises(ValueError) as e:
+        load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+    what = "was replaced" if how == "replaced" else "changed"
+    assert str(e.value) == f"model {path!r} {what} while it was read; wait until it is written completely, then " \
+        "load it again" and len(reads) >= 3

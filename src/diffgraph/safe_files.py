@@ -12,8 +12,8 @@ size (a 1 TB sparse file); the open itself is non-blocking and checked to be the
 read (its size or mtime moves, it grows past its size, a read comes up short) raises `FileChanged`: callers read
 it again, or report it. `FileStamp` (size, mtime_ns, inode, device) is the version that was read, for caches.
 
-Libraries that insist on a path and map what it names (diffusers' and transformers' `from_pretrained`, a diffusers
-pipeline's `from_single_file`) are given `private_view(folder, copies)`: a temporary folder of links to the original
+Libraries that insist on a path and map what it names (diffusers' and transformers' `from_pretrained` for folders
+with only pickle weights) are given `private_view(folder, copies)`: a temporary folder of links to the original
 files, where the weights files are links to private copies (`private_copy`: an anonymous in-memory file, Linux's
 memfd, that nobody else can open). They map the copy, which no writer of the original can cut, and keep their own
 reading rules (variants, shards, formats); the copy costs host memory of the file's size while they load.

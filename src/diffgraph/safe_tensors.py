@@ -1,6 +1,6 @@
 """Reading a user's safetensors weights that someone else may rewrite while we read them: streamed, checked, never
-mapped. Hands its callers (LoRA, embedding, ControlNet and IP-Adapter files, single-file VAEs, the second text
-encoder of an SDXL checkpoint) a dict of tensors that no writer of the file can touch.
+mapped. Hands its callers (LoRA, embedding, ControlNet and IP-Adapter files, single-file VAEs, each component
+of a single-file checkpoint) a dict of tensors that no writer of the file can touch.
 
 `TensorFile` opens the file (`safe_files.OpenFile`: regular files only, within a byte limit) and reads its header
 first (`safe_files.checked_header`: bounded, its data offsets tiling the data section exactly), so a caller checks

@@ -1,22 +1,23 @@
-"""Loading single-file checkpoints: diffusers' single-file loader, offline, from a private copy.
+"""Loading single-file checkpoints: diffusers' single-file conversion, offline, from tensors streamed out of the file.
 
-`load_single_file` reads a checkpoint that `checkpoint_kind.inspect_checkpoint` recognised through diffusers'
-`from_single_file` with a config folder written by `checkpoint_configs.py` (or the user's `--model-config`), so
-nothing is downloaded, from a private in-memory copy of the file (a writer of the original cannot SIGBUS us:
-`safe_files`; the pipeline's reader takes only a path, which it maps). The checkpoint's marks and the `LoadOptions`
-overrides (prediction type, zero SNR) go into the scheduler config; `--vae` replaces the VAE (`load_vae`: a single
-file streamed into tensors by `safe_tensors`, or a diffusers folder streamed by `stream_load`). Weights that are NaN or infinite are refused by name.
+`load_single_file` reads a checkpoint that `checkpoint_kind.inspect_checkpoint` recognised as diffusers'
+`from_single_file` would, with a config folder written by `checkpoint_configs.py` (or the user's `--model-config`), so
+nothing is downloaded, but without a path for diffusers to map: the file is opened once (`safe_tensors.TensorFile`)
+and each component (UNet, VAE, text encoders) is made by diffusers' own `load_single_file_sub_model` from a dict of
+only its own tensors (`_own_keys`), streamed from the file just before, so host memory while loading is
+the modules already made plus one component's tensors at the file's dtype (for a float32 load, one tensor: they
+are widened as they are read). A file rewritten while it is read is a
+`FileChanged`, reported in one line. The checkpoint's marks and the `LoadOptions` overrides (prediction type, zero
+SNR) go into the scheduler config; `--vae` replaces the VAE (`load_vae`: a single file streamed into tensors by
+`safe_tensors`, or a diffusers folder streamed by `stream_load`). Weights that are NaN or infinite are refused by name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
-import shutil
-import tempfile
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -55,13 +56,12 @@ def load_single_file(path: str, device: torch.device, dtype: torch.dtype, name: 
         extra["vae"] = load_vae(options.vae, dtype, config, max_bytes)
     if "safety_checker" in getattr(getattr(diffusers, pipeline_name), "_optional_components", ()):
         extra.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    diffusers.utils.logging.disable_progress_bar()  # no "Loading pipeline components" bar on every load
     try:
-        with _private_link(path, max_bytes) as link:
-            if "text_encoder_2" in {p[0] for p in adapter.text_parts}:
-                extra["text_encoder_2"] = _second_encoder(link, config, dtype)
-            pipe = getattr(diffusers, pipeline_name).from_single_file(
-                link, config=config, local_files_only=True, torch_dtype=dtype, **extra)
+        pipe = _pipeline(path, getattr(diffusers, pipeline_name), config, dtype, extra, max_bytes)
+    except safe_files.FileChanged as e:
+        raise ValueError(f"model {path!r} {e}; {CHANGED_FIX}") from None
+    except safe_files.UnusableFile as e:
+        raise ValueError(f"model {path!r} {e}") from None
     except (KeyError, RuntimeError, ValueError) as e:  # a key layout or shapes the config does not fit
         what = C.DESCRIPTIONS[info.kind] if not options.model_config else f"--model-config {config!r}"
         raise ValueError(f"model {path!r} does not fit the {what} architecture ({_mismatch(e)}); if it is another "
@@ -111,16 +111,53 @@ def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int) -> An
         raise ValueError(f"vae {source!r} is not a VAE of this model's architecture ({_mismatch(e)})") from None
 
 
-def _second_encoder(link: str, config: str, dtype: torch.dtype) -> Any:
-    """SDXL's second text encoder from its own keys (`conditioner.embedders.1.`): diffusers' loader picks a text
-    encoder's keys by its width, which both encoders share in small models (then it reads the first one twice)."""
-    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
-    from transformers import CLIPTextModelWithProjection
+def _pipeline(path: str, pipeline_class: type, config: str, dtype: torch.dtype, passed: dict[str, Any],
+              max_bytes: int) -> Any:
+    """The pipeline diffusers' `from_single_file(path, config=config, torch_dtype=dtype, **passed)` builds, each
+    component made by the same `load_single_file_sub_model` from only its own tensors, streamed from the file."""
+    from diffusers import pipelines
+    from diffusers.loaders.single_file import SINGLE_FILE_OPTIONAL_COMPONENTS, load_single_file_sub_model
 
-    with TensorFile(link) as f:  # only its own tensors are read
-        own = f.read(k for k in f.header.tensors if k.startswith("conditioner.embedders.1."))
-    return create_diffusers_clip_model_from_ldm(CLIPTextModelWithProjection, own, subfolder="text_encoder_2",
-                                                config=config, torch_dtype=dtype, local_files_only=True)
+    config_dict = pipeline_class.load_config(config)
+    config_dict.pop("_ignore_files", None)
+    expected, optional = pipeline_class._get_signature_keys(pipeline_class)
+    init_dict, _unused, _ = pipeline_class.extract_init_dict(config_dict)
+    init_kwargs = {**{k: init_dict.pop(k) for k in optional if k in init_dict},
+                   **{k: v for k, v in passed.items() if k in optional}}
+    # To float32 as read (diffusers converts every floating tensor to it, and widening is exact), so the file's dtype
+    # is held one tensor at a time; a narrower load reads the file's dtype (diffusers keeps some modules in float32)
+    read_as = torch.float32 if dtype == torch.float32 else None
+    with TensorFile(path, max_bytes) as f:
+        for name, (library, class_name) in sorted(init_dict.items()):
+            if name in passed or library is None or name in SINGLE_FILE_OPTIONAL_COMPONENTS:
+                continue
+            own = _own_keys(name, list(f.header.tensors))
+            init_kwargs[name] = load_single_file_sub_model(
+                library_name=library, class_name=class_name, name=name, checkpoint=f.read(own, dtype=read_as),
+                pipelines=pipelines, is_pipeline_module=hasattr(pipelines, library), cached_model_config_path=config,
+                torch_dtype=dtype, local_files_only=True)
+    missing = set(expected) - set(init_kwargs) - set(passed) - set(pipeline_class._optional_components)
+    if missing:
+        raise ValueError(f"the config folder's model_index.json names no {', '.join(sorted(missing))}")
+    for name in set(expected) - set(init_kwargs):  # passed ones, and optional ones the config leaves out (None)
+        init_kwargs[name] = passed.get(name)
+    return pipeline_class(**init_kwargs)
+
+
+def _own_keys(name: str, keys: list[str]) -> list[str]:
+    """The checkpoint keys component `name`'s converter reads (diffusers' `single_file_utils`; none for the tokenizers
+    and the scheduler, which come from the config folder). The first text encoder's also hold the marker tensors by
+    which diffusers tells CLIP kinds apart (one small tensor each). SDXL's second text encoder gets its own keys only:
+    diffusers picks an encoder's keys by its width, which both encoders share in small models."""
+    from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES, LDM_CLIP_PREFIX_TO_REMOVE, LDM_UNET_KEY, \
+        LDM_VAE_KEYS
+
+    markers = {CHECKPOINT_KEY_NAMES[k] for k in ("clip", "clip_sdxl", "clip_sd3", "open_clip", "open_clip_sdxl",
+                                                 "open_clip_sdxl_refiner", "open_clip_sd3")}
+    first = tuple(p.removesuffix("transformer.") for p in LDM_CLIP_PREFIX_TO_REMOVE)  # CLIP-L and OpenCLIP-H
+    prefixes = {"unet": (LDM_UNET_KEY,), "vae": tuple(LDM_VAE_KEYS), "text_encoder": first,
+                "text_encoder_2": ("conditioner.embedders.1.",)}.get(name, ())
+    return [k for k in keys if k.startswith(prefixes) or (name == "text_encoder" and k in markers)]
 
 
 def _mismatch(e: Exception) -> str:
@@ -131,28 +168,6 @@ def _mismatch(e: Exception) -> str:
     if shape:
         return f"{shape.group(1)} is {shape.group(3)[11:-1]} in the file, {shape.group(2)[11:-1]} in the config"
     return f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}"
-
-
-@contextlib.contextmanager
-def _private_link(path: str, max_bytes: int) -> Iterator[str]:
-    """A `.safetensors` path (diffusers picks its reader by the extension) to a private in-memory copy of the file;
-    maps of it outlive the block. A pipeline's `from_single_file` takes only a path, which it maps, so the whole
-    checkpoint is a private copy here rather than streamed tensors (`safe_tensors`): host memory of the file's size
-    while the pipeline loads."""
-    try:
-        fd, _stamp = safe_files.private_copy(path, max_bytes)
-    except safe_files.FileChanged as e:
-        raise ValueError(f"model {path!r} {e}; {CHANGED_FIX}") from None
-    except safe_files.UnusableFile as e:
-        raise ValueError(f"model {path!r} {e}") from None
-    view = tempfile.mkdtemp(prefix="diffgraph-file-")
-    link = os.path.join(view, "weights.safetensors")
-    try:
-        os.symlink(safe_files.fd_path(fd), link)
-        yield link
-    finally:
-        os.close(fd)
-        shutil.rmtree(view, ignore_errors=True)
 
 
 def read_model_index(folder: str) -> dict[str, Any]:
