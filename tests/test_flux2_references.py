@@ -135,3 +135,13 @@ def test_http_routes_take_references_as_base64_and_as_edit_image_parts(folders):
             assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
         answer = client.post("/v1/images/edits", data={**form, "strength": "0.5"}, files=files)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "strength", answer.text
+        # AUTOMATIC1111's img2img: every init image a reference; its denoising_strength ignored with a warning
+        a1111 = {"prompt": PROMPT, "init_images": refs, "width": 128, "height": 128, "seed": 4, "steps": 2,
+                 "denoising_strength": 0.75}
+        answer = client.post("/sdapi/v1/img2img", json=a1111)
+        assert answer.status_code == 200, answer.text
+        got = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["images"][0])))).astype(np.int16)
+        assert np.abs(got - want).max() <= 1
+        assert any("denoising_strength 0.75 ignored" in w for w in answer.json()["warnings"])
+        answer = client.post("/sdapi/v1/img2img", json={**a1111, "mask": refs[0]})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "mask", answer.text

@@ -187,7 +187,7 @@ class A1111Server:
                 if c.get("error_kind") != "file"]  # a model whose load failed stays: a request tries again
 
     def build(self, body: ProcessingBody, plan: Plan, info: ModelInfo, name: str | None, edits: list[PreparedEdit],
-              controls: list[dict[str, Any]]) -> list[GenerationRequest]:
+              controls: list[dict[str, Any]], extras: dict[str, Any] | None = None) -> list[GenerationRequest]:
         """One request per image: the first validated by `create` (the one validation; it parses the prompts, which
         plan_body held to --max-prompt-bytes, so this runs on a worker thread), with the short hashes of its model
         (`name`; None: the default) and adapters' files; the others its copies with their own seed (and init image:
@@ -197,7 +197,7 @@ class A1111Server:
             first = GenerationRequest.create(plan.prompt, model=info, seed=plan.seeds[0], sampler=sampler,
                                              schedule=schedule, eta=eta, image=edits[0].edit if edits else None,
                                              request_id=f"a1111-{secrets.token_hex(8)}", controls=controls,
-                                             **plan.create)
+                                             extras=extras or None, **plan.create)
             loras = ((n, self.hashes.lora(self.lora_file(n, name or self.config.model))) for n, _ in first.loras)
             first = dataclasses.replace(first, model_hash=self.hashes.model(self.checkpoint(name)),
                                         lora_hashes=tuple((n, h) for n, h in loras if h))
@@ -227,6 +227,25 @@ class A1111Server:
         return _edits_per_image(len(plan.seeds), body, [
             prepare(decode_b64(f"init_images[{i}]", text, *limits), mask, options, plan.create["width"],
                     plan.create["height"], strength) for i, text in enumerate(images)])
+
+    def prepare_references(self, body: Img2ImgBody, plan: Plan, info: ModelInfo) -> tuple[Plan, list[Image.Image]]:
+        """The init images of a model that reads them all as references (`ModelInfo.edit_images`), decoded (a worker
+        thread); a mask is a 400; a denoising_strength other than 1 is ignored with a warning (the images start
+        from noise, as the model's pipeline runs them)."""
+        images = body.init_images or []
+        if not images:
+            raise APIError(400, "init_images is required: a list of base64 images (the reference images)",
+                           param="init_images")
+        if body.mask:
+            raise APIError(400, f"model {info.name!r} reads init_images as {info.edit_images} and takes no mask; "
+                                "leave mask out", param="mask")
+        limits = (self.config.max_image_bytes, self.config.max_image_pixels)
+        decoded = [flatten(decode_b64(f"init_images[{i}]", text, *limits)) for i, text in enumerate(images)]
+        if body.denoising_strength not in (None, 1, 1.0):
+            plan = dataclasses.replace(plan, warnings=plan.warnings + (
+                f"denoising_strength {body.denoising_strength:g} ignored: model {info.name!r} reads init_images "
+                f"as {info.edit_images} and starts from noise",))
+        return plan, decoded
 
     def prepare_tiles(self, body: Img2ImgBody, plan: Plan,
                       script: SdUpscale) -> tuple[Plan, TileGrid, list[PreparedEdit]]:
@@ -368,21 +387,26 @@ class A1111Server:
         chosen, name = await self.target(plan.model, deadline - time.monotonic())
         try:  # the model is held (never evicted) until its requests are queued
             plan = fit_to_model(plan, chosen.info)
-            if not chosen.info.edits and kind == "img2img":
+            references = chosen.info.edit_images if kind == "img2img" else None  # a family reading them all
+            if not chosen.info.edits and kind == "img2img" and references is None:
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
                                param="init_images")
+            extras: dict[str, Any] = {}
             script = (sd_upscale(body.script_name, body.script_args, plan.create["width"], plan.create["height"])
                       if isinstance(body, Img2ImgBody) else None)
             tiled = None
             if script is not None:  # the SD upscale script: its tiles are the images
                 plan, grid, edits = await asyncio.to_thread(self.prepare_tiles, body, plan, script)
                 tiled = (script, grid)
+            elif references is not None:  # every init image is a reference (FLUX.2 klein): none is a start
+                edits, (plan, extras[references]) = [], await asyncio.to_thread(
+                    self.prepare_references, body, plan, chosen.info)
             else:
                 edits = await asyncio.to_thread(self.prepare_edits, body, plan) if kind == "img2img" else []
             init = (getattr(body, "init_images", None) or [None])[0]  # an img2img unit's image by default
             controls = await asyncio.to_thread(units_to_controls, units, self.served, config.max_image_bytes,
                                                config.max_image_pixels, init) if units else []
-            requests = await asyncio.to_thread(self.build, body, plan, chosen.info, name, edits, controls)
+            requests = await asyncio.to_thread(self.build, body, plan, chosen.info, name, edits, controls, extras)
             try:
                 job = await self.board.submit(key, kind, requests, lambda request: submit(
                     self.state, request, progress=True, client=chosen.client, deadline=deadline, http=http))
