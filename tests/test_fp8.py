@@ -131,7 +131,7 @@ def test_the_op_traces_under_torch_compile():
 
 @pytest.fixture(scope="module")
 def tiny_unet() -> nn.Module:
-    return load_model("random:tiny", torch.device("cpu"), "fp32").unet
+    return load_model("random:tiny", torch.device("cpu"), "fp32").denoiser
 
 
 def _unet_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,3 +210,26 @@ def test_relative_error():
     assert relative_error(torch.zeros(2), torch.zeros(2)) == 0.0
     with pytest.raises(ValueError, match="one shape"):
         relative_error(ref, torch.zeros(3))
+
+
+def test_a_familys_fp8_names_take_its_blocks_linears_and_leave_the_rest_in_16_bits():
+    """FLUX.2 klein's blocks (double: attention with its text projections, both feed-forwards; single: the fused
+    qkv-mlp projection and its output) in fp8; the embedders, the modulation layers and the final projection not."""
+    from diffusers import Flux2Transformer2DModel
+
+    from diffgraph.models.families.flux2 import Flux2KleinFamily
+    from diffgraph.models.families.flux2 import tiny_transformer
+    from diffgraph.quantize.fp8 import named_linears
+
+    module = Flux2Transformer2DModel(**tiny_transformer(text_width=16))
+    report = quantize_linears(module, min_features=16, select=named_linears(Flux2KleinFamily.fp8_linears))
+    blocks = {n.split(".", 2)[2] for n in report.quantized}
+    assert blocks == {"attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                      "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                      "ff_context.linear_out", "attn.to_qkv_mlp_proj", "attn.to_out"}
+    assert {n.split(".")[0] for n in report.quantized} == {"transformer_blocks", "single_transformer_blocks"}
+    left = {n for n, why in report.skipped if why is SkipReason.NOT_SELECTED}
+    assert {"x_embedder", "context_embedder", "proj_out"} <= left
+    assert any("modulation" in n for n in left)
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        named_linears(())

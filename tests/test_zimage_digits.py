@@ -29,6 +29,33 @@ def test_draws_the_asked_digit_at_its_defaults():
     assert rate >= 0.9, f"digits-zimage: {rate:.0%} of 20 read as the asked digit; misread (asked: read) {wrong}"
 
 
+@pytest.mark.skipif(presets.shipped_preset_folder("digits-zimage") is None, reason="the trained asset is absent")
+def test_its_fp8_tier_quantises_the_blocks_linears_and_still_draws_the_asked_digit():
+    """The fp8 tier takes the family's block linears (attention and feed-forward; `min_features=64` because the
+    tiny model's are narrow) and leaves the embedders, the modulation and the final layer in 16 bits. The tiny
+    model's feed-forward is 341 wide (Z-Image's 8/3 of 128), off fp8's multiple of 16, so it stays 16-bit here
+    (Z-Image's own, 10240, is a multiple)."""
+    from diffgraph.config import Fp8Config
+    from diffgraph.quantize import Fp8Linear
+    from diffgraph.quantize.fp8 import SkipReason
+
+    with Engine(model="digits-zimage", device="cpu", quantize=Fp8Config(min_features=64)) as engine:
+        report = engine.quantized
+        chosen = report.quantized
+        denoiser = engine.model.denoiser
+        layers = len(denoiser.layers) + len(denoiser.noise_refiner) + len(denoiser.context_refiner)
+        assert len(chosen) == 4 * layers
+        assert {name.split(".", 2)[2] for name in chosen} == {
+            "attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"}
+        off = {name.split(".", 2)[2] for name, why in report.skipped if why is SkipReason.NOT_MULTIPLE_OF_16}
+        assert off == {"feed_forward.w1", "feed_forward.w2", "feed_forward.w3"}
+        fp8 = {n for n, m in engine.model.denoiser.named_modules() if isinstance(m, Fp8Linear)}
+        assert fp8 == set(chosen)
+        assert not any("adaLN" in n or "embedder" in n or "final_layer" in n for n in fp8)
+        rate, wrong = engine_score(engine, "digits-zimage", train_oracle(), per_digit=2)
+    assert rate >= 0.9, f"digits-zimage in fp8: {rate:.0%} of 20 read as the asked digit; misread {wrong}"
+
+
 def test_a_folder_without_tokenizer_reads_prompts_with_the_shipped_one(tmp_path):
     from test_zimage import pipeline
 

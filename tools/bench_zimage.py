@@ -3,7 +3,11 @@ modules (`random:zimage-turbo`, bf16, 1024x1024, 8 forwards, no guidance), text 
 engine's mixed rows (prompt lengths, two aspect ratios of one token bucket, steps) against each alone. Each stage
 writes its figures to OUT/zimage.json as it finishes (a stage that fails records its error and the rest go on).
 
-    python3 tools/bench_zimage.py --out $OUT [--stages baseline,compiled,eager,graph,mixed,gguf] [--steps 8]
+    python3 tools/bench_zimage.py --out $OUT [--stages baseline,compiled,eager,graph,compile,compile_sat,fp8,fp8_sat,
+                                              ceiling,mixed,gguf] [--steps 8]
+
+`compile_sat` / `fp8_sat`: the compile tier (bf16 / fp8 linears) at saturation, 16 distinct prompts at once after a
+warm-up burst of 4; `ceiling`: the compiled transformer's batch-4 forward and the images/s it allows.
 """
 
 from __future__ import annotations
@@ -93,34 +97,69 @@ def main() -> None:
 
     stage("baseline", lambda: baseline(False))
 
-    def engine_figures(mode: str, compile: bool = False, burst: bool = True):
-        from diffgraph import Engine, GraphConfig
+    def engine_figures(mode: str, compile: bool = False, burst: bool = True, quantize: str | None = None,
+                       saturate: int = 0):
+        """One image (median of 3) and, with `burst`, 8 distinct prompts at once; with `saturate` N, a warm-up burst
+        of 4 (the batch-4 graphs compiled and captured) and then N distinct prompts at once: images/s at saturation.
+        `quantize` "fp8": the engine loads its own copy (the fp8 tier changes the layers in place)."""
+        from diffgraph import Engine, GenerationRequest, GraphConfig
         graphs = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((1024, 1024),), prewarm=False) \
             if mode == "graph" else None
         t = time.perf_counter()
-        with Engine(model=model, mode=mode, graphs=graphs, compile=compile) as engine:
+        source = "random:zimage-turbo" if quantize else model
+        with Engine(model=source, device="cuda", dtype="bf16", mode=mode, graphs=graphs, compile=compile,
+                    quantize=quantize) as engine:
             ready = time.perf_counter() - t
             t = time.perf_counter()
             engine.generate(PROMPT, height=1024, width=1024, num_inference_steps=steps, seed=0)
             first = time.perf_counter() - t
             one, _ = timed(lambda: engine.generate(PROMPT, height=1024, width=1024, num_inference_steps=steps,
                                                    seed=0))
-            if not burst:  # (the compile tier's batch buckets compile on first use: minutes, not a figure)
-                return {"ready_s": ready, "first_image_s": first, "one_image_s": one}
-            from diffgraph import GenerationRequest
-            made = [GenerationRequest.create(prompt=f"{PROMPT} {i}", height=1024, width=1024,
-                                             num_inference_steps=steps, seed=i, model=engine.info) for i in range(8)]
-            t = time.perf_counter()
-            futures = [engine.submit(r) for r in made]
-            for f in futures:
-                f.result()
-            burst = time.perf_counter() - t
-            return {"ready_s": ready, "first_image_s": first, "one_image_s": one, "burst8_s": burst,
-                    "burst8_images_per_s": 8 / burst}
+            out = {"ready_s": ready, "first_image_s": first, "one_image_s": one}
+            if quantize:
+                out["fp8_layers"] = len(engine.quantized.quantized)
+
+            def run(n: int, tag: str) -> float:
+                made = [GenerationRequest.create(prompt=f"{PROMPT} {tag} {i}", height=1024, width=1024,
+                                                 num_inference_steps=steps, seed=i, model=engine.info)
+                        for i in range(n)]
+                t0 = time.perf_counter()
+                for f in [engine.submit(r) for r in made]:
+                    f.result()
+                return time.perf_counter() - t0
+
+            if saturate:
+                out["warmup_burst4_s"] = run(4, "warm")
+                wall = run(saturate, "sat")
+                out.update({f"burst{saturate}_s": wall, "images_per_s": saturate / wall})
+            elif burst:
+                wall = run(8, "burst")
+                out.update({"burst8_s": wall, "burst8_images_per_s": 8 / wall})
+            return out
+
+    def ceiling():
+        """The compiled transformer's forward at batch 4 (diffusers' call on the same module): the saturation
+        ceiling 4 / (steps x forward(4) + 4 x decode) that the issue compares images/s with."""
+        transformer = torch.compile(model.denoiser)
+        x = [torch.randn((16, 1, 128, 128), device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+        caps = [torch.randn((64, model.denoiser.config.cap_feat_dim), device="cuda", dtype=torch.bfloat16)
+                for _ in range(4)]
+        t = torch.full((4,), 0.5, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            transformer(x, t, caps, return_dict=False)
+            forward4, _ = timed(lambda: transformer(x, t, caps, return_dict=False), repeat=5)
+            latents = torch.randn((1, 16, 128, 128), device="cuda", dtype=torch.bfloat16)
+            decode, _ = timed(lambda: model.vae.decode(latents, return_dict=False))
+        return {"forward_batch4_s": forward4, "decode_1024_s": decode,
+                "ceiling_images_per_s": 4 / (steps * forward4 + 4 * decode)}
 
     stage("eager", lambda: engine_figures("eager"))
     stage("graph", lambda: engine_figures("graph"))
     stage("compile", lambda: engine_figures("graph", compile=True, burst=False))
+    stage("compile_sat", lambda: engine_figures("graph", compile=True, saturate=16))
+    stage("fp8", lambda: engine_figures("graph", compile=True, quantize="fp8", burst=False))
+    stage("fp8_sat", lambda: engine_figures("graph", compile=True, quantize="fp8", saturate=16))
+    stage("ceiling", ceiling)
 
     def mixed():
         """Prompts of ~5 and ~300 tokens, 1024x1024 and 896x1152 (one bucket of 4096 tokens), 8 and 9 steps, in one

@@ -24,7 +24,7 @@ from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
 from ..models.model import DiffusionModel
-from ..quantize.fp8 import Fp8Config, Fp8Report, quantize_linears
+from ..quantize.fp8 import Fp8Config, Fp8Report, named_linears, quantize_linears
 from ..models.presets import DEFAULT_MODEL, builtin_control_folder, builtin_lora_folder
 from ..text.embeddings import EmbeddingDir
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, GenerationResult, ModelInfo, ParamError,
@@ -420,7 +420,9 @@ def _quantize(model: DiffusionModel, quantize: "str | Fp8Config | None", shared:
         raise ParamError("quantize", "quantize changes the model's layers in place: give the engine a model name or "
                                      "path (it loads its own copy), not a loaded DiffusionModel")
     try:
+        names = model.adapter.fp8_linears
         report = quantize_linears(model.denoiser, min_features=quantize.min_features,
+                                  select=named_linears(names) if names is not None else None,
                                   weight_granularity=quantize.weight_granularity)
     except ValueError as e:
         raise ParamError("quantize", str(e)) from None

@@ -163,8 +163,20 @@ class Fp8Report:
 def transformer_linears(name: str, linear: nn.Linear) -> bool:
     """The default selection: the linears of diffusers' transformer blocks (TRANSFORMER_LINEARS), by qualified name
     (a LoRA side path's wrapped layer, `<name>.base`, by its layer's name: its side path stays 16-bit)."""
+    return _named(TRANSFORMER_LINEARS, name)
+
+
+def named_linears(names: tuple[str, ...]) -> Callable[[str, nn.Linear], bool]:
+    """A selection by qualified-name suffixes (a family's blocks, e.g. Z-Image's `feed_forward.w1`): the linears
+    named `s` or ending in `.s` for an `s` of `names`, as `transformer_linears` selects its own."""
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"fp8 layer names {names!r} must be a non-empty tuple of non-empty names")
+    return lambda name, linear: _named(names, name)
+
+
+def _named(names: tuple[str, ...], name: str) -> bool:
     name = name.removesuffix(".base")
-    return any(name == s or name.endswith("." + s) for s in TRANSFORMER_LINEARS)
+    return any(name == s or name.endswith("." + s) for s in names)
 
 
 def quantize_linears(module: nn.Module, *, min_features: int = FP8_MIN_FEATURES,

@@ -158,6 +158,10 @@ class FamilyAdapter:
     prompt_syntaxes: tuple[str, ...] = ("plain", "a1111")
     # the textual-inversion key of each text encoder, in order (text/embeddings.py): "default" for one encoder
     embedding_keys: tuple[str, ...] = ("default",)
+    # the denoiser's linears the fp8 tier quantises, by qualified-name suffix (its blocks' attention and feed-forward
+    # layers; embedders, modulation and the final projection stay 16-bit); None: quantize/fp8.py's default
+    # selection, the names of diffusers' UNet transformer blocks
+    fp8_linears: tuple[str, ...] | None = None
 
     # -- loading ---------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,

@@ -219,6 +219,9 @@ class Flux2KleinFamily(TokenFamily):
     default_guidance = 1.0
     patch = 1                  # a token is one cell of the patchified latents (the VAE's 2x2 folded into channels)
     token_bucket = 256
+    fp8_linears = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                   "attn.add_v_proj", "attn.to_add_out", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                   "ff_context.linear_out", "attn.to_qkv_mlp_proj", "attn.to_out")
     text_tokens = MAX_TEXT_TOKENS
     size_multiple = 16
     edit_images = REFERENCES  # the edits route's image parts are references

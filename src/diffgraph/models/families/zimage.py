@@ -188,6 +188,8 @@ class ZImageFamily(TokenFamily):
     supports_edits = True          # image-to-image (ZImageImg2ImgPipeline); its packed rows take no inpainting mask
     edit_strength = (0.6, 1.0)     # ZImageImg2ImgPipeline's default strength
     edit_steps_rule = "flow"
+    fp8_linears = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
+                   "feed_forward.w2", "feed_forward.w3")
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
