@@ -120,6 +120,7 @@ class Coordinator:
         self._full: str | None = None    # why the jobs are paused (the disk is full): nothing is submitted meanwhile
         self._next_probe = 0.0
         self._kept: dict[str, int] = {}  # owner -> bytes its jobs keep: read at each poll, grown as images are stored
+        self._counting: dict[str, int] | None = None  # while `_kept` is read: the bytes stored meanwhile
         self._settling = asyncio.Lock()  # the stored statuses are written by one step at a time
 
     # -- what the routes call (the event loop) --------------------------------------------------------------------
@@ -217,8 +218,7 @@ class Coordinator:
 
     async def _refresh(self) -> None:
         rows = {row.id: row for row in await asyncio.to_thread(self.store.unfinished)}
-        if self.limits is not None:
-            self._kept = await asyncio.to_thread(self.store.kept)
+        await self._read_kept()
         for job in list(self._runs):
             if job not in rows:  # cancelled or deleted by another process
                 self.drop(job)
@@ -353,9 +353,29 @@ class Coordinator:
             await self._pause(str(e), list(self._runs))
             return
         owner = run.row.owner
-        self._kept[owner] = self._kept.get(owner, 0) + len(data)
+        self._count(owner, len(data))
         if self._over(owner):
             await self._settle([job for job, r in self._runs.items() if r.row.owner == owner])
+
+    async def _read_kept(self) -> None:
+        """Reads what each key keeps (a delete or an expiry made elsewhere is seen here). An image stored while it is
+        read may or may not be in the sum: it is counted again, so a key's count is never short of what it keeps."""
+        if self.limits is None:
+            return
+        self._counting = {}
+        try:
+            kept = await asyncio.to_thread(self.store.kept)
+        finally:
+            counted, self._counting = self._counting, None
+        for owner, size in counted.items():
+            kept[owner] = kept.get(owner, 0) + size
+        self._kept = kept
+
+    def _count(self, owner: str, size: int) -> None:
+        """An image of the owner stored: its bytes count against its limit."""
+        self._kept[owner] = self._kept.get(owner, 0) + size
+        if self._counting is not None:
+            self._counting[owner] = self._counting.get(owner, 0) + size
 
     def _over(self, owner: str) -> bool:
         """Whether the owner's jobs keep its --max-key-bytes or more: nothing of it is submitted."""
@@ -420,7 +440,7 @@ class Coordinator:
                 except (ImageWriteError, StoreError):
                     return  # still full (or the store cannot be written): the next probe tries again
                 del run.unwritten[key]
-                self._kept[run.row.owner] = self._kept.get(run.row.owner, 0) + len(data)
+                self._count(run.row.owner, len(data))
         self._full = None
         logger.info("jobs resumed: the disk has space again")
         await self._settle(list(self._runs))  # those of a key at its byte limit stay paused, with that reason

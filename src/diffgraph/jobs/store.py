@@ -133,7 +133,7 @@ class JobRow:
     webhook_state: str | None  # None (no webhook) | pending | sent | failed
     webhook_error: str | None
     bytes: int = 0             # its images and rows on disk
-    reason: str | None = None  # why it is paused: a full disk, or its key at --max-key-bytes (`quota_reason`)
+    reason: str | None = None  # why it is paused (a full disk, its key at --max-key-bytes); None once it ends
 
     @property
     def pending(self) -> int:
@@ -349,16 +349,16 @@ class JobStore:
         with self._write() as db:
             changed = db.execute(
                 "UPDATE jobs SET status = CASE WHEN done = 0 THEN 'failed' ELSE 'completed' END, finished = ?, "
-                "webhook_state = CASE WHEN webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? AND status IN "
-                f"{UNFINISHED} AND done + failed = candidates", (time.time() if now is None else now, job)
+                "reason = NULL, webhook_state = CASE WHEN webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? "
+                f"AND status IN {UNFINISHED} AND done + failed = candidates", (time.time() if now is None else now, job)
             ).rowcount
         return self.job(job) if changed else None
 
     def cancel(self, job: str, now: float | None = None) -> JobRow | None:
         """Cancels an unfinished job (its pending candidates stay pending, never made); its webhook is due."""
         with self._write() as db:
-            db.execute("UPDATE jobs SET status = 'cancelled', finished = ?, webhook_state = CASE WHEN webhook IS NULL "
-                       f"THEN NULL ELSE 'pending' END WHERE id = ? AND status IN {UNFINISHED}",
+            db.execute("UPDATE jobs SET status = 'cancelled', finished = ?, reason = NULL, webhook_state = CASE WHEN "
+                       f"webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? AND status IN {UNFINISHED}",
                        (time.time() if now is None else now, job))
         return self.job(job)
 
