@@ -5,8 +5,8 @@
                                          line; ?name=&webhook=); checked whole before it is stored (jobs/spec.py,
                                          what it names by jobs/references.py), within its key's limits (429, 507)
     GET    /v1/jobs                      the caller's jobs, newest first (?limit=)
-    GET    /v1/jobs/{id}                 status (paused: its reason), counts (done / failed / pending), images_per_s,
-                                         eta_s
+    GET    /v1/jobs/{id}                 status (paused: its reason, a full disk or the key's --max-key-bytes),
+                                         counts (done / failed / pending), images_per_s, eta_s
     GET    /v1/jobs/{id}/results         per item: status, seeds, image URLs, error (?offset=&limit=, pages of items)
     GET    /v1/jobs/{id}/images/{name}   a stored image, ITEM-K.png (candidate K of item ITEM), settings inside
     POST   /v1/jobs/{id}/cancel          stops it: its requests in flight are aborted at the next step
