@@ -88,10 +88,10 @@ async def until(predicate, what: str) -> None:
         await asyncio.sleep(0.005)
 
 
-def run_jobs(store: JobStore, engine: FakeEngine, jobs: list[str], settings=FAST, done=None) -> None:
+def run_jobs(store: JobStore, engine: FakeEngine, jobs: list[str], settings=FAST, done=None, limits=None) -> None:
     """Coordinates until every job in `jobs` has finished (and `done()`, when given)."""
     async def main():
-        coordinator = Coordinator(store, engine.backend(), None, settings)
+        coordinator = Coordinator(store, engine.backend(), None, settings, limits)
         task = asyncio.create_task(coordinator.run())
         await until(lambda: all(not store.job(j).unfinished for j in jobs) and (done is None or done()),
                     "the jobs finish")
@@ -419,6 +419,163 @@ def test_a_full_disk_pauses_the_jobs_with_why_and_they_resume_when_space_returns
     assert sorted(seed for _, seed in engine.made) == sorted(c for i in (0, 1, 2, 10) for c in (1000 * i + 1,
                                                                                                  1000 * i + 2))
     assert len(stored(store, job)) == 6 and not os.path.exists(os.path.join(str(tmp_path), ".space-probe"))
+
+
+# -- a key's bytes kept, while its jobs run -----------------------------------------------------------------------
+def finished_job_keeping(store: JobStore, owner: str, size: int) -> str:
+    """A finished job of `owner` whose one image keeps `size` bytes."""
+    job = store.create(owner, spec(1, seeds=(1,), base=90), "digits").id
+    store.store_image(store.pending(job, (-1, -1), 1)[0], b"\x89PNG" + bytes(size - 4))
+    assert store.finish(job).status == "completed"
+    return job
+
+
+def made_of(engine: FakeEngine, job: str) -> list[int]:
+    return sorted(seed for j, seed in engine.made if j == job)
+
+
+def test_a_key_at_its_byte_limit_while_its_job_runs_is_paused_with_why_and_resumes_once_it_keeps_less(tmp_path):
+    """--max-key-bytes was checked only when a job was made: a running job's images grew its key's bytes far past
+    it. Now nothing more of a key at its limit is submitted and its job is paused with why, while another key's job
+    completes; its finished job deleted, it resumes by itself, every image made once."""
+    from diffgraph.jobs.store import job_summary, quota_reason
+    store = JobStore(str(tmp_path))
+    old = finished_job_keeping(store, "a", 100_000)
+    job = store.create("a", spec(4), "digits").id
+    other = store.create("b", spec(4, base=10), "digits").id
+    limit = store.job(old).bytes + store.job(job).bytes + 1  # the first image of `job` reaches it
+    engine = FakeEngine()
+
+    def submitted(j: str) -> int:
+        return sum(r.job == j for r in engine.submitted)
+
+    async def main():
+        coordinator = Coordinator(store, engine.backend(), None, FAST, KeyLimits(bytes=limit))
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: store.job(job).status == "paused" and store.job(job).done == submitted(job),
+                    "a's job pauses and its images in flight are stored")
+        await until(lambda: not store.job(other).unfinished, "b's job goes on and completes")
+        made = submitted(job)
+        for _ in range(20):  # many polls: nothing more of a is submitted while it keeps its limit
+            await asyncio.sleep(0.01)
+        row = store.job(job)
+        assert submitted(job) == made == row.done and 1 <= made <= 2  # its share of the bound, in flight, stored
+        kept = store.job(old).bytes + row.bytes
+        assert kept > limit
+        summary = job_summary(row, None)
+        assert (summary["status"], summary["reason"]) == ("paused", quota_reason(kept, limit))
+        assert summary["reason"] == (f"this API key's jobs keep {kept} bytes, at most {limit} (--max-key-bytes): "
+                                     "delete finished jobs (DELETE /v1/jobs/ID) to resume, or wait until they expire")
+        assert store.delete(old)  # as DELETE /v1/jobs/ID does
+        coordinator.wake()
+        await until(lambda: not store.job(job).unfinished, "a's job resumes and completes")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    for j, base in ((job, 0), (other, 10)):
+        row = store.job(j)
+        assert (row.status, row.done, row.failed, row.reason) == ("completed", 8, 0, None)
+        assert made_of(engine, j) == sorted(1000 * (base + i) + s for i in range(4) for s in (1, 2))  # each once
+        assert len(stored(store, j)) == 8
+
+
+def test_the_full_disk_pause_and_a_keys_byte_limit_pause_do_not_resume_each_other(tmp_path, monkeypatch):
+    """A job held by its key's limit shows that reason and stays paused when the disk has space again; once its key
+    keeps less while the disk is full, it shows the disk's reason and waits for space."""
+    from diffgraph.jobs.store import quota_paused
+    store = JobStore(str(tmp_path))
+    old = finished_job_keeping(store, "a", 100_000)
+    job = store.create("a", spec(2), "digits").id
+    limit = store.job(old).bytes + store.job(job).bytes + 1
+    full = [False]
+    real_open = os.open
+
+    def open_(path, flags, *args):
+        if full[0] and flags & os.O_CREAT and (str(path).startswith(store.images) or "space-probe" in str(path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_)
+    engine = FakeEngine()
+    # one in flight: a's first image reaches its limit while the rest of its job is still to be submitted
+    settings = CoordinatorSettings(inflight=1, poll_s=0.01, retry_base_s=0.01, space_probe_s=0.01)
+
+    def submitted(j: str) -> int:
+        return sum(r.job == j for r in engine.submitted)
+
+    def status(j: str) -> tuple[str, str]:
+        row = store.job(j)
+        return row.status, row.reason or ""
+
+    async def disk_full(coordinator: Coordinator, base: int) -> str:
+        """The disk fills: a job of b made now cannot store its images, every job pauses."""
+        full[0] = True
+        b = store.create("b", spec(1, base=base), "digits").id
+        coordinator.wake()
+        await until(lambda: status(b)[0] == "paused" and coordinator.running() == 0, "the disk's pause")
+        assert "No space left on device; free disk space or change --state-dir" in status(b)[1]
+        return b
+
+    async def main():
+        coordinator = Coordinator(store, engine.backend(), None, settings, KeyLimits(bytes=limit))
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: status(job)[0] == "paused" and store.job(job).done == submitted(job), "a's job is held")
+        held = status(job)
+        assert quota_paused(held[1])
+        first = await disk_full(coordinator, 10)
+        assert status(job) == held  # its key's reason: only the key can end it
+        full[0] = False
+        await until(lambda: not store.job(first).unfinished, "b's job resumes with space and completes")
+        assert status(job) == held  # the disk's resume left it held
+        made = submitted(job)
+        second = await disk_full(coordinator, 20)
+        assert store.delete(old)
+        coordinator.wake()
+        await until(lambda: "No space left on device" in status(job)[1], "a's job now waits for the disk")
+        for _ in range(20):  # many polls and probes: still nothing of a while the disk is full
+            await asyncio.sleep(0.01)
+        assert status(job)[0] == "paused" and submitted(job) == made
+        full[0] = False
+        await until(lambda: not store.job(job).unfinished and not store.job(second).unfinished, "both complete")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    for j, n in ((job, 4), (first_of(store, "b", 0), 2), (first_of(store, "b", 1), 2)):
+        row = store.job(j)
+        assert (row.status, row.done, row.failed, row.reason) == ("completed", n, 0, None)
+    assert made_of(engine, job) == [1, 2, 1001, 1002]  # each image once: none thrown away, none made twice
+
+
+def first_of(store: JobStore, owner: str, index: int) -> str:
+    """The owner's index-th job, oldest first."""
+    return store.jobs(owner)[::-1][index].id
+
+
+def test_a_job_stored_paused_by_its_keys_byte_limit_is_judged_again_after_a_restart(tmp_path):
+    from diffgraph.jobs.store import quota_reason
+    store = JobStore(str(tmp_path))
+    old = finished_job_keeping(store, "a", 100_000)
+    job = store.create("a", spec(2), "digits").id
+    store.pause([job], quota_reason(1, 0))  # as a server left it
+    kept = store.job(old).bytes + store.job(job).bytes
+    engine = FakeEngine()
+
+    async def main():  # the key still at its limit: held, with the numbers of now; not a full disk (no probe)
+        coordinator = Coordinator(store, engine.backend(), None, FAST, KeyLimits(bytes=kept))
+        task = asyncio.create_task(coordinator.run())
+        await until(lambda: store.job(job).reason == quota_reason(kept, kept), "the restart judges it")
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert store.job(job).status == "paused" and engine.submitted == [] and coordinator._full is None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    run_jobs(store, engine, [job], limits=KeyLimits(bytes=kept + 1))  # under it now (the images may pass it)
+    row = store.job(job)
+    assert (row.status, row.done, row.reason) == ("completed", 4, None)
 
 
 # -- retries, refusals --------------------------------------------------------------------------------------------

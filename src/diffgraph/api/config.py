@@ -315,8 +315,9 @@ class ServerConfig:
         "unfinished jobs one API key may have at once; more are refused with 429 until one ends (default: 16)",
         "jobs", metavar="N"))
     max_key_bytes: int = field(default=256 * 2**30, metadata=setting(
-        "bytes one API key's jobs may keep (their images and rows); past it new jobs are refused with 507 until jobs "
-        "are deleted or expire (default: 274877906944, 256 GiB)", "jobs", metavar="BYTES"))
+        "bytes one API key's jobs may keep (their images and rows); past it new jobs are refused with 507 and running "
+        "jobs pause (status paused, with the reason) until jobs are deleted or expire (default: 274877906944, 256 GiB)",
+        "jobs", metavar="BYTES"))
     batch_inflight: int | None = field(default=None, metadata=setting(
         "job requests in the engine at once, shared fairly by the API keys, then by their jobs (default: twice the "
         "largest batch bucket's rows per replica)", "jobs", metavar="N"))

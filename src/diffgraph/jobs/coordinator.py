@@ -14,7 +14,16 @@ refuses (ParamError) or fails (EngineStepError) fails with the engine's message;
 (an unwritable folder) fails with that error, and nothing else is affected. A full disk (ENOSPC or a quota on an
 image, SQLITE_FULL on a commit) pauses every job instead: their status is "paused" with the error as its reason,
 nothing is submitted, the images already made are kept here (not made again), and every `space_probe_s` a probe file
-is written; once it can be, the kept images are stored and the jobs resume. Cancelling a job aborts its
+is written; once it can be, the kept images are stored and the jobs resume. An API key whose jobs keep
+`--max-key-bytes` or more (`KeyLimits.bytes`: all its jobs' images and rows, counted here as its images are stored
+and read again from the store at each poll, so deletes and expiry made elsewhere are seen) gets nothing more
+submitted: its unfinished jobs are "paused" with a reason that says so and how to go on (`store.quota_reason`), other
+keys' jobs go on, and once it keeps less (a job deleted or expired) its jobs resume by themselves. The check is made
+before each candidate is submitted, so the limit can be passed by at most the candidates of that key in flight when
+it was reached: their images are stored, never thrown away. The two pauses are distinct: a job held by its key's
+limit shows that reason (only the key can end it) and stays paused when the disk has space again; one whose key is
+back under its limit while the disk is full shows the disk's reason and waits for the probe. A job stored paused
+(either way) is judged again when it is read after a restart. Cancelling a job aborts its
 requests in flight, which frees their rows at the next step boundary. When a job ends, its webhook is due
 (webhook.py). Finished jobs are deleted after `--job-retention`.
 
@@ -41,13 +50,13 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable
+from typing import Awaitable, Iterable
 
 from ..engine.client import RequestHandle
 from ..request import GenerationRequest
 from .backend import CandidateError, EngineBackend
 from .files import ImageWriteError, sweep_temporary, write_image
-from .store import Candidate, JobRow, JobStore, StoreError, job_summary
+from .store import Candidate, JobRow, JobStore, KeyLimits, StoreError, job_summary, quota_paused, quota_reason
 from .webhook import WebhookSender
 
 logger = logging.getLogger("diffgraph.jobs")
@@ -84,6 +93,7 @@ class _Run:
     started: bool = False
     served: int = -1  # the coordinator's turn when a candidate of it was last picked
     unwritten: dict[tuple[str, int, int], tuple[Candidate, bytes]] = field(default_factory=dict)  # disk full
+    shown: str | None = None  # the reason its stored status is paused with (None: not paused)
 
     @property
     def idle(self) -> bool:
@@ -92,8 +102,9 @@ class _Run:
 
 class Coordinator:
     def __init__(self, store: JobStore, backend: EngineBackend, webhooks: WebhookSender | None,
-                 settings: CoordinatorSettings = CoordinatorSettings()):
+                 settings: CoordinatorSettings = CoordinatorSettings(), limits: KeyLimits | None = None):
         self.store, self.backend, self.webhooks, self.settings = store, backend, webhooks, settings
+        self.limits = limits  # its bytes: what a key's jobs may keep while they run (None: no limit)
         self.coordinating = False
         self._runs: dict[str, _Run] = {}
         self._turn = 0                             # a clock of picks: who was served longest ago goes first
@@ -108,6 +119,9 @@ class Coordinator:
         self._skipped: set[str] = set()  # jobs made for another model (logged once)
         self._full: str | None = None    # why the jobs are paused (the disk is full): nothing is submitted meanwhile
         self._next_probe = 0.0
+        self._kept: dict[str, int] = {}  # owner -> bytes its jobs keep: read at each poll, grown as images are stored
+        self._counting: dict[str, int] | None = None  # while `_kept` is read: the bytes stored meanwhile
+        self._settling = asyncio.Lock()  # the stored statuses are written by one step at a time
 
     # -- what the routes call (the event loop) --------------------------------------------------------------------
     def wake(self) -> None:
@@ -204,6 +218,7 @@ class Coordinator:
 
     async def _refresh(self) -> None:
         rows = {row.id: row for row in await asyncio.to_thread(self.store.unfinished)}
+        await self._read_kept()
         for job in list(self._runs):
             if job not in rows:  # cancelled or deleted by another process
                 self.drop(job)
@@ -218,9 +233,10 @@ class Coordinator:
                                    "its model", job, row.model, info.name)
                 continue
             await asyncio.to_thread(sweep_temporary, os.path.join(self.store.images, job))
-            self._runs[job] = _Run(row)
-            if row.status == "paused" or self._full is not None:  # paused before a restart: probe at once
-                await self._pause(row.reason or "the disk was full", [job])
+            self._runs[job] = _Run(row, shown=(row.reason or "") if row.status == "paused" else None)
+            if self._full is not None or (row.status == "paused" and not quota_paused(row.reason)):
+                await self._pause(row.reason or "the disk was full", [job])  # paused before a restart: probe at once
+        await self._settle(list(self._runs))  # a key's jobs paused or resumed by what it keeps now
         for row in await asyncio.to_thread(self.store.due_webhooks):
             if row.id not in self._deliveries:
                 self._deliveries[row.id] = asyncio.create_task(self._deliver(row))
@@ -248,13 +264,16 @@ class Coordinator:
     async def _next(self) -> tuple[_Run, Candidate] | None:
         """The next candidate, shared fairly by the keys, then by each key's jobs: the key with the fewest candidates
         in flight (ties: the one served longest ago), its job with the fewest in flight (likewise); from it a retry
-        that is due, else its next pending one. One key's ten jobs get what another key's one job gets."""
+        that is due, else its next pending one. One key's ten jobs get what another key's one job gets; a key whose
+        jobs keep its --max-key-bytes gets none."""
         now = time.monotonic()
         by_owner: dict[str, list[_Run]] = {}
         for run in self._runs.values():
             by_owner.setdefault(run.row.owner, []).append(run)
         for owner in sorted(by_owner, key=lambda o: (sum(len(r.inflight) for r in by_owner[o]),
                                                      self._owner_served.get(o, -1))):
+            if self._over(owner):  # paused by its key's byte limit (_store and _refresh wrote why)
+                continue
             for run in sorted(by_owner[owner], key=lambda r: (len(r.inflight), r.served)):
                 c = heapq.heappop(run.retries)[3] if run.retries and run.retries[0][0] <= now else \
                     await self._take(run)
@@ -278,7 +297,10 @@ class Coordinator:
         return run.buffer.popleft() if run.buffer else None
 
     def _next_retry(self) -> float:
-        due = [run.retries[0][0] for run in self._runs.values() if run.retries]
+        """When the next retry is due; never while its job is paused (nothing is submitted: the loop would spin)."""
+        if self._full is not None:
+            return float("inf")
+        due = [run.retries[0][0] for run in self._runs.values() if run.retries and not self._over(run.row.owner)]
         return min(due, default=float("inf"))
 
     async def _candidate(self, run: _Run, c: Candidate) -> None:
@@ -320,7 +342,8 @@ class Coordinator:
             await self._fail(c, f"internal error: {type(e).__name__}: {e}")
 
     async def _store(self, run: _Run, c: Candidate, data: bytes) -> None:
-        """Stores a made image; with the disk full it is kept here (not made again) and every job is paused."""
+        """Stores a made image; with the disk full it is kept here (not made again) and every job is paused. The
+        image counts against its key's bytes: at the limit, the key's jobs are paused."""
         try:
             await asyncio.to_thread(self.store.store_image, c, data)
         except (ImageWriteError, StoreError) as e:
@@ -328,6 +351,68 @@ class Coordinator:
                 raise
             run.unwritten[c.key] = (c, data)
             await self._pause(str(e), list(self._runs))
+            return
+        owner = run.row.owner
+        self._count(owner, len(data))
+        if self._over(owner):
+            await self._settle([job for job, r in self._runs.items() if r.row.owner == owner])
+
+    async def _read_kept(self) -> None:
+        """Reads what each key keeps (a delete or an expiry made elsewhere is seen here). An image stored while it is
+        read may or may not be in the sum: it is counted again, so a key's count is never short of what it keeps."""
+        if self.limits is None:
+            return
+        self._counting = {}
+        try:
+            kept = await asyncio.to_thread(self.store.kept)
+        finally:
+            counted, self._counting = self._counting, None
+        for owner, size in counted.items():
+            kept[owner] = kept.get(owner, 0) + size
+        self._kept = kept
+
+    def _count(self, owner: str, size: int) -> None:
+        """An image of the owner stored: its bytes count against its limit."""
+        self._kept[owner] = self._kept.get(owner, 0) + size
+        if self._counting is not None:
+            self._counting[owner] = self._counting.get(owner, 0) + size
+
+    def _over(self, owner: str) -> bool:
+        """Whether the owner's jobs keep its --max-key-bytes or more: nothing of it is submitted."""
+        return self.limits is not None and self._kept.get(owner, 0) >= self.limits.bytes
+
+    def _reason(self, owner: str) -> str | None:
+        """Why the owner's jobs are paused now (its byte limit before the full disk), or None: they run."""
+        if self.limits is not None and self._over(owner):
+            return quota_reason(self._kept.get(owner, 0), self.limits.bytes)
+        return self._full
+
+    async def _settle(self, jobs: Iterable[str]) -> None:
+        """Writes the status of each of `jobs` where it changed: paused by its key's byte limit (that reason first:
+        only the key can end it), paused by the full disk, or resumed. A write that fails is made at the next poll."""
+        async with self._settling:
+            changed: dict[str | None, list[_Run]] = {}
+            for job in jobs:
+                run = self._runs.get(job)
+                if run is None:
+                    continue
+                reason = self._reason(run.row.owner)
+                if reason != run.shown:
+                    changed.setdefault(reason, []).append(run)
+            for reason, runs in changed.items():
+                ids = [run.row.id for run in runs]
+                try:
+                    if reason is None:
+                        await asyncio.to_thread(self.store.resume, ids)
+                    else:
+                        await asyncio.to_thread(self.store.pause, ids, reason)
+                except StoreError as e:  # the store's disk is full too: the status catches up at a later poll
+                    logger.warning("%s", e)
+                    continue
+                if any(quota_paused(reason) != quota_paused(run.shown) for run in runs):
+                    logger.info("jobs %s %s", ", ".join(ids), f"paused: {reason}" if reason else "resumed")
+                for run in runs:
+                    run.shown = reason
 
     async def _pause(self, reason: str, jobs: list[str]) -> None:
         """Pauses `jobs` (their status says why) and stops submitting until a probe finds space again."""
@@ -335,10 +420,7 @@ class Coordinator:
             logger.error("jobs paused: %s; they resume once a %d MiB probe file can be written", reason,
                          PROBE_BYTES >> 20)
             self._full, self._next_probe = reason, time.monotonic()
-        try:
-            await asyncio.to_thread(self.store.pause, jobs, self._full)
-        except StoreError as e:  # the store's disk is full too: the status catches up at the resume
-            logger.warning("%s", e)
+        await self._settle(jobs)
 
     async def _probe(self) -> None:
         """While paused: a probe file written and removed, then the images kept here written; then the jobs resume."""
@@ -358,9 +440,10 @@ class Coordinator:
                 except (ImageWriteError, StoreError):
                     return  # still full (or the store cannot be written): the next probe tries again
                 del run.unwritten[key]
-        await asyncio.to_thread(self.store.resume, list(self._runs))
-        logger.info("jobs resumed: the disk has space again")
+                self._count(run.row.owner, len(data))
         self._full = None
+        logger.info("jobs resumed: the disk has space again")
+        await self._settle(list(self._runs))  # those of a key at its byte limit stay paused, with that reason
 
     async def _build(self, c: Candidate, share: str | None) -> GenerationRequest:
         """The candidate's request, built on a thread: an item's base64 images (image prompts, controls) are decoded

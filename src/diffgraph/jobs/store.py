@@ -12,9 +12,9 @@ settings: `adopt`), or absent (made again); never half written, never made twice
 synchronous=FULL, so a commit that returned survives a power cut too.
 
 A job is written in transactions of INSERT_CHUNK rows ("creating" until it is whole, then "queued"), its owner's
-limits (`KeyLimits`: unfinished jobs, bytes kept) checked in the first; a job whose disk is full is "paused" with
-the reason (the coordinator resumes it). SQLite's errors become a `StoreError` whose status and hint fit the cause
-(`store_error`: damaged, locked, full, unwritable).
+limits (`KeyLimits`: unfinished jobs, bytes kept) checked in the first; a job is "paused" with the reason while its
+disk is full or its key keeps --max-key-bytes (`quota_reason`; the coordinator pauses and resumes it). SQLite's
+errors become a `StoreError` whose status and hint fit the cause (`store_error`: damaged, locked, full, unwritable).
 
 Several processes may share one state folder (replicas or Ray Serve ingress replicas on one host): SQLite's locks
 order their writes (busy timeout 30 s); each process writes on one connection behind a lock and reads on another,
@@ -56,7 +56,7 @@ CREATE TABLE IF NOT EXISTS candidates (
     PRIMARY KEY (job, item, k)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS candidates_status ON candidates (job, status, finished);
 """
-UNFINISHED = ("queued", "running", "paused")  # paused: its disk is full (the reason says so); resumed with space
+UNFINISHED = ("queued", "running", "paused")  # paused: its disk is full or its key at --max-key-bytes (the reason)
 HELD = ("creating",) + UNFINISHED  # what counts against a key's --max-key-jobs
 RATE_WINDOW_S = 60.0  # images/s is measured over the last minute while a job runs
 INSERT_CHUNK = 2000   # rows one transaction of `create` writes: the store's lock is never held for long
@@ -133,7 +133,7 @@ class JobRow:
     webhook_state: str | None  # None (no webhook) | pending | sent | failed
     webhook_error: str | None
     bytes: int = 0             # its images and rows on disk
-    reason: str | None = None  # why it is paused
+    reason: str | None = None  # why it is paused (a full disk, its key at --max-key-bytes); None once it ends
 
     @property
     def pending(self) -> int:
@@ -166,6 +166,17 @@ class ItemResult:
     seeds: tuple[int, ...]
     statuses: tuple[str, ...]        # per candidate: pending | done | failed
     errors: tuple[str | None, ...]
+
+
+def quota_reason(kept: int, limit: int) -> str:
+    """Why a key's unfinished jobs are paused while it keeps `limit` bytes or more (the coordinator's check)."""
+    return (f"this API key's jobs keep {kept} bytes, at most {limit} (--max-key-bytes): delete finished jobs "
+            "(DELETE /v1/jobs/ID) to resume, or wait until they expire")
+
+
+def quota_paused(reason: str | None) -> bool:
+    """Whether a paused job's reason is its key's byte limit (`quota_reason`), not a full disk."""
+    return reason is not None and "(--max-key-bytes)" in reason
 
 
 def image_name(item: int, k: int) -> str:
@@ -296,6 +307,11 @@ class JobStore:
             except sqlite3.Error as e:
                 raise store_error(e, self.path, "could not be read") from None
 
+    def kept(self) -> dict[str, int]:
+        """The bytes each owner with an unfinished job keeps, all its jobs' together (what `_check_quota` sums)."""
+        return dict(self._read(f"SELECT owner, coalesce(sum(bytes), 0) FROM jobs WHERE owner IN (SELECT owner FROM "
+                               f"jobs WHERE status IN {UNFINISHED}) GROUP BY owner"))
+
     def job(self, job: str) -> JobRow | None:
         rows = self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job,))
         return JobRow(*rows[0]) if rows else None
@@ -316,7 +332,8 @@ class JobStore:
                        "= 'queued'", (time.time() if now is None else now, job))
 
     def pause(self, jobs: list[str], reason: str) -> None:
-        """Marks unfinished jobs paused, with why (their disk is full): their status says so until `resume`."""
+        """Marks unfinished jobs paused, with why (their disk is full, their key keeps --max-key-bytes): their status
+        says so until `resume`."""
         with self._write() as db:
             db.executemany(f"UPDATE jobs SET status = 'paused', reason = ? WHERE id = ? AND status IN {UNFINISHED}",
                            [(reason, job) for job in jobs])
@@ -332,16 +349,16 @@ class JobStore:
         with self._write() as db:
             changed = db.execute(
                 "UPDATE jobs SET status = CASE WHEN done = 0 THEN 'failed' ELSE 'completed' END, finished = ?, "
-                "webhook_state = CASE WHEN webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? AND status IN "
-                f"{UNFINISHED} AND done + failed = candidates", (time.time() if now is None else now, job)
+                "reason = NULL, webhook_state = CASE WHEN webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? "
+                f"AND status IN {UNFINISHED} AND done + failed = candidates", (time.time() if now is None else now, job)
             ).rowcount
         return self.job(job) if changed else None
 
     def cancel(self, job: str, now: float | None = None) -> JobRow | None:
         """Cancels an unfinished job (its pending candidates stay pending, never made); its webhook is due."""
         with self._write() as db:
-            db.execute("UPDATE jobs SET status = 'cancelled', finished = ?, webhook_state = CASE WHEN webhook IS NULL "
-                       f"THEN NULL ELSE 'pending' END WHERE id = ? AND status IN {UNFINISHED}",
+            db.execute("UPDATE jobs SET status = 'cancelled', finished = ?, reason = NULL, webhook_state = CASE WHEN "
+                       f"webhook IS NULL THEN NULL ELSE 'pending' END WHERE id = ? AND status IN {UNFINISHED}",
                        (time.time() if now is None else now, job))
         return self.job(job)
 

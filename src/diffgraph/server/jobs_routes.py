@@ -5,8 +5,8 @@
                                          line; ?name=&webhook=); checked whole before it is stored (jobs/spec.py,
                                          what it names by jobs/references.py), within its key's limits (429, 507)
     GET    /v1/jobs                      the caller's jobs, newest first (?limit=)
-    GET    /v1/jobs/{id}                 status (paused: its reason), counts (done / failed / pending), images_per_s,
-                                         eta_s
+    GET    /v1/jobs/{id}                 status (paused: its reason, a full disk or the key's --max-key-bytes),
+                                         counts (done / failed / pending), images_per_s, eta_s
     GET    /v1/jobs/{id}/results         per item: status, seeds, image URLs, error (?offset=&limit=, pages of items)
     GET    /v1/jobs/{id}/images/{name}   a stored image, ITEM-K.png (candidate K of item ITEM), settings inside
     POST   /v1/jobs/{id}/cancel          stops it: its requests in flight are aborted at the next step
@@ -60,6 +60,7 @@ class JobService:
 
     def __init__(self, state: ServerState):
         self.state = state
+        self.key_limits = KeyLimits(jobs=state.config.max_key_jobs, bytes=state.config.max_key_bytes)
         self.store: JobStore | None = None
         self.coordinator: Coordinator | None = None
         self.error: str | None = None
@@ -84,7 +85,7 @@ class JobService:
                     if config.webhook_allow else None)
         self.coordinator = Coordinator(self.store, backend, webhooks,
                                        CoordinatorSettings(inflight=config.batch_inflight,
-                                                           retention_s=config.job_retention))
+                                                           retention_s=config.job_retention), self.key_limits)
         self._task = asyncio.create_task(self.coordinator.run())
 
     async def stop(self) -> None:
@@ -135,7 +136,7 @@ class JobRequests:
         self.state, self.config, self.keys, self.service = ctx.state, config, ctx.keys, service
         self.limits = SpecLimits(max_items=config.max_batch_items, max_candidates=config.max_job_candidates)
         self.references = References(config)
-        self.key_limits = KeyLimits(jobs=config.max_key_jobs, bytes=config.max_key_bytes)
+        self.key_limits = service.key_limits  # checked when a job is made, and by the coordinator while it runs
         self.read_timeout = min(config.body_timeout, config.request_timeout)
 
     def owner(self, http: Request) -> str:
