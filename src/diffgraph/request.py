@@ -588,7 +588,8 @@ class GenerationRequest:
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
                preview: Any = None, controls: Any = (), image_prompts: Any = None,
-               output_compression: Any = None, extras: Any = None) -> "GenerationRequest":
+               output_compression: Any = None, extras: Any = None,
+               return_latents: Any = False) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -598,7 +599,9 @@ class GenerationRequest:
         SDXL image-to-image, 1.0 / 0.9999 for SDXL inpainting). With `prompt_syntax="a1111"`, the prompts'
         `<lora:name:scale>` tags join `loras` (after the listed ones). `preview`: a PreviewSpec, a dict of its
         fields ({"every": 2, "format": "jpeg"}) or None. `extras`: the registered capabilities' parameters by
-        name (a dict; the engine checks and prepares them at submit)."""
+        name (a dict; the engine checks and prepares them at submit). `return_latents`: the result carries the final
+        latents too (`GenerationResult.latents`); an `EditInput` with `latents` (and width, height) starts from
+        such latents (the hires fix: hires.py)."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit = None
         if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
@@ -643,7 +646,8 @@ class GenerationRequest:
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
-                      output_compression=output_compression, extras=_extras(extras, model), **kwargs)
+                      output_compression=output_compression, extras=_extras(extras, model),
+                      return_latents=return_latents, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:
