@@ -112,3 +112,21 @@ def test_a_second_pass_batches_with_other_rows_and_equals_itself_alone(tiny_engi
     for got, ref in zip(together, alone):
         np.testing.assert_allclose(got.arrays, ref, atol=1e-4, rtol=0)
     assert tiny_engine.stats["steps"] - steps_before < sum(r.denoising_steps for r in requests)
+
+
+def test_a_token_family_runs_the_hires_fix_on_its_size_multiple():
+    """Z-Image (packed latent tokens, a 16-pixel size multiple, flow-matching edits): the second pass from its
+    unpacked latents, resized, equals that edit by hand."""
+    from diffgraph import Engine
+    with Engine(model="random:zimage-tiny", device="cpu") as engine:
+        request = engine.make_request("a red fox", width=64, height=64, num_inference_steps=3, seed=5)
+        size, cover = hires_size(64, 64, 1.5, 0, 0, engine.info.size_multiple)
+        (got,) = generate_hires(engine, request, HiresFix(*size, "Latent", strength=0.6, steps=2, cover=cover))
+        first = engine.run(dataclasses.replace(request, return_latents=True))
+        latents = torch.nn.functional.interpolate(torch.from_numpy(first.latents), size=(12, 12), mode="bilinear")
+        assert got.request.num_inference_steps == 3 and got.request.denoising_steps == 2  # int(2 / 0.6) = 3
+        start = EditInput(None, strength=got.request.edit.strength, latents=latents[0].numpy())
+        second = engine.run(engine.make_request("a red fox", width=96, height=96, num_inference_steps=3, seed=5,
+                                                image=start))
+    assert size == (96, 96) and first.latents.shape == (1, 16, 8, 8)
+    np.testing.assert_allclose(got.arrays, second.arrays, atol=1e-5, rtol=0)
