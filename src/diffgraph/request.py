@@ -603,22 +603,7 @@ class GenerationRequest:
         latents too (`GenerationResult.latents`); an `EditInput` with `latents` (and width, height) starts from
         such latents (the hires fix: hires.py)."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
-        edit = None
-        if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
-            edit = image
-        elif image is not None:
-            edit = make_edit(image, mask_image, strength, model)
-        if edit is not None:
-            if model is not None and edit.steps_rule != model.edit_steps_rule:
-                edit = dataclasses.replace(edit, steps_rule=model.edit_steps_rule)
-            if edit.latents is not None and (width is None or height is None):
-                raise ParamError("width", "an edit from latents needs width and height: the size they decode to")
-            h, w = edit.image.shape[:2] if edit.latents is None else (height, width)
-            width = w - w % multiple if width is None else width
-            height = h - h % multiple if height is None else height
-        elif mask_image is not None or strength is not None:
-            raise ParamError("image", "mask_image and strength need an image: give image= (image-to-image) or "
-                                      "image= and mask_image= (inpainting)")
+        edit, width, height = _edit_of(image, mask_image, strength, model, width, height, multiple)
         if model is None and (width is None or height is None or guidance_scale is None):
             raise ParamError(None, "width, height and guidance_scale are needed when no model gives defaults")
         if seed is None:
@@ -666,6 +651,28 @@ class GenerationRequest:
                 raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
                                                f"batch bucket {model.max_rows}")
         return request
+
+
+def _edit_of(image: Any, mask_image: Any, strength: Any, model: "ModelInfo | None", width: Any, height: Any,
+             multiple: int) -> tuple[EditInput | None, Any, Any]:
+    """(the EditInput of `create`'s image arguments or None, width, height): without width/height, the image's size
+    rounded down to `multiple`; an edit from latents must give them."""
+    edit = None
+    if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
+        edit = image
+    elif image is not None:
+        edit = make_edit(image, mask_image, strength, model)
+    if edit is None:
+        if mask_image is not None or strength is not None:
+            raise ParamError("image", "mask_image and strength need an image: give image= (image-to-image) or "
+                                      "image= and mask_image= (inpainting)")
+        return None, width, height
+    if model is not None and edit.steps_rule != model.edit_steps_rule:
+        edit = dataclasses.replace(edit, steps_rule=model.edit_steps_rule)
+    if edit.latents is not None and (width is None or height is None):
+        raise ParamError("width", "an edit from latents needs width and height: the size they decode to")
+    h, w = edit.image.shape[:2] if edit.latents is None else (height, width)
+    return edit, w - w % multiple if width is None else width, h - h % multiple if height is None else height
 
 
 def _check_hashes(model_hash: Any, lora_hashes: Any) -> None:
