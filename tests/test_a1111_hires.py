@@ -66,6 +66,23 @@ def test_hires_answer_equals_its_passes_by_hand(served_engine, upscaler):
     assert _pixels(image).shape == (96, 96, 3) and np.abs(_pixels(image) - reference).max() <= 1
 
 
+def test_hr_prompts_sampler_and_scheduler_are_the_second_passs(served_engine):
+    client, engine = served_engine
+    answer = _post(client, hr_upscaler="Lanczos", hr_prompt="a blue fox", hr_negative_prompt="blurry",
+                   hr_sampler_name="DPM++ 2M", hr_scheduler="Karras")
+    first = engine.run(_request(engine))
+    start = EditInput(np.asarray(first.images[0].resize((96, 96), Image.LANCZOS)), strength=0.5)
+    second = engine.run(engine.make_request("a blue fox", negative_prompt="blurry", width=96, height=96,
+                                            num_inference_steps=4, seed=21, sampler="dpmpp_2m", schedule="karras",
+                                            guidance_scale=7.0, prompt_syntax="a1111", image=start))
+    reference = (second.arrays[0] * 255).round().astype(int)
+    assert np.abs(_pixels(answer["images"][0]) - reference).max() <= 1
+    entries = json.loads(answer["info"])["extra_generation_params"]
+    assert {k: entries[k] for k in ("Hires sampler", "Hires schedule type", "Hires prompt", "Hires negative prompt")} \
+        == {"Hires sampler": "DPM++ 2M", "Hires schedule type": "Karras", "Hires prompt": "a blue fox",
+            "Hires negative prompt": "blurry"}
+
+
 def test_hires_rows_beside_other_work_equal_themselves_alone(served_engine):
     """Two hires bodies (a latent mode, an image upscaler), a txt2img of another size and an img2img, posted
     together: each answer as alone."""

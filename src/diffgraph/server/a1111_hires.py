@@ -125,9 +125,11 @@ def hires_plan(body: Txt2ImgBody, plan: Plan, info: ModelInfo, max_pixels: int |
     size, cover, field = _size(body, plan, info, max_pixels)
     fix = HiresFix(size[0], size[1], upscaler, strength, steps, cover)
     resize = (body.hr_resize_x or 0, body.hr_resize_y or 0) if field != "hr_scale" else None
-    params = hires_params(fix, body.hr_scale, resize, steps, body.hr_upscaler)
+    params = hires_params(fix, 2.0 if body.hr_scale is None else body.hr_scale, resize, steps, body.hr_upscaler)
     if not _same(body.hr_sampler_name) and body.hr_sampler_name != body.sampler_name:
         params["Hires sampler"] = body.hr_sampler_name
+    if not _same(body.hr_scheduler) and body.hr_scheduler != body.scheduler:
+        params["Hires schedule type"] = body.hr_scheduler
     for name, label in (("hr_prompt", "Hires prompt"), ("hr_negative_prompt", "Hires negative prompt")):
         if getattr(body, name) and getattr(body, name) != getattr(body, name[3:]):
             params[label] = getattr(body, name)

@@ -413,6 +413,7 @@ def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
 # the hires fix's infotext entries (a1111_hires.py writes them) -> the txt2img fields they fill
 HIRES_ENTRIES = {"Hires upscale": ("hr_scale", float), "Hires steps": ("hr_second_pass_steps", int),
                  "Hires upscaler": ("hr_upscaler", str), "Hires sampler": ("hr_sampler_name", str),
+                 "Hires schedule type": ("hr_scheduler", str),
                  "Hires prompt": ("hr_prompt", str), "Hires negative prompt": ("hr_negative_prompt", str)}
 
 
