@@ -166,3 +166,11 @@ def test_denoising_strength_0_is_read_as_the_hires_default_with_a_warning(served
     answer = _post(client, denoising_strength=0)
     assert json.loads(answer["info"])["extra_generation_params"]["Denoising strength"] == 0.7
     assert any("denoising_strength 0" in w for w in answer["warnings"])
+
+
+def test_newer_hires_fields_are_ignored_and_named(served_engine):
+    """Forge's and newer AUTOMATIC1111's hr_cfg / hr_distilled_cfg: ignored, named in the ignored-fields header."""
+    client, _ = served_engine
+    r = client.post("/sdapi/v1/txt2img", json={**BODY, "hr_cfg": 5, "hr_distilled_cfg": 3.5})
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Diffgraph-Ignored-Fields"] == "hr_cfg, hr_distilled_cfg"
