@@ -172,7 +172,8 @@ def generate_hires(engine: Any, request: GenerationRequest, fix: HiresFix,
                    template: GenerationRequest | None = None) -> list[GenerationResult]:
     """Both passes of `request` on `engine` (an `Engine`): the first pass, then each of its images' second pass (its
     prompts, sampler and steps `template`'s, by default the first pass's), submitted together. One result per
-    image."""
+    image; each second pass draws from the request's seed (AUTOMATIC1111's images are one request each, seed + i:
+    send them as such for their own noise)."""
     first = engine.run(first_pass(request, fix))
     rule = engine.info.edit_steps_rule
     handles = [engine.submit(second_pass(template or request, first, fix, row, rule)) for row in range(len(first))]
