@@ -1,7 +1,8 @@
 """AUTOMATIC1111-compatible routes on `diffgraph serve`: the same port, keys, validation and
 errors as the images API, AUTOMATIC1111's request and response shapes (v1.10; webuiapi and the tools built on it).
 
-    POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together
+    POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together; with
+                                       enable_hr, each image's second pass as its first ends (a1111_hires.py)
     GET  /sdapi/v1/sd-models           the models (--model, and --model-dir's), AUTOMATIC1111's titles
     GET  /sdapi/v1/samplers, /schedulers, /loras, /embeddings, /scripts
     GET  /sdapi/v1/options             the calling key's options (every AUTOMATIC1111 option); POST sets its model and
