@@ -97,7 +97,6 @@ def test_txt2img_as_automatic1111s_suite_sends_it(client, changes, size, count):
 
 @pytest.mark.parametrize("changes, field, words", [
     ({"restore_faces": True}, "restore_faces", "out of scope"),
-    ({"enable_hr": True}, "enable_hr", "hires fix"),
     ({"tiling": True}, "tiling", "tiling"),
     ({"prompt": "((emphasis)), (emphasis1:1.1), [to:1], [from::2], [from:to:0.3], [alt|alt1]"}, None,
      "prompt editing"),
@@ -108,6 +107,18 @@ def test_txt2img_refusals_that_remain_name_their_field(client, changes, field, w
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     if field:
         assert r.json()["error"]["param"] == field
+
+
+def test_txt2img_with_hrfix_performed(client):
+    """AUTOMATIC1111's hires fix test: its body (denoising_strength 0, read as the hires default 0.7 with a warning)
+    with enable_hr; the second pass at hr_scale 2 (the default) from the "Latent" upscale (the default)."""
+    r = txt2img(client, enable_hr=True)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    info = json.loads(answer["info"])
+    assert [decoded(i).size for i in answer["images"]] == [(128, 128)]
+    assert info["extra_generation_params"] == {"Denoising strength": 0.7, "Hires upscale": 2.0}
+    assert (info["width"], info["height"]) == (64, 64) and "Hires upscale: 2" in info["infotexts"][0]
 
 
 # -- img2img ---------------------------------------------------------------------------------------------------------

@@ -45,6 +45,18 @@ def test_txt2img_img2img_and_custom_post_answer_the_asked_images(api):
     assert [im.size for im in edited.images] == [(64, 64)] and edited.info["seed"] == 11
 
 
+def test_txt2img_with_the_hires_fix_as_webuiapi_sends_it(api):
+    """webuiapi's hires arguments (its HiResUpscaler enum, denoising_strength 0.7, every hr_* field): the second
+    pass's images at hr_scale x the size, its entries in the infotext."""
+    out = api.txt2img(prompt="a cat", enable_hr=True, hr_scale=1.5, hr_upscaler=webuiapi.HiResUpscaler.Lanczos,
+                      hr_second_pass_steps=2, **SMALL)
+    assert [im.size for im in out.images] == [(96, 96)]
+    assert out.info["extra_generation_params"] == {"Denoising strength": 0.7, "Hires upscale": 1.5, "Hires steps": 2,
+                                                   "Hires upscaler": "Lanczos"}
+    with pytest.raises(RuntimeError, match="hr_upscaler"):  # a model upscaler: not served here
+        api.txt2img(prompt="a cat", enable_hr=True, hr_upscaler=webuiapi.HiResUpscaler.ESRGAN_4x, **SMALL)
+
+
 def test_use_async_answers_as_the_plain_call(api):
     async def call():
         return await api.txt2img(prompt="a cat", use_async=True, **SMALL)

@@ -73,11 +73,13 @@ def _quote(value: Any) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def infotext(request: Any, model_name: str) -> str:
+def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None) -> str:
     """AUTOMATIC1111's infotext of `request`. `Model hash` and `Lora hashes` are the short hashes the request
     carries (`model_hash`, `lora_hashes`: the server fills them from the files, models/file_hashes.py), left out
     where it carries none (a folder model or a preset has no file to hash), as AUTOMATIC1111 leaves out values it
-    has not; `Lora hashes` lists "name: hash" pairs, each name as the prompt names it, without ":" and ",".
+    has not; `Lora hashes` lists "name: hash" pairs, each name as the prompt names it, without ":" and ",". `extra`:
+    more entries (AUTOMATIC1111's extra_generation_params, such as the hires fix's), numbers written as it writes
+    them, after the request's own.
     LoRAs are written as AUTOMATIC1111 writes them, as `<lora:name:scale>` tags in the prompt (those that are not
     already tags there)."""
     listed, _ = _split_loras(request)
@@ -103,6 +105,7 @@ def infotext(request: Any, model_name: str) -> str:
         # AUTOMATIC1111 writes DDIM's eta where it is not 0
         "Eta DDIM": _number(request.eta) if request.sampler == "ddim" and getattr(request, "eta", None) else None,
     }
+    params.update({k: _number(v) if isinstance(v, float) else v for k, v in (extra or {}).items()})
     line = ", ".join(f"{k}: {_quote(v)}" for k, v in params.items() if v is not None)
     negative = f"\nNegative prompt: {request.negative_prompt}" if request.negative_prompt else ""
     return f"{prompt}{negative}\n{line}".strip()

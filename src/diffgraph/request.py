@@ -135,15 +135,41 @@ EDIT_STEP_RULES = ("sd", "flow")
 @dataclass(frozen=True, eq=False)
 class EditInput:
     """The image of an image-to-image or inpainting request: RGB pixels [H, W, 3] uint8, and for inpainting a mask
-    [H, W] uint8 of the same size (diffusers' convention: white, 255, = repaint; it is binarized at 0.5). Checked
-    on construction; plain numpy, so it crosses process boundaries with the request."""
+    [H, W] uint8 of the same size (diffusers' convention: white, 255, = repaint; it is binarized at 0.5). Or, instead
+    of the image, its `latents`: the model's image latents [C, h, w] float32 (a `GenerationResult.latents` row, resized:
+    the hires fix's latent upscale), noised from the request's seed as an image's encoded latents are; the engine
+    checks their shape against the request's size. Checked on construction; plain numpy, so it crosses process
+    boundaries with the request."""
 
-    image: np.ndarray
+    image: np.ndarray | None
     mask: np.ndarray | None = None
     strength: float = 0.8
     steps_rule: str = "sd"  # EDIT_STEP_RULES: the model family's (GenerationRequest.create sets it)
+    latents: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        if self.latents is not None:
+            self._check_latents()
+        else:
+            self._check_image()
+        st = self.strength
+        if isinstance(st, bool) or not isinstance(st, (int, float, np.floating, np.integer)) \
+                or not 0 < float(st) <= 1:  # NaN fails this too
+            raise ParamError("strength", f"strength {_show(st)} is out of range; allowed: a number in (0, 1]")
+        object.__setattr__(self, "strength", float(st))
+
+    def _check_latents(self) -> None:
+        lat = self.latents
+        if self.image is not None or self.mask is not None:
+            raise ParamError("image", "an edit takes an image (and a mask) or latents, not both; give one")
+        if not isinstance(lat, np.ndarray) or lat.dtype != np.float32 or lat.ndim != 3:
+            raise ParamError("latents", "latents must be a float32 array of shape (channels, height / 8, width / 8) "
+                                        "(a GenerationResult.latents row)")
+        if lat.size > MAX_EDIT_PIXELS or not np.isfinite(lat).all():
+            raise ParamError("latents", f"latents must be finite and hold at most {MAX_EDIT_PIXELS} values, got "
+                                        f"shape {lat.shape}")
+
+    def _check_image(self) -> None:
         img = self.image
         if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
             raise ParamError("image", "image must be RGB pixels: a uint8 array of shape (height, width, 3) "
@@ -159,11 +185,6 @@ class EditInput:
             if m.shape != (h, w):
                 raise ParamError("mask", f"mask is {m.shape[1]}x{m.shape[0]} but the image is {w}x{h}; "
                                          "give a mask of the image's size")
-        st = self.strength
-        if isinstance(st, bool) or not isinstance(st, (int, float, np.floating, np.integer)) \
-                or not 0 < float(st) <= 1:  # NaN fails this too
-            raise ParamError("strength", f"strength {_show(st)} is out of range; allowed: a number in (0, 1]")
-        object.__setattr__(self, "strength", float(st))
 
     @property
     def inpaint(self) -> bool:
@@ -451,6 +472,8 @@ class GenerationRequest:
     # hashes`): the server fills them where it resolves the files (models/file_hashes.py); None / (): not written
     model_hash: str | None = None
     lora_hashes: tuple[tuple[str, str], ...] = ()  # (an adapter's name as the prompt names it, its short hash)
+    # its result also carries its final latents (`GenerationResult.latents`: the hires fix's latent upscale reads them)
+    return_latents: bool = False
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -490,6 +513,8 @@ class GenerationRequest:
                 raise ParamError("eta", f"eta {_show(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma, "
                                         "DDIM's eta)")
             object.__setattr__(self, "eta", float(eta))
+        if not isinstance(self.return_latents, bool):
+            raise ParamError("return_latents", f"return_latents must be true or false, got {_show(self.return_latents)}")
         if self.priority not in PRIORITIES:
             raise ParamError("priority", f"priority {_show(self.priority)} is unknown; allowed: {', '.join(PRIORITIES)}")
         if self.job is not None and (not isinstance(self.job, str) or not self.job):
@@ -563,7 +588,8 @@ class GenerationRequest:
                guidance_rescale: Any = 0.0, prompt_syntax: Any = "plain", clip_skip: Any = None,
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
                preview: Any = None, controls: Any = (), image_prompts: Any = None,
-               output_compression: Any = None, extras: Any = None) -> "GenerationRequest":
+               output_compression: Any = None, extras: Any = None,
+               return_latents: Any = False) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -573,22 +599,11 @@ class GenerationRequest:
         SDXL image-to-image, 1.0 / 0.9999 for SDXL inpainting). With `prompt_syntax="a1111"`, the prompts'
         `<lora:name:scale>` tags join `loras` (after the listed ones). `preview`: a PreviewSpec, a dict of its
         fields ({"every": 2, "format": "jpeg"}) or None. `extras`: the registered capabilities' parameters by
-        name (a dict; the engine checks and prepares them at submit)."""
+        name (a dict; the engine checks and prepares them at submit). `return_latents`: the result carries the final
+        latents too (`GenerationResult.latents`); an `EditInput` with `latents` (and width, height) starts from
+        such latents (the hires fix: hires.py)."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
-        edit = None
-        if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
-            edit = image
-        elif image is not None:
-            edit = make_edit(image, mask_image, strength, model)
-        if edit is not None:
-            if model is not None and edit.steps_rule != model.edit_steps_rule:
-                edit = dataclasses.replace(edit, steps_rule=model.edit_steps_rule)
-            h, w = edit.image.shape[:2]
-            width = w - w % multiple if width is None else width
-            height = h - h % multiple if height is None else height
-        elif mask_image is not None or strength is not None:
-            raise ParamError("image", "mask_image and strength need an image: give image= (image-to-image) or "
-                                      "image= and mask_image= (inpainting)")
+        edit, width, height = _edit_of(image, mask_image, strength, model, width, height, multiple)
         if model is None and (width is None or height is None or guidance_scale is None):
             raise ParamError(None, "width, height and guidance_scale are needed when no model gives defaults")
         if seed is None:
@@ -616,7 +631,8 @@ class GenerationRequest:
                       guidance_rescale=guidance_rescale, prompt_syntax=prompt_syntax, clip_skip=clip_skip,
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
-                      output_compression=output_compression, extras=_extras(extras, model), **kwargs)
+                      output_compression=output_compression, extras=_extras(extras, model),
+                      return_latents=return_latents, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:
@@ -635,6 +651,28 @@ class GenerationRequest:
                 raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
                                                f"batch bucket {model.max_rows}")
         return request
+
+
+def _edit_of(image: Any, mask_image: Any, strength: Any, model: "ModelInfo | None", width: Any, height: Any,
+             multiple: int) -> tuple[EditInput | None, Any, Any]:
+    """(the EditInput of `create`'s image arguments or None, width, height): without width/height, the image's size
+    rounded down to `multiple`; an edit from latents must give them."""
+    edit = None
+    if isinstance(image, EditInput):  # already checked (the HTTP edge builds it from the form)
+        edit = image
+    elif image is not None:
+        edit = make_edit(image, mask_image, strength, model)
+    if edit is None:
+        if mask_image is not None or strength is not None:
+            raise ParamError("image", "mask_image and strength need an image: give image= (image-to-image) or "
+                                      "image= and mask_image= (inpainting)")
+        return None, width, height
+    if model is not None and edit.steps_rule != model.edit_steps_rule:
+        edit = dataclasses.replace(edit, steps_rule=model.edit_steps_rule)
+    if edit.latents is not None and (width is None or height is None):
+        raise ParamError("width", "an edit from latents needs width and height: the size they decode to")
+    h, w = edit.image.shape[:2] if edit.latents is None else (height, width)
+    return edit, w - w % multiple if width is None else width, h - h % multiple if height is None else height
 
 
 def _check_hashes(model_hash: Any, lora_hashes: Any) -> None:
@@ -876,6 +914,9 @@ class GenerationResult:
     timings: dict[str, float]
     request: GenerationRequest
     encoded: list[bytes] | None = None
+    # the final image latents [n, C, h, w] float32 (the model's latent space, unpacked), when the request asked
+    # (`return_latents`); else None
+    latents: np.ndarray | None = None
     _images: list[Any] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -52,6 +52,18 @@ def upscale(image: Image.Image, name: str, scale: float) -> Image.Image:
     return image
 
 
+def resize_to(image: Image.Image, name: str, width: int, height: int) -> Image.Image:
+    """`image` at exactly `width` x `height` as AUTOMATIC1111's resize_image (mode 0, "just resize") gives it with the
+    upscaler `name` (UPSCALERS): "None" a Lanczos resize; else, where it enlarges, the upscaler's own resize by the
+    larger of the two ratios, then Lanczos to the exact size where that differs."""
+    scale = max(width / image.width, height / image.height)
+    if name in _RESAMPLE and scale > 1:
+        image = image.resize((int(image.width * scale), int(image.height * scale)), resample=_RESAMPLE[name])
+    if image.size != (width, height):
+        image = image.resize((width, height), resample=Image.LANCZOS)
+    return image
+
+
 @dataclass(frozen=True)
 class Postprocess:
     """The extras tab's upscale step (AUTOMATIC1111's ExtrasBaseRequest fields, in their meaning)."""

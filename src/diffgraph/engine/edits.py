@@ -8,6 +8,7 @@ the masked image's posterior, drawn even where a 4-channel UNet does not use it,
 from the same generator state. Rows start at the step the strength implies (`ModelRunner.request_plan`) from the
 image's latents noised to that step as the family noises (`FamilyAdapter.noising`: SD's samplers' add_noise, a flow
 family's (1 - sigma) x0 + sigma * noise), or from pure noise for inpainting at strength 1.
+An edit from latents (`EditInput.latents`: the hires fix's latent upscale) skips the encoder and is noised the same.
 
 Per-row fields for the whole step (graphs/step.py): for a 4-channel UNet's inpainting, the mask at latent size,
 the image latents and the initial noise (the step blends the known region back after each update); for a
@@ -32,6 +33,8 @@ def preprocess_edit(request: GenerationRequest, vae_scale_factor: int) -> tuple[
     from PIL import Image
 
     edit, (h, w), f = request.edit, request.key, vae_scale_factor
+    if edit.latents is not None:  # the image's latents already (the hires fix's latent upscale)
+        return torch.from_numpy(edit.latents)[None], None
     image = VaeImageProcessor(vae_scale_factor=f).preprocess(Image.fromarray(edit.image), height=h, width=w).float()
     mask = None
     if edit.inpaint:
@@ -46,6 +49,8 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
     """(initial latents as step rows (the image latents [rows, C, h, w] fp32, packed where the family packs), the edit row feature's fields: features/edit.py) of an edit request,
     from its preprocessed `pixels` (`preprocess_edit`)."""
     edit, model, adapter = request.edit, runner.model, runner.adapter
+    if edit.latents is not None:
+        return _from_latents(runner, request, key, generator, plan, rows, pixels[0])
     size = h, w = request.key
     f = model.vae_scale_factor
     image, mask = pixels
@@ -80,3 +85,17 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
         else:
             fields.update(mask=small, known=image_latents, noise0=noise)
     return adapter.pack(model, latents, size, key), fields
+
+
+def _from_latents(runner: Any, request: GenerationRequest, key: GroupKey, generator: torch.Generator,
+                  plan: SamplerPlan, rows: int, latents: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """An edit that starts from image latents [1, C, h, w] (`EditInput.latents`): noised as an image's encoded
+    latents are, from the same draws of the request's generator (the posterior's sample drawn and unused first, so
+    the noise is the one an image of the same seed gets)."""
+    model, adapter = runner.model, runner.adapter
+    shape = adapter.image_latent_shape(model, request.key)
+    torch.randn((1, *shape), generator=generator, dtype=model.vae_dtype)  # an encoded image's posterior sample
+    noise = runner.to_device(torch.randn((rows, *shape), generator=generator, dtype=model.dtype)).float()
+    k, e = adapter.noising(plan)
+    start = k * runner.to_device(latents).float() + e * noise
+    return adapter.pack(model, start, request.key, key), {}

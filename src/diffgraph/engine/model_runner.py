@@ -251,6 +251,10 @@ class ModelRunner:
         if request.edit.inpaint and self.adapter.packs(self.model):  # its blend works on image latents
             raise ParamError("mask", f"model family {self.adapter.name!r} takes no inpainting mask; send the image "
                                      "alone (image-to-image)")
+        latents = request.edit.latents
+        if latents is not None and latents.shape != (shape := self.adapter.image_latent_shape(self.model, request.key)):
+            raise ParamError("latents", f"latents of shape {latents.shape} do not fit a {request.width}x"
+                                        f"{request.height} image on this model, whose latents are {shape}")
         return request.num_inference_steps - request.denoising_steps
 
     def buffers(self, key: GroupKey) -> StepBuffers:

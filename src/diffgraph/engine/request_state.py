@@ -63,6 +63,7 @@ class RequestState:
     preempted: bool = False    # it gave its rows to an interactive request and waits to resume (priority.py)
     saved: Any = None          # its rows' whole state while preempted (the engine core's copy, opaque here)
     edit_pixels: Any = None    # an edit's preprocessed image and mask (engine/edits.py, at submit)
+    final_latents: Any = None  # its last step's image latents on the host, where it asked (`return_latents`)
     # its plan's (plain attributes: the scheduler reads them per request): steps, and denoiser rows per image row at
     # each step (SamplerPlan.branches: 2 where classifier-free guidance runs both branches; None: 1 everywhere)
     steps: int = field(init=False)

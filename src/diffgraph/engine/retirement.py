@@ -65,12 +65,23 @@ class Retirement:
         try:
             latents = torch.cat([self.runner.read_latents(key, s.first_row, s.rows) for s in finished]) \
                 if finished else None
+            self._keep_latents(key, finished, latents)
         except Exception as e:
             self._failed(key, finished, e)
             return self._batches.holding
         for held in self._batches.due(key, finished, latents, step, more_coming):
             self._decode(*held)
         return self._batches.holding
+
+    def _keep_latents(self, key: GroupKey | None, finished: list[RequestState], latents: torch.Tensor | None) -> None:
+        """The host copy of the image latents of each finished request that asked for them (`return_latents`: a
+        copy that waits for the device, for those requests only)."""
+        row, runner = 0, self.runner
+        for s in finished:
+            if s.request.return_latents:
+                rows = runner.adapter.unpack(runner.model, latents[row:row + s.rows], s.size, key)
+                s.final_latents = rows.float().cpu().numpy()
+            row += s.rows
 
     def stop(self) -> None:
         """The engine stops: every held row is decoded and answered now."""
@@ -187,7 +198,7 @@ class Retirement:
                        "denoise_ms": (done_at - s.admitted_at) * 1e3,
                        "decode_ms": (now - done_at) * 1e3, "total_ms": (now - s.arrival) * 1e3}
             result = GenerationResult(request_id=r.request_id, arrays=part, seed=r.seed, timings=timings,
-                                      request=r, encoded=encoded)
+                                      request=r, encoded=encoded, latents=s.final_latents)
             if s.preview_future is not None:  # its previews go first
                 self.previews.settle(s)
             call_safely(s.sink.finish, result, None)

@@ -1,7 +1,8 @@
 """AUTOMATIC1111-compatible routes on `diffgraph serve`: the same port, keys, validation and
 errors as the images API, AUTOMATIC1111's request and response shapes (v1.10; webuiapi and the tools built on it).
 
-    POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together
+    POST /sdapi/v1/txt2img, /img2img   images: one engine request per image (seed + i), submitted together; with
+                                       enable_hr, each image's second pass as its first ends (a1111_hires.py)
     GET  /sdapi/v1/sd-models           the models (--model, and --model-dir's), AUTOMATIC1111's titles
     GET  /sdapi/v1/samplers, /schedulers, /loras, /embeddings, /scripts
     GET  /sdapi/v1/options             the calling key's options (every AUTOMATIC1111 option); POST sets its model and
@@ -53,6 +54,7 @@ from ..upscalers import TileGrid, combine_tiles
 from ..request import MAX_CONTROLS, MAX_IMAGES, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
 from .a1111_detect import analysis_router
+from .a1111_hires import HiresPlan, HiresRuns, first_passes, hires_image, hires_plan, hires_template
 from .a1111_extras import extras_router
 from .a1111_info import InfoSources, info_router
 from .a1111_inpaint import PreparedEdit, flatten, mask_options, prepare
@@ -290,8 +292,11 @@ class A1111Server:
             await items.aclose()
         return None
 
-    async def run_all(self, runs: list[ImageRun], deadline: float, http: Request) -> list[GenerationResult | None]:
-        tasks = [asyncio.ensure_future(self.wait(run, deadline, http)) for run in runs]
+    async def run_all(self, runs: list[ImageRun], deadline: float, http: Request,
+                      hires: HiresRuns | None = None) -> list[GenerationResult | None]:
+        """Each image's result (None: dropped by /interrupt or /skip); with `hires`, its second pass's."""
+        tasks = [asyncio.ensure_future(hires.run(run) if hires is not None else self.wait(run, deadline, http))
+                 for run in runs]
         try:
             return await asyncio.gather(*tasks)
         finally:  # one failed (or the client left): the others are aborted, not left running
@@ -328,9 +333,10 @@ class A1111Server:
 
     def respond(self, body: ProcessingBody, plan: Plan, info: ModelInfo, requests: list[GenerationRequest],
                 done: list[GenerationResult | None], edits: list[PreparedEdit],
-                tiled: tuple[SdUpscale, TileGrid] | None = None) -> dict[str, Any]:
+                tiled: tuple[SdUpscale, TileGrid] | None = None, hires: HiresPlan | None = None) -> dict[str, Any]:
         """The answer (a worker thread): each image as the engine encoded it, or laid over its input (inpainting),
-        or the SD upscale script's images pasted from their tiles (`tiled`)."""
+        or the SD upscale script's images pasted from their tiles (`tiled`), or the hires fix's second pass with its
+        first pass's infotext (`hires`)."""
         pictures, texts = [], []
         warnings = list(plan.warnings) + sorted({e.warning for e in edits if e.warning})
         for i, result in enumerate(done if tiled is None else ()):
@@ -342,7 +348,9 @@ class A1111Server:
                 pixels = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
                 data = encode_image(edit.finish(pixels) / 255.0, "png", result.request, info.name,
                                     self.config.metadata)
-            texts.append(infotext(result.request, info.name))
+            if hires is not None:
+                data, text = hires_image(result, requests[i], hires, info.name, self.config.metadata)
+            texts.append(text if hires is not None else infotext(result.request, info.name))
             pictures.append(data)
         if tiled is not None:
             pictures, texts = self.upscaled(tiled[1], tiled[0], done, info)
@@ -352,7 +360,7 @@ class A1111Server:
         if dropped:
             warnings.append(f"{dropped} of {len(done)} images were stopped by /sdapi/v1/interrupt or /skip and are "
                             "left out")
-        extra: dict[str, Any] = tiled[0].params() if tiled is not None else {}
+        extra: dict[str, Any] = tiled[0].params() if tiled is not None else dict(hires.params) if hires else {}
         if isinstance(body, Img2ImgBody):
             extra["Denoising strength"] = requests[0].edit.strength if requests[0].edit else None
             if body.mask:
@@ -385,8 +393,11 @@ class A1111Server:
                                        config.max_prompt_bytes, self.styles)
         deadline = t0 + config.request_timeout
         chosen, name = await self.target(plan.model, deadline - time.monotonic())
-        try:  # the model is held (never evicted) until its requests are queued
+        hires, runs, job = None, None, None
+        try:  # the model is held (never evicted) until its requests are queued (with the hires fix: have run)
             plan = fit_to_model(plan, chosen.info)
+            if isinstance(body, Txt2ImgBody) and body.enable_hr:
+                hires, plan = hires_plan(body, plan, chosen.info, self.state.max_pixels)
             references = chosen.info.edit_images if kind == "img2img" else None  # a family reading them all
             if not chosen.info.edits and kind == "img2img" and references is None:
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
@@ -407,20 +418,31 @@ class A1111Server:
             controls = await asyncio.to_thread(units_to_controls, units, self.served, config.max_image_bytes,
                                                config.max_image_pixels, init) if units else []
             requests = await asyncio.to_thread(self.build, body, plan, chosen.info, name, edits, controls, extras)
-            try:
-                job = await self.board.submit(key, kind, requests, lambda request: submit(
-                    self.state, request, progress=True, client=chosen.client, deadline=deadline, http=http))
-            except APIError as e:  # the engine refused the request (its adapters, its steps): name our field
-                e.param = a1111_field(e.param)
-                raise
+
+            async def submit_one(request: GenerationRequest) -> Any:
+                try:
+                    return await submit(self.state, request, progress=True, client=chosen.client, deadline=deadline,
+                                        http=http)
+                except APIError as e:  # the engine refused the request (its adapters, its steps): name our field
+                    e.param = a1111_field(e.param)
+                    raise
+            if hires is not None:  # each image's second pass: submitted as its first pass ends (a1111_hires.py)
+                template = await asyncio.to_thread(hires_template, lambda b, p: self.build(
+                    b, p, chosen.info, name, [], controls, extras), body, plan)
+                requests = first_passes(requests, hires)
+                runs = HiresRuns(hires, template, submit_one, lambda run: self.wait(run, deadline, http),
+                                 lambda handle: abort(self.state, handle))
+            job = await self.board.submit(key, kind, requests, submit_one)
         finally:
-            if self.routing is not None:
+            if self.routing is not None and (hires is None or job is None):
                 chosen.release(self.routing)
         try:
-            done = await self.run_all(job.images, deadline, http)
+            done = await self.run_all(job.images, deadline, http, runs)
         finally:
             self.board.end(job)
-        return await asyncio.to_thread(self.respond, body, plan, chosen.info, requests, done, edits, tiled)
+            if self.routing is not None and hires is not None:
+                chosen.release(self.routing)
+        return await asyncio.to_thread(self.respond, body, plan, chosen.info, requests, done, edits, tiled, hires)
 
     async def generate(self, http: Request, model: type[ProcessingBody], kind: str) -> Response:
         """`images` with the request's accounting: in flight while it runs, then exactly one outcome."""

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Awaitable
 from fastapi import APIRouter, Depends, Request, params
 from fastapi.responses import JSONResponse, Response
 
+from ..hires import LATENT_MODES
 from ..image_metadata import PNG_KEY, infotext_parts, read_texts
 from ..prompt_styles import StyleBook
 from .a1111_scripts import script_info
@@ -42,9 +43,7 @@ from ..api.protocol import decode_b64
 if TYPE_CHECKING:
     from ..text.embeddings import EmbeddingDir
 
-# AUTOMATIC1111's shared.latent_upscale_modes, in its order
-LATENT_UPSCALE_MODES = ("Latent", "Latent (antialiased)", "Latent (bicubic)", "Latent (bicubic antialiased)",
-                        "Latent (nearest)", "Latent (nearest-exact)")
+LATENT_UPSCALE_MODES = tuple(LATENT_MODES)  # AUTOMATIC1111's shared.latent_upscale_modes, in its order
 # image.info keys AUTOMATIC1111's read_info_from_image drops from png-info's `items` (format details, not text)
 IGNORED_INFO_KEYS = frozenset({"jfif", "jfif_version", "jfif_unit", "jfif_density", "dpi", "exif", "loop",
                                "background", "timestamp", "duration", "progressive", "progression", "icc_profile",

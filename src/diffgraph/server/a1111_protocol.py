@@ -24,7 +24,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, ConfigDict, JsonValue, PrivateAttr, ValidationError
 
 from .. import __version__
-from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, parse_infotext
+from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, infotext_parts, parse_infotext
 from ..prompt_styles import StyleBook, StyleError
 from ..request import GUIDANCE_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError
 from ..sampling.aliases import canonical
@@ -297,8 +297,7 @@ def _enabled(args: Any) -> bool:
 def check_supported(body: ProcessingBody) -> None:
     """A 400 for each value diffgraph cannot honour (the first found), naming the field and the value that works."""
     get = body.__dict__.get
-    off = {"enable_hr": "the hires fix is not supported yet; send false and upscale the result yourself",
-           "restore_faces": "face restoration (GFPGAN, CodeFormer) is out of scope for diffgraph; send false",
+    off = {"restore_faces": "face restoration (GFPGAN, CodeFormer) is out of scope for diffgraph; send false",
            "tiling": "tiling is not supported; send false",
            "disable_extra_networks": "send false, and leave <lora:...> tags out of the prompt instead"}
     for field, why in off.items():
@@ -407,6 +406,35 @@ def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
             setattr(body, field, fields[ours])
     if fields.get("clip_skip") and "CLIP_stop_at_last_layers" not in (body.override_settings or {}):
         body.override_settings = {**(body.override_settings or {}), "CLIP_stop_at_last_layers": fields["clip_skip"] + 1}
+    if isinstance(body, Txt2ImgBody):
+        _apply_hires(body, infotext_parts(text)[2])
+
+
+# the hires fix's infotext entries (a1111_hires.py writes them) -> the txt2img fields they fill
+HIRES_ENTRIES = {"Hires upscale": ("hr_scale", float), "Hires steps": ("hr_second_pass_steps", int),
+                 "Hires upscaler": ("hr_upscaler", str), "Hires sampler": ("hr_sampler_name", str),
+                 "Hires schedule type": ("hr_scheduler", str),
+                 "Hires prompt": ("hr_prompt", str), "Hires negative prompt": ("hr_negative_prompt", str)}
+
+
+def _apply_hires(body: Txt2ImgBody, params: dict[str, str]) -> None:
+    """An infotext's hires entries (AUTOMATIC1111 pastes them the same way): enable_hr where it has "Hires upscale"
+    or "Hires resize", and the hr_* fields the body does not set."""
+    values: dict[str, Any] = {}
+    try:
+        for entry, (field, kind) in HIRES_ENTRIES.items():
+            if entry in params:
+                values[field] = kind(params[entry])
+        if "Hires resize" in params:
+            values["hr_resize_x"], values["hr_resize_y"] = (int(v) for v in params["Hires resize"].split("x", 1))
+    except ValueError:
+        raise APIError(400, "infotext: its Hires entries hold a value that is not a number; send the hr_* fields "
+                            "instead", param="infotext") from None
+    if "Hires upscale" in params or "Hires resize" in params:
+        values["enable_hr"] = True
+    for field, value in values.items():
+        if field not in body.model_fields_set:
+            setattr(body, field, value)
 
 
 def _styled(body: ProcessingBody, styles: StyleBook | None,
