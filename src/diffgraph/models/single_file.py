@@ -89,8 +89,8 @@ def load_single_file(path: str, device: torch.device, dtype: torch.dtype, name: 
 def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int,
              device: torch.device | str = "cpu") -> Any:
     """A VAE from a single file (original or diffusers layout) or a diffusers folder (an AutoencoderKL's, or a
-    pipeline folder's vae/), read with `config`'s vae/config.json where the file carries no config. A file's tensors
-    are read straight to `device` and its parameters made there; a folder's are made on the CPU."""
+    pipeline folder's vae/), read with `config`'s vae/config.json where the file carries no config, its tensors read
+    straight to `device` and its parameters made there."""
     from diffusers import AutoencoderKL
 
     if os.path.isdir(source):
@@ -98,7 +98,7 @@ def load_vae(source: str, dtype: torch.dtype, config: str, max_bytes: int,
         if not os.path.isfile(os.path.join(source, sub or "", "config.json")):
             raise ValueError(f"vae {source!r} is a folder without a VAE config.json (or a vae/ subfolder with one); "
                              "give a diffusers AutoencoderKL folder or a .safetensors VAE file")
-        return load_part(AutoencoderKL, source, f"vae {source!r}", sub, dtype)
+        return load_part(AutoencoderKL, source, f"vae {source!r}", sub, dtype, device=device)
     refuse_pickle(source)
     try:
         state = read_safetensors(source, max_bytes, device=device)
