@@ -196,8 +196,8 @@ def test_the_bytes_land_in_the_tensors_returned(tmp_path, monkeypatch):
 
 
 def test_with_a_device_the_host_holds_one_chunk_buffer(tmp_path, monkeypatch):
-    """The host peak of a load to a device: every chunk is read into one host buffer of at most a chunk's bytes,
-    then copied to its tensor's slice on the device, and no tensor is made on the host (the meta device stands in
+    """The host peak of a load to a device: every chunk is read into one host buffer of at most a chunk's bytes (one
+    per open file), then copied to its tensor's slice on the device, and no tensor is made on the host (the meta device stands in
     for a GPU here)."""
     path = str(tmp_path / "w.safetensors")
     save_file({f"t{i}": torch.randn(32, 32) for i in range(6)}, path)
@@ -217,8 +217,10 @@ def test_with_a_device_the_host_holds_one_chunk_buffer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(OpenFile, "readinto", spy)
     monkeypatch.setattr(torch, "empty", tracked)
-    with TensorFile(path, chunk=1000) as f:
-        got = f.read(device="meta", dtype=torch.float16)
+    with TensorFile(path, chunk=1000) as f:  # (a caller reading one tensor at a time reuses the buffer too)
+        got = f.read(["t0", "t1", "t2"], device="meta", dtype=torch.float16)
+        for key in ("t3", "t4", "t5"):
+            got.update(f.read([key], device="meta", dtype=torch.float16))
     monkeypatch.undo()
     assert all(t.device.type == "meta" and t.dtype == torch.float16 and t.shape == (32, 32) for t in got.values())
     assert len({address for address, _ in into}) == 1 and max(n for _, n in into) == 1000

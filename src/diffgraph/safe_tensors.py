@@ -16,7 +16,7 @@ as the file's previous write is the one change that can go unseen.
 
 Peak host memory while loading, beyond the tensors returned: nothing on the host at the file's dtype (bytes land in
 the result); with `dtype`, one tensor at the file's dtype while it is converted; with a `device` off the host, one
-buffer of at most `chunk` bytes (allocated once per `read`: no host tensor per weight, so nothing for the allocator
+buffer of at most `chunk` bytes (made once per open file: no host tensor per weight, so nothing for the allocator
 to fragment), so a multi-GB file loads to a GPU with that much host memory, whatever its largest tensor; a
 conversion to `dtype` runs on the device. fp8 checks run per chunk over the bytes read (temporaries of at most
 `chunk` bytes).
@@ -72,6 +72,7 @@ class TensorFile:
             self._file.close()
             raise
         self._scales = _quantisation_scales(self.header.tensors)
+        self._staging: torch.Tensor | None = None
 
     @property
     def stamp(self) -> FileStamp:
@@ -87,10 +88,7 @@ class TensorFile:
         missing = next((k for k in names if k not in tensors), None)
         if missing is not None:
             raise UnusableFile(f"has no tensor {missing[:200]!r}: it is not the kind of file expected here")
-        staging = None
-        if device is not None and torch.device(device).type != "cpu" and names:
-            largest = max(tensors[k].end - tensors[k].begin for k in names)
-            staging = torch.empty(min(self.chunk, largest), dtype=torch.uint8)
+        staging = self._buffer() if device is not None and torch.device(device).type != "cpu" else None
         out = {}
         for key in sorted(names, key=lambda k: tensors[k].begin):
             t = self._tensor(key, tensors[key], device, staging)
@@ -124,10 +122,19 @@ class TensorFile:
             _check_scale(key, out)
         return out
 
+    def _buffer(self) -> torch.Tensor:
+        """The host buffer reads to a device pass through: made at the first, kept until `close` (a caller that
+        reads one tensor at a time reuses it), of a chunk's bytes or the file's largest tensor's if less."""
+        if self._staging is None:
+            largest = max((t.end - t.begin for t in self.header.tensors.values()), default=0)
+            self._staging = torch.empty(min(self.chunk, largest), dtype=torch.uint8)
+        return self._staging
+
     def _unchanged(self) -> None:
         self._file.unchanged_in_place()
 
     def close(self) -> None:
+        self._staging = None
         self._file.close()
 
     def __enter__(self) -> "TensorFile":

@@ -4,12 +4,17 @@
 `from_single_file` would, with a config folder written by `checkpoint_configs.py` (or the user's `--model-config`), so
 nothing is downloaded, but without a path for diffusers to map: the file is opened once (`safe_tensors.TensorFile`)
 and each component (UNet, VAE, text encoders) is made by diffusers' own `load_single_file_sub_model` from a dict of
-only its own tensors (`_own_keys`), streamed from the file just before, so host memory while loading is
-the modules already made plus one component's tensors at the file's dtype (for a float32 load, one tensor: they
-are widened as they are read). A file rewritten while it is read is a
-`FileChanged`, reported in one line. The checkpoint's marks and the `LoadOptions` overrides (prediction type, zero
+only its own tensors (`_own_keys`), streamed from the file just before straight to the model's device, where the
+conversion runs and the parameters are made (`_component`: diffusers' model classes are given the `device` their
+`from_single_file` places parameters on; CLIP text encoders are made by `_clip_text_model`, the steps of diffusers'
+`create_diffusers_clip_model_from_ldm` with that device). So on a GPU the host holds one chunk buffer of the reader
+while loading, and the GPU at most the modules already made plus one component's tensors as read (at the file's
+dtype, or float32 for a float32 load), which become its parameters where their dtype and layout fit (the parameters
+then add nothing); on the CPU, the same on the host. A file rewritten while it is read is a `FileChanged`, reported
+in one line. The checkpoint's marks and the `LoadOptions` overrides (prediction type, zero
 SNR) go into the scheduler config; `--vae` replaces the VAE (`load_vae`: a single file streamed into tensors by
-`safe_tensors`, or a diffusers folder streamed by `stream_load`). Weights that are NaN or infinite are refused by name.
+`safe_tensors`, or a diffusers folder streamed by `stream_load`, on the model's device). Weights that are NaN or
+infinite are refused by name, on the device they were made on.
 """
 
 from __future__ import annotations
