@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import weakref
 
 import numpy as np
 import pytest
@@ -196,22 +195,51 @@ def test_the_bytes_land_in_the_tensors_returned(tmp_path, monkeypatch):
     assert sum(n for _, n in reads) == sum(t.nbytes for t in got.values())
 
 
-def test_with_a_device_the_host_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
-    """The host peak of a load to a device: each tensor is read, checked and moved before the next is made (the
-    meta device stands in for a GPU here: moving there frees the host tensor)."""
+def test_with_a_device_the_host_holds_one_chunk_buffer(tmp_path, monkeypatch):
+    """The host peak of a load to a device: every chunk is read into one host buffer of at most a chunk's bytes (one
+    per open file), then copied to its tensor's slice on the device, and no tensor is made on the host (the meta device stands in
+    for a GPU here)."""
     path = str(tmp_path / "w.safetensors")
     save_file({f"t{i}": torch.randn(32, 32) for i in range(6)}, path)
-    real, made = TensorFile._tensor, []
+    real, into = OpenFile.readinto, []
 
-    def tracked(self, key, info):
-        assert all(ref() is None for ref in made), "an earlier host tensor is still alive"
-        t = real(self, key, info)
-        made.append(weakref.ref(t))
+    def spy(self, view, offset):
+        into.append((np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view)))
+        return real(self, view, offset)
+
+    made = []
+    empty = torch.empty
+
+    def tracked(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        made.append((t.device.type, t.nbytes))
         return t
 
-    monkeypatch.setattr(TensorFile, "_tensor", tracked)
-    got = read_safetensors(path, device="meta", dtype=torch.float16)
-    assert len(made) == 6 and all(t.device.type == "meta" and t.dtype == torch.float16 for t in got.values())
+    monkeypatch.setattr(OpenFile, "readinto", spy)
+    monkeypatch.setattr(torch, "empty", tracked)
+    with TensorFile(path, chunk=1000) as f:  # (a caller reading one tensor at a time reuses the buffer too)
+        got = f.read(["t0", "t1", "t2"], device="meta", dtype=torch.float16)
+        for key in ("t3", "t4", "t5"):
+            got.update(f.read([key], device="meta", dtype=torch.float16))
+    monkeypatch.undo()
+    assert all(t.device.type == "meta" and t.dtype == torch.float16 and t.shape == (32, 32) for t in got.values())
+    assert len({address for address, _ in into}) == 1 and max(n for _, n in into) == 1000
+    assert sum(n for _, n in into) == 6 * 32 * 32 * 4
+    assert [m for m in made if m[0] == "cpu"] == [("cpu", 1000)]  # the one buffer
+
+
+def test_a_read_through_the_host_buffer_gives_the_files_values(tmp_path):
+    """The chunk-by-chunk copy off the host buffer (as to a GPU; here from the host to the host) lands every byte:
+    tensors over several chunks, one shorter than a chunk, an fp8 tensor checked as it passes, and int64."""
+    path = str(tmp_path / "w.safetensors")
+    tensors = {"a": torch.randn(37, 11), "b": torch.arange(5, dtype=torch.int64), "c": torch.randn(3).half(),
+               "d": torch.randn(40).to(torch.float8_e4m3fn)}
+    save_file(tensors, path)
+    with TensorFile(path, chunk=64) as f:
+        staging = torch.empty(64, dtype=torch.uint8)
+        got = {k: f._tensor(k, f.header.tensors[k], "cpu", staging) for k in tensors}
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+               for k, v in tensors.items())
 
 
 def test_the_chunk_bounds_each_read(tmp_path, monkeypatch):

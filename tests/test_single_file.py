@@ -519,6 +519,42 @@ def test_nothing_maps_or_copies_the_checkpoint(made, monkeypatch):
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in y)
 
 
+def test_each_component_is_read_and_made_on_the_models_device(made, tmp_path, monkeypatch):
+    """The reader is asked for the model's device and every parameter and buffer of every component (a --vae file's
+    too) is made there: the meta device stands in for a GPU, so a tensor copied through the host on the way would
+    show as a CPU one. A CPU load reads to the CPU."""
+    from diffgraph.models import single_file
+    from diffgraph.models.families import default_registry
+    from diffgraph.safe_tensors import TensorFile
+
+    asked, read = [], TensorFile.read
+
+    def spy(self, keys=None, device=None, dtype=None):
+        out = read(self, keys, device, dtype)
+        if out:  # (tokenizers and schedulers read no tensors)
+            asked.append(device)
+        return out
+    monkeypatch.setattr(TensorFile, "read", spy)
+    folder, path = made["digits"]
+    vae_file = str(tmp_path / "vae.safetensors")
+    save_file({k: v.contiguous() for k, v in _tensors(load_model(folder, "cpu", "fp32").vae).items()}, vae_file)
+    asked.clear()
+    load_model(path, "cpu", "fp32", options=LoadOptions(model_config=folder))
+    assert len(asked) == 3 and set(asked) == {torch.device("cpu")}  # UNet, VAE, text encoder
+    monkeypatch.setattr(single_file, "_check_finite", lambda path, modules: None)  # (meta tensors hold no values)
+    meta = torch.device("meta")
+    for name, vae in (("digits", None), ("digits", vae_file), ("digits-xl", None), ("sd2", None)):
+        folder, path = made[name]
+        asked.clear()
+        m = single_file.load_single_file(path, meta, torch.float16, name, default_registry(),
+                                         LoadOptions(model_config=folder, vae=vae), 1 << 34)
+        assert len(asked) == 3 + (name == "digits-xl") and set(asked) == {meta}
+        for module in (m.denoiser, m.vae, *m.text_encoders):
+            tensors = _tensors(module)
+            assert tensors and {t.device for t in tensors.values()} == {meta}, type(module).__name__
+            assert {t.dtype for t in module.parameters()} == {torch.float16}
+
+
 @pytest.mark.parametrize("how", ["in place", "cut", "replaced"])
 def test_a_checkpoint_rewritten_while_it_is_read_is_a_one_line_error(made, tmp_path, monkeypatch, how):
     from rewrite_util import rewrite_on_read

@@ -5,8 +5,9 @@ of a single-file checkpoint) a dict of tensors that no writer of the file can to
 `TensorFile` opens the file (`safe_files.OpenFile`: regular files only, within a byte limit) and reads its header
 first (`safe_files.checked_header`: bounded, its data offsets tiling the data section exactly), so a caller checks
 the header (dtypes, layout) before any tensor is read. `read` then makes each tensor's destination (`torch.empty` at
-the file's dtype and shape) and reads its bytes straight into the tensor's memory in chunks (`OpenFile.readinto`:
-preadv into a view of the tensor; no bytes object, no copy of the file). Between chunks and at the end the open
+the file's dtype and shape, on the host or the device asked for) and reads its bytes into it in chunks
+(`OpenFile.readinto`: preadv into a view of the tensor, or for a device into one host buffer of at most a chunk,
+copied to the tensor's slice; no bytes object, no copy of the file). Between chunks and at the end the open
 file's size and mtime are checked against the stat taken before it was opened, and at the end the path is checked
 to still name the inode that was read: a file rewritten in place (`cp new old`, `rsync --inplace`), cut or replaced
 while it is read raises `FileChanged`, never SIGBUS (nothing here maps the file: no mmap, no `safe_open`, no
@@ -14,9 +15,11 @@ while it is read raises `FileChanged`, never SIGBUS (nothing here maps the file:
 as the file's previous write is the one change that can go unseen.
 
 Peak host memory while loading, beyond the tensors returned: nothing on the host at the file's dtype (bytes land in
-the result); with `dtype`, one tensor at the file's dtype while it is converted; with `device`, one tensor on the
-host (read, checked, then moved before the next is read), so a multi-GB file loads to a GPU with host memory of its
-largest tensor. fp8 checks run per chunk over the bytes read (temporaries of at most `chunk` bytes).
+the result); with `dtype`, one tensor at the file's dtype while it is converted; with a `device` off the host, one
+buffer of at most `chunk` bytes (made once per open file: no host tensor per weight, so nothing for the allocator
+to fragment), so a multi-GB file loads to a GPU with that much host memory, whatever its largest tensor; a
+conversion to `dtype` runs on the device. fp8 checks run per chunk over the bytes read (temporaries of at most
+`chunk` bytes).
 
 fp8: every float8 tensor read is checked for NaN (e4m3fn) or infinity and NaN (e5m2) by its bit patterns; every
 quantisation scale read (a key ending in `scale_weight`, `weight_scale`, `input_scale` or `.scale` whose layer holds
@@ -69,6 +72,7 @@ class TensorFile:
             self._file.close()
             raise
         self._scales = _quantisation_scales(self.header.tensors)
+        self._staging: torch.Tensor | None = None
 
     @property
     def stamp(self) -> FileStamp:
@@ -76,48 +80,61 @@ class TensorFile:
 
     def read(self, keys: Iterable[str] | None = None, device: torch.device | str | None = None,
              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The tensors named by `keys` (default all), in file order, each checked, converted to `dtype` (floating
-        point ones only; fp8 scales are not applied) and moved to `device` before the next one is read."""
+        """The tensors named by `keys` (default all), in file order, each checked, made on `device` (default the
+        host) and converted to `dtype` (floating point ones only; fp8 scales are not applied) before the next one is
+        read. Off the host, each chunk passes through one host buffer of at most `chunk` bytes."""
         tensors = self.header.tensors
         names = list(tensors) if keys is None else list(dict.fromkeys(keys))
         missing = next((k for k in names if k not in tensors), None)
         if missing is not None:
             raise UnusableFile(f"has no tensor {missing[:200]!r}: it is not the kind of file expected here")
+        staging = self._buffer() if device is not None and torch.device(device).type != "cpu" else None
         out = {}
         for key in sorted(names, key=lambda k: tensors[k].begin):
-            t = self._tensor(key, tensors[key])
-            if device is not None:
-                t = t.to(device)  # (before a conversion: the host holds one tensor at the file's dtype)
+            t = self._tensor(key, tensors[key], device, staging)
             if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
+                t = t.to(dtype)  # (on the device: the host never holds a whole tensor there)
             out[key] = t
         self._unchanged()
         return out
 
-    def _tensor(self, key: str, info: TensorInfo) -> torch.Tensor:
-        """One tensor's bytes read in chunks straight into its memory, checked as they come."""
+    def _tensor(self, key: str, info: TensorInfo, device: torch.device | str | None = None,
+                staging: torch.Tensor | None = None) -> torch.Tensor:
+        """One tensor's bytes read in chunks, checked as they come, straight into its memory on `device`, or with
+        `staging` (a host buffer of at least one chunk's bytes or the tensor's) through it, chunk by chunk."""
         torch_dtype = DTYPES.get(info.dtype)
         if torch_dtype is None:
             raise NotSafetensors(f"holds tensor {key[:200]!r} as {info.dtype}, a dtype this reader does not know "
                                  f"(known: {', '.join(DTYPES)}); convert the file to F16, BF16 or F32")
-        out = torch.empty(info.shape, dtype=torch_dtype)
+        out = torch.empty(info.shape, dtype=torch_dtype, device=device)
         flat = out.reshape(-1).view(torch.uint8)
-        view = memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
         start = self.header.data_start + info.begin
-        for offset in range(0, len(view), self.chunk):
-            n = min(self.chunk, len(view) - offset)
-            self._file.readinto(view[offset:offset + n], start + offset)
+        for offset in range(0, flat.numel(), self.chunk):
+            n = min(self.chunk, flat.numel() - offset)
+            into = flat[offset:offset + n] if staging is None else staging[:n]
+            self._file.readinto(memoryview(into.numpy()), start + offset)
             self._file.unchanged()  # a writer caught at the next chunk
             if info.dtype in FP8_NONFINITE:
-                _check_fp8(key, info.dtype, flat[offset:offset + n])
+                _check_fp8(key, info.dtype, into)
+            if staging is not None:
+                flat[offset:offset + n].copy_(into)  # (from pageable memory: the buffer is free again on return)
         if key in self._scales:
             _check_scale(key, out)
         return out
+
+    def _buffer(self) -> torch.Tensor:
+        """The host buffer reads to a device pass through: made at the first, kept until `close` (a caller that
+        reads one tensor at a time reuses it), of a chunk's bytes or the file's largest tensor's if less."""
+        if self._staging is None:
+            largest = max((t.end - t.begin for t in self.header.tensors.values()), default=0)
+            self._staging = torch.empty(min(self.chunk, largest), dtype=torch.uint8)
+        return self._staging
 
     def _unchanged(self) -> None:
         self._file.unchanged_in_place()
 
     def close(self) -> None:
+        self._staging = None
         self._file.close()
 
     def __enter__(self) -> "TensorFile":

@@ -238,7 +238,7 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
         _check_weights(folder, sub, index.get(sub))
     model = adapter.load_folder(folder, index, device, dtype, name)
     if options.vae:
-        model.vae = load_vae(options.vae, dtype, folder, MODEL_FILE_LIMIT)
+        model.vae = load_vae(options.vae, dtype, folder, MODEL_FILE_LIMIT, device)
     return _finish(_overridden(model, options))
 
 

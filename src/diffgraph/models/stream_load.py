@@ -7,7 +7,8 @@ its constructor makes them, in the requested dtype, as `from_pretrained` makes t
 each tensor is read by `safe_tensors.TensorFile` (streamed in chunks straight into the tensor, on the host or on
 `device`, the file's size and mtime checked between chunks and its path at the end), converted to the dtype
 `from_pretrained` gives it, and assigned in place of its meta parameter before the next one is read. Host memory
-while loading is the module's own tensors (none, on a device) plus one tensor at the file's dtype.
+while loading is the module's own tensors plus one tensor at the file's dtype; on a device, the reader's one chunk
+buffer.
 
 What `from_pretrained` does beside reading is done the same way: the files it reads (`{stem}.safetensors`, the
 `variant`'s, or the shards a `*.safetensors.index.json` names), its key renames (diffusers' old attention-block

@@ -182,7 +182,7 @@ class FamilyAdapter:
             plain = any(f.endswith((".safetensors", ".bin")) and f.count(".") == 1 for f in files)
             return None if plain or not any(".fp16." in f for f in files) else "fp16"
 
-        label = f"model folder {folder!r}"  # (weights streamed to the device: the host holds one tensor at a time)
+        label = f"model folder {folder!r}"  # (weights streamed to the device: the host holds one chunk buffer)
         unet = load_part(UNet2DConditionModel, folder, label, "unet", dtype, variant("unet"), device)
         vae = load_part(AutoencoderKL, folder, label, "vae", dtype, variant("vae"), device)
         encoders, tokenizers = [], []
