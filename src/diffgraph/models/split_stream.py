@@ -242,14 +242,20 @@ def _fill(model: nn.Module, plan: _Plan, source: _Source, convert: Convert, dtyp
             value = converted[name] if view == CONVERTED else real if view is None else \
                 real.as_strided(view[0], view[1], real.storage_offset() + view[2])
             shared = view is not None or len(recipes) > 1
-            done = value if finish_first else zf.finish_tensor(value, _scale(plan.scales, name), dtype, keep_fp8)
-            if isinstance(done, zf.Fp8Weight):
-                weight = _own(done.weight, real, shared)
-                kept[name.removesuffix(".weight")] = zf.Fp8Weight(weight, done.scale.to(weight.device))
-            else:
-                assign(model, name, _own(done, real, shared))
-        del real, converted
+            scale = None if finish_first else _scale(plan.scales, name)
+            _put(model, kept, name, _own(value, real, shared), scale, dtype, keep_fp8)
+        del real, converted, value  # (before the next tensor is read)
     return kept
+
+
+def _put(model: nn.Module, kept: dict[str, zf.Fp8Weight], name: str, value: torch.Tensor,
+         scale: torch.Tensor | None, dtype: torch.dtype, keep_fp8: bool) -> None:
+    """One module tensor finished (zimage_files' `finish_tensor`) and assigned, or kept as an fp8 pair."""
+    done = zf.finish_tensor(value, scale, dtype, keep_fp8)
+    if isinstance(done, zf.Fp8Weight):
+        kept[name.removesuffix(".weight")] = zf.Fp8Weight(done.weight, done.scale.to(done.weight.device))
+    else:
+        assign(model, name, done)
 
 
 def _scale(scales: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
@@ -267,7 +273,9 @@ def _finished(path: str, model: nn.Module, kept: Mapping[str, zf.Fp8Weight],
               dtype: torch.dtype) -> tuple[nn.Module, tuple[str, ...]]:
     """The module's floating buffers at `dtype` (as a module built, then cast), its kept fp8 layers installed, every
     parameter filled."""
-    model.to(dtype)
+    for name, buffer in list(model.named_buffers()):
+        if buffer.is_floating_point() and buffer.dtype != dtype:
+            assign(model, name, buffer.to(dtype))
     installed = zf.install_fp8(model, kept, dtype)
     left = unfilled(model)
     if left:
