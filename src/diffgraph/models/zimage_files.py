@@ -35,7 +35,10 @@ Every other file is read through `safe_tensors.TensorFile` (streamed and checked
 comes first, which must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks
 like, with split_files' signatures). Errors are ValueError, one line naming the file and saying what to use instead.
 `read_file` is the same reading for another family's converter (flux2_files.py: a FLUX.2 transformer, its VAE).
-`load_into` puts a `FileWeights` into a module: strict, fp8 pairs installed as `Fp8Linear` where they fit.
+`load_into` puts a `FileWeights` into a module: strict, fp8 pairs installed as `Fp8Linear` where they fit. The
+families load their split files through split_stream.py instead (a module built on meta, filled tensor by tensor),
+which reads with the pieces here: `checked_formats` (the header's checks), the key conversions, `finish_tensor`
+(one tensor's dtype and fp8 scale), `install_fp8` and `misfit` (the one-line error of a file that does not fit).
 """
 
 from __future__ import annotations
