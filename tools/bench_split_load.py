@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -89,7 +88,7 @@ def child(path: str, how: str, dtype: torch.dtype, device: torch.device) -> None
     if device.type == "cuda":
         torch.zeros(1, device=device)
         torch.cuda.reset_peak_memory_stats(device)
-    before, rss_before, sampler = _host_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, PeakSampler()
+    before, sampler = _host_mib(), PeakSampler()
     sampler.start()
     start = time.perf_counter()
     if how == "whole dict":
@@ -106,8 +105,6 @@ def child(path: str, how: str, dtype: torch.dtype, device: torch.device) -> None
         largest = max(t.end - t.begin for t in f.header.tensors.values())
     size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(json.dumps({"how": how, "device": str(device), "peak_delta_mib": round(peak - before),
-                      "maxrss_delta_mib": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before)
-                                                / 1024),
                       "module_mib": round(size / 2 ** 20, 1), "largest_tensor_mib": round(largest / 2 ** 20, 1),
                       "device_peak_mib": round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1)
                       if device.type == "cuda" else None, "seconds": round(seconds, 1)}))
