@@ -57,16 +57,27 @@ FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
 
 def read_transformer(path: str, dtype: torch.dtype = torch.bfloat16) -> FileWeights:
     """A FLUX.2 transformer file as Flux2Transformer2DModel's state dict."""
-    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+    refuse_gguf(path)
+    weights = read_file(path, "flux2_transformer", dtype)
+    return FileWeights(path, transformer_from_original(weights.state), {}, weights.quantisation)
 
+
+def refuse_gguf(path: str) -> None:
     if path.endswith(GGUF_SUFFIX):
         raise ValueError(f"{path} is a GGUF file; FLUX.2 transformers are read from safetensors files (bf16, or "
                          "ComfyUI's fp8): use one of those")
-    weights = read_file(path, "flux2_transformer", dtype)
-    state = {k.removeprefix(TRANSFORMER_PREFIX): v for k, v in weights.state.items()}
+
+
+def transformer_from_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BFL's keys (bare or under `model.diffusion_model.`) as Flux2Transformer2DModel's, by diffusers' converter (its
+    fused qkv chunks are views; the final modulation's swap computes a new tensor from that one tensor alone); a
+    state in diffusers' names as it is."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    state = {k.removeprefix(TRANSFORMER_PREFIX): v for k, v in state.items()}
     if not any(k.startswith("transformer_blocks.") for k in state):
         state = convert_flux2_transformer_checkpoint_to_diffusers(state)
-    return FileWeights(path, state, {}, weights.quantisation)
+    return state
 
 
 def read_vae(path: str, config: Mapping[str, Any], dtype: torch.dtype = torch.bfloat16) -> FileWeights:

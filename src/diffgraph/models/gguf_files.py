@@ -60,10 +60,7 @@ class GgufFile:
         missing = next((k for k in names if k not in tensors), None)
         if missing is not None:
             raise UnusableFile(f"has no tensor {missing[:200]!r}: it is not the kind of file expected here")
-        refused = next((tensors[k] for k in names if tensors[k].type_name not in READABLE), None)
-        if refused is not None:
-            raise UnreadableType(f"has tensor {refused.name[:200]!r} in {refused.type_name}, which diffgraph does not "
-                                 f"read; use a Q4_K, Q8_0 or F16 file")
+        self.check_types(names)
         out, shapes = {}, self.header.shapes()
         for key in names:
             t = tensors[key]
@@ -74,6 +71,15 @@ class GgufFile:
             del raw  # (the host's copy goes before the next tensor is read)
         self._file.unchanged_in_place()
         return out
+
+    def check_types(self, keys: Iterable[str]) -> None:
+        """Refuses (`UnreadableType`) the first of the tensors named by `keys` whose GGML type diffgraph does not
+        dequantise: from the header, before any tensor is read."""
+        tensors = self.header.tensors
+        refused = next((tensors[k] for k in keys if tensors[k].type_name not in READABLE), None)
+        if refused is not None:
+            raise UnreadableType(f"has tensor {refused.name[:200]!r} in {refused.type_name}, which diffgraph does not "
+                                 f"read; use a Q4_K, Q8_0 or F16 file")
 
     def _raw(self, t: GgufTensor) -> torch.Tensor:
         """One tensor's bytes read in chunks straight into a uint8 tensor, the file's stamp checked after each."""

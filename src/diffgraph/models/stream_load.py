@@ -151,6 +151,18 @@ def _meta_parameters(dtype: torch.dtype | None) -> Iterator[None]:
             torch.set_default_dtype(previous)
 
 
+def meta_parameters(dtype: torch.dtype | None = None) -> contextlib.AbstractContextManager[None]:
+    """Modules this thread builds inside get their parameters on the meta device and their buffers real (a module
+    built from a config without its weights, to be filled by `assign`); the default dtype is `dtype` meanwhile."""
+    return _meta_parameters(dtype)
+
+
+def unfilled(model: torch.nn.Module) -> list[str]:
+    """The module's parameters and persistent buffers still on the meta device (not assigned yet), in its order."""
+    params = [name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    return params + [n for n, b in model.named_buffers() if b.is_meta and _persistent(model, n)]
+
+
 def _meta_module(cls: type[M], path: str, dtype: torch.dtype | None, library: str) -> M:
     if library == "diffusers":
         config = cls.load_config(path, local_files_only=True)

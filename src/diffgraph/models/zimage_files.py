@@ -35,7 +35,10 @@ Every other file is read through `safe_tensors.TensorFile` (streamed and checked
 comes first, which must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks
 like, with split_files' signatures). Errors are ValueError, one line naming the file and saying what to use instead.
 `read_file` is the same reading for another family's converter (flux2_files.py: a FLUX.2 transformer, its VAE).
-`load_into` puts a `FileWeights` into a module: strict, fp8 pairs installed as `Fp8Linear` where they fit.
+`load_into` puts a `FileWeights` into a module: strict, fp8 pairs installed as `Fp8Linear` where they fit. The
+families load their split files through split_stream.py instead (a module built on meta, filled tensor by tensor),
+which reads with the pieces here: `checked_formats` (the header's checks), the key conversions, `finish_tensor`
+(one tensor's dtype and fp8 scale), `install_fp8` and `misfit` (the one-line error of a file that does not fit).
 """
 
 from __future__ import annotations
@@ -155,20 +158,34 @@ def load_into(module: nn.Module, weights: FileWeights) -> tuple[str, ...]:
     unexpected = [*result.unexpected_keys, *(n + ".weight" for n in weights.fp8 if n + ".weight"
                                              not in result.missing_keys)]
     if missing or unexpected:
-        what = (f"lacks {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") if missing
-                else f"holds {unexpected[0]!r}, which this model has no place for")
-        raise ValueError(f"{weights.path} {what}: it does not fit this {type(module).__name__}'s config; use the "
-                         "file made for this model")
+        raise misfit(weights.path, module, missing, unexpected)
+    return install_fp8(module, weights.fp8)
+
+
+def misfit(path: str, module: nn.Module, missing: list[str], unexpected: list[str]) -> ValueError:
+    """The one-line error of a file whose tensors do not fit `module`: the first missing key, else the first
+    unexpected one."""
+    what = (f"lacks {missing[0]!r}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") if missing
+            else f"holds {unexpected[0]!r}, which this model has no place for")
+    return ValueError(f"{path} {what}: it does not fit this {type(module).__name__}'s config; use the file made for "
+                      "this model")
+
+
+def install_fp8(module: nn.Module, fp8: Mapping[str, Fp8Weight], dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """Each kept fp8 layer of `module` as an `Fp8Linear` (on the device of its pair's weight) where it is an nn.Linear
+    whose dims are multiples of 16, else its weight dequantised to `dtype` (default the Linear's); the Linear's own
+    weight may be a meta tensor. Returns the names of the layers installed in fp8."""
     installed = []
-    for name, pair in weights.fp8.items():
+    for name, pair in fp8.items():
         linear = module.get_submodule(name)
+        device = pair.weight.device if linear.weight.is_meta else linear.weight.device
         if type(linear) is nn.Linear and linear.in_features % 16 == 0 and linear.out_features % 16 == 0:
-            module.set_submodule(name, Fp8Linear(pair.weight.to(linear.weight.device), pair.scale.to(
-                linear.weight.device), linear.bias, pair.granularity))
+            module.set_submodule(name, Fp8Linear(pair.weight.to(device), pair.scale.to(device), linear.bias,
+                                                 pair.granularity))
             installed.append(name)
         else:
-            with torch.no_grad():
-                linear.weight.copy_(pair.dequantised(linear.weight.dtype))
+            linear.weight = nn.Parameter(pair.dequantised(dtype or linear.weight.dtype).to(device),
+                                         requires_grad=linear.weight.requires_grad)
     return tuple(installed)
 
 
@@ -238,17 +255,24 @@ def _read(path: str, kind: Kind, max_bytes: int, config: Any = None) -> tuple[di
     as `<layer>.weight` (fp8) with `<layer>.weight_scale` (float32 [1] or [out]); input scales and markers dropped."""
     try:
         with TensorFile(path, max_bytes) as f:
-            shapes = {k: t.shape for k, t in f.header.tensors.items()}
-            _check_kind(path, kind, shapes, config)
-            marks = f.read(k for k in f.header.tensors if k.endswith(".comfy_quant"))
-            formats = _layer_formats(path, f.header.metadata, marks)
-            _refuse_quantised(path, f.header.tensors, formats)
+            formats = checked_formats(f, kind, config)
             state = f.read(k for k in f.header.tensors if not k.endswith(".comfy_quant"))
     except safe_files.FileChanged as e:
         raise ValueError(f"{path} {e}; {CHANGED_FIX}") from None
     except safe_files.UnusableFile as e:
         raise ValueError(f"{path} {e}") from None
     return _fp8_layers(path, state, formats)
+
+
+def checked_formats(f: TensorFile, kind: Kind, config: Any = None) -> dict[str, str]:
+    """The open file's header checked (the kind asked for, its size against `config`, no quantisation diffgraph cannot
+    read): each quantised layer's format as the file names it (`.comfy_quant` tensors, the only ones read here)."""
+    shapes = {k: t.shape for k, t in f.header.tensors.items()}
+    _check_kind(f.path, kind, shapes, config)
+    marks = f.read(k for k in f.header.tensors if k.endswith(".comfy_quant"))
+    formats = _layer_formats(f.path, f.header.metadata, marks)
+    _refuse_quantised(f.path, f.header.tensors, formats)
+    return formats
 
 
 def _read_gguf(path: str, kind: Kind, dtype: torch.dtype, device: torch.device | str | None,
@@ -399,14 +423,23 @@ def _finish(path: str, state: dict[str, torch.Tensor], convention: Quantisation,
         if key.endswith(".weight_scale"):
             continue
         layer = key.removesuffix(".weight")
-        scale = state.get(layer + ".weight_scale") if key != layer else None
-        if scale is None:
-            out[key] = value.to(dtype) if value.is_floating_point() else value
-        elif keep_fp8 and value.dtype == torch.float8_e4m3fn and value.ndim == 2:
-            kept[layer] = Fp8Weight(value, scale)
+        done = finish_tensor(value, state.get(layer + ".weight_scale") if key != layer else None, dtype, keep_fp8)
+        if isinstance(done, Fp8Weight):
+            kept[layer] = done
         else:
-            out[key] = (value.float() * scale.reshape(-1, *[1] * (value.ndim - 1))).to(dtype)
+            out[key] = done
     return FileWeights(path, out, kept, convention)
+
+
+def finish_tensor(value: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                  keep_fp8: bool) -> torch.Tensor | Fp8Weight:
+    """One tensor as `_finish` leaves it: a floating one at `dtype`; an fp8 weight with its `scale` kept as an
+    `Fp8Weight` (keep_fp8, e4m3fn [out, in]) or dequantised on its device (weight.float() * scale, then `dtype`)."""
+    if scale is None:
+        return value.to(dtype) if value.is_floating_point() else value
+    if keep_fp8 and value.dtype == torch.float8_e4m3fn and value.ndim == 2:
+        return Fp8Weight(value, scale)
+    return (value.float() * scale.to(value.device).reshape(-1, *[1] * (value.ndim - 1))).to(dtype)
 
 
 # -- configs from the weights (a split file carries no config) --------------------------------------------------------

@@ -246,27 +246,17 @@ class Flux2KleinFamily(TokenFamily):
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype, checkpoint)
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
-        """ComfyUI's three files (flux2_files.py: the transformer in BFL's layout, the FLUX.2 VAE by its key map; the
-        Qwen3 encoder as Z-Image's); the configs come from the weights' shapes, the tokenizer is the shipped Qwen3's,
-        the checkpoint (distilled or base) from the transformer file's name."""
-        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-        from transformers import Qwen3Config, Qwen3Model
+        """ComfyUI's three files, each streamed into a module built on meta (split_stream.py; flux2_files.py: the
+        transformer in BFL's layout, the FLUX.2 VAE by its key map; the Qwen3 encoder as Z-Image's); the configs come
+        from the weights' shapes, the tokenizer is the shipped Qwen3's, the checkpoint (distilled or base) from the transformer file's name."""
+        from diffusers import AutoencoderKLFlux2
 
-        from .. import flux2_files as ff, zimage_files as zf
+        from .. import flux2_files as ff, split_stream, zimage_files as zf
         checkpoint = checkpoint_of(files.diffusion_model)  # before any weight is read: the name must say it
-        weights = ff.read_transformer(files.diffusion_model, dtype)
-        with torch.device(device):
-            transformer = Flux2Transformer2DModel(**ff.transformer_config(weights.state)).to(dtype)
-        zf.load_into(transformer, weights)
-        del weights
-        weights = zf.read_text_encoder(files.text_encoder, dtype)
-        with torch.device(device):
-            encoder = Qwen3Model(Qwen3Config(**zf.qwen3_config(weights.state))).to(dtype)
-        zf.load_into(encoder, weights)
-        del weights
-        with torch.device(device):
-            vae = AutoencoderKLFlux2(**zf.vae_config(files.vae, FLUX2_VAE)).to(dtype)
-        zf.load_into(vae, ff.read_vae(files.vae, vae.config, dtype))
+        transformer = split_stream.load_flux2_transformer(files.diffusion_model, dtype, device)
+        encoder = split_stream.load_text_encoder(files.text_encoder, dtype, device)[0]
+        vae = split_stream.load_vae(AutoencoderKLFlux2, zf.vae_config(files.vae, FLUX2_VAE),
+                                    lambda config: ff.read_vae(files.vae, config, dtype), dtype, device)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
                            checkpoint)
 

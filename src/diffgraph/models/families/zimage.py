@@ -218,29 +218,17 @@ class ZImageFamily(TokenFamily):
                               extra={"checkpoint": checkpoint})
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
-        """ComfyUI's three files (zimage_files.py reads each through the checked reader, any of its layouts and fp8
-        conventions); the configs come from the weights' shapes, the tokenizer is the shipped Qwen3's."""
-        from diffusers import AutoencoderKL, ZImageTransformer2DModel
-        from transformers import Qwen3Config, Qwen3Model
+        """ComfyUI's three files, each streamed into a module built on meta (split_stream.py: zimage_files' checked
+        reading, any of its layouts and fp8 conventions); the configs come from the weights' shapes, the tokenizer
+        is the shipped Qwen3's."""
+        from diffusers import AutoencoderKL
 
-        from .. import zimage_files as zf
+        from .. import split_stream, zimage_files as zf
         checkpoint = checkpoint_of(files.diffusion_model)  # before any weight is read: the name must say it
-        weights = zf.read_transformer(files.diffusion_model, dtype, device=device)
-        config = _config_of(zf.transformer_config, weights, "a Z-Image transformer")
-        with torch.device(device):
-            transformer = ZImageTransformer2DModel(**config).to(dtype)
-        zf.load_into(transformer, weights)
-        del weights
-        weights = zf.read_text_encoder(files.text_encoder, dtype)
-        config = _config_of(zf.qwen3_config, weights, "a Qwen3 text encoder")
-        with torch.device(device):
-            encoder = Qwen3Model(Qwen3Config(**config)).to(dtype)
-        zf.load_into(encoder, weights)
-        del weights
-        config = zf.vae_config(files.vae, FLUX_VAE)
-        with torch.device(device):
-            vae = AutoencoderKL(**config).to(dtype)
-        zf.load_into(vae, zf.read_vae(files.vae, vae.config, dtype))
+        transformer = split_stream.load_transformer(files.diffusion_model, dtype, device)[0]
+        encoder = split_stream.load_text_encoder(files.text_encoder, dtype, device)[0]
+        vae = split_stream.load_vae(AutoencoderKL, zf.vae_config(files.vae, FLUX_VAE),
+                                    lambda config: zf.read_vae(files.vae, config, dtype), dtype, device)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER), device,
                            dtype, checkpoint)
 
@@ -376,12 +364,3 @@ class ZImageFamily(TokenFamily):
         out = net.all_final_layer[f"{self.patch}-1"](u[:, :tokens], c=adaln)
         return -out * real
 
-
-def _config_of(derive: Any, weights: Any, what: str) -> dict[str, Any]:
-    """A module's config from a file's weights (zimage_files' `*_config`); a file without the tensors it is read
-    from: a ValueError naming the file."""
-    try:
-        return derive(weights.state, weights.fp8)
-    except KeyError as e:
-        raise ValueError(f"{weights.path} lacks the tensor {e.args[0]!r}: it is not a complete file of {what}; copy "
-                         "it again, or use the file made for this model") from None
