@@ -162,13 +162,30 @@ def _long_functions() -> set[str]:
     return out
 
 
+def _named_long_functions(text: str) -> set[str]:
+    """The `path:qualified name` entries of the map's "## Functions over 80 lines" section (none without one)."""
+    start = text.find("## Functions over 80 lines")
+    if start < 0:
+        return set()
+    section = text[start:]
+    end = section.find("\n## ", 3)
+    return set(re.findall(r"`([\w/]+\.py:[\w.]+)`", section if end < 0 else section[:end]))
+
+
+def test_the_long_function_list_is_read_from_its_section():
+    text = ("# Map\n\n## Functions over 80 lines\n\n- `cli.py:main`, `engine/engine.py:Engine.__init__`: why.\n\n"
+            "## How to add ...\n\n`cli.py:other` is not in the list\n")
+    assert _named_long_functions(text) == {"cli.py:main", "engine/engine.py:Engine.__init__"}
+    assert _named_long_functions("# Map\n\n## Functions over 80 lines\n\n- `request.py:f`: why.\n") == {"request.py:f"}
+    assert _named_long_functions("# Map\n\n## How to add ...\n\n- `cli.py:main`\n") == set()
+
+
 def test_functions_stay_within_their_budget():
-    """No function over FUNCTION_LINES lines unless docs/ARCHITECTURE.md names it with its reason; a named one that
-    was split leaves the list (the list is what is, not what was)."""
+    """No function over FUNCTION_LINES lines unless docs/ARCHITECTURE.md names it with its reason, in a section
+    "## Functions over 80 lines" (there is none while every function fits); a named one that was split leaves the
+    list (the list is what is, not what was)."""
     text = (SRC.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
-    section = text[text.index("## Functions over 80 lines"):]
-    section = section[:section.index("\n## ", 3)]
-    named = set(re.findall(r"`([\w/]+\.py:[\w.]+)`", section))
+    named = _named_long_functions(text)
     long = _long_functions()
     assert long - named == set(), f"functions over {FUNCTION_LINES} lines: split them, or name each with its reason"
     assert named - long == set(), "named in docs/ARCHITECTURE.md but no longer over the budget: take them off"

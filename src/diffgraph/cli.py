@@ -39,6 +39,33 @@ def default_model() -> str:
 
 
 def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
+    """`generate`'s flags, in the order --help lists them."""
+    _add_request_arguments(g)
+    _add_edit_arguments(g)
+    _add_capability_arguments(g)
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
+    g.add_argument("--compile", action="store_true", help="the compile tier (a slow first start; see serve --help)")
+    add_compile_mode_argument(g)
+    add_quantize_arguments(g)
+    g.add_argument("--url", default=None,
+                   help="send the request to a running `diffgraph serve` at this URL (e.g. http://127.0.0.1:8000) "
+                        "instead of loading the model here")
+    g.add_argument("--api-key", default=None,
+                   help="with --url: the server's API key, sent as `Authorization: Bearer KEY` "
+                        "(default: $DIFFGRAPH_API_KEY)")
+    g.add_argument("--from-image", default=None, metavar="FILE",
+                   help="re-run the request saved in an image's settings (a diffgraph image, or AUTOMATIC1111's "
+                        "`parameters` text); flags given here override the file's values")
+    g.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress line on a terminal (loading, steps, decoding); pipes and logs never get one")
+    g.add_argument("--no-metadata", dest="metadata", action="store_false",
+                   help="write images without their settings (by default a PNG carries AUTOMATIC1111's "
+                        "`parameters` text and the request as JSON; JPEG/WebP the same in EXIF)")
+
+
+def _add_request_arguments(g: argparse.ArgumentParser) -> None:
+    """`generate`'s prompt, output file, model and the request's sampling flags."""
     g.add_argument("prompt", nargs="?", default=None,
                    help="the text prompt (with --from-image: the file's, unless given)")
     g.add_argument("-o", "--output", default="out.png",
@@ -66,6 +93,10 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
+
+
+def _add_edit_arguments(g: argparse.ArgumentParser) -> None:
+    """`generate`'s image-to-image and inpainting flags."""
     g.add_argument("--image", default=None, metavar="PATH",
                    help="image-to-image from this image (transparent pixels: inpainted there); output size: the "
                         "image's, rounded down to multiples of 8, unless --width/--height")
@@ -74,6 +105,10 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--strength", type=float, default=None,
                    help="with --image: the share of the steps to run, in (0, 1] (default: 0.8, or 1.0 inpainting; "
                         "SDXL 0.3 / 0.9999)")
+
+
+def _add_capability_arguments(g: argparse.ArgumentParser) -> None:
+    """`generate`'s adapter, ControlNet, IP-Adapter and prompt-reading flags, and their local folders."""
     g.add_argument("--lora", action="append", default=None, metavar="NAME[:SCALE]",
                    help="apply a LoRA adapter (repeatable, up to 4): a name in --lora-dir (or on the server with "
                         "--url), or a built-in adapter of the model; scale 1 when left out")
@@ -112,25 +147,6 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--embeddings-dir", default=None, metavar="DIR",
                    help="a folder of .safetensors textual-inversion embeddings that a1111-syntax prompts name (not "
                         "with --url: the server has its own)")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
-    g.add_argument("--compile", action="store_true", help="the compile tier (a slow first start; see serve --help)")
-    add_compile_mode_argument(g)
-    add_quantize_arguments(g)
-    g.add_argument("--url", default=None,
-                   help="send the request to a running `diffgraph serve` at this URL (e.g. http://127.0.0.1:8000) "
-                        "instead of loading the model here")
-    g.add_argument("--api-key", default=None,
-                   help="with --url: the server's API key, sent as `Authorization: Bearer KEY` "
-                        "(default: $DIFFGRAPH_API_KEY)")
-    g.add_argument("--from-image", default=None, metavar="FILE",
-                   help="re-run the request saved in an image's settings (a diffgraph image, or AUTOMATIC1111's "
-                        "`parameters` text); flags given here override the file's values")
-    g.add_argument("-q", "--quiet", action="store_true",
-                   help="no progress line on a terminal (loading, steps, decoding); pipes and logs never get one")
-    g.add_argument("--no-metadata", dest="metadata", action="store_false",
-                   help="write images without their settings (by default a PNG carries AUTOMATIC1111's "
-                        "`parameters` text and the request as JSON; JPEG/WebP the same in EXIF)")
 
 
 def _parser(serve: bool = True) -> argparse.ArgumentParser:
@@ -534,13 +550,35 @@ def _api_key(args: argparse.Namespace) -> str | None:
 def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     """POST /v1/images/generations on a running server; the images come back encoded and are written as they
     are. Nothing is validated here: the server checks the request once, and its errors name our flags."""
-    import base64
+    url = _remote_url(args)
+    _refuse_local_only_flags(args)
+    prompt_spec = _image_prompt_specs(args)
+    body = _remote_body(args, prompt_spec)
+    key = _api_key(args)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    progress = progress_for(args)
+    if progress.active:  # the bar follows the server's SSE progress events; elsewhere the request is as before
+        body["stream"] = True
+    post: dict[str, Any] = {"json": body}
+    if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
+        post = _edit_form(args, body, prompt_spec)
+    status, reason, answer = _post_images(url, post, headers, progress)
+    images, seed, total_ms = _images_of_answer(url, status, reason, answer)
+    _save_all(images, paths, _write_bytes)
+    print(f"seed {seed}, {total_ms:.0f} ms", file=sys.stderr)
+    return 0
 
-    import httpx
 
+def _remote_url(args: argparse.Namespace) -> str:
+    """--url without its trailing slash, refused unless it is an http(s) URL."""
     url = args.url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise _ArgError(f"--url {args.url!r} must look like http://HOST:PORT")
+    return url
+
+
+def _refuse_local_only_flags(args: argparse.Namespace) -> None:
+    """Refuses the flags that only mean something when the model runs here (the server chose them at start)."""
     local = [flag for flag, value in (("--device", args.device), ("--dtype", args.dtype)) if value is not None]
     local += ["--compile"] if args.compile else []
     local += ["--compile-mode"] if getattr(args, "compile_mode", None) is not None else []
@@ -562,7 +600,10 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     if args.controlnet_dir is not None or args.ip_adapter_dir is not None:
         raise _ArgError("--controlnet-dir and --ip-adapter-dir cannot be used with --url: the server serves its own "
                         "(GET /v1/controlnets, GET /v1/ip-adapters list them)")
-    prompt_spec = _image_prompt_specs(args)
+
+
+def _remote_body(args: argparse.Namespace, prompt_spec) -> dict[str, Any]:
+    """The generations request's JSON body from the flags (the fields left unset are left out)."""
     body = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "model": args.model,
             "size": None if args.width is None else f"{args.width}x{args.height}",
             "num_inference_steps": args.steps, "guidance_scale": args.guidance, "sampler": args.sampler,
@@ -578,51 +619,62 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta,
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
-    key = _api_key(args)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    body = {k: v for k, v in body.items() if v is not None}
-    progress = progress_for(args)
-    if progress.active:  # the bar follows the server's SSE progress events; elsewhere the request is as before
-        body["stream"] = True
-    post: dict[str, Any] = {"json": body}
-    if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
-        if args.image is None:
-            raise _ArgError("--mask and --strength need --image (the image to edit)")
-        files = {}
-        specs = _control_specs(args)  # the form's controls: each map as its own file part, control_image_<i>
-        if specs:
-            body["controls"] = [{"model": n, **_control_options(args), **v} for n, _, v in specs]
-        if prompt_spec is not None:  # its images as the file parts image_prompt_<i>
-            body["image_prompts"] = {"scale": prompt_spec[2], **({"model": prompt_spec[0]} if prompt_spec[0] else {})}
-        for name, path in (("image", args.image), ("mask", args.mask),
-                           *((f"control_image_{i}", p) for i, (_, p, _) in enumerate(specs)),
-                           *((f"image_prompt_{i}", p) for i, p in enumerate(prompt_spec[1] if prompt_spec else ()))):
-            if path is not None:
-                try:
-                    with open(path, "rb") as f:
-                        files[name] = (os.path.basename(path), f.read())
-                except OSError as e:
-                    flag = name if name in ("image", "mask") else "control" if name.startswith("control") \
-                        else "image-prompt"
-                    raise _ArgError(f"--{flag} {path!r} cannot be read: {e.strerror or e}") from None
-        if args.strength is not None:
-            body["strength"] = args.strength
-        post = {"data": {k: json.dumps(v) if k in ("loras", "controls", "image_prompts") else str(v).lower() if isinstance(v, bool) else str(v)
-                         for k, v in body.items()},
-                "files": files}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _edit_form(args: argparse.Namespace, body: dict[str, Any], prompt_spec) -> dict[str, Any]:
+    """The edits request's multipart form: the body's fields as form fields, the image, mask, control maps and
+    image prompts as file parts."""
+    if args.image is None:
+        raise _ArgError("--mask and --strength need --image (the image to edit)")
+    files = {}
+    specs = _control_specs(args)  # the form's controls: each map as its own file part, control_image_<i>
+    if specs:
+        body["controls"] = [{"model": n, **_control_options(args), **v} for n, _, v in specs]
+    if prompt_spec is not None:  # its images as the file parts image_prompt_<i>
+        body["image_prompts"] = {"scale": prompt_spec[2], **({"model": prompt_spec[0]} if prompt_spec[0] else {})}
+    for name, path in (("image", args.image), ("mask", args.mask),
+                       *((f"control_image_{i}", p) for i, (_, p, _) in enumerate(specs)),
+                       *((f"image_prompt_{i}", p) for i, p in enumerate(prompt_spec[1] if prompt_spec else ()))):
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    files[name] = (os.path.basename(path), f.read())
+            except OSError as e:
+                flag = name if name in ("image", "mask") else "control" if name.startswith("control") \
+                    else "image-prompt"
+                raise _ArgError(f"--{flag} {path!r} cannot be read: {e.strerror or e}") from None
+    if args.strength is not None:
+        body["strength"] = args.strength
+    return {"data": {k: json.dumps(v) if k in ("loras", "controls", "image_prompts") else str(v).lower() if isinstance(v, bool) else str(v)
+                     for k, v in body.items()},
+            "files": files}
+
+
+def _post_images(url: str, post: dict[str, Any], headers: dict[str, str], progress) -> tuple[int, str, Any]:
+    """Sends the request (to /v1/images/edits when it has files), following its progress where the bar is shown;
+    returns the status, its reason and the decoded answer."""
+    import httpx
+
     try:
         # no read timeout: the server bounds a request's time itself (--request-timeout, then 504)
         endpoint = "edits" if "files" in post else "generations"
         send = dict(headers=headers, timeout=httpx.Timeout(None, connect=10), **post)
         with progress:
             progress.phase(f"waiting for {url}")
-            status, reason, answer = (post_streaming(f"{url}/v1/images/{endpoint}", progress, **send)
-                                      if progress.active else post_once(f"{url}/v1/images/{endpoint}", **send))
+            return (post_streaming(f"{url}/v1/images/{endpoint}", progress, **send)
+                    if progress.active else post_once(f"{url}/v1/images/{endpoint}", **send))
     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
         raise _ArgError(f"the server at {url} could not be reached ({e}); start it with `diffgraph serve` "
                         "or check --url") from None
     except (httpx.TransportError, httpx.InvalidURL) as e:
         raise _ArgError(f"the request to the server at {url} failed: {e}") from None
+
+
+def _images_of_answer(url: str, status: int, reason: str, answer: Any) -> tuple[list[bytes], Any, float]:
+    """The encoded images, the seed and the total ms of the server's answer, or the error it answered."""
+    import base64
+
     if status != 200:
         if not isinstance(answer, dict) or "error" not in answer:
             raise _ArgError(f"the server at {url} answered {status} {reason}")
@@ -632,9 +684,7 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         seed, total_ms = answer["seed"], float(answer["timings"]["total_ms"])
     except (TypeError, KeyError, ValueError):
         raise _ArgError(f"the server at {url} answered 200 without images; is it a diffgraph server?") from None
-    _save_all(images, paths, _write_bytes)
-    print(f"seed {seed}, {total_ms:.0f} ms", file=sys.stderr)
-    return 0
+    return images, seed, total_ms
 
 
 def _bench(which: str, argv: list[str]) -> int:

@@ -481,6 +481,17 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         """Every construction is checked (also `dataclasses.replace` and direct calls), and the numbers are
         stored as plain Python ints and floats."""
+        self._check_prompts()
+        self._check_sampler_options()
+        self._check_handling()
+        guidance = self._checked_guidance()
+        self._check_names_and_output()
+        self._store_checked_numbers(guidance)
+        self._check_conditioning()
+        self._check_edit()
+
+    def _check_prompts(self) -> None:
+        """The prompts (strings of valid text, not too long), how they are read, and the clip skip."""
         prompt, negative_prompt = self.prompt, self.negative_prompt
         if not isinstance(prompt, str):
             raise ParamError("prompt", f"prompt must be a string, got {type(prompt).__name__}")
@@ -503,6 +514,9 @@ class GenerationRequest:
             raise ParamError("emphasis", f"emphasis {_show(self.emphasis)} is unknown; allowed: {', '.join(EMPHASES)}")
         if self.clip_skip is not None:
             object.__setattr__(self, "clip_skip", _check_int("clip_skip", self.clip_skip, 0, MAX_CLIP_SKIP))
+
+    def _check_sampler_options(self) -> None:
+        """The sampler's timestep spacing and noise amount (eta)."""
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ParamError("timestep_spacing", f"timestep_spacing {_show(self.timestep_spacing)} is unknown; allowed: "
                                                  f"{', '.join(TIMESTEP_SPACINGS)} (or leave it out: the model's own)")
@@ -513,6 +527,9 @@ class GenerationRequest:
                 raise ParamError("eta", f"eta {_show(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma, "
                                         "DDIM's eta)")
             object.__setattr__(self, "eta", float(eta))
+
+    def _check_handling(self) -> None:
+        """How the request is handled: returned latents, priority, its job and share, previews."""
         if not isinstance(self.return_latents, bool):
             raise ParamError("return_latents", f"return_latents must be true or false, got {_show(self.return_latents)}")
         if self.priority not in PRIORITIES:
@@ -524,6 +541,9 @@ class GenerationRequest:
                                       f"{_show(self.share)}")
         if self.preview is not None and not isinstance(self.preview, PreviewSpec):
             raise ParamError("preview", f"preview must be a PreviewSpec, got {type(self.preview).__name__}")
+
+    def _checked_guidance(self) -> float:
+        """The guidance scale as a float, refused unless a number in 0..MAX_GUIDANCE."""
         guidance_scale = self.guidance_scale
         if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float, np.floating, np.integer)):
             raise ParamError("guidance_scale", f"guidance_scale must be a number >= 0, got {_show(guidance_scale)}")
@@ -534,6 +554,10 @@ class GenerationRequest:
         if not (0 <= guidance <= MAX_GUIDANCE):  # NaN fails this too
             raise ParamError("guidance_scale",
                              f"guidance_scale {_show(guidance_scale)} is out of range; allowed: 0..{MAX_GUIDANCE:g}")
+        return guidance
+
+    def _check_names_and_output(self) -> None:
+        """The sampler and schedule names, the output format and compression, the request id."""
         for name in ("sampler", "schedule"):  # which names exist is the model family's to say (create, the planner)
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ParamError(name, f"{name} must be a {name} name, got {_show(getattr(self, name))}")
@@ -545,6 +569,9 @@ class GenerationRequest:
                                               f"{', '.join(OUTPUT_FORMATS)}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ParamError("request_id", f"request_id must be a non-empty string, got {self.request_id!r}")
+
+    def _store_checked_numbers(self, guidance: float) -> None:
+        """The size, steps, guidance, seed and image count stored as checked plain numbers, and the size key."""
         checked = {"width": _check_size("width", self.width), "height": _check_size("height", self.height),
                    "num_inference_steps": _check_int("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS),
                    "guidance_scale": guidance, "seed": _check_int("seed", self.seed, 0, MAX_SEED),
@@ -552,6 +579,9 @@ class GenerationRequest:
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "key", (self.height, self.width))
+
+    def _check_conditioning(self) -> None:
+        """The adapters, controls, image prompts, guidance interval, file hashes and guidance rescale."""
         object.__setattr__(self, "loras", check_loras(self.loras))
         object.__setattr__(self, "controls", check_controls(self.controls))
         object.__setattr__(self, "image_prompts", check_image_prompt(self.image_prompts))
@@ -563,6 +593,9 @@ class GenerationRequest:
             raise ParamError("guidance_rescale", f"guidance_rescale {_show(rescale)} is out of range; allowed: a "
                                                  "number in [0, 1] (0.7 is diffusers' suggestion for zero-SNR models)")
         object.__setattr__(self, "guidance_rescale", float(rescale))
+
+    def _check_edit(self) -> None:
+        """An edit's input, and that its strength leaves at least one denoising step."""
         if self.edit is not None:
             if not isinstance(self.edit, EditInput):
                 raise ParamError("image", f"edit must be an EditInput, got {type(self.edit).__name__}")

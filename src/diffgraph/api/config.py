@@ -329,6 +329,18 @@ class ServerConfig:
         "jobs", metavar="SECRET"))
 
     def __post_init__(self) -> None:
+        self._check_engine()
+        self._check_http()
+        self._check_devices()
+        self._check_capabilities()
+        self._check_compile_and_prompts()
+        self._check_models()
+        self._check_image_output()
+        self._check_jobs()
+
+    def _check_engine(self) -> None:
+        """The model, the port, the request limits and timeouts, the device, dtype and mode, and the scheduler's and
+        graphs' settings (checked by their own configs before anything loads)."""
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a preset name, a local diffusers folder or a checkpoint file")
         if not 0 <= self.port <= 65535:
@@ -358,6 +370,10 @@ class ServerConfig:
         SchedulerConfig(batching=self.batching, max_queue=self.max_queue, max_wait_ms=self.max_wait_ms,
                         grow_fill=self.grow_fill, grow_hold_ms=self.grow_hold_ms)
         self.graph_config()
+
+    def _check_http(self) -> None:
+        """The HTTP edge: header and body timeouts, connection limits, trusted proxies, the API keys (those of
+        --api-key-file joined to the others) and the log level."""
         if not 0.1 <= self.header_timeout <= 3600:  # NaN fails this too
             raise ValueError(f"header-timeout {self.header_timeout} is out of range; allowed: 0.1..3600 seconds")
         if not self.body_timeout >= 1:
@@ -379,6 +395,9 @@ class ServerConfig:
         for key in self.api_keys:
             if not isinstance(key, str) or not key.strip() or any(c.isspace() or c == "," for c in key):
                 raise ValueError("api-key: each key must be a non-empty string without spaces or commas")
+
+    def _check_devices(self) -> None:
+        """Torch threads, the replicas' devices and how many must be ready."""
         if self.torch_threads is not None and not 1 <= self.torch_threads <= 1024:
             raise ValueError(f"torch-threads {self.torch_threads} is out of range; allowed: 1..1024")
         for d in self.devices:
@@ -386,6 +405,9 @@ class ServerConfig:
                 raise ValueError(f"devices: {d!r} is not understood; use cpu, cuda:N, e.g. cuda:0,cuda:1")
         if self.devices and not 1 <= self.min_ready <= len(self.devices):
             raise ValueError(f"min-ready {self.min_ready} must be in 1..{len(self.devices)} (the number of devices)")
+
+    def _check_capabilities(self) -> None:
+        """Input image limits, the adapter, ControlNet, IP-Adapter and embedding folders, prompt chunks, clip skip."""
         if self.max_image_bytes < 1 or self.max_image_pixels < 64 * 64:
             raise ValueError("max-image-bytes must be >= 1 and max-image-pixels >= 4096 (a 64x64 image)")
         if self.max_image_pixels > MAX_EDIT_PIXELS:
@@ -411,6 +433,9 @@ class ServerConfig:
         if self.clip_skip is not None and not 0 <= self.clip_skip <= MAX_CLIP_SKIP:
             raise ValueError(f"clip-skip {self.clip_skip} is out of range; allowed: 0..{MAX_CLIP_SKIP} (1 = the "
                              "penultimate layer)")
+
+    def _check_compile_and_prompts(self) -> None:
+        """The quantize and compile-mode settings, then how prompts are read (their syntax, the styles file)."""
         parse_quantize(self.quantize, "quantize")
         quantize_argument(self.quantize, self.quantize_min_features, "quantize-min-features")
         parse_compile_mode(self.compile_mode, "compile-mode")
@@ -421,6 +446,9 @@ class ServerConfig:
             raise ValueError(f"prompt-syntax {self.prompt_syntax!r} is unknown; allowed: {', '.join(PROMPT_SYNTAXES)}")
         if self.styles is not None:
             read_styles(self.styles)  # a malformed file is refused at start, naming its line
+
+    def _check_models(self) -> None:
+        """The checkpoint's parts and the model set: --model-dir, --max-models, --model-memory, --preload."""
         self.load_options()  # checks the paths and the prediction type
         if self.model_dir is not None:
             if not os.path.isdir(self.model_dir):
@@ -432,6 +460,9 @@ class ServerConfig:
             raise ValueError(f"model-memory {self.model_memory} must be > 0 GiB")
         if self.preload and self.model_dir is None:
             raise ValueError("preload needs --model-dir (the models it names live there)")
+
+    def _check_image_output(self) -> None:
+        """Where response images are kept and served from, and the image encoding threads."""
         if not 1 <= self.image_ttl <= 7 * 86400:  # NaN fails this too
             raise ValueError(f"image-ttl {self.image_ttl} is out of range; allowed: 1..604800 seconds (7 days)")
         if self.image_store_bytes < 1 << 20:
@@ -442,7 +473,6 @@ class ServerConfig:
             raise ValueError(f"public-url {self.public_url!r} must be an http(s) URL such as https://images.example.com")
         if not 1 <= self.image_threads <= 64:
             raise ValueError(f"image-threads {self.image_threads} is out of range; allowed: 1..64")
-        self._check_jobs()
 
     def _check_jobs(self) -> None:
         if self.state_dir is not None:

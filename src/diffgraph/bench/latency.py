@@ -120,14 +120,11 @@ def kernel_ms_of_one_step(engine, size: int, images: int, warm: int = 5, profile
     return profiled_kernel_ms(lambda: runner.replay("step", size, size, bucket), warm, profiled)
 
 
-def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
-             repeats: int, buckets: tuple[int, ...], device: str = "cuda", fresh_starts: bool = True,
-             diffusers_compile_images: list[int] | None = None) -> dict[str, Any]:
-    from ..config import GraphConfig
-    from ..engine.engine import Engine
+def _load_model_timed(model_name: str, device: str, out: dict[str, Any]):
+    """Loads the model, recording in `out` the seconds of the imports, the CUDA start-up and the load, and its
+    dtype."""
     from ..models.loader import load_model
 
-    out: dict[str, Any] = {"model": model_name, "size": size, "steps": steps, "results": {}}
     _sync()
     t0 = time.perf_counter()
     cuda = device == "cuda"
@@ -143,10 +140,15 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     _sync()
     out["load_s"] = time.perf_counter() - t0
     out["dtype"] = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model.dtype, "fp32")
-    prompt, seed = "a photograph of an astronaut riding a horse", 0
-    half = max(1, steps // 2)
+    return model
 
-    eager = Engine(model, mode="eager")
+
+def _graph_engine_timed(model, size: int, buckets: tuple[int, ...], cuda: bool, out: dict[str, Any]):
+    """The graph-mode engine, recording in `out` its capture and warm-up seconds, its memory pool and any graph
+    that failed to capture."""
+    from ..config import GraphConfig
+    from ..engine.engine import Engine
+
     t0 = time.perf_counter()
     # on the CPU (smoke tests of this script) the graphs are emulated
     graph = Engine(model, mode="graph", graphs=GraphConfig(batch_buckets=buckets, resolutions=((size, size),),
@@ -165,6 +167,78 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
     out["pool_mib_step_graphs"] = sum(s.pool_mib_added for s in step_stats)
     out["pool_mib_largest_step_alone"] = largest.pool_mib_added
     out["graph_failures"] = [r for r in graph.graph_table() if r["status"] == "failed"]
+    return graph
+
+
+def _time_contenders(eager, graph, n: int, size: int, steps: int, half: int, contenders: list[str], repeats: int,
+                     cuda: bool, diffgraph_fn, diffusers_fn) -> dict[str, Any]:
+    """One image count's kernel ms per step and every uncompiled contender's end-to-end and step times."""
+    res: dict[str, Any] = {"kernel_ms_per_step": kernel_ms_of_one_step(eager, size, n) if cuda else float("nan"),
+                           "replay_kernel_ms_per_step": kernel_ms_of_one_step(graph, size, n, replayed=True)
+                           if cuda else float("nan")}
+    for c in contenders:
+        if c in ("diffusers_compile", "diffgraph_compile"):
+            continue
+        f_full = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, steps) if c != "diffusers" \
+            else diffusers_fn(n, steps)
+        f_half = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, half) if c != "diffusers" \
+            else diffusers_fn(n, half)
+        res[c] = _e2e_and_step(f_full, f_half, steps, half, repeats)
+        if c != "diffusers":  # where diffgraph's end-to-end time goes (the last run)
+            res[c]["timings"] = {k: round(v, 1) for k, v in f_full().timings.items()}
+            res[c]["loop_step_ms"] = loop_step_ms(eager if c == "diffgraph_eager" else graph, f_full)
+    return res
+
+
+def _time_diffusers_compile(pipe, diffusers_fn, image_counts: list[int], steps: int, half: int, repeats: int,
+                            out: dict[str, Any]) -> None:
+    """diffusers with its UNet under torch.compile (reduce-overhead): first call, end-to-end and step times per
+    image count into out["results"]; a failure is recorded in out["compile_error"], not raised."""
+    plain = pipe.unet
+    pipe.unet = torch.compile(plain, mode="reduce-overhead")
+    try:
+        for n in image_counts:  # each new batch size recompiles (a minute each)
+            _sync()
+            t0 = time.perf_counter()
+            diffusers_fn(n, steps)()
+            _sync()
+            first = time.perf_counter() - t0
+            diffusers_fn(n, steps)()
+            e2e = _timed(diffusers_fn(n, steps), repeats)
+            diffusers_fn(n, half)()
+            e2e_half = _timed(diffusers_fn(n, half), repeats)
+            out["results"][n]["diffusers_compile"] = {"e2e_ms": e2e, "step_ms": (e2e - e2e_half) / (steps - half),
+                                                      "first_call_s": first}
+    except Exception as e:  # report, do not lose the other contenders' numbers
+        out["compile_error"] = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        pipe.unet = plain
+
+
+def _add_ratios(out: dict[str, Any], contenders: list[str]) -> None:
+    """Each contender's end-to-end and step times over diffusers', where diffusers ran."""
+    for n, res in out["results"].items():
+        base = res.get("diffusers", {}).get("e2e_ms")
+        base_step = res.get("diffusers", {}).get("step_ms")
+        for c in contenders:
+            if c in res and base:
+                res[c]["e2e_ratio"] = res[c]["e2e_ms"] / base
+                res[c]["step_ratio"] = res[c]["step_ms"] / base_step
+
+
+def run_case(model_name: str, size: int, image_counts: list[int], steps: int, contenders: list[str],
+             repeats: int, buckets: tuple[int, ...], device: str = "cuda", fresh_starts: bool = True,
+             diffusers_compile_images: list[int] | None = None) -> dict[str, Any]:
+    from ..engine.engine import Engine
+
+    out: dict[str, Any] = {"model": model_name, "size": size, "steps": steps, "results": {}}
+    cuda = device == "cuda"
+    model = _load_model_timed(model_name, device, out)
+    prompt, seed = "a photograph of an astronaut riding a horse", 0
+    half = max(1, steps // 2)
+
+    eager = Engine(model, mode="eager")
+    graph = _graph_engine_timed(model, size, buckets, cuda, out)
 
     pipe = eager.diffusers_pipeline("euler", "default")
 
@@ -177,21 +251,8 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
                             generator=torch.Generator().manual_seed(seed), output_type="pil")  # PIL, as ours
 
     for n in image_counts:
-        res: dict[str, Any] = {"kernel_ms_per_step": kernel_ms_of_one_step(eager, size, n) if cuda else float("nan"),
-                               "replay_kernel_ms_per_step": kernel_ms_of_one_step(graph, size, n, replayed=True)
-                               if cuda else float("nan")}
-        for c in contenders:
-            if c in ("diffusers_compile", "diffgraph_compile"):
-                continue
-            f_full = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, steps) if c != "diffusers" \
-                else diffusers_fn(n, steps)
-            f_half = diffgraph_fn(eager if c == "diffgraph_eager" else graph, n, half) if c != "diffusers" \
-                else diffusers_fn(n, half)
-            res[c] = _e2e_and_step(f_full, f_half, steps, half, repeats)
-            if c != "diffusers":  # where diffgraph's end-to-end time goes (the last run)
-                res[c]["timings"] = {k: round(v, 1) for k, v in f_full().timings.items()}
-                res[c]["loop_step_ms"] = loop_step_ms(eager if c == "diffgraph_eager" else graph, f_full)
-        out["results"][n] = res
+        out["results"][n] = _time_contenders(eager, graph, n, size, steps, half, contenders, repeats, cuda,
+                                             diffgraph_fn, diffusers_fn)
 
     if "diffgraph_compile" in contenders:
         out["compile"] = _compile_tier(out, graph, model, model_name, size, image_counts, steps, half, repeats,
@@ -199,32 +260,9 @@ def run_case(model_name: str, size: int, image_counts: list[int], steps: int, co
         print("compile tier:", json.dumps({"compile": out["compile"], "results": out["results"]}, default=str),
               flush=True)  # kept if a later part fails
     if "diffusers_compile" in contenders:
-        plain = pipe.unet
-        pipe.unet = torch.compile(plain, mode="reduce-overhead")
-        try:
-            for n in diffusers_compile_images or image_counts:  # each new batch size recompiles (a minute each)
-                _sync()
-                t0 = time.perf_counter()
-                diffusers_fn(n, steps)()
-                _sync()
-                first = time.perf_counter() - t0
-                diffusers_fn(n, steps)()
-                e2e = _timed(diffusers_fn(n, steps), repeats)
-                diffusers_fn(n, half)()
-                e2e_half = _timed(diffusers_fn(n, half), repeats)
-                out["results"][n]["diffusers_compile"] = {"e2e_ms": e2e, "step_ms": (e2e - e2e_half) / (steps - half),
-                                                          "first_call_s": first}
-        except Exception as e:  # report, do not lose the other contenders' numbers
-            out["compile_error"] = f"{type(e).__name__}: {e}"[:300]
-        finally:
-            pipe.unet = plain
-    for n, res in out["results"].items():
-        base = res.get("diffusers", {}).get("e2e_ms")
-        base_step = res.get("diffusers", {}).get("step_ms")
-        for c in contenders:
-            if c in res and base:
-                res[c]["e2e_ratio"] = res[c]["e2e_ms"] / base
-                res[c]["step_ratio"] = res[c]["step_ms"] / base_step
+        _time_diffusers_compile(pipe, diffusers_fn, diffusers_compile_images or image_counts, steps, half, repeats,
+                                out)
+    _add_ratios(out, contenders)
     out["graph_table"] = graph.graph_table()
     graph.close()
     eager.close()

@@ -133,47 +133,63 @@ def replay(engine, trace: list[TraceItem], timeout: float,
         engine.step_listeners.remove(on_step)
 
 
-def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
-    lat: list[float] = []
-    done_at: list[tuple[float, int]] = []
-    errors: list[str] = []
-    called: list[int] = []  # done-callbacks that ran (they run after result() waiters wake)
-    lock = threading.Lock()
-    engine.core.step_events = []
-    rows0, steps0 = engine.stats["rows_stepped"], engine.stats["steps"]
-    t0 = time.perf_counter()
+class _Completions:
+    """What the requests' done-callbacks record: latencies, completion times with their image counts, errors, and
+    how many callbacks ran (they run after result() waiters wake)."""
+
+    def __init__(self):
+        self.lat: list[float] = []
+        self.done_at: list[tuple[float, int]] = []
+        self.errors: list[str] = []
+        self.called: list[int] = []
+        self.lock = threading.Lock()
+
+    def callback(self, sent: float):
+        def done(f):
+            with self.lock:
+                self.called.append(1)
+                if f.exception() is None:
+                    now = time.perf_counter()
+                    self.lat.append(now - sent)
+                    self.done_at.append((now, f.result().request.num_images))
+                else:
+                    self.errors.append(type(f.exception()).__name__)
+        return done
+
+
+def _trace_request(engine, item: TraceItem):
+    """The engine request of one trace item, with its edit inputs and its adapter."""
+    edit = {}
+    if item.edit is not None:
+        image, mask = edit_inputs(item.size)
+        edit = {"image": image, "strength": item.strength, **({"mask_image": mask} if item.edit == "inpaint" else {})}
+    loras = [(f"bench/{item.lora}", 1.0)] if item.lora is not None else []
+    return engine.make_request("a photo of a cat", width=item.size[1], height=item.size[0],
+                               num_inference_steps=item.steps, sampler=item.sampler, seed=item.seed, loras=loras,
+                               **edit)
+
+
+def _submit_trace(engine, trace: list[TraceItem], t0: float, completions: _Completions) -> list:
+    """Submits each item at its arrival time after t0; returns the (future, request) of those the engine took."""
     futures = []
     for item in trace:
         delay = t0 + item.at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         sent = time.perf_counter()
-        edit = {}
-        if item.edit is not None:
-            image, mask = edit_inputs(item.size)
-            edit = {"image": image, "strength": item.strength, **({"mask_image": mask} if item.edit == "inpaint" else {})}
-        loras = [(f"bench/{item.lora}", 1.0)] if item.lora is not None else []
-        req = engine.make_request("a photo of a cat", width=item.size[1], height=item.size[0],
-                                  num_inference_steps=item.steps, sampler=item.sampler, seed=item.seed, loras=loras,
-                                  **edit)
-
-        def done(f, sent=sent):
-            with lock:
-                called.append(1)
-                if f.exception() is None:
-                    now = time.perf_counter()
-                    lat.append(now - sent)
-                    done_at.append((now, f.result().request.num_images))
-                else:
-                    errors.append(type(f.exception()).__name__)
+        req = _trace_request(engine, item)
         try:
             fut = engine.submit(req)
         except Exception as e:
-            errors.append(type(e).__name__)
+            completions.errors.append(type(e).__name__)
             continue
-        fut.add_done_callback(done)
+        fut.add_done_callback(completions.callback(sent))
         futures.append((fut, req))
-    deadline = t0 + trace[-1].at + timeout
+    return futures
+
+
+def _abort_past_deadline(engine, futures: list, deadline: float) -> list:
+    """Waits for every request until the deadline and aborts those still running there; returns their futures."""
     aborted = []
     for fut, req in futures:
         try:
@@ -182,7 +198,11 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
             if not fut.done():
                 aborted.append(fut)
                 engine.abort(req.request_id)
-    elapsed = time.perf_counter() - t0
+    return aborted
+
+
+def _drain(futures: list, aborted: list, completions: _Completions) -> int:
+    """Waits for the aborted requests to stop and the last callbacks to run; returns how many did not finish."""
     for fut, _ in futures:  # aborted ones finish at the next boundary
         try:
             fut.result(timeout=60)
@@ -192,8 +212,29 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
     unfinished = sum(1 for fut in aborted if not fut.done() or fut.exception() is not None)
     settled = sum(1 for fut, _ in futures if fut.done())
     wait_until = time.perf_counter() + 5.0
-    while len(called) < settled and time.perf_counter() < wait_until:  # the last callbacks may still be running
+    while len(completions.called) < settled and time.perf_counter() < wait_until:  # the last callbacks may still run
         time.sleep(0.001)
+    return unfinished
+
+
+def _steady_rate(done_at: list[tuple[float, int]]) -> float:
+    """Images/s between the 10th and 90th percentile completions (sorted): no ramp-up, no drain."""
+    if len(done_at) < 10:
+        return float("nan")
+    lo, hi = int(0.1 * len(done_at)), int(0.9 * len(done_at))
+    return sum(n for _, n in done_at[lo + 1:hi + 1]) / (done_at[hi][0] - done_at[lo][0])
+
+
+def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
+    completions = _Completions()
+    engine.core.step_events = []
+    rows0, steps0 = engine.stats["rows_stepped"], engine.stats["steps"]
+    t0 = time.perf_counter()
+    futures = _submit_trace(engine, trace, t0, completions)
+    aborted = _abort_past_deadline(engine, futures, t0 + trace[-1].at + timeout)
+    elapsed = time.perf_counter() - t0
+    unfinished = _drain(futures, aborted, completions)
+    lat, done_at, errors = completions.lat, completions.done_at, completions.errors
     events = engine.core.step_events
     engine.core.step_events = None
     if engine.runner.cuda:
@@ -203,10 +244,7 @@ def _replay(engine, trace, timeout, row_step_ms, steps_done) -> dict[str, Any]:
     steps = engine.stats["steps"] - steps0
     lat_ms = np.array(sorted(lat)) * 1e3
     done_at.sort()
-    steady = float("nan")
-    if len(done_at) >= 10:  # images/s between the 10th and 90th percentile completions: no ramp-up, no drain
-        lo, hi = int(0.1 * len(done_at)), int(0.9 * len(done_at))
-        steady = sum(n for _, n in done_at[lo + 1:hi + 1]) / (done_at[hi][0] - done_at[lo][0])
+    steady = _steady_rate(done_at)
     # images/s over the last two thirds of the arrival window (at saturation the queue never empties there)
     lo_t, hi_t = t0 + trace[-1].at / 3, t0 + trace[-1].at
     window = sum(n for t, n in done_at if lo_t <= t <= hi_t) / max(1e-9, hi_t - lo_t)
@@ -277,7 +315,7 @@ def compute_bound_rate(engine, sizes, steps=(20, 30, 50), iters: int = 30) -> di
             "full_bucket_step_ms": step_ms, "decode_ms_per_image": decode_ms}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="diffgraph bench throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="random:sd15")
     p.add_argument("--sizes", default="512x512,512x768", help="WxH list (default: %(default)s)")
@@ -328,7 +366,155 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench_throughput.json")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw latency percentiles and images/s against the arrival rate, per mode (matplotlib)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _run_tiers(args, tiers, size, load) -> int:
+    """`--tiers`: the tiers side by side (bench/tiers.py), printed and written to --json."""
+    from . import tiers as tier_bench
+    report = tier_bench.run(args.model, tiers, size, args.burst, peak=args.peak_tflops,
+                            cache_root=args.compile_cache, load=load)
+    tier_bench.print_report(report)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+def _run_scenario(engine, args, size) -> int:
+    """`--guidance-mix`, `--prompt-mix`, `--sampler-mix` or `--preview-cost`: the first one given, on `engine`."""
+    from . import guidance_mix, preview_cost, prompt_mix, sampler_mix
+    bench, n = next((b, k) for b, k in ((guidance_mix, args.guidance_mix), (prompt_mix, args.prompt_mix),
+                                         (sampler_mix, args.sampler_mix), (preview_cost, args.preview_cost)) if k)
+    report = {"model": args.model, "compile": args.compile, "quantize": args.quantize or "none",
+              "env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
+    report.update(bench.run(engine, n, size))
+    engine.close()
+    bench.print_report(report)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+def _compute_bound_report(engine, args, sizes, steps, samplers) -> tuple[dict[str, Any], list[float]]:
+    """The report's head, with the compute-bound rate of the mix (printed), and the arrival rates to run: --rates,
+    or fractions of the compute-bound rate."""
+    cb = compute_bound_rate(engine, sizes, steps)
+    rate_cb = cb["images_per_s"]
+    rates = [float(r) for r in args.rates.split(",") if r] or [round(f * rate_cb, 2) for f in (0.5, 0.65, 0.8, 3.0)]
+    report: dict[str, Any] = {"model": args.model, "quantize": args.quantize or "none", "sizes": args.sizes,
+                              "steps": steps, "samplers": samplers, "compute_bound_images_per_s": rate_cb,
+                              "compute_bound": cb, "runs": []}
+    print(f"compute-bound rate {rate_cb:.2f} images/s with decode, {cb['steps_only_images_per_s']:.2f} steps only "
+          f"(bucket {engine.runner.max_rows} step ms: {cb['full_bucket_step_ms']}, decode ms per image: "
+          f"{cb['decode_ms_per_image']})", flush=True)
+    return report, rates
+
+
+def _trace_variants(trace: list[TraceItem], args) -> list[tuple[str, list[TraceItem]]]:
+    """(name suffix, trace) of each run of one rate: the trace alone, or without and with its edits or adapters."""
+    variants = [("", trace)] if not args.edit_fraction else [("", without_edits(trace)), ("+edits", trace)]
+    if args.loras:
+        variants = [("", trace), (f"+loras{args.loras}", with_loras(trace, args.loras, args.seed))]
+    return variants
+
+
+def _set_batching(engine, mode: str, max_wait_ms: float, defaults) -> None:
+    """Reconfigures the engine for one --modes entry (`step`, `request`, `off`, or `step:FILL/HOLD_MS`)."""
+    batching, _, grow = mode.partition(":")
+    extra = {}
+    if grow:
+        fill, hold = grow.split("/")
+        extra = {"grow_fill": float(fill), "grow_hold_ms": float(hold)}
+    engine.reconfigure(batching=batching, max_wait_ms=max_wait_ms if batching == "request" else 0.0,
+                       **{"grow_fill": defaults.grow_fill, "grow_hold_ms": defaults.grow_hold_ms, **extra})
+
+
+def _replay_rates(engine, args, sizes, steps, samplers, rates, report: dict[str, Any]) -> None:
+    """Every rate's trace replayed in every mode (and variant), each run printed and added to report["runs"]."""
+    cb = report["compute_bound"]
+    defaults = engine.scheduler.config
+    row_step_ms = {key: cb["full_bucket_step_ms"][size_name(key)] / engine.runner.max_rows for key in sizes}
+    for rate in rates:
+        trace = make_trace(rate, args.duration, args.seed, steps, sizes, samplers, args.edit_fraction)
+        variants = _trace_variants(trace, args)
+        for (suffix, run_trace), mode in ((v, m) for m in args.modes.split(",") for v in variants):
+            _set_batching(engine, mode, args.max_wait_ms, defaults)
+            before = captures(engine)
+            r = replay(engine, run_trace, timeout=args.duration, row_step_ms=row_step_ms)
+            r.update(mode=mode + suffix, rate=rate, edits=sum(i.edit is not None for i in run_trace),
+                     captures_during_run=captures(engine) - before,
+                     lora_loads=engine.stats["lora_loads"], adapters=len({i.lora for i in run_trace} - {None}))
+            report["runs"].append(r)
+            mode = mode + suffix
+            print(f"rate {rate:6.2f}/s {mode:14s} {r['images_per_s']:6.2f} img/s (steady {r['steady_images_per_s']:5.2f}, window {r['window_images_per_s']:5.2f}, work {r['window_work_fraction'] * cb['steps_only_images_per_s']:5.2f})  p50 {r['p50_ms']:8.0f} ms  "
+                  f"p90 {r['p90_ms']:8.0f}  p99 {r['p99_ms']:8.0f}  live rows {r['mean_live_rows']:5.2f}  "
+                  f"GPU idle/step {r['gpu_idle_between_steps_ms']:.3f} ms  done {r['completed']}/{r['requests']}",
+                  flush=True)
+
+
+def _print_edit_ratios(by: dict, args) -> None:
+    """Each run with edits against the same arrivals without them."""
+    print(f"with edits ({args.edit_fraction:g} of the requests) vs text-to-image only, same arrivals (targets: live "
+          "rows >= 0.95x, window work >= 0.9x):")
+    for (rate, mode), r in by.items():
+        base = by.get((rate, mode.removesuffix("+edits"))) if mode.endswith("+edits") else None
+        if base:
+            print(f"  rate {rate:6.2f}/s {mode:20s}: live rows {r['mean_live_rows']:.2f} / "
+                  f"{base['mean_live_rows']:.2f} = {r['mean_live_rows'] / base['mean_live_rows']:.3f}x  window work "
+                  f"{r['window_work_fraction']:.3f} / {base['window_work_fraction']:.3f} = "
+                  f"{r['window_work_fraction'] / base['window_work_fraction']:.3f}x  ({r['edits']} edits)")
+
+
+def _print_lora_ratios(by: dict, args) -> None:
+    """Each run with adapters against the same arrivals without them."""
+    print(f"with {args.loras} adapters (rank {args.lora_rank}, {args.max_loras or 8} slots of rank "
+          f"{args.max_lora_rank}) vs none, same arrivals (targets: images/s >= 0.85x at saturation, 0 captures):")
+    for (rate, mode), r in by.items():
+        base = by.get((rate, mode.split("+loras")[0])) if "+loras" in mode else None
+        if base:
+            print(f"  rate {rate:6.2f}/s {mode:20s}: {r['images_per_s']:.2f} / {base['images_per_s']:.2f} images/s = "
+                  f"{r['images_per_s'] / base['images_per_s']:.3f}x  window work {r['window_work_fraction']:.3f} / "
+                  f"{base['window_work_fraction']:.3f}  captures during the run {r['captures_during_run']}  "
+                  f"requests {r['requests']}, slot loads so far {r['lora_loads']}")
+
+
+def _print_step_vs_request(by: dict, args, rates, report: dict[str, Any]) -> None:
+    """Per rate, each step mode's latency and throughput against request mode's and the compute-bound rate."""
+    cb, rate_cb = report["compute_bound"], report["compute_bound_images_per_s"]
+    print("step vs request mode, per arrival rate (the issue's targets: p99 <= 0.6x, images/s >= request mode's):")
+    for rate in rates:
+        rq = by.get((rate, "request"))
+        for mode in (m for m in args.modes.split(",") if m.startswith("step")):
+            st = by.get((rate, mode))
+            if st and rq:
+                print(f"  rate {rate:6.2f}/s {mode:14s}: p99 {st['p99_ms']:8.0f} / {rq['p99_ms']:8.0f} ms = "
+                      f"{st['p99_ms'] / rq['p99_ms']:.2f}x  images/s {st['images_per_s']:.2f} vs {rq['images_per_s']:.2f}  "
+                      f"steady {st['steady_images_per_s'] / rate_cb:.2f} (window {st['window_images_per_s'] / rate_cb:.2f}) "
+                      f"of compute-bound with decode, {st['steady_images_per_s'] / cb['steps_only_images_per_s']:.2f} "
+                      f"(window {st['window_images_per_s'] / cb['steps_only_images_per_s']:.2f}) steps only; "
+                      f"work done in the window: {st['window_work_fraction'] * cb['steps_only_images_per_s'] / rate_cb:.2f} "
+                      f"of compute-bound with decode ({st['window_work_fraction']:.2f} of the GPU's time at full buckets)")
+
+
+def _write_report(report: dict[str, Any], args, rates) -> None:
+    """The comparisons printed, the report written to --json, and with --plot its figure drawn."""
+    by = {(r["rate"], r["mode"]): r for r in report["runs"]}
+    if args.edit_fraction:
+        _print_edit_ratios(by, args)
+    if args.loras:
+        _print_lora_ratios(by, args)
+    _print_step_vs_request(by, args, rates, report)
+    report["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    if args.plot:
+        from .plots import plot_runs
+        plot_runs(report["runs"], args.plot, f"bench throughput: {args.model}, {report['env']['gpu']}")
+        print(f"plot: {args.plot}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         quantize, compile = quantize_from_args(args), compile_from_args(args, args.compile_cache)
         load = checkpoint_options(args)
@@ -349,12 +535,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = parse_resolutions(args.sizes)
     if args.tiers is not None:
-        report = tier_bench.run(args.model, tiers, sizes[0], args.burst, peak=args.peak_tflops,
-                                cache_root=args.compile_cache, load=load)
-        tier_bench.print_report(report)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        return 0
+        return _run_tiers(args, tiers, sizes[0], load)
     steps = tuple(int(s) for s in args.steps.split(","))
     samplers = tuple(args.samplers.split(","))
     lora_args = dict(max_loras=args.max_loras or 8, max_lora_rank=args.max_lora_rank) if args.loras else {}
@@ -362,30 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args.model, device="cuda", mode="graph", graphs=GraphConfig(resolutions=sizes), max_queue=100000,
                     quantize=quantize, load=load, **lora_args, **compile_args)
     if args.guidance_mix or args.prompt_mix or args.sampler_mix or args.preview_cost:
-        from . import guidance_mix, preview_cost, prompt_mix, sampler_mix
-        bench, n = next((b, k) for b, k in ((guidance_mix, args.guidance_mix), (prompt_mix, args.prompt_mix),
-                                             (sampler_mix, args.sampler_mix), (preview_cost, args.preview_cost)) if k)
-        report = {"model": args.model, "compile": args.compile, "quantize": args.quantize or "none",
-                  "env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}}
-        report.update(bench.run(engine, n, sizes[0]))
-        engine.close()
-        bench.print_report(report)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        return 0
+        return _run_scenario(engine, args, sizes[0])
     for i in range(args.loras):
         engine.add_lora(f"bench/{i}", random_adapter(engine, args.lora_rank, i))
-    cb = compute_bound_rate(engine, sizes, steps)
-    rate_cb = cb["images_per_s"]
-    rates = [float(r) for r in args.rates.split(",") if r] or [round(f * rate_cb, 2) for f in (0.5, 0.65, 0.8, 3.0)]
-    report: dict[str, Any] = {"model": args.model, "quantize": args.quantize or "none", "sizes": args.sizes,
-                              "steps": steps, "samplers": samplers, "compute_bound_images_per_s": rate_cb,
-                              "compute_bound": cb, "runs": []}
-    print(f"compute-bound rate {rate_cb:.2f} images/s with decode, {cb['steps_only_images_per_s']:.2f} steps only "
-          f"(bucket {engine.runner.max_rows} step ms: {cb['full_bucket_step_ms']}, decode ms per image: "
-          f"{cb['decode_ms_per_image']})", flush=True)
-    defaults = engine.scheduler.config
-    row_step_ms = {key: cb["full_bucket_step_ms"][size_name(key)] / engine.runner.max_rows for key in sizes}
+    report, rates = _compute_bound_report(engine, args, sizes, steps, samplers)
     # warm every graph the mix touches before timing
     for size in sizes:
         engine.generate("warm", width=size[1], height=size[0], num_inference_steps=2)
@@ -395,72 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.edit_fraction:
         report["encoder_ms"] = encoder_ms(engine, sizes)
         print(f"VAE encoder replay ms (bucket 1 = image-to-image, 2 = inpainting): {report['encoder_ms']}", flush=True)
-    for rate in rates:
-        trace = make_trace(rate, args.duration, args.seed, steps, sizes, samplers, args.edit_fraction)
-        variants = [("", trace)] if not args.edit_fraction else [("", without_edits(trace)), ("+edits", trace)]
-        if args.loras:
-            variants = [("", trace), (f"+loras{args.loras}", with_loras(trace, args.loras, args.seed))]
-        for (suffix, run_trace), mode in ((v, m) for m in args.modes.split(",") for v in variants):
-            batching, _, grow = mode.partition(":")
-            extra = {}
-            if grow:
-                fill, hold = grow.split("/")
-                extra = {"grow_fill": float(fill), "grow_hold_ms": float(hold)}
-            engine.reconfigure(batching=batching, max_wait_ms=args.max_wait_ms if batching == "request" else 0.0,
-                               **{"grow_fill": defaults.grow_fill, "grow_hold_ms": defaults.grow_hold_ms, **extra})
-            before = captures(engine)
-            r = replay(engine, run_trace, timeout=args.duration, row_step_ms=row_step_ms)
-            r.update(mode=mode + suffix, rate=rate, edits=sum(i.edit is not None for i in run_trace),
-                     captures_during_run=captures(engine) - before,
-                     lora_loads=engine.stats["lora_loads"], adapters=len({i.lora for i in run_trace} - {None}))
-            report["runs"].append(r)
-            mode = mode + suffix
-            print(f"rate {rate:6.2f}/s {mode:14s} {r['images_per_s']:6.2f} img/s (steady {r['steady_images_per_s']:5.2f}, window {r['window_images_per_s']:5.2f}, work {r['window_work_fraction'] * cb['steps_only_images_per_s']:5.2f})  p50 {r['p50_ms']:8.0f} ms  "
-                  f"p90 {r['p90_ms']:8.0f}  p99 {r['p99_ms']:8.0f}  live rows {r['mean_live_rows']:5.2f}  "
-                  f"GPU idle/step {r['gpu_idle_between_steps_ms']:.3f} ms  done {r['completed']}/{r['requests']}",
-                  flush=True)
+    _replay_rates(engine, args, sizes, steps, samplers, rates, report)
     engine.close()
-    by = {(r["rate"], r["mode"]): r for r in report["runs"]}
-    if args.edit_fraction:
-        print(f"with edits ({args.edit_fraction:g} of the requests) vs text-to-image only, same arrivals (targets: live "
-              "rows >= 0.95x, window work >= 0.9x):")
-        for (rate, mode), r in by.items():
-            base = by.get((rate, mode.removesuffix("+edits"))) if mode.endswith("+edits") else None
-            if base:
-                print(f"  rate {rate:6.2f}/s {mode:20s}: live rows {r['mean_live_rows']:.2f} / "
-                      f"{base['mean_live_rows']:.2f} = {r['mean_live_rows'] / base['mean_live_rows']:.3f}x  window work "
-                      f"{r['window_work_fraction']:.3f} / {base['window_work_fraction']:.3f} = "
-                      f"{r['window_work_fraction'] / base['window_work_fraction']:.3f}x  ({r['edits']} edits)")
-    if args.loras:
-        print(f"with {args.loras} adapters (rank {args.lora_rank}, {args.max_loras or 8} slots of rank "
-              f"{args.max_lora_rank}) vs none, same arrivals (targets: images/s >= 0.85x at saturation, 0 captures):")
-        for (rate, mode), r in by.items():
-            base = by.get((rate, mode.split("+loras")[0])) if "+loras" in mode else None
-            if base:
-                print(f"  rate {rate:6.2f}/s {mode:20s}: {r['images_per_s']:.2f} / {base['images_per_s']:.2f} images/s = "
-                      f"{r['images_per_s'] / base['images_per_s']:.3f}x  window work {r['window_work_fraction']:.3f} / "
-                      f"{base['window_work_fraction']:.3f}  captures during the run {r['captures_during_run']}  "
-                      f"requests {r['requests']}, slot loads so far {r['lora_loads']}")
-    print("step vs request mode, per arrival rate (the issue's targets: p99 <= 0.6x, images/s >= request mode's):")
-    for rate in rates:
-        rq = by.get((rate, "request"))
-        for mode in (m for m in args.modes.split(",") if m.startswith("step")):
-            st = by.get((rate, mode))
-            if st and rq:
-                print(f"  rate {rate:6.2f}/s {mode:14s}: p99 {st['p99_ms']:8.0f} / {rq['p99_ms']:8.0f} ms = "
-                      f"{st['p99_ms'] / rq['p99_ms']:.2f}x  images/s {st['images_per_s']:.2f} vs {rq['images_per_s']:.2f}  "
-                      f"steady {st['steady_images_per_s'] / rate_cb:.2f} (window {st['window_images_per_s'] / rate_cb:.2f}) "
-                      f"of compute-bound with decode, {st['steady_images_per_s'] / cb['steps_only_images_per_s']:.2f} "
-                      f"(window {st['window_images_per_s'] / cb['steps_only_images_per_s']:.2f}) steps only; "
-                      f"work done in the window: {st['window_work_fraction'] * cb['steps_only_images_per_s'] / rate_cb:.2f} "
-                      f"of compute-bound with decode ({st['window_work_fraction']:.2f} of the GPU's time at full buckets)")
-    report["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
-    if args.plot:
-        from .plots import plot_runs
-        plot_runs(report["runs"], args.plot, f"bench throughput: {args.model}, {report['env']['gpu']}")
-        print(f"plot: {args.plot}")
+    _write_report(report, args, rates)
     return 0
 
 

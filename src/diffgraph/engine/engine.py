@@ -106,19 +106,7 @@ class Engine:
                  lora_host_bytes: int = 2 * 2**30, controlnet_dir: str | None = None, max_controlnets: int = 2,
                  ip_adapter_dir: str | None = None, quantize: "str | Fp8Config | None" = None,
                  capabilities: Capabilities | None = None, capability_settings: "dict[str, Any] | None" = None):
-        if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
-            device, dtype = str(model.device), model.dtype
-        device = device or default_device()
-        cuda = parse_device(device).type == "cuda"
-        dtype = dtype or ("fp16" if cuda else "fp32")
-        mode = mode or ("graph" if cuda else "eager")
-        if mode not in ("graph", "eager"):
-            raise ParamError("mode", f"mode {mode!r} is unknown; allowed: graph, eager")
-        if mode == "graph" and not cuda and (graphs is None or graphs.backend != "emulated"):
-            raise ParamError("mode", "mode 'graph' needs a CUDA device; on the CPU the engine runs in mode 'eager'")
-        if not cuda and str(dtype).lower() in ("fp16", "float16", "bf16", "bfloat16"):
-            logger.warning("dtype %s on the CPU is several times slower than fp32 (no fast half-precision kernels "
-                           "there) and no more exact; use fp32 on the CPU", dtype)
+        device, cuda, dtype, mode = self._placement(model, device, dtype, mode, graphs)
         t0 = time.perf_counter()
         place = parse_device(device)
         # every CUDA call of the build (load, buffers, prewarm captures) goes to the engine's own device
@@ -140,14 +128,7 @@ class Engine:
             controls = _controlnets(self.model, roots, max_controlnets) if roots else None
             image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
             self._prepared = self._modules()  # the modules the engine prepared (invalidate: a replaced one)
-            registry = capabilities if capabilities is not None else Capabilities()
-            own = self.model.adapter.capabilities()  # the family's (its guidance options), beside the engine's
-            if own:
-                registry = Capabilities((*registry, *(c for c in own if c.name not in {r.name for r in registry})))
-            try:  # registered capabilities (features/capability.py): the ones this model has, with their settings
-                present = registry.for_model(self.model, registry.settings(capability_settings))
-            except (TypeError, ValueError) as e:
-                raise ParamError("capability_settings", str(e)) from None
+            present = self._present_capabilities(capabilities, capability_settings)
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size,
                                       prompt_cache_bytes=prompt_cache_bytes, loras=loras, controls=controls,
@@ -183,20 +164,57 @@ class Engine:
         # a native op ("terminate called without an active exception")
         self._closer = weakref.finalize(self, self.core.close)
         self._ready = True
-        adapter = self.model.adapter  # what requests may ask of its family, checked by GenerationRequest.create
-        self.info = ModelInfo(name=self.model.name, family=self.model.family, native_size=self.model.native_size,
-                              default_guidance=self.model.default_guidance, max_rows=self.runner.max_rows,
-                              mode=mode, device=str(self.model.device), ready_s=self.ready_s,
-                              edit_strength=adapter.edit_strength, edits=adapter.supports_edits,
-                              samplers=tuple(adapter.samplers), schedules=tuple(adapter.schedules),
-                              default_sampler=adapter.default_sampler, default_schedule=adapter.default_schedule,
-                              size_multiple=int(adapter.size_multiple), guidance=adapter.guidance(self.model),
-                              prompt_syntaxes=tuple(adapter.prompt_syntaxes),
-                              extensions=self.runner.capabilities.names(),
-                              extension_params=self.runner.capabilities.params(),
-                              extension_images=self.runner.capabilities.image_params(),
-                              edit_images=adapter.edit_images,
-                              default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule)
+        self.info = self._model_info()
+
+    @staticmethod
+    def _placement(model: "str | DiffusionModel", device: str | None, dtype: Any, mode: str | None,
+                   graphs: GraphConfig | None) -> tuple[str, bool, Any, str]:
+        """The device, whether it is a CUDA one, the dtype and the mode: a loaded model's own device and dtype, else
+        the given ones or the defaults; refuses a mode the device cannot run, warns of half precision on the CPU."""
+        if isinstance(model, DiffusionModel):  # share already-loaded modules (benchmarks, several engines)
+            device, dtype = str(model.device), model.dtype
+        device = device or default_device()
+        cuda = parse_device(device).type == "cuda"
+        dtype = dtype or ("fp16" if cuda else "fp32")
+        mode = mode or ("graph" if cuda else "eager")
+        if mode not in ("graph", "eager"):
+            raise ParamError("mode", f"mode {mode!r} is unknown; allowed: graph, eager")
+        if mode == "graph" and not cuda and (graphs is None or graphs.backend != "emulated"):
+            raise ParamError("mode", "mode 'graph' needs a CUDA device; on the CPU the engine runs in mode 'eager'")
+        if not cuda and str(dtype).lower() in ("fp16", "float16", "bf16", "bfloat16"):
+            logger.warning("dtype %s on the CPU is several times slower than fp32 (no fast half-precision kernels "
+                           "there) and no more exact; use fp32 on the CPU", dtype)
+        return device, cuda, dtype, mode
+
+    def _present_capabilities(self, capabilities: Capabilities | None,
+                              capability_settings: "dict[str, Any] | None") -> Any:
+        """The registered capabilities (features/capability.py) this model has, with their settings: the given
+        registry (default: every built-in one) and the family's own beside it."""
+        registry = capabilities if capabilities is not None else Capabilities()
+        own = self.model.adapter.capabilities()  # the family's (its guidance options), beside the engine's
+        if own:
+            registry = Capabilities((*registry, *(c for c in own if c.name not in {r.name for r in registry})))
+        try:  # registered capabilities (features/capability.py): the ones this model has, with their settings
+            return registry.for_model(self.model, registry.settings(capability_settings))
+        except (TypeError, ValueError) as e:
+            raise ParamError("capability_settings", str(e)) from None
+
+    def _model_info(self) -> ModelInfo:
+        """What requests may ask of this engine's model and its family (checked by GenerationRequest.create)."""
+        adapter = self.model.adapter
+        return ModelInfo(name=self.model.name, family=self.model.family, native_size=self.model.native_size,
+                         default_guidance=self.model.default_guidance, max_rows=self.runner.max_rows,
+                         mode=self.mode, device=str(self.model.device), ready_s=self.ready_s,
+                         edit_strength=adapter.edit_strength, edits=adapter.supports_edits,
+                         samplers=tuple(adapter.samplers), schedules=tuple(adapter.schedules),
+                         default_sampler=adapter.default_sampler, default_schedule=adapter.default_schedule,
+                         size_multiple=int(adapter.size_multiple), guidance=adapter.guidance(self.model),
+                         prompt_syntaxes=tuple(adapter.prompt_syntaxes),
+                         extensions=self.runner.capabilities.names(),
+                         extension_params=self.runner.capabilities.params(),
+                         extension_images=self.runner.capabilities.image_params(),
+                         edit_images=adapter.edit_images,
+                         default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule)
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
                       fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30) -> LoraManager | None:

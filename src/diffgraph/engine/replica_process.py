@@ -64,23 +64,15 @@ def time_step_sizes(engine: Any, repeats: int = STEP_REPEATS,
 
 
 def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], torch_threads: int | None,
-                  beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True,
-                  models: ModelSetSpec | None = None, parent_pid: int | None = None) -> None:
+                 beat_s: float = 1.0, log_level: int | None = None, measure_step: bool = True,
+                 models: ModelSetSpec | None = None, parent_pid: int | None = None) -> None:
     """The replica process: build the engine, then serve the pipe until "close" or the parent goes away. With
     `log_level` (the parent's, when it configured logging) its records go to the inherited stderr as the parent's;
     `measure_step`: a CPU replica times a warm step at start-up (the server's --max-pixels default needs it);
     `models`: a `--model-dir` set (engine/model_set.py) lives here, its default model the replica's engine, the
     others loaded when the parent acquires them (remote_models.py); `parent_pid`: the process whose death ends this
     one at once (watch_parent)."""
-    if parent_pid is not None:
-        watch_parent(parent_pid)
-    if log_level is not None:
-        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-    from .engine import default_device
-
-    device = device or default_device()
-    if torch_threads is not None and device.startswith("cpu"):
-        _cpu_threads(torch_threads)
+    device = _prepare_process(device, torch_threads, log_level, parent_pid)
     from .async_engine import AsyncEngine
     from .engine import Engine
 
@@ -122,9 +114,37 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
         building.set()
         return last(M.Failed(f"{type(e).__name__}: {e}"))
     building.set()
-    def finished(request_id: str, future: Future) -> None:  # a request's outcome, to the parent
-        send(M.Done(request_id, *_outcome(future)))
     send(M.Ready(engine.info, step_s))
+    beating = _beat_while_serving(engine, send, beat_s)
+    _serve_pipe(conn, send, engine, held, client)
+    beating.set()
+    engine.close() if held is None else held.close()
+    outbox.put(None)  # the output thread ends after what is queued
+    output.join(30)
+    loop = engine.core.loop.thread
+    if loop is not None and loop.is_alive():  # its step still runs past the close's timeout (a long step during a
+        logging.shutdown()  # drain): end here, as tearing the interpreter down under a busy native op would abort
+        os._exit(0)
+
+
+def _prepare_process(device: str | None, torch_threads: int | None, log_level: int | None,
+                     parent_pid: int | None) -> str:
+    """The process's parent watch, logging and CPU thread pools; returns the device (the default one if None)."""
+    if parent_pid is not None:
+        watch_parent(parent_pid)
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    from .engine import default_device
+
+    device = device or default_device()
+    if torch_threads is not None and device.startswith("cpu"):
+        _cpu_threads(torch_threads)
+    return device
+
+
+def _beat_while_serving(engine: Any, send: Callable[[object], None], beat_s: float) -> threading.Event:
+    """Starts the serving beat: every beat_s, how long the loop's current pass has run; it stops when the event
+    returned is set."""
     beating = threading.Event()
 
     def beat() -> None:  # its own thread: beats while the loop steps, and says how long the current pass runs
@@ -132,6 +152,16 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
             since = engine.core.loop.busy_since
             send(M.Beat(0.0 if since is None else time.monotonic() - since))
     threading.Thread(target=beat, name="diffgraph-replica-beat", daemon=True).start()
+    return beating
+
+
+def _serve_pipe(conn: Any, send: Callable[[object], None], engine: Any, held: HeldModels | None,
+                client: Any) -> None:
+    """Answers the parent's messages until "close" or the pipe ends: submissions (each outcome sent when done),
+    aborts, model-set and listing questions (on threads of their own), stats."""
+    def finished(request_id: str, future: Future) -> None:  # a request's outcome, to the parent
+        send(M.Done(request_id, *_outcome(future)))
+
     while True:
         try:
             message = conn.recv()
@@ -162,14 +192,6 @@ def replica_main(conn: Any, device: str | None, engine_kwargs: dict[str, Any], t
                              name="diffgraph-replica-listing").start()  # its own, never blocking the pipe
         elif isinstance(message, M.Close):
             break
-    beating.set()
-    engine.close() if held is None else held.close()
-    outbox.put(None)  # the output thread ends after what is queued
-    output.join(30)
-    loop = engine.core.loop.thread
-    if loop is not None and loop.is_alive():  # its step still runs past the close's timeout (a long step during a
-        logging.shutdown()  # drain): end here, as tearing the interpreter down under a busy native op would abort
-        os._exit(0)
 
 
 def _answer_models(send: Callable[[object], None], held: HeldModels | None, message: "M.Ask | M.Release") -> None:
