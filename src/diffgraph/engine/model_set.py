@@ -14,6 +14,10 @@ the CPU its parameters' and buffers' bytes. The least recently used engine goes 
 flight (submitted and not answered), one a caller holds (`acquire` to `release`, around validation and submit) or
 one just loaded whose callers have not taken their holds yet (another load queued behind it would evict it first):
 when every other resident model is busy, the new one loads anyway and the set is over its bound until one frees.
+Before a load the model's weights are estimated from its files (`folder_estimate`): a model whose weights alone
+exceed the budget is refused with one line (`ModelTooLarge`), and idle models make room for the estimate first; a
+CUDA out-of-memory error while a model builds is the same one-line error, given once what the build held is
+collected and the allocator's cache emptied.
 """
 
 from __future__ import annotations
