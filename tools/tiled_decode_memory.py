@@ -30,7 +30,7 @@ def decode(device: str, native: int, size: int, tiled: bool) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     vae = AutoencoderKL(**{**FLUX_VAE, "sample_size": native}).to(device, dtype).eval()
-    family, model = ZImageFamily(), SimpleNamespace(native_size=native)
+    family, model = ZImageFamily(), SimpleNamespace(native_size=native, vae=vae)
     z = torch.randn(1, 16, size // 8, size // 8, device=device, dtype=dtype)
     with torch.no_grad():
         if device == "cuda":

@@ -479,15 +479,18 @@ class FamilyAdapter:
 
     def tiles(self, model: DiffusionModel, size: Size) -> bool:
         """Whether an image of `size` (pixels) goes through the VAE in tiles: above the native area, for a family
-        that opts in (`tiled_vae`). Such a decode or encode runs eagerly, never in a graph."""
-        return self.tiled_vae and size[0] * size[1] > model.native_size ** 2
+        that opts in (`tiled_vae`) and a VAE with diffusers' tiles. Such a decode or encode runs eagerly, never in a
+        graph."""
+        return self.tiled_vae and hasattr(model.vae, "tiled_decode") and size[0] * size[1] > model.native_size ** 2
 
     def vae_decode(self, model: DiffusionModel, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
         """The VAE's latents [n, C, h, w] -> its output [n, 3, H, W] in [-1, 1]: whole, or in diffusers' tiles
-        (`tiled_decode`, what `enable_tiling()` runs: tiles of the config's sample_size, overlapped and blended)."""
-        factor = 2 ** (len(decoder.config.block_out_channels) - 1)
-        if self.tiles(model, (latents.shape[-2] * factor, latents.shape[-1] * factor)):
-            return decoder.tiled_decode(latents, return_dict=False)[0]
+        (`tiled_decode`, what `enable_tiling()` runs: tiles of the config's sample_size, overlapped and blended).
+        A VAE without diffusers' tiled decode decodes whole."""
+        if self.tiled_vae and hasattr(decoder, "tiled_decode"):
+            factor = 2 ** (len(decoder.config.block_out_channels) - 1)
+            if self.tiles(model, (latents.shape[-2] * factor, latents.shape[-1] * factor)):
+                return decoder.tiled_decode(latents, return_dict=False)[0]
         return decoder.decode(latents, return_dict=False)[0]
 
     def encode_pixels(self, model: DiffusionModel, encoder: Any, pixels: torch.Tensor) -> torch.Tensor:
@@ -495,7 +498,7 @@ class FamilyAdapter:
         a pure tensor function (capturable); sampling and scaling happen outside (`image_latents`). Above the
         native area of a tiling family, diffusers' tiled encode (as `enable_tiling()`)."""
         pixels = pixels.to(self.vae_dtype(model))
-        if self.tiles(model, tuple(pixels.shape[-2:])):
+        if self.tiles(model, tuple(pixels.shape[-2:])) and hasattr(encoder, "_tiled_encode"):
             return encoder._tiled_encode(pixels)  # the moments tiled_encode wraps in its posterior
         return encoder.encode(pixels, return_dict=False)[0].parameters
 
