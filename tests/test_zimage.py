@@ -5,7 +5,8 @@ save_pretrained as the published ones are: "Z-Image-Turbo" (fixed shift 3, no gu
 (guided). Their tokenizer is a byte-level BPE the test trains on a few phrases, with Qwen's control tokens and Qwen3's chat
 template. fp32 on the CPU: each image within one uint8 level of the
 pipeline's with the same seed; rows of different prompt lengths, sizes of one token bucket, steps and guidance run
-in one step and each equals its request alone.
+in one step and each equals its request alone. The tiny VAE's native size is 64: larger images decode in its tiles,
+so the oracle runs with `vae.enable_tiling()`.
 """
 
 import json
