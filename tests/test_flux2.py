@@ -41,6 +41,7 @@ def pipeline(distilled: bool, vae: dict | None = None):
     with torch.no_grad():  # batch-norm statistics a wrong (de)normalisation cannot pass
         vae.bn.running_mean.normal_(std=0.5)
         vae.bn.running_var.uniform_(0.5, 2.0)
+    vae.enable_tiling()  # as the engine above the native area (64x64 here): diffusers' tiles, its overlap and blend
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER, time_shift_type="exponential")
     return Flux2KleinPipeline(scheduler=scheduler, vae=vae.eval(), text_encoder=encoder.eval(),
                               tokenizer=qwen_tokenizer("qwen3"), transformer=transformer.eval(),
@@ -346,6 +347,7 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
     from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
 
     pipe = pipeline(True, vae={**tiny_vae(), "block_out_channels": (32,) * 4, "norm_num_groups": 32})
+    pipe.vae.disable_tiling()  # the split VAE's config is FLUX.2's (native 1024): its images decode whole
     paths = [str(tmp_path / name) for name in ("flux-2-klein-tiny.safetensors", "qwen_3_tiny.safetensors",
                                                "flux2-vae.safetensors")]
     save_file({k: v.contiguous() for k, v in flux2_files.transformer_to_original(

@@ -225,6 +225,36 @@ def test_native_sizes_of_every_kind(tmp_path):
     assert native_size_of({"sample_size": [64, 96]}, None) is None and native_size_of(None, None) is None
 
 
+def test_weights_bytes_count_floats_at_the_load_size_and_the_rest_as_stored(tmp_path):
+    """An fp32 tensor counts 2 bytes an element at a 16-bit load and 4 at fp32; fp8 and integer tensors as stored;
+    a GGUF file its size, a pickle as fp32; a split model its three files; a folder only the weights its loader
+    reads (the plain files, not the fp16 variant beside them, nor the safety checker)."""
+    from diffgraph.models.catalog import ModelEntry, weights_bytes
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+
+    save_file({"w": torch.zeros(10, 10), "f8": torch.zeros(7, dtype=torch.float8_e4m3fn),
+               "ids": torch.zeros(3, dtype=torch.int64)}, str(tmp_path / "dit.safetensors"))
+    save_file({"h": torch.zeros(8, dtype=torch.float16)}, str(tmp_path / "te.safetensors"))
+    (tmp_path / "vae.gguf").write_bytes(b"g" * 40)
+    (tmp_path / "old.ckpt").write_bytes(b"p" * 400)
+
+    def file(name: str) -> ModelEntry:
+        return ModelEntry(name, str(tmp_path / name), "file", 0, None)
+    assert weights_bytes(file("dit.safetensors"), 2) == 100 * 2 + 7 + 24
+    assert weights_bytes(file("dit.safetensors"), 4) == 100 * 4 + 7 + 24
+    assert weights_bytes(file("old.ckpt"), 2) == 200 and weights_bytes(file("vae.gguf"), 2) == 40
+    assert weights_bytes(file("missing.safetensors"), 2) == 0
+    split = SplitFiles(SPLIT_KINDS[0], str(tmp_path / "dit.safetensors"), str(tmp_path / "te.safetensors"),
+                       str(tmp_path / "vae.gguf"), ())
+    assert weights_bytes(ModelEntry("s", split.diffusion_model, "file", 0, None, split=split), 2) == 231 + 16 + 40
+    folder = tmp_path / "pipe"
+    for sub in ("unet", "safety_checker"):
+        (folder / sub).mkdir(parents=True)
+        save_file({"w": torch.zeros(5)}, str(folder / sub / "diffusion_pytorch_model.safetensors"))
+    save_file({"w": torch.zeros(5, dtype=torch.float16)}, str(folder / "unet" / "diffusion_pytorch_model.fp16.safetensors"))
+    assert weights_bytes(ModelEntry("pipe", str(folder), "folder", 0, None), 2) == 10
+
+
 def test_family_table_matches_the_adapters():
     from diffgraph.models.families import default_registry
     registry = default_registry()

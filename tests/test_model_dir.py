@@ -180,6 +180,82 @@ def test_the_memory_budget_evicts_idle_models_never_a_busy_one():
         models.close()
 
 
+def _tensor_bytes(folder) -> int:
+    """The bytes of every tensor in a folder's safetensors files, as stored."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(folder.glob("*/*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    return total
+
+
+def test_a_model_whose_weights_exceed_the_memory_budget_is_refused_by_name_and_the_others_serve(tmp_path):
+    """`--model-memory` below a model's weights (estimated from its files at the load dtype before it loads: the
+    fp16 digits folder at fp32 is twice its tensors' bytes, what the loaded model then measures): one line naming
+    it, its size and the budget; nothing is built for it and the default keeps serving; with room it loads."""
+    from diffgraph.engine.model_set import ModelSet, ModelTooLarge, folder_builder, folder_estimate
+
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sd" / "digits")
+    estimate = folder_estimate(str(tmp_path), "random:tiny", "cpu")
+    need = estimate("sd/digits")
+    assert need == 2 * _tensor_bytes(tmp_path / "sd" / "digits") and estimate("random:tiny") is None
+    assert folder_estimate(str(tmp_path), "random:tiny", "cpu", "bf16")("sd/digits") == need // 2
+    assert folder_estimate(str(tmp_path), "random:tiny", "cpu", quantized=True)("sd/digits") == need // 4  # fp8
+    build, built = folder_builder(str(tmp_path), "random:tiny", {"device": "cpu", "image_threads": 1}), []
+    models = ModelSet(lambda name, loop: built.append(name) or build(name, loop), "cpu", max_models=4,
+                      memory_bytes=need // 2, estimate=estimate)
+    try:
+        default = models.acquire("random:tiny")
+        with pytest.raises(ModelTooLarge) as e:
+            models.acquire("sd/digits")
+        message = str(e.value)
+        assert message == (f"model 'sd/digits' needs about {need / 2**30:.3g} GiB of weights, more than "
+                           f"--model-memory {need / 2 / 2**30:.3g} GiB; raise --model-memory or use an fp8/GGUF file")
+        assert built == ["random:tiny"] and models.errors["sd/digits"] == message and not models.loading()
+        image = default.client.engine.generate("x", num_inference_steps=1, seed=1)  # the default still serves
+        assert image.arrays.shape == (1, 64, 64, 3)
+        models.memory_bytes = 4 * need
+        digits = models.acquire("sd/digits")
+        assert abs(digits.memory_bytes - need) <= need // 100  # the estimate is what it measures once loaded
+        assert "sd/digits" not in models.errors
+        models.release(digits)
+        models.release(default)
+    finally:
+        models.close()
+
+
+def test_an_out_of_memory_load_answers_one_line_frees_what_it_built_and_the_next_load_works():
+    """A CUDA out-of-memory error while a model builds (simulated: the builder raises it after allocating) is one
+    ModelTooLarge line naming the model; what the build held is collected before the answer; the set is not stuck:
+    the next model loads and serves."""
+    import weakref
+
+    from diffgraph.engine.model_set import ModelSet, ModelTooLarge
+
+    held = []
+
+    def build(name, loop):
+        if name == "random:tiny-xl":
+            partial = torch.nn.Linear(256, 256)  # what a build had allocated when the device ran out
+            held.append(weakref.ref(partial))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nSee the docs")
+        return Engine(name, device="cpu", loop=loop, image_threads=1)
+    models = ModelSet(build, "cpu", max_models=2)
+    try:
+        with pytest.raises(ModelTooLarge) as e:
+            models.acquire("random:tiny-xl")
+        assert str(e.value).startswith("model 'random:tiny-xl' ran out of device memory while it loaded (0 GiB held")
+        assert "\n" not in str(e.value) and models.errors["random:tiny-xl"] == str(e.value)
+        assert held[0]() is None and not models.loading()  # collected before the answer came
+        tiny = models.acquire("random:tiny")
+        assert tiny.client.engine.generate("x", num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
+        models.release(tiny)
+    finally:
+        models.close()
+
+
 def test_an_eviction_has_given_its_engine_back_once_the_set_has_settled():
     """An eviction started by an acquire (the set over its bound) closes and collects the engine on its own thread:
     once `wait_settled` returns, nothing of it is alive (on CUDA: its memory is back; tools/probe_eviction.py)."""

@@ -5,7 +5,8 @@ save_pretrained as the published ones are: "Z-Image-Turbo" (fixed shift 3, no gu
 (guided). Their tokenizer is a byte-level BPE the test trains on a few phrases, with Qwen's control tokens and Qwen3's chat
 template. fp32 on the CPU: each image within one uint8 level of the
 pipeline's with the same seed; rows of different prompt lengths, sizes of one token bucket, steps and guidance run
-in one step and each equals its request alone.
+in one step and each equals its request alone. The tiny VAE's native size is 64: larger images decode in its tiles,
+so the oracle runs with `vae.enable_tiling()`.
 """
 
 import json
@@ -60,6 +61,7 @@ def pipeline(shift: float, qwen_vocabulary: bool = False):
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                         layers_per_block=1, norm_num_groups=32, scaling_factor=0.3611, shift_factor=0.1159,
                         use_quant_conv=False, use_post_quant_conv=False, sample_size=64)
+    vae.enable_tiling()  # as the engine above the native area (64x64 here): diffusers' tiles, its overlap and blend
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False)
     return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=encoder.eval(),
                           tokenizer=qwen_tokenizer("qwen3") if qwen_vocabulary else tokenizer(),
@@ -238,6 +240,7 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
     from test_zimage_files import to_original
 
     pipe = pipeline(3.0, qwen_vocabulary=True)
+    pipe.vae.disable_tiling()  # the split VAE's config is Flux's (native 1024): a 96x128 image decodes whole
     models = tmp_path / "models"
     for sub in ("diffusion_models", "text_encoders", "vae"):
         (models / sub).mkdir(parents=True)
@@ -348,6 +351,40 @@ def test_image_to_image_equals_the_img2img_pipeline(folders, turbo):
     with pytest.raises(ParamError) as e:
         turbo.submit(GenerationRequest.create(model=turbo.info, **edit, mask_image=np.zeros((96, 128), np.uint8)))
     assert e.value.param == "mask"
+
+
+def test_above_the_native_area_the_vae_decodes_in_diffusers_tiles(folders, turbo):
+    """The tiny VAE's native size is 64: a 128x128 image (above 64x64) decodes in diffusers' tiles and equals the
+    pipeline with `vae.enable_tiling()`, not the whole decode; 64x64 (the native area) decodes whole and equals the
+    untiled pipeline."""
+    pipe = folders["Z-Image-Turbo"][1]
+    assert turbo.model.native_size == 64 and pipe.vae.use_tiling
+    sizes = [(128, 128), (64, 64)]
+    got = images_together(turbo, [dict(prompt="a red fox", height=h, width=w, num_inference_steps=2, seed=5)
+                                  for h, w in sizes])
+    tiled = oracle(pipe, "a red fox", sizes[0], 2, 1.0, 5)
+    pipe.vae.disable_tiling()
+    try:
+        whole = [oracle(pipe, "a red fox", size, 2, 1.0, 5) for size in sizes]
+    finally:
+        pipe.vae.enable_tiling()
+    assert np.abs(got[0] - tiled).max() <= 1 and np.abs(got[0] - whole[0]).max() > 3
+    assert got[1].shape[:2] == (64, 64) and np.abs(got[1] - whole[1]).max() <= 1
+
+
+def test_a_graphed_size_above_the_native_area_decodes_eagerly(folders):
+    """In graph mode (the emulated backend) the VAE's graphs cover only the sizes it decodes whole: 128x128 has no
+    decoder or encoder graph, its decode runs eagerly in tiles and equals the tiled pipeline."""
+    from diffgraph.config import GraphConfig
+
+    path, pipe = folders["Z-Image-Turbo"]
+    graphs = GraphConfig(resolutions=((64, 64), (128, 128)), batch_buckets=(1,), backend="emulated")
+    with Engine(model=path, device="cpu", mode="graph", graphs=graphs) as engine:
+        assert engine.runner.graphs.vae.resolutions() == ((64, 64),)
+        assert engine.runner.graphs.encode.resolutions() == ((64, 64),)
+        got = images_together(engine, [dict(prompt="a red fox", height=128, width=128, num_inference_steps=2,
+                                            seed=5)])[0]
+    assert np.abs(got - oracle(pipe, "a red fox", (128, 128), 2, 1.0, 5)).max() <= 1
 
 
 def test_guidance_truncation_and_normalisation_as_the_pipeline(folders):

@@ -144,6 +144,8 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
                              adapter.token_lengths(model), host.device, cfg.batch_buckets)
         graphs.register(out.text)
     if cfg.capture_vae:
+        # a size the family decodes in tiles (above its native area) decodes eagerly: no VAE graph of it
+        untiled = tuple(r for r in resolutions if not adapter.tiles(model, r))
         channels_last_vae = host.cuda and model.vae_dtype != torch.float32  # (an fp32 decoder: Inductor's layout)
         if compile is not None and channels_last_vae:  # its group norms traced per channel first: group_norm.py
             out.decoder_form = use_channel_group_norms
@@ -151,13 +153,13 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
         out.vae = VaeGraph(maybe(host.decode_pixels, "the VAE decoder", lambda args: args[:1],
                                  VAE_OPTIONS if channels_last_vae else None,
                                  form=" group_norm=channel" if channels_last_vae else ""),
-                           partial(adapter.image_latent_shape, model), model.vae_dtype, host.device, resolutions,
+                           partial(adapter.image_latent_shape, model), model.vae_dtype, host.device, untiled,
                            vae_buckets(cfg))
         graphs.register(out.vae)
         if adapter.supports_edits:
             # not compiled: an edit encodes once per request, and its two compiles would lengthen every cold start
             out.encode = VaeEncodeGraph(host.encode_pixels_eager, lambda key: (3, *key), model.vae_dtype,
-                                        host.device, resolutions, ENCODE_BUCKETS)
+                                        host.device, untiled, ENCODE_BUCKETS)
             graphs.register(out.encode)
     return out
 

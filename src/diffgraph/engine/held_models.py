@@ -24,11 +24,13 @@ class HeldModels:
     def __init__(self, spec: ModelSetSpec, device: str, engine_kwargs: dict[str, Any],
                  on_load: Callable[[Any], None] | None = None):
         from ..models.catalog import ModelDir, model_path
-        from .model_set import ModelSet, folder_builder
+        from .model_set import ModelSet, folder_builder, folder_estimate
 
         self.spec, self.catalog = spec, ModelDir(spec.root)
         self.set = ModelSet(folder_builder(spec.root, spec.default, {**engine_kwargs, "device": device}), device,
-                            spec.max_models, spec.memory_bytes, on_load)
+                            spec.max_models, spec.memory_bytes, on_load,
+                            folder_estimate(spec.root, spec.default, device, engine_kwargs.get("dtype"),
+                                            engine_kwargs.get("quantize") is not None))
         self._default = self.set.acquire(spec.default)  # never released: /ready follows it
         self.default_client = self._default.client
         self.default = self.default_client.engine

@@ -14,6 +14,10 @@ the CPU its parameters' and buffers' bytes. The least recently used engine goes 
 flight (submitted and not answered), one a caller holds (`acquire` to `release`, around validation and submit) or
 one just loaded whose callers have not taken their holds yet (another load queued behind it would evict it first):
 when every other resident model is busy, the new one loads anyway and the set is over its bound until one frees.
+Before a load the model's weights are estimated from its files (`folder_estimate`): a model whose weights alone
+exceed the budget is refused with one line (`ModelTooLarge`), and idle models make room for the estimate first; a
+CUDA out-of-memory error while a model builds is the same one-line error, given once what the build held is
+collected and the allocator's cache emptied.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelLoadError", "ModelSet", "Resident", "folder_builder"]
+__all__ = ["ModelLoadError", "ModelSet", "ModelTooLarge", "Resident", "folder_builder", "folder_estimate"]
+
+
+class ModelTooLarge(ModelLoadError):
+    """A model refused because its weights alone exceed the memory budget, or one whose load ran out of device
+    memory; the message names it, its size and the fix."""
 
 
 def folder_builder(root: str, default: str, engine_kwargs: dict) -> Callable[[str, DeviceLoop], Engine]:
@@ -57,6 +66,28 @@ def folder_builder(root: str, default: str, engine_kwargs: dict) -> Callable[[st
     return build
 
 
+def folder_estimate(root: str, default: str, device: str, dtype: str | None = None,
+                    quantized: bool = False) -> Callable[[str], int | None]:
+    """The weights estimate of a `--model-dir` set's models before they load (`catalog.weights_bytes` at the
+    engines' float dtype: `dtype`, else fp16 on CUDA and fp32 on the CPU as `Engine` picks); None for the default
+    `--model` (a preset or a path the set does not list). `quantized` (the fp8 tier): every float counted at one
+    byte, a bound below what loads (the files do not say which layers the tier will take), so no model that would
+    fit is refused."""
+    from ..models.catalog import ModelDir, weights_bytes
+
+    catalog = ModelDir(root)
+    chosen = str(dtype or ("fp16" if torch.device(device).type == "cuda" else "fp32")).lower().removeprefix("torch.")
+    float_bytes = 1 if quantized else 4 if chosen in ("fp32", "float32", "float") else 2
+
+    def estimate(name: str) -> int | None:
+        return None if name == default else weights_bytes(catalog.resolve(name), float_bytes)
+    return estimate
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
 @dataclass
 class Resident:
     name: str
@@ -73,12 +104,15 @@ class Resident:
 
 class ModelSet:
     def __init__(self, build: Callable[[str, DeviceLoop], Engine], device: str, max_models: int = 2,
-                 memory_bytes: int | None = None, on_load: Callable[[AsyncEngine], None] | None = None):
+                 memory_bytes: int | None = None, on_load: Callable[[AsyncEngine], None] | None = None,
+                 estimate: Callable[[str], int | None] | None = None):
         """`on_load`: called with each model's client once it is built, before any request reaches it (the replica
-        hooks its failure policy and step events there)."""
+        hooks its failure policy and step events there). `estimate`: a model's weights bytes before it loads
+        (`folder_estimate`; None: unknown): one above `memory_bytes` is refused, the rest make room for it first."""
         if max_models < 1:
             raise ValueError(f"max-models {max_models} must be >= 1")
         self._build, self.device, self._on_load = build, torch.device(device), on_load
+        self._estimate = estimate
         self.max_models, self.memory_bytes = max_models, memory_bytes
         self.loop = DeviceLoop()
         self._lock = threading.Lock()
@@ -172,10 +206,10 @@ class ModelSet:
         try:
             with self._loader:
                 self._drop_failed(name)
-                self._make_room(exclude=name, need_slot=True)
+                self._make_room(exclude=name, need_slot=True, incoming=self._weights_estimate(name))
                 before = self._used_bytes()
                 t0 = time.perf_counter()
-                engine = self._build(name, self.loop)
+                engine = self._build_engine(name)
                 client = AsyncEngine(engine, name=name)
                 if self._on_load is not None:
                     self._on_load(client)
@@ -197,10 +231,40 @@ class ModelSet:
             logger.warning("model %s could not be loaded: %s", name, message)
             with self._lock:
                 self.errors[name] = message
-            future.set_exception(ModelLoadError(f"model {name!r} could not be loaded: {message}"))
+            future.set_exception(e if isinstance(e, ModelTooLarge) else
+                                 ModelLoadError(f"model {name!r} could not be loaded: {message}"))
         finally:
             with self._lock:
                 self._loading.pop(name, None)
+
+    def _weights_estimate(self, name: str) -> int:
+        """The estimate of `name`'s weights (0 without an estimator or a budget); raises ModelTooLarge when it alone
+        exceeds the budget (nothing is evicted or loaded for it)."""
+        if self._estimate is None or self.memory_bytes is None:
+            return 0
+        need = self._estimate(name) or 0
+        if need > self.memory_bytes:
+            raise ModelTooLarge(f"model {name!r} needs about {_gib(need)} of weights, more than --model-memory "
+                                f"{_gib(self.memory_bytes)}; raise --model-memory or use an fp8/GGUF file")
+        return need
+
+    def _build_engine(self, name: str) -> Engine:
+        """The build of `name`; a CUDA out-of-memory error during it becomes a one-line ModelTooLarge once what was
+        built is collected and the allocator's cache given back (the set goes on serving the others)."""
+        try:
+            return self._build(name, self.loop)
+        except torch.cuda.OutOfMemoryError:
+            pass  # leaving the handler drops the traceback, and with it the frames that hold the partial engine
+        self._free_device()
+        held = sum(r.memory_bytes for r in self.resident())
+        raise ModelTooLarge(f"model {name!r} ran out of device memory while it loaded ({_gib(held)} held by the "
+                            "resident models); lower --model-memory or --max-models so fewer stay resident, or use an "
+                            "fp8/GGUF file")
+
+    def _free_device(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _drop_failed(self, name: str) -> None:
         """A resident `name` whose engine failed (its loop stopped: not ready) is closed before it loads again, so
@@ -213,20 +277,21 @@ class ModelSet:
         logger.warning("model %s stopped serving (its engine failed); closing it and loading it again", name)
         failed.client.close()
 
-    def _over_memory(self) -> bool:
-        """Whether what is resident exceeds the memory budget (under the lock)."""
-        return self.memory_bytes is not None and sum(r.memory_bytes for r in self._resident.values()) > \
+    def _over_memory(self, incoming: int = 0) -> bool:
+        """Whether what is resident, and `incoming` bytes more, exceeds the memory budget (under the lock)."""
+        return self.memory_bytes is not None and sum(r.memory_bytes for r in self._resident.values()) + incoming > \
             self.memory_bytes
 
-    def _make_room(self, exclude: str, need_slot: bool) -> None:
+    def _make_room(self, exclude: str, need_slot: bool, incoming: int = 0) -> None:
         """Evicts idle models (never `exclude`), least recently used first: before a load until the new one has a
-        slot under `max_models` (need_slot) and what is resident fits the memory budget (a busy model kept it over),
-        after it until the set fits its count and memory budget."""
+        slot under `max_models` (need_slot) and what is resident fits the memory budget beside the new one's
+        estimated weights (`incoming`; a busy model kept it over), after it until the set fits its count and memory
+        budget."""
         while True:
             with self._lock:
                 others = [r for r in self._resident.values() if r.name != exclude]
                 count = len(others) + 1 if need_slot else len(self._resident)
-                over_memory = self._over_memory()
+                over_memory = self._over_memory(incoming)
                 idle = sorted((r for r in others if not r.busy and r.name not in self._waiters),
                               key=lambda r: r.last_used)
                 if not (count > self.max_models or over_memory) or not idle:
@@ -237,9 +302,7 @@ class ModelSet:
             logger.info("model %s evicted (%s)", victim.name, "the memory budget" if over_memory else "max-models")
             victim.client.close()
             del victim
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._free_device()
 
     def _used_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0

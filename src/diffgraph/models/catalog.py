@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, TextIO
 
-from ..safe_files import FileStamp, UnusableFile, check_regular, read_json, stamp_of
+from ..safe_files import FileStamp, UnusableFile, check_regular, read_header, read_json, stamp_of
 from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
 from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
 from .clip_vocab import default_cache_root
@@ -39,6 +39,7 @@ from .presets import RANDOM_PRESETS, SHIPPED_PRESETS
 from .sidecar import read_sidecar, sidecar_path
 from .split_files import (COMPANION_FOLDERS, GGUF_SUFFIX, OTHER_FOLDERS, SPLIT_FOLDERS, SPLIT_KINDS, PartFiles,
                           SplitFiles, comfy_layout, header_shapes, split_kind)
+from .weights_view import weights_read
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +293,39 @@ def _folder_entry(name: str, folder: str) -> ModelEntry:
     family_name = pipeline_family(cls)
     error = None if family_name else f"{name} is a {cls} folder; supported: {', '.join(supported_pipelines())}"
     return ModelEntry(name, folder, "folder", size, stamp, cls, family_name, native_size_of(unet, vae), error)
+
+
+FLOAT_TENSORS = ("F64", "F32", "F16", "BF16")  # safetensors' dtypes a load converts to its float dtype
+UNLOADED_PARTS = ("safety_checker", "feature_extractor")  # folders of a pipeline that no family loads
+
+
+def weights_bytes(entry: ModelEntry, float_bytes: int) -> int:
+    """About how many bytes the weights of `entry` take once loaded with floats of `float_bytes` bytes (2: fp16 or
+    bf16, 4: fp32): a folder's weights files that from_pretrained reads, a split model's three files, else the file.
+    In a safetensors file the floating-point tensors count at that size (a 16-bit load of an fp32 file halves them),
+    the others (fp8, integers) as stored; a pickle counts as an fp32 file, a GGUF file its size. It errs low, never
+    high: a file that cannot be read counts nothing."""
+    if entry.form == "folder":
+        with contextlib.suppress(OSError):
+            parts = [d for d in sorted(os.listdir(entry.path)) if d not in UNLOADED_PARTS
+                     and os.path.isdir(os.path.join(entry.path, d))]
+            return sum(_file_weights(os.path.join(entry.path, rel), float_bytes)
+                       for rel in weights_read(entry.path, parts)[0])
+        return 0
+    paths = [entry.split.diffusion_model, entry.split.text_encoder, entry.split.vae] if entry.split else [entry.path]
+    return sum(_file_weights(path, float_bytes) for path in paths)
+
+
+def _file_weights(path: str, float_bytes: int) -> int:
+    try:
+        if path.endswith(SUFFIX):
+            header, _ = read_header(path, MAX_MODEL_BYTES)
+            return sum(t.numel * float_bytes if t.dtype in FLOAT_TENSORS else t.end - t.begin
+                       for t in header.tensors.values())
+        size = os.stat(path).st_size
+    except (OSError, UnusableFile):
+        return 0
+    return size if path.endswith(GGUF_SUFFIX) else size * float_bytes // 4
 
 
 def _folder_bytes(folder: str) -> int:

@@ -126,6 +126,9 @@ class FamilyAdapter:
     supports_edits: bool = False       # image-to-image and inpainting (a VAE encoder, the family's `noising` and its
                                        # plans' KNOWN columns for the inpainting blend): SD and SDXL say True
     edit_strength: tuple[float, float] = (0.8, 1.0)  # diffusers' defaults: (image-to-image, inpainting)
+    # above the native area (native_size squared) its VAE decodes and encodes in diffusers' tiles (`tiles`): the
+    # token families say True; SD and SDXL decode whole at every size
+    tiled_vae: bool = False
     # the capability parameter (a `Param.images` list) the edits route's image parts fill, every one of them (FLUX.2's
     # references); None: the first image is the image-to-image start
     edit_images: str | None = None
@@ -471,13 +474,33 @@ class FamilyAdapter:
             shift = getattr(decoder.config, "shift_factor", None)
             if shift is not None:  # SD3 / Flux VAEs (diffusers' pipelines: latents / scaling + shift)
                 latents = latents + shift
-        image = decoder.decode(latents, return_dict=False)[0]
+        image = self.vae_decode(model, decoder, latents)
         return (image * 0.5 + 0.5).clamp(0, 1)
+
+    def tiles(self, model: DiffusionModel, size: Size) -> bool:
+        """Whether an image of `size` (pixels) goes through the VAE in tiles: above the native area, for a family
+        that opts in (`tiled_vae`) and a VAE with diffusers' tiles. Such a decode or encode runs eagerly, never in a
+        graph."""
+        return self.tiled_vae and hasattr(model.vae, "tiled_decode") and size[0] * size[1] > model.native_size ** 2
+
+    def vae_decode(self, model: DiffusionModel, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents [n, C, h, w] -> its output [n, 3, H, W] in [-1, 1]: whole, or in diffusers' tiles
+        (`tiled_decode`, what `enable_tiling()` runs: tiles of the config's sample_size, overlapped and blended).
+        A VAE without diffusers' tiled decode decodes whole."""
+        if self.tiled_vae and hasattr(decoder, "tiled_decode"):
+            factor = 2 ** (len(decoder.config.block_out_channels) - 1)
+            if self.tiles(model, (latents.shape[-2] * factor, latents.shape[-1] * factor)):
+                return decoder.tiled_decode(latents, return_dict=False)[0]
+        return decoder.decode(latents, return_dict=False)[0]
 
     def encode_pixels(self, model: DiffusionModel, encoder: Any, pixels: torch.Tensor) -> torch.Tensor:
         """Pixels [n, 3, H, W] in [-1, 1] -> the VAE posterior's parameters [n, 2C, h, w] (mean, log variance):
-        a pure tensor function (capturable); sampling and scaling happen outside (`image_latents`)."""
-        return encoder.encode(pixels.to(self.vae_dtype(model)), return_dict=False)[0].parameters
+        a pure tensor function (capturable); sampling and scaling happen outside (`image_latents`). Above the
+        native area of a tiling family, diffusers' tiled encode (as `enable_tiling()`)."""
+        pixels = pixels.to(self.vae_dtype(model))
+        if self.tiles(model, tuple(pixels.shape[-2:])) and hasattr(encoder, "_tiled_encode"):
+            return encoder._tiled_encode(pixels)  # the moments tiled_encode wraps in its posterior
+        return encoder.encode(pixels, return_dict=False)[0].parameters
 
     def image_latents(self, model: DiffusionModel, encoder: Any, sample: torch.Tensor) -> torch.Tensor:
         """A sample of the VAE posterior (fp32) scaled as the pipelines scale image latents."""

@@ -368,7 +368,7 @@ class Flux2KleinFamily(TokenFamily):
         latents = latents * std + mean
         n, c, h, w = latents.shape
         latents = latents.reshape(n, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, c // 4, h * 2, w * 2)
-        image = decoder.decode(latents, return_dict=False)[0]
+        image = self.vae_decode(model, decoder, latents)
         return (image * 0.5 + 0.5).clamp(0, 1)
 
     # -- sampling: the pipeline's empirical shift -------------------------------------------------------

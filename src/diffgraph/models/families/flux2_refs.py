@@ -119,10 +119,12 @@ class ReferenceImages(Capability):
 
 def encode(model: Any, pixels: torch.Tensor) -> torch.Tensor:
     """A reference's pixels [1, 3, h, w] -> its tokens [h/16 * w/16, 128] as the pipeline's `_encode_vae_image`: the
-    posterior's mode, patchified 2x2, normalised by the VAE's batch-norm statistics, row-major."""
+    posterior's mode, patchified 2x2, normalised by the VAE's batch-norm statistics, row-major. Above the native
+    area in the VAE's tiles, as the family's other encodes (`FamilyAdapter.encode_pixels`)."""
     vae = model.vae
     with torch.no_grad():
-        latents = vae.encode(pixels.to(model.device, vae.dtype)).latent_dist.mode()
+        moments = model.adapter.encode_pixels(model, vae, pixels.to(model.device, vae.dtype))
+        latents = moments[:, : moments.shape[1] // 2]  # the posterior's mode: its mean
         n, c, h, w = latents.shape
         latents = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, c * 4, h // 2, w // 2)
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.dtype)

@@ -105,6 +105,7 @@ class TokenFamily(FamilyAdapter):
     default_schedule = FLOW_SCHEDULES[0]
     prompt_syntaxes = ("plain",)
     plan_options = False
+    tiled_vae = True
 
     # -- groups and layout -------------------------------------------------------------------------
     def grid(self, model: DiffusionModel, size: Size) -> tuple[int, int]:
