@@ -35,6 +35,11 @@ class StuckSubmit(AsyncEngine):
         handle.finish = recorded  # the core answers through this sink
         return handle
 
+    def close(self) -> None:
+        """The app closes the engine it serves; the suite's shared engine stays open for later files (conftest
+        closes it at the end)."""
+        self._closed = True
+
 
 @pytest.fixture(scope="module")
 def stuck(tiny_engine):
