@@ -177,10 +177,7 @@ class HiresRuns:
         if first is None:
             return None
         run.finished = False  # open again, for /interrupt and /skip, until its second pass ends
-        variation = first.request.variation  # AUTOMATIC1111's second pass: the image's subseed, no seed resize
-        if variation is not None:
-            variation = dataclasses.replace(variation, resize_from=None) if variation.strength else None
-        template = dataclasses.replace(self.template, seed=first.request.seed, variation=variation)
+        template = dataclasses.replace(self.template, seed=first.request.seed)
         try:
             request = await asyncio.to_thread(second_pass, template, first, self.hires.fix, 0, self.hires.rule)
         except ParamError as e:
