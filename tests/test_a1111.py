@@ -379,8 +379,7 @@ def test_every_field_of_automatic1111s_model_is_accepted_nulls_too(server, route
 UNSUPPORTED = [
     ({"enable_hr": True, "hr_upscaler": "SwinIR_4x"}, "hr_upscaler", "not available here"),
     ({"restore_faces": True}, "restore_faces", "face restoration"),
-    ({"tiling": True}, "tiling", "tiling"), ({"subseed_strength": 0.3}, "subseed_strength", "variation seeds"),
-    ({"seed_resize_from_h": 64}, "seed_resize_from_h", "send -1 or 0"), ({"s_churn": 0.5}, "s_churn", "send 0"),
+    ({"tiling": True}, "tiling", "tiling"), ({"s_churn": 0.5}, "s_churn", "send 0"),
     ({"s_min_uncond": 0.2}, "s_min_uncond", "send 0"), ({"s_noise": 0.9}, "s_noise", "send 1"),
     ({"refiner_checkpoint": "sdxl_refiner"}, "refiner_checkpoint", "refiners"),
     ({"firstpass_image": "abc"}, "firstpass_image", "send null"),
@@ -406,6 +405,9 @@ BAD = [
     ({"cfg_scale": -1}, "cfg_scale", "cfg_scale -1"), ({"width": 500}, "width", "use 496 or 504"),
     ({"batch_size": 0}, "batch_size", "at least 1"), ({"batch_size": 9, "n_iter": 2}, "n_iter", "at most 16"),
     ({"seed": -2}, "seed", "-1 (random)"),
+    ({"subseed_strength": 1.5}, "subseed_strength", "[0, 1]"), ({"subseed_strength": -0.2}, "subseed_strength", None),
+    ({"seed_resize_from_w": -5, "seed_resize_from_h": 64}, "seed_resize_from_w", "-1 or 0 (no resize)"),
+    ({"subseed": -7, "subseed_strength": 0.3}, "subseed", "-1 (random)"),
     ({"prompt": "a [cat:dog:0.5]"}, "prompt", None), ({"prompt": "a <lora:nope:1>"}, "prompt", "'nope' is unknown"),
     ({"infotext": "x\nSteps: nine, Sampler: Euler, Seed: 1"}, "infotext", "not a number"),
 ]
@@ -554,3 +556,29 @@ def test_an_empty_prompt_makes_the_empty_prompts_image(tiny):
     other, _ = _tiny_txt2img(client)
     assert answer["images"][0] != other["images"][0]
     assert _tiny_txt2img(client, prompt=None)[0]["images"] == answer["images"]  # null: the default, ""
+
+
+def test_variation_seeds_as_automatic1111_mixes_them(tiny, tiny_engine):
+    """subseed_strength mixes each image's subseed into its noise (the engine's `variation`, the same image), and
+    the infotext says so; strength 0 (and -1 sizes) is the seed alone; seed_resize_from_w/h changes the noise."""
+    client, _ = tiny
+    body = {"subseed": 11, "subseed_strength": 0.3, "batch_size": 2}
+    answer, info = _tiny_txt2img(client, **body)
+    assert info["all_subseeds"] == [11, 12] and info["subseed_strength"] == 0.3
+    for i, text in enumerate(info["infotexts"]):
+        assert f"Variation seed: {11 + i}, Variation seed strength: 0.3" in text and "Seed resize" not in text
+    images = [pixels(Image.open(io.BytesIO(base64.b64decode(b)))) for b in answer["images"]]
+    direct = tiny_engine.generate("a red fox", width=64, height=64, num_inference_steps=2, seed=4, sampler="euler",
+                                  guidance_scale=7.0, prompt_syntax="a1111", output_format="png",
+                                  variation={"subseed": 12, "strength": 0.3})  # the second image's seeds
+    # the same image (to a rounding step: the route's two rows ran in one batch)
+    assert np.abs(images[1] - pixels(Image.open(io.BytesIO(direct.encoded[0])))).max() <= 1
+    plain = _tiny_txt2img(client, subseed=11, subseed_strength=0, seed_resize_from_w=-1, seed_resize_from_h=-1)
+    none = _tiny_txt2img(client)
+    assert plain[0]["images"][0] == none[0]["images"][0] and "Variation" not in plain[1]["infotexts"][0]
+    assert np.abs(pixels(Image.open(io.BytesIO(base64.b64decode(plain[0]["images"][0])))).astype(int)
+                  - images[0].astype(int)).max() > 2
+    resized, info = _tiny_txt2img(client, seed_resize_from_w=32, seed_resize_from_h=96)
+    assert "Seed resize from: 32x96" in info["infotexts"][0] and resized["images"][0] != none[0]["images"][0]
+    again, _ = _tiny_txt2img(client, infotext=info["infotexts"][0])  # the infotext's settings make it again
+    assert np.array_equal(*(pixels(Image.open(io.BytesIO(base64.b64decode(a["images"][0])))) for a in (again, resized)))

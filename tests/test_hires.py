@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from diffgraph.hires import HiresFix, generate_hires, hires_size, second_pass_steps
-from diffgraph.request import EditInput, ParamError
+from diffgraph.request import EditInput, ParamError, Variation
 
 
 @pytest.mark.parametrize("first, scale, resize, multiple, size, cover", [
@@ -130,3 +130,14 @@ def test_a_token_family_runs_the_hires_fix_on_its_size_multiple():
                                                 image=start))
     assert size == (96, 96) and first.latents.shape == (1, 16, 8, 8)
     np.testing.assert_allclose(got.arrays, second.arrays, atol=1e-5, rtol=0)
+
+
+def test_the_second_pass_keeps_the_variation_seed_but_not_the_resize(tiny_engine):
+    """AUTOMATIC1111's hires pass draws its noise with the image's subseed and strength, at its own size."""
+    fix = HiresFix(96, 96, "Lanczos", strength=0.5, steps=2)
+    varied = dataclasses.replace(_first(tiny_engine), variation=Variation(7, 0.4, (32, 96)))
+    (got,) = generate_hires(tiny_engine, varied, fix)
+    assert got.request.variation == Variation(7, 0.4, None) and got.request.seed == varied.seed
+    resized_only = dataclasses.replace(varied, variation=Variation(7, 0.0, (32, 96)))
+    (plain,) = generate_hires(tiny_engine, resized_only, fix)
+    assert plain.request.variation is None

@@ -1,6 +1,7 @@
 """The settings inside every image (issue 34, point 4): AUTOMATIC1111's infotext, the request as JSON in PNG / JPEG /
 WebP, `--no-metadata`, and `diffgraph generate --from-image` reproducing an image exactly."""
 
+import dataclasses
 import io
 import json
 import random
@@ -190,3 +191,27 @@ def test_settings_after_a_hostile_prompt_at_the_body_limit_are_read():
     assert (fields["num_inference_steps"], fields["sampler"], fields["schedule"], fields["guidance_scale"],
             fields["seed"], fields["width"], fields["height"]) == (7, "dpmpp_2m", "karras", 6.5, 42, 64, 96)
     assert fields["model"] == "m, " + "q" * 1000
+
+
+def test_a_variation_seed_is_written_as_automatic1111_writes_it_and_reads_back():
+    r = GenerationRequest.create("a dog", width=64, height=64, num_inference_steps=4, guidance_scale=7.5, seed=5,
+                                 sampler="euler", variation={"subseed": 11, "strength": 0.3, "resize_from": (32, 96)})
+    text = meta.infotext(r, "digits")
+    assert text.endswith("Seed: 5, Size: 64x64, Model: digits, Variation seed: 11, Variation seed strength: 0.3, "
+                         "Seed resize from: 32x96")
+    assert meta.parse_infotext(text)["variation"] == {"subseed": 11, "strength": 0.3, "resize_from": (32, 96)}
+    for fmt in ("png", "webp"):
+        saved = meta.read_request(meta.embed(fmt, Image.new("RGB", (64, 64)), r, "digits"))
+        again = GenerationRequest.create(**{k: v for k, v in saved.items() if k != "model"})
+        assert again.variation == r.variation
+    again = GenerationRequest.create(**{k: v for k, v in meta.parse_infotext(text).items()
+                                        if k not in ("model", "prompt_syntax")})
+    assert again.variation == r.variation
+    # a resize alone (strength 0) writes only its size; no variation writes neither
+    resized = GenerationRequest.create("a dog", width=64, height=64, guidance_scale=7.5, seed=5,
+                                       variation={"subseed": 11, "strength": 0, "resize_from": (32, 96)})
+    text = meta.infotext(resized, "digits")
+    assert "Seed resize from: 32x96" in text and "Variation seed" not in text
+    assert meta.parse_infotext(text)["variation"] == {"subseed": 0, "strength": 0.0, "resize_from": (32, 96)}
+    plain = meta.infotext(dataclasses.replace(r, variation=None), "digits")
+    assert "Variation" not in plain and "variation" not in meta.parse_infotext(plain)

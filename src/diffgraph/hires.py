@@ -139,7 +139,7 @@ def second_pass(template: GenerationRequest, result: GenerationResult, fix: Hire
                 rule: str = "sd") -> GenerationRequest:
     """The second pass of row `row` of the first pass's `result`: `template` (its prompts, sampler, schedule and
     guidance, and its steps where the fix names none; the first pass's request for the same) at the fix's size from
-    the resized latents or image, with the first pass's seed; `rule` the family's edit steps rule
+    the resized latents or image, with the first pass's seed (and variation seed, not resized); `rule` the family's edit steps rule
     (`ModelInfo.edit_steps_rule`)."""
     first = result.request
     total, strength = second_pass_steps(fix.steps or template.num_inference_steps, fix.strength, rule)
@@ -152,8 +152,11 @@ def second_pass(template: GenerationRequest, result: GenerationResult, fix: Hire
         pixels = np.asarray(result.images[row].convert("RGB")) if result.arrays is None else \
             (result.arrays[row] * 255).round().astype(np.uint8)
         edit = EditInput(upscale_image(pixels, fix), strength=strength, steps_rule=rule)
+    variation = first.variation  # AUTOMATIC1111's second pass: the image's variation seed, its noise not resized
+    if variation is not None:
+        variation = dataclasses.replace(variation, resize_from=None) if variation.strength else None
     return dataclasses.replace(template, width=fix.width, height=fix.height, num_inference_steps=total,
-                               seed=first.seed, num_images=1, edit=edit, return_latents=False,
+                               seed=first.seed, num_images=1, edit=edit, return_latents=False, variation=variation,
                                request_id=f"{first.request_id}-hr-{secrets.token_hex(4)}")
 
 

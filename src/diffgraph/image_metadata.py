@@ -95,6 +95,7 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
         "Size": f"{request.width}x{request.height}",
         "Model hash": getattr(request, "model_hash", None),
         "Model": model_name or None,
+        **_variation_params(getattr(request, "variation", None)),
         "Denoising strength": None if strength is None else _number(strength),
         # AUTOMATIC1111 counts the last layer as 1 (diffusers' clip_skip + 1) and writes it from 2 on
         "Clip skip": None if not request.clip_skip else request.clip_skip + 1,
@@ -111,6 +112,27 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
     return f"{prompt}{negative}\n{line}".strip()
 
 
+def _variation_params(variation: Any) -> dict[str, Any]:
+    """AUTOMATIC1111's infotext entries of a variation seed (None: left out)."""
+    if variation is None:
+        return {}
+    size = variation.resize_from
+    return {"Variation seed": variation.subseed if variation.strength else None,
+            "Variation seed strength": _number(variation.strength) if variation.strength else None,
+            "Seed resize from": None if size is None else f"{size[0]}x{size[1]}"}
+
+
+def _parsed_variation(params: dict[str, str]) -> dict[str, Any] | None:
+    """A `variation` (Variation's fields) from AUTOMATIC1111's infotext entries; None: it has none."""
+    size = _SIZE.match(params.get("Seed resize from", ""))
+    if "Variation seed strength" not in params and not size:
+        return None
+    strength = float(params.get("Variation seed strength", 0))
+    subseed = int(params["Variation seed"]) if strength and "Variation seed" in params else 0
+    return {"subseed": subseed, "strength": strength,
+            "resize_from": (int(size.group(1)), int(size.group(2))) if size else None}
+
+
 def request_fields(request: Any, model_name: str) -> dict[str, Any]:
     """The request as plain JSON data: `GenerationRequest.create` keyword arguments, "model" and "version"."""
     listed, _ = _split_loras(request)
@@ -125,6 +147,10 @@ def request_fields(request: Any, model_name: str) -> dict[str, Any]:
     for name in ("timestep_spacing", "eta"):  # sampler options: written where a request gave them
         if getattr(request, name) is not None:
             fields[name] = getattr(request, name)
+    variation = getattr(request, "variation", None)
+    if variation is not None:
+        fields["variation"] = {"subseed": variation.subseed, "strength": variation.strength,
+                               "resize_from": None if variation.resize_from is None else list(variation.resize_from)}
     if request.edit is not None:
         fields["strength"] = request.edit.strength  # the input image (and mask) are not embedded
         fields["inpaint"] = request.edit.inpaint
@@ -315,6 +341,9 @@ def parse_infotext(text: str) -> dict[str, Any]:
             fields["clip_skip"] = int(params["Clip skip"]) - 1 or None  # AUTOMATIC1111's 1 = the last layer
         if "Eta DDIM" in params and fields.get("sampler") == "ddim":
             fields["eta"] = float(params["Eta DDIM"])
+        variation = _parsed_variation(params)
+        if variation is not None:
+            fields["variation"] = variation
     except ValueError as e:
         raise MetadataError(f"its AUTOMATIC1111 parameters hold a value that is not a number: {e}") from None
     size = _SIZE.match(params.get("Size", ""))

@@ -426,6 +426,48 @@ def require_prompt(prompt: str, image: Any = None) -> None:
 
 
 @dataclass(frozen=True)
+class Variation:
+    """AUTOMATIC1111's variation seed: a request's initial noise is slerped `strength` of the way from its seed's
+    noise to `subseed`'s (0: the seed's alone, 1: the subseed's). `resize_from` (width, height): both noises are
+    drawn at that image size's latent shape and pasted centred into the seed's noise at the request's size
+    ("Seed resize from"); None: drawn at the request's size (engine/variation.py)."""
+
+    subseed: int
+    strength: float
+    resize_from: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "subseed", _check_int("variation.subseed", self.subseed, 0, MAX_SEED))
+        strength = self.strength
+        if isinstance(strength, bool) or not isinstance(strength, (int, float, np.floating, np.integer)) \
+                or not 0 <= float(strength) <= 1:  # NaN fails this too
+            raise ParamError("variation.strength", f"variation strength {_show(strength)} is out of range; allowed: "
+                                                   "a number in [0, 1] (0: the seed's noise alone)")
+        object.__setattr__(self, "strength", float(strength))
+        size = self.resize_from
+        if size is not None:
+            if not isinstance(size, (tuple, list)) or len(size) != 2:
+                raise ParamError("variation.resize_from", f"variation resize_from must be (width, height) or None, "
+                                                          f"got {_show(size)}")
+            size = tuple(_check_int("variation.resize_from", v, 1, MAX_SIZE) for v in size)
+        object.__setattr__(self, "resize_from", size)
+
+
+def make_variation(value: Any) -> Variation | None:
+    """A request's `variation` from a Variation, a dict of its fields ({"subseed": 7, "strength": 0.3}) or None."""
+    if value is None or isinstance(value, Variation):
+        return value
+    if not isinstance(value, dict):
+        raise ParamError("variation", f"variation must be an object such as {{\"subseed\": 7, \"strength\": 0.3}}, "
+                                      f"got {_show(value)}")
+    unknown = sorted(set(value) - {"subseed", "strength", "resize_from"})
+    if unknown or not {"subseed", "strength"} <= set(value):
+        raise ParamError("variation", f"variation needs subseed and strength (and optionally resize_from), got "
+                                      f"fields {sorted(value)}")
+    return Variation(**value)
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator. Its prompt may
     be empty (`require_prompt` is for the callers that ask for one)."""
@@ -474,6 +516,8 @@ class GenerationRequest:
     lora_hashes: tuple[tuple[str, str], ...] = ()  # (an adapter's name as the prompt names it, its short hash)
     # its result also carries its final latents (`GenerationResult.latents`: the hires fix's latent upscale reads them)
     return_latents: bool = False
+    # AUTOMATIC1111's variation seed (Variation): changes only the initial noise; None: the seed's noise alone
+    variation: Variation | None = None
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -587,6 +631,8 @@ class GenerationRequest:
         object.__setattr__(self, "image_prompts", check_image_prompt(self.image_prompts))
         object.__setattr__(self, "guidance_interval", check_interval(self.guidance_interval))
         _check_hashes(self.model_hash, self.lora_hashes)
+        if self.variation is not None and not isinstance(self.variation, Variation):
+            raise ParamError("variation", f"variation must be a Variation, got {type(self.variation).__name__}")
         rescale = self.guidance_rescale
         if isinstance(rescale, bool) or not isinstance(rescale, (int, float, np.floating, np.integer)) \
                 or not 0 <= float(rescale) <= 1:  # NaN fails this too
@@ -622,7 +668,7 @@ class GenerationRequest:
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
                preview: Any = None, controls: Any = (), image_prompts: Any = None,
                output_compression: Any = None, extras: Any = None,
-               return_latents: Any = False) -> "GenerationRequest":
+               return_latents: Any = False, variation: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -634,7 +680,7 @@ class GenerationRequest:
         fields ({"every": 2, "format": "jpeg"}) or None. `extras`: the registered capabilities' parameters by
         name (a dict; the engine checks and prepares them at submit). `return_latents`: the result carries the final
         latents too (`GenerationResult.latents`); an `EditInput` with `latents` (and width, height) starts from
-        such latents (the hires fix: hires.py)."""
+        such latents (the hires fix: hires.py). `variation`: a Variation or a dict of its fields."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit, width, height = _edit_of(image, mask_image, strength, model, width, height, multiple)
         if model is None and (width is None or height is None or guidance_scale is None):
@@ -665,7 +711,7 @@ class GenerationRequest:
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
                       output_compression=output_compression, extras=_extras(extras, model),
-                      return_latents=return_latents, **kwargs)
+                      return_latents=return_latents, variation=make_variation(variation), **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

@@ -24,6 +24,7 @@ import torch
 
 from ..request import GenerationRequest, GroupKey
 from ..sampling.samplers import SamplerPlan
+from .variation import initial_noise
 
 
 def preprocess_edit(request: GenerationRequest, vae_scale_factor: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,8 +70,8 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
         return adapter.image_latents(model, runner.encoder, latent)
 
     image_latents = sample(params[:1]) if need_image else None
-    noise = runner.to_device(torch.randn((rows, *adapter.image_latent_shape(model, size)), generator=generator,
-                                          dtype=model.dtype)).float()
+    noise = runner.to_device(initial_noise(request, generator, rows, adapter.image_latent_shape(model, size),
+                                           model.dtype, size)).float()
     masked_latents = sample(params[-1:]) if edit.inpaint else None
     if pure_noise:
         latents = noise * plan.init_noise_sigma
@@ -95,7 +96,7 @@ def _from_latents(runner: Any, request: GenerationRequest, key: GroupKey, genera
     model, adapter = runner.model, runner.adapter
     shape = adapter.image_latent_shape(model, request.key)
     torch.randn((1, *shape), generator=generator, dtype=model.vae_dtype)  # an encoded image's posterior sample
-    noise = runner.to_device(torch.randn((rows, *shape), generator=generator, dtype=model.dtype)).float()
+    noise = runner.to_device(initial_noise(request, generator, rows, shape, model.dtype, request.key)).float()
     k, e = adapter.noising(plan)
     start = k * runner.to_device(latents).float() + e * noise
     return adapter.pack(model, start, request.key, key), {}

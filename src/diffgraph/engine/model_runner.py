@@ -44,6 +44,7 @@ from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
 from .prompts import DEFAULT_CACHE_BYTES, PromptCache, PromptKey
 from .staging import DecodedPixels, StagingPair
+from .variation import initial_noise
 
 WEIGHT_KINDS = ("step", "text", "vae")  # the graph kinds, each bound to the weights of one part of the model
 
@@ -319,9 +320,14 @@ class ModelRunner:
         return self.adapter.pack(self.model, latents, size, key) if self._packs else latents
 
     def initial_latents(self, rows: int, key: GroupKey, generator: torch.Generator, sigma: float,
-                        size: Size | None = None) -> torch.Tensor:
-        """The first draw from a request's generator (diffusers' order), scaled to the plan's first sigma."""
-        return self.draw(rows, key, key if size is None else size, generator).float() * sigma
+                        size: Size | None = None, request: GenerationRequest | None = None) -> torch.Tensor:
+        """The first draw from a request's generator (diffusers' order), scaled to the plan's first sigma; a
+        `request` with a variation seed varies it (engine/variation.py)."""
+        size = key if size is None else size
+        if request is None or request.variation is None:
+            return self.draw(rows, key, size, generator).float() * sigma
+        latents = initial_noise(request, generator, rows, self.image_latent_shape(size), self.model.dtype, size)
+        return (self.adapter.pack(self.model, latents, size, key) if self._packs else latents).float() * sigma
 
     def write_rows(self, key: GroupKey, start: int, admission: Admission,
                    prompts: tuple[Conditioning, Conditioning, Conditioning | None],
@@ -337,7 +343,7 @@ class ModelRunner:
             if generator is None or sigma is None:
                 raise ValueError("write_rows draws the first latents from the request's generator at its plan's "
                                  "first sigma: pass both, or the latents")
-            latents = self.initial_latents(admission.rows, key, generator, sigma, size)
+            latents = self.initial_latents(admission.rows, key, generator, sigma, size, admission.request)
         cond, uncond, chunks = self.row_conditioning(*prompts)
         admission = dataclasses.replace(admission, uncond=uncond, chunks=chunks)
         buf = self.buffers(key)

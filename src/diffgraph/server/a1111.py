@@ -192,8 +192,8 @@ class A1111Server:
               controls: list[dict[str, Any]], extras: dict[str, Any] | None = None) -> list[GenerationRequest]:
         """One request per image: the first validated by `create` (the one validation; it parses the prompts, which
         plan_body held to --max-prompt-bytes, so this runs on a worker thread), with the short hashes of its model
-        (`name`; None: the default) and adapters' files; the others its copies with their own seed (and init image:
-        `edits` holds each image's, or none), checked again on construction."""
+        (`name`; None: the default) and adapters' files; the others its copies with their own seed and subseed (and
+        init image: `edits` holds each image's, or none), checked again on construction."""
         sampler, schedule, eta = sampler_schedule(body, info)
         try:
             first = GenerationRequest.create(plan.prompt, model=info, seed=plan.seeds[0], sampler=sampler,
@@ -206,7 +206,8 @@ class A1111Server:
             out = [first]
             for i, seed in enumerate(plan.seeds[1:], 1):
                 edit = edits[i] if edits else None
-                out.append(dataclasses.replace(first, seed=seed, edit=edit.edit if edit else None,
+                variation = first.variation and dataclasses.replace(first.variation, subseed=plan.subseeds[i])
+                out.append(dataclasses.replace(first, seed=seed, edit=edit.edit if edit else None, variation=variation,
                                                request_id=f"a1111-{secrets.token_hex(8)}"))
         except ParamError as e:
             raise a1111_error(e) from None

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, JsonValue, PrivateAttr, ValidationEr
 from .. import __version__
 from ..image_metadata import A1111_SAMPLERS, A1111_SCHEDULES, MetadataError, infotext_parts, parse_infotext
 from ..prompt_styles import StyleBook, StyleError
-from ..request import GUIDANCE_NEUTRAL, MAX_IMAGES, MAX_SEED, GenerationRequest, ModelInfo, ParamError
+from ..request import GUIDANCE_NEUTRAL, MAX_IMAGES, MAX_SEED, MAX_SIZE, GenerationRequest, ModelInfo, ParamError
 from ..sampling.aliases import canonical
 from ..sampling.samplers import ETA_SAMPLERS
 from ..api.protocol import APIError, check_prompt_bytes, error_from_validation
@@ -82,7 +82,8 @@ DEFAULT_OPTIONS = {name: value for name, value in
 _ENGINE_TO_A1111 = {"sampler": "sampler_name", "schedule": "scheduler", "num_inference_steps": "steps",
                     "guidance_scale": "cfg_scale", "strength": "denoising_strength", "image": "init_images",
                     "num_images": "batch_size", "loras": "prompt",
-                    "clip_skip": "override_settings.CLIP_stop_at_last_layers"}
+                    "clip_skip": "override_settings.CLIP_stop_at_last_layers", "variation.subseed": "subseed",
+                    "variation.strength": "subseed_strength", "variation.resize_from": "seed_resize_from_w"}
 
 
 class ProcessingBody(BaseModel):
@@ -303,11 +304,6 @@ def check_supported(body: ProcessingBody) -> None:
     for field, why in off.items():
         if get(field):
             raise _refuse(field, why)
-    if (get("subseed_strength") or 0) > 0:
-        raise _refuse("subseed_strength", "variation seeds are not supported yet; send 0 (seed alone makes the image)")
-    for field in ("seed_resize_from_h", "seed_resize_from_w"):
-        if (get(field) or 0) > 0:
-            raise _refuse(field, "resizing the seed's noise is not supported; send -1 or 0")
     if get("s_churn") or get("s_min_uncond"):
         raise _refuse("s_churn" if get("s_churn") else "s_min_uncond", "not supported; send 0 or null")
     for field, neutral in (("s_noise", 1.0), ("initial_noise_multiplier", 1.0)):
@@ -404,10 +400,24 @@ def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
     for ours, field in names.items():
         if fields.get(ours) is not None and field not in body.model_fields_set and field in type(body).model_fields:
             setattr(body, field, fields[ours])
+    _apply_variation(body, fields.get("variation"))
     if fields.get("clip_skip") and "CLIP_stop_at_last_layers" not in (body.override_settings or {}):
         body.override_settings = {**(body.override_settings or {}), "CLIP_stop_at_last_layers": fields["clip_skip"] + 1}
     if isinstance(body, Txt2ImgBody):
         _apply_hires(body, infotext_parts(text)[2])
+
+
+def _apply_variation(body: ProcessingBody, variation: dict[str, Any] | None) -> None:
+    """An infotext's variation seed entries fill subseed, subseed_strength and seed_resize_from_w/h where the body
+    does not set them."""
+    if not variation:
+        return
+    width, height = variation["resize_from"] or (None, None)
+    values = {"subseed": variation["subseed"] if variation["strength"] else None,
+              "subseed_strength": variation["strength"], "seed_resize_from_w": width, "seed_resize_from_h": height}
+    for field, value in values.items():
+        if value is not None and field not in body.model_fields_set:
+            setattr(body, field, value)
 
 
 # the hires fix's infotext entries (a1111_hires.py writes them) -> the txt2img fields they fill
@@ -485,13 +495,39 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
     subseed = -1 if body.subseed is None else body.subseed
     subseed = secrets.randbelow(MAX_RANDOM_SEED) if subseed == -1 else subseed
     model, stop = _options(body, key_model, key_clip_stop, clip_skip)
+    variation = _variation(body, subseed)
     create = dict(negative_prompt=negative or None,
                   width=512 if body.width is None else body.width, height=512 if body.height is None else body.height,
                   num_inference_steps=given(body, "steps"), guidance_scale=given(body, "cfg_scale"), num_images=1,
-                  output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW))
+                  output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW),
+                  **({"variation": variation} if variation else {}))
     return Plan(model=model, prompt=prompt, negative_prompt=negative, create=create,
                 seeds=tuple(seed + i for i in range(count)), subseeds=tuple(subseed + i for i in range(count)),
                 clip_stop=stop, warnings=tuple(warnings))
+
+
+def _variation(body: ProcessingBody, subseed: int) -> dict[str, Any] | None:
+    """The first image's variation seed (GenerationRequest.create's `variation`) from subseed_strength and
+    seed_resize_from_w/h (each image's subseed: `Plan.subseeds`); None: the seed's noise alone. -1 and 0 leave the
+    noise's size alone, as in AUTOMATIC1111, which resizes only where both are above 0."""
+    strength = 0.0 if body.subseed_strength is None else body.subseed_strength
+    if not 0 <= strength <= 1:  # NaN fails this too
+        raise APIError(400, f"subseed_strength {strength} is out of range; allowed: a number in [0, 1] (0: the seed "
+                            "alone makes the image)", param="subseed_strength")
+    sides = {}
+    for field in ("seed_resize_from_w", "seed_resize_from_h"):
+        value = -1 if getattr(body, field) is None else getattr(body, field)
+        if value < -1 or value > MAX_SIZE:
+            raise APIError(400, f"{field} {value} is out of range; allowed: -1 or 0 (no resize) or 1..{MAX_SIZE}",
+                           param=field)
+        sides[field] = value
+    resize = (sides["seed_resize_from_w"], sides["seed_resize_from_h"]) if min(sides.values()) > 0 else None
+    if strength == 0 and resize is None:
+        return None
+    if not 0 <= subseed <= MAX_SEED:
+        raise APIError(400, f"subseed {subseed} is out of range; allowed: -1 (random) or 0..{MAX_SEED}",
+                       param="subseed")
+    return {"subseed": subseed, "strength": strength, "resize_from": resize}
 
 
 def given(body: ProcessingBody, name: str) -> Any:
