@@ -62,7 +62,7 @@ class Layout:
 @dataclass(frozen=True)
 class _Source:
     """An open file, its header checked: its tensors as meta tensors (with the fp8 layers' real scales as
-    `<layer>.weight_scale`: zimage_files' `_fp8_layers` form), the order to read them in, and `read(key)`."""
+    `<layer>.weight_scale`: zimage_files' `fp8_layers` form), the order to read them in, and `read(key)`."""
 
     state: dict[str, torch.Tensor]
     order: list[str]
@@ -148,7 +148,7 @@ def _opened(path: str, kind: zf.Kind, dtype: torch.dtype, device: torch.device |
         if path.endswith(GGUF_SUFFIX):
             with GgufFile(path, max_bytes) as g:
                 shapes = g.header.shapes()
-                zf._check_kind(path, kind, shapes, None)
+                zf.check_kind(path, kind, shapes, None)
                 g.check_types(shapes)
                 state = {k: torch.empty(s, dtype=dtype, device="meta") for k, s in shapes.items()}
                 yield _Source(state, list(shapes), lambda key: g.read([key], device=device, dtype=dtype)[key])
@@ -161,7 +161,7 @@ def _opened(path: str, kind: zf.Kind, dtype: torch.dtype, device: torch.device |
                                key=lambda k: tensors[k].begin)
                 meta = {k: torch.empty(tensors[k].shape, dtype=DTYPES.get(tensors[k].dtype, torch.uint8),
                                        device="meta") for k in order}  # (an unknown dtype is refused when read)
-                state = zf._fp8_layers(path, {**meta, **scales}, formats)[0]
+                state = zf.fp8_layers(path, {**meta, **scales}, formats)[0]
                 yield _Source(state, order, lambda key: f.read([key], device=device)[key])
     except safe_files.FileChanged as e:
         raise ValueError(f"{path} {e}; {CHANGED_FIX}") from None

@@ -261,14 +261,14 @@ def _read(path: str, kind: Kind, max_bytes: int, config: Any = None) -> tuple[di
         raise ValueError(f"{path} {e}; {CHANGED_FIX}") from None
     except safe_files.UnusableFile as e:
         raise ValueError(f"{path} {e}") from None
-    return _fp8_layers(path, state, formats)
+    return fp8_layers(path, state, formats)
 
 
 def checked_formats(f: TensorFile, kind: Kind, config: Any = None) -> dict[str, str]:
     """The open file's header checked (the kind asked for, its size against `config`, no quantisation diffgraph cannot
     read): each quantised layer's format as the file names it (`.comfy_quant` tensors, the only ones read here)."""
     shapes = {k: t.shape for k, t in f.header.tensors.items()}
-    _check_kind(f.path, kind, shapes, config)
+    check_kind(f.path, kind, shapes, config)
     marks = f.read(k for k in f.header.tensors if k.endswith(".comfy_quant"))
     formats = _layer_formats(f.path, f.header.metadata, marks)
     _refuse_quantised(f.path, f.header.tensors, formats)
@@ -281,7 +281,7 @@ def _read_gguf(path: str, kind: Kind, dtype: torch.dtype, device: torch.device |
     after its header was checked: the kind asked for, every tensor of a type diffgraph reads."""
     try:
         with GgufFile(path, max_bytes) as f:
-            _check_kind(path, kind, f.header.shapes(), None)
+            check_kind(path, kind, f.header.shapes(), None)
             return f.read(device=device, dtype=dtype)
     except safe_files.FileChanged as e:
         raise ValueError(f"{path} {e}; {CHANGED_FIX}") from None
@@ -289,7 +289,9 @@ def _read_gguf(path: str, kind: Kind, dtype: torch.dtype, device: torch.device |
         raise ValueError(f"{path} {e}") from None
 
 
-def _check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config: Any) -> None:
+def check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config: Any) -> None:
+    """A ValueError naming what the file looks like unless its header's `shapes` are of `kind` (and of `config`'s
+    size, given one); split_stream.py checks a header with it before any tensor is read."""
     keys = list(shapes)
     if kind == "transformer":
         ok = any("noise_refiner." in k for k in keys) and any("cap_embedder." in k for k in keys)
@@ -389,8 +391,8 @@ def _refuse_quantised(path: str, tensors: dict[str, safe_files.TensorInfo], form
                          f"which diffgraph cannot read; {USE_INSTEAD}")
 
 
-def _fp8_layers(path: str, state: dict[str, torch.Tensor],
-                formats: dict[str, str]) -> tuple[dict[str, torch.Tensor], Quantisation]:
+def fp8_layers(path: str, state: dict[str, torch.Tensor],
+               formats: dict[str, str]) -> tuple[dict[str, torch.Tensor], Quantisation]:
     """The tensors with every fp8 weight's scale as `<layer>.weight_scale`, float32 [1] or [out] (1 where the file
     has none); the `scaled_fp8` marker and input scales dropped."""
     scaled = any(k == "scaled_fp8" or k.endswith(".scaled_fp8") for k in state)
