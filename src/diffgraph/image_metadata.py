@@ -33,10 +33,14 @@ MAKER_PREFIX = b"diffgraph\0"
 # diffgraph's names -> AUTOMATIC1111's display names (sampling/names.py lists ours)
 A1111_SAMPLERS = {"euler": "Euler", "euler_a": "Euler a", "dpmpp_2m": "DPM++ 2M", "ddim": "DDIM",
                   "dpmpp_2m_sde": "DPM++ 2M SDE", "dpmpp_3m_sde": "DPM++ 3M SDE", "dpmpp_sde": "DPM++ SDE", "heun": "Heun", "dpm2": "DPM2",
-                  "dpm2_a": "DPM2 a", "lms": "LMS", "unipc": "UniPC", "lcm": "LCM", "plms": "PLMS"}
+                  "dpm2_a": "DPM2 a", "lms": "LMS", "unipc": "UniPC", "lcm": "LCM", "plms": "PLMS",
+                  "dpmpp_2s_a": "DPM++ 2S a", "dpmpp_2m_sde_heun": "DPM++ 2M SDE Heun", "restart": "Restart",
+                  "dpm_fast": "DPM fast"}
 # "default" is the model's own sigma schedule: AUTOMATIC1111 (v1.9+) calls that scheduler "Automatic"
 A1111_SCHEDULES = {"default": "Automatic", "karras": "Karras", "exponential": "Exponential", "beta": "Beta",
-                   "sgm_uniform": "SGM Uniform", "simple": "Simple"}
+                   "sgm_uniform": "SGM Uniform", "simple": "Simple", "uniform": "Uniform",
+                   "polyexponential": "Polyexponential", "kl_optimal": "KL Optimal",
+                   "align_your_steps": "Align Your Steps", "turbo": "Turbo", "ddim_uniform": "DDIM"}
 EMPHASIS_LABELS = {"original": "Original", "no_norm": "No norm"}
 _NAME_SYMBOLS = str.maketrans("", "", ":,")  # what AUTOMATIC1111 drops from a LoRA's name in `Lora hashes`
 

@@ -4,8 +4,8 @@
 
 Names are matched folded (case, spaces, underscores and dashes ignored). A label that names a schedule too ("DPM++
 2M Karras") gives it, unless the request names another one (then it is refused as a contradiction). The labels of
-samplers and schedules diffgraph does not have yet ("DPM++ SDE Karras", "DPM++ 2S a", "Restart", "Align Your
-Steps", ...) get a one-line error that says which one it is and what is there instead; an unknown name gets
+samplers and schedules diffgraph does not have ("DPM adaptive", "DDIM CFG++", "Linear Quadratic", ...) get a
+one-line error that says which one it is and what is there instead; an unknown name gets
 the list and the closest match. A family's own names (FamilyAdapter.samplers) are taken as they are.
 """
 
@@ -42,20 +42,37 @@ SAMPLER_ALIASES: dict[str, tuple[str, str | None]] = {
     "unipc": ("unipc", None), "uni pc": ("unipc", None), "uni pc bh2": ("unipc", None), "unipcmultistep": ("unipc", None),
     "lcm": ("lcm", None), "tcd": ("tcd", None), "plms": ("plms", None), "pndm": ("plms", None),
 }
+# k-diffusion's and AUTOMATIC1111's samplers without a diffusers scheduler (sampling/kdiffusion.py)
+SAMPLER_ALIASES |= {
+    "dpm++ 2s a": ("dpmpp_2s_a", None), "dpmpp 2s a": ("dpmpp_2s_a", None), "dpmpp 2s ancestral": ("dpmpp_2s_a", None),
+    "k dpmpp 2s a": ("dpmpp_2s_a", None), "dpm++ 2s a karras": ("dpmpp_2s_a", "karras"),
+    "dpm++ 2m sde heun": ("dpmpp_2m_sde_heun", None), "dpmpp 2m sde heun": ("dpmpp_2m_sde_heun", None),
+    "dpmpp 2m sde heun gpu": ("dpmpp_2m_sde_heun", None), "k dpmpp 2m sde heun": ("dpmpp_2m_sde_heun", None),
+    "dpm++ 2m sde heun karras": ("dpmpp_2m_sde_heun", "karras"),
+    "dpm++ 2m sde heun exponential": ("dpmpp_2m_sde_heun", "exponential"),
+    "restart": ("restart", None), "dpm fast": ("dpm_fast", None), "k dpm fast": ("dpm_fast", None),
+}
 # AUTOMATIC1111's and ComfyUI's other samplers (folded) -> the name it will have here ("": none is planned)
 SAMPLERS_NOT_YET: dict[str, str] = {
-    **{k: "dpmpp_2m_sde with the heun solver" for k in ("dpm++ 2m sde heun", "dpm++ 2m sde heun karras",
-                                                        "dpm++ 2m sde heun exponential")},
     "heunpp2": "heunpp2",
-    **{k: "dpmpp_2s_a" for k in ("dpm++ 2s a", "dpm++ 2s a karras", "dpmpp 2s ancestral")},
-    **{k: "" for k in ("dpm fast", "dpm adaptive", "restart", "ipndm", "deis", "ddpm",
-                                     "euler cfg++", "euler ancestral cfg++", "res multistep")},
+    **{k: "" for k in ("ipndm", "deis", "ddpm", "euler cfg++", "euler ancestral cfg++", "res multistep")},
+}
+# samplers refused for what they are, each with the nearest one here
+SAMPLERS_REFUSED: dict[str, str] = {
+    **{k: "its step count adapts to the image, which a plan made before the first step cannot follow; use "
+          "'dpm_fast' (the same DPM-Solver at a fixed count) or 'dpmpp_2m'" for k in ("dpm adaptive", "k dpm ad")},
+    **{k: "it updates with the unguided prediction, which the step does not hand a sampler; use 'ddim'"
+       for k in ("ddim cfg++", "ddim cfgpp")},
 }
 SCHEDULE_ALIASES: dict[str, str] = {"default": "default", "automatic": "default", "normal": "default",
                                     "karras": "karras", "exponential": "exponential", "beta": "beta",
-                                    "sgm uniform": "sgm_uniform", "simple": "simple"}
-SCHEDULES_NOT_YET = ("uniform", "polyexponential", "kl optimal", "align your steps", "ddim uniform",
-                     "linear quadratic")
+                                    "sgm uniform": "sgm_uniform", "sgmuniform": "sgm_uniform", "simple": "simple",
+                                    "uniform": "uniform", "polyexponential": "polyexponential",
+                                    "kl optimal": "kl_optimal", "align your steps": "align_your_steps",
+                                    "ays": "align_your_steps", "turbo": "turbo", "ddim uniform": "ddim_uniform",
+                                    "ddim": "ddim_uniform"}
+SCHEDULES_NOT_YET = ("linear quadratic", "karras exponential", "align your steps 11", "align your steps 32",
+                     "align your steps gits")
 
 
 def fold(name: str) -> str:
@@ -74,6 +91,8 @@ def canonical(sampler: str, schedule: str | None, samplers: tuple[str, ...],
             sampler, implied = SAMPLER_ALIASES[key]
         elif f"flow_{base}" in samplers:  # a flow-matching family's counterpart ('Euler' -> flow_euler)
             sampler = f"flow_{base}"
+        elif key in SAMPLERS_REFUSED:
+            raise ParamError("sampler", f"sampler {sampler!r} is not supported: {SAMPLERS_REFUSED[key]}")
         elif key in SAMPLERS_NOT_YET:
             planned = SAMPLERS_NOT_YET[key]
             also = f" ({planned})" if planned and planned != sampler else ""

@@ -8,8 +8,16 @@ options (karras, exponential, beta) and ComfyUI's names for trailing timesteps (
 """
 
 SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2",
-            "dpm2_a", "lms", "unipc", "unipc_3", "lcm", "tcd", "plms")
-SCHEDULES = ("default", "karras", "exponential", "beta", "sgm_uniform", "simple")
+            "dpm2_a", "lms", "unipc", "unipc_3", "lcm", "tcd", "plms", "dpmpp_2s_a", "dpmpp_2m_sde_heun", "restart",
+            "dpm_fast")
+SCHEDULES = ("default", "karras", "exponential", "beta", "sgm_uniform", "simple", "uniform", "polyexponential",
+             "kl_optimal", "align_your_steps", "turbo", "ddim_uniform")
+# the samplers no diffusers scheduler runs (k-diffusion's and AUTOMATIC1111's: sampling/kdiffusion.py) and the
+# schedules no diffusers option lays (AUTOMATIC1111's, Forge's and ComfyUI's: sampling/sigma_tables.py)
+KDIFFUSION_SAMPLERS = ("dpmpp_2s_a", "dpmpp_2m_sde_heun", "restart", "dpm_fast")
+TABLE_SCHEDULES = ("uniform", "polyexponential", "kl_optimal", "align_your_steps", "turbo", "ddim_uniform")
+# a family's own list for a schedule name: the SDXL family walks "align_your_steps" on NVIDIA's SDXL list
+SCHEDULE_VARIANTS = ("align_your_steps_sdxl",)
 DEFAULT_SAMPLER = "euler"      # what a request that names no sampler gets on these families
 DEFAULT_SCHEDULE = "default"
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")  # diffusers' timestep_spacing (a request may override it)
@@ -22,10 +30,12 @@ SAMPLER_SCHEDULES = {
     "lcm": ("default",),
     "tcd": ("default",),
     "plms": ("default", "sgm_uniform", "simple"),  # PNDMScheduler takes no sigma options
+    "dpm_fast": ("default",),  # it lays its own sigmas (AUTOMATIC1111's ignores the scheduler too)
 }
 # samplers whose rows keep history slots beyond D_prev (sampling/table.py): a family taking one of them allocates the
 # slots (features/history.py)
-HISTORY_SAMPLERS = ("dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2", "dpm2_a", "lms", "unipc", "unipc_3", "plms")
+HISTORY_SAMPLERS = ("dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2", "dpm2_a", "lms", "unipc", "unipc_3", "plms",
+                    "dpmpp_2s_a", "restart", "dpm_fast")
 # what each sampler is, for --help, /info and the README (one line each)
 SAMPLER_DESCRIPTIONS = {
     "euler": "Euler (k-diffusion; EulerDiscreteScheduler)",
@@ -44,6 +54,12 @@ SAMPLER_DESCRIPTIONS = {
     "lcm": "latent consistency, for LCM models and LCM-LoRA (LCMScheduler)",
     "tcd": "trajectory consistency, gamma 0.3 (TCDScheduler)",
     "plms": "pseudo linear multistep, two evaluations at its first step (PNDMScheduler, skip_prk_steps)",
+    "dpmpp_2s_a": "DPM-Solver++(2S) ancestral, two evaluations a step, eta 1 unless the request's eta sets it "
+                  "(k-diffusion's sample_dpmpp_2s_ancestral)",
+    "dpmpp_2m_sde_heun": "DPM-Solver++(2M) SDE, heun solver (k-diffusion's sample_dpmpp_2m_sde, solver_type heun)",
+    "restart": "Restart: Heun steps with restart segments from 20 steps on (AUTOMATIC1111's restart_sampler)",
+    "dpm_fast": "DPM-Solver fast, orders 3, 2, 1 over its own sigmas, ends at sigma_min; eta 1 unless the request's "
+                "eta sets it (k-diffusion's sample_dpm_fast)",
 }
 
 
@@ -55,8 +71,11 @@ def markdown_table() -> str:
     schedules = ("Schedules: `default` (the model's own timestep spacing), `karras`, `exponential` and `beta` (alpha "
                  "= beta = 0.6) respace the sigmas as diffusers' use_karras_sigmas / use_exponential_sigmas / "
                  "use_beta_sigmas; `sgm_uniform` and `simple` are the default schedule on trailing timesteps "
-                 "(diffusers' mapping of ComfyUI's names). The default sampler is "
+                 "(diffusers' mapping of ComfyUI's names). `uniform`, `polyexponential`, `kl_optimal`, "
+                 "`align_your_steps` (NVIDIA's SD1.5 list, SDXL's on the SDXL family), `turbo` and `ddim_uniform` "
+                 "are AUTOMATIC1111's and Forge's schedulers of those names (sampling/sigma_tables.py), over the "
+                 "model's whole sigma range. The default sampler is "
                  f"`{DEFAULT_SAMPLER}`, the default schedule `{DEFAULT_SCHEDULE}`. A request's `eta` (0-1) is `tcd`'s "
-                 "gamma and `ddim`'s eta (fresh noise each step, as DDIMScheduler's eta and AUTOMATIC1111's Eta DDIM); "
-                 "other samplers refuse it.")
+                 "gamma and `ddim`'s eta (fresh noise each step, as DDIMScheduler's eta and AUTOMATIC1111's Eta DDIM), "
+                 "and the noise amount of `euler_a`, `dpmpp_2s_a` and `dpm_fast`; other samplers refuse it.")
     return "\n".join(lines) + "\n\n" + schedules

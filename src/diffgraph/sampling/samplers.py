@@ -38,13 +38,14 @@ from .schedules import (
     euler_sigmas,
     spaced_timesteps,
 )
+from .names import SCHEDULE_VARIANTS
 from .table import NUM_COEFS, Coef, PlanFunction, PlanParts, apply_history, apply_step, cut, denoiser, table
 
 __all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "apply_step", "check_sampler", "make_plan",
            "cut", "noising", "start_plan", "strength_start"]
 
 TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
-ETA_SAMPLERS = ("tcd", "ddim", "euler_a")             # the samplers that take a request's `eta`
+ETA_SAMPLERS = ("tcd", "ddim", "euler_a", "dpmpp_2s_a", "dpm_fast")  # the samplers that take a request's `eta`
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ class SamplerPlan:
 
 def _plan_functions() -> dict[str, PlanFunction]:
     """Sampler name -> its plan function (noise schedule, steps, schedule name)."""
-    from . import consistency, multistep, sde, two_eval
+    from . import consistency, kdiffusion, multistep, sde, two_eval
     return {"euler": _euler_plan, "euler_a": _euler_a_plan, "dpmpp_2m": _dpmpp_2m_plan, "ddim": _ddim_plan,
-            "dpmpp_sde": sde.dpmpp_sde_plan, **multistep.PLANS, **multistep.PLMS_PLANS, **two_eval.PLANS, **consistency.PLANS}
+            "dpmpp_sde": sde.dpmpp_sde_plan, **multistep.PLANS, **multistep.PLMS_PLANS, **two_eval.PLANS,
+            **consistency.PLANS, **kdiffusion.PLANS}
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def make_plan(noise: NoiseSchedule, sampler: str, schedule: str, num_steps: int,
     options = options or PlanOptions()
     if options.eta is not None and sampler not in ETA_SAMPLERS:
         raise ParamError("eta", f"eta is the noise amount of samplers {', '.join(ETA_SAMPLERS)} (TCD's gamma, "
-                                f"DDIM's and Euler a's eta); sampler {sampler!r} takes none: leave eta out")
+                                f"the others' eta); sampler {sampler!r} takes none: leave eta out")
     if options.timestep_spacing is not None:
         noise = dataclasses.replace(noise, timestep_spacing=options.timestep_spacing)
     max_steps = min(MAX_STEPS, noise.num_train_timesteps)
@@ -195,10 +197,10 @@ def check_sampler(sampler: str, schedule: str) -> None:
     """ParamError (naming `sampler` or `schedule`) unless (sampler, schedule) is a pair we implement."""
     if sampler not in SAMPLERS:
         raise ParamError("sampler", f"sampler {sampler!r} is not supported; use one of {', '.join(SAMPLERS)}")
-    if schedule not in SCHEDULES:
+    if schedule not in SCHEDULES + SCHEDULE_VARIANTS:
         raise ParamError("schedule", f"schedule {schedule!r} is not supported; use one of {', '.join(SCHEDULES)}")
     allowed = schedules_of(sampler)
-    if schedule not in allowed:
+    if schedule not in allowed and not (schedule in SCHEDULE_VARIANTS and "align_your_steps" in allowed):
         raise ParamError("schedule", f"sampler {sampler!r} takes the schedules {', '.join(allowed)}, not "
                                      f"{schedule!r}; pick one of those")
 

@@ -199,10 +199,17 @@ def karras_sigmas(sigma_min: float, sigma_max: float, num_steps: int, rho: float
     return (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
 
 
-def converted_sigmas(schedule: str, sigma_min: float, sigma_max: float, num_steps: int) -> np.ndarray:
+def converted_sigmas(schedule: str, sigma_min: float, sigma_max: float, num_steps: int,
+                     train: np.ndarray | None = None) -> np.ndarray:
     """The sigmas of a sigma schedule (`karras`, `exponential`, `beta`) from sigma_max down to sigma_min, without the
     final zero: diffusers' `_convert_to_karras` / `_convert_to_exponential` / `_convert_to_beta` (alpha = beta = 0.6,
-    "Beta Sampling is All You Need", Lee et al. 2024; scipy's beta quantiles, as diffusers)."""
+    "Beta Sampling is All You Need", Lee et al. 2024; scipy's beta quantiles, as diffusers). A table schedule
+    (sigma_tables.py) takes the training sigmas `train` instead of the range, as AUTOMATIC1111's schedulers do."""
+    from .sigma_tables import TABLE_SCHEDULES, table_sigmas
+    if schedule in TABLE_SCHEDULES:
+        if train is None:
+            raise ValueError(f"schedule {schedule!r} needs the model's training sigmas")
+        return table_sigmas(schedule, train, num_steps)
     if schedule == "karras":
         return karras_sigmas(sigma_min, sigma_max, num_steps)
     if schedule == "exponential":
@@ -248,7 +255,7 @@ def euler_sigmas(noise: NoiseSchedule, n: int, schedule: str) -> tuple[np.ndarra
     t = to_f32(spaced_timesteps(noise, n, points=n, round_linspace=False))
     s = interp_sigmas(t, train)
     if schedule != "default":
-        s = converted_sigmas(schedule, float(s[-1]), float(s[0]), n)
+        s = converted_sigmas(schedule, float(s[-1]), float(s[0]), n, train)
         t = to_f32(sigma_to_t(s, train))
     return t, to_f32(np.append(s, 0.0))
 
@@ -269,7 +276,7 @@ def dpm_sigmas(noise: NoiseSchedule, n: int, schedule: str, sampler: str) -> tup
         t = spaced_timesteps(noise, n, points=n + 1, round_linspace=True)
         s = interp_sigmas(t, train)
     else:
-        s = converted_sigmas(schedule, float(train[0]), float(train[-1]), n)
+        s = converted_sigmas(schedule, float(train[0]), float(train[-1]), n, train)
         t = sigma_to_t(s, train)
         # Karras' are rounded (except for the cosine schedule); every one is then truncated on the cast to int64
         t = np.floor(t.round() if schedule == "karras" and noise.beta_schedule != "squaredcos_cap_v2" else t)

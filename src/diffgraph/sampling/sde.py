@@ -34,7 +34,7 @@ def dpmpp_sde_plan(noise: NoiseSchedule, n: int, schedule: str, start: int) -> P
         t = spaced_timesteps(noise, n, points=n, round_linspace=False)
     s = interp_sigmas(t, train)
     if schedule != "default":
-        s = converted_sigmas(schedule, float(s[-1]), float(s[0]), n)
+        s = converted_sigmas(schedule, float(s[-1]), float(s[0]), n, train)
         t = sigma_to_t(s, train)
     mid = np.exp(-(-np.log(s[:-1]) + np.diff(-np.log(s)) * 0.5))
     rows = 2 * n - 1

@@ -74,7 +74,7 @@ def _kdpm2_sigmas(noise: NoiseSchedule, n: int, schedule: str) -> tuple[np.ndarr
         return euler_sigmas(noise, n, schedule)
     train = noise.train_sigmas()
     spaced = interp_sigmas(to_f32(spaced_timesteps(noise, n, points=n, round_linspace=False)), train)
-    s = converted_sigmas(schedule, float(spaced[-1]), float(spaced[0]), n)
+    s = converted_sigmas(schedule, float(spaced[-1]), float(spaced[0]), n, train)
     t = sigma_to_t(s, train)
     return (t.round() if schedule == "karras" else t), to_f32(np.append(s, 0.0))
 

@@ -43,18 +43,26 @@ A1111_SAMPLER_ITEMS = {
     "euler_a": (["k_euler_a", "k_euler_ancestral"], {}), "euler": (["k_euler"], {}), "lms": (["k_lms"], {}),
     "heun": (["k_heun"], {}), "dpm2": (["k_dpm_2"], {}), "dpm2_a": (["k_dpm_2_a"], {}), "ddim": (["ddim"], {}),
     "unipc": (["unipc"], {}), "lcm": (["k_lcm"], {}), "plms": (["plms"], {}),
+    "dpmpp_2s_a": (["k_dpmpp_2s_a"], {"scheduler": "karras", "uses_ensd": True, "second_order": True}),
+    "dpmpp_2m_sde_heun": (["k_dpmpp_2m_sde_heun"], {"scheduler": "exponential", "solver_type": "heun"}),
+    "restart": (["restart"], {"scheduler": "karras", "second_order": True}),
+    "dpm_fast": (["k_dpm_fast"], {"uses_ensd": True}),
 }
 # diffgraph's schedule -> AUTOMATIC1111's scheduler (name, aliases, default_rho, need_inner_model), sd_schedulers.py
 A1111_SCHEDULER_ITEMS = {
     "default": ("automatic", None, -1.0, False), "karras": ("karras", None, 7.0, False),
     "exponential": ("exponential", None, -1.0, False), "sgm_uniform": ("sgm_uniform", ["SGMUniform"], -1.0, True),
     "simple": ("simple", None, -1.0, True), "beta": ("beta", None, -1.0, True),
+    "uniform": ("uniform", None, -1.0, True), "polyexponential": ("polyexponential", None, 1.0, False),
+    "kl_optimal": ("kl_optimal", None, -1.0, False), "align_your_steps": ("align_your_steps", None, -1.0, False),
+    "turbo": ("turbo", None, -1.0, True), "ddim_uniform": ("ddim", None, -1.0, True),
 }
 _SAMPLER_ALIASES = {a.lower(): s for s, (aliases, _) in A1111_SAMPLER_ITEMS.items() for a in aliases}
 _SCHEDULER_ALIASES = {a.lower(): s for s, (_, aliases, _, _) in A1111_SCHEDULER_ITEMS.items() for a in aliases or ()}
 # eta is AUTOMATIC1111's noise amount of its ancestral and SDE samplers (1 by default: the only one they run here) and
 # DDIM's (0 by default; any in [0, 1] runs, as diffusers' DDIM eta); the other samplers ignore it there, and here
-ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0}
+ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0,
+       "dpmpp_2m_sde_heun": 1.0}
 # the options a request may override (override_settings) or a key may set (POST /sdapi/v1/options)
 OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers")
 # the web UI's own options: they steer AUTOMATIC1111's browser pages, never what its API makes, so a key's value is

@@ -140,6 +140,8 @@ class FamilyAdapter:
     lora_pipeline_class: str | None = None  # the diffusers pipeline whose LoRA readers convert adapter files
     default_sampler: str = DEFAULT_SAMPLER
     default_schedule: str = DEFAULT_SCHEDULE
+    # a schedule name -> the sampling schedule its plans walk on this family (sampling/names.py SCHEDULE_VARIANTS)
+    schedule_variants: dict[str, str] = {}
     size_multiple: int = SIZE_MULTIPLE
     # AUTOMATIC1111's "Approx cheap" latent -> RGB factors of the family's VAE ([C][3], to [-1, 1]) for live
     # previews (engine/previews.py); None: fitted to each model's VAE
@@ -295,7 +297,7 @@ class FamilyAdapter:
         def plan(sampler: str, schedule: str, steps: int, key: GroupKey,
                  options: PlanOptions | None = None) -> SamplerPlan:
             self.check(sampler, schedule, key)
-            return make_plan(noise, sampler, schedule, steps, options=options)
+            return make_plan(noise, sampler, self.schedule_variants.get(schedule, schedule), steps, options=options)
         return plan
 
     def noising(self, plan: SamplerPlan) -> tuple[float, float]:

@@ -36,6 +36,7 @@ class SDXLFamily(FamilyAdapter):
     default_guidance = 5.0
     supports_edits = True
     edit_strength = (0.3, 0.9999)  # diffusers' StableDiffusionXLImg2ImgPipeline / StableDiffusionXLInpaintPipeline
+    schedule_variants = {"align_your_steps": "align_your_steps_sdxl"}  # NVIDIA's SDXL list, as AUTOMATIC1111 picks
     text_parts = (("text_encoder", "tokenizer", "CLIPTextModel"),
                   ("text_encoder_2", "tokenizer_2", "CLIPTextModelWithProjection"))
     force_zeros_default = True
