@@ -9,7 +9,7 @@ import pytest
 
 from diffgraph.errors import ParamError
 from diffgraph.request import GenerationRequest
-from diffgraph.sampling.aliases import SAMPLER_ALIASES, SAMPLERS_NOT_YET, canonical, fold
+from diffgraph.sampling.aliases import SAMPLER_ALIASES, SAMPLERS_NOT_YET, SAMPLERS_REFUSED, canonical, fold
 from diffgraph.sampling.names import SAMPLERS, SCHEDULES
 
 
@@ -27,7 +27,7 @@ def test_labels_and_comfyui_names_map_to_one_canonical_name(sampler, schedule, e
 def test_every_alias_names_a_sampler_that_exists_and_folds_to_itself():
     for key, (name, implied) in SAMPLER_ALIASES.items():
         assert name in SAMPLERS and implied in (None, *SCHEDULES) and fold(key) == key
-    assert not set(SAMPLER_ALIASES) & set(SAMPLERS_NOT_YET)
+    assert not set(SAMPLER_ALIASES) & (set(SAMPLERS_NOT_YET) | set(SAMPLERS_REFUSED))
 
 
 @pytest.mark.parametrize("sampler,schedule,expected", [
@@ -45,12 +45,35 @@ def test_the_newer_samplers_and_schedules_have_their_labels(sampler, schedule, e
 ALLOWED = ", ".join(SAMPLERS)
 
 
+@pytest.mark.parametrize("sampler,schedule,expected", [
+    ("DPM++ 2S a", None, ("dpmpp_2s_a", None)), ("DPM++ 2S a Karras", None, ("dpmpp_2s_a", "karras")),
+    ("dpmpp_2s_ancestral", "karras", ("dpmpp_2s_a", "karras")), ("k_dpmpp_2s_a", None, ("dpmpp_2s_a", None)),
+    ("DPM++ 2M SDE Heun", "Exponential", ("dpmpp_2m_sde_heun", "exponential")),
+    ("DPM++ 2M SDE Heun Karras", None, ("dpmpp_2m_sde_heun", "karras")),
+    ("dpmpp_2m_sde_heun_gpu", None, ("dpmpp_2m_sde_heun", None)), ("Restart", "Karras", ("restart", "karras")),
+    ("DPM fast", "Automatic", ("dpm_fast", "default")), ("k_dpm_fast", None, ("dpm_fast", None)),
+    ("Euler", "Uniform", ("euler", "uniform")), ("Euler", "Polyexponential", ("euler", "polyexponential")),
+    ("DPM++ 2M", "KL Optimal", ("dpmpp_2m", "kl_optimal")), ("Euler", "Align Your Steps", ("euler", "align_your_steps")),
+    ("euler", "kl_optimal", ("euler", "kl_optimal")), ("euler", "ays", ("euler", "align_your_steps")),
+    ("Euler a", "Turbo", ("euler_a", "turbo")), ("Euler", "DDIM", ("euler", "ddim_uniform")),
+    ("euler", "ddim_uniform", ("euler", "ddim_uniform")),
+])
+def test_automatic1111s_and_comfyuis_other_samplers_and_schedulers_have_their_labels(sampler, schedule, expected):
+    assert canonical(sampler, schedule, SAMPLERS, SCHEDULES) == expected
+
+
+ALLOWED = ", ".join(SAMPLERS)
+
+
 @pytest.mark.parametrize("sampler,schedule,param,words", [
-    ("DPM++ 2M SDE Heun", None, "sampler", "'DPM++ 2M SDE Heun' (dpmpp_2m_sde with the heun solver) is not supported "
-                                           f"yet; allowed: {ALLOWED}"),
-    ("Restart", None, "sampler", "sampler 'Restart' is not supported here; allowed: euler,"),
+    ("DPM adaptive", None, "sampler", "sampler 'DPM adaptive' is not supported: its step count adapts to the image, "
+                                      "which a plan made before the first step cannot follow; use 'dpm_fast'"),
+    ("k_dpm_ad", None, "sampler", "use 'dpm_fast' (the same DPM-Solver at a fixed count) or 'dpmpp_2m'"),
+    ("DDIM CFG++", None, "sampler", "updates with the unguided prediction, which the step does not hand a sampler; "
+                                    "use 'ddim'"),
+    ("Euler CFG++", None, "sampler", f"sampler 'Euler CFG++' is not supported here; allowed: {ALLOWED}"),
     ("eulr", None, "sampler", f"is unknown; allowed: {ALLOWED}; did you mean 'euler'?"),
-    ("Euler", "Align Your Steps", "schedule", "'Align Your Steps' is not supported yet; allowed: "
+    ("Euler", "Linear Quadratic", "schedule", "'Linear Quadratic' is not supported yet; allowed: "
                                               f"{', '.join(SCHEDULES)}"),
     ("euler", "karas", "schedule", f"allowed: {', '.join(SCHEDULES)}; did you mean 'karras'?"),
     ("DPM++ 2M Karras", "default", "schedule", "names schedule 'karras' but schedule 'default' was given"),

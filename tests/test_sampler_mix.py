@@ -10,9 +10,11 @@ from diffgraph.sampling.names import SAMPLER_SCHEDULES, SAMPLERS, SCHEDULES
 
 def _requests(engine):
     reqs = []
-    for i, sampler in enumerate(SAMPLERS):
-        allowed = SAMPLER_SCHEDULES.get(sampler, SCHEDULES)
-        schedule = allowed[i % len(allowed)]
+    pairs = [(s, SAMPLER_SCHEDULES.get(s, SCHEDULES)[i % len(SAMPLER_SCHEDULES.get(s, SCHEDULES))])
+             for i, s in enumerate(SAMPLERS)]
+    pairs += [(("dpmpp_2m", "dpmpp_2s_a")[i % 2], schedule)  # the schedules no sampler above drew
+              for i, schedule in enumerate(s for s in SCHEDULES if s not in {k for _, k in pairs})]
+    for i, (sampler, schedule) in enumerate(pairs):
         reqs.append(engine.make_request(
             ["a red fox", "a blue car", "a castle at night"][i % 3], width=64, height=64,
             num_inference_steps=[3, 4, 5][i % 3], sampler=sampler, schedule=schedule,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from diffgraph.sampling import NUM_COEFS, SAMPLERS, SCHEDULES, Coef, NoiseSchedule, apply_step, make_plan
+from diffgraph.sampling.names import KDIFFUSION_SAMPLERS, TABLE_SCHEDULES
 from diffgraph.sampling.oracle import diffusers_scheduler, step_kwargs
 from diffgraph.sampling.samplers import schedules_of
 from diffgraph.sampling.sde import BrownianNoise
@@ -144,9 +145,10 @@ def run_plan(plan, seed=0, dtype=torch.float32):
 
 
 def _cases():
+    """The pairs diffusers runs (tests/test_sampling_a1111.py checks the others against k-diffusion's loops)."""
     for name in CONFIGS:
-        for sampler in SAMPLERS:
-            for schedule in schedules_of(sampler):
+        for sampler in (s for s in SAMPLERS if s not in KDIFFUSION_SAMPLERS):
+            for schedule in (s for s in schedules_of(sampler) if s not in TABLE_SCHEDULES):
                 for pred in ("epsilon", "v_prediction"):
                     if name != "zero_snr" or pred == "v_prediction":  # (zero SNR is v-prediction only: refused)
                         yield name, sampler, schedule, pred
@@ -259,18 +261,25 @@ def test_cosine_schedule_matches_diffusers():
 def test_coefficients_finite(spacing):
     noise = NoiseSchedule.from_config(SD15 | {"timestep_spacing": spacing})
     for sampler in SAMPLERS:
-        for schedule in SCHEDULES:
-            for n in list(range(1, 13)) + [20, 31, 49, 50, 100, 200, 999, 1000]:
+        # (the table schedules do not depend on the spacing: walked once, at the counts that differ in kind)
+        for schedule in SCHEDULES if spacing == "leading" else [s for s in SCHEDULES if s not in TABLE_SCHEDULES]:
+            counts = list(range(1, 13)) + [20, 31, 49, 50, 100, 200, 999, 1000]
+            for n in counts if schedule not in TABLE_SCHEDULES else [1, 2, 3, 4, 7, 20, 36, 200]:
                 try:
                     plan = make_plan(noise, sampler, schedule, n)
                 except ValueError:
                     continue  # degenerate combinations are refused, never returned
-                rows = 2 * n - 1 if sampler in ("heun", "dpm2", "dpm2_a", "dpmpp_sde") else \
+                rows = 2 * n - 1 if sampler in ("heun", "dpm2", "dpm2_a", "dpmpp_sde", "dpmpp_2s_a") else \
                     n + 1 if sampler == "plms" and n > 1 else n
+                if sampler == "restart":  # Heun steps, two rows each, Euler into sigma 0 (a restart may end there too)
+                    rows = min(max(plan.num_steps, n), 2 * n - 1)
                 assert plan.coefs.shape == (rows, NUM_COEFS) and plan.coefs.dtype == np.float64
                 assert np.all(np.isfinite(plan.coefs)), (sampler, schedule, n)
-                # (LCM and TCD draw none at their last step; dpm2_a and dpmpp_sde draw at rows before sigma 0)
-                noisy = ("euler_a", "dpmpp_2m_sde", "dpmpp_3m_sde") + (("dpm2_a", "dpmpp_sde", "lcm", "tcd") if n > 1 else ())
+                # (LCM and TCD draw none at their last step; dpm2_a and dpmpp_sde draw at rows before sigma 0; DPM
+                # fast draws after its steps before the last, Restart where it restarts)
+                noisy = ("euler_a", "dpmpp_2m_sde", "dpmpp_3m_sde") + (("dpm2_a", "dpmpp_sde", "lcm", "tcd", "dpmpp_2s_a",
+                                                                        "dpmpp_2m_sde_heun") if n > 1 else ()) + \
+                    (("dpm_fast",) if n > 2 else ()) + (("restart",) if n >= 20 else ())
                 assert plan.draws_noise == (sampler in noisy), (sampler, n)
 
 
@@ -331,8 +340,8 @@ def test_rows_of_different_plans_batch_like_alone():
 @pytest.mark.parametrize(
     "sampler,schedule,steps,words",
     [
-        ("restart", "default", 10, ["sampler 'restart'", "euler, euler_a, dpmpp_2m, ddim"]),
-        ("euler", "polyexponential", 10, ["schedule 'polyexponential'", "default, karras"]),
+        ("dpm_adaptive", "default", 10, ["sampler 'dpm_adaptive'", "euler, euler_a, dpmpp_2m, ddim"]),
+        ("euler", "linear_quadratic", 10, ["schedule 'linear_quadratic'", "default, karras"]),
         ("ddim", "exponential", 10, ["sampler 'ddim' takes the schedules default, karras", "not 'exponential'"]),
         ("euler", "default", 0, ["num_steps 0", "1..200"]),
         ("euler", "default", 201, ["num_steps 201", "1..200"]),  # MAX_STEPS, the one bound (request.py too)

@@ -11,8 +11,9 @@ AUTOMATIC1111 passes them to its schedulers, not the spaced range diffusers' sig
 - `align_your_steps` / `align_your_steps_sdxl`: NVIDIA's published 10-step lists for SD1.5 and SDXL, log-linearly
   interpolated to n steps as AUTOMATIC1111 does (the SDXL family maps the one label to its list);
 - `turbo`: Forge's "Turbo" (SDXL Turbo's timesteps): round(k N / n - 1) for k = n..1, their training sigmas;
-- `ddim_uniform`: AUTOMATIC1111's "DDIM" scheduler: every (N // n)-th training sigma from timestep 1 up. Its count
-  is n only where N // n divides evenly enough; other counts are refused naming the nearest that work.
+- `ddim_uniform`: AUTOMATIC1111's "DDIM" scheduler: every (N // n)-th training sigma from timestep 1 up. Where that
+  lays more than n (30 steps: 31 from timestep 991 down), the plan walks the n highest, ending one step early at a
+  larger sigma (AUTOMATIC1111 walks them all, a step more than asked).
 
 The final 0 is the caller's, as for the other schedules (schedules.converted_sigmas).
 """
@@ -60,11 +61,6 @@ def table_sigmas(schedule: str, train: np.ndarray, n: int) -> np.ndarray:
 
 
 def _ddim_uniform_timesteps(big_n: int, n: int) -> np.ndarray:
-    timesteps = np.arange(1, big_n, max(big_n // n, 1))[::-1]
-    if len(timesteps) != n:
-        near = sorted((k for k in range(1, big_n) if len(np.arange(1, big_n, max(big_n // k, 1))) == k),
-                      key=lambda k: (abs(k - n), k))[:2]
-        raise ValueError(f"schedule 'ddim_uniform' lays {len(timesteps)} steps for num_steps {n} (every "
-                         f"{max(big_n // n, 1)}th of {big_n} timesteps, as AUTOMATIC1111's DDIM scheduler); use "
-                         f"{' or '.join(map(str, sorted(near)))} steps, or another schedule")
-    return timesteps
+    """Every (N // n)-th timestep from 1 up, descending; where that lays more than n (N // n does not divide N - 1
+    into n), the n highest of them."""
+    return np.arange(1, big_n, max(big_n // n, 1))[::-1][:n].copy()
