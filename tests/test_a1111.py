@@ -398,9 +398,10 @@ UNSUPPORTED = [
     ({"override_settings": {"CLIP_stop_at_last_layers": 0}}, "override_settings.CLIP_stop_at_last_layers", "1..12"),
 ]
 BAD = [
-    ({"sampler_name": "Restart"}, "sampler_name", "not supported here"),
+    ({"sampler_name": "DPM adaptive"}, "sampler_name", "not supported: its step count adapts"),
+    ({"sampler_name": "Euler CFG++"}, "sampler_name", "not supported here"),
     ({"sampler_name": "Eulr"}, "sampler_name", "did you mean"),
-    ({"scheduler": "Align Your Steps"}, "scheduler", "not supported yet"),
+    ({"scheduler": "Linear Quadratic"}, "scheduler", "not supported yet"),
     ({"steps": 0}, "steps", "steps 0 is out of range"), ({"steps": "twenty"}, "steps", "must be an integer"),
     ({"cfg_scale": -1}, "cfg_scale", "cfg_scale -1"), ({"width": 500}, "width", "use 496 or 504"),
     ({"batch_size": 0}, "batch_size", "at least 1"), ({"batch_size": 9, "n_iter": 2}, "n_iter", "at most 16"),

@@ -136,8 +136,8 @@ def test_a_resize_is_written_as_hires_resize(served_engine):
 @pytest.mark.parametrize("changes, field", [
     ({"hr_scale": 1}, "hr_scale"), ({"hr_scale": 0.5}, "hr_scale"), ({"hr_scale": 64}, "hr_scale"),
     ({"hr_resize_x": 4096}, "hr_resize_x"), ({"hr_resize_y": -8}, "hr_resize_y"),
-    ({"hr_upscaler": "R-ESRGAN 4x+"}, "hr_upscaler"), ({"hr_sampler_name": "Restart"}, "hr_sampler_name"),
-    ({"hr_scheduler": "Polyexponential"}, "hr_scheduler"), ({"denoising_strength": 1.5}, "denoising_strength"),
+    ({"hr_upscaler": "R-ESRGAN 4x+"}, "hr_upscaler"), ({"hr_sampler_name": "DPM adaptive"}, "hr_sampler_name"),
+    ({"hr_scheduler": "Linear Quadratic"}, "hr_scheduler"), ({"denoising_strength": 1.5}, "denoising_strength"),
     ({"denoising_strength": 0.001}, "denoising_strength"), ({"hr_second_pass_steps": -1}, "hr_second_pass_steps"),
     ({"hr_checkpoint_name": "other.safetensors"}, "hr_checkpoint_name"), ({"firstphase_width": 32}, "firstphase_width"),
 ])

@@ -340,7 +340,8 @@ BAD = [
     ({"prompt": "a", "guidance_scale": 1e300}, 400, "guidance_scale", "allowed: 0..100"),
     (b'{"prompt": "seven", "negative_prompt": "\\udfff"}', 400, "negative_prompt", "unpaired surrogate"),
     ({"prompt": "a", "guidance_scale": "high"}, 400, "guidance_scale", "must be"),
-    ({"prompt": "a", "sampler": "Restart"}, 400, "sampler", "sampler 'Restart' is not supported here; allowed: euler"),
+    ({"prompt": "a", "sampler": "Euler CFG++"}, 400, "sampler", "sampler 'Euler CFG++' is not supported here; allowed: "
+     "euler"),
     ({"prompt": "a", "sampler": "bogus"}, 400, "sampler", "sampler 'bogus' is unknown; allowed: euler"),
     ({"prompt": "a", "schedule": "cosine"}, 400, "schedule", "schedule 'cosine' is unknown"),
     ({"prompt": "a", "seed": -1}, 400, "seed", "seed -1 is out of range"),
