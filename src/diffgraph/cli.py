@@ -88,8 +88,8 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--timestep-spacing", default=None, choices=TIMESTEP_SPACINGS,
                    help="the sampler's timestep spacing (default: the model's scheduler config's; trailing for "
                         "few-step models)")
-    g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3) "
-                   "and ddim (its eta, default 0), 0-1")
+    g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3), "
+                   "ddim (its eta, default 0) and euler_a, dpmpp_2s_a, dpm_fast (their eta, default 1), 0-1")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
