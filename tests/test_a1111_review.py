@@ -31,6 +31,9 @@ def client():
 def test_every_sampler_and_scheduler_name_the_listings_give_is_accepted(client):
     """GET /samplers lists k_dpmpp_3m_sde, k_dpm_2_a, k_lcm and /schedulers SGMUniform: each was a 400."""
     samplers = client.get("/sdapi/v1/samplers").json()
+    assert {"DPM++ 2S a", "DPM++ 2M SDE Heun", "Restart", "DPM fast"} <= {s["name"] for s in samplers}
+    assert {"Uniform", "Polyexponential", "KL Optimal", "Align Your Steps", "Turbo", "DDIM"} <= {
+        s["label"] for s in client.get("/sdapi/v1/schedulers").json()}
     for name in {a for s in samplers for a in [s["name"], *s["aliases"]]}:
         r = client.post("/sdapi/v1/txt2img", json={**SMALL, "sampler_name": name, "steps": 1})
         assert r.status_code == 200, (name, r.text)

@@ -215,3 +215,20 @@ def test_a_variation_seed_is_written_as_automatic1111_writes_it_and_reads_back()
     assert meta.parse_infotext(text)["variation"] == {"subseed": 0, "strength": 0.0, "resize_from": (32, 96)}
     plain = meta.infotext(dataclasses.replace(r, variation=None), "digits")
     assert "Variation" not in plain and "variation" not in meta.parse_infotext(plain)
+
+
+@pytest.mark.parametrize("sampler,schedule,labels", [
+    ("dpmpp_2s_a", "karras", "Sampler: DPM++ 2S a, Schedule type: Karras"),
+    ("dpmpp_2m_sde_heun", "kl_optimal", "Sampler: DPM++ 2M SDE Heun, Schedule type: KL Optimal"),
+    ("restart", "align_your_steps", "Sampler: Restart, Schedule type: Align Your Steps"),
+    ("dpm_fast", "default", "Sampler: DPM fast, Schedule type: Automatic"),
+    ("euler", "ddim_uniform", "Sampler: Euler, Schedule type: DDIM"), ("euler", "turbo", "Schedule type: Turbo"),
+    ("euler", "uniform", "Schedule type: Uniform"), ("euler", "polyexponential", "Schedule type: Polyexponential"),
+])
+def test_the_newer_samplers_and_schedules_are_written_and_read_by_automatic1111s_labels(sampler, schedule, labels):
+    r = GenerationRequest.create("a cat", width=64, height=64, num_inference_steps=20, guidance_scale=7.0,
+                                 sampler=sampler, schedule=schedule, seed=1)
+    text = meta.infotext(r, "digits")
+    assert labels in text
+    fields = meta.parse_infotext(text)
+    assert (fields["sampler"], fields["schedule"]) == (sampler, schedule)

@@ -24,13 +24,16 @@ class _Walk:
     """The reference side: the same initial latents and noise draws as `run_plan`, an epsilon model on VE latents."""
 
     def __init__(self, noise: NoiseSchedule, sigma0: float, seed: int = 0):
-        self.train = noise.train_sigmas()
+        self.train, self.v = noise.train_sigmas(), noise.prediction_type == "v_prediction"
         self.x = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * sigma0).to(F64)
         self.gen = torch.Generator().manual_seed(seed + 1)
 
     def denoise(self, x: torch.Tensor, sigma: float) -> torch.Tensor:
         t = float(to_f32(sigma_to_t(np.array([sigma]), self.train))[0])
-        return x - sigma * fake_model(x / math.sqrt(sigma**2 + 1), t)
+        out = fake_model(x / math.sqrt(sigma**2 + 1), t)
+        if self.v:  # v = alpha eps - sigma_vp x0 on the VP latents x / sqrt(sigma^2 + 1)
+            return x / (sigma**2 + 1) - sigma / math.sqrt(sigma**2 + 1) * out
+        return x - sigma * out
 
     def noise(self) -> torch.Tensor:
         return torch.randn(SHAPE, generator=self.gen, dtype=F64)
@@ -218,6 +221,15 @@ def test_dpm_fast_is_k_diffusions(n):
         _close(run_plan(plan, dtype=F64), ref, f"dpm_fast n={n} eta={eta}")
     with pytest.raises(ParamError, match="takes the schedules default"):
         make_plan(SD15, "dpm_fast", "karras", n)
+
+
+def test_a_v_prediction_model_walks_as_k_diffusion_with_its_v_denoiser():
+    sdxl = NoiseSchedule.from_config(CONFIGS["sdxl"] | {"prediction_type": "v_prediction"})
+    sigmas = euler_sigmas(sdxl, 7, "karras")[1].tolist()
+    _close(run_plan(make_plan(sdxl, "dpmpp_2s_a", "karras", 7), dtype=F64),
+           k_dpmpp_2s_a(_Walk(sdxl, sigmas[0]), sigmas, 1.0), "dpmpp_2s_a v")
+    _close(run_plan(make_plan(sdxl, "restart", "karras", 7), dtype=F64), a1111_restart(_Walk(sdxl, sigmas[0]), sigmas)[0],
+           "restart v")
 
 
 def test_a_later_start_begins_the_sampler_afresh_there():
