@@ -49,7 +49,7 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
         "min_ready": (2, {"devices": ["cpu", "cpu"]}), "max_image_bytes": (1000, {}),
         "max_image_pixels": (10_000, {}), "lora_dir": (d, {}), "max_loras": (4, {}), "max_lora_rank": (32, {}),
         "lora_conv": (True, {}), "fuse_loras": (["ink:0.5"], {}), "controlnet_dir": (d, {}),
-        "max_controlnets": (3, {}), "ip_adapter_dir": (d, {}), "compile": (True, {}),
+        "max_controlnets": (3, {}), "ip_adapter_dir": (d, {}), "upscaler_dir": (d, {}), "compile": (True, {}),
         "compile_mode": ("max-autotune-no-cudagraphs", {"compile": True}), "quantize": ("fp8", {}),
         "quantize_min_features": (64, {"quantize": "fp8"}), "embeddings_dir": (d, {}), "max_prompt_chunks": (2, {}),
         "clip_skip": (1, {}), "prompt_syntax": ("a1111", {}), "styles": (str(styles), {}),

@@ -74,6 +74,17 @@ def _fuse_loras(value: Any) -> tuple[tuple[str, float], ...]:
     return parse_name_scales(value, "fuse-lora")
 
 
+def _check_upscaler_dir(path: str) -> None:
+    """--upscaler-dir: a folder, and spandrel installed to read it."""
+    import importlib.util
+
+    if not os.path.isdir(path):
+        raise ValueError(f"upscaler-dir {path!r} is not a folder; give a folder of .safetensors upscaler models")
+    if importlib.util.find_spec("spandrel") is None:
+        raise ValueError("upscaler-dir needs the spandrel package, which reads upscaler models: pip install "
+                         "\"diffgraph[upscale]\"")
+
+
 def _job_retention(value: Any) -> float:
     return parse_duration(value, "job-retention")
 
@@ -218,6 +229,10 @@ class ServerConfig:
         "a folder of IP-Adapters (h94's .safetensors layout, their CLIP vision model in an image_encoder folder "
         "beside or above them); requests name them by their path without the suffix (image_prompts: {model, images, "
         "scale})", "capabilities", engine="ip_adapter_dir", metavar="DIR"))
+    upscaler_dir: str | None = field(default=None, metadata=setting(
+        "a folder of ESRGAN-family upscaler models (.safetensors, read by spandrel; pickles: `diffgraph convert` "
+        "them) that the AUTOMATIC1111 routes name by file name without the suffix (extras, hr_upscaler, SD upscale; "
+        "GET /sdapi/v1/upscalers); files added later are found", "capabilities", metavar="DIR"))
     compile: bool = field(default=False, metadata=setting(
         "the compile tier: the whole step, the text encoder(s) and the VAE compiled by Inductor, then captured in the "
         "graphs as usual (slow start on an empty cache; see --compile-cache)",
@@ -422,6 +437,8 @@ class ServerConfig:
         if self.ip_adapter_dir is not None and not os.path.isdir(self.ip_adapter_dir):
             raise ValueError(f"ip-adapter-dir {self.ip_adapter_dir!r} is not a folder; give a folder of IP-Adapter "
                              ".safetensors files with their image_encoder folder")
+        if self.upscaler_dir is not None:
+            _check_upscaler_dir(self.upscaler_dir)
         if not isinstance(self.max_controlnets, int) or self.max_controlnets < 1:
             raise ValueError(f"max-controlnets {self.max_controlnets!r} must be an integer >= 1")
         if self.embeddings_dir is not None and not os.path.isdir(self.embeddings_dir):
