@@ -47,7 +47,7 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
         "api_key_file": (str(keys), {}), "protect_metrics": (True, {}), "playground": (False, {}),
         "torch_threads": (3, {}), "image_threads": (3, {}), "devices": (["cpu", "cpu"], {}),
         "min_ready": (2, {"devices": ["cpu", "cpu"]}), "max_image_bytes": (1000, {}),
-        "max_image_pixels": (10_000, {}), "lora_dir": (d, {}), "max_loras": (4, {}), "max_lora_rank": (32, {}),
+        "max_image_pixels": (10_000, {}), "lora_dir": (d, {}), "max_loras": (4, {}), "max_request_loras": (6, {}), "max_lora_rank": (32, {}),
         "lora_conv": (True, {}), "fuse_loras": (["ink:0.5"], {}), "controlnet_dir": (d, {}),
         "max_controlnets": (3, {}), "ip_adapter_dir": (d, {}), "upscaler_dir": (d, {}), "compile": (True, {}),
         "compile_mode": ("max-autotune-no-cudagraphs", {"compile": True}), "quantize": ("fp8", {}),

@@ -27,7 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions, LoraConfig,
+from ..config import (DEFAULT_BUCKETS, DEFAULT_REQUEST_LORAS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions, LoraConfig,
                       default_cpu_threads, parse_buckets, parse_compile_mode, parse_name_scales, parse_prewarm,
                       parse_quantize,
                       parse_resolutions, quantize_argument)
@@ -206,6 +206,10 @@ class ServerConfig:
     max_loras: int | None = field(default=None, metadata=setting(
         "device slots for adapters in flight (default: 8 with --lora-dir; at least 4); more distinct adapters in "
         "flight make requests wait", "capabilities", engine="max_loras", metavar="N"))
+    max_request_loras: int = field(default=DEFAULT_REQUEST_LORAS, metadata=setting(
+        "adapters one request may stack, 1-16 (default: {default}); each request pays a side path as deep as its "
+        "stack (rounded up to 1, 4 or this), and one over it is a 400 naming loras",
+        "capabilities", engine="max_request_loras", metavar="N"))
     max_lora_rank: int = field(default=64, metadata=setting(
         "the largest adapter rank the slots take (default: 64); a smaller one makes steps cheaper",
         "capabilities", engine="max_lora_rank", metavar="R"))
@@ -430,7 +434,8 @@ class ServerConfig:
                              f"({MAX_EDIT_PIXELS}, 16 megapixels)")
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"lora-dir {self.lora_dir!r} is not a folder; give a folder of .safetensors adapters")
-        LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)  # checks the numbers
+        LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                   max_per_request=self.max_request_loras)  # checks the numbers
         if self.controlnet_dir is not None and not os.path.isdir(self.controlnet_dir):
             raise ValueError(f"controlnet-dir {self.controlnet_dir!r} is not a folder; give a folder of ControlNets "
                              "(diffusers folders or single .safetensors files)")
