@@ -134,3 +134,20 @@ def test_a_converted_real_esrgan_file_reads_its_ema_weights(folder):
     with pytest.raises(UpscalerError, match="diffgraph convert"):
         models.find("old", "upscaler_1")
     assert models.find("nothing", "upscaler_1") is None
+
+
+def test_a_real_esrgan_pth_converted_by_diffgraph_convert_is_served(folder, tmp_path):
+    """A Real-ESRGAN-style pickle ({"params": ..., "params_ema": ...}) through `diffgraph convert` without --key: the
+    folder serves it, from its EMA weights, equal to spandrel on those weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from diffgraph.models.convert import convert
+    weights = load_file(str(folder / "tiny_x2.safetensors"))
+    noise = {k: v + 0.05 for k, v in weights.items()}
+    torch.save({"params": noise, "params_ema": weights, "iter": 3}, tmp_path / "real_x2.pth")
+    convert(str(tmp_path / "real_x2.pth"), str(tmp_path / "real_x2.safetensors"))
+    (tmp_path / "real_x2.pth").unlink()
+    source = picture(24, 16)
+    got = np.asarray(UpscalerModels(str(tmp_path)).enlarge(source, "real_x2")).astype(int)
+    assert np.abs(got - spandrel_upscale(folder / "tiny_x2.safetensors", source)).max() <= 1
