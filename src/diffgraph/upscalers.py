@@ -1,9 +1,10 @@
 """Image upscalers by AUTOMATIC1111's names, and its rules for using them: the built-in "None", "Lanczos" and
 "Nearest", and model upscalers (`ModelUpscalers`: upscaler_models.py reads ESRGAN-family files from --upscaler-dir;
 each rule here takes one, or None for the built-ins alone), `upscale` as its Upscaler.upscale sizes a result (a model
-run until the image covers the size, at most 3 times; a multiple of 8 on each side, a last Lanczos resize to reach it), `postprocess` as its extras tab's upscale step
-(scale by a factor or to a size, the optional centre crop, a second upscaler blended in), and the tile grid its
-"SD upscale" script cuts an image into and pastes back (`split_tiles`, `combine_tiles`).
+run until the image covers the size, at most 3 times; a multiple of 8 on each side, a last Lanczos resize to reach
+it), `postprocess` as its extras tab's upscale step (scale by a factor or to a size, the optional centre crop, a
+second upscaler blended in), and the tile grid its "SD upscale" script cuts an image into and pastes back
+(`split_tiles`, `combine_tiles`).
 
 Pure Pillow and numpy on the caller's thread (the server calls these on a worker thread); the callers check sizes
 against their limits first (`upscaled_size`).

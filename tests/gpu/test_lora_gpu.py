@@ -1,7 +1,8 @@
 """GPU tests of LoRA adapters (issue 12; marker `gpu`, skipped without CUDA): the fused Triton side path equals the
 unfused one; requests with different adapters in graph mode equal their solo runs (fp16 tolerance) with no capture
-from loads and switches (6 adapters over 4 slots); a stack of 8 on its depth-8 step; a stock StableDiffusionPipeline with GraphedUNet equals the plain
-pipeline before and after load_lora_weights, set_adapters, fuse_lora, unload and an in-place copy_ into a weight."""
+from loads and switches (6 adapters over 4 slots); a stack of 8 on its depth-8 step; a stock StableDiffusionPipeline
+with GraphedUNet equals the plain pipeline before and after load_lora_weights, set_adapters, fuse_lora, unload and
+an in-place copy_ into a weight."""
 
 from __future__ import annotations
 

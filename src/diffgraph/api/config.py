@@ -27,7 +27,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import (DEFAULT_BUCKETS, DEFAULT_REQUEST_LORAS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions, LoraConfig,
+from ..config import (DEFAULT_BUCKETS, DEFAULT_REQUEST_LORAS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions,
+                      LoraConfig,
                       default_cpu_threads, parse_buckets, parse_compile_mode, parse_name_scales, parse_prewarm,
                       parse_quantize,
                       parse_resolutions, quantize_argument)

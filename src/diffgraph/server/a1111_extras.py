@@ -133,7 +133,7 @@ def _run(field: str, text: str, step: Postprocess, config: ServerConfig,
     try:
         result = postprocess(image.convert("RGB"), step, models)
     except UpscalerError as e:
-        param = "upscaler_1" if step.upscaler in str(e) else "upscaler_2"
+        param = "upscaler_1" if f"upscaler {step.upscaler!r}" in str(e) else "upscaler_2"
         raise APIError(400, f"{param}: {e}", param=param) from None
     info = ", ".join(f"{k}: {v}" for k, v in step.info().items())
     if info:
