@@ -70,6 +70,11 @@ def _stand_in() -> dict[str, types.ModuleType]:
     return modules
 
 
+def spandrel_installed() -> bool:
+    """Whether spandrel can be imported (diffgraph[upscale]); nothing is imported."""
+    return importlib.util.find_spec("spandrel") is not None
+
+
 def import_spandrel() -> Any:
     """The spandrel module (module doc: the torchvision stand-in where torchvision is not installed)."""
     with _IMPORT_LOCK:

@@ -77,11 +77,11 @@ def _fuse_loras(value: Any) -> tuple[tuple[str, float], ...]:
 
 def _check_upscaler_dir(path: str) -> None:
     """--upscaler-dir: a folder, and spandrel installed to read it."""
-    import importlib.util
+    from .. import upscaler_models
 
     if not os.path.isdir(path):
         raise ValueError(f"upscaler-dir {path!r} is not a folder; give a folder of .safetensors upscaler models")
-    if importlib.util.find_spec("spandrel") is None:
+    if not upscaler_models.spandrel_installed():
         raise ValueError("upscaler-dir needs the spandrel package, which reads upscaler models: pip install "
                          "\"diffgraph[upscale]\"")
 
