@@ -151,3 +151,16 @@ def test_a_real_esrgan_pth_converted_by_diffgraph_convert_is_served(folder, tmp_
     source = picture(24, 16)
     got = np.asarray(UpscalerModels(str(tmp_path)).enlarge(source, "real_x2")).astype(int)
     assert np.abs(got - spandrel_upscale(folder / "tiny_x2.safetensors", source)).max() <= 1
+
+
+def test_a_1x_model_runs_three_times_then_lanczos(tmp_path):
+    """A 1x (restoration) model, as AUTOMATIC1111's Upscaler.upscale runs one for a scale of 2: three passes, none of
+    which reaches the size, then Lanczos."""
+    path = tiny_esrgan(tmp_path / "one_x.safetensors", seed=3, scale=1)
+    source = picture(24, 16)
+    expected = source
+    for _ in range(3):
+        expected = Image.fromarray(spandrel_upscale(path, expected))
+    expected = np.asarray(expected.resize((48, 32), Image.LANCZOS)).astype(int)
+    got = np.asarray(upscale(source, "one_x", 2.0, UpscalerModels(str(tmp_path)))).astype(int)
+    assert got.shape == (32, 48, 3) and np.abs(got - expected).max() <= 1

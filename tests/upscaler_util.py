@@ -11,13 +11,13 @@ from safetensors.torch import load_file, save_file
 from diffgraph.upscaler_models import import_spandrel
 
 
-def tiny_esrgan(path, seed: int = 0) -> str:
-    """Writes the tiny model to `path` (a .safetensors file) and returns it."""
+def tiny_esrgan(path, seed: int = 0, scale: int = 2) -> str:
+    """Writes the tiny model (`scale`x) to `path` (a .safetensors file) and returns it."""
     import_spandrel()
     from spandrel.architectures.ESRGAN import ESRGAN  # spandrel's RRDBNet
 
     torch.manual_seed(seed)
-    net = ESRGAN(num_filters=8, num_blocks=1, scale=2)
+    net = ESRGAN(num_filters=8, num_blocks=1, scale=scale)
     with torch.no_grad():  # larger weights than the default init, so the picture shows through
         for p in net.parameters():
             p.mul_(2.0)

@@ -6,7 +6,7 @@ folder is listed again on each look-up).
 A file is read through `safe_tensors.TensorFile` (streamed, never memory-mapped), its state dict unwrapped where a
 converted checkpoint keeps its parts under a prefix (`params_ema.`, `params.`, ...: Real-ESRGAN's .pth files
 converted whole), and handed to spandrel's `ModelLoader().load_from_state_dict`, which finds the architecture and
-its hyperparameters; a model other than a 3-channel super-resolution one is refused by name. Pickles (.pth .pt
+its hyperparameters; a model other than a 3-channel super-resolution or restoration (1x) one is refused by name. Pickles (.pth .pt
 .ckpt .bin) are never read: a request that names one is told to convert it with `diffgraph convert`. A loaded model
 is kept for its file's version (`FileStamp`), several at most (`MAX_LOADED`).
 
@@ -45,6 +45,7 @@ TILE_OVERLAP = 8    # their overlap (AUTOMATIC1111's ESRGAN_tile_overlap)
 MAX_LOADED = 4      # models kept loaded, the most recently used
 MAX_FILE_BYTES = 4 << 30
 # converted checkpoints' parts (spandrel's unwrap keys, flattened; "model." and "net." start real layouts' keys)
+PURPOSES = ("SR", "Restoration")  # spandrel's purposes served: upscalers, and 1x models (run as AUTOMATIC1111 runs them)
 WRAPPERS = ("params_ema.", "params-ema.", "params.", "model_state_dict.", "state_dict.")
 _IMPORT_LOCK = threading.Lock()
 _STAND_IN = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
@@ -190,10 +191,10 @@ class UpscalerModels:
             detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise UpscalerError(f"{where} is not an upscaler model spandrel reads ({detail}); give an ESRGAN-family "
                                 ".safetensors file") from None
-        if not isinstance(descriptor, spandrel.ImageModelDescriptor) or descriptor.purpose != "SR" \
+        if not isinstance(descriptor, spandrel.ImageModelDescriptor) or descriptor.purpose not in PURPOSES \
                 or descriptor.input_channels != 3 or descriptor.output_channels != 3:
             raise UpscalerError(f"{where} is a {descriptor.architecture.name} {descriptor.purpose} model; "
-                                "--upscaler-dir takes 3-channel super-resolution models")
+                                "--upscaler-dir takes 3-channel super-resolution (or 1x restoration) models")
         return descriptor.eval().float()
 
     def enlarge(self, image: Image.Image, name: str) -> Image.Image:
