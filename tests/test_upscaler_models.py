@@ -164,3 +164,12 @@ def test_a_1x_model_runs_three_times_then_lanczos(tmp_path):
     expected = np.asarray(expected.resize((48, 32), Image.LANCZOS)).astype(int)
     got = np.asarray(upscale(source, "one_x", 2.0, UpscalerModels(str(tmp_path)))).astype(int)
     assert got.shape == (32, 48, 3) and np.abs(got - expected).max() <= 1
+
+
+def test_a_pass_above_the_pixel_bound_is_a_400_before_it_runs(client, monkeypatch):
+    from diffgraph import upscaler_models
+    monkeypatch.setattr(upscaler_models, "MAX_PASS_PIXELS", 96 * 80 - 1)  # the 2x pass of a 48x40 image: 96x80
+    r = client.post("/sdapi/v1/extra-single-image", json={"image": png64(picture()), "upscaling_resize": 1.5,
+                                                          "upscaler_1": "tiny_x2"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "upscaler_1"
+    assert "would make a 96x80 image" in r.json()["error"]["message"]

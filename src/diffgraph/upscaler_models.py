@@ -13,7 +13,8 @@ is kept for its file's version (`FileStamp`), several at most (`MAX_LOADED`).
 A model runs on the CPU, in float32, on the caller's thread (the server's worker threads, never the event loop):
 tile by tile (`TILE` pixels square, `TILE_OVERLAP` pixels of overlap, AUTOMATIC1111's ESRGAN tile defaults; an
 image within one tile runs whole), the tiles pasted back with AUTOMATIC1111's combine_grid blend
-(upscalers.combine_tiles), so memory stays bounded by the tile, whatever the image.
+(upscalers.combine_tiles), so the model's own memory stays bounded by the tile, whatever the image; a pass that would
+make more than `MAX_PASS_PIXELS` pixels (a model's scale can overshoot the size asked for) is refused before it runs.
 
 spandrel imports torchvision for two architectures that are no upscalers (LaMa inpainting, RestoreFormer faces).
 Where torchvision is not installed (a CPU torch build whose matching torchvision cannot be installed), spandrel is
@@ -43,6 +44,7 @@ PICKLE_SUFFIXES = (".pth", ".pt", ".ckpt", ".bin")
 TILE = 192          # pixels a side of the tiles a model runs on (AUTOMATIC1111's ESRGAN_tile)
 TILE_OVERLAP = 8    # their overlap (AUTOMATIC1111's ESRGAN_tile_overlap)
 MAX_LOADED = 4      # models kept loaded, the most recently used
+MAX_PASS_PIXELS = 64 << 20  # the most pixels one model pass may make (a pass may overshoot the size asked for)
 MAX_FILE_BYTES = 4 << 30
 # converted checkpoints' parts (spandrel's unwrap keys, flattened; "model." and "net." start real layouts' keys)
 PURPOSES = ("SR", "Restoration")  # spandrel's purposes served: upscalers, and 1x models (run as AUTOMATIC1111 runs them)
@@ -200,6 +202,10 @@ class UpscalerModels:
     def enlarge(self, image: Image.Image, name: str) -> Image.Image:
         """`image` (RGB) through the model `name` once, tile by tile (module doc); its size times the model's scale."""
         model = self.model(name)
+        width, height = image.width * model.scale, image.height * model.scale
+        if width * height > MAX_PASS_PIXELS:
+            raise UpscalerError(f"upscaler {name!r} would make a {width}x{height} image ({width * height} pixels) in "
+                                f"one pass, above {MAX_PASS_PIXELS}; send a smaller image or scale")
         image = image.convert("RGB")
         if image.width <= self.tile and image.height <= self.tile:
             return run(model, image)
