@@ -1,11 +1,13 @@
 """AUTOMATIC1111's hires fix on /sdapi/v1/txt2img (`enable_hr`, server/a1111_hires.py over hires.py): each case's
 images equal their two passes built by hand through the Python API, hires rows beside other work equal themselves
-alone, the infotext entries AUTOMATIC1111 writes (and reads back from `infotext`), and the 400s by field. One
-in-process server on `random:tiny` (CPU) whose engine also builds the references; 64x64 first passes, 2-3 steps."""
+alone, the infotext entries AUTOMATIC1111 writes (and reads back from `infotext`), a model upscaler (a tiny ESRGAN
+in --upscaler-dir, where spandrel is installed) as hr_upscaler, and the 400s by field. One in-process server on
+`random:tiny` (CPU) whose engine also builds the references; 64x64 first passes, 2-3 steps."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -22,12 +24,26 @@ BODY = {"prompt": "a red fox", "seed": 21, "steps": 3, "width": 64, "height": 64
         "cfg_scale": 7, "enable_hr": True, "hr_scale": 1.5, "denoising_strength": 0.5, "hr_second_pass_steps": 2}
 
 
+SPANDREL = importlib.util.find_spec("spandrel") is not None  # diffgraph[upscale]; CI installs it
+
+
 @pytest.fixture(scope="module")
-def served_engine():
+def upscaler_dir(tmp_path_factory):
+    """A folder with a tiny 2x ESRGAN (upscaler_util.py), where spandrel is installed."""
+    if not SPANDREL:
+        return None
+    from upscaler_util import tiny_esrgan
+    root = tmp_path_factory.mktemp("upscalers")
+    tiny_esrgan(root / "tiny_x2.safetensors")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def served_engine(upscaler_dir):
     from diffgraph import Engine
     from diffgraph.server import ServerConfig
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as engine:
-        with served(engine, ServerConfig(model="random:tiny", device="cpu")) as client:
+        with served(engine, ServerConfig(model="random:tiny", device="cpu", upscaler_dir=upscaler_dir)) as client:
             yield client, engine
 
 
@@ -64,6 +80,23 @@ def test_hires_answer_equals_its_passes_by_hand(served_engine, upscaler):
     (image,) = answer["images"]
     reference = (second.arrays[0] * 255).round().astype(int)
     assert _pixels(image).shape == (96, 96, 3) and np.abs(_pixels(image) - reference).max() <= 1
+
+
+@pytest.mark.skipif(not SPANDREL, reason="spandrel is not installed (diffgraph[upscale])")
+def test_hires_with_a_model_upscaler_equals_its_passes_by_hand(served_engine, upscaler_dir):
+    """hr_upscaler a model of --upscaler-dir: the first pass's image through the 2x model (spandrel, directly), then
+    Lanczos from 128 to the 96x96 second pass (AUTOMATIC1111's resize_image with an upscaler), image-to-image."""
+    from upscaler_util import spandrel_upscale
+    client, engine = served_engine
+    answer = _post(client, hr_upscaler="tiny_x2")
+    first = engine.run(_request(engine))
+    grown = Image.fromarray(spandrel_upscale(f"{upscaler_dir}/tiny_x2.safetensors", first.images[0]))
+    start = EditInput(np.asarray(grown.resize((96, 96), Image.LANCZOS)), strength=0.5)
+    second = engine.run(_request(engine, width=96, height=96, num_inference_steps=4, image=start))
+    (image,) = answer["images"]
+    reference = (second.arrays[0] * 255).round().astype(int)
+    assert grown.size == (128, 128) and np.abs(_pixels(image) - reference).max() <= 1
+    assert json.loads(answer["info"])["extra_generation_params"]["Hires upscaler"] == "tiny_x2"
 
 
 def test_hr_prompts_sampler_and_scheduler_are_the_second_passs(served_engine):

@@ -146,7 +146,9 @@ def test_bad_adapters_are_refused_by_name(lora_engine, lora_dirs, tiny_engine, t
         ([("stlye", 1.0)], "did you mean 'style'"),
         ([("style", 9.0)], "allowed: -8..8"),
         ([("style", math.nan)], "allowed: -8..8"),
-        ([("style", 1.0), ("ink", 1.0), ("styles/sub", 1.0), ("a", 1.0), ("b", 1.0)], "at most 4"),
+        ([("style", 1.0), ("ink", 1.0), ("styles/sub", 1.0), ("a", 1.0), ("b", 1.0)], "has 4 adapter slots"),
+        ([(f"a{i}", 1.0) for i in range(9)], "at most 8 (--max-request-loras"),
+        ([(f"a{i}", 1.0) for i in range(17)], "at most 16 on any server"),
         ([("style", 1.0), ("style", 0.5)], "listed twice"),
         ([("/etc/passwd", 1.0)], "not allowed"),
         ([("../loras-sdxl0/style", 1.0)], "not allowed"),
@@ -232,6 +234,36 @@ def test_fused_adapter_equals_the_adapter_at_its_scale(lora_dirs, lora_engine):
         ours = fused.generate(PROMPT, num_inference_steps=STEPS, seed=11).arrays
     side = lora_engine.generate(PROMPT, num_inference_steps=STEPS, seed=11, loras=[("style", 0.5)]).arrays
     assert np.abs(_uint8(ours) - _uint8(side)).max() <= 1
+
+
+EIGHT = [(f"s{i}", round(0.6 - 0.15 * i, 2)) for i in range(8)]  # scales 0.6 .. -0.45
+
+
+def test_eight_adapters_in_one_request_equal_them_fused_and_a_ninth_is_refused(tiny_engine, tmp_path):
+    """--max-request-loras' default, 8: eight rank-4 adapters (UNet and text encoder) stacked on one request, in the
+    8 default slots, equal the model with all eight merged into its weights at those scales; a ninth is a ParamError
+    naming loras and the setting; 4 is a server's limit when it says so."""
+    paths = []
+    for i, (name, _) in enumerate(EIGHT):
+        paths.append(str(tmp_path / f"{name}.safetensors"))
+        _write_diffusers(tiny_engine, paths[-1], rank=4, seed=100 + i)
+    with Engine("random:tiny", device="cpu", dtype="fp32", lora_dir=str(tmp_path), max_lora_rank=4) as stacked:
+        (rows,) = [f for f in stacked.runner.program.features if f.name == "lora"]
+        assert rows.variants() == (0, 1, 4, 8)  # the side-path depths a step may take
+        side = stacked.generate(PROMPT, num_inference_steps=STEPS, seed=12, loras=EIGHT).arrays
+        with pytest.raises(ParamError, match=r"9 adapters .* at most 8 \(--max-request-loras\)") as e:
+            stacked.generate(PROMPT, num_inference_steps=STEPS, seed=12, loras=EIGHT + [("t", 1.0)])
+        assert e.value.param == "loras"
+    with Engine("random:tiny", device="cpu", dtype="fp32",
+                fuse_loras=[(p, s) for p, (_, s) in zip(paths, EIGHT)]) as fused:
+        merged = fused.generate(PROMPT, num_inference_steps=STEPS, seed=12).arrays
+    plain = tiny_engine.generate(PROMPT, num_inference_steps=STEPS, seed=12).arrays
+    assert np.abs(_uint8(merged) - _uint8(side)).max() <= 1
+    assert np.abs(_uint8(plain) - _uint8(side)).mean() > 1  # the adapters change the image
+    with Engine("random:tiny", device="cpu", dtype="fp32", lora_dir=str(tmp_path), max_lora_rank=4,
+                max_request_loras=4) as four:
+        with pytest.raises(ParamError, match=r"5 adapters .* at most 4 \(--max-request-loras\)"):
+            four.generate(PROMPT, num_inference_steps=STEPS, seed=12, loras=EIGHT[:5])
 
 
 def test_graph_mode_runs_adapters_without_captures(lora_dirs, lora_engine):

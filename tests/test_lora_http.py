@@ -97,7 +97,7 @@ def test_edits_take_loras(server, engine):
     ([{"name": "stlye"}], "did you mean 'style'"),
     ([{"name": "style", "scale": 9}], "allowed: -8..8"),
     ([{"name": "style", "scale": "x"}], "scale"),
-    ([{"name": f"a{i}"} for i in range(5)], "at most 4"),
+    ([{"name": f"a{i}"} for i in range(9)], "at most 8 (--max-request-loras)"),
     ([{"name": "../etc/passwd"}], "not allowed"),
     ([{"name": "/etc/passwd"}], "not allowed"),
     ([{"name": "old"}], "unknown"),

@@ -47,9 +47,10 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
         "api_key_file": (str(keys), {}), "protect_metrics": (True, {}), "playground": (False, {}),
         "torch_threads": (3, {}), "image_threads": (3, {}), "devices": (["cpu", "cpu"], {}),
         "min_ready": (2, {"devices": ["cpu", "cpu"]}), "max_image_bytes": (1000, {}),
-        "max_image_pixels": (10_000, {}), "lora_dir": (d, {}), "max_loras": (4, {}), "max_lora_rank": (32, {}),
+        "max_image_pixels": (10_000, {}), "lora_dir": (d, {}), "max_loras": (4, {}), "max_request_loras": (6, {}),
+        "max_lora_rank": (32, {}),
         "lora_conv": (True, {}), "fuse_loras": (["ink:0.5"], {}), "controlnet_dir": (d, {}),
-        "max_controlnets": (3, {}), "ip_adapter_dir": (d, {}), "compile": (True, {}),
+        "max_controlnets": (3, {}), "ip_adapter_dir": (d, {}), "upscaler_dir": (d, {}), "compile": (True, {}),
         "compile_mode": ("max-autotune-no-cudagraphs", {"compile": True}), "quantize": ("fp8", {}),
         "quantize_min_features": (64, {"quantize": "fp8"}), "embeddings_dir": (d, {}), "max_prompt_chunks": (2, {}),
         "clip_skip": (1, {}), "prompt_syntax": ("a1111", {}), "styles": (str(styles), {}),
@@ -114,7 +115,9 @@ def test_serve_help_shows_the_argument_groups_in_order():
     assert "has waited this long (default: 2000)" in words  # --grow-hold-ms's {default:g}
 
 
-def test_each_setting_reaches_its_toml_key_its_flag_and_its_engine_keyword(tmp_path):
+def test_each_setting_reaches_its_toml_key_its_flag_and_its_engine_keyword(tmp_path, monkeypatch):
+    from diffgraph import upscaler_models
+    monkeypatch.setattr(upscaler_models, "spandrel_installed", lambda: True)  # upscaler-dir's check, without the extra
     samples = _samples(tmp_path)
     settings = dict((f.name, s) for f, s in declared(ServerConfig))
     assert set(samples) == set(settings), "give every setting a sample value here"
@@ -256,3 +259,12 @@ def test_config_file_prewarm_list_and_trailing_comma(tmp_path):
     assert load_config(str(path)).prewarm == ((64, 64, 1), (64, 64, 2), (64, 96, 0))
     path.write_text(f'model = "{MODEL}"\nresolutions = ["64x64"]\nprewarm = "64x64,"\n')
     assert load_config(str(path)).prewarm == ((64, 64, 0),)
+
+
+def test_upscaler_dir_is_a_folder_and_needs_spandrel(tmp_path, monkeypatch):
+    from diffgraph import upscaler_models
+    with pytest.raises(ValueError, match="upscaler-dir .* is not a folder"):
+        ServerConfig.from_mapping({"model": "digits", "upscaler-dir": str(tmp_path / "none")})
+    monkeypatch.setattr(upscaler_models, "spandrel_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"needs the spandrel package.*diffgraph\[upscale\]"):
+        ServerConfig.from_mapping({"model": "digits", "upscaler-dir": str(tmp_path)})

@@ -110,7 +110,7 @@ def _add_edit_arguments(g: argparse.ArgumentParser) -> None:
 def _add_capability_arguments(g: argparse.ArgumentParser) -> None:
     """`generate`'s adapter, ControlNet, IP-Adapter and prompt-reading flags, and their local folders."""
     g.add_argument("--lora", action="append", default=None, metavar="NAME[:SCALE]",
-                   help="apply a LoRA adapter (repeatable, up to 4): a name in --lora-dir (or on the server with "
+                   help="apply a LoRA adapter (repeatable, up to 8): a name in --lora-dir (or on the server with "
                         "--url), or a built-in adapter of the model; scale 1 when left out")
     g.add_argument("--lora-dir", default=None, metavar="DIR",
                    help="a folder of .safetensors adapters that --lora names (not with --url: the server has its own)")
@@ -401,13 +401,13 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
         try:
             import torch
 
-            from .config import default_cpu_threads
+            from .config import DEFAULT_LORA_SLOTS, default_cpu_threads
             from .engine.engine import Engine, default_device
 
             if (args.device or default_device()).startswith("cpu"):
                 torch.set_num_threads(default_cpu_threads())  # as the server does (see default_cpu_threads)
-            engine = Engine(model=model, device=args.device, dtype=args.dtype,
-                            lora_dir=args.lora_dir, max_loras=4 if params["loras"] and not args.lora_dir else None,
+            slots = DEFAULT_LORA_SLOTS if params["loras"] and not args.lora_dir else None  # --lora FILE: slots
+            engine = Engine(model=model, device=args.device, dtype=args.dtype, lora_dir=args.lora_dir, max_loras=slots,
                             lora_conv=args.lora_conv, controlnet_dir=args.controlnet_dir,
                             ip_adapter_dir=args.ip_adapter_dir,
                             compile=compile, quantize=quantize, embeddings_dir=args.embeddings_dir,

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .request import MAX_SIZE, MIN_SIZE
+from .request import MAX_LORAS, MAX_SIZE, MIN_SIZE
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)  # denoiser rows: a classifier-free guided image costs two
 DTYPE_NAMES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")  # models/loader.py maps them to torch
@@ -167,6 +167,7 @@ class GraphConfig:
 
 MIN_LORA_SLOTS = 4
 DEFAULT_LORA_SLOTS = 8
+DEFAULT_REQUEST_LORAS = 8  # adapters one request may stack (--max-request-loras), at most request.MAX_LORAS
 
 
 @dataclass(frozen=True)
@@ -186,8 +187,13 @@ class LoraConfig:
     # the prepared host copies (padded, pinned on a GPU) kept between requests, in bytes; queued requests hold only
     # names and file versions, and a copy dropped from here is read again at admission (off the loop)
     host_bytes: int = 2 * 2**30
+    # adapters one request may stack (--max-request-loras); the step's deepest side path is this, or the slots
+    max_per_request: int = DEFAULT_REQUEST_LORAS
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_per_request, bool) or not isinstance(self.max_per_request, int) \
+                or not 1 <= self.max_per_request <= MAX_LORAS:
+            raise ValueError(f"max-request-loras {self.max_per_request!r} is out of range; allowed: 1..{MAX_LORAS}")
         if self.host_bytes < 0:
             raise ValueError(f"lora host bytes {self.host_bytes} must be >= 0 (--lora-host-bytes)")
         if self.max_loras is not None and (self.max_loras < 0 or 0 < self.max_loras < MIN_LORA_SLOTS):
@@ -200,6 +206,11 @@ class LoraConfig:
         if self.max_loras is not None:
             return self.max_loras
         return DEFAULT_LORA_SLOTS if self.lora_dir or self.builtin_dir else 0
+
+    @property
+    def max_stack(self) -> int:
+        """The most adapters one request may stack here: --max-request-loras, within the slots."""
+        return min(self.max_per_request, self.slots) if self.slots else 0
 
 
 def parse_name_scales(value: Any, flag: str) -> tuple[tuple[str, float], ...]:

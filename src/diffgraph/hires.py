@@ -2,7 +2,8 @@
 request to the same engine (so it batches with whatever else runs), as its StableDiffusionProcessingTxt2Img does.
 
 The first pass runs at the request's size; its final latents (`return_latents`) are resized by
-torch.nn.functional.interpolate in one of the `LATENT_MODES`, or its image by an upscaler (`upscalers.UPSCALERS`),
+torch.nn.functional.interpolate in one of the `LATENT_MODES`, or its image by an upscaler (`upscalers.UPSCALERS`, or
+a model of `upscalers.ModelUpscalers`),
 to the target size (`hires_size`: the request's size times a scale, or a size, centre-cropped where its aspect
 differs); the second pass is image-to-image from those latents (`EditInput.latents`) or that image, with the same
 seed, running `steps` steps of a schedule of steps / strength (AUTOMATIC1111's setup_img2img_steps when the steps
@@ -24,7 +25,7 @@ import numpy as np
 from .errors import ParamError
 from .request import EditInput, GenerationRequest, GenerationResult
 from .sampling.schedules import MAX_STEPS
-from .upscalers import UPSCALERS, resize_to
+from .upscalers import UPSCALERS, ModelUpscalers, UpscalerError, resize_to
 
 # AUTOMATIC1111's latent upscale modes (shared.latent_upscale_modes): interpolate's mode and antialias
 LATENT_MODES = {"Latent": ("bilinear", False), "Latent (antialiased)": ("bilinear", True),
@@ -40,7 +41,8 @@ LATENT_GRID = 8              # pixels per latent cell (every family's VAE here)
 class HiresFix:
     """The second pass's size and start: `width` x `height` (a multiple of the family's size multiple), reached by
     resizing to `cover` (width, height) and cutting its centre (the same size where the aspect is kept), with the
-    upscaler `upscaler` (a LATENT_MODES or UPSCALERS name); `strength` and `steps` (0: the first pass's) as
+    upscaler `upscaler` (a LATENT_MODES or UPSCALERS name, or a model upscaler's, checked where it runs); `strength`
+    and `steps` (0: the first pass's) as
     AUTOMATIC1111's denoising_strength and hr_second_pass_steps."""
 
     width: int
@@ -51,9 +53,9 @@ class HiresFix:
     cover: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.upscaler not in HIRES_UPSCALERS:
-            raise ParamError("hr_upscaler", f"hr_upscaler {self.upscaler!r} is not available here; send one of "
-                                            f"{', '.join(HIRES_UPSCALERS)}")
+        if not isinstance(self.upscaler, str) or not self.upscaler.strip():
+            raise ParamError("hr_upscaler", f"hr_upscaler {self.upscaler!r} is not an upscaler's name; send one of "
+                                            f"{', '.join(HIRES_UPSCALERS)} or a model upscaler's")
         if self.cover is None:
             object.__setattr__(self, "cover", (self.width, self.height))
 
@@ -119,12 +121,16 @@ def upscale_latents(latents: np.ndarray, fix: HiresFix) -> np.ndarray:
     return np.ascontiguousarray(grown[:, top:top + fix.height // f, left:left + fix.width // f].numpy(), np.float32)
 
 
-def upscale_image(pixels: np.ndarray, fix: HiresFix) -> np.ndarray:
-    """One image's uint8 RGB pixels [H, W, 3] resized to the fix's cover size by its upscaler, then centre-cut to its
-    size (whole latent cells, as the latents are)."""
+def upscale_image(pixels: np.ndarray, fix: HiresFix, models: ModelUpscalers | None = None) -> np.ndarray:
+    """One image's uint8 RGB pixels [H, W, 3] resized to the fix's cover size by its upscaler (a built-in, or one of
+    `models`), then centre-cut to its size (whole latent cells, as the latents are). ParamError naming hr_upscaler
+    where its model cannot be used."""
     from PIL import Image
 
-    grown = resize_to(Image.fromarray(pixels), fix.upscaler, *fix.cover)
+    try:
+        grown = resize_to(Image.fromarray(pixels), fix.upscaler, *fix.cover, models)
+    except UpscalerError as e:
+        raise ParamError("hr_upscaler", f"hr_upscaler: {e}") from None
     f = LATENT_GRID
     top, left = _cut(fix.cover[1] // f, fix.height // f) * f, _cut(fix.cover[0] // f, fix.width // f) * f
     return np.ascontiguousarray(np.asarray(grown.convert("RGB"))[top:top + fix.height, left:left + fix.width])
@@ -136,11 +142,11 @@ def _cut(cells: int, kept: int) -> int:
 
 
 def second_pass(template: GenerationRequest, result: GenerationResult, fix: HiresFix, row: int = 0,
-                rule: str = "sd") -> GenerationRequest:
+                rule: str = "sd", models: ModelUpscalers | None = None) -> GenerationRequest:
     """The second pass of row `row` of the first pass's `result`: `template` (its prompts, sampler, schedule and
     guidance, and its steps where the fix names none; the first pass's request for the same) at the fix's size from
     the resized latents or image, with the first pass's seed (and variation seed, not resized); `rule` the family's edit steps rule
-    (`ModelInfo.edit_steps_rule`)."""
+    (`ModelInfo.edit_steps_rule`); `models` the model upscalers the fix may name."""
     first = result.request
     total, strength = second_pass_steps(fix.steps or template.num_inference_steps, fix.strength, rule)
     if fix.latent:
@@ -151,7 +157,7 @@ def second_pass(template: GenerationRequest, result: GenerationResult, fix: Hire
     else:
         pixels = np.asarray(result.images[row].convert("RGB")) if result.arrays is None else \
             (result.arrays[row] * 255).round().astype(np.uint8)
-        edit = EditInput(upscale_image(pixels, fix), strength=strength, steps_rule=rule)
+        edit = EditInput(upscale_image(pixels, fix, models), strength=strength, steps_rule=rule)
     variation = first.variation  # AUTOMATIC1111's second pass: the image's variation seed, its noise not resized
     if variation is not None:
         variation = dataclasses.replace(variation, resize_from=None) if variation.strength else None
@@ -171,13 +177,14 @@ def hires_params(fix: HiresFix, scale: float | None, resize: tuple[int, int] | N
     return out
 
 
-def generate_hires(engine: Any, request: GenerationRequest, fix: HiresFix,
-                   template: GenerationRequest | None = None) -> list[GenerationResult]:
+def generate_hires(engine: Any, request: GenerationRequest, fix: HiresFix, template: GenerationRequest | None = None,
+                   models: ModelUpscalers | None = None) -> list[GenerationResult]:
     """Both passes of `request` on `engine` (an `Engine`): the first pass, then each of its images' second pass (its
     prompts, sampler and steps `template`'s, by default the first pass's), submitted together. One result per
     image; each second pass draws from the request's seed (AUTOMATIC1111's images are one request each, seed + i:
     send them as such for their own noise)."""
     first = engine.run(first_pass(request, fix))
     rule = engine.info.edit_steps_rule
-    handles = [engine.submit(second_pass(template or request, first, fix, row, rule)) for row in range(len(first))]
+    handles = [engine.submit(second_pass(template or request, first, fix, row, rule, models))
+               for row in range(len(first))]
     return [handle.result() for handle in handles]

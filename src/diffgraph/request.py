@@ -36,7 +36,7 @@ SIZE_MULTIPLE = 8        # every request's sizes (an SD VAE's latent grid); a fa
 MAX_IMAGES = 16
 MAX_SEED = 2**63 - 1
 MAX_GUIDANCE = 100.0
-MAX_LORAS = 4            # adapters one request may stack
+MAX_LORAS = 16           # adapters one request may stack on any engine (its own limit: --max-request-loras)
 MAX_LORA_SCALE = 8.0
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 PROMPT_SYNTAXES = ("plain", "a1111")  # diffusers' plain text (truncated at 77 tokens); AUTOMATIC1111's syntax
@@ -804,7 +804,8 @@ def check_interval(value: Any) -> tuple[float, float] | None:
 
 def check_loras(value: Any) -> tuple[tuple[str, float], ...]:
     """LoRA adapters of a request: a list of (name, scale) pairs, {"name": ..., "scale": ...} dicts or bare names
-    (scale 1); at most MAX_LORAS, each named once, scales finite in [-MAX_LORA_SCALE, MAX_LORA_SCALE]. Whether
+    (scale 1); at most MAX_LORAS (an engine's own limit, `LoraConfig.max_per_request`, is checked where it
+    resolves them), each named once, scales finite in [-MAX_LORA_SCALE, MAX_LORA_SCALE]. Whether
     the names exist is the engine's to check (its adapter folder)."""
     if value is None:
         return ()
@@ -812,7 +813,8 @@ def check_loras(value: Any) -> tuple[tuple[str, float], ...]:
         raise ParamError("loras", f"loras must be a list of adapters, e.g. [{{\"name\": \"styles/ink\", \"scale\": "
                                   f"0.8}}], got {_show(value)}")
     if len(value) > MAX_LORAS:
-        raise ParamError("loras", f"{len(value)} adapters in one request; at most {MAX_LORAS}")
+        raise ParamError("loras", f"{len(value)} adapters in one request; at most {MAX_LORAS} on any server "
+                                  "(--max-request-loras sets a server's own limit)")
     out: list[tuple[str, float]] = []
     for item in value:
         if isinstance(item, str):

@@ -1,8 +1,10 @@
 """Image upscalers by AUTOMATIC1111's names, and its rules for using them: the built-in "None", "Lanczos" and
-"Nearest" (no model files: ESRGAN-family models are not read here), `upscale` as its Upscaler.upscale sizes a result
-(a multiple of 8 on each side, a last Lanczos resize to reach it), `postprocess` as its extras tab's upscale step
-(scale by a factor or to a size, the optional centre crop, a second upscaler blended in), and the tile grid its
-"SD upscale" script cuts an image into and pastes back (`split_tiles`, `combine_tiles`).
+"Nearest", and model upscalers (`ModelUpscalers`: upscaler_models.py reads ESRGAN-family files from --upscaler-dir;
+each rule here takes one, or None for the built-ins alone), `upscale` as its Upscaler.upscale sizes a result (a model
+run until the image covers the size, at most 3 times; a multiple of 8 on each side, a last Lanczos resize to reach
+it), `postprocess` as its extras tab's upscale step (scale by a factor or to a size, the optional centre crop, a
+second upscaler blended in), and the tile grid its "SD upscale" script cuts an image into and pastes back
+(`split_tiles`, `combine_tiles`).
 
 Pure Pillow and numpy on the caller's thread (the server calls these on a worker thread); the callers check sizes
 against their limits first (`upscaled_size`).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import numpy as np
 from PIL import Image
@@ -20,19 +23,65 @@ UPSCALERS = ("None", "Lanczos", "Nearest")  # AUTOMATIC1111's built-in upscalers
 _RESAMPLE = {"Lanczos": Image.LANCZOS, "Nearest": Image.NEAREST}
 
 
+MODEL_PASSES = 3  # AUTOMATIC1111's Upscaler.upscale runs a model at most this often to reach a size
+
+
 class UpscalerError(ValueError):
     """A request for an upscaler or a size these rules cannot serve; the message says what to send."""
 
 
-def upscaler_name(name: str | None, field: str) -> str:
+class ModelUpscalers(Protocol):
+    """Model upscalers by name (upscaler_models.UpscalerModels)."""
+
+    def names(self) -> Sequence[str]:
+        """The models' names, in AUTOMATIC1111's order (after the built-ins)."""
+        ...
+
+    def find(self, name: str, field: str) -> str | None:
+        """`name` as listed (case-insensitive), None where there is none; an UpscalerError naming `field` where its
+        file can never be used (a pickle)."""
+        ...
+
+    def enlarge(self, image: Image.Image, name: str) -> Image.Image:
+        """`image` (RGB) through the model `name` once: its own scale."""
+        ...
+
+
+def all_upscalers(models: ModelUpscalers | None) -> tuple[str, ...]:
+    """Every upscaler a request may name: the built-ins, then the models."""
+    return UPSCALERS + (tuple(models.names()) if models is not None else ())
+
+
+def upscaler_name(name: str | None, field: str, models: ModelUpscalers | None = None) -> str:
     """The upscaler `name` names (case-insensitive, as AUTOMATIC1111's scripts match it; None is "None"), or an
     UpscalerError naming `field` and the upscalers there are."""
     wanted = (name or "None").strip().lower()
     for known in UPSCALERS:
         if known.lower() == wanted:
             return known
-    raise UpscalerError(f"{field}: upscaler {name!r} is not available here; send one of {', '.join(UPSCALERS)} "
-                        "(GET /sdapi/v1/upscalers)")
+    found = models.find((name or "").strip(), field) if models is not None else None
+    if found is not None:
+        return found
+    raise UpscalerError(f"{field}: upscaler {name!r} is not available here; send one of "
+                        f"{', '.join(all_upscalers(models))} (GET /sdapi/v1/upscalers; model upscalers: "
+                        "--upscaler-dir)")
+
+
+def _enlarge(image: Image.Image, name: str, scale: float, width: int, height: int,
+             models: ModelUpscalers | None) -> Image.Image:
+    """`image` enlarged by the upscaler `name` where `scale` > 1: a built-in's resize by `scale`, or a model run until
+    the image covers `width` x `height` (at most MODEL_PASSES times); else as it is."""
+    if scale <= 1 or name == "None":
+        return image
+    if name in _RESAMPLE:
+        return image.resize((int(image.width * scale), int(image.height * scale)), resample=_RESAMPLE[name])
+    if models is None:
+        raise UpscalerError(f"upscaler {name!r} is a model, and no model upscalers are served here (--upscaler-dir)")
+    for _ in range(MODEL_PASSES):
+        if image.width >= width and image.height >= height:
+            break
+        image = models.enlarge(image, name)
+    return image
 
 
 def upscaled_size(width: int, height: int, scale: float) -> tuple[int, int]:
@@ -40,25 +89,28 @@ def upscaled_size(width: int, height: int, scale: float) -> tuple[int, int]:
     return int(width * scale // 8 * 8), int(height * scale // 8 * 8)
 
 
-def upscale(image: Image.Image, name: str, scale: float) -> Image.Image:
-    """`image` upscaled by `scale` with the upscaler `name` (UPSCALERS), to `upscaled_size`: the upscaler's own resize
-    when it enlarges, then Lanczos to the exact size where it differs ("None", or a scale below 1: that resize
-    alone)."""
+def upscale(image: Image.Image, name: str, scale: float, models: ModelUpscalers | None = None) -> Image.Image:
+    """`image` upscaled by `scale` with the upscaler `name` (UPSCALERS, or one of `models`), to `upscaled_size`: the
+    upscaler's own resize (a model's passes) when it enlarges, then Lanczos to the exact size where it differs
+    ("None", or a scale below 1: that resize alone)."""
     width, height = upscaled_size(image.width, image.height, scale)
-    if name in _RESAMPLE and scale > 1:
-        image = image.resize((int(image.width * scale), int(image.height * scale)), resample=_RESAMPLE[name])
+    image = _enlarge(image, name, scale, width, height, models)
     if image.size != (width, height):
         image = image.resize((width, height), resample=Image.LANCZOS)
     return image
 
 
-def resize_to(image: Image.Image, name: str, width: int, height: int) -> Image.Image:
+def resize_to(image: Image.Image, name: str, width: int, height: int,
+              models: ModelUpscalers | None = None) -> Image.Image:
     """`image` at exactly `width` x `height` as AUTOMATIC1111's resize_image (mode 0, "just resize") gives it with the
-    upscaler `name` (UPSCALERS): "None" a Lanczos resize; else, where it enlarges, the upscaler's own resize by the
-    larger of the two ratios, then Lanczos to the exact size where that differs."""
+    upscaler `name` (UPSCALERS, or one of `models`): "None" a Lanczos resize; else, where it enlarges, the upscaler's
+    own resize by the larger of the two ratios (a model: `upscale`'s passes), then Lanczos to the exact size where
+    that differs."""
     scale = max(width / image.width, height / image.height)
-    if name in _RESAMPLE and scale > 1:
-        image = image.resize((int(image.width * scale), int(image.height * scale)), resample=_RESAMPLE[name])
+    if name in _RESAMPLE or name == "None":
+        image = _enlarge(image, name, scale, width, height, models)
+    elif scale > 1:
+        image = upscale(image, name, scale, models)
     if image.size != (width, height):
         image = image.resize((width, height), resample=Image.LANCZOS)
     return image
@@ -103,14 +155,15 @@ class Postprocess:
         return out
 
 
-def postprocess(image: Image.Image, step: Postprocess) -> Image.Image:
-    """`image` (RGB) after the extras tab's upscale step, as AUTOMATIC1111 runs it."""
+def postprocess(image: Image.Image, step: Postprocess, models: ModelUpscalers | None = None) -> Image.Image:
+    """`image` (RGB) after the extras tab's upscale step, as AUTOMATIC1111 runs it (`models`: the model upscalers
+    the step may name)."""
     if step.upscaler == "None":
         return image
     factor = step.factor(image.width, image.height)
 
     def one(name: str) -> Image.Image:
-        out = upscale(image, name, factor)
+        out = upscale(image, name, factor, models)
         if step.to_size and step.crop:
             cropped = Image.new("RGB", (step.width, step.height))
             cropped.paste(out, box=(step.width // 2 - out.width // 2, step.height // 2 - out.height // 2))

@@ -1,7 +1,8 @@
 """GPU tests of LoRA adapters (issue 12; marker `gpu`, skipped without CUDA): the fused Triton side path equals the
 unfused one; requests with different adapters in graph mode equal their solo runs (fp16 tolerance) with no capture
-from loads and switches (6 adapters over 4 slots); a stock StableDiffusionPipeline with GraphedUNet equals the plain
-pipeline before and after load_lora_weights, set_adapters, fuse_lora, unload and an in-place copy_ into a weight."""
+from loads and switches (6 adapters over 4 slots); a stack of 8 on its depth-8 step; a stock StableDiffusionPipeline
+with GraphedUNet equals the plain pipeline before and after load_lora_weights, set_adapters, fuse_lora, unload and
+an in-place copy_ into a weight."""
 
 from __future__ import annotations
 
@@ -75,6 +76,28 @@ def test_adapters_in_one_replay_equal_their_solo_runs(sd15):
     assert all(replays.values()), replays
     REPORT["slot loads (6 adapters, 4 slots)"] = sd15.stats["lora_loads"]
     assert sd15.stats["lora_loads"] >= 6
+
+
+def test_eight_adapters_replay_the_depth_eight_step_and_equal_their_solo_runs():
+    """--max-request-loras 8 with 8 slots: a request stacking 8 adapters replays `step_lora8` beside one of 2 (on
+    `step_lora4`) and one of none, each equal to its solo run (fp16 tolerance), with no capture after start-up."""
+    cfg = GraphConfig(batch_buckets=(1, 4), resolutions=((512, 512),))
+    with Engine("random:sd15", device=DEVICE, dtype="fp16", mode="graph", graphs=cfg, max_loras=8,
+                max_lora_rank=16) as engine:
+        for i in range(8):
+            engine.add_lora(f"e{i}", random_adapter(engine, 16, 50 + i))
+        before = captures(engine)
+        sets = [tuple((f"e{i}", 0.5) for i in range(8)), (("e0", 1.0), ("e1", -0.5)), ()]
+        requests = [engine.make_request("a fox", num_inference_steps=6, seed=300 + i, loras=s)
+                    for i, s in enumerate(sets)]
+        solo = [engine.run(r).arrays for r in requests]
+        together = [f.result().arrays for f in [engine.submit(r) for r in requests]]
+        diffs = [float(np.abs(t - s).max()) for t, s in zip(together, solo)]
+        REPORT["8 adapters batched vs solo max abs (pixels, fp16)"] = max(diffs)
+        assert max(diffs) <= 2e-2, diffs
+        assert np.abs(solo[0] - solo[2]).max() > 0.05 and captures(engine) == before
+        table = engine.graph_table()
+        assert all(sum(r["replays"] for r in table if r["kind"] == k) for k in ("step_lora4", "step_lora8"))
 
 
 def test_graphed_unet_follows_lora_changes(sd15, tmp_path):

@@ -27,7 +27,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..config import (DEFAULT_BUCKETS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions, LoraConfig,
+from ..config import (DEFAULT_BUCKETS, DEFAULT_REQUEST_LORAS, DTYPE_NAMES, CompileConfig, GraphConfig, LoadOptions,
+                      LoraConfig,
                       default_cpu_threads, parse_buckets, parse_compile_mode, parse_name_scales, parse_prewarm,
                       parse_quantize,
                       parse_resolutions, quantize_argument)
@@ -72,6 +73,17 @@ def _prewarm(value: Any) -> Any:
 
 def _fuse_loras(value: Any) -> tuple[tuple[str, float], ...]:
     return parse_name_scales(value, "fuse-lora")
+
+
+def _check_upscaler_dir(path: str) -> None:
+    """--upscaler-dir: a folder, and spandrel installed to read it."""
+    from .. import upscaler_models
+
+    if not os.path.isdir(path):
+        raise ValueError(f"upscaler-dir {path!r} is not a folder; give a folder of .safetensors upscaler models")
+    if not upscaler_models.spandrel_installed():
+        raise ValueError("upscaler-dir needs the spandrel package, which reads upscaler models: pip install "
+                         "\"diffgraph[upscale]\"")
 
 
 def _job_retention(value: Any) -> float:
@@ -195,6 +207,10 @@ class ServerConfig:
     max_loras: int | None = field(default=None, metadata=setting(
         "device slots for adapters in flight (default: 8 with --lora-dir; at least 4); more distinct adapters in "
         "flight make requests wait", "capabilities", engine="max_loras", metavar="N"))
+    max_request_loras: int = field(default=DEFAULT_REQUEST_LORAS, metadata=setting(
+        "adapters one request may stack, 1-16 (default: {default}); each request pays a side path as deep as its "
+        "stack (rounded up to 1, 4 or this), and one over it is a 400 naming loras",
+        "capabilities", engine="max_request_loras", metavar="N"))
     max_lora_rank: int = field(default=64, metadata=setting(
         "the largest adapter rank the slots take (default: 64); a smaller one makes steps cheaper",
         "capabilities", engine="max_lora_rank", metavar="R"))
@@ -218,6 +234,10 @@ class ServerConfig:
         "a folder of IP-Adapters (h94's .safetensors layout, their CLIP vision model in an image_encoder folder "
         "beside or above them); requests name them by their path without the suffix (image_prompts: {model, images, "
         "scale})", "capabilities", engine="ip_adapter_dir", metavar="DIR"))
+    upscaler_dir: str | None = field(default=None, metadata=setting(
+        "a folder of ESRGAN-family upscaler models (.safetensors, read by spandrel; pickles: `diffgraph convert` "
+        "them) that the AUTOMATIC1111 routes name by file name without the suffix (extras, hr_upscaler, SD upscale; "
+        "GET /sdapi/v1/upscalers); files added later are found", "capabilities", metavar="DIR"))
     compile: bool = field(default=False, metadata=setting(
         "the compile tier: the whole step, the text encoder(s) and the VAE compiled by Inductor, then captured in the "
         "graphs as usual (slow start on an empty cache; see --compile-cache)",
@@ -415,13 +435,16 @@ class ServerConfig:
                              f"({MAX_EDIT_PIXELS}, 16 megapixels)")
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
             raise ValueError(f"lora-dir {self.lora_dir!r} is not a folder; give a folder of .safetensors adapters")
-        LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)  # checks the numbers
+        LoraConfig(lora_dir=None, max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                   max_per_request=self.max_request_loras)  # checks the numbers
         if self.controlnet_dir is not None and not os.path.isdir(self.controlnet_dir):
             raise ValueError(f"controlnet-dir {self.controlnet_dir!r} is not a folder; give a folder of ControlNets "
                              "(diffusers folders or single .safetensors files)")
         if self.ip_adapter_dir is not None and not os.path.isdir(self.ip_adapter_dir):
             raise ValueError(f"ip-adapter-dir {self.ip_adapter_dir!r} is not a folder; give a folder of IP-Adapter "
                              ".safetensors files with their image_encoder folder")
+        if self.upscaler_dir is not None:
+            _check_upscaler_dir(self.upscaler_dir)
         if not isinstance(self.max_controlnets, int) or self.max_controlnets < 1:
             raise ValueError(f"max-controlnets {self.max_controlnets!r} must be an integer >= 1")
         if self.embeddings_dir is not None and not os.path.isdir(self.embeddings_dir):

@@ -137,7 +137,7 @@ class ImageGenerationRequest(BaseModel):
     schedule: StrictStr | None = None
     output_format: StrictStr = "png"
     stream: StrictBool = False
-    loras: list[LoraRef] | None = None  # up to 4 adapters for this request alone
+    loras: list[LoraRef] | None = None  # up to --max-request-loras (8) adapters for this request alone
     controls: list[ControlRef] | None = None  # up to 3 ControlNet controls (--controlnet-dir)
     image_prompts: ImagePromptRef | None = None  # an IP-Adapter image prompt (--ip-adapter-dir)
     prompt_syntax: StrictStr | None = None       # "plain" | "a1111"; None: the server's --prompt-syntax

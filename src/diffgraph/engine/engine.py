@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import CompileConfig, GraphConfig, LoadOptions, LoraConfig
+from ..config import DEFAULT_REQUEST_LORAS, CompileConfig, GraphConfig, LoadOptions, LoraConfig
 from ..features.capability import Capabilities
 from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
@@ -99,6 +99,7 @@ class Engine:
                  grow_fill: float = 0.85,
                  grow_hold_ms: float = 2000.0, families: FamilyRegistry | None = None, lora_dir: str | None = None,
                  max_loras: int | None = None, max_lora_rank: int = 64, lora_conv: bool = False,
+                 max_request_loras: int = DEFAULT_REQUEST_LORAS,
                  fuse_loras: "list[tuple[str, float]] | tuple" = (), compile: "bool | CompileConfig" = False,
                  max_prompt_chunks: int = 3, embeddings_dir: str | None = None, metadata: bool = True,
                  load: LoadOptions | None = None, loop: DeviceLoop | None = None, name: str | None = None,
@@ -116,7 +117,8 @@ class Engine:
             if name:  # the name requests, images and listings use (a model folder's entry, not its path)
                 self.model.name = name
             self.mode = mode
-            loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv, lora_host_bytes)
+            loras = self._lora_manager(lora_dir, max_loras, max_lora_rank, fuse_loras, lora_conv, lora_host_bytes,
+                                       max_request_loras)
             # after the adapters' fusing and side paths: fused weights are quantised, side paths stay 16-bit
             self.quantized = _quantize(self.model, quantize, shared=isinstance(model, DiffusionModel))
             if self.quantized is not None and not compile and cuda:
@@ -217,13 +219,15 @@ class Engine:
                          default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule)
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
-                      fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30) -> LoraManager | None:
-        """Adapter slots and side paths (with a lora_dir or max_loras > 0), adapters fused into the weights."""
+                      fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30,
+                      per_request: int = DEFAULT_REQUEST_LORAS) -> LoraManager | None:
+        """Adapter slots and side paths (with a lora_dir or max_loras > 0), adapters fused into the weights;
+        `per_request` adapters at most in one request."""
         try:
             config = LoraConfig(lora_dir=lora_dir, max_loras=max_loras, max_lora_rank=max_lora_rank,
                                 fuse=tuple((str(n), float(s)) for n, s in fuse_loras),
                                 builtin_dir=builtin_lora_folder(self.model.name), conv=bool(conv),
-                                host_bytes=int(host_bytes))
+                                host_bytes=int(host_bytes), max_per_request=per_request)
             if not config.slots and not config.fuse:
                 return None
             return LoraManager(self.model, config)
@@ -280,8 +284,8 @@ class Engine:
         """Generates `num_images` images for one prompt and waits for them. The result is a list-like of
         PIL images with `.seed`, `.timings` and `.arrays` (float pixels). Bad parameters raise ParamError.
         `image=` (PIL image) makes it image-to-image, with `mask_image=` (white = repaint) inpainting; `strength=`
-        sets how much of the schedule they run (diffusers' defaults). `loras=[("name", 0.8), ...]` applies up to 4
-        LoRA adapters to this request alone (an engine with lora_dir= or max_loras=)."""
+        sets how much of the schedule they run (diffusers' defaults). `loras=[("name", 0.8), ...]` applies up to
+        max_request_loras (8) LoRA adapters to this request alone (an engine with lora_dir= or max_loras=)."""
         return self.submit(self.make_request(prompt, **params)).result()
 
     def run(self, request: GenerationRequest) -> GenerationResult:

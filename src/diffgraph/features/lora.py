@@ -2,7 +2,8 @@
 
 The denoiser's side paths (lora/sidepath.py) read the slots of each denoiser row, set just before the denoiser call
 and cleared after it. The variant part is the stack depth the step's side paths read: 0 (no side path: adapter-free
-traffic pays nothing), 1, or the most a request may stack; a step takes the smallest that covers its live rows.
+traffic pays nothing), 1, 4 (where more may stack: stacks of 2 to 4 pay no deeper side path) or the most a request
+may stack (--max-request-loras); a step takes the smallest that covers its live rows.
 Which slots a request gets is the adapter manager's business (the admission gate); this feature only writes them.
 """
 
@@ -18,7 +19,12 @@ from .base import Admission, FieldSpec, RowFeature, StepView
 class SidePathRows(Protocol):
     """What the denoiser's side paths read (lora.sidepath.RowLoras)."""
 
+    max_stack: int  # the most adapters a row may stack
+
     def set(self, idx: torch.Tensor | None, scale: torch.Tensor | None) -> None: ...
+
+
+SHALLOW_STACK = 4  # the depth below the deepest that gets its own variant
 
 
 class LoraRows(RowFeature):
@@ -38,7 +44,7 @@ class LoraRows(RowFeature):
                 "lora.scale": torch.tensor([[c for _, c in pad]], dtype=torch.float32)}
 
     def variants(self) -> Sequence[Any]:
-        return tuple(sorted({0, 1, self._max}))
+        return tuple(sorted({0, 1, min(SHALLOW_STACK, self._max), self._max}))
 
     def part(self, admission: Admission) -> Any:
         return len(admission.loras)

@@ -37,6 +37,7 @@ class References:
         builtin = builtin_lora_folder(config.model)
         self.lora_dirs = tuple(AdapterDir(d) for d in (config.lora_dir, builtin) if d)  # the lora dir shadows
         self.lora_slots = LoraConfig(config.lora_dir, config.max_loras, builtin_dir=builtin).slots
+        self.max_request_loras = config.max_request_loras
         roots = tuple(r for r in (config.controlnet_dir, builtin_control_folder(config.model)) if r)
         self.controlnets = ControlNetDir(*roots) if roots else None
         self.max_controlnets = config.max_controlnets
@@ -65,6 +66,9 @@ class References:
         if not self.lora_slots:
             raise ParamError("loras", f"adapter {request.loras[0][0]!r}: this server has no adapter slots; start it "
                                       "with --lora-dir DIR (or --max-loras N) to use LoRAs")
+        if len(request.loras) > self.max_request_loras:
+            raise ParamError("loras", f"{len(request.loras)} adapters in one item; this server takes at most "
+                                      f"{self.max_request_loras} (--max-request-loras): send fewer")
         if len(request.loras) > self.lora_slots:
             raise ParamError("loras", f"{len(request.loras)} adapters in one item, but this server has "
                                       f"{self.lora_slots} adapter slots; use fewer or start it with a larger "

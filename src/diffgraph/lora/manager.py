@@ -140,6 +140,7 @@ class LoraManager:
         for name, scale in self.config.fuse:
             self.fuse(name, scale)
         self.slots = SlotCache(self.config.slots) if self.config.slots else None
+        self.unet_rows.max_stack = self.text_rows.max_stack = self.config.max_stack
         if self.slots is not None:
             n, rank = self.config.slots, self.config.max_lora_rank
             targets = layout.denoiser + (layout.conv if self.conv else ())
@@ -204,6 +205,9 @@ class LoraManager:
         if not loras:
             return ()
         self._need_slots()
+        if len(loras) > self.config.max_per_request:
+            raise AdapterError(f"{len(loras)} adapters in one request; this server takes at most "
+                               f"{self.config.max_per_request} (--max-request-loras): send fewer")
         if len(loras) > self.config.slots:
             raise AdapterError(f"{len(loras)} adapters in one request, but this engine has {self.config.slots} "
                                "adapter slots; use fewer or start it with a larger --max-loras")

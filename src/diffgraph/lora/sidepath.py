@@ -68,7 +68,7 @@ from torch import nn
 
 from . import kernels
 
-MAX_STACK = 4  # adapters one request may stack
+MAX_STACK = 4  # adapters a row may stack where its owner sets no other limit
 
 
 @dataclass
@@ -77,12 +77,13 @@ class RowLoras:
 
     idx: torch.Tensor | None = None     # [rows, K] int64 slot numbers (0 = none)
     scale: torch.Tensor | None = None   # [rows, K] scales (0 where unused)
+    max_stack: int = MAX_STACK          # the most K (the LoRA manager's: its config's max_stack)
 
     def set(self, idx: torch.Tensor | None, scale: torch.Tensor | None) -> None:
         if (idx is None) != (scale is None) or (idx is not None and idx.shape != scale.shape):
             raise ValueError("idx and scale must both be given, with the same [rows, K] shape, or both be None")
-        if idx is not None and idx.shape[1] > MAX_STACK:
-            raise ValueError(f"{idx.shape[1]} stacked adapters per row; at most {MAX_STACK}")
+        if idx is not None and idx.shape[1] > self.max_stack:
+            raise ValueError(f"{idx.shape[1]} stacked adapters per row; at most {self.max_stack}")
         self.idx, self.scale = idx, scale
 
 

@@ -50,7 +50,8 @@ from ..models.controlnet_dir import ControlNetDir
 from ..models.file_hashes import FileHashes
 from ..models.presets import builtin_control_folder, builtin_lora_folder
 from ..prompt_styles import read_styles
-from ..upscalers import TileGrid, combine_tiles
+from ..upscaler_models import UpscalerModels
+from ..upscalers import TileGrid, UpscalerError, combine_tiles
 from ..request import MAX_CONTROLS, MAX_IMAGES, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
 from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
 from .a1111_detect import analysis_router
@@ -113,6 +114,8 @@ class A1111Server:
         # `Model hash`, `Lora hashes` (models/file_hashes.py): the model set's when there is one (one hashing thread)
         self.hashes = ctx.routing.hashes if ctx.routing is not None else FileHashes(default_cache_root())
         self.styles = read_styles(config.styles) if config.styles else None  # --styles: read once, at start
+        # --upscaler-dir's models (extras, hr_upscaler, SD upscale): listed on each look-up, run on worker threads
+        self.upscalers = UpscalerModels(config.upscaler_dir) if config.upscaler_dir else None
         default_file = self.checkpoint(None)
         if default_file is not None:  # queued for hashing while the model loads (a restart finds it in its cache)
             self.hashes.get(default_file)
@@ -267,7 +270,10 @@ class A1111Server:
                                 f"limits are {config.max_image_pixels} pixels (--max-image-pixels) and {MAX_IMAGES} "
                                 "tiles a request: send a smaller scale (script_args[3]), a larger width and height or "
                                 "a larger overlap", param="script_args")
-        grid = script.grid(image, width, height)
+        try:
+            grid = script.grid(image, width, height, self.upscalers)
+        except UpscalerError as e:  # a model upscaler whose file cannot be used
+            raise APIError(400, f"script_args[2] (upscaler): {e}", param="script_args") from None
         strength = 0.75 if body.denoising_strength is None else body.denoising_strength
         options = dataclasses.replace(mask_options(body), resize_mode=0)
         tiles = [prepare(tile.image, None, options, width, height, strength) for tile in grid.flat()]
@@ -398,13 +404,15 @@ class A1111Server:
         try:  # the model is held (never evicted) until its requests are queued (with the hires fix: have run)
             plan = fit_to_model(plan, chosen.info)
             if isinstance(body, Txt2ImgBody) and body.enable_hr:
-                hires, plan = hires_plan(body, plan, chosen.info, self.state.max_pixels)
+                hires, plan = await asyncio.to_thread(hires_plan, body, plan, chosen.info, self.state.max_pixels,
+                                                      self.upscalers)
             references = chosen.info.edit_images if kind == "img2img" else None  # a family reading them all
             if not chosen.info.edits and kind == "img2img" and references is None:
                 raise APIError(400, f"model {chosen.info.name!r} takes no image inputs; use /sdapi/v1/txt2img",
                                param="init_images")
             extras: dict[str, Any] = {}
-            script = (sd_upscale(body.script_name, body.script_args, plan.create["width"], plan.create["height"])
+            script = (await asyncio.to_thread(sd_upscale, body.script_name, body.script_args, plan.create["width"],
+                                              plan.create["height"], self.upscalers)
                       if isinstance(body, Img2ImgBody) else None)
             tiled = None
             if script is not None:  # the SD upscale script: its tiles are the images
@@ -432,7 +440,7 @@ class A1111Server:
                     b, p, chosen.info, name, [], controls, extras), body, plan)
                 requests = first_passes(requests, hires)
                 runs = HiresRuns(hires, template, submit_one, lambda run: self.wait(run, deadline, http),
-                                 lambda handle: abort(self.state, handle))
+                                 lambda handle: abort(self.state, handle), self.upscalers)
             job = await self.board.submit(key, kind, requests, submit_one)
         finally:
             if self.routing is not None and (hires is None or job is None):
@@ -515,8 +523,10 @@ def a1111_router(ctx: AppContext) -> APIRouter:
     _add_listings(router, server)
     _add_options(router, server)
     # png-info, memory, prompt-styles, ... (a1111_info.py)
-    router.include_router(info_router(InfoSources(ctx.state, ctx.routing, ctx.embedding_dir, server.styles)))
-    router.include_router(extras_router(server.config))  # extra-single-image, extra-batch-images, upscalers
+    router.include_router(info_router(InfoSources(ctx.state, ctx.routing, ctx.embedding_dir, server.styles,
+                                                  server.upscalers)))
+    # extra-single-image, extra-batch-images, upscalers
+    router.include_router(extras_router(server.config, server.upscalers))
     router.include_router(analysis_router(server.config))  # /controlnet/detect, interrogate
     _add_progress(router, server)
     return router

@@ -1,6 +1,6 @@
 """AUTOMATIC1111's extras routes (v1.10's /sdapi/v1/extra-single-image and /extra-batch-images): its upscale step on
-one image or a list, with the built-in upscalers (upscalers.py: None, Lanczos, Nearest), and GET /sdapi/v1/upscalers
-listing them in its UpscalerItem shape.
+one image or a list, with the built-in upscalers (upscalers.py: None, Lanczos, Nearest) and --upscaler-dir's models
+(upscaler_models.py), and GET /sdapi/v1/upscalers listing them in its UpscalerItem shape.
 
     POST /sdapi/v1/extra-single-image   {"image": base64, ...}       -> {"html_info", "image"}
     POST /sdapi/v1/extra-batch-images   {"imageList": [{"data", "name"}], ...} -> {"html_info", "images"}
@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..api.config import ServerConfig
 from ..api.protocol import APIError, decode_b64, error_from_validation
-from ..upscalers import UPSCALERS, Postprocess, UpscalerError, postprocess, upscaler_name
+from ..upscalers import UPSCALERS, ModelUpscalers, Postprocess, UpscalerError, postprocess, upscaler_name
+from ..upscaler_models import UpscalerModels
 from .a1111_info import read_object
 from .a1111_protocol import names_header
 
@@ -53,8 +54,9 @@ class ExtrasBody(BaseModel):
     extras_upscaler_2_visibility: float | None = 0.0
     upscale_first: bool | None = False
 
-    def step(self) -> Postprocess:
-        """The upscale step this body asks for, or an APIError naming the field to change."""
+    def step(self, models: ModelUpscalers | None = None) -> Postprocess:
+        """The upscale step this body asks for (`models`: the model upscalers it may name), or an APIError naming the
+        field to change (a worker thread: a model's name is looked up in its folder)."""
         for field in ("gfpgan_visibility", "codeformer_visibility"):
             if (getattr(self, field) or 0) > 0:
                 raise APIError(400, f"{field}: face restoration (GFPGAN, CodeFormer) is out of scope for diffgraph; "
@@ -77,7 +79,8 @@ class ExtrasBody(BaseModel):
             raise APIError(400, f"extras_upscaler_2_visibility {visibility:g} is out of range; send 0..1",
                            param="extras_upscaler_2_visibility")
         try:
-            first, second = upscaler_name(self.upscaler_1, "upscaler_1"), upscaler_name(self.upscaler_2, "upscaler_2")
+            first = upscaler_name(self.upscaler_1, "upscaler_1", models)
+            second = upscaler_name(self.upscaler_2, "upscaler_2", models)
         except UpscalerError as e:
             raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
         return Postprocess(to_size=mode == 1, scale=scale, width=width, height=height,
@@ -100,10 +103,11 @@ class ExtrasBatchBody(ExtrasBody):
     imageList: list[FileData] | None = None
 
 
-def upscaler_items() -> list[dict[str, Any]]:
-    """GET /sdapi/v1/upscalers: AUTOMATIC1111's UpscalerItem of each built-in upscaler (no model, no file)."""
+def upscaler_items(models: UpscalerModels | None = None) -> list[dict[str, Any]]:
+    """GET /sdapi/v1/upscalers: AUTOMATIC1111's UpscalerItem of each built-in upscaler (no model, no file), then of
+    each model (its file relative to --upscaler-dir)."""
     return [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": 4.0}
-            for name in UPSCALERS]
+            for name in UPSCALERS] + (models.entries() if models is not None else [])
 
 
 def _parse(raw: dict[str, Any], model: type[ExtrasBody]) -> tuple[ExtrasBody, list[str]]:
@@ -115,8 +119,10 @@ def _parse(raw: dict[str, Any], model: type[ExtrasBody]) -> tuple[ExtrasBody, li
     return body, ignored
 
 
-def _run(field: str, text: str, step: Postprocess, config: ServerConfig) -> tuple[str, str]:
-    """(base64 PNG, infotext) of one image after `step` (a worker thread)."""
+def _run(field: str, text: str, step: Postprocess, config: ServerConfig,
+         models: ModelUpscalers | None = None) -> tuple[str, str]:
+    """(base64 PNG, infotext) of one image after `step` (a worker thread); a model upscaler that cannot be used is a
+    400 naming its field."""
     image = decode_b64(field, text, config.max_image_bytes, config.max_image_pixels)
     width, height = step.output_size(*image.size)
     if width * height > config.max_image_pixels:
@@ -124,7 +130,11 @@ def _run(field: str, text: str, step: Postprocess, config: ServerConfig) -> tupl
                             f"{config.max_image_pixels} (--max-image-pixels): send a smaller upscaling_resize",
                        param="upscaling_resize", code="image_too_large")
     texts = {k: v for k, v in (image.info or {}).items() if isinstance(k, str) and isinstance(v, str)}
-    result = postprocess(image.convert("RGB"), step)
+    try:
+        result = postprocess(image.convert("RGB"), step, models)
+    except UpscalerError as e:
+        param = "upscaler_1" if f"upscaler {step.upscaler!r}" in str(e) else "upscaler_2"
+        raise APIError(400, f"{param}: {e}", param=param) from None
     info = ", ".join(f"{k}: {v}" for k, v in step.info().items())
     if info:
         texts["postprocessing"] = info
@@ -141,28 +151,31 @@ def _html(info: str) -> str:
     return "<p>" + "<br>\n".join(html.escape(line) for line in info.split("\n")) + "</p>"
 
 
-async def _single(http: Request, config: ServerConfig) -> tuple[dict[str, Any], list[str]]:
+async def _single(http: Request, config: ServerConfig,
+                  models: UpscalerModels | None) -> tuple[dict[str, Any], list[str]]:
     body, ignored = _parse(await read_object(http, config), ExtrasSingleBody)
-    step = body.step()
+    step = await asyncio.to_thread(body.step, models)
     if not (body.image or "").strip():
         raise APIError(400, "image is required: a base64 PNG (or JPEG, WebP)", param="image")
-    image, info = await asyncio.to_thread(_run, "image", body.image.strip(), step, config)
+    image, info = await asyncio.to_thread(_run, "image", body.image.strip(), step, config, models)
     return {"html_info": _html(info), "image": image}, ignored
 
 
-async def _batch(http: Request, config: ServerConfig) -> tuple[dict[str, Any], list[str]]:
+async def _batch(http: Request, config: ServerConfig,
+                 models: UpscalerModels | None) -> tuple[dict[str, Any], list[str]]:
     body, ignored = _parse(await read_object(http, config, MAX_BATCH_IMAGES), ExtrasBatchBody)
-    step = body.step()
+    step = await asyncio.to_thread(body.step, models)
     files = body.imageList or []
     if not files or len(files) > MAX_BATCH_IMAGES:
         raise APIError(400, f"imageList has {len(files)} images; send 1 to {MAX_BATCH_IMAGES} "
                             "({\"data\": base64, \"name\": ...} each)", param="imageList")
-    done = [await asyncio.to_thread(_run, f"imageList[{i}].data", f.data, step, config) for i, f in enumerate(files)]
+    done = [await asyncio.to_thread(_run, f"imageList[{i}].data", f.data, step, config, models)
+            for i, f in enumerate(files)]
     return {"html_info": _html(done[-1][1]), "images": [image for image, _ in done]}, ignored
 
 
-def extras_router(config: ServerConfig) -> APIRouter:
-    """The routes of the module doc, on `config`'s image limits."""
+def extras_router(config: ServerConfig, models: UpscalerModels | None = None) -> APIRouter:
+    """The routes of the module doc, on `config`'s image limits, with the model upscalers `models`."""
     router = APIRouter(prefix="/sdapi/v1")
 
     async def answer(work: Any) -> Response:
@@ -174,14 +187,14 @@ def extras_router(config: ServerConfig) -> APIRouter:
 
     @router.post("/extra-single-image")
     async def extra_single_image(http: Request) -> Response:
-        return await answer(_single(http, config))
+        return await answer(_single(http, config, models))
 
     @router.post("/extra-batch-images")
     async def extra_batch_images(http: Request) -> Response:
-        return await answer(_batch(http, config))
+        return await answer(_batch(http, config, models))
 
     @router.get("/upscalers")
     async def upscalers() -> list[dict[str, Any]]:
-        return upscaler_items()
+        return await asyncio.to_thread(upscaler_items, models)  # the folder is listed off the event loop
 
     return router

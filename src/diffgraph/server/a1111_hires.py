@@ -22,6 +22,7 @@ from ..hires import (DEFAULT_STRENGTH, HIRES_UPSCALERS, HiresFix, first_pass, hi
 from ..image_metadata import JSON_KEY, PNG_KEY, infotext, request_json
 from ..request import MAX_SIZE, MIN_SIZE, GenerationRequest, GenerationResult, ModelInfo, ParamError
 from ..sampling.schedules import MAX_STEPS
+from ..upscalers import ModelUpscalers, UpscalerError
 from .a1111_jobs import ImageRun
 from .a1111_protocol import Plan, Txt2ImgBody
 
@@ -63,13 +64,21 @@ def _check_model(body: Txt2ImgBody, info: ModelInfo) -> None:
         raise _refuse("hr_checkpoint_name", "a second checkpoint for the hires pass is not supported; send null")
 
 
-def _upscaler(name: str | None) -> str:
+def _upscaler(name: str | None, models: ModelUpscalers | None) -> str:
+    """The hires upscaler `name` names: a latent mode, a built-in or one of `models` (looked up in its folder)."""
     wanted = (name or "Latent").strip().lower()
     for known in HIRES_UPSCALERS:
         if known.lower() == wanted:
             return known
+    try:
+        found = models.find((name or "").strip(), "hr_upscaler") if models is not None else None
+    except UpscalerError as e:  # a pickle
+        raise APIError(400, str(e), param="hr_upscaler") from None
+    if found is not None:
+        return found
+    names = HIRES_UPSCALERS + (tuple(models.names()) if models is not None else ())
     raise _refuse("hr_upscaler", f"upscaler {name!r} is not available here; send one of "
-                                 f"{', '.join(HIRES_UPSCALERS)} (GET /sdapi/v1/latent-upscale-modes, /upscalers)")
+                                 f"{', '.join(names)} (GET /sdapi/v1/latent-upscale-modes, /upscalers)")
 
 
 def _strength(body: Txt2ImgBody) -> tuple[float, list[str]]:
@@ -109,10 +118,12 @@ def _size(body: Txt2ImgBody, plan: Plan, info: ModelInfo,
     return size, cover, field
 
 
-def hires_plan(body: Txt2ImgBody, plan: Plan, info: ModelInfo, max_pixels: int | None) -> tuple[HiresPlan, Plan]:
-    """The body's hires fix (its fields checked: a 400 naming the field) and the plan with its warnings."""
+def hires_plan(body: Txt2ImgBody, plan: Plan, info: ModelInfo, max_pixels: int | None,
+               models: ModelUpscalers | None = None) -> tuple[HiresPlan, Plan]:
+    """The body's hires fix (its fields checked: a 400 naming the field; `models`: the model upscalers hr_upscaler
+    may name, looked up in their folder: a worker thread) and the plan with its warnings."""
     _check_model(body, info)
-    upscaler = _upscaler(body.hr_upscaler)
+    upscaler = _upscaler(body.hr_upscaler, models)
     strength, warnings = _strength(body)
     steps = body.hr_second_pass_steps or 0
     if not 0 <= steps <= MAX_STEPS:
@@ -169,8 +180,10 @@ class HiresRuns:
 
     def __init__(self, hires: HiresPlan, template: GenerationRequest,
                  submit: Callable[[GenerationRequest], Awaitable[Any]],
-                 wait: Callable[[ImageRun], Awaitable[GenerationResult | None]], abort: Callable[[Any], None]):
+                 wait: Callable[[ImageRun], Awaitable[GenerationResult | None]], abort: Callable[[Any], None],
+                 models: ModelUpscalers | None = None):
         self.hires, self.template, self.submit, self.wait, self.abort = hires, template, submit, wait, abort
+        self.models = models  # the model upscalers the fix may name
 
     async def run(self, run: ImageRun) -> GenerationResult | None:
         first = await self.wait(run)
@@ -179,9 +192,11 @@ class HiresRuns:
         run.finished = False  # open again, for /interrupt and /skip, until its second pass ends
         template = dataclasses.replace(self.template, seed=first.request.seed)
         try:
-            request = await asyncio.to_thread(second_pass, template, first, self.hires.fix, 0, self.hires.rule)
+            request = await asyncio.to_thread(second_pass, template, first, self.hires.fix, 0, self.hires.rule,
+                                              self.models)
         except ParamError as e:
-            raise APIError(400, f"the hires pass: {e}", param="enable_hr") from None
+            raise APIError(400, f"the hires pass: {e}", param=e.param if e.param == "hr_upscaler" else
+                           "enable_hr") from None
         if run.dropped:
             return None
         handle = await self.submit(request)

@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from ..hires import LATENT_MODES
 from ..image_metadata import PNG_KEY, infotext_parts, read_texts
 from ..prompt_styles import StyleBook
+from ..upscalers import ModelUpscalers
 from .a1111_scripts import script_info
 from .bodies import read_body
 from ..api.config import ServerConfig
@@ -62,6 +63,7 @@ class InfoSources:
     routing: ModelRouting | None
     embedding_dir: EmbeddingDir | None
     styles: StyleBook | None = None
+    upscalers: ModelUpscalers | None = None  # --upscaler-dir's models (script-info's upscaler choices)
 
 
 def shown_path(path: str | None) -> str | None:
@@ -99,7 +101,8 @@ def cmd_flags(state: ServerState) -> dict[str, Any]:
     return {"ckpt": shown_path(c.model), "ckpt_dir": shown_path(c.model_dir), "vae_path": shown_path(c.vae),
             "lora_dir": shown_path(c.lora_dir), "embeddings_dir": shown_path(c.embeddings_dir),
             "styles_file": [shown_path(c.styles)] if c.styles else [],
-            "controlnet_dir": shown_path(c.controlnet_dir), "port": c.port, "server_name": c.host,
+            "controlnet_dir": shown_path(c.controlnet_dir), "esrgan_models_path": shown_path(c.upscaler_dir),
+            "port": c.port, "server_name": c.host,
             "listen": c.host in ("0.0.0.0", "::"), "api": True, "api_log": c.access_log,
             "api_auth": None, "device_id": device.split(":", 1)[1] if device.startswith("cuda:") else None,
             "no_half": c.dtype in ("fp32", "float32"), "use_cpu": ["all"] if device == "cpu" else [],
@@ -223,8 +226,8 @@ def _add_reads(router: APIRouter, sources: params.Depends) -> None:
         return s.styles.listing() if s.styles is not None else []
 
     @router.get("/script-info")
-    async def get_script_info() -> list[dict[str, Any]]:
-        return script_info()
+    async def get_script_info(s: InfoSources = sources) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(script_info, s.upscalers)  # the upscaler folder is listed off the loop
 
     for path in ("/hypernetworks", "/face-restorers", "/realesrgan-models"):
         router.add_api_route(path, _none, methods=["GET"])  # none of these exist here

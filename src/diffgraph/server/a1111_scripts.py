@@ -1,5 +1,6 @@
 """AUTOMATIC1111's scripts that run here, by `script_name` and `script_args` as its API takes them: "SD upscale" on
-img2img (its scripts/sd_upscale.py). The init image is upscaled by a built-in upscaler (upscalers.py), cut into
+img2img (its scripts/sd_upscale.py). The init image is upscaled by an upscaler (upscalers.py's built-ins, or a model
+of --upscaler-dir: upscaler_models.py), cut into
 tiles of the request's width x height that overlap, each tile an image-to-image row of one request (all queued
 together, so they batch), and the results pasted back with the overlaps blended; each of `n_iter` passes makes one
 image. Also GET /sdapi/v1/scripts' and /script-info's answers.
@@ -18,8 +19,8 @@ from typing import Any
 from PIL import Image
 
 from ..api.protocol import APIError
-from ..upscalers import UPSCALERS, TileGrid, UpscalerError, split_tiles, tile_count, upscale, upscaled_size, \
-    upscaler_name
+from ..upscalers import ModelUpscalers, TileGrid, UpscalerError, all_upscalers, split_tiles, tile_count, upscale, \
+    upscaled_size, upscaler_name
 from .a1111_protocol import SD_UPSCALE
 
 MAX_SCALE = 8.0  # the most an SD upscale may enlarge (AUTOMATIC1111's slider ends at 4)
@@ -42,11 +43,11 @@ class SdUpscale:
         w, h = self.size(width, height)
         return tile_count(max(w, tile_w), max(h, tile_h), tile_w, tile_h, self.overlap)
 
-    def grid(self, image: Image.Image, tile_w: int, tile_h: int) -> TileGrid:
-        """The init image (RGB) upscaled and cut into tiles (an image smaller than a tile is laid on black, so
-        every tile is whole)."""
+    def grid(self, image: Image.Image, tile_w: int, tile_h: int, models: ModelUpscalers | None = None) -> TileGrid:
+        """The init image (RGB) upscaled (`models`: the model upscalers) and cut into tiles (an image smaller than a
+        tile is laid on black, so every tile is whole)."""
         if self.upscaler != "None":
-            image = upscale(image, self.upscaler, self.scale)
+            image = upscale(image, self.upscaler, self.scale, models)
         if image.width < tile_w or image.height < tile_h:
             canvas = Image.new("RGB", (max(image.width, tile_w), max(image.height, tile_h)))
             canvas.paste(image, (0, 0))
@@ -64,9 +65,11 @@ def tile_seeds(seed: int, tiles: int, batch_size: int, n_iter: int) -> tuple[int
     return tuple(seed + n + i // batch_size + i % batch_size for n in range(n_iter) for i in range(tiles))
 
 
-def sd_upscale(script_name: str | None, args: list[Any] | None, width: int, height: int) -> SdUpscale | None:
+def sd_upscale(script_name: str | None, args: list[Any] | None, width: int, height: int,
+               models: ModelUpscalers | None = None) -> SdUpscale | None:
     """The SD upscale script a body asks for (None when it names no script), or an APIError naming the argument to
-    change (`width` x `height`: the tile size)."""
+    change (`width` x `height`: the tile size; `models`: the model upscalers it may name, looked up in their folder:
+    a worker thread)."""
     if not script_name or script_name.strip().lower() != SD_UPSCALE:
         return None
     args = list(args or [])
@@ -80,15 +83,16 @@ def sd_upscale(script_name: str | None, args: list[Any] | None, width: int, heig
         raise APIError(400, f"script_args[1] (overlap) must be whole pixels in 0..{min(width, height) - 1} (below "
                             f"the tile's {width}x{height}), got {overlap!r}", param="script_args")
     if isinstance(upscaler, int) and not isinstance(upscaler, bool):
-        if not 0 <= upscaler < len(UPSCALERS):
-            raise APIError(400, f"script_args[2] (upscaler) index {upscaler} is not in 0..{len(UPSCALERS) - 1} "
-                                f"({', '.join(UPSCALERS)})", param="script_args")
-        upscaler = UPSCALERS[upscaler]
+        names = all_upscalers(models)
+        if not 0 <= upscaler < len(names):
+            raise APIError(400, f"script_args[2] (upscaler) index {upscaler} is not in 0..{len(names) - 1} "
+                                f"({', '.join(names)})", param="script_args")
+        upscaler = names[upscaler]
     if not isinstance(upscaler, str):
         raise APIError(400, f"script_args[2] (upscaler) must be a name from GET /sdapi/v1/upscalers, got {upscaler!r}",
                        param="script_args")
     try:
-        name = upscaler_name(upscaler, "script_args[2]")
+        name = upscaler_name(upscaler, "script_args[2]", models)
     except UpscalerError as e:
         raise APIError(400, str(e), param="script_args") from None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= MAX_SCALE:
@@ -102,9 +106,9 @@ def script_lists() -> dict[str, list[str]]:
     return {"txt2img": [], "img2img": [SD_UPSCALE]}
 
 
-def script_info() -> list[dict[str, Any]]:
+def script_info(models: ModelUpscalers | None = None) -> list[dict[str, Any]]:
     """GET /sdapi/v1/script-info: AUTOMATIC1111's ScriptInfo of each script (its arguments, their defaults and
-    ranges)."""
+    ranges; the upscalers `models` adds among the choices)."""
     def arg(label: str | None, value: Any, minimum: Any = None, maximum: Any = None, step: Any = None,
             choices: list[str] | None = None) -> dict[str, Any]:
         return {"label": label, "value": value, "minimum": minimum, "maximum": maximum, "step": step,
@@ -112,5 +116,5 @@ def script_info() -> list[dict[str, Any]]:
     return [{"name": SD_UPSCALE, "is_alwayson": False, "is_img2img": True, "args": [
         arg(None, "Will upscale the image by the selected scale factor; use width and height sliders to set tile "
                   "size"),
-        arg("Tile overlap", 64, 0, 256, 16), arg("Upscaler", "None", choices=list(UPSCALERS)),
+        arg("Tile overlap", 64, 0, 256, 16), arg("Upscaler", "None", choices=list(all_upscalers(models))),
         arg("Scale Factor", 2.0, 1.0, 4.0, 0.05)]}]

@@ -49,7 +49,7 @@ from ...features.guidance import ClassifierFreeGuidance
 from ...features.history import SamplerHistory
 from ...features.lora import LoraRows, SidePathRows
 from ...lora.targets import LoraLayout, unet_layout
-from ...request import MAX_LORAS, SIZE_MULTIPLE, GroupKey, Size, check_family_params
+from ...request import SIZE_MULTIPLE, GroupKey, Size, check_family_params
 from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
 from ...sampling.samplers import PlanOptions, SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
@@ -355,7 +355,7 @@ class FamilyAdapter:
         if self.supports_edits:
             out.append(EditRows(self.extra_channels(model), model.dtype))
         if side_paths is not None:
-            out.append(LoraRows(side_paths, MAX_LORAS))
+            out.append(LoraRows(side_paths, side_paths.max_stack))
         if controls is not None:  # ControlNet rows (features/control.py): the nets in `controls`' slots
             out.append(ControlRows(model.denoiser.config, model.dtype, controls.run))
         if image_prompts is not None:  # IP-Adapter rows (features/image_prompt.py)
