@@ -12,7 +12,10 @@ reads them, a value outside its slider's range, 1..255, such as its -1, takes th
 low above the high goes to OpenCV as it is: its Canny swaps them), `enabled`, and `mask` (refused when set). A unit
 of an img2img request without its own image takes the first init image, as the extension does. Accepted and without
 effect here: `processor_res` and `pixel_perfect` (the preprocessor runs at the image's own resolution), `lowvram` /
-`low_vram`, `save_detected_map`, `hr_option` (no hires pass), `input_mode`, `batch_images`.
+`low_vram`, `hr_option` (the hires fix's second pass takes the units too), `input_mode`, `batch_images`.
+`save_detected_map` (default true) puts the unit's detected map after the request's images, as the extension
+appends it: the map its ControlNet saw, fitted to the image size by the unit's resize mode (`detected_maps`; with
+the hires fix the second pass's map first, then the first pass's; none for the SD upscale script).
 `guessmode: true` (the extension's old field) is control mode "ControlNet is more important". Other keys are
 ignored, as AUTOMATIC1111 ignores unknown keys (`ignored_keys` names them for the answer's
 X-Diffgraph-Ignored-Fields header).
@@ -20,19 +23,23 @@ X-Diffgraph-Ignored-Fields header).
 
 from __future__ import annotations
 
+import base64
+import io
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ..api.protocol import APIError
 from ..api.protocol import decode_b64, eight_bit
+from ..request import ControlInput
 
 MODULES = {"none": "none", "canny": "canny", "invert": "invert", "invert (from white bg & black line)": "invert"}
-IGNORED = ("processor_res", "pixel_perfect", "lowvram", "low_vram", "save_detected_map", "hr_option", "input_mode",
-           "batch_images", "enabled", "is_ui", "loopback")
+IGNORED = ("processor_res", "pixel_perfect", "lowvram", "low_vram", "hr_option", "input_mode", "batch_images", "enabled",
+           "is_ui", "loopback")
 TAKEN = ("input_image", "image", "mask", "model", "module", "weight", "guidance_start", "guidance_end", "resize_mode",
-         "control_mode", "threshold_a", "threshold_b", "guessmode")
+         "control_mode", "threshold_a", "threshold_b", "guessmode", "save_detected_map")
 _HASH = re.compile(r"\s*\[[0-9a-fA-F]+\]\s*$")
 CANNY_SLIDERS = ((100, 1, 255), (200, 1, 255))  # the extension's canny sliders: (default, min, max), low then high
+_FALSE = (False, 0, "false", "f", "no", "n", "off", "0")  # a bool field's false values as pydantic reads them
 
 
 def controlnet_units(scripts: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -112,4 +119,30 @@ def units_to_controls(units: list[dict[str, Any]], served: Callable[[], list[str
                                                                                 CANNY_SLIDERS))
             control.update(canny_low=low, canny_high=high)
         out.append(control)
+    return out
+
+
+def saves_map(unit: dict[str, Any]) -> bool:
+    """Whether the unit's detected map joins the answer's images (`save_detected_map`, the extension's default
+    true; a false value as pydantic reads one: false, 0, "false", "no", "off" ...)."""
+    value = unit.get("save_detected_map", True)
+    return not (value.strip().lower() if isinstance(value, str) else value) in _FALSE
+
+
+def detected_maps(controls: Sequence[ControlInput], saved: Sequence[bool],
+                  sizes: Sequence[tuple[int, int]]) -> list[str]:
+    """The detected maps (base64 PNGs) of the controls whose unit saves its map: each through its preprocessor and
+    fitted to each of `sizes` (width, height) by its resize mode, unit by unit, as the extension appends them."""
+    from PIL import Image
+
+    from ..control_maps import control_map, fit_map
+    out = []
+    for control, save in zip(controls, saved):
+        if not save:
+            continue
+        pixels = control_map(control)
+        for width, height in sizes:
+            buffer = io.BytesIO()
+            Image.fromarray(fit_map(pixels, width, height, control.resize_mode)).save(buffer, format="PNG")
+            out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
     return out
