@@ -15,6 +15,7 @@ import base64
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import threading
@@ -240,6 +241,17 @@ def test_controlnet_detected_maps_follow_the_images_as_the_extension_appends_the
     assert [i.size for i in images] == [(128, 128), (128, 128), (64, 64)] and np.array_equal(pixels(images[2]), edges)
     resized = Image.fromarray(edges.astype(np.uint8)).resize((128, 128), Image.LANCZOS)  # "Crop and Resize", square
     assert np.array_equal(pixels(images[1]), pixels(resized))
+
+
+def test_controlnet_thresholds_out_of_range_take_the_sliders_defaults_logged_in_the_extensions_words(caplog):
+    from diffgraph.server.a1111_controlnet import thresholds
+    with caplog.at_level(logging.INFO, logger="diffgraph.server"):
+        assert thresholds("canny", -100, 300) == (100, 200)
+        assert thresholds("canny", -1, None) == (100, 200)  # -1: the clients' "unset", taken without a word
+        assert thresholds("canny", 50.5, "x") == (50.5, "x")  # in range; not a number: the request's 400
+    assert [r.getMessage() for r in caplog.records] == [
+        "[canny.threshold_a] Invalid value(-100.0), using default value 100.",
+        "[canny.threshold_b] Invalid value(300.0), using default value 200."]
 
 
 def test_img2img_with_a_mask_only_masked_and_whole(api):

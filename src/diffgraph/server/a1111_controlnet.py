@@ -8,8 +8,8 @@ last path component when that is unique), `module` ("none", "canny", "invert (fr
 preprocessors need their estimator's weights: send their map with module "none"), `weight` (the scale),
 `guidance_start` / `guidance_end`, `resize_mode` and `control_mode` (labels or indices; the extension's defaults
 "Crop and Resize" and "Balanced"), `threshold_a` / `threshold_b` (canny's low and high thresholds; as the extension
-reads them, a value outside its slider's range, 1..255, such as its -1, takes the slider's default, 100 / 200, and a
-low above the high goes to OpenCV as it is: its Canny swaps them), `enabled`, and `mask` (refused when set). A unit
+reads them, a value outside its slider's range, 1..255, such as its -1, takes the slider's default, 100 / 200, logged
+in its words for a value other than -1, and a low above the high goes to OpenCV as it is: its Canny swaps them), `enabled`, and `mask` (refused when set). A unit
 of an img2img request without its own image takes the first init image, as the extension does. Accepted and without
 effect here: `processor_res` and `pixel_perfect` (the preprocessor runs at the image's own resolution), `lowvram` /
 `low_vram`, `hr_option` (the hires fix's second pass takes the units too), `input_mode`, `batch_images`.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import re
 from typing import Any, Callable, Sequence
 
@@ -37,6 +38,7 @@ IGNORED = ("processor_res", "pixel_perfect", "lowvram", "low_vram", "hr_option",
            "is_ui", "loopback")
 TAKEN = ("input_image", "image", "mask", "model", "module", "weight", "guidance_start", "guidance_end", "resize_mode",
          "control_mode", "threshold_a", "threshold_b", "guessmode", "save_detected_map")
+logger = logging.getLogger(__name__)
 _HASH = re.compile(r"\s*\[[0-9a-fA-F]+\]\s*$")
 CANNY_SLIDERS = ((100, 1, 255), (200, 1, 255))  # the extension's canny sliders: (default, min, max), low then high
 _FALSE = (False, 0, "false", "f", "no", "n", "off", "0")  # a bool field's false values as pydantic reads them
@@ -69,11 +71,20 @@ def model_name(name: Any, served: list[str], field: str) -> str:
         f" ({len(by_last)} match its name: give the path)" if by_last else "") + f"; served: {known}", param=field)
 
 
-def _slider(value: Any, default: int, lo: int, hi: int) -> Any:
-    """A threshold as the extension reads it: outside its slider's range (-1 among others), the slider's default; a
-    value that is not a number is left for the request's check (a 400)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return default if value is None or number and not lo <= value <= hi else value
+def thresholds(module: str, a: Any, b: Any) -> tuple[Any, Any]:
+    """canny's (low, high) as the extension reads `threshold_a` / `threshold_b`: a number outside its slider's range
+    (-1 among others) takes the slider's default, logged in the extension's words unless it is -1 (the "unset" its
+    clients send); a value that is not a number is left for the request's check (a 400). `module`: as sent."""
+    out = []
+    for param, value, (default, lo, hi) in zip(("threshold_a", "threshold_b"), (a, b), CANNY_SLIDERS):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is None or number and not lo <= value <= hi:
+            if number and value != -1:
+                logger.info("[%s.%s] Invalid value(%s), using default value %s.", module, param, float(value),
+                            default)
+            value = default
+        out.append(value)
+    return out[0], out[1]
 
 
 def ignored_keys(units: list[dict[str, Any]]) -> list[str]:
@@ -115,8 +126,7 @@ def units_to_controls(units: list[dict[str, Any]], served: Callable[[], list[str
                    "control_mode": "control" if unit.get("guessmode") is True else
                    unit.get("control_mode", "Balanced")}
         if MODULES[module] == "canny":
-            low, high = (_slider(unit.get(key), *slider) for key, slider in zip(("threshold_a", "threshold_b"),
-                                                                                CANNY_SLIDERS))
+            low, high = thresholds(module, unit.get("threshold_a"), unit.get("threshold_b"))
             control.update(canny_low=low, canny_high=high)
         out.append(control)
     return out
