@@ -192,6 +192,14 @@ def test_controlnet_units_from_webuiapi_equal_images_generations_controls(server
     headers = {"Authorization": f"Bearer {KEY_A}"}
     assert httpx.get(server.url + "/controlnet/model_list", headers=headers).json() == {"model_list": ["outline"]}
     assert "canny" in httpx.get(server.url + "/controlnet/module_list", headers=headers).json()["module_list"]
+    labels = httpx.get(server.url + "/controlnet/module_list?alias_names=true", headers=headers).json()
+    assert labels["module_list"] == ["none", "canny", "invert (from white bg & black line)"] == list(
+        labels["module_detail"])
+    assert labels["module_detail"]["canny"] == {"model_free": False, "sliders": [  # the extension's, its slider values
+        {"name": "Resolution", "value": 512, "min": 64, "max": 2048, "step": 8},
+        {"name": "Low Threshold", "value": 100, "min": 1, "max": 255, "step": 1},
+        {"name": "High Threshold", "value": 200, "min": 1, "max": 255, "step": 1}]}
+    assert labels["module_detail"]["invert (from white bg & black line)"] == {"model_free": False, "sliders": []}
 
 
 def test_controlnet_units_as_the_extension_reads_them(server):

@@ -24,11 +24,10 @@ model=${MODEL:-random:tiny}
 python=${PYTHON:-$([ -x "$repo/.venv/bin/python" ] && echo "$repo/.venv/bin/python" || echo python3)}
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/diffgraph-a1111-suite
 work=$(dirname "$suite")
-export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}:$cache/deps"
 
 if ! "$python" -c "import pytest_base_url" 2>/dev/null; then
     "$python" -m pip install -q --no-deps --target "$cache/deps" "pytest-base-url~=2.0"
-    export PYTHONPATH="$PYTHONPATH:$cache/deps"
 fi
 
 serve_args=(--model "$model" --device cpu --host 127.0.0.1 --port "$port")

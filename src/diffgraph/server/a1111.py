@@ -52,7 +52,8 @@ from ..models.presets import builtin_control_folder, builtin_lora_folder
 from ..prompt_styles import read_styles
 from ..upscalers import TileGrid, combine_tiles
 from ..request import MAX_CONTROLS, MAX_IMAGES, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
-from .a1111_controlnet import MODULES, controlnet_units, detected_maps, ignored_keys, saves_map, units_to_controls
+from .a1111_controlnet import (controlnet_units, detected_maps, ignored_keys, module_list, saves_map,
+                               units_to_controls)
 from .a1111_detect import analysis_router
 from .a1111_hires import HiresPlan, HiresRuns, first_passes, hires_image, hires_plan, hires_template
 from .a1111_extras import extras_router
@@ -557,8 +558,8 @@ def _add_listings(router: APIRouter, server: A1111Server) -> None:
         return JSONResponse({"model_list": await asyncio.to_thread(server.served)})
 
     @router.get("/controlnet/module_list")
-    async def controlnet_modules() -> Response:
-        return JSONResponse({"module_list": list(MODULES)})
+    async def controlnet_modules(alias_names: bool = False) -> Response:
+        return JSONResponse(module_list(alias_names))
 
     @router.get("/controlnet/version")
     async def controlnet_version() -> Response:

@@ -1,6 +1,7 @@
 """AUTOMATIC1111's ControlNet extension on /sdapi/v1: its units in `alwayson_scripts.controlnet.args`
 become the request's `controls`, and its listing routes answer (`GET /controlnet/model_list`, `/controlnet/
-module_list`, `/controlnet/version`), so its clients work unchanged against the server's ControlNets.
+module_list` with its `module_detail` and `alias_names`, `/controlnet/version`), so its clients work unchanged
+against the server's ControlNets.
 
 A unit (the extension's API fields): `input_image` (or `image`; base64, or {"image": ...}), `model` (its name as the
 extension lists it, "name [hash]": the name is matched against the served ControlNets' names, then against their
@@ -42,6 +43,24 @@ logger = logging.getLogger(__name__)
 _HASH = re.compile(r"\s*\[[0-9a-fA-F]+\]\s*$")
 CANNY_SLIDERS = ((100, 1, 255), (200, 1, 255))  # the extension's canny sliders: (default, min, max), low then high
 _FALSE = (False, 0, "false", "f", "no", "n", "off", "0")  # a bool field's false values as pydantic reads them
+
+
+_RESOLUTION = {"name": "Resolution", "value": 512, "min": 64, "max": 2048, "step": 8}
+# the served preprocessors as the extension lists them: (name, label, its sliders' api_json), its order
+PREPROCESSORS = (("none", "none", (_RESOLUTION,)),
+                 ("canny", "canny", (_RESOLUTION, *({"name": name, "value": value, "min": lo, "max": hi, "step": 1}
+                                                   for name, (value, lo, hi) in zip(
+                                                       ("Low Threshold", "High Threshold"), CANNY_SLIDERS)))),
+                 ("invert", "invert (from white bg & black line)", ()))
+
+
+def module_list(alias_names: bool = False) -> dict[str, Any]:
+    """GET /controlnet/module_list as the extension answers it: the preprocessors' names (or their labels, with
+    `alias_names`) and `module_detail`, each one's `model_free` and slider settings."""
+    names = [label if alias_names else name for name, label, _ in PREPROCESSORS]
+    return {"module_list": names, "module_detail": {
+        n: {"model_free": False, "sliders": [dict(s) for s in sliders]}
+        for n, (_, _, sliders) in zip(names, PREPROCESSORS)}}
 
 
 def controlnet_units(scripts: dict[str, Any] | None) -> list[dict[str, Any]]:
