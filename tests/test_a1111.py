@@ -15,12 +15,14 @@ import base64
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
+import cv2
 import httpx
 import numpy as np
 import pytest
@@ -190,6 +192,14 @@ def test_controlnet_units_from_webuiapi_equal_images_generations_controls(server
     headers = {"Authorization": f"Bearer {KEY_A}"}
     assert httpx.get(server.url + "/controlnet/model_list", headers=headers).json() == {"model_list": ["outline"]}
     assert "canny" in httpx.get(server.url + "/controlnet/module_list", headers=headers).json()["module_list"]
+    labels = httpx.get(server.url + "/controlnet/module_list?alias_names=true", headers=headers).json()
+    assert labels["module_list"] == ["none", "canny", "invert (from white bg & black line)"] == list(
+        labels["module_detail"])
+    assert labels["module_detail"]["canny"] == {"model_free": False, "sliders": [  # the extension's, its slider values
+        {"name": "Resolution", "value": 512, "min": 64, "max": 2048, "step": 8},
+        {"name": "Low Threshold", "value": 100, "min": 1, "max": 255, "step": 1},
+        {"name": "High Threshold", "value": 200, "min": 1, "max": 255, "step": 1}]}
+    assert labels["module_detail"]["invert (from white bg & black line)"] == {"model_free": False, "sliders": []}
 
 
 def test_controlnet_units_as_the_extension_reads_them(server):
@@ -210,6 +220,46 @@ def test_controlnet_units_as_the_extension_reads_them(server):
     swapped = img2img({**unit, "input_image": b64png(outline), "threshold_a": 200, "threshold_b": 100})
     assert bare.json()["images"] == given.json()["images"] == swapped.json()["images"]
     assert img2img().json()["images"] != bare.json()["images"]  # the unit ran
+
+
+def test_controlnet_detected_maps_follow_the_images_as_the_extension_appends_them(server):
+    """Each unit's detected map comes after the request's images (its `save_detected_map`, default true): OpenCV's
+    Canny of the unit's image at the image size; with the hires fix the second pass's map, then the first pass's; a
+    unit with save_detected_map false adds none. The seeds and infotexts stay the generated images'."""
+    outline = Image.new("RGB", (64, 64))
+    outline.paste(Image.new("RGB", (20, 40), (255, 255, 255)), (22, 12))
+    edges = np.repeat(cv2.Canny(np.asarray(outline), 100, 200)[:, :, None], 3, axis=2).astype(int)
+    unit = {"model": "outline", "module": "canny", "input_image": b64png(outline), "threshold_a": -1,
+            "threshold_b": -1}
+
+    def txt2img(*units: dict, **body) -> tuple[list[Image.Image], dict]:
+        r = post(server, "txt2img", {**SMALL, "steps": 2, **body, "alwayson_scripts": {"ControlNet": {
+            "args": list(units)}}})
+        assert r.status_code == 200, r.text
+        return [Image.open(io.BytesIO(base64.b64decode(i))) for i in r.json()["images"]], json.loads(r.json()["info"])
+    images, info = txt2img(unit, {**unit, "save_detected_map": False}, {**unit, "save_detected_map": "true"},
+                           batch_size=2)
+    assert len(images) == 4 and len(info["all_seeds"]) == len(info["infotexts"]) == 2
+    assert [i.size for i in images] == [(64, 64)] * 4
+    assert np.array_equal(pixels(images[2]), edges) and np.array_equal(pixels(images[3]), edges)
+    assert "parameters" in images[0].info and "parameters" not in images[2].info  # a map, not a generated image
+    images, _ = txt2img({**unit, "save_detected_map": False})
+    assert len(images) == 1
+    images, _ = txt2img(unit, enable_hr=True, hr_scale=2, denoising_strength=0.5)
+    assert [i.size for i in images] == [(128, 128), (128, 128), (64, 64)] and np.array_equal(pixels(images[2]), edges)
+    resized = Image.fromarray(edges.astype(np.uint8)).resize((128, 128), Image.LANCZOS)  # "Crop and Resize", square
+    assert np.array_equal(pixels(images[1]), pixels(resized))
+
+
+def test_controlnet_thresholds_out_of_range_take_the_sliders_defaults_logged_in_the_extensions_words(caplog):
+    from diffgraph.server.a1111_controlnet import thresholds
+    with caplog.at_level(logging.INFO, logger="diffgraph.server"):
+        assert thresholds("canny", -100, 300) == (100, 200)
+        assert thresholds("canny", -1, None) == (100, 200)  # -1: the clients' "unset", taken without a word
+        assert thresholds("canny", 50.5, "x") == (50.5, "x")  # in range; not a number: the request's 400
+    assert [r.getMessage() for r in caplog.records] == [
+        "[canny.threshold_a] Invalid value(-100.0), using default value 100.",
+        "[canny.threshold_b] Invalid value(300.0), using default value 200."]
 
 
 def test_img2img_with_a_mask_only_masked_and_whole(api):

@@ -53,7 +53,8 @@ from ..prompt_styles import read_styles
 from ..upscaler_models import UpscalerModels
 from ..upscalers import TileGrid, UpscalerError, combine_tiles
 from ..request import MAX_CONTROLS, MAX_IMAGES, GenerationRequest, GenerationResult, ModelInfo, ParamError, ProgressEvent
-from .a1111_controlnet import MODULES, controlnet_units, ignored_keys, units_to_controls
+from .a1111_controlnet import (controlnet_units, detected_maps, ignored_keys, module_list, saves_map,
+                               units_to_controls)
 from .a1111_detect import analysis_router
 from .a1111_hires import HiresPlan, HiresRuns, first_passes, hires_image, hires_plan, hires_template
 from .a1111_extras import extras_router
@@ -340,10 +341,12 @@ class A1111Server:
 
     def respond(self, body: ProcessingBody, plan: Plan, info: ModelInfo, requests: list[GenerationRequest],
                 done: list[GenerationResult | None], edits: list[PreparedEdit],
-                tiled: tuple[SdUpscale, TileGrid] | None = None, hires: HiresPlan | None = None) -> dict[str, Any]:
+                tiled: tuple[SdUpscale, TileGrid] | None = None, hires: HiresPlan | None = None,
+                saved: tuple[bool, ...] = ()) -> dict[str, Any]:
         """The answer (a worker thread): each image as the engine encoded it, or laid over its input (inpainting),
         or the SD upscale script's images pasted from their tiles (`tiled`), or the hires fix's second pass with its
-        first pass's infotext (`hires`)."""
+        first pass's infotext (`hires`); then the detected maps of the ControlNet units that save theirs (`saved`,
+        one flag a unit)."""
         pictures, texts = [], []
         warnings = list(plan.warnings) + sorted({e.warning for e in edits if e.warning})
         for i, result in enumerate(done if tiled is None else ()):
@@ -363,6 +366,9 @@ class A1111Server:
             pictures, texts = self.upscaled(tiled[1], tiled[0], done, info)
             plan = dataclasses.replace(plan, seeds=tuple(plan.seeds[0] + n for n in range(len(pictures))))
         images = [base64.b64encode(data).decode("ascii") for data in pictures] if body.send_images is not False else []
+        if any(saved) and tiled is None and body.send_images is not False:
+            sizes = [(hires.fix.width, hires.fix.height)] if hires is not None else []
+            images += detected_maps(requests[0].controls, saved, sizes + [(requests[0].width, requests[0].height)])
         dropped = sum(r is None for r in done)
         if dropped:
             warnings.append(f"{dropped} of {len(done)} images were stopped by /sdapi/v1/interrupt or /skip and are "
@@ -451,7 +457,8 @@ class A1111Server:
             self.board.end(job)
             if self.routing is not None and hires is not None:
                 chosen.release(self.routing)
-        return await asyncio.to_thread(self.respond, body, plan, chosen.info, requests, done, edits, tiled, hires)
+        return await asyncio.to_thread(self.respond, body, plan, chosen.info, requests, done, edits, tiled, hires,
+                                       tuple(saves_map(u) for u in units))
 
     async def generate(self, http: Request, model: type[ProcessingBody], kind: str) -> Response:
         """`images` with the request's accounting: in flight while it runs, then exactly one outcome."""
@@ -561,8 +568,8 @@ def _add_listings(router: APIRouter, server: A1111Server) -> None:
         return JSONResponse({"model_list": await asyncio.to_thread(server.served)})
 
     @router.get("/controlnet/module_list")
-    async def controlnet_modules() -> Response:
-        return JSONResponse({"module_list": list(MODULES)})
+    async def controlnet_modules(alias_names: bool = False) -> Response:
+        return JSONResponse(module_list(alias_names))
 
     @router.get("/controlnet/version")
     async def controlnet_version() -> Response:

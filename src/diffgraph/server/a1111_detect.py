@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from ..api.config import ServerConfig
 from ..api.protocol import APIError, decode_b64, eight_bit, error_from_param_error
 from ..request import ControlInput, ParamError
-from .a1111_controlnet import CANNY_SLIDERS, MODULES, _slider
+from .a1111_controlnet import MODULES, thresholds
 from .a1111_info import read_object
 
 MAX_DETECT_IMAGES = 8
@@ -63,7 +63,7 @@ def detected(body: dict[str, Any], config: ServerConfig) -> dict[str, Any]:
     if len(images) > MAX_DETECT_IMAGES:
         raise APIError(400, f"{field}: at most {MAX_DETECT_IMAGES} images a request", param=field)
     res = body.get("controlnet_processor_res", 512)
-    low, high = (_slider(body.get(f"controlnet_threshold_{k}"), *s) for k, s in zip("ab", CANNY_SLIDERS))
+    low, high = thresholds(module, body.get("controlnet_threshold_a"), body.get("controlnet_threshold_b"))
     return {"images": [_map(f"{field}[{i}]", image, MODULES[module], res, low, high, config)
                        for i, image in enumerate(images)], "info": "Success"}
 
