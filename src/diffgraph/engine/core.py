@@ -97,7 +97,7 @@ class EngineCore:
         prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
             if request.extras else {}
         state = RequestState.of(request, plan, time.monotonic(), sink, prompts,
-                                self.runner.group_key(request.key, prompts, prepared))
+                                self.runner.group_key(request.key, prompts, prepared, request.tiling))
         state.prepared = prepared
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if _second_branch(state) and prompts[0].chunks != prompts[1].chunks:
