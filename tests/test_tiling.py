@@ -84,8 +84,11 @@ def test_tiling_and_plain_rows_together_each_equal_alone(tiny_engine):
     kinds = [dict(tiling=True), dict(), dict(tiling=True, guidance_scale=1.0, num_images=2), dict(num_images=2)]
     requests = [e.make_request(PROMPT, num_inference_steps=STEPS, seed=20 + i, **k) for i, k in enumerate(kinds)]
     alone = [e.run(r).arrays for r in requests]
-    keys: list = []
-    listener = lambda plan, seconds: keys.append(plan.key)  # noqa: E731
+    keys, live = [], []
+
+    def listener(plan, seconds):
+        keys.append(plan.key)
+        live.append(e.live_rows())
     e.step_listeners.append(listener)
     try:
         both = [r.arrays for r in together(e, requests)]
@@ -93,6 +96,8 @@ def test_tiling_and_plain_rows_together_each_equal_alone(tiny_engine):
         e.step_listeners.remove(listener)
     assert set(keys) == {(64, 64), (64, 64, TILING)}
     assert any(a != b for a, b in zip(keys, keys[1:]))  # the two groups' steps interleaved
+    # the live rows are listed per resolution (as /status and /metrics show them), the tiling group's counted in
+    assert {k for rows in live for k in rows} == {(64, 64)} and max(rows.get((64, 64), 0) for rows in live) == 6
     for i, (a, t) in enumerate(zip(alone, both)):
         assert _levels(a, t) <= 1.0, (i, kinds[i])
     assert _levels(alone[0], alone[1]) > 10  # tiling changed its image
