@@ -168,3 +168,19 @@ def test_a_dit_family_refuses_tiling_in_one_line():
     for e in (made, submitted):
         assert e.value.param == "tiling" and "\n" not in str(e.value)
         assert "zimage" in str(e.value) and "send tiling false" in str(e.value)
+
+
+def test_the_routes_bodies_carry_tiling():
+    """AUTOMATIC1111's `tiling` (and its infotext's `Tiling: True`, read where the body leaves tiling out) and the
+    images body's `tiling` reach the request's keywords; the images body takes only true or false."""
+    from diffgraph.api.protocol import ImageGenerationRequest
+    from diffgraph.server.a1111_protocol import Txt2ImgBody, plan_body
+
+    assert plan_body(Txt2ImgBody(prompt="a", tiling=True), None, None, None).create["tiling"] is True
+    assert "tiling" not in plan_body(Txt2ImgBody(prompt="a"), None, None, None).create
+    read = Txt2ImgBody(prompt="a", infotext="a\nSteps: 3, Seed: 5, Size: 64x64, Tiling: True")
+    assert plan_body(read, None, None, None).create["tiling"] is True
+    assert ImageGenerationRequest(prompt="a", tiling=True).request_params()["tiling"] is True
+    assert ImageGenerationRequest(prompt="a").request_params()["tiling"] is False
+    with pytest.raises(ValueError, match="tiling"):
+        ImageGenerationRequest(prompt="a", tiling="yes")
