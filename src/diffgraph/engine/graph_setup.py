@@ -1,6 +1,7 @@
 """Which graphs a model runner captures, and with which callables: the step (every variant of its row features'
 program: e.g. the LoRA side paths' stack depths), the
-text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`. With a compile config, each kind
+text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`; at the first tiling row, the tiling
+groups' twins of the step variants and the VAE kinds (`add_tiling_graphs`). With a compile config, each kind
 captures a `graphs.compiled.Compiled` of its function (the whole step: input scaling, denoiser, CFG and sampler
 update in one compiled function) instead of the function itself, its batch dimension dynamic (one compile per kind
 and resolution, which bucket 1 runs too where it is precompiled), saved whole in the cache folder where torch can
@@ -75,7 +76,7 @@ class GraphHost(Protocol):
     slot_shape: tuple[int, int, int] | None  # LoRA slots (count, max rank, conv side paths 0/1), or None
     decoder: torch.nn.Module  # the VAE module decode_pixels runs (in the decode dtype)
 
-    def buffers(self, key: tuple[int, int]) -> StepBuffers: ...
+    def buffers(self, key: tuple) -> StepBuffers: ...  # a group key: (h, w), or (h, w, TILING)
 
     def plan_for(self, sampler: str, schedule: str, steps: int, key: tuple[int, int]) -> SamplerPlan: ...
 
