@@ -184,3 +184,16 @@ def test_the_routes_bodies_carry_tiling():
     assert ImageGenerationRequest(prompt="a").request_params()["tiling"] is False
     with pytest.raises(ValueError, match="tiling"):
         ImageGenerationRequest(prompt="a", tiling="yes")
+
+
+def test_lora_convolution_side_paths_refuse_tiling(tiny_engine):
+    """Side paths on convolutions (the LoRA manager's conv option) pad with zeros: such an engine refuses tiling."""
+    from diffgraph.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_engine.model)
+    request = GenerationRequest.create(PROMPT, width=64, height=64, guidance_scale=7.0, tiling=True)
+    assert runner.request_plan(request).num_steps == request.num_inference_steps
+    runner.slot_shape = (2, 8, 1)  # (slots, max rank, convolution side paths), as such an engine's runner has it
+    with pytest.raises(ParamError, match="convolution LoRA side paths") as e:
+        runner.request_plan(request)
+    assert e.value.param == "tiling"
