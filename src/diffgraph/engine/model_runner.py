@@ -197,7 +197,8 @@ class ModelRunner:
         if not self._packs and not tiling:
             return size
         tokens = max((len(window) for p in prompts for window in (p.ids[0] if p.ids else ())), default=0)
-        return self.adapter.group_key(self.model, size, tokens, prepared, tiling=tiling)
+        # `tiling` only where asked: a family's own group_key written without it keeps working for every other row
+        return self.adapter.group_key(self.model, size, tokens, prepared, **({"tiling": True} if tiling else {}))
 
     def group_keys(self, size: Size) -> tuple[GroupKey, ...]:
         """Every group rows of an image `size` may run in (the graphs' groups)."""
