@@ -57,8 +57,9 @@ def _levels(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() * 255)
 
 
-def test_a_tiling_request_equals_diffusers_with_circular_convolutions(tiny_engine):
-    e = tiny_engine
+@pytest.mark.parametrize("model", ["tiny", "tiny_xl"])
+def test_a_tiling_request_equals_diffusers_with_circular_convolutions(request, model):
+    e = request.getfixturevalue(f"{model}_engine")
     ours = e.generate(PROMPT, width=64, height=96, num_inference_steps=STEPS, seed=5, tiling=True)
     plain = e.generate(PROMPT, width=64, height=96, num_inference_steps=STEPS, seed=5)
     ref = _reference(e, 64, 96, 5)
