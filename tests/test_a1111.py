@@ -429,7 +429,7 @@ def test_every_field_of_automatic1111s_model_is_accepted_nulls_too(server, route
 UNSUPPORTED = [
     ({"enable_hr": True, "hr_upscaler": "SwinIR_4x"}, "hr_upscaler", "not available here"),
     ({"restore_faces": True}, "restore_faces", "face restoration"),
-    ({"tiling": True}, "tiling", "tiling"), ({"s_churn": 0.5}, "s_churn", "send 0"),
+    ({"s_churn": 0.5}, "s_churn", "send 0"),
     ({"s_min_uncond": 0.2}, "s_min_uncond", "send 0"), ({"s_noise": 0.9}, "s_noise", "send 1"),
     ({"refiner_checkpoint": "sdxl_refiner"}, "refiner_checkpoint", "refiners"),
     ({"firstpass_image": "abc"}, "firstpass_image", "send null"),

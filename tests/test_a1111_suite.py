@@ -97,7 +97,6 @@ def test_txt2img_as_automatic1111s_suite_sends_it(client, changes, size, count):
 
 @pytest.mark.parametrize("changes, field, words", [
     ({"restore_faces": True}, "restore_faces", "out of scope"),
-    ({"tiling": True}, "tiling", "tiling"),
     ({"prompt": "((emphasis)), (emphasis1:1.1), [to:1], [from::2], [from:to:0.3], [alt|alt1]"}, None,
      "prompt editing"),
 ])
@@ -107,6 +106,18 @@ def test_txt2img_refusals_that_remain_name_their_field(client, changes, field, w
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     if field:
         assert r.json()["error"]["param"] == field
+
+
+def test_txt2img_with_tiling_performed(client):
+    """AUTOMATIC1111's tiling test: its body with tiling true is served; the infotext says `Tiling: True` (as
+    AUTOMATIC1111 writes it) and the image is not the plain one of the same seed (tests/test_tiling.py checks it
+    against diffusers with circular convolutions)."""
+    tiled, plain = txt2img(client, tiling=True), txt2img(client)
+    assert tiled.status_code == 200 and plain.status_code == 200, tiled.text
+    assert "Tiling: True" in json.loads(tiled.json()["info"])["infotexts"][0]
+    assert "Tiling" not in json.loads(plain.json()["info"])["infotexts"][0]
+    images = [np.asarray(decoded(r.json()["images"][0]).convert("RGB"), np.int16) for r in (tiled, plain)]
+    assert np.abs(images[0] - images[1]).max() > 10
 
 
 def test_txt2img_with_hrfix_performed(client):

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from diffgraph.sampling.names import SAMPLERS
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from diffgraph.cli import main
 
@@ -342,3 +342,20 @@ def test_a_sampler_label_that_names_its_schedule_is_taken_alone(tmp_path, canned
     assert canned.seen[0]["body"]["sampler"] == "DPM++ 2M Karras" and "schedule" not in canned.seen[0]["body"]
     request = GenerationRequest.create("a cat", width=64, height=64, guidance_scale=7.5, sampler="DPM++ 2M Karras")
     assert (request.sampler, request.schedule) == ("dpmpp_2m", "karras")
+
+
+def test_tiling_is_a_flag_and_comes_back_from_an_image(tmp_path, canned):
+    """`--tiling` sends the images body's `tiling`; `--from-image` of an image whose infotext says `Tiling: True`
+    (AUTOMATIC1111's) asks for it again; without either it is left out."""
+    from diffgraph.image_metadata import PNG_KEY
+
+    canned.answer = _images_answer(b"bytes")
+    out = str(tmp_path / "x.png")
+    assert main(["generate", "a cat", "-o", out, "--url", canned.url, "--tiling"]) == 0
+    assert main(["generate", "a cat", "-o", out, "--url", canned.url]) == 0
+    saved = tmp_path / "a1111.png"
+    info = PngImagePlugin.PngInfo()
+    info.add_text(PNG_KEY, "a cat\nSteps: 3, Sampler: Euler, CFG scale: 7, Seed: 5, Size: 64x64, Tiling: True")
+    Image.new("RGB", (8, 8)).save(saved, pnginfo=info)
+    assert main(["generate", "-o", out, "--url", canned.url, "--from-image", str(saved)]) == 0
+    assert [seen["body"].get("tiling") for seen in canned.seen] == [True, None, True]

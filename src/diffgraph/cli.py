@@ -93,6 +93,9 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
+    g.add_argument("--tiling", action="store_true",
+                   help="a seamless texture: every convolution of the UNet and the VAE pads circularly, so the image "
+                        "wraps around its edges (AUTOMATIC1111's tiling; SD1.x, SD2.x and SDXL models)")
 
 
 def _add_edit_arguments(g: argparse.ArgumentParser) -> None:
@@ -255,7 +258,7 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
          "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax",
          "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control",
-         "image_prompts": "--image-prompt"}
+         "image_prompts": "--image-prompt", "tiling": "--tiling"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -318,7 +321,7 @@ FROM_IMAGE = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width":
               "steps": "num_inference_steps", "guidance": "guidance_scale", "sampler": "sampler",
               "schedule": "schedule", "seed": "seed", "num_images": "num_images", "prompt_syntax": "prompt_syntax",
               "clip_skip": "clip_skip", "model": "model", "strength": "strength",
-              "timestep_spacing": "timestep_spacing", "eta": "eta"}
+              "timestep_spacing": "timestep_spacing", "eta": "eta", "tiling": "tiling"}
 NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale")  # request fields only --from-image sets
 
 
@@ -382,7 +385,8 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                   loras=_lora_flags(args), controls=_control_flags(args), image_prompts=_image_prompt_flags(args),
                   prompt_syntax=args.prompt_syntax or "plain",
                   clip_skip=args.clip_skip,
-                  timestep_spacing=args.timestep_spacing, eta=args.eta, **getattr(args, "extra", {}))
+                  timestep_spacing=args.timestep_spacing, eta=args.eta, tiling=args.tiling,
+                  **getattr(args, "extra", {}))
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params
@@ -617,7 +621,7 @@ def _remote_body(args: argparse.Namespace, prompt_spec) -> dict[str, Any]:
                 "scale": prompt_spec[2], "images": [_file_b64(p, "--image-prompt") for p in prompt_spec[1]],
                 **({"model": prompt_spec[0]} if prompt_spec[0] else {})},
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
-            "timestep_spacing": args.timestep_spacing, "eta": args.eta,
+            "timestep_spacing": args.timestep_spacing, "eta": args.eta, "tiling": args.tiling or None,
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
     return {k: v for k, v in body.items() if v is not None}
 

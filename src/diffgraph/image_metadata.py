@@ -103,6 +103,7 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
         "Denoising strength": None if strength is None else _number(strength),
         # AUTOMATIC1111 counts the last layer as 1 (diffusers' clip_skip + 1) and writes it from 2 on
         "Clip skip": None if not request.clip_skip else request.clip_skip + 1,
+        "Tiling": "True" if getattr(request, "tiling", False) else None,  # AUTOMATIC1111's words
         "Lora hashes": ", ".join(f"{name.translate(_NAME_SYMBOLS)}: {digest}"
                                  for name, digest in getattr(request, "lora_hashes", ())) or None,
         "Emphasis": (EMPHASIS_LABELS[request.emphasis]
@@ -151,6 +152,8 @@ def request_fields(request: Any, model_name: str) -> dict[str, Any]:
     for name in ("timestep_spacing", "eta"):  # sampler options: written where a request gave them
         if getattr(request, name) is not None:
             fields[name] = getattr(request, name)
+    if getattr(request, "tiling", False):  # written where set
+        fields["tiling"] = True
     variation = getattr(request, "variation", None)
     if variation is not None:
         fields["variation"] = {"subseed": variation.subseed, "strength": variation.strength,
@@ -318,7 +321,7 @@ def parse_infotext(text: str) -> dict[str, Any]:
     """AUTOMATIC1111's infotext -> `GenerationRequest.create` keyword arguments (plus "model"): the prompt and
     negative prompt (read in its prompt syntax, "a1111", which carries `<lora:...>` tags), steps, sampler and
     schedule (its names mapped back; an old "DPM++ 2M Karras" sampler name split), CFG scale, seed, size, model,
-    denoising strength and clip skip. Keys diffgraph has no setting for are ignored."""
+    denoising strength, clip skip and tiling. Keys diffgraph has no setting for are ignored."""
     prompt, negative, params = infotext_parts(text)
     fields: dict[str, Any] = {"prompt": prompt, "negative_prompt": negative, "prompt_syntax": "a1111"}
     samplers = {v: k for k, v in A1111_SAMPLERS.items()}
@@ -355,6 +358,8 @@ def parse_infotext(text: str) -> dict[str, Any]:
         fields["width"], fields["height"] = int(size.group(1)), int(size.group(2))
     if "Model" in params:
         fields["model"] = params["Model"]
+    if params.get("Tiling") == "True":
+        fields["tiling"] = True
     if params.get("Emphasis") in EMPHASIS_LABELS.values():
         fields["emphasis"] = {v: k for k, v in EMPHASIS_LABELS.items()}[params["Emphasis"]]
     return fields

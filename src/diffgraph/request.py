@@ -27,8 +27,11 @@ from .sampling.schedules import MAX_STEPS
 
 Size = tuple[int, int]  # (height, width) in pixels: a request's image
 # the group a request's rows run in (step buffers, steps, graphs), chosen by the model's family from the size: a pair
-# of ints, the size itself for UNet families, (0, image tokens) for a transformer family's token bucket
-GroupKey = tuple[int, int]
+# of ints, the size itself for UNet families, (0, image tokens) for a transformer family's token bucket; a UNet's
+# tiling rows (`GenerationRequest.tiling`) run in (height, width, TILING): their own group, graphs and decodes. The
+# first two entries are the resolution the family reads and the graphs are addressed by (`key[:2]`)
+GroupKey = tuple
+TILING = "tiling"
 MIN_SIZE = 64
 MAX_SIZE = 2048
 DEFAULT_STEPS = 20       # the steps of a request that names none, on a model without a checkpoint default
@@ -467,6 +470,12 @@ def make_variation(value: Any) -> Variation | None:
     return Variation(**value)
 
 
+def tiling_refusal(family: str) -> str:
+    """Why a family without convolutions to pad refuses `tiling` (one line)."""
+    return (f"tiling is not supported by model family {family!r}: its denoiser is a transformer over latent tokens, "
+            "with no convolutions to pad circularly; send tiling false")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """One user request: `num_images` rows that share prompt, size, sampler and one seeded generator. Its prompt may
@@ -518,6 +527,9 @@ class GenerationRequest:
     return_latents: bool = False
     # AUTOMATIC1111's variation seed (Variation): changes only the initial noise; None: the seed's noise alone
     variation: Variation | None = None
+    # AUTOMATIC1111's tiling: every convolution of the denoiser and the VAE pads circularly, so the image wraps
+    # around its edges (a seamless texture); its rows run in a group of their own (`TILING` in the group key)
+    tiling: bool = False
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -576,6 +588,8 @@ class GenerationRequest:
         """How the request is handled: returned latents, priority, its job and share, previews."""
         if not isinstance(self.return_latents, bool):
             raise ParamError("return_latents", f"return_latents must be true or false, got {_show(self.return_latents)}")
+        if not isinstance(self.tiling, bool):
+            raise ParamError("tiling", f"tiling must be true or false, got {_show(self.tiling)}")
         if self.priority not in PRIORITIES:
             raise ParamError("priority", f"priority {_show(self.priority)} is unknown; allowed: {', '.join(PRIORITIES)}")
         if self.job is not None and (not isinstance(self.job, str) or not self.job):
@@ -668,7 +682,7 @@ class GenerationRequest:
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
                preview: Any = None, controls: Any = (), image_prompts: Any = None,
                output_compression: Any = None, extras: Any = None,
-               return_latents: Any = False, variation: Any = None) -> "GenerationRequest":
+               return_latents: Any = False, variation: Any = None, tiling: Any = False) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -680,7 +694,8 @@ class GenerationRequest:
         fields ({"every": 2, "format": "jpeg"}) or None. `extras`: the registered capabilities' parameters by
         name (a dict; the engine checks and prepares them at submit). `return_latents`: the result carries the final
         latents too (`GenerationResult.latents`); an `EditInput` with `latents` (and width, height) starts from
-        such latents (the hires fix: hires.py). `variation`: a Variation or a dict of its fields."""
+        such latents (the hires fix: hires.py). `variation`: a Variation or a dict of its fields. `tiling`: circular
+        padding in the denoiser's and the VAE's convolutions (a UNet family's; AUTOMATIC1111's tiling)."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit, width, height = _edit_of(image, mask_image, strength, model, width, height, multiple)
         if model is None and (width is None or height is None or guidance_scale is None):
@@ -711,7 +726,7 @@ class GenerationRequest:
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
                       output_compression=output_compression, extras=_extras(extras, model),
-                      return_latents=return_latents, variation=make_variation(variation), **kwargs)
+                      return_latents=return_latents, variation=make_variation(variation), tiling=tiling, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:
@@ -904,6 +919,7 @@ class ModelInfo:
     # the steps a request that names none runs (its checkpoint's model card); None: each route's own default
     default_steps: int | None = None
     edit_steps_rule: str = "sd"  # EDIT_STEP_RULES: how an edit's strength picks its steps (its family's pipelines)
+    tiling: bool = True  # takes tiling requests (circular padding: a UNet family's convolutions)
 
     @property
     def capabilities(self) -> tuple[str, ...]:
@@ -918,6 +934,8 @@ class ModelInfo:
     def check_request(self, request: "GenerationRequest") -> None:
         """ParamError naming the first parameter this model cannot honour (beyond its sampler and size: `check`)."""
         self.check_guidance(request)
+        if request.tiling and not self.tiling:
+            raise ParamError("tiling", tiling_refusal(self.family))
         if request.prompt_syntax not in self.prompt_syntaxes:
             raise ParamError("prompt_syntax", f"prompt_syntax {request.prompt_syntax!r} is not read by model "
                                               f"{self.name!r}; allowed: {', '.join(self.prompt_syntaxes)}")

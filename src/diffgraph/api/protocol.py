@@ -145,6 +145,7 @@ class ImageGenerationRequest(BaseModel):
     emphasis: StrictStr = "original"             # a1111 syntax: "original" | "no_norm"
     timestep_spacing: StrictStr | None = None    # "leading" | "linspace" | "trailing"; None: the model's own
     eta: StrictFloat | None = None               # TCD's gamma or DDIM's eta, 0..1; None: 0.3 / 0
+    tiling: StrictBool = False                   # AUTOMATIC1111's tiling: circular padding (UNet families)
     partial_images: StrictInt | None = None      # OpenAI's: 0-3 previews in the stream, spread over the steps
     preview: PreviewBody | None = None           # previews every K steps in the stream
 
@@ -213,7 +214,7 @@ class ImageGenerationRequest(BaseModel):
                     output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
                     prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis,
                     timestep_spacing=self.timestep_spacing, eta=self.eta, preview=self.preview_params(),
-                    output_compression=self.output_compression)
+                    output_compression=self.output_compression, tiling=self.tiling)
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""

@@ -97,7 +97,7 @@ class EngineCore:
         prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
             if request.extras else {}
         state = RequestState.of(request, plan, time.monotonic(), sink, prompts,
-                                self.runner.group_key(request.key, prompts, prepared))
+                                self.runner.group_key(request.key, prompts, prepared, request.tiling))
         state.prepared = prepared
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if _second_branch(state) and prompts[0].chunks != prompts[1].chunks:
@@ -165,11 +165,15 @@ class EngineCore:
             return self.scheduler.num_waiting
 
     def live_rows(self) -> dict[GroupKey, int]:
-        """Live rows per (height, width): every graphed resolution (0 when idle), other sizes while they run."""
+        """Live rows per (height, width): every graphed resolution (0 when idle), other sizes while they run; a
+        resolution's tiling group counted with it."""
         rows = dict.fromkeys(self.runner.graphed_resolutions(), 0)
         with self._cv:
             # a group that just emptied stays in the scheduler until its next schedule(): not running, not listed
-            rows.update({k: g.live_rows for k, g in self.scheduler.groups.items() if g.live or g.waiting})
+            busy = [(k[:2], g.live_rows) for k, g in self.scheduler.groups.items() if g.live or g.waiting]
+        rows.update(dict.fromkeys((k for k, _ in busy), 0))
+        for resolution, n in busy:
+            rows[resolution] += n
         return rows
 
     def close(self, timeout: float | None = 10.0) -> None:

@@ -61,7 +61,7 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
     pure_noise = edit.inpaint and edit.strength == 1.0  # diffusers' is_strength_max
     # the image's own latents: image-to-image, a 4-channel inpainting UNet (the blend), or strength < 1
     need_image = not edit.inpaint or not runner.extra_channels or not pure_noise
-    params = runner.encode_pixels(size, torch.cat(batch if need_image else batch[1:]))
+    params = runner.encode_pixels(size, torch.cat(batch if need_image else batch[1:]), tiling=request.tiling)
 
     def sample(p: torch.Tensor) -> torch.Tensor:  # the posterior sample from the request's generator
         mean, logvar = p.float().chunk(2, dim=1)

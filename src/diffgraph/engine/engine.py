@@ -216,7 +216,8 @@ class Engine:
                          extension_params=self.runner.capabilities.params(),
                          extension_images=self.runner.capabilities.image_params(),
                          edit_images=adapter.edit_images,
-                         default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule)
+                         default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule,
+                         tiling=adapter.supports_tiling)
 
     def _lora_manager(self, lora_dir: str | None, max_loras: int | None, max_lora_rank: int,
                       fuse_loras: Any, conv: bool = False, host_bytes: int = 2 * 2**30,

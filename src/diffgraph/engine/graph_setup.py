@@ -1,6 +1,7 @@
 """Which graphs a model runner captures, and with which callables: the step (every variant of its row features'
 program: e.g. the LoRA side paths' stack depths), the
-text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`. With a compile config, each kind
+text encoder(s), the VAE decoder and encoder, registered on a new `GraphRunner`; at the first tiling row, the tiling
+groups' twins of the step variants and the VAE kinds (`add_tiling_graphs`). With a compile config, each kind
 captures a `graphs.compiled.Compiled` of its function (the whole step: input scaling, denoiser, CFG and sampler
 update in one compiled function) instead of the function itself, its batch dimension dynamic (one compile per kind
 and resolution, which bucket 1 runs too where it is precompiled), saved whole in the cache folder where torch can
@@ -24,8 +25,10 @@ from ..graphs.graphables import StepGraph, TextGraph, VaeEncodeGraph, VaeGraph
 from ..graphs.group_norm import use_channel_group_norms
 from ..graphs.runner import GraphRunner
 from ..graphs.step import StepBuffers, step_rows
+from ..models.circular import circular
 from ..models.families.base import FamilyAdapter
 from ..models.model import DiffusionModel
+from ..request import TILING
 from ..sampling.samplers import SamplerPlan
 
 # Inductor skips its layout optimisation (channels-last activations around convolutions) for dynamic shapes, so the
@@ -73,7 +76,7 @@ class GraphHost(Protocol):
     slot_shape: tuple[int, int, int] | None  # LoRA slots (count, max rank, conv side paths 0/1), or None
     decoder: torch.nn.Module  # the VAE module decode_pixels runs (in the decode dtype)
 
-    def buffers(self, key: tuple[int, int]) -> StepBuffers: ...
+    def buffers(self, key: tuple) -> StepBuffers: ...  # a group key: (h, w), or (h, w, TILING)
 
     def plan_for(self, sampler: str, schedule: str, steps: int, key: tuple[int, int]) -> SamplerPlan: ...
 
@@ -100,6 +103,10 @@ class GraphSet:
     encode: VaeEncodeGraph | None = None
     compiled: list[Compiled] = field(default_factory=list)
     compile_folder: str | None = None
+    # the tiling groups' own graphs (`add_tiling_graphs`): registered at the first tiling row
+    tiling: bool = False
+    vae_tiling: VaeGraph | None = None
+    encode_tiling: VaeEncodeGraph | None = None
     # what the compiled decoder's module and the denoiser were given (per-channel group norms; channels-last
     # convolution weights), for the runner to give a VAE or UNet that replaces them (`ModelRunner.invalidate`); None
     # where they run as loaded
@@ -162,6 +169,35 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
                                         host.device, untiled, ENCODE_BUCKETS)
             graphs.register(out.encode)
     return out
+
+
+def tiling_kind(kind: str) -> str:
+    """The graph kind of a tiling group's `kind` ("step_lora1" -> "step_lora1_tiling", "vae" -> "vae_tiling")."""
+    return f"{kind}_{TILING}"
+
+
+def add_tiling_graphs(host: GraphHost, out: GraphSet) -> None:
+    """The graphs of the tiling groups (AUTOMATIC1111's tiling: models/circular.py), registered once, at the first
+    tiling row, so they are captured on first use and never at start-up: each step variant over the buffers of the
+    tiling group of its resolution, the VAE decoder and encoder, each the plain callable (never compiled: the
+    compiled code is traced with zero padding) run with the denoiser's or the VAE's convolutions padding
+    circularly."""
+    if out.tiling:
+        return
+    out.tiling = True
+    model, adapter, runner, cfg = host.model, host.adapter, out.runner, host.graph_config
+    step = runner.kinds["step"]
+    denoise = circular(partial(adapter.denoise, model), lambda: model.denoiser)
+    verify = partial(host.plan_for, adapter.default_sampler, adapter.default_schedule, 10, step.resolutions()[0])
+    for key in host.program.variants():
+        runner.register(StepGraph(lambda res: host.buffers((*res, TILING)), host.program, denoise, key, verify,
+                                  step.resolutions(), step.buckets(), kind=tiling_kind(host.program.kind(key))))
+    for name, kind, fn in (("vae", "vae", host.decode_pixels), ("encode", "vae_encode", host.encode_pixels_eager)):
+        plain = getattr(out, name)
+        if plain is not None:
+            graph = plain.like(circular(fn, lambda: host.decoder), tiling_kind(kind))
+            setattr(out, f"{name}_tiling", graph)
+            runner.register(graph)
 
 
 def _install_output_hooks(host: GraphHost) -> None:

@@ -33,12 +33,13 @@ from ..graphs.compiled import Compiled, open_cache, save_artifacts_if_new
 from ..graphs.step import StepBuffers, whole_step
 from ..models.families.base import Conditioning, concat
 from ..models.model import DiffusionModel
-from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError, Size
+from ..models.circular import circular
+from ..request import MAX_PROMPT_CHUNKS, GenerationRequest, GroupKey, ParamError, Size, tiling_refusal
 from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
-from .graph_setup import GraphSet, decode_chunks, make_graphs, vae_buckets
+from .graph_setup import GraphSet, add_tiling_graphs, decode_chunks, make_graphs, tiling_kind, vae_buckets
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
@@ -70,6 +71,11 @@ class ModelRunner:
         self._planner = self.adapter.planner(model)
         # the eager callable; the graphs capture their own (a compiled one may take its place there, never here)
         self.denoise_eager = partial(self.adapter.denoise, model)
+        # a tiling group's calls (models/circular.py): the denoiser's and the VAE's convolutions padding circularly,
+        # never compiled
+        self.denoise_tiling = circular(self.denoise_eager, lambda: self.model.denoiser)
+        self.decode_tiling = circular(self.decode_pixels, lambda: self.decoder)
+        self.encode_tiling = circular(self.encode_pixels_eager, lambda: self.decoder)
         self.weights_version = dict.fromkeys(WEIGHT_KINDS, 0)
         self.groups: dict[GroupKey, StepBuffers] = {}
         self.staging: dict[GroupKey, StagingPair] = {}
@@ -162,7 +168,9 @@ class ModelRunner:
         if self.graph_runner is not None:
             extra = (("vae_encode",) if "vae" in kinds else ()) + (
                 tuple(self.program.kind(v) for v in self.program.variants()[1:]) if "step" in kinds else ())
-            for k in kinds + extra:
+            dropped = kinds + extra
+            dropped += tuple(tiling_kind(k) for k in dropped if tiling_kind(k) in self.graph_runner.kinds)
+            for k in dropped:
                 self.graph_runner.invalidate(k)
 
     @property
@@ -181,14 +189,16 @@ class ModelRunner:
 
     # -- shapes and buffers --------------------------------------------------------------------
     def group_key(self, size: Size, prompts: tuple[PromptText, ...] = (),
-                  prepared: dict[str, Any] | None = None) -> GroupKey:
+                  prepared: dict[str, Any] | None = None, tiling: bool = False) -> GroupKey:
         """The group rows of an image `size` with `prompts` (prepared) and its capabilities' preparations
         (`prepared`) run in: the family's (a transformer's token bucket and text slot) where its step rows pack
-        image latents; else the size itself (unpacked latents of two sizes cannot share buffers)."""
-        if not self._packs:
+        image latents; else the size itself (unpacked latents of two sizes cannot share buffers), or with `tiling`
+        the family's tiling group of the size."""
+        if not self._packs and not tiling:
             return size
         tokens = max((len(window) for p in prompts for window in (p.ids[0] if p.ids else ())), default=0)
-        return self.adapter.group_key(self.model, size, tokens, prepared)
+        # `tiling` only where asked: a family's own group_key written without it keeps working for every other row
+        return self.adapter.group_key(self.model, size, tokens, prepared, **({"tiling": True} if tiling else {}))
 
     def group_keys(self, size: Size) -> tuple[GroupKey, ...]:
         """Every group rows of an image `size` may run in (the graphs' groups)."""
@@ -202,7 +212,7 @@ class ModelRunner:
 
     def image_latents(self, rows: torch.Tensor, key: GroupKey, size: Size) -> torch.Tensor:
         """Step rows of group `key` that are images of `size` -> their image latents (the family's `unpack`)."""
-        return rows if size == key else self.adapter.unpack(self.model, rows, size, key)
+        return rows if size == key[:2] else self.adapter.unpack(self.model, rows, size, key)
 
     def graphed_sizes(self) -> tuple[Size, ...]:
         """The image sizes the graphs are made for (the decoder's; the step's are their groups)."""
@@ -210,7 +220,7 @@ class ModelRunner:
 
     def latent_shape(self, key: GroupKey) -> tuple[int, ...]:
         if (shape := self._latent_shapes.get(key)) is None:
-            shape = self._latent_shapes[key] = self.adapter.latent_shape(self.model, key)
+            shape = self._latent_shapes[key] = self.adapter.latent_shape(self.model, key[:2])
         return shape
 
     def plan_for(self, sampler: str, schedule: str, steps: int, key: GroupKey,
@@ -239,8 +249,18 @@ class ModelRunner:
             PlanOptions(request.timestep_spacing, request.eta)
         plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key, options)
         start = self._start(request)
+        if request.tiling:
+            self._check_tiling()
         plan = start_plan(plan, start) if start else plan
         return self.program.request_plan(request, plan)
+
+    def _check_tiling(self) -> None:
+        """ParamError naming `tiling` where this engine cannot pad every convolution circularly."""
+        if not self.adapter.supports_tiling:
+            raise ParamError("tiling", tiling_refusal(self.adapter.name))
+        if self.slot_shape is not None and self.slot_shape[2]:
+            raise ParamError("tiling", "tiling is not supported with convolution LoRA side paths (the LoRA conv "
+                                       "option pads them with zeros); start the engine without it, or send tiling false")
 
     def _start(self, request: GenerationRequest) -> int:
         """The step of the full schedule a request's rows start at (an edit's strength rule; else 0)."""
@@ -275,12 +295,12 @@ class ModelRunner:
         size): building them is a host-to-device copy, which must not happen (and wait for the GPU) at every
         admission. `size` None: the allocation's (any size of the group)."""
         if (values := self._row_values.get((key, size))) is None:
-            values = self._row_values[key, size] = self.adapter.row_spec(self.model, key, size)
+            values = self._row_values[key, size] = self.adapter.row_spec(self.model, key[:2], size)
         return values
 
     def release_group(self, key: GroupKey) -> None:
         """Frees an idle group's buffers, unless graphs were captured over them (covered resolutions)."""
-        if key in self.graphed_resolutions():
+        if key[:2] in self.graphed_resolutions():  # a tiling group's too: its graphs are over its buffers
             return
         self.groups.pop(key, None)
         self.staging.pop(key, None)
@@ -323,7 +343,7 @@ class ModelRunner:
                         size: Size | None = None, request: GenerationRequest | None = None) -> torch.Tensor:
         """The first draw from a request's generator (diffusers' order), scaled to the plan's first sigma; a
         `request` with a variation seed varies it (engine/variation.py)."""
-        size = key if size is None else size
+        size = key[:2] if size is None else size
         if request is None or request.variation is None:
             return self.draw(rows, key, size, generator).float() * sigma
         latents = initial_noise(request, generator, rows, self.image_latent_shape(size), self.model.dtype, size)
@@ -354,7 +374,7 @@ class ModelRunner:
         buf.noise[rows] = 0
         buf.coefs[rows] = 0
         values = {f"cond.{name}": cond[name] for name in buf.cond_names}
-        values.update({f"rows.{name}": value for name, value in self._row_fields(key, size or key).items()})
+        values.update({f"rows.{name}": value for name, value in self._row_fields(key, size or key[:2]).items()})
         # the features' host tensors go through pinned memory, asynchronously (a pageable copy would wait for the GPU)
         values.update({n: self.to_device(v) if isinstance(v, torch.Tensor) else v
                        for n, v in self.program.rows(admission).items()})
@@ -373,9 +393,12 @@ class ModelRunner:
         n, d = coefs.shape[0], sum(k * b for _, k, b in rows)  # denoiser rows: a guiding row costs two
         variant = self.program.neutral() if variant is None else variant
         kind = self.program.kinds.get(variant) or self.program.kind(variant)
+        tiling = len(key) > 2
+        if tiling and self.graphs is not None:  # its own graphs, over its own buffers
+            kind = self._tiling_graphs(kind)
         # the bucket a replay would take: its inputs are written first, since a graph captured on first use (in
         # GraphRunner.bucket) warms up on them, and stale denoiser-row indices would read past the rows
-        graphed = self.graph_runner is not None and key in self.graphed_resolutions()
+        graphed = self.graph_runner is not None and key[:2] in self.graphed_resolutions()
         planned = self._fits[d] if graphed and d < len(self._fits) else None
         size = planned or d
         pair = self.staging.get(key)
@@ -393,7 +416,7 @@ class ModelRunner:
         buf.index[:size].copy_(slot.index[:size], non_blocking=True)
         for first, k, source, *size in noise or ():  # a generator's normal draws, or a Brownian tree's increment
             slot.noise[first:first + k].copy_(source() if callable(source) else self.draw(
-                k, key, size[0] if size else key, source))
+                k, key, size[0] if size else key[:2], source))
             buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
         bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
         if self.cuda:
@@ -405,8 +428,16 @@ class ModelRunner:
             self.graph_runner.replay(kind, key[0], key[1], bucket)
             return bucket
         with torch.no_grad():
-            self._eager_step(self.program, self.denoise_eager, buf, n, d, variant)
+            if tiling:
+                whole_step(self.program, self.denoise_tiling, buf, n, d, variant)
+            else:
+                self._eager_step(self.program, self.denoise_eager, buf, n, d, variant)
         return d
+
+    def _tiling_graphs(self, kind: str) -> str:
+        """The tiling graph kind of `kind`, its graphs registered at a tiling group's first use (graph_setup.py)."""
+        add_tiling_graphs(self, self.graphs)
+        return tiling_kind(kind)
 
     def read_latents(self, key: GroupKey, start: int, count: int) -> torch.Tensor:
         return self.buffers(key).x[start:start + count].clone()
@@ -419,16 +450,20 @@ class ModelRunner:
         return self.adapter.encode_pixels(self.model, self.decoder, pixels)
 
     @torch.no_grad()
-    def encode_pixels(self, key: GroupKey, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixels [n, 3, H, W] in [-1, 1] (host) -> the VAE posterior's parameters [n, 2C, h, w] on the device,
-        through the encoder graph where it covers (resolution, n); without waiting for the GPU."""
+    def encode_pixels(self, key: Size, pixels: torch.Tensor, tiling: bool = False) -> torch.Tensor:
+        """Pixels [n, 3, H, W] in [-1, 1] (host) of an image size `key` -> the VAE posterior's parameters
+        [n, 2C, h, w] on the device, through the encoder graph where it covers (resolution, n); without waiting for
+        the GPU. `tiling`: its convolutions padding circularly (a tiling group's edit)."""
         pixels = self.to_device(pixels.to(self.model.vae_dtype))
         runner, n = self.graph_runner, pixels.shape[0]
-        bucket = runner.bucket("vae_encode", key[0], key[1], n) if self.graphs is not None and self.graphs.encode is not None else None
+        if tiling and self.graphs is not None:
+            self._tiling_graphs("vae_encode")
+        graph = None if self.graphs is None else self.graphs.encode_tiling if tiling else self.graphs.encode
+        bucket = runner.bucket(graph.kind, key[0], key[1], n) if graph is not None else None
         if bucket is None:
-            return self.encode_pixels_eager(pixels)
-        self.graphs.encode.write(key[0], key[1], pixels, bucket)
-        return runner.replay("vae_encode", key[0], key[1], bucket)[:n].clone()
+            return (self.encode_tiling if tiling else self.encode_pixels_eager)(pixels)
+        graph.write(key[0], key[1], pixels, bucket)
+        return runner.replay(graph.kind, key[0], key[1], bucket)[:n].clone()
 
     def decode_pixels(self, latents: torch.Tensor) -> torch.Tensor:
         return self.adapter.decode(self.model, self.decoder, latents)
@@ -439,21 +474,25 @@ class ModelRunner:
         chunk by chunk, each chunk's float32 pixels copied to pinned host memory after it;
         returns them as float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np')
         whose reader waits only for the chunks it reads. The engine loop does not wait: the image threads do."""
-        if size is not None and size != key:  # a family that packs: its rows back to image latents, then by size
+        tiling = len(key) > 2  # a tiling group: its own decoder graphs, its convolutions padding circularly
+        if size is not None and size != key[:2]:  # a family that packs: its rows back to image latents, then by size
             latents, key = self.image_latents(latents.to(self.device), key, size), size
         latents = latents.to(self.device)
         runner = self.graph_runner
+        if tiling and runner is not None:
+            self._tiling_graphs("vae")
+        graph = None if runner is None else self.graphs.vae_tiling if tiling else self.graphs.vae
         n_total = latents.shape[0]
         chunks = decode_chunks(n_total, self.decode_buckets) if runner is not None else [n_total]  # none padded
         host, chunks_in, start = None, [], 0  # chunks_in: (end row, the event after its copy; None on the CPU)
         for n in chunks:
             part = latents[start:start + n]
-            bucket = runner.bucket("vae", key[0], key[1], n) if runner is not None and self.graphs.vae else None
+            bucket = runner.bucket(graph.kind, key[0], key[1], n) if graph is not None else None
             if bucket is None:
-                image = self.decode_pixels(part)
+                image = (self.decode_tiling if tiling else self.decode_pixels)(part)
             else:
-                self.graphs.vae.write(key[0], key[1], part, bucket)
-                image = runner.replay("vae", key[0], key[1], bucket)[:n]
+                graph.write(key[0], key[1], part, bucket)
+                image = runner.replay(graph.kind, key[0], key[1], bucket)[:n]
             image = image.permute(0, 2, 3, 1)  # on CUDA made float32 there: no CPU-wide conversion beside the loop
             image = image.to(torch.float32, memory_format=torch.contiguous_format) if self.cuda else image
             if host is None:

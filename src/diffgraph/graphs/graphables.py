@@ -29,8 +29,8 @@ class StepGraph:
 
     def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], program: StepProgram, denoise: Denoiser,
                  key: VariantKey, verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
-                 buckets: tuple[int, ...], step_fn: Callable[..., None] = step_rows):
-        self.kind = program.kind(key)
+                 buckets: tuple[int, ...], step_fn: Callable[..., None] = step_rows, kind: str | None = None):
+        self.kind = kind or program.kind(key)  # another kind: the same step over other groups' buffers (tiling)
         self.key = key
         self._program = program
         self._step = step_fn  # step_rows, or the compile tier's compiled step_rows
@@ -116,13 +116,16 @@ class TextGraph(StatelessGraphable):
 
 class VaeGraph(StatelessGraphable):
     """VAE decoder per (resolution, bucket): static latents in, float pixels [b, 3, H, W] in [0, 1] out.
-    (`input_shape` gives the static input's per-row shape of a resolution.)"""
+    (`input_shape` gives the static input's per-row shape of a resolution; `kind`: another kind of the same shapes,
+    such as the tiling groups' decoder.)"""
 
     kind = "vae"
 
     def __init__(self, decode: Callable[[torch.Tensor], torch.Tensor],
                  input_shape: Callable[[tuple[int, int]], tuple[int, ...]], dtype: torch.dtype,
-                 device: torch.device, resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...]):
+                 device: torch.device, resolutions: tuple[tuple[int, int], ...], buckets: tuple[int, ...],
+                 kind: str | None = None):
+        self.kind = kind or self.kind
         self.fn = decode
         self._latent_shape = input_shape
         self._dtype = dtype
@@ -136,6 +139,11 @@ class VaeGraph(StatelessGraphable):
 
     def resolutions(self) -> tuple[tuple[int, int], ...]:
         return self._resolutions
+
+    def like(self, fn: Callable[[torch.Tensor], torch.Tensor], kind: str) -> "VaeGraph":
+        """A graph of kind `kind` of the same class, shapes and buckets over another callable (static inputs of its
+        own)."""
+        return type(self)(fn, self._latent_shape, self._dtype, self._device, self._resolutions, self._buckets, kind)
 
     def static_latents(self, h: int, w: int) -> torch.Tensor:
         t = self.latents.get((h, w))

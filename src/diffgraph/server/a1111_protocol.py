@@ -307,7 +307,6 @@ def check_supported(body: ProcessingBody) -> None:
     """A 400 for each value diffgraph cannot honour (the first found), naming the field and the value that works."""
     get = body.__dict__.get
     off = {"restore_faces": "face restoration (GFPGAN, CodeFormer) is out of scope for diffgraph; send false",
-           "tiling": "tiling is not supported; send false",
            "disable_extra_networks": "send false, and leave <lora:...> tags out of the prompt instead"}
     for field, why in off.items():
         if get(field):
@@ -404,7 +403,7 @@ def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
         raise APIError(400, f"infotext: {e}", param="infotext") from None
     names = {"prompt": "prompt", "negative_prompt": "negative_prompt", "sampler": "sampler_name",
              "schedule": "scheduler", "num_inference_steps": "steps", "guidance_scale": "cfg_scale", "seed": "seed",
-             "width": "width", "height": "height", "strength": "denoising_strength", "eta": "eta"}
+             "width": "width", "height": "height", "strength": "denoising_strength", "eta": "eta", "tiling": "tiling"}
     for ours, field in names.items():
         if fields.get(ours) is not None and field not in body.model_fields_set and field in type(body).model_fields:
             setattr(body, field, fields[ours])
@@ -508,7 +507,7 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
                   width=512 if body.width is None else body.width, height=512 if body.height is None else body.height,
                   num_inference_steps=given(body, "steps"), guidance_scale=given(body, "cfg_scale"), num_images=1,
                   output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW),
-                  **({"variation": variation} if variation else {}))
+                  **({"variation": variation} if variation else {}), **({"tiling": True} if body.tiling else {}))
     return Plan(model=model, prompt=prompt, negative_prompt=negative, create=create,
                 seeds=tuple(seed + i for i in range(count)), subseeds=tuple(subseed + i for i in range(count)),
                 clip_stop=stop, warnings=tuple(warnings))

@@ -94,6 +94,7 @@ class ImageEditForm(BaseModel):
     emphasis: str = "original"
     timestep_spacing: str | None = None
     eta: StrictFloat | None = None
+    tiling: bool = False
     partial_images: StrictInt | None = None     # OpenAI's: 0-3 previews in the stream
     preview: Json[PreviewBody] | None = None    # a JSON text field: {"every": 2, "format": "jpeg"}
     # a JSON text field: [{"model": "edges", "scale": 0.8}], control i's map in the file part control_image_<i>

@@ -49,7 +49,8 @@ from ...features.guidance import ClassifierFreeGuidance
 from ...features.history import SamplerHistory
 from ...features.lora import LoraRows, SidePathRows
 from ...lora.targets import LoraLayout, unet_layout
-from ...request import SIZE_MULTIPLE, GroupKey, Size, check_family_params
+from ...request import (SIZE_MULTIPLE, TILING, GroupKey, ParamError, Size, check_family_params,
+                        tiling_refusal)
 from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
 from ...sampling.samplers import PlanOptions, SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
@@ -129,6 +130,9 @@ class FamilyAdapter:
     # above the native area (native_size squared) its VAE decodes and encodes in diffusers' tiles (`tiles`): the
     # token families say True; SD and SDXL decode whole at every size
     tiled_vae: bool = False
+    # AUTOMATIC1111's tiling (`GenerationRequest.tiling`): circular padding in the denoiser's and the VAE's
+    # convolutions (models/circular.py), its rows a group of their own; a family without convolutions refuses it
+    supports_tiling: bool = True
     # the capability parameter (a `Param.images` list) the edits route's image parts fill, every one of them (FLUX.2's
     # references); None: the first image is the image-to-image start
     edit_images: str | None = None
@@ -250,10 +254,15 @@ class FamilyAdapter:
     # transformer family that packs latents into tokens may group every size of one token bucket (rows of different
     # aspect ratios in one step), its rows then carrying their own positions and image-token mask (`row_spec`).
     def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
-                  prepared: Mapping[str, Any] | None = None) -> GroupKey:
+                  prepared: Mapping[str, Any] | None = None, tiling: bool = False) -> GroupKey:
         """The group rows of an image `size` whose longest prompt is `text_tokens` tokens run in (default: the size
         itself; 0 tokens: a prompt of any length); `prepared`: the request's capabilities' preparations by name (a
-        family whose rows carry inputs of their own size groups by them: FLUX.2's reference images)."""
+        family whose rows carry inputs of their own size groups by them: FLUX.2's reference images); `tiling`:
+        rows whose convolutions pad circularly, (height, width, TILING), a group of their own."""
+        if tiling:
+            if not self.supports_tiling:
+                raise ParamError("tiling", tiling_refusal(self.name))
+            return (*size, TILING)
         return size
 
     def group_keys(self, model: DiffusionModel, size: Size) -> tuple[GroupKey, ...]:

@@ -313,11 +313,11 @@ class Flux2KleinFamily(TokenFamily):
         return (ReferenceImages(self.token_bucket),)
 
     def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
-                  prepared: Mapping[str, Any] | None = None) -> GroupKey:
+                  prepared: Mapping[str, Any] | None = None, tiling: bool = False) -> GroupKey:
         """(reference tokens, image tokens), each rounded up to `token_bucket`: every row reads all 512 text tokens,
         so the first element, a text slot elsewhere, is the bucket of the row's references' tokens (0: none)."""
         refs = (prepared or {}).get(REFERENCES, ())
-        return (reference_bucket(refs, self.token_bucket), super().group_key(model, size)[1])
+        return (reference_bucket(refs, self.token_bucket), super().group_key(model, size, tiling=tiling)[1])
 
     def text_slot(self, key: GroupKey) -> int:
         if key[0] < 0 or key[0] % self.token_bucket:

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from ... import safe_files
-from ...request import GroupKey, Size
+from ...request import GroupKey, ParamError, Size, tiling_refusal
 from ...sampling.flow import FLOW_SAMPLERS, FLOW_SCHEDULES, FlowSchedule, flow_noising, flow_plan
 from ...sampling.samplers import SamplerPlan
 from ..qwen_tokenizer import check_chat_template, qwen_tokenizer
@@ -106,6 +106,7 @@ class TokenFamily(FamilyAdapter):
     prompt_syntaxes = ("plain",)
     plan_options = False
     tiled_vae = True
+    supports_tiling = False  # a transformer over tokens: no convolutions to pad circularly
 
     # -- groups and layout -------------------------------------------------------------------------
     def grid(self, model: DiffusionModel, size: Size) -> tuple[int, int]:
@@ -114,9 +115,11 @@ class TokenFamily(FamilyAdapter):
         return size[0] // cell, size[1] // cell
 
     def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
-                  prepared: Mapping[str, Any] | None = None) -> GroupKey:
+                  prepared: Mapping[str, Any] | None = None, tiling: bool = False) -> GroupKey:
         """(text slot, image tokens): the slot is the smallest text bucket of at least `text_tokens` (0: the
-        largest, which any prompt fits), TOKEN_GROUP for a family without text buckets."""
+        largest, which any prompt fits), TOKEN_GROUP for a family without text buckets. Tiling is refused."""
+        if tiling:
+            raise ParamError("tiling", tiling_refusal(self.name))
         h, w = self.grid(model, size)
         image = math.ceil(h * w / self.token_bucket) * self.token_bucket
         if not self.text_buckets:
