@@ -372,10 +372,14 @@ class ModelRunner:
         buf = self.buffers(key)
         n, d = coefs.shape[0], sum(k * b for _, k, b in rows)  # denoiser rows: a guiding row costs two
         variant = self.program.neutral() if variant is None else variant
+        # host refinements of the key from this step's numbers (the step cache's gathered rows); a part the step's
+        # graphs do not hold runs the step eagerly
+        variant = self.program.step_key(variant, coefs, layout(rows, d), d)
+        eager = self.program.eager(variant)
         kind = self.program.kinds.get(variant) or self.program.kind(variant)
         # the bucket a replay would take: its inputs are written first, since a graph captured on first use (in
         # GraphRunner.bucket) warms up on them, and stale denoiser-row indices would read past the rows
-        graphed = self.graph_runner is not None and key in self.graphed_resolutions()
+        graphed = self.graph_runner is not None and key in self.graphed_resolutions() and not eager
         planned = self._fits[d] if graphed and d < len(self._fits) else None
         size = planned or d
         pair = self.staging.get(key)
@@ -395,7 +399,8 @@ class ModelRunner:
             slot.noise[first:first + k].copy_(source() if callable(source) else self.draw(
                 k, key, size[0] if size else key, source))
             buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
-        bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
+        bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None and not eager \
+            else None
         if self.cuda:
             slot.event = self._record_event()
         if self.controls is not None:  # the ControlNets' residuals (features/control.py), outside the step's graph
@@ -405,7 +410,7 @@ class ModelRunner:
             self.graph_runner.replay(kind, key[0], key[1], bucket)
             return bucket
         with torch.no_grad():
-            self._eager_step(self.program, self.denoise_eager, buf, n, d, variant)
+            (whole_step if eager else self._eager_step)(self.program, self.denoise_eager, buf, n, d, variant)
         return d
 
     def read_latents(self, key: GroupKey, start: int, count: int) -> torch.Tensor:

@@ -181,6 +181,19 @@ class RowFeature:
         """The step's part, from the live requests' parts: one of `variants()` that runs all of them."""
         return self.variants()[0]
 
+    def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
+                  gather: bool = True) -> Any:
+        """The step's part refined on the host from the step's own numbers (no device sync): `coefs` its coefficient
+        table [n, columns] (feature columns at `columns`), `index` its denoiser-row layout (program.layout: den_row,
+        den_alt, ...) over denoiser rows [0, d); `gather` False when another feature of the step sets per-row state
+        the denoiser reads (LoRA rows, image prompts): a part may then not run the denoiser over a subset of rows.
+        Default: `part`."""
+        return part
+
+    def eager(self, part: Any) -> bool:
+        """Whether a step with this (refined) part runs eagerly, without the step's graphs."""
+        return False
+
     def graph_part(self, part: Any) -> Any:
         """The part the step's code and graphs see (one of `variants()`): `part` itself, unless the feature's step
         part says more than the code needs (the ControlNet pairs a prepass runs)."""

@@ -23,6 +23,7 @@ largest feature of any branch), compacted, saved and restored with the row. A st
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -233,7 +234,7 @@ def cached_unet(unet: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, 
             h = _down_layer(unet.down_blocks[block], layer, h, ctx[0], ctx[1])
         res.append(h + control[m].index_select(0, ctx[2]) if control else h)
         stage = stages.get(m)
-        if stage is not None and stage.stop:
+        if stage is not None and len(stage.keep) < ctx[2].shape[0]:  # the stopped rows leave the down path
             alive_at[m] = ctx
             keep = _index(stage.keep, x.device)
             h = h.index_select(0, keep)
@@ -279,6 +280,9 @@ def _rejoin(stage: Stage, h: torch.Tensor, ctx: list, before: list | None, store
         cached = store.index_select(0, _index(stage.stop_slots, h.device))[:, :math.prod(shape)]
         full.index_copy_(0, _index(stage.stop, h.device), cached.reshape(-1, *shape).to(h.dtype))
         h, ctx = full, before
+    elif stage.stop:  # the stopped rows ran the deep path too (`keep` is every row): their cached feature wins
+        cached = store.index_select(0, _index(stage.stop_slots, h.device))[:, :math.prod(shape)]
+        h = h.index_copy(0, _index(stage.stop, h.device), cached.reshape(-1, *shape).to(h.dtype))
     if stage.save:
         fresh = h.index_select(0, _index(stage.save, h.device)).flatten(1).to(store.dtype)
         store[:, :fresh.shape[1]].index_copy_(0, _index(stage.save_slots, h.device), fresh)
@@ -304,3 +308,129 @@ def _up_layer(block: Any, layer: int, h: torch.Tensor, res: torch.Tensor, emb: t
     if getattr(block, "has_cross_attention", False):
         h = block.attentions[layer](h, encoder_hidden_states=ehs, return_dict=False)[0]
     return h
+
+
+# -- the capability and its row feature ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepCacheSettings:
+    step_cache: str = dataclasses.field(default="off", metadata={
+        "help": "the step cache of a request that names none: off, auto, or a JSON object such as "
+                "'{\"method\": \"deepcache\", \"interval\": 3}'"})
+
+
+def read_default(value: str) -> str | DeepCache:
+    """The server's `step_cache` setting (a JSON object as a string); ValueError naming it otherwise."""
+    try:
+        return read_step_cache(json.loads(value) if value.lstrip().startswith("{") else value)
+    except (ParamError, json.JSONDecodeError) as e:
+        raise ValueError(f"setting step-cache: {e}") from None
+
+
+def request_cache(request: GenerationRequest, default: str | DeepCache) -> DeepCache | None:
+    """A request's DeepCache setting (its `step_cache`, else the server's default); None: off."""
+    value = dict(request.extras).get(NAME)
+    spec = default if value is None else read_step_cache(value)
+    return None if spec == "off" else spec
+
+
+class StepCache(Capability):
+    """`step_cache` on the UNets whose blocks the split forward knows (`supports`)."""
+
+    name = NAME
+    params = (Param(NAME, None, read_step_cache, "per-row step caching: \"off\", \"auto\" or {\"method\": "
+                                                 "\"deepcache\", \"interval\": N, \"branch\": m, \"schedule\": "
+                                                 "\"uniform\" | \"nonuniform\"}"),)
+    settings = StepCacheSettings
+
+    def __init__(self) -> None:
+        self._branches = 0  # the skip branches of the model `applies` saw (each engine gets its own capability)
+
+    def applies(self, model: Any) -> bool:
+        if not supports(model.denoiser):
+            return False
+        self._branches = len(residual_owners(model.denoiser))
+        return True
+
+    def check(self, values: dict[str, Any], settings: Any) -> None:
+        spec = values[NAME]
+        if isinstance(spec, DeepCache) and self._branches and spec.branch >= self._branches:
+            raise ParamError(f"{NAME}.branch", f"step_cache.branch {spec.branch} is out of range; this UNet has skip "
+                                               f"branches 0..{self._branches - 1}")
+
+    def feature(self, model: Any, settings: Any) -> RowFeature:
+        return StepCacheRows(model.denoiser, model.dtype, read_default(settings.step_cache))
+
+
+class StepCacheRows(RowFeature):
+    """The row feature: columns `cache.branch` (the row's branch + 1; 0: no cache) and `cache.reuse` (1 where the
+    evaluation reuses the feature), field `cache.deep` (the kept features, per CFG branch, flattened)."""
+
+    name = NAME
+
+    def __init__(self, unet: Any, dtype: torch.dtype, default: str | DeepCache):
+        self._unet, self._dtype, self._default = unet, dtype, default
+
+    def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
+        size = max(math.prod(s) for s in branch_shapes(self._unet, latent_shape))
+        return {"cache.deep": FieldSpec((2, size), self._dtype)}
+
+    def columns(self) -> tuple[str, ...]:
+        return ("cache.branch", "cache.reuse")
+
+    def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
+        spec = request_cache(request, self._default)
+        if spec is None:
+            return {}
+        return {"cache.branch": np.full(len(index), spec.branch + 1.0),
+                "cache.reuse": 1.0 - full_evaluations(spec, len(index))}
+
+    def variants(self) -> Sequence[Any]:
+        return (None,)  # a step with cache rows runs eagerly (`eager`): no graphs to capture
+
+    def part(self, admission: Admission) -> Any:
+        return "on" if request_cache(admission.request, self._default) is not None else None
+
+    def variant(self, parts: Sequence[Any]) -> Any:
+        return "on" if any(parts) else None
+
+    def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
+                  gather: bool = True) -> Any:
+        """The step's stages from the host's coefficient table: per branch in use, the rows alive there that stop
+        (reuse) and those that save; `gather` False (a feature sets per-row denoiser state: the deep path must see
+        every row) keeps the stopped rows in the deep path and only replaces their feature."""
+        if part is None:
+            return None
+        rows = index[:d, 0]
+        branch = coefs[rows, columns["cache.branch"]].astype(np.int64) - 1
+        reuse = coefs[rows, columns["cache.reuse"]] > 0.5
+        slots = rows * 2 + index[:d, 1]
+        alive = list(range(d))
+        stages = []
+        for b in sorted(set(branch[branch >= 0].tolist())):
+            local = {j: i for i, j in enumerate(alive)}
+            stop = [j for j in alive if branch[j] == b and reuse[j]]
+            save = [j for j in alive if branch[j] == b and not reuse[j]]
+            keep = [j for j in alive if not (gather and branch[j] == b and reuse[j])]
+            stages.append(Stage(b, tuple(local[j] for j in keep), tuple(local[j] for j in stop),
+                                tuple(int(slots[j]) for j in stop), tuple(local[j] for j in save),
+                                tuple(int(slots[j]) for j in save)))
+            alive = keep
+        return CacheStep(tuple(stages))
+
+    def eager(self, part: Any) -> bool:
+        return part is not None
+
+    def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
+        if not isinstance(part, CacheStep):
+            return {}
+        return {"cache.step": part, "cache.store": view.fields["cache.deep"].flatten(0, 1)}
+
+
+def family_denoise(model: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, rows: dict[str, Any],
+                   added: dict | None, residuals: dict) -> torch.Tensor | None:
+    """The SD families' denoiser call when the step has cache rows (None: it has none)."""
+    step = rows.get("cache.step")
+    if step is None:
+        return None
+    return cached_unet(model.denoiser, x, t, ehs, step, rows["cache.store"], rows.get("timestep_cond"), added,
+                       residuals)
