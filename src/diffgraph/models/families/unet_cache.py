@@ -91,8 +91,8 @@ def read_step_cache(value: Any) -> str | DeepCache:
             isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             and (kind != "int" or float(v).is_integer()))
         if not ok:
-            raise ParamError(f"{NAME}.{name}", f"step_cache.{name} must be a{'n integer' if kind == 'int' else ' '}"
-                                               f"{'' if kind == 'int' else kind}, got {v!r}")
+            what = {"int": "an integer", "float": "a finite number", "str": "a string"}[kind]
+            raise ParamError(f"{NAME}.{name}", f"step_cache.{name} must be {what}, got {v!r}")
         out[name] = int(v) if kind == "int" else float(v) if kind == "float" else v
     spec = DeepCache(**out)
     _check_ranges(spec)
@@ -386,6 +386,10 @@ class StepCacheRows(RowFeature):
 
     def variants(self) -> Sequence[Any]:
         return (None,)  # a step with cache rows runs eagerly (`eager`): no graphs to capture
+
+    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
+        """A cache row's field, written (zero) so that a preemption saves and restores it with the row."""
+        return {"cache.deep": 0.0} if request_cache(admission.request, self._default) is not None else {}
 
     def part(self, admission: Admission) -> Any:
         return "on" if request_cache(admission.request, self._default) is not None else None
