@@ -187,10 +187,19 @@ def test_bad_values_are_param_errors_naming_the_field(tiny_engine):
 
 
 def test_the_server_default_applies_and_bad_values_are_one_line_400s_over_http(tiny_engine):
-    from diffgraph.server import ServerConfig
+    import argparse
 
+    from diffgraph.server import ServerConfig
+    from diffgraph.server.cli import add_serve_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    config = config_from_args(parser.parse_args(["--model", "random:tiny", "--step-cache", "auto"]))
+    settings = config.engine_kwargs()["capability_settings"]
+    assert settings == {"step_cache": {"step_cache": "auto"}}
+    assert "capability_settings" not in config_from_args(parser.parse_args([])).engine_kwargs()
     plain = tiny_engine.run(_request(tiny_engine)).arrays
-    with Engine(model=tiny_engine.model, capability_settings={"step_cache": {"step_cache": "auto"}}) as e:
+    with Engine(model=tiny_engine.model, capability_settings=settings) as e:
         np.testing.assert_array_equal(e.run(_request(e)).arrays, e.run(_request(e, "auto")).arrays)
         np.testing.assert_array_equal(e.run(_request(e, "off")).arrays, plain)
         body = {"prompt": PROMPT, "size": "64x64", "num_inference_steps": 4, "seed": 5}

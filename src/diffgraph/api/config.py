@@ -327,6 +327,9 @@ class ServerConfig:
     webhook_secret: str | None = field(default=None, repr=False, metadata=setting(
         "the HMAC-SHA256 key of the webhooks' X-Diffgraph-Signature header (default: derived from the API keys)",
         "jobs", metavar="SECRET"))
+    # the registered capabilities' settings given as flags (capability_settings.py: `--step-cache`, ...), as
+    # ((capability, ((field, value), ...)), ...); not a setting of its own: each capability declares its fields
+    capability_settings: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_engine()
@@ -545,12 +548,15 @@ class ServerConfig:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `Engine(...)`: each setting's `engine` keyword, its value, or for a keyword that
-        several settings feed, the value ENGINE_PARTS builds from them. Live rows never exceed the largest bucket."""
+        several settings feed, the value ENGINE_PARTS builds from them; the capabilities' settings given
+        (`capability_settings`). Live rows never exceed the largest bucket."""
         out: dict[str, Any] = {}
         for f, s in declared(type(self)):
             if s.engine is not None:
                 build = ENGINE_PARTS.get(s.engine)
                 out[s.engine] = build(self) if build is not None else getattr(self, f.name)
+        if self.capability_settings:
+            out["capability_settings"] = {name: dict(fields) for name, fields in self.capability_settings}
         return out
 
     def resolved_torch_threads(self, cpu_count: int | None = None) -> int:

@@ -15,10 +15,10 @@ On a model without the capability its parameters are a 400 naming them unless th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..capability_settings import add_capability_flags, capability_args
 from ..errors import ParamError
 from .base import RowFeature
 
@@ -137,24 +137,11 @@ class Capabilities:
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         """`--NAME-FIELD` flags (dashes for underscores) of every capability's settings, one argument group each
         (a field named as its capability: `--NAME`)."""
-        for name, c in self._by_name.items():
-            if c.settings is None:
-                continue
-            group = parser.add_argument_group(f"capability {name}")
-            for f in dataclasses.fields(c.settings):  # a field named as its capability: `--NAME`
-                flag = f"--{name if f.name == name else f'{name}-{f.name}'}".replace("_", "-")
-                kind = f.type if isinstance(f.type, type) else type(f.default)
-                group.add_argument(flag, dest=f"capability__{name}__{f.name}", type=kind, default=None,
-                                   help=f"{f.metadata.get('help', '')} (default: {f.default})")
+        add_capability_flags(parser, {name: c.settings for name, c in self._by_name.items()})
 
     def settings_from_args(self, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         """The flags `add_flags` made, as `settings()`'s `given` (only those set)."""
-        out: dict[str, dict[str, Any]] = {}
-        for key, value in vars(args).items():
-            if key.startswith("capability__") and value is not None:
-                _, name, field = key.split("__", 2)
-                out.setdefault(name, {})[field] = value
-        return out
+        return capability_args(args)
 
     # -- per model, per request ------------------------------------------------------------------------
     def for_model(self, model: Any, settings: Mapping[str, Any]) -> "ModelCapabilities":

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ...capability_settings import StepCacheSettings
 from ...errors import ParamError
 from ...features.base import Admission, FieldSpec, RowFeature, StepView
 from ...features.capability import Capability, Param
@@ -311,13 +312,6 @@ def _up_layer(block: Any, layer: int, h: torch.Tensor, res: torch.Tensor, emb: t
 
 
 # -- the capability and its row feature ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepCacheSettings:
-    step_cache: str = dataclasses.field(default="off", metadata={
-        "help": "the step cache of a request that names none: off, auto, or a JSON object such as "
-                "'{\"method\": \"deepcache\", \"interval\": 3}'"})
-
-
 def read_default(value: str) -> str | DeepCache:
     """The server's `step_cache` setting (a JSON object as a string); ValueError naming it otherwise."""
     try:
