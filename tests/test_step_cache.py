@@ -168,6 +168,19 @@ def test_cached_uncached_and_other_interval_rows_together_equal_each_alone(tiny_
     assert _levels(alone[0][0], alone[0][1]) > 1
 
 
+def test_an_evaluation_whose_cfg_branch_has_no_kept_feature_runs_full(tiny_engine):
+    runner = tiny_engine.runner
+    reuse = runner.program.columns["cache.reuse"]
+    plan = runner.request_plan(_request(tiny_engine, {"method": "deepcache", "interval": 3}, num_inference_steps=9))
+    np.testing.assert_array_equal(plan.coefs[:, reuse], [0, 1, 1, 0, 1, 1, 0, 1, 1])
+    # guidance from step 5 on (a guidance interval): step 5 runs full (its second branch has no kept feature)
+    late = _request(tiny_engine, {"method": "deepcache", "interval": 3}, num_inference_steps=9,
+                    guidance_interval=(0.5, 1.0))
+    plan = runner.request_plan(late)
+    assert plan.branches.tolist() == [1] * 5 + [2] * 4
+    np.testing.assert_array_equal(plan.coefs[:, reuse], [0, 1, 1, 0, 1, 0, 0, 1, 1])
+
+
 BAD = [({"method": "teacache"}, "step_cache.method", "transformer"),
        ({"method": "tomesd"}, "step_cache.method", "unknown"),
        ({"method": "deepcache", "interval": 0}, "step_cache.interval", "out of range"),

@@ -121,6 +121,10 @@ class RowFeature:
         step)."""
         return {}
 
+    def after_plan(self, table: np.ndarray, columns: dict[str, int], branches: np.ndarray) -> None:
+        """Adjusts this feature's columns of a request's coefficient table (in place) once its denoiser rows per
+        plan row (`branches`, every feature's) are known."""
+
     def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray | None:
         """Denoiser rows per image row at each plan row (1 or 2), or None (one everywhere); `index` as above."""
         return None

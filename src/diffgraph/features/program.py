@@ -60,7 +60,8 @@ class StepProgram:
         object.__setattr__(self, "_overrides", {h: overriding(h) for h in ("plan_columns", "branches", "part",
                                                                             "variant", "rows", "prepass",
                                                                             "graph_part", "step_part",
-                                                                            "before_denoise", "eager")})
+                                                                            "before_denoise", "eager",
+                                                                            "after_plan")})
         object.__setattr__(self, "_transient", frozenset(
             name for f in self.features for name, spec in f.fields((4, 8, 8)).items() if spec.transient))
         object.__setattr__(self, "kinds", {v: self.kind(v) for v in variants})  # variant key -> graph kind
@@ -93,8 +94,11 @@ class StepProgram:
     def request_plan(self, request: GenerationRequest, plan: SamplerPlan) -> SamplerPlan:
         """The request's plan with the features' per-row columns in its coefficient table and its denoiser rows per
         image row at each plan row (`branches`)."""
-        return dataclasses.replace(plan, coefs=self.request_coefs(request, plan.coefs, plan.step_index),
-                                   branches=self.branches(request, plan.step_index))
+        coefs, branches = self.request_coefs(request, plan.coefs, plan.step_index), self.branches(request,
+                                                                                                 plan.step_index)
+        for i in self._overrides["after_plan"]:
+            self.features[i].after_plan(coefs, self.columns, branches)
+        return dataclasses.replace(plan, coefs=coefs, branches=branches)
 
     def request_coefs(self, request: GenerationRequest, sampler_coefs: np.ndarray, index: np.ndarray) -> np.ndarray:
         """The request's coefficient table: the sampler's columns, then each feature's per-row columns (`index`: the

@@ -378,6 +378,17 @@ class StepCacheRows(RowFeature):
         return {"cache.branch": np.full(len(index), spec.branch + 1.0),
                 "cache.reuse": 1.0 - full_evaluations(spec, len(index))}
 
+    def after_plan(self, table: np.ndarray, columns: dict[str, int], branches: np.ndarray) -> None:
+        """An evaluation that runs a CFG branch the last full one did not (a guidance interval opening) is full:
+        that branch has no feature kept."""
+        reuse = table[:, columns["cache.reuse"]]
+        last = 0
+        for e in range(len(reuse)):
+            if reuse[e] and branches[e] > branches[last]:
+                reuse[e] = 0.0
+            if not reuse[e]:
+                last = e
+
     def variants(self) -> Sequence[Any]:
         return (None,)  # a step with cache rows runs eagerly (`eager`): no graphs to capture
 
