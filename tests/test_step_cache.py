@@ -226,3 +226,16 @@ def test_the_server_default_applies_and_bad_values_are_one_line_400s_over_http(t
             off = client.post("/v1/images/generations", json={**body, "step_cache": "off"})
             assert auto.status_code == 200 and off.status_code == 200, off.text
             assert auto.json()["data"][0]["b64_json"] != off.json()["data"][0]["b64_json"]
+
+
+def test_in_graph_mode_steps_with_cache_rows_run_eagerly_and_equal_the_eager_engine(tiny_engine):
+    from diffgraph.config import GraphConfig
+
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as g:
+        replays = lambda: sum(r.get("replays") or 0 for r in g.runner.graph_runner.table() if r["kind"] == "step")
+        for cache, replayed in ((None, 4), ({"method": "deepcache", "interval": 2}, 0)):
+            before = replays()
+            request = _request(tiny_engine, cache, num_inference_steps=4)
+            np.testing.assert_array_equal(g.run(request).arrays, tiny_engine.run(request).arrays)
+            assert replays() - before == replayed
