@@ -67,10 +67,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             raise ValueError("give --devices or --data-parallel, not both")
         overrides["devices"] = data_parallel_devices(dp)
     config = load_config(args.config, overrides)
-    given = capability_args(args)
+    given = capability_args(args)  # each capability's own flags, over --capability-settings and the file's
     if given:
+        merged = {name: dict(fields) for name, fields in config.capability_settings}
+        for name, fields in given.items():
+            merged.setdefault(name, {}).update(fields)
         config = dataclasses.replace(config, capability_settings=tuple(
-            (name, tuple(fields.items())) for name, fields in given.items()))
+            (name, tuple(fields.items())) for name, fields in merged.items()))
     return config
 
 
