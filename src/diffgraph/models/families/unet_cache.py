@@ -114,14 +114,15 @@ def _check_ranges(spec: DeepCache) -> None:
 
 
 def nonuniform_steps(total: int, count: int, center: int, power: float) -> list[int]:
-    """DeepCache's `sample_from_quad_center`: `count` full evaluations of `total`, dense around `center` (linearly
-    spaced in signed |x - center| ** (1 / power), mapped back), lowering `power` by 0.02 until they are distinct;
-    `center` is clamped to the row's evaluations. None found: the uniform choice of as many."""
+    """DeepCache's `sample_from_quad_center`, as its code computes it: `count` full evaluations of `total`, 0 and the
+    integer parts of linspace((-center) ** (1 / power), (total - center) ** (1 / power)) ** power + center (Python's
+    principal powers: complex for the negative end, the real part kept), lowering `power` by 0.02 until they are
+    distinct. `center` is clamped to the row's evaluations; none found: the uniform choice of as many."""
     center = min(center, total - 1)
     while power > 1:
-        lo, hi = -(center ** (1 / power)), (total - center) ** (1 / power)
-        x = np.linspace(lo, hi, count + 1)
-        picked = np.unique((np.sign(x) * np.abs(x) ** power).astype(np.int32))[1:-1] + center
+        ends = complex(-center) ** (1 / power), complex(total - center) ** (1 / power)
+        x = np.linspace(*ends, count + 1) ** power
+        picked = np.unique(x.real.astype(np.int32))[1:-1] + center
         out = [0] + [int(p) for p in picked if 0 < p < total]
         if len(out) == count:
             return out
