@@ -342,3 +342,13 @@ def test_a_sampler_label_that_names_its_schedule_is_taken_alone(tmp_path, canned
     assert canned.seen[0]["body"]["sampler"] == "DPM++ 2M Karras" and "schedule" not in canned.seen[0]["body"]
     request = GenerationRequest.create("a cat", width=64, height=64, guidance_scale=7.5, sampler="DPM++ 2M Karras")
     assert (request.sampler, request.schedule) == ("dpmpp_2m", "karras")
+
+
+def test_generate_url_sends_the_step_cache(tmp_path, capsys, canned):
+    canned.answer = _images_answer(_encoded((1, 2, 3)))
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "a.png"), "--url", canned.url, "--step-cache",
+               '{"method": "deepcache", "interval": 2}'])
+    assert rc == 0, capsys.readouterr().err
+    assert canned.seen[0]["body"]["step_cache"] == {"method": "deepcache", "interval": 2}
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "b.png"), "--url", canned.url, "--step-cache", "{oops"])
+    assert rc == 2 and "--step-cache is not a JSON object" in capsys.readouterr().err

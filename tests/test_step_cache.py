@@ -240,3 +240,22 @@ def test_in_graph_mode_steps_with_cache_rows_run_eagerly_and_equal_the_eager_eng
             request = _request(tiny_engine, cache, num_inference_steps=4)
             np.testing.assert_array_equal(g.run(request).arrays, tiny_engine.run(request).arrays)
             assert replays() - before == replayed
+
+
+def test_the_cli_caches_and_from_image_repeats_it(tmp_path):
+    from PIL import Image
+
+    from diffgraph.cli import main
+    from diffgraph.image_metadata import read_request
+
+    first, again, plain = (str(tmp_path / f"{n}.png") for n in ("first", "again", "plain"))
+    common = ["--model", "random:tiny", "--device", "cpu", "--steps", "4", "--width", "64", "--height", "64",
+              "--seed", "3", "-q"]
+    cache = '{"method": "deepcache", "interval": 2, "branch": 1}'
+    assert main(["generate", "a cat", "-o", first, *common, "--step-cache", cache]) == 0
+    assert read_request(first)["extras"] == {"step_cache": {"method": "deepcache", "interval": 2, "branch": 1}}
+    assert main(["generate", "--from-image", first, "-o", again, "--device", "cpu", "-q"]) == 0
+    assert main(["generate", "--from-image", first, "-o", plain, "--device", "cpu", "-q", "--step-cache", "off"]) == 0
+    pixels = [np.asarray(Image.open(p)) for p in (first, again, plain)]
+    np.testing.assert_array_equal(pixels[1], pixels[0])
+    assert np.abs(pixels[2].astype(int) - pixels[0]).max() > 1
