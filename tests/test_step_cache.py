@@ -82,6 +82,26 @@ def test_the_split_forward_equals_the_unet_and_reuses_exactly_the_kept_feature(e
             assert (out[1] - plain[1]).abs().max() > 1e-4  # the kept feature, not a fresh one
 
 
+def test_the_split_forward_adds_controlnet_residuals_as_the_unet_does(tiny_engine):
+    from diffgraph.features.control import residual_shapes
+
+    model = tiny_engine.model
+    u = model.denoiser
+    x, t, ehs, _ = _unet_inputs(model)
+    g = torch.Generator().manual_seed(1)
+    res = [torch.randn(3, *s, generator=g) for s in residual_shapes(u.config, tuple(x.shape[1:]))]
+    kw = {"down_block_additional_residuals": res[:-1], "mid_block_additional_residual": res[-1]}
+    size = max(math.prod(s) for s in branch_shapes(u, tuple(x.shape[1:])))
+    with torch.no_grad():
+        ref = u(x, t, encoder_hidden_states=ehs, return_dict=False, **kw)[0]
+        store = torch.zeros(3, size)
+        save = CacheStep((Stage(2, (0, 1, 2), (), (), (0, 1, 2), (0, 1, 2)),))
+        assert torch.equal(cached_unet(u, x, t, ehs, save, store, residuals=kw), ref)
+        reuse = CacheStep((Stage(2, (0, 2), (1,), (1,), (), ()),))
+        out = cached_unet(u, x, t, ehs, reuse, store, residuals=kw)  # the same inputs: the kept feature is fresh
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
 def test_the_plan_is_deepcache_s_uniform_and_nonuniform_schedules():
     np.testing.assert_array_equal(full_evaluations(DeepCache(interval=3), 8), [1, 0, 0, 1, 0, 0, 1, 0])
     np.testing.assert_array_equal(full_evaluations(DeepCache(interval=1), 3), [1, 1, 1])
