@@ -134,7 +134,7 @@ def test_its_check_and_its_types_name_the_parameter(engine):
     with pytest.raises(ParamError) as e:
         _request(engine, extras={"tone": 1.0})
     assert e.value.param == "tone"
-    assert "tint" in engine.info.capabilities and engine.info.extension_params == ("tint",)
+    assert "tint" in engine.info.capabilities and engine.info.extension_params == ("tint", "step_cache")
 
 
 def test_its_settings_make_flags(registry):

@@ -359,3 +359,13 @@ def test_tiling_is_a_flag_and_comes_back_from_an_image(tmp_path, canned):
     Image.new("RGB", (8, 8)).save(saved, pnginfo=info)
     assert main(["generate", "-o", out, "--url", canned.url, "--from-image", str(saved)]) == 0
     assert [seen["body"].get("tiling") for seen in canned.seen] == [True, None, True]
+
+
+def test_generate_url_sends_the_step_cache(tmp_path, capsys, canned):
+    canned.answer = _images_answer(_encoded((1, 2, 3)))
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "a.png"), "--url", canned.url, "--step-cache",
+               '{"method": "deepcache", "interval": 2}'])
+    assert rc == 0, capsys.readouterr().err
+    assert canned.seen[0]["body"]["step_cache"] == {"method": "deepcache", "interval": 2}
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "b.png"), "--url", canned.url, "--step-cache", "{oops"])
+    assert rc == 2 and "--step-cache is not a JSON object" in capsys.readouterr().err

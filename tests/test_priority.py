@@ -148,9 +148,12 @@ def test_a_failed_step_fails_the_rows_it_preempted_before_they_were_saved():
     assert sorted(ids(sched.fail(p))) == ["b", "person"] and not sched.has_work()
 
 
-# D_prev, noise drawn every step, three history slots (LMS), a two-evaluation sampler's slot (Heun)
-@pytest.mark.parametrize("sampler, slots", [("dpmpp_2m", 0), ("euler_a", 0), ("lms", 3), ("heun", 1)])
-def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_engine, sampler, slots):
+# D_prev, noise drawn every step, three history slots (LMS), a two-evaluation sampler's slot (Heun), a step cache's
+# kept features (models/families/unet_cache.py)
+@pytest.mark.parametrize("sampler, slots, cache", [("dpmpp_2m", 0, None), ("euler_a", 0, None), ("lms", 3, None),
+                                                   ("heun", 1, None),
+                                                   ("euler", 0, {"method": "deepcache", "interval": 3})])
+def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_engine, sampler, slots, cache):
     from diffgraph import GenerationRequest
     eng = tiny_engine
     size = eng.info.native_size
@@ -160,7 +163,8 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
         r = GenerationRequest.create("a cat" if i % 2 else "a dog", width=size, height=size, seed=10 + i,
                                      num_inference_steps=steps, sampler=sampler, guidance_scale=5.0,
                                      num_images=per if priority == "batch" else 1, model=eng.info,
-                                     request_id=f"{priority}-{i}-{sampler}")
+                                     request_id=f"{priority}-{i}-{sampler}-{bool(cache)}",
+                                     extras=None if cache is None else {"step_cache": cache})
         return dataclasses.replace(r, priority=priority, job="j" if priority == "batch" else None)
 
     jobs = [make(i, "batch", 6) for i in range(4)]
@@ -196,6 +200,7 @@ def test_a_preempted_row_gives_the_image_it_would_have_given_uninterrupted(tiny_
                          for names in saved)
     assert all(any(k.startswith("uncond.") for k in names) and not any(k.startswith("edit.") for k in names)
                for names in saved), saved
+    assert all(("cache.deep" in names) == (cache is not None) for names in saved)
     for res, ref in zip(results, alone):  # within the isolation tolerance (batch shapes change the float sums)
         np.testing.assert_allclose(res.arrays, ref, atol=1e-4, rtol=0)
     np.testing.assert_allclose(person_result.arrays, person_alone, atol=1e-4, rtol=0)

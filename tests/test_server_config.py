@@ -16,7 +16,8 @@ from diffgraph.settings import GROUPS, declared
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODEL = "random:tiny"
-SERVE_ONLY_FLAGS = {"--config", "--data-parallel", "--ray", "--ray-address"}  # how to serve, not settings
+# how to serve, not settings; and the built-in capabilities' own flags (capability_settings.py)
+SERVE_ONLY_FLAGS = {"--config", "--data-parallel", "--ray", "--ray-address", "--step-cache"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,8 +49,8 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
         "torch_threads": (3, {}), "image_threads": (3, {}), "devices": (["cpu", "cpu"], {}),
         "min_ready": (2, {"devices": ["cpu", "cpu"]}), "max_image_bytes": (1000, {}),
         "max_image_pixels": (10_000, {}), "lora_dir": (d, {}), "max_loras": (4, {}), "max_request_loras": (6, {}),
-        "max_lora_rank": (32, {}),
-        "lora_conv": (True, {}), "fuse_loras": (["ink:0.5"], {}), "controlnet_dir": (d, {}),
+        "max_lora_rank": (32, {}), "lora_conv": (True, {}), "fuse_loras": (["ink:0.5"], {}),
+        "capability_settings": ('{"step_cache": {"step_cache": "auto"}}', {}), "controlnet_dir": (d, {}),
         "max_controlnets": (3, {}), "ip_adapter_dir": (d, {}), "upscaler_dir": (d, {}), "compile": (True, {}),
         "compile_mode": ("max-autotune-no-cudagraphs", {"compile": True}), "quantize": ("fp8", {}),
         "quantize_min_features": (64, {"quantize": "fp8"}), "embeddings_dir": (d, {}), "max_prompt_chunks": (2, {}),

@@ -90,6 +90,10 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
                         "few-step models)")
     g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3), "
                    "ddim (its eta, default 0) and euler_a, dpmpp_2s_a, dpm_fast (their eta, default 1), 0-1")
+    g.add_argument("--step-cache", default=None, metavar="off|auto|JSON",
+                   help="per-row step caching (SD families' UNets: DeepCache): off, auto, or a JSON object such as "
+                        "'{\"method\": \"deepcache\", \"interval\": 3, \"branch\": 0, \"schedule\": \"uniform\"}' "
+                        "(default: the server's or off)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
@@ -355,6 +359,21 @@ def _apply_from_image(args: argparse.Namespace, argv: list[str]) -> None:
         raise _ArgError(f"--from-image {args.from_image!r} is an image-to-image request (strength "
                         f"{args.strength:g}); give its input image with --image (images do not embed their input)")
     args.extra = {name: saved[name] for name in NO_FLAG if name in saved}
+    if "step_cache" not in given and (saved.get("extras") or {}).get("step_cache") is not None:
+        args.step_cache = saved["extras"]["step_cache"]
+
+
+def _step_cache(args: argparse.Namespace) -> dict[str, Any]:
+    """--step-cache as the request's capability parameter (a JSON object read; a file's value kept)."""
+    value = getattr(args, "step_cache", None)
+    if value is None:
+        return {}
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise _ArgError(f"--step-cache is not a JSON object: {e}") from None
+    return {"step_cache": value}
 
 
 def _serve_ray(config: Any, data_parallel: int | None, address: str | None) -> int:
@@ -386,6 +405,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                   prompt_syntax=args.prompt_syntax or "plain",
                   clip_skip=args.clip_skip,
                   timestep_spacing=args.timestep_spacing, eta=args.eta, tiling=args.tiling,
+                  extras=_step_cache(args) or None,
                   **getattr(args, "extra", {}))
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
@@ -622,6 +642,7 @@ def _remote_body(args: argparse.Namespace, prompt_spec) -> dict[str, Any]:
                 **({"model": prompt_spec[0]} if prompt_spec[0] else {})},
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta, "tiling": args.tiling or None,
+            **_step_cache(args),
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
     return {k: v for k, v in body.items() if v is not None}
 

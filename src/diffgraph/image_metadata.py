@@ -111,6 +111,9 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
         # AUTOMATIC1111 writes DDIM's eta where it is not 0
         "Eta DDIM": _number(request.eta) if request.sampler == "ddim" and getattr(request, "eta", None) else None,
     }
+    # the capability parameters (their own names, "Step cache"; objects as JSON)
+    params.update({name.replace("_", " ").capitalize(): v if isinstance(v, str) else json.dumps(v)
+                   for name, v in plain_extras(request).items()})
     params.update({k: _number(v) if isinstance(v, float) else v for k, v in (extra or {}).items()})
     line = ", ".join(f"{k}: {_quote(v)}" for k, v in params.items() if v is not None)
     negative = f"\nNegative prompt: {request.negative_prompt}" if request.negative_prompt else ""
@@ -161,7 +164,22 @@ def request_fields(request: Any, model_name: str) -> dict[str, Any]:
     if request.edit is not None:
         fields["strength"] = request.edit.strength  # the input image (and mask) are not embedded
         fields["inpaint"] = request.edit.inpaint
+    extras = plain_extras(request)
+    if extras:
+        fields["extras"] = extras
     return fields
+
+
+def plain_extras(request: Any) -> dict[str, Any]:
+    """The request's capability parameters that are plain JSON data (`step_cache`; images are not embedded)."""
+    out = {}
+    for name, value in getattr(request, "extras", ()):
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            continue
+        out[name] = value
+    return out
 
 
 def request_json(request: Any, model_name: str) -> str:

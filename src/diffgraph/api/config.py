@@ -20,6 +20,7 @@ printed (the field is left out of the repr).
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import sys
@@ -69,6 +70,20 @@ def _api_keys(value: Any) -> tuple[str, ...]:
 
 def _prewarm(value: Any) -> Any:
     return value if isinstance(value, bool) else parse_prewarm(value)
+
+
+def _capability_settings(value: Any) -> tuple:
+    """{capability: {field: value}} (a TOML table, or JSON) -> ((capability, ((field, value), ...)), ...)."""
+    if isinstance(value, tuple):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"capability-settings is not JSON: {e}") from None
+    if not isinstance(value, Mapping) or not all(isinstance(v, Mapping) for v in value.values()):
+        raise ValueError("capability-settings must be a table of tables: {capability: {field: value}}")
+    return tuple((str(name), tuple((str(k), v) for k, v in fields.items())) for name, fields in value.items())
 
 
 def _fuse_loras(value: Any) -> tuple[tuple[str, float], ...]:
@@ -347,6 +362,12 @@ class ServerConfig:
     webhook_secret: str | None = field(default=None, repr=False, metadata=setting(
         "the HMAC-SHA256 key of the webhooks' X-Diffgraph-Signature header (default: derived from the API keys)",
         "jobs", metavar="SECRET"))
+    # ((capability, ((field, value), ...)), ...): each capability's own flags (capability_settings.py: `--step-cache`)
+    # set it too, over this
+    capability_settings: tuple = field(default=(), metadata=setting(
+        "the registered capabilities' settings, as {capability: {field: value}} (a TOML table; JSON here); their own "
+        "flags, such as --step-cache, set them too", "capabilities", engine="capability_settings",
+        parse=_capability_settings, metavar="JSON"))
 
     def __post_init__(self) -> None:
         self._check_engine()
@@ -545,6 +566,10 @@ class ServerConfig:
             kwargs[key] = read(key, hints[key], known[key], value)
         return cls(**kwargs)
 
+    def capability_options(self) -> dict[str, dict[str, Any]] | None:
+        """`Engine(capability_settings=...)`: {capability: {field: value}}, None when none is given."""
+        return {name: dict(fields) for name, fields in self.capability_settings} or None
+
     def graph_config(self) -> GraphConfig:
         return GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions, prewarm=self.prewarm)
 
@@ -588,7 +613,8 @@ class ServerConfig:
 
 # the Engine keywords that several settings feed, each built by one method
 ENGINE_PARTS = {"graphs": ServerConfig.graph_config, "load": ServerConfig.load_options,
-                "compile": ServerConfig.compile_option, "quantize": ServerConfig.quantize_option}
+                "compile": ServerConfig.compile_option, "quantize": ServerConfig.quantize_option,
+                "capability_settings": ServerConfig.capability_options}
 
 
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

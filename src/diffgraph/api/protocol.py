@@ -341,7 +341,7 @@ def error_from_param_error(err: ValueError, extensions: tuple[str, ...] = ()) ->
     message = str(err)
     name = getattr(err, "param", None)
     known = name in ImageGenerationRequest.model_fields or name in ("image", "mask", "strength") or (
-        name in extensions)  # + the edits'
+        (name or "").split(".")[0] in extensions)  # + the edits', and a capability's fields ("step_cache.method")
     param = _ENGINE_TO_API.get(name, name if known else None)
     if name == "num_images" and message.startswith("num_images"):
         message = "n" + message[len("num_images"):]

@@ -392,13 +392,17 @@ class ModelRunner:
         buf = self.buffers(key)
         n, d = coefs.shape[0], sum(k * b for _, k, b in rows)  # denoiser rows: a guiding row costs two
         variant = self.program.neutral() if variant is None else variant
+        # host refinements of the key from this step's numbers (the step cache's gathered rows); a part the step's
+        # graphs do not hold runs the step eagerly
+        variant = self.program.step_key(variant, coefs, layout(rows, d), d)
+        eager = self.program.eager(variant)
         kind = self.program.kinds.get(variant) or self.program.kind(variant)
         tiling = len(key) > 2
         if tiling and self.graphs is not None:  # its own graphs, over its own buffers
             kind = self._tiling_graphs(kind)
         # the bucket a replay would take: its inputs are written first, since a graph captured on first use (in
         # GraphRunner.bucket) warms up on them, and stale denoiser-row indices would read past the rows
-        graphed = self.graph_runner is not None and key[:2] in self.graphed_resolutions()
+        graphed = self.graph_runner is not None and key[:2] in self.graphed_resolutions() and not eager
         planned = self._fits[d] if graphed and d < len(self._fits) else None
         size = planned or d
         pair = self.staging.get(key)
@@ -418,7 +422,8 @@ class ModelRunner:
             slot.noise[first:first + k].copy_(source() if callable(source) else self.draw(
                 k, key, size[0] if size else key[:2], source))
             buf.noise[first:first + k].copy_(slot.noise[first:first + k], non_blocking=True)
-        bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None else None
+        bucket = self.graph_runner.bucket(kind, key[0], key[1], d) if self.graph_runner is not None and not eager \
+            else None
         if self.cuda:
             slot.event = self._record_event()
         if self.controls is not None:  # the ControlNets' residuals (features/control.py), outside the step's graph
@@ -431,7 +436,7 @@ class ModelRunner:
             if tiling:
                 whole_step(self.program, self.denoise_tiling, buf, n, d, variant)
             else:
-                self._eager_step(self.program, self.denoise_eager, buf, n, d, variant)
+                (whole_step if eager else self._eager_step)(self.program, self.denoise_eager, buf, n, d, variant)
         return d
 
     def _tiling_graphs(self, kind: str) -> str:

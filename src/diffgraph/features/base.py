@@ -16,6 +16,9 @@ A feature declares, for the rows of one resolution group:
     feature) and the parts that exist (`variants`: all captured at start-up). A feature whose part only sets how
     many prompt tokens the step reads (`tokens(part)`; the prompt context) changes shapes, never code: its parts
     combine with every other variant, and the compiled step sees them as a dynamic dimension.
+Two host hooks read the step's own numbers: `after_plan` (its columns of a request's table adjusted once the plan's
+denoiser rows per plan row are known) and `step_part` (its part refined from the step's host coefficient table and
+denoiser-row layout, before the step; `eager(part)`: the step's graphs do not hold it, so that step runs eagerly).
 Admission (what a request writes into its rows) is the feature's `rows(...)`, called on the loop thread with the
 request's prepared inputs; preparation that costs CPU happens on the submitting thread before.
 A family adapter lists its features (`FamilyAdapter.features(model)`); `program.StepProgram` composes them.
@@ -121,6 +124,10 @@ class RowFeature:
         step)."""
         return {}
 
+    def after_plan(self, table: np.ndarray, columns: dict[str, int], branches: np.ndarray) -> None:
+        """Adjusts this feature's columns of a request's coefficient table (in place) once its denoiser rows per
+        plan row (`branches`, every feature's) are known."""
+
     def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray | None:
         """Denoiser rows per image row at each plan row (1 or 2), or None (one everywhere); `index` as above."""
         return None
@@ -180,6 +187,19 @@ class RowFeature:
     def variant(self, parts: Sequence[Any]) -> Any:
         """The step's part, from the live requests' parts: one of `variants()` that runs all of them."""
         return self.variants()[0]
+
+    def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
+                  gather: bool = True) -> Any:
+        """The step's part refined on the host from the step's own numbers (no device sync): `coefs` its coefficient
+        table [n, columns] (feature columns at `columns`), `index` its denoiser-row layout (program.layout: den_row,
+        den_alt, ...) over denoiser rows [0, d); `gather` False when another feature of the step sets per-row state
+        the denoiser reads (LoRA rows, image prompts): a part may then not run the denoiser over a subset of rows.
+        Default: `part`."""
+        return part
+
+    def eager(self, part: Any) -> bool:
+        """Whether a step with this (refined) part runs eagerly, without the step's graphs."""
+        return False
 
     def graph_part(self, part: Any) -> Any:
         """The part the step's code and graphs see (one of `variants()`): `part` itself, unless the feature's step

@@ -2,10 +2,10 @@
 
 A `Capability` names its request parameters (`Param`: the flat field name a request and an HTTP body carry, the value
 that asks nothing of it, its type), its settings (a dataclass whose fields, defaults and `help` metadata make its
-server flags `--NAME-FIELD` and its `Engine(capability_settings={NAME: ...})` entry), which models have it
-(`applies`), the check of its values on a model that has it (`check`: a ParamError naming the field), its
-preparation on the submitting thread (`prepare`: whatever its row feature needs at admission, `Admission.prepared`),
-and its row feature in the denoising step (`feature`). A `Capabilities` registry holds them; the engine asks it at
+server flags `--NAME-FIELD`, `--NAME` for a field named as the capability, and its
+`Engine(capability_settings={NAME: ...})` entry), which models have it (`applies`), the check of its values on a
+model that has it (`check`: a ParamError naming the field), its preparation on the submitting thread (`prepare`:
+whatever its row feature needs at admission, `Admission.prepared`), and its row feature in the denoising step (`feature`). A `Capabilities` registry holds them; the engine asks it at
 build (the features of the step), at submit (values checked and prepared) and for `ModelInfo` (the parameters each
 model takes, which the server lets through); no module of the engine, the request or the server names a capability.
 
@@ -15,10 +15,10 @@ On a model without the capability its parameters are a 400 naming them unless th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..capability_settings import add_capability_flags, capability_args
 from ..errors import ParamError
 from .base import RowFeature
 
@@ -29,7 +29,9 @@ class Param:
 
     name: str        # the request's field (and the HTTP body's key), flat beside the built-in ones
     neutral: Any     # the value that asks nothing of the capability (any model accepts it)
-    kind: type = float  # what a value is read as (float, int, str, bool; tuple: a list of items the check reads)
+    # what a value is read as (float, int, str, bool; tuple: a list of items the check reads; or a function that reads
+    # a value, raising a ParamError naming the field)
+    kind: Any = float
     help: str = ""
     images: bool = False  # a list of images: the HTTP routes decode its base64 strings into images (`image_params`)
 
@@ -73,6 +75,8 @@ def read_value(param: Param, value: Any) -> Any:
         raise ParamError(param.name, f"{param.name} must be a string, got {value!r}")
     try:
         return param.kind(value)
+    except ParamError:  # a kind that reads its own values (a function) names the field itself
+        raise
     except (TypeError, ValueError):
         raise ParamError(param.name, f"{param.name} must be a {param.kind.__name__}, got {value!r}") from None
 
@@ -131,25 +135,13 @@ class Capabilities:
         return out
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
-        """`--NAME-FIELD` flags (dashes for underscores) of every capability's settings, one argument group each."""
-        for name, c in self._by_name.items():
-            if c.settings is None:
-                continue
-            group = parser.add_argument_group(f"capability {name}")
-            for f in dataclasses.fields(c.settings):
-                flag = f"--{name}-{f.name}".replace("_", "-")
-                kind = f.type if isinstance(f.type, type) else type(f.default)
-                group.add_argument(flag, dest=f"capability__{name}__{f.name}", type=kind, default=None,
-                                   help=f"{f.metadata.get('help', '')} (default: {f.default})")
+        """`--NAME-FIELD` flags (dashes for underscores) of every capability's settings, one argument group each
+        (a field named as its capability: `--NAME`)."""
+        add_capability_flags(parser, {name: c.settings for name, c in self._by_name.items()})
 
     def settings_from_args(self, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         """The flags `add_flags` made, as `settings()`'s `given` (only those set)."""
-        out: dict[str, dict[str, Any]] = {}
-        for key, value in vars(args).items():
-            if key.startswith("capability__") and value is not None:
-                _, name, field = key.split("__", 2)
-                out.setdefault(name, {})[field] = value
-        return out
+        return capability_args(args)
 
     # -- per model, per request ------------------------------------------------------------------------
     def for_model(self, model: Any, settings: Mapping[str, Any]) -> "ModelCapabilities":

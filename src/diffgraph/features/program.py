@@ -59,7 +59,9 @@ class StepProgram:
             return tuple(i for i, f in enumerate(self.features) if getattr(type(f), hook) is not getattr(RowFeature, hook))
         object.__setattr__(self, "_overrides", {h: overriding(h) for h in ("plan_columns", "branches", "part",
                                                                             "variant", "rows", "prepass",
-                                                                            "graph_part")})
+                                                                            "graph_part", "step_part",
+                                                                            "before_denoise", "eager",
+                                                                            "after_plan")})
         object.__setattr__(self, "_transient", frozenset(
             name for f in self.features for name, spec in f.fields((4, 8, 8)).items() if spec.transient))
         object.__setattr__(self, "kinds", {v: self.kind(v) for v in variants})  # variant key -> graph kind
@@ -92,8 +94,11 @@ class StepProgram:
     def request_plan(self, request: GenerationRequest, plan: SamplerPlan) -> SamplerPlan:
         """The request's plan with the features' per-row columns in its coefficient table and its denoiser rows per
         image row at each plan row (`branches`)."""
-        return dataclasses.replace(plan, coefs=self.request_coefs(request, plan.coefs, plan.step_index),
-                                   branches=self.branches(request, plan.step_index))
+        coefs, branches = self.request_coefs(request, plan.coefs, plan.step_index), self.branches(request,
+                                                                                                 plan.step_index)
+        for i in self._overrides["after_plan"]:
+            self.features[i].after_plan(coefs, self.columns, branches)
+        return dataclasses.replace(plan, coefs=coefs, branches=branches)
 
     def request_coefs(self, request: GenerationRequest, sampler_coefs: np.ndarray, index: np.ndarray) -> np.ndarray:
         """The request's coefficient table: the sampler's columns, then each feature's per-row columns (`index`: the
@@ -145,6 +150,21 @@ class StepProgram:
         """Every key captured at start-up: the neutral one, then each feature's other parts with the rest neutral,
         each at every part of the shape-only feature (the prompt context)."""
         return list(self._variants)
+
+    def step_key(self, key: VariantKey, coefs: np.ndarray, index: np.ndarray, d: int) -> VariantKey:
+        """The step's key with each part refined by its feature's `step_part` from the host's coefficient table and
+        denoiser-row layout (the step cache's gathered rows)."""
+        if not self._overrides["step_part"]:
+            return key
+        row_state = any(key[i] != self._neutral[i] for i in self._overrides["before_denoise"])
+        out = list(key)
+        for i in self._overrides["step_part"]:
+            out[i] = self.features[i].step_part(key[i], coefs, self.columns, index, d, gather=not row_state)
+        return tuple(out)
+
+    def eager(self, key: VariantKey) -> bool:
+        """Whether a step of `key` runs eagerly (a feature's part the step's graphs do not hold)."""
+        return any(self.features[i].eager(key[i]) for i in self._overrides["eager"])
 
     def graph_key(self, key: VariantKey) -> VariantKey:
         """The key the step's graphs see: each part as its feature's `graph_part` (one of its `variants()`)."""

@@ -15,6 +15,7 @@ and how long start-up took.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import unquote_plus
 
+from ..capability_settings import BUILTIN, add_capability_flags, capability_args
 from ..settings import add_flags, declared
 from ..api.config import ServerConfig, load_config
 
@@ -40,6 +42,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="TOML file with any of these settings, named like the flags (e.g. batch-buckets = [1, 2, 4]); "
                         "flags given on the command line override it")
     groups = add_flags(p, ServerConfig)
+    add_capability_flags(p, BUILTIN)  # the built-in capabilities' settings (`--step-cache`)
     replicas = groups["replicas"]
     replicas.add_argument("--data-parallel", default=None, metavar="N|all",
                           help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU); with --ray: the "
@@ -63,7 +66,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if overrides.get("devices"):
             raise ValueError("give --devices or --data-parallel, not both")
         overrides["devices"] = data_parallel_devices(dp)
-    return load_config(args.config, overrides)
+    config = load_config(args.config, overrides)
+    given = capability_args(args)  # each capability's own flags, over --capability-settings and the file's
+    if given:
+        merged = {name: dict(fields) for name, fields in config.capability_settings}
+        for name, fields in given.items():
+            merged.setdefault(name, {}).update(fields)
+        config = dataclasses.replace(config, capability_settings=tuple(
+            (name, tuple(fields.items())) for name, fields in merged.items()))
+    return config
 
 
 def data_parallel_devices(value: str, visible: int | None = None) -> str:

@@ -14,6 +14,7 @@ import torch
 from ...features.control import residual_kwargs
 from ..model import DiffusionModel
 from .base import CondSpec, Conditioning, FamilyAdapter, final_layer_norm
+from .unet_cache import StepCache, family_denoise
 
 
 class SDFamily(FamilyAdapter):
@@ -28,6 +29,9 @@ class SDFamily(FamilyAdapter):
     sequence_fields = ("embeds",)
     # the SD1.x/SD2.x VAE's (AUTOMATIC1111's modules/sd_vae_approx.py)
     preview_factors = ((0.298, 0.207, 0.208), (0.187, 0.286, 0.173), (-0.158, 0.189, 0.264), (-0.184, -0.271, -0.473))
+
+    def capabilities(self) -> tuple[Any, ...]:
+        return (StepCache(),)  # DeepCache rows (unet_cache.py)
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length
@@ -58,6 +62,9 @@ class SDFamily(FamilyAdapter):
 
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        cached = family_denoise(model, x, t, cond["embeds"], rows, None, residual_kwargs(rows))  # step cache rows
+        if cached is not None:
+            return cached
         return model.denoiser(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
                           **residual_kwargs(rows), return_dict=False)[0]
 

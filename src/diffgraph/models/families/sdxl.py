@@ -18,6 +18,7 @@ from ...request import GroupKey, Size
 from ...features.control import residual_kwargs
 from ..model import DiffusionModel
 from .base import CondSpec, Conditioning, FamilyAdapter
+from .unet_cache import StepCache, family_denoise
 
 
 def add_time_ids(height: int, width: int) -> list[float]:
@@ -44,6 +45,9 @@ class SDXLFamily(FamilyAdapter):
     embedding_keys = ("clip_l", "clip_g")
     preview_factors = ((0.3448, 0.4168, 0.4395), (-0.1953, -0.0290, 0.0250), (0.1074, 0.0886, -0.0163),
                        (-0.3730, -0.2499, -0.2088))  # the SDXL VAE's (AUTOMATIC1111's modules/sd_vae_approx.py)
+
+    def capabilities(self) -> tuple[Any, ...]:
+        return (StepCache(),)  # DeepCache rows (unet_cache.py)
 
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
         seq = model.tokenizers[0].model_max_length
@@ -77,6 +81,9 @@ class SDXLFamily(FamilyAdapter):
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         added = {"text_embeds": cond["pooled"], "time_ids": rows["time_ids"]}
+        cached = family_denoise(model, x, t, cond["embeds"], rows, added, residual_kwargs(rows))  # step cache rows
+        if cached is not None:
+            return cached
         return model.denoiser(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
                           added_cond_kwargs=added, **residual_kwargs(rows), return_dict=False)[0]
 
