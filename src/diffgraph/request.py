@@ -778,12 +778,13 @@ def make_preview(value: Any) -> PreviewSpec | None:
 
 def prompt_loras(request: GenerationRequest) -> tuple[tuple[str, float], ...]:
     """The `<lora:name:scale>` tags of an a1111-syntax request's prompt and negative prompt (ParamError naming the
-    prompt whose syntax is wrong)."""
-    from .prompt_syntax import parse_a1111  # pure Python, and only a1111-syntax requests need it
+    prompt whose syntax is wrong, in any text of its schedule: prompt editing, alternation)."""
+    from .prompt_syntax import schedule_a1111  # pure Python, and only a1111-syntax requests need it
 
-    tags = parse_a1111(request.prompt, "prompt").loras
+    steps = request.num_inference_steps
+    tags = schedule_a1111(request.prompt, "prompt", steps)[0][2].loras
     if request.negative_prompt is not None:
-        tags += parse_a1111(request.negative_prompt, "negative_prompt").loras
+        tags += schedule_a1111(request.negative_prompt, "negative_prompt", steps)[0][2].loras
     return tags
 
 
