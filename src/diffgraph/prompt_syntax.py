@@ -214,22 +214,24 @@ def _refuse_and(text: str, names: list[tuple[int, int]], field: str) -> None:
 
 
 def _refuse_editing(text: str, field: str) -> None:
-    """Prompt editing and alternation (`prompt_schedule`'s nodes) are refused: the engine runs one conditioning per
-    row. Brackets AUTOMATIC1111's grammar reads as text (malformed, or in a prompt it cannot read whole) stay text."""
+    """Prompt editing and alternation (`prompt_schedule`'s nodes) are refused where a prompt is read as one text
+    (`schedule_a1111` reads them). Brackets AUTOMATIC1111's grammar reads as text stay text."""
     tree = _Scheduled.read(text, field)
     node = next(tree.walk(), None) if tree is not None else None
     if node is None:
         return
     escape = r"or escape the brackets as \[ \] to keep them as text"
     if node.options is not None:
-        first = next((repr(o.render(1).strip()) for o in node.options if o.render(1).strip()), "the word you want")
-        raise ParamError(field, f"{field} uses alternation [a|b] (AUTOMATIC1111's, which swaps the words every step); "
-                                f"diffgraph does not support it: write one of them (e.g. {first}), {escape}")
-    texts = " or ".join(repr(t) for t in (node.before.render(1).strip() if node.before else "",
-                                          node.after.render(1).strip()) if t) or "the text you want"
-    raise ParamError(field, f"{field} uses prompt editing [from:to:when] (AUTOMATIC1111's, which changes the text "
-                            f"during sampling); diffgraph does not support it: write the text for the whole run "
-                            f"instead ({texts}), {escape}")
+        options = [o.render(1) for o in node.options]
+        first = next((repr(o.strip()) for o in options if o.strip()), "the word you want")
+        raise ParamError(field, f"{field} uses alternation {_show('[' + '|'.join(options) + ']')} (AUTOMATIC1111's "
+                                f"[a|b], which swaps the words every step), read only over a request's steps: write "
+                                f"one of them (e.g. {first}), {escape}")
+    parts = ([node.before.render(1)] if node.before is not None else []) + [node.after.render(1)]
+    texts = " or ".join(repr(t.strip()) for t in parts if t.strip()) or "the text you want"
+    raise ParamError(field, f"{field} uses prompt editing {_show('[' + ':'.join(parts + [node.when]) + ']')} "
+                            f"(AUTOMATIC1111's [from:to:when], which changes the text during sampling), read only "
+                            f"over a request's steps: write the text for the whole run instead ({texts}), {escape}")
 
 
 # -- prompt editing and alternation ---------------------------------------------------------------------
