@@ -8,9 +8,13 @@ recorded in `embeddings`), then emphasis as AUTOMATIC1111's `parse_prompt_attent
 BREAK starts a new chunk. It hands a `ParsedPrompt` (plain data) to text/prepared.py, which tokenises the pieces
 (chunks.py), and to request.py, which adds the tags to the request's adapters.
 
-What the web UI reads and diffgraph cannot do (prompt editing `[a:b:0.5]`, alternation `[a|b]`, composable
-`AND`, separate text-encoder and UNet LoRA scales, other extra networks) is refused with a `ParamError` naming the
-prompt's field and saying how to write it instead, never read silently as something else. Emphasis follows the web
+Prompt editing `[from:to:when]` and alternation `[a|b]` make a prompt a schedule of texts over the denoising:
+`schedule_a1111(prompt, field, steps)` takes the tags out of the whole prompt, reads the schedule as AUTOMATIC1111's
+`get_learned_conditioning_prompt_schedules` does (`prompt_schedule`; a recursive reader of its lark grammar, which
+takes a well-formed bracket's form wherever lark's parse is ambiguous), and each text as `parse_a1111` reads a
+prompt; `parse_a1111` itself reads one text and refuses editing there. What the web UI reads and diffgraph cannot
+do (composable `AND`, separate text-encoder and UNet LoRA scales, other extra networks) is refused with a
+`ParamError` naming the prompt's field and saying how to write it instead, never read silently as something else. Emphasis follows the web
 UI's code where it differs from its docstring, so that a prompt gives the web UI's tokens and weights: a lone
 backslash disappears, and a BREAK inside brackets has its marker weighted with the text (`(a BREAK b)` holds
 ("BREAK", -1.1), which chunks.py, like tokenize_line, encodes as the word, not as a break).
