@@ -201,7 +201,15 @@ def test_hand_worked_schedules(prompt, steps, want):
 
 
 def test_hires_pass_counts_from_the_first_pass():
-    """A hires fix's second pass: a step counts from the first pass's start, a fraction from 1.0 (AUTOMATIC1111)."""
+    """A hires fix's second pass: a step counts from the first pass's start, a fraction from 1.0 (AUTOMATIC1111);
+    hires.second_pass marks its request with the first pass's steps."""
+    from diffgraph.hires import HiresFix, second_pass
+    from diffgraph.request import GenerationRequest, GenerationResult
+
+    first = GenerationRequest.create("a [cat:dog:1.5]", prompt_syntax="a1111", width=64, height=64,
+                                     num_inference_steps=10, seed=1, guidance_scale=5.0)
+    result = GenerationResult(first.request_id, np.zeros((1, 64, 64, 3), np.float32), 1, {}, first)
+    assert second_pass(first, result, HiresFix(128, 128, "Lanczos", 0.5, 6)).hires_of == 10
     assert list(prompt_schedule("[a:b:15]", 10, hires=10)) == [(5, "a"), (10, "b")]
     assert list(prompt_schedule("[a:b:1.5]", 10, hires=10)) == [(5, "a"), (10, "b")]
     assert list(prompt_schedule("[a:b:0.5]", 10, hires=10)) == [(10, "b")]   # over in the first pass
@@ -253,7 +261,10 @@ def test_evaluations_switch_as_the_cfg_denoiser_counts_them():
 
     heun = SimpleNamespace(steps=4, step_index=np.array([0, 0, 1, 1, 2, 2, 3]))
     euler = SimpleNamespace(steps=4, step_index=np.arange(4))
-    assert schedule_length(heun) == 8 and schedule_length(euler) == 4
+    assert schedule_length(heun) == (8, None) and schedule_length(euler) == (4, None)
+    # a hires fix's second pass running 3 of a 6-step schedule, after a 4-step first pass: its own 3, the first's 4
+    second = SimpleNamespace(steps=6, step_index=np.arange(3, 6))
+    assert schedule_length(second, hires_of=4) == (3, 4)
     p = SimpleNamespace(schedule=((2, "cat"), (4, "dog")))
     n = SimpleNamespace(schedule=())
     assert [(e, a) for e, a, _ in switches(p, n, 4)] == [(0, "cat"), (3, "dog")]

@@ -82,13 +82,15 @@ def parse_a1111(prompt: str, field: str = "prompt") -> ParsedPrompt:
     return ParsedPrompt(_attention(text, field), loras, embeddings)
 
 
-def schedule_a1111(prompt: str, field: str, steps: int) -> tuple[tuple[int, str, ParsedPrompt], ...]:
+def schedule_a1111(prompt: str, field: str, steps: int,
+                   hires: int | None = None) -> tuple[tuple[int, str, ParsedPrompt], ...]:
     """`prompt` read as AUTOMATIC1111 reads it for `steps` denoiser evaluations: its extra-network tags taken out of
     the whole prompt once (a tag inside an edit applies for the whole run, as there), then its schedule
-    (`prompt_schedule`), each text read as `parse_a1111` reads a prompt: (last evaluation, text, parsed) per text."""
+    (`prompt_schedule`; `hires`: the first pass's evaluations, for a hires fix's second pass), each text read as
+    `parse_a1111` reads a prompt: (last evaluation, text, parsed) per text."""
     text, loras = _take_loras(prompt, field)
     out = []
-    for end, part in prompt_schedule(text, steps, field):
+    for end, part in prompt_schedule(text, steps, field, hires):
         part_text, embeddings, spans = _take_embeddings(part, field)
         _refuse_and(part_text, spans, field)
         out.append((end, part, ParsedPrompt(_attention(part_text, field), loras, embeddings)))

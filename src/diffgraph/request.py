@@ -516,6 +516,9 @@ class GenerationRequest:
     lora_hashes: tuple[tuple[str, str], ...] = ()  # (an adapter's name as the prompt names it, its short hash)
     # its result also carries its final latents (`GenerationResult.latents`: the hires fix's latent upscale reads them)
     return_latents: bool = False
+    # a hires fix's second pass: the first pass's steps, from which its a1111 prompt schedules count (AUTOMATIC1111's
+    # rule: a step number counts from the first pass's start, a fraction from 1.0); None: not a second pass
+    hires_of: int | None = None
     # AUTOMATIC1111's variation seed (Variation): changes only the initial noise; None: the seed's noise alone
     variation: Variation | None = None
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
@@ -576,6 +579,9 @@ class GenerationRequest:
         """How the request is handled: returned latents, priority, its job and share, previews."""
         if not isinstance(self.return_latents, bool):
             raise ParamError("return_latents", f"return_latents must be true or false, got {_show(self.return_latents)}")
+        if self.hires_of is not None and (isinstance(self.hires_of, bool) or not isinstance(self.hires_of, int)
+                                          or not 1 <= self.hires_of <= 10_000):
+            raise ParamError("hires_of", f"hires_of {_show(self.hires_of)} must be the first pass's steps (1 or more)")
         if self.priority not in PRIORITIES:
             raise ParamError("priority", f"priority {_show(self.priority)} is unknown; allowed: {', '.join(PRIORITIES)}")
         if self.job is not None and (not isinstance(self.job, str) or not self.job):

@@ -94,7 +94,7 @@ class EngineCore:
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         # parsed and tokenised here, on the submitting thread (a prompt schedule's texts each)
-        prompts = prepare(self.runner.text_setup, request, schedule_length(plan))
+        prompts = prepare(self.runner.text_setup, request, *schedule_length(plan, request.hires_of))
         # registered capabilities' parameters (none: every capability is neutral), before the group: it may read them
         prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
             if request.extras else {}

@@ -78,11 +78,12 @@ class TextSetup:
     template: tuple[str, str] | None = None
 
 
-def prepare(setup: TextSetup, request: GenerationRequest,
-            evaluations: int | None = None) -> tuple[PromptText, PromptText]:
+def prepare(setup: TextSetup, request: GenerationRequest, evaluations: int | None = None,
+            hires: int | None = None) -> tuple[PromptText, PromptText]:
     """(prompt, negative prompt) of a request, tokenised; ParamError naming the prompt that cannot be read.
     `evaluations`: the length of an a1111 prompt's schedule (AUTOMATIC1111's: its steps times its sampler's denoiser
-    evaluations per step); None refuses prompt editing and alternation."""
+    evaluations per step); None refuses prompt editing and alternation. `hires`: a hires fix's second pass's first
+    pass's evaluations (`evaluations` then the second pass's own)."""
     if request.clip_skip is not None and request.clip_skip > setup.max_clip_skip:
         raise ParamError("clip_skip", f"clip_skip {request.clip_skip} is beyond this model's text encoder; allowed: "
                                       f"0..{setup.max_clip_skip} (1 = the penultimate layer)")
@@ -90,18 +91,18 @@ def prepare(setup: TextSetup, request: GenerationRequest,
         return (PromptText(request.prompt, clip_skip=request.clip_skip, ids=plain_ids(setup, request.prompt)),
                 PromptText(request.negative_prompt, ids=plain_ids(setup, request.negative_prompt or "",
                                                                   "negative_prompt")))
-    return (_scheduled(setup, request.prompt, "prompt", request, evaluations),
-            _scheduled(setup, request.negative_prompt or "", "negative_prompt", request, evaluations))
+    return (_scheduled(setup, request.prompt, "prompt", request, evaluations, hires),
+            _scheduled(setup, request.negative_prompt or "", "negative_prompt", request, evaluations, hires))
 
 
-def _scheduled(setup: TextSetup, text: str, name: str, request: GenerationRequest,
-               evaluations: int | None) -> PromptText:
+def _scheduled(setup: TextSetup, text: str, name: str, request: GenerationRequest, evaluations: int | None,
+               hires: int | None) -> PromptText:
     """An a1111 prompt, with its schedule where it edits or alternates (each text prepared as a prompt of its own;
     a negative prompt's blank text is None: no negative prompt)."""
     blank = _blank if name == "negative_prompt" else (lambda prompt: prompt)
     if evaluations is None:
         return blank(_a1111(setup, text, name, request))
-    entries = schedule_a1111(text, name, evaluations)
+    entries = schedule_a1111(text, name, evaluations, hires)
     if len(entries) == 1:
         return blank(_a1111(setup, text, name, request, entries[0][2]))
     schedule = tuple((end, blank(_a1111(setup, part, name, request, parsed))) for end, part, parsed in entries)
