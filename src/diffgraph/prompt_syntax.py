@@ -90,10 +90,13 @@ def schedule_a1111(prompt: str, field: str, steps: int,
     `parse_a1111` reads a prompt: (last evaluation, text, parsed) per text."""
     text, loras = _take_loras(prompt, field)
     out = []
+    parsed: dict[str, ParsedPrompt] = {}  # each text read once (an alternation comes back to its texts)
     for end, part in prompt_schedule(text, steps, field, hires):
-        part_text, embeddings, spans = _take_embeddings(part, field)
-        _refuse_and(part_text, spans, field)
-        out.append((end, part, ParsedPrompt(_attention(part_text, field), loras, embeddings)))
+        if part not in parsed:
+            part_text, embeddings, spans = _take_embeddings(part, field)
+            _refuse_and(part_text, spans, field)
+            parsed[part] = ParsedPrompt(_attention(part_text, field), loras, embeddings)
+        out.append((end, part, parsed[part]))
     return tuple(out)
 
 
@@ -266,10 +269,15 @@ def prompt_schedule(text: str, steps: int, field: str = "prompt",
         node.at = int(min(value, steps)) if value > -1 else -1   # int() truncates; an infinite number is the end
         if node.at >= 1:
             points.add(node.at)
+    nodes = list(tree.walk())
     out: list[tuple[int, str]] = []
     seen: set[str] = set()
+    texts: dict[tuple, str] = {}  # by the choice each node makes: a text is rendered once
     for point in sorted(points):
-        now = tree.render(point)
+        choice = tuple((point - 1) % len(n.options) if n.options is not None else point <= n.at for n in nodes)
+        now = texts.get(choice)
+        if now is None:
+            now = texts[choice] = tree.render(point)
         if out and out[-1][1] == now:
             out[-1] = (point, now)
             continue

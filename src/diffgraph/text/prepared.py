@@ -105,7 +105,11 @@ def _scheduled(setup: TextSetup, text: str, name: str, request: GenerationReques
     entries = schedule_a1111(text, name, evaluations, hires)
     if len(entries) == 1:
         return blank(_a1111(setup, text, name, request, entries[0][2]))
-    schedule = tuple((end, blank(_a1111(setup, part, name, request, parsed))) for end, part, parsed in entries)
+    prepared: dict[str, PromptText] = {}  # one PromptText a text (an alternation comes back to its texts)
+    for _, part, parsed in entries:
+        if part not in prepared:
+            prepared[part] = blank(_a1111(setup, part, name, request, parsed))
+    schedule = tuple((end, prepared[part]) for end, part, _ in entries)
     return dataclasses.replace(schedule[0][1], schedule=schedule)
 
 
