@@ -308,7 +308,8 @@ def test_rows_with_schedules_and_plain_rows_together_equal_each_alone(tiny_engin
     long = ", ".join(["a detailed painting of a small red house in the dark forest at night"] * 5)  # 2 windows
     prompts = [dict(prompt="a cat"), dict(prompt="a [cat:dog:0.5]"),
                dict(prompt="a dog", negative_prompt="[blurry|grainy]"),
-               dict(prompt=f"[a fox:{long}:2]", num_inference_steps=3), dict(prompt="a [red|blue] bird")]
+               dict(prompt=f"[a fox:{long}:2]", num_inference_steps=3), dict(prompt="a [red|blue] bird"),
+               dict(prompt="a [red|blue] [cat:dog:0.5]", sampler="heun", num_inference_steps=3)]
     alone = [tiny_engine.generate(**{**KW, **p}).arrays for p in prompts]
     steps = tiny_engine.core.stats["steps"]
     handles = [tiny_engine.submit(tiny_engine.make_request(**{**KW, **p})) for p in prompts]
@@ -317,3 +318,16 @@ def test_rows_with_schedules_and_plain_rows_together_equal_each_alone(tiny_engin
         np.testing.assert_allclose(t, a, atol=1 / 255, rtol=0)
     assert tiny_engine.core.stats["steps"] - steps < sum(p.get("num_inference_steps", 4) for p in prompts)
     assert len({round(float(a.mean()), 5) for a in alone}) == len(alone)
+
+
+def test_sdxl_rows_switch_both_conditionings(tiny_xl_engine):
+    """SDXL's conditioning has a pooled field beside the token embeddings: an edit switches both (alone equal to
+    batched with a plain row, and unlike either of its texts alone)."""
+    kw = {**KW, "num_inference_steps": 3}
+    prompts = ["a [cat:dog:0.5]", "a cat"]
+    alone = [tiny_xl_engine.generate(p, **kw).arrays for p in prompts]
+    handles = [tiny_xl_engine.submit(tiny_xl_engine.make_request(p, **kw)) for p in prompts]
+    for a, h in zip(alone, handles):
+        np.testing.assert_allclose(h.result().arrays, a, atol=1 / 255, rtol=0)
+    dog = tiny_xl_engine.generate("a dog", **kw).arrays
+    assert min(np.abs(alone[0] - alone[1]).max(), np.abs(alone[0] - dog).max()) > 1e-4
