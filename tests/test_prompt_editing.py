@@ -68,24 +68,21 @@ def _escape_end(text: str, i: int) -> int:
 
 
 def _read_top(text: str, whens: list, alternates: list):
-    pieces, i = [], 0
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            end = _escape_end(text, i)
-            pieces.append(text[i:end])
-            i = end
+    pieces, skip_to = [], 0
+    for i, c in enumerate(text):
+        if i < skip_to:
             continue
-        if c in "([":
-            found = _read_bracket(text, i, whens, alternates)
-            if found is not None:
-                pieces.append(found[0])
-                i = found[1]
-                continue
-        if c == "|":
+        found = _read_bracket(text, i, whens, alternates) if c in "([" else None
+        if found is not None:
+            pieces.append(found[0])
+            skip_to = found[1]
+        elif c == "\\":
+            skip_to = _escape_end(text, i)
+            pieces.append(text[i:skip_to])
+        elif c == "|":
             raise _Text
-        pieces.append(c)
-        i += 1
+        else:
+            pieces.append(c)
     return lambda step: "".join(p if isinstance(p, str) else p(step) for p in pieces)
 
 

@@ -354,7 +354,8 @@ class EngineCore:
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
                     controls=runner.controls.admitted(s, s.admitted["control"]) if s.controls else [],
                     image_prompts=s.image_prompts, prepared=s.prepared)
-                windows = max(p.chunks for p in _read(s))
+                # a schedule's texts all at its longest's windows (else: the pair's own, as pad_pair pads them)
+                windows = max(p.chunks for p in _read(s)) if any(p.schedule for p in s.prompts) else 0
                 s.variant_parts = runner.write_rows(key, s.first_row, admission, (
                     mine[pos], mine[neg], mine[empty[0]] if empty else None), latents, s.generator,
                     s.plan.init_noise_sigma, s.size, windows)  # latents None: drawn from its generator there
