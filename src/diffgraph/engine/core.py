@@ -420,10 +420,12 @@ def _switches(runner: ModelRunner, key: GroupKey, state: RequestState, mine: dic
     second = _second_branch(state)
     text = _text_loras(state)
     empty = mine.get(("+", state.empty_prompt, text)) if state.empty_prompt is not None else None
-    out = {}
+    out, values = {}, {}  # one set of values a (prompt, negative prompt) pair: an alternation comes back to its pairs
     for e, p, n in switches(pos, neg if second else pos, state.steps)[1:]:
-        out[e] = runner.conditioning_values(key, mine[("+", p, text)], mine[("-", n, text) if second else
-                                                                               ("+", n, text)], empty, windows)
+        if (id(p), id(n)) not in values:
+            values[id(p), id(n)] = runner.conditioning_values(
+                key, mine[("+", p, text)], mine[("-", n, text) if second else ("+", n, text)], empty, windows)
+        out[e] = values[id(p), id(n)]
     return out
 
 
