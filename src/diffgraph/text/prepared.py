@@ -8,7 +8,9 @@ the request (tokenising and parsing cost CPU; the loop only encodes ids, and the
     emphasis weight, textual-inversion embeddings found by name (text/embeddings.py), and `clip_skip` for both
     prompts, as AUTOMATIC1111 applies its "CLIP skip"; an empty or missing negative prompt is text None (SDXL
     zeroes it, as AUTOMATIC1111's `force_zero_negative_prompt`; SD1.x/SD2.x encode the empty prompt), and the
-    shorter of the two is padded with empty-prompt windows at admission ("pad conds": `empty_prompt`).
+    shorter of the two is padded with empty-prompt windows at admission ("pad conds": `empty_prompt`); a prompt
+    that edits or alternates (`[a:b:when]`, `[a|b]`) is a `PromptText` per text of its schedule over the request's
+    denoiser evaluations (`PromptText.schedule`; engine/prompt_schedule.py switches them between steps).
 Every tokenizer call holds `TextSetup.lock`: transformers' fast tokenizers keep their padding setting on the shared
 object, so two threads tokenising at once could give each other's lengths. Token ids are kept (`TokenCache`, by
 text): a prompt sent again with other seeds (a shot's candidates), the same negative prompt under every request and
