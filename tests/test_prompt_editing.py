@@ -328,3 +328,20 @@ def test_sdxl_rows_switch_both_conditionings(tiny_xl_engine):
         np.testing.assert_allclose(h.result().arrays, a, atol=1 / 255, rtol=0)
     dog = tiny_xl_engine.generate("a dog", **kw).arrays
     assert min(np.abs(alone[0] - alone[1]).max(), np.abs(alone[0] - dog).max()) > 1e-4
+
+
+def test_a_hires_pass_reads_an_edit_over_in_the_first_pass_as_its_last_text(tiny_engine):
+    """`[cat:dog:0.5]` ends within the first pass; AUTOMATIC1111's hires pass then reads 'dog' throughout, and
+    `[cat:dog:1.5]` (a fraction from 1.0) switches halfway through the hires pass's own steps."""
+    from diffgraph.hires import HiresFix, generate_hires
+
+    kw = {**KW, "num_inference_steps": 3}
+    first = tiny_engine.make_request("a cat", **kw)
+    fix = HiresFix(96, 96, "Latent", 0.6, 4)   # 4 hires steps: 1.5 -> cat at evaluations 0-2, dog at 3
+
+    def hires(prompt):
+        return generate_hires(tiny_engine, first, fix, tiny_engine.make_request(prompt, **kw))[0].arrays
+
+    np.testing.assert_allclose(hires("a [cat:dog:0.5]"), hires("a dog"), atol=1e-6, rtol=0)
+    halfway = hires("a [cat:dog:1.5]")
+    assert min(np.abs(halfway - hires("a dog")).max(), np.abs(halfway - hires("a cat")).max()) > 1e-4
