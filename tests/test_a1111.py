@@ -459,7 +459,8 @@ BAD = [
     ({"subseed_strength": 1.5}, "subseed_strength", "[0, 1]"), ({"subseed_strength": -0.2}, "subseed_strength", None),
     ({"seed_resize_from_w": -5, "seed_resize_from_h": 64}, "seed_resize_from_w", "-1 or 0 (no resize)"),
     ({"subseed": -7, "subseed_strength": 0.3}, "subseed", "-1 (random)"),
-    ({"prompt": "a [cat:dog:0.5]"}, "prompt", None), ({"prompt": "a <lora:nope:1>"}, "prompt", "'nope' is unknown"),
+    ({"prompt": "a [" + "|".join("abcdefghijklmnopq") + "]", "steps": 20}, "prompt", "more than 16"),
+    ({"prompt": "a <lora:nope:1>"}, "prompt", "'nope' is unknown"),
     ({"infotext": "x\nSteps: nine, Sampler: Euler, Seed: 1"}, "infotext", "not a number"),
 ]
 IMG2IMG_BAD = [

@@ -108,8 +108,8 @@ def test_an_infotext_over_its_limit_is_refused_before_it_is_read(client, monkeyp
 def test_a_prompt_over_the_limit_is_refused_before_it_is_parsed(client, monkeypatch, field):
     """20,000 characters of '<a:' (quadratic in the tag pattern) were parsed, on the event loop, before the limit
     refused them."""
-    held = HeldParser(syntax.parse_a1111)
-    monkeypatch.setattr(syntax, "parse_a1111", held)
+    held = HeldParser(syntax.schedule_a1111)
+    monkeypatch.setattr(syntax, "schedule_a1111", held)
     r = client.post("/sdapi/v1/txt2img", json={**SMALL, field: "<a:" * 6666})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
     assert f"has 19998 bytes (UTF-8); the limit is {LIMIT} (--max-prompt-bytes)" in r.json()["error"]["message"]
@@ -121,8 +121,8 @@ def test_a_prompt_over_the_limit_is_refused_before_it_is_parsed(client, monkeypa
     ("<lora:a:" + "1" * (LIMIT - 10) + "x>", "is not a number"),
 ], ids=["spaces after <lora", "long scale"])
 def test_the_worst_prompts_within_the_limit_are_parsed_off_the_event_loop(client, monkeypatch, prompt, needle):
-    held = HeldParser(syntax.parse_a1111)
-    monkeypatch.setattr(syntax, "parse_a1111", held)
+    held = HeldParser(syntax.schedule_a1111)
+    monkeypatch.setattr(syntax, "schedule_a1111", held)
     r, health = post_while_probing(client, held, "/sdapi/v1/txt2img", {**SMALL, "prompt": prompt})
     assert (health, held.first) == (200, (False, True))
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and needle in r.json()["error"]["message"]

@@ -464,8 +464,8 @@ def test_adapter_picker_sends_the_chosen_lora(browser, server):
 
 def test_prompt_syntax_picker_sends_a1111_prompts(browser, server):
     """Choosing AUTOMATIC1111's syntax sends `prompt_syntax` with the prompt as written (weights, BREAK and a
-    `<lora:...>` tag for the built-in adapter); the server's default sends no field; a prompt-editing form comes back
-    as an error at the prompt field."""
+    `<lora:...>` tag for the built-in adapter); the server's default sends no field; a prompt with AND (composable
+    diffusion, not served) comes back as an error at the prompt field."""
     page = pg.open_playground(browser, server.url)
     traffic = Traffic(page)
     errors: list[str] = []
@@ -477,10 +477,10 @@ def test_prompt_syntax_picker_sends_a1111_prompts(browser, server):
     assert pg.wait_finished(page, local) == "done"
     assert traffic.bodies[-1]["prompt_syntax"] == "a1111"
 
-    pg.fill_form(page, prompt="a [seven:eight:0.5] digit")
+    pg.fill_form(page, prompt="a seven AND an eight digit")
     page.click("#generate")
     page.wait_for_selector("#error-prompt:not(:empty)", timeout=pg.WAIT_MS)
-    assert "editing" in page.inner_text("#error-prompt")
+    assert "AND" in page.inner_text("#error-prompt")
 
     page.select_option("#prompt-syntax", "")
     pg.fill_form(page, prompt=PROMPT)

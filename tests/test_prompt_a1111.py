@@ -20,7 +20,8 @@ Rules the reference encodes (from AUTOMATIC1111's code):
     on ["BREAK", -1], encodes it as the word;
   * `<lora:NAME>` / `<lora:NAME:SCALE>` / `<lora:NAME:S:S>` are removed from the text first (re.sub to "", the
     spaces around stay), other `<word:args>` extra networks, AND (`\\bAND\\b`), and prompt editing and alternation
-    (a `[...]` that AUTOMATIC1111's lark grammar reads as `scheduled` or `alternate`) are refused;
+    (a `[...]` that AUTOMATIC1111's lark grammar reads as `scheduled` or `alternate`) are refused by `parse_a1111`,
+    which reads one text (a request's schedule of texts: `schedule_a1111`, tests/test_prompt_editing.py);
   * chunks: BOS + 75 tokens padded with EOS + EOS; BREAK closes the chunk (a chunk closed that way counts 75 tokens);
     a full chunk moves the tokens after its last comma to the next one when that comma is within the last 20; an
     embedding's vectors never straddle chunks; the last chunk counts its own tokens; an empty prompt is one chunk.

@@ -237,7 +237,7 @@ def test_mixed_chunk_counts_embeddings_clip_skip_submitted_together_equal_each_a
     ("a photo of embedding:snowi", "prompt", "'snowy'"),
     ("a " * 240, "prompt", "at most 3"),
     ("a fox <lora:ink:abc>", "prompt", "lora"),
-    ("a [fox:cat:0.5]", "prompt", "editing"),
+    ("a [fox:cat:0.5] AND a dog", "prompt", "'AND'"),
 ])
 def test_bad_prompts_are_refused_naming_the_prompt(sd, prompt, field, words):
     before = sd.core.stats["steps"]

@@ -163,6 +163,7 @@ def second_pass(template: GenerationRequest, result: GenerationResult, fix: Hire
         variation = dataclasses.replace(variation, resize_from=None) if variation.strength else None
     return dataclasses.replace(template, width=fix.width, height=fix.height, num_inference_steps=total,
                                seed=first.seed, num_images=1, edit=edit, return_latents=False, variation=variation,
+                               hires_of=first.num_inference_steps,
                                request_id=f"{first.request_id}-hr-{secrets.token_hex(4)}")
 
 

@@ -8,9 +8,13 @@ recorded in `embeddings`), then emphasis as AUTOMATIC1111's `parse_prompt_attent
 BREAK starts a new chunk. It hands a `ParsedPrompt` (plain data) to text/prepared.py, which tokenises the pieces
 (chunks.py), and to request.py, which adds the tags to the request's adapters.
 
-What the web UI reads and diffgraph cannot do (prompt editing `[a:b:0.5]`, alternation `[a|b]`, composable
-`AND`, separate text-encoder and UNet LoRA scales, other extra networks) is refused with a `ParamError` naming the
-prompt's field and saying how to write it instead, never read silently as something else. Emphasis follows the web
+Prompt editing `[from:to:when]` and alternation `[a|b]` make a prompt a schedule of texts over the denoising:
+`schedule_a1111(prompt, field, steps)` takes the tags out of the whole prompt, reads the schedule as AUTOMATIC1111's
+`get_learned_conditioning_prompt_schedules` does (`prompt_schedule`; a recursive reader of its lark grammar, which
+takes a well-formed bracket's form wherever lark's parse is ambiguous), and each text as `parse_a1111` reads a
+prompt; `parse_a1111` itself reads one text and refuses editing there. What the web UI reads and diffgraph cannot
+do (composable `AND`, separate text-encoder and UNet LoRA scales, other extra networks) is refused with a
+`ParamError` naming the prompt's field and saying how to write it instead, never read silently as something else. Emphasis follows the web
 UI's code where it differs from its docstring, so that a prompt gives the web UI's tokens and weights: a lone
 backslash disappears, and a BREAK inside brackets has its marker weighted with the text (`(a BREAK b)` holds
 ("BREAK", -1.1), which chunks.py, like tokenize_line, encodes as the word, not as a break).
@@ -24,7 +28,6 @@ import bisect
 import math
 import re
 from dataclasses import dataclass
-from itertools import pairwise
 
 from .errors import ParamError
 
@@ -55,8 +58,6 @@ _ATTENTION = re.compile(r"""
   | [^\\()\[\]:]+                 # plain text
   | : | \\                        # a colon: text; a lone backslash: dropped
 """, re.VERBOSE)
-# the lark grammar's view, for finding [from:to:when] and [a|b]: a backslash escapes any one character
-_SCHEDULE = re.compile(r"\\.|[()\[\]:|]|[^\\()\[\]:|]+|\\", re.DOTALL)
 # what marks a prompt written for AUTOMATIC1111 (`a1111_marks`): a LoRA tag, a weight; a failed match stops at the
 # next "<" or bracket, so each character is scanned from one start only
 _LORA_MARK = re.compile(r"<lora:[^<>]*>", re.IGNORECASE)
@@ -77,8 +78,26 @@ def parse_a1111(prompt: str, field: str = "prompt") -> ParsedPrompt:
     text, loras = _take_loras(prompt, field)
     text, embeddings, spans = _take_embeddings(text, field)
     _refuse_and(text, spans, field)
-    _refuse_scheduling(text, field)
+    _refuse_editing(text, field)
     return ParsedPrompt(_attention(text, field), loras, embeddings)
+
+
+def schedule_a1111(prompt: str, field: str, steps: int,
+                   hires: int | None = None) -> tuple[tuple[int, str, ParsedPrompt], ...]:
+    """`prompt` read as AUTOMATIC1111 reads it for `steps` denoiser evaluations: its extra-network tags taken out of
+    the whole prompt once (a tag inside an edit applies for the whole run, as there), then its schedule
+    (`prompt_schedule`; `hires`: the first pass's evaluations, for a hires fix's second pass), each text read as
+    `parse_a1111` reads a prompt: (last evaluation, text, parsed) per text."""
+    text, loras = _take_loras(prompt, field)
+    out = []
+    parsed: dict[str, ParsedPrompt] = {}  # each text read once (an alternation comes back to its texts)
+    for end, part in prompt_schedule(text, steps, field, hires):
+        if part not in parsed:
+            part_text, embeddings, spans = _take_embeddings(part, field)
+            _refuse_and(part_text, spans, field)
+            parsed[part] = ParsedPrompt(_attention(part_text, field), loras, embeddings)
+        out.append((end, part, parsed[part]))
+    return tuple(out)
 
 
 def a1111_marks(prompt: str) -> tuple[str, ...]:
@@ -203,79 +222,210 @@ def _refuse_and(text: str, names: list[tuple[int, int]], field: str) -> None:
                                     "one prompt, or write 'and' in lowercase to keep the word")
 
 
-def _refuse_scheduling(text: str, field: str) -> None:
-    """Refuses each `[...]` that the web UI's lark grammar reads as prompt editing or alternation: a bracket whose
-    content is well formed (nested brackets balanced and themselves well formed, no stray `)` or `]`) with bars
-    (`alternate`), or with one or two colons and a number after the last (`scheduled`). Colons and bars count at
-    the bracket's own level only (not inside a nested `(x:1.2)`); a backslash and the character after it are text."""
-    stack: list[_Open] = []
-    spoilt = 0   # stack[:spoilt] hold a stray closing bracket: not well formed (an index, not a loop per stray)
-    squares = 0  # how many of the open brackets are "["
-    for m in _SCHEDULE.finditer(text):
-        token = m.group(0)
-        if token in ("(", "["):
-            stack.append(_Open(token, m.start()))
-            squares += token == "["
-        elif token in (")", "]") and stack and stack[-1].bracket == ("(" if token == ")" else "["):
-            frame = stack.pop()
-            squares -= token == "]"
-            frame.well_formed &= len(stack) >= spoilt
-            spoilt = min(spoilt, len(stack))
-            _close(stack, frame, m.start(), text, field)
-        elif token in (")", "]"):
-            # a closing bracket with no partner on top: text inside every open bracket, which it spoils
-            spoilt = len(stack)
-            if token == "]" and squares:
-                while stack.pop().bracket != "[":  # the brackets it closes over are gone with it
-                    pass
-                squares -= 1
-                spoilt = len(stack)
-        elif token in (":", "|") and stack:
-            (stack[-1].colons if token == ":" else stack[-1].bars).append(m.start())
-
-
-class _Open:
-    """An open bracket while `_refuse_scheduling` reads (working state)."""
-    __slots__ = ("bars", "bracket", "colons", "start", "well_formed")
-
-    def __init__(self, bracket: str, start: int):
-        self.bracket, self.start = bracket, start
-        self.colons: list[int] = []
-        self.bars: list[int] = []
-        self.well_formed = True
-
-
-def _close(stack: list[_Open], frame: _Open, end: int, text: str, field: str) -> None:
-    """`frame` closes at `end`: refused if it is editing or alternation; its parent learns whether it was well
-    formed (emphasis: `(a)`, `(a:w)`, `[a]`)."""
-    if frame.well_formed and frame.bracket == "[":
-        _check_square(text, frame.start, end, frame.colons, frame.bars, field)
-    emphasis = not frame.bars and len(frame.colons) <= (1 if frame.bracket == "(" else 0)
-    if stack and not (frame.well_formed and emphasis):
-        stack[-1].well_formed = False
-
-
-def _check_square(text: str, start: int, end: int, colons: list[int], bars: list[int], field: str) -> None:
-    """`text[start:end + 1]` is a well-formed `[...]` with these top-level colons and bars."""
-    if not bars and (len(colons) not in (1, 2) or _SPACED_NUMBER.fullmatch(text, colons[-1] + 1, end) is None):
-        return  # emphasis or text: nothing is copied, so nested brackets cost nothing more
-    shown = _show(text[start:end + 1])
-    escape = r"or escape the brackets as \[ \] to keep them as text"
-    if bars and not colons:
-        cuts = [start, *bars, end]
-        options = [text[a + 1:b].strip() for a, b in pairwise(cuts)]
-        first = next((repr(o) for o in options if o), "the word you want")
-        raise ParamError(field, f"{field} uses alternation {shown} (AUTOMATIC1111's [a|b], which swaps the words "
-                                f"every step); diffgraph does not support it: write one of them (e.g. {first}), "
-                                f"{escape}")
-    if bars:
+def _refuse_editing(text: str, field: str) -> None:
+    """Prompt editing and alternation (`prompt_schedule`'s nodes) are refused where a prompt is read as one text
+    (`schedule_a1111` reads them). Brackets AUTOMATIC1111's grammar reads as text stay text."""
+    tree = _Scheduled.read(text, field)
+    node = next(tree.walk(), None) if tree is not None else None
+    if node is None:
         return
-    cuts = [start, *colons, end]
-    parts = [text[a + 1:b] for a, b in pairwise(cuts)][:-1]
-    texts = " or ".join(repr(p.strip()) for p in parts if p.strip()) or "the text you want"
-    raise ParamError(field, f"{field} uses prompt editing {shown} (AUTOMATIC1111's [from:to:when], which changes "
-                            f"the text during sampling); diffgraph does not support it: write the text for the whole "
-                            f"run instead ({texts}), {escape}")
+    escape = r"or escape the brackets as \[ \] to keep them as text"
+    if node.options is not None:
+        options = [o.render(1) for o in node.options]
+        first = next((repr(o.strip()) for o in options if o.strip()), "the word you want")
+        raise ParamError(field, f"{field} uses alternation {_show('[' + '|'.join(options) + ']')} (AUTOMATIC1111's "
+                                f"[a|b], which swaps the words every step), read only over a request's steps: write "
+                                f"one of them (e.g. {first}), {escape}")
+    parts = ([node.before.render(1)] if node.before is not None else []) + [node.after.render(1)]
+    texts = " or ".join(repr(t.strip()) for t in parts if t.strip()) or "the text you want"
+    raise ParamError(field, f"{field} uses prompt editing {_show('[' + ':'.join(parts + [node.when]) + ']')} "
+                            f"(AUTOMATIC1111's [from:to:when], which changes the text during sampling), read only "
+                            f"over a request's steps: write the text for the whole run instead ({texts}), {escape}")
+
+
+# -- prompt editing and alternation ---------------------------------------------------------------------
+
+def prompt_schedule(text: str, steps: int, field: str = "prompt",
+                    hires: int | None = None) -> tuple[tuple[int, str], ...]:
+    """AUTOMATIC1111's prompt schedule of `text` (its extra-network tags already taken out) over `steps` denoiser
+    evaluations: (last evaluation, text) pairs, the evaluation numbered from 1, neighbours of equal text merged, the
+    last ending at `steps`. `[from:to:when]`, `[to:when]`, `[from::when]` (nested too) read `from` up to evaluation
+    `when` and `to` after it, `when` a step number or, written with a ".", a fraction of `steps`; `[a|b|c]` cycles one
+    option a step. `hires`: the first pass's evaluations, for a hires fix's second pass (`steps` its own): a number
+    then counts from the first pass's start, a fraction from 1.0 (AUTOMATIC1111's rule). A prompt its grammar cannot
+    read whole (a "|" outside an alternation, a lone backslash) and a malformed bracket stay text, as there. More
+    than `MAX_SCHEDULED` distinct texts, or brackets nested past `MAX_OPEN`, is a ParamError naming `field`."""
+    tree = _Scheduled.read(text, field)
+    if tree is None:
+        return ((steps, text),)
+    int_offset, frac_offset = (0, 0.0) if hires is None else (hires, 1.0)
+    points = {steps}
+    for node in tree.walk():
+        if node.options is not None:
+            points.update(range(1, steps + 1))
+            continue
+        value = float(node.when)
+        value = (value - frac_offset) * steps if "." in node.when else value - int_offset
+        node.at = int(min(value, steps)) if value > -1 else -1   # int() truncates; an infinite number is the end
+        if node.at >= 1:
+            points.add(node.at)
+    nodes = list(tree.walk())
+    out: list[tuple[int, str]] = []
+    seen: set[str] = set()
+    texts: dict[tuple, str] = {}  # by the choice each node makes: a text is rendered once
+    for point in sorted(points):
+        choice = tuple((point - 1) % len(n.options) if n.options is not None else point <= n.at for n in nodes)
+        now = texts.get(choice)
+        if now is None:
+            now = texts[choice] = tree.render(point)
+        if out and out[-1][1] == now:
+            out[-1] = (point, now)
+            continue
+        seen.add(now)
+        if len(seen) > MAX_SCHEDULED:
+            raise ParamError(field, f"{field} changes into more than {MAX_SCHEDULED} different prompts during "
+                                    "sampling (prompt editing [a:b:when] and alternation [a|b]); use fewer")
+        out.append((point, now))
+    return tuple(out)
+
+
+MAX_SCHEDULED = 16             # distinct texts one prompt's schedule may encode
+_SCHEDULE_TOKENS = re.compile(r"\\.|[()\[\]:|]|[^\\()\[\]:|]+|\\", re.DOTALL)
+
+
+class _Scheduled:
+    """A node of AUTOMATIC1111's schedule grammar: a sequence (`items`: text and nodes), `[before:after:when]`
+    (`before` None when left out) or `[a|b]` (`options`)."""
+    __slots__ = ("after", "at", "before", "items", "options", "when")
+
+    def __init__(self, items=None, before=None, after=None, when=None, options=None):
+        self.items, self.before, self.after, self.when, self.options, self.at = items, before, after, when, options, 0
+
+    @classmethod
+    def read(cls, text: str, field: str) -> "_Scheduled | None":
+        """The prompt's tree; None where the grammar fails on it (the whole prompt is then text)."""
+        tokens = [m.group(0) for m in _SCHEDULE_TOKENS.finditer(text)]
+        if any(t == "\\" or t.startswith("\\\n") for t in tokens):
+            return None
+        try:
+            return cls(items=_top(tokens, 0, len(tokens), {}, field))
+        except _Unreadable:
+            return None
+
+    def walk(self):
+        for part in self._parts():
+            if isinstance(part, _Scheduled):
+                if part.items is None:
+                    yield part
+                yield from part.walk()
+
+    def _parts(self):
+        if self.items is not None:
+            return self.items
+        if self.options is not None:
+            return [p for option in self.options for p in option.items]
+        return (self.before.items if self.before is not None else []) + self.after.items
+
+    def render(self, step: int) -> str:
+        out: list[str] = []
+        todo = [self]
+        while todo:
+            node = todo.pop()
+            if isinstance(node, str):
+                out.append(node)
+            elif node.items is not None:
+                todo.extend(reversed(node.items))
+            elif node.options is not None:
+                todo.append(node.options[(step - 1) % len(node.options)])
+            elif step <= node.at:
+                if node.before is not None:
+                    todo.append(node.before)
+            else:
+                todo.append(node.after)
+        return "".join(out)
+
+
+class _Unreadable(Exception):
+    """The grammar cannot read the prompt whole (a "|" left outside an alternation)."""
+
+
+def _top(tokens: list[str], lo: int, hi: int, memo: dict, field: str) -> list:
+    """tokens[lo:hi] read where the grammar allows stray brackets and colons (the prompt's top level): a well-formed
+    bracket as its form, any other bracket or colon as text; a "|" there leaves the prompt unreadable."""
+    out: list = []
+    i = lo
+    while i < hi:
+        token = tokens[i]
+        shape = _bracket(tokens, i, memo, 0, field) if token in ("(", "[") else None
+        if shape is not None:
+            out.extend(shape[0])
+            i = shape[1]
+            continue
+        if token == "|":
+            raise _Unreadable
+        out.append(token)
+        i += 1
+    return out
+
+
+def _bracket(tokens: list[str], start: int, memo: dict, depth: int, field: str) -> tuple | None:
+    """The bracket opening at `tokens[start]` read whole by the grammar: (its items in the enclosing sequence, the
+    token after it), or None where it is malformed (then its characters are text)."""
+    if start in memo:
+        return memo[start]
+    opening = tokens[start]
+    if depth >= MAX_OPEN:
+        raise ParamError(field, f"{field} has more than {MAX_OPEN} {opening!r} open at once (brackets nested); "
+                                f"close some, or escape them as \\{opening} to keep them as text")
+    closing = ")" if opening == "(" else "]"
+    parts: list[list] = [[]]
+    seps: list[str] = []
+    i, result = start + 1, None
+    while i < len(tokens):
+        token = tokens[i]
+        if token in ("(", "["):
+            found = _bracket(tokens, i, memo, depth + 1, field)
+            if found is None:
+                break
+            parts[-1].extend(found[0])
+            i = found[1]
+            continue
+        if token in (":", "|"):
+            seps.append(token)
+            parts.append([])
+        elif token == closing:
+            result = (_form(opening, parts, seps), i + 1)
+            break
+        elif token in (")", "]"):
+            break
+        else:
+            parts[-1].append(token)
+        i += 1
+    if result is not None and result[0] is None:
+        result = None
+    memo[start] = result
+    return result
+
+
+def _form(opening: str, parts: list[list], seps: list[str]) -> list | None:
+    """A well-formed bracket's items in its enclosing sequence: emphasis as its text, editing or alternation as a
+    node; None where its separators fit no form."""
+    if opening == "(":
+        if "|" in seps or len(seps) > 1:
+            return None
+        return ["(", *parts[0], *([":", *parts[1]] if seps else []), ")"]
+    if not seps:
+        return ["[", *parts[0], "]"]
+    if all(s == "|" for s in seps):
+        return [_Scheduled(options=[_Scheduled(items=p) for p in parts])]
+    number = parts[-1]
+    if "|" in seps or len(seps) > 2 or not all(isinstance(p, str) for p in number):
+        return None
+    m = _SPACED_NUMBER.fullmatch("".join(number))
+    if m is None:
+        return None
+    before = _Scheduled(items=parts[0]) if len(seps) == 2 else None
+    return [_Scheduled(before=before, after=_Scheduled(items=parts[-2]), when="".join(number).strip())]
 
 
 # -- emphasis ------------------------------------------------------------------------------------------

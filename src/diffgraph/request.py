@@ -525,6 +525,9 @@ class GenerationRequest:
     lora_hashes: tuple[tuple[str, str], ...] = ()  # (an adapter's name as the prompt names it, its short hash)
     # its result also carries its final latents (`GenerationResult.latents`: the hires fix's latent upscale reads them)
     return_latents: bool = False
+    # a hires fix's second pass: the first pass's steps, from which its a1111 prompt schedules count (AUTOMATIC1111's
+    # rule: a step number counts from the first pass's start, a fraction from 1.0); None: not a second pass
+    hires_of: int | None = None
     # AUTOMATIC1111's variation seed (Variation): changes only the initial noise; None: the seed's noise alone
     variation: Variation | None = None
     # AUTOMATIC1111's tiling: every convolution of the denoiser and the VAE pads circularly, so the image wraps
@@ -590,6 +593,9 @@ class GenerationRequest:
             raise ParamError("return_latents", f"return_latents must be true or false, got {_show(self.return_latents)}")
         if not isinstance(self.tiling, bool):
             raise ParamError("tiling", f"tiling must be true or false, got {_show(self.tiling)}")
+        if self.hires_of is not None and (isinstance(self.hires_of, bool) or not isinstance(self.hires_of, int)
+                                          or not 1 <= self.hires_of <= 10_000):
+            raise ParamError("hires_of", f"hires_of {_show(self.hires_of)} must be the first pass's steps (1 or more)")
         if self.priority not in PRIORITIES:
             raise ParamError("priority", f"priority {_show(self.priority)} is unknown; allowed: {', '.join(PRIORITIES)}")
         if self.job is not None and (not isinstance(self.job, str) or not self.job):
@@ -793,12 +799,13 @@ def make_preview(value: Any) -> PreviewSpec | None:
 
 def prompt_loras(request: GenerationRequest) -> tuple[tuple[str, float], ...]:
     """The `<lora:name:scale>` tags of an a1111-syntax request's prompt and negative prompt (ParamError naming the
-    prompt whose syntax is wrong)."""
-    from .prompt_syntax import parse_a1111  # pure Python, and only a1111-syntax requests need it
+    prompt whose syntax is wrong, in any text of its schedule: prompt editing, alternation)."""
+    from .prompt_syntax import schedule_a1111  # pure Python, and only a1111-syntax requests need it
 
-    tags = parse_a1111(request.prompt, "prompt").loras
+    steps = request.num_inference_steps
+    tags = schedule_a1111(request.prompt, "prompt", steps)[0][2].loras
     if request.negative_prompt is not None:
-        tags += parse_a1111(request.negative_prompt, "negative_prompt").loras
+        tags += schedule_a1111(request.negative_prompt, "negative_prompt", steps)[0][2].loras
     return tags
 
 

@@ -38,6 +38,7 @@ from .failures import FailurePolicy
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
 from .prompts import PromptKey
+from .prompt_schedule import schedule_length, switches, texts
 from .retirement import Retirement
 from .request_state import RequestSink, call_safely, fail_request
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
@@ -92,7 +93,8 @@ class EngineCore:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
-        prompts = prepare(self.runner.text_setup, request)  # parsed and tokenised here, on the submitting thread
+        # parsed and tokenised here, on the submitting thread (a prompt schedule's texts each)
+        prompts = prepare(self.runner.text_setup, request, *schedule_length(plan, request.hires_of))
         # registered capabilities' parameters (none: every capability is neutral), before the group: it may read them
         prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
             if request.extras else {}
@@ -100,7 +102,7 @@ class EngineCore:
                                 self.runner.group_key(request.key, prompts, prepared, request.tiling))
         state.prepared = prepared
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
-        if _second_branch(state) and prompts[0].chunks != prompts[1].chunks:
+        if len({p.chunks for p in _read(state)}) > 1:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])
         state.loras = self.resolve_loras(request) if loras is None else loras
         state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
@@ -262,6 +264,9 @@ class EngineCore:
                 s.saved = None
             if plan.admitted and not self._admit(plan.key, plan.admitted):
                 return self._release_idle((plan.key,))  # some admissions failed and left: plan again without them
+            for s in plan.live:  # a prompt schedule's next text, written before the step that reads it
+                if s.switches and (values := s.switches.get(s.step)) is not None:
+                    self.runner.update_rows(plan.key, s.first_row, s.rows, values)
             variant = self.runner.program.variant([s.variant_parts for s in plan.live])
             plan.cost_rows = self.runner.step(
                 plan.key, plan.coefs, [(s.first_row, s.rows, s.branches_now) for s in plan.live],
@@ -326,7 +331,7 @@ class EngineCore:
         loras = runner.loras  # the adapters admitted this step, loaded into their slots first
         broken = loras.load_admitted() if loras is not None and loras.enabled else {}
         broken_nets = runner.controls.load_admitted() if runner.controls is not None else {}
-        keys = [k for s in states for k in _prompt_keys(s)]
+        keys = [k for s in states for k in _prompt_keys(s) + _schedule_keys(s)]
         try:
             embeds = runner.embed(keys)
         except Exception:  # find the culprit(s): encode each request alone
@@ -340,7 +345,8 @@ class EngineCore:
                     raise RuntimeError(next(broken[k] for k in s.admitted["lora"] if k in broken))
                 if broken_nets.keys() & set(s.admitted.get("control", [])):
                     raise RuntimeError(next(broken_nets[k] for k in s.admitted["control"] if k in broken_nets))
-                mine = {k: embeds[k] if k in embeds else runner.embed([k])[k] for k in _prompt_keys(s)}
+                mine = {k: embeds[k] if k in embeds else runner.embed([k])[k]
+                        for k in _prompt_keys(s) + _schedule_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
                 if s.plan.brownian is not None:  # dpmpp_sde: one Brownian tree per request, seeded by its seed
                     s.noise = BrownianNoise(s.plan.brownian, s.plan.brownian_range, r.seed,
@@ -352,9 +358,12 @@ class EngineCore:
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
                     controls=runner.controls.admitted(s, s.admitted["control"]) if s.controls else [],
                     image_prompts=s.image_prompts, prepared=s.prepared)
+                # a schedule's texts all at its longest's windows (else: the pair's own, as pad_pair pads them)
+                windows = max(p.chunks for p in _read(s)) if any(p.schedule for p in s.prompts) else 0
                 s.variant_parts = runner.write_rows(key, s.first_row, admission, (
                     mine[pos], mine[neg], mine[empty[0]] if empty else None), latents, s.generator,
-                    s.plan.init_noise_sigma, s.size)  # latents None: drawn from its generator there
+                    s.plan.init_noise_sigma, s.size, windows)  # latents None: drawn from its generator there
+                s.switches = _switches(runner, key, s, mine, windows)
                 s.admitted_at = now
             except Exception as e:
                 logger.warning("admission failed for %s: %s: %s", s.request_id, type(e).__name__, e)
@@ -378,15 +387,50 @@ class EngineCore:
 def _prompt_keys(state: RequestState) -> tuple[PromptKey, ...]:
     """The request's prompt and negative prompt (as token ids), with its text-encoder adapters ((key, scale, slot),
     ...), and the empty prompt that pads the shorter of the two when their lengths differ."""
-    text = tuple((a.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", []))
-                 if a.has_text)
+    text = _text_loras(state)
     pos, neg = state.prompts
-    if not _second_branch(state):  # the negative prompt is never read: not encoded, nothing padded
-        return ("+", pos, text), ("+", pos, text)
-    keys = (("+", pos, text), ("-", neg, text))
-    if pos.chunks != neg.chunks:
+    if not _second_branch(state):  # the negative prompt is never read: not encoded
+        keys = (("+", pos, text), ("+", pos, text))
+    else:
+        keys = (("+", pos, text), ("-", neg, text))
+    if state.empty_prompt is not None:  # the texts' windows differ
         keys += (("+", state.empty_prompt, text),)
     return keys
+
+
+def _text_loras(state: RequestState) -> tuple:
+    return tuple((a.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", [])) if a.has_text)
+
+
+def _schedule_keys(state: RequestState) -> tuple[PromptKey, ...]:
+    """The prompt cache keys of a prompt schedule's other texts (engine/prompt_schedule.py)."""
+    pos, neg = state.prompts
+    text = _text_loras(state)
+    keys = tuple(("+", p, text) for p in texts(pos)[1:])
+    return keys + tuple(("-", p, text) for p in texts(neg)[1:]) if _second_branch(state) else keys
+
+
+def _read(state: RequestState) -> tuple:
+    """Every PromptText the request's rows read: its prompt's texts, and its negative prompt's where read."""
+    pos, neg = state.prompts
+    return texts(pos) + (texts(neg) if _second_branch(state) else ())
+
+
+def _switches(runner: ModelRunner, key: GroupKey, state: RequestState, mine: dict, windows: int) -> dict:
+    """A prompt schedule's conditioning values by the evaluation they start at (none without a schedule)."""
+    pos, neg = state.prompts
+    if not pos.schedule and not (neg.schedule and _second_branch(state)):
+        return {}
+    second = _second_branch(state)
+    text = _text_loras(state)
+    empty = mine.get(("+", state.empty_prompt, text)) if state.empty_prompt is not None else None
+    out, values = {}, {}  # one set of values a (prompt, negative prompt) pair: an alternation comes back to its pairs
+    for e, p, n in switches(pos, neg if second else pos, state.steps)[1:]:
+        if (id(p), id(n)) not in values:
+            values[id(p), id(n)] = runner.conditioning_values(
+                key, mine[("+", p, text)], mine[("-", n, text) if second else ("+", n, text)], empty, windows)
+        out[e] = values[id(p), id(n)]
+    return out
 
 
 def _second_branch(state: RequestState) -> bool:

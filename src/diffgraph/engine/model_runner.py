@@ -321,11 +321,25 @@ class ModelRunner:
         """Plain prompts (diffusers' reading) -> their conditioning as one batch (tools and tests)."""
         return concat(self.text_encoder.encode([PromptText(t, ids=plain_ids(self.text_setup, t)) for t in texts]))
 
-    def row_conditioning(self, cond: Conditioning, uncond: Conditioning,
-                         empty: Conditioning | None) -> tuple[Conditioning, Conditioning, int]:
-        """A row's two conditionings at equal length ("pad conds"), and the windows it uses (engine/prompt_rows.py;
-        the buffers write them repeated: features/context.py)."""
-        return pad_pair(self.adapter.sequence_fields, self._window, cond, uncond, empty)
+    def row_conditioning(self, cond: Conditioning, uncond: Conditioning, empty: Conditioning | None,
+                         windows: int = 0) -> tuple[Conditioning, Conditioning, int]:
+        """A row's two conditionings at equal length ("pad conds"; at least `windows` windows), and the windows it
+        uses (engine/prompt_rows.py; the buffers write them repeated: features/context.py)."""
+        return pad_pair(self.adapter.sequence_fields, self._window, cond, uncond, empty, windows)
+
+    def conditioning_values(self, key: GroupKey, cond: Conditioning, uncond: Conditioning,
+                            empty: Conditioning | None, windows: int) -> dict[str, torch.Tensor]:
+        """A row's conditioning fields for another text of its prompt schedule (`update_rows` writes them between
+        steps): both conditionings at `windows` windows, the negative one where a feature reads it."""
+        cond, uncond, _ = self.row_conditioning(cond, uncond, empty, windows)
+        buf = self.buffers(key)
+        values = {f"cond.{name}": cond[name] for name in buf.cond_names}
+        values.update({f"uncond.{name}": v for name, v in uncond.items() if f"uncond.{name}" in buf.writable})
+        return values
+
+    def update_rows(self, key: GroupKey, start: int, count: int, values: dict[str, torch.Tensor]) -> None:
+        """Rewrites some fields of live rows [start, start+count) between steps (device copies: no wait)."""
+        self.buffers(key).update(slice(start, start + count), values)
 
     def embed(self, keys: list[PromptKey]) -> dict[PromptKey, Conditioning]:
         """Conditioning of every (sign, prompt, text adapters) (prompts.PromptCache), under the text encoders'
@@ -352,19 +366,19 @@ class ModelRunner:
     def write_rows(self, key: GroupKey, start: int, admission: Admission,
                    prompts: tuple[Conditioning, Conditioning, Conditioning | None],
                    latents: torch.Tensor | None = None, generator: torch.Generator | None = None,
-                   sigma: float | None = None, size: Size | None = None) -> tuple:
+                   sigma: float | None = None, size: Size | None = None, windows: int = 0) -> tuple:
         """Fills rows [start, start+k) of an admitted request: its initial latents (an edit's `latents`, else the
         first draw from its `generator` at its plan's first `sigma`), its prompt's conditioning (broadcast) and, by
         each row feature, its negative prompt's at the same length (`prompts`: both and the empty prompt that pads
         the shorter: `row_conditioning`), its image size's row values (`size`; None: the key is its size) and the
-        rest of its fields (neutral where it does not use them); returns the request's parts of the step variant
-        key."""
+        rest of its fields (neutral where it does not use them); `windows`: the prompt windows its conditioning is
+        written at, at least (a prompt schedule's longest); returns the request's parts of the step variant key."""
         if latents is None:
             if generator is None or sigma is None:
                 raise ValueError("write_rows draws the first latents from the request's generator at its plan's "
                                  "first sigma: pass both, or the latents")
             latents = self.initial_latents(admission.rows, key, generator, sigma, size, admission.request)
-        cond, uncond, chunks = self.row_conditioning(*prompts)
+        cond, uncond, chunks = self.row_conditioning(*prompts, windows)
         admission = dataclasses.replace(admission, uncond=uncond, chunks=chunks)
         buf = self.buffers(key)
         k = latents.shape[0]

@@ -84,12 +84,13 @@ def prompt_row(model: DiffusionModel, prompt: PromptText, windows: Conditioning)
 
 
 def pad_pair(seq: tuple[str, ...], window: int, cond: Conditioning, uncond: Conditioning,
-             empty: Conditioning | None) -> tuple[Conditioning, Conditioning, int]:
-    """(cond, uncond, windows): both at the longer one's windows (`seq`: the sequence fields; `window`: 77)."""
+             empty: Conditioning | None, windows: int = 0) -> tuple[Conditioning, Conditioning, int]:
+    """(cond, uncond, windows): both at the longer one's windows, or at `windows` where more (a prompt schedule's
+    texts all at its longest's) (`seq`: the sequence fields; `window`: 77)."""
     if not seq:
         return cond, uncond, 1
     lengths = [c[seq[0]].shape[1] for c in (cond, uncond)]
-    longest = max(lengths)
+    longest = max(*lengths, windows * window)
     rows = []
     for c, length in zip((cond, uncond), lengths):
         pad = (longest - length) // window

@@ -54,6 +54,8 @@ class RequestState:
     variant_parts: tuple = ()  # the request's parts of the step variant key (the row features', at admission)
     prompts: tuple = ()        # (prompt, negative prompt) as text/prepared.PromptText, prepared at submit
     empty_prompt: Any = None   # the empty prompt that pads the shorter of the two (their windows differ)
+    # a prompt schedule's conditioning by the evaluation (its `step`) it starts at (engine/prompt_schedule.py)
+    switches: dict = field(default_factory=dict)
     preview_future: Any = None  # its last live preview's send (engine/previews.py), awaited before its result
     batch: bool = False        # its scheduling class (priority.py): a job's item (batch) or interactive
     job: str | None = None     # its job (batch rows share the class fairly by share, then by job)

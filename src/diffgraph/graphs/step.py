@@ -153,6 +153,21 @@ class StepBuffers:
                 if not spec.transient and name not in values and (spec.history_slot or name in before):
                     spec.fill(self.fields[name][rows])
 
+    def update(self, rows: slice, values: dict[str, torch.Tensor]) -> None:
+        """Rewrites the given fields of live rows (their conditioning for the next text of a prompt schedule), every
+        other field kept."""
+        unknown = set(values) - self.writable
+        if unknown:
+            raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
+        first, stop, _ = rows.indices(self.num_rows)
+        added = frozenset(n for n in values if n in self.specs)
+        with self._rewriting(first, [w | added for w in self._written[first:stop]]):
+            for name, value in values.items():
+                if name in self.sequence:
+                    write_tokens(self.fields[name][rows], value)
+                else:
+                    self.fields[name][rows] = value
+
     @contextmanager
     def _rewriting(self, start: int, after: list[frozenset[str]]) -> Iterator[None]:
         """Rows [start, start + len(after)) are rewritten to hold the fields `after` records: while the copies run the

@@ -121,11 +121,12 @@ class References:
     def _embeddings(self, request: GenerationRequest, once: Once) -> None:
         if request.prompt_syntax != "a1111":
             return
-        from ..prompt_syntax import parse_a1111  # pure Python
+        from ..prompt_syntax import schedule_a1111  # pure Python
 
         for field in ("prompt", "negative_prompt"):
             text = getattr(request, field)
-            for name in parse_a1111(text, field).embeddings if text else ():
+            entries = schedule_a1111(text, field, request.num_inference_steps) if text else ()
+            for name in dict.fromkeys(n for _, _, parsed in entries for n in parsed.embeddings):
                 if self.embeddings is None:
                     raise ParamError(field, f"{field} names embedding {name!r}, but no embeddings are served; start "
                                             "the server with --embeddings-dir DIR holding NAME.safetensors")

@@ -8,7 +8,9 @@ the request (tokenising and parsing cost CPU; the loop only encodes ids, and the
     emphasis weight, textual-inversion embeddings found by name (text/embeddings.py), and `clip_skip` for both
     prompts, as AUTOMATIC1111 applies its "CLIP skip"; an empty or missing negative prompt is text None (SDXL
     zeroes it, as AUTOMATIC1111's `force_zero_negative_prompt`; SD1.x/SD2.x encode the empty prompt), and the
-    shorter of the two is padded with empty-prompt windows at admission ("pad conds": `empty_prompt`).
+    shorter of the two is padded with empty-prompt windows at admission ("pad conds": `empty_prompt`); a prompt
+    that edits or alternates (`[a:b:when]`, `[a|b]`) is a `PromptText` per text of its schedule over the request's
+    denoiser evaluations (`PromptText.schedule`; engine/prompt_schedule.py switches them between steps).
 Every tokenizer call holds `TextSetup.lock`: transformers' fast tokenizers keep their padding setting on the shared
 object, so two threads tokenising at once could give each other's lengths. Token ids are kept (`TokenCache`, by
 text): a prompt sent again with other seeds (a shot's candidates), the same negative prompt under every request and
@@ -29,7 +31,7 @@ from typing import Any, Sequence
 from ..request import GenerationRequest, ParamError
 from .chunks import EmbeddingMatcher, TokenChunks, chunk_tokens, with_pad
 from .embeddings import Embedding, EmbeddingDir, EmbeddingError
-from ..prompt_syntax import parse_a1111
+from ..prompt_syntax import ParsedPrompt, parse_a1111, schedule_a1111
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ class PromptText:
     weights: tuple[tuple[float, ...], ...] = ()         # a1111: per window, each token's emphasis
     splices: tuple[tuple[str, Any, int, int, int], ...] = ()  # (embedding, file version, window, offset, vectors)
     vectors: tuple[Embedding, ...] = field(default=(), compare=False, hash=False, repr=False)
+    # a1111 prompt editing and alternation: (last evaluation, that text's PromptText) per text, this one first; ()
+    # for a prompt read the same at every evaluation (`schedule_a1111`)
+    schedule: tuple[tuple[int, "PromptText"], ...] = field(default=(), compare=False, hash=False, repr=False)
     # derived (plain attributes: the loop reads them per request without a call)
     chunks: int = field(init=False, compare=False, repr=False)     # its 77-token windows
     weighted: bool = field(init=False, compare=False, repr=False)  # AUTOMATIC1111's emphasis applies
@@ -75,8 +80,12 @@ class TextSetup:
     template: tuple[str, str] | None = None
 
 
-def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, PromptText]:
-    """(prompt, negative prompt) of a request, tokenised; ParamError naming the prompt that cannot be read."""
+def prepare(setup: TextSetup, request: GenerationRequest, evaluations: int | None = None,
+            hires: int | None = None) -> tuple[PromptText, PromptText]:
+    """(prompt, negative prompt) of a request, tokenised; ParamError naming the prompt that cannot be read.
+    `evaluations`: the length of an a1111 prompt's schedule (AUTOMATIC1111's: its steps times its sampler's denoiser
+    evaluations per step); None refuses prompt editing and alternation. `hires`: a hires fix's second pass's first
+    pass's evaluations (`evaluations` then the second pass's own)."""
     if request.clip_skip is not None and request.clip_skip > setup.max_clip_skip:
         raise ParamError("clip_skip", f"clip_skip {request.clip_skip} is beyond this model's text encoder; allowed: "
                                       f"0..{setup.max_clip_skip} (1 = the penultimate layer)")
@@ -84,10 +93,33 @@ def prepare(setup: TextSetup, request: GenerationRequest) -> tuple[PromptText, P
         return (PromptText(request.prompt, clip_skip=request.clip_skip, ids=plain_ids(setup, request.prompt)),
                 PromptText(request.negative_prompt, ids=plain_ids(setup, request.negative_prompt or "",
                                                                   "negative_prompt")))
-    negative = _a1111(setup, request.negative_prompt or "", "negative_prompt", request)
-    if not (request.negative_prompt or "").strip():
-        negative = dataclasses.replace(negative, text=None)
-    return _a1111(setup, request.prompt, "prompt", request), negative
+    return (_scheduled(setup, request.prompt, "prompt", request, evaluations, hires),
+            _scheduled(setup, request.negative_prompt or "", "negative_prompt", request, evaluations, hires))
+
+
+def _scheduled(setup: TextSetup, text: str, name: str, request: GenerationRequest, evaluations: int | None,
+               hires: int | None) -> PromptText:
+    """An a1111 prompt, with its schedule where it edits or alternates (each text prepared as a prompt of its own;
+    a negative prompt's blank text is None: no negative prompt)."""
+    blank = _blank if name == "negative_prompt" else (lambda prompt: prompt)
+    if evaluations is None:
+        return blank(_a1111(setup, text, name, request))
+    entries = schedule_a1111(text, name, evaluations, hires)
+    if len(entries) == 1:
+        return blank(_a1111(setup, text, name, request, entries[0][2]))
+    prepared: dict[str, PromptText] = {}  # one PromptText a text (an alternation comes back to its texts)
+    for _, part, parsed in entries:
+        if part not in prepared:
+            prepared[part] = blank(_a1111(setup, part, name, request, parsed))
+    schedule = tuple((end, prepared[part]) for end, part, _ in entries)
+    return dataclasses.replace(schedule[0][1], schedule=schedule)
+
+
+def _blank(prompt: PromptText) -> PromptText:
+    """A negative prompt of blank text as no negative prompt (text None)."""
+    if prompt.text is None or prompt.text.strip():
+        return prompt
+    return dataclasses.replace(prompt, text=None)
 
 
 def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
@@ -169,20 +201,22 @@ class _Stale(Exception):
     """An embedding's file no longer has the vector count the listing said (rewritten in place)."""
 
 
-def _a1111(setup: TextSetup, text: str, name: str, request: GenerationRequest) -> PromptText:
+def _a1111(setup: TextSetup, text: str, name: str, request: GenerationRequest,
+           parsed: ParsedPrompt | None = None) -> PromptText:
     try:
-        return _a1111_once(setup, text, name, request)
+        return _a1111_once(setup, text, name, request, parsed)
     except _Stale:  # list the folder again, once
         setup.matchers.forget()
     try:
-        return _a1111_once(setup, text, name, request)
+        return _a1111_once(setup, text, name, request, parsed)
     except _Stale as e:
         raise ParamError(name, f"embedding {e.args[0]!r} keeps changing while the prompt is read; send it again "
                                "once the file is written") from None
 
 
-def _a1111_once(setup: TextSetup, text: str, name: str, request: GenerationRequest) -> PromptText:
-    parsed = parse_a1111(text, name)
+def _a1111_once(setup: TextSetup, text: str, name: str, request: GenerationRequest,
+                parsed: ParsedPrompt | None) -> PromptText:
+    parsed = parse_a1111(text, name) if parsed is None else parsed
     first = setup.tokenizers[0]
 
     def tokenize(texts: list[str]) -> list[tuple[int, ...]]:
