@@ -27,7 +27,8 @@ import torch
 
 from diffgraph.errors import ParamError
 from diffgraph.prompt_syntax import MAX_SCHEDULED, prompt_schedule, schedule_a1111
-from diffgraph.engine.prompt_schedule import schedule_length, switches
+from diffgraph.engine.prompt_schedule import switches
+from diffgraph.engine.request_state import schedule_length
 from diffgraph.text.prepared import prepare
 
 NUMBER = re.compile(r"\s*[+-]?(\d+\.?\d*(e[+-]?\d+)?|\.\d+(e[+-]?\d+)?)\s*", re.IGNORECASE)

@@ -38,9 +38,9 @@ from .failures import FailurePolicy
 from .model_runner import ModelRunner
 from .previews import PreviewMaker
 from .prompts import PromptKey
-from .prompt_schedule import schedule_length, switches, texts
+from .prompt_schedule import switches
 from .retirement import Retirement
-from .request_state import RequestSink, call_safely, fail_request
+from .request_state import RequestSink, call_safely, fail_request, schedule_length
 from .scheduler import RequestState, Scheduler, SchedulerConfig, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -406,14 +406,14 @@ def _schedule_keys(state: RequestState) -> tuple[PromptKey, ...]:
     """The prompt cache keys of a prompt schedule's other texts (engine/prompt_schedule.py)."""
     pos, neg = state.prompts
     text = _text_loras(state)
-    keys = tuple(("+", p, text) for p in texts(pos)[1:])
-    return keys + tuple(("-", p, text) for p in texts(neg)[1:]) if _second_branch(state) else keys
+    keys = tuple(("+", p, text) for p in pos.texts[1:])
+    return keys + tuple(("-", p, text) for p in neg.texts[1:]) if _second_branch(state) else keys
 
 
 def _read(state: RequestState) -> tuple:
     """Every PromptText the request's rows read: its prompt's texts, and its negative prompt's where read."""
     pos, neg = state.prompts
-    return texts(pos) + (texts(neg) if _second_branch(state) else ())
+    return pos.texts + (neg.texts if _second_branch(state) else ())
 
 
 def _switches(runner: ModelRunner, key: GroupKey, state: RequestState, mine: dict, windows: int) -> dict:

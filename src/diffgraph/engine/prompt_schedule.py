@@ -4,7 +4,7 @@ switched between steps.
 text/prepared.py gives an a1111 prompt that edits or alternates its `schedule`: (last evaluation, PromptText) per
 text, each prepared and encoded as a prompt of its own (the prompt cache keys them by text). AUTOMATIC1111 builds the
 schedule over its sampler's `total_steps` (the steps, twice for a sampler of two denoiser evaluations a step:
-`schedule_length`) and reads, at its denoiser's evaluation e (0-based, counted from the pass's first evaluation, an
+request_state.py `schedule_length`) and reads, at its denoiser's evaluation e (0-based, counted from the pass's first evaluation, an
 image-to-image pass's too), the first text whose last evaluation is e or later (`reconstruct_cond_batch`). A row's
 plan rows are those evaluations, so `switches` lists the evaluations where the row's (prompt, negative prompt) pair
 changes; the engine core writes that pair's conditioning into the row's fields just before the step that runs it
@@ -14,26 +14,7 @@ text of a row is padded to the row's longest (`windows`), so its step variant ne
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..sampling.samplers import SamplerPlan
 from ..text.prepared import PromptText
-
-
-def schedule_length(plan: SamplerPlan, hires_of: int | None = None) -> tuple[int, int | None]:
-    """AUTOMATIC1111's schedule length for a request's plan, its steps times its denoiser evaluations per step, and
-    for a hires fix's second pass (`hires_of`: the first pass's steps) the first pass's (the second pass's length is
-    then the steps it runs, as AUTOMATIC1111's hr pass counts its own)."""
-    index = np.asarray(plan.step_index, dtype=np.int64)
-    per_step = int(np.bincount(index - index.min()).max()) if index.size else 1
-    if hires_of is None:
-        return max(1, plan.steps) * per_step, None
-    return max(1, len(np.unique(index))) * per_step, hires_of * per_step
-
-
-def texts(prompt: PromptText) -> tuple[PromptText, ...]:
-    """Every text a prompt reads during sampling (itself alone without a schedule)."""
-    return tuple(p for _, p in prompt.schedule) if prompt.schedule else (prompt,)
 
 
 def at(prompt: PromptText, evaluation: int) -> PromptText:

@@ -132,3 +132,14 @@ def call_safely(fn: Callable[..., Any], *args: Any) -> None:
 def fail_request(state: RequestState, error: BaseException) -> None:
     """Answers the request with `error`."""
     call_safely(state.sink.finish, None, error)
+
+
+def schedule_length(plan: SamplerPlan, hires_of: int | None = None) -> tuple[int, int | None]:
+    """AUTOMATIC1111's prompt-schedule length for a request's plan (engine/prompt_schedule.py), its steps times its
+    denoiser evaluations per step, and for a hires fix's second pass (`hires_of`: the first pass's steps) the first
+    pass's (the second pass's length is then the steps it runs, as AUTOMATIC1111's hr pass counts its own)."""
+    index = np.asarray(plan.step_index, dtype=np.int64)
+    per_step = int(np.bincount(index - index.min()).max()) if index.size else 1
+    if hires_of is None:
+        return max(1, plan.steps) * per_step, None
+    return max(1, len(np.unique(index))) * per_step, hires_of * per_step

@@ -110,6 +110,10 @@ class RowFeature:
     """Neutral defaults for every hook: a feature overrides what it does."""
 
     name: str = ""
+    # the request parameter (`GenerationRequest.extras` key) through which a request asks this feature for anything,
+    # with the values that ask nothing: a request without another value skips every per-request hook and its part
+    # stays neutral (so a plain request never calls into a capability it does not use); None: every request may ask
+    asked_by: tuple[str, tuple[Any, ...]] | None = None
 
     # -- declarations ----------------------------------------------------------------------------
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
@@ -194,11 +198,12 @@ class RowFeature:
         table [n, columns] (feature columns at `columns`), `index` its denoiser-row layout (program.layout: den_row,
         den_alt, ...) over denoiser rows [0, d); `gather` False when another feature of the step sets per-row state
         the denoiser reads (LoRA rows, image prompts): a part may then not run the denoiser over a subset of rows.
-        Default: `part`."""
+        Called for a part other than the neutral one only. Default: `part`."""
         return part
 
     def eager(self, part: Any) -> bool:
-        """Whether a step with this (refined) part runs eagerly, without the step's graphs."""
+        """Whether a step with this (refined) part runs eagerly, without the step's graphs (asked of a part other than
+        the neutral one only)."""
         return False
 
     def graph_part(self, part: Any) -> Any:

@@ -62,6 +62,7 @@ class StepProgram:
                                                                             "graph_part", "step_part",
                                                                             "before_denoise", "eager",
                                                                             "after_plan")})
+        object.__setattr__(self, "_gated", any(f.asked_by is not None for f in self.features))
         object.__setattr__(self, "_transient", frozenset(
             name for f in self.features for name, spec in f.fields((4, 8, 8)).items() if spec.transient))
         object.__setattr__(self, "kinds", {v: self.kind(v) for v in variants})  # variant key -> graph kind
@@ -96,7 +97,7 @@ class StepProgram:
         image row at each plan row (`branches`)."""
         coefs, branches = self.request_coefs(request, plan.coefs, plan.step_index), self.branches(request,
                                                                                                  plan.step_index)
-        for i in self._overrides["after_plan"]:
+        for i in self._asked(request, "after_plan"):
             self.features[i].after_plan(coefs, self.columns, branches)
         return dataclasses.replace(plan, coefs=coefs, branches=branches)
 
@@ -107,7 +108,7 @@ class StepProgram:
         table = np.zeros((rows, self.num_columns), dtype=np.float64)
         table[:, :NUM_COEFS] = sampler_coefs
         cols = self.columns
-        for i in self._overrides["plan_columns"]:
+        for i in self._asked(request, "plan_columns"):
             for name, values in self.features[i].plan_columns(request, index).items():
                 table[:, cols[name]] = values
         return table
@@ -115,7 +116,7 @@ class StepProgram:
     def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray:
         """Denoiser rows per image row at each plan row of the request (1 or 2)."""
         out = np.ones(len(index), dtype=np.int64)
-        for i in self._overrides["branches"]:
+        for i in self._asked(request, "branches"):
             b = self.features[i].branches(request, index)
             if b is not None:
                 out = np.maximum(out, b)
@@ -126,22 +127,30 @@ class StepProgram:
         """The step's variant from the live requests' parts (one tuple per request, in feature order)."""
         key = list(self._neutral)
         for i in self._overrides["variant"]:
-            key[i] = self.features[i].variant([p[i] for p in parts])
+            own = [p[i] for p in parts]
+            if self.features[i].asked_by is None or any(part != self._neutral[i] for part in own):
+                key[i] = self.features[i].variant(own)
         return tuple(key)
 
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
         """Every feature's field values for an admitted request (`RowFeature.rows`)."""
         values: dict[str, torch.Tensor | float] = {}
-        for i in self._overrides["rows"]:
+        for i in self._asked(admission.request, "rows"):
             values.update(self.features[i].rows(admission))
         return values
 
     def parts(self, admission: Admission) -> tuple:
         """The request's parts (the neutral part for a feature that does not override `part`)."""
         out = list(self._neutral)
-        for i in self._overrides["part"]:
+        for i in self._asked(admission.request, "part"):
             out[i] = self.features[i].part(admission)
         return tuple(out)
+
+    def _asked(self, request: GenerationRequest, hook: str) -> tuple[int, ...]:
+        """The features overriding `hook` that `request` may ask for something (`RowFeature.asked_by`)."""
+        extras = dict(request.extras) if self._gated else {}
+        return tuple(i for i in self._overrides[hook] if self.features[i].asked_by is None
+                     or extras.get(self.features[i].asked_by[0]) not in self.features[i].asked_by[1])
 
     def neutral(self) -> VariantKey:
         return self._neutral
@@ -159,12 +168,14 @@ class StepProgram:
         row_state = any(key[i] != self._neutral[i] for i in self._overrides["before_denoise"])
         out = list(key)
         for i in self._overrides["step_part"]:
+            if key[i] == self._neutral[i]:
+                continue
             out[i] = self.features[i].step_part(key[i], coefs, self.columns, index, d, gather=not row_state)
         return tuple(out)
 
     def eager(self, key: VariantKey) -> bool:
         """Whether a step of `key` runs eagerly (a feature's part the step's graphs do not hold)."""
-        return any(self.features[i].eager(key[i]) for i in self._overrides["eager"])
+        return any(self.features[i].eager(key[i]) for i in self._overrides["eager"] if key[i] != self._neutral[i])
 
     def graph_key(self, key: VariantKey) -> VariantKey:
         """The key the step's graphs see: each part as its feature's `graph_part` (one of its `variants()`)."""

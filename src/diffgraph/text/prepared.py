@@ -56,10 +56,12 @@ class PromptText:
     # derived (plain attributes: the loop reads them per request without a call)
     chunks: int = field(init=False, compare=False, repr=False)     # its 77-token windows
     weighted: bool = field(init=False, compare=False, repr=False)  # AUTOMATIC1111's emphasis applies
+    texts: tuple["PromptText", ...] = field(init=False, compare=False, repr=False)  # every text read while sampling
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "chunks", len(self.ids[0]) if self.ids else 1)
         object.__setattr__(self, "weighted", self.syntax == "a1111")
+        object.__setattr__(self, "texts", tuple(p for _, p in self.schedule) if self.schedule else (self,))
 
 
 @dataclass(frozen=True)

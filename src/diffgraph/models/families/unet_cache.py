@@ -364,6 +364,8 @@ class StepCacheRows(RowFeature):
 
     def __init__(self, unet: Any, dtype: torch.dtype, default: str | DeepCache):
         self._unet, self._dtype, self._default = unet, dtype, default
+        # with the server's default off, a request that sends no step_cache (or "off") asks nothing of it
+        self.asked_by = (NAME, (None, "off")) if default == "off" else None
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
         size = max(math.prod(s) for s in branch_shapes(self._unet, latent_shape))
