@@ -142,6 +142,18 @@ def test_bad_values_are_one_line_param_errors_naming_the_field(engines):
         assert e.value.param == field and words in str(e.value) and "\n" not in str(e.value), (value, str(e.value))
 
 
+def test_the_server_default_applies_to_requests_that_name_none(folders, engines):
+    plain = images_together(engines["Z-Image-Turbo"], [_kw()])[0]
+    cached = images_together(engines["Z-Image-Turbo"], [_kw({"method": "taylorseer", "interval": 3})])[0]
+    settings = {"step_cache": {"step_cache": '{"method": "taylorseer", "interval": 3}'}}
+    with Engine(model=folders["Z-Image-Turbo"][0], device="cpu", capability_settings=settings) as e:
+        np.testing.assert_array_equal(images_together(e, [_kw()])[0], cached)
+        np.testing.assert_array_equal(images_together(e, [_kw("off")])[0], plain)
+    with pytest.raises(ValueError, match="setting step-cache: .* is for UNet models"):
+        Engine(model=folders["Z-Image-Turbo"][0], device="cpu",
+               capability_settings={"step_cache": {"step_cache": '{"method": "deepcache"}'}})
+
+
 def test_in_graph_mode_steps_with_cache_rows_run_eagerly_and_equal_the_eager_engine(folders, engines):
     from diffgraph.config import GraphConfig
 
