@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
-from diffgraph.models.families.token_cache import forecast_plan
+from diffgraph.models.families.token_cache import TaylorStep, cached_denoise, forecast_plan
 
 from loop_util import images_together
 from test_zimage import oracle, pipeline
@@ -123,6 +123,34 @@ def test_the_plan_forecasts_from_the_differences_that_exist_and_a_branch_change_
     np.testing.assert_allclose(c1, [0, 0, 0.5, 1, 0, 0, 0])  # guidance from evaluation 4: the differences restart
     r, _, _ = forecast_plan(reuse, np.array([1, 1, 1, 2, 2, 2, 2]), 1)
     np.testing.assert_array_equal(r, [0, 1, 0, 0, 0, 1, 1])  # evaluation 3 changes branches: it runs full
+
+
+def test_the_transformer_runs_over_the_gathered_rows_and_the_others_are_forecast():
+    """`cached_denoise` with a stand-in denoiser that records the rows it saw: gathered, only the rows that run; not
+    gathered (per-row denoiser state in the step), every row, the same outputs."""
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(4, 5, 3, generator=g), torch.tensor([900.0, 800.0, 700.0, 600.0])
+    cond, mask = {"embeds": torch.randn(4, 2, 3, generator=g)}, torch.ones(4, 5, dtype=torch.bool)
+    seen = []
+
+    def denoise(x, t, cond, rows):
+        seen.append(x.shape[0])
+        return x * t.view(-1, 1, 1) / 1000 + cond["embeds"][:, :1] * rows["image_mask"].unsqueeze(-1)
+    terms = torch.randn(8, 3, 5, 3, generator=g)
+    before = terms.clone()
+    coef = ((0.5, 0.5), (2.0, 2.0))  # save: 1 / dist; cached: k, k^2 / 2
+    for run in ((0, 2), (0, 1, 2, 3)):
+        terms.copy_(before)
+        step = TaylorStep(run, (2,), (5,), coef[:1], (1, 3), (2, 6), (coef[1], (1.0, 0.0)))
+        out = cached_denoise(denoise, x, t, cond, {"image_mask": mask, "taylor.step": step, "taylor.terms": terms})
+        assert seen.pop() == len(run)
+        full = denoise(x, t, cond, {"image_mask": mask})
+        torch.testing.assert_close(out[[0, 2]], full[[0, 2]])
+        torch.testing.assert_close(out[1], before[2, 0] + 2 * before[2, 1] + 2 * before[2, 2])
+        torch.testing.assert_close(out[3], before[6, 0] + before[6, 1])
+        d1 = (full[2] - before[5, 0]) * 0.5
+        torch.testing.assert_close(terms[5], torch.stack([full[2], d1, (d1 - before[5, 1]) * 0.5]))
+        torch.testing.assert_close(terms[[0, 1, 2, 3, 4, 6, 7]], before[[0, 1, 2, 3, 4, 6, 7]])
 
 
 BAD = [({"method": "taylorseer", "interval": 0}, "step_cache.interval", "out of range"),
