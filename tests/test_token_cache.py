@@ -3,7 +3,7 @@
 The reference is TaylorSeer's algorithm written here on diffusers' own `ZImagePipeline` (a plain flow-matching Euler
 loop over the transformer): the transformer's forward is wrapped so that at a full evaluation it runs and the
 output and its finite differences are kept per batch item, and at a cached one it does not run and returns
-F + D1 k + D2 k^2 / 2 by hand. Tiny random folders in fp32 on the CPU (test_zimage.py's `pipeline`)."""
+F + D1 k + D2 k^2 / 2 by hand. Tiny random folders in fp32 on the CPU (test_zimage.py's `folders`)."""
 
 import numpy as np
 import pytest
@@ -13,20 +13,9 @@ from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.models.families.token_cache import TaylorStep, cached_denoise, forecast_plan
 
 from loop_util import images_together
-from test_zimage import oracle, pipeline
+from test_zimage import folders, oracle  # noqa: F401 (its module-scoped folders fixture)
 
 SIZE = dict(height=64, width=64)
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zimage-cache")
-    out = {}
-    for name, shift in (("Z-Image-Turbo", 3.0), ("Z-Image", 6.0)):
-        pipe = pipeline(shift)
-        pipe.save_pretrained(str(root / name))
-        out[name] = (str(root / name), pipe)
-    return out
 
 
 @pytest.fixture(scope="module")

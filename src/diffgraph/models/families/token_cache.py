@@ -22,7 +22,6 @@ step with cache rows runs eagerly (its part holds the gathered rows: no CUDA gra
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -35,6 +34,7 @@ from ...errors import ParamError
 from ...features.base import Admission, FieldSpec, RowFeature, StepView
 from ...features.capability import Capability, Param
 from ...request import GenerationRequest
+from . import unet_cache
 
 NAME = "step_cache"
 METHODS = ("taylorseer",)
@@ -139,8 +139,9 @@ def _coefs(values: Sequence[tuple[float, float]], like: torch.Tensor) -> tuple[t
 def cached_denoise(denoise: Callable[..., torch.Tensor], x: torch.Tensor, t: torch.Tensor,
                    cond: dict[str, torch.Tensor], rows: dict[str, Any]) -> torch.Tensor | None:
     """A token family's denoiser call when the step has cache rows (None: it has none): `denoise(x, t, cond, rows)`
-    over the step's `run` rows only (their inputs gathered), the kept terms of its `save` rows updated, its `cached`
-    rows' outputs forecast from theirs."""
+    over the step's `run` rows only (their inputs gathered: the tensors of `cond` and `rows` with one entry per
+    denoiser row), the kept terms of its `save` rows updated, its `cached` rows' outputs (shaped as x, as a token
+    family's velocity is) forecast from theirs."""
     step = rows.get("taylor.step")
     if step is None:
         return None
@@ -176,17 +177,12 @@ def cached_denoise(denoise: Callable[..., torch.Tensor], x: torch.Tensor, t: tor
 # -- the capability and its row feature ------------------------------------------------------------------------------
 def read_default(value: str) -> str | TaylorSeer:
     """The server's `step_cache` setting (a JSON object as a string); ValueError naming it otherwise."""
-    try:
-        return read_token_cache(json.loads(value) if value.lstrip().startswith("{") else value)
-    except (ParamError, json.JSONDecodeError) as e:
-        raise ValueError(f"setting step-cache: {e}") from None
+    return unet_cache.read_default(value, read_token_cache)
 
 
 def request_cache(request: GenerationRequest, default: str | TaylorSeer) -> TaylorSeer | None:
     """A request's TaylorSeer setting (its `step_cache`, else the server's default); None: off."""
-    value = dict(request.extras).get(NAME)
-    spec = default if value is None else read_token_cache(value)
-    return None if spec == "off" else spec
+    return unet_cache.request_cache(request, default, read_token_cache)
 
 
 class TokenStepCache(Capability):
@@ -236,15 +232,18 @@ class TaylorRows(RowFeature):
     def variants(self) -> Sequence[Any]:
         return (None,)  # a step with cache rows runs eagerly (`eager`): no graphs to capture
 
+    def _caches(self, admission: Admission) -> bool:
+        return request_cache(admission.request, self._default) is not None
+
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
         """A cache row's field, written (zero) so that a preemption saves and restores it with the row."""
-        return {"taylor.terms": 0.0} if request_cache(admission.request, self._default) is not None else {}
+        return {"taylor.terms": 0.0} if self._caches(admission) else {}
 
     def part(self, admission: Admission) -> Any:
-        return "on" if request_cache(admission.request, self._default) is not None else None
+        return "on" if self._caches(admission) else None
 
     def variant(self, parts: Sequence[Any]) -> Any:
-        return "on" if any(parts) else None
+        return next((p for p in parts if p), None)  # "on" where a live request caches
 
     def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
                   gather: bool = True) -> Any:
