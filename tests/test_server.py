@@ -621,8 +621,8 @@ def test_a1111_prompts_are_sized_then_parsed_off_the_event_loop(monkeypatch):
     body = {"size": "64x64", "num_inference_steps": 1, "prompt_syntax": "a1111"}
     with TestClient(app) as client:
         wait_for(lambda: client.get("/ready").status_code == 200, what="the engine is ready")
-        held = HeldParser(syntax.parse_a1111)
-        monkeypatch.setattr(syntax, "parse_a1111", held)
+        held = HeldParser(syntax.schedule_a1111)
+        monkeypatch.setattr(syntax, "schedule_a1111", held)
         r = client.post("/v1/images/generations", json={**body, "prompt": "<a:" * 6666})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         assert f"has 19998 bytes (UTF-8); the limit is {MAX_PROMPT}" in r.json()["error"]["message"]
