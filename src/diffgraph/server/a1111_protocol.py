@@ -404,6 +404,8 @@ def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
     names = {"prompt": "prompt", "negative_prompt": "negative_prompt", "sampler": "sampler_name",
              "schedule": "scheduler", "num_inference_steps": "steps", "guidance_scale": "cfg_scale", "seed": "seed",
              "width": "width", "height": "height", "strength": "denoising_strength", "eta": "eta", "tiling": "tiling"}
+    if fields.get("hires") and fields["hires"]["strength"] is not None:  # the hires pass's denoising_strength
+        fields["strength"] = fields["hires"]["strength"]
     for ours, field in names.items():
         if fields.get(ours) is not None and field not in body.model_fields_set and field in type(body).model_fields:
             setattr(body, field, fields[ours])
