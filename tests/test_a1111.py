@@ -407,6 +407,31 @@ def test_options_are_per_key(server, api, other):
     assert post(server, "options", ["sd_model_checkpoint"]).status_code == 400
 
 
+def test_tiling_null_is_the_tiling_option(server, api):
+    """AUTOMATIC1111's `tiling` option: POST /sdapi/v1/options sets it per key, and a body's `tiling` null (or left
+    out) takes it, as AUTOMATIC1111's processing does; an explicit false does not; override_settings sets it for one
+    request."""
+    def infotext(answer: dict) -> str:
+        return json.loads(answer["info"])["infotexts"][0]
+
+    explicit = post(server, "txt2img", {**SMALL, "tiling": True}).json()
+    try:
+        assert post(server, "options", {"tiling": True}).status_code == 200
+        assert api.get_options()["tiling"] is True
+        null = post(server, "txt2img", {**SMALL, "tiling": None}).json()
+        assert "Tiling: True" in infotext(null) and null["images"] == explicit["images"]
+        assert "Tiling" not in infotext(post(server, "txt2img", {**SMALL, "tiling": False}).json())
+        assert "Tiling" not in infotext(post(server, "txt2img", {**SMALL, "tiling": None}, key=KEY_B).json())
+        refused = post(server, "options", {"tiling": "yes"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tiling"
+    finally:
+        post(server, "options", {"tiling": False})
+    assert api.get_options()["tiling"] is False
+    assert "Tiling" not in infotext(post(server, "txt2img", SMALL).json())
+    overridden = post(server, "txt2img", {**SMALL, "override_settings": {"tiling": True}}).json()
+    assert overridden["images"] == explicit["images"]
+
+
 # -- raw JSON: every field -----------------------------------------------------------------------------------------
 def _init(**body) -> dict:
     return {"init_images": [b64png(source(64))], **SMALL, **body}

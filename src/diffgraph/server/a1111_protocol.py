@@ -64,7 +64,7 @@ _SCHEDULER_ALIASES = {a.lower(): s for s, (_, aliases, _, _) in A1111_SCHEDULER_
 ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0,
        "dpmpp_2m_sde_heun": 1.0}
 # the options a request may override (override_settings) or a key may set (POST /sdapi/v1/options)
-OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers")
+OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers", "tiling")
 # the web UI's own options: they steer AUTOMATIC1111's browser pages, never what its API makes, so a key's value is
 # kept and read back here as there (POST /sdapi/v1/options), with the type of AUTOMATIC1111's default
 UI_OPTIONS = ("send_seed", "send_size", "js_modal_lightbox", "js_modal_lightbox_initially_zoomed",
@@ -473,9 +473,17 @@ def _styled(body: ProcessingBody, styles: StyleBook | None,
                               "/sdapi/v1/prompt-styles lists its styles)"] if unknown else []
 
 
+def tiling_option(value: Any, field: str) -> bool:
+    """A `tiling` option's value (true or false), or an APIError naming `field`."""
+    if not isinstance(value, bool):
+        raise APIError(400, f"{field} must be true or false, got {json.dumps(value)[:64]}", param=field)
+    return value
+
+
 def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | None, clip_skip: int | None,
-              max_prompt_bytes: int | None = None, styles: StyleBook | None = None) -> Plan:
-    """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's). With
+              max_prompt_bytes: int | None = None, styles: StyleBook | None = None, key_tiling: bool = False) -> Plan:
+    """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's); a `tiling`
+    null is the `tiling` option's (override_settings', else the key's `key_tiling`), as AUTOMATIC1111's. With
     `max_prompt_bytes` (--max-prompt-bytes) the infotext and the prompts are held to it before they are parsed, and so
     are the prompts the body's styles (`styles`, --styles) make of them, which every later reader takes. Pure CPU work
     on user text: the routes call it on a worker thread."""
@@ -505,11 +513,13 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
     subseed = secrets.randbelow(MAX_RANDOM_SEED) if subseed == -1 else subseed
     model, stop = _options(body, key_model, key_clip_stop, clip_skip)
     variation = _variation(body, subseed)
+    tiling = body.tiling if body.tiling is not None else tiling_option(
+        (body.override_settings or {}).get("tiling", key_tiling), "override_settings.tiling")
     create = dict(negative_prompt=negative or None,
                   width=512 if body.width is None else body.width, height=512 if body.height is None else body.height,
                   num_inference_steps=given(body, "steps"), guidance_scale=given(body, "cfg_scale"), num_images=1,
                   output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW),
-                  **({"variation": variation} if variation else {}), **({"tiling": True} if body.tiling else {}))
+                  **({"variation": variation} if variation else {}), **({"tiling": True} if tiling else {}))
     return Plan(model=model, prompt=prompt, negative_prompt=negative, create=create,
                 seeds=tuple(seed + i for i in range(count)), subseeds=tuple(subseed + i for i in range(count)),
                 clip_stop=stop, warnings=tuple(warnings))
