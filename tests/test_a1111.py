@@ -432,6 +432,26 @@ def test_tiling_null_is_the_tiling_option(server, api):
     assert overridden["images"] == explicit["images"]
 
 
+def test_eta_noise_seed_delta_is_applied(server, api):
+    """AUTOMATIC1111's eta_noise_seed_delta option (per key, or override_settings): an ancestral sampler's later noise
+    from seed + delta, written as `ENSD` in the infotext and read back from an `infotext` field."""
+    body = {**SMALL, "sampler_name": "Euler a"}
+    plain = post(server, "txt2img", body).json()
+    try:
+        assert post(server, "options", {"eta_noise_seed_delta": 31337}).status_code == 200
+        assert api.get_options()["eta_noise_seed_delta"] == 31337
+        keyed = post(server, "txt2img", body).json()
+    finally:
+        post(server, "options", {"eta_noise_seed_delta": 0})
+    text = json.loads(keyed["info"])["infotexts"][0]
+    assert "ENSD: 31337" in text and keyed["images"] != plain["images"]
+    overridden = post(server, "txt2img", {**body, "override_settings": {"eta_noise_seed_delta": 31337}}).json()
+    pasted = post(server, "txt2img", {"infotext": text}).json()
+    assert overridden["images"] == keyed["images"] == pasted["images"]
+    refused = post(server, "options", {"eta_noise_seed_delta": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "eta_noise_seed_delta"
+
+
 # -- raw JSON: every field -----------------------------------------------------------------------------------------
 def _init(**body) -> dict:
     return {"init_images": [b64png(source(64))], **SMALL, **body}

@@ -331,7 +331,7 @@ FROM_IMAGE = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width":
               "schedule": "schedule", "seed": "seed", "num_images": "num_images", "prompt_syntax": "prompt_syntax",
               "clip_skip": "clip_skip", "model": "model", "strength": "strength",
               "timestep_spacing": "timestep_spacing", "eta": "eta", "tiling": "tiling"}
-NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale")  # request fields only --from-image sets
+NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale", "noise_seed_delta")  # fields only --from-image sets
 
 
 def _explicit_flags(argv: list[str]) -> set[str]:
@@ -594,7 +594,8 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     are. Nothing is validated here: the server checks the request once, and its errors name our flags."""
     url = _remote_url(args)
     _refuse_local_only_flags(args)
-    if variation_from_args(args) is not None or hires_from_args(args) is not None:
+    if variation_from_args(args) is not None or hires_from_args(args) is not None or \
+            getattr(args, "extra", {}).get("noise_seed_delta"):
         return _generate_txt2img(args, paths, url)
     prompt_spec = _image_prompt_specs(args)
     body = _remote_body(args, prompt_spec)

@@ -1,8 +1,8 @@
 """`diffgraph generate`'s variation seed and hires fix: their flags, filled by --from-image from an image's
 settings, run here (the hires fix through hires.generate_hires) or sent with --url.
 
-The OpenAI images route carries neither a variation seed nor a second pass, so with --url a request that has either
-is posted to the server's AUTOMATIC1111 route, POST /sdapi/v1/txt2img (its `subseed`, `subseed_strength`,
+The OpenAI images route carries neither a variation seed nor a second pass (nor an image's ENSD,
+eta_noise_seed_delta), so with --url a request that has one is posted to the server's AUTOMATIC1111 route, POST /sdapi/v1/txt2img (its `subseed`, `subseed_strength`,
 `seed_resize_from_*`, `enable_hr` and `hr_*` fields), which answers PNG; the flags that route cannot carry (image
 inputs, ControlNet, image prompts, step caching) are refused in one line, and the prompt is read in
 AUTOMATIC1111's syntax (that route's). Errors are ValueError: the CLI prints them.
@@ -124,7 +124,8 @@ def txt2img_body(args: argparse.Namespace, loras: tuple[tuple[str, float], ...])
     variation, hires = variation_from_args(args), hires_from_args(args)
     prompt = args.prompt + "".join(f" <lora:{name}:{scale:g}>" for name, scale in loras)
     overrides = {k: v for k, v in (("sd_model_checkpoint", args.model),
-                                   ("CLIP_stop_at_last_layers", args.clip_skip and args.clip_skip + 1)) if v}
+                                   ("CLIP_stop_at_last_layers", args.clip_skip and args.clip_skip + 1),
+                                   ("eta_noise_seed_delta", extra.get("noise_seed_delta"))) if v}
     body = {"prompt": prompt, "negative_prompt": args.negative_prompt, "steps": args.steps,
             "cfg_scale": args.guidance, "sampler_name": A1111_SAMPLERS.get(args.sampler, args.sampler),
             "scheduler": A1111_SCHEDULES.get(args.schedule, args.schedule),

@@ -110,6 +110,7 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
                      if request.prompt_syntax == "a1111" and request.emphasis != "original" else None),
         # AUTOMATIC1111 writes DDIM's eta where it is not 0
         "Eta DDIM": _number(request.eta) if request.sampler == "ddim" and getattr(request, "eta", None) else None,
+        "ENSD": getattr(request, "noise_seed_delta", 0) or None,  # AUTOMATIC1111's eta_noise_seed_delta
     }
     # the capability parameters (their own names, "Step cache"; objects as JSON)
     params.update({name.replace("_", " ").capitalize(): v if isinstance(v, str) else json.dumps(v)
@@ -174,6 +175,8 @@ def request_fields(request: Any, model_name: str) -> dict[str, Any]:
             fields[name] = getattr(request, name)
     if getattr(request, "tiling", False):  # written where set
         fields["tiling"] = True
+    if getattr(request, "noise_seed_delta", 0):
+        fields["noise_seed_delta"] = request.noise_seed_delta
     variation = getattr(request, "variation", None)
     if variation is not None:
         fields["variation"] = {"subseed": variation.subseed, "strength": variation.strength,
@@ -360,8 +363,8 @@ def parse_infotext(text: str) -> dict[str, Any]:
     """AUTOMATIC1111's infotext -> `GenerationRequest.create` keyword arguments (plus "model"): the prompt and
     negative prompt (read in its prompt syntax, "a1111", which carries `<lora:...>` tags), steps, sampler and
     schedule (its names mapped back; an old "DPM++ 2M Karras" sampler name split), CFG scale, seed, size, model,
-    denoising strength (the hires fix's where the text has one: "hires", `parsed_hires`), clip skip, tiling and the
-    variation seed. Keys diffgraph has no setting for are ignored."""
+    denoising strength (the hires fix's where the text has one: "hires", `parsed_hires`), clip skip, tiling, the
+    variation seed and ENSD (eta_noise_seed_delta). Keys diffgraph has no setting for are ignored."""
     prompt, negative, params = infotext_parts(text)
     fields: dict[str, Any] = {"prompt": prompt, "negative_prompt": negative, "prompt_syntax": "a1111"}
     samplers = {v: k for k, v in A1111_SAMPLERS.items()}
@@ -388,6 +391,8 @@ def parse_infotext(text: str) -> dict[str, Any]:
             fields["clip_skip"] = int(params["Clip skip"]) - 1 or None  # AUTOMATIC1111's 1 = the last layer
         if "Eta DDIM" in params and fields.get("sampler") == "ddim":
             fields["eta"] = float(params["Eta DDIM"])
+        if "ENSD" in params:
+            fields["noise_seed_delta"] = int(params["ENSD"])
         variation = _parsed_variation(params)
         if variation is not None:
             fields["variation"] = variation
