@@ -407,6 +407,51 @@ def test_options_are_per_key(server, api, other):
     assert post(server, "options", ["sd_model_checkpoint"]).status_code == 400
 
 
+def test_tiling_null_is_the_tiling_option(server, api):
+    """AUTOMATIC1111's `tiling` option: POST /sdapi/v1/options sets it per key, and a body's `tiling` null (or left
+    out) takes it, as AUTOMATIC1111's processing does; an explicit false does not; override_settings sets it for one
+    request."""
+    def infotext(answer: dict) -> str:
+        return json.loads(answer["info"])["infotexts"][0]
+
+    explicit = post(server, "txt2img", {**SMALL, "tiling": True}).json()
+    try:
+        assert post(server, "options", {"tiling": True}).status_code == 200
+        assert api.get_options()["tiling"] is True
+        null = post(server, "txt2img", {**SMALL, "tiling": None}).json()
+        assert "Tiling: True" in infotext(null) and null["images"] == explicit["images"]
+        assert "Tiling" not in infotext(post(server, "txt2img", {**SMALL, "tiling": False}).json())
+        assert "Tiling" not in infotext(post(server, "txt2img", {**SMALL, "tiling": None}, key=KEY_B).json())
+        refused = post(server, "options", {"tiling": "yes"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tiling"
+    finally:
+        post(server, "options", {"tiling": False})
+    assert api.get_options()["tiling"] is False
+    assert "Tiling" not in infotext(post(server, "txt2img", SMALL).json())
+    overridden = post(server, "txt2img", {**SMALL, "override_settings": {"tiling": True}}).json()
+    assert overridden["images"] == explicit["images"]
+
+
+def test_eta_noise_seed_delta_is_applied(server, api):
+    """AUTOMATIC1111's eta_noise_seed_delta option (per key, or override_settings): an ancestral sampler's later noise
+    from seed + delta, written as `ENSD` in the infotext and read back from an `infotext` field."""
+    body = {**SMALL, "sampler_name": "Euler a"}
+    plain = post(server, "txt2img", body).json()
+    try:
+        assert post(server, "options", {"eta_noise_seed_delta": 31337}).status_code == 200
+        assert api.get_options()["eta_noise_seed_delta"] == 31337
+        keyed = post(server, "txt2img", body).json()
+    finally:
+        post(server, "options", {"eta_noise_seed_delta": 0})
+    text = json.loads(keyed["info"])["infotexts"][0]
+    assert "ENSD: 31337" in text and keyed["images"] != plain["images"]
+    overridden = post(server, "txt2img", {**body, "override_settings": {"eta_noise_seed_delta": 31337}}).json()
+    pasted = post(server, "txt2img", {"infotext": text}).json()
+    assert overridden["images"] == keyed["images"] == pasted["images"]
+    refused = post(server, "options", {"eta_noise_seed_delta": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "eta_noise_seed_delta"
+
+
 # -- raw JSON: every field -----------------------------------------------------------------------------------------
 def _init(**body) -> dict:
     return {"init_images": [b64png(source(64))], **SMALL, **body}

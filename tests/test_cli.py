@@ -369,3 +369,98 @@ def test_generate_url_sends_the_step_cache(tmp_path, capsys, canned):
     assert canned.seen[0]["body"]["step_cache"] == {"method": "deepcache", "interval": 2}
     rc = main(["generate", "a cat", "-o", str(tmp_path / "b.png"), "--url", canned.url, "--step-cache", "{oops"])
     assert rc == 2 and "--step-cache is not a JSON object" in capsys.readouterr().err
+
+
+# -- --from-image: the variation seed and the hires fix come back -------------------------------------------
+
+VARIED = ("a cat\nSteps: 2, Sampler: Euler, CFG scale: 7, Seed: 5, Size: 64x64, Variation seed: 11, "
+          "Variation seed strength: 0.4, Seed resize from: 48x64")
+HIRES = ("a cat\nSteps: 2, Sampler: Euler, CFG scale: 7, Seed: 5, Size: 64x64, Variation seed: 11, "
+         "Variation seed strength: 0.4, Denoising strength: 0.5, Hires upscale: 1.5, Hires steps: 2, "
+         "Hires upscaler: Latent (nearest)")
+
+
+def _infotext_image(path, text: str) -> str:
+    from diffgraph.image_metadata import PNG_KEY
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text(PNG_KEY, text)
+    Image.new("RGB", (8, 8)).save(path, pnginfo=info)
+    return str(path)
+
+
+def _pixels(path) -> "np.ndarray":
+    import numpy as np
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def test_from_image_restores_a_variation_seed(tmp_path, tiny_engine):
+    """An infotext's `Variation seed` / `Variation seed strength` / `Seed resize from` regenerate the same image
+    here as the request that names them; the output carries them again."""
+    import numpy as np
+
+    from diffgraph.image_metadata import read_request
+
+    saved, out = _infotext_image(tmp_path / "a1111.png", VARIED), tmp_path / "x.png"
+    assert main(["generate", "-o", str(out), "--model", "random:tiny", "--from-image", saved, "-q"]) == 0
+    variation = {"subseed": 11, "strength": 0.4, "resize_from": [48, 64]}
+    assert read_request(str(out))["variation"] == variation
+    plain = dict(width=64, height=64, num_inference_steps=2, guidance_scale=7.0, sampler="euler", seed=5,
+                 prompt_syntax="a1111")
+    expected = tiny_engine.run(tiny_engine.make_request("a cat", variation=variation, **plain))
+    assert np.array_equal(_pixels(out), np.asarray(expected.images[0]))
+    assert not np.array_equal(_pixels(out), np.asarray(tiny_engine.run(tiny_engine.make_request("a cat", **plain))
+                                                       .images[0]))
+
+
+def test_from_image_restores_a_hires_fix(tmp_path, tiny_engine):
+    """A hires infotext runs both passes here, equal to hires.generate_hires called directly (with the variation
+    seed, which the second pass keeps); the output's infotext has the hires entries, read back as the same fix."""
+    import numpy as np
+
+    from diffgraph.hires import HiresFix, generate_hires
+    from diffgraph.image_metadata import read_request, read_texts
+
+    saved, out = _infotext_image(tmp_path / "a1111.png", HIRES), tmp_path / "x.png"
+    assert main(["generate", "-o", str(out), "--model", "random:tiny", "--from-image", saved, "-q"]) == 0
+    request = tiny_engine.make_request("a cat", width=64, height=64, num_inference_steps=2, guidance_scale=7.0,
+                                       sampler="euler", seed=5, prompt_syntax="a1111",
+                                       variation={"subseed": 11, "strength": 0.4})
+    (expected,) = generate_hires(tiny_engine, request, HiresFix(96, 96, "Latent (nearest)", 0.5, 2))
+    assert _pixels(out).shape == (96, 96, 3)
+    assert np.array_equal(_pixels(out), np.asarray(expected.images[0]))
+    text = read_texts(str(out))[0]
+    assert "Size: 64x64" in text and "Hires upscale: 1.5, Hires steps: 2, Hires upscaler: Latent (nearest)" in text
+    assert read_request(str(out))["hires"] == {"scale": 1.5, "resize": None, "steps": 2,
+                                               "upscaler": "Latent (nearest)", "strength": 0.5}
+
+
+def test_from_image_with_url_posts_a_hires_fix_to_txt2img(tmp_path, capsys, canned):
+    """With --url a variation seed and a hires fix go to the server's AUTOMATIC1111 txt2img route (the OpenAI route
+    carries neither), the flags given here overriding the file's; what that route cannot carry is refused."""
+    png = _encoded((1, 2, 3))
+    canned.answer = 200, {"images": [base64.b64encode(png).decode()], "parameters": {},
+                          "info": json.dumps({"seed": 5})}
+    saved, out = _infotext_image(tmp_path / "a1111.png", HIRES), tmp_path / "x.png"
+    assert main(["generate", "-o", str(out), "--url", canned.url, "--from-image", saved, "--hires-steps", "3"]) == 0
+    assert out.read_bytes() == png and capsys.readouterr().err.strip() == "seed 5"
+    (seen,) = canned.seen
+    assert seen["path"] == "/sdapi/v1/txt2img"
+    assert seen["body"] == {"prompt": "a cat", "steps": 2, "cfg_scale": 7.0, "sampler_name": "Euler", "seed": 5,
+                            "batch_size": 1, "width": 64, "height": 64, "subseed": 11, "subseed_strength": 0.4,
+                            "enable_hr": True, "hr_scale": 1.5, "hr_upscaler": "Latent (nearest)",
+                            "hr_second_pass_steps": 3, "denoising_strength": 0.5}
+    assert main(["generate", "-o", str(out), "--url", canned.url, "--from-image", saved,
+                 "--step-cache", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "--step-cache cannot be sent with a variation seed or a hires fix over --url" in err
+    assert len(err.splitlines()) == 1 and len(canned.seen) == 1
+
+
+def test_hires_flags_need_a_size(tmp_path, capsys):
+    assert main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--hires-steps", "3"]) == 2
+    assert capsys.readouterr().err.strip() == ("diffgraph: error: --hires-steps need --hires-scale or --hires-resize "
+                                               "(the hires fix's size)")
+    assert main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--hires-scale", "2",
+                 "--hires-upscaler", "ESRGAN_9x"]) == 2
+    assert "--hires-upscaler 'ESRGAN_9x' is not a built-in upscaler" in capsys.readouterr().err

@@ -232,3 +232,17 @@ def test_the_newer_samplers_and_schedules_are_written_and_read_by_automatic1111s
     assert labels in text
     fields = meta.parse_infotext(text)
     assert (fields["sampler"], fields["schedule"]) == (sampler, schedule)
+
+
+def test_ensd_is_written_and_read_back():
+    """AUTOMATIC1111's `ENSD` entry (eta_noise_seed_delta): written where a request has one, read back."""
+    from diffgraph.image_metadata import infotext, parse_infotext, request_fields
+    from diffgraph.request import GenerationRequest
+
+    request = GenerationRequest.create("a cat", width=64, height=64, guidance_scale=7.0, seed=3, sampler="euler_a",
+                                       noise_seed_delta=31337)
+    text = infotext(request, "tiny")
+    assert "ENSD: 31337" in text and request_fields(request, "tiny")["noise_seed_delta"] == 31337
+    assert parse_infotext(text)["noise_seed_delta"] == 31337
+    plain = GenerationRequest.create("a cat", width=64, height=64, guidance_scale=7.0, seed=3)
+    assert "ENSD" not in infotext(plain, "tiny") and "noise_seed_delta" not in request_fields(plain, "tiny")

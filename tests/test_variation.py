@@ -107,3 +107,21 @@ def test_a_request_takes_a_variation_or_its_fields():
     r = GenerationRequest.create("a", width=64, height=64, guidance_scale=7.0, seed=1,
                                  variation={"subseed": 4, "strength": 1, "resize_from": [96, 32]})
     assert r.variation == Variation(4, 1.0, (96, 32)) and isinstance(r.variation.strength, float)
+
+
+def test_ensd_reseeds_only_the_noise_drawn_after_the_initial_noise(tiny_engine):
+    """AUTOMATIC1111's eta_noise_seed_delta (`noise_seed_delta`, its rng.ImageRNG): the initial noise is the seed's,
+    the noise a sampler draws later comes from seed + delta. Euler a's image changes; Euler, which draws nothing
+    after the initial noise, is bit-equal; an ENSD row beside a plain row equals each alone."""
+    runs = {(sampler, delta): tiny_engine.run(_request(tiny_engine, sampler=sampler, noise_seed_delta=delta)).arrays
+            for sampler in ("euler_a", "euler") for delta in (0, 31337)}
+    assert np.abs(runs["euler_a", 0] - runs["euler_a", 31337]).max() > 0.01
+    assert np.array_equal(runs["euler", 0], runs["euler", 31337])
+    futures = []
+    tiny_engine.core.call_between_steps(lambda: futures.extend(
+        tiny_engine.submit(_request(tiny_engine, sampler="euler_a", noise_seed_delta=d)) for d in (31337, 0))).result()
+    for future, delta in zip(futures, (31337, 0)):
+        assert np.abs(future.result(timeout=600).arrays - runs["euler_a", delta]).max() <= 1 / 255
+    with pytest.raises(ParamError) as e:
+        _request(tiny_engine, noise_seed_delta=-1)
+    assert e.value.param == "noise_seed_delta"

@@ -27,6 +27,8 @@ from typing import Any, Callable
 from .cli_compare import add_compare_arguments, run_compare
 from .cli_flags import (add_checkpoint_arguments, add_compile_mode_argument, add_quantize_arguments, checkpoint_options,
                         compile_from_args, quantize_error, quantize_from_args)
+from .cli_hires import (TXT2IMG, add_variation_hires_arguments, fill_from_saved, hires_from_args, run_hires,
+                        txt2img_body, txt2img_images, variation_from_args)
 from .cli_progress import post_once, post_streaming, progress_for
 from .cli_checks import can_create_in, check_devices, did_you_mean, is_file_path, lora_path_error
 from .jobs.cli_batch import add_batch_arguments, run_batch
@@ -43,6 +45,7 @@ def _add_generate_arguments(g: argparse.ArgumentParser) -> None:
     _add_request_arguments(g)
     _add_edit_arguments(g)
     _add_capability_arguments(g)
+    add_variation_hires_arguments(g)
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", default=None, help="fp32, fp16 or bf16 (default: fp16 on cuda, fp32 on cpu)")
     g.add_argument("--compile", action="store_true", help="the compile tier (a slow first start; see serve --help)")
@@ -263,7 +266,9 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
          "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax",
          "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control",
-         "image_prompts": "--image-prompt", "tiling": "--tiling"}
+         "image_prompts": "--image-prompt", "tiling": "--tiling", "hires_scale": "--hires-scale",
+         "hires_steps": "--hires-steps", "hr_upscaler": "--hires-upscaler",
+         "denoising_strength": "--denoising-strength", "variation": "--subseed-strength"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -327,7 +332,7 @@ FROM_IMAGE = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width":
               "schedule": "schedule", "seed": "seed", "num_images": "num_images", "prompt_syntax": "prompt_syntax",
               "clip_skip": "clip_skip", "model": "model", "strength": "strength",
               "timestep_spacing": "timestep_spacing", "eta": "eta", "tiling": "tiling"}
-NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale")  # request fields only --from-image sets
+NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale", "noise_seed_delta")  # fields only --from-image sets
 
 
 def _explicit_flags(argv: list[str]) -> set[str]:
@@ -360,6 +365,7 @@ def _apply_from_image(args: argparse.Namespace, argv: list[str]) -> None:
         raise _ArgError(f"--from-image {args.from_image!r} is an image-to-image request (strength "
                         f"{args.strength:g}); give its input image with --image (images do not embed their input)")
     args.extra = {name: saved[name] for name in NO_FLAG if name in saved}
+    fill_from_saved(args, saved, given)
     if "step_cache" not in given and (saved.get("extras") or {}).get("step_cache") is not None:
         args.step_cache = saved["extras"]["step_cache"]
 
@@ -406,8 +412,9 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                   prompt_syntax=args.prompt_syntax or "plain",
                   clip_skip=args.clip_skip,
                   timestep_spacing=args.timestep_spacing, eta=args.eta, tiling=args.tiling,
-                  extras=_step_cache(args) or None,
+                  extras=_step_cache(args) or None, variation=variation_from_args(args),
                   **getattr(args, "extra", {}))
+    hires = hires_from_args(args)
     try:
         # the one validation, before torch is imported and the model loads: bad input fails fast
         sized = args.width is not None or "image" not in params
@@ -415,6 +422,9 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
         GenerationRequest.create(args.prompt, width=args.width or 512 if sized else None,
                                  height=args.height or 512 if sized else None,
                                  guidance_scale=7.5 if args.guidance is None else args.guidance, **params)
+        if hires is not None:  # its settings checked at the flags' size (the model's own is checked again)
+            from .hires import plan_fix
+            plan_fix(args.width or 512, args.height or 512, 8, first_steps=args.steps, **hires)
         check_devices(args)
     except ParamError as e:
         raise _flag_error(e, args) from None
@@ -446,6 +456,14 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
         except ParamError as e:
             raise _flag_error(e, args) from None
         progress.phase("encoding the prompt")
+        if hires is not None:
+            try:
+                encoded = run_hires(engine, request, hires, request.output_format, args.metadata)
+            except ParamError as e:
+                raise _flag_error(e, args) from None
+            _save_all(encoded, paths, _write_bytes)
+            print(f"seed {request.seed}, {(time.monotonic() - t0) * 1000:.0f} ms", file=sys.stderr)
+            return 0
         result = engine.submit(request, on_progress=progress.step if progress.active else None).result()
     _save_all(result.encoded, paths, _write_bytes)  # encoded by the engine, with the settings inside
     print(f"seed {result.seed}, {result.timings['total_ms']:.0f} ms", file=sys.stderr)
@@ -577,6 +595,9 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     are. Nothing is validated here: the server checks the request once, and its errors name our flags."""
     url = _remote_url(args)
     _refuse_local_only_flags(args)
+    if variation_from_args(args) is not None or hires_from_args(args) is not None or \
+            getattr(args, "extra", {}).get("noise_seed_delta"):
+        return _generate_txt2img(args, paths, url)
     prompt_spec = _image_prompt_specs(args)
     body = _remote_body(args, prompt_spec)
     key = _api_key(args)
@@ -591,6 +612,26 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
     images, seed, total_ms = _images_of_answer(url, status, reason, answer)
     _save_all(images, paths, _write_bytes)
     print(f"seed {seed}, {total_ms:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def _generate_txt2img(args: argparse.Namespace, paths: list[str], url: str) -> int:
+    """A request with a variation seed or a hires fix: POST /sdapi/v1/txt2img (cli_hires.py says why)."""
+    import httpx
+
+    body = txt2img_body(args, _lora_flags(args))
+    key = _api_key(args)
+    try:
+        with progress_for(args) as progress:
+            progress.phase(f"waiting for {url}")
+            status, _, answer = post_once(f"{url}{TXT2IMG}", json=body, timeout=httpx.Timeout(None, connect=10),
+                                          headers={"Authorization": f"Bearer {key}"} if key else {})
+    except httpx.HTTPError as e:
+        raise _ArgError(f"the server at {url} could not be reached ({e}); start it with `diffgraph serve` "
+                        "or check --url") from None
+    images, seed = txt2img_images(url, status, answer)
+    _save_all(images, paths, _write_bytes)
+    print(f"seed {seed}", file=sys.stderr)
     return 0
 
 

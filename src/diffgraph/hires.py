@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ParamError
-from .request import EditInput, GenerationRequest, GenerationResult
+from .request import MAX_SIZE, MIN_SIZE, EditInput, GenerationRequest, GenerationResult
 from .sampling.schedules import MAX_STEPS
 from .upscalers import UPSCALERS, ModelUpscalers, UpscalerError, resize_to
 
@@ -86,6 +86,44 @@ def hires_size(width: int, height: int, scale: float, resize_x: int, resize_y: i
     kept = [min(d, (c - (c - t) // LATENT_GRID * LATENT_GRID) // multiple * multiple)
             for c, t, d in zip(cover, target, down)]
     return (kept[0], kept[1]), (down[0], down[1])
+
+
+def builtin_upscaler(name: str | None) -> str | None:
+    """The latent mode or built-in upscaler `name` names, in any case (None: the default, "Latent"); None where it
+    names neither (a model upscaler's name, looked up in its folder by the caller)."""
+    wanted = (name or DEFAULT_UPSCALER).strip().lower()
+    return next((known for known in HIRES_UPSCALERS if known.lower() == wanted), None)
+
+
+def plan_fix(width: int, height: int, multiple: int, scale: float | None = None,
+             resize: tuple[int, int] | None = None, upscaler: str | None = None, strength: float | None = None,
+             steps: int | None = None, first_steps: int = 0, rule: str = "sd") -> tuple[HiresFix, dict[str, Any]]:
+    """(the hires fix of a `width` x `height` first pass of `first_steps` steps, its infotext entries) from
+    AUTOMATIC1111's hires settings: `scale` (2 where neither it nor `resize` is given) or `resize` (width, height; 0
+    keeps the aspect), a built-in `upscaler` (default Latent), `strength` (default DEFAULT_STRENGTH) and `steps` (0 or
+    None: the first pass's). ParamError naming hires_scale, hr_upscaler, denoising_strength or hires_steps."""
+    name = builtin_upscaler(upscaler)
+    if name is None:
+        raise ParamError("hr_upscaler", f"hr_upscaler {upscaler!r} is not a built-in upscaler; use one of "
+                                        f"{', '.join(HIRES_UPSCALERS)}")
+    strength = DEFAULT_STRENGTH if strength is None else float(strength)
+    if not 0 < strength <= 1:
+        raise ParamError("denoising_strength", f"denoising_strength {strength:g} is out of range; the hires pass "
+                                               "takes a number in (0, 1]")
+    if not 0 <= (steps or 0) <= MAX_STEPS:
+        raise ParamError("hires_steps", f"hires_steps {steps} is out of range; allowed: 0 (the first pass's) .. "
+                                        f"{MAX_STEPS}")
+    second_pass_steps(steps or first_steps or 1, strength, rule)
+    rx, ry = resize or (0, 0)
+    scale = 2.0 if scale is None and not resize else scale
+    if not resize and not scale > 1:
+        raise ParamError("hires_scale", f"hires_scale {scale:g} does not enlarge the image; give a scale above 1")
+    size, cover = hires_size(width, height, scale or 0, rx, ry, multiple)
+    if min(size) < MIN_SIZE or max(*size, *cover) > MAX_SIZE:
+        raise ParamError("hires_scale", f"hires_scale makes a {size[0]}x{size[1]} second pass (resized from "
+                                        f"{cover[0]}x{cover[1]}); sides must be {MIN_SIZE}..{MAX_SIZE} pixels")
+    fix = HiresFix(size[0], size[1], name, strength, steps or 0, cover)
+    return fix, hires_params(fix, scale, resize, steps, upscaler)
 
 
 def second_pass_steps(steps: int, strength: float, rule: str = "sd") -> tuple[int, float]:

@@ -110,6 +110,7 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
                      if request.prompt_syntax == "a1111" and request.emphasis != "original" else None),
         # AUTOMATIC1111 writes DDIM's eta where it is not 0
         "Eta DDIM": _number(request.eta) if request.sampler == "ddim" and getattr(request, "eta", None) else None,
+        "ENSD": getattr(request, "noise_seed_delta", 0) or None,  # AUTOMATIC1111's eta_noise_seed_delta
     }
     # the capability parameters (their own names, "Step cache"; objects as JSON)
     params.update({name.replace("_", " ").capitalize(): v if isinstance(v, str) else json.dumps(v)
@@ -141,6 +142,23 @@ def _parsed_variation(params: dict[str, str]) -> dict[str, Any] | None:
             "resize_from": (int(size.group(1)), int(size.group(2))) if size else None}
 
 
+def parsed_hires(params: dict[str, str]) -> dict[str, Any] | None:
+    """The hires fix of AUTOMATIC1111's infotext entries (hires.hires_params writes them): "scale" or "resize"
+    (width, height), "steps", "upscaler" and "strength" (each None where absent); None: the text has no hires fix
+    (neither "Hires upscale" nor "Hires resize"). MetadataError for an entry that is not a number."""
+    resize = _SIZE.match(params.get("Hires resize", ""))
+    if "Hires upscale" not in params and not resize:
+        return None
+    try:
+        return {"scale": float(params["Hires upscale"]) if "Hires upscale" in params and not resize else None,
+                "resize": (int(resize.group(1)), int(resize.group(2))) if resize else None,
+                "steps": int(params["Hires steps"]) if "Hires steps" in params else None,
+                "upscaler": params.get("Hires upscaler"),
+                "strength": float(params["Denoising strength"]) if "Denoising strength" in params else None}
+    except ValueError as e:
+        raise MetadataError(f"its AUTOMATIC1111 Hires entries hold a value that is not a number: {e}") from None
+
+
 def request_fields(request: Any, model_name: str) -> dict[str, Any]:
     """The request as plain JSON data: `GenerationRequest.create` keyword arguments, "model" and "version"."""
     listed, _ = _split_loras(request)
@@ -157,6 +175,8 @@ def request_fields(request: Any, model_name: str) -> dict[str, Any]:
             fields[name] = getattr(request, name)
     if getattr(request, "tiling", False):  # written where set
         fields["tiling"] = True
+    if getattr(request, "noise_seed_delta", 0):
+        fields["noise_seed_delta"] = request.noise_seed_delta
     variation = getattr(request, "variation", None)
     if variation is not None:
         fields["variation"] = {"subseed": variation.subseed, "strength": variation.strength,
@@ -186,9 +206,10 @@ def request_json(request: Any, model_name: str) -> str:
     return json.dumps(request_fields(request, model_name), ensure_ascii=False, separators=(",", ":"))
 
 
-def save_options(fmt: str, request: Any, model_name: str) -> dict[str, Any]:
-    """Pillow `save` keyword arguments that embed the request in an image of format `fmt` (png, jpeg, webp)."""
-    text, data = infotext(request, model_name), request_json(request, model_name)
+def save_options(fmt: str, request: Any, model_name: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Pillow `save` keyword arguments that embed the request in an image of format `fmt` (png, jpeg, webp);
+    `extra`: more infotext entries (`infotext`'s)."""
+    text, data = infotext(request, model_name, extra), request_json(request, model_name)
     if fmt == "png":
         from PIL.PngImagePlugin import PngInfo
 
@@ -267,6 +288,9 @@ def read_request(source: "str | Path | bytes | Any") -> dict[str, Any]:
             fields["loras"] = tuple((str(n), float(s)) for n, s in fields.get("loras") or ())
             if fields.get("guidance_interval") is not None:
                 fields["guidance_interval"] = tuple(fields["guidance_interval"])
+            hires = parsed_hires(infotext_parts(text)[2]) if text is not None else None
+            if hires is not None:  # the JSON is the first pass's request; the second pass is in the infotext
+                fields["hires"] = hires
             return fields
     if text is not None:
         return parse_infotext(text)
@@ -339,7 +363,8 @@ def parse_infotext(text: str) -> dict[str, Any]:
     """AUTOMATIC1111's infotext -> `GenerationRequest.create` keyword arguments (plus "model"): the prompt and
     negative prompt (read in its prompt syntax, "a1111", which carries `<lora:...>` tags), steps, sampler and
     schedule (its names mapped back; an old "DPM++ 2M Karras" sampler name split), CFG scale, seed, size, model,
-    denoising strength, clip skip and tiling. Keys diffgraph has no setting for are ignored."""
+    denoising strength (the hires fix's where the text has one: "hires", `parsed_hires`), clip skip, tiling, the
+    variation seed and ENSD (eta_noise_seed_delta). Keys diffgraph has no setting for are ignored."""
     prompt, negative, params = infotext_parts(text)
     fields: dict[str, Any] = {"prompt": prompt, "negative_prompt": negative, "prompt_syntax": "a1111"}
     samplers = {v: k for k, v in A1111_SAMPLERS.items()}
@@ -366,9 +391,15 @@ def parse_infotext(text: str) -> dict[str, Any]:
             fields["clip_skip"] = int(params["Clip skip"]) - 1 or None  # AUTOMATIC1111's 1 = the last layer
         if "Eta DDIM" in params and fields.get("sampler") == "ddim":
             fields["eta"] = float(params["Eta DDIM"])
+        if "ENSD" in params:
+            fields["noise_seed_delta"] = int(params["ENSD"])
         variation = _parsed_variation(params)
         if variation is not None:
             fields["variation"] = variation
+        hires = parsed_hires(params)
+        if hires is not None:  # its "Denoising strength" is the second pass's
+            fields["hires"] = hires
+            fields.pop("strength", None)
     except ValueError as e:
         raise MetadataError(f"its AUTOMATIC1111 parameters hold a value that is not a number: {e}") from None
     size = _SIZE.match(params.get("Size", ""))
@@ -387,12 +418,13 @@ IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 
 
 def encode_image(pixels: np.ndarray, fmt: str, request: GenerationRequest | None = None, model_name: str = "",
-                 metadata: bool = True) -> bytes:
+                 metadata: bool = True, extra: dict[str, Any] | None = None) -> bytes:
     """Float pixels [H, W, 3] in [0, 1] -> PNG / JPEG / WebP bytes (rounded as diffusers' numpy_to_pil); with a
-    request and `metadata`, the settings that made it inside (image_metadata.py)."""
+    request and `metadata`, the settings that made it inside (image_metadata.py), `extra` infotext entries after
+    the request's (a hires fix's)."""
     from PIL import Image
 
-    options = save_options(fmt, request, model_name) if metadata and request is not None else {}
+    options = save_options(fmt, request, model_name, extra) if metadata and request is not None else {}
     buf = io.BytesIO()
     Image.fromarray((pixels * 255).round().astype("uint8")).save(
         buf, format=IMAGE_FORMATS[fmt], **({"quality": _quality(request)} if fmt in ("jpeg", "webp") else {}),

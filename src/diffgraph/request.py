@@ -533,6 +533,9 @@ class GenerationRequest:
     # AUTOMATIC1111's tiling: every convolution of the denoiser and the VAE pads circularly, so the image wraps
     # around its edges (a seamless texture); its rows run in a group of their own (`TILING` in the group key)
     tiling: bool = False
+    # AUTOMATIC1111's eta_noise_seed_delta (ENSD): the noise a sampler draws after the initial noise comes from a
+    # generator seeded with seed + this (0: the seed's own generator goes on)
+    noise_seed_delta: int = 0
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -593,6 +596,8 @@ class GenerationRequest:
             raise ParamError("return_latents", f"return_latents must be true or false, got {_show(self.return_latents)}")
         if not isinstance(self.tiling, bool):
             raise ParamError("tiling", f"tiling must be true or false, got {_show(self.tiling)}")
+        object.__setattr__(self, "noise_seed_delta", _check_int("noise_seed_delta", self.noise_seed_delta, 0,
+                                                                MAX_SEED))
         if self.hires_of is not None and (isinstance(self.hires_of, bool) or not isinstance(self.hires_of, int)
                                           or not 1 <= self.hires_of <= 10_000):
             raise ParamError("hires_of", f"hires_of {_show(self.hires_of)} must be the first pass's steps (1 or more)")
@@ -688,7 +693,8 @@ class GenerationRequest:
                emphasis: Any = "original", timestep_spacing: Any = None, eta: Any = None,
                preview: Any = None, controls: Any = (), image_prompts: Any = None,
                output_compression: Any = None, extras: Any = None,
-               return_latents: Any = False, variation: Any = None, tiling: Any = False) -> "GenerationRequest":
+               return_latents: Any = False, variation: Any = None, tiling: Any = False,
+               noise_seed_delta: Any = 0) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -701,7 +707,8 @@ class GenerationRequest:
         name (a dict; the engine checks and prepares them at submit). `return_latents`: the result carries the final
         latents too (`GenerationResult.latents`); an `EditInput` with `latents` (and width, height) starts from
         such latents (the hires fix: hires.py). `variation`: a Variation or a dict of its fields. `tiling`: circular
-        padding in the denoiser's and the VAE's convolutions (a UNet family's; AUTOMATIC1111's tiling)."""
+        padding in the denoiser's and the VAE's convolutions (a UNet family's; AUTOMATIC1111's tiling).
+        `noise_seed_delta`: AUTOMATIC1111's eta_noise_seed_delta (the sampler's later noise from seed + it)."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit, width, height = _edit_of(image, mask_image, strength, model, width, height, multiple)
         if model is None and (width is None or height is None or guidance_scale is None):
@@ -732,7 +739,8 @@ class GenerationRequest:
                       emphasis=emphasis, timestep_spacing=timestep_spacing, eta=eta,
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
                       output_compression=output_compression, extras=_extras(extras, model),
-                      return_latents=return_latents, variation=make_variation(variation), tiling=tiling, **kwargs)
+                      return_latents=return_latents, variation=make_variation(variation), tiling=tiling,
+                      noise_seed_delta=noise_seed_delta, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

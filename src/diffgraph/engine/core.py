@@ -363,6 +363,8 @@ class EngineCore:
                 s.variant_parts = runner.write_rows(key, s.first_row, admission, (
                     mine[pos], mine[neg], mine[empty[0]] if empty else None), latents, s.generator,
                     s.plan.init_noise_sigma, s.size, windows)  # latents None: drawn from its generator there
+                if r.noise_seed_delta:  # AUTOMATIC1111's ENSD: the steps' noise from seed + delta
+                    s.generator = torch.Generator("cpu").manual_seed(r.seed + r.noise_seed_delta)
                 s.switches = _switches(runner, key, s, mine, windows)
                 s.admitted_at = now
             except Exception as e:

@@ -65,8 +65,8 @@ from .a1111_scripts import SdUpscale, script_lists, sd_upscale, tile_seeds
 from .a1111_protocol import (DEFAULT_OPTIONS, IGNORED_HEADER, MAX_IGNORED_NAMES, OPTIONS, Img2ImgBody, Plan,
                              TextToImageResponse, Txt2ImgBody, ProcessingBody, a1111_error, a1111_field, clip_stop,
                              fit_to_model, ignored_header, info_json, model_name, names_header, plan_body,
-                             sampler_items, sampler_schedule, scheduler_items, UI_OPTIONS, ui_option,
-                             validate)
+                             sampler_items, sampler_schedule, scheduler_items, request_option, REQUEST_OPTIONS,
+                             UI_OPTIONS, ui_option, validate)
 from .auth import caller_key
 from .bodies import read_body
 from .context import AppContext, error_response
@@ -403,7 +403,7 @@ class A1111Server:
         options = self.board.options(key)
         # the infotext and the prompts are user text: sized, then parsed, on a worker thread
         plan = await asyncio.to_thread(plan_body, body, options.model, options.clip_stop, config.clip_skip,
-                                       config.max_prompt_bytes, self.styles)
+                                       config.max_prompt_bytes, self.styles, options.applied)
         deadline = t0 + config.request_timeout
         chosen, name = await self.target(plan.model, deadline - time.monotonic())
         hires, runs, job = None, None, None
@@ -488,7 +488,7 @@ class A1111Server:
         return {"sd_model_checkpoint": title, "sd_checkpoint_hash": "",
                 "CLIP_stop_at_last_layers": clip_stop(options.clip_stop, "CLIP_stop_at_last_layers",
                                                       self.config.clip_skip),
-                **DEFAULT_OPTIONS, **options.ui}
+                **DEFAULT_OPTIONS, **options.applied, **options.ui}
 
     async def set_options(self, http: Request) -> Response:
         """POST /sdapi/v1/options (its route's doc says what it sets)."""
@@ -509,6 +509,8 @@ class A1111Server:
                     changes.model = await self.resolve(value, name)
                 elif name == "CLIP_stop_at_last_layers":
                     changes.clip_stop = clip_stop(value, name)
+                elif name in REQUEST_OPTIONS:
+                    changes.applied = {**changes.applied, name: request_option(name, value, name)}
                 elif name in UI_OPTIONS:
                     changes.ui = {**changes.ui, name: ui_option(name, value)}
                 elif current.get(name, object()) != value:

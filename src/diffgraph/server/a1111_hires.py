@@ -17,8 +17,8 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from ..api.protocol import APIError
-from ..hires import (DEFAULT_STRENGTH, HIRES_UPSCALERS, HiresFix, first_pass, hires_params, hires_size, second_pass,
-                     second_pass_steps)
+from ..hires import (DEFAULT_STRENGTH, HIRES_UPSCALERS, HiresFix, builtin_upscaler, first_pass, hires_params,
+                     hires_size, second_pass, second_pass_steps)
 from ..image_metadata import JSON_KEY, PNG_KEY, infotext, request_json
 from ..request import MAX_SIZE, MIN_SIZE, GenerationRequest, GenerationResult, ModelInfo, ParamError
 from ..sampling.schedules import MAX_STEPS
@@ -66,10 +66,9 @@ def _check_model(body: Txt2ImgBody, info: ModelInfo) -> None:
 
 def _upscaler(name: str | None, models: ModelUpscalers | None) -> str:
     """The hires upscaler `name` names: a latent mode, a built-in or one of `models` (looked up in its folder)."""
-    wanted = (name or "Latent").strip().lower()
-    for known in HIRES_UPSCALERS:
-        if known.lower() == wanted:
-            return known
+    known = builtin_upscaler(name)
+    if known is not None:
+        return known
     try:
         found = models.find((name or "").strip(), "hr_upscaler") if models is not None else None
     except UpscalerError as e:  # a pickle

@@ -55,6 +55,7 @@ class Job:
 class KeyOptions:
     model: str | None = None   # sd_model_checkpoint: None is the server's default model
     clip_stop: int | None = None  # CLIP_stop_at_last_layers: None is the server's --clip-skip
+    applied: dict[str, Any] = field(default_factory=dict)  # the request options set (a1111_protocol.REQUEST_OPTIONS)
     ui: dict[str, Any] = field(default_factory=dict)  # the web UI options set (a1111_protocol.UI_OPTIONS)
 
 

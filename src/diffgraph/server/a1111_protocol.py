@@ -64,7 +64,10 @@ _SCHEDULER_ALIASES = {a.lower(): s for s, (_, aliases, _, _) in A1111_SCHEDULER_
 ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0,
        "dpmpp_2m_sde_heun": 1.0}
 # the options a request may override (override_settings) or a key may set (POST /sdapi/v1/options)
-OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers")
+# the options a request reads (AUTOMATIC1111's opts): set per key or in override_settings; a body's tiling null is
+# the tiling option's
+REQUEST_OPTIONS = ("tiling", "eta_noise_seed_delta")
+OPTIONS = ("sd_model_checkpoint", "CLIP_stop_at_last_layers", *REQUEST_OPTIONS)
 # the web UI's own options: they steer AUTOMATIC1111's browser pages, never what its API makes, so a key's value is
 # kept and read back here as there (POST /sdapi/v1/options), with the type of AUTOMATIC1111's default
 UI_OPTIONS = ("send_seed", "send_size", "js_modal_lightbox", "js_modal_lightbox_initially_zoomed",
@@ -81,11 +84,11 @@ UI_OPTIONS = ("send_seed", "send_size", "js_modal_lightbox", "js_modal_lightbox_
 # /progress's current_image: a live preview every this many steps (AUTOMATIC1111's show_progress_every_n_steps
 # default), a PNG at the latent resolution (its "Approx cheap" kind; engine/previews.py)
 PREVIEW = {"every": 10, "format": "png"}
-# what GET /sdapi/v1/options answers for the options diffgraph has no setting for: AUTOMATIC1111's defaults
-# (a1111_options.json, transcribed from its shared_options.py); the options the key sets are filled in by a1111.py
+# what GET /sdapi/v1/options answers for the options a key has not set: AUTOMATIC1111's defaults
+# (a1111_options.json, transcribed from its shared_options.py); the model and CLIP options are filled in by a1111.py
 DEFAULT_OPTIONS = {name: value for name, value in
                    json.loads(files(__package__).joinpath("a1111_options.json").read_text("utf-8"))["defaults"].items()
-                   if name not in (*OPTIONS, "sd_checkpoint_hash")}
+                   if name not in ("sd_model_checkpoint", "CLIP_stop_at_last_layers", "sd_checkpoint_hash")}
 # GenerationRequest parameter -> the AUTOMATIC1111 field that carries it
 _ENGINE_TO_A1111 = {"sampler": "sampler_name", "schedule": "scheduler", "num_inference_steps": "steps",
                     "guidance_scale": "cfg_scale", "strength": "denoising_strength", "image": "init_images",
@@ -404,12 +407,16 @@ def _apply_infotext(body: ProcessingBody, max_prompt_bytes: int | None) -> None:
     names = {"prompt": "prompt", "negative_prompt": "negative_prompt", "sampler": "sampler_name",
              "schedule": "scheduler", "num_inference_steps": "steps", "guidance_scale": "cfg_scale", "seed": "seed",
              "width": "width", "height": "height", "strength": "denoising_strength", "eta": "eta", "tiling": "tiling"}
+    if fields.get("hires") and fields["hires"]["strength"] is not None:  # the hires pass's denoising_strength
+        fields["strength"] = fields["hires"]["strength"]
     for ours, field in names.items():
         if fields.get(ours) is not None and field not in body.model_fields_set and field in type(body).model_fields:
             setattr(body, field, fields[ours])
     _apply_variation(body, fields.get("variation"))
     if fields.get("clip_skip") and "CLIP_stop_at_last_layers" not in (body.override_settings or {}):
         body.override_settings = {**(body.override_settings or {}), "CLIP_stop_at_last_layers": fields["clip_skip"] + 1}
+    if fields.get("noise_seed_delta") and "eta_noise_seed_delta" not in (body.override_settings or {}):
+        body.override_settings = {**(body.override_settings or {}), "eta_noise_seed_delta": fields["noise_seed_delta"]}
     if isinstance(body, Txt2ImgBody):
         _apply_hires(body, infotext_parts(text)[2])
 
@@ -471,9 +478,34 @@ def _styled(body: ProcessingBody, styles: StyleBook | None,
                               "/sdapi/v1/prompt-styles lists its styles)"] if unknown else []
 
 
+def request_option(name: str, value: Any, field: str) -> Any:
+    """A value for the request option `name` (REQUEST_OPTIONS): tiling true or false, eta_noise_seed_delta an
+    integer 0..MAX_SEED (a whole float read as one); an APIError naming `field` otherwise."""
+    if name == "tiling":
+        if not isinstance(value, bool):
+            raise APIError(400, f"{field} must be true or false, got {json.dumps(value)[:64]}", param=field)
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+            or not 0 <= value <= MAX_SEED:
+        raise APIError(400, f"{field} must be an integer in 0..{MAX_SEED} (0: off), got {json.dumps(value)[:64]}",
+                       param=field)
+    return int(value)
+
+
+def _request_options(body: ProcessingBody, key_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The request options' values: override_settings', else the key's (`key_options`), else the defaults."""
+    values = {**{name: DEFAULT_OPTIONS[name] for name in REQUEST_OPTIONS}, **(key_options or {})}
+    for name, value in (body.override_settings or {}).items():
+        if name in REQUEST_OPTIONS:
+            values[name] = request_option(name, value, f"override_settings.{name}")
+    return values
+
+
 def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | None, clip_skip: int | None,
-              max_prompt_bytes: int | None = None, styles: StyleBook | None = None) -> Plan:
-    """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's). With
+              max_prompt_bytes: int | None = None, styles: StyleBook | None = None,
+              key_options: dict[str, Any] | None = None) -> Plan:
+    """The body's plan (APIError 400 for what cannot be honoured; ranges are GenerationRequest.create's); a `tiling`
+    null and the ENSD are the options' (`_request_options`; `key_options`: the key's), as AUTOMATIC1111's. With
     `max_prompt_bytes` (--max-prompt-bytes) the infotext and the prompts are held to it before they are parsed, and so
     are the prompts the body's styles (`styles`, --styles) make of them, which every later reader takes. Pure CPU work
     on user text: the routes call it on a worker thread."""
@@ -503,11 +535,14 @@ def plan_body(body: ProcessingBody, key_model: str | None, key_clip_stop: int | 
     subseed = secrets.randbelow(MAX_RANDOM_SEED) if subseed == -1 else subseed
     model, stop = _options(body, key_model, key_clip_stop, clip_skip)
     variation = _variation(body, subseed)
+    options = _request_options(body, key_options)
+    tiling = body.tiling if body.tiling is not None else options["tiling"]
     create = dict(negative_prompt=negative or None,
                   width=512 if body.width is None else body.width, height=512 if body.height is None else body.height,
                   num_inference_steps=given(body, "steps"), guidance_scale=given(body, "cfg_scale"), num_images=1,
                   output_format="png", prompt_syntax="a1111", clip_skip=stop - 1 or None, preview=dict(PREVIEW),
-                  **({"variation": variation} if variation else {}), **({"tiling": True} if body.tiling else {}))
+                  **({"variation": variation} if variation else {}), **({"tiling": True} if tiling else {}),
+                  **({"noise_seed_delta": options["eta_noise_seed_delta"]} if options["eta_noise_seed_delta"] else {}))
     return Plan(model=model, prompt=prompt, negative_prompt=negative, create=create,
                 seeds=tuple(seed + i for i in range(count)), subseeds=tuple(subseed + i for i in range(count)),
                 clip_stop=stop, warnings=tuple(warnings))
