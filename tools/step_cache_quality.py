@@ -32,7 +32,7 @@ def main() -> None:
             sampler = engine.make_request("x").sampler
             total = evaluations(engine, model, args.steps)
             settings = grid(len(residual_owners(engine.model.denoiser)), args.intervals)
-            rows = measure(engine, model, oracle, settings, args.per_digit, args.steps)
+            rows = measure(engine, model, oracle, settings, 10 * args.per_digit, args.steps)
         auto = choose_auto(rows)
         print(f"\n### {model}: {total} evaluations ({sampler}), {10 * args.per_digit} images a setting, "
               f"{time.perf_counter() - start:.0f} s\n")

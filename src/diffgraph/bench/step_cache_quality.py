@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from ..engine.engine import Engine
-from ..models.digits_oracle import DigitsOracle, digit_prompt
+from ..models.digits_oracle import DigitsOracle, digit_prompt, train_oracle
+from .fp8_compare import seed_prompts
 from ..models.families.unet_cache import (CacheStep, DeepCache, Stage, branch_shapes, cached_unet, full_evaluations,
                                           read_step_cache, residual_owners)
 
@@ -58,8 +59,9 @@ def grid(branches: int, intervals: Sequence[int] = (2, 3, 4, 5)) -> list[DeepCac
             for b in range(branches)]
 
 
-def skip_shares(engine: Engine) -> list[float]:
-    """Per skip branch: the share of one UNet call's FLOPs that a row reusing its feature there does not run."""
+def skip_shares(engine: Engine, branches: Iterable[int] | None = None) -> dict[int, float]:
+    """Per skip branch in `branches` (None: every one): the share of one UNet call's FLOPs that a row reusing its
+    feature there does not run."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = engine.model
@@ -81,19 +83,23 @@ def skip_shares(engine: Engine) -> list[float]:
         return counter.get_total_flops()
 
     whole = flops(CacheStep(()))
-    return [1.0 - flops(CacheStep((Stage(m, (), (0,), (0,), (), ()),))) / whole
-            for m in range(len(residual_owners(unet)))]
+    return {m: 1.0 - flops(CacheStep((Stage(m, (), (0,), (0,), (), ()),))) / whole
+            for m in (range(len(residual_owners(unet))) if branches is None else sorted(set(branches)))}
 
 
-def digit_images(engine: Engine, model: str, per_digit: int, steps: int | None,
-                 cache: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """(digits asked [n], 8-bit images [n, H, W, 3]) of `model`'s digit prompts, `per_digit` seeds a digit (seed
-    FIRST_SEED + 10 * k + digit), submitted together; `cache` the requests' `step_cache` (None: none sent)."""
+def render(engine: Engine, prompts: Sequence[tuple[str, int | None]], steps: int | None, cache: Any = None,
+           size: tuple[int, int] | None = None, guidance: float | None = None) -> np.ndarray:
+    """The 8-bit images [n, H, W, 3] of one request per prompt (seed FIRST_SEED + i), submitted together; `cache`
+    the requests' `step_cache` (None: none sent); `size` (width, height) and `guidance` None: the model's. All are
+    admitted between the same two steps, so two calls batch their rows alike (a row's image is its own within one
+    level whatever its companions; alike, the same requests give the same bytes)."""
     extras = None if cache is None else {"step_cache": _as_param(cache)}
-    asked = [d for _ in range(per_digit) for d in range(10)]
-    futures = [engine.submit(engine.make_request(digit_prompt(model, d), seed=FIRST_SEED + i, num_inference_steps=steps,
-                                                 extras=extras)) for i, d in enumerate(asked)]
-    return np.array(asked), np.stack([np.asarray(f.result().images[0].convert("RGB")) for f in futures])
+    width, height = size or (None, None)
+    requests = [engine.make_request(text, seed=FIRST_SEED + i, num_inference_steps=steps, width=width, height=height,
+                                    guidance_scale=guidance, extras=extras) for i, (text, _) in enumerate(prompts)]
+    futures: list = []
+    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in requests)).result()
+    return np.stack([np.asarray(f.result().images[0].convert("RGB")) for f in futures])
 
 
 def _as_param(cache: Any) -> Any:
@@ -102,17 +108,20 @@ def _as_param(cache: Any) -> Any:
     return cache
 
 
-def measure(engine: Engine, model: str, oracle: DigitsOracle, settings: Iterable[Any], per_digit: int = 3,
+def measure(engine: Engine, model: str, oracle: DigitsOracle, settings: Iterable[Any], seeds: int = 30,
             steps: int | None = None) -> list[QualityRow]:
-    """The uncached row, then one row per setting (a DeepCache, or a `step_cache` value), all of `model`'s digit
-    prompts at `steps` (None: the model's default)."""
-    asked, reference = digit_images(engine, model, per_digit, steps)
+    """The uncached row, then one row per setting (a DeepCache, or a `step_cache` value), each over the same `seeds`
+    images of `model`'s digit prompts (seed i asks for digit i % 10) at `steps` (None: the model's default)."""
+    prompts = seed_prompts(model, seeds)
+    asked = np.array([d for _, d in prompts])
+    reference = render(engine, prompts, steps)
     total = evaluations(engine, model, steps)
-    shares = skip_shares(engine)
+    settings = list(settings)
+    specs = [read_step_cache(_as_param(setting)) for setting in settings]
+    shares = skip_shares(engine, [spec.branch for spec in specs if spec != "off"])
     rows = [QualityRow(None, total, total, 0.0, oracle.score(asked, reference / 255.0), 0.0, 0.0)]
-    for setting in settings:
-        spec = read_step_cache(_as_param(setting))
-        _, images = digit_images(engine, model, per_digit, steps, setting)
+    for setting, spec in zip(settings, specs):
+        images = render(engine, prompts, steps, setting)
         diff = np.abs(images.astype(np.int16) - reference.astype(np.int16))
         if spec == "off":
             rows.append(QualityRow(None, total, total, 0.0, oracle.score(asked, images / 255.0), float(diff.mean()),
@@ -153,3 +162,86 @@ def format_table(rows: Sequence[QualityRow], auto: QualityRow | None = None) -> 
                      f"{r.skip:.0%} | {r.cost:.2f} | {1 / r.cost:.2f}x | {r.score:.2f} | {r.mean_levels:.2f} | "
                      f"{r.max_levels:.0f} |")
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheCompare:
+    """What `compare_step_cache` measured: the setting's row of the table (score None: not a digits preset, or no
+    scikit-learn, `oracle_note` says which; then `reference_score` is None too) and the side-by-side image."""
+    model: str
+    device: str
+    seeds: int
+    size: tuple[int, int]
+    row: QualityRow
+    reference_score: float | None
+    image: Any  # PIL image: per seed, uncached left of cached
+    oracle_note: str | None = None
+
+    def format(self) -> str:
+        r = self.row
+        lines = [f"{self.model}: step cache {describe(r.setting)} against uncached on {self.device}, "
+                 f"{self.seeds} seed(s), {r.evaluations} evaluations, "
+                 f"{self.size[0]}x{self.size[1]}",
+                 f"  full evaluations: {r.full} / {r.evaluations} (interval {r.interval:.2f}); a cached one skips "
+                 f"{r.skip:.0%} of the UNet's FLOPs; UNet work per image {r.cost:.2f} (speedup bound "
+                 f"{1 / r.cost:.2f}x)",
+                 f"  final images, pixel difference (0-255 levels): mean {r.mean_levels:.2f}, max {r.max_levels:.0f}"]
+        if self.reference_score is not None:
+            lines.append(f"  digits oracle (images read as the asked digit): uncached {self.reference_score:.2f}, "
+                         f"cached {r.score:.2f}")
+        elif self.oracle_note:
+            lines.append(f"  digits oracle: {self.oracle_note}")
+        return "\n".join(lines)
+
+
+def side_by_side(reference: np.ndarray, cached: np.ndarray, per_row: int = 5) -> Any:
+    """One PIL image: per seed the uncached image left of the cached one (a 4-pixel gap between), `per_row` pairs a
+    row."""
+    from PIL import Image
+
+    n, h, w, _ = reference.shape
+    gap = 4
+    cols = min(per_row, n)
+    rows = -(-n // cols)
+    sheet = np.full((rows * (h + gap) - gap, cols * (2 * w + 3 * gap) - 2 * gap, 3), 128, np.uint8)
+    for i in range(n):
+        y, x = (i // cols) * (h + gap), (i % cols) * (2 * w + 3 * gap)
+        sheet[y:y + h, x:x + w] = reference[i]
+        sheet[y:y + h, x + w + gap:x + 2 * w + gap] = cached[i]
+    return Image.fromarray(sheet)
+
+
+def compare_step_cache(model: str, setting: Any, *, seeds: int = 20, steps: int | None = None,
+                       size: tuple[int, int] | None = None, device: str | None = None, dtype: str | None = None,
+                       guidance: float | None = None, prompt: str | None = None, load: Any = None) -> CacheCompare:
+    """`model`'s images with the `step_cache` value `setting` ("auto", "off" or a setting object) against the same
+    requests uncached, in one engine; `device`, `dtype` and `load` as Engine's. ValueError (ParamError) for a bad
+    setting, model or size."""
+    if seeds < 1:
+        raise ValueError(f"seeds {seeds} must be >= 1")
+    prompts = seed_prompts(model, seeds, prompt)
+    with Engine(model, device=device, dtype=dtype, load=load) as engine:
+        check = engine.make_request(prompts[0][0], num_inference_steps=steps, extras={"step_cache": setting})
+        spec = read_step_cache(setting)
+        total = engine.runner.request_plan(check).num_steps
+        reference = render(engine, prompts, steps, None, size, guidance)
+        cached = render(engine, prompts, steps, setting, size, guidance)
+        shares = skip_shares(engine, [spec.branch]) if spec != "off" else {}
+        place = str(engine.model.device)
+    diff = np.abs(cached.astype(np.int16) - reference.astype(np.int16))
+    scores: dict[str, Any] = {"reference_score": None}
+    score = float("nan")
+    if prompts[0][1] is not None:
+        try:
+            oracle = train_oracle()
+            asked = np.array([d for _, d in prompts])
+            scores["reference_score"] = oracle.score(asked, reference / 255.0)
+            score = oracle.score(asked, cached / 255.0)
+        except ValueError as e:  # scikit-learn missing
+            scores["oracle_note"] = f"not scored ({e})"
+    cache = None if spec == "off" else spec
+    full = total if cache is None else int(full_evaluations(cache, total).sum())
+    row = QualityRow(cache, total, full, shares[cache.branch] if cache else 0.0, score, float(diff.mean()),
+                     float(diff.max()))
+    return CacheCompare(model, place, seeds, (reference.shape[2], reference.shape[1]), row,
+                        image=side_by_side(reference, cached), **scores)
