@@ -220,7 +220,7 @@ def compare_step_cache(model: str, setting: Any, *, seeds: int = 20, steps: int 
     if seeds < 1:
         raise ValueError(f"seeds {seeds} must be >= 1")
     prompts = seed_prompts(model, seeds, prompt)
-    with Engine(model, device=device, dtype=dtype, load=load) as engine:
+    with Engine(model, device=device, dtype=dtype, mode="eager", load=load) as engine:
         check = engine.make_request(prompts[0][0], num_inference_steps=steps, extras={"step_cache": setting})
         spec = read_step_cache(setting)
         total = engine.runner.request_plan(check).num_steps
