@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from ..engine.engine import Engine
-from ..models.digits_oracle import DigitsOracle, digit_prompt, train_oracle
-from .fp8_compare import seed_prompts
+from ..models.digits_oracle import DigitsOracle, digit_prompt
+from .fp8_compare import digit_scores, oracle_lines, seed_prompts
 from ..models.families.unet_cache import (CacheStep, DeepCache, Stage, branch_shapes, cached_unet, full_evaluations,
                                           read_step_cache, residual_owners)
 
@@ -186,12 +186,8 @@ class CacheCompare:
                  f"{r.skip:.0%} of the UNet's FLOPs; UNet work per image {r.cost:.2f} (speedup bound "
                  f"{1 / r.cost:.2f}x)",
                  f"  final images, pixel difference (0-255 levels): mean {r.mean_levels:.2f}, max {r.max_levels:.0f}"]
-        if self.reference_score is not None:
-            lines.append(f"  digits oracle (images read as the asked digit): uncached {self.reference_score:.2f}, "
-                         f"cached {r.score:.2f}")
-        elif self.oracle_note:
-            lines.append(f"  digits oracle: {self.oracle_note}")
-        return "\n".join(lines)
+        scores = None if self.reference_score is None else [("uncached", self.reference_score), ("cached", r.score)]
+        return "\n".join(lines + oracle_lines(scores, self.oracle_note))
 
 
 def side_by_side(reference: np.ndarray, cached: np.ndarray, per_row: int = 5) -> Any:
@@ -229,19 +225,11 @@ def compare_step_cache(model: str, setting: Any, *, seeds: int = 20, steps: int 
         shares = skip_shares(engine, [spec.branch]) if spec != "off" else {}
         place = str(engine.model.device)
     diff = np.abs(cached.astype(np.int16) - reference.astype(np.int16))
-    scores: dict[str, Any] = {"reference_score": None}
-    score = float("nan")
-    if prompts[0][1] is not None:
-        try:
-            oracle = train_oracle()
-            asked = np.array([d for _, d in prompts])
-            scores["reference_score"] = oracle.score(asked, reference / 255.0)
-            score = oracle.score(asked, cached / 255.0)
-        except ValueError as e:  # scikit-learn missing
-            scores["oracle_note"] = f"not scored ({e})"
+    scored, note = digit_scores(prompts, reference / 255.0, cached / 255.0)
+    reference_score, score = scored or (None, float("nan"))
     cache = None if spec == "off" else spec
     full = total if cache is None else int(full_evaluations(cache, total).sum())
     row = QualityRow(cache, total, full, shares[cache.branch] if cache else 0.0, score, float(diff.mean()),
                      float(diff.max()))
-    return CacheCompare(model, place, seeds, (reference.shape[2], reference.shape[1]), row,
-                        image=side_by_side(reference, cached), **scores)
+    return CacheCompare(model, place, seeds, (reference.shape[2], reference.shape[1]), row, reference_score,
+                        side_by_side(reference, cached), note)
