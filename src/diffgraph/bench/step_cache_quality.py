@@ -2,11 +2,11 @@
 `diffgraph compare --step-cache`).
 
 For a digits preset, each setting's images are drawn with the same prompts and seeds as the uncached ones (the
-preset's digit prompts, `per_digit` seeds per digit, all submitted together): the digits oracle's score of both, the
+preset's digit prompts, seed i asking for digit i % 10, all admitted together): the digits oracle's score of both, the
 mean absolute difference of the 8-bit images, and what the setting saves. The saving is counted, not timed: a
 cached evaluation at branch m skips the share of the UNet's FLOPs (matmul, convolution and attention, counted by
 torch's FlopCounterMode on one row of the model's native latent) that its deep path holds, so one image costs
-`full / total + (1 - full / total) * (1 - skip)` of the uncached UNet work. `choose_auto` applies the issue's rule:
+`full / total + (1 - full / total) * (1 - skip)` of the uncached UNet work. `choose_auto` applies "auto"'s rule:
 the cheapest setting whose score is within 0.02 of the uncached one and whose mean difference is at most 3 levels.
 """
 
