@@ -57,3 +57,18 @@ def test_side_by_side_puts_each_seeds_uncached_image_left_of_its_cached_one():
     assert (sheet[:8, :8] == 0).all() and (sheet[:8, 12:20] == 255).all() and (sheet[:8, 8:12] == 128).all()
     assert (sheet[:8, 28:36] == 0).all() and (sheet[:8, 40:] == 255).all() and (sheet[8:12] == 128).all()
     assert (sheet[12:, :8] == 0).all() and (sheet[12:, 12:20] == 255).all() and (sheet[12:, 24:] == 128).all()
+
+
+def test_the_tables_command_runs_on_the_cpu(monkeypatch, capsys):
+    import runpy
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "step_cache_quality.py"
+    monkeypatch.setattr("sys.argv", [str(tool), "--models", "digits", "--per-digit", "1", "--steps", "2",
+                                     "--intervals", "2"])
+    runpy.run_path(str(tool), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "### digits: 2 evaluations (euler), 10 images a setting" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| setting")]
+    assert len(rows) == 1 + 8 and rows[0].startswith("| off | 2 / 2 | 1.00 | 0% | 1.00 | 1.00x |")  # 4 branches x 2
+    assert all(" 1 / 2 | 2.00 |" in row for row in rows[1:]) and "\nauto for digits: " in out
