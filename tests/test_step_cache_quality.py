@@ -72,3 +72,16 @@ def test_the_tables_command_runs_on_the_cpu(monkeypatch, capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| setting")]
     assert len(rows) == 1 + 8 and rows[0].startswith("| off | 2 / 2 | 1.00 | 0% | 1.00 | 1.00x |")  # 4 branches x 2
     assert all(" 1 / 2 | 2.00 |" in row for row in rows[1:]) and "\nauto for digits: " in out
+
+
+def test_compare_on_a_transformer_reports_its_setting_without_unet_counts():
+    from diffgraph.bench.step_cache_quality import compare_step_cache
+
+    setting = {"method": "taylorseer", "interval": 2}
+    result = compare_step_cache("digits-zimage", setting, seeds=2, steps=4, device="cpu")
+    text = result.format()
+    assert text.startswith('digits-zimage: step cache {"method": "taylorseer", "interval": 2} against uncached on cpu, '
+                           '2 seed(s), 4 evaluations, 64x64'), text
+    assert "UNet" not in text and result.row.setting is None  # no DeepCache: no FLOPs counted
+    assert 0 < result.row.mean_levels <= result.row.max_levels and 0 <= result.reference_score <= 1
+    assert result.image.size == (2 * (64 + 4 + 64) + 8, 64)

@@ -1,31 +1,71 @@
-"""The step-cache quality table (BENCHMARKS.md): per digits preset, every DeepCache setting of the grid against the
-uncached images of the same prompts and seeds (bench/step_cache_quality.py measures), and the setting the rule picks
-for "auto" (the cheapest within 0.02 of the uncached oracle score and at most 3 levels mean difference).
+"""Step caching's quality on the trained digits models: per setting, the digits oracle's score
+(models/digits_oracle.py) and the mean and largest absolute pixel difference (uint8 levels) to the uncached images of
+the same seeds, at the model's default steps and guidance. CPU is enough (the digits models are tiny).
+
+The UNet presets' grid (BENCHMARKS.md's DeepCache table and the setting "auto" is chosen by; bench/step_cache_quality.py
+measures: every interval x branch x schedule, with the full evaluations and the share of the UNet a cached one skips):
 
     PYTHONPATH=src python tools/step_cache_quality.py [--models digits digits-xl] [--per-digit 3] [--steps N]
 
-CPU, a few minutes on two cores (the models' default steps, 10 digits x `--per-digit` seeds per setting).
+Named settings on one model (BENCHMARKS.md's TaylorSeer table; one JSON line per setting, "off" first, and a markdown
+table):
+
+    PYTHONPATH=src python3 tools/step_cache_quality.py --model digits-zimage --per-digit 4 \
+        --settings '{"method": "taylorseer", "interval": 2, "order": 1}' '{"method": "taylorseer", "interval": 3}'
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
-from diffgraph import Engine
-from diffgraph.bench.step_cache_quality import choose_auto, describe, evaluations, format_table, grid, measure
-from diffgraph.models.digits_oracle import DIGITS_PRESETS, train_oracle
-from diffgraph.models.families.unet_cache import residual_owners
+import numpy as np
+
+UNET_PRESETS = ("digits", "digits-xl")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=list(DIGITS_PRESETS), choices=DIGITS_PRESETS)
-    p.add_argument("--per-digit", type=int, default=3, help="seeds per digit (default: 3, 30 images a setting)")
-    p.add_argument("--steps", type=int, default=None, help="steps (default: the model's)")
-    p.add_argument("--intervals", type=int, nargs="+", default=[2, 3, 4, 5])
-    args = p.parse_args()
-    oracle = train_oracle()
+def images(engine, model: str, per_digit: int, cache) -> tuple[np.ndarray, np.ndarray]:
+    """(images [10 * per_digit, 64, 64, 3] in 0..1, the digits asked), as `engine_score` draws them."""
+    from diffgraph.models.digits_oracle import SIZE, digit_prompt
+
+    out, asked = [], []
+    for d in range(10):
+        result = engine.generate(digit_prompt(model, d), seed=1000 + d, num_images=per_digit, width=SIZE, height=SIZE,
+                                 extras={"step_cache": cache})
+        out.append(np.asarray(result.arrays))
+        asked += [d] * per_digit
+    return np.concatenate(out), np.array(asked)
+
+
+def named_settings(args: argparse.Namespace, oracle) -> None:
+    """`--settings` on `--model`: one JSON line per setting and a markdown table."""
+    from diffgraph import Engine
+
+    rows = []
+    with Engine(model=args.model, device="cpu") as engine:
+        plain, asked = images(engine, args.model, args.per_digit, "off")
+        for value in ["off", *args.settings]:
+            cache = value if value in ("off", "auto") else json.loads(value)
+            got, _ = (plain, asked) if cache == "off" else images(engine, args.model, args.per_digit, cache)
+            score = float((oracle.predict(got) == asked).mean())
+            diff = np.abs(np.round(got * 255) - np.round(plain * 255))
+            row = {"step_cache": cache, "oracle": score, "mean_levels": float(diff.mean()),
+                   "max_levels": float(diff.max()), "images": len(asked)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    print("| step_cache | oracle score | mean abs difference (levels) | max (levels) |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| `{json.dumps(r['step_cache'])}` | {r['oracle']:.2f} | {r['mean_levels']:.2f} | "
+              f"{r['max_levels']:.0f} |")
+
+
+def unet_grid(args: argparse.Namespace, oracle) -> None:
+    """The DeepCache grid on each of `--models`: a markdown table each and the setting the rule picks for "auto"."""
+    from diffgraph import Engine
+    from diffgraph.bench.step_cache_quality import choose_auto, describe, evaluations, format_table, grid, measure
+    from diffgraph.models.families.unet_cache import residual_owners
+
     for model in args.models:
         start = time.perf_counter()
         with Engine(model=model, device="cpu") as engine:
@@ -38,6 +78,26 @@ def main() -> None:
               f"{time.perf_counter() - start:.0f} s\n")
         print(format_table(rows, auto))
         print(f"\nauto for {model}: {describe(auto.setting) if auto else 'none keeps to the rule'}")
+
+
+def main() -> None:
+    from diffgraph.models.digits_oracle import train_oracle
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(UNET_PRESETS), choices=UNET_PRESETS,
+                    help="the UNet presets of the DeepCache grid (default: both)")
+    ap.add_argument("--per-digit", type=int, default=3, help="seeds per digit (default: 3)")
+    ap.add_argument("--steps", type=int, default=None, help="the grid's steps (default: the model's)")
+    ap.add_argument("--intervals", type=int, nargs="+", default=[2, 3, 4, 5], help="the grid's intervals")
+    ap.add_argument("--settings", nargs="+", default=None,
+                    help="named step_cache values (JSON objects or \"auto\") on --model instead of the grid")
+    ap.add_argument("--model", default="digits-zimage", help="the model of --settings (default: digits-zimage)")
+    args = ap.parse_args()
+    oracle = train_oracle()
+    if args.settings:
+        named_settings(args, oracle)
+    else:
+        unet_grid(args, oracle)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,11 @@ from typing import Any, Mapping
 
 @dataclass(frozen=True)
 class StepCacheSettings:
-    """The step cache's (models/families/unet_cache.py)."""
+    """The step cache's (models/families/unet_cache.py, token_cache.py)."""
 
     step_cache: str = dataclasses.field(default="off", metadata={
-        "metavar": "off|auto|JSON", "help": "the step cache of a request that names none (SD families' UNets): off, auto, or a JSON object such "
-                "as '{\"method\": \"deepcache\", \"interval\": 3}'"})
+        "metavar": "off|auto|JSON", "help": "the step cache of a request that names none (SD families' UNets; "
+                "Z-Image): off, auto, or a JSON object such as '{\"method\": \"deepcache\", \"interval\": 3}'"})
 
 
 BUILTIN: dict[str, type] = {"step_cache": StepCacheSettings}

@@ -92,8 +92,9 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3), "
                    "ddim (its eta, default 0) and euler_a, dpmpp_2s_a, dpm_fast (their eta, default 1), 0-1")
     g.add_argument("--step-cache", default=None, metavar="off|auto|JSON",
-                   help="per-row step caching (SD families' UNets: DeepCache): off, auto, or a JSON object such as "
-                        "'{\"method\": \"deepcache\", \"interval\": 3, \"branch\": 0, \"schedule\": \"uniform\"}' "
+                   help="per-row step caching (SD families' UNets: DeepCache; Z-Image: TaylorSeer): off, auto, or a JSON "
+                        "object such as '{\"method\": \"deepcache\", \"interval\": 3, \"branch\": 0, \"schedule\": "
+                        "\"uniform\"}' or '{\"method\": \"taylorseer\", \"interval\": 2, \"order\": 1}' "
                         "(default: the server's or off)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")

@@ -25,7 +25,8 @@ import torch
 
 from ..config import LoadOptions
 from ..engine.engine import Engine
-from ..models.digits_oracle import DIGITS_PRESETS, digit_prompt, train_oracle
+from ..models.digits_oracle import PROMPTS as DIGIT_PROMPTS
+from ..models.digits_oracle import digit_prompt, train_oracle
 from ..quantize.fp8 import Fp8Config, Fp8Report, relative_error
 
 FIRST_SEED = 700
@@ -36,9 +37,9 @@ PROMPTS = ("a photograph of a lighthouse on a cliff at dusk", "a portrait of an 
 
 
 def seed_prompts(model: str, seeds: int, prompt: str | None = None) -> list[tuple[str, int | None]]:
-    """(prompt, digit asked) per seed: for a digits preset its prompt for digit `i % 10` (two seeds per digit in 20),
-    else `prompt` (or PROMPTS in turn) and None."""
-    if model in DIGITS_PRESETS and prompt is None:
+    """(prompt, digit asked) per seed: for a digits preset (`digits_oracle.PROMPTS`) its prompt for digit `i % 10`
+    (two seeds per digit in 20), else `prompt` (or PROMPTS in turn) and None."""
+    if model in DIGIT_PROMPTS and prompt is None:
         return [(digit_prompt(model, i % 10), i % 10) for i in range(seeds)]
     return [(prompt or PROMPTS[i % len(PROMPTS)], None) for i in range(seeds)]
 

@@ -13,6 +13,7 @@ the cheapest setting whose score is within 0.02 of the uncached one and whose me
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Iterable, Sequence
 
@@ -23,7 +24,7 @@ from ..engine.engine import Engine
 from ..models.digits_oracle import DigitsOracle, digit_prompt
 from .fp8_compare import digit_scores, oracle_lines, seed_prompts
 from ..models.families.unet_cache import (CacheStep, DeepCache, Stage, branch_shapes, cached_unet, full_evaluations,
-                                          read_step_cache, residual_owners)
+                                          read_step_cache, residual_owners, supports)
 
 FIRST_SEED = 1000
 MAX_SCORE_DROP = 0.02
@@ -166,12 +167,14 @@ def format_table(rows: Sequence[QualityRow], auto: QualityRow | None = None) -> 
 
 @dataclasses.dataclass(frozen=True)
 class CacheCompare:
-    """What `compare_step_cache` measured: the setting's row of the table (score None: not a digits preset, or no
-    scikit-learn, `oracle_note` says which; then `reference_score` is None too) and the side-by-side image."""
+    """What `compare_step_cache` measured: the setting's row of the table (its setting None where it is not a
+    DeepCache on a UNet: no FLOPs counted; score NaN and `reference_score` None where not scored, `oracle_note` says
+    why when it was a digits preset) and the side-by-side image."""
     model: str
     device: str
     seeds: int
     size: tuple[int, int]
+    label: str  # the setting as the report names it
     row: QualityRow
     reference_score: float | None
     image: Any  # PIL image: per seed, uncached left of cached
@@ -179,13 +182,14 @@ class CacheCompare:
 
     def format(self) -> str:
         r = self.row
-        lines = [f"{self.model}: step cache {describe(r.setting)} against uncached on {self.device}, "
-                 f"{self.seeds} seed(s), {r.evaluations} evaluations, "
-                 f"{self.size[0]}x{self.size[1]}",
-                 f"  full evaluations: {r.full} / {r.evaluations} (interval {r.interval:.2f}); a cached one skips "
-                 f"{r.skip:.0%} of the UNet's FLOPs; UNet work per image {r.cost:.2f} (speedup bound "
-                 f"{1 / r.cost:.2f}x)",
-                 f"  final images, pixel difference (0-255 levels): mean {r.mean_levels:.2f}, max {r.max_levels:.0f}"]
+        lines = [f"{self.model}: step cache {self.label} against uncached on {self.device}, "
+                 f"{self.seeds} seed(s), {r.evaluations} evaluations, {self.size[0]}x{self.size[1]}"]
+        if r.setting is not None:
+            lines.append(f"  full evaluations: {r.full} / {r.evaluations} (interval {r.interval:.2f}); a cached one "
+                         f"skips {r.skip:.0%} of the UNet's FLOPs; UNet work per image {r.cost:.2f} (speedup bound "
+                         f"{1 / r.cost:.2f}x)")
+        lines.append(f"  final images, pixel difference (0-255 levels): mean {r.mean_levels:.2f}, max "
+                     f"{r.max_levels:.0f}")
         scores = None if self.reference_score is None else [("uncached", self.reference_score), ("cached", r.score)]
         return "\n".join(lines + oracle_lines(scores, self.oracle_note))
 
@@ -218,18 +222,19 @@ def compare_step_cache(model: str, setting: Any, *, seeds: int = 20, steps: int 
     prompts = seed_prompts(model, seeds, prompt)
     with Engine(model, device=device, dtype=dtype, mode="eager", load=load) as engine:
         check = engine.make_request(prompts[0][0], num_inference_steps=steps, extras={"step_cache": setting})
-        spec = read_step_cache(setting)
+        spec = read_step_cache(setting) if supports(engine.model.denoiser) else None  # None: not DeepCache
         total = engine.runner.request_plan(check).num_steps
         reference = render(engine, prompts, steps, None, size, guidance)
         cached = render(engine, prompts, steps, setting, size, guidance)
-        shares = skip_shares(engine, [spec.branch]) if spec != "off" else {}
+        shares = skip_shares(engine, [spec.branch]) if isinstance(spec, DeepCache) else {}
         place = str(engine.model.device)
     diff = np.abs(cached.astype(np.int16) - reference.astype(np.int16))
     scored, note = digit_scores(prompts, reference / 255.0, cached / 255.0)
     reference_score, score = scored or (None, float("nan"))
-    cache = None if spec == "off" else spec
+    cache = spec if isinstance(spec, DeepCache) else None
     full = total if cache is None else int(full_evaluations(cache, total).sum())
     row = QualityRow(cache, total, full, shares[cache.branch] if cache else 0.0, score, float(diff.mean()),
                      float(diff.max()))
-    return CacheCompare(model, place, seeds, (reference.shape[2], reference.shape[1]), row, reference_score,
+    label = describe(cache) if cache is not None or spec == "off" else json.dumps(setting)
+    return CacheCompare(model, place, seeds, (reference.shape[2], reference.shape[1]), label, row, reference_score,
                         side_by_side(reference, cached), note)

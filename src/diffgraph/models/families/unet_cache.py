@@ -26,7 +26,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -313,18 +313,19 @@ def _up_layer(block: Any, layer: int, h: torch.Tensor, res: torch.Tensor, emb: t
 
 
 # -- the capability and its row feature ------------------------------------------------------------------------------
-def read_default(value: str) -> str | DeepCache:
-    """The server's `step_cache` setting (a JSON object as a string); ValueError naming it otherwise."""
+def read_default(value: str, read: Callable[[Any], Any] = read_step_cache) -> Any:
+    """The server's `step_cache` setting (a JSON object as a string) as `read` reads a request's; ValueError naming
+    it otherwise."""
     try:
-        return read_step_cache(json.loads(value) if value.lstrip().startswith("{") else value)
+        return read(json.loads(value) if value.lstrip().startswith("{") else value)
     except (ParamError, json.JSONDecodeError) as e:
         raise ValueError(f"setting step-cache: {e}") from None
 
 
-def request_cache(request: GenerationRequest, default: str | DeepCache) -> DeepCache | None:
-    """A request's DeepCache setting (its `step_cache`, else the server's default); None: off."""
+def request_cache(request: GenerationRequest, default: Any, read: Callable[[Any], Any] = read_step_cache) -> Any:
+    """A request's setting as `read` reads it (its `step_cache`, else the server's default); None: off."""
     value = dict(request.extras).get(NAME)
-    spec = default if value is None else read_step_cache(value)
+    spec = default if value is None else read(value)
     return None if spec == "off" else spec
 
 

@@ -40,6 +40,7 @@ from ...request import GenerationRequest
 from ..model import DiffusionModel
 from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from .base import Conditioning, CondSpec
+from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
 SEQ_MULTIPLE = 32           # the transformer pads caption and image tokens to multiples of this
@@ -270,7 +271,7 @@ class ZImageFamily(TokenFamily):
 
     # -- guidance ---------------------------------------------------------------------------------------------
     def capabilities(self) -> tuple[Capability, ...]:
-        return (GuidanceShaping(),)
+        return (GuidanceShaping(), TokenStepCache())  # TaylorSeer rows (token_cache.py)
 
     def features(self, model: DiffusionModel, *args: Any, **kwargs: Any) -> tuple[RowFeature, ...]:
         """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's."""
@@ -323,6 +324,9 @@ class ZImageFamily(TokenFamily):
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """The velocity of rows x [n, image tokens, 64] at timesteps t (sigma * 1000) [n]: ZImageTransformer2DModel's
         forward on a sequence built from tensors (see the module's docstring), its output negated, padding 0."""
+        cached = cached_denoise(lambda *a: self.denoise(model, *a), x, t, cond, rows)  # step cache rows
+        if cached is not None:
+            return cached
         net = model.denoiser
         image_mask, positions, slot_positions = rows["image_mask"], rows["positions"], rows["text_positions"]
         n, tokens = image_mask.shape
