@@ -4,12 +4,14 @@ input exits 2 with one line, and the light commands import no torch."""
 import base64
 import io
 import json
+import re
 import socket
 import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 import pytest
 
 from diffgraph.sampling.names import SAMPLERS
@@ -464,3 +466,39 @@ def test_hires_flags_need_a_size(tmp_path, capsys):
     assert main(["generate", "a cat", "-o", str(tmp_path / "x.png"), "--hires-scale", "2",
                  "--hires-upscaler", "ESRGAN_9x"]) == 2
     assert "--hires-upscaler 'ESRGAN_9x' is not a built-in upscaler" in capsys.readouterr().err
+
+
+def test_compare_step_cache_shows_cached_and_uncached_side_by_side(tmp_path, capsys):
+    out = tmp_path / "side.png"
+    rc = main(["compare", "--step-cache", '{"method": "deepcache", "interval": 2, "branch": 1}', "--model", "digits",
+               "--seeds", "2", "--steps", "4", "--device", "cpu", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.startswith("digits: step cache uniform interval 2, branch 1 against uncached on cpu, 2 seed(s), "
+                           "4 evaluations, 64x64"), text
+    assert "full evaluations: 2 / 4 (interval 2.00)" in text
+    skip = float(re.search(r"skips (\d+)% of the UNet", text).group(1)) / 100
+    cost = float(re.search(r"UNet work per image ([0-9.]+)", text).group(1))
+    assert 0 < skip < 1 and cost == pytest.approx(0.5 + 0.5 * (1 - skip), abs=0.01)
+    mean, peak = map(float, re.search(r"mean ([0-9.]+), max ([0-9]+)", text).groups())
+    assert 0 < mean <= peak <= 255
+    uncached, cached = map(float, re.search(r"uncached ([0-9.]+), cached ([0-9.]+)", text).groups())
+    assert 0 <= uncached <= 1 and 0 <= cached <= 1
+    with Image.open(out) as im:  # two pairs, each uncached | 4 px | cached, 8 px between the pairs
+        assert im.size == (2 * (64 + 4 + 64) + 8, 64) and im.mode == "RGB"
+        sheet = np.asarray(im).astype(int)
+    shown = (np.abs(sheet[:, :64] - sheet[:, 68:132]).mean() + np.abs(sheet[:, 140:204] - sheet[:, 208:]).mean()) / 2
+    assert shown == pytest.approx(mean, abs=0.005)  # the printed mean is the pictured pairs' difference
+    assert f"side by side (per seed, uncached left of cached): {out}" in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--step-cache", "auto", "--quantize", "fp8"], "give --quantize fp8 or --step-cache SETTING, not both"),
+    (["--step-cache", "{oops"], "--step-cache is not a JSON object"),
+    (["--step-cache", '{"method": "teacache"}'], "step_cache method 'teacache' is for transformer (DiT) models"),
+    (["--step-cache", '{"method": "deepcache", "interval": 0}'], "step_cache.interval 0 is out of range"),
+])
+def test_compare_step_cache_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
+    rc = main(["compare", "--model", "random:tiny", "--device", "cpu", "-o", str(tmp_path / "x.png")] + args)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and needle in err and len(err.splitlines()) == 1, (rc, err)

@@ -105,6 +105,8 @@ def test_the_split_forward_adds_controlnet_residuals_as_the_unet_does(tiny_engin
 def test_the_plan_is_deepcache_s_uniform_and_nonuniform_schedules():
     np.testing.assert_array_equal(full_evaluations(DeepCache(interval=3), 8), [1, 0, 0, 1, 0, 0, 1, 0])
     np.testing.assert_array_equal(full_evaluations(DeepCache(interval=1), 3), [1, 1, 1])
+    # "auto": the cheapest setting of BENCHMARKS.md's quality table within its bounds, on digits and digits-xl alike
+    assert read_step_cache("auto") == DeepCache(interval=2, branch=0, schedule="uniform")
     # DeepCache's sample_from_quad_center(50, 17, center=15, pow=1.4), its README's 50-step setting, run as published
     assert nonuniform_steps(50, 17, 15, 1.4) == [0, 3, 6, 8, 11, 13, 15, 17, 20, 22, 25, 28, 32, 35, 38, 42, 46]
     assert nonuniform_steps(20, 10, 10, 1.4) == [0, 3, 5, 7, 9, 10, 11, 13, 15, 17]

@@ -1,19 +1,28 @@
-"""Step caching's quality on a trained digits model: per setting, the digits oracle's score (models/digits_oracle.py)
-and the mean and largest absolute pixel difference (uint8 levels) to the uncached images of the same seeds, at the
-model's default steps and guidance. CPU is enough (the digits models are tiny).
+"""Step caching's quality on the trained digits models: per setting, the digits oracle's score
+(models/digits_oracle.py) and the mean and largest absolute pixel difference (uint8 levels) to the uncached images of
+the same seeds, at the model's default steps and guidance. CPU is enough (the digits models are tiny).
 
-    python3 tools/step_cache_quality.py --model digits-zimage --per-digit 4 \
+The UNet presets' grid (BENCHMARKS.md's DeepCache table and the setting "auto" is chosen by; bench/step_cache_quality.py
+measures: every interval x branch x schedule, with the full evaluations and the share of the UNet a cached one skips):
+
+    PYTHONPATH=src python tools/step_cache_quality.py [--models digits digits-xl] [--per-digit 3] [--steps N]
+
+Named settings on one model (BENCHMARKS.md's TaylorSeer table; one JSON line per setting, "off" first, and a markdown
+table):
+
+    PYTHONPATH=src python3 tools/step_cache_quality.py --model digits-zimage --per-digit 4 \
         --settings '{"method": "taylorseer", "interval": 2, "order": 1}' '{"method": "taylorseer", "interval": 3}'
-
-Prints one JSON line per setting ("off" first) and a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import numpy as np
+
+UNET_PRESETS = ("digits", "digits-xl")
 
 
 def images(engine, model: str, per_digit: int, cache) -> tuple[np.ndarray, np.ndarray]:
@@ -29,16 +38,10 @@ def images(engine, model: str, per_digit: int, cache) -> tuple[np.ndarray, np.nd
     return np.concatenate(out), np.array(asked)
 
 
-def main() -> None:
+def named_settings(args: argparse.Namespace, oracle) -> None:
+    """`--settings` on `--model`: one JSON line per setting and a markdown table."""
     from diffgraph import Engine
-    from diffgraph.models.digits_oracle import train_oracle
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="digits-zimage")
-    ap.add_argument("--per-digit", type=int, default=4)
-    ap.add_argument("--settings", nargs="+", required=True, help="step_cache values (JSON objects or \"auto\")")
-    args = ap.parse_args()
-    oracle = train_oracle()
     rows = []
     with Engine(model=args.model, device="cpu") as engine:
         plain, asked = images(engine, args.model, args.per_digit, "off")
@@ -55,6 +58,46 @@ def main() -> None:
     for r in rows:
         print(f"| `{json.dumps(r['step_cache'])}` | {r['oracle']:.2f} | {r['mean_levels']:.2f} | "
               f"{r['max_levels']:.0f} |")
+
+
+def unet_grid(args: argparse.Namespace, oracle) -> None:
+    """The DeepCache grid on each of `--models`: a markdown table each and the setting the rule picks for "auto"."""
+    from diffgraph import Engine
+    from diffgraph.bench.step_cache_quality import choose_auto, describe, evaluations, format_table, grid, measure
+    from diffgraph.models.families.unet_cache import residual_owners
+
+    for model in args.models:
+        start = time.perf_counter()
+        with Engine(model=model, device="cpu") as engine:
+            sampler = engine.make_request("x").sampler
+            total = evaluations(engine, model, args.steps)
+            settings = grid(len(residual_owners(engine.model.denoiser)), args.intervals)
+            rows = measure(engine, model, oracle, settings, 10 * args.per_digit, args.steps)
+        auto = choose_auto(rows)
+        print(f"\n### {model}: {total} evaluations ({sampler}), {10 * args.per_digit} images a setting, "
+              f"{time.perf_counter() - start:.0f} s\n")
+        print(format_table(rows, auto))
+        print(f"\nauto for {model}: {describe(auto.setting) if auto else 'none keeps to the rule'}")
+
+
+def main() -> None:
+    from diffgraph.models.digits_oracle import train_oracle
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=list(UNET_PRESETS), choices=UNET_PRESETS,
+                    help="the UNet presets of the DeepCache grid (default: both)")
+    ap.add_argument("--per-digit", type=int, default=3, help="seeds per digit (default: 3)")
+    ap.add_argument("--steps", type=int, default=None, help="the grid's steps (default: the model's)")
+    ap.add_argument("--intervals", type=int, nargs="+", default=[2, 3, 4, 5], help="the grid's intervals")
+    ap.add_argument("--settings", nargs="+", default=None,
+                    help="named step_cache values (JSON objects or \"auto\") on --model instead of the grid")
+    ap.add_argument("--model", default="digits-zimage", help="the model of --settings (default: digits-zimage)")
+    args = ap.parse_args()
+    oracle = train_oracle()
+    if args.settings:
+        named_settings(args, oracle)
+    else:
+        unet_grid(args, oracle)
 
 
 if __name__ == "__main__":

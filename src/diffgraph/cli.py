@@ -4,6 +4,7 @@
     diffgraph generate "PROMPT" -o out.png --url http://127.0.0.1:8000 [--api-key KEY]   (a running `diffgraph serve`)
     diffgraph models
     diffgraph compare --quantize fp8 --model M [--seeds 20]   (cli_compare.py: the fp8 tier's cost to M, measured)
+    diffgraph compare --step-cache auto --model M [-o PNG]     (cli_compare.py: a step cache against uncached)
     diffgraph batch FILE.jsonl --out DIR [--model ... | --url URL] [--grid]   (jobs/cli_batch.py)
     diffgraph convert SOURCE OUT [--key K] [--dtype fp16] [--layout sdxl]   (models/convert.py)
 
@@ -195,8 +196,9 @@ def _parser(serve: bool = True) -> argparse.ArgumentParser:
     c.add_argument("--compile", action="store_true", default=True, help=argparse.SUPPRESS)  # what it fills
     add_compile_mode_argument(c)  # each mode's code is its own (its options are in the precompiled files' keys)
     add_quantize_arguments(c)  # the fp8 tier's compiled code is its own (the cache key names its fp8 layers)
-    add_compare_arguments(sub.add_parser("compare", help="measure what --quantize fp8 costs a model: the fp8 and "
-                                                         "16-bit engines side by side, one step and whole images"))
+    add_compare_arguments(sub.add_parser("compare", help="measure what --quantize fp8 or --step-cache costs a model: "
+                                                         "fp8 against 16 bits, or cached against uncached images, "
+                                                         "side by side"))
 
     v = sub.add_parser("convert", help="a pickle checkpoint (.ckpt .pt .pth .bin) to .safetensors, never running its "
                                        "code; a diffusers folder to one original-layout file, or back")

@@ -25,7 +25,8 @@ import torch
 
 from ..config import LoadOptions
 from ..engine.engine import Engine
-from ..models.digits_oracle import DIGITS_PRESETS, digit_prompt, train_oracle
+from ..models.digits_oracle import PROMPTS as DIGIT_PROMPTS
+from ..models.digits_oracle import digit_prompt, train_oracle
 from ..quantize.fp8 import Fp8Config, Fp8Report, relative_error
 
 FIRST_SEED = 700
@@ -36,9 +37,9 @@ PROMPTS = ("a photograph of a lighthouse on a cliff at dusk", "a portrait of an 
 
 
 def seed_prompts(model: str, seeds: int, prompt: str | None = None) -> list[tuple[str, int | None]]:
-    """(prompt, digit asked) per seed: for a digits preset its prompt for digit `i % 10` (two seeds per digit in 20),
-    else `prompt` (or PROMPTS in turn) and None."""
-    if model in DIGITS_PRESETS and prompt is None:
+    """(prompt, digit asked) per seed: for a digits preset (`digits_oracle.PROMPTS`) its prompt for digit `i % 10`
+    (two seeds per digit in 20), else `prompt` (or PROMPTS in turn) and None."""
+    if model in DIGIT_PROMPTS and prompt is None:
         return [(digit_prompt(model, i % 10), i % 10) for i in range(seeds)]
     return [(prompt or PROMPTS[i % len(PROMPTS)], None) for i in range(seeds)]
 
@@ -87,12 +88,30 @@ class CompareResult:
                  f"  one denoiser step, relative L2 error: {self.step_error:.4f}",
                  f"  final images, pixel difference (0-255 levels): mean {self.pixel_mean:.2f}, max "
                  f"{self.pixel_max:.1f}"]
-        if self.oracle_fp8 is not None:
-            lines.append(f"  digits oracle (images read as the asked digit): {self.reference_dtype} "
-                         f"{self.oracle_reference:.2f}, fp8 {self.oracle_fp8:.2f}")
-        elif self.oracle_note:
-            lines.append(f"  digits oracle: {self.oracle_note}")
-        return "\n".join(lines)
+        scores = None if self.oracle_fp8 is None else [(self.reference_dtype, self.oracle_reference),
+                                                       ("fp8", self.oracle_fp8)]
+        return "\n".join(lines + oracle_lines(scores, self.oracle_note))
+
+
+def oracle_lines(scores: list[tuple[str, Any]] | None, note: str | None) -> list[str]:
+    """A compare report's digits-oracle line: each (name, score), or the note why none was scored; none: []."""
+    if scores is not None:
+        return ["  digits oracle (images read as the asked digit): " +
+                ", ".join(f"{name} {score:.2f}" for name, score in scores)]
+    return [f"  digits oracle: {note}"] if note else []
+
+
+def digit_scores(prompts: list[tuple[str, int | None]], *images: np.ndarray) -> tuple[list[float] | None, str | None]:
+    """The digits oracle's score of each image set ([n, H, W, 3] in 0..1) for `seed_prompts`' digit prompts: (scores,
+    None); (None, why) without scikit-learn; (None, None) for prompts that ask no digit."""
+    if prompts[0][1] is None:
+        return None, None
+    try:
+        oracle = train_oracle()
+    except ValueError as e:  # scikit-learn missing
+        return None, f"not scored ({e})"
+    asked = np.array([d for _, d in prompts])
+    return [oracle.score(asked, x) for x in images], None
 
 
 class _FirstCall:
@@ -165,14 +184,10 @@ def compare_fp8(model: str, quantize: "str | Fp8Config" = "fp8", *, seeds: int =
     del plain
     _release(place)
     mean, peak = pixel_difference(ref, out)
-    scores: dict[str, Any] = {}
-    if prompts[0][1] is not None:  # a digits preset with its own prompts
-        try:
-            oracle = train_oracle()
-            asked = np.array([d for _, d in prompts])
-            scores = {"oracle_reference": oracle.score(asked, ref), "oracle_fp8": oracle.score(asked, out)}
-        except ValueError as e:  # scikit-learn missing
-            scores = {"oracle_note": f"not scored ({e})"}
+    scored, note = digit_scores(prompts, ref, out)
+    scores: dict[str, Any] = {"oracle_note": note}
+    if scored is not None:
+        scores.update(oracle_reference=scored[0], oracle_fp8=scored[1])
     return CompareResult(model=model, device=place, reference_dtype=reference_dtype, seeds=seeds, steps=steps,
                          size=size or (native, native), report=report,
                          step_error=relative_error(reference_step.float(), first.output.float()),

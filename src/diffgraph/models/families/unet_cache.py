@@ -41,8 +41,8 @@ NAME = "step_cache"
 METHODS = ("deepcache",)
 DIT_METHODS = ("first_block", "taylorseer", "teacache", "magcache", "foca", "dbcache")
 SCHEDULES = ("uniform", "nonuniform")
-# "auto" until the quality table exists: DeepCache's own SD1.5 setting (interval 3, uniform, the shallowest branch)
-AUTO = {"method": "deepcache", "interval": 3, "branch": 0, "schedule": "uniform"}
+# "auto": chosen by BENCHMARKS.md's step-cache quality table (tools/step_cache_quality.py), the same for SD and SDXL
+AUTO = {"method": "deepcache", "interval": 2, "branch": 0, "schedule": "uniform"}
 _BLOCKS = {"CrossAttnDownBlock2D", "DownBlock2D", "CrossAttnUpBlock2D", "UpBlock2D", "UNetMidBlock2DCrossAttn"}
 
 
