@@ -396,10 +396,15 @@ def _pixels(path) -> "np.ndarray":
     return np.asarray(Image.open(path).convert("RGB"))
 
 
+def _levels(a, b) -> int:
+    """The largest difference between two uint8 images, in levels (two engines in one process may differ by one:
+    a prompt cached from another batch encodes a float apart)."""
+    return int(np.abs(np.asarray(a).astype(int) - np.asarray(b).astype(int)).max())
+
+
 def test_from_image_restores_a_variation_seed(tmp_path, tiny_engine):
     """An infotext's `Variation seed` / `Variation seed strength` / `Seed resize from` regenerate the same image
     here as the request that names them; the output carries them again."""
-    import numpy as np
 
     from diffgraph.image_metadata import read_request
 
@@ -410,15 +415,13 @@ def test_from_image_restores_a_variation_seed(tmp_path, tiny_engine):
     plain = dict(width=64, height=64, num_inference_steps=2, guidance_scale=7.0, sampler="euler", seed=5,
                  prompt_syntax="a1111")
     expected = tiny_engine.run(tiny_engine.make_request("a cat", variation=variation, **plain))
-    assert np.array_equal(_pixels(out), np.asarray(expected.images[0]))
-    assert not np.array_equal(_pixels(out), np.asarray(tiny_engine.run(tiny_engine.make_request("a cat", **plain))
-                                                       .images[0]))
+    assert _levels(_pixels(out), expected.images[0]) <= 1
+    assert _levels(_pixels(out), tiny_engine.run(tiny_engine.make_request("a cat", **plain)).images[0]) > 1
 
 
 def test_from_image_restores_a_hires_fix(tmp_path, tiny_engine):
     """A hires infotext runs both passes here, equal to hires.generate_hires called directly (with the variation
     seed, which the second pass keeps); the output's infotext has the hires entries, read back as the same fix."""
-    import numpy as np
 
     from diffgraph.hires import HiresFix, generate_hires
     from diffgraph.image_metadata import read_request, read_texts
@@ -430,7 +433,7 @@ def test_from_image_restores_a_hires_fix(tmp_path, tiny_engine):
                                        variation={"subseed": 11, "strength": 0.4})
     (expected,) = generate_hires(tiny_engine, request, HiresFix(96, 96, "Latent (nearest)", 0.5, 2))
     assert _pixels(out).shape == (96, 96, 3)
-    assert np.array_equal(_pixels(out), np.asarray(expected.images[0]))
+    assert _levels(_pixels(out), expected.images[0]) <= 1
     text = read_texts(str(out))[0]
     assert "Size: 64x64" in text and "Hires upscale: 1.5, Hires steps: 2, Hires upscaler: Latent (nearest)" in text
     assert read_request(str(out))["hires"] == {"scale": 1.5, "resize": None, "steps": 2,
