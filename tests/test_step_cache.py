@@ -237,7 +237,9 @@ def test_the_server_default_applies_and_bad_values_are_one_line_400s_over_http(t
     plain = tiny_engine.run(_request(tiny_engine)).arrays
     with Engine(model=tiny_engine.model, capability_settings=settings) as e:
         np.testing.assert_array_equal(e.run(_request(e)).arrays, e.run(_request(e, "auto")).arrays)
-        np.testing.assert_array_equal(e.run(_request(e, "off")).arrays, plain)
+        # another engine over the same modules: its prompt cache may hold a prompt encoded in another batch, a float
+        # apart (1e-6), so equal to far below a level
+        np.testing.assert_allclose(e.run(_request(e, "off")).arrays, plain, atol=1e-5, rtol=0)
         body = {"prompt": PROMPT, "size": "64x64", "num_inference_steps": 4, "seed": 5}
         with served(e, ServerConfig(model="random:tiny", device="cpu")) as client:
             for value, field, words in BAD[:3]:
@@ -260,7 +262,8 @@ def test_in_graph_mode_steps_with_cache_rows_run_eagerly_and_equal_the_eager_eng
         for cache, replayed in ((None, 4), ({"method": "deepcache", "interval": 2}, 0)):
             before = replays()
             request = _request(tiny_engine, cache, num_inference_steps=4)
-            np.testing.assert_array_equal(g.run(request).arrays, tiny_engine.run(request).arrays)
+            # two engines: equal to far below a level (a prompt cached from another batch is a float apart)
+            np.testing.assert_allclose(g.run(request).arrays, tiny_engine.run(request).arrays, atol=1e-5, rtol=0)
             assert replays() - before == replayed
 
 
