@@ -1,7 +1,8 @@
 """GPU test (marker `gpu`): split DiT files streamed to CUDA (models/split_stream.py). A Z-Image transformer file of
 ~400 MiB (bf16, ComfyUI's layout; written by tools/bench_split_load.py in a subprocess, so this process never held
-its weights) loads with the device's peak allocation at most the module plus its largest tensor (plus 4 MiB), the
-host's peak RSS growing by one tensor plus the reader's chunk (plus a margin), well under the file, and equals the
+its weights) loads with the device's peak allocation at most what the load leaves allocated plus its largest
+tensor (plus 4 MiB), what it leaves being the module's bytes and the caching allocator's tails (under 1 MiB a
+tensor over 1 MiB), the host's peak RSS growing by one tensor plus the reader's chunk (plus a margin), well under the file, and equals the
 module loaded on the host; a tiny Z-Image's three split files load_split to CUDA and equal the same files loaded on
 the host."""
 
@@ -61,15 +62,21 @@ def test_streamed_to_the_gpu_holds_the_module_plus_one_tensor(tmp_path, monkeypa
     monkeypatch.setattr(split_stream, "_check_places", at_build)
     model, _ = split_stream.load_transformer(path, torch.bfloat16, device)
     torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device) - start
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss
     peak = torch.cuda.max_memory_allocated(device) - start
     module = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"file {size / MIB:.0f} MiB, module {module / MIB:.1f} MiB, largest {largest / MIB:.1f} MiB, device peak "
           f"while read {peak / MIB:.1f} MiB, while built {built['peak'] / MIB:.1f} MiB (held after it "
-          f"{built['held'] / MIB:.1f} MiB), host maxrss growth {grown / MIB:.1f} MiB")
+          f"{built['held'] / MIB:.1f} MiB), held after the load {held / MIB:.1f} MiB, host maxrss growth {grown / MIB:.1f} MiB")
     assert module > 0.9 * size
     assert built["peak"] <= 16 * MIB, built  # the build's buffers and their temporaries, no parameter
-    assert peak <= module + built["held"] + largest + 4 * MIB, (peak, module, built, largest)
+    # What the load leaves allocated is the module, each tensor over 1 MiB in a block of at most 1 MiB more: the
+    # caching allocator hands a freed block (a fused qkv read, its parts copied out) to a smaller tensor whole when
+    # the rest would be under 1 MiB (kSmallSize), and counts the block.
+    large = sum(1 for t in model.state_dict().values() if t.numel() * t.element_size() > MIB)
+    assert module <= held <= module + large * MIB, (held, module, large)
+    assert peak <= held + built["held"] + largest + 4 * MIB, (peak, held, built, largest)
     assert grown <= largest + 64 * MIB + 128 * MIB < size, grown  # one tensor, the reader's chunk, CUDA's kernels
     _same(model, split_stream.load_transformer(path, torch.bfloat16, "cpu")[0])
 

@@ -1,7 +1,9 @@
 """GPU test (marker `gpu`) of Z-Image's step cache (models/families/token_cache.py) on the trained `digits-zimage` in
-bf16 graph mode: uncached steps replay the step graphs, steps with TaylorSeer rows run eagerly beside them; cached
-rows (two intervals, both orders) and uncached ones submitted together equal each alone within 2 uint8 levels, and a
-cached image differs from the uncached one (trained weights: the forecast is not a copy of a zero output)."""
+fp32 graph mode: uncached steps replay the step graphs, steps with TaylorSeer rows run eagerly beside them; cached
+rows (two intervals, both orders) and uncached ones submitted together equal each alone within 1 uint8 level (in
+fp32, so a batch's other GEMM tiling is far below a level: in bf16 it alone moves this trained model's images by up
+to 3 levels, which would hide a row mixed up with another), and a cached image differs from the uncached one
+(trained weights: the forecast is not a copy of a zero output)."""
 
 import os
 import threading
@@ -21,7 +23,7 @@ CACHES = [None, {"method": "taylorseer", "interval": 2, "order": 1}, {"method": 
 
 def test_mixed_cached_rows_equal_each_alone_on_the_gpu():
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), prewarm=False)
-    with Engine(model="digits-zimage", device=DEVICE, dtype="bf16", mode="graph", graphs=cfg) as engine:
+    with Engine(model="digits-zimage", device=DEVICE, dtype="fp32", mode="graph", graphs=cfg) as engine:
         reqs = [engine.make_request(f"a handwritten digit {w}", width=64, height=64, seed=40 + i,
                                     extras=None if c is None else {"step_cache": c})
                 for i, (c, w) in enumerate(zip(CACHES, ("one", "two", "three", "four")))]
@@ -31,8 +33,9 @@ def test_mixed_cached_rows_equal_each_alone_on_the_gpu():
         futures = [engine.submit(r, on_progress=lambda *a: started.set()) for r in reqs[:2]]
         started.wait(120)
         futures += [engine.submit(r) for r in reqs[2:]]
-        for f, ref in zip(futures, alone):
-            assert np.abs(f.result(timeout=600).arrays - ref).max() <= 2 / 255
+        worst = [float(np.abs(f.result(timeout=600).arrays - ref).max()) * 255 for f, ref in zip(futures, alone)]
+        print(f"step-cached Z-Image rows together vs alone (fp32, levels): {worst}")
+        assert max(worst) <= 1.0, worst
         assert np.abs(alone[1] - plain).max() > 1 / 255
         replays = sum(r.get("replays") or 0 for r in engine.runner.graph_runner.table() if r["kind"] == "step")
         assert replays > 0  # the uncached request's steps alone replayed
