@@ -222,8 +222,11 @@ def test_bad_values_are_param_errors_naming_the_field(tiny_engine):
         assert e.value.param == field and words in str(e.value) and "\n" not in str(e.value), (value, str(e.value))
 
 
-def test_the_server_default_applies_and_bad_values_are_one_line_400s_over_http(tiny_engine):
+def test_the_server_default_applies_is_recorded_and_bad_values_are_one_line_400s_over_http(tiny_engine):
     import argparse
+    import base64
+
+    from diffgraph.image_metadata import read_request
 
     from diffgraph.server import ServerConfig
     from diffgraph.server.cli import add_serve_arguments, config_from_args
@@ -236,6 +239,10 @@ def test_the_server_default_applies_and_bad_values_are_one_line_400s_over_http(t
     assert config_from_args(parser.parse_args([])).engine_kwargs()["capability_settings"] is None
     plain = tiny_engine.run(_request(tiny_engine)).arrays
     with Engine(model=tiny_engine.model, capability_settings=settings) as e:
+        # the default is written into a request that names none (what its image's metadata records), not over "off"
+        assert dict(_request(e).extras) == {"step_cache": "auto"} and e.info.extension_defaults == (("step_cache",
+                                                                                                   "auto"),)
+        assert dict(_request(e, "off").extras) == {"step_cache": "off"} and tiny_engine.info.extension_defaults == ()
         np.testing.assert_array_equal(e.run(_request(e)).arrays, e.run(_request(e, "auto")).arrays)
         # another engine over the same modules: its prompt cache may hold a prompt encoded in another batch, a float
         # apart (1e-6), so equal to far below a level
@@ -251,6 +258,8 @@ def test_the_server_default_applies_and_bad_values_are_one_line_400s_over_http(t
             off = client.post("/v1/images/generations", json={**body, "step_cache": "off"})
             assert auto.status_code == 200 and off.status_code == 200, off.text
             assert auto.json()["data"][0]["b64_json"] != off.json()["data"][0]["b64_json"]
+            recorded = [read_request(base64.b64decode(r.json()["data"][0]["b64_json"]))["extras"] for r in (auto, off)]
+            assert recorded == [{"step_cache": "auto"}, {"step_cache": "off"}]
 
 
 def test_in_graph_mode_steps_with_cache_rows_run_eagerly_and_equal_the_eager_engine(tiny_engine):

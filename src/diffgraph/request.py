@@ -930,6 +930,8 @@ class ModelInfo:
     extensions: tuple[str, ...] = ()
     extension_params: tuple[str, ...] = ()
     extension_images: tuple[str, ...] = ()  # those of its capabilities that take a list of images (`Param.images`)
+    # the values its capabilities give a request that names none (a server default such as `--step-cache auto`)
+    extension_defaults: tuple[tuple[str, Any], ...] = ()
     edit_images: str | None = None  # the one the edits route's image parts fill (None: the first is the edit's start)
     # the steps a request that names none runs (its checkpoint's model card); None: each route's own default
     default_steps: int | None = None
@@ -976,17 +978,19 @@ class ModelInfo:
 
 
 def _extras(extras: Any, model: "ModelInfo | None") -> tuple[tuple[str, Any], ...]:
-    """A request's capability parameters as (name, value) pairs; a name no registered capability has is a
-    ParamError naming it (the values are the engine's to check)."""
+    """A request's capability parameters as (name, value) pairs, the model's defaults (`extension_defaults`) for
+    those it names none of (None names none); a name no registered capability has is a ParamError naming it (the
+    values are the engine's to check)."""
+    defaults = dict(model.extension_defaults) if model is not None else {}
     if not extras:
-        return ()
+        return tuple(sorted(defaults.items()))
     if not isinstance(extras, dict) or not all(isinstance(k, str) for k in extras):
         raise ParamError("extras", "extras must be a dict of capability parameters by name")
     known = model.extension_params if model is not None else ()
     for name in extras:
         if model is not None and name not in known:
             raise ParamError(name, f"{name} is not a parameter of model {model.name!r}; leave it out")
-    return tuple(sorted(extras.items()))
+    return tuple(sorted({**defaults, **{k: v for k, v in extras.items() if v is not None}}.items()))
 
 
 # the parameters only classifier-free guidance reads, with their neutral values (accepted on any model)

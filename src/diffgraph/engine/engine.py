@@ -215,6 +215,7 @@ class Engine:
                          extensions=self.runner.capabilities.names(),
                          extension_params=self.runner.capabilities.params(),
                          extension_images=self.runner.capabilities.image_params(),
+                         extension_defaults=self.runner.capabilities.defaults(),
                          edit_images=adapter.edit_images,
                          default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule,
                          tiling=adapter.supports_tiling)

@@ -58,6 +58,12 @@ class Capability:
         """Its row feature in the model's step (None: it has no step half)."""
         return None
 
+    def defaults(self, settings: Any) -> dict[str, Any]:
+        """The parameter values a request that names none takes from the server's settings (a server default that
+        asks something of the capability), written into the request when it is made, so that what ran is what its
+        image's metadata records and `--from-image` reproduces."""
+        return {}
+
 
 def read_value(param: Param, value: Any) -> Any:
     """A request's value as the parameter's kind; ParamError naming it otherwise."""
@@ -162,6 +168,10 @@ class ModelCapabilities:
     def params(self) -> tuple[str, ...]:
         """Every registered capability's parameter names (the server lets them through; the engine decides)."""
         return self.registry.param_names()
+
+    def defaults(self) -> tuple[tuple[str, Any], ...]:
+        """The parameter values this model's capabilities give a request that names none (`Capability.defaults`)."""
+        return tuple(sorted(kv for c in self.present for kv in c.defaults(self.settings[c.name]).items()))
 
     def image_params(self) -> tuple[str, ...]:
         """The parameters of this model's capabilities that take a list of images (`Param.images`)."""

@@ -196,6 +196,9 @@ class TokenStepCache(Capability):
     def feature(self, model: Any, settings: Any) -> RowFeature:
         return TaylorRows(read_default(settings.step_cache))
 
+    def defaults(self, settings: Any) -> dict[str, Any]:
+        return unet_cache.default_values(settings)
+
 
 class TaylorRows(RowFeature):
     """The row feature: the plan's columns (`COLUMNS`) and field `taylor.terms` (see the module's docstring)."""

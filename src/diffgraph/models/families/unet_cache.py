@@ -322,6 +322,14 @@ def read_default(value: str, read: Callable[[Any], Any] = read_step_cache) -> An
         raise ValueError(f"setting step-cache: {e}") from None
 
 
+def default_values(settings: StepCacheSettings) -> dict[str, Any]:
+    """The server's `step_cache` setting as a request's value (none when it is off), for `Capability.defaults`."""
+    value = settings.step_cache
+    if value == "off":
+        return {}
+    return {NAME: json.loads(value) if value.lstrip().startswith("{") else value}
+
+
 def request_cache(request: GenerationRequest, default: Any, read: Callable[[Any], Any] = read_step_cache) -> Any:
     """A request's setting as `read` reads it (its `step_cache`, else the server's default); None: off."""
     value = dict(request.extras).get(NAME)
@@ -355,6 +363,9 @@ class StepCache(Capability):
 
     def feature(self, model: Any, settings: Any) -> RowFeature:
         return StepCacheRows(model.denoiser, model.dtype, read_default(settings.step_cache))
+
+    def defaults(self, settings: Any) -> dict[str, Any]:
+        return default_values(settings)
 
 
 class StepCacheRows(RowFeature):
