@@ -1,6 +1,8 @@
-"""GPU test (marker `gpu`): Z-Image (models/families/zimage.py) on CUDA, the tiny random preset in bf16. Rows of
+"""GPU test (marker `gpu`): Z-Image (models/families/zimage.py) on CUDA, the tiny random preset. Rows of
 prompts of about 5, 60 and 300 tokens, two aspect ratios of one token bucket and 3 / 4 steps, submitted together in
-graph mode and in the compile tier, each equal to the same request run alone within one uint8 level; the step
+graph mode and in the compile tier, each equal to the same request run alone within one uint8 level in fp32 (the
+mechanism: no row reads another's data); in bf16 within 6 levels (another batch size picks other GEMM and attention
+kernels, whose bf16 roundings differ: the compile tier moved these random weights' images by up to 5); the step
 graphs are the bucket's, one per text slot (the short prompts share the 128 slot's replay)."""
 
 import os
@@ -26,10 +28,11 @@ def _levels(a: np.ndarray) -> np.ndarray:
     return (a * 255).round().astype(np.int16)
 
 
+@pytest.mark.parametrize("dtype,levels", [("fp32", 1), ("bf16", 6)])
 @pytest.mark.parametrize("compile", [False, True])
-def test_mixed_rows_equal_each_alone(compile):
+def test_mixed_rows_equal_each_alone(compile, dtype, levels):
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
-    with Engine(model="random:zimage-tiny", device=DEVICE, dtype="bf16", mode="graph", graphs=cfg,
+    with Engine(model="random:zimage-tiny", device=DEVICE, dtype=dtype, mode="graph", graphs=cfg,
                 compile=compile) as engine:
         made = [GenerationRequest.create(model=engine.info, **r) for r in REQUESTS]
         keys = [engine.runner.group_key(m.key, prepare(engine.runner.text_setup, m)) for m in made]
@@ -42,6 +45,7 @@ def test_mixed_rows_equal_each_alone(compile):
         together = [f.result(timeout=600).arrays[0] for f in futures]
         steps = [row for row in engine.runner.graph_table() if row["kind"] == "step" and row["replays"]]
     assert {(row["height"], row["width"]) for row in steps} == {(128, 256), (512, 256)}, steps
-    for a, b in zip(together, alone):
-        assert np.abs(_levels(a) - _levels(b)).max() <= 1
+    worst = [int(np.abs(_levels(a) - _levels(b)).max()) for a, b in zip(together, alone)]
+    print(f"Z-Image rows together vs alone, {dtype}, compile={compile}: {worst} levels")
+    assert max(worst) <= levels, worst
 
