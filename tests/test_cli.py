@@ -363,6 +363,60 @@ def test_tiling_is_a_flag_and_comes_back_from_an_image(tmp_path, canned):
     assert [seen["body"].get("tiling") for seen in canned.seen] == [True, None, True]
 
 
+def _reference_pictures(folder) -> list[str]:
+    """Two smooth RGB pictures as PNG files (72x88 and 96x64: cropped to multiples of 16 as the pipeline does)."""
+    out = []
+    for i, (h, w) in enumerate(((72, 88), (96, 64))):
+        small = np.random.default_rng(i).integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        path = folder / f"ref{i}.png"
+        Image.fromarray(small).resize((w, h), Image.BILINEAR).save(path)
+        out.append(str(path))
+    return out
+
+
+def test_generate_reference_images_equal_the_python_api(tmp_path, capsys):
+    """`--reference-image PATH` (repeatable) reaches the request's `reference_images` as --step-cache reaches
+    `step_cache`: on the tiny FLUX.2 klein the CLI's image equals the same request through the Python API (and
+    differs from the image without them); on a model without the capability, one line naming the flag."""
+    from diffgraph import Engine
+
+    refs = _reference_pictures(tmp_path)
+    out = tmp_path / "fox.png"
+    common = ["--width", "64", "--height", "64", "--steps", "2", "--seed", "3", "--device", "cpu"]
+    rc = main(["generate", "a red fox", "--model", "random:flux2-klein-tiny", "-o", str(out), *common,
+               "--reference-image", refs[0], "--reference-image", refs[1]])
+    assert rc == 0, capsys.readouterr().err
+    with Engine(model="random:flux2-klein-tiny", device="cpu") as engine:
+        images = [Image.open(p).convert("RGB") for p in refs]
+        want = engine.generate("a red fox", width=64, height=64, num_inference_steps=2, seed=3,
+                               extras={"reference_images": images})[0]
+        plain = engine.generate("a red fox", width=64, height=64, num_inference_steps=2, seed=3)[0]
+    got = np.array(Image.open(out).convert("RGB"))
+    assert np.array_equal(got, np.array(want))
+    assert not np.array_equal(got, np.array(plain))
+    rc = main(["generate", "a cat", "--model", "random:zimage-tiny", "-o", str(tmp_path / "z.png"), *common,
+               "--reference-image", refs[0]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == ("diffgraph: error: --reference-image is not a parameter of model "
+                                   "'random:zimage-tiny'; leave it out")
+    rc = main(["generate", "a cat", "-o", str(tmp_path / "y.png"), "--reference-image", str(tmp_path / "none.png")])
+    assert rc == 2 and "--reference-image" in capsys.readouterr().err
+
+
+def test_generate_url_sends_reference_images_as_base64(tmp_path, capsys, canned):
+    canned.answer = _images_answer(_encoded((1, 2, 3)))
+    refs = _reference_pictures(tmp_path)
+    rc = main(["generate", "a fox", "-o", str(tmp_path / "a.png"), "--url", canned.url, "--reference-image", refs[0],
+               "--reference-image", refs[1]])
+    assert rc == 0, capsys.readouterr().err
+    with open(refs[1], "rb") as f:
+        assert canned.seen[0]["body"]["reference_images"][1] == base64.b64encode(f.read()).decode()
+    assert len(canned.seen[0]["body"]["reference_images"]) == 2
+    rc = main(["generate", "a fox", "-o", str(tmp_path / "b.png"), "--url", canned.url, "--reference-image", refs[0],
+               "--image", refs[1]])
+    assert rc == 2 and "--reference-image cannot be sent with --image over --url" in capsys.readouterr().err
+
+
 def test_generate_url_sends_the_step_cache(tmp_path, capsys, canned):
     canned.answer = _images_answer(_encoded((1, 2, 3)))
     rc = main(["generate", "a cat", "-o", str(tmp_path / "a.png"), "--url", canned.url, "--step-cache",

@@ -8,7 +8,9 @@ pipeline's with the same seed; rows of different prompt lengths, sizes of one to
 one step and each equals its request alone.
 """
 
+import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -166,8 +168,16 @@ def test_the_checkpoint_comes_from_the_folder_or_its_name():
     assert checkpoint_of("/hub/models--black-forest-labs--FLUX.2-klein-base-9B/snapshots/0abc") == \
         CHECKPOINTS["flux.2-klein-base"]
     assert checkpoint_of("/m/FLUX.2-klein-4B", distilled=False) == CHECKPOINTS["flux.2-klein-base"]
-    with pytest.raises(ValueError, match="FLUX.2-klein-4B, FLUX.2-klein-base-4B"):
+    with pytest.raises(ValueError, match="FLUX.2-klein-4B, FLUX.2-klein-base-4B.* `preset` in a split file's "
+                                         "sidecar to one of flux.2-klein, flux.2-klein-base"):
         checkpoint_of("/m/my-model")
+    # a split file's sidecar preset beats its name
+    assert checkpoint_of("/m/flux-2-klein-4b.safetensors", preset="flux.2-klein-base") == \
+        CHECKPOINTS["flux.2-klein-base"]
+    assert checkpoint_of("/m/my-model.safetensors", preset="flux.2-klein") == CHECKPOINTS["flux.2-klein"]
+    with pytest.raises(ValueError, match="^FLUX.2 klein preset 'z-image' is unknown; use one of flux.2-klein, "
+                                         "flux.2-klein-base$"):
+        checkpoint_of("/m/FLUX.2-klein-4B", preset="z-image")
 
 
 def test_it_refuses_what_it_does_not_read(klein):
@@ -366,7 +376,10 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
     assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
     with pytest.raises(ValueError, match="is a FLUX.2 VAE.*not a FLUX.2 transformer"):
         flux2_files.read_transformer(paths[2])
+    mine = SplitFiles(files.kind, str(tmp_path / "mine.safetensors"), *paths[1:], ())
     with pytest.raises(ValueError, match="cannot tell which FLUX.2 klein checkpoint"):
-        default_registry().by_name("flux2").load_split(SplitFiles(files.kind, str(tmp_path / "mine.safetensors"),
-                                                                  *paths[1:], ()), torch.device("cpu"),
-                                                       torch.float32, "mine")
+        default_registry().by_name("flux2").load_split(mine, torch.device("cpu"), torch.float32, "mine")
+    os.rename(paths[0], mine.diffusion_model)  # a name that says nothing: its sidecar's preset decides
+    base = default_registry().by_name("flux2").load_split(dataclasses.replace(mine, preset="flux.2-klein-base"),
+                                                          torch.device("cpu"), torch.float32, "mine")
+    assert base.extra["checkpoint"] == CHECKPOINTS["flux.2-klein-base"]

@@ -204,3 +204,37 @@ def test_the_loader_hands_the_same_files_to_the_family(comfy):
     with pytest.raises(ValueError, match=r"z_image_turbo.safetensors lacks the tensor .*: it is not a complete file of "
                                          r"a Z-Image transformer"):
         load_model(path)  # the family reads it (these files are headers of a few tensors)
+
+
+def test_a_sidecar_preset_names_the_checkpoint_of_a_split_file(comfy, tmp_path):
+    """`preset` in a split file's sidecar names its published checkpoint (Z-Image's Turbo or base, klein's distilled
+    or base) for a file whose name does not say it: carried in SplitFiles from the catalog's choice, from
+    --text-encoder/--vae and from split_model alike; a preset of another kind, or a split model's preset on a whole
+    checkpoint, is one line naming the allowed ones."""
+    from diffgraph.config import LoadOptions
+    from diffgraph.models.loader import _split
+
+    mine = header_file(comfy / "diffusion_models" / "mine.safetensors", ZIMAGE)
+    side = comfy / "diffusion_models" / "mine.diffgraph.toml"
+    side.write_text('preset = "z-image"\n')
+    assert _listing(comfy)["diffusion_models/mine"].split.preset == "z-image"
+    assert split_model(mine).preset == "z-image"
+    assert _listing(comfy)["diffusion_models/z_image_turbo"].split.preset is None  # no sidecar: its name decides
+    flagged = _split(mine, LoadOptions(text_encoder=str(comfy / "text_encoders" / "qwen_3_4b.safetensors"),
+                                       vae=str(comfy / "vae" / "ae.safetensors")))
+    assert (flagged.preset, flagged.chosen_by) == ("z-image", (("text_encoder", "flag"), ("vae", "flag")))
+
+    klein = header_file(comfy / "diffusion_models" / "klein.safetensors", KLEIN_4B)
+    header_file(comfy / "elsewhere" / "flux2_vae.safetensors", FLUX2_VAE)
+    (comfy / "diffusion_models" / "klein.diffgraph.toml").write_text(
+        'preset = "flux.2-klein-base"\nvae = "../elsewhere/flux2_vae.safetensors"\n')
+    assert split_model(klein).preset == "flux.2-klein-base"
+
+    side.write_text('preset = "flux.2-klein"\n')
+    assert _listing(comfy)["diffusion_models/mine"].error == (
+        "sidecar mine.diffgraph.toml: preset 'flux.2-klein' is not a Z-Image preset; one of z-image-turbo, z-image, "
+        "digits-zimage")
+    (comfy / "checkpoints" / "sd15.diffgraph.toml").write_text('preset = "z-image"\n')
+    assert _listing(comfy)["checkpoints/sd15"].error == (
+        "sidecar sd15.diffgraph.toml: preset 'z-image' is a split diffusion model's, but this file is a whole "
+        "checkpoint; one of sd1, sd1-inpaint, sd2-base, sd2-v, sd2-inpaint, sdxl-base, sdxl-inpaint")

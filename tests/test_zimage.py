@@ -10,6 +10,7 @@ so the oracle runs with `vae.enable_tiling()`.
 """
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -228,37 +229,93 @@ def test_the_tiny_random_preset_runs_with_the_shipped_tokenizer():
     assert image.arrays[0].shape == (64, 96, 3)
 
 
-def test_comfyui_split_files_equal_the_pipeline(tmp_path):
-    """The transformer in ComfyUI's layout (fused qkv, `model.diffusion_model.` keys), the Qwen3 encoder under
-    `model.`, the VAE in the original layout, as three files: loaded by the family (configs from their shapes, the
-    shipped tokenizer) the image equals the pipeline's on the same modules. (The tiny files are below the split kinds'
-    size signatures, so the SplitFiles the catalog would choose is made here.)"""
+def split_files(pipe, tmp_path, name: str):
+    """The pipeline's modules as ComfyUI's three split files (the transformer's `diffusion_models/NAME`), with the
+    SplitFiles the catalog would choose for them (the tiny files are below the split kinds' size signatures)."""
     from safetensors.torch import save_file
 
     from diffgraph.models.original_layout import vae_original
     from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
     from test_zimage_files import to_original
 
-    pipe = pipeline(3.0, qwen_vocabulary=True)
-    pipe.vae.disable_tiling()  # the split VAE's config is Flux's (native 1024): a 96x128 image decodes whole
     models = tmp_path / "models"
     for sub in ("diffusion_models", "text_encoders", "vae"):
-        (models / sub).mkdir(parents=True)
-    paths = (str(models / "diffusion_models" / "z_image_turbo_tiny.safetensors"),
-             str(models / "text_encoders" / "qwen_3_tiny.safetensors"), str(models / "vae" / "ae.safetensors"))
+        (models / sub).mkdir(parents=True, exist_ok=True)
+    paths = (str(models / "diffusion_models" / name), str(models / "text_encoders" / "qwen_3_tiny.safetensors"),
+             str(models / "vae" / "ae.safetensors"))
     save_file(to_original(pipe.transformer.state_dict()), paths[0])
     save_file({f"model.{k}": v.contiguous() for k, v in pipe.text_encoder.state_dict().items()}, paths[1])
     save_file({k: v.contiguous() for k, v in vae_original(pipe.vae.state_dict(), 4).items()}, paths[2])
-    files = SplitFiles(next(k for k in SPLIT_KINDS if k.family == "zimage"), *paths, ())
-    model = default_family().load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    return SplitFiles(next(k for k in SPLIT_KINDS if k.family == "zimage"), *paths, ())
+
+
+def test_comfyui_split_files_equal_the_pipeline(tmp_path):
+    """The transformer in ComfyUI's layout (fused qkv, `model.diffusion_model.` keys), the Qwen3 encoder under
+    `model.`, the VAE in the original layout, as three files: loaded by the family (configs from their shapes, the
+    shipped tokenizer) the image equals the pipeline's on the same modules."""
+    from diffgraph.models.split_files import SplitFiles
+
+    pipe = pipeline(3.0, qwen_vocabulary=True)
+    pipe.vae.disable_tiling()  # the split VAE's config is Flux's (native 1024): a 96x128 image decodes whole
+    files = split_files(pipe, tmp_path, "z_image_turbo_tiny.safetensors")
+    model = default_family().load_split(files, torch.device("cpu"), torch.float32, files.diffusion_model)
+    assert model.scheduler_config["shift"] == 3.0
     with Engine(model=model) as engine:
         got = images_together(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=2,
                                             seed=4)])[0]
         assert engine.info.default_steps == 8
     assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
     with pytest.raises(ValueError, match="cannot tell which Z-Image checkpoint"):
-        default_family().load_split(SplitFiles(files.kind, str(tmp_path / "mine.safetensors"), *paths[1:], ()),
-                                    torch.device("cpu"), torch.float32, "mine")
+        default_family().load_split(SplitFiles(files.kind, str(tmp_path / "mine.safetensors"), files.text_encoder,
+                                               files.vae, ()), torch.device("cpu"), torch.float32, "mine")
+
+
+def test_a_split_base_file_samples_with_the_base_schedule_and_a_sidecar_preset_decides(tmp_path):
+    """The published Z-Image (base) scheduler is FlowMatchEuler at shift 6.0, Turbo's at 3.0: a split file whose name
+    says base gets shift 6 and the base card's defaults, and its image equals the pipeline's at shift 6; its
+    sigmas differ from Turbo's at the same steps. A sidecar's `preset` beats the file name (a base file named
+    "turbo", a file whose name says nothing), through the catalog's choice as through --text-encoder/--vae; a preset
+    of another family or an unknown one is one line naming the allowed ones."""
+    import dataclasses
+
+    from diffgraph.models.sidecar import read_sidecar
+
+    pipe = pipeline(6.0, qwen_vocabulary=True)
+    pipe.vae.disable_tiling()
+    files = split_files(pipe, tmp_path, "z_image_bf16.safetensors")
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    base = default_family().load_split(files, cpu, fp32, files.diffusion_model)
+    turbo = default_family().load_split(dataclasses.replace(files, preset="z-image-turbo"), cpu, fp32, "t")
+    assert (base.scheduler_config["shift"], base.extra["checkpoint"]) == (6.0, CHECKPOINTS["z-image"])
+    assert (turbo.scheduler_config["shift"], turbo.extra["checkpoint"]) == (3.0, CHECKPOINTS["z-image-turbo"])
+    plans = [default_family().planner(m)("flow_euler", "default", 8, (128, 128)).sigmas for m in (base, turbo)]
+    shifted, turbo_sigmas = np.asarray(plans[0], dtype=np.float64), np.asarray(plans[1], dtype=np.float64)
+    unshifted = turbo_sigmas / (3.0 - 2.0 * turbo_sigmas)          # Turbo's shift 3 undone
+    assert np.abs(shifted - 6.0 * unshifted / (1.0 + 5.0 * unshifted)).max() < 1e-5  # the same times at shift 6
+    assert np.abs(shifted - turbo_sigmas)[1:-1].min() > 0.01
+    with Engine(model=base) as engine:
+        assert (engine.info.default_steps, engine.info.default_guidance) == (50, 5.0)
+        got = images_together(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=3,
+                                            guidance_scale=1.0, seed=4)])[0]
+    assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 3, 1.0, 4)).max() <= 1  # the pipeline at shift 6
+
+    renamed = tmp_path / "models" / "diffusion_models" / "z_image_turbo_bf16.safetensors"  # the name says Turbo
+    os.rename(files.diffusion_model, renamed)
+    side = renamed.with_name("z_image_turbo_bf16.diffgraph.toml")
+    side.write_text('preset = "z-image"\n')
+    preset = read_sidecar(str(renamed)).split_preset(files.kind.name, files.kind.label)  # as PartFiles.choose reads it
+    chosen = dataclasses.replace(files, diffusion_model=str(renamed), preset=preset)
+    loaded = default_family().load_split(chosen, cpu, fp32, "b")
+    assert (loaded.scheduler_config["shift"], loaded.extra["checkpoint"]) == (6.0, CHECKPOINTS["z-image"])
+    side.write_text('preset = "flux.2-klein"\n')
+    with pytest.raises(ValueError) as e:
+        read_sidecar(str(renamed)).split_preset(files.kind.name, files.kind.label)
+    assert str(e.value) == ("sidecar z_image_turbo_bf16.diffgraph.toml: preset 'flux.2-klein' is not a Z-Image "
+                            "preset; one of z-image-turbo, z-image, digits-zimage")
+    side.write_text('preset = "z-image-base"\n')
+    with pytest.raises(ValueError, match=r"preset 'z-image-base' is unknown; one of sd1, .*, z-image-turbo, z-image, "
+                                         r"digits-zimage, flux.2-klein, flux.2-klein-base$"):
+        read_sidecar(str(renamed))
 
 
 def default_family():

@@ -120,7 +120,11 @@ def _add_edit_arguments(g: argparse.ArgumentParser) -> None:
 
 
 def _add_capability_arguments(g: argparse.ArgumentParser) -> None:
-    """`generate`'s adapter, ControlNet, IP-Adapter and prompt-reading flags, and their local folders."""
+    """`generate`'s adapter, ControlNet, IP-Adapter, reference-image and prompt-reading flags, and their local
+    folders."""
+    g.add_argument("--reference-image", action="append", default=None, metavar="PATH",
+                   help="a reference image (repeatable, up to 4) for a model that takes them (FLUX.2 klein: the "
+                        "request's reference_images, e.g. the character to keep)")
     g.add_argument("--lora", action="append", default=None, metavar="NAME[:SCALE]",
                    help="apply a LoRA adapter (repeatable, up to 8): a name in --lora-dir (or on the server with "
                         "--url), or a built-in adapter of the model; scale 1 when left out")
@@ -270,7 +274,8 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control",
          "image_prompts": "--image-prompt", "tiling": "--tiling", "hires_scale": "--hires-scale",
          "hires_steps": "--hires-steps", "hr_upscaler": "--hires-upscaler",
-         "denoising_strength": "--denoising-strength", "variation": "--subseed-strength"}
+         "denoising_strength": "--denoising-strength", "variation": "--subseed-strength",
+         "reference_images": "--reference-image"}
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -372,6 +377,14 @@ def _apply_from_image(args: argparse.Namespace, argv: list[str]) -> None:
         args.step_cache = saved["extras"]["step_cache"]
 
 
+def _capability_extras(args: argparse.Namespace) -> dict[str, Any]:
+    """The request's capability parameters from their flags: --step-cache and --reference-image (each file read as an
+    RGB image here: a bad file fails before the model loads; a model without the capability refuses it by name)."""
+    images = getattr(args, "reference_image", None) or ()
+    refs = {"reference_images": [_read_image(p, "--reference-image").convert("RGB") for p in images]} if images else {}
+    return {**_step_cache(args), **refs}
+
+
 def _step_cache(args: argparse.Namespace) -> dict[str, Any]:
     """--step-cache as the request's capability parameter (a JSON object read; a file's value kept)."""
     value = getattr(args, "step_cache", None)
@@ -414,7 +427,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                   prompt_syntax=args.prompt_syntax or "plain",
                   clip_skip=args.clip_skip,
                   timestep_spacing=args.timestep_spacing, eta=args.eta, tiling=args.tiling,
-                  extras=_step_cache(args) or None, variation=variation_from_args(args),
+                  extras=_capability_extras(args) or None, variation=variation_from_args(args),
                   **getattr(args, "extra", {}))
     hires = hires_from_args(args)
     try:
@@ -609,6 +622,9 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         body["stream"] = True
     post: dict[str, Any] = {"json": body}
     if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
+        if args.reference_image:
+            raise _ArgError("--reference-image cannot be sent with --image over --url (the edits form takes its "
+                            "images as image[] parts); give every image as --reference-image")
         post = _edit_form(args, body, prompt_spec)
     status, reason, answer = _post_images(url, post, headers, progress)
     images, seed, total_ms = _images_of_answer(url, status, reason, answer)
@@ -687,6 +703,7 @@ def _remote_body(args: argparse.Namespace, prompt_spec) -> dict[str, Any]:
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta, "tiling": args.tiling or None,
             **_step_cache(args),
+            "reference_images": [_file_b64(p, "--reference-image") for p in args.reference_image or ()] or None,
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
     return {k: v for k, v in body.items() if v is not None}
 

@@ -109,6 +109,7 @@ def txt2img_body(args: argparse.Namespace, loras: tuple[tuple[str, float], ...])
     refused = [flag for flag, value in (("--image", args.image), ("--control", args.control),
                                         ("--image-prompt", args.image_prompt),
                                         ("--step-cache", getattr(args, "step_cache", None)),
+                                        ("--reference-image", getattr(args, "reference_image", None)),
                                         ("--timestep-spacing", args.timestep_spacing)) if value]
     extra = getattr(args, "extra", {})
     refused += [name for name, neutral in (("guidance_interval", None), ("guidance_rescale", 0.0),

@@ -232,7 +232,7 @@ def _read_file_entry(entry: ModelEntry, rel: str, split: bool) -> ModelEntry:
             except UnusableFile as e:
                 raise ValueError(f"{rel} {e}") from None
         info = inspect_checkpoint(entry.path, MAX_MODEL_BYTES)
-        kind = (side.preset if side else None) or info.kind
+        kind = (side.checkpoint_preset() if side else None) or info.kind
         return _file_kind(entry, kind, side.config if side else None)
     except ValueError as e:
         return replace(entry, error=str(e))

@@ -130,8 +130,10 @@ def _split(path: str, options: LoadOptions) -> SplitFiles | None:
                                  f"{role.replace('_', '-')} file too (--{role.replace('_', '-')} FILE)")
             file = found.files()[role]
         chosen[role] = checked_part(file, role, kind)
+    side = read_sidecar(os.path.realpath(path))
     return SplitFiles(kind, os.path.realpath(path), chosen["text_encoder"], chosen["vae"],
-                      tuple((role, "flag" if given[role] else "only file") for role in given))
+                      tuple((role, "flag" if given[role] else "only file") for role in given),
+                      side.split_preset(kind.name, kind.label) if side else None)
 
 
 def _load_split(files: SplitFiles, device: torch.device, dtype: torch.dtype, name: str,
@@ -148,7 +150,7 @@ def _load_split(files: SplitFiles, device: torch.device, dtype: torch.dtype, nam
 def _with_sidecar(path: str, options: LoadOptions) -> LoadOptions:
     """The file's sidecar (sidecar.py), if it has one: its config folder (or its preset's) replaces --model-config."""
     side = read_sidecar(os.path.realpath(path))
-    if side is None or not (side.config or side.preset):
+    if side is None or not (side.config or side.checkpoint_preset()):
         return options
     config = side.config or config_folder(str(side.preset), options.cache_dir or default_cache_root())
     return dataclasses.replace(options, model_config=config)

@@ -117,6 +117,7 @@ class SplitFiles:
     text_encoder: str
     vae: str
     chosen_by: tuple[tuple[Role, Literal["sidecar", "only file", "flag"]], ...]  # how each companion was chosen
+    preset: str | None = None  # the checkpoint its sidecar names (sidecar.SPLIT_PRESETS); None: from its file name
 
     def files(self) -> dict[Role, str]:
         return {"text_encoder": self.text_encoder, "vae": self.vae}
@@ -246,7 +247,9 @@ class PartFiles:
 
     def choose(self, model_file: str, kind: SplitKind, side: Sidecar | None) -> SplitFiles:
         """The companions of `model_file` (a `kind` diffusion model): its sidecar's, else the only compatible file of
-        each role. Raises Incomplete with one line per role that has none (joined by '; ')."""
+        each role, and the checkpoint preset its sidecar names. Raises Incomplete with one line per role that has none
+        (joined by '; '), a ValueError for a preset of another kind."""
+        preset = side.split_preset(kind.name, kind.label) if side else None
         chosen: dict[Role, str] = {}
         how: list[tuple[Role, Literal["sidecar", "only file"]]] = []
         problems = []
@@ -258,7 +261,7 @@ class PartFiles:
                 problems.append(str(e))
         if problems:
             raise Incomplete(f"{self.shown(model_file)}: " + "; ".join(problems))
-        return SplitFiles(kind, os.path.realpath(model_file), chosen["text_encoder"], chosen["vae"], tuple(how))
+        return SplitFiles(kind, os.path.realpath(model_file), chosen["text_encoder"], chosen["vae"], tuple(how), preset)
 
     def _one(self, model_file: str, role: Role, kind: SplitKind,
              named: str | None) -> tuple[str, Literal["sidecar", "only file"]]:

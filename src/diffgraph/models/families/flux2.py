@@ -31,7 +31,8 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
     request's `negative_prompt` is encoded as the prompt is.
 
 Checkpoints of one architecture differ in their defaults (distilled: 4 steps, no guidance; base: 50 steps at 4):
-`CHECKPOINTS`, chosen by the folder's `is_distilled` where it says, else by its name.
+`CHECKPOINTS`, chosen by the folder's `is_distilled` where it says (a split file: its sidecar's `preset`), else by
+its name.
 LoRA files: diffusers / PEFT (`transformer.*`, split q/k/v), ai-toolkit's and ComfyUI's original layout
 (`diffusion_model.double_blocks.*`, fused qkv; lora_A/B or lora_down/up with alphas) and Kohya's (`lora_unet_*`), read
 by Flux2KleinPipeline's converter after `lora_keys`.
@@ -99,18 +100,25 @@ CHECKPOINTS = {"flux.2-klein": Checkpoint("flux.2-klein", 4, 1.0, True),
                "flux.2-klein-base": Checkpoint("flux.2-klein-base", 50, 4.0, False)}
 
 
-def checkpoint_of(path: str, distilled: bool | None = None) -> Checkpoint:
-    """The checkpoint at `path`: by `distilled` (a folder's `is_distilled`) where given, else by the last part of the
-    path that names klein (FLUX.2-klein-4B, FLUX.2-klein-base-9B; a hub cache's snapshot folder sits under the
-    repository's name); else a ValueError saying what to name it."""
+def checkpoint_of(path: str, distilled: bool | None = None, preset: str | None = None) -> Checkpoint:
+    """The checkpoint at `path`: `preset` (a split file's sidecar's, a CHECKPOINTS key) if given, else by `distilled`
+    (a folder's `is_distilled`) where given, else by the last part of the path that names klein (FLUX.2-klein-4B,
+    FLUX.2-klein-base-9B; a hub cache's snapshot folder sits under the repository's name); else a ValueError saying
+    what to name it."""
+    if preset is not None:
+        key = preset.strip().lower()
+        if key not in CHECKPOINTS:
+            raise ValueError(f"FLUX.2 klein preset {preset!r} is unknown; use one of {', '.join(CHECKPOINTS)}")
+        return CHECKPOINTS[key]
     if distilled is not None:
         return CHECKPOINTS["flux.2-klein" if distilled else "flux.2-klein-base"]
     for part in reversed(os.path.normpath(os.path.abspath(path)).lower().replace("_", "-").split(os.sep)):
         if "klein" in part:
             return CHECKPOINTS["flux.2-klein-base" if "base" in part else "flux.2-klein"]
     raise ValueError(f"cannot tell which FLUX.2 klein checkpoint {os.path.basename(path)!r} is; keep the published "
-                     "name (FLUX.2-klein-4B, FLUX.2-klein-base-4B, ...) in its folder name, or set `is_distilled` "
-                     "in its model_index.json")
+                     "name (FLUX.2-klein-4B, FLUX.2-klein-base-4B, ...) in its folder or file name, set `is_distilled` "
+                     f"in its model_index.json, or set `preset` in a split file's sidecar to one of "
+                     f"{', '.join(CHECKPOINTS)}")
 
 
 def lora_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -248,11 +256,12 @@ class Flux2KleinFamily(TokenFamily):
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
         """ComfyUI's three files, each streamed into a module built on meta (split_stream.py; flux2_files.py: the
         transformer in BFL's layout, the FLUX.2 VAE by its key map; the Qwen3 encoder as Z-Image's); the configs come
-        from the weights' shapes, the tokenizer is the shipped Qwen3's, the checkpoint (distilled or base) from the transformer file's name."""
+        from the weights' shapes, the tokenizer is the shipped Qwen3's, the checkpoint (distilled or base) its
+        sidecar's preset or else the transformer file's name."""
         from diffusers import AutoencoderKLFlux2
 
         from .. import flux2_files as ff, split_stream, zimage_files as zf
-        checkpoint = checkpoint_of(files.diffusion_model)  # before any weight is read: the name must say it
+        checkpoint = checkpoint_of(files.diffusion_model, preset=files.preset)  # before any weight is read
         transformer = split_stream.load_flux2_transformer(files.diffusion_model, dtype, device)
         encoder = split_stream.load_text_encoder(files.text_encoder, dtype, device)[0]
         vae = split_stream.load_vae(AutoencoderKLFlux2, zf.vae_config(files.vae, FLUX2_VAE),

@@ -19,7 +19,8 @@ What diffusers' `ZImagePipeline` does, and how rows of different prompts and siz
   * the VAE: latents / scaling_factor + shift_factor, then decode.
 
 Checkpoints of one architecture differ in their defaults (Turbo: 8 steps without guidance; base: guided):
-`CHECKPOINTS` names them, chosen from the folder's name or its sidecar's `preset`.
+`CHECKPOINTS` names them, chosen from the folder's name or its sidecar's `preset`; a folder carries its own
+scheduler config, split files get their checkpoint's (`Checkpoint.scheduler_config`: Turbo's shift 3, base's 6).
 """
 
 from __future__ import annotations
@@ -52,20 +53,25 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
 # the layers LoRA files for it train (every block's attention and feed-forward, and the blocks' modulation)
 LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
                 "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0")
-TURBO_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A published checkpoint's defaults (its model card)."""
+    """A published checkpoint's defaults (its model card) and its scheduler's fixed shift (its repository's
+    scheduler/scheduler_config.json: Turbo's 3.0, the base model's 6.0), what split files are sampled with."""
 
     name: str
     steps: int
     guidance: float      # diffgraph's scale (1: no guidance)
+    shift: float = 3.0
+
+    def scheduler_config(self) -> dict[str, Any]:
+        """Its published scheduler config (FlowMatchEulerDiscreteScheduler's), for files that carry none."""
+        return {"num_train_timesteps": 1000, "shift": self.shift, "use_dynamic_shifting": False}
 
 
-CHECKPOINTS = {"z-image-turbo": Checkpoint("z-image-turbo", 8, 1.0),
-               "z-image": Checkpoint("z-image", 50, 5.0),
+CHECKPOINTS = {"z-image-turbo": Checkpoint("z-image-turbo", 8, 1.0, shift=3.0),
+               "z-image": Checkpoint("z-image", 50, 5.0, shift=6.0),
                "digits-zimage": Checkpoint("digits-zimage", 8, 3.0)}  # shipped: tools/train_digits_zimage.py
 
 
@@ -221,17 +227,18 @@ class ZImageFamily(TokenFamily):
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
         """ComfyUI's three files, each streamed into a module built on meta (split_stream.py: zimage_files' checked
         reading, any of its layouts and fp8 conventions); the configs come from the weights' shapes, the tokenizer
-        is the shipped Qwen3's."""
+        is the shipped Qwen3's, the checkpoint (Turbo or base: its defaults and its scheduler's shift) its sidecar's
+        preset or else its file name."""
         from diffusers import AutoencoderKL
 
         from .. import split_stream, zimage_files as zf
-        checkpoint = checkpoint_of(files.diffusion_model)  # before any weight is read: the name must say it
+        checkpoint = checkpoint_of(files.diffusion_model, files.preset)  # before any weight is read
         transformer = split_stream.load_transformer(files.diffusion_model, dtype, device)[0]
         encoder = split_stream.load_text_encoder(files.text_encoder, dtype, device)[0]
         vae = split_stream.load_vae(AutoencoderKL, zf.vae_config(files.vae, FLUX_VAE),
                                     lambda config: zf.read_vae(files.vae, config, dtype), dtype, device)
-        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER), device,
-                           dtype, checkpoint)
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), checkpoint.scheduler_config(),
+                           device, dtype, checkpoint)
 
     # -- random presets ----------------------------------------------------------------------------------
     def random_presets(self) -> dict[str, str]:
@@ -266,8 +273,9 @@ class ZImageFamily(TokenFamily):
                                                  max_position_embeddings=40960, rope_theta=1000000.0,
                                                  tie_word_embeddings=True))
                 vae = AutoencoderKL(**FLUX_VAE)
-        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(TURBO_SCHEDULER),
-                           device, dtype, CHECKPOINTS["z-image-turbo"], is_random=True)
+        turbo = CHECKPOINTS["z-image-turbo"]
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), turbo.scheduler_config(),
+                           device, dtype, turbo, is_random=True)
 
     # -- guidance ---------------------------------------------------------------------------------------------
     def capabilities(self) -> tuple[Capability, ...]:
