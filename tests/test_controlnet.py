@@ -209,6 +209,36 @@ def test_a_controlnet_rewritten_in_place_while_it_loads_is_a_400_naming_it(tmp_p
             assert np.array_equal(got, want) and len(cuts) == 1
 
 
+
+@pytest.mark.parametrize("how", ["in place", "cut"])
+def test_a_single_file_controlnet_rewritten_while_it_loads_is_a_400_naming_it(tmp_path, monkeypatch, how):
+    """A ControlNet kept as one .safetensors file (AUTOMATIC1111's and ComfyUI's way), rewritten in place or cut while
+    a request reads it: that request is a one-line ParamError naming the file and saying to wait, the engine keeps
+    serving, and once the file is whole again it makes the same image as before."""
+    from safetensors.torch import load_file, save_file
+
+    from rewrite_util import rewrite_on_read
+    controls = [dict(model="lines", image=control_image(64, 1))]
+    (tmp_path / "nets").mkdir()
+    path = tmp_path / "nets" / "lines.safetensors"
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
+        make_controlnet(plain.model.denoiser, str(tmp_path / "made"), seed=10)
+        save_file(load_file(str(tmp_path / "made" / "diffusion_pytorch_model.safetensors")), str(path))  # one file
+        whole = path.read_bytes()
+        with Engine(model=plain.model, controlnet_dir=str(tmp_path / "nets")) as e:
+            want = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
+            calls = rewrite_on_read(monkeypatch, str(path), how)  # (a new mtime: the kept copy is read again)
+            with pytest.raises(ParamError) as info:
+                e.generate(PROMPT, num_inference_steps=1, seed=1, controls=controls)
+            monkeypatch.undo()
+            assert len(calls) == 2 and info.value.param == "controls", calls
+            assert str(info.value) == "ControlNet file 'lines.safetensors' changed while it was read; wait until it " \
+                                      "is written completely, then load it again", str(info.value)
+            assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
+            path.write_bytes(whole)
+            got = e.generate(PROMPT, num_inference_steps=2, seed=1, controls=controls).arrays
+            assert np.array_equal(got, want)
+
 def test_controls_need_a_controlnet_dir():
     with Engine(model="random:tiny", device="cpu", dtype="fp32") as e:
         with pytest.raises(ParamError, match="--controlnet-dir"):

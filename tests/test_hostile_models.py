@@ -131,6 +131,36 @@ def test_weights_that_are_a_fifo_or_a_dangling_link_fail_in_one_line(tmp_path, c
 
 # -- `diffgraph serve`: a CUDA device from the TOML file (or under python -m diffgraph.server.cli), a mistyped model --
 
+
+@pytest.mark.parametrize("file", ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
+                                  "text_encoder/generation_config.json"])
+def test_a_model_folder_whose_tokenizer_json_nests_too_deep_is_a_one_line_error_naming_it(tmp_path, file):
+    """transformers and diffusers parse a folder's tokenizer and config JSON without a depth limit: 200,000 brackets
+    were a RecursionError out of load_model. Every JSON file of the folder is parsed with the bounded parser first."""
+    from diffgraph.models.loader import load_model
+
+    shutil.copytree(DIGITS, tmp_path / "m")
+    (tmp_path / "m" / file).write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ValueError) as info:
+        load_model(str(tmp_path / "m"))
+    assert str(info.value) == (f"model folder {str(tmp_path / 'm')!r}: {file} nests JSON deeper than 64 levels (the "
+                               "limit for this file; a damaged or hostile one): copy or download it again")
+
+
+def test_a_component_folder_whose_config_nests_too_deep_is_a_one_line_error_naming_it(tmp_path):
+    """A folder read alone (a --vae folder, an IP-Adapter's image encoder, a ControlNet): its config.json too."""
+    from diffusers import AutoencoderKL
+
+    from diffgraph.models.stream_load import load_part
+    from diffgraph.models.weights_view import UnreadableWeights
+
+    shutil.copytree(os.path.join(DIGITS, "vae"), tmp_path / "vae")
+    (tmp_path / "vae" / "config.json").write_text('{"a": ' * 200_000 + "1" + "}" * 200_000)
+    with pytest.raises(UnreadableWeights) as info:  # was a RecursionError from diffusers' load_config
+        load_part(AutoencoderKL, str(tmp_path / "vae"), "vae 'vae'")
+    assert str(info.value) == ("vae 'vae': config.json nests JSON deeper than 64 levels (the limit for this file; a "
+                               "damaged or hostile one): copy or download it again")
+
 @pytest.fixture
 def cpu_only_torch(monkeypatch):
     """torch as a CPU-only build reports itself (whatever this machine has)."""

@@ -150,3 +150,43 @@ def test_an_image_encoder_cut_after_it_loaded_changes_nothing_and_one_cut_while_
         assert "image encoder in 'image_encoder': model.safetensors is not a readable safetensors file " \
                "(0 bytes" in message and str(tmp_path) not in message, message
         assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape[0] == 1
+
+
+
+@pytest.mark.parametrize("file, how, words", [
+    ("base.safetensors", "in place", "IP-Adapter 'base': its file changed while it was read; wait until it is written "
+                                     "completely, then load it again"),
+    ("base.safetensors", "cut", "IP-Adapter 'base': its file changed while it was read; wait until it is written "
+                                "completely, then load it again"),
+    ("image_encoder/model.safetensors", "in place", "the image encoder in 'image_encoder': model.safetensors changed "
+                                                    "while it was read; wait until it is written completely, or copy "
+                                                    "it again")])
+def test_an_ip_adapter_rewritten_while_it_loads_is_a_400_naming_it(folder, tmp_path, monkeypatch, file, how, words):
+    """The adapter's own weights rewritten in place or cut while a request reads them, or its image encoder's
+    rewritten in place (the test above cuts them): that request is a one-line ParamError naming the file and saying
+    to wait, the engine keeps serving, and once the file is whole again it makes the same image as before."""
+    import shutil
+
+    from diffgraph.safe_tensors import TensorFile
+    from rewrite_util import rewrite_on_read
+
+    model, root = folder
+    shutil.copytree(root / "image_encoder", tmp_path / "image_encoder")
+    shutil.copy(root / "base.safetensors", tmp_path / "base.safetensors")
+    path, prompt = tmp_path / file, dict(model="base", images=[IMAGE])
+    whole = path.read_bytes()
+    with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
+        want = e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt).arrays
+    with TensorFile(str(tmp_path / "base.safetensors")) as f:  # a new engine reads the adapter (one read a tensor)
+        before = 0 if file == "base.safetensors" else len(f.header.tensors)  # ... then the encoder
+    with Engine(model=model, ip_adapter_dir=str(tmp_path)) as e:
+        calls = rewrite_on_read(monkeypatch, str(path), how, after=before + 2)
+        with pytest.raises(ParamError) as info:
+            e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt)
+        monkeypatch.undo()
+        assert len(calls) == before + 2 and info.value.param == "image_prompts"
+        assert str(info.value) == words, str(info.value)
+        assert e.generate(PROMPT, num_inference_steps=1, seed=1).arrays.shape == (1, 64, 64, 3)
+        path.write_bytes(whole)
+        got = e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=prompt).arrays
+        assert np.array_equal(got, want)

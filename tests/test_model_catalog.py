@@ -119,11 +119,45 @@ def test_a_deeply_nested_json_file_costs_its_own_entry_only(folder):
     assert entries["deep"].error == ("deep/model_index.json nests JSON deeper than 64 levels (the limit for this "
                                      "file; a damaged or hostile one): copy or download it again")
     assert "nests JSON deeper than 3 levels" in entries["nested"].error
-    assert entries["configs"].error is None and entries["configs"].native_size is None  # its unet config unread
+    assert entries["configs"].error == ("configs/unet/config.json nests JSON deeper than 64 levels (the limit for "
+                                        "this file; a damaged or hostile one): copy or download it again")
     assert entries["sd15"].error is None and d.resolve("sd15").kind == "sd1"
     with pytest.raises(ModelUnusable, match="deeper than 64 levels"):
         d.resolve("deep")
 
+
+
+@pytest.mark.parametrize("file", ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"])
+def test_a_folder_whose_tokenizer_json_nests_too_deep_costs_its_own_entry_and_is_parsed_once_a_version(
+        folder, monkeypatch, file):
+    """transformers parses a tokenizer's JSON without a depth limit (200,000 brackets: a RecursionError when the
+    model loaded); the listing names the file on that entry, serves the others, and parses each JSON file once per
+    version."""
+    from diffgraph import safe_files
+
+    shutil.copytree(shipped_preset_folder("digits"), folder / "deep")
+    (folder / "deep" / file).write_text("[" * 200_000 + "]" * 200_000)
+    d = ModelDir(str(folder))
+    entries = {e.name: e for e in d.listing()}
+    assert entries["deep"].error == (f"deep/{file} nests JSON deeper than 64 levels (the limit for this file; a "
+                                     "damaged or hostile one): copy or download it again")
+    assert (entries["deep"].kind, entries["deep"].family) == ("StableDiffusionPipeline", None)
+    assert entries["sub/digits"].error is None and entries["sd15"].error is None
+    with pytest.raises(ModelUnusable, match=f"deep/{file} nests JSON deeper than 64 levels"):
+        d.resolve("deep")
+    assert d.resolve("sub/digits").family == "sd"
+    parsed = []
+    read_json = safe_files.read_json
+    monkeypatch.setattr(safe_files, "read_json", lambda path, n: (parsed.append(path), read_json(path, n))[1])
+    assert {e.name: e.error for e in d.listing()} == {e.name: e.error for e in entries.values()}
+    assert parsed == []  # nothing changed: nothing parsed again
+    (folder / "deep" / file).write_text("{}")
+    assert {e.name: e for e in d.listing()}["deep"].error is None
+    assert parsed[0] == str(folder / "deep" / file)  # the file that changed; those walked before it were kept
+    assert not any(p.endswith("model_index.json") or "/text_encoder/" in p or "/sub/" in p for p in parsed), parsed
+    parsed.clear()
+    d.listing()
+    assert parsed == []
 
 def _header_file(header: bytes) -> bytes:
     return len(header).to_bytes(8, "little") + header

@@ -242,3 +242,29 @@ def test_no_answer_shows_where_the_server_keeps_its_files(tmp_path):
                                                "truncated")
     assert cards["cut"]["error"].startswith("model 'cut.safetensors' is not a readable safetensors file")
     assert "old.ckpt" in cards["old.ckpt"]["error"] and "diffgraph convert" in cards["old.ckpt"]["error"]
+
+
+@pytest.mark.parametrize("file", ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"])
+def test_a_folder_whose_tokenizer_json_nests_too_deep_is_listed_with_why_and_the_others_serve(tmp_path, file):
+    """200,000 brackets in a folder model's tokenizer JSON (transformers parses it without a depth limit): GET
+    /v1/models lists that model with the file named and keeps the others; a request naming it is a one-line 400."""
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "deep")
+    (tmp_path / "deep" / file).write_text("[" * 200_000 + "]" * 200_000)
+    _checkpoint(tmp_path / "ok.safetensors", 0.0)
+    backend = _set(tmp_path)
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+    http = TestClient(create_app(ServerConfig(model="random:tiny", model_dir=str(tmp_path), device="cpu"),
+                                 engine_factory=lambda: None, models=backend), raise_server_exceptions=False)
+    try:
+        r = http.get("/v1/models")
+        assert r.status_code == 200, r.text
+        cards = {c["id"]: c for c in r.json()["data"]}
+        assert sorted(cards) == ["deep", "ok", "random:tiny"]
+        assert cards["deep"]["error"] == (f"deep/{file} nests JSON deeper than 64 levels (the limit for this file; a "
+                                          "damaged or hostile one): copy or download it again")
+        assert cards["ok"]["error"] is None and cards["deep"]["error_kind"] == "file"
+        error = _target_error(routing, "deep")
+        assert (error.status, error.param) == (400, "model") and f"deep/{file} nests JSON" in str(error)
+        assert "\n" not in str(error) and str(tmp_path) not in str(error)
+    finally:
+        routing.close()

@@ -97,6 +97,21 @@ def test_the_modules_round_trip_exactly_and_keep_the_tokenizer(made):
     assert a.force_zeros_for_empty_prompt is True
 
 
+
+def test_a_model_config_folder_whose_tokenizer_json_nests_too_deep_is_a_one_line_error_naming_it(made, tmp_path):
+    """--model-config is a user's folder too: diffusers reads its tokenizers' JSON without a depth limit (200,000
+    brackets: a RecursionError); it is parsed with the bounded parser first."""
+    import shutil
+
+    folder, path = made["digits"]
+    shutil.copytree(folder, tmp_path / "config")
+    (tmp_path / "config" / "tokenizer" / "tokenizer_config.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ValueError) as info:
+        load_model(path, "cpu", "fp32", options=LoadOptions(model_config=str(tmp_path / "config")))
+    assert str(info.value) == (f"model-config {str(tmp_path / 'config')!r}: tokenizer/tokenizer_config.json nests "
+                               "JSON deeper than 64 levels (the limit for this file; a damaged or hostile one): copy "
+                               "or download it again")
+
 def test_fp16_and_bf16_files_load_to_the_requested_dtype(made, tmp_path):
     folder, _ = made["digits"]
     for dtype in (torch.float16, torch.bfloat16):

@@ -305,3 +305,49 @@ def test_a_file_rewritten_while_it_is_read_is_refused_in_one_line(z_files, monke
     one_line_error(lambda: split_stream.load_transformer(z_files, torch.float32, "cpu"), z_files,
                    "wait until it is written completely")
     assert os.path.getsize(z_files) > 0
+
+
+def _companion_files(tmp_path) -> dict[str, tuple[str, object]]:
+    """The split families' companion files (a Qwen3 text encoder under `model.`, a Z-Image (Flux) VAE and a FLUX.2 VAE
+    in their original layouts), each with its streamed loader."""
+    from diffusers import AutoencoderKL, AutoencoderKLFlux2
+
+    from diffgraph.models.families.flux2 import FLUX2_VAE, tiny_vae as flux2_vae
+    from diffgraph.models.families.zimage import FLUX_VAE
+    from diffgraph.models.original_layout import vae_original
+
+    encoder, vae = str(tmp_path / "qwen_3.safetensors"), str(tmp_path / "ae.safetensors")
+    save_file({f"model.{k}": v.contiguous() for k, v in tiny_qwen3().state_dict().items()}, encoder)
+    torch.manual_seed(0)
+    z_vae = AutoencoderKL(**{**FLUX_VAE, "block_out_channels": (32,) * 4, "layers_per_block": 1})
+    save_file({k: v.contiguous() for k, v in vae_original(z_vae.state_dict(), 4).items()}, vae)
+    f_vae, flux2 = AutoencoderKLFlux2(**{**flux2_vae(), "block_out_channels": (32,) * 4, "norm_num_groups": 32}), \
+        str(tmp_path / "flux2-vae.safetensors")
+    state = f_vae.state_dict()
+    coders = vae_original({k: v for k, v in state.items() if not k.startswith("bn.")}, 4)
+    save_file({k: v.contiguous() for k, v in flux2_files.vae_to_original(state, coders).items()}, flux2)
+    f32 = torch.float32
+    return {
+        "text encoder": (encoder, lambda: split_stream.load_text_encoder(encoder, f32, "cpu")[0]),
+        "Z-Image VAE": (vae, lambda: split_stream.load_vae(AutoencoderKL, zf.vae_config(vae, FLUX_VAE),
+                                                           lambda c: zf.read_vae(vae, c, f32), f32, "cpu")),
+        "FLUX.2 VAE": (flux2, lambda: split_stream.load_vae(AutoencoderKLFlux2, zf.vae_config(flux2, FLUX2_VAE),
+                                                            lambda c: flux2_files.read_vae(flux2, c, f32), f32, "cpu"))}
+
+
+@pytest.mark.parametrize("how", ["in place", "cut"])
+def test_a_companion_file_rewritten_while_it_is_read_is_refused_in_one_line(tmp_path, monkeypatch, how):
+    """The text encoder and VAE files of Z-Image and FLUX.2 (the transformer's: the test above) rewritten in place or
+    cut while they are read: a one-line ValueError naming the file and saying to wait; once whole again, the file
+    loads as before."""
+    from rewrite_util import rewrite_on_read
+
+    for what, (path, load) in _companion_files(tmp_path).items():
+        want, whole = load(), open(path, "rb").read()
+        calls = rewrite_on_read(monkeypatch, path, how)
+        message = one_line_error(load, path, "changed while it was read; wait until it is written completely")
+        monkeypatch.undo()
+        assert len(calls) == 2 and message.startswith(path), (what, message)
+        with open(path, "wb") as f:
+            f.write(whole)
+        assert_same_module(load(), want)

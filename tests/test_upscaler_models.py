@@ -173,3 +173,30 @@ def test_a_pass_above_the_pixel_bound_is_a_400_before_it_runs(client, monkeypatc
                                                           "upscaler_1": "tiny_x2"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "upscaler_1"
     assert "would make a 96x80 image" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("how", ["in place", "cut"])
+def test_a_model_rewritten_while_it_is_read_is_a_one_line_400_naming_it_and_the_server_keeps_serving(
+        client, folder, monkeypatch, how):
+    """A model file rewritten in place (`cp new old`, `rsync --inplace`) or cut while a request reads it: that request
+    is a 400 naming the file and saying to wait (it said only "changed while it was read"), and once the file is whole
+    again the next request runs the model as spandrel does."""
+    from rewrite_util import rewrite_on_read
+
+    path = folder / "tiny_x2.safetensors"
+    whole, source = path.read_bytes(), picture()
+    body = {"image": png64(source), "upscaling_resize": 2, "upscaler_1": "tiny_x2"}
+    calls = rewrite_on_read(monkeypatch, str(path), how)  # (a new mtime: the kept model is read again)
+    try:
+        r = client.post("/sdapi/v1/extra-single-image", json=body)
+        assert r.status_code == 400 and len(calls) == 2, r.text
+        error = r.json()["error"]
+        assert error["param"] == "upscaler_1" and error["message"] == (
+            "upscaler_1: upscaler 'tiny_x2' (tiny_x2.safetensors) changed while it was read; wait until it is written "
+            "completely, then load it again"), error
+    finally:
+        monkeypatch.undo()
+        path.write_bytes(whole)
+    r = client.post("/sdapi/v1/extra-single-image", json=body)
+    assert r.status_code == 200, r.text
+    assert np.abs(decoded(r.json()["image"]) - spandrel_upscale(path, source)).max() <= 1

@@ -2,7 +2,9 @@
 `read_json`), safetensors headers (`read_header`), the open file that `safe_tensors` streams weights from
 (`OpenFile`, `checked_header`), and model folders' weights for libraries that want a path (`private_view`). JSON
 read from a user's folder (configs, model indexes, safetensors headers) goes through `parse_json`, which bounds its
-nesting: a file of 200,000 brackets is an UnusableFile, never a RecursionError in whatever lists it.
+nesting: a file of 200,000 brackets is an UnusableFile, never a RecursionError in whatever lists it. A folder whose
+JSON a library parses itself (tokenizers, configs: `from_pretrained`) has every JSON file checked first
+(`bad_json_file`).
 
 A memory-mapped file whose pages a writer truncates kills the process with SIGBUS, so nothing here maps a file:
 `read_file` copies the bytes into memory (a private copy that no writer can touch), `OpenFile.readinto` reads into
@@ -41,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 HEADER_LIMIT = 100 << 20       # safetensors' own limit on its JSON header
 JSON_DEPTH = 64                # nesting of JSON read from a user's folder (diffusers' configs nest 3 deep)
+JSON_FILE_LIMIT = 256 << 20    # one JSON file of a model folder (a large vocabulary's tokenizer.json: tens of MB)
 MAX_TENSORS = 1 << 20          # tensors of one safetensors header (an SDXL checkpoint has ~2,500)
 MAX_DIMS = 16                  # dimensions of one tensor (safetensors' own files have at most 5)
 MAX_KEY_CHARS = 1 << 12        # a tensor's name, its dtype
@@ -123,6 +126,37 @@ def read_json(path: str, max_bytes: int) -> tuple[Any, FileStamp]:
     """The JSON file at `path` parsed (`parse_json`), and the version read. Raises UnusableFile / FileChanged."""
     data, stamp = read_file(path, max_bytes)
     return parse_json(data), stamp
+
+
+def bad_json_file(folder: str, cache: dict[str, tuple[FileStamp, UnusableFile | None]] | None = None,
+                  max_bytes: int = JSON_FILE_LIMIT) -> tuple[str, UnusableFile] | None:
+    """The first `*.json` file under `folder` (subfolders too, sorted; links to folders not followed) that `read_json`
+    refuses (nested too deep, not JSON, too large, not a regular file): its path relative to `folder` ("/" between
+    folders) and the refusal; None when every one parses. A folder goes to a library that parses its JSON without a
+    depth limit (transformers' and diffusers' `from_pretrained`, tokenizers: a RecursionError) only after this.
+    `cache`: path -> (the version parsed, its refusal or None), so that a listing parses a file once per version."""
+    for here, dirs, files in os.walk(folder, followlinks=False):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".json")):
+            path = os.path.join(here, name)
+            try:
+                stamp = stamp_of(os.stat(path))
+            except OSError:  # removed meanwhile, or a dangling link: whoever reads it names it
+                continue
+            kept = cache.get(path) if cache is not None else None
+            if kept is not None and kept[0] == stamp:
+                why = kept[1]
+            else:
+                try:
+                    read_json(path, max_bytes)
+                    why = None
+                except UnusableFile as e:
+                    why = e
+                if cache is not None:
+                    cache[path] = (stamp, why)
+            if why is not None:
+                return os.path.relpath(path, folder).replace(os.sep, "/"), why
+    return None
 
 
 def stamp_of(st: os.stat_result) -> FileStamp:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .safe_files import FileStamp, UnusableFile, stamp_of
+from .safe_files import FileChanged, FileStamp, UnusableFile, stamp_of
 from .upscalers import UPSCALERS, Tile, TileGrid, UpscalerError, combine_tiles, split_tiles
 
 SUFFIX = ".safetensors"
@@ -177,13 +177,15 @@ class UpscalerModels:
         return descriptor
 
     def _load(self, name: str, path: str) -> Any:
-        from .safe_tensors import TensorFile
+        from .safe_tensors import CHANGED_FIX, TensorFile
 
         spandrel = import_spandrel()
         where = f"upscaler {name!r} ({os.path.basename(path)})"
         try:
             with TensorFile(path, MAX_FILE_BYTES) as f:
                 state = f.read()
+        except FileChanged as e:  # rewritten while it was read (cp new old): the next request reads it again
+            raise UpscalerError(f"{where} {e}; {CHANGED_FIX}") from None
         except UnusableFile as e:
             raise UpscalerError(f"{where} {e}") from None
         try:

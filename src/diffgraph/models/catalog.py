@@ -8,7 +8,9 @@ listed under their full name with the conversion hint as their error, never open
 and a bad one makes the file unservable with its reason; links to folders are not followed; a FIFO, device or dangling link is refused by a stat, never
 opened; one removed between the walk and its stat is not listed. Headers are inspected
 (`checkpoint_kind.inspect_checkpoint`) once per file version (`safe_files.FileStamp`); folders' three small JSON
-files are read each listing, their nesting bounded (`safe_files.parse_json`); an entry whose reading fails in a way
+files are read each listing, their nesting bounded (`safe_files.parse_json`), and every other JSON file of a folder
+(tokenizers, configs) once per version (`safe_files.bad_json_file`: one the loader would refuse makes the folder
+unservable, naming it); an entry whose reading fails in a way
 no reader foresaw is listed as unservable with a one-line reason, never failing the listing. `resolve(name)` maps a
 request's model name to its entry (listing again: a model added later is found without a restart). AUTOMATIC1111's
 model hashes are file_hashes.py's.
@@ -30,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, TextIO
 
-from ..safe_files import FileStamp, UnusableFile, check_regular, read_header, read_json, stamp_of
+from ..safe_files import FileStamp, UnusableFile, bad_json_file, check_regular, read_header, read_json, stamp_of
 from .checkpoint_configs import DESCRIPTIONS, KINDS, folder_files
 from .checkpoint_kind import PICKLE_EXTENSIONS, inspect_checkpoint, refuse_pickle
 from .clip_vocab import default_cache_root
@@ -126,6 +128,7 @@ class ModelDir:
         self._parts = PartFiles(self.root)
         # path under root -> the version inspected (the file's, its sidecar's) and its entry
         self._files: dict[str, tuple[tuple[FileStamp, FileStamp | None], ModelEntry]] = {}
+        self._json: dict[str, tuple[FileStamp, UnusableFile | None]] = {}  # folders' JSON files parsed, by version
 
     def _inside(self, path: str) -> bool:
         return os.path.commonpath([os.path.realpath(path), self.root]) == self.root
@@ -141,7 +144,8 @@ class ModelDir:
             if folder != self.root and INDEX in files:
                 dirs[:] = []
                 if self._inside(os.path.join(folder, INDEX)):
-                    folder_entry = _contained(rel_dir, folder, "folder", lambda: _folder_entry(rel_dir, folder))
+                    folder_entry = _contained(rel_dir, folder, "folder",
+                                              lambda: _folder_entry(rel_dir, folder, self._json))
                     if os.path.lexists(os.path.join(folder, INDEX)):  # else removed since the walk: not listed
                         entries.append(folder_entry)
                 continue
@@ -270,8 +274,10 @@ def _contained(rel: str, path: str, form: Literal["file", "folder"],
                           "replace it; the server's log has the details")
 
 
-def _folder_entry(name: str, folder: str) -> ModelEntry:
-    """A diffusers folder's entry: its pipeline class and native size from its configs, and why it cannot be served."""
+def _folder_entry(name: str, folder: str,
+                  json_cache: dict[str, tuple[FileStamp, UnusableFile | None]] | None = None) -> ModelEntry:
+    """A diffusers folder's entry: its pipeline class and native size from its configs, and why it cannot be served
+    (a JSON file of it that the loader would refuse, too: `json_cache` keeps what was parsed, by version)."""
     def config(rel: str) -> tuple[Any, FileStamp]:
         return read_json(os.path.join(folder, rel), MAX_JSON_BYTES)
 
@@ -284,6 +290,9 @@ def _folder_entry(name: str, folder: str) -> ModelEntry:
     if not isinstance(cls, str):
         return ModelEntry(name, folder, "folder", size, stamp,
                           error=f"{name}/{INDEX} names no pipeline (_class_name); copy the folder again")
+    bad = bad_json_file(folder, json_cache)  # (tokenizers, configs: the loader refuses the folder for one)
+    if bad is not None:
+        return ModelEntry(name, folder, "folder", size, stamp, cls, error=f"{name}/{bad[0]} {bad[1]}")
     unet = vae = None
     try:
         unet = config("unet/config.json")[0]

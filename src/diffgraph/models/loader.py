@@ -5,7 +5,9 @@ and tokenizers of an SD1.x/SD2.x or SDXL-base pipeline, its scheduler config and
 is ever downloaded: folders are read with local_files_only, presets are built in code.
 
 A folder's weight files are checked before diffusers reads them (present, and as long as their header says), so
-that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback.
+that an incomplete copy fails with one line naming the file, not diffusers' traceback about a `.bin` fallback; so is
+every JSON file of it (tokenizers, configs: nested too deep, not JSON), which transformers and diffusers parse
+without a depth limit.
 Then the family reads each component (`stream_load.load_part`, a `--vae` folder too): built from its config with
 meta parameters and filled tensor by tensor from the checked reader, never a map of the file, so a model file
 rewritten while it loads is a one-line error naming it, and one cut after it loaded changes nothing. A single file's sidecar (`NAME.diffgraph.toml`, sidecar.py) names the config folder it is read with. A file
@@ -232,6 +234,9 @@ def _load_folder(folder: str, device: torch.device, dtype: torch.dtype, name: st
         raise ValueError(f"{folder!r} has no model_index.json, so it is not a diffusers pipeline folder; "
                          f"{_supported_message(families)}")
     index = read_model_index(folder)
+    bad = safe_files.bad_json_file(folder)  # before transformers' and diffusers' readers parse them unbounded
+    if bad is not None:
+        raise ValueError(f"model folder {folder!r}: {bad[0]} {bad[1]}")
     cls_name = index.get("_class_name")
     adapter = families.for_pipeline(cls_name)
     if adapter is None:

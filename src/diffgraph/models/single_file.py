@@ -53,6 +53,9 @@ def load_single_file(path: str, device: torch.device, dtype: torch.dtype, name: 
                          "(e.g. the VAE its model page names)")
     config = options.model_config or config_folder(info.kind, options.cache_dir or default_cache_root())
     pipeline_name = _pipeline_class(config)
+    bad = safe_files.bad_json_file(config) if options.model_config else None  # (a user's folder: diffusers parses
+    if bad is not None:                                                        # its tokenizers and configs unbounded)
+        raise ValueError(f"model-config {config!r}: {bad[0]} {bad[1]}")
     adapter = families.for_pipeline(pipeline_name)
     if adapter is None:
         raise ValueError(f"model-config {config!r} is a {pipeline_name} folder, which is not supported; {SUPPORTED}")

@@ -15,7 +15,8 @@ What `from_pretrained` does beside reading is done the same way: the files it re
 names in an unsharded file; transformers' checkpoint renames and base-model prefix), `_keep_in_fp32_modules`, tied
 weights (`tie_weights`), eval mode. Tensors the module has no place for are not read; a parameter or persistent
 buffer the files lack is an `UnreadableWeights` naming the folder, the file and the tensor, as is a file that cannot
-be read (`FileChanged` included: "wait until it is written completely ..."). Folders with only pickle (`.bin`)
+be read (`FileChanged` included: "wait until it is written completely ...") and a JSON file of the folder nested
+too deep or not JSON (`safe_files.bad_json_file`, before the library parses its config). Folders with only pickle (`.bin`)
 weights are read by `from_pretrained` itself, through private copies (`weights_view`).
 
 Meta parameters come from a patch of `Module.register_parameter` that acts on the building thread alone (modules
@@ -51,6 +52,9 @@ def load_part(cls: type[M], folder: str, label: str, sub: str | None = None, dty
     `device` (default the host) and its buffers moved there. `label` names `folder` in errors ("model folder '/m'").
     `pickle=False`: a folder without safetensors weights is a ValueError (from_pretrained's use_safetensors=True)."""
     path = os.path.join(folder, sub) if sub else folder
+    bad = safe_files.bad_json_file(path)  # its config, before the library's reader parses it unbounded
+    if bad is not None:
+        raise UnreadableWeights(f"{label}: {_rel(sub, bad[0])} {bad[1]}")
     library = "diffusers" if _is_diffusers(cls) else "transformers"
     found = _safetensors_files(path, STEMS[library], variant, label, sub)
     if found is None and not pickle:

@@ -26,7 +26,8 @@ WEIGHTS_EXT = (".safetensors", ".bin")
 
 
 class UnreadableWeights(ValueError):
-    """A weights file of a folder could not be read; the message names the folder's owner, the file and the fix."""
+    """A weights file (or a JSON file) of a folder could not be read; the message names the folder's owner, the file
+    and the fix."""
 
 
 def weights_group(weights: list[str]) -> list[str]:
