@@ -25,8 +25,10 @@ def _pipe(engine, sampler="euler", schedule="default"):
 
 
 def _costs(engine):
-    """(image rows, denoiser rows the step cost) of every step from now on (listener removed by _stop)."""
+    """(image rows, denoiser rows the step cost) of every step from now on (listener removed by _stop), added once
+    the loop has passed the steps of earlier requests (a result may come before its last step's listener)."""
     costs = []
+    engine.core.call_between_steps(lambda: None).result()
     engine.step_listeners.append(lambda plan, seconds: costs.append((plan.n_rows, plan.cost_rows)))
     return costs
 
@@ -84,6 +86,16 @@ def test_embedded_guidance_equals_diffusers_with_one_branch(lcm_engine):
     np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
     assert np.abs(ours.arrays - other.arrays).max() > 1e-3  # the guidance reaches the image
     assert costs == [(1, 1)] * 8  # one denoiser row per image at every step
+
+
+def test_ddim_cfgpp_is_refused_on_an_embedded_guidance_model(lcm_engine):
+    """CFG++ steps along the unconditional branch: a model without a second branch refuses it by name (it would
+    walk plain DDIM)."""
+    with pytest.raises(ValueError, match=r"^sampler 'ddim_cfgpp' steps along classifier-free guidance's "
+                                         r"unconditional branch, which model .* does not run \(embedded guidance\); "
+                                         r"use 'ddim'$") as e:
+        lcm_engine.make_request(PROMPT, sampler="DDIM CFG++", num_inference_steps=4)
+    assert e.value.param == "sampler"
 
 
 def _interval_reference(engine, lo, hi, steps, guidance, seed):
