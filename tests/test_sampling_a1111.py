@@ -338,10 +338,10 @@ def fake_uncond(x: torch.Tensor, t: float) -> torch.Tensor:
 
 
 def a1111_ddim_cfgpp(config: dict, n: int, scale: float, eta: float, seed: int = 0) -> torch.Tensor:
-    """AUTOMATIC1111's ddim_cfgpp loop in float64 over DDIMScheduler's timesteps and alpha-bars (each step to t - 1000 //
-    n, the last to final_alpha_cumprod): e_t the guided noise at scale / 12.5, pred_x0 from it, the direction to x_t
-    along the unconditional branch's noise, sigma_t of fresh noise. A v-prediction model's outputs become noise
-    predictions first (eps = sqrt(a_t) v + sqrt(1 - a_t) x), as AUTOMATIC1111's v denoiser makes them."""
+    """AUTOMATIC1111's ddim_cfgpp loop in float64 over DDIMScheduler's timesteps and alpha-bars (each step to
+    t - 1000 // n, the last to final_alpha_cumprod): e_t the guided noise at scale / 12.5, pred_x0 from it, the
+    direction to x_t along the unconditional branch's noise, sigma_t of fresh noise. A v-prediction model's outputs
+    become noise predictions first (eps = sqrt(a_t) v + sqrt(1 - a_t) x), as AUTOMATIC1111's v denoiser makes them."""
     from diffgraph.sampling.oracle import diffusers_scheduler
 
     sched = diffusers_scheduler(config, "ddim", "default")

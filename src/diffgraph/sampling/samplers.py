@@ -46,7 +46,8 @@ __all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "
            "cut", "noising", "start_plan", "strength_start"]
 
 TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
-ETA_SAMPLERS = ("tcd", "ddim", "euler_a", "dpmpp_2s_a", "dpm_fast", "ddim_cfgpp")  # the samplers that take a request's `eta`
+# the samplers that take a request's `eta`
+ETA_SAMPLERS = ("tcd", "ddim", "euler_a", "dpmpp_2s_a", "dpm_fast", "ddim_cfgpp")
 
 
 @dataclass(frozen=True)
