@@ -14,10 +14,11 @@ all from the values before the row, with `unguided` the row's unguided model out
 unconditional branch; the main output where the row runs one branch): column U is CFG++'s (its update steps along
 the unconditional branch's noise, Chung et al. 2024), zero for every other sampler. The history slots are how a
 sampler keeps what one slot of D cannot hold: a third-order multistep solver's older D, LMS's derivatives, UniPC's
-corrected sample, a two-evaluation sampler's state before its first half. A sampler declares how many it uses (`PlanParts.history`); the columns of slots it does not
-use are zero, so its rows share every replay with every other sampler's. `noise` is standard normal, drawn at the
-rows `noise_steps` marks (from the row's own generator, in the order its diffusers scheduler draws). `apply_step`
-and `apply_history` are the update itself, for numpy arrays or torch tensors: the step (features/) runs them.
+corrected sample, a two-evaluation sampler's state before its first half. A sampler declares how many it uses
+(`PlanParts.history`); the columns of slots it does not use are zero, so its rows share every replay with every
+other sampler's. `noise` is standard normal, drawn at the rows `noise_steps` marks (from the row's own generator, in
+the order its diffusers scheduler draws). `apply_step` and `apply_history` are the update itself, for numpy arrays
+or torch tensors: the step (features/) runs them.
 """
 
 from __future__ import annotations
