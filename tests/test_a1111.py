@@ -679,3 +679,30 @@ def test_variation_seeds_as_automatic1111_mixes_them(tiny, tiny_engine):
     assert "Seed resize from: 32x96" in info["infotexts"][0] and resized["images"][0] != none[0]["images"][0]
     again, _ = _tiny_txt2img(client, infotext=info["infotexts"][0])  # the infotext's settings make it again
     assert np.array_equal(*(pixels(Image.open(io.BytesIO(base64.b64decode(a["images"][0])))) for a in (again, resized)))
+
+
+def test_ddim_cfgpp_by_its_automatic1111_label_and_alias(tiny):
+    """sampler_name "DDIM CFG++" (and its alias ddim_cfgpp) runs diffgraph's ddim_cfgpp with the body's eta: the
+    images route's image for the same request, listed by GET /sdapi/v1/samplers, written in the infotext (eta as
+    "Eta DDIM", as AUTOMATIC1111 writes it for its timestep samplers) and read back from it."""
+    client, _ = tiny
+    answer, info = _tiny_txt2img(client, sampler_name="DDIM CFG++", cfg_scale=6, steps=3, eta=0.4)
+    text = info["infotexts"][0]
+    assert info["sampler_name"] == "DDIM CFG++" and "Sampler: DDIM CFG++" in text and "Eta DDIM: 0.4" in text
+    alias, _ = _tiny_txt2img(client, sampler_name="ddim_cfgpp", cfg_scale=6, steps=3, eta=0.4)
+    assert alias["images"] == answer["images"]
+    v1 = client.post("/v1/images/generations", json={"prompt": TINY["prompt"], "size": "64x64", "seed": TINY["seed"],
+                                                     "num_inference_steps": 3, "guidance_scale": 6, "eta": 0.4,
+                                                     "sampler": "ddim_cfgpp", "prompt_syntax": "a1111"})
+    assert v1.status_code == 200, v1.text
+    image = Image.open(io.BytesIO(base64.b64decode(answer["images"][0])))
+    expected = Image.open(io.BytesIO(base64.b64decode(v1.json()["data"][0]["b64_json"])))
+    assert np.array_equal(pixels(image), pixels(expected))
+    ddim, _ = _tiny_txt2img(client, sampler_name="DDIM", cfg_scale=6, steps=3, eta=0.4)
+    assert ddim["images"] != answer["images"]
+    listed = {s["name"]: s for s in client.get("/sdapi/v1/samplers").json()}
+    assert listed["DDIM CFG++"] == {"name": "DDIM CFG++", "aliases": ["ddim_cfgpp"], "options": {}}
+    pasted = client.post("/sdapi/v1/txt2img", json={"infotext": text})
+    assert pasted.status_code == 200, pasted.text
+    assert json.loads(pasted.json()["info"])["sampler_name"] == "DDIM CFG++"
+    assert pasted.json()["images"] == answer["images"]

@@ -264,6 +264,10 @@ def test_sampler_names_belong_to_the_family(engine, tiny_engine):
                                          r"model family 'toyflow'\)") as e:
         engine.make_request("a cat", sampler="dpmpp_2m")
     assert e.value.param == "sampler"
+    with pytest.raises(ParamError, match=r"^sampler 'DDIM CFG\+\+' \(ddim_cfgpp\) is DDIM on the SD noise schedule, "
+                                         r"which this model's family does not walk; use one of flow_euler$") as e:
+        engine.make_request("a cat", sampler="DDIM CFG++")
+    assert e.value.param == "sampler"
     with pytest.raises(ParamError, match="schedule 'karras' is unknown; allowed: default") as e:
         engine.make_request("a cat", schedule="karras")
     assert e.value.param == "schedule"

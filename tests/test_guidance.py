@@ -25,8 +25,10 @@ def _pipe(engine, sampler="euler", schedule="default"):
 
 
 def _costs(engine):
-    """(image rows, denoiser rows the step cost) of every step from now on (listener removed by _stop)."""
+    """(image rows, denoiser rows the step cost) of every step from now on (listener removed by _stop), added once
+    the loop has passed the steps of earlier requests (a result may come before its last step's listener)."""
     costs = []
+    engine.core.call_between_steps(lambda: None).result()
     engine.step_listeners.append(lambda plan, seconds: costs.append((plan.n_rows, plan.cost_rows)))
     return costs
 
@@ -84,6 +86,16 @@ def test_embedded_guidance_equals_diffusers_with_one_branch(lcm_engine):
     np.testing.assert_allclose(ours.arrays, ref, atol=1e-4, rtol=0)
     assert np.abs(ours.arrays - other.arrays).max() > 1e-3  # the guidance reaches the image
     assert costs == [(1, 1)] * 8  # one denoiser row per image at every step
+
+
+def test_ddim_cfgpp_is_refused_on_an_embedded_guidance_model(lcm_engine):
+    """CFG++ steps along the unconditional branch: a model without a second branch refuses it by name (it would
+    walk plain DDIM)."""
+    with pytest.raises(ValueError, match=r"^sampler 'ddim_cfgpp' steps along classifier-free guidance's "
+                                         r"unconditional branch, which model .* does not run \(embedded guidance\); "
+                                         r"use 'ddim'$") as e:
+        lcm_engine.make_request(PROMPT, sampler="DDIM CFG++", num_inference_steps=4)
+    assert e.value.param == "sampler"
 
 
 def _interval_reference(engine, lo, hi, steps, guidance, seed):
@@ -284,3 +296,88 @@ def test_the_images_route_refuses_and_the_a1111_route_ignores_cfg_parameters_on_
         assert r.status_code == 200, r.text
         assert any("negative_prompt was ignored" in w for w in r.json()["warnings"])
         assert sum(rows) <= 1  # the prompt at most (it may be cached), never the negative prompt
+
+
+# ---- DDIM CFG++: both branches reach the sampler -------------------------------------------------------------------
+
+def _cfgpp_reference(engine, steps, scale, seed, eta=0.0, negative=None):
+    """AUTOMATIC1111's ddim_cfgpp update written out over the engine's UNet, on DDIMScheduler's timesteps and
+    alpha-bars (each step to t - 1000 // steps, the last to final_alpha_cumprod): the guided noise at scale / 12.5
+    gives x0, the unconditional branch's noise the direction to x_t; eta's noise from the request's generator after
+    the initial latents, as DDIMScheduler draws it."""
+    pipe = _pipe(engine, "ddim")
+    sched = pipe.scheduler
+    sched.set_timesteps(steps)
+    ac = sched.alphas_cumprod
+    with torch.no_grad():
+        cond, uncond = pipe.encode_prompt(PROMPT, "cpu", 1, True, negative)
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn((1, 4, 8, 8), generator=gen) * sched.init_noise_sigma
+        for t in sched.timesteps:
+            text = engine.model.denoiser(x, t, encoder_hidden_states=cond).sample
+            neg = engine.model.denoiser(x, t, encoder_hidden_states=uncond).sample
+            e_t = neg + scale / 12.5 * (text - neg)
+            prev = int(t) - sched.config.num_train_timesteps // steps
+            a_t, a_prev = ac[t], ac[prev] if prev >= 0 else sched.final_alpha_cumprod
+            sigma_t = eta * ((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)) ** 0.5
+            pred_x0 = (x - (1 - a_t) ** 0.5 * e_t) / a_t ** 0.5
+            x = a_prev ** 0.5 * pred_x0 + (1 - a_prev - sigma_t ** 2) ** 0.5 * neg
+            if eta:
+                x = x + sigma_t * torch.randn(x.shape, generator=gen)
+        image = pipe.vae.decode(x / pipe.vae.config.scaling_factor).sample
+    return (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def test_ddim_cfgpp_equals_a_reference_loop_with_both_branches_at_any_scale(tiny_engine):
+    """DDIM CFG++ (AUTOMATIC1111's label) equals the loop above, at scale 7.5 with a negative
+    prompt and at scale 1 with eta 0.5: both run two denoiser rows a step (the scale never turns the second branch
+    off: 1 is a guided weight of 0.08); plain DDIM at the same scale is another image."""
+    costs = _costs(tiny_engine)
+    try:
+        guided = tiny_engine.generate(PROMPT, negative_prompt="blurry", num_inference_steps=4, seed=8,
+                                      guidance_scale=7.5, sampler="DDIM CFG++")
+        low = tiny_engine.generate(PROMPT, num_inference_steps=4, seed=9, guidance_scale=1.0, sampler="ddim_cfgpp",
+                                   eta=0.5)
+    finally:
+        _stop(tiny_engine)
+    assert costs == [(1, 2)] * 8
+    assert guided.request.sampler == "ddim_cfgpp" and guided.arrays.std() > 1e-3
+    # (1e-4, as the diffusers comparisons above: a fortieth of a level; the tiny UNet's branches are close, and
+    # scale 7 instead of 7.5 moves this image by half a level)
+    np.testing.assert_allclose(guided.arrays, _cfgpp_reference(tiny_engine, 4, 7.5, 8, negative="blurry"), atol=1e-4,
+                               rtol=0)
+    np.testing.assert_allclose(low.arrays, _cfgpp_reference(tiny_engine, 4, 1.0, 9, eta=0.5), atol=1e-4, rtol=0)
+    plain = tiny_engine.generate(PROMPT, negative_prompt="blurry", num_inference_steps=4, seed=8, guidance_scale=7.5,
+                                 sampler="ddim")
+    assert np.abs(plain.arrays - guided.arrays).max() > 1e-3
+
+
+def test_ddim_cfgpp_outside_its_interval_is_plain_ddim(tiny_engine):
+    """A row that runs one branch (no step inside its guidance_interval) walks DDIM on its text branch."""
+    costs = _costs(tiny_engine)
+    try:
+        ours = tiny_engine.generate(PROMPT, num_inference_steps=4, seed=10, guidance_scale=7.5, sampler="ddim_cfgpp",
+                                    guidance_interval=[0.9, 1.0])
+    finally:
+        _stop(tiny_engine)
+    assert [c for _, c in costs] == [1] * 4
+    ddim = tiny_engine.generate(PROMPT, num_inference_steps=4, seed=10, guidance_scale=1.0, sampler="ddim")
+    np.testing.assert_allclose(ours.arrays, ddim.arrays, atol=1e-5, rtol=0)
+
+
+def test_ddim_cfgpp_rows_with_ddim_and_euler_rows_together_equal_each_alone(tiny_engine):
+    from loop_util import together
+
+    kinds = [dict(sampler="ddim_cfgpp", guidance_scale=7.5, negative_prompt="blurry"),
+             dict(sampler="ddim", guidance_scale=7.5), dict(sampler="euler", guidance_scale=1.0, num_images=2),
+             dict(sampler="ddim_cfgpp", guidance_scale=0.0, eta=0.5, guidance_interval=[0.25, 0.75], num_images=2),
+             dict(sampler="ddim_cfgpp", guidance_scale=1.0, num_inference_steps=5), dict(sampler="ddim", eta=0.3)]
+    requests = [tiny_engine.make_request(PROMPT, seed=60 + i, **{"num_inference_steps": 4, **k})
+                for i, k in enumerate(kinds)]
+    alone = [tiny_engine.run(r).arrays for r in requests]
+    steps_before = tiny_engine.stats["steps"]
+    results = together(tiny_engine, requests)
+    assert tiny_engine.stats["steps"] - steps_before < sum(r.num_inference_steps for r in requests)  # shared steps
+    for i, (a, r) in enumerate(zip(alone, results)):
+        np.testing.assert_allclose(r.arrays, a, atol=1e-5, rtol=0, err_msg=f"request {i}: {kinds[i]}")
+    assert len({a.tobytes() for a in alone}) == len(alone)

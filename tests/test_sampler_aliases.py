@@ -57,6 +57,8 @@ ALLOWED = ", ".join(SAMPLERS)
     ("euler", "kl_optimal", ("euler", "kl_optimal")), ("euler", "ays", ("euler", "align_your_steps")),
     ("Euler a", "Turbo", ("euler_a", "turbo")), ("Euler", "DDIM", ("euler", "ddim_uniform")),
     ("euler", "ddim_uniform", ("euler", "ddim_uniform")),
+    ("DDIM CFG++", None, ("ddim_cfgpp", None)), ("ddim_cfgpp", "Karras", ("ddim_cfgpp", "karras")),
+    ("DDIM CFG++", "Automatic", ("ddim_cfgpp", "default")), ("ddim_cfg_pp", None, ("ddim_cfgpp", None)),
 ])
 def test_automatic1111s_and_comfyuis_other_samplers_and_schedulers_have_their_labels(sampler, schedule, expected):
     assert canonical(sampler, schedule, SAMPLERS, SCHEDULES) == expected
@@ -69,8 +71,6 @@ ALLOWED = ", ".join(SAMPLERS)
     ("DPM adaptive", None, "sampler", "sampler 'DPM adaptive' is not supported: its step count adapts to the image, "
                                       "which a plan made before the first step cannot follow; use 'dpm_fast'"),
     ("k_dpm_ad", None, "sampler", "use 'dpm_fast' (the same DPM-Solver at a fixed count) or 'dpmpp_2m'"),
-    ("DDIM CFG++", None, "sampler", "updates with the unguided prediction, which the step does not hand a sampler; "
-                                    "use 'ddim'"),
     ("Euler CFG++", None, "sampler", f"sampler 'Euler CFG++' is not supported here; allowed: {ALLOWED}"),
     ("eulr", None, "sampler", f"is unknown; allowed: {ALLOWED}; did you mean 'euler'?"),
     ("Euler", "Linear Quadratic", "schedule", "'Linear Quadratic' is not supported yet; allowed: "
@@ -98,3 +98,14 @@ def test_an_alias_gives_the_canonical_names_image(tiny_engine):
     assert np.array_equal(image(sampler="Euler a", schedule="Automatic"), image(sampler="euler_a"))
     r = tiny_engine.make_request("x", sampler="euler_ancestral", schedule="normal")
     assert (r.sampler, r.schedule) == ("euler_a", "default")  # stored (and written into images) canonically
+
+
+def test_ddim_cfgpp_on_a_flow_matching_family_is_refused_in_one_line_with_what_to_use():
+    from diffgraph.sampling.flow import FLOW_SAMPLERS, FLOW_SCHEDULES
+
+    for name in ("DDIM CFG++", "ddim_cfgpp"):
+        with pytest.raises(ParamError) as e:
+            canonical(name, None, FLOW_SAMPLERS, FLOW_SCHEDULES)
+        also = " (ddim_cfgpp)" if name != "ddim_cfgpp" else ""
+        assert str(e.value) == (f"sampler {name!r}{also} is DDIM on the SD noise schedule, which this model's family "
+                                f"does not walk; use one of {', '.join(FLOW_SAMPLERS)}") and e.value.param == "sampler"

@@ -327,3 +327,106 @@ def test_the_sdxl_family_walks_align_your_steps_on_the_sdxl_list():
     assert SDFamily.schedule_variants == {} and "align_your_steps_sdxl" not in SDXLFamily.schedules
     sdxl = make_plan(SD15, "euler", "align_your_steps_sdxl", 11)
     np.testing.assert_allclose(sdxl.sigmas[:-1], to_f32(np.array(AYS_SDXL)), rtol=1e-7)
+
+
+# ---- DDIM CFG++: AUTOMATIC1111's ddim_cfgpp ------------------------------------------------------------------------
+
+def fake_uncond(x: torch.Tensor, t: float) -> torch.Tensor:
+    """The toy's unconditional branch: an output of the same kind as fake_model's that differs from it."""
+    k = torch.linspace(2.0, 0.5, x[0].numel()).reshape(x.shape[1:])
+    return 0.8 * x + 0.25 * torch.cos(x * k - float(t) / 70)
+
+
+def a1111_ddim_cfgpp(config: dict, n: int, scale: float, eta: float, seed: int = 0) -> torch.Tensor:
+    """AUTOMATIC1111's ddim_cfgpp loop in float64 over DDIMScheduler's timesteps and alpha-bars (each step to
+    t - 1000 // n, the last to final_alpha_cumprod): e_t the guided noise at scale / 12.5, pred_x0 from it, the
+    direction to x_t along the unconditional branch's noise, sigma_t of fresh noise. A v-prediction model's outputs
+    become noise predictions first (eps = sqrt(a_t) v + sqrt(1 - a_t) x), as AUTOMATIC1111's v denoiser makes them."""
+    from diffgraph.sampling.oracle import diffusers_scheduler
+
+    sched = diffusers_scheduler(config, "ddim", "default")
+    sched.set_timesteps(n)
+    ac = sched.alphas_cumprod.double()
+    x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(F64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    v = config.get("prediction_type") == "v_prediction"
+    for t in sched.timesteps.tolist():
+        prev = t - sched.config.num_train_timesteps // n
+        a_t = ac[t].item()
+        a_prev = ac[prev].item() if prev >= 0 else float(sched.final_alpha_cumprod)
+
+        def eps(out: torch.Tensor, x=x, a_t=a_t) -> torch.Tensor:
+            return math.sqrt(a_t) * out + math.sqrt(1 - a_t) * x if v else out
+        e_c, e_u = eps(fake_model(x, t)), eps(fake_uncond(x, t))
+        e_t = e_u + scale / 12.5 * (e_c - e_u)
+        sigma_t = eta * math.sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))
+        pred_x0 = (x - math.sqrt(1 - a_t) * e_t) / math.sqrt(a_t)
+        x = math.sqrt(a_prev) * pred_x0 + math.sqrt(1 - a_prev - sigma_t**2) * e_u
+        if eta:
+            x = x + sigma_t * torch.randn(SHAPE, generator=gen, dtype=F64)
+    return x
+
+
+def run_cfgpp(plan, weights: np.ndarray, one_branch: bool = False, seed: int = 0) -> torch.Tensor:
+    """The plan through the step's update in float64: per row the guided output at `weights[i]` (the guidance
+    feature's column) and the unguided one, or (`one_branch`) the text branch as both, as a row with one branch
+    reads it; the same draws as the reference."""
+    from diffgraph.sampling import NUM_COEFS, Coef, apply_step
+
+    x = (torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)) * plan.init_noise_sigma).to(F64)
+    gen, d_prev = torch.Generator().manual_seed(seed + 1), torch.zeros(SHAPE, dtype=F64)
+    coefs = torch.from_numpy(plan.coefs)
+    for i in range(plan.num_steps):
+        row = coefs[i : i + 1].expand(SHAPE[0], NUM_COEFS)
+        x_in = row[:, Coef.C_IN].reshape(-1, 1, 1, 1) * x
+        cond = fake_model(x_in, plan.timesteps[i])
+        uncond = cond if one_branch else fake_uncond(x_in, plan.timesteps[i])
+        guided = uncond + float(weights[i]) * (cond - uncond)
+        noise = torch.randn(SHAPE, generator=gen, dtype=F64) if plan.noise_steps[i] else None
+        x, d_prev = apply_step(row, x, guided, d_prev, noise, uncond)
+    return x
+
+
+@pytest.mark.parametrize("config", ["sd15", "trailing", "sdxl_v"])
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_ddim_cfgpp_is_automatic1111s(config, n):
+    """The plan, the guidance feature's columns (weight scale / 12.5, both branches at every step, at any scale) and
+    the update against AUTOMATIC1111's loop, eta 0 and eta 0.6 with the same draws, epsilon and v-prediction."""
+    from diffgraph.features.guidance import ClassifierFreeGuidance
+    from diffgraph.request import GenerationRequest
+
+    cfg = CONFIGS["sdxl"] | {"prediction_type": "v_prediction"} if config == "sdxl_v" else CONFIGS[config]
+    noise = NoiseSchedule.from_config(cfg)
+    for scale in (0.0, 1.0, 7.5):
+        request = GenerationRequest.create("x", width=64, height=64, guidance_scale=scale, sampler="DDIM CFG++",
+                                           num_inference_steps=n)
+        assert request.sampler == "ddim_cfgpp"
+        for eta in (None, 0.6):
+            plan = make_plan(noise, "ddim_cfgpp", "default", n, options=PlanOptions(eta=eta))
+            feature = ClassifierFreeGuidance({})
+            weights = feature.plan_columns(request, plan.step_index)["guidance"]
+            assert np.allclose(weights, scale / 12.5) and feature.branches(request, plan.step_index).tolist() == [2] * n
+            ref = a1111_ddim_cfgpp(cfg, n, scale, eta or 0.0)
+            scale_ref = max(ref.abs().max().item(), 1.0)
+            got = run_cfgpp(plan, weights)
+            assert (got - ref).abs().max().item() <= 1e-10 * scale_ref, f"{config} n={n} scale={scale} eta={eta}"
+            assert plan.draws_noise == bool(eta)
+    # the unguided branch reaches the update: plain DDIM with the same guided output differs
+    ddim = make_plan(noise, "ddim", "default", n)
+    if n > 1:
+        assert (run_cfgpp(ddim, weights) - ref).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("schedule", ["default", "karras", "sgm_uniform", "simple"])
+@pytest.mark.parametrize("pred", ["epsilon", "v_prediction"])
+def test_a_ddim_cfgpp_row_with_one_branch_is_plain_ddim(schedule, pred):
+    """Where a row runs one branch the step hands the text branch as the unguided output too: the update is DDIM's
+    (every schedule DDIM takes, eta 0 and 0.6); a later start (image-to-image) walks DDIM's rows from there."""
+    noise = NoiseSchedule.from_config(CONFIGS["sd15"] | {"prediction_type": pred})
+    for eta in (None, 0.6):
+        for n, start in ((1, 0), (7, 0), (7, 3)):
+            plans = [make_plan(noise, s, schedule, n, options=PlanOptions(eta=eta)) for s in ("ddim", "ddim_cfgpp")]
+            plans = [start_plan(p, start) for p in plans]
+            ddim, cfgpp = (run_cfgpp(p, np.ones(p.num_steps), one_branch=True) for p in plans)
+            assert (cfgpp - ddim).abs().max().item() <= 1e-10 * max(ddim.abs().max().item(), 1.0), (eta, n, start)
+            assert np.array_equal(plans[0].timesteps, plans[1].timesteps) and plans[1].step_index[0] == start

@@ -93,7 +93,8 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
                    help="the sampler's timestep spacing (default: the model's scheduler config's; trailing for "
                         "few-step models)")
     g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3), "
-                   "ddim (its eta, default 0) and euler_a, dpmpp_2s_a, dpm_fast (their eta, default 1), 0-1")
+                   "ddim, ddim_cfgpp (their eta, default 0) and euler_a, dpmpp_2s_a, dpm_fast (their eta, default 1), "
+                   "0-1")
     g.add_argument("--step-cache", default=None, metavar="off|auto|JSON",
                    help="per-row step caching (SD families' UNets: DeepCache; Z-Image: TaylorSeer): off, auto, or a JSON "
                         "object such as '{\"method\": \"deepcache\", \"interval\": 3, \"branch\": 0, \"schedule\": "

@@ -35,7 +35,8 @@ A1111_SAMPLERS = {"euler": "Euler", "euler_a": "Euler a", "dpmpp_2m": "DPM++ 2M"
                   "dpmpp_2m_sde": "DPM++ 2M SDE", "dpmpp_3m_sde": "DPM++ 3M SDE", "dpmpp_sde": "DPM++ SDE", "heun": "Heun", "dpm2": "DPM2",
                   "dpm2_a": "DPM2 a", "lms": "LMS", "unipc": "UniPC", "lcm": "LCM", "plms": "PLMS",
                   "dpmpp_2s_a": "DPM++ 2S a", "dpmpp_2m_sde_heun": "DPM++ 2M SDE Heun", "restart": "Restart",
-                  "dpm_fast": "DPM fast"}
+                  "dpm_fast": "DPM fast", "ddim_cfgpp": "DDIM CFG++"}
+DDIM_ETA = ("ddim", "ddim_cfgpp")  # the samplers whose eta AUTOMATIC1111 writes as "Eta DDIM"
 # "default" is the model's own sigma schedule: AUTOMATIC1111 (v1.9+) calls that scheduler "Automatic"
 A1111_SCHEDULES = {"default": "Automatic", "karras": "Karras", "exponential": "Exponential", "beta": "Beta",
                    "sgm_uniform": "SGM Uniform", "simple": "Simple", "uniform": "Uniform",
@@ -108,8 +109,8 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
                                  for name, digest in getattr(request, "lora_hashes", ())) or None,
         "Emphasis": (EMPHASIS_LABELS[request.emphasis]
                      if request.prompt_syntax == "a1111" and request.emphasis != "original" else None),
-        # AUTOMATIC1111 writes DDIM's eta where it is not 0
-        "Eta DDIM": _number(request.eta) if request.sampler == "ddim" and getattr(request, "eta", None) else None,
+        # AUTOMATIC1111 writes DDIM's (and DDIM CFG++'s) eta where it is not 0
+        "Eta DDIM": _number(request.eta) if request.sampler in DDIM_ETA and getattr(request, "eta", None) else None,
         "ENSD": getattr(request, "noise_seed_delta", 0) or None,  # AUTOMATIC1111's eta_noise_seed_delta
     }
     # the capability parameters (their own names, "Step cache"; objects as JSON)
@@ -389,7 +390,7 @@ def parse_infotext(text: str) -> dict[str, Any]:
             fields["strength"] = float(params["Denoising strength"])
         if "Clip skip" in params:
             fields["clip_skip"] = int(params["Clip skip"]) - 1 or None  # AUTOMATIC1111's 1 = the last layer
-        if "Eta DDIM" in params and fields.get("sampler") == "ddim":
+        if "Eta DDIM" in params and fields.get("sampler") in DDIM_ETA:
             fields["eta"] = float(params["Eta DDIM"])
         if "ENSD" in params:
             fields["noise_seed_delta"] = int(params["ENSD"])

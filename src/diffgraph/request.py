@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ParamError
-from .sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES, TIMESTEP_SPACINGS
+from .sampling.names import CFGPP_SAMPLERS, DEFAULT_SAMPLER, DEFAULT_SCHEDULE, SAMPLERS, SCHEDULES, TIMESTEP_SPACINGS
 from .sampling.aliases import canonical, closest
 from .sampling.schedules import MAX_STEPS
 
@@ -951,6 +951,10 @@ class ModelInfo:
     def check_request(self, request: "GenerationRequest") -> None:
         """ParamError naming the first parameter this model cannot honour (beyond its sampler and size: `check`)."""
         self.check_guidance(request)
+        if request.sampler in CFGPP_SAMPLERS and self.guidance != "cfg":
+            raise ParamError("sampler", f"sampler {request.sampler!r} steps along classifier-free guidance's "
+                                        f"unconditional branch, which model {self.name!r} does not run "
+                                        f"({self.guidance} guidance); use 'ddim'")
         if request.tiling and not self.tiling:
             raise ParamError("tiling", tiling_refusal(self.family))
         if request.prompt_syntax not in self.prompt_syntaxes:

@@ -43,3 +43,20 @@ def test_every_sampler_shares_the_step_replays_and_equals_alone(sd15):
     replays, eager = counts()
     assert replays > before[0] and eager == before[1], (before, replays, eager)  # all of them replays of "step"
     assert all(np.isfinite(res.arrays).all() and res.arrays.std() > 1e-3 for res in results)
+
+
+def test_ddim_cfgpp_under_graphs_equals_eager():
+    """DDIM CFG++ (in the list above too) reads the unconditional branch's output through column U of the static
+    coefficient buffer: a graphed engine's images equal an eager one's at two buckets, eta 0 and 0.5, where plain
+    DDIM's are ~0.1 away (the tiny UNet on the CPU), and its steps are replays of the one step graph."""
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), prewarm=False)
+    with Engine(model="random:tiny", device=DEVICE, mode="graph", graphs=cfg) as graphed, \
+            Engine(model="random:tiny", device=DEVICE, mode="eager") as eager:
+        for n, eta in ((1, None), (2, 0.5)):
+            kw = dict(num_images=n, num_inference_steps=4, seed=5, guidance_scale=7.5, eta=eta)
+            a = graphed.generate("a red fox", sampler="ddim_cfgpp", **kw).arrays
+            b = eager.generate("a red fox", sampler="ddim_cfgpp", **kw).arrays
+            ddim = eager.generate("a red fox", sampler="ddim", **kw).arrays
+            assert np.abs(a - b).max() <= 2e-2 and np.abs(b - ddim).max() > 5e-2
+        rows = [r for r in graphed.graph_table() if r["kind"] == "step"]
+        assert sum(r["replays"] for r in rows) >= 8 and sum(r["eager_fallbacks"] for r in rows) == 0

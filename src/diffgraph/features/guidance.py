@@ -7,6 +7,13 @@ one: diffusers' pipelines skip the unconditional branch when the scale is <= 1, 
 `guidance_rescale` is diffusers' rescaled CFG (Lin et al., 2023, for zero-SNR / v-prediction models), applied
 where the row guides. Fields: the negative prompt's conditioning (`uncond.*`); columns: the scale this step (1 where
 the row runs one branch) and the rescale factor.
+
+A CFG++ sampler (sampling/names.py `CFGPP_SAMPLERS`: DDIM CFG++) steps along the unconditional branch's output, which
+the step hands it beside the guided one, so its rows run both branches at every step the interval guides whatever
+the scale, as AUTOMATIC1111 runs them: the guided output's weight is the scale times the sampler's factor (1 / 12.5),
+so guidance_scale 0 walks the unconditional branch alone and no scale turns the second branch off. Outside the
+interval a row runs one branch and its update is plain DDIM's on the text branch (the unguided output then is the
+main one).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import numpy as np
 import torch
 
 from ..request import GenerationRequest
+from ..sampling.names import CFGPP_SAMPLERS
 from .base import Admission, FieldSpec, RowFeature, StepView
 
 
@@ -22,7 +30,7 @@ def guiding_steps(request: GenerationRequest, index: np.ndarray) -> np.ndarray:
     """[rows] bool: where the request runs both branches (`index`: the step of each plan row)."""
     n = request.num_inference_steps
     i = np.asarray(index)
-    on = np.full(len(i), request.guidance_scale > 1.0)
+    on = np.full(len(i), request.guidance_scale > 1.0 or request.sampler in CFGPP_SAMPLERS)
     if request.guidance_interval is not None:
         lo, hi = request.guidance_interval
         on &= (lo * n <= i) & (i < hi * n)
@@ -44,7 +52,8 @@ class ClassifierFreeGuidance(RowFeature):
 
     def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
         on = guiding_steps(request, index)
-        return {"guidance": np.where(on, request.guidance_scale, 1.0),
+        weight = request.guidance_scale * CFGPP_SAMPLERS.get(request.sampler, 1.0)
+        return {"guidance": np.where(on, weight, 1.0),
                 "guidance_rescale": np.where(on, request.guidance_rescale, 0.0)}
 
     def branches(self, request: GenerationRequest, index: np.ndarray) -> np.ndarray:

@@ -5,7 +5,8 @@ conditioning, then each feature's), the coefficient table's columns (the sampler
 feature's), the per-request host inputs (`request_plan`: its columns and `branches`), the variant key (a tuple of the features'
 parts: the neutral key shares one set of graphs) and the step itself (`run`): input scaling, the features' input
 hooks, the denoiser over the step's denoiser rows (a row with one branch costs one denoiser row, a CFG row two),
-the output combiner, the sampler update (`sampling.samplers.apply_step`) and the after-update hooks.
+the output combiner, the sampler update (`sampling.samplers.apply_step`, which reads the unguided output too: DDIM
+CFG++'s column U) and the after-update hooks.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ class StepProgram:
         guided = main_out
         for f in self.features:
             guided = f.combine(view, guided, alt_out)
-        x_next, denoised = apply_step(co, x, guided, view.fields["d_prev"], view.fields["noise"])
+        x_next, denoised = apply_step(co, x, guided, view.fields["d_prev"], view.fields["noise"], alt_out)
         for f in self.features:
             x_next = f.after_update(view, x_next, denoised)
         x.copy_(x_next)

@@ -4,9 +4,10 @@
 
 Names are matched folded (case, spaces, underscores and dashes ignored). A label that names a schedule too ("DPM++
 2M Karras") gives it, unless the request names another one (then it is refused as a contradiction). The labels of
-samplers and schedules diffgraph does not have ("DPM adaptive", "DDIM CFG++", "Linear Quadratic", ...) get a
+samplers and schedules diffgraph does not have ("DPM adaptive", "Euler CFG++", "Linear Quadratic", ...) get a
 one-line error that says which one it is and what is there instead; an unknown name gets
-the list and the closest match. A family's own names (FamilyAdapter.samplers) are taken as they are.
+the list and the closest match, and DDIM CFG++ on a family without it (a flow-matching model) a line that says why.
+A family's own names (FamilyAdapter.samplers) are taken as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import difflib
 import re
 
 from ..errors import ParamError
+from .names import CFGPP_SAMPLERS
 
 # folded name -> (canonical sampler, the schedule its label implies or None)
 SAMPLER_ALIASES: dict[str, tuple[str, str | None]] = {
@@ -51,6 +53,8 @@ SAMPLER_ALIASES |= {
     "dpm++ 2m sde heun karras": ("dpmpp_2m_sde_heun", "karras"),
     "dpm++ 2m sde heun exponential": ("dpmpp_2m_sde_heun", "exponential"),
     "restart": ("restart", None), "dpm fast": ("dpm_fast", None), "k dpm fast": ("dpm_fast", None),
+    # AUTOMATIC1111's "DDIM CFG++" (alias ddim_cfgpp); ComfyUI has no DDIM CFG++ of its own
+    "ddim cfg++": ("ddim_cfgpp", None), "ddim cfgpp": ("ddim_cfgpp", None), "ddim cfg pp": ("ddim_cfgpp", None),
 }
 # AUTOMATIC1111's and ComfyUI's other samplers (folded) -> the name it will have here ("": none is planned)
 SAMPLERS_NOT_YET: dict[str, str] = {
@@ -61,8 +65,6 @@ SAMPLERS_NOT_YET: dict[str, str] = {
 SAMPLERS_REFUSED: dict[str, str] = {
     **{k: "its step count adapts to the image, which a plan made before the first step cannot follow; use "
           "'dpm_fast' (the same DPM-Solver at a fixed count) or 'dpmpp_2m'" for k in ("dpm adaptive", "k dpm ad")},
-    **{k: "it updates with the unguided prediction, which the step does not hand a sampler; use 'ddim'"
-       for k in ("ddim cfg++", "ddim cfgpp")},
 }
 SCHEDULE_ALIASES: dict[str, str] = {"default": "default", "automatic": "default", "normal": "default",
                                     "karras": "karras", "exponential": "exponential", "beta": "beta",
@@ -91,6 +93,10 @@ def canonical(sampler: str, schedule: str | None, samplers: tuple[str, ...],
             sampler, implied = SAMPLER_ALIASES[key]
         elif f"flow_{base}" in samplers:  # a flow-matching family's counterpart ('Euler' -> flow_euler)
             sampler = f"flow_{base}"
+        elif base in CFGPP_SAMPLERS:  # (the SD families have it)
+            also = f" ({base})" if base != sampler else ""
+            raise ParamError("sampler", f"sampler {sampler!r}{also} is DDIM on the SD noise schedule, which this "
+                                        f"model's family does not walk; use one of {', '.join(samplers)}")
         elif key in SAMPLERS_REFUSED:
             raise ParamError("sampler", f"sampler {sampler!r} is not supported: {SAMPLERS_REFUSED[key]}")
         elif key in SAMPLERS_NOT_YET:

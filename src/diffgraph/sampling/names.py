@@ -9,12 +9,17 @@ options (karras, exponential, beta) and ComfyUI's names for trailing timesteps (
 
 SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim", "dpmpp_2m_sde", "dpmpp_3m_sde", "dpmpp_sde", "heun", "dpm2",
             "dpm2_a", "lms", "unipc", "unipc_3", "lcm", "tcd", "plms", "dpmpp_2s_a", "dpmpp_2m_sde_heun", "restart",
-            "dpm_fast")
+            "dpm_fast", "ddim_cfgpp")
 SCHEDULES = ("default", "karras", "exponential", "beta", "sgm_uniform", "simple", "uniform", "polyexponential",
              "kl_optimal", "align_your_steps", "turbo", "ddim_uniform")
-# the samplers no diffusers scheduler runs (k-diffusion's and AUTOMATIC1111's: sampling/kdiffusion.py) and the
-# schedules no diffusers option lays (AUTOMATIC1111's, Forge's and ComfyUI's: sampling/sigma_tables.py)
-KDIFFUSION_SAMPLERS = ("dpmpp_2s_a", "dpmpp_2m_sde_heun", "restart", "dpm_fast")
+# the samplers no diffusers scheduler runs (k-diffusion's and AUTOMATIC1111's: sampling/kdiffusion.py, DDIM CFG++ in
+# sampling/samplers.py) and the schedules no diffusers option lays (AUTOMATIC1111's, Forge's and ComfyUI's:
+# sampling/sigma_tables.py)
+KDIFFUSION_SAMPLERS = ("dpmpp_2s_a", "dpmpp_2m_sde_heun", "restart", "dpm_fast", "ddim_cfgpp")
+# CFG++ samplers (Chung et al. 2024: their update steps along the unconditional branch's noise, so every row of theirs
+# runs both branches where the request's interval guides) -> the factor on the request's guidance_scale that gives the
+# guided output's weight (AUTOMATIC1111's 1 / 12.5: its CFG scale 12.5 is CFG++'s lambda 1)
+CFGPP_SAMPLERS = {"ddim_cfgpp": 1 / 12.5}
 TABLE_SCHEDULES = ("uniform", "polyexponential", "kl_optimal", "align_your_steps", "turbo", "ddim_uniform")
 # a family's own list for a schedule name: the SDXL family walks "align_your_steps" on NVIDIA's SDXL list
 SCHEDULE_VARIANTS = ("align_your_steps_sdxl",)
@@ -27,6 +32,7 @@ BUILTIN_FAMILIES = ("sd", "sdxl")  # the families (models/families/) that take e
 # TCD pick their own from the distillation's grid
 SAMPLER_SCHEDULES = {
     "ddim": ("default", "karras", "sgm_uniform", "simple"),
+    "ddim_cfgpp": ("default", "karras", "sgm_uniform", "simple"),
     "lcm": ("default",),
     "tcd": ("default",),
     "plms": ("default", "sgm_uniform", "simple"),  # PNDMScheduler takes no sigma options
@@ -60,6 +66,9 @@ SAMPLER_DESCRIPTIONS = {
     "restart": "Restart: Heun steps with restart segments from 20 steps on (AUTOMATIC1111's restart_sampler)",
     "dpm_fast": "DPM-Solver fast, orders 3, 2, 1 over its own sigmas, ends at sigma_min; eta 1 unless the request's "
                 "eta sets it (k-diffusion's sample_dpm_fast)",
+    "ddim_cfgpp": "DDIM CFG++: DDIM's steps along the unconditional branch's noise, the guided output's weight "
+                  "guidance_scale / 12.5, both branches at every guided step; eta as `ddim`'s (AUTOMATIC1111's "
+                  "ddim_cfgpp)",
 }
 
 
@@ -76,6 +85,7 @@ def markdown_table() -> str:
                  "are AUTOMATIC1111's and Forge's schedulers of those names (sampling/sigma_tables.py), over the "
                  "model's whole sigma range. The default sampler is "
                  f"`{DEFAULT_SAMPLER}`, the default schedule `{DEFAULT_SCHEDULE}`. A request's `eta` (0-1) is `tcd`'s "
-                 "gamma and `ddim`'s eta (fresh noise each step, as DDIMScheduler's eta and AUTOMATIC1111's Eta DDIM), "
+                 "gamma and `ddim`'s and `ddim_cfgpp`'s eta (fresh noise each step, as DDIMScheduler's eta and "
+                 "AUTOMATIC1111's Eta DDIM), "
                  "and the noise amount of `euler_a`, `dpmpp_2s_a` and `dpm_fast`; other samplers refuse it.")
     return "\n".join(lines) + "\n\n" + schedules

@@ -6,10 +6,11 @@ step `i` needs. The step function (graphs/) then does, per batch row, with `out`
 
     model_input = c_in * x                      # fed to the UNet with timestep t
     D           = p * x + q * out               # denoised prediction x0 (epsilon or v_prediction)
-    x_next      = a * x + b * D + c * D_prev + d * noise
+    x_next      = a * x + b * D + c * D_prev + d * noise + u * unguided
 
 `D_prev` is the row's D of its previous step (zero at step 0); `noise` is standard normal, drawn only when
-`plan.draws_noise`. `apply_step` below is that update for numpy arrays or torch tensors.
+`plan.draws_noise`; `unguided` is the unconditional branch's output (column u: DDIM CFG++'s, zero elsewhere).
+`apply_step` below is that update for numpy arrays or torch tensors.
 
 Image-to-image and inpainting rows start later in the same table (`start_plan`: diffusers' strength rule) from
 the image's latents noised to their first state (`noising`). Inpainting rows then blend, after each update, the
@@ -45,7 +46,8 @@ __all__ = ["NUM_COEFS", "Coef", "PlanOptions", "SamplerPlan", "apply_history", "
            "cut", "noising", "start_plan", "strength_start"]
 
 TRAILING_SCHEDULES = ("sgm_uniform", "simple")        # ComfyUI's names: the default schedule on trailing timesteps
-ETA_SAMPLERS = ("tcd", "ddim", "euler_a", "dpmpp_2s_a", "dpm_fast")  # the samplers that take a request's `eta`
+# the samplers that take a request's `eta`
+ETA_SAMPLERS = ("tcd", "ddim", "euler_a", "dpmpp_2s_a", "dpm_fast", "ddim_cfgpp")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ def _plan_functions() -> dict[str, PlanFunction]:
     """Sampler name -> its plan function (noise schedule, steps, schedule name)."""
     from . import consistency, kdiffusion, multistep, sde, two_eval
     return {"euler": _euler_plan, "euler_a": _euler_a_plan, "dpmpp_2m": _dpmpp_2m_plan, "ddim": _ddim_plan,
+            "ddim_cfgpp": _ddim_cfgpp_plan,
             "dpmpp_sde": sde.dpmpp_sde_plan, **multistep.PLANS, **multistep.PLMS_PLANS, **two_eval.PLANS,
             **consistency.PLANS, **kdiffusion.PLANS}
 
@@ -270,6 +273,20 @@ def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int, eta: flo
     """DDIM, Song et al. 2021, on VP latents: eta 0 (the default) is deterministic; eta > 0 adds, as DDIMScheduler's
     step does, eta * sqrt((1 - abar_prev) / (1 - abar) * (1 - abar / abar_prev)) of fresh noise at every step (one
     draw a step, the last included, where it is zero) and takes that variance out of the direction to x_t."""
+    return cut(_ddim_parts(noise, n, schedule, eta, cfgpp=False), start)
+
+
+def _ddim_cfgpp_plan(noise: NoiseSchedule, n: int, schedule: str, start: int, eta: float | None = None) -> PlanParts:
+    """DDIM CFG++ (Chung et al. 2024; AUTOMATIC1111's ddim_cfgpp): DDIM's walk (timesteps, eta) whose direction to
+    x_t is the unconditional branch's noise eps_u, not the guided one: x_prev = alpha_prev * D + sqrt(1 - abar_prev -
+    std^2) * eps_u + std * noise, D the guided x0. With eps_u = (x - alpha * D_u) / sigma_vp and D_u = p * x + q *
+    unguided (any prediction type), its x term joins column A and its unguided term is column U. The guided output's
+    weight (guidance_scale / 12.5) and the second branch at every guided step are the guidance feature's."""
+    return cut(_ddim_parts(noise, n, schedule, eta, cfgpp=True), start)
+
+
+def _ddim_parts(noise: NoiseSchedule, n: int, schedule: str, eta: float | None, cfgpp: bool) -> PlanParts:
+    """The rows of DDIM (`cfgpp`: of DDIM CFG++) from the first step on."""
     eta = 0.0 if eta is None else float(eta)
     if not 0.0 <= eta <= 1.0:
         raise ValueError(f"ddim's eta must be in [0, 1], got {eta}; pass a value in that range")
@@ -298,8 +315,11 @@ def _ddim_plan(noise: NoiseSchedule, n: int, schedule: str, start: int, eta: flo
     with np.errstate(divide="ignore", invalid="ignore"):  # a repeated timestep: refused by make_plan's finite check
         std = eta * np.sqrt((1 - ac_prev) / (1 - ac_t) * (1 - ac_t / ac_prev))
     a = np.sqrt(np.maximum(1 - ac_prev - std ** 2, 0.0)) / sigma_vp
-    b = alpha_prev - a * alpha
+    if cfgpp:  # a * sigma_vp * eps_u = a * (1 - alpha * p) * x - a * alpha * q * unguided
+        coefs = table(t, np.ones(n), p, q, a * (1 - alpha * p), alpha_prev, d=std)
+        coefs[:, int(Coef.U)] = -a * alpha * q
+    else:
+        coefs = table(t, np.ones(n), p, q, a, alpha_prev - a * alpha, d=std)
     with np.errstate(divide="ignore"):  # zero terminal SNR: alpha 0 at the top timestep is an infinite VE sigma
         sig = np.append(sigma_vp / alpha, sigma_vp_prev[-1] / alpha_prev[-1])
-    return cut(PlanParts(t, sig, table(t, np.ones(n), p, q, a, b, d=std), 1.0, ve=False,
-                         noise_steps=np.ones(n, bool) if eta > 0 else None), start)
+    return PlanParts(t, sig, coefs, 1.0, ve=False, noise_steps=np.ones(n, bool) if eta > 0 else None)

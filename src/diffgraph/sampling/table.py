@@ -6,16 +6,19 @@ guided model output of the row, `x` its state, `P` its D of the previous row (`d
 
     model_input = C_IN * x                                   # fed to the denoiser with timestep T
     D           = P_ * x + Q * out                           # the denoised prediction x0 (columns P, Q)
-    x_next      = A * x + B * D + C * P + D_ * noise + E1 * H1 + E2 * H2 + E3 * H3
+    x_next      = A * x + B * D + C * P + D_ * noise + U * unguided + E1 * H1 + E2 * H2 + E3 * H3
     H_k'        = Hk_X * x + Hk_D * D + Hk_P * P + Hk_H1 * H1 + Hk_H2 * H2 + Hk_H3 * H3     (k = 1, 2, 3)
     P'          = D
 
-all from the values before the row. The history slots are how a sampler keeps what one slot of D cannot hold: a
-third-order multistep solver's older D, LMS's derivatives, UniPC's corrected sample, a two-evaluation sampler's state
-before its first half. A sampler declares how many it uses (`PlanParts.history`); the columns of slots it does not
-use are zero, so its rows share every replay with every other sampler's. `noise` is standard normal, drawn at the
-rows `noise_steps` marks (from the row's own generator, in the order its diffusers scheduler draws). `apply_step`
-and `apply_history` are the update itself, for numpy arrays or torch tensors: the step (features/) runs them.
+all from the values before the row, with `unguided` the row's unguided model output (classifier-free guidance's
+unconditional branch; the main output where the row runs one branch): column U is CFG++'s (its update steps along
+the unconditional branch's noise, Chung et al. 2024), zero for every other sampler. The history slots are how a
+sampler keeps what one slot of D cannot hold: a third-order multistep solver's older D, LMS's derivatives, UniPC's
+corrected sample, a two-evaluation sampler's state before its first half. A sampler declares how many it uses
+(`PlanParts.history`); the columns of slots it does not use are zero, so its rows share every replay with every
+other sampler's. `noise` is standard normal, drawn at the rows `noise_steps` marks (from the row's own generator, in
+the order its diffusers scheduler draws). `apply_step` and `apply_history` are the update itself, for numpy arrays
+or torch tensors: the step (features/) runs them.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Coef(IntEnum):
     H3_H1 = 28
     H3_H2 = 29
     H3_H3 = 30
+    U = 31           # x_next += U * the unguided output (CFG++)
 
 
 NUM_COEFS = len(Coef)
@@ -140,9 +144,10 @@ def denoiser(prediction_type: str, alpha: np.ndarray, sigma_vp: np.ndarray, ve: 
     return (p * alpha if ve else p), q
 
 
-def apply_step(coefs: Any, x: Any, out: Any, d_prev: Any, noise: Any = None) -> tuple[Any, Any]:
-    """The base update for a batch: coefs [B, NUM_COEFS] (one row per batch row), x/out/d_prev [B, ...]; returns
-    (x_next without the history terms, D). Works on numpy arrays and torch tensors alike."""
+def apply_step(coefs: Any, x: Any, out: Any, d_prev: Any, noise: Any = None, unguided: Any = None) -> tuple[Any, Any]:
+    """The base update for a batch: coefs [B, NUM_COEFS] (one row per batch row), x/out/d_prev [B, ...], `unguided`
+    [B, ...] the unguided model output (None: `out`, a step without a second branch); returns (x_next without the
+    history terms, D). Works on numpy arrays and torch tensors alike."""
     shape = (-1,) + (1,) * (x.ndim - 1)
 
     def col(k: Coef) -> Any:
@@ -152,6 +157,8 @@ def apply_step(coefs: Any, x: Any, out: Any, d_prev: Any, noise: Any = None) -> 
     x_next = col(Coef.A) * x + col(Coef.B) * denoised + col(Coef.C) * d_prev
     if noise is not None:
         x_next = x_next + col(Coef.D) * noise
+    # (added last: a zero column leaves every other sampler's x_next bit for bit as it was)
+    x_next = x_next + col(Coef.U) * (out if unguided is None else unguided)
     return x_next, denoised
 
 

@@ -46,7 +46,7 @@ A1111_SAMPLER_ITEMS = {
     "dpmpp_2s_a": (["k_dpmpp_2s_a"], {"scheduler": "karras", "uses_ensd": True, "second_order": True}),
     "dpmpp_2m_sde_heun": (["k_dpmpp_2m_sde_heun"], {"scheduler": "exponential", "solver_type": "heun"}),
     "restart": (["restart"], {"scheduler": "karras", "second_order": True}),
-    "dpm_fast": (["k_dpm_fast"], {"uses_ensd": True}),
+    "dpm_fast": (["k_dpm_fast"], {"uses_ensd": True}), "ddim_cfgpp": (["ddim_cfgpp"], {}),
 }
 # diffgraph's schedule -> AUTOMATIC1111's scheduler (name, aliases, default_rho, need_inner_model), sd_schedulers.py
 A1111_SCHEDULER_ITEMS = {
@@ -60,7 +60,8 @@ A1111_SCHEDULER_ITEMS = {
 _SAMPLER_ALIASES = {a.lower(): s for s, (aliases, _) in A1111_SAMPLER_ITEMS.items() for a in aliases}
 _SCHEDULER_ALIASES = {a.lower(): s for s, (_, aliases, _, _) in A1111_SCHEDULER_ITEMS.items() for a in aliases or ()}
 # eta is AUTOMATIC1111's noise amount of its ancestral and SDE samplers (1 by default: the only one they run here) and
-# DDIM's (0 by default; any in [0, 1] runs, as diffusers' DDIM eta); the other samplers ignore it there, and here
+# DDIM's and DDIM CFG++'s (0 by default; any in [0, 1] runs, as diffusers' DDIM eta); the other samplers ignore it
+# there, and here
 ETA = {"euler_a": 1.0, "dpm2_a": 1.0, "dpmpp_sde": 1.0, "dpmpp_2m_sde": 1.0, "dpmpp_3m_sde": 1.0,
        "dpmpp_2m_sde_heun": 1.0}
 # the options a request may override (override_settings) or a key may set (POST /sdapi/v1/options)
