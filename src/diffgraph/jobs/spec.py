@@ -350,8 +350,8 @@ def fields_of(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def extras_of(body: dict[str, Any]) -> dict[str, Any]:
-    """An item's capability parameters (the request's `extras`)."""
-    return {k: v for k, v in body.items() if k not in REQUEST_FIELDS}
+    """An item's capability parameters (the request's `extras`): its fields that are not the images API's."""
+    return {k: v for k, v in body.items() if k not in ITEM_FIELDS}
 
 
 def _check_text(where: str, value: Any) -> None:
