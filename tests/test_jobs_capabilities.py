@@ -69,6 +69,7 @@ def test_an_item_s_step_cache_runs_and_its_image_is_the_same_request_made_alone(
     assert np.abs(stored[0] - alone[0]).max() <= 1  # the cached item is the cached request alone
     assert np.abs(stored[1] - alone[1]).max() <= 1
     assert np.abs(stored[0] - stored[1]).max() > 1  # and the cache ran: it is not the uncached image
+    assert "step_cache" in client.get("/info").json()["extension_params"]  # what `diffgraph batch --url` reads
 
 
 @pytest.mark.parametrize("value, param, words", [
