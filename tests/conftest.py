@@ -15,6 +15,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_report(request):
+    """Prints a test module's measured figures (its `REPORT` dict, filled by the tests that measure them) once the
+    module's tests have run (`pytest -s` shows them); a fixture, so it asserts nothing and counts as no test."""
+    yield
+    report = getattr(request.module, "REPORT", None)
+    if report:
+        device = getattr(request.module, "DEVICE", None)
+        print(f"\nREPORT of {request.module.__name__}" + (f" (device {device})" if device else ""))
+        for k, v in report.items():
+            print(f"  {k}: {v}")
+
+
 @pytest.fixture(scope="session")
 def tiny_engine():
     from diffgraph import Engine

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 from PIL import Image
 
 from diffgraph.image_metadata import read_request
@@ -86,7 +87,33 @@ def test_a_bad_job_file_is_refused_before_the_model_loads(tmp_path):
         "background, style, moderation, output_compression, safety_identifier, complexity, frame_count, "
         "frame_duration_ms, svg, negative_prompt, num_inference_steps, guidance_scale, guidance_interval, "
         "guidance_rescale, sampler, schedule, output_format, loras, controls, image_prompts, prompt_syntax, "
-        "clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds"]
+        "clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds, step_cache, reference_images, "
+        "cfg_truncation, cfg_normalization"]  # and the built-in capabilities' parameters, checked once it loads
     job.write_text('{"prompt": "a handwritten digit two", "size": "60x64"}\n')  # the model's rules, after it loads
     r = batch(str(job), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and r.stderr.strip().endswith("line 1: width 60 is not a multiple of 8; use 64")
+
+
+def test_an_item_s_capability_parameters_reach_its_request_and_a_bad_value_is_refused_before_any_image(tmp_path):
+    """`step_cache` in an item (a capability of the digits UNet) is the request's: its image records it, and is the
+    image of the same request made on an engine; a value the model refuses is exit status 2 naming the line and the
+    field, before any image is made."""
+    from diffgraph import Engine
+
+    cache = {"method": "deepcache", "interval": 2}
+    item = {"prompt": "a handwritten digit four", "num_inference_steps": 4, "seeds": [7], "step_cache": cache}
+    job, out = tmp_path / "cached.jsonl", tmp_path / "out"
+    write_jsonl(job, [item, {**item, "step_cache": "off"}])
+    r = batch(str(job), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert read_request(str(out / "00000-0.png"))["extras"] == {"step_cache": cache}
+    made = [np.asarray(Image.open(out / f"{i:05d}-0.png").convert("RGB")).astype(int) for i in range(2)]
+    with Engine("digits", device="cpu", dtype="fp32") as engine:
+        alone = engine.generate(item["prompt"], num_inference_steps=4, seed=7, extras={"step_cache": cache})
+    assert np.abs(made[0] - np.asarray(alone.images[0].convert("RGB")).astype(int)).max() <= 1
+    assert np.abs(made[0] - made[1]).max() > 1  # the cache ran
+    write_jsonl(job, [item, {**item, "step_cache": {"method": "deepcache", "branch": 9}}])
+    bad = batch(str(job), "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "line 2: step_cache.branch 9 is out of range; this UNet has skip branches 0..3"), bad.stderr
+    assert not any(n.endswith(".png") for n in os.listdir(tmp_path / "bad"))

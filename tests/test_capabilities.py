@@ -169,3 +169,23 @@ def test_served_over_http_with_its_400_on_a_model_without_it(registry, engine):
         assert error["param"] == "tint" and "does not have" in error["message"]
         neutral = client.post("/v1/images/generations", json={**body, "tint": 0.0, "num_inference_steps": 1})
         assert neutral.status_code == 200, neutral.text
+
+
+def test_the_built_in_capabilities_parameters_are_listed_torch_free():
+    """`BUILTIN_PARAMS` (what `diffgraph batch` lets through before its model loads) is every parameter of the
+    capabilities the built-in families register (models/families/), and no other."""
+    import importlib
+    import pkgutil
+
+    import diffgraph.models.families as families
+    from diffgraph.capability_settings import BUILTIN_PARAMS
+
+    for m in pkgutil.iter_modules(families.__path__):
+        importlib.import_module(f"{families.__name__}.{m.name}")
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+    params = {p.name for c in subclasses(Capability) if c.__module__.startswith(families.__name__) for p in c.params}
+    assert params == set(BUILTIN_PARAMS) and len(BUILTIN_PARAMS) == len(params) == 4

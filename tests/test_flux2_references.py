@@ -145,3 +145,40 @@ def test_http_routes_take_references_as_base64_and_as_edit_image_parts(folders):
         assert any("denoising_strength 0.75 ignored" in w for w in answer.json()["warnings"])
         answer = client.post("/sdapi/v1/img2img", json={**a1111, "mask": refs[0]})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "mask", answer.text
+
+
+def test_a_job_item_s_reference_images_are_its_request_s_and_bad_ones_are_refused_at_submit(folders, tmp_path):
+    """A batch job's item carries `reference_images` (base64) as an images body does: its candidate's image equals
+    the pipeline's with those references; a bad reference or too many is a 400 naming the item's field when the job
+    is submitted, and nothing is stored."""
+    import io
+    import time
+
+    from PIL import Image
+
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from server_util import b64png, served
+
+    path, pipe = folders["FLUX.2-klein-4B"]
+    want = oracle(pipe, REFS[2], (128, 128), 2, 4)
+    refs = [b64png(Image.fromarray(r)) for r in REFS[2]]
+    item = {"prompt": PROMPT, "size": "128x128", "seeds": [4], "num_inference_steps": 2, "reference_images": refs}
+    config = ServerConfig(model=path, device="cpu", state_dir=str(tmp_path / "state"))
+    with served(Engine(model=path, device="cpu"), config) as client:
+        for bad, words in (("abc", "must be a list of base64 images"), (refs * 3, "6 reference images; send at most 4")):
+            r = client.post("/v1/jobs", json={"items": [{**item, "reference_images": bad}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "items[0].reference_images", r.text
+            assert words in r.json()["error"]["message"], r.text
+        assert client.get("/v1/jobs").json()["data"] == []
+        r = client.post("/v1/jobs", json={"items": [item]})
+        assert r.status_code == 200, r.text
+        job = r.json()["id"]
+        deadline = time.monotonic() + 600  # a failure bound, not a timing
+        while (status := client.get(f"/v1/jobs/{job}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert status["status"] == "completed", status
+        url = client.get(f"/v1/jobs/{job}/results").json()["data"][0]["images"][0]
+        got = np.array(Image.open(io.BytesIO(client.get(url.split("testserver", 1)[-1]).content))).astype(np.int16)
+        assert np.abs(got - want).max() <= 1

@@ -5,6 +5,7 @@ with the images route's own validation (api/protocol.py: generation_request)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -21,8 +22,8 @@ CONFIG = ServerConfig(model="digits")
 LIMITS = SpecLimits(max_items=100_000)
 
 
-def check(params):
-    return generation_request(INFO, CONFIG, params)
+def check(params, extras=None):
+    return generation_request(INFO, CONFIG, params, extras=extras)
 
 
 def jsonl(*items) -> bytes:
@@ -75,6 +76,32 @@ def test_the_grid_expands_prompts_by_varied_fields_with_the_same_seeds():
     assert [i.seeds for i in items] == [(4, 5), (4, 5)] and [i.body["sampler"] for i in items] == ["euler", "ddim"]
     items = parse_job(json.dumps({"grid": {"prompts": ["a", "b"], "n": 3}}).encode(), "json", LIMITS, check).items
     assert items[0].seeds == items[1].seeds and len(items[0].seeds) == 3 and items[0].drawn
+
+
+def test_an_item_carries_the_model_s_capability_parameters_to_its_check_and_keeps_them():
+    """A capability's parameters (the model's `extension_params`) sit beside the images fields, as in an images
+    body: stored in the item's body, handed to the check as the request's extras, variable in a grid."""
+    info = dataclasses.replace(INFO, extension_params=("step_cache",))
+    seen = []
+
+    def check_extras(params, extras):
+        seen.append(extras)
+        return generation_request(info, CONFIG, params, extras=extras)
+    cache = {"method": "deepcache", "interval": 2}
+    spec = parse_job(jsonl({"prompt": "a", "seed": 3, "step_cache": cache}, {"prompt": "b", "seed": 4}), "jsonl",
+                     LIMITS, check_extras, extras=info.extension_params)
+    assert spec.items[0].body == {"prompt": "a", "step_cache": cache} and spec.items[1].body == {"prompt": "b"}
+    assert seen == [{"step_cache": cache}, {}]
+    grid = {"grid": {"prompts": ["a"], "seeds": [1], "vary": {"step_cache": ["off", cache]}}}
+    items = parse_job(json.dumps(grid).encode(), "json", LIMITS, check_extras, extras=("step_cache",)).items
+    assert [i.body["step_cache"] for i in items] == ["off", cache]
+    # an unknown field is still refused, naming the model's parameters among those an item takes
+    with pytest.raises(SpecError) as e:
+        parse_job(jsonl({"prompt": "a", "step_cahce": cache}), "jsonl", LIMITS, check_extras, extras=("step_cache",))
+    assert e.value.message.startswith("line 1: unknown field 'step_cahce'; an item takes prompt, ")
+    assert e.value.message.endswith(", n, seed, seeds, step_cache") and e.value.param == "line 1.step_cahce"
+    # on a model without it (no extension_params) it is an unknown field, as in an images body
+    assert refused(jsonl({"prompt": "a", "step_cache": cache})).param == "line 1.step_cache"
 
 
 # -- refusals, each naming where and what ---------------------------------------------------------------------
@@ -149,9 +176,9 @@ def test_a_million_and_one_items_are_refused_at_once_in_every_form(monkeypatch):
         calls["loads"] += 1
         return loads(*args, **kwargs)
 
-    def counted_check(params):
+    def counted_check(params, extras):
         calls["check"] += 1
-        return check(params)
+        return check(params, extras)
 
     monkeypatch.setattr(json, "loads", counted_loads)
     for data, form in ((b"\n".join([line] * 1_000_001), "jsonl"),
@@ -171,9 +198,9 @@ def test_a_grid_over_the_candidate_limit_is_refused_from_its_sizes_before_any_it
     expanded, checked and stored."""
     calls = []
 
-    def counted_check(params):
+    def counted_check(params, extras):
         calls.append(params)
-        return check(params)
+        return check(params, extras)
     grid = {"grid": {"prompts": [f"p{i}" for i in range(316)], "seeds": list(range(64)),
                      "vary": {"guidance_scale": [1 + i / 100 for i in range(316)]}}}
     body = json.dumps(grid).encode()
@@ -270,8 +297,8 @@ def test_an_item_naming_a_reference_the_server_cannot_serve_refuses_the_whole_jo
     def checked(body: dict):
         named = References(config).checker()
 
-        def check_named(params):
-            request = generation_request(INFO, config, params)
+        def check_named(params, extras):
+            request = generation_request(INFO, config, params, extras=extras)
             try:
                 named(request)
             except ParamError as e:

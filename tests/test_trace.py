@@ -15,7 +15,11 @@ server's call into the engine package returns the request's handle; on the engin
 "the replay's end to the response": the rest of the loop iteration that replayed, the image thread, and the event
 loop from the handle to the route's return; a crossing already counted forward is not counted again.
 
-docs/ARCHITECTURE.md ("One HTTP request, traced") states the bounds the test holds the way to: the modules visited
+The same request with the shipped digits model's `pencil` LoRA and `outline` ControlNet is traced the same way
+(after one request like it, so that its adapters are read and the ControlNet's graph captured); its first replay is
+the ControlNet's.
+
+docs/ARCHITECTURE.md ("One HTTP request, traced") states the bounds the test holds both ways to: the modules visited
 forward and back, and the thread sections. `python tests/test_trace.py` prints the measured crossings.
 """
 
@@ -38,6 +42,9 @@ SECTION = "## One HTTP request, traced"
 # ceilings on a plain request's way: the modules it visits forward (HTTP to the first replay) and back, and the
 # threads it passes through (docs/ARCHITECTURE.md states the same numbers)
 FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 26, 18, 8
+# and with the shipped digits model's LoRA and ControlNet (its first replay is the ControlNet's, so the step, run
+# after it, is on the way back)
+ADAPTER_FORWARD_MODULES, ADAPTER_BACK_MODULES, ADAPTER_THREAD_SECTIONS = 36, 35, 8
 ROUTE = ("server/image_routes.py", "generations")
 REPLAY = ("graphs/runner.py", "GraphRunner.replay")
 _COMPREHENSIONS = re.compile(r"\.<locals>\.<(listcomp|setcomp|dictcomp|genexpr)>$")
@@ -227,12 +234,12 @@ def _is_suspension(value) -> bool:
 
 
 # -- the traced request ----------------------------------------------------------------------------
-def _graph_kwargs() -> dict:
+def _graph_kwargs(model: str = "random:tiny") -> dict:
     from diffgraph.config import GraphConfig
 
     graphs = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated",
                          capture_text_encoder=False, capture_vae=False)
-    return dict(model="random:tiny", dtype="fp32", mode="graph", graphs=graphs)
+    return dict(model=model, dtype="fp32", mode="graph", graphs=graphs)
 
 
 class _ThreadProcess(threading.Thread):
@@ -245,7 +252,7 @@ class _ThreadProcess(threading.Thread):
         raise AssertionError("the traced replica was to be killed")
 
 
-def _served_engine():
+def _served_engine(model: str = "random:tiny"):
     """The served path (`diffgraph serve`'s default engine factory: a Router over one ReplicaClient), its replica's
     `replica_main` on a thread instead of a spawned process: the same code over the same pipe (every message
     pickled), so one profiler sees the HTTP side, the pipe's threads and the engine's."""
@@ -265,12 +272,14 @@ def _served_engine():
             threading.Thread(target=self._read, args=(parent, self._process), daemon=True,
                              name="diffgraph-replica-reader").start()
 
-    return Router([ThreadReplica("cpu", _graph_kwargs(), replica_timeout=600.0)])
+    return Router([ThreadReplica("cpu", _graph_kwargs(model), replica_timeout=600.0)])
 
 
-@pytest.fixture(scope="module")
-def traced():
-    """(the TestClient, the trace of one 1-step request). The profiler is set before the server's threads start."""
+def _trace(model: str, body: dict, warm: bool = False):
+    """Yields (the TestClient, the trace of one request of `body`) on `model` served as `_served_engine` serves it.
+    The profiler is set before the server's threads start. `warm`: the same request made once before (another
+    seed), so that the traced one finds its adapters read and their graphs captured, as the server's warm-up leaves
+    a plain request's."""
     from fastapi.testclient import TestClient
 
     from diffgraph.server.app import create_app
@@ -279,21 +288,59 @@ def traced():
     tracer = Tracer()
     threading.setprofile(tracer)
     try:
-        app = create_app(ServerConfig(model="random:tiny", device="cpu", max_pixels=0), engine_factory=_served_engine)
+        app = create_app(ServerConfig(model=model, device="cpu", max_pixels=0),
+                         engine_factory=lambda: _served_engine(model))
         with TestClient(app) as client:
             for _ in range(6000):  # the engine is built on a background thread (a failure bound, not a timing)
                 if client.get("/ready").status_code == 200:
                     break
                 time.sleep(0.05)
+            if warm:
+                r = client.post("/v1/images/generations", json={**body, "seed": body["seed"] + 1})
+                assert r.status_code == 200, r.text
             tracer.arm()
-            r = client.post("/v1/images/generations",
-                            json={"prompt": "a traced fox", "num_inference_steps": 1, "seed": 1})
+            r = client.post("/v1/images/generations", json=body)
             assert r.status_code == 200, r.text
             assert tracer.route_done.wait(60) and tracer.loop_done.wait(60), "the trace did not end"
             tracer.armed = False
             yield client, tracer.result()
     finally:
         threading.setprofile(None)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """(the TestClient, the trace of one plain 1-step request on random:tiny)."""
+    yield from _trace("random:tiny", {"prompt": "a traced fox", "num_inference_steps": 1, "seed": 1})
+
+
+def _outline() -> str:
+    """A control map for digits' `outline` ControlNet: a white ring on black, 64x64, as a base64 PNG."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[:64, :64]
+    ring = (np.abs(np.hypot(x - 32, y - 32) - 18) < 1.5).astype(np.uint8) * 255
+    buf = io.BytesIO()
+    Image.fromarray(np.repeat(ring[:, :, None], 3, 2)).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def traced_adapters():
+    """(the TestClient, the trace of one 1-step request on the shipped digits model with its shipped `pencil` LoRA
+    and its `outline` ControlNet)."""
+    from diffgraph.models import presets
+
+    if presets.shipped_preset_folder("digits") is None or presets.builtin_lora_folder("digits") is None or \
+            presets.builtin_control_folder("digits") is None:
+        pytest.skip("the shipped digits model, its LoRA or its ControlNet is missing from the package")
+    yield from _trace("digits", {"prompt": "a handwritten digit zero", "num_inference_steps": 1, "seed": 1,
+                                 "loras": [{"name": "pencil", "scale": 1.0}],
+                                 "controls": [{"model": "outline", "image": _outline()}]}, warm=True)
 
 
 def module_counts(edges: list[tuple[str, str]]) -> tuple[int, int]:
@@ -338,13 +385,13 @@ def thread_sections(trace: Trace) -> int:
     return sum(bool(edges) for roles in trace.edges.values() for edges in roles.values())
 
 
-def _stated_bounds() -> tuple[int, ...]:
-    """The bounds docs/ARCHITECTURE.md states for the traced request's way."""
+def _stated_bounds(way: str = "plain request's way") -> tuple[int, ...]:
+    """The bounds docs/ARCHITECTURE.md states for the traced request's way (`way`: the words before them)."""
     text = DOC.read_text()
-    section = text[text.index(SECTION):]
-    stated = re.search(r"at most (\d+) modules forward and (\d+) back,\s+in\s+at\s+most\s+(\d+)\s+thread\s+sections",
-                       " ".join(section.split()))
-    assert stated, f"docs/ARCHITECTURE.md's {SECTION!r} no longer states the bounds the test checks"
+    section = " ".join(text[text.index(SECTION):].split())
+    stated = re.search(re.escape(way) + r" to at most (\d+) modules forward and (\d+) back, in at most (\d+) thread "
+                       r"sections", section)
+    assert stated, f"docs/ARCHITECTURE.md's {SECTION!r} no longer states the bounds the test checks ({way})"
     return tuple(int(g) for g in stated.groups())
 
 
@@ -362,6 +409,29 @@ def test_the_request_path_stays_within_its_bounds(traced):
     assert thread_sections(trace) <= THREAD_SECTIONS, measured
     # each crossing forward enters a module: a way through M modules crosses at least M - 1 times
     assert len(forward) >= module_counts(forward)[1] - 1
+
+
+def test_the_path_with_a_lora_and_a_controlnet_stays_within_its_bounds(traced_adapters):
+    """The same request with the shipped digits model's LoRA and ControlNet (made once before, so the adapters are
+    read and the ControlNet's graph captured, as the warm-up leaves a plain request's): the adapters' modules (their
+    lookups, slots, control maps, row features and the ControlNet's graph) on top of the plain way, within the bounds
+    docs/ARCHITECTURE.md states."""
+    _, trace = traced_adapters
+    forward, back = trace.phase("fwd"), trace.phase("back")
+    measured = render(trace)
+    print("\n" + measured)
+    print(f"modules forward {module_counts(forward)[1]}, back {module_counts(back)[1]}, thread sections "
+          f"{thread_sections(trace)}")
+    assert forward and back and forward[-1] == ("engine/control_graphs.py:ControlRunner.run",
+                                                REPLAY[0] + ":" + REPLAY[1]), measured  # the ControlNet's replay
+    callees = {callee.split(":", 1)[0] for _, callee in forward + back}
+    assert {"lora/manager.py", "lora/sidepath.py", "features/lora.py", "engine/controlnets.py",
+            "features/control.py"} <= callees, measured
+    assert _stated_bounds("with a LoRA and a ControlNet") == (ADAPTER_FORWARD_MODULES, ADAPTER_BACK_MODULES,
+                                                             ADAPTER_THREAD_SECTIONS)
+    assert module_counts(forward)[1] <= ADAPTER_FORWARD_MODULES, measured
+    assert module_counts(back)[1] <= ADAPTER_BACK_MODULES, measured
+    assert thread_sections(trace) <= ADAPTER_THREAD_SECTIONS, measured
 
 
 def test_guidance_interval_and_rescale_over_http(traced):

@@ -4,7 +4,8 @@
 A capability's settings are a dataclass (fields with defaults and a "help" metadata entry); each field is the flag
 `--NAME-FIELD` (dashes for underscores), or `--NAME` for a field named as its capability, in an argument group of
 its own. `BUILTIN` holds the settings of the capabilities the built-in families register (models/families/), which
-`diffgraph serve` offers as flags and hands to the engine (`Engine(capability_settings=...)`).
+`diffgraph serve` offers as flags and hands to the engine (`Engine(capability_settings=...)`); `BUILTIN_PARAMS` their
+request parameters.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class StepCacheSettings:
 
 
 BUILTIN: dict[str, type] = {"step_cache": StepCacheSettings}
+# the request parameters of the capabilities the built-in families register: what a job file read before its model
+# loads (`diffgraph batch`) lets through beside the images fields, each checked once the model is known
+BUILTIN_PARAMS: tuple[str, ...] = ("step_cache", "reference_images", "cfg_truncation", "cfg_normalization")
 
 
 def add_capability_flags(parser: argparse.ArgumentParser, settings: Mapping[str, type | None]) -> None:

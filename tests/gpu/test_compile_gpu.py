@@ -24,7 +24,7 @@ from diffgraph.text.prepared import prepare
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
 BUCKETS = (1, 2, 4, 8, 16)
-REPORT = {}
+REPORT = {}  # measured figures, printed once the module's tests have run (tests/conftest.py: module_report)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the digits oracle
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")  # as test_digits
 
@@ -186,11 +186,6 @@ def test_a_copied_cache_folder_starts_without_compiling(compiled, cache, tmp_pat
     else:
         assert start["fxgraph_cache_hit"] > 0
     assert start["captured"] == start["graphs"] and start["compile_fallbacks"] == 0
-
-
-def test_report():
-    for k, v in REPORT.items():
-        print(f"{k}: {v}")
 
 
 def _long(word: str, chunks: int) -> str:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 # GPU (tests/gpu/test_device_affinity.py checks that nothing then touches the first)
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
 
-REPORT = {}
+REPORT = {}  # measured figures, printed once the module's tests have run (tests/conftest.py: module_report)
 
 
 @pytest.fixture(scope="module")
@@ -222,15 +222,6 @@ def test_memory_flat_over_1000_replays(sd15):
     after = torch.cuda.memory_allocated(DEVICE)
     REPORT["allocated bytes growth over 1000 replays"] = after - before
     assert after == before
-
-
-@pytest.fixture(scope="module", autouse=True)
-def report():
-    """Prints the measured differences once the module's tests have run (a fixture: it asserts nothing)."""
-    yield
-    print(f"\nGPU REPORT (device {DEVICE})")
-    for k, v in REPORT.items():
-        print(f"  {k}: {v}")
 
 
 def test_replaced_weights_take_effect_after_invalidate():

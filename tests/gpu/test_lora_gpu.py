@@ -18,7 +18,7 @@ from diffgraph.bench.throughput import captures, random_adapter
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
-REPORT = {}
+REPORT = {}  # measured figures, printed once the module's tests have run (tests/conftest.py: module_report)
 
 
 @pytest.mark.parametrize("conv", [False, True])
@@ -140,8 +140,3 @@ def test_graphed_unet_follows_lora_changes(sd15, tmp_path):
     REPORT["GraphedUNet recaptures"] = graphed.recaptures
     assert max(diffs.values()) <= 2e-2, diffs
     assert graphed.recaptures == 5  # every change but the in-place copy_
-
-
-def test_report():
-    for k, v in REPORT.items():
-        print(f"{k}: {v}")

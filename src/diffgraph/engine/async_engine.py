@@ -95,6 +95,12 @@ class AsyncEngine:
     def make_request(self, prompt: Any, **params: Any) -> GenerationRequest:
         return self.engine.make_request(prompt, **params)
 
+    def check_extras(self, request: GenerationRequest) -> None:
+        """ParamError naming the first capability parameter of `request` this engine's model cannot honour: what
+        `submit` checks of them, with nothing queued or prepared."""
+        if request.extras:
+            self.core.runner.capabilities.check(dict(request.extras), self.info.name)
+
     async def submit(self, request: GenerationRequest, progress: bool = False) -> RequestHandleImpl:
         core = self.core
         # a handle aborts its own request, not a later one that reuses its id

@@ -56,6 +56,13 @@ class Router:
         """The only replica (requests go to it directly: there is nothing to choose), or None when there are more."""
         return self.replicas[0] if len(self.replicas) == 1 else None
 
+    def check_extras(self, request: GenerationRequest) -> None:
+        """ParamError naming the first capability parameter of `request` the model cannot honour, checked by an
+        in-process replica (AsyncEngine.check_extras); replica processes check them when the request is submitted."""
+        check = next((c for r in self.replicas if (c := getattr(r, "check_extras", None)) is not None), None)
+        if check is not None:
+            check(request)
+
     @property
     def info(self) -> ModelInfo | None:
         return next((r.info for r in self.replicas if r.info is not None), None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ..capability_settings import add_capability_flags, capability_args
 from ..errors import ParamError
@@ -181,12 +181,22 @@ class ModelCapabilities:
         return tuple(f for c in self.present if (f := c.feature(model, self.settings[c.name])) is not None)
 
     def prepare(self, extras: Mapping[str, Any], model_name: str) -> dict[str, Any]:
-        """On the submitting thread: a request's capability parameters checked (unknown names, values, neutral ones on
-        a model without the capability) and prepared, by capability name. Raises ParamError naming the field."""
+        """On the submitting thread: a request's capability parameters checked (`check`) and prepared, by capability
+        name. Raises ParamError naming the field."""
+        return {c.name: c.prepare(values, self.settings[c.name]) for c, values in self._asked(extras, model_name)}
+
+    def check(self, extras: Mapping[str, Any], model_name: str) -> None:
+        """A request's capability parameters checked without preparing them (unknown names, values, neutral ones on a
+        model without the capability): what a batch job's items are checked by when the job is submitted. Raises
+        ParamError naming the field."""
+        for _ in self._asked(extras, model_name):
+            pass
+
+    def _asked(self, extras: Mapping[str, Any], model_name: str) -> Iterator[tuple[Capability, dict[str, Any]]]:
+        """Each present capability a request asks something of, with its values read and checked."""
         unknown = [k for k in extras if k not in self.registry._param_of]
         if unknown:
             raise ParamError(unknown[0], f"{unknown[0]} is not a parameter of this server; leave it out")
-        out: dict[str, Any] = {}
         for c in self.registry:
             values = {p.name: read_value(p, extras.get(p.name)) for p in c.params}
             if c not in self.present:
@@ -198,5 +208,4 @@ class ModelCapabilities:
             if all(values[p.name] == p.neutral for p in c.params):
                 continue  # asks nothing: its row feature keeps its neutral fields
             c.check(values, self.settings[c.name])
-            out[c.name] = c.prepare(values, self.settings[c.name])
-        return out
+            yield c, values

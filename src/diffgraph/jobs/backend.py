@@ -25,8 +25,9 @@ from ..image_metadata import request_fields
 from ..request import (EngineClosed, EngineStepError, GenerationRequest, ModelInfo, ParamError, QueueFullError,
                        RequestAborted)
 from ..api.config import ServerConfig
-from ..api.protocol import APIError, ImageGenerationRequest, error_from_param_error, error_from_validation
-from ..api.protocol import generation_request
+from ..api.protocol import (APIError, ImageGenerationRequest, decode_images, error_from_param_error,
+                            error_from_validation, generation_request)
+from .spec import extras_of, fields_of
 from .store import Candidate
 
 RETRYABLE_STATUS = (429, 503)
@@ -126,15 +127,43 @@ class EngineBackend:
 
 def build_request(config: ServerConfig, info: ModelInfo, body: dict[str, Any], seed: int,
                   job: str, like: GenerationRequest | None = None, share: str | None = None) -> GenerationRequest:
-    """An item's images request fields with one seed -> the validated batch-class request of one image. `like`: a
-    request built from the same body (another seed), whose decoded images (controls, image prompts) this one shares
-    rather than decoding its own copies."""
+    """An item's images request fields and capability parameters with one seed -> the validated batch-class request
+    of one image. `like`: a request built from the same body (another seed), whose decoded images (controls, image
+    prompts, a capability's images) this one shares rather than decoding its own copies."""
     try:
-        params = ImageGenerationRequest.model_validate({**body, "n": 1, "seed": seed})
+        params = ImageGenerationRequest.model_validate({**fields_of(body), "n": 1, "seed": seed})
         shared = {} if like is None else {"controls": like.controls, "image_prompts": like.image_prompts}
-        request = generation_request(info, config, params, **shared)
+        extras = extension_values(config, info, extras_of(body), like)
+        request = generation_request(info, config, params, extras=extras, **shared)
     except ValidationError as e:
         raise CandidateError(error_from_validation(e).message, retryable=False) from None
     except APIError as e:
         raise CandidateError(e.message, retryable=False) from None
     return dataclasses.replace(request, priority="batch", job=job, share=share)
+
+
+def extension_values(config: ServerConfig, info: ModelInfo, extras: dict[str, Any],
+                     like: GenerationRequest | None = None) -> dict[str, Any]:
+    """An item's capability parameters as a request's `extras`: the base64 images of those that take images
+    (`ModelInfo.extension_images`) decoded, as the images route decodes them, or `like`'s already decoded. APIError
+    naming the field."""
+    out = dict(extras)
+    decoded = dict(like.extras) if like is not None else {}
+    for name in set(info.extension_images) & set(out):
+        out[name] = decoded[name] if name in decoded else decode_images(name, out[name], config.max_image_bytes,
+                                                                        config.max_image_pixels)
+    return out
+
+
+def item_request(config: ServerConfig, info: ModelInfo, params: ImageGenerationRequest, extras: dict[str, Any],
+                 check_extras: Callable[[GenerationRequest], None] | None = None) -> GenerationRequest:
+    """A job item's request checked as the images route checks a body (`generation_request`), its capability
+    parameters' values too when `check_extras` (an in-process engine's, `AsyncEngine.check_extras`) is given: what a
+    job is checked by before it is stored. APIError naming the field."""
+    request = generation_request(info, config, params, extras=extension_values(config, info, extras))
+    if check_extras is not None:
+        try:
+            check_extras(request)
+        except ParamError as e:
+            raise error_from_param_error(e, info.extension_params) from None
+    return request

@@ -81,9 +81,10 @@ class Tally:
         return 1 if self.failed else 0
 
 
-def read_spec(args: argparse.Namespace, data: bytes, form: str, out: str, check: Callable[[Any], object] | None
-              ) -> JobSpec:
-    """The job file, its drawn seeds replaced by those a previous run kept in DIR (and the new ones kept)."""
+def read_spec(args: argparse.Namespace, data: bytes, form: str, out: str, check: Callable[..., object] | None,
+              extras: tuple[str, ...]) -> JobSpec:
+    """The job file, its drawn seeds replaced by those a previous run kept in DIR (and the new ones kept). `check`
+    and `extras`: parse_job's (the model's, once it is known)."""
     import dataclasses
 
     from .files import write_image
@@ -91,7 +92,7 @@ def read_spec(args: argparse.Namespace, data: bytes, form: str, out: str, check:
 
     try:
         limits = SpecLimits(max_items=args.max_items, max_candidates=args.max_items * MAX_CANDIDATES)  # this machine's
-        spec = parse_job(data, form, limits, check)
+        spec = parse_job(data, form, limits, check, extras=extras)
     except SpecError as e:
         raise ValueError(f"{args.file}: {e.message}") from None
     path = os.path.join(out, MANIFEST)

@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import os
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..capability_settings import BUILTIN_PARAMS
 from ..cli_flags import add_checkpoint_arguments
 from .batch_work import Tally, Work, already_there, plan, read_spec, spec_sheets, write_sheets
 
@@ -96,10 +98,10 @@ def run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} is not a writable folder; choose another")
     form = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}.get(os.path.splitext(args.file)[1].lower(), "auto")
 
-    def read(check: Callable[[Any], object] | None) -> JobSpec:
-        return read_spec(args, data, form, out, check)
+    def read(check: Callable[..., object] | None, extras: tuple[str, ...] = BUILTIN_PARAMS) -> JobSpec:
+        return read_spec(args, data, form, out, check, extras)
 
-    read(None)  # its form first, before a model loads
+    read(None)  # its form first, before a model loads (the built-in capabilities' parameters let through)
     with progress_for(args) as progress:
         if args.url is not None:
             from .cli_remote import run_remote
@@ -114,7 +116,7 @@ def run_batch(args: argparse.Namespace) -> int:
     return tally.summary(args.out)
 
 
-def run_local(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: str, progress: Progress) -> Tally:
+def run_local(args: argparse.Namespace, read: Callable[..., JobSpec], out: str, progress: Progress) -> Tally:
     from ..api.config import ServerConfig
 
     model = args.model
@@ -132,17 +134,18 @@ def run_local(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: str
     from ..config import default_cpu_threads
     from ..engine.async_engine import AsyncEngine
     from ..engine.engine import Engine, default_device
-    from ..api.protocol import generation_request
+    from .backend import item_request
 
     if (args.device or default_device()).startswith("cpu"):
         torch.set_num_threads(default_cpu_threads())  # as the server does
     engine = Engine(**config.engine_kwargs())
     try:
-        info = engine.info
-        spec = read(lambda params: generation_request(info, config, params))  # the model's rules, before any image
+        info, client = engine.info, AsyncEngine(engine)
+        # the model's rules (the server's check of a job), before any image
+        spec = read(partial(item_request, config, info, check_extras=client.check_extras), info.extension_params)
         tally = Tally(spec, progress)
         todo = already_there(plan(spec, config, info, out, lambda body: ()), tally)
-        asyncio.run(_make_all(AsyncEngine(engine), config, todo, args.inflight or 2 * info.max_rows, tally))
+        asyncio.run(_make_all(client, config, todo, args.inflight or 2 * info.max_rows, tally))
     finally:
         engine.close()
     return tally

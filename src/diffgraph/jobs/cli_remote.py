@@ -19,6 +19,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..capability_settings import BUILTIN_PARAMS
 from .batch_work import MANIFEST, Tally, Work, already_there, plan
 
 if TYPE_CHECKING:
@@ -71,7 +72,9 @@ def _model_info(body: dict[str, Any], url: str) -> ModelInfo:
                      device="remote", samplers=tuple(body["samplers"]), schedules=tuple(body["schedules"]),
                      default_sampler=body["default_sampler"], default_schedule=body["default_schedule"],
                      size_multiple=body["size_multiple"], guidance=body.get("guidance") or "cfg",
-                     default_steps=body.get("default_steps"))
+                     default_steps=body.get("default_steps"),
+                     extension_params=tuple(body.get("extension_params") or ()),
+                     extension_images=tuple(body.get("extension_images") or ()))
 
 
 def _server_settings(body: dict[str, Any]) -> tuple[str, ...]:
@@ -118,7 +121,7 @@ def run_remote(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: st
         with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(120.0, connect=10.0)) as client:
             progress.phase(f"asking {url}")
             info = _model_info(_answer(client.get("/info"), url), url)
-            spec = read(None)  # the server checks the items against its model
+            spec = read(None, info.extension_params or BUILTIN_PARAMS)  # the server checks the items against its model
             tally = Tally(spec, progress)
             todo = already_there(plan(spec, ServerConfig(model=info.name), info, out, _server_settings), tally)
             if not todo:

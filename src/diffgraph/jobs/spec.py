@@ -18,6 +18,10 @@ varied fields (`vary`), in that order, every item with the grid's seeds as its c
 is the same as `seeds`; without seeds, n of them are drawn once for the whole grid, so its cells compare). LoRAs may
 be written as [name, scale] pairs or {"name", "scale"} objects.
 
+An item may also carry the served model's capability parameters (`ModelInfo.extension_params`, such as
+`step_cache`), as an images body does beside its own fields; they are stored with the item, checked with it and
+passed to the request as its `extras` (a grid's `base` and `vary` take them too).
+
 Everything is refused before anything runs, with a SpecError (a 400 at the HTTP edge) whose one line names the line
 or item and the field and says what to do: malformed JSON with its line number, unknown fields, values the images
 API refuses (the item is checked as the images route checks a body, by `check`: the served model's own rules),
@@ -50,7 +54,8 @@ MAX_VARIED = 2        # fields a grid varies (besides the prompt and the seeds)
 MAX_NAME = 200
 DRAWN_SEEDS = 2**31   # as GenerationRequest.create draws a seed
 
-ItemCheck = Callable[[ImageGenerationRequest], object]  # raises APIError naming the body field (the images rules)
+# (the item's images fields, its capability parameters) -> raises APIError naming the body field (the images rules)
+ItemCheck = Callable[[ImageGenerationRequest, dict[str, Any]], object]
 
 
 class SpecError(ValueError):
@@ -63,8 +68,8 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class JobItem:
-    """One item: its images request fields (JSON, without n and seeds; LoRAs as {"name", "scale"}) and one seed per
-    candidate."""
+    """One item: its images request fields and capability parameters (JSON, without n and seeds; LoRAs as {"name",
+    "scale"}) and one seed per candidate."""
 
     body: dict[str, Any]
     seeds: tuple[int, ...]
@@ -93,10 +98,11 @@ class SpecLimits:
 
 
 def parse_job(data: bytes, form: str, limits: SpecLimits, check: ItemCheck | None = None,
-              name: str | None = None, webhook: str | None = None) -> JobSpec:
+              name: str | None = None, webhook: str | None = None, extras: tuple[str, ...] = ()) -> JobSpec:
     """The job in `data`: `form` "json" ({"items"} or {"grid"}), "jsonl" (an item a line) or "auto" (a JSON object
     with items or grid is JSON, anything else JSONL). `name` and `webhook` are the JSONL form's (query parameters, or
-    what the JSON body does not say). Raises SpecError."""
+    what the JSON body does not say). `extras`: the capability parameters an item may carry (the model's
+    `extension_params`). Raises SpecError."""
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -104,13 +110,13 @@ def parse_job(data: bytes, form: str, limits: SpecLimits, check: ItemCheck | Non
     if form == "auto":
         form = "json" if _looks_like_json_job(text) else "jsonl"
     if form == "json":
-        top, raw = _json_job(text, limits)
+        top, raw = _json_job(text, limits, extras)
         name, webhook = top.get("name", name), top.get("webhook", webhook)
     else:
         raw = _jsonl_items(text, limits)
     items, candidates = [], 0
     for where, fields, drawn in raw:
-        items.append(_item(where, fields, check, drawn))
+        items.append(_item(where, fields, check, drawn, extras))
         candidates += items[-1].n
         if candidates > limits.max_candidates:
             raise SpecError(f"the job has more than {limits.max_candidates} candidate images (at {where}); this "
@@ -185,7 +191,8 @@ def _json_error(e: Exception) -> SpecError:
                      "or one JSON item a line (Content-Type: application/x-ndjson)")
 
 
-def _json_job(text: str, limits: SpecLimits) -> tuple[dict[str, Any], list[tuple[str, Any, bool]]]:
+def _json_job(text: str, limits: SpecLimits,
+              extras: tuple[str, ...]) -> tuple[dict[str, Any], list[tuple[str, Any, bool]]]:
     """The top-level fields and the items of a JSON job. The items array is read one item at a time and stops past
     the limit, so an oversized job is refused without building every item."""
     dec = json.JSONDecoder()
@@ -225,7 +232,7 @@ def _json_job(text: str, limits: SpecLimits) -> tuple[dict[str, Any], list[tuple
         raise SpecError("items must be a list of items, e.g. [{\"prompt\": \"a red fox\", \"n\": 4}]", "items")
     if (items is None) == ("grid" not in top):
         raise SpecError("give items (a list) or grid (prompts x seeds x varied fields), one of them", "items")
-    return top, items if items is not None else list(_grid(top["grid"], limits))
+    return top, items if items is not None else list(_grid(top["grid"], limits, extras))
 
 
 def _json_items(text: str, pos: int, dec: json.JSONDecoder,
@@ -246,7 +253,7 @@ def _json_items(text: str, pos: int, dec: json.JSONDecoder,
 
 
 # -- the grid ---------------------------------------------------------------------------------------------------
-def _grid(grid: Any, limits: SpecLimits) -> Iterator[tuple[str, Any, bool]]:
+def _grid(grid: Any, limits: SpecLimits, extras: tuple[str, ...]) -> Iterator[tuple[str, Any, bool]]:
     if not isinstance(grid, dict):
         raise SpecError("grid must be an object: {\"prompts\": [...], \"seeds\": [...], \"vary\": {...}, \"base\": "
                         "{...}}", "grid")
@@ -273,10 +280,11 @@ def _grid(grid: Any, limits: SpecLimits) -> Iterator[tuple[str, Any, bool]]:
                 raise SpecError(f"grid.vary.{key} and grid.seeds both give the seeds; give one", f"grid.vary.{key}")
             candidates.pop("seed", None)
             candidates["seeds"] = vary.pop(key)
+    variable = tuple(f for f in REQUEST_FIELDS + extras if f != "prompt")
     for field, values in vary.items():
-        if field not in REQUEST_FIELDS or field == "prompt":
+        if field not in variable:
             raise SpecError(f"grid.vary.{field} cannot be varied; vary one or two of "
-                            f"{', '.join(f for f in REQUEST_FIELDS if f != 'prompt')} (the prompts come from "
+                            f"{', '.join(variable)} (the prompts come from "
                             "grid.prompts, the seeds from grid.seeds)", f"grid.vary.{field}")
         if not isinstance(values, list) or not values:
             raise SpecError(f"grid.vary.{field} must be a non-empty list of values", f"grid.vary.{field}")
@@ -305,7 +313,7 @@ def _grid(grid: Any, limits: SpecLimits) -> Iterator[tuple[str, Any, bool]]:
 
 
 # -- one item ---------------------------------------------------------------------------------------------------
-def _item(where: str, fields: Any, check: ItemCheck | None, drawn: bool) -> JobItem:
+def _item(where: str, fields: Any, check: ItemCheck | None, drawn: bool, extras: tuple[str, ...]) -> JobItem:
     if not isinstance(fields, dict):
         raise SpecError(f"{where}: an item is a JSON object such as {{\"prompt\": \"a red fox\", \"n\": 4}}, got "
                         f"{type(fields).__name__}", where)
@@ -313,11 +321,11 @@ def _item(where: str, fields: Any, check: ItemCheck | None, drawn: bool) -> JobI
         if key in EXCLUDED:
             raise SpecError(f"{where}: {key} has no meaning in a job (its images are stored and served at "
                             "/v1/jobs/ID/images/NAME); leave it out", f"{where}.{key}")
-        if key not in ITEM_FIELDS:
-            raise SpecError(f"{where}: unknown field {key!r}; an item takes {', '.join(ITEM_FIELDS)}",
+        if key not in ITEM_FIELDS + extras:
+            raise SpecError(f"{where}: unknown field {key!r}; an item takes {', '.join(ITEM_FIELDS + extras)}",
                             f"{where}.{key}")
     _, seeds, drawn_here = _candidates(where, fields)
-    body = {k: v for k, v in fields.items() if k in REQUEST_FIELDS and v is not None}
+    body = {k: v for k, v in fields.items() if k not in ("n", "seed", "seeds") and v is not None}
     if "loras" in body:
         body["loras"] = _loras(where, body["loras"])
     _check_text(where, body)
@@ -325,15 +333,25 @@ def _item(where: str, fields: Any, check: ItemCheck | None, drawn: bool) -> JobI
         raise SpecError(f"{where}: output_format {body['output_format']!r}: a job stores PNG images (with their "
                         "settings inside); leave output_format out", f"{where}.output_format")
     try:
-        params = ImageGenerationRequest.model_validate({**body, "n": 1, "seed": seeds[0]})
+        params = ImageGenerationRequest.model_validate({**fields_of(body), "n": 1, "seed": seeds[0]})
         if check is not None:
-            check(params)
+            check(params, extras_of(body))
     except ValidationError as e:
         err = error_from_validation(e)
         raise SpecError(f"{where}: {err.message}", f"{where}.{err.param}") from None
     except APIError as e:
         raise SpecError(f"{where}: {e.message}", f"{where}.{e.param}" if e.param else where) from None
     return JobItem(body, seeds, drawn or drawn_here)
+
+
+def fields_of(body: dict[str, Any]) -> dict[str, Any]:
+    """An item's images request fields (what ImageGenerationRequest reads)."""
+    return {k: v for k, v in body.items() if k in REQUEST_FIELDS}
+
+
+def extras_of(body: dict[str, Any]) -> dict[str, Any]:
+    """An item's capability parameters (the request's `extras`): its fields that are not the images API's."""
+    return {k: v for k, v in body.items() if k not in ITEM_FIELDS}
 
 
 def _check_text(where: str, value: Any) -> None:

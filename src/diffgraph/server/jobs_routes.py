@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..jobs.backend import EngineBackend
+from ..jobs.backend import EngineBackend, item_request
 from ..jobs.coordinator import Coordinator, CoordinatorSettings
 from ..jobs.references import References
 from ..jobs.spec import JobSpec, SpecError, SpecLimits, parse_job
@@ -41,7 +41,6 @@ from .auth import caller_key
 from .bodies import read_body
 from .context import AppContext, error_response
 from ..api.protocol import APIError, ImageGenerationRequest, error_from_param_error
-from ..api.protocol import generation_request
 from .requests import ServerState, submit
 
 logger = logging.getLogger("diffgraph.jobs")
@@ -152,12 +151,14 @@ class JobRequests:
                            code="job_not_found")
         return store, coordinator, row
 
-    def check(self, info: ModelInfo) -> Callable[[ImageGenerationRequest], object]:
+    def check(self, info: ModelInfo) -> Callable[[ImageGenerationRequest, dict[str, Any]], object]:
         config, state = self.config, self.state
         named = self.references.checker()  # one job's: each LoRA, ControlNet, ... looked up once
+        check = state.engine.check_extras if state.engine is not None else None
 
-        def item(params: ImageGenerationRequest) -> object:  # the images route's rules, its pixel limit, the names
-            request = generation_request(info, config, params)
+        def item(params: ImageGenerationRequest, extras: dict[str, Any]) -> object:
+            # the images route's rules, its pixel limit, the names, the capability parameters' values
+            request = item_request(config, info, params, extras, check)
             pixels = request.width * request.height
             if state.max_pixels is not None and pixels > state.max_pixels:
                 raise APIError(400, f"size {request.width}x{request.height} is {pixels} pixels; this server takes at "
@@ -184,7 +185,7 @@ class JobRequests:
         try:
             spec = await asyncio.to_thread(parse_job, body, _form(http.headers.get("content-type", "")), self.limits,
                                            self.check(info), http.query_params.get("name"),
-                                           http.query_params.get("webhook"))
+                                           http.query_params.get("webhook"), info.extension_params)
             if spec.webhook is not None:
                 check_webhook(spec.webhook, self.config.webhook_allow)
         except SpecError as e:

@@ -77,8 +77,8 @@ def _rgb(value: Any, index: int) -> Any:
     return value.convert("RGB")
 
 
-def preprocess(images: tuple[Any, ...]) -> tuple[Reference, ...]:
-    """The pipeline's reference preprocessing (see the module's docstring), on the submitting thread."""
+def checked(images: tuple[Any, ...]) -> list[Any]:
+    """The references as PIL RGB images, each one the pipeline takes; ParamError naming the field otherwise."""
     from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
     if len(images) > MAX_REFERENCES:
@@ -86,11 +86,21 @@ def preprocess(images: tuple[Any, ...]) -> tuple[Reference, ...]:
     processor = Flux2ImageProcessor(vae_scale_factor=MULTIPLE)
     out = []
     for i, value in enumerate(images):
-        img = _rgb(value, i)
+        out.append(_rgb(value, i))
         try:
-            processor.check_image_input(img)
+            processor.check_image_input(out[-1])
         except ValueError as e:
             raise ParamError(NAME, f"{NAME}[{i}]: {e}") from None
+    return out
+
+
+def preprocess(images: tuple[Any, ...]) -> tuple[Reference, ...]:
+    """The pipeline's reference preprocessing (see the module's docstring), on the submitting thread."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    processor = Flux2ImageProcessor(vae_scale_factor=MULTIPLE)
+    out = []
+    for img in checked(images):
         if img.size[0] * img.size[1] > MAX_AREA:
             img = processor._resize_to_target_area(img, MAX_AREA)
         w, h = (img.size[0] // MULTIPLE) * MULTIPLE, (img.size[1] // MULTIPLE) * MULTIPLE
@@ -109,6 +119,9 @@ class ReferenceImages(Capability):
 
     def __init__(self, bucket: int):
         self.bucket = bucket
+
+    def check(self, values: dict[str, Any], settings: Any) -> None:
+        checked(tuple(values[NAME]))
 
     def prepare(self, values: dict[str, Any], settings: Any) -> tuple[Reference, ...]:
         return preprocess(tuple(values[NAME]))
