@@ -93,7 +93,7 @@ class _Counter:
 
 
 @pytest.mark.parametrize("name,threshold,guidance,steps", [
-    ("Z-Image-Turbo", 0.3, 1.0, 8), ("Z-Image", 0.3, 3.0, 8)])
+    ("Z-Image-Turbo", 0.7, 1.0, 8), ("Z-Image", 0.7, 3.0, 8)])
 def test_first_block_equals_the_rule_by_hand_on_the_pipeline(folders, engines, name, threshold, guidance, steps):
     engine, pipe = engines[name], folders[name][1]
     kw = _kw(_fb(threshold), guidance_scale=guidance, num_inference_steps=steps)
@@ -120,10 +120,10 @@ def test_threshold_0_is_the_uncached_image_and_a_huge_one_reuses_after_the_first
 
 def test_first_block_taylorseer_and_uncached_rows_together_equal_each_alone(engines):
     engine = engines["Z-Image"]
-    requests = [_kw(_fb(0.3), seed=1, guidance_scale=3.0, num_inference_steps=8),
+    requests = [_kw(_fb(0.7), seed=1, guidance_scale=3.0, num_inference_steps=8),
                 _kw(seed=2, guidance_scale=3.0),
                 _kw({"method": "taylorseer", "interval": 2}, seed=3, num_inference_steps=7),
-                _kw(_fb(0.5), seed=4, prompt="a lighthouse on a cliff at dusk, waves", num_inference_steps=7),
+                _kw(_fb(0.75), seed=4, prompt="a lighthouse on a cliff at dusk, waves", num_inference_steps=7),
                 _kw({"method": "taylorseer", "interval": 3, "order": 2}, seed=5, guidance_scale=2.0)]
     alone = [images_together(engine, [r])[0] for r in requests]
     together = images_together(engine, requests)
@@ -191,8 +191,8 @@ def test_the_server_default_and_a_bad_threshold_over_http_is_a_one_line_400(fold
     from server_util import served
 
     path = folders["Z-Image-Turbo"][0]
-    cached = images_together(engines["Z-Image-Turbo"], [_kw(_fb(0.3))])[0]
-    settings = {"step_cache": {"step_cache": '{"method": "first_block", "threshold": 0.3}'}}
+    cached = images_together(engines["Z-Image-Turbo"], [_kw(_fb(0.7))])[0]
+    settings = {"step_cache": {"step_cache": '{"method": "first_block", "threshold": 0.7}'}}
     with Engine(model=path, device="cpu", capability_settings=settings) as e:
         np.testing.assert_array_equal(images_together(e, [_kw()])[0], cached)
         with served(e, ServerConfig(model=path, device="cpu")) as client:
@@ -218,6 +218,6 @@ def test_in_graph_mode_steps_with_first_block_rows_run_eagerly_and_equal_the_eag
     eager = engines["Z-Image-Turbo"]
     cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated")
     with Engine(model=folders["Z-Image-Turbo"][0], device="cpu", mode="graph", graphs=cfg) as g:
-        request = _kw(_fb(0.3), num_inference_steps=4)
+        request = _kw(_fb(0.7), num_inference_steps=4)
         np.testing.assert_array_equal(images_together(g, [request])[0], images_together(eager, [request])[0])
         assert not any(r.get("replays") for r in g.runner.graph_runner.table() if r["kind"] == "step")
