@@ -14,26 +14,10 @@ from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.models.families.first_block_cache import FirstBlockStep, forced, run_blocks
 
 from loop_util import images_together
+from test_token_cache import _kw, engines  # noqa: F401 (its module-scoped engines fixture)
 from test_zimage import folders, oracle  # noqa: F401 (its module-scoped folders fixture)
 
-SIZE = dict(height=64, width=64)
 REAL_TOKENS = 16  # 64x64: an 8x8 latent in 2x2 patches
-
-
-@pytest.fixture(scope="module")
-def engines(folders):
-    made = {name: Engine(model=path, device="cpu") for name, (path, _) in folders.items()}
-    yield made
-    for e in made.values():
-        e.close()
-
-
-def _kw(cache=None, **kw):
-    out = dict(prompt="a red fox in the snow", num_inference_steps=6, seed=7, **SIZE)
-    out.update(kw)
-    if cache is not None:
-        out["extras"] = {"step_cache": cache}
-    return out
 
 
 def _fb(threshold):
@@ -168,22 +152,6 @@ def test_the_remaining_blocks_run_over_the_gathered_computing_rows_only():
     torch.testing.assert_close(kept[[0, 1, 3]], before[[0, 1, 3]])
     assert FirstBlockStep((0,), (0,), (0,), (0.5,), (True,)).decided()
     assert FirstBlockStep((0,), (0,), (0,), (0.0,), (False,)).decided()
-
-
-BAD = [(_fb(float("nan")), "step_cache.threshold", "finite number >= 0"),
-       (_fb(-0.1), "step_cache.threshold", "finite number >= 0"),
-       ({"method": "first_block"}, "step_cache.threshold", "missing"),
-       (_fb("0.1"), "step_cache.threshold", "finite number >= 0"),
-       (_fb(True), "step_cache.threshold", "finite number >= 0"),
-       ({"method": "first_block", "threshold": 0.1, "interval": 2}, "step_cache.interval", "no field")]
-
-
-def test_bad_values_are_one_line_param_errors_naming_the_field(engines):
-    engine = engines["Z-Image-Turbo"]
-    for value, field, words in BAD:
-        with pytest.raises(ParamError) as e:
-            engine.submit(GenerationRequest.create(model=engine.info, **_kw(value)))
-        assert e.value.param == field and words in str(e.value) and "\n" not in str(e.value), (value, str(e.value))
 
 
 def test_the_server_default_and_a_bad_threshold_over_http_is_a_one_line_400(folders, engines):
