@@ -7,8 +7,9 @@ measures: every interval x branch x schedule, with the full evaluations and the 
 
     PYTHONPATH=src python tools/step_cache_quality.py [--models digits digits-xl] [--per-digit 3] [--steps N]
 
-Named settings on one model (BENCHMARKS.md's TaylorSeer table; one JSON line per setting, "off" first, and a markdown
-table):
+Named settings on one model (BENCHMARKS.md's TaylorSeer and first-block tables; one JSON line per setting, "off"
+first, and a markdown table; `full` counts the rows the transformer's second block ran over, so a first-block cache's
+data-dependent full evaluations are measured):
 
     PYTHONPATH=src python3 tools/step_cache_quality.py --model digits-zimage --per-digit 4 \
         --settings '{"method": "taylorseer", "interval": 2, "order": 1}' '{"method": "taylorseer", "interval": 3}'
@@ -56,7 +57,8 @@ class BlockRows:
 
 def named_settings(args: argparse.Namespace, oracle) -> None:
     """`--settings` on `--model`: one JSON line per setting and a markdown table (`full`: the rows the transformer's
-    remaining blocks ran over, as a share of the uncached run's: its full evaluations, a first-block cache's measured)."""
+    remaining blocks ran over as a share of the uncached run's, its full evaluations: a first-block cache's
+    measured)."""
     from diffgraph import Engine
 
     rows = []
