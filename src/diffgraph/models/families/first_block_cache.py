@@ -144,7 +144,7 @@ def run_blocks(blocks: Sequence[Block], u: torch.Tensor, args: Sequence[Any], im
     n, tokens = u.shape[0], image_mask.shape[1]
     u1 = blocks[0](u, *args)
     rows = _index(step.rows, u.device)
-    first = (u1[:, :tokens] - u[:, :tokens]).index_select(0, rows)
+    first = u1[:, :tokens].index_select(0, rows) - u[:, :tokens].index_select(0, rows)
     slots = _index(step.slots, u.device)
     old = kept.index_select(0, slots)
     reuse = _reuse(step, first, old[:, 0], image_mask.index_select(0, rows))
@@ -159,7 +159,7 @@ def run_blocks(blocks: Sequence[Block], u: torch.Tensor, args: Sequence[Any], im
         for block in blocks[1:]:
             part = block(part, *part_args)
         out = part if len(run) == n else u1.index_copy(0, idx, part)
-    computing = [i for i in range(len(step.rows)) if i not in set(reusing)]
+    computing = [i for i, g in enumerate(step.group) if not reuse[g]]
     if computing:
         at = _index(computing, u.device)
         local = rows.index_select(0, at)
