@@ -112,11 +112,14 @@ def _pick(args: Sequence[Any], idx: torch.Tensor, n: int) -> list[Any]:
     return [a.index_select(0, idx) if isinstance(a, torch.Tensor) and a.shape[:1] == (n,) else a for a in args]
 
 
-def _reuse(step: FirstBlockStep, first: torch.Tensor, prev: torch.Tensor, real: torch.Tensor) -> list[bool]:
-    """Per group, whether it reuses: the relative mean absolute difference of its first-block residuals (over its real
-    image tokens and branches) below its threshold, unless forced. One device-to-host copy (the step's sync)."""
+def _reuse(step: FirstBlockStep, first: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor,
+           real: torch.Tensor) -> list[bool]:
+    """Per group, whether it reuses: the relative mean absolute difference of its first-block residuals `first` and
+    kept ones (over its real image tokens and branches) below its threshold, unless forced. One device-to-host copy
+    (the step's sync)."""
     if step.decided():
         return [False] * len(step.force)
+    prev = kept[:, 0].index_select(0, slots)
     w = real.unsqueeze(-1).float()
     num = ((first.float() - prev.float()).abs() * w).sum(dim=(1, 2))
     den = (prev.float().abs() * w).sum(dim=(1, 2))
@@ -146,8 +149,7 @@ def run_blocks(blocks: Sequence[Block], u: torch.Tensor, args: Sequence[Any], im
     rows = _index(step.rows, u.device)
     first = u1[:, :tokens].index_select(0, rows) - u[:, :tokens].index_select(0, rows)
     slots = _index(step.slots, u.device)
-    old = kept.index_select(0, slots)
-    reuse = _reuse(step, first, old[:, 0], image_mask.index_select(0, rows))
+    reuse = _reuse(step, first, kept, slots, image_mask.index_select(0, rows))
     reusing = [i for i, g in enumerate(step.group) if reuse[g]]
     skip = {step.rows[i] for i in reusing}
     run = [j for j in range(n) if j not in skip] if step.gather else list(range(n))
@@ -169,7 +171,8 @@ def run_blocks(blocks: Sequence[Block], u: torch.Tensor, args: Sequence[Any], im
     if reusing:
         at = _index(reusing, u.device)
         local = rows.index_select(0, at)
-        image = u1[:, :tokens].index_select(0, local) + old.index_select(0, at)[:, 1].to(u1.dtype)
+        rest = kept[:, 1].index_select(0, slots.index_select(0, at)).to(u1.dtype)
+        image = u1[:, :tokens].index_select(0, local) + rest
         out = out.clone() if out is u1 else out
         out[:, :tokens] = out[:, :tokens].index_copy(0, local, image)
     return out
