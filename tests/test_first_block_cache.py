@@ -15,7 +15,7 @@ from diffgraph.models.families.first_block_cache import FirstBlockStep, forced, 
 
 from loop_util import images_together
 from test_token_cache import _kw, engines  # noqa: F401 (its module-scoped engines fixture)
-from test_zimage import folders, oracle  # noqa: F401 (its module-scoped folders fixture)
+from test_zimage import folders  # noqa: F401 (its module-scoped folders fixture)
 
 REAL_TOKENS = 16  # 64x64: an 8x8 latent in 2x2 patches
 
@@ -30,7 +30,8 @@ class _ByHand(torch.nn.Module):
     def __init__(self, layers, threshold: float):
         super().__init__()
         self.inner, self.threshold = layers, threshold
-        self.kept, self.full, self.reused = None, 0, 0
+        self.kept, self.rows, self.reused = None, 0, 0  # rows: the batch items of its full evaluations
+        self.log = []  # (batch items, reused) per evaluation
 
     def forward(self, u, *args):
         u1 = self.inner[0](u, *args)
@@ -39,22 +40,29 @@ class _ByHand(torch.nn.Module):
             previous, rest = self.kept
             if ((first - previous).abs().mean() / previous.abs().mean()).item() < self.threshold:
                 self.reused += 1
+                self.log.append((u.shape[0], True))
                 return u1 + rest
         out = u1
         for layer in self.inner[1:]:
             out = layer(out, *args)
         self.kept = (first, out - u1)
-        self.full += 1
+        self.rows += u.shape[0]
+        self.log.append((u.shape[0], False))
         return out
 
 
-def _by_hand(pipe, threshold: float, steps: int, guidance: float) -> tuple[np.ndarray, _ByHand]:
+def _by_hand(pipe, threshold: float, steps: int, guidance: float, **options) -> tuple[np.ndarray, _ByHand]:
+    """The pipeline's image of `_kw`'s request at diffgraph's `guidance` with the rule by hand; `options` the
+    pipeline's (cfg_truncation)."""
     net = pipe.transformer
     layers = net.layers
     hand = _ByHand(layers, threshold)
     net.layers = torch.nn.ModuleList([hand])
     try:
-        return oracle(pipe, "a red fox in the snow", (64, 64), steps, guidance, 7), hand
+        image = pipe(prompt="a red fox in the snow", height=64, width=64, num_inference_steps=steps,
+                     guidance_scale=guidance - 1.0, generator=torch.Generator().manual_seed(7), output_type="np",
+                     **options).images[0]
+        return (image * 255).round().astype(np.int16), hand
     finally:
         net.layers = layers
 
@@ -76,19 +84,23 @@ class _Counter:
         self._handle.remove()
 
 
-@pytest.mark.parametrize("name,threshold,guidance,steps", [
-    ("Z-Image-Turbo", 0.7, 1.0, 8), ("Z-Image", 0.7, 3.0, 8)])
-def test_first_block_equals_the_rule_by_hand_on_the_pipeline(folders, engines, name, threshold, guidance, steps):
+@pytest.mark.parametrize("name,threshold,guidance,truncation", [
+    ("Z-Image-Turbo", 0.7, 1.0, 1.0), ("Z-Image", 0.7, 3.0, 1.0), ("Z-Image", 0.9, 3.0, 0.1)])
+def test_first_block_equals_the_rule_by_hand_on_the_pipeline(folders, engines, name, threshold, guidance, truncation):
+    """Truncation 0.1: guidance stops midway, the evaluation after it (one branch) runs full, as by hand."""
     engine, pipe = engines[name], folders[name][1]
-    kw = _kw(_fb(threshold), guidance_scale=guidance, num_inference_steps=steps)
+    kw = _kw(guidance_scale=guidance, num_inference_steps=8)
+    kw["extras"] = {"step_cache": _fb(threshold), **({"cfg_truncation": truncation} if truncation < 1 else {})}
     with _Counter(engine) as counter:
         got = images_together(engine, [kw])[0]
-    plain = images_together(engine, [_kw(guidance_scale=guidance, num_inference_steps=steps)])[0]
-    want, hand = _by_hand(pipe, threshold, steps, guidance)
+    plain = images_together(engine, [dict(kw, extras={k: v for k, v in kw["extras"].items() if k != "step_cache"})])[0]
+    want, hand = _by_hand(pipe, threshold, 8, guidance, cfg_truncation=truncation)
     assert np.abs(got - want).max() <= 1
-    branches = 2 if guidance > 1 else 1
-    assert 0 < hand.reused < steps and counter.rows == hand.full * branches  # the same evaluations reused
+    assert 0 < hand.reused < 8 and counter.rows == hand.rows  # the same evaluations reused
     assert np.abs(got - plain).max() > 1  # it reused something
+    if truncation < 1:
+        change = next(e for e, (items, _) in enumerate(hand.log) if items == 1)
+        assert 0 < change and not hand.log[change][1] and any(r for _, r in hand.log[change + 1:]), hand.log
 
 
 def test_threshold_0_is_the_uncached_image_and_a_huge_one_reuses_after_the_first_evaluation(engines):
