@@ -133,8 +133,9 @@ def test_a_cfg_branch_change_runs_full():
 
 def test_the_remaining_blocks_run_over_the_gathered_computing_rows_only():
     """`run_blocks` with stand-in blocks: a row whose first-block residual barely moved reuses its kept residual
-    (the second block does not see it); a forced one and a row without the method compute and the forced one keeps
-    its residuals anew; the host-decided step (all forced) reads nothing back."""
+    (gathered, the second block does not see it; not gathered, it does, and its output is replaced); a forced one and
+    a row without the method compute and the forced one keeps its residuals anew; a step the host decided (all
+    forced) computes every row whatever is kept (NaN here)."""
     g = torch.Generator().manual_seed(0)
     n, tokens, width = 3, 4, 5
     u = torch.randn(n, tokens + 2, width, generator=g)
@@ -148,22 +149,30 @@ def test_the_remaining_blocks_run_over_the_gathered_computing_rows_only():
         return h * h + scale
     scale = torch.randn(n, 1, 1, generator=g)
     mask = torch.ones(n, tokens, dtype=torch.bool)
-    r1 = first(u, scale) - u
+    u1 = first(u, scale)
+    full = second(u1, scale)
+    r1 = u1 - u
     kept = torch.randn(4, 2, tokens, width, generator=g)
     kept[0, 0] = r1[0, :tokens] * 1.01  # row 0 (slot 0): 1% apart
     kept[2, 0] = r1[1, :tokens] * 2     # row 1 (slot 2): far apart, and forced anyway
     before = kept.clone()
-    step = FirstBlockStep((0, 1), (0, 2), (0, 1), (0.05, 0.05), (False, True))
-    out = run_blocks([first, second], u, (scale,), mask, (step, kept))
-    assert seen == [2]  # rows 1 and 2 only
-    u1 = first(u, scale)
-    full = second(u1, scale)
-    torch.testing.assert_close(out[0, :tokens], u1[0, :tokens] + before[0, 1])
-    torch.testing.assert_close(out[1:], full[1:])
-    torch.testing.assert_close(kept[2], torch.stack([r1[1, :tokens], (full - u1)[1, :tokens]]))
-    torch.testing.assert_close(kept[[0, 1, 3]], before[[0, 1, 3]])
-    assert FirstBlockStep((0,), (0,), (0,), (0.5,), (True,)).decided()
-    assert FirstBlockStep((0,), (0,), (0,), (0.0,), (False,)).decided()
+    for gather, rows in ((True, 2), (False, 3)):
+        kept.copy_(before)
+        seen.clear()
+        step = FirstBlockStep((0, 1), (0, 2), (0, 1), (0.05, 0.05), (False, True), gather)
+        out = run_blocks([first, second], u, (scale,), mask, (step, kept))
+        assert seen == [rows]  # gathered: rows 1 and 2 only
+        torch.testing.assert_close(out[0, :tokens], u1[0, :tokens] + before[0, 1])
+        torch.testing.assert_close(out[1:], full[1:])
+        torch.testing.assert_close(kept[2], torch.stack([r1[1, :tokens], (full - u1)[1, :tokens]]))
+        torch.testing.assert_close(kept[[0, 1, 3]], before[[0, 1, 3]])
+    kept.fill_(float("nan"))
+    forced_step = FirstBlockStep((0, 2), (0, 3), (0, 1), (0.5, 0.0), (True, False))
+    assert forced_step.decided()
+    out = run_blocks([first, second], u, (scale,), mask, (forced_step, kept))
+    torch.testing.assert_close(out, full)
+    torch.testing.assert_close(kept[3], torch.stack([r1[2, :tokens], (full - u1)[2, :tokens]]))
+    assert forced_step.relocate((0, 2)).rows == (0, 1)  # another cache ran the denoiser over rows 0 and 2
 
 
 def test_the_server_default_and_a_bad_threshold_over_http_is_a_one_line_400(folders, engines):
