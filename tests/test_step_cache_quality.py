@@ -85,3 +85,18 @@ def test_compare_on_a_transformer_reports_its_setting_without_unet_counts():
     assert "UNet" not in text and result.row.setting is None  # no DeepCache: no FLOPs counted
     assert 0 < result.row.mean_levels <= result.row.max_levels and 0 <= result.reference_score <= 1
     assert result.image.size == (2 * (64 + 4 + 64) + 8, 64)
+
+
+def test_the_named_settings_command_counts_a_first_block_cache_s_full_evaluations(monkeypatch, capsys):
+    import json
+    import runpy
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "step_cache_quality.py"
+    monkeypatch.setattr("sys.argv", [str(tool), "--model", "digits-zimage", "--per-digit", "1", "--settings",
+                                     '{"method": "first_block", "threshold": 0}',
+                                     '{"method": "first_block", "threshold": 1e9}'])
+    runpy.run_path(str(tool), run_name="__main__")
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["full"] for r in rows] == [1.0, 1.0, 1 / 8]  # off; threshold 0: every evaluation; huge: the first
+    assert rows[1]["mean_levels"] == 0 and rows[2]["mean_levels"] > 0 and all(r["images"] == 10 for r in rows)

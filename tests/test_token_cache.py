@@ -148,7 +148,14 @@ BAD = [({"method": "taylorseer", "interval": 0}, "step_cache.interval", "out of 
        ({"method": "deepcache", "interval": 3}, "step_cache.method", "UNet"),
        ({"method": "teacache"}, "step_cache.method", "taylorseer"),
        ({"method": "taylorseer", "every": 2}, "step_cache.every", "no field"),
-       ("sometimes", "step_cache", "unknown")]
+       ("sometimes", "step_cache", "unknown"),
+       # the first-block cache's (test_first_block_cache.py)
+       ({"method": "first_block", "threshold": float("nan")}, "step_cache.threshold", "finite number >= 0"),
+       ({"method": "first_block", "threshold": -0.1}, "step_cache.threshold", "finite number >= 0"),
+       ({"method": "first_block"}, "step_cache.threshold", "missing"),
+       ({"method": "first_block", "threshold": "0.1"}, "step_cache.threshold", "finite number >= 0"),
+       ({"method": "first_block", "threshold": True}, "step_cache.threshold", "finite number >= 0"),
+       ({"method": "first_block", "threshold": 0.1, "interval": 2}, "step_cache.interval", "no field")]
 
 
 def test_bad_values_are_one_line_param_errors_naming_the_field(engines):

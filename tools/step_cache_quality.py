@@ -7,8 +7,9 @@ measures: every interval x branch x schedule, with the full evaluations and the 
 
     PYTHONPATH=src python tools/step_cache_quality.py [--models digits digits-xl] [--per-digit 3] [--steps N]
 
-Named settings on one model (BENCHMARKS.md's TaylorSeer table; one JSON line per setting, "off" first, and a markdown
-table):
+Named settings on one model (BENCHMARKS.md's TaylorSeer and first-block tables; one JSON line per setting, "off"
+first, and a markdown table; `full` counts the rows the transformer's second block ran over, so a first-block cache's
+data-dependent full evaluations are measured):
 
     PYTHONPATH=src python3 tools/step_cache_quality.py --model digits-zimage --per-digit 4 \
         --settings '{"method": "taylorseer", "interval": 2, "order": 1}' '{"method": "taylorseer", "interval": 3}'
@@ -38,25 +39,49 @@ def images(engine, model: str, per_digit: int, cache) -> tuple[np.ndarray, np.nd
     return np.concatenate(out), np.array(asked)
 
 
+class BlockRows:
+    """Counts the rows a transformer's second block runs over (its full evaluations: a cached row skips it)."""
+
+    def __init__(self, engine):
+        self.rows = 0
+        layers = getattr(engine.model.denoiser, "layers", None)
+        self._handle = None if layers is None or len(layers) < 2 else layers[1].register_forward_pre_hook(self._count)
+
+    def _count(self, module, args) -> None:
+        self.rows += args[0].shape[0]
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
 def named_settings(args: argparse.Namespace, oracle) -> None:
-    """`--settings` on `--model`: one JSON line per setting and a markdown table."""
+    """`--settings` on `--model`: one JSON line per setting and a markdown table (`full`: the rows the transformer's
+    remaining blocks ran over as a share of the uncached run's, its full evaluations: a first-block cache's
+    measured)."""
     from diffgraph import Engine
 
     rows = []
     with Engine(model=args.model, device="cpu") as engine:
+        counter = BlockRows(engine)
         plain, asked = images(engine, args.model, args.per_digit, "off")
+        uncached = counter.rows
         for value in ["off", *args.settings]:
             cache = value if value in ("off", "auto") else json.loads(value)
+            counter.rows = 0
             got, _ = (plain, asked) if cache == "off" else images(engine, args.model, args.per_digit, cache)
             score = float((oracle.predict(got) == asked).mean())
             diff = np.abs(np.round(got * 255) - np.round(plain * 255))
             row = {"step_cache": cache, "oracle": score, "mean_levels": float(diff.mean()),
-                   "max_levels": float(diff.max()), "images": len(asked)}
+                   "max_levels": float(diff.max()), "images": len(asked),
+                   "full": counter.rows / uncached if cache != "off" and uncached else 1.0}
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print("| step_cache | oracle score | mean abs difference (levels) | max (levels) |\n| --- | --- | --- | --- |")
+        counter.close()
+    print("| step_cache | full evaluations (share of uncached) | oracle score | mean abs difference (levels) | "
+          "max (levels) |\n| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| `{json.dumps(r['step_cache'])}` | {r['oracle']:.2f} | {r['mean_levels']:.2f} | "
+        print(f"| `{json.dumps(r['step_cache'])}` | {r['full']:.2f} | {r['oracle']:.2f} | {r['mean_levels']:.2f} | "
               f"{r['max_levels']:.0f} |")
 
 

@@ -1,9 +1,10 @@
 """GPU test (marker `gpu`) of Z-Image's step cache (models/families/token_cache.py) on the trained `digits-zimage` in
-fp32 graph mode: uncached steps replay the step graphs, steps with TaylorSeer rows run eagerly beside them; cached
-rows (two intervals, both orders) and uncached ones submitted together equal each alone within 1 uint8 level (in
-fp32, so a batch's other GEMM tiling is far below a level: in bf16 it alone moves this trained model's images by up
-to 3 levels, which would hide a row mixed up with another), and a cached image differs from the uncached one
-(trained weights: the forecast is not a copy of a zero output)."""
+fp32 graph mode: uncached steps replay the step graphs, steps with TaylorSeer or first-block rows run eagerly beside
+them (a first-block step two-phase, its decisions copied to the host); cached rows (two intervals, both orders, a
+first-block threshold) and uncached ones submitted together equal each alone within 1 uint8 level (in fp32, so a
+batch's other GEMM tiling is far below a level: in bf16 it alone moves this trained model's images by up to 3
+levels, which would hide a row mixed up with another), and a cached image differs from the uncached one (trained
+weights: the forecast is not a copy of a zero output)."""
 
 import os
 import threading
@@ -18,7 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(presets.shipped_preset_folder(
                                                   reason="the trained digits-zimage asset is absent")]
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
 CACHES = [None, {"method": "taylorseer", "interval": 2, "order": 1}, {"method": "taylorseer", "interval": 3,
-                                                                      "order": 2}, "auto"]
+                                                                      "order": 2}, "auto",
+          {"method": "first_block", "threshold": 0.15}]
 
 
 def test_mixed_cached_rows_equal_each_alone_on_the_gpu():
@@ -26,7 +28,7 @@ def test_mixed_cached_rows_equal_each_alone_on_the_gpu():
     with Engine(model="digits-zimage", device=DEVICE, dtype="fp32", mode="graph", graphs=cfg) as engine:
         reqs = [engine.make_request(f"a handwritten digit {w}", width=64, height=64, seed=40 + i,
                                     extras=None if c is None else {"step_cache": c})
-                for i, (c, w) in enumerate(zip(CACHES, ("one", "two", "three", "four")))]
+                for i, (c, w) in enumerate(zip(CACHES, ("one", "two", "three", "four", "five")))]
         alone = [engine.run(r).arrays for r in reqs]
         plain = engine.run(engine.make_request("a handwritten digit two", width=64, height=64, seed=41)).arrays
         started = threading.Event()

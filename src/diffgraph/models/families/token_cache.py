@@ -18,6 +18,9 @@ denoiser rows the transformer runs over, those that keep their output, those for
 only over the rows that need it, gathered, without a device sync. The kept terms are one per-row field
 (`taylor.terms`, [2, 3, tokens, C] fp32: per CFG branch F, D1, D2), compacted, saved and restored with the row. A
 step with cache rows runs eagerly (its part holds the gathered rows: no CUDA graph is captured for it).
+
+{"method": "first_block", "threshold": t} is the data-dependent method (first_block_cache.py); the capability's row
+feature holds both (`first_block_cache.StepCacheRows`), and a request uses one.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from ...errors import ParamError
 from ...features.base import Admission, FieldSpec, RowFeature, StepView
 from ...features.capability import Capability, Param
 from ...request import GenerationRequest
-from . import unet_cache
+from . import first_block_cache, unet_cache
 
 NAME = "step_cache"
-METHODS = ("taylorseer",)
+METHODS = ("taylorseer", first_block_cache.METHOD)
 UNET_METHODS = ("deepcache",)
 # "auto" until the quality table chooses it: TaylorSeer's first order at interval 2
 AUTO = {"method": "taylorseer", "interval": 2, "order": 1}
@@ -56,15 +59,16 @@ class TaylorSeer:
         return f"taylorseer interval {self.interval}, order {self.order}"
 
 
-def read_token_cache(value: Any) -> str | TaylorSeer:
-    """A request's `step_cache` value on a transformer model: "off", or its TaylorSeer setting ("auto": `AUTO`);
-    ParamError naming the field."""
+def read_token_cache(value: Any) -> str | TaylorSeer | first_block_cache.FirstBlock:
+    """A request's `step_cache` value on a transformer model: "off", or its TaylorSeer setting ("auto": `AUTO`) or
+    first-block one (first_block_cache.py); ParamError naming the field."""
     if isinstance(value, str) and value in ("off", "auto"):
         return "off" if value == "off" else TaylorSeer(AUTO["interval"], AUTO["order"])
     if not isinstance(value, dict):
         got = repr(value) if isinstance(value, str) else type(value).__name__
         raise ParamError(NAME, f"step_cache {got} is unknown; allowed: \"off\", \"auto\" or "
-                               "{\"method\": \"taylorseer\", \"interval\": N, \"order\": 1 | 2}")
+                               "{\"method\": \"taylorseer\", \"interval\": N, \"order\": 1 | 2} or "
+                               "{\"method\": \"first_block\", \"threshold\": t}")
     method = value.get("method")
     if method in UNET_METHODS:
         raise ParamError(f"{NAME}.method", f"step_cache method {method!r} is for UNet models; this transformer "
@@ -72,6 +76,8 @@ def read_token_cache(value: Any) -> str | TaylorSeer:
     if method not in METHODS:
         raise ParamError(f"{NAME}.method", f"step_cache method {method!r} is unknown here; allowed: "
                                            f"{', '.join(METHODS)}")
+    if method == first_block_cache.METHOD:
+        return first_block_cache.read_first_block(value)
     extra = sorted(set(value) - {"method", "interval", "order"})
     if extra:
         raise ParamError(f"{NAME}.{extra[0]}", f"step_cache has no field {extra[0]!r}; allowed: method, interval, "
@@ -190,11 +196,16 @@ class TokenStepCache(Capability):
 
     name = NAME
     params = (Param(NAME, None, read_token_cache, "per-row step caching: \"off\", \"auto\" or {\"method\": "
-                                                  "\"taylorseer\", \"interval\": N, \"order\": 1 | 2}"),)
+                                                  "\"taylorseer\", \"interval\": N, \"order\": 1 | 2} or "
+                                                  "{\"method\": \"first_block\", \"threshold\": t}"),)
     settings = StepCacheSettings
 
     def feature(self, model: Any, settings: Any) -> RowFeature:
-        return TaylorRows(read_default(settings.step_cache))
+        default = read_default(settings.step_cache)
+        taylor = TaylorRows(default)
+        first = first_block_cache.FirstBlockRows(lambda request: request_cache(request, default),
+                                                 int(model.denoiser.config.dim), model.dtype)
+        return first_block_cache.StepCacheRows(NAME, taylor, first, taylor.asked_by)
 
     def defaults(self, settings: Any) -> dict[str, Any]:
         return unet_cache.default_values(settings)
@@ -218,7 +229,7 @@ class TaylorRows(RowFeature):
 
     def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
         spec = request_cache(request, self._default)
-        if spec is None:
+        if not isinstance(spec, TaylorSeer):
             return {}
         reuse = np.ones(len(index))
         reuse[::spec.interval] = 0.0
@@ -236,7 +247,7 @@ class TaylorRows(RowFeature):
         return (None,)  # a step with cache rows runs eagerly (`eager`): no graphs to capture
 
     def _caches(self, admission: Admission) -> bool:
-        return request_cache(admission.request, self._default) is not None
+        return isinstance(request_cache(admission.request, self._default), TaylorSeer)
 
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
         """A cache row's field, written (zero) so that a preemption saves and restores it with the row."""

@@ -1,0 +1,294 @@
+"""First-block cache per row for single-stream transformer (DiT) families: ParaAttention's "First Block Cache"
+(chengzeyi/ParaAttention, README "First Block Cache (Our Dynamic Caching)"; diffusers' `FirstBlockCacheConfig`,
+cache-dit's FBCache and WaveSpeed's `residual_diff_threshold`), decided per row inside the batched step.
+
+A request's `step_cache` {"method": "first_block", "threshold": t} decides, per model evaluation of the row's own
+plan: the transformer's input embedding, refiners and first block run for the row; the first block's output residual
+r (its output minus its input, over the row's real image tokens and every CFG branch it runs) is compared with the
+one kept from the row's last full evaluation, r_prev: mean|r - r_prev| / mean|r_prev|. Below t (strictly, as
+ParaAttention's `diff < threshold`), the row skips the remaining blocks and adds its kept remaining-blocks residual
+(the last block's output minus the first block's, from its last full evaluation) to the first block's output; else
+it runs the remaining blocks and keeps both residuals anew. The first evaluation, and one that runs a different
+number of CFG branches than the evaluation before it (a guidance interval opening or closing), always run in full
+(host data: the plan's column `fbc.force`). ParaAttention and diffusers have no cap on consecutive reuses, so
+neither has this (WaveSpeed's optional `max_consecutive_cache_hits` defaults to none).
+
+The cost: the decision reads device values, so a step with first-block rows is two-phase: phase one runs the
+embedding, refiners and first block over every denoiser row and reduces the rows' differences on the device; then
+one device-to-host copy of the per-row decisions (a few bytes), which waits for the stream to finish phase one (a
+stream sync: the host cannot queue phase two's kernels ahead, so the GPU idles for the host's launch latency of
+phase two); phase two runs the remaining blocks over the gathered rows that compute. Such a step cannot be one
+CUDA graph replay: it runs eagerly. No sync happens in a step where no row uses this method, nor where every
+first-block row is forced full or has threshold 0 (the host knows those compute). The kept residuals are one
+per-row field (`fbc.kept`, [2 branches, 2, image tokens, model width] in the model's dtype: per branch the first
+block's residual and the remaining blocks'), compacted, saved and restored with the row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ...errors import ParamError
+from ...features.base import Admission, FieldSpec, RowFeature, StepView
+from ...request import GenerationRequest
+
+NAME = "step_cache"
+METHOD = "first_block"
+COLUMNS = ("fbc.on", "fbc.threshold", "fbc.force")
+# (hidden states [n, L, width], per-row arguments [n, ...] each) -> hidden states: one transformer block
+Block = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FirstBlock:
+    """One request's first-block cache setting."""
+
+    threshold: float
+
+    def infotext(self) -> str:
+        return f"first_block threshold {self.threshold:g}"
+
+
+def read_first_block(value: dict[str, Any]) -> FirstBlock:
+    """A `step_cache` object whose method is "first_block"; ParamError naming the field."""
+    extra = sorted(set(value) - {"method", "threshold"})
+    if extra:
+        raise ParamError(f"{NAME}.{extra[0]}", f"step_cache has no field {extra[0]!r} with method \"first_block\"; "
+                                               "allowed: method, threshold")
+    if "threshold" not in value:
+        raise ParamError(f"{NAME}.threshold", "step_cache.threshold is missing; first_block needs a number >= 0 "
+                                              "(the relative first-block residual change below which a row reuses)")
+    v = value["threshold"]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ParamError(f"{NAME}.threshold", f"step_cache.threshold must be a finite number >= 0, got {v!r} (0: "
+                                              "every evaluation full)")
+    return FirstBlock(float(v))
+
+
+def forced(branches: np.ndarray) -> np.ndarray:
+    """The evaluations that run in full whatever their residual: the first, and each that runs a different number of
+    CFG branches than the one before it."""
+    b = np.asarray(branches)
+    out = np.ones(len(b), dtype=bool)
+    out[1:] = b[1:] != b[:-1]
+    return out
+
+
+@dataclass(frozen=True)
+class FirstBlockStep:
+    """The step's part: `rows` the denoiser rows (local to the denoiser call) of first-block rows, `slots` their kept
+    residuals' rows (image row * 2 + branch), `group` each one's image row among the step's first-block image rows;
+    per group its `threshold` and whether it is `force`d full; `gather` False: the remaining blocks run over every
+    row (another feature sets per-row denoiser state) and only the reusing rows' outputs are replaced."""
+
+    rows: tuple[int, ...]
+    slots: tuple[int, ...]
+    group: tuple[int, ...]
+    threshold: tuple[float, ...]
+    force: tuple[bool, ...]
+    gather: bool = True
+
+    def relocate(self, run: Sequence[int]) -> "FirstBlockStep":
+        """The same part where the denoiser runs over the step's rows `run` only (another cache gathered them)."""
+        where = {j: i for i, j in enumerate(run)}
+        return FirstBlockStep(tuple(where[j] for j in self.rows), self.slots, self.group, self.threshold, self.force,
+                              self.gather)
+
+    def decided(self) -> bool:
+        """Whether the host knows every group computes (forced, or threshold 0): no residual is compared."""
+        return all(f or t <= 0 for f, t in zip(self.force, self.threshold))
+
+
+def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _pick(args: Sequence[Any], idx: torch.Tensor, n: int) -> list[Any]:
+    return [a.index_select(0, idx) if isinstance(a, torch.Tensor) and a.shape[:1] == (n,) else a for a in args]
+
+
+def _reuse(step: FirstBlockStep, first: torch.Tensor, kept: torch.Tensor, slots: torch.Tensor,
+           real: torch.Tensor) -> list[bool]:
+    """Per group, whether it reuses: the relative mean absolute difference of its first-block residuals `first` and
+    kept ones (over its real image tokens and branches) below its threshold, unless forced. One device-to-host copy
+    (the step's sync)."""
+    if step.decided():
+        return [False] * len(step.force)
+    prev = kept[:, 0].index_select(0, slots)
+    w = real.unsqueeze(-1).float()
+    num = ((first.float() - prev.float()).abs() * w).sum(dim=(1, 2))
+    den = (prev.float().abs() * w).sum(dim=(1, 2))
+    g = _index(step.group, first.device)
+    groups = len(step.force)
+    num = first.new_zeros(groups, dtype=torch.float32).index_add_(0, g, num)
+    den = first.new_zeros(groups, dtype=torch.float32).index_add_(0, g, den)
+    threshold = torch.tensor(step.threshold, dtype=torch.float32, device=first.device)
+    below = (num / den < threshold).cpu().tolist()  # NaN (nothing kept) compares False: the group computes
+    return [b and not f for b, f in zip(below, step.force)]
+
+
+def run_blocks(blocks: Sequence[Block], u: torch.Tensor, args: Sequence[Any], image_mask: torch.Tensor,
+               fbc: tuple[FirstBlockStep, torch.Tensor] | None) -> torch.Tensor:
+    """The transformer's blocks over hidden states u [n, image tokens + text tokens, width] (image tokens first, their
+    real ones marked by `image_mask` [n, image tokens]) with per-row `args`; `fbc` (the step's part and the kept
+    residuals [slots, 2, image tokens, width]) None: every block over every row. Else two-phase (module docstring):
+    the reusing rows' image tokens are their first block's output plus their kept remaining residual (their text
+    tokens are left as the first block's: the output reads image tokens only)."""
+    if fbc is None:
+        for block in blocks:
+            u = block(u, *args)
+        return u
+    step, kept = fbc
+    n, tokens = u.shape[0], image_mask.shape[1]
+    u1 = blocks[0](u, *args)
+    rows = _index(step.rows, u.device)
+    first = u1[:, :tokens].index_select(0, rows) - u[:, :tokens].index_select(0, rows)
+    slots = _index(step.slots, u.device)
+    reuse = _reuse(step, first, kept, slots, image_mask.index_select(0, rows))
+    reusing = [i for i, g in enumerate(step.group) if reuse[g]]
+    skip = {step.rows[i] for i in reusing}
+    run = [j for j in range(n) if j not in skip] if step.gather else list(range(n))
+    out = u1
+    if run and len(blocks) > 1:
+        idx = _index(run, u.device)
+        part = u1.index_select(0, idx) if len(run) < n else u1
+        part_args = _pick(args, idx, n) if len(run) < n else args
+        for block in blocks[1:]:
+            part = block(part, *part_args)
+        out = part if len(run) == n else u1.index_copy(0, idx, part)
+    computing = [i for i, g in enumerate(step.group) if not reuse[g]]
+    if computing:
+        at = _index(computing, u.device)
+        local = rows.index_select(0, at)
+        rest = (out[:, :tokens] - u1[:, :tokens]).index_select(0, local)
+        fresh = torch.stack([first.index_select(0, at), rest], dim=1).to(kept.dtype)
+        kept.index_copy_(0, slots.index_select(0, at), fresh)
+    if reusing:
+        at = _index(reusing, u.device)
+        local = rows.index_select(0, at)
+        rest = kept[:, 1].index_select(0, slots.index_select(0, at)).to(u1.dtype)
+        image = u1[:, :tokens].index_select(0, local) + rest
+        out = out.clone() if out is u1 else out
+        out[:, :tokens] = out[:, :tokens].index_copy(0, local, image)
+    return out
+
+
+# -- the row feature ------------------------------------------------------------------------------------------------
+class FirstBlockRows(RowFeature):
+    """The first-block cache's row feature (columns `COLUMNS`, field `fbc.kept`); `spec_of` reads a request's step
+    cache setting (a `FirstBlock` where it uses this method), `width` and `dtype` the transformer's."""
+
+    name = "first_block"
+
+    def __init__(self, spec_of: Callable[[GenerationRequest], Any], width: int, dtype: torch.dtype):
+        self._spec_of, self._width, self._dtype = spec_of, width, dtype
+
+    def _spec(self, request: GenerationRequest) -> FirstBlock | None:
+        spec = self._spec_of(request)
+        return spec if isinstance(spec, FirstBlock) else None
+
+    def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
+        return {"fbc.kept": FieldSpec((2, 2, latent_shape[0], self._width), self._dtype)}
+
+    def columns(self) -> tuple[str, ...]:
+        return COLUMNS
+
+    def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
+        spec = self._spec(request)
+        if spec is None:
+            return {}
+        return {"fbc.on": np.ones(len(index)), "fbc.threshold": np.full(len(index), spec.threshold)}
+
+    def after_plan(self, table: np.ndarray, columns: dict[str, int], branches: np.ndarray) -> None:
+        if len(table) and table[0, columns["fbc.on"]] > 0:
+            table[:, columns["fbc.force"]] = forced(branches)
+
+    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
+        return {"fbc.kept": 0.0} if self._spec(admission.request) is not None else {}
+
+    def part(self, admission: Admission) -> Any:
+        return "on" if self._spec(admission.request) is not None else None
+
+    def variant(self, parts: Sequence[Any]) -> Any:
+        return next((p for p in parts if p), None)
+
+    def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
+                  gather: bool = True) -> Any:
+        if part is None:
+            return None
+        image = index[:d, 0]
+        on = coefs[image, columns["fbc.on"]] > 0
+        rows = [j for j in range(d) if on[j]]
+        groups = sorted({int(image[j]) for j in rows})
+        where = {r: g for g, r in enumerate(groups)}
+        return FirstBlockStep(tuple(rows), tuple(int(image[j] * 2 + index[j, 1]) for j in rows),
+                              tuple(where[int(image[j])] for j in rows),
+                              tuple(float(coefs[r, columns["fbc.threshold"]]) for r in groups),
+                              tuple(bool(coefs[r, columns["fbc.force"]] > 0.5) for r in groups), gather)
+
+    def eager(self, part: Any) -> bool:
+        return part is not None
+
+    def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
+        if not isinstance(part, FirstBlockStep) or not part.rows:
+            return {}
+        return {"fbc.step": (part, view.fields["fbc.kept"].flatten(0, 1))}
+
+
+class StepCacheRows(RowFeature):
+    """The step cache of a token family that offers two methods: one row feature over a fixed-interval one (`fixed`,
+    whose step part names the rows the denoiser runs over as `run`) and the first-block one (`first`); a request uses
+    at most one of them."""
+
+    def __init__(self, name: str, fixed: RowFeature, first: FirstBlockRows, asked_by: Any):
+        self.name, self.asked_by = name, asked_by
+        self._both = (fixed, first)
+
+    def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
+        return {k: v for f in self._both for k, v in f.fields(latent_shape).items()}
+
+    def columns(self) -> tuple[str, ...]:
+        return tuple(c for f in self._both for c in f.columns())
+
+    def plan_columns(self, request: GenerationRequest, index: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v for f in self._both for k, v in f.plan_columns(request, index).items()}
+
+    def after_plan(self, table: np.ndarray, columns: dict[str, int], branches: np.ndarray) -> None:
+        for f in self._both:
+            f.after_plan(table, columns, branches)
+
+    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
+        return {k: v for f in self._both for k, v in f.rows(admission).items()}
+
+    def part(self, admission: Admission) -> Any:
+        parts = tuple(f.part(admission) for f in self._both)
+        return parts if any(parts) else None
+
+    def variant(self, parts: Sequence[Any]) -> Any:
+        live = [p for p in parts if p]
+        if not live:
+            return None
+        return tuple(f.variant([p[i] for p in live]) for i, f in enumerate(self._both))
+
+    def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
+                  gather: bool = True) -> Any:
+        if part is None:
+            return None
+        fixed, first = (f.step_part(p, coefs, columns, index, d, gather) if p else None
+                        for f, p in zip(self._both, part))
+        if fixed is not None and first is not None:
+            first = first.relocate(fixed.run)
+        return fixed, first
+
+    def eager(self, part: Any) -> bool:
+        return part is not None and any(f.eager(p) for f, p in zip(self._both, part) if p is not None)
+
+    def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
+        if part is None:
+            return {}
+        return {k: v for f, p in zip(self._both, part) for k, v in f.denoiser_inputs(view, p).items()}
