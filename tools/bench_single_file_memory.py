@@ -108,10 +108,14 @@ def main() -> None:
     for name, tree in (("before", args.before_src), ("this tree", src)):
         if tree is None:
             continue
-        env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+        # the tree first, then the rest of the path (where a GPU host keeps the carried wheels: diffusers)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.abspath(tree),
+                                                                         os.environ.get("PYTHONPATH")]))}
         command = [sys.executable, __file__, "--file", args.file, "--dtype", args.dtype, "--device", args.device,
                    "--child"]
-        out = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+        out = subprocess.run(command, capture_output=True, text=True, env=env)
+        if out.returncode:
+            sys.exit(f"{name}: the load failed:\n{out.stderr[-3000:]}")
         print(name, out.stdout.strip().splitlines()[-1], flush=True)
 
 
