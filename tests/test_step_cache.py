@@ -344,3 +344,26 @@ def test_the_cli_caches_and_from_image_repeats_it(tmp_path):
     pixels = [np.asarray(Image.open(p)) for p in (first, again, plain)]
     np.testing.assert_array_equal(pixels[1], pixels[0])
     assert np.abs(pixels[2].astype(int) - pixels[0]).max() > 1
+
+
+def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay(tiny_engine, tmp_path):
+    """A step with LoRA rows (per-row side-path state indexed by denoiser row) keeps every row in the deep path: its
+    key says None at every branch, and it replays graphs as the gathered keys do."""
+    from diffgraph.config import GraphConfig
+    from lora_util import _write_diffusers
+
+    _write_diffusers(tiny_engine, str(tmp_path / "style.safetensors"), rank=4, seed=0)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated")
+    kw = dict(device="cpu", dtype="fp32", lora_dir=str(tmp_path), max_loras=4, max_lora_rank=4)
+    with Engine("random:tiny", mode="graph", graphs=cfg, **kw) as g, Engine("random:tiny", **kw) as eager:
+        requests = [g.make_request(PROMPT, num_inference_steps=4, seed=7, loras=[("style", 1.0)], width=64, height=64,
+                                   extras={"step_cache": {"method": "deepcache", "interval": 2, "branch": 1}}),
+                    g.make_request(PROMPT, num_inference_steps=4, seed=8, width=64, height=64,
+                                   extras={"step_cache": {"method": "deepcache", "interval": 3}})]
+        alone = [eager.run(r).arrays for r in requests]
+        together = _together(g, requests)
+        ran = _step_graphs(g)
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    assert all(eager == 0 for _, eager in ran.values())
+    assert ran.get("step_lora1_step_cache_b0_b1", (0, 0))[0] > 0, ran  # every row deep, both branches' features
