@@ -232,17 +232,23 @@ def cache_key(branch: np.ndarray, reuse: np.ndarray, gather: bool = True) -> Cac
     return CacheKey(tuple(stages)) if stages else None
 
 
-def cache_rows(view: StepView, store: torch.Tensor) -> CacheRows:
-    """The step's `CacheRows` from its coefficient columns and denoiser-row layout (tensor ops only: capturable)."""
+def row_slots(view: StepView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per denoiser row of the step: whether it is a live row (a padding row, pointing at row 0, is not), and its slot
+    among its image rows' kept values (image row * 2 + second branch; a padding row j: 2j, which no live row holds,
+    since j is past the live denoiser rows and so past the live image rows). Tensor ops only: capturable."""
     den_row, den_alt = view.den_row, view.den_alt
     j = torch.arange(den_row.shape[0], device=den_row.device)
-    # a live denoiser row is its image row's output row; a padding row (pointing at row 0) is not
     live = torch.where(den_alt > 0, view.out_alt.index_select(0, den_row),
                        view.out_main.index_select(0, den_row)) == j
+    return live, torch.where(live, den_row * 2 + den_alt, j * 2)
+
+
+def cache_rows(view: StepView, store: torch.Tensor) -> CacheRows:
+    """The step's `CacheRows` from its coefficient columns and denoiser-row layout (tensor ops only: capturable)."""
+    live, slot = row_slots(view)
     branch = view.gather(view.coefs[:, view.columns["cache.branch"]]).round().long()
     reuse = view.gather(view.coefs[:, view.columns["cache.reuse"]]) > 0.5
-    return CacheRows(torch.where(live, branch, 0), reuse & live, torch.where(live, den_row * 2 + den_alt, j * 2),
-                     store)
+    return CacheRows(torch.where(live, branch, 0), reuse & live, slot, store)
 
 
 def deep_order(rows: CacheRows, branch: int, alive: torch.Tensor) -> torch.Tensor:
