@@ -290,14 +290,21 @@ def test_in_graph_mode_steps_with_cache_rows_replay_their_graphs_and_equal_the_e
 
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
     with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as g:
-        for cache in (None, {"method": "deepcache", "interval": 2}, {"method": "deepcache", "interval": 3, "branch": 2}):
-            request = _request(tiny_engine, cache, num_inference_steps=4)
+        for cache, tiling in ((None, False), ({"method": "deepcache", "interval": 2}, False),
+                              ({"method": "deepcache", "interval": 3, "branch": 2}, False),
+                              ({"method": "deepcache", "interval": 2, "branch": 1}, True)):
+            request = _request(tiny_engine, cache, num_inference_steps=4, tiling=tiling)
             # two engines: equal to far below a level (a prompt cached from another batch is a float apart)
             np.testing.assert_allclose(g.run(request).arrays, tiny_engine.run(request).arrays, atol=1e-5, rtol=0)
         # every step replayed a graph: full evaluations (every row keeps its feature) and cached ones (no row goes
-        # deeper than its branch) each their own variant, captured at first use
+        # deeper than its branch) each their own variant, captured at first use (a tiling row's: their tiling twins)
         assert _step_graphs(g) == {"step": (4, 0), "step_step_cache_b0": (2, 0), "step_step_cache_b0k0": (2, 0),
-                                   "step_step_cache_b2": (2, 0), "step_step_cache_b2k0": (2, 0)}
+                                   "step_step_cache_b2": (2, 0), "step_step_cache_b2k0": (2, 0),
+                                   "step_step_cache_b1_tiling": (2, 0), "step_step_cache_b1k0_tiling": (2, 0)}
+        # a replaced denoiser drops the variants added while serving too (recaptured on next use)
+        g.core.call_between_steps(lambda: g.runner.invalidate("step")).result()
+        dropped = {r["kind"] for r in g.runner.graph_table() if r["invalidations"]}
+        assert {"step_step_cache_b0k0", "step_step_cache_b1k0_tiling"} <= dropped
 
 
 def test_in_graph_mode_mixed_cache_rows_replay_and_equal_each_alone(tiny_engine):
