@@ -39,7 +39,8 @@ from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
-from .graph_setup import GraphSet, add_step_graph, add_tiling_graphs, decode_chunks, make_graphs, tiling_kind, vae_buckets
+from .graph_setup import (GraphSet, add_step_graph, add_tiling_graphs, decode_chunks, make_graphs, tiling_kind,
+                          vae_buckets)
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
