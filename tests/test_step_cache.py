@@ -376,3 +376,23 @@ def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
     assert all(eager == 0 for _, eager in ran.values())
     assert ran.get("step_lora1_step_cache_b0_b1", (0, 0))[0] > 0, ran  # every row deep, both branches' features
+
+
+def test_in_the_compile_tier_cached_steps_compile_their_variants_and_equal_the_eager_engine(tiny_engine, tmp_path):
+    """The compile tier (aot_eager on the CPU): a cached step's variant is traced whole at its first use (Dynamo's
+    recompile limit raised for it: here patched to 1, below what the step needs) and its replays equal the eager
+    engine."""
+    from diffgraph.config import CompileConfig, GraphConfig
+
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(2,), resolutions=((64, 64),), backend="emulated", capture_vae=False,
+                      capture_text_encoder=False)
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg,
+                   compile=CompileConfig(backend="aot_eager", cache_dir=str(tmp_path))) as compiled:
+        step = next(c for c in compiled.runner.compiled if c.name == "the whole step")
+        before = step.compiles
+        request = _request(tiny_engine, {"method": "deepcache", "interval": 2, "branch": 1}, num_inference_steps=3)
+        np.testing.assert_allclose(compiled.run(request).arrays, tiny_engine.run(request).arrays, atol=1e-5, rtol=0)
+        assert step.compiles - before == 2 and step.failed is None and compiled.stats["compile_fallbacks"] == 0
+        assert _step_graphs(compiled) == {"step_step_cache_b1": (2, 0), "step_step_cache_b1k0": (1, 0)}
