@@ -396,3 +396,27 @@ def test_in_the_compile_tier_cached_steps_compile_their_variants_and_equal_the_e
         np.testing.assert_allclose(compiled.run(request).arrays, tiny_engine.run(request).arrays, atol=1e-5, rtol=0)
         assert step.compiles - before == 2 and step.failed is None and compiled.stats["compile_fallbacks"] == 0
         assert _step_graphs(compiled) == {"step_step_cache_b1": (2, 0), "step_step_cache_b1k0": (1, 0)}
+
+
+def test_in_graph_mode_cache_rows_beside_controlnet_rows_replay_and_equal_the_eager_engine(tiny_engine, tmp_path):
+    """ControlNet rows (their residuals computed before the step, over the step's bucket) beside cached rows: the
+    rows going deeper read their residuals by their device indices; images equal the eager engine's."""
+    from diffgraph.config import GraphConfig
+    from control_util import control_image, make_controlnet
+
+    make_controlnet(tiny_engine.model.denoiser, str(tmp_path / "edges"), seed=10)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=tiny_engine.model, mode="graph", graphs=cfg, controlnet_dir=str(tmp_path)) as g, \
+            Engine(model=tiny_engine.model, controlnet_dir=str(tmp_path)) as eager:
+        controls = [dict(model="edges", image=control_image(64, 1), scale=0.8)]
+        requests = [g.make_request(PROMPT, num_inference_steps=4, seed=7, controls=controls, width=64, height=64,
+                                   extras={"step_cache": {"method": "deepcache", "interval": 2, "branch": 2}}),
+                    g.make_request(PROMPT, num_inference_steps=4, seed=8, width=64, height=64, guidance_scale=1.0,
+                                   extras={"step_cache": {"method": "deepcache", "interval": 3}})]
+        alone = [eager.run(r).arrays for r in requests]
+        together = _together(g, requests)
+        ran = _step_graphs(g)
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    assert all(eager == 0 for _, eager in ran.values())
+    assert any(k.startswith("step_controlon_step_cache_b0k") for k in ran), ran  # gathered, with control residuals

@@ -286,7 +286,8 @@ def cached_unet(unet: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, 
     for m, (block, layer) in enumerate(owners):
         if block >= 0 and ctx[2].shape[0]:
             h = _down_layer(unet.down_blocks[block], layer, h, ctx[0], ctx[1])
-        res.append(h + control[m].index_select(0, ctx[2]) if control else h)
+        # (no row alive: `h` is what the down path left above, never read below)
+        res.append(h + control[m].index_select(0, ctx[2]) if control and ctx[2].shape[0] else h)
         if m in stages:
             deep = stages[m]
             keep = None if deep is None or deep >= ctx[2].shape[0] else deep_order(rows, m, ctx[2])[:deep]
