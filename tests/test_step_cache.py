@@ -355,6 +355,22 @@ def test_the_cli_caches_and_from_image_repeats_it(tmp_path):
     assert np.abs(pixels[2].astype(int) - pixels[0]).max() > 1
 
 
+def _beside(graphed, eager, first: dict, cache: dict, **kw) -> dict:
+    """A cached request with another capability's rows (`first`: its keywords) and a cached plain one (`cache`, `kw`)
+    submitted together to the graph-mode engine equal each alone on the eager one; its step graphs that ran (none
+    eagerly)."""
+    requests = [graphed.make_request(PROMPT, num_inference_steps=4, seed=7, width=64, height=64, **first),
+                graphed.make_request(PROMPT, num_inference_steps=4, seed=8, width=64, height=64,
+                                     extras={"step_cache": cache}, **kw)]
+    alone = [eager.run(r).arrays for r in requests]
+    together = _together(graphed, requests)
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    ran = _step_graphs(graphed)
+    assert all(n == 0 for _, n in ran.values()), ran
+    return ran
+
+
 def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay(tiny_engine, tmp_path):
     """A step with LoRA rows (per-row side-path state indexed by denoiser row) keeps every row in the deep path: its
     key says None at every branch, and it replays graphs as the gathered keys do."""
@@ -365,16 +381,9 @@ def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay
     cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated")
     kw = dict(device="cpu", dtype="fp32", lora_dir=str(tmp_path), max_loras=4, max_lora_rank=4)
     with Engine("random:tiny", mode="graph", graphs=cfg, **kw) as g, Engine("random:tiny", **kw) as eager:
-        requests = [g.make_request(PROMPT, num_inference_steps=4, seed=7, loras=[("style", 1.0)], width=64, height=64,
-                                   extras={"step_cache": {"method": "deepcache", "interval": 2, "branch": 1}}),
-                    g.make_request(PROMPT, num_inference_steps=4, seed=8, width=64, height=64,
-                                   extras={"step_cache": {"method": "deepcache", "interval": 3}})]
-        alone = [eager.run(r).arrays for r in requests]
-        together = _together(g, requests)
-        ran = _step_graphs(g)
-    for a, b in zip(alone, together):
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
-    assert all(eager == 0 for _, eager in ran.values())
+        ran = _beside(g, eager, dict(loras=[("style", 1.0)], extras={"step_cache": {"method": "deepcache",
+                                                                                   "interval": 2, "branch": 1}}),
+                      {"method": "deepcache", "interval": 3})
     assert ran.get("step_lora1_step_cache_b0_b1", (0, 0))[0] > 0, ran  # every row deep, both branches' features
 
 
@@ -409,14 +418,7 @@ def test_in_graph_mode_cache_rows_beside_controlnet_rows_replay_and_equal_the_ea
     with Engine(model=tiny_engine.model, mode="graph", graphs=cfg, controlnet_dir=str(tmp_path)) as g, \
             Engine(model=tiny_engine.model, controlnet_dir=str(tmp_path)) as eager:
         controls = [dict(model="edges", image=control_image(64, 1), scale=0.8)]
-        requests = [g.make_request(PROMPT, num_inference_steps=4, seed=7, controls=controls, width=64, height=64,
-                                   extras={"step_cache": {"method": "deepcache", "interval": 2, "branch": 2}}),
-                    g.make_request(PROMPT, num_inference_steps=4, seed=8, width=64, height=64, guidance_scale=1.0,
-                                   extras={"step_cache": {"method": "deepcache", "interval": 3}})]
-        alone = [eager.run(r).arrays for r in requests]
-        together = _together(g, requests)
-        ran = _step_graphs(g)
-    for a, b in zip(alone, together):
-        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
-    assert all(eager == 0 for _, eager in ran.values())
+        ran = _beside(g, eager, dict(controls=controls, extras={"step_cache": {"method": "deepcache", "interval": 2,
+                                                                                "branch": 2}}),
+                      {"method": "deepcache", "interval": 3}, guidance_scale=1.0)
     assert any(k.startswith("step_controlon_step_cache_b0k") for k in ran), ran  # gathered, with control residuals
