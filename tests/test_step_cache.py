@@ -13,8 +13,8 @@ import torch
 
 from diffgraph import Engine
 from diffgraph.errors import ParamError
-from diffgraph.models.families.unet_cache import (CacheStep, DeepCache, Stage, branch_shapes, cached_unet,
-                                                   full_evaluations, nonuniform_steps, read_step_cache,
+from diffgraph.models.families.unet_cache import (CacheKey, CacheRows, DeepCache, branch_shapes, cache_key,
+                                                   cached_unet, full_evaluations, nonuniform_steps, read_step_cache,
                                                    residual_owners)
 from diffgraph.request import GenerationRequest
 from server_util import served
@@ -35,6 +35,11 @@ def _unet_inputs(model, rows=3, seed=0):
     return x, torch.tensor([900.0, 500.0, 10.0][:rows]), ehs, added
 
 
+def _rows(branch, reuse, store):
+    """`CacheRows` of denoiser rows 0.. (their skip branch or -1, their reuse flag), slot = row."""
+    return CacheRows(torch.tensor(branch) + 1, torch.tensor(reuse), torch.arange(len(branch)), store)
+
+
 def _up_layer_at(unet, branch):
     """The up resnet consuming residual `branch` (diffusers pops the residuals deepest first)."""
     layers = [r for b in unet.up_blocks for r in b.resnets]
@@ -51,7 +56,8 @@ def test_the_split_forward_equals_the_unet_and_reuses_exactly_the_kept_feature(e
     size = max(math.prod(s) for s in shapes)
     with torch.no_grad():
         ref = u(x, t, encoder_hidden_states=ehs, added_cond_kwargs=added, return_dict=False)[0]
-        assert torch.equal(cached_unet(u, x, t, ehs, CacheStep(()), torch.zeros(1), added=added), ref)
+        none = _rows([-1] * 3, [False] * 3, torch.zeros(3, size))
+        assert torch.equal(cached_unet(u, x, t, ehs, CacheKey(()), none, added=added), ref)
         for branch in range(branches):
             # a full evaluation keeping every row's feature: the UNet's output, the feature the hook sees
             store = torch.zeros(3, size)
@@ -60,14 +66,15 @@ def test_the_split_forward_equals_the_unet_and_reuses_exactly_the_kept_feature(e
                 lambda mod, args: seen.append(args[0][:, :shapes[branch][0]].clone()))
             u(x, t, encoder_hidden_states=ehs, added_cond_kwargs=added)
             hook.remove()
-            save = CacheStep((Stage(branch, (0, 1, 2), (), (), (0, 1, 2), (0, 1, 2)),))
-            assert torch.equal(cached_unet(u, x, t, ehs, save, store, added=added), ref)
+            save = CacheKey(((branch, None),))
+            assert torch.equal(cached_unet(u, x, t, ehs, save, _rows([branch] * 3, [False] * 3, store), added=added),
+                               ref)
             assert seen[0].shape[1:] == shapes[branch]
             torch.testing.assert_close(store[:, :seen[0][0].numel()].view(seen[0].shape), seen[0], rtol=0, atol=0)
             # row 1 reuses it at other inputs (gathered out of the deep path); rows 0 and 2 run whole
             x2 = x + 0.1
-            reuse = CacheStep((Stage(branch, (0, 2), (1,), (1,), (), ()),))
-            out = cached_unet(u, x2, t, ehs, reuse, store, added=added)
+            reusing = _rows([-1, branch, -1], [False, True, False], store)
+            out = cached_unet(u, x2, t, ehs, CacheKey(((branch, 2),)), reusing, added=added)
             plain = u(x2, t, encoder_hidden_states=ehs, added_cond_kwargs=added, return_dict=False)[0]
             torch.testing.assert_close(out[[0, 2]], plain[[0, 2]], rtol=0, atol=1e-5)
             hook = _up_layer_at(u, branch).register_forward_pre_hook(
@@ -76,10 +83,24 @@ def test_the_split_forward_equals_the_unet_and_reuses_exactly_the_kept_feature(e
             hooked = u(x2, t, encoder_hidden_states=ehs, added_cond_kwargs=added, return_dict=False)[0]
             hook.remove()
             torch.testing.assert_close(out[1], hooked[1], rtol=0, atol=1e-5)
-            # not gathered (a step with per-row denoiser state: LoRA rows, image prompts): the same rows' outputs
-            kept = CacheStep((Stage(branch, (0, 1, 2), (1,), (1,), (), ()),))
-            torch.testing.assert_close(cached_unet(u, x2, t, ehs, kept, store, added=added), out, rtol=0, atol=1e-5)
+            # not gathered (a step with per-row denoiser state: LoRA rows, image prompts), or gathered into more
+            # rows than need it (the deep rows rounded up: the reusing row runs deep, its output dropped): the same
+            for deep in (None, 3):
+                torch.testing.assert_close(cached_unet(u, x2, t, ehs, CacheKey(((branch, deep),)), reusing,
+                                                       added=added), out, rtol=0, atol=1e-5)
             assert (out[1] - plain[1]).abs().max() > 1e-4  # the kept feature, not a fresh one
+            torch.testing.assert_close(store[:, :seen[0][0].numel()].view(seen[0].shape), seen[0], rtol=0, atol=0)
+
+
+def test_the_step_key_counts_the_rows_going_deeper_per_branch_rounded_up():
+    # rows: no cache, branch 0 reusing, branch 0 saving, branch 2 reusing, branch 2 reusing
+    branch, reuse = np.array([-1, 0, 0, 2, 2]), np.array([False, True, False, True, True])
+    assert cache_key(branch, reuse) == CacheKey(((0, 4), (2, 2)))  # 4 go past branch 0, 2 past branch 2
+    assert cache_key(branch, reuse, gather=False) == CacheKey(((0, None), (2, None)))
+    assert cache_key(np.array([0, 0]), np.array([False, False])) == CacheKey(((0, None),))  # all save: no split
+    assert cache_key(np.array([1, 1, 1]), np.array([True] * 3)) == CacheKey(((1, 0),))  # none goes deeper
+    assert cache_key(np.array([-1, -1]), np.array([False] * 2)) is None
+    assert str(CacheKey(((0, 4), (2, None)))) == "_b0k4_b2"
 
 
 def test_the_split_forward_adds_controlnet_residuals_as_the_unet_does(tiny_engine):
@@ -95,10 +116,10 @@ def test_the_split_forward_adds_controlnet_residuals_as_the_unet_does(tiny_engin
     with torch.no_grad():
         ref = u(x, t, encoder_hidden_states=ehs, return_dict=False, **kw)[0]
         store = torch.zeros(3, size)
-        save = CacheStep((Stage(2, (0, 1, 2), (), (), (0, 1, 2), (0, 1, 2)),))
-        assert torch.equal(cached_unet(u, x, t, ehs, save, store, residuals=kw), ref)
-        reuse = CacheStep((Stage(2, (0, 2), (1,), (1,), (), ()),))
-        out = cached_unet(u, x, t, ehs, reuse, store, residuals=kw)  # the same inputs: the kept feature is fresh
+        save = _rows([2] * 3, [False] * 3, store)
+        assert torch.equal(cached_unet(u, x, t, ehs, CacheKey(((2, None),)), save, residuals=kw), ref)
+        reuse = _rows([-1, 2, -1], [False, True, False], store)
+        out = cached_unet(u, x, t, ehs, CacheKey(((2, 2),)), reuse, residuals=kw)  # the kept feature is fresh
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
@@ -262,18 +283,66 @@ def test_the_server_default_applies_is_recorded_and_bad_values_are_one_line_400s
             assert recorded == [{"step_cache": "auto"}, {"step_cache": "off"}]
 
 
-def test_in_graph_mode_steps_with_cache_rows_run_eagerly_and_equal_the_eager_engine(tiny_engine):
+def _step_graphs(engine):
+    """Per step graph kind that ran (cached ones: "step_step_cache_<key>"): its replays and the steps it ran eagerly
+    (an uncovered shape: kind, bucket 0)."""
+    out = {}
+    for r in engine.runner.graph_table():
+        if r["kind"].startswith("step"):
+            replays, eager = out.get(r["kind"], (0, 0))
+            out[r["kind"]] = (replays + (r["replays"] or 0), eager + (r["eager_fallbacks"] or 0))
+    return {kind: counts for kind, counts in out.items() if counts != (0, 0)}
+
+
+def test_in_graph_mode_steps_with_cache_rows_replay_their_graphs_and_equal_the_eager_engine(tiny_engine):
     from diffgraph.config import GraphConfig
 
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
     with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as g:
-        replays = lambda: sum(r.get("replays") or 0 for r in g.runner.graph_runner.table() if r["kind"] == "step")
-        for cache, replayed in ((None, 4), ({"method": "deepcache", "interval": 2}, 0)):
-            before = replays()
-            request = _request(tiny_engine, cache, num_inference_steps=4)
+        for cache, tiling in ((None, False), ({"method": "deepcache", "interval": 2}, False),
+                              ({"method": "deepcache", "interval": 3, "branch": 2}, False),
+                              ({"method": "deepcache", "interval": 2, "branch": 1}, True)):
+            request = _request(tiny_engine, cache, num_inference_steps=4, tiling=tiling)
             # two engines: equal to far below a level (a prompt cached from another batch is a float apart)
             np.testing.assert_allclose(g.run(request).arrays, tiny_engine.run(request).arrays, atol=1e-5, rtol=0)
-            assert replays() - before == replayed
+        # every step replayed a graph: full evaluations (every row keeps its feature) and cached ones (no row goes
+        # deeper than its branch) each their own variant, captured at first use (a tiling row's: their tiling twins)
+        assert _step_graphs(g) == {"step": (4, 0), "step_step_cache_b0": (2, 0), "step_step_cache_b0k0": (2, 0),
+                                   "step_step_cache_b2": (2, 0), "step_step_cache_b2k0": (2, 0),
+                                   "step_step_cache_b1_tiling": (2, 0), "step_step_cache_b1k0_tiling": (2, 0)}
+        # a replaced denoiser drops the variants added while serving too (recaptured on next use)
+        g.core.call_between_steps(lambda: g.runner.invalidate("step")).result()
+        dropped = {r["kind"] for r in g.runner.graph_table() if r["invalidations"]}
+        assert {"step_step_cache_b0k0", "step_step_cache_b1k0_tiling"} <= dropped
+
+
+def test_in_graph_mode_mixed_cache_rows_replay_and_equal_each_alone(tiny_engine):
+    from diffgraph.config import GraphConfig
+
+    # 1 + 2 + 2 + 4 + 2 denoiser rows: padded buckets, rows at several branches, intervals and steps in one replay
+    requests = [_request(tiny_engine, "auto", seed=4, guidance_scale=1.0),
+                _request(tiny_engine, seed=2),
+                _request(tiny_engine, {"method": "deepcache", "interval": 3, "branch": 1, "schedule": "nonuniform",
+                                       "center": 2}, seed=3, sampler="heun", num_inference_steps=4),
+                _request(tiny_engine, {"method": "deepcache", "interval": 2}, seed=1, num_images=2),
+                _request(tiny_engine, {"method": "deepcache", "interval": 3, "branch": 3}, seed=6, sampler="dpmpp_2m")]
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8, 16), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as g:
+        alone = [g.run(r).arrays for r in requests]
+        g.core.call_between_steps(lambda: None).result()
+        before, steps = _step_graphs(g), g.core.stats["steps"]
+        together = _together(g, requests)
+        g.core.call_between_steps(lambda: None).result()  # the last step's count is in (it follows the results)
+        after, steps = _step_graphs(g), g.core.stats["steps"] - steps
+    eager = [tiny_engine.run(r).arrays for r in requests]
+    for a, b, c in zip(alone, together, eager):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a, c, atol=1e-5, rtol=0)
+    assert _levels(alone[3][0], alone[3][1]) > 1
+    assert all(eager == 0 for _, eager in after.values())
+    mixed = {k: after[k][0] - before.get(k, (0, 0))[0] for k in after}
+    assert sum(mixed.values()) == steps  # every step of the batch replayed a graph
+    assert any("_b0k" in k and "_b1" in k and "_b3" in k for k, n in mixed.items() if n)  # gathered, three branches
 
 
 def test_the_cli_caches_and_from_image_repeats_it(tmp_path):
@@ -293,3 +362,72 @@ def test_the_cli_caches_and_from_image_repeats_it(tmp_path):
     pixels = [np.asarray(Image.open(p)) for p in (first, again, plain)]
     np.testing.assert_array_equal(pixels[1], pixels[0])
     assert np.abs(pixels[2].astype(int) - pixels[0]).max() > 1
+
+
+def _beside(graphed, eager, first: dict, cache: dict, **kw) -> dict:
+    """A cached request with another capability's rows (`first`: its keywords) and a cached plain one (`cache`, `kw`)
+    submitted together to the graph-mode engine equal each alone on the eager one; its step graphs that ran (none
+    eagerly)."""
+    requests = [graphed.make_request(PROMPT, num_inference_steps=4, seed=7, width=64, height=64, **first),
+                graphed.make_request(PROMPT, num_inference_steps=4, seed=8, width=64, height=64,
+                                     extras={"step_cache": cache}, **kw)]
+    alone = [eager.run(r).arrays for r in requests]
+    together = _together(graphed, requests)
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    ran = _step_graphs(graphed)
+    assert all(n == 0 for _, n in ran.values()), ran
+    return ran
+
+
+def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay(tiny_engine, tmp_path):
+    """A step with LoRA rows (per-row side-path state indexed by denoiser row) keeps every row in the deep path: its
+    key says None at every branch, and it replays graphs as the gathered keys do."""
+    from diffgraph.config import GraphConfig
+    from lora_util import _write_diffusers
+
+    _write_diffusers(tiny_engine, str(tmp_path / "style.safetensors"), rank=4, seed=0)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated")
+    kw = dict(device="cpu", dtype="fp32", lora_dir=str(tmp_path), max_loras=4, max_lora_rank=4)
+    with Engine("random:tiny", mode="graph", graphs=cfg, **kw) as g, Engine("random:tiny", **kw) as eager:
+        ran = _beside(g, eager, dict(loras=[("style", 1.0)], extras={"step_cache": {"method": "deepcache",
+                                                                                   "interval": 2, "branch": 1}}),
+                      {"method": "deepcache", "interval": 3})
+    assert ran.get("step_lora1_step_cache_b0_b1", (0, 0))[0] > 0, ran  # every row deep, both branches' features
+
+
+def test_in_the_compile_tier_cached_steps_compile_their_variants_and_equal_the_eager_engine(tiny_engine, tmp_path):
+    """The compile tier (aot_eager on the CPU): a cached step's variant is traced whole at its first use (Dynamo's
+    recompile limit raised for it: here patched to 1, below what the step needs) and its replays equal the eager
+    engine."""
+    from diffgraph.config import CompileConfig, GraphConfig
+
+    torch._dynamo.reset()
+    cfg = GraphConfig(batch_buckets=(2,), resolutions=((64, 64),), backend="emulated", capture_vae=False,
+                      capture_text_encoder=False)
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            Engine("random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg,
+                   compile=CompileConfig(backend="aot_eager", cache_dir=str(tmp_path))) as compiled:
+        step = next(c for c in compiled.runner.compiled if c.name == "the whole step")
+        before = step.compiles
+        request = _request(tiny_engine, {"method": "deepcache", "interval": 2, "branch": 1}, num_inference_steps=3)
+        np.testing.assert_allclose(compiled.run(request).arrays, tiny_engine.run(request).arrays, atol=1e-5, rtol=0)
+        assert step.compiles - before == 2 and step.failed is None and compiled.stats["compile_fallbacks"] == 0
+        assert _step_graphs(compiled) == {"step_step_cache_b1": (2, 0), "step_step_cache_b1k0": (1, 0)}
+
+
+def test_in_graph_mode_cache_rows_beside_controlnet_rows_replay_and_equal_the_eager_engine(tiny_engine, tmp_path):
+    """ControlNet rows (their residuals computed before the step, over the step's bucket) beside cached rows: the
+    rows going deeper read their residuals by their device indices; images equal the eager engine's."""
+    from diffgraph.config import GraphConfig
+    from control_util import control_image, make_controlnet
+
+    make_controlnet(tiny_engine.model.denoiser, str(tmp_path / "edges"), seed=10)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=tiny_engine.model, mode="graph", graphs=cfg, controlnet_dir=str(tmp_path)) as g, \
+            Engine(model=tiny_engine.model, controlnet_dir=str(tmp_path)) as eager:
+        controls = [dict(model="edges", image=control_image(64, 1), scale=0.8)]
+        ran = _beside(g, eager, dict(controls=controls, extras={"step_cache": {"method": "deepcache", "interval": 2,
+                                                                                "branch": 2}}),
+                      {"method": "deepcache", "interval": 3}, guidance_scale=1.0)
+    assert any(k.startswith("step_controlon_step_cache_b0k") for k in ran), ran  # gathered, with control residuals

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
-from diffgraph.models.families.token_cache import TaylorStep, cached_denoise, forecast_plan
+from diffgraph.models.families.token_cache import TaylorKey, TaylorState, cached_denoise, forecast_plan, taylor_key
 
 from loop_util import images_together
 from test_zimage import folders, oracle  # noqa: F401 (its module-scoped folders fixture)
@@ -127,12 +127,17 @@ def test_the_transformer_runs_over_the_gathered_rows_and_the_others_are_forecast
         return x * t.view(-1, 1, 1) / 1000 + cond["embeds"][:, :1] * rows["image_mask"].unsqueeze(-1)
     terms = torch.randn(8, 3, 5, 3, generator=g)
     before = terms.clone()
-    coef = ((0.5, 0.5), (2.0, 2.0))  # save: 1 / dist; cached: k, k^2 / 2
-    for run in ((0, 2), (0, 1, 2, 3)):
+    # row 0 no cache, row 1 forecast (k = 2, order 2), row 2 keeps its output (1 / dist = 0.5), row 3 forecast
+    # (k = 1, order 1); slots 0, 2, 5, 6
+    state = TaylorState(torch.tensor([False, False, True, False]), torch.tensor([False, True, False, True]),
+                        torch.tensor([0.0, 2.0, 0.5, 1.0]), torch.tensor([0.0, 2.0, 0.5, 0.0]),
+                        torch.tensor([0, 2, 5, 6]), terms)
+    # the two rows that run; three (a forecast row pads the count, its output replaced); every row
+    for run, rows in ((2, 2), (3, 3), (None, 4)):
         terms.copy_(before)
-        step = TaylorStep(run, (2,), (5,), coef[:1], (1, 3), (2, 6), (coef[1], (1.0, 0.0)))
-        out = cached_denoise(denoise, x, t, cond, {"image_mask": mask, "taylor.step": step, "taylor.terms": terms})
-        assert seen.pop() == len(run)
+        out = cached_denoise(denoise, x, t, cond, {"image_mask": mask, "taylor.key": TaylorKey(run),
+                                                   "taylor.state": state})
+        assert seen.pop() == rows
         full = denoise(x, t, cond, {"image_mask": mask})
         torch.testing.assert_close(out[[0, 2]], full[[0, 2]])
         torch.testing.assert_close(out[1], before[2, 0] + 2 * before[2, 1] + 2 * before[2, 2])
@@ -140,6 +145,11 @@ def test_the_transformer_runs_over_the_gathered_rows_and_the_others_are_forecast
         d1 = (full[2] - before[5, 0]) * 0.5
         torch.testing.assert_close(terms[5], torch.stack([full[2], d1, (d1 - before[5, 1]) * 0.5]))
         torch.testing.assert_close(terms[[0, 1, 2, 3, 4, 6, 7]], before[[0, 1, 2, 3, 4, 6, 7]])
+    on, reuse = np.array([False, True, True, True, True]), np.array([False, True, False, True, False])
+    assert taylor_key(on, reuse) == TaylorKey(4) and taylor_key(on, on) == TaylorKey(1)
+    assert taylor_key(on, reuse, gather=False) == TaylorKey(None) and taylor_key(on & False, reuse & False) is None
+    assert taylor_key(on[:3], reuse[:3]) == TaylorKey(2)
+    assert taylor_key(on[:3], reuse[:3] & False) == TaylorKey(None)  # 3 rows run: rounded up to 4, all of them
 
 
 BAD = [({"method": "taylorseer", "interval": 0}, "step_cache.interval", "out of range"),
@@ -178,13 +188,26 @@ def test_the_server_default_applies_to_requests_that_name_none(folders, engines)
                capability_settings={"step_cache": {"step_cache": '{"method": "deepcache"}'}})
 
 
-def test_in_graph_mode_steps_with_cache_rows_run_eagerly_and_equal_the_eager_engine(folders, engines):
+def test_in_graph_mode_steps_with_cache_rows_replay_their_graphs_and_equal_the_eager_engine(folders, engines):
     from diffgraph.config import GraphConfig
 
-    eager = engines["Z-Image-Turbo"]
-    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((64, 64),), backend="emulated")
-    with Engine(model=folders["Z-Image-Turbo"][0], device="cpu", mode="graph", graphs=cfg) as g:
-        request = _kw({"method": "taylorseer", "interval": 2}, num_inference_steps=4)
-        np.testing.assert_array_equal(images_together(g, [request])[0], images_together(eager, [request])[0])
-        assert not any(r.get("replays") for r in g.runner.graph_runner.table() if r["kind"] == "step")
-
+    eager = engines["Z-Image"]
+    requests = [_kw({"method": "taylorseer", "interval": 2}, seed=1, guidance_scale=3.0),
+                _kw(seed=2),
+                _kw({"method": "taylorseer", "interval": 3, "order": 2}, seed=3, num_inference_steps=7)]
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=folders["Z-Image"][0], device="cpu", mode="graph", graphs=cfg) as g:
+        alone = images_together(g, requests[:1])[0]
+        np.testing.assert_array_equal(alone, images_together(eager, requests[:1])[0])
+        together = images_together(g, requests)
+        g.core.call_between_steps(lambda: None).result()  # the last step's count is in (it follows the results)
+        steps = g.core.stats["steps"]
+        table = [r for r in g.runner.graph_table() if r["kind"].startswith("step")]
+    for a, b in zip(images_together(eager, requests), together):
+        assert np.abs(a.astype(int) - b).max() <= 1
+    assert not any(r["eager_fallbacks"] for r in table)
+    # every step replayed a graph, the cached ones their own variants (captured at first use)
+    assert sum(r["replays"] for r in table) == steps
+    cached = {r["kind"] for r in table if r["replays"] and "step_cache" in r["kind"]}
+    assert {"step_step_cache_all", "step_step_cache_run0"} <= cached and any("run" in k for k in cached - {
+        "step_step_cache_run0"}), cached

@@ -1,6 +1,7 @@
 """One image's end-to-end latency with per-row step caching against the same request uncached, in one process
 (random-initialised true architectures; fp16 graph mode, optionally the compile tier). Each case: warm-up runs,
-then medians of `--repeats` (prompt to decoded pixels). Writes JSON.
+then medians of `--repeats` (prompt to decoded pixels), and the step graphs the timed runs replayed (per kind: a
+cached step's kind names its key). Writes JSON.
 
     PYTHONPATH=src python tools/bench_step_cache.py --cases random:sd15@512,random:sdxl@1024 --steps 20 \
         --caches off,auto,deepcache:3 [--compile] [--out bench_step_cache.json]
@@ -34,6 +35,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def step_replays(engine: Engine) -> dict[str, int]:
+    """Replays per step graph kind so far (a cached step's kind names its key: "step_step_cache_b0k0"); in the timed
+    runs they sum to the steps taken where no step ran eagerly."""
+    out: dict[str, int] = {}
+    for r in engine.runner.graph_table():
+        if r["kind"].startswith("step"):
+            out[r["kind"]] = out.get(r["kind"], 0) + (r["replays"] or 0)
+    return out
+
+
 def run_case(case: str, steps: int, caches: list[str], repeats: int, compile_tier: bool, device: str) -> list[dict]:
     model, size = case.split("@")
     size = int(size)
@@ -49,15 +60,17 @@ def run_case(case: str, steps: int, caches: list[str], repeats: int, compile_tie
                                                   extras=None if value is None else {"step_cache": value})
             for _ in range(2):
                 engine.run(request())
-            times = []
+            times, before = [], step_replays(engine)
             for _ in range(repeats):
                 sync(device)
                 t = time.perf_counter()
                 engine.run(request())
                 sync(device)
                 times.append((time.perf_counter() - t) * 1000)
+            after = step_replays(engine)
+            replayed = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
             rows.append(dict(case=case, cache=name, steps=steps, compile=compile_tier, ms=statistics.median(times),
-                             all_ms=times))
+                             all_ms=times, replays=replayed))
             print(json.dumps(rows[-1]), flush=True)
     base = next((r["ms"] for r in rows if r["cache"] == "off"), None)
     for r in rows:

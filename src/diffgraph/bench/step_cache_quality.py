@@ -23,7 +23,7 @@ import torch
 from ..engine.engine import Engine
 from ..models.digits_oracle import DigitsOracle, digit_prompt
 from .fp8_compare import digit_scores, oracle_lines, seed_prompts
-from ..models.families.unet_cache import (CacheStep, DeepCache, Stage, branch_shapes, cached_unet, full_evaluations,
+from ..models.families.unet_cache import (CacheKey, CacheRows, DeepCache, branch_shapes, cached_unet, full_evaluations,
                                           read_step_cache, residual_owners, supports)
 
 FIRST_SEED = 1000
@@ -78,13 +78,15 @@ def skip_shares(engine: Engine, branches: Iterable[int] | None = None) -> dict[i
     store = x.new_zeros(1, max(math.prod(s) for s in branch_shapes(unet, tuple(x.shape[1:]))))
     t = x.new_tensor([500.0])
 
-    def flops(step: CacheStep) -> int:
+    def flops(key: CacheKey, branch: int = -1) -> int:  # one row, reusing its feature at `branch`
+        rows = CacheRows(torch.tensor([branch + 1], device=x.device), torch.tensor([branch >= 0], device=x.device),
+                         torch.zeros(1, dtype=torch.int64, device=x.device), store)
         with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-            cached_unet(unet, x, t, ehs, step, store, added=added)
+            cached_unet(unet, x, t, ehs, key, rows, added=added)
         return counter.get_total_flops()
 
-    whole = flops(CacheStep(()))
-    return {m: 1.0 - flops(CacheStep((Stage(m, (), (0,), (0,), (), ()),))) / whole
+    whole = flops(CacheKey(()))
+    return {m: 1.0 - flops(CacheKey(((m, 0),)), m) / whole
             for m in (range(len(residual_owners(unet))) if branches is None else sorted(set(branches)))}
 
 

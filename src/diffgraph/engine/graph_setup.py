@@ -112,6 +112,11 @@ class GraphSet:
     # where they run as loaded
     decoder_form: Callable[[torch.nn.Module], object] | None = None
     denoiser_form: Callable[[torch.nn.Module], object] | None = None
+    # a step variant's graph (`StepGraph` of a key, over the groups of `make_graphs`), and the keys registered after
+    # start-up (`add_step_graph`: a row feature's step part met at its first use, the step cache's `CacheKey`s)
+    step_graph: Callable[..., StepGraph] | None = None
+    added_keys: list = field(default_factory=list)
+    recompiles_per_kind: int = 0  # the compiled step's versions a new step kind adds (0: not compiled)
 
 
 def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphSet:
@@ -139,10 +144,11 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
         step_fn = partial(_within, attention_first(attention), step_fn)
     sampler, schedule = adapter.default_sampler, adapter.default_schedule
     groups = tuple(dict.fromkeys(k for size in resolutions for k in host.group_keys(size)))  # the step's: per group
+    out.step_graph = partial(StepGraph, host.buffers, host.program, partial(adapter.denoise, model),
+                             verify_plan=lambda: host.plan_for(sampler, schedule, 10, resolutions[0]),
+                             resolutions=groups, buckets=cfg.batch_buckets, step_fn=step_fn)
     for key in host.program.variants():
-        graphs.register(StepGraph(host.buffers, host.program, partial(adapter.denoise, model), key,
-                                  lambda: host.plan_for(sampler, schedule, 10, resolutions[0]), groups,
-                                  cfg.batch_buckets, step_fn))
+        graphs.register(out.step_graph(key))
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
         if compile is not None:
             _install_output_hooks(host)
@@ -185,19 +191,41 @@ def add_tiling_graphs(host: GraphHost, out: GraphSet) -> None:
     if out.tiling:
         return
     out.tiling = True
-    model, adapter, runner, cfg = host.model, host.adapter, out.runner, host.graph_config
-    step = runner.kinds["step"]
-    denoise = circular(partial(adapter.denoise, model), lambda: model.denoiser)
-    verify = partial(host.plan_for, adapter.default_sampler, adapter.default_schedule, 10, step.resolutions()[0])
-    for key in host.program.variants():
-        runner.register(StepGraph(lambda res: host.buffers((*res, TILING)), host.program, denoise, key, verify,
-                                  step.resolutions(), step.buckets(), kind=tiling_kind(host.program.kind(key))))
+    runner = out.runner
+    for key in [*host.program.variants(), *out.added_keys]:
+        runner.register(_tiling_step(host, out, key))
     for name, kind, fn in (("vae", "vae", host.decode_pixels), ("encode", "vae_encode", host.encode_pixels_eager)):
         plain = getattr(out, name)
         if plain is not None:
             graph = plain.like(circular(fn, lambda: host.decoder), tiling_kind(kind))
             setattr(out, f"{name}_tiling", graph)
             runner.register(graph)
+
+
+def _tiling_step(host: GraphHost, out: GraphSet, key: tuple) -> StepGraph:
+    """The step variant `key` over the tiling groups' buffers, its denoiser's convolutions padding circularly."""
+    model, adapter, step = host.model, host.adapter, out.runner.kinds["step"]
+    denoise = circular(partial(adapter.denoise, model), lambda: model.denoiser)
+    verify = partial(host.plan_for, adapter.default_sampler, adapter.default_schedule, 10, step.resolutions()[0])
+    return StepGraph(lambda res: host.buffers((*res, TILING)), host.program, denoise, key, verify,
+                     step.resolutions(), step.buckets(), kind=tiling_kind(host.program.kind(key)))
+
+
+def add_step_graph(host: GraphHost, out: GraphSet, key: tuple) -> str:
+    """Registers the graphs of a step variant that is not among the program's `variants()` (a row feature's step part
+    met while serving: the step cache's `CacheKey`), captured on first use like any key not prewarmed, and its
+    tiling twin once the tiling graphs exist; returns its kind. (With a compile config the compiled step gets room
+    for its versions: Dynamo would otherwise run it uncompiled past its recompile limit.)"""
+    kind = host.program.kind(key)
+    if kind in out.runner.kinds:
+        return kind
+    out.runner.register(out.step_graph(key))
+    out.added_keys.append(key)
+    if out.recompiles_per_kind:
+        torch._dynamo.config.recompile_limit += out.recompiles_per_kind
+    if out.tiling:
+        out.runner.register(_tiling_step(host, out, key))
+    return kind
 
 
 def _install_output_hooks(host: GraphHost) -> None:
@@ -225,7 +253,8 @@ def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, res
     # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
     # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
     per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2
-    needed = len(host.program.variants()) * len(resolutions) * per_resolution
+    out.recompiles_per_kind = len(resolutions) * per_resolution
+    needed = len(host.program.variants()) * out.recompiles_per_kind
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed + 2)
     return tag, attention
 

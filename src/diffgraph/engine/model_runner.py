@@ -39,7 +39,8 @@ from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
-from .graph_setup import GraphSet, add_tiling_graphs, decode_chunks, make_graphs, tiling_kind, vae_buckets
+from .graph_setup import (GraphSet, add_step_graph, add_tiling_graphs, decode_chunks, make_graphs, tiling_kind,
+                          vae_buckets)
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
@@ -166,8 +167,9 @@ class ModelRunner:
         if "step" in kinds and self.graphs is not None and self.graphs.denoiser_form is not None:
             self.graphs.denoiser_form(self.model.denoiser)  # a replaced UNet's (in place: idempotent)
         if self.graph_runner is not None:
+            steps = [*self.program.variants()[1:], *self.graphs.added_keys]
             extra = (("vae_encode",) if "vae" in kinds else ()) + (
-                tuple(self.program.kind(v) for v in self.program.variants()[1:]) if "step" in kinds else ())
+                tuple(self.program.kind(v) for v in steps) if "step" in kinds else ())
             dropped = kinds + extra
             dropped += tuple(tiling_kind(k) for k in dropped if tiling_kind(k) in self.graph_runner.kinds)
             for k in dropped:
@@ -406,11 +408,14 @@ class ModelRunner:
         buf = self.buffers(key)
         n, d = coefs.shape[0], sum(k * b for _, k, b in rows)  # denoiser rows: a guiding row costs two
         variant = self.program.neutral() if variant is None else variant
-        # host refinements of the key from this step's numbers (the step cache's gathered rows); a part the step's
-        # graphs do not hold runs the step eagerly
+        # host refinements of the key from this step's numbers (the step cache's deep rows per branch): a key the
+        # graphs do not have yet gets its own, captured on first use; a part no graph can hold runs the step eagerly
         variant = self.program.step_key(variant, coefs, layout(rows, d), d)
         eager = self.program.eager(variant)
-        kind = self.program.kinds.get(variant) or self.program.kind(variant)
+        kind = self.program.kinds.get(variant)
+        if kind is None:
+            kind = self.program.kind(variant) if self.graphs is None or eager else \
+                add_step_graph(self, self.graphs, variant)
         tiling = len(key) > 2
         if tiling and self.graphs is not None:  # its own graphs, over its own buffers
             kind = self._tiling_graphs(kind)

@@ -18,7 +18,8 @@ A feature declares, for the rows of one resolution group:
     combine with every other variant, and the compiled step sees them as a dynamic dimension.
 Two host hooks read the step's own numbers: `after_plan` (its columns of a request's table adjusted once the plan's
 denoiser rows per plan row are known) and `step_part` (its part refined from the step's host coefficient table and
-denoiser-row layout, before the step; `eager(part)`: the step's graphs do not hold it, so that step runs eagerly).
+denoiser-row layout, before the step: a refined part not among `variants()` gets graphs of its own, registered and
+captured at its first use; `eager(part)`: no graph can hold it, so that step runs eagerly).
 Admission (what a request writes into its rows) is the feature's `rows(...)`, called on the loop thread with the
 request's prepared inputs; preparation that costs CPU happens on the submitting thread before.
 A family adapter lists its features (`FamilyAdapter.features(model)`); `program.StepProgram` composes them.

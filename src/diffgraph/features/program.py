@@ -163,7 +163,7 @@ class StepProgram:
 
     def step_key(self, key: VariantKey, coefs: np.ndarray, index: np.ndarray, d: int) -> VariantKey:
         """The step's key with each part refined by its feature's `step_part` from the host's coefficient table and
-        denoiser-row layout (the step cache's gathered rows)."""
+        denoiser-row layout (the step caches' keys: how many rows go deeper, a graph variant of its own)."""
         if not self._overrides["step_part"]:
             return key
         row_state = any(key[i] != self._neutral[i] for i in self._overrides["before_denoise"])

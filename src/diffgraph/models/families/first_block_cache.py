@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -92,12 +92,6 @@ class FirstBlockStep:
     threshold: tuple[float, ...]
     force: tuple[bool, ...]
     gather: bool = True
-
-    def relocate(self, run: Sequence[int]) -> "FirstBlockStep":
-        """The same part where the denoiser runs over the step's rows `run` only (another cache gathered them)."""
-        where = {j: i for i, j in enumerate(run)}
-        return FirstBlockStep(tuple(where[j] for j in self.rows), self.slots, self.group, self.threshold, self.force,
-                              self.gather)
 
     def decided(self) -> bool:
         """Whether the host knows every group computes (forced, or threshold 0): no residual is compared."""
@@ -240,6 +234,16 @@ class FirstBlockRows(RowFeature):
         return {"fbc.step": (part, view.fields["fbc.kept"].flatten(0, 1))}
 
 
+class BothSteps(NamedTuple):
+    """The step's part of `StepCacheRows`: the fixed-interval method's and the first-block one's (None: no such row)."""
+
+    fixed: Any
+    first: FirstBlockStep | None
+
+    def __str__(self) -> str:  # the graph kind's suffix: a fixed-interval step's own ("_run2"); a first-block step
+        return (str(self.fixed) if self.fixed is not None else "") + ("" if self.first is None else "_first_block")
+
+
 class StepCacheRows(RowFeature):
     """The step cache of a token family that offers two methods: one row feature over a fixed-interval one (`fixed`,
     whose step part names the rows the denoiser runs over as `run`) and the first-block one (`first`); a request uses
@@ -279,11 +283,12 @@ class StepCacheRows(RowFeature):
                   gather: bool = True) -> Any:
         if part is None:
             return None
-        fixed, first = (f.step_part(p, coefs, columns, index, d, gather) if p else None
-                        for f, p in zip(self._both, part))
-        if fixed is not None and first is not None:
-            first = first.relocate(fixed.run)
-        return fixed, first
+        taylor, first_block = self._both
+        first = first_block.step_part(part[1], coefs, columns, index, d, gather) if part[1] else None
+        # beside first-block rows (a two-phase, eager step) TaylorSeer gathers nothing: the transformer runs over the
+        # step's rows as they are (the forecast rows' outputs replaced), so the first-block part indexes them as is
+        fixed = taylor.step_part(part[0], coefs, columns, index, d, gather and first is None) if part[0] else None
+        return BothSteps(fixed, first)
 
     def eager(self, part: Any) -> bool:
         return part is not None and any(f.eager(p) for f, p in zip(self._both, part) if p is not None)

@@ -13,11 +13,14 @@ one (a guidance interval opening or closing) is full and starts the differences 
 
 The plan is host data (coefficient columns `taylor.order`, `taylor.reuse`, `taylor.c1`, `taylor.c2`: at a cached
 evaluation the forecast's coefficients k and k^2 / 2, at a full one 1 / dist for D1 and D2, 0 where a difference
-does not exist yet); each step the host turns the live rows' columns into the step's part (`TaylorStep`: the
-denoiser rows the transformer runs over, those that keep their output, those forecast), so the transformer runs
-only over the rows that need it, gathered, without a device sync. The kept terms are one per-row field
-(`taylor.terms`, [2, 3, tokens, C] fp32: per CFG branch F, D1, D2), compacted, saved and restored with the row. A
-step with cache rows runs eagerly (its part holds the gathered rows: no CUDA graph is captured for it).
+does not exist yet); each step the host turns the live rows' columns into the step's graph variant (`TaylorKey`: how
+many rows the transformer runs over, rounded up to a power of two), and the step finds those rows on the device (a
+stable sort of the forecast flag read from the step's coefficient table), so the transformer runs only over the rows
+that need it (padded with forecast ones, whose outputs are replaced), every shape depends on the key and the batch
+alone, and a step with cache rows replays the CUDA graph of its key (registered and captured at its first use), with
+no device sync. The kept terms are one per-row field (`taylor.terms`, [2, 3, tokens, C] fp32: per CFG branch F, D1,
+D2), read and written for every row of the step with static-shaped gathers and scatters, compacted, saved and
+restored with the row.
 
 {"method": "first_block", "threshold": t} is the data-dependent method (first_block_cache.py); the capability's row
 feature holds both (`first_block_cache.StepCacheRows`), and a request uses one.
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -119,65 +122,80 @@ def forecast_plan(reuse: np.ndarray, branches: np.ndarray, order: int) -> tuple[
 
 
 @dataclass(frozen=True)
-class TaylorStep:
-    """The step's part (denoiser rows local to the step; slots = image row * 2 + branch): `run` the rows the
-    transformer runs over; `save` (of `run`) those that keep their output (slots, 1 / dist for D1 and D2); `cached`
-    those forecast (slots, the coefficients of D1 and D2)."""
+class TaylorKey:
+    """The step's part (a graph variant): how many denoiser rows the transformer runs over, the rows not forecast
+    rounded up to a power of two (the step's first `run` rows, those that run first, in row order), or None: every
+    row (the forecast rows' outputs replaced)."""
 
-    run: tuple[int, ...]
-    save: tuple[int, ...]
-    save_slots: tuple[int, ...]
-    save_inv: tuple[tuple[float, float], ...]
-    cached: tuple[int, ...]
-    cached_slots: tuple[int, ...]
-    cached_coef: tuple[tuple[float, float], ...]
+    run: int | None
+
+    def __str__(self) -> str:  # the graph kind's suffix ("step_step_cache_run2")
+        return "_all" if self.run is None else f"_run{self.run}"
 
 
-def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+class TaylorState(NamedTuple):
+    """Per denoiser row, on the device: `keep` whether it keeps its output (a live cache row at a full evaluation),
+    `reuse` whether it is forecast, `c1`, `c2` its coefficients (1 / dist at a full evaluation, k and k^2 / 2 at a
+    forecast one, 0 where the difference does not exist), `slot` its row of `terms` ([slots, 3, tokens, C] fp32;
+    `unet_cache.row_slots`)."""
+
+    keep: torch.Tensor
+    reuse: torch.Tensor
+    c1: torch.Tensor
+    c2: torch.Tensor
+    slot: torch.Tensor
+    terms: torch.Tensor
 
 
-def _coefs(values: Sequence[tuple[float, float]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    t = torch.tensor(values, dtype=torch.float32, device=like.device).view(-1, 2, *(1,) * (like.dim() - 1))
-    return t[:, 0], t[:, 1]
+def taylor_key(on: np.ndarray, reuse: np.ndarray, gather: bool = True) -> TaylorKey | None:
+    """The step's key from its denoiser rows' cache flags and forecast flags (host data); None: no cache row."""
+    if not on.any():
+        return None
+    run = unet_cache.round_up(int(np.sum(~reuse))) if gather else None
+    return TaylorKey(None if run is None or run >= len(on) else run)
+
+
+def taylor_state(view: StepView, terms: torch.Tensor) -> TaylorState:
+    """The step's `TaylorState` from its coefficient columns and denoiser-row layout (tensor ops only: capturable)."""
+    live, slot = unet_cache.row_slots(view)
+    order, reuse, c1, c2 = (view.gather(view.coefs[:, view.columns[c]]) for c in COLUMNS)
+    forecast = live & (order > 0) & (reuse > 0.5)
+    return TaylorState(live & (order > 0) & ~forecast, forecast, c1, c2, slot, terms)
 
 
 def cached_denoise(denoise: Callable[..., torch.Tensor], x: torch.Tensor, t: torch.Tensor,
                    cond: dict[str, torch.Tensor], rows: dict[str, Any]) -> torch.Tensor | None:
     """A token family's denoiser call when the step has cache rows (None: it has none): `denoise(x, t, cond, rows)`
-    over the step's `run` rows only (their inputs gathered: the tensors of `cond` and `rows` with one entry per
-    denoiser row), the kept terms of its `save` rows updated, its `cached` rows' outputs (shaped as x, as a token
-    family's velocity is) forecast from theirs."""
-    step = rows.get("taylor.step")
-    if step is None:
+    over the key's first `run` rows in the order that puts the rows that run first (their inputs gathered: the
+    tensors of `cond` and `rows` with one entry per denoiser row; every row where `run` is None), the kept terms of
+    the rows that keep theirs updated, the forecast rows' outputs (shaped as x, as a token family's velocity is)
+    forecast from theirs. Shapes depend on the key and the batch alone."""
+    key = rows.get("taylor.key")
+    if key is None:
         return None
-    terms = rows["taylor.terms"]  # [slots, 3, tokens, C] fp32
+    state: TaylorState = rows["taylor.state"]
     plain = {k: v for k, v in rows.items() if not k.startswith("taylor.")}
     d = x.shape[0]
-    if len(step.run) == d:
+    if key.run is None or key.run >= d:
         out = denoise(x, t, cond, plain)
-    else:
+    elif key.run == 0:
         out = x.new_zeros(x.shape)
-        if step.run:
-            idx = _index(step.run, x.device)
-            pick = lambda v: v.index_select(0, idx) if isinstance(v, torch.Tensor) and v.shape[:1] == (d,) else v
-            sub = denoise(x.index_select(0, idx), t.index_select(0, idx), {k: pick(v) for k, v in cond.items()},
-                          {k: pick(v) for k, v in plain.items()})
-            out = out.to(sub.dtype).index_copy_(0, idx, sub)
-    if step.save:
-        slots = _index(step.save_slots, x.device)
-        fresh = out.index_select(0, _index(step.save, x.device)).float()
-        old = terms.index_select(0, slots)
-        inv1, inv2 = _coefs(step.save_inv, fresh)
-        d1 = torch.where(inv1 > 0, (fresh - old[:, 0]) * inv1, 0.0)
-        d2 = torch.where(inv2 > 0, (d1 - old[:, 1]) * inv2, 0.0)
-        terms.index_copy_(0, slots, torch.stack([fresh, d1, d2], dim=1))
-    if step.cached:
-        kept = terms.index_select(0, _index(step.cached_slots, x.device))
-        c1, c2 = _coefs(step.cached_coef, kept[:, 0])
-        guess = kept[:, 0] + torch.where(c1 > 0, c1 * kept[:, 1], 0.0) + torch.where(c2 > 0, c2 * kept[:, 2], 0.0)
-        out = out.index_copy(0, _index(step.cached, x.device), guess.to(out.dtype))
-    return out
+    else:
+        idx = torch.argsort(state.reuse.to(torch.int32), stable=True)[:key.run]
+        pick = lambda v: v.index_select(0, idx) if isinstance(v, torch.Tensor) and v.shape[:1] == (d,) else v
+        sub = denoise(x.index_select(0, idx), t.index_select(0, idx), {k: pick(v) for k, v in cond.items()},
+                      {k: pick(v) for k, v in plain.items()})
+        out = sub.new_zeros((d, *sub.shape[1:])).index_copy(0, idx, sub)
+    per_row = (-1, *(1,) * (x.dim() - 1))
+    old = state.terms.index_select(0, state.slot)  # every row's kept terms (a slot each: written once below)
+    fresh = out.float()
+    inv1, inv2 = state.c1.view(per_row), state.c2.view(per_row)
+    d1 = torch.where(inv1 > 0, (fresh - old[:, 0]) * inv1, 0.0)
+    d2 = torch.where(inv2 > 0, (d1 - old[:, 1]) * inv2, 0.0)
+    new = torch.where(state.keep.view(-1, 1, *per_row[1:]), torch.stack([fresh, d1, d2], dim=1), old)
+    state.terms.index_copy_(0, state.slot, new)
+    guess = old[:, 0] + torch.where(inv1 > 0, inv1 * old[:, 1], 0.0) + torch.where(inv2 > 0, inv2 * old[:, 2], 0.0)
+    return torch.where(state.reuse.view(per_row), guess.to(out.dtype), out)
 
 
 # -- the capability and its row feature ------------------------------------------------------------------------------
@@ -244,7 +262,7 @@ class TaylorRows(RowFeature):
             table[:, columns["taylor.c1"]], table[:, columns["taylor.c2"]] = c1, c2
 
     def variants(self) -> Sequence[Any]:
-        return (None,)  # a step with cache rows runs eagerly (`eager`): no graphs to capture
+        return (None,)  # a step's `TaylorKey` is its graph variant, registered and captured at its first use
 
     def _caches(self, admission: Admission) -> bool:
         return isinstance(request_cache(admission.request, self._default), TaylorSeer)
@@ -261,25 +279,15 @@ class TaylorRows(RowFeature):
 
     def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
                   gather: bool = True) -> Any:
-        """The step's `TaylorStep` from the host's coefficient table; `gather` False (a feature sets per-row
-        denoiser state) runs the transformer over every row and only replaces the cached rows' outputs."""
+        """The step's `TaylorKey` from the host's coefficient table; `gather` False (a feature sets per-row
+        denoiser state) runs the transformer over every row and only replaces the forecast rows' outputs."""
         if part is None:
             return None
         rows = index[:d, 0]
-        cols = [coefs[rows, columns[c]] for c in COLUMNS]
-        on, reuse, c1, c2 = cols[0] > 0, (cols[0] > 0) & (cols[1] > 0.5), cols[2], cols[3]
-        slots = rows * 2 + index[:d, 1]
-        save = [j for j in range(d) if on[j] and not reuse[j]]
-        cached = [j for j in range(d) if reuse[j]]
-        return TaylorStep(tuple(j for j in range(d) if not (gather and reuse[j])), tuple(save),
-                          tuple(int(slots[j]) for j in save), tuple((float(c1[j]), float(c2[j])) for j in save),
-                          tuple(cached), tuple(int(slots[j]) for j in cached),
-                          tuple((float(c1[j]), float(c2[j])) for j in cached))
-
-    def eager(self, part: Any) -> bool:
-        return part is not None
+        on = coefs[rows, columns["taylor.order"]] > 0
+        return taylor_key(on, on & (coefs[rows, columns["taylor.reuse"]] > 0.5), gather)
 
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
-        if not isinstance(part, TaylorStep):
+        if not isinstance(part, TaylorKey):
             return {}
-        return {"taylor.step": part, "taylor.terms": view.fields["taylor.terms"].flatten(0, 1)}
+        return {"taylor.key": part, "taylor.state": taylor_state(view, view.fields["taylor.terms"].flatten(0, 1))}

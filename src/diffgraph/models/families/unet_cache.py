@@ -12,12 +12,17 @@ residual m, then the up path from that layer with the kept feature in place of t
 `cache_block_id = m // 3` this numbering). Uniform: full at evaluations 0, N, 2N, ...; non-uniform: DeepCache's
 quadratic-around-`center` choice of ceil(E / N) full evaluations (`nonuniform_steps`). Evaluation 0 is always full.
 
-The plan is host data (two coefficient columns, `cache.full` and `cache.branch`); each step the host turns the
-live rows' columns into the step's part (`CacheStep`: per branch in use, the denoiser rows that stop there and
-those that keep their feature there), so the deep path runs only over the rows that need it, gathered, without a
-device sync. The kept features are one per-row field (`cache.deep`, [2, F]: per CFG branch, flattened, F the
-largest feature of any branch), compacted, saved and restored with the row. A step with cache rows runs eagerly
-(its part holds the gathered rows: no CUDA graph is captured for it).
+The plan is host data (two coefficient columns, `cache.reuse` and `cache.branch`). Each step the host turns the live
+rows' columns into the step's graph variant (`CacheKey`: per branch in use, how many rows go deeper, rounded up to
+a power of two), and the step itself finds those rows on the device (`deep_order`: a stable sort of a per-row flag
+read from the step's coefficient table), so every shape in the step depends on the key and the batch alone: a step
+with cache rows replays the CUDA graph of its key (registered and captured at its key's first use, like any other
+step variant, and compiled in the compile tier), without a device sync. The deep path runs over the rows that need
+it, padded with rows that reuse their feature (their extra deep output is dropped). The kept features are one
+per-row field (`cache.deep`, [2, F]: per CFG branch, flattened, F the largest feature of any branch), read and
+written with gathers and scatters of static shape, compacted, saved and restored with the row. A step with per-row
+denoiser state (LoRA rows, image prompts) runs every row through the deep path (its key's stages say None) and only
+replaces the reused features.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -185,35 +190,83 @@ def supports(unet: Any) -> bool:
 
 # -- the split forward -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Stage:
-    """At skip branch `branch`, indices local to the rows alive there: `keep` go deeper, `stop` reuse their feature
-    (cache slots `stop_slots`), `save` (a subset of `keep`) keep their fresh feature (slots `save_slots`)."""
+class CacheKey:
+    """The step's part (a graph variant): per skip branch in use, shallowest first, (branch, deep) where `deep` is how
+    many of the rows alive there go deeper (the rows that need the deep path, rounded up to a power of two: the
+    step's first `deep` rows in the order of `deep_order`), or None where every row alive there does (the rows that
+    reuse their feature run it too and their output is replaced)."""
 
-    branch: int
-    keep: tuple[int, ...]
-    stop: tuple[int, ...]
-    stop_slots: tuple[int, ...]
-    save: tuple[int, ...]
-    save_slots: tuple[int, ...]
+    stages: tuple[tuple[int, int | None], ...]
 
-
-@dataclass(frozen=True)
-class CacheStep:
-    """The step's part: the stages in branch order (the rows they name are denoiser rows)."""
-
-    stages: tuple[Stage, ...]
+    def __str__(self) -> str:  # the graph kind's suffix ("step_step_cache_b0k2")
+        return "".join(f"_b{b}" + ("" if k is None else f"k{k}") for b, k in self.stages)
 
 
-def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+class CacheRows(NamedTuple):
+    """Per denoiser row, on the device: `branch` the row's skip branch + 1 (0: no cache, or a padding row),
+    `reuse` whether it reuses its kept feature at this evaluation, `slot` its row of `store` ([slots, F], the kept
+    features flattened: image row * 2 + second branch; a padding row j a slot of its own, 2j, that no live row
+    holds)."""
+
+    branch: torch.Tensor
+    reuse: torch.Tensor
+    slot: torch.Tensor
+    store: torch.Tensor
 
 
-def cached_unet(unet: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, step: CacheStep,
-                store: torch.Tensor, timestep_cond: torch.Tensor | None = None, added: dict | None = None,
+def round_up(n: int) -> int:
+    """The deep rows of a stage: 0, or the power of two at or above `n` (the graph buckets' sizes)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def cache_key(branch: np.ndarray, reuse: np.ndarray, gather: bool = True) -> CacheKey | None:
+    """The step's key from its denoiser rows' branches (-1: no cache) and reuse flags (host data); `gather` False:
+    every row runs the deep path (None: no cache row)."""
+    stages, alive = [], len(branch)
+    for b in sorted(set(branch[branch >= 0].tolist())):
+        need = int(np.sum(~((branch >= 0) & (branch <= b) & reuse)))  # the rows that stop at no branch up to b
+        deep = round_up(need) if gather else None
+        deep = None if deep is None or deep >= alive else deep
+        alive = alive if deep is None else deep
+        stages.append((int(b), deep))
+    return CacheKey(tuple(stages)) if stages else None
+
+
+def row_slots(view: StepView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per denoiser row of the step: whether it is a live row (a padding row, pointing at row 0, is not), and its slot
+    among its image rows' kept values (image row * 2 + second branch; a padding row j: 2j, which no live row holds,
+    since j is past the live denoiser rows and so past the live image rows). Tensor ops only: capturable."""
+    den_row, den_alt = view.den_row, view.den_alt
+    j = torch.arange(den_row.shape[0], device=den_row.device)
+    live = torch.where(den_alt > 0, view.out_alt.index_select(0, den_row),
+                       view.out_main.index_select(0, den_row)) == j
+    return live, torch.where(live, den_row * 2 + den_alt, j * 2)
+
+
+def cache_rows(view: StepView, store: torch.Tensor) -> CacheRows:
+    """The step's `CacheRows` from its coefficient columns and denoiser-row layout (tensor ops only: capturable)."""
+    live, slot = row_slots(view)
+    branch = view.gather(view.coefs[:, view.columns["cache.branch"]]).round().long()
+    reuse = view.gather(view.coefs[:, view.columns["cache.reuse"]]) > 0.5
+    return CacheRows(torch.where(live, branch, 0), reuse & live, slot, store)
+
+
+def deep_order(rows: CacheRows, branch: int, alive: torch.Tensor) -> torch.Tensor:
+    """Positions among the rows alive at skip branch `branch` (their denoiser rows `alive`): the rows that go on
+    first, then those that reuse their feature there. A stable order: the live rows that go on come before the
+    padding rows (the rows after them in the layout, kept in order by every split), so the first `deep` hold them
+    all."""
+    done = (rows.branch.index_select(0, alive) == branch + 1) & rows.reuse.index_select(0, alive)
+    return torch.argsort(done.to(torch.int32), stable=True)
+
+
+def cached_unet(unet: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, key: CacheKey, rows: CacheRows,
+                timestep_cond: torch.Tensor | None = None, added: dict | None = None,
                 residuals: dict | None = None) -> torch.Tensor:
-    """diffusers' UNet2DConditionModel forward (no masks, no cross-attention kwargs), split at the step's branches:
-    at each stage the rows that stop leave the down path and rejoin the up path with their cached feature (read from
-    `store`, [slots, F]); the rows that save write theirs. With no stage it is the UNet's forward."""
+    """diffusers' UNet2DConditionModel forward (no masks, no cross-attention kwargs), split at the key's branches: at
+    each one the first `deep` rows of `deep_order` go on down (every row where `deep` is None); on the way up the
+    rows that reuse their feature there take it from `rows.store` and the rows that keep theirs write it. Shapes
+    depend on the key and the batch only. With no stage it is the UNet's forward."""
     t = t.expand(x.shape[0]) if t.dim() == 0 else t
     emb = unet.time_embedding(unet.get_time_embed(sample=x, timestep=t), timestep_cond)
     aug = unet.get_aug_embed(emb=emb, encoder_hidden_states=ehs, added_cond_kwargs=added or {})
@@ -224,23 +277,24 @@ def cached_unet(unet: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, 
     residuals = residuals or {}
     control = [*residuals.get("down_block_additional_residuals", ())]
     mid_control = residuals.get("mid_block_additional_residual")
-    stages = {s.branch: s for s in step.stages}
+    stages = dict(key.stages)
     owners = residual_owners(unet)
-    rows = torch.arange(x.shape[0], device=x.device)  # the denoiser rows alive
-    ctx = [emb, ehs, rows]  # per-row inputs of the rows alive
+    ctx = [emb, ehs, torch.arange(x.shape[0], device=x.device)]  # per-row inputs of the rows alive (their rows)
     h = unet.conv_in(x)
     res: list[torch.Tensor] = []
-    alive_at: dict[int, list[torch.Tensor]] = {}
+    alive_at: dict[int, tuple[list, torch.Tensor | None]] = {}
     for m, (block, layer) in enumerate(owners):
         if block >= 0 and ctx[2].shape[0]:
             h = _down_layer(unet.down_blocks[block], layer, h, ctx[0], ctx[1])
-        res.append(h + control[m].index_select(0, ctx[2]) if control else h)
-        stage = stages.get(m)
-        if stage is not None and len(stage.keep) < ctx[2].shape[0]:  # the stopped rows leave the down path
-            alive_at[m] = ctx
-            keep = _index(stage.keep, x.device)
-            h = h.index_select(0, keep)
-            ctx = [c.index_select(0, keep) for c in ctx]
+        # (no row alive: `h` is what the down path left above, never read below)
+        res.append(h + control[m].index_select(0, ctx[2]) if control and ctx[2].shape[0] else h)
+        if m in stages:
+            deep = stages[m]
+            keep = None if deep is None or deep >= ctx[2].shape[0] else deep_order(rows, m, ctx[2])[:deep]
+            alive_at[m] = (ctx, keep)
+            if keep is not None:  # the rows that reuse their feature here leave the down path
+                h = h.index_select(0, keep)
+                ctx = [c.index_select(0, keep) for c in ctx]
     if ctx[2].shape[0]:
         h = unet.mid_block(h, ctx[0], encoder_hidden_states=ctx[1]) if unet.mid_block.has_cross_attention \
             else unet.mid_block(h, ctx[0])
@@ -250,9 +304,8 @@ def cached_unet(unet: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, 
     m = len(owners) - 1
     for i, block in enumerate(unet.up_blocks):
         for k in range(len(block.resnets)):
-            stage = stages.get(m)
-            if stage is not None:
-                h, ctx = _rejoin(stage, h, ctx, alive_at.get(m), store, shapes[m])
+            if m in alive_at:
+                h, ctx = _rejoin(m, h, *alive_at[m], rows, shapes[m])
             if ctx[2].shape[0]:  # (no row alive: every row stopped at a shallower branch)
                 h = _up_layer(block, k, h, res[m], ctx[0], ctx[1])
             m -= 1
@@ -270,25 +323,26 @@ def _odd(x: torch.Tensor, unet: Any) -> bool:
     return any(dim % factor for dim in x.shape[-2:])
 
 
-def _rejoin(stage: Stage, h: torch.Tensor, ctx: list, before: list | None, store: torch.Tensor,
+def _rejoin(branch: int, h: torch.Tensor, before: list, keep: torch.Tensor | None, rows: CacheRows,
             shape: tuple[int, ...]) -> tuple:
-    """At the up layer consuming the stage's residual (its input `shape`): the rows that stopped rejoin with their
-    cached feature, and the rows that save write theirs. (The residuals of a layer are over the rows alive where they
-    were made: the same rows, since each stage restores its rows on the way up.)"""
-    if before is not None:  # rows stopped here: the hidden state of every row alive before the stage
-        full = h.new_empty((before[2].shape[0], *shape))
-        if stage.keep:
-            full.index_copy_(0, _index(stage.keep, h.device), h)
-        cached = store.index_select(0, _index(stage.stop_slots, h.device))[:, :math.prod(shape)]
-        full.index_copy_(0, _index(stage.stop, h.device), cached.reshape(-1, *shape).to(h.dtype))
-        h, ctx = full, before
-    elif stage.stop:  # the stopped rows ran the deep path too (`keep` is every row): their cached feature wins
-        cached = store.index_select(0, _index(stage.stop_slots, h.device))[:, :math.prod(shape)]
-        h = h.index_copy(0, _index(stage.stop, h.device), cached.reshape(-1, *shape).to(h.dtype))
-    if stage.save:
-        fresh = h.index_select(0, _index(stage.save, h.device)).flatten(1).to(store.dtype)
-        store[:, :fresh.shape[1]].index_copy_(0, _index(stage.save_slots, h.device), fresh)
-    return h, ctx
+    """At the up layer consuming skip branch `branch`'s residual (its input `shape`): the rows alive before the
+    split (`before`; `keep`: the positions among them that went on, None: all) are back, those that reuse their
+    feature here with it, and those that keep theirs write it (every slot of the rows alive is written, unchanged
+    where nothing is kept: no row's slot is written twice). (The residuals of a layer are over the rows alive where
+    they were made: the same rows, since each stage restores its rows on the way up.)"""
+    alive = before[2]
+    size = math.prod(shape)
+    slots = rows.slot.index_select(0, alive)
+    kept = rows.store.index_select(0, slots)[:, :size]
+    stored = kept.reshape(-1, *shape).to(h.dtype)
+    if keep is not None:  # (none went on: `h` is what the down path left, of no use)
+        h = stored.index_copy(0, keep, h) if keep.shape[0] else stored
+    mine = rows.branch.index_select(0, alive) == branch + 1
+    reuse = rows.reuse.index_select(0, alive)
+    h = torch.where((mine & reuse).view(-1, *(1,) * len(shape)), stored, h)
+    fresh = torch.where((mine & ~reuse).view(-1, 1), h.flatten(1).to(rows.store.dtype), kept)
+    rows.store[:, :size].index_copy_(0, slots, fresh)
+    return h, before
 
 
 def _down_layer(block: Any, layer: int, h: torch.Tensor, emb: torch.Tensor, ehs: torch.Tensor) -> torch.Tensor:
@@ -405,7 +459,7 @@ class StepCacheRows(RowFeature):
                 last = e
 
     def variants(self) -> Sequence[Any]:
-        return (None,)  # a step with cache rows runs eagerly (`eager`): no graphs to capture
+        return (None,)  # a step's `CacheKey` is its graph variant, registered and captured at its first use
 
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
         """A cache row's field, written (zero) so that a preemption saves and restores it with the row."""
@@ -419,42 +473,26 @@ class StepCacheRows(RowFeature):
 
     def step_part(self, part: Any, coefs: np.ndarray, columns: dict[str, int], index: np.ndarray, d: int,
                   gather: bool = True) -> Any:
-        """The step's stages from the host's coefficient table: per branch in use, the rows alive there that stop
-        (reuse) and those that save; `gather` False (a feature sets per-row denoiser state: the deep path must see
-        every row) keeps the stopped rows in the deep path and only replaces their feature."""
+        """The step's `CacheKey` from the host's coefficient table: per branch in use, how many rows go deeper;
+        `gather` False (a feature sets per-row denoiser state: the deep path must see every row) keeps every row in
+        the deep path and only replaces the reused features. None: no cache row runs this step."""
         if part is None:
             return None
         rows = index[:d, 0]
         branch = coefs[rows, columns["cache.branch"]].astype(np.int64) - 1
-        reuse = coefs[rows, columns["cache.reuse"]] > 0.5
-        slots = rows * 2 + index[:d, 1]
-        alive = list(range(d))
-        stages = []
-        for b in sorted(set(branch[branch >= 0].tolist())):
-            local = {j: i for i, j in enumerate(alive)}
-            stop = [j for j in alive if branch[j] == b and reuse[j]]
-            save = [j for j in alive if branch[j] == b and not reuse[j]]
-            keep = [j for j in alive if not (gather and branch[j] == b and reuse[j])]
-            stages.append(Stage(b, tuple(local[j] for j in keep), tuple(local[j] for j in stop),
-                                tuple(int(slots[j]) for j in stop), tuple(local[j] for j in save),
-                                tuple(int(slots[j]) for j in save)))
-            alive = keep
-        return CacheStep(tuple(stages))
-
-    def eager(self, part: Any) -> bool:
-        return part is not None
+        return cache_key(branch, coefs[rows, columns["cache.reuse"]] > 0.5, gather)
 
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
-        if not isinstance(part, CacheStep):
+        if not isinstance(part, CacheKey):
             return {}
-        return {"cache.step": part, "cache.store": view.fields["cache.deep"].flatten(0, 1)}
+        return {"cache.key": part, "cache.rows": cache_rows(view, view.fields["cache.deep"].flatten(0, 1))}
 
 
 def family_denoise(model: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, rows: dict[str, Any],
                    added: dict | None, residuals: dict) -> torch.Tensor | None:
     """The SD families' denoiser call when the step has cache rows (None: it has none)."""
-    step = rows.get("cache.step")
-    if step is None:
+    key = rows.get("cache.key")
+    if key is None:
         return None
-    return cached_unet(model.denoiser, x, t, ehs, step, rows["cache.store"], rows.get("timestep_cond"), added,
+    return cached_unet(model.denoiser, x, t, ehs, key, rows["cache.rows"], rows.get("timestep_cond"), added,
                        residuals)
