@@ -44,7 +44,7 @@ SECTION = "## One HTTP request, traced"
 FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 26, 18, 8
 # and with the shipped digits model's LoRA and ControlNet (its first replay is the ControlNet's, so the step, run
 # after it, is on the way back)
-ADAPTER_FORWARD_MODULES, ADAPTER_BACK_MODULES, ADAPTER_THREAD_SECTIONS = 36, 35, 8
+ADAPTER_FORWARD_MODULES, ADAPTER_BACK_MODULES, ADAPTER_THREAD_SECTIONS = 36, 36, 8
 ROUTE = ("server/image_routes.py", "generations")
 REPLAY = ("graphs/runner.py", "GraphRunner.replay")
 _COMPREHENSIONS = re.compile(r"\.<locals>\.<(listcomp|setcomp|dictcomp|genexpr)>$")

@@ -62,7 +62,7 @@ class StepProgram:
                                                                             "variant", "rows", "prepass",
                                                                             "graph_part", "step_part",
                                                                             "before_denoise", "eager",
-                                                                            "after_plan")})
+                                                                            "after_plan", "denoiser_inputs")})
         object.__setattr__(self, "_gated", any(f.asked_by is not None for f in self.features))
         object.__setattr__(self, "_transient", frozenset(
             name for f in self.features for name, spec in f.fields((4, 8, 8)).items() if spec.transient))
@@ -254,8 +254,9 @@ class StepProgram:
         view, x_in, _, t_den, cond, inputs = self._batch(fields, cond_names, row_names, dtype, n, d)
         co, x = view.coefs, view.fields["x"]
         x_den = view.gather(x_in)
-        for f, part in zip(self.features, key):
-            inputs.update(f.denoiser_inputs(view, part))
+        for i in self._overrides["denoiser_inputs"]:  # a capability's only where a row asks it something
+            if self.features[i].asked_by is None or key[i] != self._neutral[i]:
+                inputs.update(self.features[i].denoiser_inputs(view, key[i]))
         for f, part in zip(self.features, key):
             f.before_denoise(view, part)
         try:

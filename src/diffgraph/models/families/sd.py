@@ -62,9 +62,8 @@ class SDFamily(FamilyAdapter):
 
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        cached = family_denoise(model, x, t, cond["embeds"], rows, None, residual_kwargs(rows))  # step cache rows
-        if cached is not None:
-            return cached
+        if rows.get("cache.key") is not None:  # step cache rows (unet_cache.py)
+            return family_denoise(model, x, t, cond["embeds"], rows, None, residual_kwargs(rows))
         return model.denoiser(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
                           **residual_kwargs(rows), return_dict=False)[0]
 

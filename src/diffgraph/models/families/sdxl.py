@@ -81,9 +81,8 @@ class SDXLFamily(FamilyAdapter):
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         added = {"text_embeds": cond["pooled"], "time_ids": rows["time_ids"]}
-        cached = family_denoise(model, x, t, cond["embeds"], rows, added, residual_kwargs(rows))  # step cache rows
-        if cached is not None:
-            return cached
+        if rows.get("cache.key") is not None:  # step cache rows (unet_cache.py)
+            return family_denoise(model, x, t, cond["embeds"], rows, added, residual_kwargs(rows))
         return model.denoiser(x, t, encoder_hidden_states=cond["embeds"], timestep_cond=rows.get("timestep_cond"),
                           added_cond_kwargs=added, **residual_kwargs(rows), return_dict=False)[0]
 

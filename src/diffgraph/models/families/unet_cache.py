@@ -489,10 +489,7 @@ class StepCacheRows(RowFeature):
 
 
 def family_denoise(model: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, rows: dict[str, Any],
-                   added: dict | None, residuals: dict) -> torch.Tensor | None:
-    """The SD families' denoiser call when the step has cache rows (None: it has none)."""
-    key = rows.get("cache.key")
-    if key is None:
-        return None
-    return cached_unet(model.denoiser, x, t, ehs, key, rows["cache.rows"], rows.get("timestep_cond"), added,
-                       residuals)
+                   added: dict | None, residuals: dict) -> torch.Tensor:
+    """The SD families' denoiser call when the step has cache rows (`rows["cache.key"]`: the family asks first)."""
+    return cached_unet(model.denoiser, x, t, ehs, rows["cache.key"], rows["cache.rows"], rows.get("timestep_cond"),
+                       added, residuals)
