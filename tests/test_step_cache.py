@@ -283,6 +283,29 @@ def test_the_server_default_applies_is_recorded_and_bad_values_are_one_line_400s
             assert recorded == [{"step_cache": "auto"}, {"step_cache": "off"}]
 
 
+@pytest.fixture
+def graphed(monkeypatch):
+    """Steps with cache rows replay their keys' graphs (`StepCacheRows.graphed`, off by default: on a GPU they did
+    not match the eager steps; here, on the emulated backend, the graph machinery is checked)."""
+    from diffgraph.models.families import unet_cache
+
+    monkeypatch.setattr(unet_cache.StepCacheRows, "graphed", True)
+
+
+def test_by_default_steps_with_cache_rows_run_eagerly_in_graph_mode_and_equal_the_eager_engine(tiny_engine):
+    from diffgraph.config import GraphConfig
+
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as g:
+        request = _request(tiny_engine, {"method": "deepcache", "interval": 2}, num_inference_steps=4)
+        np.testing.assert_allclose(g.run(request).arrays, tiny_engine.run(request).arrays, atol=1e-5, rtol=0)
+        plain = _request(tiny_engine, None, num_inference_steps=4)
+        np.testing.assert_allclose(g.run(plain).arrays, tiny_engine.run(plain).arrays, atol=1e-5, rtol=0)
+        g.core.call_between_steps(lambda: None).result()
+        assert _step_graphs(g) == {"step": (4, 0)}  # the plain request's steps replayed, the cached ones none
+        assert g.core.stats["steps"] == 8
+
+
 def _step_graphs(engine):
     """Per step graph kind that ran (cached ones: "step_step_cache_<key>"): its replays and the steps it ran eagerly
     (an uncovered shape: kind, bucket 0)."""
@@ -294,7 +317,7 @@ def _step_graphs(engine):
     return {kind: counts for kind, counts in out.items() if counts != (0, 0)}
 
 
-def test_in_graph_mode_steps_with_cache_rows_replay_their_graphs_and_equal_the_eager_engine(tiny_engine):
+def test_in_graph_mode_steps_with_cache_rows_replay_their_graphs_and_equal_the_eager_engine(tiny_engine, graphed):
     from diffgraph.config import GraphConfig
 
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
@@ -316,7 +339,7 @@ def test_in_graph_mode_steps_with_cache_rows_replay_their_graphs_and_equal_the_e
         assert {"step_step_cache_b0k0", "step_step_cache_b1k0_tiling"} <= dropped
 
 
-def test_in_graph_mode_mixed_cache_rows_replay_and_equal_each_alone(tiny_engine):
+def test_in_graph_mode_mixed_cache_rows_replay_and_equal_each_alone(tiny_engine, graphed):
     from diffgraph.config import GraphConfig
 
     # 1 + 2 + 2 + 4 + 2 denoiser rows: padded buckets, rows at several branches, intervals and steps in one replay
@@ -380,7 +403,7 @@ def _beside(graphed, eager, first: dict, cache: dict, **kw) -> dict:
     return ran
 
 
-def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay(tiny_engine, tmp_path):
+def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay(tiny_engine, tmp_path, graphed):
     """A step with LoRA rows (per-row side-path state indexed by denoiser row) keeps every row in the deep path: its
     key says None at every branch, and it replays graphs as the gathered keys do."""
     from diffgraph.config import GraphConfig
@@ -396,7 +419,7 @@ def test_in_graph_mode_cache_rows_beside_lora_rows_run_every_row_deep_and_replay
     assert ran.get("step_lora1_step_cache_b0_b1", (0, 0))[0] > 0, ran  # every row deep, both branches' features
 
 
-def test_in_the_compile_tier_cached_steps_compile_their_variants_and_equal_the_eager_engine(tiny_engine, tmp_path):
+def test_in_the_compile_tier_cached_steps_compile_their_variants_and_equal_the_eager_engine(tiny_engine, tmp_path, graphed):
     """The compile tier (aot_eager on the CPU): a cached step's variant is traced whole at its first use (Dynamo's
     recompile limit raised for it: here patched to 1, below what the step needs) and its replays equal the eager
     engine."""
@@ -416,7 +439,7 @@ def test_in_the_compile_tier_cached_steps_compile_their_variants_and_equal_the_e
         assert _step_graphs(compiled) == {"step_step_cache_b1": (2, 0), "step_step_cache_b1k0": (1, 0)}
 
 
-def test_in_graph_mode_cache_rows_beside_controlnet_rows_replay_and_equal_the_eager_engine(tiny_engine, tmp_path):
+def test_in_graph_mode_cache_rows_beside_controlnet_rows_replay_and_equal_the_eager_engine(tiny_engine, tmp_path, graphed):
     """ControlNet rows (their residuals computed before the step, over the step's bucket) beside cached rows: the
     rows going deeper read their residuals by their device indices; images equal the eager engine's."""
     from diffgraph.config import GraphConfig

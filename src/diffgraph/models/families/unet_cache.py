@@ -15,9 +15,10 @@ quadratic-around-`center` choice of ceil(E / N) full evaluations (`nonuniform_st
 The plan is host data (two coefficient columns, `cache.reuse` and `cache.branch`). Each step the host turns the live
 rows' columns into the step's graph variant (`CacheKey`: per branch in use, how many rows go deeper, rounded up to
 a power of two), and the step itself finds those rows on the device (`deep_order`: a stable sort of a per-row flag
-read from the step's coefficient table), so every shape in the step depends on the key and the batch alone: a step
-with cache rows replays the CUDA graph of its key (registered and captured at its key's first use, like any other
-step variant, and compiled in the compile tier), without a device sync. The deep path runs over the rows that need
+read from the step's coefficient table), so every shape in the step depends on the key and the batch alone, without a device sync: a
+step with cache rows can replay the CUDA graph of its key (registered and captured at its key's first use, like any
+other step variant, and compiled in the compile tier; `StepCacheRows.graphed`, off: such a step runs eagerly, since
+on a GPU the graphed steps did not match the eager ones). The deep path runs over the rows that need
 it, padded with rows that reuse their feature (their extra deep output is dropped). The kept features are one
 per-row field (`cache.deep`, [2, F]: per CFG branch, flattened, F the largest feature of any branch), read and
 written with gathers and scatters of static shape, compacted, saved and restored with the row. A step with per-row
@@ -427,6 +428,10 @@ class StepCacheRows(RowFeature):
     evaluation reuses the feature), field `cache.deep` (the kept features, per CFG branch, flattened)."""
 
     name = NAME
+    # whether a step with cache rows replays its key's CUDA graph; off: it runs eagerly (the same function). On a GPU
+    # the graphed steps gave a mixed batch's cached rows other images than alone, where the emulated backend's
+    # matched: off until that is found (BENCHMARKS.md)
+    graphed: bool = False
 
     def __init__(self, unet: Any, dtype: torch.dtype, default: str | DeepCache):
         self._unet, self._dtype, self._default = unet, dtype, default
@@ -481,6 +486,9 @@ class StepCacheRows(RowFeature):
         rows = index[:d, 0]
         branch = coefs[rows, columns["cache.branch"]].astype(np.int64) - 1
         return cache_key(branch, coefs[rows, columns["cache.reuse"]] > 0.5, gather)
+
+    def eager(self, part: Any) -> bool:
+        return isinstance(part, CacheKey) and not self.graphed
 
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
         if not isinstance(part, CacheKey):
