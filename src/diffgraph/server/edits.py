@@ -30,7 +30,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Json, Stric
 
 from ..request import EditInput, ModelInfo, ParamError
 from .bodies import FormLimits, read_multipart
-from ..api.protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef, LoraRef, PreviewBody,
+from ..api.protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef,
                        error_from_param_error, error_from_validation)
 from ..api.protocol import CONTROL_FILES, PROMPT_FILES, decode_upload, eight_bit
 
