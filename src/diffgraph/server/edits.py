@@ -115,7 +115,7 @@ def _form_fields() -> dict[str, Any]:
             for name, info in declared.items()}
 
 
-class _EditForm(BaseModel):
+class EditForm(BaseModel):
     """The form's text fields: the generations request's fields (form values are text: "20" is the integer 20
     here, read as JSON) and the edit's own (`EditOnlyFields`)."""
 
@@ -130,7 +130,8 @@ class _EditForm(BaseModel):
                                                       **{name: getattr(self, name) for name in names})
 
 
-ImageEditForm = create_model("ImageEditForm", __base__=_EditForm, __module__=__name__, __doc__=_EditForm.__doc__,
+# the edits form: EditForm with the body's fields read as text, so a field added to the body is a form field
+ImageEditForm = create_model("ImageEditForm", __base__=EditForm, __module__=__name__, __doc__=EditForm.__doc__,
                              **_form_fields())
 
 
@@ -156,7 +157,7 @@ def variation_schema() -> dict[str, Any]:
     return schema
 
 
-async def read_form(http: Any, max_image_bytes: int, variation: bool = False) -> tuple[_EditForm, FormFiles]:
+async def read_form(http: Any, max_image_bytes: int, variation: bool = False) -> tuple[EditForm, FormFiles]:
     """The parsed form: its text fields (typed) and the bytes of its files, read within their limits as they
     arrive (bodies.py). With `variation`, the variations route's form: no prompt (an empty one), mask or stream.
     Raises APIError (400 / 413)."""
