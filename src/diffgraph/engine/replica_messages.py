@@ -93,7 +93,7 @@ class Progress:
 @dataclass(frozen=True)
 class Done:
     request_id: str
-    result: Any = None            # request.GenerationResult (without its request: the parent has it)
+    result: Any = None            # results.GenerationResult (without its request: the parent has it)
     error: BaseException | None = None
 
 
