@@ -339,3 +339,16 @@ def test_every_generations_body_field_is_a_form_field_whose_value_reaches_the_re
         got = got.model_dump(exclude_unset=True) if name in ("image_prompts", "preview") else got
         assert got == value, name
     assert request.model_fields_set == set(sent) - set(WITH_FILES)
+
+
+def test_a_field_added_to_the_body_is_a_form_field_with_no_edit_of_the_form():
+    from pydantic import StrictInt, create_model
+
+    from diffgraph.api.protocol import ImageGenerationRequest
+    from diffgraph.server.edits import EditForm, form_fields
+
+    class Body(ImageGenerationRequest):
+        new_steps: StrictInt | None = None
+    form = create_model("Form", __base__=EditForm, **form_fields(Body)).model_validate(
+        {"prompt": "x", "new_steps": "5", "strength": "0.5"})
+    assert (form.new_steps, form.strength) == (5, 0.5)

@@ -105,10 +105,10 @@ def _text_annotation(annotation: Any) -> Any:
     return structured | None if optional else structured
 
 
-def _form_fields() -> dict[str, Any]:
-    """The form's fields: the generations body's (`ImageGenerationRequest`, in its order, less NOT_EDIT) with the
-    edit's own (`EditOnlyFields`, replacing the body's of the same name), each typed for form text."""
-    declared = {k: v for k, v in ImageGenerationRequest.model_fields.items() if k not in NOT_EDIT}
+def form_fields(body: type[BaseModel] = ImageGenerationRequest) -> dict[str, Any]:
+    """The form's fields (`create_model`'s definitions): the generations body's (in its order, less NOT_EDIT) with
+    the edit's own (`EditOnlyFields`, replacing the body's of the same name), each typed for form text."""
+    declared = {k: v for k, v in body.model_fields.items() if k not in NOT_EDIT}
     declared.update(EditOnlyFields.model_fields)
     return {name: (_text_annotation(info.rebuild_annotation()),
                    ... if info.is_required() else Field(default=info.default, default_factory=info.default_factory))
@@ -132,7 +132,7 @@ class EditForm(BaseModel):
 
 # the edits form: EditForm with the body's fields read as text, so a field added to the body is a form field
 ImageEditForm = create_model("ImageEditForm", __base__=EditForm, __module__=__name__, __doc__=EditForm.__doc__,
-                             **_form_fields())
+                             **form_fields())
 
 
 @dataclass
