@@ -35,7 +35,9 @@ def test_one_image_times_each_setting_and_names_what_auto_chose(records):
         ("off", "off", 1), ("auto", "deepcache interval 2, branch 0, uniform", 2),
         ("deepcache:3", "deepcache interval 3, branch 0, uniform", 3)]
     assert one[0]["speedup"] == 1.0 and all(positive(r["ms"]) and positive(r["speedup"]) for r in one)
-    assert all(len(r["warmup_ms"]) == 2 and r["steps"] == 2 and r["compile"] is False for r in one)
+    # the timed run's counters: 1 repeat of 2 steps, eager on the CPU (no graph replayed, none made)
+    assert all((len(r["warmup_ms"]), r["steps"], r["steps_run"], r["eager_steps"], r["replays"], r["captures"],
+                r["compile"]) == (2, 2, 2, 2, {}, 0, False) for r in one)
 
 
 def test_saturation_compares_the_same_burst_cached_and_uncached(records):
@@ -53,6 +55,7 @@ def test_half_cached_burst_against_its_halves_apart(records):
         apart = [r for r in records if r["mode"] == "half_apart" and r["case"] == case]
         (mix,) = [r for r in records if r["mode"] == "half" and r["case"] == case]
         assert [r["images"] for r in apart] == [1, 1] and mix["images"] == 2
+        assert [r["steps_run"] for r in apart] == [2, 2] and mix["steps_run"] == 2  # the mix's rows shared steps
         assert mix["ratio"] == pytest.approx(mix["apart_s"] / mix["wall_s"]) and positive(mix["ratio"])
         assert mix["mix_vs_apart_max_levels"] <= 1  # a row's image does not depend on its companions
     # a mode that fails records its error and the next runs: UNet settings on a DiT

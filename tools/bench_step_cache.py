@@ -15,8 +15,9 @@ Modes (--mode, comma-separated):
   mix's images/s over the halves' (target >= 0.95); `mix_vs_apart_max_levels`: each row in the mix against itself
   in its half (a row's image never depends on its companions).
 Every timed burst follows a warm-up burst of the same kind, timed apart (min(N, largest batch bucket) requests,
---warm-steps steps; `warmup_s`); `captures` / `capture_ms` count the graphs made during the timed part (0: the
-warm-up covered every variant), `eager_steps` the steps that ran eagerly, `replays` the step graphs replayed.
+--warm-steps steps; `warmup_s`). Each timed record counts what happened while it was timed: `steps_run`, `replays` per
+step graph kind, `eager_steps` (steps that replayed no graph), `captures` / `capture_ms` (graphs made on first use)
+and `compiles` / `compile_s` (the compile tier's): captures and compiles 0 mean the warm-up covered every variant.
 
     PYTHONPATH=src python tools/bench_step_cache.py --cases random:sd15@512,random:sdxl@1024 --steps 20 \\
         --mode one,saturation,half --caches off,auto,deepcache:3 [--burst 16] [--compile] [--out bench.jsonl]
@@ -74,23 +75,26 @@ def sync(device: str) -> None:
 
 
 def graph_counts(engine: Engine) -> dict[str, Any]:
-    """The graph runner's counters so far: graphs made on first use, their capture ms, eager steps, and the replays
-    per step graph kind (a cached step's kind names its key: "step_step_cache_b0k0")."""
-    table = engine.graph_table()
+    """The engine's counters so far: steps run, graphs made on first use and their capture ms, compiles and their
+    seconds (the compile tier), and the replays per step graph kind (a cached step's kind names its key:
+    "step_step_cache_b0k0"); read on the engine's loop between two steps, where a finished step is counted."""
+    table, stats = engine.core.call_between_steps(lambda: (engine.graph_table(), engine.stats)).result()
     replays: dict[str, int] = {}
     for r in table:
         if r["kind"].startswith("step") and r["replays"]:
             replays[r["kind"]] = replays.get(r["kind"], 0) + r["replays"]
-    return {"captures": sum(r["on_demand"] for r in table), "capture_ms": sum(r["capture_ms"] for r in table),
-            "eager_steps": sum(r["eager_fallbacks"] for r in table if r["kind"].startswith("step")),
-            "replays": replays}
+    return {"steps_run": stats["steps"], "captures": sum(r["on_demand"] for r in table),
+            "capture_ms": sum(r["capture_ms"] for r in table), "compiles": stats["compiles"],
+            "compile_s": stats["compile_s"], "replays": replays}
 
 
 def counts_since(engine: Engine, before: dict[str, Any]) -> dict[str, Any]:
+    """The counters' growth since `before`; `eager_steps`: the steps run that replayed no graph."""
     now = graph_counts(engine)
-    out = {k: now[k] - before[k] for k in ("captures", "capture_ms", "eager_steps")}
+    out = {k: now[k] - before[k] for k in ("steps_run", "captures", "capture_ms", "compiles", "compile_s")}
     out["replays"] = {k: n - before["replays"].get(k, 0) for k, n in now["replays"].items()
                       if n > before["replays"].get(k, 0)}
+    out["eager_steps"] = out["steps_run"] - sum(out["replays"].values())
     return out
 
 
@@ -227,14 +231,16 @@ def summary(record: dict) -> str | None:
     head = f"{record['case']:>24} {record['mode']:>11} {record.get('setting', record.get('cache', '')):>42}"
     if "error" in record or "skipped" in record:
         return f"{head} {record.get('error') or record['skipped']}"
+    if "steps_run" not in record:
+        return None
+    counts = (f"  (timed: {record['steps_run']} steps, {record['eager_steps']} eager, {record['captures']} captures, "
+              f"{record['compiles']} compiles)")
     if record["mode"] == "one":
-        return f"{head} {record['ms']:9.1f} ms  x{record['speedup'] or 0:.2f}"
-    if record["mode"] in ("saturation", "half", "half_apart"):
-        tail = f"  x{record['ratio']:.2f}" if "ratio" in record else ""
-        if "mean_abs_diff_levels" in record:
-            tail += f"  {record['mean_abs_diff_levels']:.2f} levels to uncached"
-        return f"{head} {record['images_per_s']:7.2f} img/s{tail}  (captures in timing: {record['captures']})"
-    return None
+        return f"{head} {record['ms']:9.1f} ms  x{record['speedup'] or 0:.2f}{counts}"
+    tail = f"  x{record['ratio']:.2f}" if "ratio" in record else ""
+    if "mean_abs_diff_levels" in record:
+        tail += f"  {record['mean_abs_diff_levels']:.2f} levels to uncached"
+    return f"{head} {record['images_per_s']:7.2f} img/s{tail}{counts}"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
