@@ -1,5 +1,6 @@
-"""tools/bench_step_cache.py on the CPU (eager, fp32, tiny presets, 2 steps): every mode writes its JSON lines with
-the fields the GPU run is read by; the figures themselves are GPU ones."""
+"""tools/bench_step_cache.py on the CPU (fp32, tiny presets, 2 steps, graph mode on the emulated backend): every mode
+writes its JSON lines with the fields the GPU run is read by, and the counters of what ran while timed add up; the
+figures themselves are GPU ones."""
 import importlib.util
 import json
 import math
@@ -23,7 +24,7 @@ def positive(x) -> bool:
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "bench.jsonl"
     got = bsc.main(["--device", "cpu", "--cases", "random:tiny@64,random:zimage-tiny@64", "--steps", "2",
-                    "--warm-steps", "1", "--mode", "one,saturation,half", "--caches", "off,auto,deepcache:3",
+                    "--warm-steps", "2", "--mode", "one,saturation,half", "--caches", "off,auto,deepcache:3",
                     "--burst", "2", "--repeats", "1", "--out", str(out)])
     assert [json.loads(line) for line in out.read_text().splitlines()] == got  # a line per record, as it finished
     return got
@@ -35,9 +36,11 @@ def test_one_image_times_each_setting_and_names_what_auto_chose(records):
         ("off", "off", 1), ("auto", "deepcache interval 2, branch 0, uniform", 2),
         ("deepcache:3", "deepcache interval 3, branch 0, uniform", 3)]
     assert one[0]["speedup"] == 1.0 and all(positive(r["ms"]) and positive(r["speedup"]) for r in one)
-    # the timed run's counters: 1 repeat of 2 steps, eager on the CPU (no graph replayed, none made)
-    assert all((len(r["warmup_ms"]), r["steps"], r["steps_run"], r["eager_steps"], r["replays"], r["captures"],
-                r["compile"]) == (2, 2, 2, 2, {}, 0, False) for r in one)
+    # the timed run: 1 repeat of 2 steps, each replayed or eager, every graph made by the warm-up runs
+    assert all((len(r["warmup_ms"]), r["steps"], r["steps_run"], r["captures"], r["compiles"], r["compile"])
+               == (2, 2, 2, 0, 0, False) for r in one)
+    assert all(sum(r["replays"].values()) + r["eager_steps"] == 2 for r in one)
+    assert (one[0]["replays"], one[0]["eager_steps"]) == ({"step": 2}, 0)
 
 
 def test_saturation_compares_the_same_burst_cached_and_uncached(records):
@@ -48,6 +51,10 @@ def test_saturation_compares_the_same_burst_cached_and_uncached(records):
         assert positive(plain["images_per_s"]) and positive(cached["ratio"]) and positive(cached["warmup_s"])
         assert cached["ratio"] == pytest.approx(cached["images_per_s"] / plain["images_per_s"])
         assert 0 <= cached["mean_abs_diff_levels"] <= cached["max_abs_diff_levels"] <= 255
+        assert (plain["replays"], plain["captures"], cached["captures"]) == ({"step": 2}, 0, 0)
+    zimage = [r for r in records if r["mode"] == "saturation" and r["case"] == "random:zimage-tiny@64"][1]
+    assert set(zimage["replays"]) <= {"step_step_cache_all", "step_step_cache_run0"}  # TaylorSeer's own graphs
+    assert sum(zimage["replays"].values()) == 2 and zimage["eager_steps"] == 0
 
 
 def test_half_cached_burst_against_its_halves_apart(records):

@@ -192,12 +192,14 @@ MODES = {"one": one_image, "saturation": saturation, "half": half}
 
 
 def open_engine(model: str, size: int, a: argparse.Namespace) -> Engine:
+    """The case's engine; graph mode off CUDA replays the emulated backend's graphs (the same keys and counters)."""
     cuda = a.device == "cuda"
     buckets = tuple(int(b) for b in a.buckets.split(","))
-    graphs = GraphConfig(batch_buckets=buckets, resolutions=((size, size),), prewarm=False) if cuda else None
+    graphs = GraphConfig(batch_buckets=buckets, resolutions=((size, size),), prewarm=False,
+                         **({} if cuda else {"backend": "emulated"}))
     dtype = a.dtype or (("bf16" if "zimage" in model else "fp16") if cuda else "fp32")
-    return Engine(model=model, device=a.device, dtype=dtype, mode=a.engine_mode if cuda else "eager", graphs=graphs,
-                  compile=a.compile, prompt_cache_size=0, max_rows=None if cuda else max(buckets))
+    return Engine(model=model, device=a.device, dtype=dtype, mode=a.engine_mode, graphs=graphs, compile=a.compile,
+                  prompt_cache_size=0)
 
 
 def run_case(spec: str, a: argparse.Namespace, emit: Callable[[dict], None], deadline: float) -> None:
@@ -260,7 +262,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="the compile tier")
     p.add_argument("--engine-mode", default="graph", choices=("graph", "eager"))
     p.add_argument("--dtype", default=None, help="default: bf16 for Z-Image, fp16 else on cuda; fp32 on cpu")
-    p.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script (eager)")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script")
     p.add_argument("--budget-s", type=float, default=None, help="start no mode past this many seconds")
     p.add_argument("--out", default="bench_step_cache.jsonl")
     return p.parse_args(argv)
