@@ -41,6 +41,7 @@ def test_one_image_times_each_setting_and_names_what_auto_chose(records):
                == (2, 2, 2, 0, 0, False) for r in one)
     assert all(sum(r["replays"].values()) + r["eager_steps"] == 2 for r in one)
     assert (one[0]["replays"], one[0]["eager_steps"]) == ({"step": 2}, 0)
+    assert one[0]["warmup_captures"] >= 1 and one[0]["warmup_capture_ms"] > 0  # the first use made the graphs
 
 
 def test_saturation_compares_the_same_burst_cached_and_uncached(records):

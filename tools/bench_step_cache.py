@@ -5,24 +5,25 @@ asked modes on it in order; every result is one JSON line appended to --out as i
 what finished, and --budget-s starts no mode past that many seconds (it records the skip instead).
 
 Modes (--mode, comma-separated):
-- one: one image's latency per --caches entry: two warm-up runs (--warm-steps steps, timed apart), then the median
-  of --repeats;
-  `speedup` against the `off` entry before it; "auto" records the setting it resolved to (`setting`, `interval`).
+- one: one image's latency per --caches entry, the median of --repeats; `speedup` against the `off` entry before
+  it; "auto" records the setting it resolved to (`setting`, `interval`).
 - saturation: --burst N requests submitted at once (distinct prompts, seeds 0..N-1) uncached, then the same
   requests at --cache (default: deepcache:3 on a UNet, taylorseer:3 on a DiT): images/s each, `ratio` (cached over
   uncached), and the cached images' mean / largest absolute difference to the uncached ones in uint8 levels.
 - half: the same burst with every other row cached, against its two halves run one after the other: `ratio` is the
   mix's images/s over the halves' (target >= 0.95); `mix_vs_apart_max_levels`: each row in the mix against itself
   in its half (a row's image never depends on its companions).
-Every timed burst follows a warm-up burst of the same kind, timed apart (min(N, largest batch bucket) requests,
---warm-steps steps; `warmup_s`). Each timed record counts what happened while it was timed: `steps_run`, `replays` per
-step graph kind, `eager_steps` (steps that replayed no graph), `captures` / `capture_ms` (graphs made on first use)
-and `compiles` / `compile_s` (the compile tier's): captures and compiles 0 mean the warm-up covered every variant.
+Warm-up runs come first, at --warm-steps steps and timed apart (mode one: two runs; a burst: a burst of the same
+mix, min(N, largest batch bucket) requests): `warmup_ms` / `warmup_s`, and the graphs and compiles they made
+(`warmup_captures`, `warmup_capture_ms`, `warmup_compiles`, `warmup_compile_s`). Each timed record counts what
+happened while it was timed: `steps_run`, `replays` per step graph kind, `eager_steps` (steps that replayed no
+graph), `captures` / `capture_ms` (graphs made on first use) and `compiles` / `compile_s` (the compile tier's):
+captures and compiles 0 mean the warm-up made every variant the timed part used.
 
     PYTHONPATH=src python tools/bench_step_cache.py --cases random:sd15@512,random:sdxl@1024 --steps 20 \\
         --mode one,saturation,half --caches off,auto,deepcache:3 [--burst 16] [--compile] [--out bench.jsonl]
     PYTHONPATH=src python tools/bench_step_cache.py --cases random:zimage-base@1024 --mode saturation \\
-        --cache taylorseer:3 --burst 8 --compile      # the base checkpoint's defaults: 50 steps, guidance 5 (CFG)
+        --cache taylorseer:3 --burst 8 --warm-steps 8 --compile   # the base checkpoint's 50 steps, guidance 5
 
 A cache is `off`, `auto` or `METHOD:INTERVAL[:ORDER]` (deepcache: uniform, branch 0; taylorseer: ORDER, default 1).
 """
@@ -98,6 +99,12 @@ def counts_since(engine: Engine, before: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def warmup_counts(engine: Engine, before: dict[str, Any]) -> dict[str, Any]:
+    """What a warm-up made: `warmup_captures`, `warmup_capture_ms`, `warmup_compiles`, `warmup_compile_s`."""
+    grown = counts_since(engine, before)
+    return {f"warmup_{k}": grown[k] for k in ("captures", "capture_ms", "compiles", "compile_s")}
+
+
 def levels(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, int]:
     """Mean and largest absolute difference of two image lists as 8-bit images (uint8 levels)."""
     d = np.abs(np.stack([(x * 255).round() for x in a]).astype(np.int16)
@@ -134,23 +141,24 @@ def burst(engine: Engine, requests: list) -> tuple[float, list[np.ndarray]]:
 def timed_burst(case: Case, caches: list[str], seeds: list[int]) -> tuple[dict[str, Any], list[np.ndarray]]:
     """A warm-up burst of the same mix (its first min(N, bucket) caches, other seeds), then the timed burst."""
     warm = [case.request(c, 100_000 + i, "warm", case.args.warm_steps) for i, c in enumerate(caches[:case.bucket])]
-    warmup_s, _ = burst(case.engine, warm)
     before = graph_counts(case.engine)
+    warmup_s, _ = burst(case.engine, warm)
+    warmup, before = warmup_counts(case.engine, before), graph_counts(case.engine)
     wall, images = burst(case.engine, [case.request(c, s, "take") for c, s in zip(caches, seeds)])
-    return dict(images=len(caches), warmup_s=warmup_s, wall_s=wall, images_per_s=len(caches) / wall,
+    return dict(images=len(caches), warmup_s=warmup_s, **warmup, wall_s=wall, images_per_s=len(caches) / wall,
                 **counts_since(case.engine, before)), images
 
 
 def one_image(case: Case, emit: Callable[[dict], None]) -> None:
     base = None
     for name in case.args.caches.split(","):
-        warmup_ms = []
+        warmup_ms, before = [], graph_counts(case.engine)
         for _ in range(2):
             t = time.perf_counter()
             case.engine.run(case.request(name, 1, "", case.args.warm_steps))
             sync(case.args.device)
             warmup_ms.append((time.perf_counter() - t) * 1000)
-        times, before = [], graph_counts(case.engine)
+        warmup, times, before = warmup_counts(case.engine, before), [], graph_counts(case.engine)
         for _ in range(case.args.repeats):
             sync(case.args.device)
             t = time.perf_counter()
@@ -160,7 +168,7 @@ def one_image(case: Case, emit: Callable[[dict], None]) -> None:
         ms = statistics.median(times)
         base = ms if name == "off" else base
         emit(dict(mode="one", cache=name, **setting(case.engine, name), ms=ms, all_ms=times, warmup_ms=warmup_ms,
-                  speedup=None if base is None else base / ms, **counts_since(case.engine, before)))
+                  **warmup, speedup=None if base is None else base / ms, **counts_since(case.engine, before)))
 
 
 def saturation(case: Case, emit: Callable[[dict], None]) -> None:
