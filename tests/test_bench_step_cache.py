@@ -79,3 +79,14 @@ def test_a_spent_budget_skips_the_modes_and_says_so(tmp_path):
     assert [r["mode"] for r in got] == ["run", "ready", "saturation"] and "--budget-s" in got[-1]["skipped"]
     with pytest.raises(SystemExit, match="--mode 'twice' is unknown; allowed: one, saturation, half"):
         bsc.main(["--device", "cpu", "--mode", "one,twice", "--out", str(tmp_path / "c.jsonl")])
+
+
+def test_summarize_reads_a_run_back(records, tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records[:-3]))  # a run killed before its last records
+    capsys.readouterr()
+    assert bsc.main(["--summarize", str(path)]) == records[:-3]
+    lines = capsys.readouterr().out.splitlines()
+    results = [r for r in records[:-3] if "steps_run" in r or "error" in r]
+    assert len(lines) == len(results) and "deepcache interval 2, branch 0, uniform" in lines[1]
+    assert " ms  x" in lines[1] and "img/s  x" in lines[4] and "levels to uncached" in lines[4]

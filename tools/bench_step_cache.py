@@ -238,6 +238,8 @@ def run_case(spec: str, a: argparse.Namespace, emit: Callable[[dict], None], dea
 
 def summary(record: dict) -> str | None:
     """A result's line for the log's end (None: not a result)."""
+    if "case" not in record:
+        return None
     head = f"{record['case']:>24} {record['mode']:>11} {record.get('setting', record.get('cache', '')):>42}"
     if "error" in record or "skipped" in record:
         return f"{head} {record.get('error') or record['skipped']}"
@@ -273,11 +275,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script")
     p.add_argument("--budget-s", type=float, default=None, help="start no mode past this many seconds")
     p.add_argument("--out", default="bench_step_cache.jsonl")
+    p.add_argument("--summarize", metavar="JSONL", help="print the summary of a finished (or killed) run's --out")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     a = parse(argv)
+    if a.summarize:
+        records = [json.loads(line) for line in open(a.summarize) if line.strip()]
+        print("\n".join(filter(None, map(summary, records))))
+        return records
     unknown = sorted(set(a.mode.split(",")) - set(MODES))
     if unknown:
         raise SystemExit(f"--mode {unknown[0]!r} is unknown; allowed: {', '.join(MODES)}")
@@ -298,8 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - the next case still runs
                 emit(dict(case=spec, mode="case", error=f"{type(e).__name__}: {e}"[:2000],
                           trace=traceback.format_exc()[-3000:]))
-    for line in filter(None, map(summary, records[1:])):
-        print(line)
+    print("\n".join(filter(None, map(summary, records))))
     return records
 
 
