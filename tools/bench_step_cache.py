@@ -1,8 +1,8 @@
 """Step caching's speed targets in one run: one image's latency, images/s at saturation, and a half-cached burst
 (random-initialised true architectures; graph mode, optionally the compile tier; text encoder and decode included:
-the prompt cache is off, so every request encodes its prompt). Each case (MODEL@SIZE) opens one engine and runs the
-asked modes on it in order; every result is one JSON line appended to --out as it finishes, so a killed run keeps
-what finished, and --budget-s starts no mode past that many seconds (it records the skip instead).
+the prompt cache is off unless --prompt-cache, so every request encodes its prompt). Each case (MODEL@SIZE) opens
+one engine and runs the asked modes on it in order; every result is one JSON line appended to --out as it finishes,
+so a killed run keeps what finished, and --budget-s starts no mode past that many seconds (it records the skip).
 
 Modes (--mode, comma-separated):
 - one: one image's latency per --caches entry, the median of --repeats; `speedup` against the `off` entry before
@@ -207,7 +207,7 @@ def open_engine(model: str, size: int, a: argparse.Namespace) -> Engine:
                          **({} if cuda else {"backend": "emulated"}))
     dtype = a.dtype or (("bf16" if "zimage" in model else "fp16") if cuda else "fp32")
     return Engine(model=model, device=a.device, dtype=dtype, mode=a.engine_mode, graphs=graphs, compile=a.compile,
-                  prompt_cache_size=0)
+                  prompt_cache_size=512 if a.prompt_cache else 0)
 
 
 def run_case(spec: str, a: argparse.Namespace, emit: Callable[[dict], None], deadline: float) -> None:
@@ -270,6 +270,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--buckets", default="1,2,4", help="batch buckets (the largest: the rows a step holds)")
     p.add_argument("--compile", action="store_true", help="the compile tier")
+    p.add_argument("--prompt-cache", action="store_true",
+                   help="keep encoded prompts (mode one's repeats then skip the text encoder, as before this option)")
     p.add_argument("--engine-mode", default="graph", choices=("graph", "eager"))
     p.add_argument("--dtype", default=None, help="default: bf16 for Z-Image, fp16 else on cuda; fp32 on cpu")
     p.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests this script")
