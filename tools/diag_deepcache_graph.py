@@ -49,13 +49,41 @@ def levels(a: list[np.ndarray], b: list[np.ndarray]) -> list[float]:
     return [round(float(np.abs(x - y).max()) * 255, 2) for x, y in zip(a, b)]
 
 
+def shadow(log, limit: int = 40):
+    """Before each replay of a cached step's graph: the same step run eagerly on a copy of its buffers
+    (`StepGraph.run_reference`), then the replay; logs where they differ (x, d_prev, the kept features)."""
+    from diffgraph.graphs.runner import GraphRunner
+    original = GraphRunner.replay
+    seen = [0]
+
+    def replay(self, kind, height, width, bucket):
+        if "step_cache" not in kind or seen[0] >= limit:
+            return original(self, kind, height, width, bucket)
+        g = self.kinds[kind]
+        bufs = g._buffers((height, width))
+        snap = g.snapshot(height, width, bucket)
+        g.run_reference(height, width, bucket)
+        ref = {k: bufs.fields[k][:bucket].clone() for k in ("x", "d_prev", "cache.deep")}
+        g.restore(height, width, bucket, snap)
+        out = original(self, kind, height, width, bucket)
+        diff = {k: [round(float(v), 6) for v in (bufs.fields[k][:bucket] - ref[k]).flatten(1).abs().amax(1)]
+                for k in ref}
+        seen[0] += 1
+        log(what="replay vs eager, same buffers", kind=kind, bucket=bucket, diff=diff)
+        return out
+
+    GraphRunner.replay = replay
+    return lambda: setattr(GraphRunner, "replay", original)
+
+
 def variant(name: str, args, log, base: dict) -> None:
     StepCacheRows.graphed = name != "eager"
     # "graphed-nogather": every row runs the deep path (keys without gathers), only the reused features replaced
     StepCacheRows.step_part = _all_deep if name.endswith("nogather") else _step_part
     cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((args.size, args.size),), prewarm=False,
                       verify=True, backend="emulated" if name == "emulated" else "cuda")
-    with Engine(model=args.model, device="cuda", dtype=args.dtype, mode="graph", graphs=cfg) as e:
+    undo = shadow(log) if name != "eager" and args.shadow else (lambda: None)
+    with Engine(model=args.model, device=args.device, dtype=args.dtype, mode="graph", graphs=cfg) as e:
         reqs = requests(e, args.size, args.steps)
         alone = [e.run(r).arrays for r in reqs]
         alone2 = [e.run(r).arrays for r in reqs]
@@ -71,6 +99,7 @@ def variant(name: str, args, log, base: dict) -> None:
         table = [{k: r.get(k) for k in ("kind", "bucket", "status", "replays", "eager_fallbacks", "verify_max_abs", "error")}
                  for r in e.runner.graph_table() if r["kind"].startswith("step")]
         log(variant=name, what="step graphs", table=table)
+    undo()
 
 
 def main() -> None:
@@ -81,6 +110,8 @@ def main() -> None:
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--variants", default="eager,graphed,emulated")
     p.add_argument("--out", default="diag_deepcache.jsonl")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shadow", action="store_true", help="check each cached replay against the eager step")
     p.add_argument("--no-tf32", action="store_true", help="fp32 convolutions and matmuls without TF32")
     args = p.parse_args()
     if args.no_tf32:
