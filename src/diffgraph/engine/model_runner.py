@@ -97,7 +97,8 @@ class ModelRunner:
         self.text_setup = TextSetup(tuple(model.tokenizers), self.adapter.embedding_dims(model), self.max_chunks,
                                     self.adapter.encoder_layers(model), embeddings,
                                     lengths=tuple(self.adapter.token_lengths(model)),
-                                    template=self.adapter.prompt_template(model))
+                                    template=self.adapter.prompt_template(model),
+                                    dropped=self.adapter.template_dropped)
         side_paths = loras.unet_rows if slots else None
         self.control_runner = ControlRunner(controls, partial(self.adapter.control, model)) if controls else None
         extra = {"max_chunks": self.max_chunks, "controls": self.control_runner, "image_prompts": image_prompts} \

@@ -1,0 +1,188 @@
+"""Qwen-Image (models/families/qwen_image.py) against its oracle, diffusers' `QwenImagePipeline`, on a tiny random
+folder.
+
+One tiny architecture (two double-stream blocks 32 wide, a two-layer Qwen2.5-VL with Qwen's vocabulary and the
+shipped Qwen2.5 tokenizer, a narrow Qwen-Image VAE with the published per-channel latents mean and std), saved with
+save_pretrained as the published folder is, with Qwen-Image's scheduler config (dynamic shift, shift_terminal 0.02).
+fp32 on the CPU: each image within one uint8 level of the pipeline's with the same seed, with and without true CFG
+(the pipeline's per-token norm rescale; " " as the negative prompt where the request has none); rows of different
+prompt lengths, sizes of one token bucket, steps and guidance run in one step and each equals its request alone.
+"""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import Engine, GenerationRequest, ParamError
+from diffgraph.models.families.qwen_image import (DROPPED, SCHEDULER, TEMPLATE, tiny_encoder, tiny_transformer,
+                                                  tiny_vae)
+from diffgraph.models.qwen_tokenizer import qwen_tokenizer
+from diffgraph.sampling.flow import FlowSchedule
+
+from loop_util import images_together
+
+SIZES = [(64, 64), (64, 96), (96, 64)]  # 16, 24 and 24 tokens (16 px each): one bucket of 256
+
+
+def pipeline():
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(**tiny_transformer())
+    with torch.no_grad():  # at its initial scale the prompt moves the tiny model's image by a level or two
+        for p in transformer.parameters():
+            if p.ndim == 2:
+                p.mul_(3.0)
+    encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**tiny_encoder()))
+    vae = AutoencoderKLQwenImage(**tiny_vae())
+    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.eval(),
+                             text_encoder=encoder.eval(), tokenizer=qwen_tokenizer("qwen2.5"),
+                             transformer=transformer.eval())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen") / "Qwen-Image"
+    pipe = pipeline()
+    pipe.save_pretrained(str(path))
+    return str(path), pipe
+
+
+@pytest.fixture(scope="module")
+def qwen(folder):
+    with Engine(model=folder[0], device="cpu") as e:
+        yield e
+
+
+def oracle(pipe, prompt: str, size: tuple[int, int], steps: int, guidance: float, seed: int,
+           negative: str | None = None) -> np.ndarray:
+    """diffusers' image: guidance is the pipeline's true_cfg_scale; above 1 without a negative prompt it guides with
+    " " (the pipeline's documented usage, which the engine follows)."""
+    if guidance > 1 and negative is None:
+        negative = " "
+    image = pipe(prompt=prompt, negative_prompt=negative, height=size[0], width=size[1], num_inference_steps=steps,
+                 true_cfg_scale=guidance, generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+@pytest.mark.parametrize("size", [(64, 64), (64, 96)])
+def test_text_to_image_equals_the_pipeline_without_guidance(folder, qwen, size):
+    got = images_together(qwen, [dict(prompt="a red fox in the snow", height=size[0], width=size[1],
+                                      num_inference_steps=3, guidance_scale=1.0, seed=7)])[0]
+    want = oracle(folder[1], "a red fox in the snow", size, 3, 1.0, 7)
+    assert got.shape == (*size, 3) and np.abs(got - want).max() <= 1
+    assert qwen.info.family == "qwen-image" and qwen.info.default_steps == 50 and qwen.info.default_guidance == 4.0
+
+
+def test_true_cfg_equals_the_pipeline_with_and_without_a_negative_prompt(folder, qwen):
+    """A negative prompt as given; none: " " (never one row, never ""); each within a level of the pipeline's, and
+    the guidance shows."""
+    pipe = folder[1]
+    requests = [dict(prompt="a red fox", negative_prompt="snow at dusk", height=64, width=64, num_inference_steps=2,
+                     guidance_scale=3.0, seed=5),
+                dict(prompt="a red fox", height=64, width=64, num_inference_steps=2, guidance_scale=4.0, seed=5)]
+    got = [images_together(qwen, [r])[0] for r in requests]
+    for r, image in zip(requests, got):
+        want = oracle(pipe, r["prompt"], (64, 64), 2, r["guidance_scale"], 5, r.get("negative_prompt"))
+        assert np.abs(image - want).max() <= 1, r
+    plain = oracle(pipe, "a red fox", (64, 64), 2, 1.0, 5)
+    assert np.abs(got[1] - plain).max() > 3
+    blank = oracle(pipe, "a red fox", (64, 64), 2, 4.0, 5, negative="")
+    assert np.abs(got[1] - blank).max() > 0  # " " is not ""
+
+
+def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folder, qwen):
+    """Prompts of 2 and 30 words, three sizes of one token bucket, 2/3 steps, guidance off, on without a negative
+    prompt and on with one: submitted together, each equals diffusers' image of its request alone."""
+    pipe = folder[1]
+    long = ", ".join(["a lighthouse on a cliff at dusk"] * 5)
+    requests = [dict(prompt="red fox", height=SIZES[0][0], width=SIZES[0][1], num_inference_steps=3,
+                     guidance_scale=1.0, seed=1),
+                dict(prompt=long, negative_prompt="snow", height=SIZES[1][0], width=SIZES[1][1],
+                     num_inference_steps=2, guidance_scale=2.5, seed=2),
+                dict(prompt="a red fox at dusk", height=SIZES[2][0], width=SIZES[2][1], num_inference_steps=3,
+                     guidance_scale=4.0, seed=3)]
+    adapter = qwen.model.adapter
+    assert {adapter.group_key(qwen.model, s, 40) for s in SIZES} == {(128, 256)}
+    got = images_together(qwen, requests)
+    for r, image in zip(requests, got):
+        want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"],
+                      r["guidance_scale"], r["seed"], r.get("negative_prompt"))
+        assert image.shape == (r["height"], r["width"], 3)
+        assert np.abs(image - want).max() <= 1, r
+
+
+def test_the_schedule_is_the_pipeline_s_shift_with_its_terminal(folder):
+    """sigmas of 2 and 50 steps at 16, 4096 and 6889 tokens (1328 x 1328) equal the scheduler's with the pipeline's
+    mu (calculate_shift), stretched to shift_terminal."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    pipe = folder[1]
+    schedule = FlowSchedule.from_config(dict(SCHEDULER))
+    for tokens, steps in ((16, 2), (4096, 50), (6889, 50)):
+        mu = calculate_shift(tokens, 256, 8192, 0.5, 0.9)
+        pipe.scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        want = pipe.scheduler.sigmas.numpy()
+        got = schedule.sigmas(steps, tokens)
+        assert np.abs(got - want).max() < 1e-6 and abs(got[-2] - 0.02) < 1e-9
+
+
+def test_the_template_drops_the_system_prompt():
+    """The pipeline's prompt_template_encode_start_idx (34) is its system message's token count in the shipped
+    tokenizer: what remains is the prompt and the template's tail."""
+    tokenizer = qwen_tokenizer("qwen2.5")
+    ids = tokenizer(TEMPLATE[0] + "a red fox" + TEMPLATE[1]).input_ids
+    assert len(tokenizer(TEMPLATE[0]).input_ids) == DROPPED
+    assert tokenizer.decode(ids[DROPPED:]) == "a red fox" + TEMPLATE[1]
+
+
+def test_it_refuses_what_it_does_not_read(qwen):
+    with pytest.raises(ParamError) as e:
+        GenerationRequest.create(prompt="fox", sampler="heun", height=64, width=64, model=qwen.info)
+    assert e.value.param == "sampler" and "flow_euler, flow_euler_a, flow_dpmpp_2m" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ParamError) as e:
+        GenerationRequest.create(prompt="fox", height=64, width=72, model=qwen.info)
+    assert e.value.param == "width" and "16" in str(e.value)
+
+
+def test_a_prompt_beyond_1024_tokens_is_refused_naming_its_count(qwen):
+    """1024 tokens after the dropped system prompt, as the pipeline reads at most: a longer prompt is a ParamError
+    (HTTP 400) naming the count and the limit."""
+    long = GenerationRequest.create(prompt="fox " * 1100, height=64, width=64, num_inference_steps=1,
+                                    model=qwen.info)
+    with pytest.raises(ParamError) as e:
+        qwen.submit(long)
+    assert e.value.param == "prompt" and "at most 1024" in str(e.value)
+    ids = qwen_tokenizer("qwen2.5")(TEMPLATE[0] + "fox " * 1100 + TEMPLATE[1]).input_ids
+    assert int(str(e.value).split()[2]) == len(ids) - DROPPED > 1100  # the prompt and the template's tail
+
+
+def test_the_tiny_preset_is_served_over_http():
+    """`random:qwen-image-tiny` on the OpenAI route: an image of the asked size; `true_cfg_scale`-free defaults from
+    the checkpoint; an SD sampler is a one-line 400 listing the family's."""
+    import base64
+
+    from PIL import Image
+
+    from diffgraph.server import ServerConfig
+    from server_util import served
+
+    name = "random:qwen-image-tiny"
+    with served(Engine(model=name, device="cpu"), ServerConfig(model=name, device="cpu")) as client:
+        card = client.get("/v1/models").json()["data"][0]
+        assert (card["default_steps"], card["default_guidance"]) == (50, 4.0)
+        answer = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "96x64", "seed": 3,
+                                                              "num_inference_steps": 2})
+        assert answer.status_code == 200, answer.text
+        image = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
+        assert image.size == (96, 64)
+        bad = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "64x64",
+                                                          "sampler": "DPM++ SDE"})
+        assert bad.status_code == 400 and "flow_euler, flow_euler_a, flow_dpmpp_2m" in bad.text
+        assert "\n" not in json.dumps(bad.json())
