@@ -186,3 +186,27 @@ def test_the_tiny_preset_is_served_over_http():
                                                           "sampler": "DPM++ SDE"})
         assert bad.status_code == 400 and "flow_euler, flow_euler_a, flow_dpmpp_2m" in bad.text
         assert "\n" not in json.dumps(bad.json())
+
+
+def test_graph_mode_replays_the_bucket_s_step_graphs(folder):
+    """In graph mode (the CPU's emulated graphs, verified against eager at capture) a guided row and an unguided one
+    of two sizes replay the step graphs of their group, (128, 256); each image equals the pipeline's."""
+    from diffgraph import GraphConfig
+
+    path, pipe = folder
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=tuple(SIZES[:2]), prewarm=False, verify=True,
+                      backend="emulated", capture_text_encoder=False)
+    requests = [dict(prompt="red fox", height=SIZES[0][0], width=SIZES[0][1], num_inference_steps=2,
+                     guidance_scale=1.0, seed=1),
+                dict(prompt="a lighthouse", negative_prompt="snow", height=SIZES[1][0], width=SIZES[1][1],
+                     num_inference_steps=2, guidance_scale=2.5, seed=2)]
+    with Engine(model=path, device="cpu", mode="graph", graphs=cfg) as graphed:
+        got = images_together(graphed, requests)
+        table = graphed.runner.graph_table()
+    steps = [row for row in table if row["kind"] == "step" and row["replays"]]
+    assert steps and {(row["height"], row["width"]) for row in steps} == {(128, 256)}, table
+    assert all(row["verify_max_abs"] is not None and row["verify_max_abs"] < 1e-4 for row in steps)
+    for r, image in zip(requests, got):
+        want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"], r["guidance_scale"],
+                      r["seed"], r.get("negative_prompt"))
+        assert np.abs(image - want).max() <= 1, r
