@@ -21,6 +21,7 @@ from diffgraph.models.families.qwen_image import (DROPPED, SCHEDULER, TEMPLATE, 
                                                   tiny_vae)
 from diffgraph.models.qwen_tokenizer import qwen_tokenizer
 from diffgraph.sampling.flow import FlowSchedule
+from diffgraph.text.prepared import prepare
 
 from loop_util import images_together
 
@@ -109,6 +110,13 @@ def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folder, qwen):
                      guidance_scale=4.0, seed=3)]
     adapter = qwen.model.adapter
     assert {adapter.group_key(qwen.model, s, 40) for s in SIZES} == {(128, 256)}
+    # the slot counts the tokens a row holds: the template's dropped system prompt is not among them
+    made = [GenerationRequest.create(model=qwen.info, **r) for r in requests]
+    assert [qwen.runner.group_key(m.key, prepare(qwen.runner.text_setup, m)) for m in made] == [(128, 256)] * 3
+    wide = GenerationRequest.create(model=qwen.info, prompt="fox " * 110, height=64, width=64)
+    held = len(qwen_tokenizer("qwen2.5")(TEMPLATE[0] + "fox " * 110 + TEMPLATE[1]).input_ids) - DROPPED
+    assert held <= 128 < held + DROPPED
+    assert qwen.runner.group_key(wide.key, prepare(qwen.runner.text_setup, wide)) == (128, 256)
     got = images_together(qwen, requests)
     for r, image in zip(requests, got):
         want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"],

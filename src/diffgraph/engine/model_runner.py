@@ -200,6 +200,7 @@ class ModelRunner:
         if not self._packs and not tiling:
             return size
         tokens = max((len(window) for p in prompts for window in (p.ids[0] if p.ids else ())), default=0)
+        tokens = max(tokens - self.adapter.template_dropped, 1) if tokens else 0  # the tokens a row holds
         # `tiling` only where asked: a family's own group_key written without it keeps working for every other row
         return self.adapter.group_key(self.model, size, tokens, prepared, **({"tiling": True} if tiling else {}))
 
