@@ -218,3 +218,73 @@ def test_graph_mode_replays_the_bucket_s_step_graphs(folder):
         want = oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"], r["guidance_scale"],
                       r["seed"], r.get("negative_prompt"))
         assert np.abs(image - want).max() <= 1, r
+
+
+def wan_original(state: dict) -> dict:
+    """AutoencoderKLQwenImage's state dict in Wan 2.1's original names (ComfyUI's qwen_image_vae.safetensors), the
+    published layout (four levels, two resnets each): the inverse of diffusers' `convert_wan_vae_to_diffusers`."""
+    resnet = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma",
+              "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
+    top = {"quant_conv.": "conv1.", "post_quant_conv.": "conv2.", "encoder.conv_in.": "encoder.conv1.",
+           "decoder.conv_in.": "decoder.conv1.", "encoder.norm_out.": "encoder.head.0.",
+           "encoder.conv_out.": "encoder.head.2.", "decoder.norm_out.": "decoder.head.0.",
+           "decoder.conv_out.": "decoder.head.2."}
+    out = {}
+    for key, value in state.items():
+        new = next((key.replace(a, b, 1) for a, b in top.items() if key.startswith(a)), None)
+        parts = key.split(".")
+        if new is None and ".mid_block.attentions.0." in key:
+            new = key.replace("mid_block.attentions.0", "middle.1")
+        elif new is None and ".mid_block.resnets." in key:
+            new = f"{parts[0]}.middle.{2 * int(parts[3])}." + ".".join(parts[4:])
+        elif new is None and key.startswith("encoder.down_blocks."):
+            new = "encoder.downsamples." + ".".join(parts[2:])
+        elif new is None and ".upsamplers.0." in key:
+            new = f"decoder.upsamples.{4 * int(parts[2]) + 3}." + ".".join(parts[5:])
+        elif new is None and key.startswith("decoder.up_blocks."):
+            new = f"decoder.upsamples.{4 * int(parts[2]) + int(parts[4])}." + ".".join(parts[5:])
+        if ".resample." not in new and ".time_conv." not in new and ("middle.1." not in new):
+            for a, b in resnet.items():
+                tail = new.split(".", 3)[-1] if new.startswith(("encoder.downsamples", "decoder.upsamples",
+                                                                "encoder.middle", "decoder.middle")) else ""
+                if tail.startswith(a):
+                    new = new[:len(new) - len(tail)] + b + tail[len(a):]
+                    break
+        out[new] = value.contiguous()
+    return out
+
+
+def test_the_vae_reads_from_comfyui_s_file_and_diffusers_names(tmp_path):
+    """A VAE of the published layout (narrow) written in Wan 2.1's original names, as ComfyUI ships
+    qwen_image_vae.safetensors, and in diffusers' names: each loads through `qwen_image_files` into a module whose
+    every tensor equals the source's, the config derived from the file; another kind of file is a one-line error
+    naming what it is."""
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    from safetensors.torch import save_file
+
+    from diffgraph.models import qwen_image_files as qf, split_stream
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                 temperal_downsample=[False, True, True])
+    state = vae.state_dict()
+    original = wan_original(state)
+    assert "decoder.upsamples.4.shortcut.weight" in original and "encoder.conv1.weight" in original
+    back = convert_wan_vae_to_diffusers(dict(original))
+    assert set(back) == set(state)  # the inverse is diffusers' map's
+    for name, tensors in (("qwen_image_vae.safetensors", original), ("diffusers_vae.safetensors", state)):
+        path = str(tmp_path / name)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+        config = qf.vae_config(path)
+        assert config["base_dim"] == 8 and config["z_dim"] == 16
+        loaded = split_stream.load_vae(AutoencoderKLQwenImage, config,
+                                       lambda c, p=path: qf.read_vae(p, c, torch.float32), torch.float32, "cpu")
+        got = loaded.state_dict()
+        assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state), name
+    flux = str(tmp_path / "ae.safetensors")
+    save_file({"encoder.conv_in.weight": torch.zeros(8, 3, 3, 3), "decoder.conv_in.weight": torch.zeros(8, 16, 3, 3)},
+              flux)
+    with pytest.raises(ValueError, match="is a FLUX.1 VAE .*, not a Qwen-Image \\(Wan 2.1\\) VAE; give") as e:
+        qf.read_vae(flux, qf.vae_config(flux), torch.float32)
+    assert "\n" not in str(e.value)

@@ -56,7 +56,7 @@ from ..safe_tensors import CHANGED_FIX, FILE_LIMIT, TensorFile
 from .gguf_files import GgufFile
 from .split_files import GGUF_SUFFIX, PARTS, SPLIT_KINDS, header_shapes
 
-Kind = Literal["transformer", "text_encoder", "vae", "flux2_transformer"]
+Kind = Literal["transformer", "text_encoder", "vae", "flux2_transformer", "qwen_image_vae"]
 Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata", "gguf"]
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI's format names of the layers read here
 TRANSFORMER_PREFIX = "model.diffusion_model."
@@ -73,9 +73,10 @@ _LOOKS = (("cap_embedder.", "a Z-Image transformer"), ("double_blocks.", "a FLUX
           ("input_blocks.", "an SD UNet"), ("encoder.block.", "a T5 text encoder"),
           ("text_model.encoder.layers.", "a CLIP text encoder"), ("transformer.resblocks.", "an OpenCLIP text encoder"),
           ("self_attn.q_proj.bias", "a Qwen2 / Qwen2.5 text encoder"), ("embed_tokens.", "a language model"),
-          ("encoder.conv_in.", "a VAE"), ("token_embd.", "a llama.cpp language model"))
+          ("decoder.middle.0.residual.", "a Wan 2.1 / Qwen-Image VAE"), ("encoder.conv_in.", "a VAE"),
+          ("token_embd.", "a llama.cpp language model"))
 _WANTED = {"transformer": "a Z-Image transformer", "text_encoder": "a Qwen3 text encoder", "vae": "a VAE",
-           "flux2_transformer": "a FLUX.2 transformer"}
+           "flux2_transformer": "a FLUX.2 transformer", "qwen_image_vae": "a Qwen-Image (Wan 2.1) VAE"}
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,9 @@ def check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config
         ok = any("noise_refiner." in k for k in keys) and any("cap_embedder." in k for k in keys)
     elif kind == "flux2_transformer":
         ok = any("double_blocks." in k for k in keys) and any("single_stream_modulation." in k for k in keys)
+    elif kind == "qwen_image_vae":  # Wan 2.1's original names (ComfyUI's file) or diffusers'
+        ok = any(k.endswith(("decoder.middle.0.residual.0.gamma", "decoder.mid_block.resnets.0.norm1.gamma"))
+                 for k in keys)
     elif kind == "text_encoder":
         ok = any(k.endswith("self_attn.q_norm.weight") for k in keys) and any(
             k.endswith("embed_tokens.weight") for k in keys)
@@ -311,6 +315,12 @@ def check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config
 
 def _check_size(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config: Any) -> None:
     get = config.get if isinstance(config, Mapping) else lambda name, default=None: getattr(config, name, default)
+    if kind == "qwen_image_vae":
+        found = next(s for k, s in shapes.items() if k.endswith(("decoder.conv1.weight", "decoder.conv_in.weight")))[1]
+        if found != get("z_dim"):
+            raise ValueError(f"{path} is a VAE of {found} latent channels; this model's has {get('z_dim')}; give the "
+                             "VAE its model page names")
+        return
     if kind == "vae":
         found = next(s for k, s in shapes.items() if k.endswith("decoder.conv_in.weight"))[1]
         if found != get("latent_channels"):

@@ -23,7 +23,8 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
     (`TrueGuidance`); a request without a negative prompt guides with " " (the pipelines' documented usage:
     `empty_negative`). The request's `guidance_scale` is the pipeline's `true_cfg_scale`;
   * the VAE's latents are normalised per channel: decode reads latents * latents_std + latents_mean.
-Not here yet: the Edit pipelines (input images through the vision tower), single or split files, LoRA files.
+Not here yet: the Edit pipelines (input images through the vision tower), split files (the VAE's reader is
+qwen_image_files.py), LoRA files.
 """
 
 from __future__ import annotations
