@@ -190,6 +190,14 @@ def test_the_tiny_preset_is_served_over_http():
         assert answer.status_code == 200, answer.text
         image = Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))
         assert image.size == (96, 64)
+        # true_cfg_scale (vLLM-Omni's name) is guidance_scale: the same image; both, unequal, a 400 naming it
+        alias = [client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "64x64", "seed": 3,
+                                                              "num_inference_steps": 2, key: 2.5}).json()
+                 for key in ("true_cfg_scale", "guidance_scale")]
+        assert alias[0]["data"][0]["b64_json"] == alias[1]["data"][0]["b64_json"]
+        both = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "64x64",
+                                                           "true_cfg_scale": 2.5, "guidance_scale": 3.0})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "true_cfg_scale"
         bad = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "64x64",
                                                           "sampler": "DPM++ SDE"})
         assert bad.status_code == 400 and "flow_euler, flow_euler_a, flow_dpmpp_2m" in bad.text
