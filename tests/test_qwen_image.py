@@ -28,7 +28,7 @@ from loop_util import images_together
 SIZES = [(64, 64), (64, 96), (96, 64)]  # 16, 24 and 24 tokens (16 px each): one bucket of 256
 
 
-def pipeline():
+def pipeline(vae: dict | None = None):
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                            QwenImageTransformer2DModel)
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -40,7 +40,7 @@ def pipeline():
             if p.ndim == 2:
                 p.mul_(3.0)
     encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**tiny_encoder()))
-    vae = AutoencoderKLQwenImage(**tiny_vae())
+    vae = AutoencoderKLQwenImage(**(vae or tiny_vae()))
     return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.eval(),
                              text_encoder=encoder.eval(), tokenizer=qwen_tokenizer("qwen2.5"),
                              transformer=transformer.eval())
@@ -296,3 +296,34 @@ def test_the_vae_reads_from_comfyui_s_file_and_diffusers_names(tmp_path):
     with pytest.raises(ValueError, match="is a FLUX.1 VAE .*, not a Qwen-Image \\(Wan 2.1\\) VAE; give") as e:
         qf.read_vae(flux, qf.vae_config(flux), torch.float32)
     assert "\n" not in str(e.value)
+
+
+def test_comfyui_split_files_equal_the_pipeline(tmp_path):
+    """The transformer under `model.diffusion_model.`, the Qwen2.5-VL encoder as the causal LM saved it before
+    transformers 4.52 (`model.layers.*`, `visual.*`, `lm_head`), the VAE (the published layout, narrow) in Wan 2.1's
+    names, as three files: loaded by the family (configs from their shapes, its language model alone, the shipped
+    tokenizer) the image equals the pipeline's on the same modules, with true CFG."""
+    from safetensors.torch import save_file
+
+    from diffgraph.models.families import QwenImageFamily
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+
+    pipe = pipeline(vae=dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                             temperal_downsample=[False, True, True]))
+    paths = [str(tmp_path / n) for n in ("qwen_image_tiny.safetensors", "qwen_2.5_vl_tiny.safetensors",
+                                         "qwen_image_vae.safetensors")]
+    save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in pipe.transformer.state_dict().items()},
+              paths[0])
+    encoder = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v.clone()
+               for k, v in pipe.text_encoder.state_dict().items()}
+    assert "visual.patch_embed.proj.weight" in encoder and "model.layers.0.self_attn.q_proj.bias" in encoder
+    save_file(encoder, paths[1])
+    save_file(wan_original(pipe.vae.state_dict()), paths[2])
+    kind = next(k for k in SPLIT_KINDS if k.family == "qwen-image")
+    model = QwenImageFamily().load_split(SplitFiles(kind, *paths, ()), torch.device("cpu"), torch.float32, paths[0])
+    assert type(model.text_encoders[0]).__name__ == "Qwen2_5_VLTextModel"
+    with Engine(model=model) as engine:
+        got = images_together(engine, [dict(prompt="a red fox", negative_prompt="snow", height=64, width=96,
+                                            num_inference_steps=2, guidance_scale=3.0, seed=4)])[0]
+        assert engine.info.default_steps == 50
+    assert np.abs(got - oracle(pipe, "a red fox", (64, 96), 2, 3.0, 4, "snow")).max() <= 1

@@ -23,8 +23,8 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
     (`TrueGuidance`); a request without a negative prompt guides with " " (the pipelines' documented usage:
     `empty_negative`). The request's `guidance_scale` is the pipeline's `true_cfg_scale`;
   * the VAE's latents are normalised per channel: decode reads latents * latents_std + latents_mean.
-Not here yet: the Edit pipelines (input images through the vision tower), split files (the VAE's reader is
-qwen_image_files.py), LoRA files.
+Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE): `load_split`, through qwen_image_files.py.
+Not here yet: the Edit pipelines (input images through the vision tower), fp8 / GGUF files, LoRA files.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class QwenImageFamily(TokenFamily):
         """The modules in `dtype` on `device`; the encoder without its language-model head (only hidden states are
         read)."""
         encoder = getattr(encoder, "model", encoder)  # Qwen2_5_VLForConditionalGeneration's base model
-        width = int(encoder.config.text_config.hidden_size)
+        width = text_width(encoder)
         if int(transformer.config.joint_attention_dim) != width:
             raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the "
                              f"encoder gives {width}; use the checkpoint's own text encoder")
@@ -226,6 +226,20 @@ class QwenImageFamily(TokenFamily):
                               text_encoders=[encoder], tokenizers=[tokenizer], scheduler_config=scheduler_config,
                               device=device, dtype=dtype, native_size=checkpoint.native, is_random=is_random,
                               extra={"checkpoint": checkpoint})
+
+    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
+        """ComfyUI's three files, each streamed into a module built on meta (split_stream.py; qwen_image_files.py:
+        the transformer in diffusers' names, the Qwen2.5-VL file's language model, the VAE in Wan 2.1's layout); the
+        configs come from the weights' shapes, the tokenizer is the shipped Qwen2.5 one, the scheduler the published
+        one."""
+        from diffusers import AutoencoderKLQwenImage
+
+        from .. import qwen_image_files as qf, split_stream
+        transformer, encoder = split_stream.load_qwen_image(files.diffusion_model, files.text_encoder, dtype, device)
+        vae = split_stream.load_vae(AutoencoderKLQwenImage, qf.vae_config(files.vae),
+                                    lambda config: qf.read_vae(files.vae, config, dtype), dtype, device)
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen2.5"), dict(SCHEDULER), device, dtype,
+                           QWEN_IMAGE)
 
     # -- random presets ----------------------------------------------------------------------------------
     def random_presets(self) -> dict[str, str]:
@@ -289,7 +303,7 @@ class QwenImageFamily(TokenFamily):
 
     # -- text --------------------------------------------------------------------------------------------
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
-        dim = int(model.text_encoders[0].config.text_config.hidden_size)
+        dim = text_width(model.text_encoders[0])
         return {"embeds": ((self.text_tokens, dim), model.dtype), "mask": ((self.text_tokens,), torch.bool)}
 
     def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
@@ -342,19 +356,28 @@ class QwenImageFamily(TokenFamily):
                                  tokenizer=model.tokenizers[0], transformer=model.denoiser)
 
 
+def text_width(encoder: Any) -> int:
+    """The width of the encoder's hidden states (a Qwen2_5_VLModel's text config, or a Qwen2_5_VLTextModel's)."""
+    return int(getattr(encoder.config, "text_config", encoder.config).hidden_size)
+
+
 def tiny_transformer() -> dict[str, Any]:
-    """A QwenImageTransformer2DModel config at test size: two blocks, 32 wide, reading 32-wide text."""
-    return dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+    """A QwenImageTransformer2DModel config at test size: two blocks, 32 wide, reading 128-wide text; its RoPE axes
+    split the head as the published model's (an eighth, then seven sixteenths twice: what split files assume)."""
+    return dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=32,
+                num_attention_heads=1, joint_attention_dim=128, axes_dims_rope=(4, 14, 14))
 
 
 def tiny_encoder() -> dict[str, Any]:
-    """A Qwen2_5_VLConfig at test size: a two-layer 32-wide language model with Qwen's vocabulary and mrope, a
-    one-block vision tower."""
-    return dict(text_config=dict(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                                 rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-                vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+    """A Qwen2_5_VLConfig at test size: a two-layer 128-wide language model of one 128-wide head (Qwen2.5's head
+    width and mrope sections: what split files assume) with Qwen's vocabulary, tied embeddings, a one-block vision
+    tower."""
+    return dict(text_config=dict(vocab_size=151936, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=2048,
+                                 rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                 rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+                tie_word_embeddings=True,
+                vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=128,
                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                                    fullatt_block_indexes=[0]))
 
