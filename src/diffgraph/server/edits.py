@@ -80,7 +80,6 @@ class ImageEditForm(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: StrictInt = 20
     guidance_scale: StrictFloat | None = None   # ints are accepted as numbers
-    true_cfg_scale: StrictFloat | None = None   # its alias (vLLM-Omni's name)
     guidance_interval: Json[list[StrictFloat]] | None = None  # a JSON text field: [0.2, 0.8]
     guidance_rescale: StrictFloat = 0.0
     seed: StrictInt | None = None
@@ -104,8 +103,8 @@ class ImageEditForm(BaseModel):
     # a JSON text field: {"model": "sd15/ip-adapter_sd15", "scale": 0.6}, its images the file parts image_prompt_<i>
     image_prompts: Json[FormImagePromptRef] | None = None
 
-    @field_validator("n", "num_inference_steps", "guidance_scale", "true_cfg_scale", "guidance_rescale", "seed",
-                     "strength", "clip_skip", "eta", "partial_images", "output_compression", "frame_count",
+    @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
+                     "clip_skip", "eta", "partial_images", "output_compression", "frame_count",
                      "frame_duration_ms", mode="before")
     @classmethod
     def _json_number(cls, value: Any) -> Any:
