@@ -327,3 +327,41 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
                                             num_inference_steps=2, guidance_scale=3.0, seed=4)])[0]
         assert engine.info.default_steps == 50
     assert np.abs(got - oracle(pipe, "a red fox", (64, 96), 2, 3.0, 4, "snow")).max() <= 1
+
+
+def test_a_peft_lora_runs_per_row_and_equals_diffusers(folder, tmp_path):
+    """A rank-4 adapter on both blocks' attention, feed-forwards and modulation (diffusers / PEFT keys): a row with it
+    and a row without, in one step, equal the pipeline with diffusers' load_lora_weights at the same scale and the
+    pipeline without; an SD LoRA is a one-line refusal naming it."""
+    from safetensors.torch import save_file
+
+    path, pipe = folder
+    g = torch.Generator().manual_seed(21)
+    state = {}
+    for block in range(2):
+        for module in ("attn.to_q", "attn.add_k_proj", "attn.to_add_out", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                       "img_mod.1"):
+            linear = pipe.transformer.get_submodule(f"transformer_blocks.{block}.{module}")
+            state[f"transformer.transformer_blocks.{block}.{module}.lora_A.weight"] = \
+                torch.randn((4, linear.in_features), generator=g) * 0.3
+            state[f"transformer.transformer_blocks.{block}.{module}.lora_B.weight"] = \
+                torch.randn((linear.out_features, 4), generator=g) * 0.3
+    save_file(state, str(tmp_path / "fox.safetensors"))
+    sd = "lora_unet_down_blocks_0_attentions_0_proj_in"
+    save_file({f"{sd}.lora_down.weight": torch.ones(4, 320), f"{sd}.lora_up.weight": torch.ones(320, 4)},
+              str(tmp_path / "sd_style.safetensors"))
+    common = dict(prompt="a red fox", height=64, width=64, num_inference_steps=2, guidance_scale=1.0, seed=6)
+    with Engine(model=path, device="cpu", lora_dir=str(tmp_path)) as engine:
+        got = images_together(engine, [dict(common, loras=[("fox", 0.8)]), common])
+        with pytest.raises(ParamError) as e:
+            engine.submit(GenerationRequest.create(model=engine.info, **common, loras=[("sd_style", 1.0)])).result()
+        assert "sd_style" in str(e.value) and "\n" not in str(e.value)
+    pipe.load_lora_weights(str(tmp_path / "fox.safetensors"), adapter_name="fox")
+    pipe.set_adapters(["fox"], [0.8])
+    try:
+        want = oracle(pipe, "a red fox", (64, 64), 2, 1.0, 6)
+    finally:
+        pipe.unload_lora_weights()
+    plain = oracle(pipe, "a red fox", (64, 64), 2, 1.0, 6)
+    assert np.abs(got[0] - want).max() <= 1 and np.abs(got[1] - plain).max() <= 1
+    assert np.abs(want - plain).max() > 3

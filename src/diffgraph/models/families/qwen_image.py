@@ -24,7 +24,10 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
     `empty_negative`). The request's `guidance_scale` is the pipeline's `true_cfg_scale`;
   * the VAE's latents are normalised per channel: decode reads latents * latents_std + latents_mean.
 Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE): `load_split`, through qwen_image_files.py.
-Not here yet: the Edit pipelines (input images through the vision tower), fp8 / GGUF files, LoRA files.
+LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`; diffusers / PEFT keys tested, the other
+layouts it converts untested here), its side paths on the blocks' attention, feed-forwards and modulation.
+Not here yet: the Edit pipelines (input images through the vision tower), fp8 / GGUF files tested, a LoRA's own
+schedule (the Lightning releases' fixed shift).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from ... import safe_files
 from ...features.base import RowFeature, StepView
 from ...features.guidance import ClassifierFreeGuidance
+from ...lora.targets import DENOISER, LoraLayout
 from ..model import DiffusionModel
 from ..qwen_tokenizer import qwen_tokenizer
 from .base import Conditioning, CondSpec
@@ -65,6 +69,10 @@ QWEN25_VL_7B = dict(text_config=dict(vocab_size=152064, hidden_size=3584, interm
                     vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
                                        out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
                                        temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]))
+# the layers LoRA files for it train: both streams' attention and feed-forwards, and the blocks' modulation
+LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                "txt_mlp.net.2", "img_mod.1", "txt_mod.1")
 FP8_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
                "txt_mlp.net.2")
@@ -272,6 +280,10 @@ class QwenImageFamily(TokenFamily):
 
     def default_steps(self, model: DiffusionModel) -> int | None:
         return model.extra["checkpoint"].steps
+
+    def lora_layout(self, model: DiffusionModel) -> LoraLayout | None:
+        """`transformer.*` (diffusers / PEFT) files and the layouts QwenImagePipeline's converter reads."""
+        return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class="QwenImagePipeline")
 
     def model_guidance(self, model: DiffusionModel) -> float:
         return model.extra["checkpoint"].guidance
