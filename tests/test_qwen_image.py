@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
-from diffgraph.models.families.qwen_image import (DROPPED, SCHEDULER, TEMPLATE, tiny_encoder, tiny_transformer,
-                                                  tiny_vae)
+from diffgraph.models.families.qwen_image import (DROPPED, LIGHTNING, SCHEDULER, TEMPLATE, tiny_encoder,
+                                                  tiny_transformer, tiny_vae)
 from diffgraph.models.qwen_tokenizer import qwen_tokenizer
 from diffgraph.sampling.flow import FlowSchedule
 from diffgraph.text.prepared import prepare
@@ -365,3 +365,30 @@ def test_a_peft_lora_runs_per_row_and_equals_diffusers(folder, tmp_path):
     plain = oracle(pipe, "a red fox", (64, 64), 2, 1.0, 6)
     assert np.abs(got[0] - want).max() <= 1 and np.abs(got[1] - plain).max() <= 1
     assert np.abs(want - plain).max() > 3
+
+
+def test_the_lightning_schedule_runs_per_row_as_its_release_samples(folder, qwen):
+    """schedule "lightning" (the Lightning LoRAs' scheduler: mu = log 3 at every size, no terminal): its sigmas are
+    the release's scheduler's at 256 and 16384 tokens; a 2-step unguided Lightning row beside a 3-step CFG row of the
+    model's schedule, in one step, equals the pipeline with that scheduler, the other the pipeline's own."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    lightning = FlowMatchEulerDiscreteScheduler(**LIGHTNING)
+    for size, steps in (((256, 256), 2), ((2048, 2048), 8)):
+        lightning.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=np.log(3))
+        got = qwen.model.adapter.planner(qwen.model)("flow_euler", "lightning", steps, size).sigmas
+        assert np.abs(np.asarray(got) - lightning.sigmas.numpy()).max() < 1e-6
+    requests = [dict(prompt="a red fox", height=64, width=64, num_inference_steps=2, guidance_scale=1.0, seed=8,
+                     schedule="lightning"),
+                dict(prompt="a red fox", height=64, width=96, num_inference_steps=3, guidance_scale=3.0, seed=9)]
+    got = images_together(qwen, requests)
+    pipe = folder[1]
+    own = pipe.scheduler
+    pipe.scheduler = lightning
+    try:
+        want = oracle(pipe, "a red fox", (64, 64), 2, 1.0, 8)
+    finally:
+        pipe.scheduler = own
+    assert np.abs(got[0] - want).max() <= 1
+    assert np.abs(got[1] - oracle(pipe, "a red fox", (64, 96), 3, 3.0, 9)).max() <= 1
+    assert np.abs(want - oracle(pipe, "a red fox", (64, 64), 2, 1.0, 8)).max() > 0  # the schedules differ

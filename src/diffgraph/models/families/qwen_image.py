@@ -26,12 +26,15 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
 Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE): `load_split`, through qwen_image_files.py.
 LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`; diffusers / PEFT keys tested, the other
 layouts it converts untested here), its side paths on the blocks' attention, feed-forwards and modulation.
-Not here yet: the Edit pipelines (input images through the vision tower), fp8 / GGUF files tested, a LoRA's own
-schedule (the Lightning releases' fixed shift).
+The Lightning LoRAs' schedule (mu = log 3 at every size) is the request's `schedule` "lightning", per row.
+Not here yet: the Edit pipelines (input images through the vision tower), fp8 / GGUF files tested, a LoRA sidecar
+that names its schedule.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -43,9 +46,12 @@ from ... import safe_files
 from ...features.base import RowFeature, StepView
 from ...features.guidance import ClassifierFreeGuidance
 from ...lora.targets import DENOISER, LoraLayout
+from ...request import Size
+from ...sampling.flow import FlowSchedule, flow_plan
+from ...sampling.samplers import SamplerPlan
 from ..model import DiffusionModel
 from ..qwen_tokenizer import qwen_tokenizer
-from .base import Conditioning, CondSpec
+from .base import Conditioning, CondSpec, Planner
 from .flux2 import rotate
 from .tokens import FOLDER_PARTS, TokenFamily, random_modules
 
@@ -60,6 +66,9 @@ ROPE_THETA = 10000
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
              "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02,
              "time_shift_type": "exponential"}
+# Qwen-Image-Lightning's scheduler (its release's FlowMatchEulerDiscreteScheduler config): the exponential shift at
+# mu = log 3 for every size, no terminal stretch; the family's schedule "lightning"
+LIGHTNING = {**SCHEDULER, "base_shift": math.log(3), "max_shift": math.log(3), "shift_terminal": None}
 QWEN_IMAGE_20B = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                       num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
 QWEN25_VL_7B = dict(text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
@@ -181,6 +190,7 @@ class QwenImageFamily(TokenFamily):
     text_buckets = (128, 256, 512, MAX_TEXT_TOKENS)
     size_multiple = 16
     fp8_linears = FP8_LINEARS
+    schedules = ("default", "lightning")
     empty_negative = " "
     template_dropped = DROPPED
 
@@ -287,6 +297,20 @@ class QwenImageFamily(TokenFamily):
 
     def model_guidance(self, model: DiffusionModel) -> float:
         return model.extra["checkpoint"].guidance
+
+    # -- sampling: the model's schedule, or the Lightning releases' ----------------------------------------
+    def planner(self, model: DiffusionModel) -> Planner:
+        """Flow samplers over the model's schedule ("default": its scheduler config's dynamic shift of the row's
+        tokens, stretched to its terminal) or the Lightning LoRAs' ("lightning": mu = log 3 at every size)."""
+        flows = {"default": FlowSchedule.from_config(model.scheduler_config),
+                 "lightning": FlowSchedule.from_config(LIGHTNING)}
+
+        @functools.lru_cache(maxsize=256)
+        def plan(sampler: str, schedule: str, steps: int, size: Size) -> SamplerPlan:
+            self.check(sampler, schedule, size)
+            h, w = self.grid(model, size)
+            return flow_plan(sampler, schedule, flows[schedule], steps, h * w)
+        return plan
 
     # -- layout and the VAE: a one-frame video VAE, latents normalised per channel ------------------------
     def vae_scale_factor(self, model: DiffusionModel) -> int:
