@@ -392,3 +392,19 @@ def test_the_lightning_schedule_runs_per_row_as_its_release_samples(folder, qwen
     assert np.abs(got[0] - want).max() <= 1
     assert np.abs(got[1] - oracle(pipe, "a red fox", (64, 96), 3, 3.0, 9)).max() <= 1
     assert np.abs(want - oracle(pipe, "a red fox", (64, 64), 2, 1.0, 8)).max() > 0  # the schedules differ
+
+
+def test_the_fp8_tier_takes_the_blocks_linears_and_leaves_the_rest_in_16_bits():
+    """Both streams' attention projections and feed-forwards in fp8; the embedders, the modulation layers, the
+    timestep embedder and the final projection not."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from diffgraph.models.families.qwen_image import FP8_LINEARS
+    from diffgraph.quantize.fp8 import SkipReason, named_linears, quantize_linears
+
+    module = QwenImageTransformer2DModel(**tiny_transformer())
+    report = quantize_linears(module, min_features=16, select=named_linears(FP8_LINEARS))
+    assert {n.split(".", 2)[2] for n in report.quantized} == set(FP8_LINEARS)
+    assert {n.split(".")[0] for n in report.quantized} == {"transformer_blocks"}
+    left = {n for n, why in report.skipped if why is SkipReason.NOT_SELECTED}
+    assert {"img_in", "txt_in", "proj_out", "transformer_blocks.0.img_mod.1", "norm_out.linear"} <= left
