@@ -408,3 +408,40 @@ def test_the_fp8_tier_takes_the_blocks_linears_and_leaves_the_rest_in_16_bits():
     assert {n.split(".")[0] for n in report.quantized} == {"transformer_blocks"}
     left = {n for n, why in report.skipped if why is SkipReason.NOT_SELECTED}
     assert {"img_in", "txt_in", "proj_out", "transformer_blocks.0.img_mod.1", "norm_out.linear"} <= left
+
+
+@pytest.mark.parametrize("form", ["scaled_fp8", "Q8_0"])
+def test_fp8_and_gguf_transformer_files_load_as_their_dequantised_weights(tmp_path, form):
+    """The tiny transformer as ComfyUI's scaled fp8 file (every 2-D weight e4m3 with its per-row scale) and as a
+    city96-style GGUF (Q8_0): streamed by the family's split loader, every tensor equals the file's dequantised one;
+    the encoder file beside it loads as in the bf16 case."""
+    import gguf
+    from diffusers import QwenImageTransformer2DModel
+    from safetensors.torch import save_file
+    from test_zimage_files import E4M3, _quantised, write_gguf
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from diffgraph.models import split_stream
+
+    torch.manual_seed(5)
+    state = {k: v.contiguous() for k, v in QwenImageTransformer2DModel(**tiny_transformer()).state_dict().items()}
+    if form == "Q8_0":
+        path = str(tmp_path / "qwen-image-tiny-Q8_0.gguf")
+        want = write_gguf(path, state, gguf.GGMLQuantizationType.Q8_0)
+    else:
+        fp8, want = _quantised(dict(state), True)
+        tensors = {f"model.diffusion_model.{k}": v for k, v in state.items()}
+        for key, (q, scale) in fp8.items():
+            tensors[f"model.diffusion_model.{key}"] = q
+            tensors[f"model.diffusion_model.{key.removesuffix('.weight')}.weight_scale"] = scale
+        tensors["model.diffusion_model.scaled_fp8"] = torch.empty(0, dtype=E4M3)
+        path = str(tmp_path / "qwen_image_tiny_fp8_e4m3fn.safetensors")
+        save_file(tensors, path)
+    encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**tiny_encoder()))
+    text = str(tmp_path / "qwen_2.5_vl_tiny.safetensors")
+    save_file({k: v.clone() for k, v in encoder.state_dict().items()}, text)
+    transformer, _ = split_stream.load_qwen_image(path, text, torch.float32, "cpu")
+    got = transformer.state_dict()
+    assert set(got) == set(state)
+    assert max(float((got[k] - want[k].float()).abs().max()) for k in state) == 0.0
+    assert any(not torch.equal(want[k].float(), state[k]) for k in state)  # the file was quantised

@@ -27,8 +27,8 @@ Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE): `load_split`, t
 LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`; diffusers / PEFT keys tested, the other
 layouts it converts untested here), its side paths on the blocks' attention, feed-forwards and modulation.
 The Lightning LoRAs' schedule (mu = log 3 at every size) is the request's `schedule` "lightning", per row.
-Not here yet: the Edit pipelines (input images through the vision tower), fp8 / GGUF files tested, a LoRA sidecar
-that names its schedule.
+Not here yet: the Edit pipelines (input images through the vision tower), fp8 kept as fp8 from a file, a LoRA
+sidecar that names its schedule.
 """
 
 from __future__ import annotations
