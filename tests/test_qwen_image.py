@@ -445,3 +445,22 @@ def test_fp8_and_gguf_transformer_files_load_as_their_dequantised_weights(tmp_pa
     assert set(got) == set(state)
     assert max(float((got[k] - want[k].float()).abs().max()) for k in state) == 0.0
     assert any(not torch.equal(want[k].float(), state[k]) for k in state)  # the file was quantised
+
+
+def test_a_variant_transformer_is_refused_in_one_line(folder, tmp_path):
+    """An Edit-2511 transformer (zero_cond_t: its reference tokens modulated apart) in a QwenImagePipeline folder is a
+    one-line error naming what is read, not images made without its per-token modulation."""
+    import os
+    import shutil
+
+    path = tmp_path / "Qwen-Image-2511"
+    path.mkdir()
+    for sub in os.listdir(folder[0]):
+        if sub != "transformer":
+            os.symlink(os.path.join(folder[0], sub), path / sub)
+    shutil.copytree(os.path.join(folder[0], "transformer"), path / "transformer")
+    config = json.loads((path / "transformer" / "config.json").read_text())
+    (path / "transformer" / "config.json").write_text(json.dumps({**config, "zero_cond_t": True}))
+    with pytest.raises(ValueError, match="Edit-2511, Layered or guidance-distilled variant.*QwenImagePipeline") as e:
+        Engine(model=str(path), device="cpu")
+    assert "\n" not in str(e.value)

@@ -234,8 +234,8 @@ class QwenImageFamily(TokenFamily):
         if int(transformer.config.joint_attention_dim) != width:
             raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the "
                              f"encoder gives {width}; use the checkpoint's own text encoder")
-        if transformer.config.zero_cond_t or transformer.config.use_layer3d_rope or \
-                transformer.config.guidance_embeds:
+        if any(getattr(transformer.config, k, False) for k in ("zero_cond_t", "use_layer3d_rope", "guidance_embeds",
+                                                                 "use_additional_t_cond")):
             raise ValueError("this Qwen-Image transformer is an Edit-2511, Layered or guidance-distilled variant, "
                              "which diffgraph does not read yet; use a QwenImagePipeline checkpoint")
         for m in (transformer, vae, encoder):
