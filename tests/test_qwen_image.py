@@ -464,3 +464,23 @@ def test_a_variant_transformer_is_refused_in_one_line(folder, tmp_path):
     with pytest.raises(ValueError, match="Edit-2511, Layered or guidance-distilled variant.*QwenImagePipeline") as e:
         Engine(model=str(path), device="cpu")
     assert "\n" not in str(e.value)
+
+
+def test_above_the_native_area_the_vae_decodes_in_its_tiles(folder, qwen):
+    """Above the native area (128 x 128 for the tiny preset's checkpoint; 1328 x 1328 for Qwen-Image) the one-frame
+    VAE decodes in its own tiles (256 px, stride 192, blended) as the pipeline with `vae.enable_tiling()` does."""
+    pipe = folder[1]
+    assert qwen.model.native_size == 1328 and qwen.model.adapter.tiles(qwen.model, (1344, 1344))
+    qwen.model.native_size = 128  # (the tiny test at a tiny size: 320 x 320 is then above it)
+    try:
+        got = images_together(qwen, [dict(prompt="a red fox", height=320, width=320, num_inference_steps=2,
+                                          guidance_scale=1.0, seed=2)])[0]
+    finally:
+        qwen.model.native_size = 1328
+    pipe.vae.enable_tiling()
+    try:
+        want = oracle(pipe, "a red fox", (320, 320), 2, 1.0, 2)
+    finally:
+        pipe.vae.disable_tiling()
+    assert np.abs(got - want).max() <= 1
+    assert np.abs(want - oracle(pipe, "a red fox", (320, 320), 2, 1.0, 2)).max() > 0  # the tiles show
