@@ -17,7 +17,8 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
   * timesteps: the model reads sigma (t / 1000) and predicts the velocity;
   * the schedule: sigmas linspace(1, 1 / steps) shifted by exp(mu), mu linear in the image's tokens (the scheduler
     config's base / max shift and sequence lengths), stretched so the last is `shift_terminal` (0.02), as
-    FlowMatchEulerDiscreteScheduler with the pipeline's mu (flow_dpmpp_2m: DPM-Solver's own spacing, no terminal);
+    FlowMatchEulerDiscreteScheduler with the pipeline's mu (flow_dpmpp_2m: DPM-Solver's own spacing, no terminal; a
+    one-step plan is left unstretched, where the scheduler divides by zero and the pipeline's image is NaN);
   * true classifier-free guidance: a row whose scale is above 1 runs two denoiser rows, combined as
     `neg + g (pos - neg)` and then rescaled per token to the prompt branch's norm over the packed channels
     (`TrueGuidance`); a request without a negative prompt guides with " " (the pipelines' documented usage:
