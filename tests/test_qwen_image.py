@@ -484,3 +484,13 @@ def test_above_the_native_area_the_vae_decodes_in_its_tiles(folder, qwen):
         pipe.vae.disable_tiling()
     assert np.abs(got - want).max() <= 1
     assert np.abs(want - oracle(pipe, "a red fox", (320, 320), 2, 1.0, 2)).max() > 0  # the tiles show
+
+
+def test_the_engine_s_diffusers_pipeline_is_the_oracle_on_its_own_modules(qwen):
+    """`Engine.diffusers_pipeline("flow_euler")` builds QwenImagePipeline on the engine's modules (the encoder without
+    its head, no copies): its image equals the engine's, with true CFG."""
+    pipe = qwen.diffusers_pipeline("flow_euler")
+    assert pipe.transformer is qwen.model.denoiser and pipe.text_encoder is qwen.model.text_encoders[0]
+    got = images_together(qwen, [dict(prompt="a red fox", negative_prompt="snow", height=64, width=96,
+                                      num_inference_steps=2, guidance_scale=3.0, seed=4)])[0]
+    assert np.abs(got - oracle(pipe, "a red fox", (64, 96), 2, 3.0, 4, "snow")).max() <= 1
