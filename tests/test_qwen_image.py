@@ -198,6 +198,13 @@ def test_the_tiny_preset_is_served_over_http():
         both = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "64x64",
                                                            "true_cfg_scale": 2.5, "guidance_scale": 3.0})
         assert both.status_code == 400 and both.json()["error"]["param"] == "true_cfg_scale"
+        # AUTOMATIC1111's txt2img: cfg_scale is the true CFG scale, 'Euler' the family's flow Euler
+        a1111 = client.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "negative_prompt": "snow", "width": 64,
+                                                       "height": 64, "steps": 2, "cfg_scale": 3, "seed": 3,
+                                                       "sampler_name": "Euler"})
+        assert a1111.status_code == 200, a1111.text
+        info = json.loads(a1111.json()["info"])
+        assert (info["steps"], info["cfg_scale"], info["sampler_name"]) == (2, 3.0, "flow_euler")
         bad = client.post("/v1/images/generations", json={"prompt": "a red fox", "size": "64x64",
                                                           "sampler": "DPM++ SDE"})
         assert bad.status_code == 400 and "flow_euler, flow_euler_a, flow_dpmpp_2m" in bad.text
