@@ -171,6 +171,11 @@ class FamilyAdapter:
     # layers; embedders, modulation and the final projection stay 16-bit); None: quantize/fp8.py's default
     # selection, the names of diffusers' UNet transformer blocks
     fp8_linears: tuple[str, ...] | None = None
+    # the text its encoder reads for a request without a negative prompt (Qwen-Image's pipelines guide with " ")
+    empty_negative: str = ""
+    # the leading tokens of its `prompt_template` the encoder reads but the rows drop (Qwen-Image's system prompt):
+    # not counted against `token_lengths`
+    template_dropped: int = 0
 
     # -- loading ---------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
