@@ -43,7 +43,7 @@ from ...features.base import RowFeature
 from ...features.context import PromptContext, lcm_all
 from ...features.control import ControlRows, ControlSlots
 from ...features.image_prompt import ImagePromptSource
-from ...features.edit import EditRows
+from ...features.edit import edit_rows
 from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
 from ...features.history import SamplerHistory
@@ -367,7 +367,7 @@ class FamilyAdapter:
         if set(self.samplers) & set(HISTORY_SAMPLERS):  # the history slots some of its samplers keep
             out.append(SamplerHistory())
         if self.supports_edits:
-            out.append(EditRows(self.extra_channels(model), model.dtype))
+            out.append(edit_rows(self.extra_channels(model), model.dtype))
         if side_paths is not None:
             out.append(LoraRows(side_paths, side_paths.max_stack))
         if controls is not None:  # ControlNet rows (features/control.py): the nets in `controls`' slots
