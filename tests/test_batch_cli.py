@@ -87,8 +87,8 @@ def test_a_bad_job_file_is_refused_before_the_model_loads(tmp_path):
         "background, style, moderation, output_compression, safety_identifier, complexity, frame_count, "
         "frame_duration_ms, svg, negative_prompt, num_inference_steps, guidance_scale, guidance_interval, "
         "guidance_rescale, sampler, schedule, output_format, loras, controls, image_prompts, prompt_syntax, "
-        "clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds, step_cache, reference_images, "
-        "cfg_truncation, cfg_normalization"]  # and the built-in capabilities' parameters, checked once it loads
+        "clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds, cfg_truncation, "
+        "cfg_normalization, reference_images, step_cache"]  # and the built-in capabilities' parameters, checked once it loads
     job.write_text('{"prompt": "a handwritten digit two", "size": "60x64"}\n')  # the model's rules, after it loads
     r = batch(str(job), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and r.stderr.strip().endswith("line 1: width 60 is not a multiple of 8; use 64")

@@ -172,13 +172,14 @@ def test_served_over_http_with_its_400_on_a_model_without_it(registry, engine):
 
 
 def test_the_built_in_capabilities_parameters_are_listed_torch_free():
-    """`BUILTIN_PARAMS` (what `diffgraph batch` lets through before its model loads) is every parameter of the
-    capabilities the built-in families register (models/families/), and no other."""
+    """`builtin_params()` (what `diffgraph batch` lets through before its model loads), found in the declarations of
+    `diffgraph.capabilities`, is every parameter of the capabilities the built-in families register
+    (models/families/), and no other; their settings are the declared ones."""
     import importlib
     import pkgutil
 
     import diffgraph.models.families as families
-    from diffgraph.capability_settings import BUILTIN_PARAMS
+    from diffgraph.capability_settings import builtin_params, builtin_settings
 
     for m in pkgutil.iter_modules(families.__path__):
         importlib.import_module(f"{families.__name__}.{m.name}")
@@ -187,5 +188,44 @@ def test_the_built_in_capabilities_parameters_are_listed_torch_free():
         for sub in cls.__subclasses__():
             yield sub
             yield from subclasses(sub)
-    params = {p.name for c in subclasses(Capability) if c.__module__.startswith(families.__name__) for p in c.params}
-    assert params == set(BUILTIN_PARAMS) and len(BUILTIN_PARAMS) == len(params) == 4
+    found = [c for c in subclasses(Capability) if c.__module__.startswith(families.__name__)]
+    params = {p.name for c in found for p in c.params}
+    assert params == set(builtin_params()) and len(builtin_params()) == len(params) == 4
+    assert {c.name: c.settings for c in found if c.settings} == builtin_settings()
+
+
+# a value for each built-in capability setting that is not its default (the generic check below falls back to the
+# default for a setting not named here)
+EXAMPLES = {("step_cache", "step_cache"): "auto"}
+
+
+def test_each_capability_setting_reaches_its_flag_its_toml_key_and_the_engine(tmp_path, registry):
+    """Declared once (the settings dataclass): `diffgraph serve`'s flag, the TOML key and `Engine`'s keyword carry
+    every built-in capability setting, and a run-time capability's through its registry."""
+    import dataclasses
+
+    from diffgraph.api.config import load_config
+    from diffgraph.capability_settings import builtin_settings, flag_of
+    from diffgraph.cli import _parser
+    from diffgraph.server.cli import config_from_args
+
+    given = {name: {f.name: EXAMPLES.get((name, f.name), f.default) for f in dataclasses.fields(cls)}
+             for name, cls in builtin_settings().items()}
+    assert given
+    for name, fields in given.items():
+        for field_name, value in fields.items():
+            flag = flag_of(name, field_name)
+            args = _parser().parse_args(["serve", flag, str(value)])
+            assert config_from_args(args).engine_kwargs()["capability_settings"] == {name: {field_name: value}}
+            toml = tmp_path / "serve.toml"
+            toml.write_text(f"{flag[2:]} = {value!r}\n".replace("'", '"'))
+            assert load_config(str(toml)).engine_kwargs()["capability_settings"] == {name: {field_name: value}}
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", capability_settings=given) as e:
+        for name, fields in given.items():
+            assert dataclasses.asdict(e.runner.capabilities.settings[name]) == fields
+        assert dict(e.info.extension_defaults) == {"step_cache": "auto"}
+    # a run-time capability: its flag, its TOML key and its engine entry from its dataclass alone
+    rest, toml = registry.settings_from_toml({"tint-max-tint": 0.25, "port": 8000})
+    assert rest == {"port": 8000} and registry.settings(toml)["tint"] == TintSettings(max_tint=0.25)
+    with pytest.raises(ValueError, match="tint-max-tint must be a float"):
+        registry.settings_from_toml({"tint-max-tint": "lots"})

@@ -18,7 +18,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from ..capability_settings import add_capability_flags, capability_args
+from ..capability_settings import add_capability_flags, capability_args, toml_settings
 from ..errors import ParamError
 from .base import RowFeature
 
@@ -148,6 +148,11 @@ class Capabilities:
     def settings_from_args(self, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         """The flags `add_flags` made, as `settings()`'s `given` (only those set)."""
         return capability_args(args)
+
+    def settings_from_toml(self, values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """A TOML file's keys as (the other keys, `settings()`'s `given`): each settings field's key is its flag
+        without the dashes."""
+        return toml_settings(values, {name: c.settings for name, c in self._by_name.items()})
 
     # -- per model, per request ------------------------------------------------------------------------
     def for_model(self, model: Any, settings: Mapping[str, Any]) -> "ModelCapabilities":

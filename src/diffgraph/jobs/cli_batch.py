@@ -25,7 +25,7 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..capability_settings import BUILTIN_PARAMS
+from ..capability_settings import builtin_params
 from ..cli_flags import add_checkpoint_arguments
 from .batch_work import Tally, Work, already_there, plan, read_spec, spec_sheets, write_sheets
 
@@ -98,8 +98,8 @@ def run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} is not a writable folder; choose another")
     form = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}.get(os.path.splitext(args.file)[1].lower(), "auto")
 
-    def read(check: Callable[..., object] | None, extras: tuple[str, ...] = BUILTIN_PARAMS) -> JobSpec:
-        return read_spec(args, data, form, out, check, extras)
+    def read(check: Callable[..., object] | None, extras: tuple[str, ...] | None = None) -> JobSpec:
+        return read_spec(args, data, form, out, check, builtin_params() if extras is None else extras)
 
     read(None)  # its form first, before a model loads (the built-in capabilities' parameters let through)
     with progress_for(args) as progress:
