@@ -19,6 +19,7 @@ import torch
 from diffgraph import Engine, GenerationRequest, ParamError
 from diffgraph.features.base import FieldSpec, RowFeature
 from diffgraph.features.capability import Capabilities, Capability, Param
+from diffgraph.features.slot_files import Folder, SlotFiles
 
 from server_util import served
 
@@ -169,6 +170,167 @@ def test_served_over_http_with_its_400_on_a_model_without_it(registry, engine):
         assert error["param"] == "tint" and "does not have" in error["message"]
         neutral = client.post("/v1/images/generations", json={**body, "tint": 0.0, "num_inference_steps": 1})
         assert neutral.status_code == 200, neutral.text
+
+
+# -- a capability with host resources: a folder of named files loaded into device slots between steps ---------------
+
+MAX_BIASES = 2  # files a request may name
+
+
+@dataclass
+class BiasSettings:
+    folder: str = field(default="", metadata={"help": "a folder of NAME.safetensors files, each a per-channel `shift`"})
+    slots: int = field(default=2, metadata={"help": "bias files held on the device at once"})
+
+
+class BiasRows(RowFeature):
+    """The shifts of a row's files (device slots of `store`; slot 0 holds zeros) added at the row's last step."""
+
+    name = "bias"
+
+    def __init__(self, model, slots: int):
+        self.store = torch.zeros((slots + 1, model.latent_channels), dtype=torch.float32, device=model.device)
+
+    def fields(self, latent_shape):
+        return {"bias.slots": FieldSpec((MAX_BIASES,), torch.int64)}
+
+    def columns(self):
+        return ("bias.last",)
+
+    def plan_columns(self, request, index):
+        return {"bias.last": (index == request.num_inference_steps - 1).astype(np.float64)}
+
+    def rows(self, admission):
+        slot_of = admission.slots.get("bias")
+        if not slot_of:
+            return {}
+        slots = [slot_of[name] for name in admission.prepared["bias"]]
+        return {"bias.slots": torch.tensor(slots + [0] * (MAX_BIASES - len(slots)))}
+
+    def after_update(self, view, x_next, denoised):
+        shift = self.store[view.fields["bias.slots"]].sum(1).to(x_next.dtype)  # [n, C]
+        return x_next + view.column("bias.last") * shift.view(*shift.shape, *(1,) * (x_next.dim() - 2))
+
+    def place(self, slot, host):  # between steps, on the loop thread: in place, so captured graphs stay valid
+        self.store[slot].copy_(host)
+
+
+def read_shift(name, path):
+    from diffgraph.safe_tensors import read_safetensors
+
+    shift = read_safetensors(path, 1 << 20).get("shift")
+    if shift is None or shift.shape != (4,):
+        raise ParamError("bias", f"bias file {name!r} has no `shift` of 4 values")
+    return shift.float()
+
+
+class Bias(Capability):
+    name = "bias"
+    params = (Param("bias", (), tuple, f"up to {MAX_BIASES} files of the server's bias folder, whose shifts are added "
+                                       "to the latents at the last step"),)
+    settings = BiasSettings
+
+    def applies(self, model):
+        return model.family == "sd"
+
+    def check(self, values, settings):
+        if not settings.folder:
+            raise ParamError("bias", "this server has no bias folder; start it with --bias-folder DIR")
+        if len(values["bias"]) > MAX_BIASES or not all(isinstance(n, str) for n in values["bias"]):
+            raise ParamError("bias", f"bias takes up to {MAX_BIASES} file names")
+
+    def prepare(self, values, settings):
+        return tuple(dict.fromkeys(values["bias"]))
+
+    def feature(self, model, settings):
+        return BiasRows(model, settings.slots)
+
+    def host_files(self, model, settings, feature):
+        if not settings.folder:
+            return None
+        folder = Folder(settings.folder, what="bias file", label="bias folder", param="bias")
+        return SlotFiles("bias", "bias", folder.locate, read_shift, slots=settings.slots, place=feature.place,
+                         listing=folder.names, limit="--bias-slots", what="bias file")
+
+
+SHIFTS = {"warm": [0.1, 0.2, 0.0, -0.1], "cold": [-0.2, 0.0, 0.1, 0.05], "styles/hot": [0.3, -0.1, 0.0, 0.2]}
+
+
+@pytest.fixture(scope="module")
+def bias_folder(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("biases")
+    for name, values in SHIFTS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        save_file({"shift": torch.tensor(values)}, str(root / f"{name}.safetensors"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def bias_registry():
+    return Capabilities((Bias(),))
+
+
+@pytest.fixture(scope="module")
+def bias_engine(bias_registry, bias_folder):
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", capabilities=bias_registry,
+                capability_settings={"bias": {"folder": str(bias_folder), "slots": 2}}) as e:
+        yield e
+
+
+def _shift(*names):
+    return sum(torch.tensor(SHIFTS[n]) for n in names).view(4, 1, 1)
+
+
+def test_a_capabilitys_files_reach_their_slots_and_the_rows_that_name_them(bias_engine):
+    files = bias_engine.runner.capabilities.files["bias"]
+    assert files.names() == ["cold", "styles/hot", "warm"]
+    (_, plain), = _latents_of(bias_engine, [_request(bias_engine)])[0]
+    (_, warm), = _latents_of(bias_engine, [_request(bias_engine, extras={"bias": ["warm"]})])[0]
+    torch.testing.assert_close(warm, plain + _shift("warm"), rtol=0, atol=1e-5)
+    (_, both), = _latents_of(bias_engine, [_request(bias_engine, extras={"bias": ["warm", "styles/hot"]})])[0]
+    torch.testing.assert_close(both, plain + _shift("warm", "styles/hot"), rtol=0, atol=1e-5)
+    # two slots: a request whose files do not fit beside those of a live one waits for them, then runs; each equals
+    # itself alone, and a plain row beside them is unchanged
+    seen, results = _latents_of(bias_engine, [_request(bias_engine, extras={"bias": ["warm", "styles/hot"]}),
+                                              _request(bias_engine, extras={"bias": ["cold"]}), _request(bias_engine)])
+    assert len(results) == 3 and len(seen) == 3
+    latents = dict(seen)
+    assert len(latents) == 2  # the request naming `cold` waited, and ran later at row 0
+    assert files.slots.holding()[files.slots.slot_of(("cold", files.held("cold").key[1]))][1] == 0  # unpinned
+    ((_, cold),), (alone,) = _latents_of(bias_engine, [_request(bias_engine, extras={"bias": ["cold"]})])
+    torch.testing.assert_close(cold, plain + _shift("cold"), rtol=0, atol=1e-5)
+    assert np.abs(results[1].arrays - alone.arrays).max() <= 1 / 255
+    assert np.abs(results[1].arrays - results[2].arrays).max() > 0.01
+
+
+def test_a_capabilitys_files_are_refused_by_name(bias_engine):
+    for names, words in ((["tepid"], "bias file 'tepid' is unknown"), (["../warm"], "is not allowed"),
+                         (["warm", "cold", "styles/hot"], "bias takes up to 2")):
+        with pytest.raises(ParamError) as e:
+            bias_engine.submit(_request(bias_engine, extras={"bias": names}))
+        assert e.value.param == "bias" and words in str(e.value)
+
+
+def test_a_capability_with_files_over_http_and_its_400_on_a_model_without_it(bias_registry, bias_engine, bias_folder):
+    from diffgraph.server import ServerConfig
+
+    body = {"prompt": "a lighthouse", "size": "64x64", "num_inference_steps": 3, "seed": 5}
+    with served(bias_engine, ServerConfig(model="random:tiny", device="cpu")) as client:
+        plain = client.post("/v1/images/generations", json=body)
+        warm = client.post("/v1/images/generations", json={**body, "bias": ["warm"]})
+        assert plain.status_code == 200 and warm.status_code == 200, warm.text
+        assert plain.json()["data"][0]["b64_json"] != warm.json()["data"][0]["b64_json"]
+        unknown = client.post("/v1/images/generations", json={**body, "bias": ["wram"]})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "bias"
+        assert "did you mean 'warm'" in unknown.json()["error"]["message"]
+    with Engine(model="random:tiny-xl", device="cpu", dtype="fp32", capabilities=bias_registry,
+                capability_settings={"bias": {"folder": str(bias_folder)}}) as xl, \
+            served(xl, ServerConfig(model="random:tiny-xl", device="cpu")) as client:
+        refused = client.post("/v1/images/generations", json={**body, "bias": ["warm"]})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "bias" and "does not have" in refused.json()["error"]["message"]
 
 
 def test_the_built_in_capabilities_parameters_are_listed_torch_free():

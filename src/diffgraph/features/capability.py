@@ -15,12 +15,13 @@ On a model without the capability its parameters are a 400 naming them unless th
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from ..capability_settings import add_capability_flags, capability_args, toml_settings
 from ..errors import ParamError
 from .base import RowFeature
+from .slot_files import SlotFiles, names_in
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,14 @@ class Capability:
 
     def feature(self, model: Any, settings: Any) -> RowFeature | None:
         """Its row feature in the model's step (None: it has no step half)."""
+        return None
+
+    def host_files(self, model: Any, settings: Any, feature: RowFeature | None) -> SlotFiles | None:
+        """Its named files with host copies and device slots (features/slot_files.py), made once per model after its
+        row feature (`feature`, whose device slots they may fill): the engine resolves the names a request gives in
+        the files' `param` on the submitting thread (`admission.prepared` keeps them), admits the request when its
+        files have slots (else it waits), places them between steps and hands the row feature each name's slot
+        (`admission.slots[files.name]`). None: it keeps no files."""
         return None
 
     def defaults(self, settings: Any) -> dict[str, Any]:
@@ -161,11 +170,13 @@ class Capabilities:
 
 @dataclass
 class ModelCapabilities:
-    """The registry seen from one loaded model: which capabilities it has, with their settings."""
+    """The registry seen from one loaded model: which capabilities it has, with their settings (and, once `features`
+    made them, their files by capability name)."""
 
     registry: Capabilities
     present: tuple[Capability, ...]
     settings: dict[str, Any]
+    files: dict[str, SlotFiles] = field(default_factory=dict)
 
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.present)
@@ -183,12 +194,32 @@ class ModelCapabilities:
         return tuple(p.name for c in self.present for p in c.params if p.images)
 
     def features(self, model: Any) -> tuple[RowFeature, ...]:
-        return tuple(f for c in self.present if (f := c.feature(model, self.settings[c.name])) is not None)
+        """The row features of the capabilities this model has; their files made beside them (`files`)."""
+        out = []
+        for c in self.present:
+            feature = c.feature(model, self.settings[c.name])
+            files = c.host_files(model, self.settings[c.name], feature)
+            if files is not None:
+                self.files[c.name] = files
+            if feature is not None:
+                out.append(feature)
+        return tuple(out)
+
+    def gates(self) -> tuple[SlotFiles, ...]:
+        """The admission gates of the capabilities' files that have device slots."""
+        return tuple(f for f in self.files.values() if f.slots is not None)
 
     def prepare(self, extras: Mapping[str, Any], model_name: str) -> dict[str, Any]:
         """On the submitting thread: a request's capability parameters checked (`check`) and prepared, by capability
-        name. Raises ParamError naming the field."""
-        return {c.name: c.prepare(values, self.settings[c.name]) for c, values in self._asked(extras, model_name)}
+        name, and the files they name read (`SlotFiles.resolve`, under `SlotFiles.held_key`). Raises ParamError
+        naming the field."""
+        out: dict[str, Any] = {}
+        for c, values in self._asked(extras, model_name):
+            files = self.files.get(c.name)
+            if files is not None:
+                out[files.held_key] = files.resolve(names_in(values.get(files.param)))
+            out[c.name] = c.prepare(values, self.settings[c.name])
+        return out
 
     def check(self, extras: Mapping[str, Any], model_name: str) -> None:
         """A request's capability parameters checked without preparing them (unknown names, values, neutral ones on a

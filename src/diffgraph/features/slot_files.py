@@ -1,16 +1,30 @@
 """`SlotFiles`: named files with host copies and device slots, the one implementation every capability that loads
-files per request keeps (ControlNets, IP-Adapters, a capability registered at run time).
+files per request keeps (ControlNets, IP-Adapters, a capability registered at run time), and its parts: `Folder`
+(the named files of a folder: LoRA's adapters, embeddings, a run-time capability's files) and `SlotCache` (which
+file each device slot holds: LoRA's slots too).
 
 A capability's files are named (`locate(name)`: where the file is and its version, a file rewritten on disk being a
 new version); on the submitting thread `resolve(names)` reads each into a host copy (`load(name, source)`, which
 raises a ParamError naming the request's field), cached for the most recent `keep` files, and returns them as `Held`
 (the request holds its own host copies until it is done, so an admitted request always has them; a copy the cache
 dropped while a request held it is shared, not read again). With `slots` > 0 the files are also an admission gate on
-the loop thread (`can_admit`, `admit`, `release`: lora.catalog.SlotCache's slots, a slot in use never evicted, the
-least recently used unpinned one reused; when every slot is pinned the request waits, it does not fail; a request
-that names more files than there are slots is refused at `resolve`), and `load_admitted` places the host copies of
-the files admitted this step into their slots between steps (`place(slot, host)`); a request naming none costs the
-gate one emptiness test and nothing per step.
+the loop thread (`can_admit`, `admit`, `release` over a `SlotCache`; when every slot is pinned the request waits, it
+does not fail; a request that names more files than there are slots is refused at `resolve`), and `load_admitted`
+places the host copies of the files admitted this step into their slots between steps (`place(slot, host)`); a
+request naming none costs the gate one emptiness test and nothing per step.
+
+`Folder`: each file with the suffix under the folder is named by its path relative to the folder, with "/" between
+folders and without the suffix (`styles/ink`); a file added later is found without a restart. Clients name files,
+never paths: a name that is absolute, holds "..", a backslash or a NUL, or resolves outside the folder (symbolic links
+included) is refused; pickles (.bin/.pt/.ckpt/.pth) are never served, and the listing reports them as ignored. A name
+whose entry is not a regular file (a FIFO, a device, a socket, a dangling link) or is larger than the folder's limit is
+refused with that reason, looked at with a stat and never opened (opening a FIFO blocks).
+
+`SlotCache`: which (name, file version) each of `slots` device slots holds. A request pins the slots of its files
+while its rows live; loading a file takes an empty slot, else the least recently used unpinned one; a slot in use is
+never evicted; when every slot is pinned the request waits (`SlotsBusy`), it does not fail. A file replaced on disk
+has a new version, so it gets a slot of its own: rows in flight finish with the version they began with, new requests
+get the new one, never a silent mix.
 """
 
 from __future__ import annotations
@@ -19,12 +33,189 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..errors import ParamError
-from ..lora.catalog import SlotCache
-from ..safe_files import stamp_of
+from ..errors import ParamError, unknown_hint
+from ..safe_files import UnusableFile, check_regular, stamp_of
+
+PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+SUFFIX = ".safetensors"
+
+FileKey = tuple[str, tuple]  # (name, version): a file's safe_files.FileStamp, ("added", n) for an added one
+
+
+class NameRefused(ValueError):
+    """A bad or unknown file name (HTTP 400); the message says why and lists close names."""
+
+
+class NameUnknown(NameRefused):
+    """An allowed name that no file in the folder has."""
+
+
+class NameUnusable(NameRefused):
+    """A name whose entry in the folder is not a file that can be read (a FIFO, a device, a dangling link, too
+    large): the message says what it is."""
+
+
+class SlotsBusy(RuntimeError):
+    """Every slot holds a file that live rows use: the request waits for one to be released."""
+
+
+@dataclass(frozen=True)
+class Listing:
+    files: dict[str, str]   # name -> absolute path
+    ignored: list[str]      # relative paths of files that are not served (pickles)
+
+    @property
+    def adapters(self) -> dict[str, str]:  # (a LoRA folder's files)
+        return self.files
+
+
+class Folder:
+    """The named files of folder `root` (see the module's docstring). `what` names a file in errors ("adapter"),
+    `label` the folder ("lora dir"), `listed_by` the route that lists the names; `param`: the request field a
+    ParamError from `locate` names."""
+
+    def __init__(self, root: str, what: str = "file", label: str = "folder", listed_by: str = "",
+                 max_bytes: int = 4 << 30, param: str | None = None, suffix: str = SUFFIX):
+        if not os.path.isdir(root):
+            raise ValueError(f"{label} {root!r} is not a folder; give a folder of {suffix} {what}s")
+        self.root = os.path.realpath(root)
+        self.what, self.listed_by, self.max_bytes, self.param, self.suffix = what, listed_by, max_bytes, param, suffix
+
+    def listing(self) -> Listing:
+        found: dict[str, str] = {}
+        ignored: list[str] = []
+        for folder, _, files in os.walk(self.root, followlinks=False):
+            for f in sorted(files):
+                full = os.path.join(folder, f)
+                rel = os.path.relpath(full, self.root).replace(os.sep, "/")
+                if f.endswith(self.suffix):
+                    real = os.path.realpath(full)  # once per file: listings walk every file
+                    if os.path.commonpath([real, self.root]) == self.root:
+                        # a dangling link stays a link, so that its reader says so
+                        found[rel[: -len(self.suffix)]] = real if os.path.exists(real) else full
+                elif f.lower().endswith(PICKLES):
+                    ignored.append(rel)
+        return Listing(files=dict(sorted(found.items())), ignored=sorted(ignored))
+
+    def names(self) -> list[str]:
+        return list(self.listing().files)
+
+    def _inside(self, path: str) -> bool:
+        real = os.path.realpath(path)
+        return os.path.commonpath([real, self.root]) == self.root
+
+    def path(self, name: str) -> str:
+        """The file named `name`. Raises NameRefused for a name that is not allowed or not there."""
+        what, listed = self.what, f" ({self.listed_by} lists them)" if self.listed_by else ""
+        if not isinstance(name, str) or not name:
+            raise NameRefused(f"an {what} name must be a non-empty string, e.g. 'styles/ink'" if what[0] in "aeiou"
+                              else f"a {what} name must be a non-empty string, e.g. 'styles/ink'")
+        if "\x00" in name or "\\" in name or name.startswith("/") or os.path.isabs(name) \
+                or ".." in name.split("/"):
+            raise NameRefused(f"{what} name {name!r} is not allowed: names are relative, with '/' between folders, "
+                              f"without '..', backslashes or NUL{listed}")
+        full = os.path.join(self.root, *name.split("/")) + self.suffix
+        if os.path.lexists(full):
+            if not self._inside(full):
+                raise NameRefused(f"{what} {name!r} resolves outside the {what} folder (a symbolic link?); it is not "
+                                  "served")
+            try:
+                check_regular(full, self.max_bytes)
+            except UnusableFile as e:
+                raise NameUnusable(f"{what} {name!r} is unusable: {os.path.basename(full)} {e}") from None
+            return os.path.realpath(full)
+        raise NameUnknown(f"{what} {name!r} is unknown{unknown_hint(name, self.names())}")
+
+    def locate(self, name: str) -> tuple[str, tuple]:
+        """(its file, its version), for `SlotFiles`. Raises ParamError naming `param`."""
+        try:
+            path = self.path(name)
+        except NameRefused as e:
+            raise ParamError(self.param or "", str(e)) from None
+        return path, file_version(path)
+
+
+@dataclass
+class _Slot:
+    key: FileKey | None = None
+    pins: int = 0
+
+
+@dataclass
+class SlotCache:
+    slots: int
+    _slots: dict[int, _Slot] = field(default_factory=dict)
+    _lru: OrderedDict = field(default_factory=OrderedDict)  # slot -> None, least recently used first
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"slots {self.slots} must be >= 1")
+        self._slots = {i: _Slot() for i in range(1, self.slots + 1)}  # slot 0 is the empty "no adapter" slot
+        self._lru = OrderedDict((i, None) for i in self._slots)
+
+    def slot_of(self, key: FileKey) -> int | None:
+        return next((i for i, s in self._slots.items() if s.key == key), None)
+
+    def acquire(self, key: FileKey) -> tuple[int, bool]:
+        """(slot, whether its file must be written) for `key`, pinned once more. Raises SlotsBusy."""
+        got = self.acquire_all([key])
+        if got is None:
+            raise SlotsBusy(f"all {self.slots} slots are in use by running requests")
+        return got[0]
+
+    def _plan(self, keys: list[FileKey]) -> list[int] | None:
+        """The slots `keys` would get (held ones, then empty, then least recently used unpinned), or None."""
+        held = {k: self.slot_of(k) for k in keys}
+        mine = {s for s in held.values() if s is not None}
+        free = [i for i, s in self._slots.items() if s.key is None and i not in mine]
+        free += [i for i in self._lru if self._slots[i].pins == 0 and self._slots[i].key is not None
+                 and i not in mine]
+        need = [k for k in keys if held[k] is None]
+        if len(need) > len(free):
+            return None
+        taken = iter(free)
+        return [held[k] if held[k] is not None else next(taken) for k in keys]
+
+    def can_acquire(self, keys: list[FileKey]) -> bool:
+        return self._plan(keys) is not None
+
+    def acquire_all(self, keys: list[FileKey]) -> list[tuple[int, bool]] | None:
+        """Pins a slot for each of `keys` (distinct), all or none: [(slot, whether its file must be written)], or
+        None when there are not enough slots free of live rows (the request waits)."""
+        plan = self._plan(keys)
+        if plan is None:
+            return None
+        out = []
+        for key, slot in zip(keys, plan):
+            s = self._slots[slot]
+            write = s.key != key
+            s.key = key
+            s.pins += 1
+            self._lru.move_to_end(slot)
+            out.append((slot, write))
+        return out
+
+    def release(self, slot: int) -> None:
+        s = self._slots[slot]
+        if s.pins <= 0:
+            raise ValueError(f"slot {slot} is not pinned")
+        s.pins -= 1
+
+    def forget(self, slot: int) -> None:
+        """The slot holds nothing usable (its load failed); its pins stay as they are."""
+        self._slots[slot].key = None
+
+    def drop(self, name: str) -> list[int]:
+        """Forgets every unpinned slot holding file `name` (removed); returns those slots (to be zeroed)."""
+        freed = [i for i, s in self._slots.items() if s.key is not None and s.key[0] == name and s.pins == 0]
+        for i in freed:
+            self._slots[i].key = None
+        return freed
+
+    def holding(self) -> dict[int, tuple[FileKey | None, int]]:
+        return {i: (s.key, s.pins) for i, s in self._slots.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,9 +254,10 @@ class SlotFiles:
         self._locate, self._load, self._place, self._listing = locate, load, place, listing
         self.slots = SlotCache(slots) if slots else None
         self.keep = keep if keep is not None else max(slots, 1)
-        # a request's Held (objects with .key and .host): by default what `resolve` gave, under the gate's name in its
-        # capabilities' preparations
-        self._held_of = held_of or (lambda state: state.prepared.get(self.name, ()))
+        # a request's Held (objects with .key and .host): by default what `resolve` gave, which its capabilities'
+        # preparations keep under `held_key`
+        self.held_key = f"{name}.files"
+        self._held_of = held_of or (lambda state: state.prepared.get(self.held_key, ()))
         self._host: OrderedDict[tuple, Any] = OrderedDict()  # key -> host copy, most recent last
         self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # copies requests still hold
         self._writes: list[tuple[int, tuple, Any]] = []
