@@ -5,9 +5,12 @@ that asks nothing of it, its type), its settings (a dataclass whose fields, defa
 server flags `--NAME-FIELD`, `--NAME` for a field named as the capability, and its
 `Engine(capability_settings={NAME: ...})` entry), which models have it (`applies`), the check of its values on a
 model that has it (`check`: a ParamError naming the field), its preparation on the submitting thread (`prepare`:
-whatever its row feature needs at admission, `Admission.prepared`), and its row feature in the denoising step (`feature`). A `Capabilities` registry holds them; the engine asks it at
-build (the features of the step), at submit (values checked and prepared) and for `ModelInfo` (the parameters each
-model takes, which the server lets through); no module of the engine, the request or the server names a capability.
+whatever its row feature needs at admission, `Admission.prepared`), its row feature in the denoising step (`feature`)
+and its named files with host copies and device slots (`host_files`: slot_files.py's `SlotFiles`, whose names the
+engine resolves at submit, whose slots gate admission and which it places between steps). A `Capabilities` registry
+holds them; the engine asks it at build (the features of the step, the files' gates), at submit (values checked and
+prepared) and for `ModelInfo` (the parameters each model takes, which the server lets through); no module of the
+engine, the request or the server names a capability.
 
 On a model without the capability its parameters are a 400 naming them unless they carry their neutral value.
 """
