@@ -31,7 +31,17 @@ class TintSettings:
     max_tint: float = field(default=1.0, metadata={"help": "the largest |tint| a request may ask"})
 
 
-class TintRows(RowFeature):
+class LastStepRows(RowFeature):
+    """A row feature with one column, `NAME.last`: 1 at a row's last step."""
+
+    def columns(self):
+        return (f"{self.name}.last",)
+
+    def plan_columns(self, request, index):
+        return {f"{self.name}.last": (index == request.num_inference_steps - 1).astype(np.float64)}
+
+
+class TintRows(LastStepRows):
     name = "tint"
 
     def __init__(self, channels: int):
@@ -40,11 +50,6 @@ class TintRows(RowFeature):
     def fields(self, latent_shape):
         return {"tint.shift": FieldSpec((latent_shape[0], *(1,) * (len(latent_shape) - 1)), torch.float32)}
 
-    def columns(self):
-        return ("tint.last",)
-
-    def plan_columns(self, request, index):
-        return {"tint.last": (index == request.num_inference_steps - 1).astype(np.float64)}
 
     def rows(self, admission):
         prepared = admission.prepared.get("tint")
@@ -183,7 +188,7 @@ class BiasSettings:
     slots: int = field(default=2, metadata={"help": "bias files held on the device at once"})
 
 
-class BiasRows(RowFeature):
+class BiasRows(LastStepRows):
     """The shifts of a row's files (device slots of `store`; slot 0 holds zeros) added at the row's last step."""
 
     name = "bias"
@@ -194,11 +199,6 @@ class BiasRows(RowFeature):
     def fields(self, latent_shape):
         return {"bias.slots": FieldSpec((MAX_BIASES,), torch.int64)}
 
-    def columns(self):
-        return ("bias.last",)
-
-    def plan_columns(self, request, index):
-        return {"bias.last": (index == request.num_inference_steps - 1).astype(np.float64)}
 
     def rows(self, admission):
         slot_of = admission.slots.get("bias")
