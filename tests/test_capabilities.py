@@ -333,6 +333,34 @@ def test_a_capability_with_files_over_http_and_its_400_on_a_model_without_it(bia
         assert refused.json()["error"]["param"] == "bias" and "does not have" in refused.json()["error"]["message"]
 
 
+def test_a_declared_capability_with_files_reaches_serve_and_every_engine(monkeypatch, bias_folder):
+    """Declared (capability_settings.Declaration, as a module of diffgraph.capabilities declares it, here patched in),
+    a capability with files gets `diffgraph serve`'s flags and joins every engine's default registry: nothing else is
+    edited for it (its package, its test and its line in ARCHITECTURE.md are the whole of it)."""
+    from diffgraph import capability_settings
+    from diffgraph.capability_settings import Declaration
+    from diffgraph.cli import _parser
+    from diffgraph.server.cli import config_from_args
+
+    declared = Declaration("bias", BiasSettings, params=("bias",), implementation=f"{Bias.__module__}:Bias")
+    monkeypatch.setattr(capability_settings, "builtin", lambda original=capability_settings.builtin(): (*original,
+                                                                                                       declared))
+    assert "bias" in capability_settings.builtin_params()
+    args = _parser().parse_args(["serve", "--model", "random:tiny", "--device", "cpu", "--dtype", "fp32",
+                                 "--bias-folder", str(bias_folder), "--bias-slots", "1"])
+    config = config_from_args(args)
+    assert config.capability_options() == {"bias": {"folder": str(bias_folder), "slots": 1}}
+    body = {"prompt": "a lighthouse", "size": "64x64", "num_inference_steps": 2, "seed": 5}
+    with Engine(**config.engine_kwargs()) as e, served(e, config) as client:
+        assert "bias" in e.info.capabilities and e.runner.capabilities.files["bias"].slots.slots == 1
+        plain = client.post("/v1/images/generations", json=body)
+        warm = client.post("/v1/images/generations", json={**body, "bias": ["warm"]})
+        assert plain.status_code == 200 and warm.status_code == 200, warm.text
+        assert plain.json()["data"][0]["b64_json"] != warm.json()["data"][0]["b64_json"]
+        two = client.post("/v1/images/generations", json={**body, "bias": ["warm", "cold"]})  # one slot
+        assert two.status_code == 400 and "at most 1 at once (--bias-slots)" in two.json()["error"]["message"]
+
+
 def test_the_built_in_capabilities_parameters_are_listed_torch_free():
     """`builtin_params()` (what `diffgraph batch` lets through before its model loads), found in the declarations of
     `diffgraph.capabilities`, is every parameter of the capabilities the built-in families register

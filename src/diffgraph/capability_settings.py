@@ -7,8 +7,10 @@ its own, the TOML key of the same name (`toml_settings`), and a field of its ent
 `Engine(capability_settings={NAME: ...})`. A capability's request parameters may declare a flag of `diffgraph
 generate` (`RequestFlag`: a value, JSON read when it is an object, or a repeatable image file).
 
-The built-in capabilities declare themselves in the modules of the `diffgraph.capabilities` package (each a
-`DECLARATION`, standard library only); `builtin()` finds them there, so adding one edits no table. A capability
+The built-in capabilities declare themselves in the modules (or subpackages) of the `diffgraph.capabilities` package
+(each a `DECLARATION`, standard library only); `builtin()` finds them there, so adding one edits no table: a
+capability no family registers names its implementation there too, and every engine's default registry makes it
+(features/capability.py `builtin_capabilities`). A capability
 registered at run time (features/capability.py `Capabilities`) declares the same through its `settings` and `params`.
 """
 
@@ -55,6 +57,9 @@ class Declaration:
     settings: type | None = None
     params: tuple[str, ...] = ()
     flags: tuple[RequestFlag, ...] = ()
+    # "module:Class" of its `Capability`, for one that no family registers: every engine's default registry makes it
+    # (imported when an engine is built, never by the command line's flags)
+    implementation: str = ""
 
     def param_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((*self.params, *(f.param for f in self.flags))))

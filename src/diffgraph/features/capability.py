@@ -18,9 +18,11 @@ On a model without the capability its parameters are a 400 naming them unless th
 from __future__ import annotations
 
 import argparse
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
+from .. import capability_settings
 from ..capability_settings import add_capability_flags, capability_args, toml_settings
 from ..errors import ParamError
 from .base import RowFeature
@@ -169,6 +171,17 @@ class Capabilities:
     # -- per model, per request ------------------------------------------------------------------------
     def for_model(self, model: Any, settings: Mapping[str, Any]) -> "ModelCapabilities":
         return ModelCapabilities(self, tuple(c for c in self if c.applies(model)), dict(settings))
+
+
+def builtin_capabilities() -> Capabilities:
+    """A fresh registry of the built-in capabilities that declare their implementation (capability_settings.py
+    `Declaration.implementation`): the default of `Engine(capabilities=...)`."""
+    made = []
+    for d in capability_settings.builtin():
+        if d.implementation:
+            module, _, name = d.implementation.partition(":")
+            made.append(getattr(importlib.import_module(module), name)())
+    return Capabilities(tuple(made))
 
 
 @dataclass
