@@ -256,15 +256,19 @@ class Bias(Capability):
 SHIFTS = {"warm": [0.1, 0.2, 0.0, -0.1], "cold": [-0.2, 0.0, 0.1, 0.05], "styles/hot": [0.3, -0.1, 0.0, 0.2]}
 
 
-@pytest.fixture(scope="module")
-def bias_folder(tmp_path_factory):
+def make_bias_folder(root):
+    """`SHIFTS` as a folder of bias files under `root` (a pathlib.Path)."""
     from safetensors.torch import save_file
 
-    root = tmp_path_factory.mktemp("biases")
     for name, values in SHIFTS.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         save_file({"shift": torch.tensor(values)}, str(root / f"{name}.safetensors"))
     return root
+
+
+@pytest.fixture(scope="module")
+def bias_folder(tmp_path_factory):
+    return make_bias_folder(tmp_path_factory.mktemp("biases"))
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +307,26 @@ def test_a_capabilitys_files_reach_their_slots_and_the_rows_that_name_them(bias_
     torch.testing.assert_close(cold, plain + _shift("cold"), rtol=0, atol=1e-5)
     assert np.abs(results[1].arrays - alone.arrays).max() <= 1 / 255
     assert np.abs(results[1].arrays - results[2].arrays).max() > 0.01
+
+
+def check_files_reach_graphed_steps(engine):
+    """With one slot: each file placed in it in place between steps reaches the step's graphs (a graphed engine)."""
+    (_, plain), = _latents_of(engine, [_request(engine)])[0]
+    for names in (["warm"], ["cold"], ["warm"]):  # the one slot rewritten each time
+        (_, got), = _latents_of(engine, [_request(engine, extras={"bias": names})])[0]
+        torch.testing.assert_close(got, plain + _shift(*names).to(got.device), rtol=0, atol=1e-4)
+    files = engine.runner.capabilities.files["bias"]
+    assert [key[0] for key, pins in files.slots.holding().values()] == ["warm"]
+
+
+def test_a_capabilitys_files_reach_graphed_steps(bias_registry, bias_folder):
+    from diffgraph.config import GraphConfig
+
+    graphs = GraphConfig(resolutions=((64, 64),), batch_buckets=(1, 2), backend="emulated")
+    with Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=graphs,
+                capabilities=bias_registry, capability_settings={"bias": {"folder": str(bias_folder), "slots": 1}}) as e:
+        check_files_reach_graphed_steps(e)
+        assert e.runner.graph_table()  # the steps replayed graphs
 
 
 def test_a_capabilitys_files_are_refused_by_name(bias_engine):
