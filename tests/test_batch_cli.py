@@ -94,6 +94,18 @@ def test_a_bad_job_file_is_refused_before_the_model_loads(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().endswith("line 1: width 60 is not a multiple of 8; use 64")
 
 
+def test_the_capabilities_settings_are_batch_flags_of_its_local_engine(tmp_path):
+    """`--step-cache auto` (the step cache capability's setting, its flag generated) is the step cache of the items
+    that name none, which their images record; with --url it is refused (the server has its own settings)."""
+    job, out = tmp_path / "job.jsonl", tmp_path / "out"
+    write_jsonl(job, [{"prompt": "a handwritten digit four", "num_inference_steps": 2, "seeds": [7]}])
+    r = batch(str(job), "--out", str(out), "--step-cache", "auto")
+    assert r.returncode == 0, r.stderr
+    assert read_request(str(out / "00000-0.png"))["extras"] == {"step_cache": "auto"}
+    r = batch(str(job), "--out", str(out), "--step-cache", "auto", "--url", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "--step-cache cannot be used with --url" in r.stderr, r.stderr
+
+
 def test_an_item_s_capability_parameters_reach_its_request_and_a_bad_value_is_refused_before_any_image(tmp_path):
     """`step_cache` in an item (a capability of the digits UNet) is the request's: its image records it, and is the
     image of the same request made on an engine; a value the model refuses is exit status 2 naming the line and the

@@ -419,7 +419,7 @@ def test_each_capability_setting_reaches_its_flag_its_toml_key_and_the_engine(tm
     import dataclasses
 
     from diffgraph.api.config import load_config
-    from diffgraph.capability_settings import builtin_settings, flag_of
+    from diffgraph.capability_settings import builtin_settings, capability_args, flag_of
     from diffgraph.cli import _parser
     from diffgraph.server.cli import config_from_args
 
@@ -431,6 +431,8 @@ def test_each_capability_setting_reaches_its_flag_its_toml_key_and_the_engine(tm
             flag = flag_of(name, field_name)
             args = _parser().parse_args(["serve", flag, str(value)])
             assert config_from_args(args).engine_kwargs()["capability_settings"] == {name: {field_name: value}}
+            args = _parser().parse_args(["batch", "job.jsonl", "--out", str(tmp_path), flag, str(value)])
+            assert capability_args(args) == {name: {field_name: value}}  # `batch`'s local engine takes them too
             toml = tmp_path / "serve.toml"
             toml.write_text(f"{flag[2:]} = {value!r}\n".replace("'", '"'))
             assert load_config(str(toml)).engine_kwargs()["capability_settings"] == {name: {field_name: value}}
