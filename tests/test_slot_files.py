@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from diffgraph.errors import ParamError
-from diffgraph.features.slot_files import Folder, SlotFiles
+from diffgraph.features.slot_files import Folder, SlotFiles, names_in
 
 
 class Loads:
@@ -113,3 +113,21 @@ def test_a_file_that_cannot_be_placed_fails_its_slot_alone(folder):
     assert files.admit(a) == [1] and files.admit(b) == [2]
     assert files.load_admitted() == {2: "out of memory"}
     assert files.slots.holding()[2] == (None, 1)  # forgotten: the next request naming it places it again
+
+
+def test_the_names_a_parameter_holds():
+    assert names_in(None, "things") == [] and names_in("a", "things") == ["a"]
+    assert names_in(["a", {"name": "b"}, SimpleNamespace(name="c")], "things") == ["a", "b", "c"]
+    for bad in (3, [{"scale": 1}], [None]):
+        with pytest.raises(ParamError) as e:
+            names_in(bad, "things")
+        assert e.value.param == "things" and "must name files" in str(e.value)
+
+
+def test_a_file_its_reader_cannot_read_is_refused_by_name(folder):
+    def load(name, path):
+        raise OSError("truncated header")
+    files = SlotFiles("things", "things", folder.locate, load, slots=1, what="thing")
+    with pytest.raises(ParamError) as e:
+        files.resolve(["a"])
+    assert e.value.param == "things" and "thing 'a' could not be read (OSError: truncated header)" in str(e.value)

@@ -233,7 +233,7 @@ class ModelCapabilities:
         for c, values in self._asked(extras, model_name):
             files = self.files.get(c.name)
             if files is not None:
-                out[files.held_key] = files.resolve(names_in(values.get(files.param)))
+                out[files.held_key] = files.resolve(names_in(values.get(files.param), files.param))
             out[c.name] = c.prepare(values, self.settings[c.name])
         return out
 

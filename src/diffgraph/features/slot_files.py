@@ -233,13 +233,18 @@ def file_version(path: str) -> tuple:
     return tuple(stamp_of(os.stat(path)))
 
 
-def names_in(value: Any) -> list[str]:
+def names_in(value: Any, param: str) -> list[str]:
     """The file names a request parameter's value holds: a name, a list of names, or a list of objects with a
-    "name" (dicts or attributes)."""
+    "name" (dicts or attributes). Raises ParamError naming `param` for anything else."""
     if value is None:
         return []
-    items = [value] if isinstance(value, str) else list(value)
-    return [i if isinstance(i, str) else i["name"] if isinstance(i, dict) else i.name for i in items]
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
+    names = [i if isinstance(i, str) else i.get("name") if isinstance(i, dict) else getattr(i, "name", None)
+             for i in items or ()]
+    if items is None or not all(isinstance(n, str) for n in names):
+        raise ParamError(param, f"{param} must name files: a name, a list of names, or a list of objects with a "
+                                f"\"name\", got {value!r}"[:300])
+    return names
 
 
 class SlotFiles:
@@ -290,7 +295,14 @@ class SlotFiles:
             if host is not None:
                 self._keep(key, host)
                 return Held(key, host)
-        host = self._load(name, source)
+        try:
+            host = self._load(name, source)
+        except ParamError:
+            raise
+        except Exception as e:  # a file its reader cannot read: the caller's 400, naming it
+            why = " ".join(str(e).split())[:200]
+            raise ParamError(self.param, f"{self.what} {name!r} could not be read ({type(e).__name__}: {why}); use an "
+                                         "intact file") from None
         with self._lock:
             self._keep(key, host)
         return Held(key, host)
