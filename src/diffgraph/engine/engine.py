@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import DEFAULT_REQUEST_LORAS, CompileConfig, GraphConfig, LoadOptions, LoraConfig
-from ..features.capability import Capabilities
+from ..features.capability import Capabilities, builtin_capabilities
 from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
@@ -192,7 +192,7 @@ class Engine:
                               capability_settings: "dict[str, Any] | None") -> Any:
         """The registered capabilities (features/capability.py) this model has, with their settings: the given
         registry (default: every built-in one) and the family's own beside it."""
-        registry = capabilities if capabilities is not None else Capabilities()
+        registry = capabilities if capabilities is not None else builtin_capabilities()
         own = self.model.adapter.capabilities()  # the family's (its guidance options), beside the engine's
         if own:
             registry = Capabilities((*registry, *(c for c in own if c.name not in {r.name for r in registry})))

@@ -77,6 +77,8 @@ class Admission:
     controls: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
     image_prompts: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/ip_adapters.py's row fields
     prepared: dict[str, Any] = field(default_factory=dict)  # registered capabilities' preparations, by name
+    # the device slots of the registered capabilities' files (slot_files.py), by files' name: file name -> slot
+    slots: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
