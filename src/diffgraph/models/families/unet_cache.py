@@ -440,7 +440,7 @@ class StepCacheRows(RowFeature):
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
         size = max(math.prod(s) for s in branch_shapes(self._unet, latent_shape))
-        return {"cache.deep": FieldSpec((2, size), self._dtype)}
+        return {"cache.deep": FieldSpec((2, size), self._dtype, lazy=True)}
 
     def columns(self) -> tuple[str, ...]:
         return ("cache.branch", "cache.reuse")
@@ -493,7 +493,7 @@ class StepCacheRows(RowFeature):
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
         if not isinstance(part, CacheKey):
             return {}
-        return {"cache.key": part, "cache.rows": cache_rows(view, view.fields["cache.deep"].flatten(0, 1))}
+        return {"cache.key": part, "cache.rows": cache_rows(view, view.lazy("cache.deep").flatten(0, 1))}
 
 
 def family_denoise(model: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, rows: dict[str, Any],
