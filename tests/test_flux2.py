@@ -516,3 +516,71 @@ def test_first_block_equals_the_rule_by_hand_on_the_pipeline(folders, klein, ref
     assert np.abs(got - want).max() <= 1
     assert 0 < sum(hand.log) < 7, hand.log  # it reused some evaluations, not all
     assert np.abs(got - plain).max() > 1
+
+
+def test_off_changes_no_image_and_interval_1_or_threshold_0_is_the_uncached_image(klein):
+    plain = images_together(klein, [_cache_kw(num_inference_steps=4)])[0]
+    for cache in ("off", {"method": "taylorseer", "interval": 1, "order": 2}, {"method": "first_block",
+                                                                               "threshold": 0}):
+        np.testing.assert_array_equal(images_together(klein, [_cache_kw(cache, num_inference_steps=4)])[0], plain)
+
+
+@pytest.mark.parametrize("checkpoint", ["FLUX.2-klein-4B", "FLUX.2-klein-base-4B"])
+def test_cached_uncached_other_interval_first_block_and_reference_rows_together_equal_each_alone(klein, base,
+                                                                                                 checkpoint):
+    """Rows with and without references (two groups in one burst; the reference rows share a step), TaylorSeer at
+    two intervals, first-block and uncached rows, guided and not on the base checkpoint."""
+    from test_flux2_references import picture
+
+    engine = klein if checkpoint == "FLUX.2-klein-4B" else base
+    one, two = [picture(72, 88, 1)], [picture(72, 88, 1), picture(96, 64, 2)]
+    fb = {"method": "first_block", "threshold": 1.05}
+    requests = [_cache_kw({"method": "taylorseer", "interval": 2}, seed=1, num_inference_steps=6),
+                _cache_kw(None, seed=2, num_inference_steps=5, guidance_scale=2.5),
+                _cache_kw({"method": "taylorseer", "interval": 3, "order": 2}, one, seed=3, num_inference_steps=7,
+                          guidance_scale=3.0),
+                _cache_kw(fb, two, seed=4, num_inference_steps=8, height=96, width=160),
+                _cache_kw(None, one, seed=5, num_inference_steps=4),
+                _cache_kw(fb, seed=6, num_inference_steps=6, guidance_scale=2.0, prompt="a lighthouse at dusk")]
+    if engine is klein:  # step-distilled: no guidance
+        requests = [{k: v for k, v in r.items() if k != "guidance_scale"} for r in requests]
+    alone = [images_together(engine, [r])[0] for r in requests]
+    together = images_together(engine, requests)
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert np.abs(a - b).max() <= 1, i
+
+
+BAD_CACHE = [({"method": "teacache"}, "step_cache.method", "taylorseer"),
+             ({"method": "taylorseer", "interval": 0}, "step_cache.interval", "out of range"),
+             ({"method": "first_block", "threshold": float("nan")}, "step_cache.threshold", "finite number"),
+             ({"method": "deepcache", "interval": 3}, "step_cache.method", "UNet")]
+
+
+def test_bad_step_cache_values_are_one_line_400s_naming_the_field(folders, klein):
+    from diffgraph.server import ServerConfig
+    from server_util import served
+
+    for value, field, words in BAD_CACHE:
+        with pytest.raises(ParamError) as e:
+            klein.submit(GenerationRequest.create(model=klein.info, **_cache_kw(value, num_inference_steps=2)))
+        assert e.value.param == field and words in str(e.value) and "\n" not in str(e.value), (value, str(e.value))
+    path = folders["FLUX.2-klein-4B"][0]
+    with Engine(model=path, device="cpu") as engine, served(engine, ServerConfig(model=path, device="cpu")) as client:
+        for value, field, words in BAD_CACHE[:3]:
+            body = {"prompt": "a fox", "size": "128x128", "step_cache": value}
+            r = client.post("/v1/images/generations", content=json.dumps(body).replace("NaN", '"nan"'),  # JSON has no NaN
+                            headers={"content-type": "application/json"})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == field, r.text
+            assert words in error["message"] and "\n" not in error["message"]
+        cached = {"method": "taylorseer", "interval": 2}
+        r = client.post("/v1/images/generations", json={"prompt": CACHE_KW["prompt"], "size": "128x128",
+                                                       "seed": 7, "num_inference_steps": 4, "step_cache": cached,
+                                                       "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+    from PIL import Image
+    import base64
+    import io
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).convert("RGB"))
+    want = images_together(klein, [_cache_kw(cached, num_inference_steps=4)])[0]
+    assert np.abs(got.astype(np.int16) - want).max() <= 1
