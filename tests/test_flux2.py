@@ -584,3 +584,30 @@ def test_bad_step_cache_values_are_one_line_400s_naming_the_field(folders, klein
     got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).convert("RGB"))
     want = images_together(klein, [_cache_kw(cached, num_inference_steps=4)])[0]
     assert np.abs(got.astype(np.int16) - want).max() <= 1
+
+
+def test_in_graph_mode_cache_rows_after_plain_ones_replay_their_own_graphs_and_equal_the_eager_engine(folders, klein):
+    """The group's step graphs are captured over its buffers by a plain request, before any cache row allocated the
+    cache's (lazy) fields; TaylorSeer rows then replay their own variants, captured at first use, and equal the eager
+    engine's images."""
+    from diffgraph import GraphConfig
+
+    path = folders["FLUX.2-klein-4B"][0]
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((128, 128),), backend="emulated",
+                      capture_text_encoder=False)
+    requests = [_cache_kw(seed=2, num_inference_steps=4),
+                _cache_kw({"method": "taylorseer", "interval": 2}, seed=1, num_inference_steps=5),
+                _cache_kw({"method": "taylorseer", "interval": 3, "order": 2}, seed=3, num_inference_steps=6)]
+    with Engine(model=path, device="cpu", mode="graph", graphs=cfg) as graphed:
+        buffers = graphed.runner.groups[(0, 256)]  # a graphed group's buffers are kept
+        images_together(graphed, requests[:1])
+        assert buffers.fields["taylor.terms"].shape[0] == 0 and buffers.fields["fbc.kept"].shape[0] == 0
+        got = images_together(graphed, requests)
+        assert buffers.fields["taylor.terms"].shape[0] == buffers.num_rows and buffers.fields["fbc.kept"].numel() == 0
+        graphed.core.call_between_steps(lambda: None).result()
+        table = [r for r in graphed.runner.graph_table() if r["kind"].startswith("step")]
+    assert not any(r["eager_fallbacks"] for r in table)
+    assert any(r["replays"] for r in table if r["kind"] == "step")
+    assert any(r["replays"] for r in table if r["kind"].startswith("step_step_cache_run")), table
+    for r, image in zip(requests, got):
+        assert np.abs(image - images_together(klein, [r])[0]).max() <= 1

@@ -1,11 +1,12 @@
-"""First-block cache per row for single-stream transformer (DiT) families: ParaAttention's "First Block Cache"
+"""First-block cache per row for transformer (DiT) families: ParaAttention's "First Block Cache"
 (chengzeyi/ParaAttention, README "First Block Cache (Our Dynamic Caching)"; diffusers' `FirstBlockCacheConfig`,
 cache-dit's FBCache and WaveSpeed's `residual_diff_threshold`), decided per row inside the batched step.
 
 A request's `step_cache` {"method": "first_block", "threshold": t} decides, per model evaluation of the row's own
-plan: the transformer's input embedding, refiners and first block run for the row; the first block's output residual
-r (its output minus its input, over the row's real image tokens and every CFG branch it runs) is compared with the
-one kept from the row's last full evaluation, r_prev: mean|r - r_prev| / mean|r_prev|. Below t (strictly, as
+plan: the transformer's input embedding, refiners and first block run for the row (a family hands its blocks over as
+`Blocks`: a single-stream stack, or a double-stream one whose first double block's image stream is compared, as
+ParaAttention's Flux adapter does); the first block's output residual r (its output minus its input, over the row's
+real image tokens and every CFG branch it runs) is compared with the one kept from the row's last full evaluation, r_prev: mean|r - r_prev| / mean|r_prev|. Below t (strictly, as
 ParaAttention's `diff < threshold`), the row skips the remaining blocks and adds its kept remaining-blocks residual
 (the last block's output minus the first block's, from its last full evaluation) to the first block's output; else
 it runs the remaining blocks and keeps both residuals anew. The first evaluation, and one that runs a different
@@ -21,7 +22,8 @@ phase two); phase two runs the remaining blocks over the gathered rows that comp
 CUDA graph replay: it runs eagerly. No sync happens in a step where no row uses this method, nor where every
 first-block row is forced full or has threshold 0 (the host knows those compute). The kept residuals are one
 per-row field (`fbc.kept`, [2 branches, 2, image tokens, model width] in the model's dtype: per branch the first
-block's residual and the remaining blocks'), compacted, saved and restored with the row.
+block's residual and the remaining blocks'), compacted, saved and restored with the row; lazy: a group holds it
+once a first-block row is admitted there (`FieldSpec.lazy`).
 """
 
 from __future__ import annotations

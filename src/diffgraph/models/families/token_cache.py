@@ -20,7 +20,7 @@ that need it (padded with forecast ones, whose outputs are replaced), every shap
 alone, and a step with cache rows replays the CUDA graph of its key (registered and captured at its first use), with
 no device sync. The kept terms are one per-row field (`taylor.terms`, [2, 3, tokens, C] fp32: per CFG branch F, D1,
 D2), read and written for every row of the step with static-shaped gathers and scatters, compacted, saved and
-restored with the row.
+restored with the row; lazy: a group holds it once a TaylorSeer row is admitted there (`FieldSpec.lazy`).
 
 {"method": "first_block", "threshold": t} is the data-dependent method (first_block_cache.py); the capability's row
 feature holds both (`first_block_cache.StepCacheRows`), and a request uses one.

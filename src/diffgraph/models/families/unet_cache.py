@@ -21,7 +21,8 @@ other step variant, and compiled in the compile tier; `StepCacheRows.graphed`, o
 on a GPU the graphed steps did not match the eager ones). The deep path runs over the rows that need
 it, padded with rows that reuse their feature (their extra deep output is dropped). The kept features are one
 per-row field (`cache.deep`, [2, F]: per CFG branch, flattened, F the largest feature of any branch), read and
-written with gathers and scatters of static shape, compacted, saved and restored with the row. A step with per-row
+written with gathers and scatters of static shape, compacted, saved and restored with the row (lazy: a group holds
+it once a cache row is admitted there, `FieldSpec.lazy`). A step with per-row
 denoiser state (LoRA rows, image prompts) runs every row through the deep path (its key's stages say None) and only
 replaces the reused features.
 """
