@@ -77,7 +77,8 @@ class StepBuffers:
         return buf
 
     def _materialise(self, names: Iterable[str]) -> None:
-        """Allocates the lazy fields among `names` not allocated yet at every row, neutral (`FieldSpec.lazy`)."""
+        """Allocates the lazy fields among `names` not allocated yet at every row, neutral (`FieldSpec.lazy`): on the
+        group's buffers (a `head` view's would be its own)."""
         for name in names:
             spec = self.specs.get(name)
             if spec is not None and spec.lazy and self.fields[name].shape[0] != self.num_rows:
@@ -140,6 +141,8 @@ class StepBuffers:
         spec = self.specs.get(name)
         if spec is None:  # the base fields, the conditioning, the per-resolution values
             return True
+        if spec.lazy and self.fields[name].shape[0] != self.num_rows:  # never written in this group
+            return False
         return spec.history_slot <= history if spec.history_slot else name in written
 
     def write(self, rows: slice, values: dict[str, torch.Tensor | float]) -> None:
