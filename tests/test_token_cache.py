@@ -1,4 +1,5 @@
-"""Step caching per row on a token family (models/families/token_cache.py): TaylorSeer on Z-Image.
+"""Step caching per row on a token family (models/families/token_cache.py): TaylorSeer on Z-Image, and the cache's
+fields held only by groups with a cache row (FLUX.2's: test_flux2.py).
 
 The reference is TaylorSeer's algorithm written here on diffusers' own `ZImagePipeline` (a plain flow-matching Euler
 loop over the transformer): the transformer's forward is wrapped so that at a full evaluation it runs and the
