@@ -99,11 +99,14 @@ class StepBuffers:
         """Every per-row tensor by its name (snapshots, compaction)."""
         return self.fields
 
-    def head(self, n: int, tokens: int | None = None) -> "StepBuffers":
+    def head(self, n: int, tokens: int | None = None, without: Iterable[str] = ()) -> "StepBuffers":
         """The same buffers, rows [0, n) only, and with `tokens` the first `tokens` prompt tokens of the token-axis
-        fields (views: writes reach the full buffers)."""
+        fields (views: writes reach the full buffers), the fields `without` left out (the lazy ones a step does not
+        read: `StepProgram.unread`)."""
+        out = frozenset(without)
         view = dataclasses.replace(self, fields={
-            k: v[:n, :tokens] if tokens is not None and k in self.sequence else v[:n] for k, v in self.fields.items()})
+            k: v[:n, :tokens] if tokens is not None and k in self.sequence else v[:n] for k, v in self.fields.items()
+            if k not in out})
         view._written = self._written  # the same rows: one record
         return view
 
