@@ -280,3 +280,75 @@ def test_a_variation_is_the_image_to_image_of_its_image_with_an_empty_prompt(app
                      data={field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field and "/v1/images/edits" in r.json()[
             "error"]["message"]
+
+
+# a form text value for each body field whose type has no generic one (a list, an object, a model)
+_STRUCTURED = {"guidance_interval": [0.25, 0.75], "svg": {"mode": "paths"}, "loras": [{"name": "ink", "scale": 0.5}],
+               "controls": [{"model": "edges", "scale": 0.5}], "image_prompts": {"model": "ip", "scale": 0.5},
+               "preview": {"every": 2, "format": "png", "limit": 0}}
+
+
+def _form_value(name: str, annotation) -> object:
+    """A value (not the default) of the body field `name` of this type, as the test sends it."""
+    if name in _STRUCTURED:
+        return _STRUCTURED[name]
+    text = str(annotation)
+    for kind, value in (("bool", True), ("int", 3), ("float", 0.25), ("str", f"v-{name}")):
+        if kind in text:
+            return value
+    raise AssertionError(f"no test value for the body field {name} ({annotation}): add one to _STRUCTURED")
+
+
+def _read_edit_form(fields: dict[str, str]):
+    """read_form on a real multipart body (starlette's parser) with these text fields and an image part."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from diffgraph.server.edits import read_form
+    built = httpx.Request("POST", "http://test/v1/images/edits", data=fields,
+                          files={"image": ("a.png", _png(_source()), "image/png")})
+    body = built.read()
+    scope = {"type": "http", "method": "POST", "path": "/v1/images/edits", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in built.headers.items()]}
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+    return asyncio.run(read_form(Request(scope, receive), max_image_bytes=MAX_BYTES))
+
+
+def test_every_generations_body_field_is_a_form_field_whose_value_reaches_the_request():
+    """The edits form is derived from the generations body: each body field (but NOT_EDIT's) is read from its form
+    text into the generations request the route builds (the controls and image prompt into the form, which reads
+    them with its file parts)."""
+    import json
+
+    from diffgraph.api.protocol import ImageGenerationRequest
+    from diffgraph.server.edits import NOT_EDIT, WITH_FILES, ImageEditForm
+    body_fields = {k: v for k, v in ImageGenerationRequest.model_fields.items() if k not in NOT_EDIT}
+    assert set(body_fields) <= set(ImageEditForm.model_fields)
+    assert set(ImageEditForm.model_fields) - set(body_fields) == {"input_fidelity", "strength"}
+    sent = {name: _form_value(name, info.annotation) for name, info in body_fields.items()}
+    text = {name: json.dumps(v) if not isinstance(v, str) else v for name, v in sent.items()}
+    form, files = _read_edit_form(text)
+    request = form.generation()
+    assert form.model_fields_set == set(sent) and files.images == [_png(_source())]
+    for name, value in sent.items():
+        got = getattr(form if name in WITH_FILES else request, name)
+        got = [v.model_dump(exclude_unset=True) for v in got] if name in ("loras", "controls") else got
+        got = got.model_dump(exclude_unset=True) if name in ("image_prompts", "preview") else got
+        assert got == value, name
+    assert request.model_fields_set == set(sent) - set(WITH_FILES)
+
+
+def test_a_field_added_to_the_body_is_a_form_field_with_no_edit_of_the_form():
+    from pydantic import StrictInt, create_model
+
+    from diffgraph.api.protocol import ImageGenerationRequest
+    from diffgraph.server.edits import EditForm, form_fields
+
+    class Body(ImageGenerationRequest):
+        new_steps: StrictInt | None = None
+    form = create_model("Form", __base__=EditForm, **form_fields(Body)).model_validate(
+        {"prompt": "x", "new_steps": "5", "strength": "0.5"})
+    assert (form.new_steps, form.strength) == (5, 0.5)

@@ -1,6 +1,7 @@
 """The Ray ingress's engine client without a Ray cluster (a fake deployment handle): its readiness follows the
 engine deployment's health, and a saturated deployment (Ray's bounded queue full) is diffgraph's 429 (issue 28
-point 5), not a request held forever."""
+point 5), not a request held forever; a request streams from the engine deployment to the ingress as the replica
+pipe's typed messages."""
 
 import asyncio
 import time
@@ -135,3 +136,62 @@ def test_the_ray_model_backend_acquires_through_the_deployment_and_lists_the_pol
         assert models.resident() == [] and models.status() == []
     finally:
         client.close()
+
+
+class _FakeEngineClient:
+    """The engine client of an engine deployment: its submit refuses (`error`) or gives a handle whose events are
+    one progress event and the result."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error = error
+
+    def close(self):
+        pass
+
+    async def submit(self, request, progress=False):
+        from diffgraph.request import GenerationResult, ProgressEvent
+        if self.error is not None:
+            raise self.error
+
+        class Handle:
+            async def events(self):
+                yield ProgressEvent(request.request_id, 1, 2)
+                yield GenerationResult(request.request_id, None, request.seed, {"total": 1.0}, request,
+                                       encoded=[b"png"])
+        return Handle()
+
+
+def _deployment(engine_client):
+    from diffgraph.ray import EngineDeployment
+    deployment = object.__new__(EngineDeployment)  # without its engine build: the fake client stands for it
+    deployment._client, deployment._held = engine_client, None
+    return deployment
+
+
+def test_a_request_streams_from_the_engine_deployment_to_the_ingress_as_typed_messages(client):
+    """The engine deployment's `run` sends the replica pipe's typed messages (Accepted, progress events, Done) and
+    the ingress's client reads them: the progress event, then the result; a refused submit is the caller's error."""
+    from diffgraph.engine import replica_messages as M
+    from diffgraph.errors import ParamError
+    from diffgraph.request import GenerationResult, ProgressEvent
+    c, handle = client
+    request = GenerationRequest.create("a cat", model=INFO, seed=3)
+    deployment = _deployment(_FakeEngineClient())
+    handle.run.fn = lambda request, progress, model=None: deployment.run(request, progress, model)
+
+    async def sent():
+        return [m async for m in deployment.run(request, True)]
+    messages = asyncio.run(sent())
+    assert [type(m) for m in messages] == [M.Accepted, ProgressEvent, M.Done]
+    assert messages[0].request_id == messages[2].request_id == request.request_id and messages[2].error is None
+
+    async def received():
+        stream = await c.submit(request, progress=True)
+        return [item async for item in stream.events()]
+    progress, result = asyncio.run(received())
+    assert (progress.step, progress.total) == (1, 2)
+    assert isinstance(result, GenerationResult) and result.encoded == [b"png"] and result.seed == 3
+    deployment._client = _FakeEngineClient(ParamError("width", "width 65 is not a multiple of 8"))
+    assert [type(m) for m in asyncio.run(sent())] == [M.Rejected]
+    with pytest.raises(ParamError, match="width 65"):
+        asyncio.run(c.submit(request))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
-from diffgraph.models.families.zimage import CHECKPOINTS, checkpoint_of
+from diffgraph.models.families.zimage import CHECKPOINTS, ZImageFamily, checkpoint_of
 from diffgraph.models.qwen_tokenizer import chat_template, qwen_tokenizer
 from diffgraph.text.prepared import prepare
 
@@ -180,6 +180,17 @@ def test_the_checkpoint_comes_from_the_name():
     assert checkpoint_of("/m/anything", preset="Z-Image-Turbo") == CHECKPOINTS["z-image-turbo"]
     with pytest.raises(ValueError, match="z-image-turbo, z-image"):
         checkpoint_of("/m/my-model")
+
+
+def test_the_random_presets_carry_their_checkpoints_defaults():
+    """random:zimage-base (built on the meta device: no memory) samples as the base model: 50 steps, guidance 5,
+    shift 6; random:zimage-turbo as Turbo."""
+    family = ZImageFamily()
+    for name, key, steps, guidance, shift in (("random:zimage-base", "z-image", 50, 5.0, 6.0),
+                                              ("random:zimage-turbo", "z-image-turbo", 8, 1.0, 3.0)):
+        model = family.build_random(name, torch.device("meta"), torch.bfloat16)
+        assert model.extra["checkpoint"] == CHECKPOINTS[key] and model.scheduler_config["shift"] == shift
+        assert (family.default_steps(model), family.model_guidance(model)) == (steps, guidance)
 
 
 def test_it_refuses_what_it_does_not_read(turbo):

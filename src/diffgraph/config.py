@@ -167,7 +167,7 @@ class GraphConfig:
 
 MIN_LORA_SLOTS = 4
 DEFAULT_LORA_SLOTS = 8
-DEFAULT_REQUEST_LORAS = 8  # adapters one request may stack (--max-request-loras), at most request.MAX_LORAS
+DEFAULT_REQUEST_LORAS = 8  # adapters one request may stack (--max-request-loras), at most request_inputs.MAX_LORAS
 
 
 @dataclass(frozen=True)

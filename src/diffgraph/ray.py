@@ -31,6 +31,7 @@ import os
 import threading
 from typing import Any, Mapping
 
+from .engine import replica_messages as M
 from .engine.client import EngineStats
 from .engine.remote_models import ModelSetSpec, ModelsView
 from .ray_ingress import ENGINE_DEPLOYMENT, RayEngineClient, RayModels
@@ -102,7 +103,8 @@ class EngineDeployment:
             return e
 
     async def run(self, request: GenerationRequest, progress: bool, model: str | None = None):
-        """Streams ("accepted",) or ("rejected", error), then progress events, then ("done", result, error)."""
+        """Streams the replica pipe's typed messages (engine/replica_messages.py): `Accepted` or `Rejected`, then
+        progress events, then `Done` (the result or the error)."""
         import asyncio
 
         hold = None
@@ -116,12 +118,12 @@ class EngineDeployment:
                 client = self._held.client_of(hold)
             handle = await client.submit(request, progress=progress)
         except Exception as e:  # ParamError, QueueFullError, EngineClosed, ModelLoadError: the caller's answer
-            yield ("rejected", e)
+            yield M.Rejected(request.request_id, e)
             return
         finally:
             if hold is not None:
                 self._held.release(hold)
-        yield ("accepted",)
+        yield M.Accepted(request.request_id)
         events = handle.events()
         try:
             async for item in events:  # a cancelled stream (client gone, abort) aborts the request here
@@ -130,9 +132,9 @@ class EngineDeployment:
                 else:
                     if item.encoded is not None:
                         item.arrays = None  # the encoded bytes are what the ingress sends on: move them once
-                    yield ("done", item, None)
+                    yield M.Done(request.request_id, item)
         except Exception as e:
-            yield ("done", None, e)
+            yield M.Done(request.request_id, error=e)
         finally:
             await events.aclose()
 

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from .engine import replica_messages as M
 from .engine.client import EngineStats
 from .engine.remote_models import ModelClient, ModelsView, RemoteResident, merged_residents, status_rows
 from .request import EngineClosed, GenerationRequest, GenerationResult, ModelInfo, ProgressEvent, QueueFullError
@@ -111,8 +112,8 @@ class RayEngineClient:
                 raise QueueFullError("every engine replica is busy and the deployment's queue is full; retry later "
                                      "(or add replicas)") from None
             raise _unavailable(e) from None
-        if first[0] == "rejected":
-            raise first[1]
+        if isinstance(first, M.Rejected):
+            raise first.error
         handle = _RayRequest(self, stream, request.request_id)
         self._streams[request.request_id] = handle
         return handle
@@ -179,10 +180,9 @@ class _RayRequest:
                     yield item
                     continue
                 self._finished = True
-                _, result, error = item
-                if error is not None:
-                    raise error
-                yield result
+                if item.error is not None:
+                    raise item.error
+                yield item.result
                 return
         finally:
             self._client._streams.pop(self.request_id, None)

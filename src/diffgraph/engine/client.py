@@ -4,8 +4,8 @@ An engine in this process (`AsyncEngine`, async_engine.py), an engine replica in
 (`ReplicaClient`, replica.py), a Ray Serve engine deployment seen from its ingress (`diffgraph.ray`) and the
 `Router` over any of them (router.py) implement it: the server holds a Router (and submits to its replica when it
 has only one). They can, because everything that crosses it is plain picklable data: `GenerationRequest` in; `ProgressEvent`s and one `GenerationResult` (with the encoded image
-bytes) or an error out (ParamError, QueueFullError, RequestAborted, EngineStepError, EngineClosed, all in
-request.py); `EngineStats`, `StepEvent` and graph-table rows for monitoring. Nobody outside the engine package
+bytes) or an error out (ParamError, errors.py; QueueFullError, RequestAborted, EngineStepError, EngineClosed,
+results.py); `EngineStats`, `StepEvent` and graph-table rows for monitoring. Nobody outside the engine package
 reaches into an engine's scheduler, runner or graphs.
 """
 

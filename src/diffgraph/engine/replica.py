@@ -1,22 +1,14 @@
 """`ReplicaClient`: one engine in its own process (one per device), behind the `EngineClient` protocol. This is the
 parent's side; what runs in the replica process is replica_process.py.
 
-The parent talks to the replica over one duplex pipe; everything on it is the protocol's picklable data:
-
-    parent -> replica   ("submit", request, progress, hold or None) | ("abort", request_id) | ("stats", token)
-                        | ("loras", token) | ("acquire", token, model, seconds) | ("models", token)
-                        | ("release", hold) | ("close",)
-    replica -> parent   ("ready", ModelInfo, (pixels, warm step seconds) at two sizes on a CPU else None) | ("failed", message)
-                        | ("accepted", request_id) | ("rejected", request_id, error) | ("progress", ProgressEvent)
-                        | ("step", StepEvent) | ("done", request_id, result, error) | ("stats", token, EngineStats)
-                        | ("loras", token, the adapter listing or its error)
-                        | ("acquire", token, (hold, ModelInfo, bytes) or its error) | ("models", token, ModelsView)
-                        | ("beat", seconds its engine loop has been inside one pass, 0 when waiting)
+The parent talks to the replica over one duplex pipe; everything on it is one of the typed messages of
+replica_messages.py (frozen dataclasses, pickled): `Submit`, `Abort`, `Ask`, `Release` and `Close` to the replica;
+`Ready` or `Failed`, `Beat`, `Accepted` or `Rejected`, `Progress`, `Done`, `Step`, `Answer` and `Batch` back.
 
 Results carry the images encoded by the replica (its image threads), and no float pixels when the request asked
 for an encoded format: the bytes move once; nor their request (the parent keeps it: an edit's input image never
 comes back). The replica's engine threads only queue their messages; its output thread sends them, the small ones
-queued together as one ("batch", [...]) message, each result on its own, so the GPU loop never waits for the pipe.
+queued together as one `Batch` message, each result on its own, so the GPU loop never waits for the pipe.
 The parent's sends go through a writer thread too (`_Sender`): a replica that stops reading its pipe (SIGSTOP, a busy
 intake) fills it, and that must block neither the event loop nor the reader thread that finds it unresponsive. The
 parent's reader thread answers each request's handle; when the pipe breaks (the process died), every request in

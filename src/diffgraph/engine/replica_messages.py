@@ -7,7 +7,8 @@ acquire), `Release` (a set's held model), `Close`.
 Replica to parent: `Ready` (the engine's info and the CPU's timed steps), `Failed`, `Beat` (how long the engine
 loop has been in its current pass), `Accepted` / `Rejected` (a submit's answer), `Progress`, `Done` (a request's
 result or error), `Step` (a step's metrics event), `Answer`, and `Batch` (small messages queued together, sent as
-one).
+one). A Ray engine replica's request stream (ray.py, read by ray_ingress.py) is `Accepted` or `Rejected`, its progress
+events, then `Done`.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Progress:
 @dataclass(frozen=True)
 class Done:
     request_id: str
-    result: Any = None            # request.GenerationResult (without its request: the parent has it)
+    result: Any = None            # results.GenerationResult (without its request: the parent has it)
     error: BaseException | None = None
 
 

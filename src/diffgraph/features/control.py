@@ -3,9 +3,9 @@ slot, a control image and a scale per step; rows with different ControlNets, sca
 control, share one step.
 
 Fields per control k: `control.slot{k}` (the ControlNet's device slot, 0 = none), `control.mode{k}` (its control
-mode: 0 balanced, 1 prompt, 2 control; request.py), `control.embed{k}` (the ControlNet's `controlnet_cond_embedding` of the
-row's control image, [block_out_channels[0], h, w] at the latent size, computed once at admission: diffusers computes
-it at every step; engine/controlnets.py). Modes "prompt" and "control" weight residual i of R by
+mode: 0 balanced, 1 prompt, 2 control; request_inputs.py), `control.embed{k}` (the ControlNet's
+`controlnet_cond_embedding` of the row's control image, [block_out_channels[0], h, w] at the latent size, computed
+once at admission: diffusers computes it at every step; engine/controlnets.py). Modes "prompt" and "control" weight residual i of R by
 diffusers' guess-mode scales (torch.logspace(-1, 0, R)); "control" reaches the conditional branch only, its ControlNet
 not even run over the second branch's rows (diffusers' `guess_mode=True`). Columns: `control.scale{k}`,
 the row's `scale` at the plan rows inside its window and 0 outside, as diffusers' `controlnet_keep`: plan row p of P

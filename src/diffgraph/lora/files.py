@@ -38,7 +38,7 @@ from .targets import LoraLayout, unet_layout
 UNSUPPORTED = {"hada_": "LoHa", "lokr_": "LoKr", "dora_scale": "DoRA", "lora_magnitude_vector": "DoRA",
                ".lora_mid.": "LoCon with a Tucker mid weight", "ia3": "IA3", ".diff": "a full weight difference",
                ".diff_b": "a bias difference"}
-# a layer's change at request scale 8 (request.MAX_LORA_SCALE) stays within fp16's range for a unit input
+# a layer's change at request scale 8 (request_inputs.MAX_LORA_SCALE) stays within fp16's range for a unit input
 EFFECT_LIMIT = 65504.0 / 8
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -8,7 +8,7 @@ out and generated at the full requested size, then scaled back and pasted in. Ev
 the input by the blurred mask (`PreparedEdit.finish`), so pixels outside the mask come back unchanged.
 
 Pure numpy and Pillow, run on a worker thread (a1111.py), never on the event loop or the engine's loop. What the
-engine gets is an `EditInput` (request.py) at the processing size; what comes back is composited here.
+engine gets is an `EditInput` (request_inputs.py) at the processing size; what comes back is composited here.
 """
 
 from __future__ import annotations

@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Json, StrictFloat, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, Json, StrictFloat, StrictStr, ValidationError,
+                      create_model)
 
 from ..request import EditInput, ModelInfo, ParamError
 from .bodies import FormLimits, read_multipart
-from ..api.protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef, LoraRef, PreviewBody,
+from ..api.protocol import (APIError, ControlRef, ImageGenerationRequest, ImagePromptRef,
                        error_from_param_error, error_from_validation)
 from ..api.protocol import CONTROL_FILES, PROMPT_FILES, decode_upload, eight_bit
 
@@ -39,6 +41,8 @@ MAX_IMAGES = 16          # image[] parts read (OpenAI's limit for its edits); a 
 VARIATION_STRENGTH = 0.6  # a variation's strength: the image's composition kept, its details drawn anew
 # the edits form's fields that a variation does not take (OpenAI's variations have no prompt and do not stream)
 NOT_VARIATION = ("prompt", "mask", "stream", "partial_images", "preview")
+NOT_EDIT = ("style",)  # the generations body's fields that OpenAI's edits do not take
+WITH_FILES = ("controls", "image_prompts")  # fields whose images may come as file parts (read with the files)
 _NON_FINITE = ("nan", "inf", "infinity")
 
 
@@ -54,81 +58,81 @@ class FormImagePromptRef(ImagePromptRef):
     images: list[StrictStr] | None = None
 
 
-class ImageEditForm(BaseModel):
+class EditOnlyFields(BaseModel):
+    """The edits form's own fields beside the generations body's (declarations only: `ImageEditForm` reads them
+    as it reads the body's): OpenAI's input_fidelity (no effect here), the edit's strength, and the body's controls
+    and image prompt in their file-aware form."""
+
+    input_fidelity: Literal["high", "low"] | None = None
+    strength: StrictFloat | None = None
+    # a JSON text field: [{"model": "edges", "scale": 0.8}], control i's map in the file part control_image_<i>
+    # (or as base64 in its "image")
+    controls: list[FormControlRef] | None = None
+    # a JSON text field: {"model": "sd15/ip-adapter_sd15", "scale": 0.6}, its images the file parts image_prompt_<i>
+    image_prompts: FormImagePromptRef | None = None
+
+
+def _json_number(value: Any) -> Any:
+    """A number's text as the JSON route parses it (then checked by the field's strict type), and nan / inf in any
+    case (refused by the range checks, naming the range); other text is left as it came, to be refused naming the
+    field."""
+    if not isinstance(value, str):
+        return value
+    if value.strip().lower().lstrip("+-") in _NON_FINITE:
+        return float(value)
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return value
+    return parsed if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) else value
+
+
+def _text_annotation(annotation: Any) -> Any:
+    """A body field's type as a form's text field reads it: numbers as JSON numbers (`_json_number`), booleans as
+    pydantic's lax booleans ("true", "1"), lists, objects and models as a JSON text field; text as it is."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    inner = [t for t in options if t is not type(None)]
+    optional = len(inner) < len(options)
+    kind = inner[0]
+    leaf = get_args(kind)[0] if get_origin(kind) is Annotated else kind
+    if len(inner) > 1 or leaf in (str, Any) or get_origin(leaf) is Literal:
+        return annotation
+    if leaf in (int, float):
+        return Annotated[annotation, BeforeValidator(_json_number)]
+    if leaf is bool:
+        return bool | None if optional else bool
+    structured = Json[kind]  # list, dict or a model: its JSON text
+    return structured | None if optional else structured
+
+
+def form_fields(body: type[BaseModel] = ImageGenerationRequest) -> dict[str, Any]:
+    """The form's fields (`create_model`'s definitions): the generations body's (in its order, less NOT_EDIT) with
+    the edit's own (`EditOnlyFields`, replacing the body's of the same name), each typed for form text."""
+    declared = {k: v for k, v in body.model_fields.items() if k not in NOT_EDIT}
+    declared.update(EditOnlyFields.model_fields)
+    return {name: (_text_annotation(info.rebuild_annotation()),
+                   ... if info.is_required() else Field(default=info.default, default_factory=info.default_factory))
+            for name, info in declared.items()}
+
+
+class EditForm(BaseModel):
     """The form's text fields: the generations request's fields (form values are text: "20" is the integer 20
-    here, read as JSON) and `strength`."""
+    here, read as JSON) and the edit's own (`EditOnlyFields`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str
-    n: StrictInt = 1
-    size: str | None = None
-    response_format: str = "b64_json"
-    model: str | None = None
-    user: str | None = None
-    # OpenAI's edit fields, read as the generations route reads them (protocol.py); input_fidelity: no effect here
-    quality: str | None = None
-    background: str | None = None
-    moderation: str | None = None
-    output_compression: StrictInt | None = None
-    input_fidelity: Literal["high", "low"] | None = None
-    safety_identifier: str | None = None
-    complexity: str | None = None
-    frame_count: StrictInt | None = None
-    frame_duration_ms: StrictInt | None = None
-    svg: Json[dict[str, Any]] | None = None
-    negative_prompt: str | None = None
-    num_inference_steps: StrictInt = 20
-    guidance_scale: StrictFloat | None = None   # ints are accepted as numbers
-    guidance_interval: Json[list[StrictFloat]] | None = None  # a JSON text field: [0.2, 0.8]
-    guidance_rescale: StrictFloat = 0.0
-    seed: StrictInt | None = None
-    sampler: str | None = None                  # None: the model family's default
-    schedule: str | None = None
-    output_format: str = "png"
-    stream: bool = False
-    strength: StrictFloat | None = None
-    loras: Json[list[LoraRef]] | None = None  # a JSON text field: [{"name": "styles/ink", "scale": 0.8}]
-    prompt_syntax: str | None = None
-    clip_skip: StrictInt | None = None
-    emphasis: str = "original"
-    timestep_spacing: str | None = None
-    eta: StrictFloat | None = None
-    tiling: bool = False
-    partial_images: StrictInt | None = None     # OpenAI's: 0-3 previews in the stream
-    preview: Json[PreviewBody] | None = None    # a JSON text field: {"every": 2, "format": "jpeg"}
-    # a JSON text field: [{"model": "edges", "scale": 0.8}], control i's map in the file part control_image_<i>
-    # (or as base64 in its "image")
-    controls: Json[list[FormControlRef]] | None = None
-    # a JSON text field: {"model": "sd15/ip-adapter_sd15", "scale": 0.6}, its images the file parts image_prompt_<i>
-    image_prompts: Json[FormImagePromptRef] | None = None
-
-    @field_validator("n", "num_inference_steps", "guidance_scale", "guidance_rescale", "seed", "strength",
-                     "clip_skip", "eta", "partial_images", "output_compression", "frame_count",
-                     "frame_duration_ms", mode="before")
-    @classmethod
-    def _json_number(cls, value: Any) -> Any:
-        """A number's text as the JSON route parses it (then checked by the same strict types), and nan / inf in
-        any case (refused by the range checks, naming the range); other text is left as it came, to be refused
-        naming the field."""
-        if not isinstance(value, str):
-            return value
-        if value.strip().lower().lstrip("+-") in _NON_FINITE:
-            return float(value)
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            return value
-        return parsed if isinstance(parsed, (int, float)) and not isinstance(parsed, bool) else value
-
     def generation(self) -> ImageGenerationRequest:
         """The same fields as a generations request (for the shared checks and request building), those the form
-        gave still marked as given (a missing num_inference_steps is the model's default)."""
-        return ImageGenerationRequest.model_construct(
-            self.model_fields_set & set(ImageGenerationRequest.model_fields),
-            **self.model_dump(include=set(ImageGenerationRequest.model_fields) - {"loras", "preview", "controls",
-                                                                                  "image_prompts"}),
-            loras=self.loras, preview=self.preview)
+        gave still marked as given (a missing num_inference_steps is the model's default); the controls and image
+        prompt are read with the form's files (`decode_controls`, `decode_image_prompt`), not here."""
+        names = set(ImageGenerationRequest.model_fields) & set(type(self).model_fields) - set(WITH_FILES)
+        return ImageGenerationRequest.model_construct(self.model_fields_set & names,
+                                                      **{name: getattr(self, name) for name in names})
+
+
+# the edits form: EditForm with the body's fields read as text, so a field added to the body is a form field
+ImageEditForm = create_model("ImageEditForm", __base__=EditForm, __module__=__name__, __doc__=EditForm.__doc__,
+                             **form_fields())
 
 
 @dataclass
@@ -153,7 +157,7 @@ def variation_schema() -> dict[str, Any]:
     return schema
 
 
-async def read_form(http: Any, max_image_bytes: int, variation: bool = False) -> tuple[ImageEditForm, FormFiles]:
+async def read_form(http: Any, max_image_bytes: int, variation: bool = False) -> tuple[EditForm, FormFiles]:
     """The parsed form: its text fields (typed) and the bytes of its files, read within their limits as they
     arrive (bodies.py). With `variation`, the variations route's form: no prompt (an empty one), mask or stream.
     Raises APIError (400 / 413)."""

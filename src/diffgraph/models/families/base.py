@@ -136,7 +136,7 @@ class FamilyAdapter:
     # the capability parameter (a `Param.images` list) the edits route's image parts fill, every one of them (FLUX.2's
     # references); None: the first image is the image-to-image start
     edit_images: str | None = None
-    edit_steps_rule: str = "sd"  # request.EDIT_STEP_RULES: how its pipelines' strength picks the steps run
+    edit_steps_rule: str = "sd"  # request_inputs.EDIT_STEP_RULES: how its pipelines' strength picks the steps run
     # the names its planner takes (the SD noise schedule's samplers: sampling/names.py), what a request that names
     # none gets (graph verification walks it too), and the multiple its sizes must be
     samplers: tuple[str, ...] = SAMPLERS

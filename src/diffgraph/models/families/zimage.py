@@ -245,6 +245,8 @@ class ZImageFamily(TokenFamily):
     def random_presets(self) -> dict[str, str]:
         return {"random:zimage-turbo": "Z-Image-Turbo's true architecture (6.15B DiT, Qwen3-4B, Flux VAE), random "
                                        "weights, for GPU timing",
+                "random:zimage-base": "Z-Image (base)'s true architecture, random weights, with the base checkpoint's "
+                                      "defaults (50 steps, guidance 5, shift 6), for GPU timing",
                 "random:zimage-tiny": "a tiny Z-Image (two layers, a two-layer Qwen3), random weights, for CPU tests"}
 
     def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
@@ -274,9 +276,9 @@ class ZImageFamily(TokenFamily):
                                                  max_position_embeddings=40960, rope_theta=1000000.0,
                                                  tie_word_embeddings=True))
                 vae = AutoencoderKL(**FLUX_VAE)
-        turbo = CHECKPOINTS["z-image-turbo"]
-        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), turbo.scheduler_config(),
-                           device, dtype, turbo, is_random=True)
+        checkpoint = CHECKPOINTS["z-image" if name == "random:zimage-base" else "z-image-turbo"]
+        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), checkpoint.scheduler_config(),
+                           device, dtype, checkpoint, is_random=True)
 
     # -- guidance ---------------------------------------------------------------------------------------------
     def capabilities(self) -> tuple[Capability, ...]:
