@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffgraph import Engine, GenerationRequest, ParamError
-from diffgraph.models.families.first_block_cache import FirstBlockStep, forced, run_blocks
+from diffgraph.models.families.first_block_cache import FirstBlockStep, forced, run_blocks, sequential
 
 from loop_util import images_together
 from test_token_cache import _kw, engines  # noqa: F401 (its module-scoped engines fixture)
@@ -160,17 +160,17 @@ def test_the_remaining_blocks_run_over_the_gathered_computing_rows_only():
         kept.copy_(before)
         seen.clear()
         step = FirstBlockStep((0, 1), (0, 2), (0, 1), (0.05, 0.05), (False, True), gather)
-        out = run_blocks([first, second], u, (scale,), mask, (step, kept))
-        assert seen == [rows]  # gathered: rows 1 and 2 only
-        torch.testing.assert_close(out[0, :tokens], u1[0, :tokens] + before[0, 1])
-        torch.testing.assert_close(out[1:], full[1:])
+        out = run_blocks(sequential([first, second], tokens), u, (scale,), mask, (step, kept))
+        assert seen == [rows] and out.shape == (n, tokens, width)  # gathered: rows 1 and 2 only
+        torch.testing.assert_close(out[0], u1[0, :tokens] + before[0, 1])
+        torch.testing.assert_close(out[1:], full[1:, :tokens])
         torch.testing.assert_close(kept[2], torch.stack([r1[1, :tokens], (full - u1)[1, :tokens]]))
         torch.testing.assert_close(kept[[0, 1, 3]], before[[0, 1, 3]])
     kept.fill_(float("nan"))
     forced_step = FirstBlockStep((0, 2), (0, 3), (0, 1), (0.5, 0.0), (True, False))
     assert forced_step.decided()
-    out = run_blocks([first, second], u, (scale,), mask, (forced_step, kept))
-    torch.testing.assert_close(out, full)
+    out = run_blocks(sequential([first, second], tokens), u, (scale,), mask, (forced_step, kept))
+    torch.testing.assert_close(out, full[:, :tokens])
     torch.testing.assert_close(kept[3], torch.stack([r1[2, :tokens], (full - u1)[2, :tokens]]))
 
 

@@ -383,3 +383,231 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
     base = default_registry().by_name("flux2").load_split(dataclasses.replace(mine, preset="flux.2-klein-base"),
                                                           torch.device("cpu"), torch.float32, "mine")
     assert base.extra["checkpoint"] == CHECKPOINTS["flux.2-klein-base"]
+
+
+# -- step caching (models/families/token_cache.py, first_block_cache.py; flux2.py `blocks`) ---------------------------
+# The references are the methods written here on the pipeline: TaylorSeer around the transformer's forward (one state
+# per CFG branch: the pipeline calls the transformer once per branch), the first-block rule in place of its blocks.
+CACHE_KW = dict(prompt="a red fox in the snow", height=128, width=128, seed=7)
+REAL = 64  # 128x128: 8x8 tokens of 16 px
+
+
+def _cache_kw(cache=None, refs=(), **kw):
+    extras = {**({"step_cache": cache} if cache is not None else {}), **({"reference_images": list(refs)} if refs
+                                                                          else {})}
+    return {**CACHE_KW, **kw, "extras": extras or None}
+
+
+def _pipe_image(pipe, steps: int, guidance: float, refs=()) -> np.ndarray:
+    from PIL import Image
+
+    image = pipe(prompt=CACHE_KW["prompt"], image=[Image.fromarray(r) for r in refs] or None, height=128, width=128,
+                 num_inference_steps=steps, guidance_scale=guidance, generator=torch.Generator().manual_seed(7),
+                 output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+def _taylorseer_by_hand(net, interval: int, order: int, branches: int):
+    """The transformer's forward replaced by TaylorSeer: evaluation e (the step; `branches` calls each) runs it where
+    e % interval == 0 and keeps its output F and finite differences D1 = (F - F_last) / dist, D2 = (D1 - D1_last) /
+    dist (order 2); else it returns F + D1 k + D2 k^2 / 2, k evaluations after the last full one. Returns the
+    function that puts the forward back."""
+    forward, calls = net.forward, [0]
+    kept = [{"last": None, "terms": (None, None, None)} for _ in range(branches)]
+
+    def taylor(**kw):
+        e, state = calls[0] // branches, kept[calls[0] % branches]
+        calls[0] += 1
+        f0, d1, d2 = state["terms"]
+        if e % interval == 0:
+            f = forward(**kw)[0].float()
+            g1 = None if f0 is None else (f - f0) / (e - state["last"])
+            g2 = None if order < 2 or d1 is None else (g1 - d1) / (e - state["last"])
+            state["last"], state["terms"] = e, (f, g1, g2)
+            return (f,)
+        k = e - state["last"]
+        return (f0 + (0 if d1 is None else d1 * k) + (0 if d2 is None else d2 * k * k / 2),)
+    net.forward = taylor
+    return lambda: delattr(net, "forward")
+
+
+@pytest.mark.parametrize("checkpoint,interval,order,guidance,steps,refs", [
+    ("FLUX.2-klein-4B", 2, 1, 1.0, 6, 0), ("FLUX.2-klein-4B", 3, 2, 1.0, 7, 1),
+    ("FLUX.2-klein-base-4B", 2, 2, 3.0, 6, 0)])
+def test_taylorseer_equals_the_forecast_by_hand_on_the_pipeline(folders, klein, base, checkpoint, interval, order,
+                                                               guidance, steps, refs):
+    from test_flux2_references import picture
+
+    engine, pipe = (klein if checkpoint == "FLUX.2-klein-4B" else base), folders[checkpoint][1]
+    pictures = [picture(72, 88, 1)][:refs]
+    kw = dict(num_inference_steps=steps, guidance_scale=guidance)
+    got = images_together(engine, [_cache_kw({"method": "taylorseer", "interval": interval, "order": order},
+                                             pictures, **kw)])[0]
+    plain = images_together(engine, [_cache_kw(None, pictures, **kw)])[0]
+    put_back = _taylorseer_by_hand(pipe.transformer, interval, order, 2 if guidance > 1 else 1)
+    try:
+        want = _pipe_image(pipe, steps, guidance, pictures)
+    finally:
+        put_back()
+    assert np.abs(got - want).max() <= 1
+    assert np.abs(got - plain).max() > 1  # it forecast something
+
+
+class _FirstBlockByHand(torch.nn.Module):
+    """The first-block rule in place of the transformer's blocks: the first double block runs; its image residual over
+    the image's real tokens compared with the one kept from the last full evaluation (mean |r - r_prev| /
+    mean |r_prev|); below the threshold the image tokens are the first block's output plus the kept remaining
+    residual (the other blocks skipped), else the other double blocks and the single ones run and both residuals are
+    kept. `singles` is the module that stands for the single blocks."""
+
+    def __init__(self, net, threshold: float):
+        super().__init__()
+        self.doubles, self.threshold = net.transformer_blocks, threshold
+        self.kept, self.reusing, self.log = None, False, []
+        hand = self
+
+        class Singles(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = net.single_transformer_blocks
+
+            def forward(self, hidden_states, **kw):
+                text = hidden_states.shape[1] - hand.h1.shape[1]
+                if hand.reusing:
+                    out = hidden_states.clone()
+                    out[:, text:text + REAL] = hand.h1[:, :REAL] + hand.kept[1]
+                    return out
+                for block in self.blocks:
+                    hidden_states = block(hidden_states=hidden_states, **kw)
+                hand.kept = (hand.first, hidden_states[:, text:text + REAL] - hand.h1[:, :REAL])
+                return hidden_states
+        self.singles = Singles()
+
+    def forward(self, hidden_states, encoder_hidden_states, **kw):
+        c, h = self.doubles[0](hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, **kw)
+        self.h1, self.first = h, (h - hidden_states)[:, :REAL]
+        previous = None if self.kept is None else self.kept[0]
+        self.reusing = previous is not None and bool(
+            (self.first - previous).abs().mean() / previous.abs().mean() < self.threshold)
+        self.log.append(self.reusing)
+        if not self.reusing:
+            for block in self.doubles[1:]:
+                c, h = block(hidden_states=h, encoder_hidden_states=c, **kw)
+        return c, h
+
+
+@pytest.mark.parametrize("refs", [0, 1])
+def test_first_block_equals_the_rule_by_hand_on_the_pipeline(folders, klein, refs):
+    from test_flux2_references import picture
+
+    pipe, net = folders["FLUX.2-klein-4B"][1], folders["FLUX.2-klein-4B"][1].transformer
+    pictures = [picture(72, 88, 1)][:refs]
+    cache = {"method": "first_block", "threshold": 1.05}  # the tiny random model's residuals move a lot
+    got = images_together(klein, [_cache_kw(cache, pictures, num_inference_steps=8)])[0]
+    plain = images_together(klein, [_cache_kw(None, pictures, num_inference_steps=8)])[0]
+    doubles, singles = net.transformer_blocks, net.single_transformer_blocks
+    hand = _FirstBlockByHand(net, cache["threshold"])
+    net.transformer_blocks, net.single_transformer_blocks = torch.nn.ModuleList([hand]), torch.nn.ModuleList(
+        [hand.singles])
+    try:
+        want = _pipe_image(pipe, 8, 1.0, pictures)
+    finally:
+        net.transformer_blocks, net.single_transformer_blocks = doubles, singles
+    assert np.abs(got - want).max() <= 1
+    assert 0 < sum(hand.log) < 7, hand.log  # it reused some evaluations, not all
+    assert np.abs(got - plain).max() > 1
+
+
+def test_off_changes_no_image_and_interval_1_or_threshold_0_is_the_uncached_image(klein):
+    plain = images_together(klein, [_cache_kw(num_inference_steps=4)])[0]
+    for cache in ("off", {"method": "taylorseer", "interval": 1, "order": 2}, {"method": "first_block",
+                                                                               "threshold": 0}):
+        np.testing.assert_array_equal(images_together(klein, [_cache_kw(cache, num_inference_steps=4)])[0], plain)
+
+
+@pytest.mark.parametrize("checkpoint", ["FLUX.2-klein-4B", "FLUX.2-klein-base-4B"])
+def test_cached_uncached_other_interval_first_block_and_reference_rows_together_equal_each_alone(klein, base,
+                                                                                                 checkpoint):
+    """Rows with and without references (two groups in one burst; the reference rows share a step), TaylorSeer at
+    two intervals, first-block and uncached rows, guided and not on the base checkpoint."""
+    from test_flux2_references import picture
+
+    engine = klein if checkpoint == "FLUX.2-klein-4B" else base
+    one, two = [picture(72, 88, 1)], [picture(72, 88, 1), picture(96, 64, 2)]
+    fb = {"method": "first_block", "threshold": 1.05}
+    requests = [_cache_kw({"method": "taylorseer", "interval": 2}, seed=1, num_inference_steps=6),
+                _cache_kw(None, seed=2, num_inference_steps=5, guidance_scale=2.5),
+                _cache_kw({"method": "taylorseer", "interval": 3, "order": 2}, one, seed=3, num_inference_steps=7,
+                          guidance_scale=3.0),
+                _cache_kw(fb, two, seed=4, num_inference_steps=8, height=96, width=160),
+                _cache_kw(None, one, seed=5, num_inference_steps=4),
+                _cache_kw(fb, seed=6, num_inference_steps=6, guidance_scale=2.0, prompt="a lighthouse at dusk")]
+    if engine is klein:  # step-distilled: no guidance
+        requests = [{k: v for k, v in r.items() if k != "guidance_scale"} for r in requests]
+    alone = [images_together(engine, [r])[0] for r in requests]
+    together = images_together(engine, requests)
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert np.abs(a - b).max() <= 1, i
+
+
+BAD_CACHE = [({"method": "teacache"}, "step_cache.method", "taylorseer"),
+             ({"method": "taylorseer", "interval": 0}, "step_cache.interval", "out of range"),
+             ({"method": "first_block", "threshold": float("nan")}, "step_cache.threshold", "finite number"),
+             ({"method": "deepcache", "interval": 3}, "step_cache.method", "UNet")]
+
+
+def test_bad_step_cache_values_are_one_line_400s_naming_the_field(folders, klein):
+    from diffgraph.server import ServerConfig
+    from server_util import served
+
+    for value, field, words in BAD_CACHE:
+        with pytest.raises(ParamError) as e:
+            klein.submit(GenerationRequest.create(model=klein.info, **_cache_kw(value, num_inference_steps=2)))
+        assert e.value.param == field and words in str(e.value) and "\n" not in str(e.value), (value, str(e.value))
+    path = folders["FLUX.2-klein-4B"][0]
+    with Engine(model=path, device="cpu") as engine, served(engine, ServerConfig(model=path, device="cpu")) as client:
+        for value, field, words in BAD_CACHE[:3]:
+            body = {"prompt": "a fox", "size": "128x128", "step_cache": value}
+            r = client.post("/v1/images/generations", content=json.dumps(body).replace("NaN", '"nan"'),  # JSON has no NaN
+                            headers={"content-type": "application/json"})
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == field, r.text
+            assert words in error["message"] and "\n" not in error["message"]
+        cached = {"method": "taylorseer", "interval": 2}
+        r = client.post("/v1/images/generations", json={"prompt": CACHE_KW["prompt"], "size": "128x128",
+                                                       "seed": 7, "num_inference_steps": 4, "step_cache": cached,
+                                                       "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+    from PIL import Image
+    import base64
+    import io
+    got = np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).convert("RGB"))
+    want = images_together(klein, [_cache_kw(cached, num_inference_steps=4)])[0]
+    assert np.abs(got.astype(np.int16) - want).max() <= 1
+
+
+def test_in_graph_mode_cache_rows_after_plain_ones_replay_their_own_graphs_and_equal_the_eager_engine(folders, klein):
+    """The group's step graphs are captured over its buffers by a plain request, before any cache row allocated the
+    cache's (lazy) fields; TaylorSeer rows then replay their own variants, captured at first use, and equal the eager
+    engine's images."""
+    from diffgraph import GraphConfig
+
+    path = folders["FLUX.2-klein-4B"][0]
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((128, 128),), backend="emulated",
+                      capture_text_encoder=False)
+    requests = [_cache_kw(seed=2, num_inference_steps=4),
+                _cache_kw({"method": "taylorseer", "interval": 2}, seed=1, num_inference_steps=5),
+                _cache_kw({"method": "taylorseer", "interval": 3, "order": 2}, seed=3, num_inference_steps=6)]
+    with Engine(model=path, device="cpu", mode="graph", graphs=cfg) as graphed:
+        buffers = graphed.runner.groups[(0, 256)]  # a graphed group's buffers are kept
+        images_together(graphed, requests[:1])
+        assert buffers.fields["taylor.terms"].shape[0] == 0 and buffers.fields["fbc.kept"].shape[0] == 0
+        got = images_together(graphed, requests)
+        assert buffers.fields["taylor.terms"].shape[0] == buffers.num_rows and buffers.fields["fbc.kept"].numel() == 0
+        graphed.core.call_between_steps(lambda: None).result()
+        table = [r for r in graphed.runner.graph_table() if r["kind"].startswith("step")]
+    assert not any(r["eager_fallbacks"] for r in table)
+    assert any(r["replays"] for r in table if r["kind"] == "step")
+    assert any(r["replays"] for r in table if r["kind"].startswith("step_step_cache_run")), table
+    for r, image in zip(requests, got):
+        assert np.abs(image - images_together(klein, [r])[0]).max() <= 1

@@ -287,3 +287,38 @@ def test_an_admission_writes_neutral_values_only_where_a_request_wrote_before(ti
     assert float(fresh.fields["edit.mask"].min()) == 1.0 and fresh.save_rows(0, 3, 0).keys().isdisjoint(
         {"edit.mask", "edit.known", "edit.noise0"})
 
+
+
+def test_a_lazy_field_is_allocated_at_its_first_write_and_a_preemption_carries_it_to_another_group(tiny_engine):
+    """DeepCache's kept features (`cache.deep`, `FieldSpec.lazy`): a group holds no rows of them until a row writes
+    them, then every row's (the others neutral); a row saved there resumes in a group that never held them. A step
+    that does not read them is handed its buffers without them, so what it compiles (`signature`) is the same before
+    and after."""
+    from diffgraph.graphs.compiled import signature
+    from diffgraph.graphs.step import StepBuffers
+
+    live = tiny_engine.runner.buffers((tiny_engine.info.native_size,) * 2)
+    groups = [StepBuffers.allocate(4, tuple(live.x.shape[1:]), tiny_engine.runner.program, {}, {}, live.dtype,
+                                   live.x.device) for _ in range(2)]
+    first, second = groups
+    assert first.specs["cache.deep"].lazy and all(g.fields["cache.deep"].numel() == 0 for g in groups)
+    first.write(slice(0, 1), {})
+    first.move_rows(0, 2, 1)
+    assert first.fields["cache.deep"].numel() == 0 and "cache.deep" not in first.save_rows(2, 1, 0)
+    program = tiny_engine.runner.program
+    neutral = program.neutral()
+    cached = tuple(object() if f.name == "step_cache" else part  # the cache feature's part not neutral
+                   for part, f in zip(neutral, program.features))
+    assert program.unread(neutral) == ("cache.deep",) and program.unread(cached) == ()
+    plain_step = signature(first.head(4, None, program.unread(neutral)), set())
+    whole = signature(first.head(4), set())
+    first.write(slice(1, 2), {"cache.deep": 2.0})
+    assert signature(first.head(4, None, program.unread(neutral)), set()) == plain_step
+    assert signature(first.head(4), set()) != whole
+    deep = first.fields["cache.deep"]
+    assert deep.shape[0] == 4 and first.state["cache.deep"] is deep
+    assert float(deep[1].min()) == 2.0 and float(deep[[0, 2, 3]].abs().max()) == 0.0
+    saved = first.save_rows(1, 1, 0)
+    second.restore_rows(3, saved)
+    assert second.fields["cache.deep"].shape[0] == 4 and float(second.fields["cache.deep"][3].min()) == 2.0
+    assert float(second.fields["cache.deep"][:3].abs().max()) == 0.0

@@ -1,4 +1,5 @@
-"""Step caching per row on a token family (models/families/token_cache.py): TaylorSeer on Z-Image.
+"""Step caching per row on a token family (models/families/token_cache.py): TaylorSeer on Z-Image, and the cache's
+fields held only by groups with a cache row (FLUX.2's: test_flux2.py).
 
 The reference is TaylorSeer's algorithm written here on diffusers' own `ZImagePipeline` (a plain flow-matching Euler
 loop over the transformer): the transformer's forward is wrapped so that at a full evaluation it runs and the
@@ -211,3 +212,43 @@ def test_in_graph_mode_steps_with_cache_rows_replay_their_graphs_and_equal_the_e
     cached = {r["kind"] for r in table if r["replays"] and "step_cache" in r["kind"]}
     assert {"step_step_cache_all", "step_step_cache_run0"} <= cached and any("run" in k for k in cached - {
         "step_step_cache_run0"}), cached
+
+
+CACHE_FIELDS = ("taylor.terms", "fbc.kept")
+
+
+def test_a_group_without_cache_rows_holds_no_cache_fields_and_a_cached_row_still_equals_its_reference(folders,
+                                                                                                       engines):
+    """The step caches' fields are lazy: a group holds none of them until a row of their method is admitted, then
+    every row's (what a step reads): a TaylorSeer row brings `taylor.terms` and no first-block residuals, and the
+    engine's buffer bytes grow by exactly that."""
+    engine, pipe = engines["Z-Image-Turbo"], folders["Z-Image-Turbo"][1]
+    seen = []
+
+    def record(plan, seconds):
+        groups = list(engine.runner.groups.values())
+        seen.append(([(b.fields["taylor.terms"].nbytes, b.fields["fbc.kept"].nbytes) for b in groups],
+                     [(b.num_rows, tuple(b.x.shape[1:])) for b in groups], engine.memory()["buffer_bytes"]))
+
+    def run(requests):
+        seen.clear()
+        images = images_together(engine, requests)
+        engine.core.call_between_steps(lambda: None).result()  # the last step's listener has run (after results)
+        return images, list(seen)
+    engine.step_listeners.append(record)
+    try:
+        (plain,), uncached = run([_kw(seed=2)])
+        got, cached = run([_kw({"method": "taylorseer", "interval": 2}), _kw(seed=2)])
+    finally:
+        engine.step_listeners.remove(record)
+    assert len(uncached) == 6 and all(held == [(0, 0)] for held, _, _ in uncached)
+    (rows, (tokens, channels)), = cached[0][1]
+    terms = rows * 2 * 3 * tokens * channels * 4  # [rows, 2 branches, F D1 D2, tokens, channels] fp32
+    assert len(cached) == 6 and all(held == [(terms, 0)] and total == uncached[0][2] + terms
+                                    for held, _, total in cached)
+    unwrap = _hooked(pipe, 2, 1)
+    try:
+        want = oracle(pipe, "a red fox in the snow", (64, 64), 6, 1.0, 7)
+    finally:
+        unwrap()
+    assert np.abs(got[0] - want).max() <= 1 and np.abs(got[1] - plain).max() <= 1

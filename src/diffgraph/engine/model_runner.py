@@ -457,7 +457,8 @@ class ModelRunner:
             if tiling:
                 whole_step(self.program, self.denoise_tiling, buf, n, d, variant)
             else:
-                (whole_step if eager else self._eager_step)(self.program, self.denoise_eager, buf, n, d, variant)
+                step_buf = buf.head(buf.num_rows, None, self.program.unread(variant))  # (what it compiles)
+                (whole_step if eager else self._eager_step)(self.program, self.denoise_eager, step_buf, n, d, variant)
         return d
 
     def _tiling_graphs(self, kind: str) -> str:

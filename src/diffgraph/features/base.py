@@ -53,6 +53,10 @@ class FieldSpec:
     # declares at least this many slots (`SamplerPlan.history`); the others hold the neutral value, and a preemption
     # neither saves nor restores the slot for them (it is written neutral where they resume)
     history_slot: int = 0
+    # allocated at the first write of a row that uses it (an admission or a restore that carries it): until then the
+    # group holds no rows of it (a zero-row tensor), so a group whose rows never use the feature pays nothing. Only
+    # for a field that no step reads unless a row of the step wrote it (a graph that reads it is captured after that)
+    lazy: bool = False
 
     def fill(self, t: torch.Tensor) -> None:
         """Writes the neutral value into `t` ([rows, *shape])."""
@@ -107,6 +111,15 @@ class StepView:
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """A per-image-row tensor, per denoiser row."""
         return t.index_select(0, self.den_row)
+
+    def lazy(self, name: str) -> torch.Tensor:
+        """A lazy field (`FieldSpec.lazy`); a RuntimeError where no row wrote it yet (a step reads one only where a
+        row of the step uses it, so a graph never captures the storage it holds before its first write)."""
+        t = self.fields[name]
+        if t.shape[0] < self.n:
+            raise RuntimeError(f"field {name!r} is read by a step before any row of its group wrote it; read a lazy "
+                               "field only in a step with a row that uses it")
+        return t
 
 
 class RowFeature:

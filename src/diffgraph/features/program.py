@@ -66,6 +66,8 @@ class StepProgram:
         object.__setattr__(self, "_gated", any(f.asked_by is not None for f in self.features))
         object.__setattr__(self, "_transient", frozenset(
             name for f in self.features for name, spec in f.fields((4, 8, 8)).items() if spec.transient))
+        object.__setattr__(self, "_lazy", tuple(tuple(name for name, spec in f.fields((4, 8, 8)).items() if spec.lazy)
+                                                for f in self.features))
         object.__setattr__(self, "kinds", {v: self.kind(v) for v in variants})  # variant key -> graph kind
 
     # -- layout --------------------------------------------------------------------------------
@@ -198,6 +200,12 @@ class StepProgram:
         key = self.graph_key(key)
         i = self._shaping
         return key if i is None else key[:i] + (self._neutral[i],) + key[i + 1:]
+
+    def unread(self, key: VariantKey) -> tuple[str, ...]:
+        """The lazy fields (`FieldSpec.lazy`) a step of `key` does not read: those of the features neutral in it. A
+        step is handed its buffers without them, so what it compiles never depends on whether a group holds them."""
+        return tuple(name for names, part, neutral in zip(self._lazy, key, self._neutral) if part == neutral
+                     for name in names)
 
     def tokens(self, key: VariantKey) -> int | None:
         """The prompt tokens a step of `key` reads (None: all of the token-axis fields)."""

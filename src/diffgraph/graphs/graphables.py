@@ -47,7 +47,7 @@ class StepGraph:
         return self._resolutions
 
     def run(self, h: int, w: int, b: int) -> None:
-        buf = self._buffers((h, w)).head(b, self._program.tokens(self.key))
+        buf = self._buffers((h, w)).head(b, self._program.tokens(self.key), self._program.unread(self.key))
         self._step(self.fn, buf, self._program, self._program.code_key(self.key))
 
     def run_reference(self, h: int, w: int, b: int) -> None:

@@ -4,7 +4,8 @@
 the most rows a group may hold (the model runner owns them): the base fields (x, d_prev, noise, the coefficient
 table `coefs`, the step's denoiser-row `index` table), the family's conditioning (`cond.*`) and per-resolution row
 fields (`rows.*`), and whatever the family's row features declare (features/: `uncond.*` for guidance, `edit.*`,
-`lora.*`, ...), each with its neutral value. `whole_step(program, denoise, buffers, n, d, key)` runs image rows
+`lora.*`, ...), each with its neutral value; a lazy field (`FieldSpec.lazy`: the step caches' kept values) only
+at the first write of a row that uses it, so a group none of whose rows use it holds none of it. `whole_step(program, denoise, buffers, n, d, key)` runs image rows
 [0, n) over denoiser rows [0, d) (a guiding row costs two) with the variant `key`, and writes x and d_prev in place;
 `denoise(x, t, cond, inputs)` is the family's capturable denoiser call. The same function runs eagerly and under
 CUDA-graph capture, so the two paths cannot drift apart, and its update is `sampling.samplers.apply_step`, the tested
@@ -15,7 +16,7 @@ and features, share one call. Padding rows (coefficients all zero) produce x = 0
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -67,13 +68,25 @@ class StepBuffers:
         fields.update({f"rows.{k}": z(rows, *v.shape, dt=v.dtype) for k, v in row_values.items()})
         specs = program.fields(latent_shape)
         for name, spec in specs.items():
-            fields[name] = z(rows, *spec.shape, dt=spec.dtype)
+            fields[name] = z(0 if spec.lazy else rows, *spec.shape, dt=spec.dtype)  # lazy: at its first write
             spec.fill(fields[name])
         sequence = tuple(f"cond.{k}" for k in cond_spec if k in sequence_fields) + tuple(
             name for name, spec in specs.items() if spec.tokens)
         buf = cls(fields, specs, tuple(cond_spec), tuple(row_values), dtype, sequence)
         buf._written = [frozenset()] * rows  # every field neutral
         return buf
+
+    def _materialise(self, names: Iterable[str]) -> None:
+        """Allocates the lazy fields among `names` not allocated yet at every row, neutral (`FieldSpec.lazy`): on the
+        group's buffers (a `head` view's would be its own)."""
+        for name in names:
+            spec = self.specs.get(name)
+            if spec is not None and spec.lazy and self.fields[name].shape[0] != self.num_rows:
+                t = self.fields[name].new_zeros((self.num_rows, *spec.shape))
+                spec.fill(t)
+                self.fields[name] = t
+                if name in self.state:
+                    self.state[name] = t
 
     def cond(self, name: str) -> torch.Tensor:
         return self.fields[f"cond.{name}"]
@@ -86,11 +99,14 @@ class StepBuffers:
         """Every per-row tensor by its name (snapshots, compaction)."""
         return self.fields
 
-    def head(self, n: int, tokens: int | None = None) -> "StepBuffers":
+    def head(self, n: int, tokens: int | None = None, without: Iterable[str] = ()) -> "StepBuffers":
         """The same buffers, rows [0, n) only, and with `tokens` the first `tokens` prompt tokens of the token-axis
-        fields (views: writes reach the full buffers)."""
+        fields (views: writes reach the full buffers), the fields `without` left out (the lazy ones a step does not
+        read: `StepProgram.unread`)."""
+        out = frozenset(without)
         view = dataclasses.replace(self, fields={
-            k: v[:n, :tokens] if tokens is not None and k in self.sequence else v[:n] for k, v in self.fields.items()})
+            k: v[:n, :tokens] if tokens is not None and k in self.sequence else v[:n] for k, v in self.fields.items()
+            if k not in out})
         view._written = self._written  # the same rows: one record
         return view
 
@@ -115,6 +131,7 @@ class StepBuffers:
         did not carry (features the request does not use, history slots its sampler does not use) take their
         neutral value there, the value they held."""
         count = next(iter(saved.values())).shape[0]
+        self._materialise(saved)
         written = frozenset(k for k in saved if k in self.specs and not self.specs[k].history_slot)
         with self._rewriting(start, [written] * count):
             for k, t in self.state.items():
@@ -127,6 +144,8 @@ class StepBuffers:
         spec = self.specs.get(name)
         if spec is None:  # the base fields, the conditioning, the per-resolution values
             return True
+        if spec.lazy and self.fields[name].shape[0] != self.num_rows:  # never written in this group
+            return False
         return spec.history_slot <= history if spec.history_slot else name in written
 
     def write(self, rows: slice, values: dict[str, torch.Tensor | float]) -> None:
@@ -137,6 +156,7 @@ class StepBuffers:
         unknown = set(values) - self.writable
         if unknown:
             raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
+        self._materialise(values)
         first, stop, _ = rows.indices(self.num_rows)
         count = max(stop - first, 0)
         before = frozenset().union(*self._written[first:stop])  # what the rows' last requests wrote
@@ -159,6 +179,7 @@ class StepBuffers:
         unknown = set(values) - self.writable
         if unknown:
             raise ValueError(f"row values for undeclared fields {sorted(unknown)}; declare them in a feature's fields()")
+        self._materialise(values)
         first, stop, _ = rows.indices(self.num_rows)
         added = frozenset(n for n in values if n in self.specs)
         with self._rewriting(first, [w | added for w in self._written[first:stop]]):

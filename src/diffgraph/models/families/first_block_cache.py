@@ -1,11 +1,12 @@
-"""First-block cache per row for single-stream transformer (DiT) families: ParaAttention's "First Block Cache"
+"""First-block cache per row for transformer (DiT) families: ParaAttention's "First Block Cache"
 (chengzeyi/ParaAttention, README "First Block Cache (Our Dynamic Caching)"; diffusers' `FirstBlockCacheConfig`,
 cache-dit's FBCache and WaveSpeed's `residual_diff_threshold`), decided per row inside the batched step.
 
 A request's `step_cache` {"method": "first_block", "threshold": t} decides, per model evaluation of the row's own
-plan: the transformer's input embedding, refiners and first block run for the row; the first block's output residual
-r (its output minus its input, over the row's real image tokens and every CFG branch it runs) is compared with the
-one kept from the row's last full evaluation, r_prev: mean|r - r_prev| / mean|r_prev|. Below t (strictly, as
+plan: the transformer's input embedding, refiners and first block run for the row (a family hands its blocks over as
+`Blocks`: a single-stream stack, or a double-stream one whose first double block's image stream is compared, as
+ParaAttention's Flux adapter does); the first block's output residual r (its output minus its input, over the row's
+real image tokens and every CFG branch it runs) is compared with the one kept from the row's last full evaluation, r_prev: mean|r - r_prev| / mean|r_prev|. Below t (strictly, as
 ParaAttention's `diff < threshold`), the row skips the remaining blocks and adds its kept remaining-blocks residual
 (the last block's output minus the first block's, from its last full evaluation) to the first block's output; else
 it runs the remaining blocks and keeps both residuals anew. The first evaluation, and one that runs a different
@@ -21,7 +22,8 @@ phase two); phase two runs the remaining blocks over the gathered rows that comp
 CUDA graph replay: it runs eagerly. No sync happens in a step where no row uses this method, nor where every
 first-block row is forced full or has threshold 0 (the host knows those compute). The kept residuals are one
 per-row field (`fbc.kept`, [2 branches, 2, image tokens, model width] in the model's dtype: per branch the first
-block's residual and the remaining blocks'), compacted, saved and restored with the row.
+block's residual and the remaining blocks'), compacted, saved and restored with the row; lazy: a group holds it
+once a first-block row is admitted there (`FieldSpec.lazy`).
 """
 
 from __future__ import annotations
@@ -102,6 +104,27 @@ def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
+class Blocks(NamedTuple):
+    """A transformer's blocks as the first-block cache splits them: `first(state, *args)` the first block's output
+    state, `rest(state, *args)` the remaining blocks from it up to the output's image tokens [n, tokens, width], and
+    `image(state)` a state's image tokens [n, tokens, width]. A state is the blocks' hidden states, rows first: one
+    tensor (a single-stream stack) or a tuple (the image and text streams of a double-stream one)."""
+
+    first: Callable[..., Any]
+    rest: Callable[..., torch.Tensor]
+    image: Callable[[Any], torch.Tensor]
+
+
+def sequential(layers: Sequence[Block], tokens: int) -> Blocks:
+    """`Blocks` of a single-stream stack over hidden states [n, image tokens + text tokens, width], image tokens
+    first (`tokens` of them)."""
+    def rest(u: torch.Tensor, *args: Any) -> torch.Tensor:
+        for layer in layers[1:]:
+            u = layer(u, *args)
+        return u[:, :tokens]
+    return Blocks(layers[0], rest, lambda u: u[:, :tokens])
+
+
 def _pick(args: Sequence[Any], idx: torch.Tensor, n: int) -> list[Any]:
     return [a.index_select(0, idx) if isinstance(a, torch.Tensor) and a.shape[:1] == (n,) else a for a in args]
 
@@ -126,49 +149,44 @@ def _reuse(step: FirstBlockStep, first: torch.Tensor, kept: torch.Tensor, slots:
     return [b and not f for b, f in zip(below, step.force)]
 
 
-def run_blocks(blocks: Sequence[Block], u: torch.Tensor, args: Sequence[Any], image_mask: torch.Tensor,
+def run_blocks(blocks: Blocks, state: Any, args: Sequence[Any], image_mask: torch.Tensor,
                fbc: tuple[FirstBlockStep, torch.Tensor] | None) -> torch.Tensor:
-    """The transformer's blocks over hidden states u [n, image tokens + text tokens, width] (image tokens first, their
-    real ones marked by `image_mask` [n, image tokens]) with per-row `args`; `fbc` (the step's part and the kept
-    residuals [slots, 2, image tokens, width]) None: every block over every row. Else two-phase (module docstring):
-    the reusing rows' image tokens are their first block's output plus their kept remaining residual (their text
-    tokens are left as the first block's: the output reads image tokens only)."""
+    """The transformer's blocks from hidden states `state` with per-row `args` (tensors with a row each are
+    gathered with the rows), to the output's image tokens [n, tokens, width] (their real ones marked by `image_mask`
+    [n, tokens]); `fbc` (the step's part and the kept residuals [slots, 2, tokens, width]) None: every block over
+    every row. Else two-phase (module docstring): a reusing row's image tokens are its first block's plus its kept
+    remaining residual."""
     if fbc is None:
-        for block in blocks:
-            u = block(u, *args)
-        return u
+        return blocks.rest(blocks.first(state, *args), *args)
     step, kept = fbc
-    n, tokens = u.shape[0], image_mask.shape[1]
-    u1 = blocks[0](u, *args)
-    rows = _index(step.rows, u.device)
-    first = u1[:, :tokens].index_select(0, rows) - u[:, :tokens].index_select(0, rows)
-    slots = _index(step.slots, u.device)
+    n = image_mask.shape[0]
+    s1 = blocks.first(state, *args)
+    out = i1 = blocks.image(s1)
+    rows = _index(step.rows, i1.device)
+    first = i1.index_select(0, rows) - blocks.image(state).index_select(0, rows)
+    slots = _index(step.slots, i1.device)
     reuse = _reuse(step, first, kept, slots, image_mask.index_select(0, rows))
     reusing = [i for i, g in enumerate(step.group) if reuse[g]]
     skip = {step.rows[i] for i in reusing}
     run = [j for j in range(n) if j not in skip] if step.gather else list(range(n))
-    out = u1
-    if run and len(blocks) > 1:
-        idx = _index(run, u.device)
-        part = u1.index_select(0, idx) if len(run) < n else u1
-        part_args = _pick(args, idx, n) if len(run) < n else args
-        for block in blocks[1:]:
-            part = block(part, *part_args)
-        out = part if len(run) == n else u1.index_copy(0, idx, part)
+    if len(run) == n:
+        out = blocks.rest(s1, *args)
+    elif run:
+        idx = _index(run, i1.device)
+        part = s1.index_select(0, idx) if isinstance(s1, torch.Tensor) else tuple(s.index_select(0, idx) for s in s1)
+        out = i1.index_copy(0, idx, blocks.rest(part, *_pick(args, idx, n)))
     computing = [i for i, g in enumerate(step.group) if not reuse[g]]
     if computing:
-        at = _index(computing, u.device)
+        at = _index(computing, i1.device)
         local = rows.index_select(0, at)
-        rest = (out[:, :tokens] - u1[:, :tokens]).index_select(0, local)
+        rest = (out - i1).index_select(0, local)
         fresh = torch.stack([first.index_select(0, at), rest], dim=1).to(kept.dtype)
         kept.index_copy_(0, slots.index_select(0, at), fresh)
     if reusing:
-        at = _index(reusing, u.device)
+        at = _index(reusing, i1.device)
         local = rows.index_select(0, at)
-        rest = kept[:, 1].index_select(0, slots.index_select(0, at)).to(u1.dtype)
-        image = u1[:, :tokens].index_select(0, local) + rest
-        out = out.clone() if out is u1 else out
-        out[:, :tokens] = out[:, :tokens].index_copy(0, local, image)
+        rest = kept[:, 1].index_select(0, slots.index_select(0, at)).to(i1.dtype)
+        out = out.index_copy(0, local, i1.index_select(0, local) + rest)
     return out
 
 
@@ -187,7 +205,7 @@ class FirstBlockRows(RowFeature):
         return spec if isinstance(spec, FirstBlock) else None
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
-        return {"fbc.kept": FieldSpec((2, 2, latent_shape[0], self._width), self._dtype)}
+        return {"fbc.kept": FieldSpec((2, 2, latent_shape[0], self._width), self._dtype, lazy=True)}
 
     def columns(self) -> tuple[str, ...]:
         return COLUMNS
@@ -231,7 +249,7 @@ class FirstBlockRows(RowFeature):
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
         if not isinstance(part, FirstBlockStep) or not part.rows:
             return {}
-        return {"fbc.step": (part, view.fields["fbc.kept"].flatten(0, 1))}
+        return {"fbc.step": (part, view.lazy("fbc.kept").flatten(0, 1))}
 
 
 class BothSteps(NamedTuple):

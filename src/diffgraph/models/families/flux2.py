@@ -22,6 +22,9 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
     stream at (10 + 10 i, r, c, 0), attending and attended, their outputs dropped. The group key's first element,
     a text slot in other token families (every row here reads all 512 text tokens), is the rows' reference tokens
     rounded up to `token_bucket`: rows whose references fill one bucket share a step, their padding masked;
+  * step caching (`step_cache`, token_cache.py and first_block_cache.py, as Z-Image's): TaylorSeer rows forecast the
+    whole transformer's output; first-block rows run the first double block, and the other double blocks and the
+    single ones only where its image residual moved (`blocks`); a row's references are gathered with it;
   * timesteps: the model reads sigma (as t / 1000, times 1000 inside) and predicts the velocity;
   * the schedule: sigmas linspace(1, 1 / steps) shifted by exp(mu) with the pipeline's empirical mu, which depends
     on the image's token count and the step count (`empirical_mu`);
@@ -58,7 +61,9 @@ from ...sampling.samplers import SamplerPlan
 from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
+from .first_block_cache import Blocks, run_blocks
 from .flux2_refs import NAME as REFERENCES, ReferenceImages, reference_bucket
+from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
 MAX_TEXT_TOKENS = 512           # the pipeline's max_sequence_length: every prompt padded to it (template included)
@@ -215,6 +220,27 @@ def single_block(block: Any, u: torch.Tensor, mod: torch.Tensor, rope: tuple[tor
     return u
 
 
+def blocks(net: Any, tokens: int, length: int) -> Blocks:
+    """The transformer's blocks as the first-block cache splits them (first_block_cache.py): the state is the image
+    stream h (the image's `tokens` tokens, then the references') and the text stream c (`length` tokens); the first
+    double block, then the other double blocks and the single ones over [c, h], to the image's tokens."""
+    def first(state: tuple[torch.Tensor, torch.Tensor], mod_img: torch.Tensor, mod_txt: torch.Tensor,
+              mod_single: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return double_block(net.transformer_blocks[0], *state, mod_img, mod_txt, (cos, sin), keys)
+
+    def rest(state: tuple[torch.Tensor, torch.Tensor], mod_img: torch.Tensor, mod_txt: torch.Tensor,
+             mod_single: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        h, c = state
+        for block in net.transformer_blocks[1:]:
+            h, c = double_block(block, h, c, mod_img, mod_txt, (cos, sin), keys)
+        u = torch.cat([c, h], dim=1)
+        for block in net.single_transformer_blocks:
+            u = single_block(block, u, mod_single, (cos, sin), keys)
+        return u[:, length:length + tokens]
+    return Blocks(first, rest, lambda state: state[0][:, :tokens])
+
+
 def split_mod(mod: torch.Tensor, sets: int) -> tuple[tuple[torch.Tensor, ...], ...]:
     """A modulation [n, 3 * sets * dim] as `sets` (shift, scale, gate) triples of [n, 1, dim]."""
     parts = mod.unsqueeze(1).chunk(3 * sets, dim=-1)
@@ -317,9 +343,9 @@ class Flux2KleinFamily(TokenFamily):
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
                            CHECKPOINTS["flux.2-klein"], is_random=True)
 
-    # -- reference images: the group key's first element is the rows' reference-token bucket ---------------
+    # -- capabilities (references, step cache); the group key's first element is the reference-token bucket ---
     def capabilities(self) -> tuple[Capability, ...]:
-        return (ReferenceImages(self.token_bucket),)
+        return (ReferenceImages(self.token_bucket), TokenStepCache(lambda m: int(m.denoiser.inner_dim)))
 
     def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
                   prepared: Mapping[str, Any] | None = None, tiling: bool = False) -> GroupKey:
@@ -421,7 +447,10 @@ class Flux2KleinFamily(TokenFamily):
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """The velocity of rows x [n, image tokens, 128] at timesteps t (sigma * 1000) [n]:
         Flux2Transformer2DModel's blocks on [512 text tokens, image tokens] with each row's positions and its bucket
-        padding masked (see the module's docstring); padding tokens out as 0."""
+        padding masked (see the module's docstring); padding tokens out as 0. Step cache rows: token_cache.py."""
+        cached = cached_denoise(lambda *a: self.denoise(model, *a), x, t, cond, rows)  # TaylorSeer rows
+        if cached is not None:
+            return cached
         net = model.denoiser
         image_mask, positions = rows["image_mask"], rows["positions"]
         text = cond["embeds"]
@@ -450,12 +479,9 @@ class Flux2KleinFamily(TokenFamily):
 
         h = net.x_embedder(torch.cat([x.to(net.dtype), rows["ref_tokens"].to(net.dtype)], dim=1))
         c = net.context_embedder(text.to(net.dtype))
-        for block in net.transformer_blocks:
-            h, c = double_block(block, h, c, mod_img, mod_txt, rope, keys)
-        u = torch.cat([c, h], dim=1)
-        for block in net.single_transformer_blocks:
-            u = single_block(block, u, mod_single, rope, keys)
-        out = net.proj_out(net.norm_out(u[:, length:length + tokens], temb))  # the references' outputs dropped
+        image = run_blocks(blocks(net, tokens, length), (h, c), (mod_img, mod_txt, mod_single, *rope, keys),
+                           image_mask, rows.get("fbc.step"))  # first-block rows
+        out = net.proj_out(net.norm_out(image, temb))  # the references' outputs dropped
         return out * image_mask.unsqueeze(-1)
 
 

@@ -20,7 +20,7 @@ that need it (padded with forecast ones, whose outputs are replaced), every shap
 alone, and a step with cache rows replays the CUDA graph of its key (registered and captured at its first use), with
 no device sync. The kept terms are one per-row field (`taylor.terms`, [2, 3, tokens, C] fp32: per CFG branch F, D1,
 D2), read and written for every row of the step with static-shaped gathers and scatters, compacted, saved and
-restored with the row.
+restored with the row; lazy: a group holds it once a TaylorSeer row is admitted there (`FieldSpec.lazy`).
 
 {"method": "first_block", "threshold": t} is the data-dependent method (first_block_cache.py); the capability's row
 feature holds both (`first_block_cache.StepCacheRows`), and a request uses one.
@@ -210,7 +210,8 @@ def request_cache(request: GenerationRequest, default: str | TaylorSeer) -> Tayl
 
 
 class TokenStepCache(Capability):
-    """`step_cache` on a token family whose denoiser calls `cached_denoise` (the family registers it)."""
+    """`step_cache` on a token family whose denoiser calls `cached_denoise` and runs its blocks through
+    `first_block_cache.run_blocks` (the family registers it); `width` gives a model's hidden width (the blocks')."""
 
     name = NAME
     params = (Param(NAME, None, read_token_cache, "per-row step caching: \"off\", \"auto\" or {\"method\": "
@@ -218,11 +219,14 @@ class TokenStepCache(Capability):
                                                   "{\"method\": \"first_block\", \"threshold\": t}"),)
     settings = StepCacheSettings
 
+    def __init__(self, width: Callable[[Any], int]):
+        self._width = width
+
     def feature(self, model: Any, settings: Any) -> RowFeature:
         default = read_default(settings.step_cache)
         taylor = TaylorRows(default)
         first = first_block_cache.FirstBlockRows(lambda request: request_cache(request, default),
-                                                 int(model.denoiser.config.dim), model.dtype)
+                                                 self._width(model), model.dtype)
         return first_block_cache.StepCacheRows(NAME, taylor, first, taylor.asked_by)
 
     def defaults(self, settings: Any) -> dict[str, Any]:
@@ -240,7 +244,7 @@ class TaylorRows(RowFeature):
         self.asked_by = (NAME, (None, "off")) if default == "off" else None
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
-        return {"taylor.terms": FieldSpec((2, 3, *latent_shape), torch.float32)}
+        return {"taylor.terms": FieldSpec((2, 3, *latent_shape), torch.float32, lazy=True)}
 
     def columns(self) -> tuple[str, ...]:
         return COLUMNS
@@ -290,4 +294,4 @@ class TaylorRows(RowFeature):
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
         if not isinstance(part, TaylorKey):
             return {}
-        return {"taylor.key": part, "taylor.state": taylor_state(view, view.fields["taylor.terms"].flatten(0, 1))}
+        return {"taylor.key": part, "taylor.state": taylor_state(view, view.lazy("taylor.terms").flatten(0, 1))}

@@ -21,7 +21,8 @@ other step variant, and compiled in the compile tier; `StepCacheRows.graphed`, o
 on a GPU the graphed steps did not match the eager ones). The deep path runs over the rows that need
 it, padded with rows that reuse their feature (their extra deep output is dropped). The kept features are one
 per-row field (`cache.deep`, [2, F]: per CFG branch, flattened, F the largest feature of any branch), read and
-written with gathers and scatters of static shape, compacted, saved and restored with the row. A step with per-row
+written with gathers and scatters of static shape, compacted, saved and restored with the row (lazy: a group holds
+it once a cache row is admitted there, `FieldSpec.lazy`). A step with per-row
 denoiser state (LoRA rows, image prompts) runs every row through the deep path (its key's stages say None) and only
 replaces the reused features.
 """
@@ -440,7 +441,7 @@ class StepCacheRows(RowFeature):
 
     def fields(self, latent_shape: tuple[int, ...]) -> dict[str, FieldSpec]:
         size = max(math.prod(s) for s in branch_shapes(self._unet, latent_shape))
-        return {"cache.deep": FieldSpec((2, size), self._dtype)}
+        return {"cache.deep": FieldSpec((2, size), self._dtype, lazy=True)}
 
     def columns(self) -> tuple[str, ...]:
         return ("cache.branch", "cache.reuse")
@@ -493,7 +494,7 @@ class StepCacheRows(RowFeature):
     def denoiser_inputs(self, view: StepView, part: Any = None) -> dict[str, Any]:
         if not isinstance(part, CacheKey):
             return {}
-        return {"cache.key": part, "cache.rows": cache_rows(view, view.fields["cache.deep"].flatten(0, 1))}
+        return {"cache.key": part, "cache.rows": cache_rows(view, view.lazy("cache.deep").flatten(0, 1))}
 
 
 def family_denoise(model: Any, x: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, rows: dict[str, Any],

@@ -41,7 +41,7 @@ from ...request import GenerationRequest
 from ..model import DiffusionModel
 from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from .base import Conditioning, CondSpec
-from .first_block_cache import run_blocks
+from .first_block_cache import run_blocks, sequential
 from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
@@ -282,7 +282,7 @@ class ZImageFamily(TokenFamily):
 
     # -- guidance ---------------------------------------------------------------------------------------------
     def capabilities(self) -> tuple[Capability, ...]:
-        return (GuidanceShaping(), TokenStepCache())  # TaylorSeer and first-block rows (token_cache.py)
+        return (GuidanceShaping(), TokenStepCache(lambda m: int(m.denoiser.config.dim)))  # TaylorSeer and first-block rows (token_cache.py)
 
     def features(self, model: DiffusionModel, *args: Any, **kwargs: Any) -> tuple[RowFeature, ...]:
         """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's."""
@@ -374,7 +374,8 @@ class ZImageFamily(TokenFamily):
         u = torch.cat([h, c], dim=1)
         keys = torch.cat([image_keys, text_keys], dim=1)
         freqs = torch.cat([image_freqs, text_freqs], dim=1)
-        u = run_blocks(net.layers, u, (keys, freqs, adaln), image_mask, rows.get("fbc.step"))  # first-block rows
-        out = net.all_final_layer[f"{self.patch}-1"](u[:, :tokens], c=adaln)
+        image = run_blocks(sequential(net.layers, tokens), u, (keys, freqs, adaln), image_mask,
+                           rows.get("fbc.step"))  # first-block rows
+        out = net.all_final_layer[f"{self.patch}-1"](image, c=adaln)
         return -out * real
 
