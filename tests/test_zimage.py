@@ -108,6 +108,23 @@ def test_turbo_equals_the_pipeline_without_guidance(folders, turbo):
     assert turbo.stats["prompt_cache_misses"] == misses and np.array_equal(again, got)
 
 
+def test_a_step_gathers_the_rows_rotary_tables_and_builds_none(turbo, monkeypatch):
+    """A row's RoPE tables are per-row state, built with its group's per-size fields (the image grid's table and the
+    text slot's: two embedder calls, two more where the group's buffers are new), never in a step: a request of 3
+    steps and one of 6 build the same tables (a step that built them would make 6 and 12 calls)."""
+    rope = type(turbo.model.denoiser.rope_embedder)
+    built, steps = [], []
+    embed, denoise = rope.__call__, turbo.runner.denoise_eager
+    monkeypatch.setattr(rope, "__call__", lambda self, ids: built.append(tuple(ids.shape)) or embed(self, ids))
+    monkeypatch.setattr(turbo.runner, "denoise_eager", lambda *a: steps.append(1) or denoise(*a))
+    request = dict(prompt="a red fox", height=96, width=112, seed=3)  # a size no other test runs
+    images_together(turbo, [dict(request, num_inference_steps=3)])
+    first = len(built)
+    assert len(steps) == 3 and first in (2, 4)
+    images_together(turbo, [dict(request, num_inference_steps=6, seed=4)])
+    assert len(steps) == 9 and len(built) - first == first
+
+
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, turbo):
     """Prompts of 2 and 30 words, three sizes of one token bucket, 2/3/4 steps, guidance off and on with a negative
     prompt: submitted together, each equals diffusers' image of its request alone."""
