@@ -125,6 +125,21 @@ def test_a_step_gathers_the_rows_rotary_tables_and_builds_none(turbo, monkeypatc
     assert len(steps) == 9 and len(built) - first == first
 
 
+def test_a_request_s_plan_is_made_once_for_the_runner_and_the_guidance(turbo, monkeypatch):
+    """The guidance feature reads a request's sigmas (cfg_truncation) from the runner's own planner: a request of a
+    new (sampler, steps, size) makes its flow plan once, not once per planner; the same again makes none."""
+    from diffgraph.models.families import tokens
+
+    made = []
+    flow_plan = tokens.flow_plan
+    monkeypatch.setattr(tokens, "flow_plan", lambda *a, **k: made.append(a[3]) or flow_plan(*a, **k))
+    request = dict(prompt="a red fox", height=112, width=96, num_inference_steps=5, seed=3)  # a key no other test
+    images_together(turbo, [request])
+    assert made == [5]
+    images_together(turbo, [dict(request, seed=4)])
+    assert made == [5]
+
+
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, turbo):
     """Prompts of 2 and 30 words, three sizes of one token bucket, 2/3/4 steps, guidance off and on with a negative
     prompt: submitted together, each equals diffusers' image of its request alone."""

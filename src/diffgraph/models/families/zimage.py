@@ -286,8 +286,9 @@ class ZImageFamily(TokenFamily):
         return (GuidanceShaping(), TokenStepCache())  # TaylorSeer and first-block rows (token_cache.py)
 
     def features(self, model: DiffusionModel, *args: Any, **kwargs: Any) -> tuple[RowFeature, ...]:
-        """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's."""
-        plan = self.planner(model)
+        """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's, which
+        reads a request's sigmas from the runner's planner (`planner`: its plans made once for both)."""
+        plan = kwargs.get("planner") or self.planner(model)
 
         def sigmas(request: GenerationRequest) -> np.ndarray:
             return np.asarray(plan(request.sampler, request.schedule, request.num_inference_steps,
