@@ -97,6 +97,24 @@ def test_true_cfg_equals_the_pipeline_with_and_without_a_negative_prompt(folder,
     assert np.abs(got[1] - blank).max() > 0  # " " is not ""
 
 
+def test_a_step_gathers_the_rows_rotary_tables_and_builds_none(qwen, monkeypatch):
+    """A row's RoPE tables are per-row state, built with its group's per-size fields (once, twice where the group's
+    buffers are new), never in a step: a request of 2 steps and one of 4 build the same tables (a step that built
+    them would make 2 and 4)."""
+    from diffgraph.models.families import qwen_image
+
+    built, steps = [], []
+    row_rope, denoise = qwen_image.row_rope, qwen.runner.denoise_eager
+    monkeypatch.setattr(qwen_image, "row_rope", lambda *a: built.append(1) or row_rope(*a))
+    monkeypatch.setattr(qwen.runner, "denoise_eager", lambda *a: steps.append(1) or denoise(*a))
+    request = dict(prompt="a red fox", height=80, width=64, guidance_scale=1.0, seed=3)  # a size no other test runs
+    images_together(qwen, [dict(request, num_inference_steps=2)])
+    first = len(built)
+    assert len(steps) == 2 and first in (1, 2)
+    images_together(qwen, [dict(request, num_inference_steps=4, seed=4)])
+    assert len(steps) == 6 and len(built) - first == first
+
+
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folder, qwen):
     """Prompts of 2 and 30 words, three sizes of one token bucket, 2/3 steps, guidance off, on without a negative
     prompt and on with one: submitted together, each equals diffusers' image of its request alone."""
