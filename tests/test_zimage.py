@@ -487,6 +487,24 @@ def test_a_graphed_size_above_the_native_area_decodes_eagerly(folders):
     assert np.abs(got - oracle(pipe, "a red fox", (128, 128), 2, 1.0, 5)).max() <= 1
 
 
+def test_the_prewarm_captures_each_distinct_graph_once(monkeypatch):
+    """In graph mode (the emulated backend) the prewarm of the tiny preset captures each (kind, group, bucket) of
+    the graph table once: the step's at each text slot (its rows read that many prompt tokens: a graph of its own
+    shape) and bucket, the VAE decoder's and encoder's at each bucket; 3 x 2 + 2 + 2 captures."""
+    from diffgraph.config import GraphConfig
+    from diffgraph.graphs.runner import GraphRunner
+
+    captured = []
+    capture = GraphRunner.capture
+    monkeypatch.setattr(GraphRunner, "capture", lambda self, key: captured.append(key) or capture(self, key))
+    graphs = GraphConfig(resolutions=((64, 64),), batch_buckets=(1, 2), backend="emulated")
+    with Engine(model="random:zimage-tiny", device="cpu", mode="graph", graphs=graphs) as engine:
+        table = {(g["kind"], g["height"], g["width"], g["bucket"]) for g in engine.runner.graph_table()}
+    assert len(captured) == len(set(captured)) == len(table) == 10 and set(captured) == table
+    assert sorted(k for k in captured if k[0] == "step") == [
+        ("step", slot, 256, b) for slot in ZImageFamily.text_buckets for b in (1, 2)]
+
+
 def test_guidance_truncation_and_normalisation_as_the_pipeline(folders):
     """ZImagePipeline's cfg_truncation (guide only while 1 - sigma <= it) and cfg_normalization (the guided norm at most
     that ratio of the prompt branch's), per row: rows with and without them in one step each equal the pipeline."""
