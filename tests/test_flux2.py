@@ -106,6 +106,23 @@ def test_base_klein_equals_the_pipeline_with_guidance_and_a_negative_prompt(fold
     assert np.abs(want - oracle(pipe, "a red fox", size, 2, 1.0, 5)).max() > 3  # the guidance shows
 
 
+def test_a_step_gathers_the_rows_rotary_tables_and_builds_none(klein, monkeypatch):
+    """A row's RoPE tables are per-row state, built with its group's per-size fields (the image's, the text's and the
+    neutral references': three embedder calls, as many more where the group's buffers are new), never in a step: a
+    request of 2 steps and one of 4 build the same tables (a step that built them would make 4 and 8 calls)."""
+    embedder = type(klein.model.denoiser.pos_embed)
+    built, steps = [], []
+    forward, denoise = embedder.forward, klein.runner.denoise_eager
+    monkeypatch.setattr(embedder, "forward", lambda self, ids: built.append(1) or forward(self, ids))
+    monkeypatch.setattr(klein.runner, "denoise_eager", lambda *a: steps.append(1) or denoise(*a))
+    request = dict(prompt="a red fox", height=112, width=80, seed=3)  # a size no other test runs
+    images_together(klein, [dict(request, num_inference_steps=2)])
+    first = len(built)
+    assert len(steps) == 2 and first in (3, 6)
+    images_together(klein, [dict(request, num_inference_steps=4, seed=4)])
+    assert len(steps) == 6 and len(built) - first == first
+
+
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, base):
     """Prompts of 2 and 30 words, three sizes of one token bucket, 2/3/4 steps, guidance off, on without a negative
     prompt and on with one: submitted together, each equals diffusers' image of its request alone."""
