@@ -483,7 +483,8 @@ def test_a_graphed_size_above_the_native_area_decodes_eagerly(folders):
 def test_the_prewarm_captures_each_distinct_graph_once(monkeypatch):
     """In graph mode (the emulated backend) the prewarm of the tiny preset captures each (kind, group, bucket) of
     the graph table once: the step's at each text slot (its rows read that many prompt tokens: a graph of its own
-    shape) and bucket, the VAE decoder's and encoder's at each bucket; 3 x 2 + 2 + 2 captures."""
+    shape) and bucket, the VAE decoder's and encoder's at each bucket; 3 x 2 + 2 + 2 captures. A prewarm list's
+    image size brings the step graphs of its groups (each text slot's) at the listed bucket."""
     from diffgraph.config import GraphConfig
     from diffgraph.graphs.runner import GraphRunner
 
@@ -496,6 +497,12 @@ def test_the_prewarm_captures_each_distinct_graph_once(monkeypatch):
     assert len(captured) == len(set(captured)) == len(table) == 10 and set(captured) == table
     assert sorted(k for k in captured if k[0] == "step") == [
         ("step", slot, 256, b) for slot in ZImageFamily.text_buckets for b in (1, 2)]
+    captured.clear()  # a prewarm list names image sizes: a token family's step graphs of one are its groups'
+    graphs = GraphConfig(resolutions=((64, 64),), batch_buckets=(1, 2), backend="emulated", prewarm=((64, 64, 1),))
+    with Engine(model="random:zimage-tiny", device="cpu", mode="graph", graphs=graphs):
+        pass
+    assert sorted(captured) == sorted([("step", slot, 256, 1) for slot in ZImageFamily.text_buckets]
+                                      + [("vae", 64, 64, 1), ("vae_encode", 64, 64, 1)])
 
 
 def test_guidance_truncation_and_normalisation_as_the_pipeline(folders):

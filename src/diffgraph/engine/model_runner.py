@@ -144,7 +144,7 @@ class ModelRunner:
             with self.on_device():
                 for key in self.graph_runner.kinds["step"].resolutions():
                     self.buffers(key)
-                self.graph_runner.prewarm()
+                self.graph_runner.prewarm(self.group_keys)  # a listed size's step graphs are its groups'
                 if self.compiled and self.graph_config.prewarm is not True:  # never compile while serving
                     self.graph_runner.warm_pending()
             # what a copy of the cache folder needs to start warm (precompiled versions are their own files)
