@@ -44,3 +44,19 @@ def images_together(engine, requests: list[dict]) -> list:
     made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
     engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
     return [np.round(f.result(timeout=600).arrays[0] * 255).astype(np.int16) for f in futures]
+
+
+def calls_per_request(engine, monkeypatch, owner, name: str, request: dict, steps: tuple[int, ...]) -> list:
+    """(calls of `owner.name`, denoiser calls) made while `request` (`images_together` keywords) runs alone at each
+    step count of `steps` in turn, that function (a class's method or a module's function) and the runner's eager
+    denoiser patched to count."""
+    calls, steps_run = [], []
+    method, denoise = getattr(owner, name), engine.runner.denoise_eager
+    monkeypatch.setattr(owner, name, lambda *a: calls.append(1) or method(*a))
+    monkeypatch.setattr(engine.runner, "denoise_eager", lambda *a: steps_run.append(1) or denoise(*a))
+    out = []
+    for i, n in enumerate(steps):
+        before = (len(calls), len(steps_run))
+        images_together(engine, [dict(request, num_inference_steps=n, seed=i)])
+        out.append((len(calls) - before[0], len(steps_run) - before[1]))
+    return out

@@ -22,7 +22,7 @@ from diffgraph.models.families.flux2 import (CHECKPOINTS, SCHEDULER, checkpoint_
 from diffgraph.sampling.flow import FlowSchedule
 from diffgraph.models.qwen_tokenizer import qwen_tokenizer
 
-from loop_util import images_together
+from loop_util import calls_per_request, images_together
 
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 tokens (16 px cells): one bucket of 256
 
@@ -104,6 +104,16 @@ def test_base_klein_equals_the_pipeline_with_guidance_and_a_negative_prompt(fold
     want = oracle(pipe, "a red fox", size, 2, 3.0, 5, "snow at dusk")
     assert np.abs(got - want).max() <= 1
     assert np.abs(want - oracle(pipe, "a red fox", size, 2, 1.0, 5)).max() > 3  # the guidance shows
+
+
+def test_a_step_gathers_the_rows_rotary_tables_and_builds_none(klein, monkeypatch):
+    """A row's RoPE tables are per-row state, built with its group's per-size fields (the image's, the text's and the
+    neutral references': three embedder calls, as many more where the group's buffers are new), never in a step: a
+    request of 2 steps and one of 4 build no more than those (a step that built them would make 4 and 8 calls)."""
+    embedder = type(klein.model.denoiser.pos_embed)
+    request = dict(prompt="a red fox", height=112, width=80)  # a size no other test runs
+    (first, two), (again, four) = calls_per_request(klein, monkeypatch, embedder, "forward", request, (2, 4))
+    assert (two, four) == (2, 4) and first in (3, 6) and again <= first
 
 
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, base):

@@ -23,7 +23,7 @@ from diffgraph.models.qwen_tokenizer import qwen_tokenizer
 from diffgraph.sampling.flow import FlowSchedule
 from diffgraph.text.prepared import prepare
 
-from loop_util import images_together
+from loop_util import calls_per_request, images_together
 
 SIZES = [(64, 64), (64, 96), (96, 64)]  # 16, 24 and 24 tokens (16 px each): one bucket of 256
 
@@ -95,6 +95,17 @@ def test_true_cfg_equals_the_pipeline_with_and_without_a_negative_prompt(folder,
     assert np.abs(got[1] - plain).max() > 3
     blank = oracle(pipe, "a red fox", (64, 64), 2, 4.0, 5, negative="")
     assert np.abs(got[1] - blank).max() > 0  # " " is not ""
+
+
+def test_a_step_gathers_the_rows_rotary_tables_and_builds_none(qwen, monkeypatch):
+    """A row's RoPE tables are per-row state, built with its group's per-size fields (once, twice where the group's
+    buffers are new), never in a step: a request of 2 steps and one of 4 build no more than those (a step that built
+    them would make 2 and 4)."""
+    from diffgraph.models.families import qwen_image
+
+    request = dict(prompt="a red fox", height=80, width=64, guidance_scale=1.0)  # a size no other test runs
+    (first, two), (again, four) = calls_per_request(qwen, monkeypatch, qwen_image, "row_rope", request, (2, 4))
+    assert (two, four) == (2, 4) and first in (1, 2) and again <= first
 
 
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folder, qwen):

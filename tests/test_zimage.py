@@ -21,7 +21,7 @@ from diffgraph.models.families.zimage import CHECKPOINTS, ZImageFamily, checkpoi
 from diffgraph.models.qwen_tokenizer import chat_template, qwen_tokenizer
 from diffgraph.text.prepared import prepare
 
-from loop_util import images_together
+from loop_util import calls_per_request, images_together
 
 SIZES = [(128, 128), (96, 160), (160, 96)]  # 64, 60 and 60 image tokens (2x2 cells of 8x latents): one bucket
 
@@ -106,6 +106,31 @@ def test_turbo_equals_the_pipeline_without_guidance(folders, turbo):
     again = images_together(turbo, [dict(prompt="a red fox in the snow", height=128, width=128, num_inference_steps=3,
                                   seed=7)])[0]
     assert turbo.stats["prompt_cache_misses"] == misses and np.array_equal(again, got)
+
+
+def test_a_step_gathers_the_rows_rotary_tables_and_builds_none(turbo, monkeypatch):
+    """A row's RoPE tables are per-row state, built with its group's per-size fields (the image grid's table and the
+    text slot's: two embedder calls, two more where the group's buffers are new), never in a step: a request of 3
+    steps and one of 6 build no more than those (a step that built them would make 6 and 12 calls)."""
+    rope = type(turbo.model.denoiser.rope_embedder)
+    request = dict(prompt="a red fox", height=96, width=112)  # a size no other test runs
+    (first, three), (again, six) = calls_per_request(turbo, monkeypatch, rope, "__call__", request, (3, 6))
+    assert (three, six) == (3, 6) and first in (2, 4) and again <= first
+
+
+def test_a_request_s_plan_is_made_once_for_the_runner_and_the_guidance(turbo, monkeypatch):
+    """The guidance feature reads a request's sigmas (cfg_truncation) from the runner's own planner: a request of a
+    new (sampler, steps, size) makes its flow plan once, not once per planner; the same again makes none."""
+    from diffgraph.models.families import tokens
+
+    made = []
+    flow_plan = tokens.flow_plan
+    monkeypatch.setattr(tokens, "flow_plan", lambda *a, **k: made.append(a[3]) or flow_plan(*a, **k))
+    request = dict(prompt="a red fox", height=112, width=96, num_inference_steps=5, seed=3)  # a key no other test
+    images_together(turbo, [request])
+    assert made == [5]
+    images_together(turbo, [dict(request, seed=4)])
+    assert made == [5]
 
 
 def test_mixed_rows_share_a_step_and_each_equals_the_pipeline(folders, turbo):
@@ -453,6 +478,31 @@ def test_a_graphed_size_above_the_native_area_decodes_eagerly(folders):
         got = images_together(engine, [dict(prompt="a red fox", height=128, width=128, num_inference_steps=2,
                                             seed=5)])[0]
     assert np.abs(got - oracle(pipe, "a red fox", (128, 128), 2, 1.0, 5)).max() <= 1
+
+
+def test_the_prewarm_captures_each_distinct_graph_once(monkeypatch):
+    """In graph mode (the emulated backend) the prewarm of the tiny preset captures each (kind, group, bucket) of
+    the graph table once: the step's at each text slot (its rows read that many prompt tokens: a graph of its own
+    shape) and bucket, the VAE decoder's and encoder's at each bucket; 3 x 2 + 2 + 2 captures. A prewarm list's
+    image size brings the step graphs of its groups (each text slot's) at the listed bucket."""
+    from diffgraph.config import GraphConfig
+    from diffgraph.graphs.runner import GraphRunner
+
+    captured = []
+    capture = GraphRunner.capture
+    monkeypatch.setattr(GraphRunner, "capture", lambda self, key: captured.append(key) or capture(self, key))
+    graphs = GraphConfig(resolutions=((64, 64),), batch_buckets=(1, 2), backend="emulated")
+    with Engine(model="random:zimage-tiny", device="cpu", mode="graph", graphs=graphs) as engine:
+        table = {(g["kind"], g["height"], g["width"], g["bucket"]) for g in engine.runner.graph_table()}
+    assert len(captured) == len(set(captured)) == len(table) == 10 and set(captured) == table
+    assert sorted(k for k in captured if k[0] == "step") == [
+        ("step", slot, 256, b) for slot in ZImageFamily.text_buckets for b in (1, 2)]
+    captured.clear()  # a prewarm list names image sizes: a token family's step graphs of one are its groups'
+    graphs = GraphConfig(resolutions=((64, 64),), batch_buckets=(1, 2), backend="emulated", prewarm=((64, 64, 1),))
+    with Engine(model="random:zimage-tiny", device="cpu", mode="graph", graphs=graphs):
+        pass
+    assert sorted(captured) == sorted([("step", slot, 256, 1) for slot in ZImageFamily.text_buckets]
+                                      + [("vae", 64, 64, 1), ("vae_encode", 64, 64, 1)])
 
 
 def test_guidance_truncation_and_normalisation_as_the_pipeline(folders):

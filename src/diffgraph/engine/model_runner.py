@@ -105,7 +105,7 @@ class ModelRunner:
             if self.max_chunks > 1 or controls or image_prompts else {}
         # the registered capabilities the model has (features/capability.py): their row features after the family's
         self.capabilities = capabilities if capabilities is not None else Capabilities().for_model(model, {})
-        self.program = StepProgram(self.adapter.features(model, side_paths, **extra)
+        self.program = StepProgram(self.adapter.features(model, side_paths, **extra, planner=self._planner)
                                    + self.capabilities.features(model))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code
@@ -144,7 +144,7 @@ class ModelRunner:
             with self.on_device():
                 for key in self.graph_runner.kinds["step"].resolutions():
                     self.buffers(key)
-                self.graph_runner.prewarm()
+                self.graph_runner.prewarm(self.group_keys)  # a listed size's step graphs are its groups'
                 if self.compiled and self.graph_config.prewarm is not True:  # never compile while serving
                     self.graph_runner.warm_pending()
             # what a copy of the cache folder needs to start warm (precompiled versions are their own files)

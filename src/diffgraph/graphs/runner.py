@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -211,18 +211,21 @@ class GraphRunner:
         return dropped
 
     # -- capture -------------------------------------------------------------------------------
-    def prewarm(self) -> None:
+    def prewarm(self, groups: Callable[[tuple[int, int]], tuple[tuple, ...]] | None = None) -> None:
         """Captures the prewarm list, largest bucket first. `config.prewarm` True means every key; a list of
         (height, width, bucket) step keys (bucket 0: all buckets) also brings the text and VAE graphs of
-        those buckets (the VAE's at that resolution)."""
+        those buckets (the VAE's at that resolution); `groups`: the step groups of an image size where they are not
+        the size itself (a token family's text slots and token bucket)."""
         wanted = self.config.prewarm
         if wanted is False:
             return
+        sizes = {} if wanted is True else {(wh, ww): {(wh, ww), *(groups((wh, ww)) if groups else ())}
+                                           for wh, ww, _ in wanted}
         for kind, g in self.kinds.items():
             for (h, w) in g.resolutions():
                 for b in sorted(g.buckets(), reverse=True):
                     if wanted is not True and not any(
-                            (kind == "text" or (wh, ww) == (h, w)) and wb in (0, b) for wh, ww, wb in wanted):
+                            (kind == "text" or (h, w) in sizes[wh, ww]) and wb in (0, b) for wh, ww, wb in wanted):
                         continue
                     if self.stats[(kind, h, w, b)].status == "pending":
                         self.capture((kind, h, w, b))

@@ -353,11 +353,13 @@ class FamilyAdapter:
 
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
                  max_chunks: int = 1, controls: ControlSlots | None = None,
-                 image_prompts: ImagePromptSource | None = None) -> tuple[RowFeature, ...]:
+                 image_prompts: ImagePromptSource | None = None,
+                 planner: Planner | None = None) -> tuple[RowFeature, ...]:
         """The row features of this family's step, in order (features/): guidance (classifier-free, embedded for
         guidance-distilled UNets, or none where `guidance` says "none"), the samplers' history slots, edits' rows,
         LoRA rows (`side_paths`), ControlNet and image-prompt rows (`controls`, `image_prompts`), the prompt context
-        (up to `max_chunks` 77-token windows)."""
+        (up to `max_chunks` 77-token windows). `planner`: the runner's own (`planner`'s), for a family feature that
+        reads a request's plan, so that its plans are made and cached once (None: such a family makes its own)."""
         dim = self._lcm_dim(model)
         out: list[RowFeature] = []
         if dim is not None:

@@ -14,10 +14,10 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
     cell (`patch` 1) with its 128 channels, in row-major order (the pipeline's `_pack_latents`); the decode
     denormalises, unpatchifies to [32, H/8, W/8] and runs the VAE;
   * the transformer reads text tokens then image tokens with 4-axis RoPE positions (t, h, w, l): text token k at
-    (0, 0, 0, k), image token (r, c) at (0, r, c, 0). `denoise` builds them from the rows' tensors (each row's grid
-    positions) and runs the blocks with a per-row rotary table and the bucket's padding tokens masked out of
-    attention (`Flux2Transformer2DModel.forward` takes one set of ids for the whole batch), so a row's output never
-    depends on its companions and one replay serves any mix;
+    (0, 0, 0, k), image token (r, c) at (0, r, c, 0). Each row carries their RoPE tables, made once per size
+    (`rope_rows`; its references' at admission), and `denoise` runs the blocks with those per-row tables and the
+    bucket's padding tokens masked out of attention (`Flux2Transformer2DModel.forward` takes one set of ids for the
+    whole batch), so a row's output never depends on its companions and one replay serves any mix;
   * reference images (`reference_images`, flux2_refs.py): each reference's VAE tokens follow the image's in the image
     stream at (10 + 10 i, r, c, 0), attending and attended, their outputs dropped. The group key's first element,
     a text slot in other token families (every row here reads all 512 text tokens), is the rows' reference tokens
@@ -62,7 +62,7 @@ from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
 from .first_block_cache import Blocks, run_blocks
-from .flux2_refs import NAME as REFERENCES, ReferenceImages, reference_bucket
+from .flux2_refs import NAME as REFERENCES, ReferenceImages, reference_bucket, rotary
 from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
@@ -362,12 +362,25 @@ class Flux2KleinFamily(TokenFamily):
     def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
         """The token families' positions and image mask, and the group's reference slots, neutral (no reference:
         masked out); a request's references overwrite them at admission (flux2_refs.py `ReferenceRows`):
-        `ref_tokens` [refs, 128], `ref_ids` [refs, 3] as (time, row, column), `ref_mask` [refs]."""
+        `ref_tokens` [refs, 128], `ref_ids` [refs, 3] as (time, row, column), their RoPE tables `ref_cos` and
+        `ref_sin` [refs, head_dim], `ref_mask` [refs]."""
         refs, device = key[0], model.device
+        ids = torch.full((refs, 3), -1, dtype=torch.int64, device=device)
+        cos, sin = rotary(model.denoiser, ids)
         return {**super().row_spec(model, key, size),
                 "ref_tokens": torch.zeros((refs, model.latent_channels), dtype=model.dtype, device=device),
-                "ref_ids": torch.full((refs, 3), -1, dtype=torch.int64, device=device),
+                "ref_ids": ids, "ref_cos": cos, "ref_sin": sin,
                 "ref_mask": torch.zeros(refs, dtype=torch.bool, device=device)}
+
+    def rope_rows(self, model: DiffusionModel, spec: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A row's RoPE tables `rope_cos` and `rope_sin` [512 text + image tokens, head_dim] (text token k at (0, 0,
+        0, k), image token (r, c) at (0, r, c, 0), its padding at 0), which depend on its size alone: made with its
+        other per-size fields, gathered by the step."""
+        net, positions = model.denoiser, spec["positions"]
+        cos, sin = rotary(net, torch.cat([torch.zeros_like(positions[:, :1]), positions], dim=-1))
+        k = torch.arange(self.text_tokens, device=positions.device)
+        text_cos, text_sin = net.pos_embed(torch.stack([torch.zeros_like(k)] * 3 + [k], dim=-1))
+        return {"rope_cos": torch.cat([text_cos, cos]), "rope_sin": torch.cat([text_sin, sin])}
 
     # -- the checkpoint's defaults and guidance ------------------------------------------------------------
     def default_steps(self, model: DiffusionModel) -> int | None:
@@ -452,20 +465,12 @@ class Flux2KleinFamily(TokenFamily):
         if cached is not None:
             return cached
         net = model.denoiser
-        image_mask, positions = rows["image_mask"], rows["positions"]
-        text = cond["embeds"]
+        image_mask, text = rows["image_mask"], cond["embeds"]
         n, tokens = image_mask.shape
         length = text.shape[1]
 
-        # the image stream: the image's tokens at (0, row, column, 0), then the references' at (time, row, column, 0)
-        zero = torch.zeros_like(positions[..., :1])
-        image_ids = torch.cat([torch.cat([zero, positions.clamp(min=0)], dim=-1), rows["ref_ids"].clamp(min=0)], dim=1)
-        image_ids = torch.cat([image_ids, torch.zeros_like(image_ids[..., :1])], dim=-1)
-        k = torch.arange(length, device=x.device)
-        text_ids = torch.stack([torch.zeros_like(k)] * 3 + [k], dim=-1)
-        image_rope = [f.reshape(n, image_ids.shape[1], -1) for f in net.pos_embed(image_ids.reshape(-1, 4))]
-        text_rope = [f.unsqueeze(0).expand(n, -1, -1) for f in net.pos_embed(text_ids)]
-        rope = tuple(torch.cat([a, b], dim=1) for a, b in zip(text_rope, image_rope))
+        # the rows' RoPE tables (`rope_rows`): text, image tokens, then the references' (written at admission)
+        rope = tuple(torch.cat([rows[f"rope_{f}"], rows[f"ref_{f}"]], dim=1) for f in ("cos", "sin"))
         keys = torch.cat([torch.ones((n, length), dtype=torch.bool, device=x.device), image_mask, rows["ref_mask"]],
                          dim=1)
         keys = keys[:, None, None, :]

@@ -130,6 +130,14 @@ class ReferenceImages(Capability):
         return ReferenceRows(model, self.bucket)
 
 
+def rotary(net: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [..., head_dim] of image-stream positions [..., 3] as (time, row, column) (padding at -1: read at
+    0), the transformer's fourth axis (the text's) at 0: what its `pos_embed` gives them."""
+    ids = ids.clamp(min=0)
+    cos, sin = net.pos_embed(torch.cat([ids, torch.zeros_like(ids[..., :1])], dim=-1).reshape(-1, 4))
+    return cos.reshape(*ids.shape[:-1], cos.shape[-1]), sin.reshape(*ids.shape[:-1], sin.shape[-1])
+
+
 def encode(model: Any, pixels: torch.Tensor) -> torch.Tensor:
     """A reference's pixels [1, 3, h, w] -> its tokens [h/16 * w/16, 128] as the pipeline's `_encode_vae_image`: the
     posterior's mode, patchified 2x2, normalised by the VAE's batch-norm statistics, row-major. Above the native
@@ -147,8 +155,8 @@ def encode(model: Any, pixels: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceRows(RowFeature):
-    """Writes a request's reference tokens, their positions and mask into its rows' `rows.ref_*` fields (the family
-    declares them in `row_spec`, neutral: no reference) at admission, on the engine loop."""
+    """Writes a request's reference tokens, their positions, RoPE tables and mask into its rows' `rows.ref_*` fields
+    (the family declares them in `row_spec`, neutral: no reference) at admission, on the engine loop."""
 
     name = NAME
 
@@ -185,4 +193,7 @@ class ReferenceRows(RowFeature):
                                               c.reshape(-1)], dim=1)
             mask[0, start:stop] = True
             start = stop
-        return {"rows.ref_tokens": tokens, "rows.ref_ids": ids.to(device), "rows.ref_mask": mask.to(device)}
+        ids = ids.to(device)
+        cos, sin = rotary(self.model.denoiser, ids)  # the references' RoPE tables, made once for the row's life
+        return {"rows.ref_tokens": tokens, "rows.ref_ids": ids, "rows.ref_mask": mask.to(device),
+                "rows.ref_cos": cos, "rows.ref_sin": sin}

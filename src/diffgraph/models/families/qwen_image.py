@@ -11,9 +11,9 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
     channels per token in Flux's order (channel, patch row, patch column), the seed's noise drawn in that shape;
   * the transformer reads text tokens then image tokens with 3-axis RoPE (frame, row, column), centred: image token
     (r, c) of an h x w grid at (0, r - (h - h // 2), c - (w - w // 2)), text token k at (m + k) on every axis, m =
-    max(h // 2, w // 2). diffusers' embedder takes one image size per batch; `denoise` builds each row's tables from its
-    own grid (its `positions`) and runs the blocks with the text slot's padding and the bucket's slack masked out of
-    attention, so a row's output never depends on its companions;
+    max(h // 2, w // 2). diffusers' embedder takes one image size per batch; each row carries the tables of its own
+    grid, made once per size and text slot (`rope_rows`), and `denoise` runs the blocks with the text slot's
+    padding and the bucket's slack masked out of attention, so a row's output never depends on its companions;
   * timesteps: the model reads sigma (t / 1000) and predicts the velocity;
   * the schedule: sigmas linspace(1, 1 / steps) shifted by exp(mu), mu linear in the image's tokens (the scheduler
     config's base / max shift and sequence lengths), stretched so the last is `shift_terminal` (0.02), as
@@ -363,6 +363,13 @@ class QwenImageFamily(TokenFamily):
         return cond
 
     # -- the denoiser ------------------------------------------------------------------------------------
+    def rope_rows(self, model: DiffusionModel, spec: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A row's RoPE tables (`row_rope`: cos and sin [slot + tokens, head_dim], text first), which depend on its
+        size and the group's text slot alone: made with its other per-size fields, gathered by the step."""
+        cos, sin = row_rope(model.denoiser, spec["positions"][None], spec["image_mask"][None],
+                            spec["text_positions"].shape[0])
+        return {"rope_cos": cos[0], "rope_sin": sin[0]}
+
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """The velocity of rows x [n, image tokens, 64] at timesteps t (sigma * 1000) [n]: the transformer's blocks
@@ -372,7 +379,7 @@ class QwenImageFamily(TokenFamily):
         image_mask = rows["image_mask"]
         slot = rows["text_positions"].shape[1]  # the group's text slot: the conditioning's first tokens
         text_mask, embeds = cond["mask"][:, :slot], cond["embeds"][:, :slot]
-        rope = row_rope(net, rows["positions"], image_mask, slot)
+        rope = rows["rope_cos"], rows["rope_sin"]  # the rows' own tables (`rope_rows`)
         keys = torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]
 
         h = net.img_in(x.to(net.dtype))

@@ -166,7 +166,8 @@ class TokenFamily(FamilyAdapter):
     def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
         """Each token's grid position (row, column) and whether it is the image's; padding at (-1, -1), False. With
         text buckets also `text_positions`, the prompt token positions 0..slot-1 the group's rows read (its length
-        is the slot: the denoiser reads the conditioning's first `slot` tokens)."""
+        is the slot: the denoiser reads the conditioning's first `slot` tokens), and the family's rotary tables of
+        such a row (`rope_rows`)."""
         total = key[1]
         slot = {"text_positions": torch.arange(self.text_slot(key), device=model.device)} if self.text_buckets \
             else {}
@@ -177,7 +178,13 @@ class TokenFamily(FamilyAdapter):
             rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
             positions[:gh * gw] = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=1)
             mask[:gh * gw] = True
-        return {"positions": positions.to(model.device), "image_mask": mask.to(model.device), **slot}
+        spec = {"positions": positions.to(model.device), "image_mask": mask.to(model.device), **slot}
+        return {**spec, **self.rope_rows(model, spec)}
+
+    def rope_rows(self, model: DiffusionModel, spec: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The family's rotary tables of a row of the group and size of `spec` (`row_spec`'s fields), made once per
+        (group, size) as the other per-size fields are, so that a step only gathers them by row; {}: none."""
+        return {}
 
     # -- sampling ------------------------------------------------------------------------------------
     def planner(self, model: DiffusionModel) -> Planner:

@@ -10,9 +10,10 @@ What diffusers' `ZImagePipeline` does, and how rows of different prompts and siz
     multiple of 32 with a learnt pad token, then its caption tokens padded to a multiple of 32 with another; the pad
     tokens attend like real ones. RoPE positions are 3-axis: caption token k at (1 + k, 0, 0), image token (r, c) at
     (padded caption length + 1, r, c), image pad tokens at (0, 0, 0). diffusers builds that sequence from Python
-    lengths; `denoise` builds it from the rows' tensors (the caption length from the row's mask, the image's from its
-    `image_mask`), with the bucket's slack beyond each row's padded lengths masked out of attention, so a row's
-    output never depends on its companions and one replay serves any mix;
+    lengths; here each row carries its rotary tables and image keys, made once per size and text slot (`rope_rows`),
+    and `denoise` gathers the one caption-dependent axis by the caption length of the row's mask, with the bucket's
+    slack beyond each row's padded lengths masked out of attention, so a row's output never depends on its
+    companions and one replay serves any mix;
   * timesteps: the model reads 1 - sigma (times `t_scale`) and predicts -velocity;
   * guidance as diffusers defines it, `pos + g' (pos - neg)` where g' > 0: diffgraph's `guidance_scale` keeps its
     one meaning across families (1 is off, CFG's `neg + g (pos - neg)`), so a request's g is the pipeline's g' + 1;
@@ -285,8 +286,9 @@ class ZImageFamily(TokenFamily):
         return (GuidanceShaping(), TokenStepCache(lambda m: int(m.denoiser.config.dim)))  # TaylorSeer and first-block rows (token_cache.py)
 
     def features(self, model: DiffusionModel, *args: Any, **kwargs: Any) -> tuple[RowFeature, ...]:
-        """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's."""
-        plan = self.planner(model)
+        """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's, which
+        reads a request's sigmas from the runner's planner (`planner`: its plans made once for both)."""
+        plan = kwargs.get("planner") or self.planner(model)
 
         def sigmas(request: GenerationRequest) -> np.ndarray:
             return np.asarray(plan(request.sampler, request.schedule, request.num_inference_steps,
@@ -331,6 +333,20 @@ class ZImageFamily(TokenFamily):
         return cond
 
     # -- the denoiser ------------------------------------------------------------------------------------
+    def rope_rows(self, model: DiffusionModel, spec: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A row's rotary tables and image keys, which depend on its size and the group's text slot alone:
+        `grid_freqs` [tokens, axes 2 and 3] each image token's row and column (its pad tokens' at 0), `text_freqs`
+        [slot, all axes] caption token k's at (1 + k, 0, 0) (those past a row's padded caption are never attended),
+        `image_keys` [tokens] the image's tokens padded to SEQ_MULTIPLE. Only the first axis of the image tokens
+        depends on the row's caption: the step gathers it."""
+        rope, positions = model.denoiser.rope_embedder, spec["positions"]
+        grid = torch.cat([torch.zeros_like(positions[:, :1]), positions.clamp(min=0)], dim=-1)
+        k = spec["text_positions"]
+        text = torch.stack([1 + k, torch.zeros_like(k), torch.zeros_like(k)], dim=-1)
+        padded = ceil_to(spec["image_mask"].sum(), SEQ_MULTIPLE)
+        return {"grid_freqs": rope(grid)[:, int(rope.axes_dims[0]) // 2:], "text_freqs": rope(text),
+                "image_keys": torch.arange(positions.shape[0], device=positions.device) < padded}
+
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
                 rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """The velocity of rows x [n, image tokens, 64] at timesteps t (sigma * 1000) [n]: ZImageTransformer2DModel's
@@ -339,25 +355,17 @@ class ZImageFamily(TokenFamily):
         if cached is not None:
             return cached
         net = model.denoiser
-        image_mask, positions, slot_positions = rows["image_mask"], rows["positions"], rows["text_positions"]
-        n, tokens = image_mask.shape
+        image_mask, slot_positions = rows["image_mask"], rows["text_positions"]
         slot = slot_positions.shape[1]                      # the group's text slot: the conditioning's first tokens
         text_mask, embeds = cond["mask"][:, :slot], cond["embeds"][:, :slot]
-        span = torch.arange(tokens, device=x.device)
         caption = ceil_to(text_mask.sum(dim=1, keepdim=True), SEQ_MULTIPLE)       # [n, 1] padded caption length
-        image = ceil_to(image_mask.sum(dim=1, keepdim=True), SEQ_MULTIPLE)        # [n, 1] padded image length
-        image_keys, text_keys = span < image, slot_positions < caption
-        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        image_keys, text_keys = rows["image_keys"], slot_positions < caption
 
-        # positions: image tokens at (caption + 1, row, col), their pad tokens at 0; caption token k at (1 + k, 0, 0)
+        # the rows' rotary tables (`rope_rows`), the image tokens' first axis gathered at the caption's end
         real = image_mask.unsqueeze(-1)
-        image_ids = torch.cat([(caption + 1).expand(n, tokens).unsqueeze(-1), positions], dim=-1)
-        image_ids = torch.where(real, image_ids, zero)
-        k = slot_positions
-        text_ids = torch.stack([1 + k, torch.zeros_like(k), torch.zeros_like(k)], dim=-1)
-        text_ids = torch.where(text_keys.unsqueeze(-1), text_ids, zero)
-        image_freqs = net.rope_embedder(image_ids.reshape(-1, 3)).reshape(n, tokens, -1)
-        text_freqs = net.rope_embedder(text_ids.reshape(-1, 3)).reshape(n, slot, -1)
+        first = net.rope_embedder.freqs_cis[0][torch.where(image_mask, caption + 1, 0)]
+        image_freqs = torch.cat([first, rows["grid_freqs"]], dim=-1)
+        text_freqs = rows["text_freqs"]
 
         adaln = net.t_embedder((1000.0 - t.float()) / 1000.0 * net.t_scale).to(x.dtype)
         embed = net.all_x_embedder[f"{self.patch}-1"]
@@ -374,7 +382,7 @@ class ZImageFamily(TokenFamily):
         u = torch.cat([h, c], dim=1)
         keys = torch.cat([image_keys, text_keys], dim=1)
         freqs = torch.cat([image_freqs, text_freqs], dim=1)
-        image = run_blocks(sequential(net.layers, tokens), u, (keys, freqs, adaln), image_mask,
+        image = run_blocks(sequential(net.layers, image_mask.shape[1]), u, (keys, freqs, adaln), image_mask,
                            rows.get("fbc.step"))  # first-block rows
         out = net.all_final_layer[f"{self.patch}-1"](image, c=adaln)
         return -out * real
