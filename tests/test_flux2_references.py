@@ -182,3 +182,50 @@ def test_a_job_item_s_reference_images_are_its_request_s_and_bad_ones_are_refuse
         url = client.get(f"/v1/jobs/{job}/results").json()["data"][0]["images"][0]
         got = np.array(Image.open(io.BytesIO(client.get(url.split("testserver", 1)[-1]).content))).astype(np.int16)
         assert np.abs(got - want).max() <= 1
+
+
+def inpaint_oracle(pipe, start: np.ndarray, strength: float, steps: int, seed: int,
+                   reference: np.ndarray | None = None) -> np.ndarray:
+    """diffusers' `Flux2KleinInpaintPipeline` at a full (all-white) mask: image-to-image from `start` (also its first
+    reference), `reference` a second one."""
+    from diffusers import Flux2KleinInpaintPipeline
+    from PIL import Image
+
+    inpaint = Flux2KleinInpaintPipeline(**pipe.components, is_distilled=pipe.config.is_distilled)
+    mask = Image.new("L", (start.shape[1], start.shape[0]), 255)
+    image = inpaint(prompt=PROMPT, image=Image.fromarray(start), mask_image=mask, strength=strength,
+                    image_reference=None if reference is None else Image.fromarray(reference),
+                    num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+                    output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+def test_image_to_image_rows_at_two_strengths_and_plain_rows_together_each_equal_the_pipeline(folders, klein):
+    """An image with `strength` below 1 starts from its posterior's mode noised to the step the strength selects (the
+    flow rule: 4 steps at 0.5 run the last 2, at 0.75 the last 3), reading the image as its reference too: each
+    equals diffusers' klein inpaint pipeline at a full mask. Rows at strengths 0.5 and 0.75 and a reference row from
+    noise share a step (one group), a plain row runs beside them; each equals its request alone. A mask is refused:
+    the family does not inpaint."""
+    pipe = folders["FLUX.2-klein-4B"][1]
+    starts = {0.5: picture(128, 128, 7), 0.75: picture(96, 160, 8)}
+    requests = [dict(prompt=PROMPT, image=start, strength=strength, num_inference_steps=4, seed=20 + i,
+                     extras={"reference_images": [start]}) for i, (strength, start) in enumerate(starts.items())]
+    requests += [request([starts[0.5]], (128, 128), 22), request([], (96, 160), 23)]
+    for r in requests[2:]:
+        r["num_inference_steps"] = 4
+    made = [GenerationRequest.create(model=klein.info, **r) for r in requests]
+    assert [r.denoising_steps for r in made] == [2, 3, 4, 4] and klein.info.edit_steps_rule == "flow"
+    keys = [klein.runner.group_key(r.key, (), klein.runner.capabilities.prepare(dict(r.extras or {}), "m"))
+            for r in made]
+    assert keys == [(256, 256)] * 3 + [(0, 256)]
+    got = images_together(klein, requests)
+    for i, (strength, start) in enumerate(starts.items()):
+        want = inpaint_oracle(pipe, start, strength, 4, 20 + i)
+        assert got[i].shape == start.shape and np.abs(got[i] - want).max() <= 1, strength
+        assert np.abs(want - oracle(pipe, [start], start.shape[:2], 4, 20 + i)).max() > 3  # the start shows
+    assert np.abs(got[2] - oracle(pipe, [starts[0.5]], (128, 128), 4, 22)).max() <= 1
+    assert np.abs(got[3] - oracle(pipe, [], (96, 160), 4, 23)).max() <= 1
+    with pytest.raises(ParamError) as e:
+        klein.submit(GenerationRequest.create(model=klein.info, **requests[0],
+                                              mask_image=np.zeros((128, 128), np.uint8)))
+    assert e.value.param == "mask" and "\n" not in str(e.value)
