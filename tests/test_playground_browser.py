@@ -125,6 +125,15 @@ class Traffic:
             self.statuses.append(response.status)
 
 
+def _watch(page) -> tuple[Traffic, list[str], list[bytes]]:
+    """The page's generation requests, its script errors and the edits forms it posts (their raw bodies)."""
+    traffic, errors, forms = Traffic(page), [], []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.route("**/v1/images/edits", lambda route: (forms.append(route.request.post_data_buffer or b""),
+                                                      route.continue_()))
+    return traffic, errors, forms
+
+
 def _image_sizes(card) -> list[tuple[int, int]]:
     sizes = []
     for src in card.locator("[data-testid=result-image]").evaluate_all("imgs => imgs.map(i => i.src)"):
@@ -635,12 +644,7 @@ def test_control_upload_shows_the_map_and_sends_the_control(browser, server, tmp
     generating; Generate sends the control with its image, modes and window, and the card names it; an edit with the
     control sends the map as the form's file part control_image_0."""
     page = pg.open_playground(browser, server.url)
-    traffic = Traffic(page)
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    forms: list[bytes] = []
-    page.route("**/v1/images/edits", lambda route: (forms.append(route.request.post_data_buffer or b""),
-                                                      route.continue_()))
+    traffic, errors, forms = _watch(page)
     page.wait_for_selector("[data-testid=controls]:not([hidden])", timeout=pg.WAIT_MS)
     assert page.eval_on_selector_all("#control-model option", "os => os.map(o => o.value)") == ["", "outline"]
 
@@ -722,12 +726,7 @@ def test_reference_images_upload_sends_them_and_an_edit_sends_them_after_the_ima
     s = _server("--request-timeout", "600", model="random:flux2-klein-tiny")
     try:
         page = pg.open_playground(browser, s.url)
-        traffic = Traffic(page)
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        forms: list[bytes] = []
-        page.route("**/v1/images/edits", lambda route: (forms.append(route.request.post_data_buffer or b""),
-                                                          route.continue_()))
+        traffic, errors, forms = _watch(page)
         page.wait_for_selector("[data-testid=references]:not([hidden])", timeout=pg.WAIT_MS)
         for i, (h, w) in enumerate(((64, 64), (80, 64))):
             Image.fromarray(np.full((h, w, 3), 60 * (i + 1), np.uint8)).save(tmp_path / f"r{i}.png")
