@@ -1,7 +1,8 @@
 """FLUX.2 klein's reference images (models/families/flux2_refs.py) against diffusers' `Flux2KleinPipeline(image=[...])`
 on test_flux2.py's tiny distilled folder: fp32 on the CPU, each image within one uint8 level of the pipeline's with the
 same seed and references; rows with 0, 1 and 2 references submitted together each equal their request alone; bad
-references are a one-line ParamError naming `reference_images`.
+references are a one-line ParamError naming `reference_images`. Image-to-image below strength 1 (the engine, the
+AUTOMATIC1111 and edits routes) against `Flux2KleinInpaintPipeline` at a full mask.
 """
 
 import numpy as np
