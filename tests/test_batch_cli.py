@@ -87,11 +87,23 @@ def test_a_bad_job_file_is_refused_before_the_model_loads(tmp_path):
         "background, style, moderation, output_compression, safety_identifier, complexity, frame_count, "
         "frame_duration_ms, svg, negative_prompt, num_inference_steps, guidance_scale, guidance_interval, "
         "guidance_rescale, sampler, schedule, output_format, loras, controls, image_prompts, prompt_syntax, "
-        "clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds, step_cache, reference_images, "
-        "cfg_truncation, cfg_normalization"]  # and the built-in capabilities' parameters, checked once it loads
+        "clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds, cfg_truncation, "
+        "cfg_normalization, reference_images, step_cache"]  # and the built-in capabilities' parameters, checked once it loads
     job.write_text('{"prompt": "a handwritten digit two", "size": "60x64"}\n')  # the model's rules, after it loads
     r = batch(str(job), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and r.stderr.strip().endswith("line 1: width 60 is not a multiple of 8; use 64")
+
+
+def test_the_capabilities_settings_are_batch_flags_of_its_local_engine(tmp_path):
+    """`--step-cache auto` (the step cache capability's setting, its flag generated) is the step cache of the items
+    that name none, which their images record; with --url it is refused (the server has its own settings)."""
+    job, out = tmp_path / "job.jsonl", tmp_path / "out"
+    write_jsonl(job, [{"prompt": "a handwritten digit four", "num_inference_steps": 2, "seeds": [7]}])
+    r = batch(str(job), "--out", str(out), "--step-cache", "auto")
+    assert r.returncode == 0, r.stderr
+    assert read_request(str(out / "00000-0.png"))["extras"] == {"step_cache": "auto"}
+    r = batch(str(job), "--out", str(out), "--step-cache", "auto", "--url", "http://127.0.0.1:9")
+    assert r.returncode == 2 and "--step-cache cannot be used with --url" in r.stderr, r.stderr
 
 
 def test_an_item_s_capability_parameters_reach_its_request_and_a_bad_value_is_refused_before_any_image(tmp_path):

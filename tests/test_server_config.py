@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from diffgraph.capability_settings import builtin_settings, flag_of
 from diffgraph.server.cli import add_serve_arguments, config_from_args
 from diffgraph.api.config import ServerConfig, load_config
 from diffgraph.settings import GROUPS, declared
@@ -176,6 +177,11 @@ def test_the_example_config_holds_every_setting_and_loads():
         mine = {f.name.replace("_", "-")} | {flag[2:] for flag in s.flags}
         assert keys & mine, f"examples/serve.toml lacks {f.name.replace('_', '-')}"
         names |= mine
+    for name, cls in builtin_settings().items():  # and each built-in capability's settings, by their flags' names
+        for f in dataclasses.fields(cls):
+            key = flag_of(name, f.name)[2:]
+            assert key in keys, f"examples/serve.toml lacks {key}"
+            names.add(key)
     assert keys <= names, f"examples/serve.toml names what is no setting: {sorted(keys - names)}"
     config = load_config(str(path))
     assert config == ServerConfig(model="digits") and config.api_keys == ()

@@ -41,10 +41,10 @@ DOC = ROOT / "docs" / "ARCHITECTURE.md"
 SECTION = "## One HTTP request, traced"
 # ceilings on a plain request's way: the modules it visits forward (HTTP to the first replay) and back, and the
 # threads it passes through (docs/ARCHITECTURE.md states the same numbers)
-FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 27, 18, 8
+FORWARD_MODULES, BACK_MODULES, THREAD_SECTIONS = 26, 18, 8
 # and with the shipped digits model's LoRA and ControlNet (its first replay is the ControlNet's, so the step, run
 # after it, is on the way back)
-ADAPTER_FORWARD_MODULES, ADAPTER_BACK_MODULES, ADAPTER_THREAD_SECTIONS = 37, 36, 8
+ADAPTER_FORWARD_MODULES, ADAPTER_BACK_MODULES, ADAPTER_THREAD_SECTIONS = 36, 36, 8
 ROUTE = ("server/image_routes.py", "generations")
 REPLAY = ("graphs/runner.py", "GraphRunner.replay")
 _COMPREHENSIONS = re.compile(r"\.<locals>\.<(listcomp|setcomp|dictcomp|genexpr)>$")

@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from .capability_settings import RequestFlag, add_request_flags, builtin, request_values
 from .cli_compare import add_compare_arguments, run_compare
 from .cli_flags import (add_checkpoint_arguments, add_compile_mode_argument, add_quantize_arguments, checkpoint_options,
                         compile_from_args, quantize_error, quantize_from_args)
@@ -95,11 +96,6 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3), "
                    "ddim, ddim_cfgpp (their eta, default 0) and euler_a, dpmpp_2s_a, dpm_fast (their eta, default 1), "
                    "0-1")
-    g.add_argument("--step-cache", default=None, metavar="off|auto|JSON",
-                   help="per-row step caching (SD families' UNets: DeepCache; Z-Image: TaylorSeer): off, auto, or a JSON "
-                        "object such as '{\"method\": \"deepcache\", \"interval\": 3, \"branch\": 0, \"schedule\": "
-                        "\"uniform\"}' or '{\"method\": \"taylorseer\", \"interval\": 2, \"order\": 1}' "
-                        "(default: the server's or off)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
@@ -123,9 +119,7 @@ def _add_edit_arguments(g: argparse.ArgumentParser) -> None:
 def _add_capability_arguments(g: argparse.ArgumentParser) -> None:
     """`generate`'s adapter, ControlNet, IP-Adapter, reference-image and prompt-reading flags, and their local
     folders."""
-    g.add_argument("--reference-image", action="append", default=None, metavar="PATH",
-                   help="a reference image (repeatable, up to 4) for a model that takes them (FLUX.2 klein: the "
-                        "request's reference_images, e.g. the character to keep)")
+    add_request_flags(g, _request_flags())  # the built-in capabilities' (--step-cache, --reference-image)
     g.add_argument("--lora", action="append", default=None, metavar="NAME[:SCALE]",
                    help="apply a LoRA adapter (repeatable, up to 8): a name in --lora-dir (or on the server with "
                         "--url), or a built-in adapter of the model; scale 1 when left out")
@@ -276,7 +270,7 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "image_prompts": "--image-prompt", "tiling": "--tiling", "hires_scale": "--hires-scale",
          "hires_steps": "--hires-steps", "hr_upscaler": "--hires-upscaler",
          "denoising_strength": "--denoising-strength", "variation": "--subseed-strength",
-         "reference_images": "--reference-image"}
+         **{f.param: f.name for d in builtin() for f in d.flags}}  # the capabilities' (--reference-image ...)
 
 
 # the HTTP body fields of POST /v1/images/generations -> the flag that sets them (most are named as above)
@@ -374,29 +368,37 @@ def _apply_from_image(args: argparse.Namespace, argv: list[str]) -> None:
                         f"{args.strength:g}); give its input image with --image (images do not embed their input)")
     args.extra = {name: saved[name] for name in NO_FLAG if name in saved}
     fill_from_saved(args, saved, given)
-    if "step_cache" not in given and (saved.get("extras") or {}).get("step_cache") is not None:
-        args.step_cache = saved["extras"]["step_cache"]
+    for f in _request_flags():  # the capabilities' value flags the file's request set
+        if not f.images and f.dest not in given and (saved.get("extras") or {}).get(f.param) is not None:
+            setattr(args, f.dest, saved["extras"][f.param])
+
+
+def _request_flags() -> tuple[RequestFlag, ...]:
+    """The request flags the built-in capabilities declare (capabilities/)."""
+    return tuple(f for d in builtin() for f in d.flags)
 
 
 def _capability_extras(args: argparse.Namespace) -> dict[str, Any]:
-    """The request's capability parameters from their flags: --step-cache and --reference-image (each file read as an
-    RGB image here: a bad file fails before the model loads; a model without the capability refuses it by name)."""
-    images = getattr(args, "reference_image", None) or ()
-    refs = {"reference_images": [_read_image(p, "--reference-image").convert("RGB") for p in images]} if images else {}
-    return {**_step_cache(args), **refs}
+    """The request's capability parameters from their flags (capability_settings.RequestFlag): values (a JSON object
+    read; a file's value kept) and image files (each read as an RGB image here: a bad file fails before the model
+    loads; a model without the capability refuses it by name)."""
+    images = {f.param: [_read_image(p, f.name).convert("RGB") for p in getattr(args, f.dest)]
+              for f in _request_flags() if f.images and getattr(args, f.dest, None)}
+    return {**_flag_values(args), **images}
 
 
-def _step_cache(args: argparse.Namespace) -> dict[str, Any]:
-    """--step-cache as the request's capability parameter (a JSON object read; a file's value kept)."""
-    value = getattr(args, "step_cache", None)
-    if value is None:
-        return {}
-    if isinstance(value, str) and value.lstrip().startswith("{"):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise _ArgError(f"--step-cache is not a JSON object: {e}") from None
-    return {"step_cache": value}
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The request parameters of the capabilities' value flags (a JSON object read). Raises _ArgError."""
+    try:
+        return request_values(args, _request_flags())
+    except ValueError as e:
+        raise _ArgError(str(e)) from None
+
+
+def _flag_images_b64(args: argparse.Namespace) -> dict[str, Any]:
+    """The capabilities' image flags as the HTTP body's base64 lists."""
+    return {f.param: [_file_b64(p, f.name) for p in getattr(args, f.dest)]
+            for f in _request_flags() if f.images and getattr(args, f.dest, None)}
 
 
 def _serve_ray(config: Any, data_parallel: int | None, address: str | None) -> int:
@@ -623,9 +625,10 @@ def _generate_remote(args: argparse.Namespace, paths: list[str]) -> int:
         body["stream"] = True
     post: dict[str, Any] = {"json": body}
     if args.image is not None or args.mask is not None or args.strength is not None:  # /v1/images/edits
-        if args.reference_image:
-            raise _ArgError("--reference-image cannot be sent with --image over --url (the edits form takes its "
-                            "images as image[] parts); give every image as --reference-image")
+        if _flag_images_b64(args):
+            names = ", ".join(f.name for f in _request_flags() if f.images)
+            raise _ArgError(f"{names} cannot be sent with --image over --url (the edits form takes its images as "
+                            f"image[] parts); give every image as {names}")
         post = _edit_form(args, body, prompt_spec)
     status, reason, answer = _post_images(url, post, headers, progress)
     images, seed, total_ms = _images_of_answer(url, status, reason, answer)
@@ -703,8 +706,7 @@ def _remote_body(args: argparse.Namespace, prompt_spec) -> dict[str, Any]:
                 **({"model": prompt_spec[0]} if prompt_spec[0] else {})},
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta, "tiling": args.tiling or None,
-            **_step_cache(args),
-            "reference_images": [_file_b64(p, "--reference-image") for p in args.reference_image or ()] or None,
+            **_flag_values(args), **_flag_images_b64(args),
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
     return {k: v for k, v in body.items() if v is not None}
 

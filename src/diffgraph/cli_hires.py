@@ -15,6 +15,8 @@ import json
 import secrets
 from typing import Any
 
+from .capability_settings import builtin
+
 TXT2IMG = "/sdapi/v1/txt2img"
 
 
@@ -108,8 +110,7 @@ def txt2img_body(args: argparse.Namespace, loras: tuple[tuple[str, float], ...])
     a flag that route cannot carry."""
     refused = [flag for flag, value in (("--image", args.image), ("--control", args.control),
                                         ("--image-prompt", args.image_prompt),
-                                        ("--step-cache", getattr(args, "step_cache", None)),
-                                        ("--reference-image", getattr(args, "reference_image", None)),
+                                        *((f.name, getattr(args, f.dest, None)) for d in builtin() for f in d.flags),
                                         ("--timestep-spacing", args.timestep_spacing)) if value]
     extra = getattr(args, "extra", {})
     refused += [name for name, neutral in (("guidance_interval", None), ("guidance_rescale", 0.0),

@@ -8,11 +8,9 @@ graphs are the bucket's, one per text slot (the short prompts share the 128 slot
 
 import os
 
-import numpy as np
 import pytest
 
-from diffgraph import Engine, GenerationRequest, GraphConfig
-from diffgraph.text.prepared import prepare
+from token_rows import together_and_alone
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
@@ -25,28 +23,11 @@ REQUESTS = [dict(prompt="a red fox", height=256, width=256, num_inference_steps=
             dict(prompt=MEDIUM, height=256, width=256, num_inference_steps=3, seed=4)]
 
 
-def _levels(a: np.ndarray) -> np.ndarray:
-    return (a * 255).round().astype(np.int16)
-
-
 @pytest.mark.parametrize("dtype,levels", [("fp32", 1), ("bf16", 12)])
 @pytest.mark.parametrize("compile", [False, True])
 def test_mixed_rows_equal_each_alone(compile, dtype, levels):
-    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
-    with Engine(model="random:zimage-tiny", device=DEVICE, dtype=dtype, mode="graph", graphs=cfg,
-                compile=compile) as engine:
-        made = [GenerationRequest.create(model=engine.info, **r) for r in REQUESTS]
-        keys = [engine.runner.group_key(m.key, prepare(engine.runner.text_setup, m)) for m in made]
-        assert keys == [(128, 256), (512, 256), (128, 256), (128, 256)]
-        assert len(engine.model.tokenizers[0](LONG).input_ids) > 250
-        alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
-                 for r in REQUESTS]
-        futures = []
-        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
-        together = [f.result(timeout=600).arrays[0] for f in futures]
-        steps = [row for row in engine.runner.graph_table() if row["kind"] == "step" and row["replays"]]
-    assert {(row["height"], row["width"]) for row in steps} == {(128, 256), (512, 256)}, steps
-    worst = [int(np.abs(_levels(a) - _levels(b)).max()) for a, b in zip(together, alone)]
+    keys, steps, worst = together_and_alone("random:zimage-tiny", REQUESTS, DEVICE, dtype, compile)
+    assert keys == [(128, 256), (512, 256), (128, 256), (128, 256)]
+    assert steps == {(128, 256), (512, 256)}, steps
     print(f"Z-Image rows together vs alone, {dtype}, compile={compile}: {worst} levels")
     assert max(worst) <= levels, worst
-

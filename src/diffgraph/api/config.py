@@ -19,6 +19,7 @@ printed (the field is left out of the repr).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import os
@@ -33,6 +34,7 @@ from ..config import (DEFAULT_BUCKETS, DEFAULT_REQUEST_LORAS, DTYPE_NAMES, Compi
                       default_cpu_threads, parse_buckets, parse_compile_mode, parse_name_scales, parse_prewarm,
                       parse_quantize,
                       parse_resolutions, quantize_argument)
+from ..capability_settings import builtin_settings, toml_settings
 from ..cli_flags import CHECKPOINT_SETTINGS, COMPILE_MODE, QUANTIZE, QUANTIZE_MIN_FEATURES
 from ..engine.remote_models import ModelSetSpec
 from ..engine.scheduler import SchedulerConfig
@@ -668,12 +670,24 @@ def load_toml(path: str) -> dict[str, Any]:
 
 def load_config(path: str | None = None, overrides: Mapping[str, Any] | None = None) -> ServerConfig:
     """Defaults, then the file's settings, then `overrides` (flags given on the command line; None = not given)."""
-    values: dict[str, Any] = load_toml(path) if path else {}
+    # the built-in capabilities' settings are keys of the file too, named as their flags (`step-cache = "auto"`)
+    values, capabilities = toml_settings(load_toml(path) if path else {}, builtin_settings())
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     given = any(k.replace("-", "_") in ("api_key", "api_keys", "api_key_file") for k in values)
     if not given and os.environ.get("DIFFGRAPH_API_KEY"):
         values["api_keys"] = os.environ["DIFFGRAPH_API_KEY"]
-    return ServerConfig.from_mapping(values)
+    return with_capability_settings(ServerConfig.from_mapping(values), capabilities)
+
+
+def with_capability_settings(config: ServerConfig, given: Mapping[str, Mapping[str, Any]]) -> ServerConfig:
+    """`config` with `given` ({capability: {field: value}}) over its `capability_settings`, field by field."""
+    if not given:
+        return config
+    merged = {name: dict(fields) for name, fields in config.capability_settings}
+    for name, fields in given.items():
+        merged.setdefault(name, {}).update(fields)
+    return dataclasses.replace(config, capability_settings=tuple(
+        (name, tuple(fields.items())) for name, fields in merged.items()))
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

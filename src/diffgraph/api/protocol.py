@@ -129,6 +129,7 @@ class ImageGenerationRequest(BaseModel):
     negative_prompt: StrictStr | None = None
     num_inference_steps: StrictInt = 20
     guidance_scale: StrictFloat | None = None    # ints are accepted as numbers
+    true_cfg_scale: StrictFloat | None = None    # vLLM-Omni's (and QwenImagePipeline's) name of guidance_scale
     # [lo, hi], fractions of the steps: step i of N runs classifier-free guidance iff lo <= i/N < hi
     guidance_interval: list[StrictFloat] | None = None
     guidance_rescale: StrictFloat = 0.0          # diffusers' rescaled CFG, 0..1 (0 = off)
@@ -208,13 +209,23 @@ class ImageGenerationRequest(BaseModel):
         width, height = self.width_height()
         self.openai_choices()
         return dict(negative_prompt=self.negative_prompt, width=width, height=height,
-                    num_inference_steps=self.steps(model_steps), guidance_scale=self.guidance_scale,
+                    num_inference_steps=self.steps(model_steps), guidance_scale=self.guidance(),
                     guidance_interval=self.guidance_interval, guidance_rescale=self.guidance_rescale,
                     sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
                     output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
                     prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis,
                     timestep_spacing=self.timestep_spacing, eta=self.eta, preview=self.preview_params(),
                     output_compression=self.output_compression, tiling=self.tiling)
+
+    def guidance(self) -> float | None:
+        """guidance_scale, or its alias true_cfg_scale; both, unequal, are a 400."""
+        if self.true_cfg_scale is None:
+            return self.guidance_scale
+        if self.guidance_scale is not None and self.guidance_scale != self.true_cfg_scale:
+            raise APIError(400, f"true_cfg_scale {self.true_cfg_scale:g} and guidance_scale {self.guidance_scale:g} "
+                                "are one setting (true_cfg_scale is its alias); send one of them",
+                           param="true_cfg_scale")
+        return self.true_cfg_scale
 
     def width_height(self) -> tuple[int | None, int | None]:
         """`size` as (width, height); (None, None) for the native size. Raises APIError for a malformed size."""

@@ -7,14 +7,12 @@ outside the folder; pickled weights are never loaded (diffusers' `use_safetensor
 
 A request's controls are resolved on the submitting thread (`resolve`): each name found, its weights read into a host
 copy (streamed tensor by tensor, never a map of the user's file: `stream_load`; a file rewritten meanwhile is the
-caller's 400, not a SIGBUS), cached for the most recent `slots` ControlNets (a resolved request holds its own until it
-is done, so an admitted one always has its weights), its architecture checked against the UNet (a ControlNet of another
-family is the caller's 400), and its control image prepared as diffusers' ControlNet pipelines prepare it
-(`VaeImageProcessor` without normalisation: resized to the output size, RGB in [0, 1]). On the loop thread the set is
-an admission gate (`can_admit`, `admit`, `release`) over `slots` device slots (lora.catalog.SlotCache: a slot in use is
-never evicted; when every slot is pinned the request waits, it does not fail), and `load_admitted` copies the host
-copies of the ControlNets admitted this step into their slots between steps: into the slot's module in place where it
-holds one of the same architecture (its CUDA graphs stay valid: engine/control_graphs.py), else as a new module.
+caller's 400, not a SIGBUS), its architecture checked against the UNet (a ControlNet of another family is the caller's
+400), and its control image prepared as diffusers' ControlNet pipelines prepare it (`VaeImageProcessor` without
+normalisation: resized to the output size, RGB in [0, 1]). The host copies, the admission gate over `slots` device
+slots and the loads between steps are features/slot_files.py's `SlotFiles` (`files`); placing a ControlNet in its
+slot (`_place`) copies it into the slot's module in place where it holds one of the same architecture (its CUDA graphs
+stay valid: engine/control_graphs.py), else makes a new module.
 `module(slot)` is what the step's ControlNet prepass runs (features/control.py, through control_graphs.py).
 """
 
@@ -23,8 +21,6 @@ from __future__ import annotations
 import copy
 import os
 import threading
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +28,12 @@ import numpy as np
 import torch
 
 from ..errors import ParamError, relative_paths
-from ..lora.catalog import SlotCache
+from ..features.slot_files import SlotFiles, file_version
 from ..models.controlnet_dir import CLASS_NAME, WEIGHTS, ControlNetDir
 from ..models.stream_load import load_part
 from ..models.weights_view import UnreadableWeights
 from ..control_maps import control_map, fit_map
 from ..request import CONTROL_MODES, GenerationRequest
-from ..safe_files import stamp_of
 
 # the UNet config fields a ControlNet must share with the UNet it steers (its residuals' shapes, its conditioning)
 MATCHING = ("block_out_channels", "layers_per_block", "cross_attention_dim")
@@ -51,6 +46,10 @@ class ResolvedControl:
     mode: int = 0       # its control mode's index in CONTROL_MODES (balanced, prompt, control)
     net: torch.nn.Module | None = None  # its host copy, held until the request is done (the cache may drop it)
 
+    @property
+    def host(self) -> torch.nn.Module | None:  # (slot_files.Held's)
+        return self.net
+
 
 class ControlNets:
     name = "control"  # its admission gate's name (RequestState.admitted)
@@ -60,76 +59,52 @@ class ControlNets:
         self.catalog = ControlNetDir(*roots)
         self.root = self.catalog.root
         self.device, self.dtype, self._unet = device, dtype, unet_config
-        self.slots = SlotCache(slots)
+        self.files = SlotFiles(self.name, "controls", self._locate, self._read, slots=slots, place=self._place,
+                               listing=lambda: self.catalog.listing(), held_of=lambda s: s.controls,
+                               limit="--max-controlnets", what="ControlNet")
+        self.slots = self.files.slots
         self.pixels_per_latent = vae_scale_factor
-        self._host: OrderedDict[tuple, torch.nn.Module] = OrderedDict()  # key -> host copy, most recent last
-        # key -> host copies that resolved requests still hold (those the cache dropped are shared, not read again)
-        self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._modules: dict[int, torch.nn.Module] = {}
         self._stepping: dict[int, torch.nn.Module] = {}  # slot -> its module after the conditioning embedding
-        self._writes: list[tuple[int, tuple, torch.nn.Module | None]] = []
-        self._lock = threading.Lock()  # host copies: submitting threads read, the loop thread takes
+        self._lock = threading.Lock()  # the single files' config folders: submitting threads may ask at once
         self._config_dir: Any = None  # a TemporaryDirectory of single files' config folders, made on first use
         self._configs: dict[int, str] = {}
 
     # -- on the submitting thread ----------------------------------------------------------------------
     def resolve(self, request: GenerationRequest) -> tuple[ResolvedControl, ...]:
         """The request's controls found, read and checked, their images prepared. Raises ParamError("controls")."""
-        names = list(dict.fromkeys(c.model for c in request.controls))
-        if len(names) > self.slots.slots:  # it could never be admitted: it would wait forever
-            raise ParamError("controls", f"this request names {len(names)} different ControlNets; this server holds "
-                                         f"at most {self.slots.slots} at once (--max-controlnets): use at most "
-                                         f"{self.slots.slots}, or start the server with --max-controlnets {len(names)}")
-        out = []
-        for c in request.controls:
-            folder = self.catalog.folder(c.model)  # a diffusers folder, or a single file
-            weights = folder if os.path.isfile(folder) else os.path.join(folder, WEIGHTS)
-            key = (c.model, tuple(stamp_of(os.stat(weights))))
-            net = self._host_copy(key, folder)
-            out.append(ResolvedControl(key, self._prepare(control_map(c), request.width, request.height,
-                                                          c.resize_mode), list(CONTROL_MODES).index(c.control_mode),
-                                       net))
-        return tuple(out)
+        held = {h.name: h for h in self.files.resolve([c.model for c in request.controls])}
+        return tuple(ResolvedControl(held[c.model].key, self._prepare(control_map(c), request.width, request.height,
+                                                                      c.resize_mode),
+                                     list(CONTROL_MODES).index(c.control_mode), held[c.model].host)
+                     for c in request.controls)
 
-    def _host_copy(self, key: tuple, folder: str) -> torch.nn.Module:
-        with self._lock:
-            if key in self._host:
-                self._host.move_to_end(key)
-                return self._host[key]
-            held = self._held.get(key)
-            if held is not None:
-                self._keep(key, held)
-                return held
+    def _locate(self, name: str) -> tuple[str, tuple]:
+        folder = self.catalog.folder(name)  # a diffusers folder, or a single file
+        return folder, file_version(folder if os.path.isfile(folder) else os.path.join(folder, WEIGHTS))
+
+    def _read(self, name: str, folder: str) -> torch.nn.Module:
         from diffusers import ControlNetModel
         try:
             if os.path.isfile(folder):
                 net = self._single_file(folder)
             else:  # streamed, checked: a folder rewritten in place meanwhile is an error, never SIGBUS
-                net = load_part(ControlNetModel, folder, f"ControlNet {key[0]!r}", dtype=self.dtype, pickle=False)
+                net = load_part(ControlNetModel, folder, f"ControlNet {name!r}", dtype=self.dtype, pickle=False)
         except ParamError:
             raise
         except UnreadableWeights as e:
             raise ParamError("controls", relative_paths(str(e), *self.catalog.roots)) from None
         except Exception as e:
             why = relative_paths(str(e).splitlines()[0], *self.catalog.roots)  # (diffusers names whole paths)
-            raise ParamError("controls", f"ControlNet {key[0]!r} could not be read: {why}") from None
+            raise ParamError("controls", f"ControlNet {name!r} could not be read: {why}") from None
         wrong = [f for f in MATCHING if _norm(getattr(net.config, f, None)) != _norm(getattr(self._unet, f, None))]
         # it takes the latents (the UNet's output channels, an inpainting UNet's too) and an RGB control image
         wrong += [f for f, want in (("in_channels", getattr(self._unet, "out_channels", 4)),
                                     ("conditioning_channels", 3)) if getattr(net.config, f, want) != want]
         if wrong:
-            raise ParamError("controls", f"ControlNet {key[0]!r} is for another model family: its {', '.join(wrong)} "
+            raise ParamError("controls", f"ControlNet {name!r} is for another model family: its {', '.join(wrong)} "
                                          "differ from this model's UNet; use a ControlNet trained for this model")
-        net = net.eval().requires_grad_(False)
-        with self._lock:
-            self._keep(key, net)
-        return net
-
-    def _keep(self, key: tuple, net: torch.nn.Module) -> None:
-        """Caches a host copy (under the lock): the most recent `slots` ones stay; requests hold their own."""
-        self._host[key] = self._held[key] = net
-        while len(self._host) > self.slots.slots:
-            self._host.popitem(last=False)
+        return net.eval().requires_grad_(False)
 
     def _single_file(self, path: str) -> torch.nn.Module:
         """An AUTOMATIC1111 / ComfyUI single-file ControlNet, through diffusers' single-file reader, offline: its
@@ -196,60 +171,43 @@ class ControlNets:
         return processor.preprocess(Image.fromarray(fit_map(pixels, width, height, resize_mode)), height=height,
                                     width=width).float()
 
-    # -- the admission gate (the loop thread, under the scheduler's lock) -------------------------------
-    @staticmethod
-    def _keys(state: Any) -> list[tuple]:
-        return list(dict.fromkeys(r.key for r in state.controls))
-
+    # -- the admission gate (the loop thread, under the scheduler's lock): the files' ---------------------
     def can_admit(self, state: Any) -> bool:
-        return not state.controls or self.slots.can_acquire(self._keys(state))
+        return self.files.can_admit(state)
 
     def admit(self, state: Any) -> list[int] | None:
         """Pins a slot per distinct ControlNet of the request (all or none); None: it waits."""
-        if not state.controls:
-            return []
-        keys = self._keys(state)
-        got = self.slots.acquire_all(keys)
-        if got is None:
-            return None
-        nets = {r.key: r.net for r in state.controls}
-        self._writes += [(slot, key, nets[key]) for (slot, write), key in zip(got, keys) if write]
-        return [slot for slot, _ in got]
+        return self.files.admit(state)
 
     def release(self, state: Any, taken: list[int]) -> None:
-        for slot in taken:
-            self.slots.release(slot)
+        self.files.release(state, taken)
 
     def load_admitted(self) -> dict[int, str]:
-        """Copies the ControlNets admitted this step into their slots; returns slot -> reason for those that failed
+        """Places the ControlNets admitted this step into their slots; returns slot -> reason for those that failed
         (a request resolved without its host copy: it fails alone)."""
-        writes, self._writes, broken = self._writes, [], {}
-        for slot, key, host in writes:
-            if host is None:
-                self.slots.forget(slot)
-                broken[slot] = f"ControlNet {key[0]!r} has no host copy (not resolved by this engine); retry"
-                continue
-            current = self._modules.get(slot)
-            if current is not None and same_architecture(current, host):  # in place: the slot's graphs stay valid
-                with torch.no_grad():
-                    for dst, src in zip(current.state_dict().values(), host.state_dict().values()):
-                        dst.copy_(src)
-            else:
-                self._modules.pop(slot, None)
-                self._stepping.pop(slot, None)  # the old view holds the old weights too: free both first
-                self._modules[slot] = copy.deepcopy(host).to(self.device)
-                self._stepping[slot] = after_embedding(self._modules[slot])
-        return broken
+        return self.files.load_admitted()
+
+    def _place(self, slot: int, host: torch.nn.Module) -> None:
+        current = self._modules.get(slot)
+        if current is not None and same_architecture(current, host):  # in place: the slot's graphs stay valid
+            with torch.no_grad():
+                for dst, src in zip(current.state_dict().values(), host.state_dict().values()):
+                    dst.copy_(src)
+        else:
+            self._modules.pop(slot, None)
+            self._stepping.pop(slot, None)  # the old view holds the old weights too: free both first
+            self._modules[slot] = copy.deepcopy(host).to(self.device)
+            self._stepping[slot] = after_embedding(self._modules[slot])
 
     def admitted(self, state: Any, taken: list[int]) -> list[tuple[int, torch.Tensor, int]]:
         """(slot, control embedding, control mode) per control of an admitted request: the embedding is the slot's
         `controlnet_cond_embedding` of the control image ([1, block_out_channels[0], h, w] at the latent size, in the
         ControlNet's dtype), computed once here, as diffusers' forward computes it at every step (a bgr ControlNet's
         channels flipped first). The step then runs `module(slot)`, which takes it in place of the image."""
-        slot_of = dict(zip(self._keys(state), taken))
+        slot_of = self.files.slot_map(state, taken)
         out = []
         for r in state.controls:
-            slot = slot_of[r.key]
+            slot = slot_of[r.key[0]]
             out.append((slot, control_embedding(self._modules[slot], r.image.to(self.device)), r.mode))
         return out
 

@@ -70,6 +70,8 @@ class EngineCore:
             runner.loras.wake = self.loop.wake  # an adapter's host copy was read again: plan again
         if runner.controls is not None:  # and for ControlNet slots (controlnets.py)
             self.scheduler.gates += (runner.controls,)
+        self._files = runner.capabilities.gates()  # and for the registered capabilities' file slots
+        self.scheduler.gates += self._files
 
     def start(self) -> None:
         self.loop.attach(self)
@@ -331,6 +333,8 @@ class EngineCore:
         loras = runner.loras  # the adapters admitted this step, loaded into their slots first
         broken = loras.load_admitted() if loras is not None and loras.enabled else {}
         broken_nets = runner.controls.load_admitted() if runner.controls is not None else {}
+        files = self._files  # the registered capabilities' files admitted this step, placed
+        broken_files = {f.name: f.load_admitted() for f in files}
         keys = [k for s in states for k in _prompt_keys(s) + _schedule_keys(s)]
         try:
             embeds = runner.embed(keys)
@@ -345,6 +349,10 @@ class EngineCore:
                     raise RuntimeError(next(broken[k] for k in s.admitted["lora"] if k in broken))
                 if broken_nets.keys() & set(s.admitted.get("control", [])):
                     raise RuntimeError(next(broken_nets[k] for k in s.admitted["control"] if k in broken_nets))
+                slots = {f.name: f.slot_map(s, s.admitted[f.name]) for f in files if s.admitted.get(f.name)}
+                why = [broken_files[n][k] for n, taken in slots.items() for k in taken.values() if k in broken_files[n]]
+                if why:
+                    raise RuntimeError(why[0])
                 mine = {k: embeds[k] if k in embeds else runner.embed([k])[k]
                         for k in _prompt_keys(s) + _schedule_keys(s)}
                 s.generator = torch.Generator("cpu").manual_seed(r.seed)
@@ -357,7 +365,7 @@ class EngineCore:
                 admission = Admission(r, s.rows, edit=edit, loras=[
                     (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
                     controls=runner.controls.admitted(s, s.admitted["control"]) if s.controls else [],
-                    image_prompts=s.image_prompts, prepared=s.prepared)
+                    image_prompts=s.image_prompts, prepared=s.prepared, slots=slots)
                 # a schedule's texts all at its longest's windows (else: the pair's own, as pad_pair pads them)
                 windows = max(p.chunks for p in _read(s)) if any(p.schedule for p in s.prompts) else 0
                 s.variant_parts = runner.write_rows(key, s.first_row, admission, (

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import DEFAULT_REQUEST_LORAS, CompileConfig, GraphConfig, LoadOptions, LoraConfig
-from ..features.capability import Capabilities
+from ..features.capability import Capabilities, builtin_capabilities
 from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
@@ -192,7 +192,7 @@ class Engine:
                               capability_settings: "dict[str, Any] | None") -> Any:
         """The registered capabilities (features/capability.py) this model has, with their settings: the given
         registry (default: every built-in one) and the family's own beside it."""
-        registry = capabilities if capabilities is not None else Capabilities()
+        registry = capabilities if capabilities is not None else builtin_capabilities()
         own = self.model.adapter.capabilities()  # the family's (its guidance options), beside the engine's
         if own:
             registry = Capabilities((*registry, *(c for c in own if c.name not in {r.name for r in registry})))
@@ -401,17 +401,22 @@ class Engine:
         "img2img" or "inpaint".
 
         With `sampler`, its scheduler is the diffusers scheduler equivalent to (sampler, schedule);
-        otherwise EulerDiscreteScheduler from the model's scheduler config."""
+        otherwise EulerDiscreteScheduler from the model's scheduler config (a flow-matching family's, or
+        "flow_euler": FlowMatchEulerDiscreteScheduler)."""
         from ..models.quiet import quiet_known_warnings
+        from ..sampling.flow import FLOW_SAMPLERS
         from ..sampling.oracle import diffusers_scheduler
 
         quiet_known_warnings()
-        from diffusers import EulerDiscreteScheduler
+        from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 
         m = self.model
         config = {k: v for k, v in m.scheduler_config.items() if not k.startswith("_")}
-        scheduler = (diffusers_scheduler(config, sampler, schedule) if sampler
-                     else EulerDiscreteScheduler.from_config(config))
+        if sampler == "flow_euler" or (sampler is None and m.adapter.default_sampler in FLOW_SAMPLERS):
+            scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+        else:
+            scheduler = (diffusers_scheduler(config, sampler, schedule) if sampler
+                         else EulerDiscreteScheduler.from_config(config))
         pipe = m.adapter.diffusers_pipeline(m, scheduler, task)
         pipe.set_progress_bar_config(disable=True)
         return pipe

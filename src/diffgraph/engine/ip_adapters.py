@@ -12,13 +12,13 @@ once, streamed tensor by tensor (`stream_load`); each image embedded once (cache
 embedding for the base adapters, the penultimate hidden states for "plus" ones; the negative: zeros, or the
 encoder's hidden states of a black image); then projected to tokens and every layer's keys and values computed, for
 both guidance branches. Those are the row fields the request's rows take at admission: nothing about an
-adapter stays on the device between requests and no admission gate is needed.
+adapter stays on the device between requests and no admission gate is needed. The adapters' cache is
+features/slot_files.py's `SlotFiles` without slots (`files`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,11 +29,12 @@ import torch
 
 from ..errors import ParamError, relative_paths
 from ..features.image_prompt import MAX_TOKENS, ImagePromptRows, cross_attention_layers, install
+from ..features.slot_files import SlotFiles, file_version
 from ..models.ip_adapter_dir import IPAdapterDir
 from ..models.stream_load import load_part
 from ..models.weights_view import UnreadableWeights
 from ..request import MAX_CONTROL_PIXELS, GenerationRequest
-from ..safe_files import FileChanged, UnusableFile, stamp_of
+from ..safe_files import FileChanged, UnusableFile
 from ..safe_tensors import CHANGED_FIX, read_safetensors
 
 
@@ -49,12 +50,13 @@ class _Adapter:
 class IPAdapters:
     def __init__(self, root: str, unet: Any, device: torch.device, dtype: torch.dtype, cache: int = 2):
         self.catalog = IPAdapterDir(root)
-        self.device, self.dtype, self._unet, self._cache = device, dtype, unet, cache
+        self.device, self.dtype, self._unet = device, dtype, unet
         self.context = install(unet)
         layers = cross_attention_layers(unet)
         self._dims = [attn.inner_kv_dim for _, attn in layers]  # to_k's width (a LoRA side path may wrap it)
         self._heads = [attn.heads for _, attn in layers]
-        self._adapters: OrderedDict[tuple, _Adapter] = OrderedDict()
+        self.files = SlotFiles("image_prompts", "image_prompts", self._locate, self._read, keep=cache,
+                               listing=lambda: self.catalog.listing(), what="IP-Adapter")
         self._encoders: dict[str, tuple[Any, Any]] = {}
         self._embeds: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
@@ -67,10 +69,8 @@ class IPAdapters:
         """The request's image-prompt row fields ([1, ...] each, on the device). Raises ParamError("image_prompts")."""
         prompt = request.image_prompts
         name = prompt.model if prompt.model is not None else self.catalog.only()
-        path = self.catalog.file(name)
-        key = (name, tuple(stamp_of(os.stat(path))))
         with self._lock, torch.no_grad():
-            adapter = self._adapter(key, path)
+            adapter = self.files.held(name).host
             embeds, negative = self._embed(adapter, prompt.images)
             proj_dtype = next(adapter.proj.parameters()).dtype
             tokens = adapter.proj(embeds.to(proj_dtype)).flatten(0, 1)      # [images * T, cross]
@@ -89,21 +89,21 @@ class IPAdapters:
                     out[f"ip.{name}{j}"] = field
         return out
 
-    def _adapter(self, key: tuple, path: str) -> _Adapter:
-        adapter = self._adapters.get(key)
-        if adapter is not None:
-            self._adapters.move_to_end(key)
-            return adapter
+    def _locate(self, name: str) -> tuple[str, tuple]:
+        path = self.catalog.file(name)
+        return path, file_version(path)
+
+    def _read(self, name: str, path: str) -> _Adapter:
         try:
             state = read_safetensors(path, 16 << 30)
         except UnusableFile as e:
             fix = f"; {CHANGED_FIX}" if isinstance(e, FileChanged) else ""
-            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its file {e}{fix}") from None
+            raise ParamError("image_prompts", f"IP-Adapter {name!r}: its file {e}{fix}") from None
         # on the host, before anything reaches the device: a check there would sync the device, which another
         # thread's graph capture forbids (cudaErrorStreamCaptureUnsupported broke that capture on the GPU)
         bad = next((k for k, v in state.items() if not bool(torch.isfinite(v.to(self.dtype)).all())), None)
         if bad is not None:
-            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} has non-finite weights (NaN or infinity, or past "
+            raise ParamError("image_prompts", f"IP-Adapter {name!r} has non-finite weights (NaN or infinity, or past "
                                              f"this model's dtype) in {bad}: the file is damaged; use an intact copy")
         proj_state = {k[len("image_proj."):]: v for k, v in state.items() if k.startswith("image_proj.")}
         ip_state = {k[len("ip_adapter."):]: v for k, v in state.items() if k.startswith("ip_adapter.")}
@@ -111,26 +111,23 @@ class IPAdapters:
         for j, dim in enumerate(self._dims):
             k, v = ip_state.get(f"{1 + 2 * j}.to_k_ip.weight"), ip_state.get(f"{1 + 2 * j}.to_v_ip.weight")
             if k is None or v is None or k.shape[0] != dim or v.shape[0] != dim or k.shape[1] != v.shape[1]:
-                raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} does not fit this model's UNet (its layer "
+                raise ParamError("image_prompts", f"IP-Adapter {name!r} does not fit this model's UNet (its layer "
                                                  f"{1 + 2 * j} is missing or has other sizes): use one made for it")
             keys.append(k.to(self.device, self.dtype))
             values.append(v.to(self.device, self.dtype))
         if len(ip_state) != 2 * len(self._dims):
-            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r} has {len(ip_state) // 2} layers, this model's "
+            raise ParamError("image_prompts", f"IP-Adapter {name!r} has {len(ip_state) // 2} layers, this model's "
                                              f"UNet {len(self._dims)}: use one made for it")
         try:
             proj = self._unet._convert_ip_adapter_image_proj_to_diffusers(proj_state, low_cpu_mem_usage=False)
         except Exception as e:  # a projection diffusers does not know
-            raise ParamError("image_prompts", f"IP-Adapter {key[0]!r}: its image projection could not be read "
+            raise ParamError("image_prompts", f"IP-Adapter {name!r}: its image projection could not be read "
                                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
         from diffusers.models.embeddings import ImageProjection
         adapter = _Adapter(proj.eval().requires_grad_(False), keys, values, not isinstance(proj, ImageProjection),
                            self.catalog.encoder(path))
-        self._check(key[0], adapter)  # on the host, before the projection moves to the device
+        self._check(name, adapter)  # on the host, before the projection moves to the device
         adapter.proj.to(self.device, self.dtype)
-        self._adapters[key] = adapter
-        while len(self._adapters) > self._cache:
-            self._adapters.popitem(last=False)
         return adapter
 
     def _check(self, name: str, adapter: _Adapter) -> None:

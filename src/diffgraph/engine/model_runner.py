@@ -97,7 +97,8 @@ class ModelRunner:
         self.text_setup = TextSetup(tuple(model.tokenizers), self.adapter.embedding_dims(model), self.max_chunks,
                                     self.adapter.encoder_layers(model), embeddings,
                                     lengths=tuple(self.adapter.token_lengths(model)),
-                                    template=self.adapter.prompt_template(model))
+                                    template=self.adapter.prompt_template(model),
+                                    dropped=self.adapter.template_dropped)
         side_paths = loras.unet_rows if slots else None
         self.control_runner = ControlRunner(controls, partial(self.adapter.control, model)) if controls else None
         extra = {"max_chunks": self.max_chunks, "controls": self.control_runner, "image_prompts": image_prompts} \
@@ -199,6 +200,7 @@ class ModelRunner:
         if not self._packs and not tiling:
             return size
         tokens = max((len(window) for p in prompts for window in (p.ids[0] if p.ids else ())), default=0)
+        tokens = max(tokens - self.adapter.template_dropped, 1) if tokens else 0  # the tokens a row holds
         # `tiling` only where asked: a family's own group_key written without it keeps working for every other row
         return self.adapter.group_key(self.model, size, tokens, prepared, **({"tiling": True} if tiling else {}))
 

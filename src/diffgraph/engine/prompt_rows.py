@@ -119,7 +119,8 @@ class PromptEncoder:
         masked = [i for i, p in enumerate(prompts) if self._masked and not p.weighted and p.clip_skip is None]
         if masked:
             with self._lock:
-                enc = self.model.adapter.encode(self.model, ["" if prompts[i].text is None else prompts[i].text
+                blank = self.model.adapter.empty_negative  # a missing negative prompt's text
+                enc = self.model.adapter.encode(self.model, [blank if prompts[i].text is None else prompts[i].text
                                                              for i in masked])
             for j, i in enumerate(masked):
                 out[i] = owned(enc, j)

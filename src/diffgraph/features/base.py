@@ -77,6 +77,8 @@ class Admission:
     controls: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)
     image_prompts: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/ip_adapters.py's row fields
     prepared: dict[str, Any] = field(default_factory=dict)  # registered capabilities' preparations, by name
+    # the device slots of the registered capabilities' files (slot_files.py), by files' name: file name -> slot
+    slots: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,8 +113,8 @@ class RowFeature:
     """Neutral defaults for every hook: a feature overrides what it does."""
 
     name: str = ""
-    # the request parameter (`GenerationRequest.extras` key) through which a request asks this feature for anything,
-    # with the values that ask nothing: a request without another value skips every per-request hook and its part
+    # the request parameter (a `GenerationRequest.extras` key, else a request attribute of that name) through which a
+    # request asks this feature for anything, with the values that ask nothing: a request without another value skips every per-request hook and its part
     # stays neutral (so a plain request never calls into a capability it does not use); None: every request may ask
     asked_by: tuple[str, tuple[Any, ...]] | None = None
 

@@ -5,9 +5,12 @@ that asks nothing of it, its type), its settings (a dataclass whose fields, defa
 server flags `--NAME-FIELD`, `--NAME` for a field named as the capability, and its
 `Engine(capability_settings={NAME: ...})` entry), which models have it (`applies`), the check of its values on a
 model that has it (`check`: a ParamError naming the field), its preparation on the submitting thread (`prepare`:
-whatever its row feature needs at admission, `Admission.prepared`), and its row feature in the denoising step (`feature`). A `Capabilities` registry holds them; the engine asks it at
-build (the features of the step), at submit (values checked and prepared) and for `ModelInfo` (the parameters each
-model takes, which the server lets through); no module of the engine, the request or the server names a capability.
+whatever its row feature needs at admission, `Admission.prepared`), its row feature in the denoising step (`feature`)
+and its named files with host copies and device slots (`host_files`: slot_files.py's `SlotFiles`, whose names the
+engine resolves at submit, whose slots gate admission and which it places between steps). A `Capabilities` registry
+holds them; the engine asks it at build (the features of the step, the files' gates), at submit (values checked and
+prepared) and for `ModelInfo` (the parameters each model takes, which the server lets through); no module of the
+engine, the request or the server names a capability.
 
 On a model without the capability its parameters are a 400 naming them unless they carry their neutral value.
 """
@@ -15,12 +18,15 @@ On a model without the capability its parameters are a 400 naming them unless th
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from ..capability_settings import add_capability_flags, capability_args
+from .. import capability_settings
+from ..capability_settings import add_capability_flags, capability_args, toml_settings
 from ..errors import ParamError
 from .base import RowFeature
+from .slot_files import SlotFiles, names_in
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,14 @@ class Capability:
 
     def feature(self, model: Any, settings: Any) -> RowFeature | None:
         """Its row feature in the model's step (None: it has no step half)."""
+        return None
+
+    def host_files(self, model: Any, settings: Any, feature: RowFeature | None) -> SlotFiles | None:
+        """Its named files with host copies and device slots (features/slot_files.py), made once per model after its
+        row feature (`feature`, whose device slots they may fill): the engine resolves the names a request gives in
+        the files' `param` on the submitting thread (`admission.prepared` keeps them), admits the request when its
+        files have slots (else it waits), places them between steps and hands the row feature each name's slot
+        (`admission.slots[files.name]`). None: it keeps no files."""
         return None
 
     def defaults(self, settings: Any) -> dict[str, Any]:
@@ -149,18 +163,36 @@ class Capabilities:
         """The flags `add_flags` made, as `settings()`'s `given` (only those set)."""
         return capability_args(args)
 
+    def settings_from_toml(self, values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """A TOML file's keys as (the other keys, `settings()`'s `given`): each settings field's key is its flag
+        without the dashes."""
+        return toml_settings(values, {name: c.settings for name, c in self._by_name.items()})
+
     # -- per model, per request ------------------------------------------------------------------------
     def for_model(self, model: Any, settings: Mapping[str, Any]) -> "ModelCapabilities":
         return ModelCapabilities(self, tuple(c for c in self if c.applies(model)), dict(settings))
 
 
+def builtin_capabilities() -> Capabilities:
+    """A fresh registry of the built-in capabilities that declare their implementation (capability_settings.py
+    `Declaration.implementation`): the default of `Engine(capabilities=...)`."""
+    made = []
+    for d in capability_settings.builtin():
+        if d.implementation:
+            module, _, name = d.implementation.partition(":")
+            made.append(getattr(importlib.import_module(module), name)())
+    return Capabilities(tuple(made))
+
+
 @dataclass
 class ModelCapabilities:
-    """The registry seen from one loaded model: which capabilities it has, with their settings."""
+    """The registry seen from one loaded model: which capabilities it has, with their settings (and, once `features`
+    made them, their files by capability name)."""
 
     registry: Capabilities
     present: tuple[Capability, ...]
     settings: dict[str, Any]
+    files: dict[str, SlotFiles] = field(default_factory=dict)
 
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.present)
@@ -178,12 +210,32 @@ class ModelCapabilities:
         return tuple(p.name for c in self.present for p in c.params if p.images)
 
     def features(self, model: Any) -> tuple[RowFeature, ...]:
-        return tuple(f for c in self.present if (f := c.feature(model, self.settings[c.name])) is not None)
+        """The row features of the capabilities this model has; their files made beside them (`files`)."""
+        out = []
+        for c in self.present:
+            feature = c.feature(model, self.settings[c.name])
+            files = c.host_files(model, self.settings[c.name], feature)
+            if files is not None:
+                self.files[c.name] = files
+            if feature is not None:
+                out.append(feature)
+        return tuple(out)
+
+    def gates(self) -> tuple[SlotFiles, ...]:
+        """The admission gates of the capabilities' files that have device slots."""
+        return tuple(f for f in self.files.values() if f.slots is not None)
 
     def prepare(self, extras: Mapping[str, Any], model_name: str) -> dict[str, Any]:
         """On the submitting thread: a request's capability parameters checked (`check`) and prepared, by capability
-        name. Raises ParamError naming the field."""
-        return {c.name: c.prepare(values, self.settings[c.name]) for c, values in self._asked(extras, model_name)}
+        name, and the files they name read (`SlotFiles.resolve`, under `SlotFiles.held_key`). Raises ParamError
+        naming the field."""
+        out: dict[str, Any] = {}
+        for c, values in self._asked(extras, model_name):
+            files = self.files.get(c.name)
+            if files is not None:
+                out[files.held_key] = files.resolve(names_in(values.get(files.param), files.param))
+            out[c.name] = c.prepare(values, self.settings[c.name])
+        return out
 
     def check(self, extras: Mapping[str, Any], model_name: str) -> None:
         """A request's capability parameters checked without preparing them (unknown names, values, neutral ones on a

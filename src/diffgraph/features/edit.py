@@ -15,8 +15,15 @@ from ..sampling.samplers import Coef
 from .base import Admission, FieldSpec, RowFeature, StepView
 
 
+def edit_rows(extra_channels: int, dtype: torch.dtype) -> "EditRows":
+    """The edit feature of a denoiser with `extra_channels` input channels beyond the latents' (an inpainting UNet's
+    mask and masked image: `InpaintChannels`, which appends them to the step's input), or none (`EditRows`)."""
+    return (InpaintChannels if extra_channels else EditRows)(extra_channels, dtype)
+
+
 class EditRows(RowFeature):
     name = "edit"
+    asked_by = ("edit", (None,))  # a text-to-image request writes no edit fields (they keep their neutral values)
 
     def __init__(self, extra_channels: int, dtype: torch.dtype):
         self.extra_channels, self._dtype = extra_channels, dtype
@@ -34,10 +41,6 @@ class EditRows(RowFeature):
     def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
         return {f"edit.{k}": v for k, v in admission.edit.items()}
 
-    def model_input(self, view: StepView, x_in: torch.Tensor) -> torch.Tensor:
-        if not self.extra_channels:
-            return x_in
-        return torch.cat([x_in, view.fields["edit.extra"]], dim=1)
 
     def after_update(self, view: StepView, x_next: torch.Tensor, denoised: torch.Tensor) -> torch.Tensor:
         n, co, f = view.n, view.coefs, view.fields
@@ -45,3 +48,10 @@ class EditRows(RowFeature):
         known = (co[:, int(Coef.KNOWN)].view(n, *ones) * f["edit.known"]
                  + co[:, int(Coef.KNOWN_NOISE)].view(n, *ones) * f["edit.noise0"])
         return (1 - m) * known + m * x_next
+
+
+class InpaintChannels(EditRows):
+    """`EditRows` of an inpainting denoiser: its input is the latents with the row's extra channels after them."""
+
+    def model_input(self, view: StepView, x_in: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x_in, view.fields["edit.extra"]], dim=1)

@@ -150,8 +150,13 @@ class StepProgram:
     def _asked(self, request: GenerationRequest, hook: str) -> tuple[int, ...]:
         """The features overriding `hook` that `request` may ask for something (`RowFeature.asked_by`)."""
         extras = dict(request.extras) if self._gated else {}
-        return tuple(i for i in self._overrides[hook] if self.features[i].asked_by is None
-                     or extras.get(self.features[i].asked_by[0]) not in self.features[i].asked_by[1])
+
+        def asks(feature: RowFeature) -> bool:
+            if feature.asked_by is None:
+                return True
+            name, nothing = feature.asked_by
+            return (extras[name] if name in extras else getattr(request, name, None)) not in nothing
+        return tuple(i for i in self._overrides[hook] if asks(self.features[i]))
 
     def neutral(self) -> VariantKey:
         return self._neutral

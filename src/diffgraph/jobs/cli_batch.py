@@ -25,7 +25,7 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..capability_settings import BUILTIN_PARAMS
+from ..capability_settings import add_capability_flags, builtin_params, builtin_settings, capability_args, flag_of
 from ..cli_flags import add_checkpoint_arguments
 from .batch_work import Tally, Work, already_there, plan, read_spec, spec_sheets, write_sheets
 
@@ -67,6 +67,7 @@ def add_batch_arguments(b: argparse.ArgumentParser) -> None:
                                                "this URL, and follow it")
     b.add_argument("--api-key", default=None, help="with --url: the server's API key (default: $DIFFGRAPH_API_KEY)")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress line")
+    add_capability_flags(b, builtin_settings())  # the built-in capabilities' settings (--step-cache: items naming none)
 
 
 def run_batch(args: argparse.Namespace) -> int:
@@ -79,6 +80,7 @@ def run_batch(args: argparse.Namespace) -> int:
                              ("--vae", args.vae), ("--model-config", args.model_config),
                              ("--controlnet-dir", args.controlnet_dir), ("--ip-adapter-dir", args.ip_adapter_dir))
               if v is not None]
+    remote += [flag_of(name, f) for name, fields in capability_args(args).items() for f in fields]
     if args.url is not None and remote:
         raise ValueError(f"{' and '.join(remote)} cannot be used with --url: the server serves its own model with "
                          "its own settings (GET /info)")
@@ -98,8 +100,8 @@ def run_batch(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} is not a writable folder; choose another")
     form = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}.get(os.path.splitext(args.file)[1].lower(), "auto")
 
-    def read(check: Callable[..., object] | None, extras: tuple[str, ...] = BUILTIN_PARAMS) -> JobSpec:
-        return read_spec(args, data, form, out, check, extras)
+    def read(check: Callable[..., object] | None, extras: tuple[str, ...] | None = None) -> JobSpec:
+        return read_spec(args, data, form, out, check, builtin_params() if extras is None else extras)
 
     read(None)  # its form first, before a model loads (the built-in capabilities' parameters let through)
     with progress_for(args) as progress:
@@ -117,7 +119,7 @@ def run_batch(args: argparse.Namespace) -> int:
 
 
 def run_local(args: argparse.Namespace, read: Callable[..., JobSpec], out: str, progress: Progress) -> Tally:
-    from ..api.config import ServerConfig
+    from ..api.config import ServerConfig, with_capability_settings
 
     model = args.model
     if model is None:
@@ -129,6 +131,7 @@ def run_local(args: argparse.Namespace, read: Callable[..., JobSpec], out: str, 
                           prompt_syntax=args.prompt_syntax or "plain", vae=args.vae, model_config=args.model_config,
                           prediction_type=args.prediction_type, zero_snr=args.zero_snr,
                           controlnet_dir=args.controlnet_dir, ip_adapter_dir=args.ip_adapter_dir)
+    config = with_capability_settings(config, capability_args(args))
     import torch
 
     from ..config import default_cpu_threads

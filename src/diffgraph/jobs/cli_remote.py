@@ -19,7 +19,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..capability_settings import BUILTIN_PARAMS
+from ..capability_settings import builtin_params
 from .batch_work import MANIFEST, Tally, Work, already_there, plan
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def run_remote(args: argparse.Namespace, read: Callable[[Any], JobSpec], out: st
         with httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(120.0, connect=10.0)) as client:
             progress.phase(f"asking {url}")
             info = _model_info(_answer(client.get("/info"), url), url)
-            spec = read(None, info.extension_params or BUILTIN_PARAMS)  # the server checks the items against its model
+            spec = read(None, info.extension_params or builtin_params())  # the server checks the items against its model
             tally = Tally(spec, progress)
             todo = already_there(plan(spec, ServerConfig(model=info.name), info, out, _server_settings), tally)
             if not todo:

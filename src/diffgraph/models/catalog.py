@@ -54,7 +54,8 @@ MAX_JSON_BYTES = 16 << 20
 # longest prefix first.
 PIPELINE_VARIANTS = ("", "Img2Img", "Inpaint")
 FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl", PIPELINE_VARIANTS), ("StableDiffusion", "sd", PIPELINE_VARIANTS),
-                    ("ZImage", "zimage", PIPELINE_VARIANTS), ("Flux2Klein", "flux2", ("",)))
+                    ("ZImage", "zimage", PIPELINE_VARIANTS), ("Flux2Klein", "flux2", ("",)),
+                    ("QwenImage", "qwen-image", ("",)))
 
 
 class ModelNameError(ValueError):

@@ -78,6 +78,9 @@ TEXT_ENCODERS = (
              Signature(("self_attn.q_norm.",), (("embed_tokens.weight", 0, 151936), ("embed_tokens.weight", 1, 2560)))),
     PartKind("qwen3-8b", "a Qwen3-8B text encoder",
              Signature(("self_attn.q_norm.",), (("embed_tokens.weight", 0, 151936), ("embed_tokens.weight", 1, 4096)))),
+    PartKind("qwen2.5-vl-7b", "a Qwen2.5-VL-7B text encoder",
+             Signature(("self_attn.q_proj.bias",), (("embed_tokens.weight", 0, 152064),
+                                                    ("embed_tokens.weight", 1, 3584)))),
     PartKind("mistral-small-3", "a Mistral Small 3 text encoder",
              Signature(("embed_tokens.weight",), (("embed_tokens.weight", 0, 131072),
                                                   ("embed_tokens.weight", 1, 5120)))),
@@ -87,6 +90,8 @@ VAES = (
              Signature(("encoder.conv_in.",), (("decoder.conv_in.weight", 1, 16),))),
     PartKind("flux2-vae", "a FLUX.2 VAE (32 latent channels)",
              Signature(("encoder.conv_in.",), (("decoder.conv_in.weight", 1, 32),))),
+    PartKind("qwen-image-vae", "a Qwen-Image / Wan 2.1 VAE (16 latent channels)",
+             Signature(("decoder.middle.0.residual.",), (("decoder.conv1.weight", 1, 16),))),
     PartKind("sd-vae", "an SD VAE (4 latent channels)",
              Signature(("encoder.conv_in.",), (("decoder.conv_in.weight", 1, 4),))),
 )
@@ -100,6 +105,8 @@ SPLIT_KINDS = (
         ("img_in.weight", 1, 128), ("txt_in.weight", 1, 7680))), "qwen3-4b", "flux2-vae", family="flux2"),
     SplitKind("flux2-klein-9b", "FLUX.2 klein 9B", Signature(("double_blocks.", "single_blocks."), (
         ("img_in.weight", 1, 128), ("txt_in.weight", 1, 12288))), "qwen3-8b", "flux2-vae", family="flux2"),
+    SplitKind("qwen-image", "Qwen-Image", Signature(("transformer_blocks.", "txt_norm.", ".img_mod."), (
+        ("img_in.weight", 1, 64), ("txt_in.weight", 1, 3584))), "qwen2.5-vl-7b", "qwen-image-vae", family="qwen-image"),
 )
 PARTS: dict[Role, tuple[PartKind, ...]] = {"text_encoder": TEXT_ENCODERS, "vae": VAES}
 

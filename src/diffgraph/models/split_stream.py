@@ -110,6 +110,22 @@ def load_flux2_transformer(path: str, dtype: torch.dtype, device: torch.device |
     return stream(path, layout, dtype, device, False, None, max_bytes)[0]
 
 
+def load_qwen_image(path: str, text_encoder: str, dtype: torch.dtype, device: torch.device | str,
+                    max_bytes: int = FILE_LIMIT) -> tuple[nn.Module, nn.Module]:
+    """A Qwen-Image transformer file and a Qwen2.5-VL text encoder file (its language model: qwen_image_files.py) as
+    QwenImageTransformer2DModel and Qwen2_5_VLTextModel on `device`."""
+    from diffusers import QwenImageTransformer2DModel
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from . import qwen_image_files as qf
+    transformer = Layout("qwen_image_transformer", qf.transformer_from_comfy, qf.transformer_config,
+                         lambda config: QwenImageTransformer2DModel(**config), "a Qwen-Image transformer")
+    encoder = Layout("qwen25_text_encoder", qf.text_encoder_from_comfy, qf.text_config,
+                     lambda values: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**values)), "a Qwen2.5-VL text encoder")
+    return (stream(path, transformer, dtype, device, False, None, max_bytes)[0],
+            stream(text_encoder, encoder, dtype, device, False, None, max_bytes)[0])
+
+
 def load_vae(cls: type[nn.Module], config: Mapping[str, Any], read: Callable[[Any], zf.FileWeights],
              dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     """A VAE of class `cls` built from `config` with its parameters on meta, then filled from `read(its config)` (a

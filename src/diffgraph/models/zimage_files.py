@@ -56,7 +56,8 @@ from ..safe_tensors import CHANGED_FIX, FILE_LIMIT, TensorFile
 from .gguf_files import GgufFile
 from .split_files import GGUF_SUFFIX, PARTS, SPLIT_KINDS, header_shapes
 
-Kind = Literal["transformer", "text_encoder", "vae", "flux2_transformer"]
+Kind = Literal["transformer", "text_encoder", "vae", "flux2_transformer", "qwen_image_vae", "qwen_image_transformer",
+               "qwen25_text_encoder"]
 Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata", "gguf"]
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI's format names of the layers read here
 TRANSFORMER_PREFIX = "model.diffusion_model."
@@ -69,13 +70,15 @@ _MODULE_RENAMES = ((".attention.out.", ".attention.to_out.0."), (".attention.q_n
 _TOP_RENAMES = (("x_embedder.", "all_x_embedder.2-1."), ("final_layer.", "all_final_layer.2-1."))
 _DROPPED = ("norm_final.weight",)  # Lumina 2's final RMSNorm: in its files, unused by Z-Image
 # what a file of another kind looks like, by a key fragment (after split_files' sized signatures)
-_LOOKS = (("cap_embedder.", "a Z-Image transformer"), ("double_blocks.", "a FLUX transformer"),
+_LOOKS = (("cap_embedder.", "a Z-Image transformer"), ("txt_norm.", "a Qwen-Image transformer"), ("double_blocks.", "a FLUX transformer"),
           ("input_blocks.", "an SD UNet"), ("encoder.block.", "a T5 text encoder"),
           ("text_model.encoder.layers.", "a CLIP text encoder"), ("transformer.resblocks.", "an OpenCLIP text encoder"),
           ("self_attn.q_proj.bias", "a Qwen2 / Qwen2.5 text encoder"), ("embed_tokens.", "a language model"),
-          ("encoder.conv_in.", "a VAE"), ("token_embd.", "a llama.cpp language model"))
+          ("decoder.middle.0.residual.", "a Wan 2.1 / Qwen-Image VAE"), ("encoder.conv_in.", "a VAE"),
+          ("token_embd.", "a llama.cpp language model"))
 _WANTED = {"transformer": "a Z-Image transformer", "text_encoder": "a Qwen3 text encoder", "vae": "a VAE",
-           "flux2_transformer": "a FLUX.2 transformer"}
+           "flux2_transformer": "a FLUX.2 transformer", "qwen_image_vae": "a Qwen-Image (Wan 2.1) VAE",
+           "qwen_image_transformer": "a Qwen-Image transformer", "qwen25_text_encoder": "a Qwen2.5-VL text encoder"}
 
 
 @dataclass(frozen=True)
@@ -297,6 +300,14 @@ def check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config
         ok = any("noise_refiner." in k for k in keys) and any("cap_embedder." in k for k in keys)
     elif kind == "flux2_transformer":
         ok = any("double_blocks." in k for k in keys) and any("single_stream_modulation." in k for k in keys)
+    elif kind == "qwen_image_transformer":
+        ok = any("txt_norm." in k for k in keys) and any(".img_mod." in k for k in keys)
+    elif kind == "qwen25_text_encoder":  # Qwen2.5's attention has biases (Qwen3's has q_norm instead)
+        ok = any(k.endswith("self_attn.q_proj.bias") for k in keys) and any(
+            k.endswith("embed_tokens.weight") for k in keys)
+    elif kind == "qwen_image_vae":  # Wan 2.1's original names (ComfyUI's file) or diffusers'
+        ok = any(k.endswith(("decoder.middle.0.residual.0.gamma", "decoder.mid_block.resnets.0.norm1.gamma"))
+                 for k in keys)
     elif kind == "text_encoder":
         ok = any(k.endswith("self_attn.q_norm.weight") for k in keys) and any(
             k.endswith("embed_tokens.weight") for k in keys)
@@ -311,6 +322,12 @@ def check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config
 
 def _check_size(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config: Any) -> None:
     get = config.get if isinstance(config, Mapping) else lambda name, default=None: getattr(config, name, default)
+    if kind == "qwen_image_vae":
+        found = next(s for k, s in shapes.items() if k.endswith(("decoder.conv1.weight", "decoder.conv_in.weight")))[1]
+        if found != get("z_dim"):
+            raise ValueError(f"{path} is a VAE of {found} latent channels; this model's has {get('z_dim')}; give the "
+                             "VAE its model page names")
+        return
     if kind == "vae":
         found = next(s for k, s in shapes.items() if k.endswith("decoder.conv_in.weight"))[1]
         if found != get("latent_channels"):

@@ -4,8 +4,10 @@ A flow-matching model (SD3, Flux, Z-Image, Qwen-Image) is trained on x_sigma = (
 predicts the velocity v = noise - x0, so D = x - sigma * v. `FlowSchedule` is diffusers'
 FlowMatchEulerDiscreteScheduler's reading of a scheduler config: sigmas from 1 towards 1 / steps, shifted either by
 a fixed `shift` (sigma' = shift * sigma / (1 + (shift - 1) * sigma)) or, with dynamic shifting, by
-exp(mu) where mu grows linearly with the image's token count (Flux's time shift), then a final 0; the denoiser's
-timestep is sigma * 1000. `flow_plan` writes a sampler on that line as per-row coefficients, so flow rows share
+exp(mu) where mu grows linearly with the image's token count (Flux's time shift), with `shift_terminal` stretched so
+the last sigma before the final 0 is that value (Qwen-Image's 0.02; not a one-step plan's, where the scheduler
+divides by zero), then a final 0; the denoiser's timestep is
+sigma * 1000. `flow_plan` writes a sampler on that line as per-row coefficients, so flow rows share
 replays with every other row of their group:
   * `flow_euler`: Euler, x_next = x + (sigma_next - sigma) * v (FlowMatchEulerDiscreteScheduler);
   * `flow_euler_a`: its stochastic form, x_next = (1 - sigma_next) D + sigma_next * fresh noise, one draw a step
@@ -40,6 +42,7 @@ class FlowSchedule:
     max_shift: float = 1.15
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
+    shift_terminal: float = 0.0  # 0: off; else the last sigma before 0 (the scheduler's stretch_shift_to_terminal)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "FlowSchedule":
@@ -63,6 +66,8 @@ class FlowSchedule:
             s = m / (m + (1.0 / s - 1.0))
         else:
             s = self.shift * s / (1.0 + (self.shift - 1.0) * s)
+        if self.shift_terminal and s[-1] < 1.0:  # (one step's only sigma, 1, is left: the scheduler divides by 0)
+            s = 1.0 - (1.0 - s) / ((1.0 - s[-1]) / (1.0 - self.shift_terminal))
         return np.append(s, 0.0)
 
     def solver_sigmas(self, steps: int, image_tokens: int, mu: float | None = None) -> np.ndarray:

@@ -15,7 +15,6 @@ and how long start-up took.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import re
@@ -24,9 +23,9 @@ import time
 from typing import Any, Callable
 from urllib.parse import unquote_plus
 
-from ..capability_settings import BUILTIN, add_capability_flags, capability_args
+from ..capability_settings import add_capability_flags, builtin_settings, capability_args
 from ..settings import add_flags, declared
-from ..api.config import ServerConfig, load_config
+from ..api.config import ServerConfig, load_config, with_capability_settings
 
 DRAIN_GRACE_S = 5.0  # after the drain timeout's aborts: how long requests may take to end before the process exits
 
@@ -42,7 +41,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="TOML file with any of these settings, named like the flags (e.g. batch-buckets = [1, 2, 4]); "
                         "flags given on the command line override it")
     groups = add_flags(p, ServerConfig)
-    add_capability_flags(p, BUILTIN)  # the built-in capabilities' settings (`--step-cache`)
+    add_capability_flags(p, builtin_settings())  # the built-in capabilities' settings (`--step-cache`)
     replicas = groups["replicas"]
     replicas.add_argument("--data-parallel", default=None, metavar="N|all",
                           help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU); with --ray: the "
@@ -66,15 +65,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         if overrides.get("devices"):
             raise ValueError("give --devices or --data-parallel, not both")
         overrides["devices"] = data_parallel_devices(dp)
-    config = load_config(args.config, overrides)
-    given = capability_args(args)  # each capability's own flags, over --capability-settings and the file's
-    if given:
-        merged = {name: dict(fields) for name, fields in config.capability_settings}
-        for name, fields in given.items():
-            merged.setdefault(name, {}).update(fields)
-        config = dataclasses.replace(config, capability_settings=tuple(
-            (name, tuple(fields.items())) for name, fields in merged.items()))
-    return config
+    # each capability's own flags, over --capability-settings and the file's
+    return with_capability_settings(load_config(args.config, overrides), capability_args(args))
 
 
 def data_parallel_devices(value: str, visible: int | None = None) -> str:

@@ -80,6 +80,7 @@ class TextSetup:
     # a family whose encoder reads its prompt in a template (an LLM's chat template) and refuses a longer one rather
     # than truncating it: the text around the prompt (FamilyAdapter.prompt_template); None: CLIP's truncation
     template: tuple[str, str] | None = None
+    dropped: int = 0                       # the template's leading tokens the rows do not hold (not counted)
 
 
 def prepare(setup: TextSetup, request: GenerationRequest, evaluations: int | None = None,
@@ -158,9 +159,9 @@ def _templated_ids(setup: TextSetup, text: str, field: str) -> tuple[tuple[tuple
     with setup.lock:
         ids = setup.tokens.get(("templated", 0), [before + text + after], lambda texts: tokenizer(
             texts, truncation=False).input_ids)[0]
-    if len(ids) > length:
-        raise ParamError(field, f"{field} is {len(ids)} tokens with the model's template; this model reads at most "
-                                f"{length}: shorten it")
+    if len(ids) - setup.dropped > length:
+        raise ParamError(field, f"{field} is {len(ids) - setup.dropped} tokens with the model's template; this model "
+                                f"reads at most {length}: shorten it")
     return ((tuple(ids),),)
 
 

@@ -44,7 +44,7 @@ from ...features.base import RowFeature
 from ...features.context import PromptContext, lcm_all
 from ...features.control import ControlRows, ControlSlots
 from ...features.image_prompt import ImagePromptSource
-from ...features.edit import EditRows
+from ...features.edit import edit_rows
 from ...features.embedded_guidance import EmbeddedGuidance, lcm_embedding
 from ...features.guidance import ClassifierFreeGuidance
 from ...features.history import SamplerHistory
@@ -175,6 +175,11 @@ class FamilyAdapter:
     # layers; embedders, modulation and the final projection stay 16-bit); None: quantize/fp8.py's default
     # selection, the names of diffusers' UNet transformer blocks
     fp8_linears: tuple[str, ...] | None = None
+    # the text its encoder reads for a request without a negative prompt (Qwen-Image's pipelines guide with " ")
+    empty_negative: str = ""
+    # the leading tokens of its `prompt_template` the encoder reads but the rows drop (Qwen-Image's system prompt):
+    # not counted against `token_lengths`
+    template_dropped: int = 0
 
     # -- loading ---------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -366,7 +371,7 @@ class FamilyAdapter:
         if set(self.samplers) & set(HISTORY_SAMPLERS):  # the history slots some of its samplers keep
             out.append(SamplerHistory())
         if self.supports_edits:
-            out.append(EditRows(self.extra_channels(model), model.dtype))
+            out.append(edit_rows(self.extra_channels(model), model.dtype))
         if side_paths is not None:
             out.append(LoraRows(side_paths, side_paths.max_stack))
         if controls is not None:  # ControlNet rows (features/control.py): the nets in `controls`' slots

@@ -35,7 +35,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from ...capability_settings import StepCacheSettings
+from ...capabilities.step_cache import StepCacheSettings
 from ...errors import ParamError
 from ...features.base import Admission, FieldSpec, RowFeature, StepView
 from ...features.capability import Capability, Param
