@@ -1,7 +1,8 @@
 """FLUX.2 klein's reference images (models/families/flux2_refs.py) against diffusers' `Flux2KleinPipeline(image=[...])`
 on test_flux2.py's tiny distilled folder: fp32 on the CPU, each image within one uint8 level of the pipeline's with the
 same seed and references; rows with 0, 1 and 2 references submitted together each equal their request alone; bad
-references are a one-line ParamError naming `reference_images`.
+references are a one-line ParamError naming `reference_images`. Image-to-image below strength 1 (the engine, the
+AUTOMATIC1111 and edits routes) against `Flux2KleinInpaintPipeline` at a full mask.
 """
 
 import numpy as np
@@ -133,16 +134,15 @@ def test_http_routes_take_references_as_base64_and_as_edit_image_parts(folders):
                            ({"reference_images": refs * 3}, "reference_images")):
             answer = client.post("/v1/images/generations", json={**body, **bad})
             assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
-        answer = client.post("/v1/images/edits", data={**form, "strength": "0.5"}, files=files)
-        assert answer.status_code == 400 and answer.json()["error"]["param"] == "strength", answer.text
-        # AUTOMATIC1111's img2img: every init image a reference; its denoising_strength ignored with a warning
+        answer = client.post("/v1/images/edits", data={**form, "strength": "1"}, files=files)
+        assert np.abs(image(answer) - want).max() <= 1  # strength 1: from noise, as without one
+        # AUTOMATIC1111's img2img: every init image a reference; at denoising_strength 1 none is a start
         a1111 = {"prompt": PROMPT, "init_images": refs, "width": 128, "height": 128, "seed": 4, "steps": 2,
-                 "denoising_strength": 0.75}
+                 "denoising_strength": 1.0}
         answer = client.post("/sdapi/v1/img2img", json=a1111)
         assert answer.status_code == 200, answer.text
         got = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["images"][0])))).astype(np.int16)
-        assert np.abs(got - want).max() <= 1
-        assert any("denoising_strength 0.75 ignored" in w for w in answer.json()["warnings"])
+        assert np.abs(got - want).max() <= 1 and not any("strength" in w for w in answer.json()["warnings"])
         answer = client.post("/sdapi/v1/img2img", json={**a1111, "mask": refs[0]})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "mask", answer.text
 
@@ -182,3 +182,100 @@ def test_a_job_item_s_reference_images_are_its_request_s_and_bad_ones_are_refuse
         url = client.get(f"/v1/jobs/{job}/results").json()["data"][0]["images"][0]
         got = np.array(Image.open(io.BytesIO(client.get(url.split("testserver", 1)[-1]).content))).astype(np.int16)
         assert np.abs(got - want).max() <= 1
+
+
+def inpaint_oracle(pipe, start: np.ndarray, strength: float, steps: int, seed: int,
+                   reference: np.ndarray | None = None) -> np.ndarray:
+    """diffusers' `Flux2KleinInpaintPipeline` at a full (all-white) mask: image-to-image from `start` (also its first
+    reference), `reference` a second one."""
+    from diffusers import Flux2KleinInpaintPipeline
+    from PIL import Image
+
+    inpaint = Flux2KleinInpaintPipeline(**pipe.components, is_distilled=pipe.config.is_distilled)
+    mask = Image.new("L", (start.shape[1], start.shape[0]), 255)
+    image = inpaint(prompt=PROMPT, image=Image.fromarray(start), mask_image=mask, strength=strength,
+                    image_reference=None if reference is None else Image.fromarray(reference),
+                    num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+                    output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+def test_image_to_image_rows_at_two_strengths_and_plain_rows_together_each_equal_the_pipeline(folders, klein):
+    """An image with `strength` below 1 starts from its posterior's mode noised to the step the strength selects (the
+    flow rule: 4 steps at 0.5 run the last 2, at 0.75 the last 3), reading the image as its reference too: each
+    equals diffusers' klein inpaint pipeline at a full mask. Rows at strengths 0.5 and 0.75 and a reference row from
+    noise share a step (one group), a plain row runs beside them; each equals its request alone. A mask is refused:
+    the family does not inpaint."""
+    pipe = folders["FLUX.2-klein-4B"][1]
+    starts = {0.5: picture(128, 128, 7), 0.75: picture(96, 160, 8)}
+    requests = [dict(prompt=PROMPT, image=start, strength=strength, num_inference_steps=4, seed=20 + i,
+                     extras={"reference_images": [start]}) for i, (strength, start) in enumerate(starts.items())]
+    requests += [request([starts[0.5]], (128, 128), 22), request([], (96, 160), 23)]
+    for r in requests[2:]:
+        r["num_inference_steps"] = 4
+    made = [GenerationRequest.create(model=klein.info, **r) for r in requests]
+    assert [r.denoising_steps for r in made] == [2, 3, 4, 4] and klein.info.edit_steps_rule == "flow"
+    keys = [klein.runner.group_key(r.key, (), klein.runner.capabilities.prepare(dict(r.extras or {}), "m"))
+            for r in made]
+    assert keys == [(256, 256)] * 3 + [(0, 256)]
+    got = images_together(klein, requests)
+    for i, (strength, start) in enumerate(starts.items()):
+        want = inpaint_oracle(pipe, start, strength, 4, 20 + i)
+        assert got[i].shape == start.shape and np.abs(got[i] - want).max() <= 1, strength
+        assert np.abs(want - oracle(pipe, [start], start.shape[:2], 4, 20 + i)).max() > 3  # the start shows
+    assert np.abs(got[2] - oracle(pipe, [starts[0.5]], (128, 128), 4, 22)).max() <= 1
+    assert np.abs(got[3] - oracle(pipe, [], (96, 160), 4, 23)).max() <= 1
+    with pytest.raises(ParamError) as e:
+        klein.submit(GenerationRequest.create(model=klein.info, **requests[0],
+                                              mask_image=np.zeros((128, 128), np.uint8)))
+    assert e.value.param == "mask" and "\n" not in str(e.value)
+
+
+def test_http_routes_start_from_the_first_image_below_strength_1(folders):
+    """AUTOMATIC1111's img2img with `denoising_strength` 0.5 and /v1/images/edits with `strength` 0.5 start from the
+    first image noised to that strength, every image still a reference: each equals the klein inpaint pipeline at a
+    full mask with the first image as its start and the second as its extra reference; a strength out of range is a
+    400 naming the route's field, a mask stays a 400 naming `mask`."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from server_util import b64png, served
+
+    path, pipe = folders["FLUX.2-klein-4B"]
+    start, second = picture(128, 128, 9), REFS[1][0]
+    want = inpaint_oracle(pipe, start, 0.5, 4, 6, reference=second)
+    assert np.abs(want - oracle(pipe, [start, second], (128, 128), 4, 6)).max() > 3  # the start shows
+
+    def png(r: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(r).save(buf, "PNG")
+        return buf.getvalue()
+
+    def decoded(text: str) -> np.ndarray:
+        return np.array(Image.open(io.BytesIO(base64.b64decode(text)))).astype(np.int16)
+
+    a1111 = {"prompt": PROMPT, "init_images": [b64png(Image.fromarray(r)) for r in (start, second)], "width": 128,
+             "height": 128, "seed": 6, "steps": 4, "denoising_strength": 0.5}
+    form = {"prompt": PROMPT, "size": "128x128", "seed": "6", "num_inference_steps": "4", "strength": "0.5"}
+    files = [("image[]", (f"{i}.png", png(r), "image/png")) for i, r in enumerate((start, second))]
+    with served(Engine(model=path, device="cpu"), ServerConfig(model=path, device="cpu")) as client:
+        answer = client.post("/sdapi/v1/img2img", json=a1111)
+        assert answer.status_code == 200, answer.text
+        assert np.abs(decoded(answer.json()["images"][0]) - want).max() <= 1
+        assert not any("strength" in w for w in answer.json()["warnings"])
+        answer = client.post("/v1/images/edits", data=form, files=files)
+        assert answer.status_code == 200, answer.text
+        assert np.abs(decoded(answer.json()["data"][0]["b64_json"]) - want).max() <= 1
+        for route, body, field in (("/sdapi/v1/img2img", {**a1111, "denoising_strength": 0}, "denoising_strength"),
+                                   ("/sdapi/v1/img2img", {**a1111, "mask": a1111["init_images"][0]}, "mask")):
+            answer = client.post(route, json=body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+            assert "\n" not in answer.json()["error"]["message"]
+        for bad, field in (({"strength": "1.5"}, "strength"), ({}, "mask")):
+            extra = [("mask", ("m.png", png(np.full((128, 128, 3), 255, np.uint8)), "image/png"))] if not bad else []
+            answer = client.post("/v1/images/edits", data={**form, **bad}, files=files + extra)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text

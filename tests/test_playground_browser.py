@@ -57,8 +57,8 @@ def browser():
             chromium.close()
 
 
-def _server(*flags: str, until: str = "/ready"):
-    server = pg.PlaygroundServer(*flags)
+def _server(*flags: str, until: str = "/ready", model: str = "digits"):
+    server = pg.PlaygroundServer(*flags, model=model)
     try:
         server.wait_ready(path=until)
     except BaseException:
@@ -123,6 +123,15 @@ class Traffic:
     def _response(self, response) -> None:
         if response.url.endswith(GENERATIONS):
             self.statuses.append(response.status)
+
+
+def _watch(page) -> tuple[Traffic, list[str], list[bytes]]:
+    """The page's generation requests, its script errors and the edits forms it posts (their raw bodies)."""
+    traffic, errors, forms = Traffic(page), [], []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.route("**/v1/images/edits", lambda route: (forms.append(route.request.post_data_buffer or b""),
+                                                      route.continue_()))
+    return traffic, errors, forms
 
 
 def _image_sizes(card) -> list[tuple[int, int]]:
@@ -635,12 +644,7 @@ def test_control_upload_shows_the_map_and_sends_the_control(browser, server, tmp
     generating; Generate sends the control with its image, modes and window, and the card names it; an edit with the
     control sends the map as the form's file part control_image_0."""
     page = pg.open_playground(browser, server.url)
-    traffic = Traffic(page)
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    forms: list[bytes] = []
-    page.route("**/v1/images/edits", lambda route: (forms.append(route.request.post_data_buffer or b""),
-                                                      route.continue_()))
+    traffic, errors, forms = _watch(page)
     page.wait_for_selector("[data-testid=controls]:not([hidden])", timeout=pg.WAIT_MS)
     assert page.eval_on_selector_all("#control-model option", "os => os.map(o => o.value)") == ["", "outline"]
 
@@ -696,6 +700,7 @@ def test_image_prompt_upload_sends_the_image_prompt(browser, tmp_path):
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.wait_for_selector("[data-testid=image-prompt]:not([hidden])", timeout=pg.WAIT_MS)
         assert page.eval_on_selector_all("#ip-model option", "os => os.map(o => o.value)") == ["", "faces"]
+        assert page.is_hidden("[data-testid=references]")  # digits takes no reference images
         for i in range(2):
             Image.fromarray(np.full((40, 40, 3), 60 * (i + 1), np.uint8)).save(tmp_path / f"p{i}.png")
         pg.fill_form(page, prompt=PROMPT, size="64x64", steps=STEPS, seed=SEED, n=1)
@@ -709,6 +714,44 @@ def test_image_prompt_upload_sends_the_image_prompt(browser, tmp_path):
         assert sent["model"] == "faces" and sent["scale"] == 0.5 and len(sent["images"]) == 2
         assert all(i.startswith("data:image/png;base64,") for i in sent["images"])
         assert "image prompt faces" in pg.card(page, local).inner_text()
+        assert not errors, errors
+    finally:
+        s.stop()
+
+
+def test_reference_images_upload_sends_them_and_an_edit_sends_them_after_the_image(browser, tmp_path):
+    """On a model that takes `reference_images` (the tiny random FLUX.2 klein) the reference fieldset shows; two
+    uploaded images go as `reference_images` (data URLs) on the JSON route and the card names them; with an image to
+    edit and strength 0.5 the edits form carries the image then the references as image[] parts; both are done."""
+    s = _server("--request-timeout", "600", model="random:flux2-klein-tiny")
+    try:
+        page = pg.open_playground(browser, s.url)
+        traffic, errors, forms = _watch(page)
+        page.wait_for_selector("[data-testid=references]:not([hidden])", timeout=pg.WAIT_MS)
+        for i, (h, w) in enumerate(((64, 64), (80, 64))):
+            Image.fromarray(np.full((h, w, 3), 60 * (i + 1), np.uint8)).save(tmp_path / f"r{i}.png")
+        pg.fill_form(page, prompt="the same fox", size="64x64", steps=2, seed=SEED, n=1)
+        page.set_input_files("#ref-images-input", [str(tmp_path / "r0.png"), str(tmp_path / "r1.png")])
+        page.wait_for_selector("#ref-images:not([hidden]) img", timeout=pg.WAIT_MS)
+        assert page.locator("#ref-images img").count() == 2
+        for width in (1024, 1280):  # the reference fieldset shown: nothing overlaps or overflows
+            assert _layout_problems(page, width) == [], width
+        page.set_viewport_size({"width": 1280, "height": 900})
+        local = pg.submit(page)
+        assert pg.wait_finished(page, local) == "done"
+        sent = traffic.bodies[-1]["reference_images"]
+        assert len(sent) == 2 and all(r.startswith("data:image/png;base64,") for r in sent)
+        assert "2 reference images" in pg.card(page, local).inner_text()
+
+        page.set_input_files("#image", str(tmp_path / "r0.png"))  # an edit: the image, then the references
+        page.wait_for_selector("[data-testid=edit-area]:not([hidden])", timeout=pg.WAIT_MS)
+        page.fill("#strength", "0.5")
+        local = pg.submit(page)
+        assert pg.wait_finished(page, local) == "done", pg.card(page, local).inner_text()
+        form = forms[-1]
+        assert form.count(b'name="image[]"') == 3 and b'name="image"' not in form
+        assert form.index(b'filename="r0.png"') < form.index(b'filename="r1.png"')
+        assert re.search(rb'name="strength"\r\n\r\n0\.5\r\n', form)
         assert not errors, errors
     finally:
         s.stop()

@@ -5,7 +5,8 @@ thread, the image (and the mask) are preprocessed by diffusers' own VaeImageProc
 binarized mask); at admission they are encoded by the VAE encoder (its graph where it covers the size; image and masked image in one call), and sampled
 from the request's generator in the pipelines' order: image posterior, then the initial noise, then (inpainting)
 the masked image's posterior, drawn even where a 4-channel UNet does not use it, so ancestral samplers continue
-from the same generator state. Rows start at the step the strength implies (`ModelRunner.request_plan`) from the
+from the same generator state (a family whose pipelines take the posterior's mode, `edit_samples_posterior` False:
+FLUX.2, draws no posterior sample). Rows start at the step the strength implies (`ModelRunner.request_plan`) from the
 image's latents noised to that step as the family noises (`FamilyAdapter.noising`: SD's samplers' add_noise, a flow
 family's (1 - sigma) x0 + sigma * noise), or from pure noise for inpainting at strength 1.
 An edit from latents (`EditInput.latents`: the hires fix's latent upscale) skips the encoder and is noised the same.
@@ -63,8 +64,10 @@ def prepare_edit(runner: Any, request: GenerationRequest, key: GroupKey, generat
     need_image = not edit.inpaint or not runner.extra_channels or not pure_noise
     params = runner.encode_pixels(size, torch.cat(batch if need_image else batch[1:]), tiling=request.tiling)
 
-    def sample(p: torch.Tensor) -> torch.Tensor:  # the posterior sample from the request's generator
+    def sample(p: torch.Tensor) -> torch.Tensor:  # the posterior sample from the request's generator (or its mode)
         mean, logvar = p.float().chunk(2, dim=1)
+        if not adapter.edit_samples_posterior:
+            return adapter.image_latents(model, runner.encoder, mean)
         eps = torch.randn(mean.shape, generator=generator, dtype=p.dtype)
         latent = mean + torch.exp(0.5 * logvar.clamp(-30.0, 20.0)) * runner.to_device(eps).float()
         return adapter.image_latents(model, runner.encoder, latent)
@@ -95,7 +98,8 @@ def _from_latents(runner: Any, request: GenerationRequest, key: GroupKey, genera
     the noise is the one an image of the same seed gets)."""
     model, adapter = runner.model, runner.adapter
     shape = adapter.image_latent_shape(model, request.key)
-    torch.randn((1, *shape), generator=generator, dtype=model.vae_dtype)  # an encoded image's posterior sample
+    if adapter.edit_samples_posterior:  # an encoded image's posterior sample
+        torch.randn((1, *shape), generator=generator, dtype=model.vae_dtype)
     noise = runner.to_device(initial_noise(request, generator, rows, shape, model.dtype, request.key)).float()
     k, e = adapter.noising(plan)
     start = k * runner.to_device(latents).float() + e * noise

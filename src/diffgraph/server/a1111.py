@@ -235,10 +235,12 @@ class A1111Server:
             prepare(decode_b64(f"init_images[{i}]", text, *limits), mask, options, plan.create["width"],
                     plan.create["height"], strength) for i, text in enumerate(images)])
 
-    def prepare_references(self, body: Img2ImgBody, plan: Plan, info: ModelInfo) -> tuple[Plan, list[Image.Image]]:
+    def prepare_references(self, body: Img2ImgBody, plan: Plan,
+                           info: ModelInfo) -> tuple[Plan, list[Image.Image], list[PreparedEdit]]:
         """The init images of a model that reads them all as references (`ModelInfo.edit_images`), decoded (a worker
-        thread); a mask is a 400; a denoising_strength other than 1 is ignored with a warning (the images start
-        from noise, as the model's pipeline runs them)."""
+        thread), and the images' starts: with a denoising_strength below 1 (absent: 1) each image starts from the
+        first init image noised to it, as the model's image-to-image pipeline does where the model takes edits, else
+        the strength is ignored with a warning; a mask is a 400."""
         images = body.init_images or []
         if not images:
             raise APIError(400, "init_images is required: a list of base64 images (the reference images)",
@@ -248,11 +250,16 @@ class A1111Server:
                                 "leave mask out", param="mask")
         limits = (self.config.max_image_bytes, self.config.max_image_pixels)
         decoded = [flatten(decode_b64(f"init_images[{i}]", text, *limits)) for i, text in enumerate(images)]
-        if body.denoising_strength not in (None, 1, 1.0):
+        strength = body.denoising_strength
+        if strength in (None, 1, 1.0):
+            return plan, decoded, []
+        if not info.edits:
             plan = dataclasses.replace(plan, warnings=plan.warnings + (
-                f"denoising_strength {body.denoising_strength:g} ignored: model {info.name!r} reads init_images "
-                f"as {info.edit_images} and starts from noise",))
-        return plan, decoded
+                f"denoising_strength {strength:g} ignored: model {info.name!r} reads init_images as "
+                f"{info.edit_images} and starts from noise",))
+            return plan, decoded, []
+        start = prepare(decoded[0], None, mask_options(body), plan.create["width"], plan.create["height"], strength)
+        return plan, decoded, _edits_per_image(len(plan.seeds), body, [start])
 
     def prepare_tiles(self, body: Img2ImgBody, plan: Plan,
                       script: SdUpscale) -> tuple[Plan, TileGrid, list[PreparedEdit]]:
@@ -424,9 +431,9 @@ class A1111Server:
             if script is not None:  # the SD upscale script: its tiles are the images
                 plan, grid, edits = await asyncio.to_thread(self.prepare_tiles, body, plan, script)
                 tiled = (script, grid)
-            elif references is not None:  # every init image is a reference (FLUX.2 klein): none is a start
-                edits, (plan, extras[references]) = [], await asyncio.to_thread(
-                    self.prepare_references, body, plan, chosen.info)
+            elif references is not None:  # every init image is a reference (FLUX.2 klein), the first the start
+                plan, extras[references], edits = await asyncio.to_thread(self.prepare_references, body, plan,
+                                                                          chosen.info)
             else:
                 edits = await asyncio.to_thread(self.prepare_edits, body, plan) if kind == "img2img" else []
             init = (getattr(body, "init_images", None) or [None])[0]  # an img2img unit's image by default

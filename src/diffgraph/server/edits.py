@@ -5,6 +5,8 @@ response_format, model, user): image-to-image of the image with an empty prompt 
 
 The image comes as the file part `image`, or as `image[]` (OpenAI's client sends a list of images as `image[]`
 parts, one image too when it is given in a list). The SD families edit one image: a second is a 400 naming `image[]`.
+A family that reads every image part as its own list (`ModelInfo.edit_images`: FLUX.2's references) takes them all;
+with a `strength` below 1 the first is also the image-to-image start (`image_parts`).
 
 Images are checked before their pixels are decoded: at most --max-image-bytes bytes, and at most
 --max-image-pixels pixels read from the header (a decompression bomb is refused before it expands). Masks follow
@@ -220,17 +222,25 @@ def edit_arrays(image: Any, mask: Any = None) -> tuple[np.ndarray, np.ndarray | 
     return np.asarray(eight_bit(image).convert("RGB")), mask_array
 
 
-def image_parts(files: FormFiles, info: ModelInfo, strength: float | None, max_bytes: int, max_pixels: int) -> list:
-    """The form's image parts as RGB images for a family that reads them all as one capability's list
-    (`ModelInfo.edit_images`); a mask or a strength is a 400 naming it."""
-    for name, given in (("mask", "mask" in files.parts), ("strength", strength is not None)):
+def image_parts(files: FormFiles, info: ModelInfo, strength: float | None, max_bytes: int,
+                max_pixels: int) -> tuple[list, EditInput | None]:
+    """(The form's image parts as RGB images, the image-to-image start or None) for a family that reads them all as
+    one capability's list (`ModelInfo.edit_images`): with a `strength` below 1 on a model that takes edits, the first
+    image is also the start, noised to that strength; a mask, or a strength on a model without edits, is a 400."""
+    for name, given in (("mask", "mask" in files.parts), ("strength", strength is not None and not info.edits)):
         if given:
             raise APIError(400, f"model {info.name!r} reads its images as {info.edit_images} and takes no {name}; "
                                 f"leave {name} out", param=name)
     if not files.images:
         raise APIError(400, "image is required: upload the images as file parts 'image[]'", param="image")
-    return [eight_bit(decode_upload(f"{files.image_name}[{i}]" if files.listed else files.image_name, data,
-                                    max_bytes, max_pixels)).convert("RGB") for i, data in enumerate(files.images)]
+    images = [eight_bit(decode_upload(f"{files.image_name}[{i}]" if files.listed else files.image_name, data,
+                                      max_bytes, max_pixels)).convert("RGB") for i, data in enumerate(files.images)]
+    if strength is None or strength == 1:
+        return images, None
+    try:
+        return images, EditInput(image=np.asarray(images[0]), strength=strength)
+    except ParamError as e:
+        raise error_from_param_error(e) from None
 
 
 def edit_input(files: FormFiles, strength: float | None, defaults: tuple[float, float], max_bytes: int,

@@ -136,10 +136,10 @@ class ImageRoutes:
 
         async def finish(info: ModelInfo) -> tuple[GenerationRequest, list[str]]:
             if info.edit_images and not variation:  # the family reads every image part as one of its inputs
-                extras = {info.edit_images: await asyncio.to_thread(image_parts, files, info, form.strength,
-                                                                   config.max_image_bytes, config.max_image_pixels)}
-                return await asyncio.to_thread(_warned, generation_request, info, config, form.generation(),
-                                               extras=extras)
+                images, start = await asyncio.to_thread(image_parts, files, info, form.strength,
+                                                        config.max_image_bytes, config.max_image_pixels)
+                return await asyncio.to_thread(_warned, generation_request, info, config, form.generation(), start,
+                                               extras={info.edit_images: images})
             if not info.edits:
                 raise APIError(400, f"model {info.name!r} takes no image inputs; use /v1/images/generations",
                                param="image")

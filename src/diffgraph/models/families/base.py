@@ -12,8 +12,9 @@ An adapter owns, for its family (one module per family: sd.py, sdxl.py):
   * what a request may ask of it (`check`): its sampler and schedule names (`samplers`, `schedules`) and defaults
     (`default_sampler`, `default_schedule`), its size multiple (`size_multiple`: 8 for an SD VAE, 16 for a 2x2
     patched transformer); the engine's `ModelInfo` carries them to the request's validation and to `/info`;
-  * image-to-image: whether it takes images (`supports_edits`) and how a clean latent is noised to a plan's first
-    state (`noising`: SD's samplers' add_noise, or a flow's (1 - sigma) x0 + sigma * noise);
+  * image-to-image: whether it takes images (`supports_edits`), whether its image latents are a posterior sample or
+    its mode (`edit_samples_posterior`) and how a clean latent is noised to a plan's first state (`noising`: SD's
+    samplers' add_noise, or a flow's (1 - sigma) x0 + sigma * noise);
   * the latent shape, the decoder and its dtype, the decode to pixels and the image latents (the VAE's
     `scaling_factor`, `shift_factor`, `latents_mean` / `latents_std`, as diffusers' pipelines apply them);
   * defaults (guidance) and the equivalent diffusers pipeline (the test oracle).
@@ -137,6 +138,9 @@ class FamilyAdapter:
     # references); None: the first image is the image-to-image start
     edit_images: str | None = None
     edit_steps_rule: str = "sd"  # request_inputs.EDIT_STEP_RULES: how its pipelines' strength picks the steps run
+    # an edit's image latents: a sample of the VAE posterior drawn from the request's generator before its noise (SD,
+    # Z-Image), or the posterior's mode with no draw (FLUX.2's pipelines: `sample_mode="argmax"`)
+    edit_samples_posterior: bool = True
     # the names its planner takes (the SD noise schedule's samplers: sampling/names.py), what a request that names
     # none gets (graph verification walks it too), and the multiple its sizes must be
     samplers: tuple[str, ...] = SAMPLERS

@@ -25,6 +25,12 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
   * step caching (`step_cache`, token_cache.py and first_block_cache.py, as Z-Image's): TaylorSeer rows forecast the
     whole transformer's output; first-block rows run the first double block, and the other double blocks and the
     single ones only where its image residual moved (`blocks`); a row's references are gathered with it;
+  * image-to-image (an edit's `image` below strength 1; Flux2KleinInpaintPipeline with an all-white mask): the image,
+    resized to the request's size, is encoded to its posterior's mode (no draw from the seed), patchified and
+    normalised as the latents are (`image_latents`), and noised to the step the strength selects, (1 - sigma) x0 +
+    sigma * noise with the seed's noise of a text-to-image row (engine/edits.py; the "flow" strength rule: the full
+    schedule, mu included, cut by strength). That pipeline also reads the image as its first reference: the routes
+    send it in `reference_images` (the init images, the image parts), a Python caller where it wants it;
   * timesteps: the model reads sigma (as t / 1000, times 1000 inside) and predicts the velocity;
   * the schedule: sigmas linspace(1, 1 / steps) shifted by exp(mu) with the pipeline's empirical mu, which depends
     on the image's token count and the step count (`empirical_mu`);
@@ -62,7 +68,7 @@ from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
 from .first_block_cache import Blocks, run_blocks
-from .flux2_refs import NAME as REFERENCES, ReferenceImages, reference_bucket, rotary
+from .flux2_refs import NAME as REFERENCES, ReferenceImages, normalised, reference_bucket, rotary
 from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
@@ -259,6 +265,10 @@ class Flux2KleinFamily(TokenFamily):
     text_tokens = MAX_TEXT_TOKENS
     size_multiple = 16
     edit_images = REFERENCES  # the edits route's image parts are references
+    supports_edits = True          # image-to-image below strength 1 (Flux2KleinInpaintPipeline at a full mask)
+    edit_strength = (0.8, 1.0)     # that pipeline's default strength; its packed rows take no inpainting mask
+    edit_steps_rule = "flow"
+    edit_samples_posterior = False  # the pipelines encode an image's posterior mode
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -405,6 +415,10 @@ class Flux2KleinFamily(TokenFamily):
 
     def latent_channels(self, model: DiffusionModel) -> int:
         return int(model.denoiser.config.in_channels)  # the VAE's latent channels times 4
+
+    def image_latents(self, model: DiffusionModel, encoder: Any, sample: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents [n, 32, H/8, W/8] -> the rows' [n, 128, H/16, W/16], patchified and normalised."""
+        return normalised(encoder, sample)
 
     def decode(self, model: DiffusionModel, decoder: Any, latents: torch.Tensor) -> torch.Tensor:
         """Patchified, normalised latents [n, 128, h, w] -> pixels: the batch-norm statistics undone, the 2x2 cells

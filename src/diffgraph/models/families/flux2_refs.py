@@ -145,13 +145,19 @@ def encode(model: Any, pixels: torch.Tensor) -> torch.Tensor:
     vae = model.vae
     with torch.no_grad():
         moments = model.adapter.encode_pixels(model, vae, pixels.to(model.device, vae.dtype))
-        latents = moments[:, : moments.shape[1] // 2]  # the posterior's mode: its mean
-        n, c, h, w = latents.shape
-        latents = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, c * 4, h // 2, w // 2)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.dtype)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.dtype)
-        latents = (latents - mean) / std
-    return latents.reshape(c * 4, -1).T.to(model.dtype)
+        latents = normalised(vae, moments[:, : moments.shape[1] // 2])  # the posterior's mode: its mean
+    return latents.reshape(latents.shape[1], -1).T.to(model.dtype)
+
+
+def normalised(vae: Any, latents: torch.Tensor) -> torch.Tensor:
+    """The VAE's latents [n, 32, h, w] -> [n, 128, h/2, w/2]: patchified 2x2 (channel, patch row, patch column) and
+    normalised by the VAE's batch-norm statistics (the pipelines' `_patchify_latents`, then their bn step)."""
+    n, c, h, w = latents.shape
+    latents = latents.view(n, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(n, c * 4, h // 2, w // 2)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device,
+                                                                                         latents.dtype)
+    return (latents - mean) / std
 
 
 class ReferenceRows(RowFeature):

@@ -24,10 +24,10 @@
     prompt: "prompt", negative_prompt: "negative-prompt", size: "size", n: "n", num_inference_steps: "steps",
     guidance_scale: "guidance", seed: "seed", sampler: "sampler", schedule: "schedule",
     image: "image", mask: "image", strength: "strength", loras: "lora", prompt_syntax: "prompt-syntax",
-    model: "model", controls: "control-model", image_prompts: "ip-model",
+    model: "model", controls: "control-model", image_prompts: "ip-model", reference_images: "ref-images-input",
   };
   const FIELDS = ["model", "prompt", "negative-prompt", "prompt-syntax", "size", "steps", "guidance", "sampler",
-    "schedule", "seed", "n", "image", "strength", "lora", "control-model", "ip-model"];
+    "schedule", "seed", "n", "image", "strength", "lora", "control-model", "ip-model", "ref-images-input"];
   const AUTO_SIZE = "auto";  // an edit's size: the image's, rounded down to multiples of 8 (the server's rule)
   const EXTENSIONS = { png: "png", jpeg: "jpg", webp: "webp" };
 
@@ -74,6 +74,7 @@
     if (s.lora) parts.push(`${s.lora} ×${s.lora_scale}`);
     if (s.control) parts.push(`control ${s.control.model} ×${s.control.scale}`);
     if (s.image_prompts) parts.push(`image prompt ${s.image_prompts.model} ×${s.image_prompts.scale}`);
+    if (s.references) parts.push(`${s.references} reference image${s.references > 1 ? "s" : ""}`);
     if (s.guidance !== "") parts.push(`cfg ${s.guidance}`);
     if (Number(s.n) > 1) parts.push(`${s.n} images`);
     if (s.model && app.picker && app.picker.several()) parts.unshift(s.model);
@@ -221,6 +222,7 @@
     fillSizes(sizeSource(app.picker.find(app.picker.chosen())));
     fillSelect($("sampler"), [["", info.samplers || []]]);
     fillSelect($("schedule"), [["", info.schedules || []]]);
+    app.references.show(info);
 
     const steps = $("steps");
     const n = $("n");
@@ -307,6 +309,7 @@
       lora_scale: $("lora-scale").value.trim(),
       control: app.controls.settings(),  // without its image (the history keeps settings only)
       image_prompts: app.imagePrompt.settings(),
+      references: app.references.count(),  // how many (the history keeps settings only)
     };
   }
 
@@ -372,7 +375,8 @@
   /* Shows `message` at the field that edits body field `param`, or near the Generate button. */
   function showError(param, message) {
     const field = FIELD_FOR_PARAM[param] || (param && param.startsWith("controls") ? "control-model"
-      : param && param.startsWith("image_prompts") ? "ip-model" : undefined);
+      : param && param.startsWith("image_prompts") ? "ip-model"
+        : param && param.startsWith("reference_images") ? "ref-images-input" : undefined);
     if (!field || $(field).closest("[hidden]")) {  // a field not shown (one model: no picker) says it near Generate
       $("error-general").textContent = message;
       return;
@@ -412,7 +416,7 @@
   }
 
   /* The JSON body. The seed goes in as its digits: seeds reach 2**63 - 1, beyond a JS number's exact range. */
-  function requestBody(s, control, imagePrompt) {
+  function requestBody(s, control, imagePrompt, references) {
     const body = {
       prompt: s.prompt, size: s.size.replace(/\s+/g, "").replace("×", "x").toLowerCase(), n: Number(s.n),
       num_inference_steps: Number(s.steps), sampler: s.sampler, schedule: s.schedule,
@@ -427,6 +431,7 @@
     if (s.lora) body.loras = [{ name: s.lora, scale: Number(s.lora_scale) }];
     if (control) body.controls = [control];
     if (imagePrompt) body.image_prompts = imagePrompt;
+    if (references) body.reference_images = references;
     let json = JSON.stringify(body);
     if (s.seed !== "") json = `${json.slice(0, -1)},"seed":${BigInt(s.seed).toString()}}`;
     return json;
@@ -448,8 +453,12 @@
       if (!key) { showError(null, "This server needs an API key: generation was not started."); return; }
     }
     const edit = app.edit.file ? { file: app.edit.file, mask: app.edit.painted ? await maskBlob() : null } : null;
-    if (edit) Object.assign(edit, { control: app.controls.forForm(), imagePrompt: app.imagePrompt.forForm() });
-    startRequest(settings, edit, edit ? null : await app.controls.forBody(), edit ? null : app.imagePrompt.forBody());
+    if (edit) {
+      Object.assign(edit, { control: app.controls.forForm(), imagePrompt: app.imagePrompt.forForm(),
+        references: app.references.forForm() });
+    }
+    startRequest(settings, edit, edit ? null : await app.controls.forBody(), edit ? null : app.imagePrompt.forBody(),
+      edit ? null : app.references.forBody());
   }
 
   /* The multipart body of an edit: the text fields as strings, the image file and the painted mask (PNG). */
@@ -468,7 +477,12 @@
     if (edit.control) fields.controls = JSON.stringify([edit.control.settings]);  // its map: control_image_0
     if (edit.imagePrompt) fields.image_prompts = JSON.stringify(edit.imagePrompt.settings);  // image_prompt_<i>
     for (const [k, v] of Object.entries(fields)) form.append(k, String(v));
-    form.append("image", edit.file, edit.file.name || "image.png");
+    if (edit.references) {  // every image[] part a reference, the image to edit first
+      form.append("image[]", edit.file, edit.file.name || "image.png");
+      edit.references.forEach((f, i) => form.append("image[]", f, f.name || `reference${i}.png`));
+    } else {
+      form.append("image", edit.file, edit.file.name || "image.png");
+    }
     if (edit.control) form.append("control_image_0", edit.control.file, edit.control.file.name || "control.png");
     if (edit.imagePrompt) {
       edit.imagePrompt.files.forEach((f, i) => form.append(`image_prompt_${i}`, f, f.name || `prompt${i}.png`));
@@ -590,9 +604,9 @@
     return card;
   }
 
-  function startRequest(settings, edit = null, control = null, imagePrompt = null) {
-    const req = { localId: app.nextLocalId++, settings, edit, control, imagePrompt, controller: new AbortController(),
-      progressEvents: 0 };
+  function startRequest(settings, edit = null, control = null, imagePrompt = null, references = null) {
+    const req = { localId: app.nextLocalId++, settings, edit, control, imagePrompt, references,
+      controller: new AbortController(), progressEvents: 0 };
     req.card = makeCard(req);
     document.body.dataset.lastRequest = String(req.localId);  // lets a test find this request's card
     runRequest(req).finally(() => app.picker.refresh());  // a model it loaded is resident now
@@ -607,7 +621,7 @@
           headers: authHeaders({ Accept: "text/event-stream" }),
         })
         : await fetch("/v1/images/generations", {
-          method: "POST", body: requestBody(req.settings, req.control, req.imagePrompt), signal: req.controller.signal, cache: "no-store",
+          method: "POST", body: requestBody(req.settings, req.control, req.imagePrompt, req.references), signal: req.controller.signal, cache: "no-store",
           headers: authHeaders({ "Content-Type": "application/json", Accept: "text/event-stream" }),
         });
     } catch (e) {
@@ -978,6 +992,7 @@
   // -- wiring ---------------------------------------------------------------------------------------------
   function init() {
     app.imagePrompt = window.DiffgraphControls.createImagePrompt({ $, headers: (extra) => authHeaders(extra) });
+    app.references = window.DiffgraphControls.createReferences({ $ });
     app.controls = window.DiffgraphControls.create({ $, headers: (extra) => authHeaders(extra),
       size: () => currentSize(), onError: (m) => { $("error-control-model").textContent = m; } });
     $("size").addEventListener("change", () => app.controls.refreshPreview());

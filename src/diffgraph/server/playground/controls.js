@@ -181,5 +181,37 @@ window.DiffgraphControls = (() => {
     };
   }
 
-  return { create, createImagePrompt };
+  /* Reference images (a model whose capabilities take `reference_images`: FLUX.2): up to four, sent as
+   * `reference_images` (JSON: data URLs) or, with an image to edit, as image[] parts after it (the edits route reads
+   * every part of such a model as a reference, the first also the start below strength 1). */
+  function createReferences({ $ }) {
+    const state = { files: [], dataUrls: [] };
+    const MAX = 4;
+
+    function show(info) {
+      const takes = Boolean(info && (info.extension_images || []).includes("reference_images"));
+      $("references").hidden = !takes;
+      return takes;
+    }
+
+    async function onFiles(files) {
+      state.files = Array.from(files || []).slice(0, MAX);
+      state.dataUrls = await Promise.all(state.files.map(readDataUrl));
+      const shown = $("ref-images");
+      shown.replaceChildren(...state.dataUrls.map((src) => Object.assign(document.createElement("img"),
+        { src, alt: "a reference image", className: "control-map" })));
+      shown.hidden = state.files.length === 0;
+    }
+
+    const active = () => !$("references").hidden && state.files.length > 0;
+    $("ref-images-input").addEventListener("change", () => onFiles($("ref-images-input").files));
+    return {
+      show,
+      count: () => (active() ? state.files.length : 0),
+      forBody: () => (active() ? state.dataUrls.slice() : null),
+      forForm: () => (active() ? state.files.slice() : null),
+    };
+  }
+
+  return { create, createImagePrompt, createReferences };
 })();
