@@ -42,6 +42,18 @@ def tiny_xl_engine():
         yield engine
 
 
+@pytest.fixture(scope="module")
+def digits_client():
+    """A TestClient of the app on `digits` (CPU) in this process, with the default settings (--max-prompt-bytes
+    4096); one per module that asks for it (tests/test_a1111.py, tests/test_server.py)."""
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from server_util import served
+    engine = Engine("digits", device="cpu")
+    with served(engine, ServerConfig(model="digits", device="cpu")) as c:
+        yield c
+
+
 @pytest.fixture
 def cut_while_loading(monkeypatch):
     """`cut_while_loading(*paths)`: the next time a streamed load (models/stream_load.py) has read a tensor of one of
