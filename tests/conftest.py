@@ -78,6 +78,21 @@ def cut_while_loading(monkeypatch):
     return cut_while_loading
 
 
+@pytest.fixture
+def no_huge_resizes(monkeypatch):
+    """Fails any PIL resize to more than MAX_CONTROL_PIXELS (what an extreme aspect used to ask for: an 8x2M image
+    for a 1024x1024 output is a 256Gpx intermediate) before it allocates."""
+    from PIL import Image
+
+    from diffgraph.request import MAX_CONTROL_PIXELS
+    resize = Image.Image.resize
+
+    def guarded(self, size, *args, **kwargs):
+        assert size[0] * size[1] <= MAX_CONTROL_PIXELS, f"a {size[0]}x{size[1]} resize"
+        return resize(self, size, *args, **kwargs)
+    monkeypatch.setattr(Image.Image, "resize", guarded)
+
+
 @pytest.fixture(scope="session")
 def clients_url():
     """One server (random:tiny on the CPU, uvicorn in this process) for the unchanged clients' tests
