@@ -42,6 +42,18 @@ def tiny_xl_engine():
         yield engine
 
 
+@pytest.fixture(scope="module")
+def digits_client():
+    """A TestClient of the app on `digits` (CPU) in this process, with the default settings (--max-prompt-bytes
+    4096); one per module that asks for it (tests/test_a1111.py, tests/test_server.py)."""
+    from diffgraph import Engine
+    from diffgraph.server import ServerConfig
+    from server_util import served
+    engine = Engine("digits", device="cpu")
+    with served(engine, ServerConfig(model="digits", device="cpu")) as c:
+        yield c
+
+
 @pytest.fixture
 def cut_while_loading(monkeypatch):
     """`cut_while_loading(*paths)`: the next time a streamed load (models/stream_load.py) has read a tensor of one of
@@ -64,6 +76,21 @@ def cut_while_loading(monkeypatch):
         monkeypatch.setattr(stream_load, "TensorFile", CutWhileRead)
         return cuts
     return cut_while_loading
+
+
+@pytest.fixture
+def no_huge_resizes(monkeypatch):
+    """Fails any PIL resize to more than MAX_CONTROL_PIXELS (what an extreme aspect used to ask for: an 8x2M image
+    for a 1024x1024 output is a 256Gpx intermediate) before it allocates."""
+    from PIL import Image
+
+    from diffgraph.request import MAX_CONTROL_PIXELS
+    resize = Image.Image.resize
+
+    def guarded(self, size, *args, **kwargs):
+        assert size[0] * size[1] <= MAX_CONTROL_PIXELS, f"a {size[0]}x{size[1]} resize"
+        return resize(self, size, *args, **kwargs)
+    monkeypatch.setattr(Image.Image, "resize", guarded)
 
 
 @pytest.fixture(scope="session")

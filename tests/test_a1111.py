@@ -6,11 +6,19 @@ included, and every unsupported value or bad input answered 400 naming its field
 
 One module server with two API keys and a `--model-dir` holding digits-xl (sd_model_checkpoint per key and per
 request); images are 64x64 with a few steps. The jobs that must still be running when progress is read are long (the
-engine's most steps) and end by /interrupt, so no test waits on a wall-clock guess.
+engine's most steps) and end by /interrupt, so no test waits on a wall-clock guess. Answers as AUTOMATIC1111 gives
+them (hashes, LoRA, samplers) on `random:tiny` in process.
+
+Then, in process on `digits` (conftest's `digits_client`, default settings): every sampler and scheduler name the
+listings give accepted, unknown keys ignored and named, loose values coerced, Euler a with eta 0, a palette mask,
+model_name as sd_model_checkpoint (a --model-dir server of its own); an /interrupt while a request's images are being
+submitted; hostile infotexts and prompts sized before they are parsed and parsed on a worker thread while /health
+answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
@@ -28,7 +36,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from offloop_util import HeldParser, post_while_probing
+
+from diffgraph import prompt_syntax as syntax
 from diffgraph.models.presets import shipped_preset_folder
+from diffgraph.request import GenerationResult, RequestAborted
+from diffgraph.server import a1111, a1111_protocol
+from diffgraph.server.a1111_inpaint import read_mask, resize
 from diffgraph.server.process import ServerProcess
 from server_util import served
 
@@ -706,3 +720,211 @@ def test_ddim_cfgpp_by_its_automatic1111_label_and_alias(tiny):
     assert pasted.status_code == 200, pasted.text
     assert json.loads(pasted.json()["info"])["sampler_name"] == "DDIM CFG++"
     assert pasted.json()["images"] == answer["images"]
+
+
+# -- in process on digits: requests AUTOMATIC1111 (or diffgraph's own listings) accept, and faults found in review ---
+IN_PROCESS = {"prompt": "a handwritten digit three", "width": 64, "height": 64, "steps": 2, "seed": 1}
+
+
+@pytest.fixture
+def client(digits_client):
+    return digits_client
+
+
+def test_every_sampler_and_scheduler_name_the_listings_give_is_accepted(client):
+    """GET /samplers lists k_dpmpp_3m_sde, k_dpm_2_a, k_lcm and /schedulers SGMUniform: each was a 400."""
+    samplers = client.get("/sdapi/v1/samplers").json()
+    assert {"DPM++ 2S a", "DPM++ 2M SDE Heun", "Restart", "DPM fast"} <= {s["name"] for s in samplers}
+    assert {"Uniform", "Polyexponential", "KL Optimal", "Align Your Steps", "Turbo", "DDIM"} <= {
+        s["label"] for s in client.get("/sdapi/v1/schedulers").json()}
+    for name in {a for s in samplers for a in [s["name"], *s["aliases"]]}:
+        r = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "sampler_name": name, "steps": 1})
+        assert r.status_code == 200, (name, r.text)
+    for s in client.get("/sdapi/v1/schedulers").json():
+        for name in [s["name"], s["label"], *(s["aliases"] or [])]:
+            r = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "sampler_name": "Euler", "scheduler": name})
+            assert r.status_code == 200, (name, r.text)
+    plain = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "sampler_name": "DPM++ 2M"}).json()
+    blank = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "sampler_name": "DPM++ 2M", "scheduler": ""})
+    assert blank.status_code == 200, blank.text  # AUTOMATIC1111 reads "" as Automatic (Karras for DPM++ 2M)
+    assert blank.json()["images"] == plain["images"]
+
+
+def test_a_controlnet_module_that_is_not_a_string_is_a_400(client):
+    unit = {"model": "outline", "module": ["canny"], "input_image": b64png(Image.new("RGB", (64, 64)))}
+    r = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "alwayson_scripts": {"controlnet": {"args": [unit]}}})
+    assert r.status_code == 400, r.text  # was 500 (TypeError: unhashable type: 'list')
+    assert r.json()["error"]["param"] == "alwayson_scripts.controlnet.args[0].module"
+
+
+def test_a_palette_mask_is_read_by_its_colours_in_resize_and_fill():
+    mask = Image.new("P", (32, 64), 0)
+    mask.putpalette([255, 255, 255, 0, 0, 0] + [0] * 762)  # index 0 is white: repaint everywhere
+    assert np.asarray(read_mask(mask, False)).min() == 255
+    filled = read_mask(resize(mask, 2, 64, 64), False)  # was the indices as gray: 0, repaint nowhere
+    assert np.asarray(filled).min() == 255
+
+
+def test_sd_model_checkpoint_takes_the_model_name_sd_models_lists(tmp_path):
+    from diffgraph.server.process import ServerProcess
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sub" / "other")
+    server = ServerProcess("--model-dir", str(tmp_path), model="digits")
+    try:
+        server.wait_ready()
+        listed = httpx.get(f"{server.url}/sdapi/v1/sd-models", timeout=300).json()
+        name = next(m["model_name"] for m in listed if m["title"] == "sub/other")
+        assert name == "sub_other"  # AUTOMATIC1111's model_name; it takes it back as sd_model_checkpoint
+        r = httpx.post(f"{server.url}/sdapi/v1/options", json={"sd_model_checkpoint": name}, timeout=300)
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{server.url}/sdapi/v1/options", timeout=300).json()["sd_model_checkpoint"] == "sub/other"
+    finally:
+        server.stop(timeout=30)
+
+
+def test_unknown_keys_are_ignored_and_named_in_a_header_and_values_are_coerced(client):
+    """AUTOMATIC1111's models ignore keys they do not know and coerce values (its own test bodies send
+    `seed_enable_extras`, `sampler_noise_scheduler_override`, `inpainting_mask_invert: false`)."""
+    typed = client.post("/sdapi/v1/txt2img", json=IN_PROCESS)
+    loose = client.post("/sdapi/v1/txt2img", json={
+        **IN_PROCESS, "steps": str(IN_PROCESS["steps"]), "width": 64.0, "height": "64", "cfg_scale": 7, "seed": "1",
+        "seed_enable_extras": True, "sampler_noise_scheduler_override": None, "negative_prompt_2": "x"})
+    assert typed.status_code == loose.status_code == 200, loose.text
+    assert loose.json()["images"] == typed.json()["images"]
+    assert loose.headers["x-diffgraph-ignored-fields"] == \
+        "seed_enable_extras, sampler_noise_scheduler_override, negative_prompt_2"
+    assert "x-diffgraph-ignored-fields" not in typed.headers
+    assert "seed_enable_extras" not in loose.json()["parameters"]  # not echoed as if it were read
+    init = {"init_images": [b64png(Image.new("RGB", (64, 64), (90, 120, 200)))], "denoising_strength": 0.5}
+    r = client.post("/sdapi/v1/img2img", json={**IN_PROCESS, **init, "inpainting_mask_invert": False,
+                                                "include_init_images": "false"})
+    assert r.status_code == 200, r.text
+    many = {f"unknown_{i:02d}_" + "n" * 80: i for i in range(25)} | {"a b/ü": 1}
+    r = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, **many})
+    names = r.headers["x-diffgraph-ignored-fields"].split(", ")
+    assert r.status_code == 200 and len(names) == 21 and names[-1] == "(+6 more)", names
+    assert all(len(n) == 64 for n in names[:20]) and names[0] == "unknown_00_" + "n" * 53
+    for bad, needle in (({"steps": "twenty"}, "integer"), ({"width": 64.5}, "integer"), ({"tiling": "maybe"}, "true or false")):
+        r = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
+        assert needle in r.json()["error"]["message"].lower(), r.text
+
+
+def test_euler_a_with_eta_0_is_euler(client):
+    """AUTOMATIC1111 runs its ancestral samplers with the request's eta; its own test body sends eta 0 with Euler a."""
+    euler = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "steps": 4, "sampler_name": "Euler"})
+    silent = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "steps": 4, "sampler_name": "Euler a", "eta": 0})
+    usual = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, "steps": 4, "sampler_name": "Euler a"})
+    assert euler.status_code == silent.status_code == usual.status_code == 200, silent.text
+    pixels = [np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["images"][0]))), dtype=np.int16)
+              for r in (euler, silent, usual)]
+    assert np.abs(pixels[0] - pixels[1]).max() <= 1
+    assert np.abs(pixels[0] - pixels[2]).max() > 10
+
+
+class HeldHandle:
+    """An image in the engine that runs until it is aborted (or the test lets it finish): its end is an event of
+    the test, never a step count racing the interrupt."""
+
+    def __init__(self, request, finish: threading.Event):
+        self.request, self.request_id, self.finish = request, request.request_id, finish
+        self.aborted = threading.Event()
+        self.dropped_previews = 0
+
+    def abort(self) -> bool:
+        self.aborted.set()
+        return True
+
+    async def events(self):
+        while not (self.aborted.is_set() or self.finish.is_set()):
+            await asyncio.sleep(0.01)
+        if self.aborted.is_set():
+            raise RequestAborted(self.request_id)
+        yield GenerationResult(self.request_id, None, self.request.seed, {}, self.request, [b"png"])
+
+
+def test_an_interrupt_while_a_requests_images_are_submitted_stops_all_of_them(client, monkeypatch):
+    """The request became the key's job only once every image was queued: an /interrupt after its first image was in
+    the engine (the job had begun, AUTOMATIC1111's state.begin) but before the last was accepted found no job, and
+    every image ran to the end."""
+    second_entered, accept_second, finish = threading.Event(), threading.Event(), threading.Event()
+    handles: list[HeldHandle] = []
+
+    async def submit(state, request, progress, client=None, deadline=None, http=None):
+        if handles:  # the second image: the engine answers when the test says
+            second_entered.set()
+            await asyncio.to_thread(accept_second.wait, BOUND_S)
+        handles.append(HeldHandle(request, finish))
+        return handles[-1]
+
+    monkeypatch.setattr(a1111, "submit", submit)
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(r=client.post("/sdapi/v1/txt2img",
+                                                                      json={**IN_PROCESS, "batch_size": 2})))
+    thread.start()
+    try:
+        assert second_entered.wait(BOUND_S), "the second image is being submitted"
+        assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 1  # the job has begun
+        assert client.post("/sdapi/v1/interrupt").status_code == 200
+        accept_second.set()
+        thread.join(BOUND_S)
+    finally:
+        accept_second.set()
+        finish.set()  # before the fix nothing aborted them: they end here, not at the request timeout
+        thread.join(BOUND_S)
+    r = out["r"]
+    assert r.status_code == 200, r.text
+    assert [h.aborted.is_set() for h in handles] == [True, True]
+    assert r.json()["images"] == [] and "2 of 2 images were stopped" in r.json()["warnings"][0]
+    assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0
+
+
+LIMIT = 4096  # the default --max-prompt-bytes of the module's server
+
+
+def test_the_longest_hostile_infotext_is_read_off_the_event_loop_while_health_answers(client, monkeypatch):
+    """An infotext whose settings line ends in a long run with no ':' (AUTOMATIC1111's re_param rescanned it from
+    every start: 96,000 characters froze every route, /health included, for minutes), at the infotext limit: read
+    on a worker thread while /health answers, and its settings honoured."""
+    held = HeldParser(a1111_protocol.parse_infotext)
+    monkeypatch.setattr(a1111_protocol, "parse_infotext", held)
+    head = "a handwritten digit three\nSteps: 2, Sampler: Euler, Seed: 5, Size: 64x64, Note"
+    text = head + " x" * ((a1111_protocol.infotext_limit(LIMIT) - len(head)) // 2)
+    r, health = post_while_probing(client, held, "/sdapi/v1/txt2img", {"infotext": text})
+    assert (health, held.first) == (200, (False, True))
+    assert r.status_code == 200, r.text
+    info = json.loads(r.json()["info"])
+    assert (info["prompt"], info["seed"], info["steps"], info["width"], info["sampler_name"]) == \
+        ("a handwritten digit three", 5, 2, 64, "Euler")
+
+
+def test_an_infotext_over_its_limit_is_refused_before_it_is_read(client, monkeypatch):
+    held = HeldParser(a1111_protocol.parse_infotext)
+    monkeypatch.setattr(a1111_protocol, "parse_infotext", held)
+    r = client.post("/sdapi/v1/txt2img", json={"infotext": "a" * 96_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "infotext"
+    assert f"the limit is {a1111_protocol.infotext_limit(LIMIT)}" in r.json()["error"]["message"]
+    assert held.calls == 0
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_a_prompt_over_the_limit_is_refused_before_it_is_parsed(client, monkeypatch, field):
+    """20,000 characters of '<a:' (quadratic in the tag pattern) were parsed, on the event loop, before the limit
+    refused them."""
+    held = HeldParser(syntax.schedule_a1111)
+    monkeypatch.setattr(syntax, "schedule_a1111", held)
+    r = client.post("/sdapi/v1/txt2img", json={**IN_PROCESS, field: "<a:" * 6666})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert f"has 19998 bytes (UTF-8); the limit is {LIMIT} (--max-prompt-bytes)" in r.json()["error"]["message"]
+    assert held.calls == 0
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    ("x <lora" + " " * (LIMIT - 7), "does not close"),
+    ("<lora:a:" + "1" * (LIMIT - 10) + "x>", "is not a number"),
+], ids=["spaces after <lora", "long scale"])
+def test_the_worst_prompts_within_the_limit_are_parsed_off_the_event_loop(client, monkeypatch, prompt, needle):
+    held = HeldParser(syntax.schedule_a1111)
+    monkeypatch.setattr(syntax, "schedule_a1111", held)
+    r, health = post_while_probing(client, held, "/sdapi/v1/txt2img", {**IN_PROCESS, "prompt": prompt})
+    assert (health, held.first) == (200, (False, True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and needle in r.json()["error"]["message"]

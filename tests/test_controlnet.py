@@ -4,7 +4,11 @@ with different ControlNets, scales and windows and plain rows submitted together
 
 The ControlNets are made from the presets' UNets as diffusers' `ControlNetModel.from_unet` starts one, with its
 zero-initialised parts (the residual projections and the conditioning embedding's last conv) re-initialised with
-seeded random weights: a ControlNet left at zeros would add nothing, and an engine ignoring it would pass."""
+seeded random weights: a ControlNet left at zeros would add nothing, and an engine ignoring it would pass.
+
+Faults a request can trigger (on `slot_engine`: random:tiny with three ControlNets on two slots, and two of other
+input channels): each bad input is a ParamError naming its field (an HTTP 400), never a hang, a memory blow-up (an
+extreme aspect's crop_and_resize) or another request's failure."""
 
 from __future__ import annotations
 
@@ -596,3 +600,72 @@ def test_the_step_controlnet_takes_the_admission_embedding_as_diffusers_takes_th
     assert view.controlnet_down_blocks[0].weight is net.controlnet_down_blocks[0].weight
     assert isinstance(net.controlnet_cond_embedding, torch.nn.Module) and not isinstance(
         net.controlnet_cond_embedding, torch.nn.Identity)
+
+
+# -- faults a request can trigger: more ControlNets than slots or host copies, other input channels, extreme aspects --
+@pytest.fixture(scope="module")
+def slot_engine(tmp_path_factory):
+    """random:tiny with three ControlNets and two ControlNet slots (the default --max-controlnets), plus a ControlNet
+    taking 9 input channels (an inpainting UNet's, not the latents a ControlNet is given)."""
+    from diffusers import ControlNetModel
+    folder = tmp_path_factory.mktemp("review-controlnets")
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
+        for i, name in enumerate(("a", "b", "c")):
+            make_controlnet(plain.model.denoiser, str(folder / name), seed=i)
+        net = ControlNetModel.from_unet(plain.model.denoiser)
+        net.conv_in = torch.nn.Conv2d(9, net.conv_in.out_channels, 3, padding=1)
+        net.register_to_config(in_channels=9)
+        net.save_pretrained(str(folder / "nine"), safe_serialization=True)
+        ControlNetModel.from_unet(plain.model.denoiser, conditioning_channels=1).save_pretrained(str(folder / "gray"))
+        with Engine(model=plain.model, controlnet_dir=str(folder), max_controlnets=2) as e:
+            yield e
+
+
+def _submit_together(engine, reqs):
+    futures: list = []
+    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in reqs)).result()
+    return futures
+
+
+def test_more_distinct_controlnets_than_slots_is_a_param_error_not_a_request_that_waits_forever(slot_engine):
+    controls = [dict(model=n, image=control_image(64, 1)) for n in "abc"]
+    with pytest.raises(ParamError, match="at most 2 at once") as info:
+        slot_engine.submit(slot_engine.make_request(PROMPT, num_inference_steps=2, seed=1, controls=controls))
+    assert info.value.param == "controls"
+    # the same ControlNet three times is one slot
+    same = [dict(model="a", image=control_image(64, i)) for i in range(3)]
+    assert slot_engine.generate(PROMPT, num_inference_steps=2, seed=1, controls=same).arrays.shape == (1, 64, 64, 3)
+
+
+def test_requests_in_flight_with_more_controlnets_than_the_host_cache_all_complete(slot_engine):
+    """Three requests, each its own ControlNet, queued at once on two slots: the third's resolve used to drop the
+    first's host copy, and the first then failed ("dropped from host memory; retry")."""
+    reqs = [slot_engine.make_request(PROMPT, num_inference_steps=2, seed=i,
+                                     controls=[dict(model=n, image=control_image(64, i))]) for i, n in enumerate("abc")]
+    alone = [slot_engine.run(r).arrays for r in reqs]
+    together = [f.result(timeout=300).arrays for f in _submit_together(slot_engine, reqs)]
+    for a, t in zip(alone, together):
+        assert np.abs(a - t).max() * 255 <= 1.0
+
+
+@pytest.mark.parametrize("name,field", [("nine", "in_channels"), ("gray", "conditioning_channels")])
+def test_a_controlnet_of_other_input_channels_is_refused_and_fails_no_other_request(slot_engine, name, field):
+    bad = slot_engine.make_request(PROMPT, num_inference_steps=2, seed=1,
+                                   controls=[dict(model=name, image=control_image(64, 1))])
+    with pytest.raises(ParamError, match=field) as info:
+        slot_engine.submit(bad)
+    assert info.value.param == "controls"
+    plain = slot_engine.make_request(PROMPT, num_inference_steps=2, seed=2)
+    assert slot_engine.run(plain).arrays.shape == (1, 64, 64, 3)
+
+
+def test_crop_and_resize_of_an_extreme_aspect_is_a_param_error_not_a_huge_resize(slot_engine, no_huge_resizes):
+    from diffgraph.control_maps import fit_map
+    strip = np.zeros((8, 4096, 3), np.uint8)
+    with pytest.raises(ParamError, match="crop_and_resize") as info:
+        fit_map(strip, 1024, 1024, "crop_and_resize")
+    assert info.value.param == "controls"
+    with pytest.raises(ParamError, match="crop_and_resize"):
+        slot_engine.submit(slot_engine.make_request(PROMPT, num_inference_steps=1, seed=1, controls=[
+            dict(model="a", image=np.zeros((8, 300_000, 3), np.uint8), resize_mode="crop_and_resize")]))
+    assert fit_map(strip, 1024, 1024, "resize_and_fill").shape == (1024, 1024, 3)  # the other modes stay bounded

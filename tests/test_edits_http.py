@@ -3,10 +3,17 @@ as the in-process engine for image-to-image and inpainting, OpenAI's mask conven
 repaint; no alpha: white = repaint; no mask: the image's transparent pixels), streaming, `diffgraph generate --url
 --image`, and every bad input answered 400 in OpenAI's shape with the server healthy after. Against the suite's
 tiny engine served in this process, what OpenAI's client sends and reads: `image_edit.*` stream events, `image[]`
-parts, and POST /v1/images/variations, each answer validated with the client's own types."""
+parts, and POST /v1/images/variations, each answer validated with the client's own types.
+
+Values that are valid but were read wrong: 16-bit and float images and masks are scaled to 8 bits, not clipped; sizes
+take ASCII digits only; the form's numbers are parsed as the JSON route parses them (n="2.0" is refused like
+{"n": 2.0}). Hostile input: formats that decode before their size is checked, pixel modes PIL cannot convert, masks
+whose transparency is a tRNS colour, forms cut off before their closing boundary, text fields that are not UTF-8, a
+capitalized Content-Type, a signed URL whose expiry is not ASCII digits, EXIF orientation."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import struct
@@ -15,11 +22,15 @@ import zlib
 import httpx
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
+from pydantic import ValidationError
 
 from diffgraph import Engine
+from diffgraph.api.protocol import APIError, ImageGenerationRequest, decode_upload, error_from_validation
 from diffgraph.api.config import ServerConfig
-from diffgraph.server.edits import VARIATION_STRENGTH
+from diffgraph.server.edits import (VARIATION_STRENGTH, FormFiles, ImageEditForm, edit_arrays, edit_input,
+                                    read_form)
+from diffgraph.server.image_store import ImageLinks, MemoryImageStore, NotSigned, UrlSigner
 from diffgraph.server.process import ServerProcess
 from server_util import served
 from sse_util import read_stream
@@ -352,3 +363,224 @@ def test_a_field_added_to_the_body_is_a_form_field_with_no_edit_of_the_form():
     form = create_model("Form", __base__=EditForm, **form_fields(Body)).model_validate(
         {"prompt": "x", "new_steps": "5", "strength": "0.5"})
     assert (form.new_steps, form.strength) == (5, 0.5)
+
+
+# -- values that are valid but were read wrong: 16-bit and float pixels, non-ASCII digits, the form's numbers ----
+RAMP16 = (np.arange(64 * 64, dtype=np.uint32) * 16).reshape(64, 64).astype(np.uint16)  # 0 .. 65520
+
+
+@pytest.mark.parametrize("image, expected", [
+    (Image.fromarray(RAMP16), RAMP16 / 257),                                   # I;16
+    (Image.fromarray(RAMP16.astype(np.int32)), RAMP16 / 257),                  # I, 16-bit values
+    (Image.fromarray(RAMP16.astype(np.float32) / 65535), RAMP16 / 257),        # F in [0, 1]
+    (Image.fromarray((RAMP16 // 257).astype(np.int32)), RAMP16 // 257),        # I holding 8-bit values: as they are
+])
+def test_16_bit_and_float_images_are_scaled_not_clipped(image, expected):
+    rgb, mask = edit_arrays(image)
+    assert rgb.dtype == np.uint8 and rgb.shape == (64, 64, 3) and mask is None
+    assert np.abs(rgb[..., 0].astype(float) - expected).max() <= 0.5 + 1e-6
+    assert (rgb[..., 0] == 255).mean() < 0.01  # clipped, 99.6% of this image was white
+    assert (rgb[..., 0] == rgb[..., 2]).all()
+
+
+def test_a_16_bit_png_upload_is_scaled_and_its_16_bit_mask_repaints_only_its_white():
+    mask16 = np.zeros((64, 64), np.uint16)
+    mask16[:16] = 65535
+    mask16[16:32] = 1000  # dark grey: clipped to L it was white, and repainted
+    files = FormFiles([_png(Image.fromarray(RAMP16))], {"mask": _png(Image.fromarray(mask16))})
+    edit = edit_input(files, None, (0.8, 1.0), max_bytes=10_000_000, max_pixels=1 << 20)
+    assert np.abs(np.asarray(edit.image)[..., 0].astype(float) - RAMP16 / 257).max() <= 0.5 + 1e-6
+    mask = np.asarray(edit.mask)
+    assert (mask[:16] == 255).all() and (mask[16:32] == 4).all() and (mask[32:] == 0).all()
+
+
+@pytest.mark.parametrize("size", ["٥١٢x٥١٢", "５１２x５１２", "512x۵۱۲"])
+def test_sizes_take_ascii_digits_only(size):
+    with pytest.raises(APIError) as error:
+        ImageGenerationRequest(prompt="x", size=size).width_height()
+    assert error.value.status == 400 and error.value.param == "size"
+    assert ImageGenerationRequest(prompt="x", size=" 512 x 768 ").width_height() == (512, 768)
+
+
+def _json_route_error(**fields) -> str:
+    try:
+        ImageGenerationRequest.model_validate({"prompt": "x", **fields})
+    except ValidationError as e:
+        return error_from_validation(e).message
+    raise AssertionError(f"the JSON route accepted {fields}")
+
+
+def _form_error(**fields) -> str:
+    try:
+        ImageEditForm.model_validate({"prompt": "x", **fields})
+    except ValidationError as e:
+        return error_from_validation(e, ImageEditForm).message
+    raise AssertionError(f"the form accepted {fields}")
+
+
+@pytest.mark.parametrize("field, text, number", [
+    ("n", "2.0", 2.0), ("seed", "1e3", 1e3), ("num_inference_steps", "20.5", 20.5)])
+def test_form_integers_are_refused_where_the_json_route_refuses_them(field, text, number):
+    assert _form_error(**{field: text}) == _json_route_error(**{field: number}) == \
+        f"{field}: must be an integer, got {number!r}"
+
+
+@pytest.mark.parametrize("field, text", [("n", "٢"), ("n", "２"), ("n", "+2"), ("seed", "1_000"),
+                                         ("guidance_scale", "٧.٥"), ("strength", "abc")])
+def test_form_numbers_take_json_numbers_only(field, text):
+    assert _form_error(**{field: text}).startswith(f"{field}: must be ")
+
+
+def test_form_numbers_that_json_reads_are_read():
+    form = ImageEditForm.model_validate({"prompt": "x", "n": "2", "seed": " 7 ", "guidance_scale": "7",
+                                         "strength": "0.5", "num_inference_steps": "-3"})
+    assert (form.n, form.seed, form.guidance_scale, form.strength, form.num_inference_steps) == (2, 7, 7, 0.5, -3)
+
+
+def test_the_multipart_route_refuses_n_2_0():
+    """read_form on a real multipart body (starlette's parser), as the edits route reads it."""
+    from starlette.requests import Request
+
+    built = httpx.Request("POST", "http://test/v1/images/edits", data={"prompt": "a fox", "n": "2.0"},
+                          files={"image": ("a.png", _png(Image.new("RGB", (8, 8))), "image/png")})
+    body = built.read()
+    scope = {"type": "http", "method": "POST", "path": "/v1/images/edits", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in built.headers.items()]}
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+    with pytest.raises(APIError) as error:
+        asyncio.run(read_form(Request(scope, receive), max_image_bytes=1_000_000))
+    assert (error.value.status, error.value.param, error.value.message) == (400, "n", "n: must be an integer, got 2.0")
+
+
+# -- hostile input to the edits path --------------------------------------------------------------------------
+def _encoded(image: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _ico_claiming_16x16(inner: int) -> bytes:
+    """An ICO whose directory says 16x16 and whose one entry is an inner x inner PNG."""
+    png = _encoded(Image.new("RGB", (inner, inner), (200, 10, 10)))
+    return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 16, 16, 0, 0, 1, 32, len(png), 22) + png
+
+
+def test_an_icon_is_refused_before_its_pixels_are_decoded_past_the_pixel_limit(monkeypatch):
+    decoded = []
+    load = ImageFile.ImageFile.load
+
+    def spy(self):
+        decoded.append(self.size[0] * self.size[1])
+        return load(self)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
+    with pytest.raises(APIError) as error:
+        decode_upload("image", _ico_claiming_16x16(1024), 10_000_000, 256 * 256)
+    assert error.value.status == 400 and error.value.param == "image"
+    assert all(pixels <= 256 * 256 for pixels in decoded), decoded  # 1024x1024 was decoded, then refused
+
+
+def _form(**parts: bytes) -> FormFiles:
+    """The files of a form with these parts (its image as the part `image`)."""
+    return FormFiles([parts["image"]], parts)
+
+
+def _la_tiff() -> bytes:
+    """A gray + premultiplied-alpha TIFF (ExtraSamples = 1: PIL mode La)."""
+    data = bytearray(_encoded(Image.new("LA", (64, 64), (100, 128)), "TIFF"))
+    at = data.find(struct.pack("<HH", 338, 3))
+    data[at + 8:at + 10] = struct.pack("<H", 1)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("files", [
+    {"image": _la_tiff()},
+    {"image": _encoded(Image.new("RGB", (64, 64))), "mask": _encoded(Image.new("LAB", (64, 64)), "TIFF")},
+    {"image": _encoded(Image.new("RGB", (64, 64))), "mask": _la_tiff()},
+])
+def test_uploads_in_modes_pil_cannot_convert_directly_are_read(files):
+    assert Image.open(io.BytesIO(files.get("mask", files["image"]))).mode in ("La", "LAB")
+    edit = edit_input(_form(**files), None, (0.8, 1.0), 10_000_000, 1 << 20)  # was a ValueError: a 500
+    assert edit.image.shape == (64, 64, 3)
+
+
+def test_a_mask_whose_transparency_is_a_trns_colour_repaints_its_transparent_pixels():
+    mask = np.full((64, 64, 3), 255, np.uint8)
+    mask[:16] = 0  # black, and transparent by its tRNS chunk: OpenAI's "repaint here"
+    image = _encoded(Image.new("RGB", (64, 64), (50, 60, 70)))
+    edit = edit_input(_form(image=image, mask=_encoded(Image.fromarray(mask), transparency=(0, 0, 0))), None,
+                      (0.8, 1.0), 10_000_000, 1 << 20)
+    assert (edit.mask[:16] == 255).all() and (edit.mask[16:] == 0).all()
+    gray = _encoded(Image.fromarray(mask[..., 0]), transparency=0)  # L with a tRNS gray, no mask: inpaint there
+    edit = edit_input(_form(image=gray), None, (0.8, 1.0), 10_000_000, 1 << 20)
+    assert edit.mask is not None and (edit.mask[:16] == 255).all() and (edit.mask[16:] == 0).all()
+
+
+class _Http:
+    def __init__(self, body: bytes, content_type: str = "multipart/form-data; boundary=XX"):
+        self.headers = {"content-type": content_type, "content-length": str(len(body))}
+        self.body = body
+
+    async def stream(self):
+        for i in range(0, len(self.body), 1000):
+            yield self.body[i:i + 1000]
+
+
+def _part(name: str, value: bytes, filename: str | None = None) -> bytes:
+    file = f'; filename="{filename}"' if filename else ""
+    return f'--XX\r\nContent-Disposition: form-data; name="{name}"{file}\r\n\r\n'.encode() + value + b"\r\n"
+
+
+_PNG = _encoded(Image.new("RGB", (64, 64)))
+_FORM = _part("prompt", b"a fox") + _part("image", _PNG, "a.png") + _part("mask", _PNG, "m.png") + b"--XX--\r\n"
+
+
+@pytest.mark.parametrize("body", [_FORM[:-len(b"--XX--\r\n")], _FORM[:-40], _FORM[:-len(_PNG)]])
+def test_a_form_cut_off_before_its_closing_boundary_is_refused_not_read_without_its_last_part(body):
+    with pytest.raises(APIError) as error:  # was: the mask silently dropped, an image-to-image answer
+        asyncio.run(read_form(_Http(body), 1_000_000))
+    assert error.value.status == 400 and "closing boundary" in error.value.message
+    form, files = asyncio.run(read_form(_Http(_FORM), 1_000_000))
+    assert form.prompt == "a fox" and set(files.parts) == {"image", "mask"} and files.images == [_PNG]
+
+
+def test_a_text_field_that_is_not_utf8_is_refused_naming_it():
+    body = _part("prompt", b"a \xff\xfe fox") + _part("image", _PNG, "a.png") + b"--XX--\r\n"
+    with pytest.raises(APIError) as error:  # was: generated for the prompt "a \ufffd\ufffd fox"
+        asyncio.run(read_form(_Http(body), 1_000_000))
+    assert error.value.status == 400 and error.value.param == "prompt" and "UTF-8" in error.value.message
+
+
+def test_the_content_type_is_matched_without_regard_to_case():
+    form, files = asyncio.run(read_form(_Http(_FORM, "Multipart/Form-Data; boundary=XX"), 1_000_000))
+    assert form.prompt == "a fox" and set(files.parts) == {"image", "mask"} and files.images == [_PNG]
+
+
+@pytest.mark.parametrize("exp", ["\u00b2", "\u0663" * 10])
+def test_a_signed_url_whose_expiry_is_not_ascii_digits_is_a_401_not_a_500(exp):
+    links = ImageLinks(MemoryImageStore(60, 1 << 20), UrlSigner(("key",)), None)
+    url = links.maker("http://x")(b"img", "png")
+    name = url.split("/")[-1].split("?")[0]
+    with pytest.raises(NotSigned):
+        links.serve(name, exp, "0" * 32, key_given=False)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_a_photo_with_an_exif_orientation_is_read_upright_as_diffusers_load_image_reads_it(orientation):
+    """A phone stores its photo sideways with an EXIF orientation mark; every viewer (and diffusers' load_image)
+    shows it turned. Uploads were read as stored, so an edit came back sideways (and a mask drawn on the photo as
+    shown did not fit it)."""
+    from diffusers.utils import load_image
+
+    from diffgraph.api.protocol import decode_upload
+    pixels = np.zeros((48, 64, 3), np.uint8)
+    pixels[:8, :16] = 255  # a mark in the stored image's top-left corner
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG", exif=exif)
+    got = decode_upload("image", buf.getvalue(), 1 << 20, 1 << 20)
+    expected = load_image(Image.open(io.BytesIO(buf.getvalue())))
+    assert got.size == expected.size == ((64, 48) if orientation == 3 else (48, 64))
+    assert np.array_equal(np.asarray(got.convert("RGB")), np.asarray(expected.convert("RGB")))

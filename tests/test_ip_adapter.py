@@ -1,6 +1,6 @@
 """IP-Adapter image prompts (issue 32) on the CPU: parity with diffusers' `load_ip_adapter` + `set_ip_adapter_scale`
 on the same modules (fp32, same seeds), image-prompt rows mixed with plain, control and LoRA rows equal each alone,
-scale 0 equals the plain image exactly, and bad input.
+scale 0 equals the plain image exactly, and bad input (an extreme aspect is a ParamError, never a huge resize).
 
 The adapters are written by the test for the tiny presets' UNets in h94/IP-Adapter's layout (`image_proj.*` and
 `ip_adapter.{1 + 2j}.to_k_ip / to_v_ip`), with seeded random weights, beside a tiny CLIP vision encoder in an
@@ -350,3 +350,16 @@ def test_an_image_prompt_without_a_model_takes_the_folders_only_adapter(engine, 
         unnamed = e.generate(PROMPT, image_prompts={"images": [picture(7)], "scale": 0.7}, **kw).arrays
     named = engine.generate(PROMPT, image_prompts={"model": "base", "images": [picture(7)], "scale": 0.7}, **kw).arrays
     np.testing.assert_array_equal(unnamed, named)
+
+
+def test_an_extreme_aspect_image_prompt_is_a_param_error_not_a_huge_resize(tmp_path, no_huge_resizes):
+    with Engine(model="random:tiny", device="cpu", dtype="fp32") as plain:
+        make_ip_adapter(plain.model.denoiser, tmp_path, "base", seed=1)
+        with Engine(model=plain.model, ip_adapter_dir=str(tmp_path)) as e:
+            # the test encoder's side is 32: 8x140000 would be resized to 32x560000 (a real encoder's 224: 224x3.9M)
+            narrow = np.zeros((8, 140_000, 3), np.uint8)
+            with pytest.raises(ParamError, match="too long and narrow") as info:
+                e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=dict(images=[narrow]))
+            assert info.value.param == "image_prompts"
+            ok = e.generate(PROMPT, num_inference_steps=1, seed=1, image_prompts=dict(images=[narrow[:, :8000]]))
+            assert ok.arrays.shape == (1, 64, 64, 3)

@@ -1,7 +1,8 @@
 """Reading LoRA files (diffgraph.lora.files, toward issue 12): the diffusers/PEFT layout (written with peft and
 diffusers' save_lora_weights) and the kohya layout with alphas, UNet and text-encoder parts, SD and SDXL, read into
 per-layer weights whose delta (scale * B @ A) equals what diffusers' own load_lora_weights (with peft) puts on the
-same layers; unsupported kinds and bad files are refused by name."""
+same layers; unsupported kinds and bad files are refused by name, an empty weight in one line (read or header
+only); a kohya text-encoder LoRA without out_proj layers is read."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from diffgraph.lora.files import AdapterError, module_path, read_adapter
+from diffgraph.lora.files import AdapterError, header_adapter, module_path, read_adapter
 
 from lora_util import _pipeline_class, _write_diffusers, _write_kohya
 
@@ -84,3 +85,30 @@ def test_bad_adapter_files_are_refused_by_name(tiny_engine, tmp_path):
     for path, needle in cases:
         with pytest.raises(AdapterError, match=needle):
             read_adapter(path, cls, "x")
+
+
+SD = "StableDiffusionPipeline"
+UNET = "lora_unet_down_blocks_0_attentions_0_proj_in"
+TE = "lora_te_text_model_encoder_layers_0_self_attn_q_proj"
+
+
+@pytest.mark.parametrize("reader", [read_adapter, header_adapter])
+@pytest.mark.parametrize("down, up", [((0, 32), (32, 0)), ((4, 32), (0, 4))])
+def test_an_empty_lora_weight_is_refused_in_one_line(tmp_path, reader, down, up):
+    path = str(tmp_path / "empty.safetensors")
+    save_file({f"{UNET}.lora_down.weight": torch.zeros(down), f"{UNET}.lora_up.weight": torch.zeros(up)}, path)
+    with pytest.raises(AdapterError, match="has an empty weight"):  # was a RuntimeError from reshape
+        reader(path, SD, "empty")
+
+
+@pytest.mark.parametrize("reader", [read_adapter, header_adapter])
+def test_a_kohya_text_encoder_lora_without_out_proj_is_read(tmp_path, reader):
+    torch.manual_seed(0)
+    down, up = torch.randn(4, 32), torch.randn(32, 4) * 0.01
+    path = str(tmp_path / "q_only.safetensors")
+    save_file({f"{TE}.lora_down.weight": down, f"{TE}.lora_up.weight": up, f"{TE}.alpha": torch.tensor(2.0)}, path)
+    adapter = reader(path, SD, "q_only")  # was ValueError("Could not automatically infer state dict type")
+    layer = adapter.layers["text_encoder"]["text_model.encoder.layers.0.self_attn.q_proj"]
+    assert layer.scale == 0.5 and layer.a.shape == (4, 32) and layer.b.shape == (32, 4)
+    if reader is read_adapter:
+        assert torch.equal(layer.a, down) and torch.equal(layer.b, up)

@@ -1,7 +1,8 @@
 """The models of a --model-dir folder (diffgraph.models.catalog, issue 29 point 3): names and nesting, the name rules,
 links out of the folder left out, FIFOs never opened, pickles, LoRAs and truncated files listed with why they cannot
 be served, diffusers folders, kinds / families / native sizes from headers, headers read once per file version,
-the CLI listing (with hashes: test_file_hashes.py has their cache), and no torch in the importing process."""
+the CLI listing (with hashes: test_file_hashes.py has their cache), and no torch in the importing process; odd
+checkpoint headers are one-line errors and the listing survives them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from diffgraph.models import catalog
 from diffgraph.models.catalog import (ModelDir, ModelNameError, ModelNotFound, ModelUnusable, native_size_of,
                                       pipeline_family, print_model_dir, supported_pipelines)
 from diffgraph.models.checkpoint_configs import KINDS, folder_files
+from diffgraph.models.checkpoint_kind import inspect_checkpoint
 from diffgraph.models.presets import shipped_preset_folder
 
 UNET = "model.diffusion_model.input_blocks.0.0.weight"
@@ -360,3 +363,37 @@ def test_a_sidecar_names_the_config_folder_or_preset_and_a_bad_one_costs_its_own
     (folder / "sd15.diffgraph.toml").unlink()
     assert {e.name: e for e in models.listing()}["sd15"].family == "sd"
     assert not [e for e in models.listing() if e.name.endswith(".diffgraph")]  # sidecars are not models
+
+
+def _f16_header_file(path, tensors, metadata=None):
+    header, offset = {}, 0
+    for key, shape in tensors.items():
+        n = 2 * int(torch.tensor(shape).prod())
+        header[key] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+FIRST = {"model.diffusion_model.input_blocks.0.0.weight": (4, 4, 3, 3)}
+SD2_TEXT = {"cond_stage_model.model.token_embedding.weight": (4, 4)}
+
+
+@pytest.mark.parametrize("name, tensors, metadata, needle", [
+    ("ctx", {**FIRST, "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight": (768,)},
+     None, "without its text encoders"),
+    ("pred", {**FIRST, **SD2_TEXT}, {"modelspec.prediction_type": 5}, "__metadata__ is not a map of strings"),
+    ("res", {**FIRST, **SD2_TEXT}, {"modelspec.resolution": [768, 768]}, "__metadata__ is not a map of strings"),
+])
+def test_odd_checkpoint_headers_are_one_line_errors_and_the_listing_survives(tmp_path, name, tensors, metadata,
+                                                                             needle):
+    path = str(tmp_path / f"{name}.safetensors")
+    _f16_header_file(path, tensors, metadata)
+    with pytest.raises(ValueError, match=needle):  # was IndexError / AttributeError
+        inspect_checkpoint(path)
+    _f16_header_file(str(tmp_path / "other.safetensors"), {**FIRST, **SD2_TEXT}, {"modelspec.resolution": "512"})
+    entries = {e.name: e for e in ModelDir(str(tmp_path)).listing()}
+    assert needle in entries[name].error and entries["other"].kind == "sd2-base" and entries["other"].error is None

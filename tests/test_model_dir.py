@@ -1,28 +1,47 @@
 """Many models behind one server (issue 29, point 3): `--model-dir` serves every diffusers folder and checkpoint file
 under it by name, each request picks one with `model`, models load on first use and the least recently used idle
-one is evicted; a model with requests in flight never is."""
+one is evicted; a model with requests in flight never is. The listing's hashes follow replaced files, requests waiting
+for a model load do not starve the server's shared worker threads (nor leak a hold when they go), and the memory
+budget evicts idle models before a load, not only after it. Faults: a model file that goes between the folder's
+listing and a stat or hash of it, a model whose load failed once (still offered, and tried again once its file is
+fixed), and `--model` given as a path inside `--model-dir` (one model, one name)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
+import json
+import os
 import shutil
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from fastapi.testclient import TestClient
 from PIL import Image
 from safetensors.torch import save_file
 
 from diffgraph import Engine
+from diffgraph.api.protocol import APIError
 from diffgraph.config import default_cpu_threads
+from diffgraph.engine.held_models import HeldModels
+from diffgraph.engine.model_set import ModelSet, folder_builder
+from diffgraph.engine.remote_models import ModelClient, ModelSetSpec, RemoteModels, RemoteResident
+from diffgraph.models import catalog, file_hashes
 from diffgraph.models.presets import shipped_preset_folder
+from diffgraph.safe_files import FileChanged
+from diffgraph.server import ServerConfig, create_app
+from diffgraph.server import models as server_models
+from diffgraph.server.models import ModelRouting, Target
 from diffgraph.server.process import ServerProcess
+from model_dir_util import _checkpoint  # a few-byte file the catalog reads as an SD1 checkpoint
 
 PROMPT = "a handwritten digit seven"
 
@@ -364,7 +383,6 @@ def test_comfyuis_models_folder_over_http_lists_checkpoints_and_split_models(tmp
 
     from diffgraph.engine.remote_models import RemoteModels
     from diffgraph.server import ServerConfig, create_app
-    from test_model_sets_review import _checkpoint
     from test_split_files import FLUX_VAE, QWEN3_4B, ZIMAGE, header_file
 
     _checkpoint(tmp_path / "checkpoints" / "sd15.safetensors", 0.0)
@@ -391,7 +409,6 @@ def test_the_listing_never_waits_for_a_hash_and_shows_it_once_known(tmp_path):
     from diffgraph.models.file_hashes import FileHashes
     from diffgraph.server.models import ModelRouting
     from test_file_hashes import BOUND_S, GatedReader
-    from test_model_sets_review import _checkpoint
 
     _checkpoint(tmp_path / "m.safetensors", 0.0)
     reader = GatedReader()  # a hash that takes as long as the test says (a 7 GB file: a minute)
@@ -405,3 +422,503 @@ def test_the_listing_never_waits_for_a_hash_and_shows_it_once_known(tmp_path):
     digest = hashlib.sha256((tmp_path / "m.safetensors").read_bytes()).hexdigest()[:10]
     assert {c["id"]: c["hash"] for c in routing.listing(0)}["m"] == digest
     assert len(reader.calls) == 1
+
+
+# == serving many models: hashes of replaced files, waits for a load, the memory budget before a load ============
+BOUND_S = 20.0  # a failure bound, never a wait the test relies on
+
+
+def _join_hashing() -> None:
+    for t in threading.enumerate():
+        if t.name == "diffgraph-hash":
+            t.join(BOUND_S)
+            assert not t.is_alive()
+
+
+def test_the_listed_hash_follows_a_file_replaced_under_its_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(server_models, "default_cache_root", lambda: str(tmp_path / "cache"))
+    root = tmp_path / "models"
+    _checkpoint(root / "m.safetensors", 0.0)
+    routing = ModelRouting(str(root), "random:tiny", RemoteModels())
+
+    def listed_hash() -> str | None:
+        routing.listing(0)  # starts the hashing of what is not hashed yet
+        _join_hashing()
+        return {c["id"]: c["hash"] for c in routing.listing(0)}["m"]
+    first = listed_hash()
+    assert first is not None and len(first) == 10
+    _checkpoint(root / "m.safetensors", 1.0)  # another model under the same name
+    second = listed_hash()
+    assert second is not None and second != first, "the listing still shows the replaced file's hash"
+
+
+class _SlowLoads:
+    """A models backend whose loads wait for `gate` (a model that takes minutes to load)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+        self.entered = 0
+        self.released: list[int] = []
+        self.errors: dict[str, str] = {}
+
+    def acquire(self, name: str, timeout: float | None = None) -> RemoteResident:
+        with self.lock:
+            self.entered += 1
+            hold = self.entered
+        assert self.gate.wait(BOUND_S)
+        return RemoteResident(name, ModelClient(None, None, None, hold), 1)
+
+    def release(self, resident: RemoteResident) -> None:
+        with self.lock:
+            self.released.append(resident.client.hold)
+
+    def resident(self) -> list[RemoteResident]:
+        return []
+
+    def loading(self) -> list[str]:
+        return [] if self.gate.is_set() else ["other"]
+
+    def close(self) -> None:
+        pass
+
+
+async def _until(condition) -> None:
+    for _ in range(int(BOUND_S * 100)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not reached within the failure bound")
+
+
+def test_requests_waiting_for_a_load_leave_the_worker_threads_to_other_requests(tmp_path):
+    """Requests for a model that is loading wait for it; the default executor's few threads (every other request's
+    listings, file reads and image encodes) must stay free meanwhile."""
+    _checkpoint(tmp_path / "other.safetensors", 0.0)
+    backend = _SlowLoads()
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+    default = Target(None, None, None)
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(4))  # a small machine's count
+        waiting = [asyncio.create_task(routing.target("other", 600.0, default)) for _ in range(8)]
+        try:
+            await _until(lambda: backend.entered >= 4)
+            cards = await asyncio.wait_for(asyncio.to_thread(routing.listing, 0), BOUND_S)  # another request's
+            assert {c["id"]: c["loading"] for c in cards}["other"]
+        finally:
+            backend.gate.set()
+        targets = await asyncio.gather(*waiting)
+        assert sorted(t.hold.client.hold for t in targets) == list(range(1, 9))
+    asyncio.run(main())
+
+
+def test_a_request_gone_while_its_model_loads_releases_its_hold(tmp_path):
+    _checkpoint(tmp_path / "other.safetensors", 0.0)
+    backend = _SlowLoads()
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+
+    async def main() -> None:
+        task = asyncio.create_task(routing.target("other", 600.0, Target(None, None, None)))
+        await _until(lambda: backend.entered == 1)
+        task.cancel()
+        backend.gate.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await _until(lambda: backend.released == [1])  # else the model stays held (never evictable) for good
+    asyncio.run(main())
+
+
+def test_a_set_over_its_memory_budget_evicts_idle_models_before_the_next_load():
+    """A busy model stays past the budget; once it is idle, the next load makes room first (before the build takes
+    the device's memory), not only after it."""
+    from diffgraph.engine.model_set import ModelSet
+
+    seen: dict[str, list[str]] = {}
+
+    def build(name, loop):
+        seen[name] = sorted(r.name for r in models.resident())
+        return Engine(name, device="cpu", loop=loop, image_threads=1)
+    models = ModelSet(build, "cpu", max_models=8, memory_bytes=1)
+    try:
+        a = models.acquire("random:tiny")
+        engine = a.client.engine
+        gate = threading.Event()
+        engine.core.call_between_steps(gate.wait)  # a's request stays queued: a is busy
+        future = engine.submit(engine.make_request("x", num_inference_steps=2, seed=1))
+        models.release(a)
+        models.release(models.acquire("digits"))
+        assert sorted(r.name for r in models.resident()) == ["digits", "random:tiny"]  # over the budget: a is busy
+        gate.set()
+        future.result(timeout=600)
+        models.release(models.acquire("digits-xl"))
+        assert seen["digits-xl"] == [], "the idle models over the budget were still resident during the load"
+        assert [r.name for r in models.resident()] == ["digits-xl"]
+    finally:
+        models.close()
+
+
+def test_a_busy_model_kept_over_the_memory_budget_goes_once_idle():
+    """As with max-models: a model kept past the budget while busy is evicted on a later acquire once it is idle,
+    not left holding its memory until some other model loads."""
+    from diffgraph.engine.model_set import ModelSet
+
+    models = ModelSet(lambda name, loop: Engine(name, device="cpu", loop=loop, image_threads=1), "cpu",
+                      max_models=8, memory_bytes=1)
+    try:
+        a = models.acquire("random:tiny")
+        engine = a.client.engine
+        gate = threading.Event()
+        engine.core.call_between_steps(gate.wait)
+        future = engine.submit(engine.make_request("x", num_inference_steps=2, seed=1))
+        models.release(a)
+        models.release(models.acquire("digits"))
+        assert sorted(r.name for r in models.resident()) == ["digits", "random:tiny"]
+        gate.set()
+        future.result(timeout=600)
+        models.release(models.acquire("digits"))  # resident: no load, but the set is over its budget
+        for t in threading.enumerate():
+            if t.name == "diffgraph-trim":
+                t.join(BOUND_S)
+        assert [r.name for r in models.resident()] == ["digits"]
+    finally:
+        models.close()
+
+
+def test_a_preload_that_cannot_load_is_listed_with_its_error_and_the_default_still_serves(tmp_path):
+    """`--preload` of a model whose weights are cut short (or a name not in the folder) failed the replica's whole
+    start: it was restarted and left down, so the server never became ready because of an optional model."""
+    import shutil
+
+    from diffgraph.engine.held_models import HeldModels
+    from diffgraph.engine.remote_models import ModelSetSpec
+    from diffgraph.models.presets import shipped_preset_folder
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "digits")
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "broken")
+    unet = tmp_path / "broken" / "unet" / "diffusion_pytorch_model.safetensors"
+    unet.write_bytes(unet.read_bytes()[:4096])
+    held = HeldModels(ModelSetSpec(str(tmp_path), "digits", preload=("broken", "nope")), "cpu", {})
+    try:
+        assert held.default.generate("a digit", num_inference_steps=1, seed=0).arrays.shape[0] == 1
+        assert "broken" in held.set.errors and "nope" in held.set.errors
+        assert "not in the model folder" in held.set.errors["nope"]
+        assert [name for name, *_ in held.view().resident] == ["digits"]
+    finally:
+        held.close()
+
+
+def test_a_model_just_loaded_is_not_evicted_by_the_next_load_before_its_waiting_request_holds_it(monkeypatch):
+    """max-models 1, two models asked for at once: the second load, queued behind the first, made room by evicting
+    the first model the moment it was built, before the request waiting for it had taken its hold: that request
+    then loaded it again (and could evict the second one the same way)."""
+    from diffgraph.engine import model_set
+
+    builds: list[str] = []
+    second_built = threading.Event()
+
+    class LateWaiter(model_set.Future):  # the request waiting for the first load comes back after the second began
+        def result(self, timeout=None):
+            out = super().result(timeout)
+            if threading.current_thread().name == "acquire-first":
+                assert second_built.wait(BOUND_S)
+            return out
+    monkeypatch.setattr(model_set, "Future", LateWaiter)
+    got: dict[str, object] = {}
+
+    def build(name, loop):
+        builds.append(name)
+        if name == "digits":
+            second_built.set()
+        elif builds.count("random:tiny") == 1:  # the second model is asked for while the first builds
+            threading.Thread(target=lambda: got.update(second=models.acquire("digits", BOUND_S)),
+                             name="acquire-second", daemon=True).start()
+            for _ in range(int(BOUND_S / 0.01)):  # (a failure bound: its load queues behind this one at once)
+                if "digits" in models.loading():
+                    break
+                threading.Event().wait(0.01)
+        return Engine(name, device="cpu", loop=loop, image_threads=1)
+    models = model_set.ModelSet(build, "cpu", max_models=1)
+    try:
+        first = threading.Thread(target=lambda: got.update(first=models.acquire("random:tiny", BOUND_S * 3)),
+                                 name="acquire-first")
+        first.start()
+        first.join(BOUND_S * 6)
+        assert not first.is_alive() and "first" in got
+        for t in threading.enumerate():
+            if t.name == "acquire-second":
+                t.join(BOUND_S * 3)
+        assert builds == ["random:tiny", "digits"]  # each model built once
+        assert got["first"].client.ready and got["first"].holds == 1
+        assert sorted(r.name for r in models.resident()) == ["digits", "random:tiny"]  # held both: over the count
+    finally:
+        models.close()
+
+
+def test_a_resident_model_whose_engine_failed_is_closed_before_it_loads_again():
+    """A resident model whose engine stopped (not ready) is loaded again by the next request; the failed engine was
+    left open beside the new one under the same name, its weights and graphs never given back."""
+    from diffgraph.engine import model_set
+
+    built: list = []
+
+    def build(name, loop):
+        built.append(Engine(name, device="cpu", loop=loop, image_threads=1))
+        return built[-1]
+    models = model_set.ModelSet(build, "cpu", max_models=2)
+    try:
+        first = models.acquire("random:tiny", BOUND_S)
+        models.release(first)
+        first.client.core._live = lambda: False  # its loop stopped: the state a device failure leaves
+        assert not first.client.ready
+        again = models.acquire("random:tiny", BOUND_S)
+        assert again is not first and again.client.ready and len(built) == 2
+        assert first.client.state == "closed"  # closed (was "failed": open, holding its memory)
+        assert [r.name for r in models.resident()] == ["random:tiny"]
+        models.release(again)
+    finally:
+        models.close()
+
+
+# == faults: files that go between the listing and a stat or hash, failed loads, --model inside --model-dir =======
+DEFAULT = Target(None, None, None)
+
+
+class _LocalSet:
+    """The models backend of a `ModelSet` in this process (what `RemoteModels` asks of a replica's set)."""
+
+    def __init__(self, models: ModelSet) -> None:
+        self.set = models
+
+    def acquire(self, name: str, timeout: float | None = None) -> RemoteResident:
+        resident = self.set.acquire(name, timeout)
+        return RemoteResident(name, ModelClient(None, None, resident.client.info, 0), resident.memory_bytes)
+
+    def release(self, resident: RemoteResident) -> None:
+        self.set.release(next(r for r in self.set.resident() if r.name == resident.name))
+
+    def resident(self) -> list[RemoteResident]:
+        return [RemoteResident(r.name, ModelClient(None, None, r.client.info, 0), r.memory_bytes)
+                for r in self.set.resident()]
+
+    def loading(self) -> list[str]:
+        return self.set.loading()
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return dict(self.set.errors)
+
+    def close(self) -> None:
+        self.set.close()
+
+
+def _set(root, default: str = "random:tiny") -> _LocalSet:
+    return _LocalSet(ModelSet(folder_builder(str(root), default, {"device": "cpu", "image_threads": 1}), "cpu"))
+
+
+def _target_error(routing: ModelRouting, name: str) -> APIError:
+    with pytest.raises(APIError) as e:
+        asyncio.run(routing.target(name, 600.0, DEFAULT))
+    return e.value
+
+
+def _gone_before_stat(monkeypatch, victim: str) -> None:
+    """Removes `victim` just before the catalog's stat of it: as `rm` between the folder's walk and the stat."""
+    check = catalog.check_regular
+
+    def racing(path: str, max_bytes: int):
+        if os.path.basename(path) == victim and os.path.exists(path):
+            os.remove(path)
+        return check(path, max_bytes)
+    monkeypatch.setattr(catalog, "check_regular", racing)
+
+
+# -- 1. a file that goes between the listing and a stat or hash of it ------------------------------------------------
+def test_a_file_removed_between_the_folders_walk_and_its_stat_is_not_listed(tmp_path, monkeypatch):
+    _checkpoint(tmp_path / "kept.safetensors", 0.0)
+    _checkpoint(tmp_path / "gone.safetensors", 0.0)
+    _gone_before_stat(monkeypatch, "gone.safetensors")
+    listed = catalog.ModelDir(str(tmp_path)).listing()
+    assert [(e.name, e.error) for e in listed] == [("kept", None)]  # was ("gone", "gone.safetensors does not exist")
+
+
+def test_a_file_removed_while_it_is_hashed_is_a_file_changed_and_the_offline_listing_goes_on(tmp_path, monkeypatch):
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    sha256 = file_hashes.sha256_of
+
+    def removed_first(path: str, st: os.stat_result) -> str:
+        os.remove(path)  # after the stat, before the hash opens it
+        return sha256(path, st)
+    monkeypatch.setattr(file_hashes, "sha256_of", removed_first)
+    with pytest.raises(FileChanged, match="m.safetensors was removed while it was hashed"):
+        file_hashes.FileHashes(str(tmp_path / "cache")).compute(str(tmp_path / "m.safetensors"))  # was FileNotFound
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    out = io.StringIO()
+    assert catalog.print_model_dir(str(tmp_path), out, hashes=True, cache_root=str(tmp_path / "cache")) == 0
+    assert out.getvalue().split()[0] == "m" and out.getvalue().split()[-1] == "-"  # no hash this time, no crash
+
+
+def test_a_model_removed_after_its_name_resolved_is_a_404_naming_model(tmp_path):
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    backend = _set(tmp_path)
+    acquire = backend.acquire
+
+    def removed_first(name: str, timeout: float | None = None) -> RemoteResident:
+        os.remove(tmp_path / "m.safetensors")  # after the request's name was resolved, before its model loads
+        return acquire(name, timeout)
+    backend.acquire = removed_first
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+    try:
+        error = _target_error(routing, "m")
+        assert (error.status, error.param, error.code) == (404, "model", "model_not_found")  # was a 400
+        assert "model 'm' is not in the model folder" in str(error) and "GET /v1/models lists them" in str(error)
+        assert [c["id"] for c in routing.listing(0)] == ["random:tiny"]
+    finally:
+        routing.close()
+
+
+# -- 2. a model whose load failed once ---------------------------------------------------------------------------------
+def test_a_model_whose_load_failed_is_still_offered_and_loads_once_its_file_is_fixed(tmp_path):
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "digits")
+    unet = tmp_path / "digits" / "unet" / "diffusion_pytorch_model.safetensors"
+    whole = unet.read_bytes()
+    unet.write_bytes(whole[:4096])
+    backend = _set(tmp_path)
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+    app = create_app(ServerConfig(model="random:tiny", model_dir=str(tmp_path), device="cpu"),
+                     engine_factory=lambda: None, models=backend)  # no lifespan: the engine is never built
+    http = TestClient(app, raise_server_exceptions=False)
+    try:
+        error = _target_error(routing, "digits")
+        assert (error.status, error.param) == (400, "model") and "could not be loaded" in str(error)
+        titles = [m["title"] for m in http.get("/sdapi/v1/sd-models").json()]
+        assert titles == ["random:tiny", "digits"]  # was ["random:tiny"]: hidden until a load succeeded
+        card = {c["id"]: c for c in http.get("/v1/models").json()["data"]}["digits"]
+        assert "truncated" in card["error"] and card["error_kind"] == "load"  # its reason, listed
+        unet.write_bytes(whole)  # the file fixed: the next request tries again
+        target = asyncio.run(routing.target("digits", 600.0, DEFAULT))
+        assert target.info.name == "digits" and target.info.family == "sd"
+        target.release(routing)
+        card = {c["id"]: c for c in http.get("/v1/models").json()["data"]}["digits"]
+        assert (card["resident"], card["error"], card["error_kind"]) == (True, None, None)
+    finally:
+        routing.close()
+
+
+def test_a_file_the_catalog_cannot_serve_stays_out_of_the_a1111_titles(tmp_path):
+    _checkpoint(tmp_path / "m.safetensors", 0.0)
+    (tmp_path / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    backend = _set(tmp_path)
+    http = TestClient(create_app(ServerConfig(model="random:tiny", model_dir=str(tmp_path), device="cpu"),
+                                 engine_factory=lambda: None, models=backend), raise_server_exceptions=False)
+    try:
+        card = {c["id"]: c for c in http.get("/v1/models").json()["data"]}["cut"]
+        assert "truncated" in card["error"] and card["error_kind"] == "file"
+        assert [m["filename"] for m in http.get("/sdapi/v1/sd-models").json()] == ["random:tiny", "m"]
+    finally:
+        backend.close()
+
+
+# -- 3. --model PATH inside --model-dir DIR ----------------------------------------------------------------------------
+def test_a_default_model_inside_the_model_dir_is_one_model_under_one_name(tmp_path):
+    _checkpoint(tmp_path / "sub" / "m.safetensors", 0.0)
+    _checkpoint(tmp_path / "other.safetensors", 0.0)
+    default = str(tmp_path / "sub" / ".." / "sub" / "m.safetensors")  # any spelling of the path
+    routing = ModelRouting(str(tmp_path), default, _set(tmp_path, default))
+    try:
+        assert [c["id"] for c in routing.listing(0)] == [default, "other"]  # was [default, "other", "sub/m"]
+        assert asyncio.run(routing.resolve("sub/m")) == default
+        assert asyncio.run(routing.target("sub/m", 600.0, DEFAULT)) is DEFAULT  # not a second engine of the file
+        assert routing.family(default) is None and routing.family("other") == "sd"
+    finally:
+        routing.close()
+
+
+def test_a_default_preset_name_that_is_also_a_path_into_the_model_dir_is_the_preset(tmp_path, monkeypatch):
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sub" / "digits")
+    monkeypatch.chdir(tmp_path / "sub")  # "digits" is a path here too, but the loader reads a preset's name first
+    routing = ModelRouting(str(tmp_path), "digits", _set(tmp_path, "digits"))
+    try:
+        assert [c["id"] for c in routing.listing(0)] == ["digits", "sub/digits"]
+        assert asyncio.run(routing.resolve("sub/digits")) == "sub/digits"
+    finally:
+        routing.close()
+
+
+def test_a_preload_of_the_default_under_its_folder_name_loads_nothing_more(tmp_path):
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "sd" / "digits")
+    default = str(tmp_path / "sd" / "digits")
+    held = HeldModels(ModelSetSpec(str(tmp_path), default, preload=("sd/digits",)), "cpu", {"image_threads": 1})
+    try:
+        assert [r.name for r in held.set.resident()] == [default]  # was [default, "sd/digits"]: two engines
+        assert held.set.errors == {}
+    finally:
+        held.close()
+
+
+# -- 4. answers name files relative to their folders -------------------------------------------------------------------
+def test_no_answer_shows_where_the_server_keeps_its_files(tmp_path):
+    """Listings and errors name models and adapters as clients name them, relative to --model-dir and --lora-dir:
+    the server's absolute paths are for its own log (they were in /v1/models' errors and in the 400s of unusable and
+    unloadable models)."""
+    from diffgraph import Engine
+
+    models, loras = tmp_path / "models", tmp_path / "loras"
+    shutil.copytree(shipped_preset_folder("digits"), models / "broken")
+    unet = models / "broken" / "unet" / "diffusion_pytorch_model.safetensors"
+    unet.write_bytes(unet.read_bytes()[:4096])  # fails to load
+    _checkpoint(models / "ok.safetensors", 0.0)
+    (models / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    (models / "old.ckpt").write_bytes(b"PK\x03\x04 never unpickled")
+    loras.mkdir()
+    (loras / "cut.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    backend = _set(models)
+    config = ServerConfig(model="random:tiny", model_dir=str(models), lora_dir=str(loras), device="cpu")
+    app = create_app(config, engine_factory=lambda: Engine("random:tiny", device="cpu", lora_dir=str(loras)),
+                     models=backend)
+    roots = {str(tmp_path), os.path.realpath(tmp_path)}
+    bodies = []
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for _ in range(6000):  # the engine is built on a background thread (a failure bound, not a timing)
+            if http.get("/ready").status_code == 200:
+                break
+            time.sleep(0.05)
+        for path in ("/v1/models", "/v1/loras", "/sdapi/v1/sd-models", "/sdapi/v1/loras", "/v1/loras?model=cut"):
+            bodies.append(http.get(path).text)
+        for extra in ({"model": "broken"}, {"model": "cut"}, {"model": "old.ckpt"}, {"model": "nope"},
+                      {"loras": [{"name": "cut", "scale": 1.0}]}, {"loras": [{"name": "nope", "scale": 1.0}]}):
+            r = http.post("/v1/images/generations", json={"prompt": "x", "num_inference_steps": 1, **extra})
+            assert r.status_code in (400, 404), r.text
+            bodies.append(r.text)
+        cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
+        bodies.append(json.dumps(cards))
+    leaks = [b for b in bodies if any(root in b for root in roots)]
+    assert leaks == []
+    assert cards["broken"]["error"].startswith("model folder 'broken': unet/diffusion_pytorch_model.safetensors is "
+                                               "truncated")
+    assert cards["cut"]["error"].startswith("model 'cut.safetensors' is not a readable safetensors file")
+    assert "old.ckpt" in cards["old.ckpt"]["error"] and "diffgraph convert" in cards["old.ckpt"]["error"]
+
+
+@pytest.mark.parametrize("file", ["tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"])
+def test_a_folder_whose_tokenizer_json_nests_too_deep_is_listed_with_why_and_the_others_serve(tmp_path, file):
+    """200,000 brackets in a folder model's tokenizer JSON (transformers parses it without a depth limit): GET
+    /v1/models lists that model with the file named and keeps the others; a request naming it is a one-line 400."""
+    shutil.copytree(shipped_preset_folder("digits"), tmp_path / "deep")
+    (tmp_path / "deep" / file).write_text("[" * 200_000 + "]" * 200_000)
+    _checkpoint(tmp_path / "ok.safetensors", 0.0)
+    backend = _set(tmp_path)
+    routing = ModelRouting(str(tmp_path), "random:tiny", backend)
+    http = TestClient(create_app(ServerConfig(model="random:tiny", model_dir=str(tmp_path), device="cpu"),
+                                 engine_factory=lambda: None, models=backend), raise_server_exceptions=False)
+    try:
+        r = http.get("/v1/models")
+        assert r.status_code == 200, r.text
+        cards = {c["id"]: c for c in r.json()["data"]}
+        assert sorted(cards) == ["deep", "ok", "random:tiny"]
+        assert cards["deep"]["error"] == (f"deep/{file} nests JSON deeper than 64 levels (the limit for this file; a "
+                                          "damaged or hostile one): copy or download it again")
+        assert cards["ok"]["error"] is None and cards["deep"]["error_kind"] == "file"
+        error = _target_error(routing, "deep")
+        assert (error.status, error.param) == (400, "model") and f"deep/{file} nests JSON" in str(error)
+        assert "\n" not in str(error) and str(tmp_path) not in str(error)
+    finally:
+        routing.close()

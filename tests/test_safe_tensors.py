@@ -1,13 +1,16 @@
 """safe_tensors: a user's safetensors file streamed into tensors, checked, never mapped. Equal to safetensors' own
 reader for every dtype; a file rewritten, cut or replaced between chunks refused; damaged headers and bad fp8 values
 refused in one line with the fix; the bytes land in the tensors returned (no copy of the file), and with a device
-one tensor at a time stays on the host."""
+one tensor at a time stays on the host. safe_files: a file that grows while read is refused, a header's nesting,
+tensor count, dimensions and names and a folder's JSON depth are bounded before they are used, and the file pool
+bounds each read in time."""
 
 from __future__ import annotations
 
 import json
 import mmap
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -249,3 +252,89 @@ def test_the_chunk_bounds_each_read(tmp_path, monkeypatch):
     monkeypatch.setattr(OpenFile, "readinto", lambda self, v, o: (sizes.append(len(v)), real(self, v, o)))
     TensorFile(path, chunk=1000).read()
     assert sizes == [1000] * 4
+
+
+# -- files that grow while read, headers and JSON bounded before use, the file pool bounded in time --------------
+BOUND_S = 300  # on a hang, never a timing assumption
+
+
+def test_a_file_that_grows_while_read_is_refused():
+    """safe_tensors: a file appended to while it is read raises FileChanged (or reads as not safetensors)."""
+    import tempfile
+
+    from diffgraph.safe_files import FileChanged, NotSafetensors
+    from diffgraph.safe_tensors import read_safetensors
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "grow.safetensors")
+        save_file({"x": torch.zeros(1 << 18)}, path)
+        stop = threading.Event()
+
+        def grow():
+            with open(path, "ab") as f:
+                while not stop.is_set():
+                    f.write(b"\0" * 4096)
+                    f.flush()
+
+        size = os.path.getsize(path)
+        t = threading.Thread(target=grow, daemon=True)
+        t.start()
+        try:
+            for _ in range(BOUND_S * 100):  # until it has begun to grow
+                if os.path.getsize(path) > size:
+                    break
+                threading.Event().wait(0.01)
+            for _ in range(5):
+                with pytest.raises((FileChanged, NotSafetensors)):
+                    read_safetensors(path, 1 << 30)
+        finally:
+            stop.set()
+            t.join(BOUND_S)
+
+
+@pytest.mark.parametrize("header, words", [
+    (b'{"x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "its header nests JSON deeper than 3 levels"),
+    (b'{"x": {"dtype": "F32", "shape": [[[1]]], "data_offsets": [0, 4]}}', "its header nests JSON deeper than 3"),
+    (b'{"x": {"dtype": "F32", "shape": [' + b"1, " * 16 + b'1], "data_offsets": [0, 4]}}', "at most 16 dimensions"),
+    (b'{"' + b"x" * 5000 + b'": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', "at most 4096 characters"),
+    (b'{"x": {"dtype": "' + b"F" * 5000 + b'", "shape": [1], "data_offsets": [0, 4]}}', "at most 4096 characters"),
+    (b"{" + b", ".join(b'"t%d": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}' % i for i in range(9)) + b"}",
+     "lists 9 tensors, above the limit of 8"),
+], ids=["200000-brackets", "nested-shape", "17-dims", "long-name", "long-dtype", "9-tensors"])
+def test_safetensors_headers_are_bounded_before_they_are_used(tmp_path, monkeypatch, header, words):
+    """safe_files: a header's nesting, tensor count, dimensions and names are bounded; each is a NotSafetensors
+    naming the bound (a header of 200,000 brackets was a RecursionError out of every listing that read it)."""
+    from diffgraph import safe_files
+
+    monkeypatch.setattr(safe_files, "MAX_TENSORS", 8)
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(safe_files.NotSafetensors, match=words):
+        safe_files.read_header(str(path), 1 << 30)
+
+
+def test_json_from_a_folder_is_parsed_with_a_depth_limit(tmp_path):
+    from diffgraph.safe_files import NotJson, parse_json, read_json
+
+    assert parse_json(b'{"a": [1, {"b": 2}]}', max_depth=3) == {"a": [1, {"b": 2}]}
+    for text, words in (("[" * 200_000 + "]" * 200_000, "deeper than 64 levels"),
+                        ("[" * 65 + "]" * 65, "deeper than 64"), ("{not json", "is not valid JSON")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(NotJson, match=words):
+            read_json(str(tmp_path / "config.json"), 1 << 30)
+    assert parse_json("[" * 64 + "]" * 64)  # the limit itself is allowed
+
+
+def test_the_file_pool_bounds_each_read_in_time():
+    from diffgraph.safe_files import FileReader, ReadTimeout
+
+    release = threading.Event()
+    reader = FileReader(workers=1, timeout=0.05)
+    try:
+        with pytest.raises(ReadTimeout, match="stalled"):  # a read stuck on a dead disk
+            reader.call(release.wait, BOUND_S, what="reading x")
+        with pytest.raises(ReadTimeout):  # queued behind it on the bounded pool: also bounded
+            reader.call(lambda: 1)
+    finally:
+        release.set()
+    assert FileReader(workers=1, timeout=BOUND_S).call(lambda: 7) == 7

@@ -2,7 +2,8 @@
 
 One module-scoped server answers most tests, with a request timeout no happy path can reach on a loaded machine;
 the tests of the request timeout itself share a second server with a short one; the queue-full / SIGTERM and drain
-tests start their own, since they end them.
+tests start their own, since they end them. In process on `digits` (conftest's `digits_client`): a streamed request
+(server-sent events) is counted by how its stream ends, not as a success when the response hands over to the stream.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import httpx
 import pytest
 from PIL import Image
 
+from diffgraph.api.protocol import APIError
+from diffgraph.server import image_routes
 from diffgraph.server.process import ServerProcess as _ServerProcess
 from sse_util import read_stream
 
@@ -631,3 +634,39 @@ def test_a1111_prompts_are_sized_then_parsed_off_the_event_loop(monkeypatch):
         r, health = post_while_probing(client, held, "/v1/images/generations", {**body, "prompt": worst})
         assert (health, held.first) == (200, (False, True))
         assert r.status_code == 400 and "does not close" in r.json()["error"]["message"], r.text
+
+
+# -- in process on digits (conftest's digits_client): a streamed request is counted by how its stream ends -------
+@pytest.fixture
+def client(digits_client):
+    return digits_client
+
+
+STREAMED = {"prompt": "a handwritten digit three", "size": "64x64", "num_inference_steps": 2, "seed": 1}
+
+
+def _outcomes(client) -> dict[str, float]:
+    out = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("diffgraph_requests_total{"):
+            name, value = line.split(" ")
+            out[name.split('"')[1]] = float(value)
+    return out
+
+
+def test_a_stream_that_fails_after_the_handoff_is_counted_by_its_failure(client, monkeypatch):
+    before = _outcomes(client)
+    r = client.post("/v1/images/generations", json={**STREAMED, "stream": True})
+    assert r.status_code == 200 and "event: image_generation.completed" in r.text
+    done = _outcomes(client)
+    assert done["success"] == before["success"] + 1
+
+    def full(*args, **kwargs):
+        raise APIError(507, "the image store is full", code="image_store_full")
+
+    monkeypatch.setattr(image_routes, "_response", full)  # the image made, its answer not: after the handoff
+    r = client.post("/v1/images/generations", json={**STREAMED, "stream": True})
+    assert r.status_code == 200 and "event: error" in r.text and "image_store_full" in r.text
+    after = _outcomes(client)
+    assert after["success"] == done["success"]  # not counted a success
+    assert after["error"] == done["error"] + 1

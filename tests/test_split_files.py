@@ -17,7 +17,7 @@ import pytest
 
 from diffgraph.models.catalog import ModelDir, ModelUnusable
 from diffgraph.models.split_files import SplitFiles, split_model
-from test_model_sets_review import _checkpoint  # a few-byte file the catalog reads as an SD1 checkpoint
+from model_dir_util import _checkpoint  # a few-byte file the catalog reads as an SD1 checkpoint
 
 ZIMAGE = {"x_embedder.weight": (3840, 64), "cap_embedder.0.weight": (2560,), "cap_embedder.1.weight": (3840, 2560),
           "context_refiner.0.attention.qkv.weight": (11520, 3840),

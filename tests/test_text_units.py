@@ -2,10 +2,14 @@
 
 Parsing against the web UI's own doctest values and the rules of its parse_prompt_attention, each refusal's
 field and wording; chunking with the presets' tokenizer (one token per "dog") and with a word-per-token fake
-tokenizer where exact positions matter (embeddings across a chunk boundary and through the comma rule).
+tokenizer where exact positions matter (embeddings across a chunk boundary and through the comma rule). A truncated
+prompt's warning names token counts, never the prompt.
 """
 
 from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -258,3 +262,19 @@ def test_with_pad_and_pad_to():
     assert longer.token_count == c.token_count and longer.embeddings == c.embeddings
     assert with_pad(longer, EOS, 9)[3] == (BOS, EOS, *[9] * 75)
     assert pad_to(c, 2, BOS, EOS) is c and pad_to(c, 1, BOS, EOS) is c
+
+
+# -- the truncation warning --------------------------------------------------------------------------------
+def test_prompt_truncation_warning_names_counts_not_the_prompt(caplog):
+    from diffgraph.models.families.base import FamilyAdapter
+    from diffgraph.models.tokenizer import preset_tokenizer
+
+    tokenizer = preset_tokenizer()
+    prompt = "secretword " * 200
+    with caplog.at_level(logging.WARNING, logger="diffgraph"):
+        FamilyAdapter().tokenize(SimpleNamespace(tokenizers=[tokenizer]), [prompt])
+    (record,) = [r for r in caplog.records if "truncated" in r.getMessage()]
+    message = record.getMessage()
+    assert "secretword" not in message
+    dropped = len(tokenizer(prompt).input_ids) - tokenizer.model_max_length
+    assert f"CLIP reads {tokenizer.model_max_length} tokens" in message and f"{dropped} dropped" in message
