@@ -285,15 +285,19 @@ def test_the_server_default_applies_is_recorded_and_bad_values_are_one_line_400s
 
 @pytest.fixture
 def graphed(monkeypatch):
-    """Steps with cache rows replay their keys' graphs (`StepCacheRows.graphed`, off by default: on a GPU they did
-    not match the eager steps; here, on the emulated backend, the graph machinery is checked)."""
+    """Steps with cache rows replay their keys' graphs (`StepCacheRows.graphed`, the default, set here so that each
+    test states it; on the emulated backend the graph machinery is checked)."""
     from diffgraph.models.families import unet_cache
 
     monkeypatch.setattr(unet_cache.StepCacheRows, "graphed", True)
 
 
-def test_by_default_steps_with_cache_rows_run_eagerly_in_graph_mode_and_equal_the_eager_engine(tiny_engine):
+def test_with_graphed_off_steps_with_cache_rows_run_eagerly_in_graph_mode_and_equal_the_eager_engine(tiny_engine,
+                                                                                                   monkeypatch):
     from diffgraph.config import GraphConfig
+    from diffgraph.models.families import unet_cache
+
+    monkeypatch.setattr(unet_cache.StepCacheRows, "graphed", False)
 
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), backend="emulated")
     with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as g:
@@ -366,6 +370,25 @@ def test_in_graph_mode_mixed_cache_rows_replay_and_equal_each_alone(tiny_engine,
     mixed = {k: after[k][0] - before.get(k, (0, 0))[0] for k in after}
     assert sum(mixed.values()) == steps  # every step of the batch replayed a graph
     assert any("_b0k" in k and "_b1" in k and "_b3" in k for k, n in mixed.items() if n)  # gathered, three branches
+
+
+def test_rows_done_at_a_shallow_branch_that_kept_every_row_give_way_at_a_deeper_one(tiny_engine, graphed):
+    """At step 1 of these four (each guided: 8 denoiser rows) branch 0's stage keeps every row (6 go on: bucket 8) and
+    branch 1's gathers 4: the rows that reuse at branch 0, still alive there, must give way to the rows that go on
+    (the uncached row first); every row together equals itself alone."""
+    from diffgraph.config import GraphConfig
+
+    caches = [None, {"method": "deepcache", "interval": 3, "branch": 0}, {"method": "deepcache", "interval": 2,
+              "branch": 1}, {"method": "deepcache", "interval": 4, "branch": 3}]
+    requests = [_request(tiny_engine, c, seed=20 + i) for i, c in enumerate(caches)]
+    cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((64, 64),), backend="emulated")
+    with Engine(model=tiny_engine.model, mode="graph", graphs=cfg) as g:
+        alone = [g.run(r).arrays for r in requests]
+        together = _together(g, requests)
+        kinds = set(_step_graphs(g))
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+    assert "step_step_cache_b0_b1k4_b3k2" in kinds, kinds
 
 
 def test_the_cli_caches_and_from_image_repeats_it(tmp_path):

@@ -78,7 +78,8 @@ def shadow(log, limit: int = 40):
 
 def variant(name: str, args, log, base: dict) -> None:
     StepCacheRows.graphed = name != "eager"
-    # "graphed-nogather": every row runs the deep path (keys without gathers), only the reused features replaced
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = not name.endswith("notf32")
+    # a name ending in "notf32": fp32 convolutions and matmuls without TF32; "graphed-nogather": every row runs the deep path (keys without gathers), only the reused features replaced
     StepCacheRows.step_part = _all_deep if name.endswith("nogather") else _step_part
     cfg = GraphConfig(batch_buckets=(1, 2, 4, 8), resolutions=((args.size, args.size),), prewarm=False,
                       verify=True, backend="emulated" if name == "emulated" else "cuda")
@@ -88,10 +89,9 @@ def variant(name: str, args, log, base: dict) -> None:
         alone = [e.run(r).arrays for r in reqs]
         alone2 = [e.run(r).arrays for r in reqs]
         log(variant=name, what="alone twice (second: every key captured)", levels=levels(alone, alone2))
-        if "eager" in base:
-            log(variant=name, what="alone vs eager variant alone", levels=levels(alone, base["eager"]))
-        else:
-            base[name] = alone
+        for other, images in base.items():
+            log(variant=name, what=f"alone vs {other} variant alone", levels=levels(alone, images))
+        base[name] = alone
         for staggered in (False, True):
             mix = together(e, reqs, staggered)
             log(variant=name, what=f"together ({'staggered' if staggered else 'at once'}) vs alone",
@@ -112,11 +112,7 @@ def main() -> None:
     p.add_argument("--out", default="diag_deepcache.jsonl")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shadow", action="store_true", help="check each cached replay against the eager step")
-    p.add_argument("--no-tf32", action="store_true", help="fp32 convolutions and matmuls without TF32")
     args = p.parse_args()
-    if args.no_tf32:
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
     with open(args.out, "a") as f:
         def log(**row):
             line = json.dumps(row)

@@ -16,9 +16,9 @@ The plan is host data (two coefficient columns, `cache.reuse` and `cache.branch`
 rows' columns into the step's graph variant (`CacheKey`: per branch in use, how many rows go deeper, rounded up to
 a power of two), and the step itself finds those rows on the device (`deep_order`: a stable sort of a per-row flag
 read from the step's coefficient table), so every shape in the step depends on the key and the batch alone, without a device sync: a
-step with cache rows can replay the CUDA graph of its key (registered and captured at its key's first use, like any
-other step variant, and compiled in the compile tier; `StepCacheRows.graphed`, off: such a step runs eagerly, since
-on a GPU the graphed steps did not match the eager ones). The deep path runs over the rows that need
+step with cache rows replays the CUDA graph of its key (registered and captured at its key's first use, like any
+other step variant, and compiled in the compile tier; `StepCacheRows.graphed` off: such a step runs eagerly). The
+deep path runs over the rows that need
 it, padded with rows that reuse their feature (their extra deep output is dropped). The kept features are one
 per-row field (`cache.deep`, [2, F]: per CFG branch, flattened, F the largest feature of any branch), read and
 written with gathers and scatters of static shape, compacted, saved and restored with the row (lazy: a group holds
@@ -255,10 +255,12 @@ def cache_rows(view: StepView, store: torch.Tensor) -> CacheRows:
 
 def deep_order(rows: CacheRows, branch: int, alive: torch.Tensor) -> torch.Tensor:
     """Positions among the rows alive at skip branch `branch` (their denoiser rows `alive`): the rows that go on
-    first, then those that reuse their feature there. A stable order: the live rows that go on come before the
+    first, then those that reuse their feature there or at a shallower branch (alive here where that branch's stage
+    kept every row: `cache_key`'s count leaves them out too). A stable order: the live rows that go on come before the
     padding rows (the rows after them in the layout, kept in order by every split), so the first `deep` hold them
     all."""
-    done = (rows.branch.index_select(0, alive) == branch + 1) & rows.reuse.index_select(0, alive)
+    own = rows.branch.index_select(0, alive)
+    done = (own > 0) & (own <= branch + 1) & rows.reuse.index_select(0, alive)
     return torch.argsort(done.to(torch.int32), stable=True)
 
 
@@ -429,10 +431,9 @@ class StepCacheRows(RowFeature):
     evaluation reuses the feature), field `cache.deep` (the kept features, per CFG branch, flattened)."""
 
     name = NAME
-    # whether a step with cache rows replays its key's CUDA graph; off: it runs eagerly (the same function). On a GPU
-    # the graphed steps gave a mixed batch's cached rows other images than alone, where the emulated backend's
-    # matched: off until that is found (BENCHMARKS.md)
-    graphed: bool = False
+    # whether a step with cache rows replays its key's CUDA graph (off: it runs eagerly, the same function); on a GPU
+    # each replay equals the eager step on the same buffers (tools/diag_deepcache_graph.py --shadow)
+    graphed: bool = True
 
     def __init__(self, unet: Any, dtype: torch.dtype, default: str | DeepCache):
         self._unet, self._dtype, self._default = unet, dtype, default
