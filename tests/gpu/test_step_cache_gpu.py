@@ -1,5 +1,5 @@
 """GPU tests of step caching (models/families/unet_cache.py) on real-size random UNets in graph mode: steps with
-DeepCache rows run eagerly beside the uncached steps' replays; mixed cached (several intervals and branches, uniform
+DeepCache rows replay their keys' graphs beside the uncached steps' replays; mixed cached (several intervals and branches, uniform
 and non-uniform) and uncached requests together equal each alone (SD1.5 in fp32 within 1 level, SDXL in fp16 within
 12), and a cached image differs from the uncached one (random weights: only that caching changed it)."""
 
@@ -40,8 +40,7 @@ def test_mixed_cached_rows_equal_each_alone_on_the_gpu(engine):
     print(f"DeepCache rows together vs alone ({engine.model.dtype}, levels): {worst}")
     assert max(worst) <= levels, worst
     assert np.abs(alone[1] - alone[0]).max() > 1 / 255  # cached rows did reuse features
-    # the steps without cache rows replayed the step graphs; those with cache rows ran eagerly (StepCacheRows.graphed
-    # is off: graphed, they did not match on a GPU), and no capture failed
+    # the steps replayed the step graphs (those with cache rows their keys' own), and no capture failed
     table = [r for r in engine.runner.graph_table() if r["kind"].startswith("step")]
     assert not [r for r in table if r["status"] == "failed"], table
     assert sum(r["replays"] or 0 for r in table) > 0
