@@ -155,7 +155,7 @@ class ToyFlowFamily(FamilyAdapter):
         s = float(plan.sigmas[0])
         return 1.0 - s, s
 
-    def features(self, model, side_paths=None):
+    def features(self, model, side_paths=None, **_):
         # embedded guidance instead of classifier-free guidance: one denoiser branch, the scale as an input
         guidance = EmbeddedGuidance("guidance", (1,), model.dtype, lambda g: torch.tensor([float(g)]))
         return (guidance, EditRows(0, model.dtype))
