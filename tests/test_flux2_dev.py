@@ -168,3 +168,21 @@ def test_a_folder_with_another_text_encoder_is_refused_naming_it(dev, tmp_path):
     shutil.rmtree(folder / "tokenizer")
     with pytest.raises(ValueError, match="lacks its 'tokenizer' subfolder"):
         Engine(model=str(folder), device="cpu")
+
+
+def test_the_transformer_in_bfl_layout_reads_back_with_its_guidance_embedder(dev, tmp_path):
+    """dev's transformer differs from klein's in its config only (the guidance embedder, BFL's `guidance_in`): the
+    file reader and the streaming loader give back every tensor from BFL's layout, the config from the shapes."""
+    from safetensors.torch import save_file
+
+    from diffgraph.models import flux2_files, split_stream
+
+    state = dev[1].transformer.state_dict()
+    original = flux2_files.transformer_to_original(state)
+    assert "model.diffusion_model.guidance_in.in_layer.weight" in original
+    path = str(tmp_path / "flux2-dev.safetensors")
+    save_file({k: v.contiguous() for k, v in original.items()}, path)
+    config = flux2_files.transformer_config(flux2_files.read_transformer(path, torch.float32).state)
+    assert config["guidance_embeds"] is True and config["joint_attention_dim"] == 48
+    streamed = split_stream.load_flux2_transformer(path, torch.float32, torch.device("cpu")).state_dict()
+    assert sorted(streamed) == sorted(state) and all(torch.equal(streamed[k], state[k]) for k in state)
