@@ -20,6 +20,7 @@ from diffgraph.models.families.flux2_dev import tiny_mistral3
 from diffgraph.models.mistral_tokenizer import SYSTEM_MESSAGE, chat_prompt, tekken_bytes_tokenizer
 
 from loop_util import images_together
+from test_flux2 import lora_files
 from test_flux2_references import picture
 
 PROMPT = "a red fox in the snow"
@@ -34,7 +35,8 @@ REQUESTS = (dict(prompt=PROMPT, height=128, width=128, num_inference_steps=3, gu
 
 @pytest.fixture(scope="module")
 def dev(tmp_path_factory):
-    """(engine on the saved folder, the pipeline it was saved from)."""
+    """(engine on the saved folder with klein's test LoRA files in its LoRA folder, the pipeline it was saved from,
+    those files by layout)."""
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
@@ -55,8 +57,10 @@ def dev(tmp_path_factory):
                          tokenizer=tekken_bytes_tokenizer(), transformer=transformer.eval())
     folder = tmp_path_factory.mktemp("flux2") / "FLUX.2-dev"
     pipe.save_pretrained(str(folder))
-    with Engine(model=str(folder), device="cpu") as engine:
-        yield engine, pipe
+    loras = tmp_path_factory.mktemp("loras")
+    files = lora_files(pipe, loras)
+    with Engine(model=str(folder), device="cpu", lora_dir=str(loras)) as engine:
+        yield engine, pipe, files
 
 
 def oracle(pipe, request: dict, guidance: float | None = None) -> np.ndarray:
@@ -80,7 +84,7 @@ def alone(dev):
 def test_the_template_and_defaults_are_the_pipelines(dev):
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as PIPELINE_SYSTEM
 
-    engine, pipe = dev
+    engine, pipe, _ = dev
     assert SYSTEM_MESSAGE == PIPELINE_SYSTEM
     assert engine.info.family == "flux2-dev" and engine.info.guidance == "embedded"
     assert (engine.info.default_steps, engine.info.default_guidance) == (50, 4.0)
@@ -107,6 +111,23 @@ def test_rows_of_different_guidance_steps_and_references_together_equal_each_alo
         assert np.abs(got - want).max() <= 1, index
 
 
+def test_lora_rows_beside_a_plain_row_equal_the_pipeline_with_load_lora_weights(dev):
+    """The PEFT file and Kohya's (fused qkv, alphas) of one adapter at 0.8, with a plain row, in one step: the LoRA rows
+    equal Flux2Pipeline with diffusers' load_lora_weights of the PEFT file, the plain row the pipeline without."""
+    engine, pipe, files = dev
+    common = dict(prompt=PROMPT, height=96, width=96, num_inference_steps=2, guidance_scale=3.0, seed=6)
+    got = images_together(engine, [dict(common, loras=[(name, 0.8)]) for name in ("peft", "kohya")] + [common])
+    pipe.load_lora_weights(files["peft"], adapter_name="fox")
+    pipe.set_adapters(["fox"], [0.8])
+    try:
+        want = oracle(pipe, common)
+    finally:
+        pipe.unload_lora_weights()
+    plain = oracle(pipe, common)
+    assert all(np.abs(image - want).max() <= 1 for image in got[:2])
+    assert np.abs(got[2] - plain).max() <= 1 and np.abs(want - plain).max() > 3
+
+
 def test_a_negative_prompt_and_cfg_parameters_are_refused(dev):
     """dev runs no classifier-free guidance: a negative prompt, an interval or a rescale is a 400 naming it (the
     OpenAI routes and the Python API share this check); an empty negative prompt is neutral."""
@@ -130,6 +151,26 @@ def test_a_prompt_over_512_tokens_is_refused_naming_the_count_and_the_limit(dev)
                                                model=engine.info))
     assert e.value.param == "prompt" and str(e.value).split()[2] == "513" and "at most 512" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_refusal_counts_a_tokenizer_s_own_bos_once():
+    """A folder's tokenizer may add `<s>` itself (the template writes it too): the text the refusal counts then
+    leaves it out, so that the count is the encoder's ids, as with the byte-level tokenizer, which adds none."""
+    from types import SimpleNamespace
+
+    from tokenizers import processors
+
+    from diffgraph.models.families.flux2_dev import Flux2DevFamily
+
+    tokenizer, family = tekken_bytes_tokenizer(), Flux2DevFamily()
+    encoded = tokenizer(chat_prompt(PROMPT), add_special_tokens=False).input_ids
+    for adds_bos in (False, True):
+        if adds_bos:
+            tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+                single="<s> $A", special_tokens=[("<s>", 1)])
+        before, after = family.prompt_template(SimpleNamespace(tokenizers=[tokenizer]))
+        assert before.startswith("<s>") != adds_bos
+        assert tokenizer(before + PROMPT + after).input_ids == encoded and encoded[:2] == [1, 17]
 
 
 def test_the_random_preset_over_http_refuses_a_negative_prompt_and_a_long_one_and_a1111_warns():
