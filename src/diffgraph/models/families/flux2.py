@@ -428,7 +428,8 @@ class Flux2KleinFamily(TokenFamily):
 
     def lora_layout(self, model: DiffusionModel) -> LoraLayout | None:
         """`transformer.*` (diffusers / PEFT), `diffusion_model.*` (ai-toolkit, ComfyUI) and `lora_unet_*` (Kohya)
-        files, fused or split attention projections, read by Flux2KleinPipeline's converter after `lora_keys`."""
+        files, fused or split attention projections, read by the family's pipeline's converter (Flux2KleinPipeline's;
+        dev: Flux2Pipeline's) after `lora_keys`."""
         return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class=self.pipeline_classes[0],
                           prepare=lora_keys)
 
