@@ -55,6 +55,7 @@ MAX_JSON_BYTES = 16 << 20
 PIPELINE_VARIANTS = ("", "Img2Img", "Inpaint")
 FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl", PIPELINE_VARIANTS), ("StableDiffusion", "sd", PIPELINE_VARIANTS),
                     ("ZImage", "zimage", PIPELINE_VARIANTS), ("Flux2Klein", "flux2", ("",)),
+                    ("Flux2", "flux2-dev", ("",)),
                     ("QwenImage", "qwen-image", ("",)))
 
 

@@ -2,6 +2,7 @@
 
 from .base import Conditioning, FamilyAdapter, FamilyRegistry
 from .flux2 import Flux2KleinFamily
+from .flux2_dev import Flux2DevFamily
 from .qwen_image import QwenImageFamily
 from .sd import SDFamily
 from .sdxl import SDXLFamily
@@ -9,10 +10,11 @@ from .zimage import ZImageFamily
 
 
 def default_registry() -> FamilyRegistry:
-    """A fresh registry of the built-in families (SD1.x/SD2.x, SDXL, Z-Image, FLUX.2 klein, Qwen-Image); register
-    more on it."""
-    return FamilyRegistry((SDFamily(), SDXLFamily(), ZImageFamily(), Flux2KleinFamily(), QwenImageFamily()))
+    """A fresh registry of the built-in families (SD1.x/SD2.x, SDXL, Z-Image, FLUX.2 klein and dev, Qwen-Image);
+    register more on it."""
+    return FamilyRegistry((SDFamily(), SDXLFamily(), ZImageFamily(), Flux2KleinFamily(), Flux2DevFamily(),
+                           QwenImageFamily()))
 
 
-__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "Flux2KleinFamily", "QwenImageFamily", "SDFamily",
-           "SDXLFamily", "ZImageFamily", "default_registry"]
+__all__ = ["Conditioning", "FamilyAdapter", "FamilyRegistry", "Flux2DevFamily", "Flux2KleinFamily", "QwenImageFamily",
+           "SDFamily", "SDXLFamily", "ZImageFamily", "default_registry"]

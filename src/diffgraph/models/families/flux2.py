@@ -46,7 +46,8 @@ LoRA files: diffusers / PEFT (`transformer.*`, split q/k/v), ai-toolkit's and Co
 (`diffusion_model.double_blocks.*`, fused qkv; lora_A/B or lora_down/up with alphas) and Kohya's (`lora_unet_*`), read
 by Flux2KleinPipeline's converter after `lora_keys`.
 Split files (ComfyUI's transformer, Qwen3 encoder and FLUX.2 VAE): `load_split`.
-Not here yet: BFL's single files, fp8 kept as fp8, GGUF, and FLUX.2 [dev] (`Flux2Pipeline`).
+FLUX.2 [dev] (`Flux2Pipeline`: a Mistral encoder, embedded guidance) is this family with its own text side:
+flux2_dev.py. Not here yet: BFL's single files, fp8 kept as fp8, GGUF.
 """
 
 from __future__ import annotations
@@ -253,9 +254,23 @@ def split_mod(mod: torch.Tensor, sets: int) -> tuple[tuple[torch.Tensor, ...], .
     return tuple(parts[3 * i:3 * i + 3] for i in range(sets))
 
 
+def stacked_layers(model: DiffusionModel, ids: torch.Tensor, mask: torch.Tensor,
+                   layers: tuple[int, ...]) -> torch.Tensor:
+    """The text encoder on padded ids [n, 512] with their mask: the hidden states after `layers` side by side per
+    token [n, 512, len(layers) x width], padding tokens included, in the model's dtype (the FLUX.2 pipelines' prompt
+    embeddings)."""
+    with torch.no_grad():
+        hidden = model.text_encoders[0](input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                        output_hidden_states=True, use_cache=False).hidden_states
+    return torch.cat([hidden[k] for k in layers], dim=-1).to(model.dtype)
+
+
 class Flux2KleinFamily(TokenFamily):
     name = "flux2"
+    title = "FLUX.2 klein"
     pipeline_classes = ("Flux2KleinPipeline",)
+    text_layers = TEXT_LAYERS  # the encoder's hidden states the pipeline stacks per token
+    encoder_name = "Qwen3"
     default_guidance = 1.0
     patch = 1                  # a token is one cell of the patchified latents (the VAE's 2x2 folded into channels)
     token_bucket = 256
@@ -277,9 +292,8 @@ class Flux2KleinFamily(TokenFamily):
 
         from ..stream_load import load_part
 
-        distilled = index.get("is_distilled")
-        checkpoint = checkpoint_of(name, None if distilled is None else bool(distilled))
-        encoder, tokenizer, scheduler_config = qwen3_folder_parts(folder, "Flux2KleinPipeline", dtype)
+        checkpoint = self.folder_checkpoint(name, index)
+        encoder, tokenizer, scheduler_config = self.folder_text(folder, dtype)
         if scheduler_config.get("time_shift_type", "exponential") != "exponential":
             raise ValueError(f"model folder {folder!r}: scheduler time_shift_type "
                              f"{scheduler_config['time_shift_type']!r} is not the FLUX.2 pipelines' 'exponential'; "
@@ -288,6 +302,15 @@ class Flux2KleinFamily(TokenFamily):
         transformer = load_part(Flux2Transformer2DModel, folder, label, "transformer", dtype, device=device)
         vae = load_part(AutoencoderKLFlux2, folder, label, "vae", dtype, device=device)
         return self._model(name, transformer, vae, encoder, tokenizer, scheduler_config, device, dtype, checkpoint)
+
+    def folder_checkpoint(self, name: str, index: dict[str, Any]) -> Checkpoint:
+        """The checkpoint a folder holds: its model_index.json's `is_distilled` where it says, else its name's."""
+        distilled = index.get("is_distilled")
+        return checkpoint_of(name, None if distilled is None else bool(distilled))
+
+    def folder_text(self, folder: str, dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:
+        """(text encoder, tokenizer, scheduler config) of a diffusers folder (tokens.py `qwen3_folder_parts`)."""
+        return qwen3_folder_parts(folder, self.pipeline_classes[0], dtype)
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
         """ComfyUI's three files, each streamed into a module built on meta (split_stream.py; flux2_files.py: the
@@ -308,16 +331,16 @@ class Flux2KleinFamily(TokenFamily):
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
                scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
                checkpoint: Checkpoint, is_random: bool = False) -> DiffusionModel:
-        layers = int(encoder.config.num_hidden_layers)
-        if layers < max(TEXT_LAYERS):
-            raise ValueError(f"the text encoder has {layers} layers; FLUX.2 klein reads the hidden states after layers "
-                             f"{', '.join(map(str, TEXT_LAYERS))}: use the checkpoint's own Qwen3 encoder")
-        width = len(TEXT_LAYERS) * int(encoder.config.hidden_size)
+        layers, read = int(encoder.config.num_hidden_layers), self.text_layers
+        if layers < max(read):
+            raise ValueError(f"the text encoder has {layers} layers; {self.title} reads the hidden states after layers "
+                             f"{', '.join(map(str, read))}: use the checkpoint's own {self.encoder_name} encoder")
+        width = len(read) * int(encoder.config.hidden_size)
         if int(transformer.config.joint_attention_dim) != width:
             raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the "
-                             f"encoder gives {width} (3 layers of {encoder.config.hidden_size}); use the checkpoint's "
-                             "own text encoder")
-        encoder.layers = encoder.layers[:max(TEXT_LAYERS) + 1]  # the later ones never reach a read hidden state
+                             f"encoder gives {width} ({len(read)} layers of {encoder.config.hidden_size}); use the "
+                             "checkpoint's own text encoder")
+        encoder.layers = encoder.layers[:max(read) + 1]  # the later ones never reach a read hidden state
         for m in (transformer, vae, encoder):
             m.to(device=device, dtype=dtype).eval().requires_grad_(False)
         native = int(getattr(vae.config, "sample_size", 1024) or 1024)  # the VAE's (FLUX.2's: 1024)
@@ -405,8 +428,9 @@ class Flux2KleinFamily(TokenFamily):
 
     def lora_layout(self, model: DiffusionModel) -> LoraLayout | None:
         """`transformer.*` (diffusers / PEFT), `diffusion_model.*` (ai-toolkit, ComfyUI) and `lora_unet_*` (Kohya)
-        files, fused or split attention projections, read by Flux2KleinPipeline's converter after `lora_keys`."""
-        return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class="Flux2KleinPipeline",
+        files, fused or split attention projections, read by the family's pipeline's converter (Flux2KleinPipeline's;
+        dev: Flux2Pipeline's) after `lora_keys`."""
+        return LoraLayout((("transformer", DENOISER),), LORA_TARGETS, pipeline_class=self.pipeline_classes[0],
                           prepare=lora_keys)
 
     # -- layout: the patchified latents [128, H/16, W/16], one token per cell ------------------------------
@@ -448,7 +472,7 @@ class Flux2KleinFamily(TokenFamily):
 
     # -- text --------------------------------------------------------------------------------------------
     def cond_spec(self, model: DiffusionModel) -> CondSpec:
-        width = len(TEXT_LAYERS) * int(model.text_encoders[0].config.hidden_size)
+        width = len(self.text_layers) * int(model.text_encoders[0].config.hidden_size)
         return {"embeds": ((self.text_tokens, width), model.dtype)}
 
     def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
@@ -458,12 +482,7 @@ class Flux2KleinFamily(TokenFamily):
         texts = [chat_prompt(p, "qwen3", enable_thinking=False) for p in prompts]
         out = model.tokenizers[0](texts, padding="max_length", max_length=self.text_tokens, truncation=True,
                                   padding_side="right", return_tensors="pt")
-        with torch.no_grad():
-            hidden = model.text_encoders[0](input_ids=out.input_ids.to(model.device),
-                                            attention_mask=out.attention_mask.to(model.device),
-                                            output_hidden_states=True, use_cache=False).hidden_states
-        embeds = torch.cat([hidden[k] for k in TEXT_LAYERS], dim=-1)
-        return {"embeds": embeds.to(model.dtype)}
+        return {"embeds": stacked_layers(model, out.input_ids, out.attention_mask, self.text_layers)}
 
     def prompt_template(self, model: DiffusionModel) -> tuple[str, str] | None:
         before, _, after = chat_prompt("\0", "qwen3", enable_thinking=False).partition("\0")
@@ -491,7 +510,8 @@ class Flux2KleinFamily(TokenFamily):
 
         # as the pipeline rounds it: t in the model's dtype, / 1000 there, * 1000 inside the forward
         timestep = (t.to(x.dtype) / 1000).to(net.dtype) * 1000
-        temb = net.time_guidance_embed(timestep, None)
+        guidance = rows.get("guidance")  # embedded guidance rows (dev): the scale, * 1000 as the forward does
+        temb = net.time_guidance_embed(timestep, None if guidance is None else guidance[:, 0].to(net.dtype) * 1000)
         mod_img = net.double_stream_modulation_img(temb)
         mod_txt = net.double_stream_modulation_txt(temb)
         mod_single = net.single_stream_modulation(temb)

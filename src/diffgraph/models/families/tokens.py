@@ -72,16 +72,17 @@ def qwen3_folder_parts(folder: str, pipeline_class: str, dtype: torch.dtype) -> 
                              "diffgraph at a complete diffusers folder (e.g. saved with save_pretrained)")
     encoder = load_part(AutoModel, folder, f"model folder {folder!r}", "text_encoder", dtype)
     if not os.path.isdir(os.path.join(folder, "tokenizer")):
-        return encoder, qwen_tokenizer("qwen3"), _scheduler_config(folder)
+        return encoder, qwen_tokenizer("qwen3"), folder_scheduler_config(folder)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
     try:
         check_chat_template(tokenizer.chat_template or "", "qwen3")
     except ValueError as e:
         raise ValueError(f"model folder {folder!r}: tokenizer: {e}") from None
-    return encoder, tokenizer, _scheduler_config(folder)
+    return encoder, tokenizer, folder_scheduler_config(folder)
 
 
-def _scheduler_config(folder: str) -> dict[str, Any]:
+def folder_scheduler_config(folder: str) -> dict[str, Any]:
+    """A diffusers folder's scheduler/scheduler_config.json; a ValueError naming the folder where it is unusable."""
     try:
         return safe_files.read_json(os.path.join(folder, "scheduler", "scheduler_config.json"), 1 << 20)[0]
     except safe_files.UnusableFile as e:

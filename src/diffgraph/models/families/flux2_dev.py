@@ -1,0 +1,144 @@
+"""FLUX.2 [dev] (Black Forest Labs' 32B guidance-distilled checkpoint): klein's MMDiT (flux2.py) at 8 double and 48
+single blocks, 6144 wide, read as diffusers' `Flux2Pipeline` reads it. What differs from klein, and only that:
+
+  * text: Mistral Small 3.1 (`Mistral3ForConditionalGeneration`; the pipeline reads its language model's hidden
+    states only, so the vision tower and the LM head are dropped at load, and the layers past 30). Each prompt is BFL's
+    system message and the prompt as one user turn in the processor's chat template (models/mistral_tokenizer.py
+    `chat_prompt`), tokenised with no added special tokens and padded to 512 with the tokenizer's pad token and side;
+    the hidden states after layers 10, 20 and 30 stacked per token (3 x 5120: the joint width 15360). All 512 tokens
+    are the row's text, as klein's; a longer prompt is refused naming its count;
+  * guidance: embedded, one denoiser row. The transformer has a guidance embedder (`guidance_embeds`), and a row's
+    `guidance_scale` goes in beside its timestep (times 1000, as the forward does) through the embedded-guidance row
+    feature; rows of different scales share a step. There is no negative prompt: classifier-free guidance's
+    parameters are refused by the model's guidance ("embedded");
+  * defaults: the pipeline's and the card's, 50 steps at guidance 4.
+
+Everything else is klein's: the 32-channel VAE and its packing, positions, the empirical shift, reference images,
+image-to-image, step caching, LoRA files (read by Flux2Pipeline's converter). Loading: a diffusers folder with its
+`tokenizer/` (no Mistral vocabulary is shipped); `random:flux2-dev` is a tiny random model for CPU tests, with the
+byte-level Tekken tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from ...features.base import RowFeature
+from ...features.embedded_guidance import EmbeddedGuidance
+from ... import safe_files
+from ..mistral_tokenizer import BOS, VOCAB_SIZE, chat_prompt, check_chat_template, tekken_bytes_tokenizer
+from ..model import DiffusionModel
+from .base import Conditioning
+from .flux2 import SCHEDULER, Checkpoint, Flux2KleinFamily, stacked_layers, tiny_transformer, tiny_vae
+from .tokens import FOLDER_PARTS, folder_scheduler_config, random_modules
+
+TEXT_LAYERS = (10, 20, 30)  # the pipeline's text_encoder_out_layers
+DEV = Checkpoint("flux.2-dev", 50, 4.0, distilled=False)
+
+
+def guidance_value(scale: float) -> torch.Tensor:
+    """A row's embedded guidance: its scale, as the pipeline passes it (fp32; the forward scales it by 1000)."""
+    return torch.tensor([scale], dtype=torch.float32)
+
+
+def tiny_mistral3(vocab: int = VOCAB_SIZE) -> dict[str, Any]:
+    """A Mistral3Config of a 31-layer 16-wide language model (the last one read is 30) with Mistral Small 3.1's RoPE
+    theta and vocabulary size, and a one-layer vision tower the pipeline never runs."""
+    return dict(text_config=dict(model_type="mistral", vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=max(TEXT_LAYERS) + 1, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=8, max_position_embeddings=1024, rope_theta=1000000000.0),
+                vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, head_dim=8, image_size=32, patch_size=16))
+
+
+class Flux2DevFamily(Flux2KleinFamily):
+    name = "flux2-dev"
+    title = "FLUX.2 dev"
+    pipeline_classes = ("Flux2Pipeline",)
+    text_layers = TEXT_LAYERS
+    encoder_name = "Mistral Small 3.1"
+    default_guidance = DEV.guidance
+
+    # -- loading ---------------------------------------------------------------------------------------
+    def folder_checkpoint(self, name: str, index: dict[str, Any]) -> Checkpoint:
+        return DEV
+
+    def folder_text(self, folder: str, dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:
+        """The folder's Mistral3 language model, its tokenizer (required: none is shipped; its chat template must
+        render the prompt as `chat_prompt` does) and its scheduler config; each problem a ValueError naming it."""
+        from transformers import AutoTokenizer, Mistral3ForConditionalGeneration
+
+        from ..stream_load import load_part
+
+        label = f"model folder {folder!r}"
+        for sub in FOLDER_PARTS:
+            if not os.path.isdir(os.path.join(folder, sub)):
+                raise ValueError(f"{label} is a Flux2Pipeline folder but lacks its '{sub}' subfolder (FLUX.2 dev reads "
+                                 "prompts with the checkpoint's own tokenizer); point diffgraph at a complete folder")
+        try:
+            kind = safe_files.read_json(os.path.join(folder, "text_encoder", "config.json"), 1 << 20)[0]
+        except safe_files.UnusableFile as e:
+            raise ValueError(f"{label}: text_encoder/config.json {e}") from None
+        if kind.get("model_type") != "mistral3":
+            raise ValueError(f"{label}: its text encoder is {kind.get('model_type')!r}; FLUX.2 dev reads Mistral "
+                             "Small 3.1 ('mistral3'): use the checkpoint's own text_encoder folder")
+        encoder = load_part(Mistral3ForConditionalGeneration, folder, label, "text_encoder", dtype)
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
+        try:
+            check_chat_template(tokenizer)
+        except ValueError as e:
+            raise ValueError(f"{label}: tokenizer: {e}") from None
+        return encoder.model.language_model, tokenizer, folder_scheduler_config(folder)
+
+    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
+        raise ValueError("FLUX.2 dev loads from a diffusers folder (Flux2Pipeline, with its tokenizer); its split "
+                         "files are not read yet")
+
+    # -- random preset -----------------------------------------------------------------------------------
+    def random_presets(self) -> dict[str, str]:
+        return {"random:flux2-dev": "a tiny FLUX.2 dev (one block of each kind with the guidance embedder, a 31-layer "
+                                    "16-wide Mistral3 language model, byte-level Tekken tokenizer), random weights, "
+                                    "for CPU tests"}
+
+    def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+        if name not in self.random_presets():
+            raise ValueError(f"family {self.name!r} has no random preset {name!r}")
+        with random_modules(device, dtype):
+            transformer = Flux2Transformer2DModel(**{**tiny_transformer(text_width=16), "guidance_embeds": True})
+            encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3())).model.language_model
+            vae = AutoencoderKLFlux2(**tiny_vae())
+        return self._model(name, transformer, vae, encoder, tekken_bytes_tokenizer(), dict(SCHEDULER), device, dtype,
+                           DEV, is_random=True)
+
+    # -- guidance: embedded, one denoiser row ----------------------------------------------------------------
+    def guidance(self, model: DiffusionModel) -> str:
+        return "embedded"
+
+    def features(self, model: DiffusionModel, *args: Any, **kwargs: Any) -> tuple[RowFeature, ...]:
+        """The embedded guidance row feature (the denoiser's `guidance` input, [1] per row), then klein's."""
+        return (EmbeddedGuidance("guidance", (1,), torch.float32, guidance_value),
+                *super().features(model, *args, **kwargs))
+
+    # -- text --------------------------------------------------------------------------------------------
+    def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
+        """Each prompt in the system + user template, padded to 512 tokens on the tokenizer's own side, read by the
+        language model with its mask; the hidden states after layers 10, 20 and 30 side by side per token (the
+        pipeline's `_get_mistral_3_small_prompt_embeds`)."""
+        out = model.tokenizers[0]([chat_prompt(p) for p in prompts], add_special_tokens=False, padding="max_length",
+                                  max_length=self.text_tokens, truncation=True, return_tensors="pt")
+        return {"embeds": stacked_layers(model, out.input_ids, out.attention_mask, self.text_layers)}
+
+    def prompt_template(self, model: DiffusionModel) -> tuple[str, str] | None:
+        """The text around a prompt as the refusal counts it (with the tokenizer's added tokens): `<s>` left out
+        where the tokenizer adds it itself, so that it is counted once."""
+        before, _, after = chat_prompt("\0").partition("\0")
+        tokenizer = model.tokenizers[0]
+        if tokenizer("").input_ids[:1] == [tokenizer.bos_token_id]:
+            before = before[len(BOS):]
+        return before, after

@@ -1,0 +1,229 @@
+"""FLUX.2 dev (models/families/flux2_dev.py) against its oracle, diffusers' `Flux2Pipeline`, on a tiny random folder.
+
+One folder "FLUX.2-dev" saved with save_pretrained as the published one is: a transformer of one double and one single
+block with the guidance embedder, a 31-layer 16-wide Mistral3 (its language model read at layers 10, 20 and 30) with
+the byte-level Tekken tokenizer, a four-level FLUX.2 VAE with batch-norm statistics that are not the identity. fp32 on
+the CPU: each image within one uint8 level of the pipeline's with the same seed, at two guidance values and with a
+reference image; rows of different guidance values, steps, sizes and references run together and each equals its
+request alone.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import Engine, GenerationRequest, ParamError
+from diffgraph.models.families.flux2 import SCHEDULER, tiny_transformer, tiny_vae
+from diffgraph.models.families.flux2_dev import tiny_mistral3
+from diffgraph.models.mistral_tokenizer import SYSTEM_MESSAGE, chat_prompt, tekken_bytes_tokenizer
+
+from loop_util import images_together
+from test_flux2 import lora_files
+from test_flux2_references import picture
+
+PROMPT = "a red fox in the snow"
+REFERENCE = picture(72, 88, 1)  # cropped to 64x80 by both: 20 reference tokens
+# rows of different guidance values, steps and sizes (one token bucket), one with a reference image
+REQUESTS = (dict(prompt=PROMPT, height=128, width=128, num_inference_steps=3, guidance_scale=2.5, seed=7),
+            dict(prompt="a lighthouse on a cliff at dusk", height=96, width=160, num_inference_steps=2,
+                 guidance_scale=6.0, seed=8),
+            dict(prompt=PROMPT, height=128, width=128, num_inference_steps=2, seed=9,
+                 extras={"reference_images": [REFERENCE]}))
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    """(engine on the saved folder with klein's test LoRA files in its LoRA folder, the pipeline it was saved from,
+    those files by layout)."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(**{**tiny_transformer(text_width=16), "guidance_embeds": True})
+    with torch.no_grad():  # at its initial scale the prompt and the guidance move the tiny model's image by a level
+        for p in transformer.parameters():
+            if p.ndim == 2:
+                p.mul_(3.0)
+    encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3()))
+    vae = AutoencoderKLFlux2(**tiny_vae())
+    with torch.no_grad():
+        vae.bn.running_mean.normal_(std=0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    vae.enable_tiling()  # as the engine above the native area (64x64 here)
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER, time_shift_type="exponential")
+    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae.eval(), text_encoder=encoder.eval(),
+                         tokenizer=tekken_bytes_tokenizer(), transformer=transformer.eval())
+    folder = tmp_path_factory.mktemp("flux2") / "FLUX.2-dev"
+    pipe.save_pretrained(str(folder))
+    loras = tmp_path_factory.mktemp("loras")
+    files = lora_files(pipe, loras)
+    with Engine(model=str(folder), device="cpu", lora_dir=str(loras)) as engine:
+        yield engine, pipe, files
+
+
+def oracle(pipe, request: dict, guidance: float | None = None) -> np.ndarray:
+    """diffusers' image of one `images_together` request (the pipeline's guidance 4 where it names none)."""
+    from PIL import Image
+
+    refs = (request.get("extras") or {}).get("reference_images")
+    image = pipe(prompt=request["prompt"], image=[Image.fromarray(r) for r in refs] if refs else None,
+                 height=request["height"], width=request["width"], num_inference_steps=request["num_inference_steps"],
+                 guidance_scale=guidance or request.get("guidance_scale", 4.0),
+                 generator=torch.Generator().manual_seed(request["seed"]), output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+@pytest.fixture(scope="module")
+def alone(dev):
+    """The engine's image of each of REQUESTS submitted alone."""
+    return [images_together(dev[0], [r])[0] for r in REQUESTS]
+
+
+def test_the_template_and_defaults_are_the_pipelines(dev):
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as PIPELINE_SYSTEM
+
+    engine, pipe, _ = dev
+    assert SYSTEM_MESSAGE == PIPELINE_SYSTEM
+    assert engine.info.family == "flux2-dev" and engine.info.guidance == "embedded"
+    assert (engine.info.default_steps, engine.info.default_guidance) == (50, 4.0)
+    assert "embedded_guidance" in engine.info.capabilities and "reference_images" in engine.info.capabilities
+    ours = engine.model.tokenizers[0]([chat_prompt(PROMPT)], add_special_tokens=False).input_ids[0]
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+    theirs = pipe.tokenizer.apply_chat_template(format_input([PROMPT]), add_generation_prompt=False, tokenize=True,
+                                                return_dict=True)["input_ids"][0]
+    assert list(ours) == list(theirs) and theirs[:2] == [1, 17]  # <s>[SYSTEM_PROMPT]
+
+
+@pytest.mark.parametrize("index", range(len(REQUESTS)))
+def test_each_row_equals_the_pipeline(dev, alone, index):
+    """Guidance 2.5 and 6.0 (embedded: one denoiser row each) and a reference image at the default 4."""
+    want = oracle(dev[1], REQUESTS[index])
+    assert alone[index].shape == want.shape and np.abs(alone[index] - want).max() <= 1
+    if index == 0:  # the guidance value shows
+        assert np.abs(want - oracle(dev[1], REQUESTS[0], guidance=6.0)).max() > 3
+
+
+def test_rows_of_different_guidance_steps_and_references_together_equal_each_alone(dev, alone):
+    together = images_together(dev[0], list(REQUESTS))
+    for index, (got, want) in enumerate(zip(together, alone)):
+        assert np.abs(got - want).max() <= 1, index
+
+
+def test_lora_rows_beside_a_plain_row_equal_the_pipeline_with_load_lora_weights(dev):
+    """The PEFT file and Kohya's (fused qkv, alphas) of one adapter at 0.8, with a plain row, in one step: the LoRA rows
+    equal Flux2Pipeline with diffusers' load_lora_weights of the PEFT file, the plain row the pipeline without."""
+    engine, pipe, files = dev
+    common = dict(prompt=PROMPT, height=96, width=96, num_inference_steps=2, guidance_scale=3.0, seed=6)
+    got = images_together(engine, [dict(common, loras=[(name, 0.8)]) for name in ("peft", "kohya")] + [common])
+    pipe.load_lora_weights(files["peft"], adapter_name="fox")
+    pipe.set_adapters(["fox"], [0.8])
+    try:
+        want = oracle(pipe, common)
+    finally:
+        pipe.unload_lora_weights()
+    plain = oracle(pipe, common)
+    assert all(np.abs(image - want).max() <= 1 for image in got[:2])
+    assert np.abs(got[2] - plain).max() <= 1 and np.abs(want - plain).max() > 3
+
+
+def test_a_negative_prompt_and_cfg_parameters_are_refused(dev):
+    """dev runs no classifier-free guidance: a negative prompt, an interval or a rescale is a 400 naming it (the
+    OpenAI routes and the Python API share this check); an empty negative prompt is neutral."""
+    engine = dev[0]
+    for name, value in (("negative_prompt", "snow"), ("guidance_rescale", 0.7)):
+        with pytest.raises(ParamError) as e:
+            GenerationRequest.create(prompt="fox", height=128, width=128, model=engine.info, **{name: value})
+        assert e.value.param == name and "embedded guidance" in str(e.value) and "\n" not in str(e.value)
+    GenerationRequest.create(prompt="fox", negative_prompt="", height=128, width=128, model=engine.info)
+
+
+def test_a_prompt_over_512_tokens_is_refused_naming_the_count_and_the_limit(dev):
+    """512 tokens with the system message and template: one more is a 400 naming both, never cut."""
+    engine = dev[0]
+    template = len(chat_prompt(""))  # one token a byte with the byte-level tokenizer, `<s>` and the controls aside
+    fits = "x" * (512 - (template - len("<s>[SYSTEM_PROMPT][/SYSTEM_PROMPT][INST][/INST]") + 5))
+    engine.submit(GenerationRequest.create(prompt=fits, height=64, width=64, num_inference_steps=1,
+                                           model=engine.info)).result(timeout=600)
+    with pytest.raises(ParamError) as e:
+        engine.submit(GenerationRequest.create(prompt=fits + "y", height=64, width=64, num_inference_steps=1,
+                                               model=engine.info))
+    assert e.value.param == "prompt" and str(e.value).split()[2] == "513" and "at most 512" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_refusal_counts_a_tokenizer_s_own_bos_once():
+    """A folder's tokenizer may add `<s>` itself (the template writes it too): the text the refusal counts then
+    leaves it out, so that the count is the encoder's ids, as with the byte-level tokenizer, which adds none."""
+    from types import SimpleNamespace
+
+    from tokenizers import processors
+
+    from diffgraph.models.families.flux2_dev import Flux2DevFamily
+
+    tokenizer, family = tekken_bytes_tokenizer(), Flux2DevFamily()
+    encoded = tokenizer(chat_prompt(PROMPT), add_special_tokens=False).input_ids
+    for adds_bos in (False, True):
+        if adds_bos:
+            tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+                single="<s> $A", special_tokens=[("<s>", 1)])
+        before, after = family.prompt_template(SimpleNamespace(tokenizers=[tokenizer]))
+        assert before.startswith("<s>") != adds_bos
+        assert tokenizer(before + PROMPT + after).input_ids == encoded and encoded[:2] == [1, 17]
+
+
+def test_the_random_preset_over_http_refuses_a_negative_prompt_and_a_long_one_and_a1111_warns():
+    """`random:flux2-dev` with the byte-level tokenizer, served: the OpenAI route answers a negative prompt and a
+    prompt over 512 tokens with a 400 naming the field; AUTOMATIC1111's ignores the negative prompt with a warning."""
+    from diffgraph.server import ServerConfig
+    from server_util import served
+
+    engine = Engine(model="random:flux2-dev", device="cpu")
+    assert engine.model.is_random and len(engine.model.tokenizers[0]) == 1256  # Tekken's 1000 controls, 256 bytes
+    with engine, served(engine, ServerConfig(model="random:flux2-dev", device="cpu")) as client:
+        assert "embedded_guidance" in client.get("/v1/models").json()["data"][0]["capabilities"]
+        body = {"prompt": "a red fox", "size": "64x96", "num_inference_steps": 2, "seed": 1, "guidance_scale": 3.5}
+        assert client.post("/v1/images/generations", json=body).status_code == 200
+        for extra, name, words in (({"negative_prompt": "snow"}, "negative_prompt", "embedded guidance"),
+                                   ({"prompt": "fox " * 200}, "prompt", "at most 512")):
+            answer = client.post("/v1/images/generations", json={**body, **extra})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == name, answer.text
+            assert words in answer.json()["error"]["message"]
+        answer = client.post("/sdapi/v1/txt2img", json={"prompt": "a red fox", "negative_prompt": "snow", "width": 64,
+                                                         "height": 64, "steps": 2, "seed": 3})
+        assert answer.status_code == 200, answer.text
+        assert any("negative_prompt was ignored" in w for w in answer.json()["warnings"])
+
+
+def test_a_folder_with_another_text_encoder_is_refused_naming_it(dev, tmp_path):
+    import shutil
+
+    folder = tmp_path / "FLUX.2-dev"
+    shutil.copytree(dev[0].model.name, folder)
+    config = json.loads((folder / "text_encoder" / "config.json").read_text())
+    (folder / "text_encoder" / "config.json").write_text(json.dumps({**config, "model_type": "qwen3"}))
+    with pytest.raises(ValueError, match="its text encoder is 'qwen3'; FLUX.2 dev reads Mistral Small 3.1") as e:
+        Engine(model=str(folder), device="cpu")
+    assert "\n" not in str(e.value)
+    shutil.rmtree(folder / "tokenizer")
+    with pytest.raises(ValueError, match="lacks its 'tokenizer' subfolder"):
+        Engine(model=str(folder), device="cpu")
+
+
+def test_the_transformer_in_bfl_layout_reads_back_with_its_guidance_embedder(dev, tmp_path):
+    """dev's transformer differs from klein's in its config only (the guidance embedder, BFL's `guidance_in`): the
+    file reader and the streaming loader give back every tensor from BFL's layout, the config from the shapes."""
+    from safetensors.torch import save_file
+
+    from diffgraph.models import flux2_files, split_stream
+
+    state = dev[1].transformer.state_dict()
+    original = flux2_files.transformer_to_original(state)
+    assert "model.diffusion_model.guidance_in.in_layer.weight" in original
+    path = str(tmp_path / "flux2-dev.safetensors")
+    save_file({k: v.contiguous() for k, v in original.items()}, path)
+    config = flux2_files.transformer_config(flux2_files.read_transformer(path, torch.float32).state)
+    assert config["guidance_embeds"] is True and config["joint_attention_dim"] == 48
+    streamed = split_stream.load_flux2_transformer(path, torch.float32, torch.device("cpu")).state_dict()
+    assert sorted(streamed) == sorted(state) and all(torch.equal(streamed[k], state[k]) for k in state)
