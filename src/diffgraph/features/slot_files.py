@@ -1,7 +1,7 @@
 """`SlotFiles`: named files with host copies and device slots, the one implementation every capability that loads
-files per request keeps (ControlNets, IP-Adapters, a capability registered at run time), and its parts: `Folder`
-(the named files of a folder: LoRA's adapters, embeddings, a run-time capability's files) and `SlotCache` (which
-file each device slot holds: LoRA's slots too).
+files per request keeps (LoRA adapters, ControlNets, IP-Adapters, a capability registered at run time), and its
+parts: `Folder` (the named files of a folder: LoRA's adapters, embeddings, a run-time capability's files) and
+`SlotCache` (which file each device slot holds).
 
 A capability's files are named (`locate(name)`: where the file is and its version, a file rewritten on disk being a
 new version); on the submitting thread `resolve(names)` reads each into a host copy (`load(name, source)`, which
