@@ -58,3 +58,15 @@ def _write_kohya(engine, path, rank=4, seed=0, alpha=2.0):
     save_file(out, path)
 
 
+
+
+def side_path_adapter(engine, seed, rank=2, scale=0.05, layers=None, dtype=torch.float32) -> dict:
+    """A diffusers/PEFT-layout adapter of `rank` on the first `layers` UNet side paths of `engine` (None: every one),
+    its weights random times `scale`, saved as `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for path, slot in list(engine.runner.loras.banks["unet"].layers.items())[:layers]:
+        a = torch.randn(rank, slot.a.shape[2], generator=g) * scale
+        b = torch.randn(slot.b.shape[2], rank, generator=g) * scale
+        out[f"unet.{path}.lora_A.weight"], out[f"unet.{path}.lora_B.weight"] = a.to(dtype), b.to(dtype)
+    return out

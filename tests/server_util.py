@@ -30,18 +30,20 @@ def b64png(image) -> str:
 
 
 @contextlib.contextmanager
-def listening(config, engine_factory):
-    """`create_app(config)` served by uvicorn on a free port of 127.0.0.1 in a thread of this process, for clients
-    that open their own connections (webuiapi's `requests`, the `openai` client): yields its URL once it is ready."""
+def listening(config, engine_factory, sockets=None, **options):
+    """`create_app(config)` served by uvicorn on a free port of 127.0.0.1 (or on `sockets`, from
+    server.connections.listen) in a thread of this process, for clients that open their own connections (webuiapi's
+    `requests`, the `openai` client): yields its URL once it is ready. `options`: uvicorn.Config's, e.g. its `http`
+    protocol."""
     import httpx
     import uvicorn
 
     from diffgraph.server import create_app
     from diffgraph.server.connections import listen
-    sockets = listen("127.0.0.1", 0)
+    sockets = sockets or listen("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}"
     server = uvicorn.Server(uvicorn.Config(create_app(config, engine_factory=engine_factory), log_level="warning",
-                                           lifespan="on", ws="none"))
+                                           lifespan="on", ws="none", **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": sockets}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 300  # a failure bound: a server that never gets ready

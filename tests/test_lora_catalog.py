@@ -29,6 +29,8 @@ from diffgraph import Engine
 from diffgraph.lora.catalog import AdapterDir, AdapterNameError, SlotCache, SlotsBusy
 from diffgraph.request import ParamError
 from diffgraph.server.process import ServerProcess
+from lora_util import side_path_adapter
+from server_util import served
 
 
 @pytest.fixture
@@ -96,17 +98,6 @@ SPECIAL = {"fifo": "FIFO", "device": "character device", "sock": "socket", "dang
            "huge": "above the limit"}
 
 
-def _state(engine: Engine, seed: int, scale: float = 0.05, dtype: torch.dtype = torch.float32) -> dict:
-    """A rank-4 diffusers/PEFT-layout adapter on every UNet side path of `engine`."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for path, slot in engine.runner.loras.banks["unet"].layers.items():
-        a = torch.randn(4, slot.a.shape[2], generator=g) * scale
-        b = torch.randn(slot.b.shape[2], 4, generator=g) * scale
-        out[f"unet.{path}.lora_A.weight"], out[f"unet.{path}.lora_B.weight"] = a.to(dtype), b.to(dtype)
-    return out
-
-
 def _special_files(lora_folder: str) -> set[str]:
     """The entries of SPECIAL that this machine lets us make (a device node needs CAP_MKNOD, a socket a short
     path)."""
@@ -153,7 +144,7 @@ def engine(lora_folder):
     root, _ = lora_folder
     with Engine("digits", device="cpu", lora_dir=root, max_loras=4, max_lora_rank=8) as e:
         for i, name in enumerate(ADAPTERS + ["hot"]):
-            save_file(_state(e, seed=i), os.path.join(root, f"{name}.safetensors"))
+            save_file(side_path_adapter(e, i, rank=4), os.path.join(root, f"{name}.safetensors"))
         yield e
 
 
@@ -241,7 +232,7 @@ def test_listings_read_each_file_version_once_and_keep_the_host_copies(engine, l
 def test_adapters_that_are_not_floating_point_are_refused(engine, lora_folder, dtype):
     root, _ = lora_folder
     name = f"typed-{str(dtype).removeprefix('torch.')}"
-    state = _state(engine, seed=50)
+    state = side_path_adapter(engine, 50, rank=4)
     key = next(iter(state))
     state[key] = state[key].to(dtype) if dtype != torch.bool else state[key] > 0
     save_file(state, os.path.join(root, f"{name}.safetensors"))
@@ -256,7 +247,7 @@ def test_adapters_that_are_not_floating_point_are_refused(engine, lora_folder, d
 
 def test_a_huge_but_finite_adapter_is_refused_by_name(engine, lora_folder):
     root, _ = lora_folder
-    save_file(_state(engine, seed=60, scale=0.05 * 1e18), os.path.join(root, "loud.safetensors"))
+    save_file(side_path_adapter(engine, 60, rank=4, scale=0.05 * 1e18), os.path.join(root, "loud.safetensors"))
     try:
         with pytest.raises(ParamError, match=r"adapter 'loud': unet\.\S+ changes its layer by up to") as info:
             engine.generate(PROMPT, num_inference_steps=1, loras=[("loud", 1.0)])
@@ -286,7 +277,7 @@ def test_a_file_rewritten_in_place_never_crashes_the_server(server, engine, lora
     root, special = lora_folder
     path = os.path.join(root, "hot.safetensors")
     versions = [open(path, "rb").read()]
-    save_file(_state(engine, seed=70), path + ".b")
+    save_file(side_path_adapter(engine, 70, rank=4), path + ".b")
     versions.append(open(path + ".b", "rb").read())
     os.remove(path + ".b")
 
@@ -318,7 +309,7 @@ def test_a_file_rewritten_in_place_never_crashes_the_server(server, engine, lora
     assert listing.status_code == 200
     _check_unusable(listing.json(), special)
     assert httpx.get(f"{server.url}/health", timeout=BOUND_S).status_code == 200
-    save_file(_state(engine, seed=61, scale=0.05 * 1e18), os.path.join(root, "loud2.safetensors"))
+    save_file(side_path_adapter(engine, 61, rank=4, scale=0.05 * 1e18), os.path.join(root, "loud2.safetensors"))
     try:
         r = _post(server, "loud2")
         assert r.status_code == 400 and "adapter 'loud2'" in r.json()["error"]["message"], r.text
@@ -383,32 +374,15 @@ class _Reads:
             return sum(p.startswith(root + os.sep) for p in self.paths)
 
 
-def _adapter(engine: Engine, seed: int) -> dict[str, torch.Tensor]:
-    """A rank-2 diffusers/PEFT-layout adapter on a few UNet side paths of `engine`."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for path, slot in list(engine.runner.loras.banks["unet"].layers.items())[:8]:
-        out[f"unet.{path}.lora_A.weight"] = torch.randn(2, slot.a.shape[2], generator=g) * 0.05
-        out[f"unet.{path}.lora_B.weight"] = torch.randn(slot.b.shape[2], 2, generator=g) * 0.05
-    return out
-
-
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    from fastapi.testclient import TestClient
-
-    from diffgraph.server import ServerConfig, create_app
+    from diffgraph.server import ServerConfig
 
     root = str(tmp_path_factory.mktemp("listings"))
     engine = Engine(MODEL, device="cpu", lora_dir=root, max_loras=4, max_lora_rank=16)  # the built-in lcm adapter is rank 16
     for i in range(LISTED_ADAPTERS):
-        save_file(_adapter(engine, i), os.path.join(root, f"a{i:03d}.safetensors"))
-    app = create_app(ServerConfig(model=MODEL, device="cpu", lora_dir=root), engine_factory=lambda: engine)
-    with TestClient(app) as c:
-        deadline = time.monotonic() + BOUND_S
-        while c.get("/ready").status_code != 200:
-            assert time.monotonic() < deadline, c.get("/ready").text
-            time.sleep(0.05)
+        save_file(side_path_adapter(engine, i, layers=8), os.path.join(root, f"a{i:03d}.safetensors"))
+    with served(engine, ServerConfig(model=MODEL, device="cpu", lora_dir=root)) as c:
         yield c, root
 
 

@@ -7,23 +7,14 @@ import os
 
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from diffgraph import Engine
 from loop_util import held_loop
+from lora_util import side_path_adapter
 
 MODEL = "random:tiny"
 ADAPTERS, REQUESTS = 200, 256
-
-
-def _adapter(engine, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for path, slot in list(engine.runner.loras.banks["unet"].layers.items())[:6]:
-        out[f"unet.{path}.lora_A.weight"] = torch.randn(2, slot.a.shape[2], generator=g) * 0.3
-        out[f"unet.{path}.lora_B.weight"] = torch.randn(slot.b.shape[2], 2, generator=g) * 0.3
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +22,7 @@ def folder(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("adapters"))
     with Engine(MODEL, device="cpu", max_loras=4, max_lora_rank=4) as e:
         for i in range(ADAPTERS):
-            save_file(_adapter(e, i), os.path.join(root, f"a{i:03d}.safetensors"))
+            save_file(side_path_adapter(e, i, scale=0.3, layers=6), os.path.join(root, f"a{i:03d}.safetensors"))
     return root
 
 

@@ -28,6 +28,7 @@ from diffgraph.models.families.sd import SDFamily
 from diffgraph.models.families.sdxl import SDXLFamily
 from diffgraph.errors import ParamError
 from diffgraph.request import PreviewSpec
+from server_util import listening
 from sse_util import read_stream
 
 
@@ -260,45 +261,25 @@ HEADER_TIMEOUT_S = 1.0
 @pytest.fixture(scope="module")
 def served():
     """(the server's URL, the peers of the connections its guard let go of)"""
-    import uvicorn
-
     from diffgraph import Engine
-    from diffgraph.server.app import create_app
     from diffgraph.api.config import ServerConfig
     from diffgraph.server.connections import ConnectionGuard, guarded_protocol, listen
 
     config = ServerConfig(model=MODEL, device="cpu", header_timeout=HEADER_TIMEOUT_S, request_timeout=600,
                           max_pixels=0)
-    app = create_app(config, engine_factory=lambda: Engine(MODEL, device="cpu", dtype="fp32"))
     sockets = listen("127.0.0.1", 0)
     sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # inherited by the accepted sockets
-    port = sockets[0].getsockname()[1]
+
     class Guard(ConnectionGuard):  # records the peers of the connections it let go of
         def closed(self, conn):
             released.add(conn.transport.get_extra_info("peername"))
             super().closed(conn)
 
     released: set = set()
-    uv = uvicorn.Config(app, log_level="warning", lifespan="on", ws="none", timeout_keep_alive=HEADER_TIMEOUT_S,
-                        http=guarded_protocol(Guard(100, HEADER_TIMEOUT_S, HEADER_TIMEOUT_S)))
-    s = uvicorn.Server(uv)
-    thread = threading.Thread(target=s.run, kwargs={"sockets": sockets}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(url + "/ready", timeout=30).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.2)
-    try:
+    with listening(config, lambda: Engine(MODEL, device="cpu", dtype="fp32"), sockets,
+                   timeout_keep_alive=HEADER_TIMEOUT_S,
+                   http=guarded_protocol(Guard(100, HEADER_TIMEOUT_S, HEADER_TIMEOUT_S))) as url:
         yield url, released
-    finally:
-        s.should_exit = True
-        thread.join(timeout=60)
 
 
 def _post(url: str, body: dict) -> httpx.Response:

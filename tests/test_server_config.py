@@ -112,6 +112,9 @@ def test_serve_help_shows_the_argument_groups_in_order():
     group_of = {a.dest: g.title for g in p._action_groups for a in g._group_actions}
     for f, s in declared(ServerConfig):
         assert group_of[f.name] == GROUPS[s.group], f.name
+    capability_flags = {d: g for d, g in group_of.items() if d.startswith("capability__")}
+    assert capability_flags and set(capability_flags.values()) == {GROUPS["capabilities"]}  # --step-cache's too
+    assert set(g.title for g in p._action_groups) == {"positional arguments", "options", *GROUPS.values()}
     words = " ".join(text.split())
     assert "--max-queue N waiting requests before new ones get 429 (default: 256)" in words  # {default}
     assert "has waited this long (default: 2000)" in words  # --grow-hold-ms's {default:g}
@@ -275,3 +278,16 @@ def test_upscaler_dir_is_a_folder_and_needs_spandrel(tmp_path, monkeypatch):
     monkeypatch.setattr(upscaler_models, "spandrel_installed", lambda: False)
     with pytest.raises(ValueError, match=r"needs the spandrel package.*diffgraph\[upscale\]"):
         ServerConfig.from_mapping({"model": "digits", "upscaler-dir": str(tmp_path)})
+
+
+def test_python_m_diffgraph_is_the_diffgraph_command():
+    import os
+    import subprocess
+    import sys
+
+    src = str(pathlib.Path(__file__).parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-m", "diffgraph", "serve", "--help"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: diffgraph serve") and "\ncapabilities:\n" in r.stdout

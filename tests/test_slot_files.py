@@ -131,3 +131,30 @@ def test_a_file_its_reader_cannot_read_is_refused_by_name(folder):
     with pytest.raises(ParamError) as e:
         files.resolve(["a"])
     assert e.value.param == "things" and "thing 'a' could not be read (OSError: truncated header)" in str(e.value)
+
+
+def test_requests_holding_names_only_get_dropped_copies_read_again_at_admission_within_a_byte_bound(folder):
+    """LoRA's mode: host copies bounded by bytes, read on a pool; a request holds (name, version, source) only."""
+    from diffgraph.safe_files import FileReader
+
+    loads, woken = Loads(), []
+    files = SlotFiles("things", "things", folder.locate, loads, slots=2, keep=3, place=lambda slot, host: None,
+                      weigh=lambda host: len(host[1]), max_bytes=1, reader=FileReader(1, 30.0), what="thing")
+    files.wake = lambda: woken.append(True)
+    queued = [_state((SimpleNamespace(key=h.key, host=None, source=h.source),)) for h in
+              (files.held(n) for n in ("a", "b"))]
+    assert files.host_bytes() == 1 and files.peek(queued[0].prepared["things.files"][0].key) is None  # a: dropped
+    assert not files.can_admit(queued[0])  # read again on the pool, off the loop; it waits meanwhile
+    deadline = time.monotonic() + 30
+    while not files.can_admit(queued[0]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert woken and loads.read == ["a", "b", "a"]
+    assert files.admit(queued[0]) == [1] and files.load_admitted() == {}
+    files.held("c")  # b dropped; its file goes away before its request is admitted: that request fails alone
+    os.remove(os.path.join(folder.root, "b.safetensors"))
+    while not files.can_admit(queued[1]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    slot = files.admit(queued[1])[0]
+    assert "thing 'b' could not be read again at admission" in files.load_admitted()[slot]

@@ -93,16 +93,18 @@ def _kind(f: dataclasses.Field) -> type:
     return f.type if isinstance(f.type, type) else type(f.default)
 
 
-def add_capability_flags(parser: argparse.ArgumentParser, settings: Mapping[str, type | None]) -> None:
-    """The flags of every capability's settings (`settings`: its name -> its settings dataclass, or None)."""
+def add_capability_flags(parser: argparse.ArgumentParser, settings: Mapping[str, type | None],
+                         group: "argparse._ArgumentGroup | None" = None) -> None:
+    """The flags of every capability's settings (`settings`: its name -> its settings dataclass, or None), in
+    `group` (an argument group: `serve`'s "capabilities"), else in an argument group of each capability's own."""
     for name, cls in settings.items():
         if cls is None:
             continue
-        group = parser.add_argument_group(f"capability {name}")
+        into = group or parser.add_argument_group(f"capability {name}")
         for f in dataclasses.fields(cls):
-            group.add_argument(flag_of(name, f.name), dest=f"capability__{name}__{f.name}", type=_kind(f),
-                               default=None, metavar=f.metadata.get("metavar"),
-                               help=f"{f.metadata.get('help', '')} (default: {f.default})")
+            into.add_argument(flag_of(name, f.name), dest=f"capability__{name}__{f.name}", type=_kind(f),
+                              default=None, metavar=f.metadata.get("metavar"),
+                              help=f"{f.metadata.get('help', '')} (default: {f.default})")
 
 
 def capability_args(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

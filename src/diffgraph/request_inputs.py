@@ -10,7 +10,7 @@ them (and re-exports them); every error is a `ParamError` naming the request's p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -393,15 +393,26 @@ class PreviewSpec:
 
 def make_preview(value: Any) -> PreviewSpec | None:
     """A request's `preview` from a PreviewSpec, a dict of its fields, or None."""
-    if value is None or isinstance(value, PreviewSpec):
+    return _spec(PreviewSpec, "preview", value, '{"every": 2, "format": "jpeg"}')
+
+
+def _spec(cls: type, param: str, value: Any, example: str, required: tuple[str, ...] = ()) -> Any:
+    """A request's object field `param` from a `cls` (a dataclass), a dict of its fields (those of `required` given),
+    or None. Raises ParamError naming `param`."""
+    if value is None or isinstance(value, cls):
         return value
     if not isinstance(value, dict):
-        raise ParamError("preview", f"preview must be an object such as {{\"every\": 2, \"format\": \"jpeg\"}}, got "
-                                    f"{shown(value)}")
-    unknown = sorted(set(value) - {"every", "format", "limit"})
+        raise ParamError(param, f"{param} must be an object such as {example}, got {shown(value)}")
+    allowed = [f.name for f in fields(cls)]
+    unknown = sorted(set(value) - set(allowed))
     if unknown:
-        raise ParamError("preview", f"preview has unknown fields {unknown}; allowed: every, format, limit")
-    return PreviewSpec(**value)
+        raise ParamError(param, f"{param} has unknown fields {unknown}; allowed: {', '.join(allowed)}")
+    missing = [f for f in required if f not in value]
+    if missing:
+        optional = [f for f in allowed if f not in required]
+        more = f" (and optionally {', '.join(optional)})" if optional else ""
+        raise ParamError(param, f"{param} needs {' and '.join(required)}{more}, got fields {sorted(value)}")
+    return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -434,13 +445,4 @@ class Variation:
 
 def make_variation(value: Any) -> Variation | None:
     """A request's `variation` from a Variation, a dict of its fields ({"subseed": 7, "strength": 0.3}) or None."""
-    if value is None or isinstance(value, Variation):
-        return value
-    if not isinstance(value, dict):
-        raise ParamError("variation", f"variation must be an object such as {{\"subseed\": 7, \"strength\": 0.3}}, "
-                                      f"got {shown(value)}")
-    unknown = sorted(set(value) - {"subseed", "strength", "resize_from"})
-    if unknown or not {"subseed", "strength"} <= set(value):
-        raise ParamError("variation", f"variation needs subseed and strength (and optionally resize_from), got "
-                                      f"fields {sorted(value)}")
-    return Variation(**value)
+    return _spec(Variation, "variation", value, '{"subseed": 7, "strength": 0.3}', required=("subseed", "strength"))

@@ -66,8 +66,8 @@ class EngineCore:
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
         self.step_events: list[tuple[Any, Any, bool]] | None = None  # [] records (start, end, waited) per step
         if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
-            self.scheduler.gates = (runner.loras,)
-            runner.loras.wake = self.loop.wake  # an adapter's host copy was read again: plan again
+            self.scheduler.gates = (runner.loras.files,)
+            runner.loras.files.wake = self.loop.wake  # an adapter's host copy was read again: plan again
         if runner.controls is not None:  # and for ControlNet slots (controlnets.py)
             self.scheduler.gates += (runner.controls,)
         self._files = runner.capabilities.gates()  # and for the registered capabilities' file slots
@@ -331,7 +331,7 @@ class EngineCore:
         that happened (the plan is then stale)."""
         runner = self.runner
         loras = runner.loras  # the adapters admitted this step, loaded into their slots first
-        broken = loras.load_admitted() if loras is not None and loras.enabled else {}
+        broken = loras.files.load_admitted() if loras is not None and loras.enabled else {}
         broken_nets = runner.controls.load_admitted() if runner.controls is not None else {}
         files = self._files  # the registered capabilities' files admitted this step, placed
         broken_files = {f.name: f.load_admitted() for f in files}

@@ -69,7 +69,7 @@ class ModelRunner:
         self.graph_config = _row_buckets(graphs or GraphConfig(), mode, max_rows)
         self.max_rows = max_rows or self.graph_config.max_bucket
         self._fits = bucket_table(self.graph_config.batch_buckets)  # a step's bucket by its denoiser rows
-        self._planner = self.adapter.planner(model)
+        self._planner = self.adapter.plans(model)  # the model's, shared with the family's features
         # the eager callable; the graphs capture their own (a compiled one may take its place there, never here)
         self.denoise_eager = partial(self.adapter.denoise, model)
         # a tiling group's calls (models/circular.py): the denoiser's and the VAE's convolutions padding circularly,
@@ -105,7 +105,7 @@ class ModelRunner:
             if self.max_chunks > 1 or controls or image_prompts else {}
         # the registered capabilities the model has (features/capability.py): their row features after the family's
         self.capabilities = capabilities if capabilities is not None else Capabilities().for_model(model, {})
-        self.program = StepProgram(self.adapter.features(model, side_paths, **extra, planner=self._planner)
+        self.program = StepProgram(self.adapter.features(model, side_paths, **extra)
                                    + self.capabilities.features(model))
         self.extra_channels = self.adapter.extra_channels(model)  # 5 for a 9-channel inpainting UNet, else 0
         self._eager_step = whole_step   # graph mode's fallback never runs compiled code

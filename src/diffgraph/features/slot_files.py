@@ -1,7 +1,7 @@
 """`SlotFiles`: named files with host copies and device slots, the one implementation every capability that loads
-files per request keeps (ControlNets, IP-Adapters, a capability registered at run time), and its parts: `Folder`
-(the named files of a folder: LoRA's adapters, embeddings, a run-time capability's files) and `SlotCache` (which
-file each device slot holds: LoRA's slots too).
+files per request keeps (LoRA adapters, ControlNets, IP-Adapters, a capability registered at run time), and its
+parts: `Folder` (the named files of a folder: LoRA's adapters, embeddings, a run-time capability's files) and
+`SlotCache` (which file each device slot holds).
 
 A capability's files are named (`locate(name)`: where the file is and its version, a file rewritten on disk being a
 new version); on the submitting thread `resolve(names)` reads each into a host copy (`load(name, source)`, which
@@ -12,6 +12,15 @@ the loop thread (`can_admit`, `admit`, `release` over a `SlotCache`; when every 
 does not fail; a request that names more files than there are slots is refused at `resolve`), and `load_admitted`
 places the host copies of the files admitted this step into their slots between steps (`place(slot, host)`); a
 request naming none costs the gate one emptiness test and nothing per step.
+
+Host copies that are large and many (LoRA's adapters) take three more options: `weigh` and `max_bytes` bound the
+cache by bytes too (the newest copy always stays); `reader` (a safe_files.FileReader) reads files on its own pool,
+one read per file version however many requests ask, bounded in time, and lets a request hold only its files' names
+and versions (a `Held`-like object whose `host` is None and `source` says where it was read from): a copy the cache
+dropped meanwhile is read again at admission on that pool, never on the loop (`wake` is called when it is ready; a
+copy that cannot be read again, the file having changed since, fails that request at its load with the reason);
+`changed` names the exception `load` raises when the file is not the version `locate` gave (rewritten between the
+two): it is located and read again, a few times, before the request is refused.
 
 `Folder`: each file with the suffix under the folder is named by its path relative to the folder, with "/" between
 folders and without the suffix (`styles/ink`); a file added later is found without a restart. Clients name files,
@@ -31,18 +40,21 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ParamError, unknown_hint
-from ..safe_files import UnusableFile, check_regular, stamp_of
+from ..safe_files import FileReader, ReadTimeout, UnusableFile, check_regular, stamp_of
 
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SUFFIX = ".safetensors"
 
 FileKey = tuple[str, tuple]  # (name, version): a file's safe_files.FileStamp, ("added", n) for an added one
+READ_ATTEMPTS, READ_BACKOFF_S = 3, 0.05  # reads of a file that changes while read (`changed`), and their pauses
+FAILURES_KEPT = 256  # why recent re-reads at admission failed (a key is one file version: a few are enough)
 
 
 class NameRefused(ValueError):
@@ -222,6 +234,7 @@ class SlotCache:
 class Held:
     key: tuple  # (name, version of its file)
     host: Any   # its host copy, held by the request until it is done (the cache may drop it)
+    source: Any = None  # where it was read from (what `locate` gave): a copy the cache dropped is read again from it
 
     @property
     def name(self) -> str:
@@ -251,14 +264,18 @@ class SlotFiles:
     """One capability's named files (see the module's docstring). `param`: the request field its errors name;
     `limit`: what raises the slot count (a flag), named when a request names too many files."""
 
-    def __init__(self, name: str, param: str, locate: Callable[[str], tuple[str, tuple]],
-                 load: Callable[[str, str], Any], slots: int = 0, keep: int | None = None,
+    def __init__(self, name: str, param: str, locate: Callable[[str], tuple[Any, tuple]],
+                 load: Callable[[str, Any], Any], slots: int = 0, keep: int | None = None,
                  place: Callable[[int, Any], None] | None = None, listing: Callable[[], Iterable[str]] | None = None,
-                 held_of: Callable[[Any], Sequence[Any]] | None = None, limit: str = "", what: str = "file"):
+                 held_of: Callable[[Any], Sequence[Any]] | None = None, limit: str = "", what: str = "file",
+                 weigh: Callable[[Any], int] | None = None, max_bytes: int | None = None,
+                 reader: FileReader | None = None, changed: type[Exception] | None = None):
         self.name, self.param, self.what, self.limit = name, param, what, limit
         self._locate, self._load, self._place, self._listing = locate, load, place, listing
         self.slots = SlotCache(slots) if slots else None
         self.keep = keep if keep is not None else max(slots, 1)
+        self._weigh, self.max_bytes, self.reader = weigh, max_bytes, reader
+        self._changed = (changed,) if changed is not None else ()
         # a request's Held (objects with .key and .host): by default what `resolve` gave, which its capabilities'
         # preparations keep under `held_key`
         self.held_key = f"{name}.files"
@@ -267,6 +284,9 @@ class SlotFiles:
         self._held: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # copies requests still hold
         self._writes: list[tuple[int, tuple, Any]] = []
         self._lock = threading.Lock()  # host copies: submitting threads read, the loop thread takes
+        self._fetching: set[tuple] = set()  # host copies being read again for admission (with a `reader`)
+        self._failed: dict[tuple, str] = {}  # ... and why one could not be
+        self.wake: Callable[[], None] | None = None  # called when a copy read again is ready (the core plans again)
 
     # -- on the submitting thread ----------------------------------------------------------------------
     def names(self) -> list[str]:
@@ -284,58 +304,147 @@ class SlotFiles:
         return tuple(self.held(name) for name in names)
 
     def held(self, name: str) -> Held:
-        """One file's host copy (cached, else read)."""
-        source, version = self._locate(name)
-        key = (name, version)
+        """One file's host copy (cached, else read). A file rewritten between its `locate` and its read (`changed`)
+        is located again, a few times."""
+        for attempt in range(READ_ATTEMPTS if self._changed else 1):
+            time.sleep(READ_BACKOFF_S * attempt)  # (0 at first) a writer may be about to finish
+            source, version = self._locate(name)
+            try:
+                return Held((name, version), self.host((name, version), source), source)
+            except self._changed:
+                continue
+        raise ParamError(self.param, f"{self.what} {name!r} keeps changing on disk while it is read; retry when it "
+                                     "is written")
+
+    def host(self, key: tuple, source: Any) -> Any:
+        """The host copy of file version `key` read from `source`: cached, else read (on the `reader`'s pool when
+        there is one, once however many callers ask at the same time). Raises ParamError naming `param`."""
         with self._lock:
             if key in self._host:
                 self._host.move_to_end(key)
-                return Held(key, self._host[key])
+                return self._host[key]
             host = self._held.get(key)
             if host is not None:
                 self._keep(key, host)
-                return Held(key, host)
+                return host
         try:
-            host = self._load(name, source)
-        except ParamError:
+            if self.reader is None:
+                return self._read(key, source)
+            return self.reader.once(key, self._read, key, source, what=f"reading {self.what} {key[0]!r}")
+        except ReadTimeout as e:
+            raise ParamError(self.param, f"{self.what} {key[0]!r}: {e}") from None
+        except (ParamError, *self._changed):
             raise
         except Exception as e:  # a file its reader cannot read: the caller's 400, naming it
             why = " ".join(str(e).split())[:200]
-            raise ParamError(self.param, f"{self.what} {name!r} could not be read ({type(e).__name__}: {why}); use an "
-                                         "intact file") from None
+            raise ParamError(self.param, f"{self.what} {key[0]!r} could not be read ({type(e).__name__}: {why}); "
+                                         "use an intact file") from None
+
+    def _read(self, key: tuple, source: Any) -> Any:
+        """Reads a host copy and caches it (on the reader's pool when there is one)."""
+        host = self._load(key[0], source)
         with self._lock:
             self._keep(key, host)
-        return Held(key, host)
+        return host
 
     def _keep(self, key: tuple, host: Any) -> None:
-        """Caches a host copy (under the lock): the most recent `keep` ones stay; requests hold their own."""
+        """Caches a host copy (under the lock): the most recent `keep` ones stay, within `max_bytes` (the newest one
+        always); requests holding their own copies keep them."""
         self._host[key] = host
         try:
             self._held[key] = host
         except TypeError:  # not weakly referable: only the cache keeps it
             pass
-        while len(self._host) > self.keep:
+        while len(self._host) > self.keep or (len(self._host) > 1 and self.max_bytes is not None
+                                              and self._bytes() > self.max_bytes):
             self._host.popitem(last=False)
+
+    def _bytes(self) -> int:
+        return sum(self._weigh(h) for h in list(self._host.values())) if self._weigh is not None else 0
+
+    def host_bytes(self) -> int:
+        """Bytes of the host copies the cache keeps (what `max_bytes` bounds; 0 without `weigh`)."""
+        with self._lock:
+            return self._bytes()
+
+    def peek(self, key: tuple) -> Any:
+        """The cached host copy of `key`, or None, without touching the cache's order (a listing reads it)."""
+        with self._lock:
+            return self._host.get(key)
+
+    def drop(self, name: str) -> list[int]:
+        """Forgets every host copy of file `name` and its unpinned slots (a file removed); returns those slots."""
+        with self._lock:
+            for key in [k for k in self._host if k[0] == name]:
+                del self._host[key]
+        return self.slots.drop(name) if self.slots is not None else []
 
     # -- the admission gate (the loop thread, under the scheduler's lock) -------------------------------
     def _keys(self, state: Any) -> list[tuple]:
         return list(dict.fromkeys(h.key for h in self._held_of(state)))
 
     def can_admit(self, state: Any) -> bool:
-        return not self._held_of(state) or self.slots.can_acquire(self._keys(state))
+        """Slots for all its files, and (with a `reader`) the host copy of each one that is in no slot and that the
+        request does not hold: missing ones are read again on the reader's pool, off the loop."""
+        held = self._held_of(state)
+        if not held:
+            return True
+        if not self.slots.can_acquire(self._keys(state)):
+            return False
+        if self.reader is None:
+            return True
+        missing = [h for h in held if h.host is None and self.slots.slot_of(h.key) is None
+                   and self.peek(h.key) is None and h.key not in self._failed]
+        for h in missing:  # (one that failed is admitted, to fail at its load)
+            self._fetch(h)
+        return not missing
+
+    def _fetch(self, held: Any) -> None:
+        """Reads a host copy again on the reader's pool (once per key at a time); a read that fails is kept as the
+        reason its requests fail."""
+        key = held.key
+        with self._lock:
+            if key in self._fetching or key in self._failed:
+                return
+            self._fetching.add(key)
+
+        def read() -> None:
+            try:
+                self._read(key, held.source)
+            except Exception as e:  # the file changed or went away since the request was queued
+                with self._lock:
+                    while len(self._failed) >= FAILURES_KEPT:
+                        del self._failed[next(iter(self._failed))]
+                    self._failed[key] = (f"{self.what} {key[0]!r} could not be read again at admission ({e}); it "
+                                         "changed on disk since the request was queued: send the request again")
+            finally:
+                with self._lock:
+                    self._fetching.discard(key)
+                if self.wake is not None:
+                    self.wake()
+        self.reader.submit(read)
 
     def admit(self, state: Any) -> list[int] | None:
         """Pins a slot per distinct file of the request (all or none); None: it waits."""
         held = self._held_of(state)
         if not held:
             return []
+        if self.reader is not None and not self.can_admit(state):  # (host copies to read again first)
+            return None
         keys = self._keys(state)
         got = self.slots.acquire_all(keys)
         if got is None:
             return None
         hosts = {h.key: h.host for h in held}
-        self._writes += [(slot, key, hosts[key]) for (slot, write), key in zip(got, keys) if write]
+        self._writes += [(slot, key, self._host_of(key, hosts[key])) for (slot, write), key in zip(got, keys) if write]
         return [slot for slot, _ in got]
+
+    def _host_of(self, key: tuple, host: Any) -> Any:
+        """What a slot write places: the request's own copy, else the cache's, else why there is none (a str)."""
+        if host is not None:
+            return host
+        with self._lock:
+            return self._host.get(key, self._failed.get(key))
 
     def release(self, state: Any, taken: list[int]) -> None:
         for slot in taken:
@@ -347,8 +456,11 @@ class SlotFiles:
         writes, self._writes, broken = self._writes, [], {}
         for slot, key, host in writes:
             try:
+                if isinstance(host, str):  # its host copy could not be read again
+                    raise RuntimeError(host)
                 if host is None:
-                    raise RuntimeError(f"{self.what} {key[0]!r} has no host copy (not resolved by this engine); retry")
+                    raise RuntimeError(f"{self.what} {key[0]!r} has no host copy (not resolved by this engine, or "
+                                       "dropped from host memory); retry")
                 self._place(slot, host)
             except Exception as e:  # the slot holds nothing usable: read again by the next request naming it
                 self.slots.forget(slot)

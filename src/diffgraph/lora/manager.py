@@ -4,18 +4,21 @@ Owns, for one model: the side paths (sidepath.attach on the UNet's and the text 
 and proj_in/proj_out layers; with the `conv` option also the UNet's ResNet and sampler layers that LoCon files and
 few-step adapters such as LCM-LoRA, TCD and Hyper-SD target: CONV_TARGETS) over `max_loras` slots of rank <=
 `max_lora_rank`; the adapters it knows (the files of
-a `--lora-dir`, found by name on every request, and those added with `add`); the host copies of read adapters,
+a `--lora-dir`, found by name on every request, and those added with `add`). Its files are features/slot_files.py's
+`SlotFiles` (`files`), as every capability's with host copies and device slots: the host copies of read adapters,
 padded and in the model's dtype (pinned on a GPU), so that loading one into a slot between two steps is two copies
-per layer; and the slot bookkeeping (catalog.SlotCache). Adapters merged into the base weights at start-up
-(`fuse`) cost nothing per step.
+per layer, bounded by bytes (`--lora-host-bytes`) and by the slot count; the slot bookkeeping; the admission gate
+and the loads between steps. A queued request holds its adapters' names and file versions only (`Resolved`), never
+their host copies: one the cache dropped is read again at admission. Adapters merged into the base weights at
+start-up (`fuse`) cost nothing per step.
 
 Threads: `resolve` runs on the caller's thread at submit, never on the engine loop; the files themselves are read
 (into memory, never memory-mapped: a file rewritten while it is read cannot crash the process) and prepared on
-this manager's own small pool (safe_files.FileReader) with a time limit, one read per file version however many
-requests wait for it. A file that keeps changing while it is read is a clear AdapterError. `listing` reads
+this manager's own small pool (safe_files.FileReader, the files' `reader`) with a time limit, one read per file
+version however many requests wait for it. A file that keeps changing while it is read is a clear 400. `listing` reads
 headers only (files.header_adapter: layouts and shapes checked against the model, no weights), caches them by
 file version (size, mtime_ns, inode) and never touches the host copies that requests use.
-`can_admit` / `admit` / `release` (the scheduler's admission gate) and `write` run on the loop thread.
+`files` (the scheduler's admission gate) and `write` run on the loop thread.
 Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
 
 The `conv` option (off by default; sidepath.py says why: SD1.5's convolution banks take more memory than the attention
@@ -33,21 +36,19 @@ import logging
 import math
 import os
 import threading
-import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import LoraConfig
 from ..errors import ParamError
+from ..features.slot_files import SlotFiles
 from ..request import GenerationRequest
 from ..safe_files import FileReader, FileStamp, ReadTimeout, UnusableFile, check_regular, stamp_of
-from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, SlotCache, \
-    unusable
+from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, unusable
 from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach, takes
 from .targets import CONV_TARGETS, DENOISER, TEXT_TARGETS, UNET_TARGETS, LoraLayout  # noqa: F401 (the SD names)
@@ -55,7 +56,6 @@ from .targets import CONV_TARGETS, DENOISER, TEXT_TARGETS, UNET_TARGETS, LoraLay
 logger = logging.getLogger(__name__)
 
 READ_WORKERS, READ_TIMEOUT_S = 2, 60.0  # adapter reads at once (each may hold a file in memory), and their bound
-READ_ATTEMPTS, READ_BACKOFF_S = 3, 0.05  # reads of a file that changes while read, before it is refused; pauses
 
 
 @dataclass
@@ -76,18 +76,28 @@ class Prepared:
     def has_text(self) -> bool:
         return any(c != self.denoiser for c in self.rows)
 
+    @property
+    def bytes(self) -> int:
+        """Its host rows' bytes (what `--lora-host-bytes` bounds)."""
+        return sum(t.numel() * t.element_size() for t in self.rows.values())
+
 
 @dataclass(frozen=True)
 class Resolved:
     """One adapter of a request, checked at submit: its name and file version (`key`), where it is read from, what
     it has weights for, and its scale. A queued request holds this, never the prepared weights: those live in the
-    manager's host cache, bounded by bytes (`host_bytes`), and are read again at admission if it dropped them."""
+    manager's host cache (`files`), bounded by bytes (`host_bytes`), and are read again at admission if it dropped
+    them."""
 
     key: AdapterKey
-    source: Any      # its file's path (or an added adapter's state dict, which the manager holds anyway)
+    source: Any      # (its file's path or an added adapter's state dict, which the manager holds anyway; its version)
     has_unet: bool
     has_text: bool
     scale: float
+
+    @property
+    def host(self) -> None:  # (slot_files.Held's: the request holds no host copy)
+        return None
 
 
 @dataclass
@@ -116,10 +126,6 @@ class LoraManager:
         self._lock = threading.Lock()
         self._added: dict[str, _Added] = {}
         self._versions = itertools.count(1)
-        self._host: OrderedDict[AdapterKey, Prepared] = OrderedDict()  # recently read adapters
-        self._fetching: set[AdapterKey] = set()  # host copies being read again for admission
-        self._failed: dict[AdapterKey, str] = {}  # ... and why one could not be
-        self.wake: Callable[[], None] | None = None  # called when a host copy is ready (the core wakes its loop)
         self._listed: dict[str, tuple[AdapterKey, Any]] = {}  # path -> (name, stamp), its listing entry or error
         self._listing = threading.Lock()  # one listing computes at a time; callers that arrive meanwhile share it
         self._flight: Future | None = None
@@ -139,7 +145,12 @@ class LoraManager:
             raise ValueError(f"LoRA adapters are not supported for model family {self.family!r}")
         for name, scale in self.config.fuse:
             self.fuse(name, scale)
-        self.slots = SlotCache(self.config.slots) if self.config.slots else None
+        # pinned host rows (an SDXL rank-64 adapter is 340 MB): bounded by bytes, the newest kept
+        self.files = SlotFiles(self.name, "loras", self._locate, self._read, slots=self.config.slots,
+                               keep=max(self.config.slots, 1), place=self._place, held_of=lambda s: s.loras,
+                               what="adapter", weigh=lambda p: p.bytes, max_bytes=self.config.host_bytes,
+                               reader=self.reader, changed=AdapterChanged)
+        self.slots = self.files.slots
         self.unet_rows.max_stack = self.text_rows.max_stack = self.config.max_stack
         if self.slots is not None:
             n, rank = self.config.slots, self.config.max_lora_rank
@@ -152,7 +163,6 @@ class LoraManager:
         self.loads = 0  # slot writes (adapters loaded into a slot)
         if self.slots is not None:
             self._warm()
-        self._writes: list[tuple[int, Prepared]] = []  # (slot, adapter) admitted, to be loaded before the step
 
     def _warm(self) -> None:
         """What the first adapter load would otherwise pay on its request: the import of diffusers' reader (its
@@ -181,7 +191,7 @@ class LoraManager:
         if not isinstance(name, str) or not name or "\x00" in name:
             raise AdapterNameError(f"adapter name {name!r} must be a non-empty string")
         version = ("added", next(self._versions))
-        prepared = self._prepare((name, version), source)
+        prepared = self.files.host((name, version), (source, version))
         summary = self._summary(name, prepared.adapter, "added")
         with self._lock:
             self._added[name] = _Added(source, version, summary)
@@ -196,9 +206,7 @@ class LoraManager:
                     name in self.dir.listing().adapters else ""
                 raise AdapterNameError(f"adapter {name!r} was not added with add_lora{where}")
             del self._added[name]
-            for key in [k for k in self._host if k[0] == name]:
-                del self._host[key]
-        return self.slots.drop(name) if self.slots is not None else []
+        return self.files.drop(name)
 
     def resolve(self, loras: tuple[tuple[str, float], ...]) -> tuple[Resolved, ...]:
         """A request's adapters, read and checked (the caller's thread). Raises AdapterError / AdapterNameError."""
@@ -211,8 +219,8 @@ class LoraManager:
         if len(loras) > self.config.slots:
             raise AdapterError(f"{len(loras)} adapters in one request, but this engine has {self.config.slots} "
                                "adapter slots; use fewer or start it with a larger --max-loras")
-        return tuple(Resolved(p.key, source, p.has_unet, p.has_text, scale)
-                     for (p, source), (_, scale) in zip(map(self._lookup, (n for n, _ in loras)), loras))
+        return tuple(Resolved(h.key, h.source, h.host.has_unet, h.host.has_text, scale)
+                     for h, (_, scale) in zip(map(self.files.held, (n for n, _ in loras)), loras))
 
     def listing(self) -> dict[str, Any]:
         """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters. Files
@@ -261,8 +269,9 @@ class LoraManager:
             stamp = stamp_of(check_regular(path, MAX_ADAPTER_BYTES))
         except UnusableFile as e:
             return str(unusable(name, path, e))
-        with self._lock:  # (looked at, not touched: a listing moves nothing in the host copies' LRU order)
-            hit, cached = self._host.get((name, stamp)), self._listed.get(path)
+        hit = self.files.peek((name, stamp))  # (looked at, not touched: a listing moves nothing in their LRU order)
+        with self._lock:
+            cached = self._listed.get(path)
         if hit is not None:
             return self._summary(name, hit.adapter, self._source(path))
         if cached is not None and cached[0] == (name, stamp):
@@ -299,46 +308,40 @@ class LoraManager:
             raise AdapterError("this engine has no adapter slots; start it with --lora-dir DIR or --max-loras N "
                                "(Engine(lora_dir=..., max_loras=...))")
 
-    def _lookup(self, name: str) -> tuple[Prepared, Any]:
+    def _locate(self, name: str) -> tuple[tuple[Any, tuple], tuple]:
+        """(where adapter `name` is read from and its version, its version), for `files`: an added one first, then
+        the lora dir, then the built-ins. Raises AdapterNameError / AdapterError naming the problem."""
         with self._lock:
             added = self._added.get(name)
         if added is not None:
-            return self._prepare((name, added.version), added.source), added.source
+            return (added.source, added.version), added.version
         folders = [d for d in (self.dir, self.builtin) if d is not None]  # the lora dir first, then built-ins
         for folder in folders:
             try:
                 path = folder.path(name)
             except AdapterNotFound:  # (a name that is not allowed is refused by the first folder)
                 continue
-            for attempt in range(READ_ATTEMPTS):  # a file replaced while it is read: its version is what was read
-                time.sleep(READ_BACKOFF_S * attempt)  # (0 at first) a writer may be about to finish
-                try:
-                    stamp = stamp_of(check_regular(path, MAX_ADAPTER_BYTES))
-                except UnusableFile as e:
-                    raise unusable(name, path, e) from None
-                try:
-                    return self._prepare((name, stamp), path), path
-                except AdapterChanged:
-                    continue
-            raise AdapterError(f"adapter {name!r} keeps changing on disk while it is read; retry when it is written")
+            try:
+                stamp = stamp_of(check_regular(path, MAX_ADAPTER_BYTES))
+            except UnusableFile as e:
+                raise unusable(name, path, e) from None
+            return (path, stamp), stamp
         known = sorted(set(self._added).union(*(d.listing().adapters for d in folders)))
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"known: {', '.join(known[:10]) or 'none'} (GET /v1/loras lists them)"
         raise AdapterNameError(f"adapter {name!r} is unknown; {hint}")
 
-    def _prepare(self, key: AdapterKey, source: Any) -> Prepared:
-        """The host copy of adapter version `key`: cached, or read and prepared on the pool (once, however many
-        requests ask for it at the same time). Raises AdapterError (AdapterChanged: the file is not `key`)."""
-        with self._lock:
-            hit = self._host.get(key)
-            if hit is not None:
-                self._host.move_to_end(key)
-                return hit
+    def _read(self, name: str, located: tuple[Any, tuple]) -> Prepared:
+        """(On the files' pool.) `files`' load: the host copy of adapter `name` from where `_locate` found it.
+        Raises ParamError naming the problem (AdapterChanged: the file is not the version located)."""
+        source, version = located
         try:
-            return self.reader.once(key, self._build, key, source, what=f"reading adapter {key[0]!r}")
-        except ReadTimeout as e:
-            raise AdapterError(f"adapter {key[0]!r}: {e}") from None
+            return self._build((name, version), source)
+        except AdapterChanged:
+            raise
+        except ValueError as e:  # AdapterError, an unusable file
+            raise ParamError("loras", str(e)) from None
 
     def _build(self, key: AdapterKey, source: Any) -> Prepared:
         """(On the pool.) Reads and checks an adapter, and makes its host rows."""
@@ -351,17 +354,11 @@ class LoraManager:
             if not _finite(row):
                 raise AdapterError(f"adapter {key[0]!r} has non-finite {component} weights (or they overflow "
                                    f"{row.dtype})")
-        prepared = Prepared(key, adapter, rows, self.denoiser)
-        with self._lock:  # pinned host rows (an SDXL rank-64 adapter is 340 MB): bounded by bytes, the newest kept
-            self._host[key] = prepared
-            while len(self._host) > 1 and (self.host_bytes() > self.config.host_bytes
-                                           or len(self._host) > max(self.config.slots, 1)):
-                self._host.popitem(last=False)
-        return prepared
+        return Prepared(key, adapter, rows, self.denoiser)
 
     def host_bytes(self) -> int:
         """Bytes of the prepared host copies kept (what `--lora-host-bytes` bounds)."""
-        return sum(t.numel() * t.element_size() for p in list(self._host.values()) for t in p.rows.values())
+        return self.files.host_bytes()
 
     def _pad(self, adapter: AdapterFile) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Checks the adapter against the side paths: per bank, side-path module -> (A [r, in], B^T [r, out] with
@@ -415,87 +412,16 @@ class LoraManager:
         return (f"{what}{kind}, which has no LoRA side path (diffgraph serves adapters on {served}); merge it into "
                 "the weights with --fuse-lora")
 
-    # -- slots: the scheduler's admission gate (the engine loop's thread) --------------------------
-    def can_admit(self, state: Any) -> bool:
-        """Slots for all its adapters, and the host copy of each one not in a slot already (missing ones are read
-        again on the file pool, off the loop; `wake` is called when one is ready)."""
-        if not state.loras:
-            return True
-        if not self.slots.can_acquire([r.key for r in state.loras]):
-            return False
-        missing = [r for r in state.loras if self.slots.slot_of(r.key) is None and self._host_copy(r) is None
-                   and r.key not in self._failed]  # (one that failed is admitted to fail at its load)
-        for r in missing:
-            self._fetch(r)
-        return not missing
-
-    def admit(self, state: Any) -> list[int] | None:
-        """Pins a slot per adapter of the request (all or none) and returns them; None: it waits. Slots that must
-        be loaded first are queued for `load_admitted` with their host copies (a copy that could not be read
-        again, e.g. the file changed since the request was queued, fails that request at its load)."""
-        if not state.loras or not self.can_admit(state):
-            return [] if not state.loras else None
-        got = self.slots.acquire_all([r.key for r in state.loras])
-        if got is None:
-            return None
-        self._writes += [(slot, self._host_copy(r) or self._failed.get(r.key, f"adapter {r.key[0]!r} was dropped "
-                                                                              "from host memory; retry"))
-                         for (slot, write), r in zip(got, state.loras) if write]
-        return [slot for slot, _ in got]
-
-    def _host_copy(self, r: Resolved) -> Prepared | None:
-        with self._lock:
-            return self._host.get(r.key)
-
-    def _fetch(self, r: Resolved) -> None:
-        """Reads an adapter's host copy again on the file pool (once per key at a time); a read that fails is kept
-        as the reason its requests fail."""
-        with self._lock:
-            if r.key in self._fetching or r.key in self._failed:
-                return
-            self._fetching.add(r.key)
-
-        def read() -> None:
-            try:
-                self._build(r.key, r.source)
-            except Exception as e:  # the file changed or went away since the request was queued
-                with self._lock:
-                    while len(self._failed) >= 256:  # a few recent reasons are enough: a key is one file version
-                        del self._failed[next(iter(self._failed))]
-                    self._failed[r.key] = (f"adapter {r.key[0]!r} could not be read again at admission ({e}); "
-                                           "it changed on disk since the request was queued: send the request again")
-            finally:
-                with self._lock:
-                    self._fetching.discard(r.key)
-                if self.wake is not None:
-                    self.wake()
-        self.reader.submit(read)
-
-    def release(self, state: Any, taken: list[int]) -> None:
-        for slot in taken:
-            self.slots.release(slot)
-
-    def load_admitted(self) -> dict[int, str]:
-        """Loads the adapters admitted this step into their slots (host to device copies, between steps, on the
-        loop thread); returns the slots whose load failed with the reason (their requests fail alone)."""
-        writes, self._writes, broken = self._writes, [], {}
-        for slot, prepared in writes:
-            if isinstance(prepared, str):  # its host copy could not be read again
-                self.forget(slot)
-                broken[slot] = prepared
-                continue
-            try:
-                with torch.no_grad():
-                    self.write(slot, prepared)
-            except Exception as e:
-                logger.exception("loading adapter %s into slot %d failed", prepared.key[0], slot)
-                self.forget(slot)
-                broken[slot] = f"loading its LoRA adapter into a device slot failed ({type(e).__name__}: {e})"
-        return broken
-
-    def forget(self, slot: int) -> None:
-        """A slot whose load failed: it holds nothing usable."""
-        self.slots.forget(slot)
+    # -- slots: the scheduler's admission gate is `files` (the engine loop's thread) ---------------------
+    def _place(self, slot: int, prepared: Prepared) -> None:
+        """`files`' place: loads an admitted adapter into its slot (host to device copies, between steps)."""
+        try:
+            with torch.no_grad():
+                self.write(slot, prepared)
+        except Exception as e:
+            logger.exception("loading adapter %s into slot %d failed", prepared.key[0], slot)
+            raise RuntimeError(f"loading its LoRA adapter into a device slot failed ({type(e).__name__}: {e})") \
+                from None
 
     def write(self, slot: int, prepared: Prepared) -> None:
         """Loads an adapter into a slot in place (between steps, on the device's stream): no capture, no compile."""

@@ -48,6 +48,8 @@ class DiffusionModel:
     force_zeros_for_empty_prompt: bool = False
     is_random: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # its family's planner, made once (FamilyAdapter.plans); kept here, not on the adapter, so that it goes with the model
+    sampler_plans: Any = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def unet(self) -> Any:

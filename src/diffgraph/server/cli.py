@@ -41,7 +41,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="TOML file with any of these settings, named like the flags (e.g. batch-buckets = [1, 2, 4]); "
                         "flags given on the command line override it")
     groups = add_flags(p, ServerConfig)
-    add_capability_flags(p, builtin_settings())  # the built-in capabilities' settings (`--step-cache`)
+    # the built-in capabilities' settings (`--step-cache`), among the other capabilities' flags
+    add_capability_flags(p, builtin_settings(), groups["capabilities"])
     replicas = groups["replicas"]
     replicas.add_argument("--data-parallel", default=None, metavar="N|all",
                           help="the same as --devices cuda:0,...,cuda:N-1 (all: every visible GPU); with --ray: the "

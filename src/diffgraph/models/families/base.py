@@ -318,6 +318,13 @@ class FamilyAdapter:
             return make_plan(noise, sampler, self.schedule_variants.get(schedule, schedule), steps, options=options)
         return plan
 
+    def plans(self, model: DiffusionModel) -> Planner:
+        """The model's planner (`planner`), made on first use and kept with the model: the runner and the family's
+        features that read a request's plan (Z-Image's guidance) share it, and so its cache of plans."""
+        if model.sampler_plans is None:
+            model.sampler_plans = self.planner(model)
+        return model.sampler_plans
+
     def noising(self, plan: SamplerPlan) -> tuple[float, float]:
         """(k, e): an image-to-image row starts at k * image latents + e * noise, the plan's first state (SD's
         samplers: the add_noise of their diffusers scheduler; a flow-matching family: (1 - sigma, sigma))."""
@@ -357,13 +364,11 @@ class FamilyAdapter:
 
     def features(self, model: DiffusionModel, side_paths: SidePathRows | None = None,
                  max_chunks: int = 1, controls: ControlSlots | None = None,
-                 image_prompts: ImagePromptSource | None = None,
-                 planner: Planner | None = None) -> tuple[RowFeature, ...]:
+                 image_prompts: ImagePromptSource | None = None) -> tuple[RowFeature, ...]:
         """The row features of this family's step, in order (features/): guidance (classifier-free, embedded for
         guidance-distilled UNets, or none where `guidance` says "none"), the samplers' history slots, edits' rows,
         LoRA rows (`side_paths`), ControlNet and image-prompt rows (`controls`, `image_prompts`), the prompt context
-        (up to `max_chunks` 77-token windows). `planner`: the runner's own (`planner`'s), for a family feature that
-        reads a request's plan, so that its plans are made and cached once (None: such a family makes its own)."""
+        (up to `max_chunks` 77-token windows). A family feature that reads a request's plan takes `plans(model)`."""
         dim = self._lcm_dim(model)
         out: list[RowFeature] = []
         if dim is not None:

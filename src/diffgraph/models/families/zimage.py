@@ -287,8 +287,8 @@ class ZImageFamily(TokenFamily):
 
     def features(self, model: DiffusionModel, *args: Any, **kwargs: Any) -> tuple[RowFeature, ...]:
         """The token families' features, with ZImagePipeline's guidance (truncation, normalisation) for CFG's, which
-        reads a request's sigmas from the runner's planner (`planner`: its plans made once for both)."""
-        plan = kwargs.get("planner") or self.planner(model)
+        reads a request's sigmas from the model's planner (`plans`: the runner's, its plans made once for both)."""
+        plan = self.plans(model)
 
         def sigmas(request: GenerationRequest) -> np.ndarray:
             return np.asarray(plan(request.sampler, request.schedule, request.num_inference_steps,

@@ -1,0 +1,7 @@
+"""`python -m diffgraph ...`: the `diffgraph` command (cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
