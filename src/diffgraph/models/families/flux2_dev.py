@@ -15,8 +15,9 @@ single blocks, 6144 wide, read as diffusers' `Flux2Pipeline` reads it. What diff
 
 Everything else is klein's: the 32-channel VAE and its packing, positions, the empirical shift, reference images,
 image-to-image, step caching, LoRA files (read by Flux2Pipeline's converter). Loading: a diffusers folder with its
-`tokenizer/` (no Mistral vocabulary is shipped); `random:flux2-dev` is a tiny random model for CPU tests, with the
-byte-level Tekken tokenizer.
+`tokenizer/` (no Mistral vocabulary is shipped), or ComfyUI's split files with that tokenizer folder given
+(`split_parts`, `split_encoder`: the Mistral file read into the 30 layers dev runs). `random:flux2-dev` is a tiny
+random model for CPU tests, with the byte-level Tekken tokenizer.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from ...features.base import RowFeature
 from ...features.embedded_guidance import EmbeddedGuidance
 from ... import safe_files
-from ..mistral_tokenizer import BOS, VOCAB_SIZE, chat_prompt, check_chat_template, tekken_bytes_tokenizer
+from ..mistral_tokenizer import BOS, VOCAB_SIZE, chat_prompt, read_tokenizer, tekken_bytes_tokenizer, tokenizer_source
 from ..model import DiffusionModel
 from .base import Conditioning
 from .flux2 import SCHEDULER, Checkpoint, Flux2KleinFamily, stacked_layers, tiny_transformer, tiny_vae
@@ -46,10 +47,12 @@ def guidance_value(scale: float) -> torch.Tensor:
 
 def tiny_mistral3(vocab: int = VOCAB_SIZE) -> dict[str, Any]:
     """A Mistral3Config of a 31-layer 16-wide language model (the last one read is 30) with Mistral Small 3.1's RoPE
-    theta and vocabulary size, and a one-layer vision tower the pipeline never runs."""
+    theta, norm epsilon and vocabulary size (what a split file's config assumes), and a one-layer vision tower the
+    pipeline never runs."""
     return dict(text_config=dict(model_type="mistral", vocab_size=vocab, hidden_size=16, intermediate_size=32,
                                  num_hidden_layers=max(TEXT_LAYERS) + 1, num_attention_heads=2, num_key_value_heads=1,
-                                 head_dim=8, max_position_embeddings=1024, rope_theta=1000000000.0),
+                                 head_dim=8, max_position_embeddings=1024, rope_theta=1000000000.0, rms_norm_eps=1e-5,
+                                 sliding_window=None),
                 vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, head_dim=8, image_size=32, patch_size=16))
 
@@ -69,7 +72,7 @@ class Flux2DevFamily(Flux2KleinFamily):
     def folder_text(self, folder: str, dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:
         """The folder's Mistral3 language model, its tokenizer (required: none is shipped; its chat template must
         render the prompt as `chat_prompt` does) and its scheduler config; each problem a ValueError naming it."""
-        from transformers import AutoTokenizer, Mistral3ForConditionalGeneration
+        from transformers import Mistral3ForConditionalGeneration
 
         from ..stream_load import load_part
 
@@ -86,16 +89,37 @@ class Flux2DevFamily(Flux2KleinFamily):
             raise ValueError(f"{label}: its text encoder is {kind.get('model_type')!r}; FLUX.2 dev reads Mistral "
                              "Small 3.1 ('mistral3'): use the checkpoint's own text_encoder folder")
         encoder = load_part(Mistral3ForConditionalGeneration, folder, label, "text_encoder", dtype)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
-        try:
-            check_chat_template(tokenizer)
-        except ValueError as e:
-            raise ValueError(f"{label}: tokenizer: {e}") from None
+        tokenizer = read_tokenizer(os.path.join(folder, "tokenizer"), f"{label}: tokenizer")
         return encoder.model.language_model, tokenizer, folder_scheduler_config(folder)
 
-    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
-        raise ValueError("FLUX.2 dev loads from a diffusers folder (Flux2Pipeline, with its tokenizer); its split "
-                         "files are not read yet")
+    def split_parts(self, files: Any) -> tuple[Checkpoint, Any]:
+        """dev's checkpoint and the tokenizer of the folder given (`SplitFiles.tokenizer`: --tokenizer or the
+        sidecar's `tokenizer`; none is a one-line error naming both), the text encoder file's header checked to be a
+        Mistral of at least 30 layers: all before any weight is read. ComfyUI's text encoder file carries Tekken's
+        tekken.json (`tekken_model`), which is not read: no conversion of it is shown to give the folder's ids."""
+        from .. import zimage_files as zf
+        from ..flux2_files import MISTRAL_READ
+        from ..split_files import header_shapes, missing_tokenizer
+
+        if files.tokenizer is None:
+            raise ValueError(f"{os.path.basename(files.diffusion_model)}: "
+                             f"{missing_tokenizer(files.kind, files.diffusion_model)}")
+        try:
+            shapes = header_shapes(files.text_encoder)
+        except safe_files.UnusableFile as e:
+            raise ValueError(f"{files.text_encoder} {e}") from None
+        zf.check_kind(files.text_encoder, "mistral_text_encoder", shapes, {"num_hidden_layers": MISTRAL_READ})
+        folder = tokenizer_source(files.tokenizer)[0]
+        return DEV, read_tokenizer(folder, f"tokenizer folder {folder!r}")
+
+    def split_encoder(self, files: Any, dtype: torch.dtype, device: torch.device) -> Any:
+        """The Mistral file streamed into the 30 layers dev reads (split_stream.load_mistral_text_encoder), its head
+        width the tokenizer's diffusers folder's config where one was given, else Mistral Small 3.1's published 128."""
+        from .. import split_stream
+        from ..flux2_files import MISTRAL_HEAD
+
+        head = tokenizer_source(files.tokenizer)[1] or MISTRAL_HEAD
+        return split_stream.load_mistral_text_encoder(files.text_encoder, dtype, device, head)
 
     # -- random preset -----------------------------------------------------------------------------------
     def random_presets(self) -> dict[str, str]:
