@@ -330,3 +330,55 @@ def test_split_files_without_a_tokenizer_or_with_klein_s_encoder_are_refused_in_
         with pytest.raises(ValueError) as e:
             family.load_split(given, cpu, torch.float32, "split")
         assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_full_preset_is_the_published_architecture_built_on_meta():
+    """`random:flux2-dev-full` (GPU timing) built on meta here, no weights: FLUX.2-dev's transformer config (8 double,
+    48 single blocks, 48 heads of 128, text width 3 x 5120, the guidance embedder) at its published 32B, and the
+    30 layers of Mistral Small 3.1 it runs (32 heads of 128, 8 key-value heads, no final norm), which at the
+    published 40 layers with the LM head are its 24B's language model."""
+    from diffgraph.models.families.flux2_dev import FULL, Flux2DevFamily, full_modules
+
+    assert FULL in Flux2DevFamily().random_presets()
+    transformer, encoder, vae = full_modules(torch.device("cpu"))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert all(p.is_meta for m in (transformer, encoder, vae) for p in m.parameters())
+    config = transformer.config
+    assert (config.num_layers, config.num_single_layers, config.num_attention_heads, config.attention_head_dim,
+            config.joint_attention_dim, config.guidance_embeds) == (8, 48, 48, 128, 15360, True)
+    assert 32.0e9 < count(transformer) < 32.5e9  # "a 32 billion parameter rectified flow transformer"
+    text = encoder.config
+    assert (len(encoder.layers), text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
+            text.head_dim) == (30, 5120, 32, 8, 128)
+    assert isinstance(encoder.norm, torch.nn.Identity) and 3 * text.hidden_size == config.joint_attention_dim
+    layer = count(encoder.layers[0])
+    embed = encoder.embed_tokens.weight.numel()
+    assert count(encoder) == 30 * layer + embed and 23.4e9 < 40 * layer + 2 * embed + 5120 < 23.8e9
+    assert vae.config.latent_channels == 32
+
+
+def test_materialised_makes_each_meta_parameter_on_the_device():
+    """What the full preset's modules go through on the device, on a tiny transformer here: every parameter made in
+    the dtype asked for (matrices at std 1 / sqrt(fan-in), scales one, biases zero), the same weights from the fixed
+    seed."""
+    from diffusers import Flux2Transformer2DModel
+
+    from diffgraph.models.families.tokens import materialised
+    from diffgraph.models.stream_load import meta_parameters
+
+    def made():
+        with meta_parameters():
+            net = Flux2Transformer2DModel(**tiny_transformer(text_width=16))
+        return materialised(net, torch.device("cpu"), torch.float64)
+
+    net, again = made(), made()
+    params = dict(net.named_parameters())
+    assert all(not p.is_meta and p.dtype == torch.float64 for p in params.values())
+    assert torch.equal(params["transformer_blocks.0.attn.norm_q.weight"], torch.ones(16, dtype=torch.float64))
+    with meta_parameters():
+        norm = torch.nn.LayerNorm(4)  # (FLUX.2's transformer has no biases)
+    norm = materialised(norm, torch.device("cpu"), torch.float64)
+    assert torch.equal(norm.weight, torch.ones(4, dtype=torch.float64)) and not norm.bias.any()
+    linear = params["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"]
+    assert abs(linear.std().item() * linear.shape[1] ** 0.5 - 1) < 0.1
+    assert all(torch.equal(p, dict(again.named_parameters())[k]) for k, p in params.items())

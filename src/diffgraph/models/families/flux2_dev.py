@@ -17,7 +17,8 @@ Everything else is klein's: the 32-channel VAE and its packing, positions, the e
 image-to-image, step caching, LoRA files (read by Flux2Pipeline's converter). Loading: a diffusers folder with its
 `tokenizer/` (no Mistral vocabulary is shipped), or ComfyUI's split files with that tokenizer folder given
 (`split_parts`, `split_encoder`: the Mistral file read into the 30 layers dev runs). `random:flux2-dev` is a tiny
-random model for CPU tests, with the byte-level Tekken tokenizer.
+random model for CPU tests, `random:flux2-dev-full` the true architecture made on the device for GPU timing, both
+with the byte-level Tekken tokenizer.
 """
 
 from __future__ import annotations
@@ -33,16 +34,36 @@ from ... import safe_files
 from ..mistral_tokenizer import BOS, VOCAB_SIZE, chat_prompt, read_tokenizer, tekken_bytes_tokenizer, tokenizer_source
 from ..model import DiffusionModel
 from .base import Conditioning
-from .flux2 import SCHEDULER, Checkpoint, Flux2KleinFamily, stacked_layers, tiny_transformer, tiny_vae
-from .tokens import FOLDER_PARTS, folder_scheduler_config, random_modules
+from .flux2 import FLUX2_VAE, SCHEDULER, Checkpoint, Flux2KleinFamily, stacked_layers, tiny_transformer, tiny_vae
+from .tokens import FOLDER_PARTS, folder_scheduler_config, materialised, random_modules
 
 TEXT_LAYERS = (10, 20, 30)  # the pipeline's text_encoder_out_layers
 DEV = Checkpoint("flux.2-dev", 50, 4.0, distilled=False)
+# black-forest-labs/FLUX.2-dev's transformer/config.json (diffusers' Flux2Transformer2DModel defaults): 8 double and
+# 48 single blocks, 48 heads of 128 (6144 wide), three Mistral layers of 5120 as its text width, the guidance embedder
+DEV_TRANSFORMER = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                       num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+                       axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True)
+FULL = "random:flux2-dev-full"
 
 
 def guidance_value(scale: float) -> torch.Tensor:
     """A row's embedded guidance: its scale, as the pipeline passes it (fp32; the forward scales it by 1000)."""
     return torch.tensor([scale], dtype=torch.float32)
+
+
+def full_modules(device: torch.device) -> tuple[Any, Any, Any]:
+    """FLUX.2 dev's true architecture with its parameters on meta (buffers on `device`): the transformer
+    (`DEV_TRANSFORMER`), the 30 layers of Mistral Small 3.1's language model it reads (flux2_files' `mistral_reader`),
+    the FLUX.2 VAE."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    from ..flux2_files import MISTRAL_SMALL_31, mistral_reader
+    from ..stream_load import meta_parameters
+
+    with meta_parameters(), torch.device(device):
+        return (Flux2Transformer2DModel(**DEV_TRANSFORMER), mistral_reader(MISTRAL_SMALL_31),
+                AutoencoderKLFlux2(**FLUX2_VAE))
 
 
 def tiny_mistral3(vocab: int = VOCAB_SIZE) -> dict[str, Any]:
@@ -125,7 +146,10 @@ class Flux2DevFamily(Flux2KleinFamily):
     def random_presets(self) -> dict[str, str]:
         return {"random:flux2-dev": "a tiny FLUX.2 dev (one block of each kind with the guidance embedder, a 31-layer "
                                     "16-wide Mistral3 language model, byte-level Tekken tokenizer), random weights, "
-                                    "for CPU tests"}
+                                    "for CPU tests",
+                FULL: "FLUX.2 dev's true architecture (8 double + 48 single blocks, 6144 wide: 32.2B; the 30 layers of "
+                      "Mistral Small 3.1 it reads: 17.3B; the FLUX.2 VAE; byte-level Tekken tokenizer), random "
+                      "weights made on the device, for GPU timing (about 100 GB in bf16)"}
 
     def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
@@ -133,10 +157,13 @@ class Flux2DevFamily(Flux2KleinFamily):
 
         if name not in self.random_presets():
             raise ValueError(f"family {self.name!r} has no random preset {name!r}")
-        with random_modules(device, dtype):
-            transformer = Flux2Transformer2DModel(**{**tiny_transformer(text_width=16), "guidance_embeds": True})
-            encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3())).model.language_model
-            vae = AutoencoderKLFlux2(**tiny_vae())
+        if name == FULL:
+            transformer, encoder, vae = (materialised(m, device, dtype) for m in full_modules(device))
+        else:
+            with random_modules(device, dtype):
+                transformer = Flux2Transformer2DModel(**{**tiny_transformer(text_width=16), "guidance_embeds": True})
+                encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3())).model.language_model
+                vae = AutoencoderKLFlux2(**tiny_vae())
         return self._model(name, transformer, vae, encoder, tekken_bytes_tokenizer(), dict(SCHEDULER), device, dtype,
                            DEV, is_random=True)
 
