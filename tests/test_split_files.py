@@ -266,6 +266,9 @@ def test_flux2_dev_needs_the_tokenizer_folder_its_sidecar_or_the_flag_names(comf
     assert entry.split.tokenizer == str(comfy / "tokenizers" / "flux2-dev")
     assert entry.split.text_encoder == str(comfy / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors")
     assert _split(dev, LoadOptions(tokenizer=str(tmp_path))).tokenizer == str(tmp_path)  # the flag's first
+    from diffgraph.models.loader import load_model
+    with pytest.raises(ValueError, match="'random:flux2-dev' is not one .*a preset ships its own"):
+        load_model("random:flux2-dev", options=LoadOptions(tokenizer=str(tmp_path)))
     with pytest.raises(ValueError, match="FLUX.2 klein 4B's tokenizer is shipped: leave it out"):
         _split(header_file(comfy / "diffusion_models" / "klein.safetensors", KLEIN_4B), LoadOptions(
             tokenizer=str(tmp_path), vae=str(comfy / "vae" / "flux2-vae.safetensors")))

@@ -73,6 +73,9 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
                          "(device cpu, or leave the device out: it defaults to cuda only where there is one)")
     if device.type == "cuda" and device.index is None:  # the model lives on one numbered device
         device = torch.device("cuda", torch.cuda.current_device())
+    if options.tokenizer and not os.path.isfile(model):
+        raise ValueError(f"--tokenizer is for split diffusion model files (FLUX.2 dev's); {model!r} is not one (a "
+                         "diffusers folder reads its own tokenizer/, a preset ships its own): leave it out")
     owner = families.random_owner(model)
     if owner is not None or model in P.RANDOM_PRESETS:
         if options.vae or options.model_config:
