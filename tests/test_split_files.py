@@ -247,7 +247,8 @@ def test_a_sidecar_preset_names_the_checkpoint_of_a_split_file(comfy, tmp_path):
 def test_flux2_dev_needs_the_tokenizer_folder_its_sidecar_or_the_flag_names(comfy, tmp_path):
     """FLUX.2 dev's split files (its Mistral encoder and the FLUX.2 VAE found beside it) are incomplete without the
     checkpoint's tokenizer folder: one line naming the sidecar's `tokenizer` and --tokenizer; the sidecar's folder, or
-    the flag's in its place, is carried in SplitFiles; --tokenizer on a model whose tokenizer is shipped is refused."""
+    the flag's in its place, is carried in SplitFiles; models whose tokenizer is shipped leave the flag (a server's
+    models share it)."""
     from diffgraph.config import LoadOptions
     from diffgraph.models.loader import _split
 
@@ -266,9 +267,7 @@ def test_flux2_dev_needs_the_tokenizer_folder_its_sidecar_or_the_flag_names(comf
     assert entry.split.tokenizer == str(comfy / "tokenizers" / "flux2-dev")
     assert entry.split.text_encoder == str(comfy / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors")
     assert _split(dev, LoadOptions(tokenizer=str(tmp_path))).tokenizer == str(tmp_path)  # the flag's first
-    from diffgraph.models.loader import load_model
-    with pytest.raises(ValueError, match="'random:flux2-dev' is not one .*a preset ships its own"):
-        load_model("random:flux2-dev", options=LoadOptions(tokenizer=str(tmp_path)))
-    with pytest.raises(ValueError, match="FLUX.2 klein 4B's tokenizer is shipped: leave it out"):
-        _split(header_file(comfy / "diffusion_models" / "klein.safetensors", KLEIN_4B), LoadOptions(
-            tokenizer=str(tmp_path), vae=str(comfy / "vae" / "flux2-vae.safetensors")))
+    klein = header_file(comfy / "diffusion_models" / "klein.safetensors", KLEIN_4B)
+    assert _split(klein, LoadOptions(tokenizer=str(tmp_path), vae=str(comfy / "vae" / "flux2-vae.safetensors"),
+                                     text_encoder=str(comfy / "text_encoders" / "qwen_3_4b.safetensors"))
+                  ).tokenizer is None

@@ -23,7 +23,8 @@ CHECKPOINT_SETTINGS = {
     "tokenizer": Setting(
         "a split diffusion model's tokenizer folder, for one whose tokenizer diffgraph does not ship (FLUX.2 dev: the "
         "checkpoint's tokenizer/ folder, tokenizer.json and its config, or the diffusers folder holding it), in place "
-        "of the one named in its sidecar", "model", engine="load", metavar="DIR"),
+        "of the one named in its sidecar; models that read no such folder leave it", "model", engine="load",
+        metavar="DIR"),
     "vae_upcast": Setting(
         "decode in fp32 when the model runs in fp16 (default: the VAE config's force_upcast, which SDXL's sets); "
         "--no-vae-upcast for an fp16-safe VAE given as a single file, e.g. sdxl-vae-fp16-fix, whose file carries no "

@@ -73,9 +73,6 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
                          "(device cpu, or leave the device out: it defaults to cuda only where there is one)")
     if device.type == "cuda" and device.index is None:  # the model lives on one numbered device
         device = torch.device("cuda", torch.cuda.current_device())
-    if options.tokenizer and not os.path.isfile(model):
-        raise ValueError(f"--tokenizer is for split diffusion model files (FLUX.2 dev's); {model!r} is not one (a "
-                         "diffusers folder reads its own tokenizer/, a preset ships its own): leave it out")
     owner = families.random_owner(model)
     if owner is not None or model in P.RANDOM_PRESETS:
         if options.vae or options.model_config:
@@ -115,18 +112,17 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
 
 def _split(path: str, options: LoadOptions) -> SplitFiles | None:
     """The split model at `path` with its companions (split_files.split_model), those given by --text-encoder /
-    --vae in place of the ones found and the --tokenizer folder in place of its sidecar's; a file outside a split
-    folder given with --text-encoder is one too (its kind read from its header). None: not a split model."""
+    --vae in place of the ones found and the --tokenizer folder in place of its sidecar's (for a kind that reads one;
+    the others, and other models, leave it: the server's models share the flags); a file outside a split folder given
+    with --text-encoder is one too (its kind read from its header). None: not a split model."""
     given = {"text_encoder": options.text_encoder, "vae": options.vae}
-    if not any(given.values()) and (not options.tokenizer or models_root(path)):
-        return _tokenizer_fits(split_model(path, options.tokenizer), options.tokenizer)
+    if not any(given.values()):
+        return split_model(path, options.tokenizer)
     kind = split_kind_of(path) if path.endswith((".safetensors", ".gguf")) else None
     if kind is None:
-        for flag in ("text_encoder", "tokenizer"):
-            if getattr(options, flag):
-                raise ValueError(f"--{flag.replace('_', '-')} is for split diffusion models (a DiT file with its text "
-                                 f"encoder and VAE in files of their own); {os.path.basename(path)} is not one: leave "
-                                 "it out")
+        if options.text_encoder:
+            raise ValueError(f"--text-encoder is for split diffusion models (a DiT file with its text encoder and VAE "
+                             f"in files of their own); {os.path.basename(path)} is not one: leave it out")
         return None  # a whole checkpoint with --vae: the VAE override as before
     chosen = {}
     for role, file in given.items():
@@ -139,20 +135,10 @@ def _split(path: str, options: LoadOptions) -> SplitFiles | None:
         chosen[role] = checked_part(file, role, kind)
     side = read_sidecar(os.path.realpath(path))
     tokenizer = options.tokenizer or (side.tokenizer if side else None)
-    files = SplitFiles(kind, os.path.realpath(path), chosen["text_encoder"], chosen["vae"],
-                       tuple((role, "flag" if given[role] else "only file") for role in given),
-                       side.split_preset(kind.name, kind.label) if side else None,
-                       tokenizer and os.path.realpath(tokenizer))
-    return _tokenizer_fits(files, options.tokenizer)
-
-
-def _tokenizer_fits(files: SplitFiles | None, tokenizer: str | None) -> SplitFiles | None:
-    """`files`, unless --tokenizer was given for a model that reads no tokenizer folder (one line)."""
-    if tokenizer and (files is None or not files.kind.tokenizer):
-        what = f"{files.kind.label}'s tokenizer is shipped" if files else "it is not a split diffusion model"
-        raise ValueError(f"--tokenizer is for split diffusion models whose tokenizer diffgraph does not ship (FLUX.2 "
-                         f"dev); {what}: leave it out")
-    return files
+    return SplitFiles(kind, os.path.realpath(path), chosen["text_encoder"], chosen["vae"],
+                      tuple((role, "flag" if given[role] else "only file") for role in given),
+                      side.split_preset(kind.name, kind.label) if side else None,
+                      os.path.realpath(tokenizer) if tokenizer and kind.tokenizer else None)
 
 
 def _load_split(files: SplitFiles, device: torch.device, dtype: torch.dtype, name: str,

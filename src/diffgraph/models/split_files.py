@@ -278,7 +278,7 @@ class PartFiles:
         if problems:
             raise Incomplete(f"{self.shown(model_file)}: " + "; ".join(problems))
         return SplitFiles(kind, os.path.realpath(model_file), chosen["text_encoder"], chosen["vae"], tuple(how), preset,
-                          tokenizer and os.path.realpath(tokenizer))
+                          os.path.realpath(tokenizer) if tokenizer and kind.tokenizer else None)
 
     def _one(self, model_file: str, role: Role, kind: SplitKind,
              named: str | None) -> tuple[str, Literal["sidecar", "only file"]]:
