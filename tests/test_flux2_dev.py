@@ -227,3 +227,158 @@ def test_the_transformer_in_bfl_layout_reads_back_with_its_guidance_embedder(dev
     assert config["guidance_embeds"] is True and config["joint_attention_dim"] == 48
     streamed = split_stream.load_flux2_transformer(path, torch.float32, torch.device("cpu")).state_dict()
     assert sorted(streamed) == sorted(state) and all(torch.equal(streamed[k], state[k]) for k in state)
+
+
+# -- split files (ComfyUI's three, with the tokenizer folder the user gives) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """(SplitFiles of dev's three files written from a tiny pipeline: the transformer in BFL's layout, the Mistral
+    encoder in ComfyUI's layout with tekken.json's bytes as `tekken_model`, the FLUX.2 VAE in BFL's layout; the
+    pipeline, saved as a diffusers folder: the tokenizer folder given). The VAE is 32 wide, as a width's group norm of
+    32 groups, the only count a file implies."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from safetensors.torch import save_file
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from diffgraph.models import flux2_files
+    from diffgraph.models.original_layout import vae_original
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+
+    torch.manual_seed(1)
+    transformer = Flux2Transformer2DModel(**{**tiny_transformer(text_width=16), "guidance_embeds": True})
+    with torch.no_grad():
+        for p in transformer.parameters():
+            if p.ndim == 2:
+                p.mul_(3.0)
+    vae = AutoencoderKLFlux2(**{**tiny_vae(), "block_out_channels": (32,) * 4, "norm_num_groups": 32})
+    pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER, time_shift_type="exponential"),
+                         vae=vae.eval(), text_encoder=Mistral3ForConditionalGeneration(Mistral3Config(
+                             **tiny_mistral3())).eval(), tokenizer=tekken_bytes_tokenizer(),
+                         transformer=transformer.eval())
+    root = tmp_path_factory.mktemp("flux2-dev-split")
+    pipe.save_pretrained(str(root / "FLUX.2-dev"))
+    paths = [str(root / name) for name in ("flux2-dev-tiny.safetensors", "mistral_3_small_flux2_tiny.safetensors",
+                                           "flux2-vae.safetensors")]
+    save_file({k: v.contiguous() for k, v in flux2_files.transformer_to_original(transformer.state_dict()).items()},
+              paths[0])
+    language = pipe.text_encoder.model.language_model.state_dict()
+    save_file({**{f"model.{k}": v.contiguous() for k, v in language.items()},
+               "tekken_model": torch.frombuffer(bytearray(b'{"vocab": []}'), dtype=torch.uint8)}, paths[1])
+    state = vae.state_dict()
+    coders = vae_original({k: v for k, v in state.items() if not k.startswith("bn.")}, 4)
+    save_file({k: v.contiguous() for k, v in flux2_files.vae_to_original(state, coders).items()}, paths[2])
+    kind = next(k for k in SPLIT_KINDS if k.name == "flux2-dev")
+    files = SplitFiles(kind, *paths, (), tokenizer=str(root / "FLUX.2-dev"))
+    return files, pipe
+
+
+def test_comfyui_split_files_with_the_tokenizer_folder_equal_the_pipeline(split, tmp_path):
+    """The three files (the full encoder, then ComfyUI's pruned one: 30 layers, no final norm) with the tokenizer
+    given as the checkpoint's diffusers folder (its text_encoder config gives the head width, 8 here): the family
+    reads them into the 30 layers dev runs, and the image equals Flux2Pipeline's on the same modules."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from diffgraph.models.families import default_registry
+
+    files, pipe = split
+    assert files.kind.family == "flux2-dev" and files.kind.tokenizer
+    request = dict(prompt="a red fox", height=64, width=96, num_inference_steps=2, guidance_scale=3.0, seed=4)
+    want = oracle(pipe, request)
+    pruned = str(tmp_path / "mistral_3_small_flux2_pruned.safetensors")
+    full = load_file(files.text_encoder)
+    save_file({k: v for k, v in full.items() if k != "model.norm.weight" and not k.startswith("model.layers.30.")},
+              pruned)
+    for encoder in (files.text_encoder, pruned):
+        model = default_registry().by_name("flux2-dev").load_split(dataclasses.replace(files, text_encoder=encoder),
+                                                                   torch.device("cpu"), torch.float32, "split")
+        assert len(model.text_encoders[0].layers) == 30 and isinstance(model.text_encoders[0].norm, torch.nn.Identity)
+        with Engine(model=model) as engine:
+            assert engine.info.family == "flux2-dev" and engine.info.default_steps == 50
+            got = images_together(engine, [request])[0]
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1, encoder
+
+
+def test_split_files_without_a_tokenizer_or_with_klein_s_encoder_are_refused_in_one_line(split, tmp_path):
+    """No tokenizer folder: one line naming --tokenizer and the sidecar's `tokenizer` (the file's `tekken_model` is
+    not read in its place); the tokenizer/ folder alone with the tiny encoder: Mistral Small 3.1's published head width
+    (128) does not divide its 16-row projections, one line saying to give the diffusers folder; klein's Qwen3 encoder
+    file in the encoder's place: one line naming what it is, before any weight is read."""
+    import dataclasses
+    import os
+
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3Model
+
+    from diffgraph.models.families import default_registry
+    from diffgraph.models.families.flux2 import tiny_qwen3
+
+    files, _ = split
+    family, cpu = default_registry().by_name("flux2-dev"), torch.device("cpu")
+    qwen3 = str(tmp_path / "qwen_3_4b.safetensors")
+    save_file({f"model.{k}": v.contiguous() for k, v in Qwen3Model(Qwen3Config(**tiny_qwen3(64))).state_dict().items()},
+              qwen3)
+    cases = ((dataclasses.replace(files, tokenizer=None), ("needs its checkpoint's tokenizer folder", "--tokenizer DIR",
+                                                           'tokenizer = "DIR"')),
+             (dataclasses.replace(files, tokenizer=os.path.join(files.tokenizer, "tokenizer")),
+              ("not whole heads of 128", "diffusers folder")),
+             (dataclasses.replace(files, text_encoder=qwen3), ("is a Qwen3 text encoder, not a Mistral Small 3 text "
+                                                               "encoder",)))
+    for given, words in cases:
+        with pytest.raises(ValueError) as e:
+            family.load_split(given, cpu, torch.float32, "split")
+        assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_full_preset_is_the_published_architecture_built_on_meta():
+    """`random:flux2-dev-full` (GPU timing) built on meta here, no weights: FLUX.2-dev's transformer config (8 double,
+    48 single blocks, 48 heads of 128, text width 3 x 5120, the guidance embedder) at its published 32B, and the
+    30 layers of Mistral Small 3.1 it runs (32 heads of 128, 8 key-value heads, no final norm), which at the
+    published 40 layers with the LM head are its 24B's language model."""
+    from diffgraph.models.families.flux2_dev import FULL, Flux2DevFamily, full_modules
+
+    assert FULL in Flux2DevFamily().random_presets()
+    transformer, encoder, vae = full_modules(torch.device("cpu"))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert all(p.is_meta for m in (transformer, encoder, vae) for p in m.parameters())
+    config = transformer.config
+    assert (config.num_layers, config.num_single_layers, config.num_attention_heads, config.attention_head_dim,
+            config.joint_attention_dim, config.guidance_embeds) == (8, 48, 48, 128, 15360, True)
+    assert 32.0e9 < count(transformer) < 32.5e9  # "a 32 billion parameter rectified flow transformer"
+    text = encoder.config
+    assert (len(encoder.layers), text.hidden_size, text.num_attention_heads, text.num_key_value_heads,
+            text.head_dim) == (30, 5120, 32, 8, 128)
+    assert isinstance(encoder.norm, torch.nn.Identity) and 3 * text.hidden_size == config.joint_attention_dim
+    layer = count(encoder.layers[0])
+    embed = encoder.embed_tokens.weight.numel()
+    assert count(encoder) == 30 * layer + embed and 23.4e9 < 40 * layer + 2 * embed + 5120 < 23.8e9
+    assert vae.config.latent_channels == 32
+
+
+def test_materialised_makes_each_meta_parameter_on_the_device():
+    """What the full preset's modules go through on the device, on a tiny transformer here: every parameter made in
+    the dtype asked for (matrices at std 1 / sqrt(fan-in), scales one, biases zero), the same weights from the fixed
+    seed."""
+    from diffusers import Flux2Transformer2DModel
+
+    from diffgraph.models.families.tokens import materialised
+    from diffgraph.models.stream_load import meta_parameters
+
+    def made():
+        with meta_parameters():
+            net = Flux2Transformer2DModel(**tiny_transformer(text_width=16))
+        return materialised(net, torch.device("cpu"), torch.float64)
+
+    net, again = made(), made()
+    params = dict(net.named_parameters())
+    assert all(not p.is_meta and p.dtype == torch.float64 for p in params.values())
+    assert torch.equal(params["transformer_blocks.0.attn.norm_q.weight"], torch.ones(16, dtype=torch.float64))
+    with meta_parameters():
+        norm = torch.nn.LayerNorm(4)  # (FLUX.2's transformer has no biases)
+    norm = materialised(norm, torch.device("cpu"), torch.float64)
+    assert torch.equal(norm.weight, torch.ones(4, dtype=torch.float64)) and not norm.bias.any()
+    linear = params["single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"]
+    assert abs(linear.std().item() * linear.shape[1] ** 0.5 - 1) < 0.1
+    assert all(torch.equal(p, dict(again.named_parameters())[k]) for k, p in params.items())

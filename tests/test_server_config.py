@@ -62,7 +62,7 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
         "image_ttl": (60.0, {}), "image_store": (d, {}), "image_store_bytes": (2 << 20, {}),
         "public_url": ("https://images.example.com", {}), "model_dir": (d, {}), "max_models": (3, {}),
         "model_memory": (4.0, {}), "preload": (["a"], {"model_dir": d}), "vae": (d, {}), "vae_upcast": (False, {}),
-        "text_encoder": (str(styles), {}),
+        "text_encoder": (str(styles), {}), "tokenizer": (d, {}),
         "model_config": (d, {}), "prediction_type": ("v_prediction", {}), "zero_snr": (True, {}),
         "state_dir": (str(tmp / "state"), {}), "job_retention": (3600.0, {}), "max_batch_items": (10, {}),
         "max_job_candidates": (10, {}), "max_key_jobs": (2, {}), "max_key_bytes": (2 << 20, {}),

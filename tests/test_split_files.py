@@ -25,6 +25,10 @@ ZIMAGE = {"x_embedder.weight": (3840, 64), "cap_embedder.0.weight": (2560,), "ca
 KLEIN_4B = {"img_in.weight": (3072, 128), "txt_in.weight": (3072, 7680),
             "double_blocks.0.img_attn.qkv.weight": (9216, 3072), "single_blocks.0.linear1.weight": (27648, 3072)}
 QWEN3_4B = {"model.embed_tokens.weight": (151936, 2560), "model.layers.0.self_attn.q_norm.weight": (128,)}
+DEV = {"img_in.weight": (6144, 128), "txt_in.weight": (6144, 15360), "double_blocks.0.img_attn.qkv.weight": (18432, 6144),
+       "single_blocks.0.linear1.weight": (55296, 6144)}
+MISTRAL_SMALL = {"model.embed_tokens.weight": (131072, 5120), "model.layers.0.self_attn.q_proj.weight": (4096, 5120),
+                 "tekken_model": (64,)}  # ComfyUI's file: tekken.json's bytes beside the language model
 T5_XXL = {"encoder.block.0.layer.0.SelfAttention.q.weight": (4096, 4096), "shared.weight": (32128, 4096)}
 FLUX_VAE = {"encoder.conv_in.weight": (128, 3, 3, 3), "decoder.conv_in.weight": (512, 16, 3, 3)}
 FLUX2_VAE = {"encoder.conv_in.weight": (128, 3, 3, 3), "decoder.conv_in.weight": (512, 32, 3, 3)}
@@ -238,3 +242,32 @@ def test_a_sidecar_preset_names_the_checkpoint_of_a_split_file(comfy, tmp_path):
     assert _listing(comfy)["checkpoints/sd15"].error == (
         "sidecar sd15.diffgraph.toml: preset 'z-image' is a split diffusion model's, but this file is a whole "
         "checkpoint; one of sd1, sd1-inpaint, sd2-base, sd2-v, sd2-inpaint, sdxl-base, sdxl-inpaint")
+
+
+def test_flux2_dev_needs_the_tokenizer_folder_its_sidecar_or_the_flag_names(comfy, tmp_path):
+    """FLUX.2 dev's split files (its Mistral encoder and the FLUX.2 VAE found beside it) are incomplete without the
+    checkpoint's tokenizer folder: one line naming the sidecar's `tokenizer` and --tokenizer; the sidecar's folder, or
+    the flag's in its place, is carried in SplitFiles; models whose tokenizer is shipped leave the flag (a server's
+    models share it)."""
+    from diffgraph.config import LoadOptions
+    from diffgraph.models.loader import _split
+
+    dev = header_file(comfy / "diffusion_models" / "flux2_dev_bf16.safetensors", DEV)
+    header_file(comfy / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors", MISTRAL_SMALL)
+    header_file(comfy / "vae" / "flux2-vae.safetensors", FLUX2_VAE)
+    entry = _listing(comfy)["diffusion_models/flux2_dev_bf16"]
+    assert entry.kind == "flux2-dev" and entry.split is None and entry.error == (
+        "diffusion_models/flux2_dev_bf16.safetensors: FLUX.2 dev needs its checkpoint's tokenizer folder "
+        "(tokenizer.json and its config; diffgraph ships none): pass --tokenizer DIR or name it in "
+        'flux2_dev_bf16.diffgraph.toml (tokenizer = "DIR")')
+    (comfy / "tokenizers" / "flux2-dev").mkdir(parents=True)
+    (comfy / "diffusion_models" / "flux2_dev_bf16.diffgraph.toml").write_text('tokenizer = "../tokenizers/flux2-dev"\n')
+    entry = _listing(comfy)["diffusion_models/flux2_dev_bf16"]
+    assert entry.error is None and entry.family == "flux2-dev"
+    assert entry.split.tokenizer == str(comfy / "tokenizers" / "flux2-dev")
+    assert entry.split.text_encoder == str(comfy / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors")
+    assert _split(dev, LoadOptions(tokenizer=str(tmp_path))).tokenizer == str(tmp_path)  # the flag's first
+    klein = header_file(comfy / "diffusion_models" / "klein.safetensors", KLEIN_4B)
+    assert _split(klein, LoadOptions(tokenizer=str(tmp_path), vae=str(comfy / "vae" / "flux2-vae.safetensors"),
+                                     text_encoder=str(comfy / "text_encoders" / "qwen_3_4b.safetensors"))
+                  ).tokenizer is None

@@ -20,6 +20,11 @@ CHECKPOINT_SETTINGS = {
     "text_encoder": Setting(
         "a split diffusion model's text-encoder file (ComfyUI's text_encoders/ file, e.g. qwen_3_4b.safetensors) in "
         "place of the one found beside it or named in its sidecar", "model", engine="load", metavar="FILE"),
+    "tokenizer": Setting(
+        "a split diffusion model's tokenizer folder, for one whose tokenizer diffgraph does not ship (FLUX.2 dev: the "
+        "checkpoint's tokenizer/ folder, tokenizer.json and its config, or the diffusers folder holding it), in place "
+        "of the one named in its sidecar; models that read no such folder leave it", "model", engine="load",
+        metavar="DIR"),
     "vae_upcast": Setting(
         "decode in fp32 when the model runs in fp16 (default: the VAE config's force_upcast, which SDXL's sets); "
         "--no-vae-upcast for an fp16-safe VAE given as a single file, e.g. sdxl-vae-fp16-fix, whose file carries no "
@@ -58,7 +63,8 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
 def checkpoint_options(args: argparse.Namespace) -> LoadOptions:
     """The checkpoint flags as the engine's LoadOptions (the paths checked)."""
     return LoadOptions(model_config=args.model_config, prediction_type=args.prediction_type, zero_snr=args.zero_snr,
-                       vae=args.vae, vae_upcast=args.vae_upcast, text_encoder=args.text_encoder)
+                       vae=args.vae, vae_upcast=args.vae_upcast, text_encoder=args.text_encoder,
+                       tokenizer=args.tokenizer)
 
 
 def add_compile_mode_argument(p: argparse.ArgumentParser) -> None:

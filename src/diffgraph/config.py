@@ -368,15 +368,19 @@ class LoadOptions:
                                          # sdxl-vae-fp16-fix as a single file); None: the VAE config's force_upcast
     cache_dir: str | None = None         # where generated config folders are kept; None: the user's cache folder
     text_encoder: str | None = None      # a split diffusion model's text-encoder file (in place of its companion)
+    tokenizer: str | None = None         # a split diffusion model's tokenizer folder (in place of its sidecar's)
 
     def __post_init__(self) -> None:
         if self.prediction_type is not None and self.prediction_type not in PREDICTION_TYPES:
             raise ValueError(f"prediction-type {self.prediction_type!r} is unknown; allowed: "
                              f"{', '.join(PREDICTION_TYPES)}")
-        for name in ("model_config", "vae", "text_encoder"):
+        for name in ("model_config", "vae", "text_encoder", "tokenizer"):
             path = getattr(self, name)
             if path is not None and not os.path.exists(path):
                 raise ValueError(f"{name.replace('_', '-')} {path!r} does not exist; give a local file or folder")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer {self.tokenizer!r} is not a folder; give the checkpoint's tokenizer folder "
+                             "(tokenizer.json and its config)")
         if self.model_config is not None and not os.path.isfile(os.path.join(self.model_config, "model_index.json")):
             raise ValueError(f"model-config {self.model_config!r} is not a diffusers folder (no model_index.json); "
                              "give the folder of a diffusers pipeline of the checkpoint's architecture")

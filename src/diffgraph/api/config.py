@@ -333,6 +333,7 @@ class ServerConfig:
     vae: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["vae"]})
     vae_upcast: bool | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["vae_upcast"]})
     text_encoder: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["text_encoder"]})
+    tokenizer: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["tokenizer"]})
     model_config: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["model_config"]})
     prediction_type: str | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["prediction_type"]})
     zero_snr: bool | None = field(default=None, metadata={"setting": CHECKPOINT_SETTINGS["zero_snr"]})
@@ -578,7 +579,7 @@ class ServerConfig:
     def load_options(self) -> LoadOptions:
         return LoadOptions(model_config=self.model_config, prediction_type=self.prediction_type,
                            zero_snr=self.zero_snr, vae=self.vae, vae_upcast=self.vae_upcast,
-                           text_encoder=self.text_encoder)
+                           text_encoder=self.text_encoder, tokenizer=self.tokenizer)
 
     def model_set(self) -> ModelSetSpec | None:
         """What an engine process needs to hold the --model-dir set (None without one)."""

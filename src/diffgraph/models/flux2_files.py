@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from .split_files import GGUF_SUFFIX
-from .zimage_files import TRANSFORMER_PREFIX, FileWeights, read_file
+from .zimage_files import TRANSFORMER_PREFIX, FileWeights, embeddings_prefix, read_file
 
 # BFL's places of the FLUX.2 VAE's tensors that the LDM layout keeps elsewhere -> diffusers' (AutoencoderKLFlux2's)
 VAE_MOVED = {"encoder.quant_conv.": "quant_conv.", "decoder.post_quant_conv.": "post_quant_conv."}
@@ -169,3 +169,66 @@ def transformer_config(state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
                 mlp_ratio=state["transformer_blocks.0.ff.linear_in.weight"].shape[0] / (2 * inner),
                 axes_dims_rope=(head // 4,) * 4, rope_theta=2000,
                 guidance_embeds=any(k.startswith("time_guidance_embed.guidance_embedder.") for k in state))
+
+
+# -- FLUX.2 dev's text encoder: Mistral Small 3.1's language model -------------------------------------------------
+
+MISTRAL_HEAD = 128  # Mistral Small 3.1's attention head width (text_config.head_dim): its files do not say it
+MISTRAL_READ = 30   # the language-model layers FLUX.2 dev runs: its last hidden state read is layer 30's input
+# Mistral Small 3.1's text_config (mistralai/Mistral-Small-3.1-24B-Instruct-2503, FLUX.2-dev's text_encoder/)
+MISTRAL_SMALL_31 = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=MISTRAL_HEAD,
+                        max_position_embeddings=131072, rope_theta=1000000000.0, rms_norm_eps=1e-5,
+                        sliding_window=None)
+# what a Mistral 3 file holds beside its language model: ComfyUI's tokenizer (tekken.json as bytes), the LM head, and
+# the vision side of a whole Mistral3ForConditionalGeneration
+MISTRAL_OTHER = ("tekken_model", "lm_head.", "vision_tower.", "multi_modal_projector.")
+
+
+def mistral_from_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Mistral 3 text encoder's keys (ComfyUI's file: Llama's names under `model.`; a Mistral3 checkpoint's
+    language model under `language_model.model.` or `model.language_model.`) as MistralModel's, layers 0 to 29 and
+    the embeddings only: the final norm and the later layers never reach a hidden state FLUX.2 dev reads (ComfyUI's
+    pruned file has neither), and `MISTRAL_OTHER` is not read."""
+    prefix = embeddings_prefix(state, "Mistral")
+    out, stray = {}, []
+    for key, value in state.items():
+        name = key[len(prefix):] if key.startswith(prefix) else None
+        if name is None:
+            if not any(key.startswith(o) or f".{o}" in key for o in MISTRAL_OTHER):
+                stray.append(key)
+        elif name.startswith("layers."):
+            if int(name.split(".", 2)[1]) < MISTRAL_READ:
+                out[name] = value
+        elif name != "norm.weight":
+            out[name] = value
+    if stray:
+        raise ValueError(f"Mistral weights with {len(stray)} tensors outside {prefix!r} (e.g. {stray[0]!r}): more than "
+                         "a text encoder")
+    return out
+
+
+def mistral_config(state: Mapping[str, torch.Tensor], head: int = MISTRAL_HEAD) -> dict[str, Any]:
+    """MistralConfig's keywords for `mistral_from_comfy`'s state: widths from the shapes, `head` the attention head
+    width (a file does not hold it: the folder's config, else Mistral Small 3.1's); the rest Mistral Small 3.1's."""
+    vocab, hidden = state["embed_tokens.weight"].shape
+    rows = (state["layers.0.self_attn.q_proj.weight"].shape[0], state["layers.0.self_attn.k_proj.weight"].shape[0])
+    if rows[0] % head or rows[1] % head:
+        raise ValueError(f"the text encoder's attention projections have {rows[0]} and {rows[1]} rows, not whole "
+                         f"heads of {head}: give the tokenizer as the checkpoint's diffusers folder, whose "
+                         "text_encoder/config.json says its head width")
+    return {**MISTRAL_SMALL_31, "vocab_size": int(vocab), "hidden_size": int(hidden),
+            "intermediate_size": int(state["layers.0.mlp.gate_proj.weight"].shape[0]),
+            "num_hidden_layers": _count(state, "layers."), "num_attention_heads": rows[0] // head,
+            "num_key_value_heads": rows[1] // head, "head_dim": head}
+
+
+def mistral_reader(config: Mapping[str, Any]) -> torch.nn.Module:
+    """The MistralModel FLUX.2 dev runs for `config`: its first `MISTRAL_READ` layers and no final norm, so that its
+    last hidden state is layer 30's input as the pipeline reads it (transformers normalises the last one it returns)."""
+    from transformers import MistralConfig, MistralModel
+
+    model = MistralModel(MistralConfig(**{**config, "num_hidden_layers": min(int(config["num_hidden_layers"]),
+                                                                            MISTRAL_READ)}))
+    model.norm = torch.nn.Identity()
+    return model

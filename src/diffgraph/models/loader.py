@@ -112,11 +112,12 @@ def _load_any(model: str, device: str | torch.device, dtype: str | torch.dtype, 
 
 def _split(path: str, options: LoadOptions) -> SplitFiles | None:
     """The split model at `path` with its companions (split_files.split_model), those given by --text-encoder /
-    --vae in place of the ones found; a file outside a split folder given with --text-encoder is one too (its kind
-    read from its header). None: not a split model."""
+    --vae in place of the ones found and the --tokenizer folder in place of its sidecar's (for a kind that reads one;
+    the others, and other models, leave it: the server's models share the flags); a file outside a split folder given
+    with --text-encoder is one too (its kind read from its header). None: not a split model."""
     given = {"text_encoder": options.text_encoder, "vae": options.vae}
     if not any(given.values()):
-        return split_model(path)
+        return split_model(path, options.tokenizer)
     kind = split_kind_of(path) if path.endswith((".safetensors", ".gguf")) else None
     if kind is None:
         if options.text_encoder:
@@ -126,16 +127,18 @@ def _split(path: str, options: LoadOptions) -> SplitFiles | None:
     chosen = {}
     for role, file in given.items():
         if file is None:
-            found = split_model(path) if models_root(path) else None
+            found = split_model(path, options.tokenizer) if models_root(path) else None
             if found is None:
                 raise ValueError(f"{os.path.basename(path)} is a {kind.label} diffusion model: give its "
                                  f"{role.replace('_', '-')} file too (--{role.replace('_', '-')} FILE)")
             file = found.files()[role]
         chosen[role] = checked_part(file, role, kind)
     side = read_sidecar(os.path.realpath(path))
+    tokenizer = options.tokenizer or (side.tokenizer if side else None)
     return SplitFiles(kind, os.path.realpath(path), chosen["text_encoder"], chosen["vae"],
                       tuple((role, "flag" if given[role] else "only file") for role in given),
-                      side.split_preset(kind.name, kind.label) if side else None)
+                      side.split_preset(kind.name, kind.label) if side else None,
+                      os.path.realpath(tokenizer) if tokenizer and kind.tokenizer else None)
 
 
 def _load_split(files: SplitFiles, device: torch.device, dtype: torch.dtype, name: str,

@@ -16,8 +16,10 @@ the single bytes, at 1000 + byte, with no merges; a real prompt is more ids ther
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
+from .. import safe_files
 from .tokenizer import bytes_to_unicode
 
 if TYPE_CHECKING:
@@ -58,6 +60,44 @@ def check_chat_template(tokenizer: "PreTrainedTokenizerFast") -> None:
     if rendered != chat_prompt("P", "S"):
         raise ValueError(f"its chat template renders {rendered!r}, not Mistral Small 3.1's {chat_prompt('P', 'S')!r}; "
                          "restore the published tokenizer folder")
+
+
+def read_tokenizer(folder: str, label: str) -> "PreTrainedTokenizerFast":
+    """The tokenizer of a checkpoint's `tokenizer/` folder (`label` names it in errors), its JSON checked before the
+    library parses it and its chat template checked (`check_chat_template`); each problem a one-line ValueError."""
+    from transformers import AutoTokenizer
+
+    bad = safe_files.bad_json_file(folder)
+    if bad is not None:
+        raise ValueError(f"{label}: {bad[0]} {bad[1]}")
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"{label} holds no tokenizer.json or tokenizer_config.json: give the checkpoint's tokenizer "
+                         "folder")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    try:
+        check_chat_template(tokenizer)
+    except ValueError as e:
+        raise ValueError(f"{label}: {e}") from None
+    return tokenizer
+
+
+def tokenizer_source(path: str) -> tuple[str, int | None]:
+    """(the tokenizer folder, the text encoder's attention head width or None) of a folder given for a split model's
+    tokenizer: its `tokenizer/` folder itself, or the diffusers folder holding it, whose text_encoder/config.json
+    says the head width (`text_config.head_dim`); a head width that is not a positive integer is a ValueError."""
+    config = os.path.join(path, "text_encoder", "config.json")
+    if not os.path.isdir(os.path.join(path, "tokenizer")):
+        return path, None
+    head = None
+    if os.path.isfile(config):
+        try:
+            values = safe_files.read_json(config, 1 << 20)[0]
+        except safe_files.UnusableFile as e:
+            raise ValueError(f"{config} {e}") from None
+        head = (values.get("text_config") or values).get("head_dim") if isinstance(values, dict) else None
+        if head is not None and (not isinstance(head, int) or head <= 0):
+            raise ValueError(f"{config}: head_dim {head!r} is not a positive integer; restore the published config")
+    return os.path.join(path, "tokenizer"), head
 
 
 def tekken_bytes_tokenizer() -> "PreTrainedTokenizerFast":

@@ -7,6 +7,7 @@
                                    #   name need not say then
     text_encoder = "te.safetensors"  # split files (a DiT's text encoder and VAE): their kind checked by
     vae = "vae.safetensors"          #   split_files.py against what the model needs
+    tokenizer = "tokenizer"          # a split model's tokenizer folder, where diffgraph ships none (FLUX.2 dev's)
 
 Relative paths are relative to the sidecar's folder. `read_sidecar(model_file)` returns None when there is none, a
 `Sidecar` when it is valid, and raises a one-line ValueError (unknown key, wrong type, missing folder or file, not
@@ -42,6 +43,7 @@ class Sidecar:
     preset: str | None = None        # a checkpoint_configs.KINDS key, or a SPLIT_PRESETS one
     text_encoder: str | None = None  # absolute paths of regular files
     vae: str | None = None
+    tokenizer: str | None = None     # absolute: a folder
 
     def checkpoint_preset(self) -> str | None:
         """The preset of a whole checkpoint (a KINDS key); a split model's preset here is a one-line ValueError."""
@@ -77,7 +79,7 @@ def read_sidecar(model_file: str) -> Sidecar | None:
         raise ValueError(f"sidecar {name} {e}") from None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"sidecar {name} is not TOML ({str(e).splitlines()[0][:100]}); fix or remove it") from None
-    allowed = ("config", "preset", *_FILES)
+    allowed = ("config", "preset", *_FILES, "tokenizer")
     unknown = sorted(set(table) - set(allowed))
     if unknown:
         raise ValueError(f"sidecar {name} has unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
@@ -98,4 +100,8 @@ def read_sidecar(model_file: str) -> Sidecar | None:
         if key in found and not os.path.isfile(found[key]):
             raise ValueError(f"sidecar {name}: {key} {table[key]!r} is not a file; give its path, relative to the "
                              "sidecar")
-    return Sidecar(path, stamp, found.get("config"), table.get("preset"), found.get("text_encoder"), found.get("vae"))
+    if "tokenizer" in found and not os.path.isdir(found["tokenizer"]):
+        raise ValueError(f"sidecar {name}: tokenizer {table['tokenizer']!r} is not a folder; give the path of the "
+                         "checkpoint's tokenizer folder, relative to the sidecar")
+    return Sidecar(path, stamp, found.get("config"), table.get("preset"), found.get("text_encoder"), found.get("vae"),
+                   found.get("tokenizer"))

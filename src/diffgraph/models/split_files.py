@@ -71,6 +71,7 @@ class SplitKind:
     text_encoder: str     # a TEXT_ENCODERS name
     vae: str              # a VAES name
     family: str | None = None  # the family adapter that loads it; None while none does
+    tokenizer: bool = False    # its tokenizer folder must be given (diffgraph ships none for its text encoder)
 
 
 TEXT_ENCODERS = (
@@ -100,7 +101,8 @@ SPLIT_KINDS = (
               Signature(("cap_embedder.", "context_refiner.", "noise_refiner."), (("cap_embedder.1.weight", 1, 2560),)),
               "qwen3-4b", "flux-vae", family="zimage"),
     SplitKind("flux2-dev", "FLUX.2 dev", Signature(("double_blocks.", "single_blocks."), (
-        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 15360))), "mistral-small-3", "flux2-vae"),
+        ("img_in.weight", 1, 128), ("txt_in.weight", 1, 15360))), "mistral-small-3", "flux2-vae", family="flux2-dev",
+              tokenizer=True),
     SplitKind("flux2-klein-4b", "FLUX.2 klein 4B", Signature(("double_blocks.", "single_blocks."), (
         ("img_in.weight", 1, 128), ("txt_in.weight", 1, 7680))), "qwen3-4b", "flux2-vae", family="flux2"),
     SplitKind("flux2-klein-9b", "FLUX.2 klein 9B", Signature(("double_blocks.", "single_blocks."), (
@@ -125,6 +127,7 @@ class SplitFiles:
     vae: str
     chosen_by: tuple[tuple[Role, Literal["sidecar", "only file", "flag"]], ...]  # how each companion was chosen
     preset: str | None = None  # the checkpoint its sidecar names (sidecar.SPLIT_PRESETS); None: from its file name
+    tokenizer: str | None = None  # the tokenizer folder given (--tokenizer, or its sidecar's), for a kind that needs it
 
     def files(self) -> dict[Role, str]:
         return {"text_encoder": self.text_encoder, "vae": self.vae}
@@ -147,9 +150,10 @@ def models_root(path: str) -> str | None:
     return None
 
 
-def split_model(path: str) -> SplitFiles | None:
-    """The files of `path` when it is a split folder's diffusion model (the loader's view, as the catalog lists it),
-    None when it is not in a split folder. Raises ValueError (one line): an unknown kind, a bad sidecar, Incomplete."""
+def split_model(path: str, tokenizer: str | None = None) -> SplitFiles | None:
+    """The files of `path` when it is a split folder's diffusion model (the loader's view, as the catalog lists it;
+    `tokenizer`: a folder given in place of its sidecar's), None when it is not in a split folder. Raises ValueError
+    (one line): an unknown kind, a bad sidecar, Incomplete."""
     root = models_root(path)
     if root is None:
         return None
@@ -159,7 +163,7 @@ def split_model(path: str) -> SplitFiles | None:
         kind = split_kind(rel, header_shapes(os.path.realpath(path)))
     except UnusableFile as e:
         raise ValueError(f"{rel} {e}") from None
-    return parts.choose(path, kind, read_sidecar(os.path.realpath(path)))
+    return parts.choose(path, kind, read_sidecar(os.path.realpath(path)), tokenizer)
 
 
 def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -252,10 +256,12 @@ class PartFiles:
         inside = os.path.commonpath([real, self.root]) == self.root
         return os.path.relpath(real, self.root).replace(os.sep, "/") if inside else os.path.basename(real)
 
-    def choose(self, model_file: str, kind: SplitKind, side: Sidecar | None) -> SplitFiles:
+    def choose(self, model_file: str, kind: SplitKind, side: Sidecar | None,
+               tokenizer: str | None = None) -> SplitFiles:
         """The companions of `model_file` (a `kind` diffusion model): its sidecar's, else the only compatible file of
-        each role, and the checkpoint preset its sidecar names. Raises Incomplete with one line per role that has none
-        (joined by '; '), a ValueError for a preset of another kind."""
+        each role, the checkpoint preset its sidecar names and the tokenizer folder (`tokenizer`, else its sidecar's).
+        Raises Incomplete with one line per role that has none (joined by '; '), a ValueError for a preset of another
+        kind."""
         preset = side.split_preset(kind.name, kind.label) if side else None
         chosen: dict[Role, str] = {}
         how: list[tuple[Role, Literal["sidecar", "only file"]]] = []
@@ -266,9 +272,13 @@ class PartFiles:
                 how.append((role, by))
             except Incomplete as e:
                 problems.append(str(e))
+        tokenizer = tokenizer or (side.tokenizer if side else None)
+        if kind.tokenizer and tokenizer is None:
+            problems.append(missing_tokenizer(kind, model_file))
         if problems:
             raise Incomplete(f"{self.shown(model_file)}: " + "; ".join(problems))
-        return SplitFiles(kind, os.path.realpath(model_file), chosen["text_encoder"], chosen["vae"], tuple(how), preset)
+        return SplitFiles(kind, os.path.realpath(model_file), chosen["text_encoder"], chosen["vae"], tuple(how), preset,
+                          os.path.realpath(tokenizer) if tokenizer and kind.tokenizer else None)
 
     def _one(self, model_file: str, role: Role, kind: SplitKind,
              named: str | None) -> tuple[str, Literal["sidecar", "only file"]]:
@@ -289,6 +299,12 @@ class PartFiles:
             raise Incomplete(f"{len(fits)} files fit as its {word} ({', '.join(self.shown(p) for p in fits[:4])}); "
                              f"name one in {sidecar}")
         return fits[0], "only file"
+
+
+def missing_tokenizer(kind: SplitKind, model_file: str) -> str:
+    """The one line that asks for a split model's tokenizer folder."""
+    return (f"{kind.label} needs its checkpoint's tokenizer folder (tokenizer.json and its config; diffgraph ships "
+            f"none): pass --tokenizer DIR or name it in {_sidecar_name(model_file)} (tokenizer = \"DIR\")")
 
 
 def _sidecar_name(model_file: str) -> str:

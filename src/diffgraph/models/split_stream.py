@@ -4,7 +4,8 @@ modules built with their parameters on the meta device: what the Z-Image and FLU
 Each file's header comes first and is checked as zimage_files' readers check it (the kind asked for, its size,
 quantisations diffgraph cannot read). Its tensors are then made as meta tensors of the header's shapes and dtypes
 (the fp8 layers' scales, small, are read for real) and put through the layout's key conversion (rename, split and
-drop: zimage_files' `transformer_from_original` and `qwen3_from_comfy`, flux2_files' `transformer_from_original`),
+drop: zimage_files' `transformer_from_original` and `qwen3_from_comfy`, flux2_files' `transformer_from_original`
+and `mistral_from_comfy`),
 which gives the module's state as meta tensors: the config comes from their shapes, and each is a source tensor
 itself, a view of one (a fused qkv's rows), or what the conversion computes from one tensor alone (FLUX.2's final
 modulation, its shift and scale swapped). The module is built with its parameters on the meta device
@@ -96,6 +97,15 @@ def load_text_encoder(path: str, dtype: torch.dtype, device: torch.device | str,
     layout = Layout("text_encoder", zf.qwen3_from_comfy, zf.qwen3_config,
                     lambda values: Qwen3Model(Qwen3Config(**values)), "a Qwen3 text encoder")
     return stream(path, layout, dtype, device, keep_fp8, config, max_bytes)
+
+
+def load_mistral_text_encoder(path: str, dtype: torch.dtype, device: torch.device | str, head: int = ff.MISTRAL_HEAD,
+                              max_bytes: int = FILE_LIMIT) -> nn.Module:
+    """A Mistral 3 text encoder file (ComfyUI's, full or pruned; fp8 layers dequantised) as the MistralModel FLUX.2 dev
+    runs (flux2_files' `mistral_reader`: 30 layers, no final norm) on `device`; `head` its attention head width."""
+    layout = Layout("mistral_text_encoder", ff.mistral_from_comfy, lambda state: ff.mistral_config(state, head),
+                    ff.mistral_reader, "a Mistral Small 3 text encoder")
+    return stream(path, layout, dtype, device, False, {"num_hidden_layers": ff.MISTRAL_READ}, max_bytes)[0]
 
 
 def load_flux2_transformer(path: str, dtype: torch.dtype, device: torch.device | str,

@@ -57,7 +57,7 @@ from .gguf_files import GgufFile
 from .split_files import GGUF_SUFFIX, PARTS, SPLIT_KINDS, header_shapes
 
 Kind = Literal["transformer", "text_encoder", "vae", "flux2_transformer", "qwen_image_vae", "qwen_image_transformer",
-               "qwen25_text_encoder"]
+               "qwen25_text_encoder", "mistral_text_encoder"]
 Quantisation = Literal["none", "fp8", "scaled_fp8", "quantization_metadata", "gguf"]
 FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")  # ComfyUI's format names of the layers read here
 TRANSFORMER_PREFIX = "model.diffusion_model."
@@ -73,12 +73,14 @@ _DROPPED = ("norm_final.weight",)  # Lumina 2's final RMSNorm: in its files, unu
 _LOOKS = (("cap_embedder.", "a Z-Image transformer"), ("txt_norm.", "a Qwen-Image transformer"), ("double_blocks.", "a FLUX transformer"),
           ("input_blocks.", "an SD UNet"), ("encoder.block.", "a T5 text encoder"),
           ("text_model.encoder.layers.", "a CLIP text encoder"), ("transformer.resblocks.", "an OpenCLIP text encoder"),
-          ("self_attn.q_proj.bias", "a Qwen2 / Qwen2.5 text encoder"), ("embed_tokens.", "a language model"),
+          ("self_attn.q_proj.bias", "a Qwen2 / Qwen2.5 text encoder"), ("self_attn.q_norm.", "a Qwen3 text encoder"),
+          ("embed_tokens.", "a language model"),
           ("decoder.middle.0.residual.", "a Wan 2.1 / Qwen-Image VAE"), ("encoder.conv_in.", "a VAE"),
           ("token_embd.", "a llama.cpp language model"))
 _WANTED = {"transformer": "a Z-Image transformer", "text_encoder": "a Qwen3 text encoder", "vae": "a VAE",
            "flux2_transformer": "a FLUX.2 transformer", "qwen_image_vae": "a Qwen-Image (Wan 2.1) VAE",
-           "qwen_image_transformer": "a Qwen-Image transformer", "qwen25_text_encoder": "a Qwen2.5-VL text encoder"}
+           "qwen_image_transformer": "a Qwen-Image transformer", "qwen25_text_encoder": "a Qwen2.5-VL text encoder",
+           "mistral_text_encoder": "a Mistral Small 3 text encoder"}
 
 
 @dataclass(frozen=True)
@@ -235,10 +237,7 @@ def _split_qkv(key: str, weight: torch.Tensor, state: dict[str, torch.Tensor]) -
 def qwen3_from_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A Qwen3 text encoder's keys under their prefix (`model.` in ComfyUI's file, as in a causal LM; none in a
     Qwen3Model's) as Qwen3Model's; an `lm_head` (tied to the embeddings in Qwen3-4B) is dropped."""
-    embed = next((k for k in state if k.endswith("embed_tokens.weight")), None)
-    if embed is None:
-        raise ValueError("Qwen3 weights without embed_tokens.weight: not a Qwen3 text encoder")
-    prefix = embed.removesuffix("embed_tokens.weight")
+    prefix = embeddings_prefix(state, "Qwen3")
     out, stray = {}, []
     for key, value in state.items():
         if key.startswith(prefix):
@@ -249,6 +248,15 @@ def qwen3_from_comfy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise ValueError(f"Qwen3 weights with {len(stray)} tensors outside {prefix!r} (e.g. {stray[0]!r}): more than "
                          "a text encoder")
     return out
+
+
+def embeddings_prefix(state: Mapping[str, torch.Tensor], model: str) -> str:
+    """What a language model's keys start with before `embed_tokens.weight` (`model`: "Qwen3", "Mistral", how the
+    error names it); a ValueError where no key ends so."""
+    embed = next((k for k in state if k.endswith("embed_tokens.weight")), None)
+    if embed is None:
+        raise ValueError(f"{model} weights without embed_tokens.weight: not a {model} text encoder")
+    return embed.removesuffix("embed_tokens.weight")
 
 
 # -- reading a file: header checks, tensors, fp8 ---------------------------------------------------------------------
@@ -311,6 +319,10 @@ def check_kind(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], config
     elif kind == "text_encoder":
         ok = any(k.endswith("self_attn.q_norm.weight") for k in keys) and any(
             k.endswith("embed_tokens.weight") for k in keys)
+    elif kind == "mistral_text_encoder":  # Llama's layout: no q/k norms (Qwen3), no attention biases (Qwen2)
+        ok = any(k.endswith("embed_tokens.weight") for k in keys) and any(
+            k.endswith("self_attn.q_proj.weight") for k in keys) and not any(
+            k.endswith(("self_attn.q_norm.weight", "self_attn.q_proj.bias")) for k in keys)
     else:
         ok = any(k.endswith("encoder.conv_in.weight") for k in keys) and any(
             k.endswith("decoder.conv_in.weight") for k in keys)
@@ -334,9 +346,14 @@ def _check_size(path: str, kind: Kind, shapes: dict[str, tuple[int, ...]], confi
             raise ValueError(f"{path} is a VAE of {found} latent channels; this model's has "
                              f"{get('latent_channels')}; give the VAE its model page names")
         return
+    layers = len({m[1] for k in shapes if (m := re.search(r"layers\.(\d+)\.", k))})
+    if kind == "mistral_text_encoder":  # (its later layers are not read)
+        if layers < get("num_hidden_layers"):
+            raise ValueError(f"{path} is a language model of {layers} layers; this model reads the hidden states "
+                             f"after layer {get('num_hidden_layers')}: give the text encoder its model page names")
+        return
     if kind == "text_encoder":
         vocab, width = next(s for k, s in shapes.items() if k.endswith("embed_tokens.weight"))
-        layers = len({m[1] for k in shapes if (m := re.search(r"layers\.(\d+)\.", k))})
         want = (get("vocab_size"), get("hidden_size"), get("num_hidden_layers"))
         if (vocab, width, layers) != want:
             raise ValueError(f"{path} is a Qwen3 text encoder of vocabulary {vocab}, width {width} and {layers} "

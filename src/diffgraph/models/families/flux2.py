@@ -314,19 +314,28 @@ class Flux2KleinFamily(TokenFamily):
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
         """ComfyUI's three files, each streamed into a module built on meta (split_stream.py; flux2_files.py: the
-        transformer in BFL's layout, the FLUX.2 VAE by its key map; the Qwen3 encoder as Z-Image's); the configs come
-        from the weights' shapes, the tokenizer is the shipped Qwen3's, the checkpoint (distilled or base) its
-        sidecar's preset or else the transformer file's name."""
+        transformer in BFL's layout, the FLUX.2 VAE by its key map; the text encoder and tokenizer: `split_parts`,
+        `split_encoder`); the configs come from the weights' shapes."""
         from diffusers import AutoencoderKLFlux2
 
         from .. import flux2_files as ff, split_stream, zimage_files as zf
-        checkpoint = checkpoint_of(files.diffusion_model, preset=files.preset)  # before any weight is read
+        checkpoint, tokenizer = self.split_parts(files)  # before any weight is read
         transformer = split_stream.load_flux2_transformer(files.diffusion_model, dtype, device)
-        encoder = split_stream.load_text_encoder(files.text_encoder, dtype, device)[0]
+        encoder = self.split_encoder(files, dtype, device)
         vae = split_stream.load_vae(AutoencoderKLFlux2, zf.vae_config(files.vae, FLUX2_VAE),
                                     lambda config: ff.read_vae(files.vae, config, dtype), dtype, device)
-        return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen3"), dict(SCHEDULER), device, dtype,
-                           checkpoint)
+        return self._model(name, transformer, vae, encoder, tokenizer, dict(SCHEDULER), device, dtype, checkpoint)
+
+    def split_parts(self, files: Any) -> tuple[Checkpoint, Any]:
+        """(the checkpoint, the tokenizer) of split files, before any weight is read: klein's checkpoint from its
+        sidecar's preset or else the transformer file's name, the shipped Qwen3 tokenizer."""
+        return checkpoint_of(files.diffusion_model, preset=files.preset), qwen_tokenizer("qwen3")
+
+    def split_encoder(self, files: Any, dtype: torch.dtype, device: torch.device) -> Any:
+        """The text encoder file streamed into its module (klein's: a Qwen3 as Z-Image's)."""
+        from .. import split_stream
+
+        return split_stream.load_text_encoder(files.text_encoder, dtype, device)[0]
 
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
                scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,

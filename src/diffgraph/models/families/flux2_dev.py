@@ -15,8 +15,10 @@ single blocks, 6144 wide, read as diffusers' `Flux2Pipeline` reads it. What diff
 
 Everything else is klein's: the 32-channel VAE and its packing, positions, the empirical shift, reference images,
 image-to-image, step caching, LoRA files (read by Flux2Pipeline's converter). Loading: a diffusers folder with its
-`tokenizer/` (no Mistral vocabulary is shipped); `random:flux2-dev` is a tiny random model for CPU tests, with the
-byte-level Tekken tokenizer.
+`tokenizer/` (no Mistral vocabulary is shipped), or ComfyUI's split files with that tokenizer folder given
+(`split_parts`, `split_encoder`: the Mistral file read into the 30 layers dev runs). `random:flux2-dev` is a tiny
+random model for CPU tests, `random:flux2-dev-full` the true architecture made on the device for GPU timing, both
+with the byte-level Tekken tokenizer.
 """
 
 from __future__ import annotations
@@ -29,14 +31,20 @@ import torch
 from ...features.base import RowFeature
 from ...features.embedded_guidance import EmbeddedGuidance
 from ... import safe_files
-from ..mistral_tokenizer import BOS, VOCAB_SIZE, chat_prompt, check_chat_template, tekken_bytes_tokenizer
+from ..mistral_tokenizer import BOS, VOCAB_SIZE, chat_prompt, read_tokenizer, tekken_bytes_tokenizer, tokenizer_source
 from ..model import DiffusionModel
 from .base import Conditioning
-from .flux2 import SCHEDULER, Checkpoint, Flux2KleinFamily, stacked_layers, tiny_transformer, tiny_vae
-from .tokens import FOLDER_PARTS, folder_scheduler_config, random_modules
+from .flux2 import FLUX2_VAE, SCHEDULER, Checkpoint, Flux2KleinFamily, stacked_layers, tiny_transformer, tiny_vae
+from .tokens import FOLDER_PARTS, folder_scheduler_config, materialised, random_modules
 
 TEXT_LAYERS = (10, 20, 30)  # the pipeline's text_encoder_out_layers
 DEV = Checkpoint("flux.2-dev", 50, 4.0, distilled=False)
+# black-forest-labs/FLUX.2-dev's transformer/config.json (diffusers' Flux2Transformer2DModel defaults): 8 double and
+# 48 single blocks, 48 heads of 128 (6144 wide), three Mistral layers of 5120 as its text width, the guidance embedder
+DEV_TRANSFORMER = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
+                       num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+                       axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True)
+FULL = "random:flux2-dev-full"
 
 
 def guidance_value(scale: float) -> torch.Tensor:
@@ -44,12 +52,28 @@ def guidance_value(scale: float) -> torch.Tensor:
     return torch.tensor([scale], dtype=torch.float32)
 
 
+def full_modules(device: torch.device) -> tuple[Any, Any, Any]:
+    """FLUX.2 dev's true architecture with its parameters on meta (buffers on `device`): the transformer
+    (`DEV_TRANSFORMER`), the 30 layers of Mistral Small 3.1's language model it reads (flux2_files' `mistral_reader`),
+    the FLUX.2 VAE."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    from ..flux2_files import MISTRAL_SMALL_31, mistral_reader
+    from ..stream_load import meta_parameters
+
+    with meta_parameters(), torch.device(device):
+        return (Flux2Transformer2DModel(**DEV_TRANSFORMER), mistral_reader(MISTRAL_SMALL_31),
+                AutoencoderKLFlux2(**FLUX2_VAE))
+
+
 def tiny_mistral3(vocab: int = VOCAB_SIZE) -> dict[str, Any]:
     """A Mistral3Config of a 31-layer 16-wide language model (the last one read is 30) with Mistral Small 3.1's RoPE
-    theta and vocabulary size, and a one-layer vision tower the pipeline never runs."""
+    theta, norm epsilon and vocabulary size (what a split file's config assumes), and a one-layer vision tower the
+    pipeline never runs."""
     return dict(text_config=dict(model_type="mistral", vocab_size=vocab, hidden_size=16, intermediate_size=32,
                                  num_hidden_layers=max(TEXT_LAYERS) + 1, num_attention_heads=2, num_key_value_heads=1,
-                                 head_dim=8, max_position_embeddings=1024, rope_theta=1000000000.0),
+                                 head_dim=8, max_position_embeddings=1024, rope_theta=1000000000.0, rms_norm_eps=1e-5,
+                                 sliding_window=None),
                 vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, head_dim=8, image_size=32, patch_size=16))
 
@@ -69,7 +93,7 @@ class Flux2DevFamily(Flux2KleinFamily):
     def folder_text(self, folder: str, dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:
         """The folder's Mistral3 language model, its tokenizer (required: none is shipped; its chat template must
         render the prompt as `chat_prompt` does) and its scheduler config; each problem a ValueError naming it."""
-        from transformers import AutoTokenizer, Mistral3ForConditionalGeneration
+        from transformers import Mistral3ForConditionalGeneration
 
         from ..stream_load import load_part
 
@@ -86,22 +110,46 @@ class Flux2DevFamily(Flux2KleinFamily):
             raise ValueError(f"{label}: its text encoder is {kind.get('model_type')!r}; FLUX.2 dev reads Mistral "
                              "Small 3.1 ('mistral3'): use the checkpoint's own text_encoder folder")
         encoder = load_part(Mistral3ForConditionalGeneration, folder, label, "text_encoder", dtype)
-        tokenizer = AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer"), local_files_only=True)
-        try:
-            check_chat_template(tokenizer)
-        except ValueError as e:
-            raise ValueError(f"{label}: tokenizer: {e}") from None
+        tokenizer = read_tokenizer(os.path.join(folder, "tokenizer"), f"{label}: tokenizer")
         return encoder.model.language_model, tokenizer, folder_scheduler_config(folder)
 
-    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
-        raise ValueError("FLUX.2 dev loads from a diffusers folder (Flux2Pipeline, with its tokenizer); its split "
-                         "files are not read yet")
+    def split_parts(self, files: Any) -> tuple[Checkpoint, Any]:
+        """dev's checkpoint and the tokenizer of the folder given (`SplitFiles.tokenizer`: --tokenizer or the
+        sidecar's `tokenizer`; none is a one-line error naming both), the text encoder file's header checked to be a
+        Mistral of at least 30 layers: all before any weight is read. ComfyUI's text encoder file carries Tekken's
+        tekken.json (`tekken_model`), which is not read: no conversion of it is shown to give the folder's ids."""
+        from .. import zimage_files as zf
+        from ..flux2_files import MISTRAL_READ
+        from ..split_files import header_shapes, missing_tokenizer
+
+        if files.tokenizer is None:
+            raise ValueError(f"{os.path.basename(files.diffusion_model)}: "
+                             f"{missing_tokenizer(files.kind, files.diffusion_model)}")
+        try:
+            shapes = header_shapes(files.text_encoder)
+        except safe_files.UnusableFile as e:
+            raise ValueError(f"{files.text_encoder} {e}") from None
+        zf.check_kind(files.text_encoder, "mistral_text_encoder", shapes, {"num_hidden_layers": MISTRAL_READ})
+        folder = tokenizer_source(files.tokenizer)[0]
+        return DEV, read_tokenizer(folder, f"tokenizer folder {folder!r}")
+
+    def split_encoder(self, files: Any, dtype: torch.dtype, device: torch.device) -> Any:
+        """The Mistral file streamed into the 30 layers dev reads (split_stream.load_mistral_text_encoder), its head
+        width the tokenizer's diffusers folder's config where one was given, else Mistral Small 3.1's published 128."""
+        from .. import split_stream
+        from ..flux2_files import MISTRAL_HEAD
+
+        head = tokenizer_source(files.tokenizer)[1] or MISTRAL_HEAD
+        return split_stream.load_mistral_text_encoder(files.text_encoder, dtype, device, head)
 
     # -- random preset -----------------------------------------------------------------------------------
     def random_presets(self) -> dict[str, str]:
         return {"random:flux2-dev": "a tiny FLUX.2 dev (one block of each kind with the guidance embedder, a 31-layer "
                                     "16-wide Mistral3 language model, byte-level Tekken tokenizer), random weights, "
-                                    "for CPU tests"}
+                                    "for CPU tests",
+                FULL: "FLUX.2 dev's true architecture (8 double + 48 single blocks, 6144 wide: 32.2B; the 30 layers of "
+                      "Mistral Small 3.1 it reads: 17.3B; the FLUX.2 VAE; byte-level Tekken tokenizer), random "
+                      "weights made on the device, for GPU timing (about 100 GB in bf16)"}
 
     def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
@@ -109,10 +157,13 @@ class Flux2DevFamily(Flux2KleinFamily):
 
         if name not in self.random_presets():
             raise ValueError(f"family {self.name!r} has no random preset {name!r}")
-        with random_modules(device, dtype):
-            transformer = Flux2Transformer2DModel(**{**tiny_transformer(text_width=16), "guidance_embeds": True})
-            encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3())).model.language_model
-            vae = AutoencoderKLFlux2(**tiny_vae())
+        if name == FULL:
+            transformer, encoder, vae = (materialised(m, device, dtype) for m in full_modules(device))
+        else:
+            with random_modules(device, dtype):
+                transformer = Flux2Transformer2DModel(**{**tiny_transformer(text_width=16), "guidance_embeds": True})
+                encoder = Mistral3ForConditionalGeneration(Mistral3Config(**tiny_mistral3())).model.language_model
+                vae = AutoencoderKLFlux2(**tiny_vae())
         return self._model(name, transformer, vae, encoder, tekken_bytes_tokenizer(), dict(SCHEDULER), device, dtype,
                            DEV, is_random=True)
 

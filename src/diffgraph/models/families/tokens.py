@@ -55,6 +55,25 @@ def random_modules(device: torch.device, dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def materialised(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """`module` built with its parameters on meta (stream_load.meta_parameters), each made on `device` in `dtype` one
+    at a time from a fixed seed (matrices and kernels normal with std 1 / sqrt(fan-in), 1-d scales one, biases zero),
+    so a full-size random preset never holds more than itself and one tensor, and never on the host."""
+    from ..stream_load import assign
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    for name, param in list(module.named_parameters()):
+        if not param.is_meta:
+            continue
+        value = torch.empty(param.shape, dtype=dtype, device=device)
+        if param.ndim > 1:
+            value.normal_(0.0, math.prod(param.shape[1:]) ** -0.5, generator=generator)
+        else:
+            value.fill_(0.0 if name.endswith("bias") else 1.0)
+        assign(module, name, value)
+    return module
+
+
 def qwen3_folder_parts(folder: str, pipeline_class: str, dtype: torch.dtype) -> tuple[Any, Any, dict[str, Any]]:
     """(text encoder, tokenizer, scheduler config) of a diffusers folder of a transformer pipeline with a Qwen3 text
     encoder (its base model: the pipelines read hidden states only), after checking it has every part; the
