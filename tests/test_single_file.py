@@ -413,7 +413,9 @@ def test_generate_from_a_checkpoint_file_on_the_command_line(made, tmp_path):
                            "--device", "cpu", "-o", str(out)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     from PIL import Image
-    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), _image(folder))
+    # another process may round a few pixels the other way (its own kernels' choices): within 1 level
+    cli = np.asarray(Image.open(out).convert("RGB")).astype(int)
+    assert np.abs(cli - _image(folder).astype(int)).max() <= 1
     (tmp_path / "x.ckpt").write_bytes(b"PK\x03\x04")
     bad = subprocess.run([sys.executable, "-m", "diffgraph.cli", "generate", PROMPT, "--model",
                           str(tmp_path / "x.ckpt"), "--device", "cpu"], capture_output=True, text=True, env=env)
