@@ -55,6 +55,7 @@ from ...request import (SIZE_MULTIPLE, TILING, GroupKey, ParamError, Size, check
 from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
 from ...sampling.samplers import PlanOptions, SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
+from ...text.prepared import PromptInputs
 from ..model import DiffusionModel
 
 logger = logging.getLogger(__name__)
@@ -464,6 +465,18 @@ class FamilyAdapter:
     def negative(self, model: DiffusionModel, cond: Conditioning, prompts: list[str | None]) -> Conditioning:
         """Negative prompts' conditioning (encoded with "" for None) as the family's pipeline uses it."""
         return cond
+
+    def prompt_inputs(self, model: DiffusionModel, prepared: Mapping[str, Any]) -> PromptInputs | None:
+        """What its encoder reads beside a request's prompts (a vision-language encoder's images), from the request's
+        capability preparations (`prepared`, on the submitting thread); None: the text alone."""
+        return None
+
+    def encode_with_inputs(self, model: DiffusionModel, prompts: list[str],
+                           inputs: list[PromptInputs | None]) -> Conditioning:
+        """`encode`, each prompt with what the encoder reads beside it (`prompt_inputs`; None: nothing)."""
+        if any(i is not None for i in inputs):
+            raise ValueError(f"family {self.name!r} reads no inputs beside its prompts")
+        return self.encode(model, prompts)
 
     # -- the step and the decode -------------------------------------------------------------------
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,

@@ -1,0 +1,188 @@
+"""Qwen-Image-Edit (models/families/qwen_image_edit.py) against its oracle, diffusers' `QwenImageEditPlusPipeline`, on
+the tiny random preset `random:qwen-image-edit-tiny`, the pipeline built from the engine's own modules.
+
+Both sides read input images at shrunk resolutions (the pipeline's `CONDITION_IMAGE_SIZE` / `VAE_IMAGE_SIZE` module
+constants and the family's, monkeypatched alike: 56 x 56 and 96 x 96 pixels of area), so a call takes a second or two.
+The pipeline's text encoder is given `mm_token_type_ids` (the model's multimodal positions, which the family reads
+and diffusers' pipeline leaves out under transformers 5). fp32 on the CPU: each image within one uint8 level of the
+pipeline's with the same seed, with one and with two input images under true CFG (" " as the negative prompt); rows
+with 1, 2 and no input images, prompts of different lengths and guidance on and off run together and each equals its
+request alone; bad inputs are a one-line 400 naming `reference_images`.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from diffgraph import Engine, GenerationRequest, ParamError
+from diffgraph.models.families import qwen_image_edit
+from diffgraph.models.families.qwen_image_edit import DROPPED, TEMPLATE, processor_settings, vision_image
+from diffgraph.models.qwen_tokenizer import qwen_tokenizer
+
+from loop_util import images_together
+from test_flux2_references import picture
+
+CONDITION, VAE = 56 * 56, 96 * 96
+IMAGES = [picture(72, 88, 1), picture(96, 64, 2)]
+PROMPT = "make the fox blue and put it in the snow"
+
+
+@pytest.fixture(scope="module")
+def edit():
+    """The tiny Edit engine and the pipeline on its modules, both reading images at the shrunk resolutions."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    from diffgraph.models.families.qwen_image import SCHEDULER
+
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (plus, qwen_image_edit):
+            mp.setattr(module, "CONDITION_IMAGE_SIZE", CONDITION)
+            mp.setattr(module, "VAE_IMAGE_SIZE", VAE)
+        with Engine(model="random:qwen-image-edit-tiny", device="cpu") as engine:
+            model = engine.model
+            with torch.no_grad():  # at its initial scale the prompt moves the tiny model's image by a level or two
+                for p in model.denoiser.parameters():
+                    if p.ndim == 2:
+                        p.mul_(3.0)
+            pipe = model.adapter.diffusers_pipeline(model, FlowMatchEulerDiscreteScheduler(**SCHEDULER))
+            encoder, pad = pipe.text_encoder, pipe.processor.image_token_id
+            plain = encoder.forward
+
+            @functools.wraps(plain)
+            def forward(*args, input_ids=None, **kwargs):  # the model's multimodal positions (diffusers' open fix)
+                kwargs.setdefault("mm_token_type_ids", (input_ids == pad).int())  # (the engine gives its own)
+                return plain(*args, input_ids=input_ids, **kwargs)
+            mp.setattr(encoder, "forward", forward)
+            yield engine, pipe
+
+
+def oracle(pipe, prompt: str, images: list, size: tuple[int, int], steps: int, guidance: float, seed: int,
+           negative: str | None = None) -> np.ndarray:
+    from PIL import Image
+
+    if guidance > 1 and negative is None:
+        negative = " "
+    image = pipe(image=[Image.fromarray(i) for i in images], prompt=prompt, negative_prompt=negative,
+                 height=size[0], width=size[1], num_inference_steps=steps, true_cfg_scale=guidance,
+                 generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
+    return (image * 255).round().astype(np.int16)
+
+
+def request(images: list, prompt: str = PROMPT, size: tuple[int, int] = (64, 64), steps: int = 2,
+            guidance: float = 4.0, seed: int = 3) -> dict:
+    return dict(prompt=prompt, height=size[0], width=size[1], num_inference_steps=steps, guidance_scale=guidance,
+                seed=seed, extras={"reference_images": images} if images else None)
+
+
+@pytest.mark.parametrize("count,size", [(1, (64, 64)), (2, (64, 96))])
+def test_edits_equal_the_pipeline_with_one_and_two_input_images(edit, count, size):
+    """True CFG at 4 (" " as the negative prompt, read with the same images); the inputs show in the image. The inputs'
+    grids (6 x 6; 6 x 6 and 8 x 4) reach further than the image's (4 x 4; 4 x 6): the text's positions start after
+    theirs."""
+    engine, pipe = edit
+    got = images_together(engine, [request(IMAGES[:count], size=size)])[0]
+    want = oracle(pipe, PROMPT, IMAGES[:count], size, 2, 4.0, 3)
+    assert got.shape == (*size, 3) and np.abs(got - want).max() <= 1
+    other = oracle(pipe, PROMPT, [picture(72, 88, 9)] + IMAGES[1:count], size, 2, 4.0, 3)
+    assert np.abs(want - other).max() > 3
+    assert engine.info.family == "qwen-image-edit" and engine.info.edit_images == "reference_images"
+    assert (engine.info.default_steps, engine.info.default_guidance) == (40, 4.0)
+
+
+def test_rows_of_1_2_and_no_inputs_together_each_equal_their_request_alone(edit):
+    """Rows with one and two inputs (36 and 68 reference tokens: one bucket of 256), prompts of 2 and 40 words, true
+    CFG and none, and a row without inputs (its own group) share the burst; each equals its request alone. The
+    shared picture's reference tokens are encoded once (cached by content)."""
+    engine, _ = edit
+    long = ", ".join(["a lighthouse on a cliff at dusk with gulls"] * 5)
+    requests = [request(IMAGES[:1], prompt="blue fox", guidance=1.0, seed=11, steps=3),
+                request(IMAGES, prompt=long, size=(96, 64), seed=12),
+                request(IMAGES[:1], prompt=PROMPT, size=(64, 96), seed=13),
+                request([], prompt=PROMPT, seed=14)]
+    runner = engine.runner
+    made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
+    keys = []
+    for m in made:
+        prepared = runner.capabilities.prepare(dict(m.extras or {}), "m")
+        from diffgraph.text.prepared import prepare
+        keys.append(runner.group_key(m.key, prepare(runner.text_setup, m, inputs=runner.prompt_inputs(prepared)),
+                                     prepared))
+    assert keys == [((128, 256), 256)] * 3 + [((128, 0), 256)]
+    together = images_together(engine, requests)
+    for r, image in zip(requests, together):
+        alone = images_together(engine, [r])[0]
+        assert np.abs(image - alone).max() <= 1, r["prompt"][:20]
+
+
+def test_vision_preprocessing_equals_transformers_pil_processor():
+    """The family's own preprocessing (no torchvision) gives Qwen2VLImageProcessorPil's pixel values and grid."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    settings = processor_settings()
+    processor = Qwen2VLImageProcessorPil(**settings)
+    for h, w in ((64, 64), (384, 416), (97, 203)):
+        image = Image.fromarray(picture(h, w, h))
+        want = processor(images=[image], return_tensors="np")
+        got = vision_image(image, settings)
+        assert got.grid == tuple(want["image_grid_thw"][0])
+        assert np.abs(got.pixels - want["pixel_values"]).max() < 1e-5
+
+
+def test_the_template_drops_the_system_prompt():
+    """The pipeline's prompt_template_encode_start_idx (64) is its system message and the user turn's opening."""
+    tokenizer = qwen_tokenizer("qwen2.5")
+    assert len(tokenizer(TEMPLATE[0]).input_ids) == DROPPED
+
+
+@pytest.mark.parametrize("images,words", [([picture(64, 64, 0)] * 4, "4 input images; send at most 3"),
+                                          (["not an image"], "reference_images[0] must be a PIL image"),
+                                          ([np.zeros((8, 4000, 3), np.uint8)], "too thin")])
+def test_bad_inputs_are_a_param_error_naming_the_field(edit, images, words):
+    engine, _ = edit
+    with pytest.raises(ParamError) as e:
+        engine.submit(GenerationRequest.create(model=engine.info, prompt="x", height=64, width=64,
+                                               extras={"reference_images": images}))
+    assert e.value.param == "reference_images" and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
+    """/v1/images/edits reads every image part as an input image: two equal the engine's request with them; four
+    parts, or a JSON input that is not an image, are a one-line 400 naming the field (the element, on the JSON
+    route)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from diffgraph.server import ServerConfig
+    from server_util import b64png, served
+
+    engine, _ = edit
+    want = images_together(engine, [request(IMAGES, steps=2, seed=4)])[0]
+
+    def png(r: np.ndarray) -> bytes:
+        buf = io.BytesIO()
+        Image.fromarray(r).save(buf, "PNG")
+        return buf.getvalue()
+
+    form = {"prompt": PROMPT, "size": "64x64", "seed": "4", "num_inference_steps": "2", "guidance_scale": "4"}
+    files = [("image[]", (f"{i}.png", png(r), "image/png")) for i, r in enumerate(IMAGES)]
+    name = "random:qwen-image-edit-tiny"
+    with served(engine, ServerConfig(model=name, device="cpu")) as client:  # (closes the engine: the last test)
+        answer = client.post("/v1/images/edits", data=form, files=files)
+        assert answer.status_code == 200, answer.text
+        got = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))).astype(
+            np.int16)
+        assert np.abs(got - want).max() <= 1
+        answer = client.post("/v1/images/edits", data=form, files=files * 2)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "reference_images", answer.text
+        assert "send at most 3" in answer.json()["error"]["message"]
+        text = base64.b64encode(b"not an image").decode()
+        body = {"prompt": PROMPT, "size": "64x64", "reference_images": [b64png(Image.fromarray(IMAGES[0])), text]}
+        answer = client.post("/v1/images/generations", json=body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "reference_images[1]", answer.text
+        assert "\n" not in answer.json()["error"]["message"]
