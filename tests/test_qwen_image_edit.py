@@ -117,6 +117,63 @@ def test_rows_of_1_2_and_no_inputs_together_each_equal_their_request_alone(edit)
         assert np.abs(image - alone).max() <= 1, r["prompt"][:20]
 
 
+def test_a_request_without_inputs_is_text_to_image_in_the_edit_template(edit):
+    """No input image: QwenImagePipeline's reading with the Edit template (and its 64 dropped tokens) in place of its
+    own, as the Edit pipeline's encode reads a prompt without pictures."""
+    from diffusers import QwenImagePipeline
+
+    engine, pipe = edit
+    text = QwenImagePipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=pipe.text_encoder,
+                             tokenizer=pipe.tokenizer, transformer=pipe.transformer)
+    text.prompt_template_encode, text.prompt_template_encode_start_idx = TEMPLATE[0] + "{}" + TEMPLATE[1], DROPPED
+    got = images_together(engine, [request([], seed=5)])[0]
+    want = text(prompt=PROMPT, negative_prompt=" ", height=64, width=64, num_inference_steps=2, true_cfg_scale=4.0,
+                generator=torch.Generator().manual_seed(5), output_type="np").images[0]
+    assert np.abs(got - (want * 255).round().astype(np.int16)).max() <= 1
+
+
+def test_the_vision_tower_runs_once_per_images_and_prompt(edit, monkeypatch):
+    """The encoder's output is kept by the prompt cache under the prompt and the images' content: a request sent
+    again (another seed) runs no vision tower; other images with the same prompt do."""
+    engine, _ = edit
+    visual = engine.model.text_encoders[0].visual
+    calls, forward = [], visual.forward
+    monkeypatch.setattr(visual, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    prompt = "turn the fox into a cat"
+    images_together(engine, [request(IMAGES[:1], prompt=prompt, seed=1)])
+    first = len(calls)
+    images_together(engine, [request(IMAGES[:1], prompt=prompt, seed=2)])
+    assert first >= 1 and len(calls) == first  # the prompt and " " with the image (a batch); then none
+    images_together(engine, [request(IMAGES[1:], prompt=prompt, seed=2)])
+    assert len(calls) > first
+
+
+def test_graph_mode_runs_edit_rows_beside_graphed_rows(edit):
+    """In graph mode (the CPU's emulated graphs) rows with one and two inputs and a row without run together; the
+    row without inputs replays its group's step graphs (verified against eager at capture), the edit rows' groups,
+    not among the configured resolutions' (as FLUX.2's reference groups), run their steps eagerly; every image equals
+    the eager engine's."""
+    from diffgraph import GraphConfig
+
+    engine, _ = edit
+    requests = [request(IMAGES[:1], seed=21), request(IMAGES, size=(64, 96), guidance=1.0, seed=22),
+                request([], seed=23)]
+    want = images_together(engine, requests)
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), prewarm=False, verify=True,
+                      backend="emulated", capture_text_encoder=False)
+    with Engine(model="random:qwen-image-edit-tiny", device="cpu", mode="graph", graphs=cfg) as graphed:
+        with torch.no_grad():
+            for mine, theirs in zip(graphed.model.denoiser.parameters(), engine.model.denoiser.parameters()):
+                mine.copy_(theirs)
+        got = images_together(graphed, requests)
+        table = graphed.runner.graph_table()
+    steps = [row for row in table if row["kind"] == "step" and row["replays"]]
+    assert [(row["height"], row["width"]) for row in steps] == [((128, 0), 256)], table
+    assert all(row["verify_max_abs"] is not None and row["verify_max_abs"] < 1e-4 for row in steps), table
+    for a, b in zip(got, want):
+        assert np.abs(a - b).max() <= 1
+
+
 def test_vision_preprocessing_equals_transformers_pil_processor():
     """The family's own preprocessing (no torchvision) gives Qwen2VLImageProcessorPil's pixel values and grid."""
     from PIL import Image
@@ -150,7 +207,8 @@ def test_bad_inputs_are_a_param_error_naming_the_field(edit, images, words):
 
 
 def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
-    """/v1/images/edits reads every image part as an input image: two equal the engine's request with them; four
+    """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image: two
+    equal the engine's request with them; four
     parts, or a JSON input that is not an image, are a one-line 400 naming the field (the element, on the JSON
     route)."""
     import base64
@@ -177,6 +235,12 @@ def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
         assert answer.status_code == 200, answer.text
         got = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))).astype(
             np.int16)
+        assert np.abs(got - want).max() <= 1
+        a1111 = {"prompt": PROMPT, "init_images": [b64png(Image.fromarray(r)) for r in IMAGES], "width": 64,
+                 "height": 64, "seed": 4, "steps": 2, "cfg_scale": 4, "denoising_strength": 1.0}
+        answer = client.post("/sdapi/v1/img2img", json=a1111)  # AUTOMATIC1111's init images are the inputs too
+        assert answer.status_code == 200, answer.text
+        got = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["images"][0])))).astype(np.int16)
         assert np.abs(got - want).max() <= 1
         answer = client.post("/v1/images/edits", data=form, files=files * 2)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "reference_images", answer.text
