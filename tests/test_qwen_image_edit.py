@@ -92,6 +92,19 @@ def test_edits_equal_the_pipeline_with_one_and_two_input_images(edit, count, siz
     assert (engine.info.default_steps, engine.info.default_guidance) == (40, 4.0)
 
 
+def test_edit_2511_modulates_the_reference_tokens_at_timestep_0(edit, monkeypatch):
+    """Edit-2511's transformer (`zero_cond_t`, the same weights' layout): with two input images the engine equals the
+    pipeline, whose image differs from 2509's reading of the same weights."""
+    engine, pipe = edit
+    before = oracle(pipe, PROMPT, IMAGES, (64, 64), 2, 4.0, 6)
+    net = engine.model.denoiser
+    for module in (net, *net.transformer_blocks):
+        monkeypatch.setattr(module, "zero_cond_t", True)
+    got = images_together(engine, [request(IMAGES, seed=6)])[0]
+    want = oracle(pipe, PROMPT, IMAGES, (64, 64), 2, 4.0, 6)
+    assert np.abs(got - want).max() <= 1 and np.abs(want - before).max() > 3
+
+
 def test_rows_of_1_2_and_no_inputs_together_each_equal_their_request_alone(edit):
     """Rows with one and two inputs (36 and 68 reference tokens: one bucket of 256), prompts of 2 and 40 words, true
     CFG and none, and a row without inputs (its own group) share the burst; each equals its request alone. The

@@ -149,9 +149,15 @@ def row_rope(net: Any, positions: torch.Tensor, image_mask: torch.Tensor, text: 
     return rope_tables(net, torch.cat([words, image], dim=1))
 
 
-def modulate(x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x * (1 + scale) + shift and the gate, from a [n, 3 * dim] modulation (QwenImageTransformerBlock's order)."""
+def modulate(x: torch.Tensor, mod: torch.Tensor, ref_mod: torch.Tensor | None = None,
+             tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x * (1 + scale) + shift and the gate, from a [n, 3 * dim] modulation (QwenImageTransformerBlock's order); with
+    `ref_mod` (Edit-2511's `zero_cond_t`) the tokens past the first `tokens` (the references) take that one."""
     shift, scale, gate = mod.unsqueeze(1).chunk(3, dim=-1)
+    if ref_mod is not None:
+        first = (torch.arange(x.shape[1], device=x.device) < tokens)[None, :, None]
+        shift, scale, gate = (torch.where(first, a, b) for a, b in zip((shift, scale, gate),
+                                                                       ref_mod.unsqueeze(1).chunk(3, dim=-1)))
     return x * (1 + scale) + shift, gate
 
 
@@ -171,17 +177,19 @@ def joint_attention(attn: Any, img: torch.Tensor, txt: torch.Tensor, rope: tuple
 
 
 def block_step(block: Any, h: torch.Tensor, c: torch.Tensor, temb: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`QwenImageTransformerBlock.forward` (without zero_cond_t) with per-row RoPE and a key mask: image stream h,
-    text stream c."""
+               rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, ref_temb: torch.Tensor | None = None,
+               tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QwenImageTransformerBlock.forward` with per-row RoPE and a key mask: image stream h, text stream c; with
+    `ref_temb` (zero_cond_t) the image stream's tokens past the first `tokens` modulated by it."""
     img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
+    ref1, ref2 = block.img_mod(ref_temb).chunk(2, dim=-1) if ref_temb is not None else (None, None)
     txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
-    img, img_gate = modulate(block.img_norm1(h), img_mod1)
+    img, img_gate = modulate(block.img_norm1(h), img_mod1, ref1, tokens)
     txt, txt_gate = modulate(block.txt_norm1(c), txt_mod1)
     img_out, txt_out = joint_attention(block.attn, img, txt, rope, keys)
     h = h + img_gate * img_out
     c = c + txt_gate * txt_out
-    img, img_gate = modulate(block.img_norm2(h), img_mod2)
+    img, img_gate = modulate(block.img_norm2(h), img_mod2, ref2, tokens)
     h = h + img_gate * block.img_mlp(img)
     txt, txt_gate = modulate(block.txt_norm2(c), txt_mod2)
     c = c + txt_gate * block.txt_mlp(txt)
@@ -207,6 +215,7 @@ class QwenImageFamily(TokenFamily):
     template_dropped = DROPPED
     template = TEMPLATE       # the pipeline's prompt template around the prompt (its first `template_dropped` dropped)
     checkpoint = QWEN_IMAGE   # a folder's or split files' defaults
+    reads_zero_cond_t = False  # Edit-2511's reference-token modulation (an Edit family's)
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -248,8 +257,9 @@ class QwenImageFamily(TokenFamily):
         if int(transformer.config.joint_attention_dim) != width:
             raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the "
                              f"encoder gives {width}; use the checkpoint's own text encoder")
-        if any(getattr(transformer.config, k, False) for k in ("zero_cond_t", "use_layer3d_rope", "guidance_embeds",
-                                                                 "use_additional_t_cond")):
+        variants = ("use_layer3d_rope", "guidance_embeds", "use_additional_t_cond") + \
+            (() if self.reads_zero_cond_t else ("zero_cond_t",))
+        if any(getattr(transformer.config, k, False) for k in variants):
             raise ValueError("this Qwen-Image transformer is an Edit-2511, Layered or guidance-distilled variant, "
                              "which diffgraph does not read yet; use a QwenImagePipeline checkpoint")
         for m in (transformer, vae, encoder):
@@ -421,9 +431,11 @@ class QwenImageFamily(TokenFamily):
         h = net.img_in(x.to(net.dtype))
         timestep = (t.to(x.dtype) / 1000).to(h.dtype)  # as the pipeline rounds it
         temb = net.time_text_embed(timestep, h)
+        # Edit-2511 (`zero_cond_t`): the reference tokens modulated as at timestep 0
+        ref_temb = net.time_text_embed(timestep * 0, h) if getattr(net, "zero_cond_t", False) else None
         c = net.txt_in(net.txt_norm(embeds.to(net.dtype)))
         for block in net.transformer_blocks:
-            h, c = block_step(block, h, c, temb, rope, keys)
+            h, c = block_step(block, h, c, temb, rope, keys, ref_temb, tokens)
         out = net.proj_out(net.norm_out(h[:, :tokens], temb))
         return out * image_mask.unsqueeze(-1)
 

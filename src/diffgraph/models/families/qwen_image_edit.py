@@ -1,4 +1,4 @@
-"""Qwen-Image-Edit (the Edit Plus layout of 2509: `QwenImageEditPlusPipeline`): Qwen-Image (qwen_image.py) that reads
+"""Qwen-Image-Edit (the Edit Plus layout of 2509 and 2511: `QwenImageEditPlusPipeline`): Qwen-Image (qwen_image.py) that reads
 one to three input images, through the Qwen2.5-VL encoder's vision tower beside the prompt and as reference tokens
 beside the image's.
 
@@ -23,6 +23,8 @@ AUTOMATIC1111's init images fill it: `edit_images`), and how rows of different i
     with its own centred rows and columns, and the text after the largest half extent of every image of the row
     (QwenEmbedRope over the row's img_shapes): the row's text tables are rewritten at admission where its inputs
     reach further than its image;
+  * Edit-2511 (its transformer's `zero_cond_t`): the reference tokens are modulated by the timestep embedding of 0,
+    the image's and the text's by the step's (qwen_image.py `block_step`);
   * the group key's first element is (text slot, reference tokens rounded up to `token_bucket`): rows of one text
     slot whose inputs round to one bucket share a step, their padding masked; true CFG, the schedule (mu of the
     output's tokens) and the decode are the text family's.
@@ -31,7 +33,7 @@ resolution): a ParamError naming `reference_images`.
 Preprocessing is the family's own (PIL and numpy, no torchvision), equal to transformers' `Qwen2VLImageProcessorPil`
 (tests/test_qwen_image_edit.py); the settings ship in assets/qwen/qwen2_vl_preprocessor.json and a folder's
 `processor/preprocessor_config.json` must agree with them.
-Not here yet: Edit-2511's `zero_cond_t` modulation (refused at load), split files, the output size from the last
+Not here yet: split files, the output size from the last
 input's aspect ratio where a request names none (the request's size, else the model's native size).
 """
 
@@ -230,6 +232,7 @@ class QwenImageEditFamily(QwenImageFamily):
     template = TEMPLATE
     template_dropped = DROPPED
     checkpoint = QWEN_IMAGE_EDIT
+    reads_zero_cond_t = True
     edit_images = NAME  # the edits route's image parts and AUTOMATIC1111's init images are its input images
 
     # -- loading ---------------------------------------------------------------------------------------
