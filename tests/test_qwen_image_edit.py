@@ -187,6 +187,26 @@ def test_graph_mode_runs_edit_rows_beside_graphed_rows(edit):
         assert np.abs(a - b).max() <= 1
 
 
+def test_a_saved_pipeline_folder_loads_as_the_family_and_a_foreign_processor_is_refused(edit, tmp_path):
+    """The pipeline's save_pretrained folder (QwenImageEditPlusPipeline) serves the same images; a processor whose
+    settings differ from the shipped ones is refused at load naming the setting."""
+    import json
+
+    engine, pipe = edit
+    path = tmp_path / "Qwen-Image-Edit"
+    pipe.save_pretrained(str(path))
+    with Engine(model=str(path), device="cpu") as loaded:
+        assert loaded.info.family == "qwen-image-edit" and loaded.info.default_steps == 40
+        r = request(IMAGES[:1], seed=8)
+        assert np.abs(images_together(loaded, [r])[0] - images_together(engine, [r])[0]).max() <= 1
+    config = path / "processor" / "processor_config.json"
+    saved = json.loads(config.read_text())
+    saved["image_processor"]["patch_size"] = 16
+    config.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="patch_size is 16"):
+        Engine(model=str(path), device="cpu")
+
+
 def test_vision_preprocessing_equals_transformers_pil_processor():
     """The family's own preprocessing (no torchvision) gives Qwen2VLImageProcessorPil's pixel values and grid."""
     from PIL import Image
@@ -217,6 +237,20 @@ def test_bad_inputs_are_a_param_error_naming_the_field(edit, images, words):
         engine.submit(GenerationRequest.create(model=engine.info, prompt="x", height=64, width=64,
                                                extras={"reference_images": images}))
     assert e.value.param == "reference_images" and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_images_placeholders_count_against_the_prompt_s_1024_tokens(edit):
+    """A prompt that fits alone but not beside its input images' placeholders is refused naming the count and the
+    limit."""
+    engine, _ = edit
+    prompt = "fox " * 1000
+    engine.submit(GenerationRequest.create(model=engine.info, prompt=prompt, height=64, width=64,
+                                           num_inference_steps=1, guidance_scale=1.0)).result(timeout=600)
+    with pytest.raises(ParamError) as e:
+        engine.submit(GenerationRequest.create(model=engine.info, prompt=prompt, height=64, width=64,
+                                               extras={"reference_images": [*IMAGES, IMAGES[0]]}))
+    assert e.value.param == "prompt" and "with the model's template and its 3 input images" in str(e.value)
+    assert "at most 1024" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):

@@ -74,20 +74,29 @@ PROCESSOR = "qwen2_vl_preprocessor.json"  # the Qwen2-VL image processor's setti
 QWEN_IMAGE_EDIT = Checkpoint("qwen-image-edit-2509", 40, 4.0, native=1024)  # its model card: 40 steps, true CFG 4
 
 
-def processor_settings(path: str | None = None) -> dict[str, Any]:
-    """The Qwen2-VL image processor's settings: the shipped ones, or a folder's `preprocessor_config.json` at `path`
-    (a ValueError naming the first setting that differs from the shipped one: the family preprocesses with those)."""
+def processor_settings(folder: str | None = None) -> dict[str, Any]:
+    """The Qwen2-VL image processor's settings: the shipped ones, checked against a pipeline folder's `processor/`
+    where given (its `preprocessor_config.json`, or transformers 5's `processor_config.json` with its
+    `image_processor`, pixel bounds as `size`): a ValueError naming the first setting that differs (the family
+    preprocesses with the shipped ones)."""
     shipped = safe_files.read_json(os.path.join(ASSETS, PROCESSOR), 1 << 16)[0]
-    if path is None:
-        return shipped
-    try:
-        given = safe_files.read_json(path, 1 << 20)[0]
-    except safe_files.UnusableFile as e:
-        raise ValueError(f"{path}: {e}") from None
-    for key, value in shipped.items():
-        if key in given and given[key] != value:
-            raise ValueError(f"{path}: {key} is {given[key]!r}, but Qwen-Image-Edit's processor reads images with "
-                             f"{value!r}; restore the published preprocessor_config.json")
+    for name, section in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        path = os.path.join(folder or "", "processor", name)
+        if folder is None or not os.path.isfile(path):
+            continue
+        try:
+            given = safe_files.read_json(path, 1 << 20)[0]
+        except safe_files.UnusableFile as e:
+            raise ValueError(f"{path}: {e}") from None
+        given = dict(given.get(section) or {}) if section else given
+        size = given.get("size") if isinstance(given.get("size"), dict) else {}
+        given.setdefault("min_pixels", size.get("shortest_edge"))
+        given.setdefault("max_pixels", size.get("longest_edge"))
+        for key, value in shipped.items():
+            if given.get(key) is not None and given[key] != value:
+                raise ValueError(f"{path}: {key} is {given[key]!r}, but Qwen-Image-Edit's processor reads images with "
+                                 f"{value!r}; restore the published processor settings")
+        break
     return shipped
 
 
@@ -137,12 +146,14 @@ class InputImages:
 
 
 def check_input(image: Any) -> None:
-    """A ValueError where an input is too thin for the pipeline's resolutions (a side rounds to 0)."""
+    """A ValueError where an input is too thin for the pipeline's resolutions (a side rounds to 0) or for the vision
+    processor (an aspect ratio beyond 200)."""
     w, h = image.size
-    for area in (CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE):
-        if min(dimensions(area, w / h)) < 32:
-            raise ValueError(f"a {w}x{h} image is too thin to read at {area} pixels; send one of aspect ratio within "
-                             f"{area // 32 ** 2 // 2}:1")
+    cw, ch = dimensions(CONDITION_IMAGE_SIZE, w / h)
+    vw, vh = dimensions(VAE_IMAGE_SIZE, w / h)
+    if min(cw, ch, vw, vh) < 32 or max(cw, ch) / min(cw, ch) > 200:
+        raise ValueError(f"a {w}x{h} image is too thin for the model's vision encoder; send one of aspect ratio "
+                         f"within {min(200, CONDITION_IMAGE_SIZE // 256)}:1")
 
 
 def prepare_inputs(images: tuple[Any, ...], settings: Mapping[str, Any]) -> InputImages:
@@ -240,12 +251,10 @@ class QwenImageEditFamily(QwenImageFamily):
                     name: str) -> DiffusionModel:
         """A QwenImageEditPlusPipeline folder: Qwen-Image's parts, and its processor's settings checked against the
         shipped ones (`processor_settings`)."""
-        config = os.path.join(folder, "processor", "preprocessor_config.json")
-        if os.path.isfile(config):
-            try:
-                processor_settings(config)
-            except ValueError as e:
-                raise ValueError(f"model folder {folder!r}: {e}") from None
+        try:
+            processor_settings(folder)
+        except ValueError as e:
+            raise ValueError(f"model folder {folder!r}: {e}") from None
         return super().load_folder(folder, index, device, dtype, name)
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
