@@ -107,11 +107,12 @@ def test_edit_2511_modulates_the_reference_tokens_at_timestep_0(edit, monkeypatc
 
 def test_rows_of_1_2_and_no_inputs_together_each_equal_their_request_alone(edit):
     """Rows with one and two inputs (36 and 68 reference tokens: one bucket of 256), prompts of 2 and 40 words, true
-    CFG and none, and a row without inputs (its own group) share the burst; each equals its request alone. The
+    CFG and a guidance-1 row of 3 steps on the Lightning schedule, and a row without inputs (its own group) share the
+    burst; each equals its request alone. The
     shared picture's reference tokens are encoded once (cached by content)."""
     engine, _ = edit
     long = ", ".join(["a lighthouse on a cliff at dusk with gulls"] * 5)
-    requests = [request(IMAGES[:1], prompt="blue fox", guidance=1.0, seed=11, steps=3),
+    requests = [dict(request(IMAGES[:1], prompt="blue fox", guidance=1.0, seed=11, steps=3), schedule="lightning"),
                 request(IMAGES, prompt=long, size=(96, 64), seed=12),
                 request(IMAGES[:1], prompt=PROMPT, size=(64, 96), seed=13),
                 request([], prompt=PROMPT, seed=14)]

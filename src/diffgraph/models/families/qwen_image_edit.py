@@ -181,12 +181,13 @@ class EditImages(Capability):
 
     def __init__(self, bucket: int):
         self.bucket = bucket
+        self.processor = processor_settings()  # read once: every request's images are read with them
 
     def check(self, values: dict[str, Any], settings: Any) -> None:
         checked(tuple(values[NAME]), MAX_INPUTS, check_input, "input images")
 
     def prepare(self, values: dict[str, Any], settings: Any) -> InputImages:
-        return prepare_inputs(tuple(values[NAME]), processor_settings())
+        return prepare_inputs(tuple(values[NAME]), self.processor)
 
     def feature(self, model: Any, settings: Any) -> RowFeature:
         return EditRows(model, self.bucket, model.latent_channels * 4)
