@@ -71,7 +71,7 @@ TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (c
 DROPPED = 64
 PICTURE = "Picture {}: <|vision_start|>{}<|vision_end|>"
 PROCESSOR = "qwen2_vl_preprocessor.json"  # the Qwen2-VL image processor's settings (assets/qwen/)
-QWEN_IMAGE_EDIT = Checkpoint("qwen-image-edit-2509", 40, 4.0, native=1024)  # its model card: 40 steps, true CFG 4
+QWEN_IMAGE_EDIT = Checkpoint("qwen-image-edit", 40, 4.0, native=1024)  # 2509 and 2511 model cards: 40 steps, true CFG 4
 
 
 def processor_settings(folder: str | None = None) -> dict[str, Any]:
