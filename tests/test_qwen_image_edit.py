@@ -240,6 +240,22 @@ def test_bad_inputs_are_a_param_error_naming_the_field(edit, images, words):
     assert e.value.param == "reference_images" and words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_an_output_without_a_size_takes_the_last_input_s_aspect_ratio(edit):
+    """As the pipeline: the last input's aspect ratio at 1024 x 1024 pixels of area, sides multiples of 32 (within
+    2048: a panorama's output scaled to fit); a size given, or no input, as before."""
+    from PIL import Image
+
+    engine, _ = edit
+
+    def size(**kw):
+        made = GenerationRequest.create(model=engine.info, prompt="x", **kw)
+        return made.width, made.height
+    assert size(extras={"reference_images": [picture(64, 64, 0), np.zeros((200, 300, 3), np.uint8)]}) == (1248, 832)
+    assert size(extras={"reference_images": [Image.new("RGB", (100, 600))]}) == (320, 2048)  # 416 x 2496, scaled
+    assert size(extras={"reference_images": [picture(64, 64, 0)]}, width=64, height=96) == (64, 96)
+    assert size() == (128, 128)  # the tiny preset's native size
+
+
 def test_the_images_placeholders_count_against_the_prompt_s_1024_tokens(edit):
     """A prompt that fits alone but not beside its input images' placeholders is refused naming the count and the
     limit."""

@@ -138,6 +138,8 @@ class FamilyAdapter:
     # the capability parameter (a `Param.images` list) the edits route's image parts fill, every one of them (FLUX.2's
     # references); None: the first image is the image-to-image start
     edit_images: str | None = None
+    # an output without a size takes the last of those images' aspect ratio at this many pixels (0: the native size)
+    edit_images_area: int = 0
     edit_steps_rule: str = "sd"  # request_inputs.EDIT_STEP_RULES: how its pipelines' strength picks the steps run
     # an edit's image latents: a sample of the VAE posterior drawn from the request's generator before its noise (SD,
     # Z-Image), or the posterior's mode with no draw (FLUX.2's pipelines: `sample_mode="argmax"`)

@@ -33,8 +33,9 @@ resolution): a ParamError naming `reference_images`.
 Preprocessing is the family's own (PIL and numpy, no torchvision), equal to transformers' `Qwen2VLImageProcessorPil`
 (tests/test_qwen_image_edit.py); the settings ship in assets/qwen/qwen2_vl_preprocessor.json and a folder's
 `processor/preprocessor_config.json` must agree with them.
-Not here yet: split files, the output size from the last
-input's aspect ratio where a request names none (the request's size, else the model's native size).
+An output without a size takes the last input's aspect ratio at 1024 x 1024 pixels of area, as the pipeline's
+(`edit_images_area`; request.py `area_size`).
+Not here yet: split files.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import torch
 from ... import safe_files
 from ...features.base import Admission, RowFeature
 from ...features.capability import Capability
-from ...request import GroupKey, Size
+from ...request import GroupKey, Size, area_size
 from ...text.prepared import PromptInputs, VisionImage
 from ..model import DiffusionModel
 from ..qwen_tokenizer import ASSETS
@@ -100,13 +101,6 @@ def processor_settings(folder: str | None = None) -> dict[str, Any]:
     return shipped
 
 
-def dimensions(area: int, ratio: float) -> tuple[int, int]:
-    """(width, height) of `area` pixels at aspect ratio `ratio` (width / height), each rounded to a multiple of 32
-    (the pipeline's `calculate_dimensions`)."""
-    width = math.sqrt(area * ratio)
-    return round(width / 32) * 32, round(width / ratio / 32) * 32
-
-
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """The Qwen2-VL processor's size of an image: sides multiples of `factor`, area within the bounds, aspect kept."""
     h, w = round(height / factor) * factor, round(width / factor) * factor
@@ -149,8 +143,8 @@ def check_input(image: Any) -> None:
     """A ValueError where an input is too thin for the pipeline's resolutions (a side rounds to 0) or for the vision
     processor (an aspect ratio beyond 200)."""
     w, h = image.size
-    cw, ch = dimensions(CONDITION_IMAGE_SIZE, w / h)
-    vw, vh = dimensions(VAE_IMAGE_SIZE, w / h)
+    cw, ch = area_size(CONDITION_IMAGE_SIZE, w / h)
+    vw, vh = area_size(VAE_IMAGE_SIZE, w / h)
     if min(cw, ch, vw, vh) < 32 or max(cw, ch) / min(cw, ch) > 200:
         raise ValueError(f"a {w}x{h} image is too thin for the model's vision encoder; send one of aspect ratio "
                          f"within {min(200, CONDITION_IMAGE_SIZE // 256)}:1")
@@ -163,8 +157,8 @@ def prepare_inputs(images: tuple[Any, ...], settings: Mapping[str, Any]) -> Inpu
     processor = VaeImageProcessor(vae_scale_factor=16)
     refs, vision, text = [], [], []
     for i, img in enumerate(checked(images, MAX_INPUTS, check_input, "input images")):
-        cw, ch = dimensions(CONDITION_IMAGE_SIZE, img.size[0] / img.size[1])
-        vw, vh = dimensions(VAE_IMAGE_SIZE, img.size[0] / img.size[1])
+        cw, ch = area_size(CONDITION_IMAGE_SIZE, img.size[0] / img.size[1])
+        vw, vh = area_size(VAE_IMAGE_SIZE, img.size[0] / img.size[1])
         vision.append(vision_image(processor.resize(img, ch, cw), settings))
         refs.append(reference(processor.preprocess(img, vh, vw)))
         count = vision[-1].pixels.shape[0] // settings["merge_size"] ** 2
@@ -246,6 +240,7 @@ class QwenImageEditFamily(QwenImageFamily):
     checkpoint = QWEN_IMAGE_EDIT
     reads_zero_cond_t = True
     edit_images = NAME  # the edits route's image parts and AUTOMATIC1111's init images are its input images
+    edit_images_area = 1024 * 1024  # an output without a size: the last input's aspect ratio (the pipeline's)
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
