@@ -12,7 +12,7 @@ AUTOMATIC1111's init images fill it: `edit_images`), and how rows of different i
   * text: the prompt in the Edit template (its own system message, 64 tokens dropped), after "Picture i:
     <|vision_start|>" and one `<|image_pad|>` per merged vision patch "<|vision_end|>" for each image; the encoder
     reads the vision tower's output at those tokens with the model's multimodal positions (`mm_token_type_ids`, as
-    transformers' processor marks them: the pipeline in diffusers 0.42 with transformers 5 leaves them out and reads
+    transformers' processor marks them: the pipeline under transformers 5 leaves them out and reads
     the images at plain sequence positions, which diffusers' open fix adds back). The vision placeholders count
     against the 1024 tokens a row holds (a longer prompt is refused naming its count). The negative prompt (" " where
     the request has none) is read with the same images. The images are part of the prompt (`PromptInputs`), so the
