@@ -68,6 +68,29 @@ def _nearest_multiples(value: int, base: int = SIZE_MULTIPLE) -> str:
     return f"{low} or {high}" if MIN_SIZE <= value <= MAX_SIZE and high != low else f"{low}"
 
 
+def area_size(area: int, ratio: float, multiple: int = 32) -> tuple[int, int]:
+    """(width, height) of about `area` pixels at aspect ratio `ratio` (width / height), each side rounded to
+    `multiple` (the Qwen-Image-Edit pipelines' `calculate_dimensions`)."""
+    width = math.sqrt(area * ratio)
+    return round(width / multiple) * multiple, round(width / ratio / multiple) * multiple
+
+
+def _size_of_inputs(model: "ModelInfo", extras: Any) -> tuple[int | None, int | None]:
+    """The size of an output that names none on a model that sizes it from the last of its input images
+    (`ModelInfo.edit_images_area`): that image's aspect ratio at the area, within MAX_SIZE; (None, None) without one
+    (a value the capability refuses stays for it to refuse)."""
+    images = extras.get(model.edit_images) if isinstance(extras, dict) and model.edit_images_area else None
+    last = images[-1] if isinstance(images, (list, tuple)) and images else None
+    shape = getattr(last, "size", None) if not isinstance(last, np.ndarray) else last.shape[1::-1]
+    if not isinstance(shape, tuple) or len(shape) != 2 or not all(isinstance(v, (int, np.integer)) and v > 0
+                                                                  for v in shape):
+        return None, None
+    width, height = area_size(model.edit_images_area, shape[0] / shape[1])
+    scale = min(1.0, MAX_SIZE / max(width, height))  # a wide image's output at the largest size that keeps it
+    fit = (lambda v: max(MIN_SIZE, int(v * scale) // 32 * 32)) if scale < 1 else (lambda v: max(MIN_SIZE, v))
+    return fit(width), fit(height)
+
+
 def _check_size(name: str, value: Any, base: int = SIZE_MULTIPLE) -> int:
     """A width or height: an integer in MIN_SIZE..MAX_SIZE, a multiple of `base` (a family's size multiple)."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -356,6 +379,8 @@ class GenerationRequest:
         if seed is None:
             seed = secrets.randbelow(2**31)
         kwargs = {} if request_id is None else {"request_id": str(request_id)}
+        if width is None and height is None and model is not None:  # sized from its input images, where the family is
+            width, height = _size_of_inputs(model, extras)
         width = model.native_size if width is None else width
         height = model.native_size if height is None else height
         for name, value in (("width", width), ("height", height)):  # the family's words first (its multiple)
@@ -503,6 +528,9 @@ class ModelInfo:
     # the values its capabilities give a request that names none (a server default such as `--step-cache auto`)
     extension_defaults: tuple[tuple[str, Any], ...] = ()
     edit_images: str | None = None  # the one the edits route's image parts fill (None: the first is the edit's start)
+    # an output that names no size: the aspect ratio of the last of its `edit_images` at this many pixels of area
+    # (Qwen-Image-Edit's pipelines: 1024 x 1024); 0: the native size
+    edit_images_area: int = 0
     # the steps a request that names none runs (its checkpoint's model card); None: each route's own default
     default_steps: int | None = None
     edit_steps_rule: str = "sd"  # EDIT_STEP_RULES: how an edit's strength picks its steps (its family's pipelines)

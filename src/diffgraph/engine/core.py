@@ -95,11 +95,13 @@ class EngineCore:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
         EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
         plan = self.runner.request_plan(request)
-        # parsed and tokenised here, on the submitting thread (a prompt schedule's texts each)
-        prompts = prepare(self.runner.text_setup, request, *schedule_length(plan, request.hires_of))
         # registered capabilities' parameters (none: every capability is neutral), before the group: it may read them
         prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
             if request.extras else {}
+        # parsed and tokenised here, on the submitting thread (a prompt schedule's texts each), with what the encoder
+        # reads beside them (a vision-language encoder's images, from the capabilities' preparations)
+        prompts = prepare(self.runner.text_setup, request, *schedule_length(plan, request.hires_of),
+                          inputs=self.runner.prompt_inputs(prepared))
         state = RequestState.of(request, plan, time.monotonic(), sink, prompts,
                                 self.runner.group_key(request.key, prompts, prepared, request.tiling))
         state.prepared = prepared

@@ -216,7 +216,7 @@ class Engine:
                          extension_params=self.runner.capabilities.params(),
                          extension_images=self.runner.capabilities.image_params(),
                          extension_defaults=self.runner.capabilities.defaults(),
-                         edit_images=adapter.edit_images,
+                         edit_images=adapter.edit_images, edit_images_area=adapter.edit_images_area,
                          default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule,
                          tiling=adapter.supports_tiling)
 

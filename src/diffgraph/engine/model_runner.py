@@ -42,7 +42,7 @@ from .ip_adapters import IPAdapters
 from .graph_setup import (GraphSet, add_step_graph, add_tiling_graphs, decode_chunks, make_graphs, tiling_kind,
                           vae_buckets)
 from ..text.embeddings import EmbeddingDir
-from ..text.prepared import PromptText, TextSetup, plain_ids
+from ..text.prepared import PromptInputs, PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
 from .prompts import DEFAULT_CACHE_BYTES, PromptCache, PromptKey
 from .staging import DecodedPixels, StagingPair
@@ -321,6 +321,10 @@ class ModelRunner:
         return t if not self.cuda or t.is_cuda else t.pin_memory().to(self.device, non_blocking=True)
 
     # -- encode --------------------------------------------------------------------------------
+    def prompt_inputs(self, prepared: dict[str, Any]) -> PromptInputs | None:
+        """What the family's encoder reads beside a request's prompts, from its capabilities' preparations."""
+        return self.adapter.prompt_inputs(self.model, prepared) if prepared else None
+
     def encode_texts(self, texts: list[str]) -> Conditioning:
         """Plain prompts (diffusers' reading) -> their conditioning as one batch (tools and tests)."""
         return concat(self.text_encoder.encode([PromptText(t, ids=plain_ids(self.text_setup, t)) for t in texts]))
@@ -383,7 +387,7 @@ class ModelRunner:
                                  "first sigma: pass both, or the latents")
             latents = self.initial_latents(admission.rows, key, generator, sigma, size, admission.request)
         cond, uncond, chunks = self.row_conditioning(*prompts, windows)
-        admission = dataclasses.replace(admission, uncond=uncond, chunks=chunks)
+        admission = dataclasses.replace(admission, uncond=uncond, chunks=chunks, group=key)
         buf = self.buffers(key)
         k = latents.shape[0]
         rows = slice(start, start + k)

@@ -120,8 +120,9 @@ class PromptEncoder:
         if masked:
             with self._lock:
                 blank = self.model.adapter.empty_negative  # a missing negative prompt's text
-                enc = self.model.adapter.encode(self.model, [blank if prompts[i].text is None else prompts[i].text
-                                                             for i in masked])
+                enc = self.model.adapter.encode_with_inputs(
+                    self.model, [blank if prompts[i].text is None else prompts[i].text for i in masked],
+                    [prompts[i].inputs for i in masked])
             for j, i in enumerate(masked):
                 out[i] = owned(enc, j)
         rest = [i for i in range(len(prompts)) if out[i] is None]

@@ -73,6 +73,7 @@ class Admission:
 
     request: GenerationRequest
     rows: int
+    group: tuple = ()  # the group key its rows run in (request.GroupKey)
     uncond: Conditioning | None = None  # the negative prompt's conditioning (the runner pads it to the prompt's)
     edit: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/edits.py's per-row fields
     loras: list[tuple[int, float]] = field(default_factory=list)  # (slot, scale) of its UNet adapters

@@ -16,6 +16,10 @@ object, so two threads tokenising at once could give each other's lengths. Token
 text): a prompt sent again with other seeds (a shot's candidates), the same negative prompt under every request and
 AUTOMATIC1111's repeated pieces ("masterpiece, best quality") skip the tokenizer.
 A prompt of more than `max_chunks` chunks is a ParamError naming it.
+A vision-language encoder reads images beside a prompt (Qwen-Image-Edit's input images): the family makes them a
+`PromptInputs` at submit (`FamilyAdapter.prompt_inputs`), whose text (the images' placeholders, one token per vision
+embedding) goes before the prompt inside the template and counts against the encoder's tokens; they are part of the
+prompt (`PromptText.inputs`), so the prompt cache keys on the images' content beside the text.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..request import GenerationRequest, ParamError
 from .chunks import EmbeddingMatcher, TokenChunks, chunk_tokens, with_pad
 from .embeddings import Embedding, EmbeddingDir, EmbeddingError
@@ -36,6 +42,25 @@ from ..prompt_syntax import ParsedPrompt, parse_a1111, schedule_a1111
 logger = logging.getLogger(__name__)
 
 CHUNK_TOKENS = 75
+
+
+@dataclass(frozen=True, eq=False)
+class VisionImage:
+    """One image as a vision tower reads it: its patches [patches, patch features] (float32) and its patch grid
+    (frames, rows, columns)."""
+
+    pixels: np.ndarray
+    grid: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class PromptInputs:
+    """What an encoder reads beside a prompt's text: `text`, placed before the prompt inside the template (the
+    images' placeholders), and `images`, compared by `key` (their content hashes): equal inputs encode equally."""
+
+    text: str
+    key: str
+    images: tuple[VisionImage, ...] = field(compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -53,6 +78,7 @@ class PromptText:
     # a1111 prompt editing and alternation: (last evaluation, that text's PromptText) per text, this one first; ()
     # for a prompt read the same at every evaluation (`schedule_a1111`)
     schedule: tuple[tuple[int, "PromptText"], ...] = field(default=(), compare=False, hash=False, repr=False)
+    inputs: PromptInputs | None = None                  # what the encoder reads beside the text (images)
     # derived (plain attributes: the loop reads them per request without a call)
     chunks: int = field(init=False, compare=False, repr=False)     # its 77-token windows
     weighted: bool = field(init=False, compare=False, repr=False)  # AUTOMATIC1111's emphasis applies
@@ -84,18 +110,20 @@ class TextSetup:
 
 
 def prepare(setup: TextSetup, request: GenerationRequest, evaluations: int | None = None,
-            hires: int | None = None) -> tuple[PromptText, PromptText]:
+            hires: int | None = None, inputs: PromptInputs | None = None) -> tuple[PromptText, PromptText]:
     """(prompt, negative prompt) of a request, tokenised; ParamError naming the prompt that cannot be read.
     `evaluations`: the length of an a1111 prompt's schedule (AUTOMATIC1111's: its steps times its sampler's denoiser
     evaluations per step); None refuses prompt editing and alternation. `hires`: a hires fix's second pass's first
-    pass's evaluations (`evaluations` then the second pass's own)."""
+    pass's evaluations (`evaluations` then the second pass's own). `inputs`: what the encoder reads beside both
+    prompts (a family with a template; plain syntax)."""
     if request.clip_skip is not None and request.clip_skip > setup.max_clip_skip:
         raise ParamError("clip_skip", f"clip_skip {request.clip_skip} is beyond this model's text encoder; allowed: "
                                       f"0..{setup.max_clip_skip} (1 = the penultimate layer)")
     if request.prompt_syntax == "plain":
-        return (PromptText(request.prompt, clip_skip=request.clip_skip, ids=plain_ids(setup, request.prompt)),
+        return (PromptText(request.prompt, clip_skip=request.clip_skip, ids=plain_ids(setup, request.prompt,
+                                                                                       inputs=inputs), inputs=inputs),
                 PromptText(request.negative_prompt, ids=plain_ids(setup, request.negative_prompt or "",
-                                                                  "negative_prompt")))
+                                                                  "negative_prompt", inputs), inputs=inputs))
     return (_scheduled(setup, request.prompt, "prompt", request, evaluations, hires),
             _scheduled(setup, request.negative_prompt or "", "negative_prompt", request, evaluations, hires))
 
@@ -131,9 +159,12 @@ def empty_prompt(setup: TextSetup, like: PromptText) -> PromptText:
     return PromptText("", "a1111", like.clip_skip, like.emphasis, ids, ((1.0,) * (CHUNK_TOKENS + 2),))
 
 
-def plain_ids(setup: TextSetup, text: str, field: str = "prompt") -> tuple[tuple[tuple[int, ...], ...], ...]:
+def plain_ids(setup: TextSetup, text: str, field: str = "prompt",
+              inputs: PromptInputs | None = None) -> tuple[tuple[tuple[int, ...], ...], ...]:
     if setup.template is not None:
-        return _templated_ids(setup, text, field)
+        return _templated_ids(setup, text, field, inputs)
+    if inputs is not None:
+        raise ValueError("a family without a prompt template reads no inputs beside the prompt")
     out = []
     for i, tokenizer in enumerate(setup.tokenizers):
         length = setup.lengths[i] if setup.lengths else tokenizer.model_max_length
@@ -150,18 +181,23 @@ def plain_ids(setup: TextSetup, text: str, field: str = "prompt") -> tuple[tuple
     return tuple(out)
 
 
-def _templated_ids(setup: TextSetup, text: str, field: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """The prompt's ids in the family's template, every one (the encoder reads them at their own length); ParamError
-    naming `field` when they are more than the encoder reads."""
+def _templated_ids(setup: TextSetup, text: str, field: str,
+                   inputs: PromptInputs | None = None) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The prompt's ids in the family's template (after `inputs`' text), every one (the encoder reads them at their
+    own length); ParamError naming `field` when they are more than the encoder reads."""
     before, after = setup.template
+    if inputs is not None:
+        before += inputs.text
     length = setup.lengths[0] if setup.lengths else setup.tokenizers[0].model_max_length
     tokenizer = setup.tokenizers[0]
     with setup.lock:
         ids = setup.tokens.get(("templated", 0), [before + text + after], lambda texts: tokenizer(
             texts, truncation=False).input_ids)[0]
     if len(ids) - setup.dropped > length:
-        raise ParamError(field, f"{field} is {len(ids) - setup.dropped} tokens with the model's template; this model "
-                                f"reads at most {length}: shorten it")
+        images = f" and its {len(inputs.images)} input images" if inputs is not None and inputs.images else ""
+        raise ParamError(field, f"{field} is {len(ids) - setup.dropped} tokens with the model's template{images}; "
+                                f"this model reads at most {length}: shorten it" +
+                                (" or send fewer images" if images else ""))
     return ((tuple(ids),),)
 
 

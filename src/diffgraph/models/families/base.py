@@ -55,6 +55,7 @@ from ...request import (SIZE_MULTIPLE, TILING, GroupKey, ParamError, Size, check
 from ...sampling.names import DEFAULT_SAMPLER, DEFAULT_SCHEDULE, HISTORY_SAMPLERS, SAMPLERS, SCHEDULES
 from ...sampling.samplers import PlanOptions, SamplerPlan, make_plan, noising
 from ...sampling.schedules import NoiseSchedule
+from ...text.prepared import PromptInputs
 from ..model import DiffusionModel
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class FamilyAdapter:
     # the capability parameter (a `Param.images` list) the edits route's image parts fill, every one of them (FLUX.2's
     # references); None: the first image is the image-to-image start
     edit_images: str | None = None
+    # an output without a size takes the last of those images' aspect ratio at this many pixels (0: the native size)
+    edit_images_area: int = 0
     edit_steps_rule: str = "sd"  # request_inputs.EDIT_STEP_RULES: how its pipelines' strength picks the steps run
     # an edit's image latents: a sample of the VAE posterior drawn from the request's generator before its noise (SD,
     # Z-Image), or the posterior's mode with no draw (FLUX.2's pipelines: `sample_mode="argmax"`)
@@ -469,6 +472,18 @@ class FamilyAdapter:
     def negative(self, model: DiffusionModel, cond: Conditioning, prompts: list[str | None]) -> Conditioning:
         """Negative prompts' conditioning (encoded with "" for None) as the family's pipeline uses it."""
         return cond
+
+    def prompt_inputs(self, model: DiffusionModel, prepared: Mapping[str, Any]) -> PromptInputs | None:
+        """What its encoder reads beside a request's prompts (a vision-language encoder's images), from the request's
+        capability preparations (`prepared`, on the submitting thread); None: the text alone."""
+        return None
+
+    def encode_with_inputs(self, model: DiffusionModel, prompts: list[str],
+                           inputs: list[PromptInputs | None]) -> Conditioning:
+        """`encode`, each prompt with what the encoder reads beside it (`prompt_inputs`; None: nothing)."""
+        if any(i is not None for i in inputs):
+            raise ValueError(f"family {self.name!r} reads no inputs beside its prompts")
+        return self.encode(model, prompts)
 
     # -- the step and the decode -------------------------------------------------------------------
     def denoise(self, model: DiffusionModel, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,

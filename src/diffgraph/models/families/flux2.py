@@ -69,7 +69,8 @@ from ..qwen_tokenizer import chat_prompt, qwen_tokenizer
 from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
 from .first_block_cache import Blocks, run_blocks
-from .flux2_refs import NAME as REFERENCES, ReferenceImages, normalised, reference_bucket, rotary
+from .flux2_refs import ReferenceImages, normalised, rotary
+from .references import NAME as REFERENCES, reference_bucket
 from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
@@ -403,7 +404,7 @@ class Flux2KleinFamily(TokenFamily):
 
     def row_spec(self, model: DiffusionModel, key: GroupKey, size: Size | None = None) -> dict[str, torch.Tensor]:
         """The token families' positions and image mask, and the group's reference slots, neutral (no reference:
-        masked out); a request's references overwrite them at admission (flux2_refs.py `ReferenceRows`):
+        masked out); a request's references overwrite them at admission (flux2_refs.py `Flux2ReferenceRows`):
         `ref_tokens` [refs, 128], `ref_ids` [refs, 3] as (time, row, column), their RoPE tables `ref_cos` and
         `ref_sin` [refs, head_dim], `ref_mask` [refs]."""
         refs, device = key[0], model.device

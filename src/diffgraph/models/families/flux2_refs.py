@@ -1,5 +1,6 @@
 """FLUX.2 klein's reference images: the `reference_images` capability (its request parameter, check and preparation)
-and its row feature (the references' tokens written into a row's fields at admission).
+and its row feature (the references' tokens written into a row's fields at admission), on the shared reference machinery
+(references.py).
 
 As diffusers' `Flux2KleinPipeline(image=[...])` does:
   * on the submitting thread (`prepare`): each image checked as the pipeline's image processor checks it (each side at
@@ -20,78 +21,25 @@ row's padding tokens masked out of attention.
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from ...errors import ParamError
 from ...features.base import Admission, RowFeature
-from ...features.capability import Capability, Param
-from ...request import MAX_EDIT_PIXELS
+from ...features.capability import Capability
+from .references import NAME, Reference, ReferenceRows, checked as checked_images, grid_ids, param, reference
 
-NAME = "reference_images"
 MAX_REFERENCES = 4
 MAX_AREA = 1024 * 1024  # the pipeline's area cap of a reference
 MULTIPLE = 16           # its sides' multiple: the VAE's 8 times the 2x2 patchify
 TIME_SCALE = 10         # reference i sits at time 10 + 10 i (`_prepare_image_ids`' scale)
-CACHE = 32              # encoded references kept by content hash
-
-
-@dataclass(frozen=True, eq=False)
-class Reference:
-    """One preprocessed reference: pixels [1, 3, h, w] in -1..1 (h, w multiples of 16) and their content hash."""
-
-    pixels: torch.Tensor
-    digest: str
-
-    @property
-    def tokens(self) -> int:
-        return (self.pixels.shape[2] // MULTIPLE) * (self.pixels.shape[3] // MULTIPLE)
-
-
-def reference_bucket(references: tuple[Reference, ...], bucket: int) -> int:
-    """The reference tokens a row's group holds: its references' total rounded up to `bucket` (0 without any)."""
-    return math.ceil(sum(r.tokens for r in references) / bucket) * bucket
-
-
-def _rgb(value: Any, index: int) -> Any:
-    """Reference `index` as a PIL RGB image; ParamError naming the field otherwise."""
-    from PIL import Image
-
-    where = f"{NAME}[{index}]"
-    if isinstance(value, np.ndarray):
-        if value.dtype != np.uint8 or value.ndim != 3 or value.shape[2] != 3:
-            raise ParamError(NAME, f"{where} must be RGB pixels: a uint8 array of shape (height, width, 3), got "
-                                   f"{value.dtype} {tuple(value.shape)}")
-        value = Image.fromarray(value)
-    if not isinstance(value, Image.Image):
-        raise ParamError(NAME, f"{where} must be a PIL image or a uint8 RGB array, got {type(value).__name__}")
-    w, h = value.size
-    if w * h > MAX_EDIT_PIXELS:
-        raise ParamError(NAME, f"{where} is {w}x{h}; a reference is at most {MAX_EDIT_PIXELS // 2**20} megapixels")
-    return value.convert("RGB")
 
 
 def checked(images: tuple[Any, ...]) -> list[Any]:
     """The references as PIL RGB images, each one the pipeline takes; ParamError naming the field otherwise."""
     from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
-    if len(images) > MAX_REFERENCES:
-        raise ParamError(NAME, f"{len(images)} reference images; send at most {MAX_REFERENCES}")
-    processor = Flux2ImageProcessor(vae_scale_factor=MULTIPLE)
-    out = []
-    for i, value in enumerate(images):
-        out.append(_rgb(value, i))
-        try:
-            processor.check_image_input(out[-1])
-        except ValueError as e:
-            raise ParamError(NAME, f"{NAME}[{i}]: {e}") from None
-    return out
+    return checked_images(images, MAX_REFERENCES, Flux2ImageProcessor(vae_scale_factor=MULTIPLE).check_image_input)
 
 
 def preprocess(images: tuple[Any, ...]) -> tuple[Reference, ...]:
@@ -104,9 +52,7 @@ def preprocess(images: tuple[Any, ...]) -> tuple[Reference, ...]:
         if img.size[0] * img.size[1] > MAX_AREA:
             img = processor._resize_to_target_area(img, MAX_AREA)
         w, h = (img.size[0] // MULTIPLE) * MULTIPLE, (img.size[1] // MULTIPLE) * MULTIPLE
-        pixels = processor.preprocess(img, height=h, width=w, resize_mode="crop").float()
-        digest = hashlib.sha256(pixels.numpy().tobytes()).hexdigest() + f":{h}x{w}"
-        out.append(Reference(pixels, digest))
+        out.append(reference(processor.preprocess(img, height=h, width=w, resize_mode="crop")))
     return tuple(out)
 
 
@@ -114,8 +60,7 @@ class ReferenceImages(Capability):
     """`reference_images`: up to 4 images (PIL or uint8 RGB arrays) a row's image is conditioned on."""
 
     name = NAME
-    params = (Param(NAME, (), tuple, f"up to {MAX_REFERENCES} reference images (PIL or uint8 RGB arrays; base64 over "
-                                     "HTTP)", images=True),)
+    params = (param(MAX_REFERENCES, "reference images"),)
 
     def __init__(self, bucket: int):
         self.bucket = bucket
@@ -127,7 +72,7 @@ class ReferenceImages(Capability):
         return preprocess(tuple(values[NAME]))
 
     def feature(self, model: Any, settings: Any) -> RowFeature:
-        return ReferenceRows(model, self.bucket)
+        return Flux2ReferenceRows(model, self.bucket, model.latent_channels)
 
 
 def rotary(net: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,46 +105,18 @@ def normalised(vae: Any, latents: torch.Tensor) -> torch.Tensor:
     return (latents - mean) / std
 
 
-class ReferenceRows(RowFeature):
-    """Writes a request's reference tokens, their positions, RoPE tables and mask into its rows' `rows.ref_*` fields
-    (the family declares them in `row_spec`, neutral: no reference) at admission, on the engine loop."""
+class Flux2ReferenceRows(ReferenceRows):
+    """FLUX.2's references in its rows (references.py `ReferenceRows`): its VAE's normalised tokens (`encode`),
+    reference i at (10 + 10 i, row, column), their RoPE tables `rows.ref_cos` / `rows.ref_sin` made once for the
+    row's life."""
 
-    name = NAME
+    def encode(self, ref: Reference) -> torch.Tensor:
+        return encode(self.model, ref.pixels)
 
-    def __init__(self, model: Any, bucket: int):
-        self.model = model
-        self.bucket = bucket
-        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+    def positions(self, index: int, ref: Reference) -> torch.Tensor:
+        return grid_ids(ref, TIME_SCALE * (index + 1))
 
-    def _tokens(self, ref: Reference) -> torch.Tensor:
-        cached = self._cache.get(ref.digest)
-        if cached is None:
-            cached = self._cache[ref.digest] = encode(self.model, ref.pixels)
-            while len(self._cache) > CACHE:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(ref.digest)
-        return cached
-
-    def rows(self, admission: Admission) -> dict[str, torch.Tensor | float]:
-        refs = admission.prepared.get(NAME, ())
-        if not refs:
-            return {}
-        total = reference_bucket(refs, self.bucket)
-        device = self.model.device
-        tokens = torch.zeros((1, total, self.model.latent_channels), dtype=self.model.dtype, device=device)
-        ids = torch.full((1, total, 3), -1, dtype=torch.int64)
-        mask = torch.zeros((1, total), dtype=torch.bool)
-        start = 0
-        for i, ref in enumerate(refs):
-            h, w = ref.pixels.shape[2] // MULTIPLE, ref.pixels.shape[3] // MULTIPLE
-            stop = start + h * w
-            tokens[0, start:stop] = self._tokens(ref)
-            r, c = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-            ids[0, start:stop] = torch.stack([torch.full((h * w,), TIME_SCALE * (i + 1)), r.reshape(-1),
-                                              c.reshape(-1)], dim=1)
-            mask[0, start:stop] = True
-            start = stop
-        ids = ids.to(device)
-        cos, sin = rotary(self.model.denoiser, ids)  # the references' RoPE tables, made once for the row's life
-        return {"rows.ref_tokens": tokens, "rows.ref_ids": ids, "rows.ref_mask": mask.to(device),
-                "rows.ref_cos": cos, "rows.ref_sin": sin}
+    def tables(self, admission: Admission, refs: tuple[Reference, ...],
+               ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        cos, sin = rotary(self.model.denoiser, ids)
+        return {"rows.ref_cos": cos, "rows.ref_sin": sin}

@@ -28,8 +28,10 @@ Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE): `load_split`, t
 LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`; diffusers / PEFT keys tested, the other
 layouts it converts untested here), its side paths on the blocks' attention, feed-forwards and modulation.
 The Lightning LoRAs' schedule (mu = log 3 at every size) is the request's `schedule` "lightning", per row.
-Not here yet: the Edit pipelines (input images through the vision tower), fp8 kept as fp8 from a file, a LoRA
-sidecar that names its schedule.
+Its Edit line (QwenImageEditPlusPipeline: input images through the vision tower and as reference tokens) is
+qwen_image_edit.py, on this module's blocks: `denoise` appends a row's reference tokens (`rows.ref_*`) to its image
+stream where the family declares them.
+Not here yet: fp8 kept as fp8 from a file, a LoRA sidecar that names its schedule.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +53,7 @@ from ...lora.targets import DENOISER, LoraLayout
 from ...request import Size
 from ...sampling.flow import FlowSchedule, flow_plan
 from ...sampling.samplers import SamplerPlan
+from ...text.prepared import VisionImage
 from ..model import DiffusionModel
 from ..qwen_tokenizer import qwen_tokenizer
 from .base import Conditioning, CondSpec, Planner
@@ -61,6 +65,7 @@ TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shap
             "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n",
             "<|im_end|>\n<|im_start|>assistant\n")
 DROPPED = 34
+IMAGE_PAD = "<|image_pad|>"  # Qwen2.5-VL's placeholder: one token per merged vision patch
 MAX_TEXT_TOKENS = 1024      # the pipeline's tokenizer_max_length (after the dropped tokens)
 ROPE_THETA = 10000
 # Qwen/Qwen-Image's scheduler/scheduler_config.json
@@ -122,25 +127,37 @@ def axis_angles(net: Any, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def row_rope(net: Any, positions: torch.Tensor, image_mask: torch.Tensor,
-             text: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(net: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [..., head_dim] of 3-axis positions [..., 3], each angle twice (diffusers' interleaved form)."""
+    angles = axis_angles(net, positions).repeat_interleave(2, dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def row_rope(net: Any, positions: torch.Tensor, image_mask: torch.Tensor, text: int,
+             offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [n, text + tokens, head_dim] of each row's text then image tokens, from its grid `positions`
-    [n, tokens, 2] (padding at -1): the pipeline's centred image positions and text after the image's half extent."""
+    [n, tokens, 2] (padding at -1): the pipeline's centred image positions and text after the largest half extent of
+    the row's images (the image's, or `offset` where the row's reference images reach further)."""
     grid = positions.amax(dim=1) + 1                              # [n, 2]: the row's grid height and width
     half = grid // 2
     start = (grid - half).unsqueeze(1)                            # rows above / columns left of the centre
     image = torch.cat([torch.zeros_like(positions[..., :1]), positions - start], dim=-1)
     image = torch.where(image_mask.unsqueeze(-1), image, torch.zeros_like(image))
     k = torch.arange(text, device=positions.device)
-    offset = half.amax(dim=1, keepdim=True)                       # [n, 1]
+    offset = half.amax(dim=1, keepdim=True).clamp(min=offset)     # [n, 1]
     words = (offset + k).unsqueeze(-1).expand(-1, -1, 3)
-    angles = axis_angles(net, torch.cat([words, image], dim=1)).repeat_interleave(2, dim=-1)
-    return angles.cos(), angles.sin()
+    return rope_tables(net, torch.cat([words, image], dim=1))
 
 
-def modulate(x: torch.Tensor, mod: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x * (1 + scale) + shift and the gate, from a [n, 3 * dim] modulation (QwenImageTransformerBlock's order)."""
+def modulate(x: torch.Tensor, mod: torch.Tensor, ref_mod: torch.Tensor | None = None,
+             tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x * (1 + scale) + shift and the gate, from a [n, 3 * dim] modulation (QwenImageTransformerBlock's order); with
+    `ref_mod` (Edit-2511's `zero_cond_t`) the tokens past the first `tokens` (the references) take that one."""
     shift, scale, gate = mod.unsqueeze(1).chunk(3, dim=-1)
+    if ref_mod is not None:
+        first = (torch.arange(x.shape[1], device=x.device) < tokens)[None, :, None]
+        shift, scale, gate = (torch.where(first, a, b) for a, b in zip((shift, scale, gate),
+                                                                       ref_mod.unsqueeze(1).chunk(3, dim=-1)))
     return x * (1 + scale) + shift, gate
 
 
@@ -160,17 +177,19 @@ def joint_attention(attn: Any, img: torch.Tensor, txt: torch.Tensor, rope: tuple
 
 
 def block_step(block: Any, h: torch.Tensor, c: torch.Tensor, temb: torch.Tensor,
-               rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`QwenImageTransformerBlock.forward` (without zero_cond_t) with per-row RoPE and a key mask: image stream h,
-    text stream c."""
+               rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, ref_temb: torch.Tensor | None = None,
+               tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`QwenImageTransformerBlock.forward` with per-row RoPE and a key mask: image stream h, text stream c; with
+    `ref_temb` (zero_cond_t) the image stream's tokens past the first `tokens` modulated by it."""
     img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
+    ref1, ref2 = block.img_mod(ref_temb).chunk(2, dim=-1) if ref_temb is not None else (None, None)
     txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
-    img, img_gate = modulate(block.img_norm1(h), img_mod1)
+    img, img_gate = modulate(block.img_norm1(h), img_mod1, ref1, tokens)
     txt, txt_gate = modulate(block.txt_norm1(c), txt_mod1)
     img_out, txt_out = joint_attention(block.attn, img, txt, rope, keys)
     h = h + img_gate * img_out
     c = c + txt_gate * txt_out
-    img, img_gate = modulate(block.img_norm2(h), img_mod2)
+    img, img_gate = modulate(block.img_norm2(h), img_mod2, ref2, tokens)
     h = h + img_gate * block.img_mlp(img)
     txt, txt_gate = modulate(block.txt_norm2(c), txt_mod2)
     c = c + txt_gate * block.txt_mlp(txt)
@@ -194,6 +213,9 @@ class QwenImageFamily(TokenFamily):
     schedules = ("default", "lightning")
     empty_negative = " "
     template_dropped = DROPPED
+    template = TEMPLATE       # the pipeline's prompt template around the prompt (its first `template_dropped` dropped)
+    checkpoint = QWEN_IMAGE   # a folder's or split files' defaults
+    reads_zero_cond_t = False  # Edit-2511's reference-token modulation (an Edit family's)
 
     # -- loading ---------------------------------------------------------------------------------------
     def load_folder(self, folder: str, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -223,7 +245,7 @@ class QwenImageFamily(TokenFamily):
         encoder = load_part(Qwen2_5_VLForConditionalGeneration, folder, label, "text_encoder", dtype, device=device)
         transformer = load_part(QwenImageTransformer2DModel, folder, label, "transformer", dtype, device=device)
         vae = load_part(AutoencoderKLQwenImage, folder, label, "vae", dtype, device=device)
-        return self._model(name, transformer, vae, encoder, tokenizer, scheduler, device, dtype, QWEN_IMAGE)
+        return self._model(name, transformer, vae, encoder, tokenizer, scheduler, device, dtype, self.checkpoint)
 
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, tokenizer: Any,
                scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype,
@@ -235,8 +257,9 @@ class QwenImageFamily(TokenFamily):
         if int(transformer.config.joint_attention_dim) != width:
             raise ValueError(f"the transformer reads {transformer.config.joint_attention_dim}-wide text but the "
                              f"encoder gives {width}; use the checkpoint's own text encoder")
-        if any(getattr(transformer.config, k, False) for k in ("zero_cond_t", "use_layer3d_rope", "guidance_embeds",
-                                                                 "use_additional_t_cond")):
+        variants = ("use_layer3d_rope", "guidance_embeds", "use_additional_t_cond") + \
+            (() if self.reads_zero_cond_t else ("zero_cond_t",))
+        if any(getattr(transformer.config, k, False) for k in variants):
             raise ValueError("this Qwen-Image transformer is an Edit-2511, Layered or guidance-distilled variant, "
                              "which diffgraph does not read yet; use a QwenImagePipeline checkpoint")
         for m in (transformer, vae, encoder):
@@ -258,7 +281,7 @@ class QwenImageFamily(TokenFamily):
         vae = split_stream.load_vae(AutoencoderKLQwenImage, qf.vae_config(files.vae),
                                     lambda config: qf.read_vae(files.vae, config, dtype), dtype, device)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen2.5"), dict(SCHEDULER), device, dtype,
-                           QWEN_IMAGE)
+                           self.checkpoint)
 
     # -- random presets ----------------------------------------------------------------------------------
     def random_presets(self) -> dict[str, str]:
@@ -268,18 +291,21 @@ class QwenImageFamily(TokenFamily):
                                           "random weights, for CPU tests"}
 
     def build_random(self, name: str, device: torch.device, dtype: torch.dtype) -> DiffusionModel:
+        """The true architecture (the family's checkpoint's defaults), or its "-tiny" preset at test size (native
+        size 128)."""
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         if name not in self.random_presets():
             raise ValueError(f"family {self.name!r} has no random preset {name!r}")
-        tiny = name == "random:qwen-image-tiny"
+        tiny = name.endswith("-tiny")
         with random_modules(device, dtype):
             transformer = QwenImageTransformer2DModel(**(tiny_transformer() if tiny else QWEN_IMAGE_20B))
             encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**(tiny_encoder() if tiny else
                                                                                QWEN25_VL_7B)))
             vae = AutoencoderKLQwenImage(**(tiny_vae() if tiny else {}))
-        checkpoint = Checkpoint("qwen-image-tiny", 50, 4.0, native=128) if tiny else QWEN_IMAGE
+        base = self.checkpoint
+        checkpoint = Checkpoint(f"{base.name}-tiny", base.steps, base.guidance, native=128) if tiny else base
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen2.5"), dict(SCHEDULER), device,
                            dtype, checkpoint, is_random=True)
 
@@ -345,19 +371,33 @@ class QwenImageFamily(TokenFamily):
 
     def encode(self, model: DiffusionModel, prompts: list[str]) -> Conditioning:
         """Each prompt in the template, read by the encoder with its mask; the last hidden state of its tokens after
-        the template's first DROPPED (the pipeline's `_get_qwen_prompt_embeds`)."""
-        before, after = TEMPLATE
-        out = model.tokenizers[0]([before + p + after for p in prompts], padding="longest",
-                                  max_length=self.text_tokens + DROPPED, truncation=True, padding_side="right",
-                                  return_tensors="pt")
+        the template's first `template_dropped` (the pipeline's `_get_qwen_prompt_embeds`)."""
+        before, after = self.template
+        return self.read(model, [before + p + after for p in prompts])
+
+    def read(self, model: DiffusionModel, texts: list[str], images: tuple[VisionImage, ...] = ()) -> Conditioning:
+        """Whole templated texts read by the Qwen2.5-VL encoder with their mask, and `images` (their placeholders'
+        vision inputs, in order) through its vision tower at their tokens, with the model's multimodal positions
+        (`mm_token_type_ids`: 1 at an image's tokens); the last hidden state of each text's tokens after the
+        template's first `template_dropped`."""
+        tokenizer = model.tokenizers[0]
+        out = tokenizer(texts, padding="longest", max_length=self.text_tokens + self.template_dropped,
+                        truncation=True, padding_side="right", return_tensors="pt")
         ids, mask = out.input_ids.to(model.device), out.attention_mask.to(model.device)
+        vision = {}
+        if images:
+            encoder = model.text_encoders[0]
+            vision = {"pixel_values": torch.from_numpy(np.concatenate([i.pixels for i in images])).to(
+                          model.device, encoder.visual.dtype),
+                      "image_grid_thw": torch.tensor([i.grid for i in images], device=model.device),
+                      "mm_token_type_ids": (ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()}
         with torch.no_grad():
             hidden = model.text_encoders[0](input_ids=ids, attention_mask=mask, output_hidden_states=True,
-                                            use_cache=False).hidden_states[-1]
-        return self.pad_tokens(model, hidden[:, DROPPED:], mask[:, DROPPED:])
+                                            use_cache=False, **vision).hidden_states[-1]
+        return self.pad_tokens(model, hidden[:, self.template_dropped:], mask[:, self.template_dropped:])
 
     def prompt_template(self, model: DiffusionModel) -> tuple[str, str] | None:
-        return TEMPLATE
+        return self.template
 
     def negative(self, model: DiffusionModel, cond: Conditioning, prompts: list[str | None]) -> Conditioning:
         return cond
@@ -380,15 +420,23 @@ class QwenImageFamily(TokenFamily):
         slot = rows["text_positions"].shape[1]  # the group's text slot: the conditioning's first tokens
         text_mask, embeds = cond["mask"][:, :slot], cond["embeds"][:, :slot]
         rope = rows["rope_cos"], rows["rope_sin"]  # the rows' own tables (`rope_rows`)
-        keys = torch.cat([text_mask, image_mask], dim=1)[:, None, None, :]
+        keys = torch.cat([text_mask, image_mask], dim=1)
+        tokens = x.shape[1]
+        if "ref_tokens" in rows:  # an Edit family's rows: their reference tokens after the image's, outputs dropped
+            x = torch.cat([x, rows["ref_tokens"].to(x.dtype)], dim=1)
+            rope = tuple(torch.cat([r, rows[f"ref_{f}"]], dim=1) for r, f in zip(rope, ("cos", "sin")))
+            keys = torch.cat([keys, rows["ref_mask"]], dim=1)
+        keys = keys[:, None, None, :]
 
         h = net.img_in(x.to(net.dtype))
         timestep = (t.to(x.dtype) / 1000).to(h.dtype)  # as the pipeline rounds it
         temb = net.time_text_embed(timestep, h)
+        # Edit-2511 (`zero_cond_t`): the reference tokens modulated as at timestep 0
+        ref_temb = net.time_text_embed(timestep * 0, h) if getattr(net, "zero_cond_t", False) else None
         c = net.txt_in(net.txt_norm(embeds.to(net.dtype)))
         for block in net.transformer_blocks:
-            h, c = block_step(block, h, c, temb, rope, keys)
-        out = net.proj_out(net.norm_out(h, temb))
+            h, c = block_step(block, h, c, temb, rope, keys, ref_temb, tokens)
+        out = net.proj_out(net.norm_out(h[:, :tokens], temb))
         return out * image_mask.unsqueeze(-1)
 
     def diffusers_pipeline(self, model: DiffusionModel, scheduler: Any, task: str = "text") -> Any:

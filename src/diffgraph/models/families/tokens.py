@@ -165,13 +165,18 @@ class TokenFamily(FamilyAdapter):
         """[n, C, h, w] -> [n, bucket tokens, C * p * p]: row-major tokens, each token's features in Flux's order
         (channel, patch row, patch column) or, with `channels_innermost`, Z-Image's (patch row, patch column,
         channel); zero padding after the image's tokens."""
-        n, c, h, w = latents.shape
-        p = self.patch
-        order = (0, 2, 4, 3, 5, 1) if self.channels_innermost else (0, 2, 4, 1, 3, 5)
-        tokens = latents.reshape(n, c, h // p, p, w // p, p).permute(*order).reshape(n, -1, c * p * p)
+        n = latents.shape[0]
+        tokens = self.patchify(model, latents)
         out = tokens.new_zeros((n, *self.latent_shape(model, key)))
         out[:, :tokens.shape[1]] = tokens
         return out
+
+    def patchify(self, model: DiffusionModel, latents: torch.Tensor) -> torch.Tensor:
+        """[n, C, h, w] -> [n, h/p * w/p, C * p * p]: the image's tokens, row-major, unpadded (see `pack`)."""
+        n, c, h, w = latents.shape
+        p = self.patch
+        order = (0, 2, 4, 3, 5, 1) if self.channels_innermost else (0, 2, 4, 1, 3, 5)
+        return latents.reshape(n, c, h // p, p, w // p, p).permute(*order).reshape(n, -1, c * p * p)
 
     def unpack(self, model: DiffusionModel, rows: torch.Tensor, size: Size, key: GroupKey) -> torch.Tensor:
         gh, gw = self.grid(model, size)
