@@ -5,6 +5,7 @@ is keyed by what compiled code depends on."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -108,7 +109,7 @@ def test_cache_folder_is_keyed_by_what_compiled_code_depends_on(tiny_engine, tin
                               env={**os.environ, "PYTHONHASHSEED": seed})
         assert done.stdout.strip().splitlines()[-1] == key, done.stderr[-1000:]
     assert key != cache_key(tiny_xl_engine.model, cpu)  # another model config
-    half = tiny_engine.model.__class__(**{**tiny_engine.model.__dict__, "dtype": torch.float16})
+    half = dataclasses.replace(tiny_engine.model, dtype=torch.float16)
     assert key != cache_key(half, cpu)  # another dtype
     config = CompileConfig(cache_dir=str(tmp_path))
     folder = cache_dir(config, tiny_engine.model, cpu)

@@ -193,6 +193,23 @@ def test_no_norm_emphasis_skips_the_rescale(shifted):
     torch.testing.assert_close(cond["embeds"], z * torch.tensor(pos.weights[0]).view(1, -1, 1))
 
 
+def test_original_emphasis_on_a_centred_window_keeps_the_weights_alone():
+    """A window whose states a bias-free final layer norm centred (mean 0 up to rounding) keeps z * w, finite; a
+    window with a mean has it restored as AUTOMATIC1111 does."""
+    from diffgraph.text.emphasis import emphasize
+
+    z = torch.randn(2, 77, 8, generator=torch.Generator().manual_seed(0))
+    z[0] = z[0] - z[0].mean(dim=-1, keepdim=True)  # each token centred, as a LayerNorm without bias leaves it
+    z[1] = z[1] + 0.5
+    w = torch.ones(2, 77)
+    w[:, 3:6] = 1.21
+    out = emphasize(z, w, [8], "original")
+    assert bool(out.isfinite().all())
+    torch.testing.assert_close(out[0], z[0] * w[0].unsqueeze(-1))
+    weighted = z[1] * w[1].unsqueeze(-1)
+    torch.testing.assert_close(out[1], weighted * (z[1].mean() / weighted.mean()))
+
+
 def test_padding_the_shorter_prompt_with_empty_chunks(sd):
     """AUTOMATIC1111's "pad conds": a 2-chunk prompt's 1-chunk negative prompt gets the empty prompt's window."""
     req = sd.make_request(LONG, negative_prompt="blurry", prompt_syntax="a1111", num_inference_steps=2)

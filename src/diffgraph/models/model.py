@@ -7,6 +7,7 @@ its family adapter's (`model.adapter`, models/families/), which the loader picks
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,7 @@ class DiffusionModel:
     is_random: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     # its family's planner, made once (FamilyAdapter.plans); kept here, not on the adapter, so that it goes with the model
-    sampler_plans: Any = field(default=None, init=False, repr=False, compare=False)
+    sampler_plans: Callable[..., object] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def unet(self) -> Any:
