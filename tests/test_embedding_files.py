@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from diffgraph import safe_tensors
 from diffgraph.text import embeddings as emb_mod
@@ -151,6 +151,39 @@ def test_a_replaced_file_is_read_again_and_the_same_version_is_not(tmp_path, mon
     assert two.count == 3 and torch.equal(two.vectors["default"], second)
     assert torch.equal(one.vectors["default"], first)  # what rows in flight hold is unchanged
     assert d.listing()["embeddings"][0]["vectors"] == 3
+
+
+def test_host_copies_are_slot_files_by_version_within_their_bytes(tmp_path, monkeypatch):
+    """The vectors read are the folder's SlotFiles host copies, one per file version: a file rewritten in place (same
+    inode, new bytes) is read again; past the byte budget the least recently used copy leaves (the newest stays),
+    while a prompt that holds an evicted one keeps its vectors."""
+    for i, name in enumerate("abc"):
+        _save(tmp_path, f"{name}.safetensors", {"emb_params": _vectors(2, 768, i)})  # 6144 bytes of fp32 each
+    d = EmbeddingDir(str(tmp_path), max_bytes=2 * 6144)
+    reads = []
+    real = safe_tensors.TensorFile
+    monkeypatch.setattr(safe_tensors, "TensorFile", lambda *a: reads.append(os.path.basename(a[0])) or real(*a))
+    a = d.load("a", SD1)
+    d.load("b", SD1)
+    assert d.load("a", SD1) is a and d.files.host_bytes() == 2 * 6144  # a is now the most recent
+    d.load("c", SD1)  # over budget: b, the least recently used, leaves
+    assert reads == ["a.safetensors", "b.safetensors", "c.safetensors"] and d.files.host_bytes() == 2 * 6144
+    assert d.load("a", SD1) is a and len(reads) == 3
+    c = d.load("c", SD1)
+    d.load("b", SD1)  # read again, and a leaves
+    assert reads[3:] == ["b.safetensors"] and d.files.peek(("c", c.version)) is c
+
+    rewritten = _vectors(3, 768, 7)
+    with open(tmp_path / "c.safetensors", "r+b") as f:  # rewritten in place: same inode, new size and mtime
+        inode = os.fstat(f.fileno()).st_ino
+        f.truncate(0)
+        f.write(save({"emb_params": rewritten}))
+    assert os.stat(tmp_path / "c.safetensors").st_ino == inode
+    again = d.load("c", SD1)
+    assert reads[4:] == ["c.safetensors"] and again.version == d.stamp("c") != c.version and again.count == 3
+    assert torch.equal(again.vectors["default"], rewritten) and torch.equal(c.vectors["default"], _vectors(2, 768, 2))
+    assert d.load("c", SD1) is again and len(reads) == 5
+    assert d.files.peek(("a", a.version)) is None and d.load("a", SD1) is a and len(reads) == 5  # held: shared
 
 
 def test_a_file_rewritten_while_it_is_read_is_read_again(tmp_path, monkeypatch):

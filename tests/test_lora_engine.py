@@ -208,6 +208,17 @@ def test_engine_without_slots_refuses_adapters(tiny_engine):
     assert tiny_engine.loras()["data"] == []
 
 
+def test_lora_is_a_registered_capability_whose_files_gate_admission(lora_engine, tiny_engine):
+    """The engine core names no capability: LoRA's files reach its gates, its resolution and its text side paths
+    through the registered capability, which a model's extensions do not list (GET /v1/loras lists adapters)."""
+    caps = lora_engine.runner.capabilities
+    assert "lora" in [c.name for c in caps.present] and caps.files["lora"] is lora_engine.runner.loras.files
+    assert lora_engine.core.scheduler.gates[0] is caps.files["lora"] and caps.request_fields == ("loras",)
+    assert "lora" not in lora_engine.info.extensions and "loras" not in lora_engine.info.extension_params
+    assert "lora" in [c.name for c in tiny_engine.runner.capabilities.present]  # (its refusal, without slots)
+    assert "lora" not in tiny_engine.runner.capabilities.files and not tiny_engine.core.scheduler.gates
+
+
 def test_replaced_file_takes_effect_for_the_next_request(lora_engine, lora_dirs, tiny_engine):
     folder = lora_dirs["sd"]
     path = os.path.join(folder, "swap.safetensors")

@@ -44,7 +44,7 @@ def test_queued_requests_hold_no_prepared_weights_and_the_cache_stays_under_its_
         assert len(queued) == REQUESTS and each > 0
         assert peak <= bound, (peak, bound)  # ...but only the bounded cache keeps them
         assert all(not hasattr(a, "prepared") and a.key[0] == r.loras[0][0] for s, r in zip(queued, requests)
-                   for a in s.loras)
+                   for a in s.prepared[manager.files.held_key])
         results = [f.result() for f in futures]  # admission reads the dropped copies again
         assert manager.host_bytes() <= bound
     with Engine(MODEL, device="cpu", lora_dir=folder, max_loras=4, max_lora_rank=4) as unbounded:

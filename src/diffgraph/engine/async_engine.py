@@ -106,14 +106,14 @@ class AsyncEngine:
         # a handle aborts its own request, not a later one that reuses its id
         handle = RequestHandleImpl(lambda h: core.abort(h.request_id, sink=h), request, progress,
                                    on_finish=lambda: self._opened(-1))
-        # adapter files are read off the event loop (a large one takes a while)
-        loras = await asyncio.to_thread(core.resolve_loras, request) if request.loras else ()
+        # the files it names (LoRA adapters, ...) are read off the event loop (a large one takes a while)
+        files = await asyncio.to_thread(core.resolve_files, request) if core.asks_files(request) else {}
         self._opened(1)
         try:
             if request.edit is not None or request.controls:  # images prepared, nets read at submit: off the loop
-                await asyncio.to_thread(core.submit, request, handle, loras)
+                await asyncio.to_thread(core.submit, request, handle, files)
             else:
-                core.submit(request, handle, loras)
+                core.submit(request, handle, files)
         except BaseException:
             self._opened(-1)
             raise

@@ -29,7 +29,6 @@ from ..request import (EngineClosed, EngineStepError, GenerationRequest, GroupKe
 from ..features.base import Admission
 from ..sampling.sde import BrownianNoise
 from ..text.prepared import empty_prompt, prepare
-from ..lora.manager import resolve_loras
 from .controlnets import resolve_controls
 from .ip_adapters import resolve_image_prompt
 from .device_loop import STOPPED, DeviceLoop
@@ -65,13 +64,13 @@ class EngineCore:
         self.stats = {"steps": 0, "rows_stepped": 0, "failed_steps": 0}
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []  # (plan, seconds) per step, e.g. metrics
         self.step_events: list[tuple[Any, Any, bool]] | None = None  # [] records (start, end, waited) per step
-        if runner.loras is not None and runner.loras.enabled:  # requests wait for adapter slots, never fail
-            self.scheduler.gates = (runner.loras.files,)
-            runner.loras.files.wake = self.loop.wake  # an adapter's host copy was read again: plan again
+        # requests wait for the registered capabilities' file slots, never fail
+        self._files = runner.capabilities.gates()
+        self.scheduler.gates = self._files
+        for files in self._files:
+            files.wake = self.loop.wake  # a host copy was read again for a waiting request: plan again
         if runner.controls is not None:  # and for ControlNet slots (controlnets.py)
             self.scheduler.gates += (runner.controls,)
-        self._files = runner.capabilities.gates()  # and for the registered capabilities' file slots
-        self.scheduler.gates += self._files
 
     def start(self) -> None:
         self.loop.attach(self)
@@ -88,12 +87,18 @@ class EngineCore:
                 and self.loop.thread.is_alive())
 
     # -- requests ------------------------------------------------------------------------------
-    def resolve_loras(self, request: GenerationRequest) -> tuple:
-        return resolve_loras(self.runner.loras, request) if request.loras else ()
+    def asks_files(self, request: GenerationRequest) -> bool:
+        """Whether the request names files in its own fields that `resolve_files` reads (e.g. adapters)."""
+        return any(getattr(request, f) for f in self.runner.capabilities.request_fields)
 
-    def submit(self, request: GenerationRequest, sink: RequestSink, loras: tuple | None = None) -> None:
+    def resolve_files(self, request: GenerationRequest) -> dict:
+        """The files the request names in its own fields, read and checked (`ModelCapabilities.resolve`; files are
+        read on the caller's thread, never on the loop). Raises ParamError naming the field."""
+        return self.runner.capabilities.resolve(request) if self.asks_files(request) else {}
+
+    def submit(self, request: GenerationRequest, sink: RequestSink, files: dict | None = None) -> None:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
-        EngineClosed. `loras`: its adapters already resolved (else they are resolved here)."""
+        EngineClosed. `files`: what `resolve_files` gave for it already (else they are resolved here)."""
         plan = self.runner.request_plan(request)
         # registered capabilities' parameters (none: every capability is neutral), before the group: it may read them
         prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
@@ -104,11 +109,10 @@ class EngineCore:
                           inputs=self.runner.prompt_inputs(prepared))
         state = RequestState.of(request, plan, time.monotonic(), sink, prompts,
                                 self.runner.group_key(request.key, prompts, prepared, request.tiling))
-        state.prepared = prepared
+        state.prepared = {**prepared, **(self.resolve_files(request) if files is None else files)}
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if len({p.chunks for p in _read(state)}) > 1:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])
-        state.loras = self.resolve_loras(request) if loras is None else loras
         state.controls = resolve_controls(self.runner.controls, request) if request.controls else ()  # 400s here
         if request.image_prompts:  # its adapter's weights and image embeddings reach the device: on the loop thread
             # on a GPU, whose graph captures (first use of a shape) forbid another thread's device work meanwhile
@@ -332,11 +336,11 @@ class EngineCore:
         admission fails (e.g. a prompt its tokenizer rejects) fails alone and leaves the group; returns False when
         that happened (the plan is then stale)."""
         runner = self.runner
-        loras = runner.loras  # the adapters admitted this step, loaded into their slots first
-        broken = loras.files.load_admitted() if loras is not None and loras.enabled else {}
         broken_nets = runner.controls.load_admitted() if runner.controls is not None else {}
         files = self._files  # the registered capabilities' files admitted this step, placed
         broken_files = {f.name: f.load_admitted() for f in files}
+        for s in states:  # what the text encoders run with for its prompts (part of their keys)
+            s.text_adapters = runner.capabilities.text_adapters(s) if s.prepared else ()
         keys = [k for s in states for k in _prompt_keys(s) + _schedule_keys(s)]
         try:
             embeds = runner.embed(keys)
@@ -347,11 +351,9 @@ class EngineCore:
         for s in states:
             r = s.request
             try:
-                if broken.keys() & set(s.admitted.get("lora", [])):
-                    raise RuntimeError(next(broken[k] for k in s.admitted["lora"] if k in broken))
                 if broken_nets.keys() & set(s.admitted.get("control", [])):
                     raise RuntimeError(next(broken_nets[k] for k in s.admitted["control"] if k in broken_nets))
-                slots = {f.name: f.slot_map(s, s.admitted[f.name]) for f in files if s.admitted.get(f.name)}
+                slots = runner.capabilities.slots(s) if any(s.admitted.values()) else {}
                 why = [broken_files[n][k] for n, taken in slots.items() for k in taken.values() if k in broken_files[n]]
                 if why:
                     raise RuntimeError(why[0])
@@ -364,8 +366,7 @@ class EngineCore:
                 latents, edit = (None, {}) if r.edit is None else \
                     prepare_edit(runner, r, key, s.generator, s.plan, s.rows, s.take_edit_pixels())
                 pos, neg, *empty = _prompt_keys(s)
-                admission = Admission(r, s.rows, edit=edit, loras=[
-                    (slot, a.scale) for a, slot in zip(s.loras, s.admitted.get("lora", [])) if a.has_unet],
+                admission = Admission(r, s.rows, edit=edit,
                     controls=runner.controls.admitted(s, s.admitted["control"]) if s.controls else [],
                     image_prompts=s.image_prompts, prepared=s.prepared, slots=slots)
                 # a schedule's texts all at its longest's windows (else: the pair's own, as pad_pair pads them)
@@ -399,7 +400,7 @@ class EngineCore:
 def _prompt_keys(state: RequestState) -> tuple[PromptKey, ...]:
     """The request's prompt and negative prompt (as token ids), with its text-encoder adapters ((key, scale, slot),
     ...), and the empty prompt that pads the shorter of the two when their lengths differ."""
-    text = _text_loras(state)
+    text = state.text_adapters
     pos, neg = state.prompts
     if not _second_branch(state):  # the negative prompt is never read: not encoded
         keys = (("+", pos, text), ("+", pos, text))
@@ -410,14 +411,11 @@ def _prompt_keys(state: RequestState) -> tuple[PromptKey, ...]:
     return keys
 
 
-def _text_loras(state: RequestState) -> tuple:
-    return tuple((a.key, a.scale, slot) for a, slot in zip(state.loras, state.admitted.get("lora", [])) if a.has_text)
-
 
 def _schedule_keys(state: RequestState) -> tuple[PromptKey, ...]:
     """The prompt cache keys of a prompt schedule's other texts (engine/prompt_schedule.py)."""
     pos, neg = state.prompts
-    text = _text_loras(state)
+    text = state.text_adapters
     keys = tuple(("+", p, text) for p in pos.texts[1:])
     return keys + tuple(("-", p, text) for p in neg.texts[1:]) if _second_branch(state) else keys
 
@@ -434,7 +432,7 @@ def _switches(runner: ModelRunner, key: GroupKey, state: RequestState, mine: dic
     if not pos.schedule and not (neg.schedule and _second_branch(state)):
         return {}
     second = _second_branch(state)
-    text = _text_loras(state)
+    text = state.text_adapters
     empty = mine.get(("+", state.empty_prompt, text)) if state.empty_prompt is not None else None
     out, values = {}, {}  # one set of values a (prompt, negative prompt) pair: an alternation comes back to its pairs
     for e, p, n in switches(pos, neg if second else pos, state.steps)[1:]:

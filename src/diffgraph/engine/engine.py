@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from ..config import DEFAULT_REQUEST_LORAS, CompileConfig, GraphConfig, LoadOptions, LoraConfig
-from ..features.capability import Capabilities, builtin_capabilities
+from ..features.capability import Capabilities, Capability, builtin_capabilities
+from ..features.lora import LoraCapability
 from ..lora.manager import LoraManager
 from ..models.families import FamilyRegistry
 from ..models.loader import load_model
@@ -130,7 +131,7 @@ class Engine:
             controls = _controlnets(self.model, roots, max_controlnets) if roots else None
             image_prompts = _ip_adapters(self.model, ip_adapter_dir) if ip_adapter_dir else None
             self._prepared = self._modules()  # the modules the engine prepared (invalidate: a replaced one)
-            present = self._present_capabilities(capabilities, capability_settings)
+            present = self._present_capabilities(capabilities, capability_settings, LoraCapability(loras))
             self.runner = ModelRunner(self.model, mode=mode, graphs=graphs, max_rows=max_rows,
                                       prompt_cache_size=prompt_cache_size,
                                       prompt_cache_bytes=prompt_cache_bytes, loras=loras, controls=controls,
@@ -189,11 +190,12 @@ class Engine:
         return device, cuda, dtype, mode
 
     def _present_capabilities(self, capabilities: Capabilities | None,
-                              capability_settings: "dict[str, Any] | None") -> Any:
+                              capability_settings: "dict[str, Any] | None", *made: Capability) -> Any:
         """The registered capabilities (features/capability.py) this model has, with their settings: the given
-        registry (default: every built-in one) and the family's own beside it."""
+        registry (default: every built-in one), the family's own beside it, and those the engine `made` from its
+        keywords (LoRA's)."""
         registry = capabilities if capabilities is not None else builtin_capabilities()
-        own = self.model.adapter.capabilities()  # the family's (its guidance options), beside the engine's
+        own = (*self.model.adapter.capabilities(), *made)  # the family's (its guidance options), beside the engine's
         if own:
             registry = Capabilities((*registry, *(c for c in own if c.name not in {r.name for r in registry})))
         try:  # registered capabilities (features/capability.py): the ones this model has, with their settings

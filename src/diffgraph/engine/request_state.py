@@ -47,7 +47,7 @@ class RequestState:
     generator: Any = None      # the request's own noise generator, made at admission
     noise: Any = None          # its Brownian-tree noise (sampling.sde.BrownianNoise) where its plan draws that
     admitted_at: float = 0.0
-    loras: tuple = ()          # the request's resolved LoRA adapters (lora.manager.Resolved), if any
+    text_adapters: tuple = ()  # what the text encoders run with for its prompts (its capabilities', at admission)
     controls: tuple = ()       # its resolved ControlNet controls (controlnets.ResolvedControl), if any
     image_prompts: dict = field(default_factory=dict)  # its image prompt's row fields (ip_adapters.py), if any
     admitted: dict[str, Any] = field(default_factory=dict)  # what each admission gate took for it (by gate name)

@@ -76,7 +76,6 @@ class Admission:
     group: tuple = ()  # the group key its rows run in (request.GroupKey)
     uncond: Conditioning | None = None  # the negative prompt's conditioning (the runner pads it to the prompt's)
     edit: dict[str, torch.Tensor] = field(default_factory=dict)  # engine/edits.py's per-row fields
-    loras: list[tuple[int, float]] = field(default_factory=list)  # (slot, scale) of its UNet adapters
     chunks: int = 1                                              # 77-token prompt windows of its conditioning
     # (ControlNet slot, image [1, 3, H, W], control mode: 0 balanced, 1 prompt, 2 control) per control
     controls: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)

@@ -48,6 +48,12 @@ class Capability:
     name: str = ""
     params: tuple[Param, ...] = ()
     settings: type | None = None  # a dataclass (fields with defaults; metadata "help"), or None
+    # listed among a model's extensions (`ModelInfo.extensions`); False for one whose parameter is the request's own
+    # field and which has a listing route of its own (LoRA: `loras`, GET /v1/loras)
+    extension: bool = True
+    # the request's own fields its `resolve` reads (LoRA: "loras"); a request whose fields are all empty asks nothing
+    # of it, and the engine does not call it (nor moves off an event loop for it)
+    fields: tuple[str, ...] = ()
 
     def applies(self, model: Any) -> bool:
         """Whether a loaded model (models.model.DiffusionModel) has this capability."""
@@ -71,6 +77,20 @@ class Capability:
         files have slots (else it waits), places them between steps and hands the row feature each name's slot
         (`admission.slots[files.name]`). None: it keeps no files."""
         return None
+
+    def resolve(self, request: Any, settings: Any, files: SlotFiles | None) -> tuple:
+        """On the submitting thread, for a capability whose parameter is a field of the request itself rather than
+        an extension in `extras` (LoRA's `loras`): the files the request names, resolved (objects with `key`,
+        `host`, `source`, as `SlotFiles.held` gives, the capability's own richer ones included), which its files'
+        gate admits and its row feature reads (`admission.prepared[files.held_key]`). A ParamError naming the field
+        for what this engine cannot serve (`files` None: it has no files)."""
+        return ()
+
+    def text_adapters(self, held: tuple, slots: dict[str, int]) -> tuple:
+        """What the text encoders run with for an admitted request, from its resolved files (`held`) and their slots
+        (file name -> slot): part of its prompts' cache keys, handed to the encoder (LoRA's text side paths:
+        (file key, scale, slot) each). () by default."""
+        return ()
 
     def defaults(self, settings: Any) -> dict[str, Any]:
         """The parameter values a request that names none takes from the server's settings (a server default that
@@ -193,9 +213,16 @@ class ModelCapabilities:
     present: tuple[Capability, ...]
     settings: dict[str, Any]
     files: dict[str, SlotFiles] = field(default_factory=dict)
+    # the request fields the present capabilities' `resolve` reads (`Capability.fields`): a request with all of them
+    # empty is not handed to `resolve`
+    request_fields: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.request_fields = tuple(dict.fromkeys(f for c in self.present for f in c.fields))
 
     def names(self) -> tuple[str, ...]:
-        return tuple(c.name for c in self.present)
+        """The extensions this model has (`Capability.extension`)."""
+        return tuple(c.name for c in self.present if c.extension)
 
     def params(self) -> tuple[str, ...]:
         """Every registered capability's parameter names (the server lets them through; the engine decides)."""
@@ -236,6 +263,31 @@ class ModelCapabilities:
                 out[files.held_key] = files.resolve(names_in(values.get(files.param), files.param))
             out[c.name] = c.prepare(values, self.settings[c.name])
         return out
+
+    def resolve(self, request: Any) -> dict[str, Any]:
+        """On the submitting thread: the files the request names in its own fields (`request_fields`), by their
+        files' `held_key` (`Capability.resolve`; none asked: {}). Raises ParamError naming the field."""
+        out: dict[str, Any] = {}
+        for c in self.present:
+            if not any(getattr(request, f) for f in c.fields):
+                continue
+            files = self.files.get(c.name)
+            held = c.resolve(request, self.settings[c.name], files)
+            if held:
+                out[files.held_key] = held
+        return out
+
+    def slots(self, state: Any) -> dict[str, dict[str, int]]:
+        """An admitted request's file slots, by files' name: file name -> slot (`Admission.slots`)."""
+        return {f.name: f.slot_map(state, state.admitted[f.name]) for f in self.gates() if state.admitted.get(f.name)}
+
+    def text_adapters(self, state: Any) -> tuple:
+        """What the text encoders run with for an admitted request (`Capability.text_adapters`)."""
+        if not state.admitted:
+            return ()
+        slots = self.slots(state)
+        return tuple(a for c in self.present if c.name in self.files for a in c.text_adapters(
+            state.prepared.get(self.files[c.name].held_key, ()), slots.get(self.files[c.name].name, {})))
 
     def check(self, extras: Mapping[str, Any], model_name: str) -> None:
         """A request's capability parameters checked without preparing them (unknown names, values, neutral ones on a

@@ -1,7 +1,7 @@
 """`SlotFiles`: named files with host copies and device slots, the one implementation every capability that loads
-files per request keeps (LoRA adapters, ControlNets, IP-Adapters, a capability registered at run time), and its
-parts: `Folder` (the named files of a folder: LoRA's adapters, embeddings, a run-time capability's files) and
-`SlotCache` (which file each device slot holds).
+files per request keeps (LoRA adapters, ControlNets, IP-Adapters, textual-inversion embeddings, a capability
+registered at run time), and its parts: `Folder` (the named files of a folder: LoRA's adapters, embeddings, a run-time
+capability's files) and `SlotCache` (which file each device slot holds).
 
 A capability's files are named (`locate(name)`: where the file is and its version, a file rewritten on disk being a
 new version); on the submitting thread `resolve(names)` reads each into a host copy (`load(name, source)`, which
@@ -20,7 +20,8 @@ and versions (a `Held`-like object whose `host` is None and `source` says where 
 dropped meanwhile is read again at admission on that pool, never on the loop (`wake` is called when it is ready; a
 copy that cannot be read again, the file having changed since, fails that request at its load with the reason);
 `changed` names the exception `load` raises when the file is not the version `locate` gave (rewritten between the
-two): it is located and read again, a few times, before the request is refused.
+two, or while it was read; its message names the file and what happened): it is located and read again, a few times,
+before the request is refused with that message.
 
 `Folder`: each file with the suffix under the folder is named by its path relative to the folder, with "/" between
 folders and without the suffix (`styles/ink`); a file added later is found without a restart. Clients name files,
@@ -311,10 +312,10 @@ class SlotFiles:
             source, version = self._locate(name)
             try:
                 return Held((name, version), self.host((name, version), source), source)
-            except self._changed:
-                continue
-        raise ParamError(self.param, f"{self.what} {name!r} keeps changing on disk while it is read; retry when it "
-                                     "is written")
+            except self._changed as e:
+                last = e
+        raise ParamError(self.param, f"{last}, {READ_ATTEMPTS} times; wait until it is written completely, then use "
+                                     "it")
 
     def host(self, key: tuple, source: Any) -> Any:
         """The host copy of file version `key` read from `source`: cached, else read (on the `reader`'s pool when

@@ -46,7 +46,6 @@ from torch import nn
 from ..config import LoraConfig
 from ..errors import ParamError
 from ..features.slot_files import SlotFiles
-from ..request import GenerationRequest
 from ..safe_files import FileReader, FileStamp, ReadTimeout, UnusableFile, check_regular, stamp_of
 from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, unusable
 from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
@@ -147,7 +146,7 @@ class LoraManager:
             self.fuse(name, scale)
         # pinned host rows (an SDXL rank-64 adapter is 340 MB): bounded by bytes, the newest kept
         self.files = SlotFiles(self.name, "loras", self._locate, self._read, slots=self.config.slots,
-                               keep=max(self.config.slots, 1), place=self._place, held_of=lambda s: s.loras,
+                               keep=max(self.config.slots, 1), place=self._place,
                                what="adapter", weigh=lambda p: p.bytes, max_bytes=self.config.host_bytes,
                                reader=self.reader, changed=AdapterChanged)
         self.slots = self.files.slots
@@ -216,8 +215,8 @@ class LoraManager:
         if len(loras) > self.config.max_per_request:
             raise AdapterError(f"{len(loras)} adapters in one request; this server takes at most "
                                f"{self.config.max_per_request} (--max-request-loras): send fewer")
-        if len(loras) > self.config.slots:
-            raise AdapterError(f"{len(loras)} adapters in one request, but this engine has {self.config.slots} "
+        if len(loras) > self.slots.slots:
+            raise AdapterError(f"{len(loras)} adapters in one request, but this engine has {self.slots.slots} "
                                "adapter slots; use fewer or start it with a larger --max-loras")
         return tuple(Resolved(h.key, h.source, h.host.has_unet, h.host.has_text, scale)
                      for h, (_, scale) in zip(map(self.files.held, (n for n, _ in loras)), loras))
@@ -478,17 +477,3 @@ def _targets(root: nn.Module, ends: tuple[str, ...], convolutions: bool = False,
     one is left out, and an adapter on it refused by name)."""
     modules = ((n, root.get_submodule(n)) for n in names) if names is not None else root.named_modules()
     return [n for n, m in modules if n.endswith(ends) and takes(m, convolutions)]
-
-
-def resolve_loras(manager: "LoraManager | None", request: GenerationRequest) -> tuple:
-    """The request's LoRA adapters (a lora.manager.LoraManager's) read and checked (files are read on the caller's
-    thread, never on the loop). Raises ParamError("loras") naming the problem."""
-    if not request.loras:
-        return ()
-    if manager is None or not manager.enabled:
-        raise ParamError("loras", "this engine serves no LoRA adapters; start it with --lora-dir DIR or "
-                                  "--max-loras N (Engine(lora_dir=..., max_loras=...))")
-    try:
-        return manager.resolve(request.loras)
-    except ValueError as e:  # AdapterError, AdapterNameError
-        raise ParamError("loras", str(e)) from None

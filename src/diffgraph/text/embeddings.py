@@ -2,12 +2,15 @@
 headers say, and their vectors checked against the model's text encoders. Hands `Embedding`s (float32 vectors on
 the CPU, per encoder key) to the prompt encoding; it knows nothing of tokenizers or models beyond their widths.
 
-Names and safety are the LoRA folder's (`lora.catalog.AdapterDir`, which this calls): each *.safetensors file under
-the folder is an embedding named by its relative path without the suffix, "/" between folders; a name that is
+Names and safety are every capability's named files' (features/slot_files.py `Folder`): each *.safetensors file
+under the folder is an embedding named by its relative path without the suffix, "/" between folders; a name that is
 absolute, holds "..", a backslash or a NUL, or resolves outside the folder (links included) is refused; pickles
 (.pt/.bin/.ckpt/.pth) are never read, the listing reports them as ignored; an entry that is not a regular file is
 refused by a stat, never opened; files above `MAX_EMBEDDING_BYTES` are refused (embeddings are kilobytes). Files are
-read into memory by `safe_tensors` (streamed into the tensors, never a memory map), never by torch.load.
+read into memory by `safe_tensors` (streamed into the tensors, never a memory map), never by torch.load. The vectors
+read are host copies in a `SlotFiles` without slots (`files`), as every capability's named files are: one per file
+version, the most recent `CACHED` kept within `CACHED_BYTES`; a file rewritten on disk is a new version, read again
+(rows in flight keep the vectors they began with), and one rewritten while it is read is located and read again.
 
 File layouts, as diffusers' `load_textual_inversion` and AUTOMATIC1111 read them:
   - kohya / A1111 `emb_params`: one tensor [vectors, width];
@@ -23,11 +26,11 @@ from __future__ import annotations
 import difflib
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ..lora.catalog import PICKLES, AdapterDir, AdapterNameError, AdapterNotFound, AdapterUnusable
+from ..errors import ParamError
+from ..features.slot_files import PICKLES, Folder, NameRefused, NameUnknown, NameUnusable, SlotFiles
 from ..safe_files import FileChanged, FileStamp, SafetensorsHeader, TensorInfo, UnusableFile, check_regular, \
     read_header, stamp_of
 
@@ -40,8 +43,9 @@ MAX_VALUE = 65504.0              # fp16's largest: text encoders may run in fp16
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 DEFAULT = "default"              # the encoder key of a one-encoder model
 ENCODER_KEYS = ("clip_l", "clip_g")
-CACHED = 256                     # embeddings kept in memory (least recently used leave first)
-READ_TRIES = 3                   # reads of a file that changes while it is read
+CACHED = 256                     # embeddings kept in memory (least recently used leave first) ...
+CACHED_BYTES = 64 << 20          # ... within these bytes of vectors (a 75-vector SDXL one is 0.6 MB)
+READ_TRIES = 3                   # header reads of a file that changes while it is read (listings)
 WIDTHS_HINT = "SD1.x embeddings are 768 wide, SD2.x ones 1024; SDXL ones pair clip_l 768 with clip_g 1280"
 PICKLE_REASON = ("a pickle, which is never read (loading one can run code): convert it with `diffgraph convert "
                  "FILE NAME.safetensors` (it rebuilds the tensors and runs nothing in the file)")
@@ -55,6 +59,10 @@ class UnknownEmbedding(EmbeddingError):
     """An allowed name that no .safetensors file in the folder has (the message lists close names)."""
 
 
+class EmbeddingChanged(EmbeddingError):
+    """The file changed while it was read, or since it was located: locate it and read it again."""
+
+
 @dataclass(frozen=True)
 class Embedding:
     name: str
@@ -66,22 +74,29 @@ class Embedding:
     def dims(self) -> dict[str, int]:
         return {key: v.shape[1] for key, v in self.vectors.items()}
 
+    @property
+    def bytes(self) -> int:
+        """Its vectors' bytes (what `CACHED_BYTES` bounds)."""
+        return sum(v.numel() * v.element_size() for v in self.vectors.values())
+
 
 class EmbeddingDir:
     """The embeddings of one folder; thread-safe (listings and loads may run on several submitting threads)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, keep: int = CACHED, max_bytes: int = CACHED_BYTES):
         if not os.path.isdir(folder):
             raise EmbeddingError(f"embeddings dir {folder!r} is not a folder; give --embeddings-dir a folder of "
                                  ".safetensors embeddings")
-        self._dir = AdapterDir(folder)
+        self._dir = Folder(folder, what="embedding", label="embeddings dir", max_bytes=MAX_EMBEDDING_BYTES)
         self.root = self._dir.root
         self._lock = threading.Lock()
-        self._loaded: OrderedDict[str, Embedding] = OrderedDict()   # name -> its latest version read
+        # the vectors read, by (name, file version); a prompt's `PromptText.vectors` holds its own
+        self.files = SlotFiles("embeddings", "prompt", self._locate, self._read, keep=keep, what="embedding",
+                               weigh=lambda emb: emb.bytes, max_bytes=max_bytes, changed=EmbeddingChanged)
         self._described: dict[str, tuple[FileStamp | None, dict | EmbeddingError]] = {}  # name -> listing entry
 
     def names(self) -> list[str]:
-        return list(self._dir.listing().adapters)
+        return list(self._dir.listing().files)
 
     def listing(self) -> dict[str, Any]:
         """{"embeddings": [{"name", "vectors", "dims", "bytes"}], "ignored": [{"name", "reason"}]}: from headers
@@ -89,7 +104,7 @@ class EmbeddingDir:
         found = self._dir.listing()
         with self._lock:
             known = dict(self._described)
-        described = {name: self._entry(name, path, known.get(name)) for name, path in found.adapters.items()}
+        described = {name: self._entry(name, path, known.get(name)) for name, path in found.files.items()}
         with self._lock:
             self._described = described  # removed files leave
         ignored = [{"name": rel, "reason": PICKLE_REASON} for rel in found.ignored]
@@ -119,21 +134,11 @@ class EmbeddingDir:
 
     def load(self, name: str, dims: Mapping[str, int]) -> Embedding:
         """Embedding `name` for a model whose encoders take `dims` ({"default": 768} for SD1.x, {"clip_l": 768,
-        "clip_g": 1280} for SDXL); read once per file version. Raises EmbeddingError (UnknownEmbedding)."""
-        path, st = self._file(name)
-        with self._lock:
-            emb = self._loaded.get(name)
-            if emb is not None and emb.version == stamp_of(st):
-                self._loaded.move_to_end(name)
-            else:
-                emb = None
-        if emb is None:
-            emb = self._read(name, path)
-            with self._lock:
-                self._loaded[name] = emb
-                self._loaded.move_to_end(name)
-                while len(self._loaded) > CACHED:
-                    self._loaded.popitem(last=False)
+        "clip_g": 1280} for SDXL); read once per file version (`files`). Raises EmbeddingError (UnknownEmbedding)."""
+        try:
+            emb = self.files.held(name).host
+        except ParamError as e:  # (what `_read` raised, or a file that kept changing while it was read)
+            raise EmbeddingError(str(e)) from None
         _fit(emb, dict(dims))
         return emb
 
@@ -146,13 +151,13 @@ class EmbeddingDir:
         """The path of embedding `name` and its stat, within the size limit. Raises EmbeddingError."""
         try:
             path = self._dir.path(name)  # the name rules, links out of the folder, the entry's type by a stat
-        except AdapterNotFound:
+        except NameUnknown:
             raise self._unknown(name) from None
-        except AdapterUnusable:
-            path = self._dir.listing().adapters.get(name)  # its reason comes from the stat below
+        except NameUnusable:
+            path = self._dir.listing().files.get(name)  # its reason comes from the stat below
             if path is None:  # removed meanwhile
                 raise self._unknown(name) from None
-        except AdapterNameError:
+        except NameRefused:
             raise EmbeddingError(f"embedding name {name!r} is not allowed: names are relative paths inside the "
                                  "embeddings folder, '/' between folders, without '..', backslashes or NUL, and "
                                  "no symbolic link out of the folder (the embeddings listing shows them)") from None
@@ -167,11 +172,16 @@ class EmbeddingDir:
                    if rel == name or (rel.lower().endswith(PICKLES) and os.path.splitext(rel)[0] == name)]
         if pickles:
             return EmbeddingError(f"embedding {name!r} is {pickles[0]}, {PICKLE_REASON}")
-        names = list(found.adapters)
+        names = list(found.files)
         close = _close(name, names)
         hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else \
             f"known: {', '.join(names[:10]) or 'none'}"
         return UnknownEmbedding(f"unknown embedding {name!r}; {hint}")
+
+    def _locate(self, name: str) -> tuple[tuple[str, FileStamp], FileStamp]:
+        """((its file, its version), its version), for `files`. Raises EmbeddingError."""
+        path, st = self._file(name)
+        return (path, stamp_of(st)), stamp_of(st)
 
     def _describe(self, name: str, path: str) -> tuple[FileStamp, dict[str, Any]]:
         header, _ = _reading(read_header, name, path)
@@ -179,17 +189,34 @@ class EmbeddingDir:
         dims = {enc: header.tensors[key].shape[-1] for enc, key in layout.items()}
         return header.stamp, {"name": name, "vectors": count, "dims": dims, "bytes": header.stamp.size}
 
-    def _read(self, name: str, path: str) -> Embedding:
+    def _read(self, name: str, located: tuple[str, FileStamp]) -> Embedding:
+        """`files`' load: the vectors of embedding `name` from where `_locate` found it, checked. Raises ParamError
+        naming the problem (EmbeddingChanged: the file changed while it was read, or since it was located)."""
+        path, version = located
+        try:
+            emb = self._vectors(name, path)
+        except EmbeddingChanged:
+            raise
+        except EmbeddingError as e:
+            raise ParamError(self.files.param, str(e)) from None
+        if emb.version != version:
+            raise EmbeddingChanged(f"embedding {name!r}: {os.path.basename(path)} changed between its stat and its "
+                                   "read")
+        return emb
+
+    def _vectors(self, name: str, path: str) -> Embedding:
         import torch
 
-        def read(path: str, limit: int) -> tuple[FileStamp, dict[str, str], int, dict[str, torch.Tensor]]:
-            from ..safe_tensors import TensorFile
+        from ..safe_tensors import TensorFile
 
-            with TensorFile(path, limit) as f:
+        try:
+            with TensorFile(path, MAX_EMBEDDING_BYTES) as f:
                 layout, count = _layout(name, f.header)  # checked on the header before any tensor is read
-                return f.stamp, layout, count, f.read(keys=layout.values())
-
-        stamp, layout, count, state = _reading(read, name, path)
+                stamp, state = f.stamp, f.read(keys=layout.values())
+        except FileChanged as e:
+            raise EmbeddingChanged(f"embedding {name!r}: {os.path.basename(path)} {e}") from None
+        except UnusableFile as e:
+            raise _unusable(name, path, e) from None
         vectors = {}
         for enc, key in layout.items():
             t = state[key].to(torch.float32).reshape(count, -1).contiguous()
