@@ -22,6 +22,7 @@ from diffgraph.models.families.qwen_image_edit import DROPPED, TEMPLATE, process
 from diffgraph.models.qwen_tokenizer import qwen_tokenizer
 
 from loop_util import images_together
+from playground_util import run as run_playground
 from test_flux2_references import picture
 
 CONDITION, VAE = 56 * 56, 96 * 96
@@ -308,9 +309,25 @@ def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
         assert np.abs(got - want).max() <= 1
         answer = client.post("/v1/images/edits", data=form, files=files * 2)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "reference_images", answer.text
-        assert "send at most 3" in answer.json()["error"]["message"]
+        assert answer.json()["error"]["message"] == "4 input images; send at most 3"
+        info = client.get("/info").json()  # the playground refuses the 4th before sending, in the same words
+        assert info["image_limits"] == {"reference_images": {"max": 3, "items": "input images"}}
+        assert playground_refusals(info, files=3) == [[["reference_images", answer.json()["error"]["message"]]], []]
+        assert playground_refusals(info, files=2) == [[], []]
         text = base64.b64encode(b"not an image").decode()
         body = {"prompt": PROMPT, "size": "64x64", "reference_images": [b64png(Image.fromarray(IMAGES[0])), text]}
         answer = client.post("/v1/images/generations", json=body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "reference_images[1]", answer.text
         assert "\n" not in answer.json()["error"]["message"]
+
+
+def playground_refusals(info: dict, files: int) -> list:
+    """The playground's refusals of `files` reference images under /info's `info`, with an image to edit (counted
+    among them) and without."""
+    return run_playground("controls.js", """(async () => {
+      const refs = window.DiffgraphControls.createReferences({ $ });
+      refs.show(input.info);
+      $("ref-images-input").files = Array.from({ length: input.files }, () => ({}));
+      await fire("ref-images-input", "change");
+      console.log(JSON.stringify([refs.localErrors(true), refs.localErrors(false)]));
+    })();""", {"info": info, "files": files})
