@@ -271,13 +271,14 @@ def test_the_images_placeholders_count_against_the_prompt_s_1024_tokens(edit):
     assert "at most 1024" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
-    """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image: two
-    equal the engine's request with them; four
-    parts, or a JSON input that is not an image, are a one-line 400 naming the field (the element, on the JSON
-    route)."""
+def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit, tmp_path):
+    """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image, a job
+    item its `reference_images`: two equal the engine's request with them; four parts (or items), or a JSON input
+    that is not an image, are a one-line 400 naming the field (the element, on the JSON route), and the playground
+    refuses a fourth before sending, in the same words."""
     import base64
     import io
+    import time
 
     from PIL import Image
 
@@ -295,7 +296,8 @@ def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
     form = {"prompt": PROMPT, "size": "64x64", "seed": "4", "num_inference_steps": "2", "guidance_scale": "4"}
     files = [("image[]", (f"{i}.png", png(r), "image/png")) for i, r in enumerate(IMAGES)]
     name = "random:qwen-image-edit-tiny"
-    with served(engine, ServerConfig(model=name, device="cpu")) as client:  # (closes the engine: the last test)
+    config = ServerConfig(model=name, device="cpu", state_dir=str(tmp_path / "state"))
+    with served(engine, config) as client:  # (closes the engine: the last test)
         answer = client.post("/v1/images/edits", data=form, files=files)
         assert answer.status_code == 200, answer.text
         got = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))).astype(
@@ -314,6 +316,20 @@ def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
         assert info["image_limits"] == {"reference_images": {"max": 3, "items": "input images"}}
         assert playground_refusals(info, files=3) == [[["reference_images", answer.json()["error"]["message"]]], []]
         assert playground_refusals(info, files=2) == [[], []]
+        item = {"prompt": PROMPT, "size": "64x64", "seeds": [4], "num_inference_steps": 2, "guidance_scale": 4,
+                "reference_images": [b64png(Image.fromarray(r)) for r in IMAGES]}
+        r = client.post("/v1/jobs", json={"items": [{**item, "reference_images": item["reference_images"] * 2}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "items[0].reference_images", r.text
+        assert r.json()["error"]["message"] == "items[0]: 4 input images; send at most 3"
+        job = client.post("/v1/jobs", json={"items": [item]}).json()["id"]
+        deadline = time.monotonic() + 600  # a failure bound, not a timing
+        while (status := client.get(f"/v1/jobs/{job}").json())["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert status["status"] == "completed", status
+        url = client.get(f"/v1/jobs/{job}/results").json()["data"][0]["images"][0]
+        got = np.array(Image.open(io.BytesIO(client.get(url.split("testserver", 1)[-1]).content))).astype(np.int16)
+        assert np.abs(got - want).max() <= 1
         text = base64.b64encode(b"not an image").decode()
         body = {"prompt": PROMPT, "size": "64x64", "reference_images": [b64png(Image.fromarray(IMAGES[0])), text]}
         answer = client.post("/v1/images/generations", json=body)
