@@ -60,3 +60,17 @@ def listening(config, engine_factory, sockets=None, **options):
     finally:
         server.should_exit = True
         thread.join()
+
+
+def job_first_image(client, job: str):
+    """The first image of job `job` (a stored job of `client`'s server) once it has completed, as int16 pixels."""
+    import numpy as np
+    from PIL import Image
+
+    deadline = time.monotonic() + 600  # a failure bound, not a timing
+    while (status := client.get(f"/v1/jobs/{job}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, status
+        time.sleep(0.05)
+    assert status["status"] == "completed", status
+    url = client.get(f"/v1/jobs/{job}/results").json()["data"][0]["images"][0]
+    return np.array(Image.open(io.BytesIO(client.get(url.split("testserver", 1)[-1]).content))).astype(np.int16)

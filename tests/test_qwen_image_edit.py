@@ -22,6 +22,7 @@ from diffgraph.models.families.qwen_image_edit import DROPPED, TEMPLATE, process
 from diffgraph.models.qwen_tokenizer import qwen_tokenizer
 
 from loop_util import images_together
+from playground_util import run as run_playground
 from test_flux2_references import picture
 
 CONDITION, VAE = 56 * 56, 96 * 96
@@ -270,18 +271,18 @@ def test_the_images_placeholders_count_against_the_prompt_s_1024_tokens(edit):
     assert "at most 1024" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
-    """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image: two
-    equal the engine's request with them; four
-    parts, or a JSON input that is not an image, are a one-line 400 naming the field (the element, on the JSON
-    route)."""
+def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit, tmp_path):
+    """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image, a job
+    item its `reference_images`: two equal the engine's request with them; four parts (or items), or a JSON input
+    that is not an image, are a one-line 400 naming the field (the element, on the JSON route), and the playground
+    refuses a fourth before sending, in the same words."""
     import base64
     import io
 
     from PIL import Image
 
     from diffgraph.server import ServerConfig
-    from server_util import b64png, served
+    from server_util import b64png, job_first_image, served
 
     engine, _ = edit
     want = images_together(engine, [request(IMAGES, steps=2, seed=4)])[0]
@@ -294,7 +295,8 @@ def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
     form = {"prompt": PROMPT, "size": "64x64", "seed": "4", "num_inference_steps": "2", "guidance_scale": "4"}
     files = [("image[]", (f"{i}.png", png(r), "image/png")) for i, r in enumerate(IMAGES)]
     name = "random:qwen-image-edit-tiny"
-    with served(engine, ServerConfig(model=name, device="cpu")) as client:  # (closes the engine: the last test)
+    config = ServerConfig(model=name, device="cpu", state_dir=str(tmp_path / "state"))
+    with served(engine, config) as client:  # (closes the engine: the last test)
         answer = client.post("/v1/images/edits", data=form, files=files)
         assert answer.status_code == 200, answer.text
         got = np.array(Image.open(io.BytesIO(base64.b64decode(answer.json()["data"][0]["b64_json"])))).astype(
@@ -308,9 +310,32 @@ def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit):
         assert np.abs(got - want).max() <= 1
         answer = client.post("/v1/images/edits", data=form, files=files * 2)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "reference_images", answer.text
-        assert "send at most 3" in answer.json()["error"]["message"]
+        assert answer.json()["error"]["message"] == "4 input images; send at most 3"
+        info = client.get("/info").json()  # the playground refuses the 4th before sending, in the same words
+        assert info["image_limits"] == {"reference_images": {"max": 3, "items": "input images"}}
+        assert playground_refusals(info, files=3) == [[["reference_images", answer.json()["error"]["message"]]], []]
+        assert playground_refusals(info, files=2) == [[], []]
+        item = {"prompt": PROMPT, "size": "64x64", "seeds": [4], "num_inference_steps": 2, "guidance_scale": 4,
+                "reference_images": [b64png(Image.fromarray(r)) for r in IMAGES]}
+        r = client.post("/v1/jobs", json={"items": [{**item, "reference_images": item["reference_images"] * 2}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "items[0].reference_images", r.text
+        assert r.json()["error"]["message"] == "items[0]: 4 input images; send at most 3"
+        job = client.post("/v1/jobs", json={"items": [item]}).json()["id"]
+        assert np.abs(job_first_image(client, job) - want).max() <= 1
         text = base64.b64encode(b"not an image").decode()
         body = {"prompt": PROMPT, "size": "64x64", "reference_images": [b64png(Image.fromarray(IMAGES[0])), text]}
         answer = client.post("/v1/images/generations", json=body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "reference_images[1]", answer.text
         assert "\n" not in answer.json()["error"]["message"]
+
+
+def playground_refusals(info: dict, files: int) -> list:
+    """The playground's refusals of `files` reference images under /info's `info`, with an image to edit (counted
+    among them) and without."""
+    return run_playground("controls.js", """(async () => {
+      const refs = window.DiffgraphControls.createReferences({ $ });
+      refs.show(input.info);
+      $("ref-images-input").files = Array.from({ length: input.files }, () => ({}));
+      await fire("ref-images-input", "change");
+      console.log(JSON.stringify([refs.localErrors(true), refs.localErrors(false)]));
+    })();""", {"info": info, "files": files})

@@ -525,6 +525,8 @@ class ModelInfo:
     extensions: tuple[str, ...] = ()
     extension_params: tuple[str, ...] = ()
     extension_images: tuple[str, ...] = ()  # those of its capabilities that take a list of images (`Param.images`)
+    # (name, most items, what they are called) of those with a limit (`Param.limit`)
+    image_limits: tuple[tuple[str, int, str], ...] = ()
     # the values its capabilities give a request that names none (a server default such as `--step-cache auto`)
     extension_defaults: tuple[tuple[str, Any], ...] = ()
     edit_images: str | None = None  # the one the edits route's image parts fill (None: the first is the edit's start)

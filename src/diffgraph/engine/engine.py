@@ -217,6 +217,7 @@ class Engine:
                          extensions=self.runner.capabilities.names(),
                          extension_params=self.runner.capabilities.params(),
                          extension_images=self.runner.capabilities.image_params(),
+                         image_limits=self.runner.capabilities.image_limits(),
                          extension_defaults=self.runner.capabilities.defaults(),
                          edit_images=adapter.edit_images, edit_images_area=adapter.edit_images_area,
                          default_steps=self.model.default_steps, edit_steps_rule=adapter.edit_steps_rule,

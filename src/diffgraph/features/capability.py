@@ -40,6 +40,10 @@ class Param:
     kind: Any = float
     help: str = ""
     images: bool = False  # a list of images: the HTTP routes decode its base64 strings into images (`image_params`)
+    # a list's most items and what they are called ("input images"): refused past it as "4 input images; send at
+    # most 3" (the server's check and the playground's, which reads both from /info's `image_limits`); 0: no limit
+    limit: int = 0
+    items: str = ""
 
 
 class Capability:
@@ -235,6 +239,10 @@ class ModelCapabilities:
     def image_params(self) -> tuple[str, ...]:
         """The parameters of this model's capabilities that take a list of images (`Param.images`)."""
         return tuple(p.name for c in self.present for p in c.params if p.images)
+
+    def image_limits(self) -> tuple[tuple[str, int, str], ...]:
+        """(name, most items, what they are called) of those image parameters that have a limit (`Param.limit`)."""
+        return tuple((p.name, p.limit, p.items) for c in self.present for p in c.params if p.images and p.limit)
 
     def features(self, model: Any) -> tuple[RowFeature, ...]:
         """The row features of the capabilities this model has; their files made beside them (`files`)."""

@@ -109,6 +109,9 @@ def server_info(state: Any) -> dict[str, Any]:
         # the capabilities' request parameters (body fields beside the images API's own), and those taking images
         "extension_params": list(info.extension_params) if info else None,
         "extension_images": list(info.extension_images) if info else None,
+        # the most images each of those takes and what they are called (the playground refuses more before sending)
+        "image_limits": {name: {"max": most, "items": items} for name, most, items in info.image_limits}
+        if info else None,
         "default_steps": info.default_steps if info is not None and info.default_steps is not None else
         ImageGenerationRequest.model_fields["num_inference_steps"].default,
         "max_images": min(MAX_IMAGES, info.max_rows if info else max(config.batch_buckets or DEFAULT_BUCKETS)),

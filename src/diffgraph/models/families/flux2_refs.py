@@ -33,13 +33,14 @@ MAX_REFERENCES = 4
 MAX_AREA = 1024 * 1024  # the pipeline's area cap of a reference
 MULTIPLE = 16           # its sides' multiple: the VAE's 8 times the 2x2 patchify
 TIME_SCALE = 10         # reference i sits at time 10 + 10 i (`_prepare_image_ids`' scale)
+PARAM = param(MAX_REFERENCES, "reference images")
 
 
 def checked(images: tuple[Any, ...]) -> list[Any]:
     """The references as PIL RGB images, each one the pipeline takes; ParamError naming the field otherwise."""
     from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
-    return checked_images(images, MAX_REFERENCES, Flux2ImageProcessor(vae_scale_factor=MULTIPLE).check_image_input)
+    return checked_images(images, PARAM, Flux2ImageProcessor(vae_scale_factor=MULTIPLE).check_image_input)
 
 
 def preprocess(images: tuple[Any, ...]) -> tuple[Reference, ...]:
@@ -60,7 +61,7 @@ class ReferenceImages(Capability):
     """`reference_images`: up to 4 images (PIL or uint8 RGB arrays) a row's image is conditioned on."""
 
     name = NAME
-    params = (param(MAX_REFERENCES, "reference images"),)
+    params = (PARAM,)
 
     def __init__(self, bucket: int):
         self.bucket = bucket

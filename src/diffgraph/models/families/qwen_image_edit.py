@@ -64,6 +64,7 @@ from .references import NAME, Reference, ReferenceRows, checked, grid_ids, param
 CONDITION_IMAGE_SIZE = 384 * 384
 VAE_IMAGE_SIZE = 1024 * 1024
 MAX_INPUTS = 3
+PARAM = param(MAX_INPUTS, "input images")  # the request's `reference_images`: its limit and the items' name
 # QwenImageEditPlusPipeline's prompt_template_encode around the prompt, and its prompt_template_encode_start_idx
 TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
             "background), then explain how the user's text instruction should alter or modify the image. Generate a "
@@ -156,7 +157,7 @@ def prepare_inputs(images: tuple[Any, ...], settings: Mapping[str, Any]) -> Inpu
 
     processor = VaeImageProcessor(vae_scale_factor=16)
     refs, vision, text = [], [], []
-    for i, img in enumerate(checked(images, MAX_INPUTS, check_input, "input images")):
+    for i, img in enumerate(checked(images, PARAM, check_input)):
         cw, ch = area_size(CONDITION_IMAGE_SIZE, img.size[0] / img.size[1])
         vw, vh = area_size(VAE_IMAGE_SIZE, img.size[0] / img.size[1])
         vision.append(vision_image(processor.resize(img, ch, cw), settings))
@@ -171,14 +172,14 @@ class EditImages(Capability):
     """`reference_images` on Qwen-Image-Edit: one to three input images (PIL or uint8 RGB arrays) a row edits."""
 
     name = NAME
-    params = (param(MAX_INPUTS, "input images to edit"),)
+    params = (PARAM,)
 
     def __init__(self, bucket: int):
         self.bucket = bucket
         self.processor = processor_settings()  # read once: every request's images are read with them
 
     def check(self, values: dict[str, Any], settings: Any) -> None:
-        checked(tuple(values[NAME]), MAX_INPUTS, check_input, "input images")
+        checked(tuple(values[NAME]), PARAM, check_input)
 
     def prepare(self, values: dict[str, Any], settings: Any) -> InputImages:
         return prepare_inputs(tuple(values[NAME]), self.processor)

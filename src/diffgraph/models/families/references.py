@@ -4,9 +4,9 @@ row feature that writes a request's references into its rows at admission.
 
 The request side: `reference_images` is a list of PIL images or uint8 RGB arrays (base64 strings over HTTP: the JSON
 route decodes every `Param.images` parameter; the edits route's image parts and AUTOMATIC1111's `init_images` fill it
-where the family says `edit_images`), at most the family's `limit`, each checked (`checked`) and preprocessed on the
-submitting thread into a `Reference`: pixels in -1..1 whose sides are multiples of 16 (one token per 16 px cell in
-both families) and their content hash.
+where the family says `edit_images`), at most the parameter's `limit` (/info's `image_limits`), each checked
+(`checked`) and preprocessed on the submitting thread into a `Reference`: pixels in -1..1 whose sides are multiples
+of 16 (one token per 16 px cell in both families) and their content hash.
 
 The row side (`ReferenceRows`): at admission each reference is encoded by the family (`encode`: its VAE's tokens,
 cached by content hash, an LRU of `CACHE` entries), laid out one after another in the row's `ref_tokens` field with
@@ -69,7 +69,8 @@ def reference_bucket(references: tuple[Reference, ...], bucket: int) -> int:
 
 def param(limit: int, what: str) -> Param:
     """The `reference_images` request parameter of a family that reads up to `limit` of them."""
-    return Param(NAME, (), tuple, f"up to {limit} {what} (PIL or uint8 RGB arrays; base64 over HTTP)", images=True)
+    return Param(NAME, (), tuple, f"up to {limit} {what} (PIL or uint8 RGB arrays; base64 over HTTP)", images=True,
+                 limit=limit, items=what)
 
 
 def _rgb(value: Any, index: int) -> Any:
@@ -90,12 +91,12 @@ def _rgb(value: Any, index: int) -> Any:
     return value.convert("RGB")
 
 
-def checked(images: tuple[Any, ...], limit: int, check: Callable[[Any], None], what: str = "reference images"
-            ) -> list[Any]:
-    """The references as PIL RGB images, at most `limit`, each passing the family's `check` (a ValueError saying
-    why not); ParamError naming the field otherwise."""
-    if len(images) > limit:
-        raise ParamError(NAME, f"{len(images)} {what}; send at most {limit}")
+def checked(images: tuple[Any, ...], spec: Param, check: Callable[[Any], None]) -> list[Any]:
+    """The references as PIL RGB images, at most the parameter's `limit`, each passing the family's `check` (a
+    ValueError saying why not); ParamError naming the field otherwise (the playground words the count's alike:
+    controls.js `tooMany`)."""
+    if len(images) > spec.limit:
+        raise ParamError(NAME, f"{len(images)} {spec.items}; send at most {spec.limit}")
     out = []
     for i, value in enumerate(images):
         out.append(_rgb(value, i))

@@ -407,7 +407,8 @@
     if (s.lora && (s.lora_scale === "" || !Number.isFinite(Number(s.lora_scale)))) {
       errors.push(["loras", "Enter the adapter's scale as a number, e.g. 0.8 (from -8 to 8)."]);
     }
-    return errors.concat(app.controls.localErrors(), app.imagePrompt.localErrors());
+    return errors.concat(app.controls.localErrors(), app.imagePrompt.localErrors(),
+      app.references.localErrors(Boolean(s.edit)));
   }
 
   /* The model a request names: none for the default (the server's own choice; a one-model server takes no other). */

@@ -181,21 +181,28 @@ window.DiffgraphControls = (() => {
     };
   }
 
-  /* Reference images (a model whose capabilities take `reference_images`: FLUX.2): up to four, sent as
-   * `reference_images` (JSON: data URLs) or, with an image to edit, as image[] parts after it (the edits route reads
-   * every part of such a model as a reference, the first also the start below strength 1). */
+  /* Reference images (a model whose capabilities take `reference_images`: FLUX.2's references, Qwen-Image-Edit's
+   * input images), sent as `reference_images` (JSON: data URLs) or, with an image to edit, as image[] parts after it
+   * (the edits route reads every part of such a model as one of them, the first also the start below strength 1).
+   * At most what /info's `image_limits` says the model takes, the image to edit counted: more is refused before
+   * sending, in the server's words (`tooMany`). */
+  function tooMany(count, limit) {
+    return `${count} ${limit.items}; send at most ${limit.max}`;
+  }
+
   function createReferences({ $ }) {
-    const state = { files: [], dataUrls: [] };
-    const MAX = 4;
+    const state = { files: [], dataUrls: [], limit: null };
 
     function show(info) {
       const takes = Boolean(info && (info.extension_images || []).includes("reference_images"));
+      state.limit = takes ? ((info.image_limits || {}).reference_images || null) : null;
       $("references").hidden = !takes;
+      if (state.limit) $("ref-images-label").textContent = `Images (up to ${state.limit.max})`;
       return takes;
     }
 
     async function onFiles(files) {
-      state.files = Array.from(files || []).slice(0, MAX);
+      state.files = Array.from(files || []);
       state.dataUrls = await Promise.all(state.files.map(readDataUrl));
       const shown = $("ref-images");
       shown.replaceChildren(...state.dataUrls.map((src) => Object.assign(document.createElement("img"),
@@ -204,9 +211,15 @@ window.DiffgraphControls = (() => {
     }
 
     const active = () => !$("references").hidden && state.files.length > 0;
+    /* `editing`: an image to edit goes first among the image[] parts, so it counts against the limit too. */
+    function localErrors(editing) {
+      const count = active() ? state.files.length + (editing ? 1 : 0) : 0;
+      return state.limit && count > state.limit.max ? [["reference_images", tooMany(count, state.limit)]] : [];
+    }
+
     $("ref-images-input").addEventListener("change", () => onFiles($("ref-images-input").files));
     return {
-      show,
+      show, localErrors,
       count: () => (active() ? state.files.length : 0),
       forBody: () => (active() ? state.dataUrls.slice() : null),
       forForm: () => (active() ? state.files.slice() : null),
