@@ -30,7 +30,7 @@ def _write_diffusers(engine, path, rank=4, seed=0):
     import diffusers
 
     m = engine.model
-    parts = {"unet_lora_layers": _peft_weights(m.unet, UNET_TARGETS, rank, seed),
+    parts = {"unet_lora_layers": _peft_weights(m.denoiser, UNET_TARGETS, rank, seed),
              "text_encoder_lora_layers": _peft_weights(m.text_encoders[0], TEXT_TARGETS, rank, seed + 1)}
     if m.family == "sdxl":
         parts["text_encoder_2_lora_layers"] = _peft_weights(m.text_encoders[1], TEXT_TARGETS, rank, seed + 2)

@@ -35,7 +35,7 @@ def write_folder(model: Any, folder: str) -> str:
     """Saves a diffgraph DiffusionModel (diffgraph.models.loader.load_model) as a complete diffusers pipeline
     folder (StableDiffusion[XL][Inpaint]Pipeline by its text encoders and UNet inputs), readable by load_model and
     by diffusers' from_pretrained. Returns the folder."""
-    pipeline_of(model.unet, model.vae, list(model.text_encoders), list(model.tokenizers), model.scheduler_config,
+    pipeline_of(model.denoiser, model.vae, list(model.text_encoders), list(model.tokenizers), model.scheduler_config,
                 model.force_zeros_for_empty_prompt).save_pretrained(folder, safe_serialization=True)
     return folder
 
