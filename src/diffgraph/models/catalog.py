@@ -56,7 +56,7 @@ PIPELINE_VARIANTS = ("", "Img2Img", "Inpaint")
 FAMILY_PIPELINES = (("StableDiffusionXL", "sdxl", PIPELINE_VARIANTS), ("StableDiffusion", "sd", PIPELINE_VARIANTS),
                     ("ZImage", "zimage", PIPELINE_VARIANTS), ("Flux2Klein", "flux2", ("",)),
                     ("Flux2", "flux2-dev", ("",)),
-                    ("QwenImage", "qwen-image", ("",)))
+                    ("QwenImageEditPlus", "qwen-image-edit", ("",)), ("QwenImage", "qwen-image", ("",)))
 
 
 class ModelNameError(ValueError):
