@@ -47,6 +47,8 @@ DEFAULT_STEPS = 20       # the steps of a request that names none, on a model wi
 SIZE_MULTIPLE = 8        # every request's sizes (an SD VAE's latent grid); a family may ask for more (size_multiple)
 MAX_IMAGES = 16
 MAX_GUIDANCE = 100.0
+# the fields a request may leave to its model (`GenerationRequest.defaulted`), in `create`'s order
+DEFAULTABLE = ("schedule", "num_inference_steps", "guidance_scale")
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 PROMPT_SYNTAXES = ("plain", "a1111")  # diffusers' plain text (truncated at 77 tokens); AUTOMATIC1111's syntax
 EMPHASES = ("original", "no_norm")    # AUTOMATIC1111's emphasis modes: weights then mean restored, or weights only
@@ -199,6 +201,9 @@ class GenerationRequest:
     # AUTOMATIC1111's eta_noise_seed_delta (ENSD): the noise a sampler draws after the initial noise comes from a
     # generator seeded with seed + this (0: the seed's own generator goes on)
     noise_seed_delta: int = 0
+    # the fields `create` filled from the model's defaults (of DEFAULTABLE): the engine may fill them from what the
+    # request's files recommend instead (a LoRA's sidecar: its schedule, steps, guidance), before it plans the request
+    defaulted: tuple[str, ...] = ()
     # its image size, (height, width): derived, a plain attribute (read on every hop); the engine groups rows by the
     # family's key for it (`FamilyAdapter.group_key`)
     key: Size = field(init=False, compare=False, repr=False)
@@ -259,6 +264,9 @@ class GenerationRequest:
             raise ParamError("return_latents", f"return_latents must be true or false, got {shown(self.return_latents)}")
         if not isinstance(self.tiling, bool):
             raise ParamError("tiling", f"tiling must be true or false, got {shown(self.tiling)}")
+        if not isinstance(self.defaulted, tuple) or not set(self.defaulted) <= set(DEFAULTABLE):
+            raise ParamError("defaulted", f"defaulted must be a tuple of {', '.join(DEFAULTABLE)}, got "
+                                          f"{shown(self.defaulted)}")
         object.__setattr__(self, "noise_seed_delta", check_int("noise_seed_delta", self.noise_seed_delta, 0,
                                                                 MAX_SEED))
         if self.hires_of is not None and (isinstance(self.hires_of, bool) or not isinstance(self.hires_of, int)
@@ -391,6 +399,7 @@ class GenerationRequest:
             sampler, schedule = canonical(sampler, schedule, *names)
         if sampler is None:
             sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
+        defaulted = tuple(f for f, v in zip(DEFAULTABLE, (schedule, num_inference_steps, guidance_scale)) if v is None)
         if schedule is None:
             schedule = model.default_schedule if model is not None else DEFAULT_SCHEDULE
         if num_inference_steps is None:
@@ -405,7 +414,7 @@ class GenerationRequest:
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
                       output_compression=output_compression, extras=_extras(extras, model),
                       return_latents=return_latents, variation=make_variation(variation), tiling=tiling,
-                      noise_seed_delta=noise_seed_delta, **kwargs)
+                      noise_seed_delta=noise_seed_delta, defaulted=defaulted, **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

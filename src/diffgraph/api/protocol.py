@@ -174,11 +174,14 @@ class ImageGenerationRequest(BaseModel):
             raise APIError(400, "background 'transparent' cannot be honoured: the models served here make opaque "
                                 "images; send 'opaque' or 'auto'", param="background")
 
-    def steps(self, model_default: int | None = None) -> int:
-        """num_inference_steps, else the model's default (`model_default`: its checkpoint's steps; None: the
-        field's), or that default's share `quality` asks for."""
+    def steps(self, model_default: int | None = None) -> int | None:
+        """num_inference_steps, else the share of the model's default (`model_default`: its checkpoint's steps; None:
+        the field's) that `quality` asks for; None where the body names neither (the engine's default then: the
+        model's, or what the request's LoRA sidecars recommend)."""
         if "num_inference_steps" in self.model_fields_set:
             return self.num_inference_steps
+        if self.quality is None:
+            return None
         default = self.num_inference_steps if model_default is None else model_default
         return default if self.quality is None else max(1, round(default * QUALITY_STEPS[self.quality]))
 

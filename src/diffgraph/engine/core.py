@@ -98,7 +98,11 @@ class EngineCore:
 
     def submit(self, request: GenerationRequest, sink: RequestSink, files: dict | None = None) -> None:
         """Queues a request. Raises ParamError (its step count on this model, its adapters), QueueFullError,
-        EngineClosed. `files`: what `resolve_files` gave for it already (else they are resolved here)."""
+        EngineClosed. `files`: what `resolve_files` gave for it already (else they are resolved here). The request
+        runs with what its files recommend for the fields it left to the model (`ModelCapabilities.recommended`: a
+        LoRA sidecar's schedule, steps, guidance), and its result carries that request."""
+        files = self.resolve_files(request) if files is None else files
+        request = self.runner.capabilities.recommended(request, files) if files else request
         plan = self.runner.request_plan(request)
         # registered capabilities' parameters (none: every capability is neutral), before the group: it may read them
         prepared = self.runner.capabilities.prepare(dict(request.extras), self.runner.model.name) \
@@ -109,7 +113,7 @@ class EngineCore:
                           inputs=self.runner.prompt_inputs(prepared))
         state = RequestState.of(request, plan, time.monotonic(), sink, prompts,
                                 self.runner.group_key(request.key, prompts, prepared, request.tiling))
-        state.prepared = {**prepared, **(self.resolve_files(request) if files is None else files)}
+        state.prepared = {**prepared, **files}
         state.edit_pixels = preprocess_edit(request, self.runner.model.vae_scale_factor) if request.edit else None
         if len({p.chunks for p in _read(state)}) > 1:
             state.empty_prompt = empty_prompt(self.runner.text_setup, prompts[0])

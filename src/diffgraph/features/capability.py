@@ -18,6 +18,7 @@ On a model without the capability its parameters are a 400 naming them unless th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -95,6 +96,12 @@ class Capability:
         (file name -> slot): part of its prompts' cache keys, handed to the encoder (LoRA's text side paths:
         (file key, scale, slot) each). () by default."""
         return ()
+
+    def recommends(self, held: tuple) -> dict[str, Any]:
+        """The request fields (of request.DEFAULTABLE) its resolved files (`held`, from `resolve`) recommend, which a
+        request that left them to the model's defaults runs with (LoRA: its sidecar's schedule, steps, guidance).
+        A ParamError naming the field for files that recommend different values. {} by default."""
+        return {}
 
     def defaults(self, settings: Any) -> dict[str, Any]:
         """The parameter values a request that names none takes from the server's settings (a server default that
@@ -284,6 +291,21 @@ class ModelCapabilities:
             if held:
                 out[files.held_key] = held
         return out
+
+    def recommended(self, request: Any, resolved: Mapping[str, Any]) -> Any:
+        """`request` with what its resolved files (`resolve`'s) recommend for the fields it left to the model's
+        defaults (`Capability.recommends`, `request.defaulted`), each then no longer defaulted: what runs, and what
+        its image's metadata records."""
+        values: dict[str, Any] = {}
+        for c in self.present:
+            files = self.files.get(c.name)
+            held = resolved.get(files.held_key) if files is not None else None
+            if held:
+                values.update(c.recommends(held))
+        values = {k: v for k, v in values.items() if k in request.defaulted}
+        if not values:
+            return request
+        return dataclasses.replace(request, defaulted=tuple(f for f in request.defaulted if f not in values), **values)
 
     def slots(self, state: Any) -> dict[str, dict[str, int]]:
         """An admitted request's file slots, by files' name: file name -> slot (`Admission.slots`)."""

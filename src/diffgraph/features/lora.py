@@ -7,6 +7,9 @@ manager's pool); its files are the manager's `SlotFiles` (the admission gate ove
 steps); its text adapters are what the text encoders run with for a request's prompts. The engine core and the model
 runner iterate over the capabilities and name none of them.
 
+Its recommendations: an adapter file's sidecar (lora/sidecar.py) may declare the schedule, steps and guidance its
+author samples with; a request that leaves those to the model's defaults runs them (`recommends`).
+
 The step half, a row feature: per row, the device slots (0 = none) and scales of its UNet adapters.
 
 The denoiser's side paths (lora/sidepath.py) read the slots of each denoiser row, set just before the denoiser call
@@ -119,6 +122,19 @@ class LoraCapability(Capability):
             return self.manager.resolve(request.loras)
         except ValueError as e:  # AdapterError, AdapterNameError
             raise ParamError("loras", str(e)) from None
+
+    def recommends(self, held: tuple) -> dict[str, Any]:
+        """What the request's adapters' sidecars declare (lora/sidecar.py: schedule, steps, guidance), by request
+        field; two adapters that declare different values for one field are a ParamError("loras") naming them."""
+        out: dict[str, tuple[Any, str]] = {}
+        for a in held:
+            for field, value in (a.recommended.values() if a.recommended is not None else {}).items():
+                seen = out.setdefault(field, (value, a.key[0]))
+                if seen[0] != value:
+                    raise ParamError("loras", f"adapters {seen[1]!r} and {a.key[0]!r} declare different {field} "
+                                              f"({seen[0]!r}, {value!r}) in their sidecars; give {field} in the "
+                                              "request")
+        return {field: value for field, (value, _) in out.items()}
 
     def text_adapters(self, held: tuple, slots: dict[str, int]) -> tuple:
         return tuple((a.key, a.scale, slots[a.key[0]]) for a in held if a.has_text and a.key[0] in slots)

@@ -17,6 +17,7 @@ from typing import Any
 from ..features.slot_files import (PICKLES, SUFFIX, FileKey, Folder, Listing, NameRefused, NameUnknown, NameUnusable,
                                    SlotCache, SlotsBusy)
 from ..safe_files import UnusableFile, read_header
+from .sidecar import SidecarError, read_recommended
 
 __all__ = ["PICKLES", "SUFFIX", "MAX_ADAPTER_BYTES", "AdapterDir", "AdapterKey", "AdapterNameError", "AdapterNotFound",
            "AdapterUnusable", "Listing", "SlotCache", "SlotsBusy", "check_dtype", "describe", "unusable"]
@@ -49,8 +50,9 @@ _COMPONENT_PREFIXES = (("text_encoder_2.", "text_encoder_2"), ("lora_te2_", "tex
 
 def describe(path: str) -> dict[str, Any]:
     """Rank and targeted layers per component of an adapter file, from its header (no weights are read, nothing is
-    checked against a model): what a server that holds no engine in its own process lists. Raises AdapterUnusable
-    (not a regular file, too large, not safetensors, a tensor that is not floating point)."""
+    checked against a model), and what its sidecar declares (schedule, steps, guidance: lora/sidecar.py): what a
+    server that holds no engine in its own process lists. Raises AdapterUnusable (not a regular
+    file, too large, not safetensors, a tensor that is not floating point, a sidecar that is not valid)."""
     label = os.path.basename(path)
     try:
         header, _ = read_header(path, MAX_ADAPTER_BYTES)
@@ -64,7 +66,11 @@ def describe(path: str) -> dict[str, Any]:
         component = next((c for prefix, c in _COMPONENT_PREFIXES if key.startswith(prefix)), "other")
         layers[component] = layers.get(component, 0) + 1
         rank = max(rank, t.shape[0])
-    return {"rank": rank, "targets": layers}
+    try:
+        declared = read_recommended(path)
+    except SidecarError as e:
+        raise AdapterUnusable(str(e)) from None
+    return {"rank": rank, "targets": layers, **(declared.listing() if declared is not None else {})}
 
 
 def check_dtype(name: str, key: str, dtype: str, numel: int) -> None:

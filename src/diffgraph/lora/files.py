@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ UNSUPPORTED = {"hada_": "LoHa", "lokr_": "LoKr", "dora_scale": "DoRA", "lora_mag
 # a layer's change at request scale 8 (request_inputs.MAX_LORA_SCALE) stays within fp16's range for a unit input
 EFFECT_LIMIT = 65504.0 / 8
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# a UNet's block names in any of its adapters' key layouts (kohya's underscores, diffusers' and LDM's dots)
+_UNET_KEY = re.compile(r"(^|[._])(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)[._]")
 
 
 class AdapterError(ValueError):
@@ -139,6 +142,8 @@ def _adapter(state: dict[str, torch.Tensor], layout: LoraLayout | str, name: str
     _refuse_unsupported(list(state), name)
     if isinstance(layout, str):  # an SD pipeline class: its components
         layout = unet_layout(layout, 1)
+    if layout.components and layout.denoiser_component != "unet":
+        _refuse_unet(list(state), name, layout)
     pipeline_class, components = layout.pipeline_class, layout.names
     try:
         if layout.prepare is not None:
@@ -180,6 +185,15 @@ def _refuse_unsupported(keys: list[str], name: str) -> None:
             if fragment in key:
                 raise AdapterError(f"adapter {name!r} is {kind} (key {key!r}); diffgraph runs plain LoRA (on Linear "
                                    "layers and convolutions): merge it into a checkpoint with its own tool instead")
+
+
+def _refuse_unet(keys: list[str], name: str, layout: LoraLayout) -> None:
+    """A UNet's adapter (SD1.x/2.x, SDXL: kohya, diffusers or LDM keys) for a transformer family is refused by what it
+    is, before the family's converter makes its keys into names the model lacks."""
+    key = next((k for k in keys if _UNET_KEY.search(k)), None)
+    if key is not None:
+        raise AdapterError(f"adapter {name!r} is a LoRA for a Stable Diffusion UNet (key {key!r}), not for this "
+                           f"model's transformer; use a LoRA made for {layout.pipeline_class or 'this model'}")
 
 
 def _convert(component: str, part: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ headers only (files.header_adapter: layouts and shapes checked against the model
 file version (size, mtime_ns, inode) and never touches the host copies that requests use.
 `files` (the scheduler's admission gate) and `write` run on the loop thread.
 Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
+An adapter file's sidecar (lora/sidecar.py: its schedule, steps, guidance) is read with the request that uses it and
+with every listing (`recommended`); its schedule must be one of the model family's.
 
 The `conv` option (off by default; sidepath.py says why: SD1.5's convolution banks take more memory than the attention
 ones, and every adapter step pays them at the full rank) is this manager's own: LoraManager(
@@ -49,6 +51,7 @@ from ..features.slot_files import SlotFiles
 from ..safe_files import FileReader, FileStamp, ReadTimeout, UnusableFile, check_regular, stamp_of
 from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, unusable
 from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
+from .sidecar import Recommended, SidecarError, read_recommended
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach, takes
 from .targets import CONV_TARGETS, DENOISER, TEXT_TARGETS, UNET_TARGETS, LoraLayout  # noqa: F401 (the SD names)
 
@@ -93,6 +96,7 @@ class Resolved:
     has_unet: bool
     has_text: bool
     scale: float
+    recommended: Recommended | None = None  # what its file's sidecar declares (lora/sidecar.py)
 
     @property
     def host(self) -> None:  # (slot_files.Held's: the request holds no host copy)
@@ -218,8 +222,25 @@ class LoraManager:
         if len(loras) > self.slots.slots:
             raise AdapterError(f"{len(loras)} adapters in one request, but this engine has {self.slots.slots} "
                                "adapter slots; use fewer or start it with a larger --max-loras")
-        return tuple(Resolved(h.key, h.source, h.host.has_unet, h.host.has_text, scale)
+        return tuple(Resolved(h.key, h.source, h.host.has_unet, h.host.has_text, scale, self.recommended(h.key[0],
+                                                                                                  h.source[0]))
                      for h, (_, scale) in zip(map(self.files.held, (n for n, _ in loras)), loras))
+
+    def recommended(self, name: str, source: Any) -> Recommended | None:
+        """What adapter `name`'s sidecar declares (None: it has none, or it was added as a state dict), its schedule
+        checked against this model's family. Raises AdapterError naming the adapter."""
+        if not isinstance(source, str):
+            return None
+        try:
+            declared = read_recommended(source)
+        except SidecarError as e:
+            raise AdapterError(f"adapter {name!r}: {e}") from None
+        schedules = self.model.adapter.schedules
+        if declared is not None and declared.schedule is not None and declared.schedule not in schedules:
+            raise AdapterError(f"adapter {name!r}: its sidecar {declared.sidecar} declares schedule "
+                               f"{declared.schedule!r}, which {self.family} models lack; schedules: "
+                               f"{', '.join(schedules)} (fix the sidecar)")
+        return declared
 
     def listing(self) -> dict[str, Any]:
         """Every adapter: name, rank, targets, family, loaded (in a slot), source; files that are not adapters. Files
@@ -250,7 +271,7 @@ class LoraManager:
             if folder is not None:
                 walked[label] = folder.listing()
                 files.update(walked[label].adapters)
-        entries = {name: self._file_entry(name, path) for name, path in files.items()}
+        entries = {name: self._declared(name, path, self._file_entry(name, path)) for name, path in files.items()}
         with self._lock:
             self._listed = {p: v for p, v in self._listed.items() if p in set(files.values())}
         with self._lock:
@@ -260,6 +281,17 @@ class LoraManager:
         ignored = walked["dir"].ignored if "dir" in walked else []
         return {"data": out, "unusable": errors, "ignored": ignored, "max_loras": self.config.slots,
                 "max_lora_rank": self.config.max_lora_rank}
+
+    def _declared(self, name: str, path: str, entry: dict[str, Any] | str) -> dict[str, Any] | str:
+        """A file's listing entry with what its sidecar declares (`schedule`, `steps`, `guidance`: read on every
+        listing, as requests read it), or why it is unusable."""
+        if not isinstance(entry, dict):
+            return entry
+        try:
+            declared = self.recommended(name, path)
+        except AdapterError as e:
+            return str(e)
+        return {**entry, **declared.listing()} if declared is not None else entry
 
     def _file_entry(self, name: str, path: str) -> dict[str, Any] | str:
         """The listing entry of one adapter file (or why it is unusable): from a request's host copy of this version
