@@ -192,3 +192,34 @@ def test_edit_rows_with_a_lightning_lora_equal_diffusers_and_each_alone(edit, tm
         pipe.scheduler = own
     assert np.abs(together[0] - want).max() <= 1
     assert np.abs(want - edit_oracle(pipe, PROMPT, IMAGES[:1], (64, 64), 2, 1.0, 4)).max() > 3
+
+
+def test_schedule_shift_runs_a_fixed_shift_per_row_and_round_trips_through_metadata(folder, qwen_lora, tiny_engine):  # noqa
+    """`schedule_shift` 3 (a fixed shift at every size, the terminal kept) on a 3-step unguided row, beside a row of
+    the model's own dynamic shift, equals the pipeline with that fixed-shift scheduler; its infotext and JSON carry it
+    back (--from-image); an SD model refuses it in one line naming it."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from diffgraph.image_metadata import infotext, parse_infotext, request_fields
+    from diffgraph.models.families.qwen_image import SCHEDULER
+
+    pipe = folder[1]
+    shifted = dict(prompt="a red fox", height=64, width=96, num_inference_steps=3, guidance_scale=1.0, seed=3,
+                   schedule_shift=3.0)
+    got = images_together(qwen_lora, [shifted, dict(shifted, schedule_shift=None, height=96, width=64)])
+    own = pipe.scheduler
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(**{**SCHEDULER, "use_dynamic_shifting": False, "shift": 3.0})
+    try:
+        want = oracle(pipe, "a red fox", (64, 96), 3, 1.0, 3)
+    finally:
+        pipe.scheduler = own
+    assert np.abs(got[0] - want).max() <= 1
+    assert np.abs(want - oracle(pipe, "a red fox", (64, 96), 3, 1.0, 3)).max() > 3  # the shifts differ
+    assert np.abs(got[1] - oracle(pipe, "a red fox", (96, 64), 3, 1.0, 3)).max() <= 1
+    made = GenerationRequest.create(model=qwen_lora.info, **shifted)
+    assert parse_infotext(infotext(made, "m"))["schedule_shift"] == 3.0
+    assert request_fields(made, "m")["schedule_shift"] == 3.0
+    with pytest.raises(ParamError) as e:
+        tiny_engine.submit(GenerationRequest.create(model=tiny_engine.info, prompt="x", num_inference_steps=2,
+                                                    schedule_shift=3.0)).result()
+    assert e.value.param == "schedule_shift" and "\n" not in str(e.value)

@@ -96,6 +96,9 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--eta", type=float, default=None, help="the noise amount of samplers tcd (its gamma, default 0.3), "
                    "ddim, ddim_cfgpp (their eta, default 0) and euler_a, dpmpp_2s_a, dpm_fast (their eta, default 1), "
                    "0-1")
+    g.add_argument("--schedule-shift", type=float, default=None,
+                   help="a flow-matching model's time shift at every size, in place of its schedule's (3: the "
+                        "Qwen-Image-Lightning LoRAs'); default: the schedule's, or the LoRA sidecar's")
     g.add_argument("--seed", type=int, default=None,
                    help="seed, 0 or more; left out, or -1 (as in AUTOMATIC1111 and ComfyUI): a random seed, printed")
     g.add_argument("-n", "--num-images", type=int, default=1, help="images for this prompt, 1-16")
@@ -267,6 +270,7 @@ FLAGS = {"prompt": "the prompt", "negative_prompt": "--negative-prompt", "width"
          "mode": "--mode", "image": "--image", "mask": "--mask", "strength": "--strength", "loras": "--lora",
          "prompt_syntax": "--prompt-syntax", "clip_skip": "--clip-skip", "emphasis": "--prompt-syntax",
          "timestep_spacing": "--timestep-spacing", "eta": "--eta", "controls": "--control",
+         "schedule_shift": "--schedule-shift",
          "image_prompts": "--image-prompt", "tiling": "--tiling", "hires_scale": "--hires-scale",
          "hires_steps": "--hires-steps", "hr_upscaler": "--hires-upscaler",
          "denoising_strength": "--denoising-strength", "variation": "--subseed-strength",
@@ -333,7 +337,8 @@ FROM_IMAGE = {"prompt": "prompt", "negative_prompt": "negative_prompt", "width":
               "steps": "num_inference_steps", "guidance": "guidance_scale", "sampler": "sampler",
               "schedule": "schedule", "seed": "seed", "num_images": "num_images", "prompt_syntax": "prompt_syntax",
               "clip_skip": "clip_skip", "model": "model", "strength": "strength",
-              "timestep_spacing": "timestep_spacing", "eta": "eta", "tiling": "tiling"}
+              "timestep_spacing": "timestep_spacing", "eta": "eta", "tiling": "tiling",
+              "schedule_shift": "schedule_shift"}
 NO_FLAG = ("emphasis", "guidance_interval", "guidance_rescale", "noise_seed_delta")  # fields only --from-image sets
 
 
@@ -430,6 +435,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                   prompt_syntax=args.prompt_syntax or "plain",
                   clip_skip=args.clip_skip,
                   timestep_spacing=args.timestep_spacing, eta=args.eta, tiling=args.tiling,
+                  schedule_shift=args.schedule_shift,
                   extras=_capability_extras(args) or None, variation=variation_from_args(args),
                   **getattr(args, "extra", {}))
     hires = hires_from_args(args)
@@ -706,7 +712,7 @@ def _remote_body(args: argparse.Namespace, prompt_spec) -> dict[str, Any]:
                 **({"model": prompt_spec[0]} if prompt_spec[0] else {})},
             "prompt_syntax": args.prompt_syntax, "clip_skip": args.clip_skip,
             "timestep_spacing": args.timestep_spacing, "eta": args.eta, "tiling": args.tiling or None,
-            **_flag_values(args), **_flag_images_b64(args),
+            "schedule_shift": args.schedule_shift, **_flag_values(args), **_flag_images_b64(args),
             **getattr(args, "extra", {})}  # --from-image's fields without a flag
     return {k: v for k, v in body.items() if v is not None}
 

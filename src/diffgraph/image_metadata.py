@@ -112,6 +112,7 @@ def infotext(request: Any, model_name: str, extra: dict[str, Any] | None = None)
         # AUTOMATIC1111 writes DDIM's (and DDIM CFG++'s) eta where it is not 0
         "Eta DDIM": _number(request.eta) if request.sampler in DDIM_ETA and getattr(request, "eta", None) else None,
         "ENSD": getattr(request, "noise_seed_delta", 0) or None,  # AUTOMATIC1111's eta_noise_seed_delta
+        "Schedule shift": _number(shift) if (shift := getattr(request, "schedule_shift", None)) is not None else None,
     }
     # the capability parameters (their own names, "Step cache"; objects as JSON)
     params.update({name.replace("_", " ").capitalize(): v if isinstance(v, str) else json.dumps(v)
@@ -171,8 +172,8 @@ def request_fields(request: Any, model_name: str) -> dict[str, Any]:
               "guidance_interval": None if request.guidance_interval is None else list(request.guidance_interval),
               "guidance_rescale": request.guidance_rescale, "prompt_syntax": request.prompt_syntax,
               "clip_skip": request.clip_skip, "emphasis": request.emphasis}
-    for name in ("timestep_spacing", "eta"):  # sampler options: written where a request gave them
-        if getattr(request, name) is not None:
+    for name in ("timestep_spacing", "eta", "schedule_shift"):  # sampler options: written where a request gave them
+        if getattr(request, name, None) is not None:
             fields[name] = getattr(request, name)
     if getattr(request, "tiling", False):  # written where set
         fields["tiling"] = True
@@ -365,7 +366,7 @@ def parse_infotext(text: str) -> dict[str, Any]:
     negative prompt (read in its prompt syntax, "a1111", which carries `<lora:...>` tags), steps, sampler and
     schedule (its names mapped back; an old "DPM++ 2M Karras" sampler name split), CFG scale, seed, size, model,
     denoising strength (the hires fix's where the text has one: "hires", `parsed_hires`), clip skip, tiling, the
-    variation seed and ENSD (eta_noise_seed_delta). Keys diffgraph has no setting for are ignored."""
+    variation seed, ENSD (eta_noise_seed_delta) and a flow schedule's shift ("Schedule shift"). Keys diffgraph has no setting for are ignored."""
     prompt, negative, params = infotext_parts(text)
     fields: dict[str, Any] = {"prompt": prompt, "negative_prompt": negative, "prompt_syntax": "a1111"}
     samplers = {v: k for k, v in A1111_SAMPLERS.items()}
@@ -394,6 +395,8 @@ def parse_infotext(text: str) -> dict[str, Any]:
             fields["eta"] = float(params["Eta DDIM"])
         if "ENSD" in params:
             fields["noise_seed_delta"] = int(params["ENSD"])
+        if "Schedule shift" in params:
+            fields["schedule_shift"] = float(params["Schedule shift"])
         variation = _parsed_variation(params)
         if variation is not None:
             fields["variation"] = variation

@@ -48,7 +48,8 @@ SIZE_MULTIPLE = 8        # every request's sizes (an SD VAE's latent grid); a fa
 MAX_IMAGES = 16
 MAX_GUIDANCE = 100.0
 # the fields a request may leave to its model (`GenerationRequest.defaulted`), in `create`'s order
-DEFAULTABLE = ("schedule", "num_inference_steps", "guidance_scale")
+DEFAULTABLE = ("schedule", "num_inference_steps", "guidance_scale", "schedule_shift")
+MAX_SHIFT = 100.0  # schedule_shift (SD3's and Flux's fixed shifts are 3; dynamic ones reach e^1.15)
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 PROMPT_SYNTAXES = ("plain", "a1111")  # diffusers' plain text (truncated at 77 tokens); AUTOMATIC1111's syntax
 EMPHASES = ("original", "no_norm")    # AUTOMATIC1111's emphasis modes: weights then mean restored, or weights only
@@ -171,6 +172,9 @@ class GenerationRequest:
     # the sampler's timestep spacing ("leading", "linspace", "trailing"); None: the model's scheduler config's
     timestep_spacing: str | None = None
     eta: float | None = None       # TCD's gamma or DDIM's eta (stochasticity, 0..1); None: 0.3 / 0, the defaults
+    # a flow-matching family's time shift in place of its schedule's own at every size (sigma' = s sigma / (1 + (s - 1)
+    # sigma), exp(mu) of a dynamic shift: 3 is the Lightning LoRAs' mu = log 3); None: the schedule's own
+    schedule_shift: float | None = None
     preview: PreviewSpec | None = None  # live previews in its progress events (None: none)
     # the scheduling class: "interactive" rows go first and may take batch rows' slots at a step boundary; "batch"
     # rows (a job's items) fill what interactive rows leave free, shared fairly by `share` (a job's API key), then by
@@ -246,7 +250,7 @@ class GenerationRequest:
             object.__setattr__(self, "clip_skip", check_int("clip_skip", self.clip_skip, 0, MAX_CLIP_SKIP))
 
     def _check_sampler_options(self) -> None:
-        """The sampler's timestep spacing and noise amount (eta)."""
+        """The sampler's timestep spacing, noise amount (eta) and a flow schedule's shift."""
         if self.timestep_spacing is not None and self.timestep_spacing not in TIMESTEP_SPACINGS:
             raise ParamError("timestep_spacing", f"timestep_spacing {shown(self.timestep_spacing)} is unknown; allowed: "
                                                  f"{', '.join(TIMESTEP_SPACINGS)} (or leave it out: the model's own)")
@@ -257,6 +261,13 @@ class GenerationRequest:
                 raise ParamError("eta", f"eta {shown(eta)} is out of range; allowed: a number in [0, 1] (TCD's gamma, "
                                         "DDIM's eta)")
             object.__setattr__(self, "eta", float(eta))
+        shift = self.schedule_shift
+        if shift is not None:
+            if isinstance(shift, bool) or not isinstance(shift, (int, float, np.floating, np.integer)) \
+                    or not 0 < float(shift) <= MAX_SHIFT:  # NaN fails this too
+                raise ParamError("schedule_shift", f"schedule_shift {shown(shift)} is out of range; allowed: a number "
+                                                   f"above 0, at most {MAX_SHIFT:g} (or leave it out: the schedule's)")
+            object.__setattr__(self, "schedule_shift", float(shift))
 
     def _check_handling(self) -> None:
         """How the request is handled: returned latents, priority, its job and share, previews."""
@@ -365,7 +376,7 @@ class GenerationRequest:
                preview: Any = None, controls: Any = (), image_prompts: Any = None,
                output_compression: Any = None, extras: Any = None,
                return_latents: Any = False, variation: Any = None, tiling: Any = False,
-               noise_seed_delta: Any = 0) -> "GenerationRequest":
+               noise_seed_delta: Any = 0, schedule_shift: Any = None) -> "GenerationRequest":
         """A request from user parameters: a random seed when none is given, the model's native size, guidance,
         sampler and schedule where those are not given, every value checked (the sampler, schedule and size against
         the model's family, `num_images` against the engine's rows; without a model, against the built-in
@@ -379,7 +390,10 @@ class GenerationRequest:
         latents too (`GenerationResult.latents`); an `EditInput` with `latents` (and width, height) starts from
         such latents (the hires fix: hires.py). `variation`: a Variation or a dict of its fields. `tiling`: circular
         padding in the denoiser's and the VAE's convolutions (a UNet family's; AUTOMATIC1111's tiling).
-        `noise_seed_delta`: AUTOMATIC1111's eta_noise_seed_delta (the sampler's later noise from seed + it)."""
+        `noise_seed_delta`: AUTOMATIC1111's eta_noise_seed_delta (the sampler's later noise from seed + it).
+        `schedule_shift`: a flow-matching model's time shift at every size in place of its schedule's. The
+        schedule, steps, guidance and shift left out are listed in `defaulted`: the engine runs what the request's
+        LoRA sidecars declare for them, else the model's defaults written here."""
         multiple = model.size_multiple if model is not None else SIZE_MULTIPLE
         edit, width, height = _edit_of(image, mask_image, strength, model, width, height, multiple)
         if model is None and (width is None or height is None or guidance_scale is None):
@@ -399,7 +413,8 @@ class GenerationRequest:
             sampler, schedule = canonical(sampler, schedule, *names)
         if sampler is None:
             sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
-        defaulted = tuple(f for f, v in zip(DEFAULTABLE, (schedule, num_inference_steps, guidance_scale)) if v is None)
+        defaulted = tuple(f for f, v in zip(DEFAULTABLE, (schedule, num_inference_steps, guidance_scale,
+                                                          schedule_shift)) if v is None)
         if schedule is None:
             schedule = model.default_schedule if model is not None else DEFAULT_SCHEDULE
         if num_inference_steps is None:
@@ -414,7 +429,8 @@ class GenerationRequest:
                       preview=make_preview(preview), controls=controls, image_prompts=image_prompts,
                       output_compression=output_compression, extras=_extras(extras, model),
                       return_latents=return_latents, variation=make_variation(variation), tiling=tiling,
-                      noise_seed_delta=noise_seed_delta, defaulted=defaulted, **kwargs)
+                      noise_seed_delta=noise_seed_delta, schedule_shift=schedule_shift, defaulted=defaulted,
+                      **kwargs)
         if request.prompt_syntax == "a1111":
             tagged = prompt_loras(request)
             if tagged:

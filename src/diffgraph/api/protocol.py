@@ -130,6 +130,7 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: StrictInt = 20
     guidance_scale: StrictFloat | None = None    # ints are accepted as numbers
     true_cfg_scale: StrictFloat | None = None    # vLLM-Omni's (and QwenImagePipeline's) name of guidance_scale
+    schedule_shift: StrictFloat | None = None    # a flow model's time shift at every size (None: its schedule's)
     # [lo, hi], fractions of the steps: step i of N runs classifier-free guidance iff lo <= i/N < hi
     guidance_interval: list[StrictFloat] | None = None
     guidance_rescale: StrictFloat = 0.0          # diffusers' rescaled CFG, 0..1 (0 = off)
@@ -217,7 +218,8 @@ class ImageGenerationRequest(BaseModel):
                     sampler=self.sampler, schedule=self.schedule, seed=self.seed, num_images=self.n,
                     output_format=self.output_format, loras=tuple((a.name, a.scale) for a in self.loras or ()),
                     prompt_syntax=self.prompt_syntax, clip_skip=self.clip_skip, emphasis=self.emphasis,
-                    timestep_spacing=self.timestep_spacing, eta=self.eta, preview=self.preview_params(),
+                    timestep_spacing=self.timestep_spacing, eta=self.eta, schedule_shift=self.schedule_shift,
+                    preview=self.preview_params(),
                     output_compression=self.output_compression, tiling=self.tiling)
 
     def guidance(self) -> float | None:

@@ -252,11 +252,24 @@ class ModelRunner:
         options = None if request.timestep_spacing is None and request.eta is None else \
             PlanOptions(request.timestep_spacing, request.eta)
         plan = self.plan(request.sampler, request.schedule, request.num_inference_steps, request.key, options)
+        if request.schedule_shift is not None:  # (its names, steps and options checked by the plan above)
+            plan = self._shifted_plan(request)
         start = self._start(request)
         if request.tiling:
             self._check_tiling()
         plan = start_plan(plan, start) if start else plan
         return self.program.request_plan(request, plan)
+
+    def _shifted_plan(self, request: GenerationRequest) -> SamplerPlan:
+        """The plan of a request with its own `schedule_shift` (a flow family's: `FamilyAdapter.shifted_plan`)."""
+        try:
+            return self.adapter.shifted_plan(self.model, request.sampler, request.schedule,
+                                             request.num_inference_steps, request.key, request.schedule_shift)
+        except ParamError:
+            raise
+        except ValueError as e:
+            raise ParamError("num_inference_steps", f"num_inference_steps {request.num_inference_steps} does not "
+                                                    f"work with schedule_shift on this model: {e}") from None
 
     def _check_tiling(self) -> None:
         """ParamError naming `tiling` where this engine cannot pad every convolution circularly."""

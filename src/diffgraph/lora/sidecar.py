@@ -4,9 +4,10 @@ convention model files follow, models/sidecar.py), saying how its author samples
     schedule = "lightning"   # the model family's schedule it was distilled for (Qwen-Image-Lightning's: mu = log 3)
     steps = 8                # its steps
     guidance = 1.0           # its guidance scale (1: one denoiser row, no classifier-free guidance)
+    schedule_shift = 3.0     # or: a flow family's fixed time shift at every size (the request field's meaning)
 
 A request using the adapter takes these for the fields it leaves to the model's defaults (`schedule`,
-`num_inference_steps`, `guidance_scale`: `Recommended.values`); a value the request gives wins. `read_recommended`
+`num_inference_steps`, `guidance_scale`, `schedule_shift`: `Recommended.values`); a value the request gives wins. `read_recommended`
 returns None when there is no sidecar and raises a one-line AdapterError (unknown key, wrong type, not TOML, too large)
 naming the file otherwise. Standard library only: the HTTP process lists adapters with it.
 """
@@ -18,7 +19,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-from ..request import MAX_GUIDANCE
+from ..request import MAX_GUIDANCE, MAX_SHIFT
 from ..safe_files import UnusableFile, read_file
 from ..sampling.schedules import MAX_STEPS
 
@@ -29,6 +30,7 @@ KEYS: dict[str, tuple[str, type, tuple[float, float] | None]] = {
     "schedule": ("schedule", str, None),
     "steps": ("num_inference_steps", int, (1, MAX_STEPS)),
     "guidance": ("guidance_scale", float, (0.0, MAX_GUIDANCE)),
+    "schedule_shift": ("schedule_shift", float, (0.01, MAX_SHIFT)),
 }
 
 
@@ -44,6 +46,7 @@ class Recommended:
     schedule: str | None = None
     steps: int | None = None
     guidance: float | None = None
+    schedule_shift: float | None = None
 
     def values(self) -> dict[str, Any]:
         """The declared values by the request field each fills."""

@@ -321,6 +321,13 @@ class FamilyAdapter:
             return make_plan(noise, sampler, self.schedule_variants.get(schedule, schedule), steps, options=options)
         return plan
 
+    def shifted_plan(self, model: DiffusionModel, sampler: str, schedule: str, steps: int, key: GroupKey,
+                     shift: float) -> SamplerPlan:
+        """The plan of a request's `schedule_shift`: a flow-matching family's schedule at that fixed time shift;
+        here (SD's noise schedules have no shift) a ParamError naming it."""
+        raise ParamError("schedule_shift", f"model family {self.name!r} has no flow-matching schedule to shift; "
+                                           "leave schedule_shift out")
+
     def plans(self, model: DiffusionModel) -> Planner:
         """The model's planner (`planner`), made on first use and kept with the model: the runner and the family's
         features that read a request's plan (Z-Image's guidance) share it, and so its cache of plans."""

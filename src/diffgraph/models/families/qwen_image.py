@@ -326,11 +326,14 @@ class QwenImageFamily(TokenFamily):
         return model.extra["checkpoint"].guidance
 
     # -- sampling: the model's schedule, or the Lightning releases' ----------------------------------------
+    def flow_schedules(self, model: DiffusionModel) -> dict[str, FlowSchedule]:
+        return {"default": FlowSchedule.from_config(model.scheduler_config),
+                "lightning": FlowSchedule.from_config(LIGHTNING)}
+
     def planner(self, model: DiffusionModel) -> Planner:
         """Flow samplers over the model's schedule ("default": its scheduler config's dynamic shift of the row's
         tokens, stretched to its terminal) or the Lightning LoRAs' ("lightning": mu = log 3 at every size)."""
-        flows = {"default": FlowSchedule.from_config(model.scheduler_config),
-                 "lightning": FlowSchedule.from_config(LIGHTNING)}
+        flows = self.flow_schedules(model)
 
         @functools.lru_cache(maxsize=256)
         def plan(sampler: str, schedule: str, steps: int, size: Size) -> SamplerPlan:

@@ -23,6 +23,7 @@ config's `FlowSchedule`, the time shift from the row's own token count.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -222,6 +223,19 @@ class TokenFamily(FamilyAdapter):
             h, w = self.grid(model, size)
             return flow_plan(sampler, schedule, schedule_config, steps, h * w)
         return plan
+
+    def flow_schedules(self, model: DiffusionModel) -> dict[str, FlowSchedule]:
+        """The flow schedule of each of the family's schedule names (the model's scheduler config's)."""
+        return dict.fromkeys(self.schedules, FlowSchedule.from_config(model.scheduler_config))
+
+    def shifted_plan(self, model: DiffusionModel, sampler: str, schedule: str, steps: int, key: GroupKey,
+                     shift: float) -> SamplerPlan:
+        """`schedule` at the fixed time shift `shift` for every size (exp(mu) of a dynamic shift), its terminal
+        stretch kept."""
+        self.check(sampler, schedule, key)
+        h, w = self.grid(model, key)
+        flow = dataclasses.replace(self.flow_schedules(model)[schedule], use_dynamic_shifting=False, shift=shift)
+        return flow_plan(sampler, schedule, flow, steps, h * w)
 
     def noising(self, plan: SamplerPlan) -> tuple[float, float]:
         return flow_noising(float(plan.sigmas[0]))
