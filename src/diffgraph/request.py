@@ -407,18 +407,10 @@ class GenerationRequest:
         height = model.native_size if height is None else height
         for name, value in (("width", width), ("height", height)):  # the family's words first (its multiple)
             _check_size(name, value, multiple)
-        # the names people type (AUTOMATIC1111's labels, ComfyUI's): the family's own names, a label's schedule
-        names = (model.samplers, model.schedules) if model is not None else (SAMPLERS, SCHEDULES)
-        if (sampler is not None and sampler not in names[0]) or (schedule is not None and schedule not in names[1]):
-            sampler, schedule = canonical(sampler, schedule, *names)
-        if sampler is None:
-            sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
+        sampler, schedule = _canonical_names(model, sampler, schedule)
         defaulted = tuple(f for f, v in zip(DEFAULTABLE, (schedule, num_inference_steps, guidance_scale,
                                                           schedule_shift)) if v is None)
-        if schedule is None:
-            schedule = model.default_schedule if model is not None else DEFAULT_SCHEDULE
-        if num_inference_steps is None:
-            num_inference_steps = model.default_steps if model is not None and model.default_steps else DEFAULT_STEPS
+        sampler, schedule, num_inference_steps = _sampling_defaults(model, sampler, schedule, num_inference_steps)
         request = cls(prompt=prompt, negative_prompt=negative_prompt, width=width, height=height,
                       num_inference_steps=num_inference_steps,
                       guidance_scale=model.default_guidance if guidance_scale is None else guidance_scale,
@@ -449,6 +441,25 @@ class GenerationRequest:
                 raise ParamError("num_images", f"num_images {request.num_images} exceeds this engine's largest "
                                                f"batch bucket {model.max_rows}")
         return request
+
+
+def _canonical_names(model: "ModelInfo | None", sampler: Any, schedule: Any) -> tuple[Any, Any]:
+    """The names people type (AUTOMATIC1111's labels, ComfyUI's) as the family's own names (a label's schedule)."""
+    names = (model.samplers, model.schedules) if model is not None else (SAMPLERS, SCHEDULES)
+    if (sampler is not None and sampler not in names[0]) or (schedule is not None and schedule not in names[1]):
+        return canonical(sampler, schedule, *names)
+    return sampler, schedule
+
+
+def _sampling_defaults(model: "ModelInfo | None", sampler: Any, schedule: Any, steps: Any) -> tuple[Any, Any, Any]:
+    """(sampler, schedule, steps) with the model's defaults (else the built-in ones) where they are None."""
+    if sampler is None:
+        sampler = model.default_sampler if model is not None else DEFAULT_SAMPLER
+    if schedule is None:
+        schedule = model.default_schedule if model is not None else DEFAULT_SCHEDULE
+    if steps is None:
+        steps = model.default_steps if model is not None and model.default_steps else DEFAULT_STEPS
+    return sampler, schedule, steps
 
 
 def _edit_of(image: Any, mask_image: Any, strength: Any, model: "ModelInfo | None", width: Any, height: Any,
