@@ -25,13 +25,14 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
     `empty_negative`). The request's `guidance_scale` is the pipeline's `true_cfg_scale`;
   * the VAE's latents are normalised per channel: decode reads latents * latents_std + latents_mean.
 Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE): `load_split`, through qwen_image_files.py.
-LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`; diffusers / PEFT keys tested, the other
-layouts it converts untested here), its side paths on the blocks' attention, feed-forwards and modulation.
-The Lightning LoRAs' schedule (mu = log 3 at every size) is the request's `schedule` "lightning", per row.
+LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`: diffusers / PEFT, Kohya, ComfyUI and
+lightx2v keys), its side paths on the blocks' attention, feed-forwards and modulation.
+The Lightning LoRAs' schedule (mu = log 3 at every size) is the request's `schedule` "lightning", per row, or their
+sidecar's (lora/sidecar.py); a request's `schedule_shift` fixes the shift of either schedule (`flow_schedules`).
 Its Edit line (QwenImageEditPlusPipeline: input images through the vision tower and as reference tokens) is
 qwen_image_edit.py, on this module's blocks: `denoise` appends a row's reference tokens (`rows.ref_*`) to its image
 stream where the family declares them.
-Not here yet: fp8 kept as fp8 from a file, a LoRA sidecar that names its schedule.
+Not here yet: fp8 kept as fp8 from a file.
 """
 
 from __future__ import annotations
