@@ -271,6 +271,18 @@ def read_file(path: str, max_bytes: int) -> tuple[bytes, FileStamp]:
         return data, f.unchanged(whole=True)
 
 
+def read_toml(path: str, max_bytes: int) -> tuple[dict[str, Any], FileStamp]:
+    """A small TOML file's table (sidecars), and the version read. Raises UnusableFile (also for text that is not
+    TOML: "is not TOML (why); fix or remove it") / FileChanged."""
+    import tomllib
+
+    data, stamp = read_file(path, max_bytes)
+    try:
+        return tomllib.loads(data.decode("utf-8")), stamp
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise UnusableFile(f"is not TOML ({str(e).splitlines()[0][:100]}); fix or remove it") from None
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str                 # safetensors' name: "F16", "BF16", "F32", "I64", ...

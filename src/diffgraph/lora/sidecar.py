@@ -15,12 +15,11 @@ naming the file otherwise. Standard library only: the HTTP process lists adapter
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from typing import Any
 
 from ..request import MAX_GUIDANCE, MAX_SHIFT
-from ..safe_files import UnusableFile, read_file
+from ..safe_files import UnusableFile, read_toml
 from ..sampling.schedules import MAX_STEPS
 
 SUFFIX = ".diffgraph.toml"
@@ -69,11 +68,9 @@ def read_recommended(adapter_file: str) -> Recommended | None:
         return None
     name = os.path.basename(path)
     try:
-        table = tomllib.loads(read_file(path, MAX_BYTES)[0].decode("utf-8"))
+        table = read_toml(path, MAX_BYTES)[0]
     except UnusableFile as e:
         raise SidecarError(f"sidecar {name} {e}") from None
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise SidecarError(f"sidecar {name} is not TOML ({str(e).splitlines()[0][:100]}); fix or remove it") from None
     unknown = sorted(set(table) - set(KEYS))
     if unknown:
         raise SidecarError(f"sidecar {name} has unknown key {unknown[0]!r}; allowed: {', '.join(KEYS)}")

@@ -18,10 +18,9 @@ Standard library only (the catalog reads it in the HTTP process).
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 
-from ..safe_files import FileStamp, UnusableFile, read_file
+from ..safe_files import FileStamp, UnusableFile, read_toml
 from .checkpoint_configs import KINDS
 
 SUFFIX = ".diffgraph.toml"
@@ -73,12 +72,9 @@ def read_sidecar(model_file: str) -> Sidecar | None:
         return None
     name = os.path.basename(path)
     try:
-        raw, stamp = read_file(path, MAX_BYTES)
-        table = tomllib.loads(raw.decode("utf-8"))
+        table, stamp = read_toml(path, MAX_BYTES)
     except UnusableFile as e:
         raise ValueError(f"sidecar {name} {e}") from None
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"sidecar {name} is not TOML ({str(e).splitlines()[0][:100]}); fix or remove it") from None
     allowed = ("config", "preset", *_FILES, "tokenizer")
     unknown = sorted(set(table) - set(allowed))
     if unknown:
