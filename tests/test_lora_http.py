@@ -32,6 +32,8 @@ def folder(tmp_path_factory, tiny_engine):
     (root / "styles").mkdir()
     _write_kohya(tiny_engine, str(root / "styles" / "ink.safetensors"), rank=4, seed=10)
     (root / "old.ckpt").write_bytes(b"a pickle is never loaded")
+    _write_diffusers(tiny_engine, str(root / "fast.safetensors"), rank=4, seed=20)
+    (root / "fast.diffgraph.toml").write_text("steps = 3\nguidance = 2.0\n")  # its sidecar (lora/sidecar.py)
     return str(root)
 
 
@@ -61,7 +63,8 @@ def test_loras_are_listed(server):
     assert r.status_code == 200
     body = r.json()
     by_name = {a["name"]: a for a in body["data"]}
-    assert set(by_name) == {"style", "styles/ink"}
+    assert set(by_name) == {"style", "styles/ink", "fast"}
+    assert (by_name["fast"]["steps"], by_name["fast"]["guidance"]) == (3, 2.0) and "steps" not in by_name["style"]
     assert by_name["style"]["rank"] == 4 and by_name["style"]["family"] == "sd"
     assert set(by_name["style"]["targets"]) == {"unet", "text_encoder"}
     assert body["ignored"] == ["old.ckpt"] and body["max_loras"] == 4 and body["max_lora_rank"] == 8
@@ -77,7 +80,23 @@ def test_generations_with_loras_equal_the_engine(server, engine):
         assert np.abs(got - _expected(engine, loras)).max() <= 1
         assert np.abs(got - _expected(engine, ())).max() > 8
     listed = {a["name"]: a["loaded"] for a in httpx.get(f"{server.url}/v1/loras", timeout=60).json()["data"]}
-    assert listed == {"style": True, "styles/ink": True}
+    assert listed == {"style": True, "styles/ink": True, "fast": False}
+
+
+def test_a_sidecar_s_steps_and_guidance_run_where_the_body_leaves_them_out(server, engine):
+    """A body naming `fast` and neither num_inference_steps nor guidance_scale runs its sidecar's 3 steps at
+    guidance 2 (the engine's image with those given); a body that gives its steps keeps them."""
+    def generate(**body) -> np.ndarray:
+        r = httpx.post(f"{server.url}/v1/images/generations", timeout=600,
+                       json={"prompt": PROMPT, "seed": 5, "loras": [{"name": "fast", "scale": 1.0}], **body})
+        assert r.status_code == 200, r.text
+        return _pixels(r.json()["data"][0]["b64_json"])
+    declared = engine.generate(PROMPT, num_inference_steps=3, guidance_scale=2.0, seed=5, loras=[("fast", 1.0)])
+    got = generate()
+    assert np.abs(got - (declared.arrays[0] * 255).round().astype(int)).max() <= 1
+    given = generate(num_inference_steps=4)
+    assert np.abs(given - _expected(engine, [("fast", 1.0)], seed=5, guidance_scale=2.0)).max() <= 1
+    assert np.abs(given - got).max() > 8
 
 
 def test_edits_take_loras(server, engine):
