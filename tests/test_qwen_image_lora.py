@@ -107,7 +107,7 @@ def test_a_lightning_sidecar_row_beside_a_cfg_row_equals_each_alone_and_diffuser
     cfg = dict(prompt="a red fox", height=64, width=96, num_inference_steps=3, guidance_scale=3.0, seed=9)
     result = qwen_lora.submit(GenerationRequest.create(model=qwen_lora.info, **fast)).result()
     r = result.request
-    assert (r.schedule, r.num_inference_steps, r.guidance_scale, r.defaulted) == ("lightning", 2, 1.0, ())
+    assert (r.schedule, r.num_inference_steps, r.guidance_scale, r.defaulted) == ("lightning", 2, 1.0, ("schedule_shift",))
     together = images_together(qwen_lora, [fast, cfg])
     for request, image in zip((fast, cfg), together):
         assert np.abs(image - images_together(qwen_lora, [request])[0]).max() <= 1
@@ -129,7 +129,7 @@ def test_a_request_s_own_values_win_over_the_sidecar_s_and_listings_show_it(lora
     made = GenerationRequest.create(model=qwen_lora.info, prompt="x", loras=[("lightning", 1.0)], schedule="default",
                                     num_inference_steps=3)
     ran = runner.capabilities.recommended(made, qwen_lora.core.resolve_files(made))
-    assert (ran.schedule, ran.num_inference_steps, ran.guidance_scale, ran.defaulted) == ("default", 3, 1.0, ())
+    assert (ran.schedule, ran.num_inference_steps, ran.guidance_scale, ran.defaulted) == ("default", 3, 1.0, ("schedule_shift",))
     entry = {e["name"]: e for e in qwen_lora.loras()["data"]}
     assert {k: entry["lightning"][k] for k in ("schedule", "steps", "guidance")} == \
         {"schedule": "lightning", "steps": 2, "guidance": 1.0}
