@@ -21,8 +21,9 @@ from diffgraph.models.families.flux2 import tiny_transformer as flux2_config
 from diffgraph.models.gguf_files import GgufFile
 from diffgraph.quantize.fp8 import Fp8Linear
 from diffgraph.safe_tensors import TensorFile
+from gguf_util import write_gguf
 from test_zimage_files import (E4M3, PREFIX, _quantised, one_line_error, tiny_qwen3, tiny_transformer, tiny_vae,
-                               to_original, write_gguf)
+                               to_original)
 
 
 def whole_dict_transformer(path: str, dtype: torch.dtype, keep_fp8: bool = False):
