@@ -441,7 +441,7 @@ def test_gguf_transformers_and_a_llama_cpp_encoder_equal_the_pipeline(split, tmp
             assert (embeds - pipe.encode_prompt(SPLIT_REQUEST["prompt"])[0]).abs().max().item() <= 1e-5
         error = np.abs(_split_image(model) - want)
         if qtype == "F16":
-            assert error.max() <= 1
+            assert error.max() <= 1 and error.mean() <= 0.05  # (measured: 1, 0.04)
             continue
         assert 1 <= error.max() <= Q8_MAX and error.mean() <= Q8_MEAN  # (the quantisation's error reaches the image)
         loaded, dequantised = model.denoiser.state_dict(), flux2_files.transformer_from_original(held)
