@@ -36,7 +36,7 @@ OTHER_FOLDERS = ("loras", "controlnet", "embeddings", "upscale_models", "clip_vi
                  "configs", "t2i_adapter", "ipadapter")
 MAX_FILE_BYTES = 1 << 40
 SUFFIX = ".safetensors"
-GGUF_SUFFIX = ".gguf"  # a diffusion model's GGUF quantisation (city96 / ComfyUI-GGUF's), read in split folders
+GGUF_SUFFIX = ".gguf"  # a diffusion model's GGUF quantisation (city96 / ComfyUI-GGUF's) or a llama.cpp text encoder
 ROLE_WORDS = {"text_encoder": "text encoder", "vae": "VAE"}
 
 

@@ -30,8 +30,8 @@ with the prefix stripped, architecture `lumina2`; tensors its converter stored r
 `comfy.gguf.orig_shape` back) is read through `gguf_files.GgufFile`, each tensor dequantised to the compute dtype on
 the device asked for (the family's: the GPU dequantises), then mapped as above; a tensor of a GGML type diffgraph does
 not read is refused by name from the header, before any tensor is read. A text encoder's `.gguf` (llama.cpp's
-language models: unsloth's Qwen3) is read the same way in transformers' names (gguf_llm.py), then as its
-safetensors file is.
+language models: unsloth's Qwen3) is read in transformers' names (gguf_llm.py), then as its safetensors file is
+(split_stream.py streams it; `read_file` reads it whole).
 
 Every other file is read through `safe_tensors.TensorFile` (streamed and checked, never mapped). Each file's header
 comes first, which must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks
