@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffgraph.models import gguf_llm, split_stream
+from diffgraph.models import gguf_llm, split_files, split_stream
 from diffgraph.models.gguf_files import GgufFile, gguf_header
 from gguf_util import llama_cpp_permute, write_llama_cpp
 
@@ -50,6 +50,30 @@ def test_the_names_are_ggufs_tensor_name_map_backwards(tmp_path, arch):
     header = gguf_header(str(tmp_path / "m.gguf"))
     assert gguf_llm.model_names(header) == {k: written[k] for k in state}
     assert gguf_llm.model_shapes(header) == {k: tuple(v.shape) for k, v in state.items()}
+    assert split_files.header_shapes(str(tmp_path / "m.gguf")) == gguf_llm.model_shapes(header)  # (the listing's)
+
+
+def test_a_split_folder_lists_gguf_text_encoders(tmp_path, monkeypatch):
+    """The companion folders' `.gguf` files are candidates, each kind from its header in transformers' names: a
+    llama.cpp Qwen3 matches a Qwen3 text encoder's signature (here a tiny one's: the published sizes' files are
+    gigabytes), and a DiT's GGUF is no text encoder."""
+    import gguf
+
+    from gguf_util import write_gguf
+
+    tiny = split_files.PartKind("qwen3-tiny", "a tiny Qwen3 text encoder", split_files.Signature(
+        ("self_attn.q_norm.",), (("embed_tokens.weight", 0, 64), ("embed_tokens.weight", 1, 32))))
+    monkeypatch.setitem(split_files.PARTS, "text_encoder", (tiny,))
+    folder = tmp_path / "text_encoders"
+    folder.mkdir()
+    (tmp_path / "diffusion_models").mkdir()
+    write_llama_cpp(folder / "Qwen3-tiny-F32.gguf", tiny_qwen3().state_dict(), "qwen3", 4, 2)
+    write_gguf(folder / "flux-2-klein-4b-F16.gguf", {"double_blocks.0.img_attn.norm.query_norm.scale": torch.ones(8)},
+               gguf.GGMLQuantizationType.F16, arch="flux")
+    parts = split_files.PartFiles(str(tmp_path))
+    found = parts.present("text_encoder")
+    assert [p.rsplit("/", 1)[1] for p in found] == ["Qwen3-tiny-F32.gguf", "flux-2-klein-4b-F16.gguf"]
+    assert [parts.kind_of(p, "text_encoder") for p in found] == [tiny, None]
 
 
 def test_unpermuted_is_the_inverse_of_llama_cpps_permute():
