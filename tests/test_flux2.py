@@ -339,40 +339,65 @@ def test_guidance_on_a_distilled_klein_is_refused_by_openai_and_ignored_by_a1111
     assert np.abs(image.astype(np.int16) - oracle(pipe, "a red fox", (64, 96), 2, 1.0, 3)).max() <= 1
 
 
-def test_comfyui_split_files_equal_the_pipeline(tmp_path):
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    """(a distilled tiny pipeline whose VAE is 32 wide, as a width's group norm of 32 groups, the only count a file
+    implies; its VAE in BFL's layout as a file; its image for SPLIT_REQUEST). The split VAE's config is FLUX.2's
+    (native 1024): its images decode whole."""
+    from safetensors.torch import save_file
+
+    from diffgraph.models import flux2_files
+    from diffgraph.models.original_layout import vae_original
+
+    pipe = pipeline(True, vae={**tiny_vae(), "block_out_channels": (32,) * 4, "norm_num_groups": 32})
+    pipe.vae.disable_tiling()
+    path = str(tmp_path_factory.mktemp("flux2-split") / "flux2-vae.safetensors")
+    vae = pipe.vae.state_dict()
+    coders = vae_original({k: v for k, v in vae.items() if not k.startswith("bn.")}, 4)
+    save_file({k: v.contiguous() for k, v in flux2_files.vae_to_original(vae, coders).items()}, path)
+    return pipe, path, _split_oracle(pipe)
+
+
+SPLIT_REQUEST = dict(prompt="a red fox", height=96, width=128, num_inference_steps=2, seed=4)
+
+
+def _split_oracle(pipe) -> np.ndarray:
+    r = SPLIT_REQUEST
+    return oracle(pipe, r["prompt"], (r["height"], r["width"]), r["num_inference_steps"], 1.0, r["seed"])
+
+
+def _split_image(model) -> np.ndarray:
+    with Engine(model=model) as engine:
+        return images_together(engine, [SPLIT_REQUEST])[0]
+
+
+def test_comfyui_split_files_equal_the_pipeline(split, tmp_path):
     """The transformer in BFL's layout under `model.diffusion_model.` (fused qkv), the Qwen3 encoder under `model.`,
     the FLUX.2 VAE in BFL's layout (the LDM coders, `encoder.quant_conv`, the batch-norm statistics), as three files:
     loaded by the family (configs from their shapes, the shipped tokenizer) the image equals the pipeline's on the
     same modules. (The tiny files are below the split kinds' size signatures, so the SplitFiles the catalog would
-    choose is made here; the VAE is 32 wide, as a width's group norm of 32 groups, the only count a file implies.)"""
+    choose is made here.)"""
     from safetensors.torch import save_file
 
     from diffgraph.models import flux2_files
     from diffgraph.models.families import default_registry
-    from diffgraph.models.original_layout import vae_original
     from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
 
-    pipe = pipeline(True, vae={**tiny_vae(), "block_out_channels": (32,) * 4, "norm_num_groups": 32})
-    pipe.vae.disable_tiling()  # the split VAE's config is FLUX.2's (native 1024): its images decode whole
-    paths = [str(tmp_path / name) for name in ("flux-2-klein-tiny.safetensors", "qwen_3_tiny.safetensors",
-                                               "flux2-vae.safetensors")]
+    pipe, vae_path, want = split
+    paths = [str(tmp_path / name) for name in ("flux-2-klein-tiny.safetensors", "qwen_3_tiny.safetensors")]
     save_file({k: v.contiguous() for k, v in flux2_files.transformer_to_original(
         pipe.transformer.state_dict()).items()}, paths[0])
     save_file({f"model.{k}": v.contiguous() for k, v in pipe.text_encoder.model.state_dict().items()}, paths[1])
-    vae = pipe.vae.state_dict()
-    coders = vae_original({k: v for k, v in vae.items() if not k.startswith("bn.")}, 4)
-    save_file({k: v.contiguous() for k, v in flux2_files.vae_to_original(vae, coders).items()}, paths[2])
-    files = SplitFiles(next(k for k in SPLIT_KINDS if k.name == "flux2-klein-4b"), *paths, ())
+    files = SplitFiles(next(k for k in SPLIT_KINDS if k.name == "flux2-klein-4b"), *paths, vae_path, ())
     assert files.kind.family == "flux2"
     model = default_registry().by_name("flux2").load_split(files, torch.device("cpu"), torch.float32, paths[0])
     with Engine(model=model) as engine:
-        got = images_together(engine, [dict(prompt="a red fox", height=96, width=128, num_inference_steps=2,
-                                            seed=4)])[0]
+        got = images_together(engine, [SPLIT_REQUEST])[0]
         assert engine.info.default_steps == 4 and engine.info.guidance == "none"
-    assert np.abs(got - oracle(pipe, "a red fox", (96, 128), 2, 1.0, 4)).max() <= 1
+    assert np.abs(got - want).max() <= 1
     with pytest.raises(ValueError, match="is a FLUX.2 VAE.*not a FLUX.2 transformer"):
-        flux2_files.read_transformer(paths[2])
-    mine = SplitFiles(files.kind, str(tmp_path / "mine.safetensors"), *paths[1:], ())
+        flux2_files.read_transformer(vae_path)
+    mine = SplitFiles(files.kind, str(tmp_path / "mine.safetensors"), paths[1], vae_path, ())
     with pytest.raises(ValueError, match="cannot tell which FLUX.2 klein checkpoint"):
         default_registry().by_name("flux2").load_split(mine, torch.device("cpu"), torch.float32, "mine")
     os.rename(paths[0], mine.diffusion_model)  # a name that says nothing: its sidecar's preset decides
@@ -380,6 +405,56 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
                                                           torch.device("cpu"), torch.float32, "mine")
     assert base.extra["checkpoint"] == CHECKPOINTS["flux.2-klein-base"]
 
+
+Q8_MAX, Q8_MEAN = 8, 1.0  # a Q8_0 transformer's image against the float32 pipeline's (measured: 8 and 0.96 levels)
+
+
+def test_gguf_transformers_and_a_llama_cpp_encoder_equal_the_pipeline(split, tmp_path):
+    """ComfyUI-GGUF's quantisations of the transformer (BFL's names, prefix stripped, architecture `flux`; 1-D and
+    small tensors F32) and the Qwen3 encoder as llama.cpp writes it (`blk.N.attn_q` ...; F32): the encoder's prompt
+    embeddings equal the pipeline's; an F16 transformer's image is within 1 level of the float32 pipeline's, a Q8_0
+    one's within Q8_MAX levels (Q8_MEAN on average: the tiny model's weights are scaled up, so its error shows), its
+    transformer holding exactly gguf's own dequantisation of the file's weights. A Z-Image GGUF in the transformer's
+    place is refused in one line naming the file and what it is."""
+    import gguf
+
+    from diffgraph.models import flux2_files
+    from diffgraph.models.families import default_registry
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+    from gguf_util import write_gguf, write_llama_cpp
+    from test_zimage_files import to_original, tiny_transformer as zimage_transformer
+
+    pipe, vae_path, want = split
+    encoder, config = str(tmp_path / "Qwen3-tiny-F32.gguf"), pipe.text_encoder.config
+    write_llama_cpp(encoder, {f"model.{k}": v for k, v in pipe.text_encoder.model.state_dict().items()}, "qwen3",
+                    config.num_attention_heads, config.num_key_value_heads)
+    kind, family = next(k for k in SPLIT_KINDS if k.name == "flux2-klein-4b"), default_registry().by_name("flux2")
+    state = pipe.transformer.state_dict()
+    original = flux2_files.transformer_to_original(state, prefix="")
+    for qtype in ("F16", "Q8_0"):
+        path = str(tmp_path / f"flux-2-klein-tiny-{qtype}.gguf")
+        held = write_gguf(path, original, gguf.GGMLQuantizationType[qtype], arch="flux")
+        model = family.load_split(SplitFiles(kind, path, encoder, vae_path, ()), torch.device("cpu"), torch.float32,
+                                  path)
+        if qtype == "F16":
+            embeds = family.encode(model, [SPLIT_REQUEST["prompt"]])["embeds"]
+            assert (embeds - pipe.encode_prompt(SPLIT_REQUEST["prompt"])[0]).abs().max().item() <= 1e-5
+        error = np.abs(_split_image(model) - want)
+        if qtype == "F16":
+            assert error.max() <= 1 and error.mean() <= 0.05  # (measured: 1, 0.04)
+            continue
+        assert 1 <= error.max() <= Q8_MAX and error.mean() <= Q8_MEAN  # (the quantisation's error reaches the image)
+        loaded, dequantised = model.denoiser.state_dict(), flux2_files.transformer_from_original(held)
+        assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], dequantised[k]) for k in state)
+    zimage = str(tmp_path / "flux-2-klein-4b-Q8_0.gguf")  # (a Z-Image file under a klein name)
+    write_gguf(zimage, to_original(zimage_transformer().state_dict(), ""), gguf.GGMLQuantizationType.Q8_0)
+    for load in (lambda: flux2_files.read_transformer(zimage),
+                 lambda: family.load_split(SplitFiles(kind, zimage, encoder, vae_path, ()), torch.device("cpu"),
+                                           torch.float32, zimage)):
+        with pytest.raises(ValueError) as e:
+            load()
+        assert str(e.value) == (f"{zimage} is a Z-Image transformer, not a FLUX.2 transformer; give a FLUX.2 "
+                                "transformer's file here")
 
 # -- step caching (models/families/token_cache.py, first_block_cache.py; flux2.py `blocks`) ---------------------------
 # The references are the methods written here on the pipeline: TaylorSeer around the transformer's forward (one state

@@ -301,6 +301,48 @@ def test_comfyui_split_files_with_the_tokenizer_folder_equal_the_pipeline(split,
         assert got.shape == want.shape and np.abs(got - want).max() <= 1, encoder
 
 
+
+def test_gguf_transformers_and_a_llama_cpp_mistral_equal_the_pipeline(split, tmp_path):
+    """dev's transformer as ComfyUI-GGUF quantises it (BFL's names with `guidance_in`, architecture `flux`) and the
+    Mistral encoder as llama.cpp writes Mistral Small 3.1 (architecture `llama`: `blk.N.*` names, the query and key
+    rows permuted, the LM head as `output`; F32): the embeddings equal the pipeline's and the image with the F16
+    transformer is within 1 level of the pipeline's (0.05 on average; measured: 1, 0.04); a Q8_0 transformer streams
+    in holding exactly gguf's own dequantisation of its weights, the guidance embedder included (its image against the
+    pipeline's: klein's GGUF test)."""
+    import dataclasses
+
+    import gguf
+
+    from diffgraph.models import flux2_files, split_stream
+    from diffgraph.models.families import default_registry
+    from gguf_util import write_gguf, write_llama_cpp
+
+    files, pipe = split
+    request = dict(prompt="a red fox", height=64, width=96, num_inference_steps=2, guidance_scale=3.0, seed=4)
+    family = default_registry().by_name("flux2-dev")
+    language, text = pipe.text_encoder.model.language_model, pipe.text_encoder.config.text_config
+    encoder = str(tmp_path / "Mistral-Small-3.1-tiny-F32.gguf")
+    write_llama_cpp(encoder, {**{f"model.{k}": v for k, v in language.state_dict().items()},
+                              "lm_head.weight": pipe.text_encoder.lm_head.weight}, "llama",
+                    text.num_attention_heads, text.num_key_value_heads)
+    state = pipe.transformer.state_dict()
+    original = flux2_files.transformer_to_original(state, prefix="")
+    paths = {q: str(tmp_path / f"flux2-dev-tiny-{q}.gguf") for q in ("F16", "Q8_0")}
+    held = {q: write_gguf(p, original, gguf.GGMLQuantizationType[q], arch="flux") for q, p in paths.items()}
+    model = family.load_split(dataclasses.replace(files, diffusion_model=paths["F16"], text_encoder=encoder),
+                              torch.device("cpu"), torch.float32, "split")
+    embeds = family.encode(model, [request["prompt"]])["embeds"]
+    assert (embeds - pipe.encode_prompt(request["prompt"])[0]).abs().max().item() <= 1e-5
+    with Engine(model=model) as engine:
+        error = np.abs(images_together(engine, [request])[0] - oracle(pipe, request))
+    assert error.max() <= 1 and error.mean() <= 0.05
+    loaded = split_stream.load_flux2_transformer(paths["Q8_0"], torch.float32, torch.device("cpu")).state_dict()
+    dequantised = flux2_files.transformer_from_original(held["Q8_0"])
+    assert sorted(loaded) == sorted(state) and "time_guidance_embed.guidance_embedder.linear_1.weight" in loaded
+    assert all(torch.equal(loaded[k], dequantised[k]) for k in state)
+    assert not torch.equal(loaded["transformer_blocks.0.attn.to_q.weight"],
+                           state["transformer_blocks.0.attn.to_q.weight"])  # (Q8_0's rounding is there)
+
 def test_split_files_without_a_tokenizer_or_with_klein_s_encoder_are_refused_in_one_line(split, tmp_path):
     """No tokenizer folder: one line naming --tokenizer and the sidecar's `tokenizer` (the file's `tekken_model` is
     not read in its place); the tokenizer/ folder alone with the tiny encoder: Mistral Small 3.1's published head width

@@ -21,8 +21,9 @@ from diffgraph.models.families.flux2 import tiny_transformer as flux2_config
 from diffgraph.models.gguf_files import GgufFile
 from diffgraph.quantize.fp8 import Fp8Linear
 from diffgraph.safe_tensors import TensorFile
+from gguf_util import write_gguf
 from test_zimage_files import (E4M3, PREFIX, _quantised, one_line_error, tiny_qwen3, tiny_transformer, tiny_vae,
-                               to_original, write_gguf)
+                               to_original)
 
 
 def whole_dict_transformer(path: str, dtype: torch.dtype, keep_fp8: bool = False):
@@ -152,7 +153,8 @@ def test_text_encoder_and_vae_equal_the_whole_dict_path(tmp_path):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_flux2_transformer_equals_the_whole_dict_path(tmp_path, fp8):
     """BFL's layout (fused qkv chunked, the final modulation's shift and scale swapped: a tensor the conversion
-    computes, from that one tensor), plain or with every 2-D weight in ComfyUI's scaled fp8, per row."""
+    computes, from that one tensor), plain or with every 2-D weight in ComfyUI's scaled fp8, per row, or as a Q8_0
+    GGUF."""
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(3)
@@ -169,8 +171,17 @@ def test_flux2_transformer_equals_the_whole_dict_path(tmp_path, fp8):
     want = Flux2Transformer2DModel(**flux2_files.transformer_config(weights.state)).to(torch.bfloat16)
     zf.load_into(want, weights)
     assert_same_module(got, want)
-    one_line_error(lambda: split_stream.load_flux2_transformer(str(tmp_path / "f.gguf"), torch.bfloat16, "cpu"),
-                   "f.gguf is a GGUF file")
+    if not fp8:  # its GGUF quantisation (BFL's names without the prefix) streams as the whole dict reads it
+        import gguf
+
+        path = str(tmp_path / "flux-2-klein-tiny-Q8_0.gguf")
+        write_gguf(path, flux2_files.transformer_to_original(model.state_dict(), ""), gguf.GGMLQuantizationType.Q8_0,
+                   arch="flux")
+        weights = flux2_files.read_transformer(path, torch.bfloat16)
+        assert weights.quantisation == "gguf"
+        want = Flux2Transformer2DModel(**flux2_files.transformer_config(weights.state)).to(torch.bfloat16)
+        zf.load_into(want, weights)
+        assert_same_module(split_stream.load_flux2_transformer(path, torch.bfloat16, torch.device("cpu")), want)
 
 
 class spy_reads:

@@ -20,6 +20,7 @@ from diffgraph.models.zimage_files import (Fp8Weight, load_into, qwen3_from_comf
                                            read_transformer, read_vae, transformer_from_original)
 from diffgraph.quantize.fp8 import Fp8Linear
 from diffgraph.safe_tensors import read_safetensors
+from gguf_util import write_gguf
 
 PREFIX = "model.diffusion_model."
 E4M3 = torch.float8_e4m3fn
@@ -259,35 +260,6 @@ def test_refused_quantisations_name_their_format(tmp_path, fmt, named):
 
 
 # -- GGUF quantisations of the transformer ---------------------------------------------------------------------------
-
-def write_gguf(path, original: dict[str, torch.Tensor], qtype, shape_fix: bool = False) -> dict[str, torch.Tensor]:
-    """`original` (ComfyUI's layout) written as city96's convert.py and llama.cpp's quantiser write it (architecture
-    lumina2, names as they are): 1-D and small tensors F32, a bf16 model's others BF16, rows that are not whole
-    blocks of `qtype` F16, the rest `qtype`; with `shape_fix` (convert.py's rule for UNets) a 2-D tensor whose rows
-    are not multiples of 256 is stored as rows of 256 with `comfy.gguf.orig_shape`. Returns what each tensor holds
-    once read: gguf's own dequantisation of the data written, float32."""
-    import gguf
-    import numpy as np
-    from gguf import GGMLQuantizationType as Q
-
-    w = gguf.GGUFWriter(str(path), "lumina2")
-    held = {}
-    for key, value in original.items():
-        data = value.float().numpy()
-        block = gguf.GGML_QUANT_SIZES[qtype][0]
-        kind = Q.F32 if data.ndim == 1 or data.size <= 1024 else qtype if data.shape[-1] % block == 0 else Q.F16
-        if shape_fix and data.ndim > 1 and data.size % 256 == 0 and data.shape[-1] % 256:
-            w.add_array(f"comfy.gguf.orig_shape.{key}", [int(d) for d in data.shape])
-            data = data.reshape(-1, 256)
-        stored = gguf.quants.quantize(data, kind)
-        w.add_tensor(key, stored, raw_dtype=kind)
-        held[key] = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(stored, kind))).reshape(value.shape)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return held
-
 
 @pytest.mark.parametrize("qtype,prefix", [("BF16", ""), ("F16", PREFIX)])
 def test_gguf_of_plain_floats_equals_the_model(tmp_path, qtype, prefix):

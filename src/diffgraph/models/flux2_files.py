@@ -8,7 +8,11 @@ conventions, fp8 layers dequantised):
   * transformer: BFL's names (`double_blocks.N.img_attn.qkv`, `single_blocks.N.linear1`, `img_in`, `txt_in`, ...),
     bare or under `model.diffusion_model.`, converted by diffusers' own
     `convert_flux2_transformer_checkpoint_to_diffusers` (the fused qkv split in thirds, the final modulation's shift
-    and scale swapped); a file in diffusers' names (`transformer_blocks.`) is read as it is.
+    and scale swapped); a file in diffusers' names (`transformer_blocks.`) is read as it is. Its GGUF quantisations
+    (city96 / ComfyUI-GGUF's converter, as orabazes' and unsloth's FLUX.2 files are made: BFL's names with the prefix
+    stripped, architecture `flux`, 1-D and small tensors F32, the rest the file's type) are the same names, each
+    tensor dequantised to the compute dtype on the device (gguf_files.py), then converted as above; a GGUF of another
+    model (a Z-Image one, FLUX.1's) is refused naming what it is, from its header.
   * VAE: diffusers has no single-file map for the FLUX.2 VAE. BFL's layout is the LDM one with the latent
     convolutions inside the coders (`encoder.quant_conv`, `decoder.post_quant_conv`) and the latents' batch-norm
     statistics (`bn.running_mean` / `bn.running_var`) at the top: those are moved to diffusers' places
@@ -16,7 +20,8 @@ conventions, fp8 layers dequantised):
     VAEs go through.
 
 Configs come from the weights' shapes (a split file carries none): `transformer_config`, and zimage_files'
-`qwen3_config` and `vae_config`.
+`qwen3_config` and `vae_config`. The text encoders' `.gguf` files (llama.cpp's Qwen3 and Mistral) are read in
+transformers' names (gguf_llm.py) and then as their safetensors files are.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from typing import Any, Mapping
 
 import torch
 
-from .split_files import GGUF_SUFFIX
 from .zimage_files import TRANSFORMER_PREFIX, FileWeights, embeddings_prefix, read_file
 
 # BFL's places of the FLUX.2 VAE's tensors that the LDM layout keeps elsewhere -> diffusers' (AutoencoderKLFlux2's)
@@ -55,17 +59,12 @@ FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
          "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
 
 
-def read_transformer(path: str, dtype: torch.dtype = torch.bfloat16) -> FileWeights:
-    """A FLUX.2 transformer file as Flux2Transformer2DModel's state dict."""
-    refuse_gguf(path)
-    weights = read_file(path, "flux2_transformer", dtype)
+def read_transformer(path: str, dtype: torch.dtype = torch.bfloat16,
+                     device: torch.device | str | None = None) -> FileWeights:
+    """A FLUX.2 transformer file (safetensors, or `.gguf`: its tensors dequantised to `dtype` on `device`, default
+    the CPU) as Flux2Transformer2DModel's state dict."""
+    weights = read_file(path, "flux2_transformer", dtype, device=device)
     return FileWeights(path, transformer_from_original(weights.state), {}, weights.quantisation)
-
-
-def refuse_gguf(path: str) -> None:
-    if path.endswith(GGUF_SUFFIX):
-        raise ValueError(f"{path} is a GGUF file; FLUX.2 transformers are read from safetensors files (bf16, or "
-                         "ComfyUI's fp8): use one of those")
 
 
 def transformer_from_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,7 +6,9 @@ on a device. Streamed, checked, never mapped, as `safe_tensors` reads safetensor
 raw blocks into a host uint8 tensor (`OpenFile.readinto`, in chunks, the file's stamp checked between chunks), moves
 them to `device` and dequantises them there (`gguf_quants.dequantize`: torch ops), one tensor at a time, so the
 host holds one tensor's blocks. Shapes are torch's, as the model holds them (`GgufHeader.shapes()`: ComfyUI-GGUF's
-reshaped tensors get their original shape back): a state dict of the file's own names. A tensor of a type that
+reshaped tensors get their original shape back), and names the model's (`GgufFile.shapes`, gguf_llm.py): a DiT
+file's own, a llama.cpp language model's in transformers' names with the query and key rows its converter permuted
+put back (`gguf_llm.unpermuted`, after dequantisation: it moves whole rows). A tensor of a type that
 `gguf_quants.READABLE` lacks is refused by name (`UnreadableType`) before anything is read; a file rewritten, cut or
 replaced while it is read raises `FileChanged`. No library reads the file: `gguf.GGUFReader` maps it, and a map of a
 file that a writer cuts is a SIGBUS.
@@ -24,6 +26,7 @@ import torch
 from ..safe_files import OpenFile, UnusableFile
 from ..safe_tensors import CHUNK, FILE_LIMIT
 from .gguf_format import GgufHeader, GgufTensor, NotGguf, checked_gguf_header, gguf_header
+from .gguf_llm import model_names, model_shapes, permuted_heads, unpermuted
 from .gguf_quants import READABLE, dequantize
 
 __all__ = ["GgufFile", "GgufHeader", "GgufTensor", "NotGguf", "UnreadableType", "gguf_header", "read_gguf"]
@@ -47,36 +50,42 @@ class GgufFile:
         self._file = OpenFile(path, max_bytes)
         try:
             self.header = checked_gguf_header(self._file)
+            self.names = model_names(self.header)  # the model's name -> the file's
+            self.shapes = model_shapes(self.header)  # the model's name -> its shape as the model holds it
+            self._heads = {k: permuted_heads(self.header, k) for k in self.header.tensors}  # (checked before a read)
         except BaseException:
             self._file.close()
             raise
 
     def read(self, keys: Iterable[str] | None = None, device: torch.device | str | None = None,
              dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """The tensors named by `keys` (default all), each read, moved to `device` (default the CPU) and dequantised
-        there to `dtype` before the next is read; in the order asked (the header's by default)."""
-        tensors = self.header.tensors
-        names = list(tensors) if keys is None else list(dict.fromkeys(keys))
-        missing = next((k for k in names if k not in tensors), None)
+        """The tensors named by `keys` (the model's names, `self.shapes`; default all), each read, moved to `device`
+        (default the CPU) and dequantised there to `dtype` before the next is read; in the order asked (the
+        header's by default)."""
+        names = list(self.names) if keys is None else list(dict.fromkeys(keys))
+        missing = next((k for k in names if k not in self.names), None)
         if missing is not None:
             raise UnusableFile(f"has no tensor {missing[:200]!r}: it is not the kind of file expected here")
         self.check_types(names)
-        out, shapes = {}, self.header.shapes()
+        out = {}
         for key in names:
-            t = tensors[key]
+            t = self.header.tensors[self.names[key]]
+            heads = self._heads[t.name]
             raw = self._raw(t)
             if device is not None:
                 raw = raw.to(device)
-            out[key] = dequantize(raw, t.type_name, t.shape, dtype).reshape(shapes[key])
-            del raw  # (the host's copy goes before the next tensor is read)
+            value = dequantize(raw, t.type_name, t.shape, dtype).reshape(self.shapes[key])
+            out[key] = value if heads is None else unpermuted(value, heads)
+            del raw, value  # (the host's copy goes before the next tensor is read)
         self._file.unchanged_in_place()
         return out
 
     def check_types(self, keys: Iterable[str]) -> None:
-        """Refuses (`UnreadableType`) the first of the tensors named by `keys` whose GGML type diffgraph does not
-        dequantise: from the header, before any tensor is read."""
+        """Refuses (`UnreadableType`) the first of the tensors named by `keys` (the model's names) whose GGML type
+        diffgraph does not dequantise: from the header, before any tensor is read."""
         tensors = self.header.tensors
-        refused = next((tensors[k] for k in keys if tensors[k].type_name not in READABLE), None)
+        refused = next((tensors[self.names[k]] for k in keys if tensors[self.names[k]].type_name not in READABLE),
+                       None)
         if refused is not None:
             raise UnreadableType(f"has tensor {refused.name[:200]!r} in {refused.type_name}, which diffgraph does not "
                                  f"read; use a Q4_K, Q8_0 or F16 file")

@@ -2,8 +2,9 @@
 
 ComfyUI's `models/` folder holds `checkpoints/` (whole checkpoints), `diffusion_models/` (or the older `unet/`: the
 denoiser alone), `text_encoders/` (or `clip/`) and `vae/`. A file of a split folder (.safetensors, or a .gguf
-quantisation of the denoiser: city96 / ComfyUI-GGUF's) says what it is from its header (`SPLIT_KINDS`: key markers
-and sizes, as checkpoint_kind.py reads SD checkpoints; a GGUF's shapes in torch order, from gguf_format.py), and so
+quantisation of the denoiser: city96 / ComfyUI-GGUF's; of a text encoder: llama.cpp's) says what it is from its
+header (`SPLIT_KINDS`: key markers and sizes, as checkpoint_kind.py reads SD checkpoints; a GGUF's shapes in torch
+order, from gguf_format.py, a llama.cpp file's under transformers' names, gguf_llm.py), and so
 which text encoder and VAE it needs (`TEXT_ENCODERS`, `VAES`, read from their headers alike). `choose(...)` picks its
 companions: the files its sidecar names (`NAME.diffgraph.toml`: sidecar.py), checked to be of the kind it needs,
 else the only file of that kind in the companion folders; else it raises `Incomplete`, one line saying what to add
@@ -21,6 +22,7 @@ from typing import Literal
 
 from ..safe_files import FileStamp, UnusableFile, check_regular, read_header, stamp_of
 from .gguf_format import gguf_header
+from .gguf_llm import model_shapes
 from .sidecar import Sidecar, read_sidecar, sidecar_path
 
 SPLIT_FOLDERS = ("diffusion_models", "unet")
@@ -34,7 +36,7 @@ OTHER_FOLDERS = ("loras", "controlnet", "embeddings", "upscale_models", "clip_vi
                  "configs", "t2i_adapter", "ipadapter")
 MAX_FILE_BYTES = 1 << 40
 SUFFIX = ".safetensors"
-GGUF_SUFFIX = ".gguf"  # a diffusion model's GGUF quantisation (city96 / ComfyUI-GGUF's), read in split folders
+GGUF_SUFFIX = ".gguf"  # a diffusion model's GGUF quantisation (city96 / ComfyUI-GGUF's) or a llama.cpp text encoder
 ROLE_WORDS = {"text_encoder": "text encoder", "vae": "VAE"}
 
 
@@ -170,7 +172,7 @@ def header_shapes(path: str) -> dict[str, tuple[int, ...]]:
     """The tensor shapes of a .safetensors file's header, or of a .gguf file's (torch order, as the model holds them:
     gguf_format.py). Raises UnusableFile (its message follows the file name)."""
     if path.endswith(GGUF_SUFFIX):
-        return gguf_header(path, MAX_FILE_BYTES).shapes()
+        return model_shapes(gguf_header(path, MAX_FILE_BYTES))
     if not path.endswith(SUFFIX):
         raise UnusableFile(f"is not a .safetensors or .gguf file; convert it first with `diffgraph convert {path} "
                            "OUT.safetensors`")
@@ -240,14 +242,14 @@ class PartFiles:
         return next((k for k in PARTS[role] if k.name == seen[1]), None)
 
     def present(self, role: Role) -> list[str]:
-        """The .safetensors files of the role's folders (real paths inside the root, sorted)."""
+        """The .safetensors and .gguf files of the role's folders (real paths inside the root, sorted)."""
         out = []
         for name in dict(PART_FOLDERS)[role]:
             for here, dirs, files in os.walk(os.path.join(self.root, name), followlinks=False):
                 dirs.sort()
                 for f in sorted(files):
                     real = os.path.realpath(os.path.join(here, f))
-                    if f.endswith(SUFFIX) and os.path.commonpath([real, self.root]) == self.root:
+                    if f.endswith((SUFFIX, GGUF_SUFFIX)) and os.path.commonpath([real, self.root]) == self.root:
                         out.append(real)
         return out
 

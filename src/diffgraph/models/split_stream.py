@@ -110,11 +110,10 @@ def load_mistral_text_encoder(path: str, dtype: torch.dtype, device: torch.devic
 
 def load_flux2_transformer(path: str, dtype: torch.dtype, device: torch.device | str,
                            max_bytes: int = FILE_LIMIT) -> nn.Module:
-    """A FLUX.2 transformer file (BFL's layout or diffusers' names; fp8 layers dequantised) as a
+    """A FLUX.2 transformer file (BFL's layout or diffusers' names; fp8 layers dequantised; or its `.gguf`) as a
     Flux2Transformer2DModel on `device`."""
     from diffusers import Flux2Transformer2DModel
 
-    ff.refuse_gguf(path)
     layout = Layout("flux2_transformer", ff.transformer_from_original, ff.transformer_config,
                     lambda config: Flux2Transformer2DModel(**config), "a FLUX.2 transformer", finish_first=True)
     return stream(path, layout, dtype, device, False, None, max_bytes)[0]
@@ -173,8 +172,8 @@ def _opened(path: str, kind: zf.Kind, dtype: torch.dtype, device: torch.device |
     try:
         if path.endswith(GGUF_SUFFIX):
             with GgufFile(path, max_bytes) as g:
-                shapes = g.header.shapes()
-                zf.check_kind(path, kind, shapes, None)
+                shapes = g.shapes  # (the model's names: a llama.cpp text encoder's in transformers')
+                zf.check_kind(path, kind, shapes, size_config)
                 g.check_types(shapes)
                 state = {k: torch.empty(s, dtype=dtype, device="meta") for k, s in shapes.items()}
                 yield _Source(state, list(shapes), lambda key: g.read([key], device=device, dtype=dtype)[key])

@@ -29,7 +29,9 @@ GGUF: a transformer's `.gguf` file (city96 / ComfyUI-GGUF's quantisations, Q4_K_
 with the prefix stripped, architecture `lumina2`; tensors its converter stored reshaped get their
 `comfy.gguf.orig_shape` back) is read through `gguf_files.GgufFile`, each tensor dequantised to the compute dtype on
 the device asked for (the family's: the GPU dequantises), then mapped as above; a tensor of a GGML type diffgraph does
-not read is refused by name from the header, before any tensor is read.
+not read is refused by name from the header, before any tensor is read. A text encoder's `.gguf` (llama.cpp's
+language models: unsloth's Qwen3) is read in transformers' names (gguf_llm.py), then as its safetensors file is
+(split_stream.py streams it; `read_file` reads it whole).
 
 Every other file is read through `safe_tensors.TensorFile` (streamed and checked, never mapped). Each file's header
 comes first, which must hold the kind asked for (keys and shapes; a file of another kind is named as what it looks
@@ -146,9 +148,12 @@ def read_vae(path: str, config: Mapping[str, Any], dtype: torch.dtype = torch.bf
 
 
 def read_file(path: str, kind: Kind, dtype: torch.dtype = torch.bfloat16, config: Any = None,
-              max_bytes: int = FILE_LIMIT) -> FileWeights:
-    """A safetensors file of `kind` in its own key names (another family's converter maps them: flux2_files.py),
-    its header checked as the readers above check it, fp8 layers dequantised to `dtype`."""
+              max_bytes: int = FILE_LIMIT, device: torch.device | str | None = None) -> FileWeights:
+    """A safetensors or `.gguf` file of `kind` in its own key names (another family's converter maps them:
+    flux2_files.py), its header checked as the readers above check it, fp8 layers dequantised to `dtype`; a GGUF
+    file's tensors dequantised to `dtype` on `device` (default the CPU)."""
+    if path.endswith(GGUF_SUFFIX):
+        return FileWeights(path, _read_gguf(path, kind, dtype, device, max_bytes, config), {}, "gguf")
     state, convention = _read(path, kind, max_bytes, config)
     return _finish(path, state, convention, dtype, keep_fp8=False)
 
@@ -287,12 +292,13 @@ def checked_formats(f: TensorFile, kind: Kind, config: Any = None) -> dict[str, 
 
 
 def _read_gguf(path: str, kind: Kind, dtype: torch.dtype, device: torch.device | str | None,
-               max_bytes: int) -> dict[str, torch.Tensor]:
-    """A GGUF file's tensors in its own names and the shapes the model holds, dequantised to `dtype` on `device`,
-    after its header was checked: the kind asked for, every tensor of a type diffgraph reads."""
+               max_bytes: int, config: Any = None) -> dict[str, torch.Tensor]:
+    """A GGUF file's tensors in the model's names (its own; a llama.cpp language model's in transformers', gguf_llm.py)
+    and the shapes the model holds, dequantised to `dtype` on `device`, after its header was checked: the kind asked
+    for (of `config`'s size, given one), every tensor of a type diffgraph reads."""
     try:
         with GgufFile(path, max_bytes) as f:
-            check_kind(path, kind, f.header.shapes(), None)
+            check_kind(path, kind, f.shapes, config)
             return f.read(device=device, dtype=dtype)
     except safe_files.FileChanged as e:
         raise ValueError(f"{path} {e}; {CHANGED_FIX}") from None

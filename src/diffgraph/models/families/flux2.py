@@ -45,9 +45,12 @@ its name.
 LoRA files: diffusers / PEFT (`transformer.*`, split q/k/v), ai-toolkit's and ComfyUI's original layout
 (`diffusion_model.double_blocks.*`, fused qkv; lora_A/B or lora_down/up with alphas) and Kohya's (`lora_unet_*`), read
 by Flux2KleinPipeline's converter after `lora_keys`.
-Split files (ComfyUI's transformer, Qwen3 encoder and FLUX.2 VAE): `load_split`.
+Split files (ComfyUI's transformer, Qwen3 encoder and FLUX.2 VAE): `load_split`. The transformer may be a GGUF
+quantisation (city96 / ComfyUI-GGUF's converter, as orabazes' and unsloth's files are made: BFL's names), each tensor
+dequantised to the compute dtype on the device as it is read; the Qwen3 encoder may be llama.cpp's GGUF (unsloth's
+Qwen3-4B / 8B: gguf_llm.py names it as transformers does).
 FLUX.2 [dev] (`Flux2Pipeline`: a Mistral encoder, embedded guidance) is this family with its own text side:
-flux2_dev.py. Not here yet: BFL's single files, fp8 kept as fp8, GGUF.
+flux2_dev.py. Not here yet: BFL's single files, fp8 kept as fp8.
 """
 
 from __future__ import annotations

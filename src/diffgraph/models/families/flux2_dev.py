@@ -16,7 +16,9 @@ single blocks, 6144 wide, read as diffusers' `Flux2Pipeline` reads it. What diff
 Everything else is klein's: the 32-channel VAE and its packing, positions, the empirical shift, reference images,
 image-to-image, step caching, LoRA files (read by Flux2Pipeline's converter). Loading: a diffusers folder with its
 `tokenizer/` (no Mistral vocabulary is shipped), or ComfyUI's split files with that tokenizer folder given
-(`split_parts`, `split_encoder`: the Mistral file read into the 30 layers dev runs). `random:flux2-dev` is a tiny
+(`split_parts`, `split_encoder`: the Mistral file read into the 30 layers dev runs); the transformer may be a GGUF
+quantisation and the Mistral file llama.cpp's GGUF of Mistral Small 3.1 (written as `llama`, its query and key rows
+permuted by the converter: gguf_llm.py puts them back), as klein's are. `random:flux2-dev` is a tiny
 random model for CPU tests, `random:flux2-dev-full` the true architecture made on the device for GPU timing, both
 with the byte-level Tekken tokenizer.
 """
