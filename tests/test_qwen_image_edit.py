@@ -271,6 +271,90 @@ def test_the_images_placeholders_count_against_the_prompt_s_1024_tokens(edit):
     assert "at most 1024" in str(e.value) and "\n" not in str(e.value)
 
 
+# -- split files ------------------------------------------------------------------------------------------------
+
+def test_split_files_with_the_vision_tower_give_the_folder_s_edit(edit, tmp_path):
+    """The tiny Edit model written as ComfyUI's three files (the transformer under `model.diffusion_model.`, the
+    Qwen2.5-VL file with its `visual.*` tower and `lm_head`, the VAE) and named as ComfyUI names Edit-2509's: read as
+    Edit by its name, loaded by the family (configs from the shapes, the encoder with its tower), its edit of an input
+    image under true CFG within one level of the engine's. ComfyUI's Edit-2511 file (its `__index_timestep_zero__`
+    marker, a kind of its own) loads with `zero_cond_t`; an encoder file without the tower is refused in one line
+    naming the file and what to use, before any weight is read."""
+    from safetensors.torch import load_file, save_file
+
+    from diffgraph.models.families import QwenImageEditFamily
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles, preset_of
+    from test_qwen_image import split_files
+
+    engine, _ = edit
+    model = engine.model
+    paths, _ = split_files(tmp_path, "qwen_image_edit_2509_tiny.safetensors", model.denoiser.state_dict(),
+                           model.text_encoders[0].state_dict(), model.vae.state_dict())
+    kinds = {k.name: k for k in SPLIT_KINDS}
+    files = SplitFiles(kinds["qwen-image"], *paths, (), preset_of(kinds["qwen-image"], paths[0], None))
+    assert (files.preset, files.family) == ("qwen-image-edit-2509", "qwen-image-edit")
+    loaded = QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    assert not loaded.denoiser.zero_cond_t and type(loaded.text_encoders[0]).__name__ == "Qwen2_5_VLModel"
+    r = request(IMAGES[:1], seed=7)
+    with Engine(model=loaded) as split:
+        assert split.info.family == "qwen-image-edit" and split.info.default_steps == 40
+        got = images_together(split, [r])[0]
+    assert np.abs(got - images_together(engine, [r])[0]).max() <= 1
+
+    transformer = load_file(paths[0])
+    save_file({**transformer, "model.diffusion_model.__index_timestep_zero__": torch.empty(0)}, paths[0])
+    files = SplitFiles(kinds["qwen-image-edit-2511"], *paths, ())
+    assert QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, paths[0]).denoiser.zero_cond_t
+
+    text_only = str(tmp_path / "qwen_2.5_vl_text_only.safetensors")
+    save_file({k: v for k, v in load_file(paths[1]).items() if not k.startswith("visual.")}, text_only)
+    files = SplitFiles(kinds["qwen-image"], paths[0], text_only, paths[2], (), "qwen-image-edit-2509")
+    with pytest.raises(ValueError, match="qwen_2.5_vl_text_only.safetensors holds .* without its vision tower .*; "
+                                         "use a text encoder file with it") as e:
+        QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,side,marker,family,preset", [
+    ("qwen_image_fp8_e4m3fn.safetensors", None, False, "qwen-image", None),
+    ("qwen_image_edit_2509_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2509"),
+    ("Qwen-Image-Edit-2511-Q4_K_M.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2511"),
+    ("qwen_image_edit_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit"),
+    ("my_finetune.safetensors", "qwen-image-edit-2511", False, "qwen-image-edit", "qwen-image-edit-2511"),
+    ("qwen_image_edit_2509.safetensors", "qwen-image", False, "qwen-image", "qwen-image"),
+    ("qwen_image_edit_2511_bf16.safetensors", None, True, "qwen-image-edit", None)])
+def test_a_split_qwen_image_file_is_edit_by_its_sidecar_its_name_or_comfyui_s_2511_marker(tmp_path, name, side,
+                                                                                          marker, family, preset):
+    """The family of a Qwen-Image-layout file (the weights are the same): its sidecar's preset, else the words of its
+    name ("edit", then "2509" / "2511"), else text-to-image; ComfyUI's 2511 marker makes it the Edit-2511 kind."""
+    from safetensors.torch import save_file
+
+    from diffgraph.models.families.qwen_image_edit import EDIT_2511
+    from diffgraph.models.sidecar import read_sidecar, sidecar_path
+    from diffgraph.models.split_files import SplitFiles, header_shapes, preset_of, split_kind
+
+    path = str(tmp_path / name)
+    tensors = {"model.diffusion_model.img_in.weight": torch.zeros(1, 64),
+               "model.diffusion_model.txt_in.weight": torch.zeros(1, 3584),
+               "model.diffusion_model.txt_norm.weight": torch.zeros(1),
+               "model.diffusion_model.transformer_blocks.0.img_mod.1.weight": torch.zeros(1, 1)}
+    if marker:
+        tensors["model.diffusion_model.__index_timestep_zero__"] = torch.empty(0)
+    save_file(tensors, path)
+    if side:
+        with open(sidecar_path(path), "w") as f:
+            f.write(f'preset = "{side}"\n')
+    kind = split_kind(name, header_shapes(path))
+    assert (kind.name == EDIT_2511) == marker
+    files = SplitFiles(kind, path, "te", "vae", (), preset_of(kind, path, read_sidecar(path)))
+    assert (files.family, files.preset) == (family, preset)
+    with open(sidecar_path(path), "w") as f:
+        f.write('preset = "z-image"\n')
+    with pytest.raises(ValueError, match="preset 'z-image' is not a Qwen-Image.* preset; one of") as e:
+        preset_of(kind, path, read_sidecar(path))
+    assert "\n" not in str(e.value)
+
+
 def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit, tmp_path):
     """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image, a job
     item its `reference_images`: two equal the engine's request with them; four parts (or items), or a JSON input
@@ -339,3 +423,4 @@ def playground_refusals(info: dict, files: int) -> list:
       await fire("ref-images-input", "change");
       console.log(JSON.stringify([refs.localErrors(true), refs.localErrors(false)]));
     })();""", {"info": info, "files": files})
+
