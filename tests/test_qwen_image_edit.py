@@ -277,14 +277,17 @@ def test_split_files_with_the_vision_tower_give_the_folder_s_edit(edit, tmp_path
     """The tiny Edit model written as ComfyUI's three files (the transformer under `model.diffusion_model.`, the
     Qwen2.5-VL file with its `visual.*` tower and `lm_head`, the VAE) and named as ComfyUI names Edit-2509's: read as
     Edit by its name, loaded by the family (configs from the shapes, the encoder with its tower), its edit of an input
-    image under true CFG within one level of the engine's. ComfyUI's Edit-2511 file (its `__index_timestep_zero__`
+    image under true CFG within one level of the engine's, and of its transformer's as QuantStack's F16 GGUF (Edit by
+    its name too). ComfyUI's Edit-2511 file (its `__index_timestep_zero__`
     marker, a kind of its own) loads with `zero_cond_t`; an encoder file without the tower is refused in one line
     naming the file and what to use, before any weight is read."""
+    import gguf
     from safetensors.torch import load_file, save_file
 
     from diffgraph.models.families import QwenImageEditFamily
     from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles, preset_of
     from test_qwen_image import split_files
+    from test_zimage_files import write_gguf
 
     engine, _ = edit
     model = engine.model
@@ -301,13 +304,21 @@ def test_split_files_with_the_vision_tower_give_the_folder_s_edit(edit, tmp_path
         got = images_together(split, [r])[0]
     assert np.abs(got - images_together(engine, [r])[0]).max() <= 1
 
+    gguf_path = str(tmp_path / "diffusion_models" / "Qwen-Image-Edit-2509-F16.gguf")  # QuantStack's name
+    write_gguf(gguf_path, {k: v.contiguous() for k, v in model.denoiser.state_dict().items()},
+               gguf.GGMLQuantizationType.F16)
+    files = SplitFiles(kinds["qwen-image"], gguf_path, *paths[1:], (), preset_of(kinds["qwen-image"], gguf_path, None))
+    with Engine(model=QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, gguf_path)) as split:
+        assert np.abs(images_together(split, [r])[0] - got).max() <= 1  # (the F16 transformer's)
+
     transformer = load_file(paths[0])
     save_file({**transformer, "model.diffusion_model.__index_timestep_zero__": torch.empty(0)}, paths[0])
     files = SplitFiles(kinds["qwen-image-edit-2511"], *paths, ())
     assert QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, paths[0]).denoiser.zero_cond_t
 
     text_only = str(tmp_path / "qwen_2.5_vl_text_only.safetensors")
-    save_file({k: v for k, v in load_file(paths[1]).items() if not k.startswith("visual.")}, text_only)
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 4), "model.layers.0.self_attn.q_proj.bias": torch.zeros(4)},
+              text_only)  # (refused from its header: no visual.* tensors)
     files = SplitFiles(kinds["qwen-image"], paths[0], text_only, paths[2], (), "qwen-image-edit-2509")
     with pytest.raises(ValueError, match="qwen_2.5_vl_text_only.safetensors holds .* without its vision tower .*; "
                                          "use a text encoder file with it") as e:

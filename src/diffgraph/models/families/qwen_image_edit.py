@@ -273,9 +273,17 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, *args: Any, **kwargs: Any
                ) -> DiffusionModel:
+        """Qwen-Image's, the encoder's vision tower checked to read the patches the shipped processor settings cut."""
         if getattr(getattr(encoder, "model", encoder), "visual", None) is None:
             raise ValueError("Qwen-Image-Edit reads its input images with the Qwen2.5-VL encoder's vision tower, which "
                              "this text encoder lacks; use the checkpoint's own text_encoder")
+        vision, settings = encoder.config.vision_config, processor_settings()
+        for key, setting in (("patch_size", "patch_size"), ("spatial_merge_size", "merge_size"),
+                             ("temporal_patch_size", "temporal_patch_size")):
+            if getattr(vision, key) != settings[setting]:
+                raise ValueError(f"the text encoder's vision tower has {key} {getattr(vision, key)}, but Qwen-Image-Edit "
+                                 f"cuts its input images with {setting} {settings[setting]} (Qwen2.5-VL's); use the "
+                                 "checkpoint's own Qwen2.5-VL text encoder")
         return super()._model(name, transformer, vae, encoder, *args, **kwargs)
 
     def random_presets(self) -> dict[str, str]:
