@@ -7,6 +7,7 @@ save_pretrained as the published folder is, with Qwen-Image's scheduler config (
 fp32 on the CPU: each image within one uint8 level of the pipeline's with the same seed, with and without true CFG
 (the pipeline's per-token norm rescale; " " as the negative prompt where the request has none); rows of different
 prompt lengths, sizes of one token bucket, steps and guidance run in one step and each equals its request alone.
+ComfyUI's split files, and the transformer as a GGUF (F16, Q8_0), give the folder's image within their bound.
 """
 
 import io

@@ -7,7 +7,9 @@ The pipeline's text encoder is given `mm_token_type_ids` (the model's multimodal
 and diffusers' pipeline leaves out under transformers 5). fp32 on the CPU: each image within one uint8 level of the
 pipeline's with the same seed, with one and with two input images under true CFG (" " as the negative prompt); rows
 with 1, 2 and no input images, prompts of different lengths and guidance on and off run together and each equals its
-request alone; bad inputs are a one-line 400 naming `reference_images`.
+request alone; bad inputs are a one-line 400 naming `reference_images`. ComfyUI's split files written from the tiny
+model (the encoder with its vision tower; the transformer also as a GGUF) give the engine's edit; a split file is
+Edit's by its sidecar, its name or ComfyUI's 2511 marker.
 """
 
 import functools
@@ -326,21 +328,24 @@ def test_split_files_with_the_vision_tower_give_the_folder_s_edit(edit, tmp_path
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("name,side,marker,family,preset", [
-    ("qwen_image_fp8_e4m3fn.safetensors", None, False, "qwen-image", None),
-    ("qwen_image_edit_2509_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2509"),
-    ("Qwen-Image-Edit-2511-Q4_K_M.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2511"),
-    ("qwen_image_edit_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit"),
-    ("my_finetune.safetensors", "qwen-image-edit-2511", False, "qwen-image-edit", "qwen-image-edit-2511"),
-    ("qwen_image_edit_2509.safetensors", "qwen-image", False, "qwen-image", "qwen-image"),
-    ("qwen_image_edit_2511_bf16.safetensors", None, True, "qwen-image-edit", None)])
+@pytest.mark.parametrize("name,side,marker,family,preset,zero", [
+    ("qwen_image_fp8_e4m3fn.safetensors", None, False, "qwen-image", None, False),
+    ("qwen_image_edit_2509_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2509", False),
+    ("Qwen-Image-Edit-2511-Lightning-8steps.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2511",
+     True),
+    ("qwen_image_edit_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit", False),
+    ("my_finetune.safetensors", "qwen-image-edit-2511", False, "qwen-image-edit", "qwen-image-edit-2511", True),
+    ("qwen_image_edit_2509.safetensors", "qwen-image", False, "qwen-image", "qwen-image", False),
+    ("qwen_image_edit_2511_bf16.safetensors", None, True, "qwen-image-edit", None, True)])
 def test_a_split_qwen_image_file_is_edit_by_its_sidecar_its_name_or_comfyui_s_2511_marker(tmp_path, name, side,
-                                                                                          marker, family, preset):
+                                                                                          marker, family, preset,
+                                                                                          zero):
     """The family of a Qwen-Image-layout file (the weights are the same): its sidecar's preset, else the words of its
-    name ("edit", then "2509" / "2511"), else text-to-image; ComfyUI's 2511 marker makes it the Edit-2511 kind."""
+    name ("edit", then "2509" / "2511"), else text-to-image; ComfyUI's 2511 marker makes it the Edit-2511 kind. The
+    marker, a 2511 preset or a 2511 name turn Edit-2511's `zero_cond_t` on."""
     from safetensors.torch import save_file
 
-    from diffgraph.models.families.qwen_image_edit import EDIT_2511
+    from diffgraph.models.families.qwen_image_edit import EDIT_2511, is_2511
     from diffgraph.models.sidecar import read_sidecar, sidecar_path
     from diffgraph.models.split_files import SplitFiles, header_shapes, preset_of, split_kind
 
@@ -358,13 +363,15 @@ def test_a_split_qwen_image_file_is_edit_by_its_sidecar_its_name_or_comfyui_s_25
     kind = split_kind(name, header_shapes(path))
     assert (kind.name == EDIT_2511) == marker
     files = SplitFiles(kind, path, "te", "vae", (), preset_of(kind, path, read_sidecar(path)))
-    assert (files.family, files.preset) == (family, preset)
+    assert (files.family, files.preset, is_2511(files)) == (family, preset, zero)
     with open(sidecar_path(path), "w") as f:
         f.write('preset = "z-image"\n')
     with pytest.raises(ValueError, match="preset 'z-image' is not a Qwen-Image.* preset; one of") as e:
         preset_of(kind, path, read_sidecar(path))
     assert "\n" not in str(e.value)
 
+
+# -- the routes (closes the engine: last) ------------------------------------------------------------------
 
 def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit, tmp_path):
     """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image, a job

@@ -4,7 +4,7 @@
     preset = "sdxl-base"           # or: the architecture preset (a checkpoint_configs.KINDS key) to read it as;
                                    #   for a split DiT file, its published checkpoint (`SPLIT_PRESETS`: "z-image"
                                    #   or "z-image-turbo", "flux.2-klein" or "flux.2-klein-base", "qwen-image" or
-                                   #   "qwen-image-edit-2509" / "-2511"), which its file name need not say then
+                                   #   "qwen-image-edit" (-2509, -2511)), which its file name need not say then
     text_encoder = "te.safetensors"  # split files (a DiT's text encoder and VAE): their kind checked by
     vae = "vae.safetensors"          #   split_files.py against what the model needs
     tokenizer = "tokenizer"          # a split model's tokenizer folder, where diffgraph ships none (FLUX.2 dev's)

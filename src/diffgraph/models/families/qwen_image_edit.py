@@ -111,6 +111,12 @@ def processor_settings(folder: str | None = None) -> dict[str, Any]:
     return shipped
 
 
+def is_2511(files: Any) -> bool:
+    """Whether split files (split_files.SplitFiles) are Edit-2511's: ComfyUI's marker made them its kind, or their
+    sidecar's preset or their name says 2511 (`preset_of`)."""
+    return EDIT_2511 in (files.kind.name, files.preset)
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """The Qwen2-VL processor's size of an image: sides multiples of `factor`, area within the bounds, aspect kept."""
     h, w = round(height / factor) * factor, round(width / factor) * factor
@@ -269,7 +275,7 @@ class QwenImageEditFamily(QwenImageFamily):
         from .. import qwen_image_files as qf
 
         qf.check_vision(files.text_encoder)
-        return {"vision": True, "zero_cond_t": EDIT_2511 in (files.kind.name, files.preset)}
+        return {"vision": True, "zero_cond_t": is_2511(files)}
 
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, *args: Any, **kwargs: Any
                ) -> DiffusionModel:
