@@ -351,9 +351,9 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
 def split_files(root, name: str, transformer: dict, encoder: dict, vae: dict, qtype=None) -> tuple[list, dict]:
     """A model's three files in ComfyUI's folders under `root`: the transformer as `diffusion_models/NAME` (under
     `model.diffusion_model.`, or with a GGUF `qtype` as city96's GGUF of diffusers' names), the Qwen2.5-VL encoder as
-    ComfyUI's file (`model.*`, `visual.*`, `lm_head`) from a Qwen2_5_VLModel's or a causal LM's state, the VAE in
-    diffusers' names (the tiny layout: Wan 2.1's names are read by diffusers' map of the published one). Returns the
-    three paths and each transformer tensor as the file holds it (dequantised: GGUF)."""
+    ComfyUI's file (`model.*`, `visual.*`, a causal LM's `lm_head`) from a Qwen2_5_VLModel's or a causal LM's state,
+    the VAE in diffusers' names (the tiny layout: Wan 2.1's names are read by diffusers' map of the published one).
+    Returns the three paths and each transformer tensor as the file holds it (dequantised: GGUF)."""
     from safetensors.torch import save_file
 
     from test_zimage_files import write_gguf
@@ -372,7 +372,6 @@ def split_files(root, name: str, transformer: dict, encoder: dict, vae: dict, qt
         key = key.removeprefix("model.")
         comfy[key if key.startswith(("visual.", "lm_head.")) else "model." + key.removeprefix("language_model.")] = \
             value.clone().contiguous()
-    comfy.setdefault("lm_head.weight", comfy["model.embed_tokens.weight"].clone())
     save_file(comfy, paths[1])
     save_file({k: v.contiguous() for k, v in vae.items()}, paths[2])
     return paths, held

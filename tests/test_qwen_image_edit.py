@@ -277,7 +277,7 @@ def test_the_images_placeholders_count_against_the_prompt_s_1024_tokens(edit):
 
 def test_split_files_with_the_vision_tower_give_the_folder_s_edit(edit, tmp_path):
     """The tiny Edit model written as ComfyUI's three files (the transformer under `model.diffusion_model.`, the
-    Qwen2.5-VL file with its `visual.*` tower and `lm_head`, the VAE) and named as ComfyUI names Edit-2509's: read as
+    Qwen2.5-VL file with its `visual.*` tower, the VAE) and named as ComfyUI names Edit-2509's: read as
     Edit by its name, loaded by the family (configs from the shapes, the encoder with its tower), its edit of an input
     image under true CFG within one level of the engine's, and of its transformer's as QuantStack's F16 GGUF (Edit by
     its name too). ComfyUI's Edit-2511 file (its `__index_timestep_zero__`

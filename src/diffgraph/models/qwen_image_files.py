@@ -173,8 +173,8 @@ def check_vision(path: str) -> None:
         raise ValueError(f"{path} {e}") from None
     if not any(k.startswith(VISION_PREFIXES) for k in shapes):
         raise ValueError(f"{path} holds Qwen2.5-VL's language model without its vision tower (no visual.* tensors), "
-                         "which Qwen-Image-Edit reads its input images with; use a text encoder file with it (ComfyUI's "
-                         "qwen_2.5_vl_7b.safetensors or qwen_2.5_vl_7b_fp8_scaled.safetensors)")
+                         "which Qwen-Image-Edit reads its input images with; use a text encoder file with it "
+                         "(ComfyUI's qwen_2.5_vl_7b.safetensors or qwen_2.5_vl_7b_fp8_scaled.safetensors)")
 
 
 def _children(state: Mapping[str, Any], prefix: str) -> int:

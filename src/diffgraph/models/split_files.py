@@ -154,7 +154,7 @@ class SplitFiles:
     text_encoder: str
     vae: str
     chosen_by: tuple[tuple[Role, Literal["sidecar", "only file", "flag"]], ...]  # how each companion was chosen
-    preset: str | None = None  # the checkpoint its sidecar (sidecar.SPLIT_PRESETS) or a variant's words name (`preset_of`)
+    preset: str | None = None  # the checkpoint its sidecar (sidecar.SPLIT_PRESETS) or its name names (`preset_of`)
     tokenizer: str | None = None  # the tokenizer folder given (--tokenizer, or its sidecar's), for a kind that needs it
 
     def files(self) -> dict[Role, str]:

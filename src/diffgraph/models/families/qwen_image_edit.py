@@ -287,9 +287,9 @@ class QwenImageEditFamily(QwenImageFamily):
         for key, setting in (("patch_size", "patch_size"), ("spatial_merge_size", "merge_size"),
                              ("temporal_patch_size", "temporal_patch_size")):
             if getattr(vision, key) != settings[setting]:
-                raise ValueError(f"the text encoder's vision tower has {key} {getattr(vision, key)}, but Qwen-Image-Edit "
-                                 f"cuts its input images with {setting} {settings[setting]} (Qwen2.5-VL's); use the "
-                                 "checkpoint's own Qwen2.5-VL text encoder")
+                raise ValueError(f"the text encoder's vision tower has {key} {getattr(vision, key)}, but "
+                                 f"Qwen-Image-Edit cuts its input images with {setting} {settings[setting]} "
+                                 "(Qwen2.5-VL's); use the checkpoint's own Qwen2.5-VL text encoder")
         return super()._model(name, transformer, vae, encoder, *args, **kwargs)
 
     def random_presets(self) -> dict[str, str]:
