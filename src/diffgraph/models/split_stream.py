@@ -1,5 +1,5 @@
-"""Split DiT files (ComfyUI's layout: a diffusion-model file, a Qwen3 text-encoder file, a VAE file) streamed into
-modules built with their parameters on the meta device: what the Z-Image and FLUX.2 families' `load_split` load.
+"""Split DiT files (ComfyUI's layout: a diffusion-model file, a text-encoder file, a VAE file) streamed into modules
+built with their parameters on the meta device: what the Z-Image, FLUX.2 and Qwen-Image families' `load_split` load.
 
 Each file's header comes first and is checked as zimage_files' readers check it (the kind asked for, its size,
 quantisations diffgraph cannot read). Its tensors are then made as meta tensors of the header's shapes and dtypes
