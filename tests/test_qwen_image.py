@@ -7,6 +7,7 @@ save_pretrained as the published folder is, with Qwen-Image's scheduler config (
 fp32 on the CPU: each image within one uint8 level of the pipeline's with the same seed, with and without true CFG
 (the pipeline's per-token norm rescale; " " as the negative prompt where the request has none); rows of different
 prompt lengths, sizes of one token bucket, steps and guidance run in one step and each equals its request alone.
+ComfyUI's split files, and the transformer as a GGUF (F16, Q8_0), give the folder's image within their bound.
 """
 
 import io
@@ -345,6 +346,62 @@ def test_comfyui_split_files_equal_the_pipeline(tmp_path):
                                             num_inference_steps=2, guidance_scale=3.0, seed=4)])[0]
         assert engine.info.default_steps == 50
     assert np.abs(got - oracle(pipe, "a red fox", (64, 96), 2, 3.0, 4, "snow")).max() <= 1
+
+
+def split_files(root, name: str, transformer: dict, encoder: dict, vae: dict, qtype=None) -> tuple[list, dict]:
+    """A model's three files in ComfyUI's folders under `root`: the transformer as `diffusion_models/NAME` (under
+    `model.diffusion_model.`, or with a GGUF `qtype` as city96's GGUF of diffusers' names), the Qwen2.5-VL encoder as
+    ComfyUI's file (`model.*`, `visual.*`, a causal LM's `lm_head`) from a Qwen2_5_VLModel's or a causal LM's state,
+    the VAE in diffusers' names (the tiny layout: Wan 2.1's names are read by diffusers' map of the published one).
+    Returns the three paths and each transformer tensor as the file holds it (dequantised: GGUF)."""
+    from safetensors.torch import save_file
+
+    from test_zimage_files import write_gguf
+
+    for sub in ("diffusion_models", "text_encoders", "vae"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    paths = [str(root / "diffusion_models" / name), str(root / "text_encoders" / "qwen_2.5_vl_tiny.safetensors"),
+             str(root / "vae" / "qwen_image_vae.safetensors")]
+    held = {k: v.float() for k, v in transformer.items()}
+    if qtype is None:
+        save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in transformer.items()}, paths[0])
+    else:
+        held = write_gguf(paths[0], {k: v.contiguous() for k, v in transformer.items()}, qtype)
+    comfy = {}
+    for key, value in encoder.items():
+        key = key.removeprefix("model.")
+        comfy[key if key.startswith(("visual.", "lm_head.")) else "model." + key.removeprefix("language_model.")] = \
+            value.clone().contiguous()
+    save_file(comfy, paths[1])
+    save_file({k: v.contiguous() for k, v in vae.items()}, paths[2])
+    return paths, held
+
+
+@pytest.mark.parametrize("qtype,bound", [("F16", 1), ("Q8_0", 2)])
+def test_a_gguf_transformer_gives_the_folder_s_image(folder, qwen, tmp_path, qtype, bound):
+    """The folder's transformer as city96's GGUF (F16, or Q8_0: 8-bit blocks of 32 with an f16 scale; small and 1-D
+    tensors F32) beside ComfyUI's encoder and VAE files (the tiny VAE's levels read from its file): loaded by the
+    family, each tensor dequantised as it is read, its image under true CFG is within `bound` uint8 levels of the
+    folder's fp32 image (F16: one level, as a 16-bit folder's; Q8_0: two levels, its weights within half a step of
+    their block's scale), though the file was quantised."""
+    import gguf
+
+    from diffgraph.models.families import QwenImageFamily
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles
+
+    pipe = folder[1]
+    paths, held = split_files(tmp_path, f"qwen-image-tiny-{qtype}.gguf", pipe.transformer.state_dict(),
+                              pipe.text_encoder.state_dict(), pipe.vae.state_dict(), gguf.GGMLQuantizationType[qtype])
+    kind = next(k for k in SPLIT_KINDS if k.name == "qwen-image")
+    model = QwenImageFamily().load_split(SplitFiles(kind, *paths, ()), torch.device("cpu"), torch.float32, paths[0])
+    loaded = model.denoiser.state_dict()
+    assert all(torch.equal(loaded[k], held[k]) for k in held)
+    assert any(not torch.equal(held[k], v) for k, v in pipe.transformer.state_dict().items())
+    r = dict(prompt="a red fox", negative_prompt="snow", height=64, width=96, num_inference_steps=2,
+             guidance_scale=3.0, seed=4)
+    with Engine(model=model) as engine:
+        got = images_together(engine, [r])[0]
+    assert np.abs(got - images_together(qwen, [r])[0]).max() <= bound
 
 
 def test_a_peft_lora_runs_per_row_and_equals_diffusers(folder, tmp_path):

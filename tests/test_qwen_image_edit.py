@@ -7,7 +7,9 @@ The pipeline's text encoder is given `mm_token_type_ids` (the model's multimodal
 and diffusers' pipeline leaves out under transformers 5). fp32 on the CPU: each image within one uint8 level of the
 pipeline's with the same seed, with one and with two input images under true CFG (" " as the negative prompt); rows
 with 1, 2 and no input images, prompts of different lengths and guidance on and off run together and each equals its
-request alone; bad inputs are a one-line 400 naming `reference_images`.
+request alone; bad inputs are a one-line 400 naming `reference_images`. ComfyUI's split files written from the tiny
+model (the encoder with its vision tower; the transformer also as a GGUF) give the engine's edit; a split file is
+Edit's by its sidecar, its name or ComfyUI's 2511 marker.
 """
 
 import functools
@@ -271,6 +273,106 @@ def test_the_images_placeholders_count_against_the_prompt_s_1024_tokens(edit):
     assert "at most 1024" in str(e.value) and "\n" not in str(e.value)
 
 
+# -- split files ------------------------------------------------------------------------------------------------
+
+def test_split_files_with_the_vision_tower_give_the_folder_s_edit(edit, tmp_path):
+    """The tiny Edit model written as ComfyUI's three files (the transformer under `model.diffusion_model.`, the
+    Qwen2.5-VL file with its `visual.*` tower, the VAE) and named as ComfyUI names Edit-2509's: read as
+    Edit by its name, loaded by the family (configs from the shapes, the encoder with its tower), its edit of an input
+    image under true CFG within one level of the engine's, and of its transformer's as QuantStack's F16 GGUF (Edit by
+    its name too). ComfyUI's Edit-2511 file (its `__index_timestep_zero__`
+    marker, a kind of its own) loads with `zero_cond_t`; an encoder file without the tower is refused in one line
+    naming the file and what to use, before any weight is read."""
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from diffgraph.models.families import QwenImageEditFamily
+    from diffgraph.models.split_files import SPLIT_KINDS, SplitFiles, preset_of
+    from test_qwen_image import split_files
+    from test_zimage_files import write_gguf
+
+    engine, _ = edit
+    model = engine.model
+    paths, _ = split_files(tmp_path, "qwen_image_edit_2509_tiny.safetensors", model.denoiser.state_dict(),
+                           model.text_encoders[0].state_dict(), model.vae.state_dict())
+    kinds = {k.name: k for k in SPLIT_KINDS}
+    files = SplitFiles(kinds["qwen-image"], *paths, (), preset_of(kinds["qwen-image"], paths[0], None))
+    assert (files.preset, files.family) == ("qwen-image-edit-2509", "qwen-image-edit")
+    loaded = QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    assert not loaded.denoiser.zero_cond_t and type(loaded.text_encoders[0]).__name__ == "Qwen2_5_VLModel"
+    r = request(IMAGES[:1], seed=7)
+    with Engine(model=loaded) as split:
+        assert split.info.family == "qwen-image-edit" and split.info.default_steps == 40
+        got = images_together(split, [r])[0]
+    assert np.abs(got - images_together(engine, [r])[0]).max() <= 1
+
+    gguf_path = str(tmp_path / "diffusion_models" / "Qwen-Image-Edit-2509-F16.gguf")  # QuantStack's name
+    write_gguf(gguf_path, {k: v.contiguous() for k, v in model.denoiser.state_dict().items()},
+               gguf.GGMLQuantizationType.F16)
+    files = SplitFiles(kinds["qwen-image"], gguf_path, *paths[1:], (), preset_of(kinds["qwen-image"], gguf_path, None))
+    with Engine(model=QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, gguf_path)) as split:
+        assert np.abs(images_together(split, [r])[0] - got).max() <= 1  # (the F16 transformer's)
+
+    transformer = load_file(paths[0])
+    save_file({**transformer, "model.diffusion_model.__index_timestep_zero__": torch.empty(0)}, paths[0])
+    files = SplitFiles(kinds["qwen-image-edit-2511"], *paths, ())
+    assert QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, paths[0]).denoiser.zero_cond_t
+
+    text_only = str(tmp_path / "qwen_2.5_vl_text_only.safetensors")
+    save_file({"model.embed_tokens.weight": torch.zeros(8, 4), "model.layers.0.self_attn.q_proj.bias": torch.zeros(4)},
+              text_only)  # (refused from its header: no visual.* tensors)
+    files = SplitFiles(kinds["qwen-image"], paths[0], text_only, paths[2], (), "qwen-image-edit-2509")
+    with pytest.raises(ValueError, match="qwen_2.5_vl_text_only.safetensors holds .* without its vision tower .*; "
+                                         "use a text encoder file with it") as e:
+        QwenImageEditFamily().load_split(files, torch.device("cpu"), torch.float32, paths[0])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,side,marker,family,preset,zero", [
+    ("qwen_image_fp8_e4m3fn.safetensors", None, False, "qwen-image", None, False),
+    ("qwen_image_edit_2509_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2509", False),
+    ("Qwen-Image-Edit-2511-Lightning-8steps.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2511",
+     True),
+    ("qwen_image_edit_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit", False),
+    ("my_finetune.safetensors", "qwen-image-edit-2511", False, "qwen-image-edit", "qwen-image-edit-2511", True),
+    ("qwen_image_edit_2509.safetensors", "qwen-image", False, "qwen-image", "qwen-image", False),
+    ("qwen_image_edit_2511_bf16.safetensors", None, True, "qwen-image-edit", None, True)])
+def test_a_split_qwen_image_file_is_edit_by_its_sidecar_its_name_or_comfyui_s_2511_marker(tmp_path, name, side,
+                                                                                          marker, family, preset,
+                                                                                          zero):
+    """The family of a Qwen-Image-layout file (the weights are the same): its sidecar's preset, else the words of its
+    name ("edit", then "2509" / "2511"), else text-to-image; ComfyUI's 2511 marker makes it the Edit-2511 kind. The
+    marker, a 2511 preset or a 2511 name turn Edit-2511's `zero_cond_t` on."""
+    from safetensors.torch import save_file
+
+    from diffgraph.models.families.qwen_image_edit import EDIT_2511, is_2511
+    from diffgraph.models.sidecar import read_sidecar, sidecar_path
+    from diffgraph.models.split_files import SplitFiles, header_shapes, preset_of, split_kind
+
+    path = str(tmp_path / name)
+    tensors = {"model.diffusion_model.img_in.weight": torch.zeros(1, 64),
+               "model.diffusion_model.txt_in.weight": torch.zeros(1, 3584),
+               "model.diffusion_model.txt_norm.weight": torch.zeros(1),
+               "model.diffusion_model.transformer_blocks.0.img_mod.1.weight": torch.zeros(1, 1)}
+    if marker:
+        tensors["model.diffusion_model.__index_timestep_zero__"] = torch.empty(0)
+    save_file(tensors, path)
+    if side:
+        with open(sidecar_path(path), "w") as f:
+            f.write(f'preset = "{side}"\n')
+    kind = split_kind(name, header_shapes(path))
+    assert (kind.name == EDIT_2511) == marker
+    files = SplitFiles(kind, path, "te", "vae", (), preset_of(kind, path, read_sidecar(path)))
+    assert (files.family, files.preset, is_2511(files)) == (family, preset, zero)
+    with open(sidecar_path(path), "w") as f:
+        f.write('preset = "z-image"\n')
+    with pytest.raises(ValueError, match="preset 'z-image' is not a Qwen-Image.* preset; one of") as e:
+        preset_of(kind, path, read_sidecar(path))
+    assert "\n" not in str(e.value)
+
+
+# -- the routes (closes the engine: last) ------------------------------------------------------------------
+
 def test_http_edits_take_two_image_parts_and_refuse_four_or_a_non_image(edit, tmp_path):
     """/v1/images/edits reads every image part as an input image, AUTOMATIC1111's img2img every init image, a job
     item its `reference_images`: two equal the engine's request with them; four parts (or items), or a JSON input
@@ -339,3 +441,4 @@ def playground_refusals(info: dict, files: int) -> list:
       await fire("ref-images-input", "change");
       console.log(JSON.stringify([refs.localErrors(true), refs.localErrors(false)]));
     })();""", {"info": info, "files": files})
+

@@ -350,7 +350,8 @@ def test_a_split_base_file_samples_with_the_base_schedule_and_a_sidecar_preset_d
                             "preset; one of z-image-turbo, z-image, digits-zimage")
     side.write_text('preset = "z-image-base"\n')
     with pytest.raises(ValueError, match=r"preset 'z-image-base' is unknown; one of sd1, .*, z-image-turbo, z-image, "
-                                         r"digits-zimage, flux.2-klein, flux.2-klein-base$"):
+                                         r"digits-zimage, flux.2-klein, flux.2-klein-base, qwen-image, qwen-image-edit, "
+                                         r"qwen-image-edit-2509, qwen-image-edit-2511$"):
         read_sidecar(str(renamed))
 
 

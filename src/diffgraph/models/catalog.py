@@ -195,11 +195,11 @@ class ModelDir:
             files = self._parts.choose(entry.path, kind, read_sidecar(entry.path))
         except ValueError as e:  # Incomplete, or a sidecar changed since it was read
             return replace(entry, error=str(e))
-        if kind.family is None:
+        if files.family is None:
             names = f"{self._parts.shown(files.text_encoder)} and {self._parts.shown(files.vae)}"
             return replace(entry, split=files, error=f"{entry.name} is a {kind.label} diffusion model (with {names}); "
                            "no model family loads split files of it yet")
-        return replace(entry, split=files, family=kind.family)
+        return replace(entry, split=files, family=files.family)
 
     def resolve(self, name: str) -> ModelEntry:
         """The entry that `name` names (with or without ".safetensors"). Raises ModelNameError for a name that is

@@ -35,7 +35,7 @@ from .model import DiffusionModel, parse_dtype
 from .quiet import quiet_known_warnings
 from .sidecar import read_sidecar, sidecar_path
 from .single_file import CONFIG_BYTES, load_single_file, load_vae, read_model_index
-from .split_files import SplitFiles, checked_part, models_root, split_kind_of, split_model
+from .split_files import SplitFiles, checked_part, models_root, preset_of, split_kind_of, split_model
 from .weights_view import MODEL_FILE_LIMIT, WEIGHTS_EXT, weights_group
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def _split(path: str, options: LoadOptions) -> SplitFiles | None:
     tokenizer = options.tokenizer or (side.tokenizer if side else None)
     return SplitFiles(kind, os.path.realpath(path), chosen["text_encoder"], chosen["vae"],
                       tuple((role, "flag" if given[role] else "only file") for role in given),
-                      side.split_preset(kind.name, kind.label) if side else None,
+                      preset_of(kind, os.path.realpath(path), side),
                       os.path.realpath(tokenizer) if tokenizer and kind.tokenizer else None)
 
 
@@ -145,7 +145,7 @@ def _load_split(files: SplitFiles, device: torch.device, dtype: torch.dtype, nam
                 families: FamilyRegistry) -> DiffusionModel:
     """A split diffusion model (split_files.py): the family that reads its kind loads it from `files`; a kind no
     family reads is refused naming the files that were chosen."""
-    family = files.kind.family
+    family = files.family
     if family is None or family not in {a.name for a in families.adapters()}:
         raise ValueError(f"{files.diffusion_model} is a {files.kind.label} diffusion model (text encoder "
                          f"{files.text_encoder}, VAE {files.vae}); no model family loads split files of it yet")

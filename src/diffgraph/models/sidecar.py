@@ -3,8 +3,8 @@
     config = "configs/my-sdxl"     # a diffusers config folder to read the file with (in place of --model-config)
     preset = "sdxl-base"           # or: the architecture preset (a checkpoint_configs.KINDS key) to read it as;
                                    #   for a split DiT file, its published checkpoint (`SPLIT_PRESETS`: "z-image"
-                                   #   or "z-image-turbo", "flux.2-klein" or "flux.2-klein-base"), which its file
-                                   #   name need not say then
+                                   #   or "z-image-turbo", "flux.2-klein" or "flux.2-klein-base", "qwen-image" or
+                                   #   "qwen-image-edit" (-2509, -2511)), which its file name need not say then
     text_encoder = "te.safetensors"  # split files (a DiT's text encoder and VAE): their kind checked by
     vae = "vae.safetensors"          #   split_files.py against what the model needs
     tokenizer = "tokenizer"          # a split model's tokenizer folder, where diffgraph ships none (FLUX.2 dev's)
@@ -27,10 +27,12 @@ SUFFIX = ".diffgraph.toml"
 MAX_BYTES = 64 << 10
 _FILES = ("text_encoder", "vae")
 # the checkpoints a split diffusion model's sidecar may name, by split kind (split_files.SPLIT_KINDS names; each
-# family's CHECKPOINTS keys: families/zimage.py, families/flux2.py)
+# family's CHECKPOINTS keys: families/zimage.py, families/flux2.py; a kind's variants: split_files.py)
 _KLEIN = ("flux.2-klein", "flux.2-klein-base")
 SPLIT_PRESETS: dict[str, tuple[str, ...]] = {"z-image": ("z-image-turbo", "z-image", "digits-zimage"),
-                                             "flux2-klein-4b": _KLEIN, "flux2-klein-9b": _KLEIN}
+                                             "flux2-klein-4b": _KLEIN, "flux2-klein-9b": _KLEIN,
+                                             "qwen-image": ("qwen-image", "qwen-image-edit", "qwen-image-edit-2509",
+                                                            "qwen-image-edit-2511")}
 ALL_PRESETS = (*KINDS, *dict.fromkeys(p for presets in SPLIT_PRESETS.values() for p in presets))
 
 

@@ -9,8 +9,16 @@ which text encoder and VAE it needs (`TEXT_ENCODERS`, `VAES`, read from their he
 companions: the files its sidecar names (`NAME.diffgraph.toml`: sidecar.py), checked to be of the kind it needs,
 else the only file of that kind in the companion folders; else it raises `Incomplete`, one line saying what to add
 or name. The result, `SplitFiles`, is what the catalog lists (catalog.py `ModelEntry.split`) and what the loader
-hands to the family that reads the kind (`SplitKind.family`, None while no family reads it; families add
-their kinds and set it). Headers are read once per file version (`PartFiles`). Standard library only (the HTTP
+hands to the family that reads it (`SplitFiles.family`: the kind's, None while no family reads it; families add
+their kinds and set it).
+
+One layout can hold checkpoints that different families read: Qwen-Image's transformer file is also Qwen-Image-Edit's
+(2509's weights have the same names and shapes). Such a checkpoint is a `Variant` of the kind, and a file is read as
+one (`SplitFiles.preset`, `preset_of`) when its sidecar's `preset` names it, else when its file name holds all of the
+variant's words (lower case, '_' and ' ' read as '-': ComfyUI's `qwen_image_edit_2509_fp8_e4m3fn.safetensors`,
+QuantStack's `Qwen-Image-Edit-2511-Q4_K_M.gguf`); never from weights that are the same. A file whose header holds a
+marker only one checkpoint's files carry is a kind of its own (ComfyUI's Edit-2511 repack holds
+`__index_timestep_zero__`). Headers are read once per file version (`PartFiles`). Standard library only (the HTTP
 process lists these).
 """
 
@@ -66,6 +74,17 @@ class PartKind:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A published checkpoint whose files are of a split kind but read by another family, or with other defaults: its
+    sidecar preset (a sidecar.SPLIT_PRESETS name of the kind), the family that reads it, and the words all of which
+    its published file names hold."""
+
+    preset: str
+    family: str
+    words: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class SplitKind:
     name: str
     label: str            # "Z-Image": a kind of diffusion model
@@ -74,6 +93,7 @@ class SplitKind:
     vae: str              # a VAES name
     family: str | None = None  # the family adapter that loads it; None while none does
     tokenizer: bool = False    # its tokenizer folder must be given (diffgraph ships none for its text encoder)
+    variants: tuple[Variant, ...] = ()  # its checkpoints another family reads (the first that a file shows)
 
 
 TEXT_ENCODERS = (
@@ -98,6 +118,8 @@ VAES = (
     PartKind("sd-vae", "an SD VAE (4 latent channels)",
              Signature(("encoder.conv_in.",), (("decoder.conv_in.weight", 1, 4),))),
 )
+_QWEN_IMAGE = ("transformer_blocks.", "txt_norm.", ".img_mod.")
+_QWEN_IMAGE_DIMS = (("img_in.weight", 1, 64), ("txt_in.weight", 1, 3584))
 SPLIT_KINDS = (
     SplitKind("z-image", "Z-Image",
               Signature(("cap_embedder.", "context_refiner.", "noise_refiner."), (("cap_embedder.1.weight", 1, 2560),)),
@@ -109,8 +131,14 @@ SPLIT_KINDS = (
         ("img_in.weight", 1, 128), ("txt_in.weight", 1, 7680))), "qwen3-4b", "flux2-vae", family="flux2"),
     SplitKind("flux2-klein-9b", "FLUX.2 klein 9B", Signature(("double_blocks.", "single_blocks."), (
         ("img_in.weight", 1, 128), ("txt_in.weight", 1, 12288))), "qwen3-8b", "flux2-vae", family="flux2"),
-    SplitKind("qwen-image", "Qwen-Image", Signature(("transformer_blocks.", "txt_norm.", ".img_mod."), (
-        ("img_in.weight", 1, 64), ("txt_in.weight", 1, 3584))), "qwen2.5-vl-7b", "qwen-image-vae", family="qwen-image"),
+    # ComfyUI's Edit-2511 repack: Qwen-Image's layout with its reference-token modulation's marker (before Qwen-Image)
+    SplitKind("qwen-image-edit-2511", "Qwen-Image-Edit-2511", Signature(_QWEN_IMAGE + ("__index_timestep_zero__",),
+                                                                        _QWEN_IMAGE_DIMS),
+              "qwen2.5-vl-7b", "qwen-image-vae", family="qwen-image-edit"),
+    SplitKind("qwen-image", "Qwen-Image", Signature(_QWEN_IMAGE, _QWEN_IMAGE_DIMS), "qwen2.5-vl-7b", "qwen-image-vae",
+              family="qwen-image", variants=(Variant("qwen-image-edit-2511", "qwen-image-edit", ("edit", "2511")),
+                                             Variant("qwen-image-edit-2509", "qwen-image-edit", ("edit", "2509")),
+                                             Variant("qwen-image-edit", "qwen-image-edit", ("edit",)))),
 )
 PARTS: dict[Role, tuple[PartKind, ...]] = {"text_encoder": TEXT_ENCODERS, "vae": VAES}
 
@@ -128,11 +156,26 @@ class SplitFiles:
     text_encoder: str
     vae: str
     chosen_by: tuple[tuple[Role, Literal["sidecar", "only file", "flag"]], ...]  # how each companion was chosen
-    preset: str | None = None  # the checkpoint its sidecar names (sidecar.SPLIT_PRESETS); None: from its file name
+    preset: str | None = None  # the checkpoint its sidecar (sidecar.SPLIT_PRESETS) or its name names (`preset_of`)
     tokenizer: str | None = None  # the tokenizer folder given (--tokenizer, or its sidecar's), for a kind that needs it
 
     def files(self) -> dict[Role, str]:
         return {"text_encoder": self.text_encoder, "vae": self.vae}
+
+    @property
+    def family(self) -> str | None:
+        """The family that reads it: its preset's variant's, else its kind's."""
+        return next((v.family for v in self.kind.variants if v.preset == self.preset), self.kind.family)
+
+
+def preset_of(kind: SplitKind, model_file: str, side: Sidecar | None) -> str | None:
+    """The checkpoint a split model's file is (see the module's docstring): its sidecar's preset (checked to be one of
+    the kind's), else the first of the kind's variants whose words its file name holds, else None."""
+    named = side.split_preset(kind.name, kind.label) if side else None
+    if named is not None:
+        return named
+    name = os.path.basename(model_file).lower().replace("_", "-").replace(" ", "-")
+    return next((v.preset for v in kind.variants if all(w in name for w in v.words)), None)
 
 
 def comfy_layout(root: str) -> bool:
@@ -264,7 +307,7 @@ class PartFiles:
         each role, the checkpoint preset its sidecar names and the tokenizer folder (`tokenizer`, else its sidecar's).
         Raises Incomplete with one line per role that has none (joined by '; '), a ValueError for a preset of another
         kind."""
-        preset = side.split_preset(kind.name, kind.label) if side else None
+        preset = preset_of(kind, model_file, side)
         chosen: dict[Role, str] = {}
         how: list[tuple[Role, Literal["sidecar", "only file"]]] = []
         problems = []

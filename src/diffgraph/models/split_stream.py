@@ -1,5 +1,5 @@
-"""Split DiT files (ComfyUI's layout: a diffusion-model file, a Qwen3 text-encoder file, a VAE file) streamed into
-modules built with their parameters on the meta device: what the Z-Image and FLUX.2 families' `load_split` load.
+"""Split DiT files (ComfyUI's layout: a diffusion-model file, a text-encoder file, a VAE file) streamed into modules
+built with their parameters on the meta device: what the Z-Image, FLUX.2 and Qwen-Image families' `load_split` load.
 
 Each file's header comes first and is checked as zimage_files' readers check it (the kind asked for, its size,
 quantisations diffgraph cannot read). Its tensors are then made as meta tensors of the header's shapes and dtypes
@@ -120,17 +120,23 @@ def load_flux2_transformer(path: str, dtype: torch.dtype, device: torch.device |
 
 
 def load_qwen_image(path: str, text_encoder: str, dtype: torch.dtype, device: torch.device | str,
-                    max_bytes: int = FILE_LIMIT) -> tuple[nn.Module, nn.Module]:
-    """A Qwen-Image transformer file and a Qwen2.5-VL text encoder file (its language model: qwen_image_files.py) as
-    QwenImageTransformer2DModel and Qwen2_5_VLTextModel on `device`."""
+                    max_bytes: int = FILE_LIMIT, vision: bool = False,
+                    zero_cond_t: bool = False) -> tuple[nn.Module, nn.Module]:
+    """A Qwen-Image transformer file (safetensors or GGUF) and a Qwen2.5-VL text encoder file (qwen_image_files.py) as
+    QwenImageTransformer2DModel (`zero_cond_t`: Edit-2511's) and Qwen2_5_VLTextModel on `device`; with `vision` the
+    encoder with its vision tower, as Qwen2_5_VLModel."""
     from diffusers import QwenImageTransformer2DModel
-    from transformers.models.qwen2_5_vl import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+    from transformers.models.qwen2_5_vl import (Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2_5_VLTextConfig,
+                                                Qwen2_5_VLTextModel)
 
     from . import qwen_image_files as qf
     transformer = Layout("qwen_image_transformer", qf.transformer_from_comfy, qf.transformer_config,
-                         lambda config: QwenImageTransformer2DModel(**config), "a Qwen-Image transformer")
-    encoder = Layout("qwen25_text_encoder", qf.text_encoder_from_comfy, qf.text_config,
-                     lambda values: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**values)), "a Qwen2.5-VL text encoder")
+                         lambda config: QwenImageTransformer2DModel(**config, zero_cond_t=zero_cond_t),
+                         "a Qwen-Image transformer")
+    encoder = Layout("qwen25_text_encoder", qf.vl_from_comfy, qf.vl_config,
+                     lambda values: Qwen2_5_VLModel(Qwen2_5_VLConfig(**values)), "a Qwen2.5-VL encoder") if vision \
+        else Layout("qwen25_text_encoder", qf.text_encoder_from_comfy, qf.text_config,
+                    lambda values: Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**values)), "a Qwen2.5-VL text encoder")
     return (stream(path, transformer, dtype, device, False, None, max_bytes)[0],
             stream(text_encoder, encoder, dtype, device, False, None, max_bytes)[0])
 

@@ -24,7 +24,9 @@ What diffusers' `QwenImagePipeline` does, and how rows of different prompts and 
     (`TrueGuidance`); a request without a negative prompt guides with " " (the pipelines' documented usage:
     `empty_negative`). The request's `guidance_scale` is the pipeline's `true_cfg_scale`;
   * the VAE's latents are normalised per channel: decode reads latents * latents_std + latents_mean.
-Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE): `load_split`, through qwen_image_files.py.
+Split files (ComfyUI's transformer, Qwen2.5-VL encoder and VAE; the transformer also as a city96 GGUF, dequantised
+as it is read): `load_split`, through qwen_image_files.py. A split Qwen-Image file is read by this family unless its
+sidecar's preset or its name says Edit (split_files.py's variants; qwen_image_edit.py).
 LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`: diffusers / PEFT, Kohya, ComfyUI and
 lightx2v keys), its side paths on the blocks' attention, feed-forwards and modulation.
 The Lightning LoRAs' schedule (mu = log 3 at every size) is the request's `schedule` "lightning", per row, or their
@@ -272,17 +274,23 @@ class QwenImageFamily(TokenFamily):
 
     def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
         """ComfyUI's three files, each streamed into a module built on meta (split_stream.py; qwen_image_files.py:
-        the transformer in diffusers' names, the Qwen2.5-VL file's language model, the VAE in Wan 2.1's layout); the
-        configs come from the weights' shapes, the tokenizer is the shipped Qwen2.5 one, the scheduler the published
-        one."""
+        the transformer in diffusers' names, safetensors or GGUF, the Qwen2.5-VL file's language model, the VAE in Wan
+        2.1's layout); the configs come from the weights' shapes, the tokenizer is the shipped Qwen2.5 one, the
+        scheduler the published one."""
         from diffusers import AutoencoderKLQwenImage
 
         from .. import qwen_image_files as qf, split_stream
-        transformer, encoder = split_stream.load_qwen_image(files.diffusion_model, files.text_encoder, dtype, device)
+        transformer, encoder = split_stream.load_qwen_image(files.diffusion_model, files.text_encoder, dtype, device,
+                                                            **self.split_reading(files))
         vae = split_stream.load_vae(AutoencoderKLQwenImage, qf.vae_config(files.vae),
                                     lambda config: qf.read_vae(files.vae, config, dtype), dtype, device)
         return self._model(name, transformer, vae, encoder, qwen_tokenizer("qwen2.5"), dict(SCHEDULER), device, dtype,
                            self.checkpoint)
+
+    def split_reading(self, files: Any) -> dict[str, bool]:
+        """How `load_split` reads the files for this family (split_stream's `load_qwen_image` keywords): text-to-image
+        reads the encoder's language model alone."""
+        return {}
 
     # -- random presets ----------------------------------------------------------------------------------
     def random_presets(self) -> dict[str, str]:
@@ -467,15 +475,16 @@ def tiny_transformer() -> dict[str, Any]:
 def tiny_encoder() -> dict[str, Any]:
     """A Qwen2_5_VLConfig at test size: a two-layer 128-wide language model of one 128-wide head (Qwen2.5's head
     width and mrope sections: what split files assume) with Qwen's vocabulary, tied embeddings, a one-block vision
-    tower."""
+    tower of one 80-wide head attending in windows (the published towers' head width; their full-attention blocks
+    start at the eighth: what split files assume)."""
     return dict(text_config=dict(vocab_size=151936, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=2048,
                                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                  rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
                 tie_word_embeddings=True,
-                vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=128,
+                vision_config=dict(depth=1, hidden_size=80, intermediate_size=32, num_heads=1, out_hidden_size=128,
                                    patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                                   fullatt_block_indexes=[0]))
+                                   fullatt_block_indexes=[]))
 
 
 def tiny_vae() -> dict[str, Any]:

@@ -35,7 +35,15 @@ Preprocessing is the family's own (PIL and numpy, no torchvision), equal to tran
 `processor/preprocessor_config.json` must agree with them.
 An output without a size takes the last input's aspect ratio at 1024 x 1024 pixels of area, as the pipeline's
 (`edit_images_area`; request.py `area_size`).
-Not here yet: split files.
+Split files (ComfyUI's diffusion model, Qwen2.5-VL encoder and VAE: `load_split`, as Qwen-Image's): the transformer
+file (safetensors, fp8 or a QuantStack / city96 GGUF) has Qwen-Image's layout, so a split file is Edit's when its
+sidecar's `preset` says so ("qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511") or else its file name
+holds "edit" (split_files.py's variants of the "qwen-image" kind); a file with ComfyUI's `__index_timestep_zero__`
+marker is Edit-2511's (a split kind of its own). Edit-2511's `zero_cond_t` is on where that marker, the preset or
+the name (both "edit" and "2511") says 2511: the weights are the same as 2509's. The encoder file is read with its
+vision tower (`visual.`); one without is refused naming the file, before any weight is read. The tokenizer and the
+image processor settings are the shipped ones. The first Edit's files (QwenImageEditPipeline's, named "edit" without
+2509 / 2511) are read as Edit Plus reads its inputs: the pipeline diffgraph serves.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ DROPPED = 64
 PICTURE = "Picture {}: <|vision_start|>{}<|vision_end|>"
 PROCESSOR = "qwen2_vl_preprocessor.json"  # the Qwen2-VL image processor's settings (assets/qwen/)
 QWEN_IMAGE_EDIT = Checkpoint("qwen-image-edit", 40, 4.0, native=1024)  # 2509 and 2511 model cards: 40 steps, true CFG 4
+EDIT_2511 = "qwen-image-edit-2511"  # its split kind's and its preset's name (split_files.py, sidecar.py)
 
 
 def processor_settings(folder: str | None = None) -> dict[str, Any]:
@@ -100,6 +109,12 @@ def processor_settings(folder: str | None = None) -> dict[str, Any]:
                                  f"{value!r}; restore the published processor settings")
         break
     return shipped
+
+
+def is_2511(files: Any) -> bool:
+    """Whether split files (split_files.SplitFiles) are Edit-2511's: ComfyUI's marker made them its kind, or their
+    sidecar's preset or their name says 2511 (`preset_of`)."""
+    return EDIT_2511 in (files.kind.name, files.preset)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -254,15 +269,27 @@ class QwenImageEditFamily(QwenImageFamily):
             raise ValueError(f"model folder {folder!r}: {e}") from None
         return super().load_folder(folder, index, device, dtype, name)
 
-    def load_split(self, files: Any, device: torch.device, dtype: torch.dtype, name: str) -> DiffusionModel:
-        raise ValueError("Qwen-Image-Edit loads from a diffusers folder (QwenImageEditPlusPipeline) only: ComfyUI's "
-                         "split files are not read for it yet")
+    def split_reading(self, files: Any) -> dict[str, bool]:
+        """The encoder file with its vision tower (one without is refused naming it, from its header), Edit-2511's
+        `zero_cond_t` where the file's kind or its preset says 2511 (see the module's docstring)."""
+        from .. import qwen_image_files as qf
+
+        qf.check_vision(files.text_encoder)
+        return {"vision": True, "zero_cond_t": is_2511(files)}
 
     def _model(self, name: str, transformer: Any, vae: Any, encoder: Any, *args: Any, **kwargs: Any
                ) -> DiffusionModel:
+        """Qwen-Image's, the encoder's vision tower checked to read the patches the shipped processor settings cut."""
         if getattr(getattr(encoder, "model", encoder), "visual", None) is None:
             raise ValueError("Qwen-Image-Edit reads its input images with the Qwen2.5-VL encoder's vision tower, which "
                              "this text encoder lacks; use the checkpoint's own text_encoder")
+        vision, settings = encoder.config.vision_config, processor_settings()
+        for key, setting in (("patch_size", "patch_size"), ("spatial_merge_size", "merge_size"),
+                             ("temporal_patch_size", "temporal_patch_size")):
+            if getattr(vision, key) != settings[setting]:
+                raise ValueError(f"the text encoder's vision tower has {key} {getattr(vision, key)}, but "
+                                 f"Qwen-Image-Edit cuts its input images with {setting} {settings[setting]} "
+                                 "(Qwen2.5-VL's); use the checkpoint's own Qwen2.5-VL text encoder")
         return super()._model(name, transformer, vae, encoder, *args, **kwargs)
 
     def random_presets(self) -> dict[str, str]:
