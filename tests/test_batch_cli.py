@@ -85,9 +85,9 @@ def test_a_bad_job_file_is_refused_before_the_model_loads(tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"diffgraph: error: {job}: line 2: unknown field 'steps'; an item takes prompt, size, model, quality, "
         "background, style, moderation, output_compression, safety_identifier, complexity, frame_count, "
-        "frame_duration_ms, svg, negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, guidance_interval, "
-        "guidance_rescale, sampler, schedule, output_format, loras, controls, image_prompts, prompt_syntax, "
-        "clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds, cfg_truncation, "
+        "frame_duration_ms, svg, negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, schedule_shift, "
+        "guidance_interval, guidance_rescale, sampler, schedule, output_format, loras, controls, image_prompts, "
+        "prompt_syntax, clip_skip, emphasis, timestep_spacing, eta, tiling, n, seed, seeds, cfg_truncation, "
         "cfg_normalization, reference_images, step_cache"]  # and the built-in capabilities' parameters, checked once it loads
     job.write_text('{"prompt": "a handwritten digit two", "size": "60x64"}\n')  # the model's rules, after it loads
     r = batch(str(job), "--out", str(tmp_path / "out"))
