@@ -33,7 +33,7 @@ def folder(tmp_path_factory, tiny_engine):
     _write_kohya(tiny_engine, str(root / "styles" / "ink.safetensors"), rank=4, seed=10)
     (root / "old.ckpt").write_bytes(b"a pickle is never loaded")
     _write_diffusers(tiny_engine, str(root / "fast.safetensors"), rank=4, seed=20)
-    (root / "fast.diffgraph.toml").write_text("steps = 3\nguidance = 2.0\n")  # its sidecar (lora/sidecar.py)
+    (root / "fast.diffgraph.toml").write_text("steps = 3\nguidance = 2.0\n")  # its sidecar (features/slot_files.py)
     return str(root)
 
 

@@ -1,10 +1,10 @@
-"""An adapter file's sidecar (lora/sidecar.py): what it declares, by request field, and its one-line refusals."""
+"""An adapter file's sidecar (features/slot_files.py): what it declares, by request field, and its one-line refusals."""
 
 import os
 
 import pytest
 
-from diffgraph.lora.sidecar import SidecarError, read_recommended
+from diffgraph.features.slot_files import SidecarError, read_recommended
 
 
 def declared(tmp_path, text: str):

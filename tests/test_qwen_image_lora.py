@@ -5,7 +5,7 @@ one uint8 level).
 One random rank-4 PEFT adapter on every layer the family's files train (both blocks), written in the layouts users
 publish: Kohya's (`lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight` with alphas), ComfyUI's
 (`diffusion_model.` keys) and lightx2v's (the Qwen-Image-Lightning releases: bare `transformer_blocks.` keys with
-alphas). Its sidecar (`NAME.diffgraph.toml`: lora/sidecar.py) declares the Lightning releases' schedule, steps and
+alphas). Its sidecar (`NAME.diffgraph.toml`: features/slot_files.py) declares the Lightning releases' schedule, steps and
 guidance, which a request that leaves them unset runs; rows of such a LoRA, 3-step CFG rows without one on the base
 model's shift, and on the Edit model edit rows, share steps and each equals its request alone.
 """

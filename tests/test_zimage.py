@@ -410,8 +410,8 @@ def test_lora_files_of_three_layouts_run_per_row_and_equal_diffusers(folders, tm
     with Engine(model=path, device="cpu", lora_dir=str(tmp_path)) as engine:
         common = dict(prompt="a red fox", height=96, width=96, num_inference_steps=2, seed=6)
         got = images_together(engine, [dict(common, loras=[(name, 0.8)]) for name in files] + [common])
-        with pytest.raises(ParamError, match="'sd_style' targets .* which this zimage model does not have: it was "
-                                             "made for another model"):
+        with pytest.raises(ParamError, match="adapter 'sd_style' is a LoRA for a Stable Diffusion UNet .*, not for "
+                                             "this model's transformer; use a LoRA made for ZImagePipeline"):
             engine.submit(GenerationRequest.create(model=engine.info, **common, loras=[("sd_style", 1.0)])).result()
     pipe.load_lora_weights(files["peft"], adapter_name="fox")
     pipe.set_adapters(["fox"], [0.8])

@@ -7,7 +7,7 @@ manager's pool); its files are the manager's `SlotFiles` (the admission gate ove
 steps); its text adapters are what the text encoders run with for a request's prompts. The engine core and the model
 runner iterate over the capabilities and name none of them.
 
-Its recommendations: an adapter file's sidecar (lora/sidecar.py) may declare the schedule, steps and guidance its
+Its recommendations: an adapter file's sidecar (features/slot_files.py) may declare the schedule, steps and guidance its
 author samples with; a request that leaves those to the model's defaults runs them (`recommends`).
 
 The step half, a row feature: per row, the device slots (0 = none) and scales of its UNet adapters.
@@ -124,7 +124,7 @@ class LoraCapability(Capability):
             raise ParamError("loras", str(e)) from None
 
     def recommends(self, held: tuple) -> dict[str, Any]:
-        """What the request's adapters' sidecars declare (lora/sidecar.py: schedule, steps, guidance), by request
+        """What the request's adapters' sidecars declare (features/slot_files.py: schedule, steps, guidance), by request
         field; two adapters that declare different values for one field are a ParamError("loras") naming them."""
         out: dict[str, tuple[Any, str]] = {}
         for a in held:

@@ -48,7 +48,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ParamError, unknown_hint
-from ..safe_files import FileReader, ReadTimeout, UnusableFile, check_regular, stamp_of
+from ..request import MAX_GUIDANCE, MAX_SHIFT
+from ..safe_files import FileReader, ReadTimeout, UnusableFile, check_regular, read_toml, stamp_of
+from ..sampling.schedules import MAX_STEPS
 
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SUFFIX = ".safetensors"
@@ -471,3 +473,76 @@ class SlotFiles:
     def slot_map(self, state: Any, taken: list[int]) -> dict[str, int]:
         """File name -> the slot it holds for an admitted request."""
         return {key[0]: slot for key, slot in zip(self._keys(state), taken)}
+
+
+SIDECAR_SUFFIX = ".diffgraph.toml"
+SIDECAR_MAX_BYTES = 64 << 10
+# A named file's sidecar: `NAME.diffgraph.toml` beside `NAME.safetensors` (for a link, beside its target), saying
+# how its author samples with it (a LoRA's schedule, steps, guidance, schedule_shift). A request using the file takes
+# these for the fields it leaves to the model's defaults (`Recommended.values`); a value the request gives wins.
+# `read_recommended` returns None without a sidecar and raises a one-line SidecarError naming it otherwise.
+# sidecar key -> (the request field it fills, its type, the bounds of a number)
+SIDECAR_KEYS: dict[str, tuple[str, type, tuple[float, float] | None]] = {
+    "schedule": ("schedule", str, None),
+    "steps": ("num_inference_steps", int, (1, MAX_STEPS)),
+    "guidance": ("guidance_scale", float, (0.0, MAX_GUIDANCE)),
+    "schedule_shift": ("schedule_shift", float, (0.01, MAX_SHIFT)),
+}
+
+
+class SidecarError(ValueError):
+    """A sidecar that cannot be used; the message names it and says what to fix."""
+
+
+@dataclass(frozen=True)
+class Recommended:
+    """What an adapter's sidecar declares (None: not declared)."""
+
+    sidecar: str                 # the sidecar's file name, for messages
+    schedule: str | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    schedule_shift: float | None = None
+
+    def values(self) -> dict[str, Any]:
+        """The declared values by the request field each fills."""
+        return {field: getattr(self, key) for key, (field, _, _) in SIDECAR_KEYS.items() if getattr(self, key) is not None}
+
+    def listing(self) -> dict[str, Any]:
+        """The declared values by the sidecar's names (what GET /v1/loras lists)."""
+        return {key: getattr(self, key) for key in SIDECAR_KEYS if getattr(self, key) is not None}
+
+
+def sidecar_path(adapter_file: str) -> str:
+    real = os.path.realpath(adapter_file)
+    return (real[: -len(".safetensors")] if real.endswith(".safetensors") else real) + SIDECAR_SUFFIX
+
+
+def read_recommended(adapter_file: str) -> Recommended | None:
+    """The sidecar of adapter file `adapter_file`, or None. Raises SidecarError (one line)."""
+    path = sidecar_path(adapter_file)
+    if not os.path.lexists(path):
+        return None
+    name = os.path.basename(path)
+    try:
+        table = read_toml(path, SIDECAR_MAX_BYTES)[0]
+    except UnusableFile as e:
+        raise SidecarError(f"sidecar {name} {e}") from None
+    unknown = sorted(set(table) - set(SIDECAR_KEYS))
+    if unknown:
+        raise SidecarError(f"sidecar {name} has unknown key {unknown[0]!r}; allowed: {', '.join(SIDECAR_KEYS)}")
+    return Recommended(name, **{key: _value(name, key, v) for key, v in table.items()})
+
+
+def _value(name: str, key: str, value: Any) -> Any:
+    _, kind, bounds = SIDECAR_KEYS[key]
+    if kind is str:
+        if not isinstance(value, str) or not value:
+            raise SidecarError(f"sidecar {name}: {key} must be a non-empty string (a schedule's name), not {value!r}")
+        return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or
+                                                                                  isinstance(value, int))
+    if not number or not bounds[0] <= value <= bounds[1]:
+        what = "a whole number" if kind is int else "a number"
+        raise SidecarError(f"sidecar {name}: {key} must be {what} in {bounds[0]:g}..{bounds[1]:g}, not {value!r}")
+    return kind(value)

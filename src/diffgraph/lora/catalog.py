@@ -15,9 +15,8 @@ import os
 from typing import Any
 
 from ..features.slot_files import (PICKLES, SUFFIX, FileKey, Folder, Listing, NameRefused, NameUnknown, NameUnusable,
-                                   SlotCache, SlotsBusy)
+                                   SidecarError, SlotCache, SlotsBusy, read_recommended)
 from ..safe_files import UnusableFile, read_header
-from .sidecar import SidecarError, read_recommended
 
 __all__ = ["PICKLES", "SUFFIX", "MAX_ADAPTER_BYTES", "AdapterDir", "AdapterKey", "AdapterNameError", "AdapterNotFound",
            "AdapterUnusable", "Listing", "SlotCache", "SlotsBusy", "check_dtype", "describe", "unusable"]
@@ -50,7 +49,7 @@ _COMPONENT_PREFIXES = (("text_encoder_2.", "text_encoder_2"), ("lora_te2_", "tex
 
 def describe(path: str) -> dict[str, Any]:
     """Rank and targeted layers per component of an adapter file, from its header (no weights are read, nothing is
-    checked against a model), and what its sidecar declares (schedule, steps, guidance: lora/sidecar.py): what a
+    checked against a model), and what its sidecar declares (schedule, steps, guidance: features/slot_files.py): what a
     server that holds no engine in its own process lists. Raises AdapterUnusable (not a regular
     file, too large, not safetensors, a tensor that is not floating point, a sidecar that is not valid)."""
     label = os.path.basename(path)

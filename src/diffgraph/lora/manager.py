@@ -20,7 +20,7 @@ headers only (files.header_adapter: layouts and shapes checked against the model
 file version (size, mtime_ns, inode) and never touches the host copies that requests use.
 `files` (the scheduler's admission gate) and `write` run on the loop thread.
 Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
-An adapter file's sidecar (lora/sidecar.py: its schedule, steps, guidance) is read with the request that uses it and
+An adapter file's sidecar (features/slot_files.py: its schedule, steps, guidance) is read with the request that uses it and
 with every listing (`recommended`); its schedule must be one of the model family's.
 
 The `conv` option (off by default; sidepath.py says why: SD1.5's convolution banks take more memory than the attention
@@ -47,11 +47,10 @@ from torch import nn
 
 from ..config import LoraConfig
 from ..errors import ParamError
-from ..features.slot_files import SlotFiles
+from ..features.slot_files import Recommended, SidecarError, SlotFiles, read_recommended
 from ..safe_files import FileReader, FileStamp, ReadTimeout, UnusableFile, check_regular, stamp_of
 from .catalog import MAX_ADAPTER_BYTES, AdapterDir, AdapterKey, AdapterNameError, AdapterNotFound, unusable
 from .files import AdapterChanged, AdapterError, AdapterFile, header_adapter, module_path, read_adapter
-from .sidecar import Recommended, SidecarError, read_recommended
 from .sidepath import LoraLayer, LoraSlots, RowLoras, attach, takes
 from .targets import CONV_TARGETS, DENOISER, TEXT_TARGETS, UNET_TARGETS, LoraLayout  # noqa: F401 (the SD names)
 
@@ -96,7 +95,7 @@ class Resolved:
     has_unet: bool
     has_text: bool
     scale: float
-    recommended: Recommended | None = None  # what its file's sidecar declares (lora/sidecar.py)
+    recommended: Recommended | None = None  # what its file's sidecar declares (features/slot_files.py)
 
     @property
     def host(self) -> None:  # (slot_files.Held's: the request holds no host copy)

@@ -30,7 +30,7 @@ sidecar's preset or its name says Edit (split_files.py's variants; qwen_image_ed
 LoRA files per row: read by QwenImagePipeline's converter (`lora_layout`: diffusers / PEFT, Kohya, ComfyUI and
 lightx2v keys), its side paths on the blocks' attention, feed-forwards and modulation.
 The Lightning LoRAs' schedule (mu = log 3 at every size) is the request's `schedule` "lightning", per row, or their
-sidecar's (lora/sidecar.py); a request's `schedule_shift` fixes the shift of either schedule (`flow_schedules`).
+sidecar's (features/slot_files.py); a request's `schedule_shift` fixes the shift of either schedule (`flow_schedules`).
 Its Edit line (QwenImageEditPlusPipeline: input images through the vision tower and as reference tokens) is
 qwen_image_edit.py, on this module's blocks: `denoise` appends a row's reference tokens (`rows.ref_*`) to its image
 stream where the family declares them.
