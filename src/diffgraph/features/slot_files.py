@@ -1,7 +1,8 @@
 """`SlotFiles`: named files with host copies and device slots, the one implementation every capability that loads
 files per request keeps (LoRA adapters, ControlNets, IP-Adapters, textual-inversion embeddings, a capability
 registered at run time), and its parts: `Folder` (the named files of a folder: LoRA's adapters, embeddings, a run-time
-capability's files) and `SlotCache` (which file each device slot holds).
+capability's files) and `SlotCache` (which file each device slot holds); a named file's sidecar (`read_recommended`:
+the request fields its author recommends, such as a LoRA's schedule, steps and guidance).
 
 A capability's files are named (`locate(name)`: where the file is and its version, a file rewritten on disk being a
 new version); on the submitting thread `resolve(names)` reads each into a host copy (`load(name, source)`, which
@@ -506,7 +507,8 @@ class Recommended:
 
     def values(self) -> dict[str, Any]:
         """The declared values by the request field each fills."""
-        return {field: getattr(self, key) for key, (field, _, _) in SIDECAR_KEYS.items() if getattr(self, key) is not None}
+        return {field: getattr(self, key) for key, (field, _, _) in SIDECAR_KEYS.items()
+                if getattr(self, key) is not None}
 
     def listing(self) -> dict[str, Any]:
         """The declared values by the sidecar's names (what GET /v1/loras lists)."""

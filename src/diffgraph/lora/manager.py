@@ -20,8 +20,8 @@ headers only (files.header_adapter: layouts and shapes checked against the model
 file version (size, mtime_ns, inode) and never touches the host copies that requests use.
 `files` (the scheduler's admission gate) and `write` run on the loop thread.
 Every problem with an adapter is an AdapterError / AdapterNameError whose message says what to do.
-An adapter file's sidecar (features/slot_files.py: its schedule, steps, guidance) is read with the request that uses it and
-with every listing (`recommended`); its schedule must be one of the model family's.
+An adapter file's sidecar (features/slot_files.py: its schedule, steps, guidance) is read with the request that uses
+it and with every listing (`recommended`); its schedule must be one of the model family's.
 
 The `conv` option (off by default; sidepath.py says why: SD1.5's convolution banks take more memory than the attention
 ones, and every adapter step pays them at the full rank) is this manager's own: LoraManager(
