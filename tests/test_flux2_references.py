@@ -11,7 +11,7 @@ import torch
 
 from diffgraph import GenerationRequest, ParamError
 
-from loop_util import images_together
+from loop_util import images_together, step_graphs
 from test_flux2 import folders, klein  # noqa: F401 (fixtures)
 
 PROMPT = "the same fox, now in the snow"
@@ -77,6 +77,42 @@ def test_rows_with_0_1_2_references_together_each_equal_the_pipeline_alone(folde
     for count, image in zip((0, 1, 2), got):
         want = oracle(pipe, refs[count], sizes[count], 2, 10 + count)
         assert np.abs(image - want).max() <= 1, count
+
+
+@pytest.mark.parametrize("tokens,slot", [((), 0), ((20,), 256), ((20, 24), 256), ((300, 300), 768),
+                                         ((1000, 200), 1536), ((4096,) * 3, 12288), ((4096,) * 4, 16384),
+                                         ((4096, 4096, 4096, 100), 16384)])
+def test_reference_slots_are_a_ladder_of_buckets_at_most_one_and_a_half_times_the_tokens(tokens, slot):
+    """A row's reference tokens round up to 1, 2, 3, 4, 6, 8, 12, 16, ... buckets of 256: four 1024 x 1024
+    references fill 16384 tokens exactly, and a graphed size has at most a dozen reference slots up to there."""
+    from diffgraph.models.families.references import reference, reference_bucket
+
+    refs = tuple(reference(torch.zeros((1, 3, 16, 16 * t))) for t in tokens)
+    assert reference_bucket(refs, 256) == slot
+
+
+def test_graph_mode_replays_reference_rows_in_their_slot_beside_plain_rows_each_equal_to_eager_alone(folders, klein):
+    """Graph mode (the emulated backend) at 128x128: rows with 1 and 2 references (20 and 44 tokens: reference slot
+    256) of other sizes of the same image bucket replay the step graphs of that slot, captured on first use, in one
+    replay (bucket 2); the plain row replays its prewarmed graph in the same steps; nothing runs eagerly, and each
+    image equals the engine's eager image of its request alone."""
+    from diffgraph import Engine, GraphConfig
+
+    refs = {0: [], 1: [picture(72, 88, 7)], 2: [picture(72, 88, 7), picture(96, 64, 8)]}
+    sizes = {0: (128, 128), 1: (96, 160), 2: (160, 96)}
+    requests = [request(refs[count], sizes[count], 20 + count) for count in (0, 1, 2)]
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((128, 128),), backend="emulated", warmup_iters=1,
+                      capture_vae=False)
+    with Engine(model=folders["FLUX.2-klein-4B"][0], device="cpu", mode="graph", graphs=cfg) as g:
+        graphed = images_together(g, requests)
+        steps = step_graphs(g)
+    assert steps["eager"] == {}
+    plain, refs_slot = steps[((0, 256), 1)], steps[((256, 256), 2)]
+    assert plain["status"] == refs_slot["status"] == "captured"
+    assert plain["replays"] == refs_slot["replays"] == 2 and plain["on_demand"] == 0 and refs_slot["on_demand"] == 1
+    assert plain["eager_fallbacks"] == refs_slot["eager_fallbacks"] == 0
+    for r, image in zip(requests, graphed):
+        assert np.abs(images_together(klein, [r])[0] - image).max() <= 1
 
 
 @pytest.mark.parametrize("refs,words", [([picture(64, 64, 0)] * 5, "at most 4"),
