@@ -91,28 +91,47 @@ def test_reference_slots_are_a_ladder_of_buckets_at_most_one_and_a_half_times_th
     assert reference_bucket(refs, 256) == slot
 
 
-def test_graph_mode_replays_reference_rows_in_their_slot_beside_plain_rows_each_equal_to_eager_alone(folders, klein):
+@pytest.mark.parametrize("slots", [(), (256,)])
+def test_graph_mode_replays_reference_rows_in_their_slot_beside_plain_rows_each_equal_to_eager_alone(folders, klein,
+                                                                                                     slots):
     """Graph mode (the emulated backend) at 128x128: rows with 1 and 2 references (20 and 44 tokens: reference slot
-    256) of other sizes of the same image bucket replay the step graphs of that slot, captured on first use, in one
-    replay (bucket 2); the plain row replays its prewarmed graph in the same steps; nothing runs eagerly, and each
-    image equals the engine's eager image of its request alone."""
+    256) of other sizes of the same image bucket replay the step graphs of that slot in one replay (bucket 2),
+    captured on first use, or at start-up where the graph config lists the slot (`reference_slots`); the plain row
+    replays its prewarmed graph in the same steps; nothing runs eagerly, and each image equals the engine's eager
+    image of its request alone."""
     from diffgraph import Engine, GraphConfig
 
     refs = {0: [], 1: [picture(72, 88, 7)], 2: [picture(72, 88, 7), picture(96, 64, 8)]}
     sizes = {0: (128, 128), 1: (96, 160), 2: (160, 96)}
     requests = [request(refs[count], sizes[count], 20 + count) for count in (0, 1, 2)]
     cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((128, 128),), backend="emulated", warmup_iters=1,
-                      capture_vae=False)
+                      capture_vae=False, reference_slots=slots)
     with Engine(model=folders["FLUX.2-klein-4B"][0], device="cpu", mode="graph", graphs=cfg) as g:
         graphed = images_together(g, requests)
         steps = step_graphs(g)
     assert steps["eager"] == {}
     plain, refs_slot = steps[((0, 256), 1)], steps[((256, 256), 2)]
     assert plain["status"] == refs_slot["status"] == "captured"
-    assert plain["replays"] == refs_slot["replays"] == 2 and plain["on_demand"] == 0 and refs_slot["on_demand"] == 1
+    assert plain["replays"] == refs_slot["replays"] == 2 and plain["on_demand"] == 0
+    assert refs_slot["on_demand"] == (0 if slots else 1)
     assert plain["eager_fallbacks"] == refs_slot["eager_fallbacks"] == 0
     for r, image in zip(requests, graphed):
         assert np.abs(images_together(klein, [r])[0] - image).max() <= 1
+
+
+def test_a_reference_slot_off_the_ladder_or_on_a_family_without_references_is_refused_naming_the_setting():
+    from diffgraph import Engine, GraphConfig
+    from diffgraph.models.families.flux2 import Flux2KleinFamily
+
+    family = Flux2KleinFamily()
+    assert family.reference_group((0, 1024), 1536) == (1536, 1024)
+    with pytest.raises(ValueError, match=r"reference_slots 1280 is not a reference slot .* use 1536"):
+        family.reference_group((0, 1024), 1280)
+    cfg = GraphConfig(resolutions=((64, 64),), batch_buckets=(1,), backend="emulated", reference_slots="256")
+    with pytest.raises(ValueError, match="reads no reference images; leave reference_slots out"):
+        Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg)
+    with pytest.raises(ValueError, match="positive token counts"):
+        GraphConfig(reference_slots="256,x")
 
 
 @pytest.mark.parametrize("refs,words", [([picture(64, 64, 0)] * 5, "at most 4"),

@@ -130,7 +130,8 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     resolutions = host.graphed_sizes()
     cfg.check_prewarm(resolutions)
     out = GraphSet(GraphRunner(cfg, host.device))
-    tag, attention = _prepare_compile(host, out, compile, resolutions) if compile is not None else ("", "auto")
+    out.groups[:] = dict.fromkeys(k for size in resolutions for k in host.group_keys(size))  # the step's: per group
+    tag, attention = _prepare_compile(host, out, compile, len(out.groups)) if compile is not None else ("", "auto")
 
     def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None, tokens_of: Any = None,
               form: str = "") -> Any:
@@ -147,7 +148,6 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     if attention != "auto":  # chosen when the step is traced (outside the traced code)
         step_fn = partial(_within, attention_first(attention), step_fn)
     sampler, schedule = adapter.default_sampler, adapter.default_schedule
-    out.groups[:] = dict.fromkeys(k for size in resolutions for k in host.group_keys(size))  # the step's: per group
     out.step_graph = partial(StepGraph, host.buffers, host.program, partial(adapter.denoise, model),
                              verify_plan=lambda: host.plan_for(sampler, schedule, 10, resolutions[0]),
                              resolutions=out.groups, buckets=cfg.batch_buckets, step_fn=step_fn)
@@ -253,7 +253,7 @@ def _install_output_hooks(host: GraphHost) -> None:
     host.adapter.encode_ids(host.model, ids, clip_skip=1)
 
 
-def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, resolutions: tuple) -> tuple[str, str]:
+def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, groups: int) -> tuple[str, str]:
     """Opens the cache folder, sets the family's layout (on CUDA) and Dynamo's recompile limit; returns the tag of
     what precompiled code depends on beyond its arguments, and the attention backend to put first."""
     model, cfg = host.model, host.graph_config
@@ -267,9 +267,10 @@ def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, res
         f"loras={slots[0]}x{slots[1]}" + (" lora_conv" if slots[2] else "") if slots is not None else "loras=0") + (
         f" prompt_windows={host.max_chunks}")  # 1: contiguous conditioning; more: strided prefixes of longer rows
     # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
-    # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
+    # silently: the step function has one per step variant, group (a size, or a token family's slots of one) and batch
+    # kind (bucket 1, the rest)
     per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2
-    out.recompiles_per_kind = len(resolutions) * per_resolution
+    out.recompiles_per_kind = groups * per_resolution
     out.recompiles_per_group = per_resolution
     needed = len(host.program.variants()) * out.recompiles_per_kind
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed + 2)

@@ -205,8 +205,11 @@ class ModelRunner:
         return self.adapter.group_key(self.model, size, tokens, prepared, **({"tiling": True} if tiling else {}))
 
     def group_keys(self, size: Size) -> tuple[GroupKey, ...]:
-        """Every group rows of an image `size` may run in (the graphs' groups)."""
-        return self.adapter.group_keys(self.model, size) if self._packs else (size,)
+        """Every group rows of an image `size` may run in (the graphs' groups), and those of the graph config's
+        reference slots (`reference_slots`: the family refuses them where it reads no references)."""
+        keys = self.adapter.group_keys(self.model, size) if self._packs else (size,)
+        slots = self.graph_config.reference_slots
+        return keys + tuple(self.adapter.reference_group(k, s) for k in keys for s in slots)
 
     def image_latent_shape(self, size: Size) -> tuple[int, ...]:
         """The VAE's latents of one image of `size` (what the decoder reads)."""

@@ -288,6 +288,12 @@ class FamilyAdapter:
         key itself by default."""
         return key
 
+    def reference_group(self, key: GroupKey, slot: int) -> GroupKey:
+        """The group of rows of group `key` whose references hold `slot` tokens (the graph config's
+        `reference_slots`); a ValueError saying how to fix where the family reads no reference images or `slot` is
+        none of its slots."""
+        raise ValueError(f"model family {self.name!r} reads no reference images; leave reference_slots out")
+
     def image_latent_shape(self, model: DiffusionModel, size: Size) -> tuple[int, ...]:
         """The VAE's latents of one image of `size`: the shape a request's seed draws its noise in (diffusers' order)
         and the decoder reads."""

@@ -74,7 +74,7 @@ from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
 from .first_block_cache import Blocks, run_blocks
 from .flux2_refs import ReferenceImages, normalised, rotary
-from .references import NAME as REFERENCES, reference_bucket
+from .references import NAME as REFERENCES, checked_slot, reference_bucket
 from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
@@ -405,6 +405,9 @@ class Flux2KleinFamily(TokenFamily):
 
     def graph_group(self, key: GroupKey) -> GroupKey:
         return (0, key[1])
+
+    def reference_group(self, key: GroupKey, slot: int) -> GroupKey:
+        return (checked_slot(slot, self.token_bucket), key[1])
 
     def text_slot(self, key: GroupKey) -> int:
         if key[0] < 0 or key[0] % self.token_bucket:

@@ -68,7 +68,8 @@ from ..model import DiffusionModel
 from ..qwen_tokenizer import ASSETS
 from .base import Conditioning
 from .qwen_image import IMAGE_PAD, Checkpoint, QwenImageFamily, rope_tables, row_rope
-from .references import NAME, Reference, ReferenceRows, checked, grid_ids, param, reference, reference_bucket
+from .references import (NAME, Reference, ReferenceRows, checked, checked_slot, grid_ids, param, reference,
+                         reference_bucket)
 
 # the pipeline's module constants (pixels of area of an input image as the vision tower and as the VAE read it)
 CONDITION_IMAGE_SIZE = 384 * 384
@@ -328,6 +329,9 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def graph_group(self, key: GroupKey) -> GroupKey:
         return ((key[0][0], 0), key[1])
+
+    def reference_group(self, key: GroupKey, slot: int) -> GroupKey:
+        return ((key[0][0], checked_slot(slot, self.token_bucket)), key[1])
 
     def text_slot(self, key: GroupKey) -> int:
         first = key[0]

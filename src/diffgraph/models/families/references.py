@@ -68,11 +68,25 @@ def reference_bucket(references: tuple[Reference, ...], bucket: int) -> int:
     """The reference tokens a row's group holds: its references' total in `bucket`s rounded up to the ladder 1, 2, 3,
     4, 6, 8, 12, 16, ... (the powers of two and three times them: at most 1.5 times the total, and a dozen slots up to
     64 buckets, so a graphed group has a bounded number of reference slots), times `bucket` (0 without any)."""
-    units = math.ceil(sum(r.tokens for r in references) / bucket)
+    return _ladder(math.ceil(sum(r.tokens for r in references) / bucket)) * bucket
+
+
+def _ladder(units: int) -> int:
+    """The smallest of 0, 1, 2, 3, 4, 6, 8, 12, 16, ... of at least `units`."""
     if units <= 2:
-        return units * bucket
+        return units
     power = 1 << (units - 1).bit_length()  # the smallest power of two of at least `units`
-    return (power * 3 // 4 if units <= power * 3 // 4 else power) * bucket
+    return power * 3 // 4 if units <= power * 3 // 4 else power
+
+
+def checked_slot(tokens: int, bucket: int) -> int:
+    """`tokens` where it is a reference slot of `bucket`s (`reference_bucket`'s ladder); a ValueError naming the
+    setting and the nearest slots otherwise."""
+    if tokens > 0 and tokens % bucket == 0 and _ladder(tokens // bucket) == tokens // bucket:
+        return tokens
+    up = _ladder(math.ceil(max(tokens, 1) / bucket)) * bucket
+    raise ValueError(f"reference_slots {tokens} is not a reference slot of this model (its references' tokens round "
+                     f"up to 1, 2, 3, 4, 6, 8, 12, ... x {bucket}); use {up}")
 
 
 def param(limit: int, what: str) -> Param:
