@@ -60,3 +60,12 @@ def calls_per_request(engine, monkeypatch, owner, name: str, request: dict, step
         images_together(engine, [dict(request, num_inference_steps=n, seed=i)])
         out.append((len(calls) - before[0], len(steps_run) - before[1]))
     return out
+
+
+def step_graphs(engine) -> dict:
+    """The engine's step graphs that ran, by (group, bucket): their graph table rows (kind "step"), and under "eager"
+    the step groups no graph covered (their eager runs)."""
+    table = [r for r in engine.runner.graph_table() if r["kind"] == "step"]
+    out = {((r["height"], r["width"]), r["bucket"]): r for r in table if r["replays"] or r["status"] != "pending"}
+    out["eager"] = {(r["height"], r["width"]): r["eager_fallbacks"] for r in table if r["status"] == "uncovered"}
+    return out

@@ -11,7 +11,7 @@ import torch
 
 from diffgraph import GenerationRequest, ParamError
 
-from loop_util import images_together
+from loop_util import images_together, step_graphs
 from test_flux2 import folders, klein  # noqa: F401 (fixtures)
 
 PROMPT = "the same fox, now in the snow"
@@ -77,6 +77,61 @@ def test_rows_with_0_1_2_references_together_each_equal_the_pipeline_alone(folde
     for count, image in zip((0, 1, 2), got):
         want = oracle(pipe, refs[count], sizes[count], 2, 10 + count)
         assert np.abs(image - want).max() <= 1, count
+
+
+@pytest.mark.parametrize("tokens,slot", [((), 0), ((20,), 256), ((20, 24), 256), ((300, 300), 768),
+                                         ((1000, 200), 1536), ((4096,) * 3, 12288), ((4096,) * 4, 16384),
+                                         ((4096, 4096, 4096, 100), 16384)])
+def test_reference_slots_are_a_ladder_of_buckets_at_most_one_and_a_half_times_the_tokens(tokens, slot):
+    """A row's reference tokens round up to 1, 2, 3, 4, 6, 8, 12, 16, ... buckets of 256: four 1024 x 1024
+    references fill 16384 tokens exactly, and a graphed size has at most a dozen reference slots up to there."""
+    from diffgraph.models.families.references import reference, reference_bucket
+
+    refs = tuple(reference(torch.zeros((1, 3, 16, 16 * t))) for t in tokens)
+    assert reference_bucket(refs, 256) == slot
+
+
+@pytest.mark.parametrize("slots", [(), (256,)])
+def test_graph_mode_replays_reference_rows_in_their_slot_beside_plain_rows_each_equal_to_eager_alone(folders, klein,
+                                                                                                     slots):
+    """Graph mode (the emulated backend) at 128x128: rows with 1 and 2 references (20 and 44 tokens: reference slot
+    256) of other sizes of the same image bucket replay the step graphs of that slot in one replay (bucket 2),
+    captured on first use, or at start-up where the graph config lists the slot (`reference_slots`); the plain row
+    replays its prewarmed graph in the same steps; nothing runs eagerly, and each image equals the engine's eager
+    image of its request alone."""
+    from diffgraph import Engine, GraphConfig
+
+    refs = {0: [], 1: [picture(72, 88, 7)], 2: [picture(72, 88, 7), picture(96, 64, 8)]}
+    sizes = {0: (128, 128), 1: (96, 160), 2: (160, 96)}
+    requests = [request(refs[count], sizes[count], 20 + count) for count in (0, 1, 2)]
+    cfg = GraphConfig(batch_buckets=(1, 2), resolutions=((128, 128),), backend="emulated", warmup_iters=1,
+                      capture_vae=False, reference_slots=slots)
+    with Engine(model=folders["FLUX.2-klein-4B"][0], device="cpu", mode="graph", graphs=cfg) as g:
+        graphed = images_together(g, requests)
+        steps = step_graphs(g)
+    assert steps["eager"] == {}
+    plain, refs_slot = steps[((0, 256), 1)], steps[((256, 256), 2)]
+    assert plain["status"] == refs_slot["status"] == "captured"
+    assert plain["replays"] == refs_slot["replays"] == 2 and plain["on_demand"] == 0
+    assert refs_slot["on_demand"] == (0 if slots else 1)
+    assert plain["eager_fallbacks"] == refs_slot["eager_fallbacks"] == 0
+    for r, image in zip(requests, graphed):
+        assert np.abs(images_together(klein, [r])[0] - image).max() <= 1
+
+
+def test_a_reference_slot_off_the_ladder_or_on_a_family_without_references_is_refused_naming_the_setting():
+    from diffgraph import Engine, GraphConfig
+    from diffgraph.models.families.flux2 import Flux2KleinFamily
+
+    family = Flux2KleinFamily()
+    assert family.reference_group((0, 1024), 1536) == (1536, 1024)
+    with pytest.raises(ValueError, match=r"reference_slots 1280 is not a reference slot .* use 1536"):
+        family.reference_group((0, 1024), 1280)
+    cfg = GraphConfig(resolutions=((64, 64),), batch_buckets=(1,), backend="emulated", reference_slots="256")
+    with pytest.raises(ValueError, match="reads no reference images; leave reference_slots out"):
+        Engine(model="random:tiny", device="cpu", dtype="fp32", mode="graph", graphs=cfg)
+    with pytest.raises(ValueError, match="positive token counts"):
+        GraphConfig(reference_slots="256,x")
 
 
 @pytest.mark.parametrize("refs,words", [([picture(64, 64, 0)] * 5, "at most 4"),

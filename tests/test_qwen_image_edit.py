@@ -23,7 +23,7 @@ from diffgraph.models.families import qwen_image_edit
 from diffgraph.models.families.qwen_image_edit import DROPPED, TEMPLATE, processor_settings, vision_image
 from diffgraph.models.qwen_tokenizer import qwen_tokenizer
 
-from loop_util import images_together
+from loop_util import images_together, step_graphs
 from playground_util import run as run_playground
 from test_flux2_references import picture
 
@@ -165,17 +165,18 @@ def test_the_vision_tower_runs_once_per_images_and_prompt(edit, monkeypatch):
     assert len(calls) > first
 
 
-def test_graph_mode_runs_edit_rows_beside_graphed_rows(edit):
-    """In graph mode (the CPU's emulated graphs) rows with one and two inputs and a row without run together; the
-    row without inputs replays its group's step graphs (verified against eager at capture), the edit rows' groups,
-    not among the configured resolutions' (as FLUX.2's reference groups), run their steps eagerly; every image equals
-    the eager engine's."""
+def test_graph_mode_replays_edit_rows_of_1_and_2_inputs_in_one_graph_beside_a_text_row(edit):
+    """In graph mode (the CPU's emulated graphs, nothing prewarmed) a true-CFG row with one input and a guidance-1 row
+    with two inputs of another size (36 and 68 reference tokens: reference slot 256) replay one step graph of that
+    slot (bucket 4: three denoiser rows), captured on first use; the text-to-image row replays its own group's in the
+    same steps; nothing runs eagerly, each graph is verified against eager at capture, and every image equals the
+    eager engine's of its request alone."""
     from diffgraph import GraphConfig
 
     engine, _ = edit
     requests = [request(IMAGES[:1], seed=21), request(IMAGES, size=(64, 96), guidance=1.0, seed=22),
                 request([], seed=23)]
-    want = images_together(engine, requests)
+    want = [images_together(engine, [r])[0] for r in requests]
     cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((64, 64),), prewarm=False, verify=True,
                       backend="emulated", capture_text_encoder=False)
     with Engine(model="random:qwen-image-edit-tiny", device="cpu", mode="graph", graphs=cfg) as graphed:
@@ -183,10 +184,12 @@ def test_graph_mode_runs_edit_rows_beside_graphed_rows(edit):
             for mine, theirs in zip(graphed.model.denoiser.parameters(), engine.model.denoiser.parameters()):
                 mine.copy_(theirs)
         got = images_together(graphed, requests)
-        table = graphed.runner.graph_table()
-    steps = [row for row in table if row["kind"] == "step" and row["replays"]]
-    assert [(row["height"], row["width"]) for row in steps] == [((128, 0), 256)], table
-    assert all(row["verify_max_abs"] is not None and row["verify_max_abs"] < 1e-4 for row in steps), table
+        steps = step_graphs(graphed)
+    assert steps.pop("eager") == {}
+    assert sorted(steps) == [(((128, 0), 256), 2), (((128, 256), 256), 4)], steps
+    for row in steps.values():
+        assert (row["status"], row["replays"], row["on_demand"], row["eager_fallbacks"]) == ("captured", 2, 1, 0)
+        assert row["verify_max_abs"] is not None and row["verify_max_abs"] < 1e-4, row
     for a, b in zip(got, want):
         assert np.abs(a - b).max() <= 1
 

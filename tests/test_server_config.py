@@ -40,7 +40,7 @@ def _samples(tmp: pathlib.Path) -> dict[str, tuple]:
     return {
         "model": ("random:tiny-lcm", {}), "host": ("0.0.0.0", {}), "port": (9001, {}), "device": ("cpu", {}),
         "dtype": ("fp32", {}), "mode": ("eager", {}), "batching": ("request", {}), "batch_buckets": ([1, 2], {}),
-        "resolutions": (["64x96"], {}), "prewarm": ("none", {}), "max_queue": (9, {}), "max_wait_ms": (5.0, {}),
+        "resolutions": (["64x96"], {}), "reference_slots": ([256, 512], {}), "prewarm": ("none", {}), "max_queue": (9, {}), "max_wait_ms": (5.0, {}),
         "grow_fill": (0.5, {}), "grow_hold_ms": (10.0, {}), "request_timeout": (30.0, {}),
         "max_prompt_bytes": (100, {}), "drain_timeout": (3.0, {}), "header_timeout": (2.0, {}),
         "body_timeout": (9.0, {}), "max_connections": (50, {}), "max_client_connections": (5, {}),

@@ -66,6 +66,22 @@ def parse_buckets(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(values)
 
 
+def parse_reference_slots(text: str | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """'4096,8192' -> (4096, 8192): reference-token slots, positive, unique, sorted (the family checks each is one
+    of its slots when the graphs are made)."""
+    values = set()
+    for v in _items("reference slots", text, "4096,8192"):
+        try:
+            n = int(v) if isinstance(v, (int, str)) and not isinstance(v, bool) else 0
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"reference_slots {text!r} must be comma-separated positive token counts, "
+                             "e.g. 4096,8192")
+        values.add(n)
+    return tuple(sorted(values))
+
+
 def parse_prewarm(text: str) -> bool | tuple[tuple[int, int, int], ...]:
     """'all' | 'none' | 'WxH[@b1/b2...],...' -> GraphConfig.prewarm ('512x512@1/2/4' = those buckets; no @ = all
     buckets, returned with bucket 0 meaning "every bucket")."""
@@ -129,8 +145,12 @@ class GraphConfig:
     verify: bool = False            # replay vs eager max abs difference at capture, kept in the table
     warmup_iters: int = 3
     backend: str = "cuda"           # "emulated": replays re-run the function eagerly (CPU tests of the runner)
+    # reference-token slots whose step groups are made with each graphed size's (a family reading reference images:
+    # captured with them at start-up where prewarmed); other slots of a graphed size get graphs at first use
+    reference_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "reference_slots", parse_reference_slots(self.reference_slots))
         if isinstance(self.prewarm, str):  # "all" | "none" | "512x512@1/2,..." as on the command line
             object.__setattr__(self, "prewarm", parse_prewarm(self.prewarm))
         if isinstance(self.prewarm, bool):

@@ -2,7 +2,8 @@
 and the compile tier, fp32. Image-to-image rows at strengths 0.5 (no reference) and 0.75 (its image a reference too),
 a row from noise with one reference and a plain row, submitted together: each equals the same request run alone
 within one uint8 level (no row reads another's data); the plain row and the edit without references share the
-graphed group (0 reference tokens, 256 image tokens); the rows with references run in their own group."""
+graphed group (0 reference tokens, 256 image tokens); the rows with references replay their own group's graphs
+(reference slot 256), captured on first use, and no step runs eagerly."""
 
 import os
 
@@ -49,6 +50,8 @@ def test_edit_reference_and_plain_rows_together_equal_each_alone(compile):
         table = engine.runner.graph_table()
     steps = {(row["height"], row["width"]) for row in table if row["kind"] == "step" and row["replays"]}
     assert (0, 256) in steps, table  # the plain row and the edit without references: one group's graph
+    assert (256, 256) in steps, table  # the rows with references: their slot's graphs
+    assert not any(row["eager_fallbacks"] for row in table if row["kind"] == "step"), table
     worst = [int(np.abs(np.round(a * 255) - np.round(b * 255)).max()) for a, b in zip(together, alone)]
     print(f"FLUX.2 klein edit/reference/plain rows together vs alone, compile={compile}: {worst} levels")
     assert max(worst) <= 1, worst

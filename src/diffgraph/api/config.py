@@ -33,7 +33,7 @@ from ..config import (DEFAULT_BUCKETS, DEFAULT_REQUEST_LORAS, DTYPE_NAMES, Compi
                       LoraConfig,
                       default_cpu_threads, parse_buckets, parse_compile_mode, parse_name_scales, parse_prewarm,
                       parse_quantize,
-                      parse_resolutions, quantize_argument)
+                      parse_reference_slots, parse_resolutions, quantize_argument)
 from ..capability_settings import builtin_settings, toml_settings
 from ..cli_flags import CHECKPOINT_SETTINGS, COMPILE_MODE, QUANTIZE, QUANTIZE_MIN_FEATURES
 from ..engine.remote_models import ModelSetSpec
@@ -141,6 +141,11 @@ class ServerConfig:
     resolutions: tuple[tuple[int, int], ...] = field(default=(), metadata=setting(
         "resolutions that get CUDA graphs, e.g. 512x512,768x512; other sizes run eagerly (default: the model's native "
         "size)", "graphs", engine="graphs", parse=parse_resolutions, metavar="WxH,..."))
+    reference_slots: tuple[int, ...] = field(default=(), metadata=setting(
+        "reference-token slots whose step graphs are made with each graphed resolution's, on models that read "
+        "reference images (FLUX.2, Qwen-Image-Edit), e.g. 4096,8192 for one or two 1024x1024 references; prewarmed "
+        "with them, compiled at start in the compile tier; other slots get graphs on first use (default: none)",
+        "graphs", engine="graphs", parse=parse_reference_slots, metavar="LIST"))
     prewarm: bool | tuple[tuple[int, int, int], ...] = field(default=True, metadata=setting(
         "graphs captured before /ready answers 200: all, none, or WxH[@b1/b2...],... (others are captured on first "
         "use; default: all)", "graphs", engine="graphs", parse=_prewarm, metavar="SPEC"))
@@ -574,7 +579,8 @@ class ServerConfig:
         return {name: dict(fields) for name, fields in self.capability_settings} or None
 
     def graph_config(self) -> GraphConfig:
-        return GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions, prewarm=self.prewarm)
+        return GraphConfig(batch_buckets=self.batch_buckets, resolutions=self.resolutions, prewarm=self.prewarm,
+                           reference_slots=self.reference_slots)
 
     def load_options(self) -> LoadOptions:
         return LoadOptions(model_config=self.model_config, prediction_type=self.prediction_type,

@@ -117,6 +117,10 @@ class GraphSet:
     step_graph: Callable[..., StepGraph] | None = None
     added_keys: list = field(default_factory=list)
     recompiles_per_kind: int = 0  # the compiled step's versions a new step kind adds (0: not compiled)
+    recompiles_per_group: int = 0  # and those a new group adds to each step kind
+    # the groups the step graphs cover (one list every step graph reads): the graphed sizes' groups, then those added
+    # while serving (`add_step_group`)
+    groups: list = field(default_factory=list)
 
 
 def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphSet:
@@ -126,7 +130,8 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     resolutions = host.graphed_sizes()
     cfg.check_prewarm(resolutions)
     out = GraphSet(GraphRunner(cfg, host.device))
-    tag, attention = _prepare_compile(host, out, compile, resolutions) if compile is not None else ("", "auto")
+    out.groups[:] = dict.fromkeys(k for size in resolutions for k in host.group_keys(size))  # the step's: per group
+    tag, attention = _prepare_compile(host, out, compile, len(out.groups)) if compile is not None else ("", "auto")
 
     def maybe(fn: Any, name: str, batch_of: Any, options: dict | None = None, tokens_of: Any = None,
               form: str = "") -> Any:
@@ -143,10 +148,9 @@ def make_graphs(host: GraphHost, compile: CompileConfig | None = None) -> GraphS
     if attention != "auto":  # chosen when the step is traced (outside the traced code)
         step_fn = partial(_within, attention_first(attention), step_fn)
     sampler, schedule = adapter.default_sampler, adapter.default_schedule
-    groups = tuple(dict.fromkeys(k for size in resolutions for k in host.group_keys(size)))  # the step's: per group
     out.step_graph = partial(StepGraph, host.buffers, host.program, partial(adapter.denoise, model),
                              verify_plan=lambda: host.plan_for(sampler, schedule, 10, resolutions[0]),
-                             resolutions=groups, buckets=cfg.batch_buckets, step_fn=step_fn)
+                             resolutions=out.groups, buckets=cfg.batch_buckets, step_fn=step_fn)
     for key in host.program.variants():
         graphs.register(out.step_graph(key))
     if cfg.capture_text_encoder and not adapter.needs_attention_mask(model):
@@ -208,7 +212,7 @@ def _tiling_step(host: GraphHost, out: GraphSet, key: tuple) -> StepGraph:
     denoise = circular(partial(adapter.denoise, model), lambda: model.denoiser)
     verify = partial(host.plan_for, adapter.default_sampler, adapter.default_schedule, 10, step.resolutions()[0])
     return StepGraph(lambda res: host.buffers((*res, TILING)), host.program, denoise, key, verify,
-                     step.resolutions(), step.buckets(), kind=tiling_kind(host.program.kind(key)))
+                     out.groups, step.buckets(), kind=tiling_kind(host.program.kind(key)))
 
 
 def add_step_graph(host: GraphHost, out: GraphSet, key: tuple) -> str:
@@ -228,6 +232,18 @@ def add_step_graph(host: GraphHost, out: GraphSet, key: tuple) -> str:
     return kind
 
 
+def add_step_group(out: GraphSet, group: tuple) -> None:
+    """Makes every step graph cover `group` too (a group the family puts under a graphed one: `FamilyAdapter.
+    graph_group`, the reference slots of a graphed size), captured on first use; the tiling graphs' groups follow.
+    (With a compile config the compiled step gets room for the group's versions.)"""
+    out.groups.append(group)
+    steps = [g for g in out.runner.kinds.values() if isinstance(g, StepGraph)]
+    for graph in steps:
+        out.runner.register(graph)  # its covers and table rows, from the shared groups
+    if out.recompiles_per_group:
+        torch._dynamo.config.recompile_limit += out.recompiles_per_group * len(steps)
+
+
 def _install_output_hooks(host: GraphHost) -> None:
     """One eager call of the text encoders that asks for their hidden states, before they are compiled: transformers
     installs its output-capturing hooks at a model's first such call, under a threading lock Dynamo cannot trace
@@ -237,7 +253,7 @@ def _install_output_hooks(host: GraphHost) -> None:
     host.adapter.encode_ids(host.model, ids, clip_skip=1)
 
 
-def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, resolutions: tuple) -> tuple[str, str]:
+def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, groups: int) -> tuple[str, str]:
     """Opens the cache folder, sets the family's layout (on CUDA) and Dynamo's recompile limit; returns the tag of
     what precompiled code depends on beyond its arguments, and the attention backend to put first."""
     model, cfg = host.model, host.graph_config
@@ -251,9 +267,11 @@ def _prepare_compile(host: GraphHost, out: GraphSet, compile: CompileConfig, res
         f"loras={slots[0]}x{slots[1]}" + (" lora_conv" if slots[2] else "") if slots is not None else "loras=0") + (
         f" prompt_windows={host.max_chunks}")  # 1: contiguous conditioning; more: strided prefixes of longer rows
     # Dynamo keeps at most `recompile_limit` compiled versions of one function and runs it uncompiled past that,
-    # silently: the step function has one per step variant, resolution and batch kind (bucket 1, the rest)
+    # silently: the step function has one per step variant, group (a size, or a token family's slots of one) and batch
+    # kind (bucket 1, the rest)
     per_resolution = len(cfg.batch_buckets) if compile.per_bucket else 2
-    out.recompiles_per_kind = len(resolutions) * per_resolution
+    out.recompiles_per_kind = groups * per_resolution
+    out.recompiles_per_group = per_resolution
     needed = len(host.program.variants()) * out.recompiles_per_kind
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed + 2)
     return tag, attention

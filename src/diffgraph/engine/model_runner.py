@@ -39,8 +39,8 @@ from ..sampling.samplers import PlanOptions, SamplerPlan, start_plan
 from .control_graphs import ControlRunner
 from .controlnets import ControlNets
 from .ip_adapters import IPAdapters
-from .graph_setup import (GraphSet, add_step_graph, add_tiling_graphs, decode_chunks, make_graphs, tiling_kind,
-                          vae_buckets)
+from .graph_setup import (GraphSet, add_step_graph, add_step_group, add_tiling_graphs, decode_chunks, make_graphs,
+                          tiling_kind, vae_buckets)
 from ..text.embeddings import EmbeddingDir
 from ..text.prepared import PromptInputs, PromptText, TextSetup, plain_ids
 from .prompt_rows import PromptEncoder, pad_pair
@@ -205,8 +205,11 @@ class ModelRunner:
         return self.adapter.group_key(self.model, size, tokens, prepared, **({"tiling": True} if tiling else {}))
 
     def group_keys(self, size: Size) -> tuple[GroupKey, ...]:
-        """Every group rows of an image `size` may run in (the graphs' groups)."""
-        return self.adapter.group_keys(self.model, size) if self._packs else (size,)
+        """Every group rows of an image `size` may run in (the graphs' groups), and those of the graph config's
+        reference slots (`reference_slots`: the family refuses them where it reads no references)."""
+        keys = self.adapter.group_keys(self.model, size) if self._packs else (size,)
+        slots = self.graph_config.reference_slots
+        return keys + tuple(self.adapter.reference_group(k, s) for k in keys for s in slots)
 
     def image_latent_shape(self, size: Size) -> tuple[int, ...]:
         """The VAE's latents of one image of `size` (what the decoder reads)."""
@@ -299,6 +302,7 @@ class ModelRunner:
         """The static buffers of a resolution group, allocated once at max_rows."""
         buf = self.groups.get(key)
         if buf is None:
+            self._cover(key[:2])
             m = self.model
             buf = StepBuffers.allocate(self.max_rows, self.latent_shape(key), self.program,
                                        self.adapter.row_cond_spec(m, self.max_chunks), self._row_fields(key, None),
@@ -306,6 +310,14 @@ class ModelRunner:
                                        self.device, self.adapter.sequence_fields)
             self.groups[key] = buf
         return buf
+
+    def _cover(self, group: GroupKey) -> None:
+        """Step graphs for a new group that the family puts under a graphed one (`graph_group`: a graphed size's
+        reference slots), captured on first use; its buffers then live as the graphed groups' do."""
+        if self.graphs is not None and group not in self._graphed and \
+                (base := self.adapter.graph_group(group)) != group and base in self._graphed:
+            add_step_group(self.graphs, group)
+            self._graphed += (group,)
 
     def _row_fields(self, key: GroupKey, size: Size | None) -> dict[str, torch.Tensor]:
         """The family's per-size row fields (SDXL's time ids, a transformer's positions), made once per (group,

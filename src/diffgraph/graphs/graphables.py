@@ -11,7 +11,7 @@ can never be triggered by an eager fallback.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ class StepGraph:
     the graph runs that many image rows over that many denoiser rows (a guiding row costs two)."""
 
     def __init__(self, buffers: Callable[[tuple[int, int]], StepBuffers], program: StepProgram, denoise: Denoiser,
-                 key: VariantKey, verify_plan: Callable[[], SamplerPlan], resolutions: tuple[tuple[int, int], ...],
+                 key: VariantKey, verify_plan: Callable[[], SamplerPlan], resolutions: Sequence[tuple[int, int]],
                  buckets: tuple[int, ...], step_fn: Callable[..., None] = step_rows, kind: str | None = None):
         self.kind = kind or program.kind(key)  # another kind: the same step over other groups' buffers (tiling)
         self.key = key
@@ -44,7 +44,7 @@ class StepGraph:
         return self._buckets
 
     def resolutions(self) -> tuple[tuple[int, int], ...]:
-        return self._resolutions
+        return tuple(self._resolutions)  # (a list its owner extends: the step graphs' shared groups)
 
     def run(self, h: int, w: int, b: int) -> None:
         buf = self._buffers((h, w)).head(b, self._program.tokens(self.key), self._program.unread(self.key))

@@ -281,6 +281,19 @@ class FamilyAdapter:
         """Every group rows of `size` may run in, whatever their prompts (the groups graphs are made for)."""
         return (self.group_key(model, size),)
 
+    def graph_group(self, key: GroupKey) -> GroupKey:
+        """The group among `group_keys` whose graphs a group `key` extends: its step graphs are made for `key` too,
+        captured on first use, where that group's are (a family whose rows carry reference tokens: the group of the
+        same image and text tokens without references, so the reference slots of a graphed size get graphs); the
+        key itself by default."""
+        return key
+
+    def reference_group(self, key: GroupKey, slot: int) -> GroupKey:
+        """The group of rows of group `key` whose references hold `slot` tokens (the graph config's
+        `reference_slots`); a ValueError saying how to fix where the family reads no reference images or `slot` is
+        none of its slots."""
+        raise ValueError(f"model family {self.name!r} reads no reference images; leave reference_slots out")
+
     def image_latent_shape(self, model: DiffusionModel, size: Size) -> tuple[int, ...]:
         """The VAE's latents of one image of `size`: the shape a request's seed draws its noise in (diffusers' order)
         and the decoder reads."""

@@ -21,7 +21,8 @@ What diffusers' `Flux2KleinPipeline` does, and how rows of different prompts and
   * reference images (`reference_images`, flux2_refs.py): each reference's VAE tokens follow the image's in the image
     stream at (10 + 10 i, r, c, 0), attending and attended, their outputs dropped. The group key's first element,
     a text slot in other token families (every row here reads all 512 text tokens), is the rows' reference tokens
-    rounded up to `token_bucket`: rows whose references fill one bucket share a step, their padding masked;
+    rounded up to a slot of `token_bucket`s (references.py `reference_bucket`): rows whose references fill one slot
+    share a step, their padding masked; in graph mode each slot of a graphed size replays graphs of its own;
   * step caching (`step_cache`, token_cache.py and first_block_cache.py, as Z-Image's): TaylorSeer rows forecast the
     whole transformer's output; first-block rows run the first double block, and the other double blocks and the
     single ones only where its image residual moved (`blocks`); a row's references are gathered with it;
@@ -73,7 +74,7 @@ from ..model import DiffusionModel
 from .base import Conditioning, CondSpec, Planner
 from .first_block_cache import Blocks, run_blocks
 from .flux2_refs import ReferenceImages, normalised, rotary
-from .references import NAME as REFERENCES, reference_bucket
+from .references import NAME as REFERENCES, checked_slot, reference_bucket
 from .token_cache import TokenStepCache, cached_denoise
 from .tokens import TokenFamily, qwen3_folder_parts, random_modules
 
@@ -395,10 +396,18 @@ class Flux2KleinFamily(TokenFamily):
 
     def group_key(self, model: DiffusionModel, size: Size, text_tokens: int = 0,
                   prepared: Mapping[str, Any] | None = None, tiling: bool = False) -> GroupKey:
-        """(reference tokens, image tokens), each rounded up to `token_bucket`: every row reads all 512 text tokens,
-        so the first element, a text slot elsewhere, is the bucket of the row's references' tokens (0: none)."""
+        """(reference tokens, image tokens): every row reads all 512 text tokens, so the first element, a text slot
+        elsewhere, is the slot of the row's references' tokens (references.py `reference_bucket`; 0: none), the image
+        tokens rounded up to `token_bucket`. A graphed size's groups with references replay graphs of their own
+        (`graph_group`), captured on first use."""
         refs = (prepared or {}).get(REFERENCES, ())
         return (reference_bucket(refs, self.token_bucket), super().group_key(model, size, tiling=tiling)[1])
+
+    def graph_group(self, key: GroupKey) -> GroupKey:
+        return (0, key[1])
+
+    def reference_group(self, key: GroupKey, slot: int) -> GroupKey:
+        return (checked_slot(slot, self.token_bucket), key[1])
 
     def text_slot(self, key: GroupKey) -> int:
         if key[0] < 0 or key[0] % self.token_bucket:

@@ -14,9 +14,9 @@ As diffusers' `Flux2KleinPipeline(image=[...])` does:
   * in the transformer the references' tokens follow the image's in the image stream: attending and attended, their
     outputs dropped (flux2.py `denoise`).
 
-Rows group by their references' total token count rounded up to `token_bucket` (the group key's first element,
-flux2.py `group_key`): rows with 0, 1 or 2 references of any sizes whose totals round to one bucket share a step, each
-row's padding tokens masked out of attention.
+Rows group by their references' total token count rounded up to a slot of `token_bucket`s (the group key's first
+element, flux2.py `group_key`; references.py `reference_bucket`): rows with 1 or 2 references of any sizes whose
+totals round to one slot share a step, each row's padding tokens masked out of attention.
 """
 
 from __future__ import annotations

@@ -25,9 +25,11 @@ AUTOMATIC1111's init images fill it: `edit_images`), and how rows of different i
     reach further than its image;
   * Edit-2511 (its transformer's `zero_cond_t`): the reference tokens are modulated by the timestep embedding of 0,
     the image's and the text's by the step's (qwen_image.py `block_step`);
-  * the group key's first element is (text slot, reference tokens rounded up to `token_bucket`): rows of one text
-    slot whose inputs round to one bucket share a step, their padding masked; true CFG, the schedule (mu of the
-    output's tokens) and the decode are the text family's.
+  * the group key's first element is (text slot, reference tokens rounded up to a slot of `token_bucket`s:
+    references.py `reference_bucket`): rows of one text slot whose inputs round to one slot share a step, their
+    padding masked, and in graph mode replay graphs of that slot where the text rows of their text slot and image
+    tokens have graphs (`graph_group`); true CFG, the schedule (mu of the output's tokens) and the decode are the
+    text family's.
 Input images are checked on the submitting thread (at most `MAX_INPUTS`; an image, not too thin for either
 resolution): a ParamError naming `reference_images`.
 Preprocessing is the family's own (PIL and numpy, no torchvision), equal to transformers' `Qwen2VLImageProcessorPil`
@@ -66,7 +68,8 @@ from ..model import DiffusionModel
 from ..qwen_tokenizer import ASSETS
 from .base import Conditioning
 from .qwen_image import IMAGE_PAD, Checkpoint, QwenImageFamily, rope_tables, row_rope
-from .references import NAME, Reference, ReferenceRows, checked, grid_ids, param, reference, reference_bucket
+from .references import (NAME, Reference, ReferenceRows, checked, checked_slot, grid_ids, param, reference,
+                         reference_bucket)
 
 # the pipeline's module constants (pixels of area of an input image as the vision tower and as the VAE read it)
 CONDITION_IMAGE_SIZE = 384 * 384
@@ -323,6 +326,12 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def group_keys(self, model: DiffusionModel, size: Size) -> tuple[GroupKey, ...]:
         return tuple(((slot, 0), key[1]) for slot, key in zip(self.text_buckets, super().group_keys(model, size)))
+
+    def graph_group(self, key: GroupKey) -> GroupKey:
+        return ((key[0][0], 0), key[1])
+
+    def reference_group(self, key: GroupKey, slot: int) -> GroupKey:
+        return ((key[0][0], checked_slot(slot, self.token_bucket)), key[1])
 
     def text_slot(self, key: GroupKey) -> int:
         first = key[0]

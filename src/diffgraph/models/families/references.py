@@ -12,8 +12,10 @@ The row side (`ReferenceRows`): at admission each reference is encoded by the fa
 cached by content hash, an LRU of `CACHE` entries), laid out one after another in the row's `ref_tokens` field with
 their positions (`positions`: the family's per-reference grid ids) and a mask over the group's slack; the family turns
 the ids into its rotary tables (`tables`). The group holds `reference_bucket` reference tokens: the rows' totals
-rounded up to the family's token bucket, so rows with different numbers of references share a step where their
-totals round alike, each row's padding masked.
+in the family's token buckets rounded up to a ladder of slots (1, 2, 3, 4, 6, 8, 12, ... buckets), so rows with
+different numbers of references share a step where their totals round alike, each row's padding masked, and a graphed
+group of image tokens gets a bounded number of reference slots (the family's `graph_group`: their graphs are captured
+on first use).
 """
 
 from __future__ import annotations
@@ -63,8 +65,28 @@ def reference(pixels: torch.Tensor) -> Reference:
 
 
 def reference_bucket(references: tuple[Reference, ...], bucket: int) -> int:
-    """The reference tokens a row's group holds: its references' total rounded up to `bucket` (0 without any)."""
-    return math.ceil(sum(r.tokens for r in references) / bucket) * bucket
+    """The reference tokens a row's group holds: its references' total in `bucket`s rounded up to the ladder 1, 2, 3,
+    4, 6, 8, 12, 16, ... (the powers of two and three times them: at most 1.5 times the total, and a dozen slots up to
+    64 buckets, so a graphed group has a bounded number of reference slots), times `bucket` (0 without any)."""
+    return _ladder(math.ceil(sum(r.tokens for r in references) / bucket)) * bucket
+
+
+def _ladder(units: int) -> int:
+    """The smallest of 0, 1, 2, 3, 4, 6, 8, 12, 16, ... of at least `units`."""
+    if units <= 2:
+        return units
+    power = 1 << (units - 1).bit_length()  # the smallest power of two of at least `units`
+    return power * 3 // 4 if units <= power * 3 // 4 else power
+
+
+def checked_slot(tokens: int, bucket: int) -> int:
+    """`tokens` where it is a reference slot of `bucket`s (`reference_bucket`'s ladder); a ValueError naming the
+    setting and the nearest slots otherwise."""
+    if tokens > 0 and tokens % bucket == 0 and _ladder(tokens // bucket) == tokens // bucket:
+        return tokens
+    up = _ladder(math.ceil(max(tokens, 1) / bucket)) * bucket
+    raise ValueError(f"reference_slots {tokens} is not a reference slot of this model (its references' tokens round "
+                     f"up to 1, 2, 3, 4, 6, 8, 12, ... x {bucket}); use {up}")
 
 
 def param(limit: int, what: str) -> Param:
