@@ -42,7 +42,8 @@ def request(refs: list, size: tuple[int, int], seed: int) -> dict:
                 extras={"reference_images": refs} if refs else None)
 
 
-@pytest.mark.parametrize("count,size", [(0, (128, 128)), (1, (128, 128)), (2, (96, 160))])
+# 256x256 with one reference: the group key (256 reference tokens, 256 image tokens) equals the size in numbers
+@pytest.mark.parametrize("count,size", [(0, (128, 128)), (1, (128, 128)), (2, (96, 160)), (1, (256, 256))])
 def test_references_equal_the_pipeline(folders, klein, count, size):
     pipe = folders["FLUX.2-klein-4B"][1]
     got = images_together(klein, [request(REFS[count], size, 3)])[0]

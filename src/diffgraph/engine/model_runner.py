@@ -218,8 +218,10 @@ class ModelRunner:
         return shape
 
     def image_latents(self, rows: torch.Tensor, key: GroupKey, size: Size) -> torch.Tensor:
-        """Step rows of group `key` that are images of `size` -> their image latents (the family's `unpack`)."""
-        return rows if size == key[:2] else self.adapter.unpack(self.model, rows, size, key)
+        """Step rows of group `key` that are images of `size` -> their image latents (the family's `unpack`). Whether
+        rows are packed is the family's (`packs`): a token group's key (reference tokens, image tokens) can equal a
+        size in numbers."""
+        return self.adapter.unpack(self.model, rows, size, key) if self._packs else rows
 
     def graphed_sizes(self) -> tuple[Size, ...]:
         """The image sizes the graphs are made for (the decoder's; the step's are their groups)."""
@@ -531,7 +533,7 @@ class ModelRunner:
         returns them as float pixels [n, H, W, 3] in [0, 1] (as diffusers' VaeImageProcessor, output_type='np')
         whose reader waits only for the chunks it reads. The engine loop does not wait: the image threads do."""
         tiling = len(key) > 2  # a tiling group: its own decoder graphs, its convolutions padding circularly
-        if size is not None and size != key[:2]:  # a family that packs: its rows back to image latents, then by size
+        if size is not None and self._packs:  # a family that packs: its rows back to image latents, then by size
             latents, key = self.image_latents(latents.to(self.device), key, size), size
         latents = latents.to(self.device)
         runner = self.graph_runner
