@@ -1,6 +1,6 @@
 """GPU test (marker `gpu`): FLUX.2 klein (models/families/flux2.py) on CUDA, the tiny random preset, in graph mode
 and the compile tier, fp32. Image-to-image rows at strengths 0.5 (no reference) and 0.75 (its image a reference too),
-a row from noise with one reference and a plain row, submitted together: each equals the same request run alone
+a row from noise with one reference, one with three and a plain row, submitted together: each equals the same request run alone
 within one uint8 level (no row reads another's data); the plain row and the edit without references share the
 graphed group (0 reference tokens, 256 image tokens); the rows with references replay their own group's graphs
 (reference slot 256), captured on first use, and no step runs eagerly."""
@@ -31,7 +31,9 @@ def _requests() -> list[dict]:
             dict(prompt="the same fox", image=b, strength=0.75, num_inference_steps=4, seed=2, extras=refs([b])),
             dict(prompt="the same fox, asleep", height=256, width=256, num_inference_steps=4, seed=3,
                  extras=refs([a])),
-            dict(prompt="a red fox", height=288, width=224, num_inference_steps=3, seed=4)]
+            dict(prompt="a red fox", height=288, width=224, num_inference_steps=3, seed=4),
+            dict(prompt="the three of them", height=256, width=256, num_inference_steps=4, seed=5,
+                 extras=refs([a, b, _picture(128, 192, 5)]))]
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -41,7 +43,7 @@ def test_edit_reference_and_plain_rows_together_equal_each_alone(compile):
                 compile=compile) as engine:
         requests = _requests()
         made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
-        assert [m.denoising_steps for m in made] == [2, 3, 4, 3]
+        assert [m.denoising_steps for m in made] == [2, 3, 4, 3, 4]
         alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
                  for r in requests]
         futures = []
