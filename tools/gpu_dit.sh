@@ -4,7 +4,6 @@
 #   tests: the token families' GPU tests (TESTS, TESTS_K, TESTS_S). Results under $OUT as they come.
 set -uo pipefail
 . "$(dirname "$0")/gpu_setup.sh"
-export DIFFGRAPH_CACHE_DIR=${DIFFGRAPH_CACHE_DIR:-/tmp/diffgraph-cache}
 for what in "$@"; do
   case $what in
     klein|qwen|edit)
