@@ -243,7 +243,7 @@ def test_generate_url_asks_for_the_format_of_the_output_file(tmp_path, capsys, c
     body = canned.seen[0]["body"]
     assert body["output_format"] == fmt
     # the model's defaults are the server's: nothing the user did not give is sent
-    assert set(body) == {"prompt", "num_inference_steps", "n", "output_format", "response_format"}
+    assert set(body) == {"prompt", "n", "output_format", "response_format"}
     assert capsys.readouterr().err.strip() == "seed 42, 123 ms"
 
 
@@ -410,6 +410,34 @@ def test_generate_reference_images_equal_the_python_api(tmp_path, capsys):
                                    "'random:zimage-tiny'; leave it out")
     rc = main(["generate", "a cat", "-o", str(tmp_path / "y.png"), "--reference-image", str(tmp_path / "none.png")])
     assert rc == 2 and "--reference-image" in capsys.readouterr().err
+
+
+def test_generate_without_steps_runs_the_model_s_steps_or_a_lora_sidecar_s(tmp_path, capsys):
+    """Without --steps the request leaves its steps unset: the distilled klein runs its 4, and a LoRA whose sidecar
+    declares 3 runs 3 (the PNG's infotext says which); --steps still wins over both."""
+    from safetensors.torch import save_file
+
+    from diffgraph.image_metadata import PNG_KEY
+    from diffgraph.models.families.flux2 import LORA_TARGETS
+    from diffgraph.models.loader import load_model
+
+    g, state = torch.Generator().manual_seed(0), {}
+    for name, layer in load_model("random:flux2-klein-tiny").denoiser.named_modules():
+        if isinstance(layer, torch.nn.Linear) and "blocks." in name and name.endswith(LORA_TARGETS):
+            state[f"transformer.{name}.lora_A.weight"] = torch.randn((2, layer.in_features), generator=g) * 0.1
+            state[f"transformer.{name}.lora_B.weight"] = torch.randn((layer.out_features, 2), generator=g) * 0.1
+    save_file(state, str(tmp_path / "fast.safetensors"))
+    (tmp_path / "fast.diffgraph.toml").write_text("steps = 3\n")
+    common = ["a red fox", "--model", "random:flux2-klein-tiny", "--width", "64", "--height", "64", "--seed", "3",
+              "--device", "cpu"]
+    runs = {"model": [], "sidecar": ["--lora-dir", str(tmp_path), "--lora", "fast"],
+            "flag": ["--lora-dir", str(tmp_path), "--lora", "fast", "--steps", "2"]}
+    steps = {}
+    for what, flags in runs.items():
+        out = tmp_path / f"{what}.png"
+        assert main(["generate", *common, "-o", str(out), *flags]) == 0, capsys.readouterr().err
+        steps[what] = re.search(r"Steps: (\d+),", Image.open(out).text[PNG_KEY]).group(1)
+    assert steps == {"model": "4", "sidecar": "3", "flag": "2"}
 
 
 def test_generate_url_sends_reference_images_as_base64(tmp_path, capsys, canned):

@@ -105,7 +105,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--stages", default="baseline,ceiling,compile,fp8,mixed")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--saturate", type=int, default=16)
+    ap.add_argument("--saturate", type=int, default=16, help="images of the saturation burst (0: none)")
     ap.add_argument("--smoke", action="store_true", help="the script's own check on a CPU: the tiny preset, fp32, "
                     "256x256, nothing compiled")
     args = ap.parse_args()
@@ -273,6 +273,8 @@ def main() -> None:
                 out["one_reference_s"], _ = timed(lambda: one(refs=[ref]), args.repeat)
                 save()
             rows = fam.batch // fam.per_image_rows
+            if not args.saturate:
+                return
             out[f"warmup_burst{rows}_s"] = burst(e, [request(e, f"{PROMPT} warm {i}", i) for i in range(rows)])
             n = args.saturate
             wall = burst(e, [request(e, f"{PROMPT} sat {i}", i) for i in range(n)])

@@ -82,7 +82,8 @@ def _add_request_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--negative-prompt", default=None, help="negative prompt")
     g.add_argument("--width", type=int, default=None, help="image width, multiple of 8 (default: the model's native size)")
     g.add_argument("--height", type=int, default=None, help="image height, multiple of 8 (default: native size)")
-    g.add_argument("--steps", type=int, default=20, help="denoising steps, 1-200 (default 20)")
+    g.add_argument("--steps", type=int, default=None,
+                   help="denoising steps, 1-200 (default: the model's, 20 for SD; a LoRA's sidecar's where it has one)")
     g.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale >= 0 (default: 7.5 SD, 5.0 SDXL)")
     g.add_argument("--sampler", default=None,
                    help=f"one of {', '.join(SAMPLERS)} (the built-in families'), or a label that names its schedule "
@@ -448,7 +449,7 @@ def _generate(args: argparse.Namespace, argv: list[str] = ()) -> int:
                                  guidance_scale=7.5 if args.guidance is None else args.guidance, **params)
         if hires is not None:  # its settings checked at the flags' size (the model's own is checked again)
             from .hires import plan_fix
-            plan_fix(args.width or 512, args.height or 512, 8, first_steps=args.steps, **hires)
+            plan_fix(args.width or 512, args.height or 512, 8, first_steps=args.steps or 0, **hires)
         check_devices(args)
     except ParamError as e:
         raise _flag_error(e, args) from None
