@@ -331,6 +331,38 @@ def test_split_files_with_the_vision_tower_give_the_folder_s_edit(edit, tmp_path
     assert "\n" not in str(e.value)
 
 
+def test_an_fp8_scaled_encoder_file_with_its_vision_tower_loads_as_its_dequantised_weights(edit, tmp_path):
+    """ComfyUI's `qwen_2.5_vl_7b_fp8_scaled` form of the Edit text encoder: every 2-D weight, the vision tower's too, in
+    e4m3 with its `scale_weight` and the `scaled_fp8` marker. Streamed by the family's split loader with the tower, the
+    encoder equals the one loaded from a file of the dequantised weights, and its tower's weights are the quantised
+    ones (not the originals)."""
+    from safetensors.torch import load_file, save_file
+    from test_qwen_image import split_files
+    from test_zimage_files import E4M3, _quantised
+
+    from diffgraph.models import split_stream
+
+    model = edit[0].model
+    paths, _ = split_files(tmp_path, "qwen_image_edit_2509_tiny.safetensors", model.denoiser.state_dict(),
+                           model.text_encoders[0].state_dict(), model.vae.state_dict())
+    original = load_file(paths[1])
+    fp8, dequantised = _quantised(original, False)
+    assert any(k.startswith("visual.") for k in fp8) and any(k.startswith("model.") for k in fp8)
+    scaled = {**original, "scaled_fp8": torch.empty(0, dtype=E4M3)}
+    for key, (q, scale) in fp8.items():
+        scaled[key], scaled[key.removesuffix(".weight") + ".scale_weight"] = q, scale
+    files = {"fp8": str(tmp_path / "qwen_2.5_vl_7b_fp8_scaled.safetensors"),
+             "dequantised": str(tmp_path / "qwen_2.5_vl_dequantised.safetensors")}
+    save_file(scaled, files["fp8"])
+    save_file({k: v.contiguous() for k, v in dequantised.items()}, files["dequantised"])
+    encoders = {what: split_stream.load_qwen_image(paths[0], path, torch.float32, "cpu", vision=True)[1].state_dict()
+                for what, path in {**files, "original": paths[1]}.items()}
+    assert set(encoders["fp8"]) == set(encoders["dequantised"]) and any("visual." in k for k in encoders["fp8"])
+    assert all(torch.equal(v, encoders["dequantised"][k]) for k, v in encoders["fp8"].items())
+    tower = [k for k in encoders["fp8"] if "visual.blocks." in k and k.endswith("proj.weight")]
+    assert tower and not any(torch.equal(encoders["fp8"][k], encoders["original"][k]) for k in tower)
+
+
 @pytest.mark.parametrize("name,side,marker,family,preset,zero", [
     ("qwen_image_fp8_e4m3fn.safetensors", None, False, "qwen-image", None, False),
     ("qwen_image_edit_2509_fp8_e4m3fn.safetensors", None, False, "qwen-image-edit", "qwen-image-edit-2509", False),
