@@ -7,21 +7,12 @@ graphed group (0 reference tokens, 256 image tokens); the rows with references r
 
 import os
 
-import numpy as np
 import pytest
-import torch
 
-from diffgraph import Engine, GenerationRequest, GraphConfig
+from token_rows import images_and_graphs, picture as _picture, worst_levels
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
-
-
-def _picture(h: int, w: int, seed: int) -> np.ndarray:
-    g = torch.Generator().manual_seed(seed)
-    small = torch.rand((1, 3, h // 8 + 1, w // 8 + 1), generator=g)
-    return (torch.nn.functional.interpolate(small, size=(h, w), mode="bilinear")[0].permute(1, 2, 0).numpy()
-            * 255).round().astype(np.uint8)
 
 
 def _requests() -> list[dict]:
@@ -38,22 +29,12 @@ def _requests() -> list[dict]:
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_edit_reference_and_plain_rows_together_equal_each_alone(compile):
-    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
-    with Engine(model="random:flux2-klein-tiny", device=DEVICE, dtype="fp32", mode="graph", graphs=cfg,
-                compile=compile) as engine:
-        requests = _requests()
-        made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
-        assert [m.denoising_steps for m in made] == [2, 3, 4, 3, 4]
-        alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
-                 for r in requests]
-        futures = []
-        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
-        together = [f.result(timeout=600).arrays[0] for f in futures]
-        table = engine.runner.graph_table()
+    made, together, alone, table = images_and_graphs("random:flux2-klein-tiny", _requests(), DEVICE, "fp32", compile)
+    assert [m.denoising_steps for m in made] == [2, 3, 4, 3, 4]
     steps = {(row["height"], row["width"]) for row in table if row["kind"] == "step" and row["replays"]}
     assert (0, 256) in steps, table  # the plain row and the edit without references: one group's graph
     assert (256, 256) in steps, table  # the rows with references: their slot's graphs
     assert not any(row["eager_fallbacks"] for row in table if row["kind"] == "step"), table
-    worst = [int(np.abs(np.round(a * 255) - np.round(b * 255)).max()) for a, b in zip(together, alone)]
+    worst = worst_levels(together, alone)
     print(f"FLUX.2 klein edit/reference/plain rows together vs alone, compile={compile}: {worst} levels")
     assert max(worst) <= 1, worst

@@ -9,13 +9,10 @@ level in fp32, in graph mode and the compile tier."""
 
 import os
 
-import numpy as np
 import pytest
-import torch
 
-from diffgraph import Engine, GenerationRequest, GraphConfig
 
-from token_rows import together_and_alone
+from token_rows import images_and_graphs, picture as _picture, together_and_alone, worst_levels
 
 pytestmark = pytest.mark.gpu
 DEVICE = os.environ.get("DIFFGRAPH_TEST_DEVICE", "cuda")
@@ -39,13 +36,6 @@ def test_mixed_rows_equal_each_alone(compile, dtype, levels):
     assert max(worst) <= levels, worst
 
 
-def _picture(h: int, w: int, seed: int) -> np.ndarray:
-    g = torch.Generator().manual_seed(seed)
-    small = torch.rand((1, 3, h // 8 + 1, w // 8 + 1), generator=g)
-    return (torch.nn.functional.interpolate(small, size=(h, w), mode="bilinear")[0].permute(1, 2, 0).numpy()
-            * 255).round().astype(np.uint8)
-
-
 EDITS = [dict(prompt="the same fox, asleep", height=256, width=256, num_inference_steps=3, guidance_scale=4.0, seed=1,
               extras={"reference_images": [_picture(256, 256, 1)]}),
          dict(prompt="the two of them together", height=224, width=288, num_inference_steps=4, guidance_scale=3.0,
@@ -57,18 +47,9 @@ EDITS = [dict(prompt="the same fox, asleep", height=256, width=256, num_inferenc
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_edit_cfg_and_lightning_rows_together_equal_each_alone(compile):
-    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
-    with Engine(model="random:qwen-image-edit-tiny", device=DEVICE, dtype="fp32", mode="graph", graphs=cfg,
-                compile=compile) as engine:
-        made = [GenerationRequest.create(model=engine.info, **r) for r in EDITS]
-        alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
-                 for r in EDITS]
-        futures = []
-        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
-        together = [f.result(timeout=600).arrays[0] for f in futures]
-        table = engine.runner.graph_table()
+    _, together, alone, table = images_and_graphs("random:qwen-image-edit-tiny", EDITS, DEVICE, "fp32", compile)
     assert [a.shape[:2] for a in together] == [(256, 256), (224, 288), (256, 256), (288, 224)]
     assert not any(row["eager_fallbacks"] for row in table if row["kind"] == "step"), table
-    worst = [int(np.abs(np.round(a * 255) - np.round(b * 255)).max()) for a, b in zip(together, alone)]
+    worst = worst_levels(together, alone)
     print(f"Qwen-Image-Edit edit/CFG/Lightning rows together vs alone, compile={compile}: {worst} levels")
     assert max(worst) <= 1, worst

@@ -2,13 +2,42 @@
 submitted together in graph mode (or the compile tier), against each run alone."""
 
 import numpy as np
+import torch
 
 from diffgraph import Engine, GenerationRequest, GraphConfig
 from diffgraph.text.prepared import prepare
 
 
+def picture(h: int, w: int, seed: int) -> np.ndarray:
+    """A smooth random RGB picture (uint8 [h, w, 3]) for reference and input images."""
+    g = torch.Generator().manual_seed(seed)
+    small = torch.rand((1, 3, h // 8 + 1, w // 8 + 1), generator=g)
+    return (torch.nn.functional.interpolate(small, size=(h, w), mode="bilinear")[0].permute(1, 2, 0).numpy()
+            * 255).round().astype(np.uint8)
+
+
 def _levels(a: np.ndarray) -> np.ndarray:
     return (a * 255).round().astype(np.int16)
+
+
+def worst_levels(together: list, alone: list) -> list[int]:
+    """Each image's largest uint8 difference between its run with the others and its run alone."""
+    return [int(np.abs(_levels(a) - _levels(b)).max()) for a, b in zip(together, alone)]
+
+
+def images_and_graphs(model: str, requests: list[dict], device: str, dtype: str, compile: bool
+                      ) -> tuple[list, list, list, list]:
+    """(the requests as made, each image submitted together, each alone, the graph table) in graph mode (256x256
+    graphed, buckets 1, 2 and 4), or the compile tier."""
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
+    with Engine(model=model, device=device, dtype=dtype, mode="graph", graphs=cfg, compile=compile) as engine:
+        made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
+        alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
+                 for r in requests]
+        futures = []
+        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
+        together = [f.result(timeout=600).arrays[0] for f in futures]
+        return made, together, alone, engine.runner.graph_table()
 
 
 def together_and_alone(model: str, requests: list[dict], device: str, dtype: str,
