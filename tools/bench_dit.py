@@ -5,14 +5,14 @@ figures to OUT/<family>.json as it goes (a stage that fails records its error an
 
     python3 tools/bench_dit.py --family klein|qwen|edit --out $OUT [--stages ...] [--repeat 3]
 
-Stages, in this order: `baseline` (diffusers, compiled: one image; with a reference / input image where the family
-takes one); `ceiling` (the compiled transformer's forward at the largest batch the engine serves, plus the decode: the
-images/s it allows); `compile` (the engine's compile tier: one image, with a reference image, and N distinct prompts at
-once after a warm-up burst); `lightning` and `mixed` (one engine with LoRA slots: for Qwen one 8-step row with a
-Lightning-style LoRA at guidance 1; a burst of mixed rows against the same requests as uniform bursts, one per kind:
-klein's rows with 0/1/2 references, 5- to 300-token prompts, 4 and 8 steps, some with a LoRA; Qwen-Image-Edit's 50-step
-CFG rows, 8-step Lightning rows and edit rows); `fp8` (the loaded modules freed, the preset loaded again with fp8
-linears by the engine, `quantize="fp8"`: the compile stage's figures).
+Stages, in this order: `compile` (the engine's compile tier: one image, with a reference image, and N distinct
+prompts at once after a warm-up burst); `lightning` and `mixed` (one engine with LoRA slots: for Qwen one 8-step row
+with a Lightning-style LoRA at guidance 1; a burst of mixed rows against the same requests as uniform bursts, one per
+kind: klein's rows with 0/1/2 references, 5- to 300-token prompts, 4 and 8 steps, some with a LoRA; Qwen-Image-Edit's
+50-step CFG rows, 8-step Lightning rows and edit rows); `baseline` (diffusers, compiled: one image; with a reference /
+input image where the family takes one); `ceiling` (the compiled transformer's forward at the largest batch the
+engine serves, plus the decode: the images/s it allows); `fp8` (the loaded modules freed, the preset loaded again
+with fp8 linears by the engine, `quantize="fp8"`: the compile stage's figures).
 """
 
 from __future__ import annotations
@@ -187,7 +187,6 @@ def main() -> None:
             out["text_encoder_s"], _ = timed(lambda: pipe.encode_prompt(PROMPT, device=device), args.repeat)
         pipe.transformer = model.denoiser
 
-    stage("baseline", baseline)
 
     def ceiling(out):
         """The compiled transformer's forward on the arguments diffusers gives it at the engine's largest batch (one
@@ -221,8 +220,6 @@ def main() -> None:
         out.update({f"forward_batch{fam.batch}_s": forward, "decode_s": decode,
                     "ceiling_images_per_s": images / (fam.steps * forward + images * decode)})
 
-    if args.family != "edit":  # Edit's transformer is Qwen-Image's
-        stage("ceiling", ceiling)
 
     def engine(lora_dir: str | None = None, fp8: bool = False):
         """The compile tier on the loaded modules; with `fp8`, on its own copy of the preset with fp8 linears (the
@@ -280,7 +277,6 @@ def main() -> None:
             wall = burst(e, [request(e, f"{PROMPT} sat {i}", i) for i in range(n)])
             out.update({f"burst{n}_s": wall, "images_per_s": n / wall, "compile_fallbacks": e.stats["compile_fallbacks"]})
 
-    stage("compile", tier)
 
     def fp8(out):
         """The bf16 modules freed first (a second copy of Qwen-Image does not fit an 80 GB card beside the first)."""
@@ -348,9 +344,15 @@ def main() -> None:
                         "mixed_images_per_s": n / together, "uniform_images_per_s": n / sum(uniform.values()),
                         "ratio": sum(uniform.values()) / together})
 
+    # the engine's stages first (the targets), then diffusers' (its compiles of the reference shape and of the
+    # ceiling's batch take minutes), fp8 last: it frees the loaded modules
+    stage("compile", tier)
     if "lightning" in stages and "mixed" not in stages:
         stage("lightning", mixed)
     stage("mixed", mixed)
+    stage("baseline", baseline)
+    if args.family != "edit":  # Edit's transformer is Qwen-Image's
+        stage("ceiling", ceiling)
     stage("fp8", fp8)
 
 

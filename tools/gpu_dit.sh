@@ -8,7 +8,7 @@ for what in "$@"; do
   case $what in
     klein|qwen|edit)
       timeout ${BENCH_S:-400} python3 -u tools/bench_dit.py --family $what --out "$OUT" \
-        --stages ${STAGES:-baseline,ceiling,compile,mixed,fp8} --repeat ${REPEAT:-3} --saturate ${SATURATE:-16} \
+        --stages ${STAGES:-compile,mixed,baseline,ceiling,fp8} --repeat ${REPEAT:-3} --saturate ${SATURATE:-16} \
         > "$OUT/$what.log" 2>&1
       echo "[$what rc=$?]"; grep -E "^(baseline|ceiling|compile|lightning|mixed|fp8) |Error|error" "$OUT/$what.log" \
         | cut -c1-1200 | tail -12 ;;
