@@ -39,7 +39,7 @@ import threading
 from concurrent.futures import CancelledError, Future, TimeoutError as FutureTimeout
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 HEADER_LIMIT = 100 << 20       # safetensors' own limit on its JSON header
 JSON_DEPTH = 64                # nesting of JSON read from a user's folder (diffusers' configs nest 3 deep)
@@ -281,6 +281,23 @@ def read_toml(path: str, max_bytes: int) -> tuple[dict[str, Any], FileStamp]:
         return tomllib.loads(data.decode("utf-8")), stamp
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise UnusableFile(f"is not TOML ({str(e).splitlines()[0][:100]}); fix or remove it") from None
+
+
+def read_sidecar_table(path: str, max_bytes: int, allowed: Sequence[str],
+                       error: type[ValueError] = ValueError) -> tuple[str, dict[str, Any], FileStamp] | None:
+    """A sidecar's (file name, TOML table, version read), or None where there is no file at `path`. An unusable file
+    or a key outside `allowed` is a one-line `error` naming the sidecar."""
+    if not os.path.lexists(path):
+        return None
+    name = os.path.basename(path)
+    try:
+        table, stamp = read_toml(path, max_bytes)
+    except UnusableFile as e:
+        raise error(f"sidecar {name} {e}") from None
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise error(f"sidecar {name} has unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
+    return name, table, stamp
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from ..errors import ParamError, unknown_hint
 from ..request import MAX_GUIDANCE, MAX_SHIFT
-from ..safe_files import FileReader, ReadTimeout, UnusableFile, check_regular, read_toml, stamp_of
+from ..safe_files import FileReader, ReadTimeout, UnusableFile, check_regular, read_sidecar_table, stamp_of
 from ..sampling.schedules import MAX_STEPS
 
 PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -522,17 +522,10 @@ def sidecar_path(adapter_file: str) -> str:
 
 def read_recommended(adapter_file: str) -> Recommended | None:
     """The sidecar of adapter file `adapter_file`, or None. Raises SidecarError (one line)."""
-    path = sidecar_path(adapter_file)
-    if not os.path.lexists(path):
+    read = read_sidecar_table(sidecar_path(adapter_file), SIDECAR_MAX_BYTES, tuple(SIDECAR_KEYS), SidecarError)
+    if read is None:
         return None
-    name = os.path.basename(path)
-    try:
-        table = read_toml(path, SIDECAR_MAX_BYTES)[0]
-    except UnusableFile as e:
-        raise SidecarError(f"sidecar {name} {e}") from None
-    unknown = sorted(set(table) - set(SIDECAR_KEYS))
-    if unknown:
-        raise SidecarError(f"sidecar {name} has unknown key {unknown[0]!r}; allowed: {', '.join(SIDECAR_KEYS)}")
+    name, table, _ = read
     return Recommended(name, **{key: _value(name, key, v) for key, v in table.items()})
 
 

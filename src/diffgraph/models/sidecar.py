@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..safe_files import FileStamp, UnusableFile, read_toml
+from ..safe_files import FileStamp, read_sidecar_table
 from .checkpoint_configs import KINDS
 
 SUFFIX = ".diffgraph.toml"
@@ -70,17 +70,10 @@ def sidecar_path(model_file: str) -> str:
 
 def read_sidecar(model_file: str) -> Sidecar | None:
     path = sidecar_path(model_file)
-    if not os.path.lexists(path):
+    read = read_sidecar_table(path, MAX_BYTES, ("config", "preset", *_FILES, "tokenizer"))
+    if read is None:
         return None
-    name = os.path.basename(path)
-    try:
-        table, stamp = read_toml(path, MAX_BYTES)
-    except UnusableFile as e:
-        raise ValueError(f"sidecar {name} {e}") from None
-    allowed = ("config", "preset", *_FILES, "tokenizer")
-    unknown = sorted(set(table) - set(allowed))
-    if unknown:
-        raise ValueError(f"sidecar {name} has unknown key {unknown[0]!r}; allowed: {', '.join(allowed)}")
+    name, table, stamp = read
     wrong = next((k for k, v in table.items() if not isinstance(v, str) or not v), None)
     if wrong:
         raise ValueError(f"sidecar {name}: {wrong} must be a non-empty string (a quoted path or name), not "
