@@ -18,6 +18,7 @@ with fp8 linears by the engine, `quantize="fp8"`: the compile stage's figures).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -30,7 +31,6 @@ import numpy as np
 import torch
 
 PROMPT = "a lighthouse on a cliff at dusk, long exposure, waves breaking below, cinematic light"
-SIZE = 1024
 SMOKE = {"klein": "random:flux2-klein-tiny", "qwen": "random:qwen-image-tiny", "edit": "random:qwen-image-edit-tiny"}
 
 
@@ -109,14 +109,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="the script's own check on a CPU: the tiny preset, fp32, "
                     "256x256, nothing compiled")
     args = ap.parse_args()
-    global SIZE
     fam = FAMILIES[args.family]
     device, dtype, compile = ("cpu", torch.float32, False) if args.smoke else ("cuda", torch.bfloat16, True)
+    size = 256 if args.smoke else 1024
     if args.smoke:
-        SIZE = 256
-        fam = Family(SMOKE[args.family], 2, *list(fam.__dict__.values())[2:])
+        fam = dataclasses.replace(fam, preset=SMOKE[args.family], steps=2)
     results: dict = {"device": torch.cuda.get_device_name() if compile else "cpu", "torch": torch.__version__, "family": fam.preset,
-                     "steps": fam.steps, "size": SIZE}
+                     "steps": fam.steps, "size": size}
     path = os.path.join(args.out, f"{args.family}.json")
     stages = args.stages.split(",")
 
@@ -171,11 +170,11 @@ def main() -> None:
         from PIL import Image
         pipe = pipeline()
         pipe.transformer = compiled_transformer()
-        gen = dict(prompt=PROMPT, height=SIZE, width=SIZE, num_inference_steps=fam.steps, output_type="np",
+        gen = dict(prompt=PROMPT, height=size, width=size, num_inference_steps=fam.steps, output_type="np",
                    **fam.call)
         calls = [] if args.family == "edit" else [("one_image", {})]
         if fam.references:
-            calls.append(("one_reference", {"image": [Image.fromarray(picture(SIZE, 7))]}))
+            calls.append(("one_reference", {"image": [Image.fromarray(picture(size, 7))]}))
         with torch.no_grad():
             for tag, extra in calls:
                 t = time.perf_counter()
@@ -201,7 +200,7 @@ def main() -> None:
             with torch.no_grad():
                 call = {k: v for k, v in fam.call.items() if k != "negative_prompt"} | {"true_cfg_scale": 1.0} \
                     if args.family != "klein" else fam.call
-                pipe(prompt=PROMPT, height=SIZE, width=SIZE, num_inference_steps=1, output_type="latent",
+                pipe(prompt=PROMPT, height=size, width=size, num_inference_steps=1, output_type="latent",
                      num_images_per_prompt=fam.batch, **call)
         finally:
             hook.remove()
@@ -211,7 +210,7 @@ def main() -> None:
             transformer(*a, **kw)
             forward, _ = timed(lambda: transformer(*a, **kw), 5)
             channels = getattr(model.vae.config, "latent_channels", None) or model.vae.config.z_dim
-            latents = torch.randn((1, channels, SIZE // 8, SIZE // 8), device=device,
+            latents = torch.randn((1, channels, size // 8, size // 8), device=device,
                                   dtype=dtype)
             if args.family != "klein":
                 latents = latents[:, :, None]
@@ -226,7 +225,7 @@ def main() -> None:
         product's path: `quantize="fp8"` changes the layers in place)."""
         from diffgraph import Engine, GraphConfig
         buckets = tuple(b for b in (1, 2, 4) if b <= fam.batch)
-        graphs = GraphConfig(batch_buckets=buckets, resolutions=((SIZE, SIZE),), prewarm=False)
+        graphs = GraphConfig(batch_buckets=buckets, resolutions=((size, size),), prewarm=False)
         extra = {"lora_dir": lora_dir} if lora_dir else {}
         if fp8:
             extra["quantize"] = "fp8"
@@ -236,10 +235,10 @@ def main() -> None:
 
     def request(engine, prompt=PROMPT, seed=0, refs=None, **kw):
         from diffgraph import GenerationRequest
-        params = dict(prompt=prompt, height=SIZE, width=SIZE, seed=seed, num_inference_steps=fam.steps,
+        params = dict(prompt=prompt, height=size, width=size, seed=seed, num_inference_steps=fam.steps,
                       guidance_scale=fam.guidance) | kw
         if refs is None and args.family == "edit":  # an edit row reads an input image
-            refs = [picture(SIZE, 9)]
+            refs = [picture(size, 9)]
         if refs:
             params["extras"] = {"reference_images": list(refs)}
         return GenerationRequest.create(model=engine.info, **params)
@@ -263,7 +262,7 @@ def main() -> None:
             out["one_image_s"], _ = timed(one, args.repeat)
             save()
             if fam.references and args.family != "edit":
-                ref = picture(SIZE, 7)
+                ref = picture(size, 7)
                 t = time.perf_counter()
                 one(refs=[ref])
                 out["first_reference_image_s"] = time.perf_counter() - t
@@ -306,7 +305,7 @@ def main() -> None:
         write_lora(model, loras, "style", 16)
         long = ", ".join([PROMPT] * 18)
         if args.family == "klein":
-            small, big = picture(512, 3), picture(SIZE, 4)
+            small, big = picture(512, 3), picture(size, 4)
             kinds = {"plain4": [dict(prompt="a red fox", seed=1), dict(prompt=long, seed=2)],
                      "plain8": [dict(prompt="ink drawing of a cat", seed=3, num_inference_steps=8),
                                 dict(prompt=long + " at night", seed=4, num_inference_steps=8)],
@@ -316,7 +315,7 @@ def main() -> None:
                               dict(prompt=long + ", style", seed=8, loras=[("style", 0.8)], num_inference_steps=8)]}
         else:
             write_lora(model, loras, "lightning", 64, 'schedule = "lightning"\nsteps = 8\nguidance = 1.0\n')
-            picture_a, picture_b = picture(SIZE, 3), picture(SIZE, 4)
+            picture_a, picture_b = picture(size, 3), picture(size, 4)
             kinds = {"cfg50": [dict(prompt="a red fox", seed=1, num_inference_steps=50, refs=[]),
                                dict(prompt=long, seed=2, num_inference_steps=50, refs=[])],
                      "lightning8": [dict(prompt="ink drawing of a cat", seed=3, loras=[("lightning", 1.0)],
