@@ -25,18 +25,27 @@ def worst_levels(together: list, alone: list) -> list[int]:
     return [int(np.abs(_levels(a) - _levels(b)).max()) for a, b in zip(together, alone)]
 
 
+def _graph_engine(model: str, device: str, dtype: str, compile: bool) -> Engine:
+    """Graph mode (256x256 graphed, buckets 1, 2 and 4), or the compile tier."""
+    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
+    return Engine(model=model, device=device, dtype=dtype, mode="graph", graphs=cfg, compile=compile)
+
+
+def _images(engine: Engine, made: list, requests: list[dict]) -> tuple[list, list]:
+    """(each image of `made` submitted together in one step, each image of `requests` run alone)."""
+    alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
+             for r in requests]
+    futures = []
+    engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
+    return [f.result(timeout=600).arrays[0] for f in futures], alone
+
+
 def images_and_graphs(model: str, requests: list[dict], device: str, dtype: str, compile: bool
                       ) -> tuple[list, list, list, list]:
-    """(the requests as made, each image submitted together, each alone, the graph table) in graph mode (256x256
-    graphed, buckets 1, 2 and 4), or the compile tier."""
-    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
-    with Engine(model=model, device=device, dtype=dtype, mode="graph", graphs=cfg, compile=compile) as engine:
+    """(the requests as made, each image submitted together, each alone, the graph table)."""
+    with _graph_engine(model, device, dtype, compile) as engine:
         made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
-        alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
-                 for r in requests]
-        futures = []
-        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
-        together = [f.result(timeout=600).arrays[0] for f in futures]
+        together, alone = _images(engine, made, requests)
         return made, together, alone, engine.runner.graph_table()
 
 
@@ -44,15 +53,9 @@ def together_and_alone(model: str, requests: list[dict], device: str, dtype: str
                        compile: bool) -> tuple[list, set, list[int]]:
     """(each request's group key, the (height, width) of the step graphs that replayed, each image's worst level
     difference between the requests submitted together and each alone)."""
-    cfg = GraphConfig(batch_buckets=(1, 2, 4), resolutions=((256, 256),), prewarm=False)
-    with Engine(model=model, device=device, dtype=dtype, mode="graph", graphs=cfg, compile=compile) as engine:
+    with _graph_engine(model, device, dtype, compile) as engine:
         made = [GenerationRequest.create(model=engine.info, **r) for r in requests]
         keys = [engine.runner.group_key(m.key, prepare(engine.runner.text_setup, m)) for m in made]
-        alone = [engine.submit(GenerationRequest.create(model=engine.info, **r)).result(timeout=600).arrays[0]
-                 for r in requests]
-        futures = []
-        engine.core.call_between_steps(lambda: futures.extend(engine.submit(r) for r in made)).result()
-        together = [f.result(timeout=600).arrays[0] for f in futures]
+        together, alone = _images(engine, made, requests)
         steps = [row for row in engine.runner.graph_table() if row["kind"] == "step" and row["replays"]]
-    worst = [int(np.abs(_levels(a) - _levels(b)).max()) for a, b in zip(together, alone)]
-    return keys, {(row["height"], row["width"]) for row in steps}, worst
+    return keys, {(row["height"], row["width"]) for row in steps}, worst_levels(together, alone)
